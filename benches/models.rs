@@ -1,0 +1,143 @@
+//! Model throughput, Hearth vs PyTorch on the same machine in the same run.
+//!
+//! For ResNet-50, DenseNet-121 and VGG-16 at 224x224 on Flex: forward at batch 1 and 16, and a
+//! training step (forward, cross-entropy, backward, SGD with momentum) at batch 16. Each config
+//! runs in Hearth, then in PyTorch (benches/peer/torch_models.py), and prints the ratio
+//! Hearth/PyTorch of images per second (above 1: Hearth is faster).
+//!
+//!   cargo bench --bench models
+//!   HEARTH_BENCH_STEPS=5 HEARTH_BENCH_MODELS=resnet50 cargo bench --bench models
+//!
+//! PyTorch comes from $HEARTH_TORCH_PYTHON, else ~/.cache/hearth/venv-torch/bin/python
+//! (scripts/setup_pytorch.sh); without it only Hearth's numbers are printed.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use hearth::bench::{BenchMode, ModelBench};
+use hearth::models::Architecture;
+
+fn env_usize(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn torch_python() -> Option<PathBuf> {
+    let candidate = std::env::var_os("HEARTH_TORCH_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(|h| PathBuf::from(h).join(".cache/hearth/venv-torch/bin/python"))
+        })?;
+    let ok = Command::new(&candidate)
+        .args(["-c", "import torch, torchvision"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    ok.then_some(candidate)
+}
+
+fn peer(python: &PathBuf, model: &str, mode: &str, batch: usize, steps: usize, warmup: usize) -> Option<f64> {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/peer/torch_models.py");
+    let out = Command::new(python)
+        .arg(script)
+        .args(["--model", model, "--mode", mode])
+        .args(["--batch-size", &batch.to_string(), "--size", "224"])
+        .args(["--steps", &steps.to_string(), "--warmup", &warmup.to_string()])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        eprintln!("peer failed: {}", String::from_utf8_lossy(&out.stderr));
+        return None;
+    }
+    text.split_whitespace()
+        .find_map(|w| w.strip_prefix("images_per_s="))
+        .and_then(|v| v.parse().ok())
+}
+
+fn main() {
+    // `cargo bench` passes --bench; `cargo test --benches` would pass nothing: do a tiny run.
+    let smoke = !std::env::args().any(|a| a == "--bench");
+    let steps = env_usize("HEARTH_BENCH_STEPS", if smoke { 1 } else { 3 });
+    let warmup = env_usize("HEARTH_BENCH_WARMUP", if smoke { 0 } else { 1 });
+    let models = std::env::var("HEARTH_BENCH_MODELS")
+        .unwrap_or_else(|_| "resnet50,densenet121,vgg16".into());
+    let device_name = std::env::var("HEARTH_DEVICE").unwrap_or_else(|_| "flex".into());
+    let device = match hearth::device::select(&device_name) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("bench: {e}");
+            std::process::exit(1);
+        }
+    };
+    if smoke {
+        println!("models bench: smoke mode (run with `cargo bench --bench models` for figures)");
+    }
+    let python = if smoke { None } else { torch_python() };
+    match &python {
+        Some(p) => println!("peer: PyTorch via {}", p.display()),
+        None if !smoke => println!(
+            "peer: PyTorch not found (set HEARTH_TORCH_PYTHON or run scripts/setup_pytorch.sh); Hearth figures only"
+        ),
+        None => {}
+    }
+    println!(
+        "{:<12} {:<6} {:>5} {:>14} {:>14} {:>8}",
+        "model", "mode", "batch", "hearth img/s", "pytorch img/s", "ratio"
+    );
+    for name in models.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let arch = match Architecture::from_name(name) {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("{e}");
+                std::process::exit(1);
+            }
+        };
+        let configs: &[(BenchMode, &str, usize)] = if smoke {
+            &[(BenchMode::Infer, "infer", 1)]
+        } else {
+            &[
+                (BenchMode::Infer, "infer", 1),
+                (BenchMode::Infer, "infer", 16),
+                (BenchMode::Train, "train", 16),
+            ]
+        };
+        for &(mode, mode_name, batch) in configs {
+            let bench = ModelBench {
+                arch,
+                mode,
+                batch_size: batch,
+                size: if smoke { 32 } else { 224 },
+                warmup,
+                steps,
+                num_classes: 1000,
+            };
+            let hearth = match bench.run(&device, |_, _, _, _| {}) {
+                Ok(r) => r.images_per_sec,
+                Err(e) => {
+                    eprintln!("{name} {mode_name}: {e}");
+                    std::process::exit(1);
+                }
+            };
+            let torch = python
+                .as_ref()
+                .and_then(|p| peer(p, arch.name(), mode_name, batch, steps, warmup));
+            let (t, r) = match torch {
+                Some(t) => (format!("{t:.2}"), format!("{:.2}x", hearth / t)),
+                None => ("-".into(), "-".into()),
+            };
+            println!(
+                "{:<12} {:<6} {:>5} {:>14.2} {:>14} {:>8}",
+                arch.name(),
+                mode_name,
+                batch,
+                hearth,
+                t,
+                r
+            );
+        }
+    }
+}

@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""PyTorch peer of `hearth bench model`: same model, batch, size and step counts, CPU.
+
+Prints one line per config: `peer model=NAME mode=MODE batch=B images_per_s=X`.
+Usage: torch_models.py --model resnet50 --mode train --batch-size 16 --size 224 --steps 3 --warmup 1
+"""
+import argparse
+import time
+
+import torch
+import torchvision
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--mode", choices=["train", "infer"], required=True)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, a.model)(num_classes=1000)
+    x = torch.randn(a.batch_size, 3, a.size, a.size)
+    y = torch.arange(a.batch_size) % 1000
+    times = []
+    if a.mode == "infer":
+        model.eval()
+        with torch.no_grad():
+            for i in range(a.warmup + a.steps):
+                t = time.perf_counter()
+                model(x)
+                if i >= a.warmup:
+                    times.append(time.perf_counter() - t)
+    else:
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        for i in range(a.warmup + a.steps):
+            t = time.perf_counter()
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            loss.item()
+            if i >= a.warmup:
+                times.append(time.perf_counter() - t)
+    ips = a.steps * a.batch_size / sum(times)
+    print(f"peer model={a.model} mode={a.mode} batch={a.batch_size} threads={torch.get_num_threads()} images_per_s={ips:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,419 @@
+//! Weight files: torchvision state_dicts (`.pth`/`.pt`, `.safetensors`) in, and Hearth's own
+//! model files (burnpack `.bpk`, with the model configuration in the metadata) in and out.
+
+use std::path::{Path, PathBuf};
+
+use burn::prelude::*;
+use burn::store::{
+    ApplyError, ApplyResult, BurnpackStore, KeyRemapper, ModuleSnapshot, ModuleStore,
+    PyTorchToBurnAdapter, PytorchStore, SafetensorsStore,
+};
+
+use crate::layers::HeadActivation;
+use crate::zoo::{Classifier, ModelConfig};
+use crate::{ModelError, Result};
+
+/// How many key names an error lists before "...".
+const LIST: usize = 8;
+
+/// On-disk formats Hearth reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightsFormat {
+    /// `torch.save(model.state_dict())`: `.pth`, `.pt`, `.pth.tar`, `.bin`.
+    Pytorch,
+    /// A SafeTensors file with torchvision's key names and layouts.
+    Safetensors,
+    /// Hearth's own model file (burnpack).
+    Hearth,
+}
+
+impl WeightsFormat {
+    pub fn of(path: &Path) -> Result<Self> {
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_ascii_lowercase())
+            .unwrap_or_default();
+        if name.ends_with(".pth") || name.ends_with(".pt") || name.ends_with(".pth.tar") || name.ends_with(".bin") {
+            Ok(Self::Pytorch)
+        } else if name.ends_with(".safetensors") {
+            Ok(Self::Safetensors)
+        } else if name.ends_with(".bpk") {
+            Ok(Self::Hearth)
+        } else {
+            Err(ModelError::UnknownFormat {
+                path: path.to_path_buf(),
+            })
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Pytorch => "PyTorch",
+            Self::Safetensors => "SafeTensors",
+            Self::Hearth => "Hearth (burnpack)",
+        }
+    }
+}
+
+/// What to load from a torchvision file.
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// Leave the head as it is and ignore the file's head: for loading ImageNet weights into a
+    /// network with another class count.
+    pub skip_head: bool,
+    /// A key holding the state_dict inside the file (`state_dict`, `model`), for checkpoints that
+    /// wrap it.
+    pub top_level_key: Option<String>,
+}
+
+/// What a successful load did.
+#[derive(Debug, Clone)]
+pub struct LoadReport {
+    pub path: PathBuf,
+    pub format: WeightsFormat,
+    /// Tensors applied to the model.
+    pub applied: usize,
+    /// File tensors deliberately left out (batch norm counters, the head with `skip_head`).
+    pub ignored: Vec<String>,
+}
+
+fn check_readable(path: &Path) -> Result<()> {
+    std::fs::File::open(path)
+        .map(|_| ())
+        .map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+fn head_key(key: &str, head_prefix: &str) -> bool {
+    key.starts_with(head_prefix)
+}
+
+/// Turns burn-store's report into our errors: shape mismatches first, then missing, then
+/// unexpected keys.
+fn check_apply(
+    path: &Path,
+    model_name: &str,
+    head_prefix: Option<&str>,
+    result: ApplyResult,
+    format: WeightsFormat,
+) -> Result<LoadReport> {
+    let in_head = |k: &str| head_prefix.is_some_and(|p| head_key(k, p));
+    for error in &result.errors {
+        match error {
+            ApplyError::ShapeMismatch {
+                path: key,
+                expected,
+                found,
+            } if !in_head(key) => {
+                return Err(ModelError::ShapeMismatch {
+                    path: path.to_path_buf(),
+                    key: key.clone(),
+                    expected: expected.dims.to_vec(),
+                    found: found.dims.to_vec(),
+                });
+            }
+            ApplyError::ShapeMismatch { .. } => {}
+            ApplyError::DTypeMismatch { path: key, .. }
+            | ApplyError::AdapterError { path: key, .. }
+            | ApplyError::LoadError { path: key, .. } => {
+                if !in_head(key) {
+                    return Err(ModelError::TensorLoad {
+                        path: path.to_path_buf(),
+                        key: key.clone(),
+                        reason: error.to_string(),
+                    });
+                }
+            }
+        }
+    }
+    let missing: Vec<String> = result
+        .missing
+        .iter()
+        .map(|(k, _)| k.clone())
+        .filter(|k| !in_head(k))
+        .collect();
+    let (ignored, unexpected): (Vec<String>, Vec<String>) = result
+        .unused
+        .iter()
+        .cloned()
+        .partition(|k| k.ends_with("num_batches_tracked") || in_head(k));
+    if !missing.is_empty() {
+        let hint = if result.applied.is_empty() {
+            "; nothing matched: is this a weights file for another architecture?".to_string()
+        } else {
+            String::new()
+        };
+        return Err(ModelError::MissingKeys {
+            path: path.to_path_buf(),
+            model: model_name.to_string(),
+            count: missing.len(),
+            first: missing.into_iter().take(LIST).collect(),
+            hint,
+        });
+    }
+    if !unexpected.is_empty() {
+        return Err(ModelError::UnexpectedKeys {
+            path: path.to_path_buf(),
+            model: model_name.to_string(),
+            count: unexpected.len(),
+            first: unexpected.into_iter().take(LIST).collect(),
+            hint: "; a file for a deeper variant of the same family?".to_string(),
+        });
+    }
+    Ok(LoadReport {
+        path: path.to_path_buf(),
+        format,
+        applied: result.applied.len(),
+        ignored,
+    })
+}
+
+fn remapper(model: &Classifier) -> Result<KeyRemapper> {
+    KeyRemapper::from_patterns(model.torchvision_remaps()).map_err(|e| {
+        // The patterns are ours; a failure here is a bug, reported rather than panicking.
+        ModelError::InvalidConfig {
+            model: model.family(),
+            reason: format!("internal key remap pattern: {e}"),
+        }
+    })
+}
+
+/// Loads a torchvision state_dict (`.pth`/`.pt` or `.safetensors`) into `model`.
+///
+/// Every parameter and batch-norm statistic must be in the file with the right shape
+/// (except the head when [`LoadOptions::skip_head`] is set), and the file may not hold tensors
+/// the model lacks; otherwise the error names the keys and shapes. On error the model may be
+/// partly updated: discard it.
+pub fn load_torchvision(
+    model: &mut Classifier,
+    path: &Path,
+    options: &LoadOptions,
+) -> Result<LoadReport> {
+    check_readable(path)?;
+    let format = WeightsFormat::of(path)?;
+    let name = format!("{} ({} classes)", model.family(), model.num_classes());
+    let head = options.skip_head.then(|| model.head_prefix());
+    let corrupt = |reason: String| ModelError::Corrupt {
+        path: path.to_path_buf(),
+        format: format.label(),
+        reason,
+    };
+    let result = match format {
+        WeightsFormat::Pytorch => {
+            let mut store = PytorchStore::from_file(path)
+                .remap(remapper(model)?)
+                .map_indices_contiguous(false)
+                .allow_partial(true)
+                .validate(false);
+            if let Some(key) = &options.top_level_key {
+                store = store.with_top_level_key(key.clone());
+            }
+            model
+                .load_from(&mut store)
+                .map_err(|e| corrupt(e.to_string()))?
+        }
+        WeightsFormat::Safetensors => {
+            let mut store = SafetensorsStore::from_file(path)
+                .with_from_adapter(PyTorchToBurnAdapter)
+                .remap(remapper(model)?)
+                .map_indices_contiguous(false)
+                .skip_enum_variants(true)
+                .allow_partial(true)
+                .validate(false);
+            model
+                .load_from(&mut store)
+                .map_err(|e| corrupt(e.to_string()))?
+        }
+        WeightsFormat::Hearth => {
+            return Err(corrupt(
+                "this is a Hearth model file: load it with `load_model`".into(),
+            ));
+        }
+    };
+    check_apply(path, &name, head, result, format)
+}
+
+/// The class count of the head stored in a torchvision file for `arch` (the first dimension
+/// of the head's weight), so a fine-tuned checkpoint loads without being told its classes.
+pub fn torchvision_num_classes(arch: crate::Architecture, path: &Path) -> Result<usize> {
+    check_readable(path)?;
+    let format = WeightsFormat::of(path)?;
+    // torchvision's key for the head weight.
+    let key = match arch.config(1) {
+        ModelConfig::ResNet(_) => "fc.weight",
+        ModelConfig::Vgg(_) => "classifier.6.weight",
+        ModelConfig::DenseNet(_) => "classifier.weight",
+    };
+    let corrupt = |reason: String| ModelError::Corrupt {
+        path: path.to_path_buf(),
+        format: format.label(),
+        reason,
+    };
+    let shape = match format {
+        WeightsFormat::Pytorch => {
+            let mut store = PytorchStore::from_file(path).remap(
+                KeyRemapper::from_patterns(vec![(r"^module\.", "")])
+                    .map_err(|e| corrupt(e.to_string()))?,
+            );
+            store
+                .get_tensor(key)
+                .map_err(|e| corrupt(e.to_string()))?
+                .map(|t| t.shape.dims.to_vec())
+        }
+        WeightsFormat::Safetensors => {
+            let mut store = SafetensorsStore::from_file(path);
+            store
+                .get_tensor(key)
+                .map_err(|e| corrupt(e.to_string()))?
+                .map(|t| t.shape.dims.to_vec())
+        }
+        WeightsFormat::Hearth => None,
+    };
+    match shape.as_deref() {
+        Some([classes, _]) if *classes > 0 => Ok(*classes),
+        Some(other) => Err(ModelError::ShapeMismatch {
+            path: path.to_path_buf(),
+            key: key.to_string(),
+            expected: vec![0, 0],
+            found: other.to_vec(),
+        }),
+        None => Err(ModelError::MissingKeys {
+            path: path.to_path_buf(),
+            model: arch.name().to_string(),
+            count: 1,
+            first: vec![key.to_string()],
+            hint: "; is this a weights file for another architecture?".to_string(),
+        }),
+    }
+}
+
+/// Metadata keys of a Hearth model file.
+const META_CONFIG: &str = "hearth.model_config";
+const META_HEAD: &str = "hearth.head_activation";
+const META_CLASSES: &str = "hearth.class_names";
+
+/// A model with what is needed to use it: its configuration and class names.
+#[derive(Debug)]
+pub struct SavedModel {
+    pub model: Classifier,
+    pub config: ModelConfig,
+    /// Class names in output order, when known (JSON list in the file).
+    pub class_names: Option<Vec<String>>,
+}
+
+/// Saves a model and its configuration as a Hearth model file (burnpack), atomically: the file
+/// is written beside its destination and renamed into place.
+pub fn save_model(
+    model: &Classifier,
+    config: &ModelConfig,
+    class_names: Option<&[String]>,
+    path: &Path,
+) -> Result<()> {
+    let mut store = BurnpackStore::from_file(path)
+        .auto_extension(false)
+        .overwrite(true)
+        .metadata(META_CONFIG, config.to_json())
+        .metadata(META_HEAD, model.head_activation().name());
+    if let Some(names) = class_names {
+        let json = names
+            .iter()
+            .map(|n| format!("\"{}\"", n.replace('\\', "\\\\").replace('"', "\\\"")))
+            .collect::<Vec<_>>()
+            .join(",");
+        store = store.metadata(META_CLASSES, format!("[{json}]"));
+    }
+    model.save_into(&mut store).map_err(|e| ModelError::Save {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
+fn parse_names(json: &str) -> Option<Vec<String>> {
+    // A flat JSON list of strings, as written by `save_model`.
+    let inner = json.trim().strip_prefix('[')?.strip_suffix(']')?.trim();
+    if inner.is_empty() {
+        return Some(Vec::new());
+    }
+    let mut names = Vec::new();
+    let mut chars = inner.chars().peekable();
+    loop {
+        while chars.peek().is_some_and(|c| c.is_whitespace() || *c == ',') {
+            chars.next();
+        }
+        match chars.next() {
+            None => break,
+            Some('"') => {}
+            Some(_) => return None,
+        }
+        let mut s = String::new();
+        loop {
+            match chars.next()? {
+                '\\' => s.push(chars.next()?),
+                '"' => break,
+                c => s.push(c),
+            }
+        }
+        names.push(s);
+    }
+    Some(names)
+}
+
+/// Loads a Hearth model file written by [`save_model`]: rebuilds the network from the stored
+/// configuration, then fills in the weights.
+pub fn load_model(path: &Path, device: &Device) -> Result<SavedModel> {
+    check_readable(path)?;
+    let corrupt = |reason: String| ModelError::Corrupt {
+        path: path.to_path_buf(),
+        format: "Hearth (burnpack)",
+        reason,
+    };
+    let reader = burn::store::burn_pack::Reader::from_file(path)
+        .map_err(|e| corrupt(e.to_string()))?;
+    let meta = reader.metadata();
+    let config_json = meta.get(META_CONFIG).ok_or_else(|| {
+        corrupt(format!(
+            "no '{META_CONFIG}' metadata: not written by Hearth's save_model"
+        ))
+    })?;
+    let config = ModelConfig::from_json(config_json)
+        .map_err(|e| corrupt(format!("bad model configuration: {e}")))?;
+    let activation = match meta.get(META_HEAD).map(String::as_str) {
+        Some("sigmoid") => HeadActivation::Sigmoid,
+        _ => HeadActivation::Softmax,
+    };
+    let class_names = meta.get(META_CLASSES).and_then(|j| parse_names(j));
+    drop(reader);
+    let mut model = config.init(device)?.with_head_activation(activation);
+    let mut store = BurnpackStore::from_file(path)
+        .auto_extension(false)
+        .allow_partial(true)
+        .validate(false);
+    let result = model
+        .load_from(&mut store)
+        .map_err(|e| corrupt(e.to_string()))?;
+    let name = format!("{} ({} classes)", model.family(), model.num_classes());
+    check_apply(path, &name, None, result, WeightsFormat::Hearth)?;
+    Ok(SavedModel {
+        model,
+        config,
+        class_names,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_names;
+
+    #[test]
+    fn class_names_round_trip_through_the_metadata_json() {
+        assert_eq!(
+            parse_names(r#"["cat", "dog \"big\"", "a\\b"]"#),
+            Some(vec!["cat".into(), "dog \"big\"".into(), "a\\b".into()])
+        );
+        assert_eq!(parse_names("[]"), Some(vec![]));
+        assert_eq!(parse_names("[cat]"), None);
+        assert_eq!(parse_names(r#"["unterminated"#), None);
+    }
+}

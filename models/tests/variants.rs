@@ -1,0 +1,131 @@
+//! Every named variant: torchvision's exact parameter count, and full-size networks accept
+//! small inputs (adaptive pooling) with the right output shapes.
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use hearth_models::{
+    Architecture, BiasInit, BlockKind, HeadActivation, HeadConfig, ModelConfig, ResNetConfig,
+};
+
+#[test]
+fn parameter_counts_equal_torchvision_for_every_variant() {
+    let device = Device::flex();
+    assert_eq!(Architecture::ALL.len(), 17);
+    for arch in Architecture::ALL {
+        let model = arch.init(1000, &device).unwrap();
+        assert_eq!(
+            model.num_params(),
+            arch.torchvision_params(),
+            "{arch}: parameter count differs from torchvision"
+        );
+    }
+    // Spot values from torchvision's documentation, independent of the table in the code.
+    let count = |a: Architecture| a.init(1000, &device).unwrap().num_params();
+    assert_eq!(count(Architecture::ResNet50), 25_557_032);
+    assert_eq!(count(Architecture::Vgg16), 138_357_544);
+    assert_eq!(count(Architecture::DenseNet121), 7_978_856);
+}
+
+#[test]
+fn names_resolve_and_unknown_names_list_the_choices() {
+    for arch in Architecture::ALL {
+        assert_eq!(Architecture::from_name(arch.name()).unwrap(), *arch);
+    }
+    assert_eq!(Architecture::from_name("VGG16-BN").unwrap(), Architecture::Vgg16Bn);
+    let err = Architecture::from_name("resnet51").unwrap_err().to_string();
+    assert!(err.contains("resnet51") && err.contains("densenet121"), "{err}");
+}
+
+#[test]
+fn full_size_models_run_on_32x32_inputs() {
+    let device = Device::flex();
+    for arch in [
+        Architecture::ResNet50,
+        Architecture::DenseNet121,
+        Architecture::Vgg16,
+        Architecture::ResNet18,
+    ] {
+        let model = arch.init(7, &device).unwrap().valid();
+        let x = Tensor::<4>::ones([2, 3, 32, 32], &device);
+        assert_eq!(model.forward(x.clone()).dims(), [2, 7], "{arch}");
+        let embed = model.embed(x.clone()).dims();
+        let expected = match arch {
+            Architecture::ResNet50 => 2048,
+            Architecture::ResNet18 => 512,
+            Architecture::DenseNet121 => 1024,
+            _ => 4096,
+        };
+        assert_eq!(embed, [2, expected], "{arch} embed");
+        assert_eq!(model.head_inputs(), expected);
+        let features = model.features(x).dims();
+        assert_eq!(features[0], 2);
+    }
+    // Non-square, larger input.
+    let m = Architecture::ResNet18.init(3, &device).unwrap().valid();
+    assert_eq!(m.forward(Tensor::<4>::ones([1, 3, 48, 64], &device)).dims(), [1, 3]);
+}
+
+#[test]
+fn bad_inputs_are_errors_not_panics() {
+    let device = Device::flex();
+    let model = Architecture::ResNet18.init(3, &device).unwrap().valid();
+    let err = model
+        .try_forward(Tensor::<4>::ones([1, 1, 32, 32], &device))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("[1, 1, 32, 32]"), "{err}");
+    assert!(model.try_forward(Tensor::<4>::ones([1, 3, 16, 64], &device)).is_err());
+    assert!(Architecture::ResNet18.init(0, &device).is_err());
+    let bad = ResNetConfig::new(BlockKind::Basic, [1, 0, 1, 1], 3).init(&device);
+    assert!(bad.unwrap_err().to_string().contains("every stage"));
+}
+
+fn small_resnet(device: &Device) -> hearth_models::Classifier {
+    ModelConfig::ResNet(
+        ResNetConfig::new(BlockKind::Basic, [1, 1, 1, 1], 4)
+            .with_stem_width(8)
+            .with_stage_widths([8, 8, 16, 16]),
+    )
+    .init(device)
+    .unwrap()
+}
+
+#[test]
+fn replacing_the_head_sets_classes_activation_and_bias() {
+    let device = Device::flex();
+    let model = small_resnet(&device)
+        .replace_head(
+            HeadConfig::new(14)
+                .with_activation(HeadActivation::Sigmoid)
+                .with_bias(BiasInit::Constant(1.0)),
+            &device,
+        )
+        .unwrap();
+    assert_eq!(model.num_classes(), 14);
+    assert_eq!(model.head_activation(), HeadActivation::Sigmoid);
+    let hearth_models::Classifier::ResNet(r) = &model else {
+        panic!("still a ResNet")
+    };
+    let bias: Vec<f32> = r.fc.bias.as_ref().unwrap().val().into_data().to_vec().unwrap();
+    assert_eq!(bias, vec![1.0; 14]);
+    let probs = model.valid().predict(Tensor::<4>::ones([2, 3, 32, 32], &device));
+    let p: Vec<f32> = probs.into_data().to_vec().unwrap();
+    // Sigmoid outputs need not sum to one, but lie in (0, 1).
+    assert!(p.iter().all(|v| *v > 0.0 && *v < 1.0));
+}
+
+#[test]
+fn a_frozen_backbone_gets_no_gradients_and_the_head_does() {
+    let device = Device::flex().autodiff();
+    let model = small_resnet(&device).freeze_backbone();
+    let x = Tensor::<4>::ones([2, 3, 32, 32], &device);
+    let loss = model.forward(x).sum();
+    let grads = GradientsParams::from_grads(loss.backward(), &model);
+    // Only the head's weight and bias.
+    assert_eq!(grads.len(), 2);
+    let unfrozen = model.unfreeze_all();
+    let loss = unfrozen.forward(Tensor::<4>::ones([2, 3, 32, 32], &device)).sum();
+    let grads = GradientsParams::from_grads(loss.backward(), &unfrozen);
+    assert!(grads.len() > 2);
+}

@@ -1,0 +1,34 @@
+use std::path::PathBuf;
+
+/// Errors of the `hearth` crate (the glue above models, datasets and burn-dist).
+#[derive(Debug, thiserror::Error)]
+pub enum HearthError {
+    #[error(transparent)]
+    Model(#[from] hearth_models::ModelError),
+    #[error(transparent)]
+    Data(#[from] hearth_datasets::DataError),
+
+    #[error("unknown device '{name}'; this build offers: {choices}")]
+    UnknownDevice { name: String, choices: String },
+    #[error("device '{name}' is not available on this machine: {reason}")]
+    DeviceUnavailable { name: String, reason: String },
+
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not a usable .npy file: {reason}")]
+    Npy { path: PathBuf, reason: String },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+}
+
+pub type Result<T> = std::result::Result<T, HearthError>;

@@ -1,0 +1,234 @@
+//! The `hearth` command line. `hearth --help` lists the commands.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use burn::module::Module;
+use clap::{Args, Parser, Subcommand};
+use hearth::bench::{BenchMode, ModelBench};
+use hearth::device::DeviceChoice;
+use hearth::models::Architecture;
+use hearth::{npy, predict};
+
+#[derive(Parser)]
+#[command(name = "hearth", version, about = "Image models and distributed training on Burn")]
+struct Cli {
+    /// Device to run on: flex (default CPU), ndarray, vulkan, wgpu, vulkan-cpu, cuda (when built
+    /// with the `cuda` feature). `hearth devices` lists this build's choices.
+    #[arg(long, global = true, env = "HEARTH_DEVICE", default_value = "flex")]
+    device: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List every model variant with its parameter count.
+    Models,
+    /// List the devices this build offers and whether each works on this machine.
+    Devices,
+    /// Classify images (or a raw NCHW .npy tensor) with a model.
+    Predict(PredictArgs),
+    /// Measure throughput.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Args)]
+struct PredictArgs {
+    /// Architecture (torchvision name, e.g. resnet50); not needed for a Hearth .bpk model file.
+    #[arg(long)]
+    model: Option<String>,
+    /// Weights: torchvision .pth/.pt or .safetensors, or a Hearth .bpk model file.
+    #[arg(long)]
+    weights: Option<PathBuf>,
+    /// Image files: resized (shorter side 256), center-cropped to 224, ImageNet-normalised.
+    #[arg(long, num_args = 1.., conflicts_with = "input", required_unless_present = "input")]
+    image: Vec<PathBuf>,
+    /// A float32 NCHW .npy tensor used as is.
+    #[arg(long)]
+    input: Option<PathBuf>,
+    /// How many classes to print per input.
+    #[arg(long, default_value_t = 5)]
+    top: usize,
+    /// Write the logits [N, classes] as float32 .npy.
+    #[arg(long)]
+    logits_out: Option<PathBuf>,
+    /// Class count of the model (default: read from the weights' head; 1000 without weights).
+    #[arg(long)]
+    num_classes: Option<usize>,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Images/s of a model's forward pass or training step on random data.
+    Model(BenchModelArgs),
+}
+
+#[derive(Args)]
+struct BenchModelArgs {
+    #[arg(long)]
+    model: String,
+    /// train (forward, backward, SGD step) or infer (forward in evaluation mode).
+    #[arg(long, default_value = "infer")]
+    mode: String,
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// Input side in pixels.
+    #[arg(long, default_value_t = 224)]
+    size: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Untimed warm-up steps.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    #[arg(long, default_value_t = 1000)]
+    num_classes: usize,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(err) = run(cli) {
+        eprintln!("error: {err:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Models => models(),
+        Command::Devices => devices(),
+        Command::Predict(args) => predict_cmd(&cli.device, args),
+        Command::Bench(BenchCommand::Model(args)) => bench_model(&cli.device, args),
+    }
+}
+
+fn models() -> Result<()> {
+    let cpu = burn::prelude::Device::flex();
+    println!("{:<14} {:>14}  {}", "model", "parameters", "(1000 classes, torchvision architecture)");
+    for arch in Architecture::ALL {
+        // Lazy init: counting parameters allocates nothing.
+        let n = arch.init(1000, &cpu)?.num_params();
+        println!("{:<14} {:>14}", arch.name(), group_digits(n));
+    }
+    Ok(())
+}
+
+fn group_digits(n: usize) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn devices() -> Result<()> {
+    println!("{:<12} {:<10} description", "device", "status");
+    for d in DeviceChoice::ALL {
+        let status = match d.device() {
+            Ok(_) => "ok".to_string(),
+            Err(e) => format!("unavailable ({e})"),
+        };
+        let (short, rest) = match status.split_once(' ') {
+            Some((a, b)) => (a.to_string(), format!("  {b}")),
+            None => (status.clone(), String::new()),
+        };
+        println!("{:<12} {:<10} {}{}", d.name(), short, d.description(), rest);
+    }
+    Ok(())
+}
+
+fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
+    let device = hearth::device::select(device_name)?;
+    let loaded = predict::load_for_predict(
+        args.model.as_deref(),
+        args.weights.as_deref(),
+        args.num_classes,
+        &device,
+    )?;
+    if loaded.weights.is_none() {
+        eprintln!("warning: no --weights given: these outputs are from RANDOM weights");
+    }
+    let model = loaded.model.valid();
+    let (x, labels): (_, Vec<String>) = match &args.input {
+        Some(path) => {
+            let x = predict::npy_to_tensor(path, &device)?;
+            let n = x.dims()[0];
+            (x, (0..n).map(|i| format!("{}[{i}]", path.display())).collect())
+        }
+        None => (
+            predict::images_to_tensor(&args.image, 256, 224, &device)?,
+            args.image.iter().map(|p| p.display().to_string()).collect(),
+        ),
+    };
+    let started = Instant::now();
+    let logits = model.try_forward(x)?;
+    let [n, classes] = logits.dims();
+    let probs = model.head_activation().probabilities(logits.clone());
+    let logits: Vec<f32> = logits
+        .into_data()
+        .to_vec()
+        .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
+    let probs: Vec<f32> = probs
+        .into_data()
+        .to_vec()
+        .map_err(|e| anyhow::anyhow!("reading probabilities: {e:?}"))?;
+    let elapsed = started.elapsed();
+    for (label, row) in labels.iter().zip(predict::top_k(&probs, classes, args.top.max(1))) {
+        println!("{label}");
+        for (class, p) in row {
+            let name = loaded
+                .class_names
+                .as_ref()
+                .and_then(|names| names.get(class))
+                .map(|s| format!(" {s}"))
+                .unwrap_or_default();
+            println!("  class {class:>4}{name}: {p:.4}");
+        }
+    }
+    if let Some(out) = &args.logits_out {
+        npy::write(out, &[n, classes], &logits)
+            .with_context(|| format!("writing logits to {}", out.display()))?;
+        eprintln!("logits [{n}, {classes}] written to {}", out.display());
+    }
+    eprintln!("{n} input(s) in {:.1} ms on {device_name}", elapsed.as_secs_f64() * 1e3);
+    Ok(())
+}
+
+fn bench_model(device_name: &str, args: BenchModelArgs) -> Result<()> {
+    let device = hearth::device::select(device_name)?;
+    let bench = ModelBench {
+        arch: Architecture::from_name(&args.model)?,
+        mode: args.mode.parse::<BenchMode>()?,
+        batch_size: args.batch_size,
+        size: args.size,
+        warmup: args.warmup,
+        steps: args.steps,
+        num_classes: args.num_classes,
+    };
+    if bench.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    eprintln!(
+        "bench {} {:?} batch {} at {}x{} on {device_name}: {} warm-up + {} timed steps",
+        bench.arch, bench.mode, bench.batch_size, bench.size, bench.size, bench.warmup, bench.steps
+    );
+    let report = bench.run(&device, |i, total, dt, warm| {
+        eprintln!(
+            "  step {i}/{total}{}: {:.1} ms",
+            if warm { " (warm-up)" } else { "" },
+            dt * 1e3
+        );
+    })?;
+    let mut sorted = report.step_seconds.clone();
+    sorted.sort_by(f64::total_cmp);
+    println!("median step: {:.1} ms", sorted[sorted.len() / 2] * 1e3);
+    println!("images/s: {:.2}", report.images_per_sec);
+    Ok(())
+}

@@ -1,0 +1,112 @@
+//! Inputs and outputs of `hearth predict`.
+
+use std::path::{Path, PathBuf};
+
+use burn::prelude::*;
+use hearth_datasets::preprocess::{eval_preprocess, load_rgb};
+use hearth_models::{
+    Architecture, Classifier, LoadOptions, MIN_INPUT_SIZE, WeightsFormat, load_model,
+    load_torchvision,
+};
+
+use crate::{HearthError, Result, npy};
+
+/// A model ready to predict, and where it came from.
+pub struct PredictModel {
+    pub model: Classifier,
+    pub class_names: Option<Vec<String>>,
+    /// `None` when the weights are random (no file given).
+    pub weights: Option<PathBuf>,
+}
+
+/// Builds the model for `hearth predict`. A Hearth model file carries its own architecture;
+/// torchvision files need `arch`, and their class count is read from the head in the file.
+pub fn load_for_predict(
+    arch: Option<&str>,
+    weights: Option<&Path>,
+    num_classes: Option<usize>,
+    device: &Device,
+) -> Result<PredictModel> {
+    match weights {
+        Some(path) if WeightsFormat::of(path)? == WeightsFormat::Hearth => {
+            let saved = load_model(path, device)?;
+            Ok(PredictModel {
+                model: saved.model,
+                class_names: saved.class_names,
+                weights: Some(path.to_path_buf()),
+            })
+        }
+        _ => {
+            let arch = Architecture::from_name(arch.ok_or_else(|| {
+                HearthError::InvalidArgument("--model is required unless --weights is a Hearth .bpk model file".into())
+            })?)?;
+            let classes = match (num_classes, weights) {
+                (Some(n), _) => n,
+                (None, Some(path)) => hearth_models::weights::torchvision_num_classes(arch, path)?,
+                (None, None) => 1000,
+            };
+            let mut model = arch.init(classes, device)?;
+            if let Some(path) = weights {
+                load_torchvision(&mut model, path, &LoadOptions::default())?;
+            }
+            Ok(PredictModel {
+                model,
+                class_names: None,
+                weights: weights.map(Path::to_path_buf),
+            })
+        }
+    }
+}
+
+/// Images through torchvision's evaluation preprocessing, stacked into `[N, 3, crop, crop]`.
+pub fn images_to_tensor(paths: &[PathBuf], resize: u32, crop: u32, device: &Device) -> Result<Tensor<4>> {
+    let mut data = Vec::with_capacity(paths.len() * 3 * (crop * crop) as usize);
+    for path in paths {
+        let img = load_rgb(path)?;
+        data.extend(eval_preprocess(&img, resize, crop)?);
+    }
+    let shape = [paths.len(), 3, crop as usize, crop as usize];
+    Ok(Tensor::from_data(TensorData::new(data, shape), device))
+}
+
+/// A raw NCHW float tensor from `.npy`, used as is.
+pub fn npy_to_tensor(path: &Path, device: &Device) -> Result<Tensor<4>> {
+    let array = npy::read(path)?;
+    let shape: [usize; 4] = array.shape.as_slice().try_into().map_err(|_| HearthError::Npy {
+        path: path.to_path_buf(),
+        reason: format!("expected a 4-d NCHW array, got shape {:?}", array.shape),
+    })?;
+    if shape[1] != 3 || shape[2] < MIN_INPUT_SIZE || shape[3] < MIN_INPUT_SIZE || shape[0] == 0 {
+        return Err(HearthError::Npy {
+            path: path.to_path_buf(),
+            reason: format!(
+                "expected [N>=1, 3, H>={MIN_INPUT_SIZE}, W>={MIN_INPUT_SIZE}], got {shape:?}"
+            ),
+        });
+    }
+    Ok(Tensor::from_data(TensorData::new(array.data, shape), device))
+}
+
+/// The `k` best (class, probability) of each row.
+pub fn top_k(probs: &[f32], classes: usize, k: usize) -> Vec<Vec<(usize, f32)>> {
+    probs
+        .chunks(classes.max(1))
+        .map(|row| {
+            let mut idx: Vec<usize> = (0..row.len()).collect();
+            idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+            idx.into_iter().take(k).map(|i| (i, row[i])).collect()
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::top_k;
+
+    #[test]
+    fn top_k_orders_each_row() {
+        let rows = top_k(&[0.1, 0.7, 0.2, 0.5, 0.1, 0.4], 3, 2);
+        assert_eq!(rows[0], vec![(1, 0.7), (2, 0.2)]);
+        assert_eq!(rows[1], vec![(0, 0.5), (2, 0.4)]);
+    }
+}

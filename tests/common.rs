@@ -1,0 +1,70 @@
+//! Helpers shared by the integration tests (included with `mod common;`).
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use burn::prelude::*;
+use hearth::device::DeviceChoice;
+use hearth::models::{
+    BlockKind, DenseNetConfig, ModelConfig, ResNetConfig, VggConfig, VggLayer,
+};
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parity").join(name)
+}
+
+/// The configurations of the fixtures written by scripts/make_parity_fixtures.py.
+pub fn fixture_config(name: &str) -> ModelConfig {
+    use VggLayer::{Conv, Pool};
+    match name {
+        "resnet_basic" => ModelConfig::ResNet(
+            ResNetConfig::new(BlockKind::Basic, [1, 1, 1, 1], 10)
+                .with_stem_width(16)
+                .with_stage_widths([16, 32, 64, 128]),
+        ),
+        "resnet_bottleneck" => ModelConfig::ResNet(
+            ResNetConfig::new(BlockKind::Bottleneck, [2, 1, 1, 1], 7)
+                .with_stem_width(16)
+                .with_stage_widths([8, 16, 32, 64]),
+        ),
+        "densenet" => ModelConfig::DenseNet(DenseNetConfig::new(8, vec![2, 2, 2, 2], 16, 5)),
+        "vgg_bn" => ModelConfig::Vgg(
+            VggConfig::new(
+                vec![Conv(8), Pool, Conv(16), Pool, Conv(32), Conv(32), Pool],
+                true,
+                6,
+            )
+            .with_hidden(16),
+        ),
+        "vgg" => ModelConfig::Vgg(
+            VggConfig::new(
+                vec![Conv(8), Pool, Conv(16), Pool, Conv(16), Pool, Conv(32), Pool, Conv(32), Pool],
+                false,
+                4,
+            )
+            .with_hidden(16),
+        ),
+        other => panic!("no fixture {other}"),
+    }
+}
+
+/// The device, or `None` with a visible note when this machine lacks it. With
+/// `HEARTH_REQUIRE_VULKAN=1` (set by .ci/run, which installs lavapipe) a missing Vulkan device
+/// fails instead of skipping.
+pub fn device_or_skip(choice: DeviceChoice, test: &str) -> Option<Device> {
+    match choice.device() {
+        Ok(d) => Some(d),
+        Err(e) => {
+            if std::env::var("HEARTH_REQUIRE_VULKAN").as_deref() == Ok("1") {
+                panic!("{test}: device {choice} required (HEARTH_REQUIRE_VULKAN=1) but unavailable: {e}");
+            }
+            eprintln!("SKIPPED {test}: device {choice} unavailable here ({e}); install mesa-vulkan-drivers to run it");
+            None
+        }
+    }
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}

@@ -1,0 +1,66 @@
+//! torchvision parity: small networks built with torchvision's own classes
+//! (scripts/make_parity_fixtures.py) load through Hearth's real loaders and give PyTorch's logits
+//! within 1e-4, on every CPU device and on Vulkan (lavapipe) when present.
+
+mod common;
+
+use burn::module::Module;
+use burn::prelude::*;
+use common::*;
+use hearth::device::DeviceChoice;
+use hearth::models::{LoadOptions, load_torchvision};
+use hearth::npy;
+
+const TOLERANCE: f32 = 1e-4;
+
+/// (fixture, weights file)
+const CASES: &[(&str, &str)] = &[
+    ("resnet_basic", "resnet_basic.pth"),
+    ("resnet_bottleneck", "resnet_bottleneck.pth"),
+    ("densenet", "densenet.pth"),
+    ("densenet", "densenet.safetensors"),
+    ("vgg_bn", "vgg_bn.pth"),
+    ("vgg", "vgg.safetensors"),
+];
+
+fn check_parity(device: &Device, device_name: &str) {
+    let mut failures = Vec::new();
+    for (name, file) in CASES {
+        let mut model = fixture_config(name).init(device).unwrap();
+        let report = load_torchvision(&mut model, &fixture(file), &LoadOptions::default())
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert!(report.applied > 0);
+        let model = model.valid();
+        let input = npy::read(&fixture(&format!("{name}_input.npy"))).unwrap();
+        let expected = npy::read(&fixture(&format!("{name}_logits.npy"))).unwrap();
+        let shape: [usize; 4] = input.shape.clone().try_into().unwrap();
+        let x = Tensor::<4>::from_data(TensorData::new(input.data, shape), device);
+        let logits = model.forward(x);
+        assert_eq!(logits.dims().to_vec(), expected.shape, "{file}: logits shape");
+        let got: Vec<f32> = logits.into_data().to_vec().unwrap();
+        let diff = max_abs_diff(&got, &expected.data);
+        eprintln!("{device_name} {file}: max |diff| = {diff:.2e}");
+        if diff > TOLERANCE {
+            failures.push(format!("{file}: max |diff| {diff:.3e} > {TOLERANCE:e}"));
+        }
+    }
+    assert!(failures.is_empty(), "{device_name}: {}", failures.join("; "));
+}
+
+#[test]
+fn torchvision_parity_flex() {
+    check_parity(&DeviceChoice::Flex.device().unwrap(), "flex");
+}
+
+#[test]
+fn torchvision_parity_ndarray() {
+    check_parity(&DeviceChoice::NdArray.device().unwrap(), "ndarray");
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn torchvision_parity_vulkan_cpu() {
+    if let Some(device) = device_or_skip(DeviceChoice::VulkanCpu, "torchvision_parity_vulkan_cpu") {
+        check_parity(&device, "vulkan-cpu");
+    }
+}
