@@ -1,18 +1,42 @@
 //! # hearth-datasets
 //!
-//! Image data for Hearth: decoding and torchvision's preprocessing today; image folders,
-//! augmentation, a streaming sharded loader and synthetic data sets are being built (issue 3).
+//! Image data for Hearth: image folders and multi-label CSVs ([`folder`]), seeded augmentation
+//! ([`transform`]), a streaming loader that holds only the batches in flight and shards by rank
+//! ([`loader`]), an on-disk decode cache ([`cache`]) and a learnable synthetic data set
+//! ([`synth`]).
 //!
 //! ```no_run
-//! use hearth_datasets::preprocess::{eval_preprocess, load_rgb};
+//! use burn::prelude::*;
+//! use hearth_datasets::{ImageSet, Loader, LoaderConfig, Pipeline};
+//!
 //! # fn main() -> Result<(), hearth_datasets::DataError> {
-//! let img = load_rgb("cat.jpg".as_ref())?;
-//! let chw = eval_preprocess(&img, 256, 224)?; // 3 * 224 * 224 normalised floats
-//! assert_eq!(chw.len(), 3 * 224 * 224);
+//! let set = ImageSet::from_folder("data/train".as_ref())?;
+//! if let Some(warning) = set.problems.summary() {
+//!     eprintln!("{warning}");
+//! }
+//! let loader = Loader::new(
+//!     set,
+//!     Pipeline::train(224),
+//!     LoaderConfig::new(32).with_workers(2).with_seed(7).with_shard(0, 1),
+//! )?;
+//! for batch in loader.epoch(0, &Device::flex()) {
+//!     let batch = batch?;
+//!     assert_eq!(batch.images.dims()[1..], [3, 224, 224]);
+//! }
 //! # Ok(()) }
 //! ```
 
+pub mod cache;
 mod error;
+pub mod folder;
+pub mod loader;
 pub mod preprocess;
+pub mod rng;
+pub mod synth;
+pub mod transform;
 
+pub use cache::DiskCache;
 pub use error::{DataError, Result};
+pub use folder::{ImageSet, Problem, ProblemKind, Problems, Sample, Target, train_val};
+pub use loader::{Batch, BatchStream, Loader, LoaderConfig};
+pub use transform::{Pipeline, Transform};

@@ -1,0 +1,498 @@
+//! A streaming, sharded batch loader.
+//!
+//! - **Bounded memory**: only `prefetch` batches are in flight (decoding or decoded and waiting);
+//!   the data set itself is a list of paths.
+//! - **Parallel**: `workers` threads decode and augment whole batches.
+//! - **Deterministic**: the epoch order is a seeded shuffle of (seed, epoch); augmentation is
+//!   seeded by (seed, epoch, sample index). The same configuration yields the same batches.
+//! - **Sharded**: rank `r` of `world` takes positions `r, r + world, ...` of the epoch order.
+//!   Without `drop_last`, the order is **padded by repeating its first samples** until its length
+//!   divides by `world` (as PyTorch's `DistributedSampler`), so every rank sees the same number of
+//!   samples and batches (the last batch may be partial, equally on every rank). With
+//!   `drop_last`, the tail that does not fill a whole batch on every rank is dropped. Either way
+//!   every rank gets the same number of batches: one rank with an extra batch hangs a collective.
+//! - **Resharding**: [`Loader::epoch_from`] restarts an epoch at a global position (samples
+//!   already consumed by all ranks together) with a new world size; the remaining samples are
+//!   dealt out afresh, none repeated or skipped beyond the padding above.
+//! - **Bad files**: a file that fails to decode is counted (with its path) and replaced by the
+//!   next sample in the epoch order that decodes, so batch counts never change; in strict mode it
+//!   is an error.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use burn::prelude::*;
+
+use crate::cache::DiskCache;
+use crate::folder::{ImageSet, Problem, ProblemKind, Target};
+use crate::preprocess::decode_rgb;
+use crate::rng::SplitMix64;
+use crate::transform::Pipeline;
+use crate::{DataError, Result};
+
+/// How to batch an [`ImageSet`].
+#[derive(Debug, Clone)]
+pub struct LoaderConfig {
+    pub batch_size: usize,
+    /// Decoding threads.
+    pub workers: usize,
+    /// Batches in flight at most (decoding plus ready).
+    pub prefetch: usize,
+    pub shuffle: bool,
+    pub drop_last: bool,
+    pub seed: u64,
+    pub rank: usize,
+    pub world_size: usize,
+    /// Bad files are errors instead of being skipped.
+    pub strict: bool,
+}
+
+impl LoaderConfig {
+    pub fn new(batch_size: usize) -> Self {
+        Self {
+            batch_size,
+            workers: 2,
+            prefetch: 4,
+            shuffle: true,
+            drop_last: false,
+            seed: 0,
+            rank: 0,
+            world_size: 1,
+            strict: false,
+        }
+    }
+    pub fn with_workers(mut self, n: usize) -> Self {
+        self.workers = n;
+        self
+    }
+    pub fn with_prefetch(mut self, n: usize) -> Self {
+        self.prefetch = n;
+        self
+    }
+    pub fn with_shuffle(mut self, on: bool) -> Self {
+        self.shuffle = on;
+        self
+    }
+    pub fn with_drop_last(mut self, on: bool) -> Self {
+        self.drop_last = on;
+        self
+    }
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+    pub fn with_shard(mut self, rank: usize, world_size: usize) -> Self {
+        self.rank = rank;
+        self.world_size = world_size;
+        self
+    }
+    pub fn with_strict(mut self, on: bool) -> Self {
+        self.strict = on;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(DataError::InvalidArgument(m));
+        if self.batch_size == 0 {
+            return bad("batch size must be at least 1".into());
+        }
+        if self.workers == 0 || self.prefetch == 0 {
+            return bad("workers and prefetch must be at least 1".into());
+        }
+        if self.world_size == 0 || self.rank >= self.world_size {
+            return bad(format!("rank {} is not in a world of {}", self.rank, self.world_size));
+        }
+        Ok(())
+    }
+}
+
+/// Decoded, augmented samples on the host, before they become tensors.
+#[derive(Debug)]
+struct HostBatch {
+    pixels: Vec<f32>,
+    indices: Vec<usize>,
+    problems: Vec<Problem>,
+}
+
+/// A batch on the device.
+#[derive(Debug)]
+pub struct Batch {
+    /// `[n, 3, size, size]`, normalised.
+    pub images: Tensor<4>,
+    /// Class indices `[n]` (single-label sets).
+    pub classes: Option<Tensor<1, Int>>,
+    /// Multi-hot `[n, classes]` (multi-label sets).
+    pub multi_hot: Option<Tensor<2>>,
+    /// Data set indices of the samples, in batch order (after bad-file substitution).
+    pub indices: Vec<usize>,
+}
+
+/// Batches an [`ImageSet`] through a [`Pipeline`].
+#[derive(Clone)]
+pub struct Loader {
+    set: Arc<ImageSet>,
+    pipeline: Arc<Pipeline>,
+    config: LoaderConfig,
+    cache: Option<Arc<DiskCache>>,
+    problems: Arc<Mutex<Vec<Problem>>>,
+    decoded: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Loader {
+    pub fn new(set: ImageSet, pipeline: Pipeline, config: LoaderConfig) -> Result<Self> {
+        config.validate()?;
+        if set.is_empty() {
+            return Err(DataError::Empty {
+                path: set.root.clone(),
+                reason: "no samples".into(),
+            });
+        }
+        Ok(Self {
+            set: Arc::new(set),
+            pipeline: Arc::new(pipeline),
+            config,
+            cache: None,
+            problems: Arc::default(),
+            decoded: Arc::default(),
+        })
+    }
+
+    /// Reads decoded images through an on-disk cache.
+    pub fn with_cache(mut self, cache: DiskCache) -> Self {
+        self.cache = Some(Arc::new(cache));
+        self
+    }
+
+    pub fn set(&self) -> &ImageSet {
+        &self.set
+    }
+
+    pub fn config(&self) -> &LoaderConfig {
+        &self.config
+    }
+
+    /// Samples decoded so far by this loader (all epochs): shows that streaming decodes only
+    /// what is in flight.
+    pub fn decoded_samples(&self) -> usize {
+        self.decoded.load(Ordering::Relaxed)
+    }
+
+    /// Files that failed to decode so far, with their paths.
+    pub fn decode_problems(&self) -> Vec<Problem> {
+        self.problems.lock().map(|p| p.clone()).unwrap_or_default()
+    }
+
+    /// The epoch order of all ranks together (before padding).
+    pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.set.len()).collect();
+        if self.config.shuffle {
+            SplitMix64::new(self.config.seed ^ epoch.wrapping_mul(0xA24B_AED4_963E_E407))
+                .shuffle(&mut order);
+        }
+        order
+    }
+
+    /// This rank's sample indices for the rest of an epoch that starts at global position
+    /// `start` of [`Loader::epoch_order`], dealt over `world` ranks.
+    pub fn shard_indices(&self, epoch: u64, start: usize, rank: usize, world: usize) -> Vec<usize> {
+        let order = self.epoch_order(epoch);
+        let rest = &order[start.min(order.len())..];
+        let b = self.config.batch_size;
+        let mut rest: Vec<usize> = rest.to_vec();
+        if self.config.drop_last {
+            let keep = rest.len() / (world * b) * (world * b);
+            rest.truncate(keep);
+        } else if !rest.is_empty() {
+            let padded = rest.len().div_ceil(world) * world;
+            let mut i = 0;
+            while rest.len() < padded {
+                rest.push(rest[i % rest.len().max(1)]);
+                i += 1;
+            }
+        }
+        rest.into_iter().skip(rank).step_by(world).collect()
+    }
+
+    /// Batches per rank in an epoch (the same on every rank).
+    pub fn batches_per_epoch(&self) -> usize {
+        let n = self.shard_indices(0, 0, self.config.rank, self.config.world_size).len();
+        n.div_ceil(self.config.batch_size)
+    }
+
+    /// Streams this rank's batches of `epoch` onto `device`.
+    pub fn epoch(&self, epoch: u64, device: &Device) -> BatchStream {
+        self.epoch_from(epoch, 0, self.config.rank, self.config.world_size, device)
+    }
+
+    /// Streams the rest of `epoch` from global position `start` for `rank` of `world`
+    /// (elastic resharding). `start` counts samples consumed by all ranks together.
+    pub fn epoch_from(
+        &self,
+        epoch: u64,
+        start: usize,
+        rank: usize,
+        world: usize,
+        device: &Device,
+    ) -> BatchStream {
+        let indices = self.shard_indices(epoch, start, rank, world.max(1));
+        let batches: Vec<Vec<usize>> = indices
+            .chunks(self.config.batch_size)
+            .map(<[usize]>::to_vec)
+            .collect();
+        BatchStream::start(self.clone(), epoch, batches, device.clone())
+    }
+
+    fn load_one(&self, index: usize, epoch: u64, out: &mut Vec<f32>) -> std::result::Result<(), Problem> {
+        let sample = &self.set.samples[index];
+        let problem = |kind| Problem {
+            path: sample.path.clone(),
+            kind,
+        };
+        let img = match &self.cache {
+            Some(cache) => cache.load(&sample.path),
+            None => std::fs::read(&sample.path)
+                .map_err(|source| DataError::Io {
+                    path: sample.path.clone(),
+                    source,
+                })
+                .and_then(|bytes| decode_rgb(&bytes, &sample.path)),
+        };
+        match img {
+            Ok(img) => {
+                self.decoded.fetch_add(1, Ordering::Relaxed);
+                self.pipeline.apply(img, self.config.seed, epoch, index as u64, out);
+                Ok(())
+            }
+            Err(DataError::Io { source, .. }) => Err(problem(ProblemKind::Unreadable(source.to_string()))),
+            Err(e) => Err(problem(ProblemKind::Corrupt(e.to_string()))),
+        }
+    }
+
+    /// Decodes one batch; a bad sample is replaced by the next decodable one in order.
+    fn load_batch(&self, epoch: u64, wanted: &[usize]) -> Result<HostBatch> {
+        let per = 3 * (self.pipeline.size * self.pipeline.size) as usize;
+        let mut pixels = Vec::with_capacity(wanted.len() * per);
+        let mut indices = Vec::with_capacity(wanted.len());
+        let mut problems = Vec::new();
+        let n = self.set.len();
+        for &index in wanted {
+            let mut candidate = index;
+            let mut tries = 0;
+            loop {
+                match self.load_one(candidate, epoch, &mut pixels) {
+                    Ok(()) => {
+                        indices.push(candidate);
+                        break;
+                    }
+                    Err(p) => {
+                        if self.config.strict {
+                            return Err(DataError::BadFiles {
+                                count: 1,
+                                report: format!("  {}: {}", p.path.display(), p.kind),
+                            });
+                        }
+                        problems.push(p);
+                        tries += 1;
+                        if tries >= n.min(64) {
+                            return Err(DataError::Empty {
+                                path: self.set.root.clone(),
+                                reason: format!("{tries} images in a row failed to decode"),
+                            });
+                        }
+                        candidate = (candidate + 1) % n;
+                    }
+                }
+            }
+        }
+        Ok(HostBatch {
+            pixels,
+            indices,
+            problems,
+        })
+    }
+
+    fn to_batch(&self, host: HostBatch, device: &Device) -> Batch {
+        let s = self.pipeline.size as usize;
+        let n = host.indices.len();
+        let images = Tensor::from_data(TensorData::new(host.pixels, [n, 3, s, s]), device);
+        let (mut classes, mut multi) = (None, None);
+        if self.set.multi_label {
+            let k = self.set.classes.len();
+            let mut hot = vec![0f32; n * k];
+            for (row, &i) in host.indices.iter().enumerate() {
+                if let Target::Multi(ls) = &self.set.samples[i].target {
+                    for &l in ls {
+                        hot[row * k + l] = 1.0;
+                    }
+                }
+            }
+            multi = Some(Tensor::from_data(TensorData::new(hot, [n, k]), device));
+        } else {
+            let ys: Vec<i64> = host
+                .indices
+                .iter()
+                .map(|&i| match &self.set.samples[i].target {
+                    Target::Class(c) => *c as i64,
+                    Target::Multi(ls) => ls.first().copied().unwrap_or(0) as i64,
+                })
+                .collect();
+            classes = Some(Tensor::from_data(TensorData::new(ys, [n]), device));
+        }
+        Batch {
+            images,
+            classes,
+            multi_hot: multi,
+            indices: host.indices,
+        }
+    }
+}
+
+type Job = (usize, Vec<usize>);
+type Done = (usize, Result<HostBatch>);
+
+/// The batches of one epoch, decoded ahead by worker threads. Dropping it stops the workers.
+pub struct BatchStream {
+    loader: Loader,
+    device: Device,
+    batches: Vec<Vec<usize>>,
+    next_dispatch: usize,
+    next_yield: usize,
+    jobs: Option<SyncSender<Job>>,
+    done: Receiver<Done>,
+    ready: BTreeMap<usize, Result<HostBatch>>,
+    workers: Vec<JoinHandle<()>>,
+    stop: Arc<AtomicBool>,
+    /// Bad files met in this epoch.
+    pub problems: Vec<Problem>,
+}
+
+impl BatchStream {
+    fn start(loader: Loader, epoch: u64, batches: Vec<Vec<usize>>, device: Device) -> Self {
+        let workers_n = loader.config.workers;
+        let prefetch = loader.config.prefetch;
+        let (job_tx, job_rx) = sync_channel::<Job>(prefetch);
+        let (done_tx, done_rx) = sync_channel::<Done>(prefetch + workers_n);
+        let job_rx = Arc::new(Mutex::new(job_rx));
+        let stop = Arc::new(AtomicBool::new(false));
+        let workers = (0..workers_n)
+            .map(|_| {
+                let (jobs, done, loader, stop) =
+                    (job_rx.clone(), done_tx.clone(), loader.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    loop {
+                        let job = match jobs.lock() {
+                            Ok(rx) => rx.recv(),
+                            Err(_) => return,
+                        };
+                        let Ok((i, wanted)) = job else { return };
+                        if stop.load(Ordering::Relaxed) {
+                            return;
+                        }
+                        let result = loader.load_batch(epoch, &wanted);
+                        if done.send((i, result)).is_err() {
+                            return;
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut stream = Self {
+            loader,
+            device,
+            batches,
+            next_dispatch: 0,
+            next_yield: 0,
+            jobs: Some(job_tx),
+            done: done_rx,
+            ready: BTreeMap::new(),
+            workers,
+            stop,
+            problems: Vec::new(),
+        };
+        stream.dispatch();
+        stream
+    }
+
+    /// Keeps `prefetch` batches in flight.
+    fn dispatch(&mut self) {
+        let limit = self.next_yield + self.loader.config.prefetch;
+        while self.next_dispatch < self.batches.len() && self.next_dispatch < limit {
+            let Some(tx) = &self.jobs else { return };
+            let batch = std::mem::take(&mut self.batches[self.next_dispatch]);
+            if tx.send((self.next_dispatch, batch)).is_err() {
+                return;
+            }
+            self.next_dispatch += 1;
+        }
+        if self.next_dispatch >= self.batches.len() {
+            self.jobs = None; // workers exit when the queue drains
+        }
+    }
+
+    /// Batches this stream yields in total.
+    pub fn len(&self) -> usize {
+        self.batches.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.batches.is_empty()
+    }
+}
+
+impl Iterator for BatchStream {
+    type Item = Result<Batch>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.next_yield >= self.batches.len() {
+            return None;
+        }
+        let host = loop {
+            if let Some(r) = self.ready.remove(&self.next_yield) {
+                break r;
+            }
+            match self.done.recv() {
+                Ok((i, r)) => {
+                    self.ready.insert(i, r);
+                }
+                Err(_) => {
+                    self.next_yield = self.batches.len();
+                    return Some(Err(DataError::Worker(
+                        "decoding threads stopped before the epoch ended".into(),
+                    )));
+                }
+            }
+        };
+        self.next_yield += 1;
+        self.dispatch();
+        Some(host.map(|mut h| {
+            if !h.problems.is_empty() {
+                if let Ok(mut all) = self.loader.problems.lock() {
+                    all.extend(h.problems.iter().cloned());
+                }
+                self.problems.append(&mut h.problems);
+            }
+            self.loader.to_batch(h, &self.device)
+        }))
+    }
+}
+
+impl Drop for BatchStream {
+    fn drop(&mut self) {
+        // At most `prefetch` batches are ever in flight and the result channel holds
+        // `prefetch + workers`, so no worker can block on a send: stop, close, join.
+        self.stop.store(true, Ordering::Relaxed);
+        self.jobs = None;
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// Paths of a set, for callers that stream raw files.
+pub fn paths(set: &ImageSet) -> Vec<PathBuf> {
+    set.samples.iter().map(|s| s.path.clone()).collect()
+}

@@ -1,0 +1,370 @@
+//! Composable, seeded image transforms. A [`Pipeline`] applied to the same image with the same
+//! (seed, epoch, index) gives the same pixels, whatever thread or machine runs it.
+//!
+//! The train and eval defaults are torchvision's ImageNet recipes:
+//! `RandomResizedCrop(224) + RandomHorizontalFlip()` and `Resize(256) + CenterCrop(224)`, both
+//! followed by `ToTensor() + Normalize(mean, std)`.
+
+use image::imageops::FilterType;
+use image::{Rgb, RgbImage};
+
+use crate::preprocess::{center_crop, resize_shorter, to_chw_normalized};
+use crate::rng::SplitMix64;
+use crate::{DataError, Result};
+
+/// One step of a pipeline.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Transform {
+    /// Shorter side to this size (torchvision `Resize(int)`).
+    Resize(u32),
+    /// Exact size, ignoring the aspect ratio (torchvision `Resize((h, w))`).
+    ResizeExact(u32, u32),
+    /// torchvision `RandomResizedCrop(size, scale, ratio)`.
+    RandomResizedCrop {
+        size: u32,
+        scale: (f64, f64),
+        ratio: (f64, f64),
+    },
+    CenterCrop(u32),
+    /// Mirror left-right with this probability.
+    HorizontalFlip(f64),
+    /// Rotate by a uniform angle in [-degrees, degrees] about the centre, black fill.
+    Rotation(f64),
+    /// Shear along x by a uniform angle in [-degrees, degrees] (torchvision `RandomAffine(0,
+    /// shear=degrees)`), black fill.
+    Shear(f64),
+    /// Brightness, contrast and saturation factors uniform in [1 - x, 1 + x], applied in that
+    /// order (torchvision picks a random order; a fixed one keeps the pipeline cheaper).
+    ColorJitter {
+        brightness: f64,
+        contrast: f64,
+        saturation: f64,
+    },
+}
+
+impl Transform {
+    fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(DataError::InvalidTransform(m));
+        match *self {
+            Transform::Resize(0) | Transform::CenterCrop(0) => bad("size must be positive".into()),
+            Transform::ResizeExact(h, w) if h == 0 || w == 0 => bad("size must be positive".into()),
+            Transform::RandomResizedCrop { size, scale, ratio } => {
+                if size == 0 || !(0.0 < scale.0 && scale.0 <= scale.1 && scale.1 <= 1.0) {
+                    return bad(format!("RandomResizedCrop size {size}, scale {scale:?}"));
+                }
+                if !(0.0 < ratio.0 && ratio.0 <= ratio.1) {
+                    return bad(format!("RandomResizedCrop ratio {ratio:?}"));
+                }
+                Ok(())
+            }
+            Transform::HorizontalFlip(p) if !(0.0..=1.0).contains(&p) => {
+                bad(format!("flip probability {p}"))
+            }
+            Transform::Rotation(d) | Transform::Shear(d) if !(0.0..=180.0).contains(&d) => {
+                bad(format!("angle {d} must be in [0, 180]"))
+            }
+            Transform::ColorJitter {
+                brightness,
+                contrast,
+                saturation,
+            } if [brightness, contrast, saturation]
+                .iter()
+                .any(|v| !(0.0..=1.0).contains(v)) =>
+            {
+                bad("color jitter strengths must be in [0, 1]".into())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn apply(&self, img: RgbImage, rng: &mut SplitMix64) -> RgbImage {
+        match *self {
+            Transform::Resize(s) => resize_shorter(&img, s),
+            Transform::ResizeExact(h, w) => {
+                if img.dimensions() == (w, h) {
+                    img
+                } else {
+                    image::imageops::resize(&img, w, h, FilterType::Triangle)
+                }
+            }
+            Transform::CenterCrop(s) => center_crop(&img, s),
+            Transform::RandomResizedCrop { size, scale, ratio } => {
+                let (x, y, w, h) = random_resized_crop_box(img.width(), img.height(), scale, ratio, rng);
+                let crop = image::imageops::crop_imm(&img, x, y, w, h).to_image();
+                image::imageops::resize(&crop, size, size, FilterType::Triangle)
+            }
+            Transform::HorizontalFlip(p) => {
+                if rng.next_f64() < p {
+                    image::imageops::flip_horizontal(&img)
+                } else {
+                    img
+                }
+            }
+            Transform::Rotation(deg) => {
+                let angle = rng.uniform(-deg, deg).to_radians();
+                affine(&img, angle, 0.0)
+            }
+            Transform::Shear(deg) => {
+                let shear = rng.uniform(-deg, deg).to_radians();
+                affine(&img, 0.0, shear)
+            }
+            Transform::ColorJitter {
+                brightness,
+                contrast,
+                saturation,
+            } => {
+                let b = rng.uniform(1.0 - brightness, 1.0 + brightness) as f32;
+                let c = rng.uniform(1.0 - contrast, 1.0 + contrast) as f32;
+                let s = rng.uniform(1.0 - saturation, 1.0 + saturation) as f32;
+                color_jitter(img, b, c, s)
+            }
+        }
+    }
+}
+
+/// torchvision's RandomResizedCrop box: 10 tries at a random area and log-uniform aspect, then
+/// a centre crop with the ratio clamped.
+fn random_resized_crop_box(
+    width: u32,
+    height: u32,
+    scale: (f64, f64),
+    ratio: (f64, f64),
+    rng: &mut SplitMix64,
+) -> (u32, u32, u32, u32) {
+    let (wf, hf) = (width as f64, height as f64);
+    let area = wf * hf;
+    let (lr0, lr1) = (ratio.0.ln(), ratio.1.ln());
+    for _ in 0..10 {
+        let target = area * rng.uniform(scale.0, scale.1);
+        let aspect = rng.uniform(lr0, lr1).exp();
+        let w = (target * aspect).sqrt().round();
+        let h = (target / aspect).sqrt().round();
+        if w > 0.0 && h > 0.0 && w <= wf && h <= hf {
+            let (w, h) = (w as u32, h as u32);
+            let y = rng.below((height - h + 1) as usize) as u32;
+            let x = rng.below((width - w + 1) as usize) as u32;
+            return (x, y, w, h);
+        }
+    }
+    let in_ratio = wf / hf;
+    let (w, h) = if in_ratio < ratio.0 {
+        (wf, (wf / ratio.0).round())
+    } else if in_ratio > ratio.1 {
+        ((hf * ratio.1).round(), hf)
+    } else {
+        (wf, hf)
+    };
+    let (w, h) = ((w as u32).clamp(1, width), (h as u32).clamp(1, height));
+    ((width - w) / 2, (height - h) / 2, w, h)
+}
+
+/// Rotation by `angle` and x-shear by `shear` (radians) about the centre, inverse-mapped with
+/// bilinear sampling and black fill.
+fn affine(img: &RgbImage, angle: f64, shear: f64) -> RgbImage {
+    let (w, h) = img.dimensions();
+    let (cx, cy) = (w as f64 / 2.0, h as f64 / 2.0);
+    // Forward: p' = R * S * p, with S = [[1, tan(shear)], [0, 1]]. Inverse: S^-1 * R^-1.
+    let (sin, cos) = angle.sin_cos();
+    let t = shear.tan();
+    let mut out = RgbImage::new(w, h);
+    for y in 0..h {
+        for x in 0..w {
+            let (dx, dy) = (x as f64 + 0.5 - cx, y as f64 + 0.5 - cy);
+            // R^-1
+            let (rx, ry) = (cos * dx + sin * dy, -sin * dx + cos * dy);
+            // S^-1
+            let (sx, sy) = (rx - t * ry, ry);
+            let (fx, fy) = (sx + cx - 0.5, sy + cy - 0.5);
+            if let Some(px) = bilinear(img, fx, fy) {
+                out.put_pixel(x, y, px);
+            }
+        }
+    }
+    out
+}
+
+fn bilinear(img: &RgbImage, x: f64, y: f64) -> Option<Rgb<u8>> {
+    let (w, h) = (img.width() as f64, img.height() as f64);
+    if x < -0.5 || y < -0.5 || x > w - 0.5 || y > h - 0.5 {
+        return None;
+    }
+    let x = x.clamp(0.0, w - 1.0);
+    let y = y.clamp(0.0, h - 1.0);
+    let (x0, y0) = (x.floor() as u32, y.floor() as u32);
+    let (x1, y1) = ((x0 + 1).min(img.width() - 1), (y0 + 1).min(img.height() - 1));
+    let (ax, ay) = (x - x0 as f64, y - y0 as f64);
+    let p = |xx, yy| img.get_pixel(xx, yy).0;
+    let (p00, p10, p01, p11) = (p(x0, y0), p(x1, y0), p(x0, y1), p(x1, y1));
+    let mut out = [0u8; 3];
+    for c in 0..3 {
+        let top = p00[c] as f64 * (1.0 - ax) + p10[c] as f64 * ax;
+        let bottom = p01[c] as f64 * (1.0 - ax) + p11[c] as f64 * ax;
+        out[c] = (top * (1.0 - ay) + bottom * ay).round().clamp(0.0, 255.0) as u8;
+    }
+    Some(Rgb(out))
+}
+
+fn color_jitter(mut img: RgbImage, brightness: f32, contrast: f32, saturation: f32) -> RgbImage {
+    let gray = |p: &[u8; 3]| 0.299 * p[0] as f32 + 0.587 * p[1] as f32 + 0.114 * p[2] as f32;
+    let n = (img.width() * img.height()).max(1) as f32;
+    let mean: f32 = img.pixels().map(|p| gray(&p.0) * brightness).sum::<f32>() / n;
+    for px in img.pixels_mut() {
+        let mut v = px.0.map(|c| (c as f32 * brightness).clamp(0.0, 255.0));
+        v = v.map(|c| ((c - mean) * contrast + mean).clamp(0.0, 255.0));
+        let g = 0.299 * v[0] + 0.587 * v[1] + 0.114 * v[2];
+        v = v.map(|c| ((c - g) * saturation + g).clamp(0.0, 255.0));
+        px.0 = v.map(|c| c.round() as u8);
+    }
+    img
+}
+
+/// Transforms applied in order, then `ToTensor` + ImageNet `Normalize` to CHW floats.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pipeline {
+    pub steps: Vec<Transform>,
+    /// Output side: every pipeline must end at `size` x `size` (checked on each image).
+    pub size: u32,
+}
+
+impl Pipeline {
+    pub fn new(steps: Vec<Transform>, size: u32) -> Result<Self> {
+        for s in &steps {
+            s.validate()?;
+        }
+        if size == 0 {
+            return Err(DataError::InvalidTransform("output size must be positive".into()));
+        }
+        Ok(Self { steps, size })
+    }
+
+    /// torchvision's training recipe: RandomResizedCrop(size), RandomHorizontalFlip(0.5).
+    pub fn train(size: u32) -> Self {
+        Self {
+            steps: vec![
+                Transform::RandomResizedCrop {
+                    size,
+                    scale: (0.08, 1.0),
+                    ratio: (3.0 / 4.0, 4.0 / 3.0),
+                },
+                Transform::HorizontalFlip(0.5),
+            ],
+            size,
+        }
+    }
+
+    /// torchvision's evaluation recipe: Resize(size * 8 / 7), CenterCrop(size) (256/224).
+    pub fn eval(size: u32) -> Self {
+        Self {
+            steps: vec![
+                Transform::Resize((size as f64 * 256.0 / 224.0).round() as u32),
+                Transform::CenterCrop(size),
+            ],
+            size,
+        }
+    }
+
+    /// Adds a step (builder style).
+    pub fn with(mut self, step: Transform) -> Result<Self> {
+        step.validate()?;
+        self.steps.push(step);
+        Ok(self)
+    }
+
+    /// The augmented image for (seed, epoch, index).
+    pub fn apply_image(&self, img: RgbImage, seed: u64, epoch: u64, index: u64) -> RgbImage {
+        let mut rng = SplitMix64::for_sample(seed, epoch, index);
+        let mut img = img;
+        for step in &self.steps {
+            img = step.apply(img, &mut rng);
+        }
+        if img.dimensions() != (self.size, self.size) {
+            img = image::imageops::resize(&img, self.size, self.size, FilterType::Triangle);
+        }
+        img
+    }
+
+    /// Appends the normalised CHW floats of the augmented image to `out`.
+    pub fn apply(&self, img: RgbImage, seed: u64, epoch: u64, index: u64, out: &mut Vec<f32>) {
+        let img = self.apply_image(img, seed, epoch, index);
+        to_chw_normalized(&img, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gradient(w: u32, h: u32) -> RgbImage {
+        RgbImage::from_fn(w, h, |x, y| Rgb([(x * 7 % 256) as u8, (y * 5 % 256) as u8, 128]))
+    }
+
+    #[test]
+    fn same_seed_epoch_index_same_output_and_others_differ() {
+        let p = Pipeline::train(32)
+            .with(Transform::Rotation(15.0))
+            .unwrap()
+            .with(Transform::Shear(10.0))
+            .unwrap()
+            .with(Transform::ColorJitter {
+                brightness: 0.2,
+                contrast: 0.2,
+                saturation: 0.2,
+            })
+            .unwrap();
+        let img = gradient(64, 48);
+        let a = p.apply_image(img.clone(), 1, 0, 3);
+        assert_eq!(a, p.apply_image(img.clone(), 1, 0, 3));
+        assert_ne!(a, p.apply_image(img.clone(), 1, 1, 3));
+        assert_ne!(a, p.apply_image(img.clone(), 1, 0, 4));
+        assert_eq!(a.dimensions(), (32, 32));
+    }
+
+    #[test]
+    fn random_resized_crop_box_stays_inside_and_respects_scale() {
+        let mut rng = SplitMix64::new(3);
+        for _ in 0..500 {
+            let (x, y, w, h) = random_resized_crop_box(100, 60, (0.08, 1.0), (0.75, 4.0 / 3.0), &mut rng);
+            assert!(w >= 1 && h >= 1 && x + w <= 100 && y + h <= 60);
+        }
+        // Impossible aspect ratios fall back to a centred crop with the ratio clamped.
+        let (x, y, w, h) = random_resized_crop_box(100, 10, (0.99, 1.0), (1.0, 1.0), &mut rng);
+        assert_eq!((w, h), (10, 10));
+        assert_eq!((x, y), (45, 0));
+    }
+
+    #[test]
+    fn flip_mirrors_and_zero_rotation_is_identity() {
+        let img = gradient(8, 4);
+        let flipped = Transform::HorizontalFlip(1.0).apply(img.clone(), &mut SplitMix64::new(0));
+        assert_eq!(flipped.get_pixel(0, 0), img.get_pixel(7, 0));
+        let same = affine(&img, 0.0, 0.0);
+        assert_eq!(same, img);
+    }
+
+    #[test]
+    fn rotation_by_90_degrees_moves_corners() {
+        let mut img = RgbImage::new(9, 9);
+        img.put_pixel(8, 4, Rgb([255, 255, 255])); // right middle
+        let r = affine(&img, std::f64::consts::FRAC_PI_2, 0.0);
+        // A +90 degree rotation (y down) takes the right middle pixel to the bottom middle.
+        assert_eq!(r.get_pixel(4, 8), &Rgb([255, 255, 255]));
+    }
+
+    #[test]
+    fn invalid_parameters_are_errors() {
+        assert!(Pipeline::new(vec![Transform::HorizontalFlip(1.5)], 8).is_err());
+        assert!(Pipeline::new(vec![Transform::Rotation(270.0)], 8).is_err());
+        assert!(Pipeline::new(vec![Transform::CenterCrop(0)], 8).is_err());
+        assert!(
+            Pipeline::new(
+                vec![Transform::RandomResizedCrop {
+                    size: 8,
+                    scale: (0.5, 0.1),
+                    ratio: (1.0, 1.0)
+                }],
+                8
+            )
+            .is_err()
+        );
+    }
+}
