@@ -39,13 +39,25 @@ fn torch_python() -> Option<PathBuf> {
     ok.then_some(candidate)
 }
 
-fn peer(python: &PathBuf, model: &str, mode: &str, batch: usize, steps: usize, warmup: usize) -> Option<f64> {
+fn peer(
+    python: &PathBuf,
+    model: &str,
+    mode: &str,
+    batch: usize,
+    steps: usize,
+    warmup: usize,
+) -> Option<f64> {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/peer/torch_models.py");
     let out = Command::new(python)
         .arg(script)
         .args(["--model", model, "--mode", mode])
         .args(["--batch-size", &batch.to_string(), "--size", "224"])
-        .args(["--steps", &steps.to_string(), "--warmup", &warmup.to_string()])
+        .args([
+            "--steps",
+            &steps.to_string(),
+            "--warmup",
+            &warmup.to_string(),
+        ])
         .output()
         .ok()?;
     let text = String::from_utf8_lossy(&out.stdout);

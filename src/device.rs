@@ -64,7 +64,13 @@ impl DeviceChoice {
             #[cfg(feature = "wgpu")]
             DeviceChoice::Wgpu => "GPU through wgpu (Vulkan, Metal, DX12)",
             #[cfg(feature = "wgpu")]
-            DeviceChoice::Vulkan => "GPU through Vulkan",
+            DeviceChoice::Vulkan => {
+                if cfg!(feature = "vulkan") {
+                    "GPU through Vulkan (cubecl SPIR-V)"
+                } else {
+                    "GPU through Vulkan (wgpu, WGSL shaders)"
+                }
+            }
             #[cfg(feature = "wgpu")]
             DeviceChoice::VulkanCpu => "Vulkan on the CPU (Mesa lavapipe)",
             #[cfg(feature = "cuda")]
@@ -84,13 +90,21 @@ impl DeviceChoice {
     pub fn device_unchecked(self) -> Device {
         match self {
             DeviceChoice::Flex => Device::flex(),
+            // Deprecated upstream in favour of Flex; kept selectable (DESIGN.md).
+            #[allow(deprecated)]
             DeviceChoice::NdArray => Device::ndarray(),
             #[cfg(feature = "wgpu")]
             DeviceChoice::Wgpu => Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
-            #[cfg(feature = "wgpu")]
+            // With the `vulkan` feature: pinned to Vulkan, cubecl's SPIR-V compiler. Without it:
+            // wgpu with WGSL shaders, which tries Vulkan first on Linux.
+            #[cfg(feature = "vulkan")]
             DeviceChoice::Vulkan => Device::vulkan(burn::tensor::DeviceKind::DefaultDevice),
-            #[cfg(feature = "wgpu")]
+            #[cfg(feature = "vulkan")]
             DeviceChoice::VulkanCpu => Device::vulkan(burn::tensor::DeviceKind::Cpu),
+            #[cfg(all(feature = "wgpu", not(feature = "vulkan")))]
+            DeviceChoice::Vulkan => Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+            #[cfg(all(feature = "wgpu", not(feature = "vulkan")))]
+            DeviceChoice::VulkanCpu => Device::wgpu(burn::tensor::DeviceKind::Cpu),
             #[cfg(feature = "cuda")]
             DeviceChoice::Cuda => Device::cuda(0),
         }
@@ -181,7 +195,10 @@ mod tests {
     #[test]
     fn unknown_device_lists_the_choices() {
         let err = "tpu".parse::<DeviceChoice>().unwrap_err().to_string();
-        assert!(err.contains("'tpu'") && err.contains("flex") && err.contains("ndarray"), "{err}");
+        assert!(
+            err.contains("'tpu'") && err.contains("flex") && err.contains("ndarray"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -21,6 +21,7 @@
 pub mod bench;
 pub mod device;
 mod error;
+pub mod loader_bench;
 pub mod npy;
 pub mod predict;
 

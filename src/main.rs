@@ -12,7 +12,11 @@ use hearth::models::Architecture;
 use hearth::{npy, predict};
 
 #[derive(Parser)]
-#[command(name = "hearth", version, about = "Image models and distributed training on Burn")]
+#[command(
+    name = "hearth",
+    version,
+    about = "Image models and distributed training on Burn"
+)]
 struct Cli {
     /// Device to run on: flex (default CPU), ndarray, vulkan, wgpu, vulkan-cpu, cuda (when built
     /// with the `cuda` feature). `hearth devices` lists this build's choices.
@@ -33,6 +37,36 @@ enum Command {
     /// Measure throughput.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Data set tools.
+    #[command(subcommand)]
+    Data(DataCommand),
+}
+
+#[derive(Subcommand)]
+enum DataCommand {
+    /// Write a learnable synthetic image-folder data set (coloured shapes over noise).
+    Synth(SynthArgs),
+}
+
+#[derive(Args)]
+struct SynthArgs {
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 10)]
+    classes: usize,
+    #[arg(long, default_value_t = 200)]
+    per_class: usize,
+    /// Image side in pixels.
+    #[arg(long, default_value_t = 64)]
+    size: u32,
+    /// Also write val/ with this many images per class (train/ then holds --per-class).
+    #[arg(long, default_value_t = 0)]
+    val_per_class: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Write JPEG files instead of PNG.
+    #[arg(long)]
+    jpeg: bool,
 }
 
 #[derive(Args)]
@@ -64,6 +98,27 @@ struct PredictArgs {
 enum BenchCommand {
     /// Images/s of a model's forward pass or training step on random data.
     Model(BenchModelArgs),
+    /// Images/s of the training data pipeline (decode, augmentation, batch to a tensor).
+    Loader(BenchLoaderArgs),
+}
+
+#[derive(Args)]
+struct BenchLoaderArgs {
+    /// An image folder (root/<class>/<image>).
+    #[arg(long)]
+    data: PathBuf,
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Batches in flight.
+    #[arg(long, default_value_t = 4)]
+    prefetch: usize,
+    #[arg(long, default_value_t = 224)]
+    size: u32,
+    /// Timed batches (after one warm-up batch).
+    #[arg(long, default_value_t = 20)]
+    batches: usize,
 }
 
 #[derive(Args)]
@@ -102,15 +157,20 @@ fn run(cli: Cli) -> Result<()> {
         Command::Devices => devices(),
         Command::Predict(args) => predict_cmd(&cli.device, args),
         Command::Bench(BenchCommand::Model(args)) => bench_model(&cli.device, args),
+        Command::Bench(BenchCommand::Loader(args)) => bench_loader(&cli.device, args),
+        Command::Data(DataCommand::Synth(args)) => data_synth(args),
     }
 }
 
 fn models() -> Result<()> {
     let cpu = burn::prelude::Device::flex();
-    println!("{:<14} {:>14}  {}", "model", "parameters", "(1000 classes, torchvision architecture)");
+    println!(
+        "{:<14} {:>14}  {}",
+        "model", "parameters", "(1000 classes, torchvision architecture)"
+    );
     for arch in Architecture::ALL {
         // Lazy init: counting parameters allocates nothing.
-        let n = arch.init(1000, &cpu)?.num_params();
+        let n = arch.init(1000, &cpu)?.learnable_params();
         println!("{:<14} {:>14}", arch.name(), group_digits(n));
     }
     Ok(())
@@ -160,7 +220,10 @@ fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
         Some(path) => {
             let x = predict::npy_to_tensor(path, &device)?;
             let n = x.dims()[0];
-            (x, (0..n).map(|i| format!("{}[{i}]", path.display())).collect())
+            (
+                x,
+                (0..n).map(|i| format!("{}[{i}]", path.display())).collect(),
+            )
         }
         None => (
             predict::images_to_tensor(&args.image, 256, 224, &device)?,
@@ -173,14 +236,17 @@ fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
     let probs = model.head_activation().probabilities(logits.clone());
     let logits: Vec<f32> = logits
         .into_data()
-        .to_vec()
+        .try_to_vec::<f32>()
         .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
     let probs: Vec<f32> = probs
         .into_data()
-        .to_vec()
+        .try_to_vec::<f32>()
         .map_err(|e| anyhow::anyhow!("reading probabilities: {e:?}"))?;
     let elapsed = started.elapsed();
-    for (label, row) in labels.iter().zip(predict::top_k(&probs, classes, args.top.max(1))) {
+    for (label, row) in labels
+        .iter()
+        .zip(predict::top_k(&probs, classes, args.top.max(1)))
+    {
         println!("{label}");
         for (class, p) in row {
             let name = loaded
@@ -197,7 +263,10 @@ fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
             .with_context(|| format!("writing logits to {}", out.display()))?;
         eprintln!("logits [{n}, {classes}] written to {}", out.display());
     }
-    eprintln!("{n} input(s) in {:.1} ms on {device_name}", elapsed.as_secs_f64() * 1e3);
+    eprintln!(
+        "{n} input(s) in {:.1} ms on {device_name}",
+        elapsed.as_secs_f64() * 1e3
+    );
     Ok(())
 }
 
@@ -229,6 +298,57 @@ fn bench_model(device_name: &str, args: BenchModelArgs) -> Result<()> {
     let mut sorted = report.step_seconds.clone();
     sorted.sort_by(f64::total_cmp);
     println!("median step: {:.1} ms", sorted[sorted.len() / 2] * 1e3);
+    println!("images/s: {:.2}", report.images_per_sec);
+    Ok(())
+}
+
+fn data_synth(args: SynthArgs) -> Result<()> {
+    use hearth::datasets::synth::{SynthConfig, generate};
+    let cfg = SynthConfig::new(args.classes, args.per_class, args.size)
+        .with_seed(args.seed)
+        .with_val(args.val_per_class)
+        .with_jpeg(args.jpeg);
+    let started = Instant::now();
+    let n = generate(&args.out, &cfg)?;
+    println!(
+        "wrote {n} images ({} classes, {}x{}) to {} in {:.1} s",
+        args.classes,
+        args.size,
+        args.size,
+        args.out.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn bench_loader(device_name: &str, args: BenchLoaderArgs) -> Result<()> {
+    let device = hearth::device::select(device_name)?;
+    let bench = hearth::loader_bench::LoaderBench {
+        batch_size: args.batch_size,
+        workers: args.workers,
+        prefetch: args.prefetch,
+        size: args.size,
+        batches: args.batches,
+    };
+    eprintln!(
+        "bench loader {}: batch {}, {} workers, prefetch {}, {}x{}, {} batches",
+        args.data.display(),
+        args.batch_size,
+        args.workers,
+        args.prefetch,
+        args.size,
+        args.size,
+        args.batches
+    );
+    let report = bench.run(&args.data, &device, |i, n| {
+        if i % 5 == 0 || i == n {
+            eprintln!("  batch {i}/{n}");
+        }
+    })?;
+    if report.skipped > 0 {
+        eprintln!("warning: {} bad file(s) skipped", report.skipped);
+    }
+    println!("peak RSS: {:.1} MB", report.peak_rss_mb);
     println!("images/s: {:.2}", report.images_per_sec);
     Ok(())
 }

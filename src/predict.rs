@@ -38,7 +38,9 @@ pub fn load_for_predict(
         }
         _ => {
             let arch = Architecture::from_name(arch.ok_or_else(|| {
-                HearthError::InvalidArgument("--model is required unless --weights is a Hearth .bpk model file".into())
+                HearthError::InvalidArgument(
+                    "--model is required unless --weights is a Hearth .bpk model file".into(),
+                )
             })?)?;
             let classes = match (num_classes, weights) {
                 (Some(n), _) => n,
@@ -59,7 +61,12 @@ pub fn load_for_predict(
 }
 
 /// Images through torchvision's evaluation preprocessing, stacked into `[N, 3, crop, crop]`.
-pub fn images_to_tensor(paths: &[PathBuf], resize: u32, crop: u32, device: &Device) -> Result<Tensor<4>> {
+pub fn images_to_tensor(
+    paths: &[PathBuf],
+    resize: u32,
+    crop: u32,
+    device: &Device,
+) -> Result<Tensor<4>> {
     let mut data = Vec::with_capacity(paths.len() * 3 * (crop * crop) as usize);
     for path in paths {
         let img = load_rgb(path)?;
@@ -72,10 +79,14 @@ pub fn images_to_tensor(paths: &[PathBuf], resize: u32, crop: u32, device: &Devi
 /// A raw NCHW float tensor from `.npy`, used as is.
 pub fn npy_to_tensor(path: &Path, device: &Device) -> Result<Tensor<4>> {
     let array = npy::read(path)?;
-    let shape: [usize; 4] = array.shape.as_slice().try_into().map_err(|_| HearthError::Npy {
-        path: path.to_path_buf(),
-        reason: format!("expected a 4-d NCHW array, got shape {:?}", array.shape),
-    })?;
+    let shape: [usize; 4] = array
+        .shape
+        .as_slice()
+        .try_into()
+        .map_err(|_| HearthError::Npy {
+            path: path.to_path_buf(),
+            reason: format!("expected a 4-d NCHW array, got shape {:?}", array.shape),
+        })?;
     if shape[1] != 3 || shape[2] < MIN_INPUT_SIZE || shape[3] < MIN_INPUT_SIZE || shape[0] == 0 {
         return Err(HearthError::Npy {
             path: path.to_path_buf(),
@@ -84,7 +95,10 @@ pub fn npy_to_tensor(path: &Path, device: &Device) -> Result<Tensor<4>> {
             ),
         });
     }
-    Ok(Tensor::from_data(TensorData::new(array.data, shape), device))
+    Ok(Tensor::from_data(
+        TensorData::new(array.data, shape),
+        device,
+    ))
 }
 
 /// The `k` best (class, probability) of each row.

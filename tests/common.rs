@@ -5,12 +5,12 @@ use std::path::PathBuf;
 
 use burn::prelude::*;
 use hearth::device::DeviceChoice;
-use hearth::models::{
-    BlockKind, DenseNetConfig, ModelConfig, ResNetConfig, VggConfig, VggLayer,
-};
+use hearth::models::{BlockKind, DenseNetConfig, ModelConfig, ResNetConfig, VggConfig, VggLayer};
 
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parity").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/parity")
+        .join(name)
 }
 
 /// The configurations of the fixtures written by scripts/make_parity_fixtures.py.
@@ -38,7 +38,18 @@ pub fn fixture_config(name: &str) -> ModelConfig {
         ),
         "vgg" => ModelConfig::Vgg(
             VggConfig::new(
-                vec![Conv(8), Pool, Conv(16), Pool, Conv(16), Pool, Conv(32), Pool, Conv(32), Pool],
+                vec![
+                    Conv(8),
+                    Pool,
+                    Conv(16),
+                    Pool,
+                    Conv(16),
+                    Pool,
+                    Conv(32),
+                    Pool,
+                    Conv(32),
+                    Pool,
+                ],
                 false,
                 4,
             )
@@ -56,9 +67,13 @@ pub fn device_or_skip(choice: DeviceChoice, test: &str) -> Option<Device> {
         Ok(d) => Some(d),
         Err(e) => {
             if std::env::var("HEARTH_REQUIRE_VULKAN").as_deref() == Ok("1") {
-                panic!("{test}: device {choice} required (HEARTH_REQUIRE_VULKAN=1) but unavailable: {e}");
+                panic!(
+                    "{test}: device {choice} required (HEARTH_REQUIRE_VULKAN=1) but unavailable: {e}"
+                );
             }
-            eprintln!("SKIPPED {test}: device {choice} unavailable here ({e}); install mesa-vulkan-drivers to run it");
+            eprintln!(
+                "SKIPPED {test}: device {choice} unavailable here ({e}); install mesa-vulkan-drivers to run it"
+            );
             None
         }
     }
@@ -66,5 +81,8 @@ pub fn device_or_skip(choice: DeviceChoice, test: &str) -> Option<Device> {
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }

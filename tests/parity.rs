@@ -36,15 +36,23 @@ fn check_parity(device: &Device, device_name: &str) {
         let shape: [usize; 4] = input.shape.clone().try_into().unwrap();
         let x = Tensor::<4>::from_data(TensorData::new(input.data, shape), device);
         let logits = model.forward(x);
-        assert_eq!(logits.dims().to_vec(), expected.shape, "{file}: logits shape");
-        let got: Vec<f32> = logits.into_data().to_vec().unwrap();
+        assert_eq!(
+            logits.dims().to_vec(),
+            expected.shape,
+            "{file}: logits shape"
+        );
+        let got: Vec<f32> = logits.into_data().try_to_vec::<f32>().unwrap();
         let diff = max_abs_diff(&got, &expected.data);
         eprintln!("{device_name} {file}: max |diff| = {diff:.2e}");
         if diff > TOLERANCE {
             failures.push(format!("{file}: max |diff| {diff:.3e} > {TOLERANCE:e}"));
         }
     }
-    assert!(failures.is_empty(), "{device_name}: {}", failures.join("; "));
+    assert!(
+        failures.is_empty(),
+        "{device_name}: {}",
+        failures.join("; ")
+    );
 }
 
 #[test]

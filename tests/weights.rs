@@ -8,7 +8,7 @@ use burn::module::Module;
 use burn::prelude::*;
 use common::*;
 use hearth::models::{
-    BlockKind, ModelConfig, ModelError, LoadOptions, ResNetConfig, load_model, load_torchvision,
+    BlockKind, LoadOptions, ModelConfig, ModelError, ResNetConfig, load_model, load_torchvision,
     save_model,
 };
 
@@ -28,7 +28,11 @@ fn load(model: &mut hearth::models::Classifier, path: &Path) -> Result<(), Model
 
 #[test]
 fn missing_file_names_the_path() {
-    let err = load(&mut resnet([1, 1, 1, 1], 10), Path::new("/nonexistent/w.pth")).unwrap_err();
+    let err = load(
+        &mut resnet([1, 1, 1, 1], 10),
+        Path::new("/nonexistent/w.pth"),
+    )
+    .unwrap_err();
     assert!(matches!(err, ModelError::Io { .. }));
     assert!(err.to_string().contains("/nonexistent/w.pth"), "{err}");
 }
@@ -114,7 +118,11 @@ fn shape_mismatches_name_key_and_shapes_and_skip_head_allows_new_classes() {
         },
     )
     .unwrap();
-    assert!(report.ignored.iter().any(|k| k.starts_with("fc.")), "{:?}", report.ignored);
+    assert!(
+        report.ignored.iter().any(|k| k.starts_with("fc.")),
+        "{:?}",
+        report.ignored
+    );
     assert_eq!(model.num_classes(), 3);
 }
 
@@ -132,8 +140,19 @@ fn hearth_model_files_round_trip_and_reject_damage() {
     let saved = load_model(&path, &device).unwrap();
     assert_eq!(saved.class_names.as_deref(), Some(names.as_slice()));
     let x = Tensor::<4>::ones([1, 3, 32, 32], &device);
-    let a: Vec<f32> = model.valid().forward(x.clone()).into_data().to_vec().unwrap();
-    let b: Vec<f32> = saved.model.valid().forward(x).into_data().to_vec().unwrap();
+    let a: Vec<f32> = model
+        .valid()
+        .forward(x.clone())
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap();
+    let b: Vec<f32> = saved
+        .model
+        .valid()
+        .forward(x)
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap();
     assert_eq!(a, b);
 
     let bytes = std::fs::read(&path).unwrap();

@@ -296,12 +296,18 @@ impl ImageSet {
             rows.push((path, row_labels));
         }
         let classes: Vec<String> = labels.into_iter().collect();
-        let index: BTreeMap<&str, usize> =
-            classes.iter().enumerate().map(|(i, c)| (c.as_str(), i)).collect();
+        let index: BTreeMap<&str, usize> = classes
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c.as_str(), i))
+            .collect();
         let samples: Vec<Sample> = rows
             .into_iter()
             .map(|(path, ls)| {
-                let mut idx: Vec<usize> = ls.iter().filter_map(|l| index.get(l.as_str()).copied()).collect();
+                let mut idx: Vec<usize> = ls
+                    .iter()
+                    .filter_map(|l| index.get(l.as_str()).copied())
+                    .collect();
                 idx.sort_unstable();
                 idx.dedup();
                 Sample {

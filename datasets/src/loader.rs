@@ -104,7 +104,10 @@ impl LoaderConfig {
             return bad("workers and prefetch must be at least 1".into());
         }
         if self.world_size == 0 || self.rank >= self.world_size {
-            return bad(format!("rank {} is not in a world of {}", self.rank, self.world_size));
+            return bad(format!(
+                "rank {} is not in a world of {}",
+                self.rank, self.world_size
+            ));
         }
         Ok(())
     }
@@ -199,6 +202,7 @@ impl Loader {
     /// This rank's sample indices for the rest of an epoch that starts at global position
     /// `start` of [`Loader::epoch_order`], dealt over `world` ranks.
     pub fn shard_indices(&self, epoch: u64, start: usize, rank: usize, world: usize) -> Vec<usize> {
+        let world = world.max(1);
         let order = self.epoch_order(epoch);
         let rest = &order[start.min(order.len())..];
         let b = self.config.batch_size;
@@ -219,7 +223,9 @@ impl Loader {
 
     /// Batches per rank in an epoch (the same on every rank).
     pub fn batches_per_epoch(&self) -> usize {
-        let n = self.shard_indices(0, 0, self.config.rank, self.config.world_size).len();
+        let n = self
+            .shard_indices(0, 0, self.config.rank, self.config.world_size)
+            .len();
         n.div_ceil(self.config.batch_size)
     }
 
@@ -246,7 +252,12 @@ impl Loader {
         BatchStream::start(self.clone(), epoch, batches, device.clone())
     }
 
-    fn load_one(&self, index: usize, epoch: u64, out: &mut Vec<f32>) -> std::result::Result<(), Problem> {
+    fn load_one(
+        &self,
+        index: usize,
+        epoch: u64,
+        out: &mut Vec<f32>,
+    ) -> std::result::Result<(), Problem> {
         let sample = &self.set.samples[index];
         let problem = |kind| Problem {
             path: sample.path.clone(),
@@ -264,10 +275,13 @@ impl Loader {
         match img {
             Ok(img) => {
                 self.decoded.fetch_add(1, Ordering::Relaxed);
-                self.pipeline.apply(img, self.config.seed, epoch, index as u64, out);
+                self.pipeline
+                    .apply(img, self.config.seed, epoch, index as u64, out);
                 Ok(())
             }
-            Err(DataError::Io { source, .. }) => Err(problem(ProblemKind::Unreadable(source.to_string()))),
+            Err(DataError::Io { source, .. }) => {
+                Err(problem(ProblemKind::Unreadable(source.to_string())))
+            }
             Err(e) => Err(problem(ProblemKind::Corrupt(e.to_string()))),
         }
     }
@@ -380,8 +394,12 @@ impl BatchStream {
         let stop = Arc::new(AtomicBool::new(false));
         let workers = (0..workers_n)
             .map(|_| {
-                let (jobs, done, loader, stop) =
-                    (job_rx.clone(), done_tx.clone(), loader.clone(), stop.clone());
+                let (jobs, done, loader, stop) = (
+                    job_rx.clone(),
+                    done_tx.clone(),
+                    loader.clone(),
+                    stop.clone(),
+                );
                 std::thread::spawn(move || {
                     loop {
                         let job = match jobs.lock() {

@@ -29,6 +29,8 @@ pub struct SynthConfig {
     pub seed: u64,
     /// Also write `val/` with this many images per class (0: only the flat class folders).
     pub val_per_class: usize,
+    /// Write JPEG (quality 90) instead of PNG.
+    pub jpeg: bool,
 }
 
 impl SynthConfig {
@@ -39,7 +41,12 @@ impl SynthConfig {
             size,
             seed: 0,
             val_per_class: 0,
+            jpeg: false,
         }
+    }
+    pub fn with_jpeg(mut self, on: bool) -> Self {
+        self.jpeg = on;
+        self
     }
     pub fn with_seed(mut self, seed: u64) -> Self {
         self.seed = seed;
@@ -127,10 +134,23 @@ fn write_split(dir: &Path, cfg: &SynthConfig, per_class: usize, offset: usize) -
         })?;
         for i in 0..per_class {
             let img = render(class, offset + i, cfg.size, cfg.seed);
-            let path = class_dir.join(format!("{:05}.png", offset + i));
-            img.save(&path).map_err(|e| DataError::Write {
+            let ext = if cfg.jpeg { "jpg" } else { "png" };
+            let path = class_dir.join(format!("{:05}.{ext}", offset + i));
+            let saved = if cfg.jpeg {
+                std::fs::File::create(&path)
+                    .map_err(|e| e.to_string())
+                    .and_then(|f| {
+                        let mut w = std::io::BufWriter::new(f);
+                        image::codecs::jpeg::JpegEncoder::new_with_quality(&mut w, 90)
+                            .encode_image(&img)
+                            .map_err(|e| e.to_string())
+                    })
+            } else {
+                img.save(&path).map_err(|e| e.to_string())
+            };
+            saved.map_err(|reason| DataError::Write {
                 path: path.clone(),
-                reason: e.to_string(),
+                reason,
             })?;
             written += 1;
         }

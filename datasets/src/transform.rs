@@ -89,7 +89,8 @@ impl Transform {
             }
             Transform::CenterCrop(s) => center_crop(&img, s),
             Transform::RandomResizedCrop { size, scale, ratio } => {
-                let (x, y, w, h) = random_resized_crop_box(img.width(), img.height(), scale, ratio, rng);
+                let (x, y, w, h) =
+                    random_resized_crop_box(img.width(), img.height(), scale, ratio, rng);
                 let crop = image::imageops::crop_imm(&img, x, y, w, h).to_image();
                 image::imageops::resize(&crop, size, size, FilterType::Triangle)
             }
@@ -191,7 +192,10 @@ fn bilinear(img: &RgbImage, x: f64, y: f64) -> Option<Rgb<u8>> {
     let x = x.clamp(0.0, w - 1.0);
     let y = y.clamp(0.0, h - 1.0);
     let (x0, y0) = (x.floor() as u32, y.floor() as u32);
-    let (x1, y1) = ((x0 + 1).min(img.width() - 1), (y0 + 1).min(img.height() - 1));
+    let (x1, y1) = (
+        (x0 + 1).min(img.width() - 1),
+        (y0 + 1).min(img.height() - 1),
+    );
     let (ax, ay) = (x - x0 as f64, y - y0 as f64);
     let p = |xx, yy| img.get_pixel(xx, yy).0;
     let (p00, p10, p01, p11) = (p(x0, y0), p(x1, y0), p(x0, y1), p(x1, y1));
@@ -232,7 +236,9 @@ impl Pipeline {
             s.validate()?;
         }
         if size == 0 {
-            return Err(DataError::InvalidTransform("output size must be positive".into()));
+            return Err(DataError::InvalidTransform(
+                "output size must be positive".into(),
+            ));
         }
         Ok(Self { steps, size })
     }
@@ -295,7 +301,9 @@ mod tests {
     use super::*;
 
     fn gradient(w: u32, h: u32) -> RgbImage {
-        RgbImage::from_fn(w, h, |x, y| Rgb([(x * 7 % 256) as u8, (y * 5 % 256) as u8, 128]))
+        RgbImage::from_fn(w, h, |x, y| {
+            Rgb([(x * 7 % 256) as u8, (y * 5 % 256) as u8, 128])
+        })
     }
 
     #[test]
@@ -323,7 +331,8 @@ mod tests {
     fn random_resized_crop_box_stays_inside_and_respects_scale() {
         let mut rng = SplitMix64::new(3);
         for _ in 0..500 {
-            let (x, y, w, h) = random_resized_crop_box(100, 60, (0.08, 1.0), (0.75, 4.0 / 3.0), &mut rng);
+            let (x, y, w, h) =
+                random_resized_crop_box(100, 60, (0.08, 1.0), (0.75, 4.0 / 3.0), &mut rng);
             assert!(w >= 1 && h >= 1 && x + w <= 100 && y + h <= 60);
         }
         // Impossible aspect ratios fall back to a centred crop with the ratio clamped.

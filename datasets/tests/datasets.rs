@@ -6,16 +6,25 @@ use std::path::Path;
 use burn::prelude::*;
 use hearth_datasets::synth::{SynthConfig, class_names, generate};
 use hearth_datasets::{
-    DataError, DiskCache, ImageSet, Loader, LoaderConfig, Pipeline, ProblemKind, Target,
-    Transform, train_val,
+    DataError, DiskCache, ImageSet, Loader, LoaderConfig, Pipeline, ProblemKind, Target, Transform,
+    train_val,
 };
 
 fn synth(dir: &Path, classes: usize, per_class: usize, size: u32) {
-    generate(dir, &SynthConfig::new(classes, per_class, size).with_seed(1)).unwrap();
+    generate(
+        dir,
+        &SynthConfig::new(classes, per_class, size).with_seed(1),
+    )
+    .unwrap();
 }
 
 fn loader(set: ImageSet, batch: usize, cfg: impl FnOnce(LoaderConfig) -> LoaderConfig) -> Loader {
-    Loader::new(set, Pipeline::train(16), cfg(LoaderConfig::new(batch).with_seed(3))).unwrap()
+    Loader::new(
+        set,
+        Pipeline::train(16),
+        cfg(LoaderConfig::new(batch).with_seed(3)),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -58,14 +67,20 @@ fn every_kind_of_bad_file_is_counted_with_its_path_and_strict_mode_refuses() {
     assert_eq!(find("zero.png"), ProblemKind::EmptyFile);
     assert_eq!(find("notes.txt"), ProblemKind::NotAnImage);
     assert!(matches!(find("garbage.jpg"), ProblemKind::Corrupt(_)));
-    assert!(matches!(find("truncated_header.png"), ProblemKind::Corrupt(_)));
+    assert!(matches!(
+        find("truncated_header.png"),
+        ProblemKind::Corrupt(_)
+    ));
     assert!(matches!(find("dangling.png"), ProblemKind::Unreadable(_)));
     assert_eq!(find("zz_empty_class"), ProblemKind::EmptyClass);
     let summary = set.problems.summary().unwrap();
     assert!(summary.contains("skipped 6 bad file(s)"), "{summary}");
 
     let err = set.strict().unwrap_err().to_string();
-    assert!(err.contains("garbage.jpg") && err.contains("zero.png"), "{err}");
+    assert!(
+        err.contains("garbage.jpg") && err.contains("zero.png"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -77,7 +92,11 @@ fn unreadable_permissions_are_reported_unless_running_as_root() {
     std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o000)).unwrap();
     let set = ImageSet::from_folder(dir.path()).unwrap();
     let root_can_read = std::fs::File::open(&f).is_ok();
-    let reported = set.problems.0.iter().any(|p| p.path == f && matches!(p.kind, ProblemKind::Unreadable(_)));
+    let reported = set
+        .problems
+        .0
+        .iter()
+        .any(|p| p.path == f && matches!(p.kind, ProblemKind::Unreadable(_)));
     assert_eq!(reported, !root_can_read, "{:?}", set.problems);
 }
 
@@ -134,7 +153,7 @@ fn multi_label_csv_with_header_and_no_finding() {
     std::fs::write(
         &csv,
         format!(
-            "Image Index,Finding Labels\n{a}/00000.png,Effusion|Mass\n{a}/00001.png,No Finding\n{b}/00002.png,Mass\n{b}/missing.png,Mass\n",
+            "Image Index,Finding Labels\n{a}/00000.png,Effusion|Mass\n{a}/00001.png,No Finding\n{b}/00001.png,Mass\n{b}/missing.png,Mass\n",
             a = n[0],
             b = n[1]
         ),
@@ -146,9 +165,19 @@ fn multi_label_csv_with_header_and_no_finding() {
     assert_eq!(set.samples[0].target, Target::Multi(vec![0, 1]));
     assert_eq!(set.samples[1].target, Target::Multi(vec![]));
     assert_eq!(set.problems.0[0].kind, ProblemKind::MissingFile);
-    let l = Loader::new(set, Pipeline::eval(16), LoaderConfig::new(4).with_shuffle(false)).unwrap();
+    let l = Loader::new(
+        set,
+        Pipeline::eval(16),
+        LoaderConfig::new(4).with_shuffle(false),
+    )
+    .unwrap();
     let batch = l.epoch(0, &Device::flex()).next().unwrap().unwrap();
-    let hot: Vec<f32> = batch.multi_hot.unwrap().into_data().to_vec().unwrap();
+    let hot: Vec<f32> = batch
+        .multi_hot
+        .unwrap()
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap();
     assert_eq!(hot, vec![1.0, 1.0, 0.0, 0.0, 0.0, 1.0]);
 }
 
@@ -167,8 +196,24 @@ fn order_and_pixels_are_deterministic_per_seed_and_epoch() {
     let b = loader(set.clone(), 4, |c| c.with_workers(1).with_prefetch(1));
     assert_eq!(epoch_indices(&a, 0), epoch_indices(&b, 0));
     assert_ne!(epoch_indices(&a, 0), epoch_indices(&a, 1));
-    let pa: Vec<f32> = a.epoch(2, &Device::flex()).next().unwrap().unwrap().images.into_data().to_vec().unwrap();
-    let pb: Vec<f32> = b.epoch(2, &Device::flex()).next().unwrap().unwrap().images.into_data().to_vec().unwrap();
+    let pa: Vec<f32> = a
+        .epoch(2, &Device::flex())
+        .next()
+        .unwrap()
+        .unwrap()
+        .images
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap();
+    let pb: Vec<f32> = b
+        .epoch(2, &Device::flex())
+        .next()
+        .unwrap()
+        .unwrap()
+        .images
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap();
     assert_eq!(pa, pb, "augmentation depends only on (seed, epoch, index)");
     let batch = a.epoch(0, &Device::flex()).next().unwrap().unwrap();
     assert_eq!(batch.images.dims(), [4, 3, 16, 16]);
@@ -185,16 +230,28 @@ fn shards_are_disjoint_cover_the_epoch_and_have_equal_batch_counts() {
             .map(|r| epoch_indices(&loader(set.clone(), 2, |c| c.with_shard(r, world)), 1))
             .collect();
         let counts: Vec<usize> = shards.iter().map(Vec::len).collect();
-        assert!(counts.iter().all(|&c| c == counts[0]), "world {world}: batch counts {counts:?}");
+        assert!(
+            counts.iter().all(|&c| c == counts[0]),
+            "world {world}: batch counts {counts:?}"
+        );
         let all: Vec<usize> = shards.iter().flatten().flatten().copied().collect();
         let unique: BTreeSet<usize> = all.iter().copied().collect();
         assert_eq!(unique.len(), 10, "world {world} covers the epoch");
         // Padding repeats at most world - 1 samples.
-        assert!(all.len() - 10 < world, "world {world}: {} samples", all.len());
+        assert!(
+            all.len() - 10 < world,
+            "world {world}: {} samples",
+            all.len()
+        );
     }
     // drop_last: whole batches on every rank, no repeats.
     let shards: Vec<Vec<Vec<usize>>> = (0..3)
-        .map(|r| epoch_indices(&loader(set.clone(), 2, |c| c.with_shard(r, 3).with_drop_last(true)), 0))
+        .map(|r| {
+            epoch_indices(
+                &loader(set.clone(), 2, |c| c.with_shard(r, 3).with_drop_last(true)),
+                0,
+            )
+        })
         .collect();
     assert!(shards.iter().all(|s| s.len() == 1 && s[0].len() == 2));
     let all: Vec<usize> = shards.iter().flatten().flatten().copied().collect();
@@ -234,7 +291,11 @@ fn streaming_decodes_only_what_is_in_flight() {
     stream.next().unwrap().unwrap();
     std::thread::sleep(std::time::Duration::from_millis(200));
     // One yielded + at most `prefetch` in flight, 2 samples each.
-    assert!(l.decoded_samples() <= 2 * (1 + 2), "decoded {}", l.decoded_samples());
+    assert!(
+        l.decoded_samples() <= 2 * (1 + 2),
+        "decoded {}",
+        l.decoded_samples()
+    );
     drop(stream);
     assert_eq!(l.epoch(0, &Device::flex()).count(), 20);
 }
@@ -250,14 +311,25 @@ fn files_that_fail_mid_stream_are_replaced_and_reported() {
     std::fs::write(&victim, &bytes[..bytes.len() / 2]).unwrap();
     let l = loader(set.clone(), 3, |c| c.with_shuffle(false));
     let batches = epoch_indices(&l, 0);
-    assert_eq!(batches.iter().map(Vec::len).sum::<usize>(), 8, "batch sizes unchanged");
-    assert!(l.decode_problems().iter().any(|p| p.path == victim), "{:?}", l.decode_problems());
+    assert_eq!(
+        batches.iter().map(Vec::len).sum::<usize>(),
+        8,
+        "batch sizes unchanged"
+    );
+    assert!(
+        l.decode_problems().iter().any(|p| p.path == victim),
+        "{:?}",
+        l.decode_problems()
+    );
     let strict = loader(set, 3, |c| c.with_shuffle(false).with_strict(true));
     let err = strict
         .epoch(0, &Device::flex())
         .find_map(|b| b.err())
         .expect("strict mode errors");
-    assert!(err.to_string().contains(&victim.display().to_string()), "{err}");
+    assert!(
+        err.to_string().contains(&victim.display().to_string()),
+        "{err}"
+    );
 }
 
 #[test]
@@ -286,9 +358,9 @@ fn disk_cache_hits_and_rebuilds_when_the_source_changes() {
     assert_eq!(tiny.used_bytes(), 0);
     // Cached loading through the loader.
     let set = ImageSet::from_folder(dir.path()).unwrap();
-    let l = Loader::new(set, Pipeline::eval(16), LoaderConfig::new(2)).unwrap().with_cache(
-        DiskCache::open(cache_dir.path(), 1 << 20, 20).unwrap(),
-    );
+    let l = Loader::new(set, Pipeline::eval(16), LoaderConfig::new(2))
+        .unwrap()
+        .with_cache(DiskCache::open(cache_dir.path(), 1 << 20, 20).unwrap());
     assert_eq!(l.epoch(0, &Device::flex()).count(), 2);
 }
 
@@ -302,7 +374,11 @@ fn augmentations_compose_in_a_loader() {
         .unwrap()
         .with(Transform::Shear(10.0))
         .unwrap()
-        .with(Transform::ColorJitter { brightness: 0.3, contrast: 0.3, saturation: 0.3 })
+        .with(Transform::ColorJitter {
+            brightness: 0.3,
+            contrast: 0.3,
+            saturation: 0.3,
+        })
         .unwrap();
     let l = Loader::new(set, p, LoaderConfig::new(4)).unwrap();
     let b = l.epoch(0, &Device::flex()).next().unwrap().unwrap();

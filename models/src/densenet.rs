@@ -16,8 +16,8 @@ use burn::nn::{BatchNorm, Dropout, DropoutConfig, Linear, PaddingConfig2d};
 use burn::prelude::*;
 use burn::tensor::activation::relu;
 
+use crate::ModelError;
 use crate::layers::{HeadActivation, HeadConfig, batch_norm, conv2d};
-use crate::{ModelError, Result};
 
 /// Configuration of a [`DenseNet`]; the defaults are torchvision's.
 #[derive(Config, Debug)]
@@ -51,16 +51,20 @@ impl DenseNetConfig {
         Self::new(32, vec![6, 12, 48, 32], 64, num_classes)
     }
 
-    pub fn init(&self, device: &Device) -> Result<DenseNet> {
+    pub fn init(&self, device: &Device) -> crate::Result<DenseNet> {
         let bad = |reason: &str| ModelError::InvalidConfig {
             model: "DenseNet",
             reason: reason.to_string(),
         };
         if self.num_classes == 0 || self.growth_rate == 0 || self.num_init_features == 0 {
-            return Err(bad("num_classes, growth_rate, num_init_features must be positive"));
+            return Err(bad(
+                "num_classes, growth_rate, num_init_features must be positive",
+            ));
         }
         if self.block_config.is_empty() || self.block_config.contains(&0) || self.bn_size == 0 {
-            return Err(bad("block_config needs at least one non-empty block, bn_size > 0"));
+            return Err(bad(
+                "block_config needs at least one non-empty block, bn_size > 0",
+            ));
         }
         if !(0.0..1.0).contains(&self.drop_rate) {
             return Err(bad("drop_rate must be in [0, 1)"));

@@ -31,7 +31,9 @@ pub(crate) fn conv2d(
 ) -> Conv2d {
     let mut conv = Conv2dConfig::new([in_ch, out_ch], [kernel, kernel])
         .with_stride([stride, stride])
-        .with_padding(PaddingConfig2d::Explicit(padding, padding, padding, padding))
+        .with_padding(PaddingConfig2d::Explicit(
+            padding, padding, padding, padding,
+        ))
         .with_groups(groups)
         .with_bias(bias)
         .with_initializer(Initializer::KaimingNormal {
@@ -123,11 +125,7 @@ impl HeadConfig {
 }
 
 /// Rejects inputs the network cannot take, instead of failing deep inside a kernel.
-pub(crate) fn check_input(
-    model: &str,
-    input: &Tensor<4>,
-    min_size: usize,
-) -> crate::Result<()> {
+pub(crate) fn check_input(model: &str, input: &Tensor<4>, min_size: usize) -> crate::Result<()> {
     let dims = input.dims();
     if dims[1] != 3 || dims[2] < min_size || dims[3] < min_size || dims[0] == 0 {
         return Err(crate::ModelError::BadInput {

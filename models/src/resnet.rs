@@ -14,8 +14,8 @@ use burn::nn::{BatchNorm, Linear, PaddingConfig2d};
 use burn::prelude::*;
 use burn::tensor::activation::relu;
 
+use crate::ModelError;
 use crate::layers::{HeadActivation, HeadConfig, batch_norm, conv2d};
-use crate::{ModelError, Result};
 
 /// Which residual block a ResNet stacks.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -74,7 +74,7 @@ impl ResNetConfig {
         Self::new(BlockKind::Bottleneck, [3, 8, 36, 3], num_classes)
     }
 
-    fn validate(&self) -> Result<()> {
+    fn validate(&self) -> crate::Result<()> {
         let bad = |reason: String| ModelError::InvalidConfig {
             model: "ResNet",
             reason,
@@ -83,19 +83,24 @@ impl ResNetConfig {
             return Err(bad("num_classes must be at least 1".into()));
         }
         if self.layers.contains(&0) {
-            return Err(bad(format!("every stage needs a block, got {:?}", self.layers)));
+            return Err(bad(format!(
+                "every stage needs a block, got {:?}",
+                self.layers
+            )));
         }
         if self.stem_width == 0 || self.stage_widths.contains(&0) || self.groups == 0 {
             return Err(bad("widths and groups must be positive".into()));
         }
         if self.block == BlockKind::Basic && (self.groups != 1 || self.width_per_group != 64) {
-            return Err(bad("basic blocks support only groups=1, width_per_group=64".into()));
+            return Err(bad(
+                "basic blocks support only groups=1, width_per_group=64".into(),
+            ));
         }
         Ok(())
     }
 
     /// Builds the network with torchvision's initialisation.
-    pub fn init(&self, device: &Device) -> Result<ResNet> {
+    pub fn init(&self, device: &Device) -> crate::Result<ResNet> {
         self.validate()?;
         let mut inplanes = self.stem_width;
         let mut stages = Vec::with_capacity(4);
@@ -247,7 +252,10 @@ impl ResNet {
     /// Key renames from a torchvision state_dict to this module (regex, replacement).
     pub fn torchvision_remaps() -> Vec<(String, String)> {
         vec![
-            (r"^(layer\d+\.\d+\.downsample)\.0\.".into(), "$1.conv.".into()),
+            (
+                r"^(layer\d+\.\d+\.downsample)\.0\.".into(),
+                "$1.conv.".into(),
+            ),
             (r"^(layer\d+\.\d+\.downsample)\.1\.".into(), "$1.bn.".into()),
         ]
     }

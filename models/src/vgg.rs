@@ -14,8 +14,8 @@ use burn::nn::{BatchNorm, Dropout, DropoutConfig, Initializer, Linear, LinearCon
 use burn::prelude::*;
 use burn::tensor::activation::relu;
 
-use crate::layers::{HeadActivation, HeadConfig, batch_norm, conv2d};
-use crate::{ModelError, Result};
+use crate::ModelError;
+use crate::layers::{HeadActivation, batch_norm, conv2d};
 
 /// One entry of torchvision's VGG `cfgs`: a 3x3 convolution to this many channels, or a 2x2
 /// max pool (`"M"`).
@@ -44,12 +44,20 @@ pub struct VggConfig {
 fn cfg(spec: &[usize]) -> Vec<VggLayer> {
     // 0 stands for "M" in these tables.
     spec.iter()
-        .map(|&c| if c == 0 { VggLayer::Pool } else { VggLayer::Conv(c) })
+        .map(|&c| {
+            if c == 0 {
+                VggLayer::Pool
+            } else {
+                VggLayer::Conv(c)
+            }
+        })
         .collect()
 }
 
 const A: &[usize] = &[64, 0, 128, 0, 256, 256, 0, 512, 512, 0, 512, 512, 0];
-const B: &[usize] = &[64, 64, 0, 128, 128, 0, 256, 256, 0, 512, 512, 0, 512, 512, 0];
+const B: &[usize] = &[
+    64, 64, 0, 128, 128, 0, 256, 256, 0, 512, 512, 0, 512, 512, 0,
+];
 const D: &[usize] = &[
     64, 64, 0, 128, 128, 0, 256, 256, 256, 0, 512, 512, 512, 0, 512, 512, 512, 0,
 ];
@@ -71,7 +79,7 @@ impl VggConfig {
         Self::new(cfg(E), batch_norm, num_classes)
     }
 
-    fn validate(&self) -> Result<usize> {
+    fn validate(&self) -> crate::Result<usize> {
         let bad = |reason: &str| ModelError::InvalidConfig {
             model: "VGG",
             reason: reason.to_string(),
@@ -96,7 +104,7 @@ impl VggConfig {
         Ok(channels)
     }
 
-    pub fn init(&self, device: &Device) -> Result<Vgg> {
+    pub fn init(&self, device: &Device) -> crate::Result<Vgg> {
         let last_channels = self.validate()?;
         let mut features = Vec::new();
         let mut pool_after = Vec::new();

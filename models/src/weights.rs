@@ -33,7 +33,11 @@ impl WeightsFormat {
             .file_name()
             .map(|n| n.to_string_lossy().to_ascii_lowercase())
             .unwrap_or_default();
-        if name.ends_with(".pth") || name.ends_with(".pt") || name.ends_with(".pth.tar") || name.ends_with(".bin") {
+        if name.ends_with(".pth")
+            || name.ends_with(".pt")
+            || name.ends_with(".pth.tar")
+            || name.ends_with(".bin")
+        {
             Ok(Self::Pytorch)
         } else if name.ends_with(".safetensors") {
             Ok(Self::Safetensors)
@@ -100,6 +104,7 @@ fn check_apply(
     format: WeightsFormat,
 ) -> Result<LoadReport> {
     let in_head = |k: &str| head_prefix.is_some_and(|p| head_key(k, p));
+    let mut head_errors = Vec::new();
     for error in &result.errors {
         match error {
             ApplyError::ShapeMismatch {
@@ -110,11 +115,11 @@ fn check_apply(
                 return Err(ModelError::ShapeMismatch {
                     path: path.to_path_buf(),
                     key: key.clone(),
-                    expected: expected.dims.to_vec(),
-                    found: found.dims.to_vec(),
+                    expected: expected.to_vec(),
+                    found: found.to_vec(),
                 });
             }
-            ApplyError::ShapeMismatch { .. } => {}
+            ApplyError::ShapeMismatch { path: key, .. } => head_errors.push(key.clone()),
             ApplyError::DTypeMismatch { path: key, .. }
             | ApplyError::AdapterError { path: key, .. }
             | ApplyError::LoadError { path: key, .. } => {
@@ -125,6 +130,7 @@ fn check_apply(
                         reason: error.to_string(),
                     });
                 }
+                head_errors.push(key.clone());
             }
         }
     }
@@ -134,11 +140,13 @@ fn check_apply(
         .map(|(k, _)| k.clone())
         .filter(|k| !in_head(k))
         .collect();
-    let (ignored, unexpected): (Vec<String>, Vec<String>) = result
+    let (mut ignored, unexpected): (Vec<String>, Vec<String>) = result
         .unused
         .iter()
         .cloned()
         .partition(|k| k.ends_with("num_batches_tracked") || in_head(k));
+    // With skip_head, the file's head (of another class count) is left out on purpose.
+    ignored.extend(head_errors);
     if !missing.is_empty() {
         let hint = if result.applied.is_empty() {
             "; nothing matched: is this a weights file for another architecture?".to_string()
@@ -260,14 +268,14 @@ pub fn torchvision_num_classes(arch: crate::Architecture, path: &Path) -> Result
             store
                 .get_tensor(key)
                 .map_err(|e| corrupt(e.to_string()))?
-                .map(|t| t.shape.dims.to_vec())
+                .map(|t| t.shape.to_vec())
         }
         WeightsFormat::Safetensors => {
             let mut store = SafetensorsStore::from_file(path);
             store
                 .get_tensor(key)
                 .map_err(|e| corrupt(e.to_string()))?
-                .map(|t| t.shape.dims.to_vec())
+                .map(|t| t.shape.to_vec())
         }
         WeightsFormat::Hearth => None,
     };
@@ -369,8 +377,8 @@ pub fn load_model(path: &Path, device: &Device) -> Result<SavedModel> {
         format: "Hearth (burnpack)",
         reason,
     };
-    let reader = burn::store::burn_pack::Reader::from_file(path)
-        .map_err(|e| corrupt(e.to_string()))?;
+    let reader =
+        burn::store::burn_pack::Reader::from_file(path).map_err(|e| corrupt(e.to_string()))?;
     let meta = reader.metadata();
     let config_json = meta.get(META_CONFIG).ok_or_else(|| {
         corrupt(format!(

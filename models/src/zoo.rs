@@ -4,11 +4,11 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::prelude::*;
 
+use crate::ModelError;
 use crate::densenet::{DenseNet, DenseNetConfig};
 use crate::layers::{HeadActivation, HeadConfig, check_input, frozen};
 use crate::resnet::{ResNet, ResNetConfig};
 use crate::vgg::{Vgg, VggConfig};
-use crate::{ModelError, Result};
 
 /// Smallest input side every architecture accepts (adaptive pooling does the rest).
 pub const MIN_INPUT_SIZE: usize = 32;
@@ -22,7 +22,7 @@ pub enum ModelConfig {
 }
 
 impl ModelConfig {
-    pub fn init(&self, device: &Device) -> Result<Classifier> {
+    pub fn init(&self, device: &Device) -> crate::Result<Classifier> {
         Ok(match self {
             ModelConfig::ResNet(c) => Classifier::ResNet(c.init(device)?),
             ModelConfig::Vgg(c) => Classifier::Vgg(c.init(device)?),
@@ -107,7 +107,7 @@ architectures! {
 
 impl Architecture {
     /// Looks a variant up by torchvision's name (case-insensitive, `-` accepted for `_`).
-    pub fn from_name(name: &str) -> Result<Self> {
+    pub fn from_name(name: &str) -> crate::Result<Self> {
         let wanted = name.trim().to_ascii_lowercase().replace('-', "_");
         Self::ALL
             .iter()
@@ -124,7 +124,7 @@ impl Architecture {
     }
 
     /// Builds the variant with `num_classes` outputs.
-    pub fn init(self, num_classes: usize, device: &Device) -> Result<Classifier> {
+    pub fn init(self, num_classes: usize, device: &Device) -> crate::Result<Classifier> {
         self.config(num_classes).init(device)
     }
 }
@@ -144,7 +144,43 @@ pub enum Classifier {
     DenseNet(DenseNet),
 }
 
+/// Counts learnable parameters the way torchvision does (`sum(p.numel() for p in
+/// model.parameters())`): Burn's `num_params` also counts batch norm's running mean and variance.
+struct LearnableCounter {
+    path: Vec<String>,
+    count: usize,
+}
+
+impl burn::module::ModuleVisitor for LearnableCounter {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+        let running = self
+            .path
+            .last()
+            .is_some_and(|n| n == "running_mean" || n == "running_var");
+        if !running {
+            self.count += param.lazy_shape().num_elements();
+        }
+    }
+}
+
 impl Classifier {
+    /// Learnable parameters, as torchvision counts them (batch-norm running statistics
+    /// excluded; Burn's [`Module::num_params`] includes them). Allocates nothing.
+    pub fn learnable_params(&self) -> usize {
+        let mut counter = LearnableCounter {
+            path: Vec::new(),
+            count: 0,
+        };
+        self.visit(&mut counter);
+        counter.count
+    }
+
     pub fn family(&self) -> &'static str {
         match self {
             Classifier::ResNet(_) => "ResNet",
@@ -163,7 +199,7 @@ impl Classifier {
     }
 
     /// [`Classifier::forward`] after checking the input shape: an error instead of a panic.
-    pub fn try_forward(&self, x: Tensor<4>) -> Result<Tensor<2>> {
+    pub fn try_forward(&self, x: Tensor<4>) -> crate::Result<Tensor<2>> {
         check_input(self.family(), &x, MIN_INPUT_SIZE)?;
         Ok(self.forward(x))
     }
@@ -226,7 +262,7 @@ impl Classifier {
 
     /// Replaces the classifier head with a fresh one (transfer learning). The new head is
     /// trainable even if the backbone is frozen.
-    pub fn replace_head(self, head: HeadConfig, device: &Device) -> Result<Self> {
+    pub fn replace_head(self, head: HeadConfig, device: &Device) -> crate::Result<Self> {
         if head.num_classes == 0 {
             return Err(ModelError::InvalidConfig {
                 model: self.family(),

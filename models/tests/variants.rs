@@ -15,16 +15,20 @@ fn parameter_counts_equal_torchvision_for_every_variant() {
     for arch in Architecture::ALL {
         let model = arch.init(1000, &device).unwrap();
         assert_eq!(
-            model.num_params(),
+            model.learnable_params(),
             arch.torchvision_params(),
             "{arch}: parameter count differs from torchvision"
         );
     }
     // Spot values from torchvision's documentation, independent of the table in the code.
-    let count = |a: Architecture| a.init(1000, &device).unwrap().num_params();
+    let count = |a: Architecture| a.init(1000, &device).unwrap().learnable_params();
     assert_eq!(count(Architecture::ResNet50), 25_557_032);
     assert_eq!(count(Architecture::Vgg16), 138_357_544);
     assert_eq!(count(Architecture::DenseNet121), 7_978_856);
+    // Burn's num_params adds batch norm's running mean and variance: ResNet-18 has 4,800
+    // batch-norm channels.
+    let r18 = Architecture::ResNet18.init(1000, &device).unwrap();
+    assert_eq!(r18.num_params() - r18.learnable_params(), 2 * 4_800);
 }
 
 #[test]
@@ -32,9 +36,15 @@ fn names_resolve_and_unknown_names_list_the_choices() {
     for arch in Architecture::ALL {
         assert_eq!(Architecture::from_name(arch.name()).unwrap(), *arch);
     }
-    assert_eq!(Architecture::from_name("VGG16-BN").unwrap(), Architecture::Vgg16Bn);
+    assert_eq!(
+        Architecture::from_name("VGG16-BN").unwrap(),
+        Architecture::Vgg16Bn
+    );
     let err = Architecture::from_name("resnet51").unwrap_err().to_string();
-    assert!(err.contains("resnet51") && err.contains("densenet121"), "{err}");
+    assert!(
+        err.contains("resnet51") && err.contains("densenet121"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -63,7 +73,10 @@ fn full_size_models_run_on_32x32_inputs() {
     }
     // Non-square, larger input.
     let m = Architecture::ResNet18.init(3, &device).unwrap().valid();
-    assert_eq!(m.forward(Tensor::<4>::ones([1, 3, 48, 64], &device)).dims(), [1, 3]);
+    assert_eq!(
+        m.forward(Tensor::<4>::ones([1, 3, 48, 64], &device)).dims(),
+        [1, 3]
+    );
 }
 
 #[test]
@@ -75,7 +88,11 @@ fn bad_inputs_are_errors_not_panics() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("[1, 1, 32, 32]"), "{err}");
-    assert!(model.try_forward(Tensor::<4>::ones([1, 3, 16, 64], &device)).is_err());
+    assert!(
+        model
+            .try_forward(Tensor::<4>::ones([1, 3, 16, 64], &device))
+            .is_err()
+    );
     assert!(Architecture::ResNet18.init(0, &device).is_err());
     let bad = ResNetConfig::new(BlockKind::Basic, [1, 0, 1, 1], 3).init(&device);
     assert!(bad.unwrap_err().to_string().contains("every stage"));
@@ -107,10 +124,19 @@ fn replacing_the_head_sets_classes_activation_and_bias() {
     let hearth_models::Classifier::ResNet(r) = &model else {
         panic!("still a ResNet")
     };
-    let bias: Vec<f32> = r.fc.bias.as_ref().unwrap().val().into_data().to_vec().unwrap();
+    let bias: Vec<f32> =
+        r.fc.bias
+            .as_ref()
+            .unwrap()
+            .val()
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
     assert_eq!(bias, vec![1.0; 14]);
-    let probs = model.valid().predict(Tensor::<4>::ones([2, 3, 32, 32], &device));
-    let p: Vec<f32> = probs.into_data().to_vec().unwrap();
+    let probs = model
+        .valid()
+        .predict(Tensor::<4>::ones([2, 3, 32, 32], &device));
+    let p: Vec<f32> = probs.into_data().try_to_vec::<f32>().unwrap();
     // Sigmoid outputs need not sum to one, but lie in (0, 1).
     assert!(p.iter().all(|v| *v > 0.0 && *v < 1.0));
 }
@@ -125,7 +151,9 @@ fn a_frozen_backbone_gets_no_gradients_and_the_head_does() {
     // Only the head's weight and bias.
     assert_eq!(grads.len(), 2);
     let unfrozen = model.unfreeze_all();
-    let loss = unfrozen.forward(Tensor::<4>::ones([2, 3, 32, 32], &device)).sum();
+    let loss = unfrozen
+        .forward(Tensor::<4>::ones([2, 3, 32, 32], &device))
+        .sum();
     let grads = GradientsParams::from_grads(loss.backward(), &unfrozen);
     assert!(grads.len() > 2);
 }
