@@ -29,6 +29,10 @@ pub enum HearthError {
     Npy { path: PathBuf, reason: String },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    #[error("training failed: {0}")]
+    Training(String),
+    #[error("cannot write plot {path}: {reason}")]
+    Plot { path: PathBuf, reason: String },
 }
 
 pub type Result<T> = std::result::Result<T, HearthError>;

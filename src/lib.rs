@@ -23,7 +23,11 @@ pub mod device;
 mod error;
 pub mod loader_bench;
 pub mod npy;
+pub mod optim;
+pub mod plot;
 pub mod predict;
+pub mod schedule;
+pub mod train;
 
 pub use burn_dist as dist;
 pub use error::{HearthError, Result};

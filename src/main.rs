@@ -40,6 +40,83 @@ enum Command {
     /// Data set tools.
     #[command(subcommand)]
     Data(DataCommand),
+    /// Train or fine-tune a classifier on an image folder (or, without --data, on a generated
+    /// synthetic set), validating every epoch.
+    Train(Box<TrainArgs>),
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// Image folder: train/ and val/ class folders, or one folder split by --val-fraction.
+    /// Without it a synthetic data set is generated into the run directory.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    #[arg(long, default_value_t = 0.2)]
+    val_fraction: f64,
+    /// torchvision name (resnet50, densenet121, vgg16, ...) or resnet-mini (the default).
+    #[arg(long, default_value = hearth::train::DEFAULT_MODEL)]
+    model: String,
+    /// torchvision weights to start from; the head is replaced to fit the data's classes.
+    #[arg(long)]
+    weights: Option<PathBuf>,
+    /// Train only the new head.
+    #[arg(long)]
+    freeze_backbone: bool,
+    #[arg(long, default_value_t = 8)]
+    epochs: usize,
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 0.05)]
+    lr: f64,
+    /// sgd, adam, adamw or lars.
+    #[arg(long, default_value = "sgd")]
+    optimizer: String,
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
+    #[arg(long)]
+    nesterov: bool,
+    /// L2 weight decay (SGD, Adam: not applied to biases and batch norm; AdamW: decoupled).
+    #[arg(long, default_value_t = 5e-4)]
+    weight_decay: f64,
+    /// constant, step or cosine (after warmup).
+    #[arg(long, default_value = "cosine")]
+    schedule: String,
+    #[arg(long, default_value_t = 1)]
+    warmup_epochs: usize,
+    /// Scale --lr by the batch ratio: linear (Goyal et al.) or sqrt.
+    #[arg(long, requires = "base_batch")]
+    scale_lr: Option<String>,
+    /// The batch size --lr was tuned for.
+    #[arg(long)]
+    base_batch: Option<usize>,
+    #[arg(long, default_value_t = 0.0)]
+    label_smoothing: f32,
+    /// Metric for early stopping and best-epoch selection: val_loss or val_accuracy.
+    #[arg(long, default_value = "val_accuracy")]
+    monitor: String,
+    /// Stop after this many epochs without improvement.
+    #[arg(long)]
+    patience: Option<usize>,
+    /// Smallest change that counts as an improvement when picking the best epoch.
+    #[arg(long, default_value_t = 0.0)]
+    min_delta: f64,
+    /// Input side in pixels.
+    #[arg(long, default_value_t = 32)]
+    size: u32,
+    /// Decoding threads.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Default: runs/<timestamp>.
+    #[arg(long)]
+    run_dir: Option<PathBuf>,
+    /// Continue the run in this directory from its last checkpoint.
+    #[arg(long, conflicts_with = "run_dir")]
+    resume: Option<PathBuf>,
+    /// Price of one node-hour, for the cost line of the summary.
+    #[arg(long)]
+    price_per_hour: Option<f64>,
 }
 
 #[derive(Subcommand)]
@@ -159,6 +236,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Model(args)) => bench_model(&cli.device, args),
         Command::Bench(BenchCommand::Loader(args)) => bench_loader(&cli.device, args),
         Command::Data(DataCommand::Synth(args)) => data_synth(args),
+        Command::Train(args) => train_cmd(&cli.device, *args),
     }
 }
 
@@ -350,5 +428,74 @@ fn bench_loader(device_name: &str, args: BenchLoaderArgs) -> Result<()> {
     }
     println!("peak RSS: {:.1} MB", report.peak_rss_mb);
     println!("images/s: {:.2}", report.images_per_sec);
+    Ok(())
+}
+
+fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
+    use hearth::train::{TrainConfig, train};
+    let device = hearth::device::select(device_name)?;
+    let (run_dir, resume) = match (a.resume, a.run_dir) {
+        (Some(dir), _) => (dir, true),
+        (None, Some(dir)) => (dir, false),
+        (None, None) => {
+            let secs = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0);
+            (PathBuf::from("runs").join(secs.to_string()), false)
+        }
+    };
+    let mut cfg = TrainConfig::new(run_dir);
+    cfg.resume = resume;
+    cfg.data = a.data;
+    cfg.val_fraction = a.val_fraction;
+    cfg.model = a.model;
+    cfg.weights = a.weights;
+    cfg.freeze_backbone = a.freeze_backbone;
+    cfg.epochs = a.epochs;
+    cfg.batch_size = a.batch_size;
+    cfg.lr = a.lr;
+    cfg.optimizer = a.optimizer.parse()?;
+    cfg.momentum = a.momentum;
+    cfg.nesterov = a.nesterov;
+    cfg.weight_decay = a.weight_decay;
+    cfg.schedule = a.schedule.parse()?;
+    cfg.warmup_epochs = a.warmup_epochs;
+    cfg.scale_lr = match (a.scale_lr, a.base_batch) {
+        (Some(rule), Some(base)) => Some((rule.parse()?, base)),
+        _ => None,
+    };
+    cfg.label_smoothing = a.label_smoothing;
+    cfg.monitor = a.monitor.parse()?;
+    cfg.patience = a.patience;
+    cfg.min_delta = a.min_delta;
+    cfg.image_size = a.size;
+    cfg.workers = a.workers;
+    cfg.seed = a.seed;
+    cfg.price_per_hour = a.price_per_hour;
+    eprintln!("run directory: {}", cfg.run_dir.display());
+    let report = train(&cfg, &device, &mut |line| eprintln!("{line}"))?;
+    println!("best epoch: {} of {}", report.best_epoch, report.epochs_run);
+    if let Some(loss) = report.best_val_loss {
+        println!("validation loss: {loss:.4}");
+    }
+    println!(
+        "wall time: {:.1} s, {:.1} images/s, {:.4} node-hours{}",
+        report.wall_seconds,
+        report.images_per_sec,
+        report.node_hours,
+        report
+            .cost
+            .map(|c| format!(", cost {c:.4}"))
+            .unwrap_or_default()
+    );
+    println!(
+        "model: {} (metrics.csv, metrics.png beside it)",
+        report.model_path.display()
+    );
+    match report.best_val_accuracy {
+        Some(acc) => println!("validation accuracy: {acc:.2}%"),
+        None => println!("validation accuracy: n/a"),
+    }
     Ok(())
 }

@@ -1,0 +1,37 @@
+//! Fine-tune a torchvision model on your own folder of images.
+//!
+//!   cargo run --release --example transfer_learning -- DATA_DIR MODEL [WEIGHTS.pth]
+//!   cargo run --release --example transfer_learning -- data/flowers resnet50 resnet50.pth
+//!
+//! DATA_DIR holds train/ and val/ class folders, or one folder (20% goes to validation).
+//! With weights, the backbone is frozen and only the new head trains (the Keras recipe).
+
+use anyhow::{Result, bail};
+use hearth::train::{TrainConfig, train};
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (Some(data), Some(model)) = (args.first(), args.get(1)) else {
+        bail!("usage: transfer_learning DATA_DIR MODEL [WEIGHTS]");
+    };
+    let device = hearth::device::select(&std::env::var("HEARTH_DEVICE").unwrap_or("flex".into()))?;
+    let mut cfg = TrainConfig::new("runs/transfer_learning".into());
+    cfg.data = Some(data.into());
+    cfg.model = model.clone();
+    cfg.image_size = 224;
+    cfg.batch_size = 16;
+    cfg.epochs = 5;
+    cfg.lr = 0.01;
+    if let Some(weights) = args.get(2) {
+        cfg.weights = Some(weights.into());
+        cfg.freeze_backbone = true;
+    }
+    let report = train(&cfg, &device, &mut |line| eprintln!("{line}"))?;
+    println!(
+        "validation accuracy {:.2}% (epoch {}); model at {}",
+        report.best_val_accuracy.unwrap_or(f64::NAN),
+        report.best_epoch,
+        report.model_path.display()
+    );
+    Ok(())
+}

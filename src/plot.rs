@@ -1,0 +1,140 @@
+//! `metrics.png`: train and validation loss and accuracy per epoch (plotters, bitmap backend).
+//! Text uses DejaVu Sans from the system when present; without it the plot has no labels.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use crate::{HearthError, Result};
+
+const FONT_PATHS: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+];
+
+fn register_font() -> bool {
+    static FONT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FONT.get_or_init(|| {
+        for path in FONT_PATHS {
+            if let Ok(bytes) = std::fs::read(path) {
+                let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
+                    return true;
+                }
+            }
+        }
+        false
+    })
+}
+
+type Rows = BTreeMap<usize, BTreeMap<String, f64>>;
+
+fn series(rows: &Rows, key: &str) -> Vec<(f64, f64)> {
+    rows.iter()
+        .filter_map(|(e, r)| r.get(key).map(|v| (*e as f64, *v)))
+        .filter(|(_, v)| v.is_finite())
+        .collect()
+}
+
+/// Writes the plot; an error (no epochs, unwritable file) is returned, never a panic.
+/// Extra series: any `<prefix>_accuracy` columns besides train/val (per-rank curves).
+pub fn plot_metrics(rows: &Rows, out: &Path) -> Result<()> {
+    let err = |e: String| HearthError::Plot {
+        path: out.to_path_buf(),
+        reason: e,
+    };
+    if rows.is_empty() {
+        return Err(err("no epochs to plot".into()));
+    }
+    let text = register_font();
+    let root = BitMapBackend::new(out, (1100, 450)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let (left, right) = root.split_horizontally(550);
+    let max_epoch = rows.keys().copied().max().unwrap_or(1).max(2) as f64;
+    for (area, metric, title) in [
+        (&left, "loss", "loss"),
+        (&right, "accuracy", "accuracy (%)"),
+    ] {
+        let train = series(rows, &format!("train_{metric}"));
+        let val = series(rows, &format!("val_{metric}"));
+        let all: Vec<f64> = train.iter().chain(&val).map(|p| p.1).collect();
+        let (lo, hi) = all
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(*v), b.max(*v)));
+        let (lo, hi) = if lo > hi {
+            (0.0, 1.0)
+        } else {
+            (lo.min(0.0), hi * 1.05 + 1e-9)
+        };
+        let mut builder = ChartBuilder::on(area);
+        builder.margin(12);
+        if text {
+            builder
+                .caption(title, ("sans-serif", 22))
+                .x_label_area_size(35)
+                .y_label_area_size(55);
+        }
+        let mut chart = builder
+            .build_cartesian_2d(1f64..max_epoch, lo..hi)
+            .map_err(|e| err(e.to_string()))?;
+        if text {
+            chart
+                .configure_mesh()
+                .x_desc("epoch")
+                .draw()
+                .map_err(|e| err(e.to_string()))?;
+        }
+        for (points, colour, label) in [(train, BLUE, "train"), (val, RED, "validation")] {
+            let s = chart
+                .draw_series(LineSeries::new(points.clone(), colour.stroke_width(2)))
+                .map_err(|e| err(e.to_string()))?;
+            if text {
+                s.label(label)
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour));
+            }
+            chart
+                .draw_series(
+                    points
+                        .into_iter()
+                        .map(|p| Circle::new(p, 3, colour.filled())),
+                )
+                .map_err(|e| err(e.to_string()))?;
+        }
+        if text {
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .draw()
+                .map_err(|e| err(e.to_string()))?;
+        }
+    }
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_a_png_and_refuses_empty_tables() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut rows = Rows::new();
+        for e in 1..=3 {
+            let mut r = BTreeMap::new();
+            r.insert("train_loss".into(), 2.0 / e as f64);
+            r.insert("val_loss".into(), 2.2 / e as f64);
+            r.insert("train_accuracy".into(), 30.0 * e as f64);
+            r.insert("val_accuracy".into(), 28.0 * e as f64);
+            rows.insert(e, r);
+        }
+        let out = dir.path().join("m.png");
+        plot_metrics(&rows, &out).unwrap();
+        let bytes = std::fs::read(&out).unwrap();
+        assert_eq!(&bytes[1..4], b"PNG");
+        assert!(plot_metrics(&Rows::new(), &out).is_err());
+    }
+}

@@ -1,0 +1,217 @@
+//! A burn-train `MetricLogger` that keeps every numeric entry in memory (burn-train reads them
+//! back for early stopping and best-epoch checkpoints) and writes `metrics.csv` after every
+//! validation epoch: one row per epoch, a header naming each column
+//! (`epoch, train_loss, train_accuracy, val_loss, val_accuracy, ...`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use burn::train::logger::MetricLogger;
+use burn::train::metric::store::{EpochSummary, MetricsUpdate, Split};
+use burn::train::metric::{MetricDefinition, MetricId, NumericEntry};
+
+/// Per-epoch values by column name, shared with the caller.
+pub type EpochTable = Arc<Mutex<BTreeMap<usize, BTreeMap<String, f64>>>>;
+
+pub struct CsvMetricLogger {
+    names: HashMap<MetricId, String>,
+    entries: HashMap<(String, usize, bool), Vec<NumericEntry>>,
+    table: EpochTable,
+    csv: PathBuf,
+}
+
+fn slug(name: &str) -> String {
+    let lower = name.to_ascii_lowercase();
+    if lower.contains("top") && lower.contains("acc") {
+        "top5_accuracy".into()
+    } else if lower.contains("acc") {
+        "accuracy".into()
+    } else if lower.contains("loss") {
+        "loss".into()
+    } else if lower.contains("learning rate") || lower == "lr" {
+        "lr".into()
+    } else {
+        lower
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect::<String>()
+            .trim_matches('_')
+            .to_string()
+    }
+}
+
+/// The value of an epoch from its entries: the final value when logged, else the mean weighted
+/// by batch size.
+pub fn epoch_value(entries: &[NumericEntry]) -> Option<f64> {
+    if let Some(NumericEntry::Final(v)) = entries
+        .iter()
+        .rev()
+        .find(|e| matches!(e, NumericEntry::Final(_)))
+    {
+        return Some(*v);
+    }
+    let (mut sum, mut n) = (0.0, 0usize);
+    for e in entries {
+        match e {
+            NumericEntry::Value(v) => {
+                sum += v;
+                n += 1;
+            }
+            NumericEntry::Aggregated {
+                aggregated_value,
+                count,
+            } => {
+                sum += aggregated_value * *count as f64;
+                n += count;
+            }
+            NumericEntry::Final(_) => {}
+        }
+    }
+    (n > 0).then(|| sum / n as f64)
+}
+
+impl CsvMetricLogger {
+    pub fn new(csv: PathBuf, table: EpochTable) -> Self {
+        Self {
+            names: HashMap::new(),
+            entries: HashMap::new(),
+            table,
+            csv,
+        }
+    }
+
+    fn write_csv(&self) {
+        let Ok(table) = self.table.lock() else { return };
+        let mut columns: Vec<String> = vec![];
+        for row in table.values() {
+            for k in row.keys() {
+                if !columns.contains(k) {
+                    columns.push(k.clone());
+                }
+            }
+        }
+        // Required columns first, in a fixed order.
+        let first = ["train_loss", "train_accuracy", "val_loss", "val_accuracy"];
+        columns.sort_by_key(|c| {
+            (
+                first.iter().position(|f| f == c).unwrap_or(first.len()),
+                c.clone(),
+            )
+        });
+        let mut out = String::from("epoch");
+        for c in &columns {
+            out.push(',');
+            out.push_str(c);
+        }
+        out.push('\n');
+        for (epoch, row) in table.iter() {
+            out.push_str(&epoch.to_string());
+            for c in &columns {
+                out.push(',');
+                if let Some(v) = row.get(c) {
+                    out.push_str(&format!("{v:.6}"));
+                }
+            }
+            out.push('\n');
+        }
+        let tmp = self.csv.with_extension("csv.tmp");
+        if std::fs::write(&tmp, out).is_ok() {
+            let _ = std::fs::rename(&tmp, &self.csv);
+        }
+    }
+}
+
+impl MetricLogger for CsvMetricLogger {
+    fn log(&mut self, update: MetricsUpdate, epoch: usize, split: &Split) {
+        let valid = matches!(split, Split::Valid);
+        for u in update.entries_numeric {
+            let Some(name) = self.names.get(&u.entry.metric_id).cloned() else {
+                continue;
+            };
+            if let Some(entry) = u.numeric_entry {
+                self.entries
+                    .entry((name, epoch, valid))
+                    .or_default()
+                    .push(entry);
+            }
+        }
+    }
+
+    fn read_numeric(
+        &mut self,
+        name: &str,
+        epoch: usize,
+        split: &Split,
+    ) -> Result<Vec<NumericEntry>, String> {
+        let valid = matches!(split, Split::Valid);
+        // As burn's file logger: an epoch without entries is an empty list, not an error.
+        Ok(self
+            .entries
+            .get(&(name.to_string(), epoch, valid))
+            .cloned()
+            .unwrap_or_default())
+    }
+
+    fn log_metric_definition(&mut self, definition: MetricDefinition) {
+        self.names
+            .insert(definition.metric_id.clone(), definition.name.to_string());
+    }
+
+    fn log_epoch_summary(&mut self, summary: EpochSummary) {
+        let valid = matches!(summary.split, Split::Valid);
+        let prefix = if valid { "val" } else { "train" };
+        let epoch = summary.epoch_number;
+        let mut values = BTreeMap::new();
+        for ((name, e, v), entries) in &self.entries {
+            if *e == epoch && *v == valid {
+                if let Some(x) = epoch_value(entries) {
+                    let column = slug(name);
+                    // The learning rate is a training quantity: no val_ copy.
+                    if column == "lr" && valid {
+                        continue;
+                    }
+                    values.insert(format!("{prefix}_{column}"), x);
+                }
+            }
+        }
+        if let Ok(mut table) = self.table.lock() {
+            table.entry(epoch).or_default().extend(values);
+        }
+        if valid {
+            self.write_csv();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn epoch_value_prefers_final_then_weights_by_count() {
+        assert_eq!(
+            epoch_value(&[NumericEntry::Value(1.0), NumericEntry::Value(3.0)]),
+            Some(2.0)
+        );
+        let agg = [
+            NumericEntry::Aggregated {
+                aggregated_value: 1.0,
+                count: 3,
+            },
+            NumericEntry::Aggregated {
+                aggregated_value: 5.0,
+                count: 1,
+            },
+        ];
+        assert_eq!(epoch_value(&agg), Some(2.0));
+        assert_eq!(
+            epoch_value(&[NumericEntry::Value(1.0), NumericEntry::Final(9.0)]),
+            Some(9.0)
+        );
+        assert_eq!(epoch_value(&[]), None);
+        assert_eq!(slug("Top-5 Accuracy"), "top5_accuracy");
+        assert_eq!(slug("Loss"), "loss");
+        assert_eq!(slug("Learning Rate"), "lr");
+    }
+}

@@ -1,0 +1,237 @@
+//! End-to-end training on a tiny generated data set: metrics.csv, the exported model reproducing
+//! the reported validation accuracy, exact resume, a frozen backbone, and bad input.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn::prelude::*;
+use hearth::datasets::synth::{SynthConfig, generate};
+use hearth::datasets::{ImageSet, Loader, LoaderConfig, Pipeline};
+use hearth::models::load_model;
+use hearth::train::{TrainConfig, TrainReport, train};
+
+fn data(dir: &Path) -> PathBuf {
+    let d = dir.join("data");
+    generate(&d, &SynthConfig::new(3, 16, 36).with_seed(4).with_val(6)).unwrap();
+    d
+}
+
+fn config(data: &Path, run: PathBuf) -> TrainConfig {
+    let mut cfg = TrainConfig::new(run);
+    cfg.data = Some(data.to_path_buf());
+    cfg.epochs = 2;
+    cfg.batch_size = 8;
+    cfg.lr = 0.05;
+    cfg.warmup_epochs = 0;
+    cfg.workers = 1;
+    cfg
+}
+
+fn run(cfg: &TrainConfig) -> TrainReport {
+    train(cfg, &Device::flex(), &mut |l| eprintln!("{l}")).unwrap()
+}
+
+fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
+    let reader = burn::store::burn_pack::Reader::from_file(path).unwrap();
+    let mut names: Vec<String> = reader
+        .tensor_names()
+        .into_iter()
+        .map(String::from)
+        .collect();
+    names.sort();
+    names
+        .into_iter()
+        .map(|n| {
+            let bytes = reader.tensor_data(&n).unwrap();
+            let v = bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            (n, v)
+        })
+        .collect()
+}
+
+#[test]
+fn a_run_writes_metrics_and_a_model_that_reproduces_its_validation_accuracy() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    let report = run(&config(&d, dir.path().join("run")));
+    let csv = std::fs::read_to_string(dir.path().join("run/metrics.csv")).unwrap();
+    let mut lines = csv.lines();
+    let header = lines.next().unwrap();
+    for col in [
+        "epoch",
+        "train_loss",
+        "train_accuracy",
+        "val_loss",
+        "val_accuracy",
+    ] {
+        assert!(
+            header.split(',').any(|c| c == col),
+            "{col} missing from {header}"
+        );
+    }
+    assert_eq!(lines.count(), 2, "{csv}");
+    assert!(dir.path().join("run/metrics.png").is_file());
+
+    // The exported model, evaluated independently, gives the reported validation accuracy.
+    let saved = load_model(&report.model_path, &Device::flex()).unwrap();
+    assert_eq!(
+        saved.class_names.as_deref(),
+        Some(report.class_names.as_slice())
+    );
+    let val = ImageSet::from_folder(&d.join("val")).unwrap();
+    let loader = Loader::new(
+        val,
+        Pipeline::eval(32),
+        LoaderConfig::new(5).with_shuffle(false),
+    )
+    .unwrap();
+    let model = saved.model.valid();
+    let (mut right, mut total) = (0usize, 0usize);
+    for batch in loader.epoch(0, &Device::flex()) {
+        let batch = batch.unwrap();
+        let pred: Vec<i64> = model
+            .forward(batch.images)
+            .argmax(1)
+            .flatten::<1>(0, 1)
+            .into_data()
+            .iter::<i64>()
+            .collect();
+        let truth: Vec<i64> = batch.classes.unwrap().into_data().iter::<i64>().collect();
+        right += pred.iter().zip(&truth).filter(|(a, b)| a == b).count();
+        total += truth.len();
+    }
+    let acc = 100.0 * right as f64 / total as f64;
+    let reported = report.best_val_accuracy.unwrap();
+    assert!(
+        (acc - reported).abs() < 1e-6,
+        "recomputed {acc} vs reported {reported}"
+    );
+}
+
+#[test]
+fn resuming_after_an_epoch_ends_with_the_same_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    let straight = config(&d, dir.path().join("straight"));
+    run(&straight);
+
+    // Same configuration, stopped after epoch 1 (as a time limit would), then resumed.
+    let mut first = config(&d, dir.path().join("resumed"));
+    first.stop_after_epoch = Some(1);
+    run(&first);
+    assert!(!dir.path().join("resumed/checkpoint/model-2.bpk").exists());
+    let mut second = config(&d, dir.path().join("resumed"));
+    second.resume = true;
+    run(&second);
+
+    let a = tensors(&dir.path().join("straight/checkpoint/model-2.bpk"));
+    let b = tensors(&dir.path().join("resumed/checkpoint/model-2.bpk"));
+    assert_eq!(a.len(), b.len());
+    for ((na, va), (nb, vb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        let diff = va
+            .iter()
+            .zip(vb)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(diff <= 1e-6, "{na}: resumed weights differ by {diff}");
+    }
+}
+
+#[test]
+fn a_frozen_backbone_is_unchanged_after_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    let mut cfg = config(&d, dir.path().join("run"));
+    cfg.epochs = 1;
+    // The default small ResNet has the parity fixture's architecture: start from its weights.
+    cfg.weights = Some(common::fixture("resnet_basic.pth"));
+    cfg.freeze_backbone = true;
+    let report = run(&cfg);
+    let trained = load_model(&report.model_path, &Device::flex())
+        .unwrap()
+        .model;
+    let mut original = hearth::train::mini_resnet(10)
+        .init(&Device::flex())
+        .unwrap();
+    hearth::models::load_torchvision(
+        &mut original,
+        &common::fixture("resnet_basic.pth"),
+        &Default::default(),
+    )
+    .unwrap();
+    let (hearth::models::Classifier::ResNet(t), hearth::models::Classifier::ResNet(o)) =
+        (&trained, &original)
+    else {
+        panic!("ResNets expected");
+    };
+    let same = |a: Tensor<4>, b: Tensor<4>| {
+        let (a, b): (Vec<f32>, Vec<f32>) = (
+            a.into_data().iter().collect(),
+            b.into_data().iter().collect(),
+        );
+        a == b
+    };
+    assert!(
+        same(t.conv1.weight.val(), o.conv1.weight.val()),
+        "stem changed"
+    );
+    assert!(
+        same(
+            t.layer4[0].conv2.weight.val(),
+            o.layer4[0].conv2.weight.val()
+        ),
+        "layer4 changed"
+    );
+    let rm = |x: &hearth::models::ResNet| -> Vec<f32> {
+        x.bn1.running_mean.value().into_data().iter().collect()
+    };
+    assert_eq!(rm(t), rm(o), "frozen batch-norm statistics changed");
+    assert_eq!(trained.num_classes(), 3);
+}
+
+#[test]
+fn bad_input_gives_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    let err = |cfg: TrainConfig| {
+        train(&cfg, &Device::flex(), &mut |_| {})
+            .unwrap_err()
+            .to_string()
+    };
+
+    let mut c = config(&d, dir.path().join("a"));
+    c.batch_size = 0;
+    assert!(err(c).contains("--batch-size"));
+
+    let c = config(&d, PathBuf::from("/dev/null/run"));
+    assert!(err(c).contains("/dev/null/run"));
+
+    let one = dir.path().join("one");
+    generate(&one, &SynthConfig::new(2, 3, 32)).unwrap();
+    std::fs::remove_dir_all(one.join(&hearth::datasets::synth::class_names(2)[1])).unwrap();
+    let mut c = config(&one, dir.path().join("b"));
+    c.val_fraction = 0.34;
+    assert!(err(c).contains("1 class(es)"));
+
+    let mut c = config(&d, dir.path().join("c"));
+    c.weights = Some(common::fixture("densenet.pth"));
+    let e = err(c);
+    assert!(e.contains("densenet.pth"), "{e}");
+
+    // Resuming with another class count.
+    let mut c = config(&d, dir.path().join("d"));
+    c.epochs = 1;
+    run(&c);
+    let other = dir.path().join("other");
+    generate(&other, &SynthConfig::new(4, 8, 32).with_val(2)).unwrap();
+    let mut c = config(&other, dir.path().join("d"));
+    c.resume = true;
+    let e = err(c);
+    assert!(e.contains("different model or class count"), "{e}");
+}
