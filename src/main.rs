@@ -62,7 +62,7 @@ struct TrainArgs {
     /// Train only the new head.
     #[arg(long)]
     freeze_backbone: bool,
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 12)]
     epochs: usize,
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
@@ -114,6 +114,9 @@ struct TrainArgs {
     /// Continue the run in this directory from its last checkpoint.
     #[arg(long, conflicts_with = "run_dir")]
     resume: Option<PathBuf>,
+    /// End this run after that epoch (its checkpoint written); --resume continues it exactly.
+    #[arg(long)]
+    stop_after_epoch: Option<usize>,
     /// Price of one node-hour, for the cost line of the summary.
     #[arg(long)]
     price_per_hour: Option<f64>,
@@ -473,6 +476,7 @@ fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     cfg.workers = a.workers;
     cfg.seed = a.seed;
     cfg.price_per_hour = a.price_per_hour;
+    cfg.stop_after_epoch = a.stop_after_epoch;
     eprintln!("run directory: {}", cfg.run_dir.display());
     let report = train(&cfg, &device, &mut |line| eprintln!("{line}"))?;
     println!("best epoch: {} of {}", report.best_epoch, report.epochs_run);

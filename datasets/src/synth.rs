@@ -63,14 +63,16 @@ pub fn class_names(classes: usize) -> Vec<String> {
     (0..classes)
         .map(|c| {
             let shape = SHAPES[c % SHAPES.len()];
-            let colour = COLOURS[(c + c / SHAPES.len()) % COLOURS.len()].0;
+            let colour = COLOURS[c % COLOURS.len()].0;
             format!("c{c:02}_{colour}_{shape}")
         })
         .collect()
 }
 
+/// Shape `c mod 5` and colour `c mod 6`: distinct pairs for every class below 30 (5 and 6 are
+/// coprime), so no two classes look alike.
 fn colour_of(class: usize) -> [u8; 3] {
-    COLOURS[(class + class / SHAPES.len()) % COLOURS.len()].1
+    COLOURS[class % COLOURS.len()].1
 }
 
 fn inside(shape: usize, dx: f64, dy: f64, r: f64) -> bool {
@@ -187,8 +189,12 @@ mod tests {
         assert_eq!(render(3, 7, 32, 1), render(3, 7, 32, 1));
         assert_ne!(render(3, 7, 32, 1), render(3, 8, 32, 1));
         assert_ne!(render(2, 7, 32, 1), render(3, 7, 32, 1));
-        let names = class_names(12);
-        let unique: std::collections::HashSet<_> = names.iter().collect();
-        assert_eq!(unique.len(), 12);
+        // Every class up to the maximum of 30 has its own (shape, colour) pair.
+        let names = class_names(30);
+        let unique: std::collections::HashSet<_> = names
+            .iter()
+            .map(|n| n.split_once('_').map(|(_, rest)| rest.to_string()))
+            .collect();
+        assert_eq!(unique.len(), 30);
     }
 }

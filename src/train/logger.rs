@@ -14,7 +14,11 @@ use burn::train::metric::{MetricDefinition, MetricId, NumericEntry};
 /// Per-epoch values by column name, shared with the caller.
 pub type EpochTable = Arc<Mutex<BTreeMap<usize, BTreeMap<String, f64>>>>;
 
+/// Where one-line epoch summaries go.
+pub type Report = Box<dyn Fn(&str) + Send>;
+
 pub struct CsvMetricLogger {
+    report: Option<Report>,
     names: HashMap<MetricId, String>,
     entries: HashMap<(String, usize, bool), Vec<NumericEntry>>,
     table: EpochTable,
@@ -74,11 +78,35 @@ pub fn epoch_value(entries: &[NumericEntry]) -> Option<f64> {
 impl CsvMetricLogger {
     pub fn new(csv: PathBuf, table: EpochTable) -> Self {
         Self {
+            report: None,
             names: HashMap::new(),
             entries: HashMap::new(),
             table,
             csv,
         }
+    }
+
+    /// Sends a one-line summary of every validated epoch to `report`.
+    pub fn with_report(mut self, report: Report) -> Self {
+        self.report = Some(report);
+        self
+    }
+
+    fn summary_line(&self, epoch: usize) -> Option<String> {
+        let table = self.table.lock().ok()?;
+        let row = table.get(&epoch)?;
+        let get = |k: &str| row.get(k).map(|v| format!("{v:.4}")).unwrap_or("-".into());
+        let pct = |k: &str| row.get(k).map(|v| format!("{v:.2}%")).unwrap_or("-".into());
+        Some(format!(
+            "epoch {epoch}: train loss {} acc {} | val loss {} acc {} | lr {}",
+            get("train_loss"),
+            pct("train_accuracy"),
+            get("val_loss"),
+            pct("val_accuracy"),
+            row.get("train_lr")
+                .map(|v| format!("{v:.5}"))
+                .unwrap_or("-".into())
+        ))
     }
 
     fn write_csv(&self) {
@@ -180,6 +208,9 @@ impl MetricLogger for CsvMetricLogger {
         }
         if valid {
             self.write_csv();
+            if let (Some(report), Some(line)) = (&self.report, self.summary_line(epoch)) {
+                report(&line);
+            }
         }
     }
 }

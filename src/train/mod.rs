@@ -9,10 +9,12 @@
 
 mod data;
 mod logger;
+mod render;
 mod step;
 
 pub use data::{ImageBatch, LoaderAdapter};
-pub use logger::{CsvMetricLogger, EpochTable, epoch_value};
+pub use logger::{CsvMetricLogger, EpochTable, Report, epoch_value};
+pub use render::PlainRenderer;
 pub use step::SingleLabel;
 
 use std::path::{Path, PathBuf};
@@ -140,7 +142,7 @@ impl TrainConfig {
             model: DEFAULT_MODEL.into(),
             weights: None,
             freeze_backbone: false,
-            epochs: 8,
+            epochs: 12,
             batch_size: 32,
             lr: 0.05,
             optimizer: OptimizerKind::Sgd,
@@ -305,9 +307,9 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
                 ));
                 generate(
                     &dir,
-                    &SynthConfig::new(6, 120, 40)
+                    &SynthConfig::new(6, 200, 40)
                         .with_seed(cfg.seed)
-                        .with_val(30),
+                        .with_val(40),
                 )?;
             }
             dir
@@ -447,7 +449,8 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
             ))
             .build(),
     };
-    let csv_logger = CsvMetricLogger::new(cfg.run_dir.join("metrics.csv"), table.clone());
+    let csv_logger = CsvMetricLogger::new(cfg.run_dir.join("metrics.csv"), table.clone())
+        .with_report(Box::new(|line: &str| eprintln!("{line}")));
     // The schedule spans all `epochs`; this launch may end earlier (`stop_after_epoch`).
     let last_epoch = cfg.stop_after_epoch.unwrap_or(cfg.epochs).min(cfg.epochs);
     let mut training = SupervisedTraining::new(
@@ -493,6 +496,10 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
     }
     if let Some(epoch) = resume_epoch {
         training = training.checkpoint(epoch);
+    }
+    // burn-train's TUI on a terminal; plain progress lines otherwise.
+    if !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+        training = training.renderer(Box::new(PlainRenderer::default()));
     }
     let learner = Learner::new(trainee, optimizer(cfg), schedule);
     let result = training.launch(learner);
