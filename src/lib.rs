@@ -4,18 +4,34 @@
 //! the `hearth` command line; the parts are separate crates re-exported here:
 //!
 //! - [`models`] (`hearth-models`): torchvision-exact ResNet, VGG and DenseNet, weight import.
-//! - [`datasets`] (`hearth-datasets`): image decoding, preprocessing, loaders.
+//! - [`datasets`] (`hearth-datasets`): image folders, augmentation, streaming sharded loader.
+//! - [`train`]: training and transfer learning on burn-train's Learner; [`optim`] adds LARS,
+//!   [`schedule`] warmup schedules and large-batch LR scaling.
 //! - [`dist`] (`burn-dist`): collectives and distributed training over QUIC.
 //!
+//! Fine-tuning a torchvision network on your own folder of images:
+//!
 //! ```no_run
-//! use hearth::models::{Architecture, HeadConfig, LoadOptions, load_torchvision};
+//! use hearth::train::{TrainConfig, train};
 //!
 //! # fn main() -> anyhow::Result<()> {
-//! let device = hearth::device::select("flex")?;
-//! let mut model = Architecture::ResNet18.init(1000, &device)?;
-//! load_torchvision(&mut model, "resnet18.pth".as_ref(), &LoadOptions::default())?;
-//! let model = model.replace_head(HeadConfig::new(10), &device)?.freeze_backbone();
-//! # let _ = model; Ok(()) }
+//! let device = hearth::device::select("flex")?; // or "vulkan", "cuda", ...
+//! let mut cfg = TrainConfig::new("runs/flowers".into());
+//! cfg.data = Some("data/flowers".into()); // train/ + val/ class folders, or one folder
+//! cfg.model = "resnet50".into();
+//! cfg.weights = Some("resnet50.pth".into()); // torchvision ImageNet weights
+//! cfg.freeze_backbone = true; // train only the new head
+//! cfg.image_size = 224;
+//! cfg.epochs = 5;
+//! cfg.patience = Some(2); // early stopping; the best epoch's weights are kept
+//! let report = train(&cfg, &device, &mut |line| eprintln!("{line}"))?;
+//! println!(
+//!     "validation accuracy {:.2}% at epoch {}, model in {}",
+//!     report.best_val_accuracy.unwrap_or(0.0),
+//!     report.best_epoch,
+//!     report.model_path.display()
+//! );
+//! # Ok(()) }
 //! ```
 
 pub mod bench;
