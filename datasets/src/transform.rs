@@ -5,10 +5,9 @@
 //! `RandomResizedCrop(224) + RandomHorizontalFlip()` and `Resize(256) + CenterCrop(224)`, both
 //! followed by `ToTensor() + Normalize(mean, std)`.
 
-use image::imageops::FilterType;
 use image::{Rgb, RgbImage};
 
-use crate::preprocess::{center_crop, resize_shorter, to_chw_normalized};
+use crate::preprocess::{center_crop, resize_region, resize_shorter, to_chw_normalized};
 use crate::rng::SplitMix64;
 use crate::{DataError, Result};
 
@@ -84,15 +83,14 @@ impl Transform {
                 if img.dimensions() == (w, h) {
                     img
                 } else {
-                    image::imageops::resize(&img, w, h, FilterType::Triangle)
+                    resize_region(&img, None, w, h)
                 }
             }
             Transform::CenterCrop(s) => center_crop(&img, s),
             Transform::RandomResizedCrop { size, scale, ratio } => {
                 let (x, y, w, h) =
                     random_resized_crop_box(img.width(), img.height(), scale, ratio, rng);
-                let crop = image::imageops::crop_imm(&img, x, y, w, h).to_image();
-                image::imageops::resize(&crop, size, size, FilterType::Triangle)
+                resize_region(&img, Some((x, y, w, h)), size, size)
             }
             Transform::HorizontalFlip(p) => {
                 if rng.next_f64() < p {
@@ -284,7 +282,7 @@ impl Pipeline {
             img = step.apply(img, &mut rng);
         }
         if img.dimensions() != (self.size, self.size) {
-            img = image::imageops::resize(&img, self.size, self.size, FilterType::Triangle);
+            img = resize_region(&img, None, self.size, self.size);
         }
         img
     }
