@@ -8,33 +8,15 @@
 //!   cargo bench --bench loader
 //!   HEARTH_BENCH_WORKERS=2 HEARTH_BENCH_BATCHES=20 cargo bench --bench loader
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 
+use common::{env_usize, torch_python};
+
 use hearth::datasets::synth::{SynthConfig, generate};
 use hearth::loader_bench::LoaderBench;
-
-fn env_usize(key: &str, default: usize) -> usize {
-    std::env::var(key)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn torch_python() -> Option<PathBuf> {
-    let candidate = std::env::var_os("HEARTH_TORCH_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .map(|h| PathBuf::from(h).join(".cache/hearth/venv-torch/bin/python"))
-        })?;
-    Command::new(&candidate)
-        .args(["-c", "import torch, torchvision"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false)
-        .then_some(candidate)
-}
 
 fn main() {
     let smoke = !std::env::args().any(|a| a == "--bench");

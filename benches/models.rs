@@ -11,33 +11,15 @@
 //! PyTorch comes from $HEARTH_TORCH_PYTHON, else ~/.cache/hearth/venv-torch/bin/python
 //! (scripts/setup_pytorch.sh); without it only Hearth's numbers are printed.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 
+use common::{env_usize, torch_python};
+
 use hearth::bench::{BenchMode, ModelBench};
 use hearth::models::Architecture;
-
-fn env_usize(key: &str, default: usize) -> usize {
-    std::env::var(key)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn torch_python() -> Option<PathBuf> {
-    let candidate = std::env::var_os("HEARTH_TORCH_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .map(|h| PathBuf::from(h).join(".cache/hearth/venv-torch/bin/python"))
-        })?;
-    let ok = Command::new(&candidate)
-        .args(["-c", "import torch, torchvision"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    ok.then_some(candidate)
-}
 
 fn peer(
     python: &PathBuf,

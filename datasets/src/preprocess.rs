@@ -61,7 +61,8 @@ pub fn resize_region(
     let (w, h) = img.dimensions();
     let (x, y, cw, ch) = region.unwrap_or((0, 0, w, h));
     let fast = || -> Option<RgbImage> {
-        let src = fast_image_resize::images::ImageRef::new(w, h, img.as_raw(), PixelType::U8x3).ok()?;
+        let src =
+            fast_image_resize::images::ImageRef::new(w, h, img.as_raw(), PixelType::U8x3).ok()?;
         let mut dst = fast_image_resize::images::Image::new(width, height, PixelType::U8x3);
         let options = ResizeOptions::new()
             .resize_alg(ResizeAlg::Convolution(F::Bilinear))
@@ -158,7 +159,11 @@ mod tests {
     #[test]
     fn simd_resize_matches_the_reference_filter_closely() {
         let img = RgbImage::from_fn(97, 61, |x, y| {
-            image::Rgb([(x * 3 % 256) as u8, (y * 4 % 256) as u8, ((x + y) % 256) as u8])
+            image::Rgb([
+                (x * 3 % 256) as u8,
+                (y * 4 % 256) as u8,
+                ((x + y) % 256) as u8,
+            ])
         });
         let fast = resize_region(&img, Some((10, 5, 60, 50)), 40, 33);
         let crop = image::imageops::crop_imm(&img, 10, 5, 60, 50).to_image();

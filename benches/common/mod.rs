@@ -1,0 +1,29 @@
+//! Helpers shared by the bench binaries.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::Command;
+
+pub fn env_usize(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The Python with PyTorch and torchvision for the peer: `$HEARTH_TORCH_PYTHON`, else the
+/// environment made by scripts/setup_pytorch.sh. `None` when neither imports torch.
+pub fn torch_python() -> Option<PathBuf> {
+    let candidate = std::env::var_os("HEARTH_TORCH_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(|h| PathBuf::from(h).join(".cache/hearth/venv-torch/bin/python"))
+        })?;
+    Command::new(&candidate)
+        .args(["-c", "import torch, torchvision"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+        .then_some(candidate)
+}
