@@ -31,6 +31,11 @@ pub enum HearthError {
     InvalidArgument(String),
     #[error("training failed: {0}")]
     Training(String),
+    #[error(
+        "the training loss became NaN or infinite at epoch {epoch}, step {step}; \
+         lower --lr, add --warmup-epochs or check the data"
+    )]
+    NanLoss { epoch: usize, step: usize },
     #[error("cannot write plot {path}: {reason}")]
     Plot { path: PathBuf, reason: String },
 }

@@ -224,6 +224,13 @@ fn bad_input_gives_clear_errors() {
     let e = err(c);
     assert!(e.contains("densenet.pth"), "{e}");
 
+    // A diverging run stops with the epoch and step of the first NaN loss.
+    let mut c = config(&d, dir.path().join("nan"));
+    c.lr = 1e12;
+    c.weight_decay = 0.0;
+    let e = err(c);
+    assert!(e.contains("NaN or infinite at epoch 1, step"), "{e}");
+
     // Resuming with another class count.
     let mut c = config(&d, dir.path().join("d"));
     c.epochs = 1;

@@ -17,8 +17,14 @@ pub type EpochTable = Arc<Mutex<BTreeMap<usize, BTreeMap<String, f64>>>>;
 /// Where one-line epoch summaries go.
 pub type Report = Box<dyn Fn(&str) + Send>;
 
+/// The first (epoch, step) whose training loss was not finite.
+pub type NonFinite = Arc<Mutex<Option<(usize, usize)>>>;
+
 pub struct CsvMetricLogger {
     report: Option<Report>,
+    /// Stops the run on a NaN or infinite training loss.
+    guard: Option<(NonFinite, burn::train::Interrupter)>,
+    train_steps: HashMap<usize, usize>,
     names: HashMap<MetricId, String>,
     entries: HashMap<(String, usize, bool), Vec<NumericEntry>>,
     table: EpochTable,
@@ -79,11 +85,24 @@ impl CsvMetricLogger {
     pub fn new(csv: PathBuf, table: EpochTable) -> Self {
         Self {
             report: None,
+            guard: None,
+            train_steps: HashMap::new(),
             names: HashMap::new(),
             entries: HashMap::new(),
             table,
             csv,
         }
+    }
+
+    /// Fails the run through `interrupter` at the first non-finite training loss, recording
+    /// where in `seen`.
+    pub fn with_nan_guard(
+        mut self,
+        seen: NonFinite,
+        interrupter: burn::train::Interrupter,
+    ) -> Self {
+        self.guard = Some((seen, interrupter));
+        self
     }
 
     /// Sends a one-line summary of every validated epoch to `report`.
@@ -153,10 +172,29 @@ impl CsvMetricLogger {
 impl MetricLogger for CsvMetricLogger {
     fn log(&mut self, update: MetricsUpdate, epoch: usize, split: &Split) {
         let valid = matches!(split, Split::Valid);
+        let step = if valid {
+            0
+        } else {
+            let s = self.train_steps.entry(epoch).or_default();
+            *s += 1;
+            *s
+        };
         for u in update.entries_numeric {
             let Some(name) = self.names.get(&u.entry.metric_id).cloned() else {
                 continue;
             };
+            if let (false, Some(entry), Some((seen, interrupter))) =
+                (valid, &u.numeric_entry, &self.guard)
+                && slug(&name) == "loss"
+                && !entry.current().is_finite()
+                && let Ok(mut first) = seen.lock()
+                && first.is_none()
+            {
+                *first = Some((epoch, step));
+                interrupter.fail(burn::data::dataset::DatasetError::new(
+                    crate::HearthError::NanLoss { epoch, step },
+                ));
+            }
             if let Some(entry) = u.numeric_entry {
                 self.entries
                     .entry((name, epoch, valid))

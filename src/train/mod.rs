@@ -13,7 +13,7 @@ mod render;
 mod step;
 
 pub use data::{ImageBatch, LoaderAdapter};
-pub use logger::{CsvMetricLogger, EpochTable, Report, epoch_value};
+pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
 pub use render::PlainRenderer;
 pub use step::SingleLabel;
 
@@ -449,8 +449,11 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
             ))
             .build(),
     };
+    let interrupter = burn::train::Interrupter::new();
+    let non_finite = NonFinite::default();
     let csv_logger = CsvMetricLogger::new(cfg.run_dir.join("metrics.csv"), table.clone())
-        .with_report(Box::new(|line: &str| eprintln!("{line}")));
+        .with_report(Box::new(|line: &str| eprintln!("{line}")))
+        .with_nan_guard(non_finite.clone(), interrupter.clone());
     // The schedule spans all `epochs`; this launch may end earlier (`stop_after_epoch`).
     let last_epoch = cfg.stop_after_epoch.unwrap_or(cfg.epochs).min(cfg.epochs);
     let mut training = SupervisedTraining::new(
@@ -466,6 +469,7 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
             first_epoch,
         )),
     )
+    .with_interrupter(interrupter)
     .with_metric_logger(csv_logger)
     .metrics((AccuracyMetric::new(), LossMetric::new()))
     .metric_train_numeric(TopKAccuracyMetric::new(5.min(classes.len())))
@@ -503,6 +507,9 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
     }
     let learner = Learner::new(trainee, optimizer(cfg), schedule);
     let result = training.launch(learner);
+    if let Some((epoch, step)) = non_finite.lock().ok().and_then(|n| *n) {
+        return Err(HearthError::NanLoss { epoch, step });
+    }
     if let Some(error) = result.error {
         return Err(HearthError::Training(error.to_string()));
     }
