@@ -19,7 +19,6 @@
 //!   is an error.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex};
@@ -508,9 +507,4 @@ impl Drop for BatchStream {
             let _ = w.join();
         }
     }
-}
-
-/// Paths of a set, for callers that stream raw files.
-pub fn paths(set: &ImageSet) -> Vec<PathBuf> {
-    set.samples.iter().map(|s| s.path.clone()).collect()
 }

@@ -99,6 +99,10 @@ pub fn center_crop(img: &RgbImage, size: u32) -> RgbImage {
     // torchvision: top = round((h - size) / 2), left likewise.
     let top = ((h as f64 - size as f64) / 2.0).round() as i64;
     let left = ((w as f64 - size as f64) / 2.0).round() as i64;
+    if top >= 0 && left >= 0 {
+        // The usual case: the crop lies inside the image.
+        return image::imageops::crop_imm(img, left as u32, top as u32, size, size).to_image();
+    }
     for y in 0..size {
         for x in 0..size {
             let (sx, sy) = (x as i64 + left, y as i64 + top);

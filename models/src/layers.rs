@@ -1,6 +1,6 @@
 //! Building blocks shared by the architectures, with torchvision's initialisation.
 
-use burn::module::{Module, Param};
+use burn::module::Param;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{BatchNorm, BatchNormConfig, Initializer, Linear, LinearConfig, PaddingConfig2d};
 use burn::prelude::*;
@@ -135,9 +135,4 @@ pub(crate) fn check_input(model: &str, input: &Tensor<4>, min_size: usize) -> cr
         });
     }
     Ok(())
-}
-
-/// Freeze every parameter of `module`: no gradient, batch norm in inference mode.
-pub(crate) fn frozen<M: Module>(module: M) -> M {
-    module.freeze()
 }

@@ -6,7 +6,7 @@ use burn::prelude::*;
 
 use crate::ModelError;
 use crate::densenet::{DenseNet, DenseNetConfig};
-use crate::layers::{HeadActivation, HeadConfig, check_input, frozen};
+use crate::layers::{HeadActivation, HeadConfig, check_input};
 use crate::resnet::{ResNet, ResNetConfig};
 use crate::vgg::{Vgg, VggConfig};
 
@@ -309,7 +309,7 @@ impl Classifier {
 
     /// Freezes everything but the head: no gradients, batch norm statistics fixed.
     pub fn freeze_backbone(self) -> Self {
-        match frozen(self) {
+        match self.freeze() {
             Classifier::ResNet(mut m) => {
                 m.fc = m.fc.unfreeze();
                 Classifier::ResNet(m)

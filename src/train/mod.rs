@@ -30,7 +30,9 @@ use burn::train::checkpoint::{
     ComposedCheckpointingStrategy, KeepLastNCheckpoints, MetricCheckpointingStrategy,
 };
 use burn::train::metric::store::{Aggregate, Direction, Split};
-use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, TopKAccuracyMetric};
+use burn::train::metric::{
+    AccuracyMetric, LearningRateMetric, LossMetric, Metric, TopKAccuracyMetric,
+};
 use burn::train::{Learner, MetricEarlyStoppingStrategy, StoppingCondition, SupervisedTraining};
 use hearth_datasets::synth::{SynthConfig, generate};
 use hearth_datasets::{Loader, LoaderConfig, Pipeline, train_val};
@@ -425,29 +427,10 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
         reload_table(&cfg.run_dir.join("metrics.csv"), &table, epoch);
     }
     let first_epoch = resume_epoch.unwrap_or(0) as u64;
-    let (metric_dir, metric_agg) = match cfg.monitor {
-        Monitor::ValLoss => (Direction::Lowest, Aggregate::Mean),
-        Monitor::ValAccuracy => (Direction::Highest, Aggregate::Mean),
-    };
-    let checkpointing = match cfg.monitor {
-        Monitor::ValLoss => ComposedCheckpointingStrategy::builder()
-            .add(KeepLastNCheckpoints::new(1))
-            .add(MetricCheckpointingStrategy::new(
-                &LossMetric::new(),
-                metric_agg,
-                metric_dir,
-                Split::Valid,
-            ))
-            .build(),
-        Monitor::ValAccuracy => ComposedCheckpointingStrategy::builder()
-            .add(KeepLastNCheckpoints::new(1))
-            .add(MetricCheckpointingStrategy::new(
-                &AccuracyMetric::new(),
-                metric_agg,
-                metric_dir,
-                Split::Valid,
-            ))
-            .build(),
+    // One metric drives both the best-epoch checkpoint and early stopping.
+    let (checkpointing, early_stopping) = match cfg.monitor {
+        Monitor::ValLoss => monitored(&LossMetric::new(), Direction::Lowest, cfg.patience),
+        Monitor::ValAccuracy => monitored(&AccuracyMetric::new(), Direction::Highest, cfg.patience),
     };
     let interrupter = burn::train::Interrupter::new();
     let non_finite = NonFinite::default();
@@ -479,24 +462,8 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
     .with_checkpointing_strategy(checkpointing)
     .num_epochs(last_epoch)
     .summary();
-    if let Some(patience) = cfg.patience {
-        let condition = StoppingCondition::NoImprovementSince { n_epochs: patience };
-        training = match cfg.monitor {
-            Monitor::ValLoss => training.early_stopping(MetricEarlyStoppingStrategy::new(
-                &LossMetric::new(),
-                metric_agg,
-                metric_dir,
-                Split::Valid,
-                condition,
-            )),
-            Monitor::ValAccuracy => training.early_stopping(MetricEarlyStoppingStrategy::new(
-                &AccuracyMetric::new(),
-                metric_agg,
-                metric_dir,
-                Split::Valid,
-                condition,
-            )),
-        };
+    if let Some(strategy) = early_stopping {
+        training = training.early_stopping(strategy);
     }
     if let Some(epoch) = resume_epoch {
         training = training.checkpoint(epoch);
@@ -564,6 +531,37 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
         cost: cfg.price_per_hour.map(|p| p * node_hours),
         class_names: classes,
     })
+}
+
+/// Keep the last checkpoint and the best by `metric` (validation mean), and, with a patience,
+/// stop after that many epochs without improvement of the same metric.
+fn monitored<Me: Metric>(
+    metric: &Me,
+    direction: Direction,
+    patience: Option<usize>,
+) -> (
+    ComposedCheckpointingStrategy,
+    Option<MetricEarlyStoppingStrategy>,
+) {
+    let checkpointing = ComposedCheckpointingStrategy::builder()
+        .add(KeepLastNCheckpoints::new(1))
+        .add(MetricCheckpointingStrategy::new(
+            metric,
+            Aggregate::Mean,
+            direction,
+            Split::Valid,
+        ))
+        .build();
+    let stopping = patience.map(|n_epochs| {
+        MetricEarlyStoppingStrategy::new(
+            metric,
+            Aggregate::Mean,
+            direction,
+            Split::Valid,
+            StoppingCondition::NoImprovementSince { n_epochs },
+        )
+    });
+    (checkpointing, stopping)
 }
 
 /// The best epoch by the monitored metric; an improvement smaller than `min_delta` does not count.
