@@ -4,7 +4,8 @@
 //!   cargo run --release --example transfer_learning -- data/flowers resnet50 resnet50.pth
 //!
 //! DATA_DIR holds train/ and val/ class folders, or one folder (20% goes to validation).
-//! With weights, the backbone is frozen and only the new head trains (the Keras recipe).
+//! With weights, the backbone is frozen and only the new head trains for 3 epochs; then the
+//! whole network fine-tunes at a tenth of the learning rate (the Keras recipe).
 
 use anyhow::{Result, bail};
 use hearth::train::{TrainConfig, train};
@@ -20,11 +21,13 @@ fn main() -> Result<()> {
     cfg.model = model.clone();
     cfg.image_size = 224;
     cfg.batch_size = 16;
-    cfg.epochs = 5;
+    cfg.epochs = 6;
     cfg.lr = 0.01;
     if let Some(weights) = args.get(2) {
         cfg.weights = Some(weights.into());
         cfg.freeze_backbone = true;
+        cfg.unfreeze_after = Some(3);
+        cfg.finetune_lr = Some(cfg.lr / 10.0);
     }
     let report = train(&cfg, &device, &mut |line| eprintln!("{line}"))?;
     println!(

@@ -38,6 +38,7 @@ pub mod bench;
 pub mod device;
 mod error;
 pub mod loader_bench;
+pub mod metrics;
 pub mod npy;
 pub mod optim;
 pub mod plot;

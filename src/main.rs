@@ -51,6 +51,10 @@ struct TrainArgs {
     /// Without it a synthetic data set is generated into the run directory.
     #[arg(long)]
     data: Option<PathBuf>,
+    /// Multi-label CSV (`path,label1|label2|...`; paths relative to --data or the CSV's folder):
+    /// one sigmoid per label, binary cross-entropy, per-class AUROC (CheXNet style).
+    #[arg(long)]
+    labels: Option<PathBuf>,
     #[arg(long, default_value_t = 0.2)]
     val_fraction: f64,
     /// torchvision name (resnet50, densenet121, vgg16, ...) or resnet-mini (the default).
@@ -62,6 +66,13 @@ struct TrainArgs {
     /// Train only the new head.
     #[arg(long)]
     freeze_backbone: bool,
+    /// With --freeze-backbone: after N epochs, unfreeze everything and fine-tune at
+    /// --finetune-lr (early-stopping patience counts from then).
+    #[arg(long, requires = "freeze_backbone")]
+    unfreeze_after: Option<usize>,
+    /// Learning rate of the fine-tuning phase (default: --lr / 10).
+    #[arg(long, requires = "unfreeze_after")]
+    finetune_lr: Option<f64>,
     #[arg(long, default_value_t = 12)]
     epochs: usize,
     #[arg(long, default_value_t = 32)]
@@ -91,7 +102,8 @@ struct TrainArgs {
     base_batch: Option<usize>,
     #[arg(long, default_value_t = 0.0)]
     label_smoothing: f32,
-    /// Metric for early stopping and best-epoch selection: val_loss or val_accuracy.
+    /// Metric for early stopping and best-epoch selection: val_loss, val_accuracy or (multi-label)
+    /// val_auroc.
     #[arg(long, default_value = "val_accuracy")]
     monitor: String,
     /// Stop after this many epochs without improvement.
@@ -451,6 +463,9 @@ fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     let mut cfg = TrainConfig::new(run_dir);
     cfg.resume = resume;
     cfg.data = a.data;
+    cfg.labels = a.labels;
+    cfg.unfreeze_after = a.unfreeze_after;
+    cfg.finetune_lr = a.finetune_lr;
     cfg.val_fraction = a.val_fraction;
     cfg.model = a.model;
     cfg.weights = a.weights;
@@ -497,7 +512,13 @@ fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         "model: {} (metrics.csv, metrics.png beside it)",
         report.model_path.display()
     );
+    if let Some(auroc) = report.best_val_auroc {
+        println!("validation AUROC (mean over labels): {auroc:.2}%");
+    }
     match report.best_val_accuracy {
+        Some(acc) if report.per_class_auroc.is_some() => {
+            println!("validation accuracy (per label, Hamming): {acc:.2}%")
+        }
         Some(acc) => println!("validation accuracy: {acc:.2}%"),
         None => println!("validation accuracy: n/a"),
     }

@@ -33,6 +33,20 @@ fn run(cfg: &TrainConfig) -> TrainReport {
     train(cfg, &Device::flex(), &mut |l| eprintln!("{l}")).unwrap()
 }
 
+/// The small ResNet with the parity fixture's weights (what transfer-learning tests start from).
+fn fixture_resnet() -> hearth::models::Classifier {
+    let mut model = hearth::train::mini_resnet(10)
+        .init(&Device::flex())
+        .unwrap();
+    hearth::models::load_torchvision(
+        &mut model,
+        &common::fixture("resnet_basic.pth"),
+        &Default::default(),
+    )
+    .unwrap();
+    model
+}
+
 fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
     let reader = burn::store::burn_pack::Reader::from_file(path).unwrap();
     let mut names: Vec<String> = reader
@@ -52,6 +66,21 @@ fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
             (n, v)
         })
         .collect()
+}
+
+/// Two checkpoints hold the same tensors, within 1e-6.
+fn assert_same_weights(a: &Path, b: &Path) {
+    let (a, b) = (tensors(a), tensors(b));
+    assert_eq!(a.len(), b.len());
+    for ((na, va), (nb, vb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        let diff = va
+            .iter()
+            .zip(vb)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(diff <= 1e-6, "{na}: resumed weights differ by {diff}");
+    }
 }
 
 #[test]
@@ -129,18 +158,10 @@ fn resuming_after_an_epoch_ends_with_the_same_weights() {
     second.resume = true;
     run(&second);
 
-    let a = tensors(&dir.path().join("straight/checkpoint/model-2.bpk"));
-    let b = tensors(&dir.path().join("resumed/checkpoint/model-2.bpk"));
-    assert_eq!(a.len(), b.len());
-    for ((na, va), (nb, vb)) in a.iter().zip(&b) {
-        assert_eq!(na, nb);
-        let diff = va
-            .iter()
-            .zip(vb)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
-        assert!(diff <= 1e-6, "{na}: resumed weights differ by {diff}");
-    }
+    assert_same_weights(
+        &dir.path().join("straight/checkpoint/model-2.bpk"),
+        &dir.path().join("resumed/checkpoint/model-2.bpk"),
+    );
 }
 
 #[test]
@@ -156,15 +177,7 @@ fn a_frozen_backbone_is_unchanged_after_training() {
     let trained = load_model(&report.model_path, &Device::flex())
         .unwrap()
         .model;
-    let mut original = hearth::train::mini_resnet(10)
-        .init(&Device::flex())
-        .unwrap();
-    hearth::models::load_torchvision(
-        &mut original,
-        &common::fixture("resnet_basic.pth"),
-        &Default::default(),
-    )
-    .unwrap();
+    let original = fixture_resnet();
     let (hearth::models::Classifier::ResNet(t), hearth::models::Classifier::ResNet(o)) =
         (&trained, &original)
     else {
@@ -241,4 +254,129 @@ fn bad_input_gives_clear_errors() {
     c.resume = true;
     let e = err(c);
     assert!(e.contains("different model or class count"), "{e}");
+}
+
+/// A multi-label CSV over the synthetic images: labels derived from the class, several per image.
+fn multi_label_csv(data: &Path) -> PathBuf {
+    let names = hearth::datasets::synth::class_names(3);
+    // class 0 -> a, class 1 -> a|b, class 2 -> c (and b for every other image).
+    let mut csv = String::from("path,labels\n");
+    for split in ["train", "val"] {
+        for (c, name) in names.iter().enumerate() {
+            let mut files: Vec<_> = std::fs::read_dir(data.join(split).join(name))
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            files.sort();
+            for (i, f) in files.iter().enumerate() {
+                let labels = match c {
+                    0 => "a".to_string(),
+                    1 => "a|b".to_string(),
+                    _ if i % 2 == 0 => "b|c".to_string(),
+                    _ => "c".to_string(),
+                };
+                csv.push_str(&format!("{split}/{name}/{f},{labels}\n"));
+            }
+        }
+    }
+    let path = data.join("labels.csv");
+    std::fs::write(&path, csv).unwrap();
+    path
+}
+
+#[test]
+fn multi_label_training_reports_per_class_auroc_that_matches_the_metric() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    let mut cfg = config(&d, dir.path().join("run"));
+    cfg.labels = Some(multi_label_csv(&d));
+    cfg.val_fraction = 0.3;
+    cfg.monitor = "val_auroc".parse().unwrap();
+    let report = run(&cfg);
+
+    let csv = std::fs::read_to_string(dir.path().join("run/metrics.csv")).unwrap();
+    let header = csv.lines().next().unwrap();
+    for col in ["val_auroc", "val_accuracy", "train_images_per_sec", "train_lr"] {
+        assert!(header.split(',').any(|c| c == col), "{col} missing: {header}");
+    }
+    let per_class = report.per_class_auroc.clone().unwrap();
+    let names: Vec<&str> = per_class.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["a", "b", "c"]);
+    let written = std::fs::read_to_string(dir.path().join("run/auroc.csv")).unwrap();
+    assert_eq!(written.lines().count(), 4, "{written}");
+    // Our per-class AUROCs of the exported (best) model average to burn's AUROC metric of the
+    // best epoch: two independent computations over the same validation set.
+    let mean = per_class.iter().map(|(_, a)| a).sum::<f64>() / per_class.len() as f64;
+    let metric = report.best_val_auroc.unwrap() / 100.0;
+    assert!(
+        (mean - metric).abs() < 1e-4,
+        "per-class mean {mean} vs metric {metric}"
+    );
+    let saved = load_model(&report.model_path, &Device::flex()).unwrap();
+    assert_eq!(
+        saved.model.head_activation(),
+        hearth::models::HeadActivation::Sigmoid
+    );
+    assert_eq!(saved.model.num_classes(), 3);
+}
+
+/// Every tensor of the backbone (all but the head `fc`) of a checkpoint, by name.
+fn backbone(path: &Path) -> Vec<(String, Vec<f32>)> {
+    tensors(path)
+        .into_iter()
+        .filter(|(n, _)| !n.contains("fc."))
+        .collect()
+}
+
+#[test]
+fn unfreezing_after_an_epoch_fine_tunes_the_backbone_and_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    let make = |run: &str| {
+        let mut cfg = config(&d, dir.path().join(run));
+        cfg.weights = Some(common::fixture("resnet_basic.pth"));
+        cfg.freeze_backbone = true;
+        cfg.unfreeze_after = Some(1);
+        cfg.finetune_lr = Some(0.01);
+        cfg
+    };
+    run(&make("straight"));
+    let ckpt = |run: &str, e: usize| dir.path().join(format!("{run}/checkpoint/model-{e}.bpk"));
+    let (e1, e2) = (backbone(&ckpt("straight", 1)), backbone(&ckpt("straight", 2)));
+    assert!(!e1.is_empty());
+    // Epoch 1 (frozen) left the backbone as loaded; epoch 2 (fine-tuning) changed it.
+    let original = fixture_resnet();
+    let hearth::models::Classifier::ResNet(o) = &original else {
+        panic!("a ResNet expected");
+    };
+    let stem: Vec<f32> = o.conv1.weight.val().into_data().iter().collect();
+    let stem_at = |t: &[(String, Vec<f32>)]| {
+        t.iter()
+            .find(|(n, _)| n.ends_with("conv1.weight") && !n.contains("layer"))
+            .map(|(_, v)| v.clone())
+            .unwrap()
+    };
+    assert_eq!(stem_at(&e1), stem, "the frozen epoch changed the stem");
+    assert_ne!(stem_at(&e2), stem, "fine-tuning did not change the stem");
+    let csv = std::fs::read_to_string(dir.path().join("straight/metrics.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 3, "{csv}");
+
+    // Stopped inside the frozen phase and resumed: the same weights as the straight run.
+    let mut first = make("resumed");
+    first.stop_after_epoch = Some(1);
+    run(&first);
+    let mut second = make("resumed");
+    second.resume = true;
+    run(&second);
+    assert_same_weights(&ckpt("straight", 2), &ckpt("resumed", 2));
+
+    // Resuming with other hyperparameters is refused, naming them.
+    let mut other = make("resumed");
+    other.resume = true;
+    other.epochs = 3;
+    other.lr = 0.1;
+    let e = train(&other, &Device::flex(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("lr: 0.05 then, 0.1 now") && e.contains("epochs"), "{e}");
 }

@@ -125,7 +125,7 @@ struct HostBatch {
 pub struct Batch {
     /// `[n, 3, size, size]`, normalised.
     pub images: Tensor<4>,
-    /// Class indices `[n]` (single-label sets).
+    /// Class indices `[n]`; for a multi-label set, each sample's first label (0 for none).
     pub classes: Option<Tensor<1, Int>>,
     /// Multi-hot `[n, classes]` (multi-label sets).
     pub multi_hot: Option<Tensor<2>>,
@@ -332,7 +332,7 @@ impl Loader {
         let s = self.pipeline.size as usize;
         let n = host.indices.len();
         let images = Tensor::from_data(TensorData::new(host.pixels, [n, 3, s, s]), device);
-        let (mut classes, mut multi) = (None, None);
+        let mut multi = None;
         if self.set.multi_label {
             let k = self.set.classes.len();
             let mut hot = vec![0f32; n * k];
@@ -344,17 +344,18 @@ impl Loader {
                 }
             }
             multi = Some(Tensor::from_data(TensorData::new(hot, [n, k]), device));
-        } else {
-            let ys: Vec<i64> = host
-                .indices
-                .iter()
-                .map(|&i| match &self.set.samples[i].target {
-                    Target::Class(c) => *c as i64,
-                    Target::Multi(ls) => ls.first().copied().unwrap_or(0) as i64,
-                })
-                .collect();
-            classes = Some(Tensor::from_data(TensorData::new(ys, [n]), device));
         }
+        // Class indices always (a multi-label sample's first label, 0 for none), so
+        // single-label metrics and samplers work on any set.
+        let ys: Vec<i64> = host
+            .indices
+            .iter()
+            .map(|&i| match &self.set.samples[i].target {
+                Target::Class(c) => *c as i64,
+                Target::Multi(ls) => ls.first().copied().unwrap_or(0) as i64,
+            })
+            .collect();
+        let classes = Some(Tensor::from_data(TensorData::new(ys, [n]), device));
         Batch {
             images,
             classes,

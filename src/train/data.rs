@@ -12,11 +12,15 @@ use burn::data::dataset::DatasetError;
 use burn::prelude::*;
 use hearth_datasets::{BatchStream, Loader};
 
-/// A batch for training: normalised images and class indices.
+/// A batch for training: normalised images, class indices and, from a multi-label set, the
+/// multi-hot label matrix.
 #[derive(Debug, Clone)]
 pub struct ImageBatch {
     pub images: Tensor<4>,
+    /// `[n]` class indices (a multi-label sample's first label).
     pub targets: Tensor<1, Int>,
+    /// `[n, classes]` 0/1 labels of a multi-label set.
+    pub multi_hot: Option<Tensor<2>>,
 }
 
 /// [`Loader`] as a burn [`DataLoader`] of [`ImageBatch`].
@@ -83,13 +87,14 @@ impl Iterator for AdapterIter {
             let Some(targets) = batch.classes else {
                 return Some(Err(DatasetError::new(
                     hearth_datasets::DataError::InvalidArgument(
-                        "a multi-label data set reached a single-label trainer".into(),
+                        "the loader produced a batch without class indices".into(),
                     ),
                 )));
             };
             return Some(Ok(ImageBatch {
                 images: batch.images,
                 targets,
+                multi_hot: batch.multi_hot,
             }));
         }
     }

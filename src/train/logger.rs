@@ -35,8 +35,13 @@ fn slug(name: &str) -> String {
     let lower = name.to_ascii_lowercase();
     if lower.contains("top") && lower.contains("acc") {
         "top5_accuracy".into()
-    } else if lower.contains("acc") {
+    } else if lower.contains("acc") || lower.starts_with("hamming score") {
+        // A multi-label run's per-label accuracy is its accuracy column.
         "accuracy".into()
+    } else if lower.starts_with("auroc") {
+        "auroc".into()
+    } else if lower.starts_with("images/s") {
+        "images_per_sec".into()
     } else if lower.contains("loss") {
         "loss".into()
     } else if lower.contains("learning rate") || lower == "lr" {
@@ -282,5 +287,8 @@ mod tests {
         assert_eq!(slug("Top-5 Accuracy"), "top5_accuracy");
         assert_eq!(slug("Loss"), "loss");
         assert_eq!(slug("Learning Rate"), "lr");
+        assert_eq!(slug("Hamming Score @ Threshold(0.5)"), "accuracy");
+        assert_eq!(slug("AUROC [Macro]"), "auroc");
+        assert_eq!(slug("Images/s"), "images_per_sec");
     }
 }

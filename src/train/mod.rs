@@ -10,13 +10,16 @@
 mod data;
 mod logger;
 mod render;
+mod speed;
 mod step;
 
 pub use data::{ImageBatch, LoaderAdapter};
 pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
 pub use render::PlainRenderer;
-pub use step::SingleLabel;
+pub use speed::ImagesPerSecond;
+pub use step::{MultiLabel, SingleLabel, Task};
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -30,15 +33,13 @@ use burn::train::checkpoint::{
     ComposedCheckpointingStrategy, KeepLastNCheckpoints, MetricCheckpointingStrategy,
 };
 use burn::train::metric::store::{Aggregate, Direction, Split};
-use burn::train::metric::{
-    AccuracyMetric, LearningRateMetric, LossMetric, Metric, TopKAccuracyMetric,
-};
+use burn::train::metric::{LearningRateMetric, Metric};
 use burn::train::{Learner, MetricEarlyStoppingStrategy, StoppingCondition, SupervisedTraining};
 use hearth_datasets::synth::{SynthConfig, generate};
-use hearth_datasets::{Loader, LoaderConfig, Pipeline, train_val};
+use hearth_datasets::{ImageSet, Loader, LoaderConfig, Pipeline, train_val};
 use hearth_models::{
-    Architecture, BlockKind, HeadConfig, LoadOptions, ModelConfig, ResNetConfig, load_torchvision,
-    save_model,
+    Architecture, BiasInit, BlockKind, HeadActivation, HeadConfig, LoadOptions, ModelConfig,
+    ResNetConfig, load_torchvision, save_model,
 };
 
 use crate::optim::LarsConfig;
@@ -86,6 +87,8 @@ impl std::str::FromStr for OptimizerKind {
 pub enum Monitor {
     ValLoss,
     ValAccuracy,
+    /// Mean per-class AUROC (multi-label sets).
+    ValAuroc,
 }
 
 impl std::str::FromStr for Monitor {
@@ -94,8 +97,9 @@ impl std::str::FromStr for Monitor {
         match s {
             "val_loss" => Ok(Self::ValLoss),
             "val_accuracy" => Ok(Self::ValAccuracy),
+            "val_auroc" => Ok(Self::ValAuroc),
             o => Err(HearthError::InvalidArgument(format!(
-                "--monitor '{o}': expected val_loss or val_accuracy"
+                "--monitor '{o}': expected val_loss, val_accuracy or val_auroc"
             ))),
         }
     }
@@ -106,11 +110,19 @@ impl std::str::FromStr for Monitor {
 pub struct TrainConfig {
     /// Image folder; `None` generates the synthetic default set into the run directory.
     pub data: Option<PathBuf>,
+    /// Multi-label CSV (`path,label1|label2`), paths relative to `data` (default: the CSV's
+    /// folder). Trains with one sigmoid per class and binary cross-entropy.
+    pub labels: Option<PathBuf>,
     pub val_fraction: f64,
     /// torchvision name, or [`DEFAULT_MODEL`].
     pub model: String,
     pub weights: Option<PathBuf>,
     pub freeze_backbone: bool,
+    /// With `freeze_backbone`: after this many epochs, unfreeze everything and fine-tune at
+    /// `finetune_lr`.
+    pub unfreeze_after: Option<usize>,
+    /// Learning rate of the fine-tuning phase (default: a tenth of the scaled `lr`).
+    pub finetune_lr: Option<f64>,
     pub epochs: usize,
     pub batch_size: usize,
     pub lr: f64,
@@ -140,10 +152,13 @@ impl TrainConfig {
     pub fn new(run_dir: PathBuf) -> Self {
         Self {
             data: None,
+            labels: None,
             val_fraction: 0.2,
             model: DEFAULT_MODEL.into(),
             weights: None,
             freeze_backbone: false,
+            unfreeze_after: None,
+            finetune_lr: None,
             epochs: 12,
             batch_size: 32,
             lr: 0.05,
@@ -182,6 +197,22 @@ impl TrainConfig {
         if !(0.0..1.0).contains(&self.label_smoothing) {
             return bad("--label-smoothing must be in [0, 1)".into());
         }
+        if let Some(n) = self.unfreeze_after {
+            if !self.freeze_backbone {
+                return bad("--unfreeze-after needs --freeze-backbone".into());
+            }
+            if n == 0 || n >= self.epochs {
+                return bad(format!(
+                    "--unfreeze-after {n} must be between 1 and --epochs - 1 ({})",
+                    self.epochs - 1
+                ));
+            }
+        }
+        if let Some(lr) = self.finetune_lr
+            && !(lr.is_finite() && lr > 0.0)
+        {
+            return bad(format!("--finetune-lr {lr} must be positive"));
+        }
         if self.image_size < hearth_models::MIN_INPUT_SIZE as u32 {
             return bad(format!(
                 "--size {} is below the minimum of {}",
@@ -207,6 +238,12 @@ pub struct TrainReport {
     pub node_hours: f64,
     pub cost: Option<f64>,
     pub class_names: Vec<String>,
+    /// Multi-label runs: mean per-class validation AUROC of the best epoch (0-100, as burn
+    /// reports it).
+    pub best_val_auroc: Option<f64>,
+    /// Multi-label runs: each class's validation AUROC (0-1) for the exported model, as CheXNet
+    /// reports it; also written to `auroc.csv`.
+    pub per_class_auroc: Option<Vec<(String, f64)>>,
 }
 
 /// Weight decay applied as L2 on the gradient of multi-dimensional tensors only: batch-norm
@@ -292,15 +329,33 @@ fn model_config(name: &str, classes: usize) -> Result<ModelConfig> {
 }
 
 /// Trains, validates every epoch, and exports the best epoch's weights to `run_dir/model.bpk`.
+///
+/// A multi-label set (`labels` CSV) trains [`MultiLabel`] (sigmoid head with biases at one,
+/// binary cross-entropy, per-class AUROC); any other trains [`SingleLabel`].
 pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
     cfg.validate()?;
     prepare_run_dir(&cfg.run_dir)?;
     let started = Instant::now();
+    let (train_set, val_set) = load_data(cfg, log)?;
+    if train_set.multi_label {
+        run::<MultiLabel>(cfg, device, train_set, val_set, started, log)
+    } else {
+        if cfg.monitor == Monitor::ValAuroc {
+            return Err(HearthError::InvalidArgument(
+                "--monitor val_auroc needs a multi-label data set (--labels FILE.csv)".into(),
+            ));
+        }
+        run::<SingleLabel>(cfg, device, train_set, val_set, started, log)
+    }
+}
 
-    // Data.
-    let data_dir = match &cfg.data {
-        Some(d) => d.clone(),
-        None => {
+fn load_data(cfg: &TrainConfig, log: &mut dyn FnMut(&str)) -> Result<(ImageSet, ImageSet)> {
+    let (train_set, val_set) = match (&cfg.labels, &cfg.data) {
+        (Some(csv), data) => {
+            ImageSet::from_csv(csv, data.as_deref())?.split(cfg.val_fraction, cfg.seed)?
+        }
+        (None, Some(dir)) => train_val(dir, cfg.val_fraction, cfg.seed)?,
+        (None, None) => {
             let dir = cfg.run_dir.join("data");
             if !dir.join("val").is_dir() {
                 log(&format!(
@@ -314,21 +369,120 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
                         .with_val(40),
                 )?;
             }
-            dir
+            train_val(&dir, cfg.val_fraction, cfg.seed)?
         }
     };
-    let (train_set, val_set) = train_val(&data_dir, cfg.val_fraction, cfg.seed)?;
     train_set.require_classes(2)?;
     if let Some(w) = train_set.problems.summary() {
         log(&w);
     }
-    let classes = train_set.classes.clone();
     log(&format!(
-        "data: {} training and {} validation images, {} classes",
+        "data: {} training and {} validation images, {} {}",
         train_set.len(),
         val_set.len(),
-        classes.len()
+        train_set.classes.len(),
+        if train_set.multi_label {
+            "labels (multi-label)"
+        } else {
+            "classes"
+        }
     ));
+    Ok((train_set, val_set))
+}
+
+/// One Learner launch: epochs `first + 1 ..= last` of the run, starting from checkpoint
+/// `first` when it is not 0.
+struct Phase<'a, T: Task> {
+    trainee: T,
+    lr: f64,
+    first: usize,
+    last: usize,
+    patience: Option<usize>,
+    steps_per_epoch: usize,
+    train_loader: &'a Loader,
+    val_loader: &'a Loader,
+    table: &'a EpochTable,
+}
+
+fn run_phase<T: Task>(
+    cfg: &TrainConfig,
+    phase: Phase<'_, T>,
+    device: &Device,
+    plain_device: &Device,
+) -> Result<T> {
+    let decay = match cfg.schedule {
+        Decay::Step { gamma, .. } => Decay::Step {
+            step_size: (phase.steps_per_epoch * cfg.epochs / 3).max(1),
+            gamma,
+        },
+        d => d,
+    };
+    // The schedule spans the whole run; a resumed phase continues at its iteration.
+    let schedule = Schedule::new(
+        phase.lr,
+        cfg.warmup_epochs * phase.steps_per_epoch,
+        cfg.epochs * phase.steps_per_epoch,
+        decay,
+    )?;
+    let (checkpointing, early_stopping) = T::monitored(cfg.monitor, phase.patience)?;
+    let interrupter = burn::train::Interrupter::new();
+    let non_finite = NonFinite::default();
+    let csv_logger = CsvMetricLogger::new(cfg.run_dir.join("metrics.csv"), phase.table.clone())
+        .with_report(Box::new(|line: &str| eprintln!("{line}")))
+        .with_nan_guard(non_finite.clone(), interrupter.clone());
+    let first_epoch = phase.first as u64;
+    let mut training = SupervisedTraining::new(
+        &cfg.run_dir,
+        Arc::new(LoaderAdapter::new(
+            phase.train_loader.clone(),
+            device.clone(),
+            first_epoch,
+        )),
+        Arc::new(LoaderAdapter::new(
+            phase.val_loader.clone(),
+            plain_device.clone(),
+            first_epoch,
+        )),
+    )
+    .with_interrupter(interrupter)
+    .with_metric_logger(csv_logger)
+    .metric_train_numeric(LearningRateMetric::new())
+    .metric_train_numeric(ImagesPerSecond::new())
+    .with_default_checkpointers()
+    .with_checkpointing_strategy(checkpointing)
+    .num_epochs(phase.last)
+    .summary();
+    training = T::register_metrics(training, phase.train_loader.set().classes.len());
+    if let Some(strategy) = early_stopping {
+        training = training.early_stopping(strategy);
+    }
+    if phase.first > 0 {
+        training = training.checkpoint(phase.first);
+    }
+    // burn-train's TUI on a terminal; plain progress lines otherwise.
+    if !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+        training = training.renderer(Box::new(PlainRenderer::default()));
+    }
+    let learner = Learner::new(phase.trainee, optimizer(cfg), schedule);
+    let result = training.launch(learner);
+    if let Some((epoch, step)) = non_finite.lock().ok().and_then(|n| *n) {
+        return Err(HearthError::NanLoss { epoch, step });
+    }
+    if let Some(error) = result.error {
+        return Err(HearthError::Training(error.to_string()));
+    }
+    Ok(result.model)
+}
+
+fn run<T: Task>(
+    cfg: &TrainConfig,
+    device: &Device,
+    train_set: ImageSet,
+    val_set: ImageSet,
+    started: Instant,
+    log: &mut dyn FnMut(&str),
+) -> Result<TrainReport> {
+    let classes = train_set.classes.clone();
     let train_loader = Loader::new(
         train_set,
         Pipeline::train(cfg.image_size),
@@ -349,9 +503,21 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
     // Model, on the autodiff view of the device, from a seeded initialisation.
     let plain_device = device.clone();
     let device = &device.clone().autodiff();
+    let config = model_config(&cfg.model, classes.len())?;
+    // Burn's backends keep one random generator per process: hold it from seeding until every
+    // random parameter exists (Burn initialises parameters lazily), so concurrent trainings in
+    // one process (tests, embedding programs) still start from their seed's weights.
+    let rng_guard = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     device.seed(cfg.seed);
     plain_device.seed(cfg.seed);
-    let config = model_config(&cfg.model, classes.len())?;
+    // CheXNet's multi-label head: one sigmoid per class, biases initialised to one.
+    let head = if T::MULTI_LABEL {
+        HeadConfig::new(classes.len())
+            .with_activation(HeadActivation::Sigmoid)
+            .with_bias(BiasInit::Constant(1.0))
+    } else {
+        HeadConfig::new(classes.len())
+    };
     let mut model = config.init(device)?;
     if let Some(weights) = &cfg.weights {
         let report = load_torchvision(
@@ -368,16 +534,12 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
             weights.display(),
             classes.len()
         ));
-        model = model.replace_head(HeadConfig::new(classes.len()), device)?;
+        model = model.replace_head(head, device)?;
+    } else if T::MULTI_LABEL {
+        model = model.replace_head(head, device)?;
     }
-    if cfg.freeze_backbone {
-        model = model.freeze_backbone();
-        log("backbone frozen: only the head trains");
-    }
-    let trainee = SingleLabel {
-        model,
-        smoothing: cfg.label_smoothing,
-    };
+    model.visit(&mut Materialize);
+    drop(rng_guard);
 
     // Learning rate.
     let lr = match cfg.scale_lr {
@@ -391,131 +553,159 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
         }
         None => cfg.lr,
     };
-    let decay = match cfg.schedule {
-        Decay::Step { gamma, .. } => Decay::Step {
-            step_size: (steps_per_epoch * cfg.epochs / 3).max(1),
-            gamma,
-        },
-        d => d,
-    };
-    let schedule = Schedule::new(
-        lr,
-        cfg.warmup_epochs * steps_per_epoch,
-        cfg.epochs * steps_per_epoch,
-        decay,
-    )?;
 
     // Resume: burn's checkpointer restores model, optimizer and scheduler of the last epoch;
     // the loader's data order is a function of (seed, epoch).
+    let hparams = hyperparameters(cfg);
     let resume_epoch = if cfg.resume {
         let epoch = last_checkpoint(&cfg.run_dir)?;
-        check_resume_compatible(&cfg.run_dir, &config)?;
+        check_resume_compatible(&cfg.run_dir, &config, &hparams)?;
         log(&format!("resuming after epoch {epoch}"));
-        Some(epoch)
+        epoch
     } else {
-        None
+        0
     };
-    std::fs::write(cfg.run_dir.join("model_config.json"), config.to_json()).map_err(|source| {
-        HearthError::Write {
-            path: cfg.run_dir.join("model_config.json"),
-            source,
-        }
-    })?;
+    write_file(&cfg.run_dir.join("model_config.json"), &config.to_json())?;
+    write_file(&cfg.run_dir.join("hparams.json"), &hparams_json(&hparams))?;
 
     let table = EpochTable::default();
-    if let Some(epoch) = resume_epoch {
-        reload_table(&cfg.run_dir.join("metrics.csv"), &table, epoch);
+    if resume_epoch > 0 {
+        reload_table(&cfg.run_dir.join("metrics.csv"), &table, resume_epoch);
     }
-    let first_epoch = resume_epoch.unwrap_or(0) as u64;
-    // One metric drives both the best-epoch checkpoint and early stopping.
-    let (checkpointing, early_stopping) = match cfg.monitor {
-        Monitor::ValLoss => monitored(&LossMetric::new(), Direction::Lowest, cfg.patience),
-        Monitor::ValAccuracy => monitored(&AccuracyMetric::new(), Direction::Highest, cfg.patience),
+    // This launch may end before `epochs` (`stop_after_epoch`); the schedule spans them all.
+    let end = cfg.stop_after_epoch.unwrap_or(cfg.epochs).min(cfg.epochs);
+    if resume_epoch >= end {
+        return Err(HearthError::InvalidArgument(format!(
+            "{} has already finished epoch {resume_epoch} of {}; nothing left to train",
+            cfg.run_dir.display(),
+            cfg.epochs
+        )));
+    }
+    let ran_to = |table: &EpochTable| {
+        table
+            .lock()
+            .ok()
+            .and_then(|t| t.keys().copied().max())
+            .unwrap_or(0)
     };
-    let interrupter = burn::train::Interrupter::new();
-    let non_finite = NonFinite::default();
-    let csv_logger = CsvMetricLogger::new(cfg.run_dir.join("metrics.csv"), table.clone())
-        .with_report(Box::new(|line: &str| eprintln!("{line}")))
-        .with_nan_guard(non_finite.clone(), interrupter.clone());
-    // The schedule spans all `epochs`; this launch may end earlier (`stop_after_epoch`).
-    let last_epoch = cfg.stop_after_epoch.unwrap_or(cfg.epochs).min(cfg.epochs);
-    let mut training = SupervisedTraining::new(
-        &cfg.run_dir,
-        Arc::new(LoaderAdapter::new(
-            train_loader,
-            device.clone(),
-            first_epoch,
-        )),
-        Arc::new(LoaderAdapter::new(
-            val_loader,
-            plain_device.clone(),
-            first_epoch,
-        )),
-    )
-    .with_interrupter(interrupter)
-    .with_metric_logger(csv_logger)
-    .metrics((AccuracyMetric::new(), LossMetric::new()))
-    .metric_train_numeric(TopKAccuracyMetric::new(5.min(classes.len())))
-    .metric_valid_numeric(TopKAccuracyMetric::new(5.min(classes.len())))
-    .metric_train_numeric(LearningRateMetric::new())
-    .with_default_checkpointers()
-    .with_checkpointing_strategy(checkpointing)
-    .num_epochs(last_epoch)
-    .summary();
-    if let Some(strategy) = early_stopping {
-        training = training.early_stopping(strategy);
+    // Phase 1: the whole run, or the frozen-backbone epochs before `unfreeze_after`.
+    let unfreeze_at = cfg.unfreeze_after.filter(|_| cfg.freeze_backbone);
+    let phase1_end = unfreeze_at.map_or(end, |n| n.min(end));
+    let mut done = resume_epoch;
+    let mut trained: Option<T> = None;
+    if done < phase1_end {
+        let backbone = if cfg.freeze_backbone {
+            log("backbone frozen: only the head trains");
+            model.clone().freeze_backbone()
+        } else {
+            model.clone()
+        };
+        let phase = Phase {
+            trainee: T::wrap(backbone, cfg.label_smoothing),
+            lr,
+            first: done,
+            last: phase1_end,
+            // With a fine-tuning phase ahead, patience counts from fine-tuning only.
+            patience: if unfreeze_at.is_some() {
+                None
+            } else {
+                cfg.patience
+            },
+            steps_per_epoch,
+            train_loader: &train_loader,
+            val_loader: &val_loader,
+            table: &table,
+        };
+        trained = Some(run_phase(cfg, phase, device, &plain_device)?);
+        done = ran_to(&table);
     }
-    if let Some(epoch) = resume_epoch {
-        training = training.checkpoint(epoch);
+    // Phase 2: everything trains, at the fine-tuning rate, from the last checkpoint.
+    if let Some(n) = unfreeze_at
+        && done >= n
+        && done < end
+    {
+        let finetune_lr = cfg.finetune_lr.unwrap_or(lr / 10.0);
+        log(&format!(
+            "unfreezing the backbone after epoch {done}: fine-tuning everything at lr {finetune_lr}"
+        ));
+        let phase = Phase {
+            trainee: T::wrap(model.unfreeze_all(), cfg.label_smoothing),
+            lr: finetune_lr,
+            first: done,
+            last: end,
+            patience: cfg.patience,
+            steps_per_epoch,
+            train_loader: &train_loader,
+            val_loader: &val_loader,
+            table: &table,
+        };
+        trained = Some(run_phase(cfg, phase, device, &plain_device)?);
     }
-    // burn-train's TUI on a terminal; plain progress lines otherwise.
-    if !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
-        training = training.renderer(Box::new(PlainRenderer::default()));
-    }
-    let learner = Learner::new(trainee, optimizer(cfg), schedule);
-    let result = training.launch(learner);
-    if let Some((epoch, step)) = non_finite.lock().ok().and_then(|n| *n) {
-        return Err(HearthError::NanLoss { epoch, step });
-    }
-    if let Some(error) = result.error {
-        return Err(HearthError::Training(error.to_string()));
-    }
+    let Some(last_model) = trained else {
+        return Err(HearthError::Training("no epoch was trained".into()));
+    };
 
     // Restore the best epoch (Keras' restore_best_weights), not the last.
     let rows = table.lock().map(|t| t.clone()).unwrap_or_default();
     let epochs_run = rows.keys().copied().max().unwrap_or(0);
     let best = best_epoch(&rows, cfg.monitor, cfg.min_delta).unwrap_or(epochs_run);
-    let mut best_model: SingleLabel = result.model;
+    let mut best_model = last_model.into_classifier();
     let best_file = cfg
         .run_dir
         .join("checkpoint")
         .join(format!("model-{best}.bpk"));
     if best_file.is_file() {
+        let mut trainee = T::wrap(best_model, cfg.label_smoothing);
         let mut store = BurnpackStore::from_file(&best_file).auto_extension(false);
-        best_model.load_from(&mut store).map_err(|e| {
+        trainee.load_from(&mut store).map_err(|e| {
             HearthError::Training(format!(
                 "restoring epoch {best} from {}: {e}",
                 best_file.display()
             ))
         })?;
+        best_model = trainee.into_classifier();
         log(&format!(
             "restored the best epoch ({best}) from {}",
             best_file.display()
         ));
+    } else if best != epochs_run {
+        log(&format!(
+            "warning: the best epoch's checkpoint ({}) is gone; exporting the last epoch",
+            best_file.display()
+        ));
     }
+    let best_model = best_model.valid();
     let model_path = cfg.run_dir.join("model.bpk");
-    save_model(
-        &best_model.model.valid(),
-        &config,
-        Some(&classes),
-        &model_path,
-    )?;
+    save_model(&best_model, &config, Some(&classes), &model_path)?;
     if let Err(e) = crate::plot::plot_metrics(&rows, &cfg.run_dir.join("metrics.png")) {
         log(&format!("warning: no plot written: {e}"));
     }
+    let per_class_auroc = if T::MULTI_LABEL {
+        let aucs = per_class_auroc(&best_model, &val_loader, &plain_device)?;
+        let mut text = String::from("class,auroc\n");
+        for (name, auc) in classes.iter().zip(&aucs) {
+            let shown = auc.map(|a| format!("{a:.6}")).unwrap_or_default();
+            text.push_str(&format!("{name},{shown}\n"));
+            log(&format!(
+                "  AUROC {name}: {}",
+                auc.map(|a| format!("{a:.4}"))
+                    .unwrap_or("undefined (one outcome only)".into())
+            ));
+        }
+        write_file(&cfg.run_dir.join("auroc.csv"), &text)?;
+        Some(
+            classes
+                .iter()
+                .zip(aucs)
+                .filter_map(|(n, a)| a.map(|a| (n.clone(), a)))
+                .collect(),
+        )
+    } else {
+        None
+    };
 
     let wall = started.elapsed().as_secs_f64();
-    let run_epochs = epochs_run.saturating_sub(first_epoch as usize).max(1);
+    let run_epochs = epochs_run.saturating_sub(resume_epoch).max(1);
     let node_hours = wall / 3600.0;
     let row = rows.get(&best);
     Ok(TrainReport {
@@ -530,12 +720,104 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
         node_hours,
         cost: cfg.price_per_hour.map(|p| p * node_hours),
         class_names: classes,
+        best_val_auroc: row.and_then(|r| r.get("val_auroc")).copied(),
+        per_class_auroc,
     })
+}
+
+/// Serialises seeding and parameter initialisation across threads (see `run`).
+static SEED_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Forces Burn's lazy parameter initialisation now.
+struct Materialize;
+
+impl burn::module::ModuleVisitor for Materialize {
+    fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+        let _ = param.val();
+    }
+}
+
+fn write_file(path: &Path, text: &str) -> Result<()> {
+    std::fs::write(path, text).map_err(|source| HearthError::Write {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Each class's AUROC over the validation set (`None` where a class has one outcome only).
+fn per_class_auroc(
+    model: &hearth_models::Classifier,
+    val: &Loader,
+    device: &Device,
+) -> Result<Vec<Option<f64>>> {
+    let k = model.num_classes();
+    let mut scores: Vec<Vec<(f64, bool)>> = vec![Vec::new(); k];
+    for batch in val.epoch(0, device) {
+        let batch = batch?;
+        let Some(hot) = batch.multi_hot else {
+            return Err(HearthError::Training(
+                "AUROC needs multi-hot validation labels".into(),
+            ));
+        };
+        let logits = model.forward(batch.images);
+        let n = logits.dims()[0];
+        let logits = logits
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| HearthError::Training(format!("reading outputs: {e:?}")))?;
+        let hot = hot
+            .into_data()
+            .try_into_vec::<f32>()
+            .map_err(|e| HearthError::Training(format!("reading labels: {e:?}")))?;
+        for row in 0..n {
+            for (c, s) in scores.iter_mut().enumerate() {
+                s.push((logits[row * k + c] as f64, hot[row * k + c] > 0.5));
+            }
+        }
+    }
+    Ok(scores.into_iter().map(|s| crate::metrics::auroc(&s)).collect())
+}
+
+/// The hyperparameters a resumed run must share with the original, by name.
+fn hyperparameters(cfg: &TrainConfig) -> BTreeMap<&'static str, String> {
+    let path = |p: &Option<PathBuf>| {
+        p.as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default()
+    };
+    BTreeMap::from([
+        ("data", path(&cfg.data)),
+        ("labels", path(&cfg.labels)),
+        ("val_fraction", cfg.val_fraction.to_string()),
+        ("model", cfg.model.clone()),
+        ("weights", path(&cfg.weights)),
+        ("freeze_backbone", cfg.freeze_backbone.to_string()),
+        ("unfreeze_after", format!("{:?}", cfg.unfreeze_after)),
+        ("finetune_lr", format!("{:?}", cfg.finetune_lr)),
+        ("epochs", cfg.epochs.to_string()),
+        ("batch_size", cfg.batch_size.to_string()),
+        ("lr", cfg.lr.to_string()),
+        ("optimizer", format!("{:?}", cfg.optimizer)),
+        ("momentum", cfg.momentum.to_string()),
+        ("nesterov", cfg.nesterov.to_string()),
+        ("weight_decay", cfg.weight_decay.to_string()),
+        ("schedule", format!("{:?}", cfg.schedule)),
+        ("warmup_epochs", cfg.warmup_epochs.to_string()),
+        ("scale_lr", format!("{:?}", cfg.scale_lr)),
+        ("label_smoothing", cfg.label_smoothing.to_string()),
+        ("image_size", cfg.image_size.to_string()),
+        ("seed", cfg.seed.to_string()),
+    ])
+}
+
+fn hparams_json(h: &BTreeMap<&'static str, String>) -> String {
+    serde_json::to_string_pretty(h).unwrap_or_default()
 }
 
 /// Keep the last checkpoint and the best by `metric` (validation mean), and, with a patience,
 /// stop after that many epochs without improvement of the same metric.
-fn monitored<Me: Metric>(
+pub(crate) fn monitored<Me: Metric>(
     metric: &Me,
     direction: Direction,
     patience: Option<usize>,
@@ -573,6 +855,7 @@ pub fn best_epoch(
     let (key, higher) = match monitor {
         Monitor::ValLoss => ("val_loss", false),
         Monitor::ValAccuracy => ("val_accuracy", true),
+        Monitor::ValAuroc => ("val_auroc", true),
     };
     let mut best: Option<(usize, f64)> = None;
     for (&epoch, row) in rows {
@@ -608,7 +891,11 @@ fn last_checkpoint(run_dir: &Path) -> Result<usize> {
         .ok_or_else(|| HearthError::InvalidArgument(format!("no checkpoint in {}", dir.display())))
 }
 
-fn check_resume_compatible(run_dir: &Path, config: &ModelConfig) -> Result<()> {
+fn check_resume_compatible(
+    run_dir: &Path,
+    config: &ModelConfig,
+    hparams: &BTreeMap<&'static str, String>,
+) -> Result<()> {
     let path = run_dir.join("model_config.json");
     let saved = std::fs::read_to_string(&path).map_err(|source| HearthError::Read {
         path: path.clone(),
@@ -623,6 +910,27 @@ fn check_resume_compatible(run_dir: &Path, config: &ModelConfig) -> Result<()> {
             run_dir.display(),
             saved.num_classes(),
             config.num_classes()
+        )));
+    }
+    // Runs from before hparams.json existed resume on the model check alone.
+    let path = run_dir.join("hparams.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(());
+    };
+    let saved: BTreeMap<String, String> = serde_json::from_str(&text)
+        .map_err(|e| HearthError::InvalidArgument(format!("{}: {e}", path.display())))?;
+    let differing: Vec<String> = hparams
+        .iter()
+        .filter_map(|(k, now)| {
+            let then = saved.get(*k)?;
+            (then != now).then(|| format!("{k}: {then} then, {now} now"))
+        })
+        .collect();
+    if !differing.is_empty() {
+        return Err(HearthError::InvalidArgument(format!(
+            "cannot resume {} exactly: hyperparameters differ ({}); pass the original ones",
+            run_dir.display(),
+            differing.join("; ")
         )));
     }
     Ok(())

@@ -1,11 +1,48 @@
-//! The training and validation steps of an image classifier, for burn-train's Learner.
+//! The training and validation steps of an image classifier, for burn-train's Learner:
+//! [`SingleLabel`] (cross-entropy, optional label smoothing) and [`MultiLabel`] (binary
+//! cross-entropy on logits, one sigmoid per class, as CheXNet trains).
 
 use burn::module::Module;
-use burn::nn::loss::CrossEntropyLossConfig;
-use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use burn::nn::loss::{BinaryCrossEntropyLossConfig, CrossEntropyLossConfig};
+use burn::train::{
+    ClassificationOutput, InferenceStep, MultiLabelClassificationOutput, TrainOutput, TrainStep,
+};
+use burn::train::checkpoint::ComposedCheckpointingStrategy;
+use burn::train::metric::store::Direction;
+use burn::train::metric::{
+    AccuracyMetric, AurocMetric, ClassReduction, HammingScore, LossMetric, TopKAccuracyMetric,
+};
+use burn::train::{MetricEarlyStoppingStrategy, SupervisedTraining};
 use hearth_models::Classifier;
 
 use super::data::ImageBatch;
+use super::{Monitor, monitored};
+use crate::{HearthError, Result};
+
+/// Best-epoch checkpointing and optional early stopping on one validation metric.
+pub type Monitoring = (
+    ComposedCheckpointingStrategy,
+    Option<MetricEarlyStoppingStrategy>,
+);
+
+/// A trainee the Learner drives: a [`Classifier`] with its loss.
+pub trait Task:
+    burn::train::LearnerModel
+    + TrainStep<Input = ImageBatch>
+    + InferenceStep<Input = ImageBatch>
+    + Sized
+{
+    /// Whether the task is multi-label (sigmoid head, BCE, AUROC).
+    const MULTI_LABEL: bool;
+    fn wrap(model: Classifier, smoothing: f32) -> Self;
+    fn classifier(&self) -> &Classifier;
+    fn into_classifier(self) -> Classifier;
+    /// Registers the task's metrics (besides learning rate and images/s).
+    fn register_metrics(training: SupervisedTraining<Self>, classes: usize)
+    -> SupervisedTraining<Self>;
+    /// The checkpointing and early stopping that follow `monitor`.
+    fn monitored(monitor: Monitor, patience: Option<usize>) -> Result<Monitoring>;
+}
 
 /// A classifier with its loss: cross-entropy with optional label smoothing.
 #[derive(Module, Debug)]
@@ -45,5 +82,119 @@ impl InferenceStep for SingleLabel {
 
     fn step(&self, batch: ImageBatch) -> ClassificationOutput {
         self.forward_classification(batch)
+    }
+}
+
+impl Task for SingleLabel {
+    const MULTI_LABEL: bool = false;
+    fn wrap(model: Classifier, smoothing: f32) -> Self {
+        Self { model, smoothing }
+    }
+    fn classifier(&self) -> &Classifier {
+        &self.model
+    }
+    fn into_classifier(self) -> Classifier {
+        self.model
+    }
+    fn register_metrics(
+        training: SupervisedTraining<Self>,
+        classes: usize,
+    ) -> SupervisedTraining<Self> {
+        training
+            .metrics((AccuracyMetric::new(), LossMetric::new()))
+            .metric_train_numeric(TopKAccuracyMetric::new(5.min(classes)))
+            .metric_valid_numeric(TopKAccuracyMetric::new(5.min(classes)))
+    }
+    fn monitored(monitor: Monitor, patience: Option<usize>) -> Result<Monitoring> {
+        match monitor {
+            Monitor::ValLoss => Ok(monitored(&LossMetric::new(), Direction::Lowest, patience)),
+            Monitor::ValAccuracy => Ok(monitored(
+                &AccuracyMetric::new(),
+                Direction::Highest,
+                patience,
+            )),
+            Monitor::ValAuroc => Err(HearthError::InvalidArgument(
+                "--monitor val_auroc needs a multi-label data set (--labels FILE.csv)".into(),
+            )),
+        }
+    }
+}
+
+/// A multi-label classifier: one independent sigmoid per class, binary cross-entropy on the
+/// logits (numerically stable), outputs as logits (AUROC ranks them; the Hamming score applies
+/// the sigmoid itself).
+#[derive(Module, Debug)]
+pub struct MultiLabel {
+    pub model: Classifier,
+}
+
+impl MultiLabel {
+    pub fn forward_classification(&self, batch: ImageBatch) -> MultiLabelClassificationOutput {
+        let device = batch.images.device();
+        let logits = self.model.forward(batch.images);
+        let [_, k] = logits.dims();
+        // A single-label set trained as multi-label: its class indices as one-hot rows.
+        let targets = match batch.multi_hot {
+            Some(hot) => hot.int(),
+            None => batch.targets.one_hot::<2>(k),
+        };
+        let loss = BinaryCrossEntropyLossConfig::new()
+            .with_logits(true)
+            .init(&device)
+            .forward(logits.clone(), targets.clone());
+        MultiLabelClassificationOutput::new(loss, logits, targets)
+    }
+}
+
+impl TrainStep for MultiLabel {
+    type Input = ImageBatch;
+    type Output = MultiLabelClassificationOutput;
+
+    fn step(&self, batch: ImageBatch) -> TrainOutput<MultiLabelClassificationOutput> {
+        let out = self.forward_classification(batch);
+        TrainOutput::new(self, out.loss.backward(), out)
+    }
+}
+
+impl InferenceStep for MultiLabel {
+    type Input = ImageBatch;
+    type Output = MultiLabelClassificationOutput;
+
+    fn step(&self, batch: ImageBatch) -> MultiLabelClassificationOutput {
+        self.forward_classification(batch)
+    }
+}
+
+/// The Hamming score (per-label accuracy after a sigmoid at 0.5): the `accuracy` column of a
+/// multi-label run.
+fn hamming() -> HammingScore {
+    HammingScore::new().with_sigmoid(true)
+}
+
+/// Mean of the per-class AUROCs over the epoch (CheXNet's summary number).
+fn auroc() -> AurocMetric {
+    AurocMetric::multilabel(ClassReduction::Macro)
+}
+
+impl Task for MultiLabel {
+    const MULTI_LABEL: bool = true;
+    fn wrap(model: Classifier, _smoothing: f32) -> Self {
+        Self { model }
+    }
+    fn classifier(&self) -> &Classifier {
+        &self.model
+    }
+    fn into_classifier(self) -> Classifier {
+        self.model
+    }
+    fn register_metrics(training: SupervisedTraining<Self>, _: usize) -> SupervisedTraining<Self> {
+        training.metrics((hamming(), LossMetric::new(), auroc()))
+    }
+    fn monitored(monitor: Monitor, patience: Option<usize>) -> Result<Monitoring> {
+        Ok(match monitor {
+            Monitor::ValLoss => monitored(&LossMetric::new(), Direction::Lowest, patience),
+            Monitor::ValAccuracy => monitored(&hamming(), Direction::Highest, patience),
+            Monitor::ValAuroc => monitored(&auroc(), Direction::Highest, patience),
+        })
     }
 }

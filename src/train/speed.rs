@@ -1,0 +1,100 @@
+//! Throughput as a burn-train metric: images per second since the epoch began.
+//!
+//! burn-train's `IterationSpeedMetric` counts iterations (batches); Hearth reports images/s, the
+//! unit that compares across batch sizes and with the run summary. The loader adapter's progress
+//! counts images, so the metric needs no input beyond the step metadata.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::tensor::TensorReadError;
+use burn::train::metric::{
+    Metric, MetricAttributes, MetricMetadata, MetricName, Numeric, NumericAttributes,
+    NumericEntry, SerializedEntry,
+};
+
+#[derive(Clone)]
+pub struct ImagesPerSecond {
+    name: MetricName,
+    /// When the first batch of the epoch finished, and how many images it held.
+    start: Option<(Instant, usize)>,
+    rate: f64,
+}
+
+impl Default for ImagesPerSecond {
+    fn default() -> Self {
+        Self {
+            name: Arc::new("Images/s".to_string()),
+            start: None,
+            rate: f64::NAN,
+        }
+    }
+}
+
+impl ImagesPerSecond {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn entry(&self, entry: NumericEntry) -> SerializedEntry {
+        SerializedEntry::new(format!("{:.1} images/s", self.rate), entry.serialize())
+    }
+}
+
+impl Metric for ImagesPerSecond {
+    type Input = ();
+
+    fn update(
+        &mut self,
+        _: &(),
+        metadata: &MetricMetadata,
+    ) -> Result<SerializedEntry, TensorReadError> {
+        let seen = metadata.progress.items_processed;
+        match self.start {
+            // The first batch sets the clock: its own time is unknown.
+            None => self.start = Some((Instant::now(), seen)),
+            Some((t0, base)) => {
+                let secs = t0.elapsed().as_secs_f64();
+                if secs > 0.0 {
+                    self.rate = seen.saturating_sub(base) as f64 / secs;
+                }
+            }
+        }
+        Ok(self.entry(NumericEntry::Value(self.rate)))
+    }
+
+    fn compute(&mut self) -> Result<SerializedEntry, TensorReadError> {
+        Ok(self.entry(NumericEntry::Final(self.rate)))
+    }
+
+    fn clear(&mut self) {
+        self.start = None;
+        self.rate = f64::NAN;
+    }
+
+    fn name(&self) -> MetricName {
+        self.name.clone()
+    }
+
+    fn attributes(&self) -> MetricAttributes {
+        NumericAttributes {
+            unit: Some("images/s".to_string()),
+            higher_is_better: true,
+        }
+        .into()
+    }
+}
+
+impl Numeric for ImagesPerSecond {
+    fn value(&self) -> Option<NumericEntry> {
+        self.rate.is_finite().then_some(NumericEntry::Value(self.rate))
+    }
+
+    fn running_value(&self) -> Option<NumericEntry> {
+        self.value()
+    }
+
+    fn final_value(&self) -> NumericEntry {
+        NumericEntry::Final(self.rate)
+    }
+}
