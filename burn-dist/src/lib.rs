@@ -1,27 +1,48 @@
 //! # burn-dist
 //!
 //! Distributed training for Burn on CPU and wgpu devices, across processes and machines, over
-//! QUIC. Burn's own data parallelism (`ExecutionStrategy::ddp`) runs only on CUDA inside one
-//! machine through NCCL; this crate is how Hearth trains everywhere else.
+//! QUIC. Burn's own data parallelism runs only on CUDA inside one machine through NCCL; this
+//! crate is how Hearth trains everywhere else. It knows nothing about images or models: it moves
+//! flat `f32` buffers.
 //!
-//! **Status: skeleton.** The layout below is the plan (see `ARCHITECTURE.md` and
-//! `../shared/DESIGN.md`); the modules arrive with the distributed-training issue:
-//!
-//! - `transport`: a `Transport` trait (framed messages to a rank, with deadlines), with an
-//!   in-memory implementation for tests and a QUIC (quinn) one.
-//! - `wire`: the frame (magic, version, kind, membership epoch, sequence, length) and a decoder
+//! - [`wire`]: the frame (magic, version, kind, membership epoch, sequence, length) and a decoder
 //!   that never panics on bad bytes.
-//! - `rendezvous`: rank discovery from `HEARTH_*`, torchrun, Slurm and Open MPI variables.
-//! - `collective`: ring allreduce, broadcast, all-gather, reduce-scatter, barrier on flat `f32`.
-//! - `bucket`, `ddp`, `ps`, `pipeline`, `elastic`: data parallel, parameter servers, model
-//!   parallel, elastic membership.
+//! - [`transport`]: the [`Transport`] trait (framed messages to a rank, with deadlines), with an
+//!   in-memory implementation for tests and a QUIC one (quinn, TLS always on).
+//! - [`tls`]: job membership: certificates derived from a job secret, or a CA the user gives.
+//! - [`rendezvous`]: ranks from `HEARTH_*`, torchrun, Slurm or Open MPI variables; rank 0
+//!   coordinates.
+//! - [`collective`]: ring allreduce, broadcast, all-gather, reduce-scatter, barrier on `f32`.
+//! - [`bucket`]: fusion buffers for gradients in one fixed order.
 //!
-//! The crate knows nothing about images or models: it moves flat buffers.
+//! ```
+//! use std::sync::Arc;
+//! use burn_dist::collective::{Communicator, ReduceOp};
+//! use burn_dist::transport::memory::MemoryTransport;
+//!
+//! // Two ranks as threads; with QUIC, `rendezvous::connect` gives the transport instead.
+//! let handles: Vec<_> = MemoryTransport::mesh(2)
+//!     .into_iter()
+//!     .map(|t| std::thread::spawn(move || {
+//!         let comm = Communicator::new(Arc::new(t));
+//!         let mut grads = vec![comm.rank() as f32 + 1.0; 4];
+//!         comm.allreduce(&mut grads, ReduceOp::Mean).unwrap();
+//!         grads
+//!     }))
+//!     .collect();
+//! for h in handles {
+//!     assert_eq!(h.join().unwrap(), vec![1.5; 4]);
+//! }
+//! ```
 
-/// Errors of burn-dist.
-#[derive(Debug, thiserror::Error)]
-pub enum DistError {
-    /// A feature of the plan above that is not built yet.
-    #[error("burn-dist: {0} is not implemented yet")]
-    NotImplemented(&'static str),
-}
+pub mod bucket;
+pub mod collective;
+mod error;
+pub mod rendezvous;
+pub mod tls;
+pub mod transport;
+pub mod wire;
+
+pub use collective::{Communicator, Compression, ReduceOp};
+pub use error::{DistError, Result};
+pub use transport::Transport;

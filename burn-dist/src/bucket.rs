@@ -1,0 +1,97 @@
+//! Gradient fusion: many tensors packed into few flat buffers ("buckets") so one allreduce moves
+//! many small gradients, in one fixed order on every rank.
+
+use crate::collective::{Communicator, ReduceOp};
+use crate::{DistError, Result};
+
+/// Default bucket size: 25 MB, PyTorch DDP's default.
+pub const DEFAULT_BUCKET_BYTES: usize = 25 * 1024 * 1024;
+
+/// Which consecutive tensors share a bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BucketPlan {
+    /// Number of values of each tensor, in the fixed order.
+    pub sizes: Vec<usize>,
+    /// Tensor index ranges, one per bucket.
+    pub buckets: Vec<std::ops::Range<usize>>,
+}
+
+impl BucketPlan {
+    /// Greedy packing in order: a bucket closes when the next tensor would take it past
+    /// `bucket_bytes` (a tensor larger than that gets a bucket of its own).
+    pub fn new(sizes: &[usize], bucket_bytes: usize) -> Self {
+        let cap = (bucket_bytes / 4).max(1);
+        let mut buckets = Vec::new();
+        let (mut start, mut fill) = (0, 0);
+        for (i, &s) in sizes.iter().enumerate() {
+            if fill > 0 && fill + s > cap {
+                buckets.push(start..i);
+                start = i;
+                fill = 0;
+            }
+            fill += s;
+        }
+        if start < sizes.len() {
+            buckets.push(start..sizes.len());
+        }
+        Self {
+            sizes: sizes.to_vec(),
+            buckets,
+        }
+    }
+
+    pub fn total(&self) -> usize {
+        self.sizes.iter().sum()
+    }
+}
+
+/// Reduces `tensors` (laid out as `plan.sizes`) across ranks, one allreduce per bucket.
+pub fn allreduce_tensors(
+    comm: &Communicator,
+    plan: &BucketPlan,
+    tensors: &mut [Vec<f32>],
+    op: ReduceOp,
+) -> Result<()> {
+    if tensors.len() != plan.sizes.len()
+        || tensors.iter().zip(&plan.sizes).any(|(t, &s)| t.len() != s)
+    {
+        return Err(DistError::Mismatch {
+            op: "bucketed allreduce".into(),
+            reason: format!(
+                "{} tensors do not match the plan of {} tensors",
+                tensors.len(),
+                plan.sizes.len()
+            ),
+        });
+    }
+    for range in &plan.buckets {
+        let mut flat: Vec<f32> = Vec::with_capacity(plan.sizes[range.clone()].iter().sum());
+        for t in &tensors[range.clone()] {
+            flat.extend_from_slice(t);
+        }
+        comm.allreduce(&mut flat, op)?;
+        let mut at = 0;
+        for t in &mut tensors[range.clone()] {
+            let n = t.len();
+            t.copy_from_slice(&flat[at..at + n]);
+            at += n;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_pack_in_order_and_never_split_a_tensor() {
+        let plan = BucketPlan::new(&[10, 10, 10, 50, 1, 1], 80);
+        // 20 values per bucket.
+        assert_eq!(plan.buckets, vec![0..2, 2..3, 3..4, 4..6]);
+        assert_eq!(plan.total(), 82);
+        assert_eq!(BucketPlan::new(&[], 80).buckets, Vec::<std::ops::Range<usize>>::new());
+        let one = BucketPlan::new(&[3, 4, 5], DEFAULT_BUCKET_BYTES);
+        assert_eq!(one.buckets, vec![0..3]);
+    }
+}

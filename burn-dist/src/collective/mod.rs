@@ -1,0 +1,221 @@
+//! Collectives on flat `f32` buffers over any [`Transport`].
+//!
+//! Every rank calls the same collectives in the same order; a per-communicator sequence number
+//! tags each call, so the messages of consecutive collectives never mix. One file per algorithm:
+//! [`allreduce`] (ring: reduce-scatter then all-gather, chunked and pipelined), [`broadcast`]
+//! (pipelined chain from the root), [`gather`] (all-gather, reduce-scatter), [`barrier`].
+
+pub mod allreduce;
+pub mod barrier;
+pub mod broadcast;
+pub mod gather;
+mod ring;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::transport::Transport;
+use crate::wire::{Kind, WireError};
+use crate::{DistError, Result};
+
+/// How `f32` values travel in reductions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compression {
+    /// Exact `f32`.
+    #[default]
+    None,
+    /// bfloat16 (half the bytes, `f32`'s range, 8 bits of mantissa).
+    Bf16,
+    /// IEEE half precision (half the bytes, range +-65504).
+    Fp16,
+}
+
+impl Compression {
+    fn bytes_per_value(self) -> usize {
+        match self {
+            Compression::None => 4,
+            _ => 2,
+        }
+    }
+
+    pub(crate) fn encode(self, v: &[f32]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(v.len() * self.bytes_per_value());
+        match self {
+            Compression::None => {
+                for x in v {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+            Compression::Bf16 => {
+                for x in v {
+                    out.extend_from_slice(&half::bf16::from_f32(*x).to_le_bytes());
+                }
+            }
+            Compression::Fp16 => {
+                for x in v {
+                    out.extend_from_slice(&half::f16::from_f32(*x).to_le_bytes());
+                }
+            }
+        }
+        out
+    }
+
+    /// Decodes `bytes` into `out` with `f(out_value, wire_value)`.
+    pub(crate) fn decode_with(
+        self,
+        bytes: &[u8],
+        out: &mut [f32],
+        f: impl Fn(&mut f32, f32),
+    ) -> std::result::Result<(), WireError> {
+        let w = self.bytes_per_value();
+        if bytes.len() != out.len() * w {
+            return Err(WireError::Length {
+                expected: (out.len() * w) as u64,
+                got: bytes.len() as u64,
+            });
+        }
+        match self {
+            Compression::None => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    f(o, f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                }
+            }
+            Compression::Bf16 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    f(o, half::bf16::from_le_bytes([c[0], c[1]]).to_f32());
+                }
+            }
+            Compression::Fp16 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                    f(o, half::f16::from_le_bytes([c[0], c[1]]).to_f32());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Rounds values to what the wire carries (so every rank ends with identical values).
+    pub(crate) fn round(self, v: &mut [f32]) {
+        match self {
+            Compression::None => {}
+            Compression::Bf16 => v
+                .iter_mut()
+                .for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
+            Compression::Fp16 => v
+                .iter_mut()
+                .for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
+        }
+    }
+}
+
+impl std::str::FromStr for Compression {
+    type Err = DistError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "none" | "f32" => Ok(Self::None),
+            "bf16" => Ok(Self::Bf16),
+            "fp16" | "f16" => Ok(Self::Fp16),
+            o => Err(DistError::Config(format!(
+                "compression '{o}': expected none, bf16 or fp16"
+            ))),
+        }
+    }
+}
+
+/// Sum or mean.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Mean,
+}
+
+/// A rank's handle on the collectives of one world.
+pub struct Communicator {
+    transport: Arc<dyn Transport>,
+    seq: AtomicU64,
+    timeout: Duration,
+    chunk_elems: usize,
+    compression: Compression,
+}
+
+impl Communicator {
+    pub fn new(transport: Arc<dyn Transport>) -> Self {
+        Self {
+            transport,
+            seq: AtomicU64::new(0),
+            timeout: Duration::from_secs(120),
+            chunk_elems: 256 * 1024,
+            compression: Compression::None,
+        }
+    }
+
+    /// Longest wait for one message of a collective (default 120 s). A failed peer is reported
+    /// sooner, when the transport notices (QUIC: its idle timeout).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Pipelining granularity in values (default 256 Ki values = 1 MiB of `f32`).
+    pub fn with_chunk_elems(mut self, n: usize) -> Self {
+        self.chunk_elems = n.max(1);
+        self
+    }
+
+    /// Wire format of reductions (default exact `f32`).
+    pub fn with_compression(mut self, c: Compression) -> Self {
+        self.compression = c;
+        self
+    }
+
+    pub fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    pub fn world(&self) -> usize {
+        self.transport.world()
+    }
+
+    pub fn transport(&self) -> &Arc<dyn Transport> {
+        &self.transport
+    }
+
+    pub(crate) fn next_op(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::SeqCst)
+    }
+
+    pub(crate) fn deadline(&self) -> Instant {
+        Instant::now() + self.timeout
+    }
+
+    pub(crate) fn send(&self, to: usize, kind: Kind, tag: u64, payload: Vec<u8>) -> Result<()> {
+        self.transport.send(to, kind, tag, payload)
+    }
+
+    pub(crate) fn recv(&self, from: usize, kind: Kind, tag: u64, op: &str) -> Result<Vec<u8>> {
+        self.transport
+            .recv(from, kind, tag, self.deadline())
+            .map_err(|e| match e {
+                DistError::Timeout { rank, after, .. } => DistError::Timeout {
+                    op: op.to_string(),
+                    rank,
+                    after,
+                },
+                e => e,
+            })
+    }
+}
+
+/// Tag of message `chunk` of `step` of operation `op`.
+pub(crate) fn tag(op: u64, step: usize, chunk: usize) -> u64 {
+    (op << 32) | ((step as u64 & 0xFFFF) << 16) | (chunk as u64 & 0xFFFF)
+}
+
+/// `[start, end)` of segment `i` when `len` values are split into `n` near-equal segments.
+pub(crate) fn segment(len: usize, n: usize, i: usize) -> (usize, usize) {
+    (i * len / n, (i + 1) * len / n)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,497 @@
+//! How ranks find each other.
+//!
+//! [`RankInfo::from_env`] reads this process's rank, the world size and the coordinator from the
+//! first complete set of:
+//!
+//! | source | rank | world | coordinator |
+//! | --- | --- | --- | --- |
+//! | Hearth | `HEARTH_RANK` | `HEARTH_WORLD_SIZE` | `HEARTH_COORDINATOR` (`host:port`) |
+//! | torchrun | `RANK` | `WORLD_SIZE` | `MASTER_ADDR`:`MASTER_PORT` |
+//! | Slurm | `SLURM_PROCID` | `SLURM_NTASKS` | first host of `SLURM_JOB_NODELIST`, else `SLURM_LAUNCH_NODE_IPADDR`; port `HEARTH_PORT` (default 29400) |
+//! | Open MPI | `OMPI_COMM_WORLD_RANK` | `OMPI_COMM_WORLD_SIZE` | `HEARTH_COORDINATOR`, or `MASTER_ADDR`:`MASTER_PORT` |
+//!
+//! [`connect`] then forms the job: rank 0 listens on the coordinator address; every other rank
+//! connects to it (retrying until the timeout) and announces its own listening port; once all
+//! have arrived rank 0 sends everyone the table of addresses, and each rank connects to the
+//! ranks below it. A rank that never arrives makes rank 0 fail with
+//! [`DistError::MissingRanks`] naming it, within the timeout.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use quinn::Connection;
+
+use crate::tls::{Identity, Membership, SERVER_NAME};
+use crate::transport::quic::{QuicNode, QuicOptions, QuicTransport, read_frame, write_frame};
+use crate::wire::{Header, Kind, Reader, Writer};
+use crate::{DistError, Result};
+
+/// Default coordinator port when only a host is known (Slurm).
+pub const DEFAULT_PORT: u16 = 29400;
+
+/// Where this process stands in the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankInfo {
+    pub rank: usize,
+    pub world: usize,
+    /// Rank within its machine, when the launcher says (`LOCAL_RANK`, `SLURM_LOCALID`, ...).
+    pub local_rank: Option<usize>,
+    /// `host:port` of rank 0.
+    pub coordinator: String,
+    /// Which variables it came from.
+    pub source: &'static str,
+}
+
+/// First host of a Slurm node list: `node[03-05,9],gpu1` -> `node03`.
+pub fn first_slurm_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    if list.is_empty() {
+        return None;
+    }
+    let first_end = {
+        let mut depth = 0;
+        let mut end = list.len();
+        for (i, ch) in list.char_indices() {
+            match ch {
+                '[' => depth += 1,
+                ']' => depth -= 1,
+                ',' if depth == 0 => {
+                    end = i;
+                    break;
+                }
+                _ => {}
+            }
+        }
+        end
+    };
+    let first = &list[..first_end];
+    match first.find('[') {
+        None => Some(first.to_string()),
+        Some(open) => {
+            let prefix = &first[..open];
+            let inner = first[open + 1..].trim_end_matches(']');
+            let range = inner.split(',').next()?;
+            let start = range.split('-').next()?;
+            Some(format!("{prefix}{start}"))
+        }
+    }
+}
+
+impl RankInfo {
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// As [`RankInfo::from_env`], from any variable lookup (tests pass a map).
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+        let num = |k: &str| -> Result<Option<usize>> {
+            match get(k) {
+                None => Ok(None),
+                Some(v) => v.trim().parse::<usize>().map(Some).map_err(|_| {
+                    DistError::Config(format!("{k}={v:?} is not a non-negative integer"))
+                }),
+            }
+        };
+        let master = || -> Option<String> {
+            Some(format!("{}:{}", get("MASTER_ADDR")?, get("MASTER_PORT")?))
+        };
+        let local = num("LOCAL_RANK")?;
+        let (rank, world, coordinator, source, local_rank) =
+            if let (Some(r), Some(w)) = (num("HEARTH_RANK")?, num("HEARTH_WORLD_SIZE")?) {
+                let c = get("HEARTH_COORDINATOR").ok_or_else(|| {
+                    DistError::Config("HEARTH_RANK is set but HEARTH_COORDINATOR (host:port) is not".into())
+                })?;
+                (r, w, c, "HEARTH_*", local)
+            } else if let (Some(r), Some(w)) = (num("RANK")?, num("WORLD_SIZE")?) {
+                let c = master().ok_or_else(|| {
+                    DistError::Config("RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not".into())
+                })?;
+                (r, w, c, "torchrun", local)
+            } else if let (Some(r), Some(w)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
+                let host = get("SLURM_JOB_NODELIST")
+                    .and_then(|l| first_slurm_host(&l))
+                    .or_else(|| get("SLURM_LAUNCH_NODE_IPADDR"))
+                    .ok_or_else(|| {
+                        DistError::Config(
+                            "Slurm rank found but neither SLURM_JOB_NODELIST nor SLURM_LAUNCH_NODE_IPADDR".into(),
+                        )
+                    })?;
+                let port = match get("HEARTH_PORT") {
+                    Some(p) => p.parse::<u16>().map_err(|_| {
+                        DistError::Config(format!("HEARTH_PORT={p:?} is not a port"))
+                    })?,
+                    None => DEFAULT_PORT,
+                };
+                let c = get("HEARTH_COORDINATOR").unwrap_or(format!("{host}:{port}"));
+                (r, w, c, "Slurm", num("SLURM_LOCALID")?)
+            } else if let (Some(r), Some(w)) =
+                (num("OMPI_COMM_WORLD_RANK")?, num("OMPI_COMM_WORLD_SIZE")?)
+            {
+                let c = get("HEARTH_COORDINATOR").or_else(master).ok_or_else(|| {
+                    DistError::Config(
+                        "Open MPI rank found; set HEARTH_COORDINATOR=host:port (rank 0's address)".into(),
+                    )
+                })?;
+                (r, w, c, "Open MPI", num("OMPI_COMM_WORLD_LOCAL_RANK")?)
+            } else {
+                return Err(DistError::Config(
+                    "no rank in the environment: set HEARTH_RANK, HEARTH_WORLD_SIZE and \
+                     HEARTH_COORDINATOR (or run under torchrun, Slurm or mpirun)"
+                        .into(),
+                ));
+            };
+        if world == 0 || rank >= world {
+            return Err(DistError::Config(format!(
+                "rank {rank} is outside a world of {world} ({source})"
+            )));
+        }
+        Ok(Self {
+            rank,
+            world,
+            local_rank,
+            coordinator,
+            source,
+        })
+    }
+
+    fn coordinator_addr(&self) -> Result<SocketAddr> {
+        self.coordinator
+            .to_socket_addrs()
+            .map_err(|source| DistError::Io {
+                context: format!("resolving the coordinator {}", self.coordinator),
+                source,
+            })?
+            .next()
+            .ok_or_else(|| DistError::Config(format!("coordinator {} has no address", self.coordinator)))
+    }
+}
+
+/// Rendezvous settings.
+#[derive(Debug, Clone)]
+pub struct RendezvousOptions {
+    /// How long rank 0 waits for everyone, and others for rank 0 and their peers.
+    pub timeout: Duration,
+    /// QUIC settings; `None` picks [`QuicOptions::loopback`] when the coordinator is a loopback
+    /// address, else [`QuicOptions::default`].
+    pub quic: Option<QuicOptions>,
+    /// Address to listen on for peers (non-zero ranks); default: 127.0.0.1 for a loopback
+    /// coordinator, else 0.0.0.0 (`HEARTH_BIND` overrides).
+    pub bind_ip: Option<IpAddr>,
+}
+
+impl Default for RendezvousOptions {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(120),
+            quic: None,
+            bind_ip: std::env::var("HEARTH_BIND").ok().and_then(|s| s.parse().ok()),
+        }
+    }
+}
+
+fn hello(rank: usize, port: u16) -> Vec<u8> {
+    Writer::default().u64(rank as u64).u64(port as u64).bytes
+}
+
+fn table(addrs: &BTreeMap<usize, SocketAddr>) -> Vec<u8> {
+    let mut w = Writer::default().u64(addrs.len() as u64);
+    for (r, a) in addrs {
+        w = w.u64(*r as u64).string(&a.to_string());
+    }
+    w.bytes
+}
+
+fn parse_table(b: &[u8], world: usize) -> Result<BTreeMap<usize, SocketAddr>> {
+    let mut r = Reader::new(b);
+    let n = r.u64()? as usize;
+    if n != world {
+        return Err(DistError::Config(format!(
+            "the coordinator's table has {n} ranks, this rank expects {world}"
+        )));
+    }
+    let mut out = BTreeMap::new();
+    for _ in 0..n {
+        let rank = r.u64()? as usize;
+        let addr: SocketAddr = r.string()?.parse().map_err(|_| {
+            DistError::Wire(crate::wire::WireError::Control("bad address in table".into()))
+        })?;
+        out.insert(rank, addr);
+    }
+    r.finish()?;
+    Ok(out)
+}
+
+async fn recv_control(conn: &Connection, kind: Kind) -> std::result::Result<Vec<u8>, String> {
+    let mut s = conn.accept_uni().await.map_err(|e| e.to_string())?;
+    let (h, payload) = read_frame(&mut s).await?;
+    if h.kind != kind {
+        return Err(format!("expected a {kind:?} frame, got {:?}", h.kind));
+    }
+    Ok(payload)
+}
+
+/// Forms the job described by `info` and returns this rank's transport.
+pub fn connect(info: &RankInfo, membership: &Membership, options: &RendezvousOptions) -> Result<QuicTransport> {
+    let coordinator = info.coordinator_addr()?;
+    let loopback = coordinator.ip().is_loopback();
+    let quic = options.quic.clone().unwrap_or_else(|| {
+        if loopback {
+            QuicOptions::loopback()
+        } else {
+            QuicOptions::default()
+        }
+    });
+    let identity = Identity::new(membership)?;
+    let bind_ip = options.bind_ip.unwrap_or(if loopback {
+        IpAddr::V4(Ipv4Addr::LOCALHOST)
+    } else {
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+    });
+    let bind = if info.rank == 0 {
+        SocketAddr::new(bind_ip, coordinator.port())
+    } else {
+        SocketAddr::new(bind_ip, 0)
+    };
+    let node = QuicNode::bind(bind, &identity, &quic)?;
+    let deadline = Instant::now() + options.timeout;
+    let peers = if info.rank == 0 {
+        coordinate(&node, info, deadline, options.timeout)?
+    } else {
+        join(&node, info, coordinator, deadline, options.timeout)?
+    };
+    Ok(QuicTransport::start(node, info.rank, 0, peers))
+}
+
+fn remaining(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now())
+}
+
+/// Rank 0: accept every rank's hello, then send each the table.
+fn coordinate(node: &QuicNode, info: &RankInfo, deadline: Instant, timeout: Duration) -> Result<Vec<Option<Connection>>> {
+    let world = info.world;
+    let endpoint = node.endpoint.clone();
+    let coordinator = info.coordinator.clone();
+    node.rt.block_on(async move {
+        let mut conns: BTreeMap<usize, (Connection, SocketAddr)> = BTreeMap::new();
+        while conns.len() + 1 < world {
+            let left = remaining(deadline);
+            let incoming = match tokio::time::timeout(left, endpoint.accept()).await {
+                Ok(Some(i)) => i,
+                Ok(None) => {
+                    return Err(DistError::Quic {
+                        context: "rendezvous".into(),
+                        reason: "endpoint closed".into(),
+                    });
+                }
+                Err(_) => {
+                    let missing: Vec<usize> = (1..world).filter(|r| !conns.contains_key(r)).collect();
+                    return Err(DistError::MissingRanks {
+                        missing,
+                        world,
+                        coordinator,
+                        after: timeout,
+                    });
+                }
+            };
+            // A failed handshake (another job's secret, a scanner) is logged and ignored.
+            let conn = match tokio::time::timeout(remaining(deadline), incoming).await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    log::warn!("refused a connection during rendezvous: {e}");
+                    continue;
+                }
+                Err(_) => continue,
+            };
+            let hello = match tokio::time::timeout(Duration::from_secs(10).min(remaining(deadline)), recv_control(&conn, Kind::Hello)).await {
+                Ok(Ok(h)) => h,
+                Ok(Err(e)) => {
+                    log::warn!("a peer's hello failed: {e}");
+                    continue;
+                }
+                Err(_) => continue,
+            };
+            let mut r = Reader::new(&hello);
+            let (Ok(rank), Ok(port)) = (r.u64(), r.u64()) else {
+                log::warn!("malformed hello");
+                continue;
+            };
+            let (rank, port) = (rank as usize, port as u16);
+            if rank == 0 || rank >= world {
+                return Err(DistError::Config(format!(
+                    "a process claims rank {rank}, outside 1..{world}: do all ranks agree on the world size?"
+                )));
+            }
+            if conns.contains_key(&rank) {
+                return Err(DistError::Config(format!("two processes claim rank {rank}")));
+            }
+            let addr = SocketAddr::new(conn.remote_address().ip(), port);
+            conns.insert(rank, (conn, addr));
+        }
+        let mut addrs: BTreeMap<usize, SocketAddr> = conns.iter().map(|(r, (_, a))| (*r, *a)).collect();
+        addrs.insert(0, endpoint.local_addr().map_err(|source| DistError::Io { context: "local address".into(), source })?);
+        let t = table(&addrs);
+        for (rank, (conn, _)) in &conns {
+            write_frame(conn, Header::new(Kind::Table, 0, 0, t.len()), &t)
+                .await
+                .map_err(|reason| DistError::PeerFailed { rank: *rank, reason })?;
+        }
+        let mut peers: Vec<Option<Connection>> = vec![None; world];
+        for (r, (c, _)) in conns {
+            peers[r] = Some(c);
+        }
+        Ok(peers)
+    })
+}
+
+/// Rank r > 0: hello to the coordinator, get the table, connect to ranks 1..r, accept r+1..
+fn join(node: &QuicNode, info: &RankInfo, coordinator: SocketAddr, deadline: Instant, timeout: Duration) -> Result<Vec<Option<Connection>>> {
+    let (rank, world) = (info.rank, info.world);
+    let endpoint = node.endpoint.clone();
+    let port = node.local_addr()?.port();
+    node.rt.block_on(async move {
+        // The coordinator may start later than us: retry until the deadline.
+        let conn = loop {
+            let attempt = async {
+                let connecting = endpoint.connect(coordinator, SERVER_NAME).map_err(|e| e.to_string())?;
+                connecting.await.map_err(|e| e.to_string())
+            };
+            match tokio::time::timeout(Duration::from_secs(3).min(remaining(deadline)), attempt).await {
+                Ok(Ok(c)) => break c,
+                Ok(Err(e)) if e.contains("certificate") || e.contains("handshake") || e.contains("crypto") => {
+                    return Err(DistError::Tls(format!(
+                        "the coordinator {coordinator} refused this rank's credentials: {e} (same job secret or CA on every rank?)"
+                    )));
+                }
+                _ if Instant::now() >= deadline => {
+                    return Err(DistError::Timeout {
+                        op: format!("rendezvous with the coordinator {coordinator}"),
+                        rank: 0,
+                        after: timeout,
+                    });
+                }
+                _ => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        };
+        let h = hello(rank, port);
+        write_frame(&conn, Header::new(Kind::Hello, 0, 0, h.len()), &h)
+            .await
+            .map_err(|reason| DistError::PeerFailed { rank: 0, reason })?;
+        let t = match tokio::time::timeout(remaining(deadline), recv_control(&conn, Kind::Table)).await {
+            Ok(Ok(t)) => t,
+            Ok(Err(reason)) => return Err(DistError::PeerFailed { rank: 0, reason }),
+            Err(_) => {
+                return Err(DistError::Timeout {
+                    op: "waiting for the other ranks to arrive".into(),
+                    rank: 0,
+                    after: timeout,
+                });
+            }
+        };
+        let addrs = parse_table(&t, world)?;
+        let mut peers: Vec<Option<Connection>> = vec![None; world];
+        peers[0] = Some(conn);
+        // Dial the ranks below; accept the ranks above.
+        for peer in 1..rank {
+            let Some(addr) = addrs.get(&peer).copied() else {
+                return Err(DistError::Config(format!("rank {peer} missing from the table")));
+            };
+            let c = tokio::time::timeout(remaining(deadline), async {
+                endpoint.connect(addr, SERVER_NAME).map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())
+            })
+            .await
+            .map_err(|_| DistError::Timeout { op: format!("connecting to rank {peer} at {addr}"), rank: peer, after: timeout })?
+            .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
+            let h = hello(rank, port);
+            write_frame(&c, Header::new(Kind::Hello, 0, 0, h.len()), &h)
+                .await
+                .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
+            peers[peer] = Some(c);
+        }
+        while peers.iter().enumerate().skip(rank + 1).any(|(_, p)| p.is_none()) {
+            let missing: Vec<usize> = (rank + 1..world).filter(|&r| peers[r].is_none()).collect();
+            let incoming = match tokio::time::timeout(remaining(deadline), endpoint.accept()).await {
+                Ok(Some(i)) => i,
+                _ => {
+                    return Err(DistError::MissingRanks {
+                        missing,
+                        world,
+                        coordinator: coordinator.to_string(),
+                        after: timeout,
+                    });
+                }
+            };
+            let Ok(Ok(c)) = tokio::time::timeout(remaining(deadline), incoming).await else {
+                continue;
+            };
+            let Ok(Ok(h)) = tokio::time::timeout(Duration::from_secs(10).min(remaining(deadline)), recv_control(&c, Kind::Hello)).await else {
+                continue;
+            };
+            let mut r = Reader::new(&h);
+            let Ok(peer) = r.u64() else { continue };
+            let peer = peer as usize;
+            if peer <= rank || peer >= world || peers[peer].is_some() {
+                log::warn!("unexpected hello from rank {peer}");
+                continue;
+            }
+            peers[peer] = Some(c);
+        }
+        Ok(peers)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(vars: &[(&str, &str)]) -> Result<RankInfo> {
+        let map: BTreeMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        RankInfo::from_lookup(&|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn every_launcher_s_variables_are_read() {
+        let h = info(&[("HEARTH_RANK", "2"), ("HEARTH_WORLD_SIZE", "4"), ("HEARTH_COORDINATOR", "10.0.0.1:5000")]).unwrap();
+        assert_eq!((h.rank, h.world, h.coordinator.as_str(), h.source), (2, 4, "10.0.0.1:5000", "HEARTH_*"));
+        let t = info(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "host"), ("MASTER_PORT", "29500"), ("LOCAL_RANK", "1")]).unwrap();
+        assert_eq!((t.rank, t.world, t.coordinator.as_str(), t.local_rank), (1, 2, "host:29500", Some(1)));
+        let s = info(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "8"), ("SLURM_JOB_NODELIST", "gpu[07-09,12],cpu1"), ("SLURM_LOCALID", "1")]).unwrap();
+        assert_eq!((s.rank, s.world, s.coordinator.as_str()), (3, 8, "gpu07:29400"));
+        let s2 = info(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"), ("HEARTH_PORT", "7000")]).unwrap();
+        assert_eq!(s2.coordinator, "10.1.2.3:7000");
+        let o = info(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2"), ("HEARTH_COORDINATOR", "n0:1234")]).unwrap();
+        assert_eq!((o.rank, o.source), (1, "Open MPI"));
+        // HEARTH_* wins over torchrun's.
+        let both = info(&[("HEARTH_RANK", "0"), ("HEARTH_WORLD_SIZE", "1"), ("HEARTH_COORDINATOR", "a:1"), ("RANK", "5"), ("WORLD_SIZE", "9"), ("MASTER_ADDR", "b"), ("MASTER_PORT", "2")]).unwrap();
+        assert_eq!(both.rank, 0);
+    }
+
+    #[test]
+    fn incomplete_or_wrong_variables_are_explained() {
+        let e = |v: &[(&str, &str)]| info(v).unwrap_err().to_string();
+        assert!(e(&[]).contains("HEARTH_RANK"));
+        assert!(e(&[("HEARTH_RANK", "x"), ("HEARTH_WORLD_SIZE", "2")]).contains("HEARTH_RANK=\"x\""));
+        assert!(e(&[("HEARTH_RANK", "2"), ("HEARTH_WORLD_SIZE", "2"), ("HEARTH_COORDINATOR", "a:1")]).contains("outside a world of 2"));
+        assert!(e(&[("RANK", "0"), ("WORLD_SIZE", "2")]).contains("MASTER_ADDR"));
+        assert!(e(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")]).contains("HEARTH_COORDINATOR"));
+    }
+
+    #[test]
+    fn slurm_node_lists_give_their_first_host() {
+        assert_eq!(first_slurm_host("node1").as_deref(), Some("node1"));
+        assert_eq!(first_slurm_host("node[03-05,9]").as_deref(), Some("node03"));
+        assert_eq!(first_slurm_host("a[1,2],b[3-4]").as_deref(), Some("a1"));
+        assert_eq!(first_slurm_host("x1,y2").as_deref(), Some("x1"));
+        assert_eq!(first_slurm_host(""), None);
+    }
+
+    #[test]
+    fn tables_round_trip_and_reject_garbage() {
+        let mut m = BTreeMap::new();
+        m.insert(0, "127.0.0.1:5000".parse().unwrap());
+        m.insert(1, "127.0.0.1:6000".parse().unwrap());
+        assert_eq!(parse_table(&table(&m), 2).unwrap(), m);
+        assert!(parse_table(&table(&m), 3).is_err());
+        assert!(parse_table(&[1, 2, 3], 2).is_err());
+    }
+}

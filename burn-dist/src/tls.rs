@@ -1,0 +1,285 @@
+//! Job membership over TLS 1.3, mutual: every connection proves both ends belong to the job.
+//!
+//! Two ways to say who belongs:
+//!
+//! - **A job secret** (`HEARTH_JOB_SECRET`, or a file named by `HEARTH_JOB_SECRET_FILE`). Every
+//!   rank derives the same Ed25519 CA key from it (HKDF-SHA256), hence the same CA certificate,
+//!   and issues itself a certificate signed by that CA. A process with another secret has
+//!   another CA: its handshake fails, so nothing it sends is ever read.
+//! - **Files the user gives** (`HEARTH_TLS_CA`, `HEARTH_TLS_CERT`, `HEARTH_TLS_KEY`, PEM): a CA
+//!   and this rank's certificate and key. Certificates must name [`SERVER_NAME`] as a DNS
+//!   subject alternative name.
+//!
+//! Without either, setup fails with an error that says how to give one.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, PKCS_ED25519,
+};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+
+use crate::{DistError, Result};
+
+/// The name every rank's certificate carries and every client checks.
+pub const SERVER_NAME: &str = "hearth-job";
+/// ALPN protocol of burn-dist connections.
+pub const ALPN: &[u8] = b"hearth-dist/1";
+/// Shortest job secret accepted.
+pub const MIN_SECRET_LEN: usize = 16;
+
+/// Who belongs to the job.
+#[derive(Clone)]
+pub enum Membership {
+    Secret(Vec<u8>),
+    Files {
+        ca: PathBuf,
+        cert: PathBuf,
+        key: PathBuf,
+    },
+}
+
+impl std::fmt::Debug for Membership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Membership::Secret(_) => write!(f, "Membership::Secret(..)"),
+            Membership::Files { ca, cert, key } => f
+                .debug_struct("Membership::Files")
+                .field("ca", ca)
+                .field("cert", cert)
+                .field("key", key)
+                .finish(),
+        }
+    }
+}
+
+impl Membership {
+    pub fn secret(secret: impl AsRef<[u8]>) -> Result<Self> {
+        let s = secret.as_ref();
+        if s.len() < MIN_SECRET_LEN {
+            return Err(DistError::Tls(format!(
+                "the job secret is {} bytes; use at least {MIN_SECRET_LEN}",
+                s.len()
+            )));
+        }
+        Ok(Self::Secret(s.to_vec()))
+    }
+
+    /// From `HEARTH_JOB_SECRET`, `HEARTH_JOB_SECRET_FILE`, or `HEARTH_TLS_CA`/`_CERT`/`_KEY`.
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+        if let Some(s) = get("HEARTH_JOB_SECRET").filter(|s| !s.is_empty()) {
+            return Self::secret(s);
+        }
+        if let Some(path) = get("HEARTH_JOB_SECRET_FILE").filter(|s| !s.is_empty()) {
+            let s = std::fs::read(&path).map_err(|source| DistError::Io {
+                context: format!("reading the job secret file {path}"),
+                source,
+            })?;
+            let trimmed = s.trim_ascii();
+            return Self::secret(trimmed);
+        }
+        match (get("HEARTH_TLS_CA"), get("HEARTH_TLS_CERT"), get("HEARTH_TLS_KEY")) {
+            (Some(ca), Some(cert), Some(key)) => Ok(Self::Files {
+                ca: ca.into(),
+                cert: cert.into(),
+                key: key.into(),
+            }),
+            (None, None, None) => Err(DistError::Tls(
+                "no job credentials: set HEARTH_JOB_SECRET (or HEARTH_JOB_SECRET_FILE), or \
+                 HEARTH_TLS_CA, HEARTH_TLS_CERT and HEARTH_TLS_KEY"
+                    .into(),
+            )),
+            _ => Err(DistError::Tls(
+                "HEARTH_TLS_CA, HEARTH_TLS_CERT and HEARTH_TLS_KEY must be set together".into(),
+            )),
+        }
+    }
+}
+
+/// A rank's TLS material: the job CA, its certificate chain and key.
+pub struct Identity {
+    pub ca: CertificateDer<'static>,
+    pub chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+}
+
+impl Identity {
+    pub fn new(m: &Membership) -> Result<Self> {
+        match m {
+            Membership::Secret(s) => from_secret(s),
+            Membership::Files { ca, cert, key } => from_files(ca, cert, key),
+        }
+    }
+}
+
+fn tls_err(what: &str) -> impl Fn(rcgen::Error) -> DistError + '_ {
+    move |e| DistError::Tls(format!("{what}: {e}"))
+}
+
+/// The job CA's Ed25519 key from the secret: HKDF-SHA256 with a fixed salt and label.
+fn ca_key(secret: &[u8]) -> Result<KeyPair> {
+    let salt = ring::hkdf::Salt::new(ring::hkdf::HKDF_SHA256, b"hearth burn-dist job CA v1");
+    let prk = salt.extract(secret);
+    let mut seed = [0u8; 32];
+    prk.expand(&[b"ed25519 seed"], ring::hkdf::HKDF_SHA256)
+        .and_then(|okm| okm.fill(&mut seed))
+        .map_err(|_| DistError::Tls("deriving the job key".into()))?;
+    // PKCS#8 v1 wrapping of an Ed25519 seed (RFC 8410).
+    let mut pkcs8 = vec![
+        0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04,
+        0x20,
+    ];
+    pkcs8.extend_from_slice(&seed);
+    KeyPair::from_pkcs8_der_and_sign_algo(&PrivatePkcs8KeyDer::from(pkcs8), &PKCS_ED25519)
+        .map_err(tls_err("the job key"))
+}
+
+fn ca_params() -> Result<CertificateParams> {
+    let mut p = CertificateParams::new(Vec::<String>::new()).map_err(tls_err("CA parameters"))?;
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, "Hearth job CA");
+    p.distinguished_name = dn;
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+    Ok(p)
+}
+
+fn from_secret(secret: &[u8]) -> Result<Identity> {
+    let ca_key = ca_key(secret)?;
+    let ca_params = ca_params()?;
+    // Deterministic: fixed parameters and an Ed25519 signature, so every rank builds the same CA.
+    let ca_cert = ca_params
+        .self_signed(&ca_key)
+        .map_err(tls_err("the job CA certificate"))?;
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf_key = KeyPair::generate_for(&PKCS_ED25519).map_err(tls_err("a rank key"))?;
+    let mut leaf = CertificateParams::new(vec![SERVER_NAME.to_string()])
+        .map_err(tls_err("rank certificate parameters"))?;
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, "Hearth rank");
+    leaf.distinguished_name = dn;
+    let cert = leaf
+        .signed_by(&leaf_key, &issuer)
+        .map_err(tls_err("the rank certificate"))?;
+    Ok(Identity {
+        ca: ca_cert.der().clone(),
+        chain: vec![cert.der().clone()],
+        key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der())),
+    })
+}
+
+fn from_files(ca: &Path, cert: &Path, key: &Path) -> Result<Identity> {
+    let read = |p: &Path| {
+        std::fs::read(p).map_err(|source| DistError::Io {
+            context: format!("reading {}", p.display()),
+            source,
+        })
+    };
+    let certs = |p: &Path| -> Result<Vec<CertificateDer<'static>>> {
+        let bytes = read(p)?;
+        let v: Vec<_> = CertificateDer::pem_slice_iter(&bytes)
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| DistError::Tls(format!("{}: {e}", p.display())))?;
+        if v.is_empty() {
+            return Err(DistError::Tls(format!("{}: no PEM certificate", p.display())));
+        }
+        Ok(v)
+    };
+    let mut cas = certs(ca)?;
+    let chain = certs(cert)?;
+    let key_bytes = read(key)?;
+    let key = PrivateKeyDer::from_pem_slice(&key_bytes)
+        .map_err(|e| DistError::Tls(format!("{}: {e}", key.display())))?;
+    Ok(Identity {
+        ca: cas.remove(0),
+        chain,
+        key,
+    })
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn roots(id: &Identity) -> Result<Arc<rustls::RootCertStore>> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(id.ca.clone())
+        .map_err(|e| DistError::Tls(format!("the job CA certificate: {e}")))?;
+    Ok(Arc::new(roots))
+}
+
+/// Server side: requires a client certificate from the job CA.
+pub fn server_config(id: &Identity) -> Result<rustls::ServerConfig> {
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(roots(id)?, provider())
+            .build()
+            .map_err(|e| DistError::Tls(format!("client verifier: {e}")))?;
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| DistError::Tls(e.to_string()))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(id.chain.clone(), id.key.clone_key())
+        .map_err(|e| DistError::Tls(format!("this rank's certificate: {e}")))?;
+    cfg.alpn_protocols = vec![ALPN.to_vec()];
+    Ok(cfg)
+}
+
+/// Client side: trusts only the job CA and presents this rank's certificate.
+pub fn client_config(id: &Identity) -> Result<rustls::ClientConfig> {
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| DistError::Tls(e.to_string()))?
+        .with_root_certificates(roots(id)?)
+        .with_client_auth_cert(id.chain.clone(), id.key.clone_key())
+        .map_err(|e| DistError::Tls(format!("this rank's certificate: {e}")))?;
+    cfg.alpn_protocols = vec![ALPN.to_vec()];
+    Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_secret_gives_one_ca_and_another_secret_another() {
+        let a = Identity::new(&Membership::secret("correct horse battery staple").unwrap()).unwrap();
+        let b = Identity::new(&Membership::secret("correct horse battery staple").unwrap()).unwrap();
+        let c = Identity::new(&Membership::secret("another job's secret value").unwrap()).unwrap();
+        assert_eq!(a.ca, b.ca, "ranks of one job must derive the same CA");
+        assert_ne!(a.chain[0], b.chain[0], "each rank has its own key");
+        assert_ne!(a.ca, c.ca);
+        server_config(&a).unwrap();
+        client_config(&a).unwrap();
+    }
+
+    #[test]
+    fn missing_or_weak_credentials_are_explained() {
+        let none = Membership::from_lookup(&|_| None).unwrap_err().to_string();
+        assert!(none.contains("HEARTH_JOB_SECRET"), "{none}");
+        let short = Membership::from_lookup(&|k| (k == "HEARTH_JOB_SECRET").then(|| "abc".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(short.contains("at least 16"), "{short}");
+        let partial = Membership::from_lookup(&|k| (k == "HEARTH_TLS_CA").then(|| "ca.pem".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(partial.contains("together"), "{partial}");
+        let missing = Identity::new(&Membership::Files {
+            ca: "/nonexistent/ca.pem".into(),
+            cert: "/nonexistent/c.pem".into(),
+            key: "/nonexistent/k.pem".into(),
+        })
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+        assert!(missing.contains("/nonexistent/ca.pem"), "{missing}");
+    }
+}

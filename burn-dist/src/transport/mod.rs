@@ -1,0 +1,147 @@
+//! Framed messages between ranks.
+//!
+//! A [`Transport`] sends a payload to a rank under a `(kind, tag)` and receives the payload a
+//! given rank sent under a given `(kind, tag)`, waiting at most until a deadline. Matching by tag
+//! lets operations overlap (a collective's chunks, metric averaging beside gradient traffic) and
+//! makes arrival order irrelevant. A peer that fails makes every later receive from it fail with
+//! [`DistError::PeerFailed`] naming it.
+//!
+//! Implementations: [`memory::MemoryTransport`] (threads in one process, for tests) and
+//! [`quic::QuicTransport`] (quinn, TLS always on).
+
+pub mod memory;
+pub mod quic;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::wire::Kind;
+use crate::{DistError, Result};
+
+/// Point-to-point framed messages with deadlines.
+pub trait Transport: Send + Sync {
+    /// This process's rank.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world(&self) -> usize;
+    /// Queues `payload` for `to`. Returns once the transport owns it; delivery failures show up
+    /// as [`DistError::PeerFailed`] on later operations with that peer.
+    fn send(&self, to: usize, kind: Kind, tag: u64, payload: Vec<u8>) -> Result<()>;
+    /// The payload `from` sent under `(kind, tag)`, waiting until `deadline`.
+    fn recv(&self, from: usize, kind: Kind, tag: u64, deadline: Instant) -> Result<Vec<u8>>;
+}
+
+pub(crate) fn check_peer(t: &dyn Transport, peer: usize, op: &str) -> Result<()> {
+    if peer >= t.world() || peer == t.rank() {
+        return Err(DistError::Config(format!(
+            "{op}: peer {peer} is not another rank of a world of {} (this is rank {})",
+            t.world(),
+            t.rank()
+        )));
+    }
+    Ok(())
+}
+
+#[derive(Default)]
+struct InboxState {
+    messages: HashMap<(usize, Kind, u64), VecDeque<Vec<u8>>>,
+    /// Peers whose link ended, gracefully or not.
+    failed: HashMap<usize, String>,
+    /// The first peer that failed abnormally: it fails every receive, whoever it waits for, since
+    /// a collective cannot finish without every rank.
+    job_failure: Option<(usize, String)>,
+}
+
+/// Received messages by (from, kind, tag), and the peers known to have failed.
+#[derive(Default)]
+pub struct Inbox {
+    state: Mutex<InboxState>,
+    arrived: Condvar,
+}
+
+impl Inbox {
+    pub fn deliver(&self, from: usize, kind: Kind, tag: u64, payload: Vec<u8>) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.messages
+            .entry((from, kind, tag))
+            .or_default()
+            .push_back(payload);
+        self.arrived.notify_all();
+    }
+
+    /// Marks `peer` failed: pending and later receives from any rank return an error naming
+    /// `peer` with `reason` (a rank died: the job cannot go on).
+    pub fn fail(&self, peer: usize, reason: String) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.failed.entry(peer).or_insert(reason.clone());
+        if s.job_failure.is_none() {
+            s.job_failure = Some((peer, reason));
+        }
+        self.arrived.notify_all();
+    }
+
+    /// Marks `peer` as gone after a clean shutdown: only receives from it fail.
+    pub fn left(&self, peer: usize, reason: String) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.failed.entry(peer).or_insert(reason);
+        self.arrived.notify_all();
+    }
+
+    pub fn failure(&self, peer: usize) -> Option<String> {
+        let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.failed.get(&peer).cloned()
+    }
+
+    pub fn take(
+        &self,
+        from: usize,
+        kind: Kind,
+        tag: u64,
+        deadline: Instant,
+        op: &str,
+    ) -> Result<Vec<u8>> {
+        let started = Instant::now();
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(q) = s.messages.get_mut(&(from, kind, tag))
+                && let Some(m) = q.pop_front()
+            {
+                if q.is_empty() {
+                    s.messages.remove(&(from, kind, tag));
+                }
+                return Ok(m);
+            }
+            if let Some(reason) = s.failed.get(&from) {
+                return Err(DistError::PeerFailed {
+                    rank: from,
+                    reason: reason.clone(),
+                });
+            }
+            if let Some((rank, reason)) = &s.job_failure {
+                return Err(DistError::PeerFailed {
+                    rank: *rank,
+                    reason: reason.clone(),
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(DistError::Timeout {
+                    op: op.to_string(),
+                    rank: from,
+                    after: now - started,
+                });
+            }
+            let wait = (deadline - now).min(Duration::from_millis(500));
+            s = self
+                .arrived
+                .wait_timeout(s, wait)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+}
+
+/// The checks every [`Transport`] must pass (used by both implementations' tests).
+#[doc(hidden)]
+pub mod conformance;

@@ -1,0 +1,311 @@
+//! QUIC transport on quinn: one connection per pair of ranks, one unidirectional stream per
+//! message (streams are cheap in QUIC and run in parallel, so a collective's chunks overlap),
+//! TLS 1.3 with mutual job authentication always on (see [`crate::tls`]).
+//!
+//! Sends are handed to a tokio runtime the transport owns, so `send` returns at once and the
+//! collectives' receives overlap their sends. A connection that ends (the peer exited, or was
+//! silent past the idle timeout while keep-alives run every second) marks the peer failed: every
+//! receive from it fails with [`DistError::PeerFailed`] naming the rank.
+
+use std::net::{SocketAddr, UdpSocket};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use quinn::{Connection, Endpoint, RecvStream, VarInt};
+
+use super::{Inbox, Transport, check_peer};
+use crate::tls::{self, Identity};
+use crate::wire::{HEADER_LEN, Header, Kind};
+use crate::{DistError, Result};
+
+/// Connection settings.
+#[derive(Debug, Clone)]
+pub struct QuicOptions {
+    /// A silent peer is declared failed after this long (keep-alives go every second).
+    pub idle_timeout: Duration,
+    /// Fixed UDP payload size, with MTU discovery off. `None`: quinn's default (1200 bytes, then
+    /// discovery up to 1452), right for real networks. Loopback takes far larger datagrams.
+    pub fixed_mtu: Option<u16>,
+    /// Flow-control window per connection.
+    pub window_bytes: u64,
+}
+
+impl Default for QuicOptions {
+    fn default() -> Self {
+        Self {
+            idle_timeout: Duration::from_secs(5),
+            fixed_mtu: None,
+            window_bytes: 64 << 20,
+        }
+    }
+}
+
+impl QuicOptions {
+    /// Settings for ranks that all run on one machine (bigger datagrams).
+    pub fn loopback() -> Self {
+        Self {
+            fixed_mtu: Some(6500),
+            ..Self::default()
+        }
+    }
+
+    fn transport_config(&self) -> Result<quinn::TransportConfig> {
+        let mut t = quinn::TransportConfig::default();
+        let idle = quinn::IdleTimeout::try_from(self.idle_timeout).map_err(|e| DistError::Quic {
+            context: "idle timeout".into(),
+            reason: e.to_string(),
+        })?;
+        t.max_idle_timeout(Some(idle));
+        t.keep_alive_interval(Some(Duration::from_secs(1).min(self.idle_timeout / 3)));
+        t.max_concurrent_uni_streams(VarInt::from_u32(4096));
+        t.max_concurrent_bidi_streams(VarInt::from_u32(0));
+        let w = VarInt::from_u64(self.window_bytes).unwrap_or(VarInt::MAX);
+        t.receive_window(w);
+        t.stream_receive_window(w);
+        t.send_window(self.window_bytes);
+        if let Some(mtu) = self.fixed_mtu {
+            t.initial_mtu(mtu);
+            t.min_mtu(mtu.min(1200).max(1200));
+            t.mtu_discovery_config(None);
+        }
+        Ok(t)
+    }
+}
+
+fn quic_err(context: &str) -> impl Fn(String) -> DistError + '_ {
+    move |reason| DistError::Quic {
+        context: context.to_string(),
+        reason,
+    }
+}
+
+/// A QUIC endpoint with the job's TLS identity, before connections exist.
+pub struct QuicNode {
+    pub(crate) rt: Arc<tokio::runtime::Runtime>,
+    pub(crate) endpoint: Endpoint,
+}
+
+impl QuicNode {
+    /// Binds `bind` (port 0: any free port) with `identity` as server and client.
+    pub fn bind(bind: SocketAddr, identity: &Identity, options: &QuicOptions) -> Result<Self> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("burn-dist-quic")
+            .enable_all()
+            .build()
+            .map_err(|source| DistError::Io {
+                context: "starting the QUIC runtime".into(),
+                source,
+            })?;
+        let transport = Arc::new(options.transport_config()?);
+        let mut server = quinn::ServerConfig::with_crypto(Arc::new(
+            QuicServerConfig::try_from(tls::server_config(identity)?)
+                .map_err(|e| quic_err("server TLS")(e.to_string()))?,
+        ));
+        server.transport_config(transport.clone());
+        let mut client = quinn::ClientConfig::new(Arc::new(
+            QuicClientConfig::try_from(tls::client_config(identity)?)
+                .map_err(|e| quic_err("client TLS")(e.to_string()))?,
+        ));
+        client.transport_config(transport);
+        let mut endpoint_cfg = quinn::EndpointConfig::default();
+        if let Some(mtu) = options.fixed_mtu {
+            endpoint_cfg
+                .max_udp_payload_size(mtu.saturating_add(28).max(1500))
+                .map_err(|e| quic_err("UDP payload size")(e.to_string()))?;
+        }
+        let socket = UdpSocket::bind(bind).map_err(|source| DistError::Io {
+            context: format!("binding UDP {bind}"),
+            source,
+        })?;
+        let mut endpoint = {
+            let _guard = rt.enter();
+            Endpoint::new(
+                endpoint_cfg,
+                Some(server),
+                socket,
+                Arc::new(quinn::TokioRuntime),
+            )
+            .map_err(|source| DistError::Io {
+                context: format!("QUIC endpoint on {bind}"),
+                source,
+            })?
+        };
+        endpoint.set_default_client_config(client);
+        Ok(Self {
+            rt: Arc::new(rt),
+            endpoint,
+        })
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.endpoint.local_addr().map_err(|source| DistError::Io {
+            context: "local address of the QUIC endpoint".into(),
+            source,
+        })
+    }
+}
+
+/// Reads one whole frame from a stream: header, then exactly `len` payload bytes.
+pub(crate) async fn read_frame(stream: &mut RecvStream) -> std::result::Result<(Header, Vec<u8>), String> {
+    let mut head = [0u8; HEADER_LEN];
+    stream
+        .read_exact(&mut head)
+        .await
+        .map_err(|e| format!("reading a frame header: {e}"))?;
+    let header = Header::decode(&head).map_err(|e| format!("malformed frame: {e}"))?;
+    let mut payload = vec![0u8; header.len as usize];
+    stream
+        .read_exact(&mut payload)
+        .await
+        .map_err(|e| format!("reading a {}-byte payload: {e}", header.len))?;
+    Ok((header, payload))
+}
+
+/// Writes one frame on a new unidirectional stream.
+pub(crate) async fn write_frame(conn: &Connection, header: Header, payload: &[u8]) -> std::result::Result<(), String> {
+    let mut s = conn.open_uni().await.map_err(|e| e.to_string())?;
+    s.write_all(&header.encode()).await.map_err(|e| e.to_string())?;
+    s.write_all(payload).await.map_err(|e| e.to_string())?;
+    s.finish().map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// One rank's QUIC links to every other rank.
+pub struct QuicTransport {
+    rank: usize,
+    epoch: u32,
+    node: QuicNode,
+    peers: Vec<Option<Connection>>,
+    inbox: Arc<Inbox>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl QuicTransport {
+    /// Wraps established connections (`peers[r]` for every `r` but this rank) and starts reading.
+    pub(crate) fn start(node: QuicNode, rank: usize, epoch: u32, peers: Vec<Option<Connection>>) -> Self {
+        let inbox = Arc::new(Inbox::default());
+        for (from, conn) in peers.iter().enumerate() {
+            let Some(conn) = conn.clone() else { continue };
+            let inbox = inbox.clone();
+            node.rt.spawn(async move {
+                loop {
+                    match conn.accept_uni().await {
+                        Ok(mut stream) => {
+                            let inbox = inbox.clone();
+                            let conn = conn.clone();
+                            tokio::spawn(async move {
+                                match read_frame(&mut stream).await {
+                                    Ok((h, payload)) if h.epoch == epoch => {
+                                        inbox.deliver(from, h.kind, h.seq, payload)
+                                    }
+                                    Ok((h, _)) => log::warn!(
+                                        "rank {from} sent a frame of membership epoch {} (now {epoch}); dropped",
+                                        h.epoch
+                                    ),
+                                    Err(e) => {
+                                        // An authenticated peer that breaks the protocol is cut off.
+                                        inbox.fail(from, e.clone());
+                                        conn.close(VarInt::from_u32(2), e.as_bytes());
+                                    }
+                                }
+                            });
+                        }
+                        // A clean close (code 0) is a rank that finished; anything else a failure.
+                        Err(quinn::ConnectionError::ApplicationClosed(c))
+                            if c.error_code == VarInt::from_u32(0) =>
+                        {
+                            inbox.left(from, "it closed its connection (finished)".into());
+                            return;
+                        }
+                        Err(e) => {
+                            inbox.fail(from, format!("connection lost: {e}"));
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+        // Nobody else may connect once the job is formed: refuse late or foreign connections.
+        let endpoint = node.endpoint.clone();
+        node.rt.spawn(async move {
+            while let Some(incoming) = endpoint.accept().await {
+                incoming.refuse();
+            }
+        });
+        Self {
+            rank,
+            epoch,
+            node,
+            peers,
+            inbox,
+            in_flight: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// Waits (up to `timeout`) for queued sends to reach the peers, then closes every connection.
+    pub fn shutdown(&self, timeout: Duration) {
+        let until = Instant::now() + timeout;
+        while self.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        for c in self.peers.iter().flatten() {
+            c.close(VarInt::from_u32(0), b"done");
+        }
+        let endpoint = self.node.endpoint.clone();
+        let _ = self.node.rt.block_on(async move {
+            tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await
+        });
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.node.local_addr()
+    }
+}
+
+impl Drop for QuicTransport {
+    fn drop(&mut self) {
+        self.shutdown(Duration::from_secs(5));
+    }
+}
+
+impl Transport for QuicTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.peers.len()
+    }
+
+    fn send(&self, to: usize, kind: Kind, tag: u64, payload: Vec<u8>) -> Result<()> {
+        check_peer(self, to, "send")?;
+        if let Some(reason) = self.inbox.failure(to) {
+            return Err(DistError::PeerFailed { rank: to, reason });
+        }
+        let Some(conn) = self.peers[to].clone() else {
+            return Err(DistError::PeerFailed {
+                rank: to,
+                reason: "no connection".into(),
+            });
+        };
+        let header = Header::new(kind, self.epoch, tag, payload.len());
+        let inbox = self.inbox.clone();
+        let in_flight = self.in_flight.clone();
+        in_flight.fetch_add(1, Ordering::SeqCst);
+        self.node.rt.spawn(async move {
+            if let Err(e) = write_frame(&conn, header, &payload).await {
+                inbox.fail(to, format!("sending to it failed: {e}"));
+            }
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+        });
+        Ok(())
+    }
+
+    fn recv(&self, from: usize, kind: Kind, tag: u64, deadline: Instant) -> Result<Vec<u8>> {
+        check_peer(self, from, "recv")?;
+        self.inbox.take(from, kind, tag, deadline, "recv")
+    }
+}

@@ -1,0 +1,341 @@
+//! The QUIC transport on 127.0.0.1: the conformance suite, job authentication, garbage on the
+//! port, a rank that never arrives, collectives across processes, and a killed process.
+//!
+//! Processes: the test binary re-runs itself with `BURN_DIST_CHILD` set, and the `child` test
+//! then plays one rank. Every wait has a deadline.
+
+use std::net::UdpSocket;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn_dist::rendezvous::{RankInfo, RendezvousOptions, connect};
+use burn_dist::tls::Membership;
+use burn_dist::transport::quic::QuicTransport;
+use burn_dist::{Communicator, DistError, ReduceOp, Transport};
+
+const SECRET: &str = "test job secret, 32 bytes long..";
+
+fn free_port() -> u16 {
+    UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .map(|a| a.port())
+        .expect("a free UDP port")
+}
+
+fn info(rank: usize, world: usize, port: u16) -> RankInfo {
+    RankInfo {
+        rank,
+        world,
+        local_rank: Some(rank),
+        coordinator: format!("127.0.0.1:{port}"),
+        source: "test",
+    }
+}
+
+fn options(timeout: Duration) -> RendezvousOptions {
+    RendezvousOptions {
+        timeout,
+        ..Default::default()
+    }
+}
+
+/// Forms a job of `world` ranks as threads; returns them in rank order.
+fn job(world: usize) -> Vec<QuicTransport> {
+    let port = free_port();
+    let handles: Vec<_> = (0..world)
+        .map(|r| {
+            std::thread::spawn(move || {
+                connect(
+                    &info(r, world, port),
+                    &Membership::secret(SECRET).unwrap(),
+                    &options(Duration::from_secs(30)),
+                )
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rendezvous thread").expect("rendezvous"))
+        .collect()
+}
+
+/// Runs `f` on each rank in a thread and returns the results in rank order, with a deadline.
+fn each<T: Send + 'static>(
+    ranks: Vec<Arc<QuicTransport>>,
+    f: impl Fn(Communicator) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let f = Arc::new(f);
+    let n = ranks.len();
+    let (tx, rx) = std::sync::mpsc::channel();
+    for t in ranks {
+        let (f, tx) = (f.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let rank = t.rank();
+            let c = Communicator::new(t).with_timeout(Duration::from_secs(30));
+            let _ = tx.send((rank, f(c)));
+        });
+    }
+    let mut out: Vec<(usize, T)> = Vec::new();
+    for _ in 0..n {
+        out.push(rx.recv_timeout(Duration::from_secs(90)).expect("a rank hung or panicked"));
+    }
+    out.sort_by_key(|(r, _)| *r);
+    out.into_iter().map(|(_, v)| v).collect()
+}
+
+#[test]
+fn quic_passes_the_conformance_suite() {
+    let ranks: Vec<Arc<dyn Transport>> = job(3)
+        .into_iter()
+        .map(|t| Arc::new(t) as Arc<dyn Transport>)
+        .collect();
+    burn_dist::transport::conformance::run(ranks);
+}
+
+#[test]
+fn a_process_with_the_wrong_secret_cannot_join_and_the_job_goes_on() {
+    let port = free_port();
+    let world = 2;
+    let rank0 = std::thread::spawn(move || {
+        connect(
+            &info(0, world, port),
+            &Membership::secret(SECRET).unwrap(),
+            &options(Duration::from_secs(30)),
+        )
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    // An intruder with another secret claims rank 1: its handshake is refused.
+    let intruder = connect(
+        &info(1, world, port),
+        &Membership::secret("another job entirely, 32 bytes!").unwrap(),
+        &options(Duration::from_secs(5)),
+    );
+    match intruder {
+        Err(DistError::Tls(m)) => assert!(m.contains("refused"), "{m}"),
+        Err(e) => panic!("expected a TLS refusal, got {e}"),
+        Ok(_) => panic!("a process with the wrong secret joined the job"),
+    }
+    // The real rank 1 still joins, and the job works.
+    let rank1 = connect(
+        &info(1, world, port),
+        &Membership::secret(SECRET).unwrap(),
+        &options(Duration::from_secs(30)),
+    )
+    .expect("the real rank 1 joins");
+    let rank0 = rank0.join().unwrap().expect("rank 0 formed the job");
+    let sums = each(vec![Arc::new(rank0), Arc::new(rank1)], |c| {
+        let mut v = vec![c.rank() as f32 + 1.0; 1000];
+        c.allreduce(&mut v, ReduceOp::Sum).map(|_| v[999])
+    });
+    assert_eq!(sums.len(), 2);
+    for s in sums {
+        assert_eq!(s.unwrap(), 3.0);
+    }
+}
+
+#[test]
+fn random_bytes_on_the_port_do_not_disturb_a_running_job() {
+    let ranks = job(2);
+    let target = ranks[0].local_addr().unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let noise = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+            let mut x = 0x9e37_79b9_7f4a_7c15u64;
+            let mut sent = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let len = (x % 1400) as usize + 1;
+                let bytes: Vec<u8> = (0..len)
+                    .map(|i| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        (x >> (i % 8)) as u8
+                    })
+                    .collect();
+                let _ = s.send_to(&bytes, target);
+                sent += 1;
+            }
+            sent
+        })
+    };
+    let results = each(ranks.into_iter().map(Arc::new).collect(), |c| {
+        let mut ok = 0;
+        for round in 0..20 {
+            let mut v: Vec<f32> = (0..50_000).map(|i| (i + c.rank()) as f32 + round as f32).collect();
+            c.allreduce(&mut v, ReduceOp::Sum).expect("allreduce under noise");
+            if (0..50_000).all(|i| v[i] == (2 * i + 1 + 2 * round) as f32) {
+                ok += 1;
+            }
+        }
+        ok
+    });
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let sent = noise.join().unwrap();
+    assert!(sent > 0);
+    assert_eq!(results, vec![20, 20]);
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_named_within_the_timeout() {
+    let port = free_port();
+    let started = Instant::now();
+    let rank1 = std::thread::spawn(move || {
+        connect(
+            &info(1, 3, port),
+            &Membership::secret(SECRET).unwrap(),
+            &options(Duration::from_secs(3)),
+        )
+    });
+    let e = connect(
+        &info(0, 3, port),
+        &Membership::secret(SECRET).unwrap(),
+        &options(Duration::from_secs(3)),
+    )
+    .err()
+    .expect("rank 2 never came");
+    match &e {
+        DistError::MissingRanks { missing, .. } => assert_eq!(missing, &vec![2]),
+        other => panic!("expected MissingRanks, got {other}"),
+    }
+    assert!(e.to_string().contains("[2]"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+    assert!(rank1.join().unwrap().is_err());
+}
+
+// ---- processes ------------------------------------------------------------------------------
+
+fn spawn_rank(rank: usize, world: usize, port: u16, mode: &str) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+        .env("BURN_DIST_CHILD", mode)
+        .env("HEARTH_RANK", rank.to_string())
+        .env("HEARTH_WORLD_SIZE", world.to_string())
+        .env("HEARTH_COORDINATOR", format!("127.0.0.1:{port}"))
+        .env("HEARTH_JOB_SECRET", SECRET)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawning a rank")
+}
+
+/// Waits for `child` up to `limit`, killing it past that; returns (exit ok, stdout+stderr).
+fn finish(mut child: Child, limit: Duration) -> (bool, String) {
+    let until = Instant::now() + limit;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            _ if Instant::now() > until => {
+                let _ = child.kill();
+                break;
+            }
+            _ => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+    let out = child.wait_with_output().expect("child output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// One rank of a process test (does nothing unless BURN_DIST_CHILD is set).
+#[test]
+fn child() {
+    let Ok(mode) = std::env::var("BURN_DIST_CHILD") else {
+        return;
+    };
+    let info = RankInfo::from_env().expect("rank from the environment");
+    let t = connect(
+        &info,
+        &Membership::from_env().expect("secret"),
+        &options(Duration::from_secs(30)),
+    )
+    .expect("rendezvous");
+    let (rank, world) = (info.rank, info.world);
+    let comm = Communicator::new(Arc::new(t)).with_timeout(Duration::from_secs(60));
+    match mode.as_str() {
+        "collectives" => {
+            for &len in &[0usize, 1, 7, 1000, 300_001] {
+                let mine: Vec<f32> = (0..len).map(|i| ((i * 31 + rank * 17) % 101) as f32).collect();
+                let mut v = mine.clone();
+                comm.allreduce(&mut v, ReduceOp::Sum).expect("allreduce");
+                for (i, x) in v.iter().enumerate() {
+                    let want: f32 = (0..world).map(|r| ((i * 31 + r * 17) % 101) as f32).sum();
+                    assert_eq!(*x, want, "len {len} [{i}]");
+                }
+                let mut b = mine.clone();
+                comm.broadcast(&mut b, world - 1).expect("broadcast");
+                let root: Vec<f32> = (0..len).map(|i| ((i * 31 + (world - 1) * 17) % 101) as f32).collect();
+                assert_eq!(b, root);
+                let g = comm.all_gather(&mine).expect("all_gather");
+                assert_eq!(g.len(), len * world);
+            }
+            comm.barrier().expect("barrier");
+            println!("rank {rank}: collectives OK");
+        }
+        "loop" => {
+            // Collectives until something fails; the parent kills the last rank meanwhile.
+            let started = Instant::now();
+            let mut v = vec![1.0f32; 100_000];
+            loop {
+                if let Err(e) = comm.allreduce(&mut v, ReduceOp::Mean) {
+                    println!("rank {rank} failed after {:?}: {e}", started.elapsed());
+                    std::process::exit(3);
+                }
+                if started.elapsed() > Duration::from_secs(60) {
+                    println!("rank {rank}: no failure noticed");
+                    std::process::exit(4);
+                }
+            }
+        }
+        other => panic!("unknown child mode {other}"),
+    }
+}
+
+#[test]
+fn collectives_across_2_to_4_processes_match_direct_results() {
+    for world in 2..=4 {
+        let port = free_port();
+        let children: Vec<Child> = (0..world)
+            .map(|r| spawn_rank(r, world, port, "collectives"))
+            .collect();
+        for (r, c) in children.into_iter().enumerate() {
+            let (ok, out) = finish(c, Duration::from_secs(120));
+            assert!(ok, "world {world} rank {r} failed:\n{out}");
+            assert!(out.contains("collectives OK"), "{out}");
+        }
+    }
+}
+
+#[test]
+fn killing_a_process_mid_collective_fails_the_others_naming_it_within_10s() {
+    let world = 3;
+    let port = free_port();
+    let mut children: Vec<Child> = (0..world).map(|r| spawn_rank(r, world, port, "loop")).collect();
+    // Let the job form and run collectives for a moment.
+    std::thread::sleep(Duration::from_secs(3));
+    let victim = children.pop().unwrap();
+    let killed_at = Instant::now();
+    let mut victim = victim;
+    victim.kill().expect("kill rank 2");
+    let _ = victim.wait();
+    for (r, c) in children.into_iter().enumerate() {
+        let (ok, out) = finish(c, Duration::from_secs(30));
+        assert!(!ok, "rank {r} should fail:\n{out}");
+        assert!(out.contains("failed after"), "rank {r}:\n{out}");
+        assert!(
+            out.contains("rank 2 failed"),
+            "rank {r} should name rank 2:\n{out}"
+        );
+    }
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(10),
+        "survivors took {:?}",
+        killed_at.elapsed()
+    );
+}
