@@ -14,6 +14,8 @@
 //!   coordinates.
 //! - [`collective`]: ring allreduce, broadcast, all-gather, reduce-scatter, barrier on `f32`.
 //! - [`bucket`]: fusion buffers for gradients in one fixed order.
+//! - [`ddp`]: data parallel for Burn modules: parameter broadcast, bucketed gradient averaging,
+//!   and a burn-train `SupervisedLearningStrategy`.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -37,6 +39,7 @@
 
 pub mod bucket;
 pub mod collective;
+pub mod ddp;
 mod error;
 pub mod rendezvous;
 pub mod tls;

@@ -2,7 +2,6 @@
 
 use super::{Communicator, tag};
 use crate::Result;
-use crate::wire::Kind;
 
 impl Communicator {
     /// Returns once every rank has called `barrier` (each rank tells every other one).
@@ -10,10 +9,10 @@ impl Communicator {
         let op = self.next_op();
         let (r, n) = (self.rank(), self.world());
         for peer in (0..n).filter(|&p| p != r) {
-            self.send(peer, Kind::Control, tag(op, 0, 0), Vec::new())?;
+            self.send(peer, tag(op, 0, 0), Vec::new())?;
         }
         for peer in (0..n).filter(|&p| p != r) {
-            self.recv(peer, Kind::Control, tag(op, 0, 0), "barrier")?;
+            self.recv(peer, tag(op, 0, 0), "barrier")?;
         }
         Ok(())
     }

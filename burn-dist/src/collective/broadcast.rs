@@ -2,7 +2,7 @@
 //! `root+2` as soon as it arrives, so the chain's hops overlap. Exact (no compression).
 
 use super::{Communicator, tag};
-use crate::wire::{Kind, bytes_to_f32, f32_to_bytes};
+use crate::wire::{bytes_to_f32, f32_to_bytes};
 use crate::{DistError, Result};
 
 impl Communicator {
@@ -27,7 +27,7 @@ impl Communicator {
         for c in 0..chunks {
             let (a, b) = (c * chunk, ((c + 1) * chunk).min(buf.len()));
             if r != root {
-                let bytes = self.recv(prev, Kind::Collective, tag(op, 0, c), "broadcast")?;
+                let bytes = self.recv(prev, tag(op, 0, c), "broadcast")?;
                 let v = bytes_to_f32(&bytes, b - a).map_err(|e| DistError::Mismatch {
                     op: "broadcast".into(),
                     reason: format!("rank {prev} sent a chunk that does not fit: {e}"),
@@ -35,7 +35,7 @@ impl Communicator {
                 buf[a..b].copy_from_slice(&v);
             }
             if r == root || forward {
-                self.send(next, Kind::Collective, tag(op, 0, c), f32_to_bytes(&buf[a..b]))?;
+                self.send(next, tag(op, 0, c), f32_to_bytes(&buf[a..b]))?;
             }
         }
         Ok(())

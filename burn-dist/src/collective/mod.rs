@@ -137,6 +137,7 @@ pub struct Communicator {
     timeout: Duration,
     chunk_elems: usize,
     compression: Compression,
+    kind: Kind,
 }
 
 impl Communicator {
@@ -147,6 +148,27 @@ impl Communicator {
             timeout: Duration::from_secs(120),
             chunk_elems: 256 * 1024,
             compression: Compression::None,
+            kind: Kind::Collective,
+        }
+    }
+
+    /// Frame kind of this communicator's data (default [`Kind::Collective`]). Two communicators
+    /// of different kinds over one transport never see each other's messages, so they may run
+    /// at the same time from different threads (metric averaging beside gradient traffic).
+    pub fn with_kind(mut self, kind: Kind) -> Self {
+        self.kind = kind;
+        self
+    }
+
+    /// Another communicator on the same transport and settings, with its own kind and sequence.
+    pub fn sibling(&self, kind: Kind) -> Self {
+        Self {
+            transport: self.transport.clone(),
+            seq: AtomicU64::new(0),
+            timeout: self.timeout,
+            chunk_elems: self.chunk_elems,
+            compression: self.compression,
+            kind,
         }
     }
 
@@ -189,13 +211,13 @@ impl Communicator {
         Instant::now() + self.timeout
     }
 
-    pub(crate) fn send(&self, to: usize, kind: Kind, tag: u64, payload: Vec<u8>) -> Result<()> {
-        self.transport.send(to, kind, tag, payload)
+    pub(crate) fn send(&self, to: usize, tag: u64, payload: Vec<u8>) -> Result<()> {
+        self.transport.send(to, self.kind, tag, payload)
     }
 
-    pub(crate) fn recv(&self, from: usize, kind: Kind, tag: u64, op: &str) -> Result<Vec<u8>> {
+    pub(crate) fn recv(&self, from: usize, tag: u64, op: &str) -> Result<Vec<u8>> {
         self.transport
-            .recv(from, kind, tag, self.deadline())
+            .recv(from, self.kind, tag, self.deadline())
             .map_err(|e| match e {
                 DistError::Timeout { rank, after, .. } => DistError::Timeout {
                     op: op.to_string(),

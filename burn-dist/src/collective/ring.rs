@@ -7,7 +7,6 @@
 //! forwarded as soon as it has arrived: the steps overlap chunk by chunk (pipelining).
 
 use super::{Communicator, Compression, segment, tag};
-use crate::wire::Kind;
 use crate::{DistError, Result};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -64,7 +63,7 @@ pub(crate) fn ring(
         if Some(step) == first_gather {
             compression.round(&mut buf[a..b]);
         }
-        comm.send(next, Kind::Collective, tag(op, step, c), compression.encode(&buf[a..b]))
+        comm.send(next, tag(op, step, c), compression.encode(&buf[a..b]))
     };
     for c in 0..chunks(seg(steps[0].0)) {
         send_chunk(buf, 0, c)?;
@@ -73,7 +72,7 @@ pub(crate) fn ring(
         let (_, recv_seg, reduce) = steps[step];
         let s = seg(recv_seg);
         for c in 0..chunks(s) {
-            let bytes = comm.recv(prev, Kind::Collective, tag(op, step, c), op_name)?;
+            let bytes = comm.recv(prev, tag(op, step, c), op_name)?;
             let (a, b) = chunk_range(s, c);
             let decoded = if reduce {
                 compression.decode_with(&bytes, &mut buf[a..b], |o, w| *o += w)

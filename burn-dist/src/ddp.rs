@@ -1,0 +1,356 @@
+//! Data parallelism for Burn modules.
+//!
+//! - [`broadcast_module`]: every float tensor of a module (parameters and batch-norm running
+//!   statistics) from rank 0 to all ranks.
+//! - [`allreduce_grads`]: gradients averaged across ranks, packed into fusion buckets in the
+//!   module's own (fixed) parameter order.
+//! - [`DdpStrategy`]: burn-train's training loop, data parallel: a `SupervisedLearningStrategy`
+//!   for `TrainingStrategy::Custom`, so the Learner API (metrics, early stopping, checkpoints)
+//!   works unchanged. Gradients are averaged on every optimizer step (with gradient accumulation
+//!   of k micro-steps, only on the k-th); buffers are re-broadcast from rank 0 after every
+//!   training epoch, so validation sees the same model on every rank; only rank 0 writes
+//!   checkpoints.
+//!
+//! Batch norm: statistics are computed per rank on its own batches, as in PyTorch DDP, and rank
+//! 0's running statistics are the ones kept (broadcast after every epoch, like DDP's
+//! `broadcast_buffers`). Synchronised batch norm is not offered.
+
+use std::sync::Arc;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::tensor::TensorData;
+use burn::train::{
+    EventProcessorTraining, Learner, LearnerEvent, LearnerModel, LearningCheckpointer,
+    SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents,
+    TrainingItem, ValidLoader,
+};
+use burn::optim::GradientsAccumulator;
+
+use crate::bucket::{BucketPlan, DEFAULT_BUCKET_BYTES, allreduce_tensors};
+use crate::collective::{Communicator, ReduceOp};
+use crate::{DistError, Result};
+
+trait FlatF32 {
+    fn into_flat_f32(self) -> Vec<f32>;
+}
+
+impl<const D: usize> FlatF32 for Tensor<D> {
+    fn into_flat_f32(self) -> Vec<f32> {
+        // A read that fails leaves an empty vector, which the size checks downstream report.
+        self.into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .unwrap_or_default()
+    }
+}
+
+struct Collect {
+    values: Vec<Vec<f32>>,
+}
+
+impl ModuleVisitor for Collect {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        self.values.push(param.val().into_flat_f32());
+    }
+}
+
+struct Replace {
+    values: std::vec::IntoIter<Vec<f32>>,
+    error: Option<String>,
+}
+
+impl ModuleMapper for Replace {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some(v) = self.values.next() else {
+            self.error.get_or_insert("fewer tensors than the module has".into());
+            return param;
+        };
+        let error = &mut self.error;
+        param.map(|t| {
+            let shape = t.shape();
+            if shape.num_elements() != v.len() {
+                error.get_or_insert(format!("a tensor of {} values for shape {shape:?}", v.len()));
+                return t;
+            }
+            let rg = t.is_require_grad();
+            Tensor::<D>::from_data(TensorData::new(v, shape), &t.device()).set_require_grad(rg)
+        })
+    }
+}
+
+/// Every float tensor of `module` (parameters and buffers such as batch-norm statistics), in
+/// visiting order.
+pub fn module_values<M: Module>(module: &M) -> Vec<Vec<f32>> {
+    let mut c = Collect { values: Vec::new() };
+    module.visit(&mut c);
+    c.values
+}
+
+/// `module` with its float tensors replaced by `values` (as from [`module_values`]).
+pub fn with_module_values<M: Module>(module: M, values: Vec<Vec<f32>>) -> Result<M> {
+    let mut r = Replace {
+        values: values.into_iter(),
+        error: None,
+    };
+    let m = module.map(&mut r);
+    match r.error {
+        Some(e) => Err(DistError::Mismatch {
+            op: "module broadcast".into(),
+            reason: e,
+        }),
+        None => Ok(m),
+    }
+}
+
+/// Rank 0's parameters and buffers on every rank.
+pub fn broadcast_module<M: Module>(module: M, comm: &Communicator) -> Result<M> {
+    if comm.world() == 1 {
+        return Ok(module);
+    }
+    let values = module_values(&module);
+    let sizes: Vec<usize> = values.iter().map(Vec::len).collect();
+    let mut flat: Vec<f32> = values.into_iter().flatten().collect();
+    comm.broadcast(&mut flat, 0)?;
+    let mut out = Vec::with_capacity(sizes.len());
+    let mut at = 0;
+    for n in sizes {
+        out.push(flat[at..at + n].to_vec());
+        at += n;
+    }
+    with_module_values(module, out)
+}
+
+struct TakeGrads<'a> {
+    grads: &'a mut GradientsParams,
+    taken: Vec<(burn::module::ParamId, Vec<usize>, Device, Vec<f32>)>,
+}
+
+impl ModuleVisitor for TakeGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(g) = self.grads.remove::<D>(param.id) {
+            let dims = g.dims().to_vec();
+            let device = g.device();
+            self.taken.push((param.id, dims, device, g.into_flat_f32()));
+        }
+    }
+}
+
+struct PutGrads<'a> {
+    grads: &'a mut GradientsParams,
+    values: std::vec::IntoIter<(burn::module::ParamId, Vec<usize>, Device, Vec<f32>)>,
+}
+
+impl ModuleVisitor for PutGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        // Same order as TakeGrads: the next entry belongs to this parameter if the ids match.
+        let matches = self
+            .values
+            .as_slice()
+            .first()
+            .is_some_and(|(id, ..)| *id == param.id);
+        if matches && let Some((id, dims, device, v)) = self.values.next() {
+            let t = Tensor::<D>::from_data(TensorData::new(v, dims), &device);
+            self.grads.register::<D>(id, t);
+        }
+    }
+}
+
+/// Averages `grads` across ranks in place: flattened in the module's parameter order, packed
+/// into buckets of `bucket_bytes`, one allreduce per bucket.
+pub fn allreduce_grads<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    comm: &Communicator,
+    bucket_bytes: usize,
+) -> Result<()> {
+    if comm.world() == 1 {
+        return Ok(());
+    }
+    let mut take = TakeGrads {
+        grads,
+        taken: Vec::new(),
+    };
+    module.visit(&mut take);
+    let mut taken = take.taken;
+    let sizes: Vec<usize> = taken.iter().map(|t| t.3.len()).collect();
+    let plan = BucketPlan::new(&sizes, bucket_bytes);
+    let mut values: Vec<Vec<f32>> = taken.iter_mut().map(|t| std::mem::take(&mut t.3)).collect();
+    allreduce_tensors(comm, &plan, &mut values, ReduceOp::Mean)?;
+    for (t, v) in taken.iter_mut().zip(values) {
+        t.3 = v;
+    }
+    let mut put = PutGrads {
+        grads,
+        values: taken.into_iter(),
+    };
+    module.visit(&mut put);
+    Ok(())
+}
+
+/// burn-train's supervised loop, data parallel over a [`Communicator`].
+pub struct DdpStrategy {
+    comm: Arc<Communicator>,
+    bucket_bytes: usize,
+}
+
+impl DdpStrategy {
+    pub fn new(comm: Arc<Communicator>) -> Self {
+        Self {
+            comm,
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
+        }
+    }
+
+    /// Fusion bucket size in bytes (default 25 MB).
+    pub fn with_bucket_bytes(mut self, bytes: usize) -> Self {
+        self.bucket_bytes = bytes.max(4);
+        self
+    }
+
+    fn fail(interrupter: &burn::train::Interrupter, e: DistError) {
+        interrupter.fail(burn::data::dataset::DatasetError::new(e));
+    }
+}
+
+impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
+    fn fit(
+        &self,
+        training_components: TrainingComponents<M>,
+        mut learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let mut event_processor = training_components.event_processor;
+        let interrupter = training_components.interrupter.clone();
+        // Rank 0 alone writes checkpoints.
+        let mut checkpointer: Option<LearningCheckpointer<M>> = if self.comm.rank() == 0 {
+            training_components.checkpointer
+        } else {
+            None
+        };
+        let mut early_stopping = training_components.early_stopping;
+        let train_total = dataloader_train.num_items();
+        let valid_total = dataloader_valid.num_items();
+
+        // The same starting point everywhere (parameters and buffers of rank 0).
+        match broadcast_module(learner.model(), &self.comm) {
+            Ok(m) => learner.load_model(m.into_record()),
+            Err(e) => {
+                Self::fail(&interrupter, e);
+                return (learner.model(), event_processor);
+            }
+        }
+
+        for epoch in starting_epoch..=training_components.num_epochs {
+            interrupter.fail_on_error(event_processor.process_train(LearnerEvent::StartSplit {
+                epoch_number: epoch,
+                total_items: train_total,
+            }));
+            let mut iterator = dataloader_train.iter();
+            let mut iteration = 0;
+            let mut accumulator = GradientsAccumulator::new();
+            let mut accumulated = 0;
+            while let Some(item) = iterator.next() {
+                let item = match item {
+                    Ok(item) => item,
+                    Err(err) => {
+                        interrupter.fail(err);
+                        break;
+                    }
+                };
+                iteration += 1;
+                let progress = iterator.progress();
+                let out = learner.train_step(item);
+                let step_grads = match training_components.grad_accumulation {
+                    Some(k) => {
+                        accumulator.accumulate(&learner.model(), out.grads);
+                        accumulated += 1;
+                        if accumulated >= k || progress.is_completed() {
+                            accumulated = 0;
+                            Some(accumulator.grads())
+                        } else {
+                            None
+                        }
+                    }
+                    None => Some(out.grads),
+                };
+                if let Some(mut grads) = step_grads {
+                    if let Err(e) =
+                        allreduce_grads(&learner.model(), &mut grads, &self.comm, self.bucket_bytes)
+                    {
+                        Self::fail(&interrupter, e);
+                        break;
+                    }
+                    learner.lr_step();
+                    learner.optimizer_step(grads);
+                }
+                let item = TrainingItem::new(
+                    out.item,
+                    progress,
+                    Some(iteration),
+                    Some(learner.lr_current()),
+                );
+                interrupter.fail_on_error(event_processor.process_train(LearnerEvent::ProcessedItem(item)));
+                if interrupter.should_stop() {
+                    break;
+                }
+            }
+            interrupter.fail_on_error(event_processor.process_train(LearnerEvent::EndSplit(epoch)));
+            if interrupter.should_stop() {
+                break;
+            }
+            // Rank 0's batch-norm statistics everywhere, so every rank validates one model.
+            match broadcast_module(learner.model(), &self.comm) {
+                Ok(m) => learner.load_model(m.into_record()),
+                Err(e) => {
+                    Self::fail(&interrupter, e);
+                    break;
+                }
+            }
+
+            interrupter.fail_on_error(event_processor.process_valid(LearnerEvent::StartSplit {
+                epoch_number: epoch,
+                total_items: valid_total,
+            }));
+            let model = learner.model().valid();
+            let mut iterator = dataloader_valid.iter();
+            let mut iteration = 0;
+            while let Some(item) = iterator.next() {
+                let item = match item {
+                    Ok(item) => item,
+                    Err(err) => {
+                        interrupter.fail(err);
+                        break;
+                    }
+                };
+                let progress = iterator.progress();
+                iteration += 1;
+                let out = burn::train::InferenceStep::step(&model, item);
+                let item = TrainingItem::new(out, progress, Some(iteration), None);
+                interrupter.fail_on_error(event_processor.process_valid(LearnerEvent::ProcessedItem(item)));
+                if interrupter.should_stop() {
+                    break;
+                }
+            }
+            interrupter.fail_on_error(event_processor.process_valid(LearnerEvent::EndSplit(epoch)));
+            interrupter.fail_on_error(event_processor.process_train(LearnerEvent::EndEpoch(epoch)));
+            interrupter.fail_on_error(event_processor.flush());
+            if interrupter.should_stop() {
+                break;
+            }
+            if let Some(c) = &mut checkpointer {
+                c.checkpoint(&learner, epoch, &training_components.event_store);
+            }
+            // Every rank sees the same validation metrics, so they stop together.
+            if let Some(es) = &mut early_stopping
+                && es.should_stop(epoch, &training_components.event_store)
+            {
+                break;
+            }
+        }
+        (learner.model(), event_processor)
+    }
+}
