@@ -38,6 +38,10 @@ pub enum HearthError {
     NanLoss { epoch: usize, step: usize },
     #[error("cannot write plot {path}: {reason}")]
     Plot { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Dist(#[from] burn_dist::DistError),
+    #[error("launch: {0}")]
+    Launch(String),
 }
 
 pub type Result<T> = std::result::Result<T, HearthError>;

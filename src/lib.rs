@@ -36,7 +36,9 @@
 
 pub mod bench;
 pub mod device;
+pub mod dist_bench;
 mod error;
+pub mod launch;
 pub mod loader_bench;
 pub mod metrics;
 pub mod npy;

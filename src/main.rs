@@ -43,6 +43,21 @@ enum Command {
     /// Train or fine-tune a classifier on an image folder (or, without --data, on a generated
     /// synthetic set), validating every epoch.
     Train(Box<TrainArgs>),
+    /// Start N local ranks of a distributed job: `hearth launch -n 2 -- hearth train ...`.
+    Launch(LaunchArgs),
+}
+
+#[derive(Args)]
+struct LaunchArgs {
+    /// Number of ranks.
+    #[arg(short = 'n', long = "nproc")]
+    nproc: usize,
+    /// Coordinator port on 127.0.0.1 (default: a free one).
+    #[arg(long, default_value_t = 0)]
+    port: u16,
+    /// The command each rank runs, after `--`.
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
 }
 
 #[derive(Args)]
@@ -132,6 +147,18 @@ struct TrainArgs {
     /// Price of one node-hour, for the cost line of the summary.
     #[arg(long)]
     price_per_hour: Option<f64>,
+    /// Accumulate gradients over K micro-batches per optimizer step (in a distributed run they
+    /// are averaged across ranks only on the K-th).
+    #[arg(long)]
+    grad_accum: Option<usize>,
+    /// Train data parallel on N local processes (`hearth launch`); --batch-size stays the global
+    /// batch. Inside a launched job (HEARTH_RANK, torchrun, Slurm or mpirun variables) the rank
+    /// joins that job instead.
+    #[arg(long, default_value_t = 1)]
+    nproc: usize,
+    /// Gradient fusion bucket size in MB (distributed runs).
+    #[arg(long, default_value_t = 25.0)]
+    bucket_mb: f64,
 }
 
 #[derive(Subcommand)]
@@ -192,6 +219,30 @@ enum BenchCommand {
     Model(BenchModelArgs),
     /// Images/s of the training data pipeline (decode, augmentation, batch to a tensor).
     Loader(BenchLoaderArgs),
+    /// Ring allreduce over QUIC on loopback: time, algbw and busbw per size.
+    Allreduce(BenchAllreduceArgs),
+    /// One rank of `bench allreduce` (started by it).
+    #[command(hide = true)]
+    AllreduceRank(BenchAllreduceArgs),
+}
+
+#[derive(Args, Clone)]
+struct BenchAllreduceArgs {
+    /// Number of ranks (local processes).
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Buffer sizes in MB (10^6 bytes).
+    #[arg(long, num_args = 1.., default_values_t = [1.0, 10.0, 100.0])]
+    size_mb: Vec<f64>,
+    /// Timed allreduces per size.
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Untimed allreduces per size.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Wire format: none, bf16 or fp16.
+    #[arg(long, default_value = "none")]
+    compression: String,
 }
 
 #[derive(Args)]
@@ -252,7 +303,75 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Loader(args)) => bench_loader(&cli.device, args),
         Command::Data(DataCommand::Synth(args)) => data_synth(args),
         Command::Train(args) => train_cmd(&cli.device, *args),
+        Command::Launch(args) => launch_cmd(args),
+        Command::Bench(BenchCommand::Allreduce(args)) => bench_allreduce(args),
+        Command::Bench(BenchCommand::AllreduceRank(args)) => bench_allreduce_rank(args),
     }
+}
+
+fn exit_with(outcome: hearth::launch::LaunchOutcome) -> Result<()> {
+    match outcome {
+        hearth::launch::LaunchOutcome::Success => Ok(()),
+        hearth::launch::LaunchOutcome::Failed { rank, code } => {
+            eprintln!("error: rank {rank} failed (exit status {code:?})");
+            std::process::exit(code.filter(|c| *c != 0).unwrap_or(1));
+        }
+    }
+}
+
+fn launch_cmd(a: LaunchArgs) -> Result<()> {
+    let Some((program, args)) = a.command.split_first() else {
+        bail!("hearth launch needs a command after --");
+    };
+    // `hearth` as the program means this very binary.
+    let program = if program == "hearth" {
+        std::env::current_exe().context("locating the hearth binary")?
+    } else {
+        PathBuf::from(program)
+    };
+    let outcome = hearth::launch::launch(&hearth::launch::LaunchConfig {
+        nproc: a.nproc,
+        program,
+        args: args.to_vec(),
+        port: a.port,
+        prefix: true,
+    })?;
+    exit_with(outcome)
+}
+
+fn bench_allreduce(a: BenchAllreduceArgs) -> Result<()> {
+    let mut args = vec![
+        "bench".to_string(),
+        "allreduce-rank".into(),
+        "--iters".into(),
+        a.iters.to_string(),
+        "--warmup".into(),
+        a.warmup.to_string(),
+        "--compression".into(),
+        a.compression.clone(),
+        "--size-mb".into(),
+    ];
+    args.extend(a.size_mb.iter().map(|s| s.to_string()));
+    eprintln!(
+        "ring allreduce, {} ranks over QUIC on 127.0.0.1, {} timed iterations per size",
+        a.ranks, a.iters
+    );
+    let outcome = hearth::launch::launch(&hearth::launch::LaunchConfig {
+        nproc: a.ranks,
+        program: std::env::current_exe().context("locating the hearth binary")?,
+        args,
+        port: 0,
+        prefix: false,
+    })?;
+    exit_with(outcome)
+}
+
+fn bench_allreduce_rank(a: BenchAllreduceArgs) -> Result<()> {
+    let compression = a.compression.parse()?;
+    hearth::dist_bench::run_rank(&a.size_mb, a.iters, a.warmup, compression, &mut |t| {
+        println!("{t}")
+    })?;
+    Ok(())
 }
 
 fn models() -> Result<()> {
@@ -446,19 +565,57 @@ fn bench_loader(device_name: &str, args: BenchLoaderArgs) -> Result<()> {
     Ok(())
 }
 
+/// The training command line again, without `--nproc`, with an explicit run directory.
+fn rank_args(run_dir: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut args = std::env::args().skip(1).peekable();
+    let mut has_dir = false;
+    while let Some(a) = args.next() {
+        if a == "--nproc" {
+            args.next();
+            continue;
+        }
+        if a.starts_with("--nproc=") {
+            continue;
+        }
+        has_dir |= a == "--run-dir" || a.starts_with("--run-dir=") || a == "--resume" || a.starts_with("--resume=");
+        out.push(a);
+    }
+    if !has_dir {
+        out.push("--run-dir".into());
+        out.push(run_dir.display().to_string());
+    }
+    out
+}
+
+fn default_run_dir() -> PathBuf {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    PathBuf::from("runs").join(secs.to_string())
+}
+
 fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     use hearth::train::{TrainConfig, train};
+    let in_job = std::env::var_os("HEARTH_RANK").is_some();
+    if a.nproc > 1 && !in_job {
+        let run_dir = a.resume.clone().or(a.run_dir.clone()).unwrap_or_else(default_run_dir);
+        eprintln!("launching {} ranks; run directory: {}", a.nproc, run_dir.display());
+        let outcome = hearth::launch::launch(&hearth::launch::LaunchConfig {
+            nproc: a.nproc,
+            program: std::env::current_exe().context("locating the hearth binary")?,
+            args: rank_args(&run_dir),
+            port: 0,
+            prefix: true,
+        })?;
+        return exit_with(outcome);
+    }
     let device = hearth::device::select(device_name)?;
     let (run_dir, resume) = match (a.resume, a.run_dir) {
         (Some(dir), _) => (dir, true),
         (None, Some(dir)) => (dir, false),
-        (None, None) => {
-            let secs = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0);
-            (PathBuf::from("runs").join(secs.to_string()), false)
-        }
+        (None, None) => (default_run_dir(), false),
     };
     let mut cfg = TrainConfig::new(run_dir);
     cfg.resume = resume;
@@ -492,8 +649,30 @@ fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     cfg.seed = a.seed;
     cfg.price_per_hour = a.price_per_hour;
     cfg.stop_after_epoch = a.stop_after_epoch;
-    eprintln!("run directory: {}", cfg.run_dir.display());
+    cfg.grad_accum = a.grad_accum;
+    cfg.bucket_bytes = (a.bucket_mb * 1e6) as usize;
+    // Inside a job (hearth launch, torchrun, Slurm, mpirun): join it.
+    if let Ok(info) = hearth::dist::rendezvous::RankInfo::from_env()
+        && info.world > 1
+    {
+        cfg.dist = Some(info);
+    }
+    let rank0 = cfg.dist.as_ref().is_none_or(|d| d.rank == 0);
+    if rank0 {
+        eprintln!("run directory: {}", cfg.run_dir.display());
+    }
     let report = train(&cfg, &device, &mut |line| eprintln!("{line}"))?;
+    if report.rank != 0 {
+        return Ok(());
+    }
+    if report.world > 1 {
+        println!(
+            "trained on {} ranks, global batch {} ({} per rank)",
+            report.world,
+            cfg.batch_size,
+            cfg.batch_size / report.world
+        );
+    }
     println!("best epoch: {} of {}", report.best_epoch, report.epochs_run);
     if let Some(loss) = report.best_val_loss {
         println!("validation loss: {loss:.4}");

@@ -59,7 +59,25 @@ pub fn plot_metrics(rows: &Rows, out: &Path) -> Result<()> {
     ] {
         let train = series(rows, &format!("train_{metric}"));
         let val = series(rows, &format!("val_{metric}"));
-        let all: Vec<f64> = train.iter().chain(&val).map(|p| p.1).collect();
+        // Distributed runs: each rank's training curve (`train_accuracy_rank{r}`).
+        let prefix = format!("train_{metric}_rank");
+        let mut rank_columns: Vec<(usize, String)> = rows
+            .values()
+            .flat_map(|r| r.keys())
+            .filter_map(|k| Some((k.strip_prefix(&prefix)?.parse::<usize>().ok()?, k.clone())))
+            .collect();
+        rank_columns.sort();
+        rank_columns.dedup();
+        let per_rank: Vec<(usize, Vec<(f64, f64)>)> = rank_columns
+            .iter()
+            .map(|(r, k)| (*r, series(rows, k)))
+            .collect();
+        let all: Vec<f64> = train
+            .iter()
+            .chain(&val)
+            .chain(per_rank.iter().flat_map(|(_, s)| s))
+            .map(|p| p.1)
+            .collect();
         let (lo, hi) = all
             .iter()
             .fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(*v), b.max(*v)));
@@ -102,6 +120,16 @@ pub fn plot_metrics(rows: &Rows, out: &Path) -> Result<()> {
                 )
                 .map_err(|e| err(e.to_string()))?;
         }
+        for (i, (rank, points)) in per_rank.into_iter().enumerate() {
+            let colour = Palette99::pick(i + 2).to_rgba();
+            let s = chart
+                .draw_series(LineSeries::new(points, colour.stroke_width(1)))
+                .map_err(|e| err(e.to_string()))?;
+            if text {
+                s.label(format!("train, rank {rank}"))
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour));
+            }
+        }
         if text {
             chart
                 .configure_series_labels()
@@ -129,6 +157,8 @@ mod tests {
             r.insert("val_loss".into(), 2.2 / e as f64);
             r.insert("train_accuracy".into(), 30.0 * e as f64);
             r.insert("val_accuracy".into(), 28.0 * e as f64);
+            r.insert("train_accuracy_rank0".into(), 29.0 * e as f64);
+            r.insert("train_accuracy_rank1".into(), 31.0 * e as f64);
             rows.insert(e, r);
         }
         let out = dir.path().join("m.png");

@@ -31,6 +31,16 @@ pub const ALPN: &[u8] = b"hearth-dist/1";
 /// Shortest job secret accepted.
 pub const MIN_SECRET_LEN: usize = 16;
 
+/// A fresh random job secret (64 hex characters), for launchers that start every rank.
+pub fn random_secret() -> String {
+    use ring::rand::SecureRandom;
+    let mut b = [0u8; 32];
+    // The system generator does not fail on supported platforms; a zero secret would still be
+    // a valid (if weak) one, and only for this local launch.
+    let _ = ring::rand::SystemRandom::new().fill(&mut b);
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
 /// Who belongs to the job.
 #[derive(Clone)]
 pub enum Membership {

@@ -22,6 +22,10 @@ pub type NonFinite = Arc<Mutex<Option<(usize, usize)>>>;
 
 pub struct CsvMetricLogger {
     report: Option<Report>,
+    /// Distributed runs: averages training metrics across ranks and keeps each rank's curve.
+    ranks: Option<std::sync::Arc<burn_dist::Communicator>>,
+    /// Whether this process writes `metrics.csv` (rank 0 only in a distributed run).
+    write: bool,
     /// Stops the run on a NaN or infinite training loss.
     guard: Option<(NonFinite, burn::train::Interrupter)>,
     train_steps: HashMap<usize, usize>,
@@ -90,6 +94,8 @@ impl CsvMetricLogger {
     pub fn new(csv: PathBuf, table: EpochTable) -> Self {
         Self {
             report: None,
+            ranks: None,
+            write: true,
             guard: None,
             train_steps: HashMap::new(),
             names: HashMap::new(),
@@ -107,6 +113,15 @@ impl CsvMetricLogger {
         interrupter: burn::train::Interrupter,
     ) -> Self {
         self.guard = Some((seen, interrupter));
+        self
+    }
+
+    /// Averages each epoch's training metrics over the ranks of `comm` (images/s is summed: the
+    /// job's throughput) and records every rank's `train_loss_rank{r}` and
+    /// `train_accuracy_rank{r}`. Every rank must log the same metrics.
+    pub fn with_rank_averaging(mut self, comm: std::sync::Arc<burn_dist::Communicator>) -> Self {
+        self.write = comm.rank() == 0;
+        self.ranks = Some(comm);
         self
     }
 
@@ -246,13 +261,42 @@ impl MetricLogger for CsvMetricLogger {
                 }
             }
         }
+        if !valid && let Some(comm) = &self.ranks {
+            average_over_ranks(comm, &mut values);
+        }
         if let Ok(mut table) = self.table.lock() {
             table.entry(epoch).or_default().extend(values);
         }
-        if valid {
+        if valid && self.write {
             self.write_csv();
             if let (Some(report), Some(line)) = (&self.report, self.summary_line(epoch)) {
                 report(&line);
+            }
+        }
+    }
+}
+
+/// Replaces each training value by its mean over the ranks (images/s: the sum) and adds the
+/// per-rank loss and accuracy columns. On a communication error the local values stay.
+fn average_over_ranks(comm: &burn_dist::Communicator, values: &mut BTreeMap<String, f64>) {
+    let local: Vec<f32> = values.values().map(|v| *v as f32).collect();
+    let gathered = match comm.all_gather(&local) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("warning: training metrics not averaged across ranks: {e}");
+            return;
+        }
+    };
+    let (n, m) = (comm.world(), local.len());
+    let names: Vec<String> = values.keys().cloned().collect();
+    for (i, name) in names.iter().enumerate() {
+        let per_rank: Vec<f64> = (0..n).map(|r| gathered[r * m + i] as f64).collect();
+        let sum: f64 = per_rank.iter().sum();
+        let v = if name.ends_with("images_per_sec") { sum } else { sum / n as f64 };
+        values.insert(name.clone(), v);
+        if name == "train_loss" || name == "train_accuracy" {
+            for (r, x) in per_rank.iter().enumerate() {
+                values.insert(format!("{name}_rank{r}"), *x);
             }
         }
     }

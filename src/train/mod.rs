@@ -146,6 +146,14 @@ pub struct TrainConfig {
     /// continues it exactly.
     pub stop_after_epoch: Option<usize>,
     pub price_per_hour: Option<f64>,
+    /// Accumulate gradients over this many micro-batches per optimizer step.
+    pub grad_accum: Option<usize>,
+    /// Distributed data parallel: this process's place in the job (from `hearth launch`,
+    /// torchrun, Slurm or mpirun variables). `batch_size` stays the global batch, split evenly
+    /// over the ranks.
+    pub dist: Option<burn_dist::rendezvous::RankInfo>,
+    /// Gradient fusion bucket size in bytes (distributed runs).
+    pub bucket_bytes: usize,
 }
 
 impl TrainConfig {
@@ -180,6 +188,9 @@ impl TrainConfig {
             resume: false,
             stop_after_epoch: None,
             price_per_hour: None,
+            grad_accum: None,
+            dist: None,
+            bucket_bytes: burn_dist::bucket::DEFAULT_BUCKET_BYTES,
         }
     }
 
@@ -213,6 +224,17 @@ impl TrainConfig {
         {
             return bad(format!("--finetune-lr {lr} must be positive"));
         }
+        if self.grad_accum == Some(0) {
+            return bad("--grad-accum must be at least 1".into());
+        }
+        if let Some(d) = &self.dist
+            && self.batch_size % d.world != 0
+        {
+            return bad(format!(
+                "--batch-size {} (the global batch) must divide evenly over {} ranks",
+                self.batch_size, d.world
+            ));
+        }
         if self.image_size < hearth_models::MIN_INPUT_SIZE as u32 {
             return bad(format!(
                 "--size {} is below the minimum of {}",
@@ -244,6 +266,9 @@ pub struct TrainReport {
     /// Multi-label runs: each class's validation AUROC (0-1) for the exported model, as CheXNet
     /// reports it; also written to `auroc.csv`.
     pub per_class_auroc: Option<Vec<(String, f64)>>,
+    /// This process's rank (0 when not distributed); only rank 0 exports and plots.
+    pub rank: usize,
+    pub world: usize,
 }
 
 /// Weight decay applied as L2 on the gradient of multi-dimensional tensors only: batch-norm
@@ -334,19 +359,61 @@ fn model_config(name: &str, classes: usize) -> Result<ModelConfig> {
 /// binary cross-entropy, per-class AUROC); any other trains [`SingleLabel`].
 pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
     cfg.validate()?;
-    prepare_run_dir(&cfg.run_dir)?;
     let started = Instant::now();
-    let (train_set, val_set) = load_data(cfg, log)?;
+    let dist = match &cfg.dist {
+        Some(info) if info.world > 1 => Some(connect(info, log)?),
+        _ => None,
+    };
+    let rank = dist.as_ref().map_or(0, |c| c.rank());
+    let mut quiet = |_: &str| {};
+    let log: &mut dyn FnMut(&str) = if rank == 0 { log } else { &mut quiet };
+    // Rank 0 prepares the run directory and data; the others wait for it.
+    if rank == 0 {
+        prepare_run_dir(&cfg.run_dir)?;
+    }
+    let (train_set, val_set) = match &dist {
+        Some(comm) if rank == 0 => {
+            let sets = load_data(cfg, log);
+            comm.barrier()?;
+            sets?
+        }
+        Some(comm) => {
+            comm.barrier()?;
+            load_data(cfg, log)?
+        }
+        None => load_data(cfg, log)?,
+    };
+    let dist = dist.map(Arc::new);
     if train_set.multi_label {
-        run::<MultiLabel>(cfg, device, train_set, val_set, started, log)
+        run::<MultiLabel>(cfg, device, train_set, val_set, started, dist, log)
     } else {
         if cfg.monitor == Monitor::ValAuroc {
             return Err(HearthError::InvalidArgument(
                 "--monitor val_auroc needs a multi-label data set (--labels FILE.csv)".into(),
             ));
         }
-        run::<SingleLabel>(cfg, device, train_set, val_set, started, log)
+        run::<SingleLabel>(cfg, device, train_set, val_set, started, dist, log)
     }
+}
+
+/// Joins the distributed job (QUIC, TLS from the job secret or CA in the environment).
+fn connect(
+    info: &burn_dist::rendezvous::RankInfo,
+    log: &mut dyn FnMut(&str),
+) -> Result<burn_dist::Communicator> {
+    let membership = burn_dist::tls::Membership::from_env()?;
+    if info.rank == 0 {
+        log(&format!(
+            "distributed: {} ranks ({}), coordinator {}",
+            info.world, info.source, info.coordinator
+        ));
+    }
+    let transport = burn_dist::rendezvous::connect(
+        info,
+        &membership,
+        &burn_dist::rendezvous::RendezvousOptions::default(),
+    )?;
+    Ok(burn_dist::Communicator::new(Arc::new(transport)))
 }
 
 fn load_data(cfg: &TrainConfig, log: &mut dyn FnMut(&str)) -> Result<(ImageSet, ImageSet)> {
@@ -402,6 +469,7 @@ struct Phase<'a, T: Task> {
     train_loader: &'a Loader,
     val_loader: &'a Loader,
     table: &'a EpochTable,
+    dist: Option<&'a Arc<burn_dist::Communicator>>,
 }
 
 fn run_phase<T: Task>(
@@ -427,9 +495,18 @@ fn run_phase<T: Task>(
     let (checkpointing, early_stopping) = T::monitored(cfg.monitor, phase.patience)?;
     let interrupter = burn::train::Interrupter::new();
     let non_finite = NonFinite::default();
-    let csv_logger = CsvMetricLogger::new(cfg.run_dir.join("metrics.csv"), phase.table.clone())
-        .with_report(Box::new(|line: &str| eprintln!("{line}")))
-        .with_nan_guard(non_finite.clone(), interrupter.clone());
+    let rank = phase.dist.map_or(0, |c| c.rank());
+    let mut csv_logger =
+        CsvMetricLogger::new(cfg.run_dir.join("metrics.csv"), phase.table.clone())
+            .with_nan_guard(non_finite.clone(), interrupter.clone());
+    if rank == 0 {
+        csv_logger = csv_logger.with_report(Box::new(|line: &str| eprintln!("{line}")));
+    }
+    if let Some(comm) = phase.dist {
+        // Metric averaging runs on its own tag space, beside the gradient traffic.
+        csv_logger = csv_logger
+            .with_rank_averaging(Arc::new(comm.sibling(burn_dist::wire::Kind::Metric)));
+    }
     let first_epoch = phase.first as u64;
     let mut training = SupervisedTraining::new(
         &cfg.run_dir,
@@ -450,9 +527,24 @@ fn run_phase<T: Task>(
     .metric_train_numeric(ImagesPerSecond::new())
     .with_default_checkpointers()
     .with_checkpointing_strategy(checkpointing)
-    .num_epochs(phase.last)
-    .summary();
+    .num_epochs(phase.last);
     training = T::register_metrics(training, phase.train_loader.set().classes.len());
+    if let Some(k) = cfg.grad_accum.filter(|&k| k > 1) {
+        training = training.grads_accumulation(k);
+    }
+    if let Some(comm) = phase.dist {
+        let strategy = burn_dist::ddp::DdpStrategy::new(comm.clone())
+            .with_bucket_bytes(cfg.bucket_bytes);
+        training = training.with_training_strategy(burn::train::TrainingStrategy::Custom(
+            Arc::new(strategy),
+        ));
+    }
+    if rank == 0 {
+        training = training.summary();
+    } else {
+        // Rank 0 alone writes the run directory's logs.
+        training = training.with_application_logger(None);
+    }
     if let Some(strategy) = early_stopping {
         training = training.early_stopping(strategy);
     }
@@ -460,8 +552,12 @@ fn run_phase<T: Task>(
         training = training.checkpoint(phase.first);
     }
     // burn-train's TUI on a terminal; plain progress lines otherwise.
-    if !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
-        training = training.renderer(Box::new(PlainRenderer::default()));
+    if rank != 0 || !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+        training = training.renderer(Box::new(if rank == 0 {
+            PlainRenderer::default()
+        } else {
+            PlainRenderer::quiet()
+        }));
     }
     let learner = Learner::new(phase.trainee, optimizer(cfg), schedule);
     let result = training.launch(learner);
@@ -480,15 +576,20 @@ fn run<T: Task>(
     train_set: ImageSet,
     val_set: ImageSet,
     started: Instant,
+    dist: Option<Arc<burn_dist::Communicator>>,
     log: &mut dyn FnMut(&str),
 ) -> Result<TrainReport> {
     let classes = train_set.classes.clone();
+    let (rank, world) = dist.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
+    // The global batch, split evenly; each rank streams its own shard of every epoch. Every rank
+    // validates on the whole validation set, so all see the same metrics and stop together.
     let train_loader = Loader::new(
         train_set,
         Pipeline::train(cfg.image_size),
-        LoaderConfig::new(cfg.batch_size)
+        LoaderConfig::new(cfg.batch_size / world)
             .with_workers(cfg.workers)
-            .with_seed(cfg.seed),
+            .with_seed(cfg.seed)
+            .with_shard(rank, world),
     )?;
     let val_loader = Loader::new(
         val_set,
@@ -565,8 +666,10 @@ fn run<T: Task>(
     } else {
         0
     };
-    write_file(&cfg.run_dir.join("model_config.json"), &config.to_json())?;
-    write_file(&cfg.run_dir.join("hparams.json"), &hparams_json(&hparams))?;
+    if rank == 0 {
+        write_file(&cfg.run_dir.join("model_config.json"), &config.to_json())?;
+        write_file(&cfg.run_dir.join("hparams.json"), &hparams_json(&hparams))?;
+    }
 
     let table = EpochTable::default();
     if resume_epoch > 0 {
@@ -615,6 +718,7 @@ fn run<T: Task>(
             train_loader: &train_loader,
             val_loader: &val_loader,
             table: &table,
+            dist: dist.as_ref(),
         };
         trained = Some(run_phase(cfg, phase, device, &plain_device)?);
         done = ran_to(&table);
@@ -638,12 +742,17 @@ fn run<T: Task>(
             train_loader: &train_loader,
             val_loader: &val_loader,
             table: &table,
+            dist: dist.as_ref(),
         };
         trained = Some(run_phase(cfg, phase, device, &plain_device)?);
     }
     let Some(last_model) = trained else {
         return Err(HearthError::Training("no epoch was trained".into()));
     };
+    if let Some(comm) = &dist {
+        // Everyone is done with collectives before anyone hangs up.
+        comm.barrier()?;
+    }
 
     // Restore the best epoch (Keras' restore_best_weights), not the last.
     let rows = table.lock().map(|t| t.clone()).unwrap_or_default();
@@ -676,11 +785,13 @@ fn run<T: Task>(
     }
     let best_model = best_model.valid();
     let model_path = cfg.run_dir.join("model.bpk");
-    save_model(&best_model, &config, Some(&classes), &model_path)?;
-    if let Err(e) = crate::plot::plot_metrics(&rows, &cfg.run_dir.join("metrics.png")) {
-        log(&format!("warning: no plot written: {e}"));
+    if rank == 0 {
+        save_model(&best_model, &config, Some(&classes), &model_path)?;
+        if let Err(e) = crate::plot::plot_metrics(&rows, &cfg.run_dir.join("metrics.png")) {
+            log(&format!("warning: no plot written: {e}"));
+        }
     }
-    let per_class_auroc = if T::MULTI_LABEL {
+    let per_class_auroc = if T::MULTI_LABEL && rank == 0 {
         let aucs = per_class_auroc(&best_model, &val_loader, &plain_device)?;
         let mut text = String::from("class,auroc\n");
         for (name, auc) in classes.iter().zip(&aucs) {
@@ -722,6 +833,8 @@ fn run<T: Task>(
         class_names: classes,
         best_val_auroc: row.and_then(|r| r.get("val_auroc")).copied(),
         per_class_auroc,
+        rank,
+        world,
     })
 }
 

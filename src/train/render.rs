@@ -10,11 +10,23 @@ use burn::train::renderer::{
 
 #[derive(Default)]
 pub struct PlainRenderer {
+    /// No progress lines (ranks other than 0 of a distributed run).
+    quiet: bool,
     epoch: usize,
     epochs: usize,
     split: String,
     total: usize,
     last_tenth: usize,
+}
+
+impl PlainRenderer {
+    /// A renderer that prints nothing (ranks other than 0).
+    pub fn quiet() -> Self {
+        Self {
+            quiet: true,
+            ..Default::default()
+        }
+    }
 }
 
 impl MetricsRendererTraining for PlainRenderer {
@@ -33,7 +45,7 @@ impl TrainingProgressLogger for PlainRenderer {
         // burn-train counts epochs from 1.
         self.epochs = total_epochs;
         self.epoch = starting_epoch.max(1);
-        if starting_epoch > 1 {
+        if starting_epoch > 1 && !self.quiet {
             eprintln!("continuing at epoch {starting_epoch} of {total_epochs}");
         }
     }
@@ -46,7 +58,7 @@ impl TrainingProgressLogger for PlainRenderer {
         self.last_tenth = 0;
     }
     fn update_split(&mut self, items_processed: usize) {
-        if self.total == 0 {
+        if self.total == 0 || self.quiet {
             return;
         }
         let tenth = items_processed * 10 / self.total;

@@ -1,0 +1,153 @@
+//! `hearth launch -n N -- COMMAND...`: N local ranks of one job.
+//!
+//! Each rank gets `HEARTH_RANK`, `HEARTH_WORLD_SIZE`, `HEARTH_COORDINATOR` (127.0.0.1 and a free
+//! port), `LOCAL_RANK` and `HEARTH_JOB_SECRET` (the caller's, or a fresh random one). Output
+//! lines are prefixed with `[rank R]`. When a rank fails, the others are stopped and the launch
+//! fails with that rank's exit status.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use crate::{HearthError, Result};
+
+/// How to start the ranks.
+#[derive(Debug, Clone)]
+pub struct LaunchConfig {
+    pub nproc: usize,
+    pub program: std::path::PathBuf,
+    pub args: Vec<String>,
+    /// Coordinator port (0: a free one).
+    pub port: u16,
+    /// Prefix output lines with `[rank R]`; without it only rank 0's output is shown.
+    pub prefix: bool,
+}
+
+/// What a launch ended with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LaunchOutcome {
+    Success,
+    /// The first rank that failed, and its exit code (None: killed by a signal).
+    Failed { rank: usize, code: Option<i32> },
+}
+
+fn free_port() -> Result<u16> {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| HearthError::Launch(format!("no free UDP port on 127.0.0.1: {e}")))
+}
+
+fn pump(rank: usize, input: impl std::io::Read + Send + 'static, err: bool, prefix: bool) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let reader = BufReader::new(input);
+        for line in reader.split(b'\n') {
+            let Ok(line) = line else { break };
+            let text = String::from_utf8_lossy(&line);
+            if !prefix && rank != 0 {
+                continue;
+            }
+            let shown = if prefix {
+                format!("[rank {rank}] {text}\n")
+            } else {
+                format!("{text}\n")
+            };
+            if err {
+                let _ = std::io::stderr().lock().write_all(shown.as_bytes());
+            } else {
+                let _ = std::io::stdout().lock().write_all(shown.as_bytes());
+            }
+        }
+    })
+}
+
+/// Starts the ranks and waits for them (see the module docs).
+pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
+    if cfg.nproc == 0 {
+        return Err(HearthError::InvalidArgument("-n must be at least 1".into()));
+    }
+    let port = if cfg.port == 0 { free_port()? } else { cfg.port };
+    let secret = match std::env::var("HEARTH_JOB_SECRET") {
+        Ok(s) if !s.is_empty() => s,
+        _ => burn_dist::tls::random_secret(),
+    };
+    let mut children: Vec<Option<Child>> = Vec::new();
+    let mut pumps = Vec::new();
+    for rank in 0..cfg.nproc {
+        let mut command = Command::new(&cfg.program);
+        // Its own process group, so stopping a rank stops whatever it started too.
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        let mut child = command
+            .args(&cfg.args)
+            .env("HEARTH_RANK", rank.to_string())
+            .env("HEARTH_WORLD_SIZE", cfg.nproc.to_string())
+            .env("HEARTH_COORDINATOR", format!("127.0.0.1:{port}"))
+            .env("LOCAL_RANK", rank.to_string())
+            .env("HEARTH_JOB_SECRET", &secret)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| {
+                HearthError::Launch(format!("starting rank {rank} ({}): {e}", cfg.program.display()))
+            })?;
+        if let Some(out) = child.stdout.take() {
+            pumps.push(pump(rank, out, false, cfg.prefix));
+        }
+        if let Some(err) = child.stderr.take() {
+            pumps.push(pump(rank, err, true, cfg.prefix));
+        }
+        children.push(Some(child));
+    }
+    let mut outcome = LaunchOutcome::Success;
+    let mut running = cfg.nproc;
+    while running > 0 {
+        for rank in 0..children.len() {
+            let Some(child) = children[rank].as_mut() else { continue };
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    children[rank] = None;
+                    running -= 1;
+                    if !status.success() && outcome == LaunchOutcome::Success {
+                        outcome = LaunchOutcome::Failed {
+                            rank,
+                            code: status.code(),
+                        };
+                        eprintln!(
+                            "hearth launch: rank {rank} failed ({status}); stopping the other ranks"
+                        );
+                        for other in children.iter_mut().flatten() {
+                            kill_group(other);
+                        }
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    return Err(HearthError::Launch(format!("waiting for rank {rank}: {e}")));
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Output readers end when the last writer closes; do not wait on stray grandchildren.
+    let until = std::time::Instant::now() + Duration::from_secs(2);
+    for p in pumps {
+        while !p.is_finished() && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if p.is_finished() {
+            let _ = p.join();
+        }
+    }
+    Ok(outcome)
+}
+
+/// SIGKILL to the rank's whole process group (it leads one: see `process_group(0)`).
+fn kill_group(child: &mut Child) {
+    if let Ok(pid) = i32::try_from(child.id()) {
+        // SAFETY: kill(2) with a negative pid signals that process group; no memory is shared.
+        unsafe {
+            libc::kill(-pid, libc::SIGKILL);
+        }
+    }
+    let _ = child.kill();
+}

@@ -1,0 +1,110 @@
+//! Distributed runs through the `hearth` binary: `train --nproc 2`, and `launch` stopping a job
+//! when a rank fails or dies mid-collective. Every child has a deadline.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn hearth() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_hearth"));
+    c.env("XDG_RUNTIME_DIR", std::env::temp_dir())
+        .env_remove("HEARTH_RANK")
+        .env_remove("HEARTH_JOB_SECRET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// Runs `cmd`, killing it after `limit`.
+fn run(mut cmd: Command, limit: Duration) -> (Output, Duration) {
+    let started = Instant::now();
+    let mut child = cmd.spawn().expect("spawn hearth");
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            _ if started.elapsed() > limit => {
+                let _ = child.kill();
+                break;
+            }
+            _ => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+    let out = child.wait_with_output().expect("output");
+    (out, started.elapsed())
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn train_nproc_2_averages_metrics_and_keeps_per_rank_curves() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    hearth_datasets_synth(&data);
+    let run_dir = dir.path().join("run");
+    let mut cmd = hearth();
+    cmd.args(["train", "--nproc", "2", "--epochs", "2", "--batch-size", "8", "--workers", "1"])
+        .arg("--data")
+        .arg(&data)
+        .arg("--run-dir")
+        .arg(&run_dir);
+    let (out, _) = run(cmd, Duration::from_secs(300));
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("[rank 0] trained on 2 ranks, global batch 8 (4 per rank)"), "{log}");
+    assert!(log.contains("validation accuracy"), "{log}");
+    let csv = std::fs::read_to_string(run_dir.join("metrics.csv")).unwrap();
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    for col in ["train_accuracy", "train_accuracy_rank0", "train_accuracy_rank1", "val_accuracy"] {
+        assert!(header.contains(&col), "{col} missing: {header:?}");
+    }
+    // The averaged training accuracy is the mean of the two ranks' values.
+    let row: Vec<f64> = csv.lines().nth(1).unwrap().split(',').map(|c| c.parse().unwrap_or(f64::NAN)).collect();
+    let col = |name: &str| row[header.iter().position(|c| *c == name).unwrap()];
+    let mean = (col("train_accuracy_rank0") + col("train_accuracy_rank1")) / 2.0;
+    assert!((col("train_accuracy") - mean).abs() < 1e-3, "{csv}");
+    assert!(run_dir.join("model.bpk").is_file());
+    assert!(run_dir.join("checkpoint/model-2.bpk").is_file());
+}
+
+fn hearth_datasets_synth(dir: &Path) {
+    hearth::datasets::synth::generate(
+        dir,
+        &hearth::datasets::synth::SynthConfig::new(3, 16, 32).with_seed(1).with_val(6),
+    )
+    .unwrap();
+}
+
+#[test]
+fn launch_stops_every_rank_and_fails_when_one_rank_fails() {
+    let mut cmd = hearth();
+    cmd.args(["launch", "-n", "3", "--", "sh", "-c"])
+        .arg("echo hello from $HEARTH_RANK of $HEARTH_WORLD_SIZE; if [ \"$HEARTH_RANK\" = 1 ]; then exit 7; fi; sleep 60");
+    let (out, took) = run(cmd, Duration::from_secs(60));
+    let log = text(&out);
+    assert_eq!(out.status.code(), Some(7), "{log}");
+    assert!(took < Duration::from_secs(30), "the other ranks were not stopped ({took:?})");
+    assert!(log.contains("[rank 2] hello from 2 of 3"), "{log}");
+    assert!(log.contains("rank 1 failed"), "{log}");
+}
+
+#[test]
+fn a_rank_killed_mid_collective_fails_the_job_naming_it() {
+    // Rank 1 is killed (SIGKILL) two seconds into a long series of allreduces.
+    let script = format!(
+        "if [ \"$HEARTH_RANK\" = 1 ]; then (sleep 2; kill -9 $$) & fi; exec {} bench allreduce-rank --size-mb 4 --iters 100000 --warmup 0",
+        env!("CARGO_BIN_EXE_hearth")
+    );
+    let mut cmd = hearth();
+    cmd.args(["launch", "-n", "2", "--", "sh", "-c", &script]);
+    let (out, took) = run(cmd, Duration::from_secs(90));
+    let log = text(&out);
+    assert!(!out.status.success(), "{log}");
+    assert!(log.contains("rank 1"), "{log}");
+    assert!(took < Duration::from_secs(30), "took {took:?}:\n{log}");
+}
