@@ -332,7 +332,7 @@ fn coordinate(node: &QuicNode, info: &RankInfo, deadline: Instant, timeout: Dura
         addrs.insert(0, endpoint.local_addr().map_err(|source| DistError::Io { context: "local address".into(), source })?);
         let t = table(&addrs);
         for (rank, (conn, _)) in &conns {
-            write_frame(conn, Header::new(Kind::Table, 0, 0, t.len()), &t)
+            write_frame(conn, Header::new(Kind::Table, 0, 0, t.len()), t.clone())
                 .await
                 .map_err(|reason| DistError::PeerFailed { rank: *rank, reason })?;
         }
@@ -374,7 +374,7 @@ fn join(node: &QuicNode, info: &RankInfo, coordinator: SocketAddr, deadline: Ins
             }
         };
         let h = hello(rank, port);
-        write_frame(&conn, Header::new(Kind::Hello, 0, 0, h.len()), &h)
+        write_frame(&conn, Header::new(Kind::Hello, 0, 0, h.len()), h)
             .await
             .map_err(|reason| DistError::PeerFailed { rank: 0, reason })?;
         let t = match tokio::time::timeout(remaining(deadline), recv_control(&conn, Kind::Table)).await {
@@ -403,7 +403,7 @@ fn join(node: &QuicNode, info: &RankInfo, coordinator: SocketAddr, deadline: Ins
             .map_err(|_| DistError::Timeout { op: format!("connecting to rank {peer} at {addr}"), rank: peer, after: timeout })?
             .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
             let h = hello(rank, port);
-            write_frame(&c, Header::new(Kind::Hello, 0, 0, h.len()), &h)
+            write_frame(&c, Header::new(Kind::Hello, 0, 0, h.len()), h)
                 .await
                 .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
             peers[peer] = Some(c);

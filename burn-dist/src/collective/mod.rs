@@ -40,21 +40,23 @@ impl Compression {
     }
 
     pub(crate) fn encode(self, v: &[f32]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(v.len() * self.bytes_per_value());
+        // Fixed-size chunks the compiler turns into straight copies (no per-value pushes).
+        let w = self.bytes_per_value();
+        let mut out = vec![0u8; v.len() * w];
         match self {
             Compression::None => {
-                for x in v {
-                    out.extend_from_slice(&x.to_le_bytes());
+                for (o, x) in out.chunks_exact_mut(4).zip(v) {
+                    o.copy_from_slice(&x.to_le_bytes());
                 }
             }
             Compression::Bf16 => {
-                for x in v {
-                    out.extend_from_slice(&half::bf16::from_f32(*x).to_le_bytes());
+                for (o, x) in out.chunks_exact_mut(2).zip(v) {
+                    o.copy_from_slice(&half::bf16::from_f32(*x).to_le_bytes());
                 }
             }
             Compression::Fp16 => {
-                for x in v {
-                    out.extend_from_slice(&half::f16::from_f32(*x).to_le_bytes());
+                for (o, x) in out.chunks_exact_mut(2).zip(v) {
+                    o.copy_from_slice(&half::f16::from_f32(*x).to_le_bytes());
                 }
             }
         }
@@ -146,7 +148,10 @@ impl Communicator {
             transport,
             seq: AtomicU64::new(0),
             timeout: Duration::from_secs(120),
-            chunk_elems: 256 * 1024,
+            chunk_elems: std::env::var("HEARTH_CHUNK_KB")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .map_or(256 * 1024, |kb| (kb * 256).max(1)),
             compression: Compression::None,
             kind: Kind::Collective,
         }

@@ -30,6 +30,8 @@ pub struct QuicOptions {
     pub fixed_mtu: Option<u16>,
     /// Flow-control window per connection.
     pub window_bytes: u64,
+    /// UDP socket send and receive buffer sizes requested from the kernel.
+    pub socket_buffer: usize,
 }
 
 impl Default for QuicOptions {
@@ -38,6 +40,7 @@ impl Default for QuicOptions {
             idle_timeout: Duration::from_secs(5),
             fixed_mtu: None,
             window_bytes: 64 << 20,
+            socket_buffer: 16 << 20,
         }
     }
 }
@@ -45,8 +48,12 @@ impl Default for QuicOptions {
 impl QuicOptions {
     /// Settings for ranks that all run on one machine (bigger datagrams).
     pub fn loopback() -> Self {
+        let mtu = std::env::var("HEARTH_QUIC_MTU")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(6500);
         Self {
-            fixed_mtu: Some(6500),
+            fixed_mtu: Some(mtu),
             ..Self::default()
         }
     }
@@ -65,6 +72,17 @@ impl QuicOptions {
         t.receive_window(w);
         t.stream_receive_window(w);
         t.send_window(self.window_bytes);
+        match std::env::var("HEARTH_QUIC_CC").as_deref() {
+            Ok("bbr") => {
+                t.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()));
+            }
+            Ok("newreno") => {
+                t.congestion_controller_factory(Arc::new(
+                    quinn::congestion::NewRenoConfig::default(),
+                ));
+            }
+            _ => {}
+        }
         if let Some(mtu) = self.fixed_mtu {
             t.initial_mtu(mtu);
             t.min_mtu(mtu.min(1200).max(1200));
@@ -120,6 +138,18 @@ impl QuicNode {
             context: format!("binding UDP {bind}"),
             source,
         })?;
+        // Large socket buffers: bursts of big datagrams overflow the default ones, and every
+        // drop costs a congestion back-off. The kernel caps them at net.core.{r,w}mem_max.
+        let sock = socket2::SockRef::from(&socket);
+        let _ = sock.set_recv_buffer_size(options.socket_buffer);
+        let _ = sock.set_send_buffer_size(options.socket_buffer);
+        if std::env::var_os("HEARTH_QUIC_DEBUG").is_some() {
+            eprintln!(
+                "burn-dist: UDP buffers recv {:?} send {:?}",
+                sock.recv_buffer_size(),
+                sock.send_buffer_size()
+            );
+        }
         let mut endpoint = {
             let _guard = rt.enter();
             Endpoint::new(
@@ -156,19 +186,33 @@ pub(crate) async fn read_frame(stream: &mut RecvStream) -> std::result::Result<(
         .await
         .map_err(|e| format!("reading a frame header: {e}"))?;
     let header = Header::decode(&head).map_err(|e| format!("malformed frame: {e}"))?;
-    let mut payload = vec![0u8; header.len as usize];
-    stream
-        .read_exact(&mut payload)
-        .await
-        .map_err(|e| format!("reading a {}-byte payload: {e}", header.len))?;
+    // Appended chunk by chunk as quinn hands them over (no zero-fill of the buffer first).
+    let len = header.len as usize;
+    let mut payload = Vec::with_capacity(len);
+    while payload.len() < len {
+        match stream.read_chunk(len - payload.len(), true).await {
+            Ok(Some(chunk)) => payload.extend_from_slice(&chunk.bytes),
+            Ok(None) => {
+                return Err(format!(
+                    "the stream ended after {} of {len} payload bytes",
+                    payload.len()
+                ));
+            }
+            Err(e) => return Err(format!("reading a {len}-byte payload: {e}")),
+        }
+    }
     Ok((header, payload))
 }
 
 /// Writes one frame on a new unidirectional stream.
-pub(crate) async fn write_frame(conn: &Connection, header: Header, payload: &[u8]) -> std::result::Result<(), String> {
+pub(crate) async fn write_frame(conn: &Connection, header: Header, payload: Vec<u8>) -> std::result::Result<(), String> {
     let mut s = conn.open_uni().await.map_err(|e| e.to_string())?;
-    s.write_all(&header.encode()).await.map_err(|e| e.to_string())?;
-    s.write_all(payload).await.map_err(|e| e.to_string())?;
+    // Handed to quinn without copying.
+    let mut chunks = [
+        bytes::Bytes::copy_from_slice(&header.encode()),
+        bytes::Bytes::from(payload),
+    ];
+    s.write_all_chunks(&mut chunks).await.map_err(|e| e.to_string())?;
     s.finish().map_err(|e| e.to_string())?;
     Ok(())
 }
@@ -252,6 +296,19 @@ impl QuicTransport {
             std::thread::sleep(Duration::from_millis(2));
         }
         for c in self.peers.iter().flatten() {
+            if std::env::var_os("HEARTH_QUIC_DEBUG").is_some() {
+                let st = c.stats();
+                eprintln!(
+                    "burn-dist rank {}: to {}: sent {} datagrams, lost {} packets, cwnd {}, rtt {:?}, mtu {}",
+                    self.rank,
+                    c.remote_address(),
+                    st.udp_tx.datagrams,
+                    st.path.lost_packets,
+                    st.path.cwnd,
+                    st.path.rtt,
+                    st.path.current_mtu
+                );
+            }
             c.close(VarInt::from_u32(0), b"done");
         }
         let endpoint = self.node.endpoint.clone();
@@ -296,7 +353,7 @@ impl Transport for QuicTransport {
         let in_flight = self.in_flight.clone();
         in_flight.fetch_add(1, Ordering::SeqCst);
         self.node.rt.spawn(async move {
-            if let Err(e) = write_frame(&conn, header, &payload).await {
+            if let Err(e) = write_frame(&conn, header, payload).await {
                 inbox.fail(to, format!("sending to it failed: {e}"));
             }
             in_flight.fetch_sub(1, Ordering::SeqCst);
