@@ -159,6 +159,9 @@ struct TrainArgs {
     /// Gradient fusion bucket size in MB (distributed runs).
     #[arg(long, default_value_t = 25.0)]
     bucket_mb: f64,
+    /// Wire format of gradient averaging in distributed runs: none, bf16 or fp16.
+    #[arg(long, default_value = "none")]
+    compression: String,
 }
 
 #[derive(Subcommand)]
@@ -651,6 +654,7 @@ fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     cfg.stop_after_epoch = a.stop_after_epoch;
     cfg.grad_accum = a.grad_accum;
     cfg.bucket_bytes = (a.bucket_mb * 1e6) as usize;
+    cfg.compression = a.compression.parse()?;
     // Inside a job (hearth launch, torchrun, Slurm, mpirun): join it.
     if let Ok(info) = hearth::dist::rendezvous::RankInfo::from_env()
         && info.world > 1

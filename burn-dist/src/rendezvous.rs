@@ -170,7 +170,8 @@ impl RankInfo {
 /// Rendezvous settings.
 #[derive(Debug, Clone)]
 pub struct RendezvousOptions {
-    /// How long rank 0 waits for everyone, and others for rank 0 and their peers.
+    /// How long rank 0 waits for everyone, and others for rank 0 and their peers (default
+    /// 120 s, or `HEARTH_RENDEZVOUS_TIMEOUT` seconds).
     pub timeout: Duration,
     /// QUIC settings; `None` picks [`QuicOptions::loopback`] when the coordinator is a loopback
     /// address, else [`QuicOptions::default`].
@@ -183,11 +184,22 @@ pub struct RendezvousOptions {
 impl Default for RendezvousOptions {
     fn default() -> Self {
         Self {
-            timeout: Duration::from_secs(120),
+            timeout: env_secs("HEARTH_RENDEZVOUS_TIMEOUT").unwrap_or(Duration::from_secs(120)),
             quic: None,
             bind_ip: std::env::var("HEARTH_BIND").ok().and_then(|s| s.parse().ok()),
         }
     }
+}
+
+/// A duration in seconds from the environment (`None` when unset or not a number).
+pub fn env_secs(key: &str) -> Option<Duration> {
+    std::env::var(key)
+        .ok()?
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(Duration::from_secs_f64)
 }
 
 fn hello(rank: usize, port: u16) -> Vec<u8> {

@@ -154,6 +154,8 @@ pub struct TrainConfig {
     pub dist: Option<burn_dist::rendezvous::RankInfo>,
     /// Gradient fusion bucket size in bytes (distributed runs).
     pub bucket_bytes: usize,
+    /// Wire format of gradient averaging (distributed runs); parameters always travel exact.
+    pub compression: burn_dist::Compression,
 }
 
 impl TrainConfig {
@@ -191,6 +193,7 @@ impl TrainConfig {
             grad_accum: None,
             dist: None,
             bucket_bytes: burn_dist::bucket::DEFAULT_BUCKET_BYTES,
+            compression: burn_dist::Compression::None,
         }
     }
 
@@ -361,7 +364,7 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
     cfg.validate()?;
     let started = Instant::now();
     let dist = match &cfg.dist {
-        Some(info) if info.world > 1 => Some(connect(info, log)?),
+        Some(info) if info.world > 1 => Some(connect(info, log)?.with_compression(cfg.compression)),
         _ => None,
     };
     let rank = dist.as_ref().map_or(0, |c| c.rank());
@@ -921,6 +924,8 @@ fn hyperparameters(cfg: &TrainConfig) -> BTreeMap<&'static str, String> {
         ("label_smoothing", cfg.label_smoothing.to_string()),
         ("image_size", cfg.image_size.to_string()),
         ("seed", cfg.seed.to_string()),
+        ("grad_accum", format!("{:?}", cfg.grad_accum)),
+        ("compression", format!("{:?}", cfg.compression)),
     ])
 }
 

@@ -147,7 +147,8 @@ impl Communicator {
         Self {
             transport,
             seq: AtomicU64::new(0),
-            timeout: Duration::from_secs(120),
+            timeout: crate::rendezvous::env_secs("HEARTH_COLLECTIVE_TIMEOUT")
+                .unwrap_or(Duration::from_secs(120)),
             chunk_elems: std::env::var("HEARTH_CHUNK_KB")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
@@ -177,8 +178,9 @@ impl Communicator {
         }
     }
 
-    /// Longest wait for one message of a collective (default 120 s). A failed peer is reported
-    /// sooner, when the transport notices (QUIC: its idle timeout).
+    /// Longest wait for one message of a collective (default 120 s, or
+    /// `HEARTH_COLLECTIVE_TIMEOUT` seconds). A failed peer is reported sooner, when the transport
+    /// notices (QUIC: its idle timeout).
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self

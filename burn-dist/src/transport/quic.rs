@@ -108,8 +108,13 @@ pub struct QuicNode {
 impl QuicNode {
     /// Binds `bind` (port 0: any free port) with `identity` as server and client.
     pub fn bind(bind: SocketAddr, identity: &Identity, options: &QuicOptions) -> Result<Self> {
+        let threads = std::env::var("HEARTH_QUIC_THREADS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(2)
+            .max(1);
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(threads)
             .thread_name("burn-dist-quic")
             .enable_all()
             .build()
