@@ -25,8 +25,18 @@ fn parse(out: &str) -> BTreeMap<String, f64> {
     out.lines()
         .filter_map(|l| {
             let l = l.trim();
-            let size = l.strip_prefix("size_mb=")?.split_whitespace().next()?.to_string();
-            let time = l.split("time_ms=").nth(1)?.split_whitespace().next()?.parse().ok()?;
+            let size = l
+                .strip_prefix("size_mb=")?
+                .split_whitespace()
+                .next()?
+                .to_string();
+            let time = l
+                .split("time_ms=")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()?;
             Some((size, time))
         })
         .collect()
@@ -42,7 +52,15 @@ fn main() {
     }
     for n in &ranks {
         let out = Command::new(env!("CARGO_BIN_EXE_hearth"))
-            .args(["bench", "allreduce", "--ranks", n, "--iters", &iters, "--size-mb"])
+            .args([
+                "bench",
+                "allreduce",
+                "--ranks",
+                n,
+                "--iters",
+                &iters,
+                "--size-mb",
+            ])
             .args(&sizes)
             .output()
             .expect("running hearth bench allreduce");
@@ -56,7 +74,10 @@ fn main() {
         let hearth = parse(&hearth_out);
         let Some(py) = &python else { continue };
         let out = Command::new(py)
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/benches/peer/gloo_allreduce.py"))
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/benches/peer/gloo_allreduce.py"
+            ))
             .args(["--ranks", n, "--iters", &iters, "--size-mb"])
             .args(&sizes)
             .output()
@@ -68,7 +89,10 @@ fn main() {
         for (size, h) in &hearth {
             // gloo prints integers without a decimal point, Hearth too: same keys.
             if let Some(g) = gloo.get(size) {
-                println!("ranks={n} size_mb={size} hearth_ms={h:.2} gloo_ms={g:.2} speedup_vs_gloo={:.2}x", g / h);
+                println!(
+                    "ranks={n} size_mb={size} hearth_ms={h:.2} gloo_ms={g:.2} speedup_vs_gloo={:.2}x",
+                    g / h
+                );
             }
         }
     }

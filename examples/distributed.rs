@@ -12,7 +12,8 @@ use hearth::dist::rendezvous::RankInfo;
 use hearth::train::{TrainConfig, train};
 
 fn main() -> Result<()> {
-    let info = RankInfo::from_env().context("start this example under `hearth launch -n 2 -- ...`")?;
+    let info =
+        RankInfo::from_env().context("start this example under `hearth launch -n 2 -- ...`")?;
     let device = hearth::device::select(&std::env::var("HEARTH_DEVICE").unwrap_or("flex".into()))?;
     let mut cfg = TrainConfig::new("runs/distributed_example".into());
     cfg.epochs = 4;

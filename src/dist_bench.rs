@@ -54,7 +54,9 @@ pub fn run_rank(
     let n = comm.world();
     for &mb in sizes_mb {
         let len = ((mb * 1e6) / 4.0).round() as usize;
-        let mut buf: Vec<f32> = (0..len).map(|i| (i % 97) as f32 + comm.rank() as f32).collect();
+        let mut buf: Vec<f32> = (0..len)
+            .map(|i| (i % 97) as f32 + comm.rank() as f32)
+            .collect();
         for _ in 0..warmup {
             comm.allreduce(&mut buf, ReduceOp::Sum)?;
         }

@@ -28,7 +28,10 @@ pub struct LaunchConfig {
 pub enum LaunchOutcome {
     Success,
     /// The first rank that failed, and its exit code (None: killed by a signal).
-    Failed { rank: usize, code: Option<i32> },
+    Failed {
+        rank: usize,
+        code: Option<i32>,
+    },
 }
 
 fn free_port() -> Result<u16> {
@@ -38,7 +41,12 @@ fn free_port() -> Result<u16> {
         .map_err(|e| HearthError::Launch(format!("no free UDP port on 127.0.0.1: {e}")))
 }
 
-fn pump(rank: usize, input: impl std::io::Read + Send + 'static, err: bool, prefix: bool) -> std::thread::JoinHandle<()> {
+fn pump(
+    rank: usize,
+    input: impl std::io::Read + Send + 'static,
+    err: bool,
+    prefix: bool,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let reader = BufReader::new(input);
         for line in reader.split(b'\n') {
@@ -66,7 +74,11 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
     if cfg.nproc == 0 {
         return Err(HearthError::InvalidArgument("-n must be at least 1".into()));
     }
-    let port = if cfg.port == 0 { free_port()? } else { cfg.port };
+    let port = if cfg.port == 0 {
+        free_port()?
+    } else {
+        cfg.port
+    };
     let secret = match std::env::var("HEARTH_JOB_SECRET") {
         Ok(s) if !s.is_empty() => s,
         _ => burn_dist::tls::random_secret(),
@@ -88,7 +100,10 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| {
-                HearthError::Launch(format!("starting rank {rank} ({}): {e}", cfg.program.display()))
+                HearthError::Launch(format!(
+                    "starting rank {rank} ({}): {e}",
+                    cfg.program.display()
+                ))
             })?;
         if let Some(out) = child.stdout.take() {
             pumps.push(pump(rank, out, false, cfg.prefix));
@@ -102,7 +117,9 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
     let mut running = cfg.nproc;
     while running > 0 {
         for rank in 0..children.len() {
-            let Some(child) = children[rank].as_mut() else { continue };
+            let Some(child) = children[rank].as_mut() else {
+                continue;
+            };
             match child.try_wait() {
                 Ok(Some(status)) => {
                     children[rank] = None;

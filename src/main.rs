@@ -581,7 +581,10 @@ fn rank_args(run_dir: &std::path::Path) -> Vec<String> {
         if a.starts_with("--nproc=") {
             continue;
         }
-        has_dir |= a == "--run-dir" || a.starts_with("--run-dir=") || a == "--resume" || a.starts_with("--resume=");
+        has_dir |= a == "--run-dir"
+            || a.starts_with("--run-dir=")
+            || a == "--resume"
+            || a.starts_with("--resume=");
         out.push(a);
     }
     if !has_dir {
@@ -603,8 +606,16 @@ fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     use hearth::train::{TrainConfig, train};
     let in_job = std::env::var_os("HEARTH_RANK").is_some();
     if a.nproc > 1 && !in_job {
-        let run_dir = a.resume.clone().or(a.run_dir.clone()).unwrap_or_else(default_run_dir);
-        eprintln!("launching {} ranks; run directory: {}", a.nproc, run_dir.display());
+        let run_dir = a
+            .resume
+            .clone()
+            .or(a.run_dir.clone())
+            .unwrap_or_else(default_run_dir);
+        eprintln!(
+            "launching {} ranks; run directory: {}",
+            a.nproc,
+            run_dir.display()
+        );
         let outcome = hearth::launch::launch(&hearth::launch::LaunchConfig {
             nproc: a.nproc,
             program: std::env::current_exe().context("locating the hearth binary")?,

@@ -39,7 +39,10 @@ mod tests {
         let s = [(0.8, true), (0.4, true), (0.6, false), (0.2, false)];
         assert_eq!(auroc(&s), Some(0.75));
         // A tie counts one half: positive 0.5 vs negatives {0.5, 0.1} = (0.5 + 1) / 2.
-        assert_eq!(auroc(&[(0.5, true), (0.5, false), (0.1, false)]), Some(0.75));
+        assert_eq!(
+            auroc(&[(0.5, true), (0.5, false), (0.1, false)]),
+            Some(0.75)
+        );
         // One outcome only: undefined.
         assert_eq!(auroc(&[(0.5, true), (0.7, true)]), None);
         assert_eq!(auroc(&[]), None);

@@ -48,23 +48,47 @@ fn train_nproc_2_averages_metrics_and_keeps_per_rank_curves() {
     hearth_datasets_synth(&data);
     let run_dir = dir.path().join("run");
     let mut cmd = hearth();
-    cmd.args(["train", "--nproc", "2", "--epochs", "2", "--batch-size", "8", "--workers", "1"])
-        .arg("--data")
-        .arg(&data)
-        .arg("--run-dir")
-        .arg(&run_dir);
+    cmd.args([
+        "train",
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "8",
+        "--workers",
+        "1",
+    ])
+    .arg("--data")
+    .arg(&data)
+    .arg("--run-dir")
+    .arg(&run_dir);
     let (out, _) = run(cmd, Duration::from_secs(300));
     let log = text(&out);
     assert!(out.status.success(), "{log}");
-    assert!(log.contains("[rank 0] trained on 2 ranks, global batch 8 (4 per rank)"), "{log}");
+    assert!(
+        log.contains("[rank 0] trained on 2 ranks, global batch 8 (4 per rank)"),
+        "{log}"
+    );
     assert!(log.contains("validation accuracy"), "{log}");
     let csv = std::fs::read_to_string(run_dir.join("metrics.csv")).unwrap();
     let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
-    for col in ["train_accuracy", "train_accuracy_rank0", "train_accuracy_rank1", "val_accuracy"] {
+    for col in [
+        "train_accuracy",
+        "train_accuracy_rank0",
+        "train_accuracy_rank1",
+        "val_accuracy",
+    ] {
         assert!(header.contains(&col), "{col} missing: {header:?}");
     }
     // The averaged training accuracy is the mean of the two ranks' values.
-    let row: Vec<f64> = csv.lines().nth(1).unwrap().split(',').map(|c| c.parse().unwrap_or(f64::NAN)).collect();
+    let row: Vec<f64> = csv
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split(',')
+        .map(|c| c.parse().unwrap_or(f64::NAN))
+        .collect();
     let col = |name: &str| row[header.iter().position(|c| *c == name).unwrap()];
     let mean = (col("train_accuracy_rank0") + col("train_accuracy_rank1")) / 2.0;
     assert!((col("train_accuracy") - mean).abs() < 1e-3, "{csv}");
@@ -75,7 +99,9 @@ fn train_nproc_2_averages_metrics_and_keeps_per_rank_curves() {
 fn hearth_datasets_synth(dir: &Path) {
     hearth::datasets::synth::generate(
         dir,
-        &hearth::datasets::synth::SynthConfig::new(3, 16, 32).with_seed(1).with_val(6),
+        &hearth::datasets::synth::SynthConfig::new(3, 16, 32)
+            .with_seed(1)
+            .with_val(6),
     )
     .unwrap();
 }
@@ -88,7 +114,10 @@ fn launch_stops_every_rank_and_fails_when_one_rank_fails() {
     let (out, took) = run(cmd, Duration::from_secs(60));
     let log = text(&out);
     assert_eq!(out.status.code(), Some(7), "{log}");
-    assert!(took < Duration::from_secs(30), "the other ranks were not stopped ({took:?})");
+    assert!(
+        took < Duration::from_secs(30),
+        "the other ranks were not stopped ({took:?})"
+    );
     assert!(log.contains("[rank 2] hello from 2 of 3"), "{log}");
     assert!(log.contains("rank 1 failed"), "{log}");
 }

@@ -296,8 +296,16 @@ fn multi_label_training_reports_per_class_auroc_that_matches_the_metric() {
 
     let csv = std::fs::read_to_string(dir.path().join("run/metrics.csv")).unwrap();
     let header = csv.lines().next().unwrap();
-    for col in ["val_auroc", "val_accuracy", "train_images_per_sec", "train_lr"] {
-        assert!(header.split(',').any(|c| c == col), "{col} missing: {header}");
+    for col in [
+        "val_auroc",
+        "val_accuracy",
+        "train_images_per_sec",
+        "train_lr",
+    ] {
+        assert!(
+            header.split(',').any(|c| c == col),
+            "{col} missing: {header}"
+        );
     }
     let per_class = report.per_class_auroc.clone().unwrap();
     let names: Vec<&str> = per_class.iter().map(|(n, _)| n.as_str()).collect();
@@ -342,7 +350,10 @@ fn unfreezing_after_an_epoch_fine_tunes_the_backbone_and_resumes_exactly() {
     };
     run(&make("straight"));
     let ckpt = |run: &str, e: usize| dir.path().join(format!("{run}/checkpoint/model-{e}.bpk"));
-    let (e1, e2) = (backbone(&ckpt("straight", 1)), backbone(&ckpt("straight", 2)));
+    let (e1, e2) = (
+        backbone(&ckpt("straight", 1)),
+        backbone(&ckpt("straight", 2)),
+    );
     assert!(!e1.is_empty());
     // Epoch 1 (frozen) left the backbone as loaded; epoch 2 (fine-tuning) changed it.
     let original = fixture_resnet();
@@ -378,5 +389,8 @@ fn unfreezing_after_an_epoch_fine_tunes_the_backbone_and_resumes_exactly() {
     let e = train(&other, &Device::flex(), &mut |_| {})
         .unwrap_err()
         .to_string();
-    assert!(e.contains("lr: 0.05 then, 0.1 now") && e.contains("epochs"), "{e}");
+    assert!(
+        e.contains("lr: 0.05 then, 0.1 now") && e.contains("epochs"),
+        "{e}"
+    );
 }

@@ -90,7 +90,10 @@ mod tests {
         // 20 values per bucket.
         assert_eq!(plan.buckets, vec![0..2, 2..3, 3..4, 4..6]);
         assert_eq!(plan.total(), 82);
-        assert_eq!(BucketPlan::new(&[], 80).buckets, Vec::<std::ops::Range<usize>>::new());
+        assert_eq!(
+            BucketPlan::new(&[], 80).buckets,
+            Vec::<std::ops::Range<usize>>::new()
+        );
         let one = BucketPlan::new(&[3, 4, 5], DEFAULT_BUCKET_BYTES);
         assert_eq!(one.buckets, vec![0..3]);
     }

@@ -18,6 +18,7 @@
 use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::GradientsAccumulator;
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::TensorData;
@@ -26,7 +27,6 @@ use burn::train::{
     SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents,
     TrainingItem, ValidLoader,
 };
-use burn::optim::GradientsAccumulator;
 
 use crate::bucket::{BucketPlan, DEFAULT_BUCKET_BYTES, allreduce_tensors};
 use crate::collective::{Communicator, ReduceOp};
@@ -64,14 +64,18 @@ struct Replace {
 impl ModuleMapper for Replace {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let Some(v) = self.values.next() else {
-            self.error.get_or_insert("fewer tensors than the module has".into());
+            self.error
+                .get_or_insert("fewer tensors than the module has".into());
             return param;
         };
         let error = &mut self.error;
         param.map(|t| {
             let shape = t.shape();
             if shape.num_elements() != v.len() {
-                error.get_or_insert(format!("a tensor of {} values for shape {shape:?}", v.len()));
+                error.get_or_insert(format!(
+                    "a tensor of {} values for shape {shape:?}",
+                    v.len()
+                ));
                 return t;
             }
             let rg = t.is_require_grad();
@@ -293,7 +297,9 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
                     Some(iteration),
                     Some(learner.lr_current()),
                 );
-                interrupter.fail_on_error(event_processor.process_train(LearnerEvent::ProcessedItem(item)));
+                interrupter.fail_on_error(
+                    event_processor.process_train(LearnerEvent::ProcessedItem(item)),
+                );
                 if interrupter.should_stop() {
                     break;
                 }
@@ -330,7 +336,9 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
                 iteration += 1;
                 let out = burn::train::InferenceStep::step(&model, item);
                 let item = TrainingItem::new(out, progress, Some(iteration), None);
-                interrupter.fail_on_error(event_processor.process_valid(LearnerEvent::ProcessedItem(item)));
+                interrupter.fail_on_error(
+                    event_processor.process_valid(LearnerEvent::ProcessedItem(item)),
+                );
                 if interrupter.should_stop() {
                     break;
                 }

@@ -97,19 +97,24 @@ impl RankInfo {
             Some(format!("{}:{}", get("MASTER_ADDR")?, get("MASTER_PORT")?))
         };
         let local = num("LOCAL_RANK")?;
-        let (rank, world, coordinator, source, local_rank) =
-            if let (Some(r), Some(w)) = (num("HEARTH_RANK")?, num("HEARTH_WORLD_SIZE")?) {
-                let c = get("HEARTH_COORDINATOR").ok_or_else(|| {
-                    DistError::Config("HEARTH_RANK is set but HEARTH_COORDINATOR (host:port) is not".into())
-                })?;
-                (r, w, c, "HEARTH_*", local)
-            } else if let (Some(r), Some(w)) = (num("RANK")?, num("WORLD_SIZE")?) {
-                let c = master().ok_or_else(|| {
-                    DistError::Config("RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not".into())
-                })?;
-                (r, w, c, "torchrun", local)
-            } else if let (Some(r), Some(w)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
-                let host = get("SLURM_JOB_NODELIST")
+        let (rank, world, coordinator, source, local_rank) = if let (Some(r), Some(w)) =
+            (num("HEARTH_RANK")?, num("HEARTH_WORLD_SIZE")?)
+        {
+            let c = get("HEARTH_COORDINATOR").ok_or_else(|| {
+                DistError::Config(
+                    "HEARTH_RANK is set but HEARTH_COORDINATOR (host:port) is not".into(),
+                )
+            })?;
+            (r, w, c, "HEARTH_*", local)
+        } else if let (Some(r), Some(w)) = (num("RANK")?, num("WORLD_SIZE")?) {
+            let c = master().ok_or_else(|| {
+                DistError::Config(
+                    "RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not".into(),
+                )
+            })?;
+            (r, w, c, "torchrun", local)
+        } else if let (Some(r), Some(w)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
+            let host = get("SLURM_JOB_NODELIST")
                     .and_then(|l| first_slurm_host(&l))
                     .or_else(|| get("SLURM_LAUNCH_NODE_IPADDR"))
                     .ok_or_else(|| {
@@ -117,30 +122,31 @@ impl RankInfo {
                             "Slurm rank found but neither SLURM_JOB_NODELIST nor SLURM_LAUNCH_NODE_IPADDR".into(),
                         )
                     })?;
-                let port = match get("HEARTH_PORT") {
-                    Some(p) => p.parse::<u16>().map_err(|_| {
-                        DistError::Config(format!("HEARTH_PORT={p:?} is not a port"))
-                    })?,
-                    None => DEFAULT_PORT,
-                };
-                let c = get("HEARTH_COORDINATOR").unwrap_or(format!("{host}:{port}"));
-                (r, w, c, "Slurm", num("SLURM_LOCALID")?)
-            } else if let (Some(r), Some(w)) =
-                (num("OMPI_COMM_WORLD_RANK")?, num("OMPI_COMM_WORLD_SIZE")?)
-            {
-                let c = get("HEARTH_COORDINATOR").or_else(master).ok_or_else(|| {
-                    DistError::Config(
-                        "Open MPI rank found; set HEARTH_COORDINATOR=host:port (rank 0's address)".into(),
-                    )
-                })?;
-                (r, w, c, "Open MPI", num("OMPI_COMM_WORLD_LOCAL_RANK")?)
-            } else {
-                return Err(DistError::Config(
-                    "no rank in the environment: set HEARTH_RANK, HEARTH_WORLD_SIZE and \
-                     HEARTH_COORDINATOR (or run under torchrun, Slurm or mpirun)"
-                        .into(),
-                ));
+            let port = match get("HEARTH_PORT") {
+                Some(p) => p
+                    .parse::<u16>()
+                    .map_err(|_| DistError::Config(format!("HEARTH_PORT={p:?} is not a port")))?,
+                None => DEFAULT_PORT,
             };
+            let c = get("HEARTH_COORDINATOR").unwrap_or(format!("{host}:{port}"));
+            (r, w, c, "Slurm", num("SLURM_LOCALID")?)
+        } else if let (Some(r), Some(w)) =
+            (num("OMPI_COMM_WORLD_RANK")?, num("OMPI_COMM_WORLD_SIZE")?)
+        {
+            let c = get("HEARTH_COORDINATOR").or_else(master).ok_or_else(|| {
+                DistError::Config(
+                    "Open MPI rank found; set HEARTH_COORDINATOR=host:port (rank 0's address)"
+                        .into(),
+                )
+            })?;
+            (r, w, c, "Open MPI", num("OMPI_COMM_WORLD_LOCAL_RANK")?)
+        } else {
+            return Err(DistError::Config(
+                "no rank in the environment: set HEARTH_RANK, HEARTH_WORLD_SIZE and \
+                     HEARTH_COORDINATOR (or run under torchrun, Slurm or mpirun)"
+                    .into(),
+            ));
+        };
         if world == 0 || rank >= world {
             return Err(DistError::Config(format!(
                 "rank {rank} is outside a world of {world} ({source})"
@@ -163,7 +169,9 @@ impl RankInfo {
                 source,
             })?
             .next()
-            .ok_or_else(|| DistError::Config(format!("coordinator {} has no address", self.coordinator)))
+            .ok_or_else(|| {
+                DistError::Config(format!("coordinator {} has no address", self.coordinator))
+            })
     }
 }
 
@@ -186,7 +194,9 @@ impl Default for RendezvousOptions {
         Self {
             timeout: env_secs("HEARTH_RENDEZVOUS_TIMEOUT").unwrap_or(Duration::from_secs(120)),
             quic: None,
-            bind_ip: std::env::var("HEARTH_BIND").ok().and_then(|s| s.parse().ok()),
+            bind_ip: std::env::var("HEARTH_BIND")
+                .ok()
+                .and_then(|s| s.parse().ok()),
         }
     }
 }
@@ -226,7 +236,9 @@ fn parse_table(b: &[u8], world: usize) -> Result<BTreeMap<usize, SocketAddr>> {
     for _ in 0..n {
         let rank = r.u64()? as usize;
         let addr: SocketAddr = r.string()?.parse().map_err(|_| {
-            DistError::Wire(crate::wire::WireError::Control("bad address in table".into()))
+            DistError::Wire(crate::wire::WireError::Control(
+                "bad address in table".into(),
+            ))
         })?;
         out.insert(rank, addr);
     }
@@ -244,7 +256,11 @@ async fn recv_control(conn: &Connection, kind: Kind) -> std::result::Result<Vec<
 }
 
 /// Forms the job described by `info` and returns this rank's transport.
-pub fn connect(info: &RankInfo, membership: &Membership, options: &RendezvousOptions) -> Result<QuicTransport> {
+pub fn connect(
+    info: &RankInfo,
+    membership: &Membership,
+    options: &RendezvousOptions,
+) -> Result<QuicTransport> {
     let coordinator = info.coordinator_addr()?;
     let loopback = coordinator.ip().is_loopback();
     let quic = options.quic.clone().unwrap_or_else(|| {
@@ -280,7 +296,12 @@ fn remaining(deadline: Instant) -> Duration {
 }
 
 /// Rank 0: accept every rank's hello, then send each the table.
-fn coordinate(node: &QuicNode, info: &RankInfo, deadline: Instant, timeout: Duration) -> Result<Vec<Option<Connection>>> {
+fn coordinate(
+    node: &QuicNode,
+    info: &RankInfo,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Vec<Option<Connection>>> {
     let world = info.world;
     let endpoint = node.endpoint.clone();
     let coordinator = info.coordinator.clone();
@@ -357,7 +378,13 @@ fn coordinate(node: &QuicNode, info: &RankInfo, deadline: Instant, timeout: Dura
 }
 
 /// Rank r > 0: hello to the coordinator, get the table, connect to ranks 1..r, accept r+1..
-fn join(node: &QuicNode, info: &RankInfo, coordinator: SocketAddr, deadline: Instant, timeout: Duration) -> Result<Vec<Option<Connection>>> {
+fn join(
+    node: &QuicNode,
+    info: &RankInfo,
+    coordinator: SocketAddr,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<Vec<Option<Connection>>> {
     let (rank, world) = (info.rank, info.world);
     let endpoint = node.endpoint.clone();
     let port = node.local_addr()?.port();
@@ -457,24 +484,74 @@ mod tests {
     use super::*;
 
     fn info(vars: &[(&str, &str)]) -> Result<RankInfo> {
-        let map: BTreeMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map: BTreeMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         RankInfo::from_lookup(&|k| map.get(k).cloned())
     }
 
     #[test]
     fn every_launcher_s_variables_are_read() {
-        let h = info(&[("HEARTH_RANK", "2"), ("HEARTH_WORLD_SIZE", "4"), ("HEARTH_COORDINATOR", "10.0.0.1:5000")]).unwrap();
-        assert_eq!((h.rank, h.world, h.coordinator.as_str(), h.source), (2, 4, "10.0.0.1:5000", "HEARTH_*"));
-        let t = info(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "host"), ("MASTER_PORT", "29500"), ("LOCAL_RANK", "1")]).unwrap();
-        assert_eq!((t.rank, t.world, t.coordinator.as_str(), t.local_rank), (1, 2, "host:29500", Some(1)));
-        let s = info(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "8"), ("SLURM_JOB_NODELIST", "gpu[07-09,12],cpu1"), ("SLURM_LOCALID", "1")]).unwrap();
-        assert_eq!((s.rank, s.world, s.coordinator.as_str()), (3, 8, "gpu07:29400"));
-        let s2 = info(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2"), ("SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"), ("HEARTH_PORT", "7000")]).unwrap();
+        let h = info(&[
+            ("HEARTH_RANK", "2"),
+            ("HEARTH_WORLD_SIZE", "4"),
+            ("HEARTH_COORDINATOR", "10.0.0.1:5000"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (h.rank, h.world, h.coordinator.as_str(), h.source),
+            (2, 4, "10.0.0.1:5000", "HEARTH_*")
+        );
+        let t = info(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "host"),
+            ("MASTER_PORT", "29500"),
+            ("LOCAL_RANK", "1"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (t.rank, t.world, t.coordinator.as_str(), t.local_rank),
+            (1, 2, "host:29500", Some(1))
+        );
+        let s = info(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_JOB_NODELIST", "gpu[07-09,12],cpu1"),
+            ("SLURM_LOCALID", "1"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (s.rank, s.world, s.coordinator.as_str()),
+            (3, 8, "gpu07:29400")
+        );
+        let s2 = info(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"),
+            ("HEARTH_PORT", "7000"),
+        ])
+        .unwrap();
         assert_eq!(s2.coordinator, "10.1.2.3:7000");
-        let o = info(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2"), ("HEARTH_COORDINATOR", "n0:1234")]).unwrap();
+        let o = info(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("HEARTH_COORDINATOR", "n0:1234"),
+        ])
+        .unwrap();
         assert_eq!((o.rank, o.source), (1, "Open MPI"));
         // HEARTH_* wins over torchrun's.
-        let both = info(&[("HEARTH_RANK", "0"), ("HEARTH_WORLD_SIZE", "1"), ("HEARTH_COORDINATOR", "a:1"), ("RANK", "5"), ("WORLD_SIZE", "9"), ("MASTER_ADDR", "b"), ("MASTER_PORT", "2")]).unwrap();
+        let both = info(&[
+            ("HEARTH_RANK", "0"),
+            ("HEARTH_WORLD_SIZE", "1"),
+            ("HEARTH_COORDINATOR", "a:1"),
+            ("RANK", "5"),
+            ("WORLD_SIZE", "9"),
+            ("MASTER_ADDR", "b"),
+            ("MASTER_PORT", "2"),
+        ])
+        .unwrap();
         assert_eq!(both.rank, 0);
     }
 
@@ -482,10 +559,22 @@ mod tests {
     fn incomplete_or_wrong_variables_are_explained() {
         let e = |v: &[(&str, &str)]| info(v).unwrap_err().to_string();
         assert!(e(&[]).contains("HEARTH_RANK"));
-        assert!(e(&[("HEARTH_RANK", "x"), ("HEARTH_WORLD_SIZE", "2")]).contains("HEARTH_RANK=\"x\""));
-        assert!(e(&[("HEARTH_RANK", "2"), ("HEARTH_WORLD_SIZE", "2"), ("HEARTH_COORDINATOR", "a:1")]).contains("outside a world of 2"));
+        assert!(
+            e(&[("HEARTH_RANK", "x"), ("HEARTH_WORLD_SIZE", "2")]).contains("HEARTH_RANK=\"x\"")
+        );
+        assert!(
+            e(&[
+                ("HEARTH_RANK", "2"),
+                ("HEARTH_WORLD_SIZE", "2"),
+                ("HEARTH_COORDINATOR", "a:1")
+            ])
+            .contains("outside a world of 2")
+        );
         assert!(e(&[("RANK", "0"), ("WORLD_SIZE", "2")]).contains("MASTER_ADDR"));
-        assert!(e(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")]).contains("HEARTH_COORDINATOR"));
+        assert!(
+            e(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")])
+                .contains("HEARTH_COORDINATOR")
+        );
     }
 
     #[test]

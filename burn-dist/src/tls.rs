@@ -95,7 +95,11 @@ impl Membership {
             let trimmed = s.trim_ascii();
             return Self::secret(trimmed);
         }
-        match (get("HEARTH_TLS_CA"), get("HEARTH_TLS_CERT"), get("HEARTH_TLS_KEY")) {
+        match (
+            get("HEARTH_TLS_CA"),
+            get("HEARTH_TLS_CERT"),
+            get("HEARTH_TLS_KEY"),
+        ) {
             (Some(ca), Some(cert), Some(key)) => Ok(Self::Files {
                 ca: ca.into(),
                 cert: cert.into(),
@@ -157,7 +161,10 @@ fn ca_params() -> Result<CertificateParams> {
     dn.push(DnType::CommonName, "Hearth job CA");
     p.distinguished_name = dn;
     p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature];
+    p.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     Ok(p)
 }
 
@@ -198,7 +205,10 @@ fn from_files(ca: &Path, cert: &Path, key: &Path) -> Result<Identity> {
             .collect::<std::result::Result<_, _>>()
             .map_err(|e| DistError::Tls(format!("{}: {e}", p.display())))?;
         if v.is_empty() {
-            return Err(DistError::Tls(format!("{}: no PEM certificate", p.display())));
+            return Err(DistError::Tls(format!(
+                "{}: no PEM certificate",
+                p.display()
+            )));
         }
         Ok(v)
     };
@@ -268,8 +278,10 @@ mod tests {
 
     #[test]
     fn one_secret_gives_one_ca_and_another_secret_another() {
-        let a = Identity::new(&Membership::secret("correct horse battery staple").unwrap()).unwrap();
-        let b = Identity::new(&Membership::secret("correct horse battery staple").unwrap()).unwrap();
+        let a =
+            Identity::new(&Membership::secret("correct horse battery staple").unwrap()).unwrap();
+        let b =
+            Identity::new(&Membership::secret("correct horse battery staple").unwrap()).unwrap();
         let c = Identity::new(&Membership::secret("another job's secret value").unwrap()).unwrap();
         assert_eq!(a.ca, b.ca, "ranks of one job must derive the same CA");
         assert_ne!(a.chain[0], b.chain[0], "each rank has its own key");

@@ -228,7 +228,10 @@ impl<'a> Reader<'a> {
         if self.b.is_empty() {
             Ok(())
         } else {
-            Err(WireError::Control(format!("{} trailing bytes", self.b.len())))
+            Err(WireError::Control(format!(
+                "{} trailing bytes",
+                self.b.len()
+            )))
         }
     }
 }
@@ -287,7 +290,10 @@ mod tests {
         let frame = encode_frame(&h, &[0; 5]);
         assert_eq!(
             decode_frame(&frame),
-            Err(WireError::Length { expected: 8, got: 5 })
+            Err(WireError::Length {
+                expected: 8,
+                got: 5
+            })
         );
         assert!(bytes_to_f32(&[0; 7], 2).is_err());
     }

@@ -40,8 +40,12 @@ const B: usize = 4;
 
 /// Sample `i` of step `s`: deterministic inputs and targets.
 fn sample(s: usize, i: usize) -> (Vec<f32>, Vec<f32>) {
-    let x = (0..6).map(|j| (((s * 131 + i * 17 + j * 7) % 23) as f32 - 11.0) / 7.0).collect();
-    let y = (0..3).map(|j| (((s * 31 + i * 5 + j * 3) % 11) as f32 - 5.0) / 5.0).collect();
+    let x = (0..6)
+        .map(|j| (((s * 131 + i * 17 + j * 7) % 23) as f32 - 11.0) / 7.0)
+        .collect();
+    let y = (0..3)
+        .map(|j| (((s * 31 + i * 5 + j * 3) % 11) as f32 - 5.0) / 5.0)
+        .collect();
     (x, y)
 }
 
@@ -72,7 +76,9 @@ fn train(
         model = broadcast_module(model, c).unwrap();
     }
     let mut optim = SgdConfig::new()
-        .with_momentum(Some(MomentumConfig::new().with_momentum(0.9).with_dampening(0.0)))
+        .with_momentum(Some(
+            MomentumConfig::new().with_momentum(0.9).with_dampening(0.0),
+        ))
         .init();
     for s in 0..STEPS {
         let (x, y) = batch(s, range_of(s), &device);

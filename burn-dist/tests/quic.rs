@@ -78,7 +78,10 @@ fn each<T: Send + 'static>(
     }
     let mut out: Vec<(usize, T)> = Vec::new();
     for _ in 0..n {
-        out.push(rx.recv_timeout(Duration::from_secs(90)).expect("a rank hung or panicked"));
+        out.push(
+            rx.recv_timeout(Duration::from_secs(90))
+                .expect("a rank hung or panicked"),
+        );
     }
     out.sort_by_key(|(r, _)| *r);
     out.into_iter().map(|(_, v)| v).collect()
@@ -164,8 +167,11 @@ fn random_bytes_on_the_port_do_not_disturb_a_running_job() {
     let results = each(ranks.into_iter().map(Arc::new).collect(), |c| {
         let mut ok = 0;
         for round in 0..20 {
-            let mut v: Vec<f32> = (0..50_000).map(|i| (i + c.rank()) as f32 + round as f32).collect();
-            c.allreduce(&mut v, ReduceOp::Sum).expect("allreduce under noise");
+            let mut v: Vec<f32> = (0..50_000)
+                .map(|i| (i + c.rank()) as f32 + round as f32)
+                .collect();
+            c.allreduce(&mut v, ReduceOp::Sum)
+                .expect("allreduce under noise");
             if (0..50_000).all(|i| v[i] == (2 * i + 1 + 2 * round) as f32) {
                 ok += 1;
             }
@@ -261,7 +267,9 @@ fn child() {
     match mode.as_str() {
         "collectives" => {
             for &len in &[0usize, 1, 7, 1000, 300_001] {
-                let mine: Vec<f32> = (0..len).map(|i| ((i * 31 + rank * 17) % 101) as f32).collect();
+                let mine: Vec<f32> = (0..len)
+                    .map(|i| ((i * 31 + rank * 17) % 101) as f32)
+                    .collect();
                 let mut v = mine.clone();
                 comm.allreduce(&mut v, ReduceOp::Sum).expect("allreduce");
                 for (i, x) in v.iter().enumerate() {
@@ -270,7 +278,9 @@ fn child() {
                 }
                 let mut b = mine.clone();
                 comm.broadcast(&mut b, world - 1).expect("broadcast");
-                let root: Vec<f32> = (0..len).map(|i| ((i * 31 + (world - 1) * 17) % 101) as f32).collect();
+                let root: Vec<f32> = (0..len)
+                    .map(|i| ((i * 31 + (world - 1) * 17) % 101) as f32)
+                    .collect();
                 assert_eq!(b, root);
                 let g = comm.all_gather(&mine).expect("all_gather");
                 assert_eq!(g.len(), len * world);
@@ -316,7 +326,9 @@ fn collectives_across_2_to_4_processes_match_direct_results() {
 fn killing_a_process_mid_collective_fails_the_others_naming_it_within_10s() {
     let world = 3;
     let port = free_port();
-    let mut children: Vec<Child> = (0..world).map(|r| spawn_rank(r, world, port, "loop")).collect();
+    let mut children: Vec<Child> = (0..world)
+        .map(|r| spawn_rank(r, world, port, "loop"))
+        .collect();
     // Let the job form and run collectives for a moment.
     std::thread::sleep(Duration::from_secs(3));
     let victim = children.pop().unwrap();

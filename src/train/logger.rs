@@ -292,7 +292,11 @@ fn average_over_ranks(comm: &burn_dist::Communicator, values: &mut BTreeMap<Stri
     for (i, name) in names.iter().enumerate() {
         let per_rank: Vec<f64> = (0..n).map(|r| gathered[r * m + i] as f64).collect();
         let sum: f64 = per_rank.iter().sum();
-        let v = if name.ends_with("images_per_sec") { sum } else { sum / n as f64 };
+        let v = if name.ends_with("images_per_sec") {
+            sum
+        } else {
+            sum / n as f64
+        };
         values.insert(name.clone(), v);
         if name == "train_loss" || name == "train_accuracy" {
             for (r, x) in per_rank.iter().enumerate() {

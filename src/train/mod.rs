@@ -499,16 +499,15 @@ fn run_phase<T: Task>(
     let interrupter = burn::train::Interrupter::new();
     let non_finite = NonFinite::default();
     let rank = phase.dist.map_or(0, |c| c.rank());
-    let mut csv_logger =
-        CsvMetricLogger::new(cfg.run_dir.join("metrics.csv"), phase.table.clone())
-            .with_nan_guard(non_finite.clone(), interrupter.clone());
+    let mut csv_logger = CsvMetricLogger::new(cfg.run_dir.join("metrics.csv"), phase.table.clone())
+        .with_nan_guard(non_finite.clone(), interrupter.clone());
     if rank == 0 {
         csv_logger = csv_logger.with_report(Box::new(|line: &str| eprintln!("{line}")));
     }
     if let Some(comm) = phase.dist {
         // Metric averaging runs on its own tag space, beside the gradient traffic.
-        csv_logger = csv_logger
-            .with_rank_averaging(Arc::new(comm.sibling(burn_dist::wire::Kind::Metric)));
+        csv_logger =
+            csv_logger.with_rank_averaging(Arc::new(comm.sibling(burn_dist::wire::Kind::Metric)));
     }
     let first_epoch = phase.first as u64;
     let mut training = SupervisedTraining::new(
@@ -536,11 +535,10 @@ fn run_phase<T: Task>(
         training = training.grads_accumulation(k);
     }
     if let Some(comm) = phase.dist {
-        let strategy = burn_dist::ddp::DdpStrategy::new(comm.clone())
-            .with_bucket_bytes(cfg.bucket_bytes);
-        training = training.with_training_strategy(burn::train::TrainingStrategy::Custom(
-            Arc::new(strategy),
-        ));
+        let strategy =
+            burn_dist::ddp::DdpStrategy::new(comm.clone()).with_bucket_bytes(cfg.bucket_bytes);
+        training = training
+            .with_training_strategy(burn::train::TrainingStrategy::Custom(Arc::new(strategy)));
     }
     if rank == 0 {
         training = training.summary();
@@ -892,7 +890,10 @@ fn per_class_auroc(
             }
         }
     }
-    Ok(scores.into_iter().map(|s| crate::metrics::auroc(&s)).collect())
+    Ok(scores
+        .into_iter()
+        .map(|s| crate::metrics::auroc(&s))
+        .collect())
 }
 
 /// The hyperparameters a resumed run must share with the original, by name.

@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use burn::tensor::TensorReadError;
 use burn::train::metric::{
-    Metric, MetricAttributes, MetricMetadata, MetricName, Numeric, NumericAttributes,
-    NumericEntry, SerializedEntry,
+    Metric, MetricAttributes, MetricMetadata, MetricName, Numeric, NumericAttributes, NumericEntry,
+    SerializedEntry,
 };
 
 #[derive(Clone)]
@@ -87,7 +87,9 @@ impl Metric for ImagesPerSecond {
 
 impl Numeric for ImagesPerSecond {
     fn value(&self) -> Option<NumericEntry> {
-        self.rate.is_finite().then_some(NumericEntry::Value(self.rate))
+        self.rate
+            .is_finite()
+            .then_some(NumericEntry::Value(self.rate))
     }
 
     fn running_value(&self) -> Option<NumericEntry> {

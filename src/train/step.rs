@@ -4,13 +4,13 @@
 
 use burn::module::Module;
 use burn::nn::loss::{BinaryCrossEntropyLossConfig, CrossEntropyLossConfig};
-use burn::train::{
-    ClassificationOutput, InferenceStep, MultiLabelClassificationOutput, TrainOutput, TrainStep,
-};
 use burn::train::checkpoint::ComposedCheckpointingStrategy;
 use burn::train::metric::store::Direction;
 use burn::train::metric::{
     AccuracyMetric, AurocMetric, ClassReduction, HammingScore, LossMetric, TopKAccuracyMetric,
+};
+use burn::train::{
+    ClassificationOutput, InferenceStep, MultiLabelClassificationOutput, TrainOutput, TrainStep,
 };
 use burn::train::{MetricEarlyStoppingStrategy, SupervisedTraining};
 use hearth_models::Classifier;
@@ -38,8 +38,10 @@ pub trait Task:
     fn classifier(&self) -> &Classifier;
     fn into_classifier(self) -> Classifier;
     /// Registers the task's metrics (besides learning rate and images/s).
-    fn register_metrics(training: SupervisedTraining<Self>, classes: usize)
-    -> SupervisedTraining<Self>;
+    fn register_metrics(
+        training: SupervisedTraining<Self>,
+        classes: usize,
+    ) -> SupervisedTraining<Self>;
     /// The checkpointing and early stopping that follow `monitor`.
     fn monitored(monitor: Monitor, patience: Option<usize>) -> Result<Monitoring>;
 }

@@ -19,14 +19,26 @@ impl Communicator {
             });
         }
         out[a..b].copy_from_slice(mine);
-        ring(self, &mut out, Phases::AllGather, Compression::None, "all_gather")?;
+        ring(
+            self,
+            &mut out,
+            Phases::AllGather,
+            Compression::None,
+            "all_gather",
+        )?;
         Ok(out)
     }
 
     /// Reduces `buf` across ranks and returns this rank's segment of the result: segment `r` of
     /// `n` near-equal segments (see [`Communicator::segment_of`]).
     pub fn reduce_scatter(&self, mut buf: Vec<f32>, op: ReduceOp) -> Result<Vec<f32>> {
-        ring(self, &mut buf, Phases::ReduceScatter, self.compression, "reduce_scatter")?;
+        ring(
+            self,
+            &mut buf,
+            Phases::ReduceScatter,
+            self.compression,
+            "reduce_scatter",
+        )?;
         let (a, b) = segment(buf.len(), self.world(), self.rank());
         let mut mine = buf[a..b].to_vec();
         if op == ReduceOp::Mean && self.world() > 1 {

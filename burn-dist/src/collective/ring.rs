@@ -52,7 +52,8 @@ pub(crate) fn ring(
     }
     let chunk = comm.chunk_elems;
     let chunks = |(a, b): (usize, usize)| (b - a).div_ceil(chunk);
-    let chunk_range = |(a, b): (usize, usize), c: usize| (a + c * chunk, (a + (c + 1) * chunk).min(b));
+    let chunk_range =
+        |(a, b): (usize, usize), c: usize| (a + c * chunk, (a + (c + 1) * chunk).min(b));
 
     // The values a rank owns in full are rounded to the wire format before they travel, so every
     // rank ends with the same numbers.

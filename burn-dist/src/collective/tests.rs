@@ -48,7 +48,9 @@ fn on_ranks<T: Send + 'static>(
             .expect("a rank hung or panicked");
         out[rank] = Some(v);
     }
-    out.into_iter().map(|v| v.expect("every rank reported")).collect()
+    out.into_iter()
+        .map(|v| v.expect("every rank reported"))
+        .collect()
 }
 
 const SIZES: [usize; 7] = [0, 1, 2, 7, 13, 100, 1001];
@@ -148,7 +150,9 @@ fn all_gather_and_reduce_scatter_match_direct_results() {
                 assert_eq!(g, &want_gather);
                 assert_eq!(s.len(), b - a);
                 for (k, v) in s.iter().enumerate() {
-                    assert!((*v as f64 - want_sum[a + k]).abs() < 1e-4 * (1.0 + want_sum[a + k].abs()));
+                    assert!(
+                        (*v as f64 - want_sum[a + k]).abs() < 1e-4 * (1.0 + want_sum[a + k].abs())
+                    );
                 }
                 covered += b - a;
             }
@@ -212,7 +216,8 @@ fn mismatched_lengths_are_an_error_not_a_hang() {
     let results = on_ranks(2, 4, Compression::None, |c| {
         let mut v = vec![1.0; if c.rank() == 0 { 8 } else { 12 }];
         let c = c.with_timeout(Duration::from_millis(500));
-        c.allreduce(&mut v, ReduceOp::Sum).map_err(|e| e.to_string())
+        c.allreduce(&mut v, ReduceOp::Sum)
+            .map_err(|e| e.to_string())
     });
     assert!(results.iter().any(|r| r.is_err()), "{results:?}");
 }

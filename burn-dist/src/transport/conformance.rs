@@ -59,7 +59,10 @@ fn check_rank(t: &dyn Transport) -> Result<(), String> {
     t.send(next, Kind::Metric, 9, Vec::new()).map_err(err)?;
     let empty = t.recv(prev, Kind::Metric, 9, deadline()).map_err(err)?;
     if !empty.is_empty() {
-        return Err(format!("rank {me}: empty payload arrived with {} bytes", empty.len()));
+        return Err(format!(
+            "rank {me}: empty payload arrived with {} bytes",
+            empty.len()
+        ));
     }
     let got = t.recv(prev, Kind::Collective, 9, deadline()).map_err(err)?;
     let want: Vec<u8> = (0..(3 << 20) + 5).map(|i| (i * 7 + prev) as u8).collect();
@@ -68,23 +71,39 @@ fn check_rank(t: &dyn Transport) -> Result<(), String> {
     }
     // 3. A receive nobody answers times out at its deadline, naming the rank.
     let started = Instant::now();
-    match t.recv(prev, Kind::User, 999, Instant::now() + Duration::from_millis(200)) {
+    match t.recv(
+        prev,
+        Kind::User,
+        999,
+        Instant::now() + Duration::from_millis(200),
+    ) {
         Err(DistError::Timeout { rank, .. }) if rank == prev => {}
-        other => return Err(format!("rank {me}: expected a timeout naming {prev}, got {other:?}")),
+        other => {
+            return Err(format!(
+                "rank {me}: expected a timeout naming {prev}, got {other:?}"
+            ));
+        }
     }
     if started.elapsed() > Duration::from_secs(5) {
-        return Err(format!("rank {me}: a 200 ms deadline took {:?}", started.elapsed()));
+        return Err(format!(
+            "rank {me}: a 200 ms deadline took {:?}",
+            started.elapsed()
+        ));
     }
     // 4. Sending to oneself or outside the world is an error, not a hang.
     if t.send(me, Kind::User, 0, vec![]).is_ok() || t.send(world, Kind::User, 0, vec![]).is_ok() {
-        return Err(format!("rank {me}: sending to itself or rank {world} succeeded"));
+        return Err(format!(
+            "rank {me}: sending to itself or rank {world} succeeded"
+        ));
     }
     // Stay until every rank is done receiving (a last round of messages).
     for peer in (0..world).filter(|&p| p != me) {
-        t.send(peer, Kind::Control, u64::MAX, vec![1]).map_err(err)?;
+        t.send(peer, Kind::Control, u64::MAX, vec![1])
+            .map_err(err)?;
     }
     for peer in (0..world).filter(|&p| p != me) {
-        t.recv(peer, Kind::Control, u64::MAX, deadline()).map_err(err)?;
+        t.recv(peer, Kind::Control, u64::MAX, deadline())
+            .map_err(err)?;
     }
     Ok(())
 }

@@ -60,10 +60,11 @@ impl QuicOptions {
 
     fn transport_config(&self) -> Result<quinn::TransportConfig> {
         let mut t = quinn::TransportConfig::default();
-        let idle = quinn::IdleTimeout::try_from(self.idle_timeout).map_err(|e| DistError::Quic {
-            context: "idle timeout".into(),
-            reason: e.to_string(),
-        })?;
+        let idle =
+            quinn::IdleTimeout::try_from(self.idle_timeout).map_err(|e| DistError::Quic {
+                context: "idle timeout".into(),
+                reason: e.to_string(),
+            })?;
         t.max_idle_timeout(Some(idle));
         t.keep_alive_interval(Some(Duration::from_secs(1).min(self.idle_timeout / 3)));
         t.max_concurrent_uni_streams(VarInt::from_u32(4096));
@@ -184,7 +185,9 @@ impl QuicNode {
 }
 
 /// Reads one whole frame from a stream: header, then exactly `len` payload bytes.
-pub(crate) async fn read_frame(stream: &mut RecvStream) -> std::result::Result<(Header, Vec<u8>), String> {
+pub(crate) async fn read_frame(
+    stream: &mut RecvStream,
+) -> std::result::Result<(Header, Vec<u8>), String> {
     let mut head = [0u8; HEADER_LEN];
     stream
         .read_exact(&mut head)
@@ -210,15 +213,24 @@ pub(crate) async fn read_frame(stream: &mut RecvStream) -> std::result::Result<(
 }
 
 /// Writes one frame on a new unidirectional stream.
-pub(crate) async fn write_frame(conn: &Connection, header: Header, payload: Vec<u8>) -> std::result::Result<(), String> {
+pub(crate) async fn write_frame(
+    conn: &Connection,
+    header: Header,
+    payload: Vec<u8>,
+) -> std::result::Result<(), String> {
     let mut s = conn.open_uni().await.map_err(|e| e.to_string())?;
     // Handed to quinn without copying.
     let mut chunks = [
         bytes::Bytes::copy_from_slice(&header.encode()),
         bytes::Bytes::from(payload),
     ];
-    s.write_all_chunks(&mut chunks).await.map_err(|e| e.to_string())?;
+    s.write_all_chunks(&mut chunks)
+        .await
+        .map_err(|e| e.to_string())?;
     s.finish().map_err(|e| e.to_string())?;
+    // Until the peer has acknowledged every byte: a rank that finishes and closes its
+    // connections must not discard messages still in flight (closing drops unsent data).
+    s.stopped().await.map_err(|e| e.to_string())?;
     Ok(())
 }
 
@@ -234,7 +246,12 @@ pub struct QuicTransport {
 
 impl QuicTransport {
     /// Wraps established connections (`peers[r]` for every `r` but this rank) and starts reading.
-    pub(crate) fn start(node: QuicNode, rank: usize, epoch: u32, peers: Vec<Option<Connection>>) -> Self {
+    pub(crate) fn start(
+        node: QuicNode,
+        rank: usize,
+        epoch: u32,
+        peers: Vec<Option<Connection>>,
+    ) -> Self {
         let inbox = Arc::new(Inbox::default());
         for (from, conn) in peers.iter().enumerate() {
             let Some(conn) = conn.clone() else { continue };
