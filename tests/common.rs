@@ -86,3 +86,33 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// Accuracy (%) of a Hearth model file on an image folder, with the evaluation preprocessing at
+/// `size` pixels: an independent check of what a training run reported.
+pub fn folder_accuracy(model: &std::path::Path, folder: &std::path::Path, size: u32) -> f64 {
+    use hearth::datasets::{ImageSet, Loader, LoaderConfig, Pipeline};
+    let saved = hearth::models::load_model(model, &Device::flex()).unwrap();
+    let set = ImageSet::from_folder(folder).unwrap();
+    let loader = Loader::new(
+        set,
+        Pipeline::eval(size),
+        LoaderConfig::new(5).with_shuffle(false),
+    )
+    .unwrap();
+    let model = burn::module::Module::valid(&saved.model);
+    let (mut right, mut total) = (0usize, 0usize);
+    for batch in loader.epoch(0, &Device::flex()) {
+        let batch = batch.unwrap();
+        let pred: Vec<i64> = model
+            .forward(batch.images)
+            .argmax(1)
+            .flatten::<1>(0, 1)
+            .into_data()
+            .iter::<i64>()
+            .collect();
+        let truth: Vec<i64> = batch.classes.unwrap().into_data().iter::<i64>().collect();
+        right += pred.iter().zip(&truth).filter(|(a, b)| a == b).count();
+        total += truth.len();
+    }
+    100.0 * right as f64 / total as f64
+}

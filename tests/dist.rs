@@ -1,6 +1,8 @@
 //! Distributed runs through the `hearth` binary: `train --nproc 2`, and `launch` stopping a job
 //! when a rank fails or dies mid-collective. Every child has a deadline.
 
+mod common;
+
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -92,8 +94,19 @@ fn train_nproc_2_averages_metrics_and_keeps_per_rank_curves() {
     let col = |name: &str| row[header.iter().position(|c| *c == name).unwrap()];
     let mean = (col("train_accuracy_rank0") + col("train_accuracy_rank1")) / 2.0;
     assert!((col("train_accuracy") - mean).abs() < 1e-3, "{csv}");
-    assert!(run_dir.join("model.bpk").is_file());
     assert!(run_dir.join("checkpoint/model-2.bpk").is_file());
+    // Each rank validated its half of the validation set; the averaged accuracy the run reports
+    // is the exported model's accuracy on the whole set.
+    let reported: f64 = log
+        .lines()
+        .find_map(|l| l.split("validation accuracy: ").nth(1))
+        .and_then(|v| v.trim().trim_end_matches('%').parse().ok())
+        .expect("a validation accuracy line");
+    let recomputed = common::folder_accuracy(&run_dir.join("model.bpk"), &data.join("val"), 32);
+    assert!(
+        (reported - recomputed).abs() < 0.01,
+        "reported {reported}% vs recomputed {recomputed}%"
+    );
 }
 
 fn hearth_datasets_synth(dir: &Path) {

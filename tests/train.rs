@@ -5,10 +5,8 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use burn::module::Module;
 use burn::prelude::*;
 use hearth::datasets::synth::{SynthConfig, generate};
-use hearth::datasets::{ImageSet, Loader, LoaderConfig, Pipeline};
 use hearth::models::load_model;
 use hearth::train::{TrainConfig, TrainReport, train};
 
@@ -112,29 +110,7 @@ fn a_run_writes_metrics_and_a_model_that_reproduces_its_validation_accuracy() {
         saved.class_names.as_deref(),
         Some(report.class_names.as_slice())
     );
-    let val = ImageSet::from_folder(&d.join("val")).unwrap();
-    let loader = Loader::new(
-        val,
-        Pipeline::eval(32),
-        LoaderConfig::new(5).with_shuffle(false),
-    )
-    .unwrap();
-    let model = saved.model.valid();
-    let (mut right, mut total) = (0usize, 0usize);
-    for batch in loader.epoch(0, &Device::flex()) {
-        let batch = batch.unwrap();
-        let pred: Vec<i64> = model
-            .forward(batch.images)
-            .argmax(1)
-            .flatten::<1>(0, 1)
-            .into_data()
-            .iter::<i64>()
-            .collect();
-        let truth: Vec<i64> = batch.classes.unwrap().into_data().iter::<i64>().collect();
-        right += pred.iter().zip(&truth).filter(|(a, b)| a == b).count();
-        total += truth.len();
-    }
-    let acc = 100.0 * right as f64 / total as f64;
+    let acc = common::folder_accuracy(&report.model_path, &d.join("val"), 32);
     let reported = report.best_val_accuracy.unwrap();
     assert!(
         (acc - reported).abs() < 1e-6,

@@ -116,9 +116,10 @@ impl CsvMetricLogger {
         self
     }
 
-    /// Averages each epoch's training metrics over the ranks of `comm` (images/s is summed: the
-    /// job's throughput) and records every rank's `train_loss_rank{r}` and
-    /// `train_accuracy_rank{r}`. Every rank must log the same metrics.
+    /// Averages each epoch's metrics over the ranks of `comm` (images/s is summed: the job's
+    /// throughput), for the CSV and for burn-train's early stopping and checkpoint decisions, and
+    /// records every rank's `train_loss_rank{r}` and `train_accuracy_rank{r}`. Every rank must
+    /// log the same metrics.
     pub fn with_rank_averaging(mut self, comm: std::sync::Arc<burn_dist::Communicator>) -> Self {
         self.write = comm.rank() == 0;
         self.ranks = Some(comm);
@@ -248,21 +249,49 @@ impl MetricLogger for CsvMetricLogger {
         let valid = matches!(summary.split, Split::Valid);
         let prefix = if valid { "val" } else { "train" };
         let epoch = summary.epoch_number;
-        let mut values = BTreeMap::new();
+        // Epoch value of every metric, by metric name (sorted: the same order on every rank).
+        let mut by_name: BTreeMap<String, f64> = BTreeMap::new();
         for ((name, e, v), entries) in &self.entries {
-            if *e == epoch && *v == valid {
-                if let Some(x) = epoch_value(entries) {
-                    let column = slug(name);
-                    // The learning rate is a training quantity: no val_ copy.
-                    if column == "lr" && valid {
-                        continue;
+            if *e == epoch
+                && *v == valid
+                && let Some(x) = epoch_value(entries)
+            {
+                by_name.insert(name.clone(), x);
+            }
+        }
+        let mut per_rank_columns = BTreeMap::new();
+        if let Some(comm) = &self.ranks
+            && let Some(ranks) = gather_over_ranks(comm, &by_name)
+        {
+            for (i, (name, value)) in by_name.iter_mut().enumerate() {
+                let column = slug(name);
+                let sum: f64 = ranks.iter().map(|r| r[i]).sum();
+                *value = if column == "images_per_sec" {
+                    sum
+                } else {
+                    sum / ranks.len() as f64
+                };
+                // Early stopping and best-epoch checkpoints read these entries back: every rank
+                // now reads the job's value, so all take the same decisions.
+                self.entries.insert(
+                    (name.clone(), epoch, valid),
+                    vec![NumericEntry::Final(*value)],
+                );
+                if !valid && (column == "loss" || column == "accuracy") {
+                    for (r, values) in ranks.iter().enumerate() {
+                        per_rank_columns.insert(format!("train_{column}_rank{r}"), values[i]);
                     }
-                    values.insert(format!("{prefix}_{column}"), x);
                 }
             }
         }
-        if !valid && let Some(comm) = &self.ranks {
-            average_over_ranks(comm, &mut values);
+        let mut values = per_rank_columns;
+        for (name, x) in by_name {
+            let column = slug(&name);
+            // The learning rate is a training quantity: no val_ copy.
+            if column == "lr" && valid {
+                continue;
+            }
+            values.insert(format!("{prefix}_{column}"), x);
         }
         if let Ok(mut table) = self.table.lock() {
             table.entry(epoch).or_default().extend(values);
@@ -276,32 +305,23 @@ impl MetricLogger for CsvMetricLogger {
     }
 }
 
-/// Replaces each training value by its mean over the ranks (images/s: the sum) and adds the
-/// per-rank loss and accuracy columns. On a communication error the local values stay.
-fn average_over_ranks(comm: &burn_dist::Communicator, values: &mut BTreeMap<String, f64>) {
+/// Every rank's values (in `values`' key order), by rank. `None` (with a warning) when the
+/// exchange fails: the local values then stay.
+fn gather_over_ranks(
+    comm: &burn_dist::Communicator,
+    values: &BTreeMap<String, f64>,
+) -> Option<Vec<Vec<f64>>> {
     let local: Vec<f32> = values.values().map(|v| *v as f32).collect();
-    let gathered = match comm.all_gather(&local) {
-        Ok(g) => g,
+    match comm.all_gather(&local) {
+        Ok(g) => Some(
+            g.chunks(local.len().max(1))
+                .take(comm.world())
+                .map(|c| c.iter().map(|v| *v as f64).collect())
+                .collect(),
+        ),
         Err(e) => {
-            eprintln!("warning: training metrics not averaged across ranks: {e}");
-            return;
-        }
-    };
-    let (n, m) = (comm.world(), local.len());
-    let names: Vec<String> = values.keys().cloned().collect();
-    for (i, name) in names.iter().enumerate() {
-        let per_rank: Vec<f64> = (0..n).map(|r| gathered[r * m + i] as f64).collect();
-        let sum: f64 = per_rank.iter().sum();
-        let v = if name.ends_with("images_per_sec") {
-            sum
-        } else {
-            sum / n as f64
-        };
-        values.insert(name.clone(), v);
-        if name == "train_loss" || name == "train_accuracy" {
-            for (r, x) in per_rank.iter().enumerate() {
-                values.insert(format!("{name}_rank{r}"), *x);
-            }
+            eprintln!("warning: metrics not averaged across ranks: {e}");
+            None
         }
     }
 }

@@ -582,8 +582,9 @@ fn run<T: Task>(
 ) -> Result<TrainReport> {
     let classes = train_set.classes.clone();
     let (rank, world) = dist.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
-    // The global batch, split evenly; each rank streams its own shard of every epoch. Every rank
-    // validates on the whole validation set, so all see the same metrics and stop together.
+    // The global batch, split evenly; each rank streams its own shard of every epoch and
+    // validates its shard of the validation set. The metrics are averaged over the ranks (the
+    // logger), so all ranks see the same values and stop together.
     let train_loader = Loader::new(
         train_set,
         Pipeline::train(cfg.image_size),
@@ -592,12 +593,15 @@ fn run<T: Task>(
             .with_seed(cfg.seed)
             .with_shard(rank, world),
     )?;
+    let val_config = LoaderConfig::new(cfg.batch_size)
+        .with_workers(cfg.workers)
+        .with_shuffle(false);
+    // Rank 0 reports per-class AUROC over the whole validation set.
+    let full_val_loader = Loader::new(val_set, Pipeline::eval(cfg.image_size), val_config.clone())?;
     let val_loader = Loader::new(
-        val_set,
+        full_val_loader.set().clone(),
         Pipeline::eval(cfg.image_size),
-        LoaderConfig::new(cfg.batch_size)
-            .with_workers(cfg.workers)
-            .with_shuffle(false),
+        val_config.with_shard(rank, world),
     )?;
     let steps_per_epoch = train_loader.batches_per_epoch().max(1);
     let images_per_epoch = train_loader.set().len();
@@ -793,7 +797,7 @@ fn run<T: Task>(
         }
     }
     let per_class_auroc = if T::MULTI_LABEL && rank == 0 {
-        let aucs = per_class_auroc(&best_model, &val_loader, &plain_device)?;
+        let aucs = per_class_auroc(&best_model, &full_val_loader, &plain_device)?;
         let mut text = String::from("class,auroc\n");
         for (name, auc) in classes.iter().zip(&aucs) {
             let shown = auc.map(|a| format!("{a:.6}")).unwrap_or_default();
