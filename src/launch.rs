@@ -3,7 +3,8 @@
 //! Each rank gets `HEARTH_RANK`, `HEARTH_WORLD_SIZE`, `HEARTH_COORDINATOR` (127.0.0.1 and a free
 //! port), `LOCAL_RANK` and `HEARTH_JOB_SECRET` (the caller's, or a fresh random one). Output
 //! lines are prefixed with `[rank R]`. When a rank fails, the others are stopped and the launch
-//! fails with that rank's exit status.
+//! fails with that rank's exit status. When the launcher itself ends (Ctrl-C, a kill), the kernel
+//! kills the ranks (`PR_SET_PDEATHSIG`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
@@ -89,6 +90,17 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
         let mut command = Command::new(&cfg.program);
         // Its own process group, so stopping a rank stops whatever it started too.
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        // Out of the terminal's process group, Ctrl-C no longer reaches the ranks: have the
+        // kernel kill each rank when the launcher dies, however it dies.
+        // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         let mut child = command
             .args(&cfg.args)
             .env("HEARTH_RANK", rank.to_string())

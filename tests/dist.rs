@@ -151,3 +151,41 @@ fn a_rank_killed_mid_collective_fails_the_job_naming_it() {
     assert!(log.contains("rank 1"), "{log}");
     assert!(took < Duration::from_secs(30), "took {took:?}:\n{log}");
 }
+
+#[test]
+fn killing_the_launcher_kills_its_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let pids = dir.path().join("pids");
+    let mut cmd = hearth();
+    cmd.args(["launch", "-n", "2", "--", "sh", "-c"])
+        .arg(format!("echo $$ >> {}; exec sleep 60", pids.display()));
+    let mut launcher = cmd.spawn().unwrap();
+    let started = Instant::now();
+    let ranks: Vec<i32> = loop {
+        let text = std::fs::read_to_string(&pids).unwrap_or_default();
+        let v: Vec<i32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        if v.len() == 2 {
+            break v;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "ranks did not start"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    launcher.kill().unwrap();
+    let _ = launcher.wait();
+    let gone = |pid: i32| {
+        !Path::new(&format!("/proc/{pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .is_ok_and(|s| s.contains(") Z "))
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    while !ranks.iter().all(|&p| gone(p)) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        ranks.iter().all(|&p| gone(p)),
+        "ranks {ranks:?} outlived their launcher"
+    );
+}
