@@ -193,6 +193,21 @@ pub fn allreduce_grads<M: Module>(
     Ok(())
 }
 
+/// The loader's next item; `None` at its end or on a loader error, which fails the run.
+fn next_item<T, E, I>(iterator: &mut I, interrupter: &burn::train::Interrupter) -> Option<T>
+where
+    I: Iterator<Item = std::result::Result<T, E>> + ?Sized,
+    E: Into<burn::train::TrainingError>,
+{
+    match iterator.next()? {
+        Ok(item) => Some(item),
+        Err(err) => {
+            interrupter.fail(err);
+            None
+        }
+    }
+}
+
 /// burn-train's supervised loop, data parallel over a [`Communicator`].
 pub struct DdpStrategy {
     comm: Arc<Communicator>,
@@ -257,14 +272,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
             let mut iteration = 0;
             let mut accumulator = GradientsAccumulator::new();
             let mut accumulated = 0;
-            while let Some(item) = iterator.next() {
-                let item = match item {
-                    Ok(item) => item,
-                    Err(err) => {
-                        interrupter.fail(err);
-                        break;
-                    }
-                };
+            while let Some(item) = next_item(&mut *iterator, &interrupter) {
                 iteration += 1;
                 let progress = iterator.progress();
                 let out = learner.train_step(item);
@@ -324,14 +332,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
             let model = learner.model().valid();
             let mut iterator = dataloader_valid.iter();
             let mut iteration = 0;
-            while let Some(item) = iterator.next() {
-                let item = match item {
-                    Ok(item) => item,
-                    Err(err) => {
-                        interrupter.fail(err);
-                        break;
-                    }
-                };
+            while let Some(item) = next_item(&mut *iterator, &interrupter) {
                 let progress = iterator.progress();
                 iteration += 1;
                 let out = burn::train::InferenceStep::step(&model, item);
