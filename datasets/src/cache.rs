@@ -6,7 +6,6 @@
 //! full (`max_bytes`), new entries are not written and images are decoded as usual.
 //! Entry format: magic `HRC1`, width and height (u32 LE), then RGB bytes.
 
-use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -69,28 +68,42 @@ impl DiskCache {
             .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
             .map(|d| d.as_nanos())
             .unwrap_or(0);
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        source.hash(&mut h);
-        meta.len().hash(&mut h);
-        mtime.hash(&mut h);
-        self.resize.hash(&mut h);
+        // A stable hash: the same file has the same entry under every Rust release.
+        let mut h = crate::rng::Fnv64::new();
+        h.write(source.as_os_str().as_encoded_bytes());
+        h.write(&meta.len().to_le_bytes());
+        h.write(&mtime.to_le_bytes());
+        h.write(&self.resize.to_le_bytes());
         Ok(self.dir.join(format!("{:016x}.rgb", h.finish())))
     }
 
-    fn read_entry(path: &Path) -> Option<RgbImage> {
+    /// An entry, or `None` when it is missing or damaged in any way (wrong magic, a zero or
+    /// inconsistent size, a shorter side other than the cache's resize): a miss, never a panic
+    /// further down the pipeline.
+    fn read_entry(&self, path: &Path) -> Option<RgbImage> {
         let bytes = std::fs::read(path).ok()?;
         if bytes.len() < 12 || &bytes[..4] != MAGIC {
             return None;
         }
         let w = u32::from_le_bytes(bytes[4..8].try_into().ok()?);
         let h = u32::from_le_bytes(bytes[8..12].try_into().ok()?);
+        let expected = (w as usize)
+            .checked_mul(h as usize)?
+            .checked_mul(3)?
+            .checked_add(12)?;
+        if w == 0 || h == 0 || bytes.len() != expected {
+            return None;
+        }
+        if self.resize > 0 && w.min(h) != self.resize {
+            return None;
+        }
         RgbImage::from_raw(w, h, bytes[12..].to_vec())
     }
 
     /// The decoded (and resized) image, from the cache when present and intact.
     pub fn load(&self, source: &Path) -> Result<RgbImage> {
         let entry = self.key(source)?;
-        if let Some(img) = Self::read_entry(&entry) {
+        if let Some(img) = self.read_entry(&entry) {
             self.hits.fetch_add(1, Ordering::Relaxed);
             return Ok(img);
         }

@@ -77,7 +77,7 @@ impl Problems {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
-    fn push(&mut self, path: PathBuf, kind: ProblemKind) {
+    pub fn push(&mut self, path: PathBuf, kind: ProblemKind) {
         self.0.push(Problem { path, kind });
     }
     /// One line per problem: `path: what`.
@@ -258,15 +258,25 @@ impl ImageSet {
         let mut rows = Vec::new();
         let mut labels = BTreeSet::new();
         let mut problems = Problems::default();
-        for (i, line) in text.lines().enumerate() {
-            let line = line.trim();
-            if line.is_empty() {
+        // RFC 4180 fields (quoted paths with commas, doubled quotes); rows may have any number
+        // of fields, the first two are used.
+        let mut reader = csv::ReaderBuilder::new()
+            .has_headers(false)
+            .flexible(true)
+            .trim(csv::Trim::All)
+            .from_reader(text.as_bytes());
+        for (i, record) in reader.records().enumerate() {
+            let record = record.map_err(|e| DataError::Labels {
+                path: csv.to_path_buf(),
+                line: e.position().map_or(i + 1, |p| p.line() as usize),
+                reason: e.to_string(),
+            })?;
+            if record.iter().all(str::is_empty) {
                 continue;
             }
-            let (file, label_field) = match line.split_once(',') {
-                Some((f, l)) => (f.trim(), l.split(',').next().unwrap_or("").trim()),
-                None => (line, ""),
-            };
+            let file = record.get(0).unwrap_or("");
+            let label_field = record.get(1).unwrap_or("");
+            let line = record.position().map_or(i + 1, |p| p.line() as usize);
             let path = base.join(file);
             if i == 0 && !path.is_file() {
                 continue; // header row
@@ -274,7 +284,7 @@ impl ImageSet {
             if file.is_empty() {
                 return Err(DataError::Labels {
                     path: csv.to_path_buf(),
-                    line: i + 1,
+                    line,
                     reason: "empty path".into(),
                 });
             }

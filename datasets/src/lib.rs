@@ -39,4 +39,4 @@ pub use cache::DiskCache;
 pub use error::{DataError, Result};
 pub use folder::{ImageSet, Problem, ProblemKind, Problems, Sample, Target, train_val};
 pub use loader::{Batch, BatchStream, Loader, LoaderConfig};
-pub use transform::{Pipeline, Transform};
+pub use transform::{Augmentation, Pipeline, Transform};

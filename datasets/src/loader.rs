@@ -46,6 +46,10 @@ pub struct LoaderConfig {
     pub seed: u64,
     pub rank: usize,
     pub world_size: usize,
+    /// Without `drop_last`, repeat the first samples so every rank gets as many (training, as
+    /// PyTorch's DistributedSampler). Off: the shards are disjoint and may differ by one sample
+    /// (validation, where each image must count once).
+    pub pad: bool,
     /// Bad files are errors instead of being skipped.
     pub strict: bool,
 }
@@ -61,6 +65,7 @@ impl LoaderConfig {
             seed: 0,
             rank: 0,
             world_size: 1,
+            pad: true,
             strict: false,
         }
     }
@@ -87,6 +92,10 @@ impl LoaderConfig {
     pub fn with_shard(mut self, rank: usize, world_size: usize) -> Self {
         self.rank = rank;
         self.world_size = world_size;
+        self
+    }
+    pub fn with_pad(mut self, on: bool) -> Self {
+        self.pad = on;
         self
     }
     pub fn with_strict(mut self, on: bool) -> Self {
@@ -209,7 +218,7 @@ impl Loader {
         if self.config.drop_last {
             let keep = rest.len() / (world * b) * (world * b);
             rest.truncate(keep);
-        } else if !rest.is_empty() {
+        } else if self.config.pad && !rest.is_empty() {
             let padded = rest.len().div_ceil(world) * world;
             let mut i = 0;
             while rest.len() < padded {
@@ -220,7 +229,7 @@ impl Loader {
         rest.into_iter().skip(rank).step_by(world).collect()
     }
 
-    /// Batches per rank in an epoch (the same on every rank).
+    /// Batches per rank in an epoch (the same on every rank unless padding is off).
     pub fn batches_per_epoch(&self) -> usize {
         let n = self
             .shard_indices(0, 0, self.config.rank, self.config.world_size)
@@ -285,8 +294,31 @@ impl Loader {
         }
     }
 
+    /// The error for a batch whose decoding panicked, naming its files.
+    fn panicked(&self, wanted: &[usize], panic: Box<dyn std::any::Any + Send>) -> DataError {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        let files: Vec<String> = wanted
+            .iter()
+            .take(4)
+            .filter_map(|&i| self.set.samples.get(i))
+            .map(|s| s.path.display().to_string())
+            .collect();
+        DataError::Worker(format!(
+            "decoding a batch panicked ({message}); its files include {}",
+            files.join(", ")
+        ))
+    }
+
     /// Decodes one batch; a bad sample is replaced by the next decodable one in order.
     fn load_batch(&self, epoch: u64, wanted: &[usize]) -> Result<HostBatch> {
+        #[cfg(test)]
+        if wanted.contains(&tests::PANIC_AT.load(Ordering::SeqCst)) {
+            panic!("injected decoder panic");
+        }
         let per = 3 * (self.pipeline.size * self.pipeline.size) as usize;
         let mut pixels = Vec::with_capacity(wanted.len() * per);
         let mut indices = Vec::with_capacity(wanted.len());
@@ -410,7 +442,13 @@ impl BatchStream {
                         if stop.load(Ordering::Relaxed) {
                             return;
                         }
-                        let result = loader.load_batch(epoch, &wanted);
+                        // A panic while decoding (a decoder bug, a damaged file the
+                        // checks missed) becomes this batch's error: the consumer waits for
+                        // batch `i` and must hear of it, or it would wait forever.
+                        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            loader.load_batch(epoch, &wanted)
+                        }))
+                        .unwrap_or_else(|panic| Err(loader.panicked(&wanted, panic)));
                         if done.send((i, result)).is_err() {
                             return;
                         }
@@ -507,5 +545,46 @@ impl Drop for BatchStream {
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use burn::prelude::Device;
+
+    use super::*;
+
+    /// The sample whose batch panics while decoding (tests only).
+    pub(super) static PANIC_AT: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+    #[test]
+    fn a_panicking_worker_is_an_error_of_its_batch_not_a_hang() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::synth::generate(dir.path(), &crate::synth::SynthConfig::new(2, 6, 16)).unwrap();
+        let set = ImageSet::from_folder(dir.path()).unwrap();
+        let loader = Loader::new(
+            set,
+            Pipeline::eval(16),
+            LoaderConfig::new(2).with_shuffle(false).with_workers(2),
+        )
+        .unwrap();
+        PANIC_AT.store(5, Ordering::SeqCst);
+        // A hang here would stop the test at the channel wait; the stream must end instead.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let results: Vec<bool> = loader
+                .epoch(0, &Device::flex())
+                .map(|b| b.is_ok())
+                .collect();
+            let _ = tx.send(results);
+        });
+        let results = rx
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("the loader hung after a worker panicked");
+        PANIC_AT.store(usize::MAX, Ordering::SeqCst);
+        // Batches 0 and 1 decode; batch 2 (samples 4, 5) panicked and is reported.
+        assert_eq!(&results[..3], &[true, true, false], "{results:?}");
     }
 }

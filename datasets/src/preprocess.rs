@@ -114,16 +114,21 @@ pub fn center_crop(img: &RgbImage, size: u32) -> RgbImage {
     out
 }
 
-/// RGB image to normalised CHW floats, appended to `out` (3 * H * W values).
+/// RGB image to ImageNet-normalised CHW floats, appended to `out` (3 * H * W values).
 pub fn to_chw_normalized(img: &RgbImage, out: &mut Vec<f32>) {
+    to_chw_normalized_with(img, IMAGENET_MEAN, IMAGENET_STD, out)
+}
+
+/// RGB image to CHW floats `(v / 255 - mean) / std`, appended to `out` (3 * H * W values).
+pub fn to_chw_normalized_with(img: &RgbImage, mean: [f32; 3], std: [f32; 3], out: &mut Vec<f32>) {
     let (w, h) = img.dimensions();
     let plane = (w * h) as usize;
     let start = out.len();
     out.resize(start + 3 * plane, 0.0);
     let dst = &mut out[start..];
     // (v / 255 - mean) / std  ==  v * scale - offset
-    let scale = [0, 1, 2].map(|c| 1.0 / (255.0 * IMAGENET_STD[c]));
-    let offset = [0, 1, 2].map(|c| IMAGENET_MEAN[c] / IMAGENET_STD[c]);
+    let scale = [0, 1, 2].map(|c| 1.0 / (255.0 * std[c]));
+    let offset = [0, 1, 2].map(|c| mean[c] / std[c]);
     let (r, rest) = dst.split_at_mut(plane);
     let (g, b) = rest.split_at_mut(plane);
     for (i, px) in img.as_raw().chunks_exact(3).enumerate() {
@@ -136,15 +141,26 @@ pub fn to_chw_normalized(img: &RgbImage, out: &mut Vec<f32>) {
 /// torchvision's evaluation pipeline: `Resize(resize)`, `CenterCrop(crop)`, `ToTensor()`,
 /// `Normalize(IMAGENET_MEAN, IMAGENET_STD)`. Returns `3 * crop * crop` CHW floats.
 pub fn eval_preprocess(img: &RgbImage, resize: u32, crop: u32) -> Result<Vec<f32>> {
-    if resize == 0 || crop == 0 {
+    eval_preprocess_with(img, resize, crop, IMAGENET_MEAN, IMAGENET_STD)
+}
+
+/// [`eval_preprocess`] with another normalisation.
+pub fn eval_preprocess_with(
+    img: &RgbImage,
+    resize: u32,
+    crop: u32,
+    mean: [f32; 3],
+    std: [f32; 3],
+) -> Result<Vec<f32>> {
+    if resize == 0 || crop == 0 || std.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
         return Err(DataError::InvalidTransform(format!(
-            "resize ({resize}) and crop ({crop}) must be positive"
+            "resize ({resize}), crop ({crop}) and std ({std:?}) must be positive"
         )));
     }
     let resized = resize_shorter(img, resize);
     let cropped = center_crop(&resized, crop);
     let mut out = Vec::with_capacity(3 * (crop * crop) as usize);
-    to_chw_normalized(&cropped, &mut out);
+    to_chw_normalized_with(&cropped, mean, std, &mut out);
     Ok(out)
 }
 

@@ -52,9 +52,56 @@ impl SplitMix64 {
     }
 }
 
+/// FNV-1a, 64 bits: a hash fixed by its definition, so keys made from it (disk-cache file
+/// names, data fingerprints) stay the same across Rust releases and machines, unlike
+/// `std`'s `DefaultHasher`.
+#[derive(Debug, Clone)]
+pub struct Fnv64(u64);
+
+impl Default for Fnv64 {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Fnv64 {
+    pub fn new() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+
+    /// Adds `bytes`, then a separator, so `("ab", "c")` and `("a", "bc")` differ.
+    pub fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes.iter().chain(&[0xFF]) {
+            self.0 ^= b as u64;
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01B3);
+        }
+    }
+
+    pub fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fnv64_is_the_published_function() {
+        // FNV-1a 64 of "a" is 0xaf63dc4c8601ec8c; ours appends a 0xFF separator.
+        let mut h = Fnv64::new();
+        h.write(b"");
+        let mut manual: u64 = 0xcbf2_9ce4_8422_2325;
+        manual ^= 0xFF;
+        manual = manual.wrapping_mul(0x0000_0100_0000_01B3);
+        assert_eq!(h.finish(), manual);
+        let (mut a, mut b) = (Fnv64::new(), Fnv64::new());
+        a.write(b"ab");
+        a.write(b"c");
+        b.write(b"a");
+        b.write(b"bc");
+        assert_ne!(a.finish(), b.finish());
+    }
 
     #[test]
     fn known_sequence_and_independent_streams() {

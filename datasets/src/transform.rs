@@ -294,9 +294,156 @@ impl Pipeline {
     }
 }
 
+/// A training augmentation recipe, as `hearth train` exposes it: an optional random resized
+/// crop, a horizontal flip, rotation, shear and color jitter, each off at zero. Without a crop
+/// the image is resized and center-cropped as in evaluation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Augmentation {
+    /// Area fraction range of torchvision's `RandomResizedCrop` (aspect 3/4 to 4/3).
+    pub crop_scale: Option<(f64, f64)>,
+    pub flip: bool,
+    /// Maximum rotation in degrees.
+    pub rotate: f64,
+    /// Maximum shear along x in degrees.
+    pub shear: f64,
+    /// Brightness, contrast and saturation strength.
+    pub color_jitter: f64,
+}
+
+impl Augmentation {
+    /// Nothing random: resize and center crop as in evaluation.
+    pub fn none() -> Self {
+        Self {
+            crop_scale: None,
+            flip: false,
+            rotate: 0.0,
+            shear: 0.0,
+            color_jitter: 0.0,
+        }
+    }
+
+    /// Crops of 70-100% of the image and a horizontal flip: enough variety for a short
+    /// fine-tuning run without hiding what small images show.
+    pub fn light() -> Self {
+        Self {
+            crop_scale: Some((0.7, 1.0)),
+            flip: true,
+            ..Self::none()
+        }
+    }
+
+    /// torchvision's ImageNet training recipe: crops of 8-100%, horizontal flip.
+    pub fn imagenet() -> Self {
+        Self {
+            crop_scale: Some((0.08, 1.0)),
+            flip: true,
+            ..Self::none()
+        }
+    }
+
+    /// The pipeline producing `size` x `size` images; an error names a bad setting.
+    pub fn pipeline(&self, size: u32) -> Result<Pipeline> {
+        let mut steps = match self.crop_scale {
+            Some(scale) => vec![Transform::RandomResizedCrop {
+                size,
+                scale,
+                ratio: (3.0 / 4.0, 4.0 / 3.0),
+            }],
+            None => Pipeline::eval(size).steps,
+        };
+        if self.rotate > 0.0 {
+            steps.push(Transform::Rotation(self.rotate));
+        }
+        if self.shear > 0.0 {
+            steps.push(Transform::Shear(self.shear));
+        }
+        if self.flip {
+            steps.push(Transform::HorizontalFlip(0.5));
+        }
+        if self.color_jitter > 0.0 {
+            let x = self.color_jitter;
+            steps.push(Transform::ColorJitter {
+                brightness: x,
+                contrast: x,
+                saturation: x,
+            });
+        }
+        Pipeline::new(steps, size)
+    }
+}
+
+impl std::fmt::Display for Augmentation {
+    /// One line for logs and `hparams.json`, e.g. `crop 0.7-1, flip, rotate 10`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts = vec![match self.crop_scale {
+            Some((a, b)) => format!("random crop {a}-{b}"),
+            None => "resize + center crop".into(),
+        }];
+        if self.flip {
+            parts.push("flip".into());
+        }
+        if self.rotate > 0.0 {
+            parts.push(format!("rotate {}", self.rotate));
+        }
+        if self.shear > 0.0 {
+            parts.push(format!("shear {}", self.shear));
+        }
+        if self.color_jitter > 0.0 {
+            parts.push(format!("color jitter {}", self.color_jitter));
+        }
+        write!(f, "{}", parts.join(", "))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn augmentation_presets_build_their_pipelines_and_refuse_bad_values() {
+        let light = Augmentation::light().pipeline(32).unwrap();
+        assert!(matches!(
+            light.steps[0],
+            Transform::RandomResizedCrop {
+                scale: (0.7, 1.0),
+                ..
+            }
+        ));
+        assert!(light.steps.contains(&Transform::HorizontalFlip(0.5)));
+        assert_eq!(
+            Augmentation::none().pipeline(32).unwrap(),
+            Pipeline::eval(32)
+        );
+        let custom = Augmentation {
+            flip: false,
+            rotate: 10.0,
+            shear: 5.0,
+            color_jitter: 0.2,
+            ..Augmentation::imagenet()
+        };
+        let p = custom.pipeline(32).unwrap();
+        assert!(
+            !p.steps
+                .iter()
+                .any(|s| matches!(s, Transform::HorizontalFlip(_)))
+        );
+        assert!(p.steps.contains(&Transform::Rotation(10.0)));
+        assert!(p.steps.contains(&Transform::Shear(5.0)));
+        assert_eq!(
+            custom.to_string(),
+            "random crop 0.08-1, rotate 10, shear 5, color jitter 0.2"
+        );
+        let bad = Augmentation {
+            crop_scale: Some((0.9, 0.5)),
+            ..Augmentation::none()
+        };
+        assert!(bad.pipeline(32).is_err());
+        let bad = Augmentation {
+            rotate: 400.0,
+            ..Augmentation::none()
+        };
+        assert!(bad.pipeline(32).is_err());
+    }
 
     fn gradient(w: u32, h: u32) -> RgbImage {
         RgbImage::from_fn(w, h, |x, y| {

@@ -181,6 +181,41 @@ fn multi_label_csv_with_header_and_no_finding() {
     assert_eq!(hot, vec![1.0, 1.0, 0.0, 0.0, 0.0, 1.0]);
 }
 
+#[test]
+fn multi_label_csv_reads_quoted_fields_and_names_the_bad_line() {
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), 2, 2, 16);
+    let n = class_names(2);
+    // A file name with a comma and a quote, quoted as RFC 4180 says.
+    let odd = dir.path().join(&n[0]).join("scan, \"left\".png");
+    std::fs::copy(dir.path().join(&n[0]).join("00000.png"), &odd).unwrap();
+    let csv = dir.path().join("labels.csv");
+    std::fs::write(
+        &csv,
+        format!(
+            "path,labels\n\"{a}/scan, \"\"left\"\".png\",\"Mass|Nodule\"\n{b}/00001.png,Mass\n",
+            a = n[0],
+            b = n[1]
+        ),
+    )
+    .unwrap();
+    let set = ImageSet::from_csv(&csv, None).unwrap();
+    assert_eq!(set.samples.len(), 2, "{:?}", set.problems);
+    assert_eq!(set.samples[0].path, odd);
+    assert_eq!(set.classes, vec!["Mass", "Nodule"]);
+    assert_eq!(set.samples[0].target, Target::Multi(vec![0, 1]));
+    // An unterminated quote is an error naming the file.
+    std::fs::write(
+        &csv,
+        format!("{a}/00000.png,Mass\n\"{a}/00001.png,Mass\n", a = n[0]),
+    )
+    .unwrap();
+    match ImageSet::from_csv(&csv, None) {
+        Err(e) => assert!(e.to_string().contains("labels.csv"), "{e}"),
+        Ok(s) => assert_eq!(s.samples.len(), 1, "the broken row must not pass as a path"),
+    }
+}
+
 fn epoch_indices(l: &Loader, epoch: u64) -> Vec<Vec<usize>> {
     l.epoch(epoch, &Device::flex())
         .map(|b| b.unwrap().indices)
@@ -383,4 +418,40 @@ fn augmentations_compose_in_a_loader() {
     let l = Loader::new(set, p, LoaderConfig::new(4)).unwrap();
     let b = l.epoch(0, &Device::flex()).next().unwrap().unwrap();
     assert_eq!(b.images.dims(), [4, 3, 24, 24]);
+}
+
+#[test]
+fn damaged_cache_entries_are_misses_not_panics() {
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), 2, 2, 32);
+    let cache_dir = tempfile::tempdir().unwrap();
+    let cache = DiskCache::open(cache_dir.path(), 1 << 20, 20).unwrap();
+    let src = dir.path().join(&class_names(2)[0]).join("00000.png");
+    let good = cache.load(&src).unwrap();
+    let entries: Vec<_> = std::fs::read_dir(cache_dir.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(entries.len(), 1);
+    let magic = std::fs::read(&entries[0]).unwrap()[..4].to_vec();
+    let entry = |w: u32, h: u32, pixels: usize| {
+        let mut b = magic.clone();
+        b.extend(w.to_le_bytes());
+        b.extend(h.to_le_bytes());
+        b.extend(vec![7u8; pixels]);
+        b
+    };
+    // A zero-sized image (what a corrupted disk leaves), a truncated one, one of another size.
+    for bad in [entry(0, 0, 0), entry(20, 20, 100), entry(10, 10, 300)] {
+        std::fs::write(&entries[0], bad).unwrap();
+        let img = cache.load(&src).unwrap();
+        assert_eq!(img, good, "a damaged entry must be rebuilt from the source");
+        // Through the loader too: a full epoch, no panic.
+        let set = ImageSet::from_folder(dir.path()).unwrap();
+        let l = Loader::new(set, Pipeline::eval(16), LoaderConfig::new(2))
+            .unwrap()
+            .with_cache(DiskCache::open(cache_dir.path(), 1 << 20, 20).unwrap());
+        assert!(l.epoch(0, &Device::flex()).all(|b| b.is_ok()));
+    }
 }
