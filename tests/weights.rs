@@ -164,3 +164,68 @@ fn hearth_model_files_round_trip_and_reject_damage() {
     std::fs::write(&junk, b"BURNPACK? no").unwrap();
     assert!(load_model(&junk, &device).is_err());
 }
+
+/// A `.safetensors` file holding only `tensors` (name, shape; zero-filled f32), written by hand:
+/// 8-byte header length, JSON header, data.
+fn safetensors(path: &Path, tensors: &[(&str, Vec<usize>)]) {
+    let mut header = serde_json::Map::new();
+    let mut offset = 0usize;
+    for (name, shape) in tensors {
+        let bytes = shape.iter().product::<usize>() * 4;
+        header.insert(
+            name.to_string(),
+            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + bytes]}),
+        );
+        offset += bytes;
+    }
+    let json = serde_json::Value::Object(header).to_string();
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend(json.as_bytes());
+    out.extend(vec![0u8; offset]);
+    std::fs::write(path, out).unwrap();
+}
+
+#[test]
+fn the_head_size_of_every_family_is_read_from_full_size_torchvision_files() {
+    use hearth::models::Architecture;
+    use hearth::models::weights::torchvision_num_classes;
+    let dir = tempfile::tempdir().unwrap();
+    // torchvision's head keys and full-size input widths, 7 classes; DataParallel prefixes too.
+    for (arch, key, inputs) in [
+        ("resnet50", "fc.weight", 2048),
+        ("resnet18", "fc.weight", 512),
+        ("vgg16", "classifier.6.weight", 4096),
+        ("vgg11_bn", "classifier.6.weight", 4096),
+        ("densenet121", "classifier.weight", 1024),
+        ("densenet161", "classifier.weight", 2208),
+    ] {
+        for prefix in ["", "module."] {
+            let file = dir.path().join(format!("{arch}{prefix}.safetensors"));
+            // VGG's classifier is a Sequential with gaps (0, 3, 6): the lookup must not renumber.
+            let mut tensors = vec![(format!("{prefix}{key}"), vec![7, inputs])];
+            if arch.starts_with("vgg") {
+                tensors.push((format!("{prefix}classifier.0.weight"), vec![4, 4]));
+                tensors.push((format!("{prefix}classifier.3.weight"), vec![4, 4]));
+            }
+            let named: Vec<(&str, Vec<usize>)> = tensors
+                .iter()
+                .map(|(n, s)| (n.as_str(), s.clone()))
+                .collect();
+            safetensors(&file, &named);
+            let arch = Architecture::from_name(arch).unwrap();
+            assert_eq!(
+                torchvision_num_classes(arch, &file).unwrap(),
+                7,
+                "{} {prefix}",
+                arch.name()
+            );
+        }
+    }
+    // The same through a PyTorch pickle: the VGG parity fixture (torchvision's make_layers and
+    // classifier Sequential, 6 classes).
+    let vgg = Architecture::from_name("vgg11_bn").unwrap();
+    assert_eq!(
+        torchvision_num_classes(vgg, &fixture("vgg_bn.pth")).unwrap(),
+        6
+    );
+}

@@ -39,6 +39,7 @@ pub use layers::{BiasInit, HeadActivation, HeadConfig};
 pub use resnet::{BlockKind, ResNet, ResNetConfig};
 pub use vgg::{Vgg, VggConfig, VggLayer};
 pub use weights::{
-    LoadOptions, LoadReport, SavedModel, WeightsFormat, load_model, load_torchvision, save_model,
+    LoadOptions, LoadReport, Preprocessing, SavedModel, WeightsFormat, load_model,
+    load_torchvision, save_model, save_model_with,
 };
 pub use zoo::{Architecture, Classifier, MIN_INPUT_SIZE, ModelConfig};

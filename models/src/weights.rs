@@ -188,6 +188,23 @@ fn remapper(model: &Classifier) -> Result<KeyRemapper> {
     })
 }
 
+/// A torchvision `.pth` file as a store, with `remap` applied to its keys and its sequential
+/// indices kept as they are (burn-store renumbers them contiguously by default, which turns
+/// VGG's `classifier.6` into `classifier.2`). The load and the head lookup both read through
+/// this, so they see the same keys.
+fn pytorch_store(path: &Path, remap: KeyRemapper) -> PytorchStore {
+    PytorchStore::from_file(path)
+        .remap(remap)
+        .map_indices_contiguous(false)
+}
+
+/// [`pytorch_store`] for a `.safetensors` file.
+fn safetensors_store(path: &Path, remap: KeyRemapper) -> SafetensorsStore {
+    SafetensorsStore::from_file(path)
+        .remap(remap)
+        .map_indices_contiguous(false)
+}
+
 /// Loads a torchvision state_dict (`.pth`/`.pt` or `.safetensors`) into `model`.
 ///
 /// Every parameter and batch-norm statistic must be in the file with the right shape
@@ -210,9 +227,7 @@ pub fn load_torchvision(
     };
     let result = match format {
         WeightsFormat::Pytorch => {
-            let mut store = PytorchStore::from_file(path)
-                .remap(remapper(model)?)
-                .map_indices_contiguous(false)
+            let mut store = pytorch_store(path, remapper(model)?)
                 .allow_partial(true)
                 .validate(false);
             if let Some(key) = &options.top_level_key {
@@ -223,10 +238,8 @@ pub fn load_torchvision(
                 .map_err(|e| corrupt(e.to_string()))?
         }
         WeightsFormat::Safetensors => {
-            let mut store = SafetensorsStore::from_file(path)
+            let mut store = safetensors_store(path, remapper(model)?)
                 .with_from_adapter(PyTorchToBurnAdapter)
-                .remap(remapper(model)?)
-                .map_indices_contiguous(false)
                 .skip_enum_variants(true)
                 .allow_partial(true)
                 .validate(false);
@@ -259,24 +272,18 @@ pub fn torchvision_num_classes(arch: crate::Architecture, path: &Path) -> Result
         format: format.label(),
         reason,
     };
+    // Only the DataParallel prefix is removed: the key looked up is torchvision's own.
+    let prefix =
+        || KeyRemapper::from_patterns(vec![(r"^module\.", "")]).map_err(|e| corrupt(e.to_string()));
     let shape = match format {
-        WeightsFormat::Pytorch => {
-            let mut store = PytorchStore::from_file(path).remap(
-                KeyRemapper::from_patterns(vec![(r"^module\.", "")])
-                    .map_err(|e| corrupt(e.to_string()))?,
-            );
-            store
-                .get_tensor(key)
-                .map_err(|e| corrupt(e.to_string()))?
-                .map(|t| t.shape.to_vec())
-        }
-        WeightsFormat::Safetensors => {
-            let mut store = SafetensorsStore::from_file(path);
-            store
-                .get_tensor(key)
-                .map_err(|e| corrupt(e.to_string()))?
-                .map(|t| t.shape.to_vec())
-        }
+        WeightsFormat::Pytorch => pytorch_store(path, prefix()?)
+            .get_tensor(key)
+            .map_err(|e| corrupt(e.to_string()))?
+            .map(|t| t.shape.to_vec()),
+        WeightsFormat::Safetensors => safetensors_store(path, prefix()?)
+            .get_tensor(key)
+            .map_err(|e| corrupt(e.to_string()))?
+            .map(|t| t.shape.to_vec()),
         WeightsFormat::Hearth => None,
     };
     match shape.as_deref() {
@@ -301,14 +308,85 @@ pub fn torchvision_num_classes(arch: crate::Architecture, path: &Path) -> Result
 const META_CONFIG: &str = "hearth.model_config";
 const META_HEAD: &str = "hearth.head_activation";
 const META_CLASSES: &str = "hearth.class_names";
+const META_PREPROCESSING: &str = "hearth.preprocessing";
 
-/// A model with what is needed to use it: its configuration and class names.
+/// How inputs were prepared for a model: shorter side resized to `resize`, center crop of
+/// `crop`, then `(v / 255 - mean) / std` per channel. Stored in Hearth model files so that
+/// prediction prepares images as training validated them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Preprocessing {
+    pub resize: u32,
+    pub crop: u32,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+}
+
+impl Preprocessing {
+    /// torchvision's evaluation recipe for inputs of `size`: resize to `size * 256 / 224`,
+    /// center crop `size`, ImageNet mean and std (Hearth's validation transform).
+    pub fn eval(size: u32) -> Self {
+        Self {
+            resize: (size as f64 * 256.0 / 224.0).round() as u32,
+            crop: size,
+            mean: [0.485, 0.456, 0.406],
+            std: [0.229, 0.224, 0.225],
+        }
+    }
+
+    fn to_json(&self) -> String {
+        serde_json::json!({
+            "resize": self.resize,
+            "crop": self.crop,
+            "mean": self.mean,
+            "std": self.std,
+        })
+        .to_string()
+    }
+
+    fn from_json(text: &str) -> std::result::Result<Self, String> {
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        let side = |k: &str| {
+            v.get(k)
+                .and_then(serde_json::Value::as_u64)
+                .and_then(|n| u32::try_from(n).ok())
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("'{k}' is not a positive integer"))
+        };
+        let triple = |k: &str| -> std::result::Result<[f32; 3], String> {
+            let list: Vec<f32> = v
+                .get(k)
+                .and_then(serde_json::Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|x| x.as_f64().map(|x| x as f32))
+                        .collect()
+                })
+                .unwrap_or_default();
+            list.try_into()
+                .map_err(|_| format!("'{k}' is not a list of 3 numbers"))
+        };
+        let p = Self {
+            resize: side("resize")?,
+            crop: side("crop")?,
+            mean: triple("mean")?,
+            std: triple("std")?,
+        };
+        if p.std.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+            return Err(format!("std {:?} must be positive", p.std));
+        }
+        Ok(p)
+    }
+}
+
+/// A model with what is needed to use it: its configuration, class names and preprocessing.
 #[derive(Debug)]
 pub struct SavedModel {
     pub model: Classifier,
     pub config: ModelConfig,
     /// Class names in output order, when known (JSON list in the file).
     pub class_names: Option<Vec<String>>,
+    /// How inputs were prepared in training (`None` for files written before it was stored).
+    pub preprocessing: Option<Preprocessing>,
 }
 
 /// Saves a model and its configuration as a Hearth model file (burnpack), atomically: the file
@@ -319,53 +397,36 @@ pub fn save_model(
     class_names: Option<&[String]>,
     path: &Path,
 ) -> Result<()> {
+    save_model_with(model, config, class_names, None, path)
+}
+
+/// [`save_model`], also recording the input preprocessing.
+pub fn save_model_with(
+    model: &Classifier,
+    config: &ModelConfig,
+    class_names: Option<&[String]>,
+    preprocessing: Option<&Preprocessing>,
+    path: &Path,
+) -> Result<()> {
     let mut store = BurnpackStore::from_file(path)
         .auto_extension(false)
         .overwrite(true)
         .metadata(META_CONFIG, config.to_json())
         .metadata(META_HEAD, model.head_activation().name());
     if let Some(names) = class_names {
-        let json = names
-            .iter()
-            .map(|n| format!("\"{}\"", n.replace('\\', "\\\\").replace('"', "\\\"")))
-            .collect::<Vec<_>>()
-            .join(",");
-        store = store.metadata(META_CLASSES, format!("[{json}]"));
+        let json = serde_json::to_string(names).map_err(|e| ModelError::Save {
+            path: path.to_path_buf(),
+            reason: format!("class names: {e}"),
+        })?;
+        store = store.metadata(META_CLASSES, json);
+    }
+    if let Some(p) = preprocessing {
+        store = store.metadata(META_PREPROCESSING, p.to_json());
     }
     model.save_into(&mut store).map_err(|e| ModelError::Save {
         path: path.to_path_buf(),
         reason: e.to_string(),
     })
-}
-
-fn parse_names(json: &str) -> Option<Vec<String>> {
-    // A flat JSON list of strings, as written by `save_model`.
-    let inner = json.trim().strip_prefix('[')?.strip_suffix(']')?.trim();
-    if inner.is_empty() {
-        return Some(Vec::new());
-    }
-    let mut names = Vec::new();
-    let mut chars = inner.chars().peekable();
-    loop {
-        while chars.peek().is_some_and(|c| c.is_whitespace() || *c == ',') {
-            chars.next();
-        }
-        match chars.next() {
-            None => break,
-            Some('"') => {}
-            Some(_) => return None,
-        }
-        let mut s = String::new();
-        loop {
-            match chars.next()? {
-                '\\' => s.push(chars.next()?),
-                '"' => break,
-                c => s.push(c),
-            }
-        }
-        names.push(s);
-    }
-    Some(names)
 }
 
 /// Loads a Hearth model file written by [`save_model`]: rebuilds the network from the stored
@@ -391,7 +452,20 @@ pub fn load_model(path: &Path, device: &Device) -> Result<SavedModel> {
         Some("sigmoid") => HeadActivation::Sigmoid,
         _ => HeadActivation::Softmax,
     };
-    let class_names = meta.get(META_CLASSES).and_then(|j| parse_names(j));
+    let class_names = match meta.get(META_CLASSES) {
+        Some(json) => Some(
+            serde_json::from_str::<Vec<String>>(json)
+                .map_err(|e| corrupt(format!("bad class names: {e}")))?,
+        ),
+        None => None,
+    };
+    let preprocessing = match meta.get(META_PREPROCESSING) {
+        Some(json) => Some(
+            Preprocessing::from_json(json)
+                .map_err(|e| corrupt(format!("bad preprocessing record: {e}")))?,
+        ),
+        None => None,
+    };
     drop(reader);
     let mut model = config.init(device)?.with_head_activation(activation);
     let mut store = BurnpackStore::from_file(path)
@@ -407,21 +481,28 @@ pub fn load_model(path: &Path, device: &Device) -> Result<SavedModel> {
         model,
         config,
         class_names,
+        preprocessing,
     })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::parse_names;
+    use super::Preprocessing;
 
     #[test]
-    fn class_names_round_trip_through_the_metadata_json() {
-        assert_eq!(
-            parse_names(r#"["cat", "dog \"big\"", "a\\b"]"#),
-            Some(vec!["cat".into(), "dog \"big\"".into(), "a\\b".into()])
-        );
-        assert_eq!(parse_names("[]"), Some(vec![]));
-        assert_eq!(parse_names("[cat]"), None);
-        assert_eq!(parse_names(r#"["unterminated"#), None);
+    fn preprocessing_round_trips_and_bad_records_are_errors() {
+        let p = Preprocessing::eval(32);
+        assert_eq!(p.resize, 37);
+        assert_eq!(Preprocessing::from_json(&p.to_json()), Ok(p));
+        assert_eq!(Preprocessing::eval(224).resize, 256);
+        for bad in [
+            "{}",
+            "not json",
+            r#"{"resize": 0, "crop": 1, "mean": [0,0,0], "std": [1,1,1]}"#,
+            r#"{"resize": 8, "crop": 8, "mean": [0,0], "std": [1,1,1]}"#,
+            r#"{"resize": 8, "crop": 8, "mean": [0,0,0], "std": [1,0,1]}"#,
+        ] {
+            assert!(Preprocessing::from_json(bad).is_err(), "{bad}");
+        }
     }
 }
