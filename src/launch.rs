@@ -82,7 +82,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
     };
     let secret = match std::env::var("HEARTH_JOB_SECRET") {
         Ok(s) if !s.is_empty() => s,
-        _ => burn_dist::tls::random_secret(),
+        _ => burn_dist::tls::random_secret()?,
     };
     let mut children: Vec<Option<Child>> = Vec::new();
     let mut pumps = Vec::new();

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use quinn::Connection;
+use quinn::{Connection, VarInt};
 
 use crate::tls::{Identity, Membership, SERVER_NAME};
 use crate::transport::quic::{QuicNode, QuicOptions, QuicTransport, read_frame, write_frame};
@@ -78,9 +78,51 @@ pub fn first_slurm_host(list: &str) -> Option<String> {
     }
 }
 
+/// The (rank, world size) variable pairs of the launchers [`RankInfo`] reads.
+const RANK_PAIRS: [(&str, &str); 4] = [
+    ("HEARTH_RANK", "HEARTH_WORLD_SIZE"),
+    ("RANK", "WORLD_SIZE"),
+    ("SLURM_PROCID", "SLURM_NTASKS"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+];
+
 impl RankInfo {
     pub fn from_env() -> Result<Self> {
         Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// This process's place in a job, `None` when no launcher's variables are set at all (a
+    /// single process). Half a pair (`RANK` without `WORLD_SIZE`, ...) or any other malformed
+    /// variable is an error naming them: a job must never quietly train as one process.
+    pub fn detect() -> Result<Option<Self>> {
+        Self::detect_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// As [`RankInfo::detect`], from any variable lookup.
+    pub fn detect_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Self>> {
+        let mut any = false;
+        for (r, w) in RANK_PAIRS {
+            match (get(r), get(w)) {
+                (Some(v), None) => {
+                    return Err(DistError::Config(format!(
+                        "{r}={v:?} is set but {w} is not: set both (and the coordinator) to \
+                         join a job, or neither to train as one process"
+                    )));
+                }
+                (None, Some(v)) => {
+                    return Err(DistError::Config(format!(
+                        "{w}={v:?} is set but {r} is not: set both (and the coordinator) to \
+                         join a job, or neither to train as one process"
+                    )));
+                }
+                (Some(_), Some(_)) => any = true,
+                (None, None) => {}
+            }
+        }
+        if !any {
+            return Ok(None);
+        }
+        Self::from_lookup(get).map(Some)
     }
 
     /// As [`RankInfo::from_env`], from any variable lookup (tests pass a map).
@@ -248,7 +290,8 @@ fn parse_table(b: &[u8], world: usize) -> Result<BTreeMap<usize, SocketAddr>> {
 
 async fn recv_control(conn: &Connection, kind: Kind) -> std::result::Result<Vec<u8>, String> {
     let mut s = conn.accept_uni().await.map_err(|e| e.to_string())?;
-    let (h, payload) = read_frame(&mut s).await?;
+    // Control messages (hello, table) are small.
+    let (h, payload) = read_frame(&mut s, 1 << 20).await?;
     if h.kind != kind {
         return Err(format!("expected a {kind:?} frame, got {:?}", h.kind));
     }
@@ -270,7 +313,8 @@ pub fn connect(
             QuicOptions::default()
         }
     });
-    let identity = Identity::new(membership)?;
+    let identity = Identity::new(membership, info.rank)?;
+    let strict = identity.strict_ranks;
     let bind_ip = options.bind_ip.unwrap_or(if loopback {
         IpAddr::V4(Ipv4Addr::LOCALHOST)
     } else {
@@ -284,11 +328,26 @@ pub fn connect(
     let node = QuicNode::bind(bind, &identity, &quic)?;
     let deadline = Instant::now() + options.timeout;
     let peers = if info.rank == 0 {
-        coordinate(&node, info, deadline, options.timeout)?
+        coordinate(&node, info, deadline, options.timeout, strict)?
     } else {
-        join(&node, info, coordinator, deadline, options.timeout)?
+        join(&node, info, coordinator, deadline, options.timeout, strict)?
     };
-    Ok(QuicTransport::start(node, info.rank, 0, peers))
+    Ok(QuicTransport::start(node, info.rank, 0, peers, &quic))
+}
+
+/// The peer of `conn` may be rank `claimed`: its certificate names that rank (see
+/// [`crate::tls::check_peer_rank`]).
+fn check_rank(
+    conn: &Connection,
+    claimed: usize,
+    world: usize,
+    strict: bool,
+) -> std::result::Result<(), String> {
+    let certs = conn.peer_identity().and_then(|id| {
+        id.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+            .ok()
+    });
+    crate::tls::check_peer_rank(certs.as_deref().map(Vec::as_slice), claimed, world, strict)
 }
 
 fn remaining(deadline: Instant) -> Duration {
@@ -301,6 +360,7 @@ fn coordinate(
     info: &RankInfo,
     deadline: Instant,
     timeout: Duration,
+    strict: bool,
 ) -> Result<Vec<Option<Connection>>> {
     let world = info.world;
     let endpoint = node.endpoint.clone();
@@ -355,6 +415,12 @@ fn coordinate(
                     "a process claims rank {rank}, outside 1..{world}: do all ranks agree on the world size?"
                 )));
             }
+            // One rank may not pose as another: the claim must match the certificate.
+            if let Err(e) = check_rank(&conn, rank, world, strict) {
+                log::warn!("refused during rendezvous: {e}");
+                conn.close(VarInt::from_u32(3), b"rank does not match certificate");
+                continue;
+            }
             if conns.contains_key(&rank) {
                 return Err(DistError::Config(format!("two processes claim rank {rank}")));
             }
@@ -384,6 +450,7 @@ fn join(
     coordinator: SocketAddr,
     deadline: Instant,
     timeout: Duration,
+    strict: bool,
 ) -> Result<Vec<Option<Connection>>> {
     let (rank, world) = (info.rank, info.world);
     let endpoint = node.endpoint.clone();
@@ -412,6 +479,7 @@ fn join(
                 _ => tokio::time::sleep(Duration::from_millis(200)).await,
             }
         };
+        check_rank(&conn, 0, world, strict).map_err(|e| DistError::Tls(format!("the coordinator {coordinator}: {e}")))?;
         let h = hello(rank, port);
         write_frame(&conn, Header::new(Kind::Hello, 0, 0, h.len()), h)
             .await
@@ -441,6 +509,7 @@ fn join(
             .await
             .map_err(|_| DistError::Timeout { op: format!("connecting to rank {peer} at {addr}"), rank: peer, after: timeout })?
             .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
+            check_rank(&c, peer, world, strict).map_err(|e| DistError::Tls(format!("rank {peer} at {addr}: {e}")))?;
             let h = hello(rank, port);
             write_frame(&c, Header::new(Kind::Hello, 0, 0, h.len()), h)
                 .await
@@ -471,6 +540,11 @@ fn join(
             let peer = peer as usize;
             if peer <= rank || peer >= world || peers[peer].is_some() {
                 log::warn!("unexpected hello from rank {peer}");
+                continue;
+            }
+            if let Err(e) = check_rank(&c, peer, world, strict) {
+                log::warn!("refused: {e}");
+                c.close(VarInt::from_u32(3), b"rank does not match certificate");
                 continue;
             }
             peers[peer] = Some(c);
@@ -575,6 +649,103 @@ mod tests {
             e(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")])
                 .contains("HEARTH_COORDINATOR")
         );
+    }
+
+    #[test]
+    fn detect_is_none_without_variables_and_an_error_for_half_a_pair() {
+        let d = |vars: &[(&str, &str)]| {
+            let map: BTreeMap<String, String> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            RankInfo::detect_lookup(&|k| map.get(k).cloned())
+        };
+        assert!(d(&[]).unwrap().is_none());
+        assert!(d(&[("LOCAL_RANK", "0")]).unwrap().is_none());
+        let e = d(&[("RANK", "1")]).unwrap_err().to_string();
+        assert!(e.contains("RANK=\"1\"") && e.contains("WORLD_SIZE"), "{e}");
+        let e = d(&[("OMPI_COMM_WORLD_SIZE", "4")]).unwrap_err().to_string();
+        assert!(e.contains("OMPI_COMM_WORLD_RANK"), "{e}");
+        let e = d(&[("RANK", "0"), ("WORLD_SIZE", "2")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("MASTER_ADDR"), "{e}");
+        let ok = d(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!((ok.rank, ok.world), (1, 2));
+    }
+
+    #[test]
+    fn a_member_claiming_another_rank_is_refused_and_the_job_still_forms() {
+        use crate::transport::Transport;
+        let port = std::net::UdpSocket::bind("127.0.0.1:0")
+            .and_then(|s| s.local_addr())
+            .map(|a| a.port())
+            .unwrap();
+        let secret = Membership::secret("one job's shared secret value").unwrap();
+        let rank = move |r: usize| RankInfo {
+            rank: r,
+            world: 3,
+            local_rank: None,
+            coordinator: format!("127.0.0.1:{port}"),
+            source: "test",
+        };
+        let options = || RendezvousOptions {
+            timeout: Duration::from_secs(30),
+            quic: None,
+            bind_ip: None,
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let m = secret.clone();
+        let t0 = tx.clone();
+        std::thread::spawn(move || {
+            let _ = t0.send((0, connect(&rank(0), &m, &options()).map(|t| t.world())));
+        });
+        // Rank 2's process (its certificate names rank 2) says it is rank 1.
+        let impostor = QuicNode::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            &Identity::new(&secret, 2).unwrap(),
+            &QuicOptions::loopback(),
+        )
+        .unwrap();
+        let endpoint = impostor.endpoint.clone();
+        let own_port = impostor.local_addr().unwrap().port();
+        let coordinator: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let refused = impostor.rt.block_on(async move {
+            let conn = loop {
+                match endpoint.connect(coordinator, SERVER_NAME).unwrap().await {
+                    Ok(c) => break c,
+                    Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+            };
+            let h = hello(1, own_port);
+            let _ = write_frame(&conn, Header::new(Kind::Hello, 0, 0, h.len()), h).await;
+            tokio::time::timeout(Duration::from_secs(20), conn.closed()).await
+        });
+        let reason = refused.expect("the coordinator must close the impostor's connection");
+        assert!(
+            format!("{reason}").contains("rank does not match"),
+            "{reason}"
+        );
+        for r in [1, 2] {
+            let (tx, m) = (tx.clone(), secret.clone());
+            std::thread::spawn(move || {
+                let _ = tx.send((r, connect(&rank(r), &m, &options()).map(|t| t.world())));
+            });
+        }
+        drop(tx);
+        for _ in 0..3 {
+            let (r, world) = rx
+                .recv_timeout(Duration::from_secs(60))
+                .expect("a rank hung");
+            assert_eq!(world.unwrap_or_else(|e| panic!("rank {r}: {e}")), 3);
+        }
     }
 
     #[test]

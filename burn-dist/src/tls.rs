@@ -11,6 +11,12 @@
 //!   subject alternative name.
 //!
 //! Without either, setup fails with an error that says how to give one.
+//!
+//! **Ranks are bound to certificates.** A rank's certificate also names [`rank_name`]`(rank)`
+//! (`rank-3.hearth-job`), and a peer's hello is accepted only when the rank it claims is the
+//! rank its certificate names, so one rank cannot pose as another. Secret-derived certificates
+//! always carry it and must match; a user's certificate is checked when it names a rank of the
+//! job (give each rank its own certificate with that DNS name to bind them).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -31,14 +37,61 @@ pub const ALPN: &[u8] = b"hearth-dist/1";
 /// Shortest job secret accepted.
 pub const MIN_SECRET_LEN: usize = 16;
 
-/// A fresh random job secret (64 hex characters), for launchers that start every rank.
-pub fn random_secret() -> String {
+/// A fresh random job secret (64 hex characters), for launchers that start every rank. An error
+/// when the system's random generator fails: a predictable secret would admit anyone.
+pub fn random_secret() -> Result<String> {
     use ring::rand::SecureRandom;
     let mut b = [0u8; 32];
-    // The system generator does not fail on supported platforms; a zero secret would still be
-    // a valid (if weak) one, and only for this local launch.
-    let _ = ring::rand::SystemRandom::new().fill(&mut b);
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    ring::rand::SystemRandom::new()
+        .fill(&mut b)
+        .map_err(|_| DistError::Tls("the system random generator failed; no job secret".into()))?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// The DNS name that binds a certificate to `rank`: `rank-<rank>.hearth-job`.
+pub fn rank_name(rank: usize) -> String {
+    format!("rank-{rank}.{SERVER_NAME}")
+}
+
+/// Whether `cert` names `rank` (a DNS subject alternative name [`rank_name`]`(rank)`).
+pub fn names_rank(cert: &CertificateDer<'_>, rank: usize) -> bool {
+    let Ok(name) = rustls::pki_types::ServerName::try_from(rank_name(rank)) else {
+        return false;
+    };
+    webpki::EndEntityCert::try_from(cert)
+        .map(|c| c.verify_is_valid_for_subject_name(&name).is_ok())
+        .unwrap_or(false)
+}
+
+/// Checks that the peer of a connection may be rank `claimed` of a job of `world`: its
+/// certificate names that rank, or (a user's certificate, `strict` false) names no rank of the
+/// job at all. The error says what the certificate names.
+pub fn check_peer_rank(
+    peer_certs: Option<&[CertificateDer<'static>]>,
+    claimed: usize,
+    world: usize,
+    strict: bool,
+) -> std::result::Result<(), String> {
+    let Some(cert) = peer_certs.and_then(|c| c.first()) else {
+        return Err(format!(
+            "the peer claiming rank {claimed} presented no certificate"
+        ));
+    };
+    if names_rank(cert, claimed) {
+        return Ok(());
+    }
+    let named: Vec<usize> = (0..world).filter(|&r| names_rank(cert, r)).collect();
+    if named.is_empty() && !strict {
+        return Ok(());
+    }
+    Err(format!(
+        "a peer claims rank {claimed} but its certificate names {}",
+        if named.is_empty() {
+            "no rank".to_string()
+        } else {
+            format!("rank {named:?}")
+        }
+    ))
 }
 
 /// Who belongs to the job.
@@ -122,12 +175,15 @@ pub struct Identity {
     pub ca: CertificateDer<'static>,
     pub chain: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
+    /// Peers' certificates must name their rank (secret-derived certificates always do).
+    pub strict_ranks: bool,
 }
 
 impl Identity {
-    pub fn new(m: &Membership) -> Result<Self> {
+    /// The identity of `rank`: with a job secret, a fresh key and a certificate naming the rank.
+    pub fn new(m: &Membership, rank: usize) -> Result<Self> {
         match m {
-            Membership::Secret(s) => from_secret(s),
+            Membership::Secret(s) => from_secret(s, rank),
             Membership::Files { ca, cert, key } => from_files(ca, cert, key),
         }
     }
@@ -168,7 +224,7 @@ fn ca_params() -> Result<CertificateParams> {
     Ok(p)
 }
 
-fn from_secret(secret: &[u8]) -> Result<Identity> {
+fn from_secret(secret: &[u8], rank: usize) -> Result<Identity> {
     let ca_key = ca_key(secret)?;
     let ca_params = ca_params()?;
     // Deterministic: fixed parameters and an Ed25519 signature, so every rank builds the same CA.
@@ -177,10 +233,10 @@ fn from_secret(secret: &[u8]) -> Result<Identity> {
         .map_err(tls_err("the job CA certificate"))?;
     let issuer = Issuer::new(ca_params, ca_key);
     let leaf_key = KeyPair::generate_for(&PKCS_ED25519).map_err(tls_err("a rank key"))?;
-    let mut leaf = CertificateParams::new(vec![SERVER_NAME.to_string()])
+    let mut leaf = CertificateParams::new(vec![SERVER_NAME.to_string(), rank_name(rank)])
         .map_err(tls_err("rank certificate parameters"))?;
     let mut dn = DistinguishedName::new();
-    dn.push(DnType::CommonName, "Hearth rank");
+    dn.push(DnType::CommonName, format!("Hearth rank {rank}"));
     leaf.distinguished_name = dn;
     let cert = leaf
         .signed_by(&leaf_key, &issuer)
@@ -189,6 +245,7 @@ fn from_secret(secret: &[u8]) -> Result<Identity> {
         ca: ca_cert.der().clone(),
         chain: vec![cert.der().clone()],
         key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der())),
+        strict_ranks: true,
     })
 }
 
@@ -221,6 +278,7 @@ fn from_files(ca: &Path, cert: &Path, key: &Path) -> Result<Identity> {
         ca: cas.remove(0),
         chain,
         key,
+        strict_ranks: false,
     })
 }
 
@@ -278,16 +336,32 @@ mod tests {
 
     #[test]
     fn one_secret_gives_one_ca_and_another_secret_another() {
-        let a =
-            Identity::new(&Membership::secret("correct horse battery staple").unwrap()).unwrap();
-        let b =
-            Identity::new(&Membership::secret("correct horse battery staple").unwrap()).unwrap();
-        let c = Identity::new(&Membership::secret("another job's secret value").unwrap()).unwrap();
+        let m = Membership::secret("correct horse battery staple").unwrap();
+        let a = Identity::new(&m, 0).unwrap();
+        let b = Identity::new(&m, 1).unwrap();
+        let c = Identity::new(
+            &Membership::secret("another job's secret value").unwrap(),
+            0,
+        )
+        .unwrap();
         assert_eq!(a.ca, b.ca, "ranks of one job must derive the same CA");
         assert_ne!(a.chain[0], b.chain[0], "each rank has its own key");
         assert_ne!(a.ca, c.ca);
         server_config(&a).unwrap();
         client_config(&a).unwrap();
+    }
+
+    #[test]
+    fn certificates_name_their_rank_and_a_claim_of_another_rank_is_refused() {
+        let m = Membership::secret("correct horse battery staple").unwrap();
+        let two = Identity::new(&m, 2).unwrap();
+        assert!(names_rank(&two.chain[0], 2));
+        assert!(!names_rank(&two.chain[0], 1));
+        assert!(check_peer_rank(Some(&two.chain), 2, 4, true).is_ok());
+        let e = check_peer_rank(Some(&two.chain), 1, 4, true).unwrap_err();
+        assert!(e.contains("claims rank 1") && e.contains("[2]"), "{e}");
+        assert!(check_peer_rank(None, 1, 4, true).is_err());
+        assert!(random_secret().unwrap().len() == 64);
     }
 
     #[test]
@@ -302,11 +376,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(partial.contains("together"), "{partial}");
-        let missing = Identity::new(&Membership::Files {
-            ca: "/nonexistent/ca.pem".into(),
-            cert: "/nonexistent/c.pem".into(),
-            key: "/nonexistent/k.pem".into(),
-        })
+        let missing = Identity::new(
+            &Membership::Files {
+                ca: "/nonexistent/ca.pem".into(),
+                cert: "/nonexistent/c.pem".into(),
+                key: "/nonexistent/k.pem".into(),
+            },
+            0,
+        )
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();

@@ -21,6 +21,7 @@ use crate::{DistError, Result};
 
 /// How `f32` values travel in reductions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Compression {
     /// Exact `f32`.
     #[default]
@@ -111,16 +112,13 @@ impl Compression {
     }
 }
 
-impl std::str::FromStr for Compression {
-    type Err = DistError;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "none" | "f32" => Ok(Self::None),
-            "bf16" => Ok(Self::Bf16),
-            "fp16" | "f16" => Ok(Self::Fp16),
-            o => Err(DistError::Config(format!(
-                "compression '{o}': expected none, bf16 or fp16"
-            ))),
+impl Compression {
+    /// The name the command line uses for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Compression::None => "none",
+            Compression::Bf16 => "bf16",
+            Compression::Fp16 => "fp16",
         }
     }
 }

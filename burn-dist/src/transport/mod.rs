@@ -46,6 +46,8 @@ pub(crate) fn check_peer(t: &dyn Transport, peer: usize, op: &str) -> Result<()>
 #[derive(Default)]
 struct InboxState {
     messages: HashMap<(usize, Kind, u64), VecDeque<Vec<u8>>>,
+    /// Bytes reserved for frames being read plus bytes delivered and not yet taken.
+    held: usize,
     /// Peers whose link ended, gracefully or not.
     failed: HashMap<usize, String>,
     /// The first peer that failed abnormally: it fails every receive, whoever it waits for, since
@@ -54,15 +56,76 @@ struct InboxState {
 }
 
 /// Received messages by (from, kind, tag), and the peers known to have failed.
-#[derive(Default)]
+///
+/// A network transport reserves room for a frame ([`Inbox::try_reserve`]) before reading its
+/// payload, so the bytes held for messages nobody has taken yet stay under a budget: a peer
+/// that sends faster than this rank consumes is slowed down (QUIC flow control), and a frame
+/// header cannot make this rank allocate more than the budget.
 pub struct Inbox {
     state: Mutex<InboxState>,
     arrived: Condvar,
+    budget: usize,
+}
+
+impl Default for Inbox {
+    fn default() -> Self {
+        Self::with_budget(usize::MAX)
+    }
 }
 
 impl Inbox {
+    /// An inbox holding at most `budget` bytes of reserved and untaken payloads.
+    pub fn with_budget(budget: usize) -> Self {
+        Self {
+            state: Mutex::new(InboxState::default()),
+            arrived: Condvar::new(),
+            budget,
+        }
+    }
+
+    /// Reserves `bytes` for a frame about to be read; `false` while the budget is used up.
+    /// [`Inbox::deliver_reserved`] hands the frame over; [`Inbox::release`] gives the room back
+    /// if the read fails.
+    pub fn try_reserve(&self, bytes: usize) -> bool {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        match s.held.checked_add(bytes) {
+            Some(total) if total <= self.budget => {
+                s.held = total;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    pub fn release(&self, bytes: usize) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.held = s.held.saturating_sub(bytes);
+    }
+
+    /// Bytes reserved or delivered and not yet taken.
+    pub fn held(&self) -> usize {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).held
+    }
+
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Delivers a frame whose room was reserved with [`Inbox::try_reserve`].
+    pub fn deliver_reserved(&self, from: usize, kind: Kind, tag: u64, payload: Vec<u8>) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.messages
+            .entry((from, kind, tag))
+            .or_default()
+            .push_back(payload);
+        self.arrived.notify_all();
+    }
+
+    /// Delivers a frame without a reservation (in-process transports); it counts against the
+    /// budget until taken.
     pub fn deliver(&self, from: usize, kind: Kind, tag: u64, payload: Vec<u8>) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.held = s.held.saturating_add(payload.len());
         s.messages
             .entry((from, kind, tag))
             .or_default()
@@ -110,6 +173,7 @@ impl Inbox {
                 if q.is_empty() {
                     s.messages.remove(&(from, kind, tag));
                 }
+                s.held = s.held.saturating_sub(m.len());
                 return Ok(m);
             }
             if let Some(reason) = s.failed.get(&from) {
