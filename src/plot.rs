@@ -143,6 +143,74 @@ pub fn plot_metrics(rows: &Rows, out: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `confusion.png`: the confusion matrix as a heat map (rows: true class, columns: predicted),
+/// each cell shaded by its share of the row and labelled with its count when text is available.
+pub fn plot_confusion(confusion: &[Vec<usize>], names: &[&str], out: &Path) -> Result<()> {
+    let err = |e: String| HearthError::Plot {
+        path: out.to_path_buf(),
+        reason: e,
+    };
+    let k = confusion.len();
+    if k == 0 || confusion.iter().any(|r| r.len() != k) || names.len() != k {
+        return Err(err(format!("a {k}x{k} matrix with {} names", names.len())));
+    }
+    let text = register_font();
+    let side = (120 + 48 * k as u32).clamp(300, 2400);
+    let root = BitMapBackend::new(out, (side + 60, side)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let mut builder = ChartBuilder::on(&root);
+    builder.margin(12);
+    if text {
+        builder
+            .caption(
+                "confusion (rows: true, columns: predicted)",
+                ("sans-serif", 18),
+            )
+            .x_label_area_size(60)
+            .y_label_area_size(90);
+    }
+    let mut chart = builder
+        .build_cartesian_2d(0..k, 0..k)
+        .map_err(|e| err(e.to_string()))?;
+    if text {
+        let label = |i: &usize| names.get(*i).map(|n| n.to_string()).unwrap_or_default();
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_labels(k)
+            .y_labels(k)
+            .x_label_formatter(&label)
+            .y_label_formatter(&|i: &usize| label(&(k - 1 - i.min(&(k - 1)))))
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+    }
+    for (t, row) in confusion.iter().enumerate() {
+        let total = row.iter().sum::<usize>().max(1) as f64;
+        for (p, &n) in row.iter().enumerate() {
+            let share = n as f64 / total;
+            let shade = (255.0 * (1.0 - share)) as u8;
+            let y = k - 1 - t;
+            chart
+                .draw_series(std::iter::once(Rectangle::new(
+                    [(p, y), (p + 1, y + 1)],
+                    RGBColor(shade, shade, 255).filled(),
+                )))
+                .map_err(|e| err(e.to_string()))?;
+            if text {
+                chart
+                    .draw_series(std::iter::once(Text::new(
+                        n.to_string(),
+                        (p, y + 1),
+                        ("sans-serif", 14),
+                    )))
+                    .map_err(|e| err(e.to_string()))?;
+            }
+        }
+    }
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -166,5 +234,9 @@ mod tests {
         let bytes = std::fs::read(&out).unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
         assert!(plot_metrics(&Rows::new(), &out).is_err());
+        let cm = dir.path().join("c.png");
+        plot_confusion(&[vec![3, 1], vec![0, 4]], &["cat", "dog"], &cm).unwrap();
+        assert_eq!(&std::fs::read(&cm).unwrap()[1..4], b"PNG");
+        assert!(plot_confusion(&[vec![1]], &["a", "b"], &cm).is_err());
     }
 }

@@ -3,10 +3,10 @@
 use std::path::{Path, PathBuf};
 
 use burn::prelude::*;
-use hearth_datasets::preprocess::{eval_preprocess, load_rgb};
+use hearth_datasets::preprocess::{eval_preprocess_with, load_rgb};
 use hearth_models::{
-    Architecture, Classifier, LoadOptions, MIN_INPUT_SIZE, WeightsFormat, load_model,
-    load_torchvision,
+    Architecture, Classifier, LoadOptions, MIN_INPUT_SIZE, Preprocessing, WeightsFormat,
+    load_model, load_torchvision,
 };
 
 use crate::{HearthError, Result, npy};
@@ -17,6 +17,9 @@ pub struct PredictModel {
     pub class_names: Option<Vec<String>>,
     /// `None` when the weights are random (no file given).
     pub weights: Option<PathBuf>,
+    /// How inputs are prepared: the model file's record, or torchvision's 256/224 ImageNet
+    /// evaluation recipe for torchvision weights and older model files.
+    pub preprocessing: Preprocessing,
 }
 
 /// Builds the model for `hearth predict`. A Hearth model file carries its own architecture;
@@ -34,6 +37,7 @@ pub fn load_for_predict(
                 model: saved.model,
                 class_names: saved.class_names,
                 weights: Some(path.to_path_buf()),
+                preprocessing: saved.preprocessing.unwrap_or(Preprocessing::eval(224)),
             })
         }
         _ => {
@@ -55,22 +59,23 @@ pub fn load_for_predict(
                 model,
                 class_names: None,
                 weights: weights.map(Path::to_path_buf),
+                preprocessing: Preprocessing::eval(224),
             })
         }
     }
 }
 
-/// Images through torchvision's evaluation preprocessing, stacked into `[N, 3, crop, crop]`.
+/// Images through `p` (resize, center crop, normalise), stacked into `[N, 3, crop, crop]`.
 pub fn images_to_tensor(
     paths: &[PathBuf],
-    resize: u32,
-    crop: u32,
+    p: &Preprocessing,
     device: &Device,
 ) -> Result<Tensor<4>> {
+    let crop = p.crop;
     let mut data = Vec::with_capacity(paths.len() * 3 * (crop * crop) as usize);
     for path in paths {
         let img = load_rgb(path)?;
-        data.extend(eval_preprocess(&img, resize, crop)?);
+        data.extend(eval_preprocess_with(&img, p.resize, crop, p.mean, p.std)?);
     }
     let shape = [paths.len(), 3, crop as usize, crop as usize];
     Ok(Tensor::from_data(TensorData::new(data, shape), device))

@@ -1,0 +1,169 @@
+//! `hearth eval` and `hearth predict --data` on a generated folder: the confusion matrix and the
+//! per-image predictions equal an independent per-image computation; bad files are reported.
+
+use std::path::Path;
+
+use burn::module::Module;
+use burn::prelude::*;
+use hearth::datasets::synth::{SynthConfig, class_names, generate};
+use hearth::eval::{evaluate, predict_folder, write_report};
+use hearth::models::{Preprocessing, save_model_with};
+
+/// A random small ResNet saved with class names and 32-pixel preprocessing.
+fn model_file(path: &Path, classes: &[String]) {
+    let model = hearth::train::mini_resnet(classes.len())
+        .init(&Device::flex())
+        .unwrap();
+    let config = hearth::train::mini_resnet(classes.len());
+    save_model_with(
+        &model,
+        &config,
+        Some(classes),
+        Some(&Preprocessing::eval(32)),
+        path,
+    )
+    .unwrap();
+}
+
+/// The class each image gets when predicted alone, through `hearth predict`'s image path.
+fn alone(model: &hearth::models::Classifier, p: &Preprocessing, image: &Path) -> usize {
+    let x = hearth::predict::images_to_tensor(&[image.to_path_buf()], p, &Device::flex()).unwrap();
+    let v: Vec<f32> = model.forward(x).into_data().iter::<f32>().collect();
+    (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b })
+}
+
+#[test]
+fn eval_and_folder_prediction_match_per_image_predictions() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("val");
+    generate(&data, &SynthConfig::new(3, 4, 40).with_seed(2)).unwrap();
+    let names = class_names(3);
+    let file = dir.path().join("model.bpk");
+    model_file(&file, &names);
+    let saved = hearth::models::load_model(&file, &Device::flex()).unwrap();
+    let p = saved
+        .preprocessing
+        .clone()
+        .expect("the file records its preprocessing");
+    assert_eq!(p, Preprocessing::eval(32));
+    let model = saved.model.valid();
+
+    let mut calls = 0;
+    let report = evaluate(
+        &model,
+        saved.class_names.as_deref(),
+        &data,
+        &p,
+        5,
+        2,
+        &Device::flex(),
+        &mut |_, _| calls += 1,
+    )
+    .unwrap();
+    assert!(calls >= 3, "progress is reported per batch");
+    let mut expected = vec![vec![0usize; 3]; 3];
+    for (t, name) in names.iter().enumerate() {
+        for e in std::fs::read_dir(data.join(name)).unwrap() {
+            expected[t][alone(&model, &p, &e.unwrap().path())] += 1;
+        }
+    }
+    assert_eq!(report.confusion, expected);
+    assert_eq!(report.images, 12);
+    let correct: usize = (0..3).map(|i| expected[i][i]).sum();
+    assert!((report.accuracy - 100.0 * correct as f64 / 12.0).abs() < 1e-9);
+    for (c, stats) in report.classes.iter().enumerate() {
+        let predicted: usize = expected.iter().map(|r| r[c]).sum();
+        assert_eq!(stats.support, 4);
+        assert_eq!(
+            stats.precision,
+            (predicted > 0).then(|| expected[c][c] as f64 / predicted as f64)
+        );
+        assert_eq!(stats.recall, Some(expected[c][c] as f64 / 4.0));
+    }
+    let out = dir.path().join("eval");
+    write_report(&report, &out).unwrap();
+    let csv = std::fs::read_to_string(out.join("confusion.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 4, "{csv}");
+    assert!(out.join("confusion.png").is_file() && out.join("per_class.csv").is_file());
+
+    // Folder predictions: one row per readable image, each the image's own prediction; a
+    // corrupt file is reported, not given another image's answer.
+    std::fs::write(data.join(&names[1]).join("broken.png"), b"not a png at all").unwrap();
+    let csv_path = dir.path().join("predictions.csv");
+    let (n, problems) = predict_folder(
+        &model,
+        saved.class_names.as_deref(),
+        &data,
+        &p,
+        2,
+        5,
+        2,
+        &Device::flex(),
+        &csv_path,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(n, 12);
+    assert!(
+        problems.0.iter().any(|p| p.path.ends_with("broken.png")),
+        "{problems:?}"
+    );
+    let text = std::fs::read_to_string(&csv_path).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("path,class1,prob1,class2,prob2"));
+    let mut rows = 0;
+    for line in lines {
+        let cells: Vec<&str> = line.split(',').collect();
+        let top1 = names.iter().position(|n| n == cells[1]).unwrap();
+        assert_eq!(top1, alone(&model, &p, Path::new(cells[0])), "{line}");
+        rows += 1;
+    }
+    assert_eq!(rows, 12);
+
+    // Folders that are not the model's classes are refused by name.
+    let other = dir.path().join("other");
+    generate(&other, &SynthConfig::new(4, 1, 40)).unwrap();
+    let e = evaluate(
+        &model,
+        saved.class_names.as_deref(),
+        &other,
+        &p,
+        5,
+        1,
+        &Device::flex(),
+        &mut |_, _| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains(&class_names(4)[3]), "{e}");
+}
+
+#[test]
+fn the_eval_command_prints_accuracy_and_writes_its_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("val");
+    generate(&data, &SynthConfig::new(2, 3, 40)).unwrap();
+    let file = dir.path().join("model.bpk");
+    model_file(&file, &class_names(2));
+    let out = dir.path().join("report");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_hearth"))
+        .args(["eval", "--weights"])
+        .arg(&file)
+        .arg("--data")
+        .arg(&data)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(o.status.success(), "{text}");
+    assert!(
+        text.contains("accuracy: ") && text.contains("on 6 images"),
+        "{text}"
+    );
+    assert!(out.join("confusion.png").is_file());
+}
