@@ -8,13 +8,21 @@
 //! result.
 
 use anyhow::{Context, Result};
+use hearth::device::DeviceSpec;
 use hearth::dist::rendezvous::RankInfo;
 use hearth::train::{TrainConfig, train};
 
 fn main() -> Result<()> {
-    let info =
-        RankInfo::from_env().context("start this example under `hearth launch -n 2 -- ...`")?;
-    let device = hearth::device::select(&std::env::var("HEARTH_DEVICE").unwrap_or("flex".into()))?;
+    let info = RankInfo::detect()?.context(
+        "start this example under `hearth launch -n 2 -- ...` (or torchrun, Slurm, mpirun)",
+    )?;
+    // Each rank of a multi-GPU machine takes the GPU of its local rank.
+    let spec: DeviceSpec = std::env::var("HEARTH_DEVICE")
+        .unwrap_or("flex".into())
+        .parse()?;
+    let spec = spec.for_local_rank(info.local_rank);
+    let device = spec.device()?;
+    eprintln!("rank {} of {}: device {spec}", info.rank, info.world);
     let mut cfg = TrainConfig::new("runs/distributed_example".into());
     cfg.epochs = 4;
     cfg.batch_size = 32;

@@ -11,25 +11,14 @@ use hearth_models::Architecture;
 
 use crate::{HearthError, Result};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum BenchMode {
     /// Forward pass only, model in evaluation mode.
+    #[value(alias = "inference")]
     Infer,
     /// Forward, cross-entropy, backward and an SGD-with-momentum update.
+    #[value(alias = "training")]
     Train,
-}
-
-impl std::str::FromStr for BenchMode {
-    type Err = HearthError;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "infer" | "inference" => Ok(Self::Infer),
-            "train" | "training" => Ok(Self::Train),
-            other => Err(HearthError::InvalidArgument(format!(
-                "mode '{other}': expected train or infer"
-            ))),
-        }
-    }
 }
 
 #[derive(Debug, Clone)]

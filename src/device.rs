@@ -86,35 +86,86 @@ impl DeviceChoice {
             .join(", ")
     }
 
+    /// Whether the device has an index (`cuda:1`, `vulkan:1`): GPUs do, CPU backends do not.
+    pub fn indexed(self) -> bool {
+        !matches!(self, DeviceChoice::Flex | DeviceChoice::NdArray) && self.name() != "vulkan-cpu"
+    }
+
     /// The Burn device, without checking that it works (construction is lazy in Burn).
     pub fn device_unchecked(self) -> Device {
+        self.device_at(None)
+    }
+
+    /// The Burn device with GPU `index` (`None`: the default GPU, CUDA device 0), unchecked.
+    /// wgpu and Vulkan count discrete GPUs, as wgpu lists them.
+    pub fn device_at(self, index: Option<usize>) -> Device {
+        #[cfg(feature = "wgpu")]
+        let kind = match index {
+            Some(i) => burn::tensor::DeviceKind::DiscreteGpu(i),
+            None => burn::tensor::DeviceKind::DefaultDevice,
+        };
+        #[cfg(not(feature = "wgpu"))]
+        let _ = index;
         match self {
             DeviceChoice::Flex => Device::flex(),
             // Deprecated upstream in favour of Flex; kept selectable (DESIGN.md).
             #[allow(deprecated)]
             DeviceChoice::NdArray => Device::ndarray(),
             #[cfg(feature = "wgpu")]
-            DeviceChoice::Wgpu => Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+            DeviceChoice::Wgpu => Device::wgpu(kind),
             // With the `vulkan` feature: pinned to Vulkan, cubecl's SPIR-V compiler. Without it:
             // wgpu with WGSL shaders, which tries Vulkan first on Linux.
             #[cfg(feature = "vulkan")]
-            DeviceChoice::Vulkan => Device::vulkan(burn::tensor::DeviceKind::DefaultDevice),
+            DeviceChoice::Vulkan => Device::vulkan(kind),
             #[cfg(feature = "vulkan")]
             DeviceChoice::VulkanCpu => Device::vulkan(burn::tensor::DeviceKind::Cpu),
             #[cfg(all(feature = "wgpu", not(feature = "vulkan")))]
-            DeviceChoice::Vulkan => Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+            DeviceChoice::Vulkan => Device::wgpu(kind),
             #[cfg(all(feature = "wgpu", not(feature = "vulkan")))]
             DeviceChoice::VulkanCpu => Device::wgpu(burn::tensor::DeviceKind::Cpu),
             #[cfg(feature = "cuda")]
-            DeviceChoice::Cuda => Device::cuda(0),
+            DeviceChoice::Cuda => Device::cuda(index.unwrap_or(0)),
         }
     }
 
     /// The Burn device after a tiny computation on it proves it works. GPU backends panic on
     /// first use when no adapter exists; that becomes [`HearthError::DeviceUnavailable`].
     pub fn device(self) -> Result<Device> {
+        DeviceSpec {
+            choice: self,
+            index: None,
+        }
+        .device()
+    }
+}
+
+/// A device as named on the command line: a [`DeviceChoice`] and, for GPUs, an index
+/// (`cuda:1`, `vulkan:1`, `wgpu:1`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSpec {
+    pub choice: DeviceChoice,
+    pub index: Option<usize>,
+}
+
+impl DeviceSpec {
+    /// The device a rank uses: an explicit index wins; otherwise a GPU device takes the rank's
+    /// local rank (`LOCAL_RANK`, `SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`), so each rank of
+    /// a multi-GPU machine gets its own GPU. CPU devices are shared.
+    pub fn for_local_rank(self, local_rank: Option<usize>) -> Self {
+        match (self.index, local_rank) {
+            (None, Some(l)) if self.choice.indexed() => Self {
+                index: Some(l),
+                ..self
+            },
+            _ => self,
+        }
+    }
+
+    /// The Burn device after a tiny computation on it proves it works.
+    pub fn device(self) -> Result<Device> {
+        let name = self.to_string();
         quiet_wayland();
-        let device = self.device_unchecked();
+        let device = self.choice.device_at(self.index);
         let probe = device.clone();
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(|_| {}));
@@ -126,7 +177,7 @@ impl DeviceChoice {
         match outcome {
             Ok(v) if (v - 3.0).abs() < 1e-6 => Ok(device),
             Ok(v) => Err(HearthError::DeviceUnavailable {
-                name: self.name().into(),
+                name,
                 reason: format!("a test sum gave {v} instead of 3"),
             }),
             Err(panic) => {
@@ -136,7 +187,7 @@ impl DeviceChoice {
                     .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_else(|| "the backend failed to start".into());
                 Err(HearthError::DeviceUnavailable {
-                    name: self.name().into(),
+                    name,
                     reason: first_line(&msg),
                 })
             }
@@ -177,15 +228,49 @@ impl FromStr for DeviceChoice {
     }
 }
 
+impl FromStr for DeviceSpec {
+    type Err = HearthError;
+    fn from_str(s: &str) -> Result<Self> {
+        let (name, index) = match s.rsplit_once(':') {
+            Some((name, i)) => {
+                let i = i.trim().parse::<usize>().map_err(|_| {
+                    HearthError::InvalidArgument(format!(
+                        "device '{s}': the part after ':' must be a GPU index (e.g. cuda:1)"
+                    ))
+                })?;
+                (name, Some(i))
+            }
+            None => (s, None),
+        };
+        let choice: DeviceChoice = name.parse()?;
+        if index.is_some() && !choice.indexed() {
+            return Err(HearthError::InvalidArgument(format!(
+                "device '{s}': {} has no device index (only GPU devices do)",
+                choice.name()
+            )));
+        }
+        Ok(Self { choice, index })
+    }
+}
+
+impl std::fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.index {
+            Some(i) => write!(f, "{}:{i}", self.choice),
+            None => write!(f, "{}", self.choice),
+        }
+    }
+}
+
 impl std::fmt::Display for DeviceChoice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
 }
 
-/// Parses a device name and checks that the device works.
+/// Parses a device name (`flex`, `cuda:1`, ...) and checks that the device works.
 pub fn select(name: &str) -> Result<Device> {
-    name.parse::<DeviceChoice>()?.device()
+    name.parse::<DeviceSpec>()?.device()
 }
 
 #[cfg(test)]
@@ -207,6 +292,36 @@ mod tests {
             assert_eq!(d.name().parse::<DeviceChoice>().unwrap(), *d);
         }
         assert_eq!("FLEX".parse::<DeviceChoice>().unwrap(), DeviceChoice::Flex);
+    }
+
+    #[test]
+    fn gpu_indices_parse_and_follow_the_local_rank() {
+        let flex: DeviceSpec = "flex".parse().unwrap();
+        assert_eq!(flex.for_local_rank(Some(3)), flex, "CPU devices are shared");
+        assert!(
+            "flex:1"
+                .parse::<DeviceSpec>()
+                .unwrap_err()
+                .to_string()
+                .contains("no device index")
+        );
+        assert!(
+            "flex:x"
+                .parse::<DeviceSpec>()
+                .unwrap_err()
+                .to_string()
+                .contains("GPU index")
+        );
+        #[cfg(feature = "wgpu")]
+        {
+            let v: DeviceSpec = "vulkan".parse().unwrap();
+            assert_eq!(v.for_local_rank(Some(1)).to_string(), "vulkan:1");
+            assert_eq!(v.for_local_rank(None).to_string(), "vulkan");
+            let pinned: DeviceSpec = "wgpu:0".parse().unwrap();
+            assert_eq!(pinned.for_local_rank(Some(1)).to_string(), "wgpu:0");
+            let cpu: DeviceSpec = "vulkan-cpu".parse().unwrap();
+            assert_eq!(cpu.for_local_rank(Some(1)).to_string(), "vulkan-cpu");
+        }
     }
 
     #[test]

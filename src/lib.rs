@@ -38,6 +38,7 @@ pub mod bench;
 pub mod device;
 pub mod dist_bench;
 mod error;
+pub mod eval;
 pub mod launch;
 pub mod loader_bench;
 pub mod metrics;

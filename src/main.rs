@@ -7,8 +7,11 @@ use anyhow::{Context, Result, bail};
 use burn::module::Module;
 use clap::{Args, Parser, Subcommand};
 use hearth::bench::{BenchMode, ModelBench};
-use hearth::device::DeviceChoice;
+use hearth::device::{DeviceChoice, DeviceSpec};
+use hearth::dist::Compression;
 use hearth::models::Architecture;
+use hearth::schedule::{LrScaling, ScheduleKind};
+use hearth::train::{AugmentPreset, Monitor, OptimizerKind};
 use hearth::{npy, predict};
 
 #[derive(Parser)]
@@ -19,7 +22,9 @@ use hearth::{npy, predict};
 )]
 struct Cli {
     /// Device to run on: flex (default CPU), ndarray, vulkan, wgpu, vulkan-cpu, cuda (when built
-    /// with the `cuda` feature). `hearth devices` lists this build's choices.
+    /// with the `cuda` feature); a GPU index picks one of several (cuda:1, vulkan:1). In a
+    /// distributed job without an index, each rank takes the GPU of its local rank.
+    /// `hearth devices` lists this build's choices.
     #[arg(long, global = true, env = "HEARTH_DEVICE", default_value = "flex")]
     device: String,
     #[command(subcommand)]
@@ -32,8 +37,11 @@ enum Command {
     Models,
     /// List the devices this build offers and whether each works on this machine.
     Devices,
-    /// Classify images (or a raw NCHW .npy tensor) with a model.
+    /// Classify images (or a raw NCHW .npy tensor, or a whole folder) with a model.
     Predict(PredictArgs),
+    /// Accuracy, per-class precision and recall and a confusion matrix of a model on class
+    /// folders (DIR/<class>/*.png).
+    Eval(EvalArgs),
     /// Measure throughput.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -94,9 +102,8 @@ struct TrainArgs {
     batch_size: usize,
     #[arg(long, default_value_t = 0.05)]
     lr: f64,
-    /// sgd, adam, adamw or lars.
-    #[arg(long, default_value = "sgd")]
-    optimizer: String,
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
+    optimizer: OptimizerKind,
     #[arg(long, default_value_t = 0.9)]
     momentum: f64,
     #[arg(long)]
@@ -104,32 +111,54 @@ struct TrainArgs {
     /// L2 weight decay (SGD, Adam: not applied to biases and batch norm; AdamW: decoupled).
     #[arg(long, default_value_t = 5e-4)]
     weight_decay: f64,
-    /// constant, step or cosine (after warmup).
-    #[arg(long, default_value = "cosine")]
-    schedule: String,
+    /// Learning-rate decay after warmup.
+    #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]
+    schedule: ScheduleKind,
     #[arg(long, default_value_t = 1)]
     warmup_epochs: usize,
     /// Scale --lr by the batch ratio: linear (Goyal et al.) or sqrt.
-    #[arg(long, requires = "base_batch")]
-    scale_lr: Option<String>,
+    #[arg(long, value_enum, requires = "base_batch")]
+    scale_lr: Option<LrScaling>,
     /// The batch size --lr was tuned for.
     #[arg(long)]
     base_batch: Option<usize>,
     #[arg(long, default_value_t = 0.0)]
     label_smoothing: f32,
-    /// Metric for early stopping and best-epoch selection: val_loss, val_accuracy or (multi-label)
-    /// val_auroc.
-    #[arg(long, default_value = "val_accuracy")]
-    monitor: String,
-    /// Stop after this many epochs without improvement.
+    /// Metric for early stopping and the exported (best) epoch; val_auroc needs multi-label data.
+    #[arg(long, value_enum, default_value_t = Monitor::ValAccuracy)]
+    monitor: Monitor,
+    /// Stop after this many epochs without improvement of --monitor.
     #[arg(long)]
     patience: Option<usize>,
-    /// Smallest change that counts as an improvement when picking the best epoch.
+    /// Smallest change of --monitor that counts as an improvement, for early stopping and for
+    /// picking the exported epoch.
     #[arg(long, default_value_t = 0.0)]
     min_delta: f64,
     /// Input side in pixels.
     #[arg(long, default_value_t = 32)]
     size: u32,
+    /// Training augmentation recipe; the flags below adjust it. light suits short fine-tuning
+    /// runs and small data sets; imagenet is torchvision's recipe for long runs on large sets.
+    #[arg(long, value_enum, default_value_t = AugmentPreset::Light)]
+    augment: AugmentPreset,
+    /// Random resized crop of MIN,MAX of the image area (e.g. 0.5,1), replacing the preset's.
+    #[arg(long, value_name = "MIN,MAX")]
+    crop_scale: Option<String>,
+    /// Random horizontal flips (on in light and imagenet).
+    #[arg(long, overrides_with = "no_flip")]
+    flip: bool,
+    /// No flips: for text, digits, and images whose left and right differ in meaning.
+    #[arg(long, overrides_with = "flip")]
+    no_flip: bool,
+    /// Random rotation up to DEG degrees either way.
+    #[arg(long, value_name = "DEG")]
+    rotate: Option<f64>,
+    /// Random horizontal shear up to DEG degrees either way.
+    #[arg(long, value_name = "DEG")]
+    shear: Option<f64>,
+    /// Brightness, contrast and saturation jitter of up to X (0-1).
+    #[arg(long, value_name = "X")]
+    color_jitter: Option<f64>,
     /// Decoding threads.
     #[arg(long, default_value_t = 2)]
     workers: usize,
@@ -159,9 +188,9 @@ struct TrainArgs {
     /// Gradient fusion bucket size in MB (distributed runs).
     #[arg(long, default_value_t = 25.0)]
     bucket_mb: f64,
-    /// Wire format of gradient averaging in distributed runs: none, bf16 or fp16.
-    #[arg(long, default_value = "none")]
-    compression: String,
+    /// Wire format of gradient averaging in distributed runs.
+    #[arg(long, value_enum, default_value_t = Compression::None)]
+    compression: Compression,
 }
 
 #[derive(Subcommand)]
@@ -199,9 +228,20 @@ struct PredictArgs {
     /// Weights: torchvision .pth/.pt or .safetensors, or a Hearth .bpk model file.
     #[arg(long)]
     weights: Option<PathBuf>,
-    /// Image files: resized (shorter side 256), center-cropped to 224, ImageNet-normalised.
-    #[arg(long, num_args = 1.., conflicts_with = "input", required_unless_present = "input")]
+    /// Image files, prepared as the model file records (a Hearth model trained at --size S:
+    /// shorter side S*256/224, center crop S), else torchvision's 256 / 224 recipe;
+    /// ImageNet-normalised.
+    #[arg(long, num_args = 1.., conflicts_with_all = ["input", "data"], required_unless_present_any = ["input", "data"])]
     image: Vec<PathBuf>,
+    /// Every image under this folder (recursively), streamed in batches; results go to --out.
+    #[arg(long, conflicts_with = "input", requires = "out")]
+    data: Option<PathBuf>,
+    /// With --data: the CSV to write (path, then class and probability for each of --top).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// With --data: images per batch.
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
     /// A float32 NCHW .npy tensor used as is.
     #[arg(long)]
     input: Option<PathBuf>,
@@ -214,6 +254,27 @@ struct PredictArgs {
     /// Class count of the model (default: read from the weights' head; 1000 without weights).
     #[arg(long)]
     num_classes: Option<usize>,
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    /// A Hearth model file (.bpk), or torchvision weights with --model.
+    #[arg(long)]
+    weights: PathBuf,
+    /// Architecture, for torchvision weights.
+    #[arg(long)]
+    model: Option<String>,
+    /// Class folders to evaluate on; folder names must be the model's class names.
+    #[arg(long)]
+    data: PathBuf,
+    /// Where per_class.csv, confusion.csv and confusion.png go.
+    #[arg(long, default_value = "eval")]
+    out: PathBuf,
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// Decoding threads.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
 }
 
 #[derive(Subcommand)]
@@ -243,9 +304,9 @@ struct BenchAllreduceArgs {
     /// Untimed allreduces per size.
     #[arg(long, default_value_t = 2)]
     warmup: usize,
-    /// Wire format: none, bf16 or fp16.
-    #[arg(long, default_value = "none")]
-    compression: String,
+    /// Wire format of the values.
+    #[arg(long, value_enum, default_value_t = Compression::None)]
+    compression: Compression,
 }
 
 #[derive(Args)]
@@ -272,8 +333,8 @@ struct BenchModelArgs {
     #[arg(long)]
     model: String,
     /// train (forward, backward, SGD step) or infer (forward in evaluation mode).
-    #[arg(long, default_value = "infer")]
-    mode: String,
+    #[arg(long, value_enum, default_value_t = BenchMode::Infer)]
+    mode: BenchMode,
     #[arg(long, default_value_t = 16)]
     batch_size: usize,
     /// Input side in pixels.
@@ -292,9 +353,27 @@ struct BenchModelArgs {
 fn main() {
     let cli = Cli::parse();
     if let Err(err) = run(cli) {
-        eprintln!("error: {err:#}");
+        eprintln!("error: {}", report(&err));
         std::process::exit(1);
     }
+}
+
+/// The error and its causes on one line, each said once: our error types already include their
+/// source's text ("cannot read x: No such file or directory"), so a cause whose text is already
+/// there is not repeated.
+fn report(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let part = cause.to_string();
+        if text.contains(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -302,6 +381,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Models => models(),
         Command::Devices => devices(),
         Command::Predict(args) => predict_cmd(&cli.device, args),
+        Command::Eval(args) => eval_cmd(&cli.device, args),
         Command::Bench(BenchCommand::Model(args)) => bench_model(&cli.device, args),
         Command::Bench(BenchCommand::Loader(args)) => bench_loader(&cli.device, args),
         Command::Data(DataCommand::Synth(args)) => data_synth(args),
@@ -351,7 +431,7 @@ fn bench_allreduce(a: BenchAllreduceArgs) -> Result<()> {
         "--warmup".into(),
         a.warmup.to_string(),
         "--compression".into(),
-        a.compression.clone(),
+        a.compression.name().into(),
         "--size-mb".into(),
     ];
     args.extend(a.size_mb.iter().map(|s| s.to_string()));
@@ -370,8 +450,7 @@ fn bench_allreduce(a: BenchAllreduceArgs) -> Result<()> {
 }
 
 fn bench_allreduce_rank(a: BenchAllreduceArgs) -> Result<()> {
-    let compression = a.compression.parse()?;
-    hearth::dist_bench::run_rank(&a.size_mb, a.iters, a.warmup, compression, &mut |t| {
+    hearth::dist_bench::run_rank(&a.size_mb, a.iters, a.warmup, a.compression, &mut |t| {
         println!("{t}")
     })?;
     Ok(())
@@ -431,6 +510,26 @@ fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
         eprintln!("warning: no --weights given: these outputs are from RANDOM weights");
     }
     let model = loaded.model.valid();
+    if let (Some(dir), Some(out)) = (&args.data, &args.out) {
+        let mut progress = progress_bar("predicting");
+        let (n, problems) = hearth::eval::predict_folder(
+            &model,
+            loaded.class_names.as_deref(),
+            dir,
+            &loaded.preprocessing,
+            args.top.max(1),
+            args.batch_size,
+            2,
+            &device,
+            out,
+            &mut |done, total| progress(done, total),
+        )?;
+        if let Some(summary) = problems.summary() {
+            eprintln!("{summary}");
+        }
+        println!("{n} image(s) predicted; results in {}", out.display());
+        return Ok(());
+    }
     let (x, labels): (_, Vec<String>) = match &args.input {
         Some(path) => {
             let x = predict::npy_to_tensor(path, &device)?;
@@ -441,7 +540,7 @@ fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
             )
         }
         None => (
-            predict::images_to_tensor(&args.image, 256, 224, &device)?,
+            predict::images_to_tensor(&args.image, &loaded.preprocessing, &device)?,
             args.image.iter().map(|p| p.display().to_string()).collect(),
         ),
     };
@@ -485,11 +584,76 @@ fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
     Ok(())
 }
 
+/// An indicatif bar on stderr (hidden when stderr is not a terminal), fed (done, total).
+fn progress_bar(what: &'static str) -> impl FnMut(usize, usize) {
+    let bar = indicatif::ProgressBar::new(0);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{msg} [{bar:30}] {pos}/{len} images, {per_sec}, eta {eta}",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_message(what);
+    move |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+        if done >= total {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+fn eval_cmd(device_name: &str, args: EvalArgs) -> Result<()> {
+    let device = hearth::device::select(device_name)?;
+    let loaded =
+        predict::load_for_predict(args.model.as_deref(), Some(&args.weights), None, &device)?;
+    let model = loaded.model.valid();
+    let mut progress = progress_bar("evaluating");
+    let report = hearth::eval::evaluate(
+        &model,
+        loaded.class_names.as_deref(),
+        &args.data,
+        &loaded.preprocessing,
+        args.batch_size,
+        args.workers,
+        &device,
+        &mut |done, total| progress(done, total),
+    )?;
+    if let Some(summary) = report.problems.summary() {
+        eprintln!("{summary}");
+    }
+    let files = hearth::eval::write_report(&report, &args.out)?;
+    println!(
+        "{:<24} {:>9} {:>9} {:>8}",
+        "class", "precision", "recall", "images"
+    );
+    let pct = |v: Option<f64>| {
+        v.map(|x| format!("{:.2}%", 100.0 * x))
+            .unwrap_or("-".into())
+    };
+    for c in &report.classes {
+        println!(
+            "{:<24} {:>9} {:>9} {:>8}",
+            c.name,
+            pct(c.precision),
+            pct(c.recall),
+            c.support
+        );
+    }
+    println!(
+        "accuracy: {:.2}% on {} images",
+        report.accuracy, report.images
+    );
+    for f in files {
+        println!("wrote {}", f.display());
+    }
+    Ok(())
+}
+
 fn bench_model(device_name: &str, args: BenchModelArgs) -> Result<()> {
     let device = hearth::device::select(device_name)?;
     let bench = ModelBench {
         arch: Architecture::from_name(&args.model)?,
-        mode: args.mode.parse::<BenchMode>()?,
+        mode: args.mode,
         batch_size: args.batch_size,
         size: args.size,
         warmup: args.warmup,
@@ -602,6 +766,43 @@ fn default_run_dir() -> PathBuf {
     PathBuf::from("runs").join(secs.to_string())
 }
 
+/// The preset with the per-transform flags applied.
+fn augmentation(a: &TrainArgs) -> Result<hearth::datasets::Augmentation> {
+    let mut aug = a.augment.augmentation();
+    if let Some(text) = &a.crop_scale {
+        let parts: Vec<&str> = text.split(',').map(str::trim).collect();
+        let [min, max] = parts.as_slice() else {
+            bail!("--crop-scale {text:?}: expected MIN,MAX, e.g. 0.5,1");
+        };
+        let (min, max): (f64, f64) = (
+            min.parse()
+                .with_context(|| format!("--crop-scale MIN {min:?}"))?,
+            max.parse()
+                .with_context(|| format!("--crop-scale MAX {max:?}"))?,
+        );
+        if !(0.0 < min && min <= max && max <= 1.0) {
+            bail!("--crop-scale {min},{max}: need 0 < MIN <= MAX <= 1");
+        }
+        aug.crop_scale = Some((min, max));
+    }
+    if a.flip {
+        aug.flip = true;
+    }
+    if a.no_flip {
+        aug.flip = false;
+    }
+    if let Some(d) = a.rotate {
+        aug.rotate = d;
+    }
+    if let Some(d) = a.shear {
+        aug.shear = d;
+    }
+    if let Some(x) = a.color_jitter {
+        aug.color_jitter = x;
+    }
+    Ok(aug)
+}
+
 fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     use hearth::train::{TrainConfig, train};
     let in_job = std::env::var_os("HEARTH_RANK").is_some();
@@ -625,7 +826,25 @@ fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         })?;
         return exit_with(outcome);
     }
-    let device = hearth::device::select(device_name)?;
+    // Inside a job (hearth launch, torchrun, Slurm, mpirun): join it. Half-set or malformed
+    // launcher variables are an error, never a silent single-process run.
+    let dist = hearth::dist::rendezvous::RankInfo::detect()
+        .context("reading the launcher's environment")?
+        .filter(|info| info.world > 1);
+    let spec: DeviceSpec = device_name.parse()?;
+    let spec = spec.for_local_rank(dist.as_ref().and_then(|d| d.local_rank));
+    let device = spec.device()?;
+    if let Some(info) = &dist {
+        eprintln!(
+            "rank {} of {}: device {spec}{}",
+            info.rank,
+            info.world,
+            info.local_rank
+                .map(|l| format!(" (local rank {l})"))
+                .unwrap_or_default()
+        );
+    }
+    let augment = augmentation(&a)?;
     let (run_dir, resume) = match (a.resume, a.run_dir) {
         (Some(dir), _) => (dir, true),
         (None, Some(dir)) => (dir, false),
@@ -644,34 +863,30 @@ fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     cfg.epochs = a.epochs;
     cfg.batch_size = a.batch_size;
     cfg.lr = a.lr;
-    cfg.optimizer = a.optimizer.parse()?;
+    cfg.optimizer = a.optimizer;
     cfg.momentum = a.momentum;
     cfg.nesterov = a.nesterov;
     cfg.weight_decay = a.weight_decay;
-    cfg.schedule = a.schedule.parse()?;
+    cfg.schedule = a.schedule.decay();
     cfg.warmup_epochs = a.warmup_epochs;
     cfg.scale_lr = match (a.scale_lr, a.base_batch) {
-        (Some(rule), Some(base)) => Some((rule.parse()?, base)),
+        (Some(rule), Some(base)) => Some((rule, base)),
         _ => None,
     };
     cfg.label_smoothing = a.label_smoothing;
-    cfg.monitor = a.monitor.parse()?;
+    cfg.monitor = a.monitor;
     cfg.patience = a.patience;
     cfg.min_delta = a.min_delta;
     cfg.image_size = a.size;
+    cfg.augmentation = augment;
     cfg.workers = a.workers;
     cfg.seed = a.seed;
     cfg.price_per_hour = a.price_per_hour;
     cfg.stop_after_epoch = a.stop_after_epoch;
     cfg.grad_accum = a.grad_accum;
     cfg.bucket_bytes = (a.bucket_mb * 1e6) as usize;
-    cfg.compression = a.compression.parse()?;
-    // Inside a job (hearth launch, torchrun, Slurm, mpirun): join it.
-    if let Ok(info) = hearth::dist::rendezvous::RankInfo::from_env()
-        && info.world > 1
-    {
-        cfg.dist = Some(info);
-    }
+    cfg.compression = a.compression;
+    cfg.dist = dist;
     let rank0 = cfg.dist.as_ref().is_none_or(|d| d.rank == 0);
     if rank0 {
         eprintln!("run directory: {}", cfg.run_dir.display());
@@ -717,4 +932,27 @@ fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         None => println!("validation accuracy: n/a"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_os_error_is_reported_once_with_its_path() {
+        let err: anyhow::Error = hearth::predict::load_for_predict(
+            Some("resnet18"),
+            Some(std::path::Path::new("/nonexistent/weights.pth")),
+            None,
+            &burn::prelude::Device::flex(),
+        )
+        .err()
+        .expect("a missing file is an error")
+        .into();
+        let text = report(&err);
+        assert!(text.contains("/nonexistent/weights.pth"), "{text}");
+        assert_eq!(text.matches("os error 2").count(), 1, "{text}");
+        let wrapped = err.context("predicting");
+        assert!(report(&wrapped).starts_with("predicting: "));
+    }
 }

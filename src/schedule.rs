@@ -24,19 +24,27 @@ pub enum Decay {
     },
 }
 
-impl std::str::FromStr for Decay {
-    type Err = HearthError;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "constant" => Ok(Decay::Constant),
-            "cosine" => Ok(Decay::Cosine { min_lr: 0.0 }),
-            "step" => Ok(Decay::Step {
+/// The schedule names `--schedule` takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ScheduleKind {
+    /// The base rate after warmup.
+    Constant,
+    /// A tenth of the rate at each third of the run.
+    Step,
+    /// Cosine down to zero at the last step.
+    Cosine,
+}
+
+impl ScheduleKind {
+    /// The decay it names (the step size of `Step` is set from the run's length).
+    pub fn decay(self) -> Decay {
+        match self {
+            ScheduleKind::Constant => Decay::Constant,
+            ScheduleKind::Cosine => Decay::Cosine { min_lr: 0.0 },
+            ScheduleKind::Step => Decay::Step {
                 step_size: 0,
                 gamma: 0.1,
-            }),
-            other => Err(HearthError::InvalidArgument(format!(
-                "schedule '{other}': expected constant, step or cosine"
-            ))),
+            },
         }
     }
 }
@@ -124,25 +132,12 @@ impl LrScheduler for Schedule {
 }
 
 /// How the learning rate follows the batch size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum LrScaling {
     /// lr * B / B0 (Goyal et al. 2017).
     Linear,
     /// lr * sqrt(B / B0) (Krizhevsky 2014; seed 002).
     Sqrt,
-}
-
-impl std::str::FromStr for LrScaling {
-    type Err = HearthError;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "linear" => Ok(Self::Linear),
-            "sqrt" => Ok(Self::Sqrt),
-            other => Err(HearthError::InvalidArgument(format!(
-                "--scale-lr '{other}': expected linear or sqrt"
-            ))),
-        }
-    }
 }
 
 /// The learning rate for global batch `batch` given `lr` tuned at `base_batch`.

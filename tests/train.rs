@@ -81,6 +81,168 @@ fn assert_same_weights(a: &Path, b: &Path) {
     }
 }
 
+/// The exported model file holds exactly the weights of `checkpoint` (a trainer checkpoint names
+/// the same tensors under a prefix, found from the head's weight).
+fn assert_exported_is(model: &Path, checkpoint: &Path) {
+    let (m, c) = (tensors(model), tensors(checkpoint));
+    let prefix = |t: &[(String, Vec<f32>)]| {
+        t.iter()
+            .find_map(|(n, _)| n.strip_suffix("fc.weight").map(str::to_string))
+            .expect("a ResNet head")
+    };
+    let (pm, pc) = (prefix(&m), prefix(&c));
+    let c: std::collections::BTreeMap<String, Vec<f32>> = c
+        .into_iter()
+        .filter_map(|(n, v)| Some((n.strip_prefix(&pc)?.to_string(), v)))
+        .collect();
+    let mut compared = 0;
+    for (n, v) in &m {
+        let Some(name) = n.strip_prefix(&pm) else {
+            continue;
+        };
+        let Some(w) = c.get(name) else { continue };
+        assert_eq!(
+            v,
+            w,
+            "{name} of {} differs from {}",
+            model.display(),
+            checkpoint.display()
+        );
+        compared += 1;
+    }
+    assert!(compared >= 10, "only {compared} tensors matched by name");
+}
+
+fn checkpoints(run: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(run.join("checkpoint"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// The best epoch by a metrics.csv column, computed here from the file (an improvement must
+/// exceed `min_delta`).
+fn best_by_csv(run: &Path, column: &str, higher: bool, min_delta: f64) -> usize {
+    let csv = std::fs::read_to_string(run.join("metrics.csv")).unwrap();
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let at = header.iter().position(|c| *c == column).unwrap();
+    let mut best: Option<(usize, f64)> = None;
+    for line in lines {
+        let cells: Vec<&str> = line.split(',').collect();
+        let (e, v): (usize, f64) = (cells[0].parse().unwrap(), cells[at].parse().unwrap());
+        let better = match best {
+            None => true,
+            Some((_, b)) => {
+                if higher {
+                    v > b + min_delta
+                } else {
+                    v < b - min_delta
+                }
+            }
+        };
+        if better {
+            best = Some((e, v));
+        }
+    }
+    best.unwrap().0
+}
+
+#[test]
+fn patience_stops_at_the_right_epoch_and_the_export_is_the_best_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    // No improvement can exceed a min_delta of 1000 points: epoch 1 stays the best, and patience
+    // 2 ends the run after epoch 3 of 5.
+    let mut cfg = config(&d, dir.path().join("run"));
+    cfg.epochs = 5;
+    cfg.patience = Some(2);
+    cfg.min_delta = 1000.0;
+    let report = run(&cfg);
+    assert_eq!(report.epochs_run, 3);
+    assert_eq!(report.best_epoch, 1);
+    let run_dir = dir.path().join("run");
+    assert_eq!(
+        checkpoints(&run_dir),
+        [
+            "model-1.bpk",
+            "model-3.bpk",
+            "optim-1.bpk",
+            "optim-3.bpk",
+            "scheduler-1.bpk",
+            "scheduler-3.bpk"
+        ],
+        "the best and the last epoch are kept, nothing else"
+    );
+    assert_exported_is(&report.model_path, &run_dir.join("checkpoint/model-1.bpk"));
+
+    // Without min_delta, on val_loss: the export is the best epoch by metrics.csv.
+    let mut cfg = config(&d, dir.path().join("loss"));
+    cfg.epochs = 3;
+    cfg.monitor = hearth::train::Monitor::ValLoss;
+    let report = run(&cfg);
+    let run_dir = dir.path().join("loss");
+    let best = best_by_csv(&run_dir, "val_loss", false, 0.0);
+    assert_eq!(report.best_epoch, best);
+    assert_exported_is(
+        &report.model_path,
+        &run_dir.join(format!("checkpoint/model-{best}.bpk")),
+    );
+}
+
+#[test]
+fn restore_best_holds_across_a_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    let run_dir = dir.path().join("run");
+    let make = || {
+        let mut cfg = config(&d, run_dir.clone());
+        cfg.epochs = 3;
+        cfg.min_delta = 1000.0; // epoch 1 stays the best
+        cfg
+    };
+    let mut first = make();
+    first.stop_after_epoch = Some(1);
+    run(&first);
+    let mut second = make();
+    second.resume = true;
+    let report = run(&second);
+    assert_eq!((report.best_epoch, report.epochs_run), (1, 3));
+    assert!(run_dir.join("checkpoint/model-1.bpk").is_file());
+    assert!(!run_dir.join("checkpoint/model-2.bpk").exists());
+    assert_exported_is(&report.model_path, &run_dir.join("checkpoint/model-1.bpk"));
+}
+
+#[test]
+fn resume_picks_the_last_complete_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    let run_dir = dir.path().join("run");
+    let make = || {
+        let mut cfg = config(&d, run_dir.clone());
+        cfg.epochs = 3;
+        cfg.min_delta = 1000.0; // epoch 1 stays the best, so its checkpoint is kept
+        cfg
+    };
+    let mut first = make();
+    first.stop_after_epoch = Some(2);
+    run(&first);
+    // A crash while epoch 2's checkpoint was written: its scheduler file never arrived.
+    std::fs::remove_file(run_dir.join("checkpoint/scheduler-2.bpk")).unwrap();
+    let mut lines = Vec::new();
+    let mut second = make();
+    second.resume = true;
+    train(&second, &Device::flex(), &mut |l| lines.push(l.to_string())).unwrap();
+    assert!(
+        lines.iter().any(|l| l == "resuming after epoch 1"),
+        "{lines:?}"
+    );
+    let csv = std::fs::read_to_string(run_dir.join("metrics.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 4, "epochs 1-3, each once: {csv}");
+}
+
 #[test]
 fn a_run_writes_metrics_and_a_model_that_reproduces_its_validation_accuracy() {
     let dir = tempfile::tempdir().unwrap();
@@ -267,7 +429,7 @@ fn multi_label_training_reports_per_class_auroc_that_matches_the_metric() {
     let mut cfg = config(&d, dir.path().join("run"));
     cfg.labels = Some(multi_label_csv(&d));
     cfg.val_fraction = 0.3;
-    cfg.monitor = "val_auroc".parse().unwrap();
+    cfg.monitor = hearth::train::Monitor::ValAuroc;
     let report = run(&cfg);
 
     let csv = std::fs::read_to_string(dir.path().join("run/metrics.csv")).unwrap();
@@ -322,9 +484,12 @@ fn unfreezing_after_an_epoch_fine_tunes_the_backbone_and_resumes_exactly() {
         cfg.freeze_backbone = true;
         cfg.unfreeze_after = Some(1);
         cfg.finetune_lr = Some(0.01);
+        // Epoch 1 stays the best (its checkpoint is kept, and it is what gets exported).
+        cfg.min_delta = 1000.0;
         cfg
     };
-    run(&make("straight"));
+    let report = run(&make("straight"));
+    assert_eq!(report.best_epoch, 1);
     let ckpt = |run: &str, e: usize| dir.path().join(format!("{run}/checkpoint/model-{e}.bpk"));
     let (e1, e2) = (
         backbone(&ckpt("straight", 1)),
@@ -345,6 +510,8 @@ fn unfreezing_after_an_epoch_fine_tunes_the_backbone_and_resumes_exactly() {
     };
     assert_eq!(stem_at(&e1), stem, "the frozen epoch changed the stem");
     assert_ne!(stem_at(&e2), stem, "fine-tuning did not change the stem");
+    // The export across both phases is the best epoch (1), not the last.
+    assert_exported_is(&report.model_path, &ckpt("straight", 1));
     let csv = std::fs::read_to_string(dir.path().join("straight/metrics.csv")).unwrap();
     assert_eq!(csv.lines().count(), 3, "{csv}");
 
@@ -369,4 +536,13 @@ fn unfreezing_after_an_epoch_fine_tunes_the_backbone_and_resumes_exactly() {
         e.contains("lr: 0.05 then, 0.1 now") && e.contains("epochs"),
         "{e}"
     );
+
+    // Patience counts from fine-tuning: with patience 1 and nothing better than epoch 1, the
+    // run ends after the first fine-tuning epoch (2 of 4), exporting epoch 1.
+    let mut patient = make("patient");
+    patient.epochs = 4;
+    patient.patience = Some(1);
+    let report = run(&patient);
+    assert_eq!((report.epochs_run, report.best_epoch), (2, 1));
+    assert_exported_is(&report.model_path, &ckpt("patient", 1));
 }

@@ -2,7 +2,9 @@
 //!
 //! burn-train asks for an iterator once per epoch without saying which epoch; the adapter counts
 //! epochs itself (starting where a resumed run left off), so the data order of epoch `e` is
-//! always `(seed, e)`: a resumed run sees the same batches as an uninterrupted one.
+//! always `(seed, e)`: a resumed run sees the same batches as an uninterrupted one. The training
+//! adapter also reseeds the device's random generator at the start of every epoch from
+//! `(seed, epoch, rank)`, so dropout masks too continue exactly after a resume.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,6 +32,8 @@ pub struct LoaderAdapter {
     next_epoch: Arc<AtomicU64>,
     /// Sub-range of this rank's batches (burn's `slice`), in samples.
     range: Option<(usize, usize)>,
+    /// (seed, rank): reseed the device at each epoch start.
+    reseed: Option<(u64, usize)>,
 }
 
 impl LoaderAdapter {
@@ -40,7 +44,15 @@ impl LoaderAdapter {
             device,
             next_epoch: Arc::new(AtomicU64::new(first_epoch)),
             range: None,
+            reseed: None,
         }
+    }
+
+    /// Reseeds the device's random generator with
+    /// [`epoch_seed`](super::model::epoch_seed)`(seed, epoch, rank)` before each epoch.
+    pub fn with_epoch_seed(mut self, seed: u64, rank: usize) -> Self {
+        self.reseed = Some((seed, rank));
+        self
     }
 
     fn samples(&self) -> usize {
@@ -109,6 +121,14 @@ impl DataLoaderIterator<ImageBatch> for AdapterIter {
 impl DataLoader<ImageBatch> for LoaderAdapter {
     fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<ImageBatch> + 'a> {
         let epoch = self.next_epoch.fetch_add(1, Ordering::SeqCst);
+        if let Some((seed, rank)) = self.reseed {
+            // Not while another training in this process initialises its model from its seed.
+            let _rng = super::model::SEED_LOCK
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            self.device
+                .seed(super::model::epoch_seed(seed, epoch, rank));
+        }
         let total = self.samples();
         let (skip, take) = match self.range {
             Some((a, b)) => (a, b.saturating_sub(a)),
@@ -133,6 +153,7 @@ impl DataLoader<ImageBatch> for LoaderAdapter {
             device: device.clone(),
             next_epoch: self.next_epoch.clone(),
             range: self.range,
+            reseed: self.reseed,
         })
     }
 
@@ -143,6 +164,7 @@ impl DataLoader<ImageBatch> for LoaderAdapter {
             device: self.device.clone(),
             next_epoch: self.next_epoch.clone(),
             range: Some((base + start, base + end)),
+            reseed: self.reseed,
         })
     }
 }

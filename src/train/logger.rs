@@ -60,6 +60,21 @@ fn slug(name: &str) -> String {
     }
 }
 
+/// How many samples an epoch's entries cover: the batch sizes of its per-batch entries (1 for a
+/// plain value). burn-train closes every epoch with a final entry (the sample-weighted value),
+/// which adds no samples; an epoch with a final entry alone counts 1.
+pub fn epoch_count(entries: &[NumericEntry]) -> usize {
+    entries
+        .iter()
+        .map(|e| match e {
+            NumericEntry::Aggregated { count, .. } => *count,
+            NumericEntry::Value(_) => 1,
+            NumericEntry::Final(_) => 0,
+        })
+        .sum::<usize>()
+        .max(1)
+}
+
 /// The value of an epoch from its entries: the final value when logged, else the mean weighted
 /// by batch size.
 pub fn epoch_value(entries: &[NumericEntry]) -> Option<f64> {
@@ -249,25 +264,35 @@ impl MetricLogger for CsvMetricLogger {
         let valid = matches!(summary.split, Split::Valid);
         let prefix = if valid { "val" } else { "train" };
         let epoch = summary.epoch_number;
-        // Epoch value of every metric, by metric name (sorted: the same order on every rank).
+        // Epoch value and sample count of every metric, by metric name (sorted: the same order
+        // on every rank).
         let mut by_name: BTreeMap<String, f64> = BTreeMap::new();
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
         for ((name, e, v), entries) in &self.entries {
             if *e == epoch
                 && *v == valid
                 && let Some(x) = epoch_value(entries)
             {
                 by_name.insert(name.clone(), x);
+                counts.insert(name.clone(), epoch_count(entries));
             }
         }
         let mut per_rank_columns = BTreeMap::new();
         if let Some(comm) = &self.ranks
-            && let Some(ranks) = gather_over_ranks(comm, &by_name)
+            && let Some(ranks) = gather_over_ranks(comm, &by_name, &counts)
         {
             for (i, (name, value)) in by_name.iter_mut().enumerate() {
                 let column = slug(name);
-                let sum: f64 = ranks.iter().map(|r| r[i]).sum();
+                // Weighted by each rank's sample count: validation shards differ by up to one
+                // image when the set does not divide by the world, and each image counts once,
+                // so the job's figure equals a single process's on the whole set.
+                let (sum, weighted, n) = ranks.iter().fold((0.0, 0.0, 0.0), |(s, w, n), r| {
+                    (s + r[i].0, w + r[i].0 * r[i].1, n + r[i].1)
+                });
                 *value = if column == "images_per_sec" {
                     sum
+                } else if n > 0.0 {
+                    weighted / n
                 } else {
                     sum / ranks.len() as f64
                 };
@@ -279,7 +304,7 @@ impl MetricLogger for CsvMetricLogger {
                 );
                 if !valid && (column == "loss" || column == "accuracy") {
                     for (r, values) in ranks.iter().enumerate() {
-                        per_rank_columns.insert(format!("train_{column}_rank{r}"), values[i]);
+                        per_rank_columns.insert(format!("train_{column}_rank{r}"), values[i].0);
                     }
                 }
             }
@@ -305,18 +330,25 @@ impl MetricLogger for CsvMetricLogger {
     }
 }
 
-/// Every rank's values (in `values`' key order), by rank. `None` (with a warning) when the
-/// exchange fails: the local values then stay.
+/// Every rank's (value, sample count) pairs (in `values`' key order), by rank. `None` (with a
+/// warning) when the exchange fails: the local values then stay.
 fn gather_over_ranks(
     comm: &burn_dist::Communicator,
     values: &BTreeMap<String, f64>,
-) -> Option<Vec<Vec<f64>>> {
-    let local: Vec<f32> = values.values().map(|v| *v as f32).collect();
+    counts: &BTreeMap<String, usize>,
+) -> Option<Vec<Vec<(f64, f64)>>> {
+    let mut local: Vec<f32> = values.values().map(|v| *v as f32).collect();
+    local.extend(
+        values
+            .keys()
+            .map(|k| counts.get(k).copied().unwrap_or(1) as f32),
+    );
+    let n = values.len();
     match comm.all_gather(&local) {
         Ok(g) => Some(
             g.chunks(local.len().max(1))
                 .take(comm.world())
-                .map(|c| c.iter().map(|v| *v as f64).collect())
+                .map(|c| (0..n).map(|i| (c[i] as f64, c[n + i] as f64)).collect())
                 .collect(),
         ),
         Err(e) => {
@@ -352,6 +384,10 @@ mod tests {
             Some(9.0)
         );
         assert_eq!(epoch_value(&[]), None);
+        assert_eq!(epoch_count(&agg), 4);
+        let with_final = [agg[0].clone(), agg[1].clone(), NumericEntry::Final(1.5)];
+        assert_eq!(epoch_count(&with_final), 4);
+        assert_eq!(epoch_count(&[NumericEntry::Final(0.5)]), 1);
         assert_eq!(slug("Top-5 Accuracy"), "top5_accuracy");
         assert_eq!(slug("Loss"), "loss");
         assert_eq!(slug("Learning Rate"), "lr");

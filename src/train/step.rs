@@ -4,26 +4,16 @@
 
 use burn::module::Module;
 use burn::nn::loss::{BinaryCrossEntropyLossConfig, CrossEntropyLossConfig};
-use burn::train::checkpoint::ComposedCheckpointingStrategy;
-use burn::train::metric::store::Direction;
+use burn::train::SupervisedTraining;
 use burn::train::metric::{
     AccuracyMetric, AurocMetric, ClassReduction, HammingScore, LossMetric, TopKAccuracyMetric,
 };
 use burn::train::{
     ClassificationOutput, InferenceStep, MultiLabelClassificationOutput, TrainOutput, TrainStep,
 };
-use burn::train::{MetricEarlyStoppingStrategy, SupervisedTraining};
 use hearth_models::Classifier;
 
 use super::data::ImageBatch;
-use super::{Monitor, monitored};
-use crate::{HearthError, Result};
-
-/// Best-epoch checkpointing and optional early stopping on one validation metric.
-pub type Monitoring = (
-    ComposedCheckpointingStrategy,
-    Option<MetricEarlyStoppingStrategy>,
-);
 
 /// A trainee the Learner drives: a [`Classifier`] with its loss.
 pub trait Task:
@@ -42,8 +32,6 @@ pub trait Task:
         training: SupervisedTraining<Self>,
         classes: usize,
     ) -> SupervisedTraining<Self>;
-    /// The checkpointing and early stopping that follow `monitor`.
-    fn monitored(monitor: Monitor, patience: Option<usize>) -> Result<Monitoring>;
 }
 
 /// A classifier with its loss: cross-entropy with optional label smoothing.
@@ -106,19 +94,6 @@ impl Task for SingleLabel {
             .metrics((AccuracyMetric::new(), LossMetric::new()))
             .metric_train_numeric(TopKAccuracyMetric::new(5.min(classes)))
             .metric_valid_numeric(TopKAccuracyMetric::new(5.min(classes)))
-    }
-    fn monitored(monitor: Monitor, patience: Option<usize>) -> Result<Monitoring> {
-        match monitor {
-            Monitor::ValLoss => Ok(monitored(&LossMetric::new(), Direction::Lowest, patience)),
-            Monitor::ValAccuracy => Ok(monitored(
-                &AccuracyMetric::new(),
-                Direction::Highest,
-                patience,
-            )),
-            Monitor::ValAuroc => Err(HearthError::InvalidArgument(
-                "--monitor val_auroc needs a multi-label data set (--labels FILE.csv)".into(),
-            )),
-        }
     }
 }
 
@@ -191,12 +166,5 @@ impl Task for MultiLabel {
     }
     fn register_metrics(training: SupervisedTraining<Self>, _: usize) -> SupervisedTraining<Self> {
         training.metrics((hamming(), LossMetric::new(), auroc()))
-    }
-    fn monitored(monitor: Monitor, patience: Option<usize>) -> Result<Monitoring> {
-        Ok(match monitor {
-            Monitor::ValLoss => monitored(&LossMetric::new(), Direction::Lowest, patience),
-            Monitor::ValAccuracy => monitored(&hamming(), Direction::Highest, patience),
-            Monitor::ValAuroc => monitored(&auroc(), Direction::Highest, patience),
-        })
     }
 }

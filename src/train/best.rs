@@ -1,0 +1,242 @@
+//! The best epoch, Keras' `restore_best_weights` made to hold across resumes and phases.
+//!
+//! One rule ([`best_epoch`]: the monitored column of the run's epoch table, an improvement
+//! counting only when larger than `min_delta`) drives all three decisions:
+//! - which checkpoints burn-train keeps ([`KeepBestAndLast`]: the best, for the export, and the
+//!   last, for `--resume`);
+//! - when early stopping ends the run ([`Patience`]);
+//! - which epoch becomes `model.bpk` ([`restore_best`]).
+//!
+//! They read the [`EpochTable`], which holds every epoch of the run: a resumed run reloads the
+//! earlier rows from `metrics.csv`, and a second (fine-tuning) phase shares the table of the
+//! first. burn-train's own metric strategies only see the epochs of one Learner launch, so
+//! after a resume they took every epoch for the best and deleted the real best's checkpoint.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use burn::store::BurnpackStore;
+use burn::train::EarlyStoppingStrategy;
+use burn::train::checkpoint::{CheckpointingAction, CheckpointingStrategy};
+use burn::train::metric::store::EventStoreClient;
+use hearth_models::Classifier;
+
+use super::{EpochTable, Monitor, Task};
+use crate::{HearthError, Result};
+
+/// The best epoch by the monitored metric; an improvement of `min_delta` or less does not count
+/// (the earlier epoch stays the best).
+pub fn best_epoch(
+    rows: &BTreeMap<usize, BTreeMap<String, f64>>,
+    monitor: Monitor,
+    min_delta: f64,
+) -> Option<usize> {
+    let key = monitor.column();
+    let higher = monitor.higher_is_better();
+    let mut best: Option<(usize, f64)> = None;
+    for (&epoch, row) in rows {
+        let Some(&v) = row.get(key) else { continue };
+        if !v.is_finite() {
+            continue;
+        }
+        let better = match best {
+            None => true,
+            Some((_, b)) if higher => v > b + min_delta,
+            Some((_, b)) => v < b - min_delta,
+        };
+        if better {
+            best = Some((epoch, v));
+        }
+    }
+    best.map(|(e, _)| e)
+}
+
+/// How the best epoch is chosen: the table of all epochs, the column and the threshold.
+#[derive(Clone)]
+pub struct BestRule {
+    pub table: EpochTable,
+    pub monitor: Monitor,
+    pub min_delta: f64,
+}
+
+impl BestRule {
+    pub fn best(&self) -> Option<usize> {
+        let rows = self.table.lock().ok()?;
+        best_epoch(&rows, self.monitor, self.min_delta)
+    }
+}
+
+/// Keeps two checkpoints: the last epoch's (what `--resume` continues) and the best epoch's
+/// (what the export restores); deletes every other one it knows of.
+pub struct KeepBestAndLast {
+    rule: BestRule,
+    /// Epochs whose checkpoint files exist.
+    kept: BTreeSet<usize>,
+}
+
+impl KeepBestAndLast {
+    /// `existing`: the epochs already checkpointed in this run directory (a resumed run, or the
+    /// first phase before fine-tuning).
+    pub fn new(rule: BestRule, existing: impl IntoIterator<Item = usize>) -> Self {
+        Self {
+            rule,
+            kept: existing.into_iter().collect(),
+        }
+    }
+}
+
+impl KeepBestAndLast {
+    /// What to do with the checkpoints after `epoch`: save it, delete all but it and the best.
+    fn actions(&mut self, epoch: usize) -> Vec<CheckpointingAction> {
+        let best = self.rule.best().unwrap_or(epoch);
+        let mut actions: Vec<CheckpointingAction> = self
+            .kept
+            .iter()
+            .filter(|&&e| e != best && e != epoch)
+            .map(|&e| CheckpointingAction::Delete(e))
+            .collect();
+        self.kept.retain(|&e| e == best);
+        actions.push(CheckpointingAction::Save);
+        self.kept.insert(epoch);
+        actions
+    }
+}
+
+impl CheckpointingStrategy for KeepBestAndLast {
+    fn checkpointing(&mut self, epoch: usize, _: &EventStoreClient) -> Vec<CheckpointingAction> {
+        self.actions(epoch)
+    }
+}
+
+/// Early stopping: stop once `patience` epochs have passed without an improvement of more than
+/// `min_delta` over the best epoch so far (of the whole run), counting from `origin` at the
+/// earliest (the first epoch of fine-tuning in a two-phase run, 0 otherwise).
+#[derive(Clone)]
+pub struct Patience {
+    pub rule: BestRule,
+    pub patience: usize,
+    pub origin: usize,
+}
+
+impl Patience {
+    /// Whether the run should end after `epoch`.
+    pub fn exhausted(&self, epoch: usize) -> bool {
+        let since = self.rule.best().unwrap_or(epoch).max(self.origin);
+        epoch.saturating_sub(since) >= self.patience
+    }
+}
+
+impl EarlyStoppingStrategy for Patience {
+    fn should_stop(&mut self, epoch: usize, _: &EventStoreClient) -> bool {
+        self.exhausted(epoch)
+    }
+}
+
+/// `run_dir/checkpoint/model-<epoch>.bpk`.
+pub fn model_checkpoint(run_dir: &Path, epoch: usize) -> PathBuf {
+    run_dir
+        .join("checkpoint")
+        .join(format!("model-{epoch}.bpk"))
+}
+
+/// The classifier with the weights of `epoch`'s checkpoint loaded into `model`; an error when
+/// that checkpoint is missing or unreadable (never a silent fall-back to another epoch).
+pub fn restore_best<T: Task>(
+    model: Classifier,
+    run_dir: &Path,
+    epoch: usize,
+    smoothing: f32,
+) -> Result<Classifier> {
+    let file = model_checkpoint(run_dir, epoch);
+    if !file.is_file() {
+        return Err(HearthError::Training(format!(
+            "the best epoch's checkpoint {} is missing; cannot export the best weights",
+            file.display()
+        )));
+    }
+    let mut trainee = T::wrap(model, smoothing);
+    let mut store = BurnpackStore::from_file(&file).auto_extension(false);
+    use burn::store::ModuleSnapshot;
+    trainee.load_from(&mut store).map_err(|e| {
+        HearthError::Training(format!(
+            "restoring epoch {epoch} from {}: {e}",
+            file.display()
+        ))
+    })?;
+    Ok(trainee.into_classifier())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(values: &[(usize, f64)], column: &str) -> EpochTable {
+        let rows = values
+            .iter()
+            .map(|&(e, v)| (e, BTreeMap::from([(column.to_string(), v)])))
+            .collect();
+        std::sync::Arc::new(std::sync::Mutex::new(rows))
+    }
+
+    fn rule(values: &[(usize, f64)], monitor: Monitor, min_delta: f64) -> BestRule {
+        BestRule {
+            table: table(values, monitor.column()),
+            monitor,
+            min_delta,
+        }
+    }
+
+    #[test]
+    fn best_epoch_follows_direction_and_min_delta() {
+        let acc = [(1, 50.0), (2, 60.0), (3, 60.5), (4, 59.0)];
+        assert_eq!(rule(&acc, Monitor::ValAccuracy, 0.0).best(), Some(3));
+        // 0.5 is not more than a min_delta of 1: epoch 2 stays the best.
+        assert_eq!(rule(&acc, Monitor::ValAccuracy, 1.0).best(), Some(2));
+        let loss = [(1, 1.0), (2, 0.5), (3, 0.7), (4, f64::NAN)];
+        assert_eq!(rule(&loss, Monitor::ValLoss, 0.0).best(), Some(2));
+        assert_eq!(rule(&[], Monitor::ValLoss, 0.0).best(), None);
+    }
+
+    #[test]
+    fn patience_counts_from_the_best_epoch_and_the_origin() {
+        let acc = [(1, 50.0), (2, 60.0), (3, 59.0), (4, 60.4)];
+        let p = |min_delta, origin| Patience {
+            rule: rule(&acc, Monitor::ValAccuracy, min_delta),
+            patience: 2,
+            origin,
+        };
+        assert!(!p(0.0, 0).exhausted(4), "epoch 4 is the best");
+        assert!(p(1.0, 0).exhausted(4), "0.4 is below min_delta: best is 2");
+        assert!(!p(1.0, 3).exhausted(4), "patience counts from epoch 3");
+        assert!(p(1.0, 2).exhausted(4));
+    }
+
+    #[test]
+    fn keeps_the_best_and_the_last_checkpoint_across_a_resume() {
+        // Epochs 1-3 ran before the resume; epoch 2 was the best, 3 the last.
+        let r = rule(
+            &[(1, 50.0), (2, 70.0), (3, 60.0), (4, 65.0)],
+            Monitor::ValAccuracy,
+            0.0,
+        );
+        let mut s = KeepBestAndLast::new(r.clone(), [2, 3]);
+        assert_eq!(
+            s.actions(4),
+            vec![CheckpointingAction::Delete(3), CheckpointingAction::Save]
+        );
+        assert_eq!(s.kept, BTreeSet::from([2, 4]));
+        r.table
+            .lock()
+            .unwrap()
+            .insert(5, BTreeMap::from([("val_accuracy".into(), 80.0)]));
+        assert_eq!(
+            s.actions(5),
+            vec![
+                CheckpointingAction::Delete(2),
+                CheckpointingAction::Delete(4),
+                CheckpointingAction::Save
+            ]
+        );
+        assert_eq!(s.kept, BTreeSet::from([5]));
+    }
+}

@@ -1,0 +1,275 @@
+//! What a training run takes: [`TrainConfig`] and its choices, checked before anything starts.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use hearth_datasets::Augmentation;
+
+use crate::schedule::{Decay, LrScaling};
+use crate::{HearthError, Result};
+
+/// Name of the small ResNet the default run trains.
+pub const DEFAULT_MODEL: &str = "resnet-mini";
+
+/// A small VGG with batch norm and dropout (tests and quick runs of the VGG recipe).
+pub const MINI_VGG: &str = "vgg-mini";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OptimizerKind {
+    Sgd,
+    Adam,
+    #[value(name = "adamw")]
+    AdamW,
+    Lars,
+}
+
+/// Which validation metric early stopping and best-epoch selection follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Monitor {
+    #[value(name = "val_loss")]
+    ValLoss,
+    #[value(name = "val_accuracy")]
+    ValAccuracy,
+    /// Mean per-class AUROC (multi-label sets).
+    #[value(name = "val_auroc")]
+    ValAuroc,
+}
+
+impl Monitor {
+    /// The `metrics.csv` column it reads.
+    pub fn column(self) -> &'static str {
+        match self {
+            Monitor::ValLoss => "val_loss",
+            Monitor::ValAccuracy => "val_accuracy",
+            Monitor::ValAuroc => "val_auroc",
+        }
+    }
+
+    pub fn higher_is_better(self) -> bool {
+        !matches!(self, Monitor::ValLoss)
+    }
+}
+
+/// Named augmentation recipes (`--augment`); the per-transform flags adjust them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AugmentPreset {
+    /// Resize and center crop, as validation: nothing random.
+    None,
+    /// Random resized crop of 70-100% of the image and a horizontal flip: short fine-tuning runs
+    /// and small data sets (the default).
+    Light,
+    /// torchvision's ImageNet recipe: random resized crop of 8-100%, horizontal flip.
+    Imagenet,
+}
+
+impl AugmentPreset {
+    pub fn augmentation(self) -> Augmentation {
+        match self {
+            AugmentPreset::None => Augmentation::none(),
+            AugmentPreset::Light => Augmentation::light(),
+            AugmentPreset::Imagenet => Augmentation::imagenet(),
+        }
+    }
+}
+
+/// Everything `hearth train` takes.
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    /// Image folder; `None` generates the synthetic default set into the run directory.
+    pub data: Option<PathBuf>,
+    /// Multi-label CSV (`path,label1|label2`), paths relative to `data` (default: the CSV's
+    /// folder). Trains with one sigmoid per class and binary cross-entropy.
+    pub labels: Option<PathBuf>,
+    pub val_fraction: f64,
+    /// torchvision name, [`DEFAULT_MODEL`] or [`MINI_VGG`].
+    pub model: String,
+    pub weights: Option<PathBuf>,
+    pub freeze_backbone: bool,
+    /// With `freeze_backbone`: after this many epochs, unfreeze everything and fine-tune at
+    /// `finetune_lr`.
+    pub unfreeze_after: Option<usize>,
+    /// Learning rate of the fine-tuning phase (default: a tenth of the scaled `lr`).
+    pub finetune_lr: Option<f64>,
+    pub epochs: usize,
+    pub batch_size: usize,
+    pub lr: f64,
+    pub optimizer: OptimizerKind,
+    pub momentum: f64,
+    pub nesterov: bool,
+    pub weight_decay: f64,
+    pub schedule: Decay,
+    pub warmup_epochs: usize,
+    pub scale_lr: Option<(LrScaling, usize)>,
+    pub label_smoothing: f32,
+    pub monitor: Monitor,
+    /// Stop after this many epochs without an improvement of `monitor` by more than `min_delta`.
+    pub patience: Option<usize>,
+    /// Smallest change of `monitor` that counts as an improvement, for early stopping and for
+    /// picking the exported epoch alike.
+    pub min_delta: f64,
+    pub image_size: u32,
+    /// Training augmentation (validation is always resize + center crop).
+    pub augmentation: Augmentation,
+    pub workers: usize,
+    pub seed: u64,
+    pub run_dir: PathBuf,
+    pub resume: bool,
+    /// End the run after this epoch (checkpoint written), e.g. before a time limit; `--resume`
+    /// continues it exactly.
+    pub stop_after_epoch: Option<usize>,
+    pub price_per_hour: Option<f64>,
+    /// Accumulate gradients over this many micro-batches per optimizer step.
+    pub grad_accum: Option<usize>,
+    /// Distributed data parallel: this process's place in the job (from `hearth launch`,
+    /// torchrun, Slurm or mpirun variables). `batch_size` stays the global batch, split evenly
+    /// over the ranks.
+    pub dist: Option<burn_dist::rendezvous::RankInfo>,
+    /// Gradient fusion bucket size in bytes (distributed runs).
+    pub bucket_bytes: usize,
+    /// Wire format of gradient averaging (distributed runs); parameters always travel exact.
+    pub compression: burn_dist::Compression,
+}
+
+impl TrainConfig {
+    pub fn new(run_dir: PathBuf) -> Self {
+        Self {
+            data: None,
+            labels: None,
+            val_fraction: 0.2,
+            model: DEFAULT_MODEL.into(),
+            weights: None,
+            freeze_backbone: false,
+            unfreeze_after: None,
+            finetune_lr: None,
+            epochs: 12,
+            batch_size: 32,
+            lr: 0.05,
+            optimizer: OptimizerKind::Sgd,
+            momentum: 0.9,
+            nesterov: false,
+            weight_decay: 5e-4,
+            schedule: Decay::Cosine { min_lr: 0.0 },
+            warmup_epochs: 1,
+            scale_lr: None,
+            label_smoothing: 0.0,
+            monitor: Monitor::ValAccuracy,
+            patience: None,
+            min_delta: 0.0,
+            image_size: 32,
+            augmentation: AugmentPreset::Light.augmentation(),
+            workers: 2,
+            seed: 0,
+            run_dir,
+            resume: false,
+            stop_after_epoch: None,
+            price_per_hour: None,
+            grad_accum: None,
+            dist: None,
+            bucket_bytes: burn_dist::bucket::DEFAULT_BUCKET_BYTES,
+            compression: burn_dist::Compression::None,
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(HearthError::InvalidArgument(m));
+        if self.batch_size == 0 {
+            return bad("--batch-size must be at least 1 (got 0)".into());
+        }
+        if self.epochs == 0 {
+            return bad("--epochs must be at least 1".into());
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad(format!("--lr {} must be positive", self.lr));
+        }
+        if !(0.0..1.0).contains(&self.label_smoothing) {
+            return bad("--label-smoothing must be in [0, 1)".into());
+        }
+        if !(self.min_delta.is_finite() && self.min_delta >= 0.0) {
+            return bad(format!("--min-delta {} must be 0 or more", self.min_delta));
+        }
+        if self.patience == Some(0) {
+            return bad("--patience must be at least 1".into());
+        }
+        if let Some(n) = self.unfreeze_after {
+            if !self.freeze_backbone {
+                return bad("--unfreeze-after needs --freeze-backbone".into());
+            }
+            if n == 0 || n >= self.epochs {
+                return bad(format!(
+                    "--unfreeze-after {n} must be between 1 and --epochs - 1 ({})",
+                    self.epochs - 1
+                ));
+            }
+        }
+        if let Some(lr) = self.finetune_lr
+            && !(lr.is_finite() && lr > 0.0)
+        {
+            return bad(format!("--finetune-lr {lr} must be positive"));
+        }
+        if self.grad_accum == Some(0) {
+            return bad("--grad-accum must be at least 1".into());
+        }
+        if let Some(d) = &self.dist
+            && self.batch_size % d.world != 0
+        {
+            return bad(format!(
+                "--batch-size {} (the global batch) must divide evenly over {} ranks",
+                self.batch_size, d.world
+            ));
+        }
+        if self.image_size < hearth_models::MIN_INPUT_SIZE as u32 {
+            return bad(format!(
+                "--size {} is below the minimum of {}",
+                self.image_size,
+                hearth_models::MIN_INPUT_SIZE
+            ));
+        }
+        self.augmentation.pipeline(self.image_size)?;
+        Ok(())
+    }
+
+    /// Optimizer steps per epoch for `batches` loader batches: with gradient accumulation K the
+    /// optimizer (and so burn-train's scheduler) steps on every K-th batch and on the last one.
+    pub fn optimizer_steps(&self, batches: usize) -> usize {
+        batches.div_ceil(self.grad_accum.unwrap_or(1).max(1)).max(1)
+    }
+
+    /// The hyperparameters a resumed run must share with the original, by name
+    /// (`hparams.json`).
+    pub fn hyperparameters(&self) -> BTreeMap<&'static str, String> {
+        let path = |p: &Option<PathBuf>| {
+            p.as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
+        };
+        BTreeMap::from([
+            ("data", path(&self.data)),
+            ("labels", path(&self.labels)),
+            ("val_fraction", self.val_fraction.to_string()),
+            ("model", self.model.clone()),
+            ("weights", path(&self.weights)),
+            ("freeze_backbone", self.freeze_backbone.to_string()),
+            ("unfreeze_after", format!("{:?}", self.unfreeze_after)),
+            ("finetune_lr", format!("{:?}", self.finetune_lr)),
+            ("epochs", self.epochs.to_string()),
+            ("batch_size", self.batch_size.to_string()),
+            ("lr", self.lr.to_string()),
+            ("optimizer", format!("{:?}", self.optimizer)),
+            ("momentum", self.momentum.to_string()),
+            ("nesterov", self.nesterov.to_string()),
+            ("weight_decay", self.weight_decay.to_string()),
+            ("schedule", format!("{:?}", self.schedule)),
+            ("warmup_epochs", self.warmup_epochs.to_string()),
+            ("scale_lr", format!("{:?}", self.scale_lr)),
+            ("label_smoothing", self.label_smoothing.to_string()),
+            ("monitor", format!("{:?}", self.monitor)),
+            ("patience", format!("{:?}", self.patience)),
+            ("min_delta", self.min_delta.to_string()),
+            ("image_size", self.image_size.to_string()),
+            ("augmentation", self.augmentation.to_string()),
+            ("seed", self.seed.to_string()),
+            ("grad_accum", format!("{:?}", self.grad_accum)),
+            ("compression", format!("{:?}", self.compression)),
+        ])
+    }
+}

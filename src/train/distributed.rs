@@ -1,0 +1,97 @@
+//! Distributed setup of a run: joining the job, and every rank reading the same data.
+
+use std::sync::Arc;
+
+use hearth_datasets::ImageSet;
+
+use super::{TrainConfig, sets};
+use crate::{HearthError, Result};
+
+/// Joins the distributed job (QUIC, TLS from the job secret or CA in the environment).
+pub fn connect(
+    info: &burn_dist::rendezvous::RankInfo,
+    log: &mut dyn FnMut(&str),
+) -> Result<burn_dist::Communicator> {
+    let membership = burn_dist::tls::Membership::from_env()?;
+    if info.rank == 0 {
+        log(&format!(
+            "distributed: {} ranks ({}), coordinator {}",
+            info.world, info.source, info.coordinator
+        ));
+    }
+    let transport = burn_dist::rendezvous::connect(
+        info,
+        &membership,
+        &burn_dist::rendezvous::RendezvousOptions::default(),
+    )?;
+    Ok(burn_dist::Communicator::new(Arc::new(transport)))
+}
+
+/// Every rank reads the data set itself: scanning a large folder takes as long as it takes and
+/// is bounded by no collective timeout. Only the generated synthetic set is written by rank 0
+/// while the others wait in a barrier (a few seconds of work; the barrier's bound is the
+/// collective timeout, `HEARTH_COLLECTIVE_TIMEOUT`). Afterwards the ranks compare what they
+/// read, so a rank that sees another folder fails the job instead of training on other data.
+pub fn load_data(
+    cfg: &TrainConfig,
+    comm: &burn_dist::Communicator,
+    log: &mut dyn FnMut(&str),
+) -> Result<(ImageSet, ImageSet)> {
+    let generated = cfg.data.is_none() && cfg.labels.is_none();
+    let sets = if generated {
+        if comm.rank() == 0 {
+            let sets = sets::load(cfg, log);
+            comm.barrier()?;
+            sets?
+        } else {
+            comm.barrier()?;
+            sets::load(cfg, &mut |_| {})?
+        }
+    } else {
+        sets::load(cfg, log)?
+    };
+    agree(comm, &sets.0, &sets.1)?;
+    Ok(sets)
+}
+
+/// A fingerprint of a split: sample count, class count, and a stable hash of the paths,
+/// targets and class names.
+fn fingerprint(set: &ImageSet) -> [f32; 3] {
+    let mut h = hearth_datasets::rng::Fnv64::new();
+    for c in &set.classes {
+        h.write(c.as_bytes());
+    }
+    for s in &set.samples {
+        h.write(s.path.to_string_lossy().as_bytes());
+        h.write(format!("{:?}", s.target).as_bytes());
+    }
+    // 24 bits of the hash survive the f32 exchange exactly.
+    [
+        set.len() as f32,
+        set.classes.len() as f32,
+        (h.finish() & 0xFF_FFFF) as f32,
+    ]
+}
+
+fn agree(comm: &burn_dist::Communicator, train: &ImageSet, val: &ImageSet) -> Result<()> {
+    let mut local = fingerprint(train).to_vec();
+    local.extend(fingerprint(val));
+    let all = comm.all_gather(&local)?;
+    for (r, theirs) in all.chunks(local.len()).enumerate() {
+        if theirs != local.as_slice() {
+            return Err(HearthError::InvalidArgument(format!(
+                "rank {r} read other data than rank {}: {} training / {} validation images \
+                 and {} classes there, {} / {} and {} here (every rank needs the same files at \
+                 the same paths)",
+                comm.rank(),
+                theirs[0],
+                theirs[3],
+                theirs[1],
+                local[0],
+                local[3],
+                local[1]
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,133 @@
+//! The end of a run: the best epoch's weights into `model.bpk` with the model's configuration,
+//! class names and input preprocessing, the metrics plot, and (multi-label) `auroc.csv`.
+
+use std::path::Path;
+
+use burn::module::Module;
+use burn::prelude::*;
+use hearth_datasets::Loader;
+use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
+
+use super::best::restore_best;
+use super::run_dir::write_atomic;
+use super::{EpochRows, Task, TrainConfig};
+use crate::{HearthError, Result};
+
+/// What the export wrote.
+pub struct Exported {
+    /// Multi-label runs: each class's validation AUROC (0-1) for the exported model.
+    pub per_class_auroc: Option<Vec<(String, f64)>>,
+}
+
+/// Restores epoch `best` and, on rank 0, writes `model.bpk`, `metrics.png` and `auroc.csv`.
+#[allow(clippy::too_many_arguments)]
+pub fn export<T: Task>(
+    cfg: &TrainConfig,
+    last: Classifier,
+    best: usize,
+    rows: &EpochRows,
+    config: &ModelConfig,
+    classes: &[String],
+    full_val_loader: &Loader,
+    rank: usize,
+    plain_device: &Device,
+    log: &mut dyn FnMut(&str),
+) -> Result<Exported> {
+    let model = restore_best::<T>(last, &cfg.run_dir, best, cfg.label_smoothing)?;
+    log(&format!(
+        "restored the best epoch ({best}, by {}) from {}",
+        cfg.monitor.column(),
+        super::best::model_checkpoint(&cfg.run_dir, best).display()
+    ));
+    let model = model.valid();
+    if rank != 0 {
+        return Ok(Exported {
+            per_class_auroc: None,
+        });
+    }
+    let preprocessing = Preprocessing::eval(cfg.image_size);
+    save_model_with(
+        &model,
+        config,
+        Some(classes),
+        Some(&preprocessing),
+        &cfg.run_dir.join("model.bpk"),
+    )?;
+    if let Err(e) = crate::plot::plot_metrics(rows, &cfg.run_dir.join("metrics.png")) {
+        log(&format!("warning: no plot written: {e}"));
+    }
+    let per_class_auroc = if T::MULTI_LABEL {
+        Some(write_auroc(
+            &model,
+            classes,
+            full_val_loader,
+            plain_device,
+            &cfg.run_dir,
+            log,
+        )?)
+    } else {
+        None
+    };
+    Ok(Exported { per_class_auroc })
+}
+
+fn write_auroc(
+    model: &Classifier,
+    classes: &[String],
+    val: &Loader,
+    device: &Device,
+    run_dir: &Path,
+    log: &mut dyn FnMut(&str),
+) -> Result<Vec<(String, f64)>> {
+    let aucs = per_class_auroc(model, val, device)?;
+    let mut text = String::from("class,auroc\n");
+    for (name, auc) in classes.iter().zip(&aucs) {
+        let shown = auc.map(|a| format!("{a:.6}")).unwrap_or_default();
+        text.push_str(&format!("{name},{shown}\n"));
+        log(&format!(
+            "  AUROC {name}: {}",
+            auc.map(|a| format!("{a:.4}"))
+                .unwrap_or("undefined (one outcome only)".into())
+        ));
+    }
+    write_atomic(&run_dir.join("auroc.csv"), &text)?;
+    Ok(classes
+        .iter()
+        .zip(aucs)
+        .filter_map(|(n, a)| a.map(|a| (n.clone(), a)))
+        .collect())
+}
+
+/// Each class's AUROC over the validation set (`None` where a class has one outcome only).
+fn per_class_auroc(model: &Classifier, val: &Loader, device: &Device) -> Result<Vec<Option<f64>>> {
+    let k = model.num_classes();
+    let mut scores: Vec<Vec<(f64, bool)>> = vec![Vec::new(); k];
+    for batch in val.epoch(0, device) {
+        let batch = batch?;
+        let Some(hot) = batch.multi_hot else {
+            return Err(HearthError::Training(
+                "AUROC needs multi-hot validation labels".into(),
+            ));
+        };
+        let logits = model.forward(batch.images);
+        let n = logits.dims()[0];
+        let logits = logits
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| HearthError::Training(format!("reading outputs: {e:?}")))?;
+        let hot = hot
+            .into_data()
+            .try_into_vec::<f32>()
+            .map_err(|e| HearthError::Training(format!("reading labels: {e:?}")))?;
+        for row in 0..n {
+            for (c, s) in scores.iter_mut().enumerate() {
+                s.push((logits[row * k + c] as f64, hot[row * k + c] > 0.5));
+            }
+        }
+    }
+    Ok(scores
+        .into_iter()
+        .map(|s| crate::metrics::auroc(&s))
+        .collect())
+}

@@ -1,0 +1,179 @@
+//! The model and optimizer of a run: architecture by name, seeded initialisation (optionally
+//! from torchvision weights with a new head), and the optimizer with its weight-decay rule.
+
+use burn::module::Module;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamConfig, AdamWConfig, LearningRate, ModuleOptimizer, Optimizer, SgdConfig};
+use burn::prelude::*;
+use hearth_models::{
+    Architecture, BiasInit, BlockKind, Classifier, HeadActivation, HeadConfig, LoadOptions,
+    ModelConfig, ResNetConfig, VggConfig, VggLayer, load_torchvision,
+};
+
+use super::{DEFAULT_MODEL, MINI_VGG, OptimizerKind, TrainConfig};
+use crate::Result;
+use crate::optim::LarsConfig;
+
+/// The small ResNet of the default run: torchvision's BasicBlock ResNet, one block per stage,
+/// widths 16-128 (0.7 M parameters).
+pub fn mini_resnet(num_classes: usize) -> ModelConfig {
+    ModelConfig::ResNet(
+        ResNetConfig::new(BlockKind::Basic, [1, 1, 1, 1], num_classes)
+            .with_stem_width(16)
+            .with_stage_widths([16, 32, 64, 128]),
+    )
+}
+
+/// A small VGG with batch norm and torchvision's classifier (dropout 0.5), 64 hidden units.
+pub fn mini_vgg(num_classes: usize) -> ModelConfig {
+    use VggLayer::{Conv, Pool};
+    ModelConfig::Vgg(
+        VggConfig::new(
+            vec![Conv(16), Pool, Conv(32), Pool, Conv(64), Pool],
+            true,
+            num_classes,
+        )
+        .with_hidden(64)
+        .with_pool_size(2),
+    )
+}
+
+/// The architecture `name` (torchvision's names, [`DEFAULT_MODEL`], [`MINI_VGG`]).
+pub fn model_config(name: &str, classes: usize) -> Result<ModelConfig> {
+    match name {
+        DEFAULT_MODEL => Ok(mini_resnet(classes)),
+        MINI_VGG => Ok(mini_vgg(classes)),
+        _ => Ok(Architecture::from_name(name)?.config(classes)),
+    }
+}
+
+/// Serialises seeding and parameter initialisation across threads: Burn keeps one random
+/// generator per process and initialises parameters lazily.
+pub(crate) static SEED_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Forces Burn's lazy parameter initialisation now.
+struct Materialize;
+
+impl burn::module::ModuleVisitor for Materialize {
+    fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+        let _ = param.val();
+    }
+}
+
+/// The run's model on `device` (the autodiff device), from `cfg.seed`: a fresh initialisation,
+/// or torchvision weights with a new head. Multi-label runs get CheXNet's head (one sigmoid per
+/// class, biases at one).
+pub fn init_model(
+    cfg: &TrainConfig,
+    config: &ModelConfig,
+    classes: usize,
+    multi_label: bool,
+    device: &Device,
+    log: &mut dyn FnMut(&str),
+) -> Result<Classifier> {
+    // Hold the process's generator from seeding until every random parameter exists, so
+    // concurrent trainings in one process (tests, embedding programs) start from their seed.
+    let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    device.seed(cfg.seed);
+    let head = if multi_label {
+        HeadConfig::new(classes)
+            .with_activation(HeadActivation::Sigmoid)
+            .with_bias(BiasInit::Constant(1.0))
+    } else {
+        HeadConfig::new(classes)
+    };
+    let mut model = config.init(device)?;
+    if let Some(weights) = &cfg.weights {
+        let report = load_torchvision(
+            &mut model,
+            weights,
+            &LoadOptions {
+                skip_head: true,
+                ..Default::default()
+            },
+        )?;
+        log(&format!(
+            "loaded {} tensors from {}; new {classes}-class head",
+            report.applied,
+            weights.display(),
+        ));
+        model = model.replace_head(head, device)?;
+    } else if multi_label {
+        model = model.replace_head(head, device)?;
+    }
+    model.visit(&mut Materialize);
+    Ok(model)
+}
+
+/// The seed of the random stream of epoch `epoch` on `rank` (dropout and other random ops
+/// inside the model): a function of the run's seed, so a resumed run continues the stream an
+/// uninterrupted one would have used.
+pub fn epoch_seed(seed: u64, epoch: u64, rank: usize) -> u64 {
+    // SplitMix64 finaliser over the three inputs.
+    let mut z = seed
+        ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ (rank as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Weight decay applied as L2 on the gradient of multi-dimensional tensors only: batch-norm
+/// scales and shifts and biases (1-d) are not decayed (Goyal et al. 2017's practice).
+#[derive(Clone)]
+struct DecayWeightsOnly<O> {
+    inner: O,
+    weight_decay: f64,
+}
+
+impl<O: Optimizer> Optimizer for DecayWeightsOnly<O> {
+    type State<const D: usize> = O::State<D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<D>, Option<Self::State<D>>) {
+        let grad = if D > 1 && self.weight_decay > 0.0 {
+            grad + tensor.clone().mul_scalar(self.weight_decay)
+        } else {
+            grad
+        };
+        self.inner.step(lr, tensor, grad, state)
+    }
+
+    fn to_device<const D: usize>(state: Self::State<D>, device: &Device) -> Self::State<D> {
+        O::to_device(state, device)
+    }
+}
+
+pub fn optimizer(cfg: &TrainConfig) -> ModuleOptimizer {
+    match cfg.optimizer {
+        OptimizerKind::Sgd => {
+            // PyTorch semantics: no dampening.
+            let momentum = (cfg.momentum > 0.0).then(|| {
+                MomentumConfig::new()
+                    .with_momentum(cfg.momentum)
+                    .with_dampening(0.0)
+                    .with_nesterov(cfg.nesterov)
+            });
+            ModuleOptimizer::from(DecayWeightsOnly {
+                inner: SgdConfig::new().with_momentum(momentum).build(),
+                weight_decay: cfg.weight_decay,
+            })
+        }
+        OptimizerKind::Adam => ModuleOptimizer::from(DecayWeightsOnly {
+            inner: AdamConfig::new().build(),
+            weight_decay: cfg.weight_decay,
+        }),
+        OptimizerKind::AdamW => AdamWConfig::new()
+            .with_weight_decay(cfg.weight_decay as f32)
+            .init(),
+        OptimizerKind::Lars => LarsConfig::new()
+            .with_momentum(cfg.momentum)
+            .with_weight_decay(cfg.weight_decay)
+            .init(),
+    }
+}

@@ -1,0 +1,149 @@
+//! One Learner launch: a contiguous range of epochs trained with one learning rate and one set
+//! of trainable parameters (the whole run, or the frozen and fine-tuning phases of transfer
+//! learning).
+
+use std::sync::Arc;
+
+use burn::train::metric::LearningRateMetric;
+use burn::train::{Learner, SupervisedTraining, TrainingStrategy};
+use hearth_datasets::Loader;
+
+use super::best::{BestRule, KeepBestAndLast, Patience};
+use super::model::optimizer;
+use super::run_dir::complete_checkpoints;
+use super::{
+    CsvMetricLogger, EpochTable, ImagesPerSecond, LoaderAdapter, NonFinite, PlainRenderer, Task,
+    TrainConfig,
+};
+use crate::schedule::{Decay, Schedule};
+use crate::{HearthError, Result};
+
+/// Epochs `first + 1 ..= last` of the run, starting from checkpoint `first` when it is not 0.
+pub struct Phase<'a, T: Task> {
+    pub trainee: T,
+    pub lr: f64,
+    pub first: usize,
+    pub last: usize,
+    /// Early stopping, if any: the epoch patience counts from at the earliest.
+    pub patience_origin: Option<usize>,
+    /// Loader batches per epoch on this rank.
+    pub batches_per_epoch: usize,
+    pub train_loader: &'a Loader,
+    pub val_loader: &'a Loader,
+    pub table: &'a EpochTable,
+    pub dist: Option<&'a Arc<burn_dist::Communicator>>,
+}
+
+impl<T: Task> Phase<'_, T> {
+    /// The learning-rate schedule over the whole run, in optimizer steps (burn-train advances
+    /// the scheduler once per optimizer step, so with gradient accumulation K that is a K-th of
+    /// the batches); a resumed phase continues at its iteration.
+    fn schedule(&self, cfg: &TrainConfig) -> Result<Schedule> {
+        let steps = cfg.optimizer_steps(self.batches_per_epoch);
+        let decay = match cfg.schedule {
+            Decay::Step { gamma, .. } => Decay::Step {
+                step_size: (steps * cfg.epochs / 3).max(1),
+                gamma,
+            },
+            d => d,
+        };
+        Schedule::new(
+            self.lr,
+            cfg.warmup_epochs * steps,
+            cfg.epochs * steps,
+            decay,
+        )
+    }
+
+    pub fn run(
+        self,
+        cfg: &TrainConfig,
+        device: &burn::prelude::Device,
+        plain_device: &burn::prelude::Device,
+    ) -> Result<T> {
+        let schedule = self.schedule(cfg)?;
+        let rule = BestRule {
+            table: self.table.clone(),
+            monitor: cfg.monitor,
+            min_delta: cfg.min_delta,
+        };
+        let checkpointing = KeepBestAndLast::new(rule.clone(), complete_checkpoints(&cfg.run_dir));
+        let interrupter = burn::train::Interrupter::new();
+        let non_finite = NonFinite::default();
+        let rank = self.dist.map_or(0, |c| c.rank());
+        let mut csv_logger =
+            CsvMetricLogger::new(cfg.run_dir.join("metrics.csv"), self.table.clone())
+                .with_nan_guard(non_finite.clone(), interrupter.clone());
+        if rank == 0 {
+            csv_logger = csv_logger.with_report(Box::new(|line: &str| eprintln!("{line}")));
+        }
+        if let Some(comm) = self.dist {
+            // Metric averaging runs on its own tag space, beside the gradient traffic.
+            csv_logger = csv_logger
+                .with_rank_averaging(Arc::new(comm.sibling(burn_dist::wire::Kind::Metric)));
+        }
+        let first_epoch = self.first as u64;
+        let mut training = SupervisedTraining::new(
+            &cfg.run_dir,
+            Arc::new(
+                LoaderAdapter::new(self.train_loader.clone(), device.clone(), first_epoch)
+                    .with_epoch_seed(cfg.seed, rank),
+            ),
+            Arc::new(LoaderAdapter::new(
+                self.val_loader.clone(),
+                plain_device.clone(),
+                first_epoch,
+            )),
+        )
+        .with_interrupter(interrupter)
+        .with_metric_logger(csv_logger)
+        .metric_train_numeric(LearningRateMetric::new())
+        .metric_train_numeric(ImagesPerSecond::new())
+        .with_default_checkpointers()
+        .with_checkpointing_strategy(checkpointing)
+        .num_epochs(self.last);
+        training = T::register_metrics(training, self.train_loader.set().classes.len());
+        if let Some(k) = cfg.grad_accum.filter(|&k| k > 1) {
+            training = training.grads_accumulation(k);
+        }
+        if let Some(comm) = self.dist {
+            let strategy =
+                burn_dist::ddp::DdpStrategy::new(comm.clone()).with_bucket_bytes(cfg.bucket_bytes);
+            training =
+                training.with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)));
+        }
+        if rank == 0 {
+            training = training.summary();
+        } else {
+            // Rank 0 alone writes the run directory's logs.
+            training = training.with_application_logger(None);
+        }
+        if let (Some(patience), Some(origin)) = (cfg.patience, self.patience_origin) {
+            training = training.early_stopping(Patience {
+                rule,
+                patience,
+                origin,
+            });
+        }
+        if self.first > 0 {
+            training = training.checkpoint(self.first);
+        }
+        // burn-train's TUI on a terminal; plain progress lines otherwise.
+        if rank != 0 || !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+            training = training.renderer(Box::new(if rank == 0 {
+                PlainRenderer::default()
+            } else {
+                PlainRenderer::quiet()
+            }));
+        }
+        let learner = Learner::new(self.trainee, optimizer(cfg), schedule);
+        let result = training.launch(learner);
+        if let Some((epoch, step)) = non_finite.lock().ok().and_then(|n| *n) {
+            return Err(HearthError::NanLoss { epoch, step });
+        }
+        if let Some(error) = result.error {
+            return Err(HearthError::Training(error.to_string()));
+        }
+        Ok(result.model)
+    }
+}

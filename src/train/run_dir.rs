@@ -1,0 +1,231 @@
+//! The run directory: preparing it, atomic writes, and what `--resume` reads back (the last
+//! complete checkpoint, the hyperparameters, the earlier rows of `metrics.csv`).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use hearth_models::ModelConfig;
+
+use super::EpochTable;
+use crate::{HearthError, Result};
+
+/// Creates the run directory and proves it is writable.
+pub fn prepare(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|source| HearthError::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let probe = dir.join(".hearth-write-test");
+    std::fs::write(&probe, b"ok").map_err(|source| HearthError::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let _ = std::fs::remove_file(probe);
+    Ok(())
+}
+
+/// Writes `text` to `path` atomically: a temporary file beside it, then a rename, so a crash
+/// leaves either the old file or the new one, never a part.
+pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
+    let write = |source| HearthError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    std::fs::write(&tmp, text).map_err(write)?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        write(e)
+    })
+}
+
+/// The three files burn-train writes for a checkpoint; each is written atomically, but not
+/// together.
+const CHECKPOINT_PARTS: [&str; 3] = ["model", "optim", "scheduler"];
+
+/// Epochs of `run_dir/checkpoint` whose model, optimizer and scheduler files all exist.
+pub fn complete_checkpoints(run_dir: &Path) -> BTreeSet<usize> {
+    let dir = run_dir.join("checkpoint");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return BTreeSet::new();
+    };
+    let epochs: BTreeSet<usize> = entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.strip_prefix("model-")?
+                .strip_suffix(".bpk")?
+                .parse::<usize>()
+                .ok()
+        })
+        .collect();
+    epochs
+        .into_iter()
+        .filter(|e| {
+            CHECKPOINT_PARTS
+                .iter()
+                .all(|part| dir.join(format!("{part}-{e}.bpk")).is_file())
+        })
+        .collect()
+}
+
+/// The last epoch with a complete checkpoint, which `--resume` continues from.
+pub fn last_complete_checkpoint(run_dir: &Path) -> Result<usize> {
+    let dir = run_dir.join("checkpoint");
+    if !dir.is_dir() {
+        return Err(HearthError::InvalidArgument(format!(
+            "cannot resume {}: it has no checkpoint/ folder",
+            run_dir.display()
+        )));
+    }
+    complete_checkpoints(run_dir)
+        .last()
+        .copied()
+        .ok_or_else(|| {
+            HearthError::InvalidArgument(format!(
+                "cannot resume {}: no epoch in {} has all of its model, optim and scheduler files",
+                run_dir.display(),
+                dir.display()
+            ))
+        })
+}
+
+pub fn hparams_json(h: &BTreeMap<&'static str, String>) -> String {
+    serde_json::to_string_pretty(h).unwrap_or_default()
+}
+
+/// Writes `model_config.json` and `hparams.json`, which `--resume` checks against.
+pub fn record(
+    run_dir: &Path,
+    config: &ModelConfig,
+    h: &BTreeMap<&'static str, String>,
+) -> Result<()> {
+    write_atomic(&run_dir.join("model_config.json"), &config.to_json())?;
+    write_atomic(&run_dir.join("hparams.json"), &hparams_json(h))
+}
+
+/// A resumed run must have the same model and hyperparameters as the original.
+pub fn check_resume_compatible(
+    run_dir: &Path,
+    config: &ModelConfig,
+    hparams: &BTreeMap<&'static str, String>,
+) -> Result<()> {
+    let path = run_dir.join("model_config.json");
+    let saved = std::fs::read_to_string(&path).map_err(|source| HearthError::Read {
+        path: path.clone(),
+        source,
+    })?;
+    let saved = ModelConfig::from_json(&saved)
+        .map_err(|e| HearthError::InvalidArgument(format!("{}: {e}", path.display())))?;
+    if saved.to_json() != config.to_json() {
+        return Err(HearthError::InvalidArgument(format!(
+            "cannot resume {}: it was trained with a different model or class count \
+             ({} classes there, {} now)",
+            run_dir.display(),
+            saved.num_classes(),
+            config.num_classes()
+        )));
+    }
+    // Runs from before hparams.json existed resume on the model check alone.
+    let path = run_dir.join("hparams.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(());
+    };
+    let saved: BTreeMap<String, String> = serde_json::from_str(&text)
+        .map_err(|e| HearthError::InvalidArgument(format!("{}: {e}", path.display())))?;
+    let differing: Vec<String> = hparams
+        .iter()
+        .filter_map(|(k, now)| {
+            let then = saved.get(*k)?;
+            (then != now).then(|| format!("{k}: {then} then, {now} now"))
+        })
+        .collect();
+    if !differing.is_empty() {
+        return Err(HearthError::InvalidArgument(format!(
+            "cannot resume {} exactly: hyperparameters differ ({}); pass the original ones",
+            run_dir.display(),
+            differing.join("; ")
+        )));
+    }
+    Ok(())
+}
+
+/// Rows of an earlier `metrics.csv` up to `epoch`, so a resumed run's table is whole.
+pub fn reload_table(csv: &Path, table: &EpochTable, epoch: usize) -> Result<()> {
+    let text = match std::fs::read_to_string(csv) {
+        Ok(t) => t,
+        Err(source) => {
+            return Err(HearthError::Read {
+                path: csv.to_path_buf(),
+                source,
+            });
+        }
+    };
+    let mut lines = text.lines();
+    let Some(header) = lines.next() else {
+        return Ok(());
+    };
+    let columns: Vec<&str> = header.split(',').collect();
+    let Ok(mut t) = table.lock() else {
+        return Ok(());
+    };
+    for line in lines {
+        let cells: Vec<&str> = line.split(',').collect();
+        let Some(Ok(e)) = cells.first().map(|c| c.parse::<usize>()) else {
+            continue;
+        };
+        if e > epoch {
+            continue;
+        }
+        let row = t.entry(e).or_default();
+        for (c, v) in columns.iter().zip(&cells).skip(1) {
+            if let Ok(v) = v.parse::<f64>() {
+                row.insert(c.to_string(), v);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_epochs_with_all_three_files_are_complete() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("checkpoint");
+        std::fs::create_dir_all(&ck).unwrap();
+        for name in [
+            "model-1.bpk",
+            "optim-1.bpk",
+            "scheduler-1.bpk",
+            "model-2.bpk",
+            "optim-2.bpk",
+        ] {
+            std::fs::write(ck.join(name), b"x").unwrap();
+        }
+        assert_eq!(complete_checkpoints(dir.path()), BTreeSet::from([1]));
+        assert_eq!(last_complete_checkpoint(dir.path()).unwrap(), 1);
+        std::fs::remove_file(ck.join("scheduler-1.bpk")).unwrap();
+        let e = last_complete_checkpoint(dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no epoch"), "{e}");
+    }
+
+    #[test]
+    fn atomic_writes_leave_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("hparams.json");
+        write_atomic(&p, "{}").unwrap();
+        write_atomic(&p, "{\"a\": 1}").unwrap();
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), "{\"a\": 1}");
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().collect();
+        assert_eq!(names.len(), 1);
+    }
+}
