@@ -27,3 +27,10 @@ pub fn torch_python() -> Option<PathBuf> {
         .unwrap_or(false)
         .then_some(candidate)
 }
+
+/// A peer script in benches/peer.
+pub fn peer_script(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("benches/peer")
+        .join(name)
+}
