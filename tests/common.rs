@@ -116,3 +116,29 @@ pub fn folder_accuracy(model: &std::path::Path, folder: &std::path::Path, size: 
     }
     100.0 * right as f64 / total as f64
 }
+
+/// The small generated image folder the training tests use: 3 classes, 16 training and 6
+/// validation images each, 36 pixels.
+pub fn small_data(dir: &std::path::Path) -> PathBuf {
+    let d = dir.join("data");
+    hearth::datasets::synth::generate(
+        &d,
+        &hearth::datasets::synth::SynthConfig::new(3, 16, 36)
+            .with_seed(4)
+            .with_val(6),
+    )
+    .unwrap();
+    d
+}
+
+/// A quick run on `data` into `run`: 2 epochs, batch 8, no warmup, one decoding thread.
+pub fn small_config(data: &std::path::Path, run: PathBuf) -> hearth::train::TrainConfig {
+    let mut cfg = hearth::train::TrainConfig::new(run);
+    cfg.data = Some(data.to_path_buf());
+    cfg.epochs = 2;
+    cfg.batch_size = 8;
+    cfg.lr = 0.05;
+    cfg.warmup_epochs = 0;
+    cfg.workers = 1;
+    cfg
+}

@@ -92,24 +92,12 @@ fn train_nproc_2_averages_metrics_and_keeps_per_rank_curves() {
         assert!(header.contains(&col), "{col} missing: {header:?}");
     }
     // The averaged training accuracy is the mean of the two ranks' values.
-    let row: Vec<f64> = csv
-        .lines()
-        .nth(1)
-        .unwrap()
-        .split(',')
-        .map(|c| c.parse().unwrap_or(f64::NAN))
-        .collect();
+    let row = csv_row(&csv, 1);
     let col = |name: &str| row[header.iter().position(|c| *c == name).unwrap()];
     let mean = (col("train_accuracy_rank0") + col("train_accuracy_rank1")) / 2.0;
     assert!((col("train_accuracy") - mean).abs() < 1e-3, "{csv}");
     // Epoch 2 trains at the base rate: warmup ended with epoch 1's last optimizer step.
-    let row2: Vec<f64> = csv
-        .lines()
-        .nth(2)
-        .unwrap()
-        .split(',')
-        .map(|c| c.parse().unwrap_or(f64::NAN))
-        .collect();
+    let row2 = csv_row(&csv, 2);
     let lr2 = row2[header.iter().position(|c| *c == "train_lr").unwrap()];
     assert!((lr2 - 0.05).abs() < 1e-6, "epoch 2 lr {lr2}:\n{csv}");
     assert!(run_dir.join("checkpoint/model-2.bpk").is_file());
@@ -126,13 +114,7 @@ fn train_nproc_2_averages_metrics_and_keeps_per_rank_curves() {
                 .ok()
         })
         .expect("a best epoch line");
-    let best_row: Vec<f64> = csv
-        .lines()
-        .nth(best)
-        .unwrap()
-        .split(',')
-        .map(|c| c.parse().unwrap_or(f64::NAN))
-        .collect();
+    let best_row = csv_row(&csv, best);
     let reported = best_row[header.iter().position(|c| *c == "val_accuracy").unwrap()];
     let recomputed = common::folder_accuracy(&run_dir.join("model.bpk"), &data.join("val"), 32);
     assert!(
@@ -157,6 +139,16 @@ fn half_a_launcher_environment_is_an_error_naming_the_variables() {
         !dir.path().join("run/metrics.csv").exists(),
         "it trained anyway"
     );
+}
+
+/// Row `n` (1: the first epoch) of a metrics.csv text, as numbers.
+fn csv_row(csv: &str, n: usize) -> Vec<f64> {
+    csv.lines()
+        .nth(n)
+        .unwrap()
+        .split(',')
+        .map(|c| c.parse().unwrap_or(f64::NAN))
+        .collect()
 }
 
 fn hearth_datasets_synth(dir: &Path) {

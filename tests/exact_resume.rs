@@ -5,30 +5,23 @@
 //! The tests of this file run one at a time: Burn's random generator is process-wide, and each
 //! training reseeds it at every epoch start.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use burn::prelude::*;
-use hearth::datasets::synth::{SynthConfig, generate};
 use hearth::schedule::Decay;
 use hearth::train::{MINI_VGG, TrainConfig, TrainReport, train};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-fn data(dir: &Path) -> PathBuf {
-    let d = dir.join("data");
-    generate(&d, &SynthConfig::new(3, 16, 36).with_seed(4).with_val(6)).unwrap();
-    d
-}
+use common::small_data as data;
 
 fn config(data: &Path, run: PathBuf) -> TrainConfig {
-    let mut cfg = TrainConfig::new(run);
-    cfg.data = Some(data.to_path_buf());
+    let mut cfg = common::small_config(data, run);
     cfg.epochs = 3;
-    cfg.batch_size = 8;
     cfg.lr = 0.02;
-    cfg.warmup_epochs = 0;
-    cfg.workers = 1;
     cfg
 }
 

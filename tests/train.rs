@@ -10,22 +10,7 @@ use hearth::datasets::synth::{SynthConfig, generate};
 use hearth::models::load_model;
 use hearth::train::{TrainConfig, TrainReport, train};
 
-fn data(dir: &Path) -> PathBuf {
-    let d = dir.join("data");
-    generate(&d, &SynthConfig::new(3, 16, 36).with_seed(4).with_val(6)).unwrap();
-    d
-}
-
-fn config(data: &Path, run: PathBuf) -> TrainConfig {
-    let mut cfg = TrainConfig::new(run);
-    cfg.data = Some(data.to_path_buf());
-    cfg.epochs = 2;
-    cfg.batch_size = 8;
-    cfg.lr = 0.05;
-    cfg.warmup_epochs = 0;
-    cfg.workers = 1;
-    cfg
-}
+use common::{small_config as config, small_data as data};
 
 fn run(cfg: &TrainConfig) -> TrainReport {
     train(cfg, &Device::flex(), &mut |l| eprintln!("{l}")).unwrap()

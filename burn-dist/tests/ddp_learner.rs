@@ -4,50 +4,33 @@
 //! batch norm: with it, each rank normalises by its own half-batch statistics and the results
 //! differ (as in PyTorch DDP without SyncBatchNorm).
 
+mod common;
+
 use std::sync::Arc;
-use std::time::Duration;
 
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
 use burn::data::dataset::DatasetError;
-use burn::module::Module;
-use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::SgdConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::prelude::*;
-use burn::tensor::TensorData;
 use burn::train::{
     InferenceStep, Learner, RegressionOutput, SupervisedTraining, TrainOutput, TrainStep,
     TrainingStrategy,
 };
+use burn_dist::Communicator;
 use burn_dist::ddp::{DdpStrategy, module_values, with_module_values};
-use burn_dist::transport::memory::MemoryTransport;
-use burn_dist::{Communicator, Transport};
-
-#[derive(Module, Debug)]
-struct Mlp {
-    a: Linear,
-    b: Linear,
-    act: Relu,
-}
+use common::{Mlp, assert_close, batch, run_ranks};
 
 impl Mlp {
-    fn new(device: &Device) -> Self {
-        Self {
-            a: LinearConfig::new(6, 16).init(device),
-            b: LinearConfig::new(16, 3).init(device),
-            act: Relu::new(),
-        }
-    }
-
     fn regression(&self, batch: Batch) -> RegressionOutput {
-        let out = self.b.forward(self.act.forward(self.a.forward(batch.x)));
+        let out = self.forward(batch.x);
         let loss = (out.clone() - batch.y.clone()).powi_scalar(2).mean();
         RegressionOutput::new(loss, out, batch.y)
     }
 }
 
 #[derive(Clone, Debug)]
-struct Batch {
+pub struct Batch {
     x: Tensor<2>,
     y: Tensor<2>,
 }
@@ -72,17 +55,6 @@ impl InferenceStep for Mlp {
 const STEPS: usize = 6;
 const B: usize = 4;
 
-/// Sample `i` of step `s`.
-fn sample(s: usize, i: usize) -> (Vec<f32>, Vec<f32>) {
-    let x = (0..6)
-        .map(|j| (((s * 131 + i * 17 + j * 7) % 23) as f32 - 11.0) / 7.0)
-        .collect();
-    let y = (0..3)
-        .map(|j| (((s * 31 + i * 5 + j * 3) % 11) as f32 - 5.0) / 5.0)
-        .collect();
-    (x, y)
-}
-
 /// `STEPS` batches; batch `s` holds samples `range` of step `s`.
 #[derive(Clone)]
 struct Steps {
@@ -101,18 +73,9 @@ impl Iterator for StepsIter {
         if self.s >= STEPS {
             return None;
         }
-        let (mut xs, mut ys) = (Vec::new(), Vec::new());
-        for i in self.steps.range.clone() {
-            let (x, y) = sample(self.s, i);
-            xs.extend(x);
-            ys.extend(y);
-        }
+        let (x, y) = batch(self.s, self.steps.range.clone(), &self.steps.device);
         self.s += 1;
-        let n = self.steps.range.len();
-        Some(Ok(Batch {
-            x: Tensor::from_data(TensorData::new(xs, [n, 6]), &self.steps.device),
-            y: Tensor::from_data(TensorData::new(ys, [n, 3]), &self.steps.device),
-        }))
+        Some(Ok(Batch { x, y }))
     }
 }
 
@@ -193,6 +156,7 @@ fn ddp_matches_one_process(accumulation: Option<usize>) {
     let device = Device::flex();
     let initial = module_values(&Mlp::new(&device));
     let dir = tempfile::tempdir().unwrap();
+    let dir_path = dir.path().to_path_buf();
     let reference = fit(
         initial.clone(),
         0..world * B,
@@ -200,47 +164,22 @@ fn ddp_matches_one_process(accumulation: Option<usize>) {
         None,
         &dir.path().join("one"),
     );
-    let (tx, rx) = std::sync::mpsc::channel();
-    for t in MemoryTransport::mesh(world) {
-        // Ranks start from different weights: the strategy's broadcast must fix that.
-        let start = if t.rank() == 0 {
-            initial.clone()
-        } else {
-            module_values(&Mlp::new(&device))
-        };
-        let tx = tx.clone();
-        let out_dir = dir.path().join(format!("rank{}", t.rank()));
-        std::thread::spawn(move || {
-            let r = t.rank();
-            let comm = Arc::new(
-                Communicator::new(Arc::new(t))
-                    .with_chunk_elems(7)
-                    .with_timeout(Duration::from_secs(30)),
-            );
-            let out = fit(
-                start,
-                r * B..(r + 1) * B,
-                accumulation,
-                Some(comm),
-                &out_dir,
-            );
-            let _ = tx.send((r, out));
-        });
-    }
-    drop(tx);
-    for _ in 0..world {
-        let (r, weights) = rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("a rank hung or panicked");
-        for (a, b) in weights.iter().zip(&reference) {
-            for (x, y) in a.iter().zip(b) {
-                assert!(
-                    (x - y).abs() <= 1e-5,
-                    "rank {r}, accumulation {accumulation:?}: {x} vs {y} (1 process, batch {})",
-                    world * B
-                );
-            }
-        }
+    let ranks = run_ranks(world, &initial, move |start, comm, r| {
+        let out_dir = dir_path.join(format!("rank{r}"));
+        fit(
+            start,
+            r * B..(r + 1) * B,
+            accumulation,
+            Some(Arc::new(comm)),
+            &out_dir,
+        )
+    });
+    for (r, weights) in ranks {
+        let what = format!(
+            "rank {r}, accumulation {accumulation:?} vs 1 process with batch {}",
+            world * B
+        );
+        assert_close(&weights, &reference, &what);
     }
     // The run really moved the weights (the comparison is not between two untrained models).
     let moved = reference

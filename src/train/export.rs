@@ -19,7 +19,8 @@ pub struct Exported {
     pub per_class_auroc: Option<Vec<(String, f64)>>,
 }
 
-/// Restores epoch `best` and, on rank 0, writes `model.bpk`, `metrics.png` and `auroc.csv`.
+/// On rank 0: restores epoch `best` and writes `model.bpk`, `metrics.png` and `auroc.csv`.
+/// Other ranks do nothing.
 #[allow(clippy::too_many_arguments)]
 pub fn export<T: Task>(
     cfg: &TrainConfig,
@@ -33,6 +34,12 @@ pub fn export<T: Task>(
     plain_device: &Device,
     log: &mut dyn FnMut(&str),
 ) -> Result<Exported> {
+    // Rank 0 alone wrote the checkpoints (other machines may not share its disk) and exports.
+    if rank != 0 {
+        return Ok(Exported {
+            per_class_auroc: None,
+        });
+    }
     let model = restore_best::<T>(last, &cfg.run_dir, best, cfg.label_smoothing)?;
     log(&format!(
         "restored the best epoch ({best}, by {}) from {}",
@@ -40,11 +47,6 @@ pub fn export<T: Task>(
         super::best::model_checkpoint(&cfg.run_dir, best).display()
     ));
     let model = model.valid();
-    if rank != 0 {
-        return Ok(Exported {
-            per_class_auroc: None,
-        });
-    }
     let preprocessing = Preprocessing::eval(cfg.image_size);
     save_model_with(
         &model,

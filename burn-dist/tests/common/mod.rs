@@ -1,0 +1,105 @@
+//! What the data-parallel equivalence tests share: the model, deterministic samples, running N
+//! ranks as threads over the in-memory transport, and the weight comparison.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::prelude::*;
+use burn_dist::ddp::module_values;
+use burn_dist::transport::memory::MemoryTransport;
+use burn_dist::{Communicator, Transport};
+
+/// A small MLP without batch norm (with it, ranks normalise by their own statistics and the
+/// results differ from one process's, as in PyTorch DDP).
+#[derive(Module, Debug)]
+pub struct Mlp {
+    pub a: Linear,
+    pub b: Linear,
+    pub act: Relu,
+}
+
+impl Mlp {
+    pub fn new(device: &Device) -> Self {
+        Self {
+            a: LinearConfig::new(6, 16).init(device),
+            b: LinearConfig::new(16, 3).init(device),
+            act: Relu::new(),
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        self.b.forward(self.act.forward(self.a.forward(x)))
+    }
+}
+
+/// Sample `i` of step `s`: deterministic inputs and targets.
+pub fn sample(s: usize, i: usize) -> (Vec<f32>, Vec<f32>) {
+    let x = (0..6)
+        .map(|j| (((s * 131 + i * 17 + j * 7) % 23) as f32 - 11.0) / 7.0)
+        .collect();
+    let y = (0..3)
+        .map(|j| (((s * 31 + i * 5 + j * 3) % 11) as f32 - 5.0) / 5.0)
+        .collect();
+    (x, y)
+}
+
+/// Samples `range` of step `s` as an input and a target batch.
+pub fn batch(s: usize, range: std::ops::Range<usize>, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    let n = range.len();
+    let (mut xs, mut ys) = (Vec::new(), Vec::new());
+    for i in range {
+        let (x, y) = sample(s, i);
+        xs.extend(x);
+        ys.extend(y);
+    }
+    (
+        Tensor::from_data(TensorData::new(xs, [n, 6]), device),
+        Tensor::from_data(TensorData::new(ys, [n, 3]), device),
+    )
+}
+
+/// Runs `train(start, comm, rank)` on `world` threads; rank 0 starts from `initial`, the others
+/// from fresh weights (the strategy's broadcast must fix that). Each rank's result, with a
+/// deadline so a hung rank fails the test.
+pub fn run_ranks<F>(world: usize, initial: &[Vec<f32>], train: F) -> Vec<(usize, Vec<Vec<f32>>)>
+where
+    F: Fn(Vec<Vec<f32>>, Communicator, usize) -> Vec<Vec<f32>> + Send + Sync + 'static,
+{
+    let train = Arc::new(train);
+    let device = Device::flex();
+    let (tx, rx) = std::sync::mpsc::channel();
+    for t in MemoryTransport::mesh(world) {
+        let start = if t.rank() == 0 {
+            initial.to_vec()
+        } else {
+            module_values(&Mlp::new(&device))
+        };
+        let (tx, train) = (tx.clone(), train.clone());
+        std::thread::spawn(move || {
+            let r = t.rank();
+            let comm = Communicator::new(Arc::new(t))
+                .with_chunk_elems(7)
+                .with_timeout(Duration::from_secs(30));
+            let _ = tx.send((r, train(start, comm, r)));
+        });
+    }
+    drop(tx);
+    (0..world)
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(120))
+                .expect("a rank hung or panicked")
+        })
+        .collect()
+}
+
+/// Every weight within 1e-5 of the reference.
+pub fn assert_close(weights: &[Vec<f32>], reference: &[Vec<f32>], what: &str) {
+    for (a, b) in weights.iter().zip(reference) {
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() <= 1e-5, "{what}: {x} vs {y}");
+        }
+    }
+}
