@@ -142,3 +142,25 @@ pub fn small_config(data: &std::path::Path, run: PathBuf) -> hearth::train::Trai
     cfg.workers = 1;
     cfg
 }
+
+/// Every tensor of a burnpack file (checkpoint or model file) as f32 values, by name.
+pub fn tensors(path: &std::path::Path) -> Vec<(String, Vec<f32>)> {
+    let reader = burn::store::burn_pack::Reader::from_file(path).unwrap();
+    let mut names: Vec<String> = reader
+        .tensor_names()
+        .into_iter()
+        .map(String::from)
+        .collect();
+    names.sort();
+    names
+        .into_iter()
+        .map(|n| {
+            let bytes = reader.tensor_data(&n).unwrap();
+            let v = bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            (n, v)
+        })
+        .collect()
+}

@@ -16,7 +16,7 @@ use hearth::train::{MINI_VGG, TrainConfig, TrainReport, train};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-use common::small_data as data;
+use common::{small_data as data, tensors};
 
 fn config(data: &Path, run: PathBuf) -> TrainConfig {
     let mut cfg = common::small_config(data, run);
@@ -27,23 +27,6 @@ fn config(data: &Path, run: PathBuf) -> TrainConfig {
 
 fn run(cfg: &TrainConfig) -> TrainReport {
     train(cfg, &Device::flex(), &mut |l| eprintln!("{l}")).unwrap()
-}
-
-fn tensors(path: &Path) -> Vec<(String, Vec<u8>)> {
-    let reader = burn::store::burn_pack::Reader::from_file(path).unwrap();
-    let mut names: Vec<String> = reader
-        .tensor_names()
-        .into_iter()
-        .map(String::from)
-        .collect();
-    names.sort();
-    names
-        .into_iter()
-        .map(|n| {
-            let bytes = reader.tensor_data(&n).unwrap().to_vec();
-            (n, bytes)
-        })
-        .collect()
 }
 
 #[test]

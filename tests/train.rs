@@ -10,7 +10,7 @@ use hearth::datasets::synth::{SynthConfig, generate};
 use hearth::models::load_model;
 use hearth::train::{TrainConfig, TrainReport, train};
 
-use common::{small_config as config, small_data as data};
+use common::{small_config as config, small_data as data, tensors};
 
 fn run(cfg: &TrainConfig) -> TrainReport {
     train(cfg, &Device::flex(), &mut |l| eprintln!("{l}")).unwrap()
@@ -28,27 +28,6 @@ fn fixture_resnet() -> hearth::models::Classifier {
     )
     .unwrap();
     model
-}
-
-fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
-    let reader = burn::store::burn_pack::Reader::from_file(path).unwrap();
-    let mut names: Vec<String> = reader
-        .tensor_names()
-        .into_iter()
-        .map(String::from)
-        .collect();
-    names.sort();
-    names
-        .into_iter()
-        .map(|n| {
-            let bytes = reader.tensor_data(&n).unwrap();
-            let v = bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            (n, v)
-        })
-        .collect()
 }
 
 /// Two checkpoints hold the same tensors, within 1e-6.
