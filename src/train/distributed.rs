@@ -95,3 +95,53 @@ fn agree(comm: &burn_dist::Communicator, train: &ImageSet, val: &ImageSet) -> Re
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn_dist::transport::memory::MemoryTransport;
+    use hearth_datasets::{Problems, Sample, Target};
+
+    fn set(n: usize) -> ImageSet {
+        ImageSet {
+            root: "/data".into(),
+            classes: vec!["a".into(), "b".into()],
+            samples: (0..n)
+                .map(|i| Sample {
+                    path: format!("/data/{i}.png").into(),
+                    target: Target::Class(i % 2),
+                })
+                .collect(),
+            problems: Problems::default(),
+            multi_label: false,
+        }
+    }
+
+    /// What each rank's `agree` says when rank r read `sizes[r]` training images.
+    fn outcomes(sizes: &[usize]) -> Vec<std::result::Result<(), String>> {
+        let handles: Vec<_> = MemoryTransport::mesh(sizes.len())
+            .into_iter()
+            .zip(sizes.to_vec())
+            .map(|(t, n)| {
+                std::thread::spawn(move || {
+                    let comm = burn_dist::Communicator::new(Arc::new(t))
+                        .with_timeout(std::time::Duration::from_secs(20));
+                    agree(&comm, &set(n), &set(4)).map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn ranks_that_read_other_data_fail_naming_the_difference() {
+        assert!(outcomes(&[10, 10, 10]).iter().all(|o| o.is_ok()));
+        let out = outcomes(&[10, 9]);
+        let e = out[0].as_ref().unwrap_err();
+        assert!(
+            e.contains("rank 1 read other data") && e.contains("9 training"),
+            "{e}"
+        );
+        assert!(out[1].is_err());
+    }
+}
