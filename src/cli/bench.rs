@@ -1,0 +1,182 @@
+//! `hearth bench`: model, loader and allreduce throughput.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use hearth::bench::{BenchMode, ModelBench};
+use hearth::dist::Compression;
+use hearth::models::Architecture;
+
+use crate::exit_with;
+
+#[derive(Subcommand)]
+pub(crate) enum BenchCommand {
+    /// Images/s of a model's forward pass or training step on random data.
+    Model(BenchModelArgs),
+    /// Images/s of the training data pipeline (decode, augmentation, batch to a tensor).
+    Loader(BenchLoaderArgs),
+    /// Ring allreduce over QUIC on loopback: time, algbw and busbw per size.
+    Allreduce(BenchAllreduceArgs),
+    /// One rank of `bench allreduce` (started by it).
+    #[command(hide = true)]
+    AllreduceRank(BenchAllreduceArgs),
+}
+
+#[derive(Args, Clone)]
+pub(crate) struct BenchAllreduceArgs {
+    /// Number of ranks (local processes).
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Buffer sizes in MB (10^6 bytes).
+    #[arg(long, num_args = 1.., default_values_t = [1.0, 10.0, 100.0])]
+    size_mb: Vec<f64>,
+    /// Timed allreduces per size.
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Untimed allreduces per size.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Wire format of the values.
+    #[arg(long, value_enum, default_value_t = Compression::None)]
+    compression: Compression,
+}
+
+#[derive(Args)]
+pub(crate) struct BenchLoaderArgs {
+    /// An image folder (root/<class>/<image>).
+    #[arg(long)]
+    data: PathBuf,
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    /// Batches in flight.
+    #[arg(long, default_value_t = 4)]
+    prefetch: usize,
+    #[arg(long, default_value_t = 224)]
+    size: u32,
+    /// Timed batches (after one warm-up batch).
+    #[arg(long, default_value_t = 20)]
+    batches: usize,
+}
+
+#[derive(Args)]
+pub(crate) struct BenchModelArgs {
+    #[arg(long)]
+    model: String,
+    /// train (forward, backward, SGD step) or infer (forward in evaluation mode).
+    #[arg(long, value_enum, default_value_t = BenchMode::Infer)]
+    mode: BenchMode,
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// Input side in pixels.
+    #[arg(long, default_value_t = 224)]
+    size: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Untimed warm-up steps.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    #[arg(long, default_value_t = 1000)]
+    num_classes: usize,
+}
+
+pub(crate) fn bench_allreduce(a: BenchAllreduceArgs) -> Result<()> {
+    let mut args = vec![
+        "bench".to_string(),
+        "allreduce-rank".into(),
+        "--iters".into(),
+        a.iters.to_string(),
+        "--warmup".into(),
+        a.warmup.to_string(),
+        "--compression".into(),
+        a.compression.name().into(),
+        "--size-mb".into(),
+    ];
+    args.extend(a.size_mb.iter().map(|s| s.to_string()));
+    eprintln!(
+        "ring allreduce, {} ranks over QUIC on 127.0.0.1, {} timed iterations per size",
+        a.ranks, a.iters
+    );
+    let outcome = hearth::launch::launch(&hearth::launch::LaunchConfig {
+        nproc: a.ranks,
+        program: std::env::current_exe().context("locating the hearth binary")?,
+        args,
+        port: 0,
+        prefix: false,
+    })?;
+    exit_with(outcome)
+}
+
+pub(crate) fn bench_allreduce_rank(a: BenchAllreduceArgs) -> Result<()> {
+    hearth::dist_bench::run_rank(&a.size_mb, a.iters, a.warmup, a.compression, &mut |t| {
+        println!("{t}")
+    })?;
+    Ok(())
+}
+
+pub(crate) fn bench_model(device_name: &str, args: BenchModelArgs) -> Result<()> {
+    let device = hearth::device::select(device_name)?;
+    let bench = ModelBench {
+        arch: Architecture::from_name(&args.model)?,
+        mode: args.mode,
+        batch_size: args.batch_size,
+        size: args.size,
+        warmup: args.warmup,
+        steps: args.steps,
+        num_classes: args.num_classes,
+    };
+    if bench.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    eprintln!(
+        "bench {} {:?} batch {} at {}x{} on {device_name}: {} warm-up + {} timed steps",
+        bench.arch, bench.mode, bench.batch_size, bench.size, bench.size, bench.warmup, bench.steps
+    );
+    let report = bench.run(&device, |i, total, dt, warm| {
+        eprintln!(
+            "  step {i}/{total}{}: {:.1} ms",
+            if warm { " (warm-up)" } else { "" },
+            dt * 1e3
+        );
+    })?;
+    let mut sorted = report.step_seconds.clone();
+    sorted.sort_by(f64::total_cmp);
+    println!("median step: {:.1} ms", sorted[sorted.len() / 2] * 1e3);
+    println!("images/s: {:.2}", report.images_per_sec);
+    Ok(())
+}
+
+pub(crate) fn bench_loader(device_name: &str, args: BenchLoaderArgs) -> Result<()> {
+    let device = hearth::device::select(device_name)?;
+    let bench = hearth::loader_bench::LoaderBench {
+        batch_size: args.batch_size,
+        workers: args.workers,
+        prefetch: args.prefetch,
+        size: args.size,
+        batches: args.batches,
+    };
+    eprintln!(
+        "bench loader {}: batch {}, {} workers, prefetch {}, {}x{}, {} batches",
+        args.data.display(),
+        args.batch_size,
+        args.workers,
+        args.prefetch,
+        args.size,
+        args.size,
+        args.batches
+    );
+    let report = bench.run(&args.data, &device, |i, n| {
+        if i % 5 == 0 || i == n {
+            eprintln!("  batch {i}/{n}");
+        }
+    })?;
+    if report.skipped > 0 {
+        eprintln!("warning: {} bad file(s) skipped", report.skipped);
+    }
+    println!("peak RSS: {:.1} MB", report.peak_rss_mb);
+    println!("images/s: {:.2}", report.images_per_sec);
+    Ok(())
+}

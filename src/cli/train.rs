@@ -1,0 +1,339 @@
+//! `hearth train`: its arguments, augmentation flags, and local multi-process launch.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use hearth::device::DeviceSpec;
+use hearth::dist::Compression;
+use hearth::schedule::{LrScaling, ScheduleKind};
+use hearth::train::{AugmentPreset, Monitor, OptimizerKind};
+
+use crate::exit_with;
+
+#[derive(Args)]
+pub(crate) struct TrainArgs {
+    /// Image folder: train/ and val/ class folders, or one folder split by --val-fraction.
+    /// Without it a synthetic data set is generated into the run directory.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Multi-label CSV (`path,label1|label2|...`; paths relative to --data or the CSV's folder):
+    /// one sigmoid per label, binary cross-entropy, per-class AUROC (CheXNet style).
+    #[arg(long)]
+    labels: Option<PathBuf>,
+    #[arg(long, default_value_t = 0.2)]
+    val_fraction: f64,
+    /// torchvision name (resnet50, densenet121, vgg16, ...) or resnet-mini (the default).
+    #[arg(long, default_value = hearth::train::DEFAULT_MODEL)]
+    model: String,
+    /// torchvision weights to start from; the head is replaced to fit the data's classes.
+    #[arg(long)]
+    weights: Option<PathBuf>,
+    /// Train only the new head.
+    #[arg(long)]
+    freeze_backbone: bool,
+    /// With --freeze-backbone: after N epochs, unfreeze everything and fine-tune at
+    /// --finetune-lr (early-stopping patience counts from then).
+    #[arg(long, requires = "freeze_backbone")]
+    unfreeze_after: Option<usize>,
+    /// Learning rate of the fine-tuning phase (default: --lr / 10).
+    #[arg(long, requires = "unfreeze_after")]
+    finetune_lr: Option<f64>,
+    #[arg(long, default_value_t = 12)]
+    epochs: usize,
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 0.05)]
+    lr: f64,
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
+    optimizer: OptimizerKind,
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
+    #[arg(long)]
+    nesterov: bool,
+    /// L2 weight decay (SGD, Adam: not applied to biases and batch norm; AdamW: decoupled).
+    #[arg(long, default_value_t = 5e-4)]
+    weight_decay: f64,
+    /// Learning-rate decay after warmup.
+    #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]
+    schedule: ScheduleKind,
+    #[arg(long, default_value_t = 1)]
+    warmup_epochs: usize,
+    /// Scale --lr by the batch ratio: linear (Goyal et al.) or sqrt.
+    #[arg(long, value_enum, requires = "base_batch")]
+    scale_lr: Option<LrScaling>,
+    /// The batch size --lr was tuned for.
+    #[arg(long)]
+    base_batch: Option<usize>,
+    #[arg(long, default_value_t = 0.0)]
+    label_smoothing: f32,
+    /// Metric for early stopping and the exported (best) epoch; val_auroc needs multi-label data.
+    #[arg(long, value_enum, default_value_t = Monitor::ValAccuracy)]
+    monitor: Monitor,
+    /// Stop after this many epochs without improvement of --monitor.
+    #[arg(long)]
+    patience: Option<usize>,
+    /// Smallest change of --monitor that counts as an improvement, for early stopping and for
+    /// picking the exported epoch.
+    #[arg(long, default_value_t = 0.0)]
+    min_delta: f64,
+    /// Input side in pixels.
+    #[arg(long, default_value_t = 32)]
+    size: u32,
+    /// Training augmentation recipe; the flags below adjust it. light suits short fine-tuning
+    /// runs and small data sets; imagenet is torchvision's recipe for long runs on large sets.
+    #[arg(long, value_enum, default_value_t = AugmentPreset::Light)]
+    augment: AugmentPreset,
+    /// Random resized crop of MIN,MAX of the image area (e.g. 0.5,1), replacing the preset's.
+    #[arg(long, value_name = "MIN,MAX")]
+    crop_scale: Option<String>,
+    /// Random horizontal flips (on in light and imagenet).
+    #[arg(long, overrides_with = "no_flip")]
+    flip: bool,
+    /// No flips: for text, digits, and images whose left and right differ in meaning.
+    #[arg(long, overrides_with = "flip")]
+    no_flip: bool,
+    /// Random rotation up to DEG degrees either way.
+    #[arg(long, value_name = "DEG")]
+    rotate: Option<f64>,
+    /// Random horizontal shear up to DEG degrees either way.
+    #[arg(long, value_name = "DEG")]
+    shear: Option<f64>,
+    /// Brightness, contrast and saturation jitter of up to X (0-1).
+    #[arg(long, value_name = "X")]
+    color_jitter: Option<f64>,
+    /// Decoding threads.
+    #[arg(long, default_value_t = 2)]
+    workers: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Default: runs/<timestamp>.
+    #[arg(long)]
+    run_dir: Option<PathBuf>,
+    /// Continue the run in this directory from its last checkpoint.
+    #[arg(long, conflicts_with = "run_dir")]
+    resume: Option<PathBuf>,
+    /// End this run after that epoch (its checkpoint written); --resume continues it exactly.
+    #[arg(long)]
+    stop_after_epoch: Option<usize>,
+    /// Price of one node-hour, for the cost line of the summary.
+    #[arg(long)]
+    price_per_hour: Option<f64>,
+    /// Accumulate gradients over K micro-batches per optimizer step (in a distributed run they
+    /// are averaged across ranks only on the K-th).
+    #[arg(long)]
+    grad_accum: Option<usize>,
+    /// Train data parallel on N local processes (`hearth launch`); --batch-size stays the global
+    /// batch. Inside a launched job (HEARTH_RANK, torchrun, Slurm or mpirun variables) the rank
+    /// joins that job instead.
+    #[arg(long, default_value_t = 1)]
+    nproc: usize,
+    /// Gradient fusion bucket size in MB (distributed runs).
+    #[arg(long, default_value_t = 25.0)]
+    bucket_mb: f64,
+    /// Wire format of gradient averaging in distributed runs.
+    #[arg(long, value_enum, default_value_t = Compression::None)]
+    compression: Compression,
+}
+
+/// The training command line again, without `--nproc`, with an explicit run directory.
+pub(crate) fn rank_args(run_dir: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut args = std::env::args().skip(1).peekable();
+    let mut has_dir = false;
+    while let Some(a) = args.next() {
+        if a == "--nproc" {
+            args.next();
+            continue;
+        }
+        if a.starts_with("--nproc=") {
+            continue;
+        }
+        has_dir |= a == "--run-dir"
+            || a.starts_with("--run-dir=")
+            || a == "--resume"
+            || a.starts_with("--resume=");
+        out.push(a);
+    }
+    if !has_dir {
+        out.push("--run-dir".into());
+        out.push(run_dir.display().to_string());
+    }
+    out
+}
+
+pub(crate) fn default_run_dir() -> PathBuf {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    PathBuf::from("runs").join(secs.to_string())
+}
+
+/// The preset with the per-transform flags applied.
+pub(crate) fn augmentation(a: &TrainArgs) -> Result<hearth::datasets::Augmentation> {
+    let mut aug = a.augment.augmentation();
+    if let Some(text) = &a.crop_scale {
+        let parts: Vec<&str> = text.split(',').map(str::trim).collect();
+        let [min, max] = parts.as_slice() else {
+            bail!("--crop-scale {text:?}: expected MIN,MAX, e.g. 0.5,1");
+        };
+        let (min, max): (f64, f64) = (
+            min.parse()
+                .with_context(|| format!("--crop-scale MIN {min:?}"))?,
+            max.parse()
+                .with_context(|| format!("--crop-scale MAX {max:?}"))?,
+        );
+        if !(0.0 < min && min <= max && max <= 1.0) {
+            bail!("--crop-scale {min},{max}: need 0 < MIN <= MAX <= 1");
+        }
+        aug.crop_scale = Some((min, max));
+    }
+    if a.flip {
+        aug.flip = true;
+    }
+    if a.no_flip {
+        aug.flip = false;
+    }
+    if let Some(d) = a.rotate {
+        aug.rotate = d;
+    }
+    if let Some(d) = a.shear {
+        aug.shear = d;
+    }
+    if let Some(x) = a.color_jitter {
+        aug.color_jitter = x;
+    }
+    Ok(aug)
+}
+
+pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
+    use hearth::train::{TrainConfig, train};
+    let in_job = std::env::var_os("HEARTH_RANK").is_some();
+    if a.nproc > 1 && !in_job {
+        let run_dir = a
+            .resume
+            .clone()
+            .or(a.run_dir.clone())
+            .unwrap_or_else(default_run_dir);
+        eprintln!(
+            "launching {} ranks; run directory: {}",
+            a.nproc,
+            run_dir.display()
+        );
+        let outcome = hearth::launch::launch(&hearth::launch::LaunchConfig {
+            nproc: a.nproc,
+            program: std::env::current_exe().context("locating the hearth binary")?,
+            args: rank_args(&run_dir),
+            port: 0,
+            prefix: true,
+        })?;
+        return exit_with(outcome);
+    }
+    // Inside a job (hearth launch, torchrun, Slurm, mpirun): join it. Half-set or malformed
+    // launcher variables are an error, never a silent single-process run.
+    let dist = hearth::dist::rendezvous::RankInfo::detect()
+        .context("reading the launcher's environment")?
+        .filter(|info| info.world > 1);
+    let spec: DeviceSpec = device_name.parse()?;
+    let spec = spec.for_local_rank(dist.as_ref().and_then(|d| d.local_rank));
+    let device = spec.device()?;
+    if let Some(info) = &dist {
+        eprintln!(
+            "rank {} of {}: device {spec}{}",
+            info.rank,
+            info.world,
+            info.local_rank
+                .map(|l| format!(" (local rank {l})"))
+                .unwrap_or_default()
+        );
+    }
+    let augment = augmentation(&a)?;
+    let (run_dir, resume) = match (a.resume, a.run_dir) {
+        (Some(dir), _) => (dir, true),
+        (None, Some(dir)) => (dir, false),
+        (None, None) => (default_run_dir(), false),
+    };
+    let mut cfg = TrainConfig::new(run_dir);
+    cfg.resume = resume;
+    cfg.data = a.data;
+    cfg.labels = a.labels;
+    cfg.unfreeze_after = a.unfreeze_after;
+    cfg.finetune_lr = a.finetune_lr;
+    cfg.val_fraction = a.val_fraction;
+    cfg.model = a.model;
+    cfg.weights = a.weights;
+    cfg.freeze_backbone = a.freeze_backbone;
+    cfg.epochs = a.epochs;
+    cfg.batch_size = a.batch_size;
+    cfg.lr = a.lr;
+    cfg.optimizer = a.optimizer;
+    cfg.momentum = a.momentum;
+    cfg.nesterov = a.nesterov;
+    cfg.weight_decay = a.weight_decay;
+    cfg.schedule = a.schedule.decay();
+    cfg.warmup_epochs = a.warmup_epochs;
+    cfg.scale_lr = match (a.scale_lr, a.base_batch) {
+        (Some(rule), Some(base)) => Some((rule, base)),
+        _ => None,
+    };
+    cfg.label_smoothing = a.label_smoothing;
+    cfg.monitor = a.monitor;
+    cfg.patience = a.patience;
+    cfg.min_delta = a.min_delta;
+    cfg.image_size = a.size;
+    cfg.augmentation = augment;
+    cfg.workers = a.workers;
+    cfg.seed = a.seed;
+    cfg.price_per_hour = a.price_per_hour;
+    cfg.stop_after_epoch = a.stop_after_epoch;
+    cfg.grad_accum = a.grad_accum;
+    cfg.bucket_bytes = (a.bucket_mb * 1e6) as usize;
+    cfg.compression = a.compression;
+    cfg.dist = dist;
+    let rank0 = cfg.dist.as_ref().is_none_or(|d| d.rank == 0);
+    if rank0 {
+        eprintln!("run directory: {}", cfg.run_dir.display());
+    }
+    let report = train(&cfg, &device, &mut |line| eprintln!("{line}"))?;
+    if report.rank != 0 {
+        return Ok(());
+    }
+    if report.world > 1 {
+        println!(
+            "trained on {} ranks, global batch {} ({} per rank)",
+            report.world,
+            cfg.batch_size,
+            cfg.batch_size / report.world
+        );
+    }
+    println!("best epoch: {} of {}", report.best_epoch, report.epochs_run);
+    if let Some(loss) = report.best_val_loss {
+        println!("validation loss: {loss:.4}");
+    }
+    println!(
+        "wall time: {:.1} s, {:.1} images/s, {:.4} node-hours{}",
+        report.wall_seconds,
+        report.images_per_sec,
+        report.node_hours,
+        report
+            .cost
+            .map(|c| format!(", cost {c:.4}"))
+            .unwrap_or_default()
+    );
+    println!(
+        "model: {} (metrics.csv, metrics.png beside it)",
+        report.model_path.display()
+    );
+    if let Some(auroc) = report.best_val_auroc {
+        println!("validation AUROC (mean over labels): {auroc:.2}%");
+    }
+    match report.best_val_accuracy {
+        Some(acc) if report.per_class_auroc.is_some() => {
+            println!("validation accuracy (per label, Hamming): {acc:.2}%")
+        }
+        Some(acc) => println!("validation accuracy: {acc:.2}%"),
+        None => println!("validation accuracy: n/a"),
+    }
+    Ok(())
+}
