@@ -41,6 +41,7 @@ pub mod bucket;
 pub mod collective;
 pub mod ddp;
 mod error;
+pub mod pipeline;
 pub mod rendezvous;
 pub mod tls;
 pub mod transport;

@@ -42,6 +42,8 @@ pub enum Kind {
     Heartbeat = 6,
     /// Conformance tests and user messages.
     User = 7,
+    /// Pipeline parallelism: activations forward, activation gradients backward.
+    Pipeline = 8,
 }
 
 impl Kind {
@@ -54,6 +56,7 @@ impl Kind {
             5 => Kind::Control,
             6 => Kind::Heartbeat,
             7 => Kind::User,
+            8 => Kind::Pipeline,
             _ => return None,
         })
     }

@@ -1,0 +1,471 @@
+//! Pipeline model parallelism: a model split into consecutive stages, one per rank, trained on
+//! micro-batches (GPipe, or 1F1B as in PipeDream-flush).
+//!
+//! burn-dist knows no architectures: a stage is any Burn module implementing
+//! [`PipelineStage`], mapping the previous stage's [`Activation`] to the next one's. Activations
+//! travel forward and activation gradients backward over the job's [`Transport`] as raw
+//! little-endian `f32` with their shapes ([`Kind::Pipeline`], tagged by step, micro-batch and
+//! direction); a message whose shape is not what the receiving stage expects is an error naming
+//! both stages.
+//!
+//! One [`Pipeline::step`] runs every micro-batch of a step through this rank's stage and returns
+//! the stage's gradients summed over the micro-batches (what gradient accumulation over the same
+//! micro-batches gives the unsplit model); each stage then steps its own optimizer. The last
+//! stage computes each micro-batch's loss with a closure and reports it.
+//!
+//! Status: the schedules and their equivalence with the unsplit model (in-memory transport)
+//! exist; the rest of issue 11 (architecture stages, CLI, checkpoints, 2D parallel, QUIC test,
+//! benchmarks) does not yet.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::module::Module;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::prelude::*;
+use burn::tensor::TensorData;
+
+use crate::transport::Transport;
+use crate::wire::{Kind, bytes_to_f32, f32_to_bytes};
+use crate::{DistError, Result};
+
+/// A tensor between two stages: rank 2 (`[batch, features]`) or rank 4 (`[batch, c, h, w]`).
+#[derive(Debug, Clone)]
+pub enum Activation {
+    Rank2(Tensor<2>),
+    Rank4(Tensor<4>),
+}
+
+impl Activation {
+    pub fn dims(&self) -> Vec<usize> {
+        match self {
+            Activation::Rank2(t) => t.dims().to_vec(),
+            Activation::Rank4(t) => t.dims().to_vec(),
+        }
+    }
+
+    /// The 2-d tensor; an error naming `what` for another rank.
+    pub fn rank2(self, what: &str) -> Result<Tensor<2>> {
+        match self {
+            Activation::Rank2(t) => Ok(t),
+            other => Err(mismatch(
+                what,
+                format!("expected a 2-d activation, got {:?}", other.dims()),
+            )),
+        }
+    }
+
+    /// The 4-d tensor; an error naming `what` for another rank.
+    pub fn rank4(self, what: &str) -> Result<Tensor<4>> {
+        match self {
+            Activation::Rank4(t) => Ok(t),
+            other => Err(mismatch(
+                what,
+                format!("expected a 4-d activation, got {:?}", other.dims()),
+            )),
+        }
+    }
+
+    fn require_grad(self) -> Self {
+        match self {
+            Activation::Rank2(t) => Activation::Rank2(t.require_grad()),
+            Activation::Rank4(t) => Activation::Rank4(t.require_grad()),
+        }
+    }
+
+    /// This tensor's gradient in `grads`, as plain values.
+    fn grad(&self, grads: &burn::tensor::Gradients) -> Option<TensorData> {
+        match self {
+            Activation::Rank2(t) => t.grad(grads).map(|g| g.into_data()),
+            Activation::Rank4(t) => t.grad(grads).map(|g| g.into_data()),
+        }
+    }
+
+    /// `sum(self * upstream)`: backward from it gives this activation's producers the gradient
+    /// `upstream` (which must have the same shape).
+    fn inject(&self, upstream: TensorData, device: &Device) -> Result<Tensor<1>> {
+        let shape: Vec<usize> = upstream.shape().to_vec();
+        if shape != self.dims() {
+            return Err(mismatch(
+                "pipeline backward",
+                format!(
+                    "the gradient received has shape {shape:?}, the activation sent {:?}",
+                    self.dims()
+                ),
+            ));
+        }
+        Ok(match self {
+            Activation::Rank2(t) => (t.clone() * Tensor::<2>::from_data(upstream, device)).sum(),
+            Activation::Rank4(t) => (t.clone() * Tensor::<4>::from_data(upstream, device)).sum(),
+        })
+    }
+
+    fn data(&self) -> TensorData {
+        match self {
+            Activation::Rank2(t) => t.clone().into_data(),
+            Activation::Rank4(t) => t.clone().into_data(),
+        }
+    }
+}
+
+fn mismatch(op: &str, reason: String) -> DistError {
+    DistError::Mismatch {
+        op: op.to_string(),
+        reason,
+    }
+}
+
+/// `[rank: u32][dims: u64 x rank][f32 values]`, little-endian.
+fn encode(data: TensorData) -> Result<Vec<u8>> {
+    let shape: Vec<usize> = data.shape().to_vec();
+    let values = data
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| mismatch("pipeline send", format!("reading a tensor: {e:?}")))?;
+    let mut out = Vec::with_capacity(4 + 8 * shape.len() + 4 * values.len());
+    out.extend((shape.len() as u32).to_le_bytes());
+    for d in &shape {
+        out.extend((*d as u64).to_le_bytes());
+    }
+    out.extend(f32_to_bytes(&values));
+    Ok(out)
+}
+
+/// The tensor data in a message; any malformed message is an error, never a panic.
+fn decode(bytes: &[u8]) -> Result<TensorData> {
+    let bad = |r: String| mismatch("pipeline receive", r);
+    let rank = bytes
+        .get(..4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+        .ok_or_else(|| bad(format!("a {}-byte message has no header", bytes.len())))?;
+    if rank != 2 && rank != 4 {
+        return Err(bad(format!(
+            "a rank-{rank} tensor (stages exchange rank 2 or 4)"
+        )));
+    }
+    let mut shape = Vec::with_capacity(rank);
+    for i in 0..rank {
+        let at = 4 + 8 * i;
+        let d = bytes
+            .get(at..at + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+            .ok_or_else(|| bad("the shape is cut short".into()))?;
+        shape.push(usize::try_from(d).map_err(|_| bad(format!("dimension {d}")))?);
+    }
+    let count = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
+    let values = bytes_to_f32(&bytes[4 + 8 * rank..], count)?;
+    Ok(TensorData::new(values, shape))
+}
+
+fn activation(data: TensorData, device: &Device) -> Activation {
+    if data.shape().len() == 2 {
+        Activation::Rank2(Tensor::from_data(data, device))
+    } else {
+        Activation::Rank4(Tensor::from_data(data, device))
+    }
+}
+
+/// One stage of a pipelined model. An input it cannot take (another rank, another shape) is an
+/// error, which the pipeline reports with the stage's number.
+pub trait PipelineStage: Module {
+    fn forward(&self, x: Activation) -> Result<Activation>;
+}
+
+/// The order of forwards and backwards over a step's micro-batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum Schedule {
+    /// Every forward, then every backward: all micro-batches' activations are held at once.
+    #[cfg_attr(feature = "clap", value(name = "gpipe"))]
+    GPipe,
+    /// One forward, one backward in the steady state (PipeDream-flush): stage s holds at most
+    /// `stages - s` micro-batches' activations.
+    #[default]
+    #[cfg_attr(feature = "clap", value(name = "1f1b"))]
+    OneFOneB,
+}
+
+impl Schedule {
+    /// The operations of stage `stage` of `stages` over `m` micro-batches, in order:
+    /// `(true, i)` is the forward of micro-batch i, `(false, i)` its backward.
+    pub fn order(self, stage: usize, stages: usize, m: usize) -> Vec<(bool, usize)> {
+        match self {
+            Schedule::GPipe => (0..m)
+                .map(|i| (true, i))
+                .chain((0..m).map(|i| (false, i)))
+                .collect(),
+            Schedule::OneFOneB => {
+                let warmup = (stages - 1 - stage).min(m);
+                let mut ops: Vec<(bool, usize)> = (0..warmup).map(|i| (true, i)).collect();
+                for i in 0..m - warmup {
+                    ops.push((true, warmup + i));
+                    ops.push((false, i));
+                }
+                ops.extend((m - warmup..m).map(|i| (false, i)));
+                ops
+            }
+        }
+    }
+}
+
+/// What one step gave this rank's stage.
+pub struct StepOutput {
+    /// The stage's parameter gradients, summed over the step's micro-batches.
+    pub grads: GradientsParams,
+    /// The last stage: each micro-batch's loss. Other stages: empty.
+    pub losses: Vec<f32>,
+    /// The most micro-batches whose activations this stage held at once.
+    pub peak_in_flight: usize,
+}
+
+/// This rank's place in a pipeline: stage `stage` of the stages held by `ranks` (in order).
+pub struct Pipeline {
+    transport: Arc<dyn Transport>,
+    ranks: Vec<usize>,
+    stage: usize,
+    schedule: Schedule,
+    timeout: Duration,
+    step: u64,
+}
+
+/// The tag of micro-batch `m` of step `step`, forward or backward.
+fn tag(step: u64, m: usize, forward: bool) -> u64 {
+    (step << 32) | ((m as u64) << 1) | u64::from(!forward)
+}
+
+impl Pipeline {
+    /// `ranks[s]` holds stage s; this process is `transport.rank()`, which must be one of them.
+    pub fn new(
+        transport: Arc<dyn Transport>,
+        ranks: Vec<usize>,
+        schedule: Schedule,
+    ) -> Result<Self> {
+        let me = transport.rank();
+        let stage = ranks.iter().position(|&r| r == me).ok_or_else(|| {
+            DistError::Config(format!(
+                "rank {me} holds no stage of the pipeline {ranks:?}"
+            ))
+        })?;
+        if let Some(r) = ranks.iter().find(|&&r| r >= transport.world()) {
+            return Err(DistError::Config(format!(
+                "pipeline rank {r} is outside a world of {}",
+                transport.world()
+            )));
+        }
+        Ok(Self {
+            transport,
+            ranks,
+            stage,
+            schedule,
+            timeout: Duration::from_secs(120),
+            step: 0,
+        })
+    }
+
+    /// How long a stage waits for its neighbour's activation or gradient.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    pub fn stage(&self) -> usize {
+        self.stage
+    }
+
+    pub fn stages(&self) -> usize {
+        self.ranks.len()
+    }
+
+    fn is_first(&self) -> bool {
+        self.stage == 0
+    }
+
+    fn is_last(&self) -> bool {
+        self.stage + 1 == self.ranks.len()
+    }
+
+    fn recv(&self, from_stage: usize, tag: u64, what: &str) -> Result<TensorData> {
+        let rank = self.ranks[from_stage];
+        let bytes =
+            self.transport
+                .recv(rank, Kind::Pipeline, tag, Instant::now() + self.timeout)?;
+        decode(&bytes).map_err(|e| {
+            mismatch(
+                what,
+                format!(
+                    "from stage {from_stage} (rank {rank}) to stage {}: {e}",
+                    self.stage
+                ),
+            )
+        })
+    }
+
+    fn send(&self, to_stage: usize, tag: u64, data: TensorData) -> Result<()> {
+        self.transport
+            .send(self.ranks[to_stage], Kind::Pipeline, tag, encode(data)?)
+    }
+
+    /// Runs one step of `micro_batches` micro-batches through `stage` (on `device`, an autodiff
+    /// device). The first stage takes its micro-batches from `inputs`; the last computes each
+    /// one's loss with `loss(output, micro_batch)`. Every stage of the pipeline must call it
+    /// with the same `micro_batches`.
+    pub fn step<M: PipelineStage>(
+        &mut self,
+        stage: &M,
+        inputs: &mut dyn FnMut(usize) -> Activation,
+        loss: &mut dyn FnMut(Activation, usize) -> Result<Tensor<1>>,
+        micro_batches: usize,
+        device: &Device,
+    ) -> Result<StepOutput> {
+        let step = self.step;
+        self.step += 1;
+        // Per micro-batch: the input (to send its gradient back) and what backward starts from.
+        let mut held: Vec<Option<(Activation, Activation)>> = vec![None; micro_batches];
+        let mut losses: Vec<Option<Tensor<1>>> = vec![None; micro_batches];
+        let mut accumulator = GradientsAccumulator::<M>::new();
+        let (mut in_flight, mut peak) = (0usize, 0usize);
+        for (forward, m) in self
+            .schedule
+            .order(self.stage, self.stages(), micro_batches)
+        {
+            if forward {
+                let x = if self.is_first() {
+                    inputs(m)
+                } else {
+                    let data = self.recv(self.stage - 1, tag(step, m, true), "pipeline forward")?;
+                    activation(data, device).require_grad()
+                };
+                let y = stage.forward(x.clone()).map_err(|e| {
+                    mismatch(
+                        "pipeline forward",
+                        format!("stage {} on micro-batch {m}: {e}", self.stage),
+                    )
+                })?;
+                if self.is_last() {
+                    losses[m] = Some(loss(y.clone(), m)?);
+                } else {
+                    self.send(self.stage + 1, tag(step, m, true), y.data())?;
+                }
+                held[m] = Some((x, y));
+                in_flight += 1;
+                peak = peak.max(in_flight);
+            } else {
+                let Some((x, y)) = held[m].take() else {
+                    return Err(mismatch(
+                        "pipeline backward",
+                        format!("micro-batch {m} has no forward on stage {}", self.stage),
+                    ));
+                };
+                let grads = if self.is_last() {
+                    let Some(l) = losses[m].clone() else {
+                        return Err(mismatch(
+                            "pipeline backward",
+                            format!("no loss for micro-batch {m}"),
+                        ));
+                    };
+                    l.backward()
+                } else {
+                    let upstream =
+                        self.recv(self.stage + 1, tag(step, m, false), "pipeline backward")?;
+                    y.inject(upstream, device)
+                        .map_err(|e| {
+                            mismatch("pipeline backward", format!("stage {}: {e}", self.stage))
+                        })?
+                        .backward()
+                };
+                if !self.is_first() {
+                    let dx = x.grad(&grads).ok_or_else(|| {
+                        mismatch(
+                            "pipeline backward",
+                            format!("stage {}'s input got no gradient", self.stage),
+                        )
+                    })?;
+                    self.send(self.stage - 1, tag(step, m, false), dx)?;
+                }
+                accumulator.accumulate(stage, GradientsParams::from_grads(grads, stage));
+                in_flight -= 1;
+            }
+        }
+        let losses = losses
+            .into_iter()
+            .flatten()
+            .map(|l| l.into_scalar::<f32>())
+            .collect();
+        Ok(StepOutput {
+            grads: accumulator.grads(),
+            losses,
+            peak_in_flight: peak,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedules_run_every_micro_batch_once_and_1f1b_holds_at_most_p_minus_s() {
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+            for (stages, m) in [(1, 1), (2, 4), (3, 2), (4, 8), (3, 1)] {
+                for s in 0..stages {
+                    let ops = schedule.order(s, stages, m);
+                    let mut f: Vec<usize> = ops.iter().filter(|o| o.0).map(|o| o.1).collect();
+                    let mut b: Vec<usize> = ops.iter().filter(|o| !o.0).map(|o| o.1).collect();
+                    f.sort();
+                    b.sort();
+                    assert_eq!(f, (0..m).collect::<Vec<_>>());
+                    assert_eq!(b, (0..m).collect::<Vec<_>>());
+                    // No backward before its forward; count what is held at once.
+                    let (mut held, mut peak) = (0i64, 0i64);
+                    for (fwd, i) in &ops {
+                        if *fwd {
+                            held += 1;
+                        } else {
+                            assert!(
+                                ops.iter().position(|o| *o == (true, *i))
+                                    < ops.iter().position(|o| *o == (false, *i))
+                            );
+                            held -= 1;
+                        }
+                        peak = peak.max(held);
+                    }
+                    let bound = if schedule == Schedule::GPipe {
+                        m
+                    } else {
+                        (stages - s).min(m)
+                    };
+                    assert_eq!(
+                        peak as usize, bound,
+                        "{schedule:?} stage {s} of {stages}, m {m}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn messages_round_trip_and_garbage_is_an_error() {
+        let data = TensorData::new(vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], [2, 3]);
+        let back = decode(&encode(data.clone()).unwrap()).unwrap();
+        assert_eq!(back, data);
+        let four = TensorData::new(vec![0.5f32; 24], [1, 2, 3, 4]);
+        assert_eq!(decode(&encode(four.clone()).unwrap()).unwrap(), four);
+        let good = encode(data).unwrap();
+        for bad in [
+            &good[..2],
+            &good[..10],
+            &good[..good.len() - 1],
+            &[3u8, 0, 0, 0][..],
+        ] {
+            assert!(decode(bad).is_err());
+        }
+        let mut huge = 2u32.to_le_bytes().to_vec();
+        huge.extend(u64::MAX.to_le_bytes());
+        huge.extend(2u64.to_le_bytes());
+        assert!(decode(&huge).is_err());
+    }
+}
