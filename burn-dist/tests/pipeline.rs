@@ -1,7 +1,10 @@
 //! Pipeline parallelism equals the unsplit model: a small CNN split into 2 and 3 stages (ranks
 //! as threads over the in-memory transport), GPipe and 1F1B, 4 micro-batches per step; after 3
 //! SGD-momentum steps every stage's weights equal the unsplit model's under gradient
-//! accumulation over the same micro-batches (1e-5).
+//! accumulation over the same micro-batches (1e-5). Once more over a QUIC job (TLS, threads as
+//! ranks).
+
+mod common;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -124,16 +127,27 @@ fn reference(stages: Vec<Part>) -> Vec<Vec<Vec<f32>>> {
     model.iter().map(|p| module_values(p)).collect()
 }
 
-/// The same training split over `stages.len()` ranks; each rank's final weights.
-fn pipelined(stages: Vec<Part>, schedule: Schedule) -> Vec<Vec<Vec<f32>>> {
+fn memory(p: usize) -> Vec<Arc<dyn Transport>> {
+    MemoryTransport::mesh(p)
+        .into_iter()
+        .map(|t| Arc::new(t) as Arc<dyn Transport>)
+        .collect()
+}
+
+/// The same training split over `stages.len()` ranks (`transports`, in rank order); each rank's
+/// final weights.
+fn pipelined(
+    stages: Vec<Part>,
+    schedule: Schedule,
+    transports: Vec<Arc<dyn Transport>>,
+) -> Vec<Vec<Vec<f32>>> {
     let p = stages.len();
     let (tx, rx) = std::sync::mpsc::channel();
-    for (t, part) in MemoryTransport::mesh(p).into_iter().zip(stages) {
+    for (transport, part) in transports.into_iter().zip(stages) {
         let tx = tx.clone();
         std::thread::spawn(move || {
-            let r = t.rank();
+            let r = transport.rank();
             let device = Device::flex().autodiff();
-            let transport: Arc<dyn Transport> = Arc::new(t);
             let mut pipe = Pipeline::new(transport, (0..p).collect(), schedule)
                 .unwrap()
                 .with_timeout(Duration::from_secs(30));
@@ -186,7 +200,7 @@ fn a_split_cnn_trains_exactly_like_the_unsplit_one_with_gpipe_and_1f1b() {
         let stages = parts(convs, &device);
         let expected = reference(stages.clone());
         for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
-            let got = pipelined(stages.clone(), schedule);
+            let got = pipelined(stages.clone(), schedule, memory(convs + 1));
             for (s, (a, b)) in got.iter().zip(&expected).enumerate() {
                 for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
                     assert!(
@@ -200,6 +214,23 @@ fn a_split_cnn_trains_exactly_like_the_unsplit_one_with_gpipe_and_1f1b() {
         // The comparison is between trained weights, not two untouched copies.
         let start: Vec<Vec<Vec<f32>>> = stages.iter().map(|p| module_values(p)).collect();
         assert_ne!(start, expected);
+    }
+}
+
+#[test]
+fn a_pipeline_over_quic_between_authenticated_ranks_matches_too() {
+    let device = Device::flex().autodiff();
+    let stages = parts(2, &device);
+    let expected = reference(stages.clone());
+    let transports: Vec<Arc<dyn Transport>> = common::job(3)
+        .into_iter()
+        .map(|t| Arc::new(t) as Arc<dyn Transport>)
+        .collect();
+    let got = pipelined(stages, Schedule::OneFOneB, transports);
+    for (s, (a, b)) in got.iter().zip(&expected).enumerate() {
+        for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+            assert!((x - y).abs() <= 1e-5, "QUIC, stage {s}: {x} vs {y}");
+        }
     }
 }
 

@@ -4,61 +4,18 @@
 //! Processes: the test binary re-runs itself with `BURN_DIST_CHILD` set, and the `child` test
 //! then plays one rank. Every wait has a deadline.
 
+mod common;
+
 use std::net::UdpSocket;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use burn_dist::rendezvous::{RankInfo, RendezvousOptions, connect};
+use burn_dist::rendezvous::{RankInfo, connect};
 use burn_dist::tls::Membership;
 use burn_dist::transport::quic::QuicTransport;
 use burn_dist::{Communicator, DistError, ReduceOp, Transport};
-
-const SECRET: &str = "test job secret, 32 bytes long..";
-
-fn free_port() -> u16 {
-    UdpSocket::bind("127.0.0.1:0")
-        .and_then(|s| s.local_addr())
-        .map(|a| a.port())
-        .expect("a free UDP port")
-}
-
-fn info(rank: usize, world: usize, port: u16) -> RankInfo {
-    RankInfo {
-        rank,
-        world,
-        local_rank: Some(rank),
-        coordinator: format!("127.0.0.1:{port}"),
-        source: "test",
-    }
-}
-
-fn options(timeout: Duration) -> RendezvousOptions {
-    RendezvousOptions {
-        timeout,
-        ..Default::default()
-    }
-}
-
-/// Forms a job of `world` ranks as threads; returns them in rank order.
-fn job(world: usize) -> Vec<QuicTransport> {
-    let port = free_port();
-    let handles: Vec<_> = (0..world)
-        .map(|r| {
-            std::thread::spawn(move || {
-                connect(
-                    &info(r, world, port),
-                    &Membership::secret(SECRET).unwrap(),
-                    &options(Duration::from_secs(30)),
-                )
-            })
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rendezvous thread").expect("rendezvous"))
-        .collect()
-}
+use common::{SECRET, free_port, info, job, options};
 
 /// Runs `f` on each rank in a thread and returns the results in rank order, with a deadline.
 fn each<T: Send + 'static>(

@@ -8,8 +8,13 @@ use std::time::Duration;
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::prelude::*;
+use std::net::UdpSocket;
+
 use burn_dist::ddp::module_values;
+use burn_dist::rendezvous::{RankInfo, RendezvousOptions, connect};
+use burn_dist::tls::Membership;
 use burn_dist::transport::memory::MemoryTransport;
+use burn_dist::transport::quic::QuicTransport;
 use burn_dist::{Communicator, Transport};
 
 /// A small MLP without batch norm (with it, ranks normalise by their own statistics and the
@@ -102,4 +107,52 @@ pub fn assert_close(weights: &[Vec<f32>], reference: &[Vec<f32>], what: &str) {
             assert!((x - y).abs() <= 1e-5, "{what}: {x} vs {y}");
         }
     }
+}
+
+// QUIC jobs on 127.0.0.1 with threads as ranks.
+
+pub const SECRET: &str = "test job secret, 32 bytes long..";
+
+pub fn free_port() -> u16 {
+    UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .map(|a| a.port())
+        .expect("a free UDP port")
+}
+
+pub fn info(rank: usize, world: usize, port: u16) -> RankInfo {
+    RankInfo {
+        rank,
+        world,
+        local_rank: Some(rank),
+        coordinator: format!("127.0.0.1:{port}"),
+        source: "test",
+    }
+}
+
+pub fn options(timeout: Duration) -> RendezvousOptions {
+    RendezvousOptions {
+        timeout,
+        ..Default::default()
+    }
+}
+
+/// Forms a job of `world` ranks as threads; returns them in rank order.
+pub fn job(world: usize) -> Vec<QuicTransport> {
+    let port = free_port();
+    let handles: Vec<_> = (0..world)
+        .map(|r| {
+            std::thread::spawn(move || {
+                connect(
+                    &info(r, world, port),
+                    &Membership::secret(SECRET).unwrap(),
+                    &options(Duration::from_secs(30)),
+                )
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rendezvous thread").expect("rendezvous"))
+        .collect()
 }
