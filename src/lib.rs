@@ -44,6 +44,7 @@ pub mod loader_bench;
 pub mod metrics;
 pub mod npy;
 pub mod optim;
+pub mod pipeline;
 pub mod plot;
 pub mod predict;
 pub mod schedule;

@@ -29,6 +29,7 @@ mod layers;
 
 pub mod densenet;
 pub mod resnet;
+pub mod stages;
 pub mod vgg;
 pub mod weights;
 pub mod zoo;

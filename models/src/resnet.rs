@@ -9,8 +9,8 @@
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::conv::Conv2d;
-use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, MaxPool2d, MaxPool2dConfig};
-use burn::nn::{BatchNorm, Linear, PaddingConfig2d};
+use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, MaxPool2d};
+use burn::nn::{BatchNorm, Linear};
 use burn::prelude::*;
 use burn::tensor::activation::relu;
 
@@ -74,7 +74,7 @@ impl ResNetConfig {
         Self::new(BlockKind::Bottleneck, [3, 8, 36, 3], num_classes)
     }
 
-    fn validate(&self) -> crate::Result<()> {
+    pub(crate) fn validate(&self) -> crate::Result<()> {
         let bad = |reason: String| ModelError::InvalidConfig {
             model: "ResNet",
             reason,
@@ -119,10 +119,7 @@ impl ResNetConfig {
         Ok(ResNet {
             conv1: conv2d(3, self.stem_width, 7, 2, 3, 1, false, true, device),
             bn1: batch_norm(self.stem_width, device),
-            maxpool: MaxPool2dConfig::new([3, 3])
-                .with_strides([2, 2])
-                .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
-                .init(),
+            maxpool: crate::stages::stem_pool(),
             layer1: next(),
             layer2: next(),
             layer3: next(),
@@ -154,7 +151,7 @@ pub struct ResidualBlock {
 }
 
 impl ResidualBlock {
-    fn new(
+    pub(crate) fn new(
         cfg: &ResNetConfig,
         inplanes: usize,
         planes: usize,

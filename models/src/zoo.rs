@@ -169,16 +169,22 @@ impl burn::module::ModuleVisitor for LearnableCounter {
     }
 }
 
+/// Learnable parameters of any module, as torchvision counts them (batch-norm running
+/// statistics excluded). Allocates nothing.
+pub(crate) fn learnable_params_of<M: Module>(module: &M) -> usize {
+    let mut counter = LearnableCounter {
+        path: Vec::new(),
+        count: 0,
+    };
+    module.visit(&mut counter);
+    counter.count
+}
+
 impl Classifier {
     /// Learnable parameters, as torchvision counts them (batch-norm running statistics
     /// excluded; Burn's [`Module::num_params`] includes them). Allocates nothing.
     pub fn learnable_params(&self) -> usize {
-        let mut counter = LearnableCounter {
-            path: Vec::new(),
-            count: 0,
-        };
-        self.visit(&mut counter);
-        counter.count
+        learnable_params_of(self)
     }
 
     pub fn family(&self) -> &'static str {

@@ -1,0 +1,213 @@
+//! Models cut at their natural boundaries, for pipeline parallelism: a list of units, each a
+//! module that maps a feature map to the next one (the last unit maps it to logits).
+//!
+//! ResNet's units are the stem (convolution, batch norm, ReLU, max pool), each residual block,
+//! and the head (global pooling and the classifier). A pipeline stage is a contiguous range of
+//! units; [`ResNetConfig::init_units`] builds only that range, so a rank never holds the other
+//! stages' parameters, and [`ResNet::into_units`] cuts an existing model (for weights loaded
+//! whole, and for tests). This module knows nothing about networks or ranks.
+//!
+//! VGG and DenseNet do not expose units yet.
+
+use std::ops::Range;
+
+use burn::module::Module;
+use burn::nn::conv::Conv2d;
+use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, MaxPool2d, MaxPool2dConfig};
+use burn::nn::{BatchNorm, Linear, PaddingConfig2d};
+use burn::prelude::*;
+use burn::tensor::activation::relu;
+
+use crate::ModelError;
+use crate::layers::{HeadActivation, HeadConfig, batch_norm, conv2d};
+use crate::resnet::{ResNet, ResNetConfig, ResidualBlock};
+
+/// ResNet's stem: `conv1`, `bn1`, ReLU, `maxpool`.
+#[derive(Module, Debug)]
+pub struct ResNetStem {
+    pub conv1: Conv2d,
+    pub bn1: BatchNorm,
+    pub maxpool: MaxPool2d,
+}
+
+/// ResNet's head: global average pooling, flatten, `fc`.
+#[derive(Module, Debug)]
+pub struct ResNetHead {
+    pub avgpool: AdaptiveAvgPool2d,
+    pub fc: Linear,
+    #[module(skip)]
+    pub head: HeadActivation,
+}
+
+/// One unit of a model's natural split.
+#[derive(Module, Debug)]
+pub enum Unit {
+    ResNetStem(ResNetStem),
+    ResNetBlock(ResidualBlock),
+    ResNetHead(ResNetHead),
+}
+
+/// What a unit gives: the next feature map, or (the last unit) logits.
+#[derive(Debug, Clone)]
+pub enum UnitOutput {
+    Features(Tensor<4>),
+    Logits(Tensor<2>),
+}
+
+impl Unit {
+    pub fn forward(&self, x: Tensor<4>) -> UnitOutput {
+        match self {
+            Unit::ResNetStem(s) => {
+                UnitOutput::Features(s.maxpool.forward(relu(s.bn1.forward(s.conv1.forward(x)))))
+            }
+            Unit::ResNetBlock(b) => UnitOutput::Features(b.forward(x)),
+            Unit::ResNetHead(h) => {
+                UnitOutput::Logits(h.fc.forward(h.avgpool.forward(x).flatten(1, 3)))
+            }
+        }
+    }
+
+    /// Learnable parameters (batch-norm running statistics excluded, as torchvision counts).
+    pub fn learnable_params(&self) -> usize {
+        crate::zoo::learnable_params_of(self)
+    }
+}
+
+/// The (inplanes, planes, stride) of every residual block, in order.
+fn blocks(cfg: &ResNetConfig) -> Vec<(usize, usize, usize)> {
+    let mut inplanes = cfg.stem_width;
+    let mut out = Vec::new();
+    for (stage, (&n, &planes)) in cfg.layers.iter().zip(&cfg.stage_widths).enumerate() {
+        for i in 0..n {
+            let stride = if stage > 0 && i == 0 { 2 } else { 1 };
+            out.push((inplanes, planes, stride));
+            inplanes = planes * cfg.block.expansion();
+        }
+    }
+    out
+}
+
+impl ResNetConfig {
+    /// How many units the network has: the stem, every block, the head.
+    pub fn units(&self) -> usize {
+        self.layers.iter().sum::<usize>() + 2
+    }
+
+    /// Builds units `range` only (torchvision's initialisation, drawn for these units alone).
+    pub fn init_units(&self, range: Range<usize>, device: &Device) -> crate::Result<Vec<Unit>> {
+        self.validate()?;
+        let n = self.units();
+        if range.start >= range.end || range.end > n {
+            return Err(ModelError::InvalidConfig {
+                model: "ResNet",
+                reason: format!("units {range:?} of a network of {n}"),
+            });
+        }
+        let blocks = blocks(self);
+        let last_width = self.stage_widths[3] * self.block.expansion();
+        Ok(range
+            .map(|u| {
+                if u == 0 {
+                    Unit::ResNetStem(ResNetStem {
+                        conv1: conv2d(3, self.stem_width, 7, 2, 3, 1, false, true, device),
+                        bn1: batch_norm(self.stem_width, device),
+                        maxpool: stem_pool(),
+                    })
+                } else if u == n - 1 {
+                    Unit::ResNetHead(ResNetHead {
+                        avgpool: AdaptiveAvgPool2dConfig::new([1, 1]).init(),
+                        fc: HeadConfig::new(self.num_classes).linear(last_width, device),
+                        head: HeadActivation::Softmax,
+                    })
+                } else {
+                    let (inplanes, planes, stride) = blocks[u - 1];
+                    Unit::ResNetBlock(ResidualBlock::new(self, inplanes, planes, stride, device))
+                }
+            })
+            .collect())
+    }
+}
+
+pub(crate) fn stem_pool() -> MaxPool2d {
+    MaxPool2dConfig::new([3, 3])
+        .with_strides([2, 2])
+        .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+        .init()
+}
+
+impl ResNet {
+    /// The network cut into its units (the same parameters, moved).
+    pub fn into_units(self) -> Vec<Unit> {
+        let mut units = vec![Unit::ResNetStem(ResNetStem {
+            conv1: self.conv1,
+            bn1: self.bn1,
+            maxpool: self.maxpool,
+        })];
+        units.extend(
+            self.layer1
+                .into_iter()
+                .chain(self.layer2)
+                .chain(self.layer3)
+                .chain(self.layer4)
+                .map(Unit::ResNetBlock),
+        );
+        units.push(Unit::ResNetHead(ResNetHead {
+            avgpool: self.avgpool,
+            fc: self.fc,
+            head: self.head,
+        }));
+        units
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::resnet::BlockKind;
+
+    fn run(units: &[Unit], x: Tensor<4>) -> Tensor<2> {
+        let mut x = x;
+        for u in units {
+            match u.forward(x) {
+                UnitOutput::Features(f) => x = f,
+                UnitOutput::Logits(l) => return l,
+            }
+        }
+        panic!("no head");
+    }
+
+    #[test]
+    fn units_compose_to_the_whole_network() {
+        let device = Device::flex();
+        let cfg = ResNetConfig::new(BlockKind::Bottleneck, [2, 1, 1, 1], 5)
+            .with_stem_width(8)
+            .with_stage_widths([4, 8, 8, 16]);
+        let model = cfg.init(&device).unwrap();
+        let x = Tensor::<4>::random([2, 3, 32, 32], burn::tensor::Distribution::Default, &device);
+        let whole: Vec<f32> = model.forward(x.clone()).into_data().iter().collect();
+        let units = model.into_units();
+        assert_eq!(units.len(), cfg.units());
+        let cut: Vec<f32> = run(&units, x).into_data().iter().collect();
+        assert_eq!(whole, cut);
+    }
+
+    #[test]
+    fn ranges_hold_only_their_parameters_and_add_up_to_torchvision_s_count() {
+        let device = Device::flex();
+        let cfg = ResNetConfig::resnet50(1000);
+        let n = cfg.units();
+        assert_eq!(n, 18);
+        let count = |r: Range<usize>| -> usize {
+            cfg.init_units(r, &device)
+                .unwrap()
+                .iter()
+                .map(Unit::learnable_params)
+                .sum()
+        };
+        let (a, b, c) = (count(0..6), count(6..12), count(12..n));
+        assert_eq!(a + b + c, 25_557_032, "torchvision's resnet50");
+        assert!(a < b && b < c, "later blocks are wider: {a} {b} {c}");
+        assert!(cfg.init_units(5..5, &device).is_err());
+        assert!(cfg.init_units(0..19, &device).is_err());
+    }
+}
