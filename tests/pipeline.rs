@@ -1,9 +1,12 @@
 //! A small ResNet (batch norm included) split into 2 and 3 pipeline stages by parameter count
 //! trains exactly like the unsplit network under gradient accumulation over the same
-//! micro-batches (1e-5), with GPipe and 1F1B; ranks are threads over the in-memory transport.
+//! micro-batches (1e-5), with GPipe and 1F1B; ranks are threads over the in-memory transport,
+//! then real processes over QUIC (the test binary re-runs itself as each rank). A stage process
+//! that dies makes the other fail naming it within 10 s.
 
+use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::momentum::MomentumConfig;
@@ -81,6 +84,56 @@ fn reference(model: ResNet, ranges: &[std::ops::Range<usize>]) -> Vec<Vec<Vec<f3
     out
 }
 
+/// The stages of `initial` cut at `ranges`, each an independent copy.
+fn stages_of(initial: &[Vec<f32>], ranges: &[std::ops::Range<usize>]) -> Vec<StageModel> {
+    let mut units = copy(initial).into_units();
+    let mut stages = Vec::new();
+    for r in ranges.iter().rev() {
+        stages.push(StageModel {
+            units: units.split_off(r.start),
+        });
+    }
+    stages.reverse();
+    stages
+}
+
+/// `STEPS` pipeline steps of one stage over `transport`; `die_at` ends the process abruptly
+/// at that step (a crash). Returns the trained values.
+fn train_stage(
+    stage: StageModel,
+    transport: Arc<dyn Transport>,
+    stages: usize,
+    schedule: Schedule,
+    die_at: Option<usize>,
+) -> Result<Vec<Vec<f32>>, String> {
+    let device = Device::flex().autodiff();
+    let mut pipe = Pipeline::new(transport, (0..stages).collect(), schedule)
+        .map_err(|e| e.to_string())?
+        .with_timeout(Duration::from_secs(60));
+    let mut stage = stage;
+    let mut opt = sgd();
+    for s in 0..STEPS {
+        if die_at == Some(s) {
+            let now = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default();
+            println!("dying at {}", now.as_millis());
+            std::process::abort();
+        }
+        let out = pipe
+            .step(
+                &stage,
+                &mut |m| Activation::Rank4(micro(s, m, &device).0),
+                &mut |out, m| Ok(loss(out.rank2("logits")?, micro(s, m, &device).1)),
+                MICRO,
+                &device,
+            )
+            .map_err(|e| e.to_string())?;
+        stage = opt.step(0.05, stage, out.grads);
+    }
+    Ok(module_values(&stage))
+}
+
 fn pipelined(stages: Vec<StageModel>, schedule: Schedule) -> Vec<Vec<Vec<f32>>> {
     let p = stages.len();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -88,26 +141,8 @@ fn pipelined(stages: Vec<StageModel>, schedule: Schedule) -> Vec<Vec<Vec<f32>>> 
         let tx = tx.clone();
         std::thread::spawn(move || {
             let r = t.rank();
-            let device = Device::flex().autodiff();
-            let transport: Arc<dyn Transport> = Arc::new(t);
-            let mut pipe = Pipeline::new(transport, (0..p).collect(), schedule)
-                .unwrap()
-                .with_timeout(Duration::from_secs(60));
-            let mut stage = stage;
-            let mut opt = sgd();
-            for s in 0..STEPS {
-                let out = pipe
-                    .step(
-                        &stage,
-                        &mut |m| Activation::Rank4(micro(s, m, &device).0),
-                        &mut |out, m| Ok(loss(out.rank2("logits")?, micro(s, m, &device).1)),
-                        MICRO,
-                        &device,
-                    )
-                    .unwrap();
-                stage = opt.step(0.05, stage, out.grads);
-            }
-            let _ = tx.send((r, module_values(&stage)));
+            let values = train_stage(stage, Arc::new(t), p, schedule, None).unwrap();
+            let _ = tx.send((r, values));
         });
     }
     drop(tx);
@@ -152,15 +187,7 @@ fn a_resnet_split_by_parameters_trains_like_the_whole_network() {
             assert_ne!(&before, trained, "stage {r:?} did not train");
         }
         for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
-            let mut units = copy(&initial).into_units();
-            let mut stages = Vec::new();
-            for r in ranges.iter().rev() {
-                stages.push(StageModel {
-                    units: units.split_off(r.start),
-                });
-            }
-            stages.reverse();
-            let got = pipelined(stages, schedule);
+            let got = pipelined(stages_of(&initial, &ranges), schedule);
             for (s, (a, b)) in got.iter().zip(&expected).enumerate() {
                 assert_eq!(a.len(), b.len());
                 for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
@@ -172,4 +199,159 @@ fn a_resnet_split_by_parameters_trains_like_the_whole_network() {
             }
         }
     }
+}
+
+// ---- processes over QUIC ----------------------------------------------------------------------
+
+const SECRET: &str = "pipeline test secret, long enough";
+
+/// The network every process builds: seeded, so all ranks and the parent agree.
+fn seeded_initial() -> Vec<Vec<f32>> {
+    let device = Device::flex().autodiff();
+    device.seed(7);
+    module_values(&config().init(&device).unwrap())
+}
+
+fn ranges() -> Vec<std::ops::Range<usize>> {
+    let weights: Vec<usize> = copy(&seeded_initial())
+        .into_units()
+        .iter()
+        .map(Unit::learnable_params)
+        .collect();
+    balance(&weights, 2).unwrap()
+}
+
+/// One rank of a process test (does nothing unless HEARTH_PIPELINE_CHILD is set): joins the
+/// job over QUIC, trains its stage, prints its values (bit patterns) or dies.
+#[test]
+fn child() {
+    let Ok(mode) = std::env::var("HEARTH_PIPELINE_CHILD") else {
+        return;
+    };
+    let info = hearth::dist::rendezvous::RankInfo::from_env().expect("rank");
+    let transport = hearth::dist::rendezvous::connect(
+        &info,
+        &hearth::dist::tls::Membership::from_env().expect("secret"),
+        &hearth::dist::rendezvous::RendezvousOptions {
+            timeout: Duration::from_secs(30),
+            ..Default::default()
+        },
+    )
+    .expect("rendezvous");
+    let stage = stages_of(&seeded_initial(), &ranges()).swap_remove(info.rank);
+    let die_at = (mode == "die" && info.rank == 1).then_some(1);
+    let transport: Arc<dyn Transport> = Arc::new(transport);
+    match train_stage(stage, transport.clone(), 2, Schedule::OneFOneB, die_at) {
+        Ok(values) => {
+            // Both stages are done before either hangs up.
+            hearth::dist::Communicator::new(transport)
+                .with_timeout(Duration::from_secs(30))
+                .barrier()
+                .expect("final barrier");
+            let bits: Vec<String> = values
+                .iter()
+                .flatten()
+                .map(|v| format!("{:08x}", v.to_bits()))
+                .collect();
+            // To a file: a long line on stdout would fill the pipe the parent reads at the end.
+            let out = std::path::PathBuf::from(std::env::var("HEARTH_TEST_OUT").expect("out dir"))
+                .join(format!("rank{}.txt", info.rank));
+            std::fs::write(&out, bits.join(" ")).expect("writing values");
+            println!("values written");
+        }
+        Err(e) => {
+            let now = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default();
+            println!("failed at {}: {e}", now.as_millis());
+            std::process::exit(3);
+        }
+    }
+}
+
+/// Runs both ranks as processes (writing into `out`); their exit status and output.
+fn processes(mode: &str, out: &std::path::Path) -> Vec<(bool, String)> {
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .map(|a| a.port())
+        .unwrap();
+    let children: Vec<_> = (0..2)
+        .map(|r| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+                .env("HEARTH_PIPELINE_CHILD", mode)
+                .env("HEARTH_RANK", r.to_string())
+                .env("HEARTH_WORLD_SIZE", "2")
+                .env("HEARTH_COORDINATOR", format!("127.0.0.1:{port}"))
+                .env("HEARTH_JOB_SECRET", SECRET)
+                .env("HEARTH_TEST_OUT", out)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    children
+        .into_iter()
+        .map(|mut c| {
+            let until = Instant::now() + Duration::from_secs(120);
+            while c.try_wait().ok().flatten().is_none() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let out = c.wait_with_output().unwrap();
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            (out.status.success(), text)
+        })
+        .collect()
+}
+
+#[test]
+fn two_stage_processes_over_quic_train_like_the_whole_network() {
+    let ranges = ranges();
+    let expected = reference(copy(&seeded_initial()), &ranges);
+    let dir = tempfile::tempdir().unwrap();
+    for (r, (ok, text)) in processes("train", dir.path()).into_iter().enumerate() {
+        assert!(ok, "rank {r}:\n{text}");
+        let line = std::fs::read_to_string(dir.path().join(format!("rank{r}.txt")))
+            .unwrap_or_else(|e| panic!("rank {r} wrote no values ({e}):\n{text}"));
+        let got: Vec<f32> = line
+            .split(' ')
+            .map(|h| f32::from_bits(u32::from_str_radix(h, 16).unwrap()))
+            .collect();
+        let want: Vec<f32> = expected[r].iter().flatten().copied().collect();
+        assert_eq!(got.len(), want.len());
+        for (x, y) in got.iter().zip(&want) {
+            assert!((x - y).abs() <= 1e-5, "rank {r}: {x} vs {y}");
+        }
+    }
+}
+
+#[test]
+fn a_stage_process_that_dies_fails_the_other_naming_it_within_10_s() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = processes("die", dir.path());
+    let (ok0, text0) = &out[0];
+    let (_, text1) = &out[1];
+    assert!(!ok0, "rank 0 must fail:\n{text0}");
+    let failed = text0
+        .lines()
+        .find_map(|l| l.split_once("failed at ").map(|(_, v)| v))
+        .unwrap_or_else(|| panic!("rank 0 did not report a failure:\n{text0}"));
+    assert!(failed.contains("rank 1"), "{failed}");
+    let died: u128 = text1
+        .lines()
+        .find_map(|l| l.split_once("dying at ").map(|(_, v)| v))
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or_else(|| panic!("rank 1 did not die as planned:\n{text1}"));
+    let noticed: u128 = failed.split(':').next().unwrap().trim().parse().unwrap();
+    assert!(
+        noticed >= died && noticed - died < 10_000,
+        "noticed {} ms after the death",
+        noticed.saturating_sub(died)
+    );
 }
