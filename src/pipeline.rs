@@ -3,8 +3,8 @@
 //! stages of balanced parameter counts.
 //!
 //! Status (issue 11): ResNet units train through GPipe and 1F1B exactly like the unsplit model
-//! (`tests/pipeline.rs`); `hearth train --pipeline-stages`, checkpoints, 2D parallel, VGG and
-//! DenseNet units are not built yet.
+//! (`tests/pipeline.rs`); VGG has units too; `hearth train --pipeline-stages`, checkpoints, 2D
+//! parallel and DenseNet units are not built yet.
 
 use std::ops::Range;
 

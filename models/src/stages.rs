@@ -7,7 +7,9 @@
 //! stages' parameters, and [`ResNet::into_units`] cuts an existing model (for weights loaded
 //! whole, and for tests). This module knows nothing about networks or ranks.
 //!
-//! VGG and DenseNet do not expose units yet.
+//! VGG's units are each convolution (with its batch norm, ReLU and the max pools around it) and
+//! the classifier (pooling and the three linear layers, which hold most of VGG's parameters).
+//! DenseNet does not expose units yet.
 
 use std::ops::Range;
 
@@ -21,6 +23,7 @@ use burn::tensor::activation::relu;
 use crate::ModelError;
 use crate::layers::{HeadActivation, HeadConfig, batch_norm, conv2d};
 use crate::resnet::{ResNet, ResNetConfig, ResidualBlock};
+use crate::vgg::{Vgg, VggClassifier, VggConfig, VggConv, VggLayer};
 
 /// ResNet's stem: `conv1`, `bn1`, ReLU, `maxpool`.
 #[derive(Module, Debug)]
@@ -39,12 +42,35 @@ pub struct ResNetHead {
     pub head: HeadActivation,
 }
 
+/// One VGG convolution with what surrounds it: an optional max pool before (a layer table
+/// starting with a pool), batch norm, ReLU, and an optional max pool after.
+#[derive(Module, Debug)]
+pub struct VggConvUnit {
+    pub layer: VggConv,
+    pub maxpool: MaxPool2d,
+    #[module(skip)]
+    pub pool_before: bool,
+    #[module(skip)]
+    pub pool_after: bool,
+}
+
+/// VGG's head: adaptive average pooling, flatten, the classifier.
+#[derive(Module, Debug)]
+pub struct VggHead {
+    pub avgpool: AdaptiveAvgPool2d,
+    pub classifier: VggClassifier,
+    #[module(skip)]
+    pub head: HeadActivation,
+}
+
 /// One unit of a model's natural split.
 #[derive(Module, Debug)]
 pub enum Unit {
     ResNetStem(ResNetStem),
     ResNetBlock(ResidualBlock),
     ResNetHead(ResNetHead),
+    VggConv(VggConvUnit),
+    VggHead(VggHead),
 }
 
 /// What a unit gives: the next feature map, or (the last unit) logits.
@@ -63,6 +89,30 @@ impl Unit {
             Unit::ResNetBlock(b) => UnitOutput::Features(b.forward(x)),
             Unit::ResNetHead(h) => {
                 UnitOutput::Logits(h.fc.forward(h.avgpool.forward(x).flatten(1, 3)))
+            }
+            Unit::VggConv(u) => {
+                let mut x = if u.pool_before {
+                    u.maxpool.forward(x)
+                } else {
+                    x
+                };
+                x = u.layer.conv.forward(x);
+                if let Some(bn) = &u.layer.bn {
+                    x = bn.forward(x);
+                }
+                x = relu(x);
+                UnitOutput::Features(if u.pool_after {
+                    u.maxpool.forward(x)
+                } else {
+                    x
+                })
+            }
+            Unit::VggHead(h) => {
+                let c = &h.classifier;
+                let x = h.avgpool.forward(x).flatten(1, 3);
+                let x = c.dropout.forward(relu(c.fc1.forward(x)));
+                let x = c.dropout.forward(relu(c.fc2.forward(x)));
+                UnitOutput::Logits(c.fc3.forward(x))
             }
         }
     }
@@ -160,6 +210,94 @@ impl ResNet {
     }
 }
 
+fn vgg_pool() -> MaxPool2d {
+    MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init()
+}
+
+impl VggConfig {
+    /// How many units the network has: every convolution, then the classifier.
+    pub fn units(&self) -> usize {
+        self.layers
+            .iter()
+            .filter(|l| matches!(l, VggLayer::Conv(_)))
+            .count()
+            + 1
+    }
+
+    /// Builds units `range` only.
+    pub fn init_units(&self, range: Range<usize>, device: &Device) -> crate::Result<Vec<Unit>> {
+        let last_channels = self.validate()?;
+        let n = self.units();
+        if range.start >= range.end || range.end > n {
+            return Err(ModelError::InvalidConfig {
+                model: "VGG",
+                reason: format!("units {range:?} of a network of {n}"),
+            });
+        }
+        // (in, out, pool before, pool after) of every convolution.
+        let mut convs: Vec<(usize, usize, bool, bool)> = Vec::new();
+        let (mut in_ch, mut leading) = (3, false);
+        for layer in &self.layers {
+            match *layer {
+                VggLayer::Conv(out) => {
+                    convs.push((in_ch, out, leading && convs.is_empty(), false));
+                    in_ch = out;
+                }
+                VggLayer::Pool => match convs.last_mut() {
+                    Some(last) => last.3 = true,
+                    None => leading = true,
+                },
+            }
+        }
+        Ok(range
+            .map(|u| match convs.get(u) {
+                Some(&(cin, cout, pool_before, pool_after)) => Unit::VggConv(VggConvUnit {
+                    layer: VggConv {
+                        conv: conv2d(cin, cout, 3, 1, 1, 1, true, true, device),
+                        bn: self.batch_norm.then(|| batch_norm(cout, device)),
+                    },
+                    maxpool: vgg_pool(),
+                    pool_before,
+                    pool_after,
+                }),
+                None => Unit::VggHead(VggHead {
+                    avgpool: AdaptiveAvgPool2dConfig::new([self.pool_size, self.pool_size]).init(),
+                    classifier: self.classifier(last_channels, device),
+                    head: HeadActivation::Softmax,
+                }),
+            })
+            .collect())
+    }
+}
+
+impl Vgg {
+    /// The network cut into its units (the same parameters, moved).
+    pub fn into_units(self) -> Vec<Unit> {
+        let n = self.features.len();
+        let mut units: Vec<Unit> = self
+            .features
+            .into_iter()
+            .zip(self.pool_after)
+            .enumerate()
+            .map(|(i, (layer, pool_after))| {
+                Unit::VggConv(VggConvUnit {
+                    layer,
+                    maxpool: vgg_pool(),
+                    pool_before: i == 0 && self.leading_pool,
+                    pool_after,
+                })
+            })
+            .collect();
+        debug_assert_eq!(units.len(), n);
+        units.push(Unit::VggHead(VggHead {
+            avgpool: self.avgpool,
+            classifier: self.classifier,
+            head: self.head,
+        }));
+        units
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -189,6 +327,46 @@ mod tests {
         assert_eq!(units.len(), cfg.units());
         let cut: Vec<f32> = run(&units, x).into_data().iter().collect();
         assert_eq!(whole, cut);
+    }
+
+    #[test]
+    fn vgg_units_compose_to_the_whole_network_and_count_like_torchvision() {
+        use crate::vgg::VggLayer::{Conv, Pool};
+        let device = Device::flex();
+        // A layer table starting with a pool, with and without batch norm.
+        for bn in [false, true] {
+            let cfg = VggConfig::new(vec![Pool, Conv(4), Pool, Conv(8), Conv(8), Pool], bn, 3)
+                .with_hidden(16)
+                .with_pool_size(2);
+            let model = cfg.init(&device).unwrap();
+            let x =
+                Tensor::<4>::random([2, 3, 32, 32], burn::tensor::Distribution::Default, &device);
+            let whole: Vec<f32> = model.forward(x.clone()).into_data().iter().collect();
+            let units = model.into_units();
+            assert_eq!(units.len(), cfg.units());
+            let cut: Vec<f32> = run(&units, x).into_data().iter().collect();
+            assert_eq!(whole, cut, "batch norm {bn}");
+        }
+        let cfg = crate::Architecture::from_name("vgg16")
+            .unwrap()
+            .config(1000);
+        let crate::ModelConfig::Vgg(cfg) = cfg else {
+            panic!("vgg16 is a VGG");
+        };
+        let n = cfg.units();
+        assert_eq!(n, 14);
+        let count = |r: Range<usize>| -> usize {
+            cfg.init_units(r, &device)
+                .unwrap()
+                .iter()
+                .map(Unit::learnable_params)
+                .sum()
+        };
+        assert_eq!(
+            count(0..7) + count(7..n),
+            138_357_544,
+            "torchvision's vgg16"
+        );
     }
 
     #[test]

@@ -79,7 +79,7 @@ impl VggConfig {
         Self::new(cfg(E), batch_norm, num_classes)
     }
 
-    fn validate(&self) -> crate::Result<usize> {
+    pub(crate) fn validate(&self) -> crate::Result<usize> {
         let bad = |reason: &str| ModelError::InvalidConfig {
             model: "VGG",
             reason: reason.to_string(),
@@ -126,6 +126,20 @@ impl VggConfig {
                 }
             }
         }
+        Ok(Vgg {
+            features,
+            pool_after,
+            leading_pool: self.layers.first() == Some(&VggLayer::Pool),
+            maxpool: MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init(),
+            avgpool: AdaptiveAvgPool2dConfig::new([self.pool_size, self.pool_size]).init(),
+            classifier: self.classifier(last_channels, device),
+            head: HeadActivation::Softmax,
+        })
+    }
+
+    /// torchvision's classifier after `last_channels` feature maps: every layer N(0, 0.01) with
+    /// zero bias (a head built later by `replace_head` uses the init it is given instead).
+    pub(crate) fn classifier(&self, last_channels: usize, device: &Device) -> VggClassifier {
         let flat = last_channels * self.pool_size * self.pool_size;
         let normal = |d_in, d_out| {
             let mut l = LinearConfig::new(d_in, d_out)
@@ -137,23 +151,14 @@ impl VggConfig {
             l.bias = Some(Param::from_tensor(Tensor::zeros([d_out], device)));
             l
         };
-        // torchvision initialises every classifier layer N(0, 0.01) with zero bias; a head
-        // built later by `replace_head` uses the init it is given instead.
+        // fc3 first: the order torchvision-seeded runs have always drawn in.
         let fc3 = normal(self.hidden, self.num_classes);
-        Ok(Vgg {
-            features,
-            pool_after,
-            leading_pool: self.layers.first() == Some(&VggLayer::Pool),
-            maxpool: MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init(),
-            avgpool: AdaptiveAvgPool2dConfig::new([self.pool_size, self.pool_size]).init(),
-            classifier: VggClassifier {
-                fc1: normal(flat, self.hidden),
-                fc2: normal(self.hidden, self.hidden),
-                fc3,
-                dropout: DropoutConfig::new(self.dropout).init(),
-            },
-            head: HeadActivation::Softmax,
-        })
+        VggClassifier {
+            fc1: normal(flat, self.hidden),
+            fc2: normal(self.hidden, self.hidden),
+            fc3,
+            dropout: DropoutConfig::new(self.dropout).init(),
+        }
     }
 }
 
