@@ -164,3 +164,20 @@ pub fn tensors(path: &std::path::Path) -> Vec<(String, Vec<f32>)> {
         })
         .collect()
 }
+
+/// Trains `cfg` until epoch `stop` (as a time limit would end it), then resumes it to the end;
+/// the resumed launch's report.
+pub fn stop_then_resume(
+    cfg: &hearth::train::TrainConfig,
+    stop: usize,
+) -> hearth::train::TrainReport {
+    let train = |c: &hearth::train::TrainConfig| {
+        hearth::train::train(c, &Device::flex(), &mut |l| eprintln!("{l}")).unwrap()
+    };
+    let mut first = cfg.clone();
+    first.stop_after_epoch = Some(stop);
+    train(&first);
+    let mut second = cfg.clone();
+    second.resume = true;
+    train(&second)
+}

@@ -41,12 +41,7 @@ fn a_model_with_dropout_and_patience_resumes_bit_exactly() {
         cfg
     };
     run(&make("straight"));
-    let mut first = make("resumed");
-    first.stop_after_epoch = Some(1);
-    run(&first);
-    let mut second = make("resumed");
-    second.resume = true;
-    run(&second);
+    common::stop_then_resume(&make("resumed"), 1);
     let last = |name: &str| dir.path().join(name).join("checkpoint/model-3.bpk");
     let (a, b) = (tensors(&last("straight")), tensors(&last("resumed")));
     assert_eq!(a.len(), b.len());

@@ -167,12 +167,7 @@ fn restore_best_holds_across_a_resume() {
         cfg.min_delta = 1000.0; // epoch 1 stays the best
         cfg
     };
-    let mut first = make();
-    first.stop_after_epoch = Some(1);
-    run(&first);
-    let mut second = make();
-    second.resume = true;
-    let report = run(&second);
+    let report = common::stop_then_resume(&make(), 1);
     assert_eq!((report.best_epoch, report.epochs_run), (1, 3));
     assert!(run_dir.join("checkpoint/model-1.bpk").is_file());
     assert!(!run_dir.join("checkpoint/model-2.bpk").exists());
@@ -480,12 +475,7 @@ fn unfreezing_after_an_epoch_fine_tunes_the_backbone_and_resumes_exactly() {
     assert_eq!(csv.lines().count(), 3, "{csv}");
 
     // Stopped inside the frozen phase and resumed: the same weights as the straight run.
-    let mut first = make("resumed");
-    first.stop_after_epoch = Some(1);
-    run(&first);
-    let mut second = make("resumed");
-    second.resume = true;
-    run(&second);
+    common::stop_then_resume(&make("resumed"), 1);
     assert_same_weights(&ckpt("straight", 2), &ckpt("resumed", 2));
 
     // Resuming with other hyperparameters is refused, naming them.

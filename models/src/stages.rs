@@ -303,6 +303,11 @@ mod tests {
     use super::*;
     use crate::resnet::BlockKind;
 
+    /// Learnable parameters of built units.
+    fn total(units: crate::Result<Vec<Unit>>) -> usize {
+        units.unwrap().iter().map(Unit::learnable_params).sum()
+    }
+
     fn run(units: &[Unit], x: Tensor<4>) -> Tensor<2> {
         let mut x = x;
         for u in units {
@@ -355,13 +360,7 @@ mod tests {
         };
         let n = cfg.units();
         assert_eq!(n, 14);
-        let count = |r: Range<usize>| -> usize {
-            cfg.init_units(r, &device)
-                .unwrap()
-                .iter()
-                .map(Unit::learnable_params)
-                .sum()
-        };
+        let count = |r: Range<usize>| total(cfg.init_units(r, &device));
         assert_eq!(
             count(0..7) + count(7..n),
             138_357_544,
@@ -375,13 +374,7 @@ mod tests {
         let cfg = ResNetConfig::resnet50(1000);
         let n = cfg.units();
         assert_eq!(n, 18);
-        let count = |r: Range<usize>| -> usize {
-            cfg.init_units(r, &device)
-                .unwrap()
-                .iter()
-                .map(Unit::learnable_params)
-                .sum()
-        };
+        let count = |r: Range<usize>| total(cfg.init_units(r, &device));
         let (a, b, c) = (count(0..6), count(6..12), count(12..n));
         assert_eq!(a + b + c, 25_557_032, "torchvision's resnet50");
         assert!(a < b && b < c, "later blocks are wider: {a} {b} {c}");
