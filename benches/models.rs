@@ -10,6 +10,10 @@
 //!
 //! PyTorch comes from $HEARTH_TORCH_PYTHON, else ~/.cache/hearth/venv-torch/bin/python
 //! (scripts/setup_pytorch.sh); without it only Hearth's numbers are printed.
+//!
+//! On a GPU: `HEARTH_DEVICE=cuda` (or wgpu, vulkan) runs Hearth there and the peer on CUDA
+//! (`HEARTH_PEER_DEVICE` overrides: cpu, cuda:1, ...); `HEARTH_BENCH_BATCH` sets the batch of
+//! the batched configurations (default 16).
 
 mod common;
 
@@ -21,8 +25,21 @@ use common::{env_usize, torch_python};
 use hearth::bench::{BenchMode, ModelBench};
 use hearth::models::Architecture;
 
+/// The peer's device: `$HEARTH_PEER_DEVICE`, else CUDA when Hearth runs on a GPU, else CPU.
+fn peer_device(hearth_device: &str) -> String {
+    if let Ok(d) = std::env::var("HEARTH_PEER_DEVICE") {
+        return d;
+    }
+    let base = hearth_device.split(':').next().unwrap_or("");
+    match base {
+        "cuda" | "wgpu" | "vulkan" => "cuda".into(),
+        _ => "cpu".into(),
+    }
+}
+
 fn peer(
     python: &PathBuf,
+    device: &str,
     model: &str,
     mode: &str,
     batch: usize,
@@ -32,7 +49,7 @@ fn peer(
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/peer/torch_models.py");
     let out = Command::new(python)
         .arg(script)
-        .args(["--model", model, "--mode", mode])
+        .args(["--model", model, "--mode", mode, "--device", device])
         .args(["--batch-size", &batch.to_string(), "--size", "224"])
         .args([
             "--steps",
@@ -71,8 +88,11 @@ fn main() {
         println!("models bench: smoke mode (run with `cargo bench --bench models` for figures)");
     }
     let python = if smoke { None } else { torch_python() };
+    let peer_device = peer_device(&device_name);
+    let batch = env_usize("HEARTH_BENCH_BATCH", 16);
+    println!("hearth device: {device_name}");
     match &python {
-        Some(p) => println!("peer: PyTorch via {}", p.display()),
+        Some(p) => println!("peer: PyTorch on {peer_device} via {}", p.display()),
         None if !smoke => println!(
             "peer: PyTorch not found (set HEARTH_TORCH_PYTHON or run scripts/setup_pytorch.sh); Hearth figures only"
         ),
@@ -95,8 +115,8 @@ fn main() {
         } else {
             &[
                 (BenchMode::Infer, "infer", 1),
-                (BenchMode::Infer, "infer", 16),
-                (BenchMode::Train, "train", 16),
+                (BenchMode::Infer, "infer", batch),
+                (BenchMode::Train, "train", batch),
             ]
         };
         for &(mode, mode_name, batch) in configs {
@@ -116,9 +136,17 @@ fn main() {
                     std::process::exit(1);
                 }
             };
-            let torch = python
-                .as_ref()
-                .and_then(|p| peer(p, arch.name(), mode_name, batch, steps, warmup));
+            let torch = python.as_ref().and_then(|p| {
+                peer(
+                    p,
+                    &peer_device,
+                    arch.name(),
+                    mode_name,
+                    batch,
+                    steps,
+                    warmup,
+                )
+            });
             let (t, r) = match torch {
                 Some(t) => (format!("{t:.2}"), format!("{:.2}x", hearth / t)),
                 None => ("-".into(), "-".into()),

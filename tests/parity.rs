@@ -72,3 +72,21 @@ fn torchvision_parity_vulkan_cpu() {
         check_parity(&device, "vulkan-cpu");
     }
 }
+
+/// Parity on real GPUs: `HEARTH_PARITY_DEVICES=cuda,wgpu,vulkan` runs the same check on each
+/// named device (a build with the matching features), and fails if one of them does not work.
+/// Unset, it says it skipped: CI has no GPU.
+#[test]
+fn torchvision_parity_on_named_devices() {
+    let Ok(list) = std::env::var("HEARTH_PARITY_DEVICES") else {
+        eprintln!(
+            "SKIPPED torchvision_parity_on_named_devices: set HEARTH_PARITY_DEVICES=cuda,vulkan,... to run it"
+        );
+        return;
+    };
+    for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let device = hearth::device::select(name)
+            .unwrap_or_else(|e| panic!("HEARTH_PARITY_DEVICES names {name}: {e}"));
+        check_parity(&device, name);
+    }
+}

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""PyTorch peer of `hearth bench model`: same model, batch, size and step counts, CPU.
+"""PyTorch peer of `hearth bench model`: same model, batch, size and step counts, on CPU or CUDA.
 
 Prints one line per config: `peer model=NAME mode=MODE batch=B images_per_s=X`.
-Usage: torch_models.py --model resnet50 --mode train --batch-size 16 --size 224 --steps 3 --warmup 1
+Usage: torch_models.py --model resnet50 --mode train --batch-size 16 --size 224 --steps 3 --warmup 1 [--device cuda]
 """
 import argparse
 import time
@@ -19,18 +19,27 @@ def main():
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     a = p.parse_args()
     torch.manual_seed(0)
-    model = getattr(torchvision.models, a.model)(num_classes=1000)
-    x = torch.randn(a.batch_size, 3, a.size, a.size)
-    y = torch.arange(a.batch_size) % 1000
+    dev = torch.device(a.device)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    model = getattr(torchvision.models, a.model)(num_classes=1000).to(dev)
+    x = torch.randn(a.batch_size, 3, a.size, a.size, device=dev)
+    y = torch.arange(a.batch_size, device=dev) % 1000
     times = []
     if a.mode == "infer":
         model.eval()
         with torch.no_grad():
             for i in range(a.warmup + a.steps):
+                sync()
                 t = time.perf_counter()
                 model(x)
+                sync()
                 if i >= a.warmup:
                     times.append(time.perf_counter() - t)
     else:
@@ -38,16 +47,18 @@ def main():
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         loss_fn = torch.nn.CrossEntropyLoss()
         for i in range(a.warmup + a.steps):
+            sync()
             t = time.perf_counter()
             opt.zero_grad()
             loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
             loss.item()
+            sync()
             if i >= a.warmup:
                 times.append(time.perf_counter() - t)
     ips = a.steps * a.batch_size / sum(times)
-    print(f"peer model={a.model} mode={a.mode} batch={a.batch_size} threads={torch.get_num_threads()} images_per_s={ips:.3f}")
+    print(f"peer model={a.model} mode={a.mode} batch={a.batch_size} device={a.device} threads={torch.get_num_threads()} images_per_s={ips:.3f}")
 
 
 if __name__ == "__main__":
