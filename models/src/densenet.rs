@@ -51,7 +51,8 @@ impl DenseNetConfig {
         Self::new(32, vec![6, 12, 48, 32], 64, num_classes)
     }
 
-    pub fn init(&self, device: &Device) -> crate::Result<DenseNet> {
+    /// Checks the configuration.
+    pub(crate) fn validate(&self) -> crate::Result<()> {
         let bad = |reason: &str| ModelError::InvalidConfig {
             model: "DenseNet",
             reason: reason.to_string(),
@@ -69,72 +70,120 @@ impl DenseNetConfig {
         if !(0.0..1.0).contains(&self.drop_rate) {
             return Err(bad("drop_rate must be in [0, 1)"));
         }
+        Ok(())
+    }
+
+    /// The network's pieces in order, each with its input channels.
+    pub(crate) fn plan(&self) -> Vec<DensePiece> {
         let mut channels = self.num_init_features;
-        let mut blocks = Vec::new();
-        let mut transitions = Vec::new();
+        let mut out = vec![DensePiece::Stem];
         for (i, &num_layers) in self.block_config.iter().enumerate() {
-            let layers = (0..num_layers)
-                .map(|l| DenseLayer {
-                    norm1: batch_norm(channels + l * self.growth_rate, device),
-                    conv1: conv2d(
-                        channels + l * self.growth_rate,
-                        self.bn_size * self.growth_rate,
-                        1,
-                        1,
-                        0,
-                        1,
-                        false,
-                        false,
-                        device,
-                    ),
-                    norm2: batch_norm(self.bn_size * self.growth_rate, device),
-                    conv2: conv2d(
-                        self.bn_size * self.growth_rate,
-                        self.growth_rate,
-                        3,
-                        1,
-                        1,
-                        1,
-                        false,
-                        false,
-                        device,
-                    ),
-                    dropout: DropoutConfig::new(self.drop_rate).init(),
-                })
-                .collect();
-            blocks.push(DenseBlock { layers });
+            for l in 0..num_layers {
+                out.push(DensePiece::Layer {
+                    block: i,
+                    channels: channels + l * self.growth_rate,
+                });
+            }
             channels += num_layers * self.growth_rate;
             if i + 1 != self.block_config.len() {
-                transitions.push(Transition {
-                    norm: batch_norm(channels, device),
-                    conv: conv2d(channels, channels / 2, 1, 1, 0, 1, false, false, device),
-                    pool: AvgPool2dConfig::new([2, 2]).with_strides([2, 2]).init(),
-                });
+                out.push(DensePiece::Transition { channels });
                 channels /= 2;
             }
         }
+        out.push(DensePiece::Head { channels });
+        out
+    }
+
+    pub(crate) fn stem(&self, device: &Device) -> (Conv2d, BatchNorm, MaxPool2d) {
+        (
+            conv2d(3, self.num_init_features, 7, 2, 3, 1, false, false, device),
+            batch_norm(self.num_init_features, device),
+            MaxPool2dConfig::new([3, 3])
+                .with_strides([2, 2])
+                .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+                .init(),
+        )
+    }
+
+    /// A dense layer taking `channels` input channels.
+    pub(crate) fn layer(&self, channels: usize, device: &Device) -> DenseLayer {
+        let width = self.bn_size * self.growth_rate;
+        DenseLayer {
+            norm1: batch_norm(channels, device),
+            conv1: conv2d(channels, width, 1, 1, 0, 1, false, false, device),
+            norm2: batch_norm(width, device),
+            conv2: conv2d(width, self.growth_rate, 3, 1, 1, 1, false, false, device),
+            dropout: DropoutConfig::new(self.drop_rate).init(),
+        }
+    }
+
+    /// A transition taking `channels` input channels (and giving half).
+    pub(crate) fn transition(channels: usize, device: &Device) -> Transition {
+        Transition {
+            norm: batch_norm(channels, device),
+            conv: conv2d(channels, channels / 2, 1, 1, 0, 1, false, false, device),
+            pool: AvgPool2dConfig::new([2, 2]).with_strides([2, 2]).init(),
+        }
+    }
+
+    /// The final batch norm and the classifier, on `channels` features.
+    pub(crate) fn head(&self, channels: usize, device: &Device) -> (BatchNorm, Linear) {
         let mut classifier = HeadConfig::new(self.num_classes).linear(channels, device);
         classifier.bias = Some(Param::from_tensor(Tensor::zeros(
             [self.num_classes],
             device,
         )));
+        (batch_norm(channels, device), classifier)
+    }
+
+    pub fn init(&self, device: &Device) -> crate::Result<DenseNet> {
+        self.validate()?;
+        let (conv0, norm0, pool0) = self.stem(device);
+        let mut blocks: Vec<DenseBlock> = Vec::new();
+        let mut transitions = Vec::new();
+        let mut head = None;
+        for piece in self.plan() {
+            match piece {
+                DensePiece::Stem => {}
+                DensePiece::Layer { block, channels } => {
+                    if blocks.len() == block {
+                        blocks.push(DenseBlock { layers: Vec::new() });
+                    }
+                    blocks[block].layers.push(self.layer(channels, device));
+                }
+                DensePiece::Transition { channels } => {
+                    transitions.push(Self::transition(channels, device));
+                }
+                DensePiece::Head { channels } => head = Some(self.head(channels, device)),
+            }
+        }
+        let (norm5, classifier) = head.ok_or_else(|| ModelError::InvalidConfig {
+            model: "DenseNet",
+            reason: "no head".into(),
+        })?;
         Ok(DenseNet {
             features: DenseFeatures {
-                conv0: conv2d(3, self.num_init_features, 7, 2, 3, 1, false, false, device),
-                norm0: batch_norm(self.num_init_features, device),
-                pool0: MaxPool2dConfig::new([3, 3])
-                    .with_strides([2, 2])
-                    .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
-                    .init(),
+                conv0,
+                norm0,
+                pool0,
                 blocks,
                 transitions,
-                norm5: batch_norm(channels, device),
+                norm5,
             },
             avgpool: AdaptiveAvgPool2dConfig::new([1, 1]).init(),
             classifier,
             head: HeadActivation::Softmax,
         })
     }
+}
+
+/// One piece of a DenseNet, in the order the network applies them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DensePiece {
+    Stem,
+    Layer { block: usize, channels: usize },
+    Transition { channels: usize },
+    Head { channels: usize },
 }
 
 /// BN, ReLU, 1x1 conv, BN, ReLU, 3x3 conv: adds `growth_rate` channels.
@@ -152,14 +201,28 @@ pub struct DenseBlock {
     pub layers: Vec<DenseLayer>,
 }
 
+impl DenseLayer {
+    /// The `growth_rate` new channels computed from all the channels so far.
+    pub fn new_features(&self, input: Tensor<4>) -> Tensor<4> {
+        let out = self.conv1.forward(relu(self.norm1.forward(input)));
+        let out = self.conv2.forward(relu(self.norm2.forward(out)));
+        self.dropout.forward(out)
+    }
+}
+
+impl Transition {
+    pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
+        self.pool
+            .forward(self.conv.forward(relu(self.norm.forward(x))))
+    }
+}
+
 impl DenseBlock {
     pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
         let mut features = vec![x];
         for layer in &self.layers {
             let input = Tensor::cat(features.clone(), 1);
-            let out = layer.conv1.forward(relu(layer.norm1.forward(input)));
-            let out = layer.conv2.forward(relu(layer.norm2.forward(out)));
-            features.push(layer.dropout.forward(out));
+            features.push(layer.new_features(input));
         }
         Tensor::cat(features, 1)
     }
@@ -201,7 +264,7 @@ impl DenseNet {
         for (i, block) in f.blocks.iter().enumerate() {
             x = block.forward(x);
             if let Some(t) = f.transitions.get(i) {
-                x = t.pool.forward(t.conv.forward(relu(t.norm.forward(x))));
+                x = t.forward(x);
             }
         }
         f.norm5.forward(x)
