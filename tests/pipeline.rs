@@ -2,7 +2,9 @@
 //! trains exactly like the unsplit network under gradient accumulation over the same
 //! micro-batches (1e-5), with GPipe and 1F1B; ranks are threads over the in-memory transport,
 //! then real processes over QUIC (the test binary re-runs itself as each rank). A stage process
-//! that dies makes the other fail naming it within 10 s.
+//! that dies makes the other fail naming it within 10 s. 2D: 2 stages x 2 replicas as 4
+//! processes (each stage's replicas averaging its gradients over their own group) equal one
+//! process on the whole batch.
 
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -271,17 +273,29 @@ fn child() {
 
 /// Runs both ranks as processes (writing into `out`); their exit status and output.
 fn processes(mode: &str, out: &std::path::Path) -> Vec<(bool, String)> {
+    rank_processes("child", "HEARTH_PIPELINE_CHILD", mode, 2, out)
+}
+
+/// Runs `world` ranks as processes of test `test` with `var=mode` (writing into `out`); their
+/// exit status and output.
+fn rank_processes(
+    test: &str,
+    var: &str,
+    mode: &str,
+    world: usize,
+    out: &std::path::Path,
+) -> Vec<(bool, String)> {
     let port = std::net::UdpSocket::bind("127.0.0.1:0")
         .and_then(|s| s.local_addr())
         .map(|a| a.port())
         .unwrap();
-    let children: Vec<_> = (0..2)
+    let children: Vec<_> = (0..world)
         .map(|r| {
             Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", "child", "--nocapture", "--test-threads=1"])
-                .env("HEARTH_PIPELINE_CHILD", mode)
+                .args(["--exact", test, "--nocapture", "--test-threads=1"])
+                .env(var, mode)
                 .env("HEARTH_RANK", r.to_string())
-                .env("HEARTH_WORLD_SIZE", "2")
+                .env("HEARTH_WORLD_SIZE", world.to_string())
                 .env("HEARTH_COORDINATOR", format!("127.0.0.1:{port}"))
                 .env("HEARTH_JOB_SECRET", SECRET)
                 .env("HEARTH_TEST_OUT", out)
@@ -354,4 +368,161 @@ fn a_stage_process_that_dies_fails_the_other_naming_it_within_10_s() {
         "noticed {} ms after the death",
         noticed.saturating_sub(died)
     );
+}
+
+// ---- 2D: stages x replicas as processes -------------------------------------------------------
+
+const REPLICAS: usize = 2;
+
+/// A small VGG without batch norm or dropout: one process on the whole batch is then exactly
+/// what the replicas' averaged micro-batch gradients give.
+fn vgg() -> hearth::models::VggConfig {
+    use hearth::models::VggLayer::{Conv, Pool};
+    hearth::models::VggConfig::new(vec![Conv(8), Pool, Conv(8), Pool], false, 4)
+        .with_hidden(16)
+        .with_pool_size(2)
+        .with_dropout(0.0)
+}
+
+fn vgg_initial() -> Vec<Vec<f32>> {
+    let device = Device::flex().autodiff();
+    device.seed(11);
+    module_values(&vgg().init(&device).unwrap())
+}
+
+fn vgg_copy(values: &[Vec<f32>]) -> hearth::models::Vgg {
+    let device = Device::flex().autodiff();
+    with_module_values(vgg().init(&device).unwrap(), values.to_vec()).unwrap()
+}
+
+/// The grid's stages: units cut in two by parameter count.
+fn vgg_stages(values: &[Vec<f32>]) -> (Vec<std::ops::Range<usize>>, Vec<StageModel>) {
+    let units = vgg_copy(values).into_units();
+    let weights: Vec<usize> = units.iter().map(Unit::learnable_params).collect();
+    let ranges = balance(&weights, 2).unwrap();
+    let mut units = units;
+    let mut stages = Vec::new();
+    for r in ranges.iter().rev() {
+        stages.push(StageModel {
+            units: units.split_off(r.start),
+        });
+    }
+    stages.reverse();
+    (ranges, stages)
+}
+
+/// One rank of the 2D test (does nothing unless HEARTH_PIPELINE_2D is set).
+#[test]
+fn child_2d() {
+    use hearth::dist::transport::group::{Grid, Group};
+    if std::env::var("HEARTH_PIPELINE_2D").is_err() {
+        return;
+    }
+    let info = hearth::dist::rendezvous::RankInfo::from_env().expect("rank");
+    let transport: Arc<dyn Transport> = Arc::new(
+        hearth::dist::rendezvous::connect(
+            &info,
+            &hearth::dist::tls::Membership::from_env().expect("secret"),
+            &hearth::dist::rendezvous::RendezvousOptions {
+                timeout: Duration::from_secs(30),
+                ..Default::default()
+            },
+        )
+        .expect("rendezvous"),
+    );
+    let grid = Grid::new(2, info.world).expect("grid");
+    let (stage_index, replica) = grid.place(info.rank);
+    let mut stage = vgg_stages(&vgg_initial()).1.swap_remove(stage_index);
+    let device = Device::flex().autodiff();
+    let group = Group::new(transport.clone(), grid.stage_replicas(stage_index), 1).expect("group");
+    let comm =
+        hearth::dist::Communicator::new(Arc::new(group)).with_timeout(Duration::from_secs(60));
+    let mut pipe = Pipeline::new(
+        transport.clone(),
+        grid.pipeline(replica),
+        Schedule::OneFOneB,
+    )
+    .expect("pipeline")
+    .with_timeout(Duration::from_secs(60));
+    let mut opt = sgd();
+    for s in 0..STEPS {
+        let m0 = replica * MICRO;
+        let mut out = pipe
+            .step(
+                &stage,
+                &mut |m| Activation::Rank4(micro(s, m0 + m, &device).0),
+                // Mean over the replica's batch; the replicas' average is the whole batch's mean.
+                &mut |out, m| {
+                    let l = loss(out.rank2("logits")?, micro(s, m0 + m, &device).1);
+                    Ok(l.div_scalar(MICRO as f32))
+                },
+                MICRO,
+                &device,
+            )
+            .expect("pipeline step");
+        hearth::dist::ddp::allreduce_grads(&stage, &mut out.grads, &comm, 1 << 20)
+            .expect("stage allreduce");
+        stage = opt.step(0.05, stage, out.grads);
+    }
+    hearth::dist::Communicator::new(transport)
+        .with_timeout(Duration::from_secs(30))
+        .barrier()
+        .expect("final barrier");
+    let bits: Vec<String> = module_values(&stage)
+        .iter()
+        .flatten()
+        .map(|v| format!("{:08x}", v.to_bits()))
+        .collect();
+    let out = std::path::PathBuf::from(std::env::var("HEARTH_TEST_OUT").expect("out dir"))
+        .join(format!("rank{}.txt", info.rank));
+    std::fs::write(&out, bits.join(" ")).expect("writing values");
+}
+
+#[test]
+fn two_stages_times_two_replicas_as_four_processes_equal_one_process_on_the_whole_batch() {
+    let initial = vgg_initial();
+    // One process: each step one forward over every replica's micro-batches.
+    let device = Device::flex().autodiff();
+    let mut model = vgg_copy(&initial);
+    let mut opt = sgd();
+    for s in 0..STEPS {
+        let (xs, ys): (Vec<_>, Vec<_>) =
+            (0..REPLICAS * MICRO).map(|m| micro(s, m, &device)).unzip();
+        let grads = loss(model.forward(Tensor::cat(xs, 0)), Tensor::cat(ys, 0)).backward();
+        let grads = GradientsParams::from_grads(grads, &model);
+        model = opt.step(0.05, model, grads);
+    }
+    let trained = module_values(&model);
+    assert_ne!(trained, initial, "training moved the weights");
+    let (ranges, _) = vgg_stages(&trained);
+    let mut units = vgg_copy(&trained).into_units();
+    let mut expected = Vec::new();
+    for r in ranges.iter().rev() {
+        expected.push(module_values(&StageModel {
+            units: units.split_off(r.start),
+        }));
+    }
+    expected.reverse();
+
+    let dir = tempfile::tempdir().unwrap();
+    let world = 2 * REPLICAS;
+    let results = rank_processes("child_2d", "HEARTH_PIPELINE_2D", "1", world, dir.path());
+    for (r, (ok, text)) in results.into_iter().enumerate() {
+        assert!(ok, "rank {r}:\n{text}");
+        let line = std::fs::read_to_string(dir.path().join(format!("rank{r}.txt")))
+            .unwrap_or_else(|e| panic!("rank {r} wrote no values ({e}):\n{text}"));
+        let got: Vec<f32> = line
+            .split(' ')
+            .map(|h| f32::from_bits(u32::from_str_radix(h, 16).unwrap()))
+            .collect();
+        let want: Vec<f32> = expected[r % 2].iter().flatten().copied().collect();
+        assert_eq!(got.len(), want.len(), "rank {r}");
+        for (x, y) in got.iter().zip(&want) {
+            assert!(
+                (x - y).abs() <= 1e-5,
+                "rank {r} (stage {}): {x} vs {y}",
+                r % 2
+            );
+        }
+    }
 }

@@ -85,11 +85,20 @@ impl ModuleMapper for Replace {
 }
 
 /// Every float tensor of `module` (parameters and buffers such as batch-norm statistics), in
-/// visiting order.
+/// visiting order, with the buffers' latest updates.
 pub fn module_values<M: Module>(module: &M) -> Vec<Vec<f32>> {
+    sync_running_stats(module);
     let mut c = Collect { values: Vec::new() };
     module.visit(&mut c);
     c.values
+}
+
+/// Folds the pending updates of `module`'s running statistics (batch norm's mean and variance)
+/// into the values a visitor or a record reads. Burn keeps each thread's latest update apart
+/// until a sync, so a visit after a training step reads the statistics one update behind; the
+/// sync happens in `valid()`, which shares the statistics' storage with `module`.
+pub fn sync_running_stats<M: Module>(module: &M) {
+    let _ = module.valid();
 }
 
 /// `module` with its float tensors replaced by `values` (as from [`module_values`]).

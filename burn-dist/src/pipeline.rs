@@ -13,9 +13,9 @@
 //! micro-batches gives the unsplit model); each stage then steps its own optimizer. The last
 //! stage computes each micro-batch's loss with a closure and reports it.
 //!
-//! Status: the schedules and their equivalence with the unsplit model (in-memory transport)
-//! exist; the rest of issue 11 (architecture stages, CLI, checkpoints, 2D parallel, QUIC test,
-//! benchmarks) does not yet.
+//! [`Pipeline::forward`] runs micro-batches forward only (validation). For 2D parallelism
+//! (P stages x D replicas), [`crate::transport::group::Grid`] places the ranks and each stage's
+//! replicas average that stage's gradients over a [`crate::transport::group::Group`].
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -400,6 +400,44 @@ impl Pipeline {
             losses,
             peak_in_flight: peak,
         })
+    }
+
+    /// Runs `micro_batches` micro-batches forward only (validation, inference: `stage` is
+    /// usually `module.valid()` on the plain device). The first stage takes its micro-batches
+    /// from `inputs`; the last hands each output to `consume(output, micro_batch)`, in order.
+    /// Every stage of the pipeline must call it with the same `micro_batches`.
+    pub fn forward<M: PipelineStage>(
+        &mut self,
+        stage: &M,
+        inputs: &mut dyn FnMut(usize) -> Activation,
+        consume: &mut dyn FnMut(Activation, usize) -> Result<()>,
+        micro_batches: usize,
+        device: &Device,
+    ) -> Result<()> {
+        let step = self.step;
+        self.step += 1;
+        for m in 0..micro_batches {
+            let x = if self.is_first() {
+                inputs(m)
+            } else {
+                activation(
+                    self.recv(self.stage - 1, tag(step, m, true), "pipeline forward")?,
+                    device,
+                )
+            };
+            let y = stage.forward(x).map_err(|e| {
+                mismatch(
+                    "pipeline forward",
+                    format!("stage {} on micro-batch {m}: {e}", self.stage),
+                )
+            })?;
+            if self.is_last() {
+                consume(y, m)?;
+            } else {
+                self.send(self.stage + 1, tag(step, m, true), y.data())?;
+            }
+        }
+        Ok(())
     }
 }
 

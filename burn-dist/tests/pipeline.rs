@@ -2,7 +2,8 @@
 //! as threads over the in-memory transport), GPipe and 1F1B, 4 micro-batches per step; after 3
 //! SGD-momentum steps every stage's weights equal the unsplit model's under gradient
 //! accumulation over the same micro-batches (1e-5). Once more over a QUIC job (TLS, threads as
-//! ranks).
+//! ranks). 2D: 2 stages x 2 replicas, each stage's replicas averaging its gradients with the
+//! allreduce of their group, equal one process on the whole batch.
 
 mod common;
 
@@ -17,10 +18,12 @@ use burn::optim::{GradientsAccumulator, GradientsParams, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::TensorData;
 use burn::tensor::activation::relu;
+use burn_dist::ddp::allreduce_grads;
 use burn_dist::ddp::module_values;
 use burn_dist::pipeline::{Activation, Pipeline, PipelineStage, Schedule};
+use burn_dist::transport::group::{Grid, Group};
 use burn_dist::transport::memory::MemoryTransport;
-use burn_dist::{DistError, Transport};
+use burn_dist::{Communicator, DistError, Transport};
 
 const STEPS: usize = 3;
 const MICRO: usize = 4;
@@ -274,4 +277,87 @@ fn a_stage_given_the_wrong_rank_of_tensor_fails_naming_it() {
             assert!(e.contains("stage 1") && e.contains("4-d"), "{e}");
         }
     }
+}
+
+/// Micro-batches `0..n` of step `s` as one batch.
+fn whole_batch(s: usize, n: usize, device: &Device) -> (Tensor<4>, Tensor<2>) {
+    let (xs, ys): (Vec<_>, Vec<_>) = (0..n).map(|m| micro(s, m, device)).unzip();
+    (Tensor::cat(xs, 0), Tensor::cat(ys, 0))
+}
+
+#[test]
+fn two_stages_times_two_replicas_equal_one_process_on_the_whole_batch() {
+    const D: usize = 2;
+    let device = Device::flex().autodiff();
+    let stages = parts(1, &device);
+    let p = stages.len();
+    let grid = Grid::new(p, p * D).unwrap();
+
+    // One process, one forward over all D x MICRO micro-batches of each step.
+    let mut model = stages.clone();
+    let mut opt = sgd();
+    for s in 0..STEPS {
+        let (x, y) = whole_batch(s, D * MICRO, &device);
+        let mut a = Activation::Rank4(x);
+        for part in &model {
+            a = part.apply(a).unwrap();
+        }
+        let grads = mse(a.rank2("out").unwrap(), y).backward();
+        let grads = GradientsParams::from_grads(grads, &model);
+        model = opt.step(0.05, model, grads);
+    }
+    let expected: Vec<Vec<Vec<f32>>> = model.iter().map(|p| module_values(p)).collect();
+
+    // Replica d's pipeline takes micro-batches d*MICRO.. of the step; each micro-batch's loss is
+    // scaled by 1/MICRO so the pipeline's sum is its batch mean, and the replicas' average is
+    // the whole batch's mean.
+    let (tx, rx) = std::sync::mpsc::channel();
+    for transport in memory(p * D) {
+        let tx = tx.clone();
+        let part = stages[grid.place(transport.rank()).0].clone();
+        std::thread::spawn(move || {
+            let r = transport.rank();
+            let (stage, replica) = grid.place(r);
+            let device = Device::flex().autodiff();
+            let replicas = Group::new(transport.clone(), grid.stage_replicas(stage), 1).unwrap();
+            let comm = Communicator::new(Arc::new(replicas)).with_timeout(Duration::from_secs(30));
+            let mut pipe = Pipeline::new(transport, grid.pipeline(replica), Schedule::OneFOneB)
+                .unwrap()
+                .with_timeout(Duration::from_secs(30));
+            let (mut part, mut opt) = (part, sgd());
+            for s in 0..STEPS {
+                let m0 = replica * MICRO;
+                let mut out = pipe
+                    .step(
+                        &part,
+                        &mut |m| Activation::Rank4(micro(s, m0 + m, &device).0),
+                        &mut |out, m| {
+                            let loss = mse(out.rank2("loss")?, micro(s, m0 + m, &device).1);
+                            Ok(loss.div_scalar(MICRO as f32))
+                        },
+                        MICRO,
+                        &device,
+                    )
+                    .unwrap();
+                allreduce_grads(&part, &mut out.grads, &comm, 1 << 20).unwrap();
+                part = opt.step(0.05, part, out.grads);
+            }
+            let _ = tx.send((r, module_values(&part)));
+        });
+    }
+    drop(tx);
+    for _ in 0..p * D {
+        let (r, got) = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("a rank hung or panicked");
+        let stage = grid.place(r).0;
+        for (x, y) in got.iter().flatten().zip(expected[stage].iter().flatten()) {
+            assert!(
+                (x - y).abs() <= 1e-5,
+                "rank {r} (stage {stage}): {x} vs {y}"
+            );
+        }
+    }
+    let start: Vec<Vec<Vec<f32>>> = stages.iter().map(|p| module_values(p)).collect();
+    assert_ne!(start, expected);
 }

@@ -9,6 +9,7 @@
 //! Implementations: [`memory::MemoryTransport`] (threads in one process, for tests) and
 //! [`quic::QuicTransport`] (quinn, TLS always on).
 
+pub mod group;
 pub mod memory;
 pub mod quic;
 
