@@ -2,9 +2,9 @@
 //! ([`hearth_models::stages`]) as a [`PipelineStage`], and splitting a model's units into
 //! stages of balanced parameter counts.
 //!
-//! Status (issue 11): ResNet units train through GPipe and 1F1B exactly like the unsplit model
-//! (`tests/pipeline.rs`); VGG has units too; `hearth train --pipeline-stages`, checkpoints, 2D
-//! parallel and DenseNet units are not built yet.
+//! ResNet, VGG and DenseNet have units; a ResNet split by this module trains through GPipe and
+//! 1F1B exactly like the unsplit model (`tests/pipeline.rs`). `hearth train --pipeline-stages`
+//! is [`crate::train`]'s pipeline mode (`src/train/pipeline.rs`).
 
 use std::ops::Range;
 

@@ -6,8 +6,9 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use hearth::device::DeviceSpec;
 use hearth::dist::Compression;
+use hearth::dist::pipeline::Schedule;
 use hearth::schedule::{LrScaling, ScheduleKind};
-use hearth::train::{AugmentPreset, Monitor, OptimizerKind};
+use hearth::train::{AugmentPreset, Monitor, OptimizerKind, PipelineBalance, PipelineOptions};
 
 use crate::exit_with;
 
@@ -134,6 +135,27 @@ pub(crate) struct TrainArgs {
     /// Wire format of gradient averaging in distributed runs.
     #[arg(long, value_enum, default_value_t = Compression::None)]
     compression: Compression,
+    /// Pipeline model parallelism: split the model into P stages, one per process (--nproc
+    /// defaults to P; a multiple P x D trains D pipelines data parallel).
+    #[arg(long, value_name = "P")]
+    pipeline_stages: Option<usize>,
+    /// Micro-batches per step of each pipeline (its batch is cut into M).
+    #[arg(
+        long,
+        value_name = "M",
+        default_value_t = 4,
+        requires = "pipeline_stages"
+    )]
+    micro_batches: usize,
+    /// Pipeline schedule: 1f1b holds at most P micro-batches of activations, gpipe all M.
+    #[arg(long, value_enum, default_value_t = Schedule::OneFOneB, requires = "pipeline_stages")]
+    pipeline_schedule: Schedule,
+    /// Unit ranges of the stages, e.g. 0:2,2:5 (default: balanced by --pipeline-balance).
+    #[arg(long, value_name = "A:B,...", requires = "pipeline_stages")]
+    pipeline_split: Option<String>,
+    /// How the stages are balanced when no --pipeline-split is given.
+    #[arg(long, value_enum, default_value_t = PipelineBalance::Params, requires = "pipeline_stages")]
+    pipeline_balance: PipelineBalance,
 }
 
 /// The training command line again, without `--nproc`, with an explicit run directory.
@@ -210,19 +232,23 @@ pub(crate) fn augmentation(a: &TrainArgs) -> Result<hearth::datasets::Augmentati
 pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     use hearth::train::{TrainConfig, train};
     let in_job = std::env::var_os("HEARTH_RANK").is_some();
-    if a.nproc > 1 && !in_job {
+    // A pipeline of P stages needs P processes at least.
+    let nproc = match a.pipeline_stages {
+        Some(p) if a.nproc == 1 => p,
+        _ => a.nproc,
+    };
+    if nproc > 1 && !in_job {
         let run_dir = a
             .resume
             .clone()
             .or(a.run_dir.clone())
             .unwrap_or_else(default_run_dir);
         eprintln!(
-            "launching {} ranks; run directory: {}",
-            a.nproc,
+            "launching {nproc} ranks; run directory: {}",
             run_dir.display()
         );
         let outcome = hearth::launch::launch(&hearth::launch::LaunchConfig {
-            nproc: a.nproc,
+            nproc,
             program: std::env::current_exe().context("locating the hearth binary")?,
             args: rank_args(&run_dir),
             port: 0,
@@ -290,6 +316,20 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     cfg.grad_accum = a.grad_accum;
     cfg.bucket_bytes = (a.bucket_mb * 1e6) as usize;
     cfg.compression = a.compression;
+    cfg.pipeline = match a.pipeline_stages {
+        Some(stages) => Some(PipelineOptions {
+            stages,
+            micro_batches: a.micro_batches,
+            schedule: a.pipeline_schedule,
+            split: a
+                .pipeline_split
+                .as_deref()
+                .map(PipelineOptions::parse_split)
+                .transpose()?,
+            balance: a.pipeline_balance,
+        }),
+        None => None,
+    };
     cfg.dist = dist;
     let rank0 = cfg.dist.as_ref().is_none_or(|d| d.rank == 0);
     if rank0 {

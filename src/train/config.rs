@@ -72,6 +72,60 @@ impl AugmentPreset {
     }
 }
 
+/// How `--pipeline-stages` splits the model's units when no `--pipeline-split` is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum PipelineBalance {
+    /// Equal learnable-parameter counts (weights, gradients and optimizer state per rank).
+    /// (Balancing by measured time is not built yet.)
+    #[default]
+    Params,
+}
+
+/// Pipeline model parallelism (`--pipeline-stages`): the model's units split into `stages`
+/// consecutive stages, one per rank of each pipeline; `world / stages` pipelines train data
+/// parallel (2D).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PipelineOptions {
+    pub stages: usize,
+    /// Micro-batches per step (each replica's batch is cut into this many).
+    pub micro_batches: usize,
+    pub schedule: burn_dist::pipeline::Schedule,
+    /// Explicit unit ranges, one per stage (`--pipeline-split 0:2,2:5`).
+    pub split: Option<Vec<std::ops::Range<usize>>>,
+    pub balance: PipelineBalance,
+}
+
+impl PipelineOptions {
+    /// `0:2,2:5` as ranges; each `a:b` with a < b, each starting where the previous ended, the
+    /// first at 0.
+    pub fn parse_split(text: &str) -> Result<Vec<std::ops::Range<usize>>> {
+        let bad = |m: String| HearthError::InvalidArgument(format!("--pipeline-split {text}: {m}"));
+        let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+        for part in text.split(',').map(str::trim) {
+            let (a, b) = part
+                .split_once(':')
+                .ok_or_else(|| bad(format!("'{part}' is not START:END")))?;
+            let parse = |v: &str| {
+                v.trim()
+                    .parse::<usize>()
+                    .map_err(|_| bad(format!("'{v}' is not a unit index")))
+            };
+            let (a, b) = (parse(a)?, parse(b)?);
+            if a >= b {
+                return Err(bad(format!("{a}:{b} is empty")));
+            }
+            let expected = out.last().map_or(0, |r| r.end);
+            if a != expected {
+                return Err(bad(format!(
+                    "{a}:{b} must start at unit {expected}, where the previous stage ends"
+                )));
+            }
+            out.push(a..b);
+        }
+        Ok(out)
+    }
+}
+
 /// Everything `hearth train` takes.
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
@@ -128,6 +182,8 @@ pub struct TrainConfig {
     pub bucket_bytes: usize,
     /// Wire format of gradient averaging (distributed runs); parameters always travel exact.
     pub compression: burn_dist::Compression,
+    /// Pipeline model parallelism instead of pure data parallelism.
+    pub pipeline: Option<PipelineOptions>,
 }
 
 impl TrainConfig {
@@ -167,6 +223,7 @@ impl TrainConfig {
             dist: None,
             bucket_bytes: burn_dist::bucket::DEFAULT_BUCKET_BYTES,
             compression: burn_dist::Compression::None,
+            pipeline: None,
         }
     }
 
@@ -225,6 +282,35 @@ impl TrainConfig {
             ));
         }
         self.augmentation.pipeline(self.image_size)?;
+        if let Some(p) = &self.pipeline {
+            if p.stages == 0 || p.micro_batches == 0 {
+                return bad("--pipeline-stages and --micro-batches must be at least 1".into());
+            }
+            if let Some(split) = &p.split
+                && split.len() != p.stages
+            {
+                return bad(format!(
+                    "--pipeline-split gives {} stages, --pipeline-stages {}",
+                    split.len(),
+                    p.stages
+                ));
+            }
+            let unsupported = [
+                (self.labels.is_some(), "--labels (multi-label sets)"),
+                (self.weights.is_some(), "--weights"),
+                (self.freeze_backbone, "--freeze-backbone"),
+                (
+                    self.grad_accum.is_some(),
+                    "--grad-accum (use --micro-batches)",
+                ),
+                (self.monitor == Monitor::ValAuroc, "--monitor val_auroc"),
+            ];
+            if let Some((_, what)) = unsupported.iter().find(|(on, _)| *on) {
+                return bad(format!(
+                    "{what} does not work with --pipeline-stages yet; train data parallel instead"
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -271,5 +357,35 @@ impl TrainConfig {
             ("grad_accum", format!("{:?}", self.grad_accum)),
             ("compression", format!("{:?}", self.compression)),
         ])
+        .into_iter()
+        .chain(
+            self.pipeline
+                .as_ref()
+                .map(|p| ("pipeline", format!("{p:?}"))),
+        )
+        .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pipeline_splits_parse_and_bad_ones_say_why() {
+        assert_eq!(
+            PipelineOptions::parse_split("0:2, 2:5").unwrap(),
+            vec![0..2, 2..5]
+        );
+        for (text, why) in [
+            ("1:3", "must start at unit 0"),
+            ("0:2,3:5", "must start at unit 2"),
+            ("0:0", "empty"),
+            ("0-2", "START:END"),
+            ("0:x", "not a unit index"),
+        ] {
+            let e = PipelineOptions::parse_split(text).unwrap_err().to_string();
+            assert!(e.contains(why), "{text}: {e}");
+        }
     }
 }

@@ -15,7 +15,9 @@
 //! - [`run_dir`]: the run directory, atomic writes, what `--resume` reads back;
 //! - [`phase`]: one Learner launch (the whole run, or the frozen / fine-tuning phases);
 //! - [`best`]: which epoch is best, which checkpoints stay, when to stop early;
-//! - [`export`]: `model.bpk`, `metrics.png`, `auroc.csv`.
+//! - [`export`]: `model.bpk`, `metrics.png`, `auroc.csv`;
+//! - [`pipeline`]: pipeline model parallelism (`--pipeline-stages`), its own loop over
+//!   burn-dist's pipeline: stages, micro-batches, per-stage checkpoints, the assembled export.
 //!
 //! A new training mode is a burn-train strategy handed to [`phase::Phase`] and a file here.
 
@@ -27,6 +29,7 @@ mod export;
 mod logger;
 mod model;
 mod phase;
+mod pipeline;
 mod render;
 pub mod run_dir;
 mod sets;
@@ -34,7 +37,10 @@ mod speed;
 mod step;
 
 pub use best::{BestRule, KeepBestAndLast, Patience, best_epoch};
-pub use config::{AugmentPreset, DEFAULT_MODEL, MINI_VGG, Monitor, OptimizerKind, TrainConfig};
+pub use config::{
+    AugmentPreset, DEFAULT_MODEL, MINI_VGG, Monitor, OptimizerKind, PipelineBalance,
+    PipelineOptions, TrainConfig,
+};
 pub use data::{ImageBatch, LoaderAdapter};
 pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
 pub use model::{epoch_seed, mini_resnet, mini_vgg, model_config};
@@ -88,6 +94,9 @@ pub struct TrainReport {
 /// binary cross-entropy, per-class AUROC); any other trains [`SingleLabel`].
 pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
     cfg.validate()?;
+    if cfg.pipeline.is_some() {
+        return pipeline::train(cfg, device, log);
+    }
     let started = Instant::now();
     let dist = match &cfg.dist {
         Some(info) if info.world > 1 => {

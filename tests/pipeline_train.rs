@@ -1,0 +1,231 @@
+//! `hearth train --pipeline-stages`: a run split over processes validates every epoch, writes
+//! metrics.csv, exports the whole model (which, loaded on one process, scores exactly the
+//! validation accuracy the pipeline reported for the best epoch), resumes exactly from the
+//! stages' checkpoints, and trains 2 pipelines x 2 stages as 4 processes. Every run is a real
+//! `hearth` process tree, bounded in time.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{folder_accuracy, small_data, tensors};
+
+/// Runs `hearth train` with `args` (plus the small run's settings); (success, output).
+fn hearth_train(data: &Path, args: &[&str]) -> (bool, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log.txt");
+    let file = std::fs::File::create(&log).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hearth"))
+        .args(["train", "--data"])
+        .arg(data)
+        .args([
+            "--batch-size",
+            "8",
+            "--lr",
+            "0.05",
+            "--warmup-epochs",
+            "0",
+            "--workers",
+            "1",
+            "--size",
+            "32",
+        ])
+        .args(args)
+        .env("HEARTH_COLLECTIVE_TIMEOUT", "60")
+        .stdout(Stdio::from(file.try_clone().unwrap()))
+        .stderr(Stdio::from(file))
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(300);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    (status.is_some_and(|s| s.success()), text)
+}
+
+/// metrics.csv as epoch -> column -> value.
+fn metrics(run: &Path) -> BTreeMap<usize, BTreeMap<String, f64>> {
+    let text = std::fs::read_to_string(run.join("metrics.csv")).unwrap();
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    lines
+        .map(|l| {
+            let cells: Vec<&str> = l.split(',').collect();
+            let epoch = cells[0].parse().unwrap();
+            let row = header[1..]
+                .iter()
+                .zip(&cells[1..])
+                .filter_map(|(h, c)| c.parse().ok().map(|v| (h.to_string(), v)))
+                .collect();
+            (epoch, row)
+        })
+        .collect()
+}
+
+/// The epoch of the highest validation accuracy (the first of equals), as the run picks it.
+fn best_by_accuracy(rows: &BTreeMap<usize, BTreeMap<String, f64>>) -> (usize, f64) {
+    rows.iter()
+        .map(|(e, r)| (*e, r["val_accuracy"]))
+        .fold((0, f64::MIN), |b, (e, a)| if a > b.1 { (e, a) } else { b })
+}
+
+#[test]
+fn a_pipeline_run_exports_what_it_validated_and_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    let straight = dir.path().join("straight");
+    let split = dir.path().join("split");
+    let pipeline = [
+        "--pipeline-stages",
+        "2",
+        "--micro-batches",
+        "2",
+        "--epochs",
+        "3",
+    ];
+
+    let run = |run_dir: &Path, extra: &[&str]| {
+        let mut args: Vec<&str> = pipeline.to_vec();
+        args.extend(extra);
+        let (ok, text) = hearth_train(&data, &args);
+        assert!(ok, "{} {extra:?}:\n{text}", run_dir.display());
+        text
+    };
+    let text = run(&straight, &["--run-dir", straight.to_str().unwrap()]);
+    assert!(
+        text.contains("stage 0: units 0.."),
+        "the split is printed:\n{text}"
+    );
+    assert!(text.contains("stage 1: units"), "{text}");
+
+    let rows = metrics(&straight);
+    assert_eq!(rows.keys().copied().collect::<Vec<_>>(), vec![1, 2, 3]);
+    for row in rows.values() {
+        for column in ["train_loss", "train_accuracy", "val_loss", "val_accuracy"] {
+            assert!(row[column].is_finite(), "{column}: {row:?}");
+        }
+    }
+    assert!(
+        rows[&3]["train_loss"] < rows[&1]["train_loss"],
+        "training lowers the loss: {rows:?}"
+    );
+    // The whole model assembled from the stages scores, on one process, what the pipeline
+    // reported for the best epoch.
+    let (best, reported) = best_by_accuracy(&rows);
+    let measured = folder_accuracy(&straight.join("model.bpk"), &data.join("val"), 32);
+    assert!(
+        (measured - reported).abs() < 1e-3,
+        "model.bpk scores {measured}%, the pipeline reported {reported}% for epoch {best}"
+    );
+    assert!(straight.join("metrics.png").is_file());
+    // Each stage kept only the best and the last epochs.
+    for stage in 0..2 {
+        let d = straight.join(format!("checkpoint/stage-{stage}"));
+        let mut kept: Vec<String> = std::fs::read_dir(&d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .filter(|n| n.starts_with("model-"))
+            .collect();
+        kept.sort();
+        let mut want: Vec<String> = [best, 3].iter().map(|e| format!("model-{e}.bpk")).collect();
+        want.sort();
+        want.dedup();
+        assert_eq!(kept, want, "stage {stage}");
+    }
+
+    // Stopped after epoch 2 and resumed: the same epochs and the same model, bit for bit.
+    run(
+        &split,
+        &[
+            "--run-dir",
+            split.to_str().unwrap(),
+            "--stop-after-epoch",
+            "2",
+        ],
+    );
+    let text = run(&split, &["--resume", split.to_str().unwrap()]);
+    assert!(text.contains("resuming after epoch 2"), "{text}");
+    let resumed = metrics(&split);
+    for (epoch, row) in &rows {
+        for column in ["train_loss", "train_accuracy", "val_loss", "val_accuracy"] {
+            assert_eq!(
+                row[column], resumed[epoch][column],
+                "epoch {epoch} {column}"
+            );
+        }
+    }
+    assert_eq!(
+        tensors(&straight.join("model.bpk")),
+        tensors(&split.join("model.bpk"))
+    );
+}
+
+#[test]
+fn two_pipelines_of_two_stages_train_as_four_processes() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    let run = dir.path().join("run");
+    let (ok, text) = hearth_train(
+        &data,
+        &[
+            "--pipeline-stages",
+            "2",
+            "--nproc",
+            "4",
+            "--pipeline-schedule",
+            "gpipe",
+            "--epochs",
+            "2",
+            "--run-dir",
+            run.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{text}");
+    assert!(text.contains("2 stages x 2 replicas"), "{text}");
+    let rows = metrics(&run);
+    assert_eq!(rows.len(), 2);
+    let (_, reported) = best_by_accuracy(&rows);
+    let measured = folder_accuracy(&run.join("model.bpk"), &data.join("val"), 32);
+    assert!(
+        (measured - reported).abs() < 1e-3,
+        "{measured} vs {reported}"
+    );
+}
+
+#[test]
+fn bad_pipeline_layouts_fail_with_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    for (args, why) in [
+        (
+            vec!["--pipeline-stages", "3", "--nproc", "4"],
+            "multiple of the number of stages",
+        ),
+        (
+            vec!["--pipeline-stages", "2", "--pipeline-split", "0:2,2:3"],
+            "must cover units",
+        ),
+        (
+            vec!["--pipeline-stages", "2", "--grad-accum", "2"],
+            "--grad-accum",
+        ),
+    ] {
+        let run = dir.path().join(format!("run-{}", args.len()));
+        let mut all = args.clone();
+        all.extend(["--epochs", "1", "--run-dir", run.to_str().unwrap()]);
+        let (ok, text) = hearth_train(&data, &all);
+        assert!(!ok, "{args:?} must fail:\n{text}");
+        assert!(text.contains(why), "{args:?}: expected '{why}' in:\n{text}");
+    }
+}
