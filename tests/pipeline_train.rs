@@ -229,3 +229,67 @@ fn bad_pipeline_layouts_fail_with_a_clear_error() {
         assert!(text.contains(why), "{args:?}: expected '{why}' in:\n{text}");
     }
 }
+
+#[test]
+fn a_stage_killed_mid_training_fails_the_other_naming_it_within_10_s() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    let run = dir.path().join("run");
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .map(|a| a.port())
+        .unwrap();
+    let logs: Vec<_> = (0..2).map(|r| dir.path().join(format!("rank{r}.txt"))).collect();
+    let mut ranks: Vec<_> = (0..2)
+        .map(|r| {
+            let file = std::fs::File::create(&logs[r]).unwrap();
+            Command::new(env!("CARGO_BIN_EXE_hearth"))
+                .args(["train", "--data"])
+                .arg(&data)
+                .args(["--batch-size", "8", "--workers", "1", "--size", "32"])
+                .args(["--pipeline-stages", "2", "--epochs", "200", "--run-dir"])
+                .arg(&run)
+                .env("HEARTH_RANK", r.to_string())
+                .env("HEARTH_WORLD_SIZE", "2")
+                .env("HEARTH_COORDINATOR", format!("127.0.0.1:{port}"))
+                .env("HEARTH_JOB_SECRET", "pipeline training test secret, long enough")
+                .stdout(Stdio::from(file.try_clone().unwrap()))
+                .stderr(Stdio::from(file))
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Training is under way once the first epoch is in metrics.csv.
+    let until = Instant::now() + Duration::from_secs(120);
+    while !run.join("metrics.csv").is_file() {
+        if Instant::now() > until || ranks.iter_mut().any(|c| c.try_wait().unwrap().is_some()) {
+            for c in &mut ranks {
+                let _ = c.kill();
+            }
+            panic!(
+                "training did not get under way:\n{}",
+                std::fs::read_to_string(&logs[0]).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    ranks[1].kill().unwrap(); // SIGKILL
+    let killed = Instant::now();
+    let _ = ranks[1].wait();
+    let status = loop {
+        if let Some(s) = ranks[0].try_wait().unwrap() {
+            break Some(s);
+        }
+        if killed.elapsed() > Duration::from_secs(60) {
+            let _ = ranks[0].kill();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let took = killed.elapsed();
+    let text = std::fs::read_to_string(&logs[0]).unwrap_or_default();
+    let status = status.unwrap_or_else(|| panic!("rank 0 hung after its neighbour died:\n{text}"));
+    assert!(!status.success(), "rank 0 must fail:\n{text}");
+    assert!(text.contains("rank 1"), "the error names the dead stage:\n{text}");
+    assert!(took < Duration::from_secs(10), "noticed after {took:?}:\n{text}");
+}
