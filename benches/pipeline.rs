@@ -15,6 +15,9 @@
 //! P; the measured overhead 1 - ideal/measured stands beside the bubble formula (P-1)/(M+P-1).
 //! Imbalance between the stages and the activation traffic add to the formula's share.
 //!
+//! `HEARTH_PIPE_BALANCE=time` splits by measured time (`hearth train --pipeline-balance time`)
+//! instead of parameters, in both parts.
+//!
 //! Without `--bench` (`cargo test --benches`) it runs a tiny smoke configuration.
 
 mod common;
@@ -34,7 +37,7 @@ use hearth::dist::rendezvous::{RankInfo, RendezvousOptions, connect};
 use hearth::dist::tls::Membership;
 use hearth::dist::{Communicator, Transport};
 use hearth::models::{Architecture, ModelConfig};
-use hearth::pipeline::{StageModel, balance};
+use hearth::pipeline::{StageModel, balance, measure_unit_times};
 
 const SECRET: &str = "pipeline bench secret, long enough";
 
@@ -50,6 +53,8 @@ struct Run {
     warmup: usize,
     steps: usize,
     threads: Option<usize>,
+    /// "params" or "time".
+    balance: String,
 }
 
 impl Run {
@@ -69,6 +74,7 @@ impl Run {
             ("HEARTH_PIPE_RUN_MB", self.micro_batch.to_string()),
             ("HEARTH_PIPE_RUN_WARMUP", self.warmup.to_string()),
             ("HEARTH_PIPE_RUN_STEPS", self.steps.to_string()),
+            ("HEARTH_PIPE_RUN_BALANCE", self.balance.clone()),
         ]
     }
 
@@ -88,6 +94,7 @@ impl Run {
             warmup: num("HEARTH_PIPE_RUN_WARMUP")?,
             steps: num("HEARTH_PIPE_RUN_STEPS")?,
             threads: None,
+            balance: get("HEARTH_PIPE_RUN_BALANCE")?,
         })
     }
 
@@ -112,6 +119,12 @@ impl Run {
 struct Report {
     peak_kb: u64,
     step_s: f64,
+}
+
+/// Every rank's report and the split the ranks used.
+struct Reports {
+    ranks: Vec<Report>,
+    split: String,
 }
 
 fn peak_rss_kb() -> u64 {
@@ -188,13 +201,40 @@ fn rank_main(out: &Path) -> anyhow::Result<()> {
             &Membership::from_env()?,
             &RendezvousOptions::default(),
         )?);
-        let ranges = balance(&cfg.unit_params(&device)?, run.stages)?;
-        let mut stage = StageModel {
-            units: cfg.init_units(ranges[info.rank].clone(), &device)?,
-        };
+        let mut ranges = balance(&cfg.unit_params(&device)?, run.stages)?;
         let mut pipe = Pipeline::new(transport.clone(), (0..run.stages).collect(), run.schedule)?
             .with_timeout(Duration::from_secs(600));
         let comm = Communicator::new(transport).with_timeout(Duration::from_secs(600));
+        if run.balance == "time" {
+            let probe = StageModel {
+                units: cfg.init_units(ranges[info.rank].clone(), &device)?,
+            };
+            let times = measure_unit_times(
+                &probe,
+                ranges[info.rank].start,
+                cfg.units(),
+                &mut pipe,
+                &comm,
+                Activation::Rank4(x.clone()),
+                &device,
+            )?;
+            drop(probe);
+            let weights: Vec<usize> = times
+                .iter()
+                .map(|t| ((t * 1e6).round() as usize).max(1))
+                .collect();
+            ranges = balance(&weights, run.stages)?;
+        }
+        if info.rank == 0 {
+            let split: Vec<String> = ranges
+                .iter()
+                .map(|r| format!("{}:{}", r.start, r.end))
+                .collect();
+            std::fs::write(out.join("split.txt"), split.join(","))?;
+        }
+        let mut stage = StageModel {
+            units: cfg.init_units(ranges[info.rank].clone(), &device)?,
+        };
         for i in 0..run.warmup + run.steps {
             // Every stage starts the step together, so the step time is the pipeline's.
             comm.barrier()?;
@@ -223,7 +263,7 @@ fn rank_main(out: &Path) -> anyhow::Result<()> {
 }
 
 /// Runs `run` as processes of this binary; each rank's report.
-fn launch(run: &Run) -> anyhow::Result<Vec<Report>> {
+fn launch(run: &Run) -> anyhow::Result<Reports> {
     let dir = tempfile::tempdir()?;
     let port = std::net::UdpSocket::bind("127.0.0.1:0")?
         .local_addr()?
@@ -261,7 +301,7 @@ fn launch(run: &Run) -> anyhow::Result<Vec<Report>> {
     if !failures.is_empty() {
         anyhow::bail!("{}", failures.join("\n"));
     }
-    (0..ranks)
+    let reports = (0..ranks)
         .map(|r| {
             let text = std::fs::read_to_string(dir.path().join(format!("rank{r}.txt")))?;
             let mut it = text.split_whitespace();
@@ -269,7 +309,11 @@ fn launch(run: &Run) -> anyhow::Result<Vec<Report>> {
             let step_s = it.next().unwrap_or("0").parse()?;
             Ok(Report { peak_kb, step_s })
         })
-        .collect()
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(Reports {
+        ranks: reports,
+        split: std::fs::read_to_string(dir.path().join("split.txt")).unwrap_or_else(|_| "-".into()),
+    })
 }
 
 fn mb(kb: u64) -> f64 {
@@ -290,12 +334,13 @@ fn memory(smoke: bool) -> anyhow::Result<()> {
         warmup: 1,
         steps: 1,
         threads: None,
+        balance: balance_choice(),
     };
     println!(
-        "memory: {model} at {size}x{size}, {} micro-batches of {}, peak RSS (VmHWM) per process",
-        base.micro, base.micro_batch
+        "memory: {model} at {size}x{size}, {} micro-batches of {}, peak RSS (VmHWM) per process, split by {}",
+        base.micro, base.micro_batch, base.balance
     );
-    let whole = launch(&base)?[0];
+    let whole = launch(&base)?.ranks[0];
     println!(
         "{:<10} {:<6} {:>10} {:>12} {:>12} {:>8}",
         "layout", "sched", "rank", "peak MB", "goal MB", "ratio"
@@ -317,9 +362,10 @@ fn memory(smoke: bool) -> anyhow::Result<()> {
                 schedule,
                 ..base.clone()
             };
-            let reports = launch(&run)?;
+            let out = launch(&run)?;
+            println!("P={p} {}: split {}", sched_name(schedule), out.split);
             let goal = mb(whole.peak_kb) * (1.0 / p as f64 + 0.15);
-            for (r, rep) in reports.iter().enumerate() {
+            for (r, rep) in out.ranks.iter().enumerate() {
                 println!(
                     "{:<10} {:<6} {:>10} {:>12.0} {:>12.0} {:>8.2}{}",
                     format!("P={p}"),
@@ -355,7 +401,8 @@ fn bubble(smoke: bool) -> anyhow::Result<()> {
     let micro_batch = env_usize("HEARTH_BUBBLE_MB", 4);
     let steps = env_usize("HEARTH_BUBBLE_STEPS", if smoke { 1 } else { 3 });
     println!(
-        "\nbubble: {model} at {size}x{size}, P={p}, 1F1B, micro-batches of {micro_batch}, one thread per process"
+        "\nbubble: {model} at {size}x{size}, P={p}, 1F1B, micro-batches of {micro_batch}, one thread per process, split by {}",
+        balance_choice()
     );
     println!(
         "{:>3} {:>14} {:>14} {:>12} {:>12}",
@@ -373,13 +420,17 @@ fn bubble(smoke: bool) -> anyhow::Result<()> {
             warmup: 1,
             steps,
             threads: Some(1),
+            balance: balance_choice(),
         };
-        let whole = launch(&base)?[0].step_s;
+        let whole = launch(&base)?.ranks[0].step_s;
         let split = launch(&Run {
             stages: p,
             ..base.clone()
         })?;
-        let measured = split.iter().map(|r| r.step_s).fold(0.0, f64::max);
+        if m == micros[0] {
+            println!("(split {})", split.split);
+        }
+        let measured = split.ranks.iter().map(|r| r.step_s).fold(0.0, f64::max);
         let ideal = whole / p as f64;
         let overhead = 1.0 - ideal / measured;
         let formula = (p - 1) as f64 / (m + p - 1) as f64;
@@ -390,6 +441,10 @@ fn bubble(smoke: bool) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+fn balance_choice() -> String {
+    std::env::var("HEARTH_PIPE_BALANCE").unwrap_or_else(|_| "params".into())
 }
 
 fn main() -> anyhow::Result<()> {

@@ -41,6 +41,88 @@ impl PipelineStage for StageModel {
     }
 }
 
+/// Times each unit of `units` on `x`: forward, then backward from the sum of its output (so
+/// the figure is one training pass of that unit), on `device` (an autodiff device), waiting
+/// for the device after each. Returns the seconds of each unit and the stage's output
+/// (detached), for the next stage.
+pub fn time_units(
+    units: &[Unit],
+    x: Activation,
+    device: &burn::prelude::Device,
+) -> burn_dist::Result<(Vec<f64>, Activation)> {
+    let fail = |e: String| burn_dist::DistError::Config(format!("timing a unit: {e}"));
+    let mut x = x.rank4("a model stage's input")?;
+    let mut times = Vec::with_capacity(units.len());
+    for (i, unit) in units.iter().enumerate() {
+        let input = x.clone().detach().require_grad();
+        let started = std::time::Instant::now();
+        let out = unit.forward(input);
+        let grads = match &out {
+            UnitOutput::Features(f) => f.clone().sum().backward(),
+            UnitOutput::Logits(l) => l.clone().sum().backward(),
+        };
+        drop(grads);
+        device.sync().map_err(|e| fail(format!("{e:?}")))?;
+        times.push(started.elapsed().as_secs_f64());
+        match out {
+            UnitOutput::Features(f) => x = f.detach(),
+            UnitOutput::Logits(l) if i + 1 == units.len() => {
+                return Ok((times, Activation::Rank2(l.detach())));
+            }
+            UnitOutput::Logits(_) => return Err(fail(format!("unit {i} ends the model early"))),
+        }
+    }
+    Ok((times, Activation::Rank4(x)))
+}
+
+/// Seconds of one training pass (forward and backward) of each of a model's `units` units, for
+/// a split balanced by time: every rank of the pipeline `pipe` times the units of its `stage`
+/// (which starts at unit `first`) on the activations of `input` (used by the first stage),
+/// over 3 passes after a warm-up pass; `comm` (the whole job) shares the figures, and the
+/// replicas of a stage are averaged. Every rank of the job must call it.
+pub fn measure_unit_times(
+    stage: &StageModel,
+    first: usize,
+    units: usize,
+    pipe: &mut burn_dist::pipeline::Pipeline,
+    comm: &burn_dist::Communicator,
+    input: Activation,
+    device: &burn::prelude::Device,
+) -> Result<Vec<f64>> {
+    const PASSES: usize = 3;
+    let mut totals = vec![0f32; units];
+    for pass in 0..=PASSES {
+        pipe.forward_with(
+            &mut |a, _| {
+                let (t, out) = time_units(&stage.units, a, device)?;
+                if pass > 0 {
+                    for (i, v) in t.into_iter().enumerate() {
+                        if let Some(total) = totals.get_mut(first + i) {
+                            *total += (v / PASSES as f64) as f32;
+                        }
+                    }
+                }
+                Ok(out)
+            },
+            &mut |_| input.clone(),
+            &mut |_, _| Ok(()),
+            1,
+            device,
+        )?;
+    }
+    let all = comm.all_gather(&totals)?;
+    Ok((0..units)
+        .map(|u| {
+            let seen: Vec<f64> = all
+                .chunks(units)
+                .map(|r| f64::from(r[u]))
+                .filter(|&t| t > 0.0)
+                .collect();
+            seen.iter().sum::<f64>() / seen.len().max(1) as f64
+        })
+        .collect())
+}
+
 /// Contiguous ranges of `weights` (e.g. each unit's parameter count) for `parts` stages, with
 /// the largest stage as small as possible. Every stage gets at least one unit.
 pub fn balance(weights: &[usize], parts: usize) -> Result<Vec<Range<usize>>> {

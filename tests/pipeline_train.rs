@@ -239,7 +239,9 @@ fn a_stage_killed_mid_training_fails_the_other_naming_it_within_10_s() {
         .and_then(|s| s.local_addr())
         .map(|a| a.port())
         .unwrap();
-    let logs: Vec<_> = (0..2).map(|r| dir.path().join(format!("rank{r}.txt"))).collect();
+    let logs: Vec<_> = (0..2)
+        .map(|r| dir.path().join(format!("rank{r}.txt")))
+        .collect();
     let mut ranks: Vec<_> = (0..2)
         .map(|r| {
             let file = std::fs::File::create(&logs[r]).unwrap();
@@ -252,7 +254,10 @@ fn a_stage_killed_mid_training_fails_the_other_naming_it_within_10_s() {
                 .env("HEARTH_RANK", r.to_string())
                 .env("HEARTH_WORLD_SIZE", "2")
                 .env("HEARTH_COORDINATOR", format!("127.0.0.1:{port}"))
-                .env("HEARTH_JOB_SECRET", "pipeline training test secret, long enough")
+                .env(
+                    "HEARTH_JOB_SECRET",
+                    "pipeline training test secret, long enough",
+                )
                 .stdout(Stdio::from(file.try_clone().unwrap()))
                 .stderr(Stdio::from(file))
                 .spawn()
@@ -290,6 +295,47 @@ fn a_stage_killed_mid_training_fails_the_other_naming_it_within_10_s() {
     let text = std::fs::read_to_string(&logs[0]).unwrap_or_default();
     let status = status.unwrap_or_else(|| panic!("rank 0 hung after its neighbour died:\n{text}"));
     assert!(!status.success(), "rank 0 must fail:\n{text}");
-    assert!(text.contains("rank 1"), "the error names the dead stage:\n{text}");
-    assert!(took < Duration::from_secs(10), "noticed after {took:?}:\n{text}");
+    assert!(
+        text.contains("rank 1"),
+        "the error names the dead stage:\n{text}"
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "noticed after {took:?}:\n{text}"
+    );
+}
+
+#[test]
+fn a_split_balanced_by_measured_time_is_printed_recorded_and_kept_on_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    let run = dir.path().join("run");
+    let common = [
+        "--pipeline-stages",
+        "2",
+        "--pipeline-balance",
+        "time",
+        "--epochs",
+        "2",
+    ];
+    let mut first: Vec<&str> = common.to_vec();
+    first.extend(["--stop-after-epoch", "1", "--run-dir", run.to_str().unwrap()]);
+    let (ok, text) = hearth_train(&data, &first);
+    assert!(ok, "{text}");
+    assert!(text.contains("split (balanced by measured time)"), "{text}");
+    assert!(text.contains("ms per micro-batch pass"), "{text}");
+    let recorded = std::fs::read_to_string(run.join("pipeline_split.txt")).unwrap();
+    let ranges = hearth::train::PipelineOptions::parse_split(recorded.trim()).unwrap();
+    assert_eq!(ranges.len(), 2);
+    assert_eq!(ranges[1].end, 6, "resnet-mini has 6 units: {recorded}");
+
+    let mut second: Vec<&str> = common.to_vec();
+    second.extend(["--resume", run.to_str().unwrap()]);
+    let (ok, text) = hearth_train(&data, &second);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains(&format!("split (as the run recorded it): {}", recorded.trim())),
+        "{text}"
+    );
+    assert_eq!(metrics(&run).len(), 2);
 }

@@ -414,6 +414,25 @@ impl Pipeline {
         micro_batches: usize,
         device: &Device,
     ) -> Result<()> {
+        self.forward_with(
+            &mut |x, _| stage.forward(x),
+            inputs,
+            consume,
+            micro_batches,
+            device,
+        )
+    }
+
+    /// [`Pipeline::forward`] with any function as this rank's stage (`apply(input,
+    /// micro_batch)`): profiling passes, stages that are not one module.
+    pub fn forward_with(
+        &mut self,
+        apply: &mut dyn FnMut(Activation, usize) -> Result<Activation>,
+        inputs: &mut dyn FnMut(usize) -> Activation,
+        consume: &mut dyn FnMut(Activation, usize) -> Result<()>,
+        micro_batches: usize,
+        device: &Device,
+    ) -> Result<()> {
         let step = self.step;
         self.step += 1;
         for m in 0..micro_batches {
@@ -425,7 +444,7 @@ impl Pipeline {
                     device,
                 )
             };
-            let y = stage.forward(x).map_err(|e| {
+            let y = apply(x, m).map_err(|e| {
                 mismatch(
                     "pipeline forward",
                     format!("stage {} on micro-batch {m}: {e}", self.stage),

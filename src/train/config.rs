@@ -76,9 +76,12 @@ impl AugmentPreset {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum PipelineBalance {
     /// Equal learnable-parameter counts (weights, gradients and optimizer state per rank).
-    /// (Balancing by measured time is not built yet.)
     #[default]
     Params,
+    /// Equal training time per stage: every unit's forward and backward timed on its rank over
+    /// a few warm-up passes of the first batch, before training (the split is recorded in the
+    /// run directory, so a resumed run keeps it).
+    Time,
 }
 
 /// Pipeline model parallelism (`--pipeline-stages`): the model's units split into `stages`

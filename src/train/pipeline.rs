@@ -40,7 +40,7 @@ use hearth_models::stages::Unit;
 use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
 
 use super::best::{BestRule, Patience, best_epoch};
-use super::config::PipelineOptions;
+use super::config::{PipelineBalance, PipelineOptions};
 use super::logger::EpochTable;
 use super::model::{SEED_LOCK, epoch_seed, model_config, optimizer};
 use super::{EpochRows, TrainConfig, TrainReport, distributed, run_dir, sets};
@@ -123,7 +123,6 @@ pub(super) fn train(
     let config = model_config(&cfg.model, classes.len())?;
     let ranges = split(cfg, opts, &config, device)?;
     let plain = device.clone();
-    let weights = config.unit_params(&plain)?;
     log(&format!(
         "pipeline: {} stages x {} replicas, {} micro-batches of a {}-image batch per replica, {:?}",
         grid.stages,
@@ -132,16 +131,6 @@ pub(super) fn train(
         cfg.batch_size / grid.replicas,
         opts.schedule
     ));
-    for (s, r) in ranges.iter().enumerate() {
-        let params: usize = weights[r.clone()].iter().sum();
-        log(&format!(
-            "  stage {s}: units {}..{} of {}, {params} parameters (ranks {:?})",
-            r.start,
-            r.end,
-            config.units(),
-            grid.stage_replicas(s)
-        ));
-    }
     let loaders = sets::Loaders::new(cfg, train_set, val_set, replica, grid.replicas)?;
     let steps_per_epoch = loaders.train.batches_per_epoch().max(1);
     let replicas = if grid.replicas > 1 {
@@ -169,6 +158,19 @@ pub(super) fn train(
         steps_per_epoch,
     };
     run.train(started, log)
+}
+
+/// The run's recorded split (`pipeline_split.txt`), which a resumed run keeps.
+fn split_file(run_dir: &Path) -> PathBuf {
+    run_dir.join("pipeline_split.txt")
+}
+
+fn format_split(ranges: &[Range<usize>]) -> String {
+    ranges
+        .iter()
+        .map(|r| format!("{}:{}", r.start, r.end))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// The stages' unit ranges: `--pipeline-split`, or balanced by parameter count.
@@ -285,10 +287,106 @@ impl PipelineRun<'_> {
         (0..m).map(|i| n / m + usize::from(i < n % m)).collect()
     }
 
-    fn train(self, started: Instant, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
+    /// The final split: the one a resumed run recorded, else measured by time
+    /// (`--pipeline-balance time`), else the one given; printed with each stage's parameters.
+    fn settle_split(&mut self, pipe: &mut Pipeline, log: &mut dyn FnMut(&str)) -> Result<()> {
+        let file = split_file(&self.cfg.run_dir);
+        let mut times: Option<Vec<f64>> = None;
+        if self.cfg.resume && file.is_file() {
+            let text = std::fs::read_to_string(&file).map_err(|source| HearthError::Read {
+                path: file.clone(),
+                source,
+            })?;
+            let recorded = PipelineOptions::parse_split(text.trim())?;
+            if recorded.len() != self.grid.stages
+                || recorded.last().map(|r| r.end) != Some(self.config.units())
+            {
+                return Err(HearthError::InvalidArgument(format!(
+                    "--resume: {} records the split {} for another layout than {} stages of {} units",
+                    file.display(),
+                    text.trim(),
+                    self.grid.stages,
+                    self.config.units()
+                )));
+            }
+            self.ranges = recorded;
+        } else if self.opts.balance == PipelineBalance::Time && self.opts.split.is_none() {
+            let measured = self.time_units(pipe)?;
+            let weights: Vec<usize> = measured
+                .iter()
+                .map(|t| ((t * 1e6).round() as usize).max(1))
+                .collect();
+            self.ranges = balance(&weights, self.grid.stages)?;
+            times = Some(measured);
+        }
+        if self.comm.rank() == 0 {
+            run_dir::write_atomic(&file, &format_split(&self.ranges))?;
+        }
+        let weights = self.config.unit_params(&self.plain_device)?;
+        log(&format!(
+            "split ({}): {}",
+            if times.is_some() {
+                "balanced by measured time"
+            } else if self.cfg.resume {
+                "as the run recorded it"
+            } else if self.opts.split.is_some() {
+                "as given"
+            } else {
+                "balanced by parameters"
+            },
+            format_split(&self.ranges)
+        ));
+        for (s, r) in self.ranges.iter().enumerate() {
+            let params: usize = weights[r.clone()].iter().sum();
+            let ms = times
+                .as_ref()
+                .map(|t| {
+                    format!(
+                        ", {:.1} ms per micro-batch pass",
+                        1e3 * t[r.clone()].iter().sum::<f64>()
+                    )
+                })
+                .unwrap_or_default();
+            log(&format!(
+                "  stage {s}: units {}..{} of {}, {params} parameters{ms} (ranks {:?})",
+                r.start,
+                r.end,
+                self.config.units(),
+                self.grid.stage_replicas(s)
+            ));
+        }
+        Ok(())
+    }
+
+    /// Seconds of one training pass of every unit on a micro-batch of the first batch
+    /// ([`crate::pipeline::measure_unit_times`]), timed on each unit's rank.
+    fn time_units(&self, pipe: &mut Pipeline) -> Result<Vec<f64>> {
+        let stage = self.init_stage()?;
+        let batch = self
+            .loaders
+            .train
+            .epoch(0, &self.device)
+            .next()
+            .ok_or_else(|| HearthError::Training("the training set gave no batch".into()))??;
+        let n = batch.images.dims()[0];
+        let x = batch.images.narrow(0, 0, self.micro_sizes(n)[0]);
+        crate::pipeline::measure_unit_times(
+            &stage,
+            self.ranges[self.stage].start,
+            self.config.units(),
+            pipe,
+            &self.comm,
+            Activation::Rank4(x),
+            &self.device,
+        )
+    }
+
+    fn train(mut self, started: Instant, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
         let cfg = self.cfg;
         let rank = self.comm.rank();
         let hparams = cfg.hyperparameters();
+        let mut pipe = self.pipeline()?;
+        self.settle_split(&mut pipe, log)?;
         let mut model = self.init_stage()?;
         let mut optim = optimizer(cfg);
         let resume_epoch = if cfg.resume {
@@ -326,7 +424,6 @@ impl PipelineRun<'_> {
             monitor: cfg.monitor,
             min_delta: cfg.min_delta,
         };
-        let mut pipe = self.pipeline()?;
         for epoch in resume_epoch + 1..=end {
             let t = Instant::now();
             let (trained, train_sums) = self.train_epoch(&mut pipe, model, &mut optim, epoch)?;
