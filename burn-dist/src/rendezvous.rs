@@ -499,6 +499,7 @@ fn join(
         let mut peers: Vec<Option<Connection>> = vec![None; world];
         peers[0] = Some(conn);
         // Dial the ranks below; accept the ranks above.
+        #[allow(clippy::needless_range_loop)] // `peer` is a rank, named in the errors
         for peer in 1..rank {
             let Some(addr) = addrs.get(&peer).copied() else {
                 return Err(DistError::Config(format!("rank {peer} missing from the table")));

@@ -127,7 +127,7 @@ fn reference(stages: Vec<Part>) -> Vec<Vec<Vec<f32>>> {
         }
         model = opt.step(0.05, model, acc.grads());
     }
-    model.iter().map(|p| module_values(p)).collect()
+    model.iter().map(module_values).collect()
 }
 
 fn memory(p: usize) -> Vec<Arc<dyn Transport>> {
@@ -215,7 +215,7 @@ fn a_split_cnn_trains_exactly_like_the_unsplit_one_with_gpipe_and_1f1b() {
             }
         }
         // The comparison is between trained weights, not two untouched copies.
-        let start: Vec<Vec<Vec<f32>>> = stages.iter().map(|p| module_values(p)).collect();
+        let start: Vec<Vec<Vec<f32>>> = stages.iter().map(module_values).collect();
         assert_ne!(start, expected);
     }
 }
@@ -306,7 +306,7 @@ fn two_stages_times_two_replicas_equal_one_process_on_the_whole_batch() {
         let grads = GradientsParams::from_grads(grads, &model);
         model = opt.step(0.05, model, grads);
     }
-    let expected: Vec<Vec<Vec<f32>>> = model.iter().map(|p| module_values(p)).collect();
+    let expected: Vec<Vec<Vec<f32>>> = model.iter().map(module_values).collect();
 
     // Replica d's pipeline takes micro-batches d*MICRO.. of the step; each micro-batch's loss is
     // scaled by 1/MICRO so the pipeline's sum is its batch mean, and the replicas' average is
@@ -358,6 +358,6 @@ fn two_stages_times_two_replicas_equal_one_process_on_the_whole_batch() {
             );
         }
     }
-    let start: Vec<Vec<Vec<f32>>> = stages.iter().map(|p| module_values(p)).collect();
+    let start: Vec<Vec<Vec<f32>>> = stages.iter().map(module_values).collect();
     assert_ne!(start, expected);
 }

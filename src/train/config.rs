@@ -270,7 +270,7 @@ impl TrainConfig {
             return bad("--grad-accum must be at least 1".into());
         }
         if let Some(d) = &self.dist
-            && self.batch_size % d.world != 0
+            && !self.batch_size.is_multiple_of(d.world)
         {
             return bad(format!(
                 "--batch-size {} (the global batch) must divide evenly over {} ranks",

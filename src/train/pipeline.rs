@@ -112,7 +112,7 @@ pub(super) fn train(
             "multi-label sets do not train with --pipeline-stages yet".into(),
         ));
     }
-    if cfg.batch_size % grid.replicas != 0 {
+    if !cfg.batch_size.is_multiple_of(grid.replicas) {
         return Err(HearthError::InvalidArgument(format!(
             "--batch-size {} must divide evenly over {} pipelines",
             cfg.batch_size, grid.replicas

@@ -119,7 +119,7 @@ pub struct Grid {
 impl Grid {
     /// The grid of `stages` stages over `world` ranks; `world` must be a multiple of `stages`.
     pub fn new(stages: usize, world: usize) -> Result<Self> {
-        if stages == 0 || world == 0 || world % stages != 0 {
+        if stages == 0 || world == 0 || !world.is_multiple_of(stages) {
             return Err(DistError::Config(format!(
                 "{world} ranks cannot hold whole pipelines of {stages} stages (the number of \
                  ranks must be a multiple of the number of stages)"

@@ -110,7 +110,8 @@ impl QuicOptions {
         }
         if let Some(mtu) = self.fixed_mtu {
             t.initial_mtu(mtu);
-            t.min_mtu(mtu.min(1200).max(1200));
+            // QUIC's floor: the path is assumed to carry 1200-byte datagrams at least.
+            t.min_mtu(1200);
             t.mtu_discovery_config(None);
         }
         Ok(t)
