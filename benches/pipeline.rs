@@ -15,8 +15,8 @@
 //! P; the measured overhead 1 - ideal/measured stands beside the bubble formula (P-1)/(M+P-1).
 //! Imbalance between the stages and the activation traffic add to the formula's share.
 //!
-//! `HEARTH_PIPE_BALANCE=time` splits by measured time (`hearth train --pipeline-balance time`)
-//! instead of parameters, in both parts.
+//! `HEARTH_PIPE_BALANCE=time|memory` splits by measured time or estimated memory (`hearth train
+//! --pipeline-balance time|memory`) instead of parameters, in both parts.
 //!
 //! Without `--bench` (`cargo test --benches`) it runs a tiny smoke configuration.
 
@@ -37,7 +37,7 @@ use hearth::dist::rendezvous::{RankInfo, RendezvousOptions, connect};
 use hearth::dist::tls::Membership;
 use hearth::dist::{Communicator, Transport};
 use hearth::models::{Architecture, ModelConfig};
-use hearth::pipeline::{StageModel, balance, measure_unit_times};
+use hearth::pipeline::{StageModel, balance, balance_by, measure_units, stage_memory};
 
 const SECRET: &str = "pipeline bench secret, long enough";
 
@@ -205,11 +205,11 @@ fn rank_main(out: &Path) -> anyhow::Result<()> {
         let mut pipe = Pipeline::new(transport.clone(), (0..run.stages).collect(), run.schedule)?
             .with_timeout(Duration::from_secs(600));
         let comm = Communicator::new(transport).with_timeout(Duration::from_secs(600));
-        if run.balance == "time" {
+        if run.balance != "params" {
             let probe = StageModel {
                 units: cfg.init_units(ranges[info.rank].clone(), &device)?,
             };
-            let times = measure_unit_times(
+            let costs = measure_units(
                 &probe,
                 ranges[info.rank].start,
                 cfg.units(),
@@ -219,11 +219,23 @@ fn rank_main(out: &Path) -> anyhow::Result<()> {
                 &device,
             )?;
             drop(probe);
-            let weights: Vec<usize> = times
-                .iter()
-                .map(|t| ((t * 1e6).round() as usize).max(1))
-                .collect();
-            ranges = balance(&weights, run.stages)?;
+            ranges = if run.balance == "memory" {
+                let params = cfg.unit_params(&device)?;
+                let in_flight = |s: usize| match run.schedule {
+                    Schedule::GPipe => run.micro,
+                    Schedule::OneFOneB => (run.stages - s).min(run.micro),
+                };
+                // SGD with momentum: weights, gradients, their accumulation, momentum.
+                balance_by(costs.len(), run.stages, |s, r| {
+                    stage_memory(&params, &costs, r, 16.0, in_flight(s))
+                })?
+            } else {
+                let weights: Vec<usize> = costs
+                    .iter()
+                    .map(|c| ((c.seconds * 1e6).round() as usize).max(1))
+                    .collect();
+                balance(&weights, run.stages)?
+            };
         }
         if info.rank == 0 {
             let split: Vec<String> = ranges

@@ -41,46 +41,75 @@ impl PipelineStage for StageModel {
     }
 }
 
-/// Times each unit of `units` on `x`: forward, then backward from the sum of its output (so
-/// the figure is one training pass of that unit), on `device` (an autodiff device), waiting
-/// for the device after each. Returns the seconds of each unit and the stage's output
-/// (detached), for the next stage.
-pub fn time_units(
+/// What one training pass of a unit costs on one micro-batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct UnitCost {
+    /// Forward and backward, seconds.
+    pub seconds: f64,
+    /// Memory the forward holds until the backward (the activations it keeps), bytes: the
+    /// growth of the process's resident memory across the forward (large tensors are mapped
+    /// and unmapped as they come and go). 0 where that cannot be read.
+    pub retained_bytes: f64,
+}
+
+/// Resident memory of this process in bytes (Linux `/proc/self/statm`), if readable.
+fn resident_bytes() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: f64 = text.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096.0)
+}
+
+/// Profiles each unit of `units` on `x`: forward (its resident-memory growth while the graph is
+/// held), then backward from the sum of its output, on `device` (an autodiff device), waiting
+/// for the device after each. Returns each unit's cost and the stage's output (detached), for
+/// the next stage.
+pub fn profile_units(
     units: &[Unit],
     x: Activation,
     device: &burn::prelude::Device,
-) -> burn_dist::Result<(Vec<f64>, Activation)> {
-    let fail = |e: String| burn_dist::DistError::Config(format!("timing a unit: {e}"));
+) -> burn_dist::Result<(Vec<UnitCost>, Activation)> {
+    let fail = |e: String| burn_dist::DistError::Config(format!("profiling a unit: {e}"));
+    let sync = || device.sync().map_err(|e| fail(format!("{e:?}")));
     let mut x = x.rank4("a model stage's input")?;
-    let mut times = Vec::with_capacity(units.len());
+    let mut costs = Vec::with_capacity(units.len());
     for (i, unit) in units.iter().enumerate() {
         let input = x.clone().detach().require_grad();
+        sync()?;
+        let before = resident_bytes();
         let started = std::time::Instant::now();
         let out = unit.forward(input);
+        sync()?;
+        let held = match (before, resident_bytes()) {
+            (Some(a), Some(b)) => (b - a).max(0.0),
+            _ => 0.0,
+        };
         let grads = match &out {
             UnitOutput::Features(f) => f.clone().sum().backward(),
             UnitOutput::Logits(l) => l.clone().sum().backward(),
         };
         drop(grads);
-        device.sync().map_err(|e| fail(format!("{e:?}")))?;
-        times.push(started.elapsed().as_secs_f64());
+        sync()?;
+        costs.push(UnitCost {
+            seconds: started.elapsed().as_secs_f64(),
+            retained_bytes: held,
+        });
         match out {
             UnitOutput::Features(f) => x = f.detach(),
             UnitOutput::Logits(l) if i + 1 == units.len() => {
-                return Ok((times, Activation::Rank2(l.detach())));
+                return Ok((costs, Activation::Rank2(l.detach())));
             }
             UnitOutput::Logits(_) => return Err(fail(format!("unit {i} ends the model early"))),
         }
     }
-    Ok((times, Activation::Rank4(x)))
+    Ok((costs, Activation::Rank4(x)))
 }
 
-/// Seconds of one training pass (forward and backward) of each of a model's `units` units, for
-/// a split balanced by time: every rank of the pipeline `pipe` times the units of its `stage`
-/// (which starts at unit `first`) on the activations of `input` (used by the first stage),
-/// over 3 passes after a warm-up pass; `comm` (the whole job) shares the figures, and the
-/// replicas of a stage are averaged. Every rank of the job must call it.
-pub fn measure_unit_times(
+/// The cost of one training pass of each of a model's `units` units, for a split balanced by
+/// time or memory: every rank of the pipeline `pipe` profiles the units of its `stage` (which
+/// starts at unit `first`) on the activations of `input` (used by the first stage), over 3
+/// passes after a warm-up pass (time averaged, memory the largest seen); `comm` (the whole job)
+/// shares the figures, replicas of a stage averaged. Every rank of the job must call it.
+pub fn measure_units(
     stage: &StageModel,
     first: usize,
     units: usize,
@@ -88,17 +117,20 @@ pub fn measure_unit_times(
     comm: &burn_dist::Communicator,
     input: Activation,
     device: &burn::prelude::Device,
-) -> Result<Vec<f64>> {
+) -> Result<Vec<UnitCost>> {
     const PASSES: usize = 3;
-    let mut totals = vec![0f32; units];
+    // [seconds of every unit..., bytes of every unit...]
+    let mut mine = vec![0f32; 2 * units];
     for pass in 0..=PASSES {
         pipe.forward_with(
             &mut |a, _| {
-                let (t, out) = time_units(&stage.units, a, device)?;
+                let (costs, out) = profile_units(&stage.units, a, device)?;
                 if pass > 0 {
-                    for (i, v) in t.into_iter().enumerate() {
-                        if let Some(total) = totals.get_mut(first + i) {
-                            *total += (v / PASSES as f64) as f32;
+                    for (i, c) in costs.into_iter().enumerate() {
+                        let u = first + i;
+                        if u < units {
+                            mine[u] += (c.seconds / PASSES as f64) as f32;
+                            mine[units + u] = mine[units + u].max(c.retained_bytes as f32);
                         }
                     }
                 }
@@ -110,15 +142,19 @@ pub fn measure_unit_times(
             device,
         )?;
     }
-    let all = comm.all_gather(&totals)?;
+    let all = comm.all_gather(&mine)?;
+    let column = |k: usize| -> f64 {
+        let seen: Vec<f64> = all
+            .chunks(2 * units)
+            .map(|r| f64::from(r[k]))
+            .filter(|&v| v > 0.0)
+            .collect();
+        seen.iter().sum::<f64>() / seen.len().max(1) as f64
+    };
     Ok((0..units)
-        .map(|u| {
-            let seen: Vec<f64> = all
-                .chunks(units)
-                .map(|r| f64::from(r[u]))
-                .filter(|&t| t > 0.0)
-                .collect();
-            seen.iter().sum::<f64>() / seen.len().max(1) as f64
+        .map(|u| UnitCost {
+            seconds: column(u),
+            retained_bytes: column(units + u),
         })
         .collect())
 }
@@ -126,33 +162,43 @@ pub fn measure_unit_times(
 /// Contiguous ranges of `weights` (e.g. each unit's parameter count) for `parts` stages, with
 /// the largest stage as small as possible. Every stage gets at least one unit.
 pub fn balance(weights: &[usize], parts: usize) -> Result<Vec<Range<usize>>> {
-    let n = weights.len();
+    let prefix: Vec<f64> = std::iter::once(0.0)
+        .chain(weights.iter().scan(0.0, |s, &w| {
+            *s += w as f64;
+            Some(*s)
+        }))
+        .collect();
+    balance_by(weights.len(), parts, |_, r| prefix[r.end] - prefix[r.start])
+}
+
+/// Contiguous ranges of `n` units for `parts` stages minimising the largest
+/// `cost(stage, units)`, a cost that may depend on the stage (a stage early in a 1F1B
+/// pipeline holds more micro-batches of activations than a late one). Every stage gets at
+/// least one unit.
+pub fn balance_by(
+    n: usize,
+    parts: usize,
+    cost: impl Fn(usize, Range<usize>) -> f64,
+) -> Result<Vec<Range<usize>>> {
     if parts == 0 || parts > n {
         return Err(HearthError::InvalidArgument(format!(
             "cannot split {n} units into {parts} stages"
         )));
     }
-    let prefix: Vec<usize> = std::iter::once(0)
-        .chain(weights.iter().scan(0usize, |s, w| {
-            *s += w;
-            Some(*s)
-        }))
-        .collect();
-    let sum = |a: usize, b: usize| prefix[b] - prefix[a];
     // best[k][i]: the smallest largest-stage cost of units 0..i in k stages; cut[k][i] where
     // the last of those stages starts.
-    let mut best = vec![vec![usize::MAX; n + 1]; parts + 1];
+    let mut best = vec![vec![f64::INFINITY; n + 1]; parts + 1];
     let mut cut = vec![vec![0usize; n + 1]; parts + 1];
-    best[0][0] = 0;
+    best[0][0] = 0.0;
     for k in 1..=parts {
         for i in k..=n {
             for j in (k - 1)..i {
-                if best[k - 1][j] == usize::MAX {
+                if best[k - 1][j].is_infinite() {
                     continue;
                 }
-                let cost = best[k - 1][j].max(sum(j, i));
-                if cost < best[k][i] {
-                    best[k][i] = cost;
+                let c = best[k - 1][j].max(cost(k - 1, j..i));
+                if c < best[k][i] {
+                    best[k][i] = c;
                     cut[k][i] = j;
                 }
             }
@@ -169,6 +215,21 @@ pub fn balance(weights: &[usize], parts: usize) -> Result<Vec<Range<usize>>> {
     Ok(ranges)
 }
 
+/// A stage's memory while training: each parameter's `state_bytes` (weights, gradients, their
+/// accumulation over micro-batches, optimizer state) plus the activations of the micro-batches
+/// it holds at once (`in_flight`).
+pub fn stage_memory(
+    params: &[usize],
+    costs: &[UnitCost],
+    units: Range<usize>,
+    state_bytes: f64,
+    in_flight: usize,
+) -> f64 {
+    let state: f64 = params[units.clone()].iter().map(|&p| p as f64).sum::<f64>() * state_bytes;
+    let acts: f64 = costs[units].iter().map(|c| c.retained_bytes).sum();
+    state + in_flight as f64 * acts
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,6 +244,13 @@ mod tests {
         );
         let r = balance(&[3, 3, 3], 3).unwrap();
         assert_eq!(r, vec![0..1, 1..2, 2..3]);
+        // A cost that grows for early stages (more micro-batches in flight) moves units later.
+        let w = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0];
+        let flat = balance_by(6, 2, |_, r| w[r].iter().sum()).unwrap();
+        assert_eq!(flat, vec![0..3, 3..6]);
+        let early_heavy =
+            balance_by(6, 2, |s, r| w[r].iter().sum::<f64>() * (2 - s) as f64).unwrap();
+        assert_eq!(early_heavy, vec![0..2, 2..6]);
         assert!(balance(&[1, 2], 3).is_err());
         assert!(balance(&[1, 2], 0).is_err());
     }

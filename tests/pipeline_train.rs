@@ -306,7 +306,7 @@ fn a_stage_killed_mid_training_fails_the_other_naming_it_within_10_s() {
 }
 
 #[test]
-fn a_split_balanced_by_measured_time_is_printed_recorded_and_kept_on_resume() {
+fn splits_balanced_by_measured_time_or_memory_are_printed_recorded_and_kept_on_resume() {
     let dir = tempfile::tempdir().unwrap();
     let data = small_data(dir.path());
     let run = dir.path().join("run");
@@ -319,7 +319,12 @@ fn a_split_balanced_by_measured_time_is_printed_recorded_and_kept_on_resume() {
         "2",
     ];
     let mut first: Vec<&str> = common.to_vec();
-    first.extend(["--stop-after-epoch", "1", "--run-dir", run.to_str().unwrap()]);
+    first.extend([
+        "--stop-after-epoch",
+        "1",
+        "--run-dir",
+        run.to_str().unwrap(),
+    ]);
     let (ok, text) = hearth_train(&data, &first);
     assert!(ok, "{text}");
     assert!(text.contains("split (balanced by measured time)"), "{text}");
@@ -334,8 +339,30 @@ fn a_split_balanced_by_measured_time_is_printed_recorded_and_kept_on_resume() {
     let (ok, text) = hearth_train(&data, &second);
     assert!(ok, "{text}");
     assert!(
-        text.contains(&format!("split (as the run recorded it): {}", recorded.trim())),
+        text.contains(&format!(
+            "split (as the run recorded it): {}",
+            recorded.trim()
+        )),
         "{text}"
     );
     assert_eq!(metrics(&run).len(), 2);
+
+    // By memory: the same measurement, and each stage's estimate is printed.
+    let other = dir.path().join("memory");
+    let (ok, text) = hearth_train(
+        &data,
+        &[
+            "--pipeline-stages",
+            "2",
+            "--pipeline-balance",
+            "memory",
+            "--epochs",
+            "1",
+            "--run-dir",
+            other.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{text}");
+    assert!(text.contains("split (balanced by estimated memory)"), "{text}");
+    assert!(text.contains(" MB (ranks [1])"), "{text}");
 }

@@ -82,6 +82,10 @@ pub enum PipelineBalance {
     /// a few warm-up passes of the first batch, before training (the split is recorded in the
     /// run directory, so a resumed run keeps it).
     Time,
+    /// Equal memory per stage: parameter state (weights, gradients, their accumulation,
+    /// optimizer state) plus the activations each stage holds at once under the schedule,
+    /// measured per unit like `time`.
+    Memory,
 }
 
 /// Pipeline model parallelism (`--pipeline-stages`): the model's units split into `stages`

@@ -44,7 +44,7 @@ use super::config::{PipelineBalance, PipelineOptions};
 use super::logger::EpochTable;
 use super::model::{SEED_LOCK, epoch_seed, model_config, optimizer};
 use super::{EpochRows, TrainConfig, TrainReport, distributed, run_dir, sets};
-use crate::pipeline::{StageModel, balance};
+use crate::pipeline::{StageModel, UnitCost, balance, balance_by, stage_memory};
 use crate::schedule::Schedule as LrSchedule;
 use crate::{HearthError, Result};
 
@@ -291,7 +291,7 @@ impl PipelineRun<'_> {
     /// (`--pipeline-balance time`), else the one given; printed with each stage's parameters.
     fn settle_split(&mut self, pipe: &mut Pipeline, log: &mut dyn FnMut(&str)) -> Result<()> {
         let file = split_file(&self.cfg.run_dir);
-        let mut times: Option<Vec<f64>> = None;
+        let mut measured: Option<Vec<UnitCost>> = None;
         if self.cfg.resume && file.is_file() {
             let text = std::fs::read_to_string(&file).map_err(|source| HearthError::Read {
                 path: file.clone(),
@@ -310,14 +310,25 @@ impl PipelineRun<'_> {
                 )));
             }
             self.ranges = recorded;
-        } else if self.opts.balance == PipelineBalance::Time && self.opts.split.is_none() {
-            let measured = self.time_units(pipe)?;
-            let weights: Vec<usize> = measured
-                .iter()
-                .map(|t| ((t * 1e6).round() as usize).max(1))
-                .collect();
-            self.ranges = balance(&weights, self.grid.stages)?;
-            times = Some(measured);
+        } else if self.opts.balance != PipelineBalance::Params && self.opts.split.is_none() {
+            let costs = self.measure_units(pipe)?;
+            self.ranges = match self.opts.balance {
+                PipelineBalance::Memory => {
+                    let params = self.config.unit_params(&self.plain_device)?;
+                    let state = self.state_bytes_per_param();
+                    balance_by(costs.len(), self.grid.stages, |s, r| {
+                        stage_memory(&params, &costs, r, state, self.in_flight(s))
+                    })?
+                }
+                _ => {
+                    let weights: Vec<usize> = costs
+                        .iter()
+                        .map(|c| ((c.seconds * 1e6).round() as usize).max(1))
+                        .collect();
+                    balance(&weights, self.grid.stages)?
+                }
+            };
+            measured = Some(costs);
         }
         if self.comm.rank() == 0 {
             run_dir::write_atomic(&file, &format_split(&self.ranges))?;
@@ -325,7 +336,9 @@ impl PipelineRun<'_> {
         let weights = self.config.unit_params(&self.plain_device)?;
         log(&format!(
             "split ({}): {}",
-            if times.is_some() {
+            if measured.is_some() && self.opts.balance == PipelineBalance::Memory {
+                "balanced by estimated memory"
+            } else if measured.is_some() {
                 "balanced by measured time"
             } else if self.cfg.resume {
                 "as the run recorded it"
@@ -338,12 +351,21 @@ impl PipelineRun<'_> {
         ));
         for (s, r) in self.ranges.iter().enumerate() {
             let params: usize = weights[r.clone()].iter().sum();
-            let ms = times
+            let ms = measured
                 .as_ref()
-                .map(|t| {
+                .map(|c| {
+                    let seconds: f64 = c[r.clone()].iter().map(|u| u.seconds).sum();
+                    let memory = stage_memory(
+                        &weights,
+                        c,
+                        r.clone(),
+                        self.state_bytes_per_param(),
+                        self.in_flight(s),
+                    );
                     format!(
-                        ", {:.1} ms per micro-batch pass",
-                        1e3 * t[r.clone()].iter().sum::<f64>()
+                        ", {:.1} ms per micro-batch pass, ~{:.0} MB",
+                        1e3 * seconds,
+                        memory / 1e6
                     )
                 })
                 .unwrap_or_default();
@@ -358,9 +380,9 @@ impl PipelineRun<'_> {
         Ok(())
     }
 
-    /// Seconds of one training pass of every unit on a micro-batch of the first batch
-    /// ([`crate::pipeline::measure_unit_times`]), timed on each unit's rank.
-    fn time_units(&self, pipe: &mut Pipeline) -> Result<Vec<f64>> {
+    /// Time and held memory of one training pass of every unit on a micro-batch of the first
+    /// batch ([`crate::pipeline::measure_units`]), measured on each unit's rank.
+    fn measure_units(&self, pipe: &mut Pipeline) -> Result<Vec<UnitCost>> {
         let stage = self.init_stage()?;
         let batch = self
             .loaders
@@ -370,7 +392,7 @@ impl PipelineRun<'_> {
             .ok_or_else(|| HearthError::Training("the training set gave no batch".into()))??;
         let n = batch.images.dims()[0];
         let x = batch.images.narrow(0, 0, self.micro_sizes(n)[0]);
-        crate::pipeline::measure_unit_times(
+        crate::pipeline::measure_units(
             &stage,
             self.ranges[self.stage].start,
             self.config.units(),
@@ -379,6 +401,26 @@ impl PipelineRun<'_> {
             Activation::Rank4(x),
             &self.device,
         )
+    }
+
+    /// Bytes each parameter costs a stage: weights, gradients, their sum over micro-batches,
+    /// and the optimizer's state (momentum: 1 value; Adam, AdamW, LARS: up to 2).
+    fn state_bytes_per_param(&self) -> f64 {
+        let optimizer_values = match self.cfg.optimizer {
+            super::config::OptimizerKind::Sgd => 1.0,
+            _ => 2.0,
+        };
+        4.0 * (3.0 + optimizer_values)
+    }
+
+    /// Micro-batches whose activations stage `s` holds at once under the schedule.
+    fn in_flight(&self, s: usize) -> usize {
+        match self.opts.schedule {
+            burn_dist::pipeline::Schedule::GPipe => self.opts.micro_batches,
+            burn_dist::pipeline::Schedule::OneFOneB => {
+                (self.grid.stages - s).min(self.opts.micro_batches)
+            }
+        }
     }
 
     fn train(mut self, started: Instant, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
