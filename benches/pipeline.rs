@@ -41,6 +41,10 @@ use hearth::pipeline::{StageModel, balance, balance_by, measure_units, stage_mem
 
 const SECRET: &str = "pipeline bench secret, long enough";
 
+/// Counts live bytes for the memory-balanced split.
+#[global_allocator]
+static ALLOC: hearth::alloc::CountingAllocator = hearth::alloc::CountingAllocator;
+
 /// What one run measures.
 #[derive(Clone, Debug)]
 struct Run {

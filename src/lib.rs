@@ -34,6 +34,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod alloc;
 pub mod bench;
 pub mod device;
 pub mod dist_bench;

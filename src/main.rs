@@ -17,6 +17,10 @@ use cli::train::*;
 use hearth::device::DeviceChoice;
 use hearth::models::Architecture;
 
+/// Counts live bytes for `--pipeline-balance memory`.
+#[global_allocator]
+static ALLOC: hearth::alloc::CountingAllocator = hearth::alloc::CountingAllocator;
+
 #[derive(Parser)]
 #[command(
     name = "hearth",

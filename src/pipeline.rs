@@ -46,21 +46,25 @@ impl PipelineStage for StageModel {
 pub struct UnitCost {
     /// Forward and backward, seconds.
     pub seconds: f64,
-    /// Memory the forward holds until the backward (the activations it keeps), bytes: the
-    /// growth of the process's resident memory across the forward (large tensors are mapped
-    /// and unmapped as they come and go). 0 where that cannot be read.
+    /// Memory the forward holds until the backward (the activations it keeps and its output),
+    /// bytes: the growth of the live heap across the forward ([`crate::alloc`]), else of the
+    /// resident set (blurred by the allocator's reuse of freed memory); 0 where neither can be
+    /// read.
     pub retained_bytes: f64,
 }
 
-/// Resident memory of this process in bytes (Linux `/proc/self/statm`), if readable.
-fn resident_bytes() -> Option<f64> {
+/// Bytes in use by this process: live heap bytes when the program counts them, else the
+/// resident set (Linux `/proc/self/statm`), if readable.
+fn memory_in_use() -> Option<f64> {
+    if let Some(live) = crate::alloc::live_bytes() {
+        return Some(live as f64);
+    }
     let text = std::fs::read_to_string("/proc/self/statm").ok()?;
     let pages: f64 = text.split_whitespace().nth(1)?.parse().ok()?;
     Some(pages * 4096.0)
 }
 
-/// Profiles each unit of `units` on `x`: forward (its resident-memory growth while the graph is
-/// held), then backward from the sum of its output, on `device` (an autodiff device), waiting
+/// Profiles each unit of `units` on `x`: forward (the memory it holds while its graph lives), then backward from the sum of its output, on `device` (an autodiff device), waiting
 /// for the device after each. Returns each unit's cost and the stage's output (detached), for
 /// the next stage.
 pub fn profile_units(
@@ -75,11 +79,11 @@ pub fn profile_units(
     for (i, unit) in units.iter().enumerate() {
         let input = x.clone().detach().require_grad();
         sync()?;
-        let before = resident_bytes();
+        let before = memory_in_use();
         let started = std::time::Instant::now();
         let out = unit.forward(input);
         sync()?;
-        let held = match (before, resident_bytes()) {
+        let held = match (before, memory_in_use()) {
             (Some(a), Some(b)) => (b - a).max(0.0),
             _ => 0.0,
         };

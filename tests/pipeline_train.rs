@@ -363,6 +363,9 @@ fn splits_balanced_by_measured_time_or_memory_are_printed_recorded_and_kept_on_r
         ],
     );
     assert!(ok, "{text}");
-    assert!(text.contains("split (balanced by estimated memory)"), "{text}");
+    assert!(
+        text.contains("split (balanced by estimated memory)"),
+        "{text}"
+    );
     assert!(text.contains(" MB (ranks [1])"), "{text}");
 }

@@ -166,43 +166,50 @@ impl CsvMetricLogger {
 
     fn write_csv(&self) {
         let Ok(table) = self.table.lock() else { return };
-        let mut columns: Vec<String> = vec![];
-        for row in table.values() {
-            for k in row.keys() {
-                if !columns.contains(k) {
-                    columns.push(k.clone());
-                }
-            }
-        }
-        // Required columns first, in a fixed order.
-        let first = ["train_loss", "train_accuracy", "val_loss", "val_accuracy"];
-        columns.sort_by_key(|c| {
-            (
-                first.iter().position(|f| f == c).unwrap_or(first.len()),
-                c.clone(),
-            )
-        });
-        let mut out = String::from("epoch");
-        for c in &columns {
-            out.push(',');
-            out.push_str(c);
-        }
-        out.push('\n');
-        for (epoch, row) in table.iter() {
-            out.push_str(&epoch.to_string());
-            for c in &columns {
-                out.push(',');
-                if let Some(v) = row.get(c) {
-                    out.push_str(&format!("{v:.6}"));
-                }
-            }
-            out.push('\n');
-        }
+        let out = metrics_csv(&table);
         let tmp = self.csv.with_extension("csv.tmp");
         if std::fs::write(&tmp, out).is_ok() {
             let _ = std::fs::rename(&tmp, &self.csv);
         }
     }
+}
+
+/// `metrics.csv` of `table`: `epoch`, then the required columns (`train_loss`,
+/// `train_accuracy`, `val_loss`, `val_accuracy`) and every other column in name order; an
+/// empty cell where an epoch lacks a value.
+pub fn metrics_csv(table: &BTreeMap<usize, BTreeMap<String, f64>>) -> String {
+    let mut columns: Vec<String> = vec![];
+    for row in table.values() {
+        for k in row.keys() {
+            if !columns.contains(k) {
+                columns.push(k.clone());
+            }
+        }
+    }
+    let first = ["train_loss", "train_accuracy", "val_loss", "val_accuracy"];
+    columns.sort_by_key(|c| {
+        (
+            first.iter().position(|f| f == c).unwrap_or(first.len()),
+            c.clone(),
+        )
+    });
+    let mut out = String::from("epoch");
+    for c in &columns {
+        out.push(',');
+        out.push_str(c);
+    }
+    out.push('\n');
+    for (epoch, row) in table.iter() {
+        out.push_str(&epoch.to_string());
+        for c in &columns {
+            out.push(',');
+            if let Some(v) = row.get(c) {
+                out.push_str(&format!("{v:.6}"));
+            }
+        }
+        out.push('\n');
+    }
+    out
 }
 
 impl MetricLogger for CsvMetricLogger {

@@ -41,7 +41,7 @@ use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
 
 use super::best::{BestRule, Patience, best_epoch};
 use super::config::{PipelineBalance, PipelineOptions};
-use super::logger::EpochTable;
+use super::logger::{EpochTable, metrics_csv};
 use super::model::{SEED_LOCK, epoch_seed, model_config, optimizer};
 use super::{EpochRows, TrainConfig, TrainReport, distributed, run_dir, sets};
 use crate::pipeline::{StageModel, UnitCost, balance, balance_by, stage_memory};
@@ -287,6 +287,18 @@ impl PipelineRun<'_> {
         (0..m).map(|i| n / m + usize::from(i < n % m)).collect()
     }
 
+    /// (first sample, size) of each micro-batch of a batch of `n`.
+    fn micro_split(&self, n: usize) -> Vec<(usize, usize)> {
+        let mut start = 0;
+        self.micro_sizes(n)
+            .into_iter()
+            .map(|k| {
+                start += k;
+                (start - k, k)
+            })
+            .collect()
+    }
+
     /// The final split: the one a resumed run recorded, else measured by time
     /// (`--pipeline-balance time`), else the one given; printed with each stage's parameters.
     fn settle_split(&mut self, pipe: &mut Pipeline, log: &mut dyn FnMut(&str)) -> Result<()> {
@@ -391,7 +403,7 @@ impl PipelineRun<'_> {
             .next()
             .ok_or_else(|| HearthError::Training("the training set gave no batch".into()))??;
         let n = batch.images.dims()[0];
-        let x = batch.images.narrow(0, 0, self.micro_sizes(n)[0]);
+        let x = batch.images.narrow(0, 0, self.micro_split(n)[0].1);
         crate::pipeline::measure_units(
             &stage,
             self.ranges[self.stage].start,
@@ -590,37 +602,21 @@ impl PipelineRun<'_> {
             let targets = batch
                 .classes
                 .ok_or_else(|| HearthError::Training("the loader gave no class indices".into()))?;
-            let sizes = self.micro_sizes(n);
-            let starts: Vec<usize> = sizes
-                .iter()
-                .scan(0, |s, &k| {
-                    let a = *s;
-                    *s += k;
-                    Some(a)
-                })
-                .collect();
+            let parts = self.micro_split(n);
             let mut correct = 0.0f64;
             let mut out = pipe.step(
                 &model,
-                &mut |m| Activation::Rank4(images.clone().narrow(0, starts[m], sizes[m])),
+                &mut |m| Activation::Rank4(images.clone().narrow(0, parts[m].0, parts[m].1)),
                 &mut |logits, m| {
                     let logits = logits.rank2("the last stage's output")?;
-                    let y = targets.clone().narrow(0, starts[m], sizes[m]);
-                    let hits = logits
-                        .clone()
-                        .argmax(1)
-                        .flatten::<1>(0, 1)
-                        .equal(y.clone())
-                        .int()
-                        .sum()
-                        .into_scalar::<i64>();
-                    correct += hits as f64;
+                    let y = targets.clone().narrow(0, parts[m].0, parts[m].1);
+                    correct += hits(&logits, &y);
                     // The batch mean: each micro-batch's mean weighted by its share.
                     Ok(loss_fn
                         .forward(logits, y)
-                        .mul_scalar(sizes[m] as f32 / n as f32))
+                        .mul_scalar(parts[m].1 as f32 / n as f32))
                 },
-                sizes.len(),
+                parts.len(),
                 &self.device,
             )?;
             if self.is_last() {
@@ -655,37 +651,20 @@ impl PipelineRun<'_> {
             let targets = batch
                 .classes
                 .ok_or_else(|| HearthError::Training("the loader gave no class indices".into()))?;
-            let sizes = self.micro_sizes(n);
-            let mut start = 0;
-            let starts: Vec<usize> = sizes
-                .iter()
-                .map(|&k| {
-                    let a = start;
-                    start += k;
-                    a
-                })
-                .collect();
+            let parts = self.micro_split(n);
             pipe.forward(
                 &model,
-                &mut |m| Activation::Rank4(images.clone().narrow(0, starts[m], sizes[m])),
+                &mut |m| Activation::Rank4(images.clone().narrow(0, parts[m].0, parts[m].1)),
                 &mut |logits, m| {
                     let logits = logits.rank2("the last stage's output")?;
-                    let y = targets.clone().narrow(0, starts[m], sizes[m]);
-                    let hits = logits
-                        .clone()
-                        .argmax(1)
-                        .flatten::<1>(0, 1)
-                        .equal(y.clone())
-                        .int()
-                        .sum()
-                        .into_scalar::<i64>();
+                    let y = targets.clone().narrow(0, parts[m].0, parts[m].1);
+                    sums.correct += hits(&logits, &y);
                     let loss = loss_fn.forward(logits, y).into_scalar::<f32>();
-                    sums.loss += f64::from(loss) * sizes[m] as f64;
-                    sums.correct += hits as f64;
-                    sums.count += sizes[m] as f64;
+                    sums.loss += f64::from(loss) * parts[m].1 as f64;
+                    sums.count += parts[m].1 as f64;
                     Ok(())
                 },
-                sizes.len(),
+                parts.len(),
                 &self.plain_device,
             )?;
         }
@@ -730,38 +709,7 @@ impl PipelineRun<'_> {
 
     fn write_csv(&self) -> Result<()> {
         let table = self.table.lock().map(|t| t.clone()).unwrap_or_default();
-        let mut columns: Vec<String> = Vec::new();
-        for row in table.values() {
-            for k in row.keys() {
-                if !columns.contains(k) {
-                    columns.push(k.clone());
-                }
-            }
-        }
-        let first = ["train_loss", "train_accuracy", "val_loss", "val_accuracy"];
-        columns.sort_by_key(|c| {
-            (
-                first.iter().position(|f| f == c).unwrap_or(first.len()),
-                c.clone(),
-            )
-        });
-        let mut out = String::from("epoch");
-        for c in &columns {
-            out.push(',');
-            out.push_str(c);
-        }
-        out.push('\n');
-        for (epoch, row) in &table {
-            out.push_str(&epoch.to_string());
-            for c in &columns {
-                out.push(',');
-                if let Some(v) = row.get(c) {
-                    out.push_str(&format!("{v:.6}"));
-                }
-            }
-            out.push('\n');
-        }
-        run_dir::write_atomic(&self.cfg.run_dir.join("metrics.csv"), &out)
+        run_dir::write_atomic(&self.cfg.run_dir.join("metrics.csv"), &metrics_csv(&table))
     }
 
     /// Replica 0 of each stage writes its part of `epoch` and keeps only the best and the last
@@ -893,6 +841,18 @@ impl PipelineRun<'_> {
         }
         Ok(())
     }
+}
+
+/// Samples of `logits` whose highest score is the class in `targets`.
+fn hits(logits: &Tensor<2>, targets: &Tensor<1, Int>) -> f64 {
+    logits
+        .clone()
+        .argmax(1)
+        .flatten::<1>(0, 1)
+        .equal(targets.clone())
+        .int()
+        .sum()
+        .into_scalar::<i64>() as f64
 }
 
 /// How long a stage waits for a neighbour (`HEARTH_COLLECTIVE_TIMEOUT`, default 120 s); a
