@@ -250,15 +250,7 @@ fn child() {
                 .with_timeout(Duration::from_secs(30))
                 .barrier()
                 .expect("final barrier");
-            let bits: Vec<String> = values
-                .iter()
-                .flatten()
-                .map(|v| format!("{:08x}", v.to_bits()))
-                .collect();
-            // To a file: a long line on stdout would fill the pipe the parent reads at the end.
-            let out = std::path::PathBuf::from(std::env::var("HEARTH_TEST_OUT").expect("out dir"))
-                .join(format!("rank{}.txt", info.rank));
-            std::fs::write(&out, bits.join(" ")).expect("writing values");
+            write_values(info.rank, &values);
             println!("values written");
         }
         Err(e) => {
@@ -269,6 +261,19 @@ fn child() {
             std::process::exit(3);
         }
     }
+}
+
+/// A child rank's values (bit patterns) into `$HEARTH_TEST_OUT/rank<r>.txt`: to a file, since a
+/// long line on stdout would fill the pipe the parent reads at the end.
+fn write_values(rank: usize, values: &[Vec<f32>]) {
+    let bits: Vec<String> = values
+        .iter()
+        .flatten()
+        .map(|v| format!("{:08x}", v.to_bits()))
+        .collect();
+    let out = std::path::PathBuf::from(std::env::var("HEARTH_TEST_OUT").expect("out dir"))
+        .join(format!("rank{rank}.txt"));
+    std::fs::write(&out, bits.join(" ")).expect("writing values");
 }
 
 /// Runs both ranks as processes (writing into `out`); their exit status and output.
@@ -468,14 +473,7 @@ fn child_2d() {
         .with_timeout(Duration::from_secs(30))
         .barrier()
         .expect("final barrier");
-    let bits: Vec<String> = module_values(&stage)
-        .iter()
-        .flatten()
-        .map(|v| format!("{:08x}", v.to_bits()))
-        .collect();
-    let out = std::path::PathBuf::from(std::env::var("HEARTH_TEST_OUT").expect("out dir"))
-        .join(format!("rank{}.txt", info.rank));
-    std::fs::write(&out, bits.join(" ")).expect("writing values");
+    write_values(info.rank, &module_values(&stage));
 }
 
 #[test]

@@ -88,6 +88,41 @@ pub struct TrainReport {
     pub world: usize,
 }
 
+impl TrainReport {
+    /// The report of a run that trained `images` images in all since `started`, whose best
+    /// epoch is `best` (rank 0 of 1, no per-class AUROC: the caller fills those in).
+    fn summarise(
+        cfg: &TrainConfig,
+        rows: &EpochRows,
+        best: usize,
+        started: Instant,
+        images: usize,
+        class_names: Vec<String>,
+    ) -> Self {
+        let wall = started.elapsed().as_secs_f64();
+        let node_hours = wall / 3600.0;
+        let row = rows.get(&best);
+        let value = |column: &str| row.and_then(|r| r.get(column)).copied();
+        Self {
+            run_dir: cfg.run_dir.clone(),
+            model_path: cfg.run_dir.join("model.bpk"),
+            best_epoch: best,
+            best_val_accuracy: value("val_accuracy"),
+            best_val_loss: value("val_loss"),
+            epochs_run: rows.keys().copied().max().unwrap_or(0),
+            wall_seconds: wall,
+            images_per_sec: images as f64 / wall.max(1e-9),
+            node_hours,
+            cost: cfg.price_per_hour.map(|p| p * node_hours),
+            class_names,
+            best_val_auroc: value("val_auroc"),
+            per_class_auroc: None,
+            rank: 0,
+            world: 1,
+        }
+    }
+}
+
 /// Trains, validates every epoch, and exports the best epoch's weights to `run_dir/model.bpk`.
 ///
 /// A multi-label set (`labels` CSV) trains [`MultiLabel`] (sigmoid head with biases at one,
@@ -330,27 +365,13 @@ impl<'a> Run<'a> {
             &self.plain_device,
             log,
         )?;
-        let wall = self.started.elapsed().as_secs_f64();
-        let run_epochs = epochs_run.saturating_sub(self.resume_epoch).max(1);
-        let node_hours = wall / 3600.0;
-        let row = rows.get(&best);
-        let images_per_epoch = self.loaders.train.set().len();
-        Ok(TrainReport {
-            run_dir: cfg.run_dir.clone(),
-            model_path: cfg.run_dir.join("model.bpk"),
-            best_epoch: best,
-            best_val_accuracy: row.and_then(|r| r.get("val_accuracy")).copied(),
-            best_val_loss: row.and_then(|r| r.get("val_loss")).copied(),
-            epochs_run,
-            wall_seconds: wall,
-            images_per_sec: (run_epochs * images_per_epoch) as f64 / wall.max(1e-9),
-            node_hours,
-            cost: cfg.price_per_hour.map(|p| p * node_hours),
-            class_names: self.classes,
-            best_val_auroc: row.and_then(|r| r.get("val_auroc")).copied(),
-            per_class_auroc: exported.per_class_auroc,
-            rank: self.rank,
-            world: self.world,
-        })
+        let images =
+            epochs_run.saturating_sub(self.resume_epoch).max(1) * self.loaders.train.set().len();
+        let mut report =
+            TrainReport::summarise(cfg, &rows, best, self.started, images, self.classes);
+        report.per_class_auroc = exported.per_class_auroc;
+        report.rank = self.rank;
+        report.world = self.world;
+        Ok(report)
     }
 }

@@ -526,28 +526,17 @@ impl PipelineRun<'_> {
         self.export(best, &rows, log)?;
         self.comm.barrier()?;
         let epochs_run = rows.keys().copied().max().unwrap_or(0);
-        let wall = started.elapsed().as_secs_f64();
-        let row = rows.get(&best);
-        let node_hours = wall / 3600.0;
-        Ok(TrainReport {
-            run_dir: cfg.run_dir.clone(),
-            model_path: cfg.run_dir.join("model.bpk"),
-            best_epoch: best,
-            best_val_accuracy: row.and_then(|r| r.get("val_accuracy")).copied(),
-            best_val_loss: row.and_then(|r| r.get("val_loss")).copied(),
-            epochs_run,
-            wall_seconds: wall,
-            images_per_sec: (epochs_run.saturating_sub(resume_epoch).max(1)
-                * self.loaders.train.set().len()) as f64
-                / wall.max(1e-9),
-            node_hours,
-            cost: cfg.price_per_hour.map(|p| p * node_hours),
-            class_names: self.classes.clone(),
-            best_val_auroc: None,
-            per_class_auroc: None,
-            rank,
-            world: self.comm.world(),
-        })
+        let mut report = TrainReport::summarise(
+            cfg,
+            &rows,
+            best,
+            started,
+            epochs_run.saturating_sub(resume_epoch).max(1) * self.loaders.train.set().len(),
+            self.classes.clone(),
+        );
+        report.rank = rank;
+        report.world = self.comm.world();
+        Ok(report)
     }
 
     /// The last epoch every stage has a complete checkpoint of, agreed by all ranks (each sees
@@ -596,12 +585,8 @@ impl PipelineRun<'_> {
             .epoch(epoch as u64 - 1, &self.device)
             .enumerate()
         {
-            let batch = batch?;
-            let images = batch.images;
+            let (images, targets) = images_and_classes(batch?)?;
             let n = images.dims()[0];
-            let targets = batch
-                .classes
-                .ok_or_else(|| HearthError::Training("the loader gave no class indices".into()))?;
             let parts = self.micro_split(n);
             let mut correct = 0.0f64;
             let mut out = pipe.step(
@@ -645,12 +630,8 @@ impl PipelineRun<'_> {
         let mut sums = Sums::default();
         // Every rank of a pipeline streams the same shard, so they agree on the batches.
         for batch in self.loaders.val.epoch(0, &self.plain_device) {
-            let batch = batch?;
-            let images = batch.images;
+            let (images, targets) = images_and_classes(batch?)?;
             let n = images.dims()[0];
-            let targets = batch
-                .classes
-                .ok_or_else(|| HearthError::Training("the loader gave no class indices".into()))?;
             let parts = self.micro_split(n);
             pipe.forward(
                 &model,
@@ -841,6 +822,14 @@ impl PipelineRun<'_> {
         }
         Ok(())
     }
+}
+
+/// A batch's images and class indices.
+fn images_and_classes(batch: hearth_datasets::Batch) -> Result<(Tensor<4>, Tensor<1, Int>)> {
+    let classes = batch
+        .classes
+        .ok_or_else(|| HearthError::Training("the loader gave no class indices".into()))?;
+    Ok((batch.images, classes))
 }
 
 /// Samples of `logits` whose highest score is the class in `targets`.
