@@ -178,6 +178,52 @@ pub fn allreduce_grads<M: Module>(
     comm: &Communicator,
     bucket_bytes: usize,
 ) -> Result<()> {
+    reduce_grads(module, grads, comm, bucket_bytes, None, ReduceOp::Mean)
+}
+
+/// Averages `grads` across ranks weighted by each rank's sample count: every rank's `grads` is
+/// the mean over its own `samples`, and the result is the mean over all the ranks' samples, as
+/// one process on the whole global batch would compute it (ranks with uneven shares of the
+/// batch: elastic training, slow and fast workers). A rank with no samples contributes nothing.
+pub fn allreduce_grads_weighted<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    comm: &Communicator,
+    bucket_bytes: usize,
+    samples: usize,
+) -> Result<()> {
+    if comm.world() == 1 {
+        return Ok(());
+    }
+    let mut total = [samples as f32];
+    comm.allreduce(&mut total, ReduceOp::Sum)?;
+    if total[0] <= 0.0 {
+        return Err(DistError::Mismatch {
+            op: "weighted gradient average".into(),
+            reason: "no rank has a sample".into(),
+        });
+    }
+    let weight = samples as f32 / total[0];
+    reduce_grads(
+        module,
+        grads,
+        comm,
+        bucket_bytes,
+        Some(weight),
+        ReduceOp::Sum,
+    )
+}
+
+/// `grads` flattened in module order, each value scaled by `scale` if given, reduced with `op`
+/// bucket by bucket, and put back.
+fn reduce_grads<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    comm: &Communicator,
+    bucket_bytes: usize,
+    scale: Option<f32>,
+    op: ReduceOp,
+) -> Result<()> {
     if comm.world() == 1 {
         return Ok(());
     }
@@ -190,7 +236,10 @@ pub fn allreduce_grads<M: Module>(
     let sizes: Vec<usize> = taken.iter().map(|t| t.3.len()).collect();
     let plan = BucketPlan::new(&sizes, bucket_bytes);
     let mut values: Vec<Vec<f32>> = taken.iter_mut().map(|t| std::mem::take(&mut t.3)).collect();
-    allreduce_tensors(comm, &plan, &mut values, ReduceOp::Mean)?;
+    if let Some(w) = scale {
+        values.iter_mut().flatten().for_each(|v| *v *= w);
+    }
+    allreduce_tensors(comm, &plan, &mut values, op)?;
     for (t, v) in taken.iter_mut().zip(values) {
         t.3 = v;
     }

@@ -40,6 +40,7 @@
 pub mod bucket;
 pub mod collective;
 pub mod ddp;
+pub mod elastic;
 mod error;
 pub mod pipeline;
 pub mod rendezvous;

@@ -229,6 +229,60 @@ impl Loader {
         rest.into_iter().skip(rank).step_by(world).collect()
     }
 
+    /// Elastic training's view of an epoch: every step consumes the next `global` samples of
+    /// [`Loader::epoch_order`], and a worker takes `share` of them starting at `offset` within
+    /// each step's slice. Returns this worker's sample indices of each step from global
+    /// position `start` to the end of the epoch. The last, partial step of `r < global` samples
+    /// is divided in the same proportions (the worker takes positions `offset*r/global ..
+    /// (offset+share)*r/global` of it, rounded down, possibly none). Hence, when the workers'
+    /// shares tile `0..global` and change only between steps (recomputed from the position
+    /// reached), every sample of the epoch is seen exactly once: none skipped, none twice, and
+    /// no padding.
+    pub fn step_slices(
+        &self,
+        epoch: u64,
+        start: usize,
+        global: usize,
+        offset: usize,
+        share: usize,
+    ) -> Vec<Vec<usize>> {
+        let order = self.epoch_order(epoch);
+        let global = global.max(1);
+        let mut out = Vec::new();
+        let mut at = start.min(order.len());
+        while at < order.len() {
+            let r = (order.len() - at).min(global);
+            let (a, b) = if r == global {
+                (offset.min(global), (offset + share).min(global))
+            } else {
+                (offset * r / global, ((offset + share) * r / global).min(r))
+            };
+            out.push(order[at + a..at + b.max(a)].to_vec());
+            at += r;
+        }
+        out
+    }
+
+    /// Streams this worker's batches of `epoch` per [`Loader::step_slices`] (one batch per
+    /// step; a step where this worker has no sample is skipped, so the caller counts steps by
+    /// [`Loader::step_slices`]'s length when it must stay in step with the others).
+    pub fn epoch_steps(
+        &self,
+        epoch: u64,
+        start: usize,
+        global: usize,
+        offset: usize,
+        share: usize,
+        device: &Device,
+    ) -> BatchStream {
+        let batches: Vec<Vec<usize>> = self
+            .step_slices(epoch, start, global, offset, share)
+            .into_iter()
+            .filter(|b| !b.is_empty())
+            .collect();
+        BatchStream::start(self.clone(), epoch, batches, device.clone())
+    }
+
     /// Batches per rank in an epoch (the same on every rank unless padding is off).
     pub fn batches_per_epoch(&self) -> usize {
         let n = self

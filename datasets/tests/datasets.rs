@@ -317,6 +317,59 @@ fn resharding_mid_epoch_neither_repeats_nor_skips() {
 }
 
 #[test]
+fn elastic_steps_see_every_sample_once_across_membership_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), 2, 25, 16); // 50 samples
+    let set = ImageSet::from_folder(dir.path()).unwrap();
+    let l = loader(set, 4, |c| c);
+    let global = 8;
+    // Membership per stretch of steps: (steps, shares). Shares tile the global batch: even,
+    // uneven (throughput balanced), a worker leaving, two joining.
+    let plan: [(usize, &[usize]); 4] =
+        [(2, &[4, 4]), (1, &[5, 2, 1]), (1, &[8]), (9, &[2, 2, 2, 2])];
+    let mut seen: Vec<usize> = Vec::new();
+    let mut position = 0;
+    for (steps, shares) in plan {
+        let mut offset = 0;
+        let mut taken = 0;
+        for &share in shares {
+            let slices = l.step_slices(0, position, global, offset, share);
+            for step in slices.iter().take(steps) {
+                seen.extend(step);
+            }
+            taken = taken.max(slices.len().min(steps));
+            offset += share;
+        }
+        // Every worker stepped the same number of times; the position moves by whole steps.
+        position = (position + taken * global).min(50);
+    }
+    assert_eq!(position, 50, "the plan runs to the end of the epoch");
+    seen.sort();
+    assert_eq!(
+        seen,
+        (0..50).collect::<Vec<_>>(),
+        "each sample exactly once"
+    );
+
+    // The last, partial step (2 samples left of 8) is divided in proportion: 1 and 1.
+    let last: Vec<usize> = (0..2)
+        .map(|w| l.step_slices(0, 48, global, 4 * w, 4)[0].len())
+        .collect();
+    assert_eq!(last, vec![1, 1]);
+    // And a stream yields the same batches as the slices, for any worker.
+    let stream: Vec<Vec<usize>> = l
+        .epoch_steps(0, 8, global, 5, 3, &Device::flex())
+        .map(|b| b.unwrap().indices)
+        .collect();
+    let slices: Vec<Vec<usize>> = l
+        .step_slices(0, 8, global, 5, 3)
+        .into_iter()
+        .filter(|b| !b.is_empty())
+        .collect();
+    assert_eq!(stream, slices);
+}
+
+#[test]
 fn streaming_decodes_only_what_is_in_flight() {
     let dir = tempfile::tempdir().unwrap();
     synth(dir.path(), 2, 20, 16); // 40 samples, 20 batches of 2

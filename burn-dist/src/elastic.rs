@@ -1,0 +1,119 @@
+//! Elastic data parallelism (issue 12, started): the global batch stays fixed while the workers
+//! change, so each worker's share of it follows the membership.
+//!
+//! Built so far: the shares themselves ([`shares`]: even with the remainder spread, or
+//! proportional to each worker's measured throughput so that a slow CPU worker and a fast GPU
+//! worker finish their steps together), the gradient average weighted by each worker's sample
+//! count ([`crate::ddp::allreduce_grads_weighted`]), and, in hearth-datasets, the per-step
+//! slicing of an epoch's order that keeps "no sample skipped, none seen twice" across changes
+//! (`Loader::step_slices`). Not built yet: the membership protocol (joins, leaves, failure
+//! detection, step rollback, coordinator fail-over), `hearth launch --elastic`, churn, and the
+//! benchmark.
+
+use crate::{DistError, Result};
+
+/// How a global batch of `global` samples is divided between workers of the given `weights`
+/// (1.0 each for an even split, or samples per second measured on each): the largest-remainder
+/// apportionment of `global` in proportion to the weights: the shares add up to `global`
+/// exactly and differ from the exact proportion by less than one sample, except that every
+/// worker gets at least one (a worker with nothing to do would still hold up the step).
+pub fn shares(global: usize, weights: &[f64]) -> Result<Vec<usize>> {
+    let n = weights.len();
+    if n == 0 {
+        return Err(DistError::Config(
+            "no worker to share the batch with".into(),
+        ));
+    }
+    if global < n {
+        return Err(DistError::Config(format!(
+            "a global batch of {global} cannot give each of {n} workers a sample"
+        )));
+    }
+    if let Some(w) = weights.iter().find(|w| !(w.is_finite() && **w > 0.0)) {
+        return Err(DistError::Config(format!(
+            "worker weight {w} must be positive and finite"
+        )));
+    }
+    let total: f64 = weights.iter().sum();
+    let exact: Vec<f64> = weights.iter().map(|w| global as f64 * w / total).collect();
+    let mut out: Vec<usize> = exact.iter().map(|e| (e.floor() as usize).max(1)).collect();
+    // Too many (a slow worker lifted to one sample): take from the largest shares.
+    while out.iter().sum::<usize>() > global {
+        let i = (0..n)
+            .max_by_key(|&i| (out[i], usize::MAX - i))
+            .unwrap_or(0);
+        out[i] -= 1;
+    }
+    // Too few: the remainder to the largest fractional parts (ties: the lower rank).
+    let mut left = global - out.iter().sum::<usize>();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| {
+        let fa = exact[a] - exact[a].floor();
+        let fb = exact[b] - exact[b].floor();
+        fb.partial_cmp(&fa)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(&b))
+    });
+    for &i in order.iter().cycle() {
+        if left == 0 {
+            break;
+        }
+        out[i] += 1;
+        left -= 1;
+    }
+    Ok(out)
+}
+
+/// Where each worker's share starts within a step's slice of the epoch order.
+pub fn offsets(shares: &[usize]) -> Vec<usize> {
+    shares
+        .iter()
+        .scan(0, |at, &s| {
+            let start = *at;
+            *at += s;
+            Some(start)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn even_shares_spread_the_remainder_over_the_first_workers() {
+        assert_eq!(shares(32, &[1.0; 4]).unwrap(), vec![8, 8, 8, 8]);
+        assert_eq!(shares(10, &[1.0; 4]).unwrap(), vec![3, 3, 2, 2]);
+        assert_eq!(shares(3, &[1.0; 3]).unwrap(), vec![1, 1, 1]);
+        assert_eq!(offsets(&[3, 3, 2, 2]), vec![0, 3, 6, 8]);
+    }
+
+    #[test]
+    fn throughput_shares_follow_the_measured_speeds_and_add_up() {
+        // A GPU worker 7 times as fast as a CPU worker.
+        let s = shares(64, &[700.0, 100.0]).unwrap();
+        assert_eq!(s.iter().sum::<usize>(), 64);
+        assert_eq!(s, vec![56, 8]);
+        // Every worker keeps one sample, however slow.
+        let s = shares(16, &[1000.0, 1.0, 1.0]).unwrap();
+        assert_eq!(s.iter().sum::<usize>(), 16);
+        assert!(s[1] >= 1 && s[2] >= 1, "{s:?}");
+        for global in 14..60 {
+            let w = [3.0, 1.0, 2.5, 0.5];
+            let s = shares(global, &w).unwrap();
+            assert_eq!(s.iter().sum::<usize>(), global);
+            for (i, &x) in s.iter().enumerate() {
+                let exact = global as f64 * w[i] / 7.0;
+                assert!((x as f64 - exact).abs() < 1.0, "{global}: {s:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn impossible_shares_are_errors() {
+        assert!(shares(2, &[1.0; 3]).is_err());
+        assert!(shares(8, &[]).is_err());
+        assert!(shares(8, &[1.0, 0.0]).is_err());
+        assert!(shares(8, &[1.0, f64::NAN]).is_err());
+    }
+}
