@@ -6,9 +6,13 @@
 //! worker finish their steps together), the gradient average weighted by each worker's sample
 //! count ([`crate::ddp::allreduce_grads_weighted`]), and, in hearth-datasets, the per-step
 //! slicing of an epoch's order that keeps "no sample skipped, none seen twice" across changes
-//! (`Loader::step_slices`). Not built yet: the membership protocol (joins, leaves, failure
-//! detection, step rollback, coordinator fail-over), `hearth launch --elastic`, churn, and the
-//! benchmark.
+//! (`Loader::step_slices`), and the membership protocol's core without its I/O
+//! ([`membership`]: epochs, joins at step boundaries, the lowest survivor as the next rank 0,
+//! minimum/maximum workers with a rejoin timeout, a blacklist for failing hosts). Not built
+//! yet: the protocol's I/O (re-forming the world over QUIC after a change, state transfer to
+//! joiners, step rollback), `hearth launch --elastic`, churn, and the benchmark.
+
+pub mod membership;
 
 use crate::{DistError, Result};
 

@@ -1,0 +1,399 @@
+//! The membership protocol's core, apart from its I/O (as quinn keeps its protocol apart from
+//! its sockets): what the coordinator decides from the events it sees, tested with simulated
+//! event sequences. The I/O side (not built yet) feeds it hellos, losses and leaves from the
+//! transport and carries its decisions out: a new world formed by rendezvous among the
+//! members, the committed state sent to joiners, training resumed at the next step.
+//!
+//! Rules:
+//! - Membership moves in numbered epochs; a change is applied at a step boundary only (the
+//!   caller asks [`Membership::decide`] between steps).
+//! - Members keep their order from one epoch to the next (survivors first, in their old order,
+//!   then joiners in arrival order), so rank 0 of the new epoch is the lowest surviving rank:
+//!   it runs the rendezvous and writes checkpoints.
+//! - A lost member is gone at the next decision; a member that left gracefully too. Joiners
+//!   wait for the next decision; at most `max` members are admitted (the earliest first).
+//! - Below `min` members the coordinator waits up to `rejoin_timeout` for joiners, then gives
+//!   up: [`Decision::GiveUp`] (the caller writes a checkpoint and exits with an error).
+//! - A host lost `blacklist_after` times within `blacklist_window` is refused for `cooldown`.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// A worker: a name unique in the job (e.g. `host:pid`) and the host it runs on.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Worker {
+    pub id: String,
+    pub host: String,
+}
+
+/// One epoch of membership: its number and its members in rank order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Epoch {
+    pub number: u64,
+    pub members: Vec<Worker>,
+}
+
+/// What the coordinator does at a step boundary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Nothing changed: the next step runs in the current epoch.
+    Continue,
+    /// A new epoch: form it (rendezvous among its members), send the committed state to the
+    /// `joined`, and go on from the last committed step.
+    Change {
+        epoch: Epoch,
+        joined: Vec<Worker>,
+        lost: Vec<Worker>,
+    },
+    /// Too few members: wait for joiners until `until`, asking again.
+    Wait {
+        until: Instant,
+        have: usize,
+        need: usize,
+    },
+    /// Too few members for longer than the rejoin timeout.
+    GiveUp {
+        have: usize,
+        need: usize,
+        waited: Duration,
+    },
+}
+
+/// The coordinator's settings.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub min: usize,
+    pub max: usize,
+    pub rejoin_timeout: Duration,
+    pub blacklist_after: usize,
+    pub blacklist_window: Duration,
+    pub cooldown: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            min: 1,
+            max: usize::MAX,
+            rejoin_timeout: Duration::from_secs(300),
+            blacklist_after: 3,
+            blacklist_window: Duration::from_secs(600),
+            cooldown: Duration::from_secs(600),
+        }
+    }
+}
+
+/// Why a join was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// The host failed too often; it may try again after `until`.
+    Blacklisted { host: String, until: Instant },
+    /// A worker of that name is already a member or waiting.
+    Duplicate { id: String },
+}
+
+/// The coordinator's view of the job.
+#[derive(Debug)]
+pub struct Membership {
+    limits: Limits,
+    current: Epoch,
+    /// Members lost or left since the last decision.
+    gone: Vec<Worker>,
+    /// Workers waiting to join, in arrival order.
+    joining: VecDeque<Worker>,
+    /// When the membership fell below `min` (for the rejoin timeout).
+    short_since: Option<Instant>,
+    /// Each host's recent losses.
+    failures: HashMap<String, Vec<Instant>>,
+    /// Hosts refused until the instant given.
+    blacklist: HashMap<String, Instant>,
+}
+
+impl Membership {
+    /// The first epoch (number 0) with `members` in rank order.
+    pub fn new(limits: Limits, members: Vec<Worker>) -> Self {
+        Self {
+            limits,
+            current: Epoch { number: 0, members },
+            gone: Vec::new(),
+            joining: VecDeque::new(),
+            short_since: None,
+            failures: HashMap::new(),
+            blacklist: HashMap::new(),
+        }
+    }
+
+    pub fn current(&self) -> &Epoch {
+        &self.current
+    }
+
+    /// A worker asks to join; it is admitted at the next decision (if there is room).
+    pub fn hello(&mut self, worker: Worker, now: Instant) -> Result<(), Refusal> {
+        if let Some(&until) = self.blacklist.get(&worker.host) {
+            if now < until {
+                return Err(Refusal::Blacklisted {
+                    host: worker.host,
+                    until,
+                });
+            }
+            self.blacklist.remove(&worker.host);
+        }
+        if self.member(&worker.id).is_some() || self.joining.iter().any(|j| j.id == worker.id) {
+            return Err(Refusal::Duplicate { id: worker.id });
+        }
+        self.joining.push_back(worker);
+        Ok(())
+    }
+
+    /// A member stopped answering (killed, cut off): gone at the next decision, and counted
+    /// against its host.
+    pub fn lost(&mut self, id: &str, now: Instant) {
+        if let Some(w) = self.member(id) {
+            let window = self.limits.blacklist_window;
+            let recent = self.failures.entry(w.host.clone()).or_default();
+            recent.retain(|t| now.duration_since(*t) < window);
+            recent.push(now);
+            if recent.len() >= self.limits.blacklist_after {
+                recent.clear();
+                self.blacklist
+                    .insert(w.host.clone(), now + self.limits.cooldown);
+            }
+            self.gone.push(w);
+        }
+        // A worker lost while waiting to join is simply dropped.
+        self.joining.retain(|j| j.id != id);
+    }
+
+    /// A member announced a graceful leave (it finishes the step, then exits 0).
+    pub fn leave(&mut self, id: &str) {
+        if let Some(w) = self.member(id) {
+            self.gone.push(w);
+        }
+        self.joining.retain(|j| j.id != id);
+    }
+
+    /// A current member not already gone.
+    fn member(&self, id: &str) -> Option<Worker> {
+        self.current
+            .members
+            .iter()
+            .find(|m| m.id == id && !self.gone.iter().any(|g| g.id == id))
+            .cloned()
+    }
+
+    /// At a step boundary: apply what happened since the last decision.
+    pub fn decide(&mut self, now: Instant) -> Decision {
+        let survivors: Vec<Worker> = self
+            .current
+            .members
+            .iter()
+            .filter(|m| !self.gone.iter().any(|g| g.id == m.id))
+            .cloned()
+            .collect();
+        let room = self.limits.max.saturating_sub(survivors.len());
+        // Joiners from a host blacklisted meanwhile are refused now.
+        let blacklist = &self.blacklist;
+        self.joining
+            .retain(|j| blacklist.get(&j.host).is_none_or(|&until| now >= until));
+        let have = survivors.len() + self.joining.len().min(room);
+        if have < self.limits.min {
+            let since = *self.short_since.get_or_insert(now);
+            let waited = now.duration_since(since);
+            if waited >= self.limits.rejoin_timeout {
+                return Decision::GiveUp {
+                    have,
+                    need: self.limits.min,
+                    waited,
+                };
+            }
+            return Decision::Wait {
+                until: since + self.limits.rejoin_timeout,
+                have,
+                need: self.limits.min,
+            };
+        }
+        self.short_since = None;
+        if self.gone.is_empty() && (self.joining.is_empty() || room == 0) {
+            return Decision::Continue;
+        }
+        let admitted = self.joining.len().min(room);
+        let joined: Vec<Worker> = self.joining.drain(..admitted).collect();
+        let lost = std::mem::take(&mut self.gone);
+        let mut members = survivors;
+        members.extend(joined.iter().cloned());
+        self.current = Epoch {
+            number: self.current.number + 1,
+            members,
+        };
+        Decision::Change {
+            epoch: self.current.clone(),
+            joined,
+            lost,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w(id: &str, host: &str) -> Worker {
+        Worker {
+            id: id.into(),
+            host: host.into(),
+        }
+    }
+
+    fn ids(e: &Epoch) -> Vec<&str> {
+        e.members.iter().map(|m| m.id.as_str()).collect()
+    }
+
+    fn limits(min: usize, max: usize) -> Limits {
+        Limits {
+            min,
+            max,
+            rejoin_timeout: Duration::from_secs(30),
+            blacklist_after: 2,
+            blacklist_window: Duration::from_secs(60),
+            cooldown: Duration::from_secs(100),
+        }
+    }
+
+    fn change(d: Decision) -> (Epoch, Vec<Worker>, Vec<Worker>) {
+        match d {
+            Decision::Change {
+                epoch,
+                joined,
+                lost,
+            } => (epoch, joined, lost),
+            other => panic!("expected a change, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn survivors_keep_their_order_and_joiners_come_after_them() {
+        let t = Instant::now();
+        let mut m = Membership::new(limits(1, 4), vec![w("a", "h1"), w("b", "h2"), w("c", "h3")]);
+        assert_eq!(m.decide(t), Decision::Continue);
+        // Rank 0 dies: the lowest survivor becomes rank 0 of the next epoch.
+        m.lost("a", t);
+        m.hello(w("d", "h4"), t).unwrap();
+        let (epoch, joined, lost) = change(m.decide(t));
+        assert_eq!(epoch.number, 1);
+        assert_eq!(ids(&epoch), vec!["b", "c", "d"]);
+        assert_eq!(joined, vec![w("d", "h4")]);
+        assert_eq!(lost, vec![w("a", "h1")]);
+        assert_eq!(m.decide(t), Decision::Continue);
+    }
+
+    #[test]
+    fn joins_stop_at_the_maximum_and_wait_for_room() {
+        let t = Instant::now();
+        let mut m = Membership::new(limits(1, 2), vec![w("a", "h1")]);
+        m.hello(w("b", "h2"), t).unwrap();
+        m.hello(w("c", "h3"), t).unwrap();
+        let (epoch, _, _) = change(m.decide(t));
+        assert_eq!(ids(&epoch), vec!["a", "b"]);
+        assert_eq!(m.decide(t), Decision::Continue, "c waits: no room");
+        m.leave("a");
+        let (epoch, joined, _) = change(m.decide(t));
+        assert_eq!(ids(&epoch), vec!["b", "c"]);
+        assert_eq!(joined, vec![w("c", "h3")]);
+        assert_eq!(
+            m.hello(w("b", "h2"), t),
+            Err(Refusal::Duplicate { id: "b".into() })
+        );
+    }
+
+    #[test]
+    fn below_the_minimum_it_waits_for_joiners_then_gives_up() {
+        let t = Instant::now();
+        let s = Duration::from_secs;
+        let mut m = Membership::new(limits(2, 4), vec![w("a", "h1"), w("b", "h2")]);
+        m.lost("b", t);
+        assert!(matches!(
+            m.decide(t),
+            Decision::Wait {
+                have: 1,
+                need: 2,
+                ..
+            }
+        ));
+        // A joiner within the timeout restores the job.
+        m.hello(w("c", "h3"), t + s(10)).unwrap();
+        let (epoch, _, _) = change(m.decide(t + s(10)));
+        assert_eq!(ids(&epoch), vec!["a", "c"]);
+        // Short again, and nobody comes.
+        m.lost("c", t + s(20));
+        assert!(matches!(m.decide(t + s(20)), Decision::Wait { .. }));
+        let Decision::GiveUp { have, need, waited } = m.decide(t + s(51)) else {
+            panic!("expected to give up")
+        };
+        assert_eq!((have, need), (1, 2));
+        assert!(waited >= s(30));
+    }
+
+    #[test]
+    fn a_host_that_keeps_failing_is_refused_for_a_cooldown() {
+        let t = Instant::now();
+        let s = Duration::from_secs;
+        let mut m = Membership::new(limits(1, 4), vec![w("a", "h1"), w("b1", "flaky")]);
+        m.lost("b1", t);
+        m.decide(t);
+        m.hello(w("b2", "flaky"), t).unwrap();
+        m.decide(t);
+        m.lost("b2", t + s(5));
+        m.decide(t + s(5));
+        let refused = m.hello(w("b3", "flaky"), t + s(6));
+        assert!(
+            matches!(refused, Err(Refusal::Blacklisted { .. })),
+            "{refused:?}"
+        );
+        // After the cooldown it may come back.
+        m.hello(w("b4", "flaky"), t + s(106)).unwrap();
+        let (epoch, _, _) = change(m.decide(t + s(106)));
+        assert_eq!(ids(&epoch), vec!["a", "b4"]);
+    }
+
+    #[test]
+    fn fifty_random_joins_and_leaves_keep_a_consistent_membership() {
+        let t = Instant::now();
+        let mut m = Membership::new(limits(1, 4), vec![w("w0", "h0")]);
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next_id = 1;
+        let mut changes = 0;
+        for event in 0..50u64 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let now = t + Duration::from_secs(event);
+            let members: Vec<String> = m.current().members.iter().map(|w| w.id.clone()).collect();
+            if state % 2 == 0 || members.len() == 1 {
+                let _ = m.hello(w(&format!("w{next_id}"), &format!("h{next_id}")), now);
+                next_id += 1;
+            } else {
+                let victim = &members[(state as usize / 2) % members.len()];
+                if state % 3 == 0 {
+                    m.leave(victim);
+                } else {
+                    m.lost(victim, now);
+                }
+            }
+            let before = m.current().number;
+            match m.decide(now) {
+                Decision::Change { epoch, .. } => {
+                    changes += 1;
+                    assert_eq!(epoch.number, before + 1);
+                    assert!(!epoch.members.is_empty() && epoch.members.len() <= 4);
+                    let mut seen: Vec<&str> = ids(&epoch);
+                    seen.sort();
+                    seen.dedup();
+                    assert_eq!(seen.len(), epoch.members.len(), "no worker twice");
+                }
+                Decision::Continue => assert_eq!(m.current().number, before),
+                other => panic!("with min 1 there is always a member: {other:?}"),
+            }
+        }
+        assert!(changes > 20, "the soak changed membership {changes} times");
+    }
+}
