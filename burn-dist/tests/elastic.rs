@@ -69,3 +69,206 @@ fn uneven_shares_weighted_by_samples_equal_one_process_on_the_global_batch() {
         assert_close(&weights, &reference, &format!("rank {rank}"));
     }
 }
+
+// ---- a run whose membership changes: a worker killed mid-step, then one joining ------------
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::module::Module;
+use burn::optim::OptimizerRecord;
+use burn::store::ModuleRecord;
+use burn::tensor::Bytes;
+use burn_dist::elastic::broadcast_bytes;
+use burn_dist::elastic::membership::{Decision, Limits, Membership, Worker};
+use burn_dist::transport::memory::MemoryTransport;
+use burn_dist::{Communicator, Transport};
+
+/// What a worker commits after every step and what a new epoch starts from.
+#[derive(Clone)]
+struct Committed {
+    step: usize,
+    module: Vec<u8>,
+    optim: Vec<u8>,
+}
+
+fn commit(step: usize, model: &Mlp, opt: &ModuleOptimizer) -> Committed {
+    Committed {
+        step,
+        module: model.clone().into_record().into_bytes().unwrap().to_vec(),
+        optim: opt.to_record().into_bytes().unwrap().to_vec(),
+    }
+}
+
+/// The state as values that compare exactly: the weights after one more fixed step, which
+/// depend on the weights and on the momentum (the records' bytes list tensors in no fixed
+/// order).
+fn fingerprint(c: &Committed) -> Vec<Vec<f32>> {
+    let device = Device::flex().autodiff();
+    let (model, mut opt) = restore(c, &device);
+    let (x, y) = batch(99, 0..GLOBAL, &device);
+    let grads = GradientsParams::from_grads(mse(model.forward(x), y).backward(), &model);
+    module_values(&opt.step(0.05, model, grads))
+}
+
+fn restore(c: &Committed, device: &Device) -> (Mlp, ModuleOptimizer) {
+    let module = ModuleRecord::from_bytes(Bytes::from_bytes_vec(c.module.clone())).unwrap();
+    let optim = OptimizerRecord::from_bytes(Bytes::from_bytes_vec(c.optim.clone())).unwrap();
+    (
+        Mlp::new(device).load_record(module),
+        sgd().load_record(optim),
+    )
+}
+
+/// One epoch of membership: every member starts from rank 0's committed state (joiners have
+/// none), runs steps until `end` with even shares of the global batch, committing after each.
+/// `die` = (rank, step): that worker dies inside that step's allreduce. Each member's last
+/// commit and the error that ended its epoch, if any.
+fn run_epoch(
+    members: usize,
+    start: Committed,
+    end: usize,
+    die: Option<(usize, usize)>,
+) -> Vec<(Committed, Option<String>)> {
+    let split = shares(GLOBAL, &vec![1.0; members]).unwrap();
+    let starts = offsets(&split);
+    let (tx, rx) = std::sync::mpsc::channel();
+    for t in MemoryTransport::mesh(members) {
+        let (tx, start, split, starts) = (tx.clone(), start.clone(), split.clone(), starts.clone());
+        std::thread::spawn(move || {
+            let rank = t.rank();
+            let t = Arc::new(t);
+            let comm = Communicator::new(t.clone()).with_timeout(Duration::from_secs(20));
+            let device = Device::flex().autodiff();
+            // The new epoch starts from rank 0's committed state, joiners included.
+            let state = |c: &Committed| -> Result<Committed, String> {
+                let module = broadcast_bytes(&comm, c.module.clone()).map_err(|e| e.to_string())?;
+                let optim = broadcast_bytes(&comm, c.optim.clone()).map_err(|e| e.to_string())?;
+                Ok(Committed {
+                    step: c.step,
+                    module,
+                    optim,
+                })
+            };
+            let mut committed = match state(&start) {
+                Ok(c) => c,
+                Err(e) => {
+                    let _ = tx.send((rank, start, Some(e)));
+                    return;
+                }
+            };
+            let (mut model, mut opt) = restore(&committed, &device);
+            let mine = starts[rank]..starts[rank] + split[rank];
+            for s in committed.step..end {
+                let (x, y) = batch(s, mine.clone(), &device);
+                let mut grads =
+                    GradientsParams::from_grads(mse(model.forward(x), y).backward(), &model);
+                if die == Some((rank, s)) {
+                    t.kill("killed mid-allreduce");
+                    return;
+                }
+                if let Err(e) =
+                    allreduce_grads_weighted(&model, &mut grads, &comm, 1 << 20, mine.len())
+                {
+                    // The step is abandoned: nothing of it is applied; the caller rolls back to
+                    // the last commit.
+                    let _ = tx.send((rank, committed, Some(e.to_string())));
+                    return;
+                }
+                model = opt.step(0.05, model, grads);
+                committed = commit(s + 1, &model, &opt);
+            }
+            let _ = tx.send((rank, committed, None));
+        });
+    }
+    drop(tx);
+    let mut out: Vec<Option<(Committed, Option<String>)>> = vec![None; members];
+    let alive = members - usize::from(die.is_some());
+    for _ in 0..alive {
+        let (rank, c, e) = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("a worker hung");
+        out[rank] = Some((c, e));
+    }
+    out.into_iter().flatten().collect()
+}
+
+#[test]
+fn a_worker_killed_mid_step_is_rolled_back_and_a_joiner_catches_up_exactly() {
+    const END: usize = 6;
+    let device = Device::flex().autodiff();
+    let first = Mlp::new(&device);
+    let initial = module_values(&first);
+    let mut start = commit(0, &first, &sgd());
+
+    // The same global batches on one process.
+    let mut model = with_module_values(Mlp::new(&device), initial).unwrap();
+    let mut opt = sgd();
+    for s in 0..END {
+        let (x, y) = batch(s, 0..GLOBAL, &device);
+        let grads = GradientsParams::from_grads(mse(model.forward(x), y).backward(), &model);
+        model = opt.step(0.05, model, grads);
+    }
+    let reference = module_values(&model);
+
+    let worker = |id: &str| Worker {
+        id: id.into(),
+        host: id.into(),
+    };
+    let t = Instant::now();
+    let mut membership = Membership::new(
+        Limits {
+            min: 2,
+            max: 4,
+            ..Limits::default()
+        },
+        vec![worker("w0"), worker("w1"), worker("w2")],
+    );
+
+    // Epoch 0: w2 dies inside step 2's allreduce; the survivors abandon step 2.
+    let survivors = run_epoch(3, start.clone(), END, Some((2, 2)));
+    assert_eq!(survivors.len(), 2);
+    for (c, e) in &survivors {
+        assert_eq!(c.step, 2, "rolled back to the last committed step");
+        let e = e.as_deref().expect("the survivors' step failed");
+        assert!(e.contains("rank 2"), "the error names the dead worker: {e}");
+    }
+    assert!(
+        fingerprint(&survivors[0].0) == fingerprint(&survivors[1].0),
+        "survivors hold identical state"
+    );
+    membership.lost("w2", t);
+    let Decision::Change { epoch, .. } = membership.decide(t) else {
+        panic!("expected a new epoch")
+    };
+    assert_eq!(epoch.members.len(), 2);
+
+    // Epoch 1: two workers redo step 2 and go on to step 4; then w3 asks to join.
+    start = survivors[0].0.clone();
+    let after = run_epoch(2, start, 4, None);
+    assert!(after.iter().all(|(c, e)| c.step == 4 && e.is_none()));
+    membership.hello(worker("w3"), t).unwrap();
+    let Decision::Change { epoch, joined, .. } = membership.decide(t) else {
+        panic!("expected a new epoch")
+    };
+    assert_eq!(joined.len(), 1);
+
+    // Epoch 2: three workers, the joiner receiving the committed state from rank 0.
+    let done = run_epoch(epoch.members.len(), after[0].0.clone(), END, None);
+    assert_eq!(done.len(), 3);
+    let first = fingerprint(&done[0].0);
+    for (c, e) in &done {
+        assert!(e.is_none(), "{e:?}");
+        assert_eq!(c.step, END);
+        assert!(
+            fingerprint(c) == first,
+            "every worker holds bit-identical state"
+        );
+    }
+    let (model, _) = restore(&done[0].0, &device);
+    assert_close(
+        &module_values(&model),
+        &reference,
+        "elastic run vs one process",
+    );
+}

@@ -8,13 +8,57 @@
 //! slicing of an epoch's order that keeps "no sample skipped, none seen twice" across changes
 //! (`Loader::step_slices`), and the membership protocol's core without its I/O
 //! ([`membership`]: epochs, joins at step boundaries, the lowest survivor as the next rank 0,
-//! minimum/maximum workers with a rejoin timeout, a blacklist for failing hosts). Not built
-//! yet: the protocol's I/O (re-forming the world over QUIC after a change, state transfer to
-//! joiners, step rollback), `hearth launch --elastic`, churn, and the benchmark.
+//! minimum/maximum workers with a rejoin timeout, a blacklist for failing hosts), and
+//! [`broadcast_bytes`] for sending the committed state (module and optimizer records) to a new
+//! epoch's members. `burn-dist/tests/elastic.rs` runs the whole cycle in memory: a worker killed
+//! inside an allreduce, the survivors abandoning the step and rolling back to their last
+//! commit, a new epoch, a joiner receiving the state, and the result equal to one process on
+//! the same global batches. Not built yet: the protocol's I/O over QUIC (re-forming the world
+//! after a change, a joiner reaching the coordinator), `hearth launch --elastic`, churn, the
+//! trainer integration and the benchmark.
 
 pub mod membership;
 
+use crate::collective::Communicator;
 use crate::{DistError, Result};
+
+/// Rank 0's `bytes` on every rank (the committed training state sent to the members of a new
+/// epoch: module and optimizer records, step, data position). Other ranks pass anything (it is
+/// replaced). The length travels first; the bytes go as `f32` bit patterns, exactly.
+pub fn broadcast_bytes(comm: &Communicator, bytes: Vec<u8>) -> Result<Vec<u8>> {
+    if comm.world() == 1 {
+        return Ok(bytes);
+    }
+    // The length as two exact 24-bit halves (f32 holds integers below 2^24 exactly).
+    let n = bytes.len() as u64;
+    if n >= 1 << 48 {
+        return Err(DistError::Config(format!(
+            "{n} bytes are too many to broadcast"
+        )));
+    }
+    let mut len = [(n >> 24) as f32, (n & 0xFF_FFFF) as f32];
+    comm.broadcast(&mut len, 0)?;
+    let n = ((len[0] as u64) << 24 | len[1] as u64) as usize;
+    let mut words: Vec<f32> = if comm.rank() == 0 {
+        bytes
+            .chunks(4)
+            .map(|c| {
+                let mut w = [0u8; 4];
+                w[..c.len()].copy_from_slice(c);
+                f32::from_bits(u32::from_le_bytes(w))
+            })
+            .collect()
+    } else {
+        vec![0.0; n.div_ceil(4)]
+    };
+    comm.broadcast(&mut words, 0)?;
+    let mut out: Vec<u8> = words
+        .iter()
+        .flat_map(|w| w.to_bits().to_le_bytes())
+        .collect();
+    out.truncate(n);
+    Ok(out)
+}
 
 /// How a global batch of `global` samples is divided between workers of the given `weights`
 /// (1.0 each for an even split, or samples per second measured on each): the largest-remainder
