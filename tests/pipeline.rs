@@ -276,6 +276,16 @@ fn write_values(rank: usize, values: &[Vec<f32>]) {
     std::fs::write(&out, bits.join(" ")).expect("writing values");
 }
 
+/// What child rank `rank` wrote with [`write_values`] into `dir` (`text`: its output, for the
+/// failure message).
+fn read_values(dir: &std::path::Path, rank: usize, text: &str) -> Vec<f32> {
+    let line = std::fs::read_to_string(dir.join(format!("rank{rank}.txt")))
+        .unwrap_or_else(|e| panic!("rank {rank} wrote no values ({e}):\n{text}"));
+    line.split(' ')
+        .map(|h| f32::from_bits(u32::from_str_radix(h, 16).unwrap()))
+        .collect()
+}
+
 /// Runs both ranks as processes (writing into `out`); their exit status and output.
 fn processes(mode: &str, out: &std::path::Path) -> Vec<(bool, String)> {
     rank_processes("child", "HEARTH_PIPELINE_CHILD", mode, 2, out)
@@ -336,12 +346,7 @@ fn two_stage_processes_over_quic_train_like_the_whole_network() {
     let dir = tempfile::tempdir().unwrap();
     for (r, (ok, text)) in processes("train", dir.path()).into_iter().enumerate() {
         assert!(ok, "rank {r}:\n{text}");
-        let line = std::fs::read_to_string(dir.path().join(format!("rank{r}.txt")))
-            .unwrap_or_else(|e| panic!("rank {r} wrote no values ({e}):\n{text}"));
-        let got: Vec<f32> = line
-            .split(' ')
-            .map(|h| f32::from_bits(u32::from_str_radix(h, 16).unwrap()))
-            .collect();
+        let got = read_values(dir.path(), r, &text);
         let want: Vec<f32> = expected[r].iter().flatten().copied().collect();
         assert_eq!(got.len(), want.len());
         for (x, y) in got.iter().zip(&want) {
@@ -507,12 +512,7 @@ fn two_stages_times_two_replicas_as_four_processes_equal_one_process_on_the_whol
     let results = rank_processes("child_2d", "HEARTH_PIPELINE_2D", "1", world, dir.path());
     for (r, (ok, text)) in results.into_iter().enumerate() {
         assert!(ok, "rank {r}:\n{text}");
-        let line = std::fs::read_to_string(dir.path().join(format!("rank{r}.txt")))
-            .unwrap_or_else(|e| panic!("rank {r} wrote no values ({e}):\n{text}"));
-        let got: Vec<f32> = line
-            .split(' ')
-            .map(|h| f32::from_bits(u32::from_str_radix(h, 16).unwrap()))
-            .collect();
+        let got = read_values(dir.path(), r, &text);
         let want: Vec<f32> = expected[r % 2].iter().flatten().copied().collect();
         assert_eq!(got.len(), want.len(), "rank {r}");
         for (x, y) in got.iter().zip(&want) {

@@ -368,12 +368,12 @@ mod tests {
             state ^= state << 17;
             let now = t + Duration::from_secs(event);
             let members: Vec<String> = m.current().members.iter().map(|w| w.id.clone()).collect();
-            if state % 2 == 0 || members.len() == 1 {
+            if state.is_multiple_of(2) || members.len() == 1 {
                 let _ = m.hello(w(&format!("w{next_id}"), &format!("h{next_id}")), now);
                 next_id += 1;
             } else {
                 let victim = &members[(state as usize / 2) % members.len()];
-                if state % 3 == 0 {
+                if state.is_multiple_of(3) {
                     m.leave(victim);
                 } else {
                     m.lost(victim, now);
