@@ -339,13 +339,26 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     if report.rank != 0 {
         return Ok(());
     }
-    if report.world > 1 {
-        println!(
+    match &cfg.pipeline {
+        Some(p) => {
+            let pipelines = (report.world / p.stages.max(1)).max(1);
+            println!(
+                "trained on {} ranks: {} pipelines of {} stages, global batch {} ({} per pipeline, {} micro-batches)",
+                report.world,
+                pipelines,
+                p.stages,
+                cfg.batch_size,
+                cfg.batch_size / pipelines,
+                p.micro_batches
+            );
+        }
+        None if report.world > 1 => println!(
             "trained on {} ranks, global batch {} ({} per rank)",
             report.world,
             cfg.batch_size,
             cfg.batch_size / report.world
-        );
+        ),
+        None => {}
     }
     println!("best epoch: {} of {}", report.best_epoch, report.epochs_run);
     if let Some(loss) = report.best_val_loss {
