@@ -84,7 +84,9 @@ pub enum PipelineBalance {
     Time,
     /// Equal memory per stage: parameter state (weights, gradients, their accumulation,
     /// optimizer state) plus the activations each stage holds at once under the schedule,
-    /// measured per unit like `time`.
+    /// measured per unit like `time` as host-heap growth (CPU devices; on a GPU the
+    /// activations live in device memory, which this does not see, so the split weighs the
+    /// parameter state only).
     Memory,
 }
 
