@@ -304,6 +304,17 @@ pub fn connect(
     membership: &Membership,
     options: &RendezvousOptions,
 ) -> Result<QuicTransport> {
+    connect_epoch(info, membership, options, 0)
+}
+
+/// [`connect`] for membership epoch `epoch` of an elastic job: the transport stamps its frames
+/// with the epoch and drops any of another (a late frame of the world before a change).
+pub fn connect_epoch(
+    info: &RankInfo,
+    membership: &Membership,
+    options: &RendezvousOptions,
+    epoch: u32,
+) -> Result<QuicTransport> {
     let coordinator = info.coordinator_addr()?;
     let loopback = coordinator.ip().is_loopback();
     let quic = options.quic.clone().unwrap_or_else(|| {
@@ -332,7 +343,7 @@ pub fn connect(
     } else {
         join(&node, info, coordinator, deadline, options.timeout, strict)?
     };
-    Ok(QuicTransport::start(node, info.rank, 0, peers, &quic))
+    Ok(QuicTransport::start(node, info.rank, epoch, peers, &quic))
 }
 
 /// The peer of `conn` may be rank `claimed`: its certificate names that rank (see

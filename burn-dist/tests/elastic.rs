@@ -272,3 +272,126 @@ fn a_worker_killed_mid_step_is_rolled_back_and_a_joiner_catches_up_exactly() {
         "elastic run vs one process",
     );
 }
+
+// ---- the world re-formed over QUIC: after a loss, then for a joiner -------------------------
+
+#[test]
+fn a_world_re_forms_over_quic_after_a_loss_and_again_for_a_joiner() {
+    use burn_dist::ReduceOp;
+    use burn_dist::elastic::reform::Announcement;
+    use burn_dist::rendezvous::{RankInfo, connect_epoch};
+    use burn_dist::tls;
+
+    let at = |rank: usize, world: usize, coordinator: &str| RankInfo {
+        rank,
+        world,
+        local_rank: None,
+        coordinator: coordinator.to_string(),
+        source: "test",
+    };
+    let join = move |rank: usize, a: &Announcement| {
+        connect_epoch(
+            &at(rank, a.members.len(), &a.coordinator),
+            &tls::Membership::secret(common::SECRET).unwrap(),
+            &common::options(Duration::from_secs(30)),
+            a.epoch,
+        )
+        .expect("rendezvous of the new epoch")
+    };
+    let sum_of_ranks = |t: Arc<dyn Transport>| -> f32 {
+        let comm = Communicator::new(t.clone()).with_timeout(Duration::from_secs(20));
+        let mut v = [t.rank() as f32 + 1.0];
+        comm.allreduce(&mut v, ReduceOp::Sum).expect("allreduce");
+        v[0]
+    };
+
+    let (to_joiner, joiner_hears) = std::sync::mpsc::channel::<Announcement>();
+    let joiner = std::thread::spawn(move || {
+        let a = joiner_hears
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the joiner heard of epoch 2");
+        let rank = a
+            .members
+            .iter()
+            .position(Option::is_none)
+            .expect("a joiner's place");
+        let t: Arc<dyn Transport> = Arc::new(join(rank, &a));
+        (a.epoch, sum_of_ranks(t))
+    });
+
+    let (tx, rx) = std::sync::mpsc::channel();
+    for t in common::job(3) {
+        let (tx, to_joiner) = (tx.clone(), to_joiner.clone());
+        std::thread::spawn(move || {
+            let old = t.rank();
+            let t: Arc<dyn Transport> = Arc::new(t);
+            assert_eq!(sum_of_ranks(t.clone()), 6.0);
+            if old == 2 {
+                // Rank 2 goes away: its connections close.
+                drop(t);
+                let _ = tx.send((old, Vec::new()));
+                return;
+            }
+            // The survivors' next collective fails; they go on without rank 2.
+            let comm = Communicator::new(t.clone()).with_timeout(Duration::from_secs(5));
+            let mut v = [1.0];
+            let err = comm
+                .allreduce(&mut v, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string();
+            if old == 0 {
+                assert!(err.contains("rank 2"), "{err}");
+            }
+            t.accept_losses();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            // Epoch 1, announced over the old world's surviving link by the lowest survivor.
+            let a = if old == 0 {
+                let a = Announcement {
+                    epoch: 1,
+                    coordinator: format!("127.0.0.1:{}", common::free_port()),
+                    members: vec![Some(0), Some(1)],
+                };
+                a.announce(&*t).unwrap();
+                a
+            } else {
+                Announcement::receive(&*t, 0, 1, deadline).unwrap()
+            };
+            let rank = a.rank_of(old).unwrap();
+            let t1: Arc<dyn Transport> = Arc::new(join(rank, &a));
+            drop(t);
+            let mut sums = vec![sum_of_ranks(t1.clone())];
+            // Epoch 2: a joiner, which hears of it outside the old world.
+            let b = if rank == 0 {
+                let b = Announcement {
+                    epoch: 2,
+                    coordinator: format!("127.0.0.1:{}", common::free_port()),
+                    members: vec![Some(0), Some(1), None],
+                };
+                b.announce(&*t1).unwrap();
+                to_joiner.send(b.clone()).unwrap();
+                b
+            } else {
+                Announcement::receive(&*t1, 0, 2, deadline).unwrap()
+            };
+            let t2: Arc<dyn Transport> = Arc::new(join(b.rank_of(rank).unwrap(), &b));
+            drop(t1);
+            sums.push(sum_of_ranks(t2));
+            let _ = tx.send((old, sums));
+        });
+    }
+    drop(tx);
+    for _ in 0..3 {
+        let (old, sums) = rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("a worker hung");
+        if old != 2 {
+            assert_eq!(
+                sums,
+                vec![3.0, 6.0],
+                "old rank {old}: epochs of 2 then 3 ranks"
+            );
+        }
+    }
+    let (epoch, sum) = joiner.join().expect("the joiner");
+    assert_eq!((epoch, sum), (2, 6.0));
+}

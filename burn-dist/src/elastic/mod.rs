@@ -13,11 +13,17 @@
 //! epoch's members. `burn-dist/tests/elastic.rs` runs the whole cycle in memory: a worker killed
 //! inside an allreduce, the survivors abandoning the step and rolling back to their last
 //! commit, a new epoch, a joiner receiving the state, and the result equal to one process on
-//! the same global batches. Not built yet: the protocol's I/O over QUIC (re-forming the world
-//! after a change, a joiner reaching the coordinator), `hearth launch --elastic`, churn, the
-//! trainer integration and the benchmark.
+//! the same global batches. Over QUIC ([`reform`]): the lowest survivor announces the next
+//! epoch over the links that survived (`Transport::accept_losses` lets them carry it), and the
+//! members form the new world by rendezvous stamped with the epoch; the same test grows the
+//! world again for a joiner. Not built yet: the join service (a new process reaching the
+//! coordinator; the test hands it the announcement), failure propagation so every survivor
+//! learns of a loss at once (today a survivor not next to the dead rank waits for its
+//! collective timeout), `hearth launch --elastic`, churn, the trainer integration and the
+//! benchmark.
 
 pub mod membership;
+pub mod reform;
 
 use crate::collective::Communicator;
 use crate::{DistError, Result};

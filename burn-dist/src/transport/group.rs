@@ -105,6 +105,10 @@ impl Transport for Group {
         self.parent
             .recv(self.job_rank(from)?, kind, self.tag(tag)?, deadline)
     }
+
+    fn accept_losses(&self) {
+        self.parent.accept_losses();
+    }
 }
 
 /// The ranks of a P x D grid (`stages` x `replicas`, `world = stages * replicas`): replica d's

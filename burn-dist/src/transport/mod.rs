@@ -31,6 +31,11 @@ pub trait Transport: Send + Sync {
     fn send(&self, to: usize, kind: Kind, tag: u64, payload: Vec<u8>) -> Result<()>;
     /// The payload `from` sent under `(kind, tag)`, waiting until `deadline`.
     fn recv(&self, from: usize, kind: Kind, tag: u64, deadline: Instant) -> Result<Vec<u8>>;
+
+    /// Goes on without the ranks that failed: by default a failed rank fails every later
+    /// receive (the job cannot go on); after this, only receives from the failed ranks do, so
+    /// an elastic job's survivors can still talk over the old world (to agree on the next one).
+    fn accept_losses(&self) {}
 }
 
 pub(crate) fn check_peer(t: &dyn Transport, peer: usize, op: &str) -> Result<()> {
@@ -150,6 +155,12 @@ impl Inbox {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         s.failed.entry(peer).or_insert(reason);
         self.arrived.notify_all();
+    }
+
+    /// Only receives from failed peers fail from now on (see [`Transport::accept_losses`]).
+    pub fn accept_losses(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.job_failure = None;
     }
 
     pub fn failure(&self, peer: usize) -> Option<String> {

@@ -480,6 +480,10 @@ impl Transport for QuicTransport {
         check_peer(self, from, "recv")?;
         self.inbox.take(from, kind, tag, deadline, "recv")
     }
+
+    fn accept_losses(&self) {
+        self.inbox.accept_losses();
+    }
 }
 
 #[cfg(test)]
