@@ -44,6 +44,8 @@ enum Command {
     Models,
     /// List the devices this build offers and whether each works on this machine.
     Devices,
+    /// List a model's units, the pieces `train --pipeline-split A:B,...` cuts between.
+    Units(UnitsArgs),
     /// Classify images (or a raw NCHW .npy tensor, or a whole folder) with a model.
     Predict(PredictArgs),
     /// Accuracy, per-class precision and recall and a confusion matrix of a model on class
@@ -60,6 +62,15 @@ enum Command {
     Train(Box<TrainArgs>),
     /// Start N local ranks of a distributed job: `hearth launch -n 2 -- hearth train ...`.
     Launch(LaunchArgs),
+}
+
+#[derive(Args)]
+struct UnitsArgs {
+    /// torchvision name (resnet50, densenet121, vgg16, ...), resnet-mini or vgg-mini.
+    #[arg(long)]
+    model: String,
+    #[arg(long, default_value_t = 1000)]
+    classes: usize,
 }
 
 #[derive(Args)]
@@ -103,6 +114,13 @@ struct SynthArgs {
 }
 
 fn main() {
+    // Output piped into `head` and the like ends the process quietly, as other command-line
+    // tools do, instead of a panic on the closed pipe.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     if let Err(err) = run(cli) {
         eprintln!("error: {}", report(&err));
@@ -132,6 +150,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Models => models(),
         Command::Devices => devices(),
+        Command::Units(args) => units(args),
         Command::Predict(args) => predict_cmd(&cli.device, args),
         Command::Eval(args) => eval_cmd(&cli.device, args),
         Command::Bench(BenchCommand::Model(args)) => bench_model(&cli.device, args),
@@ -198,6 +217,37 @@ fn group_digits(n: usize) -> String {
         out.push(c);
     }
     out
+}
+
+fn units(a: UnitsArgs) -> Result<()> {
+    let config = hearth::train::model_config(&a.model, a.classes)?;
+    // Lazy init: counting parameters allocates nothing.
+    let units = config.init_units(0..config.units(), &burn::prelude::Device::flex())?;
+    let total: usize = units.iter().map(|u| u.learnable_params()).sum();
+    println!(
+        "{:>5}  {:<44} {:>12} {:>7}",
+        "unit", "kind", "parameters", "cumul."
+    );
+    let mut sum = 0;
+    for (i, u) in units.iter().enumerate() {
+        let n = u.learnable_params();
+        sum += n;
+        println!(
+            "{i:>5}  {:<44} {:>12} {:>6.1}%",
+            u.kind(),
+            group_digits(n),
+            100.0 * sum as f64 / total.max(1) as f64
+        );
+    }
+    println!(
+        "{} units, {} parameters; split with e.g. --pipeline-split 0:{},{}:{}",
+        units.len(),
+        group_digits(total),
+        units.len() / 2,
+        units.len() / 2,
+        units.len()
+    );
+    Ok(())
 }
 
 fn devices() -> Result<()> {

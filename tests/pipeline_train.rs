@@ -369,3 +369,36 @@ fn splits_balanced_by_measured_time_or_memory_are_printed_recorded_and_kept_on_r
     );
     assert!(text.contains(" MB (ranks [1])"), "{text}");
 }
+
+#[test]
+fn hearth_units_lists_what_a_split_cuts_between() {
+    let out = Command::new(env!("CARGO_BIN_EXE_hearth"))
+        .args(["units", "--model", "resnet-mini", "--classes", "3"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let rows: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            l.trim_start()
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_digit())
+        })
+        .filter(|l| !l.contains("units,"))
+        .collect();
+    assert_eq!(rows.len(), 6, "{text}");
+    assert!(
+        rows[0].contains("ResNet stem") && rows[5].contains("head"),
+        "{text}"
+    );
+    assert!(rows[5].trim_end().ends_with("100.0%"), "{text}");
+    assert!(text.contains("--pipeline-split 0:3,3:6"), "{text}");
+    let bad = Command::new(env!("CARGO_BIN_EXE_hearth"))
+        .args(["units", "--model", "resnet-huge"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown model"));
+}

@@ -696,11 +696,19 @@ mod tests {
     #[test]
     fn a_member_claiming_another_rank_is_refused_and_the_job_still_forms() {
         use crate::transport::Transport;
+        let secret = Membership::secret("one job's shared secret value").unwrap();
+        // Rank 2's process (its certificate names rank 2) will say it is rank 1. Bound before
+        // the coordinator's port is picked, so the system cannot hand it that port.
+        let impostor = QuicNode::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            &Identity::new(&secret, 2).unwrap(),
+            &QuicOptions::loopback(),
+        )
+        .unwrap();
         let port = std::net::UdpSocket::bind("127.0.0.1:0")
             .and_then(|s| s.local_addr())
             .map(|a| a.port())
             .unwrap();
-        let secret = Membership::secret("one job's shared secret value").unwrap();
         let rank = move |r: usize| RankInfo {
             rank: r,
             world: 3,
@@ -719,13 +727,6 @@ mod tests {
         std::thread::spawn(move || {
             let _ = t0.send((0, connect(&rank(0), &m, &options()).map(|t| t.world())));
         });
-        // Rank 2's process (its certificate names rank 2) says it is rank 1.
-        let impostor = QuicNode::bind(
-            "127.0.0.1:0".parse().unwrap(),
-            &Identity::new(&secret, 2).unwrap(),
-            &QuicOptions::loopback(),
-        )
-        .unwrap();
         let endpoint = impostor.endpoint.clone();
         let own_port = impostor.local_addr().unwrap().port();
         let coordinator: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();

@@ -225,28 +225,36 @@ fn a_worker_killed_mid_step_is_rolled_back_and_a_joiner_catches_up_exactly() {
         vec![worker("w0"), worker("w1"), worker("w2")],
     );
 
-    // Epoch 0: w2 dies inside step 2's allreduce; the survivors abandon step 2.
+    // Epoch 0: w2 dies inside step 2's allreduce; the survivors abandon the step they were in.
+    // A collective is not atomic: a survivor still waiting for step 1's last message when the
+    // loss is announced abandons step 1, while the other may have finished it. So each holds
+    // its own last commit (step 1 or 2), and the next epoch starts from its rank 0's.
     let survivors = run_epoch(3, start.clone(), END, Some((2, 2)));
     assert_eq!(survivors.len(), 2);
     for (c, e) in &survivors {
-        assert_eq!(c.step, 2, "rolled back to the last committed step");
+        assert!(
+            c.step == 1 || c.step == 2,
+            "rolled back to a commit: {}",
+            c.step
+        );
         let e = e.as_deref().expect("the survivors' step failed");
         assert!(e.contains("rank 2"), "the error names the dead worker: {e}");
     }
-    assert!(
-        fingerprint(&survivors[0].0) == fingerprint(&survivors[1].0),
-        "survivors hold identical state"
-    );
     membership.lost("w2", t);
     let Decision::Change { epoch, .. } = membership.decide(t) else {
         panic!("expected a new epoch")
     };
     assert_eq!(epoch.members.len(), 2);
 
-    // Epoch 1: two workers redo step 2 and go on to step 4; then w3 asks to join.
+    // Epoch 1: two workers start from w0's commit (the new rank 0's), redo what was abandoned
+    // and go on to step 4; then w3 asks to join.
     start = survivors[0].0.clone();
     let after = run_epoch(2, start, 4, None);
     assert!(after.iter().all(|(c, e)| c.step == 4 && e.is_none()));
+    assert!(
+        fingerprint(&after[0].0) == fingerprint(&after[1].0),
+        "the survivors hold identical state again"
+    );
     membership.hello(worker("w3"), t).unwrap();
     let Decision::Change { epoch, joined, .. } = membership.decide(t) else {
         panic!("expected a new epoch")

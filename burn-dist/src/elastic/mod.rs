@@ -13,7 +13,10 @@
 //! epoch's members. `burn-dist/tests/elastic.rs` runs the whole cycle in memory: a worker killed
 //! inside an allreduce, the survivors abandoning the step and rolling back to their last
 //! commit, a new epoch, a joiner receiving the state, and the result equal to one process on
-//! the same global batches. Over QUIC ([`reform`]): the lowest survivor announces the next
+//! the same global batches. A collective is not atomic: when a loss is announced, one survivor
+//! may have finished the step another abandons, so their last commits can differ by a step;
+//! every new epoch therefore starts from its rank 0's commit, sent to all members, which makes
+//! every member's state identical again. Over QUIC ([`reform`]): the lowest survivor announces the next
 //! epoch over the links that survived (`Transport::accept_losses` lets them carry it), and the
 //! members form the new world by rendezvous stamped with the epoch; the same test grows the
 //! world again for a joiner. Not built yet: the join service (a new process reaching the
