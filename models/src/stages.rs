@@ -157,6 +157,21 @@ impl Unit {
         }
     }
 
+    /// What the unit is, in words (`hearth units`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Unit::ResNetStem(_) => "ResNet stem (conv1, bn1, ReLU, max pool)",
+            Unit::ResNetBlock(_) => "residual block",
+            Unit::ResNetHead(_) => "ResNet head (pooling, fc)",
+            Unit::VggConv(_) => "VGG convolution",
+            Unit::VggHead(_) => "VGG classifier (pooling, 3 linear layers)",
+            Unit::DenseStem(_) => "DenseNet stem (conv0, norm0, ReLU, pool0)",
+            Unit::DenseLayer(_) => "dense layer",
+            Unit::DenseTransition(_) => "transition",
+            Unit::DenseHead(_) => "DenseNet head (norm5, pooling, classifier)",
+        }
+    }
+
     /// Learnable parameters (batch-norm running statistics excluded, as torchvision counts).
     pub fn learnable_params(&self) -> usize {
         crate::zoo::learnable_params_of(self)
