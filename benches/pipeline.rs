@@ -225,13 +225,15 @@ fn rank_main(out: &Path) -> anyhow::Result<()> {
             drop(probe);
             ranges = if run.balance == "memory" {
                 let params = cfg.unit_params(&device)?;
-                let in_flight = |s: usize| match run.schedule {
-                    Schedule::GPipe => run.micro,
-                    Schedule::OneFOneB => (run.stages - s).min(run.micro),
-                };
                 // SGD with momentum: weights, gradients, their accumulation, momentum.
                 balance_by(costs.len(), run.stages, |s, r| {
-                    stage_memory(&params, &costs, r, 16.0, in_flight(s))
+                    stage_memory(
+                        &params,
+                        &costs,
+                        r,
+                        16.0,
+                        run.schedule.held(s, run.stages, run.micro),
+                    )
                 })?
             } else {
                 let weights: Vec<usize> = costs

@@ -210,6 +210,15 @@ impl Schedule {
             }
         }
     }
+
+    /// The most micro-batches whose activations stage `stage` of `stages` holds at once over
+    /// `m` micro-batches: all of them under GPipe, `stages - stage` under 1F1B.
+    pub fn held(self, stage: usize, stages: usize, m: usize) -> usize {
+        match self {
+            Schedule::GPipe => m,
+            Schedule::OneFOneB => (stages - stage).min(m),
+        }
+    }
 }
 
 /// What one step gave this rank's stage.

@@ -329,6 +329,34 @@ impl TrainConfig {
         batches.div_ceil(self.grad_accum.unwrap_or(1).max(1)).max(1)
     }
 
+    /// `lr` after the large-batch scaling `scale_lr` asks for (said in `log` when it applies).
+    pub fn scaled_lr(&self, log: &mut dyn FnMut(&str)) -> Result<f64> {
+        let Some((rule, base)) = self.scale_lr else {
+            return Ok(self.lr);
+        };
+        let scaled = crate::schedule::scale_lr(self.lr, rule, self.batch_size, base)?;
+        log(&format!(
+            "learning rate {} scaled ({rule:?}, batch {} / base {base}) to {scaled}",
+            self.lr, self.batch_size
+        ));
+        Ok(scaled)
+    }
+
+    /// The learning-rate schedule from `lr` over the whole run, in optimizer steps for
+    /// `batches` loader batches per epoch (a step decay steps at each third of the run).
+    pub fn lr_schedule(&self, lr: f64, batches: usize) -> Result<crate::schedule::Schedule> {
+        use crate::schedule::Decay;
+        let steps = self.optimizer_steps(batches);
+        let decay = match self.schedule {
+            Decay::Step { gamma, .. } => Decay::Step {
+                step_size: (steps * self.epochs / 3).max(1),
+                gamma,
+            },
+            d => d,
+        };
+        crate::schedule::Schedule::new(lr, self.warmup_epochs * steps, self.epochs * steps, decay)
+    }
+
     /// The hyperparameters a resumed run must share with the original, by name
     /// (`hparams.json`).
     pub fn hyperparameters(&self) -> BTreeMap<&'static str, String> {

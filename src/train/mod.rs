@@ -57,7 +57,6 @@ use burn::prelude::*;
 use hearth_datasets::ImageSet;
 use hearth_models::ModelConfig;
 
-use crate::schedule::scale_lr;
 use crate::{HearthError, Result};
 
 /// Epoch -> column -> value: the rows of `metrics.csv`.
@@ -201,17 +200,7 @@ impl<'a> Run<'a> {
         let (rank, world) = dist.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
         let loaders = sets::Loaders::new(cfg, train_set, val_set, rank, world)?;
         let config = model::model_config(&cfg.model, classes.len())?;
-        let lr = match cfg.scale_lr {
-            Some((rule, base)) => {
-                let scaled = scale_lr(cfg.lr, rule, cfg.batch_size, base)?;
-                log(&format!(
-                    "learning rate {} scaled ({rule:?}, batch {} / base {base}) to {scaled}",
-                    cfg.lr, cfg.batch_size
-                ));
-                scaled
-            }
-            None => cfg.lr,
-        };
+        let lr = cfg.scaled_lr(log)?;
         // Resume: burn's checkpointer restores model, optimizer and scheduler of the last
         // complete epoch; data order, augmentation and the model's random stream are functions
         // of (seed, epoch); the earlier epochs' metrics come back from metrics.csv.

@@ -15,7 +15,7 @@ use super::{
     CsvMetricLogger, EpochTable, ImagesPerSecond, LoaderAdapter, NonFinite, PlainRenderer, Task,
     TrainConfig,
 };
-use crate::schedule::{Decay, Schedule};
+use crate::schedule::Schedule;
 use crate::{HearthError, Result};
 
 /// Epochs `first + 1 ..= last` of the run, starting from checkpoint `first` when it is not 0.
@@ -39,20 +39,7 @@ impl<T: Task> Phase<'_, T> {
     /// the scheduler once per optimizer step, so with gradient accumulation K that is a K-th of
     /// the batches); a resumed phase continues at its iteration.
     fn schedule(&self, cfg: &TrainConfig) -> Result<Schedule> {
-        let steps = cfg.optimizer_steps(self.batches_per_epoch);
-        let decay = match cfg.schedule {
-            Decay::Step { gamma, .. } => Decay::Step {
-                step_size: (steps * cfg.epochs / 3).max(1),
-                gamma,
-            },
-            d => d,
-        };
-        Schedule::new(
-            self.lr,
-            cfg.warmup_epochs * steps,
-            cfg.epochs * steps,
-            decay,
-        )
+        cfg.lr_schedule(self.lr, self.batches_per_epoch)
     }
 
     pub fn run(

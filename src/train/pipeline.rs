@@ -154,7 +154,7 @@ pub(super) fn train(
         classes,
         loaders,
         table: EpochTable::default(),
-        lr: lr_schedule(cfg, steps_per_epoch)?,
+        lr: cfg.lr_schedule(cfg.scaled_lr(log)?, steps_per_epoch)?,
         steps_per_epoch,
     };
     run.train(started, log)
@@ -195,22 +195,6 @@ fn split(
     Ok(ranges)
 }
 
-/// Warmup then decay over the whole run, in optimizer steps (one per batch).
-fn lr_schedule(cfg: &TrainConfig, steps: usize) -> Result<LrSchedule> {
-    let lr = match cfg.scale_lr {
-        Some((rule, base)) => crate::schedule::scale_lr(cfg.lr, rule, cfg.batch_size, base)?,
-        None => cfg.lr,
-    };
-    let decay = match cfg.schedule {
-        crate::schedule::Decay::Step { gamma, .. } => crate::schedule::Decay::Step {
-            step_size: (steps * cfg.epochs / 3).max(1),
-            gamma,
-        },
-        d => d,
-    };
-    LrSchedule::new(lr, cfg.warmup_epochs * steps, cfg.epochs * steps, decay)
-}
-
 /// `run_dir/checkpoint/stage-<s>`.
 fn stage_dir(run_dir: &Path, stage: usize) -> PathBuf {
     run_dir.join("checkpoint").join(format!("stage-{stage}"))
@@ -236,19 +220,7 @@ pub fn complete_pipeline_checkpoints(run_dir: &Path, stages: usize) -> BTreeSet<
 
 /// Epochs for which stage `stage` has both its model and optimizer files.
 fn stage_epochs(run_dir: &Path, stage: usize) -> BTreeSet<usize> {
-    std::fs::read_dir(stage_dir(run_dir, stage))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().to_string();
-            name.strip_prefix("model-")?
-                .strip_suffix(".bpk")?
-                .parse::<usize>()
-                .ok()
-        })
-        .filter(|&e| optim_file(run_dir, stage, e).is_file())
-        .collect()
+    run_dir::checkpoints_in(&stage_dir(run_dir, stage), &["model", "optim"])
 }
 
 impl PipelineRun<'_> {
@@ -427,12 +399,9 @@ impl PipelineRun<'_> {
 
     /// Micro-batches whose activations stage `s` holds at once under the schedule.
     fn in_flight(&self, s: usize) -> usize {
-        match self.opts.schedule {
-            burn_dist::pipeline::Schedule::GPipe => self.opts.micro_batches,
-            burn_dist::pipeline::Schedule::OneFOneB => {
-                (self.grid.stages - s).min(self.opts.micro_batches)
-            }
-        }
+        self.opts
+            .schedule
+            .held(s, self.grid.stages, self.opts.micro_batches)
     }
 
     fn train(mut self, started: Instant, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {

@@ -49,24 +49,30 @@ const CHECKPOINT_PARTS: [&str; 3] = ["model", "optim", "scheduler"];
 
 /// Epochs of `run_dir/checkpoint` whose model, optimizer and scheduler files all exist.
 pub fn complete_checkpoints(run_dir: &Path) -> BTreeSet<usize> {
-    let dir = run_dir.join("checkpoint");
-    let Ok(entries) = std::fs::read_dir(&dir) else {
+    checkpoints_in(&run_dir.join("checkpoint"), &CHECKPOINT_PARTS)
+}
+
+/// Epochs `e` for which `dir` holds `<part>-<e>.bpk` for every one of `parts` (the first part
+/// names the candidates).
+pub fn checkpoints_in(dir: &Path, parts: &[&str]) -> BTreeSet<usize> {
+    let Some(first) = parts.first() else {
         return BTreeSet::new();
     };
-    let epochs: BTreeSet<usize> = entries
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return BTreeSet::new();
+    };
+    let prefix = format!("{first}-");
+    entries
         .flatten()
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
-            name.strip_prefix("model-")?
+            name.strip_prefix(&prefix)?
                 .strip_suffix(".bpk")?
                 .parse::<usize>()
                 .ok()
         })
-        .collect();
-    epochs
-        .into_iter()
         .filter(|e| {
-            CHECKPOINT_PARTS
+            parts
                 .iter()
                 .all(|part| dir.join(format!("{part}-{e}.bpk")).is_file())
         })

@@ -1,0 +1,212 @@
+//! Rendezvous: launcher variables, rank claims checked against certificates, tables.
+
+use super::*;
+
+fn info(vars: &[(&str, &str)]) -> Result<RankInfo> {
+    let map: BTreeMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    RankInfo::from_lookup(&|k| map.get(k).cloned())
+}
+
+#[test]
+fn every_launcher_s_variables_are_read() {
+    let h = info(&[
+        ("HEARTH_RANK", "2"),
+        ("HEARTH_WORLD_SIZE", "4"),
+        ("HEARTH_COORDINATOR", "10.0.0.1:5000"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (h.rank, h.world, h.coordinator.as_str(), h.source),
+        (2, 4, "10.0.0.1:5000", "HEARTH_*")
+    );
+    let t = info(&[
+        ("RANK", "1"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "host"),
+        ("MASTER_PORT", "29500"),
+        ("LOCAL_RANK", "1"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (t.rank, t.world, t.coordinator.as_str(), t.local_rank),
+        (1, 2, "host:29500", Some(1))
+    );
+    let s = info(&[
+        ("SLURM_PROCID", "3"),
+        ("SLURM_NTASKS", "8"),
+        ("SLURM_JOB_NODELIST", "gpu[07-09,12],cpu1"),
+        ("SLURM_LOCALID", "1"),
+    ])
+    .unwrap();
+    assert_eq!(
+        (s.rank, s.world, s.coordinator.as_str()),
+        (3, 8, "gpu07:29400")
+    );
+    let s2 = info(&[
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_LAUNCH_NODE_IPADDR", "10.1.2.3"),
+        ("HEARTH_PORT", "7000"),
+    ])
+    .unwrap();
+    assert_eq!(s2.coordinator, "10.1.2.3:7000");
+    let o = info(&[
+        ("OMPI_COMM_WORLD_RANK", "1"),
+        ("OMPI_COMM_WORLD_SIZE", "2"),
+        ("HEARTH_COORDINATOR", "n0:1234"),
+    ])
+    .unwrap();
+    assert_eq!((o.rank, o.source), (1, "Open MPI"));
+    // HEARTH_* wins over torchrun's.
+    let both = info(&[
+        ("HEARTH_RANK", "0"),
+        ("HEARTH_WORLD_SIZE", "1"),
+        ("HEARTH_COORDINATOR", "a:1"),
+        ("RANK", "5"),
+        ("WORLD_SIZE", "9"),
+        ("MASTER_ADDR", "b"),
+        ("MASTER_PORT", "2"),
+    ])
+    .unwrap();
+    assert_eq!(both.rank, 0);
+}
+
+#[test]
+fn incomplete_or_wrong_variables_are_explained() {
+    let e = |v: &[(&str, &str)]| info(v).unwrap_err().to_string();
+    assert!(e(&[]).contains("HEARTH_RANK"));
+    assert!(e(&[("HEARTH_RANK", "x"), ("HEARTH_WORLD_SIZE", "2")]).contains("HEARTH_RANK=\"x\""));
+    assert!(
+        e(&[
+            ("HEARTH_RANK", "2"),
+            ("HEARTH_WORLD_SIZE", "2"),
+            ("HEARTH_COORDINATOR", "a:1")
+        ])
+        .contains("outside a world of 2")
+    );
+    assert!(e(&[("RANK", "0"), ("WORLD_SIZE", "2")]).contains("MASTER_ADDR"));
+    assert!(
+        e(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")])
+            .contains("HEARTH_COORDINATOR")
+    );
+}
+
+#[test]
+fn detect_is_none_without_variables_and_an_error_for_half_a_pair() {
+    let d = |vars: &[(&str, &str)]| {
+        let map: BTreeMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        RankInfo::detect_lookup(&|k| map.get(k).cloned())
+    };
+    assert!(d(&[]).unwrap().is_none());
+    assert!(d(&[("LOCAL_RANK", "0")]).unwrap().is_none());
+    let e = d(&[("RANK", "1")]).unwrap_err().to_string();
+    assert!(e.contains("RANK=\"1\"") && e.contains("WORLD_SIZE"), "{e}");
+    let e = d(&[("OMPI_COMM_WORLD_SIZE", "4")]).unwrap_err().to_string();
+    assert!(e.contains("OMPI_COMM_WORLD_RANK"), "{e}");
+    let e = d(&[("RANK", "0"), ("WORLD_SIZE", "2")])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("MASTER_ADDR"), "{e}");
+    let ok = d(&[
+        ("RANK", "1"),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "h"),
+        ("MASTER_PORT", "1"),
+    ])
+    .unwrap()
+    .unwrap();
+    assert_eq!((ok.rank, ok.world), (1, 2));
+}
+
+#[test]
+fn a_member_claiming_another_rank_is_refused_and_the_job_still_forms() {
+    use crate::transport::Transport;
+    let secret = Membership::secret("one job's shared secret value").unwrap();
+    // Rank 2's process (its certificate names rank 2) will say it is rank 1. Bound before
+    // the coordinator's port is picked, so the system cannot hand it that port.
+    let impostor = QuicNode::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        &Identity::new(&secret, 2).unwrap(),
+        &QuicOptions::loopback(),
+    )
+    .unwrap();
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .map(|a| a.port())
+        .unwrap();
+    let rank = move |r: usize| RankInfo {
+        rank: r,
+        world: 3,
+        local_rank: None,
+        coordinator: format!("127.0.0.1:{port}"),
+        source: "test",
+    };
+    let options = || RendezvousOptions {
+        timeout: Duration::from_secs(30),
+        quic: None,
+        bind_ip: None,
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let m = secret.clone();
+    let t0 = tx.clone();
+    std::thread::spawn(move || {
+        let _ = t0.send((0, connect(&rank(0), &m, &options()).map(|t| t.world())));
+    });
+    let endpoint = impostor.endpoint.clone();
+    let own_port = impostor.local_addr().unwrap().port();
+    let coordinator: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let refused = impostor.rt.block_on(async move {
+        let conn = loop {
+            match endpoint.connect(coordinator, SERVER_NAME).unwrap().await {
+                Ok(c) => break c,
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        };
+        let h = hello(1, own_port);
+        let _ = write_frame(&conn, Header::new(Kind::Hello, 0, 0, h.len()), h).await;
+        tokio::time::timeout(Duration::from_secs(20), conn.closed()).await
+    });
+    let reason = refused.expect("the coordinator must close the impostor's connection");
+    assert!(
+        format!("{reason}").contains("rank does not match"),
+        "{reason}"
+    );
+    for r in [1, 2] {
+        let (tx, m) = (tx.clone(), secret.clone());
+        std::thread::spawn(move || {
+            let _ = tx.send((r, connect(&rank(r), &m, &options()).map(|t| t.world())));
+        });
+    }
+    drop(tx);
+    for _ in 0..3 {
+        let (r, world) = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("a rank hung");
+        assert_eq!(world.unwrap_or_else(|e| panic!("rank {r}: {e}")), 3);
+    }
+}
+
+#[test]
+fn slurm_node_lists_give_their_first_host() {
+    assert_eq!(first_slurm_host("node1").as_deref(), Some("node1"));
+    assert_eq!(first_slurm_host("node[03-05,9]").as_deref(), Some("node03"));
+    assert_eq!(first_slurm_host("a[1,2],b[3-4]").as_deref(), Some("a1"));
+    assert_eq!(first_slurm_host("x1,y2").as_deref(), Some("x1"));
+    assert_eq!(first_slurm_host(""), None);
+}
+
+#[test]
+fn tables_round_trip_and_reject_garbage() {
+    let mut m = BTreeMap::new();
+    m.insert(0, "127.0.0.1:5000".parse().unwrap());
+    m.insert(1, "127.0.0.1:6000".parse().unwrap());
+    assert_eq!(parse_table(&table(&m), 2).unwrap(), m);
+    assert!(parse_table(&table(&m), 3).is_err());
+    assert!(parse_table(&[1, 2, 3], 2).is_err());
+}

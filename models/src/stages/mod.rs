@@ -1,0 +1,297 @@
+//! Models cut at their natural boundaries, for pipeline parallelism: a list of units, each a
+//! module that maps a feature map to the next one (the last unit maps it to logits).
+//!
+//! ResNet's units are the stem (convolution, batch norm, ReLU, max pool), each residual block,
+//! and the head (global pooling and the classifier). A pipeline stage is a contiguous range of
+//! units; [`ResNetConfig::init_units`] builds only that range, so a rank never holds the other
+//! stages' parameters, and [`ResNet::into_units`] cuts an existing model (for weights loaded
+//! whole, and for tests). This module knows nothing about networks or ranks.
+//!
+//! VGG's units are each convolution (with its batch norm, ReLU and the max pools around it) and
+//! the classifier (pooling and the three linear layers, which hold most of VGG's parameters).
+//!
+//! DenseNet's units are the stem, each dense layer (it maps the block's concatenation so far
+//! to that concatenation with its own `growth_rate` channels appended, so a block can be cut
+//! between any two layers), each transition, and the head (`norm5`, ReLU, pooling, the
+//! classifier). A block with its transition is the natural stage; the per-layer units let a
+//! split balance DenseNet's very uneven blocks.
+//!
+//! One file per family: `resnet.rs`, `vgg.rs`, `densenet.rs`; this file holds the [`Unit`]
+//! they share and the dispatch over [`crate::ModelConfig`] and [`crate::Classifier`].
+
+mod densenet;
+mod resnet;
+#[cfg(test)]
+mod tests;
+mod vgg;
+
+pub use densenet::{DenseHead, DenseStem};
+pub(crate) use resnet::stem_pool;
+pub use resnet::{ResNetHead, ResNetStem};
+use vgg::vgg_pool;
+pub use vgg::{VggConvUnit, VggHead};
+
+use std::ops::Range;
+
+use burn::module::Module;
+use burn::prelude::*;
+use burn::tensor::activation::relu;
+
+use crate::ModelError;
+use crate::densenet::{DenseLayer, DenseNet, Transition};
+use crate::resnet::{ResNet, ResidualBlock};
+use crate::vgg::Vgg;
+
+/// One unit of a model's natural split.
+#[derive(Module, Debug)]
+pub enum Unit {
+    ResNetStem(ResNetStem),
+    ResNetBlock(ResidualBlock),
+    ResNetHead(ResNetHead),
+    VggConv(VggConvUnit),
+    VggHead(VggHead),
+    DenseStem(DenseStem),
+    DenseLayer(DenseLayer),
+    DenseTransition(Transition),
+    DenseHead(DenseHead),
+}
+
+/// What a unit gives: the next feature map, or (the last unit) logits.
+#[derive(Debug, Clone)]
+pub enum UnitOutput {
+    Features(Tensor<4>),
+    Logits(Tensor<2>),
+}
+
+impl Unit {
+    pub fn forward(&self, x: Tensor<4>) -> UnitOutput {
+        match self {
+            Unit::ResNetStem(s) => {
+                UnitOutput::Features(s.maxpool.forward(relu(s.bn1.forward(s.conv1.forward(x)))))
+            }
+            Unit::ResNetBlock(b) => UnitOutput::Features(b.forward(x)),
+            Unit::ResNetHead(h) => {
+                UnitOutput::Logits(h.fc.forward(h.avgpool.forward(x).flatten(1, 3)))
+            }
+            Unit::VggConv(u) => {
+                let mut x = if u.pool_before {
+                    u.maxpool.forward(x)
+                } else {
+                    x
+                };
+                x = u.layer.conv.forward(x);
+                if let Some(bn) = &u.layer.bn {
+                    x = bn.forward(x);
+                }
+                x = relu(x);
+                UnitOutput::Features(if u.pool_after {
+                    u.maxpool.forward(x)
+                } else {
+                    x
+                })
+            }
+            Unit::VggHead(h) => {
+                let c = &h.classifier;
+                let x = h.avgpool.forward(x).flatten(1, 3);
+                let x = c.dropout.forward(relu(c.fc1.forward(x)));
+                let x = c.dropout.forward(relu(c.fc2.forward(x)));
+                UnitOutput::Logits(c.fc3.forward(x))
+            }
+            Unit::DenseStem(s) => {
+                UnitOutput::Features(s.pool0.forward(relu(s.norm0.forward(s.conv0.forward(x)))))
+            }
+            Unit::DenseLayer(l) => {
+                let new = l.new_features(x.clone());
+                UnitOutput::Features(Tensor::cat(vec![x, new], 1))
+            }
+            Unit::DenseTransition(t) => UnitOutput::Features(t.forward(x)),
+            Unit::DenseHead(h) => {
+                let x = h.avgpool.forward(relu(h.norm5.forward(x))).flatten(1, 3);
+                UnitOutput::Logits(h.classifier.forward(x))
+            }
+        }
+    }
+
+    /// What the unit is, in words (`hearth units`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Unit::ResNetStem(_) => "ResNet stem (conv1, bn1, ReLU, max pool)",
+            Unit::ResNetBlock(_) => "residual block",
+            Unit::ResNetHead(_) => "ResNet head (pooling, fc)",
+            Unit::VggConv(_) => "VGG convolution",
+            Unit::VggHead(_) => "VGG classifier (pooling, 3 linear layers)",
+            Unit::DenseStem(_) => "DenseNet stem (conv0, norm0, ReLU, pool0)",
+            Unit::DenseLayer(_) => "dense layer",
+            Unit::DenseTransition(_) => "transition",
+            Unit::DenseHead(_) => "DenseNet head (norm5, pooling, classifier)",
+        }
+    }
+
+    /// Learnable parameters (batch-norm running statistics excluded, as torchvision counts).
+    pub fn learnable_params(&self) -> usize {
+        crate::zoo::learnable_params_of(self)
+    }
+}
+
+impl crate::ModelConfig {
+    /// How many units the network has ([`Unit`]).
+    pub fn units(&self) -> usize {
+        match self {
+            crate::ModelConfig::ResNet(c) => c.units(),
+            crate::ModelConfig::Vgg(c) => c.units(),
+            crate::ModelConfig::DenseNet(c) => c.units(),
+        }
+    }
+
+    /// Builds units `range` only.
+    pub fn init_units(&self, range: Range<usize>, device: &Device) -> crate::Result<Vec<Unit>> {
+        match self {
+            crate::ModelConfig::ResNet(c) => c.init_units(range, device),
+            crate::ModelConfig::Vgg(c) => c.init_units(range, device),
+            crate::ModelConfig::DenseNet(c) => c.init_units(range, device),
+        }
+    }
+
+    /// Learnable parameters of every unit, in order, without allocating any (Burn's parameters
+    /// are initialised lazily, on first use).
+    pub fn unit_params(&self, device: &Device) -> crate::Result<Vec<usize>> {
+        Ok(self
+            .init_units(0..self.units(), device)?
+            .iter()
+            .map(Unit::learnable_params)
+            .collect())
+    }
+}
+
+impl crate::Classifier {
+    /// The network cut into its units (the same parameters, moved).
+    pub fn into_units(self) -> Vec<Unit> {
+        match self {
+            crate::Classifier::ResNet(m) => m.into_units(),
+            crate::Classifier::Vgg(m) => m.into_units(),
+            crate::Classifier::DenseNet(m) => m.into_units(),
+        }
+    }
+
+    /// The whole network from all its units in order (the inverse of [`Self::into_units`]);
+    /// an error naming the first unit that does not belong where it stands.
+    pub fn from_units(config: &crate::ModelConfig, units: Vec<Unit>) -> crate::Result<Self> {
+        let n = config.units();
+        let bad = |reason: String| ModelError::InvalidConfig {
+            model: "units",
+            reason,
+        };
+        if units.len() != n {
+            return Err(bad(format!(
+                "{} units given for a network of {n}",
+                units.len()
+            )));
+        }
+        let mut it = units.into_iter().enumerate();
+        let mut next = || it.next().ok_or_else(|| bad("too few units".into()));
+        let wrong = |i: usize, want: &str| bad(format!("unit {i} is not {want}"));
+        Ok(match config {
+            crate::ModelConfig::ResNet(cfg) => {
+                let (i, u) = next()?;
+                let Unit::ResNetStem(stem) = u else {
+                    return Err(wrong(i, "a ResNet stem"));
+                };
+                let mut layers: [Vec<ResidualBlock>; 4] = Default::default();
+                for (stage, &count) in cfg.layers.iter().enumerate() {
+                    for _ in 0..count {
+                        let (i, u) = next()?;
+                        let Unit::ResNetBlock(b) = u else {
+                            return Err(wrong(i, "a residual block"));
+                        };
+                        layers[stage].push(b);
+                    }
+                }
+                let (i, u) = next()?;
+                let Unit::ResNetHead(head) = u else {
+                    return Err(wrong(i, "a ResNet head"));
+                };
+                let [layer1, layer2, layer3, layer4] = layers;
+                crate::Classifier::ResNet(ResNet {
+                    conv1: stem.conv1,
+                    bn1: stem.bn1,
+                    maxpool: stem.maxpool,
+                    layer1,
+                    layer2,
+                    layer3,
+                    layer4,
+                    avgpool: head.avgpool,
+                    fc: head.fc,
+                    head: head.head,
+                })
+            }
+            crate::ModelConfig::Vgg(_) => {
+                let (mut features, mut pool_after, mut leading_pool) =
+                    (Vec::new(), Vec::new(), false);
+                for _ in 0..n - 1 {
+                    let (i, u) = next()?;
+                    let Unit::VggConv(c) = u else {
+                        return Err(wrong(i, "a VGG convolution"));
+                    };
+                    leading_pool |= i == 0 && c.pool_before;
+                    pool_after.push(c.pool_after);
+                    features.push(c.layer);
+                }
+                let (i, u) = next()?;
+                let Unit::VggHead(head) = u else {
+                    return Err(wrong(i, "a VGG classifier"));
+                };
+                crate::Classifier::Vgg(Vgg {
+                    features,
+                    pool_after,
+                    leading_pool,
+                    maxpool: vgg_pool(),
+                    avgpool: head.avgpool,
+                    classifier: head.classifier,
+                    head: head.head,
+                })
+            }
+            crate::ModelConfig::DenseNet(cfg) => {
+                let (i, u) = next()?;
+                let Unit::DenseStem(stem) = u else {
+                    return Err(wrong(i, "a DenseNet stem"));
+                };
+                let (mut blocks, mut transitions) = (Vec::new(), Vec::new());
+                for (b, &count) in cfg.block_config.iter().enumerate() {
+                    let mut layers = Vec::new();
+                    for _ in 0..count {
+                        let (i, u) = next()?;
+                        let Unit::DenseLayer(l) = u else {
+                            return Err(wrong(i, "a dense layer"));
+                        };
+                        layers.push(l);
+                    }
+                    blocks.push(crate::densenet::DenseBlock { layers });
+                    if b + 1 != cfg.block_config.len() {
+                        let (i, u) = next()?;
+                        let Unit::DenseTransition(t) = u else {
+                            return Err(wrong(i, "a transition"));
+                        };
+                        transitions.push(t);
+                    }
+                }
+                let (i, u) = next()?;
+                let Unit::DenseHead(head) = u else {
+                    return Err(wrong(i, "a DenseNet head"));
+                };
+                crate::Classifier::DenseNet(DenseNet {
+                    features: crate::densenet::DenseFeatures {
+                        conv0: stem.conv0,
+                        norm0: stem.norm0,
+                        pool0: stem.pool0,
+                        blocks,
+                        transitions,
+                        norm5: head.norm5,
+                    },
+                    avgpool: head.avgpool,
+                    classifier: head.classifier,
+                    head: head.head,
+                })
+            }
+        })
+    }
+}
