@@ -214,6 +214,26 @@ pub fn allreduce_grads_weighted<M: Module>(
     )
 }
 
+/// Sums `grads` across ranks after scaling this rank's by `scale` (elastic training: a rank's
+/// samples over the step's total, known from a collective the caller already ran, so the
+/// result is the mean over the global batch without another allreduce).
+pub fn allreduce_grads_scaled<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    comm: &Communicator,
+    bucket_bytes: usize,
+    scale: f32,
+) -> Result<()> {
+    reduce_grads(
+        module,
+        grads,
+        comm,
+        bucket_bytes,
+        Some(scale),
+        ReduceOp::Sum,
+    )
+}
+
 /// `grads` flattened in module order, each value scaled by `scale` if given, reduced with `op`
 /// bucket by bucket, and put back.
 fn reduce_grads<M: Module>(

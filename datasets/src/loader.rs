@@ -283,6 +283,12 @@ impl Loader {
         BatchStream::start(self.clone(), epoch, batches, device.clone())
     }
 
+    /// Streams the given batches (sample indices of the set, one list per batch) of `epoch`
+    /// onto `device`, prefetched by the loader's workers (elastic training's own steps).
+    pub fn stream(&self, epoch: u64, batches: Vec<Vec<usize>>, device: &Device) -> BatchStream {
+        BatchStream::start(self.clone(), epoch, batches, device.clone())
+    }
+
     /// Batches per rank in an epoch (the same on every rank unless padding is off).
     pub fn batches_per_epoch(&self) -> usize {
         let n = self

@@ -127,6 +127,22 @@ impl Membership {
         &self.current
     }
 
+    /// Takes over `epoch` as the current one (a process that becomes coordinator after the
+    /// previous one was lost, or a coordinator told of the epoch formed elsewhere); the hosts'
+    /// failure counts and the blacklist it kept are kept. Losses and leaves not yet decided on
+    /// are dropped, joiners already members too.
+    pub fn adopt(&mut self, epoch: Epoch) {
+        self.joining
+            .retain(|j| !epoch.members.iter().any(|m| m.id == j.id));
+        self.gone.clear();
+        self.current = epoch;
+    }
+
+    /// Workers waiting to join, in arrival order.
+    pub fn waiting(&self) -> impl Iterator<Item = &Worker> {
+        self.joining.iter()
+    }
+
     /// A worker asks to join; it is admitted at the next decision (if there is room).
     pub fn hello(&mut self, worker: Worker, now: Instant) -> Result<(), Refusal> {
         if let Some(&until) = self.blacklist.get(&worker.host) {

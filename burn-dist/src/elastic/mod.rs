@@ -25,6 +25,7 @@
 //! collective timeout), `hearth launch --elastic`, churn, the trainer integration and the
 //! benchmark.
 
+pub mod join;
 pub mod membership;
 pub mod reform;
 
@@ -133,9 +134,71 @@ pub fn offsets(shares: &[usize]) -> Vec<usize> {
         .collect()
 }
 
+/// The samples a step takes: the next `min(global, n - at)` positions of the epoch's order,
+/// from position `at` of `n`.
+pub fn step_len(n: usize, at: usize, global: usize) -> usize {
+    n.saturating_sub(at).min(global.max(1))
+}
+
+/// The positions in the epoch's order (of `n` samples) that worker `rank` of the workers with
+/// `weights` takes in the step starting at position `at`: its [`shares`] of the step's samples,
+/// in rank order. Only when an epoch's last step has fewer samples than there are workers is
+/// anything padded: each worker then takes one sample, the step's samples repeated in turn.
+/// Hence, while the workers change only between steps, every sample of an epoch is taken once
+/// and only once apart from that padding.
+pub fn step_positions(
+    n: usize,
+    at: usize,
+    global: usize,
+    weights: &[f64],
+    rank: usize,
+) -> Result<Vec<usize>> {
+    let r = step_len(n, at, global);
+    if r == 0 || rank >= weights.len() {
+        return Err(DistError::Config(format!(
+            "no step at position {at} of {n}, or worker {rank} of {}",
+            weights.len()
+        )));
+    }
+    if r < weights.len() {
+        return Ok(vec![at + rank % r]);
+    }
+    let s = shares(r, weights)?;
+    let start = at + offsets(&s)[rank];
+    Ok((start..start + s[rank]).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn steps_cover_an_epoch_once_across_changes_of_world_and_weights() {
+        let n = 103;
+        let mut seen = vec![0usize; n];
+        let mut at = 0;
+        let worlds: [&[f64]; 4] = [&[1.0; 3], &[1.0; 2], &[4.0, 1.0, 1.0, 2.0], &[1.0; 5]];
+        let mut step = 0;
+        while at < n {
+            let w = worlds[step % worlds.len()];
+            let len = step_len(n, at, 16);
+            for rank in 0..w.len() {
+                for p in step_positions(n, at, 16, w, rank).unwrap() {
+                    assert!((at..at + len).contains(&p));
+                    seen[p] += 1;
+                }
+            }
+            at += len;
+            step += 1;
+        }
+        assert!(seen.iter().all(|&c| c == 1), "{seen:?}");
+        // A tail shorter than the world is padded, one sample each.
+        let tail: Vec<Vec<usize>> = (0..4)
+            .map(|r| step_positions(10, 8, 4, &[1.0; 4], r).unwrap())
+            .collect();
+        assert_eq!(tail, vec![vec![8], vec![9], vec![8], vec![9]]);
+        assert!(step_positions(10, 10, 4, &[1.0], 0).is_err());
+    }
 
     #[test]
     fn even_shares_spread_the_remainder_over_the_first_workers() {

@@ -77,13 +77,24 @@ impl Announcement {
 
     /// Sends the announcement over the old world to every surviving member but this one.
     pub fn announce(&self, old: &dyn Transport) -> Result<()> {
+        let to: Vec<usize> = self.members.iter().flatten().copied().collect();
+        self.send_to(old, &to)
+    }
+
+    /// Sends the announcement over the old world to old ranks `to` (but this one), trying
+    /// every one; the first error is returned. An announcement with no members tells them the
+    /// job gave up.
+    pub fn send_to(&self, old: &dyn Transport, to: &[usize]) -> Result<()> {
         let bytes = self.encode();
-        for r in self.members.iter().flatten() {
-            if *r != old.rank() {
-                old.send(*r, Kind::Control, tag(self.epoch), bytes.clone())?;
+        let mut first = None;
+        for &r in to {
+            if r != old.rank()
+                && let Err(e) = old.send(r, Kind::Control, tag(self.epoch), bytes.clone())
+            {
+                first.get_or_insert(e);
             }
         }
-        Ok(())
+        first.map_or(Ok(()), Err)
     }
 
     /// Waits on the old world for epoch `epoch`'s announcement from old rank `from`.

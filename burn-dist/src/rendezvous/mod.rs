@@ -288,7 +288,10 @@ fn parse_table(b: &[u8], world: usize) -> Result<BTreeMap<usize, SocketAddr>> {
     Ok(out)
 }
 
-async fn recv_control(conn: &Connection, kind: Kind) -> std::result::Result<Vec<u8>, String> {
+pub(crate) async fn recv_control(
+    conn: &Connection,
+    kind: Kind,
+) -> std::result::Result<Vec<u8>, String> {
     let mut s = conn.accept_uni().await.map_err(|e| e.to_string())?;
     // Control messages (hello, table) are small.
     let (h, payload) = read_frame(&mut s, 1 << 20).await?;
@@ -315,6 +318,40 @@ pub fn connect_epoch(
     options: &RendezvousOptions,
     epoch: u32,
 ) -> Result<QuicTransport> {
+    connect_epoch_on(None, info, membership, options, epoch)
+}
+
+/// Binds a coordinator's endpoint on `ip` at a free port before the rendezvous, so an elastic
+/// job's new rank 0 can announce where it waits (its [`QuicNode::local_addr`]) and then run
+/// [`connect_epoch_on`] with it.
+pub fn bind_coordinator(
+    ip: IpAddr,
+    membership: &Membership,
+    options: &RendezvousOptions,
+) -> Result<QuicNode> {
+    let quic = options.quic.clone().unwrap_or_else(|| {
+        if ip.is_loopback() {
+            QuicOptions::loopback()
+        } else {
+            QuicOptions::default()
+        }
+    });
+    QuicNode::bind(
+        SocketAddr::new(ip, 0),
+        &Identity::new(membership, 0)?,
+        &quic,
+    )
+}
+
+/// [`connect_epoch`], rank 0 on an endpoint already bound by [`bind_coordinator`] (`None`:
+/// bind the coordinator address, as [`connect_epoch`] does).
+pub fn connect_epoch_on(
+    bound: Option<QuicNode>,
+    info: &RankInfo,
+    membership: &Membership,
+    options: &RendezvousOptions,
+    epoch: u32,
+) -> Result<QuicTransport> {
     let coordinator = info.coordinator_addr()?;
     let loopback = coordinator.ip().is_loopback();
     let quic = options.quic.clone().unwrap_or_else(|| {
@@ -336,7 +373,10 @@ pub fn connect_epoch(
     } else {
         SocketAddr::new(bind_ip, 0)
     };
-    let node = QuicNode::bind(bind, &identity, &quic)?;
+    let node = match bound {
+        Some(node) if info.rank == 0 => node,
+        _ => QuicNode::bind(bind, &identity, &quic)?,
+    };
     let deadline = Instant::now() + options.timeout;
     let peers = if info.rank == 0 {
         coordinate(&node, info, deadline, options.timeout, strict)?
