@@ -42,6 +42,9 @@ pub enum HearthError {
     Dist(#[from] burn_dist::DistError),
     #[error("launch: {0}")]
     Launch(String),
+    /// An elastic worker left the job gracefully (SIGTERM); not a failure: exit 0.
+    #[error("{id} left the elastic job gracefully after step {step}")]
+    LeftJob { id: String, step: u64 },
 }
 
 pub type Result<T> = std::result::Result<T, HearthError>;

@@ -81,6 +81,24 @@ struct LaunchArgs {
     /// Coordinator port on 127.0.0.1 (default: a free one).
     #[arg(long, default_value_t = 0)]
     port: u16,
+    /// An elastic job: workers may die, leave and join while it trains (the command should be
+    /// `hearth train --elastic ...`); -n workers start it.
+    #[arg(long)]
+    elastic: bool,
+    /// Fewest workers (passed to the workers as --min-workers).
+    #[arg(long, requires = "elastic")]
+    min: Option<usize>,
+    /// Most workers (passed as --max-workers; joiners beyond it are not started).
+    #[arg(long, requires = "elastic")]
+    max: Option<usize>,
+    /// Membership changes on a schedule, e.g. t=30s:-1,t=60s:+2 (-1 stops the newest worker
+    /// gracefully, -1! kills it, kill=w0 and term=w0 name one, +N starts N joiners).
+    #[arg(long, requires = "elastic")]
+    churn: Option<String>,
+    /// Host file (`HOST [slots=K]` per line), re-read when it changes: the number of local
+    /// workers to run.
+    #[arg(long, requires = "elastic")]
+    hosts: Option<PathBuf>,
     /// The command each rank runs, after `--`.
     #[arg(last = true, required = true)]
     command: Vec<String>,
@@ -183,6 +201,9 @@ fn launch_cmd(a: LaunchArgs) -> Result<()> {
     } else {
         PathBuf::from(program)
     };
+    if a.elastic {
+        return launch_elastic_cmd(&a, program, args);
+    }
     let outcome = hearth::launch::launch(&hearth::launch::LaunchConfig {
         nproc: a.nproc,
         program,
@@ -191,6 +212,50 @@ fn launch_cmd(a: LaunchArgs) -> Result<()> {
         prefix: true,
     })?;
     exit_with(outcome)
+}
+
+fn launch_elastic_cmd(a: &LaunchArgs, program: PathBuf, args: &[String]) -> Result<()> {
+    use hearth::launch::elastic::{
+        ElasticLaunchConfig, ElasticOutcome, launch_elastic, parse_churn,
+    };
+    let mut args = args.to_vec();
+    let has = |args: &[String], flag: &str| {
+        args.iter()
+            .any(|x| x == flag || x.starts_with(&format!("{flag}=")))
+    };
+    let max = a.max.unwrap_or(a.nproc.max(a.min.unwrap_or(1)));
+    if let Some(min) = a.min
+        && !has(&args, "--min-workers")
+    {
+        args.extend(["--min-workers".into(), min.to_string()]);
+    }
+    if !has(&args, "--max-workers") {
+        args.extend(["--max-workers".into(), max.to_string()]);
+    }
+    let churn = a
+        .churn
+        .as_deref()
+        .map(parse_churn)
+        .transpose()?
+        .unwrap_or_default();
+    let outcome = launch_elastic(&ElasticLaunchConfig {
+        nproc: a.nproc,
+        max,
+        program,
+        args,
+        churn,
+        hosts: a.hosts.clone(),
+    })?;
+    match outcome {
+        ElasticOutcome::Finished { by } => {
+            eprintln!("hearth launch: training finished ({by})");
+            Ok(())
+        }
+        ElasticOutcome::Failed { code } => {
+            eprintln!("error: every worker is gone and none finished the training");
+            std::process::exit(code.filter(|c| *c != 0).unwrap_or(1));
+        }
+    }
 }
 
 fn models() -> Result<()> {

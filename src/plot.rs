@@ -143,6 +143,76 @@ pub fn plot_metrics(rows: &Rows, out: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `world.png` of an elastic run: the number of workers over time (one point per step, drawn
+/// as steps: the size holds until the next point). Several runs can share one chart.
+pub fn plot_world(points: &[(f64, f64)], out: &Path) -> Result<()> {
+    plot_worlds(&[("workers", points)], out)
+}
+
+/// [`plot_world`] for several labelled runs (the elastic benchmark's fixed and churned runs).
+pub fn plot_worlds(runs: &[(&str, &[(f64, f64)])], out: &Path) -> Result<()> {
+    let err = |e: String| HearthError::Plot {
+        path: out.to_path_buf(),
+        reason: e,
+    };
+    let all = || runs.iter().flat_map(|(_, p)| p.iter());
+    if all().next().is_none() {
+        return Err(err("no steps to plot".into()));
+    }
+    let text = register_font();
+    let t_max = all().map(|p| p.0).fold(1.0f64, f64::max);
+    let w_max = all().map(|p| p.1).fold(1.0f64, f64::max);
+    let root = BitMapBackend::new(out, (900, 400)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let mut builder = ChartBuilder::on(&root);
+    builder.margin(12);
+    if text {
+        builder
+            .caption("workers over time", ("sans-serif", 22))
+            .x_label_area_size(35)
+            .y_label_area_size(45);
+    }
+    let mut chart = builder
+        .build_cartesian_2d(0f64..t_max * 1.02, 0f64..w_max + 1.0)
+        .map_err(|e| err(e.to_string()))?;
+    if text {
+        chart
+            .configure_mesh()
+            .x_desc("seconds")
+            .y_desc("workers")
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+    }
+    for (i, (label, points)) in runs.iter().enumerate() {
+        let colour = Palette99::pick(i).to_rgba();
+        let mut stepped = Vec::with_capacity(points.len() * 2);
+        for (j, p) in points.iter().enumerate() {
+            if j > 0 {
+                stepped.push((p.0, points[j - 1].1));
+            }
+            stepped.push(*p);
+        }
+        let s = chart
+            .draw_series(LineSeries::new(stepped, colour.stroke_width(2)))
+            .map_err(|e| err(e.to_string()))?;
+        if text {
+            let label = label.to_string();
+            s.label(label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour));
+        }
+    }
+    if text && runs.len() > 1 {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+    }
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
 /// `confusion.png`: the confusion matrix as a heat map (rows: true class, columns: predicted),
 /// each cell shaded by its share of the row and labelled with its count when text is available.
 pub fn plot_confusion(confusion: &[Vec<usize>], names: &[&str], out: &Path) -> Result<()> {

@@ -156,6 +156,66 @@ pub(crate) struct TrainArgs {
     /// How the stages are balanced when no --pipeline-split is given.
     #[arg(long, value_enum, default_value_t = PipelineBalance::Params, requires = "pipeline_stages")]
     pipeline_balance: PipelineBalance,
+    /// Elastic data parallelism: workers may join and leave between steps while the global
+    /// batch stays --batch-size (run under `hearth launch --elastic`, or join a running job
+    /// given HEARTH_ELASTIC_PEERS or --hosts).
+    #[arg(long, conflicts_with = "pipeline_stages")]
+    elastic: bool,
+    /// Fewest workers an elastic job trains with; below it, it waits --rejoin-timeout for
+    /// joiners, then saves its state and fails.
+    #[arg(long, default_value_t = 1, requires = "elastic")]
+    min_workers: usize,
+    /// Most workers an elastic job admits (later joiners wait for room).
+    #[arg(long, default_value_t = 64, requires = "elastic")]
+    max_workers: usize,
+    /// Seconds an elastic job below --min-workers waits for joiners.
+    #[arg(long, default_value_t = 300.0, requires = "elastic")]
+    rejoin_timeout: f64,
+    /// How an elastic job shares the global batch: even, or by each worker's measured speed.
+    #[arg(long, value_enum, default_value_t = hearth::train::Balance::Even, requires = "elastic")]
+    balance: hearth::train::Balance,
+    /// File of elastic join addresses (host:port per line), re-read while joining.
+    #[arg(long, requires = "elastic")]
+    hosts: Option<PathBuf>,
+}
+
+/// The elastic settings from the flags and the launcher's variables.
+fn elastic_options(a: &TrainArgs) -> Result<hearth::train::ElasticOptions> {
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+    if !(a.rejoin_timeout.is_finite() && a.rejoin_timeout > 0.0) {
+        bail!(
+            "--rejoin-timeout {} must be positive seconds",
+            a.rejoin_timeout
+        );
+    }
+    let join_addr = env("HEARTH_ELASTIC_ADDR")
+        .map(|v| {
+            v.parse()
+                .with_context(|| format!("HEARTH_ELASTIC_ADDR {v:?} is not host:port"))
+        })
+        .transpose()?;
+    Ok(hearth::train::ElasticOptions {
+        min_workers: a.min_workers,
+        max_workers: a.max_workers,
+        rejoin_timeout: std::time::Duration::from_secs_f64(a.rejoin_timeout),
+        balance: a.balance,
+        id: env("HEARTH_ELASTIC_ID"),
+        host: env("HEARTH_ELASTIC_HOST"),
+        join_addr,
+        peers: env("HEARTH_ELASTIC_PEERS")
+            .map(|v| {
+                v.split(',')
+                    .map(|p| p.trim().to_string())
+                    .filter(|p| !p.is_empty())
+                    .collect()
+            })
+            .unwrap_or_default(),
+        hosts_file: a
+            .hosts
+            .clone()
+            .or_else(|| env("HEARTH_ELASTIC_HOSTS").map(PathBuf::from)),
+        joiner: std::env::var_os("HEARTH_RANK").is_none(),
+    })
 }
 
 /// The training command line again, without `--nproc`, with an explicit run directory.
@@ -237,6 +297,12 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         Some(p) if a.nproc == 1 => p,
         _ => a.nproc,
     };
+    if a.elastic && !in_job && nproc > 1 {
+        bail!(
+            "--elastic with --nproc: start the workers with `hearth launch --elastic -n {nproc} \
+             --min M --max N -- hearth train --elastic ...`"
+        );
+    }
     if nproc > 1 && !in_job {
         let run_dir = a
             .resume
@@ -260,7 +326,7 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     // launcher variables are an error, never a silent single-process run.
     let dist = hearth::dist::rendezvous::RankInfo::detect()
         .context("reading the launcher's environment")?
-        .filter(|info| info.world > 1);
+        .filter(|info| info.world > 1 || a.elastic);
     let spec: DeviceSpec = device_name.parse()?;
     let spec = spec.for_local_rank(dist.as_ref().and_then(|d| d.local_rank));
     let device = spec.device()?;
@@ -275,6 +341,7 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         );
     }
     let augment = augmentation(&a)?;
+    let elastic = a.elastic.then(|| elastic_options(&a)).transpose()?;
     let (run_dir, resume) = match (a.resume, a.run_dir) {
         (Some(dir), _) => (dir, true),
         (None, Some(dir)) => (dir, false),
@@ -330,12 +397,21 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         }),
         None => None,
     };
+    cfg.elastic = elastic;
     cfg.dist = dist;
     let rank0 = cfg.dist.as_ref().is_none_or(|d| d.rank == 0);
     if rank0 {
         eprintln!("run directory: {}", cfg.run_dir.display());
     }
-    let report = train(&cfg, &device, &mut |line| eprintln!("{line}"))?;
+    let report = match train(&cfg, &device, &mut |line| eprintln!("{line}")) {
+        Ok(r) => r,
+        // A graceful elastic leave ends this worker, not the job.
+        Err(hearth::HearthError::LeftJob { id, step }) => {
+            eprintln!("{id} left the job after step {step}");
+            return Ok(());
+        }
+        Err(e) => return Err(e.into()),
+    };
     if report.rank != 0 {
         return Ok(());
     }

@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use crate::{HearthError, Result};
 
+pub mod elastic;
+
 /// How to start the ranks.
 #[derive(Debug, Clone)]
 pub struct LaunchConfig {
@@ -35,15 +37,18 @@ pub enum LaunchOutcome {
     },
 }
 
-fn free_port() -> Result<u16> {
+pub(crate) fn free_port() -> Result<u16> {
     std::net::UdpSocket::bind("127.0.0.1:0")
         .and_then(|s| s.local_addr())
         .map(|a| a.port())
         .map_err(|e| HearthError::Launch(format!("no free UDP port on 127.0.0.1: {e}")))
 }
 
-fn pump(
-    rank: usize,
+/// Copies `input`'s lines to our stdout or stderr, each prefixed with `[label]` when `prefix`;
+/// without it only `first`'s lines are shown, bare.
+pub(crate) fn pump(
+    label: String,
+    first: bool,
     input: impl std::io::Read + Send + 'static,
     err: bool,
     prefix: bool,
@@ -53,11 +58,11 @@ fn pump(
         for line in reader.split(b'\n') {
             let Ok(line) = line else { break };
             let text = String::from_utf8_lossy(&line);
-            if !prefix && rank != 0 {
+            if !prefix && !first {
                 continue;
             }
             let shown = if prefix {
-                format!("[rank {rank}] {text}\n")
+                format!("[{label}] {text}\n")
             } else {
                 format!("{text}\n")
             };
@@ -118,10 +123,22 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
                 ))
             })?;
         if let Some(out) = child.stdout.take() {
-            pumps.push(pump(rank, out, false, cfg.prefix));
+            pumps.push(pump(
+                format!("rank {rank}"),
+                rank == 0,
+                out,
+                false,
+                cfg.prefix,
+            ));
         }
         if let Some(err) = child.stderr.take() {
-            pumps.push(pump(rank, err, true, cfg.prefix));
+            pumps.push(pump(
+                format!("rank {rank}"),
+                rank == 0,
+                err,
+                true,
+                cfg.prefix,
+            ));
         }
         children.push(Some(child));
     }
@@ -171,7 +188,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
 }
 
 /// SIGKILL to the rank's whole process group (it leads one: see `process_group(0)`).
-fn kill_group(child: &mut Child) {
+pub(crate) fn kill_group(child: &mut Child) {
     if let Ok(pid) = i32::try_from(child.id()) {
         // SAFETY: kill(2) with a negative pid signals that process group; no memory is shared.
         unsafe {

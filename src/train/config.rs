@@ -14,6 +14,10 @@ pub const DEFAULT_MODEL: &str = "resnet-mini";
 /// A small VGG with batch norm and dropout (tests and quick runs of the VGG recipe).
 pub const MINI_VGG: &str = "vgg-mini";
 
+/// [`MINI_VGG`] without batch norm or dropout: a model whose training is a pure function of
+/// the batches (exact equivalence tests of distributed modes).
+pub const MINI_VGG_PLAIN: &str = "vgg-mini-plain";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum OptimizerKind {
     Sgd,
@@ -193,6 +197,8 @@ pub struct TrainConfig {
     pub compression: burn_dist::Compression,
     /// Pipeline model parallelism instead of pure data parallelism.
     pub pipeline: Option<PipelineOptions>,
+    /// Elastic data parallelism: workers join and leave, the global batch stays fixed.
+    pub elastic: Option<super::ElasticOptions>,
 }
 
 impl TrainConfig {
@@ -233,6 +239,7 @@ impl TrainConfig {
             bucket_bytes: burn_dist::bucket::DEFAULT_BUCKET_BYTES,
             compression: burn_dist::Compression::None,
             pipeline: None,
+            elastic: None,
         }
     }
 
@@ -276,6 +283,7 @@ impl TrainConfig {
             return bad("--grad-accum must be at least 1".into());
         }
         if let Some(d) = &self.dist
+            && self.elastic.is_none()
             && !self.batch_size.is_multiple_of(d.world)
         {
             return bad(format!(
@@ -318,6 +326,30 @@ impl TrainConfig {
                 return bad(format!(
                     "{what} does not work with --pipeline-stages yet; train data parallel instead"
                 ));
+            }
+        }
+        if let Some(e) = &self.elastic {
+            if e.min_workers == 0 || e.min_workers > e.max_workers {
+                return bad(format!(
+                    "--min-workers {} and --max-workers {} need 1 <= min <= max",
+                    e.min_workers, e.max_workers
+                ));
+            }
+            if self.batch_size < e.max_workers {
+                return bad(format!(
+                    "--batch-size {} (the global batch) must give each of --max-workers {} a sample",
+                    self.batch_size, e.max_workers
+                ));
+            }
+            let unsupported = [
+                (self.pipeline.is_some(), "--pipeline-stages"),
+                (self.labels.is_some(), "--labels (multi-label sets)"),
+                (self.freeze_backbone, "--freeze-backbone"),
+                (self.grad_accum.is_some(), "--grad-accum"),
+                (self.monitor == Monitor::ValAuroc, "--monitor val_auroc"),
+            ];
+            if let Some((_, what)) = unsupported.iter().find(|(on, _)| *on) {
+                return bad(format!("{what} does not work with --elastic yet"));
             }
         }
         Ok(())

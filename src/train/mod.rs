@@ -25,6 +25,7 @@ mod best;
 mod config;
 mod data;
 mod distributed;
+mod elastic;
 mod export;
 mod logger;
 mod model;
@@ -42,6 +43,7 @@ pub use config::{
     PipelineOptions, TrainConfig,
 };
 pub use data::{ImageBatch, LoaderAdapter};
+pub use elastic::{Balance, ElasticOptions, request_leave};
 pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
 pub use model::{epoch_seed, mini_resnet, mini_vgg, model_config};
 pub use render::PlainRenderer;
@@ -130,6 +132,9 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
     cfg.validate()?;
     if cfg.pipeline.is_some() {
         return pipeline::train(cfg, device, log);
+    }
+    if let Some(opts) = &cfg.elastic {
+        return elastic::train(cfg, opts, device, log);
     }
     let started = Instant::now();
     let dist = match &cfg.dist {

@@ -10,6 +10,7 @@ use hearth_models::{
     ModelConfig, ResNetConfig, VggConfig, VggLayer, load_torchvision,
 };
 
+use super::config::MINI_VGG_PLAIN;
 use super::{DEFAULT_MODEL, MINI_VGG, OptimizerKind, TrainConfig};
 use crate::Result;
 use crate::optim::LarsConfig;
@@ -43,6 +44,14 @@ pub fn model_config(name: &str, classes: usize) -> Result<ModelConfig> {
     match name {
         DEFAULT_MODEL => Ok(mini_resnet(classes)),
         MINI_VGG => Ok(mini_vgg(classes)),
+        MINI_VGG_PLAIN => {
+            let ModelConfig::Vgg(v) = mini_vgg(classes) else {
+                unreachable!("mini_vgg is a VGG")
+            };
+            let mut v = v.with_dropout(0.0);
+            v.batch_norm = false;
+            Ok(ModelConfig::Vgg(v))
+        }
         _ => Ok(Architecture::from_name(name)?.config(classes)),
     }
 }

@@ -1,0 +1,349 @@
+//! `hearth launch --elastic` and `hearth train --elastic` as real process trees on 127.0.0.1:
+//! a worker killed inside a step, a joiner, a graceful leave, rank 0 killed, a worker cut off
+//! (stopped: not a packet in or out), equivalence with a fixed world, uneven shares by
+//! throughput, and a soak of 50 membership events. Every run is bounded in time: a hang fails.
+//!
+//! Separate hosts as network namespaces are not used here yet: every worker runs on loopback,
+//! and "cut off" is a stopped process rather than a dropped link.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::tensors;
+
+/// 4 classes, 60 training and 10 validation images each, 32 pixels.
+fn data(dir: &Path) -> PathBuf {
+    let d = dir.join("data");
+    hearth::datasets::synth::generate(
+        &d,
+        &hearth::datasets::synth::SynthConfig::new(4, 60, 32)
+            .with_seed(7)
+            .with_val(10),
+    )
+    .unwrap();
+    d
+}
+
+struct Run {
+    ok: bool,
+    log: String,
+    dir: PathBuf,
+}
+
+impl Run {
+    /// Each worker's `final weights` fingerprint line: (worker, fingerprint, world size).
+    fn finals(&self) -> Vec<(String, String, usize)> {
+        self.log
+            .lines()
+            .filter_map(|l| {
+                let rest = l.split("] ").nth(1)?;
+                let (id, rest) = rest.split_once(": final weights ")?;
+                let mut words = rest.split_whitespace();
+                let fp = words.next()?.to_string();
+                let size = rest
+                    .rsplit(" of ")
+                    .next()?
+                    .trim_end_matches(')')
+                    .parse()
+                    .ok()?;
+                Some((id.to_string(), fp, size))
+            })
+            .collect()
+    }
+
+    /// World size per step from world.csv.
+    fn worlds(&self) -> Vec<usize> {
+        std::fs::read_to_string(self.dir.join("world.csv"))
+            .unwrap_or_default()
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.rsplit(',').next()?.parse().ok())
+            .collect()
+    }
+
+    /// Asserts the run finished, with `world` survivors holding identical weights.
+    fn check(&self, world: usize) {
+        assert!(self.ok, "the elastic run failed:\n{}", self.log);
+        let finals = self.finals();
+        assert_eq!(finals.len(), world, "survivors: {finals:?}\n{}", self.log);
+        assert!(
+            finals.iter().all(|f| f.1 == finals[0].1 && f.2 == world),
+            "every survivor holds the same weights: {finals:?}"
+        );
+        assert!(self.dir.join("model.bpk").is_file(), "exported model");
+    }
+}
+
+/// `hearth launch --elastic LAUNCH -- hearth train --elastic ...TRAIN` with `env`.
+fn elastic(data: &Path, run: &Path, launch: &[&str], train: &[&str], env: &[(&str, &str)]) -> Run {
+    let log = run.with_extension("log");
+    let file = std::fs::File::create(&log).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hearth"))
+        .args(["launch", "--elastic"])
+        .args(launch)
+        .args(["--", "hearth", "train", "--elastic", "--data"])
+        .arg(data)
+        .args([
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--batch-size",
+            "24",
+            "--lr",
+            "0.02",
+            "--warmup-epochs",
+            "0",
+            "--workers",
+            "1",
+            "--size",
+            "32",
+            "--augment",
+            "none",
+            "--model",
+            "vgg-mini-plain",
+        ])
+        .args(train)
+        .envs(env.iter().copied())
+        .env("HEARTH_COLLECTIVE_TIMEOUT", "60")
+        .stdout(Stdio::from(file.try_clone().unwrap()))
+        .stderr(Stdio::from(file))
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(240);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    Run {
+        ok: status.is_some_and(|s| s.success()),
+        log: std::fs::read_to_string(&log).unwrap_or_default(),
+        dir: run.to_path_buf(),
+    }
+}
+
+/// The last epoch's checkpoint as name -> values.
+fn last_checkpoint(run: &Path, epoch: usize) -> BTreeMap<String, Vec<f32>> {
+    tensors(&run.join("checkpoint").join(format!("model-{epoch}.bpk")))
+        .into_iter()
+        .collect()
+}
+
+fn assert_close(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: tensor sets");
+    let mut worst = 0f32;
+    for (name, x) in a {
+        let y = &b[name];
+        assert_eq!(x.len(), y.len(), "{what}: {name}");
+        for (p, q) in x.iter().zip(y) {
+            worst = worst.max((p - q).abs());
+        }
+    }
+    assert!(worst <= 1e-5, "{what}: max difference {worst}");
+}
+
+#[test]
+fn a_worker_killed_mid_step_a_joiner_and_a_graceful_leave_keep_training() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = data(tmp.path());
+    let run = elastic(
+        &d,
+        &tmp.path().join("run"),
+        &["-n", "3", "--min", "2", "--max", "4", "--churn", "t=0s:+1"],
+        &["--epochs", "12"],
+        &[
+            ("HEARTH_ELASTIC_DIE_AT_STEP", "w2:12"),
+            ("HEARTH_ELASTIC_LEAVE_AT_STEP", "w1:60"),
+            ("HEARTH_ELASTIC_THROTTLE", "w0:15,w1:15,w2:15,w3:15"),
+        ],
+    );
+    run.check(2);
+    let finals = run.finals();
+    let ids: Vec<&str> = finals.iter().map(|f| f.0.as_str()).collect();
+    assert!(ids.contains(&"w0") && ids.contains(&"w3"), "{ids:?}");
+    assert!(
+        run.log.contains("w1 left the job after step"),
+        "{}",
+        run.log
+    );
+    assert!(
+        run.log.contains("lost w2"),
+        "the loss was seen:\n{}",
+        run.log
+    );
+    let worlds = run.worlds();
+    assert_eq!(worlds.len(), 12 * 10, "every step of every epoch once");
+    assert_eq!(worlds.last(), Some(&2));
+    assert!(worlds.contains(&3), "{worlds:?}");
+}
+
+#[test]
+fn rank_0_killed_hands_coordination_to_the_lowest_survivor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = data(tmp.path());
+    let t = Instant::now();
+    let run = elastic(
+        &d,
+        &tmp.path().join("run"),
+        &["-n", "3", "--min", "2", "--max", "3"],
+        &["--epochs", "4"],
+        &[("HEARTH_ELASTIC_DIE_AT_STEP", "w0:15")],
+    );
+    run.check(2);
+    let ids: Vec<String> = run.finals().into_iter().map(|f| f.0).collect();
+    assert_eq!(ids.len(), 2);
+    assert!(!ids.contains(&"w0".to_string()), "{ids:?}");
+    assert!(
+        run.log
+            .contains("[w1] membership epoch 1: 2 workers [w1, w2]"),
+        "{}",
+        run.log
+    );
+    assert!(t.elapsed() < Duration::from_secs(120));
+}
+
+#[test]
+fn a_worker_cut_off_is_dropped_and_below_the_minimum_it_gives_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = data(tmp.path());
+    let run = elastic(
+        &d,
+        &tmp.path().join("run"),
+        &["-n", "3", "--min", "2", "--max", "3"],
+        &["--epochs", "4"],
+        &[("HEARTH_ELASTIC_FREEZE_AT_STEP", "w1:15")],
+    );
+    run.check(2);
+    assert!(run.log.contains("lost w1"), "{}", run.log);
+
+    // Two workers, minimum two: one dies, nobody joins within the rejoin timeout.
+    let run = elastic(
+        &d,
+        &tmp.path().join("short"),
+        &["-n", "2", "--min", "2", "--max", "2"],
+        &["--epochs", "4", "--rejoin-timeout", "3"],
+        &[("HEARTH_ELASTIC_DIE_AT_STEP", "w1:15")],
+    );
+    assert!(!run.ok, "{}", run.log);
+    assert!(run.log.contains("--min-workers 2"), "{}", run.log);
+    let state = tmp
+        .path()
+        .join("short")
+        .join("checkpoint")
+        .join("elastic.state");
+    assert!(state.is_file(), "the state is saved for --resume");
+}
+
+#[test]
+fn one_leave_and_one_join_equal_a_fixed_world_fed_the_same_batches() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = data(tmp.path());
+    let slow = ("HEARTH_ELASTIC_THROTTLE", "w0:40,w1:40,w2:40");
+    let fixed = elastic(
+        &d,
+        &tmp.path().join("fixed"),
+        &["-n", "2", "--min", "1", "--max", "2"],
+        &["--epochs", "4"],
+        &[slow],
+    );
+    fixed.check(2);
+    let churned = elastic(
+        &d,
+        &tmp.path().join("churned"),
+        &["-n", "2", "--min", "1", "--max", "3", "--churn", "t=0s:+1"],
+        &["--epochs", "4"],
+        // The joiner starts at once and is in by step 30 (it needs about a second), when w1
+        // leaves: 2 -> 3 -> 2 workers.
+        &[slow, ("HEARTH_ELASTIC_LEAVE_AT_STEP", "w1:30")],
+    );
+    churned.check(2);
+    let worlds = churned.worlds();
+    assert!(
+        worlds.contains(&3) && worlds.last() == Some(&2),
+        "{worlds:?}\n{}",
+        churned.log
+    );
+    assert_close(
+        &last_checkpoint(&fixed.dir, 4),
+        &last_checkpoint(&churned.dir, 4),
+        "leave and join vs fixed world",
+    );
+}
+
+#[test]
+fn uneven_shares_by_throughput_equal_one_process_on_the_global_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = data(tmp.path());
+    let one = elastic(
+        &d,
+        &tmp.path().join("one"),
+        &["-n", "1", "--max", "1"],
+        &["--epochs", "2"],
+        &[],
+    );
+    one.check(1);
+    let mixed = elastic(
+        &d,
+        &tmp.path().join("mixed"),
+        &["-n", "2", "--max", "2"],
+        &["--epochs", "2", "--balance", "throughput"],
+        &[("HEARTH_ELASTIC_THROTTLE", "w1:60")],
+    );
+    mixed.check(2);
+    assert!(
+        mixed
+            .log
+            .contains("shares of the global batch by throughput"),
+        "the slow worker got a smaller share:\n{}",
+        mixed.log
+    );
+    assert_close(
+        &last_checkpoint(&one.dir, 2),
+        &last_checkpoint(&mixed.dir, 2),
+        "uneven shares vs one process",
+    );
+}
+
+#[test]
+fn a_soak_of_fifty_joins_and_leaves_ends_with_identical_survivors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = data(tmp.path());
+    // 25 joiners and 25 graceful leaves of the newest worker, alternating.
+    let churn: Vec<String> = (0..25)
+        .flat_map(|i| {
+            let t = 1.0 + 1.2 * i as f64;
+            [format!("t={t:.1}s:+1"), format!("t={:.1}s:-1", t + 0.6)]
+        })
+        .collect();
+    let throttle: Vec<String> = (0..40).map(|i| format!("w{i}:20")).collect();
+    let run = elastic(
+        &d,
+        &tmp.path().join("run"),
+        &[
+            "-n",
+            "2",
+            "--min",
+            "1",
+            "--max",
+            "4",
+            "--churn",
+            &churn.join(","),
+        ],
+        &["--epochs", "60"],
+        &[("HEARTH_ELASTIC_THROTTLE", &throttle.join(","))],
+    );
+    assert!(run.ok, "{}", run.log);
+    let finals = run.finals();
+    assert!(!finals.is_empty(), "{}", run.log);
+    assert!(finals.iter().all(|f| f.1 == finals[0].1), "{finals:?}");
+    let changes = run.log.matches("] membership epoch ").count();
+    assert!(changes >= 25, "{changes} membership epochs:\n{}", run.log);
+}
