@@ -181,41 +181,21 @@ pub(crate) struct TrainArgs {
 
 /// The elastic settings from the flags and the launcher's variables.
 fn elastic_options(a: &TrainArgs) -> Result<hearth::train::ElasticOptions> {
-    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
     if !(a.rejoin_timeout.is_finite() && a.rejoin_timeout > 0.0) {
         bail!(
             "--rejoin-timeout {} must be positive seconds",
             a.rejoin_timeout
         );
     }
-    let join_addr = env("HEARTH_ELASTIC_ADDR")
-        .map(|v| {
-            v.parse()
-                .with_context(|| format!("HEARTH_ELASTIC_ADDR {v:?} is not host:port"))
-        })
-        .transpose()?;
     Ok(hearth::train::ElasticOptions {
         min_workers: a.min_workers,
         max_workers: a.max_workers,
         rejoin_timeout: std::time::Duration::from_secs_f64(a.rejoin_timeout),
         balance: a.balance,
-        id: env("HEARTH_ELASTIC_ID"),
-        host: env("HEARTH_ELASTIC_HOST"),
-        join_addr,
-        peers: env("HEARTH_ELASTIC_PEERS")
-            .map(|v| {
-                v.split(',')
-                    .map(|p| p.trim().to_string())
-                    .filter(|p| !p.is_empty())
-                    .collect()
-            })
-            .unwrap_or_default(),
-        hosts_file: a
-            .hosts
-            .clone()
-            .or_else(|| env("HEARTH_ELASTIC_HOSTS").map(PathBuf::from)),
-        joiner: std::env::var_os("HEARTH_RANK").is_none(),
-    })
+        hosts_file: a.hosts.clone(),
+        ..Default::default()
+    }
+    .with_env()?)
 }
 
 /// The training command line again, without `--nproc`, with an explicit run directory.

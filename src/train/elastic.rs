@@ -112,6 +112,33 @@ impl Default for ElasticOptions {
 }
 
 impl ElasticOptions {
+    /// Fills in what the launcher says about this worker: `HEARTH_ELASTIC_ID`,
+    /// `HEARTH_ELASTIC_HOST`, `HEARTH_ELASTIC_ADDR` (its join address), `HEARTH_ELASTIC_PEERS`
+    /// (join addresses to try, comma-separated), `HEARTH_ELASTIC_HOSTS` (a file of them, unless
+    /// one is set), and whether it joins a running job (no `HEARTH_RANK`).
+    pub fn with_env(mut self) -> Result<Self> {
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        self.id = env("HEARTH_ELASTIC_ID").or(self.id);
+        self.host = env("HEARTH_ELASTIC_HOST").or(self.host);
+        if let Some(v) = env("HEARTH_ELASTIC_ADDR") {
+            self.join_addr = Some(v.trim().parse().map_err(|_| {
+                HearthError::InvalidArgument(format!("HEARTH_ELASTIC_ADDR {v:?} is not IP:port"))
+            })?);
+        }
+        if let Some(v) = env("HEARTH_ELASTIC_PEERS") {
+            self.peers = v
+                .split(',')
+                .map(|p| p.trim().to_string())
+                .filter(|p| !p.is_empty())
+                .collect();
+        }
+        if self.hosts_file.is_none() {
+            self.hosts_file = env("HEARTH_ELASTIC_HOSTS").map(PathBuf::from);
+        }
+        self.joiner = std::env::var_os("HEARTH_RANK").is_none();
+        Ok(self)
+    }
+
     /// The join addresses to try: the peers given, then the host file's lines.
     fn join_addresses(&self) -> Vec<String> {
         let mut out = self.peers.clone();
@@ -154,6 +181,9 @@ struct Commit {
     /// Seconds of training so far (rank 0's clock), and when this epoch started.
     elapsed: f64,
     epoch_started: f64,
+    /// The run's start on the wall clock (seconds since 1970), which all members share: time
+    /// spent on changes counts too.
+    start_unix: f64,
     /// Worker-seconds spent so far (world size integrated over time).
     worker_seconds: f64,
     /// Per step: (step, seconds, world size).
@@ -245,6 +275,12 @@ fn fingerprint(model: &Classifier) -> u64 {
         }
     }
     h
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Tags of the survivors' greetings after a failure, by membership epoch.
@@ -386,6 +422,7 @@ impl ElasticRun<'_> {
             sums: [0.0; 3],
             elapsed: 0.0,
             epoch_started: 0.0,
+            start_unix: unix_now(),
             worker_seconds: 0.0,
             world_log: Vec::new(),
             rows: EpochRows::new(),
@@ -571,6 +608,7 @@ impl ElasticRun<'_> {
             "join": join,
             "step": c.step, "epoch": c.epoch, "position": c.position,
             "sums": c.sums, "elapsed": c.elapsed, "epoch_started": c.epoch_started,
+            "start_unix": c.start_unix,
             "worker_seconds": c.worker_seconds,
             "world_log": c.world_log,
             "rows": rows,
@@ -668,6 +706,7 @@ impl ElasticRun<'_> {
                 sums[2].as_f64().unwrap_or(0.0),
             ],
             elapsed: num("elapsed")?,
+            start_unix: num("start_unix")?,
             epoch_started: num("epoch_started")?,
             worker_seconds: num("worker_seconds")?,
             world_log,
@@ -707,9 +746,11 @@ impl ElasticRun<'_> {
                 path.display()
             ))
         })?;
-        let (_, _, c) = self.decode(&bytes).map_err(|e| {
+        let (_, _, mut c) = self.decode(&bytes).map_err(|e| {
             HearthError::InvalidArgument(format!("--resume: {}: {e}", path.display()))
         })?;
+        // The clock goes on from where the saved run stopped.
+        c.start_unix = unix_now() - c.elapsed;
         Ok(c)
     }
 
@@ -782,7 +823,6 @@ impl ElasticRun<'_> {
         let n = self.loaders.train.set().len();
         let global = self.cfg.batch_size;
         let mut stream: Option<(u64, u64, BatchStream)> = None;
-        let origin = self.started - Duration::from_secs_f64(commit.elapsed);
         loop {
             if commit.finished {
                 return Ok(Interrupt::Done);
@@ -889,7 +929,7 @@ impl ElasticRun<'_> {
             let lr = self.lr.lr_at(commit.step as usize);
             let model = commit.model.clone();
             commit.model = commit.optim.step(lr, model, grads);
-            let now = origin.elapsed().as_secs_f64();
+            let now = unix_now() - commit.start_unix;
             commit.worker_seconds += (now - commit.elapsed).max(0.0) * w as f64;
             commit.elapsed = now;
             commit.step += 1;

@@ -16,14 +16,11 @@
 //! the same global batches. A collective is not atomic: when a loss is announced, one survivor
 //! may have finished the step another abandons, so their last commits can differ by a step;
 //! every new epoch therefore starts from its rank 0's commit, sent to all members, which makes
-//! every member's state identical again. Over QUIC ([`reform`]): the lowest survivor announces the next
-//! epoch over the links that survived (`Transport::accept_losses` lets them carry it), and the
-//! members form the new world by rendezvous stamped with the epoch; the same test grows the
-//! world again for a joiner. Not built yet: the join service (a new process reaching the
-//! coordinator; the test hands it the announcement), failure propagation so every survivor
-//! learns of a loss at once (today a survivor not next to the dead rank waits for its
-//! collective timeout), `hearth launch --elastic`, churn, the trainer integration and the
-//! benchmark.
+//! every member's state identical again. Over QUIC ([`reform`]): the lowest survivor announces the
+//! next epoch over the links that survived (`Transport::accept_losses` lets them carry it), and
+//! the members form the new world by rendezvous stamped with the epoch; joiners reach the
+//! coordinator through the members' [`join`] services. The training loop that drives all this
+//! (`hearth train --elastic`) lives in hearth's `src/train/elastic.rs`.
 
 pub mod join;
 pub mod membership;
