@@ -16,10 +16,10 @@
 //! `HEARTH_ELASTIC_PEERS` (see the README).
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
-use super::{free_port, kill_group, pump};
+use super::{child_command, free_port, kill_group, pump};
 use crate::{HearthError, Result};
 
 /// One change of the `--churn` schedule.
@@ -215,17 +215,7 @@ impl Launcher<'_> {
         let id = format!("w{slot}");
         let join = format!("127.0.0.1:{}", free_port()?);
         self.join_addrs.push(join.clone());
-        let mut command = Command::new(&self.cfg.program);
-        std::os::unix::process::CommandExt::process_group(&mut command, 0);
-        // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-        unsafe {
-            std::os::unix::process::CommandExt::pre_exec(&mut command, || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        let mut command = child_command(&self.cfg.program);
         command
             .args(&self.cfg.args)
             .env("HEARTH_JOB_SECRET", &self.secret)

@@ -75,6 +75,24 @@ pub(crate) fn pump(
     })
 }
 
+/// A command for a rank or worker: in its own process group, so stopping it stops whatever it
+/// started too; out of the terminal's process group Ctrl-C no longer reaches it, so the kernel
+/// kills it when the launcher dies, however it dies.
+pub(crate) fn child_command(program: &std::path::Path) -> Command {
+    let mut command = Command::new(program);
+    std::os::unix::process::CommandExt::process_group(&mut command, 0);
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    command
+}
+
 /// Starts the ranks and waits for them (see the module docs).
 pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
     if cfg.nproc == 0 {
@@ -92,20 +110,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
     let mut children: Vec<Option<Child>> = Vec::new();
     let mut pumps = Vec::new();
     for rank in 0..cfg.nproc {
-        let mut command = Command::new(&cfg.program);
-        // Its own process group, so stopping a rank stops whatever it started too.
-        std::os::unix::process::CommandExt::process_group(&mut command, 0);
-        // Out of the terminal's process group, Ctrl-C no longer reaches the ranks: have the
-        // kernel kill each rank when the launcher dies, however it dies.
-        // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-        unsafe {
-            std::os::unix::process::CommandExt::pre_exec(&mut command, || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        let mut command = child_command(&cfg.program);
         let mut child = command
             .args(&cfg.args)
             .env("HEARTH_RANK", rank.to_string())

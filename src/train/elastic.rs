@@ -52,6 +52,7 @@ use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
 use super::best::{BestRule, Patience, best_epoch, model_checkpoint};
 use super::logger::{EpochTable, metrics_csv};
 use super::model::{SEED_LOCK, epoch_seed, init_model, model_config, optimizer};
+use super::pipeline::hits;
 use super::{EpochRows, TrainConfig, TrainReport, run_dir, sets};
 use crate::schedule::Schedule as LrSchedule;
 use crate::{HearthError, Result};
@@ -406,15 +407,20 @@ impl ElasticRun<'_> {
         }
     }
 
-    fn fresh_commit(&self) -> Result<Commit> {
-        let model = init_model(
+    /// The model, seeded as every run initialises it; commits load their weights into it.
+    fn skeleton(&self, device: &Device) -> Result<Classifier> {
+        init_model(
             self.cfg,
             &self.config,
             self.classes.len(),
             false,
-            &self.device,
+            device,
             &mut |_| {},
-        )?;
+        )
+    }
+
+    fn fresh_commit(&self) -> Result<Commit> {
+        let model = self.skeleton(&self.device)?;
         Ok(Commit {
             step: 0,
             epoch: 0,
@@ -688,14 +694,7 @@ impl ElasticRun<'_> {
             .map_err(|e| bad(format!("model: {e}")))?;
         let optim_record = OptimizerRecord::from_bytes(Bytes::from_bytes_vec(parts[2].to_vec()))
             .map_err(|e| bad(format!("optimizer: {e}")))?;
-        let skeleton = init_model(
-            self.cfg,
-            &self.config,
-            self.classes.len(),
-            false,
-            &self.device,
-            &mut |_| {},
-        )?;
+        let skeleton = self.skeleton(&self.device)?;
         let commit = Commit {
             step: num("step")? as u64,
             epoch: num("epoch")? as u64,
@@ -1299,15 +1298,7 @@ impl ElasticRun<'_> {
                     path.display()
                 ))
             })?;
-            let model = init_model(
-                self.cfg,
-                &self.config,
-                self.classes.len(),
-                false,
-                &self.plain_device,
-                &mut |_| {},
-            )?
-            .load_record(record);
+            let model = self.skeleton(&self.plain_device)?.load_record(record);
             save_model_with(
                 &model,
                 &self.config,
@@ -1440,16 +1431,4 @@ impl ElasticRun<'_> {
             log,
         )
     }
-}
-
-/// Samples of `logits` whose highest score is the class in `targets`.
-fn hits(logits: &Tensor<2>, targets: &Tensor<1, Int>) -> f64 {
-    logits
-        .clone()
-        .argmax(1)
-        .flatten::<1>(0, 1)
-        .equal(targets.clone())
-        .int()
-        .sum()
-        .into_scalar::<i64>() as f64
 }

@@ -802,7 +802,7 @@ fn images_and_classes(batch: hearth_datasets::Batch) -> Result<(Tensor<4>, Tenso
 }
 
 /// Samples of `logits` whose highest score is the class in `targets`.
-fn hits(logits: &Tensor<2>, targets: &Tensor<1, Int>) -> f64 {
+pub(super) fn hits(logits: &Tensor<2>, targets: &Tensor<1, Int>) -> f64 {
     logits
         .clone()
         .argmax(1)
