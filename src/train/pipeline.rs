@@ -815,6 +815,6 @@ pub(super) fn hits(logits: &Tensor<2>, targets: &Tensor<1, Int>) -> f64 {
 
 /// How long a stage waits for a neighbour (`HEARTH_COLLECTIVE_TIMEOUT`, default 120 s); a
 /// neighbour that dies is reported sooner by the transport.
-fn collective_timeout() -> Duration {
+pub(super) fn collective_timeout() -> Duration {
     burn_dist::rendezvous::env_secs("HEARTH_COLLECTIVE_TIMEOUT").unwrap_or(Duration::from_secs(120))
 }

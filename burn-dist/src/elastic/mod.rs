@@ -20,7 +20,7 @@
 //! next epoch over the links that survived (`Transport::accept_losses` lets them carry it), and
 //! the members form the new world by rendezvous stamped with the epoch; joiners reach the
 //! coordinator through the members' [`join`] services. The training loop that drives all this
-//! (`hearth train --elastic`) lives in hearth's `src/train/elastic.rs`.
+//! (`hearth train --elastic`) lives in hearth's `src/train/elastic/`.
 
 pub mod join;
 pub mod membership;

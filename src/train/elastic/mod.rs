@@ -1,0 +1,576 @@
+//! Elastic data parallelism as a training mode (`hearth train --elastic`, usually started by
+//! `hearth launch --elastic`): workers join and leave between optimizer steps, nobody restarts,
+//! and the global batch stays `--batch-size`.
+//!
+//! A step: every worker computes the gradient of its share of the step's samples
+//! ([`burn_dist::elastic::step_positions`]: the next `global` positions of the epoch's order,
+//! shared evenly or by measured throughput), then one small allreduce of the step's control
+//! vector (who asks to leave, whether joiners wait at rank 0, the step's loss and sample
+//! counts, each worker's samples per second), then the gradients summed with each worker's
+//! weighted by its samples over the step's total (so the update is the mean over the global
+//! batch, as one process would compute it), the optimizer step, and the commit: model,
+//! optimizer, step, epoch position and the epoch's metric sums move together. A step that
+//! fails anywhere (a peer killed, a cut link) commits nothing.
+//!
+//! Changes: a graceful leave (SIGTERM: finish the step, exit 0) or joiners waiting make every
+//! member see the same control vector, so all of them start the same change after the same
+//! step. A failure is seen by each survivor when its links to the dead worker time out (the
+//! full mesh of QUIC links, keep-alives every second, 5 s idle timeout on loopback); the
+//! survivors then greet each other over the links that still work and count who answered. In
+//! both cases the lowest surviving rank coordinates: it takes in the joiners waiting at its join
+//! service (refusing blacklisted hosts), waits up to `--rejoin-timeout` when fewer than
+//! `--min-workers` remain (then writes `checkpoint/elastic.state` and fails saying so), announces
+//! the next membership epoch over the old links, and runs its rendezvous; its committed state
+//! (model, optimizer, step, position, metrics so far) goes to every member of the new world,
+//! so all of them, joiners included, hold bit-identical state and go on from the same step.
+//! Rank 0 writes checkpoints and metrics; if it dies, the next rank 0 does.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::{GradientsParams, ModuleOptimizer, OptimizerRecord};
+use burn::prelude::*;
+use burn::store::ModuleRecord;
+use burn::tensor::Bytes;
+use burn_dist::elastic::join::{JoinService, Reply, Role, request_join};
+use burn_dist::elastic::membership::{Decision, Epoch, Limits, Membership, Worker};
+use burn_dist::elastic::reform::Announcement;
+use burn_dist::elastic::{broadcast_bytes, step_len, step_positions};
+use burn_dist::rendezvous::{RankInfo, RendezvousOptions, bind_coordinator, connect_epoch_on};
+use burn_dist::transport::quic::QuicTransport;
+use burn_dist::wire::Kind;
+use burn_dist::{Communicator, ReduceOp, Transport};
+use hearth_datasets::BatchStream;
+use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
+
+use super::best::{BestRule, Patience, best_epoch, model_checkpoint};
+use super::logger::{EpochTable, metrics_csv};
+use super::model::{SEED_LOCK, epoch_seed, init_model, model_config, optimizer};
+use super::pipeline::{collective_timeout, hits};
+use super::{EpochRows, TrainConfig, TrainReport, run_dir, sets};
+use crate::schedule::Schedule as LrSchedule;
+use crate::{HearthError, Result};
+
+/// How the global batch is shared between the workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Balance {
+    /// global / world each, the remainder to the first workers.
+    #[default]
+    Even,
+    /// In proportion to each worker's measured samples per second (re-measured as it trains),
+    /// so a slow worker and a fast one finish their steps together.
+    Throughput,
+}
+
+/// Elastic membership settings (`hearth train --elastic`).
+#[derive(Debug, Clone)]
+pub struct ElasticOptions {
+    pub min_workers: usize,
+    pub max_workers: usize,
+    /// How long a world below `min_workers` waits for joiners before giving up.
+    pub rejoin_timeout: Duration,
+    pub balance: Balance,
+    /// This worker's name in the job (`HEARTH_ELASTIC_ID`; initial workers default to `w<rank>`,
+    /// joiners to `<host>:<pid>`).
+    pub id: Option<String>,
+    /// The host its failures count against for the blacklist (`HEARTH_ELASTIC_HOST`; default:
+    /// the id).
+    pub host: Option<String>,
+    /// Where this worker listens for joiners (`HEARTH_ELASTIC_ADDR`; default 127.0.0.1 or
+    /// 0.0.0.0, any port).
+    pub join_addr: Option<SocketAddr>,
+    /// Join a running job through these join addresses instead of starting one
+    /// (`HEARTH_ELASTIC_PEERS`, comma-separated).
+    pub peers: Vec<String>,
+    /// A file of join addresses, one `host:port` per line, re-read while joining
+    /// (`--hosts` / `HEARTH_ELASTIC_HOSTS`).
+    pub hosts_file: Option<PathBuf>,
+    /// This process joins a running job (no `HEARTH_RANK`).
+    pub joiner: bool,
+}
+
+impl Default for ElasticOptions {
+    fn default() -> Self {
+        Self {
+            min_workers: 1,
+            max_workers: 64,
+            rejoin_timeout: Duration::from_secs(300),
+            balance: Balance::Even,
+            id: None,
+            host: None,
+            join_addr: None,
+            peers: Vec::new(),
+            hosts_file: None,
+            joiner: false,
+        }
+    }
+}
+
+impl ElasticOptions {
+    /// Fills in what the launcher says about this worker: `HEARTH_ELASTIC_ID`,
+    /// `HEARTH_ELASTIC_HOST`, `HEARTH_ELASTIC_ADDR` (its join address), `HEARTH_ELASTIC_PEERS`
+    /// (join addresses to try, comma-separated), `HEARTH_ELASTIC_HOSTS` (a file of them, unless
+    /// one is set), and whether it joins a running job (no `HEARTH_RANK`).
+    pub fn with_env(mut self) -> Result<Self> {
+        let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        self.id = env("HEARTH_ELASTIC_ID").or(self.id);
+        self.host = env("HEARTH_ELASTIC_HOST").or(self.host);
+        if let Some(v) = env("HEARTH_ELASTIC_ADDR") {
+            self.join_addr = Some(v.trim().parse().map_err(|_| {
+                HearthError::InvalidArgument(format!("HEARTH_ELASTIC_ADDR {v:?} is not IP:port"))
+            })?);
+        }
+        if let Some(v) = env("HEARTH_ELASTIC_PEERS") {
+            self.peers = v
+                .split(',')
+                .map(|p| p.trim().to_string())
+                .filter(|p| !p.is_empty())
+                .collect();
+        }
+        if self.hosts_file.is_none() {
+            self.hosts_file = env("HEARTH_ELASTIC_HOSTS").map(PathBuf::from);
+        }
+        self.joiner = std::env::var_os("HEARTH_RANK").is_none();
+        Ok(self)
+    }
+
+    /// The join addresses to try: the peers given, then the host file's lines.
+    fn join_addresses(&self) -> Vec<String> {
+        let mut out = self.peers.clone();
+        if let Some(f) = &self.hosts_file
+            && let Ok(text) = std::fs::read_to_string(f)
+        {
+            out.extend(
+                text.lines()
+                    .map(|l| l.split('#').next().unwrap_or("").trim())
+                    .filter(|l| !l.is_empty())
+                    .map(str::to_string),
+            );
+        }
+        out
+    }
+}
+
+/// Set by SIGTERM: leave after the current step.
+static LEAVE: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_sigterm(_: libc::c_int) {
+    LEAVE.store(true, Ordering::SeqCst);
+}
+
+/// Asks this process to leave gracefully after its current step (what SIGTERM does).
+pub fn request_leave() {
+    LEAVE.store(true, Ordering::SeqCst);
+}
+
+/// Everything a change of membership carries from the new rank 0 to every member.
+#[derive(Clone)]
+struct Commit {
+    /// Optimizer steps done in the whole run.
+    step: u64,
+    /// Data epoch in progress (0-based) and samples of it done.
+    epoch: u64,
+    position: u64,
+    /// This epoch's training loss x samples, correct predictions, samples.
+    sums: [f64; 3],
+    /// Seconds of training so far (rank 0's clock), and when this epoch started.
+    elapsed: f64,
+    epoch_started: f64,
+    /// The run's start on the wall clock (seconds since 1970), which all members share: time
+    /// spent on changes counts too.
+    start_unix: f64,
+    /// Worker-seconds spent so far (world size integrated over time).
+    worker_seconds: f64,
+    /// Per step: (step, seconds, world size).
+    world_log: Vec<(u64, f64, usize)>,
+    rows: EpochRows,
+    /// Early stopping decided, or the last epoch done.
+    finished: bool,
+    model: Classifier,
+    optim: ModuleOptimizer,
+}
+
+/// The current world of an elastic job.
+struct World {
+    number: u32,
+    transport: Arc<QuicTransport>,
+    comm: Communicator,
+    members: Vec<Worker>,
+    /// Each member's weight in the batch split.
+    weights: Vec<f64>,
+    /// Rank 0's join address, where other members send joiners.
+    coordinator_join: String,
+}
+
+impl World {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+}
+
+/// How a stretch of training in one world ended.
+enum Interrupt {
+    /// The run is over.
+    Done,
+    /// After a committed step, members asked to leave (their ranks) or joiners wait.
+    Planned { leaving: Vec<usize> },
+    /// A step failed (a peer lost).
+    Failed(String),
+}
+
+struct ElasticRun<'a> {
+    cfg: &'a TrainConfig,
+    opts: &'a ElasticOptions,
+    device: Device,
+    plain_device: Device,
+    config: ModelConfig,
+    classes: Vec<String>,
+    loaders: sets::Loaders,
+    lr: LrSchedule,
+    steps_per_epoch: usize,
+    membership: burn_dist::tls::Membership,
+    join: JoinService,
+    me: Worker,
+    coordinator: Membership,
+    started: Instant,
+    /// Samples per second of this worker's compute (moving average).
+    speed: f64,
+    /// The coordinator's endpoint bound for the next rendezvous, and the next members.
+    bound: Option<burn_dist::transport::quic::QuicNode>,
+    next_members: Option<Vec<Worker>>,
+    /// Test and benchmark hooks (see [`hook`]).
+    throttle: Option<u64>,
+    leave_at: Option<u64>,
+    die_at: Option<u64>,
+    freeze_at: Option<u64>,
+}
+
+/// A per-worker number from a test or benchmark hook variable `ID:N[,ID:N...]`
+/// (`HEARTH_ELASTIC_LEAVE_AT_STEP`: leave gracefully after step N, as SIGTERM would;
+/// `HEARTH_ELASTIC_DIE_AT_STEP`: SIGKILL itself inside step N, between the control and the
+/// gradient allreduce; `HEARTH_ELASTIC_FREEZE_AT_STEP`: SIGSTOP itself there, a worker cut
+/// off; `HEARTH_ELASTIC_THROTTLE`: N ms of extra compute per step, a slow worker).
+fn hook(name: &str, id: &str) -> Option<u64> {
+    std::env::var(name).ok()?.split(',').find_map(|part| {
+        let (who, n) = part.trim().split_once(':')?;
+        (who == id).then(|| n.parse().ok()).flatten()
+    })
+}
+
+/// A short fingerprint of a model's values (FNV-1a over the f32 bits), to show in logs that
+/// workers hold bit-identical weights.
+fn fingerprint(model: &Classifier) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in burn_dist::ddp::module_values(model).iter().flatten() {
+        for b in v.to_bits().to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    h
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Tags of the survivors' greetings after a failure, by membership epoch.
+fn greeting_tag(epoch: u32) -> u64 {
+    0xE1A6_0000_0000_0000 | u64::from(epoch)
+}
+
+/// Steps between re-measured throughput shares (`--balance throughput`).
+const REBALANCE_EVERY: u64 = 8;
+
+mod state;
+mod step;
+mod world;
+
+pub(super) fn train(
+    cfg: &TrainConfig,
+    opts: &ElasticOptions,
+    device: &Device,
+    log: &mut dyn FnMut(&str),
+) -> Result<TrainReport> {
+    let started = Instant::now();
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGTERM, on_sigterm as *const () as libc::sighandler_t);
+    }
+    let membership = burn_dist::tls::Membership::from_env()?;
+    if !matches!(membership, burn_dist::tls::Membership::Secret(_)) {
+        return Err(HearthError::InvalidArgument(
+            "--elastic needs a job secret (HEARTH_JOB_SECRET): members change ranks, which \
+             per-rank certificates cannot follow"
+                .into(),
+        ));
+    }
+    if cfg.data.is_none() {
+        return Err(HearthError::InvalidArgument(
+            "--elastic needs --data (workers start at different times, so none may generate the \
+             synthetic set for the others: write one with `hearth data synth`)"
+                .into(),
+        ));
+    }
+    let initial = cfg.dist.clone();
+    if initial.is_none() && !opts.joiner {
+        return Err(HearthError::InvalidArgument(
+            "--elastic runs under `hearth launch --elastic`, or joins a job given \
+             HEARTH_ELASTIC_PEERS or --hosts"
+                .into(),
+        ));
+    }
+    let loopback = initial.as_ref().is_none_or(|i| {
+        i.coordinator.starts_with("127.") || i.coordinator.starts_with("localhost")
+    });
+    let join_addr = opts.join_addr.unwrap_or(SocketAddr::new(
+        if loopback {
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        } else {
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+        },
+        0,
+    ));
+    let join = JoinService::bind(join_addr, &membership, Role::Busy)?;
+    let id = opts.id.clone().unwrap_or_else(|| match &initial {
+        Some(i) => format!("w{}", i.rank),
+        None => format!("{}:{}", join_addr.ip(), std::process::id()),
+    });
+    let me = Worker {
+        host: opts.host.clone().unwrap_or_else(|| id.clone()),
+        id,
+    };
+    let (train_set, val_set) = sets::load(cfg, &mut |_| {})?;
+    if train_set.multi_label {
+        return Err(HearthError::InvalidArgument(
+            "multi-label sets do not train with --elastic yet".into(),
+        ));
+    }
+    let classes = train_set.classes.clone();
+    let config = model_config(&cfg.model, classes.len())?;
+    let loaders = sets::Loaders::new(cfg, train_set, val_set, 0, 1)?;
+    let steps_per_epoch = loaders.train.set().len().div_ceil(cfg.batch_size).max(1);
+    let limits = Limits {
+        min: opts.min_workers,
+        max: opts.max_workers,
+        rejoin_timeout: opts.rejoin_timeout,
+        ..Limits::default()
+    };
+    let mut run = ElasticRun {
+        cfg,
+        opts,
+        device: device.clone().autodiff(),
+        plain_device: device.clone(),
+        config,
+        classes,
+        loaders,
+        lr: cfg.lr_schedule(cfg.scaled_lr(&mut |_| {})?, steps_per_epoch)?,
+        steps_per_epoch,
+        membership,
+        join,
+        coordinator: Membership::new(limits, Vec::new()),
+        me,
+        started,
+        speed: 0.0,
+        bound: None,
+        next_members: None,
+        throttle: None,
+        leave_at: None,
+        die_at: None,
+        freeze_at: None,
+    };
+    run.die_at = hook("HEARTH_ELASTIC_DIE_AT_STEP", &run.me.id);
+    run.freeze_at = hook("HEARTH_ELASTIC_FREEZE_AT_STEP", &run.me.id);
+    run.throttle = hook("HEARTH_ELASTIC_THROTTLE", &run.me.id);
+    run.leave_at = hook("HEARTH_ELASTIC_LEAVE_AT_STEP", &run.me.id);
+    let (world, commit) = match &initial {
+        Some(info) => run.first_world(info, log)?,
+        None => run.join_world(log)?,
+    };
+    run.train(world, commit, log)
+}
+
+impl ElasticRun<'_> {
+    fn log_rank0(&self, world: &World, log: &mut dyn FnMut(&str), line: &str) {
+        if world.rank() == 0 {
+            log(line);
+        }
+    }
+
+    /// The model, seeded as every run initialises it; commits load their weights into it.
+    fn skeleton(&self, device: &Device) -> Result<Classifier> {
+        init_model(
+            self.cfg,
+            &self.config,
+            self.classes.len(),
+            false,
+            device,
+            &mut |_| {},
+        )
+    }
+
+    fn fresh_commit(&self) -> Result<Commit> {
+        let model = self.skeleton(&self.device)?;
+        Ok(Commit {
+            step: 0,
+            epoch: 0,
+            position: 0,
+            sums: [0.0; 3],
+            elapsed: 0.0,
+            epoch_started: 0.0,
+            start_unix: unix_now(),
+            worker_seconds: 0.0,
+            world_log: Vec::new(),
+            rows: EpochRows::new(),
+            finished: false,
+            model,
+            optim: optimizer(self.cfg),
+        })
+    }
+
+    fn train(
+        mut self,
+        mut world: World,
+        mut commit: Commit,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<TrainReport> {
+        let n = self.loaders.train.set().len();
+        if n == 0 {
+            return Err(HearthError::InvalidArgument(
+                "the training set is empty".into(),
+            ));
+        }
+        loop {
+            let (leaving, lost) = match self.run_world(&mut world, &mut commit, log)? {
+                Interrupt::Done => break,
+                Interrupt::Planned { leaving } => (leaving, Vec::new()),
+                Interrupt::Failed(reason) => {
+                    log(&format!(
+                        "{}: step {} failed: {reason}",
+                        self.me.id,
+                        commit.step + 1
+                    ));
+                    let lost = self.lost_after_failure(&world);
+                    log(&format!(
+                        "{}: lost {}",
+                        self.me.id,
+                        lost.iter()
+                            .map(|&r| world.members[r].id.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ));
+                    (Vec::new(), lost)
+                }
+            };
+            if leaving.contains(&world.rank()) {
+                if leaving.len() == world.size() && world.rank() == 0 {
+                    self.save_state(&commit, &world)?;
+                    log(&format!(
+                        "every worker left: state saved in {} (--resume continues it)",
+                        self.state_file().display()
+                    ));
+                }
+                self.join.set_role(Role::Busy);
+                world.transport.shutdown(Duration::from_secs(5));
+                return Err(HearthError::LeftJob {
+                    id: self.me.id.clone(),
+                    step: commit.step,
+                });
+            }
+            let (next, next_commit) = self.change(&world, commit, &leaving, &lost, log)?;
+            world.transport.shutdown(Duration::from_secs(1));
+            world = next;
+            commit = next_commit;
+        }
+        self.finish(world, commit, log)
+    }
+
+    /// The end of the run: rank 0 exports the best epoch's weights and the plots.
+    fn finish(
+        &mut self,
+        world: World,
+        commit: Commit,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<TrainReport> {
+        world.comm.barrier()?;
+        self.join.set_role(Role::Busy);
+        log(&format!(
+            "{}: final weights {:016x} at step {} (rank {} of {})",
+            self.me.id,
+            fingerprint(&commit.model),
+            commit.step,
+            world.rank(),
+            world.size()
+        ));
+        let rows = commit.rows.clone();
+        let best = best_epoch(&rows, self.cfg.monitor, self.cfg.min_delta).ok_or_else(|| {
+            HearthError::Training(format!(
+                "no epoch has a {} value to pick the best one by",
+                self.cfg.monitor.column()
+            ))
+        })?;
+        let dir = &self.cfg.run_dir;
+        if world.rank() == 0 {
+            let path = model_checkpoint(dir, best);
+            let record = ModuleRecord::load(&path).map_err(|e| {
+                HearthError::Training(format!(
+                    "the best epoch's ({best}) checkpoint {}: {e}",
+                    path.display()
+                ))
+            })?;
+            let model = self.skeleton(&self.plain_device)?.load_record(record);
+            save_model_with(
+                &model,
+                &self.config,
+                Some(&self.classes),
+                Some(&Preprocessing::eval(self.cfg.image_size)),
+                &dir.join("model.bpk"),
+            )?;
+            log(&format!(
+                "exported the best epoch ({best}, by {}) into {}",
+                self.cfg.monitor.column(),
+                dir.join("model.bpk").display()
+            ));
+            if let Err(e) = crate::plot::plot_metrics(&rows, &dir.join("metrics.png")) {
+                log(&format!("warning: no plot written: {e}"));
+            }
+            let points: Vec<(f64, f64)> = commit
+                .world_log
+                .iter()
+                .map(|(_, t, w)| (*t, *w as f64))
+                .collect();
+            if let Err(e) = crate::plot::plot_world(&points, &dir.join("world.png")) {
+                log(&format!("warning: no world-size plot written: {e}"));
+            }
+        }
+        world.comm.barrier()?;
+        // Tells `hearth launch --elastic` this worker finished the training (a graceful leave
+        // exits 0 too).
+        if let Ok(dir) = std::env::var("HEARTH_ELASTIC_DONE_DIR") {
+            let _ = std::fs::write(Path::new(&dir).join(&self.me.id), b"done\n");
+        }
+        let images = commit.world_log.len() * self.cfg.batch_size;
+        let mut report = TrainReport::summarise(
+            self.cfg,
+            &rows,
+            best,
+            self.started,
+            images,
+            self.classes.clone(),
+        );
+        report.rank = world.rank();
+        report.world = world.size();
+        world.transport.shutdown(Duration::from_secs(2));
+        Ok(report)
+    }
+}

@@ -1,0 +1,177 @@
+//! The committed state as bytes: what a new world's rank 0 sends its members, and
+//! `checkpoint/elastic.state`.
+
+use super::*;
+
+impl ElasticRun<'_> {
+    pub(super) fn encode(
+        &self,
+        c: &Commit,
+        number: u32,
+        members: &[Worker],
+        join: &str,
+    ) -> Result<Vec<u8>> {
+        burn_dist::ddp::sync_running_stats(&c.model);
+        let module = c
+            .model
+            .clone()
+            .into_record()
+            .into_bytes()
+            .map_err(|e| HearthError::Training(format!("serialising the model: {e}")))?;
+        let optim = c
+            .optim
+            .to_record()
+            .into_bytes()
+            .map_err(|e| HearthError::Training(format!("serialising the optimizer: {e}")))?;
+        let rows: serde_json::Map<String, serde_json::Value> = c
+            .rows
+            .iter()
+            .map(|(e, r)| (e.to_string(), serde_json::json!(r)))
+            .collect();
+        let meta = serde_json::json!({
+            "number": number,
+            "members": members.iter().map(|m| [m.id.clone(), m.host.clone()]).collect::<Vec<_>>(),
+            "join": join,
+            "step": c.step, "epoch": c.epoch, "position": c.position,
+            "sums": c.sums, "elapsed": c.elapsed, "epoch_started": c.epoch_started,
+            "start_unix": c.start_unix,
+            "worker_seconds": c.worker_seconds,
+            "world_log": c.world_log,
+            "rows": rows,
+            "finished": c.finished,
+        })
+        .to_string();
+        let mut out = Vec::with_capacity(24 + meta.len() + module.len() + optim.len());
+        for part in [meta.as_bytes(), &module[..], &optim[..]] {
+            out.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            out.extend_from_slice(part);
+        }
+        Ok(out)
+    }
+
+    pub(super) fn decode(&self, bytes: &[u8]) -> Result<(Vec<Worker>, String, Commit)> {
+        let bad = |m: String| HearthError::Training(format!("elastic state: {m}"));
+        let mut parts = Vec::new();
+        let mut at = 0usize;
+        for _ in 0..3 {
+            let len = bytes
+                .get(at..at + 8)
+                .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize)
+                .ok_or_else(|| bad("truncated".into()))?;
+            let part = bytes
+                .get(at + 8..at + 8 + len)
+                .ok_or_else(|| bad(format!("truncated: {len} bytes announced")))?;
+            parts.push(part);
+            at += 8 + len;
+        }
+        let meta: serde_json::Value =
+            serde_json::from_slice(parts[0]).map_err(|e| bad(e.to_string()))?;
+        let num = |k: &str| meta[k].as_f64().ok_or_else(|| bad(format!("no {k}")));
+        let members = meta["members"]
+            .as_array()
+            .ok_or_else(|| bad("no members".into()))?
+            .iter()
+            .map(|m| {
+                Some(Worker {
+                    id: m.get(0)?.as_str()?.to_string(),
+                    host: m.get(1)?.as_str()?.to_string(),
+                })
+            })
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| bad("malformed members".into()))?;
+        let sums = meta["sums"]
+            .as_array()
+            .filter(|a| a.len() == 3)
+            .ok_or_else(|| bad("no sums".into()))?;
+        let world_log = meta["world_log"]
+            .as_array()
+            .ok_or_else(|| bad("no world log".into()))?
+            .iter()
+            .map(|p| {
+                Some((
+                    p.get(0)?.as_u64()?,
+                    p.get(1)?.as_f64()?,
+                    p.get(2)?.as_u64()? as usize,
+                ))
+            })
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| bad("malformed world log".into()))?;
+        let mut rows = EpochRows::new();
+        for (e, r) in meta["rows"]
+            .as_object()
+            .ok_or_else(|| bad("no rows".into()))?
+        {
+            let e: usize = e.parse().map_err(|_| bad(format!("epoch {e}")))?;
+            let r = r
+                .as_object()
+                .ok_or_else(|| bad("malformed row".into()))?
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_f64().unwrap_or(f64::NAN)))
+                .collect();
+            rows.insert(e, r);
+        }
+        let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(parts[1].to_vec()))
+            .map_err(|e| bad(format!("model: {e}")))?;
+        let optim_record = OptimizerRecord::from_bytes(Bytes::from_bytes_vec(parts[2].to_vec()))
+            .map_err(|e| bad(format!("optimizer: {e}")))?;
+        let skeleton = self.skeleton(&self.device)?;
+        let commit = Commit {
+            step: num("step")? as u64,
+            epoch: num("epoch")? as u64,
+            position: num("position")? as u64,
+            sums: [
+                sums[0].as_f64().unwrap_or(0.0),
+                sums[1].as_f64().unwrap_or(0.0),
+                sums[2].as_f64().unwrap_or(0.0),
+            ],
+            elapsed: num("elapsed")?,
+            start_unix: num("start_unix")?,
+            epoch_started: num("epoch_started")?,
+            worker_seconds: num("worker_seconds")?,
+            world_log,
+            rows,
+            finished: meta["finished"].as_bool().unwrap_or(false),
+            model: skeleton.load_record(record),
+            optim: optimizer(self.cfg).load_record(optim_record),
+        };
+        let join = meta["join"].as_str().unwrap_or_default().to_string();
+        Ok((members, join, commit))
+    }
+
+    pub(super) fn state_file(&self) -> PathBuf {
+        self.cfg.run_dir.join("checkpoint").join("elastic.state")
+    }
+
+    pub(super) fn save_state(&self, c: &Commit, world: &World) -> Result<()> {
+        let bytes = self.encode(c, world.number, &world.members, &world.coordinator_join)?;
+        let path = self.state_file();
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|source| HearthError::Write {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+        }
+        let tmp = path.with_extension("state.tmp");
+        std::fs::write(&tmp, &bytes)
+            .and_then(|()| std::fs::rename(&tmp, &path))
+            .map_err(|source| HearthError::Write { path, source })
+    }
+
+    pub(super) fn load_state(&self) -> Result<Commit> {
+        let path = self.state_file();
+        let bytes = std::fs::read(&path).map_err(|e| {
+            HearthError::InvalidArgument(format!(
+                "--resume: {} cannot be read ({e}); an elastic run resumes from it",
+                path.display()
+            ))
+        })?;
+        let (_, _, mut c) = self.decode(&bytes).map_err(|e| {
+            HearthError::InvalidArgument(format!("--resume: {}: {e}", path.display()))
+        })?;
+        // The clock goes on from where the saved run stopped.
+        c.start_unix = unix_now() - c.elapsed;
+        Ok(c)
+    }
+
+    // ---- training --------------------------------------------------------------------------
+}

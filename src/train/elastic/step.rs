@@ -1,0 +1,336 @@
+//! Training in one world: steps with their control allreduce and commit, the end of each data
+//! epoch (validation, metrics, checkpoints).
+
+use super::*;
+
+impl ElasticRun<'_> {
+    /// Steps in one world until the run ends, a change is asked for, or a step fails.
+    pub(super) fn run_world(
+        &mut self,
+        world: &mut World,
+        commit: &mut Commit,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Interrupt> {
+        let n = self.loaders.train.set().len();
+        let global = self.cfg.batch_size;
+        let mut stream: Option<(u64, u64, BatchStream)> = None;
+        loop {
+            if commit.finished {
+                return Ok(Interrupt::Done);
+            }
+            if commit.position as usize >= n {
+                match self.end_epoch(world, commit, log) {
+                    Ok(()) => {}
+                    Err(HearthError::Dist(e)) => return Ok(Interrupt::Failed(e.to_string())),
+                    Err(e) => return Err(e),
+                }
+                stream = None;
+                continue;
+            }
+            // The stream of the rest of the epoch for the current world and shares.
+            if stream
+                .as_ref()
+                .is_none_or(|(e, p, _)| *e != commit.epoch || *p != commit.position)
+            {
+                stream = Some((commit.epoch, commit.position, self.stream(world, commit)?));
+            }
+            let Some((_, at, s)) = stream.as_mut() else {
+                continue;
+            };
+            let t = Instant::now();
+            let batch = s
+                .next()
+                .ok_or_else(|| HearthError::Training("the loader ended early".into()))??;
+            let (images, targets) = match batch.classes {
+                Some(c) => (batch.images, c),
+                None => return Err(HearthError::Training("the loader gave no classes".into())),
+            };
+            let mine = images.dims()[0];
+            {
+                let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+                self.device
+                    .seed(epoch_seed(self.cfg.seed, commit.step, world.rank()));
+            }
+            let loss_fn = CrossEntropyLossConfig::new()
+                .with_smoothing(
+                    (self.cfg.label_smoothing > 0.0).then_some(self.cfg.label_smoothing),
+                )
+                .init(&self.device);
+            let logits = commit.model.forward(images);
+            let correct = hits(&logits, &targets);
+            let loss = loss_fn.forward(logits, targets);
+            let loss_value = f64::from(loss.clone().into_scalar::<f32>());
+            let mut grads = GradientsParams::from_grads(loss.backward(), &commit.model);
+            if let Some(ms) = self.throttle {
+                std::thread::sleep(Duration::from_millis(ms));
+            }
+            if self.leave_at.is_some_and(|at| commit.step + 1 >= at) {
+                LEAVE.store(true, Ordering::SeqCst);
+            }
+            let took = t.elapsed().as_secs_f64().max(1e-6);
+            let rate = mine as f64 / took;
+            self.speed = if self.speed > 0.0 {
+                0.7 * self.speed + 0.3 * rate
+            } else {
+                rate
+            };
+
+            // The step's control vector, the same on every member afterwards.
+            let w = world.size();
+            let mut control = vec![0.0f32; 2 * w + 4];
+            control[world.rank()] = f32::from(LEAVE.load(Ordering::SeqCst));
+            if world.rank() == 0 && w < self.opts.max_workers && !self.join.waiting().is_empty() {
+                control[w] = 1.0;
+            }
+            control[w + 1] = (loss_value * mine as f64) as f32;
+            control[w + 2] = correct as f32;
+            control[w + 3] = mine as f32;
+            control[w + 4 + world.rank()] = self.speed as f32;
+            if let Err(e) = world.comm.allreduce(&mut control, ReduceOp::Sum) {
+                return Ok(Interrupt::Failed(e.to_string()));
+            }
+            if self.die_at.is_some_and(|at| commit.step + 1 >= at) {
+                // The test hook of an abrupt loss inside a step: the others wait in the
+                // gradient allreduce below when this worker vanishes (SIGKILL, no goodbye).
+                // SAFETY: signals this very process.
+                unsafe {
+                    libc::kill(libc::getpid(), libc::SIGKILL);
+                }
+            }
+            if self.freeze_at.is_some_and(|at| commit.step + 1 >= at) {
+                self.freeze_at = None;
+                // A worker cut off: alive, but not a packet in or out (SIGSTOP) until killed.
+                // SAFETY: signals this very process.
+                unsafe {
+                    libc::kill(libc::getpid(), libc::SIGSTOP);
+                }
+            }
+            let total = control[w + 3];
+            if let Err(e) = burn_dist::ddp::allreduce_grads_scaled(
+                &commit.model,
+                &mut grads,
+                &world.comm,
+                self.cfg.bucket_bytes,
+                mine as f32 / total.max(1.0),
+            ) {
+                return Ok(Interrupt::Failed(e.to_string()));
+            }
+
+            // The commit: nothing above changed any state.
+            let lr = self.lr.lr_at(commit.step as usize);
+            let model = commit.model.clone();
+            commit.model = commit.optim.step(lr, model, grads);
+            let now = unix_now() - commit.start_unix;
+            commit.worker_seconds += (now - commit.elapsed).max(0.0) * w as f64;
+            commit.elapsed = now;
+            commit.step += 1;
+            commit.position += step_len(n, commit.position as usize, global) as u64;
+            *at = commit.position;
+            commit.sums[0] += f64::from(control[w + 1]);
+            commit.sums[1] += f64::from(control[w + 2]);
+            commit.sums[2] += f64::from(total);
+            commit.world_log.push((commit.step, now, w));
+
+            let leaving: Vec<usize> = (0..w).filter(|&r| control[r] > 0.5).collect();
+            if !leaving.is_empty() || control[w] > 0.5 {
+                return Ok(Interrupt::Planned { leaving });
+            }
+            if self.opts.balance == Balance::Throughput
+                && commit.step.is_multiple_of(REBALANCE_EVERY)
+                && (0..w).all(|r| control[w + 4 + r] > 0.0)
+            {
+                let speeds: Vec<f64> = (0..w).map(|r| f64::from(control[w + 4 + r])).collect();
+                if speeds != world.weights {
+                    let shares = burn_dist::elastic::shares(global, &speeds)?;
+                    if world.rank() == 0
+                        && shares != burn_dist::elastic::shares(global, &world.weights)?
+                    {
+                        log(&format!(
+                            "shares of the global batch by throughput: {shares:?}"
+                        ));
+                    }
+                    world.weights = speeds;
+                    stream = None;
+                }
+            }
+        }
+    }
+
+    /// This worker's batches for the rest of the epoch with the world's current shares.
+    pub(super) fn stream(&self, world: &World, commit: &Commit) -> Result<BatchStream> {
+        let n = self.loaders.train.set().len();
+        let order = self.loaders.train.epoch_order(commit.epoch);
+        let mut batches = Vec::new();
+        let mut at = commit.position as usize;
+        while at < n {
+            let positions =
+                step_positions(n, at, self.cfg.batch_size, &world.weights, world.rank())?;
+            batches.push(positions.into_iter().map(|p| order[p]).collect());
+            at += step_len(n, at, self.cfg.batch_size);
+        }
+        Ok(self
+            .loaders
+            .train
+            .stream(commit.epoch, batches, &self.device))
+    }
+
+    /// The end of a data epoch: validation over the world, the metrics row, checkpoints and the
+    /// early-stopping decision, committed like a step.
+    pub(super) fn end_epoch(
+        &mut self,
+        world: &World,
+        commit: &mut Commit,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<()> {
+        let epoch = commit.epoch as usize + 1;
+        // Batch norm statistics differ between members: rank 0's for everyone (as DDP does).
+        let model = burn_dist::ddp::broadcast_module(commit.model.clone(), &world.comm)?;
+        let valid = model.valid();
+        let loss_fn = CrossEntropyLossConfig::new().init(&self.plain_device);
+        let (rank, size) = (world.rank(), world.size());
+        let val_n = self.loaders.full_val.set().len();
+        let per = (self.cfg.batch_size / size).max(1);
+        let mine: Vec<usize> = (rank..val_n).step_by(size).collect();
+        let batches: Vec<Vec<usize>> = mine.chunks(per).map(<[usize]>::to_vec).collect();
+        let mut sums = [0.0f32; 3];
+        for batch in self.loaders.full_val.stream(0, batches, &self.plain_device) {
+            let batch = batch?;
+            let targets = batch
+                .classes
+                .ok_or_else(|| HearthError::Training("the loader gave no classes".into()))?;
+            let k = batch.images.dims()[0];
+            let logits = valid.forward(batch.images);
+            sums[1] += hits(&logits, &targets) as f32;
+            sums[0] += loss_fn.forward(logits, targets).into_scalar::<f32>() * k as f32;
+            sums[2] += k as f32;
+        }
+        world.comm.allreduce(&mut sums, ReduceOp::Sum)?;
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+        let took = (commit.elapsed - commit.epoch_started).max(1e-9);
+        let in_epoch: Vec<usize> = commit
+            .world_log
+            .iter()
+            .rev()
+            .take_while(|(s, _, _)| *s as usize > (epoch - 1) * self.steps_per_epoch)
+            .map(|p| p.2)
+            .collect();
+        let mean_world = in_epoch.iter().sum::<usize>() as f64 / in_epoch.len().max(1) as f64;
+        let row: BTreeMap<String, f64> = [
+            ("train_loss", ratio(commit.sums[0], commit.sums[2])),
+            (
+                "train_accuracy",
+                100.0 * ratio(commit.sums[1], commit.sums[2]),
+            ),
+            ("val_loss", ratio(f64::from(sums[0]), f64::from(sums[2]))),
+            (
+                "val_accuracy",
+                100.0 * ratio(f64::from(sums[1]), f64::from(sums[2])),
+            ),
+            (
+                "train_lr",
+                self.lr.lr_at(commit.step.saturating_sub(1) as usize),
+            ),
+            ("train_images_per_sec", commit.sums[2] / took),
+            ("world_size", mean_world),
+            ("worker_seconds", commit.worker_seconds),
+            ("elapsed_seconds", commit.elapsed),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let mut rows = commit.rows.clone();
+        rows.insert(epoch, row.clone());
+        let table = EpochTable::default();
+        if let Ok(mut t) = table.lock() {
+            *t = rows.clone();
+        }
+        let rule = BestRule {
+            table,
+            monitor: self.cfg.monitor,
+            min_delta: self.cfg.min_delta,
+        };
+        let end = self
+            .cfg
+            .stop_after_epoch
+            .unwrap_or(self.cfg.epochs)
+            .min(self.cfg.epochs);
+        let mut finished = epoch >= end;
+        if let Some(patience) = self.cfg.patience
+            && !finished
+            && (Patience {
+                rule: rule.clone(),
+                patience,
+                origin: 0,
+            })
+            .exhausted(epoch)
+        {
+            self.log_rank0(
+                world,
+                log,
+                &format!(
+                    "early stopping after epoch {epoch}: no improvement of {} in {patience} epochs",
+                    self.cfg.monitor.column()
+                ),
+            );
+            finished = true;
+        }
+        // Commit the epoch's end.
+        commit.model = model;
+        commit.rows = rows;
+        commit.epoch += 1;
+        commit.position = 0;
+        commit.sums = [0.0; 3];
+        commit.epoch_started = commit.elapsed;
+        commit.finished = finished;
+        if rank == 0 {
+            log(&format!(
+                "epoch {epoch}/{}: train loss {:.4} acc {:.1}% | val loss {:.4} acc {:.1}% | world {:.1} | {:.0} img/s",
+                self.cfg.epochs,
+                row["train_loss"],
+                row["train_accuracy"],
+                row["val_loss"],
+                row["val_accuracy"],
+                mean_world,
+                row["train_images_per_sec"]
+            ));
+            self.checkpoint(commit, world, epoch, rule.best())?;
+        }
+        Ok(())
+    }
+
+    /// Rank 0: metrics, the epoch's model and optimizer files (best and last kept), and the
+    /// whole committed state for an exact `--resume`.
+    pub(super) fn checkpoint(
+        &self,
+        c: &Commit,
+        world: &World,
+        epoch: usize,
+        best: Option<usize>,
+    ) -> Result<()> {
+        let dir = &self.cfg.run_dir;
+        run_dir::write_atomic(&dir.join("metrics.csv"), &metrics_csv(&c.rows))?;
+        let mut steps = String::from("step,elapsed_seconds,world_size\n");
+        for (s, t, w) in &c.world_log {
+            steps.push_str(&format!("{s},{t:.3},{w}\n"));
+        }
+        run_dir::write_atomic(&dir.join("world.csv"), &steps)?;
+        let path = model_checkpoint(dir, epoch);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|source| HearthError::Write {
+                path: parent.to_path_buf(),
+                source,
+            })?;
+        }
+        c.model
+            .clone()
+            .into_record()
+            .save(&path)
+            .map_err(|e| HearthError::Training(format!("saving epoch {epoch}'s weights: {e}")))?;
+        for old in 1..epoch {
+            if Some(old) != best {
+                let _ = std::fs::remove_file(model_checkpoint(dir, old));
+            }
+        }
+        self.save_state(c, world)
+    }
+}

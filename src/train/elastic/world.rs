@@ -1,0 +1,369 @@
+//! Forming worlds: the first one, a joiner's, and every change after a leave, a join or a
+//! loss (the lowest survivor coordinates; everyone takes rank 0's commit).
+
+use super::*;
+
+impl ElasticRun<'_> {
+    /// The world `hearth launch --elastic` started: members `w0..`, rank 0's commit (fresh,
+    /// or `checkpoint/elastic.state` with `--resume`) sent to all.
+    pub(super) fn first_world(
+        &mut self,
+        info: &RankInfo,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<(World, Commit)> {
+        if info.rank == 0 {
+            run_dir::prepare(&self.cfg.run_dir)?;
+            log(&format!(
+                "elastic: {} workers to start (min {}, max {}), global batch {}, {:?} shares",
+                info.world,
+                self.opts.min_workers,
+                self.opts.max_workers,
+                self.cfg.batch_size,
+                self.opts.balance
+            ));
+        }
+        let transport = connect_epoch_on(
+            None,
+            info,
+            &self.membership,
+            &RendezvousOptions::default(),
+            0,
+        )?;
+        let members: Vec<Worker> = (0..info.world)
+            .map(|r| Worker {
+                id: format!("w{r}"),
+                host: format!("w{r}"),
+            })
+            .collect();
+        let mine = if info.rank == 0 {
+            let c = if self.cfg.resume {
+                let c = self.load_state()?;
+                log(&format!(
+                    "resuming at step {} (epoch {}, sample {})",
+                    c.step,
+                    c.epoch + 1,
+                    c.position
+                ));
+                c
+            } else {
+                self.fresh_commit()?
+            };
+            Some(c)
+        } else {
+            None
+        };
+        self.form(0, Arc::new(transport), members, mine, log)
+    }
+
+    /// A joiner: ask the members for admission, then form the announced world.
+    pub(super) fn join_world(&mut self, log: &mut dyn FnMut(&str)) -> Result<(World, Commit)> {
+        let addrs = self.opts.join_addresses();
+        if addrs.is_empty() {
+            return Err(HearthError::InvalidArgument(
+                "joining an elastic job needs join addresses: HEARTH_ELASTIC_PEERS or --hosts"
+                    .into(),
+            ));
+        }
+        log(&format!(
+            "{}: asking to join through {}",
+            self.me.id,
+            addrs.join(", ")
+        ));
+        let opts = self.opts.clone();
+        let (rank, a) = request_join(
+            &move || opts.join_addresses(),
+            &self.me,
+            &self.membership,
+            self.opts.rejoin_timeout.max(Duration::from_secs(30)),
+        )?;
+        let info = RankInfo {
+            rank,
+            world: a.members.len(),
+            local_rank: None,
+            coordinator: a.coordinator.clone(),
+            source: "elastic join",
+        };
+        let transport = connect_epoch_on(
+            None,
+            &info,
+            &self.membership,
+            &RendezvousOptions::default(),
+            a.epoch,
+        )?;
+        // Members and everything else come with rank 0's state.
+        self.form(a.epoch, Arc::new(transport), Vec::new(), None, log)
+    }
+
+    /// Every member of a freshly formed world: rank 0 sends its commit and the member list;
+    /// each member takes them, answers joiners by its role, and is ready to train.
+    pub(super) fn form(
+        &mut self,
+        number: u32,
+        transport: Arc<QuicTransport>,
+        members: Vec<Worker>,
+        mine: Option<Commit>,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<(World, Commit)> {
+        let comm = Communicator::new(transport.clone() as Arc<dyn Transport>)
+            .with_timeout(collective_timeout());
+        let rank = comm.rank();
+        let my_join = self.join.local_addr()?.to_string();
+        let bytes = match (&mine, rank) {
+            (Some(c), 0) => self.encode(c, number, &members, &my_join)?,
+            _ => Vec::new(),
+        };
+        let bytes = broadcast_bytes(&comm, bytes)?;
+        let (members, coordinator_join, commit) = self.decode(&bytes)?;
+        if members.len() != comm.world() {
+            return Err(HearthError::Training(format!(
+                "membership epoch {number}: {} members listed, {} in the world",
+                members.len(),
+                comm.world()
+            )));
+        }
+        if rank == 0 {
+            self.coordinator.adopt(Epoch {
+                number: u64::from(number),
+                members: members.clone(),
+            });
+            self.join.set_role(Role::Coordinator);
+            log(&format!(
+                "membership epoch {number}: {} workers [{}], from step {}",
+                members.len(),
+                members
+                    .iter()
+                    .map(|m| m.id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                commit.step
+            ));
+        } else {
+            self.join.set_role(Role::Redirect(coordinator_join.clone()));
+        }
+        let weights = vec![1.0; members.len()];
+        Ok((
+            World {
+                number,
+                transport,
+                comm,
+                members,
+                weights,
+                coordinator_join,
+            },
+            commit,
+        ))
+    }
+
+    // ---- the committed state as bytes ----------------------------------------------------
+
+    /// After a failed step: greet every member over the links that still work; those that
+    /// answer (in time) survive. Returns the lost members' ranks.
+    pub(super) fn lost_after_failure(&self, world: &World) -> Vec<usize> {
+        let t = &world.transport;
+        t.accept_losses();
+        let tag = greeting_tag(world.number);
+        let me = world.rank();
+        for r in (0..world.size()).filter(|&r| r != me) {
+            let _ = t.send(r, Kind::Control, tag, vec![1]);
+        }
+        let deadline = Instant::now() + collective_timeout();
+        let lost: Vec<usize> = (0..world.size())
+            .filter(|&r| r != me && t.recv(r, Kind::Control, tag, deadline).is_err())
+            .collect();
+        lost
+    }
+
+    /// The lowest survivor decides the next epoch's members (survivors in their order, then
+    /// joiners admitted by the membership rules), binds the next rendezvous, and announces it
+    /// to the survivors over the old links and to the joiners through the join service.
+    pub(super) fn coordinate(
+        &mut self,
+        world: &World,
+        commit: &Commit,
+        leaving: &[usize],
+        gone: &[usize],
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Announcement> {
+        let next = world.number + 1;
+        let now = Instant::now();
+        self.coordinator.adopt(Epoch {
+            number: u64::from(world.number),
+            members: world.members.clone(),
+        });
+        for &r in gone {
+            let id = &world.members[r].id;
+            if leaving.contains(&r) {
+                self.coordinator.leave(id);
+            } else {
+                self.coordinator.lost(id, now);
+            }
+        }
+        self.join.set_role(Role::Coordinator);
+        let survivors: Vec<usize> = (0..world.size()).filter(|r| !gone.contains(r)).collect();
+        let mut said = false;
+        let members = loop {
+            let now = Instant::now();
+            let waiting = self.join.waiting();
+            let queued: Vec<String> = self.coordinator.waiting().map(|w| w.id.clone()).collect();
+            // Joiners that went away are dropped; new ones are vetted (blacklist, duplicates).
+            for id in queued
+                .iter()
+                .filter(|id| !waiting.iter().any(|w| &w.id == *id))
+            {
+                self.coordinator.lost(id, now);
+            }
+            for w in waiting.iter().filter(|w| !queued.contains(&w.id)) {
+                if let Err(refusal) = self.coordinator.hello(w.clone(), now) {
+                    log(&format!("refused joiner {}: {refusal:?}", w.id));
+                    self.join
+                        .answer(&w.id, Reply::Refused(format!("{refusal:?}")));
+                }
+            }
+            match self.coordinator.decide(now) {
+                Decision::Change { epoch, .. } => break epoch.members,
+                Decision::Continue => break self.coordinator.current().members.clone(),
+                Decision::Wait { have, need, until } => {
+                    if !said {
+                        log(&format!(
+                            "{have} workers, {need} needed: waiting up to {:.0} s for joiners",
+                            until.saturating_duration_since(now).as_secs_f64()
+                        ));
+                        said = true;
+                    }
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Decision::GiveUp { have, need, waited } => {
+                    self.save_state(commit, world)?;
+                    let give_up = Announcement {
+                        epoch: next,
+                        coordinator: String::new(),
+                        members: Vec::new(),
+                    };
+                    let _ = give_up.send_to(world.transport.as_ref(), &survivors);
+                    return Err(HearthError::Training(format!(
+                        "only {have} of the --min-workers {need} workers after waiting {:.0} s \
+                         (--rejoin-timeout) for joiners; state saved in {} (--resume continues it)",
+                        waited.as_secs_f64(),
+                        self.state_file().display()
+                    )));
+                }
+            }
+        };
+        let ip = match self.join.local_addr()?.ip() {
+            ip if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            ip => ip,
+        };
+        let node = bind_coordinator(ip, &self.membership, &RendezvousOptions::default())?;
+        let old_rank = |w: &Worker| world.members.iter().position(|m| m.id == w.id);
+        let announcement = Announcement {
+            epoch: next,
+            coordinator: node.local_addr()?.to_string(),
+            members: members.iter().map(old_rank).collect(),
+        };
+        if let Err(e) = announcement.send_to(world.transport.as_ref(), &survivors) {
+            log(&format!("announcing membership epoch {next}: {e}"));
+        }
+        for (rank, w) in members.iter().enumerate() {
+            if old_rank(w).is_none() {
+                self.join.answer(
+                    &w.id,
+                    Reply::Admit {
+                        rank,
+                        announcement: announcement.clone(),
+                    },
+                );
+            }
+        }
+        self.bound = Some(node);
+        self.next_members = Some(members);
+        Ok(announcement)
+    }
+
+    /// A change of membership after `leaving` asked to go and `lost` were lost: the lowest
+    /// survivor coordinates, every survivor forms the next world and takes rank 0's state.
+    pub(super) fn change(
+        &mut self,
+        world: &World,
+        commit: Commit,
+        leaving: &[usize],
+        lost: &[usize],
+        log: &mut dyn FnMut(&str),
+    ) -> Result<(World, Commit)> {
+        let me = world.rank();
+        let next = world.number + 1;
+        let mut gone: Vec<usize> = leaving.iter().chain(lost).copied().collect();
+        let announcement = loop {
+            let Some(lowest) = (0..world.size()).find(|r| !gone.contains(r)) else {
+                return Err(HearthError::Training("no member survived".into()));
+            };
+            if lowest == me {
+                break self.coordinate(world, &commit, leaving, &gone, log)?;
+            }
+            self.join.set_role(Role::Busy);
+            let wait = self.opts.rejoin_timeout + collective_timeout();
+            match Announcement::receive(
+                world.transport.as_ref(),
+                lowest,
+                next,
+                Instant::now() + wait,
+            ) {
+                Ok(a) => break a,
+                // The coordinator died too: the next survivor coordinates.
+                Err(_) => gone.push(lowest),
+            }
+        };
+        if announcement.members.is_empty() {
+            return Err(HearthError::Training(format!(
+                "the job gave up: fewer than --min-workers {} workers and nobody joined within \
+                 --rejoin-timeout {:?} (state saved by the coordinator in {})",
+                self.opts.min_workers,
+                self.opts.rejoin_timeout,
+                self.state_file().display()
+            )));
+        }
+        let Some(rank) = announcement.rank_of(me) else {
+            return Err(HearthError::Training(format!(
+                "{} was left out of membership epoch {next}",
+                self.me.id
+            )));
+        };
+        let info = RankInfo {
+            rank,
+            world: announcement.members.len(),
+            local_rank: None,
+            coordinator: announcement.coordinator.clone(),
+            source: "elastic",
+        };
+        let bound = self.bound.take();
+        let transport = connect_epoch_on(
+            bound,
+            &info,
+            &self.membership,
+            &RendezvousOptions::default(),
+            next,
+        )?;
+        let members: Vec<Worker> = announcement
+            .members
+            .iter()
+            .map(|m| match m {
+                Some(old) => world.members[*old].clone(),
+                None => Worker {
+                    id: String::new(),
+                    host: String::new(),
+                },
+            })
+            .collect();
+        let members = if rank == 0 {
+            self.next_members.take().unwrap_or(members)
+        } else {
+            members
+        };
+        self.form(
+            next,
+            Arc::new(transport),
+            members,
+            (rank == 0).then_some(commit),
+            log,
+        )
+    }
+}
