@@ -1,4 +1,5 @@
-//! `metrics.png`: train and validation loss and accuracy per epoch (plotters, bitmap backend).
+//! `metrics.png`: train and validation loss and accuracy per epoch, and for elastic runs the
+//! number of workers over time (plotters, bitmap backend).
 //! Text uses DejaVu Sans from the system when present; without it the plot has no labels.
 
 use std::collections::BTreeMap;
@@ -41,6 +42,12 @@ fn series(rows: &Rows, key: &str) -> Vec<(f64, f64)> {
 /// Writes the plot; an error (no epochs, unwritable file) is returned, never a panic.
 /// Extra series: any `<prefix>_accuracy` columns besides train/val (per-rank curves).
 pub fn plot_metrics(rows: &Rows, out: &Path) -> Result<()> {
+    plot_metrics_world(rows, &[], out)
+}
+
+/// [`plot_metrics`] with a third panel, the number of workers over time (an elastic run's
+/// `world` points: seconds, workers), when `world` is not empty.
+pub fn plot_metrics_world(rows: &Rows, world: &[(f64, f64)], out: &Path) -> Result<()> {
     let err = |e: String| HearthError::Plot {
         path: out.to_path_buf(),
         reason: e,
@@ -49,9 +56,14 @@ pub fn plot_metrics(rows: &Rows, out: &Path) -> Result<()> {
         return Err(err("no epochs to plot".into()));
     }
     let text = register_font();
-    let root = BitMapBackend::new(out, (1100, 450)).into_drawing_area();
+    let width = if world.is_empty() { 1100 } else { 1650 };
+    let root = BitMapBackend::new(out, (width, 450)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-    let (left, right) = root.split_horizontally(550);
+    let (left, rest) = root.split_horizontally(550);
+    let (right, third) = rest.split_horizontally(550);
+    if !world.is_empty() {
+        draw_worlds(&third, &[("workers", world)], text).map_err(err)?;
+    }
     let max_epoch = rows.keys().copied().max().unwrap_or(1).max(2) as f64;
     for (area, metric, title) in [
         (&left, "loss", "loss"),
@@ -160,11 +172,24 @@ pub fn plot_worlds(runs: &[(&str, &[(f64, f64)])], out: &Path) -> Result<()> {
         return Err(err("no steps to plot".into()));
     }
     let text = register_font();
-    let t_max = all().map(|p| p.0).fold(1.0f64, f64::max);
-    let w_max = all().map(|p| p.1).fold(1.0f64, f64::max);
     let root = BitMapBackend::new(out, (900, 400)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-    let mut builder = ChartBuilder::on(&root);
+    draw_worlds(&root, runs, text).map_err(err)?;
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
+/// The workers-over-time chart on `area` (drawn as steps: a size holds until the next point).
+fn draw_worlds<A: DrawingBackend>(
+    area: &DrawingArea<A, plotters::coord::Shift>,
+    runs: &[(&str, &[(f64, f64)])],
+    text: bool,
+) -> std::result::Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<A::ErrorType>| e.to_string();
+    let all = || runs.iter().flat_map(|(_, p)| p.iter());
+    let t_max = all().map(|p| p.0).fold(1.0f64, f64::max);
+    let w_max = all().map(|p| p.1).fold(1.0f64, f64::max);
+    let mut builder = ChartBuilder::on(area);
     builder.margin(12);
     if text {
         builder
@@ -174,14 +199,14 @@ pub fn plot_worlds(runs: &[(&str, &[(f64, f64)])], out: &Path) -> Result<()> {
     }
     let mut chart = builder
         .build_cartesian_2d(0f64..t_max * 1.02, 0f64..w_max + 1.0)
-        .map_err(|e| err(e.to_string()))?;
+        .map_err(err)?;
     if text {
         chart
             .configure_mesh()
             .x_desc("seconds")
             .y_desc("workers")
             .draw()
-            .map_err(|e| err(e.to_string()))?;
+            .map_err(err)?;
     }
     for (i, (label, points)) in runs.iter().enumerate() {
         let colour = Palette99::pick(i).to_rgba();
@@ -194,7 +219,7 @@ pub fn plot_worlds(runs: &[(&str, &[(f64, f64)])], out: &Path) -> Result<()> {
         }
         let s = chart
             .draw_series(LineSeries::new(stepped, colour.stroke_width(2)))
-            .map_err(|e| err(e.to_string()))?;
+            .map_err(err)?;
         if text {
             let label = label.to_string();
             s.label(label)
@@ -207,9 +232,8 @@ pub fn plot_worlds(runs: &[(&str, &[(f64, f64)])], out: &Path) -> Result<()> {
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK)
             .draw()
-            .map_err(|e| err(e.to_string()))?;
+            .map_err(err)?;
     }
-    root.present().map_err(|e| err(e.to_string()))?;
     Ok(())
 }
 
@@ -304,6 +328,10 @@ mod tests {
         let bytes = std::fs::read(&out).unwrap();
         assert_eq!(&bytes[1..4], b"PNG");
         assert!(plot_metrics(&Rows::new(), &out).is_err());
+        let world = [(0.0, 2.0), (3.5, 3.0), (9.0, 2.0)];
+        plot_metrics_world(&rows, &world, &out).unwrap();
+        let png = image::open(&out).unwrap();
+        assert_eq!(png.width(), 1650, "a third panel for the world size");
         let cm = dir.path().join("c.png");
         plot_confusion(&[vec![3, 1], vec![0, 4]], &["cat", "dog"], &cm).unwrap();
         assert_eq!(&std::fs::read(&cm).unwrap()[1..4], b"PNG");

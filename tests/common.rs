@@ -117,6 +117,55 @@ pub fn folder_accuracy(model: &std::path::Path, folder: &std::path::Path, size: 
     100.0 * right as f64 / total as f64
 }
 
+/// The elastic tests' data: 4 classes, 60 training and 10 validation images each, 32 pixels
+/// (10 steps of 24 an epoch).
+pub fn elastic_data(dir: &std::path::Path) -> PathBuf {
+    let d = dir.join("data");
+    hearth::datasets::synth::generate(
+        &d,
+        &hearth::datasets::synth::SynthConfig::new(4, 60, 32)
+            .with_seed(7)
+            .with_val(10),
+    )
+    .unwrap();
+    d
+}
+
+/// An elastic worker's `<id>: final weights <fingerprint> at step N (rank r of w)` line as
+/// (id, fingerprint, w); the id is the word before the colon (a launcher's `[w0] ` prefix
+/// stays out of it).
+pub fn final_weights(line: &str) -> Option<(String, String, usize)> {
+    let (head, rest) = line.split_once(": final weights ")?;
+    let id = head.rsplit([' ', ']']).next()?.to_string();
+    let fp = rest.split_whitespace().next()?.to_string();
+    let size = rest
+        .rsplit(" of ")
+        .next()?
+        .trim_end_matches(')')
+        .parse()
+        .ok()?;
+    Some((id, fp, size))
+}
+
+/// `hearth train --elastic` options the elastic tests share (after `--data` and `--run-dir`):
+/// global batch 24, no warmup, no batch norm or dropout, so weights compare exactly.
+pub const ELASTIC_TRAIN: &[&str] = &[
+    "--batch-size",
+    "24",
+    "--lr",
+    "0.02",
+    "--warmup-epochs",
+    "0",
+    "--workers",
+    "1",
+    "--size",
+    "32",
+    "--augment",
+    "none",
+    "--model",
+    "vgg-mini-plain",
+];
+
 /// The small generated image folder the training tests use: 3 classes, 16 training and 6
 /// validation images each, 36 pixels.
 pub fn small_data(dir: &std::path::Path) -> PathBuf {

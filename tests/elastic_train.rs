@@ -3,8 +3,8 @@
 //! (stopped: not a packet in or out), equivalence with a fixed world, uneven shares by
 //! throughput, and a soak of 50 membership events. Every run is bounded in time: a hang fails.
 //!
-//! Separate hosts as network namespaces are not used here yet: every worker runs on loopback,
-//! and "cut off" is a stopped process rather than a dropped link.
+//! These run on loopback, where "cut off" is a stopped process; `elastic_netns.rs` runs the
+//! membership scenarios across network namespaces, with a link whose packets are dropped.
 
 mod common;
 
@@ -15,19 +15,6 @@ use std::time::{Duration, Instant};
 
 use common::tensors;
 
-/// 4 classes, 60 training and 10 validation images each, 32 pixels.
-fn data(dir: &Path) -> PathBuf {
-    let d = dir.join("data");
-    hearth::datasets::synth::generate(
-        &d,
-        &hearth::datasets::synth::SynthConfig::new(4, 60, 32)
-            .with_seed(7)
-            .with_val(10),
-    )
-    .unwrap();
-    d
-}
-
 struct Run {
     ok: bool,
     log: String,
@@ -37,22 +24,7 @@ struct Run {
 impl Run {
     /// Each worker's `final weights` fingerprint line: (worker, fingerprint, world size).
     fn finals(&self) -> Vec<(String, String, usize)> {
-        self.log
-            .lines()
-            .filter_map(|l| {
-                let rest = l.split("] ").nth(1)?;
-                let (id, rest) = rest.split_once(": final weights ")?;
-                let mut words = rest.split_whitespace();
-                let fp = words.next()?.to_string();
-                let size = rest
-                    .rsplit(" of ")
-                    .next()?
-                    .trim_end_matches(')')
-                    .parse()
-                    .ok()?;
-                Some((id.to_string(), fp, size))
-            })
-            .collect()
+        self.log.lines().filter_map(common::final_weights).collect()
     }
 
     /// World size per step from world.csv.
@@ -75,6 +47,8 @@ impl Run {
             "every survivor holds the same weights: {finals:?}"
         );
         assert!(self.dir.join("model.bpk").is_file(), "exported model");
+        let (width, _) = image::image_dimensions(self.dir.join("metrics.png")).unwrap();
+        assert_eq!(width, 1650, "metrics.png has the world-size panel");
     }
 }
 
@@ -87,24 +61,8 @@ fn elastic(data: &Path, run: &Path, launch: &[&str], train: &[&str], env: &[(&st
         .args(launch)
         .args(["--", "hearth", "train", "--elastic", "--data"])
         .arg(data)
-        .args([
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--batch-size",
-            "24",
-            "--lr",
-            "0.02",
-            "--warmup-epochs",
-            "0",
-            "--workers",
-            "1",
-            "--size",
-            "32",
-            "--augment",
-            "none",
-            "--model",
-            "vgg-mini-plain",
-        ])
+        .args(["--run-dir", run.to_str().unwrap()])
+        .args(common::ELASTIC_TRAIN)
         .args(train)
         .envs(env.iter().copied())
         .env("HEARTH_COLLECTIVE_TIMEOUT", "60")
@@ -153,7 +111,7 @@ fn assert_close(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>, 
 #[test]
 fn a_worker_killed_mid_step_a_joiner_and_a_graceful_leave_keep_training() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = data(tmp.path());
+    let d = common::elastic_data(tmp.path());
     let run = elastic(
         &d,
         &tmp.path().join("run"),
@@ -188,7 +146,7 @@ fn a_worker_killed_mid_step_a_joiner_and_a_graceful_leave_keep_training() {
 #[test]
 fn rank_0_killed_hands_coordination_to_the_lowest_survivor() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = data(tmp.path());
+    let d = common::elastic_data(tmp.path());
     let t = Instant::now();
     let run = elastic(
         &d,
@@ -213,7 +171,7 @@ fn rank_0_killed_hands_coordination_to_the_lowest_survivor() {
 #[test]
 fn a_worker_cut_off_is_dropped_and_below_the_minimum_it_gives_up() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = data(tmp.path());
+    let d = common::elastic_data(tmp.path());
     let run = elastic(
         &d,
         &tmp.path().join("run"),
@@ -245,7 +203,7 @@ fn a_worker_cut_off_is_dropped_and_below_the_minimum_it_gives_up() {
 #[test]
 fn one_leave_and_one_join_equal_a_fixed_world_fed_the_same_batches() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = data(tmp.path());
+    let d = common::elastic_data(tmp.path());
     let slow = ("HEARTH_ELASTIC_THROTTLE", "w0:40,w1:40,w2:40");
     let fixed = elastic(
         &d,
@@ -281,7 +239,7 @@ fn one_leave_and_one_join_equal_a_fixed_world_fed_the_same_batches() {
 #[test]
 fn uneven_shares_by_throughput_equal_one_process_on_the_global_batch() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = data(tmp.path());
+    let d = common::elastic_data(tmp.path());
     let one = elastic(
         &d,
         &tmp.path().join("one"),
@@ -315,7 +273,7 @@ fn uneven_shares_by_throughput_equal_one_process_on_the_global_batch() {
 #[test]
 fn a_soak_of_fifty_joins_and_leaves_ends_with_identical_survivors() {
     let tmp = tempfile::tempdir().unwrap();
-    let d = data(tmp.path());
+    let d = common::elastic_data(tmp.path());
     // 25 joiners and 25 graceful leaves of the newest worker, alternating.
     let churn: Vec<String> = (0..25)
         .flat_map(|i| {

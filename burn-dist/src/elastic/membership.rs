@@ -92,6 +92,14 @@ pub enum Refusal {
     Duplicate { id: String },
 }
 
+/// What a coordinator knows of the hosts' failures, in seconds relative to one instant: each
+/// host's recent losses (seconds ago) and the blacklisted hosts (seconds of cooldown left).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Health {
+    pub failures: Vec<(String, Vec<f64>)>,
+    pub blacklist: Vec<(String, f64)>,
+}
+
 /// The coordinator's view of the job.
 #[derive(Debug)]
 pub struct Membership {
@@ -136,6 +144,59 @@ impl Membership {
             .retain(|j| !epoch.members.iter().any(|m| m.id == j.id));
         self.gone.clear();
         self.current = epoch;
+    }
+
+    /// The hosts' recent failures and the blacklist, relative to `now`, so that a successor
+    /// coordinator (sent it with the committed state) refuses the same hosts.
+    pub fn health(&self, now: Instant) -> Health {
+        let window = self.limits.blacklist_window;
+        let mut failures: Vec<(String, Vec<f64>)> = self
+            .failures
+            .iter()
+            .map(|(host, times)| {
+                let ago = times
+                    .iter()
+                    .map(|t| now.saturating_duration_since(*t))
+                    .filter(|d| *d < window)
+                    .map(|d| d.as_secs_f64())
+                    .collect::<Vec<_>>();
+                (host.clone(), ago)
+            })
+            .filter(|(_, ago)| !ago.is_empty())
+            .collect();
+        failures.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut blacklist: Vec<(String, f64)> = self
+            .blacklist
+            .iter()
+            .filter(|(_, until)| **until > now)
+            .map(|(host, until)| (host.clone(), until.duration_since(now).as_secs_f64()))
+            .collect();
+        blacklist.sort_by(|a, b| a.0.cmp(&b.0));
+        Health {
+            failures,
+            blacklist,
+        }
+    }
+
+    /// Takes over a predecessor's [`Membership::health`] (replacing this one's).
+    pub fn restore_health(&mut self, health: &Health, now: Instant) {
+        let secs = |s: f64| Duration::from_secs_f64(if s.is_finite() { s.max(0.0) } else { 0.0 });
+        self.failures = health
+            .failures
+            .iter()
+            .map(|(host, ago)| {
+                let times = ago
+                    .iter()
+                    .map(|a| now.checked_sub(secs(*a)).unwrap_or(now))
+                    .collect();
+                (host.clone(), times)
+            })
+            .collect();
+        self.blacklist = health
+            .blacklist
+            .iter()
+            .map(|(host, left)| (host.clone(), now + secs(*left)))
+            .collect();
     }
 
     /// Workers waiting to join, in arrival order.
@@ -284,6 +345,52 @@ mod tests {
             } => (epoch, joined, lost),
             other => panic!("expected a change, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_successor_coordinator_keeps_the_blacklist_and_failure_counts() {
+        let t = Instant::now();
+        let members = vec![w("a", "h1"), w("b", "h2"), w("c", "h3")];
+        let mut first = Membership::new(limits(1, 4), members.clone());
+        // h2 fails twice: blacklisted for 100 s. h3 once: one more and it is too.
+        first.lost("b", t);
+        change(first.decide(t));
+        first.hello(w("b2", "h2"), t).unwrap();
+        change(first.decide(t));
+        first.lost("b2", t);
+        change(first.decide(t));
+        assert!(matches!(
+            first.hello(w("b3", "h2"), t),
+            Err(Refusal::Blacklisted { .. })
+        ));
+        first.lost("c", t);
+        let health = first.health(t + Duration::from_secs(10));
+        assert_eq!(health.blacklist, vec![("h2".to_string(), 90.0)]);
+        assert_eq!(health.failures, vec![("h3".to_string(), vec![10.0])]);
+
+        // The first coordinator dies; "a"'s successor was sent its health with the state.
+        let later = t + Duration::from_secs(10);
+        let mut next = Membership::new(limits(1, 4), members);
+        next.restore_health(&health, later);
+        assert!(
+            matches!(
+                next.hello(w("b3", "h2"), later),
+                Err(Refusal::Blacklisted { .. })
+            ),
+            "the blacklist survives its coordinator"
+        );
+        next.lost("c", later);
+        assert!(
+            matches!(
+                next.hello(w("c2", "h3"), later),
+                Err(Refusal::Blacklisted { .. })
+            ),
+            "h3's earlier failure still counts"
+        );
+        // After the cooldown h2 is welcome again.
+        let after = later + Duration::from_secs(91);
+        assert_eq!(next.health(after).blacklist.len(), 1, "only h3 left");
+        next.hello(w("b4", "h2"), after).unwrap();
     }
 
     #[test]

@@ -39,7 +39,7 @@ use burn::prelude::*;
 use burn::store::ModuleRecord;
 use burn::tensor::Bytes;
 use burn_dist::elastic::join::{JoinService, Reply, Role, request_join};
-use burn_dist::elastic::membership::{Decision, Epoch, Limits, Membership, Worker};
+use burn_dist::elastic::membership::{Decision, Epoch, Health, Limits, Membership, Worker};
 use burn_dist::elastic::reform::Announcement;
 use burn_dist::elastic::{broadcast_bytes, step_len, step_positions};
 use burn_dist::rendezvous::{RankInfo, RendezvousOptions, bind_coordinator, connect_epoch_on};
@@ -474,9 +474,14 @@ impl ElasticRun<'_> {
             };
             if leaving.contains(&world.rank()) {
                 if leaving.len() == world.size() && world.rank() == 0 {
-                    self.save_state(&commit, &world)?;
+                    let saved = self.save_state(&commit, &world)?;
                     log(&format!(
-                        "every worker left: state saved in {} (--resume continues it)",
+                        "every worker left: {} {} (--resume continues it)",
+                        if saved {
+                            "state saved in"
+                        } else {
+                            "a later state kept in"
+                        },
                         self.state_file().display()
                     ));
                 }
@@ -541,14 +546,16 @@ impl ElasticRun<'_> {
                 self.cfg.monitor.column(),
                 dir.join("model.bpk").display()
             ));
-            if let Err(e) = crate::plot::plot_metrics(&rows, &dir.join("metrics.png")) {
-                log(&format!("warning: no plot written: {e}"));
-            }
             let points: Vec<(f64, f64)> = commit
                 .world_log
                 .iter()
                 .map(|(_, t, w)| (*t, *w as f64))
                 .collect();
+            if let Err(e) =
+                crate::plot::plot_metrics_world(&rows, &points, &dir.join("metrics.png"))
+            {
+                log(&format!("warning: no plot written: {e}"));
+            }
             if let Err(e) = crate::plot::plot_world(&points, &dir.join("world.png")) {
                 log(&format!("warning: no world-size plot written: {e}"));
             }

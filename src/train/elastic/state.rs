@@ -12,6 +12,7 @@ impl ElasticRun<'_> {
         join: &str,
     ) -> Result<Vec<u8>> {
         burn_dist::ddp::sync_running_stats(&c.model);
+        let health = self.coordinator.health(Instant::now());
         let module = c
             .model
             .clone()
@@ -39,6 +40,11 @@ impl ElasticRun<'_> {
             "world_log": c.world_log,
             "rows": rows,
             "finished": c.finished,
+            // The coordinator's blacklist and failure counts, for whoever coordinates next.
+            "health": {
+                "failures": health.failures,
+                "blacklist": health.blacklist,
+            },
         })
         .to_string();
         let mut out = Vec::with_capacity(24 + meta.len() + module.len() + optim.len());
@@ -49,7 +55,9 @@ impl ElasticRun<'_> {
         Ok(out)
     }
 
-    pub(super) fn decode(&self, bytes: &[u8]) -> Result<(Vec<Worker>, String, Commit)> {
+    /// The members, rank 0's join address and the commit, and the coordinator's
+    /// [`Health`] (empty in states written before it was kept).
+    pub(super) fn decode(&self, bytes: &[u8]) -> Result<(Vec<Worker>, String, Commit, Health)> {
         let bad = |m: String| HearthError::Training(format!("elastic state: {m}"));
         let mut parts = Vec::new();
         let mut at = 0usize;
@@ -135,16 +143,32 @@ impl ElasticRun<'_> {
             optim: optimizer(self.cfg).load_record(optim_record),
         };
         let join = meta["join"].as_str().unwrap_or_default().to_string();
-        Ok((members, join, commit))
+        let health = Health {
+            failures: serde_json::from_value(meta["health"]["failures"].clone())
+                .unwrap_or_default(),
+            blacklist: serde_json::from_value(meta["health"]["blacklist"].clone())
+                .unwrap_or_default(),
+        };
+        Ok((members, join, commit, health))
     }
 
     pub(super) fn state_file(&self) -> PathBuf {
         self.cfg.run_dir.join("checkpoint").join("elastic.state")
     }
 
-    pub(super) fn save_state(&self, c: &Commit, world: &World) -> Result<()> {
-        let bytes = self.encode(c, world.number, &world.members, &world.coordinator_join)?;
+    /// Writes `checkpoint/elastic.state` atomically, unless the file already holds a later
+    /// step: a worker cut off from the job (its own world of one, giving up) shares the run
+    /// directory with the part that goes on, and must not put the run back. Returns whether
+    /// it wrote.
+    pub(super) fn save_state(&self, c: &Commit, world: &World) -> Result<bool> {
         let path = self.state_file();
+        if let Ok(bytes) = std::fs::read(&path)
+            && let Ok((_, _, on_disk, _)) = self.decode(&bytes)
+            && on_disk.step > c.step
+        {
+            return Ok(false);
+        }
+        let bytes = self.encode(c, world.number, &world.members, &world.coordinator_join)?;
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|source| HearthError::Write {
                 path: dir.to_path_buf(),
@@ -154,7 +178,8 @@ impl ElasticRun<'_> {
         let tmp = path.with_extension("state.tmp");
         std::fs::write(&tmp, &bytes)
             .and_then(|()| std::fs::rename(&tmp, &path))
-            .map_err(|source| HearthError::Write { path, source })
+            .map_err(|source| HearthError::Write { path, source })?;
+        Ok(true)
     }
 
     pub(super) fn load_state(&self) -> Result<Commit> {
@@ -165,7 +190,7 @@ impl ElasticRun<'_> {
                 path.display()
             ))
         })?;
-        let (_, _, mut c) = self.decode(&bytes).map_err(|e| {
+        let (_, _, mut c, _) = self.decode(&bytes).map_err(|e| {
             HearthError::InvalidArgument(format!("--resume: {}: {e}", path.display()))
         })?;
         // The clock goes on from where the saved run stopped.

@@ -331,6 +331,6 @@ impl ElasticRun<'_> {
                 let _ = std::fs::remove_file(model_checkpoint(dir, old));
             }
         }
-        self.save_state(c, world)
+        self.save_state(c, world).map(|_| ())
     }
 }

@@ -113,7 +113,11 @@ impl ElasticRun<'_> {
             _ => Vec::new(),
         };
         let bytes = broadcast_bytes(&comm, bytes)?;
-        let (members, coordinator_join, commit) = self.decode(&bytes)?;
+        let (members, coordinator_join, commit, health) = self.decode(&bytes)?;
+        if rank != 0 {
+            // Should this member coordinate later, it refuses the hosts rank 0 refused.
+            self.coordinator.restore_health(&health, Instant::now());
+        }
         if members.len() != comm.world() {
             return Err(HearthError::Training(format!(
                 "membership epoch {number}: {} members listed, {} in the world",
@@ -233,18 +237,26 @@ impl ElasticRun<'_> {
                     std::thread::sleep(Duration::from_millis(200));
                 }
                 Decision::GiveUp { have, need, waited } => {
-                    self.save_state(commit, world)?;
+                    let saved = self.save_state(commit, world)?;
                     let give_up = Announcement {
                         epoch: next,
                         coordinator: String::new(),
                         members: Vec::new(),
                     };
                     let _ = give_up.send_to(world.transport.as_ref(), &survivors);
+                    let state = if saved {
+                        format!("state saved in {}", self.state_file().display())
+                    } else {
+                        format!(
+                            "{} already holds a later step, kept (this worker was cut off \
+                             while the others went on)",
+                            self.state_file().display()
+                        )
+                    };
                     return Err(HearthError::Training(format!(
                         "only {have} of the --min-workers {need} workers after waiting {:.0} s \
-                         (--rejoin-timeout) for joiners; state saved in {} (--resume continues it)",
+                         (--rejoin-timeout) for joiners; {state} (--resume continues it)",
                         waited.as_secs_f64(),
-                        self.state_file().display()
                     )));
                 }
             }
