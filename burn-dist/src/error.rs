@@ -45,6 +45,13 @@ pub enum DistError {
         #[source]
         source: std::io::Error,
     },
+    /// A parameter server died or stopped answering; names the shard it held.
+    #[error("parameter server rank {rank}, {shard}, failed: {reason}")]
+    ServerFailed {
+        rank: usize,
+        shard: String,
+        reason: String,
+    },
     /// A QUIC endpoint or connection error.
     #[error("QUIC ({context}): {reason}")]
     Quic { context: String, reason: String },

@@ -14,6 +14,7 @@
 //!   coordinates.
 //! - [`collective`]: ring allreduce, broadcast, all-gather, reduce-scatter, barrier on `f32`.
 //! - [`bucket`]: fusion buffers for gradients in one fixed order.
+//! - [`ps`]: parameter servers (sharded; sync, DOWNPOUR, ADAG, DynSGD, EASGD; staleness bound).
 //! - [`ddp`]: data parallel for Burn modules: parameter broadcast, bucketed gradient averaging,
 //!   and a burn-train `SupervisedLearningStrategy`.
 //!
@@ -43,6 +44,7 @@ pub mod ddp;
 pub mod elastic;
 mod error;
 pub mod pipeline;
+pub mod ps;
 pub mod rendezvous;
 pub mod tls;
 pub mod transport;

@@ -44,6 +44,8 @@ pub enum Kind {
     User = 7,
     /// Pipeline parallelism: activations forward, activation gradients backward.
     Pipeline = 8,
+    /// Parameter servers: workers' pushes and pulls, servers' answers.
+    Ps = 9,
 }
 
 impl Kind {
@@ -57,6 +59,7 @@ impl Kind {
             6 => Kind::Heartbeat,
             7 => Kind::User,
             8 => Kind::Pipeline,
+            9 => Kind::Ps,
             _ => return None,
         })
     }
@@ -226,6 +229,10 @@ impl<'a> Reader<'a> {
         }
         let s = self.take(n as usize)?;
         String::from_utf8(s.to_vec()).map_err(|_| WireError::Control("string is not UTF-8".into()))
+    }
+    /// Everything not read yet.
+    pub fn rest(&mut self) -> &'a [u8] {
+        std::mem::take(&mut self.b)
     }
     pub fn finish(&self) -> Result<(), WireError> {
         if self.b.is_empty() {

@@ -96,6 +96,27 @@ fn check_rank(t: &dyn Transport) -> Result<(), String> {
             "rank {me}: sending to itself or rank {world} succeeded"
         ));
     }
+    // 5. recv_any: rank 0 hears every other rank once, whatever the order, each with its
+    //    sender; an empty set of ranks is an error.
+    if me == 0 {
+        let mut left: Vec<usize> = (1..world).collect();
+        while !left.is_empty() {
+            let (from, got) = t.recv_any(&left, Kind::User, 77, deadline()).map_err(err)?;
+            if got != format!("any {from}").into_bytes() || !left.contains(&from) {
+                return Err(format!(
+                    "rank 0: recv_any gave {:?} from {from}",
+                    String::from_utf8_lossy(&got)
+                ));
+            }
+            left.retain(|&r| r != from);
+        }
+        if t.recv_any(&[], Kind::User, 77, deadline()).is_ok() {
+            return Err("rank 0: recv_any from no rank succeeded".into());
+        }
+    } else {
+        t.send(0, Kind::User, 77, format!("any {me}").into_bytes())
+            .map_err(err)?;
+    }
     // Stay until every rank is done receiving (a last round of messages).
     for peer in (0..world).filter(|&p| p != me) {
         t.send(peer, Kind::Control, u64::MAX, vec![1])

@@ -106,6 +106,26 @@ impl Transport for Group {
             .recv(self.job_rank(from)?, kind, self.tag(tag)?, deadline)
     }
 
+    fn recv_any(
+        &self,
+        from: &[usize],
+        kind: Kind,
+        tag: u64,
+        deadline: Instant,
+    ) -> Result<(usize, Vec<u8>)> {
+        let ranks = from
+            .iter()
+            .map(|&r| self.job_rank(r))
+            .collect::<Result<Vec<_>>>()?;
+        let (job, payload) = self
+            .parent
+            .recv_any(&ranks, kind, self.tag(tag)?, deadline)?;
+        let r = self.members.iter().position(|&m| m == job).ok_or_else(|| {
+            DistError::Config(format!("rank {job} answered but is not in the group"))
+        })?;
+        Ok((r, payload))
+    }
+
     fn accept_losses(&self) {
         self.parent.accept_losses();
     }

@@ -54,6 +54,16 @@ impl Transport for MemoryTransport {
         check_peer(self, from, "recv")?;
         self.inboxes[self.rank].take(from, kind, tag, deadline, "recv")
     }
+    fn recv_any(
+        &self,
+        from: &[usize],
+        kind: Kind,
+        tag: u64,
+        deadline: Instant,
+    ) -> Result<(usize, Vec<u8>)> {
+        super::check_peers(self, from, "recv_any")?;
+        self.inboxes[self.rank].take_any(from, kind, tag, deadline, "recv_any")
+    }
     fn accept_losses(&self) {
         self.inboxes[self.rank].accept_losses();
     }

@@ -32,9 +32,23 @@ pub trait Transport: Send + Sync {
     /// The payload `from` sent under `(kind, tag)`, waiting until `deadline`.
     fn recv(&self, from: usize, kind: Kind, tag: u64, deadline: Instant) -> Result<Vec<u8>>;
 
+    /// The first payload any rank of `from` sent under `(kind, tag)`, with its sender, waiting
+    /// until `deadline`: a server answering whichever worker asks first. A failed rank of
+    /// `from` is a [`DistError::PeerFailed`] naming it (after [`Transport::accept_losses`] the
+    /// caller can take it out of `from` and go on).
+    fn recv_any(
+        &self,
+        from: &[usize],
+        kind: Kind,
+        tag: u64,
+        deadline: Instant,
+    ) -> Result<(usize, Vec<u8>)>;
+
     /// Goes on without the ranks that failed: by default a failed rank fails every later
-    /// receive (the job cannot go on); after this, only receives from the failed ranks do, so
-    /// an elastic job's survivors can still talk over the old world (to agree on the next one).
+    /// receive (the job cannot go on); after this, only receives from the failed ranks do,
+    /// for ranks failed so far and any that fail later, so an elastic job's survivors can
+    /// still talk over the old world (to agree on the next one) and a parameter server goes
+    /// on without a dead worker.
     fn accept_losses(&self) {}
 }
 
@@ -59,6 +73,8 @@ struct InboxState {
     /// The first peer that failed abnormally: it fails every receive, whoever it waits for, since
     /// a collective cannot finish without every rank.
     job_failure: Option<(usize, String)>,
+    /// Set by [`Inbox::accept_losses`]: failures no longer fail receives from other peers.
+    tolerant: bool,
 }
 
 /// Received messages by (from, kind, tag), and the peers known to have failed.
@@ -144,7 +160,7 @@ impl Inbox {
     pub fn fail(&self, peer: usize, reason: String) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         s.failed.entry(peer).or_insert(reason.clone());
-        if s.job_failure.is_none() {
+        if s.job_failure.is_none() && !s.tolerant {
             s.job_failure = Some((peer, reason));
         }
         self.arrived.notify_all();
@@ -157,10 +173,12 @@ impl Inbox {
         self.arrived.notify_all();
     }
 
-    /// Only receives from failed peers fail from now on (see [`Transport::accept_losses`]).
+    /// Only receives from failed peers fail from now on, for failures so far and later ones
+    /// (see [`Transport::accept_losses`]).
     pub fn accept_losses(&self) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         s.job_failure = None;
+        s.tolerant = true;
     }
 
     pub fn failure(&self, peer: usize) -> Option<String> {
@@ -176,23 +194,46 @@ impl Inbox {
         deadline: Instant,
         op: &str,
     ) -> Result<Vec<u8>> {
+        self.take_any(&[from], kind, tag, deadline, op)
+            .map(|(_, m)| m)
+    }
+}
+
+impl Inbox {
+    /// [`Inbox::take`] from whichever of `from` sent first (lowest rank first among those
+    /// already there).
+    pub fn take_any(
+        &self,
+        from: &[usize],
+        kind: Kind,
+        tag: u64,
+        deadline: Instant,
+        op: &str,
+    ) -> Result<(usize, Vec<u8>)> {
+        if from.is_empty() {
+            return Err(DistError::Config(format!("{op}: no rank to receive from")));
+        }
         let started = Instant::now();
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            if let Some(q) = s.messages.get_mut(&(from, kind, tag))
-                && let Some(m) = q.pop_front()
-            {
-                if q.is_empty() {
-                    s.messages.remove(&(from, kind, tag));
+            for &r in from {
+                if let Some(q) = s.messages.get_mut(&(r, kind, tag))
+                    && let Some(m) = q.pop_front()
+                {
+                    if q.is_empty() {
+                        s.messages.remove(&(r, kind, tag));
+                    }
+                    s.held = s.held.saturating_sub(m.len());
+                    return Ok((r, m));
                 }
-                s.held = s.held.saturating_sub(m.len());
-                return Ok(m);
             }
-            if let Some(reason) = s.failed.get(&from) {
-                return Err(DistError::PeerFailed {
-                    rank: from,
-                    reason: reason.clone(),
-                });
+            for &r in from {
+                if let Some(reason) = s.failed.get(&r) {
+                    return Err(DistError::PeerFailed {
+                        rank: r,
+                        reason: reason.clone(),
+                    });
+                }
             }
             if let Some((rank, reason)) = &s.job_failure {
                 return Err(DistError::PeerFailed {
@@ -204,7 +245,7 @@ impl Inbox {
             if now >= deadline {
                 return Err(DistError::Timeout {
                     op: op.to_string(),
-                    rank: from,
+                    rank: from[0],
                     after: now - started,
                 });
             }
@@ -216,6 +257,11 @@ impl Inbox {
                 .unwrap_or_else(|e| e.into_inner().0);
         }
     }
+}
+
+/// Checks that every rank of `from` is another rank of the world.
+pub(crate) fn check_peers(t: &dyn Transport, from: &[usize], op: &str) -> Result<()> {
+    from.iter().try_for_each(|&r| check_peer(t, r, op))
 }
 
 /// The checks every [`Transport`] must pass (used by both implementations' tests).

@@ -481,6 +481,17 @@ impl Transport for QuicTransport {
         self.inbox.take(from, kind, tag, deadline, "recv")
     }
 
+    fn recv_any(
+        &self,
+        from: &[usize],
+        kind: Kind,
+        tag: u64,
+        deadline: Instant,
+    ) -> Result<(usize, Vec<u8>)> {
+        super::check_peers(self, from, "recv_any")?;
+        self.inbox.take_any(from, kind, tag, deadline, "recv_any")
+    }
+
     fn accept_losses(&self) {
         self.inbox.accept_losses();
     }

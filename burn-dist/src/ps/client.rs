@@ -1,0 +1,236 @@
+//! A worker's side: [`Client`] pushes and pulls the whole flat vector, each shard to its
+//! server, all servers at once; [`PsWorker`] runs a mode's rule around the worker's steps.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::layout::Layout;
+use super::message::{Op, REPLY, REQUEST, Reply, Request};
+use super::{Mode, rules};
+use crate::transport::Transport;
+use crate::wire::Kind;
+use crate::{DistError, Result};
+
+/// Pushes and pulls over every server in parallel.
+pub struct Client {
+    t: Arc<dyn Transport>,
+    layout: Layout,
+    /// The rank serving each shard.
+    servers: Vec<usize>,
+    /// How long to wait for a server's answer (a dead server's link fails sooner).
+    pub timeout: Duration,
+    clock: u64,
+    versions: Vec<u64>,
+    /// Payload bytes sent and received.
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+}
+
+impl Client {
+    /// `servers[s]` serves shard `s` of `layout`.
+    pub fn new(t: Arc<dyn Transport>, layout: Layout, servers: Vec<usize>) -> Result<Self> {
+        if servers.len() != layout.servers() {
+            return Err(DistError::Config(format!(
+                "{} server ranks for {} shards",
+                servers.len(),
+                layout.servers()
+            )));
+        }
+        // Another worker's death must not fail this one's exchanges with the servers.
+        t.accept_losses();
+        Ok(Self {
+            t,
+            versions: vec![0; servers.len()],
+            layout,
+            servers,
+            timeout: Duration::from_secs(600),
+            clock: 0,
+            bytes_out: 0,
+            bytes_in: 0,
+        })
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Steps this worker has taken (sent with every request, for the staleness bound).
+    pub fn clock(&self) -> u64 {
+        self.clock
+    }
+
+    /// One more local step.
+    pub fn tick(&mut self) {
+        self.clock += 1;
+    }
+
+    fn failed(&self, shard: usize, reason: String) -> DistError {
+        DistError::ServerFailed {
+            rank: self.servers[shard],
+            shard: self.layout.describe(shard),
+            reason,
+        }
+    }
+
+    /// Sends `op` with each shard's part of `values` (or nothing) to every server and, unless
+    /// `op` is `Done`, assembles their answers.
+    fn exchange(&mut self, op: Op, samples: u64, values: Option<&[f32]>) -> Result<Vec<f32>> {
+        if let Some(v) = values
+            && v.len() != self.layout.total()
+        {
+            return Err(DistError::Mismatch {
+                op: format!("{op:?}"),
+                reason: format!(
+                    "{} values, the servers hold {}",
+                    v.len(),
+                    self.layout.total()
+                ),
+            });
+        }
+        for s in 0..self.servers.len() {
+            let part = values.map(|v| v[self.layout.range(s)].to_vec());
+            let bytes = Request {
+                op,
+                clock: self.clock,
+                version: self.versions[s],
+                samples,
+                values: part.unwrap_or_default(),
+            }
+            .encode();
+            self.bytes_out += bytes.len() as u64;
+            self.t
+                .send(self.servers[s], Kind::Ps, REQUEST, bytes)
+                .map_err(|e| self.failed(s, e.to_string()))?;
+        }
+        if op == Op::Done {
+            return Ok(Vec::new());
+        }
+        let mut out = vec![0f32; self.layout.total()];
+        let deadline = Instant::now() + self.timeout;
+        for s in 0..self.servers.len() {
+            let bytes = self
+                .t
+                .recv(self.servers[s], Kind::Ps, REPLY, deadline)
+                .map_err(|e| match e {
+                    DistError::PeerFailed { reason, .. } => self.failed(s, reason),
+                    DistError::Timeout { after, .. } => {
+                        self.failed(s, format!("no answer in {:.1} s", after.as_secs_f64()))
+                    }
+                    other => other,
+                })?;
+            self.bytes_in += bytes.len() as u64;
+            let range = self.layout.range(s);
+            match Reply::decode(&bytes, range.len()).map_err(|e| self.failed(s, e.to_string()))? {
+                Reply::Values { version, values } => {
+                    self.versions[s] = version;
+                    out[range].copy_from_slice(&values);
+                }
+                Reply::Refused(why) => return Err(self.failed(s, format!("refused: {why}"))),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every shard's current values.
+    pub fn pull(&mut self) -> Result<Vec<f32>> {
+        self.exchange(Op::Pull, 0, None)
+    }
+
+    /// Sync: this step's gradient over `samples` samples; returns the values after the round.
+    pub fn push_grad(&mut self, grad: &[f32], samples: u64) -> Result<Vec<f32>> {
+        self.clock += 1;
+        self.exchange(Op::PushGrad, samples, Some(grad))
+    }
+
+    /// Asynchronous modes: a change for the servers to add by their rule; returns the values
+    /// after it.
+    pub fn push_delta(&mut self, delta: &[f32]) -> Result<Vec<f32>> {
+        self.exchange(Op::PushDelta, 0, Some(delta))
+    }
+
+    /// The servers' values with each shard's version (a checkpoint; in sync mode, between
+    /// rounds, every shard has the same version).
+    pub fn snapshot(&mut self) -> Result<(Vec<f32>, Vec<u64>)> {
+        let values = self.exchange(Op::Snapshot, 0, None)?;
+        Ok((values, self.versions.clone()))
+    }
+
+    /// Tells every server this worker is finished.
+    pub fn done(&mut self) -> Result<()> {
+        self.exchange(Op::Done, 0, None).map(|_| ())
+    }
+}
+
+/// A worker's mode: what it does after computing each step's gradient.
+pub struct PsWorker {
+    pub client: Client,
+    mode: Mode,
+    window: usize,
+    /// Local SGD learning rate (asynchronous modes) and EASGD's ρ (α = lr · ρ).
+    lr: f32,
+    rho: f32,
+    steps: u64,
+    at_pull: Vec<f32>,
+}
+
+impl PsWorker {
+    /// Pulls the servers' values to start from.
+    pub fn start(
+        mut client: Client,
+        mode: Mode,
+        window: usize,
+        lr: f32,
+        rho: f32,
+    ) -> Result<(Self, Vec<f32>)> {
+        if window == 0 {
+            return Err(DistError::Config(
+                "parameter servers: --window must be at least 1".into(),
+            ));
+        }
+        let params = client.pull()?;
+        let worker = Self {
+            client,
+            mode,
+            window,
+            lr,
+            rho,
+            steps: 0,
+            at_pull: params.clone(),
+        };
+        Ok((worker, params))
+    }
+
+    /// Applies this step's `grad` (over `samples` samples) to `params` by the mode's rule,
+    /// talking to the servers when the rule says so.
+    pub fn step(&mut self, params: &mut Vec<f32>, grad: &[f32], samples: u64) -> Result<()> {
+        self.steps += 1;
+        if self.mode == Mode::Sync {
+            *params = self.client.push_grad(grad, samples)?;
+            return Ok(());
+        }
+        rules::sgd(params, grad, self.lr);
+        self.client.tick();
+        if !self.steps.is_multiple_of(self.window as u64) {
+            return Ok(());
+        }
+        if self.mode == Mode::Easgd {
+            let theta = self.client.pull()?;
+            let e = rules::easgd_elastic(params, &theta, self.lr * self.rho);
+            self.client.push_delta(&e)?;
+        } else {
+            let delta: Vec<f32> = params
+                .iter()
+                .zip(&self.at_pull)
+                .map(|(w, a)| w - a)
+                .collect();
+            *params = self.client.push_delta(&delta)?;
+            self.at_pull = params.clone();
+        }
+        Ok(())
+    }
+
+    /// Tells the servers this worker is finished.
+    pub fn finish(mut self) -> Result<()> {
+        self.client.done()
+    }
+}

@@ -1,0 +1,106 @@
+//! The update rules, as plain functions on flat `f32` slices (the server's shard or the
+//! worker's whole vector). Window `W`, server parameters `θ`, worker parameters `w`:
+//!
+//! | mode | worker, every `W` steps | server |
+//! |------|-------------------------|--------|
+//! | `sync` | pushes its gradient each step | averages the gradients weighted by samples, then SGD with momentum (its optimizer state) |
+//! | `downpour` | `Δ = w − w_at_last_pull`, pushes `Δ`, pulls `θ` | `θ ← θ + Δ` |
+//! | `adag` | as downpour | `θ ← θ + Δ / W` |
+//! | `dynsgd` | as downpour | `θ ← θ + Δ / (staleness + 1)`, staleness = server updates since that worker's pull |
+//! | `easgd` | pulls `θ`, `E = α (w − θ)` with `α = η ρ`, `w ← w − E`, pushes `E` | `θ ← θ + E` |
+//!
+//! Sources: DOWNPOUR, Dean et al., "Large Scale Distributed Deep Networks" (NIPS 2012), as
+//! dist-keras implements it (workers send the change of their weights, not gradients); ADAG,
+//! Hermans, "On Scalable Deep Learning and Parallelizing Gradient Descent" (2017), the
+//! dist-keras author's thesis; DynSGD, Jiang et al., "Heterogeneity-aware Distributed
+//! Parameter Servers" (SIGMOD 2017); asynchronous EASGD, Zhang, Choromanska and LeCun, "Deep
+//! learning with Elastic Averaging SGD" (NIPS 2015), Algorithm 1. Between exchanges, workers of
+//! the asynchronous modes take plain SGD steps `w ← w − η g` locally.
+
+/// `params ← params − lr · v` with `v ← momentum · v + grad` (PyTorch's and Burn's SGD with
+/// momentum, no dampening; the first step's `v` is the gradient since `v` starts at zero).
+pub fn sgd_momentum(
+    params: &mut [f32],
+    grad: &[f32],
+    velocity: &mut [f32],
+    lr: f32,
+    momentum: f32,
+) {
+    for ((p, g), v) in params.iter_mut().zip(grad).zip(velocity.iter_mut()) {
+        *v = momentum * *v + g;
+        *p -= lr * *v;
+    }
+}
+
+/// `params ← params − lr · grad` (a worker's local step in the asynchronous modes).
+pub fn sgd(params: &mut [f32], grad: &[f32], lr: f32) {
+    for (p, g) in params.iter_mut().zip(grad) {
+        *p -= lr * g;
+    }
+}
+
+/// `θ ← θ + scale · Δ`: the server side of downpour (scale 1), adag (1 / W), dynsgd
+/// (1 / (staleness + 1)) and easgd (1, `Δ` being `E`).
+pub fn add_scaled(theta: &mut [f32], delta: &[f32], scale: f32) {
+    for (t, d) in theta.iter_mut().zip(delta) {
+        *t += scale * d;
+    }
+}
+
+/// The asynchronous EASGD exchange on the worker: `E = α (w − θ)`, `w ← w − E`; returns `E`
+/// for the server to add.
+pub fn easgd_elastic(w: &mut [f32], theta: &[f32], alpha: f32) -> Vec<f32> {
+    w.iter_mut()
+        .zip(theta)
+        .map(|(wi, t)| {
+            let e = alpha * (*wi - t);
+            *wi -= e;
+            e
+        })
+        .collect()
+}
+
+/// Gradients of several workers averaged weighted by their sample counts.
+pub fn weighted_mean(grads: &[(u64, Vec<f32>)]) -> Vec<f32> {
+    let total: u64 = grads.iter().map(|g| g.0).sum();
+    let len = grads.first().map_or(0, |g| g.1.len());
+    let mut out = vec![0f32; len];
+    if total == 0 {
+        return out;
+    }
+    for (n, g) in grads {
+        let w = *n as f32 / total as f32;
+        for (o, x) in out.iter_mut().zip(g) {
+            *o += w * x;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rules_do_what_the_table_says() {
+        let mut p = vec![1.0, 2.0];
+        let mut v = vec![0.0, 0.0];
+        sgd_momentum(&mut p, &[1.0, -1.0], &mut v, 0.1, 0.9);
+        assert_eq!(v, vec![1.0, -1.0]);
+        sgd_momentum(&mut p, &[1.0, -1.0], &mut v, 0.1, 0.9);
+        assert!((p[0] - (1.0 - 0.1 - 0.19)).abs() < 1e-6, "{p:?}");
+
+        let mut theta = vec![1.0, 1.0];
+        add_scaled(&mut theta, &[2.0, -4.0], 0.5);
+        assert_eq!(theta, vec![2.0, -1.0]);
+
+        // EASGD moves the worker and the centre towards each other by the same amount.
+        let mut w = vec![3.0, 0.0];
+        let e = easgd_elastic(&mut w, &[1.0, 0.0], 0.25);
+        assert_eq!(e, vec![0.5, 0.0]);
+        assert_eq!(w, vec![2.5, 0.0]);
+
+        let m = weighted_mean(&[(1, vec![4.0]), (3, vec![0.0])]);
+        assert_eq!(m, vec![1.0]);
+    }
+}

@@ -1,0 +1,295 @@
+//! One parameter server: a shard's values, their optimizer state and version, answering its
+//! workers in whatever order they ask ([`Transport::recv_any`]).
+//!
+//! - `sync`: a round closes when every live worker pushed its gradient; the server then takes
+//!   one SGD-with-momentum step on the weighted mean and answers everyone with the new values.
+//!   It counts, per worker, how often and how long the round waited for it last.
+//! - The asynchronous modes apply each push as it comes ([`super::rules`]) and answer at once,
+//!   unless `max_staleness` holds the answer: a worker more than that many steps ahead of the
+//!   slowest live one waits (stale synchronous parallel, Ho et al. 2013).
+//! - A worker that dies or sends garbage is dropped and logged; the others go on.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use super::Mode;
+use super::message::{Op, REPLY, REQUEST, Reply, Request};
+use super::rules;
+use crate::transport::Transport;
+use crate::wire::Kind;
+use crate::{DistError, Result};
+
+/// How a server updates its shard.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub mode: Mode,
+    /// Steps between a worker's exchanges (adag divides by it).
+    pub window: usize,
+    /// The server's SGD (sync mode).
+    pub lr: f32,
+    pub momentum: f32,
+    /// Most steps a worker may run ahead of the slowest one (asynchronous modes); `None`: no
+    /// bound.
+    pub max_staleness: Option<u64>,
+    /// A server with no request for this long stops with an error (default 600 s).
+    pub idle_timeout: Duration,
+}
+
+impl ServerConfig {
+    pub fn new(mode: Mode) -> Self {
+        Self {
+            mode,
+            window: 1,
+            lr: 0.01,
+            momentum: 0.0,
+            max_staleness: None,
+            idle_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// What a server did, when its last worker is done.
+#[derive(Debug, Clone, Default)]
+pub struct ServerReport {
+    /// The shard's final values and how many updates made them.
+    pub values: Vec<f32>,
+    pub version: u64,
+    /// Workers dropped (died, or sent a malformed request), with the reason.
+    pub dropped: Vec<(usize, String)>,
+    /// Sync: per worker, the rounds it was the last to push and the time the round waited
+    /// for it after the first push.
+    pub waited_for: BTreeMap<usize, (u64, Duration)>,
+    /// The largest lead, in steps, of a worker answered over the slowest live worker.
+    pub max_lead: u64,
+    /// Payload bytes received and sent.
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+}
+
+struct Pending {
+    samples: u64,
+    grad: Vec<f32>,
+    at: Instant,
+}
+
+struct Server<'a> {
+    t: &'a dyn Transport,
+    cfg: &'a ServerConfig,
+    values: Vec<f32>,
+    velocity: Vec<f32>,
+    version: u64,
+    live: Vec<usize>,
+    clocks: BTreeMap<usize, u64>,
+    pending: BTreeMap<usize, Pending>,
+    held: Vec<usize>,
+    report: ServerReport,
+}
+
+/// Serves `values` (this server's shard) to `workers` until every one is done or dropped.
+pub fn serve(
+    t: &dyn Transport,
+    cfg: &ServerConfig,
+    values: Vec<f32>,
+    workers: &[usize],
+    log: &mut dyn FnMut(&str),
+) -> Result<ServerReport> {
+    if cfg.window == 0 {
+        return Err(DistError::Config(
+            "parameter servers: --window must be at least 1".into(),
+        ));
+    }
+    // A worker's death must not fail the receives from the others.
+    t.accept_losses();
+    let mut s = Server {
+        t,
+        cfg,
+        velocity: vec![0.0; values.len()],
+        values,
+        version: 0,
+        live: workers.to_vec(),
+        clocks: workers.iter().map(|&w| (w, 0)).collect(),
+        pending: BTreeMap::new(),
+        held: Vec::new(),
+        report: ServerReport::default(),
+    };
+    while !s.live.is_empty() {
+        let deadline = Instant::now() + cfg.idle_timeout;
+        match t.recv_any(&s.live, Kind::Ps, REQUEST, deadline) {
+            Ok((from, bytes)) => {
+                s.report.bytes_in += bytes.len() as u64;
+                match Request::decode(&bytes, s.values.len()) {
+                    Ok(req) => {
+                        if let Err(why) = s.handle(from, req) {
+                            s.refuse(from, why, log);
+                        }
+                    }
+                    Err(e) => s.refuse(from, format!("malformed request: {e}"), log),
+                }
+            }
+            Err(DistError::PeerFailed { rank, reason }) if s.live.contains(&rank) => {
+                log(&format!(
+                    "parameter server: worker rank {rank} lost ({reason}); dropped"
+                ));
+                s.drop_worker(rank, reason);
+            }
+            Err(e) => return Err(e),
+        }
+        s.release_held();
+    }
+    s.report.values = std::mem::take(&mut s.values);
+    s.report.version = s.version;
+    Ok(s.report)
+}
+
+impl Server<'_> {
+    fn handle(&mut self, from: usize, req: Request) -> std::result::Result<(), String> {
+        let sync = self.cfg.mode == Mode::Sync;
+        match req.op {
+            Op::Pull => {
+                self.clocks.insert(from, req.clock);
+                self.answer_or_hold(from);
+            }
+            Op::Snapshot => self.answer(from),
+            Op::Done => self.drop_worker(from, String::new()),
+            Op::PushGrad if sync => {
+                self.clocks.insert(from, req.clock);
+                self.pending.insert(
+                    from,
+                    Pending {
+                        samples: req.samples,
+                        grad: req.values,
+                        at: Instant::now(),
+                    },
+                );
+                self.close_round();
+            }
+            Op::PushDelta if !sync => {
+                let scale = match self.cfg.mode {
+                    Mode::Adag => 1.0 / self.cfg.window as f32,
+                    Mode::DynSgd => {
+                        let staleness = self.version.saturating_sub(req.version);
+                        1.0 / (staleness as f32 + 1.0)
+                    }
+                    _ => 1.0,
+                };
+                rules::add_scaled(&mut self.values, &req.values, scale);
+                self.version += 1;
+                self.clocks.insert(from, req.clock);
+                self.answer_or_hold(from);
+            }
+            op => {
+                return Err(format!(
+                    "a {op:?} request does not belong to the {} mode",
+                    self.cfg.mode
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Sync: once every live worker pushed, one optimizer step on the weighted mean.
+    fn close_round(&mut self) {
+        if self.pending.is_empty() || !self.live.iter().all(|w| self.pending.contains_key(w)) {
+            return;
+        }
+        let grads: Vec<(u64, Vec<f32>)> = self
+            .pending
+            .values()
+            .map(|p| (p.samples, p.grad.clone()))
+            .collect();
+        let mean = rules::weighted_mean(&grads);
+        rules::sgd_momentum(
+            &mut self.values,
+            &mean,
+            &mut self.velocity,
+            self.cfg.lr,
+            self.cfg.momentum,
+        );
+        self.version += 1;
+        let first = self.pending.values().map(|p| p.at).min();
+        if let (Some(first), Some((&last, p))) =
+            (first, self.pending.iter().max_by_key(|(_, p)| p.at))
+            && self.pending.len() > 1
+        {
+            let e = self.report.waited_for.entry(last).or_default();
+            e.0 += 1;
+            e.1 += p.at - first;
+        }
+        let done: Vec<usize> = self.pending.keys().copied().collect();
+        self.pending.clear();
+        for w in done {
+            self.answer(w);
+        }
+    }
+
+    fn slowest(&self) -> u64 {
+        self.live
+            .iter()
+            .filter_map(|w| self.clocks.get(w))
+            .copied()
+            .min()
+            .unwrap_or(0)
+    }
+
+    fn answer_or_hold(&mut self, w: usize) {
+        let lead = self
+            .clocks
+            .get(&w)
+            .copied()
+            .unwrap_or(0)
+            .saturating_sub(self.slowest());
+        match self.cfg.max_staleness {
+            Some(bound) if lead > bound => self.held.push(w),
+            _ => {
+                self.report.max_lead = self.report.max_lead.max(lead);
+                self.answer(w);
+            }
+        }
+    }
+
+    fn release_held(&mut self) {
+        let held = std::mem::take(&mut self.held);
+        for w in held {
+            if self.live.contains(&w) {
+                self.answer_or_hold(w);
+            }
+        }
+    }
+
+    fn answer(&mut self, w: usize) {
+        let bytes = Reply::Values {
+            version: self.version,
+            values: self.values.clone(),
+        }
+        .encode();
+        self.report.bytes_out += bytes.len() as u64;
+        // A worker that died is seen at the next receive.
+        let _ = self.t.send(w, Kind::Ps, REPLY, bytes);
+    }
+
+    fn refuse(&mut self, w: usize, why: String, log: &mut dyn FnMut(&str)) {
+        log(&format!(
+            "parameter server: worker rank {w} refused and dropped: {why}"
+        ));
+        let _ = self
+            .t
+            .send(w, Kind::Ps, REPLY, Reply::Refused(why.clone()).encode());
+        self.drop_worker(w, why);
+    }
+
+    /// A worker done (`reason` empty) or lost: it no longer counts for rounds or staleness,
+    /// and a gradient it pushed to a round not yet closed is withdrawn (it may not have
+    /// reached every shard).
+    fn drop_worker(&mut self, w: usize, reason: String) {
+        self.live.retain(|&x| x != w);
+        self.clocks.remove(&w);
+        self.held.retain(|&x| x != w);
+        if !reason.is_empty() {
+            self.pending.remove(&w);
+            self.report.dropped.push((w, reason));
+        }
+        if self.cfg.mode == Mode::Sync {
+            self.close_round();
+        }
+    }
+}

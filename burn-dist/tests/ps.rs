@@ -1,0 +1,346 @@
+//! Parameter servers on the in-memory transport: sync equals allreduce data parallel (1e-5),
+//! every asynchronous mode learns, the staleness bound holds a fast worker back, sync names
+//! the worker it waited for, a dead worker does not stop asynchronous training, a dead server
+//! is an error naming its shard, and garbage from a worker gets it refused. Every thread is
+//! joined with a deadline.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use burn_dist::collective::{Communicator, ReduceOp};
+use burn_dist::ps::client::{Client, PsWorker};
+use burn_dist::ps::layout::Layout;
+use burn_dist::ps::server::{ServerConfig, ServerReport, serve};
+use burn_dist::ps::{Mode, rules};
+use burn_dist::transport::Transport;
+use burn_dist::transport::memory::MemoryTransport;
+use burn_dist::wire::Kind;
+
+const DIM: usize = 5;
+
+/// Runs `f` on a thread and waits at most 60 s for it: a hang fails the test.
+fn bounded<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> mpsc::Receiver<T> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx
+}
+
+fn get<T>(rx: mpsc::Receiver<T>, what: &str) -> T {
+    rx.recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("{what} did not finish in 60 s"))
+}
+
+/// Worker `k`'s samples of y = 2·x_i·(i+1)/DIM − 0.5 with a deterministic spread, `4 + 2k` of them.
+fn samples(k: usize) -> Vec<([f32; DIM], f32)> {
+    (0..4 + 2 * k)
+        .map(|j| {
+            let x: [f32; DIM] =
+                std::array::from_fn(|i| (((j * 7 + i * 3 + k * 5) % 11) as f32 - 5.0) / 5.0);
+            let y = x
+                .iter()
+                .enumerate()
+                .map(|(i, v)| 2.0 * v * (i + 1) as f32 / DIM as f32)
+                .sum::<f32>()
+                - 0.5;
+            (x, y)
+        })
+        .collect()
+}
+
+/// Parameters: w (DIM values) then b; the mean-squared-error gradient over `data`.
+fn grad(params: &[f32], data: &[([f32; DIM], f32)]) -> Vec<f32> {
+    let mut g = vec![0f32; DIM + 1];
+    for (x, y) in data {
+        let pred: f32 = x.iter().zip(params).map(|(a, w)| a * w).sum::<f32>() + params[DIM];
+        let e = pred - y;
+        for i in 0..DIM {
+            g[i] += e * x[i] / data.len() as f32;
+        }
+        g[DIM] += e / data.len() as f32;
+    }
+    g
+}
+
+fn loss(params: &[f32], workers: usize) -> f32 {
+    let all: Vec<_> = (0..workers).flat_map(samples).collect();
+    all.iter()
+        .map(|(x, y)| {
+            let pred: f32 = x.iter().zip(params).map(|(a, w)| a * w).sum::<f32>() + params[DIM];
+            (pred - y).powi(2)
+        })
+        .sum::<f32>()
+        / all.len() as f32
+}
+
+fn layout(servers: usize) -> Layout {
+    Layout::new(&[("w".to_string(), DIM), ("b".to_string(), 1)], servers).unwrap()
+}
+
+/// `servers` server ranks (0..) and `workers` worker ranks after them, each worker taking
+/// `steps` steps on its own samples (`delay` before each push for the workers named), and
+/// every server's report.
+fn run(
+    cfg: ServerConfig,
+    servers: usize,
+    workers: usize,
+    steps: usize,
+    lr: f32,
+    delay: &[(usize, Duration)],
+) -> Vec<ServerReport> {
+    let layout = layout(servers);
+    let mut ranks: Vec<Arc<dyn Transport>> = MemoryTransport::mesh(servers + workers)
+        .into_iter()
+        .map(|t| Arc::new(t) as Arc<dyn Transport>)
+        .collect();
+    let worker_ranks: Vec<usize> = (servers..servers + workers).collect();
+    let server_threads: Vec<_> = ranks
+        .drain(..servers)
+        .enumerate()
+        .map(|(s, t)| {
+            let (cfg, ws, init) = (
+                cfg.clone(),
+                worker_ranks.clone(),
+                vec![0f32; layout.range(s).len()],
+            );
+            bounded(move || serve(t.as_ref(), &cfg, init, &ws, &mut |l| eprintln!("{l}")))
+        })
+        .collect();
+    let worker_threads: Vec<_> = ranks
+        .into_iter()
+        .enumerate()
+        .map(|(k, t)| {
+            let (layout, mode, window) = (layout.clone(), cfg.mode, cfg.window);
+            let pause = delay.iter().find(|d| d.0 == k).map(|d| d.1);
+            bounded(move || {
+                let client = Client::new(t, layout, (0..servers).collect()).unwrap();
+                let (mut w, mut params) = PsWorker::start(client, mode, window, lr, 0.5).unwrap();
+                let data = samples(k);
+                for _ in 0..steps {
+                    if let Some(p) = pause {
+                        std::thread::sleep(p);
+                    }
+                    let g = grad(&params, &data);
+                    w.step(&mut params, &g, data.len() as u64).unwrap();
+                }
+                w.finish().unwrap();
+            })
+        })
+        .collect();
+    for w in worker_threads {
+        get(w, "a worker");
+    }
+    server_threads
+        .into_iter()
+        .map(|s| get(s, "a server").unwrap())
+        .collect()
+}
+
+fn joined(reports: &[ServerReport]) -> Vec<f32> {
+    reports.iter().flat_map(|r| r.values.clone()).collect()
+}
+
+#[test]
+fn sync_equals_allreduce_data_parallel() {
+    let (workers, steps, lr, momentum) = (3, 15, 0.05, 0.9);
+    let mut cfg = ServerConfig::new(Mode::Sync);
+    cfg.lr = lr;
+    cfg.momentum = momentum;
+    // Two servers: "w" is sliced across them.
+    let reports = run(cfg, 2, workers, steps, lr, &[]);
+    let ps = joined(&reports);
+    assert!(reports.iter().all(|r| r.version == steps as u64));
+
+    // Allreduce data parallel: gradients x samples summed, divided by all samples, then the
+    // same SGD with momentum on every rank.
+    let threads: Vec<_> = MemoryTransport::mesh(workers)
+        .into_iter()
+        .enumerate()
+        .map(|(k, t)| {
+            bounded(move || {
+                let comm = Communicator::new(Arc::new(t));
+                let data = samples(k);
+                let mut n = vec![data.len() as f32];
+                comm.allreduce(&mut n, ReduceOp::Sum).unwrap();
+                let (mut p, mut v) = (vec![0f32; DIM + 1], vec![0f32; DIM + 1]);
+                for _ in 0..steps {
+                    let mut g: Vec<f32> = grad(&p, &data)
+                        .iter()
+                        .map(|x| x * data.len() as f32 / n[0])
+                        .collect();
+                    comm.allreduce(&mut g, ReduceOp::Sum).unwrap();
+                    rules::sgd_momentum(&mut p, &g, &mut v, lr, momentum);
+                }
+                p
+            })
+        })
+        .collect();
+    let allreduce = get(threads.into_iter().next().unwrap(), "allreduce rank 0");
+    let worst = ps
+        .iter()
+        .zip(&allreduce)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        worst <= 1e-5,
+        "ps {ps:?} vs allreduce {allreduce:?}: {worst}"
+    );
+    assert!(loss(&ps, workers) < 0.5 * loss(&[0.0; DIM + 1], workers));
+}
+
+#[test]
+fn every_asynchronous_mode_learns() {
+    let start = loss(&[0.0; DIM + 1], 3);
+    for mode in [Mode::Downpour, Mode::Adag, Mode::DynSgd, Mode::Easgd] {
+        let mut cfg = ServerConfig::new(mode);
+        cfg.window = 3;
+        let reports = run(cfg, 2, 3, 240, 0.1, &[]);
+        let end = loss(&joined(&reports), 3);
+        eprintln!("{mode}: loss {start} -> {end}");
+        assert!(end < 0.1 * start, "{mode}: loss {start} -> {end}");
+        assert!(reports.iter().all(|r| r.dropped.is_empty()), "{mode}");
+    }
+}
+
+#[test]
+fn the_staleness_bound_holds_a_fast_worker_back() {
+    let slow = [(1, Duration::from_millis(15))];
+    let mut cfg = ServerConfig::new(Mode::Downpour);
+    cfg.max_staleness = Some(2);
+    let bounded_run = run(cfg.clone(), 1, 2, 20, 0.05, &slow);
+    assert!(
+        bounded_run[0].max_lead <= 2,
+        "lead {}",
+        bounded_run[0].max_lead
+    );
+    // Without the bound the fast worker runs ahead: the bound above did something.
+    cfg.max_staleness = None;
+    let free = run(cfg, 1, 2, 20, 0.05, &slow);
+    assert!(free[0].max_lead > 2, "lead {}", free[0].max_lead);
+}
+
+#[test]
+fn sync_names_the_worker_it_waited_for() {
+    let cfg = ServerConfig::new(Mode::Sync);
+    let reports = run(cfg, 1, 3, 10, 0.05, &[(2, Duration::from_millis(10))]);
+    let waited = &reports[0].waited_for;
+    let (most, _) = waited.iter().max_by_key(|(_, v)| v.0).unwrap();
+    assert_eq!(*most, 3, "rank 3 (worker 2) is the slow one: {waited:?}");
+}
+
+#[test]
+fn a_dead_worker_does_not_stop_asynchronous_training() {
+    let layout = layout(1);
+    let mut ranks = MemoryTransport::mesh(4).into_iter();
+    let server = ranks.next().unwrap();
+    let mut cfg = ServerConfig::new(Mode::Adag);
+    cfg.window = 2;
+    let s = bounded(move || {
+        serve(&server, &cfg, vec![0.0; DIM + 1], &[1, 2, 3], &mut |l| {
+            eprintln!("{l}")
+        })
+    });
+    let workers: Vec<_> = ranks
+        .enumerate()
+        .map(|(k, t)| {
+            let layout = layout.clone();
+            bounded(move || {
+                let t = Arc::new(t);
+                let client = Client::new(t.clone() as Arc<dyn Transport>, layout, vec![0]).unwrap();
+                let (mut w, mut params) = PsWorker::start(client, Mode::Adag, 2, 0.1, 0.0).unwrap();
+                let data = samples(k);
+                for step in 0..150 {
+                    if k == 2 && step == 7 {
+                        t.kill("worker 2 killed by the test");
+                        return;
+                    }
+                    let g = grad(&params, &data);
+                    w.step(&mut params, &g, 1).unwrap();
+                }
+                w.finish().unwrap();
+            })
+        })
+        .collect();
+    for w in workers {
+        get(w, "a worker");
+    }
+    let report = get(s, "the server").unwrap();
+    assert_eq!(report.dropped.len(), 1, "{:?}", report.dropped);
+    assert_eq!(report.dropped[0].0, 3);
+    assert!(report.dropped[0].1.contains("killed by the test"));
+    assert!(loss(&report.values, 3) < 0.2 * loss(&[0.0; DIM + 1], 3));
+}
+
+#[test]
+fn a_dead_server_is_an_error_naming_its_shard() {
+    let layout = layout(2);
+    let mut ranks = MemoryTransport::mesh(3).into_iter();
+    let (s0, s1, worker) = (
+        ranks.next().unwrap(),
+        ranks.next().unwrap(),
+        ranks.next().unwrap(),
+    );
+    let mut cfg = ServerConfig::new(Mode::Downpour);
+    cfg.idle_timeout = Duration::from_secs(20);
+    let init = vec![0.0; layout.range(0).len()];
+    let server = bounded(move || serve(&s0, &cfg, init, &[2], &mut |_| {}));
+    s1.kill("server 1 killed by the test");
+    let w = bounded(move || {
+        let mut client = Client::new(Arc::new(worker), layout, vec![0, 1]).unwrap();
+        client.timeout = Duration::from_secs(10);
+        let err = client.pull().unwrap_err().to_string();
+        let _ = client.done();
+        err
+    });
+    let err = get(w, "the worker");
+    assert!(
+        err.contains("parameter server rank 1, shard 1 of 2") && err.contains("w[3..5], b"),
+        "{err}"
+    );
+    assert!(err.contains("killed by the test"), "{err}");
+    get(server, "server 0").unwrap();
+}
+
+#[test]
+fn garbage_from_a_worker_gets_it_refused_and_the_others_go_on() {
+    let mut ranks = MemoryTransport::mesh(3).into_iter();
+    let (server, good, bad) = (
+        ranks.next().unwrap(),
+        ranks.next().unwrap(),
+        ranks.next().unwrap(),
+    );
+    let cfg = ServerConfig::new(Mode::Downpour);
+    let s = bounded(move || serve(&server, &cfg, vec![0.0; DIM + 1], &[1, 2], &mut |_| {}));
+    let b = bounded(move || {
+        bad.send(0, Kind::Ps, burn_dist::ps::message::REQUEST, vec![7; 13])
+            .unwrap();
+        let answer = bad
+            .recv(
+                0,
+                Kind::Ps,
+                burn_dist::ps::message::REPLY,
+                std::time::Instant::now() + Duration::from_secs(10),
+            )
+            .unwrap();
+        burn_dist::ps::message::Reply::decode(&answer, DIM + 1).unwrap()
+    });
+    let g = bounded(move || {
+        let client = Client::new(Arc::new(good), layout(1), vec![0]).unwrap();
+        let (mut w, mut p) = PsWorker::start(client, Mode::Downpour, 1, 0.1, 0.0).unwrap();
+        for _ in 0..5 {
+            let gr = grad(&p, &samples(0));
+            w.step(&mut p, &gr, 1).unwrap();
+        }
+        w.finish().unwrap();
+    });
+    match get(b, "the bad worker") {
+        burn_dist::ps::message::Reply::Refused(why) => assert!(why.contains("malformed"), "{why}"),
+        other => panic!("garbage was answered with {other:?}"),
+    }
+    get(g, "the good worker");
+    let report = get(s, "the server").unwrap();
+    assert_eq!(report.dropped.len(), 1);
+    assert_eq!(report.version, 5);
+}
