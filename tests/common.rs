@@ -131,6 +131,25 @@ pub fn elastic_data(dir: &std::path::Path) -> PathBuf {
     d
 }
 
+/// Waits for `child` until `until`; past it the child is killed and reaped and `None`
+/// returned (a hang fails the test instead of CI).
+pub fn wait_bounded(
+    child: &mut std::process::Child,
+    until: std::time::Instant,
+) -> Option<std::process::ExitStatus> {
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        if std::time::Instant::now() > until {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// An elastic worker's `<id>: final weights <fingerprint> at step N (rank r of w)` line as
 /// (id, fingerprint, w); the id is the word before the colon (a launcher's `[w0] ` prefix
 /// stays out of it).

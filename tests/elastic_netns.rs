@@ -238,17 +238,7 @@ impl Hosts {
             if stopped.contains(id) {
                 let _ = child.kill();
             }
-            let code = loop {
-                if let Some(s) = child.try_wait().unwrap() {
-                    break s.code();
-                }
-                if Instant::now() > until {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    break None;
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            };
+            let code = common::wait_bounded(child, until).and_then(|s| s.code());
             let log = std::fs::read_to_string(run.with_file_name(format!("{id}.log")))
                 .unwrap_or_default();
             out.push((id.clone(), code, log));

@@ -70,17 +70,7 @@ fn elastic(data: &Path, run: &Path, launch: &[&str], train: &[&str], env: &[(&st
         .stderr(Stdio::from(file))
         .spawn()
         .unwrap();
-    let until = Instant::now() + Duration::from_secs(240);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break Some(s);
-        }
-        if Instant::now() > until {
-            let _ = child.kill();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let status = common::wait_bounded(&mut child, Instant::now() + Duration::from_secs(240));
     Run {
         ok: status.is_some_and(|s| s.success()),
         log: std::fs::read_to_string(&log).unwrap_or_default(),

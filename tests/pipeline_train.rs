@@ -39,17 +39,7 @@ fn hearth_train(data: &Path, args: &[&str]) -> (bool, String) {
         .stderr(Stdio::from(file))
         .spawn()
         .unwrap();
-    let until = Instant::now() + Duration::from_secs(300);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break Some(s);
-        }
-        if Instant::now() > until {
-            let _ = child.kill();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let status = common::wait_bounded(&mut child, Instant::now() + Duration::from_secs(300));
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     (status.is_some_and(|s| s.success()), text)
 }

@@ -345,6 +345,18 @@ mod tests {
         }
     }
 
+    /// Waits (at most 20 s) until a joiner's hello is held by `coordinator`.
+    fn hello_arrives(coordinator: &JoinService) {
+        let t = Instant::now();
+        while coordinator.waiting().is_empty() {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "the hello never arrived"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     #[test]
     fn replies_round_trip_and_garbage_is_an_error() {
         let a = Announcement {
@@ -394,14 +406,7 @@ mod tests {
                 Duration::from_secs(30),
             )
         });
-        let t = Instant::now();
-        while coordinator.waiting().is_empty() {
-            assert!(
-                t.elapsed() < Duration::from_secs(20),
-                "the hello never arrived"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        hello_arrives(&coordinator);
         assert_eq!(coordinator.waiting(), vec![worker("w9")]);
         let announcement = Announcement {
             epoch: 4,
@@ -434,14 +439,7 @@ mod tests {
                 Duration::from_secs(30),
             )
         });
-        let t = Instant::now();
-        while coordinator.waiting().is_empty() {
-            assert!(
-                t.elapsed() < Duration::from_secs(20),
-                "the hello never arrived"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        hello_arrives(&coordinator);
         coordinator.answer("w1", Reply::Refused("host 127.0.0.1 is blacklisted".into()));
         let e = joiner.join().unwrap().unwrap_err().to_string();
         assert!(e.contains("blacklisted"), "{e}");

@@ -98,13 +98,16 @@ pub enum Reply {
 impl Reply {
     pub fn encode(&self) -> Vec<u8> {
         match self {
-            Reply::Values { version, values } => {
-                let mut w = Writer::default().u64(0).u64(*version).bytes;
-                w.extend_from_slice(&f32_to_bytes(values));
-                w
-            }
+            Reply::Values { version, values } => Reply::values_bytes(*version, values),
             Reply::Refused(why) => Writer::default().u64(1).string(why).bytes,
         }
+    }
+
+    /// The bytes of `Reply::Values` without building one (the server's answers).
+    pub fn values_bytes(version: u64, values: &[f32]) -> Vec<u8> {
+        let mut w = Writer::default().u64(0).u64(version).bytes;
+        w.extend_from_slice(&f32_to_bytes(values));
+        w
     }
 
     pub fn decode(b: &[u8], shard_len: usize) -> Result<Self> {

@@ -192,20 +192,6 @@ impl Server<'_> {
         if self.pending.is_empty() || !self.live.iter().all(|w| self.pending.contains_key(w)) {
             return;
         }
-        let grads: Vec<(u64, Vec<f32>)> = self
-            .pending
-            .values()
-            .map(|p| (p.samples, p.grad.clone()))
-            .collect();
-        let mean = rules::weighted_mean(&grads);
-        rules::sgd_momentum(
-            &mut self.values,
-            &mean,
-            &mut self.velocity,
-            self.cfg.lr,
-            self.cfg.momentum,
-        );
-        self.version += 1;
         let first = self.pending.values().map(|p| p.at).min();
         if let (Some(first), Some((&last, p))) =
             (first, self.pending.iter().max_by_key(|(_, p)| p.at))
@@ -215,8 +201,19 @@ impl Server<'_> {
             e.0 += 1;
             e.1 += p.at - first;
         }
-        let done: Vec<usize> = self.pending.keys().copied().collect();
-        self.pending.clear();
+        let pending = std::mem::take(&mut self.pending);
+        let done: Vec<usize> = pending.keys().copied().collect();
+        let grads: Vec<(u64, Vec<f32>)> =
+            pending.into_values().map(|p| (p.samples, p.grad)).collect();
+        let mean = rules::weighted_mean(&grads);
+        rules::sgd_momentum(
+            &mut self.values,
+            &mean,
+            &mut self.velocity,
+            self.cfg.lr,
+            self.cfg.momentum,
+        );
+        self.version += 1;
         for w in done {
             self.answer(w);
         }
@@ -257,11 +254,7 @@ impl Server<'_> {
     }
 
     fn answer(&mut self, w: usize) {
-        let bytes = Reply::Values {
-            version: self.version,
-            values: self.values.clone(),
-        }
-        .encode();
+        let bytes = Reply::values_bytes(self.version, &self.values);
         self.report.bytes_out += bytes.len() as u64;
         // A worker that died is seen at the next receive.
         let _ = self.t.send(w, Kind::Ps, REPLY, bytes);
