@@ -344,3 +344,82 @@ fn garbage_from_a_worker_gets_it_refused_and_the_others_go_on() {
     assert_eq!(report.dropped.len(), 1);
     assert_eq!(report.version, 5);
 }
+
+/// Three workers push all-ones deltas (DOWNPOUR) to two servers as fast as they can while the
+/// lead takes checkpoints: a consistent checkpoint holds the same pushes in every shard, so
+/// every value of every shard is equal, and their sum over shards counts each push once.
+#[test]
+fn checkpoints_are_consistent_across_shards_while_workers_push() {
+        // Ranks 0 and 1 serve; 2 (the lead), 3 and 4 push.
+    let workers = vec![2, 3, 4];
+    let layout = Layout::new(&[("a".to_string(), 7), ("b".to_string(), 6)], 2).unwrap();
+    let mut ts: Vec<Arc<dyn Transport>> = MemoryTransport::mesh(5)
+        .into_iter()
+        .map(|t| Arc::new(t) as Arc<dyn Transport>)
+        .collect();
+    let mut handles = Vec::new();
+    for t in ts.drain(..2) {
+        let workers = workers.clone();
+        handles.push(bounded(move || {
+            let cfg = ServerConfig::new(Mode::Downpour);
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            burn_dist::ps::server::run_server(&*t, &cfg, 2, &workers, deadline, &mut |_| {})
+                .map(|r| r.values.len())
+        }));
+    }
+    let mut ws = ts.into_iter();
+    let lead_t = ws.next().unwrap();
+    let others: Vec<_> = ws
+        .map(|t| {
+            let layout = layout.clone();
+            bounded(move || {
+                let mut c = Client::new(t, layout, vec![0, 1]).unwrap();
+                c.pull().unwrap();
+                for _ in 0..300 {
+                    c.push_delta(&[1.0; 13]).unwrap();
+                }
+                c.done().unwrap();
+            })
+        })
+        .collect();
+    let lead = {
+        let layout = layout.clone();
+        bounded(move || {
+            let mut c = Client::new(lead_t, layout.clone(), vec![0, 1]).unwrap();
+            let zero = |s: usize| burn_dist::ps::message::ShardState {
+                version: 0,
+                values: vec![0.0; layout.range(s).len()],
+                velocity: Vec::new(),
+            };
+            c.init_servers(vec![zero(0), zero(1)]).unwrap();
+            let mut seen = Vec::new();
+            for _ in 0..40 {
+                c.push_delta(&[1.0; 13]).unwrap();
+                let states = c.checkpoint().unwrap();
+                let all: Vec<f32> = states.iter().flat_map(|s| s.values.clone()).collect();
+                seen.push(all);
+            }
+            c.done().unwrap();
+            let last = c.final_states().unwrap();
+            (seen, last)
+        })
+    };
+    for o in others {
+        get(o, "a pushing worker");
+    }
+    let (seen, last) = get(lead, "the lead");
+    for (i, all) in seen.iter().enumerate() {
+        assert!(
+            all.iter().all(|v| *v == all[0]),
+            "checkpoint {i} mixes pushes: {all:?}"
+        );
+    }
+    assert!(seen.windows(2).all(|w| w[1][0] > w[0][0]), "checkpoints move on");
+    let total: Vec<f32> = last.iter().flat_map(|s| s.values.clone()).collect();
+    assert!(total.iter().all(|v| *v == 640.0), "{total:?}");
+    let lens: Vec<usize> = handles
+        .into_iter()
+        .map(|h| get(h, "a server").unwrap())
+        .collect();
+    assert_eq!(lens, vec![6, 7]);
+}

@@ -1,11 +1,12 @@
 //! A worker's side: [`Client`] pushes and pulls the whole flat vector, each shard to its
 //! server, all servers at once; [`PsWorker`] runs a mode's rule around the worker's steps.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::layout::Layout;
-use super::message::{Op, REPLY, REQUEST, Reply, Request};
+use super::message::{FINAL, INIT, Op, REPLY, REQUEST, Reply, Request, ShardState};
 use super::{Mode, rules};
 use crate::transport::Transport;
 use crate::wire::Kind;
@@ -72,9 +73,15 @@ impl Client {
         }
     }
 
-    /// Sends `op` with each shard's part of `values` (or nothing) to every server and, unless
-    /// `op` is `Done`, assembles their answers.
-    fn exchange(&mut self, op: Op, samples: u64, values: Option<&[f32]>) -> Result<Vec<f32>> {
+    /// Sends `op` with each shard's part of `values` (or nothing) and the `cut` to every
+    /// server.
+    fn send_all(
+        &mut self,
+        op: Op,
+        samples: u64,
+        values: Option<&[f32]>,
+        cut: &[(u64, u64)],
+    ) -> Result<()> {
         if let Some(v) = values
             && v.len() != self.layout.total()
         {
@@ -95,6 +102,7 @@ impl Client {
                 version: self.versions[s],
                 samples,
                 values: part.unwrap_or_default(),
+                cut: cut.to_vec(),
             }
             .encode();
             self.bytes_out += bytes.len() as u64;
@@ -102,15 +110,17 @@ impl Client {
                 .send(self.servers[s], Kind::Ps, REQUEST, bytes)
                 .map_err(|e| self.failed(s, e.to_string()))?;
         }
-        if op == Op::Done {
-            return Ok(Vec::new());
-        }
-        let mut out = vec![0f32; self.layout.total()];
+        Ok(())
+    }
+
+    /// One message under `tag` from every server, in shard order.
+    fn recv_all(&mut self, tag: u64) -> Result<Vec<Vec<u8>>> {
         let deadline = Instant::now() + self.timeout;
+        let mut out = Vec::with_capacity(self.servers.len());
         for s in 0..self.servers.len() {
             let bytes = self
                 .t
-                .recv(self.servers[s], Kind::Ps, REPLY, deadline)
+                .recv(self.servers[s], Kind::Ps, tag, deadline)
                 .map_err(|e| match e {
                     DistError::PeerFailed { reason, .. } => self.failed(s, reason),
                     DistError::Timeout { after, .. } => {
@@ -119,14 +129,107 @@ impl Client {
                     other => other,
                 })?;
             self.bytes_in += bytes.len() as u64;
-            let range = self.layout.range(s);
-            match Reply::decode(&bytes, range.len()).map_err(|e| self.failed(s, e.to_string()))? {
+            out.push(bytes);
+        }
+        Ok(out)
+    }
+
+    /// Every server's reply, checked.
+    fn replies(&mut self) -> Result<Vec<Reply>> {
+        let all = self.recv_all(REPLY)?;
+        let mut out = Vec::with_capacity(all.len());
+        for (s, bytes) in all.into_iter().enumerate() {
+            match Reply::decode(&bytes, self.layout.range(s).len())
+                .map_err(|e| self.failed(s, e.to_string()))?
+            {
+                Reply::Refused(why) => return Err(self.failed(s, format!("refused: {why}"))),
+                r => out.push(r),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Sends `op` to every server and, unless `op` is `Done`, assembles their values.
+    fn exchange(&mut self, op: Op, samples: u64, values: Option<&[f32]>) -> Result<Vec<f32>> {
+        self.send_all(op, samples, values, &[])?;
+        if op == Op::Done {
+            return Ok(Vec::new());
+        }
+        let mut out = vec![0f32; self.layout.total()];
+        for (s, r) in self.replies()?.into_iter().enumerate() {
+            match r {
                 Reply::Values { version, values } => {
                     self.versions[s] = version;
-                    out[range].copy_from_slice(&values);
+                    out[self.layout.range(s)].copy_from_slice(&values);
                 }
-                Reply::Refused(why) => return Err(self.failed(s, format!("refused: {why}"))),
+                other => return Err(self.failed(s, format!("an unexpected answer {other:?}"))),
             }
+        }
+        Ok(out)
+    }
+
+    /// Gives each server its shard's starting state (the lead worker, before training).
+    pub fn init_servers(&mut self, states: Vec<ShardState>) -> Result<()> {
+        if states.len() != self.servers.len() {
+            return Err(DistError::Config(format!(
+                "{} shard states for {} servers",
+                states.len(),
+                self.servers.len()
+            )));
+        }
+        for (s, state) in states.into_iter().enumerate() {
+            if state.values.len() != self.layout.range(s).len() {
+                return Err(self.failed(
+                    s,
+                    format!("a starting state of {} values", state.values.len()),
+                ));
+            }
+            let bytes = state.encode();
+            self.bytes_out += bytes.len() as u64;
+            self.t
+                .send(self.servers[s], Kind::Ps, INIT, bytes)
+                .map_err(|e| self.failed(s, e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// A consistent checkpoint of every shard: each holds exactly the same pushes (freeze
+    /// every shard, cut at the most pushes any shard applied per worker, let each catch up to
+    /// the cut, read the states, thaw). Other workers' pushes wait meanwhile.
+    pub fn checkpoint(&mut self) -> Result<Vec<ShardState>> {
+        self.send_all(Op::Freeze, 0, None, &[])?;
+        let mut cut: BTreeMap<u64, u64> = BTreeMap::new();
+        for (s, r) in self.replies()?.into_iter().enumerate() {
+            let Reply::Clocks(c) = r else {
+                return Err(self.failed(s, format!("{r:?} where its clocks were expected")));
+            };
+            for (w, n) in c {
+                let e = cut.entry(w).or_default();
+                *e = (*e).max(n);
+            }
+        }
+        let cut: Vec<(u64, u64)> = cut.into_iter().collect();
+        self.send_all(Op::Cut, 0, None, &cut)?;
+        let mut states = Vec::with_capacity(self.servers.len());
+        for (s, r) in self.replies()?.into_iter().enumerate() {
+            let Reply::State(state) = r else {
+                return Err(self.failed(s, format!("{r:?} where its state was expected")));
+            };
+            states.push(state);
+        }
+        self.send_all(Op::Thaw, 0, None, &[])?;
+        self.replies()?;
+        Ok(states)
+    }
+
+    /// Every server's final state, sent once all workers are done (the lead worker, after
+    /// its own `done`). Waits up to the client's timeout.
+    pub fn final_states(&mut self) -> Result<Vec<ShardState>> {
+        let all = self.recv_all(FINAL)?;
+        let mut out = Vec::with_capacity(all.len());
+        for (s, bytes) in all.into_iter().enumerate() {
+            let len = self.layout.range(s).len();
+            out.push(ShardState::decode(&bytes, Some(len)).map_err(|e| self.failed(s, e.to_string()))?);
         }
         Ok(out)
     }
@@ -146,13 +249,6 @@ impl Client {
     /// after it.
     pub fn push_delta(&mut self, delta: &[f32]) -> Result<Vec<f32>> {
         self.exchange(Op::PushDelta, 0, Some(delta))
-    }
-
-    /// The servers' values with each shard's version (a checkpoint; in sync mode, between
-    /// rounds, every shard has the same version).
-    pub fn snapshot(&mut self) -> Result<(Vec<f32>, Vec<u64>)> {
-        let values = self.exchange(Op::Snapshot, 0, None)?;
-        Ok((values, self.versions.clone()))
     }
 
     /// Tells every server this worker is finished.

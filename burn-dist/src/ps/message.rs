@@ -1,12 +1,20 @@
 //! The messages between workers and servers (`Kind::Ps`): a worker's request under tag
-//! [`REQUEST`], the server's answer under [`REPLY`]. Every field is checked on decoding; a
-//! malformed request is answered with a refusal and its sender dropped.
+//! [`REQUEST`], the server's answer under [`REPLY`]; a shard's whole state ([`ShardState`])
+//! from the lead worker to its server under [`INIT`] and back at the end under [`FINAL`]. Every
+//! field is checked on decoding; a malformed request is answered with a refusal and its sender
+//! dropped. Tags from [`APP_TAGS`] up are left to the application on `Kind::Ps`.
 
 use crate::wire::{Reader, Writer, bytes_to_f32, f32_to_bytes};
 use crate::{DistError, Result};
 
 pub const REQUEST: u64 = 1;
 pub const REPLY: u64 = 2;
+/// The lead worker gives a server its shard's starting state.
+pub const INIT: u64 = 3;
+/// A server gives the lead worker its shard's final state once every worker is done.
+pub const FINAL: u64 = 4;
+/// The first tag the parameter servers do not use.
+pub const APP_TAGS: u64 = 100;
 
 /// What a worker asks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,8 +27,14 @@ pub enum Op {
     PushDelta = 3,
     /// The worker is finished; no answer.
     Done = 4,
-    /// The values and version, for a checkpoint.
-    Snapshot = 5,
+    /// A checkpoint's first phase: stop applying pushes (they wait) and answer with the pushes
+    /// applied so far per worker.
+    Freeze = 5,
+    /// Second phase: apply the waiting pushes up to the cut (per worker, the most any shard has
+    /// applied) and answer with the shard's state at exactly that cut.
+    Cut = 6,
+    /// Last phase: apply what waited and go on.
+    Thaw = 7,
 }
 
 impl Op {
@@ -30,7 +44,9 @@ impl Op {
             2 => Op::PushGrad,
             3 => Op::PushDelta,
             4 => Op::Done,
-            5 => Op::Snapshot,
+            5 => Op::Freeze,
+            6 => Op::Cut,
+            7 => Op::Thaw,
             _ => return None,
         })
     }
@@ -46,6 +62,8 @@ pub struct Request {
     /// Samples behind a gradient (its weight in the synchronous mean).
     pub samples: u64,
     pub values: Vec<f32>,
+    /// `Cut`: per worker rank, the pushes the shard's state must contain.
+    pub cut: Vec<(u64, u64)>,
 }
 
 impl Request {
@@ -57,6 +75,9 @@ impl Request {
             .u64(self.samples)
             .bytes;
         w.extend_from_slice(&f32_to_bytes(&self.values));
+        if self.op == Op::Cut {
+            w.extend(encode_pairs(&self.cut));
+        }
         w
     }
 
@@ -67,6 +88,11 @@ impl Request {
         let op = Op::from_u64(op)
             .ok_or_else(|| DistError::Config(format!("unknown parameter-server request {op}")))?;
         let (clock, version, samples) = (r.u64()?, r.u64()?, r.u64()?);
+        let mut cut = Vec::new();
+        if op == Op::Cut {
+            cut = decode_pairs(&mut r)?;
+            r.finish()?;
+        }
         let rest = r.rest();
         let values = match op {
             Op::PushGrad | Op::PushDelta => bytes_to_f32(rest, shard_len)?,
@@ -84,15 +110,85 @@ impl Request {
             version,
             samples,
             values,
+            cut,
         })
     }
 }
 
-/// A server's answer: the shard's values at `version`, or a refusal.
+/// (rank, count) pairs, as a count and the pairs.
+fn encode_pairs(pairs: &[(u64, u64)]) -> Vec<u8> {
+    let mut w = Writer::default().u64(pairs.len() as u64);
+    for &(a, b) in pairs {
+        w = w.u64(a).u64(b);
+    }
+    w.bytes
+}
+
+fn decode_pairs(r: &mut Reader) -> Result<Vec<(u64, u64)>> {
+    let n = r.u64()?;
+    if n > 1 << 20 {
+        return Err(DistError::Config(format!("{n} clock entries")));
+    }
+    (0..n).map(|_| Ok((r.u64()?, r.u64()?))).collect()
+}
+
+/// A shard's whole state: its values, the momentum of the servers' SGD (sync mode; empty
+/// otherwise) and its version (updates applied).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ShardState {
+    pub version: u64,
+    pub values: Vec<f32>,
+    pub velocity: Vec<f32>,
+}
+
+impl ShardState {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default()
+            .u64(self.version)
+            .u64(self.values.len() as u64)
+            .u64(self.velocity.len() as u64)
+            .bytes;
+        w.extend_from_slice(&f32_to_bytes(&self.values));
+        w.extend_from_slice(&f32_to_bytes(&self.velocity));
+        w
+    }
+
+    /// A state of `shard_len` values, or of any length the bytes hold if `None`.
+    pub fn decode(b: &[u8], shard_len: Option<usize>) -> Result<Self> {
+        let mut r = Reader::new(b);
+        let version = r.u64()?;
+        let (n, m) = (r.u64()? as usize, r.u64()? as usize);
+        if shard_len.is_some_and(|l| l != n) || (m != 0 && m != n) {
+            return Err(DistError::Config(format!(
+                "a shard state of {n} values and {m} momentum values where {} were expected",
+                shard_len.map_or("as many".to_string(), |l| l.to_string())
+            )));
+        }
+        let rest = r.rest();
+        if rest.len() != 4 * (n + m) {
+            return Err(DistError::Config(format!(
+                "a shard state of {} bytes for {} values",
+                rest.len(),
+                n + m
+            )));
+        }
+        let (a, b) = rest.split_at(4 * n);
+        Ok(Self {
+            version,
+            values: bytes_to_f32(a, n)?,
+            velocity: bytes_to_f32(b, m)?,
+        })
+    }
+}
+
+/// A server's answer: the shard's values at `version`, the pushes it applied per worker
+/// (`Freeze`, `Thaw`), its whole state (`Cut`), or a refusal.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Reply {
     Values { version: u64, values: Vec<f32> },
     Refused(String),
+    Clocks(Vec<(u64, u64)>),
+    State(ShardState),
 }
 
 impl Reply {
@@ -100,6 +196,16 @@ impl Reply {
         match self {
             Reply::Values { version, values } => Reply::values_bytes(*version, values),
             Reply::Refused(why) => Writer::default().u64(1).string(why).bytes,
+            Reply::Clocks(c) => {
+                let mut w = Writer::default().u64(2).bytes;
+                w.extend(encode_pairs(c));
+                w
+            }
+            Reply::State(s) => {
+                let mut w = Writer::default().u64(3).bytes;
+                w.extend(s.encode());
+                w
+            }
         }
     }
 
@@ -123,6 +229,12 @@ impl Reply {
                 r.finish()?;
                 Ok(Reply::Refused(why))
             }
+            2 => {
+                let c = decode_pairs(&mut r)?;
+                r.finish()?;
+                Ok(Reply::Clocks(c))
+            }
+            3 => Ok(Reply::State(ShardState::decode(r.rest(), Some(shard_len))?)),
             other => Err(DistError::Config(format!(
                 "unknown parameter-server reply {other}"
             ))),
@@ -142,6 +254,7 @@ mod tests {
             version: 9,
             samples: 16,
             values: vec![1.0, -2.5],
+            cut: Vec::new(),
         };
         assert_eq!(Request::decode(&q.encode(), 2).unwrap(), q);
         assert!(
@@ -160,5 +273,27 @@ mod tests {
         let no = Reply::Refused("no".into());
         assert_eq!(Reply::decode(&no.encode(), 3).unwrap(), no);
         assert!(Reply::decode(&[9; 20], 3).is_err());
+        let cut = Request {
+            op: Op::Cut,
+            clock: 0,
+            version: 0,
+            samples: 0,
+            values: Vec::new(),
+            cut: vec![(1, 7), (2, 9)],
+        };
+        assert_eq!(Request::decode(&cut.encode(), 2).unwrap(), cut);
+        let clocks = Reply::Clocks(vec![(3, 4)]);
+        assert_eq!(Reply::decode(&clocks.encode(), 3).unwrap(), clocks);
+        let state = ShardState {
+            version: 5,
+            values: vec![1.0; 3],
+            velocity: vec![0.5; 3],
+        };
+        let r = Reply::State(state.clone());
+        assert_eq!(Reply::decode(&r.encode(), 3).unwrap(), r);
+        assert!(Reply::decode(&r.encode(), 2).is_err(), "wrong shard length");
+        assert_eq!(ShardState::decode(&state.encode(), None).unwrap(), state);
+        let enc = state.encode();
+        assert!(ShardState::decode(&enc[..enc.len() - 1], None).is_err());
     }
 }

@@ -37,6 +37,7 @@
 pub mod client;
 pub mod layout;
 pub mod message;
+pub mod module;
 pub mod rules;
 pub mod server;
 

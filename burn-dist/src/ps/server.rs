@@ -8,12 +8,18 @@
 //!   unless `max_staleness` holds the answer: a worker more than that many steps ahead of the
 //!   slowest live one waits (stale synchronous parallel, Ho et al. 2013).
 //! - A worker that dies or sends garbage is dropped and logged; the others go on.
+//! - Checkpoints (`Freeze`, `Cut`, `Thaw` from one worker, see [`super::client::Client::checkpoint`]):
+//!   the shard stops applying pushes, tells the pushes it applied per worker, then applies
+//!   exactly the ones up to the cut every shard agrees on and answers with its state there, so
+//!   the shards of one checkpoint hold the same set of updates. Pushes that arrive meanwhile wait
+//!   (their workers block a few milliseconds) and are applied on `Thaw`, or if the worker that
+//!   froze the shard is lost.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::Mode;
-use super::message::{Op, REPLY, REQUEST, Reply, Request};
+use super::message::{FINAL, INIT, Op, REPLY, REQUEST, Reply, Request, ShardState};
 use super::rules;
 use crate::transport::Transport;
 use crate::wire::Kind;
@@ -51,9 +57,11 @@ impl ServerConfig {
 /// What a server did, when its last worker is done.
 #[derive(Debug, Clone, Default)]
 pub struct ServerReport {
-    /// The shard's final values and how many updates made them.
+    /// The shard's final values and how many updates made them, and the servers' momentum
+    /// (sync mode; empty otherwise).
     pub values: Vec<f32>,
     pub version: u64,
+    pub velocity: Vec<f32>,
     /// Workers dropped (died, or sent a malformed request), with the reason.
     pub dropped: Vec<(usize, String)>,
     /// Sync: per worker, the rounds it was the last to push and the time the round waited
@@ -82,6 +90,14 @@ struct Server<'a> {
     clocks: BTreeMap<usize, u64>,
     pending: BTreeMap<usize, Pending>,
     held: Vec<usize>,
+    /// Pushes applied per worker (asynchronous modes), for checkpoint cuts.
+    applied: BTreeMap<usize, u64>,
+    /// The worker that froze the shard for a checkpoint, the cut once known, whether the
+    /// state at the cut is still owed to it, and the pushes waiting meanwhile.
+    freezer: Option<usize>,
+    cut: Option<BTreeMap<usize, u64>>,
+    owed: bool,
+    queue: VecDeque<(usize, Request)>,
     report: ServerReport,
 }
 
@@ -93,6 +109,57 @@ pub fn serve(
     workers: &[usize],
     log: &mut dyn FnMut(&str),
 ) -> Result<ServerReport> {
+    let state = ShardState {
+        version: 0,
+        values,
+        velocity: Vec::new(),
+    };
+    serve_state(t, cfg, state, workers, log)
+}
+
+/// A server rank's whole life in a job: its shard's starting state from the `lead` worker
+/// ([`INIT`], waited for until `deadline`), serving `workers`, and the final state back to the
+/// lead ([`FINAL`]).
+pub fn run_server(
+    t: &dyn Transport,
+    cfg: &ServerConfig,
+    lead: usize,
+    workers: &[usize],
+    deadline: Instant,
+    log: &mut dyn FnMut(&str),
+) -> Result<ServerReport> {
+    let bytes = t.recv(lead, Kind::Ps, INIT, deadline)?;
+    let state = ShardState::decode(&bytes, None)?;
+    let report = serve_state(t, cfg, state, workers, log)?;
+    let last = ShardState {
+        version: report.version,
+        values: report.values.clone(),
+        velocity: report.velocity.clone(),
+    };
+    t.send(lead, Kind::Ps, FINAL, last.encode())?;
+    Ok(report)
+}
+
+/// [`serve`] from a whole state (a resumed checkpoint: values, momentum, version).
+pub fn serve_state(
+    t: &dyn Transport,
+    cfg: &ServerConfig,
+    state: ShardState,
+    workers: &[usize],
+    log: &mut dyn FnMut(&str),
+) -> Result<ServerReport> {
+    let ShardState {
+        version,
+        values,
+        velocity,
+    } = state;
+    if !velocity.is_empty() && velocity.len() != values.len() {
+        return Err(DistError::Config(format!(
+            "a shard of {} values with {} momentum values",
+            values.len(),
+            velocity.len()
+        )));
+    }
     if cfg.window == 0 {
         return Err(DistError::Config(
             "parameter servers: --window must be at least 1".into(),
@@ -103,13 +170,22 @@ pub fn serve(
     let mut s = Server {
         t,
         cfg,
-        velocity: vec![0.0; values.len()],
+        velocity: if velocity.is_empty() {
+            vec![0.0; values.len()]
+        } else {
+            velocity
+        },
         values,
-        version: 0,
+        version,
         live: workers.to_vec(),
         clocks: workers.iter().map(|&w| (w, 0)).collect(),
         pending: BTreeMap::new(),
         held: Vec::new(),
+        applied: BTreeMap::new(),
+        freezer: None,
+        cut: None,
+        owed: false,
+        queue: VecDeque::new(),
         report: ServerReport::default(),
     };
     while !s.live.is_empty() {
@@ -135,9 +211,13 @@ pub fn serve(
             Err(e) => return Err(e),
         }
         s.release_held();
+        s.settle_cut();
     }
     s.report.values = std::mem::take(&mut s.values);
     s.report.version = s.version;
+    if cfg.mode == Mode::Sync {
+        s.report.velocity = std::mem::take(&mut s.velocity);
+    }
     Ok(s.report)
 }
 
@@ -149,8 +229,46 @@ impl Server<'_> {
                 self.clocks.insert(from, req.clock);
                 self.answer_or_hold(from);
             }
-            Op::Snapshot => self.answer(from),
             Op::Done => self.drop_worker(from, String::new()),
+            Op::Freeze => {
+                if self.freezer.is_some_and(|f| f != from) {
+                    return Err("a checkpoint is already under way".into());
+                }
+                self.freezer = Some(from);
+                self.cut = None;
+                self.reply(from, &Reply::Clocks(self.clocks_list()));
+            }
+            Op::Cut => {
+                if self.freezer != Some(from) {
+                    return Err("a cut without a freeze".into());
+                }
+                self.cut = Some(
+                    req.cut
+                        .iter()
+                        .map(|&(r, c)| (r as usize, c))
+                        .collect::<BTreeMap<_, _>>(),
+                );
+                self.owed = true;
+                // The waiting pushes inside the cut, in the order they came.
+                let queue = std::mem::take(&mut self.queue);
+                for (w, q) in queue {
+                    if self.inside_cut(w) {
+                        self.apply_delta(w, &q);
+                    } else {
+                        self.queue.push_back((w, q));
+                    }
+                }
+            }
+            Op::Thaw => {
+                if self.freezer != Some(from) {
+                    return Err("a thaw without a freeze".into());
+                }
+                self.thaw();
+                self.reply(from, &Reply::Clocks(self.clocks_list()));
+            }
+            Op::PushDelta if !sync && self.freezer.is_some() && !self.inside_cut(from) => {
+                self.queue.push_back((from, req));
+            }
             Op::PushGrad if sync => {
                 self.clocks.insert(from, req.clock);
                 self.pending.insert(
@@ -163,20 +281,7 @@ impl Server<'_> {
                 );
                 self.close_round();
             }
-            Op::PushDelta if !sync => {
-                let scale = match self.cfg.mode {
-                    Mode::Adag => 1.0 / self.cfg.window as f32,
-                    Mode::DynSgd => {
-                        let staleness = self.version.saturating_sub(req.version);
-                        1.0 / (staleness as f32 + 1.0)
-                    }
-                    _ => 1.0,
-                };
-                rules::add_scaled(&mut self.values, &req.values, scale);
-                self.version += 1;
-                self.clocks.insert(from, req.clock);
-                self.answer_or_hold(from);
-            }
+            Op::PushDelta if !sync => self.apply_delta(from, &req),
             op => {
                 return Err(format!(
                     "a {op:?} request does not belong to the {} mode",
@@ -185,6 +290,75 @@ impl Server<'_> {
             }
         }
         Ok(())
+    }
+
+    fn apply_delta(&mut self, from: usize, req: &Request) {
+        let scale = match self.cfg.mode {
+            Mode::Adag => 1.0 / self.cfg.window as f32,
+            Mode::DynSgd => {
+                let staleness = self.version.saturating_sub(req.version);
+                1.0 / (staleness as f32 + 1.0)
+            }
+            _ => 1.0,
+        };
+        rules::add_scaled(&mut self.values, &req.values, scale);
+        self.version += 1;
+        *self.applied.entry(from).or_default() += 1;
+        self.clocks.insert(from, req.clock);
+        self.answer_or_hold(from);
+    }
+
+    fn clocks_list(&self) -> Vec<(u64, u64)> {
+        self.applied.iter().map(|(&r, &c)| (r as u64, c)).collect()
+    }
+
+    /// Whether a push of worker `w` belongs inside the checkpoint's cut (known, not reached).
+    fn inside_cut(&self, w: usize) -> bool {
+        self.cut.as_ref().is_some_and(|cut| {
+            cut.get(&w).copied().unwrap_or(0) > self.applied.get(&w).copied().unwrap_or(0)
+        })
+    }
+
+    /// Once every push inside the cut is applied (or its worker lost), the state goes to the
+    /// worker that asked.
+    fn settle_cut(&mut self) {
+        let (Some(w), Some(cut)) = (self.freezer, &self.cut) else {
+            return;
+        };
+        let reached = cut.iter().all(|(r, c)| {
+            !self.live.contains(r) || self.applied.get(r).copied().unwrap_or(0) >= *c
+        });
+        if self.owed && reached {
+            self.owed = false;
+            let state = ShardState {
+                version: self.version,
+                values: self.values.clone(),
+                velocity: if self.cfg.mode == Mode::Sync {
+                    self.velocity.clone()
+                } else {
+                    Vec::new()
+                },
+            };
+            self.reply(w, &Reply::State(state));
+        }
+    }
+
+    /// The end of a checkpoint: the pushes that waited are applied in order.
+    fn thaw(&mut self) {
+        self.freezer = None;
+        self.cut = None;
+        self.owed = false;
+        for (w, q) in std::mem::take(&mut self.queue) {
+            if self.live.contains(&w) {
+                self.apply_delta(w, &q);
+            }
+        }
+    }
+
+    fn reply(&mut self, w: usize, r: &Reply) {
+        let bytes = r.encode();
+        self.report.bytes_out += bytes.len() as u64;
+        let _ = self.t.send(w, Kind::Ps, REPLY, bytes);
     }
 
     /// Sync: once every live worker pushed, one optimizer step on the weighted mean.
@@ -277,6 +451,11 @@ impl Server<'_> {
         self.live.retain(|&x| x != w);
         self.clocks.remove(&w);
         self.held.retain(|&x| x != w);
+        self.queue.retain(|(x, _)| *x != w);
+        if self.freezer == Some(w) {
+            // The checkpoint's owner is gone: nobody will thaw the shard.
+            self.thaw();
+        }
         if !reason.is_empty() {
             self.pending.remove(&w);
             self.report.dropped.push((w, reason));
