@@ -177,6 +177,37 @@ pub(crate) struct TrainArgs {
     /// File of elastic join addresses (host:port per line), re-read while joining.
     #[arg(long, requires = "elastic")]
     hosts: Option<PathBuf>,
+    /// Parameter servers: P of the --nproc ranks serve the model's shards and the others
+    /// train, or `colocated` (every rank trains and also serves a shard).
+    #[arg(long, value_name = "P|colocated", conflicts_with_all = ["elastic", "pipeline_stages"])]
+    ps: Option<String>,
+    /// Parameter-server mode: sync (equals allreduce data parallel), downpour, adag, dynsgd,
+    /// easgd (update rules and sources in `burn_dist::ps::rules`).
+    #[arg(long, default_value = "adag", requires = "ps")]
+    mode: String,
+    /// Steps between a worker's exchanges with the servers (asynchronous modes).
+    #[arg(long, default_value_t = 5, requires = "ps")]
+    window: usize,
+    /// EASGD's rho: the elastic force is lr x rho.
+    #[arg(long, default_value_t = 5.0, requires = "ps")]
+    rho: f64,
+    /// Most steps a worker may run ahead of the slowest one (stale synchronous parallel).
+    #[arg(long, value_name = "S", requires = "ps")]
+    staleness: Option<u64>,
+}
+
+/// The parameter-server settings from the flags.
+fn ps_options(a: &TrainArgs) -> Result<Option<hearth::train::PsOptions>> {
+    let Some(servers) = &a.ps else {
+        return Ok(None);
+    };
+    Ok(Some(hearth::train::PsOptions {
+        servers: servers.parse()?,
+        mode: a.mode.parse()?,
+        window: a.window,
+        rho: a.rho,
+        staleness: a.staleness,
+    }))
 }
 
 /// The elastic settings from the flags and the launcher's variables.
@@ -322,6 +353,7 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     }
     let augment = augmentation(&a)?;
     let elastic = a.elastic.then(|| elastic_options(&a)).transpose()?;
+    let ps = ps_options(&a)?;
     let (run_dir, resume) = match (a.resume, a.run_dir) {
         (Some(dir), _) => (dir, true),
         (None, Some(dir)) => (dir, false),
@@ -378,6 +410,7 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         None => None,
     };
     cfg.elastic = elastic;
+    cfg.ps = ps;
     cfg.dist = dist;
     let rank0 = cfg.dist.as_ref().is_none_or(|d| d.rank == 0);
     if rank0 {

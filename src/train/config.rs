@@ -199,6 +199,8 @@ pub struct TrainConfig {
     pub pipeline: Option<PipelineOptions>,
     /// Elastic data parallelism: workers join and leave, the global batch stays fixed.
     pub elastic: Option<super::ElasticOptions>,
+    /// Parameter servers (`--ps`): its own loop over burn-dist's `ps`.
+    pub ps: Option<super::PsOptions>,
 }
 
 impl TrainConfig {
@@ -240,6 +242,7 @@ impl TrainConfig {
             compression: burn_dist::Compression::None,
             pipeline: None,
             elastic: None,
+            ps: None,
         }
     }
 
@@ -284,6 +287,7 @@ impl TrainConfig {
         }
         if let Some(d) = &self.dist
             && self.elastic.is_none()
+            && self.ps.is_none()
             && !self.batch_size.is_multiple_of(d.world)
         {
             return bad(format!(
@@ -351,6 +355,45 @@ impl TrainConfig {
             if let Some((_, what)) = unsupported.iter().find(|(on, _)| *on) {
                 return bad(format!("{what} does not work with --elastic yet"));
             }
+        }
+        if let Some(p) = &self.ps {
+            self.validate_ps(p)?;
+        }
+        Ok(())
+    }
+
+    fn validate_ps(&self, p: &super::PsOptions) -> Result<()> {
+        let bad = |m: String| Err(HearthError::InvalidArgument(m));
+        if p.window == 0 {
+            return bad("--window must be at least 1".into());
+        }
+        if !(p.rho.is_finite() && p.rho > 0.0) {
+            return bad(format!("--rho {} must be positive", p.rho));
+        }
+        if let Some(d) = &self.dist {
+            let roles = super::ps::Roles::new(p.servers, d.world)?;
+            if !self.batch_size.is_multiple_of(roles.workers) {
+                return bad(format!(
+                    "--batch-size {} (the global batch) must divide evenly over {} workers",
+                    self.batch_size, roles.workers
+                ));
+            }
+        }
+        let unsupported = [
+            (self.pipeline.is_some(), "--pipeline-stages"),
+            (self.elastic.is_some(), "--elastic"),
+            (self.labels.is_some(), "--labels (multi-label sets)"),
+            (self.grad_accum.is_some(), "--grad-accum"),
+            (self.unfreeze_after.is_some(), "--unfreeze-after"),
+            (self.patience.is_some(), "--patience (early stopping)"),
+            (self.monitor == Monitor::ValAuroc, "--monitor val_auroc"),
+            (
+                self.optimizer != OptimizerKind::Sgd,
+                "--optimizer other than sgd (the servers run SGD)",
+            ),
+        ];
+        if let Some((_, what)) = unsupported.iter().find(|(on, _)| *on) {
+            return bad(format!("{what} does not work with --ps yet"));
         }
         Ok(())
     }
@@ -432,6 +475,7 @@ impl TrainConfig {
                 .as_ref()
                 .map(|p| ("pipeline", format!("{p:?}"))),
         )
+        .chain(self.ps.as_ref().map(|p| ("ps", format!("{p:?}"))))
         .collect()
     }
 }

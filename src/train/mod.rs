@@ -17,7 +17,9 @@
 //! - [`best`]: which epoch is best, which checkpoints stay, when to stop early;
 //! - [`export`]: `model.bpk`, `metrics.png`, `auroc.csv`;
 //! - [`pipeline`]: pipeline model parallelism (`--pipeline-stages`), its own loop over
-//!   burn-dist's pipeline: stages, micro-batches, per-stage checkpoints, the assembled export.
+//!   burn-dist's pipeline: stages, micro-batches, per-stage checkpoints, the assembled export;
+//! - `elastic`: elastic data parallelism (`--elastic`);
+//! - `ps`: parameter servers (`--ps`), sync or asynchronous (DOWNPOUR, ADAG, DynSGD, EASGD).
 //!
 //! A new training mode is a burn-train strategy handed to [`phase::Phase`] and a file here.
 
@@ -31,6 +33,7 @@ mod logger;
 mod model;
 mod phase;
 mod pipeline;
+mod ps;
 mod render;
 pub mod run_dir;
 mod sets;
@@ -44,6 +47,8 @@ pub use config::{
 };
 pub use data::{ImageBatch, LoaderAdapter};
 pub use elastic::{Balance, ElasticOptions, request_leave};
+pub use ps::{PsOptions, PsServers};
+pub use burn_dist::ps::Mode as PsMode;
 pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
 pub use model::{epoch_seed, mini_resnet, mini_vgg, model_config};
 pub use render::PlainRenderer;
@@ -135,6 +140,9 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
     }
     if let Some(opts) = &cfg.elastic {
         return elastic::train(cfg, opts, device, log);
+    }
+    if let Some(opts) = &cfg.ps {
+        return ps::train(cfg, opts, device, log);
     }
     let started = Instant::now();
     let dist = match &cfg.dist {

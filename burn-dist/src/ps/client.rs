@@ -325,8 +325,15 @@ impl PsWorker {
         Ok(())
     }
 
-    /// Tells the servers this worker is finished.
-    pub fn finish(mut self) -> Result<()> {
-        self.client.done()
+    /// The learning rate of the worker's local steps from now on.
+    pub fn set_lr(&mut self, lr: f32) {
+        self.lr = lr;
+    }
+
+    /// Tells the servers this worker is finished; the client stays usable for what follows
+    /// (the lead's [`Client::final_states`]).
+    pub fn finish(mut self) -> Result<Client> {
+        self.client.done()?;
+        Ok(self.client)
     }
 }

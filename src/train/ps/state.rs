@@ -1,0 +1,205 @@
+//! What the parameter-server mode writes and sends as bytes: `checkpoint/ps.state` (every
+//! shard's state at one consistent cut, after an epoch) and a worker's per-epoch statistics.
+
+use std::path::{Path, PathBuf};
+
+use burn_dist::ps::message::ShardState;
+use burn_dist::wire::{Reader, Writer};
+
+use crate::{HearthError, Result};
+
+const MAGIC: &str = "hearth-ps-state-1";
+
+/// The servers' state after `epoch`, one entry per shard.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PsState {
+    pub epoch: usize,
+    pub shards: Vec<ShardState>,
+}
+
+pub fn state_file(run_dir: &Path) -> PathBuf {
+    run_dir.join("checkpoint").join("ps.state")
+}
+
+impl PsState {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default()
+            .string(MAGIC)
+            .u64(self.epoch as u64)
+            .u64(self.shards.len() as u64)
+            .bytes;
+        for s in &self.shards {
+            let b = s.encode();
+            w.extend((b.len() as u64).to_le_bytes());
+            w.extend(b);
+        }
+        w
+    }
+
+    pub fn decode(b: &[u8]) -> std::result::Result<Self, String> {
+        let mut r = Reader::new(b);
+        let magic = r.string().map_err(|e| e.to_string())?;
+        if magic != MAGIC {
+            return Err(format!("not a parameter-server state ({magic:?})"));
+        }
+        let epoch = r.u64().map_err(|e| e.to_string())? as usize;
+        let n = r.u64().map_err(|e| e.to_string())?;
+        if n > 1 << 16 {
+            return Err(format!("{n} shards"));
+        }
+        let mut rest = r.rest();
+        let mut shards = Vec::new();
+        for i in 0..n {
+            if rest.len() < 8 {
+                return Err(format!("truncated before shard {i}"));
+            }
+            let (len, tail) = rest.split_at(8);
+            let mut a = [0u8; 8];
+            a.copy_from_slice(len);
+            let len = u64::from_le_bytes(a) as usize;
+            if tail.len() < len {
+                return Err(format!("shard {i} truncated: {} of {len} bytes", tail.len()));
+            }
+            let (body, tail) = tail.split_at(len);
+            shards.push(ShardState::decode(body, None).map_err(|e| format!("shard {i}: {e}"))?);
+            rest = tail;
+        }
+        if !rest.is_empty() {
+            return Err(format!("{} trailing bytes", rest.len()));
+        }
+        Ok(Self { epoch, shards })
+    }
+
+    /// Writes atomically (a temporary file, then a rename).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let write = |source| HearthError::Write {
+            path: path.to_path_buf(),
+            source,
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(write)?;
+        }
+        let tmp = path.with_extension("state.tmp");
+        std::fs::write(&tmp, self.encode()).map_err(write)?;
+        std::fs::rename(&tmp, path).map_err(write)
+    }
+
+    pub fn load(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|source| HearthError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::decode(&bytes).map_err(|e| {
+            HearthError::Training(format!("{} is damaged: {e}", path.display()))
+        })
+    }
+}
+
+/// One worker's epoch: training loss × samples, correct predictions, samples, seconds spent
+/// waiting for the servers, seconds since the start when the epoch ended.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct EpochStats {
+    pub epoch: usize,
+    pub loss_sum: f64,
+    pub correct: f64,
+    pub samples: f64,
+    pub wait: f64,
+    pub elapsed: f64,
+    /// Bytes this worker sent to and received from the servers so far.
+    pub bytes: f64,
+}
+
+impl EpochStats {
+    pub fn loss(&self) -> f64 {
+        self.loss_sum / self.samples.max(1.0)
+    }
+    pub fn accuracy(&self) -> f64 {
+        100.0 * self.correct / self.samples.max(1.0)
+    }
+}
+
+pub fn encode_stats(rows: &[EpochStats]) -> Vec<u8> {
+    let mut w = Writer::default().u64(rows.len() as u64);
+    for r in rows {
+        w = w.u64(r.epoch as u64);
+        for v in [r.loss_sum, r.correct, r.samples, r.wait, r.elapsed, r.bytes] {
+            w = w.u64(v.to_bits());
+        }
+    }
+    w.bytes
+}
+
+pub fn decode_stats(b: &[u8]) -> std::result::Result<Vec<EpochStats>, String> {
+    let mut r = Reader::new(b);
+    let n = r.u64().map_err(|e| e.to_string())?;
+    if n > 1 << 20 {
+        return Err(format!("{n} epochs"));
+    }
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let epoch = r.u64().map_err(|e| e.to_string())? as usize;
+        let mut f = [0f64; 6];
+        for v in &mut f {
+            *v = f64::from_bits(r.u64().map_err(|e| e.to_string())?);
+        }
+        out.push(EpochStats {
+            epoch,
+            loss_sum: f[0],
+            correct: f[1],
+            samples: f[2],
+            wait: f[3],
+            elapsed: f[4],
+            bytes: f[5],
+        });
+    }
+    r.finish().map_err(|e| e.to_string())?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_and_stats_round_trip_and_damage_is_named() {
+        let s = PsState {
+            epoch: 3,
+            shards: vec![
+                ShardState {
+                    version: 7,
+                    values: vec![1.0, 2.0],
+                    velocity: vec![0.1, 0.2],
+                },
+                ShardState {
+                    version: 7,
+                    values: vec![3.0],
+                    velocity: Vec::new(),
+                },
+            ],
+        };
+        assert_eq!(PsState::decode(&s.encode()).unwrap(), s);
+        let b = s.encode();
+        for cut in [0, 10, b.len() - 1] {
+            assert!(PsState::decode(&b[..cut]).is_err(), "cut at {cut}");
+        }
+        let dir = std::env::temp_dir().join(format!("hearth-ps-state-{}", std::process::id()));
+        let path = state_file(&dir);
+        s.save(&path).unwrap();
+        assert_eq!(PsState::load(&path).unwrap(), s);
+        std::fs::write(&path, &b[..b.len() - 3]).unwrap();
+        let e = PsState::load(&path).unwrap_err().to_string();
+        assert!(e.contains("ps.state is damaged"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+        let rows = vec![EpochStats {
+            epoch: 1,
+            loss_sum: 2.0,
+            correct: 3.0,
+            samples: 4.0,
+            wait: 0.5,
+            elapsed: 9.0,
+            bytes: 1e6,
+        }];
+        assert_eq!(decode_stats(&encode_stats(&rows)).unwrap(), rows);
+        assert!(decode_stats(&encode_stats(&rows)[..20]).is_err());
+    }
+}

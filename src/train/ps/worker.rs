@@ -1,0 +1,537 @@
+//! A worker of a parameter-server run: its shard of the data, the mode's rule around every
+//! step, and, on the lead (rank 0), the epoch ends (validation of the servers' model,
+//! checkpoints, metrics) and the end of the run (final state, per-worker metrics, export).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::store::ModuleRecord;
+use burn_dist::ps::client::{Client, PsWorker};
+use burn_dist::ps::layout::Layout;
+use burn_dist::ps::message::ShardState;
+use burn_dist::ps::module::{
+    trainable_grads, trainable_names, trainable_values, with_trainable_values,
+};
+use burn_dist::transport::Transport;
+use burn_dist::transport::group::Group;
+use burn_dist::wire::Kind;
+use burn_dist::{Communicator, DistError};
+use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
+
+use super::state::{EpochStats, PsState, decode_stats, encode_stats, state_file};
+use super::{BYE, PsOptions, Roles, STATS};
+use crate::train::best::{BestRule, best_epoch, model_checkpoint};
+use crate::train::logger::{EpochTable, metrics_csv};
+use crate::train::model::{SEED_LOCK, epoch_seed, init_model, model_config};
+use crate::train::pipeline::{collective_timeout, hits};
+use crate::train::{EpochRows, TrainConfig, TrainReport, distributed, run_dir, sets};
+use crate::{HearthError, Result};
+
+/// A long wait that only a peer's loss ends early (waiting for the slowest worker).
+const PATIENT: Duration = Duration::from_secs(24 * 3600);
+
+/// What the steps of one worker share.
+struct Worker<'a> {
+    cfg: &'a TrainConfig,
+    opts: &'a PsOptions,
+    roles: Roles,
+    rank: usize,
+    lr: f64,
+    t: Arc<dyn Transport>,
+    device: Device,
+    plain_device: Device,
+    loaders: sets::Loaders,
+    classes: Vec<String>,
+    config: ModelConfig,
+    model: Classifier,
+    rows: EpochRows,
+    stats: Vec<EpochStats>,
+    started: Instant,
+    delay: Option<u64>,
+    die_at: Option<u64>,
+}
+
+/// A test hook from `var` ("w1:50,w2:10"): this worker's number, if named.
+fn hook(var: &str, rank: usize) -> Option<u64> {
+    let me = format!("w{rank}");
+    std::env::var(var).ok()?.split(',').find_map(|part| {
+        let (who, n) = part.trim().split_once(':')?;
+        (who == me).then(|| n.parse().ok()).flatten()
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn train(
+    cfg: &TrainConfig,
+    opts: &PsOptions,
+    roles: Roles,
+    lr: f64,
+    t: Arc<dyn Transport>,
+    device: &Device,
+    started: Instant,
+    log: &mut dyn FnMut(&str),
+) -> Result<TrainReport> {
+    let rank = t.rank();
+    let mut quiet = |_: &str| {};
+    let log: &mut dyn FnMut(&str) = if rank == 0 { log } else { &mut quiet };
+    if rank == 0 {
+        run_dir::prepare(&cfg.run_dir)?;
+        log(&format!(
+            "parameter servers: {} {}, {} workers, mode {}, window {}, lr {lr}{}",
+            roles.servers,
+            if roles.colocated { "colocated" } else { "dedicated" },
+            roles.workers,
+            opts.mode,
+            opts.window,
+            opts.staleness
+                .map(|s| format!(", staleness bound {s}"))
+                .unwrap_or_default()
+        ));
+    }
+    let group = Group::new(t.clone(), roles.worker_ranks(), 2)?;
+    let comm = Communicator::new(Arc::new(group)).with_timeout(collective_timeout());
+    let (train_set, val_set) = distributed::load_data(cfg, &comm, log)?;
+    let classes = train_set.classes.clone();
+    let loaders = sets::Loaders::new(cfg, train_set, val_set, rank, roles.workers)?;
+    let config = model_config(&cfg.model, classes.len())?;
+    let ad = device.clone().autodiff();
+    let mut model = init_model(cfg, &config, classes.len(), false, &ad, log)?;
+    if cfg.freeze_backbone {
+        log("backbone frozen: only the head trains");
+        model = model.freeze_backbone();
+    }
+    let mut w = Worker {
+        cfg,
+        opts,
+        roles,
+        rank,
+        lr,
+        t,
+        device: ad,
+        plain_device: device.clone(),
+        loaders,
+        classes,
+        config,
+        model,
+        rows: EpochRows::new(),
+        stats: Vec::new(),
+        started,
+        delay: hook("HEARTH_PS_DELAY_MS", rank),
+        die_at: hook("HEARTH_PS_DIE_AT_STEP", rank),
+    };
+    let resume = w.resume(&comm, log)?;
+    let end = cfg.stop_after_epoch.unwrap_or(cfg.epochs).min(cfg.epochs);
+    if resume.as_ref().is_some_and(|s| s.epoch >= end) {
+        return Err(HearthError::InvalidArgument(format!(
+            "{} has already finished epoch {end}; nothing left to train",
+            cfg.run_dir.display()
+        )));
+    }
+    let layout = Layout::new(&trainable_names(&w.model), roles.servers)?;
+    let mut client = Client::new(w.t.clone(), layout.clone(), roles.server_ranks())?;
+    client.timeout = collective_timeout().max(Duration::from_secs(600));
+    let first = resume.as_ref().map_or(0, |s| s.epoch);
+    if rank == 0 {
+        client.init_servers(w.starting_state(&layout, resume)?)?;
+    }
+    let (mut ps, mut params) =
+        PsWorker::start(client, opts.mode, opts.window, lr as f32, opts.rho as f32)?;
+    w.model = with_trainable_values(w.model, &params)?;
+    let mut step = 0u64;
+    for epoch in first + 1..=end {
+        w.epoch(epoch, &mut ps, &mut params, &mut step)?;
+        if rank == 0 && epoch < end {
+            let states = ps.client.checkpoint()?;
+            w.epoch_end(epoch, states, log)?;
+        }
+    }
+    let mut client = ps.finish()?;
+    if rank != 0 {
+        w.t.send(0, Kind::Ps, STATS, encode_stats(&w.stats))?;
+        // The lead's goodbye, or its loss, ends this worker.
+        let _ = w.t.recv(0, Kind::Ps, BYE, Instant::now() + PATIENT);
+        return Ok(w.report(0, 0));
+    }
+    // The lead: the last epoch ends when every worker is done.
+    log("waiting for the other workers to finish");
+    client.timeout = PATIENT;
+    let last = client.final_states()?;
+    w.epoch_end(end, last, log)?;
+    w.finish(first, end, log)
+}
+
+impl Worker<'_> {
+    /// `--resume`: the lead reads `checkpoint/ps.state` and its epoch's weights (its batch-norm
+    /// statistics); every worker learns the epoch to go on after.
+    fn resume(&mut self, comm: &Communicator, log: &mut dyn FnMut(&str)) -> Result<Option<PsState>> {
+        let cfg = self.cfg;
+        let hparams = cfg.hyperparameters();
+        let mut state = None;
+        let mut epoch = [0f32];
+        if self.rank == 0 {
+            if cfg.resume {
+                let s = PsState::load(&state_file(&cfg.run_dir))?;
+                run_dir::check_resume_compatible(&cfg.run_dir, &self.config, &hparams)?;
+                let table = EpochTable::default();
+                run_dir::reload_table(&cfg.run_dir.join("metrics.csv"), &table, s.epoch)?;
+                self.rows = table.lock().map(|t| t.clone()).unwrap_or_default();
+                let path = model_checkpoint(&cfg.run_dir, s.epoch);
+                let record = ModuleRecord::load(&path).map_err(|e| {
+                    HearthError::Training(format!(
+                        "epoch {}'s checkpoint {}: {e}",
+                        s.epoch,
+                        path.display()
+                    ))
+                })?;
+                self.model = self.model.clone().load_record(record);
+                log(&format!("resuming after epoch {}", s.epoch));
+                epoch[0] = s.epoch as f32;
+                state = Some(s);
+            } else {
+                run_dir::record(&cfg.run_dir, &self.config, &hparams)?;
+            }
+        }
+        comm.broadcast(&mut epoch, 0)?;
+        if self.rank != 0 && epoch[0] > 0.0 {
+            // Only the values matter here: they come from the servers.
+            state = Some(PsState {
+                epoch: epoch[0] as usize,
+                shards: Vec::new(),
+            });
+        }
+        Ok(state)
+    }
+
+    /// Every shard's starting state: the seeded model's values, or the checkpoint's.
+    fn starting_state(&self, layout: &Layout, resume: Option<PsState>) -> Result<Vec<ShardState>> {
+        if let Some(s) = resume {
+            let fits = s.shards.len() == layout.servers()
+                && s.shards
+                    .iter()
+                    .enumerate()
+                    .all(|(i, sh)| sh.values.len() == layout.range(i).len());
+            if !fits {
+                return Err(HearthError::InvalidArgument(format!(
+                    "{} holds {} shards ({} values); this run has {} servers for {} values: \
+                     resume with the same --ps and model",
+                    state_file(&self.cfg.run_dir).display(),
+                    s.shards.len(),
+                    s.shards.iter().map(|x| x.values.len()).sum::<usize>(),
+                    layout.servers(),
+                    layout.total()
+                )));
+            }
+            return Ok(s.shards);
+        }
+        let values = trainable_values(&self.model);
+        Ok((0..layout.servers())
+            .map(|i| ShardState {
+                version: 0,
+                values: values[layout.range(i)].to_vec(),
+                velocity: Vec::new(),
+            })
+            .collect())
+    }
+
+    /// One epoch of this worker's shard.
+    fn epoch(
+        &mut self,
+        epoch: usize,
+        ps: &mut PsWorker,
+        params: &mut Vec<f32>,
+        step: &mut u64,
+    ) -> Result<()> {
+        let loss_fn = CrossEntropyLossConfig::new()
+            .with_smoothing((self.cfg.label_smoothing > 0.0).then_some(self.cfg.label_smoothing))
+            .init(&self.device);
+        let mut row = EpochStats {
+            epoch,
+            ..Default::default()
+        };
+        for batch in self.loaders.train.epoch(epoch as u64 - 1, &self.device) {
+            let batch = batch?;
+            let targets = batch
+                .classes
+                .ok_or_else(|| HearthError::Training("the loader gave no classes".into()))?;
+            let n = batch.images.dims()[0];
+            {
+                let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+                self.device
+                    .seed(epoch_seed(self.cfg.seed, *step, self.rank));
+            }
+            let logits = self.model.forward(batch.images);
+            row.correct += hits(&logits, &targets);
+            let loss = loss_fn.forward(logits, targets);
+            row.loss_sum += f64::from(loss.clone().into_scalar::<f32>()) * n as f64;
+            row.samples += n as f64;
+            let grads = GradientsParams::from_grads(loss.backward(), &self.model);
+            let grad = trainable_grads(&self.model, &grads);
+            if let Some(ms) = self.delay {
+                std::thread::sleep(Duration::from_millis(ms));
+            }
+            *step += 1;
+            if self.die_at.is_some_and(|at| *step >= at) {
+                // The test hook of a worker lost mid-run (SIGKILL: no goodbye).
+                // SAFETY: signals this very process.
+                unsafe {
+                    libc::kill(libc::getpid(), libc::SIGKILL);
+                }
+            }
+            let waited = Instant::now();
+            ps.step(params, &grad, n as u64)?;
+            row.wait += waited.elapsed().as_secs_f64();
+            self.model = with_trainable_values(self.model.clone(), params)?;
+        }
+        row.elapsed = self.started.elapsed().as_secs_f64();
+        row.bytes = (ps.client.bytes_in + ps.client.bytes_out) as f64;
+        self.stats.push(row);
+        Ok(())
+    }
+
+    /// The lead after `epoch`: the servers' model (at one consistent cut) validated with the
+    /// lead's batch-norm statistics, the metrics row, the epoch's weights and the servers'
+    /// state.
+    fn epoch_end(
+        &mut self,
+        epoch: usize,
+        states: Vec<ShardState>,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<()> {
+        let values: Vec<f32> = states.iter().flat_map(|s| s.values.iter().copied()).collect();
+        let served = with_trainable_values(self.model.clone(), &values)?;
+        let valid = served.valid();
+        let loss_fn = CrossEntropyLossConfig::new().init(&self.plain_device);
+        let mut sums = [0f64; 3];
+        for batch in self.loaders.full_val.epoch(0, &self.plain_device) {
+            let batch = batch?;
+            let targets = batch
+                .classes
+                .ok_or_else(|| HearthError::Training("the loader gave no classes".into()))?;
+            let k = batch.images.dims()[0] as f64;
+            let logits = valid.forward(batch.images);
+            sums[1] += hits(&logits, &targets);
+            sums[0] += f64::from(loss_fn.forward(logits, targets).into_scalar::<f32>()) * k;
+            sums[2] += k;
+        }
+        let mine = self.stats.last().copied().unwrap_or_default();
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+        let row: BTreeMap<String, f64> = [
+            ("train_loss", mine.loss()),
+            ("train_accuracy", mine.accuracy()),
+            ("val_loss", ratio(sums[0], sums[2])),
+            ("val_accuracy", 100.0 * ratio(sums[1], sums[2])),
+            ("train_lr", self.lr),
+            ("elapsed_seconds", self.started.elapsed().as_secs_f64()),
+            ("server_version", states.first().map_or(0.0, |s| s.version as f64)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        log(&format!(
+            "epoch {epoch}/{}: lead train loss {:.4} acc {:.1}% | servers' model val loss {:.4} acc {:.1}%",
+            self.cfg.epochs,
+            row["train_loss"],
+            row["train_accuracy"],
+            row["val_loss"],
+            row["val_accuracy"]
+        ));
+        self.rows.insert(epoch, row);
+        let dir = &self.cfg.run_dir;
+        run_dir::write_atomic(&dir.join("metrics.csv"), &metrics_csv(&self.rows))?;
+        let path = model_checkpoint(dir, epoch);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|source| HearthError::Write {
+                path: parent.to_path_buf(),
+                source,
+            })?;
+        }
+        served
+            .into_record()
+            .save(&path)
+            .map_err(|e| HearthError::Training(format!("saving epoch {epoch}'s weights: {e}")))?;
+        let table = EpochTable::default();
+        if let Ok(mut t) = table.lock() {
+            *t = self.rows.clone();
+        }
+        let best = BestRule {
+            table,
+            monitor: self.cfg.monitor,
+            min_delta: self.cfg.min_delta,
+        }
+        .best();
+        // The state file names the epoch whose weights it goes with: written after them.
+        PsState {
+            epoch,
+            shards: states,
+        }
+        .save(&state_file(dir))?;
+        for old in 1..epoch {
+            if Some(old) != best {
+                let _ = std::fs::remove_file(model_checkpoint(dir, old));
+            }
+        }
+        Ok(())
+    }
+
+    /// The lead at the end: every worker's statistics into `metrics.csv`, the goodbyes, the
+    /// plot, and the best epoch's weights into `model.bpk`.
+    fn finish(mut self, first: usize, end: usize, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
+        let mut all: Vec<(usize, Vec<EpochStats>)> = vec![(0, self.stats.clone())];
+        let deadline = Instant::now() + collective_timeout();
+        for r in 1..self.roles.workers {
+            match self.t.recv(r, Kind::Ps, STATS, deadline) {
+                Ok(b) => match decode_stats(&b) {
+                    Ok(s) => all.push((r, s)),
+                    Err(e) => log(&format!("worker {r} sent damaged statistics: {e}")),
+                },
+                Err(DistError::PeerFailed { reason, .. }) => {
+                    log(&format!("worker {r} was lost ({reason}); its statistics are missing"))
+                }
+                Err(e) => log(&format!("no statistics from worker {r}: {e}")),
+            }
+        }
+        for r in (1..self.roles.workers).chain(self.roles.server_ranks()) {
+            let _ = self.t.send(r, Kind::Ps, BYE, Vec::new());
+        }
+        self.merge_worker_stats(&all, log);
+        let dir = &self.cfg.run_dir;
+        run_dir::write_atomic(&dir.join("metrics.csv"), &metrics_csv(&self.rows))?;
+        let best = best_epoch(&self.rows, self.cfg.monitor, self.cfg.min_delta).ok_or_else(|| {
+            HearthError::Training(format!(
+                "no epoch has a {} value to pick the best one by",
+                self.cfg.monitor.column()
+            ))
+        })?;
+        let path = model_checkpoint(dir, best);
+        let record = ModuleRecord::load(&path).map_err(|e| {
+            HearthError::Training(format!(
+                "the best epoch's ({best}) checkpoint {}: {e}",
+                path.display()
+            ))
+        })?;
+        let skeleton = init_model(
+            self.cfg,
+            &self.config,
+            self.classes.len(),
+            false,
+            &self.plain_device,
+            &mut |_| {},
+        )?;
+        save_model_with(
+            &skeleton.load_record(record),
+            &self.config,
+            Some(&self.classes),
+            Some(&Preprocessing::eval(self.cfg.image_size)),
+            &dir.join("model.bpk"),
+        )?;
+        log(&format!(
+            "exported the best epoch ({best}, by {}) into {}",
+            self.cfg.monitor.column(),
+            dir.join("model.bpk").display()
+        ));
+        if let Err(e) = crate::plot::plot_metrics(&self.rows, &dir.join("metrics.png")) {
+            log(&format!("warning: no plot written: {e}"));
+        }
+        let samples: f64 = all.iter().flat_map(|(_, s)| s).map(|s| s.samples).sum();
+        let mut report = TrainReport::summarise(
+            self.cfg,
+            &self.rows,
+            best,
+            self.started,
+            samples as usize,
+            self.classes.clone(),
+        );
+        report.epochs_run = end;
+        report.world = self.roles.world();
+        let _ = first;
+        Ok(report)
+    }
+
+    /// Each worker's epochs as `*_rank{r}` columns, `train_*` as the mean over the workers,
+    /// bytes exchanged per sample, and in sync mode which worker the rounds waited for.
+    fn merge_worker_stats(&mut self, all: &[(usize, Vec<EpochStats>)], log: &mut dyn FnMut(&str)) {
+        for (&epoch, row) in self.rows.iter_mut() {
+            let mut of_epoch: Vec<(usize, EpochStats)> = Vec::new();
+            for (r, stats) in all {
+                if let Some(s) = stats.iter().find(|s| s.epoch == epoch) {
+                    of_epoch.push((*r, *s));
+                }
+            }
+            if of_epoch.is_empty() {
+                continue;
+            }
+            for (r, s) in &of_epoch {
+                row.insert(format!("train_accuracy_rank{r}"), s.accuracy());
+                row.insert(format!("train_loss_rank{r}"), s.loss());
+                row.insert(format!("wait_seconds_rank{r}"), s.wait);
+                row.insert(format!("elapsed_seconds_rank{r}"), s.elapsed);
+            }
+            let n = of_epoch.len() as f64;
+            let samples: f64 = of_epoch.iter().map(|(_, s)| s.samples).sum();
+            row.insert(
+                "train_loss".into(),
+                of_epoch.iter().map(|(_, s)| s.loss_sum).sum::<f64>() / samples.max(1.0),
+            );
+            row.insert(
+                "train_accuracy".into(),
+                100.0 * of_epoch.iter().map(|(_, s)| s.correct).sum::<f64>() / samples.max(1.0),
+            );
+            let _ = n;
+            if self.opts.mode == burn_dist::ps::Mode::Sync && of_epoch.len() > 1 {
+                // The slowest worker waits least: the rounds wait for it.
+                if let Some((slow, s)) = of_epoch
+                    .iter()
+                    .min_by(|a, b| a.1.wait.total_cmp(&b.1.wait))
+                {
+                    let others: Vec<f64> = of_epoch
+                        .iter()
+                        .filter(|(r, _)| r != slow)
+                        .map(|(_, s)| s.wait)
+                        .collect();
+                    let mean = others.iter().sum::<f64>() / others.len().max(1) as f64;
+                    log(&format!(
+                        "epoch {epoch}: the sync rounds waited mostly for worker {slow}: the \
+                         others waited {mean:.1} s on the servers on average, it {:.1} s",
+                        s.wait
+                    ));
+                }
+            }
+        }
+        // Cumulative bytes over cumulative samples, per epoch.
+        let mut bytes_at: BTreeMap<usize, (f64, f64)> = BTreeMap::new();
+        for (_, stats) in all {
+            let mut samples = 0.0;
+            for s in stats {
+                samples += s.samples;
+                let e = bytes_at.entry(s.epoch).or_default();
+                e.0 += s.bytes;
+                e.1 += samples;
+            }
+        }
+        for (epoch, (bytes, samples)) in bytes_at {
+            if let Some(row) = self.rows.get_mut(&epoch) {
+                row.insert("bytes_per_sample".into(), bytes / samples.max(1.0));
+            }
+        }
+    }
+
+    /// A non-lead worker's report (only the lead prints a summary).
+    fn report(&self, best: usize, images: usize) -> TrainReport {
+        let mut r = TrainReport::summarise(
+            self.cfg,
+            &self.rows,
+            best,
+            self.started,
+            images,
+            self.classes.clone(),
+        );
+        r.rank = self.rank;
+        r.world = self.roles.world();
+        r
+    }
+}
