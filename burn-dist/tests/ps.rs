@@ -350,7 +350,7 @@ fn garbage_from_a_worker_gets_it_refused_and_the_others_go_on() {
 /// every value of every shard is equal, and their sum over shards counts each push once.
 #[test]
 fn checkpoints_are_consistent_across_shards_while_workers_push() {
-        // Ranks 0 and 1 serve; 2 (the lead), 3 and 4 push.
+    // Ranks 0 and 1 serve; 2 (the lead), 3 and 4 push.
     let workers = vec![2, 3, 4];
     let layout = Layout::new(&[("a".to_string(), 7), ("b".to_string(), 6)], 2).unwrap();
     let mut ts: Vec<Arc<dyn Transport>> = MemoryTransport::mesh(5)
@@ -414,7 +414,10 @@ fn checkpoints_are_consistent_across_shards_while_workers_push() {
             "checkpoint {i} mixes pushes: {all:?}"
         );
     }
-    assert!(seen.windows(2).all(|w| w[1][0] > w[0][0]), "checkpoints move on");
+    assert!(
+        seen.windows(2).all(|w| w[1][0] > w[0][0]),
+        "checkpoints move on"
+    );
     let total: Vec<f32> = last.iter().flat_map(|s| s.values.clone()).collect();
     assert!(total.iter().all(|v| *v == 640.0), "{total:?}");
     let lens: Vec<usize> = handles

@@ -41,16 +41,16 @@ mod speed;
 mod step;
 
 pub use best::{BestRule, KeepBestAndLast, Patience, best_epoch};
+pub use burn_dist::ps::Mode as PsMode;
 pub use config::{
     AugmentPreset, DEFAULT_MODEL, MINI_VGG, Monitor, OptimizerKind, PipelineBalance,
     PipelineOptions, TrainConfig,
 };
 pub use data::{ImageBatch, LoaderAdapter};
 pub use elastic::{Balance, ElasticOptions, request_leave};
-pub use ps::{PsOptions, PsServers};
-pub use burn_dist::ps::Mode as PsMode;
 pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
 pub use model::{epoch_seed, mini_resnet, mini_vgg, model_config};
+pub use ps::{PsOptions, PsServers};
 pub use render::PlainRenderer;
 pub use speed::ImagesPerSecond;
 pub use step::{MultiLabel, SingleLabel, Task};

@@ -229,7 +229,9 @@ impl Client {
         let mut out = Vec::with_capacity(all.len());
         for (s, bytes) in all.into_iter().enumerate() {
             let len = self.layout.range(s).len();
-            out.push(ShardState::decode(&bytes, Some(len)).map_err(|e| self.failed(s, e.to_string()))?);
+            out.push(
+                ShardState::decode(&bytes, Some(len)).map_err(|e| self.failed(s, e.to_string()))?,
+            );
         }
         Ok(out)
     }

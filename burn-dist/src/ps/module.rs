@@ -180,7 +180,11 @@ mod tests {
         let grads = GradientsParams::from_grads(loss.backward(), &net);
         let g = trainable_grads(&net, &grads);
         assert_eq!(g.len(), total);
-        assert_eq!(&g[..6], &[4.0; 6], "d sum / d weight = 4 for each of the 4 rows");
+        assert_eq!(
+            &g[..6],
+            &[4.0; 6],
+            "d sum / d weight = 4 for each of the 4 rows"
+        );
         assert_eq!(&g[8..], &[0.0; 4], "bn is not on the loss's path");
         let e = with_trainable_values(net, &values[1..]).unwrap_err();
         assert!(e.to_string().contains("11 values"), "{e}");

@@ -251,20 +251,8 @@ pub fn train(
 }
 
 /// What a dedicated server reports (it trains nothing; only the lead prints a summary).
-fn server_report(
-    cfg: &TrainConfig,
-    started: Instant,
-    rank: usize,
-    roles: Roles,
-) -> TrainReport {
-    let mut r = TrainReport::summarise(
-        cfg,
-        &Default::default(),
-        0,
-        started,
-        0,
-        Vec::new(),
-    );
+fn server_report(cfg: &TrainConfig, started: Instant, rank: usize, roles: Roles) -> TrainReport {
+    let mut r = TrainReport::summarise(cfg, &Default::default(), 0, started, 0, Vec::new());
     r.rank = rank;
     r.world = roles.world();
     r
@@ -280,12 +268,18 @@ mod tests {
         assert_eq!(r.worker_ranks(), vec![0, 1, 2]);
         assert_eq!(r.server_ranks(), vec![3, 4]);
         let c = Roles::new(PsServers::Colocated, 3).unwrap();
-        assert_eq!((c.worker_ranks(), c.server_ranks()), (vec![0, 1, 2], vec![3, 4, 5]));
+        assert_eq!(
+            (c.worker_ranks(), c.server_ranks()),
+            (vec![0, 1, 2], vec![3, 4, 5])
+        );
         let e = Roles::new(PsServers::Dedicated(2), 2).unwrap_err();
         assert!(e.to_string().contains("no worker"), "{e}");
         assert!("0".parse::<PsServers>().is_err());
         assert!("x".parse::<PsServers>().is_err());
-        assert_eq!("colocated".parse::<PsServers>().unwrap(), PsServers::Colocated);
+        assert_eq!(
+            "colocated".parse::<PsServers>().unwrap(),
+            PsServers::Colocated
+        );
         assert_eq!("3".parse::<PsServers>().unwrap(), PsServers::Dedicated(3));
     }
 }

@@ -58,7 +58,10 @@ impl PsState {
             a.copy_from_slice(len);
             let len = u64::from_le_bytes(a) as usize;
             if tail.len() < len {
-                return Err(format!("shard {i} truncated: {} of {len} bytes", tail.len()));
+                return Err(format!(
+                    "shard {i} truncated: {} of {len} bytes",
+                    tail.len()
+                ));
             }
             let (body, tail) = tail.split_at(len);
             shards.push(ShardState::decode(body, None).map_err(|e| format!("shard {i}: {e}"))?);
@@ -89,9 +92,8 @@ impl PsState {
             path: path.to_path_buf(),
             source,
         })?;
-        Self::decode(&bytes).map_err(|e| {
-            HearthError::Training(format!("{} is damaged: {e}", path.display()))
-        })
+        Self::decode(&bytes)
+            .map_err(|e| HearthError::Training(format!("{} is damaged: {e}", path.display())))
     }
 }
 

@@ -84,7 +84,11 @@ pub(super) fn train(
         log(&format!(
             "parameter servers: {} {}, {} workers, mode {}, window {}, lr {lr}{}",
             roles.servers,
-            if roles.colocated { "colocated" } else { "dedicated" },
+            if roles.colocated {
+                "colocated"
+            } else {
+                "dedicated"
+            },
             roles.workers,
             opts.mode,
             opts.window,
@@ -168,7 +172,11 @@ pub(super) fn train(
 impl Worker<'_> {
     /// `--resume`: the lead reads `checkpoint/ps.state` and its epoch's weights (its batch-norm
     /// statistics); every worker learns the epoch to go on after.
-    fn resume(&mut self, comm: &Communicator, log: &mut dyn FnMut(&str)) -> Result<Option<PsState>> {
+    fn resume(
+        &mut self,
+        comm: &Communicator,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Option<PsState>> {
         let cfg = self.cfg;
         let hparams = cfg.hyperparameters();
         let mut state = None;
@@ -302,7 +310,10 @@ impl Worker<'_> {
         states: Vec<ShardState>,
         log: &mut dyn FnMut(&str),
     ) -> Result<()> {
-        let values: Vec<f32> = states.iter().flat_map(|s| s.values.iter().copied()).collect();
+        let values: Vec<f32> = states
+            .iter()
+            .flat_map(|s| s.values.iter().copied())
+            .collect();
         let served = with_trainable_values(self.model.clone(), &values)?;
         let valid = served.valid();
         let loss_fn = CrossEntropyLossConfig::new().init(&self.plain_device);
@@ -327,7 +338,10 @@ impl Worker<'_> {
             ("val_accuracy", 100.0 * ratio(sums[1], sums[2])),
             ("train_lr", self.lr),
             ("elapsed_seconds", self.started.elapsed().as_secs_f64()),
-            ("server_version", states.first().map_or(0.0, |s| s.version as f64)),
+            (
+                "server_version",
+                states.first().map_or(0.0, |s| s.version as f64),
+            ),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -380,7 +394,12 @@ impl Worker<'_> {
 
     /// The lead at the end: every worker's statistics into `metrics.csv`, the goodbyes, the
     /// plot, and the best epoch's weights into `model.bpk`.
-    fn finish(mut self, first: usize, end: usize, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
+    fn finish(
+        mut self,
+        first: usize,
+        end: usize,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<TrainReport> {
         let mut all: Vec<(usize, Vec<EpochStats>)> = vec![(0, self.stats.clone())];
         let deadline = Instant::now() + collective_timeout();
         for r in 1..self.roles.workers {
@@ -389,9 +408,9 @@ impl Worker<'_> {
                     Ok(s) => all.push((r, s)),
                     Err(e) => log(&format!("worker {r} sent damaged statistics: {e}")),
                 },
-                Err(DistError::PeerFailed { reason, .. }) => {
-                    log(&format!("worker {r} was lost ({reason}); its statistics are missing"))
-                }
+                Err(DistError::PeerFailed { reason, .. }) => log(&format!(
+                    "worker {r} was lost ({reason}); its statistics are missing"
+                )),
                 Err(e) => log(&format!("no statistics from worker {r}: {e}")),
             }
         }
@@ -401,12 +420,13 @@ impl Worker<'_> {
         self.merge_worker_stats(&all, log);
         let dir = &self.cfg.run_dir;
         run_dir::write_atomic(&dir.join("metrics.csv"), &metrics_csv(&self.rows))?;
-        let best = best_epoch(&self.rows, self.cfg.monitor, self.cfg.min_delta).ok_or_else(|| {
-            HearthError::Training(format!(
-                "no epoch has a {} value to pick the best one by",
-                self.cfg.monitor.column()
-            ))
-        })?;
+        let best =
+            best_epoch(&self.rows, self.cfg.monitor, self.cfg.min_delta).ok_or_else(|| {
+                HearthError::Training(format!(
+                    "no epoch has a {} value to pick the best one by",
+                    self.cfg.monitor.column()
+                ))
+            })?;
         let path = model_checkpoint(dir, best);
         let record = ModuleRecord::load(&path).map_err(|e| {
             HearthError::Training(format!(
@@ -484,9 +504,8 @@ impl Worker<'_> {
             let _ = n;
             if self.opts.mode == burn_dist::ps::Mode::Sync && of_epoch.len() > 1 {
                 // The slowest worker waits least: the rounds wait for it.
-                if let Some((slow, s)) = of_epoch
-                    .iter()
-                    .min_by(|a, b| a.1.wait.total_cmp(&b.1.wait))
+                if let Some((slow, s)) =
+                    of_epoch.iter().min_by(|a, b| a.1.wait.total_cmp(&b.1.wait))
                 {
                     let others: Vec<f64> = of_epoch
                         .iter()

@@ -1,0 +1,359 @@
+//! `hearth train --ps`: parameter-server runs as real process trees over QUIC on 127.0.0.1.
+//! ADAG with a dedicated server learns and records every worker's curve; colocated sync
+//! servers stop and resume from their checkpoint; a dead server fails every worker within
+//! 10 s naming its shard; a dead worker does not stop asynchronous training; sync names its
+//! straggler every epoch. Every process is bounded in time.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{elastic_data, folder_accuracy, wait_bounded};
+
+/// The ranks of one job, each writing to its own log.
+struct Job {
+    children: Vec<Child>,
+    logs: Vec<PathBuf>,
+}
+
+impl Job {
+    /// Starts `world` ranks of `hearth train --data DATA ARGS --run-dir RUN` with `env`.
+    fn start(
+        dir: &Path,
+        data: &Path,
+        run: &Path,
+        world: usize,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
+        let port = std::net::UdpSocket::bind("127.0.0.1:0")
+            .and_then(|s| s.local_addr())
+            .map(|a| a.port())
+            .unwrap();
+        static JOBS: AtomicUsize = AtomicUsize::new(0);
+        let job = JOBS.fetch_add(1, Ordering::SeqCst);
+        let logs: Vec<PathBuf> = (0..world)
+            .map(|r| dir.join(format!("job{job}-rank{r}.txt")))
+            .collect();
+        // `--resume DIR` names the run directory itself.
+        let resume = args.contains(&"--resume");
+        let children = (0..world)
+            .map(|r| {
+                let file = std::fs::File::create(&logs[r]).unwrap();
+                let mut c = Command::new(env!("CARGO_BIN_EXE_hearth"));
+                c.args(["train", "--data"])
+                    .arg(data)
+                    .args([
+                        "--batch-size",
+                        "24",
+                        "--lr",
+                        "0.05",
+                        "--momentum",
+                        "0.9",
+                        "--schedule",
+                        "constant",
+                        "--warmup-epochs",
+                        "0",
+                        "--workers",
+                        "1",
+                        "--size",
+                        "32",
+                        "--augment",
+                        "none",
+                    ])
+                    .args(args.iter().filter(|a| **a != "--resume"))
+                    .arg(if resume { "--resume" } else { "--run-dir" })
+                    .arg(run)
+                    .env("HEARTH_RANK", r.to_string())
+                    .env("HEARTH_WORLD_SIZE", world.to_string())
+                    .env("HEARTH_COORDINATOR", format!("127.0.0.1:{port}"))
+                    .env(
+                        "HEARTH_JOB_SECRET",
+                        "parameter server test secret, long enough",
+                    )
+                    .env("HEARTH_COLLECTIVE_TIMEOUT", "60")
+                    .stdout(Stdio::from(file.try_clone().unwrap()))
+                    .stderr(Stdio::from(file));
+                for (k, v) in env {
+                    c.env(k, v);
+                }
+                c.spawn().unwrap()
+            })
+            .collect();
+        Self { children, logs }
+    }
+
+    fn log(&self, r: usize) -> String {
+        std::fs::read_to_string(&self.logs[r]).unwrap_or_default()
+    }
+
+    /// Waits for every rank (at most `secs` in all); each one's success.
+    fn wait(&mut self, secs: u64) -> Vec<bool> {
+        let until = Instant::now() + Duration::from_secs(secs);
+        let out: Vec<bool> = self
+            .children
+            .iter_mut()
+            .map(|c| wait_bounded(c, until).is_some_and(|s| s.success()))
+            .collect();
+        out
+    }
+
+    fn all_logs(&self) -> String {
+        (0..self.logs.len())
+            .map(|r| format!("--- rank {r}\n{}", self.log(r)))
+            .collect()
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn metrics(run: &Path) -> BTreeMap<usize, BTreeMap<String, f64>> {
+    let text = std::fs::read_to_string(run.join("metrics.csv")).unwrap();
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    lines
+        .map(|l| {
+            let v: Vec<&str> = l.split(',').collect();
+            let epoch = v[0].parse().unwrap();
+            let row = header[1..]
+                .iter()
+                .zip(&v[1..])
+                .filter_map(|(k, x)| Some((k.to_string(), x.parse().ok()?)))
+                .collect();
+            (epoch, row)
+        })
+        .collect()
+}
+
+fn wait_for_file(path: &Path, job: &mut Job) {
+    let until = Instant::now() + Duration::from_secs(120);
+    while !path.is_file() {
+        let ended = job
+            .children
+            .iter_mut()
+            .any(|c| c.try_wait().unwrap().is_some());
+        if Instant::now() > until || ended {
+            panic!("training did not get under way:\n{}", job.all_logs());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn adag_with_a_dedicated_server_learns_and_records_every_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = elastic_data(dir.path());
+    let run = dir.path().join("run");
+    let args = [
+        "--ps", "1", "--mode", "adag", "--window", "2", "--epochs", "4",
+    ];
+    let mut job = Job::start(dir.path(), &data, &run, 3, &args, &[]);
+    let ok = job.wait(240);
+    assert!(ok.iter().all(|&o| o), "{}", job.all_logs());
+    let rows = metrics(&run);
+    assert_eq!(rows.keys().copied().collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+    for (e, row) in &rows {
+        for col in [
+            "train_accuracy_rank0",
+            "train_accuracy_rank1",
+            "wait_seconds_rank1",
+            "bytes_per_sample",
+            "val_accuracy",
+        ] {
+            assert!(row.contains_key(col), "epoch {e} lacks {col}: {row:?}");
+        }
+        assert!(
+            !row.keys().any(|k| k.ends_with("rank2")),
+            "rank 2 is the server"
+        );
+    }
+    let best = rows.values().map(|r| r["val_accuracy"]).fold(0.0, f64::max);
+    assert!(best >= 70.0, "ADAG must learn: {rows:?}");
+    // The exported model is the best epoch's servers' model with the lead's statistics.
+    let exported = folder_accuracy(&run.join("model.bpk"), &data.join("val"), 32);
+    assert!((exported - best).abs() < 1e-6, "{exported} vs {best}");
+    assert!(run.join("metrics.png").is_file());
+    assert!(run.join("checkpoint").join("ps.state").is_file());
+    let server = job.log(2);
+    assert!(server.contains("parameter server 0:"), "{server}");
+}
+
+#[test]
+fn colocated_sync_servers_stop_and_resume_from_their_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = elastic_data(dir.path());
+    let run = dir.path().join("run");
+    let common = ["--ps", "colocated", "--mode", "sync", "--epochs", "4"];
+    let mut first: Vec<&str> = common.to_vec();
+    first.extend(["--stop-after-epoch", "2"]);
+    let mut job = Job::start(dir.path(), &data, &run, 2, &first, &[]);
+    let ok = job.wait(240);
+    assert!(ok.iter().all(|&o| o), "{}", job.all_logs());
+    assert!(
+        job.log(0).contains("2 colocated, 2 workers"),
+        "{}",
+        job.log(0)
+    );
+    assert_eq!(metrics(&run).len(), 2);
+    drop(job);
+
+    // --resume takes the run directory in place of --run-dir.
+    let mut second: Vec<&str> = common.to_vec();
+    second.push("--resume");
+    let mut job = Job::start(dir.path(), &data, &run, 2, &second, &[]);
+    let ok = job.wait(240);
+    assert!(ok.iter().all(|&o| o), "{}", job.all_logs());
+    assert!(
+        job.log(0).contains("resuming after epoch 2"),
+        "{}",
+        job.log(0)
+    );
+    let rows = metrics(&run);
+    assert_eq!(rows.keys().copied().collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+    // The servers went on from the checkpoint's version: 10 steps per epoch.
+    assert_eq!(rows[&4]["server_version"], 40.0, "{rows:?}");
+    let best = rows.values().map(|r| r["val_accuracy"]).fold(0.0, f64::max);
+    assert!(best >= 70.0, "sync must learn: {rows:?}");
+}
+
+#[test]
+fn a_dead_server_fails_every_worker_within_10_s_naming_its_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = elastic_data(dir.path());
+    let run = dir.path().join("run");
+    let args = [
+        "--ps", "2", "--mode", "downpour", "--window", "1", "--epochs", "200",
+    ];
+    let mut job = Job::start(dir.path(), &data, &run, 4, &args, &[]);
+    wait_for_file(&run.join("metrics.csv"), &mut job);
+    job.children[3].kill().unwrap(); // shard 1's server, SIGKILL
+    let killed = Instant::now();
+    let until = killed + Duration::from_secs(60);
+    for r in 0..2 {
+        let status = wait_bounded(&mut job.children[r], until);
+        let took = killed.elapsed();
+        let text = job.log(r);
+        let status = status.unwrap_or_else(|| panic!("worker {r} hung:\n{text}"));
+        assert!(!status.success(), "worker {r} must fail:\n{text}");
+        assert!(
+            text.contains("shard 1 of 2"),
+            "worker {r} names the shard:\n{text}"
+        );
+        assert!(
+            took < Duration::from_secs(10),
+            "worker {r} noticed after {took:?}:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn a_dead_worker_does_not_stop_asynchronous_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = elastic_data(dir.path());
+    let run = dir.path().join("run");
+    // Workers 0, 1, 2; rank 3 serves. Worker 2 dies at its 5th step.
+    let args = [
+        "--ps", "1", "--mode", "adag", "--window", "2", "--epochs", "3",
+    ];
+    let mut job = Job::start(
+        dir.path(),
+        &data,
+        &run,
+        4,
+        &args,
+        &[("HEARTH_PS_DIE_AT_STEP", "w2:5")],
+    );
+    let ok = job.wait(240);
+    let logs = job.all_logs();
+    assert!(ok[0] && ok[1] && ok[3], "{logs}");
+    assert!(!ok[2], "worker 2 was killed:\n{logs}");
+    assert!(job.log(3).contains("dropped worker 2"), "{logs}");
+    assert!(job.log(0).contains("worker 2 was lost"), "{logs}");
+    let rows = metrics(&run);
+    assert_eq!(rows.len(), 3);
+    assert!(rows[&3].contains_key("train_accuracy_rank1"));
+    assert!(!rows[&3].contains_key("train_accuracy_rank2"));
+}
+
+#[test]
+fn sync_names_the_slow_worker_every_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = elastic_data(dir.path());
+    let run = dir.path().join("run");
+    let args = ["--ps", "1", "--mode", "sync", "--epochs", "2"];
+    let mut job = Job::start(
+        dir.path(),
+        &data,
+        &run,
+        3,
+        &args,
+        &[("HEARTH_PS_DELAY_MS", "w1:60")],
+    );
+    let ok = job.wait(240);
+    assert!(ok.iter().all(|&o| o), "{}", job.all_logs());
+    let lead = job.log(0);
+    for e in 1..=2 {
+        assert!(
+            lead.contains(&format!(
+                "epoch {e}: the sync rounds waited mostly for worker 1"
+            )),
+            "{lead}"
+        );
+    }
+    let rows = metrics(&run);
+    for row in rows.values() {
+        assert!(
+            row["wait_seconds_rank0"] > row["wait_seconds_rank1"],
+            "{row:?}"
+        );
+    }
+}
+
+/// The error `train` stops with before it joins any job.
+fn refused(cfg: &hearth::train::TrainConfig) -> String {
+    hearth::train::train(cfg, &burn::prelude::Device::flex(), &mut |_| {})
+        .map(|_| ())
+        .unwrap_err()
+        .to_string()
+}
+
+#[test]
+fn settings_that_do_not_fit_a_parameter_server_run_are_refused() {
+    let mut cfg = hearth::train::TrainConfig::new("unused".into());
+    cfg.dist = Some(hearth::dist::rendezvous::RankInfo {
+        rank: 0,
+        world: 3,
+        local_rank: None,
+        coordinator: "127.0.0.1:1".into(),
+        source: "test",
+    });
+    let ps = |servers| hearth::train::PsOptions {
+        servers,
+        ..Default::default()
+    };
+    cfg.batch_size = 24;
+    cfg.ps = Some(ps(hearth::train::PsServers::Dedicated(3)));
+    let e = refused(&cfg);
+    assert!(e.contains("no worker"), "{e}");
+    cfg.ps = Some(ps(hearth::train::PsServers::Dedicated(1)));
+    cfg.batch_size = 25;
+    let e = refused(&cfg);
+    assert!(e.contains("2 workers"), "{e}");
+    cfg.batch_size = 24;
+    cfg.optimizer = hearth::train::OptimizerKind::Adam;
+    let e = refused(&cfg);
+    assert!(e.contains("does not work with --ps"), "{e}");
+    cfg.optimizer = hearth::train::OptimizerKind::Sgd;
+    assert!("fast".parse::<hearth::train::PsMode>().is_err());
+}
