@@ -305,6 +305,75 @@ pub fn plot_confusion(confusion: &[Vec<usize>], names: &[&str], out: &Path) -> R
     Ok(())
 }
 
+/// Labelled curves on one chart (x, y points each; benchmarks: validation accuracy against
+/// time for several training modes).
+pub fn plot_curves(
+    title: &str,
+    x_desc: &str,
+    y_desc: &str,
+    runs: &[(String, Vec<(f64, f64)>)],
+    out: &Path,
+) -> Result<()> {
+    let err = |e: String| HearthError::Plot {
+        path: out.to_path_buf(),
+        reason: e,
+    };
+    let all = || {
+        runs.iter()
+            .flat_map(|(_, p)| p.iter())
+            .filter(|p| p.1.is_finite())
+    };
+    if all().next().is_none() {
+        return Err(err("no points to plot".into()));
+    }
+    let x_max = all().map(|p| p.0).fold(1e-9f64, f64::max);
+    let (y_lo, y_hi) = all().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
+    let text = register_font();
+    let root = BitMapBackend::new(out, (900, 500)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let mut builder = ChartBuilder::on(&root);
+    builder.margin(12);
+    if text {
+        builder
+            .caption(title, ("sans-serif", 22))
+            .x_label_area_size(35)
+            .y_label_area_size(50);
+    }
+    let mut chart = builder
+        .build_cartesian_2d(0f64..x_max * 1.02, y_lo.min(0.0)..y_hi * 1.05 + 1e-9)
+        .map_err(|e| err(e.to_string()))?;
+    if text {
+        chart
+            .configure_mesh()
+            .x_desc(x_desc)
+            .y_desc(y_desc)
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+    }
+    for (i, (label, points)) in runs.iter().enumerate() {
+        let colour = Palette99::pick(i).to_rgba();
+        let points: Vec<(f64, f64)> = points.iter().copied().filter(|p| p.1.is_finite()).collect();
+        let s = chart
+            .draw_series(LineSeries::new(points, colour.stroke_width(2)))
+            .map_err(|e| err(e.to_string()))?;
+        if text {
+            s.label(label.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], colour));
+        }
+    }
+    if text {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| err(e.to_string()))?;
+    }
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

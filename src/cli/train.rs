@@ -428,7 +428,19 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     if report.rank != 0 {
         return Ok(());
     }
+    if let Some(ps) = &cfg.ps {
+        println!(
+            "trained with parameter servers ({}, mode {}): global batch {}",
+            match ps.servers {
+                hearth::train::PsServers::Dedicated(p) => format!("{p} dedicated"),
+                hearth::train::PsServers::Colocated => "colocated".to_string(),
+            },
+            ps.mode,
+            cfg.batch_size
+        );
+    }
     match &cfg.pipeline {
+        _ if cfg.ps.is_some() => {}
         Some(p) => {
             let pipelines = (report.world / p.stages.max(1)).max(1);
             println!(

@@ -166,7 +166,7 @@ pub(super) fn train(
     client.timeout = PATIENT;
     let last = client.final_states()?;
     w.epoch_end(end, last, log)?;
-    w.finish(first, end, log)
+    w.finish(end, log)
 }
 
 impl Worker<'_> {
@@ -394,12 +394,7 @@ impl Worker<'_> {
 
     /// The lead at the end: every worker's statistics into `metrics.csv`, the goodbyes, the
     /// plot, and the best epoch's weights into `model.bpk`.
-    fn finish(
-        mut self,
-        first: usize,
-        end: usize,
-        log: &mut dyn FnMut(&str),
-    ) -> Result<TrainReport> {
+    fn finish(mut self, end: usize, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
         let mut all: Vec<(usize, Vec<EpochStats>)> = vec![(0, self.stats.clone())];
         let deadline = Instant::now() + collective_timeout();
         for r in 1..self.roles.workers {
@@ -468,7 +463,6 @@ impl Worker<'_> {
         );
         report.epochs_run = end;
         report.world = self.roles.world();
-        let _ = first;
         Ok(report)
     }
 
@@ -491,7 +485,6 @@ impl Worker<'_> {
                 row.insert(format!("wait_seconds_rank{r}"), s.wait);
                 row.insert(format!("elapsed_seconds_rank{r}"), s.elapsed);
             }
-            let n = of_epoch.len() as f64;
             let samples: f64 = of_epoch.iter().map(|(_, s)| s.samples).sum();
             row.insert(
                 "train_loss".into(),
@@ -501,7 +494,6 @@ impl Worker<'_> {
                 "train_accuracy".into(),
                 100.0 * of_epoch.iter().map(|(_, s)| s.correct).sum::<f64>() / samples.max(1.0),
             );
-            let _ = n;
             if self.opts.mode == burn_dist::ps::Mode::Sync && of_epoch.len() > 1 {
                 // The slowest worker waits least: the rounds wait for it.
                 if let Some((slow, s)) =
