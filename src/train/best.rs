@@ -139,6 +139,58 @@ pub fn model_checkpoint(run_dir: &Path, epoch: usize) -> PathBuf {
         .join(format!("model-{epoch}.bpk"))
 }
 
+/// Writes `model`'s weights as `epoch`'s checkpoint (the custom loops: pipeline stages aside,
+/// elastic and parameter-server runs).
+pub fn save_epoch_weights(run_dir: &Path, epoch: usize, model: Classifier) -> Result<()> {
+    use burn::module::Module;
+    let path = model_checkpoint(run_dir, epoch);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(|source| HearthError::Write {
+            path: parent.to_path_buf(),
+            source,
+        })?;
+    }
+    model
+        .into_record()
+        .save(&path)
+        .map_err(|e| HearthError::Training(format!("saving epoch {epoch}'s weights: {e}")))
+}
+
+/// Exports epoch `best`'s checkpoint, loaded into `skeleton`, as the run's `model.bpk` with
+/// the model's config, class names and evaluation preprocessing.
+pub fn export_checkpoint(
+    cfg: &super::TrainConfig,
+    best: usize,
+    skeleton: Classifier,
+    config: &hearth_models::ModelConfig,
+    classes: &[String],
+    log: &mut dyn FnMut(&str),
+) -> Result<()> {
+    use burn::module::Module;
+    let run_dir = &cfg.run_dir;
+    let path = model_checkpoint(run_dir, best);
+    let record = burn::store::ModuleRecord::load(&path).map_err(|e| {
+        HearthError::Training(format!(
+            "the best epoch's ({best}) checkpoint {}: {e}",
+            path.display()
+        ))
+    })?;
+    let out = run_dir.join("model.bpk");
+    hearth_models::save_model_with(
+        &skeleton.load_record(record),
+        config,
+        Some(classes),
+        Some(&hearth_models::Preprocessing::eval(cfg.image_size)),
+        &out,
+    )?;
+    log(&format!(
+        "exported the best epoch ({best}, by {}) into {}",
+        cfg.monitor.column(),
+        out.display()
+    ));
+    Ok(())
+}
+
 /// The classifier with the weights of `epoch`'s checkpoint loaded into `model`; an error when
 /// that checkpoint is missing or unreadable (never a silent fall-back to another epoch).
 pub fn restore_best<T: Task>(

@@ -47,9 +47,11 @@ use burn_dist::transport::quic::QuicTransport;
 use burn_dist::wire::Kind;
 use burn_dist::{Communicator, ReduceOp, Transport};
 use hearth_datasets::BatchStream;
-use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
+use hearth_models::{Classifier, ModelConfig};
 
-use super::best::{BestRule, Patience, best_epoch, model_checkpoint};
+use super::best::{
+    BestRule, Patience, best_epoch, export_checkpoint, model_checkpoint, save_epoch_weights,
+};
 use super::logger::{EpochTable, metrics_csv};
 use super::model::{SEED_LOCK, epoch_seed, init_model, model_config, optimizer};
 use super::pipeline::{collective_timeout, hits};
@@ -526,26 +528,14 @@ impl ElasticRun<'_> {
         })?;
         let dir = &self.cfg.run_dir;
         if world.rank() == 0 {
-            let path = model_checkpoint(dir, best);
-            let record = ModuleRecord::load(&path).map_err(|e| {
-                HearthError::Training(format!(
-                    "the best epoch's ({best}) checkpoint {}: {e}",
-                    path.display()
-                ))
-            })?;
-            let model = self.skeleton(&self.plain_device)?.load_record(record);
-            save_model_with(
-                &model,
+            export_checkpoint(
+                self.cfg,
+                best,
+                self.skeleton(&self.plain_device)?,
                 &self.config,
-                Some(&self.classes),
-                Some(&Preprocessing::eval(self.cfg.image_size)),
-                &dir.join("model.bpk"),
+                &self.classes,
+                log,
             )?;
-            log(&format!(
-                "exported the best epoch ({best}, by {}) into {}",
-                self.cfg.monitor.column(),
-                dir.join("model.bpk").display()
-            ));
             let points: Vec<(f64, f64)> = commit
                 .world_log
                 .iter()

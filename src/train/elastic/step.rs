@@ -314,18 +314,7 @@ impl ElasticRun<'_> {
             steps.push_str(&format!("{s},{t:.3},{w}\n"));
         }
         run_dir::write_atomic(&dir.join("world.csv"), &steps)?;
-        let path = model_checkpoint(dir, epoch);
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(|source| HearthError::Write {
-                path: parent.to_path_buf(),
-                source,
-            })?;
-        }
-        c.model
-            .clone()
-            .into_record()
-            .save(&path)
-            .map_err(|e| HearthError::Training(format!("saving epoch {epoch}'s weights: {e}")))?;
+        save_epoch_weights(dir, epoch, c.model.clone())?;
         for old in 1..epoch {
             if Some(old) != best {
                 let _ = std::fs::remove_file(model_checkpoint(dir, old));

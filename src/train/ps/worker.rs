@@ -21,11 +21,13 @@ use burn_dist::transport::Transport;
 use burn_dist::transport::group::Group;
 use burn_dist::wire::Kind;
 use burn_dist::{Communicator, DistError};
-use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
+use hearth_models::{Classifier, ModelConfig};
 
 use super::state::{EpochStats, PsState, decode_stats, encode_stats, state_file};
 use super::{BYE, PsOptions, Roles, STATS};
-use crate::train::best::{BestRule, best_epoch, model_checkpoint};
+use crate::train::best::{
+    BestRule, best_epoch, export_checkpoint, model_checkpoint, save_epoch_weights,
+};
 use crate::train::logger::{EpochTable, metrics_csv};
 use crate::train::model::{SEED_LOCK, epoch_seed, init_model, model_config};
 use crate::train::pipeline::{collective_timeout, hits};
@@ -357,17 +359,7 @@ impl Worker<'_> {
         self.rows.insert(epoch, row);
         let dir = &self.cfg.run_dir;
         run_dir::write_atomic(&dir.join("metrics.csv"), &metrics_csv(&self.rows))?;
-        let path = model_checkpoint(dir, epoch);
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(|source| HearthError::Write {
-                path: parent.to_path_buf(),
-                source,
-            })?;
-        }
-        served
-            .into_record()
-            .save(&path)
-            .map_err(|e| HearthError::Training(format!("saving epoch {epoch}'s weights: {e}")))?;
+        save_epoch_weights(dir, epoch, served)?;
         let table = EpochTable::default();
         if let Ok(mut t) = table.lock() {
             *t = self.rows.clone();
@@ -422,13 +414,6 @@ impl Worker<'_> {
                     self.cfg.monitor.column()
                 ))
             })?;
-        let path = model_checkpoint(dir, best);
-        let record = ModuleRecord::load(&path).map_err(|e| {
-            HearthError::Training(format!(
-                "the best epoch's ({best}) checkpoint {}: {e}",
-                path.display()
-            ))
-        })?;
         let skeleton = init_model(
             self.cfg,
             &self.config,
@@ -437,18 +422,7 @@ impl Worker<'_> {
             &self.plain_device,
             &mut |_| {},
         )?;
-        save_model_with(
-            &skeleton.load_record(record),
-            &self.config,
-            Some(&self.classes),
-            Some(&Preprocessing::eval(self.cfg.image_size)),
-            &dir.join("model.bpk"),
-        )?;
-        log(&format!(
-            "exported the best epoch ({best}, by {}) into {}",
-            self.cfg.monitor.column(),
-            dir.join("model.bpk").display()
-        ));
+        export_checkpoint(self.cfg, best, skeleton, &self.config, &self.classes, log)?;
         if let Err(e) = crate::plot::plot_metrics(&self.rows, &dir.join("metrics.png")) {
             log(&format!("warning: no plot written: {e}"));
         }
