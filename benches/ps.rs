@@ -42,6 +42,18 @@ struct Outcome {
 }
 
 fn run(data: &Path, dir: &Path, mode: &str, seed: u64, epochs: &str, window: &str) -> Outcome {
+    run_with(data, dir, mode, seed, epochs, window, &[])
+}
+
+fn run_with(
+    data: &Path,
+    dir: &Path,
+    mode: &str,
+    seed: u64,
+    epochs: &str,
+    window: &str,
+    env: &[(&str, &str)],
+) -> Outcome {
     let _ = std::fs::remove_dir_all(dir);
     let log_path = dir.with_extension("log");
     let log = std::fs::File::create(&log_path).expect("log");
@@ -67,6 +79,9 @@ fn run(data: &Path, dir: &Path, mode: &str, seed: u64, epochs: &str, window: &st
         cmd.args([
             "--nproc", "5", "--ps", "1", "--mode", mode, "--window", window,
         ]);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
     }
     let t = Instant::now();
     let mut child = cmd
@@ -173,6 +188,22 @@ fn main() {
             None => format!("{:.0} (ring, computed)", 4.0 * 3.0 * 4.0 * values / 32.0),
         };
         println!("| {mode} | {mean:.2} | {lo:.1}-{hi:.1} | {wall:.1} | {bytes} |");
+    }
+    // A straggler: worker 1 sleeps 100 ms in every step (the test-only delay).
+    println!("straggler: worker 1 delayed 100 ms per step, seed 0");
+    println!("| mode | wall s | val accuracy % |");
+    println!("| --- | ---: | ---: |");
+    for mode in ["sync", "adag"] {
+        let o = run_with(
+            &data,
+            &root.join(format!("{mode}-straggler")),
+            mode,
+            0,
+            &epochs,
+            &window,
+            &[("HEARTH_PS_DELAY_MS", "w1:100")],
+        );
+        println!("| {mode} | {:.1} | {:.2} |", o.wall, o.val_accuracy);
     }
     let curves: Vec<(String, Vec<(f64, f64)>)> = results
         .iter()

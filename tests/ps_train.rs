@@ -2,7 +2,7 @@
 //! ADAG with a dedicated server learns and records every worker's curve; colocated sync
 //! servers stop and resume from their checkpoint; a dead server fails every worker within
 //! 10 s naming its shard; a dead worker does not stop asynchronous training; sync names its
-//! straggler every epoch. Every process is bounded in time.
+//! straggler every epoch, and ADAG runs ahead of it. Every process is bounded in time.
 
 mod common;
 
@@ -287,7 +287,7 @@ fn a_dead_worker_does_not_stop_asynchronous_training() {
 }
 
 #[test]
-fn sync_names_the_slow_worker_every_epoch() {
+fn sync_names_the_slow_worker_every_epoch_and_adag_does_not_wait_for_it() {
     let dir = tempfile::tempdir().unwrap();
     let data = elastic_data(dir.path());
     let run = dir.path().join("run");
@@ -318,6 +318,35 @@ fn sync_names_the_slow_worker_every_epoch() {
             "{row:?}"
         );
     }
+    drop(job);
+
+    // ADAG does not wait for it: the fast worker runs ahead (the server's largest lead is in
+    // steps, not time). Sync's lead is 0 by construction.
+    let run = dir.path().join("run-adag");
+    let args = [
+        "--ps", "1", "--mode", "adag", "--window", "2", "--epochs", "2",
+    ];
+    let mut job = Job::start(
+        dir.path(),
+        &data,
+        &run,
+        3,
+        &args,
+        &[("HEARTH_PS_DELAY_MS", "w1:60")],
+    );
+    let ok = job.wait(240);
+    assert!(ok.iter().all(|&o| o), "{}", job.all_logs());
+    let server = job.log(2);
+    let lead: u64 = server
+        .split("largest lead ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no lead in the server's log:\n{server}"));
+    assert!(
+        lead >= 6,
+        "the fast worker was held back (lead {lead}):\n{server}"
+    );
 }
 
 /// The error `train` stops with before it joins any job.
