@@ -204,16 +204,18 @@ pub struct DenseBlock {
 impl DenseLayer {
     /// The `growth_rate` new channels computed from all the channels so far.
     pub fn new_features(&self, input: Tensor<4>) -> Tensor<4> {
-        let out = self.conv1.forward(relu(self.norm1.forward(input)));
-        let out = self.conv2.forward(relu(self.norm2.forward(out)));
+        let out = hearth_kernels::conv2d(&self.conv1, relu(self.norm1.forward(input)));
+        let out = hearth_kernels::conv2d(&self.conv2, relu(self.norm2.forward(out)));
         self.dropout.forward(out)
     }
 }
 
 impl Transition {
     pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        self.pool
-            .forward(self.conv.forward(relu(self.norm.forward(x))))
+        self.pool.forward(hearth_kernels::conv2d(
+            &self.conv,
+            relu(self.norm.forward(x)),
+        ))
     }
 }
 

@@ -191,13 +191,13 @@ impl ResidualBlock {
 
     pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
         let identity = match &self.downsample {
-            Some(ds) => ds.bn.forward(ds.conv.forward(x.clone())),
+            Some(ds) => ds.bn.forward(hearth_kernels::conv2d(&ds.conv, x.clone())),
             None => x.clone(),
         };
-        let mut out = relu(self.bn1.forward(self.conv1.forward(x)));
-        out = self.bn2.forward(self.conv2.forward(out));
+        let mut out = relu(self.bn1.forward(hearth_kernels::conv2d(&self.conv1, x)));
+        out = self.bn2.forward(hearth_kernels::conv2d(&self.conv2, out));
         if let (Some(conv3), Some(bn3)) = (&self.conv3, &self.bn3) {
-            out = bn3.forward(conv3.forward(relu(out)));
+            out = bn3.forward(hearth_kernels::conv2d(conv3, relu(out)));
         }
         relu(out + identity)
     }
@@ -222,7 +222,7 @@ pub struct ResNet {
 impl ResNet {
     /// The feature map before global pooling: `[batch, 512 * expansion, H/32, W/32]`.
     pub fn features(&self, x: Tensor<4>) -> Tensor<4> {
-        let mut x = relu(self.bn1.forward(self.conv1.forward(x)));
+        let mut x = relu(self.bn1.forward(hearth_kernels::conv2d(&self.conv1, x)));
         x = self.maxpool.forward(x);
         for block in self
             .layer1
