@@ -6,7 +6,10 @@
 //! Hearth/PyTorch of images per second (above 1: Hearth is faster).
 //!
 //!   cargo bench --bench models
-//!   HEARTH_BENCH_STEPS=5 HEARTH_BENCH_MODELS=resnet50 cargo bench --bench models
+//!   HEARTH_BENCH_STEPS=8 HEARTH_BENCH_MODELS=resnet50 cargo bench --bench models
+//!
+//! Both sides report images/s at their median step and at their best (fastest) step; the
+//! ratios compare medians and bests.
 //!
 //! PyTorch comes from $HEARTH_TORCH_PYTHON, else ~/.cache/hearth/venv-torch/bin/python
 //! (scripts/setup_pytorch.sh); without it only Hearth's numbers are printed.
@@ -45,7 +48,7 @@ fn peer(
     batch: usize,
     steps: usize,
     warmup: usize,
-) -> Option<f64> {
+) -> Option<(f64, f64)> {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/peer/torch_models.py");
     let out = Command::new(python)
         .arg(script)
@@ -64,15 +67,26 @@ fn peer(
         eprintln!("peer failed: {}", String::from_utf8_lossy(&out.stderr));
         return None;
     }
-    text.split_whitespace()
-        .find_map(|w| w.strip_prefix("images_per_s="))
-        .and_then(|v| v.parse().ok())
+    let field = |name: &str| -> Option<f64> {
+        text.split_whitespace()
+            .find_map(|w| w.strip_prefix(name))
+            .and_then(|v| v.parse().ok())
+    };
+    Some((field("median_images_per_s=")?, field("best_images_per_s=")?))
+}
+
+/// Images/s at the median and at the fastest of `steps` step times.
+fn median_and_best(batch: usize, steps: &[f64]) -> (f64, f64) {
+    let mut s = steps.to_vec();
+    s.sort_by(f64::total_cmp);
+    let at = |t: f64| batch as f64 / t.max(1e-12);
+    (at(s[s.len() / 2]), at(s[0]))
 }
 
 fn main() {
     // `cargo bench` passes --bench; `cargo test --benches` would pass nothing: do a tiny run.
     let smoke = !std::env::args().any(|a| a == "--bench");
-    let steps = env_usize("HEARTH_BENCH_STEPS", if smoke { 1 } else { 3 });
+    let steps = env_usize("HEARTH_BENCH_STEPS", if smoke { 1 } else { 5 });
     let warmup = env_usize("HEARTH_BENCH_WARMUP", if smoke { 0 } else { 1 });
     let models = std::env::var("HEARTH_BENCH_MODELS")
         .unwrap_or_else(|_| "resnet50,densenet121,vgg16".into());
@@ -99,8 +113,8 @@ fn main() {
         None => {}
     }
     println!(
-        "{:<12} {:<6} {:>5} {:>14} {:>14} {:>8}",
-        "model", "mode", "batch", "hearth img/s", "pytorch img/s", "ratio"
+        "{:<12} {:<6} {:>5} {:>16} {:>16} {:>8} {:>8}",
+        "model", "mode", "batch", "hearth med/best", "pytorch med/best", "ratio", "best"
     );
     for name in models.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let arch = match Architecture::from_name(name) {
@@ -130,7 +144,7 @@ fn main() {
                 num_classes: 1000,
             };
             let hearth = match bench.run(&device, |_, _, _, _| {}) {
-                Ok(r) => r.images_per_sec,
+                Ok(r) => median_and_best(batch, &r.step_seconds),
                 Err(e) => {
                     eprintln!("{name} {mode_name}: {e}");
                     std::process::exit(1);
@@ -147,18 +161,23 @@ fn main() {
                     warmup,
                 )
             });
-            let (t, r) = match torch {
-                Some(t) => (format!("{t:.2}"), format!("{:.2}x", hearth / t)),
-                None => ("-".into(), "-".into()),
+            let (t, r, rb) = match torch {
+                Some((m, b)) => (
+                    format!("{m:.2}/{b:.2}"),
+                    format!("{:.2}x", hearth.0 / m),
+                    format!("{:.2}x", hearth.1 / b),
+                ),
+                None => ("-".into(), "-".into(), "-".into()),
             };
             println!(
-                "{:<12} {:<6} {:>5} {:>14.2} {:>14} {:>8}",
+                "{:<12} {:<6} {:>5} {:>16} {:>16} {:>8} {:>8}",
                 arch.name(),
                 mode_name,
                 batch,
-                hearth,
+                format!("{:.2}/{:.2}", hearth.0, hearth.1),
                 t,
-                r
+                r,
+                rb
             );
         }
     }

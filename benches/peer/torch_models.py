@@ -58,7 +58,10 @@ def main():
             if i >= a.warmup:
                 times.append(time.perf_counter() - t)
     ips = a.steps * a.batch_size / sum(times)
-    print(f"peer model={a.model} mode={a.mode} batch={a.batch_size} device={a.device} threads={torch.get_num_threads()} images_per_s={ips:.3f}")
+    ordered = sorted(times)
+    median = a.batch_size / ordered[len(ordered) // 2]
+    best = a.batch_size / ordered[0]
+    print(f"peer model={a.model} mode={a.mode} batch={a.batch_size} device={a.device} threads={torch.get_num_threads()} images_per_s={ips:.3f} median_images_per_s={median:.3f} best_images_per_s={best:.3f}")
 
 
 if __name__ == "__main__":
