@@ -356,8 +356,12 @@ impl Server<'_> {
     }
 
     fn reply(&mut self, w: usize, r: &Reply) {
-        let bytes = r.encode();
+        self.send_reply(w, r.encode());
+    }
+
+    fn send_reply(&mut self, w: usize, bytes: Vec<u8>) {
         self.report.bytes_out += bytes.len() as u64;
+        // A worker that died is seen at the next receive.
         let _ = self.t.send(w, Kind::Ps, REPLY, bytes);
     }
 
@@ -429,18 +433,14 @@ impl Server<'_> {
 
     fn answer(&mut self, w: usize) {
         let bytes = Reply::values_bytes(self.version, &self.values);
-        self.report.bytes_out += bytes.len() as u64;
-        // A worker that died is seen at the next receive.
-        let _ = self.t.send(w, Kind::Ps, REPLY, bytes);
+        self.send_reply(w, bytes);
     }
 
     fn refuse(&mut self, w: usize, why: String, log: &mut dyn FnMut(&str)) {
         log(&format!(
             "parameter server: worker rank {w} refused and dropped: {why}"
         ));
-        let _ = self
-            .t
-            .send(w, Kind::Ps, REPLY, Reply::Refused(why.clone()).encode());
+        self.reply(w, &Reply::Refused(why.clone()));
         self.drop_worker(w, why);
     }
 

@@ -261,7 +261,7 @@ struct ElasticRun<'a> {
 /// `HEARTH_ELASTIC_DIE_AT_STEP`: SIGKILL itself inside step N, between the control and the
 /// gradient allreduce; `HEARTH_ELASTIC_FREEZE_AT_STEP`: SIGSTOP itself there, a worker cut
 /// off; `HEARTH_ELASTIC_THROTTLE`: N ms of extra compute per step, a slow worker).
-fn hook(name: &str, id: &str) -> Option<u64> {
+pub(crate) fn hook(name: &str, id: &str) -> Option<u64> {
     std::env::var(name).ok()?.split(',').find_map(|part| {
         let (who, n) = part.trim().split_once(':')?;
         (who == id).then(|| n.parse().ok()).flatten()

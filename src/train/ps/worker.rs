@@ -28,6 +28,7 @@ use super::{BYE, PsOptions, Roles, STATS};
 use crate::train::best::{
     BestRule, best_epoch, export_checkpoint, model_checkpoint, save_epoch_weights,
 };
+use crate::train::elastic::hook;
 use crate::train::logger::{EpochTable, metrics_csv};
 use crate::train::model::{SEED_LOCK, epoch_seed, init_model, model_config};
 use crate::train::pipeline::{collective_timeout, hits};
@@ -56,15 +57,6 @@ struct Worker<'a> {
     started: Instant,
     delay: Option<u64>,
     die_at: Option<u64>,
-}
-
-/// A test hook from `var` ("w1:50,w2:10"): this worker's number, if named.
-fn hook(var: &str, rank: usize) -> Option<u64> {
-    let me = format!("w{rank}");
-    std::env::var(var).ok()?.split(',').find_map(|part| {
-        let (who, n) = part.trim().split_once(':')?;
-        (who == me).then(|| n.parse().ok()).flatten()
-    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -127,8 +119,9 @@ pub(super) fn train(
         rows: EpochRows::new(),
         stats: Vec::new(),
         started,
-        delay: hook("HEARTH_PS_DELAY_MS", rank),
-        die_at: hook("HEARTH_PS_DIE_AT_STEP", rank),
+        // Test hooks, as the elastic trainer's ("w1:50,w2:10" names workers by rank).
+        delay: hook("HEARTH_PS_DELAY_MS", &format!("w{rank}")),
+        die_at: hook("HEARTH_PS_DIE_AT_STEP", &format!("w{rank}")),
     };
     let resume = w.resume(&comm, log)?;
     let end = cfg.stop_after_epoch.unwrap_or(cfg.epochs).min(cfg.epochs);
