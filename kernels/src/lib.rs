@@ -1,21 +1,25 @@
-//! Faster CPU paths for the convolutions of image models, written against Burn's tensor API so
-//! that Burn's autodiff derives their backward passes from well-blocked matrix products.
+//! Faster CPU paths for the convolutions of image models on Burn 0.22 Flex, with their
+//! autodiff backward passes.
 //!
-//! Why: on Burn Flex a ResNet-50 training step spends half its time in convolution weight
+//! Why: on Burn Flex a ResNet-50 training step spent half its time in convolution weight
 //! gradients (BENCHMARKS.md, "CPU profile"). Burn's generic `conv2d_weight_backward` runs a
-//! convolution with batch and channels swapped, which on Flex becomes many thin matrix-vector
-//! products at 4-12 GFLOP/s. For a 1x1 convolution the weight gradient is one matrix product
-//! per image, dW = Σₙ dYₙ · Xₙᵀ (K = H·W), and the input gradient dX = Wᵀ · dY: exactly what
-//! autodiff produces for the forward pass written as `W · X`.
+//! convolution with batch and channels swapped, which Flex executes as thin matrix products
+//! at 4-65 GFLOP/s. Two paths replace it while training on the CPU:
 //!
-//! - [`conv2d`]: [`burn::nn::conv::Conv2d`]'s forward, taking the fast path where one applies
-//!   ([`fast_path`]) and Burn's `conv2d` otherwise.
-//! - The fast path is on for CPU devices (Flex, NdArray) with autodiff (training: the gain is
-//!   in the backward; for inference Flex's own 1x1 forward is faster) unless
-//!   `HEARTH_FAST_KERNELS=0`, so the reference path stays one variable away.
+//! - [`Path::Gemm`] ([`ext`]): a backend-extension op with its own autodiff backward. The
+//!   weight gradient is always im2col and one GEMM over images x output pixels
+//!   ([`weight_grad`]); the forward and the input gradient are ours ([`conv`]) on the shapes
+//!   where they measured faster than Flex's, Flex's elsewhere. Every convolution with one
+//!   group on a Flex device, training or not.
+//! - [`Path::Pointwise`]: a strided 1x1 convolution while training, as a strided slice and
+//!   `W · X` per image, written in tensor ops so autodiff derives both gradients as GEMMs
+//!   (also plain 1x1 on NdArray).
 //!
-//! No dependency on any model: this crate could go upstream as a Flex improvement (there it
-//! belongs in `conv2d_weight_backward` itself; see the crate README).
+//! [`conv2d`] picks the path ([`fast_path`]): only on CPU devices, and never with
+//! `HEARTH_FAST_KERNELS=0`, so the reference path stays one variable away.
+//!
+//! No dependency on any model: the weight gradient could go upstream as Flex's
+//! `conv2d_weight_backward` (see the crate README).
 
 use std::sync::OnceLock;
 
@@ -23,14 +27,24 @@ use burn::nn::PaddingConfig2d;
 use burn::nn::conv::Conv2d;
 use burn::prelude::*;
 
+pub mod batch_norm;
+pub mod conv;
+pub mod ext;
+pub mod norm;
+pub mod weight_grad;
+
 /// Which implementation a convolution takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {
     /// Burn's own `conv2d`.
     Reference,
-    /// 1x1, no padding, no dilation, one group: a matrix product per image (a strided one
-    /// first takes every stride-th pixel).
+    /// 1x1 with a stride above 1, no padding, no dilation, one group: every stride-th pixel,
+    /// then a matrix product per image.
     Pointwise,
+    /// One group on a Flex device: the extension op [`ext::conv2d_gemm_grad`], which takes
+    /// our im2col + GEMM forward and input gradient where they measured faster than Flex's and
+    /// Flex's elsewhere, and always our weight gradient.
+    Gemm,
 }
 
 /// Whether the fast paths are allowed (`HEARTH_FAST_KERNELS`, read once; anything but `0`,
@@ -46,38 +60,65 @@ pub fn enabled() -> bool {
 
 /// Whether `device` computes on the CPU (the fast paths are measured there only).
 pub fn is_cpu(device: &Device) -> bool {
-    let plain = device.clone().inner();
-    plain == Device::flex() || format!("{plain:?}").starts_with("NdArray")
+    is_flex(device) || format!("{:?}", device.clone().inner()).starts_with("NdArray")
+}
+
+/// Whether `device` is Burn Flex (with or without autodiff): the backend [`ext`] extends.
+pub fn is_flex(device: &Device) -> bool {
+    device.clone().inner() == Device::flex()
+}
+
+/// The symmetric padding `[rows, columns]` of `padding`, if it is symmetric and explicit.
+fn symmetric(padding: &PaddingConfig2d) -> Option<[usize; 2]> {
+    match *padding {
+        PaddingConfig2d::Valid => Some([0, 0]),
+        PaddingConfig2d::Explicit(top, left, bottom, right) if top == bottom && left == right => {
+            Some([top, left])
+        }
+        _ => None,
+    }
 }
 
 /// The path `conv` takes on `x`'s device (with `allowed` standing for [`enabled`]).
 pub fn fast_path(conv: &Conv2d, device: &Device, allowed: bool) -> Path {
-    let pointwise = conv.kernel_size == [1, 1]
-        && conv.stride.iter().all(|&s| s >= 1)
-        && conv.dilation == [1, 1]
-        && conv.groups == 1
-        && matches!(
-            conv.padding,
-            PaddingConfig2d::Valid | PaddingConfig2d::Explicit(0, 0, 0, 0)
-        );
-    // Only when training: Flex's own 1x1 forward is faster at batch 16 (7.5 vs 9.6 ResNet-50
-    // images/s), and the gain is the backward's.
-    if allowed && pointwise && device.is_autodiff() && is_cpu(device) {
-        Path::Pointwise
-    } else {
-        Path::Reference
+    if !allowed || !is_cpu(device) || conv.groups != 1 {
+        return Path::Reference;
+    }
+    let Some(padding) = symmetric(&conv.padding) else {
+        return Path::Reference;
+    };
+    let pointwise = conv.kernel_size == [1, 1] && conv.dilation == [1, 1] && padding == [0, 0];
+    let strided = conv.stride.iter().any(|&s| s > 1);
+    let training = device.is_autodiff();
+    // kernels/examples/conv_paths.rs: while training, a strided 1x1 is fastest as a slice and
+    // a product (0.12-0.14 s against 0.16-0.23 s for ResNet-50's at batch 16); every other
+    // shape with the GEMM op. On NdArray, which the extension does not cover, only the
+    // pointwise path applies, and only its backward gains.
+    match (is_flex(device), training, pointwise) {
+        (true, true, true) if strided => Path::Pointwise,
+        (true, _, _) => Path::Gemm,
+        (false, true, true) => Path::Pointwise,
+        _ => Path::Reference,
     }
 }
 
 /// `conv.forward(x)`, by the fast path where one applies.
 pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
+    let bias = || conv.bias.as_ref().map(|b| b.val());
     match fast_path(conv, &x.device(), enabled()) {
-        Path::Pointwise => pointwise_strided(
-            x,
-            conv.weight.val(),
-            conv.bias.as_ref().map(|b| b.val()),
-            conv.stride,
-        ),
+        Path::Pointwise => pointwise_strided(x, conv.weight.val(), bias(), conv.stride),
+        Path::Gemm => {
+            let padding = symmetric(&conv.padding).unwrap_or([0, 0]);
+            let y =
+                ext::conv2d_gemm_grad(x, conv.weight.val(), [conv.stride, padding, conv.dilation]);
+            match bias() {
+                Some(b) => {
+                    let co = b.dims()[0];
+                    y + b.reshape([1, co, 1, 1])
+                }
+                None => y,
+            }
+        }
         Path::Reference => conv.forward(x),
     }
 }

@@ -9,31 +9,8 @@ use burn::tensor::Distribution;
 use burn::tensor::ops::ConvOptions;
 use hearth_kernels::{Path, fast_path, pointwise_strided};
 
-fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap()
-}
-
-fn close(a: &[f32], b: &[f32], what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!(
-            (x - y).abs() <= 1e-4 * scale,
-            "{what}[{i}]: {x} vs {y} (scale {scale})"
-        );
-    }
-}
-
-/// A small deterministic generator (xorshift) for the shapes.
-struct Shapes(u64);
-impl Shapes {
-    fn next(&mut self, lo: usize, hi: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        lo + (self.0 % (hi - lo + 1) as u64) as usize
-    }
-}
+mod common;
+use common::{Shapes, close, values};
 
 #[test]
 fn pointwise_equals_burn_conv2d_forward_and_backward_over_random_shapes() {
@@ -95,7 +72,7 @@ fn pointwise_equals_burn_conv2d_forward_and_backward_over_random_shapes() {
 }
 
 #[test]
-fn only_plain_pointwise_convolutions_on_the_cpu_take_the_fast_path() {
+fn training_convolutions_on_the_cpu_take_the_fast_paths() {
     let device = Device::flex();
     let conv = |k: usize, stride: usize, pad: usize, groups: usize| {
         Conv2dConfig::new([4, 4], [k, k])
@@ -106,20 +83,36 @@ fn only_plain_pointwise_convolutions_on_the_cpu_take_the_fast_path() {
     };
     assert_eq!(
         fast_path(&conv(1, 1, 0, 1), &device, true),
-        Path::Reference,
-        "inference keeps Flex's own 1x1 forward"
+        Path::Gemm,
+        "inference takes the GEMM op (which keeps Flex's forward where it is faster)"
     );
-    let device = device.clone().autodiff();
-    assert_eq!(fast_path(&conv(1, 1, 0, 1), &device, true), Path::Pointwise);
+    assert_eq!(fast_path(&conv(1, 2, 0, 1), &device, true), Path::Gemm);
     assert_eq!(
         fast_path(&conv(1, 1, 0, 1), &device, false),
         Path::Reference,
         "switched off"
     );
-    assert_eq!(fast_path(&conv(3, 1, 1, 1), &device, true), Path::Reference);
+    let device = device.clone().autodiff();
+    assert_eq!(fast_path(&conv(1, 1, 0, 1), &device, true), Path::Gemm);
+    assert_eq!(
+        fast_path(&conv(1, 1, 0, 1), &device, false),
+        Path::Reference,
+        "switched off"
+    );
+    assert_eq!(fast_path(&conv(3, 1, 1, 1), &device, true), Path::Gemm);
+    assert_eq!(fast_path(&conv(3, 2, 1, 1), &device, true), Path::Gemm);
     assert_eq!(fast_path(&conv(1, 2, 0, 1), &device, true), Path::Pointwise);
-    assert_eq!(fast_path(&conv(1, 1, 1, 1), &device, true), Path::Reference);
-    assert_eq!(fast_path(&conv(1, 1, 0, 2), &device, true), Path::Reference);
+    assert_eq!(fast_path(&conv(1, 1, 1, 1), &device, true), Path::Gemm);
+    assert_eq!(
+        fast_path(&conv(1, 1, 0, 2), &device, true),
+        Path::Reference,
+        "grouped convolutions keep Burn's path"
+    );
+    assert_eq!(fast_path(&conv(3, 1, 1, 2), &device, true), Path::Reference);
+    let asymmetric = Conv2dConfig::new([4, 4], [3, 3])
+        .with_padding(PaddingConfig2d::Explicit(1, 0, 2, 0))
+        .init(&device);
+    assert_eq!(fast_path(&asymmetric, &device, true), Path::Reference);
 }
 
 #[test]

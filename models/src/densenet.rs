@@ -15,6 +15,9 @@ use burn::nn::pool::{
 use burn::nn::{BatchNorm, Dropout, DropoutConfig, Linear, PaddingConfig2d};
 use burn::prelude::*;
 use burn::tensor::activation::relu;
+// Training on a CPU takes hearth-kernels' faster convolutions and fused batch norm + ReLU.
+use hearth_kernels::conv2d as fast_conv2d;
+use hearth_kernels::norm::batch_norm as fast_batch_norm;
 
 use crate::ModelError;
 use crate::layers::{HeadActivation, HeadConfig, batch_norm, conv2d};
@@ -204,17 +207,17 @@ pub struct DenseBlock {
 impl DenseLayer {
     /// The `growth_rate` new channels computed from all the channels so far.
     pub fn new_features(&self, input: Tensor<4>) -> Tensor<4> {
-        let out = hearth_kernels::conv2d(&self.conv1, relu(self.norm1.forward(input)));
-        let out = hearth_kernels::conv2d(&self.conv2, relu(self.norm2.forward(out)));
+        let out = fast_conv2d(&self.conv1, fast_batch_norm(&self.norm1, input, true));
+        let out = fast_conv2d(&self.conv2, fast_batch_norm(&self.norm2, out, true));
         self.dropout.forward(out)
     }
 }
 
 impl Transition {
     pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        self.pool.forward(hearth_kernels::conv2d(
+        self.pool.forward(fast_conv2d(
             &self.conv,
-            relu(self.norm.forward(x)),
+            fast_batch_norm(&self.norm, x, true),
         ))
     }
 }
@@ -262,14 +265,16 @@ impl DenseNet {
     /// torchvision's `features` output (after `norm5`, before the final ReLU).
     pub fn features(&self, x: Tensor<4>) -> Tensor<4> {
         let f = &self.features;
-        let mut x = f.pool0.forward(relu(f.norm0.forward(f.conv0.forward(x))));
+        let mut x = f
+            .pool0
+            .forward(fast_batch_norm(&f.norm0, fast_conv2d(&f.conv0, x), true));
         for (i, block) in f.blocks.iter().enumerate() {
             x = block.forward(x);
             if let Some(t) = f.transitions.get(i) {
                 x = t.forward(x);
             }
         }
-        f.norm5.forward(x)
+        fast_batch_norm(&f.norm5, x, false)
     }
 
     pub fn embed(&self, x: Tensor<4>) -> Tensor<2> {

@@ -13,6 +13,10 @@ use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, MaxPool2d};
 use burn::nn::{BatchNorm, Linear};
 use burn::prelude::*;
 use burn::tensor::activation::relu;
+// Training on a CPU takes hearth-kernels' faster convolutions and fused batch norm + ReLU;
+// everything else is Burn's own `Conv2d::forward`, `BatchNorm::forward` and `relu`.
+use hearth_kernels::conv2d as fast_conv2d;
+use hearth_kernels::norm::batch_norm as fast_batch_norm;
 
 use crate::ModelError;
 use crate::layers::{HeadActivation, HeadConfig, batch_norm, conv2d};
@@ -191,13 +195,14 @@ impl ResidualBlock {
 
     pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
         let identity = match &self.downsample {
-            Some(ds) => ds.bn.forward(hearth_kernels::conv2d(&ds.conv, x.clone())),
+            Some(ds) => fast_batch_norm(&ds.bn, fast_conv2d(&ds.conv, x.clone()), false),
             None => x.clone(),
         };
-        let mut out = relu(self.bn1.forward(hearth_kernels::conv2d(&self.conv1, x)));
-        out = self.bn2.forward(hearth_kernels::conv2d(&self.conv2, out));
+        let bottleneck = self.conv3.is_some() && self.bn3.is_some();
+        let mut out = fast_batch_norm(&self.bn1, fast_conv2d(&self.conv1, x), true);
+        out = fast_batch_norm(&self.bn2, fast_conv2d(&self.conv2, out), bottleneck);
         if let (Some(conv3), Some(bn3)) = (&self.conv3, &self.bn3) {
-            out = bn3.forward(hearth_kernels::conv2d(conv3, relu(out)));
+            out = fast_batch_norm(bn3, fast_conv2d(conv3, out), false);
         }
         relu(out + identity)
     }
@@ -222,7 +227,7 @@ pub struct ResNet {
 impl ResNet {
     /// The feature map before global pooling: `[batch, 512 * expansion, H/32, W/32]`.
     pub fn features(&self, x: Tensor<4>) -> Tensor<4> {
-        let mut x = relu(self.bn1.forward(hearth_kernels::conv2d(&self.conv1, x)));
+        let mut x = fast_batch_norm(&self.bn1, fast_conv2d(&self.conv1, x), true);
         x = self.maxpool.forward(x);
         for block in self
             .layer1

@@ -204,11 +204,11 @@ impl Vgg {
             x
         };
         for (layer, &pool) in self.features.iter().zip(&self.pool_after) {
-            x = layer.conv.forward(x);
-            if let Some(bn) = &layer.bn {
-                x = bn.forward(x);
-            }
-            x = relu(x);
+            x = hearth_kernels::conv2d(&layer.conv, x);
+            x = match &layer.bn {
+                Some(bn) => hearth_kernels::norm::batch_norm(bn, x, true),
+                None => relu(x),
+            };
             if pool {
                 x = self.maxpool.forward(x);
             }

@@ -58,7 +58,7 @@ impl ModelConfig {
 }
 
 macro_rules! architectures {
-    ($( $variant:ident => $name:literal, $params:literal, $cfg:expr; )*) => {
+    ($( $variant:ident => $name:literal, $params:literal, $gmacs:literal, $cfg:expr; )*) => {
         /// Every named variant, with torchvision's name.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
         pub enum Architecture { $( $variant, )* }
@@ -76,6 +76,12 @@ macro_rules! architectures {
                 match self { $( Architecture::$variant => $params, )* }
             }
 
+            /// Multiply-accumulates of one 224x224 forward pass, in billions, as torchvision's
+            /// model table lists them (its "GFLOPS" column counts multiply-adds).
+            pub fn torchvision_gmacs(self) -> f64 {
+                match self { $( Architecture::$variant => $gmacs, )* }
+            }
+
             /// The configuration of this variant with `num_classes` outputs.
             pub fn config(self, num_classes: usize) -> ModelConfig {
                 let n = num_classes;
@@ -86,23 +92,23 @@ macro_rules! architectures {
 }
 
 architectures! {
-    ResNet18 => "resnet18", 11_689_512, |n| ModelConfig::ResNet(ResNetConfig::resnet18(n));
-    ResNet34 => "resnet34", 21_797_672, |n| ModelConfig::ResNet(ResNetConfig::resnet34(n));
-    ResNet50 => "resnet50", 25_557_032, |n| ModelConfig::ResNet(ResNetConfig::resnet50(n));
-    ResNet101 => "resnet101", 44_549_160, |n| ModelConfig::ResNet(ResNetConfig::resnet101(n));
-    ResNet152 => "resnet152", 60_192_808, |n| ModelConfig::ResNet(ResNetConfig::resnet152(n));
-    Vgg11 => "vgg11", 132_863_336, |n| ModelConfig::Vgg(VggConfig::vgg11(n, false));
-    Vgg11Bn => "vgg11_bn", 132_868_840, |n| ModelConfig::Vgg(VggConfig::vgg11(n, true));
-    Vgg13 => "vgg13", 133_047_848, |n| ModelConfig::Vgg(VggConfig::vgg13(n, false));
-    Vgg13Bn => "vgg13_bn", 133_053_736, |n| ModelConfig::Vgg(VggConfig::vgg13(n, true));
-    Vgg16 => "vgg16", 138_357_544, |n| ModelConfig::Vgg(VggConfig::vgg16(n, false));
-    Vgg16Bn => "vgg16_bn", 138_365_992, |n| ModelConfig::Vgg(VggConfig::vgg16(n, true));
-    Vgg19 => "vgg19", 143_667_240, |n| ModelConfig::Vgg(VggConfig::vgg19(n, false));
-    Vgg19Bn => "vgg19_bn", 143_678_248, |n| ModelConfig::Vgg(VggConfig::vgg19(n, true));
-    DenseNet121 => "densenet121", 7_978_856, |n| ModelConfig::DenseNet(DenseNetConfig::densenet121(n));
-    DenseNet161 => "densenet161", 28_681_000, |n| ModelConfig::DenseNet(DenseNetConfig::densenet161(n));
-    DenseNet169 => "densenet169", 14_149_480, |n| ModelConfig::DenseNet(DenseNetConfig::densenet169(n));
-    DenseNet201 => "densenet201", 20_013_928, |n| ModelConfig::DenseNet(DenseNetConfig::densenet201(n));
+    ResNet18 => "resnet18", 11_689_512, 1.81, |n| ModelConfig::ResNet(ResNetConfig::resnet18(n));
+    ResNet34 => "resnet34", 21_797_672, 3.66, |n| ModelConfig::ResNet(ResNetConfig::resnet34(n));
+    ResNet50 => "resnet50", 25_557_032, 4.09, |n| ModelConfig::ResNet(ResNetConfig::resnet50(n));
+    ResNet101 => "resnet101", 44_549_160, 7.80, |n| ModelConfig::ResNet(ResNetConfig::resnet101(n));
+    ResNet152 => "resnet152", 60_192_808, 11.51, |n| ModelConfig::ResNet(ResNetConfig::resnet152(n));
+    Vgg11 => "vgg11", 132_863_336, 7.61, |n| ModelConfig::Vgg(VggConfig::vgg11(n, false));
+    Vgg11Bn => "vgg11_bn", 132_868_840, 7.61, |n| ModelConfig::Vgg(VggConfig::vgg11(n, true));
+    Vgg13 => "vgg13", 133_047_848, 11.31, |n| ModelConfig::Vgg(VggConfig::vgg13(n, false));
+    Vgg13Bn => "vgg13_bn", 133_053_736, 11.31, |n| ModelConfig::Vgg(VggConfig::vgg13(n, true));
+    Vgg16 => "vgg16", 138_357_544, 15.47, |n| ModelConfig::Vgg(VggConfig::vgg16(n, false));
+    Vgg16Bn => "vgg16_bn", 138_365_992, 15.47, |n| ModelConfig::Vgg(VggConfig::vgg16(n, true));
+    Vgg19 => "vgg19", 143_667_240, 19.63, |n| ModelConfig::Vgg(VggConfig::vgg19(n, false));
+    Vgg19Bn => "vgg19_bn", 143_678_248, 19.63, |n| ModelConfig::Vgg(VggConfig::vgg19(n, true));
+    DenseNet121 => "densenet121", 7_978_856, 2.83, |n| ModelConfig::DenseNet(DenseNetConfig::densenet121(n));
+    DenseNet161 => "densenet161", 28_681_000, 7.73, |n| ModelConfig::DenseNet(DenseNetConfig::densenet161(n));
+    DenseNet169 => "densenet169", 14_149_480, 3.36, |n| ModelConfig::DenseNet(DenseNetConfig::densenet169(n));
+    DenseNet201 => "densenet201", 20_013_928, 4.29, |n| ModelConfig::DenseNet(DenseNetConfig::densenet201(n));
 }
 
 impl Architecture {

@@ -36,6 +36,8 @@ use std::ops::Range;
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::activation::relu;
+use hearth_kernels::conv2d as fast_conv2d;
+use hearth_kernels::norm::batch_norm as fast_batch_norm;
 
 use crate::ModelError;
 use crate::densenet::{DenseLayer, DenseNet, Transition};
@@ -66,9 +68,13 @@ pub enum UnitOutput {
 impl Unit {
     pub fn forward(&self, x: Tensor<4>) -> UnitOutput {
         match self {
-            Unit::ResNetStem(s) => {
-                UnitOutput::Features(s.maxpool.forward(relu(s.bn1.forward(s.conv1.forward(x)))))
-            }
+            // The same kernels as the whole networks' forward (hearth-kernels on the CPU), so
+            // that a split network computes what the whole one does, to the last bit.
+            Unit::ResNetStem(s) => UnitOutput::Features(s.maxpool.forward(fast_batch_norm(
+                &s.bn1,
+                fast_conv2d(&s.conv1, x),
+                true,
+            ))),
             Unit::ResNetBlock(b) => UnitOutput::Features(b.forward(x)),
             Unit::ResNetHead(h) => {
                 UnitOutput::Logits(h.fc.forward(h.avgpool.forward(x).flatten(1, 3)))
@@ -79,11 +85,11 @@ impl Unit {
                 } else {
                     x
                 };
-                x = u.layer.conv.forward(x);
-                if let Some(bn) = &u.layer.bn {
-                    x = bn.forward(x);
-                }
-                x = relu(x);
+                x = fast_conv2d(&u.layer.conv, x);
+                x = match &u.layer.bn {
+                    Some(bn) => fast_batch_norm(bn, x, true),
+                    None => relu(x),
+                };
                 UnitOutput::Features(if u.pool_after {
                     u.maxpool.forward(x)
                 } else {
@@ -97,16 +103,21 @@ impl Unit {
                 let x = c.dropout.forward(relu(c.fc2.forward(x)));
                 UnitOutput::Logits(c.fc3.forward(x))
             }
-            Unit::DenseStem(s) => {
-                UnitOutput::Features(s.pool0.forward(relu(s.norm0.forward(s.conv0.forward(x)))))
-            }
+            Unit::DenseStem(s) => UnitOutput::Features(s.pool0.forward(fast_batch_norm(
+                &s.norm0,
+                fast_conv2d(&s.conv0, x),
+                true,
+            ))),
             Unit::DenseLayer(l) => {
                 let new = l.new_features(x.clone());
                 UnitOutput::Features(Tensor::cat(vec![x, new], 1))
             }
             Unit::DenseTransition(t) => UnitOutput::Features(t.forward(x)),
             Unit::DenseHead(h) => {
-                let x = h.avgpool.forward(relu(h.norm5.forward(x))).flatten(1, 3);
+                let x = h
+                    .avgpool
+                    .forward(relu(fast_batch_norm(&h.norm5, x, false)))
+                    .flatten(1, 3);
                 UnitOutput::Logits(h.classifier.forward(x))
             }
         }

@@ -1,0 +1,189 @@
+//! Times ResNet-50's convolution shapes (224x224) through autodiff on Burn Flex, forward and
+//! backward (input and weight gradients), by each path: Burn's `conv2d`, the pointwise matrix
+//! product (1x1 only), and the extension op with the GEMM weight gradient. The measurement
+//! behind which shapes the fast path takes (BENCHMARKS.md, "CPU kernels").
+//!
+//!   cargo run --release -p hearth-kernels --example conv_paths   # HEARTH_PROFILE_BATCH (16)
+
+use std::time::Instant;
+
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use burn::tensor::module::conv2d;
+use burn::tensor::ops::ConvOptions;
+use hearth_kernels::ext::conv2d_gemm_grad;
+use hearth_kernels::pointwise_strided;
+
+fn time_min(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::MAX, f64::min)
+}
+
+fn main() {
+    let n: usize = std::env::var("HEARTH_PROFILE_BATCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16);
+    let device = Device::flex().autodiff();
+    // (cin, cout, k, stride, side, count in ResNet-50)
+    let shapes = [
+        (3, 64, 7, 2, 224, 1),
+        (64, 64, 3, 1, 56, 3),
+        (128, 128, 3, 2, 56, 1),
+        (128, 128, 3, 1, 28, 3),
+        (256, 256, 3, 2, 28, 1),
+        (256, 256, 3, 1, 14, 5),
+        (512, 512, 3, 2, 14, 1),
+        (512, 512, 3, 1, 7, 2),
+        (64, 256, 1, 1, 56, 4),
+        (256, 64, 1, 1, 56, 2),
+        (256, 512, 1, 2, 56, 1),
+        (512, 128, 1, 1, 28, 3),
+        (1024, 256, 1, 1, 14, 5),
+        (256, 1024, 1, 1, 14, 6),
+        (2048, 512, 1, 1, 7, 2),
+        (512, 2048, 1, 1, 7, 3),
+    ];
+    println!("batch {n}; seconds for forward + backward (min of 3); GFLOP/s of the three passes");
+    println!(
+        "| conv | count | Burn s | pointwise s | GEMM weight grad s | Burn GFLOP/s | best GFLOP/s |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let (mut tb, mut tp, mut tg) = (0.0, 0.0, 0.0);
+    for (cin, cout, k, stride, side, count) in shapes {
+        let pad = k / 2;
+        let x = Tensor::<4>::random(
+            [n, cin, side, side],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        )
+        .require_grad();
+        let w = Tensor::<4>::random([cout, cin, k, k], Distribution::Normal(0.0, 0.1), &device)
+            .require_grad();
+        let opts = ConvOptions::new([stride; 2], [pad; 2], [1, 1], 1);
+        let burn = time_min(3, || {
+            let _ = conv2d(x.clone(), w.clone(), None, opts.clone())
+                .sum()
+                .backward();
+        });
+        let pointwise = (k == 1).then(|| {
+            time_min(3, || {
+                let _ = pointwise_strided(x.clone(), w.clone(), None, [stride; 2])
+                    .sum()
+                    .backward();
+            })
+        });
+        let gemm = time_min(3, || {
+            let _ = conv2d_gemm_grad(x.clone(), w.clone(), [[stride; 2], [pad; 2], [1, 1]])
+                .sum()
+                .backward();
+        });
+        let out = (side + 2 * pad - k) / stride + 1;
+        let gflop = 3.0 * 2.0 * (n * cout * out * out * cin * k * k) as f64 / 1e9;
+        let c = count as f64;
+        tb += burn * c;
+        tg += gemm * c;
+        tp += pointwise.unwrap_or(gemm).min(gemm) * c;
+        let best = pointwise.unwrap_or(f64::MAX).min(gemm).min(burn);
+        println!(
+            "| {cin}→{cout} {k}x{k} s{stride} {side} | {count} | {burn:.3} | {} | {gemm:.3} | {:.0} | {:.0} |",
+            pointwise.map(|p| format!("{p:.3}")).unwrap_or("-".into()),
+            gflop / burn,
+            gflop / best
+        );
+    }
+    println!(
+        "| all, times count | | {tb:.2} | best of pointwise and GEMM: {tp:.2} | {tg:.2} | | |"
+    );
+    raw_kernels(n, &shapes);
+}
+
+/// The three raw kernels alone on `f32` slices (no Burn), GFLOP/s each: where the GEMM path's
+/// time goes.
+fn raw_kernels(n: usize, shapes: &[(usize, usize, usize, usize, usize, usize)]) {
+    use hearth_kernels::conv::{conv2d_forward, conv2d_input_grad};
+    use hearth_kernels::weight_grad::{ConvShape, conv2d_weight_grad};
+    println!();
+    println!("raw kernels, batch {n} (min of 3): GFLOP/s");
+    println!("| conv | forward (Flex) | input grad (Flex) | weight grad (Flex) |");
+    println!("| --- | ---: | ---: | ---: |");
+    let flex = Device::flex();
+    for &(cin, cout, k, stride, side, _) in shapes {
+        let s = ConvShape {
+            input: [n, cin, side, side],
+            out_channels: cout,
+            kernel: [k, k],
+            stride: [stride; 2],
+            padding: [k / 2; 2],
+            dilation: [1, 1],
+        };
+        let Some(out) = s.output() else { continue };
+        let x: Vec<f32> = (0..n * cin * side * side)
+            .map(|i| (i % 7) as f32 * 0.1)
+            .collect();
+        let w: Vec<f32> = (0..cout * cin * k * k)
+            .map(|i| (i % 5) as f32 * 0.1)
+            .collect();
+        let dy: Vec<f32> = (0..out.iter().product::<usize>())
+            .map(|i| (i % 3) as f32)
+            .collect();
+        let gflop = 2.0 * (n * cout * out[2] * out[3] * cin * k * k) as f64 / 1e9;
+        let f = time_min(3, || drop(conv2d_forward(&x, &w, &s)));
+        let dx = time_min(3, || drop(conv2d_input_grad(&w, &dy, &s)));
+        let dw = time_min(3, || drop(conv2d_weight_grad(&x, &dy, &s)));
+        // Flex's own kernels on the same data.
+        let tensor = |v: &[f32], shape: [usize; 4]| {
+            Tensor::<4>::from_data(TensorData::new(v.to_vec(), shape), &flex)
+        };
+        let (xt, wt, dyt) = (
+            tensor(&x, s.input),
+            tensor(&w, s.weight()),
+            tensor(&dy, out),
+        );
+        let opts = ConvOptions::new([stride; 2], [k / 2; 2], [1, 1], 1);
+        let ff = time_min(3, || {
+            let _ = conv2d(xt.clone(), wt.clone(), None, opts.clone()).into_data();
+        });
+        let pad_out = (side + 2 * (k / 2) - k) % stride;
+        let topts = burn::tensor::ops::ConvTransposeOptions::new(
+            [stride; 2],
+            [k / 2; 2],
+            [pad_out; 2],
+            [1, 1],
+            1,
+        );
+        let fdx = time_min(3, || {
+            let _ = burn::tensor::module::conv_transpose2d(
+                dyt.clone(),
+                wt.clone(),
+                None,
+                topts.clone(),
+            )
+            .into_data();
+        });
+        let fdw = time_min(3, || {
+            let _ = burn::tensor::module::conv2d_weight_backward(
+                xt.clone(),
+                wt.clone(),
+                dyt.clone(),
+                opts.clone(),
+            )
+            .into_data();
+        });
+        println!(
+            "| {cin}→{cout} {k}x{k} s{stride} {side} | {:.0} ({:.0}) | {:.0} ({:.0}) | {:.0} ({:.0}) |",
+            gflop / f,
+            gflop / ff,
+            gflop / dx,
+            gflop / fdx,
+            gflop / dw,
+            gflop / fdw
+        );
+    }
+}

@@ -1,0 +1,193 @@
+//! Batch normalization with the batch's statistics, optionally followed by ReLU, forward and
+//! backward in few passes over memory, on plain `f32` slices (`[N, C, S]` row-major, S = H·W).
+//!
+//! Burn's generic `batch_norm_train` and its backward (`burn-backend`, `modules/base.rs`) are
+//! composed of tensor ops: each statistic swaps batch and channel axes (a full copy on Flex)
+//! and every elementwise step is its own pass, and ReLU adds two more. Together they took 28%
+//! of a ResNet-50 step's ops (BENCHMARKS.md, "CPU profile"). Here:
+//! - forward: one pass for the mean, one for the variance (centred, as Burn computes it), one
+//!   that writes the normalized, scaled, shifted and rectified output;
+//! - backward: one pass for the two per-channel sums, one that writes the input gradient.
+//!   The ReLU mask is recomputed from the input, so the output need not be kept.
+//!
+//! Channels reduce in parallel and planes are written in parallel; each channel's sums run in a
+//! fixed order, so results are deterministic.
+
+use rayon::prelude::*;
+
+/// Sum of a plane with eight independent accumulators (vectorizable), in f64 at the end.
+fn plane_sum(values: &[f32], f: impl Fn(f32) -> f32) -> f64 {
+    let mut acc = [0f32; 8];
+    let chunks = values.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += f(v);
+        }
+    }
+    let tail: f32 = rest.iter().map(|&v| f(v)).sum();
+    acc.iter().map(|&a| a as f64).sum::<f64>() + tail as f64
+}
+
+/// The per-channel statistics of the batch: `(mean, biased variance)`.
+pub fn statistics(x: &[f32], [n, c, s]: [usize; 3]) -> (Vec<f32>, Vec<f32>) {
+    assert_eq!(x.len(), n * c * s, "batch norm: input length");
+    let count = (n * s).max(1) as f64;
+    (0..c)
+        .into_par_iter()
+        .map(|ch| {
+            let plane = |b: usize| &x[(b * c + ch) * s..(b * c + ch + 1) * s];
+            let mean = (0..n).map(|b| plane_sum(plane(b), |v| v)).sum::<f64>() / count;
+            let m = mean as f32;
+            let var = (0..n)
+                .map(|b| plane_sum(plane(b), |v| (v - m) * (v - m)))
+                .sum::<f64>()
+                / count;
+            (m, var as f32)
+        })
+        .unzip()
+}
+
+/// The forward pass: `y = γ·(x - mean)/sqrt(var + ε) + β`, then `max(y, 0)` when `relu`.
+/// Returns `(y, mean, variance)`.
+pub fn forward(
+    x: &[f32],
+    shape: [usize; 3],
+    gamma: &[f32],
+    beta: &[f32],
+    epsilon: f64,
+    relu: bool,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let c = shape[1];
+    assert!(
+        gamma.len() == c && beta.len() == c,
+        "batch norm: {c} channels, γ {}, β {}",
+        gamma.len(),
+        beta.len()
+    );
+    let (mean, var) = statistics(x, shape);
+    let (scale, shift) = affine(gamma, beta, &mean, &var, epsilon);
+    (scale_shift(x, shape, &scale, &shift, relu), mean, var)
+}
+
+/// `y = x·scale[c] + shift[c]` per channel `c`, then `max(y, 0)` when `relu`: one pass.
+fn scale_shift(
+    x: &[f32],
+    [_, c, s]: [usize; 3],
+    scale: &[f32],
+    shift: &[f32],
+    relu: bool,
+) -> Vec<f32> {
+    assert!(
+        scale.len() == c && shift.len() == c,
+        "scale and shift: {c} channels"
+    );
+    let mut y = vec![0f32; x.len()];
+    if s > 0 {
+        y.par_chunks_mut(s)
+            .zip(x.par_chunks(s))
+            .enumerate()
+            .for_each(|(i, (out, inp))| {
+                let (a, b) = (scale[i % c], shift[i % c]);
+                if relu {
+                    for (o, &v) in out.iter_mut().zip(inp) {
+                        *o = (v * a + b).max(0.0);
+                    }
+                } else {
+                    for (o, &v) in out.iter_mut().zip(inp) {
+                        *o = v * a + b;
+                    }
+                }
+            });
+    }
+    y
+}
+
+/// Per channel, `y = x·scale + shift` with `scale = γ/sqrt(var + ε)`, `shift = β - mean·scale`.
+fn affine(
+    gamma: &[f32],
+    beta: &[f32],
+    mean: &[f32],
+    var: &[f32],
+    epsilon: f64,
+) -> (Vec<f32>, Vec<f32>) {
+    gamma
+        .iter()
+        .zip(beta)
+        .zip(mean.iter().zip(var))
+        .map(|((&g, &b), (&m, &v))| {
+            let a = g / (v as f64 + epsilon).sqrt() as f32;
+            (a, b - m * a)
+        })
+        .unzip()
+}
+
+/// The gradients `(dx, dγ, dβ)` of [`forward`] for the output gradient `dy`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward(
+    x: &[f32],
+    shape: [usize; 3],
+    gamma: &[f32],
+    beta: &[f32],
+    mean: &[f32],
+    var: &[f32],
+    epsilon: f64,
+    relu: bool,
+    dy: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let [n, c, s] = shape;
+    assert_eq!(x.len(), n * c * s, "batch norm backward: input length");
+    assert_eq!(
+        dy.len(),
+        x.len(),
+        "batch norm backward: output gradient length"
+    );
+    let (scale, shift) = affine(gamma, beta, mean, var, epsilon);
+    let inv_std: Vec<f32> = var
+        .iter()
+        .map(|&v| 1.0 / (v as f64 + epsilon).sqrt() as f32)
+        .collect();
+    // g = dy where the output passed the ReLU; Σg and Σg·x̂ per channel.
+    let (sum_g, sum_gx): (Vec<f64>, Vec<f64>) = (0..c)
+        .into_par_iter()
+        .map(|ch| {
+            let (a, b, m, is) = (scale[ch], shift[ch], mean[ch], inv_std[ch]);
+            let mut sg = 0f64;
+            let mut sgx = 0f64;
+            for bi in 0..n {
+                let range = (bi * c + ch) * s..(bi * c + ch + 1) * s;
+                let (xs, gs) = (&x[range.clone()], &dy[range]);
+                let (mut pg, mut pgx) = (0f32, 0f32);
+                for (&v, &g) in xs.iter().zip(gs) {
+                    let g = if relu && v * a + b <= 0.0 { 0.0 } else { g };
+                    pg += g;
+                    pgx += g * (v - m) * is;
+                }
+                sg += pg as f64;
+                sgx += pgx as f64;
+            }
+            (sg, sgx)
+        })
+        .unzip();
+    let count = (n * s).max(1) as f64;
+    let mut dx = vec![0f32; x.len()];
+    if s > 0 {
+        dx.par_chunks_mut(s)
+            .zip(x.par_chunks(s).zip(dy.par_chunks(s)))
+            .enumerate()
+            .for_each(|(i, (out, (xs, gs)))| {
+                let ch = i % c;
+                let (a, b, m, is) = (scale[ch], shift[ch], mean[ch], inv_std[ch]);
+                let mg = (sum_g[ch] / count) as f32;
+                let mgx = (sum_gx[ch] / count) as f32;
+                // dx = γ/σ · (g - mean(g) - x̂·mean(g·x̂))
+                for ((o, &v), &g) in out.iter_mut().zip(xs).zip(gs) {
+                    let g = if relu && v * a + b <= 0.0 { 0.0 } else { g };
+                    *o = a * (g - mg - (v - m) * is * mgx);
+                }
+            });
+    }
+    let dgamma = sum_gx.iter().map(|&v| v as f32).collect();
+    let dbeta = sum_g.iter().map(|&v| v as f32).collect();
+    (dx, dgamma, dbeta)
+}

@@ -1,0 +1,224 @@
+//! A 2-D convolution's forward pass and input gradient (one group) as im2col / col2im around
+//! one GEMM per image, on plain `f32` slices, in the layouts of [`crate::weight_grad`]:
+//!
+//! - forward: `Yₙ[Co, Ho·Wo] = W[Co, Ci·kh·kw] · colsₙ[Ci·kh·kw, Ho·Wo]`;
+//! - input gradient: `dcolsₙ = Wᵀ · dYₙ`, then col2im adds every tap back onto the input
+//!   pixel it came from.
+//!
+//! A 1x1 convolution with stride 1 and no padding needs no columns: the image is the matrix.
+//! Burn Flex converts every input to channels-last and builds its columns in tiles of 512
+//! pixels; measured per ResNet-50 shape in `kernels/examples/conv_paths.rs`.
+
+use rayon::prelude::*;
+
+use crate::weight_grad::{ConvShape, fill_row};
+
+fn is_plain_pointwise(s: &ConvShape) -> bool {
+    s.kernel == [1, 1] && s.stride == [1, 1] && s.padding == [0, 0]
+}
+
+/// `dst[m, n] = a[m, k] · b[k, n]` (all row-major with the given row strides), in parallel.
+///
+/// # Safety
+/// Each pointer must cover its matrix as the sizes and row strides describe.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_rows(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    a: *const f32,
+    a_cs: usize,
+    a_rs: usize,
+    b: *const f32,
+    b_rs: usize,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_rs as isize,
+            false,
+            a,
+            a_cs as isize,
+            a_rs as isize,
+            b,
+            1,
+            b_rs as isize,
+            0.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(0),
+        );
+    }
+}
+
+/// The image-`b` columns `[Ci·kh·kw, Ho·Wo]` of `x` into `cols`.
+fn im2col(x: &[f32], b: usize, s: &ConvShape, ho: usize, wo: usize, cols: &mut [f32]) {
+    let [_, ci, h, w] = s.input;
+    let taps = s.kernel[0] * s.kernel[1];
+    let pixels = ho * wo;
+    cols.par_chunks_mut(pixels)
+        .enumerate()
+        .for_each(|(r, row)| {
+            let (c, tap) = (r / taps, r % taps);
+            let plane = &x[(b * ci + c) * h * w..][..h * w];
+            fill_row(row, plane, s, tap / s.kernel[1], tap % s.kernel[1], ho, wo);
+        });
+}
+
+/// The forward pass `[N, Co, Ho, Wo]` of `x` (`[N, Ci, H, W]`) with `weight` (`[Co, Ci, kh,
+/// kw]`), all row-major.
+///
+/// Panics when the lengths do not match `s` (callers pass Burn tensors Burn has checked).
+pub fn conv2d_forward(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f32> {
+    let [n, ci, h, w] = s.input;
+    let [_, co, ho, wo] = s
+        .output()
+        .unwrap_or_else(|| panic!("conv forward: kernel does not fit {s:?}"));
+    let rows = ci * s.kernel[0] * s.kernel[1];
+    assert_eq!(
+        x.len(),
+        n * ci * h * w,
+        "conv forward: input length for {s:?}"
+    );
+    assert_eq!(
+        weight.len(),
+        co * rows,
+        "conv forward: weight length for {s:?}"
+    );
+    let pixels = ho * wo;
+    let mut y = vec![0f32; n * co * pixels];
+    if pixels == 0 || co == 0 || rows == 0 {
+        return y;
+    }
+    let mut cols = if is_plain_pointwise(s) {
+        Vec::new()
+    } else {
+        vec![0f32; rows * pixels]
+    };
+    for b in 0..n {
+        let rhs: &[f32] = if is_plain_pointwise(s) {
+            &x[b * ci * pixels..(b + 1) * ci * pixels]
+        } else {
+            im2col(x, b, s, ho, wo, &mut cols);
+            &cols
+        };
+        let out = &mut y[b * co * pixels..(b + 1) * co * pixels];
+        // SAFETY: out is co x pixels, weight co x rows, rhs rows x pixels, all row-major.
+        unsafe {
+            gemm_rows(
+                co,
+                pixels,
+                rows,
+                out.as_mut_ptr(),
+                pixels,
+                weight.as_ptr(),
+                1,
+                rows,
+                rhs.as_ptr(),
+                pixels,
+            );
+        }
+    }
+    y
+}
+
+/// Adds the columns `[Ci·kh·kw, Ho·Wo]` of image `b` back onto `dx` (`[N, Ci, H, W]`).
+fn col2im(dcols: &[f32], b: usize, s: &ConvShape, ho: usize, wo: usize, dx: &mut [f32]) {
+    let [_, ci, h, w] = s.input;
+    let [kh, kw] = s.kernel;
+    let pixels = ho * wo;
+    let image = &mut dx[b * ci * h * w..(b + 1) * ci * h * w];
+    image
+        .par_chunks_mut(h * w)
+        .enumerate()
+        .for_each(|(c, plane)| {
+            for i in 0..kh {
+                for j in 0..kw {
+                    let row = &dcols[((c * kh + i) * kw + j) * pixels..][..pixels];
+                    for oh in 0..ho {
+                        let ih =
+                            (oh * s.stride[0] + i * s.dilation[0]) as isize - s.padding[0] as isize;
+                        if ih < 0 || ih >= h as isize {
+                            continue;
+                        }
+                        let dst = &mut plane[ih as usize * w..][..w];
+                        let src = &row[oh * wo..(oh + 1) * wo];
+                        for (ow, &g) in src.iter().enumerate() {
+                            let iw = (ow * s.stride[1] + j * s.dilation[1]) as isize
+                                - s.padding[1] as isize;
+                            if iw >= 0 && iw < w as isize {
+                                dst[iw as usize] += g;
+                            }
+                        }
+                    }
+                }
+            }
+        });
+}
+
+/// The input gradient `[N, Ci, H, W]` for the output gradient `dy` (`[N, Co, Ho, Wo]`).
+pub fn conv2d_input_grad(weight: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
+    let [n, ci, h, w] = s.input;
+    let [_, co, ho, wo] = s
+        .output()
+        .unwrap_or_else(|| panic!("conv input gradient: kernel does not fit {s:?}"));
+    let rows = ci * s.kernel[0] * s.kernel[1];
+    let pixels = ho * wo;
+    assert_eq!(
+        weight.len(),
+        co * rows,
+        "conv input gradient: weight length for {s:?}"
+    );
+    assert_eq!(
+        dy.len(),
+        n * co * pixels,
+        "conv input gradient: output gradient length for {s:?}"
+    );
+    let mut dx = vec![0f32; n * ci * h * w];
+    if pixels == 0 || co == 0 || rows == 0 {
+        return dx;
+    }
+    let pointwise = is_plain_pointwise(s);
+    let mut dcols = if pointwise {
+        Vec::new()
+    } else {
+        vec![0f32; rows * pixels]
+    };
+    for b in 0..n {
+        let g = &dy[b * co * pixels..(b + 1) * co * pixels];
+        let dst: *mut f32 = if pointwise {
+            dx[b * ci * pixels..].as_mut_ptr()
+        } else {
+            dcols.as_mut_ptr()
+        };
+        // SAFETY: dst is rows x pixels (rows = ci for 1x1), the weight read transposed is
+        // rows x co (column stride `rows`), g is co x pixels, all row-major.
+        unsafe {
+            gemm_rows(
+                rows,
+                pixels,
+                co,
+                dst,
+                pixels,
+                weight.as_ptr(),
+                rows,
+                1,
+                g.as_ptr(),
+                pixels,
+            );
+        }
+        if !pointwise {
+            col2im(&dcols, b, s, ho, wo, &mut dx);
+        }
+    }
+    dx
+}

@@ -1,0 +1,276 @@
+//! The convolution op with our weight gradient, as a Burn backend extension: Burn Flex computes
+//! the forward pass and the input gradient (its own tiled im2col + GEMM kernels), and the
+//! weight gradient is [`crate::weight_grad::conv2d_weight_grad`]. Burn's autodiff knows no
+//! backward for an extension op, so `Autodiff<B, C>` gets a handwritten one: the same as
+//! Burn's `conv2d` backward (`burn-autodiff`, `ops/module.rs`) except for the weight gradient.
+//!
+//! One group, no bias (the callers add it as a broadcast sum, whose backward is autodiff's).
+
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::ops::ModuleOps;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension};
+use burn::backend::{AutodiffBackend, TensorMetadata};
+use burn::prelude::*;
+use burn::tensor::DType;
+use burn::tensor::ops::ConvOptions;
+use burn_flex::{FlexTensor, Layout};
+
+use crate::weight_grad::{ConvShape, conv2d_weight_grad};
+
+/// Convolution geometry passed through the extension (stride, padding, dilation).
+pub type Geometry2 = [[usize; 2]; 3];
+
+fn options([stride, padding, dilation]: Geometry2) -> ConvOptions<2> {
+    ConvOptions::new(stride, padding, dilation, 1)
+}
+
+/// The extension: a convolution whose weight gradient is ours, and that weight gradient alone.
+#[backend_extension(Flex, Autodiff)]
+pub trait ConvBackend: Backend {
+    /// `conv2d(x, weight)` with one group and no bias.
+    fn hearth_conv2d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        geometry: Geometry2,
+    ) -> FloatTensor<Self>;
+
+    /// The input gradient `input_shape` of that convolution.
+    fn hearth_conv2d_x_grad(
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        input_shape: [usize; 4],
+        geometry: Geometry2,
+    ) -> FloatTensor<Self>;
+
+    /// The weight gradient `[Co, Ci, kh, kw]` of that convolution.
+    fn hearth_conv2d_weight_grad(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        weight_shape: [usize; 4],
+        geometry: Geometry2,
+    ) -> FloatTensor<Self>;
+}
+
+impl ConvBackend for Flex {
+    fn hearth_conv2d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        geometry: Geometry2,
+    ) -> FloatTensor<Self> {
+        let weight_shape = weight.shape().dims::<4>();
+        let shape = conv_shape(x.shape().dims::<4>(), weight_shape, geometry);
+        let fits = shape.output().is_some() && weight_shape[1] == shape.input[1];
+        let f32s = x.dtype() == DType::F32 && weight.dtype() == DType::F32;
+        if !(f32s && fits && own_forward_is_faster(&shape)) {
+            return Flex::conv2d(x, weight, None, options(geometry));
+        }
+        let (x, weight) = (x.to_contiguous(), weight.to_contiguous());
+        let y = crate::conv::conv2d_forward(x.storage::<f32>(), weight.storage::<f32>(), &shape);
+        f32_tensor(y, shape.output().map_or(vec![], |o| o.to_vec()))
+    }
+
+    fn hearth_conv2d_x_grad(
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        input_shape: [usize; 4],
+        geometry: Geometry2,
+    ) -> FloatTensor<Self> {
+        let weight_shape = weight.shape().dims::<4>();
+        let shape = conv_shape(input_shape, weight_shape, geometry);
+        let fits =
+            shape.output() == Some(grad.shape().dims::<4>()) && weight_shape[1] == input_shape[1];
+        let f32s = weight.dtype() == DType::F32 && grad.dtype() == DType::F32;
+        if !(f32s && fits && own_input_grad_is_faster(&shape)) {
+            let x = FlexTensor::from_data(burn::tensor::TensorData::zeros::<f32, _>(input_shape));
+            return Flex::conv2d_x_backward(x, weight, grad, options(geometry));
+        }
+        let (weight, grad) = (weight.to_contiguous(), grad.to_contiguous());
+        let dx =
+            crate::conv::conv2d_input_grad(weight.storage::<f32>(), grad.storage::<f32>(), &shape);
+        f32_tensor(dx, input_shape.to_vec())
+    }
+
+    fn hearth_conv2d_weight_grad(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        weight_shape: [usize; 4],
+        geometry: Geometry2,
+    ) -> FloatTensor<Self> {
+        let dims = x.shape().dims::<4>();
+        let shape = conv_shape(dims, weight_shape, geometry);
+        let fits = shape.output() == Some(grad.shape().dims::<4>()) && weight_shape[1] == dims[1];
+        if x.dtype() != DType::F32 || grad.dtype() != DType::F32 || !fits {
+            // Other precisions (and shapes Burn should refuse anyway): Burn's own gradient.
+            let weight =
+                FlexTensor::from_data(burn::tensor::TensorData::zeros::<f32, _>(weight_shape));
+            return Flex::conv2d_weight_backward(x, weight, grad, options(geometry));
+        }
+        let (x, grad) = (x.to_contiguous(), grad.to_contiguous());
+        let dw = conv2d_weight_grad(x.storage::<f32>(), grad.storage::<f32>(), &shape);
+        f32_tensor(dw, weight_shape.to_vec())
+    }
+}
+
+/// Where our forward beat Flex's in `kernels/examples/conv_paths.rs` (ResNet-50 shapes at
+/// batch 16, 2-core AVX-512): kernels wider than 1x1 on maps of 56x56 outputs or more (the
+/// stem: 79 against 46 GFLOP/s; 64→64 3x3: 176 against 108), and strided 1x1 (157 against
+/// 46). On smaller maps Flex's tiles win (1x1 at 14x14: 131 against 172-189).
+fn own_forward_is_faster(s: &ConvShape) -> bool {
+    let pixels = s.output().map_or(0, |o| o[2] * o[3]);
+    let pointwise = s.kernel == [1, 1];
+    (!pointwise && pixels >= 56 * 56) || (pointwise && s.stride != [1, 1] && s.padding == [0, 0])
+}
+
+/// Where our input gradient beat Flex's transposed convolution (same measurement): 1x1,
+/// stride 1, no padding, on maps of 28x28 or more (256→64 at 56x56: 61 against 17 GFLOP/s).
+/// For 3x3 Flex's is faster (129-175 against 112-148).
+fn own_input_grad_is_faster(s: &ConvShape) -> bool {
+    s.kernel == [1, 1]
+        && s.stride == [1, 1]
+        && s.padding == [0, 0]
+        && s.input[2] * s.input[3] >= 28 * 28
+}
+
+fn conv_shape(
+    input: [usize; 4],
+    weight: [usize; 4],
+    [stride, padding, dilation]: Geometry2,
+) -> ConvShape {
+    ConvShape {
+        input,
+        out_channels: weight[0],
+        kernel: [weight[2], weight[3]],
+        stride,
+        padding,
+        dilation,
+    }
+}
+
+fn f32_tensor(values: Vec<f32>, dims: Vec<usize>) -> FlexTensor {
+    FlexTensor::new(
+        burn::tensor::Bytes::from_elems(values),
+        Layout::contiguous(burn::tensor::Shape::from(dims)),
+        DType::F32,
+    )
+}
+
+#[derive(Debug)]
+struct ConvWithOurWeightGrad;
+
+impl<B: ConvBackend> Backward<B, 2> for ConvWithOurWeightGrad {
+    type State = (NodeId, NodeId, Geometry2);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [node_x, node_weight] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x_state, weight_state, geometry) = ops.state;
+        let x = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(x_state);
+        let weight = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(weight_state);
+        if let Some(node) = node_x {
+            let input_shape = x.shape().dims::<4>();
+            let dx = B::hearth_conv2d_x_grad(weight.clone(), grad.clone(), input_shape, geometry);
+            grads.register::<B>(node.id, dx);
+        }
+        if let Some(node) = node_weight {
+            let weight_shape = weight.shape().dims::<4>();
+            let dw = B::hearth_conv2d_weight_grad(x, grad, weight_shape, geometry);
+            grads.register::<B>(node.id, dw);
+        }
+    }
+}
+
+impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
+    fn hearth_conv2d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        geometry: Geometry2,
+    ) -> FloatTensor<Self> {
+        match ConvWithOurWeightGrad
+            .prepare::<C>([x.node(), weight.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let x_state = prep.checkpoint(&x);
+                let weight_state = prep.checkpoint(&weight);
+                prep.finish(
+                    (x_state, weight_state, geometry),
+                    B::hearth_conv2d(x.into_primitive(), weight.into_primitive(), geometry),
+                )
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::hearth_conv2d(
+                x.into_primitive(),
+                weight.into_primitive(),
+                geometry,
+            )),
+        }
+    }
+
+    /// Not differentiable itself (it is a backward pass): the result is a constant.
+    fn hearth_conv2d_x_grad(
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        input_shape: [usize; 4],
+        geometry: Geometry2,
+    ) -> FloatTensor<Self> {
+        <Self as AutodiffBackend>::from_inner(B::hearth_conv2d_x_grad(
+            weight.into_primitive(),
+            grad.into_primitive(),
+            input_shape,
+            geometry,
+        ))
+    }
+
+    /// Not differentiable itself (it is a backward pass): the result is a constant.
+    fn hearth_conv2d_weight_grad(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        weight_shape: [usize; 4],
+        geometry: Geometry2,
+    ) -> FloatTensor<Self> {
+        <Self as AutodiffBackend>::from_inner(B::hearth_conv2d_weight_grad(
+            x.into_primitive(),
+            grad.into_primitive(),
+            weight_shape,
+            geometry,
+        ))
+    }
+}
+
+/// `conv2d(x, weight)` (one group, no bias) through the extension: only for tensors on a Flex
+/// device (with or without autodiff); other backends panic in Burn's dispatch, so callers check
+/// the device first ([`crate::fast_path`]).
+pub fn conv2d_gemm_grad(x: Tensor<4>, weight: Tensor<4>, geometry: Geometry2) -> Tensor<4> {
+    let out = <Dispatch as ConvBackend>::hearth_conv2d(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        geometry,
+    );
+    Tensor::from_dispatch(out)
+}
+
+/// The weight gradient alone (a constant under autodiff), for tests and benches.
+pub fn conv2d_weight_grad_tensor(
+    x: Tensor<4>,
+    grad: Tensor<4>,
+    weight_shape: [usize; 4],
+    geometry: Geometry2,
+) -> Tensor<4> {
+    let out = <Dispatch as ConvBackend>::hearth_conv2d_weight_grad(
+        x.into_dispatch(),
+        grad.into_dispatch(),
+        weight_shape,
+        geometry,
+    );
+    Tensor::from_dispatch(out)
+}

@@ -1,0 +1,298 @@
+//! Batch normalization with the batch's statistics (and ReLU) as a Burn backend extension op
+//! whose forward and backward are [`crate::batch_norm`]'s few-pass kernels on Flex, with a
+//! handwritten autodiff backward; and [`batch_norm`], the `BatchNorm` module's forward that
+//! takes it while training on a Flex device (running statistics updated as Burn does).
+
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{
+    Autodiff, AutodiffBackend, Backend, Dispatch, Flex, TensorMetadata, backend_extension,
+};
+use burn::nn::BatchNorm;
+use burn::prelude::*;
+use burn::tensor::{Bytes, DType, Shape};
+use burn_flex::{FlexTensor, Layout};
+
+/// The extension: training-mode batch norm (optionally with ReLU) and its backward.
+#[backend_extension(Flex, Autodiff)]
+pub trait NormBackend: Backend {
+    /// `(output, mean, biased variance)`; mean and variance are constants under autodiff.
+    fn hearth_batch_norm_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// `(dx, dγ, dβ)` of that op for the output gradient `grad`.
+    #[allow(clippy::too_many_arguments)]
+    fn hearth_batch_norm_train_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        variance: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+}
+
+/// `[N, C, S]` of a tensor with at least two axes.
+fn ncs(t: &FlexTensor) -> [usize; 3] {
+    let dims = t.shape().to_vec();
+    let s = dims[2..].iter().product();
+    [dims[0], dims[1], s]
+}
+
+fn f32_tensor(values: Vec<f32>, dims: Vec<usize>) -> FlexTensor {
+    FlexTensor::new(
+        Bytes::from_elems(values),
+        Layout::contiguous(Shape::from(dims)),
+        DType::F32,
+    )
+}
+
+fn f32_values(t: FlexTensor) -> FlexTensor {
+    let t = if t.dtype() == DType::F32 {
+        t
+    } else {
+        Flex::float_cast(t, burn::tensor::FloatDType::F32)
+    };
+    t.to_contiguous()
+}
+
+impl NormBackend for Flex {
+    fn hearth_batch_norm_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let dtype = x.dtype();
+        let dims = x.shape().to_vec();
+        let shape = ncs(&x);
+        let (x, gamma, beta) = (f32_values(x), f32_values(gamma), f32_values(beta));
+        let (y, mean, var) = crate::batch_norm::forward(
+            x.storage::<f32>(),
+            shape,
+            gamma.storage::<f32>(),
+            beta.storage::<f32>(),
+            epsilon,
+            relu,
+        );
+        let back = |t: FlexTensor| {
+            if dtype == DType::F32 {
+                t
+            } else {
+                Flex::float_cast(t, dtype.into())
+            }
+        };
+        (
+            back(f32_tensor(y, dims)),
+            back(f32_tensor(mean, vec![shape[1]])),
+            back(f32_tensor(var, vec![shape[1]])),
+        )
+    }
+
+    fn hearth_batch_norm_train_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        variance: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let dtype = x.dtype();
+        let dims = x.shape().to_vec();
+        let shape = ncs(&x);
+        let [x, gamma, beta, mean, variance, grad] =
+            [x, gamma, beta, mean, variance, grad].map(f32_values);
+        let (dx, dgamma, dbeta) = crate::batch_norm::backward(
+            x.storage::<f32>(),
+            shape,
+            gamma.storage::<f32>(),
+            beta.storage::<f32>(),
+            mean.storage::<f32>(),
+            variance.storage::<f32>(),
+            epsilon,
+            relu,
+            grad.storage::<f32>(),
+        );
+        let back = |t: FlexTensor| {
+            if dtype == DType::F32 {
+                t
+            } else {
+                Flex::float_cast(t, dtype.into())
+            }
+        };
+        (
+            back(f32_tensor(dx, dims)),
+            back(f32_tensor(dgamma, vec![shape[1]])),
+            back(f32_tensor(dbeta, vec![shape[1]])),
+        )
+    }
+}
+
+#[derive(Debug)]
+struct BatchNormTrainOp;
+
+/// What the backward needs: the checkpointed x, γ and β, the batch statistics, ε and ReLU.
+type NormState<P> = (NodeId, NodeId, NodeId, P, P, f64, bool);
+
+impl<B: NormBackend> Backward<B, 3> for BatchNormTrainOp {
+    type State = NormState<B::FloatTensorPrimitive>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [node_x, node_gamma, node_beta] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x, gamma, beta, mean, variance, epsilon, relu) = ops.state;
+        let x = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(x);
+        let gamma = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(gamma);
+        let beta = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(beta);
+        let (dx, dgamma, dbeta) = B::hearth_batch_norm_train_backward(
+            x, gamma, beta, mean, variance, grad, epsilon, relu,
+        );
+        for (node, g) in [(node_x, dx), (node_gamma, dgamma), (node_beta, dbeta)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, g);
+            }
+        }
+    }
+}
+
+impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
+    fn hearth_batch_norm_train(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let constant = <Self as AutodiffBackend>::from_inner;
+        match BatchNormTrainOp
+            .prepare::<C>([x.node(), gamma.node(), beta.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let (xs, gs, bs) = (
+                    prep.checkpoint(&x),
+                    prep.checkpoint(&gamma),
+                    prep.checkpoint(&beta),
+                );
+                let (y, mean, var) = B::hearth_batch_norm_train(
+                    x.into_primitive(),
+                    gamma.into_primitive(),
+                    beta.into_primitive(),
+                    epsilon,
+                    relu,
+                );
+                let state = (xs, gs, bs, mean.clone(), var.clone(), epsilon, relu);
+                (prep.finish(state, y), constant(mean), constant(var))
+            }
+            OpsKind::UnTracked(prep) => {
+                let (y, mean, var) = B::hearth_batch_norm_train(
+                    x.into_primitive(),
+                    gamma.into_primitive(),
+                    beta.into_primitive(),
+                    epsilon,
+                    relu,
+                );
+                (prep.finish(y), constant(mean), constant(var))
+            }
+        }
+    }
+
+    /// A backward pass: not differentiable itself, the results are constants.
+    fn hearth_batch_norm_train_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        variance: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let constant = <Self as AutodiffBackend>::from_inner;
+        let (dx, dg, db) = B::hearth_batch_norm_train_backward(
+            x.into_primitive(),
+            gamma.into_primitive(),
+            beta.into_primitive(),
+            mean.into_primitive(),
+            variance.into_primitive(),
+            grad.into_primitive(),
+            epsilon,
+            relu,
+        );
+        (constant(dx), constant(dg), constant(db))
+    }
+}
+
+/// The extension op on tensors: `(output, mean, variance)`. Only for Flex devices (Burn's
+/// dispatch panics on others; callers check with [`crate::is_flex`]).
+pub fn batch_norm_train<const D: usize>(
+    x: Tensor<D>,
+    gamma: Tensor<1>,
+    beta: Tensor<1>,
+    epsilon: f64,
+    relu: bool,
+) -> (Tensor<D>, Tensor<1>, Tensor<1>) {
+    let (y, mean, var) = <Dispatch as NormBackend>::hearth_batch_norm_train(
+        x.into_dispatch(),
+        gamma.into_dispatch(),
+        beta.into_dispatch(),
+        epsilon,
+        relu,
+    );
+    (
+        Tensor::from_dispatch(y),
+        Tensor::from_dispatch(mean),
+        Tensor::from_dispatch(var),
+    )
+}
+
+/// `bn.forward(x)`, then ReLU when `relu`: by the fused op while training on a Flex device
+/// with the fast paths on (updating the running statistics as Burn's `BatchNorm` does), by
+/// Burn's module and `relu` otherwise (inference, where folding the statistics into one
+/// scale-and-shift pass measured no faster; frozen layers; other devices).
+pub fn batch_norm<const D: usize>(bn: &BatchNorm, x: Tensor<D>, relu: bool) -> Tensor<D> {
+    let device = x.device();
+    let training = device.is_autodiff() && bn.training.is_enabled();
+    if !(training && crate::enabled() && crate::is_flex(&device)) {
+        let y = bn.forward(x);
+        return if relu {
+            burn::tensor::activation::relu(y)
+        } else {
+            y
+        };
+    }
+    let (y, mean, var) = batch_norm_train(x, bn.gamma.val(), bn.beta.val(), bn.epsilon, relu);
+    let momentum = bn.momentum;
+    let running_mean = bn.running_mean.value_sync().to_device(&device);
+    let running_var = bn.running_var.value_sync().to_device(&device);
+    let running_mean = running_mean
+        .mul_scalar(1.0 - momentum)
+        .add(mean.detach().mul_scalar(momentum));
+    let running_var = running_var
+        .mul_scalar(1.0 - momentum)
+        .add(var.detach().mul_scalar(momentum));
+    bn.running_mean.update(running_mean.detach());
+    bn.running_var.update(running_var.detach());
+    y
+}

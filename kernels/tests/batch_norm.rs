@@ -1,0 +1,128 @@
+//! The fused batch norm (+ ReLU) equals Burn's `BatchNorm` (+ `relu`) while training, within
+//! 1e-4 relative: output, input / γ / β gradients and the running statistics after the step,
+//! over random shapes (batch 1, one channel, 1x1 and odd planes, rank 3 and 4).
+
+use burn::module::Param;
+use burn::nn::{BatchNorm, BatchNormConfig};
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use burn::tensor::activation::relu;
+use hearth_kernels::norm::batch_norm;
+
+mod common;
+use common::{Shapes, close, values};
+
+/// A batch norm with the given γ and β on `device`.
+fn module(gamma: &Tensor<1>, beta: &Tensor<1>, device: &Device) -> BatchNorm {
+    let mut bn = BatchNormConfig::new(gamma.dims()[0]).init(device);
+    bn.gamma = Param::from_tensor(gamma.clone().detach());
+    bn.beta = Param::from_tensor(beta.clone().detach());
+    bn
+}
+
+struct Outcome {
+    out: Vec<f32>,
+    dx: Vec<f32>,
+    dgamma: Vec<f32>,
+    dbeta: Vec<f32>,
+    running: (Vec<f32>, Vec<f32>),
+}
+
+fn step<const D: usize>(
+    bn: &BatchNorm,
+    x: &Tensor<D>,
+    dy: &Tensor<D>,
+    with_relu: bool,
+    fused: bool,
+) -> Outcome {
+    let x = x.clone().detach().require_grad();
+    let y = if fused {
+        batch_norm(bn, x.clone(), with_relu)
+    } else {
+        let y = bn.forward(x.clone());
+        if with_relu { relu(y) } else { y }
+    };
+    let out = values(y.clone());
+    let grads = (y * dy.clone()).sum().backward();
+    Outcome {
+        out,
+        dx: values(x.grad(&grads).expect("input gradient")),
+        dgamma: values(bn.gamma.grad(&grads).expect("γ gradient")),
+        dbeta: values(bn.beta.grad(&grads).expect("β gradient")),
+        running: (
+            values(bn.running_mean.value()),
+            values(bn.running_var.value()),
+        ),
+    }
+}
+
+fn compare(fast: Outcome, reference: Outcome, what: &str) {
+    close(&fast.out, &reference.out, &format!("{what} output"));
+    close(&fast.dx, &reference.dx, &format!("{what} input grad"));
+    close(&fast.dgamma, &reference.dgamma, &format!("{what} γ grad"));
+    close(&fast.dbeta, &reference.dbeta, &format!("{what} β grad"));
+    close(
+        &fast.running.0,
+        &reference.running.0,
+        &format!("{what} running mean"),
+    );
+    close(
+        &fast.running.1,
+        &reference.running.1,
+        &format!("{what} running var"),
+    );
+}
+
+#[test]
+fn fused_batch_norm_equals_burns_over_random_shapes() {
+    let device = Device::flex().autodiff();
+    let mut g = Shapes(0x51_7cc1_b727_220a);
+    let mut cases = vec![
+        (1, 1, 1, 1),
+        (1, 3, 1, 1),
+        (2, 1, 5, 7),
+        (4, 8, 9, 9),
+        (1, 5, 3, 2),
+    ];
+    for _ in 0..20 {
+        cases.push((g.next(1, 4), g.next(1, 8), g.next(1, 9), g.next(1, 9)));
+    }
+    for (i, (n, c, h, w)) in cases.into_iter().enumerate() {
+        if n * h * w == 1 {
+            continue; // one value per channel: the variance is 0, both sides divide by sqrt(ε)
+        }
+        let with_relu = i % 2 == 0;
+        let what = format!("n{n} c{c} {h}x{w} relu {with_relu}");
+        let x = Tensor::<4>::random([n, c, h, w], Distribution::Normal(0.5, 2.0), &device);
+        let dy = Tensor::<4>::random([n, c, h, w], Distribution::Normal(0.0, 1.0), &device);
+        let gamma = Tensor::<1>::random([c], Distribution::Normal(1.0, 0.5), &device);
+        let beta = Tensor::<1>::random([c], Distribution::Normal(0.0, 0.5), &device);
+        let fast = step(&module(&gamma, &beta, &device), &x, &dy, with_relu, true);
+        let reference = step(&module(&gamma, &beta, &device), &x, &dy, with_relu, false);
+        compare(fast, reference, &what);
+    }
+}
+
+#[test]
+fn fused_batch_norm_takes_rank_3_inputs_and_keeps_inference_on_burns_path() {
+    let device = Device::flex().autodiff();
+    let x = Tensor::<3>::random([3, 4, 10], Distribution::Normal(0.0, 1.0), &device);
+    let dy = Tensor::<3>::random([3, 4, 10], Distribution::Normal(0.0, 1.0), &device);
+    let gamma = Tensor::<1>::random([4], Distribution::Normal(1.0, 0.5), &device);
+    let beta = Tensor::<1>::random([4], Distribution::Normal(0.0, 0.5), &device);
+    let fast = step(&module(&gamma, &beta, &device), &x, &dy, true, true);
+    let reference = step(&module(&gamma, &beta, &device), &x, &dy, true, false);
+    compare(fast, reference, "rank 3");
+
+    // Without autodiff the running statistics are used and not updated.
+    let plain = Device::flex();
+    let bn = module(
+        &gamma.clone().to_device(&plain),
+        &beta.to_device(&plain),
+        &plain,
+    );
+    let x = Tensor::<4>::random([2, 4, 3, 3], Distribution::Normal(0.0, 1.0), &plain);
+    let ours = batch_norm(&bn, x.clone(), false);
+    close(&values(ours), &values(bn.forward(x)), "inference");
+    assert_eq!(values(bn.running_mean.value()), vec![0.0; 4]);
+}

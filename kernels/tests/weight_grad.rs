@@ -1,0 +1,354 @@
+//! The GEMM weight-gradient path equals the reference within 1e-4 relative:
+//! - the raw kernel against the definition (one multiply-add at a time, in f64) over random
+//!   kernels, strides, paddings, dilations, odd sizes, batch 1 and batches split into chunks;
+//! - the extension op through Burn's autodiff against Burn's `conv2d`, forward and backward
+//!   (input, weight and bias gradients), through `hearth_kernels::conv2d` on `Conv2d` modules.
+
+use burn::nn::PaddingConfig2d;
+use burn::nn::conv::Conv2dConfig;
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use hearth_kernels::weight_grad::{ConvShape, conv2d_weight_grad, conv2d_weight_grad_naive};
+use hearth_kernels::{Path, fast_path};
+
+mod common;
+use common::{Shapes, close, values};
+
+/// Deterministic pseudo-random values in [-1, 1).
+fn noise(len: usize, seed: u64) -> Vec<f32> {
+    let mut g = Shapes(seed | 1);
+    (0..len)
+        .map(|_| g.next(0, 1 << 20) as f32 / (1 << 19) as f32 - 1.0)
+        .collect()
+}
+
+#[test]
+fn the_kernel_equals_the_definition_over_random_geometries() {
+    let mut g = Shapes(0x2545_f491_4f6c_dd1d);
+    // (n, ci, co, h, w, kh, kw, stride, padding, dilation), with fixed cases first: 1x1, the
+    // 7x7 stem shape in small, a kernel wider than the padded input is refused elsewhere, a
+    // batch split into chunks (10x10 outputs: chunks of 11 images, the last of 3), padding as
+    // wide as the kernel.
+    let mut cases = vec![
+        (1, 1, 1, 1, 1, 1, 1, 1, 0, 1),
+        (2, 3, 8, 32, 30, 7, 7, 2, 3, 1),
+        (25, 2, 3, 10, 10, 3, 3, 1, 1, 1),
+        (3, 2, 2, 5, 5, 3, 3, 1, 3, 1),
+        (2, 4, 5, 9, 7, 3, 3, 1, 2, 2),
+        (1, 3, 4, 8, 8, 1, 1, 2, 0, 1),
+    ];
+    for _ in 0..40 {
+        let k = g.next(1, 5);
+        cases.push((
+            g.next(1, 4),
+            g.next(1, 6),
+            g.next(1, 6),
+            g.next(k, 12),
+            g.next(k, 12),
+            k,
+            g.next(1, 5).min(k + 1),
+            g.next(1, 3),
+            g.next(0, 3),
+            g.next(1, 2),
+        ));
+    }
+    let mut checked = 0;
+    for (i, &(n, ci, co, h, w, kh, kw, stride, pad, dil)) in cases.iter().enumerate() {
+        let s = ConvShape {
+            input: [n, ci, h, w],
+            out_channels: co,
+            kernel: [kh, kw],
+            stride: [stride, stride],
+            padding: [pad, pad],
+            dilation: [dil, dil],
+        };
+        let Some(out) = s.output() else {
+            continue; // the kernel does not fit: Burn refuses these before any gradient
+        };
+        let x = noise(n * ci * h * w, 2 * i as u64 + 7);
+        let dy = noise(out.iter().product(), 2 * i as u64 + 8);
+        let fast = conv2d_weight_grad(&x, &dy, &s);
+        let reference = conv2d_weight_grad_naive(&x, &dy, &s);
+        close(&fast, &reference, &format!("{s:?}"));
+        checked += 1;
+    }
+    assert!(checked >= 35, "only {checked} geometries fit");
+}
+
+#[test]
+fn the_extension_equals_burn_conv2d_forward_and_backward_over_random_modules() {
+    let device = Device::flex().autodiff();
+    let mut g = Shapes(0x9e37_79b9_7f4a_7c15);
+    // (n, ci, co, h, w, k, stride, padding, dilation, bias)
+    let mut cases = vec![
+        (1, 3, 4, 15, 13, 7, 2, 3, 1, false),
+        (2, 5, 3, 9, 9, 3, 1, 1, 1, true),
+        (1, 4, 6, 7, 8, 3, 2, 1, 1, false),
+        (3, 6, 4, 6, 6, 1, 1, 0, 1, true),
+        (2, 3, 3, 9, 9, 3, 1, 2, 2, false),
+    ];
+    for _ in 0..20 {
+        let k = g.next(1, 4);
+        cases.push((
+            g.next(1, 3),
+            g.next(1, 6),
+            g.next(1, 6),
+            g.next(k + 2, 11),
+            g.next(k + 2, 11),
+            k,
+            g.next(1, 2),
+            g.next(0, k / 2 + 1),
+            g.next(1, 2),
+            g.next(0, 1) == 1,
+        ));
+    }
+    for (n, ci, co, h, w, k, stride, pad, dil, bias) in cases {
+        let what = format!("n{n} ci{ci} co{co} {h}x{w} k{k} s{stride} p{pad} d{dil} bias {bias}");
+        let conv = Conv2dConfig::new([ci, co], [k, k])
+            .with_stride([stride, stride])
+            .with_padding(PaddingConfig2d::Explicit(pad, pad, pad, pad))
+            .with_dilation([dil, dil])
+            .with_bias(bias)
+            .init(&device);
+        let expected = if k == 1 && stride > 1 {
+            Path::Pointwise
+        } else {
+            Path::Gemm
+        };
+        assert_eq!(fast_path(&conv, &device, true), expected, "{what}");
+        if (h + 2 * pad) < dil * (k - 1) + 1 || (w + 2 * pad) < dil * (k - 1) + 1 {
+            continue;
+        }
+        let x0 = Tensor::<4>::random([n, ci, h, w], Distribution::Normal(0.0, 1.0), &device);
+        let run = |fast: bool| {
+            let x = x0.clone().detach().require_grad();
+            let y = if fast {
+                hearth_kernels::conv2d(&conv, x.clone())
+            } else {
+                conv.forward(x.clone())
+            };
+            // A fixed, non-uniform output gradient.
+            let dy = Tensor::<4>::from_data(
+                TensorData::new(noise(y.dims().iter().product(), 99), y.dims()),
+                &device,
+            );
+            let out = values(y.clone());
+            let grads = (y * dy).sum().backward();
+            (
+                out,
+                values(x.grad(&grads).expect("input gradient")),
+                values(conv.weight.grad(&grads).expect("weight gradient")),
+                conv.bias
+                    .as_ref()
+                    .map(|b| values(b.grad(&grads).expect("bias gradient"))),
+            )
+        };
+        let (fast, reference) = (run(true), run(false));
+        close(&fast.0, &reference.0, &format!("{what} forward"));
+        close(&fast.1, &reference.1, &format!("{what} input grad"));
+        close(&fast.2, &reference.2, &format!("{what} weight grad"));
+        if let (Some(f), Some(r)) = (&fast.3, &reference.3) {
+            close(f, r, &format!("{what} bias grad"));
+        }
+    }
+}
+
+/// The forward pass by the definition.
+fn forward_naive(x: &[f32], w: &[f32], s: &ConvShape) -> Vec<f32> {
+    let [n, ci, h, wd] = s.input;
+    let [_, co, ho, wo] = s.output().expect("fits");
+    let [kh, kw] = s.kernel;
+    let mut y = vec![0f32; n * co * ho * wo];
+    for b in 0..n {
+        for o in 0..co {
+            for oh in 0..ho {
+                for ow in 0..wo {
+                    let mut acc = 0f64;
+                    for c in 0..ci {
+                        for i in 0..kh {
+                            for j in 0..kw {
+                                let ih = (oh * s.stride[0] + i * s.dilation[0]) as isize
+                                    - s.padding[0] as isize;
+                                let iw = (ow * s.stride[1] + j * s.dilation[1]) as isize
+                                    - s.padding[1] as isize;
+                                if ih < 0 || iw < 0 || ih >= h as isize || iw >= wd as isize {
+                                    continue;
+                                }
+                                let xv = x[((b * ci + c) * h + ih as usize) * wd + iw as usize];
+                                acc += xv as f64 * w[((o * ci + c) * kh + i) * kw + j] as f64;
+                            }
+                        }
+                    }
+                    y[((b * co + o) * ho + oh) * wo + ow] = acc as f32;
+                }
+            }
+        }
+    }
+    y
+}
+
+/// The input gradient by the definition: every output gradient times every weight it met.
+fn input_grad_naive(w: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
+    let [n, ci, h, wd] = s.input;
+    let [_, co, ho, wo] = s.output().expect("fits");
+    let [kh, kw] = s.kernel;
+    let mut dx = vec![0f64; n * ci * h * wd];
+    for b in 0..n {
+        for o in 0..co {
+            for oh in 0..ho {
+                for ow in 0..wo {
+                    let g = dy[((b * co + o) * ho + oh) * wo + ow] as f64;
+                    for c in 0..ci {
+                        for i in 0..kh {
+                            for j in 0..kw {
+                                let ih = (oh * s.stride[0] + i * s.dilation[0]) as isize
+                                    - s.padding[0] as isize;
+                                let iw = (ow * s.stride[1] + j * s.dilation[1]) as isize
+                                    - s.padding[1] as isize;
+                                if ih < 0 || iw < 0 || ih >= h as isize || iw >= wd as isize {
+                                    continue;
+                                }
+                                dx[((b * ci + c) * h + ih as usize) * wd + iw as usize] +=
+                                    g * w[((o * ci + c) * kh + i) * kw + j] as f64;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    dx.into_iter().map(|v| v as f32).collect()
+}
+
+#[test]
+fn forward_and_input_grad_kernels_equal_the_definition_over_random_geometries() {
+    let mut g = Shapes(0x1234_5678_9abc_def1);
+    // (n, ci, co, h, w, kh, kw, stride, padding, dilation): 1x1 plain (no columns), strided,
+    // padded wider than the kernel, dilated, batch 1.
+    let mut cases = vec![
+        (2, 5, 3, 6, 7, 1, 1, 1, 0, 1),
+        (1, 3, 4, 9, 9, 1, 1, 2, 0, 1),
+        (2, 3, 8, 17, 15, 7, 7, 2, 3, 1),
+        (1, 2, 2, 5, 5, 3, 3, 1, 3, 1),
+        (2, 4, 5, 9, 7, 3, 3, 1, 2, 2),
+    ];
+    for _ in 0..30 {
+        let k = g.next(1, 5);
+        cases.push((
+            g.next(1, 3),
+            g.next(1, 5),
+            g.next(1, 5),
+            g.next(k, 11),
+            g.next(k, 11),
+            k,
+            g.next(1, 5).min(k + 1),
+            g.next(1, 3),
+            g.next(0, 3),
+            g.next(1, 2),
+        ));
+    }
+    let mut checked = 0;
+    for (i, &(n, ci, co, h, w, kh, kw, stride, pad, dil)) in cases.iter().enumerate() {
+        let s = ConvShape {
+            input: [n, ci, h, w],
+            out_channels: co,
+            kernel: [kh, kw],
+            stride: [stride, stride],
+            padding: [pad, pad],
+            dilation: [dil, dil],
+        };
+        let Some(out) = s.output() else { continue };
+        let x = noise(n * ci * h * w, 3 * i as u64 + 1);
+        let wt = noise(s.weight().iter().product(), 3 * i as u64 + 2);
+        let dy = noise(out.iter().product(), 3 * i as u64 + 3);
+        close(
+            &hearth_kernels::conv::conv2d_forward(&x, &wt, &s),
+            &forward_naive(&x, &wt, &s),
+            &format!("forward {s:?}"),
+        );
+        close(
+            &hearth_kernels::conv::conv2d_input_grad(&wt, &dy, &s),
+            &input_grad_naive(&wt, &dy, &s),
+            &format!("input grad {s:?}"),
+        );
+        checked += 1;
+    }
+    assert!(checked >= 25, "only {checked} geometries fit");
+}
+
+/// Shapes large enough that the op takes our forward (3x3 with 60x60 outputs, strided 1x1)
+/// and our input gradient (1x1 on 30x30), through autodiff and without it.
+#[test]
+fn the_extension_takes_its_own_kernels_on_large_maps_and_equals_burn() {
+    let device = Device::flex().autodiff();
+    for (ci, co, k, stride, pad, side) in [
+        (3, 4, 3, 1, 1, 60),
+        (4, 3, 1, 1, 0, 30),
+        (4, 3, 1, 2, 0, 30),
+    ] {
+        let what = format!("{ci}→{co} {k}x{k} s{stride} p{pad} {side}x{side}");
+        let conv = Conv2dConfig::new([ci, co], [k, k])
+            .with_stride([stride, stride])
+            .with_padding(PaddingConfig2d::Explicit(pad, pad, pad, pad))
+            .init(&device);
+        let x0 = Tensor::<4>::random([2, ci, side, side], Distribution::Normal(0.0, 1.0), &device);
+        let run = |fast: bool| {
+            let x = x0.clone().detach().require_grad();
+            let y = if fast {
+                hearth_kernels::ext::conv2d_gemm_grad(
+                    x.clone(),
+                    conv.weight.val(),
+                    [[stride; 2], [pad; 2], [1, 1]],
+                )
+            } else {
+                burn::tensor::module::conv2d(
+                    x.clone(),
+                    conv.weight.val(),
+                    None,
+                    burn::tensor::ops::ConvOptions::new([stride; 2], [pad; 2], [1, 1], 1),
+                )
+            };
+            let dy = Tensor::<4>::from_data(
+                TensorData::new(noise(y.dims().iter().product(), 5), y.dims()),
+                &device,
+            );
+            let out = values(y.clone());
+            let grads = (y * dy).sum().backward();
+            (
+                out,
+                values(x.grad(&grads).expect("input gradient")),
+                values(conv.weight.grad(&grads).expect("weight gradient")),
+            )
+        };
+        let (fast, reference) = (run(true), run(false));
+        close(&fast.0, &reference.0, &format!("{what} forward"));
+        close(&fast.1, &reference.1, &format!("{what} input grad"));
+        close(&fast.2, &reference.2, &format!("{what} weight grad"));
+    }
+}
+
+#[test]
+fn inference_takes_the_gemm_op_and_equals_burns_forward() {
+    let device = Device::flex();
+    for (k, stride, pad, side) in [
+        (3, 1, 1, 60),
+        (7, 2, 3, 121),
+        (3, 1, 1, 8),
+        (1, 2, 0, 9),
+        (1, 1, 0, 5),
+    ] {
+        let conv = Conv2dConfig::new([3, 4], [k, k])
+            .with_stride([stride, stride])
+            .with_padding(PaddingConfig2d::Explicit(pad, pad, pad, pad))
+            .init(&device);
+        assert_eq!(fast_path(&conv, &device, true), Path::Gemm);
+        let x = Tensor::<4>::random([2, 3, side, side], Distribution::Normal(0.0, 1.0), &device);
+        let ours = hearth_kernels::conv2d(&conv, x.clone());
+        let reference = conv.forward(x);
+        close(
+            &values(ours),
+            &values(reference),
+            &format!("k{k} s{stride} {side}x{side}"),
+        );
+    }
+}
