@@ -75,14 +75,6 @@ fn peer(
     Some((field("median_images_per_s=")?, field("best_images_per_s=")?))
 }
 
-/// Images/s at the median and at the fastest of `steps` step times.
-fn median_and_best(batch: usize, steps: &[f64]) -> (f64, f64) {
-    let mut s = steps.to_vec();
-    s.sort_by(f64::total_cmp);
-    let at = |t: f64| batch as f64 / t.max(1e-12);
-    (at(s[s.len() / 2]), at(s[0]))
-}
-
 fn main() {
     // `cargo bench` passes --bench; `cargo test --benches` would pass nothing: do a tiny run.
     let smoke = !std::env::args().any(|a| a == "--bench");
@@ -112,9 +104,20 @@ fn main() {
         ),
         None => {}
     }
+    let peak = hearth::bench::cpu_peak_gflops().filter(|_| hearth_kernels::is_cpu(&device));
+    if let Some(p) = peak {
+        println!("CPU nominal peak: {p:.0} GFLOP/s (HEARTH_PEAK_GFLOPS overrides)");
+    }
     println!(
-        "{:<12} {:<6} {:>5} {:>16} {:>16} {:>8} {:>8}",
-        "model", "mode", "batch", "hearth med/best", "pytorch med/best", "ratio", "best"
+        "{:<12} {:<6} {:>5} {:>16} {:>16} {:>8} {:>8} {:>14}",
+        "model",
+        "mode",
+        "batch",
+        "hearth med/best",
+        "pytorch med/best",
+        "ratio",
+        "best",
+        "peak h/pt"
     );
     for name in models.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let arch = match Architecture::from_name(name) {
@@ -144,7 +147,7 @@ fn main() {
                 num_classes: 1000,
             };
             let hearth = match bench.run(&device, |_, _, _, _| {}) {
-                Ok(r) => median_and_best(batch, &r.step_seconds),
+                Ok(r) => r.median_and_best(batch),
                 Err(e) => {
                     eprintln!("{name} {mode_name}: {e}");
                     std::process::exit(1);
@@ -161,23 +164,30 @@ fn main() {
                     warmup,
                 )
             });
-            let (t, r, rb) = match torch {
+            // Fraction of the CPU's peak at the median step, Hearth / PyTorch.
+            let share = |images: f64| {
+                peak.map(|p| format!("{:.0}%", 100.0 * images * bench.gflop_per_image() / p))
+                    .unwrap_or_else(|| "-".into())
+            };
+            let (t, r, rb, tp) = match torch {
                 Some((m, b)) => (
                     format!("{m:.2}/{b:.2}"),
                     format!("{:.2}x", hearth.0 / m),
                     format!("{:.2}x", hearth.1 / b),
+                    share(m),
                 ),
-                None => ("-".into(), "-".into(), "-".into()),
+                None => ("-".into(), "-".into(), "-".into(), "-".into()),
             };
             println!(
-                "{:<12} {:<6} {:>5} {:>16} {:>16} {:>8} {:>8}",
+                "{:<12} {:<6} {:>5} {:>16} {:>16} {:>8} {:>8} {:>14}",
                 arch.name(),
                 mode_name,
                 batch,
                 format!("{:.2}/{:.2}", hearth.0, hearth.1),
                 t,
                 r,
-                rb
+                rb,
+                format!("{}/{tp}", share(hearth.0))
             );
         }
     }

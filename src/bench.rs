@@ -39,7 +39,70 @@ pub struct BenchReport {
     pub images_per_sec: f64,
 }
 
+impl BenchReport {
+    /// Images/s at the median step and at the fastest step, for `batch` images a step.
+    pub fn median_and_best(&self, batch: usize) -> (f64, f64) {
+        let mut s = self.step_seconds.clone();
+        s.sort_by(f64::total_cmp);
+        let at = |t: f64| batch as f64 / t.max(1e-12);
+        match (s.get(s.len() / 2), s.first()) {
+            (Some(&m), Some(&b)) => (at(m), at(b)),
+            _ => (0.0, 0.0),
+        }
+    }
+}
+
+/// The machine's nominal fp32 peak in GFLOP/s, for the "fraction of peak" figures:
+/// `HEARTH_PEAK_GFLOPS` if set, else cores x clock (`/proc/cpuinfo`'s "cpu MHz") x FLOPs per
+/// cycle and core: 64 with AVX-512 (two 16-lane FMA units), 32 with AVX2 and FMA, 16
+/// otherwise. A nominal figure: turbo clocks and CPUs whose AVX-512 units are 256 bits wide
+/// make the true peak differ, so set `HEARTH_PEAK_GFLOPS` where it is known. `None` where the
+/// clock cannot be read.
+pub fn cpu_peak_gflops() -> Option<f64> {
+    if let Some(v) = std::env::var("HEARTH_PEAK_GFLOPS")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|v| *v > 0.0)
+    {
+        return Some(v);
+    }
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let mhz: f64 = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("cpu MHz"))
+        .and_then(|l| l.split(':').nth(1))
+        .and_then(|v| v.trim().parse().ok())?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    Some(cores * mhz / 1e3 * flops_per_cycle())
+}
+
+fn flops_per_cycle() -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return 64.0;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            return 32.0;
+        }
+    }
+    16.0
+}
+
 impl ModelBench {
+    /// Floating-point operations per image: twice torchvision's multiply-adds for a 224x224
+    /// forward pass, scaled by the input area, and three times that for a training step
+    /// (forward, input gradient, weight gradient).
+    pub fn gflop_per_image(&self) -> f64 {
+        let area = (self.size as f64 / 224.0).powi(2);
+        let passes = match self.mode {
+            BenchMode::Infer => 1.0,
+            BenchMode::Train => 3.0,
+        };
+        2.0 * self.arch.torchvision_gmacs() * area * passes
+    }
+
     fn validate(&self) -> Result<()> {
         if self.batch_size == 0 || self.steps == 0 {
             return Err(HearthError::InvalidArgument(

@@ -145,6 +145,17 @@ pub(crate) fn bench_model(device_name: &str, args: BenchModelArgs) -> Result<()>
     let mut sorted = report.step_seconds.clone();
     sorted.sort_by(f64::total_cmp);
     println!("median step: {:.1} ms", sorted[sorted.len() / 2] * 1e3);
+    println!("best step: {:.1} ms", sorted[0] * 1e3);
+    let (median, best) = report.median_and_best(bench.batch_size);
+    println!("images/s at the median step: {median:.2}, at the best: {best:.2}");
+    let gflops = median * bench.gflop_per_image();
+    match hearth::bench::cpu_peak_gflops().filter(|_| hearth_kernels::is_cpu(&device)) {
+        Some(peak) => println!(
+            "GFLOP/s at the median step: {gflops:.1} ({:.0}% of the CPU's nominal {peak:.0}; HEARTH_PEAK_GFLOPS overrides)",
+            100.0 * gflops / peak
+        ),
+        None => println!("GFLOP/s at the median step: {gflops:.1}"),
+    }
     println!("images/s: {:.2}", report.images_per_sec);
     Ok(())
 }
