@@ -1,4 +1,4 @@
-//! Times ResNet-50's convolution shapes (224x224) through autodiff on Burn Flex, forward and
+//! Times ResNet-50's (or, with `HEARTH_CONV_MODEL=vgg16`, VGG-16's) convolution shapes (224x224) through autodiff on Burn Flex, forward and
 //! backward (input and weight gradients), by each path: Burn's `conv2d`, the pointwise matrix
 //! product (1x1 only), and the extension op with the GEMM weight gradient. The measurement
 //! behind which shapes the fast path takes (BENCHMARKS.md, "CPU kernels").
@@ -31,8 +31,19 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(16);
     let device = Device::flex().autodiff();
-    // (cin, cout, k, stride, side, count in ResNet-50)
-    let shapes = [
+    // (cin, cout, k, stride, side, count in the network)
+    let vgg16 = [
+        (3, 64, 3, 1, 224, 1),
+        (64, 64, 3, 1, 224, 1),
+        (64, 128, 3, 1, 112, 1),
+        (128, 128, 3, 1, 112, 1),
+        (128, 256, 3, 1, 56, 1),
+        (256, 256, 3, 1, 56, 2),
+        (256, 512, 3, 1, 28, 1),
+        (512, 512, 3, 1, 28, 2),
+        (512, 512, 3, 1, 14, 3),
+    ];
+    let resnet50 = [
         (3, 64, 7, 2, 224, 1),
         (64, 64, 3, 1, 56, 3),
         (128, 128, 3, 2, 56, 1),
@@ -50,13 +61,16 @@ fn main() {
         (2048, 512, 1, 1, 7, 2),
         (512, 2048, 1, 1, 7, 3),
     ];
+    let vgg = std::env::var("HEARTH_CONV_MODEL").is_ok_and(|m| m == "vgg16");
+    let shapes: &[(usize, usize, usize, usize, usize, usize)] =
+        if vgg { &vgg16 } else { &resnet50 };
     println!("batch {n}; seconds for forward + backward (min of 3); GFLOP/s of the three passes");
     println!(
         "| conv | count | Burn s | pointwise s | GEMM weight grad s | Burn GFLOP/s | best GFLOP/s |"
     );
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     let (mut tb, mut tp, mut tg) = (0.0, 0.0, 0.0);
-    for (cin, cout, k, stride, side, count) in shapes {
+    for &(cin, cout, k, stride, side, count) in shapes {
         let pad = k / 2;
         let x = Tensor::<4>::random(
             [n, cin, side, side],
@@ -101,7 +115,7 @@ fn main() {
     println!(
         "| all, times count | | {tb:.2} | best of pointwise and GEMM: {tp:.2} | {tg:.2} | | |"
     );
-    raw_kernels(n, &shapes);
+    raw_kernels(n, shapes);
 }
 
 /// The three raw kernels alone on `f32` slices (no Burn), GFLOP/s each: where the GEMM path's

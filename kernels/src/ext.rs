@@ -116,24 +116,35 @@ impl ConvBackend for Flex {
     }
 }
 
+/// Flex splits a convolution's work into tiles of 512 output pixels across the batch; with
+/// fewer than four tiles one of two cores idles (at batch 1, Flex's 512→512 3x3 on 14x14
+/// maps runs at 40 GFLOP/s, ours at 134).
+fn flex_has_few_tiles(s: &ConvShape) -> bool {
+    let pixels = s.output().map_or(0, |o| o[2] * o[3]);
+    s.input[0] * pixels < 4 * 512
+}
+
 /// Where our forward beat Flex's in `kernels/examples/conv_paths.rs` (ResNet-50 shapes at
-/// batch 16, 2-core AVX-512): kernels wider than 1x1 on maps of 56x56 outputs or more (the
-/// stem: 79 against 46 GFLOP/s; 64→64 3x3: 176 against 108), and strided 1x1 (157 against
-/// 46). On smaller maps Flex's tiles win (1x1 at 14x14: 131 against 172-189).
+/// batch 16 and 1, 2-core AVX-512): kernels wider than 1x1 on maps of 56x56 outputs or more
+/// (the stem: 79 against 46 GFLOP/s; 64→64 3x3: 176 against 108) or when Flex has few tiles,
+/// and strided 1x1 (157 against 46). For plain 1x1 Flex's direct GEMM wins on small maps
+/// (131 against 172-189 at 14x14).
 fn own_forward_is_faster(s: &ConvShape) -> bool {
     let pixels = s.output().map_or(0, |o| o[2] * o[3]);
     let pointwise = s.kernel == [1, 1];
-    (!pointwise && pixels >= 56 * 56) || (pointwise && s.stride != [1, 1] && s.padding == [0, 0])
+    (!pointwise && (pixels >= 56 * 56 || flex_has_few_tiles(s)))
+        || (pointwise && s.stride != [1, 1] && s.padding == [0, 0])
 }
 
 /// Where our input gradient beat Flex's transposed convolution (same measurement): 1x1,
-/// stride 1, no padding, on maps of 28x28 or more (256→64 at 56x56: 61 against 17 GFLOP/s).
-/// For 3x3 Flex's is faster (129-175 against 112-148).
+/// stride 1, no padding, on maps of 28x28 or more (256→64 at 56x56: 61 against 17 GFLOP/s)
+/// or when Flex has few tiles (batch 1: 123-206 against 96-154). For 3x3 Flex's is faster
+/// (129-175 against 112-148).
 fn own_input_grad_is_faster(s: &ConvShape) -> bool {
     s.kernel == [1, 1]
         && s.stride == [1, 1]
         && s.padding == [0, 0]
-        && s.input[2] * s.input[3] >= 28 * 28
+        && (s.input[2] * s.input[3] >= 28 * 28 || flex_has_few_tiles(s))
 }
 
 fn conv_shape(

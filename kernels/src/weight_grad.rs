@@ -19,6 +19,11 @@ use rayon::prelude::*;
 /// allows it.
 pub const MIN_INNER: usize = 1024;
 
+/// About how many floats one block of columns holds (8 MiB) when an image's columns would be
+/// larger: VGG-16's first layers have 576 x 50176-float columns per image, whose writing and
+/// reading from memory (and the page faults of a fresh buffer) cost more than the GEMM.
+pub const BLOCK_FLOATS: usize = 1 << 21;
+
 /// The geometry of the convolution whose weight gradient is wanted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConvShape {
@@ -82,18 +87,21 @@ pub(crate) fn fill_row(
     s: &ConvShape,
     ki: usize,
     kj: usize,
-    ho: usize,
+    out_rows: std::ops::Range<usize>,
     wo: usize,
 ) {
     let [_, _, h, w] = s.input;
-    let (oh_lo, oh_hi) = valid_range(ho, s.stride[0], ki * s.dilation[0], s.padding[0], h);
+    let ho_end = out_rows.end;
+    let (oh_lo, oh_hi) = valid_range(ho_end, s.stride[0], ki * s.dilation[0], s.padding[0], h);
+    let (oh_lo, oh_hi) = (oh_lo.max(out_rows.start), oh_hi.max(out_rows.start));
     let (ow_lo, ow_hi) = valid_range(wo, s.stride[1], kj * s.dilation[1], s.padding[1], w);
-    row[..oh_lo * wo].fill(0.0);
-    row[oh_hi * wo..].fill(0.0);
+    let base = out_rows.start;
+    row[..(oh_lo - base) * wo].fill(0.0);
+    row[(oh_hi - base) * wo..].fill(0.0);
     for oh in oh_lo..oh_hi {
         let ih = oh * s.stride[0] + ki * s.dilation[0] - s.padding[0];
         let src = &plane[ih * w..(ih + 1) * w];
-        let dst = &mut row[oh * wo..(oh + 1) * wo];
+        let dst = &mut row[(oh - base) * wo..(oh - base + 1) * wo];
         dst[..ow_lo].fill(0.0);
         dst[ow_hi..].fill(0.0);
         if ow_lo == ow_hi {
@@ -108,6 +116,14 @@ pub(crate) fn fill_row(
             }
         }
     }
+}
+
+/// The output rows `oh` of one block of columns: enough rows for [`MIN_INNER`] pixels, and
+/// few enough that the block (`taps` rows of columns) stays near [`BLOCK_FLOATS`] floats.
+pub(crate) fn row_blocks(rows: usize, ho: usize, wo: usize) -> Vec<std::ops::Range<usize>> {
+    let target = (BLOCK_FLOATS / rows.max(1)).max(MIN_INNER);
+    let per = target.div_ceil(wo.max(1)).clamp(1, ho.max(1));
+    (0..ho).step_by(per).map(|r| r..(r + per).min(ho)).collect()
 }
 
 /// The weight gradient `[Co, Ci, kh, kw]` (row-major) of a convolution with shape `s`, from
@@ -138,10 +154,36 @@ pub fn conv2d_weight_grad(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
     if n == 0 || pixels == 0 || rows == 0 || co == 0 {
         return dw;
     }
+    let mut acc = Accumulator {
+        dw: &mut dw,
+        co,
+        rows,
+        started: false,
+    };
+    if pixels >= MIN_INNER {
+        // Large maps: each image in blocks of output rows, so the columns stay small.
+        let blocks = row_blocks(rows, ho, wo);
+        let largest = blocks.iter().map(|r| r.len()).max().unwrap_or(0) * wo;
+        let mut cols = vec![0f32; rows * largest];
+        for b in 0..n {
+            for block in &blocks {
+                let inner = block.len() * wo;
+                let cols = &mut cols[..rows * inner];
+                cols.par_chunks_mut(inner).enumerate().for_each(|(r, row)| {
+                    let (c, tap) = (r / taps, r % taps);
+                    let plane = &x[(b * ci + c) * h * w..][..h * w];
+                    fill_row(row, plane, s, tap / kw, tap % kw, block.clone(), wo);
+                });
+                let lhs = &dy[b * co * pixels + block.start * wo..];
+                acc.add(lhs, pixels, cols, inner);
+            }
+        }
+        return dw;
+    }
+    // Small maps: chunks of images, so the inner dimension reaches MIN_INNER.
     let chunk = MIN_INNER.div_ceil(pixels).clamp(1, n);
     let mut cols = vec![0f32; rows * chunk * pixels];
     let mut dyc = vec![0f32; co * chunk * pixels];
-    let mut first_chunk = true;
     for b0 in (0..n).step_by(chunk) {
         let nb = chunk.min(n - b0);
         let inner = nb * pixels;
@@ -151,7 +193,7 @@ pub fn conv2d_weight_grad(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
             for b in 0..nb {
                 let plane = &x[((b0 + b) * ci + c) * h * w..][..h * w];
                 let part = &mut row[b * pixels..(b + 1) * pixels];
-                fill_row(part, plane, s, tap / kw, tap % kw, ho, wo);
+                fill_row(part, plane, s, tap / kw, tap % kw, 0..ho, wo);
             }
         });
         // The chunk's output gradient as one [Co, nb·Ho·Wo] matrix (one image needs no copy).
@@ -167,22 +209,41 @@ pub fn conv2d_weight_grad(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
             });
             dyc
         };
-        // dW[co, r] (+)= Σ_p lhs[co, p] · cols[r, p]
-        // SAFETY: every pointer covers the matrix its strides describe: dst is co x rows
-        // row-major, lhs is co x inner row-major, rhs reads cols (rows x inner, row-major)
-        // as its transpose.
+        acc.add(lhs, inner, cols, inner);
+    }
+    dw
+}
+
+/// `dW[Co, rows]` accumulating `lhs · colsᵀ` one block at a time.
+struct Accumulator<'a> {
+    dw: &'a mut [f32],
+    co: usize,
+    rows: usize,
+    started: bool,
+}
+
+impl Accumulator<'_> {
+    /// `dW (+)= lhs[co, inner] · cols[rows, inner]ᵀ`, where `lhs` rows are `lhs_rs` apart.
+    fn add(&mut self, lhs: &[f32], lhs_rs: usize, cols: &[f32], inner: usize) {
+        assert!(
+            lhs.len() >= (self.co - 1) * lhs_rs + inner && cols.len() >= self.rows * inner,
+            "conv weight gradient: block sizes"
+        );
+        // SAFETY: dst is co x rows row-major (the assert in the caller sized it), lhs covers
+        // co rows of `inner` values `lhs_rs` apart, cols is rows x inner row-major and is read
+        // as its transpose; the assert above checks both.
         unsafe {
             gemm::gemm(
-                co,
-                rows,
+                self.co,
+                self.rows,
                 inner,
-                dw.as_mut_ptr(),
+                self.dw.as_mut_ptr(),
                 1,
-                rows as isize,
-                !first_chunk,
+                self.rows as isize,
+                self.started,
                 lhs.as_ptr(),
                 1,
-                inner as isize,
+                lhs_rs as isize,
                 cols.as_ptr(),
                 inner as isize,
                 1,
@@ -194,9 +255,8 @@ pub fn conv2d_weight_grad(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
                 gemm::Parallelism::Rayon(0),
             );
         }
-        first_chunk = false;
+        self.started = true;
     }
-    dw
 }
 
 /// The same gradient by the definition, one multiply-add at a time: the reference the tests
@@ -243,6 +303,35 @@ pub fn conv2d_weight_grad_naive(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn row_blocks_partition_the_output_rows() {
+        for (rows, ho, wo) in [
+            (1152, 40, 40),
+            (576, 224, 224),
+            (27, 224, 224),
+            (4608, 7, 7),
+            (9, 1, 1),
+        ] {
+            let blocks = row_blocks(rows, ho, wo);
+            assert_eq!(blocks.first().map(|b| b.start), Some(0));
+            assert_eq!(blocks.last().map(|b| b.end), Some(ho));
+            for pair in blocks.windows(2) {
+                assert_eq!(pair[0].end, pair[1].start);
+            }
+            // Every block but the last has at least MIN_INNER pixels, and blocks are no
+            // longer than the budget needs.
+            for b in &blocks[..blocks.len() - 1] {
+                assert!(
+                    b.len() * wo >= MIN_INNER.min(ho * wo),
+                    "{rows} {ho}x{wo}: {b:?}"
+                );
+            }
+        }
+        assert_eq!(row_blocks(1152, 40, 40).len(), 1);
+        assert_eq!(row_blocks(4608, 40, 40).len(), 2);
+        assert!(row_blocks(576, 224, 224).len() >= 10);
+    }
 
     #[test]
     fn valid_ranges_cover_exactly_the_inside_taps() {

@@ -36,6 +36,9 @@ fn the_kernel_equals_the_definition_over_random_geometries() {
         (3, 2, 2, 5, 5, 3, 3, 1, 3, 1),
         (2, 4, 5, 9, 7, 3, 3, 1, 2, 2),
         (1, 3, 4, 8, 8, 1, 1, 2, 0, 1),
+        // Large maps with wide columns: each image in several blocks of output rows.
+        (1, 256, 2, 40, 40, 3, 3, 1, 1, 1),
+        (1, 256, 3, 81, 79, 3, 3, 2, 1, 1),
     ];
     for _ in 0..40 {
         let k = g.next(1, 5);
@@ -231,6 +234,9 @@ fn forward_and_input_grad_kernels_equal_the_definition_over_random_geometries() 
         (2, 3, 8, 17, 15, 7, 7, 2, 3, 1),
         (1, 2, 2, 5, 5, 3, 3, 1, 3, 1),
         (2, 4, 5, 9, 7, 3, 3, 1, 2, 2),
+        // Large maps with wide columns: each image in several blocks of output rows.
+        (1, 256, 2, 40, 40, 3, 3, 1, 1, 1),
+        (1, 256, 3, 81, 79, 3, 3, 2, 1, 1),
     ];
     for _ in 0..30 {
         let k = g.next(1, 5);
