@@ -11,9 +11,7 @@
 
 use rayon::prelude::*;
 
-use std::ops::Range;
-
-use crate::weight_grad::{ConvShape, fill_row, row_blocks};
+use crate::weight_grad::{ConvShape, for_each_column_block};
 
 fn is_plain_pointwise(s: &ConvShape) -> bool {
     s.kernel == [1, 1] && s.stride == [1, 1] && s.padding == [0, 0]
@@ -60,19 +58,6 @@ unsafe fn gemm_rows(
             gemm::Parallelism::Rayon(0),
         );
     }
-}
-
-/// The image-`b` columns `[Ci·kh·kw, rows·Wo]` of `x` for the output rows `out_rows`.
-fn im2col(x: &[f32], b: usize, s: &ConvShape, out_rows: Range<usize>, wo: usize, cols: &mut [f32]) {
-    let [_, ci, h, w] = s.input;
-    let [_, kw] = s.kernel;
-    let taps = s.kernel[0] * kw;
-    let inner = out_rows.len() * wo;
-    cols.par_chunks_mut(inner).enumerate().for_each(|(r, row)| {
-        let (c, tap) = (r / taps, r % taps);
-        let plane = &x[(b * ci + c) * h * w..][..h * w];
-        fill_row(row, plane, s, tap / kw, tap % kw, out_rows.clone(), wo);
-    });
 }
 
 /// The forward pass `[N, Co, Ho, Wo]` of `x` (`[N, Ci, H, W]`) with `weight` (`[Co, Ci, kh,
@@ -123,34 +108,26 @@ pub fn conv2d_forward(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f32> {
         return y;
     }
     // Each image in blocks of output rows, so the columns stay small on large maps.
-    let blocks = row_blocks(rows, ho, wo);
-    let largest = blocks.iter().map(|r| r.len()).max().unwrap_or(0) * wo;
-    let mut cols = vec![0f32; rows * largest];
-    for b in 0..n {
-        for block in &blocks {
-            let inner = block.len() * wo;
-            let cols = &mut cols[..rows * inner];
-            im2col(x, b, s, block.clone(), wo, cols);
-            let out = &mut y[b * co * pixels + block.start * wo..];
-            // SAFETY: out covers co rows of `inner` values `pixels` apart (the block's
-            // columns of image b's output), weight is co x rows, cols rows x inner, all
-            // row-major.
-            unsafe {
-                gemm_rows(
-                    co,
-                    inner,
-                    rows,
-                    out.as_mut_ptr(),
-                    pixels,
-                    weight.as_ptr(),
-                    1,
-                    rows,
-                    cols.as_ptr(),
-                    inner,
-                );
-            }
+    for_each_column_block(x, s, |b, block, cols| {
+        let inner = block.len() * wo;
+        let out = &mut y[b * co * pixels + block.start * wo..];
+        // SAFETY: out covers co rows of `inner` values `pixels` apart (the block's columns of
+        // image b's output), weight is co x rows, cols rows x inner, all row-major.
+        unsafe {
+            gemm_rows(
+                co,
+                inner,
+                rows,
+                out.as_mut_ptr(),
+                pixels,
+                weight.as_ptr(),
+                1,
+                rows,
+                cols.as_ptr(),
+                inner,
+            );
         }
-    }
+    });
     y
 }
 

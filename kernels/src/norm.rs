@@ -68,6 +68,27 @@ fn f32_values(t: FlexTensor) -> FlexTensor {
     t.to_contiguous()
 }
 
+/// `(activation-shaped, per-channel, per-channel)` tensors from f32 values, in `dtype`.
+fn outputs(
+    [a, b, c]: [Vec<f32>; 3],
+    dims: Vec<usize>,
+    dtype: DType,
+) -> (FlexTensor, FlexTensor, FlexTensor) {
+    let channels = vec![dims[1]];
+    let back = |t: FlexTensor| {
+        if dtype == DType::F32 {
+            t
+        } else {
+            Flex::float_cast(t, dtype.into())
+        }
+    };
+    (
+        back(f32_tensor(a, dims)),
+        back(f32_tensor(b, channels.clone())),
+        back(f32_tensor(c, channels)),
+    )
+}
+
 impl NormBackend for Flex {
     fn hearth_batch_norm_train(
         x: FloatTensor<Self>,
@@ -88,18 +109,7 @@ impl NormBackend for Flex {
             epsilon,
             relu,
         );
-        let back = |t: FlexTensor| {
-            if dtype == DType::F32 {
-                t
-            } else {
-                Flex::float_cast(t, dtype.into())
-            }
-        };
-        (
-            back(f32_tensor(y, dims)),
-            back(f32_tensor(mean, vec![shape[1]])),
-            back(f32_tensor(var, vec![shape[1]])),
-        )
+        outputs([y, mean, var], dims, dtype)
     }
 
     fn hearth_batch_norm_train_backward(
@@ -128,18 +138,7 @@ impl NormBackend for Flex {
             relu,
             grad.storage::<f32>(),
         );
-        let back = |t: FlexTensor| {
-            if dtype == DType::F32 {
-                t
-            } else {
-                Flex::float_cast(t, dtype.into())
-            }
-        };
-        (
-            back(f32_tensor(dx, dims)),
-            back(f32_tensor(dgamma, vec![shape[1]])),
-            back(f32_tensor(dbeta, vec![shape[1]])),
-        )
+        outputs([dx, dgamma, dbeta], dims, dtype)
     }
 }
 

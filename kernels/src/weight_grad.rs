@@ -81,7 +81,7 @@ fn valid_range(out: usize, stride: usize, offset: usize, pad: usize, len: usize)
 
 /// Fills one row of the columns: kernel tap `(ki, kj)` of input channel plane `plane`
 /// (`H x W`) for every output pixel, zero where the tap falls in the padding.
-pub(crate) fn fill_row(
+fn fill_row(
     row: &mut [f32],
     plane: &[f32],
     s: &ConvShape,
@@ -114,6 +114,37 @@ pub(crate) fn fill_row(
             for (k, d) in dst[ow_lo..ow_hi].iter_mut().enumerate() {
                 *d = src[first + k * s.stride[1]];
             }
+        }
+    }
+}
+
+/// Calls `f(image, output rows, columns)` for every image of `x` and every block of output
+/// rows ([`row_blocks`]); the columns (`[Ci·kh·kw, rows·Wo]`, row-major) reuse one buffer.
+pub(crate) fn for_each_column_block(
+    x: &[f32],
+    s: &ConvShape,
+    mut f: impl FnMut(usize, &std::ops::Range<usize>, &[f32]),
+) {
+    let [n, ci, h, w] = s.input;
+    let Some([_, _, ho, wo]) = s.output() else {
+        return;
+    };
+    let [_, kw] = s.kernel;
+    let taps = s.kernel[0] * kw;
+    let rows = ci * taps;
+    let blocks = row_blocks(rows, ho, wo);
+    let largest = blocks.iter().map(|r| r.len()).max().unwrap_or(0) * wo;
+    let mut cols = vec![0f32; rows * largest];
+    for b in 0..n {
+        for block in &blocks {
+            let inner = block.len() * wo;
+            let cols = &mut cols[..rows * inner];
+            cols.par_chunks_mut(inner).enumerate().for_each(|(r, row)| {
+                let (c, tap) = (r / taps, r % taps);
+                let plane = &x[(b * ci + c) * h * w..][..h * w];
+                fill_row(row, plane, s, tap / kw, tap % kw, block.clone(), wo);
+            });
+            f(b, block, cols);
         }
     }
 }
@@ -162,22 +193,10 @@ pub fn conv2d_weight_grad(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
     };
     if pixels >= MIN_INNER {
         // Large maps: each image in blocks of output rows, so the columns stay small.
-        let blocks = row_blocks(rows, ho, wo);
-        let largest = blocks.iter().map(|r| r.len()).max().unwrap_or(0) * wo;
-        let mut cols = vec![0f32; rows * largest];
-        for b in 0..n {
-            for block in &blocks {
-                let inner = block.len() * wo;
-                let cols = &mut cols[..rows * inner];
-                cols.par_chunks_mut(inner).enumerate().for_each(|(r, row)| {
-                    let (c, tap) = (r / taps, r % taps);
-                    let plane = &x[(b * ci + c) * h * w..][..h * w];
-                    fill_row(row, plane, s, tap / kw, tap % kw, block.clone(), wo);
-                });
-                let lhs = &dy[b * co * pixels + block.start * wo..];
-                acc.add(lhs, pixels, cols, inner);
-            }
-        }
+        for_each_column_block(x, s, |b, block, cols| {
+            let lhs = &dy[b * co * pixels + block.start * wo..];
+            acc.add(lhs, pixels, cols, block.len() * wo);
+        });
         return dw;
     }
     // Small maps: chunks of images, so the inner dimension reaches MIN_INNER.
