@@ -22,25 +22,25 @@ fn noise(len: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-#[test]
-fn the_kernel_equals_the_definition_over_random_geometries() {
-    let mut g = Shapes(0x2545_f491_4f6c_dd1d);
-    // (n, ci, co, h, w, kh, kw, stride, padding, dilation), with fixed cases first: 1x1, the
-    // 7x7 stem shape in small, a kernel wider than the padded input is refused elsewhere, a
-    // batch split into chunks (10x10 outputs: chunks of 11 images, the last of 3), padding as
-    // wide as the kernel.
+/// The geometries every raw-kernel test runs (those whose kernel fits): fixed cases first (1x1
+/// plain and strided, the 7x7 stem shape in small, a batch split into chunks (10x10 outputs:
+/// chunks of 11 images, the last of 3), padding as wide as the kernel, dilation, large maps
+/// whose columns are built in several blocks of output rows), then `random` drawn from `seed`.
+fn geometries(seed: u64, random: usize) -> Vec<ConvShape> {
+    let mut g = Shapes(seed);
+    // (n, ci, co, h, w, kh, kw, stride, padding, dilation)
     let mut cases = vec![
         (1, 1, 1, 1, 1, 1, 1, 1, 0, 1),
+        (2, 5, 3, 6, 7, 1, 1, 1, 0, 1),
+        (1, 3, 4, 8, 8, 1, 1, 2, 0, 1),
         (2, 3, 8, 32, 30, 7, 7, 2, 3, 1),
         (25, 2, 3, 10, 10, 3, 3, 1, 1, 1),
         (3, 2, 2, 5, 5, 3, 3, 1, 3, 1),
         (2, 4, 5, 9, 7, 3, 3, 1, 2, 2),
-        (1, 3, 4, 8, 8, 1, 1, 2, 0, 1),
-        // Large maps with wide columns: each image in several blocks of output rows.
         (1, 256, 2, 40, 40, 3, 3, 1, 1, 1),
         (1, 256, 3, 81, 79, 3, 3, 2, 1, 1),
     ];
-    for _ in 0..40 {
+    for _ in 0..random {
         let k = g.next(1, 5);
         cases.push((
             g.next(1, 4),
@@ -55,27 +55,35 @@ fn the_kernel_equals_the_definition_over_random_geometries() {
             g.next(1, 2),
         ));
     }
-    let mut checked = 0;
-    for (i, &(n, ci, co, h, w, kh, kw, stride, pad, dil)) in cases.iter().enumerate() {
-        let s = ConvShape {
+    cases
+        .into_iter()
+        .map(|(n, ci, co, h, w, kh, kw, stride, pad, dil)| ConvShape {
             input: [n, ci, h, w],
             out_channels: co,
             kernel: [kh, kw],
             stride: [stride, stride],
             padding: [pad, pad],
             dilation: [dil, dil],
-        };
-        let Some(out) = s.output() else {
-            continue; // the kernel does not fit: Burn refuses these before any gradient
-        };
+        })
+        .filter(|s| s.output().is_some()) // Burn refuses the others before any kernel
+        .collect()
+}
+
+#[test]
+fn the_kernel_equals_the_definition_over_random_geometries() {
+    let cases = geometries(0x2545_f491_4f6c_dd1d, 40);
+    assert!(cases.len() >= 40, "only {} geometries fit", cases.len());
+    for (i, s) in cases.iter().enumerate() {
+        let [n, ci, h, w] = s.input;
+        let out = s.output().expect("filtered");
         let x = noise(n * ci * h * w, 2 * i as u64 + 7);
         let dy = noise(out.iter().product(), 2 * i as u64 + 8);
-        let fast = conv2d_weight_grad(&x, &dy, &s);
-        let reference = conv2d_weight_grad_naive(&x, &dy, &s);
-        close(&fast, &reference, &format!("{s:?}"));
-        checked += 1;
+        close(
+            &conv2d_weight_grad(&x, &dy, s),
+            &conv2d_weight_grad_naive(&x, &dy, s),
+            &format!("{s:?}"),
+        );
     }
-    assert!(checked >= 35, "only {checked} geometries fit");
 }
 
 #[test]
@@ -225,61 +233,25 @@ fn input_grad_naive(w: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
 
 #[test]
 fn forward_and_input_grad_kernels_equal_the_definition_over_random_geometries() {
-    let mut g = Shapes(0x1234_5678_9abc_def1);
-    // (n, ci, co, h, w, kh, kw, stride, padding, dilation): 1x1 plain (no columns), strided,
-    // padded wider than the kernel, dilated, batch 1.
-    let mut cases = vec![
-        (2, 5, 3, 6, 7, 1, 1, 1, 0, 1),
-        (1, 3, 4, 9, 9, 1, 1, 2, 0, 1),
-        (2, 3, 8, 17, 15, 7, 7, 2, 3, 1),
-        (1, 2, 2, 5, 5, 3, 3, 1, 3, 1),
-        (2, 4, 5, 9, 7, 3, 3, 1, 2, 2),
-        // Large maps with wide columns: each image in several blocks of output rows.
-        (1, 256, 2, 40, 40, 3, 3, 1, 1, 1),
-        (1, 256, 3, 81, 79, 3, 3, 2, 1, 1),
-    ];
-    for _ in 0..30 {
-        let k = g.next(1, 5);
-        cases.push((
-            g.next(1, 3),
-            g.next(1, 5),
-            g.next(1, 5),
-            g.next(k, 11),
-            g.next(k, 11),
-            k,
-            g.next(1, 5).min(k + 1),
-            g.next(1, 3),
-            g.next(0, 3),
-            g.next(1, 2),
-        ));
-    }
-    let mut checked = 0;
-    for (i, &(n, ci, co, h, w, kh, kw, stride, pad, dil)) in cases.iter().enumerate() {
-        let s = ConvShape {
-            input: [n, ci, h, w],
-            out_channels: co,
-            kernel: [kh, kw],
-            stride: [stride, stride],
-            padding: [pad, pad],
-            dilation: [dil, dil],
-        };
-        let Some(out) = s.output() else { continue };
+    let cases = geometries(0x1234_5678_9abc_def1, 30);
+    assert!(cases.len() >= 30, "only {} geometries fit", cases.len());
+    for (i, s) in cases.iter().enumerate() {
+        let [n, ci, h, w] = s.input;
+        let out = s.output().expect("filtered");
         let x = noise(n * ci * h * w, 3 * i as u64 + 1);
         let wt = noise(s.weight().iter().product(), 3 * i as u64 + 2);
         let dy = noise(out.iter().product(), 3 * i as u64 + 3);
         close(
-            &hearth_kernels::conv::conv2d_forward(&x, &wt, &s),
-            &forward_naive(&x, &wt, &s),
+            &hearth_kernels::conv::conv2d_forward(&x, &wt, s),
+            &forward_naive(&x, &wt, s),
             &format!("forward {s:?}"),
         );
         close(
-            &hearth_kernels::conv::conv2d_input_grad(&wt, &dy, &s),
-            &input_grad_naive(&wt, &dy, &s),
+            &hearth_kernels::conv::conv2d_input_grad(&wt, &dy, s),
+            &input_grad_naive(&wt, &dy, s),
             &format!("input grad {s:?}"),
         );
-        checked += 1;
     }
-    assert!(checked >= 25, "only {checked} geometries fit");
 }
 
 /// Shapes large enough that the op takes our forward (3x3 with 60x60 outputs, strided 1x1)
