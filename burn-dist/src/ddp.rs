@@ -16,6 +16,7 @@
 //! `broadcast_buffers`). Synchronised batch norm is not offered.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsAccumulator;
@@ -350,9 +351,13 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
             let mut iteration = 0;
             let mut accumulator = GradientsAccumulator::new();
             let mut accumulated = 0;
+            // Time in training steps and, of it, in the gradient exchange (rank 0 prints both).
+            let mut stepping = std::time::Duration::ZERO;
+            let mut exchanging = std::time::Duration::ZERO;
             while let Some(item) = next_item(&mut *iterator, &interrupter) {
                 iteration += 1;
                 let progress = iterator.progress();
+                let step_start = Instant::now();
                 let out = learner.train_step(item);
                 let step_grads = match training_components.grad_accumulation {
                     Some(k) => {
@@ -368,15 +373,18 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
                     None => Some(out.grads),
                 };
                 if let Some(mut grads) = step_grads {
+                    let exchange_start = Instant::now();
                     if let Err(e) =
                         allreduce_grads(&learner.model(), &mut grads, &self.comm, self.bucket_bytes)
                     {
                         Self::fail(&interrupter, e);
                         break;
                     }
+                    exchanging += exchange_start.elapsed();
                     learner.lr_step();
                     learner.optimizer_step(grads);
                 }
+                stepping += step_start.elapsed();
                 let item = TrainingItem::new(
                     out.item,
                     progress,
@@ -391,6 +399,14 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
                 }
             }
             interrupter.fail_on_error(event_processor.process_train(LearnerEvent::EndSplit(epoch)));
+            if self.comm.rank() == 0 && !stepping.is_zero() {
+                eprintln!(
+                    "epoch {epoch}: gradient exchange {:.2} s of {:.2} s in training steps ({:.1}%, rank 0)",
+                    exchanging.as_secs_f64(),
+                    stepping.as_secs_f64(),
+                    100.0 * exchanging.as_secs_f64() / stepping.as_secs_f64()
+                );
+            }
             if interrupter.should_stop() {
                 break;
             }
