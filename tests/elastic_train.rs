@@ -291,7 +291,14 @@ fn a_soak_of_fifty_joins_and_leaves_ends_with_identical_survivors() {
     assert!(run.ok, "{}", run.log);
     let finals = run.finals();
     assert!(!finals.is_empty(), "{}", run.log);
-    assert!(finals.iter().all(|f| f.1 == finals[0].1), "{finals:?}");
+    // Seen once in CI (2026-11-23): both survivors ended as worlds of 1 with different
+    // weights (a split); the log's end says how they parted.
+    let tail: Vec<&str> = run.log.lines().rev().take(80).collect();
+    assert!(
+        finals.iter().all(|f| f.1 == finals[0].1),
+        "{finals:?}\nlast lines of the log:\n{}",
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+    );
     let changes = run.log.matches("] membership epoch ").count();
     assert!(changes >= 25, "{changes} membership epochs:\n{}", run.log);
 }
