@@ -18,8 +18,9 @@ use burn::backend::{AutodiffBackend, TensorMetadata};
 use burn::prelude::*;
 use burn::tensor::DType;
 use burn::tensor::ops::ConvOptions;
-use burn_flex::{FlexTensor, Layout};
+use burn_flex::FlexTensor;
 
+use crate::f32_tensor;
 use crate::weight_grad::{ConvShape, conv2d_weight_grad};
 
 /// Convolution geometry passed through the extension (stride, padding, dilation).
@@ -160,14 +161,6 @@ fn conv_shape(
         padding,
         dilation,
     }
-}
-
-fn f32_tensor(values: Vec<f32>, dims: Vec<usize>) -> FlexTensor {
-    FlexTensor::new(
-        burn::tensor::Bytes::from_elems(values),
-        Layout::contiguous(burn::tensor::Shape::from(dims)),
-        DType::F32,
-    )
 }
 
 #[derive(Debug)]

@@ -33,6 +33,15 @@ pub mod ext;
 pub mod norm;
 pub mod weight_grad;
 
+/// A contiguous Flex f32 tensor of `dims` holding `values` (the raw kernels' outputs).
+pub(crate) fn f32_tensor(values: Vec<f32>, dims: Vec<usize>) -> burn_flex::FlexTensor {
+    burn_flex::FlexTensor::new(
+        burn::tensor::Bytes::from_elems(values),
+        burn_flex::Layout::contiguous(burn::tensor::Shape::from(dims)),
+        burn::tensor::DType::F32,
+    )
+}
+
 /// Which implementation a convolution takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {

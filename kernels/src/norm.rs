@@ -15,8 +15,10 @@ use burn::backend::{
 };
 use burn::nn::BatchNorm;
 use burn::prelude::*;
-use burn::tensor::{Bytes, DType, Shape};
-use burn_flex::{FlexTensor, Layout};
+use burn::tensor::DType;
+use burn_flex::FlexTensor;
+
+use crate::f32_tensor;
 
 /// The extension: training-mode batch norm (optionally with ReLU) and its backward.
 #[backend_extension(Flex, Autodiff)]
@@ -49,14 +51,6 @@ fn ncs(t: &FlexTensor) -> [usize; 3] {
     let dims = t.shape().to_vec();
     let s = dims[2..].iter().product();
     [dims[0], dims[1], s]
-}
-
-fn f32_tensor(values: Vec<f32>, dims: Vec<usize>) -> FlexTensor {
-    FlexTensor::new(
-        Bytes::from_elems(values),
-        Layout::contiguous(Shape::from(dims)),
-        DType::F32,
-    )
 }
 
 fn f32_values(t: FlexTensor) -> FlexTensor {

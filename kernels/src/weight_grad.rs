@@ -278,47 +278,6 @@ impl Accumulator<'_> {
     }
 }
 
-/// The same gradient by the definition, one multiply-add at a time: the reference the tests
-/// compare [`conv2d_weight_grad`] with.
-pub fn conv2d_weight_grad_naive(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
-    let [n, ci, h, w] = s.input;
-    let Some([_, co, ho, wo]) = s.output() else {
-        return vec![0.0; s.weight().iter().product()];
-    };
-    let [kh, kw] = s.kernel;
-    let mut dw = vec![0f64; co * ci * kh * kw];
-    for b in 0..n {
-        for o in 0..co {
-            for c in 0..ci {
-                for i in 0..kh {
-                    for j in 0..kw {
-                        let mut acc = 0f64;
-                        for oh in 0..ho {
-                            let ih = (oh * s.stride[0] + i * s.dilation[0]) as isize
-                                - s.padding[0] as isize;
-                            if ih < 0 || ih >= h as isize {
-                                continue;
-                            }
-                            for ow in 0..wo {
-                                let iw = (ow * s.stride[1] + j * s.dilation[1]) as isize
-                                    - s.padding[1] as isize;
-                                if iw < 0 || iw >= w as isize {
-                                    continue;
-                                }
-                                let xv = x[((b * ci + c) * h + ih as usize) * w + iw as usize];
-                                let g = dy[((b * co + o) * ho + oh) * wo + ow];
-                                acc += xv as f64 * g as f64;
-                            }
-                        }
-                        dw[((o * ci + c) * kh + i) * kw + j] += acc;
-                    }
-                }
-            }
-        }
-    }
-    dw.into_iter().map(|v| v as f32).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,7 +8,7 @@ use burn::nn::PaddingConfig2d;
 use burn::nn::conv::Conv2dConfig;
 use burn::prelude::*;
 use burn::tensor::Distribution;
-use hearth_kernels::weight_grad::{ConvShape, conv2d_weight_grad, conv2d_weight_grad_naive};
+use hearth_kernels::weight_grad::{ConvShape, conv2d_weight_grad};
 use hearth_kernels::{Path, fast_path};
 
 mod common;
@@ -20,6 +20,46 @@ fn noise(len: usize, seed: u64) -> Vec<f32> {
     (0..len)
         .map(|_| g.next(0, 1 << 20) as f32 / (1 << 19) as f32 - 1.0)
         .collect()
+}
+
+/// The weight gradient by the definition, one multiply-add at a time (in f64).
+fn conv2d_weight_grad_naive(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
+    let [n, ci, h, w] = s.input;
+    let Some([_, co, ho, wo]) = s.output() else {
+        return vec![0.0; s.weight().iter().product()];
+    };
+    let [kh, kw] = s.kernel;
+    let mut dw = vec![0f64; co * ci * kh * kw];
+    for b in 0..n {
+        for o in 0..co {
+            for c in 0..ci {
+                for i in 0..kh {
+                    for j in 0..kw {
+                        let mut acc = 0f64;
+                        for oh in 0..ho {
+                            let ih = (oh * s.stride[0] + i * s.dilation[0]) as isize
+                                - s.padding[0] as isize;
+                            if ih < 0 || ih >= h as isize {
+                                continue;
+                            }
+                            for ow in 0..wo {
+                                let iw = (ow * s.stride[1] + j * s.dilation[1]) as isize
+                                    - s.padding[1] as isize;
+                                if iw < 0 || iw >= w as isize {
+                                    continue;
+                                }
+                                let xv = x[((b * ci + c) * h + ih as usize) * w + iw as usize];
+                                let g = dy[((b * co + o) * ho + oh) * wo + ow];
+                                acc += xv as f64 * g as f64;
+                            }
+                        }
+                        dw[((o * ci + c) * kh + i) * kw + j] += acc;
+                    }
+                }
+            }
+        }
+    }
+    dw.into_iter().map(|v| v as f32).collect()
 }
 
 /// The geometries every raw-kernel test runs (those whose kernel fits): fixed cases first (1x1
