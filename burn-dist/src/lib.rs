@@ -9,6 +9,7 @@
 //!   that never panics on bad bytes.
 //! - [`transport`]: the [`Transport`] trait (framed messages to a rank, with deadlines), with an
 //!   in-memory implementation for tests and a QUIC one (quinn, TLS always on).
+//! - [`shm`]: shared memory between the ranks of one host (pipes and in-place allreduce).
 //! - [`tls`]: job membership: certificates derived from a job secret, or a CA the user gives.
 //! - [`rendezvous`]: ranks from `HEARTH_*`, torchrun, Slurm or Open MPI variables; rank 0
 //!   coordinates.
@@ -46,6 +47,7 @@ mod error;
 pub mod pipeline;
 pub mod ps;
 pub mod rendezvous;
+pub mod shm;
 pub mod tls;
 pub mod transport;
 pub mod wire;

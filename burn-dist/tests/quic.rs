@@ -15,7 +15,7 @@ use burn_dist::rendezvous::{RankInfo, connect};
 use burn_dist::tls::Membership;
 use burn_dist::transport::quic::QuicTransport;
 use burn_dist::{Communicator, DistError, ReduceOp, Transport};
-use common::{SECRET, free_port, info, job, options};
+use common::{SECRET, free_port, info, job, job_with, options, options_shm};
 
 /// Runs `f` on each rank in a thread and returns the results in rank order, with a deadline.
 fn each<T: Send + 'static>(
@@ -47,6 +47,21 @@ fn each<T: Send + 'static>(
 #[test]
 fn quic_passes_the_conformance_suite() {
     let ranks: Vec<Arc<dyn Transport>> = job(3)
+        .into_iter()
+        .map(|t| Arc::new(t) as Arc<dyn Transport>)
+        .collect();
+    burn_dist::transport::conformance::run(ranks);
+}
+
+#[test]
+fn quic_with_shared_memory_between_threads_passes_the_conformance_suite() {
+    let ranks = job_with(3, options_shm);
+    for t in &ranks {
+        let topology = t.topology().expect("a topology after the rendezvous");
+        assert_eq!(topology.leaders, vec![0, 0, 0], "one host, one group");
+        assert!(topology.local.is_some());
+    }
+    let ranks: Vec<Arc<dyn Transport>> = ranks
         .into_iter()
         .map(|t| Arc::new(t) as Arc<dyn Transport>)
         .collect();
@@ -170,10 +185,12 @@ fn a_rank_that_never_arrives_is_named_within_the_timeout() {
 
 // ---- processes ------------------------------------------------------------------------------
 
-fn spawn_rank(rank: usize, world: usize, port: u16, mode: &str) -> Child {
+/// Rank `rank` of a process job; `shm`: ranks talk through shared memory (else QUIC only).
+fn spawn_rank(rank: usize, world: usize, port: u16, mode: &str, shm: bool) -> Child {
     Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "child", "--nocapture", "--test-threads=1"])
         .env("BURN_DIST_CHILD", mode)
+        .env("BURN_DIST_SHM", if shm { "1" } else { "0" })
         .env("HEARTH_RANK", rank.to_string())
         .env("HEARTH_WORLD_SIZE", world.to_string())
         .env("HEARTH_COORDINATOR", format!("127.0.0.1:{port}"))
@@ -213,12 +230,16 @@ fn child() {
         return;
     };
     let info = RankInfo::from_env().expect("rank from the environment");
+    let shm = std::env::var("BURN_DIST_SHM").as_deref() == Ok("1");
+    let opts = if shm { options_shm } else { options };
     let t = connect(
         &info,
         &Membership::from_env().expect("secret"),
-        &options(Duration::from_secs(30)),
+        &opts(Duration::from_secs(30)),
     )
     .expect("rendezvous");
+    let shares = t.topology().is_some_and(|t| t.shares_memory());
+    println!("rank {}: shares memory: {shares}", info.rank);
     let (rank, world) = (info.rank, info.world);
     let comm = Communicator::new(Arc::new(t)).with_timeout(Duration::from_secs(60));
     match mode.as_str() {
@@ -266,26 +287,51 @@ fn child() {
 
 #[test]
 fn collectives_across_2_to_4_processes_match_direct_results() {
-    for world in 2..=4 {
-        let port = free_port();
-        let children: Vec<Child> = (0..world)
-            .map(|r| spawn_rank(r, world, port, "collectives"))
-            .collect();
-        for (r, c) in children.into_iter().enumerate() {
-            let (ok, out) = finish(c, Duration::from_secs(120));
-            assert!(ok, "world {world} rank {r} failed:\n{out}");
-            assert!(out.contains("collectives OK"), "{out}");
+    for shm in [false, true] {
+        for world in 2..=4 {
+            let port = free_port();
+            let children: Vec<Child> = (0..world)
+                .map(|r| spawn_rank(r, world, port, "collectives", shm))
+                .collect();
+            for (r, c) in children.into_iter().enumerate() {
+                let (ok, out) = finish(c, Duration::from_secs(120));
+                assert!(ok, "world {world} rank {r} (shm {shm}) failed:\n{out}");
+                assert!(out.contains("collectives OK"), "{out}");
+                assert!(out.contains(&format!("shares memory: {shm}")), "{out}");
+            }
         }
     }
 }
 
+/// Segment files in /dev/shm that processes `pids` created.
+fn segments_of(pids: &[u32]) -> Vec<String> {
+    std::fs::read_dir(burn_dist::shm::segment::SHM_DIR)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| pids.iter().any(|p| n.starts_with(&format!("hearth-{p}-"))))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 #[test]
 fn killing_a_process_mid_collective_fails_the_others_naming_it_within_10s() {
+    killing_a_process_mid_collective(false);
+}
+
+#[test]
+fn killing_a_process_mid_shared_memory_allreduce_fails_the_others_naming_it_within_10s() {
+    killing_a_process_mid_collective(true);
+}
+
+fn killing_a_process_mid_collective(shm: bool) {
     let world = 3;
     let port = free_port();
     let mut children: Vec<Child> = (0..world)
-        .map(|r| spawn_rank(r, world, port, "loop"))
+        .map(|r| spawn_rank(r, world, port, "loop", shm))
         .collect();
+    let pids: Vec<u32> = children.iter().map(Child::id).collect();
     // Let the job form and run collectives for a moment.
     std::thread::sleep(Duration::from_secs(3));
     let victim = children.pop().unwrap();
@@ -297,6 +343,7 @@ fn killing_a_process_mid_collective_fails_the_others_naming_it_within_10s() {
         let (ok, out) = finish(c, Duration::from_secs(30));
         assert!(!ok, "rank {r} should fail:\n{out}");
         assert!(out.contains("failed after"), "rank {r}:\n{out}");
+        assert!(out.contains(&format!("shares memory: {shm}")), "{out}");
         assert!(
             out.contains("rank 2 failed"),
             "rank {r} should name rank 2:\n{out}"
@@ -307,4 +354,6 @@ fn killing_a_process_mid_collective_fails_the_others_naming_it_within_10s() {
         "survivors took {:?}",
         killed_at.elapsed()
     );
+    let left = segments_of(&pids);
+    assert!(left.is_empty(), "segments left behind: {left:?}");
 }

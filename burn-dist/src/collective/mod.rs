@@ -3,16 +3,19 @@
 //! Every rank calls the same collectives in the same order; a per-communicator sequence number
 //! tags each call, so the messages of consecutive collectives never mix. One file per algorithm:
 //! [`allreduce`] (ring: reduce-scatter then all-gather, chunked and pipelined), [`broadcast`]
-//! (pipelined chain from the root), [`gather`] (all-gather, reduce-scatter), [`barrier`].
+//! (pipelined chain from the root), [`gather`] (all-gather, reduce-scatter), [`barrier`], and
+//! [`hierarchical`] (allreduce through shared memory within a host, which `allreduce` picks
+//! by itself when the transport has some).
 
 pub mod allreduce;
 pub mod barrier;
 pub mod broadcast;
 pub mod gather;
+pub mod hierarchical;
 mod ring;
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::transport::Transport;
@@ -138,6 +141,8 @@ pub struct Communicator {
     chunk_elems: usize,
     compression: Compression,
     kind: Kind,
+    /// The host leaders' communicator of a hierarchical allreduce (see [`hierarchical`]).
+    leaders: OnceLock<Box<Communicator>>,
 }
 
 impl Communicator {
@@ -153,6 +158,7 @@ impl Communicator {
                 .map_or(256 * 1024, |kb| (kb * 256).max(1)),
             compression: Compression::None,
             kind: Kind::Collective,
+            leaders: OnceLock::new(),
         }
     }
 
@@ -173,6 +179,7 @@ impl Communicator {
             chunk_elems: self.chunk_elems,
             compression: self.compression,
             kind,
+            leaders: OnceLock::new(),
         }
     }
 

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use quinn::{Connection, VarInt};
 
+use crate::shm::ShmOptions;
 use crate::tls::{Identity, Membership, SERVER_NAME};
 use crate::transport::quic::{QuicNode, QuicOptions, QuicTransport, read_frame, write_frame};
 use crate::wire::{Header, Kind, Reader, Writer};
@@ -229,6 +230,8 @@ pub struct RendezvousOptions {
     /// Address to listen on for peers (non-zero ranks); default: 127.0.0.1 for a loopback
     /// coordinator, else 0.0.0.0 (`HEARTH_BIND` overrides).
     pub bind_ip: Option<IpAddr>,
+    /// Shared memory between ranks of one host (on unless `HEARTH_SHM=0`; see [`crate::shm`]).
+    pub shm: ShmOptions,
 }
 
 impl Default for RendezvousOptions {
@@ -239,6 +242,7 @@ impl Default for RendezvousOptions {
             bind_ip: std::env::var("HEARTH_BIND")
                 .ok()
                 .and_then(|s| s.parse().ok()),
+            shm: ShmOptions::default(),
         }
     }
 }
@@ -383,7 +387,13 @@ pub fn connect_epoch_on(
     } else {
         join(&node, info, coordinator, deadline, options.timeout, strict)?
     };
-    Ok(QuicTransport::start(node, info.rank, epoch, peers, &quic))
+    let transport = QuicTransport::start(node, info.rank, epoch, peers, &quic);
+    // Ranks of one host move to shared memory (every rank takes part, whatever its host).
+    transport.share_memory(
+        &options.shm,
+        deadline.max(Instant::now() + options.timeout / 2),
+    )?;
+    Ok(transport)
 }
 
 /// The peer of `conn` may be rank `claimed`: its certificate names that rank (see

@@ -151,6 +151,7 @@ fn a_member_claiming_another_rank_is_refused_and_the_job_still_forms() {
         timeout: Duration::from_secs(30),
         quic: None,
         bind_ip: None,
+        shm: Default::default(),
     };
     let (tx, rx) = std::sync::mpsc::channel();
     let m = secret.clone();

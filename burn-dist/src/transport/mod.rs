@@ -50,6 +50,13 @@ pub trait Transport: Send + Sync {
     /// still talk over the old world (to agree on the next one) and a parameter server goes
     /// on without a dead worker.
     fn accept_losses(&self) {}
+
+    /// Which ranks share memory with which, when this transport knows (see [`crate::shm`]):
+    /// allreduce then reduces within each host in shared memory and runs the ring only among
+    /// one rank per host.
+    fn topology(&self) -> Option<&crate::shm::Topology> {
+        None
+    }
 }
 
 pub(crate) fn check_peer(t: &dyn Transport, peer: usize, op: &str) -> Result<()> {

@@ -8,14 +8,15 @@
 //! receive from it fails with [`DistError::PeerFailed`] naming the rank.
 
 use std::net::{SocketAddr, UdpSocket};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{Connection, Endpoint, RecvStream, VarInt};
 
 use super::{Inbox, Transport, check_peer};
+use crate::shm::{LocalGroup, Pipes, ShmOptions, Topology};
 use crate::tls::{self, Identity};
 use crate::wire::{HEADER_LEN, Header, Kind};
 use crate::{DistError, Result};
@@ -320,7 +321,8 @@ pub(crate) async fn write_frame(
     Ok(())
 }
 
-/// One rank's QUIC links to every other rank.
+/// One rank's QUIC links to every other rank, and shared-memory pipes to the ranks of its host
+/// once [`QuicTransport::share_memory`] has set them up.
 pub struct QuicTransport {
     rank: usize,
     epoch: u32,
@@ -328,6 +330,15 @@ pub struct QuicTransport {
     peers: Vec<Option<Connection>>,
     inbox: Arc<Inbox>,
     in_flight: Arc<AtomicUsize>,
+    /// Peers reached through shared memory: their pipes, not their QUIC connection, say when
+    /// they have left (the pipe may still hold their last messages when the connection closes).
+    via_shm: Arc<Vec<AtomicBool>>,
+    local: OnceLock<LocalLinks>,
+}
+
+struct LocalLinks {
+    pipes: Option<Pipes>,
+    topology: Topology,
 }
 
 impl QuicTransport {
@@ -341,10 +352,13 @@ impl QuicTransport {
     ) -> Self {
         let inbox = Arc::new(Inbox::with_budget(options.inbox_bytes));
         let options = Arc::new(options.clone());
+        let via_shm: Arc<Vec<AtomicBool>> =
+            Arc::new(peers.iter().map(|_| AtomicBool::new(false)).collect());
         for (from, conn) in peers.iter().enumerate() {
             let Some(conn) = conn.clone() else { continue };
             let inbox = inbox.clone();
             let options = options.clone();
+            let via_shm = via_shm.clone();
             node.rt.spawn(async move {
                 loop {
                     match conn.accept_uni().await {
@@ -376,7 +390,9 @@ impl QuicTransport {
                         Err(quinn::ConnectionError::ApplicationClosed(c))
                             if c.error_code == VarInt::from_u32(0) =>
                         {
-                            inbox.left(from, "it closed its connection (finished)".into());
+                            if !via_shm[from].load(Ordering::Acquire) {
+                                inbox.left(from, "it closed its connection (finished)".into());
+                            }
                             return;
                         }
                         Err(e) => {
@@ -401,11 +417,56 @@ impl QuicTransport {
             peers,
             inbox,
             in_flight: Arc::new(AtomicUsize::new(0)),
+            via_shm,
+            local: OnceLock::new(),
         }
+    }
+
+    /// Finds the ranks that share this rank's host and moves their traffic to shared memory
+    /// (see [`crate::shm`]). Every rank of the job calls it once, right after the rendezvous;
+    /// a host where shared memory cannot be set up stays on QUIC.
+    pub fn share_memory(&self, options: &ShmOptions, deadline: Instant) -> Result<()> {
+        if self.local.get().is_some() {
+            return Ok(());
+        }
+        let negotiated = crate::shm::setup::negotiate(self, options, deadline)?;
+        let (pipes, local) = match negotiated.segment {
+            Some((seg, me, members)) => {
+                let pipes = Pipes::start(
+                    seg.clone(),
+                    me,
+                    members.clone(),
+                    self.inbox.clone(),
+                    options.clone(),
+                )?;
+                for &r in &members {
+                    self.via_shm[r].store(true, Ordering::Release);
+                }
+                let group = LocalGroup::new(seg, me, members, options.stale);
+                (Some(pipes), Some(Arc::new(group)))
+            }
+            None => (None, None),
+        };
+        let _ = self.local.set(LocalLinks {
+            pipes,
+            topology: Topology {
+                leaders: negotiated.leaders,
+                local,
+            },
+        });
+        Ok(())
+    }
+
+    fn pipes(&self) -> Option<&Pipes> {
+        self.local.get().and_then(|l| l.pipes.as_ref())
     }
 
     /// Waits (up to `timeout`) for queued sends to reach the peers, then closes every connection.
     pub fn shutdown(&self, timeout: Duration) {
+        // Shared-memory writes are done when `send` returns; the pipes say this rank has left.
+        if let Some(p) = self.pipes() {
+            p.close();
+        }
         let until = Instant::now() + timeout;
         while self.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(2));
@@ -457,6 +518,11 @@ impl Transport for QuicTransport {
         if let Some(reason) = self.inbox.failure(to) {
             return Err(DistError::PeerFailed { rank: to, reason });
         }
+        if let Some(p) = self.pipes()
+            && let Some(local) = p.local_index(to)
+        {
+            return p.send(local, kind, tag, &payload);
+        }
         let Some(conn) = self.peers[to].clone() else {
             return Err(DistError::PeerFailed {
                 rank: to,
@@ -494,6 +560,10 @@ impl Transport for QuicTransport {
 
     fn accept_losses(&self) {
         self.inbox.accept_losses();
+    }
+
+    fn topology(&self) -> Option<&Topology> {
+        self.local.get().map(|l| &l.topology)
     }
 }
 

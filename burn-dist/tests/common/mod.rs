@@ -130,15 +130,34 @@ pub fn info(rank: usize, world: usize, port: u16) -> RankInfo {
     }
 }
 
+/// QUIC only: ranks of one host do not move to shared memory, so every byte takes the network
+/// path these tests are about.
 pub fn options(timeout: Duration) -> RendezvousOptions {
+    RendezvousOptions {
+        timeout,
+        shm: burn_dist::shm::ShmOptions {
+            enabled: false,
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+/// The default: ranks of one host talk through shared memory.
+pub fn options_shm(timeout: Duration) -> RendezvousOptions {
     RendezvousOptions {
         timeout,
         ..Default::default()
     }
 }
 
-/// Forms a job of `world` ranks as threads; returns them in rank order.
+/// Forms a job of `world` ranks as threads, QUIC only; returns them in rank order.
 pub fn job(world: usize) -> Vec<QuicTransport> {
+    job_with(world, options)
+}
+
+/// [`job`] with the rendezvous options `options` gives for a timeout.
+pub fn job_with(world: usize, options: fn(Duration) -> RendezvousOptions) -> Vec<QuicTransport> {
     let port = free_port();
     let handles: Vec<_> = (0..world)
         .map(|r| {

@@ -1,0 +1,218 @@
+//! Shared memory between the ranks of one host.
+//!
+//! Ranks that share a host talk through a segment in `/dev/shm` instead of QUIC: framed
+//! messages through byte rings behind the [`Transport`](crate::transport::Transport) trait
+//! ([`pipe`]), and allreduce computed in place in the segment ([`reduce`]). No byte is encrypted
+//! or split into datagrams, and each rank reduces its `1/n` of the buffer where it lies.
+//!
+//! How ranks find out ([`setup::negotiate`], run by the rendezvous once the QUIC links exist):
+//! every rank tells every other one its host identity (boot id and network namespace, never
+//! launcher variables); the lowest rank of each host creates a segment with owner-only
+//! permissions and sends its name and a random nonce over the job's authenticated QUIC
+//! connections; the others map it and check the nonce; once all have, the creator removes the
+//! file, so a process outside the job can no longer open it and a killed job leaves nothing
+//! behind. A host whose segment cannot be made (no `/dev/shm`, too small, `HEARTH_SHM=0`) stays
+//! on QUIC, with a warning. Every rank then learns which ranks share a segment ([`Topology`]),
+//! which chooses between a ring, an in-place allreduce, and a hierarchical one.
+//!
+//! Settings: `HEARTH_SHM=0` (off), `HEARTH_SHM_RING_MB` (each pipe, default 4),
+//! `HEARTH_SHM_SLOT_MB` (each rank's reduction slot, default 32), `HEARTH_SHM_STALE` (seconds
+//! without a heartbeat before a rank in another pid namespace counts as dead, default 8).
+
+pub mod pipe;
+pub mod reduce;
+pub mod segment;
+pub mod setup;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub use pipe::Pipes;
+pub use reduce::LocalGroup;
+pub use segment::{Segment, remove_stale};
+
+use crate::transport::{Inbox, Transport, check_peer};
+use crate::wire::Kind;
+use crate::{DistError, Result};
+
+/// Shared-memory settings.
+#[derive(Debug, Clone)]
+pub struct ShmOptions {
+    pub enabled: bool,
+    pub ring_bytes: usize,
+    pub slot_bytes: usize,
+    pub stale: Duration,
+    pub max_frame_bytes: usize,
+    pub frame_timeout: Duration,
+}
+
+impl Default for ShmOptions {
+    fn default() -> Self {
+        let mb = |k: &str, d: usize| {
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .filter(|&v| v > 0)
+                .unwrap_or(d)
+                << 20
+        };
+        Self {
+            enabled: std::env::var("HEARTH_SHM").map_or(true, |v| v.trim() != "0"),
+            ring_bytes: mb("HEARTH_SHM_RING_MB", 4),
+            slot_bytes: mb("HEARTH_SHM_SLOT_MB", 32),
+            stale: crate::rendezvous::env_secs("HEARTH_SHM_STALE")
+                .unwrap_or(Duration::from_secs(8)),
+            max_frame_bytes: mb("HEARTH_MAX_FRAME_MB", 256),
+            frame_timeout: crate::rendezvous::env_secs("HEARTH_FRAME_TIMEOUT")
+                .unwrap_or(Duration::from_secs(120)),
+        }
+    }
+}
+
+/// Which ranks share a segment: for every job rank, the lowest rank of its shared-memory group
+/// (itself when it has none), and this rank's group.
+pub struct Topology {
+    pub leaders: Vec<usize>,
+    pub local: Option<Arc<LocalGroup>>,
+}
+
+impl Topology {
+    /// Every rank on its own (no shared memory anywhere).
+    pub fn flat(world: usize) -> Topology {
+        Topology {
+            leaders: (0..world).collect(),
+            local: None,
+        }
+    }
+
+    /// The distinct group leaders, ascending: one rank per host that shares memory.
+    pub fn group_leaders(&self) -> Vec<usize> {
+        let mut l = self.leaders.clone();
+        l.sort_unstable();
+        l.dedup();
+        l
+    }
+
+    /// Whether any ranks share memory at all.
+    pub fn shares_memory(&self) -> bool {
+        self.group_leaders().len() < self.leaders.len()
+    }
+}
+
+/// A world of ranks that all share one segment: the shared-memory transport alone (tests, and
+/// the transport behind [`crate::transport::quic::QuicTransport`]'s local links).
+pub struct ShmTransport {
+    rank: usize,
+    inbox: Arc<Inbox>,
+    pipes: Pipes,
+    topology: Topology,
+}
+
+impl ShmTransport {
+    /// `world` ranks in this process on one new segment (element `r` is rank `r`); the file is
+    /// removed before this returns.
+    pub fn group(world: usize, options: &ShmOptions) -> Result<Vec<ShmTransport>> {
+        let seg = Arc::new(Segment::create(
+            world,
+            options.ring_bytes,
+            options.slot_bytes,
+        )?);
+        let mut segs = vec![seg.clone()];
+        for _ in 1..world {
+            segs.push(Arc::new(Segment::attach(&seg.name(), seg.nonce(), world)?));
+        }
+        seg.unlink()?;
+        segs.into_iter()
+            .enumerate()
+            .map(|(r, s)| {
+                s.register(r);
+                Self::on(s, r, (0..world).collect(), options)
+            })
+            .collect()
+    }
+
+    /// Rank `me` (local index) of `members` on a mapped segment.
+    pub fn on(
+        seg: Arc<Segment>,
+        me: usize,
+        members: Vec<usize>,
+        options: &ShmOptions,
+    ) -> Result<Self> {
+        let inbox = Arc::new(Inbox::default());
+        let pipes = Pipes::start(
+            seg.clone(),
+            me,
+            members.clone(),
+            inbox.clone(),
+            options.clone(),
+        )?;
+        let world = members.len();
+        let local = LocalGroup::new(seg, me, members.clone(), options.stale);
+        Ok(ShmTransport {
+            rank: members[me],
+            inbox,
+            pipes,
+            topology: Topology {
+                leaders: vec![members[0]; world],
+                local: Some(Arc::new(local)),
+            },
+        })
+    }
+
+    /// Leaves the group as a finished rank does.
+    pub fn close(&self) {
+        self.pipes.close();
+    }
+}
+
+impl Transport for ShmTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.topology.leaders.len()
+    }
+
+    fn send(&self, to: usize, kind: Kind, tag: u64, payload: Vec<u8>) -> Result<()> {
+        check_peer(self, to, "send")?;
+        if let Some(reason) = self.inbox.failure(to) {
+            return Err(DistError::PeerFailed { rank: to, reason });
+        }
+        let local = self
+            .pipes
+            .local_index(to)
+            .ok_or_else(|| DistError::PeerFailed {
+                rank: to,
+                reason: "not on this segment".into(),
+            })?;
+        self.pipes.send(local, kind, tag, &payload)
+    }
+
+    fn recv(&self, from: usize, kind: Kind, tag: u64, deadline: Instant) -> Result<Vec<u8>> {
+        check_peer(self, from, "recv")?;
+        self.inbox.take(from, kind, tag, deadline, "recv")
+    }
+
+    fn recv_any(
+        &self,
+        from: &[usize],
+        kind: Kind,
+        tag: u64,
+        deadline: Instant,
+    ) -> Result<(usize, Vec<u8>)> {
+        crate::transport::check_peers(self, from, "recv_any")?;
+        self.inbox.take_any(from, kind, tag, deadline, "recv_any")
+    }
+
+    fn accept_losses(&self) {
+        self.inbox.accept_losses();
+    }
+
+    fn topology(&self) -> Option<&Topology> {
+        Some(&self.topology)
+    }
+}
+
+#[cfg(test)]
+mod tests;

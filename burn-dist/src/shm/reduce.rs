@@ -1,0 +1,193 @@
+//! Collectives computed in the segment itself: each rank reduces its `1/n` of the buffer reading
+//! the others' values where they lie, instead of passing chunks around a ring.
+//!
+//! A buffer goes through in pieces of half a slot. For a piece split into `n` segments, rank `r`:
+//! 1. copies the segments other ranks reduce into its slot, and arrives at a barrier;
+//! 2. adds the other ranks' copies of segment `r` into its own buffer and writes the sum to its
+//!    slot, and arrives at a barrier;
+//! 3. copies every other segment's sum from its owner's slot.
+//!
+//! Each rank copies `(n-1)/n` of the buffer in and out and reads `(n-1)/n` of a segment from
+//! each peer: no bytes cross a socket, nothing is encrypted, and the `n` reductions run in
+//! parallel. Consecutive pieces alternate slot halves, so the reads of one piece never race the
+//! writes of the next and two barriers per piece suffice. Every segment is summed by one rank
+//! only, so every rank ends with identical values.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::segment::{Segment, Watch, futex_wait, futex_wake};
+use crate::collective::segment;
+use crate::{DistError, Result};
+
+/// The ranks of one host that share a segment, as a group for in-place collectives.
+pub struct LocalGroup {
+    seg: Arc<Segment>,
+    me: usize,
+    members: Vec<usize>,
+    /// Barriers this rank has passed (the same count on every member).
+    barriers: AtomicU32,
+    /// Pieces this rank has moved through the slots (picks the slot half).
+    pieces: AtomicU64,
+    /// One collective at a time from this process.
+    busy: Mutex<Watch>,
+}
+
+impl LocalGroup {
+    pub(crate) fn new(seg: Arc<Segment>, me: usize, members: Vec<usize>, stale: Duration) -> Self {
+        let n = members.len();
+        LocalGroup {
+            seg,
+            me,
+            members,
+            barriers: AtomicU32::new(0),
+            pieces: AtomicU64::new(0),
+            busy: Mutex::new(Watch::new(n, stale)),
+        }
+    }
+
+    /// Job ranks of the group, in local order (the first is the host's leader).
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    /// This rank's local index.
+    pub fn local_rank(&self) -> usize {
+        self.me
+    }
+
+    fn barrier(&self, watch: &mut Watch, deadline: Instant, op: &str) -> Result<()> {
+        let round = self
+            .barriers
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_add(1);
+        let word = &self.seg.header().barrier_word;
+        self.seg
+            .entry(self.me)
+            .arrived
+            .store(round, Ordering::Release);
+        word.fetch_add(1, Ordering::Release);
+        futex_wake(word);
+        let started = Instant::now();
+        let mut spins = 0u32;
+        let mut last_check = Instant::now();
+        loop {
+            let seen = word.load(Ordering::Acquire);
+            let missing = (0..self.members.len()).find(|&k| {
+                let a = self.seg.entry(k).arrived.load(Ordering::Acquire);
+                (a.wrapping_sub(round) as i32) < 0
+            });
+            let Some(k) = missing else { return Ok(()) };
+            if spins < 4096 {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            if last_check.elapsed() >= Duration::from_millis(100) {
+                last_check = Instant::now();
+                let job = self.members[k];
+                if self.seg.entry(k).closed.load(Ordering::Acquire) != 0 {
+                    return Err(DistError::PeerFailed {
+                        rank: job,
+                        reason: format!("it left the job during a shared-memory {op}"),
+                    });
+                }
+                if let Some(why) = watch.dead(&self.seg, k) {
+                    return Err(DistError::PeerFailed {
+                        rank: job,
+                        reason: why,
+                    });
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(DistError::Timeout {
+                    op: format!("shared-memory {op}"),
+                    rank: self.members[k],
+                    after: started.elapsed(),
+                });
+            }
+            futex_wait(word, seen, Duration::from_millis(20));
+        }
+    }
+
+    /// Sums `buf` over the group in place. With `everyone` false only the leader (local rank
+    /// 0) is guaranteed the sum; the others keep partial values (a hierarchical allreduce
+    /// broadcasts the final values afterwards).
+    pub fn reduce(&self, buf: &mut [f32], everyone: bool, deadline: Instant) -> Result<()> {
+        let n = self.members.len();
+        if n == 1 {
+            return Ok(());
+        }
+        let mut watch = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let (_, piece_len) = self.seg.slot(0, 0);
+        for piece in buf.chunks_mut(piece_len) {
+            let half = (self.pieces.fetch_add(1, Ordering::Relaxed) % 2) as usize;
+            let len = piece.len();
+            let slot = |k: usize| {
+                let (p, _) = self.seg.slot(k, half);
+                p
+            };
+            // 1. The segments the others reduce, into this rank's slot.
+            for k in (0..n).filter(|&k| k != self.me) {
+                let (a, b) = segment(len, n, k);
+                // SAFETY: this rank's slot half, written only by it, read by others after the
+                // barrier below; `b <= len <= piece_len`.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(piece[a..b].as_ptr(), slot(self.me).add(a), b - a)
+                };
+            }
+            self.barrier(&mut watch, deadline, "allreduce")?;
+            // 2. This rank's segment: its own values plus every other rank's copy.
+            let (a, b) = segment(len, n, self.me);
+            let mine = &mut piece[a..b];
+            for k in (0..n).filter(|&k| k != self.me) {
+                // SAFETY: rank k wrote this range before the barrier and does not write its
+                // half again before the next piece's barrier.
+                let theirs = unsafe { std::slice::from_raw_parts(slot(k).add(a), b - a) };
+                mine.iter_mut().zip(theirs).for_each(|(m, t)| *m += t);
+            }
+            // SAFETY: this rank's slot, its own segment (no other rank writes it).
+            unsafe { std::ptr::copy_nonoverlapping(mine.as_ptr(), slot(self.me).add(a), b - a) };
+            self.barrier(&mut watch, deadline, "allreduce")?;
+            // 3. The other segments' sums.
+            if everyone || self.me == 0 {
+                for k in (0..n).filter(|&k| k != self.me) {
+                    let (a, b) = segment(len, n, k);
+                    // SAFETY: rank k's sum of its segment, final after the barrier above.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            slot(k).add(a),
+                            piece[a..b].as_mut_ptr(),
+                            b - a,
+                        )
+                    };
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies local rank `root`'s `buf` into every member's `buf`.
+    pub fn broadcast(&self, buf: &mut [f32], root: usize, deadline: Instant) -> Result<()> {
+        if self.members.len() == 1 {
+            return Ok(());
+        }
+        let mut watch = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let (_, piece_len) = self.seg.slot(0, 0);
+        for piece in buf.chunks_mut(piece_len) {
+            let half = (self.pieces.fetch_add(1, Ordering::Relaxed) % 2) as usize;
+            let (src, _) = self.seg.slot(root, half);
+            if self.me == root {
+                // SAFETY: the root's slot half, read by others after the barrier.
+                unsafe { std::ptr::copy_nonoverlapping(piece.as_ptr(), src, piece.len()) };
+            }
+            self.barrier(&mut watch, deadline, "broadcast")?;
+            if self.me != root {
+                // SAFETY: written by the root before the barrier.
+                unsafe { std::ptr::copy_nonoverlapping(src, piece.as_mut_ptr(), piece.len()) };
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,312 @@
+//! Shared memory with ranks as threads of this process: every rank maps the segment on its own,
+//! as separate processes do. Expected sums are computed independently (integers in f64).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::collective::{Communicator, ReduceOp};
+use crate::transport::memory::MemoryTransport;
+use crate::transport::{Transport, conformance};
+
+fn small() -> ShmOptions {
+    ShmOptions {
+        // A one-page ring makes every multi-kilobyte frame wrap around; 8 KiB slots make every
+        // buffer over 1,024 values go through in several pieces.
+        ring_bytes: 4096,
+        slot_bytes: 8192,
+        stale: Duration::from_millis(500),
+        ..ShmOptions::default()
+    }
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(20)
+}
+
+fn each<T: Send + 'static>(
+    ranks: Vec<impl Transport + 'static>,
+    f: impl Fn(Communicator) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let f = Arc::new(f);
+    let handles: Vec<_> = ranks
+        .into_iter()
+        .map(|t| {
+            let f = f.clone();
+            std::thread::spawn(move || {
+                f(Communicator::new(Arc::new(t)).with_timeout(Duration::from_secs(20)))
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("a rank panicked"))
+        .collect()
+}
+
+fn value(rank: usize, i: usize) -> f32 {
+    ((i * 31 + rank * 17) % 101) as f32
+}
+
+fn expected(world: usize, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| (0..world).map(|r| f64::from(value(r, i))).sum::<f64>() as f32)
+        .collect()
+}
+
+#[test]
+fn shared_memory_passes_the_conformance_suite() {
+    for world in [2, 3] {
+        let ranks = ShmTransport::group(world, &small()).unwrap();
+        conformance::run(
+            ranks
+                .into_iter()
+                .map(|t| Arc::new(t) as Arc<dyn Transport>)
+                .collect(),
+        );
+    }
+}
+
+#[test]
+fn the_segment_file_is_gone_once_the_group_exists() {
+    let ranks = ShmTransport::group(2, &small()).unwrap();
+    let me = format!("{}{}-", segment::PREFIX, std::process::id());
+    let left: Vec<String> = std::fs::read_dir(segment::SHM_DIR)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&me))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    drop(ranks);
+}
+
+#[test]
+fn in_place_allreduce_matches_the_sum_for_2_to_4_ranks() {
+    for world in 2..=4 {
+        let ranks = ShmTransport::group(world, &small()).unwrap();
+        let got = each(ranks, move |comm| {
+            let mut out = Vec::new();
+            // Empty, shorter than the ranks, odd, and several pieces (1,024 values each).
+            for len in [0usize, 1, 3, 7, 1000, 1024, 5000] {
+                let mut v: Vec<f32> = (0..len).map(|i| value(comm.rank(), i)).collect();
+                comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                out.push(v);
+            }
+            let mut m = vec![comm.rank() as f32; 3001];
+            comm.allreduce(&mut m, ReduceOp::Mean).unwrap();
+            out.push(m);
+            out
+        });
+        for (r, results) in got.iter().enumerate() {
+            for (v, len) in results.iter().zip([0usize, 1, 3, 7, 1000, 1024, 5000]) {
+                assert_eq!(v, &expected(world, len), "world {world} rank {r} len {len}");
+            }
+            let mean = (0..world).sum::<usize>() as f32 / world as f32;
+            assert!(
+                results[7].iter().all(|&x| x == mean),
+                "world {world} rank {r} mean"
+            );
+        }
+    }
+}
+
+/// A job of `world` ranks over in-memory "network" links where ranks `hosts[r]` share a
+/// segment per host: the hierarchical allreduce without sockets.
+struct Hosted {
+    net: MemoryTransport,
+    topology: Topology,
+}
+
+impl Transport for Hosted {
+    fn rank(&self) -> usize {
+        self.net.rank()
+    }
+    fn world(&self) -> usize {
+        self.net.world()
+    }
+    fn send(
+        &self,
+        to: usize,
+        kind: crate::wire::Kind,
+        tag: u64,
+        payload: Vec<u8>,
+    ) -> crate::Result<()> {
+        self.net.send(to, kind, tag, payload)
+    }
+    fn recv(
+        &self,
+        from: usize,
+        kind: crate::wire::Kind,
+        tag: u64,
+        deadline: Instant,
+    ) -> crate::Result<Vec<u8>> {
+        self.net.recv(from, kind, tag, deadline)
+    }
+    fn recv_any(
+        &self,
+        from: &[usize],
+        kind: crate::wire::Kind,
+        tag: u64,
+        deadline: Instant,
+    ) -> crate::Result<(usize, Vec<u8>)> {
+        self.net.recv_any(from, kind, tag, deadline)
+    }
+    fn topology(&self) -> Option<&Topology> {
+        Some(&self.topology)
+    }
+}
+
+fn hosted(hosts: &[usize]) -> Vec<Hosted> {
+    let world = hosts.len();
+    let o = small();
+    let mut groups: Vec<Option<Arc<LocalGroup>>> = vec![None; world];
+    let mut leaders = vec![0; world];
+    for h in 0..=*hosts.iter().max().unwrap() {
+        let members: Vec<usize> = (0..world).filter(|&r| hosts[r] == h).collect();
+        for &m in &members {
+            leaders[m] = members[0];
+        }
+        if members.len() < 2 {
+            continue;
+        }
+        let seg = Arc::new(Segment::create(members.len(), o.ring_bytes, o.slot_bytes).unwrap());
+        for (li, &m) in members.iter().enumerate() {
+            let s = if li == 0 {
+                seg.clone()
+            } else {
+                Arc::new(Segment::attach(&seg.name(), seg.nonce(), members.len()).unwrap())
+            };
+            s.register(li);
+            groups[m] = Some(Arc::new(LocalGroup::new(s, li, members.clone(), o.stale)));
+        }
+        seg.unlink().unwrap();
+    }
+    MemoryTransport::mesh(world)
+        .into_iter()
+        .zip(groups)
+        .map(|(net, local)| Hosted {
+            net,
+            topology: Topology {
+                leaders: leaders.clone(),
+                local,
+            },
+        })
+        .collect()
+}
+
+#[test]
+fn hierarchical_allreduce_matches_the_sum_across_uneven_hosts() {
+    // Two hosts of two; three hosts of 2, 1 and 3 ranks (a host without shared memory among them).
+    for hosts in [vec![0, 0, 1, 1], vec![0, 1, 0, 2, 2, 2]] {
+        let world = hosts.len();
+        let got = each(hosted(&hosts), move |comm| {
+            let mut out = Vec::new();
+            for len in [0usize, 1, 5, 1024, 4099] {
+                let mut v: Vec<f32> = (0..len).map(|i| value(comm.rank(), i)).collect();
+                comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                out.push(v);
+            }
+            out
+        });
+        for (r, results) in got.iter().enumerate() {
+            for (v, len) in results.iter().zip([0usize, 1, 5, 1024, 4099]) {
+                assert_eq!(
+                    v,
+                    &expected(world, len),
+                    "hosts {hosts:?} rank {r} len {len}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_stops_beating_fails_the_barrier_naming_it() {
+    // Two ranks on a segment without readers (so no heartbeats): rank 1 never arrives.
+    let o = small();
+    let seg = Arc::new(Segment::create(2, o.ring_bytes, o.slot_bytes).unwrap());
+    seg.unlink().unwrap();
+    seg.register(0);
+    // Rank 1 "lives" in another pid namespace as far as the watch can tell: heartbeat only.
+    seg.register(1);
+    seg.entry(1)
+        .pid_ns
+        .store(1, std::sync::atomic::Ordering::Relaxed);
+    let group = LocalGroup::new(seg, 0, vec![5, 9], o.stale);
+    let started = Instant::now();
+    let e = group.reduce(&mut [1.0; 10], true, soon()).unwrap_err();
+    assert!(
+        matches!(e, crate::DistError::PeerFailed { rank: 9, .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("heartbeat"), "{e}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_rank_that_leaves_delivers_its_last_messages_first() {
+    let mut ranks = ShmTransport::group(2, &small()).unwrap();
+    let one = ranks.pop().unwrap();
+    let zero = ranks.pop().unwrap();
+    for tag in 0..5u64 {
+        one.send(0, crate::wire::Kind::User, tag, vec![tag as u8; 10_000])
+            .unwrap();
+    }
+    one.close();
+    for tag in 0..5u64 {
+        assert_eq!(
+            zero.recv(1, crate::wire::Kind::User, tag, soon()).unwrap(),
+            vec![tag as u8; 10_000]
+        );
+    }
+    let e = zero
+        .recv(1, crate::wire::Kind::User, 9, soon())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank 1") && e.contains("finished"), "{e}");
+    assert!(
+        zero.send(1, crate::wire::Kind::User, 0, vec![1; 100_000])
+            .is_err()
+    );
+}
+
+#[test]
+fn attach_refuses_foreign_names_wrong_nonces_and_open_permissions() {
+    let seg = Segment::create(2, 4096, 8192).unwrap();
+    let nonce = seg.nonce();
+    assert!(Segment::attach("../etc/passwd", nonce, 2).is_err());
+    assert!(Segment::attach("not-ours", nonce, 2).is_err());
+    let e = Segment::attach(&seg.name(), [nonce[0], nonce[1] ^ 1], 2)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("nonce"), "{e}");
+    assert!(
+        Segment::attach(&seg.name(), nonce, 3).is_err(),
+        "a different world size"
+    );
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(seg.path(), std::fs::Permissions::from_mode(0o644)).unwrap();
+    let e = Segment::attach(&seg.name(), nonce, 2)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("owner-only"), "{e}");
+}
+
+#[test]
+fn stale_segments_of_dead_processes_are_removed_and_live_ones_kept() {
+    // A pid above the kernel's maximum never runs; this process's own name is live.
+    let dead = std::path::Path::new(segment::SHM_DIR)
+        .join(format!("{}4194305-1-deadbeef", segment::PREFIX));
+    std::fs::write(&dead, b"x").unwrap();
+    let live = Segment::create(2, 4096, 8192).unwrap();
+    assert!(remove_stale() >= 1);
+    assert!(!dead.exists());
+    assert!(live.path().exists());
+}
