@@ -1,4 +1,5 @@
-//! `hearth bench allreduce`: ring allreduce over QUIC on loopback, N local ranks.
+//! `hearth bench allreduce`: allreduce among N local ranks on loopback (shared memory between
+//! them by default, QUIC only with `HEARTH_SHM=0`).
 //!
 //! Each size is timed over `iters` allreduces after `warmup` untimed ones; rank 0 prints one line
 //! per size in nccl-tests' terms: `size_mb=S time_ms=T algbw_GBps=A busbw_GBps=B`, where

@@ -16,7 +16,7 @@ pub(crate) enum BenchCommand {
     Model(BenchModelArgs),
     /// Images/s of the training data pipeline (decode, augmentation, batch to a tensor).
     Loader(BenchLoaderArgs),
-    /// Ring allreduce over QUIC on loopback: time, algbw and busbw per size.
+    /// Allreduce among local ranks (shared memory; QUIC with HEARTH_SHM=0): time, algbw, busbw.
     Allreduce(BenchAllreduceArgs),
     /// One rank of `bench allreduce` (started by it).
     #[command(hide = true)]
@@ -97,8 +97,14 @@ pub(crate) fn bench_allreduce(a: BenchAllreduceArgs) -> Result<()> {
     ];
     args.extend(a.size_mb.iter().map(|s| s.to_string()));
     eprintln!(
-        "ring allreduce, {} ranks over QUIC on 127.0.0.1, {} timed iterations per size",
-        a.ranks, a.iters
+        "allreduce, {} ranks on 127.0.0.1 ({}), {} timed iterations per size",
+        a.ranks,
+        if hearth::dist::shm::ShmOptions::default().enabled {
+            "shared memory between them; HEARTH_SHM=0 for QUIC only"
+        } else {
+            "QUIC only: HEARTH_SHM=0"
+        },
+        a.iters
     );
     let outcome = hearth::launch::launch(&hearth::launch::LaunchConfig {
         nproc: a.ranks,

@@ -16,7 +16,7 @@
 //! which chooses between a ring, an in-place allreduce, and a hierarchical one.
 //!
 //! Settings: `HEARTH_SHM=0` (off), `HEARTH_SHM_RING_MB` (each pipe, default 4),
-//! `HEARTH_SHM_SLOT_MB` (each rank's reduction slot, default 32), `HEARTH_SHM_STALE` (seconds
+//! `HEARTH_SHM_SLOT_MB` or `HEARTH_SHM_SLOT_KB` (each rank's reduction slot, default 1 MiB), `HEARTH_SHM_STALE` (seconds
 //! without a heartbeat before a rank in another pid namespace counts as dead, default 8).
 
 pub mod pipe;
@@ -59,7 +59,14 @@ impl Default for ShmOptions {
         Self {
             enabled: std::env::var("HEARTH_SHM").map_or(true, |v| v.trim() != "0"),
             ring_bytes: mb("HEARTH_SHM_RING_MB", 4),
-            slot_bytes: mb("HEARTH_SHM_SLOT_MB", 32),
+            // Small pieces stay in cache between the copy in, the reduction and the copy out:
+            // 100 MB, 2 ranks here took 10.8 ms with 1 MiB slots, 17 ms with 8 MiB, 32 ms with
+            // 64 MiB (BENCHMARKS.md).
+            slot_bytes: std::env::var("HEARTH_SHM_SLOT_KB")
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .filter(|&v| v > 0)
+                .map_or_else(|| mb("HEARTH_SHM_SLOT_MB", 1), |kb| kb << 10),
             stale: crate::rendezvous::env_secs("HEARTH_SHM_STALE")
                 .unwrap_or(Duration::from_secs(8)),
             max_frame_bytes: mb("HEARTH_MAX_FRAME_MB", 256),

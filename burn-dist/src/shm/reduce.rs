@@ -21,6 +21,10 @@ use super::segment::{Segment, Watch, futex_wait, futex_wake};
 use crate::collective::segment;
 use crate::{DistError, Result};
 
+/// How long a barrier spins before it sleeps (rounds bound it when the clock is slow to read).
+const SPIN: Duration = Duration::from_micros(200);
+const SPIN_ROUNDS: u32 = 1 << 20;
+
 /// The ranks of one host that share a segment, as a group for in-place collectives.
 pub struct LocalGroup {
     seg: Arc<Segment>,
@@ -32,6 +36,8 @@ pub struct LocalGroup {
     pieces: AtomicU64,
     /// One collective at a time from this process.
     busy: Mutex<Watch>,
+    /// More ranks on this host than cores.
+    oversubscribed: bool,
 }
 
 impl LocalGroup {
@@ -44,6 +50,7 @@ impl LocalGroup {
             barriers: AtomicU32::new(0),
             pieces: AtomicU64::new(0),
             busy: Mutex::new(Watch::new(n, stale)),
+            oversubscribed: std::thread::available_parallelism().map_or(true, |c| n > c.get()),
         }
     }
 
@@ -79,9 +86,16 @@ impl LocalGroup {
                 (a.wrapping_sub(round) as i32) < 0
             });
             let Some(k) = missing else { return Ok(()) };
-            if spins < 4096 {
+            // Spin briefly (the others are usually microseconds away), then sleep on the word.
+            // With more ranks than cores the waiting rank yields its core instead: the ranks it
+            // waits for need it.
+            if spins < SPIN_ROUNDS && started.elapsed() < SPIN {
                 spins += 1;
-                std::hint::spin_loop();
+                if self.oversubscribed {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
                 continue;
             }
             if last_check.elapsed() >= Duration::from_millis(100) {
