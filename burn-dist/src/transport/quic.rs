@@ -43,6 +43,10 @@ pub struct QuicOptions {
     /// must find room within it (`HEARTH_FRAME_TIMEOUT` seconds, default 120); otherwise the
     /// peer is failed.
     pub frame_timeout: Duration,
+    /// Packets a receiver may take before it must acknowledge (`HEARTH_QUIC_ACK_EVERY`,
+    /// default 20; 2 is QUIC's usual every other packet), through QUIC's ACK-frequency
+    /// extension, which both ends of a Hearth job speak.
+    pub ack_every: u32,
 }
 
 impl Default for QuicOptions {
@@ -50,12 +54,16 @@ impl Default for QuicOptions {
         Self {
             idle_timeout: Duration::from_secs(5),
             fixed_mtu: None,
-            window_bytes: 64 << 20,
+            window_bytes: env_mb("HEARTH_QUIC_WINDOW_MB").unwrap_or(64 << 20) as u64,
             socket_buffer: 16 << 20,
             max_frame_bytes: env_mb("HEARTH_MAX_FRAME_MB").unwrap_or(256 << 20),
             inbox_bytes: env_mb("HEARTH_INBOX_MB").unwrap_or(1 << 30),
             frame_timeout: crate::rendezvous::env_secs("HEARTH_FRAME_TIMEOUT")
                 .unwrap_or(Duration::from_secs(120)),
+            ack_every: std::env::var("HEARTH_QUIC_ACK_EVERY")
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(20),
         }
     }
 }
@@ -108,6 +116,14 @@ impl QuicOptions {
                 ));
             }
             _ => {}
+        }
+        // Fewer acknowledgements: on a saturated link every ACK packet takes the place of data
+        // (quinn's default acknowledges every other packet: a third of all packets).
+        if self.ack_every > 2 {
+            let mut ack = quinn::AckFrequencyConfig::default();
+            ack.ack_eliciting_threshold(VarInt::from_u32(self.ack_every - 1))
+                .max_ack_delay(Some(Duration::from_millis(5)));
+            t.ack_frequency_config(Some(ack));
         }
         if let Some(mtu) = self.fixed_mtu {
             t.initial_mtu(mtu);
@@ -475,10 +491,13 @@ impl QuicTransport {
             if std::env::var_os("HEARTH_QUIC_DEBUG").is_some() {
                 let st = c.stats();
                 eprintln!(
-                    "burn-dist rank {}: to {}: sent {} datagrams, lost {} packets, cwnd {}, rtt {:?}, mtu {}",
+                    "burn-dist rank {}: to {}: sent {} datagrams in {} sends, received {} in {}, lost {} packets, cwnd {}, rtt {:?}, mtu {}",
                     self.rank,
                     c.remote_address(),
                     st.udp_tx.datagrams,
+                    st.udp_tx.ios,
+                    st.udp_rx.datagrams,
+                    st.udp_rx.ios,
                     st.path.lost_packets,
                     st.path.cwnd,
                     st.path.rtt,
