@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::transport::Transport;
+use crate::transport::{Payload, Transport};
 use crate::wire::{Kind, WireError};
 use crate::{DistError, Result};
 
@@ -97,6 +97,43 @@ impl Compression {
                     f(o, half::f16::from_le_bytes([c[0], c[1]]).to_f32());
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// [`Compression::decode_with`] over a payload in pieces, which may split a value.
+    pub(crate) fn decode_payload_with(
+        self,
+        payload: &Payload,
+        out: &mut [f32],
+        f: impl Fn(&mut f32, f32),
+    ) -> std::result::Result<(), WireError> {
+        let w = self.bytes_per_value();
+        if payload.len() != out.len() * w {
+            return Err(WireError::Length {
+                expected: (out.len() * w) as u64,
+                got: payload.len() as u64,
+            });
+        }
+        let (mut i, mut carry, mut have) = (0usize, [0u8; 4], 0usize);
+        for mut piece in payload.pieces() {
+            if have > 0 {
+                let take = (w - have).min(piece.len());
+                carry[have..have + take].copy_from_slice(&piece[..take]);
+                have += take;
+                piece = &piece[take..];
+                if have < w {
+                    continue;
+                }
+                self.decode_with(&carry[..w], &mut out[i..i + 1], &f)?;
+                i += 1;
+            }
+            let whole = piece.len() / w * w;
+            self.decode_with(&piece[..whole], &mut out[i..i + whole / w], &f)?;
+            i += whole / w;
+            let rest = &piece[whole..];
+            carry[..rest.len()].copy_from_slice(rest);
+            have = rest.len();
         }
         Ok(())
     }
@@ -228,8 +265,12 @@ impl Communicator {
     }
 
     pub(crate) fn recv(&self, from: usize, tag: u64, op: &str) -> Result<Vec<u8>> {
+        self.recv_payload(from, tag, op).map(Payload::into_vec)
+    }
+
+    pub(crate) fn recv_payload(&self, from: usize, tag: u64, op: &str) -> Result<Payload> {
         self.transport
-            .recv(from, self.kind, tag, self.deadline())
+            .recv_payload(from, self.kind, tag, self.deadline())
             .map_err(|e| match e {
                 DistError::Timeout { rank, after, .. } => DistError::Timeout {
                     op: op.to_string(),

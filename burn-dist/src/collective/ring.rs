@@ -73,12 +73,13 @@ pub(crate) fn ring(
         let (_, recv_seg, reduce) = steps[step];
         let s = seg(recv_seg);
         for c in 0..chunks(s) {
-            let bytes = comm.recv(prev, tag(op, step, c), op_name)?;
+            // Decoded straight from the transport's buffers.
+            let bytes = comm.recv_payload(prev, tag(op, step, c), op_name)?;
             let (a, b) = chunk_range(s, c);
             let decoded = if reduce {
-                compression.decode_with(&bytes, &mut buf[a..b], |o, w| *o += w)
+                compression.decode_payload_with(&bytes, &mut buf[a..b], |o, w| *o += w)
             } else {
-                compression.decode_with(&bytes, &mut buf[a..b], |o, w| *o = w)
+                compression.decode_payload_with(&bytes, &mut buf[a..b], |o, w| *o = w)
             };
             decoded.map_err(|e| DistError::Mismatch {
                 op: op_name.to_string(),

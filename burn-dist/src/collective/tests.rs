@@ -221,3 +221,35 @@ fn mismatched_lengths_are_an_error_not_a_hang() {
     });
     assert!(results.iter().any(|r| r.is_err()), "{results:?}");
 }
+
+#[test]
+fn payloads_in_pieces_decode_as_whole_ones_wherever_the_pieces_split_values() {
+    use crate::transport::Payload;
+    let values: Vec<f32> = (0..53).map(|i| i as f32 * 0.37 - 4.0).collect();
+    for c in [Compression::None, Compression::Bf16, Compression::Fp16] {
+        let bytes = c.encode(&values);
+        let mut whole = vec![1.0f32; values.len()];
+        c.decode_with(&bytes, &mut whole, |o, w| *o += w).unwrap();
+        // Pieces of 1, 2, 3, 5 and 7 bytes in turn, and an empty one: values split every way.
+        for first in [0usize, 1, 2, 3] {
+            let mut pieces = vec![bytes::Bytes::copy_from_slice(&bytes[..first])];
+            let (mut at, mut k) = (first, 0);
+            while at < bytes.len() {
+                let n = [1, 2, 3, 5, 7][k % 5].min(bytes.len() - at);
+                pieces.push(bytes::Bytes::copy_from_slice(&bytes[at..at + n]));
+                pieces.push(bytes::Bytes::new());
+                at += n;
+                k += 1;
+            }
+            let mut got = vec![1.0f32; values.len()];
+            c.decode_payload_with(&Payload::Pieces(pieces), &mut got, |o, w| *o += w)
+                .unwrap();
+            assert_eq!(got, whole, "{c:?} first piece {first}");
+        }
+        let short = Payload::Pieces(vec![bytes::Bytes::copy_from_slice(&bytes[1..])]);
+        assert!(
+            c.decode_payload_with(&short, &mut vec![0.0; values.len()], |o, w| *o = w)
+                .is_err()
+        );
+    }
+}

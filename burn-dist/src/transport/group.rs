@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::Transport;
+use super::{Payload, Transport};
 use crate::wire::Kind;
 use crate::{DistError, Result};
 
@@ -104,6 +104,17 @@ impl Transport for Group {
     fn recv(&self, from: usize, kind: Kind, tag: u64, deadline: Instant) -> Result<Vec<u8>> {
         self.parent
             .recv(self.job_rank(from)?, kind, self.tag(tag)?, deadline)
+    }
+
+    fn recv_payload(
+        &self,
+        from: usize,
+        kind: Kind,
+        tag: u64,
+        deadline: Instant,
+    ) -> Result<Payload> {
+        self.parent
+            .recv_payload(self.job_rank(from)?, kind, self.tag(tag)?, deadline)
     }
 
     fn recv_any(

@@ -32,6 +32,18 @@ pub trait Transport: Send + Sync {
     /// The payload `from` sent under `(kind, tag)`, waiting until `deadline`.
     fn recv(&self, from: usize, kind: Kind, tag: u64, deadline: Instant) -> Result<Vec<u8>>;
 
+    /// As [`Transport::recv`], in the pieces the transport read it in when it has them (QUIC:
+    /// quinn's own buffers), so a collective decodes them without joining them first.
+    fn recv_payload(
+        &self,
+        from: usize,
+        kind: Kind,
+        tag: u64,
+        deadline: Instant,
+    ) -> Result<Payload> {
+        self.recv(from, kind, tag, deadline).map(Payload::Whole)
+    }
+
     /// The first payload any rank of `from` sent under `(kind, tag)`, with its sender, waiting
     /// until `deadline`: a server answering whichever worker asks first. A failed rank of
     /// `from` is a [`DistError::PeerFailed`] naming it (after [`Transport::accept_losses`] the
@@ -70,9 +82,50 @@ pub(crate) fn check_peer(t: &dyn Transport, peer: usize, op: &str) -> Result<()>
     Ok(())
 }
 
+/// A received message: one buffer, or the pieces a network transport read it in.
+#[derive(Debug)]
+pub enum Payload {
+    Whole(Vec<u8>),
+    Pieces(Vec<bytes::Bytes>),
+}
+
+impl Payload {
+    pub fn len(&self) -> usize {
+        match self {
+            Payload::Whole(v) => v.len(),
+            Payload::Pieces(p) => p.iter().map(|b| b.len()).sum(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes in order, piece by piece.
+    pub fn pieces(&self) -> Box<dyn Iterator<Item = &[u8]> + '_> {
+        match self {
+            Payload::Whole(v) => Box::new(std::iter::once(v.as_slice())),
+            Payload::Pieces(p) => Box::new(p.iter().map(|b| b.as_ref())),
+        }
+    }
+
+    /// One buffer (joining pieces is the one copy).
+    pub fn into_vec(self) -> Vec<u8> {
+        match self {
+            Payload::Whole(v) => v,
+            Payload::Pieces(mut p) if p.len() == 1 => p.pop().map(Vec::from).unwrap_or_default(),
+            Payload::Pieces(p) => {
+                let mut v = Vec::with_capacity(p.iter().map(|b| b.len()).sum());
+                p.iter().for_each(|b| v.extend_from_slice(b));
+                v
+            }
+        }
+    }
+}
+
 #[derive(Default)]
 struct InboxState {
-    messages: HashMap<(usize, Kind, u64), VecDeque<Vec<u8>>>,
+    messages: HashMap<(usize, Kind, u64), VecDeque<Payload>>,
     /// Bytes reserved for frames being read plus bytes delivered and not yet taken.
     held: usize,
     /// Peers whose link ended, gracefully or not.
@@ -142,6 +195,11 @@ impl Inbox {
 
     /// Delivers a frame whose room was reserved with [`Inbox::try_reserve`].
     pub fn deliver_reserved(&self, from: usize, kind: Kind, tag: u64, payload: Vec<u8>) {
+        self.deliver_reserved_payload(from, kind, tag, Payload::Whole(payload));
+    }
+
+    /// [`Inbox::deliver_reserved`] for a message in pieces.
+    pub fn deliver_reserved_payload(&self, from: usize, kind: Kind, tag: u64, payload: Payload) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         s.messages
             .entry((from, kind, tag))
@@ -158,7 +216,7 @@ impl Inbox {
         s.messages
             .entry((from, kind, tag))
             .or_default()
-            .push_back(payload);
+            .push_back(Payload::Whole(payload));
         self.arrived.notify_all();
     }
 
@@ -204,6 +262,19 @@ impl Inbox {
         self.take_any(&[from], kind, tag, deadline, op)
             .map(|(_, m)| m)
     }
+
+    /// [`Inbox::take`] without joining a message's pieces.
+    pub fn take_payload(
+        &self,
+        from: usize,
+        kind: Kind,
+        tag: u64,
+        deadline: Instant,
+        op: &str,
+    ) -> Result<Payload> {
+        self.take_any_payload(&[from], kind, tag, deadline, op)
+            .map(|(_, m)| m)
+    }
 }
 
 impl Inbox {
@@ -217,6 +288,18 @@ impl Inbox {
         deadline: Instant,
         op: &str,
     ) -> Result<(usize, Vec<u8>)> {
+        self.take_any_payload(from, kind, tag, deadline, op)
+            .map(|(r, m)| (r, m.into_vec()))
+    }
+
+    fn take_any_payload(
+        &self,
+        from: &[usize],
+        kind: Kind,
+        tag: u64,
+        deadline: Instant,
+        op: &str,
+    ) -> Result<(usize, Payload)> {
         if from.is_empty() {
             return Err(DistError::Config(format!("{op}: no rank to receive from")));
         }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use quinn::{Connection, Endpoint, RecvStream, VarInt};
 
-use super::{Inbox, Transport, check_peer};
+use super::{Inbox, Payload, Transport, check_peer};
 use crate::shm::{LocalGroup, Pipes, ShmOptions, Topology};
 use crate::tls::{self, Identity};
 use crate::wire::{HEADER_LEN, Header, Kind};
@@ -257,6 +257,27 @@ async fn read_header(
     Ok(header)
 }
 
+/// Reads exactly `len` payload bytes as the pieces quinn hands over, without copying them.
+async fn read_pieces(stream: &mut RecvStream, len: usize) -> std::result::Result<Payload, String> {
+    let mut pieces = Vec::new();
+    let mut got = 0;
+    while got < len {
+        match stream.read_chunk(len - got, true).await {
+            Ok(Some(chunk)) => {
+                got += chunk.bytes.len();
+                pieces.push(chunk.bytes);
+            }
+            Ok(None) => {
+                return Err(format!(
+                    "the stream ended after {got} of {len} payload bytes"
+                ));
+            }
+            Err(e) => return Err(format!("reading a {len}-byte payload: {e}")),
+        }
+    }
+    Ok(Payload::Pieces(pieces))
+}
+
 async fn read_payload(stream: &mut RecvStream, len: usize) -> std::result::Result<Vec<u8>, String> {
     // Appended chunk by chunk as quinn hands them over (no zero-fill of the buffer first).
     let mut payload = Vec::with_capacity(len);
@@ -281,7 +302,7 @@ async fn receive_frame(
     stream: &mut RecvStream,
     inbox: &Inbox,
     options: &QuicOptions,
-) -> std::result::Result<(Header, Vec<u8>), String> {
+) -> std::result::Result<(Header, Payload), String> {
     let timeout = options.frame_timeout;
     let max_len = options.max_frame_bytes.min(inbox.budget());
     let header = tokio::time::timeout(timeout, read_header(stream, max_len))
@@ -300,7 +321,7 @@ async fn receive_frame(
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    match tokio::time::timeout(timeout, read_payload(stream, len)).await {
+    match tokio::time::timeout(timeout, read_pieces(stream, len)).await {
         Ok(Ok(payload)) => Ok((header, payload)),
         Ok(Err(e)) => {
             inbox.release(len);
@@ -384,9 +405,8 @@ impl QuicTransport {
                             let options = options.clone();
                             tokio::spawn(async move {
                                 match receive_frame(&mut stream, &inbox, &options).await {
-                                    Ok((h, payload)) if h.epoch == epoch => {
-                                        inbox.deliver_reserved(from, h.kind, h.seq, payload)
-                                    }
+                                    Ok((h, payload)) if h.epoch == epoch => inbox
+                                        .deliver_reserved_payload(from, h.kind, h.seq, payload),
                                     Ok((h, payload)) => {
                                         inbox.release(payload.len());
                                         log::warn!(
@@ -564,6 +584,17 @@ impl Transport for QuicTransport {
     fn recv(&self, from: usize, kind: Kind, tag: u64, deadline: Instant) -> Result<Vec<u8>> {
         check_peer(self, from, "recv")?;
         self.inbox.take(from, kind, tag, deadline, "recv")
+    }
+
+    fn recv_payload(
+        &self,
+        from: usize,
+        kind: Kind,
+        tag: u64,
+        deadline: Instant,
+    ) -> Result<Payload> {
+        check_peer(self, from, "recv")?;
+        self.inbox.take_payload(from, kind, tag, deadline, "recv")
     }
 
     fn recv_any(
