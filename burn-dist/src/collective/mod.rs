@@ -46,6 +46,13 @@ impl Compression {
     pub(crate) fn encode(self, v: &[f32]) -> Vec<u8> {
         // Fixed-size chunks the compiler turns into straight copies (no per-value pushes).
         let w = self.bytes_per_value();
+        #[cfg(target_endian = "little")]
+        if self == Compression::None {
+            // f32s in memory are their little-endian bytes: one copy, no zero-fill first.
+            // SAFETY: any initialised memory is valid as u8, and the length is the slice's.
+            let bytes = unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), v.len() * 4) };
+            return bytes.to_vec();
+        }
         let mut out = vec![0u8; v.len() * w];
         match self {
             Compression::None => {
