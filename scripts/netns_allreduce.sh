@@ -89,5 +89,10 @@ bound_ms = 2 * (n - 1) / n * mb * 1e6 * 8 / bps * 1e3
 print(f"{line} bound_ms={bound_ms:.1f} ratio_to_bound={ms / bound_ms:.3f}")
 PY
 done < <(grep '^size_mb=' "$OUT.0")
-if [ -n "${HEARTH_QUIC_DEBUG:-}" ]; then grep -h 'burn-dist' "$OUT".* >&2 || true; fi
+if [ -n "${HEARTH_QUIC_DEBUG:-}" ]; then
+    grep -h 'burn-dist' "$OUT".* >&2 || true
+    for i in $(seq 0 $((RANKS - 1))); do
+        echo "rank $i qdisc: $(ip netns exec "hearth-r$i" tc -s qdisc show dev "v$i" | tr '\n' ' ')" >&2
+    done
+fi
 rm -f "$OUT".*
