@@ -10,12 +10,12 @@ mod common;
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn_dist::rendezvous::{RankInfo, connect};
 use burn_dist::tls::Membership;
 use burn_dist::{Communicator, ReduceOp, Transport};
-use common::{SECRET, options_shm};
+use common::{SECRET, finish, options_shm};
 
 const PORT: u16 = 29511;
 
@@ -126,27 +126,6 @@ fn child() {
     assert!(m.iter().all(|&x| x == mean));
     comm.barrier().expect("barrier");
     println!("rank {rank}: hierarchical OK");
-}
-
-fn finish(mut child: Child, limit: Duration) -> (bool, String) {
-    let until = Instant::now() + limit;
-    loop {
-        match child.try_wait() {
-            Ok(Some(_)) => break,
-            _ if Instant::now() > until => {
-                let _ = child.kill();
-                break;
-            }
-            _ => std::thread::sleep(Duration::from_millis(50)),
-        }
-    }
-    let out = child.wait_with_output().expect("child output");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
 }
 
 #[test]

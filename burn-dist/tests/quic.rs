@@ -15,7 +15,7 @@ use burn_dist::rendezvous::{RankInfo, connect};
 use burn_dist::tls::Membership;
 use burn_dist::transport::quic::QuicTransport;
 use burn_dist::{Communicator, DistError, ReduceOp, Transport};
-use common::{SECRET, free_port, info, job, job_with, options, options_shm};
+use common::{SECRET, finish, free_port, info, job, job_with, options, options_shm};
 
 /// Runs `f` on each rank in a thread and returns the results in rank order, with a deadline.
 fn each<T: Send + 'static>(
@@ -199,28 +199,6 @@ fn spawn_rank(rank: usize, world: usize, port: u16, mode: &str, shm: bool) -> Ch
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawning a rank")
-}
-
-/// Waits for `child` up to `limit`, killing it past that; returns (exit ok, stdout+stderr).
-fn finish(mut child: Child, limit: Duration) -> (bool, String) {
-    let until = Instant::now() + limit;
-    loop {
-        match child.try_wait() {
-            Ok(Some(_)) => break,
-            _ if Instant::now() > until => {
-                let _ = child.kill();
-                break;
-            }
-            _ => std::thread::sleep(Duration::from_millis(50)),
-        }
-    }
-    let out = child.wait_with_output().expect("child output");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
 }
 
 /// One rank of a process test (does nothing unless BURN_DIST_CHILD is set).

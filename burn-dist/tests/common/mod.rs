@@ -2,8 +2,9 @@
 //! ranks as threads over the in-memory transport, and the weight comparison.
 #![allow(dead_code)]
 
+use std::process::Child;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, Relu};
@@ -174,4 +175,26 @@ pub fn job_with(world: usize, options: fn(Duration) -> RendezvousOptions) -> Vec
         .into_iter()
         .map(|h| h.join().expect("rendezvous thread").expect("rendezvous"))
         .collect()
+}
+
+/// Waits for `child` up to `limit`, killing it past that; returns (exit ok, stdout+stderr).
+pub fn finish(mut child: Child, limit: Duration) -> (bool, String) {
+    let until = Instant::now() + limit;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            _ if Instant::now() > until => {
+                let _ = child.kill();
+                break;
+            }
+            _ => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+    let out = child.wait_with_output().expect("child output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
 }

@@ -13,12 +13,17 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
-use quinn::{Connection, Endpoint, RecvStream, VarInt};
+use quinn::{Connection, Endpoint, VarInt};
+
+mod stream;
+
+use stream::receive_frame;
+pub(crate) use stream::{read_frame, write_frame};
 
 use super::{Inbox, Payload, Transport, check_peer};
 use crate::shm::{LocalGroup, Pipes, ShmOptions, Topology};
 use crate::tls::{self, Identity};
-use crate::wire::{HEADER_LEN, Header, Kind};
+use crate::wire::{Header, Kind};
 use crate::{DistError, Result};
 
 /// Connection settings.
@@ -224,138 +229,6 @@ impl QuicNode {
             source,
         })
     }
-}
-
-/// Reads one whole frame from a stream: header, then exactly `len` payload bytes, refusing a
-/// length over `max_len` before allocating anything.
-pub(crate) async fn read_frame(
-    stream: &mut RecvStream,
-    max_len: usize,
-) -> std::result::Result<(Header, Vec<u8>), String> {
-    let header = read_header(stream, max_len).await?;
-    let payload = read_payload(stream, header.len as usize).await?;
-    Ok((header, payload))
-}
-
-async fn read_header(
-    stream: &mut RecvStream,
-    max_len: usize,
-) -> std::result::Result<Header, String> {
-    let mut head = [0u8; HEADER_LEN];
-    stream
-        .read_exact(&mut head)
-        .await
-        .map_err(|e| format!("reading a frame header: {e}"))?;
-    let header = Header::decode(&head).map_err(|e| format!("malformed frame: {e}"))?;
-    if header.len as usize > max_len {
-        return Err(format!(
-            "a frame announces {} payload bytes, over the limit of {max_len} \
-             (HEARTH_MAX_FRAME_MB)",
-            header.len
-        ));
-    }
-    Ok(header)
-}
-
-/// Reads exactly `len` payload bytes as the pieces quinn hands over, without copying them.
-async fn read_pieces(stream: &mut RecvStream, len: usize) -> std::result::Result<Payload, String> {
-    let mut pieces = Vec::new();
-    let mut got = 0;
-    while got < len {
-        match stream.read_chunk(len - got, true).await {
-            Ok(Some(chunk)) => {
-                got += chunk.bytes.len();
-                pieces.push(chunk.bytes);
-            }
-            Ok(None) => {
-                return Err(format!(
-                    "the stream ended after {got} of {len} payload bytes"
-                ));
-            }
-            Err(e) => return Err(format!("reading a {len}-byte payload: {e}")),
-        }
-    }
-    Ok(Payload::Pieces(pieces))
-}
-
-async fn read_payload(stream: &mut RecvStream, len: usize) -> std::result::Result<Vec<u8>, String> {
-    // Appended chunk by chunk as quinn hands them over (no zero-fill of the buffer first).
-    let mut payload = Vec::with_capacity(len);
-    while payload.len() < len {
-        match stream.read_chunk(len - payload.len(), true).await {
-            Ok(Some(chunk)) => payload.extend_from_slice(&chunk.bytes),
-            Ok(None) => {
-                return Err(format!(
-                    "the stream ended after {} of {len} payload bytes",
-                    payload.len()
-                ));
-            }
-            Err(e) => return Err(format!("reading a {len}-byte payload: {e}")),
-        }
-    }
-    Ok(payload)
-}
-
-/// Reads one frame into `inbox`: header (within `timeout`), room for its payload in the inbox's
-/// budget (waiting at most `timeout`), then the payload (within `timeout`).
-async fn receive_frame(
-    stream: &mut RecvStream,
-    inbox: &Inbox,
-    options: &QuicOptions,
-) -> std::result::Result<(Header, Payload), String> {
-    let timeout = options.frame_timeout;
-    let max_len = options.max_frame_bytes.min(inbox.budget());
-    let header = tokio::time::timeout(timeout, read_header(stream, max_len))
-        .await
-        .map_err(|_| format!("a frame header did not arrive within {timeout:?}"))??;
-    let len = header.len as usize;
-    let waited = Instant::now();
-    while !inbox.try_reserve(len) {
-        if waited.elapsed() >= timeout {
-            return Err(format!(
-                "no room for a {len}-byte frame for {timeout:?}: {} of {} inbox bytes hold \
-                 messages this rank has not taken (HEARTH_INBOX_MB)",
-                inbox.held(),
-                inbox.budget()
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    match tokio::time::timeout(timeout, read_pieces(stream, len)).await {
-        Ok(Ok(payload)) => Ok((header, payload)),
-        Ok(Err(e)) => {
-            inbox.release(len);
-            Err(e)
-        }
-        Err(_) => {
-            inbox.release(len);
-            Err(format!(
-                "a {len}-byte frame did not arrive whole within {timeout:?}"
-            ))
-        }
-    }
-}
-
-/// Writes one frame on a new unidirectional stream.
-pub(crate) async fn write_frame(
-    conn: &Connection,
-    header: Header,
-    payload: Vec<u8>,
-) -> std::result::Result<(), String> {
-    let mut s = conn.open_uni().await.map_err(|e| e.to_string())?;
-    // Handed to quinn without copying.
-    let mut chunks = [
-        bytes::Bytes::copy_from_slice(&header.encode()),
-        bytes::Bytes::from(payload),
-    ];
-    s.write_all_chunks(&mut chunks)
-        .await
-        .map_err(|e| e.to_string())?;
-    s.finish().map_err(|e| e.to_string())?;
-    // Until the peer has acknowledged every byte: a rank that finishes and closes its
-    // connections must not discard messages still in flight (closing drops unsent data).
-    s.stopped().await.map_err(|e| e.to_string())?;
-    Ok(())
 }
 
 /// One rank's QUIC links to every other rank, and shared-memory pipes to the ranks of its host
@@ -618,135 +491,4 @@ impl Transport for QuicTransport {
 }
 
 #[cfg(test)]
-mod tests {
-    //! An authenticated peer that breaks the protocol: huge length fields, frames that never
-    //! finish, more data than this rank consumes.
-
-    use super::*;
-    use crate::tls::{Identity, Membership, SERVER_NAME};
-
-    /// Rank 0's transport, and rank 1's raw connection to it.
-    fn pair(options: &QuicOptions) -> (QuicTransport, QuicNode, Connection) {
-        let m = Membership::secret("a test secret of enough length").unwrap();
-        let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let a = QuicNode::bind(any, &Identity::new(&m, 0).unwrap(), options).unwrap();
-        let b = QuicNode::bind(any, &Identity::new(&m, 1).unwrap(), options).unwrap();
-        let addr = a.local_addr().unwrap();
-        let (ep_a, ep_b) = (a.endpoint.clone(), b.endpoint.clone());
-        let (ca, cb) = b.rt.block_on(async move {
-            let accept = tokio::spawn(async move { ep_a.accept().await?.await.ok() });
-            let cb = ep_b.connect(addr, SERVER_NAME).unwrap().await.unwrap();
-            (accept.await.unwrap().unwrap(), cb)
-        });
-        let t = QuicTransport::start(a, 0, 0, vec![None, Some(ca)], options);
-        (t, b, cb)
-    }
-
-    fn options() -> QuicOptions {
-        QuicOptions {
-            frame_timeout: Duration::from_secs(1),
-            ..QuicOptions::loopback()
-        }
-    }
-
-    fn soon() -> Instant {
-        Instant::now() + Duration::from_secs(20)
-    }
-
-    #[test]
-    fn a_huge_length_field_cuts_the_peer_off_before_any_allocation() {
-        let (t, b, cb) = pair(&options());
-        let mut header = Header::new(Kind::Collective, 0, 7, 0);
-        header.len = 3 << 30; // under the wire format's 4 GiB, over the 256 MiB default
-        b.rt.block_on(write_frame(&cb, header, vec![0; 16])).ok();
-        let e = t
-            .recv(1, Kind::Collective, 7, soon())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("rank 1") && e.contains("over the limit"), "{e}");
-        assert_eq!(t.inbox.held(), 0);
-    }
-
-    #[test]
-    fn a_frame_that_never_finishes_fails_the_peer_within_the_frame_timeout() {
-        let (t, b, cb) = pair(&options());
-        // A header announcing 1,000 bytes, 10 of them sent, the stream left open.
-        let _stream = b.rt.block_on(async move {
-            let mut s = cb.open_uni().await.unwrap();
-            let header = Header::new(Kind::Collective, 0, 3, 1000);
-            s.write_all(&header.encode()).await.unwrap();
-            s.write_all(&[1; 10]).await.unwrap();
-            s
-        });
-        let started = Instant::now();
-        let e = t
-            .recv(1, Kind::Collective, 3, soon())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("did not arrive whole"), "{e}");
-        assert!(started.elapsed() < Duration::from_secs(15));
-        assert_eq!(t.inbox.held(), 0, "the reservation is given back");
-    }
-
-    #[test]
-    fn a_full_inbox_pauses_reading_until_messages_are_taken() {
-        let opts = QuicOptions {
-            inbox_bytes: 1000,
-            frame_timeout: Duration::from_secs(10),
-            ..QuicOptions::loopback()
-        };
-        let (t, b, cb) = pair(&opts);
-        for tag in 0..3u64 {
-            let conn = cb.clone();
-            b.rt.spawn(async move {
-                let _ = write_frame(
-                    &conn,
-                    Header::new(Kind::Collective, 0, tag, 600),
-                    vec![tag as u8; 600],
-                )
-                .await;
-            });
-        }
-        // Only one 600-byte frame fits in 1,000 bytes at a time: the others wait for room.
-        std::thread::sleep(Duration::from_millis(300));
-        assert!(t.inbox.held() <= 1000, "held {}", t.inbox.held());
-        let mut got: Vec<u64> = Vec::new();
-        let deadline = soon();
-        while got.len() < 3 && Instant::now() < deadline {
-            for tag in 0..3u64 {
-                if got.contains(&tag) {
-                    continue;
-                }
-                if let Ok(p) = t.recv(
-                    1,
-                    Kind::Collective,
-                    tag,
-                    Instant::now() + Duration::from_millis(50),
-                ) {
-                    assert_eq!(p, vec![tag as u8; 600]);
-                    got.push(tag);
-                }
-            }
-        }
-        assert_eq!(
-            got.len(),
-            3,
-            "every frame arrives once there is room: {got:?}"
-        );
-        // Larger than the whole budget: refused as over the limit.
-        let conn = cb.clone();
-        b.rt.spawn(async move {
-            let _ = write_frame(
-                &conn,
-                Header::new(Kind::Collective, 0, 9, 2000),
-                vec![0; 2000],
-            )
-            .await;
-        });
-        let e = t
-            .recv(1, Kind::Collective, 9, soon())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("over the limit"), "{e}");
-    }
-}
+mod tests;
