@@ -270,13 +270,18 @@ impl QuicTransport {
             let options = options.clone();
             let via_shm = via_shm.clone();
             node.rt.spawn(async move {
+                // The frames being read: a peer's last messages are delivered before its clean
+                // close counts (quinn hands out streams received before a close first, but
+                // their reading runs beside this loop).
+                let mut frames = tokio::task::JoinSet::new();
                 loop {
+                    while frames.try_join_next().is_some() {}
                     match conn.accept_uni().await {
                         Ok(mut stream) => {
                             let inbox = inbox.clone();
                             let conn = conn.clone();
                             let options = options.clone();
-                            tokio::spawn(async move {
+                            frames.spawn(async move {
                                 match receive_frame(&mut stream, &inbox, &options).await {
                                     Ok((h, payload)) if h.epoch == epoch => inbox
                                         .deliver_reserved_payload(from, h.kind, h.seq, payload),
@@ -299,6 +304,7 @@ impl QuicTransport {
                         Err(quinn::ConnectionError::ApplicationClosed(c))
                             if c.error_code == VarInt::from_u32(0) =>
                         {
+                            while frames.join_next().await.is_some() {}
                             if !via_shm[from].load(Ordering::Acquire) {
                                 inbox.left(from, "it closed its connection (finished)".into());
                             }
