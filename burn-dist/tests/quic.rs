@@ -15,7 +15,7 @@ use burn_dist::rendezvous::{RankInfo, connect};
 use burn_dist::tls::Membership;
 use burn_dist::transport::quic::QuicTransport;
 use burn_dist::{Communicator, DistError, ReduceOp, Transport};
-use common::{SECRET, finish, free_port, info, job, job_with, options, options_shm};
+use common::{SECRET, finish, free_port, info, job, job_with, options, options_lanes, options_shm};
 
 /// Runs `f` on each rank in a thread and returns the results in rank order, with a deadline.
 fn each<T: Send + 'static>(
@@ -51,6 +51,37 @@ fn quic_passes_the_conformance_suite() {
         .map(|t| Arc::new(t) as Arc<dyn Transport>)
         .collect();
     burn_dist::transport::conformance::run(ranks);
+}
+
+#[test]
+fn quic_with_three_connections_per_pair_passes_the_conformance_suite_and_sums() {
+    let ranks = job_with(3, options_lanes);
+    for t in &ranks {
+        let others = (0..3).filter(|&p| p != t.rank());
+        assert!(others.map(|p| t.connections(p)).all(|n| n == 3));
+    }
+    let dyn_ranks: Vec<Arc<dyn Transport>> = ranks
+        .into_iter()
+        .map(|t| Arc::new(t) as Arc<dyn Transport>)
+        .collect();
+    burn_dist::transport::conformance::run(dyn_ranks);
+    // Chunks of 1,000 values: a 5,000-value allreduce spreads its messages over every lane.
+    let sums = each(
+        job_with(3, options_lanes)
+            .into_iter()
+            .map(Arc::new)
+            .collect(),
+        |c| {
+            let c = c.with_chunk_elems(1000);
+            let mut v: Vec<f32> = (0..5000).map(|i| (i % 7 + c.rank()) as f32).collect();
+            c.allreduce(&mut v, ReduceOp::Sum).unwrap();
+            v
+        },
+    );
+    let want: Vec<f32> = (0..5000).map(|i| (3 * (i % 7) + 3) as f32).collect();
+    for v in sums {
+        assert_eq!(v, want);
+    }
 }
 
 #[test]

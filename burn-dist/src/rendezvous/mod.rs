@@ -258,8 +258,23 @@ pub fn env_secs(key: &str) -> Option<Duration> {
         .map(Duration::from_secs_f64)
 }
 
-fn hello(rank: usize, port: u16) -> Vec<u8> {
-    Writer::default().u64(rank as u64).u64(port as u64).bytes
+/// A rank announcing itself on one of its connections (`lane` 0 first; more with
+/// `QuicOptions::lanes`).
+fn hello(rank: usize, port: u16, lane: usize) -> Vec<u8> {
+    Writer::default()
+        .u64(rank as u64)
+        .u64(port as u64)
+        .u64(lane as u64)
+        .bytes
+}
+
+/// (rank, port, lane) of a hello.
+fn parse_hello(b: &[u8]) -> Option<(usize, u16, usize)> {
+    let mut r = Reader::new(b);
+    let rank = r.u64().ok()? as usize;
+    let port = u16::try_from(r.u64().ok()?).ok()?;
+    let lane = r.u64().ok()? as usize;
+    Some((rank, port, lane))
 }
 
 fn table(addrs: &BTreeMap<usize, SocketAddr>) -> Vec<u8> {
@@ -382,12 +397,18 @@ pub fn connect_epoch_on(
         _ => QuicNode::bind(bind, &identity, &quic)?,
     };
     let deadline = Instant::now() + options.timeout;
-    let peers = if info.rank == 0 {
-        coordinate(&node, info, deadline, options.timeout, strict)?
-    } else {
-        join(&node, info, coordinator, deadline, options.timeout, strict)?
+    let link = Link {
+        deadline,
+        timeout: options.timeout,
+        strict,
+        lanes: quic.lanes.max(1),
     };
-    let transport = QuicTransport::start(node, info.rank, epoch, peers, &quic);
+    let peers = if info.rank == 0 {
+        coordinate(&node, info, &link)?
+    } else {
+        join(&node, info, coordinator, &link)?
+    };
+    let transport = QuicTransport::start_lanes(node, info.rank, epoch, peers, &quic);
     // Ranks of one host move to shared memory (every rank takes part, whatever its host).
     transport.share_memory(
         &options.shm,
@@ -411,24 +432,35 @@ fn check_rank(
     crate::tls::check_peer_rank(certs.as_deref().map(Vec::as_slice), claimed, world, strict)
 }
 
+/// How the rendezvous makes its connections.
+struct Link {
+    deadline: Instant,
+    timeout: Duration,
+    strict: bool,
+    /// Connections per pair of ranks.
+    lanes: usize,
+}
+
 fn remaining(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now())
 }
 
 /// Rank 0: accept every rank's hello, then send each the table.
-fn coordinate(
-    node: &QuicNode,
-    info: &RankInfo,
-    deadline: Instant,
-    timeout: Duration,
-    strict: bool,
-) -> Result<Vec<Option<Connection>>> {
+fn coordinate(node: &QuicNode, info: &RankInfo, link: &Link) -> Result<Vec<Vec<Connection>>> {
+    let (deadline, timeout, strict, lanes) = (link.deadline, link.timeout, link.strict, link.lanes);
     let world = info.world;
     let endpoint = node.endpoint.clone();
     let coordinator = info.coordinator.clone();
     node.rt.block_on(async move {
         let mut conns: BTreeMap<usize, (Connection, SocketAddr)> = BTreeMap::new();
-        while conns.len() + 1 < world {
+        // Each rank's further connections (lanes 1..).
+        let mut extra: BTreeMap<usize, Vec<Connection>> = BTreeMap::new();
+        let complete = |conns: &BTreeMap<usize, (Connection, SocketAddr)>,
+                        extra: &BTreeMap<usize, Vec<Connection>>,
+                        r: usize| {
+            conns.contains_key(&r) && extra.get(&r).map_or(0, Vec::len) + 1 >= lanes
+        };
+        while !(1..world).all(|r| complete(&conns, &extra, r)) {
             let left = remaining(deadline);
             let incoming = match tokio::time::timeout(left, endpoint.accept()).await {
                 Ok(Some(i)) => i,
@@ -439,7 +471,8 @@ fn coordinate(
                     });
                 }
                 Err(_) => {
-                    let missing: Vec<usize> = (1..world).filter(|r| !conns.contains_key(r)).collect();
+                    let missing: Vec<usize> =
+                        (1..world).filter(|&r| !complete(&conns, &extra, r)).collect();
                     return Err(DistError::MissingRanks {
                         missing,
                         world,
@@ -465,12 +498,10 @@ fn coordinate(
                 }
                 Err(_) => continue,
             };
-            let mut r = Reader::new(&hello);
-            let (Ok(rank), Ok(port)) = (r.u64(), r.u64()) else {
+            let Some((rank, port, lane)) = parse_hello(&hello) else {
                 log::warn!("malformed hello");
                 continue;
             };
-            let (rank, port) = (rank as usize, port as u16);
             if rank == 0 || rank >= world {
                 return Err(DistError::Config(format!(
                     "a process claims rank {rank}, outside 1..{world}: do all ranks agree on the world size?"
@@ -480,6 +511,15 @@ fn coordinate(
             if let Err(e) = check_rank(&conn, rank, world, strict) {
                 log::warn!("refused during rendezvous: {e}");
                 conn.close(VarInt::from_u32(3), b"rank does not match certificate");
+                continue;
+            }
+            if lane > 0 {
+                let e = extra.entry(rank).or_default();
+                if lane < lanes && e.len() + 1 < lanes {
+                    e.push(conn);
+                } else {
+                    log::warn!("rank {rank} opened more connections than {lanes}");
+                }
                 continue;
             }
             if conns.contains_key(&rank) {
@@ -496,9 +536,10 @@ fn coordinate(
                 .await
                 .map_err(|reason| DistError::PeerFailed { rank: *rank, reason })?;
         }
-        let mut peers: Vec<Option<Connection>> = vec![None; world];
+        let mut peers: Vec<Vec<Connection>> = vec![Vec::new(); world];
         for (r, (c, _)) in conns {
-            peers[r] = Some(c);
+            peers[r].push(c);
+            peers[r].extend(extra.remove(&r).unwrap_or_default());
         }
         Ok(peers)
     })
@@ -509,10 +550,9 @@ fn join(
     node: &QuicNode,
     info: &RankInfo,
     coordinator: SocketAddr,
-    deadline: Instant,
-    timeout: Duration,
-    strict: bool,
-) -> Result<Vec<Option<Connection>>> {
+    link: &Link,
+) -> Result<Vec<Vec<Connection>>> {
+    let (deadline, timeout, strict, lanes) = (link.deadline, link.timeout, link.strict, link.lanes);
     let (rank, world) = (info.rank, info.world);
     let endpoint = node.endpoint.clone();
     let port = node.local_addr()?.port();
@@ -541,10 +581,33 @@ fn join(
             }
         };
         check_rank(&conn, 0, world, strict).map_err(|e| DistError::Tls(format!("the coordinator {coordinator}: {e}")))?;
-        let h = hello(rank, port);
+        let h = hello(rank, port, 0);
         write_frame(&conn, Header::new(Kind::Hello, 0, 0, h.len()), h)
             .await
             .map_err(|reason| DistError::PeerFailed { rank: 0, reason })?;
+        // A connection to `peer` at `addr` announcing this rank's `lane`.
+        let dial = |peer: usize, addr: SocketAddr, lane: usize| {
+            let endpoint = endpoint.clone();
+            async move {
+                let c = tokio::time::timeout(remaining(deadline), async {
+                    endpoint.connect(addr, SERVER_NAME).map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())
+                })
+                .await
+                .map_err(|_| DistError::Timeout { op: format!("connecting to rank {peer} at {addr}"), rank: peer, after: timeout })?
+                .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
+                check_rank(&c, peer, world, strict).map_err(|e| DistError::Tls(format!("rank {peer} at {addr}: {e}")))?;
+                let h = hello(rank, port, lane);
+                write_frame(&c, Header::new(Kind::Hello, 0, 0, h.len()), h)
+                    .await
+                    .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
+                Ok::<_, DistError>(c)
+            }
+        };
+        let mut to_coordinator = vec![conn];
+        for lane in 1..lanes {
+            to_coordinator.push(dial(0, coordinator, lane).await?);
+        }
+        let conn = to_coordinator[0].clone();
         let t = match tokio::time::timeout(remaining(deadline), recv_control(&conn, Kind::Table)).await {
             Ok(Ok(t)) => t,
             Ok(Err(reason)) => return Err(DistError::PeerFailed { rank: 0, reason }),
@@ -557,29 +620,21 @@ fn join(
             }
         };
         let addrs = parse_table(&t, world)?;
-        let mut peers: Vec<Option<Connection>> = vec![None; world];
-        peers[0] = Some(conn);
+        let mut peers: Vec<Vec<Connection>> = vec![Vec::new(); world];
+        peers[0] = to_coordinator;
         // Dial the ranks below; accept the ranks above.
         #[allow(clippy::needless_range_loop)] // `peer` is a rank, named in the errors
         for peer in 1..rank {
             let Some(addr) = addrs.get(&peer).copied() else {
                 return Err(DistError::Config(format!("rank {peer} missing from the table")));
             };
-            let c = tokio::time::timeout(remaining(deadline), async {
-                endpoint.connect(addr, SERVER_NAME).map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())
-            })
-            .await
-            .map_err(|_| DistError::Timeout { op: format!("connecting to rank {peer} at {addr}"), rank: peer, after: timeout })?
-            .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
-            check_rank(&c, peer, world, strict).map_err(|e| DistError::Tls(format!("rank {peer} at {addr}: {e}")))?;
-            let h = hello(rank, port);
-            write_frame(&c, Header::new(Kind::Hello, 0, 0, h.len()), h)
-                .await
-                .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
-            peers[peer] = Some(c);
+            for lane in 0..lanes {
+                let c = dial(peer, addr, lane).await?;
+                peers[peer].push(c);
+            }
         }
-        while peers.iter().enumerate().skip(rank + 1).any(|(_, p)| p.is_none()) {
-            let missing: Vec<usize> = (rank + 1..world).filter(|&r| peers[r].is_none()).collect();
+        while (rank + 1..world).any(|r| peers[r].len() < lanes) {
+            let missing: Vec<usize> = (rank + 1..world).filter(|&r| peers[r].len() < lanes).collect();
             let incoming = match tokio::time::timeout(remaining(deadline), endpoint.accept()).await {
                 Ok(Some(i)) => i,
                 _ => {
@@ -597,10 +652,8 @@ fn join(
             let Ok(Ok(h)) = tokio::time::timeout(Duration::from_secs(10).min(remaining(deadline)), recv_control(&c, Kind::Hello)).await else {
                 continue;
             };
-            let mut r = Reader::new(&h);
-            let Ok(peer) = r.u64() else { continue };
-            let peer = peer as usize;
-            if peer <= rank || peer >= world || peers[peer].is_some() {
+            let Some((peer, _, _)) = parse_hello(&h) else { continue };
+            if peer <= rank || peer >= world || peers[peer].len() >= lanes {
                 log::warn!("unexpected hello from rank {peer}");
                 continue;
             }
@@ -609,7 +662,7 @@ fn join(
                 c.close(VarInt::from_u32(3), b"rank does not match certificate");
                 continue;
             }
-            peers[peer] = Some(c);
+            peers[peer].push(c);
         }
         Ok(peers)
     })

@@ -169,7 +169,7 @@ fn a_member_claiming_another_rank_is_refused_and_the_job_still_forms() {
                 Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
             }
         };
-        let h = hello(1, own_port);
+        let h = hello(1, own_port, 0);
         let _ = write_frame(&conn, Header::new(Kind::Hello, 0, 0, h.len()), h).await;
         tokio::time::timeout(Duration::from_secs(20), conn.closed()).await
     });

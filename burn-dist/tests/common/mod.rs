@@ -144,6 +144,17 @@ pub fn options(timeout: Duration) -> RendezvousOptions {
     }
 }
 
+/// QUIC only, with three connections per pair of ranks.
+pub fn options_lanes(timeout: Duration) -> RendezvousOptions {
+    RendezvousOptions {
+        quic: Some(burn_dist::transport::quic::QuicOptions {
+            lanes: 3,
+            ..burn_dist::transport::quic::QuicOptions::loopback()
+        }),
+        ..options(timeout)
+    }
+}
+
 /// The default: ranks of one host talk through shared memory.
 pub fn options_shm(timeout: Duration) -> RendezvousOptions {
     RendezvousOptions {

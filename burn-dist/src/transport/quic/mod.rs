@@ -52,6 +52,9 @@ pub struct QuicOptions {
     /// default 20; 2 is QUIC's usual every other packet), through QUIC's ACK-frequency
     /// extension, which both ends of a Hearth job speak.
     pub ack_every: u32,
+    /// QUIC connections per pair of ranks (`HEARTH_QUIC_LANES`, default 1); messages are spread
+    /// over them by tag, so a collective's chunks travel on all of them.
+    pub lanes: usize,
 }
 
 impl Default for QuicOptions {
@@ -69,6 +72,11 @@ impl Default for QuicOptions {
                 .ok()
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(20),
+            lanes: std::env::var("HEARTH_QUIC_LANES")
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .filter(|&n: &usize| (1..=16).contains(&n))
+                .unwrap_or(1),
         }
     }
 }
@@ -237,7 +245,8 @@ pub struct QuicTransport {
     rank: usize,
     epoch: u32,
     node: QuicNode,
-    peers: Vec<Option<Connection>>,
+    /// Every connection to each rank (its lanes; none for this rank).
+    peers: Vec<Vec<Connection>>,
     inbox: Arc<Inbox>,
     in_flight: Arc<AtomicUsize>,
     /// Peers reached through shared memory: their pipes, not their QUIC connection, say when
@@ -253,6 +262,7 @@ struct LocalLinks {
 
 impl QuicTransport {
     /// Wraps established connections (`peers[r]` for every `r` but this rank) and starts reading.
+    #[cfg(test)]
     pub(crate) fn start(
         node: QuicNode,
         rank: usize,
@@ -260,15 +270,34 @@ impl QuicTransport {
         peers: Vec<Option<Connection>>,
         options: &QuicOptions,
     ) -> Self {
+        let peers = peers.into_iter().map(|c| c.into_iter().collect()).collect();
+        Self::start_lanes(node, rank, epoch, peers, options)
+    }
+
+    /// [`QuicTransport::start`] with any number of connections to each rank.
+    pub(crate) fn start_lanes(
+        node: QuicNode,
+        rank: usize,
+        epoch: u32,
+        peers: Vec<Vec<Connection>>,
+        options: &QuicOptions,
+    ) -> Self {
         let inbox = Arc::new(Inbox::with_budget(options.inbox_bytes));
         let options = Arc::new(options.clone());
         let via_shm: Arc<Vec<AtomicBool>> =
             Arc::new(peers.iter().map(|_| AtomicBool::new(false)).collect());
-        for (from, conn) in peers.iter().enumerate() {
-            let Some(conn) = conn.clone() else { continue };
+        // A peer has left when all its lanes closed cleanly.
+        let open: Arc<Vec<AtomicUsize>> =
+            Arc::new(peers.iter().map(|l| AtomicUsize::new(l.len())).collect());
+        let lanes = peers
+            .iter()
+            .enumerate()
+            .flat_map(|(from, l)| l.iter().map(move |c| (from, c.clone())));
+        for (from, conn) in lanes {
             let inbox = inbox.clone();
             let options = options.clone();
             let via_shm = via_shm.clone();
+            let open = open.clone();
             node.rt.spawn(async move {
                 // The frames being read: a peer's last messages are delivered before its clean
                 // close counts (quinn hands out streams received before a close first, but
@@ -305,7 +334,8 @@ impl QuicTransport {
                             if c.error_code == VarInt::from_u32(0) =>
                         {
                             while frames.join_next().await.is_some() {}
-                            if !via_shm[from].load(Ordering::Acquire) {
+                            let last = open[from].fetch_sub(1, Ordering::AcqRel) == 1;
+                            if last && !via_shm[from].load(Ordering::Acquire) {
                                 inbox.left(from, "it closed its connection (finished)".into());
                             }
                             return;
@@ -414,6 +444,11 @@ impl QuicTransport {
     pub fn local_addr(&self) -> Result<SocketAddr> {
         self.node.local_addr()
     }
+
+    /// QUIC connections to `peer` (its lanes; 0 for this rank).
+    pub fn connections(&self, peer: usize) -> usize {
+        self.peers.get(peer).map_or(0, Vec::len)
+    }
 }
 
 impl Drop for QuicTransport {
@@ -441,12 +476,15 @@ impl Transport for QuicTransport {
         {
             return p.send(local, kind, tag, &payload);
         }
-        let Some(conn) = self.peers[to].clone() else {
+        let lanes = &self.peers[to];
+        if lanes.is_empty() {
             return Err(DistError::PeerFailed {
                 rank: to,
                 reason: "no connection".into(),
             });
-        };
+        }
+        // Consecutive chunks of a collective (consecutive tags) take consecutive lanes.
+        let conn = lanes[(tag % lanes.len() as u64) as usize].clone();
         let header = Header::new(kind, self.epoch, tag, payload.len());
         let inbox = self.inbox.clone();
         let in_flight = self.in_flight.clone();
