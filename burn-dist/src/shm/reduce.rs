@@ -34,6 +34,8 @@ pub struct LocalGroup {
     barriers: AtomicU32,
     /// Pieces this rank has moved through the slots (picks the slot half).
     pieces: AtomicU64,
+    /// Collectives this rank has started (picks the length slot).
+    calls: AtomicU64,
     /// One collective at a time from this process.
     busy: Mutex<Watch>,
     /// More ranks on this host than cores.
@@ -49,6 +51,7 @@ impl LocalGroup {
             members,
             barriers: AtomicU32::new(0),
             pieces: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
             busy: Mutex::new(Watch::new(n, stale)),
             oversubscribed: std::thread::available_parallelism().map_or(true, |c| n > c.get()),
         }
@@ -125,6 +128,35 @@ impl LocalGroup {
         }
     }
 
+    /// Every member announces its buffer's length and checks the others': different lengths
+    /// are an error on every member, never a hang or a wrong sum. Two length slots alternate,
+    /// so a fast rank's next announcement never overwrites one a slow rank still reads.
+    fn agree_on_length(
+        &self,
+        len: usize,
+        watch: &mut Watch,
+        deadline: Instant,
+        op: &str,
+    ) -> Result<()> {
+        let parity = (self.calls.fetch_add(1, Ordering::Relaxed) % 2) as usize;
+        self.seg.entry(self.me).lens[parity].store(len as u64, Ordering::Release);
+        self.barrier(watch, deadline, op)?;
+        for k in 0..self.members.len() {
+            let theirs = self.seg.entry(k).lens[parity].load(Ordering::Acquire);
+            if theirs != len as u64 {
+                return Err(DistError::Mismatch {
+                    op: format!("shared-memory {op}"),
+                    reason: format!(
+                        "rank {} passed {theirs} values and rank {} {len}; do all ranks pass \
+                         buffers of the same length?",
+                        self.members[k], self.members[self.me]
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Sums `buf` over the group in place. With `everyone` false only the leader (local rank
     /// 0) is guaranteed the sum; the others keep partial values (a hierarchical allreduce
     /// broadcasts the final values afterwards).
@@ -134,6 +166,7 @@ impl LocalGroup {
             return Ok(());
         }
         let mut watch = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        self.agree_on_length(buf.len(), &mut watch, deadline, "allreduce")?;
         let (_, piece_len) = self.seg.slot(0, 0);
         for piece in buf.chunks_mut(piece_len) {
             let half = (self.pieces.fetch_add(1, Ordering::Relaxed) % 2) as usize;
@@ -188,6 +221,7 @@ impl LocalGroup {
             return Ok(());
         }
         let mut watch = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        self.agree_on_length(buf.len(), &mut watch, deadline, "broadcast")?;
         let (_, piece_len) = self.seg.slot(0, 0);
         for piece in buf.chunks_mut(piece_len) {
             let half = (self.pieces.fetch_add(1, Ordering::Relaxed) % 2) as usize;

@@ -63,6 +63,8 @@ pub(crate) struct RankEntry {
     pub start_time: AtomicU64,
     /// Bumped every 100 ms by the rank's reader thread.
     pub heartbeat: AtomicU64,
+    /// The buffer length this rank passed to its last two in-place collectives (by parity).
+    pub lens: [AtomicU64; 2],
 }
 
 /// One ordered pair's byte ring: positions only grow; `head - tail` bytes are unread.

@@ -310,3 +310,34 @@ fn stale_segments_of_dead_processes_are_removed_and_live_ones_kept() {
     assert!(!dead.exists());
     assert!(live.path().exists());
 }
+
+#[test]
+fn buffers_of_different_lengths_are_an_error_on_every_rank_and_the_group_goes_on() {
+    let ranks = ShmTransport::group(3, &small()).unwrap();
+    let got = each(ranks, |comm| {
+        // Rank 1 passes one value fewer (and rank 2 none at all in the second round).
+        let short = [
+            5000 - usize::from(comm.rank() == 1),
+            if comm.rank() == 2 { 0 } else { 10 },
+        ];
+        let errors: Vec<String> = short
+            .iter()
+            .map(|&len| {
+                let mut v = vec![1.0f32; len];
+                comm.allreduce(&mut v, ReduceOp::Sum)
+                    .unwrap_err()
+                    .to_string()
+            })
+            .collect();
+        // Equal lengths work again afterwards.
+        let mut v = vec![1.0f32; 10];
+        comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
+        (errors, v)
+    });
+    for (errors, v) in got {
+        for e in &errors {
+            assert!(e.contains("same length"), "{e}");
+        }
+        assert_eq!(v, vec![3.0; 10]);
+    }
+}
