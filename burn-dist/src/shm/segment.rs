@@ -442,24 +442,32 @@ fn proc_stat(pid: u32) -> Option<(char, u64)> {
     Some((state, start))
 }
 
-/// Why the process `id` is no longer running, if it is not (`None`: running, or not visible
-/// from this pid namespace).
-fn process_gone(id: ProcessId) -> Option<String> {
+/// What this process can see of another.
+enum Seen {
+    Running,
+    /// Why it is not running.
+    Gone(String),
+    /// In another pid namespace (or without `/proc`): only its heartbeat tells.
+    Hidden,
+}
+
+fn process_seen(id: ProcessId) -> Seen {
     if id.pid_ns != namespace_inode("pid").unwrap_or(0) || id.pid == 0 {
-        return None;
+        return Seen::Hidden;
     }
     match proc_stat(id.pid) {
-        None => Some(format!("its process {} is gone", id.pid)),
+        None => Seen::Gone(format!("its process {} is gone", id.pid)),
         Some((_, start)) if start != id.start_time => {
-            Some(format!("its process {} is gone", id.pid))
+            Seen::Gone(format!("its process {} is gone", id.pid))
         }
-        Some(('Z' | 'X', _)) => Some(format!("its process {} exited", id.pid)),
-        Some(_) => None,
+        Some(('Z' | 'X', _)) => Seen::Gone(format!("its process {} exited", id.pid)),
+        Some(_) => Seen::Running,
     }
 }
 
-/// Watches other ranks of a segment for death: their process gone (when in this pid
-/// namespace) or their heartbeat still for longer than `stale`.
+/// Watches other ranks of a segment for death: their process gone when it is in this pid
+/// namespace (a running process is alive, however busy), else their heartbeat still for longer
+/// than `stale`.
 pub(crate) struct Watch {
     seen: Vec<(u64, Instant)>,
     stale: Duration,
@@ -481,8 +489,10 @@ impl Watch {
             pid_ns: e.pid_ns.load(Ordering::Relaxed),
             start_time: e.start_time.load(Ordering::Relaxed),
         };
-        if let Some(why) = process_gone(id) {
-            return Some(format!("{why} (shared memory)"));
+        match process_seen(id) {
+            Seen::Running => return None,
+            Seen::Gone(why) => return Some(format!("{why} (shared memory)")),
+            Seen::Hidden => {}
         }
         let beat = e.heartbeat.load(Ordering::Relaxed);
         let (last, since) = &mut self.seen[r];
@@ -529,7 +539,8 @@ pub fn remove_stale() -> usize {
             pid_ns,
             start_time,
         };
-        if mine && process_gone(id).is_some() && std::fs::remove_file(entry.path()).is_ok() {
+        let gone = matches!(process_seen(id), Seen::Gone(_));
+        if mine && gone && std::fs::remove_file(entry.path()).is_ok() {
             log::info!("removed a stale shared-memory segment {name}");
             removed += 1;
         }
