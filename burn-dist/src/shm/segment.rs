@@ -180,7 +180,14 @@ impl Segment {
             _file: file,
         };
         // SAFETY: a valid open descriptor; the range is the file's whole new length.
+        #[cfg(target_os = "linux")]
         let rc = unsafe { libc::posix_fallocate(seg._file.as_raw_fd(), 0, layout.total as i64) };
+        // Elsewhere the length only (no /dev/shm there in practice: creating fails first).
+        #[cfg(not(target_os = "linux"))]
+        let rc = match seg._file.set_len(layout.total as u64) {
+            Ok(()) => 0,
+            Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
+        };
         if rc != 0 {
             return Err(DistError::Io {
                 context: format!(
