@@ -432,6 +432,19 @@ impl QuicTransport {
                     st.path.rtt,
                     st.path.current_mtu
                 );
+                eprintln!(
+                    "burn-dist rank {}: to {}: congestion events {}, acks sent {} received {}, \
+                     blocked by flow control (data/stream/streams) {}/{}/{}, min rtt {:?}",
+                    self.rank,
+                    c.remote_address(),
+                    st.path.congestion_events,
+                    st.frame_tx.acks,
+                    st.frame_rx.acks,
+                    st.frame_tx.data_blocked,
+                    st.frame_tx.stream_data_blocked,
+                    st.frame_tx.streams_blocked_uni,
+                    st.path.min_rtt
+                );
             }
             c.close(VarInt::from_u32(0), b"done");
         }
