@@ -27,6 +27,15 @@ const STEPS: usize = 2;
 const MICRO: usize = 3;
 const MB: usize = 2;
 
+/// Burn's generator is one per process, and the tests of this file run in parallel threads: a
+/// seeded initialisation interleaved with any other initialisation would start the parent from
+/// other weights than its child processes (seen in CI: both process tests failing at once).
+static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn init_lock() -> std::sync::MutexGuard<'static, ()> {
+    INIT.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn config() -> ResNetConfig {
     ResNetConfig::new(BlockKind::Basic, [1, 1, 1, 1], 4)
         .with_stem_width(8)
@@ -162,13 +171,17 @@ fn pipelined(stages: Vec<StageModel>, schedule: Schedule) -> Vec<Vec<Vec<f32>>> 
 /// between clones of a module, so clones would see each other's training).
 fn copy(values: &[Vec<f32>]) -> ResNet {
     let device = Device::flex().autodiff();
+    let _init = init_lock();
     with_module_values(config().init(&device).unwrap(), values.to_vec()).unwrap()
 }
 
 #[test]
 fn a_resnet_split_by_parameters_trains_like_the_whole_network() {
     let device = Device::flex().autodiff();
-    let initial = module_values(&config().init(&device).unwrap());
+    let initial = {
+        let _init = init_lock();
+        module_values(&config().init(&device).unwrap())
+    };
     let model = copy(&initial);
     let weights: Vec<usize> = model
         .clone()
@@ -210,6 +223,7 @@ const SECRET: &str = "pipeline test secret, long enough";
 /// The network every process builds: seeded, so all ranks and the parent agree.
 fn seeded_initial() -> Vec<Vec<f32>> {
     let device = Device::flex().autodiff();
+    let _init = init_lock();
     device.seed(7);
     module_values(&config().init(&device).unwrap())
 }
@@ -396,12 +410,14 @@ fn vgg() -> hearth::models::VggConfig {
 
 fn vgg_initial() -> Vec<Vec<f32>> {
     let device = Device::flex().autodiff();
+    let _init = init_lock();
     device.seed(11);
     module_values(&vgg().init(&device).unwrap())
 }
 
 fn vgg_copy(values: &[Vec<f32>]) -> hearth::models::Vgg {
     let device = Device::flex().autodiff();
+    let _init = init_lock();
     with_module_values(vgg().init(&device).unwrap(), values.to_vec()).unwrap()
 }
 
