@@ -38,6 +38,25 @@ pub enum LaunchOutcome {
 }
 
 pub(crate) fn free_port() -> Result<u16> {
+    // Below the kernel's ephemeral range: a port handed out now and bound later by a rank must
+    // not be taken meanwhile by an endpoint bound to port 0 (every elastic membership change
+    // binds new ones; seen once in CI as "Address already in use" for a joiner).
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    const FIRST: u16 = 10_000;
+    if low > FIRST + 1000 {
+        use std::hash::{BuildHasher, RandomState};
+        let span = u64::from(low - FIRST);
+        let start = RandomState::new().hash_one(std::process::id()) % span;
+        for i in 0..span.min(2000) {
+            let port = FIRST + ((start + i * 7919) % span) as u16;
+            if std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     std::net::UdpSocket::bind("127.0.0.1:0")
         .and_then(|s| s.local_addr())
         .map(|a| a.port())
