@@ -62,11 +62,11 @@ impl Communicator {
 
     /// The communicator of the host leaders (made on first use; the same leaders every time,
     /// since a transport's topology never changes).
-    fn leaders_comm(&self, leaders: Vec<usize>) -> Result<&Communicator> {
+    fn leaders_comm(&self, leaders: &[usize]) -> Result<&Communicator> {
         if let Some(c) = self.leaders.get() {
             return Ok(c);
         }
-        let group = Group::new(self.transport.clone(), leaders, LEADERS_TAG_SPACE)?;
+        let group = Group::new(self.transport.clone(), leaders.to_vec(), LEADERS_TAG_SPACE)?;
         let comm = Communicator {
             transport: Arc::new(group),
             seq: Default::default(),

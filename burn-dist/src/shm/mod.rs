@@ -81,28 +81,30 @@ impl Default for ShmOptions {
 pub struct Topology {
     pub leaders: Vec<usize>,
     pub local: Option<Arc<LocalGroup>>,
+    /// The distinct leaders, ascending (computed once: every allreduce asks).
+    group_leaders: Vec<usize>,
 }
 
 impl Topology {
-    /// Every rank on its own (no shared memory anywhere).
-    pub fn flat(world: usize) -> Topology {
+    pub fn new(leaders: Vec<usize>, local: Option<Arc<LocalGroup>>) -> Topology {
+        let mut group_leaders = leaders.clone();
+        group_leaders.sort_unstable();
+        group_leaders.dedup();
         Topology {
-            leaders: (0..world).collect(),
-            local: None,
+            leaders,
+            local,
+            group_leaders,
         }
     }
 
     /// The distinct group leaders, ascending: one rank per host that shares memory.
-    pub fn group_leaders(&self) -> Vec<usize> {
-        let mut l = self.leaders.clone();
-        l.sort_unstable();
-        l.dedup();
-        l
+    pub fn group_leaders(&self) -> &[usize] {
+        &self.group_leaders
     }
 
     /// Whether any ranks share memory at all.
     pub fn shares_memory(&self) -> bool {
-        self.group_leaders().len() < self.leaders.len()
+        self.group_leaders.len() < self.leaders.len()
     }
 }
 
@@ -159,10 +161,7 @@ impl ShmTransport {
             rank: members[me],
             inbox,
             pipes,
-            topology: Topology {
-                leaders: vec![members[0]; world],
-                local: Some(Arc::new(local)),
-            },
+            topology: Topology::new(vec![members[0]; world], Some(Arc::new(local))),
         })
     }
 

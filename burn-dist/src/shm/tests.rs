@@ -187,10 +187,7 @@ fn hosted(hosts: &[usize]) -> Vec<Hosted> {
         .zip(groups)
         .map(|(net, local)| Hosted {
             net,
-            topology: Topology {
-                leaders: leaders.clone(),
-                local,
-            },
+            topology: Topology::new(leaders.clone(), local),
         })
         .collect()
 }

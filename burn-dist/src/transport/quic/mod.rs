@@ -394,10 +394,7 @@ impl QuicTransport {
         };
         let _ = self.local.set(LocalLinks {
             pipes,
-            topology: Topology {
-                leaders: negotiated.leaders,
-                local,
-            },
+            topology: Topology::new(negotiated.leaders, local),
         });
         Ok(())
     }

@@ -16,8 +16,8 @@ pub(crate) async fn read_frame(
     max_len: usize,
 ) -> std::result::Result<(Header, Vec<u8>), String> {
     let header = read_header(stream, max_len).await?;
-    let payload = read_payload(stream, header.len as usize).await?;
-    Ok((header, payload))
+    let payload = read_pieces(stream, header.len as usize).await?;
+    Ok((header, payload.into_vec()))
 }
 
 async fn read_header(
@@ -62,24 +62,6 @@ pub(crate) async fn read_pieces(
         }
     }
     Ok(Payload::Pieces(pieces))
-}
-
-async fn read_payload(stream: &mut RecvStream, len: usize) -> std::result::Result<Vec<u8>, String> {
-    // Appended chunk by chunk as quinn hands them over (no zero-fill of the buffer first).
-    let mut payload = Vec::with_capacity(len);
-    while payload.len() < len {
-        match stream.read_chunk(len - payload.len(), true).await {
-            Ok(Some(chunk)) => payload.extend_from_slice(&chunk.bytes),
-            Ok(None) => {
-                return Err(format!(
-                    "the stream ended after {} of {len} payload bytes",
-                    payload.len()
-                ));
-            }
-            Err(e) => return Err(format!("reading a {len}-byte payload: {e}")),
-        }
-    }
-    Ok(payload)
 }
 
 /// Reads one frame into `inbox`: header (within `timeout`), room for its payload in the inbox's
