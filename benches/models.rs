@@ -15,8 +15,13 @@
 //! (scripts/setup_pytorch.sh); without it only Hearth's numbers are printed.
 //!
 //! On a GPU: `HEARTH_DEVICE=cuda` (or wgpu, vulkan) runs Hearth there and the peer on CUDA
-//! (`HEARTH_PEER_DEVICE` overrides: cpu, cuda:1, ...); `HEARTH_BENCH_BATCH` sets the batch of
-//! the batched configurations (default 16).
+//! (`HEARTH_PEER_DEVICE` overrides: cpu, cuda:1, ...). The configurations there are issue 24's
+//! table: inference at batch 1 and 32, training at batch 32 and 64, and the peer also runs
+//! in `channels_last` (the `pt CL` columns). The share of the GPU's peak is against its dense
+//! TF32 tensor-core peak, looked up from the name the peer reports (H100, H200, A100; else
+//! `HEARTH_PEAK_GFLOPS`). Autotune runs in the first steps: keep `HEARTH_BENCH_WARMUP` at 3 or
+//! more there. On the CPU, `HEARTH_BENCH_BATCH` sets the batch of the batched configurations
+//! (default 16); on a GPU, `HEARTH_BENCH_BATCHES=infer:1,infer:32,train:32` picks others.
 
 mod common;
 
@@ -40,6 +45,15 @@ fn peer_device(hearth_device: &str) -> String {
     }
 }
 
+/// The peer's figures for one configuration: images/s at its median and best step, and the
+/// GPU's name (`cpu` on the CPU).
+struct PeerRun {
+    median: f64,
+    best: f64,
+    gpu: String,
+}
+
+#[allow(clippy::too_many_arguments)]
 fn peer(
     python: &PathBuf,
     device: &str,
@@ -48,10 +62,11 @@ fn peer(
     batch: usize,
     steps: usize,
     warmup: usize,
-) -> Option<(f64, f64)> {
+    channels_last: bool,
+) -> Option<PeerRun> {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/peer/torch_models.py");
-    let out = Command::new(python)
-        .arg(script)
+    let mut cmd = Command::new(python);
+    cmd.arg(script)
         .args(["--model", model, "--mode", mode, "--device", device])
         .args(["--batch-size", &batch.to_string(), "--size", "224"])
         .args([
@@ -59,9 +74,11 @@ fn peer(
             &steps.to_string(),
             "--warmup",
             &warmup.to_string(),
-        ])
-        .output()
-        .ok()?;
+        ]);
+    if channels_last {
+        cmd.arg("--channels-last");
+    }
+    let out = cmd.output().ok()?;
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         eprintln!("peer failed: {}", String::from_utf8_lossy(&out.stderr));
@@ -72,7 +89,62 @@ fn peer(
             .find_map(|w| w.strip_prefix(name))
             .and_then(|v| v.parse().ok())
     };
-    Some((field("median_images_per_s=")?, field("best_images_per_s=")?))
+    let gpu = text
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("gpu="))
+        .unwrap_or("cpu")
+        .to_string();
+    Some(PeerRun {
+        median: field("median_images_per_s=")?,
+        best: field("best_images_per_s=")?,
+        gpu,
+    })
+}
+
+/// Dense TF32 tensor-core peak in GFLOP/s of a GPU the peer named (SXM figures for H100 and
+/// H200, which share the compute die; the PCIe H100 is lower), or `HEARTH_PEAK_GFLOPS`.
+fn gpu_peak_gflops(name: &str) -> Option<f64> {
+    if let Some(p) = std::env::var("HEARTH_PEAK_GFLOPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        return Some(p);
+    }
+    let n = name.to_ascii_uppercase();
+    if n.contains("H100") && n.contains("PCIE") {
+        Some(378_000.0)
+    } else if n.contains("H100") || n.contains("H200") {
+        Some(494_700.0)
+    } else if n.contains("A100") {
+        Some(156_000.0)
+    } else {
+        None
+    }
+}
+
+/// The GPU configurations: `HEARTH_BENCH_BATCHES` (`infer:1,train:32`), else issue 24's table.
+fn gpu_configs() -> Vec<(BenchMode, &'static str, usize)> {
+    let spec = std::env::var("HEARTH_BENCH_BATCHES")
+        .unwrap_or_else(|_| "infer:1,infer:32,train:32,train:64".into());
+    let mut out = Vec::new();
+    for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let parsed = item.split_once(':').and_then(|(mode, b)| {
+            let b: usize = b.trim().parse().ok().filter(|&b| b > 0)?;
+            match mode.trim() {
+                "infer" => Some((BenchMode::Infer, "infer", b)),
+                "train" => Some((BenchMode::Train, "train", b)),
+                _ => None,
+            }
+        });
+        match parsed {
+            Some(c) => out.push(c),
+            None => {
+                eprintln!("HEARTH_BENCH_BATCHES: '{item}' is not infer:B or train:B");
+                std::process::exit(1);
+            }
+        }
+    }
+    out
 }
 
 fn main() {
@@ -104,12 +176,16 @@ fn main() {
         ),
         None => {}
     }
-    let peak = hearth::bench::cpu_peak_gflops().filter(|_| hearth_kernels::is_cpu(&device));
-    if let Some(p) = peak {
+    let on_cpu = hearth_kernels::is_cpu(&device);
+    let cpu_peak = hearth::bench::cpu_peak_gflops().filter(|_| on_cpu);
+    if let Some(p) = cpu_peak {
         println!("CPU nominal peak: {p:.0} GFLOP/s (HEARTH_PEAK_GFLOPS overrides)");
     }
+    // On a GPU the peer also runs in channels_last, when it runs on CUDA.
+    let channels_last = !on_cpu && peer_device.starts_with("cuda");
+    let mut gpu_peak: Option<(String, Option<f64>)> = None;
     println!(
-        "{:<12} {:<6} {:>5} {:>16} {:>16} {:>8} {:>8} {:>14}",
+        "{:<12} {:<6} {:>5} {:>16} {:>16} {:>8} {:>8} {:>14} {:>16} {:>8}",
         "model",
         "mode",
         "batch",
@@ -117,7 +193,9 @@ fn main() {
         "pytorch med/best",
         "ratio",
         "best",
-        "peak h/pt"
+        "peak h/pt",
+        "pt CL med/best",
+        "ratio CL"
     );
     for name in models.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let arch = match Architecture::from_name(name) {
@@ -127,16 +205,18 @@ fn main() {
                 std::process::exit(1);
             }
         };
-        let configs: &[(BenchMode, &str, usize)] = if smoke {
-            &[(BenchMode::Infer, "infer", 1)]
-        } else {
-            &[
+        let configs: Vec<(BenchMode, &str, usize)> = if smoke {
+            vec![(BenchMode::Infer, "infer", 1)]
+        } else if on_cpu {
+            vec![
                 (BenchMode::Infer, "infer", 1),
                 (BenchMode::Infer, "infer", batch),
                 (BenchMode::Train, "train", batch),
             ]
+        } else {
+            gpu_configs()
         };
-        for &(mode, mode_name, batch) in configs {
+        for (mode, mode_name, batch) in configs {
             let bench = ModelBench {
                 arch,
                 mode,
@@ -153,33 +233,57 @@ fn main() {
                     std::process::exit(1);
                 }
             };
-            let torch = python.as_ref().and_then(|p| {
-                peer(
-                    p,
-                    &peer_device,
-                    arch.name(),
-                    mode_name,
-                    batch,
-                    steps,
-                    warmup,
-                )
-            });
-            // Fraction of the CPU's peak at the median step, Hearth / PyTorch.
+            let run_peer = |cl: bool| {
+                python.as_ref().and_then(|p| {
+                    peer(
+                        p,
+                        &peer_device,
+                        arch.name(),
+                        mode_name,
+                        batch,
+                        steps,
+                        warmup,
+                        cl,
+                    )
+                })
+            };
+            let torch = run_peer(false);
+            let torch_cl = if channels_last { run_peer(true) } else { None };
+            if !on_cpu
+                && gpu_peak.is_none()
+                && let Some(t) = &torch
+            {
+                let p = gpu_peak_gflops(&t.gpu);
+                match p {
+                    Some(p) => println!("GPU {}: dense TF32 peak {p:.0} GFLOP/s", t.gpu),
+                    None => println!("GPU {}: peak unknown (set HEARTH_PEAK_GFLOPS)", t.gpu),
+                }
+                gpu_peak = Some((t.gpu.clone(), p));
+            }
+            let peak = cpu_peak.or(gpu_peak.as_ref().and_then(|g| g.1));
+            // Fraction of the device's peak at the median step, Hearth / PyTorch.
             let share = |images: f64| {
-                peak.map(|p| format!("{:.0}%", 100.0 * images * bench.gflop_per_image() / p))
+                peak.map(|p| format!("{:.1}%", 100.0 * images * bench.gflop_per_image() / p))
                     .unwrap_or_else(|| "-".into())
             };
-            let (t, r, rb, tp) = match torch {
-                Some((m, b)) => (
-                    format!("{m:.2}/{b:.2}"),
-                    format!("{:.2}x", hearth.0 / m),
-                    format!("{:.2}x", hearth.1 / b),
-                    share(m),
+            let (t, r, rb, tp) = match &torch {
+                Some(p) => (
+                    format!("{:.2}/{:.2}", p.median, p.best),
+                    format!("{:.2}x", hearth.0 / p.median),
+                    format!("{:.2}x", hearth.1 / p.best),
+                    share(p.median),
                 ),
                 None => ("-".into(), "-".into(), "-".into(), "-".into()),
             };
+            let (tcl, rcl) = match &torch_cl {
+                Some(p) => (
+                    format!("{:.2}/{:.2}", p.median, p.best),
+                    format!("{:.2}x", hearth.0 / p.median),
+                ),
+                None => ("-".into(), "-".into()),
+            };
             println!(
-                "{:<12} {:<6} {:>5} {:>16} {:>16} {:>8} {:>8} {:>14}",
+                "{:<12} {:<6} {:>5} {:>16} {:>16} {:>8} {:>8} {:>14} {:>16} {:>8}",
                 arch.name(),
                 mode_name,
                 batch,
@@ -187,7 +291,9 @@ fn main() {
                 t,
                 r,
                 rb,
-                format!("{}/{tp}", share(hearth.0))
+                format!("{}/{tp}", share(hearth.0)),
+                tcl,
+                rcl
             );
         }
     }

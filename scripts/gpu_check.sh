@@ -1,72 +1,106 @@
 #!/usr/bin/env bash
-# GPU check on a machine with a GPU, PyTorch and no Rust toolchain: runs binaries built
-# elsewhere (see BENCHMARKS.md, "GPU"). Build with `--features vulkan` (add `cuda` where the
-# build machine can download cubecl-cuda's LLVM bundle, then set HEARTH_GPU_DEVICES to
-# "cuda wgpu vulkan"):
+# GPU check on a machine with an NVIDIA GPU, PyTorch and no Rust toolchain: runs binaries built
+# elsewhere and produces BENCHMARKS.md's whole "GPU" table in one call. Build them here with
+# CUDA (NVRTC kernels) and Vulkan:
 #
-#   cargo build --release --features vulkan --bin hearth --test parity --bench models
-#   mkdir -p .gpu && cp target/release/hearth .gpu/ && cp target/release/deps/parity-<hash> .gpu/parity \
-#     && cp target/release/deps/models-<hash> .gpu/models
+#   bash scripts/install_llvm.sh      # once: the LLVM cubecl-cuda links, from PyPI
+#   cargo build --release --features cuda,vulkan --bin hearth --test parity --bench models
+#   mkdir -p .gpu && cp target/release/hearth .gpu/ \
+#     && cp "$(ls -t target/release/deps/parity-* | grep -v '\.d$' | head -1)" .gpu/parity \
+#     && cp "$(ls -t target/release/deps/models-* | grep -v '\.d$' | head -1)" .gpu/models
 #   bash scripts/gpu_check.sh [.gpu] [OUT_DIR]
 #
-# 1. torchvision parity (1e-4) on each device of HEARTH_GPU_DEVICES (default "wgpu vulkan");
-# 2. a training run (small ResNet, synthetic data) on each of them, and 2 data-parallel ranks
-#    sharing the GPU over QUIC;
-# 3. ResNet-50 throughput against PyTorch (CUDA) on the same GPU (ratio printed by the bench).
-# HEARTH_GPU_ONLY=check runs 1-2, =bench runs 3.
+# Steps (each bounded by HEARTH_STEP_TIMEOUT s, default 600; a failed step is reported and the
+# script goes on; the exit status says whether any failed):
+#   check  1. torchvision parity on each device of HEARTH_GPU_DEVICES (default "cuda wgpu
+#             vulkan"; f32 1e-4, CUDA within the TF32 bound) and a short training run on each;
+#   bench  2. the models bench on each device: ResNet-50, DenseNet-121 and VGG-16 at 224,
+#             inference batch 1 and 32, training batch 32 and 64, against PyTorch eager on the
+#             same GPU in the same run (also channels_last), median and best step, share of the
+#             GPU's TF32 peak; autotune's decisions go to OUT/autotune-DEVICE.jsonl and their
+#             table to OUT/autotune-DEVICE.md;
+#   train  3. `hearth train --model resnet50` on a generated 224-pixel image folder, one process,
+#             then 2 data-parallel ranks sharing the GPU, with images/s and the gradient
+#             exchange's share of a step.
+# HEARTH_GPU_ONLY=check|bench|train runs one step group (a device call is limited to 10 minutes:
+# split the work across calls with it).
 # The parity test and the bench read fixtures and the peer script at the path of the checkout
 # they were built in ($HEARTH_BUILD_ROOT, default /work/main): this script links it here.
 set -u
 BIN=$(realpath "${1:-.gpu}")
 OUT=${2:-${OUT:-/tmp/gpu-check}}
 mkdir -p "$OUT"
+OUT=$(realpath "$OUT")
 ROOT=$(pwd)
 BUILD_ROOT=${HEARTH_BUILD_ROOT:-/work/main}
 if [ "$ROOT" != "$BUILD_ROOT" ] && [ ! -e "$BUILD_ROOT" ]; then
     mkdir -p "$(dirname "$BUILD_ROOT")" && ln -s "$ROOT" "$BUILD_ROOT"
 fi
+export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-$(mktemp -d)}
 STEPS=${HEARTH_GPU_BENCH_STEPS:-20}
-DEVICES=${HEARTH_GPU_DEVICES:-wgpu vulkan}
+WARMUP=${HEARTH_BENCH_WARMUP:-3}
+DEVICES=${HEARTH_GPU_DEVICES:-cuda wgpu vulkan}
 FIRST=${DEVICES%% *}
+ONLY=${HEARTH_GPU_ONLY:-all}
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 run() {
     # Runs a step (at most $HEARTH_STEP_TIMEOUT s), records its exit status, and carries on.
-    timeout "${HEARTH_STEP_TIMEOUT:-300}" "$@"
+    timeout "${HEARTH_STEP_TIMEOUT:-600}" "$@"
     local rc=$?
     if [ $rc -ne 0 ]; then
         echo "FAILED (exit $rc): $*"
         status=1
     fi
 }
+wants() { [ "$ONLY" = all ] || [ "$ONLY" = "$1" ]; }
 
 step "machine"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 ldconfig -p | grep -q libvulkan || echo "no libvulkan: Vulkan/wgpu steps will fail"
+python3 -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())' 2>&1
 "$BIN/hearth" devices 2>&1
 
-ONLY=${HEARTH_GPU_ONLY:-all}
-if [ "$ONLY" != bench ]; then
-step "torchvision parity on $DEVICES"
-run env HEARTH_PARITY_DEVICES="${DEVICES// /,}" \
-    "$BIN/parity" --exact torchvision_parity_on_named_devices --nocapture
-
-for d in $DEVICES; do
-    step "training run on $d"
-    run "$BIN/hearth" train --device "$d" --epochs 3 --run-dir "$OUT/run-$d"
-done
-
-step "2 data-parallel ranks sharing $FIRST:0"
-run "$BIN/hearth" train --device "$FIRST:0" --nproc 2 --epochs 2 --run-dir "$OUT/run-ddp-$FIRST"
-
+if wants check; then
+    step "torchvision parity on $DEVICES"
+    run env HEARTH_PARITY_DEVICES="${DEVICES// /,}" \
+        "$BIN/parity" --exact torchvision_parity_on_named_devices --nocapture
+    for d in $DEVICES; do
+        step "training run on $d"
+        run "$BIN/hearth" --device "$d" train --epochs 3 --run-dir "$OUT/run-$d"
+    done
 fi
-if [ "$ONLY" != check ]; then
-step "ResNet-50 against PyTorch on the GPU"
-for d in $DEVICES; do
-    run env HEARTH_DEVICE="$d" HEARTH_TORCH_PYTHON=${HEARTH_TORCH_PYTHON:-python3} \
-        HEARTH_BENCH_MODELS=${HEARTH_BENCH_MODELS:-resnet50} HEARTH_BENCH_STEPS="$STEPS" \
-        HEARTH_BENCH_WARMUP=${HEARTH_BENCH_WARMUP:-3} HEARTH_BENCH_BATCH=${HEARTH_BENCH_BATCH:-32} \
-        "$BIN/models" --bench
-done
+
+if wants bench; then
+    for d in $DEVICES; do
+        step "models against PyTorch on $d (autotune log: $OUT/autotune-$d.jsonl)"
+        rm -f "$OUT/autotune-$d.jsonl"
+        run env HEARTH_DEVICE="$d" HEARTH_TORCH_PYTHON=${HEARTH_TORCH_PYTHON:-python3} \
+            HEARTH_BENCH_MODELS=${HEARTH_BENCH_MODELS:-resnet50,densenet121,vgg16} \
+            HEARTH_BENCH_STEPS="$STEPS" HEARTH_BENCH_WARMUP="$WARMUP" \
+            HEARTH_AUTOTUNE_LOG="$OUT/autotune-$d.jsonl" \
+            "$BIN/models" --bench
+        if [ -s "$OUT/autotune-$d.jsonl" ]; then
+            "$BIN/hearth" autotune-report "$OUT/autotune-$d.jsonl" > "$OUT/autotune-$d.md" 2>&1
+            head -c 4000 "$OUT/autotune-$d.md"
+        fi
+    done
+fi
+
+if wants train; then
+    DATA=$OUT/data224
+    if [ ! -d "$DATA" ]; then
+        step "generating a 224-pixel image folder"
+        run "$BIN/hearth" data synth --out "$DATA" --classes 10 --per-class 100 --size 224
+    fi
+    step "hearth train --model resnet50 on $FIRST, one process"
+    run "$BIN/hearth" --device "$FIRST" train --data "$DATA" --model resnet50 --size 224 \
+        --batch-size 32 --epochs 2 --run-dir "$OUT/train-resnet50-$FIRST"
+    step "2 data-parallel ranks sharing $FIRST:0, ResNet-50 (global batch 64)"
+    run "$BIN/hearth" --device "$FIRST:0" train --nproc 2 --data "$DATA" --model resnet50 \
+        --size 224 --batch-size 64 --epochs 2 --run-dir "$OUT/train-resnet50-ddp-$FIRST"
+    for r in "$OUT/train-resnet50-$FIRST" "$OUT/train-resnet50-ddp-$FIRST"; do
+        [ -f "$r/metrics.csv" ] && { echo "$r/metrics.csv:"; cat "$r/metrics.csv"; }
+    done
 fi
 exit $status

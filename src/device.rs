@@ -86,6 +86,12 @@ impl DeviceChoice {
             .join(", ")
     }
 
+    /// Whether the device runs through cubecl (wgpu, Vulkan, CUDA): Burn's autotune and fusion
+    /// apply there (`crate::gpu`).
+    pub fn is_cubecl(self) -> bool {
+        !matches!(self, DeviceChoice::Flex | DeviceChoice::NdArray)
+    }
+
     /// Whether the device has an index (`cuda:1`, `vulkan:1`): GPUs do, CPU backends do not.
     pub fn indexed(self) -> bool {
         !matches!(self, DeviceChoice::Flex | DeviceChoice::NdArray) && self.name() != "vulkan-cpu"
@@ -165,6 +171,11 @@ impl DeviceSpec {
     pub fn device(self) -> Result<Device> {
         let name = self.to_string();
         quiet_wayland();
+        if self.choice.is_cubecl()
+            && let Some(warning) = crate::gpu::configure()
+        {
+            eprintln!("warning: {warning}");
+        }
         let device = self.choice.device_at(self.index);
         let probe = device.clone();
         let previous = std::panic::take_hook();

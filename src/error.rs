@@ -27,6 +27,12 @@ pub enum HearthError {
     },
     #[error("{path} is not a usable .npy file: {reason}")]
     Npy { path: PathBuf, reason: String },
+    #[error("{path}: line {line} is not an autotune decision (JSON): {reason}")]
+    AutotuneLog {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     #[error("training failed: {0}")]

@@ -40,6 +40,7 @@ pub mod device;
 pub mod dist_bench;
 mod error;
 pub mod eval;
+pub mod gpu;
 pub mod launch;
 pub mod loader_bench;
 pub mod metrics;

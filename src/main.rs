@@ -62,6 +62,12 @@ enum Command {
     Train(Box<TrainArgs>),
     /// Start N local ranks of a distributed job: `hearth launch -n 2 -- hearth train ...`.
     Launch(LaunchArgs),
+    /// Which kernel Burn's autotune chose for each shape on a GPU: reads the file a run wrote
+    /// with HEARTH_AUTOTUNE_LOG=FILE and prints a table (winner, its time, the runner-up).
+    AutotuneReport {
+        /// The HEARTH_AUTOTUNE_LOG file (one JSON decision a line).
+        file: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -176,6 +182,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Data(DataCommand::Synth(args)) => data_synth(args),
         Command::Train(args) => train_cmd(&cli.device, *args),
         Command::Launch(args) => launch_cmd(args),
+        Command::AutotuneReport { file } => {
+            print!("{}", hearth::gpu::autotune_report(&file)?);
+            Ok(())
+        }
         Command::Bench(BenchCommand::Allreduce(args)) => bench_allreduce(args),
         Command::Bench(BenchCommand::AllreduceRank(args)) => bench_allreduce_rank(args),
     }

@@ -231,3 +231,110 @@ fn killing_the_launcher_kills_its_ranks() {
         "ranks {ranks:?} outlived their launcher"
     );
 }
+
+/// Data-parallel gradients on a cubecl device (Vulkan on the CPU; CI installs lavapipe): each
+/// bucket is packed and scaled on the device, read as one buffer, and split there again. Two
+/// ranks as threads over the in-memory transport must end with the mean of their gradients,
+/// computed here on the CPU, for one bucket per tensor, several tensors per bucket, and one
+/// bucket for all. On a machine whose Mesa shader cache is empty, lavapipe first compiles every
+/// autotune candidate through LLVM (about 3 minutes here): hence the long deadlines.
+#[cfg(feature = "wgpu")]
+#[test]
+fn gradient_buckets_pack_on_a_cubecl_device() {
+    use std::sync::Arc;
+
+    use burn::module::Module;
+    use burn::nn::{Linear, LinearConfig};
+    use burn::optim::GradientsParams;
+    use burn::prelude::*;
+    use hearth::device::DeviceChoice;
+    use hearth::dist::ddp::{allreduce_grads, module_values, with_module_values};
+    use hearth::dist::transport::memory::MemoryTransport;
+    use hearth::dist::{Communicator, Transport};
+
+    #[derive(Module, Debug)]
+    struct Net {
+        a: Linear,
+        b: Linear,
+    }
+    fn net(device: &Device, values: Vec<Vec<f32>>) -> Net {
+        let n = Net {
+            a: LinearConfig::new(5, 7).init(device),
+            b: LinearConfig::new(7, 3).init(device),
+        };
+        with_module_values(n, values).unwrap()
+    }
+    // Each rank's gradients for its own batch, as flat vectors in the module's order.
+    fn grads_of(device: &Device, values: &[Vec<f32>], rank: usize) -> (Net, GradientsParams) {
+        let model = net(device, values.to_vec());
+        let x: Vec<f32> = (0..4 * 5)
+            .map(|i| ((i * 7 + rank * 13) % 11) as f32 / 5.0 - 1.0)
+            .collect();
+        let x = Tensor::<2>::from_data(TensorData::new(x, [4, 5]), device);
+        let loss = model.b.forward(model.a.forward(x)).powi_scalar(2).mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        (model, grads)
+    }
+    fn flat(model: &Net, grads: &GradientsParams) -> Vec<f32> {
+        let data = |d: Option<TensorData>| {
+            d.expect("a gradient for every parameter")
+                .try_to_vec::<f32>()
+                .unwrap()
+        };
+        let mut out = Vec::new();
+        for layer in [&model.a, &model.b] {
+            out.extend(data(grads.get::<2>(layer.weight.id).map(|t| t.into_data())));
+            let bias = layer.bias.as_ref().expect("a bias").id;
+            out.extend(data(grads.get::<1>(bias).map(|t| t.into_data())));
+        }
+        out
+    }
+
+    let Some(gpu) = common::device_or_skip(
+        DeviceChoice::VulkanCpu,
+        "gradient_buckets_pack_on_a_cubecl_device",
+    ) else {
+        return;
+    };
+    let cpu = Device::flex().autodiff();
+    let values = module_values(&Net {
+        a: LinearConfig::new(5, 7).init(&Device::flex()),
+        b: LinearConfig::new(7, 3).init(&Device::flex()),
+    });
+    let expected: Vec<f32> = {
+        let (m0, g0) = grads_of(&cpu, &values, 0);
+        let (m1, g1) = grads_of(&cpu, &values, 1);
+        flat(&m0, &g0)
+            .iter()
+            .zip(flat(&m1, &g1))
+            .map(|(a, b)| (a + b) / 2.0)
+            .collect()
+    };
+    // 16 bytes: a bucket per tensor; 160: the biases share with their neighbours; 1 MiB: one.
+    for bucket_bytes in [16usize, 160, 1 << 20] {
+        let (tx, rx) = std::sync::mpsc::channel();
+        for t in MemoryTransport::mesh(2) {
+            let (tx, gpu, values) = (tx.clone(), gpu.clone().autodiff(), values.clone());
+            std::thread::spawn(move || {
+                let rank = t.rank();
+                let comm = Communicator::new(Arc::new(t)).with_timeout(Duration::from_secs(600));
+                let (model, mut grads) = grads_of(&gpu, &values, rank);
+                let result = allreduce_grads(&model, &mut grads, &comm, bucket_bytes)
+                    .map(|()| flat(&model, &grads));
+                let _ = tx.send((rank, result));
+            });
+        }
+        for _ in 0..2 {
+            let (rank, got) = rx
+                .recv_timeout(Duration::from_secs(900))
+                .expect("both ranks finish within 900 s");
+            let got = got.unwrap_or_else(|e| panic!("rank {rank}, {bucket_bytes} B buckets: {e}"));
+            assert_eq!(got.len(), expected.len());
+            let diff = common::max_abs_diff(&got, &expected);
+            assert!(
+                diff < 1e-5,
+                "rank {rank}, {bucket_bytes} B buckets: max |diff| {diff:e} against the CPU mean"
+            );
+        }
+    }
+}

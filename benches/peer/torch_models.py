@@ -20,6 +20,7 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    p.add_argument("--channels-last", action="store_true", help="model and input in channels_last memory format")
     a = p.parse_args()
     torch.manual_seed(0)
     dev = torch.device(a.device)
@@ -30,6 +31,9 @@ def main():
 
     model = getattr(torchvision.models, a.model)(num_classes=1000).to(dev)
     x = torch.randn(a.batch_size, 3, a.size, a.size, device=dev)
+    if a.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
     y = torch.arange(a.batch_size, device=dev) % 1000
     times = []
     if a.mode == "infer":
@@ -61,7 +65,8 @@ def main():
     ordered = sorted(times)
     median = a.batch_size / ordered[len(ordered) // 2]
     best = a.batch_size / ordered[0]
-    print(f"peer model={a.model} mode={a.mode} batch={a.batch_size} device={a.device} threads={torch.get_num_threads()} images_per_s={ips:.3f} median_images_per_s={median:.3f} best_images_per_s={best:.3f}")
+    name = torch.cuda.get_device_name(dev).replace(" ", "_") if dev.type == "cuda" else "cpu"
+    print(f"peer model={a.model} mode={a.mode} batch={a.batch_size} device={a.device} gpu={name} channels_last={int(a.channels_last)} threads={torch.get_num_threads()} images_per_s={ips:.3f} median_images_per_s={median:.3f} best_images_per_s={best:.3f}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,6 @@
 //! Gradient fusion: many tensors packed into few flat buffers ("buckets") so one allreduce moves
 //! many small gradients, in one fixed order on every rank.
 
-use crate::collective::{Communicator, ReduceOp};
-use crate::{DistError, Result};
-
 /// Default bucket size: 25 MB, PyTorch DDP's default.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 * 1024 * 1024;
 
@@ -43,41 +40,6 @@ impl BucketPlan {
     pub fn total(&self) -> usize {
         self.sizes.iter().sum()
     }
-}
-
-/// Reduces `tensors` (laid out as `plan.sizes`) across ranks, one allreduce per bucket.
-pub fn allreduce_tensors(
-    comm: &Communicator,
-    plan: &BucketPlan,
-    tensors: &mut [Vec<f32>],
-    op: ReduceOp,
-) -> Result<()> {
-    if tensors.len() != plan.sizes.len()
-        || tensors.iter().zip(&plan.sizes).any(|(t, &s)| t.len() != s)
-    {
-        return Err(DistError::Mismatch {
-            op: "bucketed allreduce".into(),
-            reason: format!(
-                "{} tensors do not match the plan of {} tensors",
-                tensors.len(),
-                plan.sizes.len()
-            ),
-        });
-    }
-    for range in &plan.buckets {
-        let mut flat: Vec<f32> = Vec::with_capacity(plan.sizes[range.clone()].iter().sum());
-        for t in &tensors[range.clone()] {
-            flat.extend_from_slice(t);
-        }
-        comm.allreduce(&mut flat, op)?;
-        let mut at = 0;
-        for t in &mut tensors[range.clone()] {
-            let n = t.len();
-            t.copy_from_slice(&flat[at..at + n]);
-            at += n;
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -29,7 +29,7 @@ use burn::train::{
     TrainingItem, ValidLoader,
 };
 
-use crate::bucket::{BucketPlan, DEFAULT_BUCKET_BYTES, allreduce_tensors};
+use crate::bucket::{BucketPlan, DEFAULT_BUCKET_BYTES};
 use crate::collective::{Communicator, ReduceOp};
 use crate::{DistError, Result};
 
@@ -136,37 +136,44 @@ pub fn broadcast_module<M: Module>(module: M, comm: &Communicator) -> Result<M> 
     with_module_values(module, out)
 }
 
+/// One gradient taken out of `GradientsParams`: its parameter, its shape, and its values
+/// flattened on the device that computed them (no copy to the host yet).
+struct Taken {
+    id: burn::module::ParamId,
+    dims: Vec<usize>,
+    flat: Tensor<1>,
+}
+
 struct TakeGrads<'a> {
     grads: &'a mut GradientsParams,
-    taken: Vec<(burn::module::ParamId, Vec<usize>, Device, Vec<f32>)>,
+    taken: Vec<Taken>,
 }
 
 impl ModuleVisitor for TakeGrads<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         if let Some(g) = self.grads.remove::<D>(param.id) {
             let dims = g.dims().to_vec();
-            let device = g.device();
-            self.taken.push((param.id, dims, device, g.into_flat_f32()));
+            let n: usize = dims.iter().product();
+            self.taken.push(Taken {
+                id: param.id,
+                dims,
+                flat: g.reshape([n]),
+            });
         }
     }
 }
 
 struct PutGrads<'a> {
     grads: &'a mut GradientsParams,
-    values: std::vec::IntoIter<(burn::module::ParamId, Vec<usize>, Device, Vec<f32>)>,
+    values: std::iter::Peekable<std::vec::IntoIter<Taken>>,
 }
 
 impl ModuleVisitor for PutGrads<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         // Same order as TakeGrads: the next entry belongs to this parameter if the ids match.
-        let matches = self
-            .values
-            .as_slice()
-            .first()
-            .is_some_and(|(id, ..)| *id == param.id);
-        if matches && let Some((id, dims, device, v)) = self.values.next() {
-            let t = Tensor::<D>::from_data(TensorData::new(v, dims), &device);
-            self.grads.register::<D>(id, t);
+        if let Some(t) = self.values.next_if(|t| t.id == param.id) {
+            let g: Tensor<D> = t.flat.reshape(Shape::from(t.dims));
+            self.grads.register::<D>(t.id, g);
         }
     }
 }
@@ -237,6 +244,10 @@ pub fn allreduce_grads_scaled<M: Module>(
 
 /// `grads` flattened in module order, each value scaled by `scale` if given, reduced with `op`
 /// bucket by bucket, and put back.
+///
+/// Each bucket is packed on the gradients' own device (the concatenation and the scaling run
+/// there) and crosses to the host as one buffer: on a GPU, one read per bucket instead of one
+/// per tensor. The reduced bucket goes back to the device as one buffer and is split there.
 fn reduce_grads<M: Module>(
     module: &M,
     grads: &mut GradientsParams,
@@ -254,19 +265,49 @@ fn reduce_grads<M: Module>(
     };
     module.visit(&mut take);
     let mut taken = take.taken;
-    let sizes: Vec<usize> = taken.iter().map(|t| t.3.len()).collect();
+    let sizes: Vec<usize> = taken.iter().map(|t| t.dims.iter().product()).collect();
     let plan = BucketPlan::new(&sizes, bucket_bytes);
-    let mut values: Vec<Vec<f32>> = taken.iter_mut().map(|t| std::mem::take(&mut t.3)).collect();
-    if let Some(w) = scale {
-        values.iter_mut().flatten().for_each(|v| *v *= w);
-    }
-    allreduce_tensors(comm, &plan, &mut values, op)?;
-    for (t, v) in taken.iter_mut().zip(values) {
-        t.3 = v;
+    for range in &plan.buckets {
+        let bucket = &mut taken[range.clone()];
+        let device = bucket[0].flat.device();
+        let parts: Vec<Tensor<1>> = bucket
+            .iter()
+            .map(|t| t.flat.clone().to_device(&device))
+            .collect();
+        let mut packed = Tensor::cat(parts, 0);
+        if let Some(w) = scale {
+            packed = packed.mul_scalar(w);
+        }
+        let mut host = packed
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| DistError::Mismatch {
+                op: "gradient bucket read".into(),
+                reason: format!("{e:?}"),
+            })?;
+        let len = host.len();
+        let want: usize = sizes[range.clone()].iter().sum();
+        if len != want {
+            return Err(DistError::Mismatch {
+                op: "gradient bucket read".into(),
+                reason: format!("{len} values read for a bucket of {want}"),
+            });
+        }
+        comm.allreduce(&mut host, op)?;
+        let reduced = Tensor::<1>::from_data(TensorData::new(host, [len]), &device);
+        let pieces = if bucket.len() == 1 {
+            vec![reduced]
+        } else {
+            reduced.split_with_sizes(sizes[range.clone()].to_vec(), 0)
+        };
+        for (t, piece) in bucket.iter_mut().zip(pieces) {
+            t.flat = piece;
+        }
     }
     let mut put = PutGrads {
         grads,
-        values: taken.into_iter(),
+        values: taken.into_iter().peekable(),
     };
     module.visit(&mut put);
     Ok(())

@@ -1,0 +1,321 @@
+//! Kernel selection on the cubecl devices (wgpu, Vulkan, CUDA), and a way to see it.
+//!
+//! Builds with a cubecl device (the `wgpu` and `cuda` features) turn on Burn's `autotune`,
+//! `fusion` and `persistence`: the first time a convolution or matrix product of a new shape
+//! runs, Burn times its candidate kernels (direct, im2col and implicit-GEMM convolutions, the
+//! tiled and tensor-core matmuls) and keeps the fastest, in memory and in cubecl's on-disk cache
+//! (`target/environment` inside a Cargo project, else `~/.cache/cubecl`), so a second run does
+//! not tune again. `CUBECL_AUTOTUNE_CACHE=0` turns the disk cache off, `CUBECL_AUTOTUNE_LEVEL`
+//! (`minimal`, `balanced`, `extensive`, `full`) sets how many candidates are tried.
+//!
+//! `HEARTH_AUTOTUNE_LOG=FILE` appends every decision autotune takes to FILE, one JSON object a
+//! line (cubecl's own `AutotuneDecision`: the key with the shapes, each candidate's timing), and
+//! `hearth autotune-report FILE` prints them as a table: which kernel won for each shape, how long
+//! it took, and how far the runner-up was behind. Keys round channels, sizes and the batch up to
+//! powers of two (cubecl's anchors: a 3->5 convolution on 9x9 is tuned as 4->8 on 16x16), so one
+//! decision covers a range of shapes. A decision found in the disk cache is not
+//! taken again, so it is not logged: delete the cache or set `CUBECL_AUTOTUNE_CACHE=0` to see
+//! every decision of a run.
+//!
+//! TF32: on NVIDIA GPUs from sm_80, cubecl runs f32 matrix products and convolutions on tensor
+//! cores as TF32 whenever the device supports it, and Burn 0.22.1 / cubecl 0.11.3 offer no switch
+//! to turn that off. Results then differ from f32 by about 1e-3 relative; the parity test checks
+//! CUDA against [`TF32_RELATIVE_TOLERANCE`] instead of the f32 tolerance.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::{HearthError, Result};
+
+/// The variable that names the autotune decision log.
+pub const AUTOTUNE_LOG_ENV: &str = "HEARTH_AUTOTUNE_LOG";
+
+/// Largest |difference| over the largest |expected value| accepted where f32 products run as
+/// TF32 (10-bit mantissa: about 5e-4 per product, more after long sums).
+pub const TF32_RELATIVE_TOLERANCE: f32 = 5e-3;
+
+/// Applies Hearth's cubecl settings before the first cubecl device starts: today, the decision
+/// log of [`AUTOTUNE_LOG_ENV`]. Called by [`crate::device`] before it builds a device; calling it
+/// again does nothing. Returns a warning when the log was asked for but cubecl's configuration
+/// had already been read (a program that used a cubecl device before calling this).
+pub fn configure() -> Option<String> {
+    #[cfg(feature = "gpu-kernels")]
+    {
+        static WARNING: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+        WARNING.get_or_init(apply_config).clone()
+    }
+    #[cfg(not(feature = "gpu-kernels"))]
+    {
+        std::env::var_os(AUTOTUNE_LOG_ENV).map(|_| {
+            format!("{AUTOTUNE_LOG_ENV} is set, but this build has no cubecl device (wgpu, cuda)")
+        })
+    }
+}
+
+#[cfg(feature = "gpu-kernels")]
+fn apply_config() -> Option<String> {
+    use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+
+    let path = std::env::var_os(AUTOTUNE_LOG_ENV)?;
+    // cubecl's own sources first (cubecl.toml or burn.toml, CUBECL_* variables), then ours.
+    let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+    config.autotune.decisions.file = Some(path.clone().into());
+    config.autotune.decisions.append = true;
+    if CubeClRuntimeConfig::try_set(config) {
+        None
+    } else {
+        Some(format!(
+            "{AUTOTUNE_LOG_ENV}={}: cubecl's configuration was already in use, so no decision is logged",
+            Path::new(&path).display()
+        ))
+    }
+}
+
+/// One autotune decision, as [`autotune_report`] reads it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// What was tuned: the operation and its shapes, in words.
+    pub what: String,
+    /// The winning kernel.
+    pub chosen: String,
+    /// Its median time in seconds.
+    pub seconds: f64,
+    /// The runner-up and its median time, if another candidate ran.
+    pub runner_up: Option<(String, f64)>,
+    /// Candidates that failed or could not run this shape.
+    pub failed: usize,
+}
+
+/// Every decision in a `HEARTH_AUTOTUNE_LOG` file, in order. A line that is not a decision
+/// (blank, or cubecl's own error object) is skipped; a line that is not JSON at all is an error
+/// naming it.
+pub fn read_decisions(path: &Path) -> Result<Vec<Decision>> {
+    let text = std::fs::read_to_string(path).map_err(|e| HearthError::Read {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let value: Value = serde_json::from_str(line).map_err(|e| HearthError::AutotuneLog {
+            path: path.to_path_buf(),
+            line: i + 1,
+            reason: e.to_string(),
+        })?;
+        if let Some(d) = decision(&value) {
+            out.push(d);
+        }
+    }
+    Ok(out)
+}
+
+fn decision(v: &Value) -> Option<Decision> {
+    let key = v.get("key")?;
+    let mut measured: Vec<(String, f64)> = Vec::new();
+    let mut failed = 0;
+    for r in v.get("results")?.as_array()? {
+        match r.get("outcome").and_then(|o| o.get("Ok")) {
+            Some(ok) => {
+                let name = ok.get("name").and_then(Value::as_str).unwrap_or("?");
+                let t = ok
+                    .get("computation")
+                    .and_then(|c| c.get("median"))
+                    .and_then(duration)
+                    .unwrap_or(f64::NAN);
+                measured.push((short_name(name), t));
+            }
+            None => failed += 1,
+        }
+    }
+    measured.sort_by(|a, b| a.1.total_cmp(&b.1));
+    let mut it = measured.into_iter();
+    let (chosen, seconds) = it.next()?;
+    Some(Decision {
+        what: describe_key(key),
+        chosen,
+        seconds: v.get("fastest_time").and_then(duration).unwrap_or(seconds),
+        runner_up: it.next(),
+        failed,
+    })
+}
+
+/// Seconds of a serialized `Duration` (`{"secs": s, "nanos": n}`).
+fn duration(v: &Value) -> Option<f64> {
+    let secs = v.get("secs")?.as_f64()?;
+    let nanos = v.get("nanos")?.as_f64()?;
+    Some(secs + nanos * 1e-9)
+}
+
+/// A kernel's name without module paths: `a::b::Conv<x::F32>` reads `Conv<F32>`.
+fn short_name(name: &str) -> String {
+    let mut out = String::new();
+    let mut word = String::new();
+    for c in name.chars() {
+        if c.is_alphanumeric() || c == '_' || c == ':' {
+            word.push(c);
+        } else {
+            out.push_str(word.rsplit("::").next().unwrap_or(&word));
+            word.clear();
+            out.push(c);
+        }
+    }
+    out.push_str(word.rsplit("::").next().unwrap_or(&word));
+    out
+}
+
+/// The first object inside `v` (itself included) that has `field`.
+fn find_with<'a>(v: &'a Value, field: &str) -> Option<&'a Value> {
+    match v {
+        Value::Object(m) if m.contains_key(field) => Some(v),
+        Value::Object(m) => m.values().find_map(|x| find_with(x, field)),
+        Value::Array(a) => a.iter().find_map(|x| find_with(x, field)),
+        _ => None,
+    }
+}
+
+fn list(v: Option<&Value>) -> String {
+    match v {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| match x {
+                Value::Array(_) => list(Some(x)),
+                _ => x.to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join("x"),
+        Some(x) => x.to_string(),
+        None => "?".into(),
+    }
+}
+
+/// A key in words: convolutions by their geometry, anything else as compact JSON (what the
+/// enum variant names the operation).
+fn describe_key(key: &Value) -> String {
+    if let Some(conv) = find_with(key, "kernel_size")
+        && conv.get("in_channels").is_some()
+    {
+        let op = match key {
+            Value::Object(m) if m.len() == 1 && !m.contains_key("kernel_size") => {
+                m.keys().next().cloned().unwrap_or_default()
+            }
+            _ => "conv".into(),
+        };
+        return format!(
+            "{op} {}->{} ch, kernel {}, stride {}, input {}, batch {}, {}",
+            conv.get("in_channels")
+                .map(Value::to_string)
+                .unwrap_or_default(),
+            conv.get("out_channels")
+                .map(Value::to_string)
+                .unwrap_or_default(),
+            list(conv.get("kernel_size")),
+            list(conv.get("stride")),
+            list(conv.get("shape")),
+            conv.get("batch_size")
+                .map(Value::to_string)
+                .unwrap_or_default(),
+            conv.get("dtype")
+                .map(|d| d.to_string().trim_matches('"').to_string())
+                .unwrap_or_default(),
+        );
+    }
+    let mut s = key.to_string();
+    if s.len() > 160 {
+        let cut = (0..=157)
+            .rev()
+            .find(|&i| s.is_char_boundary(i))
+            .unwrap_or(0);
+        s.truncate(cut);
+        s.push_str("...");
+    }
+    s
+}
+
+/// The decisions of `path` as a Markdown table: what was tuned, the kernel chosen, its median
+/// time, and the runner-up with how many times slower it was.
+pub fn autotune_report(path: &Path) -> Result<String> {
+    let decisions = read_decisions(path)?;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{} autotune decisions in {}\n",
+        decisions.len(),
+        path.display()
+    );
+    if decisions.is_empty() {
+        let _ = writeln!(
+            out,
+            "(none: nothing was tuned, or every key came from the disk cache; rerun with CUBECL_AUTOTUNE_CACHE=0)"
+        );
+        return Ok(out);
+    }
+    let _ = writeln!(
+        out,
+        "| what | chosen kernel | median ms | runner-up | its ms (x) | failed |"
+    );
+    let _ = writeln!(out, "| --- | --- | ---: | --- | ---: | ---: |");
+    for d in &decisions {
+        let (ru, ru_t) = match &d.runner_up {
+            Some((name, t)) => (
+                name.clone(),
+                format!("{:.3} ({:.2}x)", t * 1e3, t / d.seconds.max(1e-12)),
+            ),
+            None => ("-".into(), "-".into()),
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {:.3} | {ru} | {ru_t} | {} |",
+            d.what,
+            d.chosen,
+            d.seconds * 1e3,
+            d.failed
+        );
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A decision as cubecl 0.11.3 serializes it (`AutotuneDecision`), two candidates measured
+    /// and one failed.
+    const LINE: &str = r#"{"key":{"Conv":{"kernel_size":[3,3],"stride":[1,1],"padding":[[1,1],[1,1]],"dilation":[1,1],"groups":1,"in_channels":64,"out_channels":64,"shape":[56,56],"batch_size":32,"has_bias":false,"dtype":"F32"}},"fastest_index":1,"fastest_time":{"secs":0,"nanos":250000},"results":[{"outcome":{"Ok":{"name":"burn_cubecl::kernel::conv::ImplicitGemm<cubek::Tf32>","index":1,"computation":{"median":{"secs":0,"nanos":250000}}}}},{"outcome":{"Ok":{"name":"burn_cubecl::kernel::conv::Direct","index":0,"computation":{"median":{"secs":0,"nanos":1000000}}}}},{"outcome":{"Err":"Skip"}}],"log_context":null,"checks":null}"#;
+
+    #[test]
+    fn a_decision_names_the_shape_the_winner_and_the_runner_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log.jsonl");
+        std::fs::write(&path, format!("{LINE}\n\n{{\"error\":\"x\"}}\n")).unwrap();
+        let d = read_decisions(&path).unwrap();
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].chosen, "ImplicitGemm<Tf32>");
+        assert!((d[0].seconds - 250e-6).abs() < 1e-12);
+        assert_eq!(d[0].runner_up.as_ref().unwrap().0, "Direct");
+        assert_eq!(d[0].failed, 1);
+        assert_eq!(
+            d[0].what,
+            "Conv 64->64 ch, kernel 3x3, stride 1x1, input 56x56, batch 32, F32"
+        );
+        let table = autotune_report(&path).unwrap();
+        assert!(table.contains("| Conv 64->64 ch"), "{table}");
+        assert!(table.contains("1.000 (4.00x)"), "{table}");
+    }
+
+    #[test]
+    fn a_line_that_is_not_json_is_an_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log.jsonl");
+        std::fs::write(&path, format!("{LINE}\nnot json\n")).unwrap();
+        let e = read_decisions(&path).unwrap_err().to_string();
+        assert!(e.contains("line 2"), "{e}");
+        let missing = read_decisions(&dir.path().join("none"))
+            .unwrap_err()
+            .to_string();
+        assert!(missing.contains("none"), "{missing}");
+    }
+}
