@@ -8,26 +8,40 @@
 #   mkdir -p .gpu && cp target/release/hearth .gpu/ \
 #     && cp "$(ls -t target/release/deps/parity-* | grep -v '\.d$' | head -1)" .gpu/parity \
 #     && cp "$(ls -t target/release/deps/models-* | grep -v '\.d$' | head -1)" .gpu/models
+#   strip .gpu/* && xz -T2 .gpu/*     # this script unpacks .gpu/*.xz first
 #   bash scripts/gpu_check.sh [.gpu] [OUT_DIR]
+#
+# With CUDA each binary links LLVM: about 220 MB stripped, 53 MB xz-compressed, so the three do
+# not fit the device tool's 64 MiB carry together. Carry one per call and name its step group:
+# HEARTH_GPU_ONLY=parity (parity), =bench (models; hearth too if it fits, for the autotune
+# table), =train (hearth).
+#
+# To compare cubecl's two CUDA kernel compilers, build a second `hearth` and `models` with
+# `--features cuda-ptx,vulkan` (LLVM's PTX back end instead of NVRTC) into another folder and run
+# the bench step on each.
 #
 # Steps (each bounded by HEARTH_STEP_TIMEOUT s, default 600; a failed step is reported and the
 # script goes on; the exit status says whether any failed):
-#   check  1. torchvision parity on each device of HEARTH_GPU_DEVICES (default "cuda wgpu
-#             vulkan"; f32 1e-4, CUDA within the TF32 bound) and a short training run on each;
+#   parity 1. torchvision parity on each device of HEARTH_GPU_DEVICES (default "cuda wgpu
+#             vulkan"; f32 1e-4, CUDA within the TF32 bound);
 #   bench  2. the models bench on each device: ResNet-50, DenseNet-121 and VGG-16 at 224,
 #             inference batch 1 and 32, training batch 32 and 64, against PyTorch eager on the
 #             same GPU in the same run (also channels_last), median and best step, share of the
 #             GPU's TF32 peak; autotune's decisions go to OUT/autotune-DEVICE.jsonl and their
 #             table to OUT/autotune-DEVICE.md;
-#   train  3. `hearth train --model resnet50` on a generated 224-pixel image folder, one process,
-#             then 2 data-parallel ranks sharing the GPU, with images/s and the gradient
-#             exchange's share of a step.
-# HEARTH_GPU_ONLY=check|bench|train runs one step group (a device call is limited to 10 minutes:
-# split the work across calls with it).
+#   train  3. a short training run on each device; `hearth train --model resnet50` on a
+#             generated 224-pixel image folder, one process, then 2 data-parallel ranks sharing
+#             the GPU, with images/s and the gradient exchange's share of a step.
+# HEARTH_GPU_ONLY=parity|bench|train runs one step group (a device call is limited to 10
+# minutes and 64 MiB of carried files: split the work across calls with it).
 # The parity test and the bench read fixtures and the peer script at the path of the checkout
 # they were built in ($HEARTH_BUILD_ROOT, default /work/main): this script links it here.
 set -u
 BIN=$(realpath "${1:-.gpu}")
+for packed in "$BIN"/*.xz; do
+    [ -e "$packed" ] || continue
+    xz -dkf "$packed" && chmod +x "${packed%.xz}"
+done
 OUT=${2:-${OUT:-/tmp/gpu-check}}
 mkdir -p "$OUT"
 OUT=$(realpath "$OUT")
@@ -59,16 +73,12 @@ step "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 ldconfig -p | grep -q libvulkan || echo "no libvulkan: Vulkan/wgpu steps will fail"
 python3 -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())' 2>&1
-"$BIN/hearth" devices 2>&1
+[ -x "$BIN/hearth" ] && "$BIN/hearth" devices 2>&1
 
-if wants check; then
+if wants parity; then
     step "torchvision parity on $DEVICES"
     run env HEARTH_PARITY_DEVICES="${DEVICES// /,}" \
         "$BIN/parity" --exact torchvision_parity_on_named_devices --nocapture
-    for d in $DEVICES; do
-        step "training run on $d"
-        run "$BIN/hearth" --device "$d" train --epochs 3 --run-dir "$OUT/run-$d"
-    done
 fi
 
 if wants bench; then
@@ -80,7 +90,7 @@ if wants bench; then
             HEARTH_BENCH_STEPS="$STEPS" HEARTH_BENCH_WARMUP="$WARMUP" \
             HEARTH_AUTOTUNE_LOG="$OUT/autotune-$d.jsonl" \
             "$BIN/models" --bench
-        if [ -s "$OUT/autotune-$d.jsonl" ]; then
+        if [ -s "$OUT/autotune-$d.jsonl" ] && [ -x "$BIN/hearth" ]; then
             "$BIN/hearth" autotune-report "$OUT/autotune-$d.jsonl" > "$OUT/autotune-$d.md" 2>&1
             head -c 4000 "$OUT/autotune-$d.md"
         fi
@@ -88,6 +98,10 @@ if wants bench; then
 fi
 
 if wants train; then
+    for d in $DEVICES; do
+        step "training run on $d"
+        run "$BIN/hearth" --device "$d" train --epochs 3 --run-dir "$OUT/run-$d"
+    done
     DATA=$OUT/data224
     if [ ! -d "$DATA" ]; then
         step "generating a 224-pixel image folder"

@@ -23,7 +23,7 @@ pub enum DeviceChoice {
     #[cfg(feature = "wgpu")]
     VulkanCpu,
     /// NVIDIA CUDA device 0.
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "cuda-device")]
     Cuda,
 }
 
@@ -38,7 +38,7 @@ impl DeviceChoice {
         DeviceChoice::Vulkan,
         #[cfg(feature = "wgpu")]
         DeviceChoice::VulkanCpu,
-        #[cfg(feature = "cuda")]
+        #[cfg(feature = "cuda-device")]
         DeviceChoice::Cuda,
     ];
 
@@ -52,7 +52,7 @@ impl DeviceChoice {
             DeviceChoice::Vulkan => "vulkan",
             #[cfg(feature = "wgpu")]
             DeviceChoice::VulkanCpu => "vulkan-cpu",
-            #[cfg(feature = "cuda")]
+            #[cfg(feature = "cuda-device")]
             DeviceChoice::Cuda => "cuda",
         }
     }
@@ -73,8 +73,14 @@ impl DeviceChoice {
             }
             #[cfg(feature = "wgpu")]
             DeviceChoice::VulkanCpu => "Vulkan on the CPU (Mesa lavapipe)",
-            #[cfg(feature = "cuda")]
-            DeviceChoice::Cuda => "NVIDIA GPU through CUDA",
+            #[cfg(feature = "cuda-device")]
+            DeviceChoice::Cuda => {
+                if cfg!(feature = "cuda") {
+                    "NVIDIA GPU through CUDA (kernels compiled by NVRTC)"
+                } else {
+                    "NVIDIA GPU through CUDA (kernels compiled by LLVM's PTX back end)"
+                }
+            }
         }
     }
 
@@ -129,7 +135,7 @@ impl DeviceChoice {
             DeviceChoice::Vulkan => Device::wgpu(kind),
             #[cfg(all(feature = "wgpu", not(feature = "vulkan")))]
             DeviceChoice::VulkanCpu => Device::wgpu(burn::tensor::DeviceKind::Cpu),
-            #[cfg(feature = "cuda")]
+            #[cfg(feature = "cuda-device")]
             DeviceChoice::Cuda => Device::cuda(index.unwrap_or(0)),
         }
     }
@@ -171,10 +177,15 @@ impl DeviceSpec {
     pub fn device(self) -> Result<Device> {
         let name = self.to_string();
         quiet_wayland();
-        if self.choice.is_cubecl()
-            && let Some(warning) = crate::gpu::configure()
-        {
-            eprintln!("warning: {warning}");
+        if self.choice.is_cubecl() {
+            if let Some(warning) = crate::gpu::configure() {
+                eprintln!("warning: {warning}");
+            }
+        } else if std::env::var_os(crate::gpu::AUTOTUNE_LOG_ENV).is_some() {
+            eprintln!(
+                "warning: {} is set, but {name} has no autotune (GPU devices only): nothing is logged",
+                crate::gpu::AUTOTUNE_LOG_ENV
+            );
         }
         let device = self.choice.device_at(self.index);
         let probe = device.clone();
@@ -199,11 +210,31 @@ impl DeviceSpec {
                     .unwrap_or_else(|| "the backend failed to start".into());
                 Err(HearthError::DeviceUnavailable {
                     name,
-                    reason: first_line(&msg),
+                    reason: missing_driver(self.choice).unwrap_or_else(|| first_line(&msg)),
                 })
             }
         }
     }
+}
+
+/// Why a CUDA device cannot start when the cause is the usual one: no NVIDIA driver library.
+/// (cubecl starts the device on its own thread, so its panic reaches us as a bare channel error.)
+fn missing_driver(choice: DeviceChoice) -> Option<String> {
+    #[cfg(feature = "cuda-device")]
+    if choice == DeviceChoice::Cuda {
+        // SAFETY: dlopen with a constant NUL-terminated name; the handle is closed at once.
+        let handle = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_LAZY) };
+        if handle.is_null() {
+            return Some(
+                "the NVIDIA driver library libcuda.so.1 cannot be loaded (no NVIDIA driver on this machine)"
+                    .into(),
+            );
+        }
+        // SAFETY: a handle dlopen just returned.
+        unsafe { libc::dlclose(handle) };
+    }
+    let _ = choice;
+    None
 }
 
 fn first_line(s: &str) -> String {
