@@ -9,9 +9,9 @@
 # `$XDG_DATA_HOME/tracel/tracel-llvm-23.1.0-4/.tracel-llvm-installed` exists (XDG_DATA_HOME
 # defaults to ~/.local/share); it then runs `bin/llvm-config --link-static ...` in that folder for
 # include paths, C++ flags and the static libraries. Debian has LLVM 22 at most. PyPI's
-# `mlc-llvm-static` is LLVM 23.1 as static libraries with an `llvm-config` that answers those
-# queries, and `mlc-llvm-static-extra-targets` adds the NVPTX (and AMDGPU) back ends to the same
-# tree. A linking build (not `cargo check`) also needs zlib and zstd, as llvm-config
+# `mlc-llvm-static` (23.1.1.post0) is LLVM 23.1 as static libraries with an `llvm-config` that
+# answers those queries, and `mlc-llvm-static-extra-targets` adds the NVPTX (and AMDGPU) back
+# ends to the same tree. A linking build (not `cargo check`) also needs zlib and zstd, as llvm-config
 # --system-libs says; this script installs them with apt-get where it can.
 #
 # Environment: HEARTH_LLVM_WHEELS=DIR uses wheels already downloaded there (offline);
@@ -19,16 +19,20 @@
 set -euo pipefail
 
 VERSION=23.1.1
+WHEEL_VERSION=23.1.1.post0
 BUNDLE=tracel-llvm-23.1.0-4
 DATA=${XDG_DATA_HOME:-$HOME/.local/share}
 DEST=$DATA/tracel/$BUNDLE
 MARK=$DEST/.tracel-llvm-installed
+# Which wheels the tree came from (23.1.1 itself was yanked on PyPI in favour of .post0).
+WHEEL_MARK=$DEST/.hearth-wheel-version
 PY=${PYTHON:-python3}
 
 say() { echo "install_llvm: $*"; }
 
 llvm_ok() {
     [ -f "$MARK" ] && [ -x "$DEST/bin/llvm-config" ] \
+        && [ "$(cat "$WHEEL_MARK" 2>/dev/null)" = "$WHEEL_VERSION" ] \
         && [ "$("$DEST/bin/llvm-config" --version 2>/dev/null)" = "$VERSION" ] \
         && "$DEST/bin/llvm-config" --targets-built 2>/dev/null | grep -qw NVPTX
 }
@@ -50,7 +54,7 @@ system_libs() {
 }
 
 if llvm_ok; then
-    say "LLVM $VERSION with NVPTX already in $DEST"
+    say "LLVM $VERSION ($WHEEL_VERSION wheels) with NVPTX already in $DEST"
     system_libs
     exit 0
 fi
@@ -64,9 +68,9 @@ WHEELS=${HEARTH_LLVM_WHEELS:-}
 if [ -z "$WHEELS" ]; then
     WHEELS=$(mktemp -d)
     trap 'rm -rf "$WHEELS"' EXIT
-    say "downloading mlc-llvm-static $VERSION (+ extra targets, about 90 MB) from PyPI"
+    say "downloading mlc-llvm-static $WHEEL_VERSION (+ extra targets, about 90 MB) from PyPI"
     "$PY" -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
-        -d "$WHEELS" "mlc-llvm-static==$VERSION" "mlc-llvm-static-extra-targets==$VERSION"
+        -d "$WHEELS" "mlc-llvm-static==$WHEEL_VERSION" "mlc-llvm-static-extra-targets==$WHEEL_VERSION"
 fi
 
 # Unpack both wheels' `static/` trees into a fresh folder beside the destination, then move it
@@ -102,6 +106,7 @@ PYEOF
 
 rm -rf "$DEST"
 mv "$STAGE" "$DEST"
+echo "$WHEEL_VERSION" > "$WHEEL_MARK"
 touch "$MARK"
 if ! llvm_ok; then
     say "error: $DEST/bin/llvm-config does not report LLVM $VERSION with NVPTX"
