@@ -9,7 +9,8 @@
 //! (`minimal`, `balanced`, `extensive`, `full`) sets how many candidates are tried.
 //!
 //! `HEARTH_AUTOTUNE_LOG=FILE` appends every decision autotune takes to FILE, one JSON object a
-//! line (cubecl's own `AutotuneDecision`: the key with the shapes, each candidate's timing), and
+//! line (cubecl's own `AutotuneDecision`: the key with the shapes, each candidate's timing;
+//! `{rank}` in FILE becomes the process's rank, so each rank of a job writes its own), and
 //! `hearth autotune-report FILE` prints them as a table: which kernel won for each shape, how long
 //! it took, and how far the runner-up was behind. Keys round channels, sizes and the batch up to
 //! powers of two (cubecl's anchors: a 3->5 convolution on 9x9 is tuned as 4->8 on 16x16), so one
@@ -58,18 +59,37 @@ pub fn configure() -> Option<String> {
 fn apply_config() -> Option<String> {
     use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
 
-    let path = std::env::var_os(AUTOTUNE_LOG_ENV)?;
+    let path = log_path(&std::env::var_os(AUTOTUNE_LOG_ENV)?);
     // cubecl's own sources first (cubecl.toml or burn.toml, CUBECL_* variables), then ours.
     let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
-    config.autotune.decisions.file = Some(path.clone().into());
+    config.autotune.decisions.file = Some(path.clone());
     config.autotune.decisions.append = true;
     if CubeClRuntimeConfig::try_set(config) {
         None
     } else {
         Some(format!(
             "{AUTOTUNE_LOG_ENV}={}: cubecl's configuration was already in use, so no decision is logged",
-            Path::new(&path).display()
+            path.display()
         ))
+    }
+}
+
+/// The log file a process writes: `{rank}` in the variable's value becomes this process's rank
+/// (`HEARTH_RANK`, else torchrun's `RANK`, else 0), so the ranks of a job write a file each.
+#[cfg_attr(not(feature = "gpu-kernels"), allow(dead_code))]
+fn log_path(value: &std::ffi::OsStr) -> std::path::PathBuf {
+    let rank = std::env::var("HEARTH_RANK")
+        .or_else(|_| std::env::var("RANK"))
+        .unwrap_or_else(|_| "0".into());
+    log_path_for(value, rank.trim())
+}
+
+fn log_path_for(value: &std::ffi::OsStr, rank: &str) -> std::path::PathBuf {
+    let text = value.to_string_lossy();
+    if text.contains("{rank}") {
+        text.replace("{rank}", rank).into()
+    } else {
+        value.into()
     }
 }
 
@@ -304,6 +324,20 @@ mod tests {
         let table = autotune_report(&path).unwrap();
         assert!(table.contains("| Conv 64->64 ch"), "{table}");
         assert!(table.contains("1.000 (4.00x)"), "{table}");
+    }
+
+    #[test]
+    fn rank_in_the_log_name_becomes_this_process_rank() {
+        use std::ffi::OsStr;
+        use std::path::PathBuf;
+        assert_eq!(
+            log_path_for(OsStr::new("/tmp/a.jsonl"), "3"),
+            PathBuf::from("/tmp/a.jsonl")
+        );
+        assert_eq!(
+            log_path_for(OsStr::new("/tmp/a-{rank}.jsonl"), "3"),
+            PathBuf::from("/tmp/a-3.jsonl")
+        );
     }
 
     #[test]
