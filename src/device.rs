@@ -100,7 +100,7 @@ impl DeviceChoice {
 
     /// Whether the device has an index (`cuda:1`, `vulkan:1`): GPUs do, CPU backends do not.
     pub fn indexed(self) -> bool {
-        !matches!(self, DeviceChoice::Flex | DeviceChoice::NdArray) && self.name() != "vulkan-cpu"
+        self.is_cubecl() && self.name() != "vulkan-cpu"
     }
 
     /// The Burn device, without checking that it works (construction is lazy in Burn).
