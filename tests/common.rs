@@ -117,6 +117,26 @@ pub fn folder_accuracy(model: &std::path::Path, folder: &std::path::Path, size: 
     100.0 * right as f64 / total as f64
 }
 
+/// Every logit of a saved model over a folder's images, in the folder's order.
+pub fn folder_logits(model: &std::path::Path, folder: &std::path::Path, size: u32) -> Vec<f32> {
+    use hearth::datasets::{ImageSet, Loader, LoaderConfig, Pipeline};
+    let saved = hearth::models::load_model(model, &Device::flex()).unwrap();
+    let set = ImageSet::from_folder(folder).unwrap();
+    let loader = Loader::new(
+        set,
+        Pipeline::eval(size),
+        LoaderConfig::new(5).with_shuffle(false),
+    )
+    .unwrap();
+    let model = burn::module::Module::valid(&saved.model);
+    let mut out = Vec::new();
+    for batch in loader.epoch(0, &Device::flex()) {
+        let logits = model.forward(batch.unwrap().images);
+        out.extend(logits.into_data().iter::<f32>());
+    }
+    out
+}
+
 /// The elastic tests' data: 4 classes, 60 training and 10 validation images each, 32 pixels
 /// (10 steps of 24 an epoch).
 pub fn elastic_data(dir: &std::path::Path) -> PathBuf {

@@ -186,7 +186,15 @@ pub fn allreduce_grads<M: Module>(
     comm: &Communicator,
     bucket_bytes: usize,
 ) -> Result<()> {
-    reduce_grads(module, grads, comm, bucket_bytes, None, ReduceOp::Mean)
+    reduce_grads(
+        module,
+        grads,
+        comm,
+        bucket_bytes,
+        None,
+        ReduceOp::Mean,
+        comm.compression(),
+    )
 }
 
 /// Averages `grads` across ranks weighted by each rank's sample count: every rank's `grads` is
@@ -219,18 +227,21 @@ pub fn allreduce_grads_weighted<M: Module>(
         bucket_bytes,
         Some(weight),
         ReduceOp::Sum,
+        comm.compression(),
     )
 }
 
 /// Sums `grads` across ranks after scaling this rank's by `scale` (elastic training: a rank's
 /// samples over the step's total, known from a collective the caller already ran, so the
-/// result is the mean over the global batch without another allreduce).
+/// result is the mean over the global batch without another allreduce), in the wire format
+/// `compression` (the communicator's own stays exact for the counts and sums beside).
 pub fn allreduce_grads_scaled<M: Module>(
     module: &M,
     grads: &mut GradientsParams,
     comm: &Communicator,
     bucket_bytes: usize,
     scale: f32,
+    compression: crate::Compression,
 ) -> Result<()> {
     reduce_grads(
         module,
@@ -239,6 +250,7 @@ pub fn allreduce_grads_scaled<M: Module>(
         bucket_bytes,
         Some(scale),
         ReduceOp::Sum,
+        compression,
     )
 }
 
@@ -255,6 +267,7 @@ fn reduce_grads<M: Module>(
     bucket_bytes: usize,
     scale: Option<f32>,
     op: ReduceOp,
+    compression: crate::Compression,
 ) -> Result<()> {
     if comm.world() == 1 {
         return Ok(());
@@ -294,7 +307,7 @@ fn reduce_grads<M: Module>(
                 reason: format!("{len} values read for a bucket of {want}"),
             });
         }
-        comm.allreduce(&mut host, op)?;
+        comm.allreduce_with(&mut host, op, compression)?;
         let reduced = Tensor::<1>::from_data(TensorData::new(host, [len]), &device);
         let pieces = if bucket.len() == 1 {
             vec![reduced]

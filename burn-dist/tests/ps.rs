@@ -11,6 +11,7 @@ use std::time::Duration;
 use burn_dist::collective::{Communicator, ReduceOp};
 use burn_dist::ps::client::{Client, PsWorker};
 use burn_dist::ps::layout::Layout;
+use burn_dist::ps::optim::ShardOptimizer;
 use burn_dist::ps::server::{ServerConfig, ServerReport, serve};
 use burn_dist::ps::{Mode, rules};
 use burn_dist::transport::Transport;
@@ -146,8 +147,7 @@ fn joined(reports: &[ServerReport]) -> Vec<f32> {
 fn sync_equals_allreduce_data_parallel() {
     let (workers, steps, lr, momentum) = (3, 15, 0.05, 0.9);
     let mut cfg = ServerConfig::new(Mode::Sync);
-    cfg.lr = lr;
-    cfg.momentum = momentum;
+    cfg.optimizer = ShardOptimizer::sgd(lr, momentum);
     // Two servers: "w" is sliced across them.
     let reports = run(cfg, 2, workers, steps, lr, &[]);
     let ps = joined(&reports);
@@ -389,7 +389,7 @@ fn checkpoints_are_consistent_across_shards_while_workers_push() {
             let zero = |s: usize| burn_dist::ps::message::ShardState {
                 version: 0,
                 values: vec![0.0; layout.range(s).len()],
-                velocity: Vec::new(),
+                optim_state: Vec::new(),
             };
             c.init_servers(vec![zero(0), zero(1)]).unwrap();
             let mut seen = Vec::new();

@@ -387,13 +387,24 @@ impl TrainConfig {
             (self.unfreeze_after.is_some(), "--unfreeze-after"),
             (self.patience.is_some(), "--patience (early stopping)"),
             (self.monitor == Monitor::ValAuroc, "--monitor val_auroc"),
-            (
-                self.optimizer != OptimizerKind::Sgd,
-                "--optimizer other than sgd (the servers run SGD)",
-            ),
         ];
         if let Some((_, what)) = unsupported.iter().find(|(on, _)| *on) {
             return bad(format!("{what} does not work with --ps yet"));
+        }
+        // Combinations without a meaning here, refused for good.
+        if self.optimizer == OptimizerKind::Lars {
+            return bad(
+                "--optimizer lars does not work with --ps: a server holds slices of layers, and \
+                 LARS's trust ratio needs each layer's whole norm"
+                    .into(),
+            );
+        }
+        if self.compression != burn_dist::Compression::None {
+            return bad(format!(
+                "--compression {} does not apply to --ps: workers and servers exchange exact \
+                 f32 values (it compresses allreduce traffic)",
+                self.compression.name()
+            ));
         }
         Ok(())
     }

@@ -4,13 +4,16 @@
 //! host the whole allreduce happens in shared memory. Chosen automatically from the transport's
 //! [`Topology`](crate::shm::Topology); without shared memory the ordinary ring runs.
 //!
-//! Compression applies to the leaders' ring only; values never leave a host's memory rounded
-//! differently on different ranks, since each host's ranks copy their leader's result.
+//! Compression: every rank rounds its contribution to the wire format before the host's
+//! reduction, the leaders' ring carries that format, and a single host rounds the sum, so
+//! training sees the precision `--compression` asks for whichever path the values take (within
+//! a host nothing is saved on bytes). Values never differ between ranks: each host's ranks
+//! copy their leader's result.
 
 use std::sync::Arc;
 
-use super::Communicator;
 use super::ring::{Phases, ring};
+use super::{Communicator, Compression};
 use crate::Result;
 use crate::transport::group::Group;
 use crate::wire::Kind;
@@ -21,7 +24,11 @@ pub const LEADERS_TAG_SPACE: u8 = 254;
 impl Communicator {
     /// Runs the allreduce through shared memory when the transport has some; `false` when it
     /// does not (the caller runs the ring).
-    pub(crate) fn allreduce_by_host(&self, buf: &mut [f32]) -> Result<bool> {
+    pub(crate) fn allreduce_by_host(
+        &self,
+        buf: &mut [f32],
+        compression: Compression,
+    ) -> Result<bool> {
         // Other kinds (metrics beside gradients, from another thread) keep to the ring: a
         // segment's slots serve one collective at a time.
         if self.kind != Kind::Collective {
@@ -36,8 +43,12 @@ impl Communicator {
         self.next_op();
         let leaders = topology.group_leaders();
         let me = self.rank();
+        compression.round(buf);
         match &topology.local {
-            Some(local) if leaders.len() == 1 => local.reduce(buf, true, self.deadline())?,
+            Some(local) if leaders.len() == 1 => {
+                local.reduce(buf, true, self.deadline())?;
+                compression.round(buf);
+            }
             local => {
                 if let Some(l) = local {
                     l.reduce(buf, false, self.deadline())?;
@@ -48,7 +59,7 @@ impl Communicator {
                         across,
                         buf,
                         Phases::Both,
-                        self.compression,
+                        compression,
                         "allreduce across hosts",
                     )?;
                 }

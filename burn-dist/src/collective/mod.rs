@@ -247,6 +247,11 @@ impl Communicator {
         self
     }
 
+    /// The wire format of this communicator's reductions.
+    pub fn compression(&self) -> Compression {
+        self.compression
+    }
+
     pub fn rank(&self) -> usize {
         self.transport.rank()
     }

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::layout::Layout;
 use super::message::{FINAL, INIT, Op, REPLY, REQUEST, Reply, Request, ShardState};
+use super::optim::ShardOptimizer;
 use super::{Mode, rules};
 use crate::transport::Transport;
 use crate::wire::Kind;
@@ -264,8 +265,11 @@ pub struct PsWorker {
     pub client: Client,
     mode: Mode,
     window: usize,
-    /// Local SGD learning rate (asynchronous modes) and EASGD's ρ (α = lr · ρ).
-    lr: f32,
+    /// The optimizer of the local steps (asynchronous modes; plain SGD at the `lr` given to
+    /// [`PsWorker::start`] unless [`PsWorker::with_optimizer`] says otherwise), its state, and
+    /// EASGD's ρ (α = the local learning rate · ρ).
+    local: ShardOptimizer,
+    local_state: Vec<f32>,
     rho: f32,
     steps: u64,
     at_pull: Vec<f32>,
@@ -290,7 +294,8 @@ impl PsWorker {
             client,
             mode,
             window,
-            lr,
+            local: ShardOptimizer::sgd(lr, 0.0),
+            local_state: Vec::new(),
             rho,
             steps: 0,
             at_pull: params.clone(),
@@ -301,19 +306,21 @@ impl PsWorker {
     /// Applies this step's `grad` (over `samples` samples) to `params` by the mode's rule,
     /// talking to the servers when the rule says so.
     pub fn step(&mut self, params: &mut Vec<f32>, grad: &[f32], samples: u64) -> Result<()> {
+        let step = self.steps;
         self.steps += 1;
         if self.mode == Mode::Sync {
             *params = self.client.push_grad(grad, samples)?;
             return Ok(());
         }
-        rules::sgd(params, grad, self.lr);
+        self.local.step(step, params, grad, &mut self.local_state);
         self.client.tick();
         if !self.steps.is_multiple_of(self.window as u64) {
             return Ok(());
         }
         if self.mode == Mode::Easgd {
             let theta = self.client.pull()?;
-            let e = rules::easgd_elastic(params, &theta, self.lr * self.rho);
+            let alpha = self.local.lr_at(step) * self.rho;
+            let e = rules::easgd_elastic(params, &theta, alpha);
             self.client.push_delta(&e)?;
         } else {
             let delta: Vec<f32> = params
@@ -327,9 +334,30 @@ impl PsWorker {
         Ok(())
     }
 
-    /// The learning rate of the worker's local steps from now on.
+    /// The learning rate of the worker's local steps from now on (a constant).
     pub fn set_lr(&mut self, lr: f32) {
-        self.lr = lr;
+        self.local.lr = std::sync::Arc::new(move |_| lr);
+    }
+
+    /// The optimizer of the local steps of the asynchronous modes (over the whole vector; its
+    /// learning rate by the worker's own step count, from 0). Sync mode ignores it: the
+    /// servers' optimizer steps.
+    pub fn with_optimizer(mut self, optimizer: ShardOptimizer) -> Self {
+        self.local = optimizer;
+        self.local_state = Vec::new();
+        self
+    }
+
+    /// Steps taken so far (counted on from [`Self::resumed_at`]).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// A worker resuming a run whose workers took `steps` steps each: the local learning rate
+    /// goes on from there.
+    pub fn resumed_at(mut self, steps: u64) -> Self {
+        self.steps = steps;
+        self
     }
 
     /// Tells the servers this worker is finished; the client stays usable for what follows

@@ -132,13 +132,14 @@ fn decode_pairs(r: &mut Reader) -> Result<Vec<(u64, u64)>> {
     (0..n).map(|_| Ok((r.u64()?, r.u64()?))).collect()
 }
 
-/// A shard's whole state: its values, the momentum of the servers' SGD (sync mode; empty
-/// otherwise) and its version (updates applied).
+/// A shard's whole state: its values, the state of the servers' optimizer (sync mode: the
+/// velocity or Adam's moments, see [`super::optim`]; empty otherwise) and its version (updates
+/// applied).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ShardState {
     pub version: u64,
     pub values: Vec<f32>,
-    pub velocity: Vec<f32>,
+    pub optim_state: Vec<f32>,
 }
 
 impl ShardState {
@@ -146,10 +147,10 @@ impl ShardState {
         let mut w = Writer::default()
             .u64(self.version)
             .u64(self.values.len() as u64)
-            .u64(self.velocity.len() as u64)
+            .u64(self.optim_state.len() as u64)
             .bytes;
         w.extend_from_slice(&f32_to_bytes(&self.values));
-        w.extend_from_slice(&f32_to_bytes(&self.velocity));
+        w.extend_from_slice(&f32_to_bytes(&self.optim_state));
         w
     }
 
@@ -176,7 +177,7 @@ impl ShardState {
         Ok(Self {
             version,
             values: bytes_to_f32(a, n)?,
-            velocity: bytes_to_f32(b, m)?,
+            optim_state: bytes_to_f32(b, m)?,
         })
     }
 }
@@ -287,7 +288,7 @@ mod tests {
         let state = ShardState {
             version: 5,
             values: vec![1.0; 3],
-            velocity: vec![0.5; 3],
+            optim_state: vec![0.5; 3],
         };
         let r = Reply::State(state.clone());
         assert_eq!(Reply::decode(&r.encode(), 3).unwrap(), r);

@@ -38,6 +38,7 @@ pub mod client;
 pub mod layout;
 pub mod message;
 pub mod module;
+pub mod optim;
 pub mod rules;
 pub mod server;
 

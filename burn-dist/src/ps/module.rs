@@ -22,6 +22,8 @@ fn flat<const D: usize>(t: Tensor<D>) -> Vec<f32> {
 struct Names {
     path: Vec<String>,
     out: Vec<(String, usize)>,
+    /// Each trainable tensor's rank, beside `out`.
+    ranks: Vec<usize>,
 }
 
 impl ModuleVisitor for Names {
@@ -42,6 +44,7 @@ impl ModuleVisitor for Names {
                 .collect::<Vec<_>>()
                 .join(".");
             self.out.push((name, t.shape().num_elements()));
+            self.ranks.push(D);
         }
     }
 }
@@ -51,6 +54,23 @@ pub fn trainable_names<M: Module>(module: &M) -> Vec<(String, usize)> {
     let mut v = Names::default();
     module.visit(&mut v);
     v.out
+}
+
+/// The flat ranges (in [`trainable_values`] order) of the trainable tensors of rank 2 or more:
+/// the weights of layers, not biases or batch-norm scales, which is where Hearth's optimizers
+/// apply weight decay ([`super::optim::ShardOptimizer::decay`]).
+pub fn matrix_ranges<M: Module>(module: &M) -> Vec<std::ops::Range<usize>> {
+    let mut v = Names::default();
+    module.visit(&mut v);
+    let mut at = 0;
+    let mut out = Vec::new();
+    for ((_, len), rank) in v.out.iter().zip(&v.ranks) {
+        if *rank > 1 {
+            out.push(at..at + len);
+        }
+        at += len;
+    }
+    out
 }
 
 struct Values<'a> {
@@ -172,6 +192,11 @@ mod tests {
         assert_eq!(listed, ["fc.weight", "fc.bias", "bn.gamma", "bn.beta"]);
         let total: usize = names.iter().map(|n| n.1).sum();
         assert_eq!(total, 6 + 2 + 2 + 2, "running mean and variance stay out");
+        assert_eq!(
+            matrix_ranges(&net),
+            vec![0..6],
+            "only fc.weight is a matrix"
+        );
         let values: Vec<f32> = (0..total).map(|i| i as f32).collect();
         let net = with_trainable_values(net, &values).unwrap();
         assert_eq!(trainable_values(&net), values);

@@ -2,7 +2,9 @@
 //! workers in whatever order they ask ([`Transport::recv_any`]).
 //!
 //! - `sync`: a round closes when every live worker pushed its gradient; the server then takes
-//!   one SGD-with-momentum step on the weighted mean and answers everyone with the new values.
+//!   one step of its optimizer ([`super::optim`]: SGD, Adam or AdamW, weight decay, the
+//!   learning rate by the round's number) on the weighted mean and answers everyone with the
+//!   new values.
 //!   It counts, per worker, how often and how long the round waited for it last.
 //! - The asynchronous modes apply each push as it comes ([`super::rules`]) and answer at once,
 //!   unless `max_staleness` holds the answer: a worker more than that many steps ahead of the
@@ -20,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use super::Mode;
 use super::message::{FINAL, INIT, Op, REPLY, REQUEST, Reply, Request, ShardState};
+use super::optim::ShardOptimizer;
 use super::rules;
 use crate::transport::Transport;
 use crate::wire::Kind;
@@ -31,9 +34,8 @@ pub struct ServerConfig {
     pub mode: Mode,
     /// Steps between a worker's exchanges (adag divides by it).
     pub window: usize,
-    /// The server's SGD (sync mode).
-    pub lr: f32,
-    pub momentum: f32,
+    /// The server's optimizer on its shard (sync mode), with decay ranges in shard indices.
+    pub optimizer: ShardOptimizer,
     /// Most steps a worker may run ahead of the slowest one (asynchronous modes); `None`: no
     /// bound.
     pub max_staleness: Option<u64>,
@@ -46,8 +48,7 @@ impl ServerConfig {
         Self {
             mode,
             window: 1,
-            lr: 0.01,
-            momentum: 0.0,
+            optimizer: ShardOptimizer::sgd(0.01, 0.0),
             max_staleness: None,
             idle_timeout: Duration::from_secs(600),
         }
@@ -57,11 +58,11 @@ impl ServerConfig {
 /// What a server did, when its last worker is done.
 #[derive(Debug, Clone, Default)]
 pub struct ServerReport {
-    /// The shard's final values and how many updates made them, and the servers' momentum
-    /// (sync mode; empty otherwise).
+    /// The shard's final values and how many updates made them, and the server's optimizer
+    /// state (sync mode; empty otherwise).
     pub values: Vec<f32>,
     pub version: u64,
-    pub velocity: Vec<f32>,
+    pub optim_state: Vec<f32>,
     /// Workers dropped (died, or sent a malformed request), with the reason.
     pub dropped: Vec<(usize, String)>,
     /// Sync: per worker, the rounds it was the last to push and the time the round waited
@@ -84,7 +85,7 @@ struct Server<'a> {
     t: &'a dyn Transport,
     cfg: &'a ServerConfig,
     values: Vec<f32>,
-    velocity: Vec<f32>,
+    optim_state: Vec<f32>,
     version: u64,
     live: Vec<usize>,
     clocks: BTreeMap<usize, u64>,
@@ -112,7 +113,7 @@ pub fn serve(
     let state = ShardState {
         version: 0,
         values,
-        velocity: Vec::new(),
+        optim_state: Vec::new(),
     };
     serve_state(t, cfg, state, workers, log)
 }
@@ -134,13 +135,13 @@ pub fn run_server(
     let last = ShardState {
         version: report.version,
         values: report.values.clone(),
-        velocity: report.velocity.clone(),
+        optim_state: report.optim_state.clone(),
     };
     t.send(lead, Kind::Ps, FINAL, last.encode())?;
     Ok(report)
 }
 
-/// [`serve`] from a whole state (a resumed checkpoint: values, momentum, version).
+/// [`serve`] from a whole state (a resumed checkpoint: values, optimizer state, version).
 pub fn serve_state(
     t: &dyn Transport,
     cfg: &ServerConfig,
@@ -151,14 +152,10 @@ pub fn serve_state(
     let ShardState {
         version,
         values,
-        velocity,
+        optim_state,
     } = state;
-    if !velocity.is_empty() && velocity.len() != values.len() {
-        return Err(DistError::Config(format!(
-            "a shard of {} values with {} momentum values",
-            values.len(),
-            velocity.len()
-        )));
+    if cfg.mode == Mode::Sync {
+        cfg.optimizer.check_state(values.len(), &optim_state)?;
     }
     if cfg.window == 0 {
         return Err(DistError::Config(
@@ -170,11 +167,7 @@ pub fn serve_state(
     let mut s = Server {
         t,
         cfg,
-        velocity: if velocity.is_empty() {
-            vec![0.0; values.len()]
-        } else {
-            velocity
-        },
+        optim_state,
         values,
         version,
         live: workers.to_vec(),
@@ -216,7 +209,7 @@ pub fn serve_state(
     s.report.values = std::mem::take(&mut s.values);
     s.report.version = s.version;
     if cfg.mode == Mode::Sync {
-        s.report.velocity = std::mem::take(&mut s.velocity);
+        s.report.optim_state = std::mem::take(&mut s.optim_state);
     }
     Ok(s.report)
 }
@@ -333,8 +326,8 @@ impl Server<'_> {
             let state = ShardState {
                 version: self.version,
                 values: self.values.clone(),
-                velocity: if self.cfg.mode == Mode::Sync {
-                    self.velocity.clone()
+                optim_state: if self.cfg.mode == Mode::Sync {
+                    self.optim_state.clone()
                 } else {
                     Vec::new()
                 },
@@ -365,7 +358,8 @@ impl Server<'_> {
         let _ = self.t.send(w, Kind::Ps, REPLY, bytes);
     }
 
-    /// Sync: once every live worker pushed, one optimizer step on the weighted mean.
+    /// Sync: once every live worker pushed, one optimizer step on the weighted mean (the
+    /// round's number, the version, picks the learning rate).
     fn close_round(&mut self) {
         if self.pending.is_empty() || !self.live.iter().all(|w| self.pending.contains_key(w)) {
             return;
@@ -384,13 +378,9 @@ impl Server<'_> {
         let grads: Vec<(u64, Vec<f32>)> =
             pending.into_values().map(|p| (p.samples, p.grad)).collect();
         let mean = rules::weighted_mean(&grads);
-        rules::sgd_momentum(
-            &mut self.values,
-            &mean,
-            &mut self.velocity,
-            self.cfg.lr,
-            self.cfg.momentum,
-        );
+        self.cfg
+            .optimizer
+            .step(self.version, &mut self.values, &mean, &mut self.optim_state);
         self.version += 1;
         for w in done {
             self.answer(w);

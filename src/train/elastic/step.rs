@@ -112,6 +112,7 @@ impl ElasticRun<'_> {
                 &world.comm,
                 self.cfg.bucket_bytes,
                 mine as f32 / total.max(1.0),
+                self.cfg.compression,
             ) {
                 return Ok(Interrupt::Failed(e.to_string()));
             }

@@ -18,20 +18,29 @@
 //! time spent waiting on the servers, and writes `metrics.csv` with a column per worker
 //! (`train_accuracy_rank{r}`), `metrics.png`, and `model.bpk` from the best epoch.
 //!
-//! Updates: sync mode runs SGD with `--momentum` on the servers (the optimizer state lives in
-//! the shard that owns the parameter); the asynchronous modes run plain SGD on each worker and
-//! send changes every `--window` steps. The learning rate is constant (`--lr` after any
-//! `--scale-lr`). Batch-norm statistics stay with each worker (the lead's are validated and
+//! Updates: the run's optimizer (`--optimizer` sgd, adam or adamw, `--momentum`,
+//! `--nesterov`, `--weight-decay` on layer weights as data parallel applies it) and its
+//! learning-rate schedule (`--lr` after `--scale-lr`, `--warmup-epochs`, `--schedule`, in
+//! optimizer steps) run on the servers in sync mode, each server holding the optimizer state
+//! of its shard and taking the rate of the round's number (the global step; the lead sends
+//! each server the steps per epoch and its shard's weight-decay ranges before its values,
+//! [`SETUP`]). The asynchronous modes run the same optimizer and schedule for each worker's
+//! local steps (by its own step count) and send changes every `--window` steps; the servers
+//! apply the rule. Batch-norm statistics stay with each worker (the lead's are validated and
 //! exported, as DDP keeps rank 0's).
 
 mod state;
 mod worker;
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use burn::module::Module;
 use burn::prelude::*;
 use burn_dist::ps::Mode;
+use burn_dist::ps::module::{matrix_ranges, trainable_names};
+use burn_dist::ps::optim::{ShardOptimizer, Update};
 use burn_dist::ps::server::{ServerConfig, ServerReport, run_server};
 use burn_dist::rendezvous::{RankInfo, RendezvousOptions};
 use burn_dist::transport::Transport;
@@ -135,15 +144,120 @@ pub(crate) const BYE: u64 = burn_dist::ps::message::APP_TAGS + 1;
 /// A worker's per-epoch statistics, sent to the lead when it is done.
 pub(crate) const STATS: u64 = burn_dist::ps::message::APP_TAGS;
 
-/// The servers' settings from the run's.
-fn server_config(cfg: &TrainConfig, opts: &PsOptions, lr: f64) -> ServerConfig {
+/// The lead's settings for one server's optimizer, sent before its values: the optimizer
+/// steps per epoch (the schedule's unit) and its shard's weight-decay ranges.
+pub(crate) const SETUP: u64 = burn_dist::ps::message::APP_TAGS + 2;
+
+/// What [`SETUP`] carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ServerSetup {
+    pub steps_per_epoch: u64,
+    /// Value ranges of the shard (shard indices) that weight decay applies to.
+    pub decay: Vec<Range<usize>>,
+}
+
+impl ServerSetup {
+    /// Little-endian `u64`s: steps per epoch, the number of ranges, then each start and end.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut words = vec![self.steps_per_epoch, self.decay.len() as u64];
+        for r in &self.decay {
+            words.extend([r.start as u64, r.end as u64]);
+        }
+        words.iter().flat_map(|w| w.to_le_bytes()).collect()
+    }
+
+    /// The setup for a shard of `shard_len` values; anything else is an error naming it.
+    pub fn decode(bytes: &[u8], shard_len: usize) -> Result<Self> {
+        let bad = |m: String| HearthError::Training(format!("parameter server setup: {m}"));
+        if !bytes.len().is_multiple_of(8) || bytes.len() < 16 {
+            return Err(bad(format!("{} bytes", bytes.len())));
+        }
+        let words: Vec<u64> = bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+            .collect();
+        let n = usize::try_from(words[1]).unwrap_or(usize::MAX);
+        if words.len() != 2 + n.saturating_mul(2) {
+            return Err(bad(format!(
+                "{n} ranges in {} words",
+                words.len().saturating_sub(2)
+            )));
+        }
+        let mut decay = Vec::with_capacity(n);
+        for pair in words[2..].chunks_exact(2) {
+            let (a, b) = (pair[0] as usize, pair[1] as usize);
+            if a >= b || b > shard_len {
+                return Err(bad(format!(
+                    "range {a}..{b} outside a shard of {shard_len} values"
+                )));
+            }
+            decay.push(a..b);
+        }
+        Ok(Self {
+            steps_per_epoch: words[0].max(1),
+            decay,
+        })
+    }
+}
+
+/// The run's optimizer and schedule over a flat vector (a server's shard, or a worker's whole
+/// vector for its local steps): `decay` the ranges weight decay applies to, the rate by the
+/// number of optimizer steps before (`steps_per_epoch` of them per epoch).
+pub(crate) fn flat_optimizer(
+    cfg: &TrainConfig,
+    lr: f64,
+    steps_per_epoch: usize,
+    decay: Vec<Range<usize>>,
+) -> Result<ShardOptimizer> {
+    use super::OptimizerKind;
+    let update = match cfg.optimizer {
+        OptimizerKind::Sgd => Update::Sgd {
+            momentum: cfg.momentum as f32,
+            nesterov: cfg.nesterov,
+        },
+        OptimizerKind::Adam => Update::adam(),
+        OptimizerKind::AdamW => Update::adamw(),
+        OptimizerKind::Lars => {
+            return Err(HearthError::InvalidArgument(
+                "--optimizer lars does not work with --ps: a server holds slices of layers, and \
+                 LARS's trust ratio needs each layer's whole norm"
+                    .into(),
+            ));
+        }
+    };
+    // The schedule counts the batches of an epoch; with one optimizer step per batch here.
+    let schedule = Arc::new(cfg.lr_schedule(lr, steps_per_epoch)?);
+    Ok(ShardOptimizer {
+        update,
+        weight_decay: cfg.weight_decay as f32,
+        decay,
+        lr: Arc::new(move |step| schedule.lr_at(step as usize) as f32),
+    })
+}
+
+/// The value ranges of `model`'s trainable vector that weight decay applies to: the weights of
+/// layers (as data parallel's optimizer), or everything for AdamW (Burn's decays every tensor).
+pub(crate) fn decay_ranges<M: Module>(cfg: &TrainConfig, model: &M) -> Vec<Range<usize>> {
+    if cfg.optimizer == super::OptimizerKind::AdamW {
+        let total: usize = trainable_names(model).iter().map(|t| t.1).sum();
+        return vec![0..total];
+    }
+    matrix_ranges(model)
+}
+
+/// The servers' settings from the run's, once the lead's [`ServerSetup`] is known.
+fn server_config(
+    cfg: &TrainConfig,
+    opts: &PsOptions,
+    lr: f64,
+    setup: ServerSetup,
+) -> Result<ServerConfig> {
     let mut s = ServerConfig::new(opts.mode);
     s.window = opts.window;
-    s.lr = lr as f32;
-    s.momentum = cfg.momentum as f32;
+    s.optimizer = flat_optimizer(cfg, lr, setup.steps_per_epoch as usize, setup.decay)?;
     s.max_staleness = opts.staleness;
     s.idle_timeout = super::pipeline::collective_timeout().max(Duration::from_secs(600));
-    s
+    Ok(s)
 }
 
 /// Joins the parameter-server job as `rank` of `world`.
@@ -160,17 +274,24 @@ fn connect(info: &RankInfo, rank: usize, world: usize) -> Result<Arc<dyn Transpo
     Ok(Arc::new(t))
 }
 
-/// One server's life: its shard from the lead, serving, its final state to the lead, then the
-/// lead's goodbye.
+/// One server's life: its optimizer's setup and its shard from the lead, serving, its final
+/// state to the lead, then the lead's goodbye.
 fn serve(
     t: &dyn Transport,
-    scfg: &ServerConfig,
+    cfg: &TrainConfig,
+    opts: &PsOptions,
+    lr: f64,
     roles: Roles,
     log: &mut dyn FnMut(&str),
 ) -> Result<ServerReport> {
     let shard = t.rank() - roles.workers;
     let deadline = Instant::now() + super::pipeline::collective_timeout() * 5;
-    let report = run_server(t, scfg, 0, &roles.worker_ranks(), deadline, log)?;
+    let bytes = t.recv(0, Kind::Ps, SETUP, deadline)?;
+    // The shard's length is known with its values; the ranges are checked against the
+    // largest a shard can be here and again by the optimizer's clipping.
+    let setup = ServerSetup::decode(&bytes, usize::MAX)?;
+    let scfg = server_config(cfg, opts, lr, setup)?;
+    let report = run_server(t, &scfg, 0, &roles.worker_ranks(), deadline, log)?;
     let mut line = format!(
         "parameter server {shard}: {} values, {} updates, {:.1} MB in, {:.1} MB out, largest lead {} steps",
         report.values.len(),
@@ -214,14 +335,13 @@ pub fn train(
     })?;
     let roles = Roles::new(opts.servers, info.world)?;
     let lr = cfg.scaled_lr(&mut |_| {})?;
-    let scfg = server_config(cfg, opts, lr);
     let worker_rank = (info.rank < roles.workers).then_some(info.rank);
     let colocated_server = roles.colocated.then(|| {
         let info = info.clone();
-        let scfg = scfg.clone();
+        let (cfg, opts) = (cfg.clone(), opts.clone());
         std::thread::spawn(move || -> Result<ServerReport> {
             let t = connect(&info, roles.workers + info.rank, roles.world())?;
-            serve(&*t, &scfg, roles, &mut |l| eprintln!("{l}"))
+            serve(&*t, &cfg, &opts, lr, roles, &mut |l| eprintln!("{l}"))
         })
     });
     let Some(rank) = worker_rank else {
@@ -233,7 +353,7 @@ pub fn train(
                 roles.servers, roles.workers, opts.mode
             ));
         }
-        serve(&*t, &scfg, roles, log)?;
+        serve(&*t, cfg, opts, lr, roles, log)?;
         return Ok(server_report(cfg, started, info.rank, roles));
     };
     let t = connect(&info, rank, roles.world())?;
@@ -261,6 +381,54 @@ fn server_report(cfg: &TrainConfig, started: Instant, rank: usize, roles: Roles)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn server_setup_round_trips_and_garbage_is_named() {
+        let s = ServerSetup {
+            steps_per_epoch: 7,
+            decay: vec![0..3, 5..9],
+        };
+        assert_eq!(ServerSetup::decode(&s.encode(), 9).unwrap(), s);
+        let e = ServerSetup::decode(&s.encode(), 8).unwrap_err().to_string();
+        assert!(e.contains("5..9") && e.contains("8 values"), "{e}");
+        let bytes = s.encode();
+        for cut in [0, 7, 15, bytes.len() - 8] {
+            let e = ServerSetup::decode(&bytes[..cut], 9)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("parameter server setup"), "{cut}: {e}");
+        }
+        let mut huge = bytes.clone();
+        huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(ServerSetup::decode(&huge, 9).is_err());
+    }
+
+    #[test]
+    fn the_flat_optimizer_follows_the_runs_schedule_and_refuses_lars() {
+        let mut cfg = TrainConfig::new("unused".into());
+        cfg.epochs = 4;
+        cfg.warmup_epochs = 1;
+        cfg.lr = 0.4;
+        let o = flat_optimizer(&cfg, cfg.lr, 10, vec![0..2]).unwrap();
+        let s = cfg.lr_schedule(cfg.lr, 10).unwrap();
+        for step in [0u64, 3, 9, 10, 25, 39] {
+            assert_eq!(o.lr_at(step), s.lr_at(step as usize) as f32, "step {step}");
+        }
+        assert!(o.lr_at(0) < o.lr_at(9), "warmup rises");
+        assert!(o.lr_at(39) < o.lr_at(10), "cosine decays");
+        assert_eq!(
+            o.update,
+            Update::Sgd {
+                momentum: 0.9,
+                nesterov: false
+            }
+        );
+        cfg.optimizer = super::super::OptimizerKind::Lars;
+        let e = flat_optimizer(&cfg, cfg.lr, 10, Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--optimizer lars") && e.contains("--ps"), "{e}");
+    }
 
     #[test]
     fn roles_put_the_lead_worker_at_rank_0() {

@@ -170,12 +170,12 @@ mod tests {
                 ShardState {
                     version: 7,
                     values: vec![1.0, 2.0],
-                    velocity: vec![0.1, 0.2],
+                    optim_state: vec![0.1, 0.2],
                 },
                 ShardState {
                     version: 7,
                     values: vec![3.0],
-                    velocity: Vec::new(),
+                    optim_state: Vec::new(),
                 },
             ],
         };

@@ -24,7 +24,7 @@ use burn_dist::{Communicator, DistError};
 use hearth_models::{Classifier, ModelConfig};
 
 use super::state::{EpochStats, PsState, decode_stats, encode_stats, state_file};
-use super::{BYE, PsOptions, Roles, STATS};
+use super::{BYE, PsOptions, Roles, SETUP, STATS, ServerSetup, decay_ranges, flat_optimizer};
 use crate::train::best::{
     BestRule, best_epoch, export_checkpoint, model_checkpoint, save_epoch_weights,
 };
@@ -57,6 +57,10 @@ struct Worker<'a> {
     started: Instant,
     delay: Option<u64>,
     die_at: Option<u64>,
+    /// The run's optimizer and schedule with the optimizer steps per epoch (the `train_lr`
+    /// column: the mean rate over the epoch's steps, as burn-train's metric writes it for data
+    /// parallel runs).
+    schedule: Option<(burn_dist::ps::optim::ShardOptimizer, usize)>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -122,6 +126,7 @@ pub(super) fn train(
         // Test hooks, as the elastic trainer's ("w1:50,w2:10" names workers by rank).
         delay: hook("HEARTH_PS_DELAY_MS", &format!("w{rank}")),
         die_at: hook("HEARTH_PS_DIE_AT_STEP", &format!("w{rank}")),
+        schedule: None,
     };
     let resume = w.resume(&comm, log)?;
     let end = cfg.stop_after_epoch.unwrap_or(cfg.epochs).min(cfg.epochs);
@@ -135,11 +140,36 @@ pub(super) fn train(
     let mut client = Client::new(w.t.clone(), layout.clone(), roles.server_ranks())?;
     client.timeout = collective_timeout().max(Duration::from_secs(600));
     let first = resume.as_ref().map_or(0, |s| s.epoch);
+    let steps_per_epoch = w.loaders.train.batches_per_epoch().max(1);
+    let decay = decay_ranges(cfg, &w.model);
     if rank == 0 {
+        // Each server's optimizer: the schedule's unit and its shard's weight-decay ranges.
+        for (s, &server) in roles.server_ranks().iter().enumerate() {
+            let range = layout.range(s);
+            let shard_decay = decay
+                .iter()
+                .filter_map(|r| {
+                    let (a, b) = (r.start.max(range.start), r.end.min(range.end));
+                    (a < b).then(|| a - range.start..b - range.start)
+                })
+                .collect();
+            let setup = ServerSetup {
+                steps_per_epoch: steps_per_epoch as u64,
+                decay: shard_decay,
+            };
+            w.t.send(server, Kind::Ps, SETUP, setup.encode())?;
+        }
         client.init_servers(w.starting_state(&layout, resume)?)?;
     }
-    let (mut ps, mut params) =
+    // The asynchronous modes' local steps: the run's optimizer and schedule by this worker's
+    // step count (a resume goes on from the steps of the epochs done).
+    let local = flat_optimizer(cfg, lr, steps_per_epoch, decay)?;
+    w.schedule = Some((local.clone(), steps_per_epoch));
+    let (ps, mut params) =
         PsWorker::start(client, opts.mode, opts.window, lr as f32, opts.rho as f32)?;
+    let mut ps = ps
+        .with_optimizer(local)
+        .resumed_at((first * steps_per_epoch) as u64);
     w.model = with_trainable_values(w.model, &params)?;
     let mut step = 0u64;
     for epoch in first + 1..=end {
@@ -236,7 +266,7 @@ impl Worker<'_> {
             .map(|i| ShardState {
                 version: 0,
                 values: values[layout.range(i)].to_vec(),
-                velocity: Vec::new(),
+                optim_state: Vec::new(),
             })
             .collect())
     }
@@ -331,7 +361,14 @@ impl Worker<'_> {
             ("train_accuracy", mine.accuracy()),
             ("val_loss", ratio(sums[0], sums[2])),
             ("val_accuracy", 100.0 * ratio(sums[1], sums[2])),
-            ("train_lr", self.lr),
+            (
+                "train_lr",
+                self.schedule.as_ref().map_or(self.lr, |(o, per_epoch)| {
+                    let steps = (epoch - 1) * per_epoch..epoch * per_epoch;
+                    let sum: f64 = steps.map(|i| f64::from(o.lr_at(i as u64))).sum();
+                    sum / (*per_epoch).max(1) as f64
+                }),
+            ),
             ("elapsed_seconds", self.started.elapsed().as_secs_f64()),
             (
                 "server_version",
