@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use burn_dist::rendezvous::{RankInfo, connect};
 use burn_dist::tls::Membership;
 use burn_dist::transport::quic::QuicTransport;
-use burn_dist::{Communicator, DistError, ReduceOp, Transport};
+use burn_dist::{Communicator, Compression, DistError, ReduceOp, Transport};
 use common::{SECRET, finish, free_port, info, job, job_with, options, options_lanes, options_shm};
 
 /// Runs `f` on each rank in a thread and returns the results in rank order, with a deadline.
@@ -97,6 +97,42 @@ fn quic_with_shared_memory_between_threads_passes_the_conformance_suite() {
         .map(|t| Arc::new(t) as Arc<dyn Transport>)
         .collect();
     burn_dist::transport::conformance::run(ranks);
+}
+
+#[test]
+fn compression_applies_when_ranks_reduce_in_shared_memory() {
+    // Values bf16 cannot hold: every contribution and the sum are rounded to bf16, as the
+    // ring rounds what it sends, while the exact variant beside keeps full f32 precision.
+    let run = |c: Compression| {
+        each(
+            job_with(3, options_shm).into_iter().map(Arc::new).collect(),
+            move |comm| {
+                assert!(
+                    comm.transport()
+                        .topology()
+                        .is_some_and(|t| t.shares_memory())
+                );
+                let mut v: Vec<f32> = (0..64)
+                    .map(|i| 1.0 + (i + comm.rank()) as f32 / 1000.0)
+                    .collect();
+                comm.allreduce_with(&mut v, ReduceOp::Sum, c).unwrap();
+                v
+            },
+        )
+    };
+    let exact = run(Compression::None);
+    let bf16 = run(Compression::Bf16);
+    for r in 1..3 {
+        assert_eq!(bf16[r], bf16[0], "every rank holds the same bits");
+    }
+    let round = |x: f32| half::bf16::from_f32(x).to_f32();
+    for i in 0..64 {
+        let want: f32 = (0..3).map(|r| round(1.0 + (i + r) as f32 / 1000.0)).sum();
+        assert_eq!(bf16[0][i], round(want), "value {i}");
+        let sum: f32 = (0..3).map(|r| 1.0 + (i + r) as f32 / 1000.0).sum();
+        assert!((exact[0][i] - sum).abs() < 1e-6, "exact {i}");
+    }
+    assert_ne!(bf16[0], exact[0], "bf16 must change these values");
 }
 
 #[test]
