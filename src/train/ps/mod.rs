@@ -177,7 +177,7 @@ impl ServerSetup {
             .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
             .collect();
         let n = usize::try_from(words[1]).unwrap_or(usize::MAX);
-        if words.len() != 2 + n.saturating_mul(2) {
+        if words.len() != n.saturating_mul(2).saturating_add(2) {
             return Err(bad(format!(
                 "{n} ranges in {} words",
                 words.len().saturating_sub(2)
