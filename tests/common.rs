@@ -87,9 +87,13 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// Accuracy (%) of a Hearth model file on an image folder, with the evaluation preprocessing at
-/// `size` pixels: an independent check of what a training run reported.
-pub fn folder_accuracy(model: &std::path::Path, folder: &std::path::Path, size: u32) -> f64 {
+/// Each batch of a Hearth model file's logits over an image folder (in the folder's order, with
+/// the evaluation preprocessing at `size` pixels) and the batch's true classes.
+fn folder_batches(
+    model: &std::path::Path,
+    folder: &std::path::Path,
+    size: u32,
+) -> Vec<(Tensor<2>, Vec<i64>)> {
     use hearth::datasets::{ImageSet, Loader, LoaderConfig, Pipeline};
     let saved = hearth::models::load_model(model, &Device::flex()).unwrap();
     let set = ImageSet::from_folder(folder).unwrap();
@@ -100,17 +104,27 @@ pub fn folder_accuracy(model: &std::path::Path, folder: &std::path::Path, size: 
     )
     .unwrap();
     let model = burn::module::Module::valid(&saved.model);
+    loader
+        .epoch(0, &Device::flex())
+        .map(|batch| {
+            let batch = batch.unwrap();
+            let truth = batch.classes.unwrap().into_data().iter::<i64>().collect();
+            (model.forward(batch.images), truth)
+        })
+        .collect()
+}
+
+/// Accuracy (%) of a Hearth model file on an image folder, with the evaluation preprocessing at
+/// `size` pixels: an independent check of what a training run reported.
+pub fn folder_accuracy(model: &std::path::Path, folder: &std::path::Path, size: u32) -> f64 {
     let (mut right, mut total) = (0usize, 0usize);
-    for batch in loader.epoch(0, &Device::flex()) {
-        let batch = batch.unwrap();
-        let pred: Vec<i64> = model
-            .forward(batch.images)
+    for (logits, truth) in folder_batches(model, folder, size) {
+        let pred: Vec<i64> = logits
             .argmax(1)
             .flatten::<1>(0, 1)
             .into_data()
             .iter::<i64>()
             .collect();
-        let truth: Vec<i64> = batch.classes.unwrap().into_data().iter::<i64>().collect();
         right += pred.iter().zip(&truth).filter(|(a, b)| a == b).count();
         total += truth.len();
     }
@@ -119,22 +133,10 @@ pub fn folder_accuracy(model: &std::path::Path, folder: &std::path::Path, size: 
 
 /// Every logit of a saved model over a folder's images, in the folder's order.
 pub fn folder_logits(model: &std::path::Path, folder: &std::path::Path, size: u32) -> Vec<f32> {
-    use hearth::datasets::{ImageSet, Loader, LoaderConfig, Pipeline};
-    let saved = hearth::models::load_model(model, &Device::flex()).unwrap();
-    let set = ImageSet::from_folder(folder).unwrap();
-    let loader = Loader::new(
-        set,
-        Pipeline::eval(size),
-        LoaderConfig::new(5).with_shuffle(false),
-    )
-    .unwrap();
-    let model = burn::module::Module::valid(&saved.model);
-    let mut out = Vec::new();
-    for batch in loader.epoch(0, &Device::flex()) {
-        let logits = model.forward(batch.unwrap().images);
-        out.extend(logits.into_data().iter::<f32>());
-    }
-    out
+    folder_batches(model, folder, size)
+        .into_iter()
+        .flat_map(|(logits, _)| logits.into_data().iter::<f32>().collect::<Vec<_>>())
+        .collect()
 }
 
 /// The elastic tests' data: 4 classes, 60 training and 10 validation images each, 32 pixels

@@ -231,7 +231,7 @@ mod tests {
     fn sgd_with_momentum_nesterov_and_masked_decay() {
         let mut o = ShardOptimizer::sgd(0.1, 0.9);
         o.weight_decay = 0.5;
-        o.decay = vec![0..1];
+        o.decay = std::iter::once(0..1).collect();
         let mut p = vec![1.0, 1.0];
         let mut s = Vec::new();
         o.step(0, &mut p, &[1.0, 1.0], &mut s);
@@ -276,7 +276,7 @@ mod tests {
         let mut w = o.clone();
         w.update = Update::adamw();
         w.weight_decay = 0.1;
-        w.decay = vec![0..3];
+        w.decay = std::iter::once(0..3).collect();
         let (mut q, mut s) = (vec![1.0], Vec::new());
         w.step(0, &mut q, &[0.0], &mut s);
         assert!((q[0] - (1.0 - 0.01 * 0.1)).abs() < 1e-7, "{q:?}");

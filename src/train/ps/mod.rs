@@ -240,7 +240,7 @@ pub(crate) fn flat_optimizer(
 pub(crate) fn decay_ranges<M: Module>(cfg: &TrainConfig, model: &M) -> Vec<Range<usize>> {
     if cfg.optimizer == super::OptimizerKind::AdamW {
         let total: usize = trainable_names(model).iter().map(|t| t.1).sum();
-        return vec![0..total];
+        return std::iter::once(0..total).collect();
     }
     matrix_ranges(model)
 }
@@ -409,7 +409,7 @@ mod tests {
         cfg.epochs = 4;
         cfg.warmup_epochs = 1;
         cfg.lr = 0.4;
-        let o = flat_optimizer(&cfg, cfg.lr, 10, vec![0..2]).unwrap();
+        let o = flat_optimizer(&cfg, cfg.lr, 10, std::iter::once(0..2).collect()).unwrap();
         let s = cfg.lr_schedule(cfg.lr, 10).unwrap();
         for step in [0u64, 3, 9, 10, 25, 39] {
             assert_eq!(o.lr_at(step), s.lr_at(step as usize) as f32, "step {step}");
