@@ -166,11 +166,10 @@ impl ShardOptimizer {
             } => {
                 let t = (step + 1).min(i32::MAX as u64) as i32;
                 let (m, s) = state.split_at_mut(n);
+                moments(m, s, &g, beta_1, beta_2);
                 let c2 = (1.0 - beta_2.powi(t)).sqrt();
                 let combined = c2 / (1.0 - beta_1.powi(t));
                 for i in 0..n {
-                    m[i] = m[i] * beta_1 + g[i] * (1.0 - beta_1);
-                    s[i] = s[i] * beta_2 + g[i] * g[i] * (1.0 - beta_2);
                     let d = (m[i] * combined) / (s[i].sqrt() + epsilon * c2);
                     values[i] -= d * lr;
                 }
@@ -182,24 +181,20 @@ impl ShardOptimizer {
             } => {
                 let t = (step + 1).min(i32::MAX as u64) as i32;
                 let (m, s) = state.split_at_mut(n);
+                moments(m, s, &g, beta_1, beta_2);
                 let (b1, b2) = (1.0 - beta_1.powi(t), 1.0 - beta_2.powi(t));
-                let keep = 1.0 - (f64::from(lr) * f64::from(self.weight_decay)) as f32;
-                let mut decayed = vec![false; n];
                 if self.weight_decay > 0.0 {
+                    // Decoupled: the values shrink before the step, never the gradient.
+                    let keep = 1.0 - (f64::from(lr) * f64::from(self.weight_decay)) as f32;
                     for r in &self.decay {
-                        decayed[r.start.min(n)..r.end.min(n)].fill(true);
+                        values[r.start.min(n)..r.end.min(n)]
+                            .iter_mut()
+                            .for_each(|p| *p *= keep);
                     }
                 }
                 for i in 0..n {
-                    m[i] = m[i] * beta_1 + g[i] * (1.0 - beta_1);
-                    s[i] = s[i] * beta_2 + g[i] * g[i] * (1.0 - beta_2);
                     let d = (m[i] / b1) / ((s[i] / b2).sqrt() + epsilon);
-                    let p = if decayed[i] {
-                        values[i] * keep
-                    } else {
-                        values[i]
-                    };
-                    values[i] = p - d * lr;
+                    values[i] -= d * lr;
                 }
             }
         }
@@ -220,6 +215,15 @@ impl ShardOptimizer {
             decay,
             ..self.clone()
         }
+    }
+}
+
+/// Adam's moment updates, as burn-optim writes them (`m·β₁ + g(1−β₁)`, `s·β₂ + g²(1−β₂)`; zero
+/// moments give its first step's values exactly).
+fn moments(m: &mut [f32], s: &mut [f32], g: &[f32], beta_1: f32, beta_2: f32) {
+    for ((mi, si), gi) in m.iter_mut().zip(s.iter_mut()).zip(g) {
+        *mi = *mi * beta_1 + gi * (1.0 - beta_1);
+        *si = *si * beta_2 + gi * gi * (1.0 - beta_2);
     }
 }
 

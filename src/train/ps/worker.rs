@@ -141,29 +141,20 @@ pub(super) fn train(
     client.timeout = collective_timeout().max(Duration::from_secs(600));
     let first = resume.as_ref().map_or(0, |s| s.epoch);
     let steps_per_epoch = w.loaders.train.batches_per_epoch().max(1);
-    let decay = decay_ranges(cfg, &w.model);
+    // The run's optimizer over the whole vector: the asynchronous modes' local steps (by this
+    // worker's step count; a resume goes on from the steps of the epochs done), and each
+    // server's, restricted to its shard.
+    let local = flat_optimizer(cfg, lr, steps_per_epoch, decay_ranges(cfg, &w.model))?;
     if rank == 0 {
-        // Each server's optimizer: the schedule's unit and its shard's weight-decay ranges.
         for (s, &server) in roles.server_ranks().iter().enumerate() {
-            let range = layout.range(s);
-            let shard_decay = decay
-                .iter()
-                .filter_map(|r| {
-                    let (a, b) = (r.start.max(range.start), r.end.min(range.end));
-                    (a < b).then(|| a - range.start..b - range.start)
-                })
-                .collect();
             let setup = ServerSetup {
                 steps_per_epoch: steps_per_epoch as u64,
-                decay: shard_decay,
+                decay: local.restrict(layout.range(s)).decay,
             };
             w.t.send(server, Kind::Ps, SETUP, setup.encode())?;
         }
         client.init_servers(w.starting_state(&layout, resume)?)?;
     }
-    // The asynchronous modes' local steps: the run's optimizer and schedule by this worker's
-    // step count (a resume goes on from the steps of the epochs done).
-    let local = flat_optimizer(cfg, lr, steps_per_epoch, decay)?;
     w.schedule = Some((local.clone(), steps_per_epoch));
     let (ps, mut params) =
         PsWorker::start(client, opts.mode, opts.window, lr as f32, opts.rho as f32)?;
