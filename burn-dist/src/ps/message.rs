@@ -159,9 +159,12 @@ impl ShardState {
         let mut r = Reader::new(b);
         let version = r.u64()?;
         let (n, m) = (r.u64()? as usize, r.u64()? as usize);
-        if shard_len.is_some_and(|l| l != n) || (m != 0 && m != n) {
+        // Optimizer state: none yet, one value per parameter (momentum) or two (Adam's
+        // moments); the optimizer checks its own length when it steps.
+        if shard_len.is_some_and(|l| l != n) || (m != 0 && m != n && m != 2 * n) {
             return Err(DistError::Config(format!(
-                "a shard state of {n} values and {m} momentum values where {} were expected",
+                "a shard state of {n} values and {m} optimizer state values where {} values \
+                 and 0, 1 or 2 state values each were expected",
                 shard_len.map_or("as many".to_string(), |l| l.to_string())
             )));
         }
@@ -296,5 +299,17 @@ mod tests {
         assert_eq!(ShardState::decode(&state.encode(), None).unwrap(), state);
         let enc = state.encode();
         assert!(ShardState::decode(&enc[..enc.len() - 1], None).is_err());
+        // Adam's two moments per value decode; three do not.
+        let adam = ShardState {
+            version: 3,
+            values: vec![1.0, 2.0],
+            optim_state: vec![0.5; 4],
+        };
+        assert_eq!(ShardState::decode(&adam.encode(), Some(2)).unwrap(), adam);
+        let odd = ShardState {
+            optim_state: vec![0.5; 6],
+            ..adam
+        };
+        assert!(ShardState::decode(&odd.encode(), Some(2)).is_err());
     }
 }

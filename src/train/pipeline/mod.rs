@@ -1,0 +1,272 @@
+//! Pipeline model parallelism as a training mode (`hearth train --pipeline-stages P
+//! --micro-batches M [--nproc N]`), with data parallelism across pipelines (2D: N = P x D).
+//!
+//! Ranks form a [`Grid`]: replica d's pipeline is ranks `d*P .. d*P+P`. Each rank builds only
+//! its stage's units ([`hearth_models::stages`]), each unit seeded by its index so a stage's
+//! replicas start identical and the split does not change the initial weights. Every rank of a
+//! pipeline streams the same shard of the data (its replica's); the first stage feeds the
+//! images, the last computes the loss and the metrics. A step is one [`Pipeline::step`] over
+//! the replica's batch cut into M micro-batches (each micro-batch's mean loss weighted by its
+//! share of the batch, so the step's gradient is the batch mean), an allreduce of each stage's
+//! gradients over its D replicas, and an optimizer step on every stage with the same learning
+//! rate. After each epoch replica 0's batch-norm statistics go to the other replicas of its
+//! stage (as in data parallel). Validation runs the pipeline forward only.
+//!
+//! Metrics reach every rank (an allreduce of the last stages' sums), so every rank applies the
+//! same best-epoch rule and early stopping; rank 0 writes `metrics.csv` and `metrics.png`.
+//! Checkpoints: replica 0 of each stage writes `checkpoint/stage-<s>/{model,optim}-<epoch>.bpk`
+//! on its own disk; an epoch is complete when every stage has both. The learning-rate schedule
+//! is a function of the step, so it needs no file. The export sends the best epoch's stages to
+//! rank 0, which assembles the whole model (the only time one process holds all of it) into
+//! `model.bpk`, loadable by `hearth predict` like any other.
+
+use std::collections::BTreeSet;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::{ModuleOptimizer, OptimizerRecord};
+use burn::prelude::*;
+use burn::store::ModuleRecord;
+use burn_dist::ddp::{allreduce_grads, broadcast_module, module_values, with_module_values};
+use burn_dist::pipeline::{Activation, Pipeline};
+use burn_dist::transport::group::{Grid, Group};
+use burn_dist::wire::Kind;
+use burn_dist::{Communicator, ReduceOp};
+use hearth_models::stages::Unit;
+use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
+
+use super::config::{PipelineBalance, PipelineOptions};
+use super::epochs::{Epochs, Row, Strategy};
+use super::model::{SEED_LOCK, epoch_seed, model_config, optimizer};
+use super::shared::{collective_timeout, hits};
+use super::{TrainConfig, TrainReport, distributed, run_dir, sets};
+use crate::pipeline::{StageModel, UnitCost, balance, balance_by, stage_memory};
+use crate::schedule::Schedule as LrSchedule;
+use crate::{HearthError, Result};
+
+/// Largest piece of a tensor sent to rank 0 at export (values), well under the frame cap.
+const EXPORT_CHUNK: usize = 8 << 20;
+
+/// What the steps of a pipeline run share.
+struct PipelineRun<'a> {
+    cfg: &'a TrainConfig,
+    opts: &'a PipelineOptions,
+    device: Device,
+    plain_device: Device,
+    comm: Arc<Communicator>,
+    /// This stage's replicas (2D), averaging its gradients.
+    replicas: Option<Communicator>,
+    grid: Grid,
+    stage: usize,
+    replica: usize,
+    ranges: Vec<Range<usize>>,
+    config: ModelConfig,
+    classes: Vec<String>,
+    loaders: sets::Loaders,
+    lr: LrSchedule,
+    steps_per_epoch: usize,
+}
+
+pub(super) fn train(
+    cfg: &TrainConfig,
+    device: &Device,
+    log: &mut dyn FnMut(&str),
+) -> Result<TrainReport> {
+    let Some(opts) = &cfg.pipeline else {
+        return Err(HearthError::InvalidArgument(
+            "pipeline training without pipeline options".into(),
+        ));
+    };
+    let started = Instant::now();
+    let info = cfg.dist.clone().filter(|i| i.world > 1).ok_or_else(|| {
+        HearthError::InvalidArgument(format!(
+            "--pipeline-stages {} needs {} processes or a multiple (one per stage and replica): \
+             add --nproc {}",
+            opts.stages, opts.stages, opts.stages
+        ))
+    })?;
+    let grid = Grid::new(opts.stages, info.world)?;
+    let comm = Arc::new(distributed::connect(&info, log)?);
+    let rank = comm.rank();
+    let mut quiet = |_: &str| {};
+    let log: &mut dyn FnMut(&str) = if rank == 0 { log } else { &mut quiet };
+    if rank == 0 {
+        run_dir::prepare(&cfg.run_dir)?;
+    }
+    let (train_set, val_set) = distributed::load_data(cfg, &comm, log)?;
+    if train_set.multi_label {
+        return Err(HearthError::InvalidArgument(
+            "multi-label sets do not train with --pipeline-stages yet".into(),
+        ));
+    }
+    if !cfg.batch_size.is_multiple_of(grid.replicas) {
+        return Err(HearthError::InvalidArgument(format!(
+            "--batch-size {} must divide evenly over {} pipelines",
+            cfg.batch_size, grid.replicas
+        )));
+    }
+    let (stage, replica) = grid.place(rank);
+    let classes = train_set.classes.clone();
+    let config = model_config(&cfg.model, classes.len())?;
+    let ranges = split::split(cfg, opts, &config, device)?;
+    let plain = device.clone();
+    log(&format!(
+        "pipeline: {} stages x {} replicas, {} micro-batches of a {}-image batch per replica, {:?}",
+        grid.stages,
+        grid.replicas,
+        opts.micro_batches,
+        cfg.batch_size / grid.replicas,
+        opts.schedule
+    ));
+    let loaders = sets::Loaders::new(cfg, train_set, val_set, replica, grid.replicas)?;
+    let steps_per_epoch = loaders.train.batches_per_epoch().max(1);
+    let replicas = if grid.replicas > 1 {
+        let group = Group::new(comm.transport().clone(), grid.stage_replicas(stage), 1)?;
+        Some(Communicator::new(Arc::new(group)).with_compression(cfg.compression))
+    } else {
+        None
+    };
+    let run = PipelineRun {
+        cfg,
+        opts,
+        device: device.clone().autodiff(),
+        plain_device: plain,
+        comm,
+        replicas,
+        grid,
+        stage,
+        replica,
+        ranges,
+        config,
+        classes,
+        loaders,
+        lr: cfg.lr_schedule(cfg.scaled_lr(log)?, steps_per_epoch)?,
+        steps_per_epoch,
+    };
+    run.train(started, log)
+}
+
+impl PipelineRun<'_> {
+    fn is_last(&self) -> bool {
+        self.stage + 1 == self.grid.stages
+    }
+
+    /// This stage's units, each seeded by its index (the same on every replica and for every
+    /// split).
+    fn init_stage(&self) -> Result<StageModel> {
+        let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let mut units: Vec<Unit> = Vec::new();
+        for u in self.ranges[self.stage].clone() {
+            self.device
+                .seed(epoch_seed(self.cfg.seed, u64::MAX - u as u64, 0));
+            units.extend(self.config.init_units(u..u + 1, &self.device)?);
+        }
+        let stage = StageModel { units };
+        // Materialise the lazily initialised parameters while the seed holds.
+        let _ = module_values(&stage);
+        Ok(stage)
+    }
+
+    fn pipeline(&self) -> Result<Pipeline> {
+        Ok(Pipeline::new(
+            self.comm.transport().clone(),
+            self.grid.pipeline(self.replica),
+            self.opts.schedule,
+        )?
+        .with_timeout(collective_timeout()))
+    }
+}
+
+mod split;
+mod step;
+mod store;
+
+/// A stage's part of the epoch loop: its pipeline links, its units and their optimizer.
+struct StageStrategy<'r, 'a> {
+    run: &'r PipelineRun<'a>,
+    pipe: Pipeline,
+    /// Taken out while an epoch trains (a step consumes the module).
+    model: Option<StageModel>,
+    optim: ModuleOptimizer,
+}
+
+impl Strategy for StageStrategy<'_, '_> {
+    fn epoch(&mut self, epoch: usize, _log: &mut dyn FnMut(&str)) -> Result<Option<Row>> {
+        let t = Instant::now();
+        let model = self
+            .model
+            .take()
+            .ok_or_else(|| HearthError::Training("the stage lost its model".into()))?;
+        let (model, train) = self
+            .run
+            .train_epoch(&mut self.pipe, model, &mut self.optim, epoch)?;
+        let val = self.run.validate(&mut self.pipe, &model)?;
+        self.model = Some(model);
+        // Every rank gets the row: every rank decides early stopping the same way.
+        Ok(Some(self.run.epoch_row(train, val, epoch, t.elapsed())?))
+    }
+
+    fn checkpoint(&mut self, epoch: usize, best: Option<usize>) -> Result<()> {
+        let model = self
+            .model
+            .as_ref()
+            .ok_or_else(|| HearthError::Training("the stage lost its model".into()))?;
+        self.run.checkpoint(model, &self.optim, epoch, best)
+    }
+}
+
+impl PipelineRun<'_> {
+    fn train(mut self, started: Instant, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
+        let cfg = self.cfg;
+        let rank = self.comm.rank();
+        let hparams = cfg.hyperparameters();
+        let mut pipe = self.pipeline()?;
+        self.settle_split(&mut pipe, log)?;
+        let mut model = self.init_stage()?;
+        let mut optim = optimizer(cfg);
+        let epochs = Epochs::new(cfg, rank == 0);
+        let resume_epoch = if cfg.resume {
+            let epoch = self.agreed_resume_epoch()?;
+            run_dir::check_resume_compatible(&cfg.run_dir, &self.config, &hparams)?;
+            epochs.reload(epoch)?;
+            let (m, o) = self.load_checkpoint(model, optim, epoch)?;
+            model = m;
+            optim = o;
+            log(&format!("resuming after epoch {epoch}"));
+            epoch
+        } else {
+            0
+        };
+        if rank == 0 {
+            run_dir::record(&cfg.run_dir, &self.config, &hparams)?;
+        }
+        epochs.check_left(resume_epoch)?;
+        let mut strategy = StageStrategy {
+            run: &self,
+            pipe,
+            model: Some(model),
+            optim,
+        };
+        let last = epochs.run(resume_epoch, &mut strategy, log)?;
+        self.comm.barrier()?;
+        let best = epochs.best_or_err()?;
+        self.export(best, log)?;
+        if rank == 0 {
+            epochs.plot(log);
+        }
+        self.comm.barrier()?;
+        let images = last.saturating_sub(resume_epoch).max(1) * self.loaders.train.set().len();
+        Ok(epochs.report(
+            best,
+            started,
+            images,
+            self.classes.clone(),
+            rank,
+            self.comm.world(),
+        ))
+    }
+}
