@@ -202,14 +202,82 @@ fn adag_with_a_dedicated_server_learns_and_records_every_worker() {
     assert!(server.contains("parameter server 0:"), "{server}");
 }
 
+/// Early stopping reaches every asynchronous worker at the same epoch: with `--min-delta 100`
+/// no epoch after the first improves, so `--patience 1` ends the run after epoch 2 on every
+/// rank, and the export is epoch 1's servers' model.
+#[test]
+fn patience_stops_every_asynchronous_worker_and_exports_the_best_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = elastic_data(dir.path());
+    let run = dir.path().join("run");
+    let args = [
+        "--ps",
+        "1",
+        "--mode",
+        "adag",
+        "--window",
+        "2",
+        "--epochs",
+        "6",
+        "--patience",
+        "1",
+        "--min-delta",
+        "100",
+    ];
+    let mut job = Job::start(dir.path(), &data, &run, 3, &args, &[]);
+    let ok = job.wait(240);
+    assert!(ok.iter().all(|&o| o), "{}", job.all_logs());
+    let rows = metrics(&run);
+    assert_eq!(
+        rows.keys().copied().collect::<Vec<_>>(),
+        vec![1, 2],
+        "{rows:?}"
+    );
+    // Both workers trained both epochs (and no more): their curves are in every row.
+    for row in rows.values() {
+        assert!(row.contains_key("train_loss_rank1"), "{row:?}");
+    }
+    let lead = job.log(0);
+    assert!(
+        lead.contains("early stopping after epoch 2: no improvement of val_accuracy in 1 epochs"),
+        "{lead}"
+    );
+    assert!(lead.contains("epoch 2/6: train loss"), "{lead}");
+    let exported = folder_accuracy(&run.join("model.bpk"), &data.join("val"), 32);
+    let first = rows[&1]["val_accuracy"];
+    assert!(
+        (exported - first).abs() < 1e-6,
+        "{exported} vs epoch 1's {first}"
+    );
+}
+
 #[test]
 fn sync_servers_train_like_data_parallel_with_the_default_flags() {
     // Defaults included: SGD with momentum 0.9, weight decay 5e-4 on layer weights, one
-    // warmup epoch then cosine decay, light augmentation. A model without batch norm or
-    // dropout, so the two runs compute the same thing.
+    // warmup epoch then cosine decay, light augmentation.
+    sync_servers_equal_data_parallel(&[]);
+}
+
+#[test]
+fn sync_servers_accumulate_gradients_like_data_parallel() {
+    // Ten batches per worker and epoch: steps of three batches, and a last one of one.
+    sync_servers_equal_data_parallel(&[
+        "--grad-accum",
+        "3",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.002",
+    ]);
+}
+
+/// `--ps 1 --mode sync` on 2 workers and `--nproc 2` with the same `flags` train the same
+/// curves and export the same model. A model without batch norm or dropout, so the two runs
+/// compute the same thing.
+fn sync_servers_equal_data_parallel(flags: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let data = elastic_data(dir.path());
-    let base = [
+    let mut base = vec![
         "--batch-size",
         "24",
         "--model",
@@ -217,6 +285,7 @@ fn sync_servers_train_like_data_parallel_with_the_default_flags() {
         "--epochs",
         "3",
     ];
+    base.extend_from_slice(flags);
     let ddp_run = dir.path().join("ddp");
     let mut ddp = Job::spawn(dir.path(), &data, &ddp_run, 2, &base, &[], &[]);
     let ok = ddp.wait(300);
@@ -248,7 +317,7 @@ fn sync_servers_train_like_data_parallel_with_the_default_flags() {
     }
     // The schedule ran: warmup then decay, not the constant --lr.
     let lr: Vec<f64> = b.values().map(|r| r["train_lr"]).collect();
-    assert!(lr[2] < lr[0] && lr[0] < 0.05 - 1e-3, "{lr:?}");
+    assert!(lr[2] < lr[0], "{lr:?}");
     // The exported models (the best epoch's weights, the same epoch in both) give the same
     // logits.
     let ddp_log = ddp.log(0);
@@ -479,9 +548,5 @@ fn settings_that_do_not_fit_a_parameter_server_run_are_refused() {
         "{e}"
     );
     cfg.compression = hearth::dist::Compression::None;
-    cfg.patience = Some(2);
-    let e = refused(&cfg);
-    assert!(e.contains("--patience"), "{e}");
-    cfg.patience = None;
     assert!("fast".parse::<hearth::train::PsMode>().is_err());
 }

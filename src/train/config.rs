@@ -383,9 +383,7 @@ impl TrainConfig {
             (self.pipeline.is_some(), "--pipeline-stages"),
             (self.elastic.is_some(), "--elastic"),
             (self.labels.is_some(), "--labels (multi-label sets)"),
-            (self.grad_accum.is_some(), "--grad-accum"),
             (self.unfreeze_after.is_some(), "--unfreeze-after"),
-            (self.patience.is_some(), "--patience (early stopping)"),
             (self.monitor == Monitor::ValAuroc, "--monitor val_auroc"),
         ];
         if let Some((_, what)) = unsupported.iter().find(|(on, _)| *on) {

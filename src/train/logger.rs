@@ -22,6 +22,8 @@ pub type NonFinite = Arc<Mutex<Option<(usize, usize)>>>;
 
 pub struct CsvMetricLogger {
     report: Option<Report>,
+    /// The run's epochs, for the `epoch e/E` of the summary line.
+    epochs: Option<usize>,
     /// Distributed runs: averages training metrics across ranks and keeps each rank's curve.
     ranks: Option<std::sync::Arc<burn_dist::Communicator>>,
     /// Whether this process writes `metrics.csv` (rank 0 only in a distributed run).
@@ -109,6 +111,7 @@ impl CsvMetricLogger {
     pub fn new(csv: PathBuf, table: EpochTable) -> Self {
         Self {
             report: None,
+            epochs: None,
             ranks: None,
             write: true,
             guard: None,
@@ -141,27 +144,17 @@ impl CsvMetricLogger {
         self
     }
 
-    /// Sends a one-line summary of every validated epoch to `report`.
-    pub fn with_report(mut self, report: Report) -> Self {
+    /// Sends a one-line summary of every validated epoch of `epochs` to `report`
+    /// ([`epoch_line`]).
+    pub fn with_report(mut self, report: Report, epochs: usize) -> Self {
         self.report = Some(report);
+        self.epochs = Some(epochs);
         self
     }
 
     fn summary_line(&self, epoch: usize) -> Option<String> {
         let table = self.table.lock().ok()?;
-        let row = table.get(&epoch)?;
-        let get = |k: &str| row.get(k).map(|v| format!("{v:.4}")).unwrap_or("-".into());
-        let pct = |k: &str| row.get(k).map(|v| format!("{v:.2}%")).unwrap_or("-".into());
-        Some(format!(
-            "epoch {epoch}: train loss {} acc {} | val loss {} acc {} | lr {}",
-            get("train_loss"),
-            pct("train_accuracy"),
-            get("val_loss"),
-            pct("val_accuracy"),
-            row.get("train_lr")
-                .map(|v| format!("{v:.5}"))
-                .unwrap_or("-".into())
-        ))
+        Some(epoch_line(epoch, self.epochs, table.get(&epoch)?))
     }
 
     fn write_csv(&self) {
@@ -172,6 +165,35 @@ impl CsvMetricLogger {
             let _ = std::fs::rename(&tmp, &self.csv);
         }
     }
+}
+
+/// The console line of a finished epoch, the same in every mode: `epoch e/E: train loss .. acc
+/// ..% | val loss .. acc ..%`, then what the row has of AUROC, learning rate, throughput and
+/// world size.
+pub fn epoch_line(epoch: usize, epochs: Option<usize>, row: &BTreeMap<String, f64>) -> String {
+    let get = |k: &str| row.get(k).map_or("-".into(), |v| format!("{v:.4}"));
+    let pct = |k: &str| row.get(k).map_or("-".into(), |v| format!("{v:.2}%"));
+    let mut line = format!(
+        "epoch {epoch}{}: train loss {} acc {} | val loss {} acc {}",
+        epochs.map(|n| format!("/{n}")).unwrap_or_default(),
+        get("train_loss"),
+        pct("train_accuracy"),
+        get("val_loss"),
+        pct("val_accuracy"),
+    );
+    if let Some(v) = row.get("val_auroc") {
+        line.push_str(&format!(" auroc {v:.2}"));
+    }
+    if let Some(v) = row.get("train_lr") {
+        line.push_str(&format!(" | lr {v:.5}"));
+    }
+    if let Some(v) = row.get("world_size") {
+        line.push_str(&format!(" | world {v:.1}"));
+    }
+    if let Some(v) = row.get("train_images_per_sec") {
+        line.push_str(&format!(" | {v:.0} img/s"));
+    }
+    line
 }
 
 /// `metrics.csv` of `table`: `epoch`, then the required columns (`train_loss`,

@@ -28,6 +28,7 @@ mod config;
 mod data;
 mod distributed;
 mod elastic;
+mod epochs;
 mod export;
 mod logger;
 mod model;
@@ -37,6 +38,7 @@ mod ps;
 mod render;
 pub mod run_dir;
 mod sets;
+mod shared;
 mod speed;
 mod step;
 

@@ -62,7 +62,8 @@ impl<T: Task> Phase<'_, T> {
             CsvMetricLogger::new(cfg.run_dir.join("metrics.csv"), self.table.clone())
                 .with_nan_guard(non_finite.clone(), interrupter.clone());
         if rank == 0 {
-            csv_logger = csv_logger.with_report(Box::new(|line: &str| eprintln!("{line}")));
+            csv_logger =
+                csv_logger.with_report(Box::new(|line: &str| eprintln!("{line}")), cfg.epochs);
         }
         if let Some(comm) = self.dist {
             // Metric averaging runs on its own tag space, beside the gradient traffic.

@@ -49,12 +49,10 @@ use burn_dist::{Communicator, ReduceOp, Transport};
 use hearth_datasets::BatchStream;
 use hearth_models::{Classifier, ModelConfig};
 
-use super::best::{
-    BestRule, Patience, best_epoch, export_checkpoint, model_checkpoint, save_epoch_weights,
-};
-use super::logger::{EpochTable, metrics_csv};
+use super::best::{export_checkpoint, model_checkpoint, save_epoch_weights};
+use super::epochs::Epochs;
 use super::model::{SEED_LOCK, epoch_seed, init_model, model_config, optimizer};
-use super::pipeline::{collective_timeout, hits};
+use super::shared::{collective_timeout, hits, hook};
 use super::{EpochRows, TrainConfig, TrainReport, run_dir, sets};
 use crate::schedule::Schedule as LrSchedule;
 use crate::{HearthError, Result};
@@ -256,18 +254,6 @@ struct ElasticRun<'a> {
     freeze_at: Option<u64>,
 }
 
-/// A per-worker number from a test or benchmark hook variable `ID:N[,ID:N...]`
-/// (`HEARTH_ELASTIC_LEAVE_AT_STEP`: leave gracefully after step N, as SIGTERM would;
-/// `HEARTH_ELASTIC_DIE_AT_STEP`: SIGKILL itself inside step N, between the control and the
-/// gradient allreduce; `HEARTH_ELASTIC_FREEZE_AT_STEP`: SIGSTOP itself there, a worker cut
-/// off; `HEARTH_ELASTIC_THROTTLE`: N ms of extra compute per step, a slow worker).
-pub(crate) fn hook(name: &str, id: &str) -> Option<u64> {
-    std::env::var(name).ok()?.split(',').find_map(|part| {
-        let (who, n) = part.trim().split_once(':')?;
-        (who == id).then(|| n.parse().ok()).flatten()
-    })
-}
-
 /// A short fingerprint of a model's values (FNV-1a over the f32 bits), to show in logs that
 /// workers hold bit-identical weights.
 fn fingerprint(model: &Classifier) -> u64 {
@@ -403,12 +389,6 @@ pub(super) fn train(
 }
 
 impl ElasticRun<'_> {
-    fn log_rank0(&self, world: &World, log: &mut dyn FnMut(&str), line: &str) {
-        if world.rank() == 0 {
-            log(line);
-        }
-    }
-
     /// The model, seeded as every run initialises it; commits load their weights into it.
     fn skeleton(&self, device: &Device) -> Result<Classifier> {
         init_model(
@@ -520,12 +500,9 @@ impl ElasticRun<'_> {
             world.size()
         ));
         let rows = commit.rows.clone();
-        let best = best_epoch(&rows, self.cfg.monitor, self.cfg.min_delta).ok_or_else(|| {
-            HearthError::Training(format!(
-                "no epoch has a {} value to pick the best one by",
-                self.cfg.monitor.column()
-            ))
-        })?;
+        let epochs = Epochs::new(self.cfg, world.rank() == 0);
+        epochs.set_rows(rows.clone());
+        let best = epochs.best_or_err()?;
         let dir = &self.cfg.run_dir;
         if world.rank() == 0 {
             export_checkpoint(
@@ -557,16 +534,14 @@ impl ElasticRun<'_> {
             let _ = std::fs::write(Path::new(&dir).join(&self.me.id), b"done\n");
         }
         let images = commit.world_log.len() * self.cfg.batch_size;
-        let mut report = TrainReport::summarise(
-            self.cfg,
-            &rows,
+        let report = epochs.report(
             best,
             self.started,
             images,
             self.classes.clone(),
+            world.rank(),
+            world.size(),
         );
-        report.rank = world.rank();
-        report.world = world.size();
         world.transport.shutdown(Duration::from_secs(2));
         Ok(report)
     }

@@ -239,67 +239,27 @@ impl ElasticRun<'_> {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
-        let mut rows = commit.rows.clone();
-        rows.insert(epoch, row.clone());
-        let table = EpochTable::default();
-        if let Ok(mut t) = table.lock() {
-            *t = rows.clone();
-        }
-        let rule = BestRule {
-            table,
-            monitor: self.cfg.monitor,
-            min_delta: self.cfg.min_delta,
-        };
-        let end = self
-            .cfg
-            .stop_after_epoch
-            .unwrap_or(self.cfg.epochs)
-            .min(self.cfg.epochs);
-        let mut finished = epoch >= end;
-        if let Some(patience) = self.cfg.patience
-            && !finished
-            && (Patience {
-                rule: rule.clone(),
-                patience,
-                origin: 0,
-            })
-            .exhausted(epoch)
-        {
-            self.log_rank0(
-                world,
-                log,
-                &format!(
-                    "early stopping after epoch {epoch}: no improvement of {} in {patience} epochs",
-                    self.cfg.monitor.column()
-                ),
-            );
-            finished = true;
-        }
+        // The epoch's bookkeeping as every mode does it; the rows travel in the commit, so a
+        // new rank 0 after a change goes on with the whole table.
+        let epochs = Epochs::new(self.cfg, rank == 0);
+        epochs.set_rows(commit.rows.clone());
+        epochs.record(epoch, row, log)?;
+        let finished = epoch >= epochs.end() || epochs.stop_early(epoch, log);
         // Commit the epoch's end.
         commit.model = model;
-        commit.rows = rows;
+        commit.rows = epochs.rows();
         commit.epoch += 1;
         commit.position = 0;
         commit.sums = [0.0; 3];
         commit.epoch_started = commit.elapsed;
         commit.finished = finished;
         if rank == 0 {
-            log(&format!(
-                "epoch {epoch}/{}: train loss {:.4} acc {:.1}% | val loss {:.4} acc {:.1}% | world {:.1} | {:.0} img/s",
-                self.cfg.epochs,
-                row["train_loss"],
-                row["train_accuracy"],
-                row["val_loss"],
-                row["val_accuracy"],
-                mean_world,
-                row["train_images_per_sec"]
-            ));
-            self.checkpoint(commit, world, epoch, rule.best())?;
+            self.checkpoint(commit, world, epoch, epochs.best())?;
         }
         Ok(())
     }
 
-    /// Rank 0: metrics, the epoch's model and optimizer files (best and last kept), and the
+    /// Rank 0 (after `metrics.csv`): the epoch's model and optimizer files (best and last kept), and the
     /// whole committed state for an exact `--resume`.
     pub(super) fn checkpoint(
         &self,
@@ -309,7 +269,6 @@ impl ElasticRun<'_> {
         best: Option<usize>,
     ) -> Result<()> {
         let dir = &self.cfg.run_dir;
-        run_dir::write_atomic(&dir.join("metrics.csv"), &metrics_csv(&c.rows))?;
         let mut steps = String::from("step,elapsed_seconds,world_size\n");
         for (s, t, w) in &c.world_log {
             steps.push_str(&format!("{s},{t:.3},{w}\n"));

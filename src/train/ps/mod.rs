@@ -151,7 +151,7 @@ pub(crate) const SETUP: u64 = burn_dist::ps::message::APP_TAGS + 2;
 /// What [`SETUP`] carries.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ServerSetup {
-    pub steps_per_epoch: u64,
+    pub batches_per_epoch: u64,
     /// Value ranges of the shard (shard indices) that weight decay applies to.
     pub decay: Vec<Range<usize>>,
 }
@@ -159,7 +159,7 @@ pub(crate) struct ServerSetup {
 impl ServerSetup {
     /// Little-endian `u64`s: steps per epoch, the number of ranges, then each start and end.
     pub fn encode(&self) -> Vec<u8> {
-        let mut words = vec![self.steps_per_epoch, self.decay.len() as u64];
+        let mut words = vec![self.batches_per_epoch, self.decay.len() as u64];
         for r in &self.decay {
             words.extend([r.start as u64, r.end as u64]);
         }
@@ -194,7 +194,7 @@ impl ServerSetup {
             decay.push(a..b);
         }
         Ok(Self {
-            steps_per_epoch: words[0].max(1),
+            batches_per_epoch: words[0].max(1),
             decay,
         })
     }
@@ -202,11 +202,12 @@ impl ServerSetup {
 
 /// The run's optimizer and schedule over a flat vector (a server's shard, or a worker's whole
 /// vector for its local steps): `decay` the ranges weight decay applies to, the rate by the
-/// number of optimizer steps before (`steps_per_epoch` of them per epoch).
+/// number of optimizer steps before (an epoch of `batches_per_epoch` loader batches has
+/// [`TrainConfig::optimizer_steps`] of them: a K-th with `--grad-accum K`).
 pub(crate) fn flat_optimizer(
     cfg: &TrainConfig,
     lr: f64,
-    steps_per_epoch: usize,
+    batches_per_epoch: usize,
     decay: Vec<Range<usize>>,
 ) -> Result<ShardOptimizer> {
     use super::OptimizerKind;
@@ -225,8 +226,8 @@ pub(crate) fn flat_optimizer(
             ));
         }
     };
-    // The schedule counts the batches of an epoch; with one optimizer step per batch here.
-    let schedule = Arc::new(cfg.lr_schedule(lr, steps_per_epoch)?);
+    // The schedule counts optimizer steps, as burn-train's does.
+    let schedule = Arc::new(cfg.lr_schedule(lr, batches_per_epoch)?);
     Ok(ShardOptimizer {
         update,
         weight_decay: cfg.weight_decay as f32,
@@ -254,9 +255,9 @@ fn server_config(
 ) -> Result<ServerConfig> {
     let mut s = ServerConfig::new(opts.mode);
     s.window = opts.window;
-    s.optimizer = flat_optimizer(cfg, lr, setup.steps_per_epoch as usize, setup.decay)?;
+    s.optimizer = flat_optimizer(cfg, lr, setup.batches_per_epoch as usize, setup.decay)?;
     s.max_staleness = opts.staleness;
-    s.idle_timeout = super::pipeline::collective_timeout().max(Duration::from_secs(600));
+    s.idle_timeout = super::shared::collective_timeout().max(Duration::from_secs(600));
     Ok(s)
 }
 
@@ -285,7 +286,7 @@ fn serve(
     log: &mut dyn FnMut(&str),
 ) -> Result<ServerReport> {
     let shard = t.rank() - roles.workers;
-    let deadline = Instant::now() + super::pipeline::collective_timeout() * 5;
+    let deadline = Instant::now() + super::shared::collective_timeout() * 5;
     let bytes = t.recv(0, Kind::Ps, SETUP, deadline)?;
     // The shard's length is known with its values; the ranges are checked against the
     // largest a shard can be here and again by the optimizer's clipping.
@@ -315,7 +316,7 @@ fn serve(
         0,
         Kind::Ps,
         BYE,
-        Instant::now() + super::pipeline::collective_timeout(),
+        Instant::now() + super::shared::collective_timeout(),
     );
     Ok(report)
 }
@@ -385,7 +386,7 @@ mod tests {
     #[test]
     fn server_setup_round_trips_and_garbage_is_named() {
         let s = ServerSetup {
-            steps_per_epoch: 7,
+            batches_per_epoch: 7,
             decay: vec![0..3, 5..9],
         };
         assert_eq!(ServerSetup::decode(&s.encode(), 9).unwrap(), s);

@@ -17,6 +17,7 @@ use burn_dist::ps::message::ShardState;
 use burn_dist::ps::module::{
     trainable_grads, trainable_names, trainable_values, with_trainable_values,
 };
+use burn_dist::ps::optim::ShardOptimizer;
 use burn_dist::transport::Transport;
 use burn_dist::transport::group::Group;
 use burn_dist::wire::Kind;
@@ -25,14 +26,11 @@ use hearth_models::{Classifier, ModelConfig};
 
 use super::state::{EpochStats, PsState, decode_stats, encode_stats, state_file};
 use super::{BYE, PsOptions, Roles, SETUP, STATS, ServerSetup, decay_ranges, flat_optimizer};
-use crate::train::best::{
-    BestRule, best_epoch, export_checkpoint, model_checkpoint, save_epoch_weights,
-};
-use crate::train::elastic::hook;
-use crate::train::logger::{EpochTable, metrics_csv};
+use crate::train::best::{export_checkpoint, model_checkpoint, save_epoch_weights};
+use crate::train::epochs::{Epochs, Row, Strategy};
 use crate::train::model::{SEED_LOCK, epoch_seed, init_model, model_config};
-use crate::train::pipeline::{collective_timeout, hits};
-use crate::train::{EpochRows, TrainConfig, TrainReport, distributed, run_dir, sets};
+use crate::train::shared::{collective_timeout, hits, hook};
+use crate::train::{TrainConfig, TrainReport, distributed, run_dir, sets};
 use crate::{HearthError, Result};
 
 /// A long wait that only a peer's loss ends early (waiting for the slowest worker).
@@ -52,15 +50,13 @@ struct Worker<'a> {
     classes: Vec<String>,
     config: ModelConfig,
     model: Classifier,
-    rows: EpochRows,
     stats: Vec<EpochStats>,
     started: Instant,
     delay: Option<u64>,
     die_at: Option<u64>,
-    /// The run's optimizer and schedule with the optimizer steps per epoch (the `train_lr`
-    /// column: the mean rate over the epoch's steps, as burn-train's metric writes it for data
-    /// parallel runs).
-    schedule: Option<(burn_dist::ps::optim::ShardOptimizer, usize)>,
+    /// The run's optimizer and schedule with the loader batches per epoch (the `train_lr`
+    /// column, as burn-train's metric writes it for data parallel runs: [`learner_lr`]).
+    schedule: Option<(ShardOptimizer, usize)>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -120,7 +116,6 @@ pub(super) fn train(
         classes,
         config,
         model,
-        rows: EpochRows::new(),
         stats: Vec::new(),
         started,
         // Test hooks, as the elastic trainer's ("w1:50,w2:10" names workers by rank).
@@ -128,61 +123,157 @@ pub(super) fn train(
         die_at: hook("HEARTH_PS_DIE_AT_STEP", &format!("w{rank}")),
         schedule: None,
     };
-    let resume = w.resume(&comm, log)?;
-    let end = cfg.stop_after_epoch.unwrap_or(cfg.epochs).min(cfg.epochs);
-    if resume.as_ref().is_some_and(|s| s.epoch >= end) {
-        return Err(HearthError::InvalidArgument(format!(
-            "{} has already finished epoch {end}; nothing left to train",
-            cfg.run_dir.display()
-        )));
-    }
+    let epochs = Epochs::new(cfg, rank == 0);
+    let resume = w.resume(&comm, &epochs, log)?;
+    let first = resume.as_ref().map_or(0, |s| s.epoch);
+    epochs.check_left(first)?;
     let layout = Layout::new(&trainable_names(&w.model), roles.servers)?;
     let mut client = Client::new(w.t.clone(), layout.clone(), roles.server_ranks())?;
     client.timeout = collective_timeout().max(Duration::from_secs(600));
-    let first = resume.as_ref().map_or(0, |s| s.epoch);
-    let steps_per_epoch = w.loaders.train.batches_per_epoch().max(1);
+    // Optimizer steps: a K-th of the batches with `--grad-accum K`.
+    let batches = w.loaders.train.batches_per_epoch().max(1);
+    let steps_per_epoch = cfg.optimizer_steps(batches);
     // The run's optimizer over the whole vector: the asynchronous modes' local steps (by this
     // worker's step count; a resume goes on from the steps of the epochs done), and each
     // server's, restricted to its shard.
-    let local = flat_optimizer(cfg, lr, steps_per_epoch, decay_ranges(cfg, &w.model))?;
+    let local = flat_optimizer(cfg, lr, batches, decay_ranges(cfg, &w.model))?;
     if rank == 0 {
         for (s, &server) in roles.server_ranks().iter().enumerate() {
             let setup = ServerSetup {
-                steps_per_epoch: steps_per_epoch as u64,
+                batches_per_epoch: batches as u64,
                 decay: local.restrict(layout.range(s)).decay,
             };
             w.t.send(server, Kind::Ps, SETUP, setup.encode())?;
         }
         client.init_servers(w.starting_state(&layout, resume)?)?;
     }
-    w.schedule = Some((local.clone(), steps_per_epoch));
-    let (ps, mut params) =
-        PsWorker::start(client, opts.mode, opts.window, lr as f32, opts.rho as f32)?;
-    let mut ps = ps
+    w.schedule = Some((local.clone(), batches));
+    let (ps, params) = PsWorker::start(client, opts.mode, opts.window, lr as f32, opts.rho as f32)?;
+    let ps = ps
         .with_optimizer(local)
         .resumed_at((first * steps_per_epoch) as u64);
     w.model = with_trainable_values(w.model, &params)?;
-    let mut step = 0u64;
-    for epoch in first + 1..=end {
-        w.epoch(epoch, &mut ps, &mut params, &mut step)?;
-        if rank == 0 && epoch < end {
-            let states = ps.client.checkpoint()?;
-            w.epoch_end(epoch, states, log)?;
-        }
-    }
-    let mut client = ps.finish()?;
+    // Early stopping: the lead's decision reaches every worker at each epoch's end (only then
+    // do the asynchronous workers wait for each other; a long wait: the lead validates).
+    let stop = match cfg.patience {
+        Some(_) => Some(
+            Communicator::new(Arc::new(Group::new(w.t.clone(), roles.worker_ranks(), 3)?))
+                .with_timeout(PATIENT),
+        ),
+        None => None,
+    };
+    let mut strategy = PsStrategy {
+        w: &mut w,
+        ps: Some(ps),
+        client: None,
+        params,
+        step: 0,
+        end: epochs.end(),
+        served: None,
+        stop,
+    };
+    let last = epochs.run(first, &mut strategy, log)?;
+    let mut client = match (strategy.client.take(), strategy.ps.take()) {
+        (Some(c), _) => c,
+        (None, Some(ps)) => ps.finish()?,
+        (None, None) => return Err(HearthError::Training("the worker lost its client".into())),
+    };
     if rank != 0 {
         w.t.send(0, Kind::Ps, STATS, encode_stats(&w.stats))?;
         // The lead's goodbye, or its loss, ends this worker.
         let _ = w.t.recv(0, Kind::Ps, BYE, Instant::now() + PATIENT);
-        return Ok(w.report(0, 0));
+        return Ok(epochs.report(0, w.started, 0, w.classes.clone(), rank, w.roles.world()));
     }
-    // The lead: the last epoch ends when every worker is done.
-    log("waiting for the other workers to finish");
-    client.timeout = PATIENT;
-    let last = client.final_states()?;
-    w.epoch_end(end, last, log)?;
-    w.finish(end, log)
+    if last < epochs.end() {
+        // Stopped early: every worker is done once the servers send their final states.
+        client.timeout = PATIENT;
+        client.final_states()?;
+    }
+    w.finish(&epochs, last, log)
+}
+
+/// `train_lr` of `epoch` as burn-train writes it: the mean over the epoch's `batches` of the
+/// rate of the latest optimizer step taken at or before each batch (with `--grad-accum K`, a
+/// step on every K-th batch and on the last; before the first step of the run, 0).
+fn learner_lr(o: &ShardOptimizer, epoch: usize, batches: usize, k: usize) -> f64 {
+    let k = k.max(1);
+    let batches = batches.max(1);
+    let first = ((epoch - 1) * batches.div_ceil(k)) as u64;
+    let sum: f64 = (0..batches)
+        .map(|b| {
+            let taken = ((b + 1) / k + usize::from(b + 1 == batches && (b + 1) % k != 0)) as u64;
+            match (taken, first) {
+                (0, 0) => 0.0,
+                (0, _) => f64::from(o.lr_at(first - 1)),
+                (t, _) => f64::from(o.lr_at(first + t - 1)),
+            }
+        })
+        .sum();
+    sum / batches as f64
+}
+
+/// A worker's part of the epoch loop: its link to the servers and, on the lead, the servers'
+/// model of the epoch just validated.
+struct PsStrategy<'w, 'a> {
+    w: &'w mut Worker<'a>,
+    /// The worker's exchange with the servers, until it finishes (the lead's last epoch).
+    ps: Option<PsWorker>,
+    /// The lead's client after it finished (reading the servers' final states).
+    client: Option<Client>,
+    params: Vec<f32>,
+    step: u64,
+    end: usize,
+    /// The lead: the servers' model and state of the epoch just validated, for its checkpoint.
+    served: Option<(Classifier, Vec<ShardState>)>,
+    /// Early stopping's agreement among the workers.
+    stop: Option<Communicator>,
+}
+
+impl Strategy for PsStrategy<'_, '_> {
+    fn epoch(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) -> Result<Option<Row>> {
+        let ps = self
+            .ps
+            .as_mut()
+            .ok_or_else(|| HearthError::Training("the worker already finished".into()))?;
+        self.w.epoch(epoch, ps, &mut self.params, &mut self.step)?;
+        if self.w.rank != 0 {
+            return Ok(None);
+        }
+        let states = if epoch < self.end {
+            ps.client.checkpoint()?
+        } else {
+            // The last epoch ends when every worker is done.
+            log("waiting for the other workers to finish");
+            let mut client = self
+                .ps
+                .take()
+                .ok_or_else(|| HearthError::Training("the worker already finished".into()))?
+                .finish()?;
+            client.timeout = PATIENT;
+            let states = client.final_states()?;
+            self.client = Some(client);
+            states
+        };
+        let (row, served) = self.w.validate_servers(epoch, &states)?;
+        self.served = Some((served, states));
+        Ok(Some(row))
+    }
+
+    fn checkpoint(&mut self, epoch: usize, best: Option<usize>) -> Result<()> {
+        match self.served.take() {
+            Some((served, states)) => self.w.save(epoch, served, states, best),
+            None => Ok(()),
+        }
+    }
+
+    fn agree_stop(&mut self, stop: bool) -> Result<bool> {
+        let Some(comm) = &self.stop else {
+            return Ok(stop);
+        };
+        let mut flag = [if stop { 1.0f32 } else { 0.0 }];
+        comm.broadcast(&mut flag, 0)?;
+        Ok(flag[0] > 0.5)
+    }
 }
 
 impl Worker<'_> {
@@ -191,6 +282,7 @@ impl Worker<'_> {
     fn resume(
         &mut self,
         comm: &Communicator,
+        epochs: &Epochs,
         log: &mut dyn FnMut(&str),
     ) -> Result<Option<PsState>> {
         let cfg = self.cfg;
@@ -201,9 +293,7 @@ impl Worker<'_> {
             if cfg.resume {
                 let s = PsState::load(&state_file(&cfg.run_dir))?;
                 run_dir::check_resume_compatible(&cfg.run_dir, &self.config, &hparams)?;
-                let table = EpochTable::default();
-                run_dir::reload_table(&cfg.run_dir.join("metrics.csv"), &table, s.epoch)?;
-                self.rows = table.lock().map(|t| t.clone()).unwrap_or_default();
+                epochs.reload(s.epoch)?;
                 let path = model_checkpoint(&cfg.run_dir, s.epoch);
                 let record = ModuleRecord::load(&path).map_err(|e| {
                     HearthError::Training(format!(
@@ -277,7 +367,17 @@ impl Worker<'_> {
             epoch,
             ..Default::default()
         };
-        for batch in self.loaders.train.epoch(epoch as u64 - 1, &self.device) {
+        // `--grad-accum K`: the sum of K batches' mean gradients goes to the servers as one
+        // step (burn-train's accumulation), on every K-th batch and the epoch's last.
+        let k = self.cfg.grad_accum.unwrap_or(1).max(1);
+        let batches = self.loaders.train.batches_per_epoch();
+        let mut acc: Option<(Vec<f32>, u64)> = None;
+        for (i, batch) in self
+            .loaders
+            .train
+            .epoch(epoch as u64 - 1, &self.device)
+            .enumerate()
+        {
             let batch = batch?;
             let targets = batch
                 .classes
@@ -306,8 +406,19 @@ impl Worker<'_> {
                     libc::kill(libc::getpid(), libc::SIGKILL);
                 }
             }
+            let (sum, samples) = match acc.take() {
+                None => (grad, n as u64),
+                Some((mut sum, m)) => {
+                    sum.iter_mut().zip(&grad).for_each(|(s, g)| *s += g);
+                    (sum, m + n as u64)
+                }
+            };
+            if (i + 1) % k != 0 && i + 1 < batches {
+                acc = Some((sum, samples));
+                continue;
+            }
             let waited = Instant::now();
-            ps.step(params, &grad, n as u64)?;
+            ps.step(params, &sum, samples)?;
             row.wait += waited.elapsed().as_secs_f64();
             self.model = with_trainable_values(self.model.clone(), params)?;
         }
@@ -318,14 +429,8 @@ impl Worker<'_> {
     }
 
     /// The lead after `epoch`: the servers' model (at one consistent cut) validated with the
-    /// lead's batch-norm statistics, the metrics row, the epoch's weights and the servers'
-    /// state.
-    fn epoch_end(
-        &mut self,
-        epoch: usize,
-        states: Vec<ShardState>,
-        log: &mut dyn FnMut(&str),
-    ) -> Result<()> {
+    /// lead's batch-norm statistics; the epoch's metrics row and that model.
+    fn validate_servers(&self, epoch: usize, states: &[ShardState]) -> Result<(Row, Classifier)> {
         let values: Vec<f32> = states
             .iter()
             .flat_map(|s| s.values.iter().copied())
@@ -347,17 +452,15 @@ impl Worker<'_> {
         }
         let mine = self.stats.last().copied().unwrap_or_default();
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
-        let row: BTreeMap<String, f64> = [
+        let row: Row = [
             ("train_loss", mine.loss()),
             ("train_accuracy", mine.accuracy()),
             ("val_loss", ratio(sums[0], sums[2])),
             ("val_accuracy", 100.0 * ratio(sums[1], sums[2])),
             (
                 "train_lr",
-                self.schedule.as_ref().map_or(self.lr, |(o, per_epoch)| {
-                    let steps = (epoch - 1) * per_epoch..epoch * per_epoch;
-                    let sum: f64 = steps.map(|i| f64::from(o.lr_at(i as u64))).sum();
-                    sum / (*per_epoch).max(1) as f64
+                self.schedule.as_ref().map_or(self.lr, |(o, batches)| {
+                    learner_lr(o, epoch, *batches, self.cfg.grad_accum.unwrap_or(1))
                 }),
             ),
             ("elapsed_seconds", self.started.elapsed().as_secs_f64()),
@@ -369,28 +472,20 @@ impl Worker<'_> {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
-        log(&format!(
-            "epoch {epoch}/{}: lead train loss {:.4} acc {:.1}% | servers' model val loss {:.4} acc {:.1}%",
-            self.cfg.epochs,
-            row["train_loss"],
-            row["train_accuracy"],
-            row["val_loss"],
-            row["val_accuracy"]
-        ));
-        self.rows.insert(epoch, row);
+        Ok((row, served))
+    }
+
+    /// The lead's checkpoint of `epoch`: the servers' model and their state (the best epoch's
+    /// and the last epoch's weights are kept).
+    fn save(
+        &self,
+        epoch: usize,
+        served: Classifier,
+        states: Vec<ShardState>,
+        best: Option<usize>,
+    ) -> Result<()> {
         let dir = &self.cfg.run_dir;
-        run_dir::write_atomic(&dir.join("metrics.csv"), &metrics_csv(&self.rows))?;
         save_epoch_weights(dir, epoch, served)?;
-        let table = EpochTable::default();
-        if let Ok(mut t) = table.lock() {
-            *t = self.rows.clone();
-        }
-        let best = BestRule {
-            table,
-            monitor: self.cfg.monitor,
-            min_delta: self.cfg.min_delta,
-        }
-        .best();
         // The state file names the epoch whose weights it goes with: written after them.
         PsState {
             epoch,
@@ -407,7 +502,12 @@ impl Worker<'_> {
 
     /// The lead at the end: every worker's statistics into `metrics.csv`, the goodbyes, the
     /// plot, and the best epoch's weights into `model.bpk`.
-    fn finish(mut self, end: usize, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
+    fn finish(
+        &self,
+        epochs: &Epochs,
+        last: usize,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<TrainReport> {
         let mut all: Vec<(usize, Vec<EpochStats>)> = vec![(0, self.stats.clone())];
         let deadline = Instant::now() + collective_timeout();
         for r in 1..self.roles.workers {
@@ -425,16 +525,9 @@ impl Worker<'_> {
         for r in (1..self.roles.workers).chain(self.roles.server_ranks()) {
             let _ = self.t.send(r, Kind::Ps, BYE, Vec::new());
         }
-        self.merge_worker_stats(&all, log);
-        let dir = &self.cfg.run_dir;
-        run_dir::write_atomic(&dir.join("metrics.csv"), &metrics_csv(&self.rows))?;
-        let best =
-            best_epoch(&self.rows, self.cfg.monitor, self.cfg.min_delta).ok_or_else(|| {
-                HearthError::Training(format!(
-                    "no epoch has a {} value to pick the best one by",
-                    self.cfg.monitor.column()
-                ))
-            })?;
+        epochs.update_rows(|rows| self.merge_worker_stats(rows, &all, log));
+        epochs.write_csv()?;
+        let best = epochs.best_or_err()?;
         let skeleton = init_model(
             self.cfg,
             &self.config,
@@ -444,27 +537,29 @@ impl Worker<'_> {
             &mut |_| {},
         )?;
         export_checkpoint(self.cfg, best, skeleton, &self.config, &self.classes, log)?;
-        if let Err(e) = crate::plot::plot_metrics(&self.rows, &dir.join("metrics.png")) {
-            log(&format!("warning: no plot written: {e}"));
-        }
+        epochs.plot(log);
         let samples: f64 = all.iter().flat_map(|(_, s)| s).map(|s| s.samples).sum();
-        let mut report = TrainReport::summarise(
-            self.cfg,
-            &self.rows,
+        let mut report = epochs.report(
             best,
             self.started,
             samples as usize,
             self.classes.clone(),
+            0,
+            self.roles.world(),
         );
-        report.epochs_run = end;
-        report.world = self.roles.world();
+        report.epochs_run = last;
         Ok(report)
     }
 
     /// Each worker's epochs as `*_rank{r}` columns, `train_*` as the mean over the workers,
     /// bytes exchanged per sample, and in sync mode which worker the rounds waited for.
-    fn merge_worker_stats(&mut self, all: &[(usize, Vec<EpochStats>)], log: &mut dyn FnMut(&str)) {
-        for (&epoch, row) in self.rows.iter_mut() {
+    fn merge_worker_stats(
+        &self,
+        rows: &mut crate::train::EpochRows,
+        all: &[(usize, Vec<EpochStats>)],
+        log: &mut dyn FnMut(&str),
+    ) {
+        for (&epoch, row) in rows.iter_mut() {
             let mut of_epoch: Vec<(usize, EpochStats)> = Vec::new();
             for (r, stats) in all {
                 if let Some(s) = stats.iter().find(|s| s.epoch == epoch) {
@@ -520,24 +615,9 @@ impl Worker<'_> {
             }
         }
         for (epoch, (bytes, samples)) in bytes_at {
-            if let Some(row) = self.rows.get_mut(&epoch) {
+            if let Some(row) = rows.get_mut(&epoch) {
                 row.insert("bytes_per_sample".into(), bytes / samples.max(1.0));
             }
         }
-    }
-
-    /// A non-lead worker's report (only the lead prints a summary).
-    fn report(&self, best: usize, images: usize) -> TrainReport {
-        let mut r = TrainReport::summarise(
-            self.cfg,
-            &self.rows,
-            best,
-            self.started,
-            images,
-            self.classes.clone(),
-        );
-        r.rank = self.rank;
-        r.world = self.roles.world();
-        r
     }
 }

@@ -1,0 +1,326 @@
+//! The one epoch loop of the training modes that burn-train's Learner cannot drive (pipeline
+//! stages, parameter servers) and the epoch bookkeeping every custom mode shares (elastic
+//! membership commits its epochs through the same [`Epochs`]).
+//!
+//! A mode is a [`Strategy`]: how an epoch trains and validates on this rank, how its state is
+//! saved, and how the ranks agree to stop. [`Epochs::run`] owns the rest, once for all of them:
+//! the epoch range (a resume's start, `--stop-after-epoch`), the table of every epoch's metrics
+//! (reloaded from `metrics.csv` on resume), `metrics.csv` and the console line (the same line
+//! as the Learner's runs print), the best-epoch rule handed to checkpoints, early stopping
+//! (`--patience`, `--min-delta`, counted from the fine-tuning phase when there is one), the
+//! plot and the summary ([`TrainReport`]).
+
+use std::time::Instant;
+
+use super::best::{BestRule, Patience, best_epoch};
+use super::logger::{EpochTable, epoch_line, metrics_csv};
+use super::{EpochRows, TrainConfig, TrainReport, run_dir};
+use crate::{HearthError, Result};
+
+/// One row of `metrics.csv`: column -> value.
+pub(super) type Row = std::collections::BTreeMap<String, f64>;
+
+/// A training mode's part of the epoch loop.
+pub(super) trait Strategy {
+    /// Trains epoch `epoch` (counted from 1) and validates it. Returns the epoch's row of
+    /// `metrics.csv` on the ranks that know it (every rank, or only the lead), else `None`.
+    fn epoch(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) -> Result<Option<Row>>;
+
+    /// Saves what `--resume` needs after `epoch`, keeping the files of the best epoch so far
+    /// (`best`, on the ranks that hold the table) and of the last.
+    fn checkpoint(&mut self, epoch: usize, best: Option<usize>) -> Result<()>;
+
+    /// Every rank's decision to stop after an epoch, from `stop` as the ranks holding the table
+    /// decided it (ranks without it learn the decision from those with it). The default suits
+    /// modes where every rank holds the same table.
+    fn agree_stop(&mut self, stop: bool) -> Result<bool> {
+        Ok(stop)
+    }
+}
+
+/// The epochs of one run: the table of their metrics and the decisions read from it.
+pub(super) struct Epochs<'a> {
+    cfg: &'a TrainConfig,
+    table: EpochTable,
+    /// Whether this rank writes `metrics.csv` and prints the epoch lines.
+    writer: bool,
+    /// The epoch patience counts from at the earliest (the fine-tuning phase's start).
+    patience_origin: usize,
+}
+
+impl<'a> Epochs<'a> {
+    pub fn new(cfg: &'a TrainConfig, writer: bool) -> Self {
+        Self {
+            cfg,
+            table: EpochTable::default(),
+            writer,
+            patience_origin: cfg
+                .unfreeze_after
+                .filter(|_| cfg.freeze_backbone)
+                .unwrap_or(0),
+        }
+    }
+
+    /// The last epoch this launch trains (`--stop-after-epoch`, else `--epochs`).
+    pub fn end(&self) -> usize {
+        self.cfg
+            .stop_after_epoch
+            .unwrap_or(self.cfg.epochs)
+            .min(self.cfg.epochs)
+    }
+
+    /// Fails when a resume after `done` epochs has nothing left to train.
+    pub fn check_left(&self, done: usize) -> Result<()> {
+        if done >= self.end() {
+            return Err(HearthError::InvalidArgument(format!(
+                "{} has already finished epoch {done} of {}; nothing left to train",
+                self.cfg.run_dir.display(),
+                self.cfg.epochs
+            )));
+        }
+        Ok(())
+    }
+
+    /// `--resume` after `epoch`: the earlier epochs' rows from the run's `metrics.csv`.
+    pub fn reload(&self, epoch: usize) -> Result<()> {
+        run_dir::reload_table(&self.cfg.run_dir.join("metrics.csv"), &self.table, epoch)
+    }
+
+    /// Replaces the table (a state that carries its rows, as an elastic commit does).
+    pub fn set_rows(&self, rows: EpochRows) {
+        if let Ok(mut t) = self.table.lock() {
+            *t = rows;
+        }
+    }
+
+    pub fn rows(&self) -> EpochRows {
+        self.table.lock().map(|t| t.clone()).unwrap_or_default()
+    }
+
+    /// Edits every row (columns known only at the end, as every worker's curves).
+    pub fn update_rows(&self, f: impl FnOnce(&mut EpochRows)) {
+        if let Ok(mut t) = self.table.lock() {
+            f(&mut t);
+        }
+    }
+
+    pub fn rule(&self) -> BestRule {
+        BestRule {
+            table: self.table.clone(),
+            monitor: self.cfg.monitor,
+            min_delta: self.cfg.min_delta,
+        }
+    }
+
+    /// The best epoch so far, if any has a finite monitored value.
+    pub fn best(&self) -> Option<usize> {
+        self.rule().best()
+    }
+
+    /// Records `epoch`'s row: the table, `metrics.csv` and the console line (on the writer).
+    pub fn record(&self, epoch: usize, row: Row, log: &mut dyn FnMut(&str)) -> Result<()> {
+        if let Ok(mut t) = self.table.lock() {
+            t.insert(epoch, row.clone());
+        }
+        if self.writer {
+            self.write_csv()?;
+            log(&epoch_line(epoch, Some(self.cfg.epochs), &row));
+        }
+        Ok(())
+    }
+
+    /// Writes `metrics.csv` (on the writer).
+    pub fn write_csv(&self) -> Result<()> {
+        if !self.writer {
+            return Ok(());
+        }
+        run_dir::write_atomic(
+            &self.cfg.run_dir.join("metrics.csv"),
+            &metrics_csv(&self.rows()),
+        )
+    }
+
+    /// Whether early stopping ends the run after `epoch` (said in `log`): `--patience` epochs
+    /// without an improvement of more than `--min-delta`. Never after the last epoch.
+    pub fn stop_early(&self, epoch: usize, log: &mut dyn FnMut(&str)) -> bool {
+        let Some(patience) = self.cfg.patience else {
+            return false;
+        };
+        let stop = epoch < self.end()
+            && Patience {
+                rule: self.rule(),
+                patience,
+                origin: self.patience_origin,
+            }
+            .exhausted(epoch);
+        if stop && self.writer {
+            log(&format!(
+                "early stopping after epoch {epoch}: no improvement of {} in {patience} epochs",
+                self.cfg.monitor.column()
+            ));
+        }
+        stop
+    }
+
+    /// Runs epochs `first + 1 ..= end` of `strategy`, recording each, until the end or early
+    /// stopping. Returns the last epoch trained.
+    pub fn run(
+        &self,
+        first: usize,
+        strategy: &mut dyn Strategy,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<usize> {
+        let end = self.end();
+        for epoch in first + 1..=end {
+            if let Some(row) = strategy.epoch(epoch, log)? {
+                self.record(epoch, row, log)?;
+            }
+            strategy.checkpoint(epoch, self.best())?;
+            if epoch < end {
+                let stop = self.stop_early(epoch, log);
+                if strategy.agree_stop(stop)? {
+                    return Ok(epoch);
+                }
+            }
+        }
+        Ok(end)
+    }
+
+    /// The epoch to export, or an error naming the monitored column none of them has.
+    pub fn best_or_err(&self) -> Result<usize> {
+        best_epoch(&self.rows(), self.cfg.monitor, self.cfg.min_delta).ok_or_else(|| {
+            HearthError::Training(format!(
+                "no epoch has a {} value to pick the best one by",
+                self.cfg.monitor.column()
+            ))
+        })
+    }
+
+    /// `metrics.png` of the table (a warning when it cannot be drawn).
+    pub fn plot(&self, log: &mut dyn FnMut(&str)) {
+        if let Err(e) =
+            crate::plot::plot_metrics(&self.rows(), &self.cfg.run_dir.join("metrics.png"))
+        {
+            log(&format!("warning: no plot written: {e}"));
+        }
+    }
+
+    /// The run's summary: best epoch `best`, `images` trained since `started`, on `rank` of
+    /// `world`.
+    pub fn report(
+        &self,
+        best: usize,
+        started: Instant,
+        images: usize,
+        classes: Vec<String>,
+        rank: usize,
+        world: usize,
+    ) -> TrainReport {
+        let mut r = TrainReport::summarise(self.cfg, &self.rows(), best, started, images, classes);
+        r.rank = rank;
+        r.world = world;
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A strategy whose validation accuracy follows a script; it records what the loop asked.
+    struct Scripted {
+        accuracy: Vec<f64>,
+        saved: Vec<(usize, Option<usize>)>,
+    }
+
+    impl Strategy for Scripted {
+        fn epoch(&mut self, epoch: usize, _: &mut dyn FnMut(&str)) -> Result<Option<Row>> {
+            Ok(Some(
+                [
+                    ("val_accuracy".to_string(), self.accuracy[epoch - 1]),
+                    ("train_loss".to_string(), 1.0),
+                ]
+                .into_iter()
+                .collect(),
+            ))
+        }
+        fn checkpoint(&mut self, epoch: usize, best: Option<usize>) -> Result<()> {
+            self.saved.push((epoch, best));
+            Ok(())
+        }
+    }
+
+    fn config(dir: &std::path::Path) -> TrainConfig {
+        let mut cfg = TrainConfig::new(dir.to_path_buf());
+        cfg.epochs = 8;
+        cfg.patience = Some(2);
+        cfg
+    }
+
+    #[test]
+    fn patience_stops_the_loop_and_the_best_epoch_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = config(dir.path());
+        let epochs = Epochs::new(&cfg, true);
+        let mut s = Scripted {
+            accuracy: vec![50.0, 60.0, 59.0, 58.0, 90.0, 90.0, 90.0, 90.0],
+            saved: Vec::new(),
+        };
+        let mut lines = Vec::new();
+        let last = epochs
+            .run(0, &mut s, &mut |l| lines.push(l.to_string()))
+            .unwrap();
+        assert_eq!(last, 4, "two epochs without improvement after epoch 2");
+        assert_eq!(
+            s.saved,
+            vec![(1, Some(1)), (2, Some(2)), (3, Some(2)), (4, Some(2))]
+        );
+        assert_eq!(epochs.best_or_err().unwrap(), 2);
+        assert!(
+            lines.iter().any(|l| l.starts_with("epoch 3/8: ")),
+            "{lines:?}"
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with("early stopping after epoch 4"))
+        );
+        let csv = std::fs::read_to_string(dir.path().join("metrics.csv")).unwrap();
+        assert_eq!(csv.lines().count(), 5, "{csv}");
+    }
+
+    #[test]
+    fn patience_counts_from_the_fine_tuning_phase() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path());
+        cfg.freeze_backbone = true;
+        cfg.unfreeze_after = Some(4);
+        let epochs = Epochs::new(&cfg, true);
+        let mut s = Scripted {
+            accuracy: vec![60.0, 50.0, 50.0, 50.0, 50.0, 50.0, 50.0, 50.0],
+            saved: Vec::new(),
+        };
+        let last = epochs.run(0, &mut s, &mut |_| {}).unwrap();
+        assert_eq!(
+            last, 6,
+            "patience 2 counted from epoch 4, not from the best (1)"
+        );
+    }
+
+    #[test]
+    fn a_resume_past_the_end_is_refused_and_no_value_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path());
+        cfg.stop_after_epoch = Some(3);
+        let epochs = Epochs::new(&cfg, false);
+        assert_eq!(epochs.end(), 3);
+        let e = epochs.check_left(3).unwrap_err().to_string();
+        assert!(e.contains("nothing left to train"), "{e}");
+        epochs.check_left(2).unwrap();
+        let e = epochs.best_or_err().unwrap_err().to_string();
+        assert!(e.contains("val_accuracy"), "{e}");
+        // Not the writer: no file.
+        epochs.record(1, Row::new(), &mut |_| {}).unwrap();
+        assert!(!dir.path().join("metrics.csv").exists());
+    }
+}

@@ -1,0 +1,178 @@
+//! How the model's units are split into stages: given, balanced by parameters, by measured
+//! time or by estimated memory, or as a resumed run recorded it (`pipeline_split.txt`).
+
+use super::*;
+
+/// The run's recorded split (`pipeline_split.txt`), which a resumed run keeps.
+fn split_file(run_dir: &Path) -> PathBuf {
+    run_dir.join("pipeline_split.txt")
+}
+
+fn format_split(ranges: &[Range<usize>]) -> String {
+    ranges
+        .iter()
+        .map(|r| format!("{}:{}", r.start, r.end))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The stages' unit ranges: `--pipeline-split`, or balanced by parameter count.
+pub(super) fn split(
+    cfg: &TrainConfig,
+    opts: &PipelineOptions,
+    config: &ModelConfig,
+    device: &Device,
+) -> Result<Vec<Range<usize>>> {
+    let n = config.units();
+    let ranges = match &opts.split {
+        Some(r) => r.clone(),
+        None => balance(&config.unit_params(device)?, opts.stages)?,
+    };
+    if ranges.last().map(|r| r.end) != Some(n) {
+        return Err(HearthError::InvalidArgument(format!(
+            "--pipeline-split must cover units 0..{n} of {} (it ends at {})",
+            cfg.model,
+            ranges.last().map_or(0, |r| r.end)
+        )));
+    }
+    Ok(ranges)
+}
+
+impl PipelineRun<'_> {
+    /// The final split: the one a resumed run recorded, else measured by time
+    /// (`--pipeline-balance time`), else the one given; printed with each stage's parameters.
+    pub(super) fn settle_split(
+        &mut self,
+        pipe: &mut Pipeline,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<()> {
+        let file = split_file(&self.cfg.run_dir);
+        let mut measured: Option<Vec<UnitCost>> = None;
+        if self.cfg.resume && file.is_file() {
+            let text = std::fs::read_to_string(&file).map_err(|source| HearthError::Read {
+                path: file.clone(),
+                source,
+            })?;
+            let recorded = PipelineOptions::parse_split(text.trim())?;
+            if recorded.len() != self.grid.stages
+                || recorded.last().map(|r| r.end) != Some(self.config.units())
+            {
+                return Err(HearthError::InvalidArgument(format!(
+                    "--resume: {} records the split {} for another layout than {} stages of {} units",
+                    file.display(),
+                    text.trim(),
+                    self.grid.stages,
+                    self.config.units()
+                )));
+            }
+            self.ranges = recorded;
+        } else if self.opts.balance != PipelineBalance::Params && self.opts.split.is_none() {
+            let costs = self.measure_units(pipe)?;
+            self.ranges = match self.opts.balance {
+                PipelineBalance::Memory => {
+                    let params = self.config.unit_params(&self.plain_device)?;
+                    let state = self.state_bytes_per_param();
+                    balance_by(costs.len(), self.grid.stages, |s, r| {
+                        stage_memory(&params, &costs, r, state, self.in_flight(s))
+                    })?
+                }
+                _ => {
+                    let weights: Vec<usize> = costs
+                        .iter()
+                        .map(|c| ((c.seconds * 1e6).round() as usize).max(1))
+                        .collect();
+                    balance(&weights, self.grid.stages)?
+                }
+            };
+            measured = Some(costs);
+        }
+        if self.comm.rank() == 0 {
+            run_dir::write_atomic(&file, &format_split(&self.ranges))?;
+        }
+        let weights = self.config.unit_params(&self.plain_device)?;
+        log(&format!(
+            "split ({}): {}",
+            if measured.is_some() && self.opts.balance == PipelineBalance::Memory {
+                "balanced by estimated memory"
+            } else if measured.is_some() {
+                "balanced by measured time"
+            } else if self.cfg.resume {
+                "as the run recorded it"
+            } else if self.opts.split.is_some() {
+                "as given"
+            } else {
+                "balanced by parameters"
+            },
+            format_split(&self.ranges)
+        ));
+        for (s, r) in self.ranges.iter().enumerate() {
+            let params: usize = weights[r.clone()].iter().sum();
+            let ms = measured
+                .as_ref()
+                .map(|c| {
+                    let seconds: f64 = c[r.clone()].iter().map(|u| u.seconds).sum();
+                    let memory = stage_memory(
+                        &weights,
+                        c,
+                        r.clone(),
+                        self.state_bytes_per_param(),
+                        self.in_flight(s),
+                    );
+                    format!(
+                        ", {:.1} ms per micro-batch pass, ~{:.0} MB",
+                        1e3 * seconds,
+                        memory / 1e6
+                    )
+                })
+                .unwrap_or_default();
+            log(&format!(
+                "  stage {s}: units {}..{} of {}, {params} parameters{ms} (ranks {:?})",
+                r.start,
+                r.end,
+                self.config.units(),
+                self.grid.stage_replicas(s)
+            ));
+        }
+        Ok(())
+    }
+
+    /// Time and held memory of one training pass of every unit on a micro-batch of the first
+    /// batch ([`crate::pipeline::measure_units`]), measured on each unit's rank.
+    fn measure_units(&self, pipe: &mut Pipeline) -> Result<Vec<UnitCost>> {
+        let stage = self.init_stage()?;
+        let batch = self
+            .loaders
+            .train
+            .epoch(0, &self.device)
+            .next()
+            .ok_or_else(|| HearthError::Training("the training set gave no batch".into()))??;
+        let n = batch.images.dims()[0];
+        let x = batch.images.narrow(0, 0, self.micro_split(n)[0].1);
+        crate::pipeline::measure_units(
+            &stage,
+            self.ranges[self.stage].start,
+            self.config.units(),
+            pipe,
+            &self.comm,
+            Activation::Rank4(x),
+            &self.device,
+        )
+    }
+
+    /// Bytes each parameter costs a stage: weights, gradients, their sum over micro-batches,
+    /// and the optimizer's state (momentum: 1 value; Adam, AdamW, LARS: up to 2).
+    fn state_bytes_per_param(&self) -> f64 {
+        let optimizer_values = match self.cfg.optimizer {
+            crate::train::OptimizerKind::Sgd => 1.0,
+            _ => 2.0,
+        };
+        4.0 * (3.0 + optimizer_values)
+    }
+
+    /// Micro-batches whose activations stage `s` holds at once under the schedule.
+    fn in_flight(&self, s: usize) -> usize {
+        self.opts
+            .schedule
+            .held(s, self.grid.stages, self.opts.micro_batches)
+    }
+}
