@@ -161,6 +161,78 @@ fn a_pipeline_run_exports_what_it_validated_and_resumes_exactly() {
     );
 }
 
+/// Transfer learning split over processes: a pipeline started from pretrained weights with a
+/// frozen backbone, then unfrozen and fine-tuned, trains what one process trains (the same
+/// head seeded by `--seed`, the same steps at the same rates), and exports the same model.
+/// One micro-batch and a model without batch norm or dropout, so both compute the same thing.
+#[test]
+fn pretrained_frozen_then_fine_tuned_pipeline_trains_like_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    let pre = dir.path().join("pretrained");
+    let model = ["--model", "vgg-mini-plain", "--augment", "none"];
+    let mut args: Vec<&str> = model.to_vec();
+    args.extend(["--epochs", "1", "--run-dir", pre.to_str().unwrap()]);
+    let (ok, text) = hearth_train(&data, &args);
+    assert!(ok, "{text}");
+    let weights = pre.join("model.bpk");
+    let recipe = [
+        "--weights",
+        weights.to_str().unwrap(),
+        "--freeze-backbone",
+        "--unfreeze-after",
+        "1",
+        "--finetune-lr",
+        "0.01",
+        "--epochs",
+        "3",
+    ];
+    let one = dir.path().join("one");
+    let mut args: Vec<&str> = model.to_vec();
+    args.extend(recipe);
+    args.extend(["--run-dir", one.to_str().unwrap()]);
+    let (ok, text) = hearth_train(&data, &args);
+    assert!(ok, "{text}");
+    let piped = dir.path().join("piped");
+    let mut args: Vec<&str> = model.to_vec();
+    args.extend(recipe);
+    args.extend([
+        "--pipeline-stages",
+        "2",
+        "--micro-batches",
+        "1",
+        "--run-dir",
+        piped.to_str().unwrap(),
+    ]);
+    let (ok, text) = hearth_train(&data, &args);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("unfreezing the backbone after epoch 1"),
+        "{text}"
+    );
+    let (a, b) = (metrics(&one), metrics(&piped));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (epoch, row) in &a {
+        for col in ["train_loss", "train_lr"] {
+            let (x, y) = (row[col], b[epoch][col]);
+            assert!(
+                (x - y).abs() <= 1e-5 * x.abs().max(1.0),
+                "epoch {epoch} {col}: one process {x}, pipeline {y}\n{a:?}\n{b:?}"
+            );
+        }
+    }
+    // The backbone trained only after epoch 1: epoch 2's rate is the fine-tuning one.
+    assert!(b[&2]["train_lr"] <= 0.01 + 1e-9, "{b:?}");
+    let x = common::folder_logits(&one.join("model.bpk"), &data.join("val"), 32);
+    let y = common::folder_logits(&piped.join("model.bpk"), &data.join("val"), 32);
+    let worst = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0f32, f32::max);
+    assert!(worst <= 1e-4, "exported models differ by {worst}");
+}
+
 #[test]
 fn two_pipelines_of_two_stages_train_as_four_processes() {
     let dir = tempfile::tempdir().unwrap();

@@ -73,6 +73,14 @@ impl Activation {
         }
     }
 
+    /// Whether backward can start from this activation (it depends on a tracked tensor).
+    fn is_tracked(&self) -> bool {
+        match self {
+            Activation::Rank2(t) => t.is_tracked(),
+            Activation::Rank4(t) => t.is_tracked(),
+        }
+    }
+
     /// This tensor's gradient in `grads`, as plain values.
     fn grad(&self, grads: &burn::tensor::Gradients) -> Option<TensorData> {
         match self {
@@ -380,6 +388,12 @@ impl Pipeline {
                 } else {
                     let upstream =
                         self.recv(self.stage + 1, tag(step, m, false), "pipeline backward")?;
+                    if !y.is_tracked() {
+                        // Nothing to differentiate: a stage with nothing to train whose input
+                        // carries no gradient (a frozen first stage in transfer learning).
+                        in_flight -= 1;
+                        continue;
+                    }
                     y.inject(upstream, device)
                         .map_err(|e| {
                             mismatch("pipeline backward", format!("stage {}: {e}", self.stage))

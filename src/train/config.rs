@@ -316,14 +316,17 @@ impl TrainConfig {
                     p.stages
                 ));
             }
+            // Without a meaning here: a pipeline's micro-batches are its accumulation.
+            if self.grad_accum.is_some() {
+                return bad(
+                    "--grad-accum does not apply to --pipeline-stages: a pipeline step \
+                            already sums the gradients of --micro-batches micro-batches; raise \
+                            --micro-batches (and --batch-size) instead"
+                        .into(),
+                );
+            }
             let unsupported = [
                 (self.labels.is_some(), "--labels (multi-label sets)"),
-                (self.weights.is_some(), "--weights"),
-                (self.freeze_backbone, "--freeze-backbone"),
-                (
-                    self.grad_accum.is_some(),
-                    "--grad-accum (use --micro-batches)",
-                ),
                 (self.monitor == Monitor::ValAuroc, "--monitor val_auroc"),
             ];
             if let Some((_, what)) = unsupported.iter().find(|(on, _)| *on) {

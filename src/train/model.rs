@@ -7,13 +7,13 @@ use burn::optim::{AdamConfig, AdamWConfig, LearningRate, ModuleOptimizer, Optimi
 use burn::prelude::*;
 use hearth_models::{
     Architecture, BiasInit, BlockKind, Classifier, HeadActivation, HeadConfig, LoadOptions,
-    ModelConfig, ResNetConfig, VggConfig, VggLayer, load_torchvision,
+    ModelConfig, ResNetConfig, VggConfig, VggLayer, WeightsFormat, load_model, load_torchvision,
 };
 
 use super::config::MINI_VGG_PLAIN;
 use super::{DEFAULT_MODEL, MINI_VGG, OptimizerKind, TrainConfig};
-use crate::Result;
 use crate::optim::LarsConfig;
+use crate::{HearthError, Result};
 
 /// The small ResNet of the default run: torchvision's BasicBlock ResNet, one block per stage,
 /// widths 16-128 (0.7 M parameters).
@@ -92,7 +92,29 @@ pub fn init_model(
         HeadConfig::new(classes)
     };
     let mut model = config.init(device)?;
-    if let Some(weights) = &cfg.weights {
+    if let Some(weights) = &cfg.weights
+        && WeightsFormat::of(weights)? == WeightsFormat::Hearth
+    {
+        // A Hearth model file (an earlier run's model.bpk): the same architecture, whatever its
+        // classes; its head gives way to a new one seeded as the torchvision path seeds it.
+        let saved = load_model(weights, device)?;
+        let arch = |c: &ModelConfig| serde_json::to_string(&c.clone().with_classes(1)).ok();
+        if arch(&saved.config) != arch(config) {
+            return Err(HearthError::InvalidArgument(format!(
+                "--weights {}: its {} architecture is not the one of --model {} ({})",
+                weights.display(),
+                saved.model.family(),
+                cfg.model,
+                arch(&saved.config).unwrap_or_default()
+            )));
+        }
+        log(&format!(
+            "loaded the {}-class model {}; new {classes}-class head",
+            saved.config.num_classes(),
+            weights.display(),
+        ));
+        model = saved.model.replace_head(head, device)?;
+    } else if let Some(weights) = &cfg.weights {
         let report = load_torchvision(
             &mut model,
             weights,

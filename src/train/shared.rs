@@ -37,3 +37,46 @@ pub(super) fn hook(name: &str, id: &str) -> Option<u64> {
         (who == id).then(|| n.parse().ok()).flatten()
     })
 }
+
+/// `train_lr` of `epoch` as burn-train writes it, for every mode to write the same: the mean
+/// over the epoch's `batches` of the rate of the latest optimizer step taken at or before each
+/// batch (`lr_at(i)`: the rate of the run's optimizer step `i`, counted from 0; with
+/// `--grad-accum K`, a step on every K-th batch and on the last; before the run's first step,
+/// 0). Without accumulation: the mean rate of the epoch's steps.
+pub(super) fn epoch_lr(
+    lr_at: impl Fn(usize) -> f64,
+    epoch: usize,
+    batches: usize,
+    k: usize,
+) -> f64 {
+    let k = k.max(1);
+    let batches = batches.max(1);
+    let first = (epoch.max(1) - 1) * batches.div_ceil(k);
+    let sum: f64 = (0..batches)
+        .map(|b| {
+            let taken = (b + 1) / k + usize::from(b + 1 == batches && (b + 1) % k != 0);
+            match (taken, first) {
+                (0, 0) => 0.0,
+                (0, _) => lr_at(first - 1),
+                (t, _) => lr_at(first + t - 1),
+            }
+        })
+        .sum();
+    sum / batches as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::epoch_lr;
+
+    #[test]
+    fn the_epoch_rate_is_burn_trains_per_batch_mean() {
+        let lr = |i: usize| (i + 1) as f64;
+        // One step per batch: the mean of the epoch's steps (epoch 2: steps 4..8).
+        assert_eq!(epoch_lr(lr, 2, 4, 1), (5.0 + 6.0 + 7.0 + 8.0) / 4.0);
+        // K = 3 over 4 batches: steps after batches 3 and 4; batches 1-2 see no step in
+        // epoch 1 (0), and the previous epoch's last step in epoch 2.
+        assert_eq!(epoch_lr(lr, 1, 4, 3), (0.0 + 0.0 + 1.0 + 2.0) / 4.0);
+        assert_eq!(epoch_lr(lr, 2, 4, 3), (2.0 + 2.0 + 3.0 + 4.0) / 4.0);
+    }
+}

@@ -52,7 +52,7 @@ use hearth_models::{Classifier, ModelConfig};
 use super::best::{export_checkpoint, model_checkpoint, save_epoch_weights};
 use super::epochs::Epochs;
 use super::model::{SEED_LOCK, epoch_seed, init_model, model_config, optimizer};
-use super::shared::{collective_timeout, hits, hook};
+use super::shared::{collective_timeout, epoch_lr, hits, hook};
 use super::{EpochRows, TrainConfig, TrainReport, run_dir, sets};
 use crate::schedule::Schedule as LrSchedule;
 use crate::{HearthError, Result};

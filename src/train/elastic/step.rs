@@ -229,7 +229,7 @@ impl ElasticRun<'_> {
             ),
             (
                 "train_lr",
-                self.lr.lr_at(commit.step.saturating_sub(1) as usize),
+                epoch_lr(|i| self.lr.lr_at(i), epoch, self.steps_per_epoch, 1),
             ),
             ("train_images_per_sec", commit.sums[2] / took),
             ("world_size", mean_world),

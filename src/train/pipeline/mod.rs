@@ -41,8 +41,8 @@ use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
 
 use super::config::{PipelineBalance, PipelineOptions};
 use super::epochs::{Epochs, Row, Strategy};
-use super::model::{SEED_LOCK, epoch_seed, model_config, optimizer};
-use super::shared::{collective_timeout, hits};
+use super::model::{SEED_LOCK, epoch_seed, init_model, model_config, optimizer};
+use super::shared::{collective_timeout, epoch_lr, hits};
 use super::{TrainConfig, TrainReport, distributed, run_dir, sets};
 use crate::pipeline::{StageModel, UnitCost, balance, balance_by, stage_memory};
 use crate::schedule::Schedule as LrSchedule;
@@ -68,6 +68,8 @@ struct PipelineRun<'a> {
     classes: Vec<String>,
     loaders: sets::Loaders,
     lr: LrSchedule,
+    /// The fine-tuning phase's rates (`--unfreeze-after`, at `--finetune-lr`).
+    finetune: Option<LrSchedule>,
     steps_per_epoch: usize,
 }
 
@@ -123,6 +125,7 @@ pub(super) fn train(
         opts.schedule
     ));
     let loaders = sets::Loaders::new(cfg, train_set, val_set, replica, grid.replicas)?;
+    let lr = cfg.scaled_lr(log)?;
     let steps_per_epoch = loaders.train.batches_per_epoch().max(1);
     let replicas = if grid.replicas > 1 {
         let group = Group::new(comm.transport().clone(), grid.stage_replicas(stage), 1)?;
@@ -144,7 +147,13 @@ pub(super) fn train(
         config,
         classes,
         loaders,
-        lr: cfg.lr_schedule(cfg.scaled_lr(log)?, steps_per_epoch)?,
+        lr: cfg.lr_schedule(lr, steps_per_epoch)?,
+        finetune: match cfg.unfreeze_after.filter(|_| cfg.freeze_backbone) {
+            Some(_) => {
+                Some(cfg.lr_schedule(cfg.finetune_lr.unwrap_or(lr / 10.0), steps_per_epoch)?)
+            }
+            None => None,
+        },
         steps_per_epoch,
     };
     run.train(started, log)
@@ -156,19 +165,73 @@ impl PipelineRun<'_> {
     }
 
     /// This stage's units, each seeded by its index (the same on every replica and for every
-    /// split).
+    /// split). With `--weights`, the whole model as one process builds it (the pretrained
+    /// units, the new head seeded by `--seed`), cut to this stage's units; with
+    /// `--freeze-backbone`, everything but the head frozen. Both hold the whole model for a
+    /// moment on every rank.
     fn init_stage(&self) -> Result<StageModel> {
-        let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-        let mut units: Vec<Unit> = Vec::new();
-        for u in self.ranges[self.stage].clone() {
-            self.device
-                .seed(epoch_seed(self.cfg.seed, u64::MAX - u as u64, 0));
-            units.extend(self.config.init_units(u..u + 1, &self.device)?);
+        let range = self.ranges[self.stage].clone();
+        if self.cfg.weights.is_some() {
+            let mut model = init_model(
+                self.cfg,
+                &self.config,
+                self.classes.len(),
+                false,
+                &self.device,
+                &mut |_| {},
+            )?;
+            if self.cfg.freeze_backbone {
+                model = model.freeze_backbone();
+            }
+            return Ok(Self::cut(model, range));
         }
-        let stage = StageModel { units };
-        // Materialise the lazily initialised parameters while the seed holds.
-        let _ = module_values(&stage);
-        Ok(stage)
+        let seeded = |units: Range<usize>| -> Result<Vec<Unit>> {
+            let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            let mut out: Vec<Unit> = Vec::new();
+            for u in units {
+                self.device
+                    .seed(epoch_seed(self.cfg.seed, u64::MAX - u as u64, 0));
+                let unit = self.config.init_units(u..u + 1, &self.device)?;
+                // Materialise the lazily initialised parameters while the seed holds.
+                let _ = module_values(&StageModel {
+                    units: unit.clone(),
+                });
+                out.extend(unit);
+            }
+            Ok(out)
+        };
+        if self.cfg.freeze_backbone {
+            let model = Classifier::from_units(&self.config, seeded(0..self.config.units())?)?;
+            return Ok(Self::cut(model.freeze_backbone(), range));
+        }
+        Ok(StageModel {
+            units: seeded(range)?,
+        })
+    }
+
+    /// Units `range` of `model`.
+    fn cut(model: Classifier, range: Range<usize>) -> StageModel {
+        StageModel {
+            units: model
+                .into_units()
+                .into_iter()
+                .skip(range.start)
+                .take(range.len())
+                .collect(),
+        }
+    }
+
+    /// Whether `epoch` belongs to the fine-tuning phase (`--unfreeze-after N`: after epoch N).
+    fn fine_tuning(&self, epoch: usize) -> bool {
+        self.finetune.is_some() && self.cfg.unfreeze_after.is_some_and(|n| epoch > n)
+    }
+
+    /// The rate of optimizer step `step` in `epoch`'s phase.
+    fn rate(&self, epoch: usize, step: usize) -> f64 {
+        match (&self.finetune, self.fine_tuning(epoch)) {
+            (Some(f), true) => f.lr_at(step),
+            _ => self.lr.lr_at(step),
+        }
     }
 
     fn pipeline(&self) -> Result<Pipeline> {
@@ -192,15 +255,27 @@ struct StageStrategy<'r, 'a> {
     /// Taken out while an epoch trains (a step consumes the module).
     model: Option<StageModel>,
     optim: ModuleOptimizer,
+    /// Whether the fine-tuning phase has unfrozen the backbone.
+    unfrozen: bool,
 }
 
 impl Strategy for StageStrategy<'_, '_> {
-    fn epoch(&mut self, epoch: usize, _log: &mut dyn FnMut(&str)) -> Result<Option<Row>> {
+    fn epoch(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) -> Result<Option<Row>> {
         let t = Instant::now();
-        let model = self
+        let mut model = self
             .model
             .take()
             .ok_or_else(|| HearthError::Training("the stage lost its model".into()))?;
+        if self.run.fine_tuning(epoch) && !self.unfrozen {
+            if let Some(n) = self.run.cfg.unfreeze_after {
+                log(&format!(
+                    "unfreezing the backbone after epoch {n}: fine-tuning everything at lr {}",
+                    self.run.rate(epoch, 0)
+                ));
+            }
+            model = model.unfreeze();
+            self.unfrozen = true;
+        }
         let (model, train) = self
             .run
             .train_epoch(&mut self.pipe, model, &mut self.optim, epoch)?;
@@ -250,6 +325,7 @@ impl PipelineRun<'_> {
             pipe,
             model: Some(model),
             optim,
+            unfrozen: false,
         };
         let last = epochs.run(resume_epoch, &mut strategy, log)?;
         self.comm.barrier()?;

@@ -85,7 +85,7 @@ impl PipelineRun<'_> {
                 allreduce_grads(&model, &mut out.grads, replicas, self.cfg.bucket_bytes)?;
             }
             let step = (epoch - 1) * self.steps_per_epoch + i;
-            model = optim.step(self.lr.lr_at(step), model, out.grads);
+            model = optim.step(self.rate(epoch, step), model, out.grads);
         }
         if let Some(replicas) = &self.replicas {
             // Batch norm's running statistics saw each replica's own data: replica 0's go to
@@ -143,13 +143,15 @@ impl PipelineRun<'_> {
         ];
         self.comm.allreduce(&mut v, ReduceOp::Sum)?;
         let per = |a: f32, n: f32| if n > 0.0 { f64::from(a / n) } else { f64::NAN };
-        let step = epoch * self.steps_per_epoch - 1;
         Ok([
             ("train_loss", per(v[0], v[2])),
             ("train_accuracy", 100.0 * per(v[1], v[2])),
             ("val_loss", per(v[3], v[5])),
             ("val_accuracy", 100.0 * per(v[4], v[5])),
-            ("train_lr", self.lr.lr_at(step)),
+            (
+                "train_lr",
+                epoch_lr(|i| self.rate(epoch, i), epoch, self.steps_per_epoch, 1),
+            ),
             (
                 "train_images_per_sec",
                 f64::from(v[2]) / took.as_secs_f64().max(1e-9),

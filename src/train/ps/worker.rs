@@ -29,7 +29,7 @@ use super::{BYE, PsOptions, Roles, SETUP, STATS, ServerSetup, decay_ranges, flat
 use crate::train::best::{export_checkpoint, model_checkpoint, save_epoch_weights};
 use crate::train::epochs::{Epochs, Row, Strategy};
 use crate::train::model::{SEED_LOCK, epoch_seed, init_model, model_config};
-use crate::train::shared::{collective_timeout, hits, hook};
+use crate::train::shared::{collective_timeout, epoch_lr, hits, hook};
 use crate::train::{TrainConfig, TrainReport, distributed, run_dir, sets};
 use crate::{HearthError, Result};
 
@@ -55,7 +55,7 @@ struct Worker<'a> {
     delay: Option<u64>,
     die_at: Option<u64>,
     /// The run's optimizer and schedule with the loader batches per epoch (the `train_lr`
-    /// column, as burn-train's metric writes it for data parallel runs: [`learner_lr`]).
+    /// column, as burn-train's metric writes it for data parallel runs: [`epoch_lr`]).
     schedule: Option<(ShardOptimizer, usize)>,
 }
 
@@ -190,26 +190,6 @@ pub(super) fn train(
         client.final_states()?;
     }
     w.finish(&epochs, last, log)
-}
-
-/// `train_lr` of `epoch` as burn-train writes it: the mean over the epoch's `batches` of the
-/// rate of the latest optimizer step taken at or before each batch (with `--grad-accum K`, a
-/// step on every K-th batch and on the last; before the first step of the run, 0).
-fn learner_lr(o: &ShardOptimizer, epoch: usize, batches: usize, k: usize) -> f64 {
-    let k = k.max(1);
-    let batches = batches.max(1);
-    let first = ((epoch - 1) * batches.div_ceil(k)) as u64;
-    let sum: f64 = (0..batches)
-        .map(|b| {
-            let taken = ((b + 1) / k + usize::from(b + 1 == batches && (b + 1) % k != 0)) as u64;
-            match (taken, first) {
-                (0, 0) => 0.0,
-                (0, _) => f64::from(o.lr_at(first - 1)),
-                (t, _) => f64::from(o.lr_at(first + t - 1)),
-            }
-        })
-        .sum();
-    sum / batches as f64
 }
 
 /// A worker's part of the epoch loop: its link to the servers and, on the lead, the servers'
@@ -460,7 +440,12 @@ impl Worker<'_> {
             (
                 "train_lr",
                 self.schedule.as_ref().map_or(self.lr, |(o, batches)| {
-                    learner_lr(o, epoch, *batches, self.cfg.grad_accum.unwrap_or(1))
+                    epoch_lr(
+                        |i| f64::from(o.lr_at(i as u64)),
+                        epoch,
+                        *batches,
+                        self.cfg.grad_accum.unwrap_or(1),
+                    )
                 }),
             ),
             ("elapsed_seconds", self.started.elapsed().as_secs_f64()),
