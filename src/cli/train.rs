@@ -129,7 +129,7 @@ pub(crate) struct TrainArgs {
     /// joins that job instead.
     #[arg(long, default_value_t = 1)]
     nproc: usize,
-    /// Gradient fusion bucket size in MB (distributed runs).
+    /// Gradient fusion bucket size in MiB (allreduce: data parallel, elastic, pipeline replicas).
     #[arg(long, default_value_t = 25.0)]
     bucket_mb: f64,
     /// Wire format of gradient averaging in distributed runs.
@@ -140,22 +140,20 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_name = "P")]
     pipeline_stages: Option<usize>,
     /// Micro-batches per step of each pipeline (its batch is cut into M).
-    #[arg(
-        long,
-        value_name = "M",
-        default_value_t = 4,
-        requires = "pipeline_stages"
-    )]
-    micro_batches: usize,
+    /// (default 4)
+    #[arg(long, value_name = "M", requires = "pipeline_stages")]
+    micro_batches: Option<usize>,
     /// Pipeline schedule: 1f1b holds at most P micro-batches of activations, gpipe all M.
-    #[arg(long, value_enum, default_value_t = Schedule::OneFOneB, requires = "pipeline_stages")]
-    pipeline_schedule: Schedule,
+    /// (default 1f1b)
+    #[arg(long, value_enum, requires = "pipeline_stages")]
+    pipeline_schedule: Option<Schedule>,
     /// Unit ranges of the stages, e.g. 0:2,2:5 (default: balanced by --pipeline-balance).
     #[arg(long, value_name = "A:B,...", requires = "pipeline_stages")]
     pipeline_split: Option<String>,
     /// How the stages are balanced when no --pipeline-split is given.
-    #[arg(long, value_enum, default_value_t = PipelineBalance::Params, requires = "pipeline_stages")]
-    pipeline_balance: PipelineBalance,
+    /// (default params)
+    #[arg(long, value_enum, requires = "pipeline_stages")]
+    pipeline_balance: Option<PipelineBalance>,
     /// Elastic data parallelism: workers may join and leave between steps while the global
     /// batch stays --batch-size (run under `hearth launch --elastic`, or join a running job
     /// given HEARTH_ELASTIC_PEERS or --hosts).
@@ -163,17 +161,21 @@ pub(crate) struct TrainArgs {
     elastic: bool,
     /// Fewest workers an elastic job trains with; below it, it waits --rejoin-timeout for
     /// joiners, then saves its state and fails.
-    #[arg(long, default_value_t = 1, requires = "elastic")]
-    min_workers: usize,
-    /// Most workers an elastic job admits (later joiners wait for room).
-    #[arg(long, default_value_t = 64, requires = "elastic")]
-    max_workers: usize,
+    /// (default 1)
+    #[arg(long, requires = "elastic")]
+    min_workers: Option<usize>,
+    /// Most workers an elastic job admits (later joiners wait for room); default 64, or
+    /// --batch-size when smaller (each worker needs a sample of the global batch).
+    #[arg(long, requires = "elastic")]
+    max_workers: Option<usize>,
     /// Seconds an elastic job below --min-workers waits for joiners.
-    #[arg(long, default_value_t = 300.0, requires = "elastic")]
-    rejoin_timeout: f64,
+    /// (default 300)
+    #[arg(long, requires = "elastic")]
+    rejoin_timeout: Option<f64>,
     /// How an elastic job shares the global batch: even, or by each worker's measured speed.
-    #[arg(long, value_enum, default_value_t = hearth::train::Balance::Even, requires = "elastic")]
-    balance: hearth::train::Balance,
+    /// (default even)
+    #[arg(long, value_enum, requires = "elastic")]
+    balance: Option<hearth::train::Balance>,
     /// File of elastic join addresses (host:port per line), re-read while joining.
     #[arg(long, requires = "elastic")]
     hosts: Option<PathBuf>,
@@ -183,17 +185,24 @@ pub(crate) struct TrainArgs {
     ps: Option<String>,
     /// Parameter-server mode: sync (equals allreduce data parallel), downpour, adag, dynsgd,
     /// easgd (update rules and sources in `burn_dist::ps::rules`).
-    #[arg(long, default_value = "adag", requires = "ps")]
-    mode: String,
+    /// (default adag)
+    #[arg(long, requires = "ps")]
+    mode: Option<String>,
     /// Steps between a worker's exchanges with the servers (asynchronous modes).
-    #[arg(long, default_value_t = 5, requires = "ps")]
-    window: usize,
+    /// (default 5)
+    #[arg(long, requires = "ps")]
+    window: Option<usize>,
     /// EASGD's rho: the elastic force is lr x rho.
-    #[arg(long, default_value_t = 5.0, requires = "ps")]
-    rho: f64,
+    /// (default 5)
+    #[arg(long, requires = "ps")]
+    rho: Option<f64>,
     /// Most steps a worker may run ahead of the slowest one (stale synchronous parallel).
     #[arg(long, value_name = "S", requires = "ps")]
     staleness: Option<u64>,
+    /// Check the settings and print what hparams.json would record, then exit: no data is
+    /// read, nothing is launched or written.
+    #[arg(long)]
+    dry_run: bool,
 }
 
 /// The parameter-server settings from the flags.
@@ -203,30 +212,155 @@ fn ps_options(a: &TrainArgs) -> Result<Option<hearth::train::PsOptions>> {
     };
     Ok(Some(hearth::train::PsOptions {
         servers: servers.parse()?,
-        mode: a.mode.parse()?,
-        window: a.window,
-        rho: a.rho,
+        mode: a.mode.as_deref().unwrap_or("adag").parse()?,
+        window: a.window.unwrap_or(5),
+        rho: a.rho.unwrap_or(5.0),
         staleness: a.staleness,
     }))
 }
 
 /// The elastic settings from the flags and the launcher's variables.
 fn elastic_options(a: &TrainArgs) -> Result<hearth::train::ElasticOptions> {
-    if !(a.rejoin_timeout.is_finite() && a.rejoin_timeout > 0.0) {
-        bail!(
-            "--rejoin-timeout {} must be positive seconds",
-            a.rejoin_timeout
-        );
+    let rejoin_timeout = a.rejoin_timeout.unwrap_or(300.0);
+    if !(rejoin_timeout.is_finite() && rejoin_timeout > 0.0) {
+        bail!("--rejoin-timeout {rejoin_timeout} must be positive seconds");
     }
     Ok(hearth::train::ElasticOptions {
-        min_workers: a.min_workers,
-        max_workers: a.max_workers,
-        rejoin_timeout: std::time::Duration::from_secs_f64(a.rejoin_timeout),
-        balance: a.balance,
+        min_workers: a.min_workers.unwrap_or(1),
+        max_workers: a.max_workers.unwrap_or(a.batch_size.clamp(1, 64)),
+        rejoin_timeout: std::time::Duration::from_secs_f64(rejoin_timeout),
+        balance: a.balance.unwrap_or_default(),
         hosts_file: a.hosts.clone(),
         ..Default::default()
     }
     .with_env()?)
+}
+
+/// The run's configuration from the flags, for a rank of `dist` (or one process).
+fn build_config(
+    a: &TrainArgs,
+    dist: Option<hearth::dist::rendezvous::RankInfo>,
+) -> Result<hearth::train::TrainConfig> {
+    use hearth::train::TrainConfig;
+    mode_flags(a)?;
+    let augment = augmentation(a)?;
+    let elastic = a.elastic.then(|| elastic_options(a)).transpose()?;
+    let ps = ps_options(a)?;
+    let (run_dir, resume) = match (a.resume.clone(), a.run_dir.clone()) {
+        (Some(dir), _) => (dir, true),
+        (None, Some(dir)) => (dir, false),
+        (None, None) => (default_run_dir(), false),
+    };
+    let mut cfg = TrainConfig::new(run_dir);
+    cfg.resume = resume;
+    cfg.data = a.data.clone();
+    cfg.labels = a.labels.clone();
+    cfg.unfreeze_after = a.unfreeze_after;
+    cfg.finetune_lr = a.finetune_lr;
+    cfg.val_fraction = a.val_fraction;
+    cfg.model = a.model.clone();
+    cfg.weights = a.weights.clone();
+    cfg.freeze_backbone = a.freeze_backbone;
+    cfg.epochs = a.epochs;
+    cfg.batch_size = a.batch_size;
+    cfg.lr = a.lr;
+    cfg.optimizer = a.optimizer;
+    cfg.momentum = a.momentum;
+    cfg.nesterov = a.nesterov;
+    cfg.weight_decay = a.weight_decay;
+    cfg.schedule = a.schedule.decay();
+    cfg.warmup_epochs = a.warmup_epochs;
+    cfg.scale_lr = match (a.scale_lr, a.base_batch) {
+        (Some(rule), Some(base)) => Some((rule, base)),
+        _ => None,
+    };
+    cfg.label_smoothing = a.label_smoothing;
+    cfg.monitor = a.monitor;
+    cfg.patience = a.patience;
+    cfg.min_delta = a.min_delta;
+    cfg.image_size = a.size;
+    cfg.augmentation = augment;
+    cfg.workers = a.workers;
+    cfg.seed = a.seed;
+    cfg.price_per_hour = a.price_per_hour;
+    cfg.stop_after_epoch = a.stop_after_epoch;
+    cfg.grad_accum = a.grad_accum;
+    cfg.bucket_bytes = (a.bucket_mb * 1024.0 * 1024.0) as usize;
+    cfg.compression = a.compression;
+    cfg.pipeline = match a.pipeline_stages {
+        Some(stages) => Some(PipelineOptions {
+            stages,
+            micro_batches: a.micro_batches.unwrap_or(4),
+            schedule: a.pipeline_schedule.unwrap_or(Schedule::OneFOneB),
+            split: a
+                .pipeline_split
+                .as_deref()
+                .map(PipelineOptions::parse_split)
+                .transpose()?,
+            balance: a.pipeline_balance.unwrap_or(PipelineBalance::Params),
+        }),
+        None => None,
+    };
+    cfg.elastic = elastic;
+    cfg.ps = ps;
+    cfg.dist = dist;
+    Ok(cfg)
+}
+
+/// A mode's own flags without the mode are an error naming both (clap's `requires` does not
+/// fire beside an argument that conflicts with the mode, as `--ps` with `--micro-batches`).
+fn mode_flags(a: &TrainArgs) -> Result<()> {
+    let modes = [
+        (
+            a.pipeline_stages.is_some(),
+            "--pipeline-stages",
+            [
+                (a.micro_batches.is_some(), "--micro-batches"),
+                (a.pipeline_schedule.is_some(), "--pipeline-schedule"),
+                (a.pipeline_split.is_some(), "--pipeline-split"),
+                (a.pipeline_balance.is_some(), "--pipeline-balance"),
+                (false, ""),
+            ],
+        ),
+        (
+            a.elastic,
+            "--elastic",
+            [
+                (a.min_workers.is_some(), "--min-workers"),
+                (a.max_workers.is_some(), "--max-workers"),
+                (a.rejoin_timeout.is_some(), "--rejoin-timeout"),
+                (a.balance.is_some(), "--balance"),
+                (a.hosts.is_some(), "--hosts"),
+            ],
+        ),
+        (
+            a.ps.is_some(),
+            "--ps",
+            [
+                (a.mode.is_some(), "--mode"),
+                (a.window.is_some(), "--window"),
+                (a.rho.is_some(), "--rho"),
+                (a.staleness.is_some(), "--staleness"),
+                (false, ""),
+            ],
+        ),
+    ];
+    for (on, mode, flags) in modes {
+        if let Some((_, flag)) = flags.iter().find(|(set, _)| *set && !on) {
+            bail!("{flag} belongs to {mode}, which this run does not use");
+        }
+    }
+    Ok(())
+}
+
+/// `--dry-run`: the settings passed every check; what `hparams.json` would record.
+fn dry_run(cfg: &hearth::train::TrainConfig) -> Result<()> {
+    eprintln!("hearth train --dry-run: the settings are valid; nothing was read or written");
+    println!(
+        "{}",
+        hearth::train::run_dir::hparams_json(&cfg.hyperparameters())
+    );
+    Ok(())
 }
 
 /// The training command line again, without `--nproc`, with an explicit run directory.
@@ -301,7 +435,7 @@ pub(crate) fn augmentation(a: &TrainArgs) -> Result<hearth::datasets::Augmentati
 }
 
 pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
-    use hearth::train::{TrainConfig, train};
+    use hearth::train::train;
     let in_job = std::env::var_os("HEARTH_RANK").is_some();
     // A pipeline of P stages needs P processes at least.
     let nproc = match a.pipeline_stages {
@@ -315,6 +449,19 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         );
     }
     if nproc > 1 && !in_job {
+        // Refused settings are said once, here, not by every launched rank.
+        let local = hearth::dist::rendezvous::RankInfo {
+            rank: 0,
+            world: nproc,
+            local_rank: Some(0),
+            coordinator: "127.0.0.1:0".into(),
+            source: "--nproc",
+        };
+        let cfg = build_config(&a, Some(local))?;
+        cfg.validate()?;
+        if a.dry_run {
+            return dry_run(&cfg);
+        }
         let run_dir = a
             .resume
             .clone()
@@ -351,67 +498,12 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
                 .unwrap_or_default()
         );
     }
-    let augment = augmentation(&a)?;
-    let elastic = a.elastic.then(|| elastic_options(&a)).transpose()?;
-    let ps = ps_options(&a)?;
-    let (run_dir, resume) = match (a.resume, a.run_dir) {
-        (Some(dir), _) => (dir, true),
-        (None, Some(dir)) => (dir, false),
-        (None, None) => (default_run_dir(), false),
-    };
-    let mut cfg = TrainConfig::new(run_dir);
-    cfg.resume = resume;
-    cfg.data = a.data;
-    cfg.labels = a.labels;
-    cfg.unfreeze_after = a.unfreeze_after;
-    cfg.finetune_lr = a.finetune_lr;
-    cfg.val_fraction = a.val_fraction;
-    cfg.model = a.model;
-    cfg.weights = a.weights;
-    cfg.freeze_backbone = a.freeze_backbone;
-    cfg.epochs = a.epochs;
-    cfg.batch_size = a.batch_size;
-    cfg.lr = a.lr;
-    cfg.optimizer = a.optimizer;
-    cfg.momentum = a.momentum;
-    cfg.nesterov = a.nesterov;
-    cfg.weight_decay = a.weight_decay;
-    cfg.schedule = a.schedule.decay();
-    cfg.warmup_epochs = a.warmup_epochs;
-    cfg.scale_lr = match (a.scale_lr, a.base_batch) {
-        (Some(rule), Some(base)) => Some((rule, base)),
-        _ => None,
-    };
-    cfg.label_smoothing = a.label_smoothing;
-    cfg.monitor = a.monitor;
-    cfg.patience = a.patience;
-    cfg.min_delta = a.min_delta;
-    cfg.image_size = a.size;
-    cfg.augmentation = augment;
-    cfg.workers = a.workers;
-    cfg.seed = a.seed;
-    cfg.price_per_hour = a.price_per_hour;
-    cfg.stop_after_epoch = a.stop_after_epoch;
-    cfg.grad_accum = a.grad_accum;
-    cfg.bucket_bytes = (a.bucket_mb * 1e6) as usize;
-    cfg.compression = a.compression;
-    cfg.pipeline = match a.pipeline_stages {
-        Some(stages) => Some(PipelineOptions {
-            stages,
-            micro_batches: a.micro_batches,
-            schedule: a.pipeline_schedule,
-            split: a
-                .pipeline_split
-                .as_deref()
-                .map(PipelineOptions::parse_split)
-                .transpose()?,
-            balance: a.pipeline_balance,
-        }),
-        None => None,
-    };
-    cfg.elastic = elastic;
-    cfg.ps = ps;
-    cfg.dist = dist;
+    if a.dry_run {
+        let cfg = build_config(&a, dist)?;
+        cfg.validate()?;
+        return dry_run(&cfg);
+    }
+    let cfg = build_config(&a, dist)?;
     let rank0 = cfg.dist.as_ref().is_none_or(|d| d.rank == 0);
     if rank0 {
         eprintln!("run directory: {}", cfg.run_dir.display());

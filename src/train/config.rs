@@ -246,7 +246,9 @@ impl TrainConfig {
         }
     }
 
-    pub(crate) fn validate(&self) -> Result<()> {
+    /// Checks the settings, alone and together: every combination a mode cannot run is an
+    /// error naming the flag (and why), before anything is read or launched.
+    pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
         if self.batch_size == 0 {
             return bad("--batch-size must be at least 1 (got 0)".into());
@@ -281,6 +283,14 @@ impl TrainConfig {
             && !(lr.is_finite() && lr > 0.0)
         {
             return bad(format!("--finetune-lr {lr} must be positive"));
+        }
+        if self.monitor == Monitor::ValAuroc && self.labels.is_none() {
+            return bad(
+                "--monitor val_auroc needs a multi-label data set (--labels FILE.csv)".into(),
+            );
+        }
+        if self.bucket_bytes == 0 {
+            return bad("--bucket-mb must be positive".into());
         }
         if self.grad_accum == Some(0) {
             return bad("--grad-accum must be at least 1".into());
@@ -361,6 +371,41 @@ impl TrainConfig {
         }
         if let Some(p) = &self.ps {
             self.validate_ps(p)?;
+        }
+        self.validate_exchange()
+    }
+
+    /// `--compression` and `--bucket-mb` shape the gradients ranks exchange by allreduce: an
+    /// error where a run exchanges none (one process, a pipeline of one replica) or exchanges
+    /// them otherwise (parameter servers).
+    fn validate_exchange(&self) -> Result<()> {
+        let ranks = self.dist.as_ref().map_or(1, |d| d.world);
+        let (allreduce, why) = match (&self.pipeline, &self.ps, &self.elastic) {
+            (_, Some(_), _) => (
+                false,
+                "--ps exchanges values with the servers, not by allreduce",
+            ),
+            (_, _, Some(_)) => (true, ""),
+            (Some(p), _, _) => (
+                ranks > p.stages,
+                "a pipeline of one replica has no gradients to average (add replicas: --nproc \
+                 a multiple of --pipeline-stages)",
+            ),
+            (None, None, None) => (ranks > 1, "a one-process run exchanges no gradients"),
+        };
+        if allreduce {
+            return Ok(());
+        }
+        if self.compression != burn_dist::Compression::None && self.ps.is_none() {
+            return Err(HearthError::InvalidArgument(format!(
+                "--compression {} does not apply: {why}",
+                self.compression.name()
+            )));
+        }
+        if self.bucket_bytes != burn_dist::bucket::DEFAULT_BUCKET_BYTES {
+            return Err(HearthError::InvalidArgument(format!(
+                "--bucket-mb does not apply: {why}"
+            )));
         }
         Ok(())
     }
