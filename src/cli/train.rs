@@ -310,22 +310,21 @@ fn build_config(
 /// A mode's own flags without the mode are an error naming both (clap's `requires` does not
 /// fire beside an argument that conflicts with the mode, as `--ps` with `--micro-batches`).
 fn mode_flags(a: &TrainArgs) -> Result<()> {
-    let modes = [
+    let modes: [(bool, &str, &[(bool, &str)]); 3] = [
         (
             a.pipeline_stages.is_some(),
             "--pipeline-stages",
-            [
+            &[
                 (a.micro_batches.is_some(), "--micro-batches"),
                 (a.pipeline_schedule.is_some(), "--pipeline-schedule"),
                 (a.pipeline_split.is_some(), "--pipeline-split"),
                 (a.pipeline_balance.is_some(), "--pipeline-balance"),
-                (false, ""),
             ],
         ),
         (
             a.elastic,
             "--elastic",
-            [
+            &[
                 (a.min_workers.is_some(), "--min-workers"),
                 (a.max_workers.is_some(), "--max-workers"),
                 (a.rejoin_timeout.is_some(), "--rejoin-timeout"),
@@ -336,12 +335,11 @@ fn mode_flags(a: &TrainArgs) -> Result<()> {
         (
             a.ps.is_some(),
             "--ps",
-            [
+            &[
                 (a.mode.is_some(), "--mode"),
                 (a.window.is_some(), "--window"),
                 (a.rho.is_some(), "--rho"),
                 (a.staleness.is_some(), "--staleness"),
-                (false, ""),
             ],
         ),
     ];
@@ -448,20 +446,32 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
              --min M --max N -- hearth train --elastic ...`"
         );
     }
-    if nproc > 1 && !in_job {
-        // Refused settings are said once, here, not by every launched rank.
-        let local = hearth::dist::rendezvous::RankInfo {
+    let launching = nproc > 1 && !in_job;
+    let dist = if launching {
+        Some(hearth::dist::rendezvous::RankInfo {
             rank: 0,
             world: nproc,
             local_rank: Some(0),
             coordinator: "127.0.0.1:0".into(),
             source: "--nproc",
-        };
-        let cfg = build_config(&a, Some(local))?;
+        })
+    } else {
+        // Inside a job (hearth launch, torchrun, Slurm, mpirun): join it. Half-set or malformed
+        // launcher variables are an error, never a silent single-process run.
+        hearth::dist::rendezvous::RankInfo::detect()
+            .context("reading the launcher's environment")?
+            .filter(|info| info.world > 1 || a.elastic)
+    };
+    let cfg = build_config(&a, dist)?;
+    if launching || a.dry_run {
+        // Refused settings are said once, here, not by every launched rank; a dry run stops
+        // after the checks, before any device starts.
         cfg.validate()?;
         if a.dry_run {
             return dry_run(&cfg);
         }
+    }
+    if launching {
         let run_dir = a
             .resume
             .clone()
@@ -480,15 +490,10 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         })?;
         return exit_with(outcome);
     }
-    // Inside a job (hearth launch, torchrun, Slurm, mpirun): join it. Half-set or malformed
-    // launcher variables are an error, never a silent single-process run.
-    let dist = hearth::dist::rendezvous::RankInfo::detect()
-        .context("reading the launcher's environment")?
-        .filter(|info| info.world > 1 || a.elastic);
     let spec: DeviceSpec = device_name.parse()?;
-    let spec = spec.for_local_rank(dist.as_ref().and_then(|d| d.local_rank));
+    let spec = spec.for_local_rank(cfg.dist.as_ref().and_then(|d| d.local_rank));
     let device = spec.device()?;
-    if let Some(info) = &dist {
+    if let Some(info) = &cfg.dist {
         eprintln!(
             "rank {} of {}: device {spec}{}",
             info.rank,
@@ -498,12 +503,6 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
                 .unwrap_or_default()
         );
     }
-    if a.dry_run {
-        let cfg = build_config(&a, dist)?;
-        cfg.validate()?;
-        return dry_run(&cfg);
-    }
-    let cfg = build_config(&a, dist)?;
     let rank0 = cfg.dist.as_ref().is_none_or(|d| d.rank == 0);
     if rank0 {
         eprintln!("run directory: {}", cfg.run_dir.display());
