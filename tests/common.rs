@@ -271,3 +271,49 @@ pub fn stop_then_resume(
     second.resume = true;
     train(&second)
 }
+
+/// A multi-label CSV (`labels.csv` in `data`) over a generated folder's images: labels a, b, c
+/// derived from the class, several per image.
+pub fn multi_label_csv(data: &std::path::Path) -> PathBuf {
+    let mut names: Vec<String> = std::fs::read_dir(data.join("train"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    // class 0 -> a, class 1 -> a|b, class 2 -> c (and b for every other image).
+    let mut csv = String::from("path,labels\n");
+    for split in ["train", "val"] {
+        for (c, name) in names.iter().enumerate() {
+            let mut files: Vec<_> = std::fs::read_dir(data.join(split).join(name))
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            files.sort();
+            for (i, f) in files.iter().enumerate() {
+                let labels = match c {
+                    0 => "a".to_string(),
+                    1 => "a|b".to_string(),
+                    _ if i % 2 == 0 => "b|c".to_string(),
+                    _ => "c".to_string(),
+                };
+                csv.push_str(&format!("{split}/{name}/{f},{labels}\n"));
+            }
+        }
+    }
+    let path = data.join("labels.csv");
+    std::fs::write(&path, csv).unwrap();
+    path
+}
+
+/// The mean of a run's `auroc.csv` (the exported model's per-class AUROCs over the whole
+/// validation set, computed on rank 0 alone), in percent.
+pub fn auroc_csv_mean(run: &std::path::Path) -> f64 {
+    let text = std::fs::read_to_string(run.join("auroc.csv")).unwrap();
+    let values: Vec<f64> = text
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split(',').nth(1)?.parse().ok())
+        .collect();
+    assert!(!values.is_empty(), "auroc.csv: {text}");
+    100.0 * values.iter().sum::<f64>() / values.len() as f64
+}

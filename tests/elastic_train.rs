@@ -302,3 +302,88 @@ fn a_soak_of_fifty_joins_and_leaves_ends_with_identical_survivors() {
     let changes = run.log.matches("] membership epoch ").count();
     assert!(changes >= 25, "{changes} membership epochs:\n{}", run.log);
 }
+
+#[test]
+fn multi_label_accumulation_and_fine_tuning_on_two_workers_equal_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = common::elastic_data(tmp.path());
+    let labels = common::multi_label_csv(&d);
+    let recipe = [
+        "--labels",
+        labels.to_str().unwrap(),
+        "--monitor",
+        "val_auroc",
+        "--grad-accum",
+        "2",
+        "--freeze-backbone",
+        "--unfreeze-after",
+        "1",
+        "--finetune-lr",
+        "0.005",
+        "--epochs",
+        "2",
+    ];
+    let one = elastic(
+        &d,
+        &tmp.path().join("one"),
+        &["-n", "1", "--max", "1"],
+        &recipe,
+        &[],
+    );
+    one.check(1);
+    let two = elastic(
+        &d,
+        &tmp.path().join("two"),
+        &["-n", "2", "--max", "2"],
+        &recipe,
+        &[],
+    );
+    two.check(2);
+    assert!(
+        two.log.contains("unfreezing the backbone after epoch 1"),
+        "{}",
+        two.log
+    );
+    // Two global batches per optimizer step, each worker's share of each, the head alone in
+    // epoch 1: the same weights as one worker.
+    assert_close(
+        &last_checkpoint(&one.dir, 2),
+        &last_checkpoint(&two.dir, 2),
+        "two workers vs one, accumulating and fine-tuning",
+    );
+    let csv = std::fs::read_to_string(two.dir.join("metrics.csv")).unwrap();
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap();
+    let rows: Vec<Vec<f64>> = csv
+        .lines()
+        .skip(1)
+        .map(|l| {
+            l.split(',')
+                .map(|c| c.parse().unwrap_or(f64::NAN))
+                .collect()
+        })
+        .collect();
+    assert_eq!(rows.len(), 2, "{csv}");
+    // Epoch 2 runs at the fine-tuning rate; 5 optimizer steps an epoch (10 batches, K = 2).
+    assert!(rows[1][col("train_lr")] <= 0.005 + 1e-9, "{csv}");
+    let world = std::fs::read_to_string(two.dir.join("world.csv")).unwrap();
+    assert_eq!(world.lines().count(), 1 + 10, "{world}");
+    // The epochs' AUROC, gathered from both workers, is what rank 0 scores alone over the
+    // whole validation set with the exported model.
+    let best = rows
+        .iter()
+        .map(|r| r[col("val_auroc")])
+        .fold(f64::MIN, f64::max);
+    let mean = common::auroc_csv_mean(&two.dir);
+    assert!(
+        (mean - best).abs() < 1e-2,
+        "auroc.csv {mean} vs {best}\n{csv}"
+    );
+    let saved =
+        hearth::models::load_model(&two.dir.join("model.bpk"), &burn::prelude::Device::flex())
+            .unwrap();
+    assert_eq!(
+        saved.model.head_activation(),
+        hearth::models::HeadActivation::Sigmoid
+    );
+}

@@ -137,12 +137,7 @@ fn expect(flag: &str, mode: &str) -> Expect {
         ("--bucket-mb", "parameter servers") => Refused("--bucket-mb does not apply"),
         ("--bucket-mb", _) => Mechanics,
         // Not built yet (said by name).
-        ("--labels", "elastic" | "parameter servers" | "pipeline") => Refused("--labels"),
-        ("--freeze-backbone" | "--unfreeze-after" | "--finetune-lr", "elastic") => {
-            Refused("--freeze-backbone")
-        }
         ("--unfreeze-after" | "--finetune-lr", "parameter servers") => Refused("--unfreeze-after"),
-        ("--grad-accum", "elastic") => Refused("--grad-accum"),
         // No meaning: a pipeline's micro-batches are its accumulation.
         ("--grad-accum", "pipeline") => Refused("--micro-batches"),
         (
@@ -240,6 +235,11 @@ fn values_a_mode_cannot_run_are_refused_before_launching() {
             "--optimizer lars does not work with --ps",
         ),
         (&[][..], &["--monitor", "val_auroc"][..], "val_auroc"),
+        (
+            &["--labels", "labels.csv"][..],
+            &["--label-smoothing", "0.1"][..],
+            "--label-smoothing smooths single-label cross-entropy",
+        ),
         (
             &["--nproc", "2"][..],
             &["--batch-size", "33"][..],

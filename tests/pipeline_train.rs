@@ -464,3 +464,82 @@ fn hearth_units_lists_what_a_split_cuts_between() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown model"));
 }
+
+#[test]
+fn a_multi_label_pipeline_trains_like_one_process_and_its_auroc_is_the_exported_models() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    let labels = common::multi_label_csv(&data);
+    let recipe = [
+        "--labels",
+        labels.to_str().unwrap(),
+        "--monitor",
+        "val_auroc",
+        "--model",
+        "vgg-mini-plain",
+        "--augment",
+        "none",
+        "--epochs",
+        "2",
+        // 48 training images (strata of 44, 11 and 11 by first label): even batches of 8,
+        // where burn-train's loss metric (each batch's mean weighted equally) and the
+        // pipeline's (weighted by samples) agree.
+        "--val-fraction",
+        "0.27",
+    ];
+    let one = dir.path().join("one");
+    let mut args = recipe.to_vec();
+    args.extend(["--run-dir", one.to_str().unwrap()]);
+    let (ok, text) = hearth_train(&data, &args);
+    assert!(ok, "{text}");
+    let piped = dir.path().join("piped");
+    let mut args = recipe.to_vec();
+    args.extend([
+        "--pipeline-stages",
+        "2",
+        "--micro-batches",
+        "2",
+        "--run-dir",
+        piped.to_str().unwrap(),
+    ]);
+    let (ok, text) = hearth_train(&data, &args);
+    assert!(ok, "{text}");
+    let (a, b) = (metrics(&one), metrics(&piped));
+    for (epoch, row) in &a {
+        // Binary cross-entropy per label, the Hamming score as accuracy: the same numbers.
+        for col in ["train_loss", "train_accuracy", "train_lr"] {
+            let (x, y) = (row[col], b[epoch][col]);
+            assert!(
+                (x - y).abs() <= 1e-4 * x.abs().max(1.0),
+                "epoch {epoch} {col}: one process {x}, pipeline {y}\n{a:?}\n{b:?}"
+            );
+        }
+        assert!((0.0..=100.0).contains(&b[epoch]["val_auroc"]), "{b:?}");
+    }
+    // The epoch's AUROC (gathered from the last stage) is the exported best model's, which
+    // rank 0 scores again over the whole validation set.
+    let best = b
+        .iter()
+        .map(|(e, r)| (*e, r["val_auroc"]))
+        .fold((0, f64::MIN), |m, (e, v)| if v > m.1 { (e, v) } else { m });
+    let mean = common::auroc_csv_mean(&piped);
+    assert!(
+        (mean - best.1).abs() < 1e-2,
+        "auroc.csv mean {mean} vs best epoch {best:?}\n{text}"
+    );
+    let saved =
+        hearth::models::load_model(&piped.join("model.bpk"), &burn::prelude::Device::flex())
+            .unwrap();
+    assert_eq!(
+        saved.model.head_activation(),
+        hearth::models::HeadActivation::Sigmoid
+    );
+    let x = common::folder_logits(&one.join("model.bpk"), &data.join("val"), 32);
+    let y = common::folder_logits(&piped.join("model.bpk"), &data.join("val"), 32);
+    let worst = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0f32, f32::max);
+    assert!(worst <= 1e-4, "exported models differ by {worst}");
+}

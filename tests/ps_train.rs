@@ -255,28 +255,31 @@ fn patience_stops_every_asynchronous_worker_and_exports_the_best_epoch() {
 fn sync_servers_train_like_data_parallel_with_the_default_flags() {
     // Defaults included: SGD with momentum 0.9, weight decay 5e-4 on layer weights, one
     // warmup epoch then cosine decay, light augmentation.
-    sync_servers_equal_data_parallel(&[]);
+    sync_servers_equal_data_parallel(&[], false);
 }
 
 #[test]
 fn sync_servers_accumulate_gradients_like_data_parallel() {
     // Ten batches per worker and epoch: steps of three batches, and a last one of one.
-    sync_servers_equal_data_parallel(&[
-        "--grad-accum",
-        "3",
-        "--optimizer",
-        "adam",
-        "--lr",
-        "0.002",
-    ]);
+    sync_servers_equal_data_parallel(
+        &["--grad-accum", "3", "--optimizer", "adam", "--lr", "0.002"],
+        false,
+    );
+}
+
+#[test]
+fn sync_servers_train_multi_label_sets_like_data_parallel() {
+    // Binary cross-entropy per label, the Hamming score, the lead's AUROC and auroc.csv.
+    sync_servers_equal_data_parallel(&["--optimizer", "adamw", "--lr", "0.002"], true);
 }
 
 /// `--ps 1 --mode sync` on 2 workers and `--nproc 2` with the same `flags` train the same
 /// curves and export the same model. A model without batch norm or dropout, so the two runs
-/// compute the same thing.
-fn sync_servers_equal_data_parallel(flags: &[&str]) {
+/// compute the same thing. `multi_label`: on a multi-label CSV over the same images.
+fn sync_servers_equal_data_parallel(flags: &[&str], multi_label: bool) {
     let dir = tempfile::tempdir().unwrap();
     let data = elastic_data(dir.path());
+    let labels = common::multi_label_csv(&data);
     let mut base = vec![
         "--batch-size",
         "24",
@@ -286,6 +289,16 @@ fn sync_servers_equal_data_parallel(flags: &[&str]) {
         "3",
     ];
     base.extend_from_slice(flags);
+    if multi_label {
+        // 216 training images (strata of 140, 70 and 70 by first label): full batches, where
+        // burn-train's loss metric (batches weighted equally) and ours (by samples) agree.
+        base.extend([
+            "--labels",
+            labels.to_str().unwrap(),
+            "--val-fraction",
+            "0.2286",
+        ]);
+    }
     let ddp_run = dir.path().join("ddp");
     let mut ddp = Job::spawn(dir.path(), &data, &ddp_run, 2, &base, &[], &[]);
     let ok = ddp.wait(300);
@@ -341,6 +354,18 @@ fn sync_servers_equal_data_parallel(flags: &[&str]) {
         .map(|(p, q)| (p - q).abs())
         .fold(0f32, f32::max);
     assert!(worst <= 1e-5, "exported models differ by {worst}");
+    if multi_label {
+        for row in b.values() {
+            assert!((0.0..=100.0).contains(&row["val_auroc"]), "{b:?}");
+            assert!((0.0..=100.0).contains(&row["train_accuracy"]), "{b:?}");
+        }
+        let written = std::fs::read_to_string(ps_run.join("auroc.csv")).unwrap();
+        assert_eq!(
+            written.lines().count(),
+            4,
+            "a header and a, b, c: {written}"
+        );
+    }
 }
 
 #[test]

@@ -353,40 +353,12 @@ fn bad_input_gives_clear_errors() {
     assert!(e.contains("different model or class count"), "{e}");
 }
 
-/// A multi-label CSV over the synthetic images: labels derived from the class, several per image.
-fn multi_label_csv(data: &Path) -> PathBuf {
-    let names = hearth::datasets::synth::class_names(3);
-    // class 0 -> a, class 1 -> a|b, class 2 -> c (and b for every other image).
-    let mut csv = String::from("path,labels\n");
-    for split in ["train", "val"] {
-        for (c, name) in names.iter().enumerate() {
-            let mut files: Vec<_> = std::fs::read_dir(data.join(split).join(name))
-                .unwrap()
-                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                .collect();
-            files.sort();
-            for (i, f) in files.iter().enumerate() {
-                let labels = match c {
-                    0 => "a".to_string(),
-                    1 => "a|b".to_string(),
-                    _ if i % 2 == 0 => "b|c".to_string(),
-                    _ => "c".to_string(),
-                };
-                csv.push_str(&format!("{split}/{name}/{f},{labels}\n"));
-            }
-        }
-    }
-    let path = data.join("labels.csv");
-    std::fs::write(&path, csv).unwrap();
-    path
-}
-
 #[test]
 fn multi_label_training_reports_per_class_auroc_that_matches_the_metric() {
     let dir = tempfile::tempdir().unwrap();
     let d = data(dir.path());
     let mut cfg = config(&d, dir.path().join("run"));
-    cfg.labels = Some(multi_label_csv(&d));
+    cfg.labels = Some(common::multi_label_csv(&d));
     cfg.val_fraction = 0.3;
     cfg.monitor = hearth::train::Monitor::ValAuroc;
     let report = run(&cfg);

@@ -24,7 +24,9 @@ pub(crate) struct TrainArgs {
     labels: Option<PathBuf>,
     #[arg(long, default_value_t = 0.2)]
     val_fraction: f64,
-    /// torchvision name (resnet50, densenet121, vgg16, ...) or resnet-mini (the default).
+    /// torchvision name (resnet50, densenet121, vgg16, ...), or a small test-size network:
+    /// resnet-mini (the default), vgg-mini, vgg-mini-plain (no batch norm, no dropout),
+    /// densenet-mini.
     #[arg(long, default_value = hearth::train::DEFAULT_MODEL)]
     model: String,
     /// torchvision weights to start from; the head is replaced to fit the data's classes.

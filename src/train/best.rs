@@ -157,7 +157,7 @@ pub fn save_epoch_weights(run_dir: &Path, epoch: usize, model: Classifier) -> Re
 }
 
 /// Exports epoch `best`'s checkpoint, loaded into `skeleton`, as the run's `model.bpk` with
-/// the model's config, class names and evaluation preprocessing.
+/// the model's config, class names and evaluation preprocessing; returns that model.
 pub fn export_checkpoint(
     cfg: &super::TrainConfig,
     best: usize,
@@ -165,7 +165,7 @@ pub fn export_checkpoint(
     config: &hearth_models::ModelConfig,
     classes: &[String],
     log: &mut dyn FnMut(&str),
-) -> Result<()> {
+) -> Result<Classifier> {
     use burn::module::Module;
     let run_dir = &cfg.run_dir;
     let path = model_checkpoint(run_dir, best);
@@ -176,8 +176,14 @@ pub fn export_checkpoint(
         ))
     })?;
     let out = run_dir.join("model.bpk");
+    let model = skeleton.try_load_record(record).map_err(|e| {
+        HearthError::Training(format!(
+            "the best epoch's ({best}) checkpoint {} does not fit the model: {e}",
+            path.display()
+        ))
+    })?;
     hearth_models::save_model_with(
-        &skeleton.load_record(record),
+        &model,
         config,
         Some(classes),
         Some(&hearth_models::Preprocessing::eval(cfg.image_size)),
@@ -188,7 +194,7 @@ pub fn export_checkpoint(
         cfg.monitor.column(),
         out.display()
     ));
-    Ok(())
+    Ok(model)
 }
 
 /// The classifier with the weights of `epoch`'s checkpoint loaded into `model`; an error when

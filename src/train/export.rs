@@ -73,6 +73,25 @@ pub fn export<T: Task>(
     Ok(Exported { per_class_auroc })
 }
 
+/// A multi-label run's `auroc.csv` for its exported `model` ([`write_auroc`]); nothing for
+/// a single-label run.
+pub(super) fn auroc_report(
+    multi_label: bool,
+    model: &Classifier,
+    classes: &[String],
+    val: &Loader,
+    device: &Device,
+    run_dir: &Path,
+    log: &mut dyn FnMut(&str),
+) -> Result<Option<Vec<(String, f64)>>> {
+    if !multi_label {
+        return Ok(None);
+    }
+    write_auroc(model, classes, val, device, run_dir, log).map(Some)
+}
+
+/// Writes `auroc.csv`: each class's validation AUROC of `model` (the exported one), said in
+/// `log`; returns the classes where it is defined.
 fn write_auroc(
     model: &Classifier,
     classes: &[String],

@@ -32,6 +32,7 @@ mod epochs;
 mod export;
 mod logger;
 mod model;
+mod objective;
 mod phase;
 mod pipeline;
 mod ps;

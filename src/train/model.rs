@@ -6,11 +6,12 @@ use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, AdamWConfig, LearningRate, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::prelude::*;
 use hearth_models::{
-    Architecture, BiasInit, BlockKind, Classifier, HeadActivation, HeadConfig, LoadOptions,
-    ModelConfig, ResNetConfig, VggConfig, VggLayer, WeightsFormat, load_model, load_torchvision,
+    Architecture, BiasInit, BlockKind, Classifier, DenseNetConfig, HeadActivation, HeadConfig,
+    LoadOptions, ModelConfig, ResNetConfig, VggConfig, VggLayer, WeightsFormat, load_model,
+    load_torchvision,
 };
 
-use super::config::MINI_VGG_PLAIN;
+use super::config::{MINI_DENSENET, MINI_VGG_PLAIN};
 use super::{DEFAULT_MODEL, MINI_VGG, OptimizerKind, TrainConfig};
 use crate::optim::LarsConfig;
 use crate::{HearthError, Result};
@@ -39,7 +40,8 @@ pub fn mini_vgg(num_classes: usize) -> ModelConfig {
     )
 }
 
-/// The architecture `name` (torchvision's names, [`DEFAULT_MODEL`], [`MINI_VGG`]).
+/// The architecture `name` (torchvision's names, [`DEFAULT_MODEL`], [`MINI_VGG`],
+/// [`MINI_VGG_PLAIN`], [`MINI_DENSENET`]).
 pub fn model_config(name: &str, classes: usize) -> Result<ModelConfig> {
     match name {
         DEFAULT_MODEL => Ok(mini_resnet(classes)),
@@ -52,6 +54,12 @@ pub fn model_config(name: &str, classes: usize) -> Result<ModelConfig> {
             v.batch_norm = false;
             Ok(ModelConfig::Vgg(v))
         }
+        MINI_DENSENET => Ok(ModelConfig::DenseNet(DenseNetConfig::new(
+            8,
+            vec![2, 2, 2, 2],
+            16,
+            classes,
+        ))),
         _ => Ok(Architecture::from_name(name)?.config(classes)),
     }
 }

@@ -1,21 +1,57 @@
 //! What the training modes beside the Learner's share, below all of them: the collective
-//! timeout, the accuracy count of a batch, and the per-worker test hooks. No mode imports a
+//! timeout, the epoch's learning rate, and the per-worker test hooks (the loss and metrics of a
+//! batch are [`super::objective`]). No mode imports a
 //! helper from a sibling mode; what two need lives here (or in [`super::epochs`]).
 
 use std::time::Duration;
 
-use burn::prelude::*;
+use super::TrainConfig;
+use crate::Result;
+use crate::schedule::Schedule;
 
-/// Samples of `logits` whose highest score is the class in `targets`.
-pub(super) fn hits(logits: &Tensor<2>, targets: &Tensor<1, Int>) -> f64 {
-    logits
-        .clone()
-        .argmax(1)
-        .flatten::<1>(0, 1)
-        .equal(targets.clone())
-        .int()
-        .sum()
-        .into_scalar::<i64>() as f64
+/// The rate of every optimizer step and the transfer-learning phases, as one process runs
+/// them: `--freeze-backbone` trains only the head; `--unfreeze-after N` then fine-tunes
+/// everything from epoch N + 1 at `--finetune-lr` (default a tenth of the rate), each phase's
+/// schedule taken at the run's optimizer step.
+pub(super) struct Rates {
+    lr: Schedule,
+    finetune: Option<Schedule>,
+    freeze_backbone: bool,
+    unfreeze_after: Option<usize>,
+}
+
+impl Rates {
+    /// `lr`: the run's rate after `--scale-lr`; `batches`: loader batches per epoch.
+    pub fn new(cfg: &TrainConfig, lr: f64, batches: usize) -> Result<Self> {
+        let unfreeze_after = cfg.unfreeze_after.filter(|_| cfg.freeze_backbone);
+        Ok(Self {
+            lr: cfg.lr_schedule(lr, batches)?,
+            finetune: match unfreeze_after {
+                Some(_) => Some(cfg.lr_schedule(cfg.finetune_lr.unwrap_or(lr / 10.0), batches)?),
+                None => None,
+            },
+            freeze_backbone: cfg.freeze_backbone,
+            unfreeze_after,
+        })
+    }
+
+    /// Whether epoch `epoch` (from 1) belongs to the fine-tuning phase.
+    pub fn fine_tuning(&self, epoch: usize) -> bool {
+        self.finetune.is_some() && self.unfreeze_after.is_some_and(|n| epoch > n)
+    }
+
+    /// Whether the backbone is frozen in epoch `epoch` (from 1).
+    pub fn frozen(&self, epoch: usize) -> bool {
+        self.freeze_backbone && !self.fine_tuning(epoch)
+    }
+
+    /// The rate of the run's optimizer step `step` (from 0), taken in epoch `epoch`.
+    pub fn rate(&self, epoch: usize, step: usize) -> f64 {
+        match (&self.finetune, self.fine_tuning(epoch)) {
+            (Some(f), true) => f.lr_at(step),
+            _ => self.lr.lr_at(step),
+        }
+    }
 }
 
 /// How long a rank waits for a peer in a collective or a pipeline neighbour

@@ -33,8 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use burn::module::Module;
-use burn::nn::loss::CrossEntropyLossConfig;
-use burn::optim::{GradientsParams, ModuleOptimizer, OptimizerRecord};
+use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer, OptimizerRecord};
 use burn::prelude::*;
 use burn::store::ModuleRecord;
 use burn::tensor::Bytes;
@@ -51,10 +50,11 @@ use hearth_models::{Classifier, ModelConfig};
 
 use super::best::{export_checkpoint, model_checkpoint, save_epoch_weights};
 use super::epochs::Epochs;
+use super::export::auroc_report;
 use super::model::{SEED_LOCK, epoch_seed, init_model, model_config, optimizer};
-use super::shared::{collective_timeout, epoch_lr, hits, hook};
+use super::objective::{Objective, ValScores};
+use super::shared::{Rates, collective_timeout, epoch_lr, hook};
 use super::{EpochRows, TrainConfig, TrainReport, run_dir, sets};
-use crate::schedule::Schedule as LrSchedule;
 use crate::{HearthError, Result};
 
 /// How the global batch is shared between the workers.
@@ -235,7 +235,11 @@ struct ElasticRun<'a> {
     config: ModelConfig,
     classes: Vec<String>,
     loaders: sets::Loaders,
-    lr: LrSchedule,
+    /// Each optimizer step's rate and the transfer-learning phases.
+    rates: Rates,
+    objective: Objective,
+    /// Global batches per epoch, and optimizer steps per epoch (fewer with `--grad-accum`).
+    batches_per_epoch: usize,
     steps_per_epoch: usize,
     membership: burn_dist::tls::Membership,
     join: JoinService,
@@ -339,15 +343,11 @@ pub(super) fn train(
         id,
     };
     let (train_set, val_set) = sets::load(cfg, &mut |_| {})?;
-    if train_set.multi_label {
-        return Err(HearthError::InvalidArgument(
-            "multi-label sets do not train with --elastic yet".into(),
-        ));
-    }
+    let objective = Objective::new(cfg, train_set.multi_label);
     let classes = train_set.classes.clone();
     let config = model_config(&cfg.model, classes.len())?;
     let loaders = sets::Loaders::new(cfg, train_set, val_set, 0, 1)?;
-    let steps_per_epoch = loaders.train.set().len().div_ceil(cfg.batch_size).max(1);
+    let batches_per_epoch = loaders.train.set().len().div_ceil(cfg.batch_size).max(1);
     let limits = Limits {
         min: opts.min_workers,
         max: opts.max_workers,
@@ -362,8 +362,10 @@ pub(super) fn train(
         config,
         classes,
         loaders,
-        lr: cfg.lr_schedule(cfg.scaled_lr(&mut |_| {})?, steps_per_epoch)?,
-        steps_per_epoch,
+        rates: Rates::new(cfg, cfg.scaled_lr(&mut |_| {})?, batches_per_epoch)?,
+        objective,
+        batches_per_epoch,
+        steps_per_epoch: cfg.optimizer_steps(batches_per_epoch),
         membership,
         join,
         coordinator: Membership::new(limits, Vec::new()),
@@ -395,14 +397,27 @@ impl ElasticRun<'_> {
             self.cfg,
             &self.config,
             self.classes.len(),
-            false,
+            self.objective.multi_label(),
             device,
             &mut |_| {},
         )
     }
 
+    /// `model` with the parameters data epoch `epoch` (from 0) trains: the head alone while
+    /// `--freeze-backbone` holds, everything once `--unfreeze-after` has passed. Which tensors
+    /// train is no value a commit carries, so every member sets it from the committed epoch.
+    fn in_phase(&self, model: Classifier, epoch: u64) -> Classifier {
+        if self.rates.frozen(epoch as usize + 1) {
+            model.freeze_backbone()
+        } else if self.cfg.freeze_backbone {
+            model.unfreeze()
+        } else {
+            model
+        }
+    }
+
     fn fresh_commit(&self) -> Result<Commit> {
-        let model = self.skeleton(&self.device)?;
+        let model = self.in_phase(self.skeleton(&self.device)?, 0);
         Ok(Commit {
             step: 0,
             epoch: 0,
@@ -504,13 +519,23 @@ impl ElasticRun<'_> {
         epochs.set_rows(rows.clone());
         let best = epochs.best_or_err()?;
         let dir = &self.cfg.run_dir;
+        let mut per_class_auroc = None;
         if world.rank() == 0 {
-            export_checkpoint(
+            let model = export_checkpoint(
                 self.cfg,
                 best,
                 self.skeleton(&self.plain_device)?,
                 &self.config,
                 &self.classes,
+                log,
+            )?;
+            per_class_auroc = auroc_report(
+                self.objective.multi_label(),
+                &model,
+                &self.classes,
+                &self.loaders.full_val,
+                &self.plain_device,
+                dir,
                 log,
             )?;
             let points: Vec<(f64, f64)> = commit
@@ -533,8 +558,9 @@ impl ElasticRun<'_> {
         if let Ok(dir) = std::env::var("HEARTH_ELASTIC_DONE_DIR") {
             let _ = std::fs::write(Path::new(&dir).join(&self.me.id), b"done\n");
         }
-        let images = commit.world_log.len() * self.cfg.batch_size;
-        let report = epochs.report(
+        let images =
+            commit.world_log.len() * self.cfg.batch_size * self.cfg.grad_accum.unwrap_or(1).max(1);
+        let mut report = epochs.report(
             best,
             self.started,
             images,
@@ -542,6 +568,7 @@ impl ElasticRun<'_> {
             world.rank(),
             world.size(),
         );
+        report.per_class_auroc = per_class_auroc;
         world.transport.shutdown(Duration::from_secs(2));
         Ok(report)
     }

@@ -123,9 +123,10 @@ impl ElasticRun<'_> {
         let optim_record = OptimizerRecord::from_bytes(Bytes::from_bytes_vec(parts[2].to_vec()))
             .map_err(|e| bad(format!("optimizer: {e}")))?;
         let skeleton = self.skeleton(&self.device)?;
+        let epoch = num("epoch")? as u64;
         let commit = Commit {
             step: num("step")? as u64,
-            epoch: num("epoch")? as u64,
+            epoch,
             position: num("position")? as u64,
             sums: [
                 sums[0].as_f64().unwrap_or(0.0),
@@ -139,7 +140,12 @@ impl ElasticRun<'_> {
             world_log,
             rows,
             finished: meta["finished"].as_bool().unwrap_or(false),
-            model: skeleton.load_record(record),
+            model: self.in_phase(
+                skeleton
+                    .try_load_record(record)
+                    .map_err(|e| bad(format!("model: {e}")))?,
+                epoch,
+            ),
             optim: optimizer(self.cfg).load_record(optim_record),
         };
         let join = meta["join"].as_str().unwrap_or_default().to_string();

@@ -37,30 +37,47 @@ impl ElasticRun<'_> {
             let Some((_, at, s)) = stream.as_mut() else {
                 continue;
             };
+            // One optimizer step: `--grad-accum K` global batches (fewer at the epoch's end),
+            // each worker's share of each; the sum of the K batch-mean gradients is the step's
+            // (burn-train's accumulation), so a membership change never splits a step.
             let t = Instant::now();
-            let batch = s
-                .next()
-                .ok_or_else(|| HearthError::Training("the loader ended early".into()))??;
-            let (images, targets) = match batch.classes {
-                Some(c) => (batch.images, c),
-                None => return Err(HearthError::Training("the loader gave no classes".into())),
-            };
-            let mine = images.dims()[0];
-            {
-                let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-                self.device
-                    .seed(epoch_seed(self.cfg.seed, commit.step, world.rank()));
+            let k = self.cfg.grad_accum.unwrap_or(1).max(1);
+            let mut acc = GradientsAccumulator::<Classifier>::new();
+            let (mut loss_sum, mut correct, mut mine, mut total) = (0.0f64, 0.0f64, 0usize, 0usize);
+            let mut pos = commit.position as usize;
+            for sub in 0..k {
+                if pos >= n {
+                    break;
+                }
+                let batch = s
+                    .next()
+                    .ok_or_else(|| HearthError::Training("the loader ended early".into()))??;
+                let (images, targets) = self.objective.split(batch)?;
+                let part = images.dims()[0];
+                let global_part = step_len(n, pos, global);
+                {
+                    let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+                    self.device.seed(epoch_seed(
+                        self.cfg.seed,
+                        commit.step * k as u64 + sub as u64,
+                        world.rank(),
+                    ));
+                }
+                let logits = commit.model.forward(images);
+                correct += self.objective.hits(&logits, &targets);
+                let loss = self.objective.loss(logits, &targets, true)?;
+                loss_sum += f64::from(loss.clone().into_scalar::<f32>()) * part as f64;
+                // This worker's share of the global batch's mean.
+                let loss = loss.mul_scalar(part as f32 / global_part.max(1) as f32);
+                acc.accumulate(
+                    &commit.model,
+                    GradientsParams::from_grads(loss.backward(), &commit.model),
+                );
+                mine += part;
+                total += global_part;
+                pos += global_part;
             }
-            let loss_fn = CrossEntropyLossConfig::new()
-                .with_smoothing(
-                    (self.cfg.label_smoothing > 0.0).then_some(self.cfg.label_smoothing),
-                )
-                .init(&self.device);
-            let logits = commit.model.forward(images);
-            let correct = hits(&logits, &targets);
-            let loss = loss_fn.forward(logits, targets);
-            let loss_value = f64::from(loss.clone().into_scalar::<f32>());
-            let mut grads = GradientsParams::from_grads(loss.backward(), &commit.model);
+            let mut grads = acc.grads();
             if let Some(ms) = self.throttle {
                 std::thread::sleep(Duration::from_millis(ms));
             }
@@ -82,7 +99,7 @@ impl ElasticRun<'_> {
             if world.rank() == 0 && w < self.opts.max_workers && !self.join.waiting().is_empty() {
                 control[w] = 1.0;
             }
-            control[w + 1] = (loss_value * mine as f64) as f32;
+            control[w + 1] = loss_sum as f32;
             control[w + 2] = correct as f32;
             control[w + 3] = mine as f32;
             control[w + 4 + world.rank()] = self.speed as f32;
@@ -105,31 +122,41 @@ impl ElasticRun<'_> {
                     libc::kill(libc::getpid(), libc::SIGSTOP);
                 }
             }
-            let total = control[w + 3];
+            if control[w + 3] as usize != total {
+                // Every member computes the shares from the same commit: a difference is a bug.
+                return Err(HearthError::Training(format!(
+                    "step {}: the members trained on {} samples, the step has {total}",
+                    commit.step + 1,
+                    control[w + 3]
+                )));
+            }
+            // The shares are weighted in the loss already: the sum is the global mean.
             if let Err(e) = burn_dist::ddp::allreduce_grads_scaled(
                 &commit.model,
                 &mut grads,
                 &world.comm,
                 self.cfg.bucket_bytes,
-                mine as f32 / total.max(1.0),
+                1.0,
                 self.cfg.compression,
             ) {
                 return Ok(Interrupt::Failed(e.to_string()));
             }
 
             // The commit: nothing above changed any state.
-            let lr = self.lr.lr_at(commit.step as usize);
+            let lr = self
+                .rates
+                .rate(commit.epoch as usize + 1, commit.step as usize);
             let model = commit.model.clone();
             commit.model = commit.optim.step(lr, model, grads);
             let now = unix_now() - commit.start_unix;
             commit.worker_seconds += (now - commit.elapsed).max(0.0) * w as f64;
             commit.elapsed = now;
             commit.step += 1;
-            commit.position += step_len(n, commit.position as usize, global) as u64;
+            commit.position = pos as u64;
             *at = commit.position;
             commit.sums[0] += f64::from(control[w + 1]);
             commit.sums[1] += f64::from(control[w + 2]);
-            commit.sums[2] += f64::from(total);
+            commit.sums[2] += total as f64;
             commit.world_log.push((commit.step, now, w));
 
             let leaving: Vec<usize> = (0..w).filter(|&r| control[r] > 0.5).collect();
@@ -187,7 +214,7 @@ impl ElasticRun<'_> {
         // Batch norm statistics differ between members: rank 0's for everyone (as DDP does).
         let model = burn_dist::ddp::broadcast_module(commit.model.clone(), &world.comm)?;
         let valid = model.valid();
-        let loss_fn = CrossEntropyLossConfig::new().init(&self.plain_device);
+        let mut scores = ValScores::default();
         let (rank, size) = (world.rank(), world.size());
         let val_n = self.loaders.full_val.set().len();
         let per = (self.cfg.batch_size / size).max(1);
@@ -195,17 +222,24 @@ impl ElasticRun<'_> {
         let batches: Vec<Vec<usize>> = mine.chunks(per).map(<[usize]>::to_vec).collect();
         let mut sums = [0.0f32; 3];
         for batch in self.loaders.full_val.stream(0, batches, &self.plain_device) {
-            let batch = batch?;
-            let targets = batch
-                .classes
-                .ok_or_else(|| HearthError::Training("the loader gave no classes".into()))?;
-            let k = batch.images.dims()[0];
-            let logits = valid.forward(batch.images);
-            sums[1] += hits(&logits, &targets) as f32;
-            sums[0] += loss_fn.forward(logits, targets).into_scalar::<f32>() * k as f32;
+            let (images, targets) = self.objective.split(batch?)?;
+            let k = images.dims()[0];
+            let logits = valid.forward(images);
+            sums[1] += self.objective.hits(&logits, &targets) as f32;
+            scores.push(&logits, &targets)?;
+            sums[0] += self
+                .objective
+                .loss(logits, &targets, false)?
+                .into_scalar::<f32>()
+                * k as f32;
             sums[2] += k as f32;
         }
         world.comm.allreduce(&mut sums, ReduceOp::Sum)?;
+        let auroc = if self.objective.multi_label() {
+            scores.gather(&world.comm)?.auroc()
+        } else {
+            None
+        };
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
         let took = (commit.elapsed - commit.epoch_started).max(1e-9);
         let in_epoch: Vec<usize> = commit
@@ -216,7 +250,7 @@ impl ElasticRun<'_> {
             .map(|p| p.2)
             .collect();
         let mean_world = in_epoch.iter().sum::<usize>() as f64 / in_epoch.len().max(1) as f64;
-        let row: BTreeMap<String, f64> = [
+        let mut row: BTreeMap<String, f64> = [
             ("train_loss", ratio(commit.sums[0], commit.sums[2])),
             (
                 "train_accuracy",
@@ -229,7 +263,12 @@ impl ElasticRun<'_> {
             ),
             (
                 "train_lr",
-                epoch_lr(|i| self.lr.lr_at(i), epoch, self.steps_per_epoch, 1),
+                epoch_lr(
+                    |i| self.rates.rate(epoch, i),
+                    epoch,
+                    self.batches_per_epoch,
+                    self.cfg.grad_accum.unwrap_or(1),
+                ),
             ),
             ("train_images_per_sec", commit.sums[2] / took),
             ("world_size", mean_world),
@@ -239,14 +278,23 @@ impl ElasticRun<'_> {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
+        if let Some(a) = auroc {
+            row.insert("val_auroc".into(), a);
+        }
         // The epoch's bookkeeping as every mode does it; the rows travel in the commit, so a
         // new rank 0 after a change goes on with the whole table.
         let epochs = Epochs::new(self.cfg, rank == 0);
         epochs.set_rows(commit.rows.clone());
         epochs.record(epoch, row, log)?;
         let finished = epoch >= epochs.end() || epochs.stop_early(epoch, log);
-        // Commit the epoch's end.
-        commit.model = model;
+        // Commit the epoch's end; the next epoch's phase decides what trains.
+        if self.rates.frozen(epoch) && !self.rates.frozen(epoch + 1) && !finished {
+            log(&format!(
+                "unfreezing the backbone after epoch {epoch}: fine-tuning everything at lr {}",
+                self.rates.rate(epoch + 1, commit.step as usize)
+            ));
+        }
+        commit.model = self.in_phase(model, epoch as u64);
         commit.rows = epochs.rows();
         commit.epoch += 1;
         commit.position = 0;

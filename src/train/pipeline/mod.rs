@@ -27,7 +27,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::module::Module;
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{ModuleOptimizer, OptimizerRecord};
 use burn::prelude::*;
 use burn::store::ModuleRecord;
@@ -37,15 +36,16 @@ use burn_dist::transport::group::{Grid, Group};
 use burn_dist::wire::Kind;
 use burn_dist::{Communicator, ReduceOp};
 use hearth_models::stages::Unit;
-use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
+use hearth_models::{Classifier, HeadActivation, ModelConfig, Preprocessing, save_model_with};
 
 use super::config::{PipelineBalance, PipelineOptions};
 use super::epochs::{Epochs, Row, Strategy};
+use super::export::auroc_report;
 use super::model::{SEED_LOCK, epoch_seed, init_model, model_config, optimizer};
-use super::shared::{collective_timeout, epoch_lr, hits};
+use super::objective::{Objective, ValScores};
+use super::shared::{Rates, collective_timeout, epoch_lr};
 use super::{TrainConfig, TrainReport, distributed, run_dir, sets};
 use crate::pipeline::{StageModel, UnitCost, balance, balance_by, stage_memory};
-use crate::schedule::Schedule as LrSchedule;
 use crate::{HearthError, Result};
 
 /// Largest piece of a tensor sent to rank 0 at export (values), well under the frame cap.
@@ -67,9 +67,10 @@ struct PipelineRun<'a> {
     config: ModelConfig,
     classes: Vec<String>,
     loaders: sets::Loaders,
-    lr: LrSchedule,
-    /// The fine-tuning phase's rates (`--unfreeze-after`, at `--finetune-lr`).
-    finetune: Option<LrSchedule>,
+    /// Each step's rate and the transfer-learning phases.
+    rates: Rates,
+    /// The loss and metrics.
+    objective: Objective,
     steps_per_epoch: usize,
 }
 
@@ -100,11 +101,7 @@ pub(super) fn train(
         run_dir::prepare(&cfg.run_dir)?;
     }
     let (train_set, val_set) = distributed::load_data(cfg, &comm, log)?;
-    if train_set.multi_label {
-        return Err(HearthError::InvalidArgument(
-            "multi-label sets do not train with --pipeline-stages yet".into(),
-        ));
-    }
+    let multi_label = train_set.multi_label;
     if !cfg.batch_size.is_multiple_of(grid.replicas) {
         return Err(HearthError::InvalidArgument(format!(
             "--batch-size {} must divide evenly over {} pipelines",
@@ -147,13 +144,8 @@ pub(super) fn train(
         config,
         classes,
         loaders,
-        lr: cfg.lr_schedule(lr, steps_per_epoch)?,
-        finetune: match cfg.unfreeze_after.filter(|_| cfg.freeze_backbone) {
-            Some(_) => {
-                Some(cfg.lr_schedule(cfg.finetune_lr.unwrap_or(lr / 10.0), steps_per_epoch)?)
-            }
-            None => None,
-        },
+        rates: Rates::new(cfg, lr, steps_per_epoch)?,
+        objective: Objective::new(cfg, multi_label),
         steps_per_epoch,
     };
     run.train(started, log)
@@ -165,18 +157,19 @@ impl PipelineRun<'_> {
     }
 
     /// This stage's units, each seeded by its index (the same on every replica and for every
-    /// split). With `--weights`, the whole model as one process builds it (the pretrained
-    /// units, the new head seeded by `--seed`), cut to this stage's units; with
+    /// split). With `--weights` or a multi-label set, the whole model as one process builds it
+    /// (the pretrained units, the new head seeded by `--seed`; a multi-label run's sigmoid head
+    /// with its biases at one), cut to this stage's units; with
     /// `--freeze-backbone`, everything but the head frozen. Both hold the whole model for a
     /// moment on every rank.
     fn init_stage(&self) -> Result<StageModel> {
         let range = self.ranges[self.stage].clone();
-        if self.cfg.weights.is_some() {
+        if self.cfg.weights.is_some() || self.objective.multi_label() {
             let mut model = init_model(
                 self.cfg,
                 &self.config,
                 self.classes.len(),
-                false,
+                self.objective.multi_label(),
                 &self.device,
                 &mut |_| {},
             )?;
@@ -223,15 +216,12 @@ impl PipelineRun<'_> {
 
     /// Whether `epoch` belongs to the fine-tuning phase (`--unfreeze-after N`: after epoch N).
     fn fine_tuning(&self, epoch: usize) -> bool {
-        self.finetune.is_some() && self.cfg.unfreeze_after.is_some_and(|n| epoch > n)
+        self.rates.fine_tuning(epoch)
     }
 
     /// The rate of optimizer step `step` in `epoch`'s phase.
     fn rate(&self, epoch: usize, step: usize) -> f64 {
-        match (&self.finetune, self.fine_tuning(epoch)) {
-            (Some(f), true) => f.lr_at(step),
-            _ => self.lr.lr_at(step),
-        }
+        self.rates.rate(epoch, step)
     }
 
     fn pipeline(&self) -> Result<Pipeline> {
@@ -330,19 +320,31 @@ impl PipelineRun<'_> {
         let last = epochs.run(resume_epoch, &mut strategy, log)?;
         self.comm.barrier()?;
         let best = epochs.best_or_err()?;
-        self.export(best, log)?;
-        if rank == 0 {
+        let exported = self.export(best, log)?;
+        let mut per_class_auroc = None;
+        if let Some(model) = exported {
             epochs.plot(log);
+            per_class_auroc = auroc_report(
+                self.objective.multi_label(),
+                &model,
+                &self.classes,
+                &self.loaders.full_val,
+                &self.plain_device,
+                &cfg.run_dir,
+                log,
+            )?;
         }
         self.comm.barrier()?;
         let images = last.saturating_sub(resume_epoch).max(1) * self.loaders.train.set().len();
-        Ok(epochs.report(
+        let mut report = epochs.report(
             best,
             started,
             images,
             self.classes.clone(),
             rank,
             self.comm.world(),
-        ))
+        );
+        report.per_class_auroc = per_class_auroc;
+        Ok(report)
     }
 }

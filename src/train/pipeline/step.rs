@@ -2,6 +2,7 @@
 //! and the metrics row every rank agrees on.
 
 use super::*;
+use burn_dist::DistError;
 
 /// Sums over a stage's share of an epoch: (loss x samples, correct, samples).
 #[derive(Debug, Default, Clone, Copy)]
@@ -48,16 +49,14 @@ impl PipelineRun<'_> {
                 self.comm.rank(),
             ));
         }
-        let loss_fn = CrossEntropyLossConfig::new()
-            .with_smoothing((self.cfg.label_smoothing > 0.0).then_some(self.cfg.label_smoothing))
-            .init(&self.device);
+        let objective = self.objective;
         for (i, batch) in self
             .loaders
             .train
             .epoch(epoch as u64 - 1, &self.device)
             .enumerate()
         {
-            let (images, targets) = images_and_classes(batch?)?;
+            let (images, targets) = objective.split(batch?)?;
             let n = images.dims()[0];
             let parts = self.micro_split(n);
             let mut correct = 0.0f64;
@@ -66,11 +65,12 @@ impl PipelineRun<'_> {
                 &mut |m| Activation::Rank4(images.clone().narrow(0, parts[m].0, parts[m].1)),
                 &mut |logits, m| {
                     let logits = logits.rank2("the last stage's output")?;
-                    let y = targets.clone().narrow(0, parts[m].0, parts[m].1);
-                    correct += hits(&logits, &y);
+                    let y = targets.narrow(parts[m].0, parts[m].1);
+                    correct += objective.hits(&logits, &y);
                     // The batch mean: each micro-batch's mean weighted by its share.
-                    Ok(loss_fn
-                        .forward(logits, y)
+                    Ok(objective
+                        .loss(logits, &y, true)
+                        .map_err(|e| DistError::Config(e.to_string()))?
                         .mul_scalar(parts[m].1 as f32 / n as f32))
                 },
                 parts.len(),
@@ -96,13 +96,20 @@ impl PipelineRun<'_> {
         Ok((model, sums))
     }
 
-    pub(super) fn validate(&self, pipe: &mut Pipeline, model: &StageModel) -> Result<Sums> {
+    /// Validation of this replica's shard: the sums, and (multi-label, last stages) the
+    /// outputs for the epoch's AUROC.
+    pub(super) fn validate(
+        &self,
+        pipe: &mut Pipeline,
+        model: &StageModel,
+    ) -> Result<(Sums, ValScores)> {
         let model = model.valid();
-        let loss_fn = CrossEntropyLossConfig::new().init(&self.plain_device);
+        let objective = self.objective;
         let mut sums = Sums::default();
+        let mut scores = ValScores::default();
         // Every rank of a pipeline streams the same shard, so they agree on the batches.
         for batch in self.loaders.val.epoch(0, &self.plain_device) {
-            let (images, targets) = images_and_classes(batch?)?;
+            let (images, targets) = objective.split(batch?)?;
             let n = images.dims()[0];
             let parts = self.micro_split(n);
             pipe.forward(
@@ -110,9 +117,15 @@ impl PipelineRun<'_> {
                 &mut |m| Activation::Rank4(images.clone().narrow(0, parts[m].0, parts[m].1)),
                 &mut |logits, m| {
                     let logits = logits.rank2("the last stage's output")?;
-                    let y = targets.clone().narrow(0, parts[m].0, parts[m].1);
-                    sums.correct += hits(&logits, &y);
-                    let loss = loss_fn.forward(logits, y).into_scalar::<f32>();
+                    let y = targets.narrow(parts[m].0, parts[m].1);
+                    sums.correct += objective.hits(&logits, &y);
+                    scores
+                        .push(&logits, &y)
+                        .map_err(|e| DistError::Config(e.to_string()))?;
+                    let loss = objective
+                        .loss(logits, &y, false)
+                        .map_err(|e| DistError::Config(e.to_string()))?
+                        .into_scalar::<f32>();
                     sums.loss += f64::from(loss) * parts[m].1 as f64;
                     sums.count += parts[m].1 as f64;
                     Ok(())
@@ -121,15 +134,16 @@ impl PipelineRun<'_> {
                 &self.plain_device,
             )?;
         }
-        Ok(sums)
+        Ok((sums, scores))
     }
 
     /// The epoch's row of `metrics.csv`, the same on every rank: the last stages' sums added
-    /// over the job (the other ranks add zeros).
+    /// over the job (the other ranks add zeros), and a multi-label run's AUROC over the outputs
+    /// every last stage kept.
     pub(super) fn epoch_row(
         &self,
         train: Sums,
-        val: Sums,
+        (val, scores): (Sums, ValScores),
         epoch: usize,
         took: Duration,
     ) -> Result<Row> {
@@ -143,7 +157,12 @@ impl PipelineRun<'_> {
         ];
         self.comm.allreduce(&mut v, ReduceOp::Sum)?;
         let per = |a: f32, n: f32| if n > 0.0 { f64::from(a / n) } else { f64::NAN };
-        Ok([
+        let auroc = if self.objective.multi_label() {
+            scores.gather(&self.comm)?.auroc()
+        } else {
+            None
+        };
+        let mut row: Row = [
             ("train_loss", per(v[0], v[2])),
             ("train_accuracy", 100.0 * per(v[1], v[2])),
             ("val_loss", per(v[3], v[5])),
@@ -159,14 +178,10 @@ impl PipelineRun<'_> {
         ]
         .into_iter()
         .map(|(k, x)| (k.to_string(), x))
-        .collect())
+        .collect();
+        if let Some(a) = auroc {
+            row.insert("val_auroc".into(), a);
+        }
+        Ok(row)
     }
-}
-
-/// A batch's images and class indices.
-fn images_and_classes(batch: hearth_datasets::Batch) -> Result<(Tensor<4>, Tensor<1, Int>)> {
-    let classes = batch
-        .classes
-        .ok_or_else(|| HearthError::Training("the loader gave no class indices".into()))?;
-    Ok((batch.images, classes))
 }

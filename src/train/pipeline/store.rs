@@ -114,8 +114,12 @@ impl PipelineRun<'_> {
     }
 
     /// Replica 0 of every stage sends its best-epoch part to rank 0, which assembles the whole
-    /// model and writes `model.bpk`.
-    pub(super) fn export(&self, best: usize, log: &mut dyn FnMut(&str)) -> Result<()> {
+    /// model and writes `model.bpk`. Returns the model on rank 0.
+    pub(super) fn export(
+        &self,
+        best: usize,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Option<Classifier>> {
         let transport = self.comm.transport().clone();
         let tag = |stage: usize, tensor: usize, chunk: usize| {
             ((stage as u64) << 48) | ((tensor as u64) << 20) | chunk as u64
@@ -144,10 +148,10 @@ impl PipelineRun<'_> {
                     )?;
                 }
             }
-            return Ok(());
+            return Ok(None);
         }
         if rank != 0 {
-            return Ok(());
+            return Ok(None);
         }
         let mut units = load(0)?.units;
         for stage in 1..self.grid.stages {
@@ -177,7 +181,11 @@ impl PipelineRun<'_> {
             }
             units.extend(with_module_values(empty, values)?.units);
         }
-        let model = Classifier::from_units(&self.config, units)?;
+        let mut model = Classifier::from_units(&self.config, units)?;
+        if self.objective.multi_label() {
+            // The activation is no parameter: the stages' units carry the default one.
+            model = model.with_head_activation(HeadActivation::Sigmoid);
+        }
         save_model_with(
             &model,
             &self.config,
@@ -191,6 +199,6 @@ impl PipelineRun<'_> {
             self.grid.stages,
             self.cfg.run_dir.join("model.bpk").display()
         ));
-        Ok(())
+        Ok(Some(model))
     }
 }

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::module::Module;
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::store::ModuleRecord;
@@ -28,8 +27,10 @@ use super::state::{EpochStats, PsState, decode_stats, encode_stats, state_file};
 use super::{BYE, PsOptions, Roles, SETUP, STATS, ServerSetup, decay_ranges, flat_optimizer};
 use crate::train::best::{export_checkpoint, model_checkpoint, save_epoch_weights};
 use crate::train::epochs::{Epochs, Row, Strategy};
+use crate::train::export::auroc_report;
 use crate::train::model::{SEED_LOCK, epoch_seed, init_model, model_config};
-use crate::train::shared::{collective_timeout, epoch_lr, hits, hook};
+use crate::train::objective::{Objective, ValScores};
+use crate::train::shared::{collective_timeout, epoch_lr, hook};
 use crate::train::{TrainConfig, TrainReport, distributed, run_dir, sets};
 use crate::{HearthError, Result};
 
@@ -49,6 +50,7 @@ struct Worker<'a> {
     loaders: sets::Loaders,
     classes: Vec<String>,
     config: ModelConfig,
+    objective: Objective,
     model: Classifier,
     stats: Vec<EpochStats>,
     started: Instant,
@@ -95,10 +97,18 @@ pub(super) fn train(
     let comm = Communicator::new(Arc::new(group)).with_timeout(collective_timeout());
     let (train_set, val_set) = distributed::load_data(cfg, &comm, log)?;
     let classes = train_set.classes.clone();
+    let objective = Objective::new(cfg, train_set.multi_label);
     let loaders = sets::Loaders::new(cfg, train_set, val_set, rank, roles.workers)?;
     let config = model_config(&cfg.model, classes.len())?;
     let ad = device.clone().autodiff();
-    let mut model = init_model(cfg, &config, classes.len(), false, &ad, log)?;
+    let mut model = init_model(
+        cfg,
+        &config,
+        classes.len(),
+        objective.multi_label(),
+        &ad,
+        log,
+    )?;
     if cfg.freeze_backbone {
         log("backbone frozen: only the head trains");
         model = model.freeze_backbone();
@@ -115,6 +125,7 @@ pub(super) fn train(
         loaders,
         classes,
         config,
+        objective,
         model,
         stats: Vec::new(),
         started,
@@ -340,9 +351,6 @@ impl Worker<'_> {
         params: &mut Vec<f32>,
         step: &mut u64,
     ) -> Result<()> {
-        let loss_fn = CrossEntropyLossConfig::new()
-            .with_smoothing((self.cfg.label_smoothing > 0.0).then_some(self.cfg.label_smoothing))
-            .init(&self.device);
         let mut row = EpochStats {
             epoch,
             ..Default::default()
@@ -358,19 +366,16 @@ impl Worker<'_> {
             .epoch(epoch as u64 - 1, &self.device)
             .enumerate()
         {
-            let batch = batch?;
-            let targets = batch
-                .classes
-                .ok_or_else(|| HearthError::Training("the loader gave no classes".into()))?;
-            let n = batch.images.dims()[0];
+            let (images, targets) = self.objective.split(batch?)?;
+            let n = images.dims()[0];
             {
                 let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
                 self.device
                     .seed(epoch_seed(self.cfg.seed, *step, self.rank));
             }
-            let logits = self.model.forward(batch.images);
-            row.correct += hits(&logits, &targets);
-            let loss = loss_fn.forward(logits, targets);
+            let logits = self.model.forward(images);
+            row.correct += self.objective.hits(&logits, &targets);
+            let loss = self.objective.loss(logits, &targets, true)?;
             row.loss_sum += f64::from(loss.clone().into_scalar::<f32>()) * n as f64;
             row.samples += n as f64;
             let grads = GradientsParams::from_grads(loss.backward(), &self.model);
@@ -417,22 +422,22 @@ impl Worker<'_> {
             .collect();
         let served = with_trainable_values(self.model.clone(), &values)?;
         let valid = served.valid();
-        let loss_fn = CrossEntropyLossConfig::new().init(&self.plain_device);
         let mut sums = [0f64; 3];
+        // The lead validates the whole set alone: its scores need no gathering.
+        let mut scores = ValScores::default();
         for batch in self.loaders.full_val.epoch(0, &self.plain_device) {
-            let batch = batch?;
-            let targets = batch
-                .classes
-                .ok_or_else(|| HearthError::Training("the loader gave no classes".into()))?;
-            let k = batch.images.dims()[0] as f64;
-            let logits = valid.forward(batch.images);
-            sums[1] += hits(&logits, &targets);
-            sums[0] += f64::from(loss_fn.forward(logits, targets).into_scalar::<f32>()) * k;
+            let (images, targets) = self.objective.split(batch?)?;
+            let k = images.dims()[0] as f64;
+            let logits = valid.forward(images);
+            sums[1] += self.objective.hits(&logits, &targets);
+            scores.push(&logits, &targets)?;
+            let loss = self.objective.loss(logits, &targets, false)?;
+            sums[0] += f64::from(loss.into_scalar::<f32>()) * k;
             sums[2] += k;
         }
         let mine = self.stats.last().copied().unwrap_or_default();
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
-        let row: Row = [
+        let mut row: Row = [
             ("train_loss", mine.loss()),
             ("train_accuracy", mine.accuracy()),
             ("val_loss", ratio(sums[0], sums[2])),
@@ -457,6 +462,9 @@ impl Worker<'_> {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
+        if let Some(a) = scores.auroc() {
+            row.insert("val_auroc".into(), a);
+        }
         Ok((row, served))
     }
 
@@ -517,12 +525,21 @@ impl Worker<'_> {
             self.cfg,
             &self.config,
             self.classes.len(),
-            false,
+            self.objective.multi_label(),
             &self.plain_device,
             &mut |_| {},
         )?;
-        export_checkpoint(self.cfg, best, skeleton, &self.config, &self.classes, log)?;
+        let model = export_checkpoint(self.cfg, best, skeleton, &self.config, &self.classes, log)?;
         epochs.plot(log);
+        let per_class_auroc = auroc_report(
+            self.objective.multi_label(),
+            &model,
+            &self.classes,
+            &self.loaders.full_val,
+            &self.plain_device,
+            &self.cfg.run_dir,
+            log,
+        )?;
         let samples: f64 = all.iter().flat_map(|(_, s)| s).map(|s| s.samples).sum();
         let mut report = epochs.report(
             best,
@@ -533,6 +550,7 @@ impl Worker<'_> {
             self.roles.world(),
         );
         report.epochs_run = last;
+        report.per_class_auroc = per_class_auroc;
         Ok(report)
     }
 

@@ -1,0 +1,300 @@
+//! What the custom modes (elastic, parameter servers, pipeline stages) train a classifier
+//! against, below all of them, so that they compute the loss and the metrics columns as the
+//! Learner's [`super::SingleLabel`] and [`super::MultiLabel`] tasks do:
+//!
+//! - single-label: cross-entropy (with `--label-smoothing` in training), `accuracy` = the share
+//!   of samples whose highest score is their class;
+//! - multi-label (`--labels`): binary cross-entropy on the logits, `accuracy` = burn's Hamming
+//!   score (the share of labels right after a sigmoid at 0.5), and `val_auroc` = burn's macro
+//!   AUROC over the whole validation set (gathered from every rank that validated a part).
+
+use burn::nn::loss::{BinaryCrossEntropyLossConfig, CrossEntropyLossConfig};
+use burn::prelude::*;
+use burn_dist::Communicator;
+
+use super::TrainConfig;
+use crate::{HearthError, Result};
+
+/// A batch's targets.
+#[derive(Clone, Debug)]
+pub(super) enum Targets {
+    /// Class indices `[n]`.
+    Classes(Tensor<1, Int>),
+    /// Multi-hot rows `[n, classes]` (0 or 1).
+    MultiHot(Tensor<2>),
+}
+
+impl Targets {
+    /// Samples `start..start + len` (a micro-batch).
+    pub fn narrow(&self, start: usize, len: usize) -> Self {
+        match self {
+            Self::Classes(t) => Self::Classes(t.clone().narrow(0, start, len)),
+            Self::MultiHot(t) => Self::MultiHot(t.clone().narrow(0, start, len)),
+        }
+    }
+}
+
+/// The loss and metrics of a run's classifier.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Objective {
+    multi_label: bool,
+    /// Label smoothing of the training loss (single-label only; validation never smooths).
+    smoothing: f32,
+}
+
+impl Objective {
+    pub fn new(cfg: &TrainConfig, multi_label: bool) -> Self {
+        Self {
+            multi_label,
+            smoothing: cfg.label_smoothing,
+        }
+    }
+
+    pub fn multi_label(&self) -> bool {
+        self.multi_label
+    }
+
+    /// A loader batch's images and targets.
+    pub fn split(&self, batch: hearth_datasets::Batch) -> Result<(Tensor<4>, Targets)> {
+        let targets = match (self.multi_label, batch.multi_hot, batch.classes) {
+            (true, Some(hot), _) => Targets::MultiHot(hot),
+            (false, _, Some(classes)) => Targets::Classes(classes),
+            (true, None, _) => {
+                return Err(HearthError::Training(
+                    "a multi-label run's loader gave no multi-hot labels".into(),
+                ));
+            }
+            (false, _, None) => {
+                return Err(HearthError::Training(
+                    "the loader gave no class indices".into(),
+                ));
+            }
+        };
+        Ok((batch.images, targets))
+    }
+
+    /// The batch mean of the loss of `logits` against `targets`; `training` applies
+    /// `--label-smoothing`.
+    pub fn loss(&self, logits: Tensor<2>, targets: &Targets, training: bool) -> Result<Tensor<1>> {
+        let device = logits.device();
+        match targets {
+            Targets::Classes(y) => {
+                let smoothing = (training && self.smoothing > 0.0).then_some(self.smoothing);
+                Ok(CrossEntropyLossConfig::new()
+                    .with_smoothing(smoothing)
+                    .init(&device)
+                    .forward(logits, y.clone()))
+            }
+            Targets::MultiHot(hot) => {
+                if logits.dims() != hot.dims() {
+                    return Err(HearthError::Training(format!(
+                        "the model gives {:?} outputs for multi-hot labels of {:?}",
+                        logits.dims(),
+                        hot.dims()
+                    )));
+                }
+                Ok(BinaryCrossEntropyLossConfig::new()
+                    .with_logits(true)
+                    .init(&device)
+                    .forward(logits, hot.clone().int()))
+            }
+        }
+    }
+
+    /// The batch's right answers in samples: samples whose highest score is their class, or
+    /// (multi-label) labels right after a sigmoid at 0.5, divided by the class count, so that
+    /// `hits / samples` is the accuracy column in both cases.
+    pub fn hits(&self, logits: &Tensor<2>, targets: &Targets) -> f64 {
+        match targets {
+            Targets::Classes(y) => logits
+                .clone()
+                .argmax(1)
+                .flatten::<1>(0, 1)
+                .equal(y.clone())
+                .int()
+                .sum()
+                .into_scalar::<i64>() as f64,
+            Targets::MultiHot(hot) => {
+                let k = hot.dims()[1].max(1);
+                // sigmoid(x) > 0.5 exactly where x > 0.
+                let right = logits
+                    .clone()
+                    .greater_elem(0.0)
+                    .equal(hot.clone().greater_elem(0.5))
+                    .int()
+                    .sum()
+                    .into_scalar::<i64>();
+                right as f64 / k as f64
+            }
+        }
+    }
+}
+
+/// A multi-label run's validation outputs, kept for the epoch's AUROC: each sample's scores
+/// and labels, row after row.
+#[derive(Debug, Default, Clone)]
+pub(super) struct ValScores {
+    classes: usize,
+    scores: Vec<f32>,
+    labels: Vec<f32>,
+}
+
+impl ValScores {
+    /// Keeps a batch's outputs (nothing for single-label targets).
+    pub fn push(&mut self, logits: &Tensor<2>, targets: &Targets) -> Result<()> {
+        let Targets::MultiHot(hot) = targets else {
+            return Ok(());
+        };
+        self.classes = hot.dims()[1];
+        let read = |t: Tensor<2>, what: &str| {
+            t.into_data()
+                .convert::<f32>()
+                .try_into_vec::<f32>()
+                .map_err(|e| HearthError::Training(format!("reading validation {what}: {e:?}")))
+        };
+        self.scores.extend(read(logits.clone(), "outputs")?);
+        self.labels.extend(read(hot.clone(), "labels")?);
+        Ok(())
+    }
+
+    /// Every rank's outputs, on every rank (`comm`'s ranks all call it; those that validated
+    /// nothing add nothing).
+    pub fn gather(self, comm: &Communicator) -> Result<Self> {
+        let meta = comm.all_gather(&[self.scores.len() as f32, self.classes as f32])?;
+        let most = |i: usize| {
+            meta.iter()
+                .skip(i)
+                .step_by(2)
+                .fold(0.0f32, |a, &b| a.max(b))
+        };
+        let (longest, classes) = (most(0) as usize, most(1) as usize);
+        if longest == 0 {
+            return Ok(self);
+        }
+        // Each rank's part padded to the longest, its length in front.
+        let mut mine = Vec::with_capacity(2 * longest + 1);
+        mine.push(self.scores.len() as f32);
+        for part in [&self.scores, &self.labels] {
+            mine.extend_from_slice(part);
+            mine.resize(mine.len() + longest - part.len(), 0.0);
+        }
+        let all = comm.all_gather(&mine)?;
+        let mut out = Self {
+            classes,
+            ..Self::default()
+        };
+        for part in all.chunks(2 * longest + 1) {
+            let n = (part[0] as usize).min(longest);
+            out.scores.extend_from_slice(&part[1..1 + n]);
+            out.labels
+                .extend_from_slice(&part[1 + longest..1 + longest + n]);
+        }
+        Ok(out)
+    }
+
+    /// Burn's macro AUROC in percent: the mean over the classes that have both outcomes of
+    /// each class's AUROC, 50 (chance) where none has; `None` before any multi-label output.
+    pub fn auroc(&self) -> Option<f64> {
+        let k = self.classes;
+        if k == 0 || self.scores.is_empty() {
+            return None;
+        }
+        let per_class: Vec<f64> = (0..k)
+            .filter_map(|c| {
+                let samples: Vec<(f64, bool)> = self
+                    .scores
+                    .iter()
+                    .zip(&self.labels)
+                    .skip(c)
+                    .step_by(k)
+                    .map(|(&s, &l)| (f64::from(s), l > 0.5))
+                    .collect();
+                crate::metrics::auroc(&samples)
+            })
+            .collect();
+        Some(if per_class.is_empty() {
+            50.0
+        } else {
+            100.0 * per_class.iter().sum::<f64>() / per_class.len() as f64
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn_dist::transport::memory::MemoryTransport;
+    use std::sync::Arc;
+
+    fn device() -> Device {
+        Device::flex()
+    }
+
+    fn hot(rows: &[[f32; 2]]) -> Targets {
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        Targets::MultiHot(
+            Tensor::<1>::from_floats(flat.as_slice(), &device()).reshape([rows.len(), 2]),
+        )
+    }
+
+    fn logits(rows: &[[f32; 2]]) -> Tensor<2> {
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        Tensor::<1>::from_floats(flat.as_slice(), &device()).reshape([rows.len(), 2])
+    }
+
+    #[test]
+    fn multi_label_hits_are_the_hamming_score_in_samples() {
+        let o = Objective {
+            multi_label: true,
+            smoothing: 0.0,
+        };
+        // 3 of 4 labels right: 1.5 samples' worth.
+        let h = o.hits(
+            &logits(&[[1.0, -1.0], [2.0, 3.0]]),
+            &hot(&[[1.0, 0.0], [0.0, 1.0]]),
+        );
+        assert_eq!(h, 1.5);
+        let single = o.hits(
+            &logits(&[[1.0, -1.0], [2.0, 3.0]]),
+            &Targets::Classes(Tensor::from_ints([0, 0], &device())),
+        );
+        assert_eq!(single, 1.0);
+    }
+
+    #[test]
+    fn gathered_scores_give_the_auroc_of_the_whole_set() {
+        // Class 0 ranked perfectly, class 1 inverted: macro AUROC 50%.
+        let rows = [
+            ([0.9f32, 0.1f32], [1.0f32, 1.0f32]),
+            ([0.1, 0.9], [0.0, 0.0]),
+            ([0.8, 0.2], [1.0, 1.0]),
+        ];
+        let mut whole = ValScores::default();
+        for (l, h) in rows {
+            whole.push(&logits(&[l]), &hot(&[h])).unwrap();
+        }
+        assert_eq!(whole.auroc(), Some(50.0));
+        // Split over 2 ranks unevenly (2 rows and 1): the gathered AUROC is the same.
+        let handles: Vec<_> = MemoryTransport::mesh(2)
+            .into_iter()
+            .enumerate()
+            .map(|(r, t)| {
+                std::thread::spawn(move || {
+                    let comm = Communicator::new(Arc::new(t))
+                        .with_timeout(std::time::Duration::from_secs(20));
+                    let mut part = ValScores::default();
+                    for (i, (l, h)) in rows.iter().enumerate() {
+                        if (i == 2) == (r == 1) {
+                            part.push(&logits(&[*l]), &hot(&[*h])).unwrap();
+                        }
+                    }
+                    part.gather(&comm).unwrap().auroc()
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), Some(50.0));
+        }
+        assert_eq!(ValScores::default().auroc(), None);
+    }
+}
