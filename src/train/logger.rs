@@ -144,8 +144,8 @@ impl CsvMetricLogger {
         self
     }
 
-    /// Sends a one-line summary of every validated epoch of `epochs` to `report`
-    /// ([`epoch_line`]).
+    /// Sends a one-line summary of every validated epoch of `epochs` to `report` (the epoch
+    /// line every mode prints).
     pub fn with_report(mut self, report: Report, epochs: usize) -> Self {
         self.report = Some(report);
         self.epochs = Some(epochs);

@@ -7,21 +7,26 @@
 //! plain progress and checkpoints; this module adds `metrics.csv`, the best-epoch rule shared by
 //! checkpoints, early stopping and the export into `model.bpk`, exact resume, and the summary.
 //!
-//! The steps of a run, one file each:
-//! - [`config`]: [`TrainConfig`] and its checks;
-//! - [`distributed`]: joining a job, every rank reading the same data;
-//! - [`sets`]: the image sets and this rank's loaders;
-//! - [`model`]: the model (seeded, optionally pretrained) and the optimizer;
+//! The steps of a run, one file each (private modules, named here for the reader):
+//! - `config`: [`TrainConfig`] and its checks;
+//! - `distributed`: joining a job, every rank reading the same data;
+//! - `sets`: the image sets and this rank's loaders;
+//! - `model`: the model (seeded, optionally pretrained) and the optimizer;
 //! - [`run_dir`]: the run directory, atomic writes, what `--resume` reads back;
-//! - [`phase`]: one Learner launch (the whole run, or the frozen / fine-tuning phases);
-//! - [`best`]: which epoch is best, which checkpoints stay, when to stop early;
-//! - [`export`]: `model.bpk`, `metrics.png`, `auroc.csv`;
-//! - [`pipeline`]: pipeline model parallelism (`--pipeline-stages`), its own loop over
-//!   burn-dist's pipeline: stages, micro-batches, per-stage checkpoints, the assembled export;
+//! - `phase`: one Learner launch for single and data-parallel runs (the whole run, or the
+//!   frozen / fine-tuning phases);
+//! - `epochs`: the one epoch loop of the modes the Learner cannot drive, over a `Strategy`;
+//! - `shared` and `objective`: what those modes share below all of them (rates and phases,
+//!   timeouts, the loss and metrics of single- and multi-label runs);
+//! - `best`: which epoch is best, which checkpoints stay, when to stop early;
+//! - `export`: `model.bpk`, `metrics.png`, `auroc.csv`;
+//! - `pipeline`: pipeline model parallelism (`--pipeline-stages`): stages, micro-batches,
+//!   per-stage checkpoints, the assembled export;
 //! - `elastic`: elastic data parallelism (`--elastic`);
 //! - `ps`: parameter servers (`--ps`), sync or asynchronous (DOWNPOUR, ADAG, DynSGD, EASGD).
 //!
-//! A new training mode is a burn-train strategy handed to [`phase::Phase`] and a file here.
+//! A new training mode is a file (or folder) here with its `Strategy` for `epochs`, or a
+//! burn-train strategy handed to `phase` where the Learner can drive it.
 
 mod best;
 mod config;
@@ -46,8 +51,8 @@ mod step;
 pub use best::{BestRule, KeepBestAndLast, Patience, best_epoch};
 pub use burn_dist::ps::Mode as PsMode;
 pub use config::{
-    AugmentPreset, DEFAULT_MODEL, MINI_VGG, Monitor, OptimizerKind, PipelineBalance,
-    PipelineOptions, TrainConfig,
+    AugmentPreset, DEFAULT_MODEL, MINI_DENSENET, MINI_VGG, MINI_VGG_PLAIN, Monitor, OptimizerKind,
+    PipelineBalance, PipelineOptions, TrainConfig,
 };
 pub use data::{ImageBatch, LoaderAdapter};
 pub use elastic::{Balance, ElasticOptions, request_leave};

@@ -1,7 +1,7 @@
 //! Shared memory between the ranks of one host.
 //!
 //! Ranks that share a host talk through a segment in `/dev/shm` instead of QUIC: framed
-//! messages through byte rings behind the [`Transport`](crate::transport::Transport) trait
+//! messages through byte rings behind the [`Transport`] trait
 //! ([`pipe`]), and allreduce computed in place in the segment ([`reduce`]). No byte is encrypted
 //! or split into datagrams, and each rank reduces its `1/n` of the buffer where it lies.
 //!

@@ -1,4 +1,4 @@
-//! One conformance suite for every [`Transport`]: call [`run`] with a connected set of ranks,
+//! One conformance suite for every [`Transport`]: call `run` with a connected set of ranks,
 //! one per thread. Each check fails loudly instead of hanging (every receive has a deadline).
 
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //!
 //! ResNet's units are the stem (convolution, batch norm, ReLU, max pool), each residual block,
 //! and the head (global pooling and the classifier). A pipeline stage is a contiguous range of
-//! units; [`ResNetConfig::init_units`] builds only that range, so a rank never holds the other
+//! units; [`ResNetConfig::init_units`](crate::ResNetConfig::init_units) builds only that range, so a rank never holds the other
 //! stages' parameters, and [`ResNet::into_units`] cuts an existing model (for weights loaded
 //! whole, and for tests). This module knows nothing about networks or ranks.
 //!
