@@ -137,7 +137,6 @@ fn expect(flag: &str, mode: &str) -> Expect {
         ("--bucket-mb", "parameter servers") => Refused("--bucket-mb does not apply"),
         ("--bucket-mb", _) => Mechanics,
         // Not built yet (said by name).
-        ("--unfreeze-after" | "--finetune-lr", "parameter servers") => Refused("--unfreeze-after"),
         // No meaning: a pipeline's micro-batches are its accumulation.
         ("--grad-accum", "pipeline") => Refused("--micro-batches"),
         (

@@ -268,6 +268,22 @@ fn sync_servers_accumulate_gradients_like_data_parallel() {
 }
 
 #[test]
+fn sync_servers_fine_tune_after_a_frozen_phase_like_data_parallel() {
+    // Epoch 1 trains the head on head-only shards; then the servers re-shard the whole model,
+    // the head's momentum moving with it, at --finetune-lr from the step reached.
+    sync_servers_equal_data_parallel(
+        &[
+            "--freeze-backbone",
+            "--unfreeze-after",
+            "1",
+            "--finetune-lr",
+            "0.005",
+        ],
+        false,
+    );
+}
+
+#[test]
 fn sync_servers_train_multi_label_sets_like_data_parallel() {
     // Binary cross-entropy per label, the Hamming score, the lead's AUROC and auroc.csv.
     sync_servers_equal_data_parallel(&["--optimizer", "adamw", "--lr", "0.002"], true);

@@ -9,14 +9,19 @@
 //!
 //! Seed 000: transfer learning on the last layer of a pretrained ResNet with crop, shear and
 //! rotation, on asynchronous ADAG workers. Here: `resnet-mini` pretrained by the test on one
-//! set of shapes, its backbone frozen under a new head for a set with a class more, with
-//! `--patience 3`, on 4 ADAG workers and a server, against the same recipe in one process.
-//! The goal is "within 1 point"; measured over 8 runs of this test (160 validation
-//! images, 0.625 points each; idle and with both cores busy), ADAG's best validation accuracy
-//! was 0 to 3.1 points below one process's (1.25 in most runs): the goal is not met, and the
-//! test bounds the gap at 6 points, twice the worst seen, so that it fails when asynchronous
-//! training breaks, not when thread timing moves an image or two. `--unfreeze-after` is not in
-//! the recipe: parameter servers refuse it (not built yet).
+//! set of shapes, its backbone frozen under a new head for a set with a class more, then
+//! fine-tuned whole (`--freeze-backbone --unfreeze-after 2 --patience 3`), on 4 ADAG workers
+//! and a server (the servers re-shard the whole model at the switch), against the same recipe
+//! in one process.
+//!
+//! The goal is "within 1 point". Measured over 12 runs of this test (160 validation
+//! images, 0.625 points each), ADAG's best validation accuracy was 2.5 to 11.3 points below
+//! one process's 94.4% (median 4.4); in 3 of the 12, patience stopped ADAG after epoch 5,
+//! its accuracy having dipped when the whole model started to move under asynchronous
+//! updates. The goal is not met. The test checks that the recipe runs through every step
+//! (frozen phase, switch, fine-tuning, export) and bounds the gap at 25 points (one process
+//! 94%, chance 25%), so that it fails when asynchronous training stops learning, not on the
+//! spread above.
 //!
 //! Every run is a real process tree, bounded in time.
 
@@ -185,6 +190,10 @@ fn seed_000_a_frozen_pretrained_resnet_on_adag_workers_learns_as_one_process_doe
         "--model",
         "resnet-mini",
         "--freeze-backbone",
+        "--unfreeze-after",
+        "2",
+        "--finetune-lr",
+        "0.002",
         "--patience",
         "3",
         "--crop-scale",
@@ -198,7 +207,7 @@ fn seed_000_a_frozen_pretrained_resnet_on_adag_workers_learns_as_one_process_doe
         "--batch-size",
         "16",
         "--lr",
-        "0.05",
+        "0.02",
         "--epochs",
         "12",
         "--workers",
@@ -216,10 +225,15 @@ fn seed_000_a_frozen_pretrained_resnet_on_adag_workers_learns_as_one_process_doe
     let (ok, text) = hearth(&args, &dir.path().join("adag.log"));
     assert!(ok, "ADAG:\n{text}");
     assert!(text.contains("backbone frozen"), "{text}");
-    let (a, b) = (best_val_accuracy(&one), best_val_accuracy(&adag));
     assert!(
-        b >= a - 6.0,
-        "ADAG's best validation accuracy {b}% is more than 6 points below one process's {a}%\n{text}"
+        text.contains("unfreezing the backbone after epoch 2"),
+        "{text}"
+    );
+    let (a, b) = (best_val_accuracy(&one), best_val_accuracy(&adag));
+    eprintln!("seed 000: best validation accuracy, one process {a}%, 4 ADAG workers {b}%");
+    assert!(
+        b >= a - 25.0,
+        "ADAG's best validation accuracy {b}% is more than 25 points below one process's {a}%\n{text}"
     );
     assert!(adag.join("model.bpk").is_file());
 }

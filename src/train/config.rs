@@ -433,15 +433,6 @@ impl TrainConfig {
         if let Some((_, what)) = unsupported.iter().find(|(on, _)| *on) {
             return bad(format!("{what} does not work with --ps yet"));
         }
-        if self.unfreeze_after.is_some() {
-            return bad(
-                "--unfreeze-after does not work with --ps yet: the servers hold shards of the \
-                 trainable tensors only (the head, with --freeze-backbone) and cannot re-shard \
-                 when the backbone joins them; the two-phase recipe runs data parallel (--nproc N) \
-                 or --elastic"
-                    .into(),
-            );
-        }
         // Combinations without a meaning here, refused for good.
         if self.optimizer == OptimizerKind::Lars {
             return bad(

@@ -335,6 +335,11 @@ impl<'a> Run<'a> {
             && done < end
         {
             let finetune_lr = cfg.finetune_lr.unwrap_or(self.lr / 10.0);
+            if let Some(comm) = &self.dist {
+                // Phase 2 starts from rank 0's checkpoint of epoch `done` on every rank (as a
+                // resume does): no rank reads it before rank 0 has written it.
+                comm.barrier()?;
+            }
             log(&format!(
                 "unfreezing the backbone after epoch {done}: fine-tuning everything at lr {finetune_lr}"
             ));

@@ -16,6 +16,8 @@ use crate::schedule::Schedule;
 pub(super) struct Rates {
     lr: Schedule,
     finetune: Option<Schedule>,
+    /// The two phases' base rates (the fine-tuning one only with `--unfreeze-after`).
+    bases: (f64, f64),
     freeze_backbone: bool,
     unfreeze_after: Option<usize>,
 }
@@ -24,12 +26,14 @@ impl Rates {
     /// `lr`: the run's rate after `--scale-lr`; `batches`: loader batches per epoch.
     pub fn new(cfg: &TrainConfig, lr: f64, batches: usize) -> Result<Self> {
         let unfreeze_after = cfg.unfreeze_after.filter(|_| cfg.freeze_backbone);
+        let finetune_lr = cfg.finetune_lr.unwrap_or(lr / 10.0);
         Ok(Self {
             lr: cfg.lr_schedule(lr, batches)?,
             finetune: match unfreeze_after {
-                Some(_) => Some(cfg.lr_schedule(cfg.finetune_lr.unwrap_or(lr / 10.0), batches)?),
+                Some(_) => Some(cfg.lr_schedule(finetune_lr, batches)?),
                 None => None,
             },
+            bases: (lr, finetune_lr),
             freeze_backbone: cfg.freeze_backbone,
             unfreeze_after,
         })
@@ -43,6 +47,15 @@ impl Rates {
     /// Whether the backbone is frozen in epoch `epoch` (from 1).
     pub fn frozen(&self, epoch: usize) -> bool {
         self.freeze_backbone && !self.fine_tuning(epoch)
+    }
+
+    /// The base rate of epoch `epoch`'s phase (its schedule's peak).
+    pub fn base(&self, epoch: usize) -> f64 {
+        if self.fine_tuning(epoch) {
+            self.bases.1
+        } else {
+            self.bases.0
+        }
     }
 
     /// The rate of the run's optimizer step `step` (from 0), taken in epoch `epoch`.

@@ -26,8 +26,13 @@
 //! each server the steps per epoch and its shard's weight-decay ranges before its values,
 //! [`SETUP`]). The asynchronous modes run the same optimizer and schedule for each worker's
 //! local steps (by its own step count) and send changes every `--window` steps; the servers
-//! apply the rule. Batch-norm statistics stay with each worker (the lead's are validated and
-//! exported, as DDP keeps rank 0's).
+//! apply the rule. Batch-norm statistics stay with each worker: in sync mode the lead's are
+//! validated and exported (as DDP keeps rank 0's); in the asynchronous modes, whose lead
+//! holds local parameters the servers' have moved away from, the lead measures them on the
+//! servers' parameters before validating.
+//!
+//! `--freeze-backbone --unfreeze-after N`: the servers hold the head's shards for N epochs,
+//! then a second session shards the whole model (see [`SETUP`]).
 
 mod state;
 mod worker;
@@ -144,22 +149,32 @@ pub(crate) const BYE: u64 = burn_dist::ps::message::APP_TAGS + 1;
 /// A worker's per-epoch statistics, sent to the lead when it is done.
 pub(crate) const STATS: u64 = burn_dist::ps::message::APP_TAGS;
 
-/// The lead's settings for one server's optimizer, sent before its values: the optimizer
-/// steps per epoch (the schedule's unit) and its shard's weight-decay ranges.
+/// The lead's settings for one server's optimizer, sent before each session's values: the
+/// optimizer steps per epoch (the schedule's unit), the phase's base rate and its shard's
+/// weight-decay ranges. A run has one session, or two with `--unfreeze-after` (the frozen
+/// phase's shards of the head, then the fine-tuning phase's shards of the whole model); an
+/// empty [`SETUP`] says there is no further session.
 pub(crate) const SETUP: u64 = burn_dist::ps::message::APP_TAGS + 2;
 
 /// What [`SETUP`] carries.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) struct ServerSetup {
     pub batches_per_epoch: u64,
+    /// The phase's rate (after `--scale-lr`; `--finetune-lr` in the fine-tuning phase).
+    pub lr: f64,
     /// Value ranges of the shard (shard indices) that weight decay applies to.
     pub decay: Vec<Range<usize>>,
 }
 
 impl ServerSetup {
-    /// Little-endian `u64`s: steps per epoch, the number of ranges, then each start and end.
+    /// Little-endian `u64`s: steps per epoch, the rate's bits, the number of ranges, then each
+    /// start and end.
     pub fn encode(&self) -> Vec<u8> {
-        let mut words = vec![self.batches_per_epoch, self.decay.len() as u64];
+        let mut words = vec![
+            self.batches_per_epoch,
+            self.lr.to_bits(),
+            self.decay.len() as u64,
+        ];
         for r in &self.decay {
             words.extend([r.start as u64, r.end as u64]);
         }
@@ -169,22 +184,26 @@ impl ServerSetup {
     /// The setup for a shard of `shard_len` values; anything else is an error naming it.
     pub fn decode(bytes: &[u8], shard_len: usize) -> Result<Self> {
         let bad = |m: String| HearthError::Training(format!("parameter server setup: {m}"));
-        if !bytes.len().is_multiple_of(8) || bytes.len() < 16 {
+        if !bytes.len().is_multiple_of(8) || bytes.len() < 24 {
             return Err(bad(format!("{} bytes", bytes.len())));
         }
         let words: Vec<u64> = bytes
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
             .collect();
-        let n = usize::try_from(words[1]).unwrap_or(usize::MAX);
-        if words.len() != n.saturating_mul(2).saturating_add(2) {
+        let lr = f64::from_bits(words[1]);
+        if !(lr.is_finite() && lr > 0.0) {
+            return Err(bad(format!("a rate of {lr}")));
+        }
+        let n = usize::try_from(words[2]).unwrap_or(usize::MAX);
+        if words.len() != n.saturating_mul(2).saturating_add(3) {
             return Err(bad(format!(
                 "{n} ranges in {} words",
-                words.len().saturating_sub(2)
+                words.len().saturating_sub(3)
             )));
         }
         let mut decay = Vec::with_capacity(n);
-        for pair in words[2..].chunks_exact(2) {
+        for pair in words[3..].chunks_exact(2) {
             let (a, b) = (pair[0] as usize, pair[1] as usize);
             if a >= b || b > shard_len {
                 return Err(bad(format!(
@@ -195,6 +214,7 @@ impl ServerSetup {
         }
         Ok(Self {
             batches_per_epoch: words[0].max(1),
+            lr,
             decay,
         })
     }
@@ -247,15 +267,10 @@ pub(crate) fn decay_ranges<M: Module>(cfg: &TrainConfig, model: &M) -> Vec<Range
 }
 
 /// The servers' settings from the run's, once the lead's [`ServerSetup`] is known.
-fn server_config(
-    cfg: &TrainConfig,
-    opts: &PsOptions,
-    lr: f64,
-    setup: ServerSetup,
-) -> Result<ServerConfig> {
+fn server_config(cfg: &TrainConfig, opts: &PsOptions, setup: ServerSetup) -> Result<ServerConfig> {
     let mut s = ServerConfig::new(opts.mode);
     s.window = opts.window;
-    s.optimizer = flat_optimizer(cfg, lr, setup.batches_per_epoch as usize, setup.decay)?;
+    s.optimizer = flat_optimizer(cfg, setup.lr, setup.batches_per_epoch as usize, setup.decay)?;
     s.max_staleness = opts.staleness;
     s.idle_timeout = super::shared::collective_timeout().max(Duration::from_secs(600));
     Ok(s)
@@ -275,42 +290,50 @@ fn connect(info: &RankInfo, rank: usize, world: usize) -> Result<Arc<dyn Transpo
     Ok(Arc::new(t))
 }
 
-/// One server's life: its optimizer's setup and its shard from the lead, serving, its final
-/// state to the lead, then the lead's goodbye.
+/// One server's life: for each of the run's sessions (one per transfer-learning phase), its
+/// optimizer's setup and its shard from the lead, serving, its final state to the lead; then
+/// the lead's goodbye. Returns the last session's report.
 fn serve(
     t: &dyn Transport,
     cfg: &TrainConfig,
     opts: &PsOptions,
-    lr: f64,
     roles: Roles,
     log: &mut dyn FnMut(&str),
 ) -> Result<ServerReport> {
     let shard = t.rank() - roles.workers;
-    let deadline = Instant::now() + super::shared::collective_timeout() * 5;
-    let bytes = t.recv(0, Kind::Ps, SETUP, deadline)?;
-    // The shard's length is known with its values; the ranges are checked against the
-    // largest a shard can be here and again by the optimizer's clipping.
-    let setup = ServerSetup::decode(&bytes, usize::MAX)?;
-    let scfg = server_config(cfg, opts, lr, setup)?;
-    let report = run_server(t, &scfg, 0, &roles.worker_ranks(), deadline, log)?;
-    let mut line = format!(
-        "parameter server {shard}: {} values, {} updates, {:.1} MB in, {:.1} MB out, largest lead {} steps",
-        report.values.len(),
-        report.version,
-        report.bytes_in as f64 / 1e6,
-        report.bytes_out as f64 / 1e6,
-        report.max_lead
-    );
-    for (w, (rounds, waited)) in &report.waited_for {
-        line.push_str(&format!(
-            "; waited for worker {w} in {rounds} rounds ({:.1} s)",
-            waited.as_secs_f64()
-        ));
+    let mut last = None;
+    loop {
+        // The lead validates and exports between sessions: a long wait that its loss ends.
+        let deadline = Instant::now() + super::shared::collective_timeout() * 5;
+        let bytes = t.recv(0, Kind::Ps, SETUP, deadline)?;
+        if bytes.is_empty() {
+            break;
+        }
+        // The shard's length is known with its values; the ranges are checked against the
+        // largest a shard can be here and again by the optimizer's clipping.
+        let setup = ServerSetup::decode(&bytes, usize::MAX)?;
+        let scfg = server_config(cfg, opts, setup)?;
+        let report = run_server(t, &scfg, 0, &roles.worker_ranks(), deadline, log)?;
+        let mut line = format!(
+            "parameter server {shard}: {} values, {} updates, {:.1} MB in, {:.1} MB out, largest lead {} steps",
+            report.values.len(),
+            report.version,
+            report.bytes_in as f64 / 1e6,
+            report.bytes_out as f64 / 1e6,
+            report.max_lead
+        );
+        for (w, (rounds, waited)) in &report.waited_for {
+            line.push_str(&format!(
+                "; waited for worker {w} in {rounds} rounds ({:.1} s)",
+                waited.as_secs_f64()
+            ));
+        }
+        for (w, why) in &report.dropped {
+            line.push_str(&format!("; dropped worker {w}: {why}"));
+        }
+        log(&line);
+        last = Some(report);
     }
-    for (w, why) in &report.dropped {
-        line.push_str(&format!("; dropped worker {w}: {why}"));
-    }
-    log(&line);
     // The lead may still be exporting; its goodbye (or its loss) ends this rank.
     let _ = t.recv(
         0,
@@ -318,7 +341,7 @@ fn serve(
         BYE,
         Instant::now() + super::shared::collective_timeout(),
     );
-    Ok(report)
+    last.ok_or_else(|| HearthError::Training(format!("parameter server {shard}: no session")))
 }
 
 /// Trains with parameter servers; see the module docs.
@@ -342,7 +365,7 @@ pub fn train(
         let (cfg, opts) = (cfg.clone(), opts.clone());
         std::thread::spawn(move || -> Result<ServerReport> {
             let t = connect(&info, roles.workers + info.rank, roles.world())?;
-            serve(&*t, &cfg, &opts, lr, roles, &mut |l| eprintln!("{l}"))
+            serve(&*t, &cfg, &opts, roles, &mut |l| eprintln!("{l}"))
         })
     });
     let Some(rank) = worker_rank else {
@@ -354,7 +377,7 @@ pub fn train(
                 roles.servers, roles.workers, opts.mode
             ));
         }
-        serve(&*t, cfg, opts, lr, roles, log)?;
+        serve(&*t, cfg, opts, roles, log)?;
         return Ok(server_report(cfg, started, info.rank, roles));
     };
     let t = connect(&info, rank, roles.world())?;
@@ -387,6 +410,7 @@ mod tests {
     fn server_setup_round_trips_and_garbage_is_named() {
         let s = ServerSetup {
             batches_per_epoch: 7,
+            lr: 0.25,
             decay: vec![0..3, 5..9],
         };
         assert_eq!(ServerSetup::decode(&s.encode(), 9).unwrap(), s);
@@ -400,8 +424,12 @@ mod tests {
             assert!(e.contains("parameter server setup"), "{cut}: {e}");
         }
         let mut huge = bytes.clone();
-        huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        huge[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(ServerSetup::decode(&huge, 9).is_err());
+        let mut nan = bytes.clone();
+        nan[8..16].copy_from_slice(&f64::NAN.to_bits().to_le_bytes());
+        let e = ServerSetup::decode(&nan, 9).unwrap_err().to_string();
+        assert!(e.contains("rate"), "{e}");
     }
 
     #[test]

@@ -205,3 +205,127 @@ mod tests {
         assert!(decode_stats(&encode_stats(&rows)[..20]).is_err());
     }
 }
+
+/// Trainable tensors (name, values) in flat order, and the shards' ranges of that vector.
+#[derive(Clone, Copy)]
+pub(super) struct Sharding<'a> {
+    pub tensors: &'a [(String, usize)],
+    pub ranges: &'a [std::ops::Range<usize>],
+}
+
+/// The servers' optimizer state re-sharded for a new set of trainable tensors (the fine-tuning
+/// phase after `--unfreeze-after`): each shard's state is `k` arrays over its values (momentum;
+/// or Adam's two moments); a tensor trained before keeps its state at its new place, a tensor
+/// new to training starts at zero (SGD's first step from a zero buffer is its first step from
+/// none). `old` before, with each shard's `states`; `new` after. Returns each new shard's
+/// state (all empty when the old states are empty or do not fit).
+pub(super) fn reshard_optim_state(
+    old: Sharding,
+    states: &[ShardState],
+    new: Sharding,
+) -> Vec<Vec<f32>> {
+    let (old_tensors, old_ranges) = (old.tensors, old.ranges);
+    let (new_tensors, new_ranges) = (new.tensors, new.ranges);
+    let empty = || vec![Vec::new(); new_ranges.len()];
+    let old_total: usize = old_tensors.iter().map(|t| t.1).sum();
+    let new_total: usize = new_tensors.iter().map(|t| t.1).sum();
+    let Some(first) = states.first() else {
+        return empty();
+    };
+    let k = first.optim_state.len() / first.values.len().max(1);
+    let fits = k > 0
+        && states.len() == old_ranges.len()
+        && states
+            .iter()
+            .zip(old_ranges)
+            .all(|(s, r)| s.values.len() == r.len() && s.optim_state.len() == k * r.len());
+    if !fits {
+        return empty();
+    }
+    // Each of the k arrays over the old flat vector, then over the new one.
+    let mut new_arrays = vec![vec![0f32; new_total]; k];
+    let mut old_arrays = vec![vec![0f32; old_total]; k];
+    for (s, r) in states.iter().zip(old_ranges) {
+        for (j, array) in old_arrays.iter_mut().enumerate() {
+            array[r.clone()].copy_from_slice(&s.optim_state[j * r.len()..(j + 1) * r.len()]);
+        }
+    }
+    let offsets = |tensors: &[(String, usize)]| {
+        let mut at = 0;
+        tensors
+            .iter()
+            .map(|(name, len)| {
+                at += len;
+                (name.clone(), (at - len, *len))
+            })
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let new_at = offsets(new_tensors);
+    for (name, (from, len)) in offsets(old_tensors) {
+        if let Some(&(to, n)) = new_at.get(&name)
+            && n == len
+        {
+            for (o, a) in old_arrays.iter().zip(new_arrays.iter_mut()) {
+                a[to..to + len].copy_from_slice(&o[from..from + len]);
+            }
+        }
+    }
+    new_ranges
+        .iter()
+        .map(|r| {
+            new_arrays
+                .iter()
+                .flat_map(|a| a[r.clone()].iter().copied())
+                .collect()
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod reshard_tests {
+    use super::*;
+
+    #[test]
+    fn a_head_keeps_its_state_and_a_new_tensor_starts_at_zero() {
+        let t = |n: &str, l: usize| (n.to_string(), l);
+        // Before: the head (fc.w 2, fc.b 1) on 2 shards, Adam (k = 2).
+        let old_tensors = [t("fc.w", 2), t("fc.b", 1)];
+        let old_ranges = [0..2, 2..3];
+        let states = [
+            ShardState {
+                version: 4,
+                values: vec![0.0; 2],
+                optim_state: vec![1.0, 2.0, 10.0, 20.0],
+            },
+            ShardState {
+                version: 4,
+                values: vec![0.0; 1],
+                optim_state: vec![3.0, 30.0],
+            },
+        ];
+        // After: conv.w 3 in front, on 2 shards of 3.
+        let new_tensors = [t("conv.w", 3), t("fc.w", 2), t("fc.b", 1)];
+        let new_ranges = [0..3, 3..6];
+        let old = Sharding {
+            tensors: &old_tensors,
+            ranges: &old_ranges,
+        };
+        let new = Sharding {
+            tensors: &new_tensors,
+            ranges: &new_ranges,
+        };
+        let out = reshard_optim_state(old, &states, new);
+        assert_eq!(out[0], vec![0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+        assert_eq!(out[1], vec![1.0, 2.0, 3.0, 10.0, 20.0, 30.0]);
+        // No state (an asynchronous mode, or nothing stepped): none after.
+        let bare: Vec<ShardState> = states
+            .iter()
+            .map(|s| ShardState {
+                optim_state: Vec::new(),
+                ..s.clone()
+            })
+            .collect();
+        let out = reshard_optim_state(old, &bare, new);
+        assert!(out.iter().all(Vec::is_empty));
+    }
+}

@@ -16,21 +16,22 @@ use burn_dist::ps::message::ShardState;
 use burn_dist::ps::module::{
     trainable_grads, trainable_names, trainable_values, with_trainable_values,
 };
-use burn_dist::ps::optim::ShardOptimizer;
 use burn_dist::transport::Transport;
 use burn_dist::transport::group::Group;
 use burn_dist::wire::Kind;
 use burn_dist::{Communicator, DistError};
 use hearth_models::{Classifier, ModelConfig};
 
-use super::state::{EpochStats, PsState, decode_stats, encode_stats, state_file};
+use super::state::{
+    EpochStats, PsState, Sharding, decode_stats, encode_stats, reshard_optim_state, state_file,
+};
 use super::{BYE, PsOptions, Roles, SETUP, STATS, ServerSetup, decay_ranges, flat_optimizer};
 use crate::train::best::{export_checkpoint, model_checkpoint, save_epoch_weights};
 use crate::train::epochs::{Epochs, Row, Strategy};
 use crate::train::export::auroc_report;
 use crate::train::model::{SEED_LOCK, epoch_seed, init_model, model_config};
 use crate::train::objective::{Objective, ValScores};
-use crate::train::shared::{collective_timeout, epoch_lr, hook};
+use crate::train::shared::{Rates, collective_timeout, epoch_lr, hook};
 use crate::train::{TrainConfig, TrainReport, distributed, run_dir, sets};
 use crate::{HearthError, Result};
 
@@ -43,7 +44,6 @@ struct Worker<'a> {
     opts: &'a PsOptions,
     roles: Roles,
     rank: usize,
-    lr: f64,
     t: Arc<dyn Transport>,
     device: Device,
     plain_device: Device,
@@ -56,9 +56,11 @@ struct Worker<'a> {
     started: Instant,
     delay: Option<u64>,
     die_at: Option<u64>,
-    /// The run's optimizer and schedule with the loader batches per epoch (the `train_lr`
-    /// column, as burn-train's metric writes it for data parallel runs: [`epoch_lr`]).
-    schedule: Option<(ShardOptimizer, usize)>,
+    /// Each optimizer step's rate and the transfer-learning phases (the `train_lr` column, as
+    /// burn-train's metric writes it for data parallel runs: [`epoch_lr`]).
+    rates: Rates,
+    /// Loader batches per epoch on this worker.
+    batches: usize,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -113,12 +115,14 @@ pub(super) fn train(
         log("backbone frozen: only the head trains");
         model = model.freeze_backbone();
     }
+    // Loader batches per epoch (optimizer steps: a K-th of them with `--grad-accum K`).
+    let batches = loaders.train.batches_per_epoch().max(1);
+    let rates = Rates::new(cfg, lr, batches)?;
     let mut w = Worker {
         cfg,
         opts,
         roles,
         rank,
-        lr,
         t,
         device: ad,
         plain_device: device.clone(),
@@ -132,38 +136,22 @@ pub(super) fn train(
         // Test hooks, as the elastic trainer's ("w1:50,w2:10" names workers by rank).
         delay: hook("HEARTH_PS_DELAY_MS", &format!("w{rank}")),
         die_at: hook("HEARTH_PS_DIE_AT_STEP", &format!("w{rank}")),
-        schedule: None,
+        rates,
+        batches,
     };
     let epochs = Epochs::new(cfg, rank == 0);
     let resume = w.resume(&comm, &epochs, log)?;
     let first = resume.as_ref().map_or(0, |s| s.epoch);
     epochs.check_left(first)?;
-    let layout = Layout::new(&trainable_names(&w.model), roles.servers)?;
-    let mut client = Client::new(w.t.clone(), layout.clone(), roles.server_ranks())?;
-    client.timeout = collective_timeout().max(Duration::from_secs(600));
-    // Optimizer steps: a K-th of the batches with `--grad-accum K`.
-    let batches = w.loaders.train.batches_per_epoch().max(1);
-    let steps_per_epoch = cfg.optimizer_steps(batches);
-    // The run's optimizer over the whole vector: the asynchronous modes' local steps (by this
-    // worker's step count; a resume goes on from the steps of the epochs done), and each
-    // server's, restricted to its shard.
-    let local = flat_optimizer(cfg, lr, batches, decay_ranges(cfg, &w.model))?;
-    if rank == 0 {
-        for (s, &server) in roles.server_ranks().iter().enumerate() {
-            let setup = ServerSetup {
-                batches_per_epoch: batches as u64,
-                decay: local.restrict(layout.range(s)).decay,
-            };
-            w.t.send(server, Kind::Ps, SETUP, setup.encode())?;
-        }
-        client.init_servers(w.starting_state(&layout, resume)?)?;
+    // A resume inside the fine-tuning phase trains (and its checkpoint holds) every tensor.
+    let unfrozen = w.rates.fine_tuning(first + 1);
+    if unfrozen {
+        w.model = w.model.clone().unfreeze();
     }
-    w.schedule = Some((local.clone(), batches));
-    let (ps, params) = PsWorker::start(client, opts.mode, opts.window, lr as f32, opts.rho as f32)?;
-    let ps = ps
-        .with_optimizer(local)
-        .resumed_at((first * steps_per_epoch) as u64);
-    w.model = with_trainable_values(w.model, &params)?;
+    let steps_before = (first * cfg.optimizer_steps(batches)) as u64;
+    let (ps, params) = w.session(first + 1, steps_before, |w, layout| {
+        w.starting_state(layout, resume)
+    })?;
     // Early stopping: the lead's decision reaches every worker at each epoch's end (only then
     // do the asynchronous workers wait for each other; a long wait: the lead validates).
     let stop = match cfg.patience {
@@ -172,6 +160,14 @@ pub(super) fn train(
                 .with_timeout(PATIENT),
         ),
         None => None,
+    };
+    // `--unfreeze-after`: the workers agree on the switch to the fine-tuning session.
+    let phase = match w.rates.fine_tuning(epochs.end()) && !unfrozen {
+        true => Some(
+            Communicator::new(Arc::new(Group::new(w.t.clone(), roles.worker_ranks(), 4)?))
+                .with_timeout(PATIENT),
+        ),
+        false => None,
     };
     let mut strategy = PsStrategy {
         w: &mut w,
@@ -182,6 +178,7 @@ pub(super) fn train(
         end: epochs.end(),
         served: None,
         stop,
+        phase,
     };
     let last = epochs.run(first, &mut strategy, log)?;
     let mut client = match (strategy.client.take(), strategy.ps.take()) {
@@ -218,10 +215,96 @@ struct PsStrategy<'w, 'a> {
     served: Option<(Classifier, Vec<ShardState>)>,
     /// Early stopping's agreement among the workers.
     stop: Option<Communicator>,
+    /// `--unfreeze-after`: the workers' agreement that the fine-tuning session is set up,
+    /// until the switch.
+    phase: Option<Communicator>,
+}
+
+impl PsStrategy<'_, '_> {
+    /// The switch to the fine-tuning phase before `epoch`: the frozen phase's session ends
+    /// (the lead takes the servers' final head), every tensor becomes trainable, and a new
+    /// session shards the whole model over the servers at `--finetune-lr`, its rate going on
+    /// from the steps taken. The head's optimizer state moves to its new shards; the
+    /// backbone's starts at zero.
+    fn unfreeze(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) -> Result<()> {
+        let Some(phase) = self.phase.take() else {
+            return Ok(());
+        };
+        let ps = self
+            .ps
+            .take()
+            .ok_or_else(|| HearthError::Training("the worker already finished".into()))?;
+        let steps = ps.steps();
+        let old_layout = ps.client.layout().clone();
+        let old_tensors = trainable_names(&self.w.model);
+        let mut client = ps.finish()?;
+        let mut version = 0;
+        let mut old_states = Vec::new();
+        if self.w.rank == 0 {
+            // Every worker is done with the frozen phase once the servers send their states.
+            client.timeout = PATIENT;
+            let states = client.final_states()?;
+            version = states.iter().map(|s| s.version).max().unwrap_or(0);
+            let head: Vec<f32> = states
+                .iter()
+                .flat_map(|s| s.values.iter().copied())
+                .collect();
+            self.w.model = with_trainable_values(self.w.model.clone(), &head)?;
+            old_states = states;
+            log(&format!(
+                "unfreezing the backbone after epoch {}: fine-tuning everything at lr {}",
+                epoch - 1,
+                self.w.rates.base(epoch)
+            ));
+        }
+        self.w.model = self.w.model.clone().unfreeze();
+        let mut go = [0f32];
+        if self.w.rank != 0 {
+            // A request for the new session must not reach a server still in the old one:
+            // wait until the lead has set every server up.
+            phase.broadcast(&mut go, 0)?;
+        }
+        let (ps, params) = self.w.session(epoch, steps, |w, layout| {
+            let values = trainable_values(&w.model);
+            let ranges = |l: &Layout| (0..l.servers()).map(|i| l.range(i)).collect::<Vec<_>>();
+            // The head's optimizer state goes on (as one process's fine-tuning phase loads
+            // it from the checkpoint); the backbone's starts.
+            let (before, after) = (ranges(&old_layout), ranges(layout));
+            let now = trainable_names(&w.model);
+            let optim = reshard_optim_state(
+                Sharding {
+                    tensors: &old_tensors,
+                    ranges: &before,
+                },
+                &old_states,
+                Sharding {
+                    tensors: &now,
+                    ranges: &after,
+                },
+            );
+            Ok((0..layout.servers())
+                .zip(optim)
+                .map(|(i, optim_state)| ShardState {
+                    version,
+                    values: values[layout.range(i)].to_vec(),
+                    optim_state,
+                })
+                .collect())
+        })?;
+        if self.w.rank == 0 {
+            phase.broadcast(&mut go, 0)?;
+        }
+        self.ps = Some(ps);
+        self.params = params;
+        Ok(())
+    }
 }
 
 impl Strategy for PsStrategy<'_, '_> {
     fn epoch(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) -> Result<Option<Row>> {
+        if self.w.rates.fine_tuning(epoch) {
+            self.unfreeze(epoch, log)?;
+        }
         let ps = self
             .ps
             .as_mut()
@@ -268,6 +351,48 @@ impl Strategy for PsStrategy<'_, '_> {
 }
 
 impl Worker<'_> {
+    /// Starts a session with the servers for the model's trainable tensors in the phase of
+    /// `epoch`: the lead sends each server its optimizer's setup (the phase's rate and
+    /// schedule) and its starting shard (`states`); every worker pulls the values. `steps`:
+    /// this worker's optimizer steps before (the asynchronous modes' local rate goes on from
+    /// there).
+    fn session(
+        &mut self,
+        epoch: usize,
+        steps: u64,
+        states: impl FnOnce(&Self, &Layout) -> Result<Vec<ShardState>>,
+    ) -> Result<(PsWorker, Vec<f32>)> {
+        let cfg = self.cfg;
+        let layout = Layout::new(&trainable_names(&self.model), self.roles.servers)?;
+        let mut client = Client::new(self.t.clone(), layout.clone(), self.roles.server_ranks())?;
+        client.timeout = collective_timeout().max(Duration::from_secs(600));
+        let lr = self.rates.base(epoch);
+        // The run's optimizer over the whole vector: the asynchronous modes' local steps (by
+        // this worker's step count), and each server's, restricted to its shard.
+        let local = flat_optimizer(cfg, lr, self.batches, decay_ranges(cfg, &self.model))?;
+        if self.rank == 0 {
+            for (s, &server) in self.roles.server_ranks().iter().enumerate() {
+                let setup = ServerSetup {
+                    batches_per_epoch: self.batches as u64,
+                    lr,
+                    decay: local.restrict(layout.range(s)).decay,
+                };
+                self.t.send(server, Kind::Ps, SETUP, setup.encode())?;
+            }
+            client.init_servers(states(self, &layout)?)?;
+        }
+        let (ps, params) = PsWorker::start(
+            client,
+            self.opts.mode,
+            self.opts.window,
+            lr as f32,
+            self.opts.rho as f32,
+        )?;
+        let ps = ps.with_optimizer(local).resumed_at(steps);
+        self.model = with_trainable_values(self.model.clone(), &params)?;
+        Ok((ps, params))
+    }
+
     /// `--resume`: the lead reads `checkpoint/ps.state` and its epoch's weights (its batch-norm
     /// statistics); every worker learns the epoch to go on after.
     fn resume(
@@ -420,7 +545,10 @@ impl Worker<'_> {
             .iter()
             .flat_map(|s| s.values.iter().copied())
             .collect();
-        let served = with_trainable_values(self.model.clone(), &values)?;
+        let mut served = with_trainable_values(self.model.clone(), &values)?;
+        if self.opts.mode != burn_dist::ps::Mode::Sync {
+            served = self.measure_batch_norm(served, epoch)?;
+        }
         let valid = served.valid();
         let mut sums = [0f64; 3];
         // The lead validates the whole set alone: its scores need no gathering.
@@ -444,14 +572,12 @@ impl Worker<'_> {
             ("val_accuracy", 100.0 * ratio(sums[1], sums[2])),
             (
                 "train_lr",
-                self.schedule.as_ref().map_or(self.lr, |(o, batches)| {
-                    epoch_lr(
-                        |i| f64::from(o.lr_at(i as u64)),
-                        epoch,
-                        *batches,
-                        self.cfg.grad_accum.unwrap_or(1),
-                    )
-                }),
+                epoch_lr(
+                    |i| self.rates.rate(epoch, i),
+                    epoch,
+                    self.batches,
+                    self.cfg.grad_accum.unwrap_or(1),
+                ),
             ),
             ("elapsed_seconds", self.started.elapsed().as_secs_f64()),
             (
@@ -466,6 +592,28 @@ impl Worker<'_> {
             row.insert("val_auroc".into(), a);
         }
         Ok((row, served))
+    }
+
+    /// Asynchronous modes: the servers' parameters with batch-norm statistics measured on
+    /// them (forward passes in training mode over up to 50 of the lead's training batches,
+    /// nothing learned). The lead's own statistics follow its local parameters, which the
+    /// other workers' updates move away from the servers' (most after `--unfreeze-after`,
+    /// when the backbone's layers move); in sync mode they are the servers' already.
+    fn measure_batch_norm(&self, served: Classifier, epoch: usize) -> Result<Classifier> {
+        if let ModelConfig::Vgg(v) = &self.config
+            && !v.batch_norm
+        {
+            return Ok(served);
+        }
+        let stream = self
+            .loaders
+            .train
+            .epoch(u64::MAX / 2 + epoch as u64, &self.device);
+        for batch in stream.take(50) {
+            let (images, _) = self.objective.split(batch?)?;
+            let _ = served.forward(images);
+        }
+        Ok(served)
     }
 
     /// The lead's checkpoint of `epoch`: the servers' model and their state (the best epoch's
@@ -501,6 +649,10 @@ impl Worker<'_> {
         last: usize,
         log: &mut dyn FnMut(&str),
     ) -> Result<TrainReport> {
+        // The servers' sessions are over: no further one follows.
+        for &server in &self.roles.server_ranks() {
+            self.t.send(server, Kind::Ps, SETUP, Vec::new())?;
+        }
         let mut all: Vec<(usize, Vec<EpochStats>)> = vec![(0, self.stats.clone())];
         let deadline = Instant::now() + collective_timeout();
         for r in 1..self.roles.workers {
