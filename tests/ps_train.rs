@@ -284,6 +284,65 @@ fn sync_servers_fine_tune_after_a_frozen_phase_like_data_parallel() {
 }
 
 #[test]
+fn sync_servers_resume_exactly_at_and_after_the_fine_tuning_switch() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = elastic_data(dir.path());
+    let base = [
+        "--batch-size",
+        "24",
+        "--model",
+        "vgg-mini-plain",
+        "--epochs",
+        "3",
+        "--freeze-backbone",
+        "--unfreeze-after",
+        "1",
+    ];
+    let ps = ["--ps", "1", "--mode", "sync"];
+    let run = |name: &str, extra: &[&str]| {
+        let path = dir.path().join(name);
+        let mut args = ps.to_vec();
+        args.extend_from_slice(extra);
+        let mut job = Job::spawn(dir.path(), &data, &path, 3, &base, &args, &[]);
+        let ok = job.wait(300);
+        assert!(
+            ok.iter().all(|&o| o),
+            "{name} {extra:?}: {}",
+            job.all_logs()
+        );
+        job.log(0)
+    };
+    run("straight", &[]);
+    let last = |name: &str| -> BTreeMap<String, Vec<f32>> {
+        common::tensors(&dir.path().join(name).join("checkpoint/model-3.bpk"))
+            .into_iter()
+            .collect()
+    };
+    let straight = last("straight");
+    // Stopped after the frozen epoch (the switch comes first on resume) and after the first
+    // fine-tuning epoch (the checkpoint holds the whole model's shards).
+    for (name, stop) in [("at", "1"), ("after", "2")] {
+        run(name, &["--stop-after-epoch", stop]);
+        let log = run(name, &["--resume"]);
+        assert!(
+            log.contains(&format!("resuming after epoch {stop}")),
+            "{log}"
+        );
+        let resumed = last(name);
+        let worst = straight
+            .iter()
+            .map(|(k, a)| {
+                a.iter()
+                    .zip(&resumed[k])
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max)
+            })
+            .fold(0f32, f32::max);
+        assert!(worst <= 1e-5, "resumed after epoch {stop}: {worst}");
+    }
+}
+
+#[test]
 fn sync_servers_train_multi_label_sets_like_data_parallel() {
     // Binary cross-entropy per label, the Hamming score, the lead's AUROC and auroc.csv.
     sync_servers_equal_data_parallel(&["--optimizer", "adamw", "--lr", "0.002"], true);

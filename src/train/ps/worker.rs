@@ -143,8 +143,9 @@ pub(super) fn train(
     let resume = w.resume(&comm, &epochs, log)?;
     let first = resume.as_ref().map_or(0, |s| s.epoch);
     epochs.check_left(first)?;
-    // A resume inside the fine-tuning phase trains (and its checkpoint holds) every tensor.
-    let unfrozen = w.rates.fine_tuning(first + 1);
+    // A resume after a fine-tuning epoch trains (and its checkpoint holds) every tensor; one
+    // after the last frozen epoch starts from the head's shards and switches at once.
+    let unfrozen = w.rates.fine_tuning(first);
     if unfrozen {
         w.model = w.model.clone().unfreeze();
     }
