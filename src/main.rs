@@ -118,10 +118,14 @@ enum DataCommand {
 
 #[derive(Args)]
 struct SynthArgs {
+    /// Folder to write (train/<class>/..., and val/ with --val-per-class); it must be new or
+    /// empty, or a synthetic set written before (with --overwrite).
     #[arg(long)]
     out: PathBuf,
+    /// Number of classes (shapes and colours).
     #[arg(long, default_value_t = 10)]
     classes: usize,
+    /// Training images per class.
     #[arg(long, default_value_t = 200)]
     per_class: usize,
     /// Image side in pixels.
@@ -130,12 +134,20 @@ struct SynthArgs {
     /// Also write val/ with this many images per class (train/ then holds --per-class).
     #[arg(long, default_value_t = 0)]
     val_per_class: usize,
+    /// Seed of the images' randomness (the same seed writes the same images).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Write JPEG files instead of PNG.
     #[arg(long)]
     jpeg: bool,
+    /// Replace the synthetic set already in --out (only one this command wrote; another
+    /// folder's files are never deleted).
+    #[arg(long)]
+    overwrite: bool,
 }
+
+/// The file `hearth data synth` leaves in its folder: how `--overwrite` knows it wrote it.
+const SYNTH_MARK: &str = ".hearth-synth";
 
 fn main() {
     // Output piped into `head` and the like ends the process quietly, as other command-line
@@ -347,8 +359,33 @@ fn data_synth(args: SynthArgs) -> Result<()> {
         .with_seed(args.seed)
         .with_val(args.val_per_class)
         .with_jpeg(args.jpeg);
+    let out = &args.out;
+    let occupied = std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_some());
+    if occupied {
+        match (out.join(SYNTH_MARK).is_file(), args.overwrite) {
+            (true, true) => std::fs::remove_dir_all(out)
+                .with_context(|| format!("removing the earlier synthetic set {}", out.display()))?,
+            (true, false) => anyhow::bail!(
+                "{} holds a synthetic set written before: --overwrite replaces it",
+                out.display()
+            ),
+            (false, _) => anyhow::bail!(
+                "{} is not empty and is no synthetic set this command wrote: give a new or empty \
+                 folder (it never writes into, or deletes, another data set)",
+                out.display()
+            ),
+        }
+    }
     let started = Instant::now();
-    let n = generate(&args.out, &cfg)?;
+    let n = generate(out, &cfg)?;
+    std::fs::write(
+        out.join(SYNTH_MARK),
+        format!(
+            "{{\"classes\": {}, \"per_class\": {}, \"val_per_class\": {}, \"size\": {}, \"seed\": {}}}\n",
+            args.classes, args.per_class, args.val_per_class, args.size, args.seed
+        ),
+    )
+    .with_context(|| format!("writing {}", out.join(SYNTH_MARK).display()))?;
     println!(
         "wrote {n} images ({} classes, {}x{}) to {} in {:.1} s",
         args.classes,

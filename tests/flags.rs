@@ -73,6 +73,7 @@ fn setting(flag: &str) -> Vec<&'static str> {
         "--seed" => &["--seed", "3"],
         "--run-dir" => &["--run-dir", "somewhere"],
         "--resume" => &["--resume", "somewhere"],
+        "--overwrite" => &["--overwrite"],
         "--stop-after-epoch" => &["--stop-after-epoch", "2"],
         "--price-per-hour" => &["--price-per-hour", "2.5"],
         "--grad-accum" => &["--grad-accum", "2"],
@@ -140,8 +141,8 @@ fn expect(flag: &str, mode: &str) -> Expect {
         // No meaning: a pipeline's micro-batches are its accumulation.
         ("--grad-accum", "pipeline") => Refused("--micro-batches"),
         (
-            "--workers" | "--run-dir" | "--resume" | "--stop-after-epoch" | "--price-per-hour"
-            | "--device",
+            "--workers" | "--run-dir" | "--resume" | "--overwrite" | "--stop-after-epoch"
+            | "--price-per-hour" | "--device",
             _,
         ) => Mechanics,
         _ => Recorded,

@@ -472,3 +472,38 @@ fn unfreezing_after_an_epoch_fine_tunes_the_backbone_and_resumes_exactly() {
     assert_eq!((report.epochs_run, report.best_epoch), (2, 1));
     assert_exported_is(&report.model_path, &ckpt("patient", 1));
 }
+
+#[test]
+fn a_new_run_into_a_finished_runs_directory_is_refused_unless_overwrite() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    let run_dir = dir.path().join("run");
+    let mut cfg = config(&d, run_dir.clone());
+    cfg.epochs = 1;
+    run(&cfg);
+    let model = std::fs::read(run_dir.join("model.bpk")).unwrap();
+    let metrics = std::fs::read(run_dir.join("metrics.csv")).unwrap();
+    // The same command again: an error naming the run and the ways on, nothing touched.
+    let e = train(&cfg, &Device::flex(), &mut |_| {})
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("already holds a run"), "{e}");
+    assert!(e.contains("--resume") && e.contains("--overwrite"), "{e}");
+    assert!(e.contains("model.bpk") && e.contains("checkpoint"), "{e}");
+    assert_eq!(std::fs::read(run_dir.join("model.bpk")).unwrap(), model);
+    assert_eq!(std::fs::read(run_dir.join("metrics.csv")).unwrap(), metrics);
+    // --overwrite: the earlier run's files go, a new run is written in their place.
+    std::fs::write(run_dir.join("checkpoint/model-7.bpk"), b"stale").unwrap();
+    let mut again = cfg.clone();
+    again.overwrite = true;
+    again.seed = 5;
+    let mut said = Vec::new();
+    train(&again, &Device::flex(), &mut |l| said.push(l.to_string())).unwrap();
+    assert!(
+        said.iter().any(|l| l.contains("--overwrite: removed")),
+        "{said:?}"
+    );
+    assert!(!run_dir.join("checkpoint/model-7.bpk").exists());
+    assert_ne!(std::fs::read(run_dir.join("model.bpk")).unwrap(), model);
+}

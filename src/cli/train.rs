@@ -116,6 +116,10 @@ pub(crate) struct TrainArgs {
     /// Continue the run in this directory from its last checkpoint.
     #[arg(long, conflicts_with = "run_dir")]
     resume: Option<PathBuf>,
+    /// Replace the run already in --run-dir (its metrics, checkpoints and model files are
+    /// deleted first); without it, a --run-dir holding a run is an error.
+    #[arg(long, conflicts_with = "resume")]
+    overwrite: bool,
     /// End this run after that epoch (its checkpoint written); --resume continues it exactly.
     #[arg(long)]
     stop_after_epoch: Option<usize>,
@@ -286,6 +290,7 @@ fn build_config(
     cfg.seed = a.seed;
     cfg.price_per_hour = a.price_per_hour;
     cfg.stop_after_epoch = a.stop_after_epoch;
+    cfg.overwrite = a.overwrite;
     cfg.grad_accum = a.grad_accum;
     cfg.bucket_bytes = (a.bucket_mb * 1024.0 * 1024.0) as usize;
     cfg.compression = a.compression;
@@ -469,6 +474,7 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         // Refused settings are said once, here, not by every launched rank; a dry run stops
         // after the checks, before any device starts.
         cfg.validate()?;
+        hearth::train::run_dir::check_fresh(&cfg)?;
         if a.dry_run {
             return dry_run(&cfg);
         }
@@ -509,7 +515,14 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     if rank0 {
         eprintln!("run directory: {}", cfg.run_dir.display());
     }
-    let report = match train(&cfg, &device, &mut |line| eprintln!("{line}")) {
+    // A run that fails leaves no empty folder behind (one it did not create stays).
+    let existed = cfg.run_dir.exists();
+    let outcome = train(&cfg, &device, &mut |line| eprintln!("{line}"));
+    if outcome.is_err() && !existed {
+        // Only an empty directory is removed: whatever the run wrote stays for inspection.
+        let _ = std::fs::remove_dir(&cfg.run_dir);
+    }
+    let report = match outcome {
         Ok(r) => r,
         // A graceful elastic leave ends this worker, not the job.
         Err(hearth::HearthError::LeftJob { id, step }) => {

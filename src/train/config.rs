@@ -185,6 +185,9 @@ pub struct TrainConfig {
     pub seed: u64,
     pub run_dir: PathBuf,
     pub resume: bool,
+    /// Replace the run already in `run_dir` (its metrics, checkpoints and model files); without
+    /// it, a `run_dir` holding a run is an error (`--resume` continues one).
+    pub overwrite: bool,
     /// End the run after this epoch (checkpoint written), e.g. before a time limit; `--resume`
     /// continues it exactly.
     pub stop_after_epoch: Option<usize>,
@@ -239,6 +242,7 @@ impl TrainConfig {
             run_dir,
             resume: false,
             stop_after_epoch: None,
+            overwrite: false,
             price_per_hour: None,
             grad_accum: None,
             dist: None,

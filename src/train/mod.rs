@@ -163,7 +163,7 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
     let mut quiet = |_: &str| {};
     let log: &mut dyn FnMut(&str) = if rank == 0 { log } else { &mut quiet };
     if rank == 0 {
-        run_dir::prepare(&cfg.run_dir)?;
+        run_dir::start(cfg, log)?;
         log(&format!("augmentation: {}", cfg.augmentation));
     }
     let (train_set, val_set) = match &dist {

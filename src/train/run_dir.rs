@@ -9,6 +9,76 @@ use hearth_models::ModelConfig;
 use super::EpochTable;
 use crate::{HearthError, Result};
 
+/// What a run writes in its directory (the synthetic data set it may generate there, `data/`,
+/// is not part of it and stays).
+const RUN_FILES: [&str; 10] = [
+    "metrics.csv",
+    "metrics.png",
+    "model.bpk",
+    "hparams.json",
+    "model_config.json",
+    "auroc.csv",
+    "world.csv",
+    "world.png",
+    "pipeline_split.txt",
+    "checkpoint",
+];
+
+/// The files of an earlier run in `dir`.
+fn run_files(dir: &Path) -> Vec<&'static str> {
+    RUN_FILES
+        .into_iter()
+        .filter(|f| dir.join(f).exists())
+        .collect()
+}
+
+/// Refuses a new run (no `--resume`) into a directory that holds one, unless `--overwrite`.
+pub fn check_fresh(cfg: &super::TrainConfig) -> Result<()> {
+    if cfg.resume || cfg.overwrite {
+        return Ok(());
+    }
+    let found = run_files(&cfg.run_dir);
+    if found.is_empty() {
+        return Ok(());
+    }
+    Err(HearthError::InvalidArgument(format!(
+        "{} already holds a run ({}): --resume {} continues it, --overwrite replaces it, or \
+         choose another --run-dir",
+        cfg.run_dir.display(),
+        found.join(", "),
+        cfg.run_dir.display()
+    )))
+}
+
+/// Rank 0 at a run's start: [`check_fresh`], the earlier run's files removed with
+/// `--overwrite` (said in `log`), then [`prepare`].
+pub fn start(cfg: &super::TrainConfig, log: &mut dyn FnMut(&str)) -> Result<()> {
+    check_fresh(cfg)?;
+    if cfg.overwrite && !cfg.resume {
+        let found = run_files(&cfg.run_dir);
+        for f in &found {
+            let path = cfg.run_dir.join(f);
+            let removed = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            removed.map_err(|source| HearthError::Write {
+                path: path.clone(),
+                source,
+            })?;
+        }
+        if !found.is_empty() {
+            log(&format!(
+                "--overwrite: removed the earlier run's {} from {}",
+                found.join(", "),
+                cfg.run_dir.display()
+            ));
+        }
+    }
+    prepare(&cfg.run_dir)
+}
+
 /// Creates the run directory and proves it is writable.
 pub fn prepare(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|source| HearthError::Write {

@@ -12,7 +12,7 @@ impl ElasticRun<'_> {
         log: &mut dyn FnMut(&str),
     ) -> Result<(World, Commit)> {
         if info.rank == 0 {
-            run_dir::prepare(&self.cfg.run_dir)?;
+            run_dir::start(self.cfg, log)?;
             log(&format!(
                 "elastic: {} workers to start (min {}, max {}), global batch {}, {:?} shares",
                 info.world,

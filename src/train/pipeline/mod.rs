@@ -98,7 +98,7 @@ pub(super) fn train(
     let mut quiet = |_: &str| {};
     let log: &mut dyn FnMut(&str) = if rank == 0 { log } else { &mut quiet };
     if rank == 0 {
-        run_dir::prepare(&cfg.run_dir)?;
+        run_dir::start(cfg, log)?;
     }
     let (train_set, val_set) = distributed::load_data(cfg, &comm, log)?;
     let multi_label = train_set.multi_label;

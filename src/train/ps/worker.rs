@@ -78,7 +78,7 @@ pub(super) fn train(
     let mut quiet = |_: &str| {};
     let log: &mut dyn FnMut(&str) = if rank == 0 { log } else { &mut quiet };
     if rank == 0 {
-        run_dir::prepare(&cfg.run_dir)?;
+        run_dir::start(cfg, log)?;
         log(&format!(
             "parameter servers: {} {}, {} workers, mode {}, window {}, lr {lr}{}",
             roles.servers,

@@ -1,0 +1,104 @@
+//! A newcomer's mistakes lose no data: `hearth data synth` never writes into (or deletes)
+//! another data set, and `hearth train --run-dir` never writes over an earlier run, not even
+//! through `--nproc` (refused before any rank starts).
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn hearth(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_hearth"))
+        .args(args)
+        .env_remove("HEARTH_RANK")
+        .env_remove("HEARTH_WORLD_SIZE")
+        .env_remove("HEARTH_COORDINATOR")
+        .output()
+        .unwrap()
+}
+
+fn synth(out: &Path, classes: &str, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "data",
+        "synth",
+        "--out",
+        out.to_str().unwrap(),
+        "--classes",
+        classes,
+        "--per-class",
+        "2",
+        "--size",
+        "16",
+    ];
+    args.extend_from_slice(extra);
+    hearth(&args)
+}
+
+/// Class folders of a set written without a validation part (they sit at its top).
+fn classes(dir: &Path) -> usize {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().is_dir())
+        .count()
+}
+
+#[test]
+fn data_synth_refuses_another_data_set_and_replaces_only_its_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A real data set: never written into, never deleted.
+    let real = tmp.path().join("photos");
+    std::fs::create_dir_all(real.join("cats")).unwrap();
+    std::fs::write(real.join("cats/1.jpg"), b"not really").unwrap();
+    for extra in [&[][..], &["--overwrite"][..]] {
+        let out = synth(&real, "3", extra);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?}");
+        assert!(err.contains("no synthetic set this command wrote"), "{err}");
+        assert!(real.join("cats/1.jpg").is_file());
+        assert_eq!(classes(&real), 1, "nothing written into it");
+    }
+    // Its own set: refused without --overwrite, replaced (not merged) with it.
+    let set = tmp.path().join("shapes");
+    assert!(synth(&set, "5", &[]).status.success());
+    assert_eq!(classes(&set), 5);
+    let out = synth(&set, "3", &[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--overwrite replaces it"), "{err}");
+    assert_eq!(classes(&set), 5);
+    assert!(synth(&set, "3", &["--overwrite"]).status.success());
+    assert_eq!(classes(&set), 3, "replaced, not merged");
+}
+
+#[test]
+fn train_into_an_earlier_run_is_refused_before_launching() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    std::fs::create_dir_all(run.join("checkpoint")).unwrap();
+    std::fs::write(run.join("model.bpk"), b"an earlier run's model").unwrap();
+    let out = hearth(&["train", "--nproc", "2", "--run-dir", run.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("already holds a run"), "{err}");
+    assert!(
+        !err.contains("launching"),
+        "refused before launching: {err}"
+    );
+    assert_eq!(
+        std::fs::read(run.join("model.bpk")).unwrap(),
+        b"an earlier run's model"
+    );
+}
+
+#[test]
+fn a_run_that_fails_at_once_leaves_no_empty_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let out = hearth(&[
+        "train",
+        "--data",
+        tmp.path().join("no-such-folder").to_str().unwrap(),
+        "--run-dir",
+        run.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(!run.exists(), "an empty run folder was left behind");
+}
