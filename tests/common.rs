@@ -317,3 +317,15 @@ pub fn auroc_csv_mean(run: &std::path::Path) -> f64 {
     assert!(!values.is_empty(), "auroc.csv: {text}");
     100.0 * values.iter().sum::<f64>() / values.len() as f64
 }
+
+/// `hearth ARGS` outside any job (no launcher variables from the test's environment), its
+/// output captured.
+pub fn hearth_cli(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_hearth"))
+        .args(args)
+        .env_remove("HEARTH_RANK")
+        .env_remove("HEARTH_WORLD_SIZE")
+        .env_remove("HEARTH_COORDINATOR")
+        .output()
+        .unwrap()
+}

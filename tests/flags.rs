@@ -6,8 +6,10 @@
 //! what it does there. (That a mode really applies an accepted flag is each mode's own tests'
 //! job: `tests/ps_train.rs`, `tests/pipeline_train.rs`, `tests/elastic_train.rs`, ...)
 
+mod common;
+
 use std::collections::BTreeSet;
-use std::process::{Command, Output};
+use std::process::Output;
 
 const MODES: [(&str, &[&str]); 5] = [
     ("single", &[]),
@@ -150,14 +152,7 @@ fn expect(flag: &str, mode: &str) -> Expect {
 }
 
 fn hearth(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hearth"))
-        .args(args)
-        // A dry run outside any job: no launcher variables from the test's environment.
-        .env_remove("HEARTH_RANK")
-        .env_remove("HEARTH_WORLD_SIZE")
-        .env_remove("HEARTH_COORDINATOR")
-        .output()
-        .unwrap()
+    common::hearth_cli(args)
 }
 
 fn dry_run(mode: &[&str], setting: &[&str]) -> Output {

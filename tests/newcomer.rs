@@ -2,17 +2,13 @@
 //! another data set, and `hearth train --run-dir` never writes over an earlier run, not even
 //! through `--nproc` (refused before any rank starts).
 
+mod common;
+
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 fn hearth(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_hearth"))
-        .args(args)
-        .env_remove("HEARTH_RANK")
-        .env_remove("HEARTH_WORLD_SIZE")
-        .env_remove("HEARTH_COORDINATOR")
-        .output()
-        .unwrap()
+    common::hearth_cli(args)
 }
 
 fn synth(out: &Path, classes: &str, extra: &[&str]) -> Output {
