@@ -98,3 +98,100 @@ fn a_run_that_fails_at_once_leaves_no_empty_folder() {
     assert!(!out.status.success());
     assert!(!run.exists(), "an empty run folder was left behind");
 }
+
+/// A generated JPEG set (3 classes, 12 training and 4 validation images each).
+fn jpeg_set(dir: &Path) -> std::path::PathBuf {
+    let d = dir.join("jpegs");
+    hearth::datasets::synth::generate(
+        &d,
+        &hearth::datasets::synth::SynthConfig::new(3, 12, 36)
+            .with_seed(2)
+            .with_val(4)
+            .with_jpeg(true),
+    )
+    .unwrap();
+    d
+}
+
+/// Every image file under `dir`, sorted.
+fn images(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in walk(dir) {
+        if entry.extension().is_some_and(|e| e == "jpg" || e == "png") {
+            out.push(entry);
+        }
+    }
+    out.sort();
+    out
+}
+
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// Cuts `file` to half its bytes (a download that stopped).
+fn truncate(file: &Path) {
+    let bytes = std::fs::read(file).unwrap();
+    std::fs::write(file, &bytes[..bytes.len() / 2]).unwrap();
+}
+
+fn small_run(data: &Path, run: std::path::PathBuf) -> hearth::train::TrainConfig {
+    let mut cfg = hearth::train::TrainConfig::new(run);
+    cfg.data = Some(data.to_path_buf());
+    cfg.epochs = 1;
+    cfg.batch_size = 8;
+    cfg.warmup_epochs = 0;
+    cfg.workers = 1;
+    cfg.image_size = 32;
+    cfg
+}
+
+#[test]
+fn truncated_images_are_skipped_by_path_and_a_folder_of_them_stops_the_run() {
+    use burn::prelude::Device;
+    let tmp = tempfile::tempdir().unwrap();
+    let data = jpeg_set(tmp.path());
+    let files = images(&data);
+    let cut: Vec<_> = [&files[1], &files[20]].into_iter().cloned().collect();
+    for f in &cut {
+        truncate(f);
+    }
+    let cfg = small_run(&data, tmp.path().join("run"));
+    let report = hearth::train::train(&cfg, &Device::flex(), &mut |l| eprintln!("{l}")).unwrap();
+    for f in &cut {
+        let name = f.display().to_string();
+        assert!(
+            report.skipped.iter().any(|s| s.starts_with(&name)),
+            "{name} not reported: {:?}",
+            report.skipped
+        );
+    }
+    assert!(
+        report.skipped.iter().all(|s| s.contains("truncated")),
+        "{:?}",
+        report.skipped
+    );
+    assert!(report.best_val_loss.is_some_and(f64::is_finite));
+
+    // Every image cut: the run stops naming the files, not a NaN loss blamed on --lr.
+    for f in &files {
+        truncate(f);
+    }
+    let cfg = small_run(&data, tmp.path().join("run2"));
+    let e = hearth::train::train(&cfg, &Device::flex(), &mut |_| {})
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("fail to decode"), "{e}");
+    assert!(e.contains(".jpg"), "{e}");
+    assert!(!e.contains("NaN"), "{e}");
+}

@@ -27,6 +27,16 @@ pub enum DataError {
     /// Strict mode: bad files are errors. The report lists each with its path.
     #[error("{count} bad file(s) in strict mode:\n{report}")]
     BadFiles { count: usize, report: String },
+    /// Most images fail to decode: a data problem, not something to train around.
+    #[error(
+        "most images fail to decode ({failed} files failed, {decoded} images decoded so far); \
+         the first:\n{report}"
+    )]
+    MostlyBad {
+        failed: usize,
+        decoded: usize,
+        report: String,
+    },
     #[error("{path}:{line}: {reason}")]
     Labels {
         path: PathBuf,

@@ -403,9 +403,10 @@ impl Loader {
                         problems.push(p);
                         tries += 1;
                         if tries >= n.min(64) {
-                            return Err(DataError::Empty {
-                                path: self.set.root.clone(),
-                                reason: format!("{tries} images in a row failed to decode"),
+                            return Err(DataError::MostlyBad {
+                                failed: tries,
+                                decoded: self.decoded_samples(),
+                                report: problem_report(&problems),
                             });
                         }
                         candidate = (candidate + 1) % n;
@@ -456,6 +457,39 @@ impl Loader {
         }
     }
 }
+
+/// The error that stops a run whose images mostly fail to decode: at least
+/// [`MOSTLY_FAILING_AFTER`] failures and more failures than decoded images, naming the first
+/// few files. A few bad files are skipped (each reported once by path); a folder of them is a
+/// data problem, not something to train around.
+fn mostly_failing(problems: &[Problem], decoded: usize) -> Option<DataError> {
+    let mut paths: Vec<&std::path::Path> = problems.iter().map(|p| p.path.as_path()).collect();
+    paths.sort();
+    paths.dedup();
+    let failed = paths.len();
+    if failed < MOSTLY_FAILING_AFTER || failed <= decoded {
+        return None;
+    }
+    let report = problem_report(problems);
+    Some(DataError::MostlyBad {
+        failed,
+        decoded,
+        report,
+    })
+}
+
+/// The first few of `problems`, a line each with its path.
+fn problem_report(problems: &[Problem]) -> String {
+    problems
+        .iter()
+        .take(5)
+        .map(|p| format!("  {}: {}", p.path.display(), p.kind))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Failed files before [`mostly_failing`] may judge a data set.
+const MOSTLY_FAILING_AFTER: usize = 8;
 
 type Job = (usize, Vec<usize>);
 type Done = (usize, Result<HostBatch>);
@@ -584,14 +618,22 @@ impl Iterator for BatchStream {
         };
         self.next_yield += 1;
         self.dispatch();
-        Some(host.map(|mut h| {
+        Some(host.and_then(|mut h| {
             if !h.problems.is_empty() {
-                if let Ok(mut all) = self.loader.problems.lock() {
-                    all.extend(h.problems.iter().cloned());
-                }
+                let failed = match self.loader.problems.lock() {
+                    Ok(mut all) => {
+                        all.extend(h.problems.iter().cloned());
+                        mostly_failing(&all, self.loader.decoded_samples())
+                    }
+                    Err(_) => None,
+                };
                 self.problems.append(&mut h.problems);
+                if let Some(e) = failed {
+                    self.next_yield = self.batches.len();
+                    return Err(e);
+                }
             }
-            self.loader.to_batch(h, &self.device)
+            Ok(self.loader.to_batch(h, &self.device))
         }))
     }
 }

@@ -37,12 +37,30 @@ pub fn decode_rgb(bytes: &[u8], path: &Path) -> Result<RgbImage> {
     if reader.format().is_none() {
         return Err(decode("not a known image format".into()));
     }
+    // The JPEG decoder fills what a truncated file lacks with gray instead of failing: a file
+    // whose last scan has no end-of-image marker after it is cut short.
+    if reader.format() == Some(image::ImageFormat::Jpeg) && !jpeg_complete(bytes) {
+        return Err(decode(
+            "truncated JPEG: no end-of-image marker after the last scan".into(),
+        ));
+    }
     let img: DynamicImage = reader.decode().map_err(|e| decode(e.to_string()))?;
     if img.width() == 0 || img.height() == 0 {
         return Err(decode("image has no pixels".into()));
     }
     // No copy when the decoder already produced RGB8 (JPEG, most PNGs).
     Ok(img.into_rgb8())
+}
+
+/// Whether a JPEG stream holds an end-of-image marker (FF D9) after its last start-of-scan
+/// (FF DA). Entropy-coded data stuffs every FF byte (FF 00), so neither pair occurs inside it;
+/// data after the end marker (as cameras append) is allowed.
+fn jpeg_complete(bytes: &[u8]) -> bool {
+    let last_scan = bytes.windows(2).rposition(|w| w == [0xFF, 0xDA]);
+    match last_scan {
+        Some(at) => bytes[at..].windows(2).any(|w| w == [0xFF, 0xD9]),
+        None => false,
+    }
 }
 
 /// Resizes the `(left, top, width, height)` region of `img` (the whole image when `None`) to
@@ -231,5 +249,53 @@ mod tests {
         // A PNG signature followed by nothing: truncated.
         let err = decode_rgb(b"\x89PNG\r\n\x1a\n\0\0", Path::new("t.png")).unwrap_err();
         assert!(err.to_string().contains("t.png"), "{err}");
+    }
+}
+
+#[cfg(test)]
+mod truncation_tests {
+    use super::*;
+
+    /// A 64x64 PNG and a JPEG of noise (incompressible: every byte counts).
+    fn encoded(format: image::ImageFormat) -> Vec<u8> {
+        let mut state = 1u32;
+        let img = RgbImage::from_fn(64, 64, |_, _| {
+            state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            let b = state.to_le_bytes();
+            image::Rgb([b[1], b[2], b[3]])
+        });
+        let mut out = std::io::Cursor::new(Vec::new());
+        img.write_to(&mut out, format).unwrap();
+        out.into_inner()
+    }
+
+    #[test]
+    fn truncated_images_are_errors_never_partial_pixels() {
+        for format in [image::ImageFormat::Png, image::ImageFormat::Jpeg] {
+            let bytes = encoded(format);
+            assert!(decode_rgb(&bytes, Path::new("whole")).is_ok());
+            // Bytes after the end (a camera's trailer) are no truncation.
+            let mut trailer = bytes.clone();
+            trailer.extend_from_slice(b"trailing data");
+            assert!(
+                decode_rgb(&trailer, Path::new("trailer")).is_ok(),
+                "{format:?}"
+            );
+            for keep in [
+                bytes.len() / 2,
+                bytes.len() * 9 / 10,
+                bytes.len() / 10,
+                bytes.len() - 16,
+                bytes.len() - 13,
+            ] {
+                if format == image::ImageFormat::Jpeg && keep + 2 >= bytes.len() {
+                    continue;
+                }
+                match decode_rgb(&bytes[..keep], Path::new("cut.img")) {
+                    Ok(_) => panic!("{format:?} cut at {keep} of {} decoded", bytes.len()),
+                    Err(e) => assert!(e.to_string().contains("cut.img"), "{e}"),
+                }
+            }
+        }
     }
 }

@@ -595,5 +595,19 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         Some(acc) => println!("validation accuracy: {acc:.2}%"),
         None => println!("validation accuracy: n/a"),
     }
+    if !report.skipped.is_empty() {
+        println!(
+            "skipped {} image(s) that failed to decode (never trained or validated on{}):",
+            report.skipped.len(),
+            if report.world > 1 {
+                "; rank 0's shard"
+            } else {
+                ""
+            }
+        );
+        for s in &report.skipped {
+            println!("  {s}");
+        }
+    }
     Ok(())
 }

@@ -100,6 +100,9 @@ pub struct TrainReport {
     /// This process's rank (0 when not distributed); only rank 0 exports and plots.
     pub rank: usize,
     pub world: usize,
+    /// Images this rank's loaders skipped because they failed to decode (`path: reason`, each
+    /// once): never trained or validated on.
+    pub skipped: Vec<String>,
 }
 
 impl TrainReport {
@@ -133,6 +136,7 @@ impl TrainReport {
             per_class_auroc: None,
             rank: 0,
             world: 1,
+            skipped: Vec::new(),
         }
     }
 }
@@ -385,6 +389,7 @@ impl<'a> Run<'a> {
         let mut report =
             TrainReport::summarise(cfg, &rows, best, self.started, images, self.classes);
         report.per_class_auroc = exported.per_class_auroc;
+        report.skipped = self.loaders.skipped();
         report.rank = self.rank;
         report.world = self.world;
         Ok(report)

@@ -126,11 +126,13 @@ impl<T: Task> Phase<'_, T> {
         }
         let learner = Learner::new(self.trainee, optimizer(cfg), schedule);
         let result = training.launch(learner);
-        if let Some((epoch, step)) = non_finite.lock().ok().and_then(|n| *n) {
-            return Err(HearthError::NanLoss { epoch, step });
-        }
+        // A data error first: an epoch it cut short can leave a NaN in the metrics, and the
+        // data's cause is the one to name.
         if let Some(error) = result.error {
             return Err(HearthError::Training(error.to_string()));
+        }
+        if let Some((epoch, step)) = non_finite.lock().ok().and_then(|n| *n) {
+            return Err(HearthError::NanLoss { epoch, step });
         }
         Ok(result.model)
     }

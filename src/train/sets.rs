@@ -66,6 +66,19 @@ pub struct Loaders {
 }
 
 impl Loaders {
+    /// The images that failed to decode so far in this rank's loaders (`path: reason`, each
+    /// once, in path order).
+    pub fn skipped(&self) -> Vec<String> {
+        let mut all: Vec<String> = [&self.train, &self.val, &self.full_val]
+            .iter()
+            .flat_map(|l| l.decode_problems())
+            .map(|p| format!("{}: {}", p.path.display(), p.kind))
+            .collect();
+        all.sort();
+        all.dedup();
+        all
+    }
+
     pub fn new(
         cfg: &TrainConfig,
         train_set: ImageSet,

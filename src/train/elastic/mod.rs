@@ -569,6 +569,7 @@ impl ElasticRun<'_> {
             world.size(),
         );
         report.per_class_auroc = per_class_auroc;
+        report.skipped = self.loaders.skipped();
         world.transport.shutdown(Duration::from_secs(2));
         Ok(report)
     }

@@ -345,6 +345,7 @@ impl PipelineRun<'_> {
             self.comm.world(),
         );
         report.per_class_auroc = per_class_auroc;
+        report.skipped = self.loaders.skipped();
         Ok(report)
     }
 }

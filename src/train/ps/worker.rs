@@ -704,6 +704,7 @@ impl Worker<'_> {
         );
         report.epochs_run = last;
         report.per_class_auroc = per_class_auroc;
+        report.skipped = self.loaders.skipped();
         Ok(report)
     }
 
