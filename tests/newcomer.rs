@@ -145,13 +145,8 @@ fn truncate(file: &Path) {
 }
 
 fn small_run(data: &Path, run: std::path::PathBuf) -> hearth::train::TrainConfig {
-    let mut cfg = hearth::train::TrainConfig::new(run);
-    cfg.data = Some(data.to_path_buf());
+    let mut cfg = common::small_config(data, run);
     cfg.epochs = 1;
-    cfg.batch_size = 8;
-    cfg.warmup_epochs = 0;
-    cfg.workers = 1;
-    cfg.image_size = 32;
     cfg
 }
 
