@@ -190,3 +190,35 @@ fn truncated_images_are_skipped_by_path_and_a_folder_of_them_stops_the_run() {
     assert!(e.contains(".jpg"), "{e}");
     assert!(!e.contains("NaN"), "{e}");
 }
+
+#[test]
+fn a_one_replica_pipeline_splits_no_batch_over_its_stages() {
+    // README's example: 3 stages of one pipeline with the default batch of 32 (not a multiple
+    // of 3): the batch goes to the one pipeline whole.
+    let out = hearth(&[
+        "train",
+        "--pipeline-stages",
+        "3",
+        "--pipeline-split",
+        "0:3,3:5,5:6",
+        "--pipeline-schedule",
+        "gpipe",
+        "--dry-run",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    // Two pipelines of 3 stages do split it: 32 over 2.
+    let out = hearth(&[
+        "train",
+        "--pipeline-stages",
+        "3",
+        "--nproc",
+        "6",
+        "--batch-size",
+        "33",
+        "--dry-run",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("divide evenly over 2 pipelines"), "{err}");
+}

@@ -313,12 +313,19 @@ impl TrainConfig {
         if let Some(d) = &self.dist
             && self.elastic.is_none()
             && self.ps.is_none()
-            && !self.batch_size.is_multiple_of(d.world)
         {
-            return bad(format!(
-                "--batch-size {} (the global batch) must divide evenly over {} ranks",
-                self.batch_size, d.world
-            ));
+            // The global batch is split over the data-parallel replicas: every rank, or every
+            // pipeline (a pipeline's stages share their replica's batch).
+            let (parts, what) = match &self.pipeline {
+                Some(p) => ((d.world / p.stages.max(1)).max(1), "pipelines"),
+                None => (d.world, "ranks"),
+            };
+            if !self.batch_size.is_multiple_of(parts) {
+                return bad(format!(
+                    "--batch-size {} (the global batch) must divide evenly over {parts} {what}",
+                    self.batch_size
+                ));
+            }
         }
         if self.image_size < hearth_models::MIN_INPUT_SIZE as u32 {
             return bad(format!(
