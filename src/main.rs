@@ -291,6 +291,16 @@ fn models() -> Result<()> {
         let n = arch.init(1000, &cpu)?.learnable_params();
         println!("{:<14} {:>14}", arch.name(), group_digits(n));
     }
+    println!(
+        "\n{:<14} {:>14}  (10 classes; `hearth train --model`, no torchvision weights)",
+        "test-size", "parameters"
+    );
+    for name in hearth::train::MINI_MODELS {
+        let n = hearth::train::model_config(name, 10)?
+            .init(&cpu)?
+            .learnable_params();
+        println!("{name:<14} {:>14}", group_digits(n));
+    }
     Ok(())
 }
 

@@ -41,11 +41,18 @@ pub fn load_for_predict(
             })
         }
         _ => {
-            let arch = Architecture::from_name(arch.ok_or_else(|| {
+            let name = arch.ok_or_else(|| {
                 HearthError::InvalidArgument(
                     "--model is required unless --weights is a Hearth .bpk model file".into(),
                 )
-            })?)?;
+            })?;
+            if crate::train::MINI_MODELS.contains(&name) {
+                return Err(HearthError::InvalidArgument(format!(
+                    "{name} is a Hearth test-size network: give the model.bpk of a run that \
+                     trained it (--weights RUN/model.bpk, no --model)"
+                )));
+            }
+            let arch = Architecture::from_name(name)?;
             let classes = match (num_classes, weights) {
                 (Some(n), _) => n,
                 (None, Some(path)) => hearth_models::weights::torchvision_num_classes(arch, path)?,

@@ -222,3 +222,45 @@ fn a_one_replica_pipeline_splits_no_batch_over_its_stages() {
     assert!(!out.status.success());
     assert!(err.contains("divide evenly over 2 pipelines"), "{err}");
 }
+
+#[test]
+fn the_test_size_networks_are_listed_and_named_where_they_do_not_apply() {
+    let out = hearth(&["models"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    for name in [
+        "resnet-mini",
+        "vgg-mini",
+        "vgg-mini-plain",
+        "densenet-mini",
+        "resnet50",
+    ] {
+        assert!(text.contains(name), "{name} missing:\n{text}");
+    }
+    // A typo is refused before anything is read or generated, with every name it could be.
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let out = hearth(&[
+        "train",
+        "--model",
+        "resnet-mni",
+        "--run-dir",
+        run.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("unknown model 'resnet-mni'") && err.contains("resnet-mini"),
+        "{err}"
+    );
+    assert!(!run.exists(), "nothing generated for a typo");
+    // Where only torchvision's architectures apply, the mini networks are named as such.
+    let out = hearth(&["bench", "model", "--model", "resnet-mini"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("test-size network"), "{err}");
+    let out = hearth(&["predict", "--model", "resnet-mini", "--image", "x.png"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("model.bpk"), "{err}");
+}

@@ -124,8 +124,14 @@ fn patience_stops_at_the_right_epoch_and_the_export_is_the_best_checkpoint() {
     cfg.epochs = 5;
     cfg.patience = Some(2);
     cfg.min_delta = 1000.0;
-    let report = run(&cfg);
+    let mut said = Vec::new();
+    let report = train(&cfg, &Device::flex(), &mut |l| said.push(l.to_string())).unwrap();
     assert_eq!(report.epochs_run, 3);
+    assert!(
+        said.iter()
+            .any(|l| l.starts_with("early stopping after epoch 3: no improvement of val_accuracy")),
+        "the stop is said: {said:?}"
+    );
     assert_eq!(report.best_epoch, 1);
     let run_dir = dir.path().join("run");
     assert_eq!(
@@ -506,4 +512,35 @@ fn a_new_run_into_a_finished_runs_directory_is_refused_unless_overwrite() {
     );
     assert!(!run_dir.join("checkpoint/model-7.bpk").exists());
     assert_ne!(std::fs::read(run_dir.join("model.bpk")).unwrap(), model);
+}
+
+#[test]
+fn an_epoch_of_one_batch_has_a_speed_and_few_classes_no_top5() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    let mut cfg = config(&d, dir.path().join("run"));
+    cfg.epochs = 1;
+    // 48 training images in one batch.
+    cfg.batch_size = 64;
+    run(&cfg);
+    let csv = std::fs::read_to_string(dir.path().join("run/metrics.csv")).unwrap();
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    assert!(
+        !header.iter().any(|h| h.contains("top5")),
+        "top-5 of 3 classes is always 100%: {csv}"
+    );
+    let col = header
+        .iter()
+        .position(|h| *h == "train_images_per_sec")
+        .unwrap();
+    let speed: f64 = csv
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split(',')
+        .nth(col)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(speed.is_finite() && speed > 0.0, "{csv}");
 }

@@ -125,6 +125,14 @@ pub(crate) fn bench_allreduce_rank(a: BenchAllreduceArgs) -> Result<()> {
 
 pub(crate) fn bench_model(device_name: &str, args: BenchModelArgs) -> Result<()> {
     let device = hearth::device::select(device_name)?;
+    if hearth::train::MINI_MODELS.contains(&args.model.as_str()) {
+        bail!(
+            "bench model compares against torchvision on PyTorch: {} is a Hearth test-size \
+             network with no torchvision twin; give a torchvision name (resnet50, densenet121, \
+             vgg16, ...)",
+            args.model
+        );
+    }
     let bench = ModelBench {
         arch: Architecture::from_name(&args.model)?,
         mode: args.mode,

@@ -258,6 +258,8 @@ impl TrainConfig {
     /// error naming the flag (and why), before anything is read or launched.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
+        // An unknown --model is said before any data is read or generated.
+        super::model::model_config(&self.model, 2)?;
         if self.batch_size == 0 {
             return bad("--batch-size must be at least 1 (got 0)".into());
         }

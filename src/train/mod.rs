@@ -57,7 +57,7 @@ pub use config::{
 pub use data::{ImageBatch, LoaderAdapter};
 pub use elastic::{Balance, ElasticOptions, request_leave};
 pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
-pub use model::{epoch_seed, mini_resnet, mini_vgg, model_config};
+pub use model::{MINI_MODELS, epoch_seed, mini_resnet, mini_vgg, model_config};
 pub use ps::{PsOptions, PsServers};
 pub use render::PlainRenderer;
 pub use speed::ImagesPerSecond;
@@ -366,6 +366,16 @@ impl<'a> Run<'a> {
 
         let rows: EpochRows = self.table.lock().map(|t| t.clone()).unwrap_or_default();
         let epochs_run = rows.keys().copied().max().unwrap_or(0);
+        if let Some(patience) = cfg.patience
+            && epochs_run < end
+        {
+            // burn-train stops quietly: say why the run ended before --epochs, as the other
+            // modes do.
+            log(&format!(
+                "early stopping after epoch {epochs_run}: no improvement of {} in {patience} epochs",
+                cfg.monitor.column()
+            ));
+        }
         let best = best_epoch(&rows, cfg.monitor, cfg.min_delta).ok_or_else(|| {
             HearthError::Training(format!(
                 "no epoch has a {} value to pick the best one by",

@@ -40,6 +40,10 @@ pub fn mini_vgg(num_classes: usize) -> ModelConfig {
     )
 }
 
+/// The small test-size networks `--model` takes beside torchvision's names (no torchvision
+/// weights exist for them; an earlier run's `model.bpk` carries them).
+pub const MINI_MODELS: [&str; 4] = [DEFAULT_MODEL, MINI_VGG, MINI_VGG_PLAIN, MINI_DENSENET];
+
 /// The architecture `name` (torchvision's names, [`DEFAULT_MODEL`], [`MINI_VGG`],
 /// [`MINI_VGG_PLAIN`], [`MINI_DENSENET`]).
 pub fn model_config(name: &str, classes: usize) -> Result<ModelConfig> {
@@ -60,7 +64,16 @@ pub fn model_config(name: &str, classes: usize) -> Result<ModelConfig> {
             16,
             classes,
         ))),
-        _ => Ok(Architecture::from_name(name)?.config(classes)),
+        _ => match Architecture::from_name(name) {
+            Ok(arch) => Ok(arch.config(classes)),
+            Err(hearth_models::ModelError::UnknownModel { name, known }) => {
+                Err(HearthError::InvalidArgument(format!(
+                    "unknown model '{name}'; known models: {known}; test-size networks: {}",
+                    MINI_MODELS.join(", ")
+                )))
+            }
+            Err(e) => Err(e.into()),
+        },
     }
 }
 

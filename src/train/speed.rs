@@ -18,6 +18,9 @@ pub struct ImagesPerSecond {
     name: MetricName,
     /// When the first batch of the epoch finished, and how many images it held.
     start: Option<(Instant, usize)>,
+    /// When the epoch's count began (the metric's creation or last clear): the only clock an
+    /// epoch of one batch has.
+    since: Instant,
     rate: f64,
 }
 
@@ -26,6 +29,7 @@ impl Default for ImagesPerSecond {
         Self {
             name: Arc::new("Images/s".to_string()),
             start: None,
+            since: Instant::now(),
             rate: f64::NAN,
         }
     }
@@ -51,8 +55,16 @@ impl Metric for ImagesPerSecond {
     ) -> Result<SerializedEntry, TensorReadError> {
         let seen = metadata.progress.items_processed;
         match self.start {
-            // The first batch sets the clock: its own time is unknown.
-            None => self.start = Some((Instant::now(), seen)),
+            // The first batch sets the clock: its own time is unknown, so until a second one
+            // the rate counts from the epoch's start (which includes loading the first batch).
+            None => {
+                let now = Instant::now();
+                self.start = Some((now, seen));
+                let secs = now.duration_since(self.since).as_secs_f64();
+                if secs > 0.0 {
+                    self.rate = seen as f64 / secs;
+                }
+            }
             Some((t0, base)) => {
                 let secs = t0.elapsed().as_secs_f64();
                 if secs > 0.0 {
@@ -69,6 +81,7 @@ impl Metric for ImagesPerSecond {
 
     fn clear(&mut self) {
         self.start = None;
+        self.since = Instant::now();
         self.rate = f64::NAN;
     }
 

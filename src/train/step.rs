@@ -90,10 +90,15 @@ impl Task for SingleLabel {
         training: SupervisedTraining<Self>,
         classes: usize,
     ) -> SupervisedTraining<Self> {
-        training
-            .metrics((AccuracyMetric::new(), LossMetric::new()))
-            .metric_train_numeric(TopKAccuracyMetric::new(5.min(classes)))
-            .metric_valid_numeric(TopKAccuracyMetric::new(5.min(classes)))
+        let training = training.metrics((AccuracyMetric::new(), LossMetric::new()));
+        // Top-5 says something only with more than 5 classes (with 5 or fewer it is 100%).
+        if classes > 5 {
+            training
+                .metric_train_numeric(TopKAccuracyMetric::new(5))
+                .metric_valid_numeric(TopKAccuracyMetric::new(5))
+        } else {
+            training
+        }
     }
 }
 
