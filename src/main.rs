@@ -207,7 +207,10 @@ pub(crate) fn exit_with(outcome: hearth::launch::LaunchOutcome) -> Result<()> {
     match outcome {
         hearth::launch::LaunchOutcome::Success => Ok(()),
         hearth::launch::LaunchOutcome::Failed { rank, code } => {
-            eprintln!("error: rank {rank} failed (exit status {code:?})");
+            match code {
+                Some(c) => eprintln!("error: rank {rank} failed (exit status {c})"),
+                None => eprintln!("error: rank {rank} was killed by a signal"),
+            }
             std::process::exit(code.filter(|c| *c != 0).unwrap_or(1));
         }
     }

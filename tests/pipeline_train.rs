@@ -98,6 +98,9 @@ fn a_pipeline_run_exports_what_it_validated_and_resumes_exactly() {
         "the split is printed:\n{text}"
     );
     assert!(text.contains("stage 1: units"), "{text}");
+    // Settings are printed as the command line spells them, not as Rust debug text.
+    assert!(text.contains(", 1f1b schedule"), "{text}");
+    assert!(!text.contains("OneFOneB"), "{text}");
 
     let rows = metrics(&straight);
     assert_eq!(rows.keys().copied().collect::<Vec<_>>(), vec![1, 2, 3]);

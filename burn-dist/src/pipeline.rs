@@ -198,6 +198,14 @@ pub enum Schedule {
 }
 
 impl Schedule {
+    /// The schedule's name as the command line spells it (`gpipe`, `1f1b`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::GPipe => "gpipe",
+            Self::OneFOneB => "1f1b",
+        }
+    }
+
     /// The operations of stage `stage` of `stages` over `m` micro-batches, in order:
     /// `(true, i)` is the forward of micro-batch i, `(false, i)` its backward.
     pub fn order(self, stage: usize, stages: usize, m: usize) -> Vec<(bool, usize)> {

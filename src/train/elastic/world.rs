@@ -14,12 +14,15 @@ impl ElasticRun<'_> {
         if info.rank == 0 {
             run_dir::start(self.cfg, log)?;
             log(&format!(
-                "elastic: {} workers to start (min {}, max {}), global batch {}, {:?} shares",
+                "elastic: {} workers to start (min {}, max {}), global batch {}, shares {}",
                 info.world,
                 self.opts.min_workers,
                 self.opts.max_workers,
                 self.cfg.batch_size,
-                self.opts.balance
+                match self.opts.balance {
+                    Balance::Even => "even",
+                    Balance::Throughput => "by throughput",
+                }
             ));
         }
         let transport = connect_epoch_on(

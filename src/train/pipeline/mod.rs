@@ -114,12 +114,12 @@ pub(super) fn train(
     let ranges = split::split(cfg, opts, &config, device)?;
     let plain = device.clone();
     log(&format!(
-        "pipeline: {} stages x {} replicas, {} micro-batches of a {}-image batch per replica, {:?}",
+        "pipeline: {} stages x {} replicas, {} micro-batches of a {}-image batch per replica, {} schedule",
         grid.stages,
         grid.replicas,
         opts.micro_batches,
         cfg.batch_size / grid.replicas,
-        opts.schedule
+        opts.schedule.name()
     ));
     let loaders = sets::Loaders::new(cfg, train_set, val_set, replica, grid.replicas)?;
     let lr = cfg.scaled_lr(log)?;
