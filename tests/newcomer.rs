@@ -264,3 +264,16 @@ fn the_test_size_networks_are_listed_and_named_where_they_do_not_apply() {
     assert!(!out.status.success());
     assert!(err.contains("model.bpk"), "{err}");
 }
+
+#[test]
+fn freezing_a_random_backbone_is_said() {
+    let out = hearth(&["train", "--freeze-backbone", "--dry-run"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("warning: --freeze-backbone without --weights"),
+        "{err}"
+    );
+    let out = hearth(&["train", "--dry-run"]);
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("warning"));
+}

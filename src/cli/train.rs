@@ -470,6 +470,13 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
             .filter(|info| info.world > 1 || a.elastic)
     };
     let cfg = build_config(&a, dist)?;
+    // Settings that run but probably not as meant: said once, by the process the user started
+    // (not by every rank of a job).
+    if launching || a.dry_run || cfg.dist.is_none() {
+        for w in cfg.warnings() {
+            eprintln!("warning: {w}");
+        }
+    }
     if launching || a.dry_run {
         // Refused settings are said once, here, not by every launched rank; a dry run stops
         // after the checks, before any device starts.

@@ -464,6 +464,20 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// Settings that run but are probably not what was meant, each a sentence.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.freeze_backbone && self.weights.is_none() {
+            out.push(
+                "--freeze-backbone without --weights freezes a randomly initialised backbone: \
+                 only the head learns, on random features (give --weights to fine-tune a \
+                 pretrained network)"
+                    .into(),
+            );
+        }
+        out
+    }
+
     /// Optimizer steps per epoch for `batches` loader batches: with gradient accumulation K the
     /// optimizer (and so burn-train's scheduler) steps on every K-th batch and on the last one.
     pub fn optimizer_steps(&self, batches: usize) -> usize {
