@@ -208,10 +208,28 @@ impl DeviceSpec {
                     .cloned()
                     .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_else(|| "the backend failed to start".into());
-                Err(HearthError::DeviceUnavailable {
-                    name,
-                    reason: missing_driver(self.choice).unwrap_or_else(|| first_line(&msg)),
-                })
+                // A device index past the machine's last: say so, not the backend's panic.
+                // An index the machine lacks (it counts discrete GPUs) while the default
+                // adapter works: say so, not the backend's panic.
+                let missing_index = self.index.filter(|_| {
+                    Self {
+                        index: None,
+                        ..self
+                    }
+                    .device()
+                    .is_ok()
+                });
+                let reason = if let Some(index) = missing_index {
+                    format!(
+                        "this machine has no discrete GPU {index} for {} (an index counts the \
+                         discrete GPUs from 0); --device {} without an index takes its default \
+                         adapter, which works; `hearth devices` lists the devices",
+                        self.choice, self.choice
+                    )
+                } else {
+                    missing_driver(self.choice).unwrap_or_else(|| first_line(&msg))
+                };
+                Err(HearthError::DeviceUnavailable { name, reason })
             }
         }
     }

@@ -277,3 +277,28 @@ fn freezing_a_random_backbone_is_said() {
     let out = hearth(&["train", "--dry-run"]);
     assert!(!String::from_utf8_lossy(&out.stderr).contains("warning"));
 }
+
+#[test]
+fn a_device_index_the_machine_lacks_is_named_not_a_backend_panic() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let out = hearth(&[
+        "train",
+        "--device",
+        "vulkan:7",
+        "--run-dir",
+        run.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("'vulkan:7'"), "{err}");
+    assert!(
+        !err.contains("unwrap") && !err.contains("RecvError") && !err.contains("panicked"),
+        "{err}"
+    );
+    if common::device_or_skip(hearth::device::DeviceChoice::Vulkan, "vulkan:7 message").is_some() {
+        // Vulkan works here without an index: the index is what is missing.
+        assert!(err.contains("no discrete GPU 7"), "{err}");
+    }
+    assert!(!run.exists());
+}
