@@ -302,3 +302,49 @@ fn a_device_index_the_machine_lacks_is_named_not_a_backend_panic() {
     }
     assert!(!run.exists());
 }
+
+#[test]
+fn a_folder_one_level_off_says_what_the_layout_should_be() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = jpeg_set(tmp.path());
+    let trained = tmp.path().join("trained");
+    hearth::train::train(
+        &small_run(&data, trained.clone()),
+        &burn::prelude::Device::flex(),
+        &mut |_| {},
+    )
+    .unwrap();
+    let weights = trained.join("model.bpk");
+    // eval on a training layout (train/ and val/ beside each other).
+    let out = hearth(&[
+        "eval",
+        "--weights",
+        weights.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("holds train/ and val/"), "{err}");
+    assert!(
+        err.contains(&data.join("val").display().to_string()),
+        "{err}"
+    );
+    // train on a folder with only train/.
+    std::fs::remove_dir_all(data.join("val")).unwrap();
+    let run = tmp.path().join("run");
+    let out = hearth(&[
+        "train",
+        "--data",
+        data.to_str().unwrap(),
+        "--run-dir",
+        run.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("holds only train/"), "{err}");
+    assert!(
+        err.contains(&format!("--data {}", data.join("train").display())),
+        "{err}"
+    );
+}

@@ -230,9 +230,29 @@ impl ImageSet {
             });
         }
         if samples.is_empty() {
+            // Class folders that hold folders of images: a layout one level deeper than this
+            // call reads (train/ and val/ of a training set, or only train/).
+            let split = |name: &str| classes.iter().any(|c| c == name);
+            let reason = if split("train") && split("val") {
+                format!(
+                    "it holds train/ and val/, each with class folders: give {} (or {}) to \
+                     read one part; `hearth train --data` takes the folder itself",
+                    root.join("val").display(),
+                    root.join("train").display()
+                )
+            } else if split("train") || split("val") {
+                let part = if split("train") { "train" } else { "val" };
+                format!(
+                    "it holds only {part}/ with class folders: give --data {} (split by \
+                     --val-fraction), or add the other part beside it",
+                    root.join(part).display()
+                )
+            } else {
+                format!("{} class folder(s) but no readable image", classes.len())
+            };
             return Err(DataError::Empty {
                 path: root.to_path_buf(),
-                reason: format!("{} class folder(s) but no readable image", classes.len()),
+                reason,
             });
         }
         Ok(Self {
