@@ -75,6 +75,7 @@ struct UnitsArgs {
     /// torchvision name (resnet50, densenet121, vgg16, ...), resnet-mini or vgg-mini.
     #[arg(long)]
     model: String,
+    /// Classes of the head, for the parameter counts.
     #[arg(long, default_value_t = 1000)]
     classes: usize,
 }

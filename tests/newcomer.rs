@@ -348,3 +348,34 @@ fn a_folder_one_level_off_says_what_the_layout_should_be() {
         "{err}"
     );
 }
+
+#[test]
+fn every_option_says_what_it_does_and_readme_subcommands_exist() {
+    // Each option of these commands has a help text (beside it, or on the next line).
+    for cmd in [
+        &["train"][..],
+        &["data", "synth"][..],
+        &["bench", "model"][..],
+        &["bench", "loader"][..],
+        &["units"][..],
+    ] {
+        let mut args = cmd.to_vec();
+        args.push("--help");
+        let text = String::from_utf8_lossy(&hearth(&args).stdout).into_owned();
+        let lines: Vec<&str> = text.lines().collect();
+        for (i, l) in lines.iter().enumerate() {
+            let t = l.trim_start();
+            if t.starts_with("--") && !t.starts_with("--help") {
+                // The text beside the option (two spaces or more after it), or on the next line.
+                let beside = t.split_once("  ").map_or("", |(_, rest)| rest.trim());
+                let next = lines.get(i + 1).map_or("", |n| n.trim());
+                assert!(
+                    !beside.is_empty() || (!next.is_empty() && !next.starts_with('-')),
+                    "{cmd:?}: {t} has no help text"
+                );
+            }
+        }
+    }
+    let bench = String::from_utf8_lossy(&hearth(&["bench", "--help"]).stdout).into_owned();
+    assert!(bench.contains("allreduce-rank"), "{bench}");
+}

@@ -18,8 +18,8 @@ pub(crate) enum BenchCommand {
     Loader(BenchLoaderArgs),
     /// Allreduce among local ranks (shared memory; QUIC with HEARTH_SHM=0): time, algbw, busbw.
     Allreduce(BenchAllreduceArgs),
-    /// One rank of `bench allreduce` (started by it).
-    #[command(hide = true)]
+    /// One rank of an allreduce benchmark, inside a job (`bench allreduce` starts its own;
+    /// `hearth launch -n N -- hearth bench allreduce-rank` or another launcher starts them).
     AllreduceRank(BenchAllreduceArgs),
 }
 
@@ -47,13 +47,16 @@ pub(crate) struct BenchLoaderArgs {
     /// An image folder (root/<class>/<image>).
     #[arg(long)]
     data: PathBuf,
+    /// Images per batch.
     #[arg(long, default_value_t = 64)]
     batch_size: usize,
+    /// Decoding threads.
     #[arg(long, default_value_t = 2)]
     workers: usize,
     /// Batches in flight.
     #[arg(long, default_value_t = 4)]
     prefetch: usize,
+    /// Output side in pixels.
     #[arg(long, default_value_t = 224)]
     size: u32,
     /// Timed batches (after one warm-up batch).
@@ -63,11 +66,13 @@ pub(crate) struct BenchLoaderArgs {
 
 #[derive(Args)]
 pub(crate) struct BenchModelArgs {
+    /// A torchvision name (resnet50, densenet121, vgg16, ...); the PyTorch peer runs the same.
     #[arg(long)]
     model: String,
     /// train (forward, backward, SGD step) or infer (forward in evaluation mode).
     #[arg(long, value_enum, default_value_t = BenchMode::Infer)]
     mode: BenchMode,
+    /// Images per step.
     #[arg(long, default_value_t = 16)]
     batch_size: usize,
     /// Input side in pixels.
@@ -79,6 +84,7 @@ pub(crate) struct BenchModelArgs {
     /// Untimed warm-up steps.
     #[arg(long, default_value_t = 1)]
     warmup: usize,
+    /// Classes of the head.
     #[arg(long, default_value_t = 1000)]
     num_classes: usize,
 }

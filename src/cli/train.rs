@@ -22,6 +22,8 @@ pub(crate) struct TrainArgs {
     /// one sigmoid per label, binary cross-entropy, per-class AUROC (CheXNet style).
     #[arg(long)]
     labels: Option<PathBuf>,
+    /// Share of the images held out for validation when --data has no val/ (stratified by
+    /// class, seeded by --seed).
     #[arg(long, default_value_t = 0.2)]
     val_fraction: f64,
     /// torchvision name (resnet50, densenet121, vgg16, ...), or a small test-size network:
@@ -42,16 +44,24 @@ pub(crate) struct TrainArgs {
     /// Learning rate of the fine-tuning phase (default: --lr / 10).
     #[arg(long, requires = "unfreeze_after")]
     finetune_lr: Option<f64>,
+    /// Passes over the training set.
     #[arg(long, default_value_t = 12)]
     epochs: usize,
+    /// The global batch: images per optimizer step over all ranks together (split evenly
+    /// over data-parallel ranks or pipelines).
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
+    /// Peak learning rate (after --scale-lr), reached after --warmup-epochs and decayed by
+    /// --schedule.
     #[arg(long, default_value_t = 0.05)]
     lr: f64,
+    /// The optimizer.
     #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
     optimizer: OptimizerKind,
+    /// SGD and LARS momentum (PyTorch semantics: no dampening; 0 for plain SGD).
     #[arg(long, default_value_t = 0.9)]
     momentum: f64,
+    /// Nesterov momentum (SGD).
     #[arg(long)]
     nesterov: bool,
     /// L2 weight decay (SGD, Adam: not applied to biases and batch norm; AdamW: decoupled).
@@ -60,6 +70,7 @@ pub(crate) struct TrainArgs {
     /// Learning-rate decay after warmup.
     #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]
     schedule: ScheduleKind,
+    /// Epochs of linear warmup from 0 to --lr before the --schedule decay.
     #[arg(long, default_value_t = 1)]
     warmup_epochs: usize,
     /// Scale --lr by the batch ratio: linear (Goyal et al.) or sqrt.
@@ -68,6 +79,7 @@ pub(crate) struct TrainArgs {
     /// The batch size --lr was tuned for.
     #[arg(long)]
     base_batch: Option<usize>,
+    /// Label smoothing of the cross-entropy loss, in [0, 1) (single-label sets).
     #[arg(long, default_value_t = 0.0)]
     label_smoothing: f32,
     /// Metric for early stopping and the exported (best) epoch; val_auroc needs multi-label data.
@@ -108,6 +120,8 @@ pub(crate) struct TrainArgs {
     /// Decoding threads.
     #[arg(long, default_value_t = 2)]
     workers: usize,
+    /// Seed of the initialisation, the data split, the shuffling and the augmentation: the
+    /// same seed and flags train the same run.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Default: runs/<timestamp>.
