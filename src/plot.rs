@@ -39,6 +39,15 @@ fn series(rows: &Rows, key: &str) -> Vec<(f64, f64)> {
         .collect()
 }
 
+/// An epoch axis label: the epoch at a whole number, nothing between epochs.
+fn epoch_label(x: &f64) -> String {
+    if (x - x.round()).abs() < 1e-6 {
+        format!("{}", x.round() as i64)
+    } else {
+        String::new()
+    }
+}
+
 /// Writes the plot; an error (no epochs, unwritable file) is returned, never a panic.
 /// Extra series: any `<prefix>_accuracy` columns besides train/val (per-rank curves).
 pub fn plot_metrics(rows: &Rows, out: &Path) -> Result<()> {
@@ -113,6 +122,9 @@ pub fn plot_metrics_world(rows: &Rows, world: &[(f64, f64)], out: &Path) -> Resu
             chart
                 .configure_mesh()
                 .x_desc("epoch")
+                // One tick per epoch at most, labelled only where it falls on a whole epoch.
+                .x_labels((max_epoch as usize).clamp(2, 12))
+                .x_label_formatter(&epoch_label)
                 .draw()
                 .map_err(|e| err(e.to_string()))?;
         }
@@ -377,6 +389,14 @@ pub fn plot_curves(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_epoch_axis_names_whole_epochs_only() {
+        assert_eq!(epoch_label(&2.0), "2");
+        assert_eq!(epoch_label(&12.0), "12");
+        assert_eq!(epoch_label(&1.5), "");
+        assert_eq!(epoch_label(&2.2), "");
+    }
 
     #[test]
     fn writes_a_png_and_refuses_empty_tables() {
