@@ -261,7 +261,9 @@ pub fn plot_confusion(confusion: &[Vec<usize>], names: &[&str], out: &Path) -> R
         return Err(err(format!("a {k}x{k} matrix with {} names", names.len())));
     }
     let text = register_font();
-    let side = (120 + 48 * k as u32).clamp(300, 2400);
+    // Cells wide enough for the longest class name under its column.
+    let longest = names.iter().map(|n| n.chars().count()).max().unwrap_or(1) as u32;
+    let side = (120 + (7 * longest).clamp(48, 160) * k as u32).clamp(300, 4000);
     let root = BitMapBackend::new(out, (side + 60, side)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let mut builder = ChartBuilder::on(&root);
@@ -273,23 +275,40 @@ pub fn plot_confusion(confusion: &[Vec<usize>], names: &[&str], out: &Path) -> R
                 ("sans-serif", 18),
             )
             .x_label_area_size(60)
-            .y_label_area_size(90);
+            .y_label_area_size((7 * longest + 20).clamp(60, 240));
     }
+    // Segmented axes: each class is a cell, labelled at its centre (a plain 0..k axis labels
+    // the k + 1 cell edges).
     let mut chart = builder
-        .build_cartesian_2d(0..k, 0..k)
+        .build_cartesian_2d((0..k - 1).into_segmented(), (0..k - 1).into_segmented())
         .map_err(|e| err(e.to_string()))?;
     if text {
-        let label = |i: &usize| names.get(*i).map(|n| n.to_string()).unwrap_or_default();
+        let label = |v: &SegmentValue<usize>| match v {
+            SegmentValue::CenterOf(i) => names.get(*i).map(|n| n.to_string()).unwrap_or_default(),
+            _ => String::new(),
+        };
+        // Row t is drawn at y = k - 1 - t, so the first class is the top row.
+        let row_label = |v: &SegmentValue<usize>| match v {
+            SegmentValue::CenterOf(i) if *i < k => label(&SegmentValue::CenterOf(k - 1 - i)),
+            _ => String::new(),
+        };
         chart
             .configure_mesh()
             .disable_mesh()
             .x_labels(k)
             .y_labels(k)
             .x_label_formatter(&label)
-            .y_label_formatter(&|i: &usize| label(&(k - 1 - i.min(&(k - 1)))))
+            .y_label_formatter(&row_label)
             .draw()
             .map_err(|e| err(e.to_string()))?;
     }
+    let centred =
+        ("sans-serif", 14)
+            .into_text_style(&root)
+            .pos(plotters::style::text_anchor::Pos::new(
+                plotters::style::text_anchor::HPos::Center,
+                plotters::style::text_anchor::VPos::Center,
+            ));
     for (t, row) in confusion.iter().enumerate() {
         let total = row.iter().sum::<usize>().max(1) as f64;
         for (p, &n) in row.iter().enumerate() {
@@ -298,16 +317,21 @@ pub fn plot_confusion(confusion: &[Vec<usize>], names: &[&str], out: &Path) -> R
             let y = k - 1 - t;
             chart
                 .draw_series(std::iter::once(Rectangle::new(
-                    [(p, y), (p + 1, y + 1)],
+                    [
+                        (SegmentValue::Exact(p), SegmentValue::Exact(y)),
+                        (SegmentValue::Exact(p + 1), SegmentValue::Exact(y + 1)),
+                    ],
                     RGBColor(shade, shade, 255).filled(),
                 )))
                 .map_err(|e| err(e.to_string()))?;
             if text {
+                // Dark cells get white counts.
+                let colour = if share > 0.5 { WHITE } else { BLACK };
                 chart
                     .draw_series(std::iter::once(Text::new(
                         n.to_string(),
-                        (p, y + 1),
-                        ("sans-serif", 14),
+                        (SegmentValue::CenterOf(p), SegmentValue::CenterOf(y)),
+                        centred.clone().color(&colour),
                     )))
                     .map_err(|e| err(e.to_string()))?;
             }
@@ -389,6 +413,23 @@ pub fn plot_curves(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn confusion_maps_of_one_to_many_classes_are_drawn() {
+        let dir = tempfile::tempdir().unwrap();
+        for k in 1..=5usize {
+            let m: Vec<Vec<usize>> = (0..k)
+                .map(|t| (0..k).map(|p| usize::from(t == p) * 3 + p).collect())
+                .collect();
+            let names: Vec<String> = (0..k).map(|i| format!("class_{i}")).collect();
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            let out = dir.path().join(format!("c{k}.png"));
+            plot_confusion(&m, &names, &out).unwrap();
+            assert!(out.is_file());
+        }
+        // A matrix and names that do not fit: an error, not a panic.
+        assert!(plot_confusion(&[vec![1, 2]], &["a"], &dir.path().join("bad.png")).is_err());
+    }
 
     #[test]
     fn the_epoch_axis_names_whole_epochs_only() {
