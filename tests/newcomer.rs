@@ -379,3 +379,36 @@ fn every_option_says_what_it_does_and_readme_subcommands_exist() {
     let bench = String::from_utf8_lossy(&hearth(&["bench", "--help"]).stdout).into_owned();
     assert!(bench.contains("allreduce-rank"), "{bench}");
 }
+
+#[test]
+fn hparams_json_holds_typed_values_not_debug_text() {
+    let out = hearth(&[
+        "train",
+        "--dry-run",
+        "--nproc",
+        "3",
+        "--ps",
+        "1",
+        "--patience",
+        "2",
+        "--label-smoothing",
+        "0.1",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json = &text[text.find('{').unwrap()..];
+    let h: serde_json::Value = serde_json::from_str(json).unwrap();
+    assert_eq!(h["patience"], 2);
+    assert_eq!(h["finetune_lr"], serde_json::Value::Null);
+    assert_eq!(h["optimizer"], "sgd");
+    assert_eq!(h["label_smoothing"], 0.1);
+    assert_eq!(h["ps"]["mode"], "adag");
+    assert_eq!(h["ps"]["servers"], 1);
+    for debug in ["Some(", "None", "Options {", "Dedicated(", "OneFOneB"] {
+        assert!(!json.contains(debug), "{debug} in {json}");
+    }
+}

@@ -514,48 +514,99 @@ impl TrainConfig {
 
     /// The hyperparameters a resumed run must share with the original, by name
     /// (`hparams.json`).
-    pub fn hyperparameters(&self) -> BTreeMap<&'static str, String> {
+    pub fn hyperparameters(&self) -> BTreeMap<&'static str, serde_json::Value> {
+        use serde_json::{Value, json};
         let path = |p: &Option<PathBuf>| {
             p.as_ref()
-                .map(|p| p.display().to_string())
-                .unwrap_or_default()
+                .map_or(Value::Null, |p| json!(p.display().to_string()))
         };
+        let value_name = |v: Option<clap::builder::PossibleValue>| {
+            v.map_or(Value::Null, |v| json!(v.get_name()))
+        };
+        let schedule = match self.schedule {
+            crate::schedule::Decay::Constant => json!({"decay": "constant"}),
+            crate::schedule::Decay::Step { step_size, gamma } => {
+                json!({"decay": "step", "step_size": step_size, "gamma": gamma})
+            }
+            crate::schedule::Decay::Cosine { min_lr } => {
+                json!({"decay": "cosine", "min_lr": min_lr})
+            }
+        };
+        let scale_lr = self.scale_lr.map_or(Value::Null, |(rule, base)| {
+            json!({
+                "rule": match rule {
+                    crate::schedule::LrScaling::Linear => "linear",
+                    crate::schedule::LrScaling::Sqrt => "sqrt",
+                },
+                "base_batch": base,
+            })
+        });
         BTreeMap::from([
             ("data", path(&self.data)),
             ("labels", path(&self.labels)),
-            ("val_fraction", self.val_fraction.to_string()),
-            ("model", self.model.clone()),
+            ("val_fraction", json!(self.val_fraction)),
+            ("model", json!(self.model)),
             ("weights", path(&self.weights)),
-            ("freeze_backbone", self.freeze_backbone.to_string()),
-            ("unfreeze_after", format!("{:?}", self.unfreeze_after)),
-            ("finetune_lr", format!("{:?}", self.finetune_lr)),
-            ("epochs", self.epochs.to_string()),
-            ("batch_size", self.batch_size.to_string()),
-            ("lr", self.lr.to_string()),
-            ("optimizer", format!("{:?}", self.optimizer)),
-            ("momentum", self.momentum.to_string()),
-            ("nesterov", self.nesterov.to_string()),
-            ("weight_decay", self.weight_decay.to_string()),
-            ("schedule", format!("{:?}", self.schedule)),
-            ("warmup_epochs", self.warmup_epochs.to_string()),
-            ("scale_lr", format!("{:?}", self.scale_lr)),
-            ("label_smoothing", self.label_smoothing.to_string()),
-            ("monitor", format!("{:?}", self.monitor)),
-            ("patience", format!("{:?}", self.patience)),
-            ("min_delta", self.min_delta.to_string()),
-            ("image_size", self.image_size.to_string()),
-            ("augmentation", self.augmentation.to_string()),
-            ("seed", self.seed.to_string()),
-            ("grad_accum", format!("{:?}", self.grad_accum)),
-            ("compression", format!("{:?}", self.compression)),
+            ("freeze_backbone", json!(self.freeze_backbone)),
+            ("unfreeze_after", json!(self.unfreeze_after)),
+            ("finetune_lr", json!(self.finetune_lr)),
+            ("epochs", json!(self.epochs)),
+            ("batch_size", json!(self.batch_size)),
+            ("lr", json!(self.lr)),
+            (
+                "optimizer",
+                value_name(clap::ValueEnum::to_possible_value(&self.optimizer)),
+            ),
+            ("momentum", json!(self.momentum)),
+            ("nesterov", json!(self.nesterov)),
+            ("weight_decay", json!(self.weight_decay)),
+            ("schedule", schedule),
+            ("warmup_epochs", json!(self.warmup_epochs)),
+            ("scale_lr", scale_lr),
+            // As typed (0.1, not the f32's 0.10000000149...).
+            (
+                "label_smoothing",
+                json!((f64::from(self.label_smoothing) * 1e6).round() / 1e6),
+            ),
+            ("monitor", json!(self.monitor.column())),
+            ("patience", json!(self.patience)),
+            ("min_delta", json!(self.min_delta)),
+            ("image_size", json!(self.image_size)),
+            ("augmentation", json!(self.augmentation.to_string())),
+            ("seed", json!(self.seed)),
+            ("grad_accum", json!(self.grad_accum)),
+            ("compression", json!(self.compression.name())),
         ])
         .into_iter()
-        .chain(
-            self.pipeline
-                .as_ref()
-                .map(|p| ("pipeline", format!("{p:?}"))),
-        )
-        .chain(self.ps.as_ref().map(|p| ("ps", format!("{p:?}"))))
+        .chain(self.pipeline.as_ref().map(|p| {
+            (
+                "pipeline",
+                json!({
+                    "stages": p.stages,
+                    "micro_batches": p.micro_batches,
+                    "schedule": p.schedule.name(),
+                    "split": p.split.as_ref().map(|s| {
+                        s.iter().map(|r| format!("{}:{}", r.start, r.end)).collect::<Vec<_>>()
+                    }),
+                    "balance": value_name(clap::ValueEnum::to_possible_value(&p.balance)),
+                }),
+            )
+        }))
+        .chain(self.ps.as_ref().map(|p| {
+            (
+                "ps",
+                json!({
+                    "servers": match p.servers {
+                        super::PsServers::Dedicated(n) => json!(n),
+                        super::PsServers::Colocated => json!("colocated"),
+                    },
+                    "mode": p.mode.name(),
+                    "window": p.window,
+                    "rho": p.rho,
+                    "staleness": p.staleness,
+                }),
+            )
+        }))
         .collect()
     }
 }

@@ -170,7 +170,7 @@ pub fn last_complete_checkpoint(run_dir: &Path) -> Result<usize> {
         })
 }
 
-pub fn hparams_json(h: &BTreeMap<&'static str, String>) -> String {
+pub fn hparams_json(h: &BTreeMap<&'static str, serde_json::Value>) -> String {
     serde_json::to_string_pretty(h).unwrap_or_default()
 }
 
@@ -178,7 +178,7 @@ pub fn hparams_json(h: &BTreeMap<&'static str, String>) -> String {
 pub fn record(
     run_dir: &Path,
     config: &ModelConfig,
-    h: &BTreeMap<&'static str, String>,
+    h: &BTreeMap<&'static str, serde_json::Value>,
 ) -> Result<()> {
     write_atomic(&run_dir.join("model_config.json"), &config.to_json())?;
     write_atomic(&run_dir.join("hparams.json"), &hparams_json(h))
@@ -188,7 +188,7 @@ pub fn record(
 pub fn check_resume_compatible(
     run_dir: &Path,
     config: &ModelConfig,
-    hparams: &BTreeMap<&'static str, String>,
+    hparams: &BTreeMap<&'static str, serde_json::Value>,
 ) -> Result<()> {
     let path = run_dir.join("model_config.json");
     let saved = std::fs::read_to_string(&path).map_err(|source| HearthError::Read {
@@ -211,8 +211,14 @@ pub fn check_resume_compatible(
     let Ok(text) = std::fs::read_to_string(&path) else {
         return Ok(());
     };
-    let saved: BTreeMap<String, String> = serde_json::from_str(&text)
+    let saved: BTreeMap<String, serde_json::Value> = serde_json::from_str(&text)
         .map_err(|e| HearthError::InvalidArgument(format!("{}: {e}", path.display())))?;
+    // Files written before the values were typed hold every value as text (Rust debug text,
+    // not comparable with the typed values): those runs resume on the model check alone, as
+    // runs from before hparams.json did.
+    if saved.values().all(serde_json::Value::is_string) {
+        return Ok(());
+    }
     let differing: Vec<String> = hparams
         .iter()
         .filter_map(|(k, now)| {
