@@ -412,3 +412,14 @@ fn hparams_json_holds_typed_values_not_debug_text() {
         assert!(!json.contains(debug), "{debug} in {json}");
     }
 }
+
+#[test]
+fn resuming_a_mistyped_path_creates_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let typo = tmp.path().join("rnu");
+    let out = hearth(&["train", "--resume", typo.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("no run there"), "{err}");
+    assert!(!typo.exists(), "no folder, no synthetic set for a typo");
+}

@@ -32,9 +32,21 @@ fn run_files(dir: &Path) -> Vec<&'static str> {
         .collect()
 }
 
-/// Refuses a new run (no `--resume`) into a directory that holds one, unless `--overwrite`.
+/// Refuses a new run (no `--resume`) into a directory that holds one, unless `--overwrite`;
+/// and a `--resume` of a directory that holds no run (a mistyped path), before anything is
+/// created there.
 pub fn check_fresh(cfg: &super::TrainConfig) -> Result<()> {
-    if cfg.resume || cfg.overwrite {
+    if cfg.resume {
+        if run_files(&cfg.run_dir).is_empty() {
+            return Err(HearthError::InvalidArgument(format!(
+                "cannot resume {}: no run there (no metrics.csv, checkpoint/ or hparams.json); \
+                 --run-dir starts a new one",
+                cfg.run_dir.display()
+            )));
+        }
+        return Ok(());
+    }
+    if cfg.overwrite {
         return Ok(());
     }
     let found = run_files(&cfg.run_dir);
