@@ -142,9 +142,12 @@ fn expect(flag: &str, mode: &str) -> Expect {
         // Not built yet (said by name).
         // No meaning: a pipeline's micro-batches are its accumulation.
         ("--grad-accum", "pipeline") => Refused("--micro-batches"),
+        // The walk's folder holds no run: resuming it is refused before anything is read (real
+        // resumes: tests/newcomer.rs, tests/exact_resume.rs).
+        ("--resume", _) => Refused("cannot resume somewhere: no run there"),
         (
-            "--workers" | "--run-dir" | "--resume" | "--overwrite" | "--stop-after-epoch"
-            | "--price-per-hour" | "--device",
+            "--workers" | "--run-dir" | "--overwrite" | "--stop-after-epoch" | "--price-per-hour"
+            | "--device",
             _,
         ) => Mechanics,
         _ => Recorded,

@@ -423,3 +423,61 @@ fn resuming_a_mistyped_path_creates_nothing() {
     assert!(err.contains("no run there"), "{err}");
     assert!(!typo.exists(), "no folder, no synthetic set for a typo");
 }
+
+#[test]
+fn resume_takes_the_runs_settings_and_extends_a_finished_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = common::small_data(tmp.path());
+    let run = tmp.path().join("run");
+    let (d, r) = (data.to_str().unwrap(), run.to_str().unwrap());
+    let first = hearth(&[
+        "train",
+        "--data",
+        d,
+        "--epochs",
+        "2",
+        "--batch-size",
+        "8",
+        "--lr",
+        "0.02",
+        "--seed",
+        "3",
+        "--augment",
+        "none",
+        "--workers",
+        "1",
+        "--run-dir",
+        r,
+    ]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    // Finished: --resume alone has nothing left to train, and says so.
+    let out = hearth(&["train", "--resume", r]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("already finished epoch 2 of 2"), "{err}");
+    // A changed setting that must not change is refused by name.
+    let out = hearth(&["train", "--resume", r, "--epochs", "3", "--lr", "0.5"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("lr: 0.02 then, 0.5 now"), "{err}");
+    // More epochs: every other setting from the run (its data, rate, seed, augmentation).
+    let out = hearth(&["train", "--resume", r, "--epochs", "3"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("--resume: ") && err.contains("hparams.json"),
+        "{err}"
+    );
+    assert!(err.contains("resuming after epoch 2"), "{err}");
+    let csv = std::fs::read_to_string(run.join("metrics.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 1 + 3, "{csv}");
+    let h: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("hparams.json")).unwrap()).unwrap();
+    assert_eq!(h["epochs"], 3);
+    assert_eq!(h["lr"], 0.02);
+    assert_eq!(h["seed"], 3);
+}

@@ -18,6 +18,10 @@ pub const MINI_VGG: &str = "vgg-mini";
 /// the batches (exact equivalence tests of distributed modes).
 pub const MINI_VGG_PLAIN: &str = "vgg-mini-plain";
 
+/// Settings `--resume` may change: the run's length (extending a finished run) and early
+/// stopping. Everything else `hparams.json` records must be what the run was started with.
+pub const MAY_CHANGE_ON_RESUME: [&str; 3] = ["epochs", "patience", "min_delta"];
+
 /// A small DenseNet (growth 8, two layers per block, 16 stem channels): DenseNet-121's
 /// architecture at test size (the multi-label recipe of seed 001 on a small machine).
 pub const MINI_DENSENET: &str = "densenet-mini";
@@ -512,6 +516,151 @@ impl TrainConfig {
         crate::schedule::Schedule::new(lr, self.warmup_epochs * steps, self.epochs * steps, decay)
     }
 
+    /// `--resume`: the settings recorded in the run's `hparams.json` (`saved`) for every one
+    /// `given` says the command line did not set, so `hearth train --resume RUN` alone
+    /// continues the run as it was started. Returns the names taken; a value that does not
+    /// read is an error naming it.
+    pub fn take_recorded(
+        &mut self,
+        saved: &serde_json::Map<String, serde_json::Value>,
+        given: &dyn Fn(&str) -> bool,
+    ) -> Result<Vec<String>> {
+        use serde_json::Value;
+        let bad = |k: &str, v: &Value| {
+            HearthError::InvalidArgument(format!(
+                "{}: {k} = {v} does not read as a setting",
+                self.run_dir.join("hparams.json").display()
+            ))
+        };
+        let f = |k: &str, v: &Value| v.as_f64().ok_or_else(|| bad(k, v));
+        let n = |k: &str, v: &Value| v.as_u64().map(|x| x as usize).ok_or_else(|| bad(k, v));
+        let b = |k: &str, v: &Value| v.as_bool().ok_or_else(|| bad(k, v));
+        let text = |k: &str, v: &Value| v.as_str().map(str::to_string).ok_or_else(|| bad(k, v));
+        let opt = |v: &Value| (!v.is_null()).then_some(v.clone());
+        let named = |k: &str, v: &Value| -> Result<String> { text(k, v) };
+        let mut taken = Vec::new();
+        for (k, v) in saved {
+            if given(k) {
+                continue;
+            }
+            let path = |v: &Value| -> Result<Option<PathBuf>> {
+                opt(v).map(|v| text(k, &v).map(PathBuf::from)).transpose()
+            };
+            match k.as_str() {
+                "data" => self.data = path(v)?,
+                "labels" => self.labels = path(v)?,
+                "weights" => self.weights = path(v)?,
+                "val_fraction" => self.val_fraction = f(k, v)?,
+                "model" => self.model = text(k, v)?,
+                "freeze_backbone" => self.freeze_backbone = b(k, v)?,
+                "unfreeze_after" => self.unfreeze_after = opt(v).map(|v| n(k, &v)).transpose()?,
+                "finetune_lr" => self.finetune_lr = opt(v).map(|v| f(k, &v)).transpose()?,
+                "epochs" => self.epochs = n(k, v)?,
+                "batch_size" => self.batch_size = n(k, v)?,
+                "lr" => self.lr = f(k, v)?,
+                "optimizer" => {
+                    self.optimizer =
+                        clap::ValueEnum::from_str(&named(k, v)?, false).map_err(|_| bad(k, v))?
+                }
+                "momentum" => self.momentum = f(k, v)?,
+                "nesterov" => self.nesterov = b(k, v)?,
+                "weight_decay" => self.weight_decay = f(k, v)?,
+                "schedule" => {
+                    use crate::schedule::Decay;
+                    self.schedule = match v["decay"].as_str() {
+                        Some("constant") => Decay::Constant,
+                        Some("step") => Decay::Step {
+                            step_size: n(k, &v["step_size"])?,
+                            gamma: f(k, &v["gamma"])?,
+                        },
+                        Some("cosine") => Decay::Cosine {
+                            min_lr: f(k, &v["min_lr"])?,
+                        },
+                        _ => return Err(bad(k, v)),
+                    }
+                }
+                "warmup_epochs" => self.warmup_epochs = n(k, v)?,
+                "scale_lr" => {
+                    self.scale_lr = match opt(v) {
+                        None => None,
+                        Some(s) => Some((
+                            clap::ValueEnum::from_str(&named(k, &s["rule"])?, false)
+                                .map_err(|_| bad(k, &s))?,
+                            n(k, &s["base_batch"])?,
+                        )),
+                    }
+                }
+                "label_smoothing" => self.label_smoothing = f(k, v)? as f32,
+                "monitor" => {
+                    self.monitor =
+                        clap::ValueEnum::from_str(&named(k, v)?, false).map_err(|_| bad(k, v))?
+                }
+                "patience" => self.patience = opt(v).map(|v| n(k, &v)).transpose()?,
+                "min_delta" => self.min_delta = f(k, v)?,
+                "image_size" => self.image_size = n(k, v)? as u32,
+                "augmentation" => {
+                    self.augmentation = hearth_datasets::Augmentation {
+                        crop_scale: match opt(&v["crop_scale"]) {
+                            None => None,
+                            Some(c) => Some((f(k, &c[0])?, f(k, &c[1])?)),
+                        },
+                        flip: b(k, &v["flip"])?,
+                        rotate: f(k, &v["rotate"])?,
+                        shear: f(k, &v["shear"])?,
+                        color_jitter: f(k, &v["color_jitter"])?,
+                    }
+                }
+                "seed" => self.seed = n(k, v)? as u64,
+                "grad_accum" => self.grad_accum = opt(v).map(|v| n(k, &v)).transpose()?,
+                "compression" => {
+                    self.compression =
+                        clap::ValueEnum::from_str(&named(k, v)?, false).map_err(|_| bad(k, v))?
+                }
+                "pipeline" => {
+                    let split = match opt(&v["split"]) {
+                        None => None,
+                        Some(s) => {
+                            let parts: Vec<String> = s
+                                .as_array()
+                                .ok_or_else(|| bad(k, v))?
+                                .iter()
+                                .map(|p| text(k, p))
+                                .collect::<Result<_>>()?;
+                            Some(PipelineOptions::parse_split(&parts.join(","))?)
+                        }
+                    };
+                    self.pipeline = Some(PipelineOptions {
+                        stages: n(k, &v["stages"])?,
+                        micro_batches: n(k, &v["micro_batches"])?,
+                        schedule: clap::ValueEnum::from_str(&named(k, &v["schedule"])?, false)
+                            .map_err(|_| bad(k, v))?,
+                        split,
+                        balance: clap::ValueEnum::from_str(&named(k, &v["balance"])?, false)
+                            .map_err(|_| bad(k, v))?,
+                    })
+                }
+                "ps" => {
+                    self.ps = Some(super::PsOptions {
+                        servers: match &v["servers"] {
+                            Value::String(s) => s.parse()?,
+                            other => super::PsServers::Dedicated(n(k, other)?),
+                        },
+                        mode: named(k, &v["mode"])?.parse()?,
+                        window: n(k, &v["window"])?,
+                        rho: f(k, &v["rho"])?,
+                        staleness: opt(&v["staleness"])
+                            .map(|s| n(k, &s).map(|x| x as u64))
+                            .transpose()?,
+                    })
+                }
+                // A setting this version does not know: the run's check says so if it matters.
+                _ => continue,
+            }
+            taken.push(k.clone());
+        }
+        Ok(taken)
+    }
+
     /// The hyperparameters a resumed run must share with the original, by name
     /// (`hparams.json`).
     pub fn hyperparameters(&self) -> BTreeMap<&'static str, serde_json::Value> {
@@ -572,7 +721,16 @@ impl TrainConfig {
             ("patience", json!(self.patience)),
             ("min_delta", json!(self.min_delta)),
             ("image_size", json!(self.image_size)),
-            ("augmentation", json!(self.augmentation.to_string())),
+            (
+                "augmentation",
+                json!({
+                    "crop_scale": self.augmentation.crop_scale.map(|(a, b)| [a, b]),
+                    "flip": self.augmentation.flip,
+                    "rotate": self.augmentation.rotate,
+                    "shear": self.augmentation.shear,
+                    "color_jitter": self.augmentation.color_jitter,
+                }),
+            ),
             ("seed", json!(self.seed)),
             ("grad_accum", json!(self.grad_accum)),
             ("compression", json!(self.compression.name())),

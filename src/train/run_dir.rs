@@ -233,6 +233,7 @@ pub fn check_resume_compatible(
     }
     let differing: Vec<String> = hparams
         .iter()
+        .filter(|(k, _)| !super::config::MAY_CHANGE_ON_RESUME.contains(*k))
         .filter_map(|(k, now)| {
             let then = saved.get(*k)?;
             (then != now).then(|| format!("{k}: {then} then, {now} now"))
