@@ -176,6 +176,19 @@ fn truncated_images_are_skipped_by_path_and_a_folder_of_them_stops_the_run() {
         report.skipped
     );
     assert!(report.best_val_loss.is_some_and(f64::is_finite));
+    // Counted in the epoch's row (and so its console line).
+    let csv = std::fs::read_to_string(tmp.path().join("run/metrics.csv")).unwrap();
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let row: Vec<&str> = csv.lines().nth(1).unwrap().split(',').collect();
+    let col = |name: &str| -> f64 {
+        let i = header.iter().position(|h| *h == name).unwrap();
+        row[i].parse().unwrap()
+    };
+    assert_eq!(
+        col("train_skipped_images") + col("val_skipped_images"),
+        2.0,
+        "{csv}"
+    );
 
     // Every image cut: the run stops naming the files, not a NaN loss blamed on --lr.
     for f in &files {

@@ -193,6 +193,14 @@ pub fn epoch_line(epoch: usize, epochs: Option<usize>, row: &BTreeMap<String, f6
     if let Some(v) = row.get("train_images_per_sec") {
         line.push_str(&format!(" | {v:.0} img/s"));
     }
+    // Images that failed to decode this epoch (skipped, never a tensor of garbage).
+    let skipped: f64 = ["train_skipped_images", "val_skipped_images"]
+        .iter()
+        .filter_map(|k| row.get(*k))
+        .sum();
+    if skipped > 0.0 {
+        line.push_str(&format!(" | skipped {skipped:.0} unreadable image(s)"));
+    }
     line
 }
 
@@ -390,6 +398,19 @@ fn gather_over_ranks(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_epoch_line_counts_skipped_images_only_when_there_are_some() {
+        let mut row = BTreeMap::new();
+        row.insert("train_loss".to_string(), 0.5);
+        row.insert("train_skipped_images".to_string(), 0.0);
+        row.insert("val_skipped_images".to_string(), 0.0);
+        assert!(!epoch_line(1, Some(2), &row).contains("skipped"));
+        row.insert("train_skipped_images".to_string(), 2.0);
+        row.insert("val_skipped_images".to_string(), 1.0);
+        let line = epoch_line(1, Some(2), &row);
+        assert!(line.ends_with("| skipped 3 unreadable image(s)"), "{line}");
+    }
 
     #[test]
     fn epoch_value_prefers_final_then_weights_by_count() {

@@ -60,7 +60,7 @@ pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
 pub use model::{MINI_MODELS, epoch_seed, mini_resnet, mini_vgg, model_config};
 pub use ps::{PsOptions, PsServers};
 pub use render::PlainRenderer;
-pub use speed::ImagesPerSecond;
+pub use speed::{ImagesPerSecond, SkippedImages};
 pub use step::{MultiLabel, SingleLabel, Task};
 
 use std::collections::BTreeMap;

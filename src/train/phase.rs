@@ -12,8 +12,8 @@ use super::best::{BestRule, KeepBestAndLast, Patience};
 use super::model::optimizer;
 use super::run_dir::complete_checkpoints;
 use super::{
-    CsvMetricLogger, EpochTable, ImagesPerSecond, LoaderAdapter, NonFinite, PlainRenderer, Task,
-    TrainConfig,
+    CsvMetricLogger, EpochTable, ImagesPerSecond, LoaderAdapter, NonFinite, PlainRenderer,
+    SkippedImages, Task, TrainConfig,
 };
 use crate::schedule::Schedule;
 use crate::{HearthError, Result};
@@ -87,6 +87,8 @@ impl<T: Task> Phase<'_, T> {
         .with_metric_logger(csv_logger)
         .metric_train_numeric(LearningRateMetric::new())
         .metric_train_numeric(ImagesPerSecond::new())
+        .metric_train_numeric(SkippedImages::new(self.train_loader.clone()))
+        .metric_valid_numeric(SkippedImages::new(self.val_loader.clone()))
         .with_default_checkpointers()
         .with_checkpointing_strategy(checkpointing)
         .num_epochs(self.last);

@@ -113,3 +113,78 @@ impl Numeric for ImagesPerSecond {
         NumericEntry::Final(self.rate)
     }
 }
+
+/// Images of the epoch that failed to decode and were skipped (a burn-train metric over a
+/// loader's record of bad files): the `skipped_images` columns and the epoch line's count.
+#[derive(Clone)]
+pub struct SkippedImages {
+    name: MetricName,
+    loader: hearth_datasets::Loader,
+    /// Bad files the loader had recorded when the epoch began.
+    base: usize,
+    count: f64,
+}
+
+impl SkippedImages {
+    pub fn new(loader: hearth_datasets::Loader) -> Self {
+        let base = loader.decode_problems().len();
+        Self {
+            name: Arc::new("Skipped images".to_string()),
+            loader,
+            base,
+            count: 0.0,
+        }
+    }
+
+    fn entry(&self, entry: NumericEntry) -> SerializedEntry {
+        SerializedEntry::new(format!("{} skipped", self.count), entry.serialize())
+    }
+}
+
+impl Metric for SkippedImages {
+    type Input = ();
+
+    fn update(&mut self, _: &(), _: &MetricMetadata) -> Result<SerializedEntry, TensorReadError> {
+        self.count = self
+            .loader
+            .decode_problems()
+            .len()
+            .saturating_sub(self.base) as f64;
+        Ok(self.entry(NumericEntry::Value(self.count)))
+    }
+
+    fn compute(&mut self) -> Result<SerializedEntry, TensorReadError> {
+        Ok(self.entry(NumericEntry::Final(self.count)))
+    }
+
+    fn clear(&mut self) {
+        self.base = self.loader.decode_problems().len();
+        self.count = 0.0;
+    }
+
+    fn name(&self) -> MetricName {
+        self.name.clone()
+    }
+
+    fn attributes(&self) -> MetricAttributes {
+        NumericAttributes {
+            unit: None,
+            higher_is_better: false,
+        }
+        .into()
+    }
+}
+
+impl Numeric for SkippedImages {
+    fn value(&self) -> Option<NumericEntry> {
+        Some(NumericEntry::Value(self.count))
+    }
+
+    fn running_value(&self) -> Option<NumericEntry> {
+        self.value()
+    }
+
+    fn final_value(&self) -> NumericEntry {
+        NumericEntry::Final(self.count)
+    }
+}
