@@ -279,7 +279,7 @@ fn bad_pipeline_layouts_fail_with_a_clear_error() {
         ),
         (
             vec!["--pipeline-stages", "2", "--pipeline-split", "0:2,2:3"],
-            "must cover units",
+            "ends at unit 3, but --model resnet-mini has 6 units",
         ),
         (
             vec!["--pipeline-stages", "2", "--grad-accum", "2"],

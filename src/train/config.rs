@@ -354,6 +354,17 @@ impl TrainConfig {
                     p.stages
                 ));
             }
+            // The split must cover the model's units exactly (known from its name alone).
+            if let Some(end) = p.split.as_ref().and_then(|s| s.last()).map(|r| r.end) {
+                let units = super::model::model_config(&self.model, 2)?.units();
+                if end != units {
+                    return bad(format!(
+                        "--pipeline-split ends at unit {end}, but --model {} has {units} units \
+                         (0..{units}; `hearth units --model {}` lists them)",
+                        self.model, self.model
+                    ));
+                }
+            }
             // Without a meaning here: a pipeline's micro-batches are its accumulation.
             if self.grad_accum.is_some() {
                 return bad(

@@ -1,0 +1,209 @@
+//! README's commands work as written. Every `hearth ...` or `cargo run --release -- ...` line
+//! of README.md's shell blocks (and deploy/README.md's) is taken apart and checked the cheapest
+//! way that proves it:
+//! - `train`: with `--dry-run`, every check a run makes before reading data (flags, values,
+//!   their combinations, the pipeline split against the model's units);
+//! - `data synth`, `models`, `devices`, `units`: run for real (in a scratch folder);
+//! - `launch ... -- hearth CMD`: its own flags against `hearth launch --help`, CMD as above;
+//! - commands that need files or time this test does not have (`predict` with weights,
+//!   `bench`): every flag they use is one their `--help` lists.
+//!
+//! A README example that a change breaks fails here, not in a newcomer's terminal.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+/// Splits a shell line into words: whitespace-separated, `"..."` and `'...'` kept whole, a `#`
+/// at a word's start ends the line.
+fn words(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut quote: Option<char> = None;
+    let mut in_word = false;
+    for c in line.chars() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), c) => cur.push(c),
+            (None, '"' | '\'') => {
+                quote = Some(c);
+                in_word = true;
+            }
+            (None, '#') if !in_word => break,
+            (None, c) if c.is_whitespace() => {
+                if in_word {
+                    out.push(std::mem::take(&mut cur));
+                    in_word = false;
+                }
+            }
+            (None, c) => {
+                cur.push(c);
+                in_word = true;
+            }
+        }
+    }
+    if in_word {
+        out.push(cur);
+    }
+    out
+}
+
+/// A documented command: the environment it sets, and hearth's arguments.
+type Documented = (Vec<(String, String)>, Vec<String>);
+
+/// The commands of `file`'s shell blocks.
+fn commands(file: &Path) -> Vec<Documented> {
+    let Ok(text) = std::fs::read_to_string(file) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    let mut in_block = false;
+    let mut pending = String::new();
+    for line in text.lines() {
+        let t = line.trim();
+        if t.starts_with("```") {
+            in_block = t == "```bash" || t == "```sh";
+            pending.clear();
+            continue;
+        }
+        if !in_block {
+            continue;
+        }
+        // Continuation lines join the next.
+        if let Some(head) = t.strip_suffix('\\') {
+            pending.push_str(head);
+            pending.push(' ');
+            continue;
+        }
+        let full = std::mem::take(&mut pending) + t;
+        let mut w = words(&full);
+        let mut env = Vec::new();
+        while let Some((k, v)) = w.first().and_then(|x| x.split_once('=')) {
+            if !k.chars().all(|c| c.is_ascii_uppercase() || c == '_') {
+                break;
+            }
+            env.push((k.to_string(), v.to_string()));
+            w.remove(0);
+        }
+        // `...` stands for the reader's other flags.
+        w.retain(|x| x != "...");
+        let args: Vec<String> = match w.first().map(String::as_str) {
+            Some("hearth") => w[1..].to_vec(),
+            Some("cargo")
+                if w.get(1..4) == Some(&["run".into(), "--release".into(), "--".into()]) =>
+            {
+                w[4..].to_vec()
+            }
+            _ => continue,
+        };
+        out.push((env, args));
+    }
+    out
+}
+
+fn hearth(args: &[String], env: &[(String, String)], cwd: &Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_hearth"))
+        .args(args)
+        // Only the job variables the command itself sets (a rank of a documented job).
+        .env_remove("HEARTH_RANK")
+        .env_remove("HEARTH_WORLD_SIZE")
+        .env_remove("HEARTH_COORDINATOR")
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .current_dir(cwd)
+        .output()
+        .unwrap()
+}
+
+/// The `--flags` of `args` missing from `hearth SUBCOMMAND --help`.
+fn unknown_flags(sub: &[&str], args: &[String], cwd: &Path) -> Vec<String> {
+    let mut help_args: Vec<String> = sub.iter().map(|s| s.to_string()).collect();
+    help_args.push("--help".into());
+    let help = String::from_utf8_lossy(&hearth(&help_args, &[], cwd).stdout).into_owned();
+    args.iter()
+        .filter(|a| a.starts_with("--"))
+        .map(|a| a.split('=').next().unwrap_or(a).to_string())
+        .filter(|f| !help.contains(f.as_str()))
+        .collect()
+}
+
+/// Checks one command; `Err` says what failed.
+fn check(env: &[(String, String)], args: &[String], cwd: &Path) -> Result<(), String> {
+    let run = |a: &[String]| {
+        let out = hearth(a, env, cwd);
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).trim().to_string())
+        }
+    };
+    match args.first().map(String::as_str) {
+        Some("train") => {
+            let mut a = args.to_vec();
+            if !a.iter().any(|x| x == "--dry-run") {
+                a.push("--dry-run".into());
+            }
+            run(&a)
+        }
+        Some("data" | "models" | "devices" | "units") => run(args),
+        Some("launch") => {
+            let split = args
+                .iter()
+                .position(|a| a == "--")
+                .ok_or("no -- in launch")?;
+            let missing = unknown_flags(&["launch"], &args[..split], cwd);
+            if !missing.is_empty() {
+                return Err(format!("launch has no {missing:?}"));
+            }
+            let inner = &args[split + 1..];
+            match inner.first().map(String::as_str) {
+                Some("hearth") => check(env, &inner[1..], cwd),
+                _ => Ok(()),
+            }
+        }
+        Some(sub @ ("predict" | "eval" | "bench")) => {
+            let mut path = vec![sub];
+            if sub == "bench"
+                && let Some(s) = args.get(1)
+            {
+                path.push(s.as_str());
+            }
+            let missing = unknown_flags(&path, &args[path.len()..], cwd);
+            if missing.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{path:?} has no {missing:?}"))
+            }
+        }
+        other => Err(format!("no check for {other:?}")),
+    }
+}
+
+#[test]
+fn every_readme_command_works_as_written() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut all = commands(&root.join("README.md"));
+    all.extend(commands(&root.join("deploy/README.md")));
+    assert!(all.len() >= 15, "README's commands were not found: {all:?}");
+    // A scratch folder per run of the test, where `data synth` writes its sets.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut failures = Vec::new();
+    for (env, args) in &all {
+        if let Err(e) = check(env, args, tmp.path()) {
+            failures.push(format!("hearth {}:\n  {e}", args.join(" ")));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn the_line_splitter_keeps_quotes_and_drops_comments() {
+    assert_eq!(
+        words(r#"a --churn "t=30s:-1,t=60s:+2" -- b   # comment"#),
+        ["a", "--churn", "t=30s:-1,t=60s:+2", "--", "b"]
+    );
+    assert_eq!(
+        words("x --size-mb 1 10 100"),
+        ["x", "--size-mb", "1", "10", "100"]
+    );
+}
