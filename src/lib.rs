@@ -36,6 +36,7 @@
 
 pub mod alloc;
 pub mod bench;
+pub mod data_check;
 pub mod device;
 pub mod dist_bench;
 mod error;

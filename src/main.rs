@@ -115,6 +115,26 @@ struct LaunchArgs {
 enum DataCommand {
     /// Write a learnable synthetic image-folder data set (coloured shapes over noise).
     Synth(SynthArgs),
+    /// What training would do with a folder: its layout, classes and counts per part, images
+    /// that fail to decode, files in both train and val, image sizes. Exits 1 when it finds
+    /// undecodable images or train/val duplicates.
+    Check(CheckArgs),
+}
+
+#[derive(Args)]
+struct CheckArgs {
+    /// The folder, as `hearth train --data` takes it.
+    #[arg(long)]
+    data: PathBuf,
+    /// A multi-label CSV, as `hearth train --labels` takes it.
+    #[arg(long)]
+    labels: Option<PathBuf>,
+    /// Share held out for validation when the folder has no val/ (as train splits it).
+    #[arg(long, default_value_t = 0.2)]
+    val_fraction: f64,
+    /// Seed of that split (as train's --seed).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 #[derive(Args)]
@@ -193,6 +213,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Model(args)) => bench_model(&cli.device, args),
         Command::Bench(BenchCommand::Loader(args)) => bench_loader(&cli.device, args),
         Command::Data(DataCommand::Synth(args)) => data_synth(args),
+        Command::Data(DataCommand::Check(args)) => data_check(args),
         Command::Train(args) => train_cmd(&cli.device, *args),
         Command::Launch(args) => launch_cmd(args),
         Command::AutotuneReport { file } => {
@@ -363,6 +384,29 @@ fn devices() -> Result<()> {
             None => (status.clone(), String::new()),
         };
         println!("{:<12} {:<10} {}{}", d.name(), short, d.description(), rest);
+    }
+    Ok(())
+}
+
+fn data_check(args: CheckArgs) -> Result<()> {
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template("decoding {pos}/{len} images {wide_bar}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let found = hearth::data_check::check(
+        &args.data,
+        args.labels.as_deref(),
+        args.val_fraction,
+        args.seed,
+        &mut |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        },
+    )?;
+    bar.finish_and_clear();
+    print!("{}", found.report());
+    if found.has_problems() {
+        std::process::exit(1);
     }
     Ok(())
 }

@@ -368,6 +368,7 @@ fn every_option_says_what_it_does_and_readme_subcommands_exist() {
     for cmd in [
         &["train"][..],
         &["data", "synth"][..],
+        &["data", "check"][..],
         &["bench", "model"][..],
         &["bench", "loader"][..],
         &["units"][..],
@@ -493,4 +494,36 @@ fn resume_takes_the_runs_settings_and_extends_a_finished_run() {
     assert_eq!(h["epochs"], 3);
     assert_eq!(h["lr"], 0.02);
     assert_eq!(h["seed"], 3);
+}
+
+#[test]
+fn data_check_reports_what_training_would_do_with_a_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = jpeg_set(tmp.path());
+    let d = data.to_str().unwrap();
+    let out = hearth(&["data", "check", "--data", d]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("train/ and val/ class folders"), "{text}");
+    assert!(
+        text.contains("3 classes, 36 training and 12 validation images"),
+        "{text}"
+    );
+    assert!(
+        text.contains("every image decodes") && text.contains("no image is in both"),
+        "{text}"
+    );
+    assert!(text.contains("sizes: smallest 36x36"), "{text}");
+    // A cut file and a training image copied into val/.
+    let files = images(&data);
+    truncate(&files[3]);
+    let copy = data.join("val").join("c00_red_disc").join("copy.jpg");
+    std::fs::copy(&files[5], &copy).unwrap();
+    let out = hearth(&["data", "check", "--data", d]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "problems found: exit 1\n{text}");
+    assert!(text.contains("1 image(s) fail to decode"), "{text}");
+    assert!(text.contains(&files[3].display().to_string()), "{text}");
+    assert!(text.contains("1 image(s) in both train and val"), "{text}");
+    assert!(text.contains(&copy.display().to_string()), "{text}");
 }
