@@ -190,6 +190,33 @@ fn truncated_images_are_skipped_by_path_and_a_folder_of_them_stops_the_run() {
         "{csv}"
     );
 
+    // The same count in a pipeline run (the shared epoch loop of the custom modes).
+    let piped = tmp.path().join("piped");
+    let out = hearth(&[
+        "train",
+        "--data",
+        data.to_str().unwrap(),
+        "--pipeline-stages",
+        "2",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--workers",
+        "1",
+        "--run-dir",
+        piped.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("skipped 2 unreadable image(s)"), "{err}");
+    // And the summary lists them (the launcher passes the ranks' output on).
+    let all = format!("{err}{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        all.contains("skipped 2 image(s) that failed to decode"),
+        "{all}"
+    );
+
     // Every image cut: the run stops naming the files, not a NaN loss blamed on --lr.
     for f in &files {
         truncate(f);

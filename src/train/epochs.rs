@@ -36,6 +36,13 @@ pub(super) trait Strategy {
     fn agree_stop(&mut self, stop: bool) -> Result<bool> {
         Ok(stop)
     }
+
+    /// Images that failed to decode so far on this rank, (training, validation): each
+    /// epoch's difference goes into its row (`train_skipped_images`, `val_skipped_images`)
+    /// and its console line.
+    fn decode_failures(&self) -> (usize, usize) {
+        (0, 0)
+    }
 }
 
 /// The epochs of one run: the table of their metrics and the decisions read from it.
@@ -171,10 +178,22 @@ impl<'a> Epochs<'a> {
         log: &mut dyn FnMut(&str),
     ) -> Result<usize> {
         let end = self.end();
+        let mut seen = strategy.decode_failures();
         for epoch in first + 1..=end {
-            if let Some(row) = strategy.epoch(epoch, log)? {
+            let row = strategy.epoch(epoch, log)?;
+            let now = strategy.decode_failures();
+            if let Some(mut row) = row {
+                row.insert(
+                    "train_skipped_images".into(),
+                    now.0.saturating_sub(seen.0) as f64,
+                );
+                row.insert(
+                    "val_skipped_images".into(),
+                    now.1.saturating_sub(seen.1) as f64,
+                );
                 self.record(epoch, row, log)?;
             }
+            seen = now;
             strategy.checkpoint(epoch, self.best())?;
             if epoch < end {
                 let stop = self.stop_early(epoch, log);

@@ -68,6 +68,14 @@ pub struct Loaders {
 impl Loaders {
     /// The images that failed to decode so far in this rank's loaders (`path: reason`, each
     /// once, in path order).
+    /// Images that failed to decode so far on this rank: (training, validation) attempts.
+    pub fn decode_failures(&self) -> (usize, usize) {
+        (
+            self.train.decode_problems().len(),
+            self.val.decode_problems().len() + self.full_val.decode_problems().len(),
+        )
+    }
+
     pub fn skipped(&self) -> Vec<String> {
         let mut all: Vec<String> = [&self.train, &self.val, &self.full_val]
             .iter()

@@ -248,6 +248,8 @@ struct ElasticRun<'a> {
     started: Instant,
     /// Samples per second of this worker's compute (moving average).
     speed: f64,
+    /// This worker's decode failures when its last epoch ended (training, validation).
+    failures_seen: (usize, usize),
     /// The coordinator's endpoint bound for the next rendezvous, and the next members.
     bound: Option<burn_dist::transport::quic::QuicNode>,
     next_members: Option<Vec<Worker>>,
@@ -372,6 +374,7 @@ pub(super) fn train(
         me,
         started,
         speed: 0.0,
+        failures_seen: (0, 0),
         bound: None,
         next_members: None,
         throttle: None,

@@ -281,6 +281,17 @@ impl ElasticRun<'_> {
         if let Some(a) = auroc {
             row.insert("val_auroc".into(), a);
         }
+        // Images this worker skipped this epoch (a joiner counts from its first epoch here).
+        let now = self.loaders.decode_failures();
+        row.insert(
+            "train_skipped_images".into(),
+            now.0.saturating_sub(self.failures_seen.0) as f64,
+        );
+        row.insert(
+            "val_skipped_images".into(),
+            now.1.saturating_sub(self.failures_seen.1) as f64,
+        );
+        self.failures_seen = now;
         // The epoch's bookkeeping as every mode does it; the rows travel in the commit, so a
         // new rank 0 after a change goes on with the whole table.
         let epochs = Epochs::new(self.cfg, rank == 0);

@@ -282,6 +282,10 @@ impl Strategy for StageStrategy<'_, '_> {
             .ok_or_else(|| HearthError::Training("the stage lost its model".into()))?;
         self.run.checkpoint(model, &self.optim, epoch, best)
     }
+
+    fn decode_failures(&self) -> (usize, usize) {
+        self.run.loaders.decode_failures()
+    }
 }
 
 impl PipelineRun<'_> {

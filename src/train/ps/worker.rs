@@ -341,6 +341,10 @@ impl Strategy for PsStrategy<'_, '_> {
         }
     }
 
+    fn decode_failures(&self) -> (usize, usize) {
+        self.w.loaders.decode_failures()
+    }
+
     fn agree_stop(&mut self, stop: bool) -> Result<bool> {
         let Some(comm) = &self.stop else {
             return Ok(stop);
