@@ -229,3 +229,25 @@ fn the_head_size_of_every_family_is_read_from_full_size_torchvision_files() {
         6
     );
 }
+
+#[test]
+fn a_wrong_file_is_told_the_same_way_whether_its_head_or_its_weights_are_read() {
+    use hearth::models::Architecture;
+    use hearth::models::weights::torchvision_num_classes;
+    // DenseNet weights given as a ResNet's: predict reads the head size first, train loads.
+    let arch = Architecture::from_name("resnet18").unwrap();
+    let file = fixture("densenet.pth");
+    let by_head = torchvision_num_classes(arch, &file)
+        .unwrap_err()
+        .to_string();
+    let mut model = arch.init(1000, &Device::flex()).unwrap();
+    let options = hearth::models::LoadOptions {
+        skip_head: true,
+        ..Default::default()
+    };
+    let by_load = hearth::models::load_torchvision(&mut model, &file, &options)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(by_head, by_load);
+    assert!(!by_head.contains("1 parameter"), "{by_head}");
+}

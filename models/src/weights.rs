@@ -294,13 +294,25 @@ pub fn torchvision_num_classes(arch: crate::Architecture, path: &Path) -> Result
             expected: vec![0, 0],
             found: other.to_vec(),
         }),
-        None => Err(ModelError::MissingKeys {
-            path: path.to_path_buf(),
-            model: arch.name().to_string(),
-            count: 1,
-            first: vec![key.to_string()],
-            hint: "; is this a weights file for another architecture?".to_string(),
-        }),
+        None => {
+            // No head: say what loading the whole file says (every tensor it lacks), as
+            // `hearth train --weights` would, not only the head's one.
+            let mut model = arch.init(1000, &Device::flex())?;
+            let options = LoadOptions {
+                skip_head: true,
+                ..LoadOptions::default()
+            };
+            match load_torchvision(&mut model, path, &options) {
+                Err(e) => Err(e),
+                Ok(_) => Err(ModelError::MissingKeys {
+                    path: path.to_path_buf(),
+                    model: arch.name().to_string(),
+                    count: 1,
+                    first: vec![key.to_string()],
+                    hint: "; the file has every tensor but the head".to_string(),
+                }),
+            }
+        }
     }
 }
 
