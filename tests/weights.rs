@@ -251,3 +251,35 @@ fn a_wrong_file_is_told_the_same_way_whether_its_head_or_its_weights_are_read() 
     assert_eq!(by_head, by_load);
     assert!(!by_head.contains("1 parameter"), "{by_head}");
 }
+
+#[test]
+fn a_lightning_checkpoint_loads_the_state_dict_inside_it() {
+    // {'state_dict': {'model.' + key: tensor}, 'epoch': 3, 'global_step': 30}, as PyTorch
+    // Lightning saves a LightningModule whose network is `self.model` (written from
+    // resnet_basic.pth by scripts/make_lightning_fixture.py).
+    let device = Device::flex();
+    let config = fixture_config("resnet_basic");
+    let mut plain = config.init(&device).unwrap();
+    load(&mut plain, &fixture("resnet_basic.pth")).unwrap();
+    let mut wrapped = config.init(&device).unwrap();
+    load(&mut wrapped, &fixture("resnet_basic_lightning.pth")).unwrap();
+    let x = Tensor::<4>::ones([1, 3, 32, 32], &device);
+    let a: Vec<f32> = plain
+        .valid()
+        .forward(x.clone())
+        .into_data()
+        .iter()
+        .collect();
+    let b: Vec<f32> = wrapped.valid().forward(x).into_data().iter().collect();
+    assert_eq!(a, b);
+    // predict reads the head size inside it too.
+    let arch = hearth::models::Architecture::from_name("resnet18").unwrap();
+    assert_eq!(
+        hearth::models::weights::torchvision_num_classes(
+            arch,
+            &fixture("resnet_basic_lightning.pth")
+        )
+        .unwrap(),
+        10
+    );
+}

@@ -198,6 +198,45 @@ fn pytorch_store(path: &Path, remap: KeyRemapper) -> PytorchStore {
         .map_indices_contiguous(false)
 }
 
+/// A checkpoint that wraps its state_dict (PyTorch Lightning's `{'state_dict': ..., 'epoch':
+/// ...}`, or `model`/`model_state_dict`/`net` in hand-written loops): the key holding it, and
+/// the first name every key inside shares when there is one (Lightning's `model.`, the
+/// LightningModule's attribute; a torchvision network itself has several top-level modules).
+fn wrapped_state_dict(path: &Path) -> Option<(String, Option<String>)> {
+    let keys = PytorchStore::from_file(path).keys().ok()?;
+    for top in ["state_dict", "model_state_dict", "model", "net"] {
+        let dotted = format!("{top}.");
+        let inner: Vec<&str> = keys
+            .iter()
+            .filter_map(|k| k.strip_prefix(&dotted))
+            .collect();
+        if inner.is_empty() || inner.len() * 2 < keys.len() {
+            continue;
+        }
+        let first = inner[0].split('.').next().unwrap_or_default();
+        let shared = inner.len() > 1
+            && inner
+                .iter()
+                .all(|k| k.split('.').next() == Some(first) && k.len() > first.len());
+        return Some((top.to_string(), shared.then(|| format!("{first}."))));
+    }
+    None
+}
+
+/// The remapper of `model`'s torchvision keys, after `prefix` (a wrapper's attribute name)
+/// is taken off every key.
+fn remapper_without(model: &Classifier, prefix: Option<&str>) -> Result<KeyRemapper> {
+    let mut patterns: Vec<(String, String)> = prefix
+        .map(|p| (format!("^{}", p.replace('.', r"\.")), String::new()))
+        .into_iter()
+        .collect();
+    patterns.extend(model.torchvision_remaps());
+    KeyRemapper::from_patterns(patterns).map_err(|e| ModelError::InvalidConfig {
+        model: model.family(),
+        reason: format!("internal key remap pattern: {e}"),
+    })
+}
+
 /// [`pytorch_store`] for a `.safetensors` file.
 fn safetensors_store(path: &Path, remap: KeyRemapper) -> SafetensorsStore {
     SafetensorsStore::from_file(path)
@@ -227,11 +266,19 @@ pub fn load_torchvision(
     };
     let result = match format {
         WeightsFormat::Pytorch => {
-            let mut store = pytorch_store(path, remapper(model)?)
+            // A checkpoint wrapping its state_dict loads the state_dict inside it.
+            let (top, prefix) = match &options.top_level_key {
+                Some(key) => (Some(key.clone()), None),
+                None => match wrapped_state_dict(path) {
+                    Some((key, prefix)) => (Some(key), prefix),
+                    None => (None, None),
+                },
+            };
+            let mut store = pytorch_store(path, remapper_without(model, prefix.as_deref())?)
                 .allow_partial(true)
                 .validate(false);
-            if let Some(key) = &options.top_level_key {
-                store = store.with_top_level_key(key.clone());
+            if let Some(key) = top {
+                store = store.with_top_level_key(key);
             }
             model
                 .load_from(&mut store)
@@ -276,10 +323,21 @@ pub fn torchvision_num_classes(arch: crate::Architecture, path: &Path) -> Result
     let prefix =
         || KeyRemapper::from_patterns(vec![(r"^module\.", "")]).map_err(|e| corrupt(e.to_string()));
     let shape = match format {
-        WeightsFormat::Pytorch => pytorch_store(path, prefix()?)
-            .get_tensor(key)
-            .map_err(|e| corrupt(e.to_string()))?
-            .map(|t| t.shape.to_vec()),
+        WeightsFormat::Pytorch => {
+            // A wrapped state_dict (a Lightning checkpoint): the head inside it.
+            let (store, key) = match wrapped_state_dict(path) {
+                Some((top, inner)) => (
+                    pytorch_store(path, prefix()?).with_top_level_key(top),
+                    format!("{}{key}", inner.unwrap_or_default()),
+                ),
+                None => (pytorch_store(path, prefix()?), key.to_string()),
+            };
+            let mut store = store;
+            store
+                .get_tensor(&key)
+                .map_err(|e| corrupt(e.to_string()))?
+                .map(|t| t.shape.to_vec())
+        }
         WeightsFormat::Safetensors => safetensors_store(path, prefix()?)
             .get_tensor(key)
             .map_err(|e| corrupt(e.to_string()))?
