@@ -554,3 +554,19 @@ fn data_check_reports_what_training_would_do_with_a_folder() {
     assert!(text.contains("1 image(s) in both train and val"), "{text}");
     assert!(text.contains(&copy.display().to_string()), "{text}");
 }
+
+#[test]
+fn a_job_that_cannot_run_is_refused_once_before_any_rank_starts() {
+    let out = hearth(&["train", "--nproc", "3", "--ps", "3", "--epochs", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert_eq!(
+        err.matches("leaves no worker").count(),
+        1,
+        "said once: {err}"
+    );
+    assert!(
+        !err.contains("launching") && !err.contains("rank 0 failed"),
+        "{err}"
+    );
+}
