@@ -570,3 +570,12 @@ fn a_job_that_cannot_run_is_refused_once_before_any_rank_starts() {
         "{err}"
     );
 }
+
+#[test]
+fn a_killed_rank_is_reported_as_killed() {
+    let out = hearth(&["launch", "-n", "2", "--", "sh", "-c", "kill -9 $$"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("was killed by a signal"), "{err}");
+    assert!(!err.contains("None") && !err.contains("Some("), "{err}");
+}
