@@ -87,6 +87,20 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// The largest difference between the logits two Hearth model files give over a folder's
+/// images (two runs that should have exported the same model).
+pub fn exported_logit_gap(
+    a: &std::path::Path,
+    b: &std::path::Path,
+    folder: &std::path::Path,
+    size: u32,
+) -> f32 {
+    max_abs_diff(
+        &folder_logits(a, folder, size),
+        &folder_logits(b, folder, size),
+    )
+}
+
 /// Each batch of a Hearth model file's logits over an image folder (in the folder's order, with
 /// the evaluation preprocessing at `size` pixels) and the batch's true classes.
 fn folder_batches(

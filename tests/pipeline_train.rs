@@ -226,13 +226,12 @@ fn pretrained_frozen_then_fine_tuned_pipeline_trains_like_one_process() {
     }
     // The backbone trained only after epoch 1: epoch 2's rate is the fine-tuning one.
     assert!(b[&2]["train_lr"] <= 0.01 + 1e-9, "{b:?}");
-    let x = common::folder_logits(&one.join("model.bpk"), &data.join("val"), 32);
-    let y = common::folder_logits(&piped.join("model.bpk"), &data.join("val"), 32);
-    let worst = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).abs())
-        .fold(0f32, f32::max);
+    let worst = common::exported_logit_gap(
+        &one.join("model.bpk"),
+        &piped.join("model.bpk"),
+        &data.join("val"),
+        32,
+    );
     assert!(worst <= 1e-4, "exported models differ by {worst}");
 }
 
@@ -537,12 +536,11 @@ fn a_multi_label_pipeline_trains_like_one_process_and_its_auroc_is_the_exported_
         saved.model.head_activation(),
         hearth::models::HeadActivation::Sigmoid
     );
-    let x = common::folder_logits(&one.join("model.bpk"), &data.join("val"), 32);
-    let y = common::folder_logits(&piped.join("model.bpk"), &data.join("val"), 32);
-    let worst = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).abs())
-        .fold(0f32, f32::max);
+    let worst = common::exported_logit_gap(
+        &one.join("model.bpk"),
+        &piped.join("model.bpk"),
+        &data.join("val"),
+        32,
+    );
     assert!(worst <= 1e-4, "exported models differ by {worst}");
 }

@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{elastic_data, folder_accuracy, folder_logits, wait_bounded};
+use common::{elastic_data, folder_accuracy, wait_bounded};
 
 /// The ranks of one job, each writing to its own log.
 struct Job {
@@ -331,12 +331,7 @@ fn sync_servers_resume_exactly_at_and_after_the_fine_tuning_switch() {
         let resumed = last(name);
         let worst = straight
             .iter()
-            .map(|(k, a)| {
-                a.iter()
-                    .zip(&resumed[k])
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0f32, f32::max)
-            })
+            .map(|(k, a)| common::max_abs_diff(a, &resumed[k]))
             .fold(0f32, f32::max);
         assert!(worst <= 1e-5, "resumed after epoch {stop}: {worst}");
     }
@@ -420,14 +415,12 @@ fn sync_servers_equal_data_parallel(flags: &[&str], multi_label: bool) {
             })
     };
     assert_eq!(best(&ddp_log), best(&ps_log), "both export the same epoch");
-    let x = folder_logits(&ddp_run.join("model.bpk"), &data.join("val"), 32);
-    let y = folder_logits(&ps_run.join("model.bpk"), &data.join("val"), 32);
-    assert_eq!(x.len(), y.len());
-    let worst = x
-        .iter()
-        .zip(&y)
-        .map(|(p, q)| (p - q).abs())
-        .fold(0f32, f32::max);
+    let worst = common::exported_logit_gap(
+        &ddp_run.join("model.bpk"),
+        &ps_run.join("model.bpk"),
+        &data.join("val"),
+        32,
+    );
     assert!(worst <= 1e-5, "exported models differ by {worst}");
     if multi_label {
         for row in b.values() {

@@ -344,9 +344,7 @@ impl<'a> Run<'a> {
                 // resume does): no rank reads it before rank 0 has written it.
                 comm.barrier()?;
             }
-            log(&format!(
-                "unfreezing the backbone after epoch {done}: fine-tuning everything at lr {finetune_lr}"
-            ));
+            log(&shared::unfreeze_line(done, finetune_lr));
             let mut phase = self.phase(
                 T::wrap(model.unfreeze_all(), cfg.label_smoothing),
                 finetune_lr,

@@ -9,6 +9,12 @@ use super::TrainConfig;
 use crate::Result;
 use crate::schedule::Schedule;
 
+/// The line every mode prints when the fine-tuning phase starts after epoch `after`, at base
+/// rate `lr` (`--finetune-lr`).
+pub(super) fn unfreeze_line(after: usize, lr: f64) -> String {
+    format!("unfreezing the backbone after epoch {after}: fine-tuning everything at lr {lr}")
+}
+
 /// The rate of every optimizer step and the transfer-learning phases, as one process runs
 /// them: `--freeze-backbone` trains only the head; `--unfreeze-after N` then fine-tunes
 /// everything from epoch N + 1 at `--finetune-lr` (default a tenth of the rate), each phase's
@@ -56,6 +62,11 @@ impl Rates {
         } else {
             self.bases.0
         }
+    }
+
+    /// The line every mode prints when the fine-tuning phase starts after epoch `after`.
+    pub fn unfreeze_line(&self, after: usize) -> String {
+        unfreeze_line(after, self.bases.1)
     }
 
     /// The rate of the run's optimizer step `step` (from 0), taken in epoch `epoch`.

@@ -300,10 +300,7 @@ impl ElasticRun<'_> {
         let finished = epoch >= epochs.end() || epochs.stop_early(epoch, log);
         // Commit the epoch's end; the next epoch's phase decides what trains.
         if self.rates.frozen(epoch) && !self.rates.frozen(epoch + 1) && !finished {
-            log(&format!(
-                "unfreezing the backbone after epoch {epoch}: fine-tuning everything at lr {}",
-                self.rates.rate(epoch + 1, commit.step as usize)
-            ));
+            log(&self.rates.unfreeze_line(epoch));
         }
         commit.model = self.in_phase(model, epoch as u64);
         commit.rows = epochs.rows();

@@ -257,12 +257,8 @@ impl Strategy for StageStrategy<'_, '_> {
             .take()
             .ok_or_else(|| HearthError::Training("the stage lost its model".into()))?;
         if self.run.fine_tuning(epoch) && !self.unfrozen {
-            if let Some(n) = self.run.cfg.unfreeze_after {
-                log(&format!(
-                    "unfreezing the backbone after epoch {n}: fine-tuning everything at lr {}",
-                    self.run.rate(epoch, 0)
-                ));
-            }
+            let after = self.run.cfg.unfreeze_after.unwrap_or(epoch - 1);
+            log(&self.run.rates.unfreeze_line(after));
             model = model.unfreeze();
             self.unfrozen = true;
         }

@@ -252,11 +252,7 @@ impl PsStrategy<'_, '_> {
                 .collect();
             self.w.model = with_trainable_values(self.w.model.clone(), &head)?;
             old_states = states;
-            log(&format!(
-                "unfreezing the backbone after epoch {}: fine-tuning everything at lr {}",
-                epoch - 1,
-                self.w.rates.base(epoch)
-            ));
+            log(&self.w.rates.unfreeze_line(epoch - 1));
         }
         self.w.model = self.w.model.clone().unfreeze();
         let mut go = [0f32];
