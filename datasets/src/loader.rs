@@ -142,6 +142,43 @@ pub struct Batch {
     pub indices: Vec<usize>,
 }
 
+/// The order of `n` samples in `epoch`: a shuffle seeded by `(seed, epoch)`, the same on every
+/// rank and in every process (or `0..n` without `shuffle`).
+pub fn epoch_order(n: usize, seed: u64, epoch: u64, shuffle: bool) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    if shuffle {
+        SplitMix64::new(seed ^ epoch.wrapping_mul(0xA24B_AED4_963E_E407)).shuffle(&mut order);
+    }
+    order
+}
+
+/// `rank`'s samples of `order` dealt over `world` ranks in batches of `batch` each: with
+/// `drop_last`, only whole rounds of `world` batches; else with `pad`, the last round padded
+/// from the start of `order` so that every rank gets as many samples.
+pub fn shard_of(
+    order: &[usize],
+    batch: usize,
+    rank: usize,
+    world: usize,
+    drop_last: bool,
+    pad: bool,
+) -> Vec<usize> {
+    let world = world.max(1);
+    let mut rest: Vec<usize> = order.to_vec();
+    if drop_last {
+        let keep = rest.len() / (world * batch) * (world * batch);
+        rest.truncate(keep);
+    } else if pad && !rest.is_empty() {
+        let padded = rest.len().div_ceil(world) * world;
+        let mut i = 0;
+        while rest.len() < padded {
+            rest.push(rest[i % rest.len().max(1)]);
+            i += 1;
+        }
+    }
+    rest.into_iter().skip(rank).step_by(world).collect()
+}
+
 /// Batches an [`ImageSet`] through a [`Pipeline`].
 #[derive(Clone)]
 pub struct Loader {
@@ -199,34 +236,21 @@ impl Loader {
 
     /// The epoch order of all ranks together (before padding).
     pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..self.set.len()).collect();
-        if self.config.shuffle {
-            SplitMix64::new(self.config.seed ^ epoch.wrapping_mul(0xA24B_AED4_963E_E407))
-                .shuffle(&mut order);
-        }
-        order
+        epoch_order(self.set.len(), self.config.seed, epoch, self.config.shuffle)
     }
 
     /// This rank's sample indices for the rest of an epoch that starts at global position
     /// `start` of [`Loader::epoch_order`], dealt over `world` ranks.
     pub fn shard_indices(&self, epoch: u64, start: usize, rank: usize, world: usize) -> Vec<usize> {
-        let world = world.max(1);
         let order = self.epoch_order(epoch);
-        let rest = &order[start.min(order.len())..];
-        let b = self.config.batch_size;
-        let mut rest: Vec<usize> = rest.to_vec();
-        if self.config.drop_last {
-            let keep = rest.len() / (world * b) * (world * b);
-            rest.truncate(keep);
-        } else if self.config.pad && !rest.is_empty() {
-            let padded = rest.len().div_ceil(world) * world;
-            let mut i = 0;
-            while rest.len() < padded {
-                rest.push(rest[i % rest.len().max(1)]);
-                i += 1;
-            }
-        }
-        rest.into_iter().skip(rank).step_by(world).collect()
+        shard_of(
+            &order[start.min(order.len())..],
+            self.config.batch_size,
+            rank,
+            world,
+            self.config.drop_last,
+            self.config.pad,
+        )
     }
 
     /// Elastic training's view of an epoch: every step consumes the next `global` samples of
