@@ -141,8 +141,11 @@ pub fn model_checkpoint(run_dir: &Path, epoch: usize) -> PathBuf {
 
 /// Writes `model`'s weights as `epoch`'s checkpoint (the custom loops: pipeline stages aside,
 /// elastic and parameter-server runs).
-pub fn save_epoch_weights(run_dir: &Path, epoch: usize, model: Classifier) -> Result<()> {
-    use burn::module::Module;
+pub fn save_epoch_weights<M: burn::module::Module>(
+    run_dir: &Path,
+    epoch: usize,
+    model: M,
+) -> Result<()> {
     let path = model_checkpoint(run_dir, epoch);
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(|source| HearthError::Write {
@@ -156,45 +159,47 @@ pub fn save_epoch_weights(run_dir: &Path, epoch: usize, model: Classifier) -> Re
         .map_err(|e| HearthError::Training(format!("saving epoch {epoch}'s weights: {e}")))
 }
 
-/// Exports epoch `best`'s checkpoint, loaded into `skeleton`, as the run's `model.bpk` with
-/// the model's config, class names and evaluation preprocessing; returns that model.
-pub fn export_checkpoint(
+/// Exports epoch `best`'s checkpoint as the run's `model.bpk` (the trainee's file: for Hearth's
+/// classifiers with the model's config, class names and evaluation preprocessing), and for a
+/// multi-label run `auroc.csv` over the whole validation set; returns the per-class AUROCs.
+pub(super) fn export_best<T: super::trainee::Trainee>(
     cfg: &super::TrainConfig,
+    trainee: &T,
     best: usize,
-    skeleton: Classifier,
-    config: &hearth_models::ModelConfig,
-    classes: &[String],
+    device: &burn::prelude::Device,
     log: &mut dyn FnMut(&str),
-) -> Result<Classifier> {
+) -> Result<Option<Vec<(String, f64)>>> {
     use burn::module::Module;
-    let run_dir = &cfg.run_dir;
-    let path = model_checkpoint(run_dir, best);
+    let path = model_checkpoint(&cfg.run_dir, best);
     let record = burn::store::ModuleRecord::load(&path).map_err(|e| {
         HearthError::Training(format!(
             "the best epoch's ({best}) checkpoint {}: {e}",
             path.display()
         ))
     })?;
-    let out = run_dir.join("model.bpk");
-    let model = skeleton.try_load_record(record).map_err(|e| {
-        HearthError::Training(format!(
-            "the best epoch's ({best}) checkpoint {} does not fit the model: {e}",
-            path.display()
-        ))
-    })?;
-    hearth_models::save_model_with(
-        &model,
-        config,
-        Some(classes),
-        Some(&hearth_models::Preprocessing::eval(cfg.image_size)),
-        &out,
-    )?;
+    let model = trainee
+        .init(device, &mut |_| {})?
+        .try_load_record(record)
+        .map_err(|e| {
+            HearthError::Training(format!(
+                "the best epoch's ({best}) checkpoint {} does not fit the model: {e}",
+                path.display()
+            ))
+        })?;
+    trainee.export(cfg, &model)?;
     log(&format!(
         "exported the best epoch ({best}, by {}) into {}",
         cfg.monitor.column(),
-        out.display()
+        cfg.run_dir.join("model.bpk").display()
     ));
-    Ok(model)
+    super::export::auroc_report(
+        trainee.multi_label(),
+        &model,
+        trainee.classes(),
+        trainee.full_val(device),
+        &cfg.run_dir,
+        log,
+    )
 }
 
 /// The classifier with the weights of `epoch`'s checkpoint loaded into `model`; an error when

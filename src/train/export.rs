@@ -9,6 +9,8 @@ use hearth_datasets::Loader;
 use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
 
 use super::best::restore_best;
+use super::objective::Targets;
+use super::trainee::{Net, Stream};
 use super::run_dir::write_atomic;
 use super::{EpochRows, Task, TrainConfig};
 use crate::{HearthError, Result};
@@ -62,8 +64,11 @@ pub fn export<T: Task>(
         Some(write_auroc(
             &model,
             classes,
-            full_val_loader,
-            plain_device,
+            Box::new(
+                full_val_loader
+                    .epoch(0, plain_device)
+                    .map(|b| super::objective::targets(b?, true)),
+            ),
             &cfg.run_dir,
             log,
         )?)
@@ -73,34 +78,32 @@ pub fn export<T: Task>(
     Ok(Exported { per_class_auroc })
 }
 
-/// A multi-label run's `auroc.csv` for its exported `model` ([`write_auroc`]); nothing for
-/// a single-label run.
-pub(super) fn auroc_report(
+/// A multi-label run's `auroc.csv` for its exported `model` ([`write_auroc`]) over the whole
+/// validation set `val`; nothing for a single-label run.
+pub(super) fn auroc_report<M: Net>(
     multi_label: bool,
-    model: &Classifier,
+    model: &M,
     classes: &[String],
-    val: &Loader,
-    device: &Device,
+    val: Stream<M::Input>,
     run_dir: &Path,
     log: &mut dyn FnMut(&str),
 ) -> Result<Option<Vec<(String, f64)>>> {
     if !multi_label {
         return Ok(None);
     }
-    write_auroc(model, classes, val, device, run_dir, log).map(Some)
+    write_auroc(model, classes, val, run_dir, log).map(Some)
 }
 
 /// Writes `auroc.csv`: each class's validation AUROC of `model` (the exported one), said in
 /// `log`; returns the classes where it is defined.
-fn write_auroc(
-    model: &Classifier,
+fn write_auroc<M: Net>(
+    model: &M,
     classes: &[String],
-    val: &Loader,
-    device: &Device,
+    val: Stream<M::Input>,
     run_dir: &Path,
     log: &mut dyn FnMut(&str),
 ) -> Result<Vec<(String, f64)>> {
-    let aucs = per_class_auroc(model, val, device)?;
+    let aucs = per_class_auroc(model, classes.len(), val)?;
     let mut text = String::from("class,auroc\n");
     for (name, auc) in classes.iter().zip(&aucs) {
         let shown = auc.map(|a| format!("{a:.6}")).unwrap_or_default();
@@ -119,19 +122,29 @@ fn write_auroc(
         .collect())
 }
 
-/// Each class's AUROC over the validation set (`None` where a class has one outcome only).
-fn per_class_auroc(model: &Classifier, val: &Loader, device: &Device) -> Result<Vec<Option<f64>>> {
-    let k = model.num_classes();
+/// Each of the `k` classes' AUROC over the validation set (`None` where a class has one
+/// outcome only).
+fn per_class_auroc<M: Net>(
+    model: &M,
+    k: usize,
+    val: Stream<M::Input>,
+) -> Result<Vec<Option<f64>>> {
+    let model = model.valid();
     let mut scores: Vec<Vec<(f64, bool)>> = vec![Vec::new(); k];
-    for batch in val.epoch(0, device) {
-        let batch = batch?;
-        let Some(hot) = batch.multi_hot else {
+    for batch in val {
+        let (input, targets) = batch?;
+        let Targets::MultiHot(hot) = targets else {
             return Err(HearthError::Training(
                 "AUROC needs multi-hot validation labels".into(),
             ));
         };
-        let logits = model.forward(batch.images);
-        let n = logits.dims()[0];
+        let logits = model.logits(input);
+        let [n, outputs] = logits.dims();
+        if outputs != k {
+            return Err(HearthError::Training(format!(
+                "the model gives {outputs} outputs for {k} labels"
+            )));
+        }
         let logits = logits
             .into_data()
             .convert::<f32>()

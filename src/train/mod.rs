@@ -18,6 +18,8 @@
 //! - `epochs`: the one epoch loop of the modes the Learner cannot drive, over a `Strategy`;
 //! - `shared` and `objective`: what those modes share below all of them (rates and phases,
 //!   timeouts, the loss and metrics of single- and multi-label runs);
+//! - `trainee`: what elastic and parameter-server runs train, Hearth's classifiers or a user's
+//!   own Burn module ([`Net`], [`Examples`], [`train_custom`]);
 //! - `best`: which epoch is best, which checkpoints stay, when to stop early;
 //! - `export`: `model.bpk`, `metrics.png`, `auroc.csv`;
 //! - `pipeline`: pipeline model parallelism (`--pipeline-stages`): stages, micro-batches,
@@ -47,6 +49,7 @@ mod sets;
 mod shared;
 mod speed;
 mod step;
+mod trainee;
 
 pub use best::{BestRule, KeepBestAndLast, Patience, best_epoch};
 pub use burn_dist::ps::Mode as PsMode;
@@ -61,7 +64,9 @@ pub use model::{MINI_MODELS, epoch_seed, mini_resnet, mini_vgg, model_config};
 pub use ps::{PsOptions, PsServers};
 pub use render::PlainRenderer;
 pub use speed::{ImagesPerSecond, SkippedImages};
+pub use objective::Targets;
 pub use step::{MultiLabel, SingleLabel, Task};
+pub use trainee::{Custom, ExampleError, Examples, Net};
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -186,6 +191,69 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
         }
         run.train::<SingleLabel>(log)
     }
+}
+
+/// Trains a user's own Burn module on their own data ([`Custom`]: a [`Net`] and two
+/// [`Examples`] sets) with `cfg`'s settings, elastic (`cfg.elastic`) or on parameter servers
+/// (`cfg.ps`): the same steps, validation, metrics, early stopping, checkpoints, exact resume
+/// and export as Hearth's image models get in those modes. `model.bpk` holds the module's
+/// weights (burnpack: load them with `ModuleRecord::load` into the same module).
+///
+/// The settings that only mean something for Hearth's image models (`data`, `labels`,
+/// `model`, `weights`, `freeze_backbone`, `unfreeze_after`, `finetune_lr`, `augmentation`,
+/// `image_size`, `workers`, `pipeline`) are refused by name when set. One process and
+/// data parallel runs of a custom module are not driven here yet (an error says so): burn-train's
+/// Learner with [`burn_dist::ddp::DdpStrategy`] trains any Burn module data parallel, with
+/// burn-train's own files instead of Hearth's.
+pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
+    cfg: &TrainConfig,
+    custom: &Custom<N, E>,
+    device: &Device,
+    log: &mut dyn FnMut(&str),
+) -> Result<TrainReport> {
+    let defaults = TrainConfig::new(cfg.run_dir.clone());
+    let image_only: [(&str, bool); 11] = [
+        ("data (the examples are the data)", cfg.data.is_some()),
+        ("labels (a multi-label custom set: Custom::multi_label)", cfg.labels.is_some()),
+        ("model (the module is the model)", cfg.model != defaults.model),
+        ("weights", cfg.weights.is_some()),
+        ("freeze_backbone (a custom module has no known backbone)", cfg.freeze_backbone),
+        ("unfreeze_after", cfg.unfreeze_after.is_some()),
+        ("finetune_lr", cfg.finetune_lr.is_some()),
+        ("augmentation (augment in your Examples::batch)", cfg.augmentation != defaults.augmentation),
+        ("image_size", cfg.image_size != defaults.image_size),
+        ("workers (your Examples make the batches)", cfg.workers != defaults.workers),
+        ("pipeline (stages split Hearth's own models)", cfg.pipeline.is_some()),
+    ];
+    if let Some((name, _)) = image_only.iter().find(|(_, set)| *set) {
+        return Err(HearthError::InvalidArgument(format!(
+            "{name} is a setting of Hearth's image models; a custom model's run refuses it"
+        )));
+    }
+    if custom.is_multi_label() && cfg.label_smoothing > 0.0 {
+        return Err(HearthError::InvalidArgument(
+            "label_smoothing applies to single-label targets; this custom set is multi-label"
+                .into(),
+        ));
+    }
+    if !custom.is_multi_label() && cfg.monitor == Monitor::ValAuroc {
+        return Err(HearthError::InvalidArgument(
+            "monitor val_auroc needs multi-label targets (Custom::multi_label)".into(),
+        ));
+    }
+    cfg.validate()?;
+    if let Some(opts) = &cfg.elastic {
+        return elastic::train_with(cfg, opts, custom, device, log);
+    }
+    if let Some(opts) = &cfg.ps {
+        return ps::train_with(cfg, opts, custom, device, log);
+    }
+    Err(HearthError::InvalidArgument(
+        "train_custom runs elastic (cfg.elastic) or on parameter servers (cfg.ps); for one \
+         process or data parallel (not driven by train_custom yet), train the module with \
+         burn-train's Learner and burn_dist::ddp::DdpStrategy"
+            .into(),
+    ))
 }
 
 /// What the steps of a run share once the data and the job are known.

@@ -153,8 +153,14 @@ pub fn init_model(
     } else if multi_label {
         model = model.replace_head(head, device)?;
     }
+    Ok(materialize(model))
+}
+
+/// `model` with every parameter initialised now (Burn initialises them lazily, on first use:
+/// under the seed lock they are drawn from the seeded generator).
+pub(crate) fn materialize<M: Module>(model: M) -> M {
     model.visit(&mut Materialize);
-    Ok(model)
+    model
 }
 
 /// The seed of the random stream of epoch `epoch` on `rank` (dropout and other random ops

@@ -17,7 +17,7 @@ use crate::{HearthError, Result};
 
 /// A batch's targets.
 #[derive(Clone, Debug)]
-pub(super) enum Targets {
+pub enum Targets {
     /// Class indices `[n]`.
     Classes(Tensor<1, Int>),
     /// Multi-hot rows `[n, classes]` (0 or 1).
@@ -32,6 +32,28 @@ impl Targets {
             Self::MultiHot(t) => Self::MultiHot(t.clone().narrow(0, start, len)),
         }
     }
+}
+
+/// A loader batch's images and targets.
+pub(super) fn targets(
+    batch: hearth_datasets::Batch,
+    multi_label: bool,
+) -> Result<(Tensor<4>, Targets)> {
+    let targets = match (multi_label, batch.multi_hot, batch.classes) {
+        (true, Some(hot), _) => Targets::MultiHot(hot),
+        (false, _, Some(classes)) => Targets::Classes(classes),
+        (true, None, _) => {
+            return Err(HearthError::Training(
+                "a multi-label run's loader gave no multi-hot labels".into(),
+            ));
+        }
+        (false, _, None) => {
+            return Err(HearthError::Training(
+                "the loader gave no class indices".into(),
+            ));
+        }
+    };
+    Ok((batch.images, targets))
 }
 
 /// The loss and metrics of a run's classifier.
@@ -54,31 +76,19 @@ impl Objective {
         self.multi_label
     }
 
-    /// A loader batch's images and targets.
-    pub fn split(&self, batch: hearth_datasets::Batch) -> Result<(Tensor<4>, Targets)> {
-        let targets = match (self.multi_label, batch.multi_hot, batch.classes) {
-            (true, Some(hot), _) => Targets::MultiHot(hot),
-            (false, _, Some(classes)) => Targets::Classes(classes),
-            (true, None, _) => {
-                return Err(HearthError::Training(
-                    "a multi-label run's loader gave no multi-hot labels".into(),
-                ));
-            }
-            (false, _, None) => {
-                return Err(HearthError::Training(
-                    "the loader gave no class indices".into(),
-                ));
-            }
-        };
-        Ok((batch.images, targets))
-    }
-
     /// The batch mean of the loss of `logits` against `targets`; `training` applies
     /// `--label-smoothing`.
     pub fn loss(&self, logits: Tensor<2>, targets: &Targets, training: bool) -> Result<Tensor<1>> {
         let device = logits.device();
         match targets {
             Targets::Classes(y) => {
+                if logits.dims()[0] != y.dims()[0] {
+                    return Err(HearthError::Training(format!(
+                        "the model gives {:?} outputs for a batch of {} class indices",
+                        logits.dims(),
+                        y.dims()[0]
+                    )));
+                }
                 let smoothing = (training && self.smoothing > 0.0).then_some(self.smoothing);
                 Ok(CrossEntropyLossConfig::new()
                     .with_smoothing(smoothing)

@@ -192,7 +192,16 @@ pub fn record(
     config: &ModelConfig,
     h: &BTreeMap<&'static str, serde_json::Value>,
 ) -> Result<()> {
-    write_atomic(&run_dir.join("model_config.json"), &config.to_json())?;
+    record_model(run_dir, &config.to_json(), h)
+}
+
+/// [`record`] for a model described by `model_json` (a user's module: its type and classes).
+pub(crate) fn record_model(
+    run_dir: &Path,
+    model_json: &str,
+    h: &BTreeMap<&'static str, serde_json::Value>,
+) -> Result<()> {
+    write_atomic(&run_dir.join("model_config.json"), model_json)?;
     write_atomic(&run_dir.join("hparams.json"), &hparams_json(h))
 }
 
@@ -202,20 +211,36 @@ pub fn check_resume_compatible(
     config: &ModelConfig,
     hparams: &BTreeMap<&'static str, serde_json::Value>,
 ) -> Result<()> {
+    check_resume_model(run_dir, &config.to_json(), hparams)
+}
+
+/// [`check_resume_compatible`] for a model described by `model_json`.
+pub(crate) fn check_resume_model(
+    run_dir: &Path,
+    model_json: &str,
+    hparams: &BTreeMap<&'static str, serde_json::Value>,
+) -> Result<()> {
     let path = run_dir.join("model_config.json");
     let saved = std::fs::read_to_string(&path).map_err(|source| HearthError::Read {
         path: path.clone(),
         source,
     })?;
-    let saved = ModelConfig::from_json(&saved)
-        .map_err(|e| HearthError::InvalidArgument(format!("{}: {e}", path.display())))?;
-    if saved.to_json() != config.to_json() {
+    let same = match (ModelConfig::from_json(&saved), ModelConfig::from_json(model_json)) {
+        (Ok(a), Ok(b)) => a.to_json() == b.to_json(),
+        _ => saved.trim() == model_json.trim(),
+    };
+    if !same {
+        let classes = |json: &str| {
+            ModelConfig::from_json(json)
+                .map(|c| c.num_classes().to_string())
+                .unwrap_or("?".into())
+        };
         return Err(HearthError::InvalidArgument(format!(
             "cannot resume {}: it was trained with a different model or class count \
              ({} classes there, {} now)",
             run_dir.display(),
-            saved.num_classes(),
-            config.num_classes()
+            classes(&saved),
+            classes(model_json)
         )));
     }
     // Runs from before hparams.json existed resume on the model check alone.

@@ -45,16 +45,13 @@ use burn_dist::rendezvous::{RankInfo, RendezvousOptions, bind_coordinator, conne
 use burn_dist::transport::quic::QuicTransport;
 use burn_dist::wire::Kind;
 use burn_dist::{Communicator, ReduceOp, Transport};
-use hearth_datasets::BatchStream;
-use hearth_models::{Classifier, ModelConfig};
-
-use super::best::{export_checkpoint, model_checkpoint, save_epoch_weights};
+use super::best::{export_best, model_checkpoint, save_epoch_weights};
 use super::epochs::Epochs;
-use super::export::auroc_report;
-use super::model::{SEED_LOCK, epoch_seed, init_model, model_config, optimizer};
-use super::objective::{Objective, ValScores};
+use super::model::{SEED_LOCK, epoch_seed, optimizer};
+use super::objective::{Objective, Targets, ValScores};
 use super::shared::{Rates, collective_timeout, epoch_lr, hook};
-use super::{EpochRows, TrainConfig, TrainReport, run_dir, sets};
+use super::trainee::{ImageRecipe, Input, Net, Recipe, Stream, Trainee};
+use super::{EpochRows, TrainConfig, TrainReport, run_dir};
 use crate::{HearthError, Result};
 
 /// How the global batch is shared between the workers.
@@ -171,7 +168,7 @@ pub fn request_leave() {
 
 /// Everything a change of membership carries from the new rank 0 to every member.
 #[derive(Clone)]
-struct Commit {
+struct Commit<M: Net> {
     /// Optimizer steps done in the whole run.
     step: u64,
     /// Data epoch in progress (0-based) and samples of it done.
@@ -192,7 +189,7 @@ struct Commit {
     rows: EpochRows,
     /// Early stopping decided, or the last epoch done.
     finished: bool,
-    model: Classifier,
+    model: M,
     optim: ModuleOptimizer,
 }
 
@@ -227,14 +224,13 @@ enum Interrupt {
     Failed(String),
 }
 
-struct ElasticRun<'a> {
+struct ElasticRun<'a, T: Trainee> {
     cfg: &'a TrainConfig,
     opts: &'a ElasticOptions,
     device: Device,
     plain_device: Device,
-    config: ModelConfig,
-    classes: Vec<String>,
-    loaders: sets::Loaders,
+    /// The model and this worker's view of the data.
+    trainee: T,
     /// Each optimizer step's rate and the transfer-learning phases.
     rates: Rates,
     objective: Objective,
@@ -262,7 +258,7 @@ struct ElasticRun<'a> {
 
 /// A short fingerprint of a model's values (FNV-1a over the f32 bits), to show in logs that
 /// workers hold bit-identical weights.
-fn fingerprint(model: &Classifier) -> u64 {
+fn fingerprint<M: Net>(model: &M) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for v in burn_dist::ddp::module_values(model).iter().flatten() {
         for b in v.to_bits().to_le_bytes() {
@@ -296,6 +292,24 @@ pub(super) fn train(
     device: &Device,
     log: &mut dyn FnMut(&str),
 ) -> Result<TrainReport> {
+    if cfg.data.is_none() {
+        return Err(HearthError::InvalidArgument(
+            "--elastic needs --data (workers start at different times, so none may generate the \
+             synthetic set for the others: write one with `hearth data synth`)"
+                .into(),
+        ));
+    }
+    train_with(cfg, opts, &ImageRecipe, device, log)
+}
+
+/// An elastic worker of `recipe`'s model and data.
+pub(super) fn train_with<R: Recipe>(
+    cfg: &TrainConfig,
+    opts: &ElasticOptions,
+    recipe: &R,
+    device: &Device,
+    log: &mut dyn FnMut(&str),
+) -> Result<TrainReport> {
     let started = Instant::now();
     // SAFETY: the handler only stores to an atomic.
     unsafe {
@@ -306,13 +320,6 @@ pub(super) fn train(
         return Err(HearthError::InvalidArgument(
             "--elastic needs a job secret (HEARTH_JOB_SECRET): members change ranks, which \
              per-rank certificates cannot follow"
-                .into(),
-        ));
-    }
-    if cfg.data.is_none() {
-        return Err(HearthError::InvalidArgument(
-            "--elastic needs --data (workers start at different times, so none may generate the \
-             synthetic set for the others: write one with `hearth data synth`)"
                 .into(),
         ));
     }
@@ -344,12 +351,11 @@ pub(super) fn train(
         host: opts.host.clone().unwrap_or_else(|| id.clone()),
         id,
     };
-    let (train_set, val_set) = sets::load(cfg, &mut |_| {})?;
-    let objective = Objective::new(cfg, train_set.multi_label);
-    let classes = train_set.classes.clone();
-    let config = model_config(&cfg.model, classes.len())?;
-    let loaders = sets::Loaders::new(cfg, train_set, val_set, 0, 1)?;
-    let batches_per_epoch = loaders.train.set().len().div_ceil(cfg.batch_size).max(1);
+    // Every worker reads the whole set: which part of it a worker trains on changes with
+    // the membership.
+    let trainee = recipe.prepare(cfg, None, 0, 1, &mut |_| {})?;
+    let objective = Objective::new(cfg, trainee.multi_label());
+    let batches_per_epoch = trainee.train_len().div_ceil(cfg.batch_size).max(1);
     let limits = Limits {
         min: opts.min_workers,
         max: opts.max_workers,
@@ -361,9 +367,7 @@ pub(super) fn train(
         opts,
         device: device.clone().autodiff(),
         plain_device: device.clone(),
-        config,
-        classes,
-        loaders,
+        trainee,
         rates: Rates::new(cfg, cfg.scaled_lr(&mut |_| {})?, batches_per_epoch)?,
         objective,
         batches_per_epoch,
@@ -393,33 +397,21 @@ pub(super) fn train(
     run.train(world, commit, log)
 }
 
-impl ElasticRun<'_> {
+impl<T: Trainee> ElasticRun<'_, T> {
     /// The model, seeded as every run initialises it; commits load their weights into it.
-    fn skeleton(&self, device: &Device) -> Result<Classifier> {
-        init_model(
-            self.cfg,
-            &self.config,
-            self.classes.len(),
-            self.objective.multi_label(),
-            device,
-            &mut |_| {},
-        )
+    fn skeleton(&self, device: &Device) -> Result<T::Model> {
+        self.trainee.init(device, &mut |_| {})
     }
 
     /// `model` with the parameters data epoch `epoch` (from 0) trains: the head alone while
     /// `--freeze-backbone` holds, everything once `--unfreeze-after` has passed. Which tensors
     /// train is no value a commit carries, so every member sets it from the committed epoch.
-    fn in_phase(&self, model: Classifier, epoch: u64) -> Classifier {
-        if self.rates.frozen(epoch as usize + 1) {
-            model.freeze_backbone()
-        } else if self.cfg.freeze_backbone {
-            model.unfreeze()
-        } else {
-            model
-        }
+    fn in_phase(&self, model: T::Model, epoch: u64) -> T::Model {
+        self.trainee
+            .phase(model, self.rates.frozen(epoch as usize + 1))
     }
 
-    fn fresh_commit(&self) -> Result<Commit> {
+    fn fresh_commit(&self) -> Result<Commit<T::Model>> {
         let model = self.in_phase(self.skeleton(&self.device)?, 0);
         Ok(Commit {
             step: 0,
@@ -441,10 +433,10 @@ impl ElasticRun<'_> {
     fn train(
         mut self,
         mut world: World,
-        mut commit: Commit,
+        mut commit: Commit<T::Model>,
         log: &mut dyn FnMut(&str),
     ) -> Result<TrainReport> {
-        let n = self.loaders.train.set().len();
+        let n = self.trainee.train_len();
         if n == 0 {
             return Err(HearthError::InvalidArgument(
                 "the training set is empty".into(),
@@ -504,7 +496,7 @@ impl ElasticRun<'_> {
     fn finish(
         &mut self,
         world: World,
-        commit: Commit,
+        commit: Commit<T::Model>,
         log: &mut dyn FnMut(&str),
     ) -> Result<TrainReport> {
         world.comm.barrier()?;
@@ -524,23 +516,8 @@ impl ElasticRun<'_> {
         let dir = &self.cfg.run_dir;
         let mut per_class_auroc = None;
         if world.rank() == 0 {
-            let model = export_checkpoint(
-                self.cfg,
-                best,
-                self.skeleton(&self.plain_device)?,
-                &self.config,
-                &self.classes,
-                log,
-            )?;
-            per_class_auroc = auroc_report(
-                self.objective.multi_label(),
-                &model,
-                &self.classes,
-                &self.loaders.full_val,
-                &self.plain_device,
-                dir,
-                log,
-            )?;
+            per_class_auroc =
+                export_best(self.cfg, &self.trainee, best, &self.plain_device, log)?;
             let points: Vec<(f64, f64)> = commit
                 .world_log
                 .iter()
@@ -567,12 +544,12 @@ impl ElasticRun<'_> {
             best,
             self.started,
             images,
-            self.classes.clone(),
+            self.trainee.classes().to_vec(),
             world.rank(),
             world.size(),
         );
         report.per_class_auroc = per_class_auroc;
-        report.skipped = self.loaders.skipped();
+        report.skipped = self.trainee.skipped();
         world.transport.shutdown(Duration::from_secs(2));
         Ok(report)
     }

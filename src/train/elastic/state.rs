@@ -3,10 +3,10 @@
 
 use super::*;
 
-impl ElasticRun<'_> {
+impl<T: Trainee> ElasticRun<'_, T> {
     pub(super) fn encode(
         &self,
-        c: &Commit,
+        c: &Commit<T::Model>,
         number: u32,
         members: &[Worker],
         join: &str,
@@ -57,7 +57,7 @@ impl ElasticRun<'_> {
 
     /// The members, rank 0's join address and the commit, and the coordinator's
     /// [`Health`] (empty in states written before it was kept).
-    pub(super) fn decode(&self, bytes: &[u8]) -> Result<(Vec<Worker>, String, Commit, Health)> {
+    pub(super) fn decode(&self, bytes: &[u8]) -> Result<(Vec<Worker>, String, Commit<T::Model>, Health)> {
         let bad = |m: String| HearthError::Training(format!("elastic state: {m}"));
         let mut parts = Vec::new();
         let mut at = 0usize;
@@ -166,7 +166,7 @@ impl ElasticRun<'_> {
     /// step: a worker cut off from the job (its own world of one, giving up) shares the run
     /// directory with the part that goes on, and must not put the run back. Returns whether
     /// it wrote.
-    pub(super) fn save_state(&self, c: &Commit, world: &World) -> Result<bool> {
+    pub(super) fn save_state(&self, c: &Commit<T::Model>, world: &World) -> Result<bool> {
         let path = self.state_file();
         if let Ok(bytes) = std::fs::read(&path)
             && let Ok((_, _, on_disk, _)) = self.decode(&bytes)
@@ -188,7 +188,7 @@ impl ElasticRun<'_> {
         Ok(true)
     }
 
-    pub(super) fn load_state(&self) -> Result<Commit> {
+    pub(super) fn load_state(&self) -> Result<Commit<T::Model>> {
         let path = self.state_file();
         let bytes = std::fs::read(&path).map_err(|e| {
             HearthError::InvalidArgument(format!(

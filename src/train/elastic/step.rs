@@ -3,17 +3,17 @@
 
 use super::*;
 
-impl ElasticRun<'_> {
+impl<T: Trainee> ElasticRun<'_, T> {
     /// Steps in one world until the run ends, a change is asked for, or a step fails.
     pub(super) fn run_world(
         &mut self,
         world: &mut World,
-        commit: &mut Commit,
+        commit: &mut Commit<T::Model>,
         log: &mut dyn FnMut(&str),
     ) -> Result<Interrupt> {
-        let n = self.loaders.train.set().len();
+        let n = self.trainee.train_len();
         let global = self.cfg.batch_size;
-        let mut stream: Option<(u64, u64, BatchStream)> = None;
+        let mut stream: Option<(u64, u64, Stream<Input<T>>)> = None;
         loop {
             if commit.finished {
                 return Ok(Interrupt::Done);
@@ -42,7 +42,7 @@ impl ElasticRun<'_> {
             // (burn-train's accumulation), so a membership change never splits a step.
             let t = Instant::now();
             let k = self.cfg.grad_accum.unwrap_or(1).max(1);
-            let mut acc = GradientsAccumulator::<Classifier>::new();
+            let mut acc = GradientsAccumulator::<T::Model>::new();
             let (mut loss_sum, mut correct, mut mine, mut total) = (0.0f64, 0.0f64, 0usize, 0usize);
             let mut pos = commit.position as usize;
             for sub in 0..k {
@@ -52,8 +52,11 @@ impl ElasticRun<'_> {
                 let batch = s
                     .next()
                     .ok_or_else(|| HearthError::Training("the loader ended early".into()))??;
-                let (images, targets) = self.objective.split(batch)?;
-                let part = images.dims()[0];
+                let (input, targets) = batch;
+                let part = match &targets {
+                    Targets::Classes(t) => t.dims()[0],
+                    Targets::MultiHot(t) => t.dims()[0],
+                };
                 let global_part = step_len(n, pos, global);
                 {
                     let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
@@ -63,7 +66,7 @@ impl ElasticRun<'_> {
                         world.rank(),
                     ));
                 }
-                let logits = commit.model.forward(images);
+                let logits = commit.model.logits(input);
                 correct += self.objective.hits(&logits, &targets);
                 let loss = self.objective.loss(logits, &targets, true)?;
                 loss_sum += f64::from(loss.clone().into_scalar::<f32>()) * part as f64;
@@ -185,9 +188,13 @@ impl ElasticRun<'_> {
     }
 
     /// This worker's batches for the rest of the epoch with the world's current shares.
-    pub(super) fn stream(&self, world: &World, commit: &Commit) -> Result<BatchStream> {
-        let n = self.loaders.train.set().len();
-        let order = self.loaders.train.epoch_order(commit.epoch);
+    pub(super) fn stream(
+        &self,
+        world: &World,
+        commit: &Commit<T::Model>,
+    ) -> Result<Stream<Input<T>>> {
+        let n = self.trainee.train_len();
+        let order = self.trainee.order(commit.epoch);
         let mut batches = Vec::new();
         let mut at = commit.position as usize;
         while at < n {
@@ -197,9 +204,8 @@ impl ElasticRun<'_> {
             at += step_len(n, at, self.cfg.batch_size);
         }
         Ok(self
-            .loaders
-            .train
-            .stream(commit.epoch, batches, &self.device))
+            .trainee
+            .train_batches(commit.epoch, batches, &self.device))
     }
 
     /// The end of a data epoch: validation over the world, the metrics row, checkpoints and the
@@ -207,7 +213,7 @@ impl ElasticRun<'_> {
     pub(super) fn end_epoch(
         &mut self,
         world: &World,
-        commit: &mut Commit,
+        commit: &mut Commit<T::Model>,
         log: &mut dyn FnMut(&str),
     ) -> Result<()> {
         let epoch = commit.epoch as usize + 1;
@@ -216,15 +222,15 @@ impl ElasticRun<'_> {
         let valid = model.valid();
         let mut scores = ValScores::default();
         let (rank, size) = (world.rank(), world.size());
-        let val_n = self.loaders.full_val.set().len();
+        let val_n = self.trainee.val_len();
         let per = (self.cfg.batch_size / size).max(1);
         let mine: Vec<usize> = (rank..val_n).step_by(size).collect();
         let batches: Vec<Vec<usize>> = mine.chunks(per).map(<[usize]>::to_vec).collect();
         let mut sums = [0.0f32; 3];
-        for batch in self.loaders.full_val.stream(0, batches, &self.plain_device) {
-            let (images, targets) = self.objective.split(batch?)?;
-            let k = images.dims()[0];
-            let logits = valid.forward(images);
+        for batch in self.trainee.val_batches(batches, &self.plain_device) {
+            let (input, targets) = batch?;
+            let logits = valid.logits(input);
+            let k = logits.dims()[0];
             sums[1] += self.objective.hits(&logits, &targets) as f32;
             scores.push(&logits, &targets)?;
             sums[0] += self
@@ -282,7 +288,7 @@ impl ElasticRun<'_> {
             row.insert("val_auroc".into(), a);
         }
         // Images this worker skipped this epoch (a joiner counts from its first epoch here).
-        let now = self.loaders.decode_failures();
+        let now = self.trainee.decode_failures();
         row.insert(
             "train_skipped_images".into(),
             now.0.saturating_sub(self.failures_seen.0) as f64,
@@ -319,7 +325,7 @@ impl ElasticRun<'_> {
     /// whole committed state for an exact `--resume`.
     pub(super) fn checkpoint(
         &self,
-        c: &Commit,
+        c: &Commit<T::Model>,
         world: &World,
         epoch: usize,
         best: Option<usize>,

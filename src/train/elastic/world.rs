@@ -3,14 +3,14 @@
 
 use super::*;
 
-impl ElasticRun<'_> {
+impl<T: Trainee> ElasticRun<'_, T> {
     /// The world `hearth launch --elastic` started: members `w0..`, rank 0's commit (fresh,
     /// or `checkpoint/elastic.state` with `--resume`) sent to all.
     pub(super) fn first_world(
         &mut self,
         info: &RankInfo,
         log: &mut dyn FnMut(&str),
-    ) -> Result<(World, Commit)> {
+    ) -> Result<(World, Commit<T::Model>)> {
         if info.rank == 0 {
             run_dir::start(self.cfg, log)?;
             log(&format!(
@@ -59,7 +59,7 @@ impl ElasticRun<'_> {
     }
 
     /// A joiner: ask the members for admission, then form the announced world.
-    pub(super) fn join_world(&mut self, log: &mut dyn FnMut(&str)) -> Result<(World, Commit)> {
+    pub(super) fn join_world(&mut self, log: &mut dyn FnMut(&str)) -> Result<(World, Commit<T::Model>)> {
         let addrs = self.opts.join_addresses();
         if addrs.is_empty() {
             return Err(HearthError::InvalidArgument(
@@ -104,9 +104,9 @@ impl ElasticRun<'_> {
         number: u32,
         transport: Arc<QuicTransport>,
         members: Vec<Worker>,
-        mine: Option<Commit>,
+        mine: Option<Commit<T::Model>>,
         log: &mut dyn FnMut(&str),
-    ) -> Result<(World, Commit)> {
+    ) -> Result<(World, Commit<T::Model>)> {
         let comm = Communicator::new(transport.clone() as Arc<dyn Transport>)
             .with_timeout(collective_timeout());
         let rank = comm.rank();
@@ -186,7 +186,7 @@ impl ElasticRun<'_> {
     pub(super) fn coordinate(
         &mut self,
         world: &World,
-        commit: &Commit,
+        commit: &Commit<T::Model>,
         leaving: &[usize],
         gone: &[usize],
         log: &mut dyn FnMut(&str),
@@ -299,11 +299,11 @@ impl ElasticRun<'_> {
     pub(super) fn change(
         &mut self,
         world: &World,
-        commit: Commit,
+        commit: Commit<T::Model>,
         leaving: &[usize],
         lost: &[usize],
         log: &mut dyn FnMut(&str),
-    ) -> Result<(World, Commit)> {
+    ) -> Result<(World, Commit<T::Model>)> {
         let me = world.rank();
         let next = world.number + 1;
         let mut gone: Vec<usize> = leaving.iter().chain(lost).copied().collect();

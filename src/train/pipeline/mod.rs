@@ -42,7 +42,7 @@ use super::config::{PipelineBalance, PipelineOptions};
 use super::epochs::{Epochs, Row, Strategy};
 use super::export::auroc_report;
 use super::model::{SEED_LOCK, epoch_seed, init_model, model_config, optimizer};
-use super::objective::{Objective, ValScores};
+use super::objective::{Objective, ValScores, targets};
 use super::shared::{Rates, collective_timeout, epoch_lr};
 use super::{TrainConfig, TrainReport, distributed, run_dir, sets};
 use crate::pipeline::{StageModel, UnitCost, balance, balance_by, stage_memory};
@@ -324,12 +324,17 @@ impl PipelineRun<'_> {
         let mut per_class_auroc = None;
         if let Some(model) = exported {
             epochs.plot(log);
+            let multi_label = self.objective.multi_label();
             per_class_auroc = auroc_report(
-                self.objective.multi_label(),
+                multi_label,
                 &model,
                 &self.classes,
-                &self.loaders.full_val,
-                &self.plain_device,
+                Box::new(
+                    self.loaders
+                        .full_val
+                        .epoch(0, &self.plain_device)
+                        .map(move |b| targets(b?, multi_label)),
+                ),
                 &cfg.run_dir,
                 log,
             )?;

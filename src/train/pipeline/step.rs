@@ -56,7 +56,7 @@ impl PipelineRun<'_> {
             .epoch(epoch as u64 - 1, &self.device)
             .enumerate()
         {
-            let (images, targets) = objective.split(batch?)?;
+            let (images, targets) = targets(batch?, objective.multi_label())?;
             let n = images.dims()[0];
             let parts = self.micro_split(n);
             let mut correct = 0.0f64;
@@ -109,7 +109,7 @@ impl PipelineRun<'_> {
         let mut scores = ValScores::default();
         // Every rank of a pipeline streams the same shard, so they agree on the batches.
         for batch in self.loaders.val.epoch(0, &self.plain_device) {
-            let (images, targets) = objective.split(batch?)?;
+            let (images, targets) = targets(batch?, objective.multi_label())?;
             let n = images.dims()[0];
             let parts = self.micro_split(n);
             pipe.forward(

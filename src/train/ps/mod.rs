@@ -351,6 +351,18 @@ pub fn train(
     device: &Device,
     log: &mut dyn FnMut(&str),
 ) -> Result<TrainReport> {
+    train_with(cfg, opts, &super::trainee::ImageRecipe, device, log)
+}
+
+/// A rank of a parameter-server run of `recipe`'s model and data (the workers read the data;
+/// the servers hold flat values and need neither).
+pub(super) fn train_with<R: super::trainee::Recipe>(
+    cfg: &TrainConfig,
+    opts: &PsOptions,
+    recipe: &R,
+    device: &Device,
+    log: &mut dyn FnMut(&str),
+) -> Result<TrainReport> {
     let started = Instant::now();
     let info = cfg.dist.clone().ok_or_else(|| {
         HearthError::InvalidArgument(
@@ -381,7 +393,7 @@ pub fn train(
         return Ok(server_report(cfg, started, info.rank, roles));
     };
     let t = connect(&info, rank, roles.world())?;
-    let out = worker::train(cfg, opts, roles, lr, t, device, started, log);
+    let out = worker::train(cfg, opts, recipe, roles, lr, t, device, started, log);
     if let Some(h) = colocated_server {
         let served = h
             .join()

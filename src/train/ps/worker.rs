@@ -20,26 +20,25 @@ use burn_dist::transport::Transport;
 use burn_dist::transport::group::Group;
 use burn_dist::wire::Kind;
 use burn_dist::{Communicator, DistError};
-use hearth_models::{Classifier, ModelConfig};
 
 use super::state::{
     EpochStats, PsState, Sharding, decode_stats, encode_stats, reshard_optim_state, state_file,
 };
 use super::{BYE, PsOptions, Roles, SETUP, STATS, ServerSetup, decay_ranges, flat_optimizer};
-use crate::train::best::{export_checkpoint, model_checkpoint, save_epoch_weights};
+use crate::train::best::{export_best, model_checkpoint, save_epoch_weights};
 use crate::train::epochs::{Epochs, Row, Strategy};
-use crate::train::export::auroc_report;
-use crate::train::model::{SEED_LOCK, epoch_seed, init_model, model_config};
+use crate::train::model::{SEED_LOCK, epoch_seed};
 use crate::train::objective::{Objective, ValScores};
 use crate::train::shared::{Rates, collective_timeout, epoch_lr, hook};
-use crate::train::{TrainConfig, TrainReport, distributed, run_dir, sets};
+use crate::train::trainee::{Net, Recipe, Trainee};
+use crate::train::{TrainConfig, TrainReport, run_dir};
 use crate::{HearthError, Result};
 
 /// A long wait that only a peer's loss ends early (waiting for the slowest worker).
 const PATIENT: Duration = Duration::from_secs(24 * 3600);
 
 /// What the steps of one worker share.
-struct Worker<'a> {
+struct Worker<'a, T: Trainee> {
     cfg: &'a TrainConfig,
     opts: &'a PsOptions,
     roles: Roles,
@@ -47,11 +46,10 @@ struct Worker<'a> {
     t: Arc<dyn Transport>,
     device: Device,
     plain_device: Device,
-    loaders: sets::Loaders,
-    classes: Vec<String>,
-    config: ModelConfig,
+    /// The model and this worker's shard of the data.
+    trainee: T,
     objective: Objective,
-    model: Classifier,
+    model: T::Model,
     stats: Vec<EpochStats>,
     started: Instant,
     delay: Option<u64>,
@@ -64,9 +62,10 @@ struct Worker<'a> {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(super) fn train(
+pub(super) fn train<R: Recipe>(
     cfg: &TrainConfig,
     opts: &PsOptions,
+    recipe: &R,
     roles: Roles,
     lr: f64,
     t: Arc<dyn Transport>,
@@ -97,26 +96,16 @@ pub(super) fn train(
     }
     let group = Group::new(t.clone(), roles.worker_ranks(), 2)?;
     let comm = Communicator::new(Arc::new(group)).with_timeout(collective_timeout());
-    let (train_set, val_set) = distributed::load_data(cfg, &comm, log)?;
-    let classes = train_set.classes.clone();
-    let objective = Objective::new(cfg, train_set.multi_label);
-    let loaders = sets::Loaders::new(cfg, train_set, val_set, rank, roles.workers)?;
-    let config = model_config(&cfg.model, classes.len())?;
+    let trainee = recipe.prepare(cfg, Some(&comm), rank, roles.workers, log)?;
+    let objective = Objective::new(cfg, trainee.multi_label());
     let ad = device.clone().autodiff();
-    let mut model = init_model(
-        cfg,
-        &config,
-        classes.len(),
-        objective.multi_label(),
-        &ad,
-        log,
-    )?;
+    let mut model = trainee.init(&ad, log)?;
     if cfg.freeze_backbone {
         log("backbone frozen: only the head trains");
-        model = model.freeze_backbone();
+        model = trainee.phase(model, true);
     }
     // Loader batches per epoch (optimizer steps: a K-th of them with `--grad-accum K`).
-    let batches = loaders.train.batches_per_epoch().max(1);
+    let batches = trainee.shard_batches().max(1);
     let rates = Rates::new(cfg, lr, batches)?;
     let mut w = Worker {
         cfg,
@@ -126,9 +115,7 @@ pub(super) fn train(
         t,
         device: ad,
         plain_device: device.clone(),
-        loaders,
-        classes,
-        config,
+        trainee,
         objective,
         model,
         stats: Vec::new(),
@@ -147,7 +134,7 @@ pub(super) fn train(
     // after the last frozen epoch starts from the head's shards and switches at once.
     let unfrozen = w.rates.fine_tuning(first);
     if unfrozen {
-        w.model = w.model.clone().unfreeze();
+        w.model = w.trainee.phase(w.model.clone(), false);
     }
     let steps_before = (first * cfg.optimizer_steps(batches)) as u64;
     let (ps, params) = w.session(first + 1, steps_before, |w, layout| {
@@ -191,7 +178,14 @@ pub(super) fn train(
         w.t.send(0, Kind::Ps, STATS, encode_stats(&w.stats))?;
         // The lead's goodbye, or its loss, ends this worker.
         let _ = w.t.recv(0, Kind::Ps, BYE, Instant::now() + PATIENT);
-        return Ok(epochs.report(0, w.started, 0, w.classes.clone(), rank, w.roles.world()));
+        return Ok(epochs.report(
+            0,
+            w.started,
+            0,
+            w.trainee.classes().to_vec(),
+            rank,
+            w.roles.world(),
+        ));
     }
     if last < epochs.end() {
         // Stopped early: every worker is done once the servers send their final states.
@@ -203,8 +197,8 @@ pub(super) fn train(
 
 /// A worker's part of the epoch loop: its link to the servers and, on the lead, the servers'
 /// model of the epoch just validated.
-struct PsStrategy<'w, 'a> {
-    w: &'w mut Worker<'a>,
+struct PsStrategy<'w, 'a, T: Trainee> {
+    w: &'w mut Worker<'a, T>,
     /// The worker's exchange with the servers, until it finishes (the lead's last epoch).
     ps: Option<PsWorker>,
     /// The lead's client after it finished (reading the servers' final states).
@@ -213,7 +207,7 @@ struct PsStrategy<'w, 'a> {
     step: u64,
     end: usize,
     /// The lead: the servers' model and state of the epoch just validated, for its checkpoint.
-    served: Option<(Classifier, Vec<ShardState>)>,
+    served: Option<(T::Model, Vec<ShardState>)>,
     /// Early stopping's agreement among the workers.
     stop: Option<Communicator>,
     /// `--unfreeze-after`: the workers' agreement that the fine-tuning session is set up,
@@ -221,7 +215,7 @@ struct PsStrategy<'w, 'a> {
     phase: Option<Communicator>,
 }
 
-impl PsStrategy<'_, '_> {
+impl<T: Trainee> PsStrategy<'_, '_, T> {
     /// The switch to the fine-tuning phase before `epoch`: the frozen phase's session ends
     /// (the lead takes the servers' final head), every tensor becomes trainable, and a new
     /// session shards the whole model over the servers at `--finetune-lr`, its rate going on
@@ -254,7 +248,7 @@ impl PsStrategy<'_, '_> {
             old_states = states;
             log(&self.w.rates.unfreeze_line(epoch - 1));
         }
-        self.w.model = self.w.model.clone().unfreeze();
+        self.w.model = self.w.trainee.phase(self.w.model.clone(), false);
         let mut go = [0f32];
         if self.w.rank != 0 {
             // A request for the new session must not reach a server still in the old one:
@@ -297,7 +291,7 @@ impl PsStrategy<'_, '_> {
     }
 }
 
-impl Strategy for PsStrategy<'_, '_> {
+impl<T: Trainee> Strategy for PsStrategy<'_, '_, T> {
     fn epoch(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) -> Result<Option<Row>> {
         if self.w.rates.fine_tuning(epoch) {
             self.unfreeze(epoch, log)?;
@@ -338,7 +332,7 @@ impl Strategy for PsStrategy<'_, '_> {
     }
 
     fn decode_failures(&self) -> (usize, usize) {
-        self.w.loaders.decode_failures()
+        self.w.trainee.decode_failures()
     }
 
     fn agree_stop(&mut self, stop: bool) -> Result<bool> {
@@ -351,7 +345,7 @@ impl Strategy for PsStrategy<'_, '_> {
     }
 }
 
-impl Worker<'_> {
+impl<T: Trainee> Worker<'_, T> {
     /// Starts a session with the servers for the model's trainable tensors in the phase of
     /// `epoch`: the lead sends each server its optimizer's setup (the phase's rate and
     /// schedule) and its starting shard (`states`); every worker pulls the values. `steps`:
@@ -409,7 +403,7 @@ impl Worker<'_> {
         if self.rank == 0 {
             if cfg.resume {
                 let s = PsState::load(&state_file(&cfg.run_dir))?;
-                run_dir::check_resume_compatible(&cfg.run_dir, &self.config, &hparams)?;
+                run_dir::check_resume_model(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
                 epochs.reload(s.epoch)?;
                 let path = model_checkpoint(&cfg.run_dir, s.epoch);
                 let record = ModuleRecord::load(&path).map_err(|e| {
@@ -424,7 +418,7 @@ impl Worker<'_> {
                 epoch[0] = s.epoch as f32;
                 state = Some(s);
             } else {
-                run_dir::record(&cfg.run_dir, &self.config, &hparams)?;
+                run_dir::record_model(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
             }
         }
         comm.broadcast(&mut epoch, 0)?;
@@ -484,22 +478,21 @@ impl Worker<'_> {
         // `--grad-accum K`: the sum of K batches' mean gradients goes to the servers as one
         // step (burn-train's accumulation), on every K-th batch and the epoch's last.
         let k = self.cfg.grad_accum.unwrap_or(1).max(1);
-        let batches = self.loaders.train.batches_per_epoch();
+        let batches = self.trainee.shard_batches();
         let mut acc: Option<(Vec<f32>, u64)> = None;
         for (i, batch) in self
-            .loaders
-            .train
-            .epoch(epoch as u64 - 1, &self.device)
+            .trainee
+            .shard(epoch as u64 - 1, &self.device)
             .enumerate()
         {
-            let (images, targets) = self.objective.split(batch?)?;
-            let n = images.dims()[0];
+            let (input, targets) = batch?;
             {
                 let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
                 self.device
                     .seed(epoch_seed(self.cfg.seed, *step, self.rank));
             }
-            let logits = self.model.forward(images);
+            let logits = self.model.logits(input);
+            let n = logits.dims()[0];
             row.correct += self.objective.hits(&logits, &targets);
             let loss = self.objective.loss(logits, &targets, true)?;
             row.loss_sum += f64::from(loss.clone().into_scalar::<f32>()) * n as f64;
@@ -541,7 +534,11 @@ impl Worker<'_> {
 
     /// The lead after `epoch`: the servers' model (at one consistent cut) validated with the
     /// lead's batch-norm statistics; the epoch's metrics row and that model.
-    fn validate_servers(&self, epoch: usize, states: &[ShardState]) -> Result<(Row, Classifier)> {
+    fn validate_servers(
+        &self,
+        epoch: usize,
+        states: &[ShardState],
+    ) -> Result<(Row, T::Model)> {
         let values: Vec<f32> = states
             .iter()
             .flat_map(|s| s.values.iter().copied())
@@ -554,10 +551,10 @@ impl Worker<'_> {
         let mut sums = [0f64; 3];
         // The lead validates the whole set alone: its scores need no gathering.
         let mut scores = ValScores::default();
-        for batch in self.loaders.full_val.epoch(0, &self.plain_device) {
-            let (images, targets) = self.objective.split(batch?)?;
-            let k = images.dims()[0] as f64;
-            let logits = valid.forward(images);
+        for batch in self.trainee.full_val(&self.plain_device) {
+            let (input, targets) = batch?;
+            let logits = valid.logits(input);
+            let k = logits.dims()[0] as f64;
             sums[1] += self.objective.hits(&logits, &targets);
             scores.push(&logits, &targets)?;
             let loss = self.objective.loss(logits, &targets, false)?;
@@ -600,19 +597,16 @@ impl Worker<'_> {
     /// nothing learned). The lead's own statistics follow its local parameters, which the
     /// other workers' updates move away from the servers' (most after `--unfreeze-after`,
     /// when the backbone's layers move); in sync mode they are the servers' already.
-    fn measure_batch_norm(&self, served: Classifier, epoch: usize) -> Result<Classifier> {
-        if let ModelConfig::Vgg(v) = &self.config
-            && !v.batch_norm
-        {
+    fn measure_batch_norm(&self, served: T::Model, epoch: usize) -> Result<T::Model> {
+        if !self.trainee.has_batch_norm() {
             return Ok(served);
         }
         let stream = self
-            .loaders
-            .train
-            .epoch(u64::MAX / 2 + epoch as u64, &self.device);
+            .trainee
+            .shard(u64::MAX / 2 + epoch as u64, &self.device);
         for batch in stream.take(50) {
-            let (images, _) = self.objective.split(batch?)?;
-            let _ = served.forward(images);
+            let (input, _) = batch?;
+            let _ = served.logits(input);
         }
         Ok(served)
     }
@@ -622,7 +616,7 @@ impl Worker<'_> {
     fn save(
         &self,
         epoch: usize,
-        served: Classifier,
+        served: T::Model,
         states: Vec<ShardState>,
         best: Option<usize>,
     ) -> Result<()> {
@@ -674,37 +668,20 @@ impl Worker<'_> {
         epochs.update_rows(|rows| self.merge_worker_stats(rows, &all, log));
         epochs.write_csv()?;
         let best = epochs.best_or_err()?;
-        let skeleton = init_model(
-            self.cfg,
-            &self.config,
-            self.classes.len(),
-            self.objective.multi_label(),
-            &self.plain_device,
-            &mut |_| {},
-        )?;
-        let model = export_checkpoint(self.cfg, best, skeleton, &self.config, &self.classes, log)?;
+        let per_class_auroc = export_best(self.cfg, &self.trainee, best, &self.plain_device, log)?;
         epochs.plot(log);
-        let per_class_auroc = auroc_report(
-            self.objective.multi_label(),
-            &model,
-            &self.classes,
-            &self.loaders.full_val,
-            &self.plain_device,
-            &self.cfg.run_dir,
-            log,
-        )?;
         let samples: f64 = all.iter().flat_map(|(_, s)| s).map(|s| s.samples).sum();
         let mut report = epochs.report(
             best,
             self.started,
             samples as usize,
-            self.classes.clone(),
+            self.trainee.classes().to_vec(),
             0,
             self.roles.world(),
         );
         report.epochs_run = last;
         report.per_class_auroc = per_class_auroc;
-        report.skipped = self.loaders.skipped();
+        report.skipped = self.trainee.skipped();
         Ok(report)
     }
 

@@ -1,0 +1,489 @@
+//! What the custom training modes (elastic, parameter servers) train, below all of them: a
+//! model that maps a batch's input to one logit per class ([`Net`]), and the data that feeds it.
+//!
+//! Two kinds exist. Hearth's own: a [`Classifier`] from `--model` (optionally torchvision
+//! weights with a new head, a frozen backbone) on an image folder or CSV, streamed by
+//! hearth-datasets' loader ([`ImageRecipe`]). A Rust user's: any Burn module of theirs that
+//! implements [`Net`] in a few lines, on their own data set ([`Examples`]), handed to
+//! [`super::train_custom`] ([`Custom`]). The modes see only [`Trainee`], so both train through
+//! the same steps, validation, metrics, checkpoints and resume.
+//!
+//! The order of an epoch and the shard of a rank are the same for both: hearth-datasets'
+//! [`epoch_order`] and [`shard_of`].
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::prelude::*;
+use hearth_datasets::loader::{epoch_order, shard_of};
+use hearth_models::{Classifier, ModelConfig};
+
+use super::TrainConfig;
+use super::objective::Targets;
+use crate::{HearthError, Result};
+
+/// A Burn model Hearth's modes can train: any module whose forward pass maps a batch's input
+/// to logits `[batch, classes]` (the loss and metrics come from the run: cross-entropy and
+/// accuracy, or with multi-label data binary cross-entropy, Hamming score and AUROC).
+///
+/// ```ignore
+/// #[derive(Module, Debug)]
+/// struct Mlp { a: Linear, b: Linear }
+/// impl hearth::train::Net for Mlp {
+///     type Input = Tensor<2>;
+///     fn logits(&self, x: Tensor<2>) -> Tensor<2> { self.b.forward(relu(self.a.forward(x))) }
+/// }
+/// ```
+pub trait Net: Module + 'static {
+    /// What one batch feeds the model (for an image model, `Tensor<4>`).
+    type Input: Send + 'static;
+    /// The batch's logits, `[batch, classes]`.
+    fn logits(&self, input: Self::Input) -> Tensor<2>;
+}
+
+impl Net for Classifier {
+    type Input = Tensor<4>;
+    fn logits(&self, input: Tensor<4>) -> Tensor<2> {
+        self.forward(input)
+    }
+}
+
+/// The error a user's [`Examples`] returns for a batch it cannot make.
+pub type ExampleError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A user's data set for [`super::train_custom`]: examples addressed by index `0..len()`, and
+/// how a list of them becomes one batch on a device. Hearth decides which indices (the
+/// epoch's shuffled order, each rank's or worker's share).
+pub trait Examples: Send + Sync + 'static {
+    /// The model's input for a batch (the [`Net::Input`] of the model it feeds).
+    type Input: Send + 'static;
+    /// How many examples the set holds.
+    fn len(&self) -> usize;
+    /// Whether the set is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The batch of the examples `indices` (in that order) on `device`: the input and its
+    /// targets ([`Targets::Classes`], or [`Targets::MultiHot`] for multi-label data).
+    fn batch(
+        &self,
+        indices: &[usize],
+        device: &Device,
+    ) -> std::result::Result<(Self::Input, Targets), ExampleError>;
+}
+
+/// Batches of one stream: input and targets.
+pub(crate) type Stream<I> = Box<dyn Iterator<Item = Result<(I, Targets)>>>;
+
+/// The input type of a trainee's model.
+pub(crate) type Input<T> = <<T as Trainee>::Model as Net>::Input;
+
+/// A model and its data, as a mode trains them on one rank.
+pub(crate) trait Trainee {
+    type Model: Net;
+
+    /// The class (or label) names.
+    fn classes(&self) -> &[String];
+    /// Whether the targets are multi-hot labels (sigmoid outputs).
+    fn multi_label(&self) -> bool;
+    /// What `model_config.json` records (a resume must find the same).
+    fn describe(&self) -> String;
+    /// The model on `device`, freshly initialised from the run's seed (every rank alike).
+    fn init(&self, device: &Device, log: &mut dyn FnMut(&str)) -> Result<Self::Model>;
+    /// `model` with the tensors of a phase trainable: `frozen` (`--freeze-backbone` before
+    /// `--unfreeze-after`) the head alone, else everything.
+    fn phase(&self, model: Self::Model, frozen: bool) -> Self::Model;
+    /// Whether the model keeps batch-norm statistics (measured on the servers' values in the
+    /// asynchronous parameter-server modes).
+    fn has_batch_norm(&self) -> bool;
+
+    /// Training examples (all ranks together).
+    fn train_len(&self) -> usize;
+    /// Validation examples (all ranks together).
+    fn val_len(&self) -> usize;
+    /// The training set's order in `epoch` (the same on every rank).
+    fn order(&self, epoch: u64) -> Vec<usize>;
+    /// The given training batches (indices of the set) of `epoch`, augmented where the data
+    /// augments.
+    fn train_batches(
+        &self,
+        epoch: u64,
+        batches: Vec<Vec<usize>>,
+        device: &Device,
+    ) -> Stream<Input<Self>>;
+    /// The given validation batches.
+    fn val_batches(&self, batches: Vec<Vec<usize>>, device: &Device) -> Stream<Input<Self>>;
+    /// This rank's batches of `epoch` (the shard it was prepared for).
+    fn shard(&self, epoch: u64, device: &Device) -> Stream<Input<Self>>;
+    /// This rank's batches per epoch.
+    fn shard_batches(&self) -> usize;
+    /// The whole validation set, in order, in batches of this rank's size.
+    fn full_val(&self, device: &Device) -> Stream<Input<Self>>;
+
+    /// Examples that failed to load so far on this rank: (training, validation).
+    fn decode_failures(&self) -> (usize, usize) {
+        (0, 0)
+    }
+    /// Those examples, `path: reason`, each once.
+    fn skipped(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// Writes the run's `model.bpk` from the best epoch's `model` (a user's module: its
+    /// weights as burnpack, to load into the same module).
+    fn export(&self, cfg: &TrainConfig, model: &Self::Model) -> Result<()>;
+}
+
+/// How a mode gets its [`Trainee`] once it knows which ranks read the data.
+pub(crate) trait Recipe: Sync {
+    type T: Trainee;
+    /// The data and model of `rank` of `world` readers; `comm`, the readers' group when there
+    /// is one, lets them agree they read the same data.
+    fn prepare(
+        &self,
+        cfg: &TrainConfig,
+        comm: Option<&burn_dist::Communicator>,
+        rank: usize,
+        world: usize,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Self::T>;
+}
+
+// ---- Hearth's image classifiers ----
+
+/// `--model` on `--data` (or `--labels`, or the synthetic set).
+pub(crate) struct ImageRecipe;
+
+/// A classifier and this rank's image loaders.
+pub(crate) struct ImageTrainee {
+    cfg: TrainConfig,
+    loaders: super::sets::Loaders,
+    classes: Vec<String>,
+    config: ModelConfig,
+    multi_label: bool,
+}
+
+impl Recipe for ImageRecipe {
+    type T = ImageTrainee;
+    fn prepare(
+        &self,
+        cfg: &TrainConfig,
+        comm: Option<&burn_dist::Communicator>,
+        rank: usize,
+        world: usize,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<ImageTrainee> {
+        let (train_set, val_set) = match comm {
+            Some(comm) => super::distributed::load_data(cfg, comm, log)?,
+            None => super::sets::load(cfg, log)?,
+        };
+        let classes = train_set.classes.clone();
+        let multi_label = train_set.multi_label;
+        let config = super::model::model_config(&cfg.model, classes.len())?;
+        let loaders = super::sets::Loaders::new(cfg, train_set, val_set, rank, world)?;
+        Ok(ImageTrainee {
+            cfg: cfg.clone(),
+            loaders,
+            classes,
+            config,
+            multi_label,
+        })
+    }
+}
+
+/// A loader's batches as (images, targets).
+fn images(
+    stream: hearth_datasets::BatchStream,
+    multi_label: bool,
+) -> Stream<Tensor<4>> {
+    Box::new(stream.map(move |b| super::objective::targets(b?, multi_label)))
+}
+
+impl Trainee for ImageTrainee {
+    type Model = Classifier;
+
+    fn classes(&self) -> &[String] {
+        &self.classes
+    }
+    fn multi_label(&self) -> bool {
+        self.multi_label
+    }
+    fn describe(&self) -> String {
+        self.config.to_json()
+    }
+    fn init(&self, device: &Device, log: &mut dyn FnMut(&str)) -> Result<Classifier> {
+        super::model::init_model(
+            &self.cfg,
+            &self.config,
+            self.classes.len(),
+            self.multi_label,
+            device,
+            log,
+        )
+    }
+    fn phase(&self, model: Classifier, frozen: bool) -> Classifier {
+        if frozen {
+            model.freeze_backbone()
+        } else if self.cfg.freeze_backbone {
+            model.unfreeze()
+        } else {
+            model
+        }
+    }
+    fn has_batch_norm(&self) -> bool {
+        !matches!(&self.config, ModelConfig::Vgg(v) if !v.batch_norm)
+    }
+    fn train_len(&self) -> usize {
+        self.loaders.train.set().len()
+    }
+    fn val_len(&self) -> usize {
+        self.loaders.full_val.set().len()
+    }
+    fn order(&self, epoch: u64) -> Vec<usize> {
+        self.loaders.train.epoch_order(epoch)
+    }
+    fn train_batches(
+        &self,
+        epoch: u64,
+        batches: Vec<Vec<usize>>,
+        device: &Device,
+    ) -> Stream<Tensor<4>> {
+        images(
+            self.loaders.train.stream(epoch, batches, device),
+            self.multi_label,
+        )
+    }
+    fn val_batches(&self, batches: Vec<Vec<usize>>, device: &Device) -> Stream<Tensor<4>> {
+        images(
+            self.loaders.full_val.stream(0, batches, device),
+            self.multi_label,
+        )
+    }
+    fn shard(&self, epoch: u64, device: &Device) -> Stream<Tensor<4>> {
+        images(self.loaders.train.epoch(epoch, device), self.multi_label)
+    }
+    fn shard_batches(&self) -> usize {
+        self.loaders.train.batches_per_epoch()
+    }
+    fn full_val(&self, device: &Device) -> Stream<Tensor<4>> {
+        images(self.loaders.full_val.epoch(0, device), self.multi_label)
+    }
+    fn decode_failures(&self) -> (usize, usize) {
+        self.loaders.decode_failures()
+    }
+    fn skipped(&self) -> Vec<String> {
+        self.loaders.skipped()
+    }
+    fn export(&self, cfg: &TrainConfig, model: &Classifier) -> Result<()> {
+        let out = cfg.run_dir.join("model.bpk");
+        hearth_models::save_model_with(
+            model,
+            &self.config,
+            Some(&self.classes),
+            Some(&hearth_models::Preprocessing::eval(cfg.image_size)),
+            &out,
+        )?;
+        Ok(())
+    }
+}
+
+// ---- A user's own module and data ----
+
+/// A user's model and data for [`super::train_custom`]: how to build the model (Hearth seeds
+/// the device first, so every rank builds the same one), the training and validation sets,
+/// and the class names.
+pub struct Custom<N: Net, E: Examples<Input = N::Input>> {
+    init: Arc<dyn Fn(&Device) -> N + Send + Sync>,
+    train: Arc<E>,
+    val: Arc<E>,
+    classes: Vec<String>,
+    multi_label: bool,
+}
+
+impl<N: Net, E: Examples<Input = N::Input>> Custom<N, E> {
+    /// `init` builds the model on a device; `classes` names the model's outputs.
+    pub fn new(
+        init: impl Fn(&Device) -> N + Send + Sync + 'static,
+        train: E,
+        val: E,
+        classes: Vec<String>,
+    ) -> Self {
+        Self {
+            init: Arc::new(init),
+            train: Arc::new(train),
+            val: Arc::new(val),
+            classes,
+            multi_label: false,
+        }
+    }
+
+    /// The targets are multi-hot labels ([`Targets::MultiHot`]): binary cross-entropy per
+    /// output, Hamming score, `val_auroc` and `auroc.csv`.
+    pub fn multi_label(mut self) -> Self {
+        self.multi_label = true;
+        self
+    }
+
+    pub(crate) fn is_multi_label(&self) -> bool {
+        self.multi_label
+    }
+}
+
+/// A user's model and this rank's view of their data.
+pub(crate) struct CustomTrainee<N: Net, E: Examples<Input = N::Input>> {
+    init: Arc<dyn Fn(&Device) -> N + Send + Sync>,
+    train: Arc<E>,
+    val: Arc<E>,
+    classes: Vec<String>,
+    multi_label: bool,
+    seed: u64,
+    /// This rank's share of a global batch, its rank and the readers.
+    batch: usize,
+    rank: usize,
+    world: usize,
+}
+
+impl<N: Net, E: Examples<Input = N::Input>> Recipe for Custom<N, E> {
+    type T = CustomTrainee<N, E>;
+    fn prepare(
+        &self,
+        cfg: &TrainConfig,
+        _comm: Option<&burn_dist::Communicator>,
+        rank: usize,
+        world: usize,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Self::T> {
+        if self.train.is_empty() || self.val.is_empty() {
+            return Err(HearthError::InvalidArgument(format!(
+                "the custom data set has {} training and {} validation examples; both need some",
+                self.train.len(),
+                self.val.len()
+            )));
+        }
+        if self.classes.len() < 2 {
+            return Err(HearthError::InvalidArgument(format!(
+                "a custom model needs at least 2 class names, got {}",
+                self.classes.len()
+            )));
+        }
+        log(&format!(
+            "data: {} training and {} validation examples, {} {}",
+            self.train.len(),
+            self.val.len(),
+            self.classes.len(),
+            if self.multi_label { "labels (multi-label)" } else { "classes" }
+        ));
+        Ok(CustomTrainee {
+            init: self.init.clone(),
+            train: self.train.clone(),
+            val: self.val.clone(),
+            classes: self.classes.clone(),
+            multi_label: self.multi_label,
+            seed: cfg.seed,
+            batch: (cfg.batch_size / world.max(1)).max(1),
+            rank,
+            world: world.max(1),
+        })
+    }
+}
+
+/// The batches `batches` of a user's set, made one after another.
+fn made<E: Examples>(
+    set: &Arc<E>,
+    what: &'static str,
+    batches: Vec<Vec<usize>>,
+    device: &Device,
+) -> Stream<E::Input> {
+    let set = set.clone();
+    let device = device.clone();
+    Box::new(batches.into_iter().map(move |indices| {
+        set.batch(&indices, &device).map_err(|e| {
+            HearthError::Training(format!(
+                "the {what} batch of examples {}..: {e}",
+                indices.first().copied().unwrap_or(0)
+            ))
+        })
+    }))
+}
+
+impl<N: Net, E: Examples<Input = N::Input>> Trainee for CustomTrainee<N, E> {
+    type Model = N;
+
+    fn classes(&self) -> &[String] {
+        &self.classes
+    }
+    fn multi_label(&self) -> bool {
+        self.multi_label
+    }
+    fn describe(&self) -> String {
+        serde_json::json!({
+            "custom": std::any::type_name::<N>(),
+            "classes": self.classes,
+            "multi_label": self.multi_label,
+        })
+        .to_string()
+    }
+    fn init(&self, device: &Device, _log: &mut dyn FnMut(&str)) -> Result<N> {
+        // As Hearth's own models: the process's generator held from seeding until every
+        // parameter exists, so every rank starts from the same values.
+        let _rng = super::model::SEED_LOCK
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        device.seed(self.seed);
+        let model = (self.init)(device);
+        Ok(super::model::materialize(model))
+    }
+    fn phase(&self, model: N, _frozen: bool) -> N {
+        // `--freeze-backbone` is refused for custom models before any rank starts.
+        model
+    }
+    fn has_batch_norm(&self) -> bool {
+        true
+    }
+    fn train_len(&self) -> usize {
+        self.train.len()
+    }
+    fn val_len(&self) -> usize {
+        self.val.len()
+    }
+    fn order(&self, epoch: u64) -> Vec<usize> {
+        epoch_order(self.train.len(), self.seed, epoch, true)
+    }
+    fn train_batches(
+        &self,
+        _epoch: u64,
+        batches: Vec<Vec<usize>>,
+        device: &Device,
+    ) -> Stream<N::Input> {
+        made(&self.train, "training", batches, device)
+    }
+    fn val_batches(&self, batches: Vec<Vec<usize>>, device: &Device) -> Stream<N::Input> {
+        made(&self.val, "validation", batches, device)
+    }
+    fn shard(&self, epoch: u64, device: &Device) -> Stream<N::Input> {
+        let order = self.order(epoch);
+        let mine = shard_of(&order, self.batch, self.rank, self.world, false, true);
+        let batches = mine.chunks(self.batch).map(<[usize]>::to_vec).collect();
+        made(&self.train, "training", batches, device)
+    }
+    fn shard_batches(&self) -> usize {
+        let order: Vec<usize> = (0..self.train.len()).collect();
+        shard_of(&order, self.batch, self.rank, self.world, false, true)
+            .len()
+            .div_ceil(self.batch)
+    }
+    fn full_val(&self, device: &Device) -> Stream<N::Input> {
+        let all: Vec<usize> = (0..self.val.len()).collect();
+        let batches = all.chunks(self.batch).map(<[usize]>::to_vec).collect();
+        made(&self.val, "validation", batches, device)
+    }
+    fn export(&self, cfg: &TrainConfig, model: &N) -> Result<()> {
+        let out = cfg.run_dir.join("model.bpk");
+        let tmp = cfg.run_dir.join(".model.bpk.tmp");
+        model
+            .clone()
+            .into_record()
+            .save(&tmp)
+            .map_err(|e| HearthError::Training(format!("writing {}: {e}", tmp.display())))?;
+        std::fs::rename(&tmp, &out).map_err(|source| HearthError::Write { path: out, source })
+    }
+}
