@@ -6,10 +6,10 @@
 //! the user's module and scores what the best epoch reported; a stopped run resumes exactly;
 //! image-only settings and the modes `train_custom` does not drive are refused by name.
 
+mod common;
 #[allow(dead_code)]
 #[path = "../examples/custom_model.rs"]
 mod example;
-mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -153,7 +153,10 @@ fn a_user_module_trains_on_parameter_servers_and_elastic_and_resumes_exactly() {
     // Stopped after epoch 4 and resumed: the same curve as the uninterrupted run.
     let resumed = dir.path().join("resumed");
     let resumed_str = resumed.to_str().unwrap();
-    launch(&["-n", "3"], &["ps", resumed_str, "--stop-after-epoch", "4"]);
+    launch(
+        &["-n", "3"],
+        &["ps", resumed_str, "--stop-after-epoch", "4"],
+    );
     assert_eq!(metrics(&resumed).len(), 4);
     let out = launch(&["-n", "3"], &["ps", resumed_str, "--resume"]);
     assert!(out.contains("resuming after epoch 4"), "{out}");

@@ -10,8 +10,8 @@ use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
 
 use super::best::restore_best;
 use super::objective::Targets;
-use super::trainee::{Net, Stream};
 use super::run_dir::write_atomic;
+use super::trainee::{Net, Stream};
 use super::{EpochRows, Task, TrainConfig};
 use crate::{HearthError, Result};
 
@@ -124,11 +124,7 @@ fn write_auroc<M: Net>(
 
 /// Each of the `k` classes' AUROC over the validation set (`None` where a class has one
 /// outcome only).
-fn per_class_auroc<M: Net>(
-    model: &M,
-    k: usize,
-    val: Stream<M::Input>,
-) -> Result<Vec<Option<f64>>> {
+fn per_class_auroc<M: Net>(model: &M, k: usize, val: Stream<M::Input>) -> Result<Vec<Option<f64>>> {
     let model = model.valid();
     let mut scores: Vec<Vec<(f64, bool)>> = vec![Vec::new(); k];
     for batch in val {

@@ -61,10 +61,10 @@ pub use data::{ImageBatch, LoaderAdapter};
 pub use elastic::{Balance, ElasticOptions, request_leave};
 pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
 pub use model::{MINI_MODELS, epoch_seed, mini_resnet, mini_vgg, model_config};
+pub use objective::Targets;
 pub use ps::{PsOptions, PsServers};
 pub use render::PlainRenderer;
 pub use speed::{ImagesPerSecond, SkippedImages};
-pub use objective::Targets;
 pub use step::{MultiLabel, SingleLabel, Task};
 pub use trainee::{Custom, ExampleError, Examples, Net};
 
@@ -214,16 +214,34 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
     let defaults = TrainConfig::new(cfg.run_dir.clone());
     let image_only: [(&str, bool); 11] = [
         ("data (the examples are the data)", cfg.data.is_some()),
-        ("labels (a multi-label custom set: Custom::multi_label)", cfg.labels.is_some()),
-        ("model (the module is the model)", cfg.model != defaults.model),
+        (
+            "labels (a multi-label custom set: Custom::multi_label)",
+            cfg.labels.is_some(),
+        ),
+        (
+            "model (the module is the model)",
+            cfg.model != defaults.model,
+        ),
         ("weights", cfg.weights.is_some()),
-        ("freeze_backbone (a custom module has no known backbone)", cfg.freeze_backbone),
+        (
+            "freeze_backbone (a custom module has no known backbone)",
+            cfg.freeze_backbone,
+        ),
         ("unfreeze_after", cfg.unfreeze_after.is_some()),
         ("finetune_lr", cfg.finetune_lr.is_some()),
-        ("augmentation (augment in your Examples::batch)", cfg.augmentation != defaults.augmentation),
+        (
+            "augmentation (augment in your Examples::batch)",
+            cfg.augmentation != defaults.augmentation,
+        ),
         ("image_size", cfg.image_size != defaults.image_size),
-        ("workers (your Examples make the batches)", cfg.workers != defaults.workers),
-        ("pipeline (stages split Hearth's own models)", cfg.pipeline.is_some()),
+        (
+            "workers (your Examples make the batches)",
+            cfg.workers != defaults.workers,
+        ),
+        (
+            "pipeline (stages split Hearth's own models)",
+            cfg.pipeline.is_some(),
+        ),
     ];
     if let Some((name, _)) = image_only.iter().find(|(_, set)| *set) {
         return Err(HearthError::InvalidArgument(format!(

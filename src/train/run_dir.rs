@@ -225,7 +225,10 @@ pub(crate) fn check_resume_model(
         path: path.clone(),
         source,
     })?;
-    let same = match (ModelConfig::from_json(&saved), ModelConfig::from_json(model_json)) {
+    let same = match (
+        ModelConfig::from_json(&saved),
+        ModelConfig::from_json(model_json),
+    ) {
         (Ok(a), Ok(b)) => a.to_json() == b.to_json(),
         _ => saved.trim() == model_json.trim(),
     };

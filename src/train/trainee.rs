@@ -191,10 +191,7 @@ impl Recipe for ImageRecipe {
 }
 
 /// A loader's batches as (images, targets).
-fn images(
-    stream: hearth_datasets::BatchStream,
-    multi_label: bool,
-) -> Stream<Tensor<4>> {
+fn images(stream: hearth_datasets::BatchStream, multi_label: bool) -> Stream<Tensor<4>> {
     Box::new(stream.map(move |b| super::objective::targets(b?, multi_label)))
 }
 
@@ -370,7 +367,11 @@ impl<N: Net, E: Examples<Input = N::Input>> Recipe for Custom<N, E> {
             self.train.len(),
             self.val.len(),
             self.classes.len(),
-            if self.multi_label { "labels (multi-label)" } else { "classes" }
+            if self.multi_label {
+                "labels (multi-label)"
+            } else {
+                "classes"
+            }
         ));
         Ok(CustomTrainee {
             init: self.init.clone(),

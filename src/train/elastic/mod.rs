@@ -32,6 +32,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use super::best::{export_best, model_checkpoint, save_epoch_weights};
+use super::epochs::Epochs;
+use super::model::{SEED_LOCK, epoch_seed, optimizer};
+use super::objective::{Objective, Targets, ValScores};
+use super::shared::{Rates, collective_timeout, epoch_lr, hook};
+use super::trainee::{ImageRecipe, Input, Net, Recipe, Stream, Trainee};
+use super::{EpochRows, TrainConfig, TrainReport, run_dir};
+use crate::{HearthError, Result};
 use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer, OptimizerRecord};
 use burn::prelude::*;
@@ -45,14 +53,6 @@ use burn_dist::rendezvous::{RankInfo, RendezvousOptions, bind_coordinator, conne
 use burn_dist::transport::quic::QuicTransport;
 use burn_dist::wire::Kind;
 use burn_dist::{Communicator, ReduceOp, Transport};
-use super::best::{export_best, model_checkpoint, save_epoch_weights};
-use super::epochs::Epochs;
-use super::model::{SEED_LOCK, epoch_seed, optimizer};
-use super::objective::{Objective, Targets, ValScores};
-use super::shared::{Rates, collective_timeout, epoch_lr, hook};
-use super::trainee::{ImageRecipe, Input, Net, Recipe, Stream, Trainee};
-use super::{EpochRows, TrainConfig, TrainReport, run_dir};
-use crate::{HearthError, Result};
 
 /// How the global batch is shared between the workers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -516,8 +516,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let dir = &self.cfg.run_dir;
         let mut per_class_auroc = None;
         if world.rank() == 0 {
-            per_class_auroc =
-                export_best(self.cfg, &self.trainee, best, &self.plain_device, log)?;
+            per_class_auroc = export_best(self.cfg, &self.trainee, best, &self.plain_device, log)?;
             let points: Vec<(f64, f64)> = commit
                 .world_log
                 .iter()

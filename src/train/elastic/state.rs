@@ -57,7 +57,10 @@ impl<T: Trainee> ElasticRun<'_, T> {
 
     /// The members, rank 0's join address and the commit, and the coordinator's
     /// [`Health`] (empty in states written before it was kept).
-    pub(super) fn decode(&self, bytes: &[u8]) -> Result<(Vec<Worker>, String, Commit<T::Model>, Health)> {
+    pub(super) fn decode(
+        &self,
+        bytes: &[u8],
+    ) -> Result<(Vec<Worker>, String, Commit<T::Model>, Health)> {
         let bad = |m: String| HearthError::Training(format!("elastic state: {m}"));
         let mut parts = Vec::new();
         let mut at = 0usize;

@@ -59,7 +59,10 @@ impl<T: Trainee> ElasticRun<'_, T> {
     }
 
     /// A joiner: ask the members for admission, then form the announced world.
-    pub(super) fn join_world(&mut self, log: &mut dyn FnMut(&str)) -> Result<(World, Commit<T::Model>)> {
+    pub(super) fn join_world(
+        &mut self,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<(World, Commit<T::Model>)> {
         let addrs = self.opts.join_addresses();
         if addrs.is_empty() {
             return Err(HearthError::InvalidArgument(

@@ -534,11 +534,7 @@ impl<T: Trainee> Worker<'_, T> {
 
     /// The lead after `epoch`: the servers' model (at one consistent cut) validated with the
     /// lead's batch-norm statistics; the epoch's metrics row and that model.
-    fn validate_servers(
-        &self,
-        epoch: usize,
-        states: &[ShardState],
-    ) -> Result<(Row, T::Model)> {
+    fn validate_servers(&self, epoch: usize, states: &[ShardState]) -> Result<(Row, T::Model)> {
         let values: Vec<f32> = states
             .iter()
             .flat_map(|s| s.values.iter().copied())
