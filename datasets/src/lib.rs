@@ -30,6 +30,7 @@ pub mod cache;
 mod error;
 pub mod folder;
 pub mod loader;
+pub mod order;
 pub mod preprocess;
 pub mod rng;
 pub mod synth;

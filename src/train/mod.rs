@@ -319,7 +319,7 @@ impl<'a> Run<'a> {
         let table = EpochTable::default();
         let resume_epoch = if cfg.resume {
             let epoch = run_dir::last_complete_checkpoint(&cfg.run_dir)?;
-            run_dir::check_resume_compatible(&cfg.run_dir, &config, &hparams)?;
+            run_dir::check_resume_compatible(&cfg.run_dir, &config.to_json(), &hparams)?;
             run_dir::reload_table(&cfg.run_dir.join("metrics.csv"), &table, epoch)?;
             log(&format!("resuming after epoch {epoch}"));
             epoch
@@ -327,7 +327,7 @@ impl<'a> Run<'a> {
             0
         };
         if rank == 0 {
-            run_dir::record(&cfg.run_dir, &config, &hparams)?;
+            run_dir::record(&cfg.run_dir, &config.to_json(), &hparams)?;
         }
         Ok(Self {
             cfg,

@@ -186,17 +186,9 @@ pub fn hparams_json(h: &BTreeMap<&'static str, serde_json::Value>) -> String {
     serde_json::to_string_pretty(h).unwrap_or_default()
 }
 
-/// Writes `model_config.json` and `hparams.json`, which `--resume` checks against.
+/// Writes `model_config.json` (`model_json`: a `ModelConfig`'s JSON, or a user's module's
+/// type and classes) and `hparams.json`, which `--resume` checks against.
 pub fn record(
-    run_dir: &Path,
-    config: &ModelConfig,
-    h: &BTreeMap<&'static str, serde_json::Value>,
-) -> Result<()> {
-    record_model(run_dir, &config.to_json(), h)
-}
-
-/// [`record`] for a model described by `model_json` (a user's module: its type and classes).
-pub(crate) fn record_model(
     run_dir: &Path,
     model_json: &str,
     h: &BTreeMap<&'static str, serde_json::Value>,
@@ -205,17 +197,9 @@ pub(crate) fn record_model(
     write_atomic(&run_dir.join("hparams.json"), &hparams_json(h))
 }
 
-/// A resumed run must have the same model and hyperparameters as the original.
+/// A resumed run must have the same model (`model_json`, as [`record`] wrote it) and
+/// hyperparameters as the original.
 pub fn check_resume_compatible(
-    run_dir: &Path,
-    config: &ModelConfig,
-    hparams: &BTreeMap<&'static str, serde_json::Value>,
-) -> Result<()> {
-    check_resume_model(run_dir, &config.to_json(), hparams)
-}
-
-/// [`check_resume_compatible`] for a model described by `model_json`.
-pub(crate) fn check_resume_model(
     run_dir: &Path,
     model_json: &str,
     hparams: &BTreeMap<&'static str, serde_json::Value>,

@@ -82,10 +82,16 @@ pub(crate) type Input<T> = <<T as Trainee>::Model as Net>::Input;
 pub(crate) trait Trainee {
     type Model: Net;
 
+    /// What the model's outputs mean.
+    fn outputs(&self) -> &Outputs;
     /// The class (or label) names.
-    fn classes(&self) -> &[String];
+    fn classes(&self) -> &[String] {
+        &self.outputs().classes
+    }
     /// Whether the targets are multi-hot labels (sigmoid outputs).
-    fn multi_label(&self) -> bool;
+    fn multi_label(&self) -> bool {
+        self.outputs().multi_label
+    }
     /// What `model_config.json` records (a resume must find the same).
     fn describe(&self) -> String;
     /// The model on `device`, freshly initialised from the run's seed (every rank alike).
@@ -133,6 +139,14 @@ pub(crate) trait Trainee {
     fn export(&self, cfg: &TrainConfig, model: &Self::Model) -> Result<()>;
 }
 
+/// What a model's outputs mean: one per class (or label), and whether they are independent
+/// labels (multi-hot targets, sigmoid) or one class per example.
+#[derive(Clone, Debug)]
+pub(crate) struct Outputs {
+    pub classes: Vec<String>,
+    pub multi_label: bool,
+}
+
 /// How a mode gets its [`Trainee`] once it knows which ranks read the data.
 pub(crate) trait Recipe: Sync {
     type T: Trainee;
@@ -157,9 +171,8 @@ pub(crate) struct ImageRecipe;
 pub(crate) struct ImageTrainee {
     cfg: TrainConfig,
     loaders: super::sets::Loaders,
-    classes: Vec<String>,
+    outputs: Outputs,
     config: ModelConfig,
-    multi_label: bool,
 }
 
 impl Recipe for ImageRecipe {
@@ -183,9 +196,11 @@ impl Recipe for ImageRecipe {
         Ok(ImageTrainee {
             cfg: cfg.clone(),
             loaders,
-            classes,
+            outputs: Outputs {
+                classes,
+                multi_label,
+            },
             config,
-            multi_label,
         })
     }
 }
@@ -198,11 +213,8 @@ fn images(stream: hearth_datasets::BatchStream, multi_label: bool) -> Stream<Ten
 impl Trainee for ImageTrainee {
     type Model = Classifier;
 
-    fn classes(&self) -> &[String] {
-        &self.classes
-    }
-    fn multi_label(&self) -> bool {
-        self.multi_label
+    fn outputs(&self) -> &Outputs {
+        &self.outputs
     }
     fn describe(&self) -> String {
         self.config.to_json()
@@ -211,8 +223,8 @@ impl Trainee for ImageTrainee {
         super::model::init_model(
             &self.cfg,
             &self.config,
-            self.classes.len(),
-            self.multi_label,
+            self.outputs.classes.len(),
+            self.outputs.multi_label,
             device,
             log,
         )
@@ -246,23 +258,29 @@ impl Trainee for ImageTrainee {
     ) -> Stream<Tensor<4>> {
         images(
             self.loaders.train.stream(epoch, batches, device),
-            self.multi_label,
+            self.outputs.multi_label,
         )
     }
     fn val_batches(&self, batches: Vec<Vec<usize>>, device: &Device) -> Stream<Tensor<4>> {
         images(
             self.loaders.full_val.stream(0, batches, device),
-            self.multi_label,
+            self.outputs.multi_label,
         )
     }
     fn shard(&self, epoch: u64, device: &Device) -> Stream<Tensor<4>> {
-        images(self.loaders.train.epoch(epoch, device), self.multi_label)
+        images(
+            self.loaders.train.epoch(epoch, device),
+            self.outputs.multi_label,
+        )
     }
     fn shard_batches(&self) -> usize {
         self.loaders.train.batches_per_epoch()
     }
     fn full_val(&self, device: &Device) -> Stream<Tensor<4>> {
-        images(self.loaders.full_val.epoch(0, device), self.multi_label)
+        images(
+            self.loaders.full_val.epoch(0, device),
+            self.outputs.multi_label,
+        )
     }
     fn decode_failures(&self) -> (usize, usize) {
         self.loaders.decode_failures()
@@ -275,7 +293,7 @@ impl Trainee for ImageTrainee {
         hearth_models::save_model_with(
             model,
             &self.config,
-            Some(&self.classes),
+            Some(&self.outputs.classes),
             Some(&hearth_models::Preprocessing::eval(cfg.image_size)),
             &out,
         )?;
@@ -292,8 +310,7 @@ pub struct Custom<N: Net, E: Examples<Input = N::Input>> {
     init: Arc<dyn Fn(&Device) -> N + Send + Sync>,
     train: Arc<E>,
     val: Arc<E>,
-    classes: Vec<String>,
-    multi_label: bool,
+    outputs: Outputs,
 }
 
 impl<N: Net, E: Examples<Input = N::Input>> Custom<N, E> {
@@ -308,20 +325,22 @@ impl<N: Net, E: Examples<Input = N::Input>> Custom<N, E> {
             init: Arc::new(init),
             train: Arc::new(train),
             val: Arc::new(val),
-            classes,
-            multi_label: false,
+            outputs: Outputs {
+                classes,
+                multi_label: false,
+            },
         }
     }
 
     /// The targets are multi-hot labels ([`Targets::MultiHot`]): binary cross-entropy per
     /// output, Hamming score, `val_auroc` and `auroc.csv`.
     pub fn multi_label(mut self) -> Self {
-        self.multi_label = true;
+        self.outputs.multi_label = true;
         self
     }
 
     pub(crate) fn is_multi_label(&self) -> bool {
-        self.multi_label
+        self.outputs.multi_label
     }
 }
 
@@ -330,8 +349,7 @@ pub(crate) struct CustomTrainee<N: Net, E: Examples<Input = N::Input>> {
     init: Arc<dyn Fn(&Device) -> N + Send + Sync>,
     train: Arc<E>,
     val: Arc<E>,
-    classes: Vec<String>,
-    multi_label: bool,
+    outputs: Outputs,
     seed: u64,
     /// This rank's share of a global batch, its rank and the readers.
     batch: usize,
@@ -356,18 +374,18 @@ impl<N: Net, E: Examples<Input = N::Input>> Recipe for Custom<N, E> {
                 self.val.len()
             )));
         }
-        if self.classes.len() < 2 {
+        if self.outputs.classes.len() < 2 {
             return Err(HearthError::InvalidArgument(format!(
                 "a custom model needs at least 2 class names, got {}",
-                self.classes.len()
+                self.outputs.classes.len()
             )));
         }
         log(&format!(
             "data: {} training and {} validation examples, {} {}",
             self.train.len(),
             self.val.len(),
-            self.classes.len(),
-            if self.multi_label {
+            self.outputs.classes.len(),
+            if self.outputs.multi_label {
                 "labels (multi-label)"
             } else {
                 "classes"
@@ -377,8 +395,7 @@ impl<N: Net, E: Examples<Input = N::Input>> Recipe for Custom<N, E> {
             init: self.init.clone(),
             train: self.train.clone(),
             val: self.val.clone(),
-            classes: self.classes.clone(),
-            multi_label: self.multi_label,
+            outputs: self.outputs.clone(),
             seed: cfg.seed,
             batch: (cfg.batch_size / world.max(1)).max(1),
             rank,
@@ -409,17 +426,14 @@ fn made<E: Examples>(
 impl<N: Net, E: Examples<Input = N::Input>> Trainee for CustomTrainee<N, E> {
     type Model = N;
 
-    fn classes(&self) -> &[String] {
-        &self.classes
-    }
-    fn multi_label(&self) -> bool {
-        self.multi_label
+    fn outputs(&self) -> &Outputs {
+        &self.outputs
     }
     fn describe(&self) -> String {
         serde_json::json!({
             "custom": std::any::type_name::<N>(),
-            "classes": self.classes,
-            "multi_label": self.multi_label,
+            "classes": self.outputs.classes,
+            "multi_label": self.outputs.multi_label,
         })
         .to_string()
     }

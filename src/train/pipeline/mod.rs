@@ -296,7 +296,7 @@ impl PipelineRun<'_> {
         let epochs = Epochs::new(cfg, rank == 0);
         let resume_epoch = if cfg.resume {
             let epoch = self.agreed_resume_epoch()?;
-            run_dir::check_resume_compatible(&cfg.run_dir, &self.config, &hparams)?;
+            run_dir::check_resume_compatible(&cfg.run_dir, &self.config.to_json(), &hparams)?;
             epochs.reload(epoch)?;
             let (m, o) = self.load_checkpoint(model, optim, epoch)?;
             model = m;
@@ -307,7 +307,7 @@ impl PipelineRun<'_> {
             0
         };
         if rank == 0 {
-            run_dir::record(&cfg.run_dir, &self.config, &hparams)?;
+            run_dir::record(&cfg.run_dir, &self.config.to_json(), &hparams)?;
         }
         epochs.check_left(resume_epoch)?;
         let mut strategy = StageStrategy {

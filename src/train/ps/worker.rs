@@ -403,7 +403,7 @@ impl<T: Trainee> Worker<'_, T> {
         if self.rank == 0 {
             if cfg.resume {
                 let s = PsState::load(&state_file(&cfg.run_dir))?;
-                run_dir::check_resume_model(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
+                run_dir::check_resume_compatible(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
                 epochs.reload(s.epoch)?;
                 let path = model_checkpoint(&cfg.run_dir, s.epoch);
                 let record = ModuleRecord::load(&path).map_err(|e| {
@@ -418,7 +418,7 @@ impl<T: Trainee> Worker<'_, T> {
                 epoch[0] = s.epoch as f32;
                 state = Some(s);
             } else {
-                run_dir::record_model(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
+                run_dir::record(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
             }
         }
         comm.broadcast(&mut epoch, 0)?;
