@@ -5,6 +5,10 @@
 //! steps, exchanges, validates, stops early, checkpoints, resumes and exports.
 //!
 //!   cargo build --release --example custom_model
+//!   # one process:
+//!   target/release/examples/custom_model dp runs/mlp-one
+//!   # data parallel on 2 ranks (gradient allreduce):
+//!   cargo run --release -- launch -n 2 -- target/release/examples/custom_model dp runs/mlp-dp
 //!   # on parameter servers (2 workers and 1 dedicated server, synchronous):
 //!   cargo run --release -- launch -n 3 -- target/release/examples/custom_model ps runs/mlp-ps
 //!   # elastic (workers may come and go; the global batch stays 32):
@@ -12,9 +16,7 @@
 //!       target/release/examples/custom_model elastic runs/mlp-elastic
 //!
 //! Each writes the run directory as `hearth train` does (`metrics.csv`, `metrics.png`,
-//! checkpoints, `model.bpk` with the module's weights). `train_custom` does not drive one
-//! process or plain data parallel yet: it refuses them, pointing at burn-train's Learner with
-//! `burn_dist::ddp::DdpStrategy`, which trains any Burn module data parallel.
+//! checkpoints, `model.bpk` with the module's weights); `--resume` continues a stopped run.
 
 use std::path::PathBuf;
 
@@ -112,7 +114,7 @@ impl Examples for Spirals {
 
 fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
-    let usage = "usage: custom_model ps|elastic RUN_DIR [--resume] [--epochs N] \
+    let usage = "usage: custom_model dp|ps|elastic RUN_DIR [--resume] [--epochs N] \
                  (under `hearth launch`)";
     let mode = args.next().context(usage)?;
     let run: PathBuf = args.next().context(usage)?.into();
@@ -140,6 +142,8 @@ fn main() -> Result<()> {
     }
     cfg.dist = RankInfo::detect()?;
     match mode.as_str() {
+        // Data parallel over the ranks `hearth launch -n N` starts; one process without it.
+        "dp" => {}
         "ps" => {
             cfg.ps = Some(PsOptions {
                 servers: PsServers::Dedicated(1),

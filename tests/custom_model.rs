@@ -38,18 +38,27 @@ fn example_bin() -> PathBuf {
 
 /// Runs `hearth launch LAUNCH -- custom_model ARGS` to the end (at most 240 s); its output.
 fn launch(launch: &[&str], args: &[&str]) -> String {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hearth"));
+    cmd.arg("launch").args(launch).arg("--").arg(example_bin());
+    run(cmd, args)
+}
+
+/// Runs `custom_model ARGS` alone, one process (at most 240 s); its output.
+fn alone(args: &[&str]) -> String {
+    run(Command::new(example_bin()), args)
+}
+
+fn run(mut cmd: Command, args: &[&str]) -> String {
     let log = tempfile::NamedTempFile::new().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hearth"))
-        .arg("launch")
-        .args(launch)
-        .arg("--")
-        .arg(example_bin())
+    // One open file for both streams: they share its offset, so neither overwrites the other.
+    let file = log.reopen().unwrap();
+    let mut child = cmd
         .args(args)
         .env_remove("HEARTH_RANK")
         .env_remove("HEARTH_WORLD_SIZE")
         .env_remove("HEARTH_COORDINATOR")
-        .stdout(log.reopen().unwrap())
-        .stderr(log.reopen().unwrap())
+        .stdout(file.try_clone().unwrap())
+        .stderr(file)
         .stdin(Stdio::null())
         .spawn()
         .unwrap();
@@ -60,6 +69,25 @@ fn launch(launch: &[&str], args: &[&str]) -> String {
         "custom_model {args:?} failed or hung ({status:?}):\n{out}"
     );
     out
+}
+
+/// Whether `columns` of every epoch of `a` and `b` agree within `tolerance`.
+fn assert_same_curve(
+    (a_name, a): (&str, &BTreeMap<usize, BTreeMap<String, f64>>),
+    (b_name, b): (&str, &BTreeMap<usize, BTreeMap<String, f64>>),
+    columns: &[&str],
+    tolerance: f64,
+) {
+    assert_eq!(a.len(), b.len(), "{a_name}: {a:?}\n{b_name}: {b:?}");
+    for (epoch, row) in a {
+        for &column in columns {
+            let (x, y) = (row[column], b[epoch][column]);
+            assert!(
+                (x - y).abs() < tolerance,
+                "epoch {epoch} {column}: {a_name} {x}, {b_name} {y}"
+            );
+        }
+    }
 }
 
 /// metrics.csv: epoch -> column -> value.
@@ -103,34 +131,42 @@ fn exported_accuracy(run: &Path) -> f64 {
 }
 
 #[test]
-fn a_user_module_trains_on_parameter_servers_and_elastic_and_resumes_exactly() {
+fn a_user_module_trains_alone_data_parallel_on_servers_and_elastic_and_resumes_exactly() {
     let dir = tempfile::tempdir().unwrap();
-    let ps = dir.path().join("ps");
-    let elastic = dir.path().join("elastic");
-    let ps_str = ps.to_str().unwrap();
-    launch(&["-n", "3"], &["ps", ps_str]);
+    let path = |name: &str| dir.path().join(name);
+    let (one, dp, ps, elastic) = (path("one"), path("dp"), path("ps"), path("elastic"));
+    let out = alone(&["dp", one.to_str().unwrap()]);
+    assert!(out.contains("one process: 1 rank(s)"), "{out}");
+    let out = launch(&["-n", "2"], &["dp", dp.to_str().unwrap()]);
+    assert!(out.contains("data parallel: 2 rank(s)"), "{out}");
+    launch(&["-n", "3"], &["ps", ps.to_str().unwrap()]);
     launch(
         &["--elastic", "-n", "2", "--min", "1", "--max", "3"],
         &["elastic", elastic.to_str().unwrap()],
     );
-    let (a, b) = (metrics(&ps), metrics(&elastic));
-    assert_eq!(a.len(), 8, "{a:?}");
-    assert_eq!(b.len(), 8, "{b:?}");
-    for (epoch, row) in &a {
-        let other = &b[epoch];
-        // Synchronous servers and allreduce: the same global batches, the same mean gradient.
-        for column in ["val_loss", "val_accuracy"] {
-            assert!(
-                (row[column] - other[column]).abs() < 1e-3,
-                "epoch {epoch} {column}: ps {} elastic {}",
-                row[column],
-                other[column]
-            );
-        }
+    let curves: Vec<(&str, BTreeMap<usize, BTreeMap<String, f64>>)> = [
+        ("one process", &one),
+        ("data parallel", &dp),
+        ("ps", &ps),
+        ("elastic", &elastic),
+    ]
+    .into_iter()
+    .map(|(name, run)| (name, metrics(run)))
+    .collect();
+    assert_eq!(curves[0].1.len(), 8, "{:?}", curves[0].1);
+    // One process on batches of 32, two ranks on 16 each of the same 32, synchronous servers
+    // and elastic allreduce: the same global batches, the same mean gradient, the same curve.
+    for (name, curve) in &curves[1..] {
+        assert_same_curve(
+            ("one process", &curves[0].1),
+            (name, curve),
+            &["val_loss", "val_accuracy", "train_loss"],
+            1e-3,
+        );
     }
     // It learned (a linear model of the spirals stays near 50%), and model.bpk is the best
     // epoch's module.
-    for run in [&ps, &elastic] {
+    for run in [&one, &dp, &ps, &elastic] {
         let rows = metrics(run);
         let (best, row) = rows
             .iter()
@@ -144,32 +180,43 @@ fn a_user_module_trains_on_parameter_servers_and_elastic_and_resumes_exactly() {
             run.display(),
             row["val_accuracy"]
         );
-        let described = std::fs::read_to_string(run.join("model_config.json")).ok();
-        if run == &ps {
-            assert!(described.is_some_and(|d| d.contains("Mlp")));
-        }
+    }
+    for run in [&one, &ps] {
+        let described = std::fs::read_to_string(run.join("model_config.json")).unwrap();
+        assert!(described.contains("Mlp"), "{described}");
     }
 
-    // Stopped after epoch 4 and resumed: the same curve as the uninterrupted run.
-    let resumed = dir.path().join("resumed");
-    let resumed_str = resumed.to_str().unwrap();
-    launch(
-        &["-n", "3"],
-        &["ps", resumed_str, "--stop-after-epoch", "4"],
-    );
-    assert_eq!(metrics(&resumed).len(), 4);
-    let out = launch(&["-n", "3"], &["ps", resumed_str, "--resume"]);
-    assert!(out.contains("resuming after epoch 4"), "{out}");
-    for (epoch, row) in metrics(&resumed) {
-        for column in ["val_loss", "val_accuracy", "train_loss"] {
-            assert!(
-                (row[column] - a[&epoch][column]).abs() < 1e-5,
-                "epoch {epoch} {column}: resumed {} uninterrupted {}",
-                row[column],
-                a[&epoch][column]
-            );
-        }
+    // Stopped after epoch 4 and resumed (servers, and data parallel whose rank 0 sends the
+    // checkpoint to the other): the same curve as the uninterrupted run.
+    for (mode, launched, uninterrupted) in [("ps", "3", &curves[2].1), ("dp", "2", &curves[1].1)] {
+        let resumed = path(&format!("{mode}-resumed"));
+        let resumed_str = resumed.to_str().unwrap();
+        launch(
+            &["-n", launched],
+            &[mode, resumed_str, "--stop-after-epoch", "4"],
+        );
+        assert_eq!(metrics(&resumed).len(), 4);
+        let out = launch(&["-n", launched], &[mode, resumed_str, "--resume"]);
+        assert!(out.contains("resuming after epoch 4"), "{out}");
+        assert_same_curve(
+            (&format!("{mode} resumed"), &metrics(&resumed)),
+            (&format!("{mode} uninterrupted"), uninterrupted),
+            &["val_loss", "val_accuracy", "train_loss"],
+            1e-5,
+        );
     }
+    // One process: a finished run has nothing left, and says so before anything else.
+    let out = Command::new(example_bin())
+        .args(["dp", one.to_str().unwrap(), "--resume"])
+        .env_remove("HEARTH_RANK")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("nothing left to train"),
+        "{err}"
+    );
+    assert!(!err.contains("resuming after"), "{err}");
 }
 
 fn custom() -> hearth::train::Custom<example::Mlp, example::Spirals> {
@@ -189,7 +236,7 @@ fn refusal(cfg: &TrainConfig) -> String {
 }
 
 #[test]
-fn image_settings_and_undriven_modes_are_refused_by_name_for_a_user_module() {
+fn image_settings_are_refused_by_name_for_a_user_module() {
     let dir = tempfile::tempdir().unwrap();
     let base = || {
         let mut cfg = TrainConfig::new(dir.path().join("run"));
@@ -211,10 +258,117 @@ fn image_settings_and_undriven_modes_are_refused_by_name_for_a_user_module() {
     let mut cfg = base();
     cfg.monitor = hearth::train::Monitor::ValAuroc;
     assert!(refusal(&cfg).contains("val_auroc"));
-    // One process: burn-train's Learner with DdpStrategy is the way, and the error says so.
+    // One process too.
     let mut cfg = base();
     cfg.ps = None;
-    assert!(refusal(&cfg).contains("DdpStrategy"));
+    cfg.val_fraction = 0.3;
+    assert!(refusal(&cfg).contains("val_fraction"));
     // Nothing was written for a refused run.
     assert!(!dir.path().join("run").exists());
+}
+
+/// A multi-label set of the user's: points of the plane, labelled "east" (x > 0) and "north"
+/// (y > 0), any of the two, both or none.
+struct Quadrants {
+    points: Vec<[f32; 2]>,
+}
+
+impl Quadrants {
+    fn new(n: usize, seed: u64) -> Self {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f32 / (1u64 << 53) as f32 * 2.0 - 1.0
+        };
+        Self {
+            points: (0..n).map(|_| [next(), next()]).collect(),
+        }
+    }
+}
+
+impl Examples for Quadrants {
+    type Input = Tensor<2>;
+    fn len(&self) -> usize {
+        self.points.len()
+    }
+    fn batch(
+        &self,
+        indices: &[usize],
+        device: &Device,
+    ) -> Result<(Tensor<2>, Targets), hearth::train::ExampleError> {
+        let (mut xy, mut hot) = (Vec::new(), Vec::new());
+        for &i in indices {
+            let p = self.points.get(i).ok_or(format!("no example {i}"))?;
+            xy.extend_from_slice(p);
+            hot.extend([
+                f32::from(u8::from(p[0] > 0.0)),
+                f32::from(u8::from(p[1] > 0.0)),
+            ]);
+        }
+        let n = indices.len();
+        Ok((
+            Tensor::from_data(TensorData::new(xy, [n, 2]), device),
+            Targets::MultiHot(Tensor::from_data(TensorData::new(hot, [n, 2]), device)),
+        ))
+    }
+}
+
+#[test]
+fn a_multi_label_user_module_trains_in_this_process_by_val_auroc() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let custom = hearth::train::Custom::new(
+        |d: &Device| example::Mlp::new(2, d),
+        Quadrants::new(256, 1),
+        Quadrants::new(64, 2),
+        ["east", "north"].map(String::from).to_vec(),
+    )
+    .multi_label();
+    let mut cfg = TrainConfig::new(run.clone());
+    cfg.epochs = 4;
+    cfg.batch_size = 32;
+    cfg.lr = 0.1;
+    cfg.weight_decay = 0.0;
+    cfg.warmup_epochs = 0;
+    cfg.monitor = hearth::train::Monitor::ValAuroc;
+    let mut lines = Vec::new();
+    let report = hearth::train::train_custom(&cfg, &custom, &Device::flex(), &mut |l| {
+        lines.push(l.to_string())
+    })
+    .unwrap();
+    let rows = metrics(&run);
+    assert_eq!(rows.len(), 4, "{rows:?}");
+    assert!(
+        rows.values().all(|r| r.contains_key("val_auroc")),
+        "{rows:?}"
+    );
+    let best_auroc = rows
+        .values()
+        .map(|r| r["val_auroc"])
+        .fold(f64::NEG_INFINITY, f64::max);
+    // Two half-planes through the origin: a linear unit per label separates them.
+    assert!(best_auroc > 90.0, "{rows:?}");
+    // The best epoch is the one of the highest AUROC (metrics.csv keeps 6 decimals).
+    assert_eq!(best_auroc, rows[&report.best_epoch]["val_auroc"]);
+    let reported = report.best_val_auroc.expect("the best epoch's AUROC");
+    assert!((reported - best_auroc).abs() < 1e-5, "{reported} {rows:?}");
+    let per_class = report
+        .per_class_auroc
+        .expect("per-class AUROC of the export");
+    assert_eq!(
+        per_class
+            .iter()
+            .map(|(c, _)| c.as_str())
+            .collect::<Vec<_>>(),
+        ["east", "north"]
+    );
+    let csv = std::fs::read_to_string(run.join("auroc.csv")).unwrap();
+    assert!(csv.contains("east") && csv.contains("north"), "{csv}");
+    assert!(run.join("model.bpk").exists() && run.join("metrics.png").exists());
+    assert!(
+        lines.iter().any(|l| l.starts_with("epoch 4/4: ")),
+        "{lines:?}"
+    );
 }

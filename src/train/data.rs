@@ -122,12 +122,7 @@ impl DataLoader<ImageBatch> for LoaderAdapter {
     fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<ImageBatch> + 'a> {
         let epoch = self.next_epoch.fetch_add(1, Ordering::SeqCst);
         if let Some((seed, rank)) = self.reseed {
-            // Not while another training in this process initialises its model from its seed.
-            let _rng = super::model::SEED_LOCK
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            self.device
-                .seed(super::model::epoch_seed(seed, epoch, rank));
+            super::model::seed_stream(&self.device, seed, epoch, rank);
         }
         let total = self.samples();
         let (skip, take) = match self.range {

@@ -15,7 +15,8 @@
 //! - [`run_dir`]: the run directory, atomic writes, what `--resume` reads back;
 //! - `phase`: one Learner launch for single and data-parallel runs (the whole run, or the
 //!   frozen / fine-tuning phases);
-//! - `epochs`: the one epoch loop of the modes the Learner cannot drive, over a `Strategy`;
+//! - `epochs`: the one epoch loop of the modes the Learner does not drive, over a `Strategy`;
+//! - `allreduce`: one process or data parallel on that loop, for a user's own module;
 //! - `shared` and `objective`: what those modes share below all of them (rates and phases,
 //!   timeouts, the loss and metrics of single- and multi-label runs);
 //! - `trainee`: what elastic and parameter-server runs train, Hearth's classifiers or a user's
@@ -30,6 +31,7 @@
 //! A new training mode is a file (or folder) here with its `Strategy` for `epochs`, or a
 //! burn-train strategy handed to `phase` where the Learner can drive it.
 
+mod allreduce;
 mod best;
 mod config;
 mod data;
@@ -195,16 +197,14 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
 
 /// Trains a user's own Burn module on their own data ([`Custom`]: a [`Net`] and two
 /// [`Examples`] sets) with `cfg`'s settings, elastic (`cfg.elastic`) or on parameter servers
-/// (`cfg.ps`): the same steps, validation, metrics, early stopping, checkpoints, exact resume
-/// and export as Hearth's image models get in those modes. `model.bpk` holds the module's
+/// (`cfg.ps`), or else data parallel over `cfg.dist`'s ranks (one process without it): the
+/// same validation, metrics, early stopping, checkpoints, exact resume and export as Hearth's
+/// image models get. `model.bpk` holds the module's
 /// weights (burnpack: load them with `ModuleRecord::load` into the same module).
 ///
-/// The settings that only mean something for Hearth's image models (`data`, `labels`,
+/// The settings that only mean something for Hearth's image models (`data`, `val_fraction`, `labels`,
 /// `model`, `weights`, `freeze_backbone`, `unfreeze_after`, `finetune_lr`, `augmentation`,
-/// `image_size`, `workers`, `pipeline`) are refused by name when set. One process and
-/// data parallel runs of a custom module are not driven here yet (an error says so): burn-train's
-/// Learner with [`burn_dist::ddp::DdpStrategy`] trains any Burn module data parallel, with
-/// burn-train's own files instead of Hearth's.
+/// `image_size`, `workers`, `pipeline`) are refused by name when set.
 pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
     cfg: &TrainConfig,
     custom: &Custom<N, E>,
@@ -212,8 +212,12 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
     log: &mut dyn FnMut(&str),
 ) -> Result<TrainReport> {
     let defaults = TrainConfig::new(cfg.run_dir.clone());
-    let image_only: [(&str, bool); 11] = [
+    let image_only: [(&str, bool); 12] = [
         ("data (the examples are the data)", cfg.data.is_some()),
+        (
+            "val_fraction (the validation examples are given apart)",
+            cfg.val_fraction != defaults.val_fraction,
+        ),
         (
             "labels (a multi-label custom set: Custom::multi_label)",
             cfg.labels.is_some(),
@@ -259,19 +263,18 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
             "monitor val_auroc needs multi-label targets (Custom::multi_label)".into(),
         ));
     }
-    cfg.validate()?;
+    // The image checks, less the one answered above: val_auroc with multi-label examples
+    // instead of a --labels file.
+    let mut checked = cfg.clone();
+    checked.monitor = defaults.monitor;
+    checked.validate()?;
     if let Some(opts) = &cfg.elastic {
         return elastic::train_with(cfg, opts, custom, device, log);
     }
     if let Some(opts) = &cfg.ps {
         return ps::train_with(cfg, opts, custom, device, log);
     }
-    Err(HearthError::InvalidArgument(
-        "train_custom runs elastic (cfg.elastic) or on parameter servers (cfg.ps); for one \
-         process or data parallel (not driven by train_custom yet), train the module with \
-         burn-train's Learner and burn_dist::ddp::DdpStrategy"
-            .into(),
-    ))
+    allreduce::train_with(cfg, custom, device, log)
 }
 
 /// What the steps of a run share once the data and the job are known.

@@ -163,6 +163,15 @@ pub(crate) fn materialize<M: Module>(model: M) -> M {
     model
 }
 
+/// Seeds `device`'s random stream (dropout and other random ops inside the model) with
+/// [`epoch_seed`]`(seed, at, rank)`, under [`SEED_LOCK`] so that no training in this process
+/// initialises its parameters meanwhile. Every mode seeds each epoch or step this way, so a
+/// resumed run draws what the uninterrupted one would.
+pub(crate) fn seed_stream(device: &Device, seed: u64, at: u64, rank: usize) {
+    let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    device.seed(epoch_seed(seed, at, rank));
+}
+
 /// The seed of the random stream of epoch `epoch` on `rank` (dropout and other random ops
 /// inside the model): a function of the run's seed, so a resumed run continues the stream an
 /// uninterrupted one would have used.

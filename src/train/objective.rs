@@ -1,4 +1,4 @@
-//! What the custom modes (elastic, parameter servers, pipeline stages) train a classifier
+//! What the custom modes (allreduce, elastic, parameter servers, pipeline stages) train a model
 //! against, below all of them, so that they compute the loss and the metrics columns as the
 //! Learner's [`super::SingleLabel`] and [`super::MultiLabel`] tasks do:
 //!
@@ -13,7 +13,9 @@ use burn::prelude::*;
 use burn_dist::Communicator;
 
 use super::TrainConfig;
+use super::trainee::{Net, Stream};
 use crate::{HearthError, Result};
+use burn::optim::GradientsParams;
 
 /// A batch's targets.
 #[derive(Clone, Debug)]
@@ -137,6 +139,122 @@ impl Objective {
                 right as f64 / k as f64
             }
         }
+    }
+}
+
+/// What a pass over batches adds up: loss x samples, right answers (in samples, see
+/// [`Objective::hits`]) and samples.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Sums {
+    pub loss: f64,
+    pub hits: f64,
+    pub samples: f64,
+}
+
+impl Sums {
+    pub fn add(&mut self, other: Sums) {
+        self.loss += other.loss;
+        self.hits += other.hits;
+        self.samples += other.samples;
+    }
+
+    /// The mean loss (NaN before any sample).
+    pub fn mean_loss(&self) -> f64 {
+        if self.samples > 0.0 {
+            self.loss / self.samples
+        } else {
+            f64::NAN
+        }
+    }
+
+    /// The accuracy column in percent (NaN before any sample).
+    pub fn accuracy(&self) -> f64 {
+        if self.samples > 0.0 {
+            100.0 * self.hits / self.samples
+        } else {
+            f64::NAN
+        }
+    }
+
+    /// The sums of every rank of `comm` (each calls it).
+    pub fn all_reduce(self, comm: &Communicator) -> Result<Self> {
+        let mut v = [self.loss as f32, self.hits as f32, self.samples as f32];
+        comm.allreduce(&mut v, burn_dist::ReduceOp::Sum)?;
+        Ok(Self {
+            loss: f64::from(v[0]),
+            hits: f64::from(v[1]),
+            samples: f64::from(v[2]),
+        })
+    }
+}
+
+/// A validation pass: its sums and, for multi-label targets, the macro AUROC in percent.
+pub(super) struct Validation {
+    pub sums: Sums,
+    pub auroc: Option<f64>,
+}
+
+impl Objective {
+    /// One training batch through `model` (autodiff): the gradients of `weight` times the
+    /// batch's mean loss, and the batch's sums (of the unweighted loss).
+    pub fn train_batch<M: Net>(
+        &self,
+        model: &M,
+        input: M::Input,
+        targets: &Targets,
+        weight: f32,
+    ) -> Result<(GradientsParams, Sums)> {
+        let logits = model.logits(input);
+        let n = logits.dims()[0] as f64;
+        let hits = self.hits(&logits, targets);
+        let loss = self.loss(logits, targets, true)?;
+        let sums = Sums {
+            loss: f64::from(loss.clone().into_scalar::<f32>()) * n,
+            hits,
+            samples: n,
+        };
+        let loss = if weight == 1.0 {
+            loss
+        } else {
+            loss.mul_scalar(weight)
+        };
+        Ok((GradientsParams::from_grads(loss.backward(), model), sums))
+    }
+
+    /// Validates `model` (pass its `valid()` view) on `batches`. With `comm`, each of its ranks
+    /// validated a part: the sums and the AUROC are over all the parts (every rank calls it).
+    pub fn validate<M: Net>(
+        &self,
+        model: &M,
+        batches: Stream<M::Input>,
+        comm: Option<&Communicator>,
+    ) -> Result<Validation> {
+        let mut sums = Sums::default();
+        let mut scores = ValScores::default();
+        for batch in batches {
+            let (input, targets) = batch?;
+            let logits = model.logits(input);
+            let n = logits.dims()[0] as f64;
+            sums.hits += self.hits(&logits, &targets);
+            scores.push(&logits, &targets)?;
+            let loss = self.loss(logits, &targets, false)?;
+            sums.loss += f64::from(loss.into_scalar::<f32>()) * n;
+            sums.samples += n;
+        }
+        if let Some(comm) = comm {
+            sums = sums.all_reduce(comm)?;
+            if self.multi_label {
+                scores = scores.gather(comm)?;
+            }
+        }
+        Ok(Validation {
+            sums,
+            auroc: if self.multi_label {
+                scores.auroc()
+            } else {
+                None
+            },
+        })
     }
 }
 

@@ -1,5 +1,5 @@
-//! What the custom training modes (elastic, parameter servers) train, below all of them: a
-//! model that maps a batch's input to one logit per class ([`Net`]), and the data that feeds it.
+//! What the custom training modes (allreduce, elastic, parameter servers) train, below all of
+//! them: a model that maps a batch's input to one logit per class ([`Net`]), and the data that feeds it.
 //!
 //! Two kinds exist. Hearth's own: a [`Classifier`] from `--model` (optionally torchvision
 //! weights with a new head, a frozen backbone) on an image folder or CSV, streamed by
@@ -137,6 +137,15 @@ pub(crate) trait Trainee {
     /// Writes the run's `model.bpk` from the best epoch's `model` (a user's module: its
     /// weights as burnpack, to load into the same module).
     fn export(&self, cfg: &TrainConfig, model: &Self::Model) -> Result<()>;
+}
+
+/// `rank`'s part of a validation set of `n` examples validated by `world` ranks together:
+/// every `world`-th example from `rank`, in batches of its share of the global `batch`.
+pub(crate) fn val_share(n: usize, rank: usize, world: usize, batch: usize) -> Vec<Vec<usize>> {
+    let world = world.max(1);
+    let per = (batch / world).max(1);
+    let mine: Vec<usize> = (rank..n).step_by(world).collect();
+    mine.chunks(per).map(<[usize]>::to_vec).collect()
 }
 
 /// What a model's outputs mean: one per class (or label), and whether they are independent

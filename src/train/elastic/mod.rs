@@ -34,14 +34,14 @@ use std::time::{Duration, Instant};
 
 use super::best::{export_best, model_checkpoint, save_epoch_weights};
 use super::epochs::Epochs;
-use super::model::{SEED_LOCK, epoch_seed, optimizer};
-use super::objective::{Objective, Targets, ValScores};
+use super::model::{optimizer, seed_stream};
+use super::objective::{Objective, Targets};
 use super::shared::{Rates, collective_timeout, epoch_lr, hook};
-use super::trainee::{ImageRecipe, Input, Net, Recipe, Stream, Trainee};
+use super::trainee::{ImageRecipe, Input, Net, Recipe, Stream, Trainee, val_share};
 use super::{EpochRows, TrainConfig, TrainReport, run_dir};
 use crate::{HearthError, Result};
 use burn::module::Module;
-use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer, OptimizerRecord};
+use burn::optim::{GradientsAccumulator, ModuleOptimizer, OptimizerRecord};
 use burn::prelude::*;
 use burn::store::ModuleRecord;
 use burn::tensor::Bytes;

@@ -58,24 +58,22 @@ impl<T: Trainee> ElasticRun<'_, T> {
                     Targets::MultiHot(t) => t.dims()[0],
                 };
                 let global_part = step_len(n, pos, global);
-                {
-                    let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-                    self.device.seed(epoch_seed(
-                        self.cfg.seed,
-                        commit.step * k as u64 + sub as u64,
-                        world.rank(),
-                    ));
-                }
-                let logits = commit.model.logits(input);
-                correct += self.objective.hits(&logits, &targets);
-                let loss = self.objective.loss(logits, &targets, true)?;
-                loss_sum += f64::from(loss.clone().into_scalar::<f32>()) * part as f64;
-                // This worker's share of the global batch's mean.
-                let loss = loss.mul_scalar(part as f32 / global_part.max(1) as f32);
-                acc.accumulate(
-                    &commit.model,
-                    GradientsParams::from_grads(loss.backward(), &commit.model),
+                seed_stream(
+                    &self.device,
+                    self.cfg.seed,
+                    commit.step * k as u64 + sub as u64,
+                    world.rank(),
                 );
+                // This worker's share of the global batch's mean.
+                let (grads, sums) = self.objective.train_batch(
+                    &commit.model,
+                    input,
+                    &targets,
+                    part as f32 / global_part.max(1) as f32,
+                )?;
+                loss_sum += sums.loss;
+                correct += sums.hits;
+                acc.accumulate(&commit.model, grads);
                 mine += part;
                 total += global_part;
                 pos += global_part;
@@ -219,33 +217,13 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let epoch = commit.epoch as usize + 1;
         // Batch norm statistics differ between members: rank 0's for everyone (as DDP does).
         let model = burn_dist::ddp::broadcast_module(commit.model.clone(), &world.comm)?;
-        let valid = model.valid();
-        let mut scores = ValScores::default();
         let (rank, size) = (world.rank(), world.size());
-        let val_n = self.trainee.val_len();
-        let per = (self.cfg.batch_size / size).max(1);
-        let mine: Vec<usize> = (rank..val_n).step_by(size).collect();
-        let batches: Vec<Vec<usize>> = mine.chunks(per).map(<[usize]>::to_vec).collect();
-        let mut sums = [0.0f32; 3];
-        for batch in self.trainee.val_batches(batches, &self.plain_device) {
-            let (input, targets) = batch?;
-            let logits = valid.logits(input);
-            let k = logits.dims()[0];
-            sums[1] += self.objective.hits(&logits, &targets) as f32;
-            scores.push(&logits, &targets)?;
-            sums[0] += self
-                .objective
-                .loss(logits, &targets, false)?
-                .into_scalar::<f32>()
-                * k as f32;
-            sums[2] += k as f32;
-        }
-        world.comm.allreduce(&mut sums, ReduceOp::Sum)?;
-        let auroc = if self.objective.multi_label() {
-            scores.gather(&world.comm)?.auroc()
-        } else {
-            None
-        };
+        let parts = val_share(self.trainee.val_len(), rank, size, self.cfg.batch_size);
+        let val = self.objective.validate(
+            &model.valid(),
+            self.trainee.val_batches(parts, &self.plain_device),
+            Some(&world.comm),
+        )?;
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
         let took = (commit.elapsed - commit.epoch_started).max(1e-9);
         let in_epoch: Vec<usize> = commit
@@ -262,11 +240,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 "train_accuracy",
                 100.0 * ratio(commit.sums[1], commit.sums[2]),
             ),
-            ("val_loss", ratio(f64::from(sums[0]), f64::from(sums[2]))),
-            (
-                "val_accuracy",
-                100.0 * ratio(f64::from(sums[1]), f64::from(sums[2])),
-            ),
+            ("val_loss", val.sums.mean_loss()),
+            ("val_accuracy", val.sums.accuracy()),
             (
                 "train_lr",
                 epoch_lr(
@@ -284,7 +259,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
-        if let Some(a) = auroc {
+        if let Some(a) = val.auroc {
             row.insert("val_auroc".into(), a);
         }
         // Images this worker skipped this epoch (a joiner counts from its first epoch here).

@@ -41,7 +41,7 @@ use hearth_models::{Classifier, HeadActivation, ModelConfig, Preprocessing, save
 use super::config::{PipelineBalance, PipelineOptions};
 use super::epochs::{Epochs, Row, Strategy};
 use super::export::auroc_report;
-use super::model::{SEED_LOCK, epoch_seed, init_model, model_config, optimizer};
+use super::model::{SEED_LOCK, epoch_seed, init_model, model_config, optimizer, seed_stream};
 use super::objective::{Objective, ValScores, targets};
 use super::shared::{Rates, collective_timeout, epoch_lr};
 use super::{TrainConfig, TrainReport, distributed, run_dir, sets};

@@ -42,12 +42,12 @@ impl PipelineRun<'_> {
         let mut sums = Sums::default();
         {
             // Dropout's stream of this epoch, a function of (seed, epoch, rank) as elsewhere.
-            let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-            self.device.seed(epoch_seed(
+            seed_stream(
+                &self.device,
                 self.cfg.seed,
                 epoch as u64 - 1,
                 self.comm.rank(),
-            ));
+            );
         }
         let objective = self.objective;
         for (i, batch) in self

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn::module::Module;
-use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::store::ModuleRecord;
 use burn_dist::ps::client::{Client, PsWorker};
@@ -27,8 +26,8 @@ use super::state::{
 use super::{BYE, PsOptions, Roles, SETUP, STATS, ServerSetup, decay_ranges, flat_optimizer};
 use crate::train::best::{export_best, model_checkpoint, save_epoch_weights};
 use crate::train::epochs::{Epochs, Row, Strategy};
-use crate::train::model::{SEED_LOCK, epoch_seed};
-use crate::train::objective::{Objective, ValScores};
+use crate::train::model::seed_stream;
+use crate::train::objective::Objective;
 use crate::train::shared::{Rates, collective_timeout, epoch_lr, hook};
 use crate::train::trainee::{Net, Recipe, Trainee};
 use crate::train::{TrainConfig, TrainReport, run_dir};
@@ -486,18 +485,14 @@ impl<T: Trainee> Worker<'_, T> {
             .enumerate()
         {
             let (input, targets) = batch?;
-            {
-                let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-                self.device
-                    .seed(epoch_seed(self.cfg.seed, *step, self.rank));
-            }
-            let logits = self.model.logits(input);
-            let n = logits.dims()[0];
-            row.correct += self.objective.hits(&logits, &targets);
-            let loss = self.objective.loss(logits, &targets, true)?;
-            row.loss_sum += f64::from(loss.clone().into_scalar::<f32>()) * n as f64;
-            row.samples += n as f64;
-            let grads = GradientsParams::from_grads(loss.backward(), &self.model);
+            seed_stream(&self.device, self.cfg.seed, *step, self.rank);
+            let (grads, sums) = self
+                .objective
+                .train_batch(&self.model, input, &targets, 1.0)?;
+            let n = sums.samples as usize;
+            row.correct += sums.hits;
+            row.loss_sum += sums.loss;
+            row.samples += sums.samples;
             let grad = trainable_grads(&self.model, &grads);
             if let Some(ms) = self.delay {
                 std::thread::sleep(Duration::from_millis(ms));
@@ -543,27 +538,18 @@ impl<T: Trainee> Worker<'_, T> {
         if self.opts.mode != burn_dist::ps::Mode::Sync {
             served = self.measure_batch_norm(served, epoch)?;
         }
-        let valid = served.valid();
-        let mut sums = [0f64; 3];
         // The lead validates the whole set alone: its scores need no gathering.
-        let mut scores = ValScores::default();
-        for batch in self.trainee.full_val(&self.plain_device) {
-            let (input, targets) = batch?;
-            let logits = valid.logits(input);
-            let k = logits.dims()[0] as f64;
-            sums[1] += self.objective.hits(&logits, &targets);
-            scores.push(&logits, &targets)?;
-            let loss = self.objective.loss(logits, &targets, false)?;
-            sums[0] += f64::from(loss.into_scalar::<f32>()) * k;
-            sums[2] += k;
-        }
+        let val = self.objective.validate(
+            &served.valid(),
+            self.trainee.full_val(&self.plain_device),
+            None,
+        )?;
         let mine = self.stats.last().copied().unwrap_or_default();
-        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
         let mut row: Row = [
             ("train_loss", mine.loss()),
             ("train_accuracy", mine.accuracy()),
-            ("val_loss", ratio(sums[0], sums[2])),
-            ("val_accuracy", 100.0 * ratio(sums[1], sums[2])),
+            ("val_loss", val.sums.mean_loss()),
+            ("val_accuracy", val.sums.accuracy()),
             (
                 "train_lr",
                 epoch_lr(
@@ -582,7 +568,7 @@ impl<T: Trainee> Worker<'_, T> {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
-        if let Some(a) = scores.auroc() {
+        if let Some(a) = val.auroc {
             row.insert("val_auroc".into(), a);
         }
         Ok((row, served))

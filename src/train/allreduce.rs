@@ -1,0 +1,426 @@
+//! Data parallel over a fixed world by gradient allreduce, on the shared epoch loop: the mode
+//! that trains a user's own module ([`super::train_custom`]) in one process (a world of one)
+//! or on `--nproc N` ranks. Hearth's image models take burn-train's Learner for the same
+//! mode (`phase`), for its dashboard; this strategy gives a custom module the same files.
+//!
+//! A step: each rank computes the gradient of its share of the global batch
+//! ([`super::trainee::Trainee::shard`]: every `world`-th sample of each global batch of the
+//! epoch's order, so the ranks together see exactly the batches one process would), `--grad-accum
+//! K` batches summed (burn-train's accumulation); the gradients are averaged over the ranks
+//! (bucketed allreduce, `--compression` on the wire) and every rank applies the same optimizer
+//! step at the schedule's rate. Validation: each rank scores every `world`-th validation
+//! example with rank 0's batch-norm statistics, and the sums (and AUROC scores) are combined.
+//!
+//! Checkpoints: rank 0 writes `checkpoint/model-<epoch>.bpk` (the best epoch's and the last
+//! are kept) and `checkpoint/optim-<epoch>.bpk` (the last); `--resume` reads them on rank 0 and
+//! sends them to the others, so the ranks need no shared disk. The optimizer step and the data
+//! order are functions of the epoch, so a resumed run continues the uninterrupted one.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::optim::{GradientsAccumulator, ModuleOptimizer};
+use burn::prelude::*;
+use burn::store::ModuleRecord;
+use burn::tensor::Bytes;
+use burn_dist::{Communicator, ReduceOp};
+
+use super::best::{export_best, model_checkpoint, save_epoch_weights};
+use super::epochs::{Epochs, Row};
+use super::model::{optimizer, seed_stream};
+use super::objective::{Objective, Sums};
+use super::shared::{Rates, epoch_lr};
+use super::trainee::{Recipe, Trainee, val_share};
+use super::{TrainConfig, TrainReport, run_dir};
+use crate::{HearthError, Result};
+
+/// `run_dir/checkpoint/optim-<epoch>.bpk`.
+fn optim_checkpoint(run_dir: &std::path::Path, epoch: usize) -> std::path::PathBuf {
+    run_dir
+        .join("checkpoint")
+        .join(format!("optim-{epoch}.bpk"))
+}
+
+/// Trains `recipe`'s model in this process, or as one rank of `cfg.dist`'s job.
+pub(super) fn train_with<R: Recipe>(
+    cfg: &TrainConfig,
+    recipe: &R,
+    device: &Device,
+    log: &mut dyn FnMut(&str),
+) -> Result<TrainReport> {
+    let started = Instant::now();
+    let comm = match &cfg.dist {
+        Some(info) if info.world > 1 => Some(Arc::new(
+            super::distributed::connect(info, log)?
+                .with_compression(cfg.compression)
+                .with_timeout(super::shared::collective_timeout()),
+        )),
+        _ => None,
+    };
+    let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
+    let mut quiet = |_: &str| {};
+    let log: &mut dyn FnMut(&str) = if rank == 0 { log } else { &mut quiet };
+    if rank == 0 {
+        run_dir::start(cfg, log)?;
+    }
+    let trainee = recipe.prepare(cfg, comm.as_deref(), rank, world, log)?;
+    let ad = device.clone().autodiff();
+    let model = trainee.init(&ad, log)?;
+    let batches = trainee.shard_batches().max(1);
+    let rates = Rates::new(cfg, cfg.scaled_lr(log)?, batches)?;
+    let epochs = Epochs::new(cfg, rank == 0);
+    let mut s = Allreduce {
+        cfg,
+        objective: Objective::new(cfg, trainee.multi_label()),
+        trainee,
+        model,
+        optim: optimizer(cfg),
+        rates,
+        comm,
+        rank,
+        world,
+        device: ad,
+        plain_device: device.clone(),
+        batches,
+        steps: 0,
+        images: 0,
+        started,
+    };
+    let first = s.resume(&epochs, log)?;
+    epochs.check_left(first)?;
+    s.steps = first * cfg.optimizer_steps(batches);
+    if rank == 0 {
+        log(&format!(
+            "{}: {} rank(s), {batches} batches of {} per rank and epoch",
+            if world > 1 {
+                "data parallel"
+            } else {
+                "one process"
+            },
+            world,
+            (cfg.batch_size / world).max(1)
+        ));
+    }
+    let last = epochs.run(first, &mut s, log)?;
+    s.finish(&epochs, last, log)
+}
+
+/// The strategy: this rank's model, optimizer and data, and its link to the others.
+struct Allreduce<'a, T: Trainee> {
+    cfg: &'a TrainConfig,
+    trainee: T,
+    objective: Objective,
+    model: T::Model,
+    optim: ModuleOptimizer,
+    rates: Rates,
+    comm: Option<Arc<Communicator>>,
+    rank: usize,
+    world: usize,
+    /// The autodiff view of the device (training) and the device itself (validation).
+    device: Device,
+    plain_device: Device,
+    /// This rank's batches per epoch, optimizer steps taken in the whole run, and the images
+    /// all ranks trained in this launch.
+    batches: usize,
+    steps: usize,
+    images: usize,
+    started: Instant,
+}
+
+impl<T: Trainee> Allreduce<'_, T> {
+    /// `--resume`: rank 0 reads the last epoch with both checkpoint files (and its table) and
+    /// sends epoch, weights and optimizer state to every rank; a fresh run records what it
+    /// trains. Returns the epoch to start after.
+    fn resume(&mut self, epochs: &Epochs, log: &mut dyn FnMut(&str)) -> Result<usize> {
+        let cfg = self.cfg;
+        let hparams = cfg.hyperparameters();
+        let mut state: Vec<u8> = Vec::new();
+        if self.rank == 0 {
+            if cfg.resume {
+                let dir = cfg.run_dir.join("checkpoint");
+                let epoch = run_dir::checkpoints_in(&dir, &["model", "optim"])
+                    .last()
+                    .copied()
+                    .ok_or_else(|| {
+                        HearthError::InvalidArgument(format!(
+                            "cannot resume {}: no epoch in {} has both its model and optim files",
+                            cfg.run_dir.display(),
+                            dir.display()
+                        ))
+                    })?;
+                epochs.check_left(epoch)?;
+                run_dir::check_resume_compatible(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
+                epochs.reload(epoch)?;
+                let read = |path: std::path::PathBuf| {
+                    std::fs::read(&path).map_err(|e| {
+                        HearthError::Training(format!(
+                            "epoch {epoch}'s checkpoint {}: {e}",
+                            path.display()
+                        ))
+                    })
+                };
+                let model = read(model_checkpoint(&cfg.run_dir, epoch))?;
+                let optim = read(optim_checkpoint(&cfg.run_dir, epoch))?;
+                state = encode_state(epoch, &model, &optim);
+                log(&format!("resuming after epoch {epoch}"));
+            } else {
+                run_dir::record(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
+            }
+        }
+        if let Some(comm) = &self.comm {
+            state = burn_dist::elastic::broadcast_bytes(comm, state)?;
+        }
+        if state.is_empty() {
+            // Every rank seeded the same weights; rank 0's go to all, as DDP starts.
+            if let Some(comm) = &self.comm {
+                self.model = burn_dist::ddp::broadcast_module(self.model.clone(), comm)?;
+            }
+            return Ok(0);
+        }
+        let (epoch, model, optim) = decode_state(&state)?;
+        let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(model.to_vec()))
+            .map_err(|e| HearthError::Training(format!("epoch {epoch}'s weights: {e}")))?;
+        self.model = self.model.clone().try_load_record(record).map_err(|e| {
+            HearthError::Training(format!("epoch {epoch}'s weights do not fit the model: {e}"))
+        })?;
+        self.optim = optimizer(self.cfg)
+            .from_bytes(Bytes::from_bytes_vec(optim.to_vec()))
+            .map_err(|e| HearthError::Training(format!("epoch {epoch}'s optimizer state: {e}")))?;
+        Ok(epoch)
+    }
+
+    /// One optimizer step's gradients, averaged over the ranks, applied at the step's rate.
+    fn apply(&mut self, epoch: usize, mut acc: GradientsAccumulator<T::Model>) -> Result<()> {
+        let mut grads = acc.grads();
+        if let Some(comm) = &self.comm {
+            burn_dist::ddp::allreduce_grads_scaled(
+                &self.model,
+                &mut grads,
+                comm,
+                self.cfg.bucket_bytes,
+                1.0 / self.world as f32,
+                self.cfg.compression,
+            )?;
+        }
+        let lr = self.rates.rate(epoch, self.steps);
+        self.model = self.optim.step(lr, self.model.clone(), grads);
+        self.steps += 1;
+        Ok(())
+    }
+
+    /// The end: rank 0 exports the best epoch and plots; every rank gets the summary.
+    fn finish(
+        self,
+        epochs: &Epochs,
+        last: usize,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<TrainReport> {
+        if let Some(comm) = &self.comm {
+            // Every rank is done with collectives before anyone hangs up.
+            comm.barrier()?;
+        }
+        let best = epochs.best_or_err()?;
+        let mut per_class_auroc = None;
+        if self.rank == 0 {
+            per_class_auroc = export_best(self.cfg, &self.trainee, best, &self.plain_device, log)?;
+            epochs.plot(log);
+        }
+        let mut report = epochs.report(
+            best,
+            self.started,
+            self.images,
+            self.trainee.classes().to_vec(),
+            self.rank,
+            self.world,
+        );
+        report.epochs_run = last;
+        report.per_class_auroc = per_class_auroc;
+        report.skipped = self.trainee.skipped();
+        Ok(report)
+    }
+}
+
+impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
+    fn epoch(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) -> Result<Option<Row>> {
+        let t = Instant::now();
+        let frozen = self.rates.frozen(epoch);
+        if epoch > 1 && self.rates.frozen(epoch - 1) && !frozen {
+            log(&self.rates.unfreeze_line(epoch - 1));
+        }
+        self.model = self.trainee.phase(self.model.clone(), frozen);
+        let k = self.cfg.grad_accum.unwrap_or(1).max(1);
+        let mut train = Sums::default();
+        let mut acc = GradientsAccumulator::<T::Model>::new();
+        let mut pending = 0usize;
+        let mut seen = 0usize;
+        for (i, batch) in self
+            .trainee
+            .shard(epoch as u64 - 1, &self.device)
+            .enumerate()
+        {
+            let (input, targets) = batch?;
+            // Random ops inside the model (dropout): per rank and batch.
+            seed_stream(
+                &self.device,
+                self.cfg.seed,
+                ((epoch - 1) * self.batches + i) as u64,
+                self.rank,
+            );
+            let (grads, sums) = self
+                .objective
+                .train_batch(&self.model, input, &targets, 1.0)?;
+            train.add(sums);
+            acc.accumulate(&self.model, grads);
+            pending += 1;
+            seen = i + 1;
+            if pending == k || seen == self.batches {
+                self.apply(
+                    epoch,
+                    std::mem::replace(&mut acc, GradientsAccumulator::new()),
+                )?;
+                pending = 0;
+            }
+        }
+        if seen != self.batches {
+            return Err(HearthError::Training(format!(
+                "epoch {epoch}: the data gave {seen} batches on rank {}, {} were expected",
+                self.rank, self.batches
+            )));
+        }
+        let train = match &self.comm {
+            Some(comm) => train.all_reduce(comm)?,
+            None => train,
+        };
+        self.images += train.samples as usize;
+        let took = t.elapsed().as_secs_f64().max(1e-9);
+
+        // Validation with rank 0's batch-norm statistics on every rank (as DDP's broadcast).
+        if let Some(comm) = &self.comm
+            && self.trainee.has_batch_norm()
+        {
+            self.model = burn_dist::ddp::broadcast_module(self.model.clone(), comm)?;
+        }
+        let parts = val_share(
+            self.trainee.val_len(),
+            self.rank,
+            self.world,
+            self.cfg.batch_size,
+        );
+        let val = self.objective.validate(
+            &self.model.valid(),
+            self.trainee.val_batches(parts, &self.plain_device),
+            self.comm.as_deref(),
+        )?;
+        let mut row: Row = [
+            ("train_loss", train.mean_loss()),
+            ("train_accuracy", train.accuracy()),
+            ("val_loss", val.sums.mean_loss()),
+            ("val_accuracy", val.sums.accuracy()),
+            (
+                "train_lr",
+                epoch_lr(|i| self.rates.rate(epoch, i), epoch, self.batches, k),
+            ),
+            ("train_images_per_sec", train.samples / took),
+            ("elapsed_seconds", self.started.elapsed().as_secs_f64()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        if let Some(a) = val.auroc {
+            row.insert("val_auroc".into(), a);
+        }
+        Ok(Some(row))
+    }
+
+    fn checkpoint(&mut self, epoch: usize, best: Option<usize>) -> Result<()> {
+        if self.rank != 0 {
+            return Ok(());
+        }
+        let dir = &self.cfg.run_dir;
+        save_epoch_weights(dir, epoch, self.model.clone())?;
+        // Written after the weights: an epoch with both files is complete.
+        let path = optim_checkpoint(dir, epoch);
+        let tmp = path.with_extension("bpk.tmp");
+        self.optim
+            .save(&tmp)
+            .map_err(|e| HearthError::Training(format!("saving epoch {epoch}'s optimizer: {e}")))?;
+        std::fs::rename(&tmp, &path).map_err(|source| HearthError::Write {
+            path: path.clone(),
+            source,
+        })?;
+        for old in 1..epoch {
+            let _ = std::fs::remove_file(optim_checkpoint(dir, old));
+            if Some(old) != best {
+                let _ = std::fs::remove_file(model_checkpoint(dir, old));
+            }
+        }
+        Ok(())
+    }
+
+    fn agree_stop(&mut self, stop: bool) -> Result<bool> {
+        // Rank 0's table decides (the others' may lack the epochs before a resume).
+        let Some(comm) = &self.comm else {
+            return Ok(stop);
+        };
+        let mut v = [f32::from(u8::from(self.rank == 0 && stop))];
+        comm.allreduce(&mut v, ReduceOp::Sum)?;
+        Ok(v[0] > 0.5)
+    }
+
+    fn decode_failures(&self) -> (usize, usize) {
+        self.trainee.decode_failures()
+    }
+}
+
+/// A resume's state on the wire: the epoch, the model file's bytes, the optimizer file's.
+fn encode_state(epoch: usize, model: &[u8], optim: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(24 + model.len() + optim.len());
+    out.extend_from_slice(&(epoch as u64).to_le_bytes());
+    for part in [model, optim] {
+        out.extend_from_slice(&(part.len() as u64).to_le_bytes());
+        out.extend_from_slice(part);
+    }
+    out
+}
+
+fn decode_state(bytes: &[u8]) -> Result<(usize, &[u8], &[u8])> {
+    let bad = |what: &str| HearthError::Training(format!("resume state from rank 0: {what}"));
+    let word = |at: usize| {
+        bytes
+            .get(at..at + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+            .ok_or_else(|| bad("truncated"))
+    };
+    let epoch = word(0)? as usize;
+    let mut at = 8;
+    let mut parts = Vec::with_capacity(2);
+    for _ in 0..2 {
+        let len = word(at)? as usize;
+        let part = bytes
+            .get(at + 8..(at + 8).saturating_add(len))
+            .ok_or_else(|| bad(&format!("truncated: {len} bytes announced")))?;
+        parts.push(part);
+        at += 8 + len;
+    }
+    Ok((epoch, parts[0], parts[1]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_resume_state_round_trips_and_truncation_is_named() {
+        let bytes = encode_state(7, b"model", b"optimizer");
+        let (epoch, model, optim) = decode_state(&bytes).unwrap();
+        assert_eq!((epoch, model, optim), (7, &b"model"[..], &b"optimizer"[..]));
+        let e = decode_state(&bytes[..bytes.len() - 1])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("truncated"), "{e}");
+        let e = decode_state(&[1, 2]).unwrap_err().to_string();
+        assert!(e.contains("resume state from rank 0"), "{e}");
+    }
+}
