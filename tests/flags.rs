@@ -48,6 +48,13 @@ fn setting(flag: &str) -> Vec<&'static str> {
             "--finetune-lr",
             "0.01",
         ],
+        "--finetune-bn" => &[
+            "--freeze-backbone",
+            "--unfreeze-after",
+            "1",
+            "--finetune-bn",
+            "batch",
+        ],
         "--epochs" => &["--epochs", "5"],
         "--batch-size" => &["--batch-size", "48"],
         "--lr" => &["--lr", "0.1"],

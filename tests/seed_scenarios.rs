@@ -14,14 +14,18 @@
 //! and a server (the servers re-shard the whole model at the switch), against the same recipe
 //! in one process.
 //!
-//! The goal is "within 1 point". Measured over 12 runs of this test (160 validation
-//! images, 0.625 points each), ADAG's best validation accuracy was 2.5 to 11.3 points below
-//! one process's 94.4% (median 4.4); in 3 of the 12, patience stopped ADAG after epoch 5,
-//! its accuracy having dipped when the whole model started to move under asynchronous
-//! updates. The goal is not met. The test checks that the recipe runs through every step
-//! (frozen phase, switch, fine-tuning, export) and bounds the gap at 25 points (one process
-//! 94%, chance 25%), so that it fails when asynchronous training stops learning, not on the
-//! spread above.
+//! The goal is "within 1 point". The gap had one cause besides asynchrony: at the
+//! switch to fine-tuning, batch norm went from the pretrained running statistics to the
+//! statistics of each worker's batch of 4 images, and accuracy dipped (one process at batch 4
+//! and synchronous servers dipped the same way). Fine-tuning now keeps the running statistics
+//! by default (`--finetune-bn frozen`, Keras's advice): synchronous servers then equal one
+//! process exactly, and over 8 seeds (160 validation images, 0.625 points each) ADAG's best
+//! accuracy was on average 0.24 points below one process's (mean 94.1%), each run between 3.8
+//! below and 2.5 above, later 6.3 below in one run stopped by patience. One run's gap is
+//! noise at this size; the mean over seeds meets the goal, no single run is held to it. Before,
+//! ADAG ended 2.5 to 11.3 points below (12 runs). The test checks that the recipe runs through
+//! every step (frozen phase, switch, fine-tuning, export) and bounds one run's gap at 10
+//! points.
 //!
 //! Every run is a real process tree, bounded in time.
 
@@ -232,8 +236,8 @@ fn seed_000_a_frozen_pretrained_resnet_on_adag_workers_learns_as_one_process_doe
     let (a, b) = (best_val_accuracy(&one), best_val_accuracy(&adag));
     eprintln!("seed 000: best validation accuracy, one process {a}%, 4 ADAG workers {b}%");
     assert!(
-        b >= a - 25.0,
-        "ADAG's best validation accuracy {b}% is more than 25 points below one process's {a}%\n{text}"
+        b >= a - 10.0,
+        "ADAG's best validation accuracy {b}% is more than 10 points below one process's {a}%\n{text}"
     );
     assert!(adag.join("model.bpk").is_file());
 }

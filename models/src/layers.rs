@@ -136,3 +136,29 @@ pub(crate) fn check_input(model: &str, input: &Tensor<4>, min_size: usize) -> cr
     }
     Ok(())
 }
+
+/// `module` with each batch norm's training flag off: it normalises by its running statistics
+/// and leaves them as they are, while its scale and shift keep whatever gradient setting they
+/// have (Keras's advice for fine-tuning a pretrained network, and what small per-worker
+/// batches need: statistics of 4 images swing too far). Other layers' flags (dropout) stay.
+pub fn keep_batch_norm_statistics<M: burn::module::Module>(module: M) -> M {
+    use burn::module::{Flag, ModuleMapper, Param};
+    /// Whether each module entered is a batch norm, innermost last.
+    struct Keep(Vec<bool>);
+    impl ModuleMapper for Keep {
+        fn enter_module(&mut self, _name: &str, container_type: &str) {
+            self.0.push(container_type == "Struct:BatchNorm");
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.0.pop();
+        }
+        fn map_flag(&mut self, flag: Param<Flag>) -> Param<Flag> {
+            if self.0.last() == Some(&true) {
+                flag.with_value(false)
+            } else {
+                flag
+            }
+        }
+    }
+    module.map(&mut Keep(Vec::new()))
+}

@@ -36,7 +36,7 @@ pub mod zoo;
 
 pub use densenet::{DenseNet, DenseNetConfig};
 pub use error::{ModelError, Result};
-pub use layers::{BiasInit, HeadActivation, HeadConfig};
+pub use layers::{BiasInit, HeadActivation, HeadConfig, keep_batch_norm_statistics};
 pub use resnet::{BlockKind, ResNet, ResNetConfig};
 pub use vgg::{Vgg, VggConfig, VggLayer};
 pub use weights::{

@@ -157,3 +157,74 @@ fn a_frozen_backbone_gets_no_gradients_and_the_head_does() {
     let grads = GradientsParams::from_grads(loss.backward(), &unfrozen);
     assert!(grads.len() > 2);
 }
+
+#[test]
+fn kept_batch_norm_statistics_stay_while_everything_trains() {
+    let device = Device::flex().autodiff();
+    let unfrozen = small_resnet(&device).unfreeze_all();
+    // (A clone shares its running statistics: `unfrozen` runs last, as it updates them.)
+    let kept = hearth_models::keep_batch_norm_statistics(unfrozen.clone());
+    let before = every_value(&kept);
+    let kept_trains = trained(&kept);
+    // The running statistics did not move, and a forward on the training device gives what
+    // inference gives.
+    assert_eq!(before, every_value(&kept));
+    let x = || Tensor::<4>::ones([2, 3, 32, 32], &Device::flex());
+    let on_training_device = kept.forward(x().autodiff()).into_data();
+    let infer = kept.valid().forward(x()).into_data();
+    on_training_device
+        .clone()
+        .assert_approx_eq::<f32>(&infer, burn::tensor::Tolerance::rel_abs(1e-4, 1e-5));
+    // Every parameter still trains, batch norm's scale and shift included ...
+    assert_eq!(kept_trains, trained(&unfrozen));
+    // ... and the plain unfrozen model normalises by the batch: another output.
+    let (a, b) = (
+        unfrozen.forward(x().autodiff()).into_data().to_vec_f32(),
+        infer.to_vec_f32(),
+    );
+    assert!(
+        a.iter().zip(&b).any(|(p, q)| (p - q).abs() > 1e-3),
+        "{a:?} {b:?}"
+    );
+}
+
+trait F32s {
+    fn to_vec_f32(self) -> Vec<f32>;
+}
+impl F32s for TensorData {
+    fn to_vec_f32(self) -> Vec<f32> {
+        self.convert::<f32>().try_to_vec::<f32>().unwrap()
+    }
+}
+
+/// Values that get a gradient from a forward pass of random images.
+fn trained(model: &hearth_models::Classifier) -> usize {
+    struct Count<'a>(&'a GradientsParams, usize);
+    impl burn::module::ModuleVisitor for Count<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<D>>) {
+            if self.0.get::<D>(p.id).is_some() {
+                self.1 += p.shape().num_elements();
+            }
+        }
+    }
+    let device = Device::flex().autodiff();
+    let x = Tensor::<4>::random([4, 3, 32, 32], burn::tensor::Distribution::Default, &device);
+    let grads = GradientsParams::from_grads(model.forward(x).sum().backward(), model);
+    let mut c = Count(&grads, 0);
+    model.visit(&mut c);
+    c.1
+}
+
+/// Every float value of `model` (parameters and running statistics), in visiting order.
+fn every_value<M: Module>(model: &M) -> Vec<f32> {
+    struct All(Vec<f32>);
+    impl burn::module::ModuleVisitor for All {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<D>>) {
+            self.0.extend(p.val().into_data().to_vec_f32());
+        }
+    }
+    let _ = model.valid();
+    let mut a = All(Vec::new());
+    model.visit(&mut a);
+    a.0
+}

@@ -8,7 +8,9 @@ use hearth::device::DeviceSpec;
 use hearth::dist::Compression;
 use hearth::dist::pipeline::Schedule;
 use hearth::schedule::{LrScaling, ScheduleKind};
-use hearth::train::{AugmentPreset, Monitor, OptimizerKind, PipelineBalance, PipelineOptions};
+use hearth::train::{
+    AugmentPreset, FinetuneBn, Monitor, OptimizerKind, PipelineBalance, PipelineOptions,
+};
 
 use crate::exit_with;
 
@@ -44,6 +46,11 @@ pub(crate) struct TrainArgs {
     /// Learning rate of the fine-tuning phase (default: --lr / 10).
     #[arg(long, requires = "unfreeze_after")]
     finetune_lr: Option<f64>,
+    /// Batch norm in the fine-tuning phase: `frozen` normalises by the running statistics of
+    /// the frozen phase and keeps them (scales and shifts still train; Keras's way, robust to
+    /// small per-rank batches), `batch` by each batch's statistics (PyTorch's train mode).
+    #[arg(long, value_enum, default_value_t = FinetuneBn::Frozen, requires = "unfreeze_after")]
+    finetune_bn: FinetuneBn,
     /// Passes over the training set.
     #[arg(long, default_value_t = 12)]
     epochs: usize,
@@ -277,6 +284,7 @@ fn build_config(
     cfg.labels = a.labels.clone();
     cfg.unfreeze_after = a.unfreeze_after;
     cfg.finetune_lr = a.finetune_lr;
+    cfg.finetune_bn = a.finetune_bn;
     cfg.val_fraction = a.val_fraction;
     cfg.model = a.model.clone();
     cfg.weights = a.weights.clone();
@@ -364,6 +372,7 @@ fn recorded_flags(key: &str) -> &'static [&'static str] {
         "freeze_backbone" => &["--freeze-backbone"],
         "unfreeze_after" => &["--unfreeze-after"],
         "finetune_lr" => &["--finetune-lr"],
+        "finetune_bn" => &["--finetune-bn"],
         "epochs" => &["--epochs"],
         "batch_size" => &["--batch-size"],
         "lr" => &["--lr"],

@@ -26,6 +26,18 @@ pub const MAY_CHANGE_ON_RESUME: [&str; 3] = ["epochs", "patience", "min_delta"];
 /// architecture at test size (the multi-label recipe of seed 001 on a small machine).
 pub const MINI_DENSENET: &str = "densenet-mini";
 
+/// How batch norm normalises in the fine-tuning phase after `--unfreeze-after`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum FinetuneBn {
+    /// By the running statistics the frozen phase used (the pretrained ones), which stay as
+    /// they are, while the scales and shifts train: Keras's advice for fine-tuning, and what
+    /// small per-rank or per-worker batches need (statistics of a few images swing too far).
+    #[default]
+    Frozen,
+    /// By each training batch's statistics, updating the running ones (PyTorch's `train()`).
+    Batch,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum OptimizerKind {
     Sgd,
@@ -165,6 +177,8 @@ pub struct TrainConfig {
     pub unfreeze_after: Option<usize>,
     /// Learning rate of the fine-tuning phase (default: a tenth of the scaled `lr`).
     pub finetune_lr: Option<f64>,
+    /// Batch norm in the fine-tuning phase: frozen statistics (default) or batch statistics.
+    pub finetune_bn: FinetuneBn,
     pub epochs: usize,
     pub batch_size: usize,
     pub lr: f64,
@@ -225,6 +239,7 @@ impl TrainConfig {
             freeze_backbone: false,
             unfreeze_after: None,
             finetune_lr: None,
+            finetune_bn: FinetuneBn::default(),
             epochs: 12,
             batch_size: 32,
             lr: 0.05,
@@ -299,6 +314,15 @@ impl TrainConfig {
                     self.epochs - 1
                 ));
             }
+        }
+        if self.finetune_bn != FinetuneBn::default()
+            && (self.unfreeze_after.is_none() || !self.freeze_backbone)
+        {
+            return bad(
+                "--finetune-bn applies to the fine-tuning phase: it needs --freeze-backbone \
+                 --unfreeze-after N"
+                    .into(),
+            );
         }
         if let Some(lr) = self.finetune_lr
             && !(lr.is_finite() && lr > 0.0)
@@ -566,6 +590,10 @@ impl TrainConfig {
                 "freeze_backbone" => self.freeze_backbone = b(k, v)?,
                 "unfreeze_after" => self.unfreeze_after = opt(v).map(|v| n(k, &v)).transpose()?,
                 "finetune_lr" => self.finetune_lr = opt(v).map(|v| f(k, &v)).transpose()?,
+                "finetune_bn" => {
+                    self.finetune_bn =
+                        clap::ValueEnum::from_str(&named(k, v)?, false).map_err(|_| bad(k, v))?
+                }
                 "epochs" => self.epochs = n(k, v)?,
                 "batch_size" => self.batch_size = n(k, v)?,
                 "lr" => self.lr = f(k, v)?,
@@ -710,6 +738,13 @@ impl TrainConfig {
             ("freeze_backbone", json!(self.freeze_backbone)),
             ("unfreeze_after", json!(self.unfreeze_after)),
             ("finetune_lr", json!(self.finetune_lr)),
+            (
+                "finetune_bn",
+                json!(
+                    clap::ValueEnum::to_possible_value(&self.finetune_bn)
+                        .map(|v| v.get_name().to_string())
+                ),
+            ),
             ("epochs", json!(self.epochs)),
             ("batch_size", json!(self.batch_size)),
             ("lr", json!(self.lr)),

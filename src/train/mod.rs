@@ -56,8 +56,8 @@ mod trainee;
 pub use best::{BestRule, KeepBestAndLast, Patience, best_epoch};
 pub use burn_dist::ps::Mode as PsMode;
 pub use config::{
-    AugmentPreset, DEFAULT_MODEL, MAY_CHANGE_ON_RESUME, MINI_DENSENET, MINI_VGG, MINI_VGG_PLAIN,
-    Monitor, OptimizerKind, PipelineBalance, PipelineOptions, TrainConfig,
+    AugmentPreset, DEFAULT_MODEL, FinetuneBn, MAY_CHANGE_ON_RESUME, MINI_DENSENET, MINI_VGG,
+    MINI_VGG_PLAIN, Monitor, OptimizerKind, PipelineBalance, PipelineOptions, TrainConfig,
 };
 pub use data::{ImageBatch, LoaderAdapter};
 pub use elastic::{Balance, ElasticOptions, request_leave};
@@ -435,7 +435,7 @@ impl<'a> Run<'a> {
             }
             log(&shared::unfreeze_line(done, finetune_lr));
             let mut phase = self.phase(
-                T::wrap(model.unfreeze_all(), cfg.label_smoothing),
+                T::wrap(model::unfrozen(cfg, model), cfg.label_smoothing),
                 finetune_lr,
                 done,
                 end,

@@ -163,6 +163,16 @@ pub(crate) fn materialize<M: Module>(model: M) -> M {
     model
 }
 
+/// `model` with every parameter trainable for the fine-tuning phase of `--unfreeze-after`,
+/// its batch norms normalising as `--finetune-bn` says (every mode unfreezes through this).
+pub(crate) fn unfrozen<M: Module>(cfg: &TrainConfig, model: M) -> M {
+    let model = model.unfreeze();
+    match cfg.finetune_bn {
+        super::FinetuneBn::Frozen => hearth_models::keep_batch_norm_statistics(model),
+        super::FinetuneBn::Batch => model,
+    }
+}
+
 /// Seeds `device`'s random stream (dropout and other random ops inside the model) with
 /// [`epoch_seed`]`(seed, at, rank)`, under [`SEED_LOCK`] so that no training in this process
 /// initialises its parameters meanwhile. Every mode seeds each epoch or step this way, so a

@@ -242,7 +242,7 @@ impl Trainee for ImageTrainee {
         if frozen {
             model.freeze_backbone()
         } else if self.cfg.freeze_backbone {
-            model.unfreeze()
+            super::model::unfrozen(&self.cfg, model)
         } else {
             model
         }

@@ -259,7 +259,7 @@ impl Strategy for StageStrategy<'_, '_> {
         if self.run.fine_tuning(epoch) && !self.unfrozen {
             let after = self.run.cfg.unfreeze_after.unwrap_or(epoch - 1);
             log(&self.run.rates.unfreeze_line(after));
-            model = model.unfreeze();
+            model = super::model::unfrozen(self.run.cfg, model);
             self.unfrozen = true;
         }
         let (model, train) = self
