@@ -1,7 +1,11 @@
 //! Helpers shared by the integration tests (included with `mod common;`).
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use burn::prelude::*;
 use hearth::device::DeviceChoice;
@@ -342,4 +346,140 @@ pub fn hearth_cli(args: &[&str]) -> std::process::Output {
         .env_remove("HEARTH_COORDINATOR")
         .output()
         .unwrap()
+}
+
+/// The ranks of one job, each writing to its own log.
+pub struct Job {
+    pub children: Vec<Child>,
+    pub logs: Vec<PathBuf>,
+}
+
+impl Job {
+    /// Starts `world` ranks of `hearth train --data DATA ARGS --run-dir RUN` with `env`, after
+    /// this file's usual settings (constant rate 0.05, momentum 0.9, no augmentation).
+    pub fn start(
+        dir: &Path,
+        data: &Path,
+        run: &Path,
+        world: usize,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
+        let base = [
+            "--batch-size",
+            "24",
+            "--lr",
+            "0.05",
+            "--momentum",
+            "0.9",
+            "--schedule",
+            "constant",
+            "--warmup-epochs",
+            "0",
+            "--augment",
+            "none",
+        ];
+        Self::spawn(dir, data, run, world, &base, args, env)
+    }
+
+    /// [`Job::start`] with `base` instead of the usual settings (one loader thread and 32x32
+    /// images always).
+    pub fn spawn(
+        dir: &Path,
+        data: &Path,
+        run: &Path,
+        world: usize,
+        base: &[&str],
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
+        let port = std::net::UdpSocket::bind("127.0.0.1:0")
+            .and_then(|s| s.local_addr())
+            .map(|a| a.port())
+            .unwrap();
+        static JOBS: AtomicUsize = AtomicUsize::new(0);
+        let job = JOBS.fetch_add(1, Ordering::SeqCst);
+        let logs: Vec<PathBuf> = (0..world)
+            .map(|r| dir.join(format!("job{job}-rank{r}.txt")))
+            .collect();
+        // `--resume DIR` names the run directory itself.
+        let resume = args.contains(&"--resume");
+        let children = (0..world)
+            .map(|r| {
+                let file = std::fs::File::create(&logs[r]).unwrap();
+                let mut c = Command::new(env!("CARGO_BIN_EXE_hearth"));
+                c.args(["train", "--data"])
+                    .arg(data)
+                    .args(["--workers", "1", "--size", "32"])
+                    .args(base)
+                    .args(args.iter().filter(|a| **a != "--resume"))
+                    .arg(if resume { "--resume" } else { "--run-dir" })
+                    .arg(run)
+                    .env("HEARTH_RANK", r.to_string())
+                    .env("HEARTH_WORLD_SIZE", world.to_string())
+                    .env("HEARTH_COORDINATOR", format!("127.0.0.1:{port}"))
+                    .env(
+                        "HEARTH_JOB_SECRET",
+                        "parameter server test secret, long enough",
+                    )
+                    .env("HEARTH_COLLECTIVE_TIMEOUT", "60")
+                    .stdout(Stdio::from(file.try_clone().unwrap()))
+                    .stderr(Stdio::from(file));
+                for (k, v) in env {
+                    c.env(k, v);
+                }
+                c.spawn().unwrap()
+            })
+            .collect();
+        Self { children, logs }
+    }
+
+    pub fn log(&self, r: usize) -> String {
+        std::fs::read_to_string(&self.logs[r]).unwrap_or_default()
+    }
+
+    /// Waits for every rank (at most `secs` in all); each one's success.
+    pub fn wait(&mut self, secs: u64) -> Vec<bool> {
+        let until = Instant::now() + Duration::from_secs(secs);
+        let out: Vec<bool> = self
+            .children
+            .iter_mut()
+            .map(|c| wait_bounded(c, until).is_some_and(|s| s.success()))
+            .collect();
+        out
+    }
+
+    pub fn all_logs(&self) -> String {
+        (0..self.logs.len())
+            .map(|r| format!("--- rank {r}\n{}", self.log(r)))
+            .collect()
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `RUN/metrics.csv` as epoch -> column -> value.
+pub fn metrics(run: &Path) -> BTreeMap<usize, BTreeMap<String, f64>> {
+    let text = std::fs::read_to_string(run.join("metrics.csv")).unwrap();
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    lines
+        .map(|l| {
+            let v: Vec<&str> = l.split(',').collect();
+            let epoch = v[0].parse().unwrap();
+            let row = header[1..]
+                .iter()
+                .zip(&v[1..])
+                .filter_map(|(k, x)| Some((k.to_string(), x.parse().ok()?)))
+                .collect();
+            (epoch, row)
+        })
+        .collect()
 }

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{folder_accuracy, small_data, tensors};
+use common::{folder_accuracy, metrics, small_data, tensors};
 
 /// Runs `hearth train` with `args` (plus the small run's settings); (success, output).
 fn hearth_train(data: &Path, args: &[&str]) -> (bool, String) {
@@ -42,25 +42,6 @@ fn hearth_train(data: &Path, args: &[&str]) -> (bool, String) {
     let status = common::wait_bounded(&mut child, Instant::now() + Duration::from_secs(300));
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     (status.is_some_and(|s| s.success()), text)
-}
-
-/// metrics.csv as epoch -> column -> value.
-fn metrics(run: &Path) -> BTreeMap<usize, BTreeMap<String, f64>> {
-    let text = std::fs::read_to_string(run.join("metrics.csv")).unwrap();
-    let mut lines = text.lines();
-    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
-    lines
-        .map(|l| {
-            let cells: Vec<&str> = l.split(',').collect();
-            let epoch = cells[0].parse().unwrap();
-            let row = header[1..]
-                .iter()
-                .zip(&cells[1..])
-                .filter_map(|(h, c)| c.parse().ok().map(|v| (h.to_string(), v)))
-                .collect();
-            (epoch, row)
-        })
-        .collect()
 }
 
 /// The epoch of the highest validation accuracy (the first of equals), as the run picks it.

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use burn::store::BurnpackStore;
 use burn::train::EarlyStoppingStrategy;
 use burn::train::checkpoint::{CheckpointingAction, CheckpointingStrategy};
-use burn::train::metric::store::EventStoreClient;
+use burn::train::metric::store::{Aggregate, EventStoreClient, Split};
 use hearth_models::Classifier;
 
 use super::{EpochTable, Monitor, Task};
@@ -102,8 +102,28 @@ impl KeepBestAndLast {
     }
 }
 
+/// Waits until burn-train's event store has handled every event sent to it so far. Its metric
+/// logger (ours, which fills the epoch table and averages the epoch over the ranks) runs on the
+/// store's own thread, and burn-train's flush before these decisions does not wait for that
+/// thread: without this, a decision could read the table before the epoch's row is in, and two
+/// ranks could decide differently (one stopping early while the other trains on, both then
+/// waiting for each other). A query is answered in order after the events before it.
+fn settle(store: &EventStoreClient, epoch: usize) {
+    let _ = store.find_metric(
+        "hearth settles the epoch",
+        epoch,
+        Aggregate::Mean,
+        &Split::Valid,
+    );
+}
+
 impl CheckpointingStrategy for KeepBestAndLast {
-    fn checkpointing(&mut self, epoch: usize, _: &EventStoreClient) -> Vec<CheckpointingAction> {
+    fn checkpointing(
+        &mut self,
+        epoch: usize,
+        store: &EventStoreClient,
+    ) -> Vec<CheckpointingAction> {
+        settle(store, epoch);
         self.actions(epoch)
     }
 }
@@ -127,7 +147,8 @@ impl Patience {
 }
 
 impl EarlyStoppingStrategy for Patience {
-    fn should_stop(&mut self, epoch: usize, _: &EventStoreClient) -> bool {
+    fn should_stop(&mut self, epoch: usize, store: &EventStoreClient) -> bool {
+        settle(store, epoch);
         self.exhausted(epoch)
     }
 }

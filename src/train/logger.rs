@@ -30,12 +30,17 @@ pub struct CsvMetricLogger {
     write: bool,
     /// Stops the run on a NaN or infinite training loss.
     guard: Option<(NonFinite, burn::train::Interrupter)>,
+    /// `train_lr` of an epoch from the schedule, as every mode writes it.
+    epoch_lr: Option<EpochLr>,
     train_steps: HashMap<usize, usize>,
     names: HashMap<MetricId, String>,
     entries: HashMap<(String, usize, bool), Vec<NumericEntry>>,
     table: EpochTable,
     csv: PathBuf,
 }
+
+/// An epoch's `train_lr` (epoch from 1).
+pub type EpochLr = Box<dyn Fn(usize) -> f64 + Send>;
 
 fn slug(name: &str) -> String {
     let lower = name.to_ascii_lowercase();
@@ -115,6 +120,7 @@ impl CsvMetricLogger {
             ranks: None,
             write: true,
             guard: None,
+            epoch_lr: None,
             train_steps: HashMap::new(),
             names: HashMap::new(),
             entries: HashMap::new(),
@@ -141,6 +147,16 @@ impl CsvMetricLogger {
     pub fn with_rank_averaging(mut self, comm: std::sync::Arc<burn_dist::Communicator>) -> Self {
         self.write = comm.rank() == 0;
         self.ranks = Some(comm);
+        self
+    }
+
+    /// Writes `train_lr` from the schedule (`lr(epoch)`) instead of burn-train's rate metric.
+    /// Both are the mean over the epoch's batches of the latest step's rate, except where
+    /// burn-train has not stepped yet in this launch: a resumed run's, or a fine-tuning
+    /// phase's, first batches with `--grad-accum` show its initial rate of 0 there, where the
+    /// run's previous step had a rate.
+    pub fn with_epoch_lr(mut self, lr: EpochLr) -> Self {
+        self.epoch_lr = Some(lr);
         self
     }
 
@@ -353,6 +369,10 @@ impl MetricLogger for CsvMetricLogger {
             if column == "lr" && valid {
                 continue;
             }
+            let x = match &self.epoch_lr {
+                Some(lr) if column == "lr" => lr(epoch),
+                _ => x,
+            };
             values.insert(format!("{prefix}_{column}"), x);
         }
         if let Ok(mut table) = self.table.lock() {

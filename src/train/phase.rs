@@ -11,6 +11,7 @@ use hearth_datasets::Loader;
 use super::best::{BestRule, KeepBestAndLast, Patience};
 use super::model::optimizer;
 use super::run_dir::complete_checkpoints;
+use super::shared::epoch_lr;
 use super::{
     CsvMetricLogger, EpochTable, ImagesPerSecond, LoaderAdapter, NonFinite, PlainRenderer,
     SkippedImages, Task, TrainConfig,
@@ -65,6 +66,11 @@ impl<T: Task> Phase<'_, T> {
             csv_logger =
                 csv_logger.with_report(Box::new(|line: &str| eprintln!("{line}")), cfg.epochs);
         }
+        let (rates, batches) = (schedule.clone(), self.batches_per_epoch);
+        let k = cfg.grad_accum.unwrap_or(1);
+        csv_logger = csv_logger.with_epoch_lr(Box::new(move |epoch| {
+            epoch_lr(|i| rates.lr_at(i), epoch, batches, k)
+        }));
         if let Some(comm) = self.dist {
             // Metric averaging runs on its own tag space, beside the gradient traffic.
             csv_logger = csv_logger

@@ -40,7 +40,11 @@ impl<T: Trainee> ElasticRun<'_, T> {
             .collect();
         let mine = if info.rank == 0 {
             let c = if self.cfg.resume {
-                let c = self.load_state()?;
+                let mut c = self.load_state()?;
+                // The saved state says whether that launch ended (`--stop-after-epoch`,
+                // patience); this one trains on from it, unless every epoch is done.
+                Epochs::new(self.cfg, true).check_left(c.epoch as usize)?;
+                c.finished = false;
                 log(&format!(
                     "resuming at step {} (epoch {}, sample {})",
                     c.step,

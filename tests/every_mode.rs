@@ -1,0 +1,387 @@
+//! Issue 25's table, the cells the mode-specific tests leave at their defaults. One recipe turns
+//! them all on: an earlier run's `.bpk` under a new head, AdamW with weight decay, linear rate
+//! scaling, warmup then cosine decay, gradient accumulation, crop, flip, rotation and shear,
+//! and early stopping by validation accuracy. With it:
+//! - one process, data parallel (2 ranks), elastic (2 workers) and sync parameter servers
+//!   (2 workers, 1 server) train the same curve, stop at the same epoch and export the same
+//!   model;
+//! - `--compression bf16` changes an elastic run exactly as it changes a data-parallel one;
+//! - data-parallel and elastic runs stopped after an epoch and resumed equal the straight ones;
+//! - a pipeline (2 stages, and 2 stages x 2 replicas with compression) trains the recipe's
+//!   curve without accumulation as one process does.
+//!
+//! The model has no batch norm or dropout, so every mode computes the same function; the
+//! training set (240 images, batches of 24) has only full batches, where burn-train's loss
+//! metric and the custom modes' agree. Every process is bounded in time.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use common::{Job, elastic_data, exported_logit_gap, hearth_cli, metrics};
+
+type Rows = BTreeMap<usize, BTreeMap<String, f64>>;
+
+/// An earlier run's weights: the same model trained one epoch on a 3-class set, so the recipe's
+/// 4-class run loads its backbone under a new head.
+fn pretrained(dir: &Path) -> PathBuf {
+    let data = dir.join("pretrain-data");
+    hearth::datasets::synth::generate(
+        &data,
+        &hearth::datasets::synth::SynthConfig::new(3, 30, 32)
+            .with_seed(11)
+            .with_val(6),
+    )
+    .unwrap();
+    let run = dir.join("pretrain");
+    let out = hearth_cli(&[
+        "train",
+        "--data",
+        data.to_str().unwrap(),
+        "--model",
+        "vgg-mini-plain",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "30",
+        "--size",
+        "32",
+        "--workers",
+        "1",
+        "--run-dir",
+        run.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "pretraining: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    run.join("model.bpk")
+}
+
+/// The recipe (`accumulate`: with `--grad-accum 2`).
+fn recipe(weights: &Path, accumulate: bool) -> Vec<String> {
+    let mut r: Vec<String> = [
+        "--model",
+        "vgg-mini-plain",
+        "--weights",
+        weights.to_str().unwrap(),
+        "--batch-size",
+        "24",
+        "--epochs",
+        "10",
+        "--optimizer",
+        "adamw",
+        "--lr",
+        "0.002",
+        "--weight-decay",
+        "0.01",
+        "--scale-lr",
+        "linear",
+        "--base-batch",
+        "12",
+        "--schedule",
+        "cosine",
+        "--warmup-epochs",
+        "1",
+        "--augment",
+        "light",
+        "--crop-scale",
+        "0.6,1",
+        "--rotate",
+        "10",
+        "--shear",
+        "8",
+        "--monitor",
+        "val_accuracy",
+        "--patience",
+        "2",
+        // More than one validation image (2.5 points) makes an improvement.
+        "--min-delta",
+        "2.5",
+    ]
+    .map(str::to_string)
+    .to_vec();
+    if accumulate {
+        r.extend(["--grad-accum", "2"].map(str::to_string));
+    }
+    r
+}
+
+/// A run of `world` ranks (1: a plain `hearth train`) of `base` and `args` into `run`; its
+/// rank 0 log.
+fn train(
+    dir: &Path,
+    data: &Path,
+    run: &Path,
+    world: usize,
+    base: &[String],
+    args: &[&str],
+) -> String {
+    let base: Vec<&str> = base.iter().map(String::as_str).collect();
+    if world == 1 {
+        let mut all = vec![
+            "train",
+            "--data",
+            data.to_str().unwrap(),
+            "--workers",
+            "1",
+            "--size",
+            "32",
+        ];
+        all.extend(&base);
+        all.extend(args.iter().filter(|a| **a != "--resume"));
+        all.push(if args.contains(&"--resume") {
+            "--resume"
+        } else {
+            "--run-dir"
+        });
+        all.push(run.to_str().unwrap());
+        let out = hearth_cli(&all);
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{} {args:?}:\n{text}", run.display());
+        return text;
+    }
+    let mut job = Job::spawn(dir, data, run, world, &base, args, &[]);
+    let ok = job.wait(400);
+    assert!(
+        ok.iter().all(|&o| o),
+        "{} {args:?}:\n{}",
+        run.display(),
+        job.all_logs()
+    );
+    job.log(0)
+}
+
+/// The epoch the run exported, from its summary.
+fn best_epoch(log: &str) -> Option<usize> {
+    log.lines()
+        .find_map(|l| l.split("best epoch: ").nth(1))
+        .and_then(|t| {
+            t.chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+                .parse()
+                .ok()
+        })
+}
+
+/// The epoch early stopping with `patience` and `min_delta` ends a run of `epochs` on `rows`'
+/// validation accuracy: the first after `patience` epochs without a new best.
+fn patience_end(rows: &Rows, patience: usize, min_delta: f64, epochs: usize) -> usize {
+    let mut best = f64::MIN;
+    let mut since = 0;
+    for (&e, r) in rows {
+        if r["val_accuracy"] > best + min_delta {
+            best = r["val_accuracy"];
+            since = 0;
+        } else {
+            since += 1;
+        }
+        if since >= patience && e < epochs {
+            return e;
+        }
+    }
+    epochs
+}
+
+/// The largest relative difference of `columns` between two runs' rows; both must have the
+/// same epochs.
+fn gap(a: &Rows, b: &Rows, columns: &[&str]) -> f64 {
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "the same epochs:\n{a:?}\n{b:?}"
+    );
+    let mut worst = 0f64;
+    for (e, row) in a {
+        for c in columns {
+            let (x, y) = (row[*c], b[e][*c]);
+            worst = worst.max((x - y).abs() / x.abs().max(1.0));
+        }
+    }
+    worst
+}
+
+const CURVE: [&str; 3] = ["train_loss", "train_lr", "val_accuracy"];
+
+#[test]
+fn one_recipe_trains_the_same_in_one_process_data_parallel_elastic_and_on_servers() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = elastic_data(dir.path());
+    let weights = pretrained(dir.path());
+    let base = recipe(&weights, true);
+    let path = |n: &str| dir.path().join(n);
+
+    let one_log = train(dir.path(), &data, &path("one"), 1, &base, &[]);
+    let one = metrics(&path("one"));
+    // The recipe ran as asked: the schedule warmed up then decayed (at the linearly scaled
+    // peak, 2 x 0.002), and patience ended the run where its rule says, before --epochs.
+    let lr: Vec<f64> = one.values().map(|r| r["train_lr"]).collect();
+    assert!(lr[1] > lr[0] && lr[lr.len() - 1] < lr[1], "{lr:?}");
+    assert!(lr.iter().all(|&r| r <= 0.004 + 1e-12), "{lr:?}");
+    let end = patience_end(&one, 2, 2.5, 10);
+    assert_eq!(*one.keys().last().unwrap(), end, "{one:?}");
+    assert!(end < 10, "patience stops this recipe early: {one:?}");
+    assert!(
+        one_log.contains("loaded the 3-class model") && one_log.contains("new 4-class head"),
+        "the weights load under a new head:\n{one_log}"
+    );
+
+    let modes: [(&str, usize, &[&str]); 3] = [
+        ("dp", 2, &[]),
+        ("elastic", 2, &["--elastic"]),
+        ("ps", 3, &["--ps", "1", "--mode", "sync"]),
+    ];
+    let mut logs = BTreeMap::new();
+    for (name, world, args) in modes {
+        logs.insert(
+            name,
+            train(dir.path(), &data, &path(name), world, &base, args),
+        );
+    }
+    for (name, _, _) in modes {
+        let rows = metrics(&path(name));
+        let worst = gap(&one, &rows, &CURVE);
+        assert!(
+            worst <= 1e-4,
+            "{name} differs from one process by {worst}:\n{one:?}\n{rows:?}"
+        );
+        assert_eq!(best_epoch(&logs[name]), best_epoch(&one_log), "{name}");
+        let logits = exported_logit_gap(
+            &path("one").join("model.bpk"),
+            &path(name).join("model.bpk"),
+            &data.join("val"),
+            32,
+        );
+        assert!(
+            logits <= 1e-3,
+            "{name}'s exported model differs by {logits}"
+        );
+    }
+
+    // Compression: bf16 gradients change data parallel and elastic alike. Their first epochs
+    // agree; later ones drift apart, as rounding to bf16 turns the last-bit differences of the
+    // two modes' sums into whole bf16 steps.
+    let mut bf16 = base.clone();
+    bf16.extend(["--compression", "bf16"].map(str::to_string));
+    train(dir.path(), &data, &path("dp-bf16"), 2, &bf16, &[]);
+    train(
+        dir.path(),
+        &data,
+        &path("elastic-bf16"),
+        2,
+        &bf16,
+        &["--elastic"],
+    );
+    let first = |name: &str| metrics(&path(name))[&1]["train_loss"];
+    let same = (first("dp-bf16") - first("elastic-bf16")).abs();
+    assert!(
+        same <= 1e-4,
+        "bf16, epoch 1: data parallel and elastic differ by {same}"
+    );
+    for name in ["dp", "elastic"] {
+        let changed = exported_logit_gap(
+            &path(name).join("model.bpk"),
+            &path(&format!("{name}-bf16")).join("model.bpk"),
+            &data.join("val"),
+            32,
+        );
+        assert!(
+            changed > 1e-6,
+            "--compression bf16 left the {name} run's model unchanged: {changed}"
+        );
+        let (exact, rounded) = (
+            metrics(&path(name)),
+            metrics(&path(&format!("{name}-bf16"))),
+        );
+        let drift = (exact[&1]["train_loss"] - rounded[&1]["train_loss"]).abs();
+        assert!(drift < 0.01, "{name}: bf16 moved epoch 1's loss by {drift}");
+    }
+
+    // Stopped after epoch 1 and resumed: the straight runs' curves and models.
+    for (name, world, args) in [("dp", 2, &[][..]), ("elastic", 2, &["--elastic"][..])] {
+        let run = path(&format!("{name}-resumed"));
+        let mut first = args.to_vec();
+        first.extend(["--stop-after-epoch", "1"]);
+        train(dir.path(), &data, &run, world, &base, &first);
+        let mut again = args.to_vec();
+        again.push("--resume");
+        let log = train(dir.path(), &data, &run, world, &base, &again);
+        assert!(log.contains("resum"), "{name}: {log}");
+        let straight = metrics(&path(name));
+        let resumed = metrics(&run);
+        let worst = gap(
+            &straight,
+            &resumed,
+            &["train_loss", "train_lr", "val_accuracy"],
+        );
+        assert!(
+            worst <= 1e-5,
+            "{name} resumed differs by {worst}:\n{straight:?}\n{resumed:?}"
+        );
+        let logits = exported_logit_gap(
+            &path(name).join("model.bpk"),
+            &run.join("model.bpk"),
+            &data.join("val"),
+            32,
+        );
+        assert!(
+            logits <= 1e-5,
+            "{name} resumed exports a model {logits} away"
+        );
+    }
+}
+
+#[test]
+fn a_pipeline_trains_the_recipe_as_one_process_does_with_and_without_replicas() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = elastic_data(dir.path());
+    let weights = pretrained(dir.path());
+    // Micro-batches are the pipeline's accumulation: the recipe without --grad-accum.
+    let base = recipe(&weights, false);
+    let path = |n: &str| dir.path().join(n);
+    let one_log = train(dir.path(), &data, &path("one"), 1, &base, &[]);
+    let one = metrics(&path("one"));
+    let stages = ["--pipeline-stages", "2", "--micro-batches", "2"];
+    let log = train(dir.path(), &data, &path("pipeline"), 1, &base, &stages);
+    let rows = metrics(&path("pipeline"));
+    let worst = gap(&one, &rows, &CURVE);
+    assert!(
+        worst <= 1e-3,
+        "pipeline differs by {worst}:\n{one:?}\n{rows:?}"
+    );
+    assert_eq!(best_epoch(&log), best_epoch(&one_log));
+    let logits = exported_logit_gap(
+        &path("one").join("model.bpk"),
+        &path("pipeline").join("model.bpk"),
+        &data.join("val"),
+        32,
+    );
+    // Looser than the curve: the pipeline sums two half-batch gradients (another order of
+    // float additions), and seven epochs of Adam at 4e-3 carry that into the weights.
+    assert!(logits <= 0.1, "the pipeline's model differs by {logits}");
+
+    // 2 stages x 2 replicas exchanging bf16 gradients: close to one process, not equal.
+    let mut replicas = stages.to_vec();
+    replicas.extend(["--nproc", "4", "--compression", "bf16"]);
+    train(dir.path(), &data, &path("replicas"), 1, &base, &replicas);
+    let rows = metrics(&path("replicas"));
+    let close = gap(&one, &rows, &["train_loss"]);
+    assert!(close < 0.05, "bf16 replicas: {rows:?}\n{one:?}");
+    let changed = exported_logit_gap(
+        &path("one").join("model.bpk"),
+        &path("replicas").join("model.bpk"),
+        &data.join("val"),
+        32,
+    );
+    assert!(
+        changed > 1e-6,
+        "--compression bf16 left the replicas' model unchanged: {changed}"
+    );
+}
