@@ -1,6 +1,6 @@
-//! The one epoch loop of the training modes that burn-train's Learner cannot drive (pipeline
-//! stages, parameter servers) and the epoch bookkeeping every custom mode shares (elastic
-//! membership commits its epochs through the same [`Epochs`]).
+//! The one epoch loop of the training modes that burn-train's Learner cannot drive: a user's
+//! module in one process or data parallel (allreduce), elastic membership, parameter servers
+//! and pipeline stages.
 //!
 //! A mode is a [`Strategy`]: how an epoch trains and validates on this rank, how its state is
 //! saved, and how the ranks agree to stop. [`Epochs::run`] owns the rest, once for all of them:
@@ -43,14 +43,23 @@ pub(super) trait Strategy {
     fn decode_failures(&self) -> (usize, usize) {
         (0, 0)
     }
+
+    /// The epoch the last [`Self::epoch`] call finished when it was asked for `asked`. Modes
+    /// whose ranks always agree finish the one asked for; elastic membership can hand a rank
+    /// the state of another that had not validated the epoch before it yet, which is then
+    /// the one finished (recorded again, and the loop goes on after it).
+    fn epoch_done(&self, asked: usize) -> usize {
+        asked
+    }
 }
 
 /// The epochs of one run: the table of their metrics and the decisions read from it.
 pub(super) struct Epochs<'a> {
     cfg: &'a TrainConfig,
     table: EpochTable,
-    /// Whether this rank writes `metrics.csv` and prints the epoch lines.
-    writer: bool,
+    /// Whether this rank writes `metrics.csv` and prints the epoch lines (elastic membership
+    /// moves it to a new rank 0).
+    writer: std::cell::Cell<bool>,
     /// The epoch patience counts from at the earliest (the fine-tuning phase's start).
     patience_origin: usize,
 }
@@ -60,7 +69,7 @@ impl<'a> Epochs<'a> {
         Self {
             cfg,
             table: EpochTable::default(),
-            writer,
+            writer: std::cell::Cell::new(writer),
             patience_origin: cfg
                 .unfreeze_after
                 .filter(|_| cfg.freeze_backbone)
@@ -91,6 +100,11 @@ impl<'a> Epochs<'a> {
     /// `--resume` after `epoch`: the earlier epochs' rows from the run's `metrics.csv`.
     pub fn reload(&self, epoch: usize) -> Result<()> {
         run_dir::reload_table(&self.cfg.run_dir.join("metrics.csv"), &self.table, epoch)
+    }
+
+    /// Makes this rank the one that writes (or not).
+    pub fn set_writer(&self, writer: bool) {
+        self.writer.set(writer);
     }
 
     /// Replaces the table (a state that carries its rows, as an elastic commit does).
@@ -129,7 +143,7 @@ impl<'a> Epochs<'a> {
         if let Ok(mut t) = self.table.lock() {
             t.insert(epoch, row.clone());
         }
-        if self.writer {
+        if self.writer.get() {
             self.write_csv()?;
             log(&epoch_line(epoch, Some(self.cfg.epochs), &row));
         }
@@ -138,7 +152,7 @@ impl<'a> Epochs<'a> {
 
     /// Writes `metrics.csv` (on the writer).
     pub fn write_csv(&self) -> Result<()> {
-        if !self.writer {
+        if !self.writer.get() {
             return Ok(());
         }
         run_dir::write_atomic(
@@ -160,7 +174,7 @@ impl<'a> Epochs<'a> {
                 origin: self.patience_origin,
             }
             .exhausted(epoch);
-        if stop && self.writer {
+        if stop && self.writer.get() {
             log(&format!(
                 "early stopping after epoch {epoch}: no improvement of {} in {patience} epochs",
                 self.cfg.monitor.column()
@@ -179,8 +193,10 @@ impl<'a> Epochs<'a> {
     ) -> Result<usize> {
         let end = self.end();
         let mut seen = strategy.decode_failures();
-        for epoch in first + 1..=end {
+        let mut epoch = first + 1;
+        while epoch <= end {
             let row = strategy.epoch(epoch, log)?;
+            let done = strategy.epoch_done(epoch);
             let now = strategy.decode_failures();
             if let Some(mut row) = row {
                 row.insert(
@@ -191,16 +207,17 @@ impl<'a> Epochs<'a> {
                     "val_skipped_images".into(),
                     now.1.saturating_sub(seen.1) as f64,
                 );
-                self.record(epoch, row, log)?;
+                self.record(done, row, log)?;
             }
             seen = now;
-            strategy.checkpoint(epoch, self.best())?;
-            if epoch < end {
-                let stop = self.stop_early(epoch, log);
+            strategy.checkpoint(done, self.best())?;
+            if done < end {
+                let stop = self.stop_early(done, log);
                 if strategy.agree_stop(stop)? {
-                    return Ok(epoch);
+                    return Ok(done);
                 }
             }
+            epoch = done + 1;
         }
         Ok(end)
     }
@@ -341,5 +358,69 @@ mod tests {
         // Not the writer: no file.
         epochs.record(1, Row::new(), &mut |_| {}).unwrap();
         assert!(!dir.path().join("metrics.csv").exists());
+    }
+
+    /// A strategy that, once, finishes the epoch before the one asked for (an elastic member
+    /// handed a state that had not validated it yet) with a different value.
+    struct Behind {
+        inner: Scripted,
+        asked: Vec<usize>,
+        done: usize,
+        rewound: bool,
+    }
+
+    impl Strategy for Behind {
+        fn epoch(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) -> Result<Option<Row>> {
+            self.asked.push(epoch);
+            self.done = epoch;
+            if epoch == 3 && !self.rewound {
+                self.rewound = true;
+                self.done = 2;
+                self.inner.accuracy[1] = 65.0;
+            }
+            self.inner.epoch(self.done, log)
+        }
+        fn epoch_done(&self, _: usize) -> usize {
+            self.done
+        }
+        fn checkpoint(&mut self, epoch: usize, best: Option<usize>) -> Result<()> {
+            self.inner.checkpoint(epoch, best)
+        }
+    }
+
+    #[test]
+    fn an_epoch_finished_again_is_recorded_again_and_the_loop_goes_on_after_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path());
+        cfg.epochs = 4;
+        let epochs = Epochs::new(&cfg, true);
+        let mut s = Behind {
+            inner: Scripted {
+                accuracy: vec![50.0, 60.0, 55.0, 70.0],
+                saved: Vec::new(),
+            },
+            asked: Vec::new(),
+            done: 0,
+            rewound: false,
+        };
+        assert_eq!(epochs.run(0, &mut s, &mut |_| {}).unwrap(), 4);
+        assert_eq!(s.asked, vec![1, 2, 3, 3, 4]);
+        assert_eq!(
+            s.inner.saved,
+            vec![
+                (1, Some(1)),
+                (2, Some(2)),
+                (2, Some(2)),
+                (3, Some(2)),
+                (4, Some(4))
+            ]
+        );
+        assert_eq!(
+            epochs.rows()[&2]["val_accuracy"],
+            65.0,
+            "the row finished last"
+        );
+        let csv = std::fs::read_to_string(dir.path().join("metrics.csv")).unwrap();
+        assert_eq!(csv.lines().count(), 5, "{csv}");
     }
 }

@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::best::{export_best, model_checkpoint, save_epoch_weights};
-use super::epochs::Epochs;
+use super::epochs::{Epochs, Row};
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, Targets};
 use super::shared::{Rates, collective_timeout, epoch_lr, hook};
@@ -216,8 +216,8 @@ impl World {
 
 /// How a stretch of training in one world ended.
 enum Interrupt {
-    /// The run is over.
-    Done,
+    /// The epoch's samples are done: its validation comes next.
+    EpochEnd,
     /// After a committed step, members asked to leave (their ranks) or joiners wait.
     Planned { leaving: Vec<usize> },
     /// A step failed (a peer lost).
@@ -244,8 +244,6 @@ struct ElasticRun<'a, T: Trainee> {
     started: Instant,
     /// Samples per second of this worker's compute (moving average).
     speed: f64,
-    /// This worker's decode failures when its last epoch ended (training, validation).
-    failures_seen: (usize, usize),
     /// The coordinator's endpoint bound for the next rendezvous, and the next members.
     bound: Option<burn_dist::transport::quic::QuicNode>,
     next_members: Option<Vec<Worker>>,
@@ -282,9 +280,12 @@ fn greeting_tag(epoch: u32) -> u64 {
 /// Steps between re-measured throughput shares (`--balance throughput`).
 const REBALANCE_EVERY: u64 = 8;
 
+mod members;
 mod state;
 mod step;
 mod world;
+
+use members::Members;
 
 pub(super) fn train(
     cfg: &TrainConfig,
@@ -378,7 +379,6 @@ pub(super) fn train_with<R: Recipe>(
         me,
         started,
         speed: 0.0,
-        failures_seen: (0, 0),
         bound: None,
         next_members: None,
         throttle: None,
@@ -430,65 +430,31 @@ impl<T: Trainee> ElasticRun<'_, T> {
         })
     }
 
+    /// The run's epochs on the shared loop ([`Epochs::run`]), membership changes inside them,
+    /// then the end of the run.
     fn train(
         mut self,
-        mut world: World,
-        mut commit: Commit<T::Model>,
+        world: World,
+        commit: Commit<T::Model>,
         log: &mut dyn FnMut(&str),
     ) -> Result<TrainReport> {
-        let n = self.trainee.train_len();
-        if n == 0 {
+        if self.trainee.train_len() == 0 {
             return Err(HearthError::InvalidArgument(
                 "the training set is empty".into(),
             ));
         }
-        loop {
-            let (leaving, lost) = match self.run_world(&mut world, &mut commit, log)? {
-                Interrupt::Done => break,
-                Interrupt::Planned { leaving } => (leaving, Vec::new()),
-                Interrupt::Failed(reason) => {
-                    log(&format!(
-                        "{}: step {} failed: {reason}",
-                        self.me.id,
-                        commit.step + 1
-                    ));
-                    let lost = self.lost_after_failure(&world);
-                    log(&format!(
-                        "{}: lost {}",
-                        self.me.id,
-                        lost.iter()
-                            .map(|&r| world.members[r].id.as_str())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ));
-                    (Vec::new(), lost)
-                }
-            };
-            if leaving.contains(&world.rank()) {
-                if leaving.len() == world.size() && world.rank() == 0 {
-                    let saved = self.save_state(&commit, &world)?;
-                    log(&format!(
-                        "every worker left: {} {} (--resume continues it)",
-                        if saved {
-                            "state saved in"
-                        } else {
-                            "a later state kept in"
-                        },
-                        self.state_file().display()
-                    ));
-                }
-                self.join.set_role(Role::Busy);
-                world.transport.shutdown(Duration::from_secs(5));
-                return Err(HearthError::LeftJob {
-                    id: self.me.id.clone(),
-                    step: commit.step,
-                });
-            }
-            let (next, next_commit) = self.change(&world, commit, &leaving, &lost, log)?;
-            world.transport.shutdown(Duration::from_secs(1));
-            world = next;
-            commit = next_commit;
-        }
+        let epochs = Epochs::new(self.cfg, world.rank() == 0);
+        epochs.set_rows(commit.rows.clone());
+        let first = commit.epoch as usize;
+        let mut members = Members {
+            run: &mut self,
+            epochs: &epochs,
+            world,
+            commit,
+            done: first,
+        };
+        epochs.run(first, &mut members, log)?;
+        let Members { world, commit, .. } = members;
         self.finish(world, commit, log)
     }
 

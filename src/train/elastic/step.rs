@@ -1,11 +1,12 @@
-//! Training in one world: steps with their control allreduce and commit, the end of each data
-//! epoch (validation, metrics, checkpoints).
+//! Training in one world: steps with their control allreduce and commit, and the validation
+//! at the end of each data epoch (the epoch's row; the rest is [`Epochs::run`]'s).
 
 use super::*;
 
 impl<T: Trainee> ElasticRun<'_, T> {
-    /// Steps in one world until the run ends, a change is asked for, or a step fails.
-    pub(super) fn run_world(
+    /// Steps in one world until the epoch's samples are done, a change is asked for, or a step
+    /// fails.
+    pub(super) fn steps(
         &mut self,
         world: &mut World,
         commit: &mut Commit<T::Model>,
@@ -15,17 +16,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let global = self.cfg.batch_size;
         let mut stream: Option<(u64, u64, Stream<Input<T>>)> = None;
         loop {
-            if commit.finished {
-                return Ok(Interrupt::Done);
-            }
             if commit.position as usize >= n {
-                match self.end_epoch(world, commit, log) {
-                    Ok(()) => {}
-                    Err(HearthError::Dist(e)) => return Ok(Interrupt::Failed(e.to_string())),
-                    Err(e) => return Err(e),
-                }
-                stream = None;
-                continue;
+                return Ok(Interrupt::EpochEnd);
             }
             // The stream of the rest of the epoch for the current world and shares.
             if stream
@@ -206,14 +198,10 @@ impl<T: Trainee> ElasticRun<'_, T> {
             .train_batches(commit.epoch, batches, &self.device))
     }
 
-    /// The end of a data epoch: validation over the world, the metrics row, checkpoints and the
-    /// early-stopping decision, committed like a step.
-    pub(super) fn end_epoch(
-        &mut self,
-        world: &World,
-        commit: &mut Commit<T::Model>,
-        log: &mut dyn FnMut(&str),
-    ) -> Result<()> {
+    /// The end of a data epoch: validation over the world and the epoch's row. The committed
+    /// model becomes rank 0's (its batch-norm statistics); the epoch itself is committed by
+    /// [`Members::checkpoint`] once [`Epochs::run`] has recorded the row.
+    pub(super) fn validate(&mut self, world: &World, commit: &mut Commit<T::Model>) -> Result<Row> {
         let epoch = commit.epoch as usize + 1;
         // Batch norm statistics differ between members: rank 0's for everyone (as DDP does).
         let model = burn_dist::ddp::broadcast_module(commit.model.clone(), &world.comm)?;
@@ -262,38 +250,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
         if let Some(a) = val.auroc {
             row.insert("val_auroc".into(), a);
         }
-        // Images this worker skipped this epoch (a joiner counts from its first epoch here).
-        let now = self.trainee.decode_failures();
-        row.insert(
-            "train_skipped_images".into(),
-            now.0.saturating_sub(self.failures_seen.0) as f64,
-        );
-        row.insert(
-            "val_skipped_images".into(),
-            now.1.saturating_sub(self.failures_seen.1) as f64,
-        );
-        self.failures_seen = now;
-        // The epoch's bookkeeping as every mode does it; the rows travel in the commit, so a
-        // new rank 0 after a change goes on with the whole table.
-        let epochs = Epochs::new(self.cfg, rank == 0);
-        epochs.set_rows(commit.rows.clone());
-        epochs.record(epoch, row, log)?;
-        let finished = epoch >= epochs.end() || epochs.stop_early(epoch, log);
-        // Commit the epoch's end; the next epoch's phase decides what trains.
-        if self.rates.frozen(epoch) && !self.rates.frozen(epoch + 1) && !finished {
-            log(&self.rates.unfreeze_line(epoch));
-        }
-        commit.model = self.in_phase(model, epoch as u64);
-        commit.rows = epochs.rows();
-        commit.epoch += 1;
-        commit.position = 0;
-        commit.sums = [0.0; 3];
-        commit.epoch_started = commit.elapsed;
-        commit.finished = finished;
-        if rank == 0 {
-            self.checkpoint(commit, world, epoch, epochs.best())?;
-        }
-        Ok(())
+        commit.model = model;
+        Ok(row)
     }
 
     /// Rank 0 (after `metrics.csv`): the epoch's model and optimizer files (best and last kept), and the

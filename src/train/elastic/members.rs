@@ -1,0 +1,144 @@
+//! Elastic membership as a [`Strategy`] of the shared epoch loop: an epoch is the steps of the
+//! current world, a change of membership wherever one is asked for or a step fails, and the
+//! validation over whoever is a member at the epoch's end.
+//!
+//! A change hands every member the state of the lowest survivor, which may stand on either
+//! side of an epoch's end that this member saw differently (a peer lost inside the validation
+//! allreduce can leave one member past it and another before it). So an epoch call reports the
+//! epoch it finished ([`Strategy::epoch_done`]): the one asked for, the one before it when the
+//! state handed over had not validated that yet, and the table is the handed-over state's.
+
+use super::*;
+use crate::train::epochs::Strategy;
+
+/// One elastic worker's part of the loop: its run, the current world and committed state.
+pub(super) struct Members<'r, 'e, 'c, T: Trainee> {
+    pub run: &'r mut ElasticRun<'c, T>,
+    pub epochs: &'e Epochs<'c>,
+    pub world: World,
+    pub commit: Commit<T::Model>,
+    /// The epoch the last [`Strategy::epoch`] call finished.
+    pub done: usize,
+}
+
+impl<T: Trainee> Members<'_, '_, '_, T> {
+    /// A change of membership after `interrupt`: this worker leaves (an error saying so), or
+    /// forms the next world with the others and takes its rank 0's state.
+    fn reform(&mut self, interrupt: Interrupt, log: &mut dyn FnMut(&str)) -> Result<()> {
+        let world = &self.world;
+        let (leaving, lost) = match interrupt {
+            Interrupt::EpochEnd => return Ok(()),
+            Interrupt::Planned { leaving } => (leaving, Vec::new()),
+            Interrupt::Failed(reason) => {
+                let me = &self.run.me.id;
+                log(&format!(
+                    "{me}: step {} failed: {reason}",
+                    self.commit.step + 1
+                ));
+                let lost = self.run.lost_after_failure(world);
+                log(&format!(
+                    "{me}: lost {}",
+                    lost.iter()
+                        .map(|&r| world.members[r].id.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
+                (Vec::new(), lost)
+            }
+        };
+        if leaving.contains(&world.rank()) {
+            if leaving.len() == world.size() && world.rank() == 0 {
+                let saved = self.run.save_state(&self.commit, world)?;
+                log(&format!(
+                    "every worker left: {} {} (--resume continues it)",
+                    if saved {
+                        "state saved in"
+                    } else {
+                        "a later state kept in"
+                    },
+                    self.run.state_file().display()
+                ));
+            }
+            self.run.join.set_role(Role::Busy);
+            world.transport.shutdown(Duration::from_secs(5));
+            return Err(HearthError::LeftJob {
+                id: self.run.me.id.clone(),
+                step: self.commit.step,
+            });
+        }
+        let (next, commit) = self
+            .run
+            .change(world, self.commit.clone(), &leaving, &lost, log)?;
+        self.world.transport.shutdown(Duration::from_secs(1));
+        self.world = next;
+        self.commit = commit;
+        // The new rank 0 writes the files, from the table the state carries.
+        self.epochs.set_writer(self.world.rank() == 0);
+        self.epochs.set_rows(self.commit.rows.clone());
+        Ok(())
+    }
+}
+
+impl<T: Trainee> Strategy for Members<'_, '_, '_, T> {
+    fn epoch(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) -> Result<Option<Row>> {
+        let rates = &self.run.rates;
+        if epoch > 1 && rates.frozen(epoch - 1) && !rates.frozen(epoch) {
+            log(&rates.unfreeze_line(epoch - 1));
+        }
+        loop {
+            // The data epoch the committed state is in (from 1).
+            let current = self.commit.epoch as usize + 1;
+            if current > epoch {
+                // A change handed over a state that had validated this epoch already.
+                self.done = epoch;
+                return Ok(self.commit.rows.get(&epoch).cloned());
+            }
+            let interrupt = match self.run.steps(&mut self.world, &mut self.commit, log)? {
+                Interrupt::EpochEnd => match self.run.validate(&self.world, &mut self.commit) {
+                    Ok(row) => {
+                        self.done = current;
+                        return Ok(Some(row));
+                    }
+                    Err(HearthError::Dist(e)) => Interrupt::Failed(e.to_string()),
+                    Err(e) => return Err(e),
+                },
+                other => other,
+            };
+            self.reform(interrupt, log)?;
+        }
+    }
+
+    fn epoch_done(&self, _asked: usize) -> usize {
+        self.done
+    }
+
+    /// Commits the epoch's end (unless the state handed over had), then rank 0 writes the
+    /// epoch's files and the whole state.
+    fn checkpoint(&mut self, epoch: usize, best: Option<usize>) -> Result<()> {
+        let c = &mut self.commit;
+        if c.epoch as usize + 1 == epoch {
+            // The next epoch's phase decides what trains.
+            c.model = self.run.in_phase(c.model.clone(), epoch as u64);
+            c.epoch += 1;
+            c.position = 0;
+            c.sums = [0.0; 3];
+            c.epoch_started = c.elapsed;
+        }
+        c.rows = self.epochs.rows();
+        if self.world.rank() == 0 {
+            self.run
+                .checkpoint(&self.commit, &self.world, epoch, best)?;
+        }
+        Ok(())
+    }
+
+    /// Every member holds the same table, so each takes the same decision.
+    fn agree_stop(&mut self, stop: bool) -> Result<bool> {
+        self.commit.finished = stop;
+        Ok(stop)
+    }
+
+    fn decode_failures(&self) -> (usize, usize) {
+        self.run.trainee.decode_failures()
+    }
+}
