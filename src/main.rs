@@ -3,6 +3,7 @@
 mod cli {
     pub mod bench;
     pub mod predict;
+    pub mod resume;
     pub mod train;
 }
 

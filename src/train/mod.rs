@@ -39,6 +39,7 @@ mod distributed;
 mod elastic;
 mod epochs;
 mod export;
+mod hparams;
 mod logger;
 mod model;
 mod objective;
