@@ -208,6 +208,16 @@ fn gap(a: &Rows, b: &Rows, columns: &[&str]) -> f64 {
     worst
 }
 
+/// The largest logit difference between two runs' exported models over the validation images.
+fn model_gap(a: &Path, b: &Path, data: &Path) -> f32 {
+    exported_logit_gap(
+        &a.join("model.bpk"),
+        &b.join("model.bpk"),
+        &data.join("val"),
+        32,
+    )
+}
+
 const CURVE: [&str; 3] = ["train_loss", "train_lr", "val_accuracy"];
 
 #[test]
@@ -253,12 +263,7 @@ fn one_recipe_trains_the_same_in_one_process_data_parallel_elastic_and_on_server
             "{name} differs from one process by {worst}:\n{one:?}\n{rows:?}"
         );
         assert_eq!(best_epoch(&logs[name]), best_epoch(&one_log), "{name}");
-        let logits = exported_logit_gap(
-            &path("one").join("model.bpk"),
-            &path(name).join("model.bpk"),
-            &data.join("val"),
-            32,
-        );
+        let logits = model_gap(&path("one"), &path(name), &data);
         assert!(
             logits <= 1e-3,
             "{name}'s exported model differs by {logits}"
@@ -286,12 +291,7 @@ fn one_recipe_trains_the_same_in_one_process_data_parallel_elastic_and_on_server
         "bf16, epoch 1: data parallel and elastic differ by {same}"
     );
     for name in ["dp", "elastic"] {
-        let changed = exported_logit_gap(
-            &path(name).join("model.bpk"),
-            &path(&format!("{name}-bf16")).join("model.bpk"),
-            &data.join("val"),
-            32,
-        );
+        let changed = model_gap(&path(name), &path(&format!("{name}-bf16")), &data);
         assert!(
             changed > 1e-6,
             "--compression bf16 left the {name} run's model unchanged: {changed}"
@@ -325,12 +325,7 @@ fn one_recipe_trains_the_same_in_one_process_data_parallel_elastic_and_on_server
             worst <= 1e-5,
             "{name} resumed differs by {worst}:\n{straight:?}\n{resumed:?}"
         );
-        let logits = exported_logit_gap(
-            &path(name).join("model.bpk"),
-            &run.join("model.bpk"),
-            &data.join("val"),
-            32,
-        );
+        let logits = model_gap(&path(name), &run, &data);
         assert!(
             logits <= 1e-5,
             "{name} resumed exports a model {logits} away"
@@ -357,12 +352,7 @@ fn a_pipeline_trains_the_recipe_as_one_process_does_with_and_without_replicas() 
         "pipeline differs by {worst}:\n{one:?}\n{rows:?}"
     );
     assert_eq!(best_epoch(&log), best_epoch(&one_log));
-    let logits = exported_logit_gap(
-        &path("one").join("model.bpk"),
-        &path("pipeline").join("model.bpk"),
-        &data.join("val"),
-        32,
-    );
+    let logits = model_gap(&path("one"), &path("pipeline"), &data);
     // Looser than the curve: the pipeline sums two half-batch gradients (another order of
     // float additions), and seven epochs of Adam at 4e-3 carry that into the weights.
     assert!(logits <= 0.1, "the pipeline's model differs by {logits}");
@@ -374,12 +364,7 @@ fn a_pipeline_trains_the_recipe_as_one_process_does_with_and_without_replicas() 
     let rows = metrics(&path("replicas"));
     let close = gap(&one, &rows, &["train_loss"]);
     assert!(close < 0.05, "bf16 replicas: {rows:?}\n{one:?}");
-    let changed = exported_logit_gap(
-        &path("one").join("model.bpk"),
-        &path("replicas").join("model.bpk"),
-        &data.join("val"),
-        32,
-    );
+    let changed = model_gap(&path("one"), &path("replicas"), &data);
     assert!(
         changed > 1e-6,
         "--compression bf16 left the replicas' model unchanged: {changed}"
