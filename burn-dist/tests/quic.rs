@@ -223,6 +223,107 @@ fn random_bytes_on_the_port_do_not_disturb_a_running_job() {
     assert_eq!(results, vec![20, 20]);
 }
 
+/// `n` genuine QUIC Initial packets, each opening a different connection (its own
+/// destination connection id), from a client that is no member of the job: captured on a
+/// socket that never answers.
+fn stranger_initials(n: usize) -> Vec<Vec<u8>> {
+    let sink = UdpSocket::bind("127.0.0.1:0").unwrap();
+    sink.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let to = sink.local_addr().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let _guard = rt.enter();
+    let stranger = burn_dist::tls::Identity::new(
+        &Membership::secret("a stranger's secret, not the job's one").unwrap(),
+        1,
+    )
+    .unwrap();
+    let tls = burn_dist::tls::client_config(&stranger).unwrap();
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
+    let connecting: Vec<_> = (0..n)
+        .map(|_| endpoint.connect(to, burn_dist::tls::SERVER_NAME).unwrap())
+        .collect();
+    let mut seen = std::collections::BTreeMap::new();
+    let mut buf = [0u8; 2048];
+    while seen.len() < n {
+        // The endpoint's driver sends the Initials while this runtime runs.
+        rt.block_on(tokio::time::sleep(Duration::from_millis(20)));
+        while let Ok((len, _)) = {
+            sink.set_nonblocking(true).unwrap();
+            sink.recv_from(&mut buf)
+        } {
+            // Long header: flags, version (4), DCID length, DCID.
+            let dcid_len = buf[5] as usize;
+            seen.entry(buf[6..6 + dcid_len].to_vec())
+                .or_insert_with(|| buf[..len].to_vec());
+        }
+    }
+    drop(connecting);
+    seen.into_values().take(n).collect()
+}
+
+#[test]
+fn fifty_stalled_handshakes_from_a_stranger_do_not_keep_the_job_from_forming() {
+    // A stranger opens a handshake every 200 ms for 10 s and never answers one. Taken one at a
+    // time, each would hold rank 0 until its idle timeout (5 s), so a rank arriving among them
+    // would wait behind them for longer than the rendezvous's 10 s; run side by side, each
+    // with its own deadline, they hold up nothing.
+    let initials = stranger_initials(50);
+    assert_eq!(initials.len(), 50);
+    let port = free_port();
+    let world = 3;
+    let timeout = Duration::from_secs(10);
+    let member = move |r: usize| {
+        std::thread::spawn(move || {
+            connect(
+                &info(r, world, port),
+                &Membership::secret(SECRET).unwrap(),
+                &options(timeout),
+            )
+        })
+    };
+    let rank0 = member(0);
+    std::thread::sleep(Duration::from_millis(300));
+    let target: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let flood = std::thread::spawn(move || {
+        let mut open = Vec::new();
+        for p in initials {
+            let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+            s.send_to(&p, target).unwrap();
+            open.push(s);
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        open.len()
+    });
+    let rank1 = member(1);
+    // Rank 2 arrives in the middle of the flood.
+    std::thread::sleep(Duration::from_secs(1));
+    let rank2 = member(2);
+    let mut ranks = Vec::new();
+    for (r, t) in [rank0, rank1, rank2].into_iter().enumerate() {
+        ranks.push(Arc::new(t.join().unwrap().unwrap_or_else(|e| {
+            panic!("rank {r} formed the job despite the flood: {e}")
+        })));
+    }
+    let sums = each(ranks, |c| {
+        let mut v = vec![1.0f32; 100];
+        c.allreduce(&mut v, ReduceOp::Sum).map(|_| v[99])
+    });
+    for s in sums {
+        assert_eq!(s.unwrap(), 3.0);
+    }
+    assert_eq!(
+        flood.join().unwrap(),
+        50,
+        "every stalled handshake was sent"
+    );
+}
+
 #[test]
 fn a_rank_that_never_arrives_is_named_within_the_timeout() {
     let port = free_port();

@@ -15,6 +15,10 @@
 //! - Below `min` members the coordinator waits up to `rejoin_timeout` for joiners, then gives
 //!   up: [`Decision::GiveUp`] (the caller writes a checkpoint and exits with an error).
 //! - A host lost `blacklist_after` times within `blacklist_window` is refused for `cooldown`.
+//! - After a loss, a new epoch forms only from a [`quorum`] of the last one: more than half
+//!   of its members reachable (a member that asked to leave counts as reachable), or exactly
+//!   half including its rank 0. Two disjoint parts of a world cannot both hold one, so a
+//!   worker cut off from the others can never go on as a second job.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -310,8 +314,51 @@ impl Membership {
     }
 }
 
+/// Whether the survivors of an epoch of `world` members may form the next one after the
+/// members `lost` (their ranks in that epoch; graceful leavers are not lost) are gone: more
+/// than half of the members remain, or exactly half and old rank 0 among them. Two disjoint
+/// sets of survivors cannot both pass, whatever each of them believes about the other, so a
+/// partition leaves at most one part training; a tie goes to the part holding old rank 0.
+/// Returns the members the survivors need when they do not pass.
+pub fn quorum(world: usize, lost: &[usize]) -> Result<(), usize> {
+    let mut gone: Vec<usize> = lost.iter().copied().filter(|&r| r < world).collect();
+    gone.sort_unstable();
+    gone.dedup();
+    let have = world - gone.len();
+    if 2 * have > world || (2 * have == world && have > 0 && !gone.contains(&0)) {
+        Ok(())
+    } else {
+        Err(world / 2 + 1)
+    }
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn only_one_side_of_any_split_holds_a_quorum() {
+        assert_eq!(quorum(3, &[2]), Ok(()));
+        assert_eq!(quorum(3, &[0, 1]), Err(2), "the cut-off third");
+        assert_eq!(quorum(1, &[]), Ok(()));
+        assert_eq!(quorum(1, &[0]), Err(1));
+        // A tie goes to the half holding rank 0.
+        assert_eq!(quorum(2, &[1]), Ok(()));
+        assert_eq!(quorum(2, &[0]), Err(2));
+        assert_eq!(quorum(4, &[2, 3]), Ok(()));
+        assert_eq!(quorum(4, &[0, 3]), Err(3));
+        // Duplicates and ranks outside the world count once or not at all.
+        assert_eq!(quorum(3, &[2, 2, 7]), Ok(()));
+        // Every split of worlds up to 8: never both sides.
+        for world in 1..=8usize {
+            for mask in 0u32..(1 << world) {
+                let a: Vec<usize> = (0..world).filter(|r| mask & (1 << r) != 0).collect();
+                let b: Vec<usize> = (0..world).filter(|r| mask & (1 << r) == 0).collect();
+                // Side A lost B's members and the other way round.
+                let both = quorum(world, &b).is_ok() && quorum(world, &a).is_ok();
+                assert!(!both, "world {world}: {a:?} and {b:?} both hold a quorum");
+            }
+        }
+    }
     use super::*;
 
     fn w(id: &str, host: &str) -> Worker {

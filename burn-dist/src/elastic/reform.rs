@@ -83,7 +83,8 @@ impl Announcement {
 
     /// Sends the announcement over the old world to old ranks `to` (but this one), trying
     /// every one; the first error is returned. An announcement with no members tells them the
-    /// job gave up.
+    /// job gave up: below the minimum when its coordinator is empty, else the coordinator
+    /// field says why (no quorum).
     pub fn send_to(&self, old: &dyn Transport, to: &[usize]) -> Result<()> {
         let bytes = self.encode();
         let mut first = None;

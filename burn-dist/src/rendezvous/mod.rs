@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use quinn::{Connection, VarInt};
+use quinn::Connection;
 
 use crate::shm::ShmOptions;
 use crate::tls::{Identity, Membership, SERVER_NAME};
@@ -460,58 +460,22 @@ fn coordinate(node: &QuicNode, info: &RankInfo, link: &Link) -> Result<Vec<Vec<C
                         r: usize| {
             conns.contains_key(&r) && extra.get(&r).map_or(0, Vec::len) + 1 >= lanes
         };
+        let mut acceptor = accept::Acceptor::start(endpoint.clone(), world, strict);
         while !(1..world).all(|r| complete(&conns, &extra, r)) {
-            let left = remaining(deadline);
-            let incoming = match tokio::time::timeout(left, endpoint.accept()).await {
-                Ok(Some(i)) => i,
-                Ok(None) => {
-                    return Err(DistError::Quic {
-                        context: "rendezvous".into(),
-                        reason: "endpoint closed".into(),
-                    });
-                }
-                Err(_) => {
-                    let missing: Vec<usize> =
-                        (1..world).filter(|&r| !complete(&conns, &extra, r)).collect();
-                    return Err(DistError::MissingRanks {
-                        missing,
-                        world,
-                        coordinator,
-                        after: timeout,
-                    });
-                }
-            };
-            // A failed handshake (another job's secret, a scanner) is logged and ignored.
-            let conn = match tokio::time::timeout(remaining(deadline), incoming).await {
-                Ok(Ok(c)) => c,
-                Ok(Err(e)) => {
-                    log::warn!("refused a connection during rendezvous: {e}");
-                    continue;
-                }
-                Err(_) => continue,
-            };
-            let hello = match tokio::time::timeout(Duration::from_secs(10).min(remaining(deadline)), recv_control(&conn, Kind::Hello)).await {
-                Ok(Ok(h)) => h,
-                Ok(Err(e)) => {
-                    log::warn!("a peer's hello failed: {e}");
-                    continue;
-                }
-                Err(_) => continue,
-            };
-            let Some((rank, port, lane)) = parse_hello(&hello) else {
-                log::warn!("malformed hello");
-                continue;
+            let Some(accept::Hello { rank, port, lane, conn }) = acceptor.next(deadline).await else {
+                let missing: Vec<usize> =
+                    (1..world).filter(|&r| !complete(&conns, &extra, r)).collect();
+                return Err(DistError::MissingRanks {
+                    missing,
+                    world,
+                    coordinator,
+                    after: timeout,
+                });
             };
             if rank == 0 || rank >= world {
                 return Err(DistError::Config(format!(
                     "a process claims rank {rank}, outside 1..{world}: do all ranks agree on the world size?"
                 )));
-            }
-            // One rank may not pose as another: the claim must match the certificate.
-            if let Err(e) = check_rank(&conn, rank, world, strict) {
-                log::warn!("refused during rendezvous: {e}");
-                conn.close(VarInt::from_u32(3), b"rank does not match certificate");
-                continue;
             }
             if lane > 0 {
                 let e = extra.entry(rank).or_default();
@@ -528,6 +492,7 @@ fn coordinate(node: &QuicNode, info: &RankInfo, link: &Link) -> Result<Vec<Vec<C
             let addr = SocketAddr::new(conn.remote_address().ip(), port);
             conns.insert(rank, (conn, addr));
         }
+        drop(acceptor);
         let mut addrs: BTreeMap<usize, SocketAddr> = conns.iter().map(|(r, (_, a))| (*r, *a)).collect();
         addrs.insert(0, endpoint.local_addr().map_err(|source| DistError::Io { context: "local address".into(), source })?);
         let t = table(&addrs);
@@ -633,40 +598,28 @@ fn join(
                 peers[peer].push(c);
             }
         }
+        let mut acceptor = accept::Acceptor::start(endpoint.clone(), world, strict);
         while (rank + 1..world).any(|r| peers[r].len() < lanes) {
             let missing: Vec<usize> = (rank + 1..world).filter(|&r| peers[r].len() < lanes).collect();
-            let incoming = match tokio::time::timeout(remaining(deadline), endpoint.accept()).await {
-                Ok(Some(i)) => i,
-                _ => {
-                    return Err(DistError::MissingRanks {
-                        missing,
-                        world,
-                        coordinator: coordinator.to_string(),
-                        after: timeout,
-                    });
-                }
+            let Some(accept::Hello { rank: peer, conn: c, .. }) = acceptor.next(deadline).await else {
+                return Err(DistError::MissingRanks {
+                    missing,
+                    world,
+                    coordinator: coordinator.to_string(),
+                    after: timeout,
+                });
             };
-            let Ok(Ok(c)) = tokio::time::timeout(remaining(deadline), incoming).await else {
-                continue;
-            };
-            let Ok(Ok(h)) = tokio::time::timeout(Duration::from_secs(10).min(remaining(deadline)), recv_control(&c, Kind::Hello)).await else {
-                continue;
-            };
-            let Some((peer, _, _)) = parse_hello(&h) else { continue };
             if peer <= rank || peer >= world || peers[peer].len() >= lanes {
                 log::warn!("unexpected hello from rank {peer}");
                 continue;
             }
-            if let Err(e) = check_rank(&c, peer, world, strict) {
-                log::warn!("refused: {e}");
-                c.close(VarInt::from_u32(3), b"rank does not match certificate");
-                continue;
-            }
             peers[peer].push(c);
         }
+        drop(acceptor);
         Ok(peers)
     })
 }
 
+mod accept;
 #[cfg(test)]
 mod tests;

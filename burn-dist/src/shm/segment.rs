@@ -438,7 +438,7 @@ pub(crate) fn namespace_inode(kind: &str) -> Option<u64> {
 }
 
 /// (state, start time) of `pid` from `/proc/<pid>/stat`.
-fn proc_stat(pid: u32) -> Option<(char, u64)> {
+pub(super) fn proc_stat(pid: u32) -> Option<(char, u64)> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name may hold spaces and parentheses: fields start after the last ')'.
     let rest = &s[s.rfind(')')? + 1..];
@@ -452,6 +452,9 @@ fn proc_stat(pid: u32) -> Option<(char, u64)> {
 /// What this process can see of another.
 enum Seen {
     Running,
+    /// Stopped (SIGSTOP, a debugger): alive, but it can make no progress; its heartbeat tells
+    /// how long.
+    Stopped,
     /// Why it is not running.
     Gone(String),
     /// In another pid namespace (or without `/proc`): only its heartbeat tells.
@@ -468,13 +471,14 @@ fn process_seen(id: ProcessId) -> Seen {
             Seen::Gone(format!("its process {} is gone", id.pid))
         }
         Some(('Z' | 'X', _)) => Seen::Gone(format!("its process {} exited", id.pid)),
+        Some(('T' | 't', _)) => Seen::Stopped,
         Some(_) => Seen::Running,
     }
 }
 
 /// Watches other ranks of a segment for death: their process gone when it is in this pid
-/// namespace (a running process is alive, however busy), else their heartbeat still for longer
-/// than `stale`.
+/// namespace (a running process is alive, however busy), else, or when it is stopped
+/// (SIGSTOP: it could stay so forever), their heartbeat still for longer than `stale`.
 pub(crate) struct Watch {
     seen: Vec<(u64, Instant)>,
     stale: Duration,
@@ -496,11 +500,15 @@ impl Watch {
             pid_ns: e.pid_ns.load(Ordering::Relaxed),
             start_time: e.start_time.load(Ordering::Relaxed),
         };
-        match process_seen(id) {
-            Seen::Running => return None,
-            Seen::Gone(why) => return Some(format!("{why} (shared memory)")),
-            Seen::Hidden => {}
+        if matches!(process_seen(id), Seen::Running) {
+            return None;
         }
+        let stopped = match process_seen(id) {
+            Seen::Running => false,
+            Seen::Gone(why) => return Some(format!("{why} (shared memory)")),
+            Seen::Stopped => true,
+            Seen::Hidden => false,
+        };
         let beat = e.heartbeat.load(Ordering::Relaxed);
         let (last, since) = &mut self.seen[r];
         if beat != *last {
@@ -509,8 +517,13 @@ impl Watch {
             None
         } else if since.elapsed() > self.stale {
             Some(format!(
-                "no shared-memory heartbeat for {:?} (HEARTH_SHM_STALE)",
-                self.stale
+                "no shared-memory heartbeat for {:?} (HEARTH_SHM_STALE){}",
+                self.stale,
+                if stopped {
+                    format!("; its process {} is stopped", id.pid)
+                } else {
+                    String::new()
+                }
             ))
         } else {
             None

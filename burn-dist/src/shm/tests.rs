@@ -246,6 +246,51 @@ fn a_rank_that_stops_beating_fails_the_barrier_naming_it() {
 }
 
 #[test]
+fn a_stopped_process_on_this_host_is_lost_once_its_heartbeat_is_stale() {
+    // Rank 1 is a real process of this pid namespace that never beats: running, it is alive
+    // until the collective's deadline; stopped (SIGSTOP), it is lost after `stale`.
+    let o = small();
+    let seg = Arc::new(Segment::create(2, o.ring_bytes, o.slot_bytes).unwrap());
+    seg.unlink().unwrap();
+    seg.register(0);
+    seg.register(1);
+    let mut child = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let (_, start) = segment::proc_stat(pid).unwrap();
+    let e1 = seg.entry(1);
+    e1.pid.store(pid, std::sync::atomic::Ordering::Relaxed);
+    e1.start_time
+        .store(start, std::sync::atomic::Ordering::Relaxed);
+    let group = LocalGroup::new(seg, 0, vec![5, 9], o.stale);
+    let e = group
+        .reduce(&mut [1.0; 10], true, Instant::now() + 4 * o.stale)
+        .unwrap_err();
+    assert!(
+        matches!(e, crate::DistError::Timeout { rank: 9, .. }),
+        "{e}"
+    );
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    let started = Instant::now();
+    let e = group.reduce(&mut [1.0; 10], true, soon()).unwrap_err();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        matches!(e, crate::DistError::PeerFailed { rank: 9, .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("stopped"), "{e}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
 fn a_rank_that_leaves_delivers_its_last_messages_first() {
     let mut ranks = ShmTransport::group(2, &small()).unwrap();
     let one = ranks.pop().unwrap();
