@@ -49,6 +49,10 @@ pub enum HearthError {
     #[error("launch: {0}")]
     Launch(String),
     /// An elastic worker left the job gracefully (SIGTERM); not a failure: exit 0.
+    /// An elastic worker that lost the majority of its world (no quorum), or whose membership
+    /// epoch the run directory's fence has passed: it stops and writes nothing.
+    #[error("cut off from the elastic job: {0}")]
+    CutOff(String),
     #[error("{id} left the elastic job gracefully after step {step}")]
     LeftJob { id: String, step: u64 },
 }

@@ -220,7 +220,6 @@ impl Launcher<'_> {
             .args(&self.cfg.args)
             .env("HEARTH_JOB_SECRET", &self.secret)
             .env("HEARTH_ELASTIC_ID", &id)
-            .env("HEARTH_ELASTIC_HOST", &id)
             .env("HEARTH_ELASTIC_ADDR", &join)
             .env("HEARTH_ELASTIC_PEERS", self.join_addrs.join(","))
             .env("HEARTH_ELASTIC_DONE_DIR", self.done.path())

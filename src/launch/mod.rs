@@ -169,6 +169,10 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
     let mut outcome = LaunchOutcome::Success;
     let mut running = cfg.nproc;
     while running > 0 {
+        // The ranks that ended since the last look. When several failed in the same interval,
+        // one killed by a signal is the cause and the others' errors its consequence (they
+        // lost a peer), so it is the one named.
+        let mut failed = Vec::new();
         for rank in 0..children.len() {
             let Some(child) = children[rank].as_mut() else {
                 continue;
@@ -177,23 +181,30 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
                 Ok(Some(status)) => {
                     children[rank] = None;
                     running -= 1;
-                    if !status.success() && outcome == LaunchOutcome::Success {
-                        outcome = LaunchOutcome::Failed {
-                            rank,
-                            code: status.code(),
-                        };
-                        eprintln!(
-                            "hearth launch: rank {rank} failed ({status}); stopping the other ranks"
-                        );
-                        for other in children.iter_mut().flatten() {
-                            kill_group(other);
-                        }
+                    if !status.success() {
+                        failed.push((rank, status));
                     }
                 }
                 Ok(None) => {}
                 Err(e) => {
                     return Err(HearthError::Launch(format!("waiting for rank {rank}: {e}")));
                 }
+            }
+        }
+        let first = failed
+            .iter()
+            .find(|(_, s)| s.code().is_none())
+            .or(failed.first());
+        if let Some((rank, status)) = first
+            && outcome == LaunchOutcome::Success
+        {
+            outcome = LaunchOutcome::Failed {
+                rank: *rank,
+                code: status.code(),
+            };
+            eprintln!("hearth launch: rank {rank} failed ({status}); stopping the other ranks");
+            for other in children.iter_mut().flatten() {
+                kill_group(other);
             }
         }
         std::thread::sleep(Duration::from_millis(50));

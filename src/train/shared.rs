@@ -89,10 +89,27 @@ pub(super) fn collective_timeout() -> Duration {
 /// (`HEARTH_ELASTIC_LEAVE_AT_STEP`: leave gracefully after step N, as SIGTERM would;
 /// `HEARTH_ELASTIC_DIE_AT_STEP`: SIGKILL itself inside step N, between the control and the
 /// gradient allreduce; `HEARTH_ELASTIC_FREEZE_AT_STEP`: SIGSTOP itself there, a worker cut
-/// off; `HEARTH_ELASTIC_THROTTLE`: N ms of extra compute per step, a slow worker;
+/// off (`HEARTH_ELASTIC_FREEZE_SECS`: continued after N s); `HEARTH_ELASTIC_THROTTLE`: N ms of extra compute per step, a slow worker;
 /// `HEARTH_PS_DELAY_MS`, `HEARTH_PS_DIE_AT_STEP`: the same for parameter-server workers).
+///
+/// Hooks are read only in builds with the `test-hooks` feature (the test command and the
+/// benches that need them enable it; `cargo build --release` does not): elsewhere a hook
+/// variable is refused by name on stderr and does nothing.
 pub(super) fn hook(name: &str, id: &str) -> Option<u64> {
-    std::env::var(name).ok()?.split(',').find_map(|part| {
+    let value = std::env::var(name).ok()?;
+    if !cfg!(feature = "test-hooks") {
+        eprintln!(
+            "warning: {name} is a test hook, and this build of hearth has none (the \
+             `test-hooks` cargo feature is off): ignored"
+        );
+        return None;
+    }
+    hook_value(&value, id)
+}
+
+/// `id`'s number in a hook value `ID:N[,ID:N...]`.
+fn hook_value(value: &str, id: &str) -> Option<u64> {
+    value.split(',').find_map(|part| {
         let (who, n) = part.trim().split_once(':')?;
         (who == id).then(|| n.parse().ok()).flatten()
     })
@@ -127,7 +144,16 @@ pub(super) fn epoch_lr(
 
 #[cfg(test)]
 mod tests {
-    use super::epoch_lr;
+    use super::{epoch_lr, hook, hook_value};
+
+    #[test]
+    fn hook_values_name_workers() {
+        assert_eq!(hook_value("w0:3, w12:40", "w12"), Some(40));
+        assert_eq!(hook_value("w0:3", "w1"), None);
+        assert_eq!(hook_value("w0:x,garbage", "w0"), None);
+        // PATH is set in every test environment: no worker's hook either way.
+        assert_eq!(hook("PATH", "w0"), None);
+    }
 
     #[test]
     fn the_epoch_rate_is_burn_trains_per_batch_mean() {

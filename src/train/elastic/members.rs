@@ -90,12 +90,19 @@ impl<T: Trainee> Strategy for Members<'_, '_, '_, T> {
             let current = self.commit.epoch as usize + 1;
             if current > epoch {
                 // A change handed over a state that had validated this epoch already.
+                if self.world.rank() == 0 {
+                    self.run.fenced()?;
+                }
                 self.done = epoch;
                 return Ok(self.commit.rows.get(&epoch).cloned());
             }
             let interrupt = match self.run.steps(&mut self.world, &mut self.commit, log)? {
                 Interrupt::EpochEnd => match self.run.validate(&self.world, &mut self.commit) {
                     Ok(row) => {
+                        if self.world.rank() == 0 {
+                            // The loop writes metrics.csv from this row next.
+                            self.run.fenced()?;
+                        }
                         self.done = current;
                         return Ok(Some(row));
                     }

@@ -46,7 +46,7 @@ use burn::prelude::*;
 use burn::store::ModuleRecord;
 use burn::tensor::Bytes;
 use burn_dist::elastic::join::{JoinService, Reply, Role, request_join};
-use burn_dist::elastic::membership::{Decision, Epoch, Health, Limits, Membership, Worker};
+use burn_dist::elastic::membership::{Decision, Epoch, Health, Limits, Membership, Worker, quorum};
 use burn_dist::elastic::reform::Announcement;
 use burn_dist::elastic::{broadcast_bytes, step_len, step_positions};
 use burn_dist::rendezvous::{RankInfo, RendezvousOptions, bind_coordinator, connect_epoch_on};
@@ -76,8 +76,10 @@ pub struct ElasticOptions {
     /// This worker's name in the job (`HEARTH_ELASTIC_ID`; initial workers default to `w<rank>`,
     /// joiners to `<host>:<pid>`).
     pub id: Option<String>,
-    /// The host its failures count against for the blacklist (`HEARTH_ELASTIC_HOST`; default:
-    /// the id).
+    /// The host its failures count against for the blacklist: by default the machine as the
+    /// kernel names it (boot id and network namespace, as the shared-memory path tells hosts
+    /// apart), so a process restarted on a failing machine is still refused;
+    /// `HEARTH_ELASTIC_HOST` overrides it.
     pub host: Option<String>,
     /// Where this worker listens for joiners (`HEARTH_ELASTIC_ADDR`; default 127.0.0.1 or
     /// 0.0.0.0, any port).
@@ -247,11 +249,17 @@ struct ElasticRun<'a, T: Trainee> {
     /// The coordinator's endpoint bound for the next rendezvous, and the next members.
     bound: Option<burn_dist::transport::quic::QuicNode>,
     next_members: Option<Vec<Worker>>,
+    /// This launch's id (drawn by rank 0 of its first epoch), the run directory's fence, and
+    /// the token of the current epoch (see `fence.rs`).
+    launch: String,
+    fence: fence::Fence,
+    token: Option<fence::Token>,
     /// Test and benchmark hooks (see [`hook`]).
     throttle: Option<u64>,
     leave_at: Option<u64>,
     die_at: Option<u64>,
     freeze_at: Option<u64>,
+    freeze_secs: Option<u64>,
 }
 
 /// A short fingerprint of a model's values (FNV-1a over the f32 bits), to show in logs that
@@ -264,6 +272,12 @@ fn fingerprint<M: Net>(model: &M) -> u64 {
         }
     }
     h
+}
+
+/// This machine's identity for the blacklist ([`burn_dist::shm::setup::host_identity`]), or the
+/// worker's `id` where the kernel does not say (no `/proc`).
+fn machine(id: &str) -> String {
+    burn_dist::shm::setup::host_identity().unwrap_or_else(|| id.to_string())
 }
 
 fn unix_now() -> f64 {
@@ -280,6 +294,7 @@ fn greeting_tag(epoch: u32) -> u64 {
 /// Steps between re-measured throughput shares (`--balance throughput`).
 const REBALANCE_EVERY: u64 = 8;
 
+mod fence;
 mod members;
 mod state;
 mod step;
@@ -349,7 +364,7 @@ pub(super) fn train_with<R: Recipe>(
         None => format!("{}:{}", join_addr.ip(), std::process::id()),
     });
     let me = Worker {
-        host: opts.host.clone().unwrap_or_else(|| id.clone()),
+        host: opts.host.clone().unwrap_or_else(|| machine(&id)),
         id,
     };
     // Every worker reads the whole set: which part of it a worker trains on changes with
@@ -381,13 +396,18 @@ pub(super) fn train_with<R: Recipe>(
         speed: 0.0,
         bound: None,
         next_members: None,
+        launch: String::new(),
+        fence: fence::Fence::new(&cfg.run_dir),
+        token: None,
         throttle: None,
         leave_at: None,
         die_at: None,
         freeze_at: None,
+        freeze_secs: None,
     };
     run.die_at = hook("HEARTH_ELASTIC_DIE_AT_STEP", &run.me.id);
     run.freeze_at = hook("HEARTH_ELASTIC_FREEZE_AT_STEP", &run.me.id);
+    run.freeze_secs = hook("HEARTH_ELASTIC_FREEZE_SECS", &run.me.id);
     run.throttle = hook("HEARTH_ELASTIC_THROTTLE", &run.me.id);
     run.leave_at = hook("HEARTH_ELASTIC_LEAVE_AT_STEP", &run.me.id);
     let (world, commit) = match &initial {
@@ -409,6 +429,15 @@ impl<T: Trainee> ElasticRun<'_, T> {
     fn in_phase(&self, model: T::Model, epoch: u64) -> T::Model {
         self.trainee
             .phase(model, self.rates.frozen(epoch as usize + 1))
+    }
+
+    /// Before rank 0 writes into the run directory: an error unless the fence still names
+    /// this worker's membership epoch (a worker cut off while the others formed a newer one).
+    fn fenced(&self) -> Result<()> {
+        match &self.token {
+            Some(t) => self.fence.check(t),
+            None => Ok(()),
+        }
     }
 
     fn fresh_commit(&self) -> Result<Commit<T::Model>> {
@@ -482,6 +511,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let dir = &self.cfg.run_dir;
         let mut per_class_auroc = None;
         if world.rank() == 0 {
+            self.fenced()?;
             per_class_auroc = export_best(self.cfg, &self.trainee, best, &self.plain_device, log)?;
             let points: Vec<(f64, f64)> = commit
                 .world_log

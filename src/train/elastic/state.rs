@@ -3,6 +3,17 @@
 
 use super::*;
 
+/// A committed state as rank 0 sent or saved it.
+pub(super) struct Decoded<M: Net> {
+    pub members: Vec<Worker>,
+    /// Rank 0's join address.
+    pub join: String,
+    pub commit: Commit<M>,
+    pub health: Health,
+    /// The launch it was sent in (empty in states written before fencing).
+    pub launch: String,
+}
+
 impl<T: Trainee> ElasticRun<'_, T> {
     pub(super) fn encode(
         &self,
@@ -40,6 +51,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             "world_log": c.world_log,
             "rows": rows,
             "finished": c.finished,
+            "launch": self.launch,
             // The coordinator's blacklist and failure counts, for whoever coordinates next.
             "health": {
                 "failures": health.failures,
@@ -55,12 +67,9 @@ impl<T: Trainee> ElasticRun<'_, T> {
         Ok(out)
     }
 
-    /// The members, rank 0's join address and the commit, and the coordinator's
-    /// [`Health`] (empty in states written before it was kept).
-    pub(super) fn decode(
-        &self,
-        bytes: &[u8],
-    ) -> Result<(Vec<Worker>, String, Commit<T::Model>, Health)> {
+    /// The members, rank 0's join address and the commit, the coordinator's [`Health`]
+    /// (empty in states written before it was kept), and the launch.
+    pub(super) fn decode(&self, bytes: &[u8]) -> Result<Decoded<T::Model>> {
         let bad = |m: String| HearthError::Training(format!("elastic state: {m}"));
         let mut parts = Vec::new();
         let mut at = 0usize;
@@ -158,7 +167,13 @@ impl<T: Trainee> ElasticRun<'_, T> {
             blacklist: serde_json::from_value(meta["health"]["blacklist"].clone())
                 .unwrap_or_default(),
         };
-        Ok((members, join, commit, health))
+        Ok(Decoded {
+            members,
+            join,
+            commit,
+            health,
+            launch: meta["launch"].as_str().unwrap_or_default().to_string(),
+        })
     }
 
     pub(super) fn state_file(&self) -> PathBuf {
@@ -170,10 +185,11 @@ impl<T: Trainee> ElasticRun<'_, T> {
     /// directory with the part that goes on, and must not put the run back. Returns whether
     /// it wrote.
     pub(super) fn save_state(&self, c: &Commit<T::Model>, world: &World) -> Result<bool> {
+        self.fenced()?;
         let path = self.state_file();
         if let Ok(bytes) = std::fs::read(&path)
-            && let Ok((_, _, on_disk, _)) = self.decode(&bytes)
-            && on_disk.step > c.step
+            && let Some(on_disk) = saved_step(&bytes)
+            && on_disk > c.step
         {
             return Ok(false);
         }
@@ -199,13 +215,24 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 path.display()
             ))
         })?;
-        let (_, _, mut c, _) = self.decode(&bytes).map_err(|e| {
-            HearthError::InvalidArgument(format!("--resume: {}: {e}", path.display()))
-        })?;
+        let mut c = self
+            .decode(&bytes)
+            .map_err(|e| {
+                HearthError::InvalidArgument(format!("--resume: {}: {e}", path.display()))
+            })?
+            .commit;
         // The clock goes on from where the saved run stopped.
         c.start_unix = unix_now() - c.elapsed;
         Ok(c)
     }
 
     // ---- training --------------------------------------------------------------------------
+}
+
+/// The step a saved state holds, from its leading metadata alone (no model is built).
+fn saved_step(bytes: &[u8]) -> Option<u64> {
+    let len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+    let meta: serde_json::Value =
+        serde_json::from_slice(bytes.get(8..8usize.checked_add(len)?)?).ok()?;
+    meta["step"].as_u64()
 }

@@ -109,7 +109,17 @@ impl<T: Trainee> ElasticRun<'_, T> {
             }
             if self.freeze_at.is_some_and(|at| commit.step + 1 >= at) {
                 self.freeze_at = None;
-                // A worker cut off: alive, but not a packet in or out (SIGSTOP) until killed.
+                // A worker cut off: alive, but not a packet in or out (SIGSTOP) until killed,
+                // or for `HEARTH_ELASTIC_FREEZE_SECS` (a process it leaves behind continues it).
+                if let Some(secs) = self.freeze_secs {
+                    let _ = std::process::Command::new("sh")
+                        .arg("-c")
+                        .arg(format!("sleep {secs}; kill -CONT {}", std::process::id()))
+                        .stdin(std::process::Stdio::null())
+                        .stdout(std::process::Stdio::null())
+                        .stderr(std::process::Stdio::null())
+                        .spawn();
+                }
                 // SAFETY: signals this very process.
                 unsafe {
                     libc::kill(libc::getpid(), libc::SIGSTOP);
@@ -263,6 +273,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         epoch: usize,
         best: Option<usize>,
     ) -> Result<()> {
+        self.fenced()?;
         let dir = &self.cfg.run_dir;
         let mut steps = String::from("step,elapsed_seconds,world_size\n");
         for (s, t, w) in &c.world_log {

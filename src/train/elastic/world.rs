@@ -39,6 +39,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
             })
             .collect();
         let mine = if info.rank == 0 {
+            // This launch's id, for the fence: a --resume is a new launch.
+            self.launch = burn_dist::tls::random_secret()?[..16].to_string();
             let c = if self.cfg.resume {
                 let mut c = self.load_state()?;
                 // The saved state says whether that launch ended (`--stop-after-epoch`,
@@ -123,7 +125,25 @@ impl<T: Trainee> ElasticRun<'_, T> {
             _ => Vec::new(),
         };
         let bytes = broadcast_bytes(&comm, bytes)?;
-        let (members, coordinator_join, commit, health) = self.decode(&bytes)?;
+        let state::Decoded {
+            members,
+            join: coordinator_join,
+            commit,
+            health,
+            launch,
+        } = self.decode(&bytes)?;
+        // Rank 0 of every new epoch raises the run directory's fence; everyone keeps the
+        // token, for the files it writes should it be rank 0 (see fence.rs).
+        self.launch = launch;
+        let token = fence::Token {
+            launch: self.launch.clone(),
+            epoch: number,
+            by: members.first().map(|m| m.id.clone()).unwrap_or_default(),
+        };
+        if rank == 0 {
+            self.fence.raise(&token, number == 0)?;
+        }
+        self.token = Some(token);
         if rank != 0 {
             // Should this member coordinate later, it refuses the hosts rank 0 refused.
             self.coordinator.restore_health(&health, Instant::now());
@@ -301,6 +321,37 @@ impl<T: Trainee> ElasticRun<'_, T> {
         Ok(announcement)
     }
 
+    /// No quorum ([`quorum`]): this worker and the survivors it reached are the smaller part
+    /// of the last world. It tells them (an announcement with no members, the reason in place
+    /// of the coordinator), writes nothing, and returns the error that ends it.
+    fn cut_off(&self, world: &World, gone: &[usize], need: usize) -> HearthError {
+        let reached: Vec<usize> = (0..world.size()).filter(|r| !gone.contains(r)).collect();
+        let names = |rs: &mut dyn Iterator<Item = usize>| {
+            rs.map(|r| world.members[r].id.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let why = format!(
+            "{} reached {} of the {} members of membership epoch {} ({}; lost {}), and a new \
+             epoch needs {need} of them (a majority, or exactly half with that epoch's rank \
+             0), so the others may go on without them; nothing was written to {}",
+            self.me.id,
+            reached.len(),
+            world.size(),
+            world.number,
+            names(&mut reached.iter().copied()),
+            names(&mut gone.iter().copied()),
+            self.cfg.run_dir.display()
+        );
+        let give_up = Announcement {
+            epoch: world.number + 1,
+            coordinator: why.clone(),
+            members: Vec::new(),
+        };
+        let _ = give_up.send_to(world.transport.as_ref(), &reached);
+        HearthError::CutOff(why)
+    }
+
     /// A change of membership after `leaving` asked to go and `lost` were lost: the lowest
     /// survivor coordinates, every survivor forms the next world and takes rank 0's state.
     pub(super) fn change(
@@ -319,6 +370,14 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 return Err(HearthError::Training("no member survived".into()));
             };
             if lowest == me {
+                let lost: Vec<usize> = gone
+                    .iter()
+                    .copied()
+                    .filter(|r| !leaving.contains(r))
+                    .collect();
+                if let Err(need) = quorum(world.size(), &lost) {
+                    return Err(self.cut_off(world, &gone, need));
+                }
                 break self.coordinate(world, &commit, leaving, &gone, log)?;
             }
             self.join.set_role(Role::Busy);
@@ -334,6 +393,10 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 Err(_) => gone.push(lowest),
             }
         };
+        if announcement.members.is_empty() && !announcement.coordinator.is_empty() {
+            // The coordinator found no quorum: its reason.
+            return Err(HearthError::CutOff(announcement.coordinator));
+        }
         if announcement.members.is_empty() {
             return Err(HearthError::Training(format!(
                 "the job gave up: fewer than --min-workers {} workers and nobody joined within \
