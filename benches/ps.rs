@@ -5,7 +5,7 @@
 //! exchanged per training sample, and writes `target/ps-bench/val_accuracy.png` (validation
 //! accuracy against time, seed 0 of every mode).
 //!
-//! `cargo bench --bench ps` (`HEARTH_PS_EPOCHS`, default 8; `HEARTH_PS_SEEDS`, default 3;
+//! `cargo bench --bench ps --features test-hooks` (the straggler hook needs it; `HEARTH_PS_EPOCHS`, default 8; `HEARTH_PS_SEEDS`, default 3;
 //! `HEARTH_PS_WINDOW`, default 4).
 
 use std::collections::BTreeMap;

@@ -77,7 +77,7 @@ python3 -c 'import torch, torchvision; print("torch", torch.__version__, "torchv
 
 if wants parity; then
     step "torchvision parity on $DEVICES"
-    run env HEARTH_PARITY_DEVICES="${DEVICES// /,}" \
+    run env HEARTH_REQUIRE_GPU=1 HEARTH_PARITY_DEVICES="${DEVICES// /,}" \
         "$BIN/parity" --exact torchvision_parity_on_named_devices --nocapture
 fi
 

@@ -4,7 +4,7 @@
 //! packet in its namespace's firewall (iptables), or by downing its veth where iptables is
 //! missing. Where namespaces are not permitted (not root, no `ip`; or `HEARTH_TEST_NO_NETNS`
 //! set), the same scenarios run on 127.0.0.1 with a visible SKIP note, a cut-off worker then
-//! being a stopped process.
+//! being a stopped process; with `HEARTH_REQUIRE_NETNS` set (CI) that is a failure instead.
 //!
 //! Workers are started as a multi-host job is: `hearth train --elastic` per host with the
 //! launcher's variables (`HEARTH_RANK`, `HEARTH_COORDINATOR`, `HEARTH_ELASTIC_ADDR`,
@@ -83,6 +83,10 @@ impl Hosts {
                 if !hosts.firewall {
                     eprintln!("NOTE: no iptables: a cut-off worker's veth is downed instead");
                 }
+            }
+            Err(e) if std::env::var_os("HEARTH_REQUIRE_NETNS").is_some() => {
+                hosts.remove_namespaces();
+                panic!("HEARTH_REQUIRE_NETNS is set, but the namespaces could not be made: {e}");
             }
             Err(e) => {
                 eprintln!(
@@ -184,7 +188,6 @@ impl Hosts {
             .env("HEARTH_JOB_SECRET", secret)
             .env("HEARTH_COLLECTIVE_TIMEOUT", "60")
             .env("HEARTH_ELASTIC_ID", &id)
-            .env("HEARTH_ELASTIC_HOST", &id)
             .env("HEARTH_ELASTIC_ADDR", self.join_addr(host))
             .env("HEARTH_ELASTIC_PEERS", peers.join(","))
             .env_remove("HEARTH_RANK")
@@ -256,6 +259,19 @@ impl Drop for Hosts {
             let _ = child.wait();
         }
         self.remove_namespaces();
+    }
+}
+
+/// Waits (up to 120 s) until w0 has logged the run's second epoch.
+fn wait_for_second_epoch(run: &Path) {
+    let w0_log = run.with_file_name("w0.log");
+    let until = Instant::now() + Duration::from_secs(120);
+    while !std::fs::read_to_string(&w0_log)
+        .unwrap_or_default()
+        .contains("epoch 2/")
+    {
+        assert!(Instant::now() < until, "no second epoch in 120 s");
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
@@ -332,6 +348,50 @@ fn kill_in_an_allreduce_a_joiner_and_a_graceful_leave_across_hosts() {
 }
 
 #[test]
+fn a_worker_cut_off_by_its_firewall_with_default_flags_cannot_fork_the_job() {
+    // Default --min-workers (1): only the quorum rule stops the cut-off worker from training
+    // on alone into the same run directory.
+    let tmp = tempfile::tempdir().unwrap();
+    let d = common::elastic_data(tmp.path());
+    let run = tmp.path().join("run");
+    let mut hosts = Hosts::new(3);
+    let train = ["--epochs", "5"];
+    let env = [("HEARTH_ELASTIC_THROTTLE", "w0:15,w1:15,w2:15")];
+    for h in 0..3 {
+        hosts.start(
+            h,
+            Some((h, 3)),
+            &d,
+            &run,
+            &train,
+            &env,
+            "netns-test-secret-3",
+        );
+    }
+    wait_for_second_epoch(&run);
+    hosts.cut(2);
+    let separate = hosts.separate();
+    let results = hosts.wait(&run, Duration::from_secs(240));
+    check_survivors(&results, &["w0", "w1"], &run, 50);
+    let (_, code, log) = &results[2];
+    if separate {
+        assert!(matches!(code, Some(c) if *c != 0), "{code:?}\n{log}");
+        assert!(
+            log.contains("cut off from the elastic job: w2 reached 1 of the 3 members"),
+            "the cut-off worker says why it stops:\n{log}"
+        );
+        assert!(!log.contains("membership epoch 1"), "{log}");
+        assert!(!log.contains("final weights"), "{log}");
+    }
+    let fence = std::fs::read_to_string(run.join("checkpoint").join("elastic.fence")).unwrap();
+    assert!(
+        fence.contains("\"epoch\":1") && fence.contains("\"by\":\"w0\""),
+        "{fence}"
+    );
+    assert!(results[0].2.contains("lost w2"), "{}", results[0].2);
+}
+
+#[test]
 fn a_worker_cut_off_and_rank_0_killed_across_hosts() {
     let tmp = tempfile::tempdir().unwrap();
     let d = common::elastic_data(tmp.path());
@@ -356,25 +416,17 @@ fn a_worker_cut_off_and_rank_0_killed_across_hosts() {
         hosts.start(h, Some((h, 4)), &d, &run, &train, &env, secret);
     }
     // w3 is cut off once the second epoch is logged.
-    let w0_log = run.with_file_name("w0.log");
-    let until = Instant::now() + Duration::from_secs(120);
-    while !std::fs::read_to_string(&w0_log)
-        .unwrap_or_default()
-        .contains("epoch 2/")
-    {
-        assert!(Instant::now() < until, "no second epoch in 120 s");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_second_epoch(&run);
     hosts.cut(3);
     let separate = hosts.separate();
     let results = hosts.wait(&run, Duration::from_secs(240));
     check_survivors(&results, &["w1", "w2"], &run, 60);
     let (_, code, log) = &results[3];
     if separate {
-        // Alone in its namespace, w3 is below --min-workers: it waits for joiners, gives up
-        // saying so, and leaves the job's newer state alone.
+        // Alone in its namespace, w3 holds no quorum (1 of 4): it stops saying so, and
+        // leaves the job's newer state alone.
         assert!(
-            log.contains("only 1 of the --min-workers 2"),
+            log.contains("cut off from the elastic job: w3 reached 1 of the 4 members"),
             "the cut-off worker says why it stops:\n{log}"
         );
         assert!(matches!(code, Some(c) if *c != 0), "{code:?}");

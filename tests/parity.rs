@@ -109,10 +109,15 @@ fn torchvision_parity_vulkan_cpu() {
 
 /// Parity on real GPUs: `HEARTH_PARITY_DEVICES=cuda,wgpu,vulkan` runs the same check on each
 /// named device (a build with the matching features), and fails if one of them does not work.
-/// Unset, it says it skipped: CI has no GPU.
+/// Unset, it says it skipped (CI has no GPU), unless `HEARTH_REQUIRE_GPU=1` (set by
+/// `scripts/gpu_check.sh`) makes that a failure, as `HEARTH_REQUIRE_VULKAN` does for lavapipe.
 #[test]
 fn torchvision_parity_on_named_devices() {
     let Ok(list) = std::env::var("HEARTH_PARITY_DEVICES") else {
+        assert!(
+            std::env::var("HEARTH_REQUIRE_GPU").as_deref() != Ok("1"),
+            "HEARTH_REQUIRE_GPU=1 but HEARTH_PARITY_DEVICES names no device to check"
+        );
         eprintln!(
             "SKIPPED torchvision_parity_on_named_devices: set HEARTH_PARITY_DEVICES=cuda,vulkan,... to run it"
         );

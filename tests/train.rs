@@ -181,6 +181,51 @@ fn restore_best_holds_across_a_resume() {
 }
 
 #[test]
+fn restore_best_across_a_resume_exports_a_middle_epoch_found_after_it() {
+    // Six epochs of the small run on val_accuracy: epoch 5 is the best (epoch 6 only ties
+    // it, which is no improvement). Stopped after epoch 3 and resumed, the run must find that
+    // best after the resume, keep its checkpoint beside the last one, and export it: the same
+    // weights as the straight run's export.
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    let make = |run: &str| {
+        let mut cfg = config(&d, dir.path().join(run));
+        cfg.epochs = 6;
+        cfg
+    };
+    let straight = run(&make("straight"));
+    let best = best_by_csv(&dir.path().join("straight"), "val_accuracy", true, 0.0);
+    assert!(
+        1 < best && best < 6,
+        "the test needs a best epoch inside the run, got {best}: has the data or the model \
+         changed?"
+    );
+    assert_eq!(straight.best_epoch, best);
+    let resumed = common::stop_then_resume(&make("resumed"), 3);
+    let run_dir = dir.path().join("resumed");
+    assert!(best > 3, "the best epoch comes after the resume");
+    assert_eq!((resumed.best_epoch, resumed.epochs_run), (best, 6));
+    assert_eq!(
+        best_by_csv(&run_dir, "val_accuracy", true, 0.0),
+        best,
+        "the resumed run's metrics.csv agrees"
+    );
+    let kept: Vec<String> = checkpoints(&run_dir)
+        .into_iter()
+        .filter(|f| f.starts_with("model-"))
+        .collect();
+    assert_eq!(
+        kept,
+        [format!("model-{best}.bpk"), "model-6.bpk".to_string()]
+    );
+    assert_exported_is(
+        &resumed.model_path,
+        &run_dir.join(format!("checkpoint/model-{best}.bpk")),
+    );
+    assert_same_weights(&resumed.model_path, &straight.model_path);
+}
+
+#[test]
 fn resume_picks_the_last_complete_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let d = data(dir.path());
