@@ -500,11 +500,8 @@ impl Watch {
             pid_ns: e.pid_ns.load(Ordering::Relaxed),
             start_time: e.start_time.load(Ordering::Relaxed),
         };
-        if matches!(process_seen(id), Seen::Running) {
-            return None;
-        }
         let stopped = match process_seen(id) {
-            Seen::Running => false,
+            Seen::Running => return None,
             Seen::Gone(why) => return Some(format!("{why} (shared memory)")),
             Seen::Stopped => true,
             Seen::Hidden => false,

@@ -72,7 +72,7 @@ impl Fence {
     /// older epoch of the same launch.
     pub fn raise(&self, token: &Token, first: bool) -> Result<()> {
         if !first {
-            self.refuse_newer(token)?;
+            self.refuse_newer(self.read()?, token)?;
         }
         let text = serde_json::json!({
             "launch": token.launch,
@@ -92,7 +92,8 @@ impl Fence {
     /// Before a write by rank 0 of `token`'s epoch: an error unless the token on disk is still
     /// its own (or an older epoch of the same launch).
     pub fn check(&self, token: &Token) -> Result<()> {
-        match self.read()? {
+        let on_disk = self.read()?;
+        match on_disk {
             None => Err(HearthError::CutOff(format!(
                 "{} is gone, so this worker ({}, membership epoch {}) cannot tell whether it \
                  still owns the run directory; it writes nothing",
@@ -100,12 +101,13 @@ impl Fence {
                 token.by,
                 token.epoch
             ))),
-            Some(_) => self.refuse_newer(token),
+            Some(on_disk) => self.refuse_newer(Some(on_disk), token),
         }
     }
 
-    fn refuse_newer(&self, token: &Token) -> Result<()> {
-        match self.read()? {
+    /// An error when `on_disk` belongs to another launch or a newer epoch than `token`'s.
+    fn refuse_newer(&self, on_disk: Option<Token>, token: &Token) -> Result<()> {
+        match on_disk {
             Some(on_disk) if on_disk.launch != token.launch => Err(HearthError::CutOff(format!(
                 "{} belongs to another launch of this run (written by {}); this worker ({}) is \
                  from an older one and writes nothing",
