@@ -39,6 +39,22 @@ impl PipelineStage for StageModel {
         }
         Ok(Activation::Rank4(x))
     }
+
+    /// A feature map (`[batch, channels, h, w]`) with the channels of the first unit.
+    fn accepts(&self, dims: &[usize]) -> std::result::Result<(), String> {
+        let Some(first) = self.units.first() else {
+            return Ok(());
+        };
+        let channels = first.in_channels();
+        if dims.len() == 4 && dims[1] == channels {
+            Ok(())
+        } else {
+            Err(format!(
+                "a [batch, {channels}, height, width] feature map (its first unit is a {})",
+                first.kind()
+            ))
+        }
+    }
 }
 
 /// What one training pass of a unit costs on one micro-batch.

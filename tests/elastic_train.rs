@@ -325,7 +325,9 @@ fn a_soak_of_fifty_joins_and_leaves_ends_with_identical_survivors() {
             [format!("t={t:.1}s:+1"), format!("t={:.1}s:-1", t + 0.6)]
         })
         .collect();
-    let throttle: Vec<String> = (0..40).map(|i| format!("w{i}:20")).collect();
+    // 50 ms of sleep per step on every worker: the ~740 steps of 60 epochs take at least 37 s
+    // wherever this runs, so the job outlives the last event (30.4 s) and all 50 of them fire.
+    let throttle: Vec<String> = (0..40).map(|i| format!("w{i}:50")).collect();
     let run = elastic(
         &d,
         &tmp.path().join("run"),
@@ -362,7 +364,13 @@ fn a_soak_of_fifty_joins_and_leaves_ends_with_identical_survivors() {
         .lines()
         .filter_map(|l| l.strip_prefix("hearth launch: starting joiner "))
         .collect();
-    assert_eq!(joiners.len(), 25, "{}", run.log);
+    assert_eq!(
+        joiners.len(),
+        25,
+        "only {} of 25 joiners were started before the job ended:\n{}",
+        joiners.len(),
+        run.log
+    );
     let stopped = run
         .log
         .matches("hearth launch: stopping (SIGTERM) w")

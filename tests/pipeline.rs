@@ -216,6 +216,48 @@ fn a_resnet_split_by_parameters_trains_like_the_whole_network() {
     }
 }
 
+#[test]
+fn a_stage_handed_the_wrong_channels_names_both_stages_instead_of_panicking() {
+    let device = Device::flex().autodiff();
+    let initial = {
+        let _init = init_lock();
+        module_values(&config().init(&device).unwrap())
+    };
+    // Stage 0 ends after block 1 (8 channels); stage 1 starts at block 3 (16 channels): unit 2
+    // belongs to neither, as when two ranks read different splits.
+    let mut units = copy(&initial).into_units();
+    let second = StageModel {
+        units: units.split_off(4),
+    };
+    units.truncate(3);
+    let first = StageModel { units };
+    let (tx, rx) = std::sync::mpsc::channel();
+    for (t, stage) in MemoryTransport::mesh(2).into_iter().zip([first, second]) {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let r = t.rank();
+            let got = train_stage(stage, Arc::new(t), 2, Schedule::OneFOneB, None);
+            let _ = tx.send((r, got));
+        });
+    }
+    let err = loop {
+        let (r, got) = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the receiving stage hung or panicked");
+        if r == 1 {
+            break got.expect_err("stage 1 took a feature map of the wrong width");
+        }
+    };
+    for part in [
+        "stage 1 (rank 1)",
+        "from stage 0 (rank 0)",
+        "shape [2, 8, ",
+        "[batch, 16, height, width]",
+    ] {
+        assert!(err.contains(part), "{part:?} missing from: {err}");
+    }
+}
+
 // ---- processes over QUIC ----------------------------------------------------------------------
 
 const SECRET: &str = "pipeline test secret, long enough";

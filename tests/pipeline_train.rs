@@ -275,30 +275,36 @@ fn bad_pipeline_layouts_fail_with_a_clear_error() {
     }
 }
 
-#[test]
-fn a_stage_killed_mid_training_fails_the_other_naming_it_within_10_s() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = small_data(dir.path());
-    let run = dir.path().join("run");
+/// Two ranks of `hearth train --pipeline-stages 2` on `data` into `run`, each with its own
+/// extra arguments and its output in `dir/<name>-rank<r>.txt`; the children and their logs.
+fn two_stage_ranks(
+    dir: &Path,
+    data: &Path,
+    run: &Path,
+    name: &str,
+    extra: [&[&str]; 2],
+) -> (Vec<std::process::Child>, Vec<std::path::PathBuf>) {
     let port = std::net::UdpSocket::bind("127.0.0.1:0")
         .and_then(|s| s.local_addr())
         .map(|a| a.port())
         .unwrap();
     let logs: Vec<_> = (0..2)
-        .map(|r| dir.path().join(format!("rank{r}.txt")))
+        .map(|r| dir.join(format!("{name}-rank{r}.txt")))
         .collect();
-    let mut ranks: Vec<_> = (0..2)
+    let ranks = (0..2)
         .map(|r| {
             let file = std::fs::File::create(&logs[r]).unwrap();
             Command::new(env!("CARGO_BIN_EXE_hearth"))
                 .args(["train", "--data"])
-                .arg(&data)
+                .arg(data)
                 .args(["--batch-size", "8", "--workers", "1", "--size", "32"])
-                .args(["--pipeline-stages", "2", "--epochs", "200", "--run-dir"])
-                .arg(&run)
+                .args(["--pipeline-stages", "2", "--run-dir"])
+                .arg(run)
+                .args(extra[r])
                 .env("HEARTH_RANK", r.to_string())
                 .env("HEARTH_WORLD_SIZE", "2")
                 .env("HEARTH_COORDINATOR", format!("127.0.0.1:{port}"))
+                .env("HEARTH_COLLECTIVE_TIMEOUT", "60")
                 .env(
                     "HEARTH_JOB_SECRET",
                     "pipeline training test secret, long enough",
@@ -309,6 +315,66 @@ fn a_stage_killed_mid_training_fails_the_other_naming_it_within_10_s() {
                 .unwrap()
         })
         .collect();
+    (ranks, logs)
+}
+
+#[test]
+fn ranks_started_with_other_splits_or_micro_batches_fail_before_the_first_step_naming_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    for (case, extra, field) in [
+        (
+            "micro",
+            ["--micro-batches", "4"],
+            "--micro-batches (rank 1 has \"4\"; rank(s) [0] another)",
+        ),
+        (
+            "split",
+            ["--pipeline-split", "0:2,2:6"],
+            "pipeline split (rank 1 has \"0:2,2:6\"; rank(s) [0] another)",
+        ),
+    ] {
+        let run = dir.path().join(case);
+        let rank_0: &[&str] = &[
+            "--epochs",
+            "1",
+            "--pipeline-split",
+            "0:3,3:6",
+            "--micro-batches",
+            "2",
+        ];
+        let mut rank_1 = vec!["--epochs", "1"];
+        rank_1.extend(extra);
+        let (mut ranks, logs) = two_stage_ranks(dir.path(), &data, &run, case, [rank_0, &rank_1]);
+        let until = Instant::now() + Duration::from_secs(120);
+        for (r, child) in ranks.iter_mut().enumerate() {
+            let status = common::wait_bounded(child, until);
+            let text = std::fs::read_to_string(&logs[r]).unwrap_or_default();
+            let status = status.unwrap_or_else(|| panic!("{case}: rank {r} hung:\n{text}"));
+            assert!(!status.success(), "{case}: rank {r} must fail:\n{text}");
+            assert!(
+                text.contains("started with different settings") && !text.contains("epoch 1/1"),
+                "{case}: rank {r} must stop before training:\n{text}"
+            );
+            if r == 1 {
+                assert!(text.contains(field), "{case}: {field:?} missing:\n{text}");
+            }
+        }
+        let other = std::fs::read_to_string(&logs[0]).unwrap_or_default();
+        assert!(
+            !other.contains("epoch 1/1") && !run.join("metrics.csv").exists(),
+            "{case}: nothing trained:\n{other}"
+        );
+    }
+}
+
+#[test]
+fn a_stage_killed_mid_training_fails_the_other_naming_it_within_10_s() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    let run = dir.path().join("run");
+    let long: &[&str] = &["--epochs", "200"];
+    let (mut ranks, logs) = two_stage_ranks(dir.path(), &data, &run, "killed", [long, long]);
     // Training is under way once the first epoch is in metrics.csv.
     let until = Instant::now() + Duration::from_secs(120);
     while !run.join("metrics.csv").is_file() {

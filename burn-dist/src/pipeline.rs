@@ -181,6 +181,14 @@ fn activation(data: TensorData, device: &Device) -> Activation {
 /// error, which the pipeline reports with the stage's number.
 pub trait PipelineStage: Module {
     fn forward(&self, x: Activation) -> Result<Activation>;
+
+    /// Whether the stage takes an input of shape `dims`, else what it takes ("16 channels").
+    /// The pipeline asks before every forward of a received activation, so a stage handed
+    /// the wrong shape fails with an error naming both stages instead of inside a layer.
+    fn accepts(&self, dims: &[usize]) -> std::result::Result<(), String> {
+        let _ = dims;
+        Ok(())
+    }
 }
 
 /// The order of forwards and backwards over a step's micro-batches.
@@ -329,6 +337,34 @@ impl Pipeline {
         })
     }
 
+    /// `data`, received from the previous stage for micro-batch `m`, if this stage takes its
+    /// shape (`accepts`); else an error naming both stages and both shapes.
+    fn check_input(
+        &self,
+        data: TensorData,
+        m: usize,
+        accepts: &dyn Fn(&[usize]) -> std::result::Result<(), String>,
+    ) -> Result<TensorData> {
+        match accepts(data.shape()) {
+            Ok(()) => Ok(data),
+            Err(takes) => {
+                let from = self.stage - 1;
+                Err(mismatch(
+                    "pipeline forward",
+                    format!(
+                        "stage {} (rank {}) received an activation of shape {:?} from stage \
+                         {from} (rank {}) for micro-batch {m}, and it takes {takes}: do both \
+                         ranks build the same model with the same split?",
+                        self.stage,
+                        self.ranks[self.stage],
+                        data.shape().to_vec(),
+                        self.ranks[from]
+                    ),
+                ))
+            }
+        }
+    }
+
     fn send(&self, to_stage: usize, tag: u64, data: TensorData) -> Result<()> {
         self.transport
             .send(self.ranks[to_stage], Kind::Pipeline, tag, encode(data)?)
@@ -362,6 +398,7 @@ impl Pipeline {
                     inputs(m)
                 } else {
                     let data = self.recv(self.stage - 1, tag(step, m, true), "pipeline forward")?;
+                    let data = self.check_input(data, m, &|d| stage.accepts(d))?;
                     activation(data, device).require_grad()
                 };
                 let y = stage.forward(x.clone()).map_err(|e| {
@@ -445,7 +482,8 @@ impl Pipeline {
         micro_batches: usize,
         device: &Device,
     ) -> Result<()> {
-        self.forward_with(
+        self.forward_checked(
+            &|d| stage.accepts(d),
             &mut |x, _| stage.forward(x),
             inputs,
             consume,
@@ -464,16 +502,27 @@ impl Pipeline {
         micro_batches: usize,
         device: &Device,
     ) -> Result<()> {
+        self.forward_checked(&|_| Ok(()), apply, inputs, consume, micro_batches, device)
+    }
+
+    /// [`Pipeline::forward_with`], refusing a received activation `accepts` refuses.
+    fn forward_checked(
+        &mut self,
+        accepts: &dyn Fn(&[usize]) -> std::result::Result<(), String>,
+        apply: &mut dyn FnMut(Activation, usize) -> Result<Activation>,
+        inputs: &mut dyn FnMut(usize) -> Activation,
+        consume: &mut dyn FnMut(Activation, usize) -> Result<()>,
+        micro_batches: usize,
+        device: &Device,
+    ) -> Result<()> {
         let step = self.step;
         self.step += 1;
         for m in 0..micro_batches {
             let x = if self.is_first() {
                 inputs(m)
             } else {
-                activation(
-                    self.recv(self.stage - 1, tag(step, m, true), "pipeline forward")?,
-                    device,
-                )
+                let data = self.recv(self.stage - 1, tag(step, m, true), "pipeline forward")?;
+                activation(self.check_input(data, m, accepts)?, device)
             };
             let y = apply(x, m).map_err(|e| {
                 mismatch(

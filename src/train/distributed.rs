@@ -96,6 +96,47 @@ fn agree(comm: &burn_dist::Communicator, train: &ImageSet, val: &ImageSet) -> Re
     Ok(())
 }
 
+/// Every rank checks, before the first step, that all were started with the same `settings`
+/// (name, value): each rank sends a 24-bit hash of each, and a difference is an error on every
+/// rank naming the setting, the ranks that differ and this rank's value (so the logs of the
+/// ranks together show both values).
+pub fn agree_settings(comm: &burn_dist::Communicator, settings: &[(&str, String)]) -> Result<()> {
+    let hash = |name: &str, value: &str| {
+        let mut h = hearth_datasets::rng::Fnv64::new();
+        h.write(name.as_bytes());
+        h.write(&[0]);
+        h.write(value.as_bytes());
+        // 24 bits survive the f32 exchange exactly.
+        (h.finish() & 0xFF_FFFF) as f32
+    };
+    let mut local = vec![settings.len() as f32];
+    local.extend(settings.iter().map(|(k, v)| hash(k, v)));
+    let all = comm.all_gather(&local)?;
+    let me = comm.rank();
+    let mut differences = Vec::new();
+    for (i, (name, value)) in settings.iter().enumerate() {
+        let others: Vec<usize> = all
+            .chunks(local.len())
+            .enumerate()
+            .filter(|(_, theirs)| theirs[0] != local[0] || theirs[i + 1] != local[i + 1])
+            .map(|(r, _)| r)
+            .collect();
+        if !others.is_empty() {
+            differences.push(format!(
+                "{name} (rank {me} has {value:?}; rank(s) {others:?} another)"
+            ));
+        }
+    }
+    if differences.is_empty() {
+        return Ok(());
+    }
+    Err(HearthError::InvalidArgument(format!(
+        "the ranks were started with different settings: {}; every rank of a job must run \
+         the same model, split and flags",
+        differences.join(", ")
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,6 +172,38 @@ mod tests {
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn ranks_started_with_other_settings_fail_naming_the_setting_and_the_ranks() {
+        let run = |values: &[&'static str]| -> Vec<std::result::Result<(), String>> {
+            let handles: Vec<_> = MemoryTransport::mesh(values.len())
+                .into_iter()
+                .zip(values.to_vec())
+                .map(|(t, v)| {
+                    std::thread::spawn(move || {
+                        let comm = burn_dist::Communicator::new(Arc::new(t))
+                            .with_timeout(std::time::Duration::from_secs(20));
+                        let settings = [("model", "resnet18".to_string()), ("split", v.into())];
+                        agree_settings(&comm, &settings).map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        };
+        assert!(run(&["0:3,3:6"; 3]).iter().all(|o| o.is_ok()));
+        let out = run(&["0:3,3:6", "0:3,3:6", "0:2,2:6"]);
+        let e = out[0].as_ref().unwrap_err();
+        assert!(
+            e.contains("split (rank 0 has \"0:3,3:6\"; rank(s) [2] another)")
+                && !e.contains("model ("),
+            "{e}"
+        );
+        let e = out[2].as_ref().unwrap_err();
+        assert!(
+            e.contains("rank 2 has \"0:2,2:6\"; rank(s) [0, 1] another"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -138,6 +138,27 @@ impl Unit {
         }
     }
 
+    /// The channels of the feature map the unit takes (dimension 1 of its input).
+    pub fn in_channels(&self) -> usize {
+        match self {
+            Unit::ResNetStem(s) => s.conv1.weight.dims()[1],
+            Unit::ResNetBlock(b) => b.conv1.weight.dims()[1],
+            // Burn's linear weights are [inputs, outputs]; pooling leaves one value per
+            // channel.
+            Unit::ResNetHead(h) => h.fc.weight.dims()[0],
+            Unit::VggConv(u) => u.layer.conv.weight.dims()[1],
+            // The classifier takes the pooled map's values (7 x 7 in torchvision) per channel.
+            Unit::VggHead(h) => {
+                let [a, b] = h.avgpool.output_size;
+                h.classifier.fc1.weight.dims()[0] / (a * b).max(1)
+            }
+            Unit::DenseStem(s) => s.conv0.weight.dims()[1],
+            Unit::DenseLayer(l) => l.norm1.gamma.dims()[0],
+            Unit::DenseTransition(t) => t.norm.gamma.dims()[0],
+            Unit::DenseHead(h) => h.norm5.gamma.dims()[0],
+        }
+    }
+
     /// Learnable parameters (batch-norm running statistics excluded, as torchvision counts).
     pub fn learnable_params(&self) -> usize {
         crate::zoo::learnable_params_of(self)

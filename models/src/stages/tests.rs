@@ -9,9 +9,11 @@ fn total(units: crate::Result<Vec<Unit>>) -> usize {
     units.unwrap().iter().map(Unit::learnable_params).sum()
 }
 
+/// Runs `units` in turn, checking that each says the channels it is given.
 fn run(units: &[Unit], x: Tensor<4>) -> Tensor<2> {
     let mut x = x;
-    for u in units {
+    for (i, u) in units.iter().enumerate() {
+        assert_eq!(u.in_channels(), x.dims()[1], "unit {i}: {}", u.kind());
         match u.forward(x) {
             UnitOutput::Features(f) => x = f,
             UnitOutput::Logits(l) => return l,

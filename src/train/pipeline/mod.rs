@@ -224,6 +224,32 @@ impl PipelineRun<'_> {
         self.rates.rate(epoch, step)
     }
 
+    /// Every rank checks that all build the same model with the same split (a resumed
+    /// rank's comes from its own `pipeline_split.txt`), micro-batches and flags, before the
+    /// first step. Paths are left out (a host may keep its copy elsewhere; the data itself was
+    /// compared when it was read).
+    fn agree(
+        &self,
+        hparams: &std::collections::BTreeMap<&'static str, serde_json::Value>,
+    ) -> Result<()> {
+        let mut settings = vec![
+            ("model", self.config.to_json()),
+            ("pipeline split", split::format_split(&self.ranges)),
+            ("--pipeline-stages", self.grid.stages.to_string()),
+            ("pipelines", self.grid.replicas.to_string()),
+            ("--micro-batches", self.opts.micro_batches.to_string()),
+            ("--pipeline-schedule", self.opts.schedule.name().to_string()),
+            ("--resume", self.cfg.resume.to_string()),
+        ];
+        settings.extend(
+            hparams
+                .iter()
+                .filter(|(k, _)| !matches!(**k, "data" | "labels" | "weights"))
+                .map(|(k, v)| (*k, v.to_string())),
+        );
+        distributed::agree_settings(&self.comm, &settings)
+    }
+
     fn pipeline(&self) -> Result<Pipeline> {
         Ok(Pipeline::new(
             self.comm.transport().clone(),
@@ -291,6 +317,7 @@ impl PipelineRun<'_> {
         let hparams = cfg.hyperparameters();
         let mut pipe = self.pipeline()?;
         self.settle_split(&mut pipe, log)?;
+        self.agree(&hparams)?;
         let mut model = self.init_stage()?;
         let mut optim = optimizer(cfg);
         let epochs = Epochs::new(cfg, rank == 0);

@@ -8,7 +8,7 @@ fn split_file(run_dir: &Path) -> PathBuf {
     run_dir.join("pipeline_split.txt")
 }
 
-fn format_split(ranges: &[Range<usize>]) -> String {
+pub(super) fn format_split(ranges: &[Range<usize>]) -> String {
     ranges
         .iter()
         .map(|r| format!("{}:{}", r.start, r.end))
