@@ -61,6 +61,9 @@ enum Command {
     /// Train or fine-tune a classifier on an image folder (or, without --data, on a generated
     /// synthetic set), validating every epoch.
     Train(Box<TrainArgs>),
+    /// Print a fresh random job secret (256 bits, hex) for HEARTH_JOB_SECRET or a file named
+    /// by HEARTH_JOB_SECRET_FILE: `hearth secret > job.secret && chmod 600 job.secret`.
+    Secret,
     /// Start N local ranks of a distributed job: `hearth launch -n 2 -- hearth train ...`.
     Launch(LaunchArgs),
     /// Which kernel Burn's autotune chose for each shape on a GPU: reads the file a run wrote
@@ -217,6 +220,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Data(DataCommand::Check(args)) => data_check(args),
         Command::Train(args) => train_cmd(&cli.device, *args),
         Command::Launch(args) => launch_cmd(args),
+        Command::Secret => {
+            println!("{}", hearth::dist::tls::random_secret()?);
+            Ok(())
+        }
         Command::AutotuneReport { file } => {
             print!("{}", hearth::gpu::autotune_report(&file)?);
             Ok(())

@@ -3,9 +3,19 @@
 //! Two ways to say who belongs:
 //!
 //! - **A job secret** (`HEARTH_JOB_SECRET`, or a file named by `HEARTH_JOB_SECRET_FILE`). Every
-//!   rank derives the same Ed25519 CA key from it (HKDF-SHA256), hence the same CA certificate,
-//!   and issues itself a certificate signed by that CA. A process with another secret has
-//!   another CA: its handshake fails, so nothing it sends is ever read.
+//!   rank derives the same Ed25519 CA key from it, hence the same CA certificate, and issues
+//!   itself a certificate signed by that CA. A process with another secret has another CA: its
+//!   handshake fails, so nothing it sends is ever read.
+//!
+//! **Offline guessing.** Anyone who reaches a rank's port sees a certificate signed by the CA,
+//! enough to test guesses of the secret without talking to the job again. So the key comes
+//! from the secret through PBKDF2-HMAC-SHA256 with [`KDF_ITERATIONS`] rounds (about a quarter
+//! of a second per guess on one core; once per process, cached), and a secret with less than
+//! [`MIN_SECRET_BITS`] bits of estimated entropy is refused with a message that says how to
+//! make one ([`random_secret`], `hearth secret`). A secret of 128 random bits cannot be
+//! guessed at any speed; the slow KDF is the margin for one that is less random than it looks.
+//! A password-authenticated key exchange would remove the offline test altogether; it is not
+//! built.
 //! - **Files the user gives** (`HEARTH_TLS_CA`, `HEARTH_TLS_CERT`, `HEARTH_TLS_KEY`, PEM): a CA
 //!   and this rank's certificate and key. Certificates must name [`SERVER_NAME`] as a DNS
 //!   subject alternative name.
@@ -36,6 +46,39 @@ pub const SERVER_NAME: &str = "hearth-job";
 pub const ALPN: &[u8] = b"hearth-dist/1";
 /// Shortest job secret accepted.
 pub const MIN_SECRET_LEN: usize = 16;
+/// Least estimated entropy of a job secret, bits ([`secret_bits`]).
+pub const MIN_SECRET_BITS: f64 = 128.0;
+/// PBKDF2-HMAC-SHA256 rounds from the secret to the CA key (OWASP's 2023 figure).
+pub const KDF_ITERATIONS: u32 = 600_000;
+
+/// A generous estimate of a secret's entropy in bits: its length times the bits of the
+/// smallest alphabet of character classes that spells it (digits 10, hex 16, lower or upper
+/// case 26 each, anything else 33); a repeated pattern counts what it repeats once. Only a
+/// bound for refusing the obviously weak: a sentence passes it, and is still guessable by
+/// someone who knows the sentence.
+pub fn secret_bits(secret: &[u8]) -> f64 {
+    let has = |f: fn(&u8) -> bool| secret.iter().any(f);
+    let (digit, lower, upper) = (
+        has(u8::is_ascii_digit),
+        has(u8::is_ascii_lowercase),
+        has(u8::is_ascii_uppercase),
+    );
+    let other = has(|b| !b.is_ascii_alphanumeric());
+    let hex = secret.iter().all(u8::is_ascii_hexdigit);
+    let alphabet: f64 = if hex && !(lower && upper) {
+        if lower || upper { 16.0 } else { 10.0 }
+    } else {
+        f64::from(u8::from(digit)) * 10.0
+            + f64::from(u8::from(lower)) * 26.0
+            + f64::from(u8::from(upper)) * 26.0
+            + f64::from(u8::from(other)) * 33.0
+    };
+    // A repeated pattern of p characters adds nothing after its first p.
+    let period = (1..=secret.len())
+        .find(|&p| secret.iter().enumerate().all(|(i, b)| *b == secret[i % p]))
+        .unwrap_or(secret.len());
+    period as f64 * alphabet.max(1.0).log2()
+}
 
 /// A fresh random job secret (64 hex characters), for launchers that start every rank. An error
 /// when the system's random generator fails: a predictable secret would admit anyone.
@@ -55,7 +98,12 @@ pub fn rank_name(rank: usize) -> String {
 
 /// Whether `cert` names `rank` (a DNS subject alternative name [`rank_name`]`(rank)`).
 pub fn names_rank(cert: &CertificateDer<'_>, rank: usize) -> bool {
-    let Ok(name) = rustls::pki_types::ServerName::try_from(rank_name(rank)) else {
+    names(cert, &rank_name(rank))
+}
+
+/// Whether `cert` names `name` (a DNS subject alternative name).
+fn names(cert: &CertificateDer<'_>, name: &str) -> bool {
+    let Ok(name) = rustls::pki_types::ServerName::try_from(name.to_string()) else {
         return false;
     };
     webpki::EndEntityCert::try_from(cert)
@@ -64,8 +112,9 @@ pub fn names_rank(cert: &CertificateDer<'_>, rank: usize) -> bool {
 }
 
 /// Checks that the peer of a connection may be rank `claimed` of a job of `world`: its
-/// certificate names that rank, or (a user's certificate, `strict` false) names no rank of the
-/// job at all. The error says what the certificate names.
+/// certificate names the job ([`SERVER_NAME`], which a client checks of its server during the
+/// handshake and a server checks of its client here) and that rank, or (`strict` false) no
+/// rank of the job at all. The error says what the certificate names.
 pub fn check_peer_rank(
     peer_certs: Option<&[CertificateDer<'static>]>,
     claimed: usize,
@@ -77,6 +126,12 @@ pub fn check_peer_rank(
             "the peer claiming rank {claimed} presented no certificate"
         ));
     };
+    if !names(cert, SERVER_NAME) {
+        return Err(format!(
+            "the peer claiming rank {claimed} presented a certificate that does not name \
+             {SERVER_NAME}"
+        ));
+    }
     if names_rank(cert, claimed) {
         return Ok(());
     }
@@ -120,12 +175,22 @@ impl std::fmt::Debug for Membership {
 }
 
 impl Membership {
+    /// A job secret, refused when it is short or easy to guess ([`secret_bits`]).
     pub fn secret(secret: impl AsRef<[u8]>) -> Result<Self> {
         let s = secret.as_ref();
+        let make = "make one with `hearth secret` (or `openssl rand -hex 32`)";
         if s.len() < MIN_SECRET_LEN {
             return Err(DistError::Tls(format!(
-                "the job secret is {} bytes; use at least {MIN_SECRET_LEN}",
+                "the job secret is {} bytes; use at least {MIN_SECRET_LEN}: {make}",
                 s.len()
+            )));
+        }
+        let bits = secret_bits(s);
+        if bits < MIN_SECRET_BITS {
+            return Err(DistError::Tls(format!(
+                "the job secret is too easy to guess (about {bits:.0} bits; at least \
+                 {MIN_SECRET_BITS:.0} needed): anyone who reaches a rank's port can test guesses \
+                 of it offline; {make}"
             )));
         }
         Ok(Self::Secret(s.to_vec()))
@@ -174,7 +239,7 @@ impl Membership {
 pub struct Identity {
     pub ca: CertificateDer<'static>,
     pub chain: Vec<CertificateDer<'static>>,
-    key: PrivateKeyDer<'static>,
+    pub(crate) key: PrivateKeyDer<'static>,
     /// Peers' certificates must name their rank (secret-derived certificates always do).
     pub strict_ranks: bool,
 }
@@ -184,7 +249,7 @@ impl Identity {
     pub fn new(m: &Membership, rank: usize) -> Result<Self> {
         match m {
             Membership::Secret(s) => from_secret(s, rank),
-            Membership::Files { ca, cert, key } => from_files(ca, cert, key),
+            Membership::Files { ca, cert, key } => from_files(ca, cert, key, rank),
         }
     }
 }
@@ -193,14 +258,34 @@ fn tls_err(what: &str) -> impl Fn(rcgen::Error) -> DistError + '_ {
     move |e| DistError::Tls(format!("{what}: {e}"))
 }
 
-/// The job CA's Ed25519 key from the secret: HKDF-SHA256 with a fixed salt and label.
-fn ca_key(secret: &[u8]) -> Result<KeyPair> {
-    let salt = ring::hkdf::Salt::new(ring::hkdf::HKDF_SHA256, b"hearth burn-dist job CA v1");
-    let prk = salt.extract(secret);
+/// The 32-byte seed of the job CA's key: PBKDF2-HMAC-SHA256 of the secret, [`KDF_ITERATIONS`]
+/// rounds with a fixed salt (every rank must find the same key). Computed once per secret and
+/// process: a job re-forms its links many times.
+fn ca_seed(secret: &[u8]) -> [u8; 32] {
+    type Seeds = Vec<([u8; 32], [u8; 32])>;
+    static SEEDS: std::sync::Mutex<Seeds> = std::sync::Mutex::new(Vec::new());
+    let mut id = [0u8; 32];
+    id.copy_from_slice(ring::digest::digest(&ring::digest::SHA256, secret).as_ref());
+    let mut seeds = SEEDS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, seed)) = seeds.iter().find(|(k, _)| *k == id) {
+        return *seed;
+    }
     let mut seed = [0u8; 32];
-    prk.expand(&[b"ed25519 seed"], ring::hkdf::HKDF_SHA256)
-        .and_then(|okm| okm.fill(&mut seed))
-        .map_err(|_| DistError::Tls("deriving the job key".into()))?;
+    let rounds = std::num::NonZeroU32::new(KDF_ITERATIONS).unwrap_or(std::num::NonZeroU32::MIN);
+    ring::pbkdf2::derive(
+        ring::pbkdf2::PBKDF2_HMAC_SHA256,
+        rounds,
+        b"hearth burn-dist job CA v2",
+        secret,
+        &mut seed,
+    );
+    seeds.push((id, seed));
+    seed
+}
+
+/// The job CA's Ed25519 key from the secret ([`ca_seed`]).
+fn ca_key(secret: &[u8]) -> Result<KeyPair> {
+    let seed = ca_seed(secret);
     // PKCS#8 v1 wrapping of an Ed25519 seed (RFC 8410).
     let mut pkcs8 = vec![
         0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04,
@@ -249,7 +334,29 @@ fn from_secret(secret: &[u8], rank: usize) -> Result<Identity> {
     })
 }
 
-fn from_files(ca: &Path, cert: &Path, key: &Path) -> Result<Identity> {
+/// The rank a certificate names ([`rank_name`]), if exactly one (checked with
+/// [`names_rank`], not only read).
+pub fn certificate_rank(cert: &CertificateDer<'_>) -> Option<usize> {
+    let parsed = webpki::EndEntityCert::try_from(cert).ok()?;
+    let suffix = format!(".{SERVER_NAME}");
+    let named: Vec<usize> = parsed
+        .valid_dns_names()
+        .filter_map(|n| {
+            n.strip_suffix(suffix.as_str())?
+                .strip_prefix("rank-")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    match named.as_slice() {
+        [r] if names_rank(cert, *r) => Some(*r),
+        _ => None,
+    }
+}
+
+/// A user's CA, certificate and key for `rank`: the certificate must name the job and this
+/// rank (the rank comes from the certificate: the process's own rank number must agree).
+fn from_files(ca: &Path, cert: &Path, key: &Path, rank: usize) -> Result<Identity> {
     let read = |p: &Path| {
         std::fs::read(p).map_err(|source| DistError::Io {
             context: format!("reading {}", p.display()),
@@ -271,6 +378,26 @@ fn from_files(ca: &Path, cert: &Path, key: &Path) -> Result<Identity> {
     };
     let mut cas = certs(ca)?;
     let chain = certs(cert)?;
+    let leaf = &chain[0];
+    if !names(leaf, SERVER_NAME) {
+        return Err(DistError::Tls(format!(
+            "{}: the certificate must name {SERVER_NAME} (a DNS subject alternative name)",
+            cert.display()
+        )));
+    }
+    if !names_rank(leaf, rank) {
+        let says = match certificate_rank(leaf) {
+            Some(r) => format!("it names rank {r}"),
+            None => "it names no rank".to_string(),
+        };
+        return Err(DistError::Tls(format!(
+            "{}: this process is rank {rank}, and {says}: give each rank a certificate with \
+             the DNS name {} (only the holder of the CA key can issue one, so no rank can pose \
+             as another)",
+            cert.display(),
+            rank_name(rank)
+        )));
+    }
     let key_bytes = read(key)?;
     let key = PrivateKeyDer::from_pem_slice(&key_bytes)
         .map_err(|e| DistError::Tls(format!("{}: {e}", key.display())))?;
@@ -278,7 +405,7 @@ fn from_files(ca: &Path, cert: &Path, key: &Path) -> Result<Identity> {
         ca: cas.remove(0),
         chain,
         key,
-        strict_ranks: false,
+        strict_ranks: true,
     })
 }
 
@@ -362,6 +489,43 @@ mod tests {
         assert!(e.contains("claims rank 1") && e.contains("[2]"), "{e}");
         assert!(check_peer_rank(None, 1, 4, true).is_err());
         assert!(random_secret().unwrap().len() == 64);
+    }
+
+    #[test]
+    fn guessable_secrets_are_refused_and_random_ones_pass() {
+        for weak in [
+            "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+            "0123456789012345678901234567",
+            "abababababababababababababababab",
+            "passwordpasswordpassword",
+            "deadbeefdeadbeefdeadbeefdeadbeef",
+            "1234567890123456",
+        ] {
+            let e = Membership::secret(weak).unwrap_err().to_string();
+            assert!(
+                e.contains("too easy to guess") && e.contains("hearth secret"),
+                "{weak}: {e}"
+            );
+        }
+        for strong in [
+            random_secret().unwrap(),
+            random_secret().unwrap()[..32].to_string(),
+        ] {
+            assert!(secret_bits(strong.as_bytes()) >= 128.0, "{strong}");
+            Membership::secret(&strong).unwrap();
+        }
+        // The derivation is the slow one, and the same on every call.
+        let m = b"correct horse battery staple";
+        assert_eq!(ca_seed(m), ca_seed(m));
+        let mut fast = [0u8; 32];
+        ring::pbkdf2::derive(
+            ring::pbkdf2::PBKDF2_HMAC_SHA256,
+            std::num::NonZeroU32::new(1).unwrap(),
+            b"hearth burn-dist job CA v2",
+            m,
+            &mut fast,
+        );
+        assert_ne!(ca_seed(m), fast, "more than one round");
     }
 
     #[test]

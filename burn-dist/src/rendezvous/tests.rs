@@ -1,6 +1,12 @@
 //! Rendezvous: launcher variables, rank claims checked against certificates, tables.
 
 use super::*;
+use crate::tls::rank_name;
+use rcgen::{CertificateParams, KeyPair};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use std::path::Path;
+use std::sync::Arc;
 
 fn info(vars: &[(&str, &str)]) -> Result<RankInfo> {
     let map: BTreeMap<String, String> = vars
@@ -124,15 +130,19 @@ fn detect_is_none_without_variables_and_an_error_for_half_a_pair() {
     assert_eq!((ok.rank, ok.world), (1, 2));
 }
 
-#[test]
-fn a_member_claiming_another_rank_is_refused_and_the_job_still_forms() {
+/// A job of 3 on `membership(r)` forms while an impostor with `impostor`'s identity says it is
+/// rank 1 to the coordinator first: the coordinator closes the impostor's connection (the
+/// reason, returned) and ranks 0, 1 and 2 form the job.
+fn impostor_refused_and_job_forms(
+    membership: impl Fn(usize) -> Membership + Send + Sync + 'static,
+    impostor: Identity,
+) -> String {
     use crate::transport::Transport;
-    let secret = Membership::secret("one job's shared secret value").unwrap();
-    // Rank 2's process (its certificate names rank 2) will say it is rank 1. Bound before
-    // the coordinator's port is picked, so the system cannot hand it that port.
+    let membership = Arc::new(membership);
+    // Bound before the coordinator's port is picked, so the system cannot hand it that port.
     let impostor = QuicNode::bind(
         "127.0.0.1:0".parse().unwrap(),
-        &Identity::new(&secret, 2).unwrap(),
+        &impostor,
         &QuicOptions::loopback(),
     )
     .unwrap();
@@ -154,19 +164,25 @@ fn a_member_claiming_another_rank_is_refused_and_the_job_still_forms() {
         shm: Default::default(),
     };
     let (tx, rx) = std::sync::mpsc::channel();
-    let m = secret.clone();
-    let t0 = tx.clone();
-    std::thread::spawn(move || {
-        let _ = t0.send((0, connect(&rank(0), &m, &options()).map(|t| t.world())));
-    });
+    let start = |r: usize| {
+        let (tx, m) = (tx.clone(), membership.clone());
+        std::thread::spawn(move || {
+            let _ = tx.send((r, connect(&rank(r), &m(r), &options()).map(|t| t.world())));
+        });
+    };
+    start(0);
     let endpoint = impostor.endpoint.clone();
     let own_port = impostor.local_addr().unwrap().port();
     let coordinator: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let refused = impostor.rt.block_on(async move {
+        let deadline = Instant::now() + Duration::from_secs(20);
         let conn = loop {
             match endpoint.connect(coordinator, SERVER_NAME).unwrap().await {
                 Ok(c) => break c,
-                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                Err(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await
+                }
+                Err(e) => panic!("the impostor never reached the coordinator: {e}"),
             }
         };
         let h = hello(1, own_port, 0);
@@ -174,16 +190,8 @@ fn a_member_claiming_another_rank_is_refused_and_the_job_still_forms() {
         tokio::time::timeout(Duration::from_secs(20), conn.closed()).await
     });
     let reason = refused.expect("the coordinator must close the impostor's connection");
-    assert!(
-        format!("{reason}").contains("rank does not match"),
-        "{reason}"
-    );
-    for r in [1, 2] {
-        let (tx, m) = (tx.clone(), secret.clone());
-        std::thread::spawn(move || {
-            let _ = tx.send((r, connect(&rank(r), &m, &options()).map(|t| t.world())));
-        });
-    }
+    start(1);
+    start(2);
     drop(tx);
     for _ in 0..3 {
         let (r, world) = rx
@@ -191,6 +199,103 @@ fn a_member_claiming_another_rank_is_refused_and_the_job_still_forms() {
             .expect("a rank hung");
         assert_eq!(world.unwrap_or_else(|e| panic!("rank {r}: {e}")), 3);
     }
+    reason.to_string()
+}
+
+#[test]
+fn a_member_claiming_another_rank_is_refused_and_the_job_still_forms() {
+    let secret = Membership::secret("one job's shared secret value").unwrap();
+    // Rank 2's process (its certificate names rank 2) will say it is rank 1.
+    let impostor = Identity::new(&secret, 2).unwrap();
+    let reason = impostor_refused_and_job_forms(move |_| secret.clone(), impostor);
+    assert!(reason.contains("rank does not match"), "{reason}");
+}
+
+/// A user's CA in `dir` (`ca.pem`) and, for each `(file, names)`, a certificate and key it
+/// signs (`<file>.pem`, `<file>.key`).
+fn user_ca(dir: &Path, leaves: &[(&str, Vec<String>)]) {
+    let ca_key = KeyPair::generate_for(&rcgen::PKCS_ED25519).unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca = params.self_signed(&ca_key).unwrap();
+    std::fs::write(dir.join("ca.pem"), ca.pem()).unwrap();
+    let issuer = rcgen::Issuer::new(params, ca_key);
+    for (file, names) in leaves {
+        let key = KeyPair::generate_for(&rcgen::PKCS_ED25519).unwrap();
+        let cert = CertificateParams::new(names.clone())
+            .unwrap()
+            .signed_by(&key, &issuer)
+            .unwrap();
+        std::fs::write(dir.join(format!("{file}.pem")), cert.pem()).unwrap();
+        std::fs::write(dir.join(format!("{file}.key")), key.serialize_pem()).unwrap();
+    }
+}
+
+#[test]
+fn with_user_certificates_the_rank_and_the_job_name_come_from_the_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let job = SERVER_NAME.to_string();
+    let mut leaves: Vec<(&str, Vec<String>)> = vec![
+        ("rank0", vec![job.clone(), rank_name(0)]),
+        ("rank1", vec![job.clone(), rank_name(1)]),
+        ("rank2", vec![job.clone(), rank_name(2)]),
+        ("unranked", vec![job.clone()]),
+        (
+            "other-job",
+            vec!["other-job".into(), "rank-1.other-job".into()],
+        ),
+    ];
+    leaves.push(("rank1-only", vec![rank_name(1)]));
+    user_ca(dir.path(), &leaves);
+    let files = |name: &str| Membership::Files {
+        ca: dir.path().join("ca.pem"),
+        cert: dir.path().join(format!("{name}.pem")),
+        key: dir.path().join(format!("{name}.key")),
+    };
+    // A process's own certificate: a rank's works for that rank only; one naming no rank or
+    // not the job is refused at start, saying what it names.
+    assert!(Identity::new(&files("rank1"), 1).is_ok());
+    let e = Identity::new(&files("rank1"), 2).err().unwrap().to_string();
+    assert!(e.contains("rank 2, and it names rank 1"), "{e}");
+    let e = Identity::new(&files("unranked"), 1)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("names no rank"), "{e}");
+    let e = Identity::new(&files("rank1-only"), 1)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains(&format!("must name {SERVER_NAME}")), "{e}");
+    // Over the network, from a client that skipped those checks (built by hand): a certificate
+    // naming no rank and one for another job's name are refused by the server, and the job
+    // forms. Each certificate is signed by the job's own CA, so only the name stops it.
+    let ca = std::fs::read(dir.path().join("ca.pem")).unwrap();
+    let ca = CertificateDer::from_pem_slice(&ca).unwrap();
+    let by_hand = |name: &str| {
+        let cert = std::fs::read(dir.path().join(format!("{name}.pem"))).unwrap();
+        let key = std::fs::read(dir.path().join(format!("{name}.key"))).unwrap();
+        Identity {
+            ca: ca.clone(),
+            chain: vec![CertificateDer::from_pem_slice(&cert).unwrap()],
+            key: PrivateKeyDer::from_pem_slice(&key).unwrap(),
+            strict_ranks: true,
+        }
+    };
+    let dirp = dir.path().to_path_buf();
+    let membership = move |r: usize| Membership::Files {
+        ca: dirp.join("ca.pem"),
+        cert: dirp.join(format!("rank{r}.pem")),
+        key: dirp.join(format!("rank{r}.key")),
+    };
+    let reason = impostor_refused_and_job_forms(membership.clone(), by_hand("unranked"));
+    assert!(reason.contains("rank does not match"), "{reason}");
+    let reason = impostor_refused_and_job_forms(membership, by_hand("other-job"));
+    assert!(reason.contains("rank does not match"), "{reason}");
 }
 
 #[test]

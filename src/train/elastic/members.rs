@@ -133,8 +133,21 @@ impl<T: Trainee> Strategy for Members<'_, '_, '_, T> {
         }
         c.rows = self.epochs.rows();
         if self.world.rank() == 0 {
+            let t = Instant::now();
             self.run
                 .checkpoint(&self.commit, &self.world, epoch, best)?;
+            // The others wait in the next step's allreduce meanwhile; past the collective
+            // timeout they count this worker as lost. Said, so that a slow disk is seen.
+            let took = t.elapsed();
+            if took > collective_timeout() / 4 {
+                eprintln!(
+                    "warning: writing epoch {epoch}'s checkpoint took {:.1} s while the other \
+                     workers waited (they give up on this one after HEARTH_COLLECTIVE_TIMEOUT, \
+                     {} s)",
+                    took.as_secs_f64(),
+                    collective_timeout().as_secs()
+                );
+            }
         }
         Ok(())
     }
