@@ -113,13 +113,12 @@ fn names(cert: &CertificateDer<'_>, name: &str) -> bool {
 
 /// Checks that the peer of a connection may be rank `claimed` of a job of `world`: its
 /// certificate names the job ([`SERVER_NAME`], which a client checks of its server during the
-/// handshake and a server checks of its client here) and that rank, or (`strict` false) no
-/// rank of the job at all. The error says what the certificate names.
+/// handshake and a server checks of its client here) and that rank. The error says what the
+/// certificate names.
 pub fn check_peer_rank(
     peer_certs: Option<&[CertificateDer<'static>]>,
     claimed: usize,
     world: usize,
-    strict: bool,
 ) -> std::result::Result<(), String> {
     let Some(cert) = peer_certs.and_then(|c| c.first()) else {
         return Err(format!(
@@ -136,9 +135,6 @@ pub fn check_peer_rank(
         return Ok(());
     }
     let named: Vec<usize> = (0..world).filter(|&r| names_rank(cert, r)).collect();
-    if named.is_empty() && !strict {
-        return Ok(());
-    }
     Err(format!(
         "a peer claims rank {claimed} but its certificate names {}",
         if named.is_empty() {
@@ -240,8 +236,6 @@ pub struct Identity {
     pub ca: CertificateDer<'static>,
     pub chain: Vec<CertificateDer<'static>>,
     pub(crate) key: PrivateKeyDer<'static>,
-    /// Peers' certificates must name their rank (secret-derived certificates always do).
-    pub strict_ranks: bool,
 }
 
 impl Identity {
@@ -330,7 +324,6 @@ fn from_secret(secret: &[u8], rank: usize) -> Result<Identity> {
         ca: ca_cert.der().clone(),
         chain: vec![cert.der().clone()],
         key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der())),
-        strict_ranks: true,
     })
 }
 
@@ -405,7 +398,6 @@ fn from_files(ca: &Path, cert: &Path, key: &Path, rank: usize) -> Result<Identit
         ca: cas.remove(0),
         chain,
         key,
-        strict_ranks: true,
     })
 }
 
@@ -484,10 +476,10 @@ mod tests {
         let two = Identity::new(&m, 2).unwrap();
         assert!(names_rank(&two.chain[0], 2));
         assert!(!names_rank(&two.chain[0], 1));
-        assert!(check_peer_rank(Some(&two.chain), 2, 4, true).is_ok());
-        let e = check_peer_rank(Some(&two.chain), 1, 4, true).unwrap_err();
+        assert!(check_peer_rank(Some(&two.chain), 2, 4).is_ok());
+        let e = check_peer_rank(Some(&two.chain), 1, 4).unwrap_err();
         assert!(e.contains("claims rank 1") && e.contains("[2]"), "{e}");
-        assert!(check_peer_rank(None, 1, 4, true).is_err());
+        assert!(check_peer_rank(None, 1, 4).is_err());
         assert!(random_secret().unwrap().len() == 64);
     }
 

@@ -36,7 +36,7 @@ pub(super) struct Acceptor {
 impl Acceptor {
     /// Starts accepting on `endpoint` for a world of `world` ranks; must run inside the
     /// endpoint's runtime.
-    pub fn start(endpoint: Endpoint, world: usize, strict: bool) -> Self {
+    pub fn start(endpoint: Endpoint, world: usize) -> Self {
         let (tx, hellos) = mpsc::channel(64);
         let task = tokio::spawn(async move {
             let mut handshakes = JoinSet::new();
@@ -44,7 +44,7 @@ impl Acceptor {
                 tokio::select! {
                     incoming = endpoint.accept() => match incoming {
                         Some(i) => {
-                            handshakes.spawn(handshake(i, world, strict));
+                            handshakes.spawn(handshake(i, world));
                         }
                         None => break,
                     },
@@ -78,7 +78,7 @@ impl Drop for Acceptor {
 
 /// One incoming connection: its handshake, its hello and the certificate check, each within
 /// [`HANDSHAKE`]. Anything that fails is logged and dropped.
-async fn handshake(incoming: Incoming, world: usize, strict: bool) -> Option<Hello> {
+async fn handshake(incoming: Incoming, world: usize) -> Option<Hello> {
     let from = incoming.remote_address();
     let conn = match tokio::time::timeout(HANDSHAKE, incoming).await {
         Ok(Ok(c)) => c,
@@ -112,7 +112,7 @@ async fn handshake(incoming: Incoming, world: usize, strict: bool) -> Option<Hel
     // One rank may not pose as another: the claim must match the certificate. A claim outside
     // the world goes to the caller, which fails the rendezvous naming it.
     if rank < world
-        && let Err(e) = check_rank(&conn, rank, world, strict)
+        && let Err(e) = check_rank(&conn, rank, world)
     {
         log::warn!("refused {from} during rendezvous: {e}");
         conn.close(VarInt::from_u32(3), b"rank does not match certificate");

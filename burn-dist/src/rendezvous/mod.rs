@@ -381,7 +381,6 @@ pub fn connect_epoch_on(
         }
     });
     let identity = Identity::new(membership, info.rank)?;
-    let strict = identity.strict_ranks;
     let bind_ip = options.bind_ip.unwrap_or(if loopback {
         IpAddr::V4(Ipv4Addr::LOCALHOST)
     } else {
@@ -400,7 +399,6 @@ pub fn connect_epoch_on(
     let link = Link {
         deadline,
         timeout: options.timeout,
-        strict,
         lanes: quic.lanes.max(1),
     };
     let peers = if info.rank == 0 {
@@ -419,24 +417,18 @@ pub fn connect_epoch_on(
 
 /// The peer of `conn` may be rank `claimed`: its certificate names that rank (see
 /// [`crate::tls::check_peer_rank`]).
-fn check_rank(
-    conn: &Connection,
-    claimed: usize,
-    world: usize,
-    strict: bool,
-) -> std::result::Result<(), String> {
+fn check_rank(conn: &Connection, claimed: usize, world: usize) -> std::result::Result<(), String> {
     let certs = conn.peer_identity().and_then(|id| {
         id.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
             .ok()
     });
-    crate::tls::check_peer_rank(certs.as_deref().map(Vec::as_slice), claimed, world, strict)
+    crate::tls::check_peer_rank(certs.as_deref().map(Vec::as_slice), claimed, world)
 }
 
 /// How the rendezvous makes its connections.
 struct Link {
     deadline: Instant,
     timeout: Duration,
-    strict: bool,
     /// Connections per pair of ranks.
     lanes: usize,
 }
@@ -447,7 +439,7 @@ fn remaining(deadline: Instant) -> Duration {
 
 /// Rank 0: accept every rank's hello, then send each the table.
 fn coordinate(node: &QuicNode, info: &RankInfo, link: &Link) -> Result<Vec<Vec<Connection>>> {
-    let (deadline, timeout, strict, lanes) = (link.deadline, link.timeout, link.strict, link.lanes);
+    let (deadline, timeout, lanes) = (link.deadline, link.timeout, link.lanes);
     let world = info.world;
     let endpoint = node.endpoint.clone();
     let coordinator = info.coordinator.clone();
@@ -460,7 +452,7 @@ fn coordinate(node: &QuicNode, info: &RankInfo, link: &Link) -> Result<Vec<Vec<C
                         r: usize| {
             conns.contains_key(&r) && extra.get(&r).map_or(0, Vec::len) + 1 >= lanes
         };
-        let mut acceptor = accept::Acceptor::start(endpoint.clone(), world, strict);
+        let mut acceptor = accept::Acceptor::start(endpoint.clone(), world);
         while !(1..world).all(|r| complete(&conns, &extra, r)) {
             let Some(accept::Hello { rank, port, lane, conn }) = acceptor.next(deadline).await else {
                 let missing: Vec<usize> =
@@ -517,7 +509,7 @@ fn join(
     coordinator: SocketAddr,
     link: &Link,
 ) -> Result<Vec<Vec<Connection>>> {
-    let (deadline, timeout, strict, lanes) = (link.deadline, link.timeout, link.strict, link.lanes);
+    let (deadline, timeout, lanes) = (link.deadline, link.timeout, link.lanes);
     let (rank, world) = (info.rank, info.world);
     let endpoint = node.endpoint.clone();
     let port = node.local_addr()?.port();
@@ -545,7 +537,7 @@ fn join(
                 _ => tokio::time::sleep(Duration::from_millis(200)).await,
             }
         };
-        check_rank(&conn, 0, world, strict).map_err(|e| DistError::Tls(format!("the coordinator {coordinator}: {e}")))?;
+        check_rank(&conn, 0, world).map_err(|e| DistError::Tls(format!("the coordinator {coordinator}: {e}")))?;
         let h = hello(rank, port, 0);
         write_frame(&conn, Header::new(Kind::Hello, 0, 0, h.len()), h)
             .await
@@ -560,7 +552,7 @@ fn join(
                 .await
                 .map_err(|_| DistError::Timeout { op: format!("connecting to rank {peer} at {addr}"), rank: peer, after: timeout })?
                 .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
-                check_rank(&c, peer, world, strict).map_err(|e| DistError::Tls(format!("rank {peer} at {addr}: {e}")))?;
+                check_rank(&c, peer, world).map_err(|e| DistError::Tls(format!("rank {peer} at {addr}: {e}")))?;
                 let h = hello(rank, port, lane);
                 write_frame(&c, Header::new(Kind::Hello, 0, 0, h.len()), h)
                     .await
@@ -598,7 +590,7 @@ fn join(
                 peers[peer].push(c);
             }
         }
-        let mut acceptor = accept::Acceptor::start(endpoint.clone(), world, strict);
+        let mut acceptor = accept::Acceptor::start(endpoint.clone(), world);
         while (rank + 1..world).any(|r| peers[r].len() < lanes) {
             let missing: Vec<usize> = (rank + 1..world).filter(|&r| peers[r].len() < lanes).collect();
             let Some(accept::Hello { rank: peer, conn: c, .. }) = acceptor.next(deadline).await else {

@@ -283,7 +283,6 @@ fn with_user_certificates_the_rank_and_the_job_name_come_from_the_certificate() 
             ca: ca.clone(),
             chain: vec![CertificateDer::from_pem_slice(&cert).unwrap()],
             key: PrivateKeyDer::from_pem_slice(&key).unwrap(),
-            strict_ranks: true,
         }
     };
     let dirp = dir.path().to_path_buf();
