@@ -5,14 +5,19 @@
 //! crate is how Hearth trains everywhere else. It knows nothing about images or models: it moves
 //! flat `f32` buffers.
 //!
+//! The modules, bottom up: each uses only those above it in this list.
+//!
+//! - [`settings`]: values read from the environment; nothing below it.
 //! - [`wire`]: the frame (magic, version, kind, membership epoch, sequence, length) and a decoder
 //!   that never panics on bad bytes.
-//! - [`transport`]: the [`Transport`] trait (framed messages to a rank, with deadlines), with an
-//!   in-memory implementation for tests and a QUIC one (quinn, TLS always on).
-//! - [`shm`]: shared memory between the ranks of one host (pipes and in-place allreduce).
 //! - [`tls`]: job membership: certificates derived from a job secret, or a CA the user gives.
+//! - [`transport`]: the [`Transport`] trait (framed messages to a rank, with deadlines) and the
+//!   [`transport::Topology`] a transport reports; beside it, each over the trait alone, an
+//!   in-memory transport for tests, a QUIC one (quinn, TLS always on) and [`shm`], shared
+//!   memory between the ranks of one host (pipes and in-place allreduce).
+//! - [`routed`]: a job rank's transport, QUIC or shared memory chosen per peer.
 //! - [`rendezvous`]: ranks from `HEARTH_*`, torchrun, Slurm or Open MPI variables; rank 0
-//!   coordinates.
+//!   coordinates, then the links become a [`routed::RoutedTransport`].
 //! - [`collective`]: ring allreduce, broadcast, all-gather, reduce-scatter, barrier on `f32`.
 //! - [`bucket`]: fusion buffers for gradients in one fixed order.
 //! - [`ps`]: parameter servers (sharded; sync, DOWNPOUR, ADAG, DynSGD, EASGD; staleness bound).
@@ -47,7 +52,10 @@ mod error;
 pub mod pipeline;
 pub mod ps;
 pub mod rendezvous;
+pub mod routed;
+pub mod settings;
 pub mod shm;
+mod split;
 pub mod tls;
 pub mod transport;
 pub mod wire;

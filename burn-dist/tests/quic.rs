@@ -12,14 +12,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use burn_dist::rendezvous::{RankInfo, connect};
+use burn_dist::routed::RoutedTransport;
 use burn_dist::tls::Membership;
-use burn_dist::transport::quic::QuicTransport;
 use burn_dist::{Communicator, Compression, DistError, ReduceOp, Transport};
 use common::{SECRET, finish, free_port, info, job, job_with, options, options_lanes, options_shm};
 
 /// Runs `f` on each rank in a thread and returns the results in rank order, with a deadline.
 fn each<T: Send + 'static>(
-    ranks: Vec<Arc<QuicTransport>>,
+    ranks: Vec<Arc<RoutedTransport>>,
     f: impl Fn(Communicator) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
     let f = Arc::new(f);

@@ -1,7 +1,8 @@
 //! All-gather and reduce-scatter: the two halves of the ring allreduce on their own.
 
 use super::ring::{Phases, ring};
-use super::{Communicator, Compression, ReduceOp, segment};
+use super::{Communicator, Compression, ReduceOp};
+use crate::split::segment;
 use crate::{DistError, Result};
 
 impl Communicator {

@@ -2,7 +2,7 @@
 //! its segment to its lowest rank, those leaders run the ring among themselves (one rank per
 //! host on the network), and each leader broadcasts the result within its host. With a single
 //! host the whole allreduce happens in shared memory. Chosen automatically from the transport's
-//! [`Topology`](crate::shm::Topology); without shared memory the ordinary ring runs.
+//! [`Topology`](crate::transport::Topology); without shared memory the ordinary ring runs.
 //!
 //! Compression: every rank rounds its contribution to the wire format before the host's
 //! reduction, the leaders' ring carries that format, and a single host rounds the sum, so

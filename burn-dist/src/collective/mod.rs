@@ -194,7 +194,7 @@ impl Communicator {
         Self {
             transport,
             seq: AtomicU64::new(0),
-            timeout: crate::rendezvous::env_secs("HEARTH_COLLECTIVE_TIMEOUT")
+            timeout: crate::settings::env_secs("HEARTH_COLLECTIVE_TIMEOUT")
                 .unwrap_or(Duration::from_secs(120)),
             chunk_elems: std::env::var("HEARTH_CHUNK_KB")
                 .ok()
@@ -297,11 +297,6 @@ impl Communicator {
 /// Tag of message `chunk` of `step` of operation `op`.
 pub(crate) fn tag(op: u64, step: usize, chunk: usize) -> u64 {
     (op << 32) | ((step as u64 & 0xFFFF) << 16) | (chunk as u64 & 0xFFFF)
-}
-
-/// `[start, end)` of segment `i` when `len` values are split into `n` near-equal segments.
-pub(crate) fn segment(len: usize, n: usize, i: usize) -> (usize, usize) {
-    (i * len / n, (i + 1) * len / n)
 }
 
 #[cfg(test)]

@@ -6,7 +6,8 @@
 //! What a rank receives in one step is exactly what it sends in the next, so each chunk is
 //! forwarded as soon as it has arrived: the steps overlap chunk by chunk (pipelining).
 
-use super::{Communicator, Compression, segment, tag};
+use super::{Communicator, Compression, tag};
+use crate::split::segment;
 use crate::{DistError, Result};
 
 #[derive(Clone, Copy, PartialEq, Eq)]

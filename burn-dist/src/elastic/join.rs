@@ -20,8 +20,8 @@ use tokio::sync::oneshot;
 
 use super::membership::Worker;
 use super::reform::Announcement;
-use crate::rendezvous::recv_control;
 use crate::tls::{Identity, Membership, SERVER_NAME};
+use crate::transport::quic::recv_control;
 use crate::transport::quic::{QuicNode, QuicOptions, write_frame};
 use crate::wire::{Header, Kind, Reader, Writer};
 use crate::{DistError, Result};

@@ -10,7 +10,9 @@ use quinn::{Connection, Endpoint, Incoming, VarInt};
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 
-use super::{check_rank, parse_hello, recv_control, remaining};
+use super::messages::parse_hello;
+use super::{check_rank, remaining};
+use crate::transport::quic::recv_control;
 use crate::wire::Kind;
 
 /// How long one incoming connection may take for its handshake, and then for its hello.

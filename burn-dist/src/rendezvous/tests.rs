@@ -1,10 +1,15 @@
 //! Rendezvous: launcher variables, rank claims checked against certificates, tables.
 
+use super::messages::{hello, parse_table, table};
 use super::*;
+use crate::tls::SERVER_NAME;
 use crate::tls::rank_name;
+use crate::transport::quic::write_frame;
+use crate::wire::{Header, Kind};
 use rcgen::{CertificateParams, KeyPair};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 

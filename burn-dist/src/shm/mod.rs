@@ -31,7 +31,8 @@ pub use pipe::Pipes;
 pub use reduce::LocalGroup;
 pub use segment::{Segment, remove_stale};
 
-use crate::transport::{Inbox, Transport, check_peer};
+use crate::settings::{env_mb, env_off, env_parse, env_secs};
+use crate::transport::{Inbox, Topology, Transport, check_peer};
 use crate::wire::Kind;
 use crate::{DistError, Result};
 
@@ -48,68 +49,25 @@ pub struct ShmOptions {
 
 impl Default for ShmOptions {
     fn default() -> Self {
-        let mb = |k: &str, d: usize| {
-            std::env::var(k)
-                .ok()
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .filter(|&v| v > 0)
-                .unwrap_or(d)
-                << 20
-        };
+        let mb = |k: &str, d: usize| env_mb(k).unwrap_or(d << 20);
         Self {
-            enabled: std::env::var("HEARTH_SHM").map_or(true, |v| v.trim() != "0"),
+            enabled: !env_off("HEARTH_SHM"),
             ring_bytes: mb("HEARTH_SHM_RING_MB", 4),
             // Small pieces stay in cache between the copy in, the reduction and the copy out:
             // 100 MB, 2 ranks here took 10.8 ms with 1 MiB slots, 17 ms with 8 MiB, 32 ms with
             // 64 MiB (BENCHMARKS.md).
-            slot_bytes: std::env::var("HEARTH_SHM_SLOT_KB")
-                .ok()
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .filter(|&v| v > 0)
+            slot_bytes: env_parse::<usize>("HEARTH_SHM_SLOT_KB")
+                .filter(|&kb| kb > 0)
                 .map_or_else(|| mb("HEARTH_SHM_SLOT_MB", 1), |kb| kb << 10),
-            stale: crate::rendezvous::env_secs("HEARTH_SHM_STALE")
-                .unwrap_or(Duration::from_secs(8)),
+            stale: env_secs("HEARTH_SHM_STALE").unwrap_or(Duration::from_secs(8)),
             max_frame_bytes: mb("HEARTH_MAX_FRAME_MB", 256),
-            frame_timeout: crate::rendezvous::env_secs("HEARTH_FRAME_TIMEOUT")
-                .unwrap_or(Duration::from_secs(120)),
+            frame_timeout: env_secs("HEARTH_FRAME_TIMEOUT").unwrap_or(Duration::from_secs(120)),
         }
     }
 }
 
-/// Which ranks share a segment: for every job rank, the lowest rank of its shared-memory group
-/// (itself when it has none), and this rank's group.
-pub struct Topology {
-    pub leaders: Vec<usize>,
-    pub local: Option<Arc<LocalGroup>>,
-    /// The distinct leaders, ascending (computed once: every allreduce asks).
-    group_leaders: Vec<usize>,
-}
-
-impl Topology {
-    pub fn new(leaders: Vec<usize>, local: Option<Arc<LocalGroup>>) -> Topology {
-        let mut group_leaders = leaders.clone();
-        group_leaders.sort_unstable();
-        group_leaders.dedup();
-        Topology {
-            leaders,
-            local,
-            group_leaders,
-        }
-    }
-
-    /// The distinct group leaders, ascending: one rank per host that shares memory.
-    pub fn group_leaders(&self) -> &[usize] {
-        &self.group_leaders
-    }
-
-    /// Whether any ranks share memory at all.
-    pub fn shares_memory(&self) -> bool {
-        self.group_leaders.len() < self.leaders.len()
-    }
-}
-
-/// A world of ranks that all share one segment: the shared-memory transport alone (tests, and
-/// the transport behind [`crate::transport::quic::QuicTransport`]'s local links).
+/// A world of ranks that all share one segment: the shared-memory transport alone (tests; a job
+/// on several hosts routes per peer between QUIC and [`Pipes`] in [`crate::routed`]).
 pub struct ShmTransport {
     rank: usize,
     inbox: Arc<Inbox>,

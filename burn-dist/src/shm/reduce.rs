@@ -18,7 +18,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::segment::{Segment, Watch, futex_wait, futex_wake};
-use crate::collective::segment;
+use crate::split::segment;
+use crate::transport::HostGroup;
 use crate::{DistError, Result};
 
 /// How long a barrier spins before it sleeps (rounds bound it when the clock is slow to read).
@@ -237,5 +238,19 @@ impl LocalGroup {
             }
         }
         Ok(())
+    }
+}
+
+impl HostGroup for LocalGroup {
+    fn members(&self) -> &[usize] {
+        LocalGroup::members(self)
+    }
+
+    fn reduce(&self, buf: &mut [f32], everyone: bool, deadline: Instant) -> Result<()> {
+        LocalGroup::reduce(self, buf, everyone, deadline)
+    }
+
+    fn broadcast(&self, buf: &mut [f32], root: usize, deadline: Instant) -> Result<()> {
+        LocalGroup::broadcast(self, buf, root, deadline)
     }
 }

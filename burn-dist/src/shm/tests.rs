@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use super::*;
 use crate::collective::{Communicator, ReduceOp};
 use crate::transport::memory::MemoryTransport;
-use crate::transport::{Transport, conformance};
+use crate::transport::{HostGroup, Transport, conformance};
 
 fn small() -> ShmOptions {
     ShmOptions {
@@ -160,7 +160,7 @@ impl Transport for Hosted {
 fn hosted(hosts: &[usize]) -> Vec<Hosted> {
     let world = hosts.len();
     let o = small();
-    let mut groups: Vec<Option<Arc<LocalGroup>>> = vec![None; world];
+    let mut groups: Vec<Option<Arc<dyn HostGroup>>> = vec![None; world];
     let mut leaders = vec![0; world];
     for h in 0..=*hosts.iter().max().unwrap() {
         let members: Vec<usize> = (0..world).filter(|&r| hosts[r] == h).collect();

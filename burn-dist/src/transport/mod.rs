@@ -6,12 +6,18 @@
 //! makes arrival order irrelevant. A peer that fails makes every later receive from it fail with
 //! [`DistError::PeerFailed`] naming it.
 //!
-//! Implementations: [`memory::MemoryTransport`] (threads in one process, for tests) and
-//! [`quic::QuicTransport`] (quinn, TLS always on).
+//! Implementations side by side, each over this module alone: [`memory::MemoryTransport`]
+//! (threads in one process, for tests), [`quic::QuicTransport`] (quinn, TLS always on) and
+//! [`crate::shm::ShmTransport`] (the ranks of one host). [`crate::routed::RoutedTransport`],
+//! above QUIC and shared memory, is what a job's rank uses: it sends each message the way its
+//! peer is reached. [`group::Group`] is a sub-world of any transport.
 
 pub mod group;
 pub mod memory;
 pub mod quic;
+mod topology;
+
+pub use topology::{HostGroup, Topology};
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Condvar, Mutex};
@@ -63,10 +69,10 @@ pub trait Transport: Send + Sync {
     /// on without a dead worker.
     fn accept_losses(&self) {}
 
-    /// Which ranks share memory with which, when this transport knows (see [`crate::shm`]):
+    /// Which ranks share memory with which, when this transport knows (see [`Topology`]):
     /// allreduce then reduces within each host in shared memory and runs the ring only among
     /// one rank per host.
-    fn topology(&self) -> Option<&crate::shm::Topology> {
+    fn topology(&self) -> Option<&Topology> {
         None
     }
 }

@@ -13,9 +13,9 @@ use std::net::UdpSocket;
 
 use burn_dist::ddp::module_values;
 use burn_dist::rendezvous::{RankInfo, RendezvousOptions, connect};
+use burn_dist::routed::RoutedTransport;
 use burn_dist::tls::Membership;
 use burn_dist::transport::memory::MemoryTransport;
-use burn_dist::transport::quic::QuicTransport;
 use burn_dist::{Communicator, Transport};
 
 /// A small MLP without batch norm (with it, ranks normalise by their own statistics and the
@@ -164,12 +164,12 @@ pub fn options_shm(timeout: Duration) -> RendezvousOptions {
 }
 
 /// Forms a job of `world` ranks as threads, QUIC only; returns them in rank order.
-pub fn job(world: usize) -> Vec<QuicTransport> {
+pub fn job(world: usize) -> Vec<RoutedTransport> {
     job_with(world, options)
 }
 
 /// [`job`] with the rendezvous options `options` gives for a timeout.
-pub fn job_with(world: usize, options: fn(Duration) -> RendezvousOptions) -> Vec<QuicTransport> {
+pub fn job_with(world: usize, options: fn(Duration) -> RendezvousOptions) -> Vec<RoutedTransport> {
     let port = free_port();
     let handles: Vec<_> = (0..world)
         .map(|r| {

@@ -50,7 +50,7 @@ use burn_dist::elastic::membership::{Decision, Epoch, Health, Limits, Membership
 use burn_dist::elastic::reform::Announcement;
 use burn_dist::elastic::{broadcast_bytes, step_len, step_positions};
 use burn_dist::rendezvous::{RankInfo, RendezvousOptions, bind_coordinator, connect_epoch_on};
-use burn_dist::transport::quic::QuicTransport;
+use burn_dist::routed::RoutedTransport;
 use burn_dist::wire::Kind;
 use burn_dist::{Communicator, ReduceOp, Transport};
 
@@ -198,7 +198,7 @@ struct Commit<M: Net> {
 /// The current world of an elastic job.
 struct World {
     number: u32,
-    transport: Arc<QuicTransport>,
+    transport: Arc<RoutedTransport>,
     comm: Communicator,
     members: Vec<Worker>,
     /// Each member's weight in the batch split.

@@ -111,7 +111,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
     pub(super) fn form(
         &mut self,
         number: u32,
-        transport: Arc<QuicTransport>,
+        transport: Arc<RoutedTransport>,
         members: Vec<Worker>,
         mine: Option<Commit<T::Model>>,
         log: &mut dyn FnMut(&str),

@@ -6,10 +6,14 @@
 //! collectives' receives overlap their sends. A connection that ends (the peer exited, or was
 //! silent past the idle timeout while keep-alives run every second) marks the peer failed: every
 //! receive from it fails with [`DistError::PeerFailed`] naming the rank.
+//!
+//! This transport knows only QUIC: the ranks of one host that reach each other through shared
+//! memory are routed there by [`crate::routed::RoutedTransport`], which hands those peers over
+//! ([`QuicTransport::hand_over`]) and shares this transport's inbox.
 
 use std::net::{SocketAddr, UdpSocket};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
@@ -18,10 +22,10 @@ use quinn::{Connection, Endpoint, VarInt};
 mod stream;
 
 use stream::receive_frame;
-pub(crate) use stream::{read_frame, write_frame};
+pub(crate) use stream::{recv_control, write_frame};
 
 use super::{Inbox, Payload, Transport, check_peer};
-use crate::shm::{LocalGroup, Pipes, ShmOptions, Topology};
+use crate::settings::{env_mb, env_parse, env_secs};
 use crate::tls::{self, Identity};
 use crate::wire::{Header, Kind};
 use crate::{DistError, Result};
@@ -66,38 +70,19 @@ impl Default for QuicOptions {
             socket_buffer: 16 << 20,
             max_frame_bytes: env_mb("HEARTH_MAX_FRAME_MB").unwrap_or(256 << 20),
             inbox_bytes: env_mb("HEARTH_INBOX_MB").unwrap_or(1 << 30),
-            frame_timeout: crate::rendezvous::env_secs("HEARTH_FRAME_TIMEOUT")
-                .unwrap_or(Duration::from_secs(120)),
-            ack_every: std::env::var("HEARTH_QUIC_ACK_EVERY")
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(20),
-            lanes: std::env::var("HEARTH_QUIC_LANES")
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
+            frame_timeout: env_secs("HEARTH_FRAME_TIMEOUT").unwrap_or(Duration::from_secs(120)),
+            ack_every: env_parse("HEARTH_QUIC_ACK_EVERY").unwrap_or(20),
+            lanes: env_parse("HEARTH_QUIC_LANES")
                 .filter(|&n: &usize| (1..=16).contains(&n))
                 .unwrap_or(1),
         }
     }
 }
 
-fn env_mb(name: &str) -> Option<usize> {
-    std::env::var(name)
-        .ok()?
-        .trim()
-        .parse::<usize>()
-        .ok()
-        .filter(|&mb| mb > 0)
-        .map(|mb| mb << 20)
-}
-
 impl QuicOptions {
     /// Settings for ranks that all run on one machine (bigger datagrams).
     pub fn loopback() -> Self {
-        let mtu = std::env::var("HEARTH_QUIC_MTU")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(6500);
+        let mtu = env_parse("HEARTH_QUIC_MTU").unwrap_or(6500);
         Self {
             fixed_mtu: Some(mtu),
             ..Self::default()
@@ -164,9 +149,7 @@ pub struct QuicNode {
 impl QuicNode {
     /// Binds `bind` (port 0: any free port) with `identity` as server and client.
     pub fn bind(bind: SocketAddr, identity: &Identity, options: &QuicOptions) -> Result<Self> {
-        let threads = std::env::var("HEARTH_QUIC_THREADS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
+        let threads = env_parse::<usize>("HEARTH_QUIC_THREADS")
             .unwrap_or(2)
             .max(1);
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -239,8 +222,7 @@ impl QuicNode {
     }
 }
 
-/// One rank's QUIC links to every other rank, and shared-memory pipes to the ranks of its host
-/// once [`QuicTransport::share_memory`] has set them up.
+/// One rank's QUIC links to every other rank.
 pub struct QuicTransport {
     rank: usize,
     epoch: u32,
@@ -249,15 +231,10 @@ pub struct QuicTransport {
     peers: Vec<Vec<Connection>>,
     inbox: Arc<Inbox>,
     in_flight: Arc<AtomicUsize>,
-    /// Peers reached through shared memory: their pipes, not their QUIC connection, say when
-    /// they have left (the pipe may still hold their last messages when the connection closes).
-    via_shm: Arc<Vec<AtomicBool>>,
-    local: OnceLock<LocalLinks>,
-}
-
-struct LocalLinks {
-    pipes: Option<Pipes>,
-    topology: Topology,
+    /// Peers handed over to another transport ([`QuicTransport::hand_over`]): that transport,
+    /// not their QUIC connection, says when they have left (it may still hold their last
+    /// messages when the connection closes).
+    elsewhere: Arc<Vec<AtomicBool>>,
 }
 
 impl QuicTransport {
@@ -284,7 +261,7 @@ impl QuicTransport {
     ) -> Self {
         let inbox = Arc::new(Inbox::with_budget(options.inbox_bytes));
         let options = Arc::new(options.clone());
-        let via_shm: Arc<Vec<AtomicBool>> =
+        let elsewhere: Arc<Vec<AtomicBool>> =
             Arc::new(peers.iter().map(|_| AtomicBool::new(false)).collect());
         // A peer has left when all its lanes closed cleanly.
         let open: Arc<Vec<AtomicUsize>> =
@@ -296,7 +273,7 @@ impl QuicTransport {
         for (from, conn) in lanes {
             let inbox = inbox.clone();
             let options = options.clone();
-            let via_shm = via_shm.clone();
+            let elsewhere = elsewhere.clone();
             let open = open.clone();
             node.rt.spawn(async move {
                 // The frames being read: a peer's last messages are delivered before its clean
@@ -335,7 +312,7 @@ impl QuicTransport {
                         {
                             while frames.join_next().await.is_some() {}
                             let last = open[from].fetch_sub(1, Ordering::AcqRel) == 1;
-                            if last && !via_shm[from].load(Ordering::Acquire) {
+                            if last && !elsewhere[from].load(Ordering::Acquire) {
                                 inbox.left(from, "it closed its connection (finished)".into());
                             }
                             return;
@@ -362,53 +339,28 @@ impl QuicTransport {
             peers,
             inbox,
             in_flight: Arc::new(AtomicUsize::new(0)),
-            via_shm,
-            local: OnceLock::new(),
+            elsewhere,
         }
     }
 
-    /// Finds the ranks that share this rank's host and moves their traffic to shared memory
-    /// (see [`crate::shm`]). Every rank of the job calls it once, right after the rendezvous;
-    /// a host where shared memory cannot be set up stays on QUIC.
-    pub fn share_memory(&self, options: &ShmOptions, deadline: Instant) -> Result<()> {
-        if self.local.get().is_some() {
-            return Ok(());
-        }
-        let negotiated = crate::shm::setup::negotiate(self, options, deadline)?;
-        let (pipes, local) = match negotiated.segment {
-            Some((seg, me, members)) => {
-                let pipes = Pipes::start(
-                    seg.clone(),
-                    me,
-                    members.clone(),
-                    self.inbox.clone(),
-                    options.clone(),
-                )?;
-                for &r in &members {
-                    self.via_shm[r].store(true, Ordering::Release);
-                }
-                let group = LocalGroup::new(seg, me, members, options.stale);
-                (Some(pipes), Some(Arc::new(group)))
+    /// The inbox every message for this rank lands in: another transport serving some of the
+    /// peers ([`QuicTransport::hand_over`]) delivers into it too, so one receive waits on both.
+    pub(crate) fn inbox(&self) -> Arc<Inbox> {
+        self.inbox.clone()
+    }
+
+    /// `peers` are now reached another way: their connection closing no longer says they left
+    /// (the other transport says so), and [`Transport::send`] to them is the caller's to route.
+    pub(crate) fn hand_over(&self, peers: &[usize]) {
+        for &r in peers {
+            if let Some(flag) = self.elsewhere.get(r) {
+                flag.store(true, Ordering::Release);
             }
-            None => (None, None),
-        };
-        let _ = self.local.set(LocalLinks {
-            pipes,
-            topology: Topology::new(negotiated.leaders, local),
-        });
-        Ok(())
-    }
-
-    fn pipes(&self) -> Option<&Pipes> {
-        self.local.get().and_then(|l| l.pipes.as_ref())
+        }
     }
 
     /// Waits (up to `timeout`) for queued sends to reach the peers, then closes every connection.
     pub fn shutdown(&self, timeout: Duration) {
-        // Shared-memory writes are done when `send` returns; the pipes say this rank has left.
-        if let Some(p) = self.pipes() {
-            p.close();
-        }
         let until = Instant::now() + timeout;
         while self.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < until {
             std::thread::sleep(Duration::from_millis(2));
@@ -481,11 +433,6 @@ impl Transport for QuicTransport {
         if let Some(reason) = self.inbox.failure(to) {
             return Err(DistError::PeerFailed { rank: to, reason });
         }
-        if let Some(p) = self.pipes()
-            && let Some(local) = p.local_index(to)
-        {
-            return p.send(local, kind, tag, &payload);
-        }
         let lanes = &self.peers[to];
         if lanes.is_empty() {
             return Err(DistError::PeerFailed {
@@ -537,10 +484,6 @@ impl Transport for QuicTransport {
 
     fn accept_losses(&self) {
         self.inbox.accept_losses();
-    }
-
-    fn topology(&self) -> Option<&Topology> {
-        self.local.get().map(|l| &l.topology)
     }
 }
 

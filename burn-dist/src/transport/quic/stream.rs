@@ -7,7 +7,7 @@ use quinn::{Connection, RecvStream};
 
 use super::QuicOptions;
 use crate::transport::{Inbox, Payload};
-use crate::wire::{HEADER_LEN, Header};
+use crate::wire::{HEADER_LEN, Header, Kind};
 
 /// Reads one whole frame from a stream: header, then exactly `len` payload bytes, refusing a
 /// length over `max_len` before allocating anything.
@@ -124,4 +124,19 @@ pub(crate) async fn write_frame(
     // connections must not discard messages still in flight (closing drops unsent data).
     s.stopped().await.map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// The next frame `conn` opens a stream for, which must be of `kind` (a rendezvous or elastic
+/// control message: small, at most 1 MiB).
+pub(crate) async fn recv_control(
+    conn: &Connection,
+    kind: Kind,
+) -> std::result::Result<Vec<u8>, String> {
+    let mut s = conn.accept_uni().await.map_err(|e| e.to_string())?;
+    // Control messages (hello, table) are small.
+    let (h, payload) = read_frame(&mut s, 1 << 20).await?;
+    if h.kind != kind {
+        return Err(format!("expected a {kind:?} frame, got {:?}", h.kind));
+    }
+    Ok(payload)
 }

@@ -1,0 +1,82 @@
+//! Rank 0's side: accept every rank's hello (concurrently, see [`super::accept`]), then send
+//! each the table of addresses.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use quinn::Connection;
+
+use super::messages::table;
+use super::{Link, RankInfo, accept};
+use crate::transport::quic::{QuicNode, write_frame};
+use crate::wire::{Header, Kind};
+use crate::{DistError, Result};
+
+/// Rank 0: accept every rank's hello, then send each the table.
+pub(super) fn coordinate(
+    node: &QuicNode,
+    info: &RankInfo,
+    link: &Link,
+) -> Result<Vec<Vec<Connection>>> {
+    let (deadline, timeout, lanes) = (link.deadline, link.timeout, link.lanes);
+    let world = info.world;
+    let endpoint = node.endpoint.clone();
+    let coordinator = info.coordinator.clone();
+    node.rt.block_on(async move {
+        let mut conns: BTreeMap<usize, (Connection, SocketAddr)> = BTreeMap::new();
+        // Each rank's further connections (lanes 1..).
+        let mut extra: BTreeMap<usize, Vec<Connection>> = BTreeMap::new();
+        let complete = |conns: &BTreeMap<usize, (Connection, SocketAddr)>,
+                        extra: &BTreeMap<usize, Vec<Connection>>,
+                        r: usize| {
+            conns.contains_key(&r) && extra.get(&r).map_or(0, Vec::len) + 1 >= lanes
+        };
+        let mut acceptor = accept::Acceptor::start(endpoint.clone(), world);
+        while !(1..world).all(|r| complete(&conns, &extra, r)) {
+            let Some(accept::Hello { rank, port, lane, conn }) = acceptor.next(deadline).await else {
+                let missing: Vec<usize> =
+                    (1..world).filter(|&r| !complete(&conns, &extra, r)).collect();
+                return Err(DistError::MissingRanks {
+                    missing,
+                    world,
+                    coordinator,
+                    after: timeout,
+                });
+            };
+            if rank == 0 || rank >= world {
+                return Err(DistError::Config(format!(
+                    "a process claims rank {rank}, outside 1..{world}: do all ranks agree on the world size?"
+                )));
+            }
+            if lane > 0 {
+                let e = extra.entry(rank).or_default();
+                if lane < lanes && e.len() + 1 < lanes {
+                    e.push(conn);
+                } else {
+                    log::warn!("rank {rank} opened more connections than {lanes}");
+                }
+                continue;
+            }
+            if conns.contains_key(&rank) {
+                return Err(DistError::Config(format!("two processes claim rank {rank}")));
+            }
+            let addr = SocketAddr::new(conn.remote_address().ip(), port);
+            conns.insert(rank, (conn, addr));
+        }
+        drop(acceptor);
+        let mut addrs: BTreeMap<usize, SocketAddr> = conns.iter().map(|(r, (_, a))| (*r, *a)).collect();
+        addrs.insert(0, endpoint.local_addr().map_err(|source| DistError::Io { context: "local address".into(), source })?);
+        let t = table(&addrs);
+        for (rank, (conn, _)) in &conns {
+            write_frame(conn, Header::new(Kind::Table, 0, 0, t.len()), t.clone())
+                .await
+                .map_err(|reason| DistError::PeerFailed { rank: *rank, reason })?;
+        }
+        let mut peers: Vec<Vec<Connection>> = vec![Vec::new(); world];
+        for (r, (c, _)) in conns {
+            peers[r].push(c);
+            peers[r].extend(extra.remove(&r).unwrap_or_default());
+        }
+        Ok(peers)
+    })
+}

@@ -1,0 +1,124 @@
+//! A rank above 0: hello to the coordinator, the table back, then a connection to every rank
+//! below it while accepting those above.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use quinn::Connection;
+
+use super::messages::{hello, parse_table};
+use super::{Link, RankInfo, accept, check_rank, remaining};
+use crate::tls::SERVER_NAME;
+use crate::transport::quic::{QuicNode, recv_control, write_frame};
+use crate::wire::{Header, Kind};
+use crate::{DistError, Result};
+
+/// Rank r > 0: hello to the coordinator, get the table, connect to ranks 1..r, accept r+1..
+pub(super) fn join(
+    node: &QuicNode,
+    info: &RankInfo,
+    coordinator: SocketAddr,
+    link: &Link,
+) -> Result<Vec<Vec<Connection>>> {
+    let (deadline, timeout, lanes) = (link.deadline, link.timeout, link.lanes);
+    let (rank, world) = (info.rank, info.world);
+    let endpoint = node.endpoint.clone();
+    let port = node.local_addr()?.port();
+    node.rt.block_on(async move {
+        // The coordinator may start later than us: retry until the deadline.
+        let conn = loop {
+            let attempt = async {
+                let connecting = endpoint.connect(coordinator, SERVER_NAME).map_err(|e| e.to_string())?;
+                connecting.await.map_err(|e| e.to_string())
+            };
+            match tokio::time::timeout(Duration::from_secs(3).min(remaining(deadline)), attempt).await {
+                Ok(Ok(c)) => break c,
+                Ok(Err(e)) if e.contains("certificate") || e.contains("handshake") || e.contains("crypto") => {
+                    return Err(DistError::Tls(format!(
+                        "the coordinator {coordinator} refused this rank's credentials: {e} (same job secret or CA on every rank?)"
+                    )));
+                }
+                _ if Instant::now() >= deadline => {
+                    return Err(DistError::Timeout {
+                        op: format!("rendezvous with the coordinator {coordinator}"),
+                        rank: 0,
+                        after: timeout,
+                    });
+                }
+                _ => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        };
+        check_rank(&conn, 0, world).map_err(|e| DistError::Tls(format!("the coordinator {coordinator}: {e}")))?;
+        let h = hello(rank, port, 0);
+        write_frame(&conn, Header::new(Kind::Hello, 0, 0, h.len()), h)
+            .await
+            .map_err(|reason| DistError::PeerFailed { rank: 0, reason })?;
+        // A connection to `peer` at `addr` announcing this rank's `lane`.
+        let dial = |peer: usize, addr: SocketAddr, lane: usize| {
+            let endpoint = endpoint.clone();
+            async move {
+                let c = tokio::time::timeout(remaining(deadline), async {
+                    endpoint.connect(addr, SERVER_NAME).map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())
+                })
+                .await
+                .map_err(|_| DistError::Timeout { op: format!("connecting to rank {peer} at {addr}"), rank: peer, after: timeout })?
+                .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
+                check_rank(&c, peer, world).map_err(|e| DistError::Tls(format!("rank {peer} at {addr}: {e}")))?;
+                let h = hello(rank, port, lane);
+                write_frame(&c, Header::new(Kind::Hello, 0, 0, h.len()), h)
+                    .await
+                    .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
+                Ok::<_, DistError>(c)
+            }
+        };
+        let mut to_coordinator = vec![conn];
+        for lane in 1..lanes {
+            to_coordinator.push(dial(0, coordinator, lane).await?);
+        }
+        let conn = to_coordinator[0].clone();
+        let t = match tokio::time::timeout(remaining(deadline), recv_control(&conn, Kind::Table)).await {
+            Ok(Ok(t)) => t,
+            Ok(Err(reason)) => return Err(DistError::PeerFailed { rank: 0, reason }),
+            Err(_) => {
+                return Err(DistError::Timeout {
+                    op: "waiting for the other ranks to arrive".into(),
+                    rank: 0,
+                    after: timeout,
+                });
+            }
+        };
+        let addrs = parse_table(&t, world)?;
+        let mut peers: Vec<Vec<Connection>> = vec![Vec::new(); world];
+        peers[0] = to_coordinator;
+        // Dial the ranks below; accept the ranks above.
+        #[allow(clippy::needless_range_loop)] // `peer` is a rank, named in the errors
+        for peer in 1..rank {
+            let Some(addr) = addrs.get(&peer).copied() else {
+                return Err(DistError::Config(format!("rank {peer} missing from the table")));
+            };
+            for lane in 0..lanes {
+                let c = dial(peer, addr, lane).await?;
+                peers[peer].push(c);
+            }
+        }
+        let mut acceptor = accept::Acceptor::start(endpoint.clone(), world);
+        while (rank + 1..world).any(|r| peers[r].len() < lanes) {
+            let missing: Vec<usize> = (rank + 1..world).filter(|&r| peers[r].len() < lanes).collect();
+            let Some(accept::Hello { rank: peer, conn: c, .. }) = acceptor.next(deadline).await else {
+                return Err(DistError::MissingRanks {
+                    missing,
+                    world,
+                    coordinator: coordinator.to_string(),
+                    after: timeout,
+                });
+            };
+            if peer <= rank || peer >= world || peers[peer].len() >= lanes {
+                log::warn!("unexpected hello from rank {peer}");
+                continue;
+            }
+            peers[peer].push(c);
+        }
+        drop(acceptor);
+        Ok(peers)
+    })
+}

@@ -1,0 +1,68 @@
+//! Which ranks share memory with which: what a transport tells the collectives so that
+//! allreduce reduces within each host first and runs the ring only among one rank per host.
+//!
+//! The transport layer defines the shape; the shared-memory transport ([`crate::shm`]) fills
+//! it in with its [`HostGroup`] (an in-place reduction in a segment), so the collectives above
+//! never name the shared-memory module.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::Result;
+
+/// The ranks of one host as a group for in-place collectives.
+pub trait HostGroup: Send + Sync {
+    /// The group's job ranks, ascending; the first is the host's leader.
+    fn members(&self) -> &[usize];
+    /// Sums `buf` across the group: into every member's `buf` when `everyone`, else into the
+    /// leader's only.
+    fn reduce(&self, buf: &mut [f32], everyone: bool, deadline: Instant) -> Result<()>;
+    /// Copies the `root` member's (local index) `buf` into every other member's.
+    fn broadcast(&self, buf: &mut [f32], root: usize, deadline: Instant) -> Result<()>;
+}
+
+/// For every job rank, the lowest rank of its shared-memory group (itself when it has none),
+/// and this rank's group.
+pub struct Topology {
+    pub leaders: Vec<usize>,
+    pub local: Option<Arc<dyn HostGroup>>,
+    /// The distinct leaders, ascending (computed once: every allreduce asks).
+    group_leaders: Vec<usize>,
+}
+
+impl Topology {
+    pub fn new(leaders: Vec<usize>, local: Option<Arc<dyn HostGroup>>) -> Topology {
+        let mut group_leaders = leaders.clone();
+        group_leaders.sort_unstable();
+        group_leaders.dedup();
+        Topology {
+            leaders,
+            local,
+            group_leaders,
+        }
+    }
+
+    /// The distinct group leaders, ascending: one rank per host that shares memory.
+    pub fn group_leaders(&self) -> &[usize] {
+        &self.group_leaders
+    }
+
+    /// Whether any ranks share memory at all.
+    pub fn shares_memory(&self) -> bool {
+        self.group_leaders.len() < self.leaders.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leaders_are_distinct_and_sharing_is_seen() {
+        let t = Topology::new(vec![0, 0, 2, 2, 4], None);
+        assert_eq!(t.group_leaders(), &[0, 2, 4]);
+        assert!(t.shares_memory());
+        let alone = Topology::new(vec![0, 1, 2], None);
+        assert!(!alone.shares_memory());
+    }
+}

@@ -1,0 +1,133 @@
+//! burn-dist's modules depend one way (DESIGN.md; the list in `src/lib.rs`): settings at the
+//! bottom, the transports side by side over the `Transport` trait, the routing transport above
+//! QUIC and shared memory, the rendezvous above that, the collectives over the trait alone.
+//! This reads every source file (test modules aside) and fails on any `crate::` path that goes
+//! against that order, naming the file, the line and the layer it reached.
+
+use std::path::{Path, PathBuf};
+
+/// Module (path under `src/`, longest match wins) and the crate modules it may name.
+const LAYERS: &[(&str, &[&str])] = &[
+    ("settings.rs", &[]),
+    ("split.rs", &[]),
+    ("error.rs", &["wire"]),
+    ("wire.rs", &[]),
+    ("tls.rs", &["settings"]),
+    ("transport/", &["transport", "wire"]),
+    ("transport/quic/", &["settings", "tls", "transport", "wire"]),
+    ("shm/", &["settings", "split", "transport", "wire"]),
+    ("routed.rs", &["shm", "transport", "wire"]),
+    (
+        "rendezvous/",
+        &["routed", "settings", "shm", "tls", "transport", "wire"],
+    ),
+    ("collective/", &["settings", "split", "transport", "wire"]),
+];
+
+fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("reading src/") {
+        let path = entry.expect("a directory entry").path();
+        if path.is_dir() {
+            sources(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The crate modules a line names (`crate::shm::...` gives `shm`), comments aside.
+fn named_modules(line: &str) -> Vec<String> {
+    let code = line.split("//").next().unwrap_or("");
+    let mut found = Vec::new();
+    let mut rest = code;
+    while let Some(i) = rest.find("crate::") {
+        rest = &rest[i + "crate::".len()..];
+        // `crate::{shm::Pipes, transport}`: every item of the group.
+        let items: Vec<&str> = match rest.strip_prefix('{') {
+            Some(group) => group.split('}').next().unwrap_or("").split(',').collect(),
+            None => vec![rest],
+        };
+        for item in items {
+            let name: String = item
+                .trim()
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                .collect();
+            // `crate::Result`, `crate::DistError`: the crate root, below everything.
+            if !name.is_empty() {
+                found.push(name);
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn every_module_names_only_the_layers_below_it() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    files.sort();
+    let mut checked = 0;
+    let mut wrong = Vec::new();
+    for file in &files {
+        let rel = file
+            .strip_prefix(&src)
+            .expect("under src/")
+            .to_string_lossy()
+            .replace('\\', "/");
+        // Test modules may use anything (a transport's tests run collectives over it).
+        if rel.ends_with("tests.rs") {
+            continue;
+        }
+        let Some((layer, allowed)) = LAYERS
+            .iter()
+            .filter(|(prefix, _)| rel == *prefix || rel.starts_with(prefix))
+            .max_by_key(|(prefix, _)| prefix.len())
+        else {
+            continue;
+        };
+        checked += 1;
+        let text = std::fs::read_to_string(file).expect("reading a source file");
+        for (n, line) in text.lines().enumerate() {
+            if line.trim_start().starts_with("#[cfg(test)]") {
+                // What follows is a test module: the rest of the file is tests.
+                if text
+                    .lines()
+                    .nth(n + 1)
+                    .is_some_and(|l| l.contains("mod tests"))
+                {
+                    break;
+                }
+            }
+            for module in named_modules(line) {
+                if !allowed.contains(&module.as_str()) {
+                    wrong.push(format!(
+                        "src/{rel}:{}: names crate::{module}, which is not below {layer} \
+                         (allowed: {allowed:?})",
+                        n + 1
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        checked >= 30,
+        "only {checked} files matched a layer: did src/ move?"
+    );
+    assert!(wrong.is_empty(), "layers crossed:\n{}", wrong.join("\n"));
+}
+
+#[test]
+fn the_checker_sees_a_crossing() {
+    assert_eq!(named_modules("use crate::shm::Topology;"), vec!["shm"]);
+    assert_eq!(
+        named_modules("x = crate::settings::env_secs(\"A\"); // crate::rendezvous"),
+        vec!["settings"]
+    );
+    assert!(named_modules("use crate::{DistError, Result};").is_empty());
+    assert_eq!(
+        named_modules("use crate::{Result, shm::Pipes, transport};"),
+        vec!["shm", "transport"]
+    );
+}
