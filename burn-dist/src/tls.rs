@@ -24,9 +24,12 @@
 //!
 //! **Ranks are bound to certificates.** A rank's certificate also names [`rank_name`]`(rank)`
 //! (`rank-3.hearth-job`), and a peer's hello is accepted only when the rank it claims is the
-//! rank its certificate names, so one rank cannot pose as another. Secret-derived certificates
-//! always carry it and must match; a user's certificate is checked when it names a rank of the
-//! job (give each rank its own certificate with that DNS name to bind them).
+//! rank its certificate names. With a user's CA each rank's certificate must name its own rank
+//! (only the CA's holder can make one). With a secret, where every holder could make a
+//! certificate for any rank, the certificates made from the secret only admit a process to the
+//! rendezvous: rank 0's [`RankAuthority`], a fresh key per world that never leaves rank 0,
+//! issues each member the certificate of its rank, and the members trust only it for each
+//! other (see [`crate::rendezvous`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -303,6 +306,16 @@ fn ca_params() -> Result<CertificateParams> {
     Ok(p)
 }
 
+/// A rank certificate's contents: the job's name and the rank's.
+fn rank_params(rank: usize) -> Result<CertificateParams> {
+    let mut leaf = CertificateParams::new(vec![SERVER_NAME.to_string(), rank_name(rank)])
+        .map_err(tls_err("rank certificate parameters"))?;
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, format!("Hearth rank {rank}"));
+    leaf.distinguished_name = dn;
+    Ok(leaf)
+}
+
 fn from_secret(secret: &[u8], rank: usize) -> Result<Identity> {
     let ca_key = ca_key(secret)?;
     let ca_params = ca_params()?;
@@ -312,12 +325,7 @@ fn from_secret(secret: &[u8], rank: usize) -> Result<Identity> {
         .map_err(tls_err("the job CA certificate"))?;
     let issuer = Issuer::new(ca_params, ca_key);
     let leaf_key = KeyPair::generate_for(&PKCS_ED25519).map_err(tls_err("a rank key"))?;
-    let mut leaf = CertificateParams::new(vec![SERVER_NAME.to_string(), rank_name(rank)])
-        .map_err(tls_err("rank certificate parameters"))?;
-    let mut dn = DistinguishedName::new();
-    dn.push(DnType::CommonName, format!("Hearth rank {rank}"));
-    leaf.distinguished_name = dn;
-    let cert = leaf
+    let cert = rank_params(rank)?
         .signed_by(&leaf_key, &issuer)
         .map_err(tls_err("the rank certificate"))?;
     Ok(Identity {
@@ -399,6 +407,128 @@ fn from_files(ca: &Path, cert: &Path, key: &Path, rank: usize) -> Result<Identit
         chain,
         key,
     })
+}
+
+/// The authority that issues rank certificates in a job formed with a secret: a fresh Ed25519
+/// key that rank 0 makes at each rendezvous and never sends anywhere, so no member can derive
+/// it from the secret. Rank 0 issues each member a certificate for the rank it was admitted as,
+/// over the public key the member proved it holds in its handshake; the members then trust
+/// only this authority for each other, so a member cannot present another rank's certificate
+/// (it would need that rank's private key, or this authority's).
+pub struct RankAuthority {
+    ca: CertificateDer<'static>,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+/// An Ed25519 public key taken from a certificate, to issue another certificate over it.
+struct Ed25519Public(Vec<u8>);
+
+impl rcgen::PublicKeyData for Ed25519Public {
+    fn der_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    fn algorithm(&self) -> &'static rcgen::SignatureAlgorithm {
+        &PKCS_ED25519
+    }
+}
+
+/// The SubjectPublicKeyInfo of an Ed25519 key: the algorithm's fixed prefix, then 32 bytes.
+const ED25519_SPKI_PREFIX: [u8; 12] = [
+    0x30, 0x2a, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x03, 0x21, 0x00,
+];
+
+/// The Ed25519 key `cert` is for (every burn-dist certificate made from a secret has one).
+fn ed25519_key(cert: &CertificateDer<'_>) -> Result<Ed25519Public> {
+    let parsed = webpki::EndEntityCert::try_from(cert)
+        .map_err(|e| DistError::Tls(format!("a certificate that does not parse: {e:?}")))?;
+    let spki = parsed.subject_public_key_info();
+    let spki = spki.as_ref();
+    match spki.strip_prefix(&ED25519_SPKI_PREFIX[..]) {
+        Some(key) if key.len() == 32 => Ok(Ed25519Public(key.to_vec())),
+        _ => Err(DistError::Tls(
+            "a certificate whose key is not Ed25519: rank certificates are issued only for              the keys burn-dist makes"
+                .into(),
+        )),
+    }
+}
+
+impl RankAuthority {
+    /// A new authority with a random key.
+    pub fn new() -> Result<Self> {
+        let key =
+            KeyPair::generate_for(&PKCS_ED25519).map_err(tls_err("the rank authority key"))?;
+        let mut params = ca_params()?;
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, "Hearth rank authority");
+        params.distinguished_name = dn;
+        let ca = params
+            .self_signed(&key)
+            .map_err(tls_err("the rank authority certificate"))?;
+        Ok(Self {
+            ca: ca.der().clone(),
+            issuer: Issuer::new(params, key),
+        })
+    }
+
+    /// The authority's certificate: the one root the members trust for each other.
+    pub fn ca(&self) -> &CertificateDer<'static> {
+        &self.ca
+    }
+
+    /// A certificate naming the job and `rank`, over the key of `presented` (the certificate
+    /// the member authenticated with).
+    pub fn issue(
+        &self,
+        rank: usize,
+        presented: &CertificateDer<'_>,
+    ) -> Result<CertificateDer<'static>> {
+        let key = ed25519_key(presented)?;
+        let cert = rank_params(rank)?
+            .signed_by(&key, &self.issuer)
+            .map_err(tls_err("issuing a rank certificate"))?;
+        Ok(cert.der().clone())
+    }
+}
+
+impl Identity {
+    /// This identity's key with the certificate rank 0 issued (`cert`, from the authority
+    /// `ca`): refused unless `cert` is for this identity's own key and names `rank`.
+    pub fn issued(
+        &self,
+        ca: CertificateDer<'static>,
+        cert: CertificateDer<'static>,
+        rank: usize,
+    ) -> Result<Identity> {
+        let own = self
+            .chain
+            .first()
+            .ok_or_else(|| DistError::Tls("an identity without a certificate".into()))?;
+        if ed25519_key(own)?.0 != ed25519_key(&cert)?.0 {
+            return Err(DistError::Tls(
+                "the coordinator issued a certificate for another key".into(),
+            ));
+        }
+        if !names_rank(&cert, rank) || !names(&cert, SERVER_NAME) {
+            return Err(DistError::Tls(format!(
+                "the coordinator issued a certificate that does not name rank {rank} of the job"
+            )));
+        }
+        Ok(Identity {
+            ca,
+            chain: vec![cert],
+            key: self.key.clone_key(),
+        })
+    }
+}
+
+impl Membership {
+    /// Whether rank 0 issues the ranks' certificates at the rendezvous: with a secret, since
+    /// any holder could make a certificate for any rank from it; a user's CA binds each rank
+    /// in the certificate the user gave.
+    pub fn rank_zero_issues(&self) -> bool {
+        matches!(self, Membership::Secret(_))
+    }
 }
 
 /// ring's provider with AES-128-GCM first: the cheapest suite on CPUs with AES instructions,

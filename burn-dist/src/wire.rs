@@ -46,6 +46,9 @@ pub enum Kind {
     Pipeline = 8,
     /// Parameter servers: workers' pushes and pulls, servers' answers.
     Ps = 9,
+    /// Rendezvous with a secret: rank 0's certificate for a member's rank, and the member's
+    /// answer that it now uses it.
+    Issue = 10,
 }
 
 impl Kind {
@@ -60,6 +63,7 @@ impl Kind {
             7 => Kind::User,
             8 => Kind::Pipeline,
             9 => Kind::Ps,
+            10 => Kind::Issue,
             _ => return None,
         })
     }
@@ -230,6 +234,14 @@ impl<'a> Reader<'a> {
         let s = self.take(n as usize)?;
         String::from_utf8(s.to_vec()).map_err(|_| WireError::Control("string is not UTF-8".into()))
     }
+    /// A length-prefixed byte string of at most 64 KiB (a certificate).
+    pub fn blob(&mut self) -> Result<&'a [u8], WireError> {
+        let n = self.u64()?;
+        if n > 64 << 10 {
+            return Err(WireError::Control(format!("a blob of {n} bytes")));
+        }
+        self.take(n as usize)
+    }
     /// Everything not read yet.
     pub fn rest(&mut self) -> &'a [u8] {
         std::mem::take(&mut self.b)
@@ -258,8 +270,11 @@ impl Writer {
         self
     }
     pub fn string(self, s: &str) -> Self {
-        let mut w = self.u64(s.len() as u64);
-        w.bytes.extend_from_slice(s.as_bytes());
+        self.blob(s.as_bytes())
+    }
+    pub fn blob(self, b: &[u8]) -> Self {
+        let mut w = self.u64(b.len() as u64);
+        w.bytes.extend_from_slice(b);
         w
     }
 }

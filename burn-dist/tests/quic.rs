@@ -503,3 +503,34 @@ fn killing_a_process_mid_collective(shm: bool) {
     let left = segments_of(&pids);
     assert!(left.is_empty(), "segments left behind: {left:?}");
 }
+
+/// Whether `needle` occurs in `hay` (a name in a certificate's DER).
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+#[test]
+fn with_a_secret_members_know_each_other_by_certificates_rank_zero_issued() {
+    let ranks = common::job(3);
+    for (r, t) in ranks.iter().enumerate() {
+        for p in (0..3).filter(|&p| p != r) {
+            let cert = t
+                .quic()
+                .peer_certificate(p)
+                .unwrap_or_else(|| panic!("rank {r} has no certificate of rank {p}"));
+            assert_eq!(burn_dist::tls::certificate_rank(&cert), Some(p));
+            // Links with rank 0 were made at its door, with certificates from the secret; the
+            // members' links with each other only with the ones rank 0's authority issued.
+            let (issuer, other): (&[u8], &[u8]) = if r == 0 || p == 0 {
+                (b"Hearth job CA", b"Hearth rank authority")
+            } else {
+                (b"Hearth rank authority", b"Hearth job CA")
+            };
+            assert!(
+                contains(cert.as_ref(), issuer) && !contains(cert.as_ref(), other),
+                "rank {r} knows rank {p} by a certificate not from {}",
+                String::from_utf8_lossy(issuer)
+            );
+        }
+    }
+}

@@ -1,14 +1,18 @@
-//! Rank 0's side: accept every rank's hello (concurrently, see [`super::accept`]), then send
-//! each the table of addresses.
+//! Rank 0's side: accept every rank's hello (concurrently, see [`super::accept`]), with a secret
+//! issue each its rank certificate, then send each the table of addresses.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::time::{Duration, Instant};
 
 use quinn::Connection;
+use rustls::pki_types::CertificateDer;
+use tokio::task::JoinSet;
 
-use super::messages::table;
-use super::{Link, RankInfo, accept};
-use crate::transport::quic::{QuicNode, write_frame};
+use super::messages::{issue, table};
+use super::{Link, RankInfo, accept, peer_certs, remaining};
+use crate::tls::RankAuthority;
+use crate::transport::quic::{QuicNode, recv_control, write_frame};
 use crate::wire::{Header, Kind};
 use crate::{DistError, Result};
 
@@ -64,6 +68,9 @@ pub(super) fn coordinate(
             conns.insert(rank, (conn, addr));
         }
         drop(acceptor);
+        if link.issues {
+            issue_ranks(&conns, &extra, deadline, timeout).await?;
+        }
         let mut addrs: BTreeMap<usize, SocketAddr> = conns.iter().map(|(r, (_, a))| (*r, *a)).collect();
         addrs.insert(0, endpoint.local_addr().map_err(|source| DistError::Io { context: "local address".into(), source })?);
         let t = table(&addrs);
@@ -79,4 +86,66 @@ pub(super) fn coordinate(
         }
         Ok(peers)
     })
+}
+
+/// The first certificate the peer of `conn` presented.
+fn presented(conn: &Connection) -> Option<CertificateDer<'static>> {
+    peer_certs(conn).and_then(|chain| chain.first().cloned())
+}
+
+/// Issues every member the certificate of the rank it was admitted as (see the
+/// [module docs](super)) and waits until each says it now uses it, so that no member dials a
+/// peer that would still refuse it.
+async fn issue_ranks(
+    conns: &BTreeMap<usize, (Connection, SocketAddr)>,
+    extra: &BTreeMap<usize, Vec<Connection>>,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<()> {
+    let authority = RankAuthority::new()?;
+    let mut acks = JoinSet::new();
+    for (&rank, (conn, _)) in conns {
+        let cert = presented(conn).ok_or_else(|| {
+            DistError::Tls(format!(
+                "the process admitted as rank {rank} presented no certificate"
+            ))
+        })?;
+        // A rank's further connections come from the same process: the same certificate.
+        if extra
+            .get(&rank)
+            .into_iter()
+            .flatten()
+            .any(|c| presented(c).as_ref() != Some(&cert))
+        {
+            return Err(DistError::Config(format!(
+                "two processes claim rank {rank}: a further connection for it came with another \
+                 certificate than its first"
+            )));
+        }
+        let issued = authority.issue(rank, &cert)?;
+        let m = issue(authority.ca(), &issued);
+        write_frame(conn, Header::new(Kind::Issue, 0, 0, m.len()), m)
+            .await
+            .map_err(|reason| DistError::PeerFailed { rank, reason })?;
+        let conn = conn.clone();
+        acks.spawn(async move {
+            let ack = tokio::time::timeout(remaining(deadline), recv_control(&conn, Kind::Issue));
+            (rank, ack.await)
+        });
+    }
+    while let Some(done) = acks.join_next().await {
+        let (rank, ack) = done.map_err(|e| DistError::Config(format!("a rendezvous task: {e}")))?;
+        match ack {
+            Ok(Ok(_)) => {}
+            Ok(Err(reason)) => return Err(DistError::PeerFailed { rank, reason }),
+            Err(_) => {
+                return Err(DistError::Timeout {
+                    op: format!("waiting for rank {rank} to take its rank certificate"),
+                    rank,
+                    after: timeout,
+                });
+            }
+        }
+    }
+    Ok(())
 }

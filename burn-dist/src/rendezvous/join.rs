@@ -1,14 +1,14 @@
-//! A rank above 0: hello to the coordinator, the table back, then a connection to every rank
-//! below it while accepting those above.
+//! A rank above 0: hello to the coordinator, with a secret its rank certificate back, then the
+//! table, then a connection to every rank below it while accepting those above.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use quinn::Connection;
 
-use super::messages::{hello, parse_table};
+use super::messages::{hello, parse_issue, parse_table};
 use super::{Link, RankInfo, accept, check_rank, remaining};
-use crate::tls::SERVER_NAME;
+use crate::tls::{Identity, SERVER_NAME};
 use crate::transport::quic::{QuicNode, recv_control, write_frame};
 use crate::wire::{Header, Kind};
 use crate::{DistError, Result};
@@ -19,6 +19,7 @@ pub(super) fn join(
     info: &RankInfo,
     coordinator: SocketAddr,
     link: &Link,
+    identity: &Identity,
 ) -> Result<Vec<Vec<Connection>>> {
     let (deadline, timeout, lanes) = (link.deadline, link.timeout, link.lanes);
     let (rank, world) = (info.rank, info.world);
@@ -53,12 +54,17 @@ pub(super) fn join(
         write_frame(&conn, Header::new(Kind::Hello, 0, 0, h.len()), h)
             .await
             .map_err(|reason| DistError::PeerFailed { rank: 0, reason })?;
-        // A connection to `peer` at `addr` announcing this rank's `lane`.
-        let dial = |peer: usize, addr: SocketAddr, lane: usize| {
+        // A connection to `peer` at `addr` announcing this rank's `lane` (`config`: the issued
+        // certificate, for the members; `None`: the endpoint's own, for rank 0).
+        let dial = |peer: usize, addr: SocketAddr, lane: usize, config: Option<quinn::ClientConfig>| {
             let endpoint = endpoint.clone();
             async move {
                 let c = tokio::time::timeout(remaining(deadline), async {
-                    endpoint.connect(addr, SERVER_NAME).map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())
+                    let connecting = match config {
+                        Some(config) => endpoint.connect_with(config, addr, SERVER_NAME),
+                        None => endpoint.connect(addr, SERVER_NAME),
+                    };
+                    connecting.map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())
                 })
                 .await
                 .map_err(|_| DistError::Timeout { op: format!("connecting to rank {peer} at {addr}"), rank: peer, after: timeout })?
@@ -73,9 +79,14 @@ pub(super) fn join(
         };
         let mut to_coordinator = vec![conn];
         for lane in 1..lanes {
-            to_coordinator.push(dial(0, coordinator, lane).await?);
+            to_coordinator.push(dial(0, coordinator, lane, None).await?);
         }
         let conn = to_coordinator[0].clone();
+        let with_peers = if link.issues {
+            Some(take_rank_certificate(node, &conn, identity, rank, deadline, timeout).await?)
+        } else {
+            None
+        };
         let t = match tokio::time::timeout(remaining(deadline), recv_control(&conn, Kind::Table)).await {
             Ok(Ok(t)) => t,
             Ok(Err(reason)) => return Err(DistError::PeerFailed { rank: 0, reason }),
@@ -97,7 +108,7 @@ pub(super) fn join(
                 return Err(DistError::Config(format!("rank {peer} missing from the table")));
             };
             for lane in 0..lanes {
-                let c = dial(peer, addr, lane).await?;
+                let c = dial(peer, addr, lane, with_peers.clone()).await?;
                 peers[peer].push(c);
             }
         }
@@ -121,4 +132,36 @@ pub(super) fn join(
         drop(acceptor);
         Ok(peers)
     })
+}
+
+/// Takes the certificate rank 0 issued this rank (see the [module docs](super)): from now on
+/// this rank's endpoint accepts only members with issued certificates and presents its own;
+/// then tells rank 0. Returns the client configuration to dial the other members with.
+async fn take_rank_certificate(
+    node: &QuicNode,
+    conn: &Connection,
+    identity: &Identity,
+    rank: usize,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<quinn::ClientConfig> {
+    let m = match tokio::time::timeout(remaining(deadline), recv_control(conn, Kind::Issue)).await {
+        Ok(Ok(m)) => m,
+        Ok(Err(reason)) => return Err(DistError::PeerFailed { rank: 0, reason }),
+        Err(_) => {
+            return Err(DistError::Timeout {
+                op: "waiting for the other ranks to arrive (rank 0 issues certificates once all have)".into(),
+                rank: 0,
+                after: timeout,
+            });
+        }
+    };
+    let (ca, cert) = parse_issue(&m)?;
+    let issued = identity.issued(ca, cert, rank)?;
+    node.serve_as(&issued)?;
+    let client = node.client_as(&issued)?;
+    write_frame(conn, Header::new(Kind::Issue, 0, 0, 0), Vec::new())
+        .await
+        .map_err(|reason| DistError::PeerFailed { rank: 0, reason })?;
+    Ok(client)
 }

@@ -5,6 +5,8 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
+use rustls::pki_types::CertificateDer;
+
 use crate::wire::{Reader, Writer};
 use crate::{DistError, Result};
 
@@ -55,4 +57,21 @@ pub(super) fn parse_table(b: &[u8], world: usize) -> Result<BTreeMap<usize, Sock
     }
     r.finish()?;
     Ok(out)
+}
+
+/// Rank 0's certificate for a member: the rank authority's certificate, then the member's.
+pub(super) fn issue(ca: &CertificateDer<'_>, cert: &CertificateDer<'_>) -> Vec<u8> {
+    Writer::default()
+        .blob(ca.as_ref())
+        .blob(cert.as_ref())
+        .bytes
+}
+
+/// (authority, certificate) of an [`issue`] message.
+pub(super) fn parse_issue(b: &[u8]) -> Result<(CertificateDer<'static>, CertificateDer<'static>)> {
+    let mut r = Reader::new(b);
+    let ca = CertificateDer::from(r.blob()?.to_vec());
+    let cert = CertificateDer::from(r.blob()?.to_vec());
+    r.finish()?;
+    Ok((ca, cert))
 }

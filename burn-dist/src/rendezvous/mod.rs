@@ -14,7 +14,17 @@
 //! connects to it (retrying until the timeout) and announces its own listening port; once all
 //! have arrived rank 0 sends everyone the table of addresses, and each rank connects to the
 //! ranks below it. A rank that never arrives makes rank 0 fail with
-//! [`DistError::MissingRanks`] naming it, within the timeout. The QUIC links then carry the
+//! [`DistError::MissingRanks`](crate::DistError::MissingRanks) naming it, within the timeout.
+//!
+//! **Ranks that members cannot forge.** With a job secret every holder could make a certificate
+//! for any rank, so the secret only admits a process to the rendezvous: rank 0 makes a fresh
+//! rank authority ([`crate::tls::RankAuthority`], a key that never leaves it), and once every
+//! rank has said hello it issues each one a certificate for the rank it was admitted as, over
+//! the key that member proved it holds in its handshake. Each member then accepts and presents
+//! only issued certificates with the other members, and says so; rank 0 hands out the table
+//! only when every member has. A second process claiming a rank fails the rendezvous naming the
+//! rank; after it, a member holding the secret cannot present another rank's certificate. With
+//! a user's CA the ranks come from the user's certificates and nothing is issued. The QUIC links then carry the
 //! shared-memory negotiation, and the rank's transport is a [`RoutedTransport`] over both.
 //!
 //! Files: `rank_info` (the launchers' variables), `messages` (hello and table), `accept`
@@ -25,6 +35,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use quinn::Connection;
+use rustls::pki_types::CertificateDer;
 
 use crate::Result;
 use crate::routed::RoutedTransport;
@@ -152,11 +163,12 @@ pub fn connect_epoch_on(
         deadline,
         timeout: options.timeout,
         lanes: quic.lanes.max(1),
+        issues: membership.rank_zero_issues(),
     };
     let peers = if info.rank == 0 {
         coordinate::coordinate(&node, info, &link)?
     } else {
-        join::join(&node, info, coordinator, &link)?
+        join::join(&node, info, coordinator, &link, &identity)?
     };
     let quic = QuicTransport::start_lanes(node, info.rank, epoch, peers, &quic);
     // Ranks of one host move to shared memory (every rank takes part, whatever its host).
@@ -170,11 +182,15 @@ pub fn connect_epoch_on(
 /// The peer of `conn` may be rank `claimed`: its certificate names that rank (see
 /// [`crate::tls::check_peer_rank`]).
 fn check_rank(conn: &Connection, claimed: usize, world: usize) -> std::result::Result<(), String> {
-    let certs = conn.peer_identity().and_then(|id| {
-        id.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
-            .ok()
-    });
-    crate::tls::check_peer_rank(certs.as_deref().map(Vec::as_slice), claimed, world)
+    let certs = peer_certs(conn);
+    crate::tls::check_peer_rank(certs.as_deref(), claimed, world)
+}
+
+/// The certificate chain the peer of `conn` authenticated with.
+fn peer_certs(conn: &Connection) -> Option<Vec<CertificateDer<'static>>> {
+    conn.peer_identity()
+        .and_then(|id| id.downcast::<Vec<CertificateDer<'static>>>().ok())
+        .map(|chain| *chain)
 }
 
 /// How the rendezvous makes its connections.
@@ -183,6 +199,10 @@ pub(super) struct Link {
     pub(super) timeout: Duration,
     /// Connections per pair of ranks.
     pub(super) lanes: usize,
+    /// Rank 0 issues the members' rank certificates (a job formed with a secret, see
+    /// [`crate::tls::RankAuthority`]): the members arrive with certificates they made from the
+    /// secret, and use the issued ones with each other.
+    pub(super) issues: bool,
 }
 
 pub(super) fn remaining(deadline: Instant) -> Duration {

@@ -320,3 +320,83 @@ fn tables_round_trip_and_reject_garbage() {
     assert!(parse_table(&table(&m), 3).is_err());
     assert!(parse_table(&[1, 2, 3], 2).is_err());
 }
+
+/// What a server presenting `served` makes of a client presenting `client` (trusting the
+/// server's CA): the rank the accepted client's certificate names, or why it was refused.
+fn server_sees(served: &Identity, client: &Identity) -> std::result::Result<usize, String> {
+    let options = QuicOptions::loopback();
+    let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let server = QuicNode::bind(any, served, &options).unwrap();
+    let addr = server.local_addr().unwrap();
+    let endpoint = server.endpoint.clone();
+    let accepted = server.rt.spawn(async move {
+        let incoming = tokio::time::timeout(Duration::from_secs(10), endpoint.accept())
+            .await
+            .map_err(|_| "no connection arrived".to_string())?
+            .ok_or("the endpoint closed")?;
+        let conn = tokio::time::timeout(Duration::from_secs(10), incoming)
+            .await
+            .map_err(|_| "the handshake stalled".to_string())?
+            .map_err(|e| e.to_string())?;
+        let cert = peer_certs(&conn)
+            .and_then(|c| c.first().cloned())
+            .ok_or("no client certificate")?;
+        crate::tls::certificate_rank(&cert).ok_or_else(|| "a certificate naming no rank".into())
+    });
+    let dialer = QuicNode::bind(any, client, &options).unwrap();
+    let config = dialer.client_as(client).unwrap();
+    let endpoint = dialer.endpoint.clone();
+    // The client may finish its side before the server refuses its certificate: the server's
+    // verdict is the answer.
+    let _conn = dialer.rt.block_on(async move {
+        let connecting = endpoint.connect_with(config, addr, SERVER_NAME).unwrap();
+        tokio::time::timeout(Duration::from_secs(10), connecting).await
+    });
+    server
+        .rt
+        .block_on(accepted)
+        .expect("the accepting task panicked")
+}
+
+#[test]
+fn with_a_secret_only_rank_zero_s_authority_makes_a_rank_certificate_that_members_accept() {
+    let secret = Membership::secret("one job's shared secret value").unwrap();
+    let authority = crate::tls::RankAuthority::new().unwrap();
+    let ca = authority.ca().clone();
+    // Members arrive with certificates made from the secret; rank 0 issues over their keys.
+    let boot1 = Identity::new(&secret, 1).unwrap();
+    let boot2 = Identity::new(&secret, 2).unwrap();
+    let for1 = authority.issue(1, &boot1.chain[0]).unwrap();
+    let for2 = authority.issue(2, &boot2.chain[0]).unwrap();
+    let rank1 = boot1.issued(ca.clone(), for1, 1).unwrap();
+    // A certificate issued for another process's key, or for another rank, is not taken.
+    let e = boot1
+        .issued(ca.clone(), for2.clone(), 2)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("another key"), "{e}");
+    let e = boot2
+        .issued(ca.clone(), for2.clone(), 1)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("does not name rank 1"), "{e}");
+    let rank2 = boot2.issued(ca.clone(), for2, 2).unwrap();
+
+    // The real rank 2 is accepted by rank 1, named by its certificate.
+    assert_eq!(server_sees(&rank1, &rank2), Ok(2));
+    // A member holding the secret makes itself a certificate naming rank 2 and trusts the
+    // authority's certificate (it is no secret): rank 1 refuses it in the handshake.
+    let forged_from_secret = Identity::new(&secret, 2).unwrap();
+    let forger = Identity {
+        ca: ca.clone(),
+        chain: forged_from_secret.chain.clone(),
+        key: forged_from_secret.key.clone_key(),
+    };
+    let refused = server_sees(&rank1, &forger).expect_err("a forged rank certificate accepted");
+    assert!(
+        refused.contains("certificate") || refused.contains("UnknownIssuer"),
+        "{refused}"
+    );
+}

@@ -9,7 +9,7 @@
 //!
 //! This transport knows only QUIC: the ranks of one host that reach each other through shared
 //! memory are routed there by [`crate::routed::RoutedTransport`], which hands those peers over
-//! ([`QuicTransport::hand_over`]) and shares this transport's inbox.
+//! (`QuicTransport::hand_over`) and shares this transport's inbox.
 
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
@@ -140,10 +140,36 @@ fn quic_err(context: &str) -> impl Fn(String) -> DistError + '_ {
     }
 }
 
+fn server_as(
+    identity: &Identity,
+    transport: &Arc<quinn::TransportConfig>,
+) -> Result<quinn::ServerConfig> {
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(
+        QuicServerConfig::try_from(tls::server_config(identity)?)
+            .map_err(|e| quic_err("server TLS")(e.to_string()))?,
+    ));
+    server.transport_config(transport.clone());
+    Ok(server)
+}
+
+fn client_as(
+    identity: &Identity,
+    transport: &Arc<quinn::TransportConfig>,
+) -> Result<quinn::ClientConfig> {
+    let mut client = quinn::ClientConfig::new(Arc::new(
+        QuicClientConfig::try_from(tls::client_config(identity)?)
+            .map_err(|e| quic_err("client TLS")(e.to_string()))?,
+    ));
+    client.transport_config(transport.clone());
+    Ok(client)
+}
+
 /// A QUIC endpoint with the job's TLS identity, before connections exist.
 pub struct QuicNode {
     pub(crate) rt: Arc<tokio::runtime::Runtime>,
     pub(crate) endpoint: Endpoint,
+    /// The connection settings every server and client configuration of this node gets.
+    transport: Arc<quinn::TransportConfig>,
 }
 
 impl QuicNode {
@@ -162,16 +188,8 @@ impl QuicNode {
                 source,
             })?;
         let transport = Arc::new(options.transport_config()?);
-        let mut server = quinn::ServerConfig::with_crypto(Arc::new(
-            QuicServerConfig::try_from(tls::server_config(identity)?)
-                .map_err(|e| quic_err("server TLS")(e.to_string()))?,
-        ));
-        server.transport_config(transport.clone());
-        let mut client = quinn::ClientConfig::new(Arc::new(
-            QuicClientConfig::try_from(tls::client_config(identity)?)
-                .map_err(|e| quic_err("client TLS")(e.to_string()))?,
-        ));
-        client.transport_config(transport);
+        let server = server_as(identity, &transport)?;
+        let client = client_as(identity, &transport)?;
         let mut endpoint_cfg = quinn::EndpointConfig::default();
         if let Some(mtu) = options.fixed_mtu {
             endpoint_cfg
@@ -211,7 +229,22 @@ impl QuicNode {
         Ok(Self {
             rt: Arc::new(rt),
             endpoint,
+            transport,
         })
+    }
+
+    /// From now on, accepts only clients of `identity`'s CA and presents its certificate
+    /// (a member once rank 0 has issued its rank certificate).
+    pub(crate) fn serve_as(&self, identity: &Identity) -> Result<()> {
+        self.endpoint
+            .set_server_config(Some(server_as(identity, &self.transport)?));
+        Ok(())
+    }
+
+    /// A client configuration presenting `identity` and trusting only its CA, for
+    /// [`Endpoint::connect_with`].
+    pub(crate) fn client_as(&self, identity: &Identity) -> Result<quinn::ClientConfig> {
+        client_as(identity, &self.transport)
     }
 
     pub fn local_addr(&self) -> Result<SocketAddr> {
@@ -410,6 +443,20 @@ impl QuicTransport {
     /// QUIC connections to `peer` (its lanes; 0 for this rank).
     pub fn connections(&self, peer: usize) -> usize {
         self.peers.get(peer).map_or(0, Vec::len)
+    }
+
+    /// The certificate `peer` authenticated with on its first connection (`None` for this
+    /// rank): says who a peer proved to be, for diagnostics and tests.
+    pub fn peer_certificate(
+        &self,
+        peer: usize,
+    ) -> Option<rustls::pki_types::CertificateDer<'static>> {
+        let conn = self.peers.get(peer)?.first()?;
+        let chain = conn
+            .peer_identity()?
+            .downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>()
+            .ok()?;
+        chain.first().cloned()
     }
 }
 
