@@ -26,12 +26,16 @@ use std::sync::OnceLock;
 use burn::nn::PaddingConfig2d;
 use burn::nn::conv::Conv2d;
 use burn::prelude::*;
+use burn::tensor::FloatDType;
 
 pub mod batch_norm;
 pub mod conv;
 pub mod ext;
 pub mod norm;
+pub mod precision;
 pub mod weight_grad;
+
+pub use precision::{linear, low_precision};
 
 /// A contiguous Flex f32 tensor of `dims` holding `values` (the raw kernels' outputs).
 pub(crate) fn f32_tensor(values: Vec<f32>, dims: Vec<usize>) -> burn_flex::FlexTensor {
@@ -111,8 +115,26 @@ pub fn fast_path(conv: &Conv2d, device: &Device, allowed: bool) -> Path {
     }
 }
 
-/// `conv.forward(x)`, by the fast path where one applies.
+/// `conv.forward(x)`, by the fast path where one applies; in `x`'s float type when that is
+/// bf16 or f16 ([`precision`]).
 pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
+    if let Some(dt) = low_precision(&x) {
+        return match symmetric(&conv.padding) {
+            Some(padding) => burn::tensor::module::conv2d(
+                x,
+                conv.weight.val().cast(dt),
+                conv.bias.as_ref().map(|b| b.val().cast(dt)),
+                burn::tensor::ops::ConvOptions::new(
+                    conv.stride,
+                    padding,
+                    conv.dilation,
+                    conv.groups,
+                ),
+            ),
+            // Padding only Burn's module resolves: in f32, handed back in `x`'s type.
+            None => conv.forward(x.cast(FloatDType::F32)).cast(dt),
+        };
+    }
     let bias = || conv.bias.as_ref().map(|b| b.val());
     match fast_path(conv, &x.device(), enabled()) {
         Path::Pointwise => pointwise_strided(x, conv.weight.val(), bias(), conv.stride),

@@ -265,6 +265,10 @@ pub fn batch_norm_train<const D: usize>(
 /// Burn's module and `relu` otherwise (inference, where folding the statistics into one
 /// scale-and-shift pass measured no faster; frozen layers; other devices).
 pub fn batch_norm<const D: usize>(bn: &BatchNorm, x: Tensor<D>, relu: bool) -> Tensor<D> {
+    // Mixed precision: statistics and normalisation in f32, the activation's type out.
+    if let Some(dt) = crate::low_precision(&x) {
+        return batch_norm(bn, x.cast(burn::tensor::FloatDType::F32), relu).cast(dt);
+    }
     let device = x.device();
     let training = device.is_autodiff() && bn.training.is_enabled();
     if !(training && crate::enabled() && crate::is_flex(&device)) {

@@ -282,7 +282,7 @@ impl DenseNet {
     }
 
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-        self.classifier.forward(self.embed(x))
+        hearth_kernels::linear(&self.classifier, self.embed(x))
     }
 
     pub fn torchvision_remaps(&self) -> Vec<(String, String)> {

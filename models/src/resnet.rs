@@ -248,7 +248,7 @@ impl ResNet {
 
     /// Logits `[batch, num_classes]`.
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-        self.fc.forward(self.embed(x))
+        hearth_kernels::linear(&self.fc, self.embed(x))
     }
 
     /// Key renames from a torchvision state_dict to this module (regex, replacement).

@@ -220,12 +220,12 @@ impl Vgg {
     pub fn embed(&self, x: Tensor<4>) -> Tensor<2> {
         let c = &self.classifier;
         let x = self.avgpool.forward(self.features(x)).flatten(1, 3);
-        let x = c.dropout.forward(relu(c.fc1.forward(x)));
-        c.dropout.forward(relu(c.fc2.forward(x)))
+        let x = c.dropout.forward(relu(hearth_kernels::linear(&c.fc1, x)));
+        c.dropout.forward(relu(hearth_kernels::linear(&c.fc2, x)))
     }
 
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-        self.classifier.fc3.forward(self.embed(x))
+        hearth_kernels::linear(&self.classifier.fc3, self.embed(x))
     }
 
     /// Exact key renames from torchvision's sequential indices to this module.

@@ -210,6 +210,18 @@ impl Classifier {
         }
     }
 
+    /// Logits in f32, computed in `dtype`: with bf16 or f16 the input is cast, every
+    /// convolution, linear layer and activation runs in that type over f32 parameters cast on
+    /// the way in (their gradients come back f32), batch norm normalises in f32, and the
+    /// logits are cast back for the loss (mixed precision; see `hearth_kernels::precision`).
+    pub fn forward_in(&self, x: Tensor<4>, dtype: burn::tensor::FloatDType) -> Tensor<2> {
+        use burn::tensor::FloatDType;
+        match dtype {
+            FloatDType::BF16 | FloatDType::F16 => self.forward(x.cast(dtype)).cast(FloatDType::F32),
+            _ => self.forward(x),
+        }
+    }
+
     /// [`Classifier::forward`] after checking the input shape: an error instead of a panic.
     pub fn try_forward(&self, x: Tensor<4>) -> crate::Result<Tensor<2>> {
         check_input(self.family(), &x, MIN_INPUT_SIZE)?;

@@ -76,9 +76,10 @@ impl Unit {
                 true,
             ))),
             Unit::ResNetBlock(b) => UnitOutput::Features(b.forward(x)),
-            Unit::ResNetHead(h) => {
-                UnitOutput::Logits(h.fc.forward(h.avgpool.forward(x).flatten(1, 3)))
-            }
+            Unit::ResNetHead(h) => UnitOutput::Logits(hearth_kernels::linear(
+                &h.fc,
+                h.avgpool.forward(x).flatten(1, 3),
+            )),
             Unit::VggConv(u) => {
                 let mut x = if u.pool_before {
                     u.maxpool.forward(x)
@@ -99,9 +100,9 @@ impl Unit {
             Unit::VggHead(h) => {
                 let c = &h.classifier;
                 let x = h.avgpool.forward(x).flatten(1, 3);
-                let x = c.dropout.forward(relu(c.fc1.forward(x)));
-                let x = c.dropout.forward(relu(c.fc2.forward(x)));
-                UnitOutput::Logits(c.fc3.forward(x))
+                let x = c.dropout.forward(relu(hearth_kernels::linear(&c.fc1, x)));
+                let x = c.dropout.forward(relu(hearth_kernels::linear(&c.fc2, x)));
+                UnitOutput::Logits(hearth_kernels::linear(&c.fc3, x))
             }
             Unit::DenseStem(s) => UnitOutput::Features(s.pool0.forward(fast_batch_norm(
                 &s.norm0,
@@ -118,7 +119,7 @@ impl Unit {
                     .avgpool
                     .forward(relu(fast_batch_norm(&h.norm5, x, false)))
                     .flatten(1, 3);
-                UnitOutput::Logits(h.classifier.forward(x))
+                UnitOutput::Logits(hearth_kernels::linear(&h.classifier, x))
             }
         }
     }

@@ -1,0 +1,33 @@
+//! Mixed precision by the activations' float type: a convolution, a linear layer or a batch
+//! norm that receives a bf16 or f16 activation computes in that type, with its f32 parameters
+//! cast on the way in (the cast's backward casts the gradient back, so parameters, their
+//! gradients and the optimizer state stay f32: master weights). Batch norm computes its
+//! statistics in f32 and hands back the activation's type, as PyTorch's autocast lists it.
+//!
+//! A model runs in low precision by casting its input (and its logits back to f32 for the
+//! loss); nothing else changes, and an f32 activation takes exactly the f32 paths.
+
+use burn::nn::Linear;
+use burn::prelude::*;
+use burn::tensor::{DType, FloatDType};
+
+/// The low-precision float type `x` computes in: bf16 or f16; `None` for f32 (and f64).
+pub fn low_precision<const D: usize>(x: &Tensor<D>) -> Option<FloatDType> {
+    match x.dtype() {
+        DType::BF16 => Some(FloatDType::BF16),
+        DType::F16 => Some(FloatDType::F16),
+        _ => None,
+    }
+}
+
+/// `linear.forward(x)` in `x`'s float type.
+pub fn linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
+    match low_precision(&x) {
+        None => linear.forward(x),
+        Some(dt) => burn::tensor::module::linear(
+            x,
+            linear.weight.val().cast(dt),
+            linear.bias.as_ref().map(|b| b.val().cast(dt)),
+        ),
+    }
+}
