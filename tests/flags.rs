@@ -88,6 +88,7 @@ fn setting(flag: &str) -> Vec<&'static str> {
         "--grad-accum" => &["--grad-accum", "2"],
         "--bucket-mb" => &["--bucket-mb", "4"],
         "--compression" => &["--compression", "bf16"],
+        "--precision" => &["--precision", "bf16"],
         "--micro-batches" => &["--micro-batches", "2"],
         "--pipeline-schedule" => &["--pipeline-schedule", "gpipe"],
         "--pipeline-split" => &["--pipeline-split", "0:2,2:6"],
@@ -147,6 +148,11 @@ fn expect(flag: &str, mode: &str) -> Expect {
         ("--bucket-mb", "parameter servers") => Refused("--bucket-mb does not apply"),
         ("--bucket-mb", _) => Mechanics,
         // Not built yet (said by name).
+        ("--precision", "elastic") => Refused("--precision bf16 is not built for --elastic"),
+        ("--precision", "parameter servers") => Refused("--precision bf16 is not built for --ps"),
+        ("--precision", "pipeline") => {
+            Refused("--precision bf16 is not built for --pipeline-stages")
+        }
         // No meaning: a pipeline's micro-batches are its accumulation.
         ("--grad-accum", "pipeline") => Refused("--micro-batches"),
         // The walk's folder holds no run: resuming it is refused before anything is read (real

@@ -341,10 +341,43 @@ where
     }
 }
 
+/// Decides whether an optimizer step is taken once the gradients are averaged (fp16 loss
+/// scaling: a step whose averaged gradients are not finite is skipped, on every rank alike,
+/// since every rank holds the same average).
+pub trait StepGuard: Send + Sync {
+    /// `finite`: whether every averaged gradient value is finite. Returns whether to step.
+    fn take_step(&self, finite: bool) -> bool;
+}
+
+/// Whether every gradient `grads` holds for `module` is finite (one value read back).
+pub fn grads_finite<M: Module>(module: &M, grads: &GradientsParams) -> bool {
+    struct Sum<'a> {
+        grads: &'a GradientsParams,
+        total: Option<Tensor<1>>,
+    }
+    impl ModuleVisitor for Sum<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.get::<D>(param.id) {
+                let s = g.abs().sum();
+                self.total = Some(match self.total.take() {
+                    Some(t) => t + s,
+                    None => s,
+                });
+            }
+        }
+    }
+    let mut v = Sum { grads, total: None };
+    module.visit(&mut v);
+    v.total
+        .map(|t| t.into_scalar::<f32>().is_finite())
+        .unwrap_or(true)
+}
+
 /// burn-train's supervised loop, data parallel over a [`Communicator`].
 pub struct DdpStrategy {
     comm: Arc<Communicator>,
     bucket_bytes: usize,
+    guard: Option<Arc<dyn StepGuard>>,
 }
 
 impl DdpStrategy {
@@ -352,7 +385,16 @@ impl DdpStrategy {
         Self {
             comm,
             bucket_bytes: DEFAULT_BUCKET_BYTES,
+            guard: None,
         }
+    }
+
+    /// Asks `guard` before every optimizer step, with whether the averaged gradients are all
+    /// finite; a step it refuses is skipped (the learning-rate schedule still advances, as
+    /// PyTorch's `GradScaler` leaves it).
+    pub fn with_step_guard(mut self, guard: Arc<dyn StepGuard>) -> Self {
+        self.guard = Some(guard);
+        self
     }
 
     /// Fusion bucket size in bytes (default 25 MB).
@@ -436,7 +478,13 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
                     }
                     exchanging += exchange_start.elapsed();
                     learner.lr_step();
-                    learner.optimizer_step(grads);
+                    let take = match &self.guard {
+                        Some(g) => g.take_step(grads_finite(&learner.model(), &grads)),
+                        None => true,
+                    };
+                    if take {
+                        learner.optimizer_step(grads);
+                    }
                 }
                 stepping += step_start.elapsed();
                 let item = TrainingItem::new(

@@ -67,6 +67,7 @@ fn recorded_flags(key: &str) -> &'static [&'static str] {
         "seed" => &["--seed"],
         "grad_accum" => &["--grad-accum"],
         "compression" => &["--compression"],
+        "precision" => &["--precision"],
         "pipeline" => &[
             "--pipeline-stages",
             "--micro-batches",

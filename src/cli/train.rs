@@ -160,9 +160,15 @@ pub(crate) struct TrainArgs {
     /// Gradient fusion bucket size in MiB (allreduce: data parallel, elastic, pipeline replicas).
     #[arg(long, default_value_t = 25.0)]
     bucket_mb: f64,
-    /// Wire format of gradient averaging in distributed runs.
-    #[arg(long, value_enum, default_value_t = Compression::None)]
-    compression: Compression,
+    /// Wire format of gradient averaging in distributed runs (default: the training
+    /// precision's, so none in fp32, bf16 in a bf16 run, fp16 in an fp16 run).
+    #[arg(long, value_enum)]
+    compression: Option<Compression>,
+    /// The type steps compute in: fp32, or bf16/fp16 mixed precision with f32 master weights
+    /// (fp16 with dynamic loss scaling; skipped steps in metrics.csv). One process and data
+    /// parallel; the other modes refuse a low precision.
+    #[arg(long, value_enum, default_value_t = hearth::train::Precision::Fp32)]
+    precision: hearth::train::Precision,
     /// Pipeline model parallelism: split the model into P stages, one per process (--nproc
     /// defaults to P; a multiple P x D trains D pipelines data parallel).
     #[arg(long, value_name = "P")]
@@ -316,7 +322,7 @@ fn build_config(
     cfg.overwrite = a.overwrite;
     cfg.grad_accum = a.grad_accum;
     cfg.bucket_bytes = (a.bucket_mb * 1024.0 * 1024.0) as usize;
-    cfg.compression = a.compression;
+    cfg.precision = a.precision;
     cfg.pipeline = match a.pipeline_stages {
         Some(stages) => Some(PipelineOptions {
             stages,
@@ -334,6 +340,12 @@ fn build_config(
     cfg.elastic = elastic;
     cfg.ps = ps;
     cfg.dist = dist;
+    // Gradients travel in the training precision unless --compression says otherwise.
+    cfg.compression = match a.compression {
+        Some(c) => c,
+        None if cfg.exchanges_by_allreduce() => cfg.precision.wire(),
+        None => Compression::None,
+    };
     Ok(cfg)
 }
 

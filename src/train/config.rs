@@ -219,6 +219,10 @@ pub struct TrainConfig {
     pub bucket_bytes: usize,
     /// Wire format of gradient averaging (distributed runs); parameters always travel exact.
     pub compression: burn_dist::Compression,
+    /// The type steps compute in: f32, or bf16/f16 with f32 master weights (mixed precision,
+    /// see [`super::Precision`]). Single-process and data-parallel runs of Hearth's image
+    /// models; the other modes refuse a low precision by name.
+    pub precision: super::Precision,
     /// Pipeline model parallelism instead of pure data parallelism.
     pub pipeline: Option<PipelineOptions>,
     /// Elastic data parallelism: workers join and leave, the global batch stays fixed.
@@ -266,6 +270,7 @@ impl TrainConfig {
             dist: None,
             bucket_bytes: burn_dist::bucket::DEFAULT_BUCKET_BYTES,
             compression: burn_dist::Compression::None,
+            precision: super::Precision::Fp32,
             pipeline: None,
             elastic: None,
             ps: None,
@@ -422,6 +427,7 @@ impl TrainConfig {
         if let Some(p) = &self.ps {
             self.validate_ps(p)?;
         }
+        self.validate_precision()?;
         self.validate_exchange()
     }
 
@@ -429,20 +435,7 @@ impl TrainConfig {
     /// error where a run exchanges none (one process, a pipeline of one replica) or exchanges
     /// them otherwise (parameter servers).
     fn validate_exchange(&self) -> Result<()> {
-        let ranks = self.dist.as_ref().map_or(1, |d| d.world);
-        let (allreduce, why) = match (&self.pipeline, &self.ps, &self.elastic) {
-            (_, Some(_), _) => (
-                false,
-                "--ps exchanges values with the servers, not by allreduce",
-            ),
-            (_, _, Some(_)) => (true, ""),
-            (Some(p), _, _) => (
-                ranks > p.stages,
-                "a pipeline of one replica has no gradients to average (add replicas: --nproc \
-                 a multiple of --pipeline-stages)",
-            ),
-            (None, None, None) => (ranks > 1, "a one-process run exchanges no gradients"),
-        };
+        let (allreduce, why) = self.allreduce_exchange();
         if allreduce {
             return Ok(());
         }
@@ -458,6 +451,50 @@ impl TrainConfig {
             )));
         }
         Ok(())
+    }
+
+    /// Whether this run averages gradients by allreduce (so `--compression` applies), and if
+    /// not, why.
+    pub fn exchanges_by_allreduce(&self) -> bool {
+        self.allreduce_exchange().0
+    }
+
+    /// `--precision bf16|fp16` runs where it is built: one process or data parallel, for
+    /// Hearth's image models. Elsewhere it is refused by name, never ignored.
+    fn validate_precision(&self) -> Result<()> {
+        if !self.precision.is_low() {
+            return Ok(());
+        }
+        let unbuilt = [
+            (self.pipeline.is_some(), "--pipeline-stages"),
+            (self.elastic.is_some(), "--elastic"),
+            (self.ps.is_some(), "--ps"),
+        ];
+        if let Some((_, what)) = unbuilt.iter().find(|(on, _)| *on) {
+            return Err(HearthError::InvalidArgument(format!(
+                "--precision {} is not built for {what} yet: it runs in one process and data \
+                 parallel (--nproc, launchers); train {what} in fp32",
+                self.precision
+            )));
+        }
+        Ok(())
+    }
+
+    fn allreduce_exchange(&self) -> (bool, &'static str) {
+        let ranks = self.dist.as_ref().map_or(1, |d| d.world);
+        match (&self.pipeline, &self.ps, &self.elastic) {
+            (_, Some(_), _) => (
+                false,
+                "--ps exchanges values with the servers, not by allreduce",
+            ),
+            (_, _, Some(_)) => (true, ""),
+            (Some(p), _, _) => (
+                ranks > p.stages,
+                "a pipeline of one replica has no gradients to average (add replicas: --nproc \
+                 a multiple of --pipeline-stages)",
+            ),
+            (None, None, None) => (ranks > 1, "a one-process run exchanges no gradients"),
+        }
     }
 
     fn validate_ps(&self, p: &super::PsOptions) -> Result<()> {

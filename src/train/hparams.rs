@@ -113,6 +113,10 @@ impl TrainConfig {
                     self.compression =
                         clap::ValueEnum::from_str(&named(k, v)?, false).map_err(|_| bad(k, v))?
                 }
+                "precision" => {
+                    self.precision =
+                        clap::ValueEnum::from_str(&named(k, v)?, false).map_err(|_| bad(k, v))?
+                }
                 "pipeline" => {
                     let split = match opt(&v["split"]) {
                         None => None,
@@ -238,6 +242,7 @@ impl TrainConfig {
             ("seed", json!(self.seed)),
             ("grad_accum", json!(self.grad_accum)),
             ("compression", json!(self.compression.name())),
+            ("precision", json!(self.precision.name())),
         ])
         .into_iter()
         .chain(self.pipeline.as_ref().map(|p| {

@@ -45,6 +45,7 @@ mod model;
 mod objective;
 mod phase;
 mod pipeline;
+mod precision;
 mod ps;
 mod render;
 pub mod run_dir;
@@ -65,6 +66,7 @@ pub use elastic::{Balance, ElasticOptions, request_leave};
 pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
 pub use model::{MINI_MODELS, epoch_seed, mini_resnet, mini_vgg, model_config};
 pub use objective::Targets;
+pub use precision::{LossScaler, Mixed, Precision, SharedScaler};
 pub use ps::{PsOptions, PsServers};
 pub use render::PlainRenderer;
 pub use speed::{ImagesPerSecond, SkippedImages};
@@ -253,6 +255,13 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
             "{name} is a setting of Hearth's image models; a custom model's run refuses it"
         )));
     }
+    if cfg.precision.is_low() {
+        return Err(HearthError::InvalidArgument(format!(
+            "precision {} is not built for custom modules yet (Hearth's image models train \
+             in it); train in fp32",
+            cfg.precision
+        )));
+    }
     if custom.is_multi_label() && cfg.label_smoothing > 0.0 {
         return Err(HearthError::InvalidArgument(
             "label_smoothing applies to single-label targets; this custom set is multi-label"
@@ -298,6 +307,8 @@ struct Run<'a> {
     rank: usize,
     world: usize,
     started: Instant,
+    /// `--precision`, with the fp16 loss scaler both training phases share.
+    mixed: Mixed,
 }
 
 impl<'a> Run<'a> {
@@ -348,6 +359,7 @@ impl<'a> Run<'a> {
             rank,
             world,
             started,
+            mixed: Mixed::new(cfg.precision, world > 1, rank),
         })
     }
 
@@ -414,7 +426,7 @@ impl<'a> Run<'a> {
                 model.clone()
             };
             let mut phase = self.phase(
-                T::wrap(backbone, cfg.label_smoothing),
+                T::wrap(backbone, cfg.label_smoothing).with_mixed(self.mixed.clone()),
                 self.lr,
                 done,
                 phase1_end,
@@ -436,7 +448,8 @@ impl<'a> Run<'a> {
             }
             log(&shared::unfreeze_line(done, finetune_lr));
             let mut phase = self.phase(
-                T::wrap(model::unfrozen(cfg, model), cfg.label_smoothing),
+                T::wrap(model::unfrozen(cfg, model), cfg.label_smoothing)
+                    .with_mixed(self.mixed.clone()),
                 finetune_lr,
                 done,
                 end,

@@ -99,12 +99,20 @@ impl<T: Task> Phase<'_, T> {
         .with_checkpointing_strategy(checkpointing)
         .num_epochs(self.last);
         training = T::register_metrics(training, self.train_loader.set().classes.len());
+        let scaler = self.trainee.mixed().scaler.clone();
+        if let Some(s) = &scaler {
+            training = training.metric_train_numeric(super::speed::SkippedSteps::new(s.clone()));
+        }
         if let Some(k) = cfg.grad_accum.filter(|&k| k > 1) {
             training = training.grads_accumulation(k);
         }
         if let Some(comm) = self.dist {
-            let strategy =
+            let mut strategy =
                 burn_dist::ddp::DdpStrategy::new(comm.clone()).with_bucket_bytes(cfg.bucket_bytes);
+            if let Some(s) = scaler {
+                // fp16: the verdict on the averaged gradients, the same on every rank.
+                strategy = strategy.with_step_guard(Arc::new(s));
+            }
             training =
                 training.with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)));
         }

@@ -90,7 +90,8 @@ pub(super) fn collective_timeout() -> Duration {
 /// `HEARTH_ELASTIC_DIE_AT_STEP`: SIGKILL itself inside step N, between the control and the
 /// gradient allreduce; `HEARTH_ELASTIC_FREEZE_AT_STEP`: SIGSTOP itself there, a worker cut
 /// off (`HEARTH_ELASTIC_FREEZE_SECS`: continued after N s); `HEARTH_ELASTIC_THROTTLE`: N ms of extra compute per step, a slow worker;
-/// `HEARTH_PS_DELAY_MS`, `HEARTH_PS_DIE_AT_STEP`: the same for parameter-server workers).
+/// `HEARTH_PS_DELAY_MS`, `HEARTH_PS_DIE_AT_STEP`: the same for parameter-server workers;
+/// `HEARTH_FP16_OVERFLOW_AT_STEP`: an fp16 rank's gradients of step N made infinite).
 ///
 /// Hooks are read only in builds with the `test-hooks` feature (the test command and the
 /// benches that need them enable it; `cargo build --release` does not): elsewhere a hook

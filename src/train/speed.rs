@@ -188,3 +188,81 @@ impl Numeric for SkippedImages {
         NumericEntry::Final(self.count)
     }
 }
+
+/// Optimizer steps fp16 loss scaling skipped in the epoch (gradients not finite): the
+/// `skipped_steps` column of an fp16 run.
+#[derive(Clone)]
+pub struct SkippedSteps {
+    name: MetricName,
+    scaler: super::precision::SharedScaler,
+    /// Steps the scaler had skipped when the epoch began.
+    base: u64,
+    count: f64,
+}
+
+impl SkippedSteps {
+    pub fn new(scaler: super::precision::SharedScaler) -> Self {
+        let base = scaler.skipped();
+        Self {
+            name: Arc::new("Skipped steps".to_string()),
+            scaler,
+            base,
+            count: 0.0,
+        }
+    }
+
+    fn entry(&self, entry: NumericEntry) -> SerializedEntry {
+        SerializedEntry::new(
+            format!(
+                "{} skipped (loss scale {})",
+                self.count,
+                self.scaler.scale()
+            ),
+            entry.serialize(),
+        )
+    }
+}
+
+impl Metric for SkippedSteps {
+    type Input = ();
+
+    fn update(&mut self, _: &(), _: &MetricMetadata) -> Result<SerializedEntry, TensorReadError> {
+        self.count = self.scaler.skipped().saturating_sub(self.base) as f64;
+        Ok(self.entry(NumericEntry::Value(self.count)))
+    }
+
+    fn compute(&mut self) -> Result<SerializedEntry, TensorReadError> {
+        Ok(self.entry(NumericEntry::Final(self.count)))
+    }
+
+    fn clear(&mut self) {
+        self.base = self.scaler.skipped();
+        self.count = 0.0;
+    }
+
+    fn name(&self) -> MetricName {
+        self.name.clone()
+    }
+
+    fn attributes(&self) -> MetricAttributes {
+        NumericAttributes {
+            unit: None,
+            higher_is_better: false,
+        }
+        .into()
+    }
+}
+
+impl Numeric for SkippedSteps {
+    fn value(&self) -> Option<NumericEntry> {
+        Some(NumericEntry::Value(self.count))
+    }
+
+    fn running_value(&self) -> Option<NumericEntry> {
+        self.value()
+    }
+
+    fn final_value(&self) -> NumericEntry {
+        NumericEntry::Final(self.count)
+    }
+}

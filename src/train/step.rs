@@ -14,6 +14,7 @@ use burn::train::{
 use hearth_models::Classifier;
 
 use super::data::ImageBatch;
+use super::precision::Mixed;
 
 /// A trainee the Learner drives: a [`Classifier`] with its loss.
 pub trait Task:
@@ -25,6 +26,9 @@ pub trait Task:
     /// Whether the task is multi-label (sigmoid head, BCE, AUROC).
     const MULTI_LABEL: bool;
     fn wrap(model: Classifier, smoothing: f32) -> Self;
+    /// The trainee computing in `mixed`'s precision (default f32).
+    fn with_mixed(self, mixed: Mixed) -> Self;
+    fn mixed(&self) -> &Mixed;
     fn classifier(&self) -> &Classifier;
     fn into_classifier(self) -> Classifier;
     /// Registers the task's metrics (besides learning rate and images/s).
@@ -41,12 +45,17 @@ pub struct SingleLabel {
     /// Label smoothing in [0, 1) (0: none).
     #[module(skip)]
     pub smoothing: f32,
+    /// The precision steps compute in (f32 parameters either way).
+    #[module(skip)]
+    pub mixed: Mixed,
 }
 
 impl SingleLabel {
     pub fn forward_classification(&self, batch: ImageBatch) -> ClassificationOutput {
         let device = batch.images.device();
-        let logits = self.model.forward(batch.images);
+        let logits = self
+            .model
+            .forward_in(batch.images, self.mixed.precision.dtype());
         let smoothing = (self.smoothing > 0.0).then_some(self.smoothing);
         let loss = CrossEntropyLossConfig::new()
             .with_smoothing(smoothing)
@@ -62,7 +71,8 @@ impl TrainStep for SingleLabel {
 
     fn step(&self, batch: ImageBatch) -> TrainOutput<ClassificationOutput> {
         let out = self.forward_classification(batch);
-        TrainOutput::new(self, out.loss.backward(), out)
+        let grads = self.mixed.gradients(self, out.loss.clone());
+        TrainOutput { grads, item: out }
     }
 }
 
@@ -78,7 +88,17 @@ impl InferenceStep for SingleLabel {
 impl Task for SingleLabel {
     const MULTI_LABEL: bool = false;
     fn wrap(model: Classifier, smoothing: f32) -> Self {
-        Self { model, smoothing }
+        Self {
+            model,
+            smoothing,
+            mixed: Mixed::default(),
+        }
+    }
+    fn with_mixed(self, mixed: Mixed) -> Self {
+        Self { mixed, ..self }
+    }
+    fn mixed(&self) -> &Mixed {
+        &self.mixed
     }
     fn classifier(&self) -> &Classifier {
         &self.model
@@ -108,12 +128,17 @@ impl Task for SingleLabel {
 #[derive(Module, Debug)]
 pub struct MultiLabel {
     pub model: Classifier,
+    /// The precision steps compute in (f32 parameters either way).
+    #[module(skip)]
+    pub mixed: Mixed,
 }
 
 impl MultiLabel {
     pub fn forward_classification(&self, batch: ImageBatch) -> MultiLabelClassificationOutput {
         let device = batch.images.device();
-        let logits = self.model.forward(batch.images);
+        let logits = self
+            .model
+            .forward_in(batch.images, self.mixed.precision.dtype());
         let [_, k] = logits.dims();
         // A single-label set trained as multi-label: its class indices as one-hot rows.
         let targets = match batch.multi_hot {
@@ -134,7 +159,8 @@ impl TrainStep for MultiLabel {
 
     fn step(&self, batch: ImageBatch) -> TrainOutput<MultiLabelClassificationOutput> {
         let out = self.forward_classification(batch);
-        TrainOutput::new(self, out.loss.backward(), out)
+        let grads = self.mixed.gradients(self, out.loss.clone());
+        TrainOutput { grads, item: out }
     }
 }
 
@@ -161,7 +187,16 @@ fn auroc() -> AurocMetric {
 impl Task for MultiLabel {
     const MULTI_LABEL: bool = true;
     fn wrap(model: Classifier, _smoothing: f32) -> Self {
-        Self { model }
+        Self {
+            model,
+            mixed: Mixed::default(),
+        }
+    }
+    fn with_mixed(self, mixed: Mixed) -> Self {
+        Self { mixed, ..self }
+    }
+    fn mixed(&self) -> &Mixed {
+        &self.mixed
     }
     fn classifier(&self) -> &Classifier {
         &self.model

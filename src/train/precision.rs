@@ -1,0 +1,326 @@
+//! `--precision`: mixed-precision training with f32 master weights.
+//!
+//! With `bf16` or `fp16` a step runs the model's convolutions, linear layers and activations
+//! in that type while the parameters, their gradients and the optimizer state stay f32, batch
+//! norm normalises in f32 and the loss is computed in f32 ([`hearth_models::Classifier::forward_in`],
+//! `hearth_kernels::precision`). Checkpoints and `model.bpk` therefore hold f32 weights, and a
+//! run resumes exactly.
+//!
+//! `fp16` has a narrow range: small gradients underflow. The loss is multiplied by a
+//! [`LossScaler`]'s scale before the backward pass and the gradients divided by it after
+//! (dynamic loss scaling, PyTorch's `GradScaler` rule): a step whose gradients are not finite
+//! is skipped and the scale halves; after [`LossScaler::GROWTH_INTERVAL`] clean steps in a row
+//! the scale doubles. In a data-parallel run the verdict is taken on the averaged gradients, so
+//! every rank skips the same steps. Skipped steps are counted in `metrics.csv`
+//! (`skipped_steps`). `bf16` has f32's range and needs no scaling.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::tensor::FloatDType;
+
+/// The type a training step computes in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Precision {
+    /// Everything in f32.
+    #[default]
+    Fp32,
+    /// bfloat16 compute (f32's range, 8 bits of mantissa), f32 master weights.
+    Bf16,
+    /// float16 compute (11 bits of mantissa, range up to 65504), f32 master weights, dynamic
+    /// loss scaling.
+    Fp16,
+}
+
+impl Precision {
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        }
+    }
+
+    /// The float type activations take.
+    pub fn dtype(self) -> FloatDType {
+        match self {
+            Precision::Fp32 => FloatDType::F32,
+            Precision::Bf16 => FloatDType::BF16,
+            Precision::Fp16 => FloatDType::F16,
+        }
+    }
+
+    /// Whether the step computes below f32.
+    pub fn is_low(self) -> bool {
+        self != Precision::Fp32
+    }
+
+    /// The wire format gradients take by default in a distributed run of this precision:
+    /// nothing is gained by sending more bits than the gradients were computed with (the
+    /// reduction itself adds in f32).
+    pub fn wire(self) -> burn_dist::Compression {
+        match self {
+            Precision::Fp32 => burn_dist::Compression::None,
+            Precision::Bf16 => burn_dist::Compression::Bf16,
+            Precision::Fp16 => burn_dist::Compression::Fp16,
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Dynamic loss scaling for fp16 (see the [module docs](self)).
+#[derive(Debug, Clone)]
+pub struct LossScaler {
+    scale: f32,
+    growth_interval: u32,
+    /// Finite steps since the scale last changed.
+    clean: u32,
+    skipped: u64,
+    /// Verdicts taken (optimizer steps decided, skipped or not).
+    decided: u64,
+}
+
+impl LossScaler {
+    /// PyTorch's `GradScaler` defaults: 2^16, doubled after 2000 clean steps.
+    pub const INITIAL_SCALE: f32 = 65536.0;
+    pub const GROWTH_INTERVAL: u32 = 2000;
+    /// The scale never falls below this (a run whose gradients overflow at scale 1 has a
+    /// problem scaling cannot fix; its steps keep being skipped and counted).
+    pub const MIN_SCALE: f32 = 1.0;
+    /// Nor rises past this (f32's own range).
+    pub const MAX_SCALE: f32 = 1.0e30;
+
+    pub fn new(initial: f32, growth_interval: u32) -> Self {
+        Self {
+            scale: initial.clamp(Self::MIN_SCALE, Self::MAX_SCALE),
+            growth_interval: growth_interval.max(1),
+            clean: 0,
+            skipped: 0,
+            decided: 0,
+        }
+    }
+
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
+
+    /// Steps skipped so far.
+    pub fn skipped(&self) -> u64 {
+        self.skipped
+    }
+
+    /// Optimizer steps decided so far (taken or skipped).
+    pub fn decided(&self) -> u64 {
+        self.decided
+    }
+
+    /// Records whether a step's gradients were finite; returns whether to take the step.
+    pub fn update(&mut self, finite: bool) -> bool {
+        self.decided += 1;
+        if finite {
+            self.clean += 1;
+            if self.clean >= self.growth_interval {
+                self.scale = (self.scale * 2.0).min(Self::MAX_SCALE);
+                self.clean = 0;
+            }
+            true
+        } else {
+            self.scale = (self.scale * 0.5).max(Self::MIN_SCALE);
+            self.clean = 0;
+            self.skipped += 1;
+            false
+        }
+    }
+}
+
+impl Default for LossScaler {
+    fn default() -> Self {
+        Self::new(Self::INITIAL_SCALE, Self::GROWTH_INTERVAL)
+    }
+}
+
+/// A scaler shared by the step that scales the loss and whoever takes the verdict (the step
+/// itself in one process, the data-parallel strategy after the exchange).
+#[derive(Debug, Clone, Default)]
+pub struct SharedScaler(pub Arc<Mutex<LossScaler>>);
+
+impl SharedScaler {
+    pub fn new(scaler: LossScaler) -> Self {
+        Self(Arc::new(Mutex::new(scaler)))
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut LossScaler) -> R) -> R {
+        f(&mut self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    pub fn scale(&self) -> f32 {
+        self.with(|s| s.scale())
+    }
+
+    pub fn skipped(&self) -> u64 {
+        self.with(|s| s.skipped())
+    }
+
+    pub fn update(&self, finite: bool) -> bool {
+        let (take, scale, step) = self.with(|s| (s.update(finite), s.scale(), s.decided()));
+        if !take {
+            eprintln!(
+                "fp16: optimizer step {step}: gradients not finite, skipped; loss scale now {scale}"
+            );
+        }
+        take
+    }
+}
+
+impl burn_dist::ddp::StepGuard for SharedScaler {
+    fn take_step(&self, finite: bool) -> bool {
+        self.update(finite)
+    }
+}
+
+/// How a trainee computes: its precision, and for fp16 the loss scaler and whether the step
+/// itself decides to skip (one process) or leaves that to the data-parallel strategy, which
+/// sees the averaged gradients.
+#[derive(Debug, Clone, Default)]
+pub struct Mixed {
+    pub precision: Precision,
+    pub scaler: Option<SharedScaler>,
+    pub skip_in_step: bool,
+    /// Steps this process has computed gradients for (counts the forced overflow's step).
+    steps: Arc<AtomicU64>,
+    /// Test hook `HEARTH_FP16_OVERFLOW_AT_STEP=RANK:N`: this rank's gradients of its N-th step
+    /// (from 1) are made infinite, as a real overflow makes them.
+    overflow_at: Option<u64>,
+}
+
+impl Mixed {
+    /// The settings of a run of `precision`, `distributed` or in one process, for `rank`.
+    pub fn new(precision: Precision, distributed: bool, rank: usize) -> Self {
+        let fp16 = precision == Precision::Fp16;
+        Self {
+            precision,
+            scaler: fp16.then(SharedScaler::default),
+            skip_in_step: !distributed,
+            steps: Arc::default(),
+            overflow_at: fp16
+                .then(|| super::shared::hook("HEARTH_FP16_OVERFLOW_AT_STEP", &rank.to_string()))
+                .flatten(),
+        }
+    }
+
+    /// The gradients of `loss` for `module`, scaled for fp16 (the loss times the scale, the
+    /// gradients divided by it) and, when this step decides, emptied (the optimizer then
+    /// changes nothing) if they are not finite.
+    pub fn gradients<M: Module>(&self, module: &M, loss: Tensor<1>) -> GradientsParams {
+        let Some(scaler) = &self.scaler else {
+            return GradientsParams::from_grads(loss.backward(), module);
+        };
+        let scale = scaler.scale();
+        let step = self.steps.fetch_add(1, Ordering::Relaxed) + 1;
+        let loss = if self.overflow_at == Some(step) {
+            loss.mul_scalar(f32::INFINITY)
+        } else {
+            loss
+        };
+        let mut grads = GradientsParams::from_grads(loss.mul_scalar(scale).backward(), module);
+        let finite = unscale(module, &mut grads, scale);
+        if self.skip_in_step && !scaler.update(finite) {
+            return GradientsParams::new();
+        }
+        grads
+    }
+}
+
+/// Divides every gradient of `module` by `scale` in place; whether all are finite.
+pub fn unscale<M: Module>(module: &M, grads: &mut GradientsParams, scale: f32) -> bool {
+    struct Unscale<'a> {
+        grads: &'a mut GradientsParams,
+        inv: f32,
+        /// Σ|g| over every gradient: not finite iff some value is not.
+        total: Option<Tensor<1>>,
+    }
+    impl ModuleVisitor for Unscale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.remove::<D>(param.id) {
+                let g = g.mul_scalar(self.inv);
+                let sum = g.clone().abs().sum();
+                self.total = Some(match self.total.take() {
+                    Some(t) => t + sum,
+                    None => sum,
+                });
+                self.grads.register(param.id, g);
+            }
+        }
+    }
+    let mut v = Unscale {
+        grads,
+        inv: 1.0 / scale,
+        total: None,
+    };
+    module.visit(&mut v);
+    v.total
+        .map(|t| t.into_scalar::<f32>().is_finite())
+        .unwrap_or(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_overflow_skips_and_halves_clean_steps_double_after_the_interval() {
+        let mut s = LossScaler::new(1024.0, 3);
+        assert!(s.update(true));
+        assert!(s.update(true));
+        assert_eq!(s.scale(), 1024.0);
+        assert!(s.update(true), "the third clean step is taken");
+        assert_eq!(s.scale(), 2048.0, "and doubles the scale");
+        assert!(!s.update(false), "an overflow is skipped");
+        assert_eq!(s.scale(), 1024.0);
+        assert_eq!(s.skipped(), 1);
+        // The clean count starts again after an overflow.
+        assert!(s.update(true) && s.update(true));
+        assert_eq!(s.scale(), 1024.0);
+        assert!(s.update(true));
+        assert_eq!(s.scale(), 2048.0);
+        let mut low = LossScaler::new(1.0, 10);
+        assert!(!low.update(false));
+        assert_eq!(low.scale(), LossScaler::MIN_SCALE, "never below 1");
+    }
+
+    #[test]
+    fn unscaling_divides_and_sees_a_non_finite_gradient() {
+        let device = Device::flex().autodiff();
+        let lin = burn::nn::LinearConfig::new(3, 2).init(&device);
+        let x = Tensor::<2>::ones([4, 3], &device);
+        let loss = lin.forward(x.clone()).sum().mul_scalar(8.0);
+        let mut grads = GradientsParams::from_grads(loss.backward(), &lin);
+        let before: Vec<f32> = grads
+            .get::<2>(lin.weight.id)
+            .unwrap()
+            .into_data()
+            .iter()
+            .collect();
+        assert!(unscale(&lin, &mut grads, 8.0));
+        let after: Vec<f32> = grads
+            .get::<2>(lin.weight.id)
+            .unwrap()
+            .into_data()
+            .iter()
+            .collect();
+        for (b, a) in before.iter().zip(&after) {
+            assert_eq!(b / 8.0, *a);
+        }
+        let loss = lin.forward(x).sum().mul_scalar(f32::INFINITY);
+        let mut grads = GradientsParams::from_grads(loss.backward(), &lin);
+        assert!(!unscale(&lin, &mut grads, 1.0));
+    }
+}
