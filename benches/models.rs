@@ -7,6 +7,12 @@
 //!
 //!   cargo bench --bench models
 //!   HEARTH_BENCH_STEPS=8 HEARTH_BENCH_MODELS=resnet50 cargo bench --bench models
+//!   cargo bench --bench models -- --precision bf16     (or HEARTH_BENCH_PRECISION=bf16)
+//!
+//! With `--precision bf16|fp16` both sides compute in that type: Hearth with f32 master weights
+//! (`hearth train --precision`, fp16 with loss scaling), PyTorch under `torch.autocast` (fp16
+//! training with `GradScaler`). The table then also runs Hearth in fp32 and prints Hearth's
+//! own low-precision speed-up (`vs f32`).
 //!
 //! Both sides report images/s at their median step and at their best (fastest) step; the
 //! ratios compare medians and bests.
@@ -63,6 +69,7 @@ fn peer(
     steps: usize,
     warmup: usize,
     channels_last: bool,
+    precision: hearth::train::Precision,
 ) -> Option<PeerRun> {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/peer/torch_models.py");
     let mut cmd = Command::new(python);
@@ -78,6 +85,7 @@ fn peer(
     if channels_last {
         cmd.arg("--channels-last");
     }
+    cmd.args(["--precision", precision.name()]);
     let out = cmd.output().ok()?;
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
@@ -168,7 +176,8 @@ fn main() {
     let python = if smoke { None } else { torch_python() };
     let peer_device = peer_device(&device_name);
     let batch = env_usize("HEARTH_BENCH_BATCH", 16);
-    println!("hearth device: {device_name}");
+    let precision = bench_precision();
+    println!("hearth device: {device_name}; precision {precision}");
     match &python {
         Some(p) => println!("peer: PyTorch on {peer_device} via {}", p.display()),
         None if !smoke => println!(
@@ -225,6 +234,7 @@ fn main() {
                 warmup,
                 steps,
                 num_classes: 1000,
+                precision,
             };
             let hearth = match bench.run(&device, |_, _, _, _| {}) {
                 Ok(r) => r.median_and_best(batch),
@@ -232,6 +242,19 @@ fn main() {
                     eprintln!("{name} {mode_name}: {e}");
                     std::process::exit(1);
                 }
+            };
+            // Hearth's own speed-up over f32 in a low-precision run, at the median step.
+            let own = if precision.is_low() {
+                let f32_bench = ModelBench {
+                    precision: hearth::train::Precision::Fp32,
+                    ..bench.clone()
+                };
+                match f32_bench.run(&device, |_, _, _, _| {}) {
+                    Ok(r) => format!(" vs f32 {:.2}x", hearth.0 / r.median_and_best(batch).0),
+                    Err(e) => format!(" vs f32: {e}"),
+                }
+            } else {
+                String::new()
             };
             let run_peer = |cl: bool| {
                 python.as_ref().and_then(|p| {
@@ -244,6 +267,7 @@ fn main() {
                         steps,
                         warmup,
                         cl,
+                        precision,
                     )
                 })
             };
@@ -283,7 +307,7 @@ fn main() {
                 None => ("-".into(), "-".into()),
             };
             println!(
-                "{:<12} {:<6} {:>5} {:>16} {:>16} {:>8} {:>8} {:>14} {:>16} {:>8}",
+                "{:<12} {:<6} {:>5} {:>16} {:>16} {:>8} {:>8} {:>14} {:>16} {:>8}{own}",
                 arch.name(),
                 mode_name,
                 batch,
@@ -296,5 +320,23 @@ fn main() {
                 rcl
             );
         }
+    }
+}
+
+/// `--precision X` after `cargo bench --bench models --`, else `HEARTH_BENCH_PRECISION`, else
+/// fp32.
+fn bench_precision() -> hearth::train::Precision {
+    let args: Vec<String> = std::env::args().collect();
+    let named = args
+        .windows(2)
+        .find(|w| w[0] == "--precision")
+        .map(|w| w[1].clone())
+        .or_else(|| std::env::var("HEARTH_BENCH_PRECISION").ok());
+    match named {
+        None => hearth::train::Precision::Fp32,
+        Some(p) => clap::ValueEnum::from_str(&p, true).unwrap_or_else(|_| {
+            eprintln!("bench: --precision {p}: expected fp32, bf16 or fp16");
+            std::process::exit(2);
+        }),
     }
 }

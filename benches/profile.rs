@@ -217,6 +217,7 @@ fn main() {
             warmup: 1,
             steps: reps,
             num_classes: 1000,
+            precision: hearth::train::Precision::Fp32,
         };
         bench
             .run(&device, |_, _, _, _| {})

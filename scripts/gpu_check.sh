@@ -29,10 +29,14 @@
 #             same GPU in the same run (also channels_last), median and best step, share of the
 #             GPU's TF32 peak; autotune's decisions go to OUT/autotune-DEVICE.jsonl and their
 #             table to OUT/autotune-DEVICE.md;
-#   train  3. a short training run on each device; `hearth train --model resnet50` on a
+#   mixed  3. mixed precision (issue 28): ResNet-50 training at batch 32 and 64 in bf16 and fp16
+#             on each device, against PyTorch autocast (fp16 with GradScaler) on the same GPU in
+#             the same run, with Hearth's own speed-up over its f32 (`vs f32`); then a short
+#             bf16 training run, one process;
+#   train  4. a short training run on each device; `hearth train --model resnet50` on a
 #             generated 224-pixel image folder, one process, then 2 data-parallel ranks sharing
 #             the GPU, with images/s and the gradient exchange's share of a step.
-# HEARTH_GPU_ONLY=parity|bench|train runs one step group (a device call is limited to 10
+# HEARTH_GPU_ONLY=parity|bench|mixed|train runs one step group (a device call is limited to 10
 # minutes and 64 MiB of carried files: split the work across calls with it).
 # The parity test and the bench read fixtures and the peer script at the path of the checkout
 # they were built in ($HEARTH_BUILD_ROOT, default /work/main): this script links it here.
@@ -95,6 +99,21 @@ if wants bench; then
             head -c 4000 "$OUT/autotune-$d.md"
         fi
     done
+fi
+
+if wants mixed; then
+    for d in $DEVICES; do
+        for p in bf16 fp16; do
+            step "ResNet-50 training in $p on $d against PyTorch autocast"
+            run env HEARTH_DEVICE="$d" HEARTH_TORCH_PYTHON=${HEARTH_TORCH_PYTHON:-python3} \
+                HEARTH_BENCH_MODELS=resnet50 HEARTH_BENCH_BATCHES=train:32,train:64 \
+                HEARTH_BENCH_STEPS="$STEPS" HEARTH_BENCH_WARMUP="$WARMUP" \
+                "$BIN/models" --bench --precision "$p"
+        done
+    done
+    step "hearth train --precision bf16 on $FIRST, one process"
+    run "$BIN/hearth" --device "$FIRST" train --precision bf16 --epochs 3 \
+        --run-dir "$OUT/run-bf16-$FIRST"
 fi
 
 if wants train; then

@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::optim::{GradientsParams, SgdConfig, momentum::MomentumConfig};
+use burn::optim::{SgdConfig, momentum::MomentumConfig};
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use hearth_models::Architecture;
@@ -30,6 +30,9 @@ pub struct ModelBench {
     pub warmup: usize,
     pub steps: usize,
     pub num_classes: usize,
+    /// The type the steps compute in (f32 weights either way; fp16 training with loss
+    /// scaling, as `hearth train --precision fp16` does).
+    pub precision: crate::train::Precision,
 }
 
 #[derive(Debug, Clone)]
@@ -126,6 +129,7 @@ impl ModelBench {
         mut on_step: impl FnMut(usize, usize, f64, bool),
     ) -> Result<BenchReport> {
         self.validate()?;
+        crate::device::check_precision(device, self.precision)?;
         let shape = [self.batch_size, 3, self.size, self.size];
         let total = self.warmup + self.steps;
         let mut times = Vec::with_capacity(self.steps);
@@ -135,7 +139,7 @@ impl ModelBench {
                 let x = Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), device);
                 for i in 0..total {
                     let t = Instant::now();
-                    let logits = model.forward(x.clone());
+                    let logits = model.forward_in(x.clone(), self.precision.dtype());
                     let _ = logits.into_data();
                     let dt = t.elapsed().as_secs_f64();
                     let warm = i < self.warmup;
@@ -157,11 +161,12 @@ impl ModelBench {
                     .map(|i| (i % self.num_classes) as i64)
                     .collect();
                 let y = Tensor::<1, Int>::from_ints(labels.as_slice(), &device);
+                let mixed = crate::train::Mixed::new(self.precision, false, 0);
                 for i in 0..total {
                     let t = Instant::now();
-                    let logits = model.forward(x.clone());
+                    let logits = model.forward_in(x.clone(), self.precision.dtype());
                     let loss = loss_fn.forward(logits, y.clone());
-                    let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    let grads = mixed.gradients(&model, loss.clone());
                     model = optim.step(0.01, model, grads);
                     let _ = loss.into_scalar::<f32>();
                     device.sync().map_err(|e| HearthError::DeviceUnavailable {

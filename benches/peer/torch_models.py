@@ -5,6 +5,7 @@ Prints one line per config: `peer model=NAME mode=MODE batch=B images_per_s=X`.
 Usage: torch_models.py --model resnet50 --mode train --batch-size 16 --size 224 --steps 3 --warmup 1 [--device cuda]
 """
 import argparse
+import contextlib
 import time
 
 import torch
@@ -21,6 +22,8 @@ def main():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     p.add_argument("--channels-last", action="store_true", help="model and input in channels_last memory format")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="bf16/fp16: torch.autocast (fp16 training with GradScaler), f32 weights")
     a = p.parse_args()
     torch.manual_seed(0)
     dev = torch.device(a.device)
@@ -36,13 +39,22 @@ def main():
         x = x.contiguous(memory_format=torch.channels_last)
     y = torch.arange(a.batch_size, device=dev) % 1000
     times = []
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision)
+
+    def autocast():
+        if low is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=dev.type, dtype=low)
+
+    scaler = torch.amp.GradScaler(dev.type) if a.precision == "fp16" else None
     if a.mode == "infer":
         model.eval()
         with torch.no_grad():
             for i in range(a.warmup + a.steps):
                 sync()
                 t = time.perf_counter()
-                model(x)
+                with autocast():
+                    model(x)
                 sync()
                 if i >= a.warmup:
                     times.append(time.perf_counter() - t)
@@ -54,9 +66,15 @@ def main():
             sync()
             t = time.perf_counter()
             opt.zero_grad()
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
+            with autocast():
+                loss = loss_fn(model(x), y)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
             loss.item()
             sync()
             if i >= a.warmup:
@@ -66,7 +84,7 @@ def main():
     median = a.batch_size / ordered[len(ordered) // 2]
     best = a.batch_size / ordered[0]
     name = torch.cuda.get_device_name(dev).replace(" ", "_") if dev.type == "cuda" else "cpu"
-    print(f"peer model={a.model} mode={a.mode} batch={a.batch_size} device={a.device} gpu={name} channels_last={int(a.channels_last)} threads={torch.get_num_threads()} images_per_s={ips:.3f} median_images_per_s={median:.3f} best_images_per_s={best:.3f}")
+    print(f"peer model={a.model} mode={a.mode} batch={a.batch_size} device={a.device} gpu={name} channels_last={int(a.channels_last)} precision={a.precision} threads={torch.get_num_threads()} images_per_s={ips:.3f} median_images_per_s={median:.3f} best_images_per_s={best:.3f}")
 
 
 if __name__ == "__main__":

@@ -87,6 +87,10 @@ pub(crate) struct BenchModelArgs {
     /// Classes of the head.
     #[arg(long, default_value_t = 1000)]
     num_classes: usize,
+    /// The type steps compute in: fp32, or bf16/fp16 with f32 weights (fp16 training with loss
+    /// scaling), as `hearth train --precision` trains.
+    #[arg(long, value_enum, default_value_t = hearth::train::Precision::Fp32)]
+    precision: hearth::train::Precision,
 }
 
 pub(crate) fn bench_allreduce(a: BenchAllreduceArgs) -> Result<()> {
@@ -147,6 +151,7 @@ pub(crate) fn bench_model(device_name: &str, args: BenchModelArgs) -> Result<()>
         warmup: args.warmup,
         steps: args.steps,
         num_classes: args.num_classes,
+        precision: args.precision,
     };
     if bench.steps == 0 {
         bail!("--steps must be at least 1");

@@ -42,6 +42,11 @@ pub(crate) struct PredictArgs {
     /// Class count of the model (default: read from the weights' head; 1000 without weights).
     #[arg(long)]
     num_classes: Option<usize>,
+    /// Compute in bf16 or fp16 (f32 weights cast on the way in); the outputs are the low
+    /// precision's, and the difference to an f32 pass over the same inputs is reported.
+    /// With --image or --input.
+    #[arg(long, value_enum, default_value_t = hearth::train::Precision::Fp32)]
+    precision: hearth::train::Precision,
 }
 
 #[derive(Args)]
@@ -77,6 +82,14 @@ pub(crate) fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
         eprintln!("warning: no --weights given: these outputs are from RANDOM weights");
     }
     let model = loaded.model.valid();
+    hearth::device::check_precision(&device, args.precision)?;
+    if args.precision.is_low() && args.data.is_some() {
+        anyhow::bail!(
+            "--precision {} is not built for --data yet: give --image or --input (or predict the \
+             folder in fp32)",
+            args.precision
+        );
+    }
     if let (Some(dir), Some(out)) = (&args.data, &args.out) {
         let mut progress = progress_bar("predicting");
         let (n, problems) = hearth::eval::predict_folder(
@@ -112,7 +125,37 @@ pub(crate) fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
         ),
     };
     let started = Instant::now();
-    let logits = model.try_forward(x)?;
+    let logits = model.try_forward(x.clone())?;
+    let logits = if args.precision.is_low() {
+        let f32_time = started.elapsed();
+        let reference: Vec<f32> = logits
+            .into_data()
+            .try_to_vec::<f32>()
+            .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
+        let started = Instant::now();
+        let low = model.forward_in(x, args.precision.dtype());
+        let values: Vec<f32> = low
+            .clone()
+            .into_data()
+            .try_to_vec::<f32>()
+            .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
+        let low_time = started.elapsed();
+        let classes = low.dims()[1];
+        eprintln!(
+            "{}",
+            precision_report(
+                args.precision,
+                &values,
+                &reference,
+                classes,
+                f32_time,
+                low_time
+            )
+        );
+        low
+    } else {
+        logits
+    };
     let [n, classes] = logits.dims();
     let probs = model.head_activation().probabilities(logits.clone());
     let logits: Vec<f32> = logits
@@ -214,4 +257,42 @@ pub(crate) fn eval_cmd(device_name: &str, args: EvalArgs) -> Result<()> {
         println!("wrote {}", f.display());
     }
     Ok(())
+}
+
+/// How a low-precision pass's logits compare with the f32 pass's over the same inputs.
+fn precision_report(
+    precision: hearth::train::Precision,
+    low: &[f32],
+    reference: &[f32],
+    classes: usize,
+    f32_time: std::time::Duration,
+    low_time: std::time::Duration,
+) -> String {
+    let largest = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let gap = low
+        .iter()
+        .zip(reference)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let top1 = |v: &[f32]| -> Vec<usize> {
+        v.chunks(classes.max(1))
+            .map(|row| {
+                row.iter()
+                    .enumerate()
+                    .fold((0, f32::NEG_INFINITY), |best, (i, &x)| {
+                        if x > best.1 { (i, x) } else { best }
+                    })
+                    .0
+            })
+            .collect()
+    };
+    let (a, b) = (top1(low), top1(reference));
+    let same = a.iter().zip(&b).filter(|(x, y)| x == y).count();
+    format!(
+        "{precision} against f32: largest logit difference {gap:.4} (largest |logit| \
+         {largest:.3}), the same top-1 class for {same}/{} input(s); {precision} {:.1} ms, \
+         f32 {:.1} ms",
+        a.len(),
+        low_time.as_secs_f64() * 1e3,
+        f32_time.as_secs_f64() * 1e3
+    )
 }

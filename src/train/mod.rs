@@ -157,6 +157,7 @@ impl TrainReport {
 /// binary cross-entropy, per-class AUROC); any other trains [`SingleLabel`].
 pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
     cfg.validate()?;
+    crate::device::check_precision(device, cfg.precision)?;
     if cfg.pipeline.is_some() {
         return pipeline::train(cfg, device, log);
     }
