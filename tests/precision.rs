@@ -537,3 +537,82 @@ fn data_parallel_gradients_travel_in_the_training_precision_unless_told_otherwis
     let single = hparams(&["--precision", "bf16"]);
     assert!(single.contains(r#""compression": "none""#), "{single}");
 }
+
+/// `hearth train` in `precision` on `data` into `run`, with `extra` arguments and the forced
+/// overflow at step 3; panics naming the output when it fails.
+fn train_cli(data: &Path, run: &Path, precision: &str, extra: &[&str]) -> String {
+    let mut args = vec![
+        "train",
+        "--data",
+        data.to_str().unwrap(),
+        "--run-dir",
+        run.to_str().unwrap(),
+        "--precision",
+        precision,
+        "--epochs",
+        "3",
+        "--batch-size",
+        "16",
+        "--warmup-epochs",
+        "0",
+        "--augment",
+        "none",
+        "--workers",
+        "1",
+        "--seed",
+        "5",
+    ];
+    args.extend_from_slice(extra);
+    let (ok, log) = hearth(
+        &args,
+        &[("HEARTH_FP16_OVERFLOW_AT_STEP", "0:3")],
+        Duration::from_secs(300),
+    );
+    assert!(ok, "{args:?}:\n{log}");
+    log
+}
+
+#[test]
+fn bf16_and_fp16_runs_resume_exactly_the_loss_scale_included() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    for precision in ["bf16", "fp16"] {
+        let straight = dir.path().join(format!("{precision}-straight"));
+        let resumed = dir.path().join(format!("{precision}-resumed"));
+        train_cli(&data, &straight, precision, &[]);
+        train_cli(&data, &resumed, precision, &["--stop-after-epoch", "1"]);
+        // `--resume RUN` alone: the run's settings, precision included, come from its
+        // hparams.json.
+        let (ok, log) = hearth(
+            &["train", "--resume", resumed.to_str().unwrap()],
+            &[("HEARTH_FP16_OVERFLOW_AT_STEP", "0:3")],
+            Duration::from_secs(300),
+        );
+        assert!(ok, "{log}");
+        let last = |run: &Path| common::tensors(&run.join("checkpoint/model-3.bpk"));
+        let (a, b) = (last(&straight), last(&resumed));
+        assert_eq!(a.len(), b.len());
+        for ((na, va), (nb, vb)) in a.iter().zip(&b) {
+            assert_eq!(na, nb);
+            assert!(va == vb, "{precision}: {na} differs after a resume:\n{log}");
+        }
+        if precision == "fp16" {
+            // The overflow forced at step 3 (in the first launch) halved the scale; the resumed
+            // launch went on from the halved scale instead of 2^16, and did not count step 3
+            // again.
+            let scale = |run: &Path| {
+                std::fs::read_to_string(run.join("checkpoint/loss-scale-3.json")).unwrap()
+            };
+            assert_eq!(scale(&straight), scale(&resumed));
+            assert!(
+                scale(&resumed).contains(r#""scale":32768.0"#),
+                "{}",
+                scale(&resumed)
+            );
+            assert!(
+                !log.contains("optimizer step 3:"),
+                "step 3 counted again:\n{log}"
+            );
+        }
+    }
+}

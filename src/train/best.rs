@@ -72,6 +72,8 @@ pub struct KeepBestAndLast {
     rule: BestRule,
     /// Epochs whose checkpoint files exist.
     kept: BTreeSet<usize>,
+    /// fp16: the loss scaler, saved beside each checkpoint of the run directory.
+    scaler: Option<(super::SharedScaler, PathBuf)>,
 }
 
 impl KeepBestAndLast {
@@ -81,7 +83,15 @@ impl KeepBestAndLast {
         Self {
             rule,
             kept: existing.into_iter().collect(),
+            scaler: None,
         }
+    }
+
+    /// Also saves `scaler`'s state with every checkpoint in `run_dir` (and removes it with the
+    /// checkpoint), so an fp16 run resumes with its loss scale.
+    pub fn with_loss_scaler(mut self, scaler: super::SharedScaler, run_dir: PathBuf) -> Self {
+        self.scaler = Some((scaler, run_dir));
+        self
     }
 }
 
@@ -98,6 +108,16 @@ impl KeepBestAndLast {
         self.kept.retain(|&e| e == best);
         actions.push(CheckpointingAction::Save);
         self.kept.insert(epoch);
+        if let Some((scaler, run_dir)) = &self.scaler {
+            for a in &actions {
+                if let CheckpointingAction::Delete(e) = a {
+                    let _ = std::fs::remove_file(super::LossScaler::file(run_dir, *e));
+                }
+            }
+            if let Err(e) = scaler.save(run_dir, epoch) {
+                eprintln!("warning: saving the fp16 loss scale of epoch {epoch}: {e}");
+            }
+        }
         actions
     }
 }

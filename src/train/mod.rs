@@ -360,7 +360,13 @@ impl<'a> Run<'a> {
             rank,
             world,
             started,
-            mixed: Mixed::new(cfg.precision, world > 1, rank),
+            mixed: {
+                let mixed = Mixed::new(cfg.precision, world > 1, rank);
+                if let (Some(s), true) = (&mixed.scaler, resume_epoch > 0) {
+                    s.restore(&cfg.run_dir, resume_epoch)?;
+                }
+                mixed
+            },
         })
     }
 

@@ -55,7 +55,11 @@ impl<T: Task> Phase<'_, T> {
             monitor: cfg.monitor,
             min_delta: cfg.min_delta,
         };
-        let checkpointing = KeepBestAndLast::new(rule.clone(), complete_checkpoints(&cfg.run_dir));
+        let mut checkpointing =
+            KeepBestAndLast::new(rule.clone(), complete_checkpoints(&cfg.run_dir));
+        if let Some(s) = &self.trainee.mixed().scaler {
+            checkpointing = checkpointing.with_loss_scaler(s.clone(), cfg.run_dir.clone());
+        }
         let interrupter = burn::train::Interrupter::new();
         let non_finite = NonFinite::default();
         let rank = self.dist.map_or(0, |c| c.rank());

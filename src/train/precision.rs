@@ -14,7 +14,6 @@
 //! every rank skips the same steps. Skipped steps are counted in `metrics.csv`
 //! (`skipped_steps`). `bf16` has f32's range and needs no scaling.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleVisitor, Param};
@@ -141,6 +140,69 @@ impl LossScaler {
     }
 }
 
+impl LossScaler {
+    /// The state `checkpoint/loss-scale-EPOCH.json` holds, so a resumed fp16 run goes on with
+    /// the scale it had.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "scale": self.scale,
+            "growth_interval": self.growth_interval,
+            "clean": self.clean,
+            "skipped": self.skipped,
+            "decided": self.decided,
+        })
+    }
+
+    /// The state [`LossScaler::to_json`] wrote; `None` when a field is missing or malformed.
+    pub fn from_json(v: &serde_json::Value) -> Option<Self> {
+        let n = |k: &str| v.get(k)?.as_u64();
+        let scale = v.get("scale")?.as_f64()? as f32;
+        if !(scale.is_finite() && scale >= Self::MIN_SCALE) {
+            return None;
+        }
+        Some(Self {
+            scale: scale.min(Self::MAX_SCALE),
+            growth_interval: u32::try_from(n("growth_interval")?).ok()?.max(1),
+            clean: u32::try_from(n("clean")?).ok()?,
+            skipped: n("skipped")?,
+            decided: n("decided")?,
+        })
+    }
+
+    /// The file of `epoch`'s state in `run_dir`.
+    pub fn file(run_dir: &std::path::Path, epoch: usize) -> std::path::PathBuf {
+        run_dir
+            .join("checkpoint")
+            .join(format!("loss-scale-{epoch}.json"))
+    }
+}
+
+impl SharedScaler {
+    /// Writes the state after `epoch` beside that epoch's checkpoint.
+    pub fn save(&self, run_dir: &std::path::Path, epoch: usize) -> std::io::Result<()> {
+        let text = self.with(|s| s.to_json().to_string());
+        std::fs::write(LossScaler::file(run_dir, epoch), text)
+    }
+
+    /// Restores the state saved after `epoch` (a resume); an error names a missing or
+    /// unreadable file.
+    pub fn restore(&self, run_dir: &std::path::Path, epoch: usize) -> crate::Result<()> {
+        let file = LossScaler::file(run_dir, epoch);
+        let bad = |why: String| {
+            crate::HearthError::Training(format!(
+                "{}: {why}: the fp16 loss scale of epoch {epoch} cannot be restored",
+                file.display()
+            ))
+        };
+        let text = std::fs::read_to_string(&file).map_err(|e| bad(e.to_string()))?;
+        let value: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        let state = LossScaler::from_json(&value).ok_or_else(|| bad("malformed".into()))?;
+        self.with(|s| *s = state);
+        Ok(())
+    }
+}
+
 impl Default for LossScaler {
     fn default() -> Self {
         Self::new(Self::INITIAL_SCALE, Self::GROWTH_INTERVAL)
@@ -194,10 +256,9 @@ pub struct Mixed {
     pub precision: Precision,
     pub scaler: Option<SharedScaler>,
     pub skip_in_step: bool,
-    /// Steps this process has computed gradients for (counts the forced overflow's step).
-    steps: Arc<AtomicU64>,
-    /// Test hook `HEARTH_FP16_OVERFLOW_AT_STEP=RANK:N`: this rank's gradients of its N-th step
-    /// (from 1) are made infinite, as a real overflow makes them.
+    /// Test hook `HEARTH_FP16_OVERFLOW_AT_STEP=RANK:N`: this rank's gradients of the run's
+    /// N-th step (from 1, counted by the scaler, so a resumed run goes on counting) are made
+    /// infinite, as a real overflow makes them.
     overflow_at: Option<u64>,
 }
 
@@ -209,7 +270,6 @@ impl Mixed {
             precision,
             scaler: fp16.then(SharedScaler::default),
             skip_in_step: !distributed,
-            steps: Arc::default(),
             overflow_at: fp16
                 .then(|| super::shared::hook("HEARTH_FP16_OVERFLOW_AT_STEP", &rank.to_string()))
                 .flatten(),
@@ -224,7 +284,7 @@ impl Mixed {
             return GradientsParams::from_grads(loss.backward(), module);
         };
         let scale = scaler.scale();
-        let step = self.steps.fetch_add(1, Ordering::Relaxed) + 1;
+        let step = scaler.with(|s| s.decided()) + 1;
         let loss = if self.overflow_at == Some(step) {
             loss.mul_scalar(f32::INFINITY)
         } else {
@@ -294,6 +354,23 @@ mod tests {
         let mut low = LossScaler::new(1.0, 10);
         assert!(!low.update(false));
         assert_eq!(low.scale(), LossScaler::MIN_SCALE, "never below 1");
+    }
+
+    #[test]
+    fn the_state_round_trips_and_a_malformed_one_is_refused() {
+        let mut s = LossScaler::new(4096.0, 7);
+        s.update(true);
+        s.update(false);
+        let back = LossScaler::from_json(&s.to_json()).unwrap();
+        assert_eq!(back.to_json(), s.to_json());
+        for bad in [
+            serde_json::json!({"scale": "big"}),
+            serde_json::json!({"scale": f64::NAN, "growth_interval": 1, "clean": 0, "skipped": 0, "decided": 0}),
+            serde_json::json!({"scale": 0.5, "growth_interval": 1, "clean": 0, "skipped": 0, "decided": 0}),
+            serde_json::json!({"scale": 8.0, "growth_interval": 1, "clean": 0, "skipped": 0}),
+        ] {
+            assert!(LossScaler::from_json(&bad).is_none(), "{bad}");
+        }
     }
 
     #[test]
