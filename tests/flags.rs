@@ -148,8 +148,6 @@ fn expect(flag: &str, mode: &str) -> Expect {
         ("--bucket-mb", "parameter servers") => Refused("--bucket-mb does not apply"),
         ("--bucket-mb", _) => Mechanics,
         // Not built yet (said by name).
-        ("--precision", "elastic") => Refused("--precision bf16 is not built for --elastic"),
-        ("--precision", "parameter servers") => Refused("--precision bf16 is not built for --ps"),
         ("--precision", "pipeline") => {
             Refused("--precision bf16 is not built for --pipeline-stages")
         }

@@ -64,6 +64,8 @@ pub(super) struct Objective {
     multi_label: bool,
     /// Label smoothing of the training loss (single-label only; validation never smooths).
     smoothing: f32,
+    /// The type the model computes in (`--precision`; the loss is always f32).
+    dtype: burn::tensor::FloatDType,
 }
 
 impl Objective {
@@ -71,6 +73,7 @@ impl Objective {
         Self {
             multi_label,
             smoothing: cfg.label_smoothing,
+            dtype: cfg.precision.dtype(),
         }
     }
 
@@ -204,7 +207,7 @@ impl Objective {
         targets: &Targets,
         weight: f32,
     ) -> Result<(GradientsParams, Sums)> {
-        let logits = model.logits(input);
+        let logits = model.logits_in(input, self.dtype);
         let n = logits.dims()[0] as f64;
         let hits = self.hits(&logits, targets);
         let loss = self.loss(logits, targets, true)?;
@@ -233,7 +236,7 @@ impl Objective {
         let mut scores = ValScores::default();
         for batch in batches {
             let (input, targets) = batch?;
-            let logits = model.logits(input);
+            let logits = model.logits_in(input, self.dtype);
             let n = logits.dims()[0] as f64;
             sums.hits += self.hits(&logits, &targets);
             scores.push(&logits, &targets)?;
@@ -373,6 +376,7 @@ mod tests {
     #[test]
     fn multi_label_hits_are_the_hamming_score_in_samples() {
         let o = Objective {
+            dtype: burn::tensor::FloatDType::F32,
             multi_label: true,
             smoothing: 0.0,
         };

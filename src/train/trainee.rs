@@ -39,12 +39,22 @@ pub trait Net: Module + 'static {
     type Input: Send + 'static;
     /// The batch's logits, `[batch, classes]`.
     fn logits(&self, input: Self::Input) -> Tensor<2>;
+
+    /// The logits (in f32) computed in `dtype` (mixed precision). By default the module's own
+    /// [`Net::logits`]: a custom module runs in f32, and `train_custom` refuses a low precision.
+    fn logits_in(&self, input: Self::Input, dtype: burn::tensor::FloatDType) -> Tensor<2> {
+        let _ = dtype;
+        self.logits(input)
+    }
 }
 
 impl Net for Classifier {
     type Input = Tensor<4>;
     fn logits(&self, input: Tensor<4>) -> Tensor<2> {
         self.forward(input)
+    }
+    fn logits_in(&self, input: Tensor<4>, dtype: burn::tensor::FloatDType) -> Tensor<2> {
+        self.forward_in(input, dtype)
     }
 }
 
