@@ -18,16 +18,40 @@ use crate::{HearthError, Result};
 #[derive(Module, Debug)]
 pub struct StageModel {
     pub units: Vec<Unit>,
+    /// The type the stage computes in (`--precision`): its input is cast to it and its output
+    /// back to f32, so activations and their gradients travel between stages in f32 and the
+    /// parameters stay f32.
+    #[module(skip)]
+    pub precision: crate::train::Precision,
+}
+
+impl StageModel {
+    /// Units in f32.
+    pub fn new(units: Vec<Unit>) -> Self {
+        Self {
+            units,
+            precision: crate::train::Precision::Fp32,
+        }
+    }
 }
 
 impl PipelineStage for StageModel {
     fn forward(&self, x: Activation) -> burn_dist::Result<Activation> {
+        use burn::tensor::FloatDType;
+        let low = self.precision.is_low();
         let mut x = x.rank4("a model stage's input")?;
+        if low {
+            x = x.cast(self.precision.dtype());
+        }
         for (i, unit) in self.units.iter().enumerate() {
             match unit.forward(x) {
                 UnitOutput::Features(f) => x = f,
                 UnitOutput::Logits(l) if i + 1 == self.units.len() => {
-                    return Ok(Activation::Rank2(l));
+                    return Ok(Activation::Rank2(if low {
+                        l.cast(FloatDType::F32)
+                    } else {
+                        l
+                    }));
                 }
                 UnitOutput::Logits(_) => {
                     return Err(burn_dist::DistError::Config(format!(
@@ -37,7 +61,11 @@ impl PipelineStage for StageModel {
                 }
             }
         }
-        Ok(Activation::Rank4(x))
+        Ok(Activation::Rank4(if low {
+            x.cast(FloatDType::F32)
+        } else {
+            x
+        }))
     }
 
     /// A feature map (`[batch, channels, h, w]`) with the channels of the first unit.

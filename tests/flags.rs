@@ -148,9 +148,6 @@ fn expect(flag: &str, mode: &str) -> Expect {
         ("--bucket-mb", "parameter servers") => Refused("--bucket-mb does not apply"),
         ("--bucket-mb", _) => Mechanics,
         // Not built yet (said by name).
-        ("--precision", "pipeline") => {
-            Refused("--precision bf16 is not built for --pipeline-stages")
-        }
         // No meaning: a pipeline's micro-batches are its accumulation.
         ("--grad-accum", "pipeline") => Refused("--micro-batches"),
         // The walk's folder holds no run: resuming it is refused before anything is read (real

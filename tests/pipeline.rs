@@ -86,9 +86,7 @@ fn reference(model: ResNet, ranges: &[std::ops::Range<usize>]) -> Vec<Vec<Vec<f3
     let mut units = model.into_units();
     let mut out = Vec::new();
     for r in ranges.iter().rev() {
-        let stage = StageModel {
-            units: units.split_off(r.start),
-        };
+        let stage = StageModel::new(units.split_off(r.start));
         out.push(module_values(&stage));
     }
     out.reverse();
@@ -100,9 +98,7 @@ fn stages_of(initial: &[Vec<f32>], ranges: &[std::ops::Range<usize>]) -> Vec<Sta
     let mut units = copy(initial).into_units();
     let mut stages = Vec::new();
     for r in ranges.iter().rev() {
-        stages.push(StageModel {
-            units: units.split_off(r.start),
-        });
+        stages.push(StageModel::new(units.split_off(r.start)));
     }
     stages.reverse();
     stages
@@ -196,9 +192,7 @@ fn a_resnet_split_by_parameters_trains_like_the_whole_network() {
         // Training moved every stage (the comparison below is not between untouched copies).
         let mut untouched = copy(&initial).into_units();
         for (r, trained) in ranges.iter().zip(&expected).rev() {
-            let before = module_values(&StageModel {
-                units: untouched.split_off(r.start),
-            });
+            let before = module_values(&StageModel::new(untouched.split_off(r.start)));
             assert_ne!(&before, trained, "stage {r:?} did not train");
         }
         for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
@@ -226,11 +220,9 @@ fn a_stage_handed_the_wrong_channels_names_both_stages_instead_of_panicking() {
     // Stage 0 ends after block 1 (8 channels); stage 1 starts at block 3 (16 channels): unit 2
     // belongs to neither, as when two ranks read different splits.
     let mut units = copy(&initial).into_units();
-    let second = StageModel {
-        units: units.split_off(4),
-    };
+    let second = StageModel::new(units.split_off(4));
     units.truncate(3);
-    let first = StageModel { units };
+    let first = StageModel::new(units);
     let (tx, rx) = std::sync::mpsc::channel();
     for (t, stage) in MemoryTransport::mesh(2).into_iter().zip([first, second]) {
         let tx = tx.clone();
@@ -471,9 +463,7 @@ fn vgg_stages(values: &[Vec<f32>]) -> (Vec<std::ops::Range<usize>>, Vec<StageMod
     let mut units = units;
     let mut stages = Vec::new();
     for r in ranges.iter().rev() {
-        stages.push(StageModel {
-            units: units.split_off(r.start),
-        });
+        stages.push(StageModel::new(units.split_off(r.start)));
     }
     stages.reverse();
     (ranges, stages)
@@ -559,9 +549,7 @@ fn two_stages_times_two_replicas_as_four_processes_equal_one_process_on_the_whol
     let mut units = vgg_copy(&trained).into_units();
     let mut expected = Vec::new();
     for r in ranges.iter().rev() {
-        expected.push(module_values(&StageModel {
-            units: units.split_off(r.start),
-        }));
+        expected.push(module_values(&StageModel::new(units.split_off(r.start))));
     }
     expected.reverse();
 

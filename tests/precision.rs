@@ -353,7 +353,6 @@ fn low_precision_is_refused_by_name_where_it_is_not_built() {
     for (precision, mode) in [
         ("fp16", vec!["--elastic"]),
         ("fp16", vec!["--nproc", "3", "--ps", "1"]),
-        ("bf16", vec!["--pipeline-stages", "2"]),
         ("fp16", vec!["--pipeline-stages", "2"]),
     ] {
         let mut args = vec![
@@ -374,11 +373,11 @@ fn low_precision_is_refused_by_name_where_it_is_not_built() {
     }
 }
 
-/// bf16 elastic (2 workers) and on parameter servers (1 server, 2 sync workers): accepted,
-/// applied (the curve differs from the same run in f32, which an ignored flag would give) and
-/// learning.
+/// bf16 elastic (2 workers), on parameter servers (1 server, 2 sync workers) and in a pipeline
+/// of 2 stages: accepted, applied (the curve differs from the same run in f32, which an
+/// ignored flag would give) and learning.
 #[test]
-fn bf16_trains_elastic_and_on_parameter_servers() {
+fn bf16_trains_elastic_on_parameter_servers_and_in_pipelines() {
     let dir = tempfile::tempdir().unwrap();
     let data = data(dir.path());
     let base = [
@@ -398,6 +397,7 @@ fn bf16_trains_elastic_and_on_parameter_servers() {
     for (name, world, mode) in [
         ("elastic", 2, vec!["--elastic"]),
         ("ps", 3, vec!["--ps", "1", "--mode", "sync"]),
+        ("pipeline", 2, vec!["--pipeline-stages", "2"]),
     ] {
         let mut rows = Vec::new();
         for precision in ["fp32", "bf16"] {

@@ -460,27 +460,23 @@ impl TrainConfig {
     }
 
     /// `--precision bf16|fp16` runs where it is built: both in one process and data parallel,
-    /// bf16 also elastic and on parameter servers (fp16's loss scaling is not built there),
-    /// for Hearth's image models. Elsewhere it is refused by name, never ignored.
+    /// bf16 also elastic, on parameter servers and in pipelines (fp16's loss scaling is not
+    /// built there), for Hearth's image models. Elsewhere it is refused by name, never ignored.
     fn validate_precision(&self) -> Result<()> {
         if !self.precision.is_low() {
             return Ok(());
         }
         let fp16 = self.precision == super::Precision::Fp16;
         let unbuilt = [
-            (self.pipeline.is_some(), "--pipeline-stages"),
+            (fp16 && self.pipeline.is_some(), "--pipeline-stages"),
             (fp16 && self.elastic.is_some(), "--elastic"),
             (fp16 && self.ps.is_some(), "--ps"),
         ];
         if let Some((_, what)) = unbuilt.iter().find(|(on, _)| *on) {
-            let instead = if what == &"--pipeline-stages" {
-                "fp32"
-            } else {
-                "bf16 (it needs no loss scaling) or fp32"
-            };
             return Err(HearthError::InvalidArgument(format!(
-                "--precision {} is not built for {what} yet: it runs in one process and data \
-                 parallel (--nproc, launchers); train {what} in {instead}",
+                "--precision {} is not built for {what} yet: its loss scaling runs in one \
+                 process and data parallel (--nproc, launchers); train {what} in bf16 (it \
+                 needs no loss scaling) or fp32",
                 self.precision
             )));
         }

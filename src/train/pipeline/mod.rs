@@ -186,9 +186,7 @@ impl PipelineRun<'_> {
                     .seed(epoch_seed(self.cfg.seed, u64::MAX - u as u64, 0));
                 let unit = self.config.init_units(u..u + 1, &self.device)?;
                 // Materialise the lazily initialised parameters while the seed holds.
-                let _ = module_values(&StageModel {
-                    units: unit.clone(),
-                });
+                let _ = module_values(&StageModel::new(unit.clone()));
                 out.extend(unit);
             }
             Ok(out)
@@ -197,21 +195,19 @@ impl PipelineRun<'_> {
             let model = Classifier::from_units(&self.config, seeded(0..self.config.units())?)?;
             return Ok(Self::cut(model.freeze_backbone(), range));
         }
-        Ok(StageModel {
-            units: seeded(range)?,
-        })
+        Ok(StageModel::new(seeded(range)?))
     }
 
     /// Units `range` of `model`.
     fn cut(model: Classifier, range: Range<usize>) -> StageModel {
-        StageModel {
-            units: model
+        StageModel::new(
+            model
                 .into_units()
                 .into_iter()
                 .skip(range.start)
                 .take(range.len())
                 .collect(),
-        }
+        )
     }
 
     /// Whether `epoch` belongs to the fine-tuning phase (`--unfreeze-after N`: after epoch N).

@@ -39,6 +39,7 @@ impl PipelineRun<'_> {
         epoch: usize,
     ) -> Result<(StageModel, Sums)> {
         let mut model = model;
+        model.precision = self.cfg.precision;
         let mut sums = Sums::default();
         {
             // Dropout's stream of this epoch, a function of (seed, epoch, rank) as elsewhere.
@@ -103,7 +104,8 @@ impl PipelineRun<'_> {
         pipe: &mut Pipeline,
         model: &StageModel,
     ) -> Result<(Sums, ValScores)> {
-        let model = model.valid();
+        let mut model = model.valid();
+        model.precision = self.cfg.precision;
         let objective = self.objective;
         let mut sums = Sums::default();
         let mut scores = ValScores::default();

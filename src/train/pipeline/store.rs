@@ -134,7 +134,7 @@ impl PipelineRun<'_> {
                         "the best epoch's ({best}) checkpoint of stage {stage}: {e}"
                     ))
                 })?;
-            Ok(StageModel { units }.load_record(record))
+            Ok(StageModel::new(units).load_record(record))
         };
         let rank = self.comm.rank();
         if self.replica == 0 && rank != 0 {
@@ -156,11 +156,10 @@ impl PipelineRun<'_> {
         let mut units = load(0)?.units;
         for stage in 1..self.grid.stages {
             let from = self.grid.pipeline(0)[stage];
-            let empty = StageModel {
-                units: self
-                    .config
+            let empty = StageModel::new(
+                self.config
                     .init_units(self.ranges[stage].clone(), &self.plain_device)?,
-            };
+            );
             let mut values = module_values(&empty);
             for (t, v) in values.iter_mut().enumerate() {
                 let mut at = 0;
