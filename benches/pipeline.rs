@@ -177,9 +177,7 @@ fn rank_main(out: &Path) -> anyhow::Result<()> {
     let mut opt = sgd();
     let mut times = Vec::new();
     let rank = if run.stages == 1 {
-        let mut model = StageModel {
-            units: cfg.init_units(0..cfg.units(), &device)?,
-        };
+        let mut model = StageModel::new(cfg.init_units(0..cfg.units(), &device)?);
         for i in 0..run.warmup + run.steps {
             let t = Instant::now();
             let mut acc = GradientsAccumulator::<StageModel>::new();
@@ -210,9 +208,7 @@ fn rank_main(out: &Path) -> anyhow::Result<()> {
             .with_timeout(Duration::from_secs(600));
         let comm = Communicator::new(transport).with_timeout(Duration::from_secs(600));
         if run.balance != "params" {
-            let probe = StageModel {
-                units: cfg.init_units(ranges[info.rank].clone(), &device)?,
-            };
+            let probe = StageModel::new(cfg.init_units(ranges[info.rank].clone(), &device)?);
             let costs = measure_units(
                 &probe,
                 ranges[info.rank].start,
@@ -250,9 +246,7 @@ fn rank_main(out: &Path) -> anyhow::Result<()> {
                 .collect();
             std::fs::write(out.join("split.txt"), split.join(","))?;
         }
-        let mut stage = StageModel {
-            units: cfg.init_units(ranges[info.rank].clone(), &device)?,
-        };
+        let mut stage = StageModel::new(cfg.init_units(ranges[info.rank].clone(), &device)?);
         for i in 0..run.warmup + run.steps {
             // Every stage starts the step together, so the step time is the pipeline's.
             comm.barrier()?;

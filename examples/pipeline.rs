@@ -50,9 +50,7 @@ fn main() -> Result<()> {
     let ranges = balance(&weights, info.world)?;
     let mine = ranges[info.rank].clone();
     device.seed(info.rank as u64);
-    let mut stage = StageModel {
-        units: cfg.init_units(mine.clone(), &device)?,
-    };
+    let mut stage = StageModel::new(cfg.init_units(mine.clone(), &device)?);
     let params: usize = stage.units.iter().map(Unit::learnable_params).sum();
     eprintln!(
         "rank {}: units {mine:?} of {}, {params} parameters",

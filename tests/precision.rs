@@ -445,8 +445,7 @@ fn on_vulkan_cpu_fp16_matches_f32_and_bf16_is_refused() {
         return;
     };
     let e = hearth::device::check_precision(&device, Precision::Bf16)
-        .err()
-        .expect("bf16 refused on wgpu")
+        .expect_err("bf16 refused on wgpu")
         .to_string();
     assert!(
         e.contains("--precision bf16 does not run on this device"),

@@ -75,7 +75,9 @@ impl std::fmt::Display for Precision {
     }
 }
 
-/// Dynamic loss scaling for fp16 (see the [module docs](self)).
+/// Dynamic loss scaling for fp16: the loss times [`LossScaler::scale`] before the backward pass,
+/// the gradients divided by it after; a step whose gradients are not finite is skipped and the
+/// scale halves, and after [`LossScaler::GROWTH_INTERVAL`] clean steps it doubles.
 #[derive(Debug, Clone)]
 pub struct LossScaler {
     scale: f32,
