@@ -255,6 +255,49 @@ fn hearth(args: &[&str], env: &[(&str, &str)], limit: Duration) -> (bool, String
     }
 }
 
+/// `hearth train` in `precision` for `epochs` on `data` into `run`, with `extra` arguments and
+/// the overflow hook `HEARTH_FP16_OVERFLOW_AT_STEP=overflow_at`; its output, or a panic
+/// naming it when the run fails.
+fn train_cli(
+    data: &Path,
+    run: &Path,
+    precision: &str,
+    epochs: usize,
+    extra: &[&str],
+    overflow_at: &str,
+) -> String {
+    let epochs = epochs.to_string();
+    let mut args = vec![
+        "train",
+        "--data",
+        data.to_str().unwrap(),
+        "--run-dir",
+        run.to_str().unwrap(),
+        "--precision",
+        precision,
+        "--epochs",
+        &epochs,
+        "--batch-size",
+        "16",
+        "--warmup-epochs",
+        "0",
+        "--augment",
+        "none",
+        "--workers",
+        "1",
+        "--seed",
+        "5",
+    ];
+    args.extend_from_slice(extra);
+    let (ok, log) = hearth(
+        &args,
+        &[("HEARTH_FP16_OVERFLOW_AT_STEP", overflow_at)],
+        Duration::from_secs(300),
+    );
+    assert!(ok, "{args:?}:\n{log}");
+    log
+}
+
 /// An fp16 run with rank `rank`'s 3rd step forced to overflow, on `nproc` processes: it
 /// succeeds, epoch 1 counts exactly one skipped step, the later epochs none.
 fn overflow_is_skipped(nproc: usize, rank: usize) {
@@ -262,34 +305,14 @@ fn overflow_is_skipped(nproc: usize, rank: usize) {
     let data = data(dir.path());
     let run = dir.path().join("run");
     let nproc_s = nproc.to_string();
-    let (ok, log) = hearth(
-        &[
-            "train",
-            "--data",
-            data.to_str().unwrap(),
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--precision",
-            "fp16",
-            "--epochs",
-            "4",
-            "--batch-size",
-            "16",
-            "--warmup-epochs",
-            "0",
-            "--augment",
-            "none",
-            "--workers",
-            "1",
-            "--seed",
-            "5",
-            "--nproc",
-            &nproc_s,
-        ],
-        &[("HEARTH_FP16_OVERFLOW_AT_STEP", &format!("{rank}:3"))],
-        Duration::from_secs(300),
+    let log = train_cli(
+        &data,
+        &run,
+        "fp16",
+        4,
+        &["--nproc", &nproc_s],
+        &format!("{rank}:3"),
     );
-    assert!(ok, "{log}");
     // The forced step is skipped on every rank (in data parallel the verdict is taken on the
     // averaged gradients, which rank `rank`'s infinities reach), and the scale halves.
     let skips = |r: usize| -> Vec<String> {
@@ -531,40 +554,6 @@ fn data_parallel_gradients_travel_in_the_training_precision_unless_told_otherwis
     assert!(single.contains(r#""compression": "none""#), "{single}");
 }
 
-/// `hearth train` in `precision` on `data` into `run`, with `extra` arguments and the forced
-/// overflow at step 3; panics naming the output when it fails.
-fn train_cli(data: &Path, run: &Path, precision: &str, extra: &[&str]) -> String {
-    let mut args = vec![
-        "train",
-        "--data",
-        data.to_str().unwrap(),
-        "--run-dir",
-        run.to_str().unwrap(),
-        "--precision",
-        precision,
-        "--epochs",
-        "3",
-        "--batch-size",
-        "16",
-        "--warmup-epochs",
-        "0",
-        "--augment",
-        "none",
-        "--workers",
-        "1",
-        "--seed",
-        "5",
-    ];
-    args.extend_from_slice(extra);
-    let (ok, log) = hearth(
-        &args,
-        &[("HEARTH_FP16_OVERFLOW_AT_STEP", "0:3")],
-        Duration::from_secs(300),
-    );
-    assert!(ok, "{args:?}:\n{log}");
-    log
-}
-
 #[test]
 fn bf16_and_fp16_runs_resume_exactly_the_loss_scale_included() {
     let dir = tempfile::tempdir().unwrap();
@@ -572,8 +561,15 @@ fn bf16_and_fp16_runs_resume_exactly_the_loss_scale_included() {
     for precision in ["bf16", "fp16"] {
         let straight = dir.path().join(format!("{precision}-straight"));
         let resumed = dir.path().join(format!("{precision}-resumed"));
-        train_cli(&data, &straight, precision, &[]);
-        train_cli(&data, &resumed, precision, &["--stop-after-epoch", "1"]);
+        train_cli(&data, &straight, precision, 3, &[], "0:3");
+        train_cli(
+            &data,
+            &resumed,
+            precision,
+            3,
+            &["--stop-after-epoch", "1"],
+            "0:3",
+        );
         // `--resume RUN` alone: the run's settings, precision included, come from its
         // hparams.json.
         let (ok, log) = hearth(

@@ -69,7 +69,7 @@ pub use objective::Targets;
 pub use precision::{LossScaler, Mixed, Precision, SharedScaler};
 pub use ps::{PsOptions, PsServers};
 pub use render::PlainRenderer;
-pub use speed::{ImagesPerSecond, SkippedImages};
+pub use speed::{EpochCount, ImagesPerSecond};
 pub use step::{MultiLabel, SingleLabel, Task};
 pub use trainee::{Custom, ExampleError, Examples, Net};
 

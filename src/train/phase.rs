@@ -13,8 +13,8 @@ use super::model::optimizer;
 use super::run_dir::complete_checkpoints;
 use super::shared::epoch_lr;
 use super::{
-    CsvMetricLogger, EpochTable, ImagesPerSecond, LoaderAdapter, NonFinite, PlainRenderer,
-    SkippedImages, Task, TrainConfig,
+    CsvMetricLogger, EpochCount, EpochTable, ImagesPerSecond, LoaderAdapter, NonFinite,
+    PlainRenderer, Task, TrainConfig,
 };
 use crate::schedule::Schedule;
 use crate::{HearthError, Result};
@@ -97,15 +97,15 @@ impl<T: Task> Phase<'_, T> {
         .with_metric_logger(csv_logger)
         .metric_train_numeric(LearningRateMetric::new())
         .metric_train_numeric(ImagesPerSecond::new())
-        .metric_train_numeric(SkippedImages::new(self.train_loader.clone()))
-        .metric_valid_numeric(SkippedImages::new(self.val_loader.clone()))
+        .metric_train_numeric(EpochCount::skipped_images(self.train_loader.clone()))
+        .metric_valid_numeric(EpochCount::skipped_images(self.val_loader.clone()))
         .with_default_checkpointers()
         .with_checkpointing_strategy(checkpointing)
         .num_epochs(self.last);
         training = T::register_metrics(training, self.train_loader.set().classes.len());
         let scaler = self.trainee.mixed().scaler.clone();
         if let Some(s) = &scaler {
-            training = training.metric_train_numeric(super::speed::SkippedSteps::new(s.clone()));
+            training = training.metric_train_numeric(EpochCount::skipped_steps(s.clone()));
         }
         if let Some(k) = cfg.grad_accum.filter(|&k| k > 1) {
             training = training.grads_accumulation(k);

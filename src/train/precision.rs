@@ -293,49 +293,45 @@ impl Mixed {
             loss
         };
         let mut grads = GradientsParams::from_grads(loss.mul_scalar(scale).backward(), module);
-        let finite = unscale(module, &mut grads, scale);
-        if self.skip_in_step && !scaler.update(finite) {
+        divide(module, &mut grads, scale);
+        // In data parallel the strategy checks the averaged gradients instead (once, after
+        // the exchange); a rank's infinities reach them.
+        if self.skip_in_step && !scaler.update(burn_dist::ddp::grads_finite(module, &grads)) {
             return GradientsParams::new();
         }
         grads
     }
 }
 
-/// Divides every gradient of `module` by `scale` in place; whether all are finite.
-pub fn unscale<M: Module>(module: &M, grads: &mut GradientsParams, scale: f32) -> bool {
+/// Divides every gradient of `module` by `scale` in place.
+fn divide<M: Module>(module: &M, grads: &mut GradientsParams, scale: f32) {
     struct Unscale<'a> {
         grads: &'a mut GradientsParams,
         inv: f32,
-        /// Σ|g| over every gradient: not finite iff some value is not.
-        total: Option<Tensor<1>>,
     }
     impl ModuleVisitor for Unscale<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if let Some(g) = self.grads.remove::<D>(param.id) {
-                let g = g.mul_scalar(self.inv);
-                let sum = g.clone().abs().sum();
-                self.total = Some(match self.total.take() {
-                    Some(t) => t + sum,
-                    None => sum,
-                });
-                self.grads.register(param.id, g);
+                self.grads.register(param.id, g.mul_scalar(self.inv));
             }
         }
     }
-    let mut v = Unscale {
+    module.visit(&mut Unscale {
         grads,
         inv: 1.0 / scale,
-        total: None,
-    };
-    module.visit(&mut v);
-    v.total
-        .map(|t| t.into_scalar::<f32>().is_finite())
-        .unwrap_or(true)
+    });
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a step does with fp16 gradients: divide, then check (the check the data-parallel
+    /// strategy makes on the averaged gradients).
+    fn unscale<M: Module>(module: &M, grads: &mut GradientsParams, scale: f32) -> bool {
+        divide(module, grads, scale);
+        burn_dist::ddp::grads_finite(module, grads)
+    }
 
     #[test]
     fn an_overflow_skips_and_halves_clean_steps_double_after_the_interval() {

@@ -114,120 +114,68 @@ impl Numeric for ImagesPerSecond {
     }
 }
 
-/// Images of the epoch that failed to decode and were skipped (a burn-train metric over a
-/// loader's record of bad files): the `skipped_images` columns and the epoch line's count.
+/// A count per epoch read from a running total (a burn-train metric): the total at the
+/// metric's last read less the total when the epoch began. Two of them:
+/// [`EpochCount::skipped_images`] and [`EpochCount::skipped_steps`].
 #[derive(Clone)]
-pub struct SkippedImages {
+pub struct EpochCount {
     name: MetricName,
-    loader: hearth_datasets::Loader,
-    /// Bad files the loader had recorded when the epoch began.
-    base: usize,
-    count: f64,
-}
-
-impl SkippedImages {
-    pub fn new(loader: hearth_datasets::Loader) -> Self {
-        let base = loader.decode_problems().len();
-        Self {
-            name: Arc::new("Skipped images".to_string()),
-            loader,
-            base,
-            count: 0.0,
-        }
-    }
-
-    fn entry(&self, entry: NumericEntry) -> SerializedEntry {
-        SerializedEntry::new(format!("{} skipped", self.count), entry.serialize())
-    }
-}
-
-impl Metric for SkippedImages {
-    type Input = ();
-
-    fn update(&mut self, _: &(), _: &MetricMetadata) -> Result<SerializedEntry, TensorReadError> {
-        self.count = self
-            .loader
-            .decode_problems()
-            .len()
-            .saturating_sub(self.base) as f64;
-        Ok(self.entry(NumericEntry::Value(self.count)))
-    }
-
-    fn compute(&mut self) -> Result<SerializedEntry, TensorReadError> {
-        Ok(self.entry(NumericEntry::Final(self.count)))
-    }
-
-    fn clear(&mut self) {
-        self.base = self.loader.decode_problems().len();
-        self.count = 0.0;
-    }
-
-    fn name(&self) -> MetricName {
-        self.name.clone()
-    }
-
-    fn attributes(&self) -> MetricAttributes {
-        NumericAttributes {
-            unit: None,
-            higher_is_better: false,
-        }
-        .into()
-    }
-}
-
-impl Numeric for SkippedImages {
-    fn value(&self) -> Option<NumericEntry> {
-        Some(NumericEntry::Value(self.count))
-    }
-
-    fn running_value(&self) -> Option<NumericEntry> {
-        self.value()
-    }
-
-    fn final_value(&self) -> NumericEntry {
-        NumericEntry::Final(self.count)
-    }
-}
-
-/// Optimizer steps fp16 loss scaling skipped in the epoch (gradients not finite): the
-/// `skipped_steps` column of an fp16 run.
-#[derive(Clone)]
-pub struct SkippedSteps {
-    name: MetricName,
-    scaler: super::precision::SharedScaler,
-    /// Steps the scaler had skipped when the epoch began.
+    /// The running total.
+    total: Arc<dyn Fn() -> u64 + Send + Sync>,
+    /// The epoch line's text for a count.
+    describe: Arc<dyn Fn(f64) -> String + Send + Sync>,
+    /// The total when the epoch began.
     base: u64,
     count: f64,
 }
 
-impl SkippedSteps {
-    pub fn new(scaler: super::precision::SharedScaler) -> Self {
-        let base = scaler.skipped();
+impl EpochCount {
+    pub fn new(
+        name: &str,
+        total: impl Fn() -> u64 + Send + Sync + 'static,
+        describe: impl Fn(f64) -> String + Send + Sync + 'static,
+    ) -> Self {
+        let base = total();
         Self {
-            name: Arc::new("Skipped steps".to_string()),
-            scaler,
+            name: Arc::new(name.to_string()),
+            total: Arc::new(total),
+            describe: Arc::new(describe),
             base,
             count: 0.0,
         }
     }
 
-    fn entry(&self, entry: NumericEntry) -> SerializedEntry {
-        SerializedEntry::new(
-            format!(
-                "{} skipped (loss scale {})",
-                self.count,
-                self.scaler.scale()
-            ),
-            entry.serialize(),
+    /// Images of the epoch that failed to decode and were skipped (over a loader's record of
+    /// bad files): the `skipped_images` columns and the epoch line's count.
+    pub fn skipped_images(loader: hearth_datasets::Loader) -> Self {
+        Self::new(
+            "Skipped images",
+            move || loader.decode_problems().len() as u64,
+            |n| format!("{n} skipped"),
         )
+    }
+
+    /// Optimizer steps fp16 loss scaling skipped in the epoch (gradients not finite): the
+    /// `skipped_steps` column of an fp16 run.
+    pub fn skipped_steps(scaler: super::precision::SharedScaler) -> Self {
+        let total = scaler.clone();
+        Self::new(
+            "Skipped steps",
+            move || total.skipped(),
+            move |n| format!("{n} skipped (loss scale {})", scaler.scale()),
+        )
+    }
+
+    fn entry(&self, entry: NumericEntry) -> SerializedEntry {
+        SerializedEntry::new((self.describe)(self.count), entry.serialize())
     }
 }
 
-impl Metric for SkippedSteps {
+impl Metric for EpochCount {
     type Input = ();
 
     fn update(&mut self, _: &(), _: &MetricMetadata) -> Result<SerializedEntry, TensorReadError> {
-        self.count = self.scaler.skipped().saturating_sub(self.base) as f64;
+        self.count = (self.total)().saturating_sub(self.base) as f64;
         Ok(self.entry(NumericEntry::Value(self.count)))
     }
 
@@ -236,7 +184,7 @@ impl Metric for SkippedSteps {
     }
 
     fn clear(&mut self) {
-        self.base = self.scaler.skipped();
+        self.base = (self.total)();
         self.count = 0.0;
     }
 
@@ -253,7 +201,7 @@ impl Metric for SkippedSteps {
     }
 }
 
-impl Numeric for SkippedSteps {
+impl Numeric for EpochCount {
     fn value(&self) -> Option<NumericEntry> {
         Some(NumericEntry::Value(self.count))
     }
