@@ -91,7 +91,7 @@ fn run(
     lr: f32,
     delay: &[(usize, Duration)],
 ) -> Vec<ServerReport> {
-    run_scheduled(cfg, servers, workers, steps, lr, delay, false)
+    run_scheduled(cfg, servers, workers, steps, lr, delay, false, &[])
 }
 
 /// Whose turn it is among workers taking steps in a fixed order.
@@ -101,6 +101,9 @@ type Turns = Arc<(std::sync::Mutex<usize>, std::sync::Condvar)>;
 /// worker 1's, ..., worker 0's second), each step's exchange with the servers finished before
 /// the next worker's starts: the servers see the same order of requests however the threads
 /// are scheduled, so an asynchronous run gives the same result on an idle or a busy machine.
+/// `skips`: (worker, step) pairs where the worker skips its step ([`PsWorker::skip`], as an
+/// fp16 overflow makes it).
+#[allow(clippy::too_many_arguments)]
 fn run_scheduled(
     cfg: ServerConfig,
     servers: usize,
@@ -109,7 +112,9 @@ fn run_scheduled(
     lr: f32,
     delay: &[(usize, Duration)],
     lockstep: bool,
+    skips: &[(usize, usize)],
 ) -> Vec<ServerReport> {
+    let skips = skips.to_vec();
     let turns: Option<Turns> = lockstep.then(Default::default);
     let layout = layout(servers);
     let mut ranks: Vec<Arc<dyn Transport>> = MemoryTransport::mesh(servers + workers)
@@ -136,6 +141,7 @@ fn run_scheduled(
             let (layout, mode, window) = (layout.clone(), cfg.mode, cfg.window);
             let pause = delay.iter().find(|d| d.0 == k).map(|d| d.1);
             let turns = turns.clone();
+            let skips = skips.clone();
             bounded(move || {
                 let wait_turn = |i: usize| {
                     if let Some(t) = &turns {
@@ -164,8 +170,12 @@ fn run_scheduled(
                     if let Some(p) = pause {
                         std::thread::sleep(p);
                     }
-                    let g = grad(&params, &data);
-                    w.step(&mut params, &g, data.len() as u64).unwrap();
+                    if skips.contains(&(k, step)) {
+                        w.skip(&mut params).unwrap();
+                    } else {
+                        let g = grad(&params, &data);
+                        w.step(&mut params, &g, data.len() as u64).unwrap();
+                    }
                     end_turn();
                 }
                 w.finish().unwrap();
@@ -232,6 +242,42 @@ fn sync_equals_allreduce_data_parallel() {
     assert!(loss(&ps, workers) < 0.5 * loss(&[0.0; DIM + 1], workers));
 }
 
+/// A worker's skipped step (fp16 overflow) in sync mode: its round is the mean of the others'
+/// gradients alone, and a round every worker skipped moves nothing, momentum included, while
+/// the rounds are still counted.
+#[test]
+fn in_sync_mode_a_skipped_step_weighs_nothing_and_a_round_all_skipped_moves_nothing() {
+    let (workers, steps, lr, momentum) = (2, 6, 0.05, 0.9);
+    let skips = [(0, 1), (0, 3), (1, 3), (1, 4)];
+    let mut cfg = ServerConfig::new(Mode::Sync);
+    cfg.optimizer = ShardOptimizer::sgd(lr, momentum);
+    let reports = run_scheduled(cfg, 2, workers, steps, lr, &[], false, &skips);
+    assert!(reports.iter().all(|r| r.version == steps as u64));
+    let ps = joined(&reports);
+    // The same rounds by hand.
+    let (mut p, mut v) = (vec![0f32; DIM + 1], vec![0f32; DIM + 1]);
+    for step in 0..steps {
+        let pushed: Vec<(u64, Vec<f32>)> = (0..workers)
+            .filter(|k| !skips.contains(&(*k, step)))
+            .map(|k| (samples(k).len() as u64, grad(&p, &samples(k))))
+            .collect();
+        if !pushed.is_empty() {
+            rules::sgd_momentum(&mut p, &rules::weighted_mean(&pushed), &mut v, lr, momentum);
+        }
+    }
+    let worst = ps
+        .iter()
+        .zip(&p)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst <= 1e-6, "ps {ps:?} vs by hand {p:?}: {worst}");
+    // And the skips mattered: without them the values differ.
+    let mut cfg = ServerConfig::new(Mode::Sync);
+    cfg.optimizer = ShardOptimizer::sgd(lr, momentum);
+    let plain = joined(&run(cfg, 2, workers, steps, lr, &[]));
+    assert!(plain.iter().zip(&ps).any(|(a, b)| (a - b).abs() > 1e-4));
+}
+
 #[test]
 fn every_asynchronous_mode_learns() {
     // In lockstep: the outcome is a function of the code, not of the machine's load (the
@@ -240,7 +286,7 @@ fn every_asynchronous_mode_learns() {
     for mode in [Mode::Downpour, Mode::Adag, Mode::DynSgd, Mode::Easgd] {
         let mut cfg = ServerConfig::new(mode);
         cfg.window = 3;
-        let reports = run_scheduled(cfg, 2, 3, 240, 0.1, &[], true);
+        let reports = run_scheduled(cfg, 2, 3, 240, 0.1, &[], true, &[]);
         let end = loss(&joined(&reports), 3);
         eprintln!("{mode}: loss {start} -> {end}");
         assert!(end < 0.1 * start, "{mode}: loss {start} -> {end}");

@@ -317,9 +317,32 @@ impl PsWorker {
         if !self.steps.is_multiple_of(self.window as u64) {
             return Ok(());
         }
+        self.exchange(params)
+    }
+
+    /// A step without a gradient (one this worker's fp16 loss scaling skipped): it counts
+    /// as a step, but changes nothing of its own. Sync: the round gets an empty push (no
+    /// samples, so it weighs nothing in the mean; a round where every worker skipped takes
+    /// no optimizer step); the asynchronous modes: no local update, and the exchange with
+    /// the servers happens when the window says, as after any step.
+    pub fn skip(&mut self, params: &mut Vec<f32>) -> Result<()> {
+        self.steps += 1;
+        if self.mode == Mode::Sync {
+            *params = self.client.push_grad(&vec![0.0; params.len()], 0)?;
+            return Ok(());
+        }
+        self.client.tick();
+        if self.steps.is_multiple_of(self.window as u64) {
+            self.exchange(params)?;
+        }
+        Ok(())
+    }
+
+    /// The asynchronous modes' exchange at the end of a window.
+    fn exchange(&mut self, params: &mut Vec<f32>) -> Result<()> {
         if self.mode == Mode::Easgd {
             let theta = self.client.pull()?;
-            let alpha = self.local.lr_at(step) * self.rho;
+            let alpha = self.local.lr_at(self.steps - 1) * self.rho;
             let e = rules::easgd_elastic(params, &theta, alpha);
             self.client.push_delta(&e)?;
         } else {

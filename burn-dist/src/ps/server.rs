@@ -377,10 +377,14 @@ impl Server<'_> {
         let done: Vec<usize> = pending.keys().copied().collect();
         let grads: Vec<(u64, Vec<f32>)> =
             pending.into_values().map(|p| (p.samples, p.grad)).collect();
-        let mean = rules::weighted_mean(&grads);
-        self.cfg
-            .optimizer
-            .step(self.version, &mut self.values, &mean, &mut self.optim_state);
+        // A round without samples (every worker skipped its step: fp16 overflow) moves
+        // nothing, momentum included; it still counts for the rate's schedule.
+        if grads.iter().any(|(n, _)| *n > 0) {
+            let mean = rules::weighted_mean(&grads);
+            self.cfg
+                .optimizer
+                .step(self.version, &mut self.values, &mean, &mut self.optim_state);
+        }
         self.version += 1;
         for w in done {
             self.answer(w);
