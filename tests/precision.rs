@@ -4,8 +4,10 @@
 //!   (at most 0.5 point below: here, at least as many validation images right);
 //! - an fp16 run whose gradients overflow (forced by the `HEARTH_FP16_OVERFLOW_AT_STEP` test
 //!   hook) skips that step, counts it in `metrics.csv`, and trains on to the same accuracy;
-//!   in a data-parallel run one rank's overflow makes every rank skip the same step;
-//! - checkpoints and `model.bpk` hold f32 weights, close to the f32 run's.
+//!   in a data-parallel run one rank's overflow makes every rank skip the same step, and so
+//!   it does elastic and in a pipeline; a parameter-server worker skips its own;
+//! - checkpoints and `model.bpk` hold f32 weights, close to the f32 run's; bf16 and fp16 runs
+//!   resume exactly, the loss scale included (one process, data parallel, elastic, pipeline).
 
 mod common;
 
@@ -109,6 +111,56 @@ fn bf16_and_fp16_reach_the_f32_accuracy_with_f32_weights() {
     // The exported weights are f32 in every run (checked in `exported`); how close they stay
     // to an f32 run's is `master_weights_...` below (after whole runs trajectories part ways).
     assert_eq!(weights.len(), 3);
+
+    // `hearth predict --data --precision`: the f32 run's model over the validation folder in
+    // bf16 and fp16, every image predicted, the comparison with f32 reported.
+    let model = dir.path().join("fp32").join("model.bpk");
+    let val = data.join("val");
+    let images = walk(&val);
+    for precision in ["bf16", "fp16"] {
+        let csv = dir.path().join(format!("predict-{precision}.csv"));
+        let (ok, log) = hearth(
+            &[
+                "predict",
+                "--weights",
+                model.to_str().unwrap(),
+                "--data",
+                val.to_str().unwrap(),
+                "--out",
+                csv.to_str().unwrap(),
+                "--precision",
+                precision,
+            ],
+            &[],
+            Duration::from_secs(120),
+        );
+        assert!(ok, "{log}");
+        let line = log
+            .lines()
+            .find(|l| l.starts_with(&format!("{precision} against f32")))
+            .unwrap_or_else(|| panic!("no comparison with f32:\n{log}"));
+        let same: Vec<usize> = line
+            .split("top-1 class for ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .map(|f| f.split('/').map(|n| n.parse().unwrap()).collect())
+            .unwrap_or_else(|| panic!("{line}"));
+        assert_eq!(same[1], images, "every image compared: {line}");
+        assert!(same[0] * 10 >= images * 9, "{line}");
+        let rows = std::fs::read_to_string(&csv).unwrap().lines().count();
+        assert_eq!(rows, images + 1, "a row per image:\n{log}");
+    }
+}
+
+/// The image files under `dir`, counted.
+fn walk(dir: &Path) -> usize {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let p = e.unwrap().path();
+            if p.is_dir() { walk(&p) } else { 1 }
+        })
+        .sum()
 }
 
 /// A small network trained `steps` SGD steps on one fixed batch, three ways: all f32; mixed
@@ -369,32 +421,102 @@ fn in_data_parallel_one_rank_s_overflow_skips_the_step_on_every_rank() {
     overflow_is_skipped(2, 1);
 }
 
+/// fp16 elastic (2 workers), on parameter servers (1 server, 2 sync workers) and in a
+/// pipeline of 2 stages, with one process's gradients forced to overflow at step 3 (the test
+/// hook): the step is skipped, every skip is counted in `metrics.csv`, and the run learns.
+/// Elastic members and pipeline stages take one verdict for the job (every rank skips the
+/// same steps); a parameter-server worker decides for its own gradient.
 #[test]
-fn low_precision_is_refused_by_name_where_it_is_not_built() {
+fn fp16_skips_a_forced_overflow_elastic_on_parameter_servers_and_in_pipelines() {
     let dir = tempfile::tempdir().unwrap();
     let data = data(dir.path());
-    for (precision, mode) in [
-        ("fp16", vec!["--elastic"]),
-        ("fp16", vec!["--nproc", "3", "--ps", "1"]),
-        ("fp16", vec!["--pipeline-stages", "2"]),
+    for (name, world, mode, hook, hooked, one_verdict) in [
+        ("elastic", 2, vec!["--elastic"], "w1:3", 1, true),
+        (
+            "ps",
+            3,
+            vec!["--ps", "1", "--mode", "sync"],
+            "w1:3",
+            1,
+            false,
+        ),
+        (
+            "pipeline",
+            2,
+            vec!["--pipeline-stages", "2"],
+            "1:3",
+            1,
+            true,
+        ),
     ] {
-        let mut args = vec![
-            "train",
-            "--dry-run",
-            "--data",
-            data.to_str().unwrap(),
-            "--precision",
-            precision,
-        ];
-        args.extend(mode.iter().copied());
-        let (ok, log) = hearth(&args, &[], Duration::from_secs(60));
-        assert!(!ok, "{mode:?} accepted --precision {precision}:\n{log}");
-        assert!(
-            log.contains(&format!("--precision {precision} is not built for")),
-            "{log}"
+        let run = dir.path().join(format!("{name}-fp16"));
+        let mut args = mode.clone();
+        args.extend(["--precision", "fp16"]);
+        let mut job = common::Job::spawn(
+            dir.path(),
+            &data,
+            &run,
+            world,
+            &MODE_BASE,
+            &args,
+            &[("HEARTH_FP16_OVERFLOW_AT_STEP", hook)],
         );
+        let ok = job.wait(300);
+        let logs = job.all_logs();
+        assert!(ok.iter().all(|&o| o), "{name} fp16:\n{logs}");
+        let skips = |r: usize| -> Vec<String> {
+            job.log(r)
+                .lines()
+                .filter(|l| l.starts_with("fp16: optimizer step"))
+                .map(str::to_string)
+                .collect()
+        };
+        assert!(
+            skips(hooked)
+                .iter()
+                .any(|l| l.starts_with("fp16: optimizer step 3: gradients not finite")),
+            "{name}: the forced overflow was not skipped:\n{logs}"
+        );
+        // Ranks that train (a parameter-server run's servers take no steps).
+        let trainers = if name == "ps" { 2 } else { world };
+        let m = common::metrics(&run);
+        let counted: f64 = m.values().map(|r| r["train_skipped_steps"]).sum();
+        if one_verdict {
+            for r in 0..trainers {
+                assert_eq!(
+                    skips(r),
+                    skips(0),
+                    "{name}: rank {r} skipped others:\n{logs}"
+                );
+            }
+            assert_eq!(counted as usize, skips(0).len(), "{name}: {m:?}\n{logs}");
+        } else {
+            let all: usize = (0..trainers).map(|r| skips(r).len()).sum();
+            assert_eq!(counted as usize, all, "{name}: {m:?}\n{logs}");
+            let mine: f64 = m.values().map(|r| r["skipped_steps_rank1"]).sum();
+            assert_eq!(mine as usize, skips(1).len(), "{name}: {m:?}");
+        }
+        let first = m.values().next().unwrap()["train_loss"];
+        let last = m.values().next_back().unwrap()["train_loss"];
+        assert!(last < first, "{name} in fp16 does not learn: {m:?}");
     }
 }
+
+/// The settings of the runs of every mode below: 2 epochs of 8 steps.
+const MODE_BASE: [&str; 12] = [
+    "--epochs",
+    "2",
+    "--batch-size",
+    "24",
+    "--lr",
+    "0.05",
+    "--warmup-epochs",
+    "0",
+    "--augment",
+    "none",
+    "--seed",
+    "5",
+];
 
 /// bf16 elastic (2 workers), on parameter servers (1 server, 2 sync workers) and in a pipeline
 /// of 2 stages: accepted, applied (the curve differs from the same run in f32, which an
@@ -403,20 +525,7 @@ fn low_precision_is_refused_by_name_where_it_is_not_built() {
 fn bf16_trains_elastic_on_parameter_servers_and_in_pipelines() {
     let dir = tempfile::tempdir().unwrap();
     let data = data(dir.path());
-    let base = [
-        "--epochs",
-        "2",
-        "--batch-size",
-        "24",
-        "--lr",
-        "0.05",
-        "--warmup-epochs",
-        "0",
-        "--augment",
-        "none",
-        "--seed",
-        "5",
-    ];
+    let base = MODE_BASE;
     for (name, world, mode) in [
         ("elastic", 2, vec!["--elastic"]),
         ("ps", 3, vec!["--ps", "1", "--mode", "sync"]),
@@ -601,6 +710,77 @@ fn bf16_and_fp16_runs_resume_exactly_the_loss_scale_included() {
             assert!(
                 !log.contains("optimizer step 3:"),
                 "step 3 counted again:\n{log}"
+            );
+        }
+    }
+}
+
+/// fp16 elastic (2 workers), pipeline (2 stages) and sync parameter-server (2 workers, 1
+/// server) runs stopped after epoch 1 and resumed equal the straight runs (bit for bit; the
+/// servers to 1e-5): the loss scale, halved by the overflow forced at step 3, travels in the
+/// elastic state, in each stage's checkpoint and in each server worker's own file, so the
+/// resumed launch goes on from it (and does not count step 3 again).
+#[test]
+fn fp16_elastic_pipeline_and_server_runs_resume_exactly_with_their_loss_scale() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = data(dir.path());
+    let mut base = MODE_BASE.to_vec();
+    base[1] = "3";
+    // Sync servers resume to 1e-5 (tests/ps_train.rs: the servers' sums), the others exactly.
+    for (name, world, mode, hook, tolerance) in [
+        ("elastic", 2, vec!["--elastic"], "w1:3", 0.0),
+        ("pipeline", 2, vec!["--pipeline-stages", "2"], "1:3", 0.0),
+        ("ps", 3, vec!["--ps", "1", "--mode", "sync"], "w1:3", 1e-5),
+    ] {
+        let env = [("HEARTH_FP16_OVERFLOW_AT_STEP", hook)];
+        let job = |run: &Path, extra: &[&str]| -> String {
+            let mut args = mode.clone();
+            args.extend(["--precision", "fp16"]);
+            args.extend_from_slice(extra);
+            let mut job = common::Job::spawn(dir.path(), &data, run, world, &base, &args, &env);
+            let ok = job.wait(300);
+            let logs = job.all_logs();
+            assert!(ok.iter().all(|&o| o), "{name} {extra:?}:\n{logs}");
+            logs
+        };
+        let straight = dir.path().join(format!("{name}-straight"));
+        let resumed = dir.path().join(format!("{name}-resumed"));
+        let first = job(&straight, &[]);
+        assert!(
+            first.contains("fp16: optimizer step 3: gradients not finite"),
+            "{first}"
+        );
+        job(&resumed, &["--stop-after-epoch", "1"]);
+        let log = job(&resumed, &["--resume"]);
+        // "resuming after epoch 1" (pipeline), "resuming at step 8 (epoch 2, ..." (elastic).
+        assert!(log.contains("resuming"), "{log}");
+        assert!(
+            !log.contains("optimizer step 3:"),
+            "{name}: step 3 counted again:\n{log}"
+        );
+        let (a, b) = (
+            common::tensors(&straight.join("model.bpk")),
+            common::tensors(&resumed.join("model.bpk")),
+        );
+        assert_eq!(a.len(), b.len());
+        for ((na, va), (nb, vb)) in a.iter().zip(&b) {
+            assert_eq!(na, nb);
+            let gap = common::max_abs_diff(va, vb);
+            assert!(
+                gap <= tolerance,
+                "{name}: {na} differs by {gap} after a resume:\n{log}"
+            );
+        }
+        let (ma, mb) = (common::metrics(&straight), common::metrics(&resumed));
+        for (epoch, row) in &ma {
+            assert_eq!(
+                row["train_skipped_steps"], mb[epoch]["train_skipped_steps"],
+                "{name} epoch {epoch}"
+            );
+            let gap = (row["val_loss"] - mb[epoch]["val_loss"]).abs();
+            assert!(
+                gap <= 1e3 * f64::from(tolerance),
+                "{name} epoch {epoch}: val_loss {gap}"
             );
         }
     }

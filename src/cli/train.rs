@@ -165,8 +165,8 @@ pub(crate) struct TrainArgs {
     #[arg(long, value_enum)]
     compression: Option<Compression>,
     /// The type steps compute in: fp32, or bf16/fp16 mixed precision with f32 master weights
-    /// (fp16 with dynamic loss scaling; skipped steps in metrics.csv). One process and data
-    /// parallel; the other modes refuse a low precision.
+    /// (fp16 with dynamic loss scaling; skipped steps in metrics.csv). Every mode; wgpu
+    /// devices have no bf16.
     #[arg(long, value_enum, default_value_t = hearth::train::Precision::Fp32)]
     precision: hearth::train::Precision,
     /// Pipeline model parallelism: split the model into P stages, one per process (--nproc

@@ -30,6 +30,7 @@ use super::best::{export_best, model_checkpoint, save_epoch_weights};
 use super::epochs::{Epochs, Row};
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, Sums};
+use super::precision::{LossScaler, Precision, divide, overflow_hook};
 use super::shared::{Rates, epoch_lr};
 use super::trainee::{Recipe, Trainee, val_share};
 use super::{TrainConfig, TrainReport, run_dir};
@@ -86,6 +87,9 @@ pub(super) fn train_with<R: Recipe>(
         steps: 0,
         images: 0,
         started,
+        scaler: (cfg.precision == Precision::Fp16).then(LossScaler::default),
+        overflow_at: overflow_hook(cfg.precision, &rank.to_string()),
+        epoch_skipped: 0,
     };
     let first = s.resume(&epochs, log)?;
     epochs.check_left(first)?;
@@ -126,6 +130,12 @@ struct Allreduce<'a, T: Trainee> {
     steps: usize,
     images: usize,
     started: Instant,
+    /// fp16's loss scale (`--precision fp16` with a module that computes in it), the same on
+    /// every rank: the verdict is taken on the averaged gradients.
+    scaler: Option<LossScaler>,
+    overflow_at: Option<u64>,
+    /// Steps of this epoch skipped for non-finite fp16 gradients.
+    epoch_skipped: u64,
 }
 
 impl<T: Trainee> Allreduce<'_, T> {
@@ -171,6 +181,28 @@ impl<T: Trainee> Allreduce<'_, T> {
         if let Some(comm) = &self.comm {
             state = burn_dist::elastic::broadcast_bytes(comm, state)?;
         }
+        if self.scaler.is_some() && !state.is_empty() {
+            // fp16's loss scale goes on from the checkpoint's, on every rank.
+            let mut text = Vec::new();
+            if self.rank == 0 {
+                let epoch = decode_state(&state)?.0;
+                let file = LossScaler::file(&cfg.run_dir, epoch);
+                text = LossScaler::load(&file, epoch)?
+                    .to_json()
+                    .to_string()
+                    .into_bytes();
+            }
+            if let Some(comm) = &self.comm {
+                text = burn_dist::elastic::broadcast_bytes(comm, text)?;
+            }
+            let scaler = serde_json::from_slice(&text)
+                .ok()
+                .and_then(|v| LossScaler::from_json(&v))
+                .ok_or_else(|| {
+                    HearthError::Training("rank 0's fp16 loss scale is malformed".into())
+                })?;
+            self.scaler = Some(scaler);
+        }
         if state.is_empty() {
             // Every rank seeded the same weights; rank 0's go to all, as DDP starts.
             if let Some(comm) = &self.comm {
@@ -193,6 +225,10 @@ impl<T: Trainee> Allreduce<'_, T> {
     /// One optimizer step's gradients, averaged over the ranks, applied at the step's rate.
     fn apply(&mut self, epoch: usize, mut acc: GradientsAccumulator<T::Model>) -> Result<()> {
         let mut grads = acc.grads();
+        if let Some(s) = &self.scaler {
+            // Unscaled before the exchange (an fp16 wire would overflow on scaled ones).
+            divide(&self.model, &mut grads, s.scale());
+        }
         if let Some(comm) = &self.comm {
             burn_dist::ddp::allreduce_grads_scaled(
                 &self.model,
@@ -203,8 +239,17 @@ impl<T: Trainee> Allreduce<'_, T> {
                 self.cfg.compression,
             )?;
         }
+        // fp16: every rank holds the same averaged gradients, so all take the same verdict.
+        let take = match &mut self.scaler {
+            Some(s) => s.decide(burn_dist::ddp::grads_finite(&self.model, &grads)),
+            None => true,
+        };
         let lr = self.rates.rate(epoch, self.steps);
-        self.model = self.optim.step(lr, self.model.clone(), grads);
+        if take {
+            self.model = self.optim.step(lr, self.model.clone(), grads);
+        } else {
+            self.epoch_skipped += 1;
+        }
         self.steps += 1;
         Ok(())
     }
@@ -267,9 +312,14 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
                 ((epoch - 1) * self.batches + i) as u64,
                 self.rank,
             );
+            // fp16: the loss times the scale (the gradients divided by it in `apply`).
+            let factor = self
+                .scaler
+                .as_ref()
+                .map_or(1.0, |s| s.loss_factor(self.overflow_at));
             let (grads, sums) = self
                 .objective
-                .train_batch(&self.model, input, &targets, 1.0)?;
+                .train_batch(&self.model, input, &targets, factor)?;
             train.add(sums);
             acc.accumulate(&self.model, grads);
             pending += 1;
@@ -330,6 +380,12 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
         if let Some(a) = val.auroc {
             row.insert("val_auroc".into(), a);
         }
+        if self.scaler.is_some() {
+            row.insert(
+                "train_skipped_steps".into(),
+                std::mem::take(&mut self.epoch_skipped) as f64,
+            );
+        }
         Ok(Some(row))
     }
 
@@ -345,12 +401,19 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
         self.optim
             .save(&tmp)
             .map_err(|e| HearthError::Training(format!("saving epoch {epoch}'s optimizer: {e}")))?;
+        if let Some(s) = &self.scaler {
+            // Before the optimizer file that completes the epoch.
+            let file = LossScaler::file(dir, epoch);
+            s.save(&file)
+                .map_err(|source| HearthError::Write { path: file, source })?;
+        }
         std::fs::rename(&tmp, &path).map_err(|source| HearthError::Write {
             path: path.clone(),
             source,
         })?;
         for old in 1..epoch {
             let _ = std::fs::remove_file(optim_checkpoint(dir, old));
+            let _ = std::fs::remove_file(LossScaler::file(dir, old));
             if Some(old) != best {
                 let _ = std::fs::remove_file(model_checkpoint(dir, old));
             }

@@ -220,8 +220,8 @@ pub struct TrainConfig {
     /// Wire format of gradient averaging (distributed runs); parameters always travel exact.
     pub compression: burn_dist::Compression,
     /// The type steps compute in: f32, or bf16/f16 with f32 master weights (mixed precision,
-    /// see [`super::Precision`]). Single-process and data-parallel runs of Hearth's image
-    /// models; the other modes refuse a low precision by name.
+    /// see [`super::Precision`]), in every mode. A custom module trains in it when its
+    /// [`super::Net::MIXED_PRECISION`] says it computes in it; wgpu devices refuse bf16.
     pub precision: super::Precision,
     /// Pipeline model parallelism instead of pure data parallelism.
     pub pipeline: Option<PipelineOptions>,
@@ -427,7 +427,6 @@ impl TrainConfig {
         if let Some(p) = &self.ps {
             self.validate_ps(p)?;
         }
-        self.validate_precision()?;
         self.validate_exchange()
     }
 
@@ -457,30 +456,6 @@ impl TrainConfig {
     /// not, why.
     pub fn exchanges_by_allreduce(&self) -> bool {
         self.allreduce_exchange().0
-    }
-
-    /// `--precision bf16|fp16` runs where it is built: both in one process and data parallel,
-    /// bf16 also elastic, on parameter servers and in pipelines (fp16's loss scaling is not
-    /// built there), for Hearth's image models. Elsewhere it is refused by name, never ignored.
-    fn validate_precision(&self) -> Result<()> {
-        if !self.precision.is_low() {
-            return Ok(());
-        }
-        let fp16 = self.precision == super::Precision::Fp16;
-        let unbuilt = [
-            (fp16 && self.pipeline.is_some(), "--pipeline-stages"),
-            (fp16 && self.elastic.is_some(), "--elastic"),
-            (fp16 && self.ps.is_some(), "--ps"),
-        ];
-        if let Some((_, what)) = unbuilt.iter().find(|(on, _)| *on) {
-            return Err(HearthError::InvalidArgument(format!(
-                "--precision {} is not built for {what} yet: its loss scaling runs in one \
-                 process and data parallel (--nproc, launchers); train {what} in bf16 (it \
-                 needs no loss scaling) or fp32",
-                self.precision
-            )));
-        }
-        Ok(())
     }
 
     fn allreduce_exchange(&self) -> (bool, &'static str) {

@@ -13,6 +13,20 @@
 //! the scale doubles. In a data-parallel run the verdict is taken on the averaged gradients, so
 //! every rank skips the same steps. Skipped steps are counted in `metrics.csv`
 //! (`skipped_steps`). `bf16` has f32's range and needs no scaling.
+//!
+//! Every mode scales the same way with the pieces here ([`LossScaler::loss_factor`] before the
+//! backward pass, [`divide`] or [`unscale_flat`] before the exchange, [`LossScaler::decide`]
+//! after it):
+//! - one process and data parallel (burn-train's Learner): [`Mixed`], the verdict through
+//!   burn-dist's `StepGuard` after the allreduce; a custom module's data parallel
+//!   (`allreduce.rs`) the same in its own step;
+//! - elastic: the scaler is part of the commit, so a re-formed world, a joiner and a resume go
+//!   on with the scale every member agreed on;
+//! - pipeline: the last stage scales the loss, each stage unscales its own gradients, and one
+//!   flag summed over every rank makes one verdict for the job;
+//! - parameter servers: workers never exchange gradients with each other, so each worker
+//!   scales and decides for its own (a skipped step pushes nothing of its own:
+//!   `PsWorker::skip`).
 
 use std::sync::{Arc, Mutex};
 
@@ -143,6 +157,29 @@ impl LossScaler {
 }
 
 impl LossScaler {
+    /// [`LossScaler::update`], saying on stderr which step was skipped and the new scale (a
+    /// line every mode prints alike).
+    pub fn decide(&mut self, finite: bool) -> bool {
+        let take = self.update(finite);
+        if !take {
+            eprintln!(
+                "fp16: optimizer step {}: gradients not finite, skipped; loss scale now {}",
+                self.decided, self.scale
+            );
+        }
+        take
+    }
+
+    /// What the loss of the next step is multiplied by: the scale, or infinity where the test
+    /// hook `overflow_at` (see [`overflow_hook`]) names that step.
+    pub fn loss_factor(&self, overflow_at: Option<u64>) -> f32 {
+        if overflow_at == Some(self.decided + 1) {
+            f32::INFINITY
+        } else {
+            self.scale
+        }
+    }
+
     /// The state `checkpoint/loss-scale-EPOCH.json` holds, so a resumed fp16 run goes on with
     /// the scale it had.
     pub fn to_json(&self) -> serde_json::Value {
@@ -179,27 +216,38 @@ impl LossScaler {
     }
 }
 
-impl SharedScaler {
-    /// Writes the state after `epoch` beside that epoch's checkpoint.
-    pub fn save(&self, run_dir: &std::path::Path, epoch: usize) -> std::io::Result<()> {
-        let text = self.with(|s| s.to_json().to_string());
-        std::fs::write(LossScaler::file(run_dir, epoch), text)
+impl LossScaler {
+    /// Writes the state into `file` (beside a checkpoint).
+    pub fn save(&self, file: &std::path::Path) -> std::io::Result<()> {
+        std::fs::write(file, self.to_json().to_string())
     }
 
-    /// Restores the state saved after `epoch` (a resume); an error names a missing or
+    /// The state `file` holds, saved after `epoch` (a resume); an error names a missing or
     /// unreadable file.
-    pub fn restore(&self, run_dir: &std::path::Path, epoch: usize) -> crate::Result<()> {
-        let file = LossScaler::file(run_dir, epoch);
+    pub fn load(file: &std::path::Path, epoch: usize) -> crate::Result<Self> {
         let bad = |why: String| {
             crate::HearthError::Training(format!(
                 "{}: {why}: the fp16 loss scale of epoch {epoch} cannot be restored",
                 file.display()
             ))
         };
-        let text = std::fs::read_to_string(&file).map_err(|e| bad(e.to_string()))?;
+        let text = std::fs::read_to_string(file).map_err(|e| bad(e.to_string()))?;
         let value: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
-        let state = LossScaler::from_json(&value).ok_or_else(|| bad("malformed".into()))?;
+        LossScaler::from_json(&value).ok_or_else(|| bad("malformed".into()))
+    }
+}
+
+impl SharedScaler {
+    /// Writes the state after `epoch` beside that epoch's checkpoint.
+    pub fn save(&self, run_dir: &std::path::Path, epoch: usize) -> std::io::Result<()> {
+        self.with(|s| s.save(&LossScaler::file(run_dir, epoch)))
+    }
+
+    /// Restores the state saved after `epoch` (a resume); an error names a missing or
+    /// unreadable file.
+    pub fn restore(&self, run_dir: &std::path::Path, epoch: usize) -> crate::Result<()> {
+        let state = LossScaler::load(&LossScaler::file(run_dir, epoch), epoch)?;
         self.with(|s| *s = state);
         Ok(())
     }
@@ -234,13 +282,7 @@ impl SharedScaler {
     }
 
     pub fn update(&self, finite: bool) -> bool {
-        let (take, scale, step) = self.with(|s| (s.update(finite), s.scale(), s.decided()));
-        if !take {
-            eprintln!(
-                "fp16: optimizer step {step}: gradients not finite, skipped; loss scale now {scale}"
-            );
-        }
-        take
+        self.with(|s| s.decide(finite))
     }
 }
 
@@ -272,9 +314,7 @@ impl Mixed {
             precision,
             scaler: fp16.then(SharedScaler::default),
             skip_in_step: !distributed,
-            overflow_at: fp16
-                .then(|| super::shared::hook("HEARTH_FP16_OVERFLOW_AT_STEP", &rank.to_string()))
-                .flatten(),
+            overflow_at: overflow_hook(precision, &rank.to_string()),
         }
     }
 
@@ -285,14 +325,8 @@ impl Mixed {
         let Some(scaler) = &self.scaler else {
             return GradientsParams::from_grads(loss.backward(), module);
         };
-        let scale = scaler.scale();
-        let step = scaler.with(|s| s.decided()) + 1;
-        let loss = if self.overflow_at == Some(step) {
-            loss.mul_scalar(f32::INFINITY)
-        } else {
-            loss
-        };
-        let mut grads = GradientsParams::from_grads(loss.mul_scalar(scale).backward(), module);
+        let (scale, factor) = scaler.with(|s| (s.scale(), s.loss_factor(self.overflow_at)));
+        let mut grads = GradientsParams::from_grads(loss.mul_scalar(factor).backward(), module);
         divide(module, &mut grads, scale);
         // In data parallel the strategy checks the averaged gradients instead (once, after
         // the exchange); a rank's infinities reach them.
@@ -303,8 +337,28 @@ impl Mixed {
     }
 }
 
-/// Divides every gradient of `module` by `scale` in place.
-fn divide<M: Module>(module: &M, grads: &mut GradientsParams, scale: f32) {
+/// The step of the test hook `HEARTH_FP16_OVERFLOW_AT_STEP=ID:N` for the process `id` names
+/// (a rank, or an elastic worker's id), in an fp16 run.
+pub(super) fn overflow_hook(precision: Precision, id: &str) -> Option<u64> {
+    (precision == Precision::Fp16)
+        .then(|| super::shared::hook("HEARTH_FP16_OVERFLOW_AT_STEP", id))
+        .flatten()
+}
+
+/// A flat gradient vector (the parameter-server modes') divided by `scale` in place; whether
+/// every value is finite.
+pub(super) fn unscale_flat(grad: &mut [f32], scale: f32) -> bool {
+    let inv = 1.0 / scale;
+    let mut finite = true;
+    for g in grad.iter_mut() {
+        *g *= inv;
+        finite &= g.is_finite();
+    }
+    finite
+}
+
+/// Divides every gradient of `module` by `scale` in place (the loss was multiplied by it).
+pub(super) fn divide<M: Module>(module: &M, grads: &mut GradientsParams, scale: f32) {
     struct Unscale<'a> {
         grads: &'a mut GradientsParams,
         inv: f32,

@@ -129,6 +129,7 @@ impl<T: Trainee> Strategy for Members<'_, '_, '_, T> {
             c.epoch += 1;
             c.position = 0;
             c.sums = [0.0; 3];
+            c.epoch_skipped = 0;
             c.epoch_started = c.elapsed;
         }
         c.rows = self.epochs.rows();

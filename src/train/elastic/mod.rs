@@ -36,6 +36,7 @@ use super::best::{export_best, model_checkpoint, save_epoch_weights};
 use super::epochs::{Epochs, Row};
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, Targets};
+use super::precision::{LossScaler, Precision, divide, overflow_hook};
 use super::shared::{Rates, collective_timeout, epoch_lr, hook};
 use super::trainee::{ImageRecipe, Input, Net, Recipe, Stream, Trainee, val_share};
 use super::{EpochRows, TrainConfig, TrainReport, run_dir};
@@ -193,6 +194,11 @@ struct Commit<M: Net> {
     finished: bool,
     model: M,
     optim: ModuleOptimizer,
+    /// fp16's loss scale (`--precision fp16`), moving with the model: every member takes the
+    /// same verdict on the averaged gradients, and a joiner or a resume goes on with it.
+    scaler: Option<LossScaler>,
+    /// Steps of this epoch skipped for non-finite fp16 gradients.
+    epoch_skipped: u64,
 }
 
 /// The current world of an elastic job.
@@ -260,6 +266,8 @@ struct ElasticRun<'a, T: Trainee> {
     die_at: Option<u64>,
     freeze_at: Option<u64>,
     freeze_secs: Option<u64>,
+    /// `HEARTH_FP16_OVERFLOW_AT_STEP` for this worker's id.
+    overflow_at: Option<u64>,
 }
 
 /// A short fingerprint of a model's values (FNV-1a over the f32 bits), to show in logs that
@@ -404,12 +412,14 @@ pub(super) fn train_with<R: Recipe>(
         die_at: None,
         freeze_at: None,
         freeze_secs: None,
+        overflow_at: None,
     };
     run.die_at = hook("HEARTH_ELASTIC_DIE_AT_STEP", &run.me.id);
     run.freeze_at = hook("HEARTH_ELASTIC_FREEZE_AT_STEP", &run.me.id);
     run.freeze_secs = hook("HEARTH_ELASTIC_FREEZE_SECS", &run.me.id);
     run.throttle = hook("HEARTH_ELASTIC_THROTTLE", &run.me.id);
     run.leave_at = hook("HEARTH_ELASTIC_LEAVE_AT_STEP", &run.me.id);
+    run.overflow_at = overflow_hook(cfg.precision, &run.me.id);
     let (world, commit) = match &initial {
         Some(info) => run.first_world(info, log)?,
         None => run.join_world(log)?,
@@ -456,6 +466,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
             finished: false,
             model,
             optim: optimizer(self.cfg),
+            scaler: (self.cfg.precision == Precision::Fp16).then(LossScaler::default),
+            epoch_skipped: 0,
         })
     }
 

@@ -51,6 +51,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
             "world_log": c.world_log,
             "rows": rows,
             "finished": c.finished,
+            "loss_scale": c.scaler.as_ref().map(LossScaler::to_json),
+            "epoch_skipped": c.epoch_skipped,
             "launch": self.launch,
             // The coordinator's blacklist and failure counts, for whoever coordinates next.
             "health": {
@@ -136,6 +138,15 @@ impl<T: Trainee> ElasticRun<'_, T> {
             .map_err(|e| bad(format!("optimizer: {e}")))?;
         let skeleton = self.skeleton(&self.device)?;
         let epoch = num("epoch")? as u64;
+        // fp16's loss scale: a state of another precision (or from before it was kept) starts
+        // the scale afresh.
+        let scaler = match (self.cfg.precision, &meta["loss_scale"]) {
+            (Precision::Fp16, serde_json::Value::Null) => Some(LossScaler::default()),
+            (Precision::Fp16, v) => {
+                Some(LossScaler::from_json(v).ok_or_else(|| bad("malformed loss scale".into()))?)
+            }
+            _ => None,
+        };
         let commit = Commit {
             step: num("step")? as u64,
             epoch,
@@ -159,6 +170,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 epoch,
             ),
             optim: optimizer(self.cfg).load_record(optim_record),
+            scaler,
+            epoch_skipped: meta["epoch_skipped"].as_u64().unwrap_or(0),
         };
         let join = meta["join"].as_str().unwrap_or_default().to_string();
         let health = Health {

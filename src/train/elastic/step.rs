@@ -35,6 +35,12 @@ impl<T: Trainee> ElasticRun<'_, T> {
             let t = Instant::now();
             let k = self.cfg.grad_accum.unwrap_or(1).max(1);
             let mut acc = GradientsAccumulator::<T::Model>::new();
+            // fp16: the loss times the committed scale (the gradients divided by it after the
+            // exchange).
+            let factor = commit
+                .scaler
+                .as_ref()
+                .map_or(1.0, |s| s.loss_factor(self.overflow_at));
             let (mut loss_sum, mut correct, mut mine, mut total) = (0.0f64, 0.0f64, 0usize, 0usize);
             let mut pos = commit.position as usize;
             for sub in 0..k {
@@ -61,7 +67,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
                     &commit.model,
                     input,
                     &targets,
-                    part as f32 / global_part.max(1) as f32,
+                    part as f32 / global_part.max(1) as f32 * factor,
                 )?;
                 loss_sum += sums.loss;
                 correct += sums.hits;
@@ -71,6 +77,11 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 pos += global_part;
             }
             let mut grads = acc.grads();
+            if let Some(s) = &commit.scaler {
+                // Unscaled before the exchange, as data parallel sends them (an fp16 wire
+                // would overflow on gradients still multiplied by the scale).
+                divide(&commit.model, &mut grads, s.scale());
+            }
             if let Some(ms) = self.throttle {
                 std::thread::sleep(Duration::from_millis(ms));
             }
@@ -145,12 +156,25 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 return Ok(Interrupt::Failed(e.to_string()));
             }
 
+            // fp16: every member holds the same averaged gradients, so all take the same
+            // verdict; a skipped step still counts (its samples and the schedule go on).
+            let mut scaler = commit.scaler.clone();
+            let take = match &mut scaler {
+                Some(s) => s.decide(burn_dist::ddp::grads_finite(&commit.model, &grads)),
+                None => true,
+            };
+
             // The commit: nothing above changed any state.
             let lr = self
                 .rates
                 .rate(commit.epoch as usize + 1, commit.step as usize);
-            let model = commit.model.clone();
-            commit.model = commit.optim.step(lr, model, grads);
+            if take {
+                let model = commit.model.clone();
+                commit.model = commit.optim.step(lr, model, grads);
+            } else {
+                commit.epoch_skipped += 1;
+            }
+            commit.scaler = scaler;
             let now = unix_now() - commit.start_unix;
             commit.worker_seconds += (now - commit.elapsed).max(0.0) * w as f64;
             commit.elapsed = now;
@@ -259,6 +283,9 @@ impl<T: Trainee> ElasticRun<'_, T> {
         .collect();
         if let Some(a) = val.auroc {
             row.insert("val_auroc".into(), a);
+        }
+        if commit.scaler.is_some() {
+            row.insert("train_skipped_steps".into(), commit.epoch_skipped as f64);
         }
         commit.model = model;
         Ok(row)

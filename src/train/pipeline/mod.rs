@@ -43,6 +43,7 @@ use super::epochs::{Epochs, Row, Strategy};
 use super::export::auroc_report;
 use super::model::{SEED_LOCK, epoch_seed, init_model, model_config, optimizer, seed_stream};
 use super::objective::{Objective, ValScores, targets};
+use super::precision::{LossScaler, Precision};
 use super::shared::{Rates, collective_timeout, epoch_lr};
 use super::{TrainConfig, TrainReport, distributed, run_dir, sets};
 use crate::pipeline::{StageModel, UnitCost, balance, balance_by, stage_memory};
@@ -72,6 +73,8 @@ struct PipelineRun<'a> {
     /// The loss and metrics.
     objective: Objective,
     steps_per_epoch: usize,
+    /// `HEARTH_FP16_OVERFLOW_AT_STEP` for this rank.
+    overflow_at: Option<u64>,
 }
 
 pub(super) fn train(
@@ -147,6 +150,7 @@ pub(super) fn train(
         rates: Rates::new(cfg, lr, steps_per_epoch)?,
         objective: Objective::new(cfg, multi_label),
         steps_per_epoch,
+        overflow_at: super::precision::overflow_hook(cfg.precision, &rank.to_string()),
     };
     run.train(started, log)
 }
@@ -269,6 +273,8 @@ struct StageStrategy<'r, 'a> {
     optim: ModuleOptimizer,
     /// Whether the fine-tuning phase has unfrozen the backbone.
     unfrozen: bool,
+    /// fp16's loss scale, the same on every rank (one verdict per step for the job).
+    scaler: Option<LossScaler>,
 }
 
 impl Strategy for StageStrategy<'_, '_> {
@@ -284,9 +290,13 @@ impl Strategy for StageStrategy<'_, '_> {
             model = super::model::unfrozen(self.run.cfg, model);
             self.unfrozen = true;
         }
-        let (model, train) = self
-            .run
-            .train_epoch(&mut self.pipe, model, &mut self.optim, epoch)?;
+        let (model, train) = self.run.train_epoch(
+            &mut self.pipe,
+            model,
+            &mut self.optim,
+            epoch,
+            &mut self.scaler,
+        )?;
         let val = self.run.validate(&mut self.pipe, &model)?;
         self.model = Some(model);
         // Every rank gets the row: every rank decides early stopping the same way.
@@ -298,7 +308,8 @@ impl Strategy for StageStrategy<'_, '_> {
             .model
             .as_ref()
             .ok_or_else(|| HearthError::Training("the stage lost its model".into()))?;
-        self.run.checkpoint(model, &self.optim, epoch, best)
+        self.run
+            .checkpoint(model, &self.optim, self.scaler.as_ref(), epoch, best)
     }
 
     fn decode_failures(&self) -> (usize, usize) {
@@ -316,6 +327,7 @@ impl PipelineRun<'_> {
         self.agree(&hparams)?;
         let mut model = self.init_stage()?;
         let mut optim = optimizer(cfg);
+        let mut scaler = (cfg.precision == Precision::Fp16).then(LossScaler::default);
         let epochs = Epochs::new(cfg, rank == 0);
         let resume_epoch = if cfg.resume {
             let epoch = self.agreed_resume_epoch()?;
@@ -324,6 +336,9 @@ impl PipelineRun<'_> {
             let (m, o) = self.load_checkpoint(model, optim, epoch)?;
             model = m;
             optim = o;
+            if scaler.is_some() {
+                scaler = Some(self.load_loss_scale(epoch)?);
+            }
             log(&format!("resuming after epoch {epoch}"));
             epoch
         } else {
@@ -339,6 +354,7 @@ impl PipelineRun<'_> {
             model: Some(model),
             optim,
             unfrozen: false,
+            scaler,
         };
         let last = epochs.run(resume_epoch, &mut strategy, log)?;
         self.comm.barrier()?;

@@ -2,6 +2,7 @@
 //! and the metrics row every rank agrees on.
 
 use super::*;
+use crate::train::precision::{LossScaler, Precision, divide};
 use burn_dist::DistError;
 
 /// Sums over a stage's share of an epoch: (loss x samples, correct, samples).
@@ -10,6 +11,8 @@ pub(super) struct Sums {
     loss: f64,
     correct: f64,
     count: f64,
+    /// Steps skipped for non-finite fp16 gradients (the same on every rank).
+    skipped: f64,
 }
 
 impl PipelineRun<'_> {
@@ -37,6 +40,7 @@ impl PipelineRun<'_> {
         model: StageModel,
         optim: &mut ModuleOptimizer,
         epoch: usize,
+        scaler: &mut Option<LossScaler>,
     ) -> Result<(StageModel, Sums)> {
         let mut model = model;
         model.precision = self.cfg.precision;
@@ -61,6 +65,12 @@ impl PipelineRun<'_> {
             let n = images.dims()[0];
             let parts = self.micro_split(n);
             let mut correct = 0.0f64;
+            let mut loss = 0.0f64;
+            // fp16: the last stage multiplies the loss by the scale, so every stage's
+            // gradients (and the activations' between them) carry it.
+            let factor = scaler
+                .as_ref()
+                .map_or(1.0, |s| s.loss_factor(self.overflow_at));
             let mut out = pipe.step(
                 &model,
                 &mut |m| Activation::Rank4(images.clone().narrow(0, parts[m].0, parts[m].1)),
@@ -69,24 +79,51 @@ impl PipelineRun<'_> {
                     let y = targets.narrow(parts[m].0, parts[m].1);
                     correct += objective.hits(&logits, &y);
                     // The batch mean: each micro-batch's mean weighted by its share.
-                    Ok(objective
+                    let l = objective
                         .loss(logits, &y, true)
                         .map_err(|e| DistError::Config(e.to_string()))?
-                        .mul_scalar(parts[m].1 as f32 / n as f32))
+                        .mul_scalar(parts[m].1 as f32 / n as f32);
+                    if factor == 1.0 {
+                        return Ok(l);
+                    }
+                    loss += f64::from(l.clone().into_scalar::<f32>());
+                    Ok(l.mul_scalar(factor))
                 },
                 parts.len(),
                 &self.device,
             )?;
             if self.is_last() {
-                sums.loss += out.losses.iter().map(|&l| f64::from(l)).sum::<f64>() * n as f64;
+                if factor == 1.0 {
+                    loss = out.losses.iter().map(|&l| f64::from(l)).sum::<f64>();
+                }
+                sums.loss += loss * n as f64;
                 sums.correct += correct;
                 sums.count += n as f64;
+            }
+            if let Some(s) = scaler.as_ref() {
+                // Unscaled before the exchange, as data parallel sends them.
+                divide(&model, &mut out.grads, s.scale());
             }
             if let Some(replicas) = &self.replicas {
                 allreduce_grads(&model, &mut out.grads, replicas, self.cfg.bucket_bytes)?;
             }
+            // fp16: one verdict for the whole job (a stage's overflow skips the step on every
+            // stage and replica), from a flag summed over every rank.
+            let take = match scaler.as_mut() {
+                Some(s) => {
+                    let finite = burn_dist::ddp::grads_finite(&model, &out.grads);
+                    let mut flag = [if finite { 0.0f32 } else { 1.0 }];
+                    self.comm.allreduce(&mut flag, ReduceOp::Sum)?;
+                    s.decide(flag[0] == 0.0)
+                }
+                None => true,
+            };
             let step = (epoch - 1) * self.steps_per_epoch + i;
-            model = optim.step(self.rate(epoch, step), model, out.grads);
+            if take {
+                model = optim.step(self.rate(epoch, step), model, out.grads);
+            } else {
+                sums.skipped += 1.0;
+            }
         }
         if let Some(replicas) = &self.replicas {
             // Batch norm's running statistics saw each replica's own data: replica 0's go to
@@ -183,6 +220,10 @@ impl PipelineRun<'_> {
         .collect();
         if let Some(a) = auroc {
             row.insert("val_auroc".into(), a);
+        }
+        if self.cfg.precision == Precision::Fp16 {
+            // Every rank took the same verdicts: its own count is the job's.
+            row.insert("train_skipped_steps".into(), train.skipped);
         }
         Ok(row)
     }

@@ -16,6 +16,12 @@ fn optim_file(run_dir: &Path, stage: usize, epoch: usize) -> PathBuf {
     stage_dir(run_dir, stage).join(format!("optim-{epoch}.bpk"))
 }
 
+/// fp16's loss scale after `epoch` (the same on every stage; each stage keeps a copy, so a
+/// rank resumes from its own disk).
+fn loss_scale_file(run_dir: &Path, stage: usize, epoch: usize) -> PathBuf {
+    stage_dir(run_dir, stage).join(format!("loss-scale-{epoch}.json"))
+}
+
 /// Epochs whose model and optimizer files exist for every one of `stages` stages (on a shared
 /// disk; on separate machines each rank checks what it can see, and the ranks agree on the
 /// minimum).
@@ -50,6 +56,14 @@ impl PipelineRun<'_> {
         Ok((model.load_record(record), optim.load_record(optim_record)))
     }
 
+    /// fp16's loss scale saved with `epoch`'s checkpoint of this stage.
+    pub(super) fn load_loss_scale(&self, epoch: usize) -> Result<LossScaler> {
+        LossScaler::load(
+            &loss_scale_file(&self.cfg.run_dir, self.stage, epoch),
+            epoch,
+        )
+    }
+
     pub(super) fn agreed_resume_epoch(&self) -> Result<usize> {
         let mine = complete_pipeline_checkpoints(&self.cfg.run_dir, self.grid.stages)
             .last()
@@ -73,6 +87,7 @@ impl PipelineRun<'_> {
         &self,
         model: &StageModel,
         optim: &ModuleOptimizer,
+        scaler: Option<&LossScaler>,
         epoch: usize,
         best: Option<usize>,
     ) -> Result<()> {
@@ -88,7 +103,13 @@ impl PipelineRun<'_> {
                     self.stage
                 ))
             };
-            // Optimizer first: a model file is the sign that the epoch's files are complete.
+            // Loss scale and optimizer first: a model file is the sign that the epoch's files
+            // are complete.
+            if let Some(s) = scaler {
+                let file = loss_scale_file(&self.cfg.run_dir, self.stage, epoch);
+                s.save(&file)
+                    .map_err(|e| fail("fp16 loss scale", e.to_string()))?;
+            }
             optim
                 .to_record()
                 .save(optim_file(&self.cfg.run_dir, self.stage, epoch))
@@ -106,6 +127,7 @@ impl PipelineRun<'_> {
             {
                 let _ = std::fs::remove_file(model_file(&self.cfg.run_dir, self.stage, old));
                 let _ = std::fs::remove_file(optim_file(&self.cfg.run_dir, self.stage, old));
+                let _ = std::fs::remove_file(loss_scale_file(&self.cfg.run_dir, self.stage, old));
             }
         }
         // Every stage's files exist before any rank goes on (and before a resume could look).

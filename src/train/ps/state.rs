@@ -109,6 +109,8 @@ pub struct EpochStats {
     pub elapsed: f64,
     /// Bytes this worker sent to and received from the servers so far.
     pub bytes: f64,
+    /// Steps this worker skipped for non-finite fp16 gradients.
+    pub skipped: f64,
 }
 
 impl EpochStats {
@@ -124,7 +126,9 @@ pub fn encode_stats(rows: &[EpochStats]) -> Vec<u8> {
     let mut w = Writer::default().u64(rows.len() as u64);
     for r in rows {
         w = w.u64(r.epoch as u64);
-        for v in [r.loss_sum, r.correct, r.samples, r.wait, r.elapsed, r.bytes] {
+        for v in [
+            r.loss_sum, r.correct, r.samples, r.wait, r.elapsed, r.bytes, r.skipped,
+        ] {
             w = w.u64(v.to_bits());
         }
     }
@@ -140,7 +144,7 @@ pub fn decode_stats(b: &[u8]) -> std::result::Result<Vec<EpochStats>, String> {
     let mut out = Vec::new();
     for _ in 0..n {
         let epoch = r.u64().map_err(|e| e.to_string())? as usize;
-        let mut f = [0f64; 6];
+        let mut f = [0f64; 7];
         for v in &mut f {
             *v = f64::from_bits(r.u64().map_err(|e| e.to_string())?);
         }
@@ -152,6 +156,7 @@ pub fn decode_stats(b: &[u8]) -> std::result::Result<Vec<EpochStats>, String> {
             wait: f[3],
             elapsed: f[4],
             bytes: f[5],
+            skipped: f[6],
         });
     }
     r.finish().map_err(|e| e.to_string())?;
@@ -200,6 +205,7 @@ mod tests {
             wait: 0.5,
             elapsed: 9.0,
             bytes: 1e6,
+            skipped: 2.0,
         }];
         assert_eq!(decode_stats(&encode_stats(&rows)).unwrap(), rows);
         assert!(decode_stats(&encode_stats(&rows)[..20]).is_err());

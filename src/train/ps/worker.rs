@@ -28,6 +28,7 @@ use crate::train::best::{export_best, model_checkpoint, save_epoch_weights};
 use crate::train::epochs::{Epochs, Row, Strategy};
 use crate::train::model::seed_stream;
 use crate::train::objective::Objective;
+use crate::train::precision::{LossScaler, Precision, overflow_hook, unscale_flat};
 use crate::train::shared::{Rates, collective_timeout, epoch_lr, hook};
 use crate::train::trainee::{Net, Recipe, Trainee};
 use crate::train::{TrainConfig, TrainReport, run_dir};
@@ -58,6 +59,10 @@ struct Worker<'a, T: Trainee> {
     rates: Rates,
     /// Loader batches per epoch on this worker.
     batches: usize,
+    /// fp16's loss scale of this worker's own steps (`--precision fp16`): each worker decides
+    /// for its own gradient (see [`Worker::push`]).
+    scaler: Option<LossScaler>,
+    overflow_at: Option<u64>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -124,11 +129,17 @@ pub(super) fn train<R: Recipe>(
         die_at: hook("HEARTH_PS_DIE_AT_STEP", &format!("w{rank}")),
         rates,
         batches,
+        scaler: (cfg.precision == Precision::Fp16).then(LossScaler::default),
+        overflow_at: overflow_hook(cfg.precision, &format!("w{rank}")),
     };
     let epochs = Epochs::new(cfg, rank == 0);
     let resume = w.resume(&comm, &epochs, log)?;
     let first = resume.as_ref().map_or(0, |s| s.epoch);
     epochs.check_left(first)?;
+    if first > 0 && w.scaler.is_some() {
+        // Each worker goes on with its own fp16 loss scale of the epoch resumed after.
+        w.scaler = Some(LossScaler::load(&w.loss_scale_file(first), first)?);
+    }
     // A resume after a fine-tuning epoch trains (and its checkpoint holds) every tensor; one
     // after the last frozen epoch starts from the head's shards and switches at once.
     let unfrozen = w.rates.fine_tuning(first);
@@ -486,9 +497,14 @@ impl<T: Trainee> Worker<'_, T> {
         {
             let (input, targets) = batch?;
             seed_stream(&self.device, self.cfg.seed, *step, self.rank);
+            // fp16: the loss times the scale; the sum is divided by it before it goes out.
+            let factor = self
+                .scaler
+                .as_ref()
+                .map_or(1.0, |s| s.loss_factor(self.overflow_at));
             let (grads, sums) = self
                 .objective
-                .train_batch(&self.model, input, &targets, 1.0)?;
+                .train_batch(&self.model, input, &targets, factor)?;
             let n = sums.samples as usize;
             row.correct += sums.hits;
             row.loss_sum += sums.loss;
@@ -517,14 +533,67 @@ impl<T: Trainee> Worker<'_, T> {
                 continue;
             }
             let waited = Instant::now();
-            ps.step(params, &sum, samples)?;
+            self.push(ps, params, sum, samples, &mut row)?;
             row.wait += waited.elapsed().as_secs_f64();
             self.model = with_trainable_values(self.model.clone(), params)?;
         }
         row.elapsed = self.started.elapsed().as_secs_f64();
         row.bytes = (ps.client.bytes_in + ps.client.bytes_out) as f64;
         self.stats.push(row);
+        self.save_loss_scale(epoch)
+    }
+
+    /// fp16: this worker's loss scale after `epoch`, in its own file of the run directory (on
+    /// its own disk), for a resume after that epoch; the one before the last is removed.
+    fn save_loss_scale(&self, epoch: usize) -> Result<()> {
+        let Some(s) = &self.scaler else {
+            return Ok(());
+        };
+        let file = self.loss_scale_file(epoch);
+        if let Some(dir) = file.parent() {
+            std::fs::create_dir_all(dir).map_err(|source| HearthError::Write {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+        }
+        s.save(&file)
+            .map_err(|source| HearthError::Write { path: file, source })?;
+        if epoch > 2 {
+            let _ = std::fs::remove_file(self.loss_scale_file(epoch - 2));
+        }
         Ok(())
+    }
+
+    fn loss_scale_file(&self, epoch: usize) -> std::path::PathBuf {
+        self.cfg
+            .run_dir
+            .join("checkpoint")
+            .join(format!("loss-scale-w{}-{epoch}.json", self.rank))
+    }
+
+    /// One step of the mode's rule with `grad` (the sum over `samples` samples). fp16: the
+    /// gradient is divided by the loss scale, and one that is not finite is skipped (this
+    /// worker's scale halves): the step still counts, but this worker's gradient is left out
+    /// (sync: its share of the round weighs nothing; asynchronous modes: no local update, the
+    /// exchanges keep their rhythm). Workers of a parameter-server run never exchange
+    /// gradients with each other, so each decides for its own; a round where every worker
+    /// skipped changes nothing on the servers.
+    fn push(
+        &mut self,
+        ps: &mut PsWorker,
+        params: &mut Vec<f32>,
+        mut grad: Vec<f32>,
+        samples: u64,
+        row: &mut EpochStats,
+    ) -> Result<()> {
+        if let Some(s) = &mut self.scaler {
+            let finite = unscale_flat(&mut grad, s.scale());
+            if !s.decide(finite) {
+                row.skipped += 1.0;
+                return Ok(ps.skip(params)?);
+            }
+        }
+        Ok(ps.step(params, &grad, samples)?)
     }
 
     /// The lead after `epoch`: the servers' model (at one consistent cut) validated with the
@@ -570,6 +639,9 @@ impl<T: Trainee> Worker<'_, T> {
         .collect();
         if let Some(a) = val.auroc {
             row.insert("val_auroc".into(), a);
+        }
+        if self.scaler.is_some() {
+            row.insert("train_skipped_steps".into(), mine.skipped);
         }
         Ok((row, served))
     }
@@ -690,6 +762,15 @@ impl<T: Trainee> Worker<'_, T> {
                 row.insert(format!("train_loss_rank{r}"), s.loss());
                 row.insert(format!("wait_seconds_rank{r}"), s.wait);
                 row.insert(format!("elapsed_seconds_rank{r}"), s.elapsed);
+                if self.scaler.is_some() {
+                    row.insert(format!("skipped_steps_rank{r}"), s.skipped);
+                }
+            }
+            if self.scaler.is_some() {
+                row.insert(
+                    "train_skipped_steps".into(),
+                    of_epoch.iter().map(|(_, s)| s.skipped).sum(),
+                );
             }
             let samples: f64 = of_epoch.iter().map(|(_, s)| s.samples).sum();
             row.insert(
