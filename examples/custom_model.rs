@@ -15,6 +15,9 @@
 //!   cargo run --release -- launch --elastic -n 2 --min 1 --max 3 -- \
 //!       target/release/examples/custom_model elastic runs/mlp-elastic
 //!
+//! `--precision bf16|fp16` trains it in mixed precision (the module's `Net::logits_in` computes
+//! in the type asked for; fp16's loss scaling is Hearth's).
+//!
 //! Each writes the run directory as `hearth train` does (`metrics.csv`, `metrics.png`,
 //! checkpoints, `model.bpk` with the module's weights); `--resume` continues a stopped run.
 
@@ -24,7 +27,9 @@ use anyhow::{Context, Result, bail};
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::prelude::*;
+use burn::tensor::FloatDType;
 use hearth::dist::rendezvous::RankInfo;
+use hearth::kernels::linear;
 use hearth::train::{
     Custom, ElasticOptions, ExampleError, Examples, Net, PsMode, PsOptions, PsServers, Targets,
     TrainConfig, train_custom,
@@ -52,10 +57,18 @@ impl Mlp {
 
 impl Net for Mlp {
     type Input = Tensor<2>;
+    /// `logits_in` computes in the type it is asked for (`--precision bf16|fp16`).
+    const MIXED_PRECISION: bool = true;
     fn logits(&self, x: Tensor<2>) -> Tensor<2> {
-        let x = self.act.forward(self.a.forward(x));
-        let x = self.act.forward(self.b.forward(x));
-        self.out.forward(x)
+        self.logits_in(x, FloatDType::F32)
+    }
+    /// Mixed precision: the input cast to `dtype`, each layer computed in it by Hearth's
+    /// precision-aware `linear` (the f32 weights cast on the way in, so they and their
+    /// gradients stay f32), the logits back in f32 for the loss.
+    fn logits_in(&self, x: Tensor<2>, dtype: FloatDType) -> Tensor<2> {
+        let x = self.act.forward(linear(&self.a, x.cast(dtype)));
+        let x = self.act.forward(linear(&self.b, x));
+        linear(&self.out, x).cast(FloatDType::F32)
     }
 }
 
@@ -115,7 +128,7 @@ impl Examples for Spirals {
 fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     let usage = "usage: custom_model dp|ps|elastic RUN_DIR [--resume] [--epochs N] \
-                 (under `hearth launch`)";
+                 [--precision fp32|bf16|fp16] (under `hearth launch`)";
     let mode = args.next().context(usage)?;
     let run: PathBuf = args.next().context(usage)?.into();
     let mut cfg = TrainConfig::new(run);
@@ -135,6 +148,11 @@ fn main() -> Result<()> {
                 cfg.stop_after_epoch = Some(args.next().context("--stop-after-epoch N")?.parse()?)
             }
             "--patience" => cfg.patience = Some(args.next().context("--patience N")?.parse()?),
+            "--precision" => {
+                let p = args.next().context("--precision fp32|bf16|fp16")?;
+                cfg.precision = clap::ValueEnum::from_str(&p, true)
+                    .map_err(|e| anyhow::anyhow!("--precision {p}: {e}"))?;
+            }
             "--min-workers" => min_workers = args.next().context("--min-workers N")?.parse()?,
             "--max-workers" => max_workers = args.next().context("--max-workers N")?.parse()?,
             other => bail!("unknown option {other}; {usage}"),

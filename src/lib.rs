@@ -56,4 +56,6 @@ pub mod train;
 pub use burn_dist as dist;
 pub use error::{HearthError, Result};
 pub use hearth_datasets as datasets;
+/// The precision-aware layers a custom [`train::Net`] computes with in mixed precision.
+pub use hearth_kernels as kernels;
 pub use hearth_models as models;

@@ -48,6 +48,14 @@ fn alone(args: &[&str]) -> String {
     run(Command::new(example_bin()), args)
 }
 
+/// [`launch`] with `env` set for every process.
+fn launch_with(launch: &[&str], args: &[&str], env: &[(&str, &str)]) -> String {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hearth"));
+    cmd.arg("launch").args(launch).arg("--").arg(example_bin());
+    cmd.envs(env.iter().copied());
+    run(cmd, args)
+}
+
 fn run(mut cmd: Command, args: &[&str]) -> String {
     let log = tempfile::NamedTempFile::new().unwrap();
     // One open file for both streams: they share its offset, so neither overwrites the other.
@@ -267,6 +275,96 @@ fn image_settings_are_refused_by_name_for_a_user_module() {
     assert!(!dir.path().join("run").exists());
 }
 
+/// A module that computes in f32 only (the default `Net::logits_in`).
+#[derive(Module, Debug)]
+struct F32Only {
+    mlp: example::Mlp,
+}
+
+impl Net for F32Only {
+    type Input = Tensor<2>;
+    fn logits(&self, x: Tensor<2>) -> Tensor<2> {
+        self.mlp.logits(x)
+    }
+}
+
+/// The example's module computes in the precision asked for (`Net::MIXED_PRECISION`): on 2
+/// data-parallel ranks in fp16, rank 1's forced overflow at step 3 (the test hook) skips that
+/// step on both, `metrics.csv` counts every skip, and the run learns as the f32 one does. A
+/// module that computes in f32 only is refused a low precision by name, before any file.
+#[test]
+fn a_user_module_trains_in_mixed_precision_and_an_f32_only_one_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (f32_run, fp16_run) = (dir.path().join("f32"), dir.path().join("fp16"));
+    alone(&["dp", f32_run.to_str().unwrap(), "--epochs", "4"]);
+    let out = launch_with(
+        &["-n", "2"],
+        &[
+            "dp",
+            fp16_run.to_str().unwrap(),
+            "--epochs",
+            "4",
+            "--precision",
+            "fp16",
+        ],
+        &[("HEARTH_FP16_OVERFLOW_AT_STEP", "1:3")],
+    );
+    let skips = |r: usize| -> Vec<&str> {
+        let prefix = format!("[rank {r}] fp16: optimizer step");
+        out.lines().filter(|l| l.starts_with(&prefix)).collect()
+    };
+    assert!(
+        skips(0)
+            .iter()
+            .any(|l| l.contains("optimizer step 3: gradients not finite")),
+        "{out}"
+    );
+    let strip = |v: Vec<&str>| -> Vec<String> {
+        v.iter()
+            .map(|l| l.split_once("] ").unwrap().1.to_string())
+            .collect()
+    };
+    assert_eq!(
+        strip(skips(0)),
+        strip(skips(1)),
+        "one verdict per step:\n{out}"
+    );
+    let rows = metrics(&fp16_run);
+    let counted: f64 = rows.values().map(|r| r["train_skipped_steps"]).sum();
+    assert_eq!(counted as usize, skips(0).len(), "{rows:?}\n{out}");
+    let best = |rows: &BTreeMap<usize, BTreeMap<String, f64>>| {
+        rows.values()
+            .map(|r| r["val_accuracy"])
+            .fold(f64::NEG_INFINITY, f64::max)
+    };
+    let f32_rows = metrics(&f32_run);
+    assert!(
+        best(&rows) >= best(&f32_rows) - 3.0 && best(&rows) > 50.0,
+        "fp16 {rows:?}\nf32 {f32_rows:?}"
+    );
+    // Master weights: model.bpk holds f32 tensors that load into the user's module.
+    assert!(exported_accuracy(&fp16_run) > 50.0);
+
+    let mut cfg = TrainConfig::new(dir.path().join("refused"));
+    cfg.precision = hearth::train::Precision::Bf16;
+    let custom = hearth::train::Custom::new(
+        |d: &Device| F32Only {
+            mlp: example::Mlp::new(3, d),
+        },
+        example::Spirals::new(3, 30, 1),
+        example::Spirals::new(3, 30, 2),
+        ["red", "green", "blue"].map(String::from).to_vec(),
+    );
+    let e = hearth::train::train_custom(&cfg, &custom, &Device::flex(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("precision bf16") && e.contains("MIXED_PRECISION"),
+        "{e}"
+    );
+    assert!(!dir.path().join("refused").exists());
+}
+
 /// A multi-label set of the user's: points of the plane, labelled "east" (x > 0) and "north"
 /// (y > 0), any of the two, both or none.
 struct Quadrants {
@@ -370,5 +468,67 @@ fn a_multi_label_user_module_trains_in_this_process_by_val_auroc() {
     assert!(
         lines.iter().any(|l| l.starts_with("epoch 4/4: ")),
         "{lines:?}"
+    );
+}
+
+/// On `vulkan-cpu` (lavapipe: the wgpu path CI runs), the example's module trained in fp16
+/// reaches the f32 run's best validation accuracy on the same device, data and seed (at most
+/// 0.5 point below: with 192 validation points, at least as many right). bf16 is refused on
+/// wgpu devices (no bf16 in their shaders), by name.
+#[test]
+fn on_vulkan_cpu_a_user_module_in_fp16_reaches_the_f32_accuracy() {
+    let Some(device) = common::device_or_skip(
+        hearth::device::DeviceChoice::VulkanCpu,
+        "on_vulkan_cpu_a_user_module_in_fp16_reaches_the_f32_accuracy",
+    ) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    // 576 training and 192 validation points: whole batches of 32 only, so lavapipe compiles
+    // (and tunes) the kernels of one batch shape.
+    let custom = hearth::train::Custom::new(
+        |d: &Device| example::Mlp::new(3, d),
+        example::Spirals::new(3, 192, 1),
+        example::Spirals::new(3, 64, 2),
+        ["red", "green", "blue"].map(String::from).to_vec(),
+    );
+    let mut best = Vec::new();
+    for precision in [
+        hearth::train::Precision::Fp32,
+        hearth::train::Precision::Fp16,
+    ] {
+        let mut cfg = TrainConfig::new(dir.path().join(precision.name()));
+        cfg.epochs = 6;
+        cfg.batch_size = 32;
+        cfg.lr = 0.1;
+        cfg.weight_decay = 0.0;
+        cfg.warmup_epochs = 0;
+        cfg.precision = precision;
+        let t = Instant::now();
+        let report = hearth::train::train_custom(&cfg, &custom, &device, &mut |l| {
+            eprintln!("[{precision}] {l}")
+        })
+        .unwrap_or_else(|e| panic!("{precision}: {e}"));
+        eprintln!(
+            "{precision} on vulkan-cpu: {:.1} s",
+            t.elapsed().as_secs_f64()
+        );
+        best.push(report.best_val_accuracy.unwrap_or(0.0));
+    }
+    assert!(best[0] > 50.0, "the f32 run itself must learn: {best:?}");
+    assert!(
+        best[1] >= best[0] - 0.5,
+        "fp16 {} against f32 {}",
+        best[1],
+        best[0]
+    );
+    let mut cfg = TrainConfig::new(dir.path().join("bf16"));
+    cfg.precision = hearth::train::Precision::Bf16;
+    let e = hearth::train::train_custom(&cfg, &custom, &device, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--precision bf16 does not run on this device"),
+        "{e}"
     );
 }

@@ -256,10 +256,11 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
             "{name} is a setting of Hearth's image models; a custom model's run refuses it"
         )));
     }
-    if cfg.precision.is_low() {
+    if cfg.precision.is_low() && !N::MIXED_PRECISION {
         return Err(HearthError::InvalidArgument(format!(
-            "precision {} is not built for custom modules yet (Hearth's image models train \
-             in it); train in fp32",
+            "precision {}: this module computes in f32 only (its Net::logits_in is the \
+             default); override logits_in and set Net::MIXED_PRECISION to train it in mixed \
+             precision, or train in fp32",
             cfg.precision
         )));
     }
@@ -279,6 +280,7 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
     let mut checked = cfg.clone();
     checked.monitor = defaults.monitor;
     checked.validate()?;
+    crate::device::check_precision(device, cfg.precision)?;
     if let Some(opts) = &cfg.elastic {
         return elastic::train_with(cfg, opts, custom, device, log);
     }

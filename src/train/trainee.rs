@@ -40,8 +40,31 @@ pub trait Net: Module + 'static {
     /// The batch's logits, `[batch, classes]`.
     fn logits(&self, input: Self::Input) -> Tensor<2>;
 
-    /// The logits (in f32) computed in `dtype` (mixed precision). By default the module's own
-    /// [`Net::logits`]: a custom module runs in f32, and `train_custom` refuses a low precision.
+    /// Whether [`Net::logits_in`] computes in the precision it is asked for. `train_custom`
+    /// refuses `precision` bf16 or fp16 for a module that says no (the default: its
+    /// [`Net::logits`] runs in f32 whatever the run asks, so the setting would do nothing).
+    const MIXED_PRECISION: bool = false;
+
+    /// The logits (in f32) computed in `dtype` (mixed precision: f32 parameters, activations
+    /// in `dtype`). By default the module's own [`Net::logits`], in f32. A module that
+    /// overrides it casts its input to `dtype`, computes its layers with the precision-aware
+    /// layers of [`crate::kernels`] (`linear`, `conv2d`, `norm::batch_norm`: they cast the
+    /// f32 parameters to the activation's type on the way in, so gradients and the optimizer
+    /// stay f32), casts the logits back to f32, and sets [`Net::MIXED_PRECISION`]:
+    ///
+    /// ```ignore
+    /// impl hearth::train::Net for Mlp {
+    ///     type Input = Tensor<2>;
+    ///     const MIXED_PRECISION: bool = true;
+    ///     fn logits(&self, x: Tensor<2>) -> Tensor<2> { self.logits_in(x, FloatDType::F32) }
+    ///     fn logits_in(&self, x: Tensor<2>, dtype: FloatDType) -> Tensor<2> {
+    ///         let h = relu(hearth::kernels::linear(&self.a, x.cast(dtype)));
+    ///         hearth::kernels::linear(&self.b, h).cast(FloatDType::F32)
+    ///     }
+    /// }
+    /// ```
+    ///
+    /// fp16's loss scaling and the skipped steps are the run's: the module only computes.
     fn logits_in(&self, input: Self::Input, dtype: burn::tensor::FloatDType) -> Tensor<2> {
         let _ = dtype;
         self.logits(input)
@@ -50,6 +73,7 @@ pub trait Net: Module + 'static {
 
 impl Net for Classifier {
     type Input = Tensor<4>;
+    const MIXED_PRECISION: bool = true;
     fn logits(&self, input: Tensor<4>) -> Tensor<2> {
         self.forward(input)
     }
