@@ -274,9 +274,19 @@ fn image_files(dir: &Path) -> Result<(Vec<PathBuf>, Problems)> {
     Ok((files, problems))
 }
 
+/// What [`predict_folder`] did: the images written, the files left out, and with a low
+/// precision its comparison with f32.
+#[derive(Debug)]
+pub struct FolderPredictions {
+    pub written: usize,
+    pub problems: Problems,
+    pub gap: Option<crate::predict::PrecisionGap>,
+}
+
 /// Streams every image under `data` through `model` in batches and writes `out` as CSV:
-/// `path,top1,p1,...` up to `top` classes per image. Returns the images written and the files
-/// left out.
+/// `path,top1,p1,...` up to `top` classes per image. With `dtype` bf16 or f16 the model
+/// computes in it (`hearth predict --precision`; f32 weights), the CSV holds those
+/// predictions, and every batch also runs in f32 for the comparison the result carries.
 #[allow(clippy::too_many_arguments)]
 pub fn predict_folder(
     model: &Classifier,
@@ -287,9 +297,12 @@ pub fn predict_folder(
     batch: usize,
     workers: usize,
     device: &Device,
+    dtype: burn::tensor::FloatDType,
     out: &Path,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<(usize, Problems)> {
+) -> Result<FolderPredictions> {
+    let low = dtype != burn::tensor::FloatDType::F32;
+    let mut gap = low.then(|| crate::predict::PrecisionGap::new(dtype));
     let (files, mut problems) = image_files(data)?;
     if files.is_empty() {
         return Err(HearthError::InvalidArgument(format!(
@@ -339,7 +352,20 @@ pub fn predict_folder(
     let mut done = 0;
     for b in loader.epoch(0, device) {
         let b = b?;
-        let probs = rows(model.predict(b.images))?;
+        let probs = match &mut gap {
+            None => rows(model.predict(b.images))?,
+            Some(gap) => {
+                let t = std::time::Instant::now();
+                let reference = rows(model.forward(b.images.clone()))?;
+                gap.f32_secs += t.elapsed().as_secs_f64();
+                let t = std::time::Instant::now();
+                let logits = model.forward_in(b.images, dtype);
+                let values = rows(logits.clone())?;
+                gap.low_secs += t.elapsed().as_secs_f64();
+                gap.add(&values, &reference, k);
+                rows(model.head_activation().probabilities(logits))?
+            }
+        };
         for (row, &index) in b.indices.iter().enumerate() {
             if std::mem::replace(&mut seen[index], true) {
                 continue;
@@ -359,5 +385,9 @@ pub fn predict_folder(
     drop(w);
     std::fs::rename(&tmp, out).map_err(werr)?;
     problems.0.extend(loader.decode_problems());
-    Ok((written, problems))
+    Ok(FolderPredictions {
+        written,
+        problems,
+        gap,
+    })
 }

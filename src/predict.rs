@@ -114,6 +114,81 @@ pub fn npy_to_tensor(path: &Path, device: &Device) -> Result<Tensor<4>> {
 }
 
 /// The `k` best (class, probability) of each row.
+/// How a low-precision pass's logits compare with an f32 pass's over the same inputs
+/// (`hearth predict --precision`): the largest difference, the largest |logit| for scale, how
+/// many inputs keep their top-1 class, and the time of each pass.
+#[derive(Debug, Clone)]
+pub struct PrecisionGap {
+    /// The low precision's name (`bf16`, `fp16`).
+    pub precision: &'static str,
+    pub largest_gap: f32,
+    pub largest_logit: f32,
+    pub same_top1: usize,
+    pub inputs: usize,
+    pub low_secs: f64,
+    pub f32_secs: f64,
+}
+
+impl PrecisionGap {
+    /// An empty comparison of `dtype` against f32.
+    pub fn new(dtype: burn::tensor::FloatDType) -> Self {
+        Self {
+            precision: match dtype {
+                burn::tensor::FloatDType::BF16 => "bf16",
+                burn::tensor::FloatDType::F16 => "fp16",
+                _ => "f32",
+            },
+            largest_gap: 0.0,
+            largest_logit: 0.0,
+            same_top1: 0,
+            inputs: 0,
+            low_secs: 0.0,
+            f32_secs: 0.0,
+        }
+    }
+
+    /// Adds a batch: its `low` and `reference` (f32) logits, rows of `classes`.
+    pub fn add(&mut self, low: &[f32], reference: &[f32], classes: usize) {
+        self.largest_logit = reference
+            .iter()
+            .fold(self.largest_logit, |m, v| m.max(v.abs()));
+        self.largest_gap = low
+            .iter()
+            .zip(reference)
+            .fold(self.largest_gap, |m, (a, b)| m.max((a - b).abs()));
+        let top1 = |row: &[f32]| {
+            row.iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |best, (i, &x)| {
+                    if x > best.1 { (i, x) } else { best }
+                })
+                .0
+        };
+        let k = classes.max(1);
+        for (a, b) in low.chunks(k).zip(reference.chunks(k)) {
+            self.inputs += 1;
+            self.same_top1 += usize::from(top1(a) == top1(b));
+        }
+    }
+}
+
+impl std::fmt::Display for PrecisionGap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{p} against f32: largest logit difference {:.4} (largest |logit| {:.3}), the same \
+             top-1 class for {}/{} input(s); {p} {:.1} ms, f32 {:.1} ms",
+            self.largest_gap,
+            self.largest_logit,
+            self.same_top1,
+            self.inputs,
+            self.low_secs * 1e3,
+            self.f32_secs * 1e3,
+            p = self.precision,
+        )
+    }
+}
+
 pub fn top_k(probs: &[f32], classes: usize, k: usize) -> Vec<Vec<(usize, f32)>> {
     probs
         .chunks(classes.max(1))

@@ -90,7 +90,7 @@ fn eval_and_folder_prediction_match_per_image_predictions() {
     // corrupt file is reported, not given another image's answer.
     std::fs::write(data.join(&names[1]).join("broken.png"), b"not a png at all").unwrap();
     let csv_path = dir.path().join("predictions.csv");
-    let (n, problems) = predict_folder(
+    let done = predict_folder(
         &model,
         saved.class_names.as_deref(),
         &data,
@@ -99,10 +99,13 @@ fn eval_and_folder_prediction_match_per_image_predictions() {
         5,
         2,
         &Device::flex(),
+        burn::tensor::FloatDType::F32,
         &csv_path,
         &mut |_, _| {},
     )
     .unwrap();
+    let (n, problems) = (done.written, done.problems);
+    assert!(done.gap.is_none(), "an f32 pass compares with nothing");
     assert_eq!(n, 12);
     assert!(
         problems.0.iter().any(|p| p.path.ends_with("broken.png")),

@@ -43,8 +43,8 @@ pub(crate) struct PredictArgs {
     #[arg(long)]
     num_classes: Option<usize>,
     /// Compute in bf16 or fp16 (f32 weights cast on the way in); the outputs are the low
-    /// precision's, and the difference to an f32 pass over the same inputs is reported.
-    /// With --image or --input.
+    /// precision's, and the difference to an f32 pass over the same inputs is reported
+    /// (--image, --input, or every image of --data).
     #[arg(long, value_enum, default_value_t = hearth::train::Precision::Fp32)]
     precision: hearth::train::Precision,
 }
@@ -83,16 +83,9 @@ pub(crate) fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
     }
     let model = loaded.model.valid();
     hearth::device::check_precision(&device, args.precision)?;
-    if args.precision.is_low() && args.data.is_some() {
-        anyhow::bail!(
-            "--precision {} is not built for --data yet: give --image or --input (or predict the \
-             folder in fp32)",
-            args.precision
-        );
-    }
     if let (Some(dir), Some(out)) = (&args.data, &args.out) {
         let mut progress = progress_bar("predicting");
-        let (n, problems) = hearth::eval::predict_folder(
+        let done = hearth::eval::predict_folder(
             &model,
             loaded.class_names.as_deref(),
             dir,
@@ -101,13 +94,21 @@ pub(crate) fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
             args.batch_size,
             2,
             &device,
+            args.precision.dtype(),
             out,
             &mut |done, total| progress(done, total),
         )?;
-        if let Some(summary) = problems.summary() {
+        if let Some(summary) = done.problems.summary() {
             eprintln!("{summary}");
         }
-        println!("{n} image(s) predicted; results in {}", out.display());
+        if let Some(gap) = &done.gap {
+            eprintln!("{gap}");
+        }
+        println!(
+            "{} image(s) predicted; results in {}",
+            done.written,
+            out.display()
+        );
         return Ok(());
     }
     let (x, labels): (_, Vec<String>) = match &args.input {
@@ -140,18 +141,11 @@ pub(crate) fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
             .try_to_vec::<f32>()
             .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
         let low_time = started.elapsed();
-        let classes = low.dims()[1];
-        eprintln!(
-            "{}",
-            precision_report(
-                args.precision,
-                &values,
-                &reference,
-                classes,
-                f32_time,
-                low_time
-            )
-        );
+        let mut gap = hearth::predict::PrecisionGap::new(args.precision.dtype());
+        gap.add(&values, &reference, low.dims()[1]);
+        gap.low_secs = low_time.as_secs_f64();
+        gap.f32_secs = f32_time.as_secs_f64();
+        eprintln!("{gap}");
         low
     } else {
         logits
@@ -257,42 +251,4 @@ pub(crate) fn eval_cmd(device_name: &str, args: EvalArgs) -> Result<()> {
         println!("wrote {}", f.display());
     }
     Ok(())
-}
-
-/// How a low-precision pass's logits compare with the f32 pass's over the same inputs.
-fn precision_report(
-    precision: hearth::train::Precision,
-    low: &[f32],
-    reference: &[f32],
-    classes: usize,
-    f32_time: std::time::Duration,
-    low_time: std::time::Duration,
-) -> String {
-    let largest = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let gap = low
-        .iter()
-        .zip(reference)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-    let top1 = |v: &[f32]| -> Vec<usize> {
-        v.chunks(classes.max(1))
-            .map(|row| {
-                row.iter()
-                    .enumerate()
-                    .fold((0, f32::NEG_INFINITY), |best, (i, &x)| {
-                        if x > best.1 { (i, x) } else { best }
-                    })
-                    .0
-            })
-            .collect()
-    };
-    let (a, b) = (top1(low), top1(reference));
-    let same = a.iter().zip(&b).filter(|(x, y)| x == y).count();
-    format!(
-        "{precision} against f32: largest logit difference {gap:.4} (largest |logit| \
-         {largest:.3}), the same top-1 class for {same}/{} input(s); {precision} {:.1} ms, \
-         f32 {:.1} ms",
-        a.len(),
-        low_time.as_secs_f64() * 1e3,
-        f32_time.as_secs_f64() * 1e3
-    )
 }
