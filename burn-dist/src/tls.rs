@@ -76,8 +76,10 @@ pub fn secret_bits(secret: &[u8]) -> f64 {
             + f64::from(u8::from(upper)) * 26.0
             + f64::from(u8::from(other)) * 33.0
     };
-    // A repeated pattern of p characters adds nothing after its first p.
-    let period = (1..=secret.len())
+    // A pattern of p characters repeated (twice or more: p at most half the length) adds
+    // nothing after its first p. A secret that merely ends as it began is no repeat: a random
+    // one does that once in 16 (hex), and must not lose a character's bits for it.
+    let period = (1..=secret.len() / 2)
         .find(|&p| secret.iter().enumerate().all(|(i, b)| *b == secret[i % p]))
         .unwrap_or(secret.len());
     period as f64 * alphabet.max(1.0).log2()
@@ -636,6 +638,12 @@ mod tests {
             assert!(secret_bits(strong.as_bytes()) >= 128.0, "{strong}");
             Membership::secret(&strong).unwrap();
         }
+        // Random secrets that begin and end alike (one in 16 did, and was refused) keep
+        // their length's bits; a true repeat counts once.
+        let ends_alike = "23cf9c10c801e82b17c35fea78f616e2";
+        assert_eq!(secret_bits(ends_alike.as_bytes()), 128.0);
+        assert_eq!(secret_bits(b"0f73b9f0d113e3c50f73b9f0d113e3c5"), 64.0);
+        assert_eq!(secret_bits(b"abcabcab"), 12.0, "3 hex characters");
         // The derivation is the slow one, and the same on every call.
         let m = b"correct horse battery staple";
         assert_eq!(ca_seed(m), ca_seed(m));
