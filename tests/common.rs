@@ -422,7 +422,10 @@ impl Job {
                         "HEARTH_JOB_SECRET",
                         "parameter server test secret, long enough",
                     )
-                    .env("HEARTH_COLLECTIVE_TIMEOUT", "60")
+                    // Rank 0 writes checkpoints while the others wait in a collective: on
+                    // this loaded 2-core machine, late in the suite, such a write has stalled
+                    // 70-120 s (the process in disk sleep), and 60 s split the job.
+                    .env("HEARTH_COLLECTIVE_TIMEOUT", "300")
                     .stdout(Stdio::from(file.try_clone().unwrap()))
                     .stderr(Stdio::from(file));
                 for (k, v) in env {
