@@ -171,7 +171,8 @@ impl LossScaler {
     }
 
     /// What the loss of the next step is multiplied by: the scale, or infinity where the test
-    /// hook `overflow_at` (see [`overflow_hook`]) names that step.
+    /// hook `overflow_at` (`HEARTH_FP16_OVERFLOW_AT_STEP`, read by `overflow_hook`) names that
+    /// step.
     pub fn loss_factor(&self, overflow_at: Option<u64>) -> f32 {
         if overflow_at == Some(self.decided + 1) {
             f32::INFINITY
