@@ -31,6 +31,9 @@ use burn::train::{
 
 use crate::bucket::{BucketPlan, DEFAULT_BUCKET_BYTES};
 use crate::collective::{Communicator, ReduceOp};
+use crate::flat::module::{trainable_grads, trainable_names, trainable_values_in, with_trainable_values};
+use crate::flat::optim::ShardOptimizer;
+use crate::zero::{Stage, Stepped, WholeState, ZeroOptimizer};
 use crate::{DistError, Result};
 
 trait FlatF32 {
@@ -373,11 +376,51 @@ pub fn grads_finite<M: Module>(module: &M, grads: &GradientsParams) -> bool {
         .unwrap_or(true)
 }
 
+/// Where a sharded optimizer's state is kept between launches: rank 0 writes the whole state
+/// of each checkpointed epoch and reads it back on resume (the caller's files; burn-dist
+/// writes none).
+pub trait StateStore: Send + Sync {
+    /// The whole state after `epoch` (rank 0, before burn-train's checkpoint of that epoch).
+    fn save(&self, epoch: usize, state: &WholeState) -> std::result::Result<(), String>;
+    /// The state a launch resuming after `epoch` starts from (rank 0).
+    fn load(&self, epoch: usize) -> std::result::Result<WholeState, String>;
+}
+
+/// ZeRO for [`DdpStrategy`]: the stage, the optimizer over the whole trainable vector (its
+/// decay ranges and tensor extents), and where its state is kept.
+#[derive(Clone)]
+pub struct Sharding {
+    pub stage: Stage,
+    pub optimizer: ShardOptimizer,
+    pub store: Arc<dyn StateStore>,
+}
+
+/// One sharded step on `model`: `grads` to the whole flat gradient, the shard's update, the
+/// whole updated vector back into the module (`None`: skipped, the module unchanged).
+pub fn sharded_step<M: Module>(
+    zero: &mut ZeroOptimizer,
+    model: &M,
+    grads: GradientsParams,
+    comm: &Communicator,
+    lr: f64,
+    guard: Option<&dyn StepGuard>,
+) -> Result<Option<M>> {
+    let g = trainable_grads(model, &grads);
+    drop(grads);
+    let shard = trainable_values_in(model, zero.range());
+    let mut take = |finite: bool| guard.is_none_or(|g| g.take_step(finite));
+    match zero.step(comm, g, &shard, lr as f32, &mut take)? {
+        Stepped::Skipped => Ok(None),
+        Stepped::Updated(whole) => with_trainable_values(model.clone(), &whole).map(Some),
+    }
+}
+
 /// burn-train's supervised loop, data parallel over a [`Communicator`].
 pub struct DdpStrategy {
     comm: Arc<Communicator>,
     bucket_bytes: usize,
     guard: Option<Arc<dyn StepGuard>>,
+    sharding: Option<Sharding>,
 }
 
 impl DdpStrategy {
@@ -386,7 +429,43 @@ impl DdpStrategy {
             comm,
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             guard: None,
+            sharding: None,
         }
+    }
+
+    /// ZeRO stage 1 or 2 ([`crate::zero`]): each rank keeps `1/N` of the optimizer state and
+    /// updates that shard; the Learner's own optimizer never steps (its checkpoint file stays
+    /// empty) and the state goes to `sharding.store` at every checkpoint.
+    pub fn with_sharding(mut self, sharding: Sharding) -> Self {
+        self.sharding = Some(sharding);
+        self
+    }
+
+    /// The sharded optimizer of this launch, its state taken from the store when resuming.
+    fn start_sharding<M: Module>(
+        &self,
+        model: &M,
+        starting_epoch: usize,
+    ) -> Result<Option<ZeroOptimizer>> {
+        let Some(s) = &self.sharding else {
+            return Ok(None);
+        };
+        let names = trainable_names(model);
+        let mut z = ZeroOptimizer::new(s.stage, &names, s.optimizer.clone(), &self.comm)?;
+        if starting_epoch > 1 {
+            let loaded = (self.comm.rank() == 0).then(|| s.store.load(starting_epoch - 1));
+            let root = loaded.as_ref().map(|r| r.as_ref().map_err(String::clone));
+            z.scatter_state(&self.comm, 0, root)?;
+        }
+        if self.comm.rank() == 0 {
+            eprintln!(
+                "ZeRO stage {}: rank 0 keeps the optimizer state of {} (of {} values)",
+                s.stage.number(),
+                z.describe(),
+                z.total()
+            );
+        }
+        Ok(Some(z))
     }
 
     /// Asks `guard` before every optimizer step, with whether the averaged gradients are all
@@ -401,6 +480,27 @@ impl DdpStrategy {
     pub fn with_bucket_bytes(mut self, bytes: usize) -> Self {
         self.bucket_bytes = bytes.max(4);
         self
+    }
+
+    /// Plain data parallel's step: the gradients averaged, then the Learner's optimizer.
+    /// Returns the time of the exchange alone.
+    fn plain_step<M: LearnerModel>(
+        &self,
+        learner: &mut Learner<M>,
+        mut grads: GradientsParams,
+    ) -> Result<std::time::Duration> {
+        let start = Instant::now();
+        allreduce_grads(&learner.model(), &mut grads, &self.comm, self.bucket_bytes)?;
+        let took = start.elapsed();
+        learner.lr_step();
+        let take = match &self.guard {
+            Some(g) => g.take_step(grads_finite(&learner.model(), &grads)),
+            None => true,
+        };
+        if take {
+            learner.optimizer_step(grads);
+        }
+        Ok(took)
     }
 
     fn fail(interrupter: &burn::train::Interrupter, e: DistError) {
@@ -437,6 +537,13 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
                 return (learner.model(), event_processor);
             }
         }
+        let mut zero = match self.start_sharding(&learner.model(), starting_epoch) {
+            Ok(z) => z,
+            Err(e) => {
+                Self::fail(&interrupter, e);
+                return (learner.model(), event_processor);
+            }
+        };
 
         for epoch in starting_epoch..=training_components.num_epochs {
             interrupter.fail_on_error(event_processor.process_train(LearnerEvent::StartSplit {
@@ -468,22 +575,36 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
                     }
                     None => Some(out.grads),
                 };
-                if let Some(mut grads) = step_grads {
+                if let Some(grads) = step_grads {
                     let exchange_start = Instant::now();
-                    if let Err(e) =
-                        allreduce_grads(&learner.model(), &mut grads, &self.comm, self.bucket_bytes)
-                    {
-                        Self::fail(&interrupter, e);
-                        break;
-                    }
-                    exchanging += exchange_start.elapsed();
-                    learner.lr_step();
-                    let take = match &self.guard {
-                        Some(g) => g.take_step(grads_finite(&learner.model(), &grads)),
-                        None => true,
+                    let stepped = match zero.as_mut() {
+                        // ZeRO: exchange and update in one (the lr first: this step's rate).
+                        Some(z) => {
+                            learner.lr_step();
+                            sharded_step(
+                                z,
+                                &learner.model(),
+                                grads,
+                                &self.comm,
+                                learner.lr_current().base(),
+                                self.guard.as_deref(),
+                            )
+                            .map(|m| {
+                                if let Some(m) = m {
+                                    learner.load_model(m.into_record());
+                                }
+                                // The update is part of the exchange here.
+                                exchange_start.elapsed()
+                            })
+                        }
+                        None => self.plain_step(&mut learner, grads),
                     };
-                    if take {
-                        learner.optimizer_step(grads);
+                    match stepped {
+                        Ok(took) => exchanging += took,
+                        Err(e) => {
+                            Self::fail(&interrupter, e);
+                            break;
+                        }
                     }
                 }
                 stepping += step_start.elapsed();
@@ -545,6 +666,18 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
             interrupter.fail_on_error(event_processor.flush());
             if interrupter.should_stop() {
                 break;
+            }
+            if let (Some(z), Some(s)) = (&zero, &self.sharding) {
+                // Every rank hands its shard to rank 0, which writes the whole state before
+                // burn-train's files of the epoch: a resume finds it for every complete one.
+                let saved = z.gather_state(&self.comm, 0).and_then(|whole| match whole {
+                    Some(w) => s.store.save(epoch, &w).map_err(DistError::Config),
+                    None => Ok(()),
+                });
+                if let Err(e) = saved {
+                    Self::fail(&interrupter, e);
+                    break;
+                }
             }
             if let Some(c) = &mut checkpointer {
                 c.checkpoint(&learner, epoch, &training_components.event_store);

@@ -20,6 +20,10 @@
 //!   coordinates, then the links become a [`routed::RoutedTransport`].
 //! - [`collective`]: ring allreduce, broadcast, all-gather, reduce-scatter, barrier on `f32`.
 //! - [`bucket`]: fusion buffers for gradients in one fixed order.
+//! - [`flat`]: a model as one flat vector of named tensors: its cut into shards, a Burn
+//!   module's trainable values and gradients as that vector, the optimizers as loops over it.
+//! - [`zero`]: data parallel's sharded optimizer (ZeRO stages 1 and 2), its state as whole
+//!   named vectors any world size reads.
 //! - [`ps`]: parameter servers (sharded; sync, DOWNPOUR, ADAG, DynSGD, EASGD; staleness bound).
 //! - [`ddp`]: data parallel for Burn modules: parameter broadcast, bucketed gradient averaging,
 //!   and a burn-train `SupervisedLearningStrategy`.
@@ -49,6 +53,7 @@ pub mod collective;
 pub mod ddp;
 pub mod elastic;
 mod error;
+pub mod flat;
 pub mod pipeline;
 pub mod ps;
 pub mod rendezvous;
@@ -59,6 +64,7 @@ mod split;
 pub mod tls;
 pub mod transport;
 pub mod wire;
+pub mod zero;
 
 pub use collective::{Communicator, Compression, ReduceOp};
 pub use error::{DistError, Result};

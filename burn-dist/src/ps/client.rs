@@ -5,9 +5,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::layout::Layout;
+use crate::flat::layout::Layout;
 use super::message::{FINAL, INIT, Op, REPLY, REQUEST, Reply, Request, ShardState};
-use super::optim::ShardOptimizer;
+use crate::flat::optim::ShardOptimizer;
 use super::{Mode, rules};
 use crate::transport::Transport;
 use crate::wire::Kind;

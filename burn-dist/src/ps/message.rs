@@ -133,7 +133,7 @@ fn decode_pairs(r: &mut Reader) -> Result<Vec<(u64, u64)>> {
 }
 
 /// A shard's whole state: its values, the state of the servers' optimizer (sync mode: the
-/// velocity or Adam's moments, see [`super::optim`]; empty otherwise) and its version (updates
+/// velocity or Adam's moments, see [`crate::flat::optim`]; empty otherwise) and its version (updates
 /// applied).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ShardState {

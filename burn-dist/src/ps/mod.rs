@@ -1,12 +1,14 @@
-//! Parameter servers: some ranks hold the model's values, sharded ([`layout`]); the others
+//! Parameter servers: some ranks hold the model's values, sharded ([`crate::flat::layout`]); the others
 //! train and push to them and pull from them ([`client`]), synchronously or asynchronously by
 //! one of the rules in [`rules`] (DOWNPOUR, ADAG, DynSGD, EASGD; sources there). burn-dist
 //! stays free of model code: a server holds a slice of one flat `f32` vector made of named
-//! tensors.
+//! tensors ([`crate::flat`]: the layout, the module glue and the optimizer, which the sharded
+//! optimizer of [`crate::zero`] shares).
 //!
 //! ```
 //! use std::sync::Arc;
-//! use burn_dist::ps::{Mode, client::{Client, PsWorker}, layout::Layout, server::{ServerConfig, serve}};
+//! use burn_dist::flat::layout::Layout;
+//! use burn_dist::ps::{Mode, client::{Client, PsWorker}, server::{ServerConfig, serve}};
 //! use burn_dist::transport::{Transport, memory::MemoryTransport};
 //!
 //! // Rank 0 serves the one shard of a 2-value model; ranks 1 and 2 train with ADAG.
@@ -35,10 +37,7 @@
 //! ```
 
 pub mod client;
-pub mod layout;
 pub mod message;
-pub mod module;
-pub mod optim;
 pub mod rules;
 pub mod server;
 

@@ -3,7 +3,7 @@
 //!
 //! | mode | worker, every `W` steps | server |
 //! |------|-------------------------|--------|
-//! | `sync` | pushes its gradient each step | averages the gradients weighted by samples, then one step of its optimizer ([`super::optim`]: SGD with momentum, Adam, AdamW; state per shard) |
+//! | `sync` | pushes its gradient each step | averages the gradients weighted by samples, then one step of its optimizer ([`crate::flat::optim`]: SGD with momentum, Adam, AdamW; state per shard) |
 //! | `downpour` | `Δ = w − w_at_last_pull`, pushes `Δ`, pulls `θ` | `θ ← θ + Δ` |
 //! | `adag` | as downpour | `θ ← θ + Δ / W` |
 //! | `dynsgd` | as downpour | `θ ← θ + Δ / (staleness + 1)`, staleness = server updates since that worker's pull |

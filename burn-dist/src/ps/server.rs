@@ -2,7 +2,7 @@
 //! workers in whatever order they ask ([`Transport::recv_any`]).
 //!
 //! - `sync`: a round closes when every live worker pushed its gradient; the server then takes
-//!   one step of its optimizer ([`super::optim`]: SGD, Adam or AdamW, weight decay, the
+//!   one step of its optimizer ([`crate::flat::optim`]: SGD, Adam or AdamW, weight decay, the
 //!   learning rate by the round's number) on the weighted mean and answers everyone with the
 //!   new values.
 //!   It counts, per worker, how often and how long the round waited for it last.
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use super::Mode;
 use super::message::{FINAL, INIT, Op, REPLY, REQUEST, Reply, Request, ShardState};
-use super::optim::ShardOptimizer;
+use crate::flat::optim::ShardOptimizer;
 use super::rules;
 use crate::transport::Transport;
 use crate::wire::Kind;

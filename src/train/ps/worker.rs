@@ -10,9 +10,9 @@ use burn::module::Module;
 use burn::prelude::*;
 use burn::store::ModuleRecord;
 use burn_dist::ps::client::{Client, PsWorker};
-use burn_dist::ps::layout::Layout;
+use burn_dist::flat::layout::Layout;
 use burn_dist::ps::message::ShardState;
-use burn_dist::ps::module::{
+use burn_dist::flat::module::{
     trainable_grads, trainable_names, trainable_values, with_trainable_values,
 };
 use burn_dist::transport::Transport;

@@ -106,6 +106,59 @@ pub fn trainable_values<M: Module>(module: &M) -> Vec<f32> {
     v.out
 }
 
+/// Values `range` of [`trainable_values`], reading only the tensors that meet it (a shard's
+/// values, without a copy of the whole vector).
+pub fn trainable_values_in<M: Module>(module: &M, range: std::ops::Range<usize>) -> Vec<f32> {
+    struct Ranged {
+        want: std::ops::Range<usize>,
+        at: usize,
+        out: Vec<f32>,
+    }
+    impl ModuleVisitor for Ranged {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let t = param.val();
+            if !t.is_require_grad() {
+                return;
+            }
+            let n = t.shape().num_elements();
+            let (lo, hi) = (self.at.max(self.want.start), (self.at + n).min(self.want.end));
+            if lo < hi {
+                let v = flat(t);
+                self.out.extend_from_slice(v.get(lo - self.at..hi - self.at).unwrap_or(&[]));
+            }
+            self.at += n;
+        }
+    }
+    let mut v = Ranged {
+        out: Vec::with_capacity(range.len()),
+        want: range,
+        at: 0,
+    };
+    module.visit(&mut v);
+    v.out
+}
+
+/// The trainable tensors' extents in the flat vector, and which are layers' weights (rank 2 or
+/// more): what LARS's per-tensor trust ratio needs
+/// ([`super::optim::ShardOptimizer::tensors`]).
+pub fn trainable_extents<M: Module>(module: &M) -> Vec<super::optim::Extent> {
+    let mut v = Names::default();
+    module.visit(&mut v);
+    let mut at = 0;
+    v.out
+        .iter()
+        .zip(&v.ranks)
+        .map(|((_, len), rank)| {
+            let e = super::optim::Extent {
+                range: at..at + len,
+                matrix: *rank > 1,
+            };
+            at += len;
+            e
+        })
+        .collect()
+}
+
 /// The gradients of `module`'s trainable values, in the same order (zero where absent).
 pub fn trainable_grads<M: Module>(module: &M, grads: &GradientsParams) -> Vec<f32> {
     let mut v = Values {
@@ -200,6 +253,12 @@ mod tests {
         let values: Vec<f32> = (0..total).map(|i| i as f32).collect();
         let net = with_trainable_values(net, &values).unwrap();
         assert_eq!(trainable_values(&net), values);
+        assert_eq!(trainable_values_in(&net, 5..9), &values[5..9]);
+        assert!(trainable_values_in(&net, 12..12).is_empty());
+        let extents = trainable_extents(&net);
+        assert_eq!(extents.len(), 4);
+        assert_eq!((extents[1].range.clone(), extents[1].matrix), (6..8, false));
+        assert!(extents[0].matrix);
         let x = Tensor::<2>::ones([4, 3], &device);
         let loss = net.fc.forward(x).sum();
         let grads = GradientsParams::from_grads(loss.backward(), &net);

@@ -9,6 +9,14 @@
 //! | `Sgd` | `v ← m·v + g` (`v = g` on the first step; no dampening), Nesterov: `g ← m·v + g`, else `g ← v`; `p ← p − lr·g` |
 //! | `Adam` | `m ← β₁m + (1−β₁)g`, `s ← β₂s + (1−β₂)g²`; with `t` steps taken, `c = √(1−β₂ᵗ)`: `p ← p − lr · m·c/(1−β₁ᵗ) / (√s + ε·c)` |
 //! | `AdamW` | moments as Adam; `p ← p(1 − lr·λ) − lr · (m/(1−β₁ᵗ)) / (√(s/(1−β₂ᵗ)) + ε)` (decay decoupled, never on the gradient) |
+//! | `Lars` | per tensor `T`: `local = η‖w_T‖ / (‖g_T‖ + λ‖w_T‖ + ε)` (1 when a norm is 0), `u ← lr·local·(g + λw)`; `v ← m·v + u` (`v = u` first); `p ← p − v`; 1-d tensors (`exclude_1d`): `u ← lr·g` |
+//!
+//! LARS's trust ratio needs each tensor's whole norms. A slice holding whole tensors computes
+//! them itself ([`ShardOptimizer::step`]); a shard cut through a tensor gets them from the
+//! caller ([`ShardOptimizer::step_at`] with `norms`): the sums of squares of
+//! [`ShardOptimizer::partial_norms`] added over the shards (one small allreduce). The tensors'
+//! extents are kept in whole-vector coordinates ([`ShardOptimizer::tensors`]) with the slice's
+//! place in it ([`ShardOptimizer::origin`]), so every shard indexes the tensors alike.
 //!
 //! Weight decay applies to the values in [`ShardOptimizer::decay`] only (Hearth decays the
 //! weights of layers, not biases or batch-norm scales). The state is one flat vector: the
@@ -41,6 +49,16 @@ pub enum Update {
         beta_2: f32,
         epsilon: f32,
     },
+    /// LARS (You, Gitman, Ginsburg 2017) as `hearth::optim::Lars` computes it: a trust ratio
+    /// per tensor, weight decay on the tensors it applies to, momentum on the scaled update.
+    Lars {
+        momentum: f32,
+        /// η, the trust coefficient.
+        trust: f32,
+        epsilon: f32,
+        /// Plain SGD with momentum (no trust ratio, no decay) for 1-d tensors.
+        exclude_1d: bool,
+    },
 }
 
 impl Update {
@@ -63,14 +81,28 @@ impl Update {
     }
 }
 
+/// Where one tensor lies in the whole flat vector, and whether it is a layer's weight (rank 2
+/// or more) rather than a bias or a batch-norm scale.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Extent {
+    pub range: Range<usize>,
+    pub matrix: bool,
+}
+
 /// An update rule, its weight decay and learning rate schedule, for a slice of `len` values.
 #[derive(Clone)]
 pub struct ShardOptimizer {
     pub update: Update,
     pub weight_decay: f32,
-    /// The value ranges (indices into the slice) weight decay applies to.
+    /// The value ranges (indices into the slice) weight decay applies to (not LARS, whose
+    /// decay follows [`Extent::matrix`]).
     pub decay: Vec<Range<usize>>,
     pub lr: LrFn,
+    /// The whole vector's tensors, in whole-vector coordinates (LARS; the others ignore it).
+    pub tensors: Vec<Extent>,
+    /// Where the slice this optimizer updates starts in the whole vector (see
+    /// [`Self::restrict`]).
+    pub origin: usize,
 }
 
 impl std::fmt::Debug for ShardOptimizer {
@@ -95,6 +127,8 @@ impl ShardOptimizer {
             weight_decay: 0.0,
             decay: Vec::new(),
             lr: Arc::new(move |_| lr),
+            tensors: Vec::new(),
+            origin: 0,
         }
     }
 
@@ -103,6 +137,8 @@ impl ShardOptimizer {
         match self.update {
             Update::Sgd { momentum, .. } if momentum > 0.0 => n,
             Update::Sgd { .. } => 0,
+            Update::Lars { momentum, .. } if momentum > 0.0 => n,
+            Update::Lars { .. } => 0,
             Update::Adam { .. } | Update::AdamW { .. } => 2 * n,
         }
     }
@@ -125,18 +161,86 @@ impl ShardOptimizer {
         (self.lr)(step)
     }
 
+    /// What the state's values are called, slot by slot (each slot `n` values): a checkpoint
+    /// names them `<tensor>.<slot>`.
+    pub fn state_slots(&self) -> &'static [&'static str] {
+        match self.update {
+            Update::Sgd { momentum, .. } | Update::Lars { momentum, .. } if momentum > 0.0 => {
+                &["velocity"]
+            }
+            Update::Sgd { .. } | Update::Lars { .. } => &[],
+            Update::Adam { .. } | Update::AdamW { .. } => &["moment_1", "moment_2"],
+        }
+    }
+
+    /// Whether an update needs each tensor's whole norms (LARS).
+    pub fn needs_norms(&self) -> bool {
+        matches!(self.update, Update::Lars { .. })
+    }
+
+    /// The tensors of [`Self::tensors`] (all of them, in order) as they meet a slice of `n`
+    /// values starting at [`Self::origin`]: their index and their part, in slice coordinates.
+    fn parts(&self, n: usize) -> Vec<(usize, Range<usize>, bool)> {
+        let (lo, hi) = (self.origin, self.origin + n);
+        if self.tensors.is_empty() {
+            // No extents given: the slice is one weight tensor.
+            return vec![(0, 0..n, true)];
+        }
+        self.tensors
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| {
+                let (a, b) = (e.range.start.max(lo), e.range.end.min(hi));
+                (a < b).then(|| (i, a - lo..b - lo, e.matrix))
+            })
+            .collect()
+    }
+
+    /// This slice's share of every tensor's squared norms: `[Σw², Σg²]` per tensor of
+    /// [`Self::tensors`] (zeros for the tensors it does not meet). Added over all the shards
+    /// of a vector they are the `norms` [`Self::step_at`] takes.
+    pub fn partial_norms(&self, values: &[f32], grad: &[f32]) -> Vec<f32> {
+        let mut out = vec![0f32; 2 * self.tensors.len().max(1)];
+        for (i, r, _) in self.parts(values.len()) {
+            let w: f64 = values[r.clone()].iter().map(|x| f64::from(*x).powi(2)).sum();
+            let g: f64 = grad[r].iter().map(|x| f64::from(*x).powi(2)).sum();
+            out[2 * i] = w as f32;
+            out[2 * i + 1] = g as f32;
+        }
+        out
+    }
+
     /// One update of `values` by `grad`, `step` updates having come before it; `state` as
-    /// [`Self::check_state`] accepts (an empty one is started).
+    /// [`Self::check_state`] accepts (an empty one is started). LARS takes the norms from
+    /// the slice itself, which is right when the slice holds whole tensors.
     pub fn step(&self, step: u64, values: &mut [f32], grad: &[f32], state: &mut Vec<f32>) {
+        let norms = self
+            .needs_norms()
+            .then(|| self.partial_norms(values, grad));
+        self.step_at(step, self.lr_at(step), values, grad, state, norms.as_deref());
+    }
+
+    /// [`Self::step`] at the learning rate `lr` (the caller's schedule) and, for LARS, with
+    /// every tensor's whole squared norms (`[Σw², Σg²]` per tensor, as [`Self::partial_norms`]
+    /// summed over the shards; `None` takes them from this slice).
+    pub fn step_at(
+        &self,
+        step: u64,
+        lr: f32,
+        values: &mut [f32],
+        grad: &[f32],
+        state: &mut Vec<f32>,
+        norms: Option<&[f32]>,
+    ) {
         let n = values.len();
-        let lr = self.lr_at(step);
         let first = state.is_empty();
         if first {
             *state = vec![0.0; self.state_len(n)];
         }
         // The gradient after L2 weight decay (Sgd, Adam).
         let mut g: Vec<f32> = grad[..n].to_vec();
-        let l2 = !matches!(self.update, Update::AdamW { .. }) && self.weight_decay > 0.0;
+        let l2 = matches!(self.update, Update::Sgd { .. } | Update::Adam { .. })
+            && self.weight_decay > 0.0;
         if l2 {
             for r in &self.decay {
                 let r = r.start.min(n)..r.end.min(n);
@@ -197,6 +301,53 @@ impl ShardOptimizer {
                     values[i] -= d * lr;
                 }
             }
+            Update::Lars {
+                momentum,
+                trust,
+                epsilon,
+                exclude_1d,
+            } => {
+                let own;
+                let norms = match norms {
+                    Some(x) => x,
+                    None => {
+                        own = self.partial_norms(values, grad);
+                        &own
+                    }
+                };
+                let wd = self.weight_decay;
+                for (i, r, matrix) in self.parts(n) {
+                    // The update before momentum, into g (hearth::optim::Lars, in its order).
+                    if exclude_1d && !matrix {
+                        g[r.clone()].iter_mut().for_each(|x| *x *= lr);
+                    } else {
+                        let w_norm = f64::from(norms.get(2 * i).copied().unwrap_or(0.0)).sqrt();
+                        let g_norm =
+                            f64::from(norms.get(2 * i + 1).copied().unwrap_or(0.0)).sqrt();
+                        let local = if w_norm > 0.0 && g_norm > 0.0 {
+                            f64::from(trust) * w_norm
+                                / (g_norm + f64::from(wd) * w_norm + f64::from(epsilon))
+                        } else {
+                            1.0
+                        };
+                        let factor = (f64::from(lr) * local) as f32;
+                        for j in r {
+                            let gj = if wd > 0.0 { g[j] + values[j] * wd } else { g[j] };
+                            g[j] = gj * factor;
+                        }
+                    }
+                }
+                if momentum > 0.0 {
+                    for ((u, v), p) in g.iter().zip(state.iter_mut()).zip(values.iter_mut()) {
+                        *v = if first { *u } else { *v * momentum + *u };
+                        *p -= *v;
+                    }
+                } else {
+                    for (u, p) in g.iter().zip(values.iter_mut()) {
+                        *p -= *u;
+                    }
+                }
+            }
         }
     }
 
@@ -213,6 +364,7 @@ impl ShardOptimizer {
             .collect();
         Self {
             decay,
+            origin: self.origin + range.start,
             ..self.clone()
         }
     }
@@ -269,6 +421,8 @@ mod tests {
             weight_decay: 0.0,
             decay: Vec::new(),
             lr: Arc::new(|_| 0.01),
+            tensors: Vec::new(),
+            origin: 0,
         };
         let mut p = vec![1.0, -2.0, 3.0];
         let mut s = Vec::new();
