@@ -16,7 +16,8 @@
 //!       target/release/examples/custom_model elastic runs/mlp-elastic
 //!
 //! `--precision bf16|fp16` trains it in mixed precision (the module's `Net::logits_in` computes
-//! in the type asked for; fp16's loss scaling is Hearth's).
+//! in the type asked for; fp16's loss scaling is Hearth's). `--zero 1|2` shards the optimizer's
+//! state over the data-parallel ranks; its checkpoint resumes on any number of them.
 //!
 //! Each writes the run directory as `hearth train` does (`metrics.csv`, `metrics.png`,
 //! checkpoints, `model.bpk` with the module's weights); `--resume` continues a stopped run.
@@ -127,8 +128,9 @@ impl Examples for Spirals {
 
 fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
-    let usage = "usage: custom_model dp|ps|elastic RUN_DIR [--resume] [--epochs N] \
-                 [--precision fp32|bf16|fp16] (under `hearth launch`)";
+    let usage = "usage: custom_model dp|ps|elastic RUN_DIR [--resume] [--epochs N] [--lr RATE] \
+                 [--precision fp32|bf16|fp16] [--optimizer sgd|adam|adamw|lars] [--zero 1|2] \
+                 (under `hearth launch`)";
     let mode = args.next().context(usage)?;
     let run: PathBuf = args.next().context(usage)?.into();
     let mut cfg = TrainConfig::new(run);
@@ -144,6 +146,7 @@ fn main() -> Result<()> {
             "--resume" => cfg.resume = true,
             "--overwrite" => cfg.overwrite = true,
             "--epochs" => cfg.epochs = args.next().context("--epochs N")?.parse()?,
+            "--lr" => cfg.lr = args.next().context("--lr RATE")?.parse()?,
             "--stop-after-epoch" => {
                 cfg.stop_after_epoch = Some(args.next().context("--stop-after-epoch N")?.parse()?)
             }
@@ -153,6 +156,13 @@ fn main() -> Result<()> {
                 cfg.precision = clap::ValueEnum::from_str(&p, true)
                     .map_err(|e| anyhow::anyhow!("--precision {p}: {e}"))?;
             }
+            "--optimizer" => {
+                let o = args.next().context("--optimizer sgd|adam|adamw|lars")?;
+                cfg.optimizer = clap::ValueEnum::from_str(&o, true)
+                    .map_err(|e| anyhow::anyhow!("--optimizer {o}: {e}"))?;
+            }
+            // Data parallel's sharded optimizer: each rank keeps 1/N of the optimizer state.
+            "--zero" => cfg.zero = args.next().context("--zero 1|2")?.parse()?,
             "--min-workers" => min_workers = args.next().context("--min-workers N")?.parse()?,
             "--max-workers" => max_workers = args.next().context("--max-workers N")?.parse()?,
             other => bail!("unknown option {other}; {usage}"),

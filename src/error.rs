@@ -37,6 +37,8 @@ pub enum HearthError {
     InvalidArgument(String),
     #[error("training failed: {0}")]
     Training(String),
+    #[error("unusable checkpoint {0}")]
+    Checkpoint(String),
     #[error(
         "the training loss became NaN or infinite at epoch {epoch}, step {step}; \
          lower --lr, add --warmup-epochs or check the data"

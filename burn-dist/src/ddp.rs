@@ -31,7 +31,9 @@ use burn::train::{
 
 use crate::bucket::{BucketPlan, DEFAULT_BUCKET_BYTES};
 use crate::collective::{Communicator, ReduceOp};
-use crate::flat::module::{trainable_grads, trainable_names, trainable_values_in, with_trainable_values};
+use crate::flat::module::{
+    trainable_grads, trainable_names, trainable_values_in, with_trainable_values,
+};
 use crate::flat::optim::ShardOptimizer;
 use crate::zero::{Stage, Stepped, WholeState, ZeroOptimizer};
 use crate::{DistError, Result};
@@ -395,21 +397,22 @@ pub struct Sharding {
     pub store: Arc<dyn StateStore>,
 }
 
-/// One sharded step on `model`: `grads` to the whole flat gradient, the shard's update, the
-/// whole updated vector back into the module (`None`: skipped, the module unchanged).
+/// One sharded step on `model`: `grads` (this rank's mean) to the whole flat gradient, the
+/// shard's update at rate `lr`, the whole updated vector back into the module (`None`:
+/// skipped, the module unchanged). `take(finite)` decides with the agreed verdict on the
+/// averaged gradients (fp16 loss scaling; `|_| true` steps always, as plain data parallel).
 pub fn sharded_step<M: Module>(
     zero: &mut ZeroOptimizer,
     model: &M,
     grads: GradientsParams,
     comm: &Communicator,
     lr: f64,
-    guard: Option<&dyn StepGuard>,
+    take: &mut dyn FnMut(bool) -> bool,
 ) -> Result<Option<M>> {
     let g = trainable_grads(model, &grads);
     drop(grads);
     let shard = trainable_values_in(model, zero.range());
-    let mut take = |finite: bool| guard.is_none_or(|g| g.take_step(finite));
-    match zero.step(comm, g, &shard, lr as f32, &mut take)? {
+    match zero.step(comm, g, &shard, lr as f32, take)? {
         Stepped::Skipped => Ok(None),
         Stepped::Updated(whole) => with_trainable_values(model.clone(), &whole).map(Some),
     }
@@ -587,7 +590,9 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
                                 grads,
                                 &self.comm,
                                 learner.lr_current().base(),
-                                self.guard.as_deref(),
+                                &mut |finite| {
+                                    self.guard.as_ref().is_none_or(|g| g.take_step(finite))
+                                },
                             )
                             .map(|m| {
                                 if let Some(m) = m {

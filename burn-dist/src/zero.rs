@@ -246,7 +246,10 @@ impl ZeroOptimizer {
     /// padded to the longest for the ring and the padding dropped.
     fn all_gather(&self, comm: &Communicator, mine: &[f32]) -> Result<Vec<f32>> {
         let n = self.layout.servers();
-        let longest = (0..n).map(|s| self.layout.range(s).len()).max().unwrap_or(0);
+        let longest = (0..n)
+            .map(|s| self.layout.range(s).len())
+            .max()
+            .unwrap_or(0);
         let mut padded = mine.to_vec();
         padded.resize(longest, 0.0);
         let gathered = comm.all_gather(&padded)?;
@@ -274,7 +277,11 @@ impl ZeroOptimizer {
             } else {
                 &[]
             };
-            let b = if stepped { bounds.clone() } else { vec![0; bounds.len()] };
+            let b = if stepped {
+                bounds.clone()
+            } else {
+                vec![0; bounds.len()]
+            };
             if let Some(whole) = comm.gather_to(root, part, &b)? {
                 slots.push((name.to_string(), whole));
             }
@@ -420,10 +427,22 @@ mod tests {
         o.decay = vec![0..7, 9..20];
         o.lr = Arc::new(|step| 0.05 / (1.0 + step as f32));
         o.tensors = vec![
-            Extent { range: 0..7, matrix: true },
-            Extent { range: 7..9, matrix: false },
-            Extent { range: 9..20, matrix: true },
-            Extent { range: 20..23, matrix: false },
+            Extent {
+                range: 0..7,
+                matrix: true,
+            },
+            Extent {
+                range: 7..9,
+                matrix: false,
+            },
+            Extent {
+                range: 9..20,
+                matrix: true,
+            },
+            Extent {
+                range: 20..23,
+                matrix: false,
+            },
         ];
         o
     }
@@ -495,7 +514,10 @@ mod tests {
                             g
                         };
                         let shard = values[z.range()].to_vec();
-                        match z.step(&comm, g, &shard, o.lr_at(z.updates()), &mut |f| f).unwrap() {
+                        match z
+                            .step(&comm, g, &shard, o.lr_at(z.updates()), &mut |f| f)
+                            .unwrap()
+                        {
                             Stepped::Updated(v) => values = v,
                             Stepped::Skipped => assert_eq!(Some(t), skip_at),
                         }
@@ -534,7 +556,10 @@ mod tests {
     fn close(a: &[f32], b: &[f32], what: &str) {
         assert_eq!(a.len(), b.len(), "{what}");
         for (i, (x, y)) in a.iter().zip(b).enumerate() {
-            assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{what}: value {i}: {x} vs {y}");
+            assert!(
+                (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                "{what}: value {i}: {x} vs {y}"
+            );
         }
     }
 
@@ -657,11 +682,17 @@ mod tests {
         let s = WholeState {
             tensors: vec![("x".into(), 2), ("y".into(), 1)],
             updates: 1,
-            slots: vec![("moment_1".into(), vec![1.0, 2.0, 3.0]), ("moment_2".into(), vec![4.0, 5.0, 6.0])],
+            slots: vec![
+                ("moment_1".into(), vec![1.0, 2.0, 3.0]),
+                ("moment_2".into(), vec![4.0, 5.0, 6.0]),
+            ],
         };
         let named = s.named();
         let names: Vec<&str> = named.iter().map(|n| n.0.as_str()).collect();
-        assert_eq!(names, ["x.moment_1", "y.moment_1", "x.moment_2", "y.moment_2"]);
+        assert_eq!(
+            names,
+            ["x.moment_1", "y.moment_1", "x.moment_2", "y.moment_2"]
+        );
         assert_eq!(named[3].1, &[6.0]);
     }
 }

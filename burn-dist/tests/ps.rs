@@ -9,9 +9,9 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use burn_dist::collective::{Communicator, ReduceOp};
-use burn_dist::ps::client::{Client, PsWorker};
 use burn_dist::flat::layout::Layout;
 use burn_dist::flat::optim::ShardOptimizer;
+use burn_dist::ps::client::{Client, PsWorker};
 use burn_dist::ps::server::{ServerConfig, ServerReport, serve};
 use burn_dist::ps::{Mode, rules};
 use burn_dist::transport::Transport;

@@ -68,6 +68,7 @@ fn recorded_flags(key: &str) -> &'static [&'static str] {
         "grad_accum" => &["--grad-accum"],
         "compression" => &["--compression"],
         "precision" => &["--precision"],
+        "zero" => &["--zero"],
         "pipeline" => &[
             "--pipeline-stages",
             "--micro-batches",

@@ -169,6 +169,11 @@ pub(crate) struct TrainArgs {
     /// devices have no bf16.
     #[arg(long, value_enum, default_value_t = hearth::train::Precision::Fp32)]
     precision: hearth::train::Precision,
+    /// Sharded optimizer (ZeRO) in data parallel: 1 keeps 1/N of the optimizer state on each
+    /// of the N ranks, 2 the averaged gradients too; 0 off. The state is checkpointed as whole
+    /// named tensors, so a run resumes on any number of ranks.
+    #[arg(long, value_name = "STAGE", default_value_t = 0)]
+    zero: u8,
     /// Pipeline model parallelism: split the model into P stages, one per process (--nproc
     /// defaults to P; a multiple P x D trains D pipelines data parallel).
     #[arg(long, value_name = "P")]
@@ -323,6 +328,7 @@ fn build_config(
     cfg.grad_accum = a.grad_accum;
     cfg.bucket_bytes = (a.bucket_mb * 1024.0 * 1024.0) as usize;
     cfg.precision = a.precision;
+    cfg.zero = a.zero;
     cfg.pipeline = match a.pipeline_stages {
         Some(stages) => Some(PipelineOptions {
             stages,

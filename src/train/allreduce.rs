@@ -26,8 +26,11 @@ use burn::store::ModuleRecord;
 use burn::tensor::Bytes;
 use burn_dist::{Communicator, ReduceOp};
 
+use burn_dist::zero::ZeroOptimizer;
+
 use super::best::{export_best, model_checkpoint, save_epoch_weights};
 use super::epochs::{Epochs, Row};
+use super::flat::model_optimizer;
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, Sums};
 use super::precision::{LossScaler, Precision, divide, overflow_hook};
@@ -90,8 +93,10 @@ pub(super) fn train_with<R: Recipe>(
         scaler: (cfg.precision == Precision::Fp16).then(LossScaler::default),
         overflow_at: overflow_hook(cfg.precision, &rank.to_string()),
         epoch_skipped: 0,
+        zero: None,
     };
     let first = s.resume(&epochs, log)?;
+    s.start_sharding(first, log)?;
     epochs.check_left(first)?;
     s.steps = first * cfg.optimizer_steps(batches);
     if rank == 0 {
@@ -136,9 +141,43 @@ struct Allreduce<'a, T: Trainee> {
     overflow_at: Option<u64>,
     /// Steps of this epoch skipped for non-finite fp16 gradients.
     epoch_skipped: u64,
+    /// `--zero`: this rank's shard of the optimizer (`self.optim` then never steps).
+    zero: Option<ZeroOptimizer>,
 }
 
 impl<T: Trainee> Allreduce<'_, T> {
+    /// `--zero`: this rank's shard of the optimizer, its state from rank 0's file of epoch
+    /// `first` when resuming (written by any number of ranks).
+    fn start_sharding(&mut self, first: usize, log: &mut dyn FnMut(&str)) -> Result<()> {
+        let (Some(comm), true) = (&self.comm, self.cfg.zero > 0) else {
+            return Ok(());
+        };
+        let stage = burn_dist::zero::Stage::from_number(self.cfg.zero)?;
+        // The rate comes from this strategy's own schedule at each step.
+        let optimizer = model_optimizer(self.cfg, self.cfg.lr, self.batches, &self.model)?;
+        let names = burn_dist::flat::module::trainable_names(&self.model);
+        let mut z = ZeroOptimizer::new(stage, &names, optimizer, comm)?;
+        if first > 0 {
+            let read = (self.rank == 0).then(|| {
+                super::zero::read_state(&super::zero::state_file(&self.cfg.run_dir, first))
+                    .map_err(|e| e.to_string())
+            });
+            z.scatter_state(
+                comm,
+                0,
+                read.as_ref().map(|r| r.as_ref().map_err(String::clone)),
+            )?;
+        }
+        log(&format!(
+            "ZeRO stage {}: rank 0 keeps the optimizer state of {} (of {} values)",
+            self.cfg.zero,
+            z.describe(),
+            z.total()
+        ));
+        self.zero = Some(z);
+        Ok(())
+    }
+
     /// `--resume`: rank 0 reads the last epoch with both checkpoint files (and its table) and
     /// sends epoch, weights and optimizer state to every rank; a fresh run records what it
     /// trains. Returns the epoch to start after.
@@ -161,6 +200,7 @@ impl<T: Trainee> Allreduce<'_, T> {
                     })?;
                 epochs.check_left(epoch)?;
                 run_dir::check_resume_compatible(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
+                super::zero::check_resume(cfg, epoch)?;
                 epochs.reload(epoch)?;
                 let read = |path: std::path::PathBuf| {
                     std::fs::read(&path).map_err(|e| {
@@ -228,6 +268,18 @@ impl<T: Trainee> Allreduce<'_, T> {
         if let Some(s) = &self.scaler {
             // Unscaled before the exchange (an fp16 wire would overflow on scaled ones).
             divide(&self.model, &mut grads, s.scale());
+        }
+        if let (Some(z), Some(comm)) = (&mut self.zero, &self.comm) {
+            // Exchange and update in one; the verdict on the averaged gradients as below.
+            let lr = self.rates.rate(epoch, self.steps);
+            let scaler = &mut self.scaler;
+            let mut take = |finite: bool| scaler.as_mut().is_none_or(|s| s.decide(finite));
+            match burn_dist::ddp::sharded_step(z, &self.model, grads, comm, lr, &mut take)? {
+                Some(m) => self.model = m,
+                None => self.epoch_skipped += 1,
+            }
+            self.steps += 1;
+            return Ok(());
         }
         if let Some(comm) = &self.comm {
             burn_dist::ddp::allreduce_grads_scaled(
@@ -390,10 +442,19 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
     }
 
     fn checkpoint(&mut self, epoch: usize, best: Option<usize>) -> Result<()> {
+        // --zero: every rank's shard to rank 0 first, written before the optimizer file that
+        // completes the epoch.
+        let zero_state = match (&self.zero, &self.comm) {
+            (Some(z), Some(comm)) => z.gather_state(comm, 0)?,
+            _ => None,
+        };
         if self.rank != 0 {
             return Ok(());
         }
         let dir = &self.cfg.run_dir;
+        if let Some(state) = &zero_state {
+            super::zero::write_state(dir, epoch, state)?;
+        }
         save_epoch_weights(dir, epoch, self.model.clone())?;
         // Written after the weights: an epoch with both files is complete.
         let path = optim_checkpoint(dir, epoch);

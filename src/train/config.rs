@@ -19,7 +19,9 @@ pub const MINI_VGG_PLAIN: &str = "vgg-mini-plain";
 
 /// Settings `--resume` may change: the run's length (extending a finished run) and early
 /// stopping. Everything else `hparams.json` records must be what the run was started with.
-pub const MAY_CHANGE_ON_RESUME: [&str; 3] = ["epochs", "patience", "min_delta"];
+/// `zero`: the stage may change (the state file is the same); switching sharding on or off is
+/// refused on resume by its own check (`zero::check_resume`).
+pub const MAY_CHANGE_ON_RESUME: [&str; 4] = ["epochs", "patience", "min_delta", "zero"];
 
 /// A small DenseNet (growth 8, two layers per block, 16 stem channels): DenseNet-121's
 /// architecture at test size (the multi-label recipe of seed 001 on a small machine).
@@ -223,6 +225,9 @@ pub struct TrainConfig {
     /// see [`super::Precision`]), in every mode. A custom module trains in it when its
     /// [`super::Net::MIXED_PRECISION`] says it computes in it; wgpu devices refuse bf16.
     pub precision: super::Precision,
+    /// Data parallel's sharded optimizer (ZeRO): 0 off, 1 the optimizer state sharded over the
+    /// ranks, 2 the gradients too (see `train::zero`).
+    pub zero: u8,
     /// Pipeline model parallelism instead of pure data parallelism.
     pub pipeline: Option<PipelineOptions>,
     /// Elastic data parallelism: workers join and leave, the global batch stays fixed.
@@ -271,6 +276,7 @@ impl TrainConfig {
             bucket_bytes: burn_dist::bucket::DEFAULT_BUCKET_BYTES,
             compression: burn_dist::Compression::None,
             precision: super::Precision::Fp32,
+            zero: 0,
             pipeline: None,
             elastic: None,
             ps: None,
@@ -427,7 +433,51 @@ impl TrainConfig {
         if let Some(p) = &self.ps {
             self.validate_ps(p)?;
         }
+        self.validate_zero()?;
         self.validate_exchange()
+    }
+
+    /// `--zero`: data parallel over two ranks or more, and what is not built yet refused by
+    /// name.
+    fn validate_zero(&self) -> Result<()> {
+        if self.zero == 0 {
+            return Ok(());
+        }
+        let bad = |m: String| Err(HearthError::InvalidArgument(m));
+        if self.zero > 2 {
+            return bad(format!(
+                "--zero {}: the stages are 0 (off), 1 (optimizer state sharded) and 2 (gradients \
+                 too); stage 3 (parameters) is not built",
+                self.zero
+            ));
+        }
+        let mode = if self.ps.is_some() {
+            Some("--ps: its servers already hold the optimizer state, sharded")
+        } else if self.pipeline.is_some() {
+            Some("--pipeline-stages: not built yet (each stage's replicas could shard its state)")
+        } else if self.elastic.is_some() {
+            Some("--elastic: not built yet (a membership change would re-shard the state)")
+        } else {
+            None
+        };
+        if let Some(why) = mode {
+            return bad(format!("--zero does not work with {why}"));
+        }
+        if self.dist.as_ref().is_none_or(|d| d.world < 2) {
+            return bad(format!(
+                "--zero {} shards the optimizer over data-parallel ranks, and a one-process run \
+                 has one: add --nproc N (or launch it as a job)",
+                self.zero
+            ));
+        }
+        if self.freeze_backbone && self.unfreeze_after.is_some() {
+            return bad(
+                "--zero with --unfreeze-after is not built yet: the fine-tuning phase trains \
+                 tensors the frozen phase's sharded state does not hold"
+                    .into(),
+            );
+        }
+        Ok(())
     }
 
     /// `--compression` and `--bucket-mb` shape the gradients ranks exchange by allreduce: an

@@ -117,6 +117,9 @@ impl TrainConfig {
                     self.precision =
                         clap::ValueEnum::from_str(&named(k, v)?, false).map_err(|_| bad(k, v))?
                 }
+                "zero" => {
+                    self.zero = u8::try_from(n(k, v)?).map_err(|_| bad(k, v))?;
+                }
                 "pipeline" => {
                     let split = match opt(&v["split"]) {
                         None => None,
@@ -243,6 +246,7 @@ impl TrainConfig {
             ("grad_accum", json!(self.grad_accum)),
             ("compression", json!(self.compression.name())),
             ("precision", json!(self.precision.name())),
+            ("zero", json!(self.zero)),
         ])
         .into_iter()
         .chain(self.pipeline.as_ref().map(|p| {

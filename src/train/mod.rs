@@ -39,6 +39,7 @@ mod distributed;
 mod elastic;
 mod epochs;
 mod export;
+mod flat;
 mod hparams;
 mod logger;
 mod model;
@@ -54,6 +55,7 @@ mod shared;
 mod speed;
 mod step;
 mod trainee;
+pub mod zero;
 
 pub use best::{BestRule, KeepBestAndLast, Patience, best_epoch};
 pub use burn_dist::ps::Mode as PsMode;
@@ -338,6 +340,7 @@ impl<'a> Run<'a> {
         let resume_epoch = if cfg.resume {
             let epoch = run_dir::last_complete_checkpoint(&cfg.run_dir)?;
             run_dir::check_resume_compatible(&cfg.run_dir, &config.to_json(), &hparams)?;
+            zero::check_resume(cfg, epoch)?;
             run_dir::reload_table(&cfg.run_dir.join("metrics.csv"), &table, epoch)?;
             log(&format!("resuming after epoch {epoch}"));
             epoch

@@ -117,6 +117,11 @@ impl<T: Task> Phase<'_, T> {
                 // fp16: the verdict on the averaged gradients, the same on every rank.
                 strategy = strategy.with_step_guard(Arc::new(s));
             }
+            if let Some(s) =
+                super::zero::sharding(cfg, self.lr, self.batches_per_epoch, &self.trainee)?
+            {
+                strategy = strategy.with_sharding(s);
+            }
             training =
                 training.with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)));
         }

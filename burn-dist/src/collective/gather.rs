@@ -75,7 +75,12 @@ impl Communicator {
     /// rank `r` holds values `bounds[r]..bounds[r + 1]` of the whole (every rank passes the same
     /// `bounds`, `world + 1` of them). Point to point, chunked; exact. Only `root` ever holds
     /// the whole vector.
-    pub fn gather_to(&self, root: usize, mine: &[f32], bounds: &[usize]) -> Result<Option<Vec<f32>>> {
+    pub fn gather_to(
+        &self,
+        root: usize,
+        mine: &[f32],
+        bounds: &[usize],
+    ) -> Result<Option<Vec<f32>>> {
         let (n, r) = (self.world(), self.rank());
         check_bounds("gather", root, n, bounds)?;
         let op = self.next_op();
@@ -117,7 +122,12 @@ impl Communicator {
 
     /// The inverse of [`Self::gather_to`]: `root`'s `whole` (ignored elsewhere) cut by
     /// `bounds`, each rank receiving its part.
-    pub fn scatter_from(&self, root: usize, whole: Option<&[f32]>, bounds: &[usize]) -> Result<Vec<f32>> {
+    pub fn scatter_from(
+        &self,
+        root: usize,
+        whole: Option<&[f32]>,
+        bounds: &[usize],
+    ) -> Result<Vec<f32>> {
         let (n, r) = (self.world(), self.rank());
         check_bounds("scatter", root, n, bounds)?;
         let op = self.next_op();
@@ -129,7 +139,11 @@ impl Communicator {
             if whole.len() != bounds[n] {
                 return Err(DistError::Mismatch {
                     op: "scatter".into(),
-                    reason: format!("{} values to cut by bounds ending at {}", whole.len(), bounds[n]),
+                    reason: format!(
+                        "{} values to cut by bounds ending at {}",
+                        whole.len(),
+                        bounds[n]
+                    ),
                 });
             }
             for to in (0..n).filter(|t| *t != r) {

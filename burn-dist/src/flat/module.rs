@@ -121,10 +121,14 @@ pub fn trainable_values_in<M: Module>(module: &M, range: std::ops::Range<usize>)
                 return;
             }
             let n = t.shape().num_elements();
-            let (lo, hi) = (self.at.max(self.want.start), (self.at + n).min(self.want.end));
+            let (lo, hi) = (
+                self.at.max(self.want.start),
+                (self.at + n).min(self.want.end),
+            );
             if lo < hi {
                 let v = flat(t);
-                self.out.extend_from_slice(v.get(lo - self.at..hi - self.at).unwrap_or(&[]));
+                self.out
+                    .extend_from_slice(v.get(lo - self.at..hi - self.at).unwrap_or(&[]));
             }
             self.at += n;
         }

@@ -202,7 +202,10 @@ impl ShardOptimizer {
     pub fn partial_norms(&self, values: &[f32], grad: &[f32]) -> Vec<f32> {
         let mut out = vec![0f32; 2 * self.tensors.len().max(1)];
         for (i, r, _) in self.parts(values.len()) {
-            let w: f64 = values[r.clone()].iter().map(|x| f64::from(*x).powi(2)).sum();
+            let w: f64 = values[r.clone()]
+                .iter()
+                .map(|x| f64::from(*x).powi(2))
+                .sum();
             let g: f64 = grad[r].iter().map(|x| f64::from(*x).powi(2)).sum();
             out[2 * i] = w as f32;
             out[2 * i + 1] = g as f32;
@@ -214,10 +217,15 @@ impl ShardOptimizer {
     /// [`Self::check_state`] accepts (an empty one is started). LARS takes the norms from
     /// the slice itself, which is right when the slice holds whole tensors.
     pub fn step(&self, step: u64, values: &mut [f32], grad: &[f32], state: &mut Vec<f32>) {
-        let norms = self
-            .needs_norms()
-            .then(|| self.partial_norms(values, grad));
-        self.step_at(step, self.lr_at(step), values, grad, state, norms.as_deref());
+        let norms = self.needs_norms().then(|| self.partial_norms(values, grad));
+        self.step_at(
+            step,
+            self.lr_at(step),
+            values,
+            grad,
+            state,
+            norms.as_deref(),
+        );
     }
 
     /// [`Self::step`] at the learning rate `lr` (the caller's schedule) and, for LARS, with
@@ -322,8 +330,7 @@ impl ShardOptimizer {
                         g[r.clone()].iter_mut().for_each(|x| *x *= lr);
                     } else {
                         let w_norm = f64::from(norms.get(2 * i).copied().unwrap_or(0.0)).sqrt();
-                        let g_norm =
-                            f64::from(norms.get(2 * i + 1).copied().unwrap_or(0.0)).sqrt();
+                        let g_norm = f64::from(norms.get(2 * i + 1).copied().unwrap_or(0.0)).sqrt();
                         let local = if w_norm > 0.0 && g_norm > 0.0 {
                             f64::from(trust) * w_norm
                                 / (g_norm + f64::from(wd) * w_norm + f64::from(epsilon))
@@ -332,7 +339,11 @@ impl ShardOptimizer {
                         };
                         let factor = (f64::from(lr) * local) as f32;
                         for j in r {
-                            let gj = if wd > 0.0 { g[j] + values[j] * wd } else { g[j] };
+                            let gj = if wd > 0.0 {
+                                g[j] + values[j] * wd
+                            } else {
+                                g[j]
+                            };
                             g[j] = gj * factor;
                         }
                     }

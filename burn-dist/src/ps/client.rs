@@ -5,10 +5,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::flat::layout::Layout;
 use super::message::{FINAL, INIT, Op, REPLY, REQUEST, Reply, Request, ShardState};
-use crate::flat::optim::ShardOptimizer;
 use super::{Mode, rules};
+use crate::flat::layout::Layout;
+use crate::flat::optim::ShardOptimizer;
 use crate::transport::Transport;
 use crate::wire::Kind;
 use crate::{DistError, Result};

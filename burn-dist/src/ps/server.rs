@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use super::Mode;
 use super::message::{FINAL, INIT, Op, REPLY, REQUEST, Reply, Request, ShardState};
-use crate::flat::optim::ShardOptimizer;
 use super::rules;
+use crate::flat::optim::ShardOptimizer;
 use crate::transport::Transport;
 use crate::wire::Kind;
 use crate::{DistError, Result};

@@ -41,11 +41,8 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use burn::module::Module;
 use burn::prelude::*;
 use burn_dist::ps::Mode;
-use burn_dist::flat::module::{matrix_ranges, trainable_names};
-use burn_dist::flat::optim::{ShardOptimizer, Update};
 use burn_dist::ps::server::{ServerConfig, ServerReport, run_server};
 use burn_dist::rendezvous::{RankInfo, RendezvousOptions};
 use burn_dist::transport::Transport;
@@ -220,57 +217,12 @@ impl ServerSetup {
     }
 }
 
-/// The run's optimizer and schedule over a flat vector (a server's shard, or a worker's whole
-/// vector for its local steps): `decay` the ranges weight decay applies to, the rate by the
-/// number of optimizer steps before (an epoch of `batches_per_epoch` loader batches has
-/// [`TrainConfig::optimizer_steps`] of them: a K-th with `--grad-accum K`).
-pub(crate) fn flat_optimizer(
-    cfg: &TrainConfig,
-    lr: f64,
-    batches_per_epoch: usize,
-    decay: Vec<Range<usize>>,
-) -> Result<ShardOptimizer> {
-    use super::OptimizerKind;
-    let update = match cfg.optimizer {
-        OptimizerKind::Sgd => Update::Sgd {
-            momentum: cfg.momentum as f32,
-            nesterov: cfg.nesterov,
-        },
-        OptimizerKind::Adam => Update::adam(),
-        OptimizerKind::AdamW => Update::adamw(),
-        OptimizerKind::Lars => {
-            return Err(HearthError::InvalidArgument(
-                "--optimizer lars does not work with --ps: a server holds slices of layers, and \
-                 LARS's trust ratio needs each layer's whole norm"
-                    .into(),
-            ));
-        }
-    };
-    // The schedule counts optimizer steps, as burn-train's does.
-    let schedule = Arc::new(cfg.lr_schedule(lr, batches_per_epoch)?);
-    Ok(ShardOptimizer {
-        update,
-        weight_decay: cfg.weight_decay as f32,
-        decay,
-        lr: Arc::new(move |step| schedule.lr_at(step as usize) as f32),
-    })
-}
-
-/// The value ranges of `model`'s trainable vector that weight decay applies to: the weights of
-/// layers (as data parallel's optimizer), or everything for AdamW (Burn's decays every tensor).
-pub(crate) fn decay_ranges<M: Module>(cfg: &TrainConfig, model: &M) -> Vec<Range<usize>> {
-    if cfg.optimizer == super::OptimizerKind::AdamW {
-        let total: usize = trainable_names(model).iter().map(|t| t.1).sum();
-        return std::iter::once(0..total).collect();
-    }
-    matrix_ranges(model)
-}
-
 /// The servers' settings from the run's, once the lead's [`ServerSetup`] is known.
 fn server_config(cfg: &TrainConfig, opts: &PsOptions, setup: ServerSetup) -> Result<ServerConfig> {
     let mut s = ServerConfig::new(opts.mode);
     s.window = opts.window;
-    s.optimizer = flat_optimizer(cfg, setup.lr, setup.batches_per_epoch as usize, setup.decay)?;
+    s.optimizer =
+        super::flat::flat_optimizer(cfg, setup.lr, setup.batches_per_epoch as usize, setup.decay)?;
     s.max_staleness = opts.staleness;
     s.idle_timeout = super::shared::collective_timeout().max(Duration::from_secs(600));
     Ok(s)
@@ -442,33 +394,6 @@ mod tests {
         nan[8..16].copy_from_slice(&f64::NAN.to_bits().to_le_bytes());
         let e = ServerSetup::decode(&nan, 9).unwrap_err().to_string();
         assert!(e.contains("rate"), "{e}");
-    }
-
-    #[test]
-    fn the_flat_optimizer_follows_the_runs_schedule_and_refuses_lars() {
-        let mut cfg = TrainConfig::new("unused".into());
-        cfg.epochs = 4;
-        cfg.warmup_epochs = 1;
-        cfg.lr = 0.4;
-        let o = flat_optimizer(&cfg, cfg.lr, 10, std::iter::once(0..2).collect()).unwrap();
-        let s = cfg.lr_schedule(cfg.lr, 10).unwrap();
-        for step in [0u64, 3, 9, 10, 25, 39] {
-            assert_eq!(o.lr_at(step), s.lr_at(step as usize) as f32, "step {step}");
-        }
-        assert!(o.lr_at(0) < o.lr_at(9), "warmup rises");
-        assert!(o.lr_at(39) < o.lr_at(10), "cosine decays");
-        assert_eq!(
-            o.update,
-            Update::Sgd {
-                momentum: 0.9,
-                nesterov: false
-            }
-        );
-        cfg.optimizer = super::super::OptimizerKind::Lars;
-        let e = flat_optimizer(&cfg, cfg.lr, 10, Vec::new())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("--optimizer lars") && e.contains("--ps"), "{e}");
     }
 
     #[test]

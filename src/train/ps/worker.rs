@@ -9,21 +9,22 @@ use std::time::{Duration, Instant};
 use burn::module::Module;
 use burn::prelude::*;
 use burn::store::ModuleRecord;
-use burn_dist::ps::client::{Client, PsWorker};
 use burn_dist::flat::layout::Layout;
-use burn_dist::ps::message::ShardState;
 use burn_dist::flat::module::{
     trainable_grads, trainable_names, trainable_values, with_trainable_values,
 };
+use burn_dist::ps::client::{Client, PsWorker};
+use burn_dist::ps::message::ShardState;
 use burn_dist::transport::Transport;
 use burn_dist::transport::group::Group;
 use burn_dist::wire::Kind;
 use burn_dist::{Communicator, DistError};
 
+use super::super::flat::{decay_ranges, flat_optimizer};
 use super::state::{
     EpochStats, PsState, Sharding, decode_stats, encode_stats, reshard_optim_state, state_file,
 };
-use super::{BYE, PsOptions, Roles, SETUP, STATS, ServerSetup, decay_ranges, flat_optimizer};
+use super::{BYE, PsOptions, Roles, SETUP, STATS, ServerSetup};
 use crate::train::best::{export_best, model_checkpoint, save_epoch_weights};
 use crate::train::epochs::{Epochs, Row, Strategy};
 use crate::train::model::seed_stream;

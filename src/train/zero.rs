@@ -1,0 +1,341 @@
+//! `--zero 1|2`: data parallel with a sharded optimizer (burn-dist's [`burn_dist::zero`]).
+//! Each rank keeps `1/N` of the optimizer's state and updates that shard of the trainable
+//! values; the updated shards are all-gathered. Stage 2 also receives only its shard of the
+//! averaged gradient (reduce-scatter).
+//!
+//! Checkpoints: at every epoch's checkpoint the shards are gathered on rank 0, which writes
+//! `checkpoint/optim-zero-<epoch>.safetensors`: one tensor per trainable tensor and state slot,
+//! named `<tensor>.<slot>` (`layer1.0.conv1.weight.velocity`, `fc.bias.moment_2`), the update
+//! count and the tensors' order in its metadata. Whole named tensors, so a run written by 4
+//! ranks resumes on 2 or 8 (or without sharding's world at all: any safetensors reader opens
+//! it). The two latest files are kept (the one a resume may need while the next epoch's
+//! burn-train files are being written).
+//!
+//! Hearth's image models take it in burn-train's Learner (burn-dist's `DdpStrategy`), a custom
+//! module in its data-parallel strategy (`allreduce.rs`); both step through burn-dist's
+//! `ddp::sharded_step`.
+//!
+//! Not built yet, and refused by name ([`TrainConfig::validate`]): `--zero` with the
+//! parameter servers (whose servers already hold the state sharded), pipelines, elastic
+//! training, and `--unfreeze-after` (the fine-tuning phase trains tensors the frozen phase's
+//! state does not hold, and Adam counts steps per tensor).
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn_dist::ddp::{Sharding, StateStore};
+use burn_dist::zero::{Stage, WholeState};
+use safetensors::tensor::{Dtype, SafeTensors, View};
+
+use super::TrainConfig;
+use crate::{HearthError, Result};
+
+/// The format's name in a file's metadata.
+const FORMAT: &str = "hearth-zero-1";
+
+/// `run_dir/checkpoint/optim-zero-<epoch>.safetensors`.
+pub fn state_file(run_dir: &Path, epoch: usize) -> PathBuf {
+    run_dir
+        .join("checkpoint")
+        .join(format!("optim-zero-{epoch}.safetensors"))
+}
+
+/// Epochs with a sharded optimizer state in `run_dir`.
+fn state_epochs(run_dir: &Path) -> Vec<usize> {
+    let Ok(entries) = std::fs::read_dir(run_dir.join("checkpoint")) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .strip_prefix("optim-zero-")?
+                .strip_suffix(".safetensors")?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+/// The data-parallel strategy's sharding for this run (`None` without `--zero`): `model`'s
+/// trainable tensors under the run's optimizer, the state kept in `run_dir`.
+pub(super) fn sharding<M: Module>(
+    cfg: &TrainConfig,
+    lr: f64,
+    batches_per_epoch: usize,
+    model: &M,
+) -> Result<Option<Sharding>> {
+    if cfg.zero == 0 {
+        return Ok(None);
+    }
+    let stage = Stage::from_number(cfg.zero)?;
+    Ok(Some(Sharding {
+        stage,
+        optimizer: super::flat::model_optimizer(cfg, lr, batches_per_epoch, model)?,
+        store: Arc::new(Files {
+            run_dir: cfg.run_dir.clone(),
+        }),
+    }))
+}
+
+/// `--resume` after `epoch`: a run written with `--zero` resumes only with it (its Burn
+/// optimizer file is empty), and one written without it only without (it has no sharded
+/// state); the stage and the number of ranks may change.
+pub(super) fn check_resume(cfg: &TrainConfig, epoch: usize) -> Result<()> {
+    let file = state_file(&cfg.run_dir, epoch);
+    match (cfg.zero > 0, file.is_file()) {
+        (true, false) => Err(HearthError::InvalidArgument(format!(
+            "cannot resume {} with --zero {}: {} is missing (was the run trained without \
+             --zero? then resume without it)",
+            cfg.run_dir.display(),
+            cfg.zero,
+            file.display()
+        ))),
+        (false, true) => Err(HearthError::InvalidArgument(format!(
+            "cannot resume {} without --zero: its optimizer state is sharded ({}); resume \
+             with --zero 1 or 2, on any number of ranks",
+            cfg.run_dir.display(),
+            file.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The run directory's sharded states.
+struct Files {
+    run_dir: PathBuf,
+}
+
+/// One tensor's part of one slot, as safetensors writes it (no copy on little-endian hosts).
+struct Part<'a>(&'a [f32], [usize; 1]);
+
+impl View for Part<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.1
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        #[cfg(target_endian = "little")]
+        {
+            // SAFETY: any initialised memory reads as bytes; the length is the slice's.
+            Cow::Borrowed(unsafe {
+                std::slice::from_raw_parts(self.0.as_ptr().cast::<u8>(), self.0.len() * 4)
+            })
+        }
+        #[cfg(not(target_endian = "little"))]
+        {
+            Cow::Owned(self.0.iter().flat_map(|x| x.to_le_bytes()).collect())
+        }
+    }
+    fn data_len(&self) -> usize {
+        self.0.len() * 4
+    }
+}
+
+impl Files {
+    fn write(&self, epoch: usize, state: &WholeState) -> Result<()> {
+        let path = state_file(&self.run_dir, epoch);
+        let tensors: Vec<(&str, usize)> = state
+            .tensors
+            .iter()
+            .map(|(n, l)| (n.as_str(), *l))
+            .collect();
+        let slots: Vec<&str> = state.slots.iter().map(|s| s.0.as_str()).collect();
+        let meta = HashMap::from([
+            ("format".to_string(), FORMAT.to_string()),
+            ("updates".to_string(), state.updates.to_string()),
+            (
+                "tensors".to_string(),
+                serde_json::json!(tensors).to_string(),
+            ),
+            ("slots".to_string(), serde_json::json!(slots).to_string()),
+        ]);
+        let named = state.named();
+        let views = named
+            .iter()
+            .map(|(name, values)| (name.clone(), Part(values, [values.len()])));
+        let tmp = path.with_file_name(format!(".optim-zero-{epoch}.safetensors.tmp"));
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|source| HearthError::Write {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+        }
+        let fail = |e: String| HearthError::Checkpoint(format!("{}: {e}", path.display()));
+        safetensors::serialize_to_file(views, Some(meta), &tmp).map_err(|e| fail(e.to_string()))?;
+        std::fs::rename(&tmp, &path).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            fail(e.to_string())
+        })?;
+        // The previous epoch's stays until this epoch's burn-train files are complete.
+        for old in state_epochs(&self.run_dir) {
+            if old + 1 < epoch {
+                let _ = std::fs::remove_file(state_file(&self.run_dir, old));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes `state` as epoch `epoch`'s file of `run_dir` (atomically) and removes the files of
+/// the epochs before the previous one.
+pub(super) fn write_state(run_dir: &Path, epoch: usize, state: &WholeState) -> Result<()> {
+    Files {
+        run_dir: run_dir.to_path_buf(),
+    }
+    .write(epoch, state)
+}
+
+/// The state in `path` (`optim-zero-<epoch>.safetensors`); every way it can be wrong is an
+/// error naming the file and what is wrong.
+pub fn read_state(path: &Path) -> Result<WholeState> {
+    let bad = |what: String| HearthError::Checkpoint(format!("{}: {what}", path.display()));
+    let bytes = std::fs::read(path).map_err(|source| HearthError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let (_, header) = SafeTensors::read_metadata(&bytes)
+        .map_err(|e| bad(format!("not a safetensors file ({e})")))?;
+    let meta = header
+        .metadata()
+        .clone()
+        .ok_or_else(|| bad("no metadata (not written by hearth --zero)".into()))?;
+    let field = |k: &str| {
+        meta.get(k)
+            .ok_or_else(|| bad(format!("metadata has no {k:?}")))
+    };
+    if field("format")? != FORMAT {
+        return Err(bad(format!(
+            "format {:?}, expected {FORMAT:?}",
+            field("format")?
+        )));
+    }
+    let updates: u64 = field("updates")?
+        .parse()
+        .map_err(|_| bad("updates is not a count".into()))?;
+    let tensors: Vec<(String, usize)> =
+        serde_json::from_str(field("tensors")?).map_err(|e| bad(format!("tensors: {e}")))?;
+    let slots: Vec<String> =
+        serde_json::from_str(field("slots")?).map_err(|e| bad(format!("slots: {e}")))?;
+    let file = SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
+    let total: usize = tensors.iter().map(|t| t.1).sum();
+    let mut out = Vec::with_capacity(slots.len());
+    for slot in slots {
+        let mut values = Vec::with_capacity(total);
+        for (name, len) in &tensors {
+            let key = format!("{name}.{slot}");
+            let t = file
+                .tensor(&key)
+                .map_err(|_| bad(format!("{key} is missing")))?;
+            if t.dtype() != Dtype::F32 || t.shape() != [*len] {
+                return Err(bad(format!(
+                    "{key} is {:?} {:?}, expected F32 [{len}]",
+                    t.dtype(),
+                    t.shape()
+                )));
+            }
+            values.extend(
+                t.data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            );
+        }
+        out.push((slot, values));
+    }
+    Ok(WholeState {
+        tensors,
+        updates,
+        slots: out,
+    })
+}
+
+impl StateStore for Files {
+    fn save(&self, epoch: usize, state: &WholeState) -> std::result::Result<(), String> {
+        self.write(epoch, state).map_err(|e| e.to_string())
+    }
+
+    fn load(&self, epoch: usize) -> std::result::Result<WholeState, String> {
+        read_state(&state_file(&self.run_dir, epoch)).map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_state_round_trips_and_damaged_files_are_errors_naming_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = Files {
+            run_dir: dir.path().to_path_buf(),
+        };
+        let state = WholeState {
+            tensors: vec![("b.weight".into(), 3), ("a.bias".into(), 2)],
+            updates: 7,
+            slots: vec![
+                ("moment_1".into(), vec![1.0, 2.0, 3.0, 4.0, 5.0]),
+                (
+                    "moment_2".into(),
+                    vec![0.5, 0.25, 0.0, -1.0, f32::MIN_POSITIVE],
+                ),
+            ],
+        };
+        for epoch in 1..=4 {
+            files.write(epoch, &state).unwrap();
+        }
+        let mut kept = state_epochs(dir.path());
+        kept.sort();
+        assert_eq!(kept, vec![3, 4], "the two latest are kept");
+        let path = state_file(dir.path(), 4);
+        assert_eq!(read_state(&path).unwrap(), state);
+        // Any safetensors reader sees whole named tensors.
+        let bytes = std::fs::read(&path).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(st.tensor("a.bias.moment_2").unwrap().shape(), [2]);
+
+        let cut = dir.path().join("cut.safetensors");
+        std::fs::write(&cut, &bytes[..bytes.len() - 3]).unwrap();
+        let e = read_state(&cut).unwrap_err().to_string();
+        assert!(e.contains("cut.safetensors"), "{e}");
+        std::fs::write(&cut, b"garbage").unwrap();
+        let e = read_state(&cut).unwrap_err().to_string();
+        assert!(
+            e.contains("cut.safetensors") && e.contains("not a safetensors"),
+            "{e}"
+        );
+        let e = read_state(&dir.path().join("none.safetensors"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("none.safetensors"), "{e}");
+        // A file without our metadata (any other safetensors file).
+        let plain = dir.path().join("plain.safetensors");
+        let v = [1.0f32];
+        safetensors::serialize_to_file([("x", Part(&v, [1]))], None, &plain).unwrap();
+        let e = read_state(&plain).unwrap_err().to_string();
+        assert!(e.contains("no metadata"), "{e}");
+    }
+
+    #[test]
+    fn resume_refuses_to_switch_sharding_on_or_off() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("checkpoint")).unwrap();
+        let mut cfg = TrainConfig::new(dir.path().to_path_buf());
+        cfg.zero = 2;
+        let e = check_resume(&cfg, 3).unwrap_err().to_string();
+        assert!(e.contains("optim-zero-3.safetensors is missing"), "{e}");
+        std::fs::write(state_file(dir.path(), 3), b"x").unwrap();
+        check_resume(&cfg, 3).unwrap();
+        cfg.zero = 0;
+        let e = check_resume(&cfg, 3).unwrap_err().to_string();
+        assert!(
+            e.contains("without --zero") && e.contains("any number of ranks"),
+            "{e}"
+        );
+    }
+}
