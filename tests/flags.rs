@@ -89,6 +89,7 @@ fn setting(flag: &str) -> Vec<&'static str> {
         "--bucket-mb" => &["--bucket-mb", "4"],
         "--compression" => &["--compression", "bf16"],
         "--precision" => &["--precision", "bf16"],
+        "--zero" => &["--zero", "1"],
         "--micro-batches" => &["--micro-batches", "2"],
         "--pipeline-schedule" => &["--pipeline-schedule", "gpipe"],
         "--pipeline-split" => &["--pipeline-split", "0:2,2:6"],
@@ -147,6 +148,13 @@ fn expect(flag: &str, mode: &str) -> Expect {
         ("--compression", "parameter servers") => Refused("--compression bf16 does not apply"),
         ("--bucket-mb", "parameter servers") => Refused("--bucket-mb does not apply"),
         ("--bucket-mb", _) => Mechanics,
+        // The sharded optimizer shards over data-parallel ranks (tests/zero.rs).
+        ("--zero", "single") => Refused("a one-process run has one"),
+        ("--zero", "elastic") => Refused("--zero does not work with --elastic: not built yet"),
+        ("--zero", "parameter servers") => Refused("--zero does not work with --ps"),
+        ("--zero", "pipeline") => {
+            Refused("--zero does not work with --pipeline-stages: not built yet")
+        }
         // Not built yet (said by name).
         // No meaning: a pipeline's micro-batches are its accumulation.
         ("--grad-accum", "pipeline") => Refused("--micro-batches"),
