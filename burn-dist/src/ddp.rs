@@ -32,7 +32,7 @@ use burn::train::{
 use crate::bucket::{BucketPlan, DEFAULT_BUCKET_BYTES};
 use crate::collective::{Communicator, ReduceOp};
 use crate::flat::module::{
-    trainable_grads, trainable_names, trainable_values_in, with_trainable_values,
+    take_trainable_grads, trainable_names, trainable_values_in, with_trainable_values,
 };
 use crate::flat::optim::ShardOptimizer;
 use crate::zero::{Stage, Stepped, WholeState, ZeroOptimizer};
@@ -409,7 +409,8 @@ pub fn sharded_step<M: Module>(
     lr: f64,
     take: &mut dyn FnMut(bool) -> bool,
 ) -> Result<Option<M>> {
-    let g = trainable_grads(model, &grads);
+    let mut grads = grads;
+    let g = take_trainable_grads(model, &mut grads, zero.total());
     drop(grads);
     let shard = trainable_values_in(model, zero.range());
     match zero.step(comm, g, &shard, lr as f32, take)? {

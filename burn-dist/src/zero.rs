@@ -206,9 +206,10 @@ impl ZeroOptimizer {
         let g = match self.stage {
             Stage::One => {
                 comm.allreduce(&mut grad, ReduceOp::Mean)?;
-                grad.truncate(range.end);
-                grad.drain(..range.start);
-                grad
+                // The shard copied out, so the whole gradient's memory goes now.
+                let mine = grad[range.clone()].to_vec();
+                drop(grad);
+                mine
             }
             Stage::Two => comm.reduce_scatter(grad, ReduceOp::Mean)?,
         };

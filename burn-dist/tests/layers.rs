@@ -1,6 +1,7 @@
 //! burn-dist's modules depend one way (DESIGN.md; the list in `src/lib.rs`): settings at the
 //! bottom, the transports side by side over the `Transport` trait, the routing transport above
-//! QUIC and shared memory, the rendezvous above that, the collectives over the trait alone.
+//! QUIC and shared memory, the rendezvous above that, the collectives over the trait alone, the
+//! flat-vector layer on nothing, the sharded optimizer over it and the collectives.
 //! This reads every source file (test modules aside) and fails on any `crate::` path that goes
 //! against that order, naming the file, the line and the layer it reached.
 
@@ -22,6 +23,11 @@ const LAYERS: &[(&str, &[&str])] = &[
         &["routed", "settings", "shm", "tls", "transport", "wire"],
     ),
     ("collective/", &["settings", "split", "transport", "wire"]),
+    // A model as a flat vector (layout, module glue, optimizers): nothing but itself; the
+    // sharded optimizer over it and the collectives; DDP over both.
+    ("flat/", &["flat"]),
+    ("zero.rs", &["collective", "flat"]),
+    ("ddp.rs", &["bucket", "collective", "flat", "zero"]),
 ];
 
 fn sources(dir: &Path, out: &mut Vec<PathBuf>) {

@@ -588,6 +588,14 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         }
         Err(e) => return Err(e.into()),
     };
+    // Every rank's own peak (ranks differ: rank 0 writes checkpoints, --zero shards state).
+    let peak = hearth::loader_bench::peak_rss_mb();
+    if peak > 0.0 {
+        eprintln!(
+            "peak memory of rank {} (resident, VmHWM): {peak:.0} MB",
+            report.rank
+        );
+    }
     if report.rank != 0 {
         return Ok(());
     }

@@ -106,6 +106,39 @@ pub fn trainable_values<M: Module>(module: &M) -> Vec<f32> {
     v.out
 }
 
+/// [`trainable_grads`] taking each gradient out of `grads` as it is copied, so the flat vector
+/// grows while the gradients it holds are freed (a rank never holds both whole: what a sharded
+/// optimizer's memory depends on). `total` is the vector's length, allocated once.
+pub fn take_trainable_grads<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    total: usize,
+) -> Vec<f32> {
+    struct Take<'a> {
+        grads: &'a mut GradientsParams,
+        out: Vec<f32>,
+    }
+    impl ModuleVisitor for Take<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let t = param.val();
+            if !t.is_require_grad() {
+                return;
+            }
+            let n = t.shape().num_elements();
+            match self.grads.remove::<D>(param.id) {
+                Some(g) => self.out.extend(flat(g)),
+                None => self.out.extend(std::iter::repeat_n(0.0, n)),
+            }
+        }
+    }
+    let mut v = Take {
+        grads,
+        out: Vec::with_capacity(total),
+    };
+    module.visit(&mut v);
+    v.out
+}
+
 /// Values `range` of [`trainable_values`], reading only the tensors that meet it (a shard's
 /// values, without a copy of the whole vector).
 pub fn trainable_values_in<M: Module>(module: &M, range: std::ops::Range<usize>) -> Vec<f32> {
@@ -268,6 +301,15 @@ mod tests {
         let grads = GradientsParams::from_grads(loss.backward(), &net);
         let g = trainable_grads(&net, &grads);
         assert_eq!(g.len(), total);
+        let mut taken = GradientsParams::from_grads(
+            net.fc
+                .forward(Tensor::<2>::ones([4, 3], &device))
+                .sum()
+                .backward(),
+            &net,
+        );
+        assert_eq!(take_trainable_grads(&net, &mut taken, total), g);
+        assert!(taken.is_empty(), "every gradient was taken out");
         assert_eq!(
             &g[..6],
             &[4.0; 6],

@@ -1,0 +1,372 @@
+//! Memory at scale: each rank's peak resident memory and the step time of data parallel with
+//! the plain optimizer and with the sharded one (`--zero 1|2`), against PyTorch DDP over gloo
+//! (plain, and `ZeroRedundancyOptimizer`, PyTorch's stage 1) on this machine, in the same run.
+//!
+//!   cargo bench --bench memory
+//!   HEARTH_MEM_MODELS=resnet50 HEARTH_MEM_RANKS=1,2 cargo bench --bench memory     # a part
+//!
+//! Every configuration is a real job: `hearth train --nproc N --model M --size 32
+//! --batch-size 2N --epochs 1` over a synthetic set of 3 classes x 32 images (2 images per rank
+//! and step, so the activations per rank stay the same and only what sharding moves changes).
+//! Each rank prints its peak (VmHWM) at the end; the step time is the global batch over the
+//! epoch's `train_images_per_sec`. The optimizer state a rank holds is counted from the model:
+//! SGD with momentum keeps one value per trainable parameter, Adam two; `--zero` keeps 1/N of
+//! them. The goal (issue 29): the state's share of a rank falls as 1/N (the peak saved against
+//! plain data parallel within 10% of the state sharding removes), and the step with `--zero 2`
+//! within 10% of plain data parallel's.
+//!
+//! Without `--bench` (`cargo test --benches`) it runs a small smoke configuration.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// One measured job.
+#[derive(Debug, Clone, Default)]
+struct Measured {
+    /// Each rank's peak, MB.
+    peaks: Vec<f64>,
+    step_ms: f64,
+    /// Trainable values (from the ZeRO line; 0 where the run printed none).
+    values: u64,
+}
+
+fn list(key: &str, default: &str) -> Vec<String> {
+    std::env::var(key)
+        .unwrap_or_else(|_| default.to_string())
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+fn cpu() -> String {
+    let text = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let name = text
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .unwrap_or("?")
+        .trim()
+        .to_string();
+    let flags = text.lines().find(|l| l.starts_with("flags")).unwrap_or("");
+    let isa = if flags.contains("avx512f") {
+        "AVX-512"
+    } else if flags.contains("avx2") {
+        "AVX2"
+    } else {
+        "no AVX2"
+    };
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{name}, {isa}, {cores} cores")
+}
+
+/// `hearth train` as one job of `ranks`; what it measured.
+#[allow(clippy::too_many_arguments)]
+fn hearth(
+    dir: &Path,
+    data: &Path,
+    model: &str,
+    optimizer: &str,
+    ranks: usize,
+    zero: u8,
+    size: usize,
+    per_rank: usize,
+) -> Result<Measured, String> {
+    let run = dir.join(format!("{model}-{optimizer}-{ranks}-{zero}"));
+    let batch = (per_rank * ranks).to_string();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hearth"));
+    cmd.args(["train", "--data"])
+        .arg(data)
+        .args(["--model", model, "--optimizer", optimizer])
+        .args(["--size", &size.to_string(), "--batch-size", &batch])
+        .args(["--epochs", "1", "--warmup-epochs", "0", "--augment", "none"])
+        .args(["--workers", "1", "--nproc", &ranks.to_string()])
+        .args(["--lr", if optimizer == "adam" { "0.001" } else { "0.01" }])
+        .arg("--run-dir")
+        .arg(&run)
+        .env_remove("HEARTH_RANK")
+        .env_remove("HEARTH_WORLD_SIZE")
+        .env_remove("HEARTH_COORDINATOR");
+    if zero > 0 {
+        cmd.args(["--zero", &zero.to_string()]);
+    }
+    let out = cmd.output().map_err(|e| format!("hearth: {e}"))?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if !out.status.success() {
+        return Err(format!(
+            "hearth {model} {optimizer} N={ranks} zero {zero} failed:\n{text}"
+        ));
+    }
+    let mut m = Measured {
+        peaks: vec![0.0; ranks],
+        ..Default::default()
+    };
+    for line in text.lines() {
+        if let Some(rest) = line.split("peak memory of rank ").nth(1) {
+            let rank: usize = rest
+                .split(' ')
+                .next()
+                .and_then(|r| r.parse().ok())
+                .unwrap_or(0);
+            let mb = rest
+                .split("VmHWM): ")
+                .nth(1)
+                .and_then(|v| v.trim_end_matches(" MB").trim().parse().ok())
+                .unwrap_or(0.0);
+            if rank < ranks {
+                m.peaks[rank] = mb;
+            }
+        }
+        if let Some(rest) = line.split("(of ").nth(1)
+            && let Some(v) = rest.split(' ').next().and_then(|v| v.parse().ok())
+        {
+            m.values = v;
+        }
+    }
+    let csv = std::fs::read_to_string(run.join("metrics.csv")).map_err(|e| e.to_string())?;
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().unwrap_or("").split(',').collect();
+    let row: Vec<&str> = lines.next().unwrap_or("").split(',').collect();
+    let col = header
+        .iter()
+        .position(|h| *h == "train_images_per_sec")
+        .ok_or("no train_images_per_sec")?;
+    let ips: f64 = row.get(col).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    m.step_ms = 1000.0 * (per_rank * ranks) as f64 / ips.max(1e-9);
+    let _ = std::fs::remove_dir_all(&run);
+    Ok(m)
+}
+
+/// PyTorch's job of the same shape (`zero` 1 or 2: ZeroRedundancyOptimizer, its stage 1).
+fn torch(
+    python: &Path,
+    model: &str,
+    optimizer: &str,
+    ranks: usize,
+    zero: u8,
+    size: usize,
+    per_rank: usize,
+    steps: usize,
+) -> Result<Measured, String> {
+    let out = Command::new(python)
+        .arg(common::peer_script("torch_memory.py"))
+        .args(["--model", model, "--optimizer", optimizer])
+        .args([
+            "--ranks",
+            &ranks.to_string(),
+            "--zero",
+            &(zero.min(1)).to_string(),
+        ])
+        .args([
+            "--batch",
+            &per_rank.to_string(),
+            "--size",
+            &size.to_string(),
+        ])
+        .args(["--steps", &steps.to_string()])
+        .output()
+        .map_err(|e| format!("python: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "torch {model} N={ranks} failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let mut m = Measured {
+        peaks: vec![0.0; ranks],
+        ..Default::default()
+    };
+    let mut times = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let field = |k: &str| -> Option<f64> {
+            line.split(&format!("\"{k}\": "))
+                .nth(1)?
+                .split([',', '}'])
+                .next()?
+                .trim()
+                .parse()
+                .ok()
+        };
+        if let (Some(r), Some(p), Some(t)) = (field("rank"), field("peak_mb"), field("step_ms")) {
+            if (r as usize) < ranks {
+                m.peaks[r as usize] = p;
+            }
+            times.push(t);
+        }
+    }
+    m.step_ms = times.iter().cloned().fold(0.0, f64::max);
+    Ok(m)
+}
+
+fn max(v: &[f64]) -> f64 {
+    v.iter().cloned().fold(0.0, f64::max)
+}
+
+fn main() {
+    let bench = std::env::args().any(|a| a == "--bench");
+    let (models, optimizers, ranks, size, per_rank) = if bench {
+        (
+            list("HEARTH_MEM_MODELS", "vgg16,resnet50"),
+            list("HEARTH_MEM_OPTIMIZERS", "sgd,adam"),
+            list("HEARTH_MEM_RANKS", "1,2,4"),
+            common::env_usize("HEARTH_MEM_SIZE", 32),
+            common::env_usize("HEARTH_MEM_PER_RANK", 2),
+        )
+    } else {
+        // Smoke: a tiny model, plain and sharded on 2 ranks, no peer.
+        (
+            vec!["resnet-mini".to_string()],
+            vec!["adam".to_string()],
+            vec!["2".to_string()],
+            32,
+            2,
+        )
+    };
+    let dir = tempfile_dir();
+    let data = dir.join("data");
+    let per_class = 32;
+    hearth::datasets::synth::generate(
+        &data,
+        &hearth::datasets::synth::SynthConfig::new(3, per_class, 32)
+            .with_seed(3)
+            .with_val(1),
+    )
+    .expect("writing the synthetic set");
+    let python = if bench { common::torch_python() } else { None };
+    if bench && python.is_none() {
+        eprintln!(
+            "PyTorch not found (bash scripts/setup_pytorch.sh): the peer columns are skipped"
+        );
+    }
+    println!("# {}; per-rank batch {per_rank} at {size}x{size}", cpu());
+    println!(
+        "| model | optimizer | N | zero | Hearth peak per rank (max), MB | state per rank, MB | saved vs zero 0, MB (of the state's) | step, ms | PyTorch peak per rank, MB | PyTorch step, ms | peak ratio Hearth/PyTorch | step ratio |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    // Trainable values per model (3 classes), counted on the model itself.
+    let mut values: BTreeMap<String, u64> = BTreeMap::new();
+    for model in &models {
+        let n = hearth::train::model_config(model, 3)
+            .and_then(|c| Ok(c.init(&burn::prelude::Device::flex())?))
+            .map(|m| m.learnable_params() as u64)
+            .expect("building the model to count its parameters");
+        values.insert(model.clone(), n);
+    }
+    for model in &models {
+        for optimizer in &optimizers {
+            let slots = if optimizer == "adam" { 2.0 } else { 1.0 };
+            for n in &ranks {
+                let n: usize = n.parse().expect("HEARTH_MEM_RANKS: numbers");
+                let stages: &[u8] = if n > 1 { &[0, 1, 2] } else { &[0] };
+                let mut plain: Option<Measured> = None;
+                let mut torch_plain: Option<Measured> = None;
+                let mut torch_zero: Option<Measured> = None;
+                for &zero in stages {
+                    let m = match hearth(&dir, &data, model, optimizer, n, zero, size, per_rank) {
+                        Ok(m) => m,
+                        Err(e) => {
+                            eprintln!("{e}");
+                            continue;
+                        }
+                    };
+                    if m.values > 0 && values.get(model) != Some(&m.values) {
+                        eprintln!(
+                            "{model}: the sharded run counted {} values, the model {:?}",
+                            m.values,
+                            values.get(model)
+                        );
+                    }
+                    let steps = (3 * per_class / (per_rank * n)).max(2);
+                    let peer = match (&python, zero) {
+                        (Some(py), 0) => torch_plain
+                            .get_or_insert_with(|| {
+                                torch(py, model, optimizer, n, 0, size, per_rank, steps)
+                                    .unwrap_or_else(|e| {
+                                        eprintln!("{e}");
+                                        Measured::default()
+                                    })
+                            })
+                            .clone(),
+                        (Some(py), _) => torch_zero
+                            .get_or_insert_with(|| {
+                                torch(py, model, optimizer, n, 1, size, per_rank, steps)
+                                    .unwrap_or_else(|e| {
+                                        eprintln!("{e}");
+                                        Measured::default()
+                                    })
+                            })
+                            .clone(),
+                        _ => Measured::default(),
+                    };
+                    let total = values.get(model).copied().unwrap_or(0) as f64;
+                    let state = |shards: f64| slots * total * 4.0 / 1e6 / shards;
+                    let held = if zero > 0 {
+                        state(n as f64)
+                    } else {
+                        state(1.0)
+                    };
+                    let saved = match (&plain, zero) {
+                        (Some(p), z) if z > 0 => format!(
+                            "{:.0} ({:.0})",
+                            max(&p.peaks) - max(&m.peaks),
+                            state(1.0) - state(n as f64)
+                        ),
+                        _ => "-".into(),
+                    };
+                    let ratio = |a: f64, b: f64| {
+                        if b > 0.0 {
+                            format!("{:.2}", a / b)
+                        } else {
+                            "-".into()
+                        }
+                    };
+                    println!(
+                        "| {model} | {optimizer} | {n} | {zero} | {:.0} | {} | {saved} | {:.0} | {} | {} | {} | {} |",
+                        max(&m.peaks),
+                        if total > 0.0 {
+                            format!("{held:.0}")
+                        } else {
+                            "?".into()
+                        },
+                        m.step_ms,
+                        if peer.step_ms > 0.0 {
+                            format!("{:.0}", max(&peer.peaks))
+                        } else {
+                            "-".into()
+                        },
+                        if peer.step_ms > 0.0 {
+                            format!("{:.0}", peer.step_ms)
+                        } else {
+                            "-".into()
+                        },
+                        ratio(max(&m.peaks), max(&peer.peaks)),
+                        ratio(m.step_ms, peer.step_ms),
+                    );
+                    if zero == 0 {
+                        plain = Some(m);
+                    }
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A scratch folder under the target directory's tmp (not /tmp: a VGG-16 set of runs writes
+/// checkpoints of 1 GB each, removed as it goes).
+fn tempfile_dir() -> PathBuf {
+    let base = std::env::var_os("CARGO_TARGET_TMPDIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    let dir = base.join(format!("hearth-memory-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("creating the bench's folder");
+    dir
+}
