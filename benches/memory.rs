@@ -26,8 +26,10 @@ use std::process::Command;
 /// One measured job.
 #[derive(Debug, Clone, Default)]
 struct Measured {
-    /// Each rank's peak, MB.
+    /// Each rank's peak, MB: resident (VmHWM), and live heap bytes (Hearth's counting
+    /// allocator; what the process needed, apart from what the C allocator kept of freed memory).
     peaks: Vec<f64>,
+    heaps: Vec<f64>,
     step_ms: f64,
     /// Trainable values (from the ZeRO line; 0 where the run printed none).
     values: u64,
@@ -106,6 +108,7 @@ fn hearth(
     }
     let mut m = Measured {
         peaks: vec![0.0; ranks],
+        heaps: vec![0.0; ranks],
         ..Default::default()
     };
     for line in text.lines() {
@@ -118,16 +121,24 @@ fn hearth(
             let mb = rest
                 .split("VmHWM): ")
                 .nth(1)
-                .and_then(|v| v.trim_end_matches(" MB").trim().parse().ok())
+                .and_then(|v| v.split(" MB").next())
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0.0);
+            let heap = rest
+                .split("heap at most ")
+                .nth(1)
+                .and_then(|v| v.split(" MB").next())
+                .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(0.0);
             if rank < ranks {
                 m.peaks[rank] = mb;
+                m.heaps[rank] = heap;
             }
         }
-        if let Some(rest) = line.split("(of ").nth(1)
-            && let Some(v) = rest.split(' ').next().and_then(|v| v.parse().ok())
+        if let Some(rest) = line.split("keeps the optimizer state of ").nth(1)
+            && let Some(v) = rest.split(" of ").nth(1).and_then(|v| v.split(' ').next())
         {
-            m.values = v;
+            m.values = v.parse().unwrap_or(0);
         }
     }
     let csv = std::fs::read_to_string(run.join("metrics.csv")).map_err(|e| e.to_string())?;
@@ -247,7 +258,7 @@ fn main() {
     }
     println!("# {}; per-rank batch {per_rank} at {size}x{size}", cpu());
     println!(
-        "| model | optimizer | N | zero | Hearth peak per rank (max), MB | state per rank, MB | saved vs zero 0, MB (of the state's) | step, ms | PyTorch peak per rank, MB | PyTorch step, ms | peak ratio Hearth/PyTorch | step ratio |"
+        "| model | optimizer | N | zero | Hearth peak per rank, MB: resident / live heap | optimizer state per rank, MB | saved vs zero 0, MB: resident / heap (the state's share) | step, ms | PyTorch peak per rank, MB | PyTorch step, ms | peak ratio Hearth/PyTorch | step ratio |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     // Trainable values per model (3 classes), counted on the model itself.
@@ -314,8 +325,9 @@ fn main() {
                     };
                     let saved = match (&plain, zero) {
                         (Some(p), z) if z > 0 => format!(
-                            "{:.0} ({:.0})",
+                            "{:.0} / {:.0} ({:.0})",
                             max(&p.peaks) - max(&m.peaks),
+                            max(&p.heaps) - max(&m.heaps),
                             state(1.0) - state(n as f64)
                         ),
                         _ => "-".into(),
@@ -328,8 +340,9 @@ fn main() {
                         }
                     };
                     println!(
-                        "| {model} | {optimizer} | {n} | {zero} | {:.0} | {} | {saved} | {:.0} | {} | {} | {} | {} |",
+                        "| {model} | {optimizer} | {n} | {zero} | {:.0} / {:.0} | {} | {saved} | {:.0} | {} | {} | {} | {} |",
                         max(&m.peaks),
+                        max(&m.heaps),
                         if total > 0.0 {
                             format!("{held:.0}")
                         } else {

@@ -15,6 +15,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
+/// The most bytes ever live at once.
+static PEAK: AtomicUsize = AtomicUsize::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
 /// The system allocator, counting live bytes (two relaxed atomic operations per call).
@@ -27,7 +29,8 @@ unsafe impl GlobalAlloc for CountingAllocator {
         // SAFETY: forwarded as is.
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
-            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
             INSTALLED.store(true, Ordering::Relaxed);
         }
         p
@@ -37,7 +40,8 @@ unsafe impl GlobalAlloc for CountingAllocator {
         // SAFETY: forwarded as is.
         let p = unsafe { System.alloc_zeroed(layout) };
         if !p.is_null() {
-            LIVE.fetch_add(layout.size(), Ordering::Relaxed);
+            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
             INSTALLED.store(true, Ordering::Relaxed);
         }
         p
@@ -53,11 +57,20 @@ unsafe impl GlobalAlloc for CountingAllocator {
         // SAFETY: forwarded as is.
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
-            LIVE.fetch_add(new_size, Ordering::Relaxed);
+            let now = LIVE.fetch_add(new_size, Ordering::Relaxed) + new_size;
+            PEAK.fetch_max(now, Ordering::Relaxed);
             LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
         }
         p
     }
+}
+
+/// The most bytes live at once since the process started (what its memory needs, apart from
+/// what the C allocator keeps of freed memory), when the program uses [`CountingAllocator`].
+pub fn peak_live_bytes() -> Option<usize> {
+    INSTALLED
+        .load(Ordering::Relaxed)
+        .then(|| PEAK.load(Ordering::Relaxed))
 }
 
 /// Bytes live in the process now, when the program uses [`CountingAllocator`].

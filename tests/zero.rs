@@ -224,7 +224,7 @@ fn zero_1_and_2_train_an_image_model_as_plain_data_parallel_does_and_resume_exac
     run_job(dir.path(), &data, &three, 2, &first, &[]);
     let logs = run_job(dir.path(), &data, &three, 3, &["--resume"], &[]);
     assert!(
-        logs.contains("ZeRO stage 2: rank 0 keeps") && logs.contains("of 3"),
+        logs.contains("ZeRO stage 2: rank 0 keeps") && logs.contains("segment 0 of 3"),
         "{logs}"
     );
     assert_eq!(metrics(&three).len(), 2);
@@ -295,7 +295,7 @@ fn a_state_written_by_four_ranks_resumes_exactly_on_two() {
         again.extend(["--resume", "--zero", "1"]);
         let out = launch(2, &resumed, &again);
         assert!(
-            out.contains("resuming after epoch 1") && out.contains("shard 0 of 2"),
+            out.contains("resuming after epoch 1") && out.contains("segment 0 of 2"),
             "{out}"
         );
         let plain = metrics(&run(&format!("{optimizer}-plain")));

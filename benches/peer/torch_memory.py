@@ -23,6 +23,8 @@ def run(rank, args, port, out):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    # The machine's cores shared among the ranks (torchrun's advice; one rank keeps them all).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
     torch.manual_seed(0)
     model = getattr(torchvision.models, args.model)(num_classes=3)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if args.ranks > 1 else model

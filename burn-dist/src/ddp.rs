@@ -32,7 +32,7 @@ use burn::train::{
 use crate::bucket::{BucketPlan, DEFAULT_BUCKET_BYTES};
 use crate::collective::{Communicator, ReduceOp};
 use crate::flat::module::{
-    take_trainable_grads, trainable_names, trainable_values_in, with_trainable_values,
+    take_trainable_grads_of, trainable_names, trainable_values_in, with_trainable_parts,
 };
 use crate::flat::optim::ShardOptimizer;
 use crate::zero::{Stage, Stepped, WholeState, ZeroOptimizer};
@@ -397,25 +397,45 @@ pub struct Sharding {
     pub store: Arc<dyn StateStore>,
 }
 
-/// One sharded step on `model`: `grads` (this rank's mean) to the whole flat gradient, the
-/// shard's update at rate `lr`, the whole updated vector back into the module (`None`:
-/// skipped, the module unchanged). `take(finite)` decides with the agreed verdict on the
-/// averaged gradients (fp16 loss scaling; `|_| true` steps always, as plain data parallel).
+/// One sharded step on `model`: `grads` (this rank's mean) taken bucket by bucket into the
+/// sharded optimizer ([`ZeroOptimizer::step`]), the shard's update at rate `lr`, the updated
+/// values back into the module (`None`: skipped, the module unchanged). `take(finite)` decides
+/// with the agreed verdict on the averaged gradients (fp16 loss scaling; `|_| true` steps
+/// always, as plain data parallel).
 pub fn sharded_step<M: Module>(
     zero: &mut ZeroOptimizer,
     model: &M,
-    grads: GradientsParams,
+    mut grads: GradientsParams,
     comm: &Communicator,
     lr: f64,
     take: &mut dyn FnMut(bool) -> bool,
 ) -> Result<Option<M>> {
-    let mut grads = grads;
-    let g = take_trainable_grads(model, &mut grads, zero.total());
-    drop(grads);
-    let shard = trainable_values_in(model, zero.range());
-    match zero.step(comm, g, &shard, lr as f32, take)? {
+    let mut source = ModuleSource {
+        model,
+        grads: &mut grads,
+    };
+    match zero.step(comm, &mut source, lr as f32, take)? {
         Stepped::Skipped => Ok(None),
-        Stepped::Updated(whole) => with_trainable_values(model.clone(), &whole).map(Some),
+        Stepped::Updated(parts) => {
+            drop(grads);
+            with_trainable_parts(model.clone(), parts).map(Some)
+        }
+    }
+}
+
+/// A module and its gradients as a [`crate::zero::StepSource`]: each bucket's gradients taken
+/// out as they are flattened, the values of a range read from the tensors that meet it.
+struct ModuleSource<'a, M: Module> {
+    model: &'a M,
+    grads: &'a mut GradientsParams,
+}
+
+impl<M: Module> crate::zero::StepSource for ModuleSource<'_, M> {
+    fn grads(&mut self, tensors: std::ops::Range<usize>) -> Vec<f32> {
+        take_trainable_grads_of(self.model, self.grads, tensors)
+    }
+    fn values(&mut self, range: std::ops::Range<usize>) -> Vec<f32> {
+        trainable_values_in(self.model, range)
     }
 }
 
@@ -455,7 +475,13 @@ impl DdpStrategy {
             return Ok(None);
         };
         let names = trainable_names(model);
-        let mut z = ZeroOptimizer::new(s.stage, &names, s.optimizer.clone(), &self.comm)?;
+        let mut z = ZeroOptimizer::new(
+            s.stage,
+            &names,
+            s.optimizer.clone(),
+            &self.comm,
+            self.bucket_bytes,
+        )?;
         if starting_epoch > 1 {
             let loaded = (self.comm.rank() == 0).then(|| s.store.load(starting_epoch - 1));
             let root = loaded.as_ref().map(|r| r.as_ref().map_err(String::clone));
@@ -463,10 +489,9 @@ impl DdpStrategy {
         }
         if self.comm.rank() == 0 {
             eprintln!(
-                "ZeRO stage {}: rank 0 keeps the optimizer state of {} (of {} values)",
+                "ZeRO stage {}: rank 0 keeps the optimizer state of {}",
                 s.stage.number(),
-                z.describe(),
-                z.total()
+                z.describe()
             );
         }
         Ok(Some(z))

@@ -2,17 +2,24 @@
 //! Memory Optimizations Toward Training Trillion Parameter Models", SC 2020).
 //!
 //! Every rank holds the whole model, as in plain data parallel, but only `1/N` of the
-//! optimizer's state: the trainable values form one flat vector ([`crate::flat`]) cut into `N`
-//! contiguous shards balanced by bytes (the cut of [`Communicator::reduce_scatter`] and of
-//! the parameter servers' [`Layout`]), and rank `r` owns shard `r`. A step:
+//! optimizer's state: the trainable values form one flat vector ([`crate::flat`]), cut into
+//! buckets of consecutive tensors (data parallel's fusion buckets, 25 MB by default) and each
+//! bucket into `N` near-equal segments (the cut of [`Communicator::reduce_scatter`]); rank `r`
+//! owns segment `r` of every bucket, `1/N` of the values balanced by bytes. A step:
 //!
-//! 1. the gradients averaged over the ranks: stage 1 allreduces the whole gradient and keeps its
-//!    shard; stage 2 reduce-scatters it, so each rank receives only its shard's sum;
+//! 1. bucket by bucket, the gradients averaged over the ranks: stage 1 allreduces the bucket
+//!    and keeps its segment; stage 2 reduce-scatters it, so each rank receives only its
+//!    segment's sum;
 //! 2. one verdict on whether they are finite (fp16 loss scaling), the same on every rank;
-//! 3. each rank updates its shard with the whole optimizer ([`ShardOptimizer`]: SGD with
-//!    momentum, Adam, AdamW, LARS, whose per-tensor norms are summed over the shards first, so
-//!    a tensor cut between two ranks gets its whole norm);
-//! 4. an all-gather of the updated shards: every rank ends with the same whole vector.
+//! 3. each rank updates its segments with the whole optimizer ([`ShardOptimizer`]: SGD with
+//!    momentum, Adam, AdamW, LARS, whose per-tensor norms are summed over the ranks first, so
+//!    a tensor cut between ranks gets its whole norm);
+//! 4. bucket by bucket, an all-gather of the updated segments: every rank ends with the same
+//!    values.
+//!
+//! Working bucket by bucket keeps a rank's memory at the model, its shard and one bucket in
+//! flight: a whole-vector buffer would cost what sharding saves (measured: `cargo bench --bench
+//! memory`).
 //!
 //! The arithmetic is burn-optim's operation for operation, so a run equals plain data parallel
 //! up to the order of the gradient sums (1e-5).
@@ -24,9 +31,10 @@
 
 use std::ops::Range;
 
+use crate::bucket::BucketPlan;
 use crate::collective::{Communicator, ReduceOp};
-use crate::flat::layout::Layout;
 use crate::flat::optim::ShardOptimizer;
+use crate::split::segment;
 use crate::{DistError, Result};
 
 /// How much of the training state is sharded.
@@ -88,21 +96,66 @@ impl WholeState {
 /// What a step did.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Stepped {
-    /// The whole updated vector (the same on every rank).
-    Updated(Vec<f32>),
+    /// Every trainable tensor's updated values, in order (the same on every rank).
+    Updated(Vec<Vec<f32>>),
     /// The averaged gradients were not all finite, or the guard refused: nothing moved.
     Skipped,
 }
 
+/// Where a step reads what it needs: the gradients of a bucket's tensors (taken, so their
+/// memory can go as they are flattened) and the current values of a range of the vector.
+pub trait StepSource {
+    /// Tensors `tensors` (indices in the trainable order) gradients, concatenated.
+    fn grads(&mut self, tensors: Range<usize>) -> Vec<f32>;
+    /// Values `range` of the whole vector (the same on every rank).
+    fn values(&mut self, range: Range<usize>) -> Vec<f32>;
+}
+
+/// A [`StepSource`] over flat vectors (tests, and callers that hold the vector themselves).
+pub struct FlatSource<'a> {
+    pub grad: &'a [f32],
+    pub values: &'a [f32],
+    /// Each tensor's start in the vector, and the end (`tensors + 1` values).
+    pub offsets: Vec<usize>,
+}
+
+impl StepSource for FlatSource<'_> {
+    fn grads(&mut self, tensors: Range<usize>) -> Vec<f32> {
+        self.grad[self.offsets[tensors.start]..self.offsets[tensors.end]].to_vec()
+    }
+    fn values(&mut self, range: Range<usize>) -> Vec<f32> {
+        self.values[range].to_vec()
+    }
+}
+
+/// A run of consecutive tensors exchanged together (DDP's fusion buckets), cut among the ranks.
+#[derive(Debug, Clone)]
+struct Bucket {
+    /// Its values in the whole vector.
+    range: Range<usize>,
+    /// Its tensors (indices).
+    tensors: Range<usize>,
+}
+
 /// This rank's shard of the optimizer.
+///
+/// The vector is cut twice: into buckets of about `bucket_bytes` (consecutive tensors, as
+/// data parallel fuses gradients), and each bucket into `N` near-equal segments, rank `r`
+/// owning segment `r` of every bucket: `1/N` of the values, balanced by bytes. A step works
+/// bucket by bucket, so besides the model a rank holds its shard and one bucket in flight,
+/// never a second copy of the whole vector.
 pub struct ZeroOptimizer {
     stage: Stage,
-    layout: Layout,
     rank: usize,
-    /// The whole vector's optimizer (the decay ranges of the whole vector) and this shard's.
+    world: usize,
+    tensors: Vec<(String, usize)>,
+    /// Each tensor's start in the vector, and the end.
+    offsets: Vec<usize>,
+    buckets: Vec<Bucket>,
     whole: ShardOptimizer,
-    mine: ShardOptimizer,
-    state: Vec<f32>,
+    /// Per bucket: the optimizer on this rank's segment, and its state there.
+    mine: Vec<ShardOptimizer>,
+    state: Vec<Vec<f32>>,
     updates: u64,
 }
 
@@ -110,7 +163,7 @@ impl std::fmt::Debug for ZeroOptimizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ZeroOptimizer")
             .field("stage", &self.stage)
-            .field("shard", &self.layout.describe(self.rank))
+            .field("shard", &self.describe())
             .field("updates", &self.updates)
             .finish()
     }
@@ -118,39 +171,87 @@ impl std::fmt::Debug for ZeroOptimizer {
 
 impl ZeroOptimizer {
     /// Rank `comm.rank()`'s shard of `optimizer` (set for the whole vector of `tensors`: its
-    /// decay ranges and, for LARS, its extents) over `comm.world()` ranks.
+    /// decay ranges and, for LARS, its extents) over `comm.world()` ranks, in buckets of
+    /// `bucket_bytes`.
     pub fn new(
         stage: Stage,
         tensors: &[(String, usize)],
         optimizer: ShardOptimizer,
         comm: &Communicator,
+        bucket_bytes: usize,
     ) -> Result<Self> {
-        let layout = Layout::new(tensors, comm.world())?;
+        let sizes: Vec<usize> = tensors.iter().map(|t| t.1).collect();
+        let total: usize = sizes.iter().sum();
+        let world = comm.world();
+        if total == 0 {
+            return Err(DistError::Config(
+                "sharded optimizer: the model has no trainable values".into(),
+            ));
+        }
+        let mut offsets = Vec::with_capacity(sizes.len() + 1);
+        let mut at = 0;
+        for s in &sizes {
+            offsets.push(at);
+            at += s;
+        }
+        offsets.push(at);
+        let buckets: Vec<Bucket> = BucketPlan::new(&sizes, bucket_bytes)
+            .buckets
+            .into_iter()
+            .map(|t| Bucket {
+                range: offsets[t.start]..offsets[t.end],
+                tensors: t,
+            })
+            .collect();
         let rank = comm.rank();
-        let mine = optimizer.restrict(layout.range(rank));
-        Ok(Self {
+        let mut z = Self {
             stage,
-            layout,
             rank,
+            world,
+            tensors: tensors.to_vec(),
+            offsets,
             whole: optimizer,
-            mine,
-            state: Vec::new(),
+            mine: Vec::new(),
+            state: vec![Vec::new(); buckets.len()],
+            buckets,
             updates: 0,
-        })
+        };
+        z.mine = (0..z.buckets.len())
+            .map(|b| z.whole.restrict(z.segment(b, rank)))
+            .collect();
+        Ok(z)
     }
 
     pub fn stage(&self) -> Stage {
         self.stage
     }
 
-    /// The values this rank updates, in the whole vector.
-    pub fn range(&self) -> Range<usize> {
-        self.layout.range(self.rank)
+    /// Rank `r`'s segment of bucket `b`, in the whole vector.
+    fn segment(&self, b: usize, r: usize) -> Range<usize> {
+        let range = &self.buckets[b].range;
+        let (lo, hi) = segment(range.len(), self.world, r);
+        range.start + lo..range.start + hi
+    }
+
+    /// Bucket `b`'s cut among the ranks, relative to its start (`world + 1` bounds).
+    fn bounds(&self, b: usize) -> Vec<usize> {
+        let len = self.buckets[b].range.len();
+        // segment(len, n, n).0 is len: the last bound.
+        (0..=self.world)
+            .map(|r| segment(len, self.world, r).0)
+            .collect()
     }
 
     /// Values in the whole vector.
     pub fn total(&self) -> usize {
-        self.layout.total()
+        self.offsets[self.offsets.len() - 1]
+    }
+
+    /// The values this rank updates (its segment of every bucket).
+    pub fn shard_len(&self) -> usize {
+        (0..self.buckets.len())
+            .map(|b| self.segment(b, self.rank).len())
+            .sum()
     }
 
     /// Updates taken (skipped steps not counted).
@@ -161,156 +262,215 @@ impl ZeroOptimizer {
     /// The optimizer state this rank holds, in values (what sharding saves: a rank of plain
     /// data parallel holds the whole vector's).
     pub fn state_len(&self) -> usize {
-        self.state.len()
+        self.state.iter().map(Vec::len).sum()
     }
 
     /// A description of this rank's shard, for logs.
     pub fn describe(&self) -> String {
-        self.layout.describe(self.rank)
+        format!(
+            "{} of {} values (segment {} of {} in each of {} buckets)",
+            self.shard_len(),
+            self.total(),
+            self.rank,
+            self.world,
+            self.buckets.len()
+        )
     }
 
-    fn bounds(&self) -> Vec<usize> {
-        let n = self.layout.servers();
-        let mut b: Vec<usize> = (0..n).map(|s| self.layout.range(s).start).collect();
-        b.push(self.layout.total());
-        b
-    }
-
-    /// One step. `grad` is this rank's whole gradient (the mean over its own samples; every
-    /// rank holds the same number, as data parallel splits the global batch evenly), `shard`
-    /// the current values of [`Self::range`] (the same on every rank), `lr` the schedule's
-    /// rate. `take(finite)` decides, with whether every averaged gradient value is finite,
-    /// whether to update (the same on every rank, since `finite` is agreed first). Every rank
-    /// must call it alike.
+    /// One step. `source` gives each bucket's gradient (this rank's mean over its own
+    /// samples; every rank holds the same number, as data parallel splits the global batch
+    /// evenly) and the current values of this rank's segments (the same on every rank); `lr` is
+    /// the schedule's rate. `take(finite)` decides, with whether every averaged gradient value
+    /// is finite, whether to update (the same on every rank, since `finite` is agreed first).
+    /// Every rank must call it alike.
     pub fn step(
         &mut self,
         comm: &Communicator,
-        mut grad: Vec<f32>,
-        shard: &[f32],
+        source: &mut dyn StepSource,
         lr: f32,
         take: &mut dyn FnMut(bool) -> bool,
     ) -> Result<Stepped> {
-        let range = self.range();
-        if grad.len() != self.total() || shard.len() != range.len() {
-            return Err(DistError::Mismatch {
-                op: "sharded optimizer step".into(),
-                reason: format!(
-                    "a gradient of {} values and a shard of {} for a vector of {} ({})",
-                    grad.len(),
-                    shard.len(),
-                    self.total(),
-                    self.describe()
-                ),
-            });
-        }
-        let g = match self.stage {
-            Stage::One => {
-                comm.allreduce(&mut grad, ReduceOp::Mean)?;
-                // The shard copied out, so the whole gradient's memory goes now.
-                let mine = grad[range.clone()].to_vec();
-                drop(grad);
-                mine
+        // 1. Each bucket's averaged gradient, this rank's segment kept.
+        let mut grads = Vec::with_capacity(self.buckets.len());
+        let mut finite = true;
+        for b in 0..self.buckets.len() {
+            let bucket = self.buckets[b].clone();
+            let mut g = source.grads(bucket.tensors.clone());
+            if g.len() != bucket.range.len() {
+                return Err(DistError::Mismatch {
+                    op: "sharded optimizer step".into(),
+                    reason: format!(
+                        "{} gradient values for a bucket of {} ({} tensors from {})",
+                        g.len(),
+                        bucket.range.len(),
+                        bucket.tensors.len(),
+                        self.tensors[bucket.tensors.start].0
+                    ),
+                });
             }
-            Stage::Two => comm.reduce_scatter(grad, ReduceOp::Mean)?,
-        };
-        let mut verdict = [if g.iter().all(|x| x.is_finite()) {
-            0.0
-        } else {
-            1.0
-        }];
+            let mine = match self.stage {
+                Stage::One => {
+                    comm.allreduce(&mut g, ReduceOp::Mean)?;
+                    let seg = self.segment(b, self.rank);
+                    let rel = seg.start - bucket.range.start..seg.end - bucket.range.start;
+                    g[rel].to_vec()
+                }
+                Stage::Two => comm.reduce_scatter(g, ReduceOp::Mean)?,
+            };
+            finite &= mine.iter().all(|x| x.is_finite());
+            grads.push(mine);
+        }
+        // 2. One verdict for the job.
+        let mut verdict = [if finite { 0.0 } else { 1.0 }];
         comm.allreduce(&mut verdict, ReduceOp::Sum)?;
-        let mut values = shard.to_vec();
         if !take(verdict[0] == 0.0) {
             return Ok(Stepped::Skipped);
         }
-        let norms = if self.mine.needs_norms() {
-            let mut n = self.mine.partial_norms(&values, &g);
+        // 3. The segments' values, and LARS's norms summed over every rank's segments.
+        let mut values: Vec<Vec<f32>> = (0..self.buckets.len())
+            .map(|b| source.values(self.segment(b, self.rank)))
+            .collect();
+        let norms = if self.whole.needs_norms() {
+            let mut n = vec![0f32; 2 * self.tensors.len().max(1)];
+            for b in 0..self.buckets.len() {
+                for (o, x) in n
+                    .iter_mut()
+                    .zip(self.mine[b].partial_norms(&values[b], &grads[b]))
+                {
+                    *o += x;
+                }
+            }
             comm.allreduce(&mut n, ReduceOp::Sum)?;
             Some(n)
         } else {
             None
         };
-        self.mine.step_at(
-            self.updates,
-            lr,
-            &mut values,
-            &g,
-            &mut self.state,
-            norms.as_deref(),
-        );
+        // 4. This rank's update of every bucket's segment (the buckets are independent: spread
+        //    over the cores), then bucket by bucket every rank's segment to every rank.
+        for (b, (v, g)) in values.iter().zip(&grads).enumerate() {
+            if v.len() != g.len() {
+                return Err(DistError::Mismatch {
+                    op: "sharded optimizer step".into(),
+                    reason: format!(
+                        "{} values read for a segment of {} (bucket {b})",
+                        v.len(),
+                        g.len()
+                    ),
+                });
+            }
+        }
+        let (updates, norms) = (self.updates, norms.as_deref());
+        let mut work: Vec<_> = self
+            .mine
+            .iter()
+            .zip(values.iter_mut())
+            .zip(grads.drain(..))
+            .zip(self.state.iter_mut())
+            .collect();
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(work.len())
+            .max(1);
+        let mut groups: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
+        let mut load = vec![0usize; threads];
+        // Largest first onto the least loaded core.
+        work.sort_by_key(|w| std::cmp::Reverse(w.0.1.len()));
+        for w in work {
+            let i = (0..threads).min_by_key(|&i| load[i]).unwrap_or(0);
+            load[i] += w.0.1.len();
+            groups[i].push(w);
+        }
+        std::thread::scope(|scope| {
+            for group in groups {
+                scope.spawn(move || {
+                    for (((o, v), g), state) in group {
+                        o.step_at(updates, lr, v, &g, state, norms);
+                    }
+                });
+            }
+        });
+        let mut out: Vec<Vec<f32>> = self
+            .tensors
+            .iter()
+            .map(|t| Vec::with_capacity(t.1))
+            .collect();
+        for (b, v) in values.iter_mut().enumerate() {
+            let gathered = self.all_gather(comm, b, &std::mem::take(v))?;
+            let bucket = &self.buckets[b];
+            if bucket.tensors.len() == 1 {
+                // One tensor: the gathered bucket is its values, moved, not copied.
+                out[bucket.tensors.start] = gathered;
+                continue;
+            }
+            for t in bucket.tensors.clone() {
+                let (lo, hi) = (
+                    self.offsets[t] - bucket.range.start,
+                    self.offsets[t + 1] - bucket.range.start,
+                );
+                out[t].extend_from_slice(&gathered[lo..hi]);
+            }
+        }
         self.updates += 1;
-        drop(g);
-        Ok(Stepped::Updated(self.all_gather(comm, &values)?))
+        Ok(Stepped::Updated(out))
     }
 
-    /// Every rank's shard, concatenated: the shards differ by at most one value, so each is
-    /// padded to the longest for the ring and the padding dropped.
-    fn all_gather(&self, comm: &Communicator, mine: &[f32]) -> Result<Vec<f32>> {
-        let n = self.layout.servers();
-        let longest = (0..n)
-            .map(|s| self.layout.range(s).len())
-            .max()
-            .unwrap_or(0);
+    /// Bucket `b` whole on every rank from each rank's segment: the segments differ by at most
+    /// one value, so each is padded to the longest for the ring and the padding squeezed out in
+    /// place.
+    fn all_gather(&self, comm: &Communicator, b: usize, mine: &[f32]) -> Result<Vec<f32>> {
+        let bounds = self.bounds(b);
+        let longest = bounds.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0);
         let mut padded = mine.to_vec();
         padded.resize(longest, 0.0);
-        let gathered = comm.all_gather(&padded)?;
+        let mut whole = comm.all_gather(&padded)?;
         drop(padded);
-        let mut whole = Vec::with_capacity(self.total());
-        for s in 0..n {
-            let len = self.layout.range(s).len();
-            whole.extend_from_slice(&gathered[s * longest..s * longest + len]);
+        let mut at = 0;
+        for r in 0..self.world {
+            let len = bounds[r + 1] - bounds[r];
+            whole.copy_within(r * longest..r * longest + len, at);
+            at += len;
         }
+        whole.truncate(at);
         Ok(whole)
     }
 
-    /// The whole state on `root` (`None` elsewhere); every rank calls it.
+    /// The whole state on `root` (`None` elsewhere); every rank calls it. Only `root` holds
+    /// it whole, one slot at a time arriving bucket by bucket.
     pub fn gather_state(&self, comm: &Communicator, root: usize) -> Result<Option<WholeState>> {
         let names = self.whole.state_slots();
-        let n = self.range().len();
-        let bounds = self.bounds();
         // A rank that has not stepped yet holds no state; all ranks step together, so they
         // agree (a disagreement is found by the gather's lengths).
-        let stepped = !self.state.is_empty();
+        let stepped = self.state.iter().any(|s| !s.is_empty());
         let mut slots = Vec::new();
         for (i, name) in names.iter().enumerate() {
-            let part: &[f32] = if stepped {
-                &self.state[i * n..(i + 1) * n]
-            } else {
-                &[]
-            };
-            let b = if stepped {
-                bounds.clone()
-            } else {
-                vec![0; bounds.len()]
-            };
-            if let Some(whole) = comm.gather_to(root, part, &b)? {
+            let mut whole = Vec::new();
+            for b in 0..self.buckets.len() {
+                let n = self.segment(b, self.rank).len();
+                let (part, bounds): (&[f32], Vec<usize>) = if stepped {
+                    (&self.state[b][i * n..(i + 1) * n], self.bounds(b))
+                } else {
+                    (&[], vec![0; self.world + 1])
+                };
+                if let Some(piece) = comm.gather_to(root, part, &bounds)? {
+                    whole.extend_from_slice(&piece);
+                }
+            }
+            if comm.rank() == root {
                 slots.push((name.to_string(), whole));
             }
         }
         Ok((comm.rank() == root).then(|| WholeState {
-            tensors: self.layout_tensors(),
+            tensors: self.tensors.clone(),
             updates: self.updates,
             slots: if stepped { slots } else { Vec::new() },
         }))
     }
 
-    fn layout_tensors(&self) -> Vec<(String, usize)> {
-        let mut out: Vec<(String, usize)> = Vec::new();
-        for s in 0..self.layout.servers() {
-            for slice in self.layout.slices(s) {
-                if out.last().is_none_or(|(n, _)| *n != slice.name) {
-                    out.push((slice.name.clone(), slice.len));
-                }
-            }
-        }
-        out
-    }
-
     /// Takes the state `root` read (any number of ranks wrote it; `None` on the other ranks,
-    /// `Some(Err(why))` on `root` when it could not be read): each rank receives its shard of
-    /// every slot. The tensors must be this optimizer's, by name and length, and the slots its
-    /// update's; otherwise, or when the root could not read it, an error on every rank (the
-    /// root's naming the first difference).
+    /// `Some(Err(why))` on `root` when it could not be read): each rank receives its segments
+    /// of every slot. The tensors must be this optimizer's, by name and length, and the slots
+    /// its update's; otherwise, or when the root could not read it, an error on every rank
+    /// (the root's naming the first difference).
     pub fn scatter_state(
         &mut self,
         comm: &Communicator,
@@ -355,22 +515,23 @@ impl ZeroOptimizer {
             });
         }
         self.updates = ((header[2] as u64) << 24) | low[0] as u64;
-        self.state.clear();
+        self.state = vec![Vec::new(); self.buckets.len()];
         if header[1] == 0.0 {
             return Ok(());
         }
-        let bounds = self.bounds();
-        let mut parts = Vec::with_capacity(names.len());
         for i in 0..names.len() {
-            let whole = state.map(|s| s.slots[i].1.as_slice());
-            parts.push(comm.scatter_from(root, whole, &bounds)?);
+            for b in 0..self.buckets.len() {
+                let range = self.buckets[b].range.clone();
+                let whole = state.map(|s| &s.slots[i].1[range]);
+                let part = comm.scatter_from(root, whole, &self.bounds(b))?;
+                self.state[b].extend_from_slice(&part);
+            }
         }
-        self.state = parts.concat();
         Ok(())
     }
 
     fn mismatch(&self, s: &WholeState, names: &[&str]) -> Option<String> {
-        let want = self.layout_tensors();
+        let want = &self.tensors;
         if s.tensors.len() != want.len() {
             return Some(format!(
                 "the saved state has {} tensors, this model trains {}",
@@ -378,7 +539,7 @@ impl ZeroOptimizer {
                 want.len()
             ));
         }
-        if let Some(((a, n), (b, m))) = s.tensors.iter().zip(&want).find(|(x, y)| x != y) {
+        if let Some(((a, n), (b, m))) = s.tensors.iter().zip(want).find(|(x, y)| x != y) {
             return Some(format!(
                 "the saved state's tensor {a} ({n} values) is {b} ({m} values) here"
             ));
@@ -497,7 +658,9 @@ mod tests {
                         .with_timeout(std::time::Duration::from_secs(20))
                         .with_chunk_elems(4);
                     let o = optimizer(update);
-                    let mut z = ZeroOptimizer::new(stage, &tensors(), o.clone(), &comm).unwrap();
+                    // Buckets of 10 values: [a.weight, a.bias], [b.weight], [b.bias].
+                    let mut z =
+                        ZeroOptimizer::new(stage, &tensors(), o.clone(), &comm, 40).unwrap();
                     if let Some(s) = &start {
                         z.scatter_state(&comm, 0, (comm.rank() == 0).then_some(Ok(s)))
                             .unwrap();
@@ -514,12 +677,17 @@ mod tests {
                         } else {
                             g
                         };
-                        let shard = values[z.range()].to_vec();
-                        match z
-                            .step(&comm, g, &shard, o.lr_at(z.updates()), &mut |f| f)
-                            .unwrap()
-                        {
-                            Stepped::Updated(v) => values = v,
+                        let mut source = FlatSource {
+                            grad: &g,
+                            values: &values,
+                            offsets: vec![0, 7, 9, 20, 23],
+                        };
+                        let lr = o.lr_at(z.updates());
+                        match z.step(&comm, &mut source, lr, &mut |f| f).unwrap() {
+                            Stepped::Updated(v) => {
+                                assert_eq!(v.len(), 4, "one vector per tensor");
+                                values = v.concat();
+                            }
                             Stepped::Skipped => assert_eq!(Some(t), skip_at),
                         }
                     }
@@ -567,16 +735,19 @@ mod tests {
     #[test]
     fn every_stage_and_world_equals_one_process_on_the_whole_vector() {
         for update in updates() {
-            let (want, want_state) = reference(update, 3, 4);
-            for stage in [Stage::One, Stage::Two] {
-                let (got, state) = run(update, stage, 3, 4, None, None);
-                for v in &got {
-                    close(v, &want, &format!("{update:?} stage {stage:?}"));
+            for world in [3, 4] {
+                let (want, want_state) = reference(update, world, 4);
+                for stage in [Stage::One, Stage::Two] {
+                    // 4 ranks: the last bucket (3 values) leaves rank 0 an empty segment.
+                    let (got, state) = run(update, stage, world, 4, None, None);
+                    for v in &got {
+                        close(v, &want, &format!("{update:?} stage {stage:?}"));
+                    }
+                    // The gathered state is the whole vector's, slot after slot.
+                    let flat: Vec<f32> = state.slots.iter().flat_map(|s| s.1.clone()).collect();
+                    close(&flat, &want_state, &format!("{update:?} state"));
+                    assert_eq!(state.updates, 4);
                 }
-                // The gathered state is the whole vector's, slot after slot.
-                let flat: Vec<f32> = state.slots.iter().flat_map(|s| s.1.clone()).collect();
-                close(&flat, &want_state, &format!("{update:?} state"));
-                assert_eq!(state.updates, 4);
             }
         }
     }
@@ -659,9 +830,14 @@ mod tests {
                     thread::spawn(move || {
                         let comm = Communicator::new(Arc::new(t))
                             .with_timeout(std::time::Duration::from_secs(20));
-                        let mut z =
-                            ZeroOptimizer::new(Stage::Two, &tensors(), optimizer(update), &comm)
-                                .unwrap();
+                        let mut z = ZeroOptimizer::new(
+                            Stage::Two,
+                            &tensors(),
+                            optimizer(update),
+                            &comm,
+                            40,
+                        )
+                        .unwrap();
                         let s = (comm.rank() == 0).then_some(Ok(&bad));
                         z.scatter_state(&comm, 0, s).unwrap_err().to_string()
                     })

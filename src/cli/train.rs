@@ -591,8 +591,11 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     // Every rank's own peak (ranks differ: rank 0 writes checkpoints, --zero shards state).
     let peak = hearth::loader_bench::peak_rss_mb();
     if peak > 0.0 {
+        let heap = hearth::alloc::peak_live_bytes()
+            .map(|b| format!(", heap at most {:.0} MB live", b as f64 / 1e6))
+            .unwrap_or_default();
         eprintln!(
-            "peak memory of rank {} (resident, VmHWM): {peak:.0} MB",
+            "peak memory of rank {} (resident, VmHWM): {peak:.0} MB{heap}",
             report.rank
         );
     }

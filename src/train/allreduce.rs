@@ -156,7 +156,7 @@ impl<T: Trainee> Allreduce<'_, T> {
         // The rate comes from this strategy's own schedule at each step.
         let optimizer = model_optimizer(self.cfg, self.cfg.lr, self.batches, &self.model)?;
         let names = burn_dist::flat::module::trainable_names(&self.model);
-        let mut z = ZeroOptimizer::new(stage, &names, optimizer, comm)?;
+        let mut z = ZeroOptimizer::new(stage, &names, optimizer, comm, self.cfg.bucket_bytes)?;
         if first > 0 {
             let read = (self.rank == 0).then(|| {
                 super::zero::read_state(&super::zero::state_file(&self.cfg.run_dir, first))
@@ -169,10 +169,9 @@ impl<T: Trainee> Allreduce<'_, T> {
             )?;
         }
         log(&format!(
-            "ZeRO stage {}: rank 0 keeps the optimizer state of {} (of {} values)",
+            "ZeRO stage {}: rank 0 keeps the optimizer state of {}",
             self.cfg.zero,
-            z.describe(),
-            z.total()
+            z.describe()
         ));
         self.zero = Some(z);
         Ok(())

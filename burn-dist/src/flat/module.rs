@@ -12,9 +12,10 @@ use crate::{DistError, Result};
 
 fn flat<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     // A read that fails leaves an empty vector, which the length checks report.
+    // Moved out of the tensor's storage where Burn allows it, copied otherwise.
     t.into_data()
         .convert::<f32>()
-        .try_to_vec::<f32>()
+        .try_into_vec::<f32>()
         .unwrap_or_default()
 }
 
@@ -106,16 +107,18 @@ pub fn trainable_values<M: Module>(module: &M) -> Vec<f32> {
     v.out
 }
 
-/// [`trainable_grads`] taking each gradient out of `grads` as it is copied, so the flat vector
-/// grows while the gradients it holds are freed (a rank never holds both whole: what a sharded
-/// optimizer's memory depends on). `total` is the vector's length, allocated once.
-pub fn take_trainable_grads<M: Module>(
+/// The gradients of trainable tensors `tensors` (indices in [`trainable_names`] order),
+/// concatenated, each taken out of `grads` as it is copied so its memory can go (zero where a
+/// tensor has none): one bucket of a sharded optimizer's step, without a copy of the whole.
+pub fn take_trainable_grads_of<M: Module>(
     module: &M,
     grads: &mut GradientsParams,
-    total: usize,
+    tensors: std::ops::Range<usize>,
 ) -> Vec<f32> {
     struct Take<'a> {
         grads: &'a mut GradientsParams,
+        want: std::ops::Range<usize>,
+        index: usize,
         out: Vec<f32>,
     }
     impl ModuleVisitor for Take<'_> {
@@ -124,8 +127,15 @@ pub fn take_trainable_grads<M: Module>(
             if !t.is_require_grad() {
                 return;
             }
+            let i = self.index;
+            self.index += 1;
+            if !self.want.contains(&i) {
+                return;
+            }
             let n = t.shape().num_elements();
             match self.grads.remove::<D>(param.id) {
+                // A bucket of one tensor is that tensor's own buffer, not a copy.
+                Some(g) if self.out.is_empty() => self.out = flat(g),
                 Some(g) => self.out.extend(flat(g)),
                 None => self.out.extend(std::iter::repeat_n(0.0, n)),
             }
@@ -133,10 +143,61 @@ pub fn take_trainable_grads<M: Module>(
     }
     let mut v = Take {
         grads,
-        out: Vec::with_capacity(total),
+        want: tensors,
+        index: 0,
+        out: Vec::new(),
     };
     module.visit(&mut v);
     v.out
+}
+
+/// `module` with trainable tensor `i` replaced by `parts[i]` (each consumed as its tensor is
+/// made, so the new values never exist twice).
+pub fn with_trainable_parts<M: Module>(module: M, parts: Vec<Vec<f32>>) -> Result<M> {
+    struct Parts {
+        parts: std::vec::IntoIter<Vec<f32>>,
+        error: Option<String>,
+    }
+    impl ModuleMapper for Parts {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (parts, error) = (&mut self.parts, &mut self.error);
+            param.map(|t| {
+                if !t.is_require_grad() {
+                    return t;
+                }
+                let shape = t.shape();
+                let Some(v) = parts.next() else {
+                    error.get_or_insert("fewer parts than the module has trainable tensors".into());
+                    return t;
+                };
+                if v.len() != shape.num_elements() {
+                    error.get_or_insert(format!(
+                        "a part of {} values for a tensor of shape {shape:?}",
+                        v.len()
+                    ));
+                    return t;
+                }
+                let device = t.device();
+                drop(t);
+                Tensor::<D>::from_data(TensorData::new(v, shape), &device).set_require_grad(true)
+            })
+        }
+    }
+    let mut p = Parts {
+        parts: parts.into_iter(),
+        error: None,
+    };
+    let m = module.map(&mut p);
+    if p.error.is_none() && p.parts.next().is_some() {
+        p.error = Some("more parts than the module has trainable tensors".into());
+    }
+    match p.error {
+        Some(e) => Err(DistError::Mismatch {
+            op: "sharded optimizer values".into(),
+            reason: e,
+        }),
+        None => Ok(m),
+    }
 }
 
 /// Values `range` of [`trainable_values`], reading only the tensors that meet it (a shard's
@@ -308,14 +369,26 @@ mod tests {
                 .backward(),
             &net,
         );
-        assert_eq!(take_trainable_grads(&net, &mut taken, total), g);
-        assert!(taken.is_empty(), "every gradient was taken out");
+        // Tensors 0..2 (fc's) taken out; bn's have no gradient and read as zeros.
+        assert_eq!(take_trainable_grads_of(&net, &mut taken, 0..2), &g[..8]);
+        assert!(taken.is_empty(), "fc's gradients were taken out");
+        assert_eq!(take_trainable_grads_of(&net, &mut taken, 2..4), &g[8..]);
         assert_eq!(
             &g[..6],
             &[4.0; 6],
             "d sum / d weight = 4 for each of the 4 rows"
         );
         assert_eq!(&g[8..], &[0.0; 4], "bn is not on the loss's path");
+        let parts: Vec<Vec<f32>> = vec![
+            values[..6].to_vec(),
+            values[6..8].to_vec(),
+            values[8..10].to_vec(),
+            values[10..].iter().map(|x| x + 1.0).collect(),
+        ];
+        let net = with_trainable_parts(net, parts.clone()).unwrap();
+        assert_eq!(trainable_values(&net), parts.concat());
+        let e = with_trainable_parts(net.clone(), parts[..3].to_vec()).unwrap_err();
+        assert!(e.to_string().contains("fewer parts"), "{e}");
         let e = with_trainable_values(net, &values[1..]).unwrap_err();
         assert!(e.to_string().contains("11 values"), "{e}");
     }
