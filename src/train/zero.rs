@@ -1,7 +1,7 @@
 //! `--zero 1|2`: data parallel with a sharded optimizer (burn-dist's [`burn_dist::zero`]).
-//! Each rank keeps `1/N` of the optimizer's state and updates that shard of the trainable
-//! values; the updated shards are all-gathered. Stage 2 also receives only its shard of the
-//! averaged gradient (reduce-scatter).
+//! Each rank keeps `1/N` of the optimizer's state (its segment of every fusion bucket of the
+//! trainable values) and updates those values; the updated segments are all-gathered. Stage 2
+//! also receives only its segments of the averaged gradient (reduce-scatter).
 //!
 //! Checkpoints: at every epoch's checkpoint the shards are gathered on rank 0, which writes
 //! `checkpoint/optim-zero-<epoch>.safetensors`: one tensor per trainable tensor and state slot,

@@ -36,6 +36,12 @@ impl Communicator {
             });
         }
         out[a..b].copy_from_slice(mine);
+        if let Some(local) = self.whole_world_in_memory() {
+            // One host: through the shared segment, no pipes.
+            self.next_op();
+            local.all_gather(&mut out, self.deadline())?;
+            return Ok(out);
+        }
         ring(
             self,
             &mut out,
@@ -49,10 +55,25 @@ impl Communicator {
     /// Reduces `buf` across ranks and returns this rank's segment of the result: segment `r` of
     /// `n` near-equal segments (see [`Communicator::segment_of`]).
     ///
-    /// Where the ranks share memory ([`Communicator::allreduce`]'s hierarchical path), the
-    /// whole buffer is reduced in place there and this rank keeps its segment; elsewhere the
-    /// ring's first half sends each rank `(n-1)/n` of the buffer.
+    /// With every rank on one host it runs in the shared segment (each rank sums its segment
+    /// from the others' copies); with several hosts sharing memory the whole buffer goes
+    /// through [`Communicator::allreduce`]'s hierarchical path and this rank keeps its segment;
+    /// elsewhere the ring's first half sends each rank `(n-1)/n` of the buffer.
     pub fn reduce_scatter(&self, mut buf: Vec<f32>, op: ReduceOp) -> Result<Vec<f32>> {
+        if let Some(local) = self.whole_world_in_memory() {
+            self.next_op();
+            self.compression.round(&mut buf);
+            local.reduce_scatter(&mut buf, self.deadline())?;
+            let (a, b) = segment(buf.len(), self.world(), self.rank());
+            let mut mine = buf[a..b].to_vec();
+            drop(buf);
+            self.compression.round(&mut mine);
+            if op == ReduceOp::Mean && self.world() > 1 {
+                let inv = 1.0 / self.world() as f32;
+                mine.iter_mut().for_each(|x| *x *= inv);
+            }
+            return Ok(mine);
+        }
         if !self.allreduce_by_host(&mut buf, self.compression)? {
             ring(
                 self,

@@ -71,6 +71,20 @@ impl Communicator {
         Ok(true)
     }
 
+    /// This world's shared-memory group when it is the whole world (one host, every rank in
+    /// it, local index = rank): the reduce-scatter and all-gather then run in the segment.
+    pub(crate) fn whole_world_in_memory(&self) -> Option<Arc<dyn crate::transport::HostGroup>> {
+        if self.kind != Kind::Collective {
+            return None;
+        }
+        let topology = self.transport.topology()?;
+        let local = topology.local.clone()?;
+        let whole = topology.group_leaders().len() == 1
+            && local.members().len() == self.world()
+            && local.members().iter().enumerate().all(|(i, r)| i == *r);
+        whole.then_some(local)
+    }
+
     /// The communicator of the host leaders (made on first use; the same leaders every time,
     /// since a transport's topology never changes).
     fn leaders_comm(&self, leaders: &[usize]) -> Result<&Communicator> {

@@ -216,6 +216,95 @@ impl LocalGroup {
         Ok(())
     }
 
+    /// Sums `buf` over the group so that member `k` ends with the sum of its segment
+    /// `segment(len, n, k)` of the whole buffer (the rest of its `buf` unspecified): a
+    /// reduce-scatter, each rank copying in `(n-1)/n` of the buffer and reading `(n-1)/n` of
+    /// its segment, half what [`Self::reduce`] moves. In rounds: each member writes a chunk of
+    /// every other member's segment into its slot half, a barrier, each member adds the
+    /// others' chunks of its own segment. Consecutive rounds alternate slot halves, so one
+    /// barrier per round suffices: a member writes a half again only after every member has
+    /// passed the barrier that follows its reads of that half.
+    pub fn reduce_scatter(&self, buf: &mut [f32], deadline: Instant) -> Result<()> {
+        let n = self.members.len();
+        if n == 1 {
+            return Ok(());
+        }
+        let mut watch = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        self.agree_on_length(buf.len(), &mut watch, deadline, "reduce-scatter")?;
+        let (_, half_len) = self.seg.slot(0, 0);
+        let chunk = (half_len / n).max(1);
+        let len = buf.len();
+        let seg = |k: usize| segment(len, n, k);
+        let longest = (0..n).map(|k| seg(k).1 - seg(k).0).max().unwrap_or(0);
+        for round in 0..longest.div_ceil(chunk) {
+            let half = (self.pieces.fetch_add(1, Ordering::Relaxed) % 2) as usize;
+            let slot = |k: usize| self.seg.slot(k, half).0;
+            let part = |k: usize| {
+                let (a, b) = seg(k);
+                let lo = (a + round * chunk).min(b);
+                (lo, (lo + chunk).min(b))
+            };
+            for k in (0..n).filter(|&k| k != self.me) {
+                let (a, b) = part(k);
+                // SAFETY: this rank's slot half, chunk k (k * chunk + (b - a) <= n * chunk
+                // <= half_len), read by others only after the barrier below.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        buf[a..b].as_ptr(),
+                        slot(self.me).add(k * chunk),
+                        b - a,
+                    )
+                };
+            }
+            self.barrier(&mut watch, deadline, "reduce-scatter")?;
+            let (a, b) = part(self.me);
+            for k in (0..n).filter(|&k| k != self.me) {
+                // SAFETY: rank k wrote its chunk of this rank's segment before the barrier and
+                // writes this half again only after the next round's barrier.
+                let theirs =
+                    unsafe { std::slice::from_raw_parts(slot(k).add(self.me * chunk), b - a) };
+                buf[a..b].iter_mut().zip(theirs).for_each(|(m, t)| *m += t);
+            }
+        }
+        Ok(())
+    }
+
+    /// Member `k`'s segment `segment(len, n, k)` of its `buf` copied into every other member's
+    /// `buf`: an all-gather through the slots, in rounds of a half slot per member, one
+    /// barrier each (the halves alternate, as in [`Self::reduce_scatter`]).
+    pub fn all_gather(&self, buf: &mut [f32], deadline: Instant) -> Result<()> {
+        let n = self.members.len();
+        if n == 1 {
+            return Ok(());
+        }
+        let mut watch = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        self.agree_on_length(buf.len(), &mut watch, deadline, "all-gather")?;
+        let (_, chunk) = self.seg.slot(0, 0);
+        let len = buf.len();
+        let seg = |k: usize| segment(len, n, k);
+        let longest = (0..n).map(|k| seg(k).1 - seg(k).0).max().unwrap_or(0);
+        for round in 0..longest.div_ceil(chunk) {
+            let half = (self.pieces.fetch_add(1, Ordering::Relaxed) % 2) as usize;
+            let slot = |k: usize| self.seg.slot(k, half).0;
+            let part = |k: usize| {
+                let (a, b) = seg(k);
+                let lo = (a + round * chunk).min(b);
+                (lo, (lo + chunk).min(b))
+            };
+            let (a, b) = part(self.me);
+            // SAFETY: this rank's slot half (b - a <= chunk), read by others after the barrier.
+            unsafe { std::ptr::copy_nonoverlapping(buf[a..b].as_ptr(), slot(self.me), b - a) };
+            self.barrier(&mut watch, deadline, "all-gather")?;
+            for k in (0..n).filter(|&k| k != self.me) {
+                let (a, b) = part(k);
+                // SAFETY: rank k wrote this chunk before the barrier; it writes this half again
+                // only after the next round's barrier.
+                unsafe { std::ptr::copy_nonoverlapping(slot(k), buf[a..b].as_mut_ptr(), b - a) };
+            }
+        }
+        Ok(())
+    }
+
     /// Copies local rank `root`'s `buf` into every member's `buf`.
     pub fn broadcast(&self, buf: &mut [f32], root: usize, deadline: Instant) -> Result<()> {
         if self.members.len() == 1 {
@@ -252,5 +341,13 @@ impl HostGroup for LocalGroup {
 
     fn broadcast(&self, buf: &mut [f32], root: usize, deadline: Instant) -> Result<()> {
         LocalGroup::broadcast(self, buf, root, deadline)
+    }
+
+    fn reduce_scatter(&self, buf: &mut [f32], deadline: Instant) -> Result<()> {
+        LocalGroup::reduce_scatter(self, buf, deadline)
+    }
+
+    fn all_gather(&self, buf: &mut [f32], deadline: Instant) -> Result<()> {
+        LocalGroup::all_gather(self, buf, deadline)
     }
 }

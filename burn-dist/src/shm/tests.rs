@@ -82,6 +82,44 @@ fn the_segment_file_is_gone_once_the_group_exists() {
 }
 
 #[test]
+fn reduce_scatter_and_all_gather_in_the_segment_match_direct_results() {
+    for world in 2..=4 {
+        let ranks = ShmTransport::group(world, &small()).unwrap();
+        let got = each(ranks, move |comm| {
+            assert!(
+                comm.whole_world_in_memory().is_some(),
+                "one host: the segment's path"
+            );
+            let mut out = Vec::new();
+            // Shorter than the ranks, odd, and many rounds (chunks of 1,024 / n values).
+            for len in [1usize, 3, 7, 1000, 5000] {
+                let v: Vec<f32> = (0..len).map(|i| value(comm.rank(), i)).collect();
+                let mine = comm.reduce_scatter(v.clone(), ReduceOp::Sum).unwrap();
+                let gathered = comm.all_gather(&v[..len.min(1500)]).unwrap();
+                out.push((len, mine, gathered));
+            }
+            (comm.rank(), out)
+        });
+        for (rank, out) in got {
+            for (len, mine, gathered) in out {
+                let want = expected(world, len);
+                let (a, b) = crate::split::segment(len, world, rank);
+                assert_eq!(
+                    mine,
+                    &want[a..b],
+                    "{world} ranks, {len} values, rank {rank}"
+                );
+                let m = len.min(1500);
+                let want_gather: Vec<f32> = (0..world)
+                    .flat_map(|r| (0..m).map(move |i| value(r, i)))
+                    .collect();
+                assert_eq!(gathered, want_gather, "{world} ranks, all-gather of {m}");
+            }
+        }
+    }
+}
+
+#[test]
 fn in_place_allreduce_matches_the_sum_for_2_to_4_ranks() {
     for world in 2..=4 {
         let ranks = ShmTransport::group(world, &small()).unwrap();

@@ -19,6 +19,11 @@ pub trait HostGroup: Send + Sync {
     fn reduce(&self, buf: &mut [f32], everyone: bool, deadline: Instant) -> Result<()>;
     /// Copies the `root` member's (local index) `buf` into every other member's.
     fn broadcast(&self, buf: &mut [f32], root: usize, deadline: Instant) -> Result<()>;
+    /// Member `k` (local index) ends with the group's sum of `buf`'s segment `k` of `n`
+    /// near-equal segments (`split::segment`); the rest of its `buf` is unspecified.
+    fn reduce_scatter(&self, buf: &mut [f32], deadline: Instant) -> Result<()>;
+    /// Member `k`'s segment `k` of `buf` into every other member's `buf`.
+    fn all_gather(&self, buf: &mut [f32], deadline: Instant) -> Result<()>;
 }
 
 /// For every job rank, the lowest rank of its shared-memory group (itself when it has none),
