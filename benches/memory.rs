@@ -6,7 +6,7 @@
 //!   HEARTH_MEM_MODELS=resnet50 HEARTH_MEM_RANKS=1,2 cargo bench --bench memory     # a part
 //!
 //! Every configuration is a real job: `hearth train --nproc N --model M --size 32
-//! --batch-size 2N --epochs 1` over a synthetic set of 3 classes x 32 images (2 images per rank
+//! --batch-size 2N --epochs 1` over a synthetic set of 3 classes x 32 images (2 each for validation) (2 images per rank
 //! and step, so the activations per rank stay the same and only what sharding moves changes).
 //! Each rank prints its peak (VmHWM) at the end; the step time is the global batch over the
 //! epoch's `train_images_per_sec`. The optimizer state a rank holds is counted from the model:
@@ -247,7 +247,8 @@ fn main() {
         &data,
         &hearth::datasets::synth::SynthConfig::new(3, per_class, 32)
             .with_seed(3)
-            .with_val(1),
+            // 6 validation images: every rank of 4 validates at least one.
+            .with_val(2),
     )
     .expect("writing the synthetic set");
     let python = if bench { common::torch_python() } else { None };

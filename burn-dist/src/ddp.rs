@@ -35,7 +35,7 @@ use crate::flat::module::{
     take_trainable_grads_of, trainable_names, trainable_values_in, with_trainable_parts,
 };
 use crate::flat::optim::ShardOptimizer;
-use crate::zero::{Stage, Stepped, WholeState, ZeroOptimizer};
+use crate::zero::{Stage, StateLayout, Stepped, WholeState, ZeroOptimizer};
 use crate::{DistError, Result};
 
 trait FlatF32 {
@@ -382,10 +382,52 @@ pub fn grads_finite<M: Module>(module: &M, grads: &GradientsParams) -> bool {
 /// of each checkpointed epoch and reads it back on resume (the caller's files; burn-dist
 /// writes none).
 pub trait StateStore: Send + Sync {
-    /// The whole state after `epoch` (rank 0, before burn-train's checkpoint of that epoch).
-    fn save(&self, epoch: usize, state: &WholeState) -> std::result::Result<(), String>;
+    /// Starts writing the whole state after `epoch` (rank 0, before burn-train's checkpoint of
+    /// that epoch): its values follow in `layout`'s order through the writer.
+    fn writer(
+        &self,
+        epoch: usize,
+        layout: &StateLayout,
+    ) -> std::result::Result<Box<dyn StateWriter>, String>;
     /// The state a launch resuming after `epoch` starts from (rank 0).
     fn load(&self, epoch: usize) -> std::result::Result<WholeState, String>;
+}
+
+/// A state being written, a bucket's values at a time.
+pub trait StateWriter {
+    fn write(&mut self, values: &[f32]) -> std::result::Result<(), String>;
+    /// Every value written: makes the state the epoch's.
+    fn finish(self: Box<Self>) -> std::result::Result<(), String>;
+}
+
+/// Streams `zero`'s state to `store` as epoch `epoch`'s (every rank calls it; rank 0 writes).
+pub fn save_sharded_state(
+    zero: &ZeroOptimizer,
+    comm: &Communicator,
+    store: &dyn StateStore,
+    epoch: usize,
+) -> Result<()> {
+    let mut writer = None;
+    let mut failed = None;
+    if comm.rank() == 0 {
+        match store.writer(epoch, &zero.state_layout()) {
+            Ok(w) => writer = Some(w),
+            Err(e) => failed = Some(e),
+        }
+    }
+    // Every rank takes part even when rank 0 cannot write: no one is left waiting.
+    let streamed = zero.stream_state(comm, 0, &mut |piece| match writer.as_mut() {
+        Some(w) => w.write(piece),
+        None => Ok(()),
+    });
+    if let Some(e) = failed {
+        return Err(DistError::Config(e));
+    }
+    streamed?;
+    match writer {
+        Some(w) => w.finish().map_err(DistError::Config),
+        None => Ok(()),
+    }
 }
 
 /// ZeRO for [`DdpStrategy`]: the stage, the optimizer over the whole trainable vector (its
@@ -701,10 +743,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
             if let (Some(z), Some(s)) = (&zero, &self.sharding) {
                 // Every rank hands its shard to rank 0, which writes the whole state before
                 // burn-train's files of the epoch: a resume finds it for every complete one.
-                let saved = z.gather_state(&self.comm, 0).and_then(|whole| match whole {
-                    Some(w) => s.store.save(epoch, &w).map_err(DistError::Config),
-                    None => Ok(()),
-                });
+                let saved = save_sharded_state(z, &self.comm, s.store.as_ref(), epoch);
                 if let Err(e) = saved {
                     Self::fail(&interrupter, e);
                     break;

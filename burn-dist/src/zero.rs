@@ -93,6 +93,15 @@ impl WholeState {
     }
 }
 
+/// The shape of a streamed state ([`ZeroOptimizer::stream_state`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StateLayout {
+    pub tensors: Vec<(String, usize)>,
+    pub updates: u64,
+    /// The slots sent (empty before the first update).
+    pub slots: Vec<String>,
+}
+
 /// What a step did.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Stepped {
@@ -434,35 +443,78 @@ impl ZeroOptimizer {
         Ok(whole)
     }
 
-    /// The whole state on `root` (`None` elsewhere); every rank calls it. Only `root` holds
-    /// it whole, one slot at a time arriving bucket by bucket.
-    pub fn gather_state(&self, comm: &Communicator, root: usize) -> Result<Option<WholeState>> {
-        let names = self.whole.state_slots();
-        // A rank that has not stepped yet holds no state; all ranks step together, so they
-        // agree (a disagreement is found by the gather's lengths).
+    /// What [`Self::stream_state`] sends, in order: every slot (none before the first update)
+    /// over every tensor, slot after slot, each slot in the vector's order.
+    pub fn state_layout(&self) -> StateLayout {
         let stepped = self.state.iter().any(|s| !s.is_empty());
-        let mut slots = Vec::new();
-        for (i, name) in names.iter().enumerate() {
-            let mut whole = Vec::new();
-            for b in 0..self.buckets.len() {
-                let n = self.segment(b, self.rank).len();
-                let (part, bounds): (&[f32], Vec<usize>) = if stepped {
-                    (&self.state[b][i * n..(i + 1) * n], self.bounds(b))
-                } else {
-                    (&[], vec![0; self.world + 1])
-                };
-                if let Some(piece) = comm.gather_to(root, part, &bounds)? {
-                    whole.extend_from_slice(&piece);
-                }
-            }
-            if comm.rank() == root {
-                slots.push((name.to_string(), whole));
-            }
-        }
-        Ok((comm.rank() == root).then(|| WholeState {
+        StateLayout {
             tensors: self.tensors.clone(),
             updates: self.updates,
-            slots: if stepped { slots } else { Vec::new() },
+            slots: if stepped {
+                self.whole
+                    .state_slots()
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect()
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    /// The whole state to `sink` on `root`, a bucket's values at a time in
+    /// [`Self::state_layout`]'s order; every rank calls it. `root` never holds more than one
+    /// bucket of it. A `sink` error is returned after the last piece (the other ranks are not
+    /// left waiting).
+    pub fn stream_state(
+        &self,
+        comm: &Communicator,
+        root: usize,
+        sink: &mut dyn FnMut(&[f32]) -> std::result::Result<(), String>,
+    ) -> Result<()> {
+        let slots = self.state_layout().slots.len();
+        let mut failed = None;
+        for i in 0..slots {
+            for b in 0..self.buckets.len() {
+                let n = self.segment(b, self.rank).len();
+                let part = &self.state[b][i * n..(i + 1) * n];
+                if let Some(piece) = comm.gather_to(root, part, &self.bounds(b))?
+                    && failed.is_none()
+                    && let Err(e) = sink(&piece)
+                {
+                    failed = Some(e);
+                }
+            }
+        }
+        match failed {
+            Some(e) => Err(DistError::Config(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// The whole state on `root` (`None` elsewhere); every rank calls it (tests and small
+    /// models: a checkpoint streams it with [`Self::stream_state`] instead).
+    pub fn gather_state(&self, comm: &Communicator, root: usize) -> Result<Option<WholeState>> {
+        let layout = self.state_layout();
+        let mut whole: Vec<f32> = Vec::new();
+        self.stream_state(comm, root, &mut |piece| {
+            whole.extend_from_slice(piece);
+            Ok(())
+        })?;
+        if comm.rank() != root {
+            return Ok(None);
+        }
+        let total = self.total();
+        let slots = layout
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, name)| (name.clone(), whole[i * total..(i + 1) * total].to_vec()))
+            .collect();
+        Ok(Some(WholeState {
+            tensors: layout.tensors,
+            updates: layout.updates,
+            slots,
         }))
     }
 

@@ -443,17 +443,13 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
     fn checkpoint(&mut self, epoch: usize, best: Option<usize>) -> Result<()> {
         // --zero: every rank's shard to rank 0 first, written before the optimizer file that
         // completes the epoch.
-        let zero_state = match (&self.zero, &self.comm) {
-            (Some(z), Some(comm)) => z.gather_state(comm, 0)?,
-            _ => None,
-        };
+        if let (Some(z), Some(comm)) = (&self.zero, &self.comm) {
+            super::zero::save_state(&self.cfg.run_dir, epoch, z, comm)?;
+        }
         if self.rank != 0 {
             return Ok(());
         }
         let dir = &self.cfg.run_dir;
-        if let Some(state) = &zero_state {
-            super::zero::write_state(dir, epoch, state)?;
-        }
         save_epoch_weights(dir, epoch, self.model.clone())?;
         // Written after the weights: an epoch with both files is complete.
         let path = optim_checkpoint(dir, epoch);

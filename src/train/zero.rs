@@ -6,7 +6,8 @@
 //! Checkpoints: at every epoch's checkpoint the shards are gathered on rank 0, which writes
 //! `checkpoint/optim-zero-<epoch>.safetensors`: one tensor per trainable tensor and state slot,
 //! named `<tensor>.<slot>` (`layer1.0.conv1.weight.velocity`, `fc.bias.moment_2`), the update
-//! count and the tensors' order in its metadata. Whole named tensors, so a run written by 4
+//! count and the tensors' order in its metadata; rank 0 streams it to disk a bucket at a time,
+//! so it never holds more of the state than its own shard and one bucket. Whole named tensors, so a run written by 4
 //! ranks resumes on 2 or 8 (or without sharding's world at all: any safetensors reader opens
 //! it). The two latest files are kept (the one a resume may need while the next epoch's
 //! burn-train files are being written).
@@ -21,13 +22,12 @@
 //! state does not hold, and Adam counts steps per tensor).
 
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use burn::module::Module;
-use burn_dist::ddp::{Sharding, StateStore};
-use burn_dist::zero::{Stage, WholeState};
+use burn_dist::ddp::{Sharding, StateStore, StateWriter};
+use burn_dist::zero::{Stage, StateLayout, WholeState};
 use safetensors::tensor::{Dtype, SafeTensors, View};
 
 use super::TrainConfig;
@@ -138,58 +138,164 @@ impl View for Part<'_> {
     }
 }
 
+/// A state file being written: the safetensors header first (every tensor's offsets are
+/// known from the layout), then the values as they arrive, a bucket at a time, into a temporary
+/// file renamed over the epoch's at the end (a crash leaves the old file or the new one).
+struct FileWriter {
+    out: std::io::BufWriter<std::fs::File>,
+    tmp: PathBuf,
+    path: PathBuf,
+    run_dir: PathBuf,
+    epoch: usize,
+    /// Values still expected.
+    left: usize,
+}
+
 impl Files {
-    fn write(&self, epoch: usize, state: &WholeState) -> Result<()> {
+    fn start(&self, epoch: usize, layout: &StateLayout) -> Result<FileWriter> {
+        use std::io::Write;
         let path = state_file(&self.run_dir, epoch);
-        let tensors: Vec<(&str, usize)> = state
-            .tensors
-            .iter()
-            .map(|(n, l)| (n.as_str(), *l))
-            .collect();
-        let slots: Vec<&str> = state.slots.iter().map(|s| s.0.as_str()).collect();
-        let meta = HashMap::from([
-            ("format".to_string(), FORMAT.to_string()),
-            ("updates".to_string(), state.updates.to_string()),
-            (
-                "tensors".to_string(),
-                serde_json::json!(tensors).to_string(),
-            ),
-            ("slots".to_string(), serde_json::json!(slots).to_string()),
-        ]);
-        let named = state.named();
-        let views = named
-            .iter()
-            .map(|(name, values)| (name.clone(), Part(values, [values.len()])));
-        let tmp = path.with_file_name(format!(".optim-zero-{epoch}.safetensors.tmp"));
+        let fail = |e: String| HearthError::Checkpoint(format!("{}: {e}", path.display()));
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|source| HearthError::Write {
                 path: dir.to_path_buf(),
                 source,
             })?;
         }
+        let tensors: Vec<(&str, usize)> = layout
+            .tensors
+            .iter()
+            .map(|(n, l)| (n.as_str(), *l))
+            .collect();
+        let mut header = serde_json::Map::new();
+        header.insert(
+            "__metadata__".into(),
+            serde_json::json!({
+                "format": FORMAT,
+                "updates": layout.updates.to_string(),
+                "tensors": serde_json::json!(tensors).to_string(),
+                "slots": serde_json::json!(layout.slots).to_string(),
+            }),
+        );
+        let mut at = 0usize;
+        for slot in &layout.slots {
+            for (name, len) in &layout.tensors {
+                header.insert(
+                    format!("{name}.{slot}"),
+                    serde_json::json!({"dtype": "F32", "shape": [len], "data_offsets": [at, at + 4 * len]}),
+                );
+                at += 4 * len;
+            }
+        }
+        let mut text = serde_json::Value::Object(header).to_string().into_bytes();
+        // safetensors pads the header with spaces to a multiple of 8 bytes.
+        text.resize(text.len().next_multiple_of(8), b' ');
+        let tmp = path.with_file_name(format!(".optim-zero-{epoch}.safetensors.tmp"));
+        let file = std::fs::File::create(&tmp).map_err(|e| fail(e.to_string()))?;
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+        out.write_all(&(text.len() as u64).to_le_bytes())
+            .and_then(|_| out.write_all(&text))
+            .map_err(|e| fail(e.to_string()))?;
+        Ok(FileWriter {
+            out,
+            tmp,
+            path,
+            run_dir: self.run_dir.clone(),
+            epoch,
+            left: at / 4,
+        })
+    }
+
+    /// The whole of `state` as epoch `epoch`'s file (the tests; runs stream it).
+    #[cfg(test)]
+    fn write(&self, epoch: usize, state: &WholeState) -> Result<()> {
+        let layout = StateLayout {
+            tensors: state.tensors.clone(),
+            updates: state.updates,
+            slots: state.slots.iter().map(|s| s.0.clone()).collect(),
+        };
+        let mut w = self.start(epoch, &layout)?;
+        for (_, values) in &state.slots {
+            w.put(values)?;
+        }
+        w.done()
+    }
+}
+
+impl FileWriter {
+    fn fail(&self, e: impl std::fmt::Display) -> HearthError {
+        HearthError::Checkpoint(format!("{}: {e}", self.path.display()))
+    }
+
+    fn put(&mut self, values: &[f32]) -> Result<()> {
+        use std::io::Write;
+        if values.len() > self.left {
+            return Err(self.fail(format!(
+                "{} more values than the layout holds",
+                values.len() - self.left
+            )));
+        }
+        self.left -= values.len();
+        // Little-endian hosts write the values' own bytes (no copy).
+        let part = Part(values, [values.len()]);
+        let written = self.out.write_all(&part.data());
+        written.map_err(|e| self.fail(e))
+    }
+
+    fn done(self) -> Result<()> {
+        use std::io::Write;
+        if self.left != 0 {
+            let _ = std::fs::remove_file(&self.tmp);
+            return Err(self.fail(format!("{} values never arrived", self.left)));
+        }
+        let FileWriter {
+            mut out,
+            tmp,
+            path,
+            run_dir,
+            epoch,
+            ..
+        } = self;
         let fail = |e: String| HearthError::Checkpoint(format!("{}: {e}", path.display()));
-        safetensors::serialize_to_file(views, Some(meta), &tmp).map_err(|e| fail(e.to_string()))?;
+        out.flush().map_err(|e| fail(e.to_string()))?;
+        drop(out);
         std::fs::rename(&tmp, &path).map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
             fail(e.to_string())
         })?;
         // The previous epoch's stays until this epoch's burn-train files are complete.
-        for old in state_epochs(&self.run_dir) {
+        for old in state_epochs(&run_dir) {
             if old + 1 < epoch {
-                let _ = std::fs::remove_file(state_file(&self.run_dir, old));
+                let _ = std::fs::remove_file(state_file(&run_dir, old));
             }
         }
         Ok(())
     }
 }
 
-/// Writes `state` as epoch `epoch`'s file of `run_dir` (atomically) and removes the files of
-/// the epochs before the previous one.
-pub(super) fn write_state(run_dir: &Path, epoch: usize, state: &WholeState) -> Result<()> {
-    Files {
-        run_dir: run_dir.to_path_buf(),
+impl StateWriter for FileWriter {
+    fn write(&mut self, values: &[f32]) -> std::result::Result<(), String> {
+        self.put(values).map_err(|e| e.to_string())
     }
-    .write(epoch, state)
+    fn finish(self: Box<Self>) -> std::result::Result<(), String> {
+        self.done().map_err(|e| e.to_string())
+    }
+}
+
+/// Streams `zero`'s state into epoch `epoch`'s file of `run_dir` (every rank calls it; rank 0
+/// writes, holding one bucket of it at a time).
+pub(super) fn save_state(
+    run_dir: &Path,
+    epoch: usize,
+    zero: &burn_dist::zero::ZeroOptimizer,
+    comm: &burn_dist::Communicator,
+) -> Result<()> {
+    let files = Files {
+        run_dir: run_dir.to_path_buf(),
+    };
+    Ok(burn_dist::ddp::save_sharded_state(
+        zero, comm, &files, epoch,
+    )?)
 }
 
 /// The state in `path` (`optim-zero-<epoch>.safetensors`); every way it can be wrong is an
@@ -256,8 +362,14 @@ pub fn read_state(path: &Path) -> Result<WholeState> {
 }
 
 impl StateStore for Files {
-    fn save(&self, epoch: usize, state: &WholeState) -> std::result::Result<(), String> {
-        self.write(epoch, state).map_err(|e| e.to_string())
+    fn writer(
+        &self,
+        epoch: usize,
+        layout: &StateLayout,
+    ) -> std::result::Result<Box<dyn StateWriter>, String> {
+        self.start(epoch, layout)
+            .map(|w| Box::new(w) as Box<dyn StateWriter>)
+            .map_err(|e| e.to_string())
     }
 
     fn load(&self, epoch: usize) -> std::result::Result<WholeState, String> {
