@@ -26,7 +26,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     // A model as a flat vector (layout, module glue, optimizers): nothing but itself; the
     // sharded optimizer over it and the collectives; DDP over both.
     ("flat/", &["flat"]),
-    ("zero.rs", &["bucket", "collective", "flat", "split"]),
+    ("zero/", &["bucket", "collective", "flat", "split", "zero"]),
     ("ddp.rs", &["bucket", "collective", "flat", "zero"]),
 ];
 

@@ -273,7 +273,8 @@ impl<T: Trainee> Allreduce<'_, T> {
             let lr = self.rates.rate(epoch, self.steps);
             let scaler = &mut self.scaler;
             let mut take = |finite: bool| scaler.as_mut().is_none_or(|s| s.decide(finite));
-            match burn_dist::ddp::sharded_step(z, &self.model, grads, comm, lr, &mut take)? {
+            match burn_dist::zero::module::sharded_step(z, &self.model, grads, comm, lr, &mut take)?
+            {
                 Some(m) => self.model = m,
                 None => self.epoch_skipped += 1,
             }

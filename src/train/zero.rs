@@ -14,7 +14,7 @@
 //!
 //! Hearth's image models take it in burn-train's Learner (burn-dist's `DdpStrategy`), a custom
 //! module in its data-parallel strategy (`allreduce.rs`); both step through burn-dist's
-//! `ddp::sharded_step`.
+//! `zero::module::sharded_step`.
 //!
 //! Not built yet, and refused by name ([`TrainConfig::validate`]): `--zero` with the
 //! parameter servers (whose servers already hold the state sharded), pipelines, elastic
@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use burn::module::Module;
-use burn_dist::ddp::{Sharding, StateStore, StateWriter};
+use burn_dist::zero::module::{Sharding, StateStore, StateWriter};
 use burn_dist::zero::{Stage, StateLayout, WholeState};
 use safetensors::tensor::{Dtype, SafeTensors, View};
 
@@ -293,7 +293,7 @@ pub(super) fn save_state(
     let files = Files {
         run_dir: run_dir.to_path_buf(),
     };
-    Ok(burn_dist::ddp::save_sharded_state(
+    Ok(burn_dist::zero::module::save_sharded_state(
         zero, comm, &files, epoch,
     )?)
 }

@@ -1,0 +1,117 @@
+//! The sharded optimizer on a Burn module: a step taking the module's gradients bucket by
+//! bucket ([`sharded_step`]), ZeRO's settings for the data-parallel strategy ([`Sharding`]),
+//! and where its state goes between launches ([`StateStore`], [`save_sharded_state`]).
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::optim::GradientsParams;
+
+use super::{Stage, StateLayout, Stepped, WholeState, ZeroOptimizer};
+use crate::collective::Communicator;
+use crate::flat::module::{take_trainable_grads_of, trainable_values_in, with_trainable_parts};
+use crate::flat::optim::ShardOptimizer;
+use crate::{DistError, Result};
+
+/// Where a sharded optimizer's state is kept between launches: rank 0 writes the whole state
+/// of each checkpointed epoch and reads it back on resume (the caller's files; burn-dist
+/// writes none).
+pub trait StateStore: Send + Sync {
+    /// Starts writing the whole state after `epoch` (rank 0, before burn-train's checkpoint of
+    /// that epoch): its values follow in `layout`'s order through the writer.
+    fn writer(
+        &self,
+        epoch: usize,
+        layout: &StateLayout,
+    ) -> std::result::Result<Box<dyn StateWriter>, String>;
+    /// The state a launch resuming after `epoch` starts from (rank 0).
+    fn load(&self, epoch: usize) -> std::result::Result<WholeState, String>;
+}
+
+/// A state being written, a bucket's values at a time.
+pub trait StateWriter {
+    fn write(&mut self, values: &[f32]) -> std::result::Result<(), String>;
+    /// Every value written: makes the state the epoch's.
+    fn finish(self: Box<Self>) -> std::result::Result<(), String>;
+}
+
+/// Streams `zero`'s state to `store` as epoch `epoch`'s (every rank calls it; rank 0 writes).
+pub fn save_sharded_state(
+    zero: &ZeroOptimizer,
+    comm: &Communicator,
+    store: &dyn StateStore,
+    epoch: usize,
+) -> Result<()> {
+    let mut writer = None;
+    let mut failed = None;
+    if comm.rank() == 0 {
+        match store.writer(epoch, &zero.state_layout()) {
+            Ok(w) => writer = Some(w),
+            Err(e) => failed = Some(e),
+        }
+    }
+    // Every rank takes part even when rank 0 cannot write: no one is left waiting.
+    let streamed = zero.stream_state(comm, 0, &mut |piece| match writer.as_mut() {
+        Some(w) => w.write(piece),
+        None => Ok(()),
+    });
+    if let Some(e) = failed {
+        return Err(DistError::Config(e));
+    }
+    streamed?;
+    match writer {
+        Some(w) => w.finish().map_err(DistError::Config),
+        None => Ok(()),
+    }
+}
+
+/// ZeRO for the data-parallel strategy (`ddp::DdpStrategy::with_sharding`): the stage, the optimizer over the whole trainable vector (its
+/// decay ranges and tensor extents), and where its state is kept.
+#[derive(Clone)]
+pub struct Sharding {
+    pub stage: Stage,
+    pub optimizer: ShardOptimizer,
+    pub store: Arc<dyn StateStore>,
+}
+
+/// One sharded step on `model`: `grads` (this rank's mean) taken bucket by bucket into the
+/// sharded optimizer ([`ZeroOptimizer::step`]), the shard's update at rate `lr`, the updated
+/// values back into the module (`None`: skipped, the module unchanged). `take(finite)` decides
+/// with the agreed verdict on the averaged gradients (fp16 loss scaling; `|_| true` steps
+/// always, as plain data parallel).
+pub fn sharded_step<M: Module>(
+    zero: &mut ZeroOptimizer,
+    model: &M,
+    mut grads: GradientsParams,
+    comm: &Communicator,
+    lr: f64,
+    take: &mut dyn FnMut(bool) -> bool,
+) -> Result<Option<M>> {
+    let mut source = ModuleSource {
+        model,
+        grads: &mut grads,
+    };
+    match zero.step(comm, &mut source, lr as f32, take)? {
+        Stepped::Skipped => Ok(None),
+        Stepped::Updated(parts) => {
+            drop(grads);
+            with_trainable_parts(model.clone(), parts).map(Some)
+        }
+    }
+}
+
+/// A module and its gradients as a [`crate::zero::StepSource`]: each bucket's gradients taken
+/// out as they are flattened, the values of a range read from the tensors that meet it.
+struct ModuleSource<'a, M: Module> {
+    model: &'a M,
+    grads: &'a mut GradientsParams,
+}
+
+impl<M: Module> crate::zero::StepSource for ModuleSource<'_, M> {
+    fn grads(&mut self, tensors: std::ops::Range<usize>) -> Vec<f32> {
+        take_trainable_grads_of(self.model, self.grads, tensors)
+    }
+    fn values(&mut self, range: std::ops::Range<usize>) -> Vec<f32> {
+        trainable_values_in(self.model, range)
+    }
+}
