@@ -59,6 +59,8 @@ struct Run {
     threads: Option<usize>,
     /// "params" or "time".
     balance: String,
+    /// Activation recomputation (`hearth train --recompute`).
+    recompute: bool,
 }
 
 impl Run {
@@ -79,6 +81,10 @@ impl Run {
             ("HEARTH_PIPE_RUN_WARMUP", self.warmup.to_string()),
             ("HEARTH_PIPE_RUN_STEPS", self.steps.to_string()),
             ("HEARTH_PIPE_RUN_BALANCE", self.balance.clone()),
+            (
+                "HEARTH_PIPE_RUN_RECOMPUTE",
+                if self.recompute { "1" } else { "0" }.into(),
+            ),
         ]
     }
 
@@ -99,6 +105,7 @@ impl Run {
             steps: num("HEARTH_PIPE_RUN_STEPS")?,
             threads: None,
             balance: get("HEARTH_PIPE_RUN_BALANCE")?,
+            recompute: get("HEARTH_PIPE_RUN_RECOMPUTE")? == "1",
         })
     }
 
@@ -182,6 +189,24 @@ fn rank_main(out: &Path) -> anyhow::Result<()> {
             let t = Instant::now();
             let mut acc = GradientsAccumulator::<StageModel>::new();
             for _ in 0..run.micro {
+                if run.recompute {
+                    // One segment per unit, as `hearth train --recompute` runs one process.
+                    let segments: Vec<StageModel> = model
+                        .units
+                        .iter()
+                        .map(|u| StageModel::new(vec![u.clone()]))
+                        .collect();
+                    let grads = hearth::dist::pipeline::recomputed_gradients(
+                        &segments,
+                        Activation::Rank4(x.clone()),
+                        &mut |out| Ok(cross_entropy(out.rank2("logits")?, y.clone())),
+                        &device,
+                    )?;
+                    for g in grads {
+                        acc.accumulate(&model, g);
+                    }
+                    continue;
+                }
                 let logits = hearth::dist::pipeline::PipelineStage::forward(
                     &model,
                     Activation::Rank4(x.clone()),
@@ -205,7 +230,8 @@ fn rank_main(out: &Path) -> anyhow::Result<()> {
         )?);
         let mut ranges = balance(&cfg.unit_params(&device)?, run.stages)?;
         let mut pipe = Pipeline::new(transport.clone(), (0..run.stages).collect(), run.schedule)?
-            .with_timeout(Duration::from_secs(600));
+            .with_timeout(Duration::from_secs(600))
+            .with_recompute(run.recompute);
         let comm = Communicator::new(transport).with_timeout(Duration::from_secs(600));
         if run.balance != "params" {
             let probe = StageModel::new(cfg.init_units(ranges[info.rank].clone(), &device)?);
@@ -229,6 +255,7 @@ fn rank_main(out: &Path) -> anyhow::Result<()> {
                         r,
                         16.0,
                         run.schedule.held(s, run.stages, run.micro),
+                        run.recompute,
                     )
                 })?
             } else {
@@ -332,6 +359,25 @@ fn mb(kb: u64) -> f64 {
     kb as f64 / 1024.0
 }
 
+/// `HEARTH_PIPE_RECOMPUTE`: `off`, `on` or `both` (default), which memory rows to run.
+fn recompute_choices() -> Vec<bool> {
+    match std::env::var("HEARTH_PIPE_RECOMPUTE").as_deref() {
+        Ok("off") | Ok("0") => vec![false],
+        Ok("on") | Ok("1") => vec![true],
+        _ => vec![false, true],
+    }
+}
+
+/// A comma-separated list from `var`, else `default`.
+fn list(var: &str, default: &str) -> Vec<String> {
+    std::env::var(var)
+        .unwrap_or_else(|_| default.into())
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
 fn memory(smoke: bool) -> anyhow::Result<()> {
     let model = std::env::var("HEARTH_PIPE_MODEL")
         .unwrap_or_else(|_| if smoke { "resnet-mini" } else { "resnet152" }.into());
@@ -347,51 +393,88 @@ fn memory(smoke: bool) -> anyhow::Result<()> {
         steps: 1,
         threads: None,
         balance: balance_choice(),
+        recompute: false,
     };
     println!(
         "memory: {model} at {size}x{size}, {} micro-batches of {}, peak RSS (VmHWM) per process, split by {}",
         base.micro, base.micro_batch, base.balance
     );
+    // The goal's reference is the unsplit process without recomputation.
     let whole = launch(&base)?.ranks[0];
     println!(
-        "{:<10} {:<6} {:>10} {:>12} {:>12} {:>8}",
-        "layout", "sched", "rank", "peak MB", "goal MB", "ratio"
+        "{:<10} {:<6} {:<9} {:>6} {:>10} {:>10} {:>7} {:>9}",
+        "layout", "sched", "recompute", "rank", "peak MB", "goal MB", "ratio", "step s"
     );
-    println!(
-        "{:<10} {:<6} {:>10} {:>12.0} {:>12} {:>8}",
-        "unsplit",
-        "-",
-        "0",
-        mb(whole.peak_kb),
-        "-",
-        "1.00"
-    );
-    let stage_counts: &[usize] = if smoke { &[2] } else { &[2, 4] };
-    for &p in stage_counts {
-        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
-            let run = Run {
-                stages: p,
-                schedule,
-                ..base.clone()
-            };
-            let out = launch(&run)?;
-            println!("P={p} {}: split {}", sched_name(schedule), out.split);
-            let goal = mb(whole.peak_kb) * (1.0 / p as f64 + 0.15);
-            for (r, rep) in out.ranks.iter().enumerate() {
+    let row =
+        |layout: &str, sched: &str, recompute: bool, r: usize, rep: &Report, goal: Option<f64>| {
+            let over = goal.is_some_and(|g| mb(rep.peak_kb) > g);
+            println!(
+                "{:<10} {:<6} {:<9} {:>6} {:>10.0} {:>10} {:>7.2} {:>9.2}{}",
+                layout,
+                sched,
+                if recompute { "yes" } else { "no" },
+                r,
+                mb(rep.peak_kb),
+                goal.map_or("-".to_string(), |g| format!("{g:.0}")),
+                rep.peak_kb as f64 / whole.peak_kb.max(1) as f64,
+                rep.step_s,
+                if over { "  over goal" } else { "" }
+            );
+        };
+    row("unsplit", "-", false, 0, &whole, None);
+    if recompute_choices().contains(&true) {
+        let again = launch(&Run {
+            recompute: true,
+            ..base.clone()
+        })?
+        .ranks[0];
+        row("unsplit", "-", true, 0, &again, None);
+    }
+    let stage_counts: Vec<usize> = if smoke {
+        vec![2]
+    } else {
+        list("HEARTH_PIPE_P", "2,4")
+            .iter()
+            .map(|p| p.parse())
+            .collect::<Result<_, _>>()?
+    };
+    let schedules: Vec<Schedule> = list("HEARTH_PIPE_SCHEDULES", "gpipe,1f1b")
+        .iter()
+        .map(|s| {
+            if s == "gpipe" {
+                Schedule::GPipe
+            } else {
+                Schedule::OneFOneB
+            }
+        })
+        .collect();
+    for &p in &stage_counts {
+        for &schedule in &schedules {
+            for recompute in recompute_choices() {
+                let run = Run {
+                    stages: p,
+                    schedule,
+                    recompute,
+                    ..base.clone()
+                };
+                let out = launch(&run)?;
                 println!(
-                    "{:<10} {:<6} {:>10} {:>12.0} {:>12.0} {:>8.2}{}",
-                    format!("P={p}"),
+                    "P={p} {}{}: split {}",
                     sched_name(schedule),
-                    r,
-                    mb(rep.peak_kb),
-                    goal,
-                    rep.peak_kb as f64 / whole.peak_kb.max(1) as f64,
-                    if mb(rep.peak_kb) <= goal {
-                        ""
-                    } else {
-                        "  over goal"
-                    }
+                    if recompute { " recompute" } else { "" },
+                    out.split
                 );
+                let goal = mb(whole.peak_kb) * (1.0 / p as f64 + 0.15);
+                for (r, rep) in out.ranks.iter().enumerate() {
+                    row(
+                        &format!("P={p}"),
+                        sched_name(schedule),
+                        recompute,
+                        r,
+                        rep,
+                        Some(goal),
+                    );
+                }
             }
         }
     }
@@ -432,6 +515,7 @@ fn bubble(smoke: bool) -> anyhow::Result<()> {
             warmup: 1,
             steps,
             threads: Some(1),
+            recompute: false,
             balance: balance_choice(),
         };
         let whole = launch(&base)?.ranks[0].step_s;

@@ -68,6 +68,12 @@ impl PipelineStage for StageModel {
         }))
     }
 
+    /// The forward again with batch norm's running statistics left alone (they moved in the
+    /// first pass).
+    fn forward_again(&self, x: Activation) -> burn_dist::Result<Activation> {
+        hearth_kernels::norm::replaying(|| self.forward(x))
+    }
+
     /// A feature map (`[batch, channels, h, w]`) with the channels of the first unit.
     fn accepts(&self, dims: &[usize]) -> std::result::Result<(), String> {
         let Some(first) = self.units.first() else {
@@ -85,6 +91,54 @@ impl PipelineStage for StageModel {
     }
 }
 
+/// Activation recomputation (`--recompute`) in one process: the gradients of
+/// `loss(model(x))` for `owner`'s parameters (`owner` holds `model`, e.g. the Learner's task),
+/// with `model` run unit by unit in `precision`, keeping only each unit's input between the
+/// forward and the backward ([`burn_dist::pipeline::recomputed_gradients`]). `loss` gets the
+/// logits (f32, with their graph) and may keep them for metrics.
+pub fn recomputed_gradients<M: Module>(
+    owner: &M,
+    model: &hearth_models::Classifier,
+    x: burn::prelude::Tensor<4>,
+    precision: crate::train::Precision,
+    loss: &mut dyn FnMut(burn::prelude::Tensor<2>) -> Result<burn::prelude::Tensor<1>>,
+) -> Result<burn::optim::GradientsParams> {
+    let device = x.device();
+    let segments: Vec<StageModel> = model
+        .clone()
+        .into_units()
+        .into_iter()
+        .map(|u| StageModel {
+            units: vec![u],
+            precision,
+        })
+        .collect();
+    let mut failed = None;
+    let grads = burn_dist::pipeline::recomputed_gradients(
+        &segments,
+        Activation::Rank4(x),
+        &mut |out| {
+            let logits = out.rank2("the model's output")?;
+            loss(logits).map_err(|e| {
+                let text = e.to_string();
+                failed = Some(e);
+                burn_dist::DistError::Config(text)
+            })
+        },
+        &device,
+    );
+    let grads = match (grads, failed) {
+        (_, Some(e)) => return Err(e),
+        (Ok(g), None) => g,
+        (Err(e), None) => return Err(HearthError::from(e)),
+    };
+    let mut all = burn::optim::GradientsAccumulator::<M>::new();
+    for g in grads {
+        all.accumulate(owner, g);
+    }
+    Ok(all.grads())
+}
+
 /// What one training pass of a unit costs on one micro-batch.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct UnitCost {
@@ -95,6 +149,9 @@ pub struct UnitCost {
     /// resident set (blurred by the allocator's reuse of freed memory); 0 where neither can be
     /// read.
     pub retained_bytes: f64,
+    /// The unit's input (in f32), bytes: what a stage starting at this unit holds per
+    /// micro-batch in flight when it recomputes activations.
+    pub input_bytes: f64,
 }
 
 /// Bytes in use by this process: live heap bytes when the program counts them, else the
@@ -121,6 +178,7 @@ pub fn profile_units(
     let mut x = x.rank4("a model stage's input")?;
     let mut costs = Vec::with_capacity(units.len());
     for (i, unit) in units.iter().enumerate() {
+        let input_bytes = 4.0 * x.dims().iter().product::<usize>() as f64;
         let input = x.clone().detach().require_grad();
         sync()?;
         let before = memory_in_use();
@@ -140,6 +198,7 @@ pub fn profile_units(
         costs.push(UnitCost {
             seconds: started.elapsed().as_secs_f64(),
             retained_bytes: held,
+            input_bytes,
         });
         match out {
             UnitOutput::Features(f) => x = f.detach(),
@@ -167,8 +226,8 @@ pub fn measure_units(
     device: &burn::prelude::Device,
 ) -> Result<Vec<UnitCost>> {
     const PASSES: usize = 3;
-    // [seconds of every unit..., bytes of every unit...]
-    let mut mine = vec![0f32; 2 * units];
+    // [seconds of every unit..., bytes held by every unit..., bytes of every unit's input...]
+    let mut mine = vec![0f32; 3 * units];
     for pass in 0..=PASSES {
         pipe.forward_with(
             &mut |a, _| {
@@ -179,6 +238,7 @@ pub fn measure_units(
                         if u < units {
                             mine[u] += (c.seconds / PASSES as f64) as f32;
                             mine[units + u] = mine[units + u].max(c.retained_bytes as f32);
+                            mine[2 * units + u] = c.input_bytes as f32;
                         }
                     }
                 }
@@ -193,7 +253,7 @@ pub fn measure_units(
     let all = comm.all_gather(&mine)?;
     let column = |k: usize| -> f64 {
         let seen: Vec<f64> = all
-            .chunks(2 * units)
+            .chunks(3 * units)
             .map(|r| f64::from(r[k]))
             .filter(|&v| v > 0.0)
             .collect();
@@ -203,6 +263,7 @@ pub fn measure_units(
         .map(|u| UnitCost {
             seconds: column(u),
             retained_bytes: column(units + u),
+            input_bytes: column(2 * units + u),
         })
         .collect())
 }
@@ -265,17 +326,24 @@ pub fn balance_by(
 
 /// A stage's memory while training: each parameter's `state_bytes` (weights, gradients, their
 /// accumulation over micro-batches, optimizer state) plus the activations of the micro-batches
-/// it holds at once (`in_flight`).
+/// it holds at once (`in_flight`); with `recompute`, the in-flight micro-batches' inputs and
+/// one micro-batch's activations.
 pub fn stage_memory(
     params: &[usize],
     costs: &[UnitCost],
     units: Range<usize>,
     state_bytes: f64,
     in_flight: usize,
+    recompute: bool,
 ) -> f64 {
     let state: f64 = params[units.clone()].iter().map(|&p| p as f64).sum::<f64>() * state_bytes;
+    let input = costs.get(units.start).map_or(0.0, |c| c.input_bytes);
     let acts: f64 = costs[units].iter().map(|c| c.retained_bytes).sum();
-    state + in_flight as f64 * acts
+    if recompute {
+        state + acts + in_flight as f64 * input
+    } else {
+        state + in_flight as f64 * acts
+    }
 }
 
 #[cfg(test)]

@@ -486,3 +486,23 @@ pub fn metrics(run: &Path) -> BTreeMap<usize, BTreeMap<String, f64>> {
         })
         .collect()
 }
+
+/// Every tensor of two model files within `tolerance`.
+pub fn same_weights(a: &Path, b: &Path, tolerance: f32) {
+    let (ta, tb) = (tensors(a), tensors(b));
+    assert_eq!(ta.len(), tb.len());
+    for ((na, va), (nb, vb)) in ta.iter().zip(&tb) {
+        assert_eq!(na, nb);
+        let gap = va
+            .iter()
+            .zip(vb)
+            .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+            .fold(0.0f32, f32::max);
+        assert!(
+            gap <= tolerance,
+            "{na}: {} vs {}: {gap}",
+            a.display(),
+            b.display()
+        );
+    }
+}

@@ -266,6 +266,10 @@ fn image_settings_are_refused_by_name_for_a_user_module() {
     let mut cfg = base();
     cfg.monitor = hearth::train::Monitor::ValAuroc;
     assert!(refusal(&cfg).contains("val_auroc"));
+    // --recompute recomputes a model's units; a module has none.
+    let mut cfg = base();
+    cfg.recompute = true;
+    assert!(refusal(&cfg).contains("recompute"));
     // One process too.
     let mut cfg = base();
     cfg.ps = None;

@@ -90,6 +90,7 @@ fn setting(flag: &str) -> Vec<&'static str> {
         "--compression" => &["--compression", "bf16"],
         "--precision" => &["--precision", "bf16"],
         "--zero" => &["--zero", "1"],
+        "--recompute" => &["--recompute"],
         "--micro-batches" => &["--micro-batches", "2"],
         "--pipeline-schedule" => &["--pipeline-schedule", "gpipe"],
         "--pipeline-split" => &["--pipeline-split", "0:2,2:6"],

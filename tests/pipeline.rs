@@ -112,11 +112,13 @@ fn train_stage(
     stages: usize,
     schedule: Schedule,
     die_at: Option<usize>,
+    recompute: bool,
 ) -> Result<Vec<Vec<f32>>, String> {
     let device = Device::flex().autodiff();
     let mut pipe = Pipeline::new(transport, (0..stages).collect(), schedule)
         .map_err(|e| e.to_string())?
-        .with_timeout(Duration::from_secs(60));
+        .with_timeout(Duration::from_secs(60))
+        .with_recompute(recompute);
     let mut stage = stage;
     let mut opt = sgd();
     for s in 0..STEPS {
@@ -136,19 +138,23 @@ fn train_stage(
                 &device,
             )
             .map_err(|e| e.to_string())?;
+        if recompute {
+            // Only the micro-batches' inputs were held; one graph at a time.
+            assert!(out.peak_graphs <= 1, "{} graphs held", out.peak_graphs);
+        }
         stage = opt.step(0.05, stage, out.grads);
     }
     Ok(module_values(&stage))
 }
 
-fn pipelined(stages: Vec<StageModel>, schedule: Schedule) -> Vec<Vec<Vec<f32>>> {
+fn pipelined(stages: Vec<StageModel>, schedule: Schedule, recompute: bool) -> Vec<Vec<Vec<f32>>> {
     let p = stages.len();
     let (tx, rx) = std::sync::mpsc::channel();
     for (t, stage) in MemoryTransport::mesh(p).into_iter().zip(stages) {
         let tx = tx.clone();
         std::thread::spawn(move || {
             let r = t.rank();
-            let values = train_stage(stage, Arc::new(t), p, schedule, None).unwrap();
+            let values = train_stage(stage, Arc::new(t), p, schedule, None, recompute).unwrap();
             let _ = tx.send((r, values));
         });
     }
@@ -196,14 +202,19 @@ fn a_resnet_split_by_parameters_trains_like_the_whole_network() {
             assert_ne!(&before, trained, "stage {r:?} did not train");
         }
         for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
-            let got = pipelined(stages_of(&initial, &ranges), schedule);
-            for (s, (a, b)) in got.iter().zip(&expected).enumerate() {
-                assert_eq!(a.len(), b.len());
-                for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
-                    assert!(
-                        (x - y).abs() <= 1e-5,
-                        "{parts} stages {ranges:?}, {schedule:?}, stage {s}: {x} vs {y}"
-                    );
+            // Recomputation too: batch norm's running statistics (among the values compared)
+            // must move once per micro-batch, not again in the recomputation.
+            for recompute in [false, true] {
+                let got = pipelined(stages_of(&initial, &ranges), schedule, recompute);
+                for (s, (a, b)) in got.iter().zip(&expected).enumerate() {
+                    assert_eq!(a.len(), b.len());
+                    for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+                        assert!(
+                            (x - y).abs() <= 1e-5,
+                            "{parts} stages {ranges:?}, {schedule:?}, recompute {recompute}, \
+                             stage {s}: {x} vs {y}"
+                        );
+                    }
                 }
             }
         }
@@ -228,7 +239,7 @@ fn a_stage_handed_the_wrong_channels_names_both_stages_instead_of_panicking() {
         let tx = tx.clone();
         std::thread::spawn(move || {
             let r = t.rank();
-            let got = train_stage(stage, Arc::new(t), 2, Schedule::OneFOneB, None);
+            let got = train_stage(stage, Arc::new(t), 2, Schedule::OneFOneB, None, false);
             let _ = tx.send((r, got));
         });
     }
@@ -291,7 +302,15 @@ fn child() {
     let stage = stages_of(&seeded_initial(), &ranges()).swap_remove(info.rank);
     let die_at = (mode == "die" && info.rank == 1).then_some(1);
     let transport: Arc<dyn Transport> = Arc::new(transport);
-    match train_stage(stage, transport.clone(), 2, Schedule::OneFOneB, die_at) {
+    let recompute = mode == "recompute";
+    match train_stage(
+        stage,
+        transport.clone(),
+        2,
+        Schedule::OneFOneB,
+        die_at,
+        recompute,
+    ) {
         Ok(values) => {
             // Both stages are done before either hangs up.
             hearth::dist::Communicator::new(transport)
@@ -391,14 +410,16 @@ fn rank_processes(
 fn two_stage_processes_over_quic_train_like_the_whole_network() {
     let ranges = ranges();
     let expected = reference(copy(&seeded_initial()), &ranges);
-    let dir = tempfile::tempdir().unwrap();
-    for (r, (ok, text)) in processes("train", dir.path()).into_iter().enumerate() {
-        assert!(ok, "rank {r}:\n{text}");
-        let got = read_values(dir.path(), r, &text);
-        let want: Vec<f32> = expected[r].iter().flatten().copied().collect();
-        assert_eq!(got.len(), want.len());
-        for (x, y) in got.iter().zip(&want) {
-            assert!((x - y).abs() <= 1e-5, "rank {r}: {x} vs {y}");
+    for mode in ["train", "recompute"] {
+        let dir = tempfile::tempdir().unwrap();
+        for (r, (ok, text)) in processes(mode, dir.path()).into_iter().enumerate() {
+            assert!(ok, "{mode}, rank {r}:\n{text}");
+            let got = read_values(dir.path(), r, &text);
+            let want: Vec<f32> = expected[r].iter().flatten().copied().collect();
+            assert_eq!(got.len(), want.len());
+            for (x, y) in got.iter().zip(&want) {
+                assert!((x - y).abs() <= 1e-5, "{mode}, rank {r}: {x} vs {y}");
+            }
         }
     }
 }

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Job, metrics, small_data, tensors, wait_bounded};
+use common::{Job, metrics, same_weights, small_data, wait_bounded};
 
 /// Every value of two runs' `columns`, epoch by epoch, within `tolerance`.
 fn same_curves(
@@ -32,26 +32,6 @@ fn same_curves(
                 "epoch {epoch} {c}: {a_name} {x}, {b_name} {y}"
             );
         }
-    }
-}
-
-/// Every tensor of two model files within `tolerance`.
-fn same_weights(a: &Path, b: &Path, tolerance: f32) {
-    let (ta, tb) = (tensors(a), tensors(b));
-    assert_eq!(ta.len(), tb.len());
-    for ((na, va), (nb, vb)) in ta.iter().zip(&tb) {
-        assert_eq!(na, nb);
-        let gap = va
-            .iter()
-            .zip(vb)
-            .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
-            .fold(0.0f32, f32::max);
-        assert!(
-            gap <= tolerance,
-            "{na}: {} vs {}: {gap}",
-            a.display(),
-            b.display()
-        );
     }
 }
 

@@ -108,6 +108,37 @@ impl Activation {
         })
     }
 
+    /// `sum(self * upstream)` for an upstream gradient already on the device.
+    fn inject_activation(&self, upstream: Activation) -> Result<Tensor<1>> {
+        if upstream.dims() != self.dims() {
+            return Err(mismatch(
+                "recomputed backward",
+                format!(
+                    "the gradient has shape {:?}, the activation {:?}",
+                    upstream.dims(),
+                    self.dims()
+                ),
+            ));
+        }
+        Ok(match (self, upstream) {
+            (Activation::Rank2(t), Activation::Rank2(g)) => (t.clone() * g).sum(),
+            (Activation::Rank4(t), Activation::Rank4(g)) => (t.clone() * g).sum(),
+            _ => unreachable!("same dims, same rank"),
+        })
+    }
+
+    /// This tensor's gradient in `grads`, on the device (untracked).
+    fn grad_activation(&self, grads: &burn::tensor::Gradients) -> Option<Activation> {
+        match self {
+            Activation::Rank2(t) => t
+                .grad(grads)
+                .map(|g| Activation::Rank2(Tensor::from_inner(g))),
+            Activation::Rank4(t) => t
+                .grad(grads)
+                .map(|g| Activation::Rank4(Tensor::from_inner(g))),
+        }
+    }
+
     fn data(&self) -> TensorData {
         match self {
             Activation::Rank2(t) => t.clone().into_data(),
@@ -189,6 +220,15 @@ pub trait PipelineStage: Module {
         let _ = dims;
         Ok(())
     }
+
+    /// The forward of a recomputation ([`Pipeline::with_recompute`]): the output
+    /// [`forward`](Self::forward) gave for `x` in this step, now with its graph, and without
+    /// the side effects the first pass already had. A stage whose forward updates running
+    /// statistics (batch norm) must not update them again here, or they would move twice per
+    /// micro-batch. The default runs `forward`, which is right for stages without any.
+    fn forward_again(&self, x: Activation) -> Result<Activation> {
+        self.forward(x)
+    }
 }
 
 /// The order of forwards and backwards over a step's micro-batches.
@@ -251,8 +291,40 @@ pub struct StepOutput {
     pub grads: GradientsParams,
     /// The last stage: each micro-batch's loss. Other stages: empty.
     pub losses: Vec<f32>,
-    /// The most micro-batches whose activations this stage held at once.
+    /// The most micro-batches this stage held at once (their whole activations, or with
+    /// [`Pipeline::with_recompute`] only their inputs).
     pub peak_in_flight: usize,
+    /// The most micro-batches whose autodiff graphs (every activation the backward needs)
+    /// this stage held at once: `peak_in_flight` without recomputation, at most 1 with it.
+    pub peak_graphs: usize,
+}
+
+/// What a stage keeps of a micro-batch between its forward and its backward.
+enum Held {
+    /// The input (to send its gradient back) and the output, with its graph.
+    Graph(Activation, Activation),
+    /// Recomputation: the input alone (untracked), and the seed its first pass's random draws
+    /// (dropout) came from, so that the recomputation draws the same (none on the last
+    /// stage, which has no first pass).
+    Input(Activation, Option<u64>),
+}
+
+/// Initialises every parameter a visit reaches.
+struct Materialize;
+
+impl burn::module::ModuleVisitor for Materialize {
+    fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+        let _ = param.val();
+    }
+}
+
+/// splitmix64: the next seed of a stream.
+fn next_seed(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// This rank's place in a pipeline: stage `stage` of the stages held by `ranks` (in order).
@@ -263,6 +335,9 @@ pub struct Pipeline {
     schedule: Schedule,
     timeout: Duration,
     step: u64,
+    recompute: bool,
+    /// Recomputation: the stream the micro-batches' seeds are drawn from.
+    seeds: u64,
 }
 
 /// The tag of micro-batch `m` of step `step`, forward or backward.
@@ -296,7 +371,35 @@ impl Pipeline {
             schedule,
             timeout: Duration::from_secs(120),
             step: 0,
+            recompute: false,
+            seeds: 0,
         })
+    }
+
+    /// Activation recomputation: the forward of a micro-batch runs without a graph and the
+    /// stage keeps only its input; its backward runs the forward again
+    /// ([`PipelineStage::forward_again`]) with the graph, then differentiates it. A stage then
+    /// holds its in-flight micro-batches' inputs and one micro-batch's activations, for one
+    /// more forward per micro-batch (none on the last stage, which runs each micro-batch's
+    /// forward in its backward). The results are those without recomputation, except random
+    /// draws (dropout) on the other stages, which come from a seed per micro-batch
+    /// ([`Pipeline::seed`]) so that both passes draw the same. The backend's random stream
+    /// is the process's: stages that draw (dropout) and recompute need a process each, or
+    /// they reseed each other's draws.
+    pub fn with_recompute(mut self, on: bool) -> Self {
+        self.recompute = on;
+        self
+    }
+
+    /// Whether this pipeline recomputes activations ([`Pipeline::with_recompute`]).
+    pub fn recomputes(&self) -> bool {
+        self.recompute
+    }
+
+    /// Restarts the stream the recomputation's per-micro-batch seeds come from (a run seeds it
+    /// per epoch, so that a resumed run draws what the uninterrupted one drew).
+    pub fn seed(&mut self, seed: u64) {
+        self.seeds = seed;
     }
 
     /// How long a stage waits for its neighbour's activation or gradient.
@@ -384,11 +487,21 @@ impl Pipeline {
     ) -> Result<StepOutput> {
         let step = self.step;
         self.step += 1;
-        // Per micro-batch: the input (to send its gradient back) and what backward starts from.
-        let mut held: Vec<Option<(Activation, Activation)>> = vec![None; micro_batches];
+        // Recomputation's first passes: the stage with untracked parameters, so they build no
+        // graph (batch norm still trains and updates its shared running statistics). The last
+        // stage has no first pass.
+        if self.recompute {
+            // A parameter initialises at its first use, drawing from the random stream: it
+            // must not draw inside the first pass only, or the recomputation's draws would
+            // come from elsewhere in the stream.
+            stage.visit(&mut Materialize);
+        }
+        let untracked = (self.recompute && !self.is_last()).then(|| stage.clone().no_grad());
+        let mut held: Vec<Option<Held>> = (0..micro_batches).map(|_| None).collect();
         let mut losses: Vec<Option<Tensor<1>>> = vec![None; micro_batches];
         let mut accumulator = GradientsAccumulator::<M>::new();
         let (mut in_flight, mut peak) = (0usize, 0usize);
+        let (mut graphs, mut peak_graphs) = (0usize, 0usize);
         for (forward, m) in self
             .schedule
             .order(self.stage, self.stages(), micro_batches)
@@ -399,29 +512,62 @@ impl Pipeline {
                 } else {
                     let data = self.recv(self.stage - 1, tag(step, m, true), "pipeline forward")?;
                     let data = self.check_input(data, m, &|d| stage.accepts(d))?;
-                    activation(data, device).require_grad()
+                    let x = activation(data, device);
+                    if self.recompute { x } else { x.require_grad() }
                 };
-                let y = stage.forward(x.clone()).map_err(|e| {
-                    mismatch(
-                        "pipeline forward",
-                        format!("stage {} on micro-batch {m}: {e}", self.stage),
-                    )
-                })?;
+                in_flight += 1;
+                peak = peak.max(in_flight);
+                if self.recompute {
+                    // The last stage runs its only forward in the backward: nothing to replay.
+                    let mut seed = None;
+                    if let Some(untracked) = &untracked {
+                        let s = next_seed(&mut self.seeds);
+                        device.seed(s);
+                        seed = Some(s);
+                        let y = self.run(m, || untracked.forward(x.clone()))?;
+                        self.send(self.stage + 1, tag(step, m, true), y.data())?;
+                    }
+                    held[m] = Some(Held::Input(x, seed));
+                    continue;
+                }
+                let y = self.run(m, || stage.forward(x.clone()))?;
                 if self.is_last() {
                     losses[m] = Some(loss(y.clone(), m)?);
                 } else {
                     self.send(self.stage + 1, tag(step, m, true), y.data())?;
                 }
-                held[m] = Some((x, y));
-                in_flight += 1;
-                peak = peak.max(in_flight);
+                held[m] = Some(Held::Graph(x, y));
+                graphs += 1;
+                peak_graphs = peak_graphs.max(graphs);
             } else {
-                let Some((x, y)) = held[m].take() else {
-                    return Err(mismatch(
-                        "pipeline backward",
-                        format!("micro-batch {m} has no forward on stage {}", self.stage),
-                    ));
+                let (x, y) = match held[m].take() {
+                    Some(Held::Graph(x, y)) => (x, y),
+                    Some(Held::Input(x, seed)) => {
+                        // The forward again, with its graph, on the same draws.
+                        if let Some(seed) = seed {
+                            device.seed(seed);
+                        }
+                        let x = if self.is_first() { x } else { x.require_grad() };
+                        let y = if self.is_last() {
+                            let y = self.run(m, || stage.forward(x.clone()))?;
+                            losses[m] = Some(loss(y.clone(), m)?);
+                            y
+                        } else {
+                            self.run(m, || stage.forward_again(x.clone()))?
+                        };
+                        graphs += 1;
+                        peak_graphs = peak_graphs.max(graphs);
+                        (x, y)
+                    }
+                    None => {
+                        return Err(mismatch(
+                            "pipeline backward",
+                            format!("micro-batch {m} has no forward on stage {}", self.stage),
+                        ));
+                    }
                 };
+                in_flight -= 1;
+                graphs -= 1;
                 let grads = if self.is_last() {
                     let Some(l) = losses[m].clone() else {
                         return Err(mismatch(
@@ -436,7 +582,6 @@ impl Pipeline {
                     if !y.is_tracked() {
                         // Nothing to differentiate: a stage with nothing to train whose input
                         // carries no gradient (a frozen first stage in transfer learning).
-                        in_flight -= 1;
                         continue;
                     }
                     y.inject(upstream, device)
@@ -455,7 +600,6 @@ impl Pipeline {
                     self.send(self.stage - 1, tag(step, m, false), dx)?;
                 }
                 accumulator.accumulate(stage, GradientsParams::from_grads(grads, stage));
-                in_flight -= 1;
             }
         }
         let losses = losses
@@ -467,6 +611,17 @@ impl Pipeline {
             grads: accumulator.grads(),
             losses,
             peak_in_flight: peak,
+            peak_graphs,
+        })
+    }
+
+    /// `forward()` of micro-batch `m`, its error naming this stage and the micro-batch.
+    fn run(&self, m: usize, forward: impl FnOnce() -> Result<Activation>) -> Result<Activation> {
+        forward().map_err(|e| {
+            mismatch(
+                "pipeline forward",
+                format!("stage {} on micro-batch {m}: {e}", self.stage),
+            )
         })
     }
 
@@ -538,6 +693,94 @@ impl Pipeline {
         }
         Ok(())
     }
+}
+
+/// Activation recomputation in one process: the gradients of `loss(segments[K-1](...
+/// segments[0](input)))` for every segment's parameters (one [`GradientsParams`] per segment,
+/// keyed by their parameters' ids), holding between the forward and the backward only each
+/// segment's input, and at any time one segment's graph.
+///
+/// The forward runs each segment but the last without a graph (its parameters untracked;
+/// batch norm trains and updates its running statistics as usual); the last runs with its
+/// graph and `loss` (which may keep what it needs of the output, e.g. for metrics), then the
+/// backward goes from the last segment to the first, running each one's forward again
+/// ([`PipelineStage::forward_again`]) with its graph before differentiating it. Random draws
+/// (dropout) of every segment but the last come from a seed per segment drawn from the
+/// device's stream and set again for the recomputation, so both passes draw the same. The
+/// results equal one backward through the whole chain, bar those draws.
+pub fn recomputed_gradients<M: PipelineStage>(
+    segments: &[M],
+    input: Activation,
+    loss: &mut dyn FnMut(Activation) -> Result<Tensor<1>>,
+    device: &Device,
+) -> Result<Vec<GradientsParams>> {
+    let Some((last, rest)) = segments.split_last() else {
+        return Err(DistError::Config("recomputation over no segments".into()));
+    };
+    for s in segments {
+        s.visit(&mut Materialize);
+    }
+    let fail = |k: usize, e: DistError| mismatch("recomputed forward", format!("segment {k}: {e}"));
+    // Forward without graphs: each segment's input and seed.
+    let mut held: Vec<(Activation, u64)> = Vec::with_capacity(rest.len());
+    let mut x = input;
+    for (k, s) in rest.iter().enumerate() {
+        let seed = draw_seed(device);
+        device.seed(seed);
+        let y = s
+            .clone()
+            .no_grad()
+            .forward(x.clone())
+            .map_err(|e| fail(k, e))?;
+        held.push((x, seed));
+        x = y;
+    }
+    let mut grads = Vec::with_capacity(segments.len());
+    let k_last = rest.len();
+    let x_last = if k_last == 0 { x } else { x.require_grad() };
+    let y = last.forward(x_last.clone()).map_err(|e| fail(k_last, e))?;
+    let g = loss(y)?.backward();
+    let mut upstream = if k_last == 0 {
+        None
+    } else {
+        x_last.grad_activation(&g)
+    };
+    grads.push(GradientsParams::from_grads(g, last));
+    for (k, (x, seed)) in held.into_iter().enumerate().rev() {
+        let Some(dy) = upstream.take() else {
+            // Nothing flows further back (a frozen segment whose input needs no gradient).
+            grads.push(GradientsParams::new());
+            continue;
+        };
+        device.seed(seed);
+        let x = if k == 0 { x } else { x.require_grad() };
+        let y = segments[k]
+            .forward_again(x.clone())
+            .map_err(|e| fail(k, e))?;
+        if !y.is_tracked() {
+            grads.push(GradientsParams::new());
+            continue;
+        }
+        let g = y.inject_activation(dy)?.backward();
+        if k > 0 {
+            upstream = x.grad_activation(&g);
+        }
+        grads.push(GradientsParams::from_grads(g, &segments[k]));
+    }
+    grads.reverse();
+    Ok(grads)
+}
+
+/// A seed from the device's random stream (so it follows the run's seeding).
+fn draw_seed(device: &Device) -> u64 {
+    let t = Tensor::<1>::random([2], burn::tensor::Distribution::Uniform(0.0, 1.0), device);
+    let v = t
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap_or_default();
+    v.iter()
+        .fold(0u64, |acc, x| (acc << 32) | u64::from(x.to_bits()))
 }
 
 #[cfg(test)]

@@ -264,6 +264,9 @@ pub fn batch_norm_train<const D: usize>(
 /// with the fast paths on (updating the running statistics as Burn's `BatchNorm` does), by
 /// Burn's module and `relu` otherwise (inference, where folding the statistics into one
 /// scale-and-shift pass measured no faster; frozen layers; other devices).
+///
+/// Inside [`replaying`] a training batch norm normalises by the batch's statistics as usual
+/// but leaves its running statistics alone.
 pub fn batch_norm<const D: usize>(bn: &BatchNorm, x: Tensor<D>, relu: bool) -> Tensor<D> {
     // Mixed precision: statistics and normalisation in f32, the activation's type out.
     if let Some(dt) = crate::low_precision(&x) {
@@ -271,6 +274,20 @@ pub fn batch_norm<const D: usize>(bn: &BatchNorm, x: Tensor<D>, relu: bool) -> T
     }
     let device = x.device();
     let training = device.is_autodiff() && bn.training.is_enabled();
+    if training && is_replaying() {
+        // The same kernels as the first pass took, so the output is the same.
+        if crate::enabled() && crate::is_flex(&device) {
+            return batch_norm_train(x, bn.gamma.val(), bn.beta.val(), bn.epsilon, relu).0;
+        }
+        let y =
+            burn::tensor::module::batch_norm_train(x, bn.gamma.val(), bn.beta.val(), bn.epsilon)
+                .output;
+        return if relu {
+            burn::tensor::activation::relu(y)
+        } else {
+            y
+        };
+    }
     if !(training && crate::enabled() && crate::is_flex(&device)) {
         let y = bn.forward(x);
         return if relu {
@@ -292,4 +309,28 @@ pub fn batch_norm<const D: usize>(bn: &BatchNorm, x: Tensor<D>, relu: bool) -> T
     bn.running_mean.update(running_mean.detach());
     bn.running_var.update(running_var.detach());
     y
+}
+
+thread_local! {
+    static REPLAYING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is inside [`replaying`].
+pub fn is_replaying() -> bool {
+    REPLAYING.with(|r| r.get())
+}
+
+/// Runs `f`, a forward pass already run once on the same input (activation recomputation),
+/// with [`batch_norm`]'s running statistics left as the first pass left them, so they move
+/// once per batch as without recomputation. The flag is this thread's, and is restored when
+/// `f` returns or unwinds.
+pub fn replaying<T>(f: impl FnOnce() -> T) -> T {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            REPLAYING.with(|r| r.set(self.0));
+        }
+    }
+    let _restore = Restore(REPLAYING.with(|r| r.replace(true)));
+    f()
 }

@@ -69,6 +69,7 @@ fn recorded_flags(key: &str) -> &'static [&'static str] {
         "compression" => &["--compression"],
         "precision" => &["--precision"],
         "zero" => &["--zero"],
+        "recompute" => &["--recompute"],
         "pipeline" => &[
             "--pipeline-stages",
             "--micro-batches",

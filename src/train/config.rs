@@ -21,7 +21,9 @@ pub const MINI_VGG_PLAIN: &str = "vgg-mini-plain";
 /// stopping. Everything else `hparams.json` records must be what the run was started with.
 /// `zero`: the stage may change (the state file is the same); switching sharding on or off is
 /// refused on resume by its own check (`zero::check_resume`).
-pub const MAY_CHANGE_ON_RESUME: [&str; 4] = ["epochs", "patience", "min_delta", "zero"];
+/// `recompute`: the same training (bar dropout's draws), with less memory held.
+pub const MAY_CHANGE_ON_RESUME: [&str; 5] =
+    ["epochs", "patience", "min_delta", "zero", "recompute"];
 
 /// A small DenseNet (growth 8, two layers per block, 16 stem channels): DenseNet-121's
 /// architecture at test size (the multi-label recipe of seed 001 on a small machine).
@@ -228,6 +230,10 @@ pub struct TrainConfig {
     /// Data parallel's sharded optimizer (ZeRO): 0 off, 1 the optimizer state sharded over the
     /// ranks, 2 the gradients too (see `train::zero`).
     pub zero: u8,
+    /// Activation recomputation (`--recompute`), every mode of Hearth's image models: the
+    /// forward keeps only each unit's input (pipelines: each stage's), and the backward runs
+    /// each unit's forward again with its graph. Less memory, one more forward per step.
+    pub recompute: bool,
     /// Pipeline model parallelism instead of pure data parallelism.
     pub pipeline: Option<PipelineOptions>,
     /// Elastic data parallelism: workers join and leave, the global batch stays fixed.
@@ -277,6 +283,7 @@ impl TrainConfig {
             compression: burn_dist::Compression::None,
             precision: super::Precision::Fp32,
             zero: 0,
+            recompute: false,
             pipeline: None,
             elastic: None,
             ps: None,

@@ -120,6 +120,7 @@ impl TrainConfig {
                 "zero" => {
                     self.zero = u8::try_from(n(k, v)?).map_err(|_| bad(k, v))?;
                 }
+                "recompute" => self.recompute = b(k, v)?,
                 "pipeline" => {
                     let split = match opt(&v["split"]) {
                         None => None,
@@ -247,6 +248,7 @@ impl TrainConfig {
             ("compression", json!(self.compression.name())),
             ("precision", json!(self.precision.name())),
             ("zero", json!(self.zero)),
+            ("recompute", json!(self.recompute)),
         ])
         .into_iter()
         .chain(self.pipeline.as_ref().map(|p| {

@@ -160,6 +160,15 @@ impl TrainReport {
 pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
     cfg.validate()?;
     crate::device::check_precision(device, cfg.precision)?;
+    if cfg.recompute {
+        log(if cfg.pipeline.is_some() {
+            "--recompute: each stage keeps only its micro-batches' inputs and computes their \
+             activations again in the backward"
+        } else {
+            "--recompute: each unit keeps only its input and computes its activations again in \
+             the backward"
+        });
+    }
     if cfg.pipeline.is_some() {
         return pipeline::train(cfg, device, log);
     }
@@ -218,7 +227,7 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
     log: &mut dyn FnMut(&str),
 ) -> Result<TrainReport> {
     let defaults = TrainConfig::new(cfg.run_dir.clone());
-    let image_only: [(&str, bool); 12] = [
+    let image_only: [(&str, bool); 13] = [
         ("data (the examples are the data)", cfg.data.is_some()),
         (
             "val_fraction (the validation examples are given apart)",
@@ -251,6 +260,10 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
         (
             "pipeline (stages split Hearth's own models)",
             cfg.pipeline.is_some(),
+        ),
+        (
+            "recompute (it recomputes a model's units, which a custom module does not have)",
+            cfg.recompute,
         ),
     ];
     if let Some((name, _)) = image_only.iter().find(|(_, set)| *set) {
@@ -366,7 +379,8 @@ impl<'a> Run<'a> {
             world,
             started,
             mixed: {
-                let mixed = Mixed::new(cfg.precision, world > 1, rank);
+                let mut mixed = Mixed::new(cfg.precision, world > 1, rank);
+                mixed.recompute = cfg.recompute;
                 if let (Some(s), true) = (&mixed.scaler, resume_epoch > 0) {
                     s.restore(&cfg.run_dir, resume_epoch)?;
                 }

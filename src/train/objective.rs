@@ -66,6 +66,9 @@ pub(super) struct Objective {
     smoothing: f32,
     /// The type the model computes in (`--precision`; the loss is always f32).
     dtype: burn::tensor::FloatDType,
+    precision: super::Precision,
+    /// `--recompute`: gradients unit by unit, recomputing each unit's activations.
+    recompute: bool,
 }
 
 impl Objective {
@@ -74,6 +77,8 @@ impl Objective {
             multi_label,
             smoothing: cfg.label_smoothing,
             dtype: cfg.precision.dtype(),
+            precision: cfg.precision,
+            recompute: cfg.recompute,
         }
     }
 
@@ -207,20 +212,33 @@ impl Objective {
         targets: &Targets,
         weight: f32,
     ) -> Result<(GradientsParams, Sums)> {
-        let logits = model.logits_in(input, self.dtype);
-        let n = logits.dims()[0] as f64;
-        let hits = self.hits(&logits, targets);
-        let loss = self.loss(logits, targets, true)?;
-        let sums = Sums {
-            loss: f64::from(loss.clone().into_scalar::<f32>()) * n,
-            hits,
-            samples: n,
+        let mut sums = Sums::default();
+        let mut weighted = |logits: Tensor<2>| -> Result<Tensor<1>> {
+            let n = logits.dims()[0] as f64;
+            let hits = self.hits(&logits, targets);
+            let loss = self.loss(logits, targets, true)?;
+            sums = Sums {
+                loss: f64::from(loss.clone().into_scalar::<f32>()) * n,
+                hits,
+                samples: n,
+            };
+            Ok(if weight == 1.0 {
+                loss
+            } else {
+                loss.mul_scalar(weight)
+            })
         };
-        let loss = if weight == 1.0 {
-            loss
-        } else {
-            loss.mul_scalar(weight)
-        };
+        if self.recompute {
+            let grads = model
+                .recomputed_gradients(input, self.precision, &mut weighted)
+                .unwrap_or_else(|| {
+                    Err(HearthError::InvalidArgument(
+                        "--recompute: this model has no units to recompute".into(),
+                    ))
+                })?;
+            return Ok((grads, sums));
+        }
+        let loss = weighted(model.logits_in(input, self.dtype))?;
         Ok((GradientsParams::from_grads(loss.backward(), model), sums))
     }
 
@@ -377,8 +395,10 @@ mod tests {
     fn multi_label_hits_are_the_hamming_score_in_samples() {
         let o = Objective {
             dtype: burn::tensor::FloatDType::F32,
+            precision: crate::train::Precision::Fp32,
             multi_label: true,
             smoothing: 0.0,
+            recompute: false,
         };
         // 3 of 4 labels right: 1.5 samples' worth.
         let h = o.hits(

@@ -295,10 +295,12 @@ impl burn_dist::ddp::StepGuard for SharedScaler {
 
 /// How a trainee computes: its precision, and for fp16 the loss scaler and whether the step
 /// itself decides to skip (one process) or leaves that to the data-parallel strategy, which
-/// sees the averaged gradients.
+/// sees the averaged gradients; and whether it recomputes activations (`--recompute`).
 #[derive(Debug, Clone, Default)]
 pub struct Mixed {
     pub precision: Precision,
+    /// `--recompute`: gradients unit by unit ([`crate::pipeline::recomputed_gradients`]).
+    pub recompute: bool,
     pub scaler: Option<SharedScaler>,
     pub skip_in_step: bool,
     /// Test hook `HEARTH_FP16_OVERFLOW_AT_STEP=RANK:N`: this rank's gradients of the run's
@@ -313,6 +315,7 @@ impl Mixed {
         let fp16 = precision == Precision::Fp16;
         Self {
             precision,
+            recompute: false,
             scaler: fp16.then(SharedScaler::default),
             skip_in_step: !distributed,
             overflow_at: overflow_hook(precision, &rank.to_string()),
@@ -323,11 +326,28 @@ impl Mixed {
     /// gradients divided by it) and, when this step decides, emptied (the optimizer then
     /// changes nothing) if they are not finite.
     pub fn gradients<M: Module>(&self, module: &M, loss: Tensor<1>) -> GradientsParams {
+        self.gradients_with(module, |factor| {
+            let loss = if factor == 1.0 {
+                loss
+            } else {
+                loss.mul_scalar(factor)
+            };
+            GradientsParams::from_grads(loss.backward(), module)
+        })
+    }
+
+    /// [`Mixed::gradients`] where `backward(factor)` gives the gradients of the loss times
+    /// `factor` (1 unless fp16 scales it).
+    pub fn gradients_with<M: Module>(
+        &self,
+        module: &M,
+        backward: impl FnOnce(f32) -> GradientsParams,
+    ) -> GradientsParams {
         let Some(scaler) = &self.scaler else {
-            return GradientsParams::from_grads(loss.backward(), module);
+            return backward(1.0);
         };
         let (scale, factor) = scaler.with(|s| (s.scale(), s.loss_factor(self.overflow_at)));
-        let mut grads = GradientsParams::from_grads(loss.mul_scalar(factor).backward(), module);
+        let mut grads = backward(factor);
         divide(module, &mut grads, scale);
         // In data parallel the strategy checks the averaged gradients instead (once, after
         // the exchange); a rank's infinities reach them.

@@ -16,6 +16,38 @@ use hearth_models::Classifier;
 use super::data::ImageBatch;
 use super::precision::Mixed;
 
+/// `--recompute`'s training step: the gradients of `loss(logits)` for `task` (scaled and
+/// checked as `mixed` says), with `model`'s activations recomputed unit by unit; the loss and
+/// the logits, detached, for the metrics.
+fn recomputed<T: Module>(
+    task: &T,
+    model: &Classifier,
+    mixed: &Mixed,
+    images: burn::prelude::Tensor<4>,
+    loss: impl Fn(burn::prelude::Tensor<2>) -> burn::prelude::Tensor<1>,
+) -> (
+    burn::optim::GradientsParams,
+    burn::prelude::Tensor<1>,
+    burn::prelude::Tensor<2>,
+) {
+    let mut kept = None;
+    let grads = mixed.gradients_with(task, |factor| {
+        crate::pipeline::recomputed_gradients(task, model, images, mixed.precision, &mut |l| {
+            let value = loss(l.clone());
+            kept = Some((value.clone().detach(), l.detach()));
+            Ok(if factor == 1.0 {
+                value
+            } else {
+                value.mul_scalar(factor)
+            })
+        })
+        // A model's own units chained: a failure is a bug, as a shape error in its forward is.
+        .unwrap_or_else(|e| panic!("--recompute: {e}"))
+    });
+    let (loss, logits) = kept.unwrap_or_else(|| panic!("--recompute: the loss was never computed"));
+    (grads, loss, logits)
+}
+
 /// A trainee the Learner drives: a [`Classifier`] with its loss.
 pub trait Task:
     burn::train::LearnerModel
@@ -70,6 +102,20 @@ impl TrainStep for SingleLabel {
     type Output = ClassificationOutput;
 
     fn step(&self, batch: ImageBatch) -> TrainOutput<ClassificationOutput> {
+        if self.mixed.recompute {
+            let device = batch.images.device();
+            let smoothing = (self.smoothing > 0.0).then_some(self.smoothing);
+            let loss = CrossEntropyLossConfig::new()
+                .with_smoothing(smoothing)
+                .init(&device);
+            let targets = batch.targets.clone();
+            let (grads, loss, logits) =
+                recomputed(self, &self.model, &self.mixed, batch.images, |l| {
+                    loss.forward(l, targets.clone())
+                });
+            let item = ClassificationOutput::new(loss, logits, batch.targets);
+            return TrainOutput { grads, item };
+        }
         let out = self.forward_classification(batch);
         let grads = self.mixed.gradients(self, out.loss.clone());
         TrainOutput { grads, item: out }
@@ -158,6 +204,23 @@ impl TrainStep for MultiLabel {
     type Output = MultiLabelClassificationOutput;
 
     fn step(&self, batch: ImageBatch) -> TrainOutput<MultiLabelClassificationOutput> {
+        if self.mixed.recompute {
+            let device = batch.images.device();
+            let k = self.model.num_classes();
+            let targets = match batch.multi_hot {
+                Some(hot) => hot.int(),
+                None => batch.targets.one_hot::<2>(k),
+            };
+            let bce = BinaryCrossEntropyLossConfig::new()
+                .with_logits(true)
+                .init(&device);
+            let (grads, loss, logits) =
+                recomputed(self, &self.model, &self.mixed, batch.images, |l| {
+                    bce.forward(l, targets.clone())
+                });
+            let item = MultiLabelClassificationOutput::new(loss, logits, targets);
+            return TrainOutput { grads, item };
+        }
         let out = self.forward_classification(batch);
         let grads = self.mixed.gradients(self, out.loss.clone());
         TrainOutput { grads, item: out }

@@ -69,6 +69,21 @@ pub trait Net: Module + 'static {
         let _ = dtype;
         self.logits(input)
     }
+
+    /// Activation recomputation (`--recompute`): the gradients of `loss(logits)` for this
+    /// module, computed `precision` unit by unit with each unit's activations recomputed in
+    /// the backward; `None` (the default) for a module without units, whose runs refuse
+    /// `--recompute`.
+    #[doc(hidden)]
+    fn recomputed_gradients(
+        &self,
+        input: Self::Input,
+        precision: super::Precision,
+        loss: &mut dyn FnMut(Tensor<2>) -> crate::Result<Tensor<1>>,
+    ) -> Option<crate::Result<burn::optim::GradientsParams>> {
+        let _ = (input, precision, loss);
+        None
+    }
 }
 
 impl Net for Classifier {
@@ -79,6 +94,16 @@ impl Net for Classifier {
     }
     fn logits_in(&self, input: Tensor<4>, dtype: burn::tensor::FloatDType) -> Tensor<2> {
         self.forward_in(input, dtype)
+    }
+    fn recomputed_gradients(
+        &self,
+        input: Tensor<4>,
+        precision: super::Precision,
+        loss: &mut dyn FnMut(Tensor<2>) -> crate::Result<Tensor<1>>,
+    ) -> Option<crate::Result<burn::optim::GradientsParams>> {
+        Some(crate::pipeline::recomputed_gradients(
+            self, self, input, precision, loss,
+        ))
     }
 }
 

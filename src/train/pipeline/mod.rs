@@ -256,7 +256,8 @@ impl PipelineRun<'_> {
             self.grid.pipeline(self.replica),
             self.opts.schedule,
         )?
-        .with_timeout(collective_timeout()))
+        .with_timeout(collective_timeout())
+        .with_recompute(self.cfg.recompute))
     }
 }
 

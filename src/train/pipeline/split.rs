@@ -73,7 +73,14 @@ impl PipelineRun<'_> {
                     let params = self.config.unit_params(&self.plain_device)?;
                     let state = self.state_bytes_per_param();
                     balance_by(costs.len(), self.grid.stages, |s, r| {
-                        stage_memory(&params, &costs, r, state, self.in_flight(s))
+                        stage_memory(
+                            &params,
+                            &costs,
+                            r,
+                            state,
+                            self.in_flight(s),
+                            self.cfg.recompute,
+                        )
                     })?
                 }
                 _ => {
@@ -117,6 +124,7 @@ impl PipelineRun<'_> {
                         r.clone(),
                         self.state_bytes_per_param(),
                         self.in_flight(s),
+                        self.cfg.recompute,
                     );
                     format!(
                         ", {:.1} ms per micro-batch pass, ~{:.0} MB",

@@ -53,6 +53,12 @@ impl PipelineRun<'_> {
                 epoch as u64 - 1,
                 self.comm.rank(),
             );
+            // --recompute's seeds per micro-batch: the same stream, from its own end.
+            pipe.seed(!crate::train::model::epoch_seed(
+                self.cfg.seed,
+                epoch as u64 - 1,
+                self.comm.rank(),
+            ));
         }
         let objective = self.objective;
         for (i, batch) in self

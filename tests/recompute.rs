@@ -1,0 +1,70 @@
+//! `--recompute`, activation recomputation, as real process trees in every training mode of
+//! Hearth's image models: it trains exactly as the run without it does (the default ResNet has
+//! batch norm, whose running statistics must move once per batch, not again in the
+//! recomputation), and a custom module, which has no units, refuses it by name.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::{Job, metrics, same_weights, small_data};
+
+const COLUMNS: [&str; 4] = ["train_loss", "train_accuracy", "val_loss", "val_accuracy"];
+
+fn same_curves(
+    name: &str,
+    a: &BTreeMap<usize, BTreeMap<String, f64>>,
+    b: &BTreeMap<usize, BTreeMap<String, f64>>,
+) {
+    assert_eq!(a.len(), b.len(), "{name}: {a:?}\n{b:?}");
+    for (epoch, row) in a {
+        for c in COLUMNS {
+            let (x, y) = (row[c], b[epoch][c]);
+            assert!(
+                (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                "{name}, epoch {epoch} {c}: without {x}, with --recompute {y}"
+            );
+        }
+    }
+}
+
+#[test]
+fn recompute_trains_exactly_as_without_it_in_every_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    let modes: [(&str, usize, &[&str]); 6] = [
+        ("single", 1, &[]),
+        ("dp", 2, &[]),
+        ("dp-bf16", 2, &["--precision", "bf16"]),
+        ("elastic", 2, &["--elastic"]),
+        ("ps", 3, &["--ps", "1", "--mode", "sync"]),
+        (
+            "pipeline",
+            2,
+            &["--pipeline-stages", "2", "--micro-batches", "3"],
+        ),
+    ];
+    for (name, world, args) in modes {
+        let run = |on: bool| dir.path().join(format!("{name}-{on}"));
+        for on in [false, true] {
+            let mut all = vec!["--epochs", "2"];
+            all.extend_from_slice(args);
+            if on {
+                all.push("--recompute");
+            }
+            let mut job = Job::start(dir.path(), &data, &run(on), world, &all, &[]);
+            let ok = job.wait(300);
+            let logs = job.all_logs();
+            assert!(ok.iter().all(|o| *o), "{name} {all:?}:\n{logs}");
+            if on {
+                assert!(logs.contains("--recompute: each"), "{name}:\n{logs}");
+            }
+        }
+        same_curves(name, &metrics(&run(false)), &metrics(&run(true)));
+        same_weights(
+            &run(false).join("model.bpk"),
+            &run(true).join("model.bpk"),
+            1e-5,
+        );
+    }
+}
