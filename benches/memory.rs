@@ -4,6 +4,10 @@
 //!
 //!   cargo bench --bench memory
 //!   HEARTH_MEM_MODELS=resnet50 HEARTH_MEM_RANKS=1,2 cargo bench --bench memory     # a part
+//!   HEARTH_MEM_RECOMPUTE=both HEARTH_MEM_SIZE=224 HEARTH_MEM_PER_RANK=8 ...           # --recompute
+//!
+//! `HEARTH_MEM_RECOMPUTE=on|both` runs every configuration with `--recompute` (or both without
+//! and with it); its "saved" column is then against the same N without either.
 //!
 //! Every configuration is a real job: `hearth train --nproc N --model M --size 32
 //! --batch-size 2N --epochs 1` over a synthetic set of 3 classes x 32 images (2 each for validation) (2 images per rank
@@ -74,10 +78,11 @@ fn hearth(
     optimizer: &str,
     ranks: usize,
     zero: u8,
+    recompute: bool,
     size: usize,
     per_rank: usize,
 ) -> Result<Measured, String> {
-    let run = dir.join(format!("{model}-{optimizer}-{ranks}-{zero}"));
+    let run = dir.join(format!("{model}-{optimizer}-{ranks}-{zero}-{recompute}"));
     let batch = (per_rank * ranks).to_string();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_hearth"));
     cmd.args(["train", "--data"])
@@ -95,6 +100,9 @@ fn hearth(
     if zero > 0 {
         cmd.args(["--zero", &zero.to_string()]);
     }
+    if recompute {
+        cmd.arg("--recompute");
+    }
     let out = cmd.output().map_err(|e| format!("hearth: {e}"))?;
     let text = format!(
         "{}{}",
@@ -103,7 +111,7 @@ fn hearth(
     );
     if !out.status.success() {
         return Err(format!(
-            "hearth {model} {optimizer} N={ranks} zero {zero} failed:\n{text}"
+            "hearth {model} {optimizer} N={ranks} zero {zero} recompute {recompute} failed:\n{text}"
         ));
     }
     let mut m = Measured {
@@ -257,11 +265,18 @@ fn main() {
             "PyTorch not found (bash scripts/setup_pytorch.sh): the peer columns are skipped"
         );
     }
+    // HEARTH_MEM_RECOMPUTE: off (default), on, or both (each configuration without and with
+    // `--recompute`; the PyTorch columns stay its run without checkpointing).
+    let recomputes: Vec<bool> = match std::env::var("HEARTH_MEM_RECOMPUTE").as_deref() {
+        Ok("on") | Ok("1") => vec![true],
+        Ok("both") => vec![false, true],
+        _ => vec![false],
+    };
     println!("# {}; per-rank batch {per_rank} at {size}x{size}", cpu());
     println!(
-        "| model | optimizer | N | zero | Hearth peak per rank, MB: resident / live heap | optimizer state per rank, MB | saved vs zero 0, MB: resident / heap (the state's share) | step, ms | PyTorch peak per rank, MB | PyTorch step, ms | peak ratio Hearth/PyTorch | step ratio |"
+        "| model | optimizer | N | zero | recompute | Hearth peak per rank, MB: resident / live heap | optimizer state per rank, MB | saved vs zero 0, MB: resident / heap (the state's share) | step, ms | PyTorch peak per rank, MB | PyTorch step, ms | peak ratio Hearth/PyTorch | step ratio |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     // Trainable values per model (3 classes), counted on the model itself.
     let mut values: BTreeMap<String, u64> = BTreeMap::new();
     for model in &models {
@@ -280,8 +295,13 @@ fn main() {
                 let mut plain: Option<Measured> = None;
                 let mut torch_plain: Option<Measured> = None;
                 let mut torch_zero: Option<Measured> = None;
-                for &zero in stages {
-                    let m = match hearth(&dir, &data, model, optimizer, n, zero, size, per_rank) {
+                for (&zero, &recompute) in stages
+                    .iter()
+                    .flat_map(|z| recomputes.iter().map(move |r| (z, r)))
+                {
+                    let m = match hearth(
+                        &dir, &data, model, optimizer, n, zero, recompute, size, per_rank,
+                    ) {
                         Ok(m) => m,
                         Err(e) => {
                             eprintln!("{e}");
@@ -325,11 +345,11 @@ fn main() {
                         state(1.0)
                     };
                     let saved = match (&plain, zero) {
-                        (Some(p), z) if z > 0 => format!(
+                        (Some(p), z) if z > 0 || recompute => format!(
                             "{:.0} / {:.0} ({:.0})",
                             max(&p.peaks) - max(&m.peaks),
                             max(&p.heaps) - max(&m.heaps),
-                            state(1.0) - state(n as f64)
+                            state(1.0) - state(if z > 0 { n as f64 } else { 1.0 })
                         ),
                         _ => "-".into(),
                     };
@@ -341,7 +361,8 @@ fn main() {
                         }
                     };
                     println!(
-                        "| {model} | {optimizer} | {n} | {zero} | {:.0} / {:.0} | {} | {saved} | {:.0} | {} | {} | {} | {} |",
+                        "| {model} | {optimizer} | {n} | {zero} | {} | {:.0} / {:.0} | {} | {saved} | {:.0} | {} | {} | {} | {} |",
+                        if recompute { "yes" } else { "no" },
                         max(&m.peaks),
                         max(&m.heaps),
                         if total > 0.0 {
@@ -363,7 +384,7 @@ fn main() {
                         ratio(max(&m.peaks), max(&peer.peaks)),
                         ratio(m.step_ms, peer.step_ms),
                     );
-                    if zero == 0 {
+                    if zero == 0 && !recompute {
                         plain = Some(m);
                     }
                 }
