@@ -142,6 +142,53 @@ fn half_a_launcher_environment_is_an_error_naming_the_variables() {
 }
 
 /// Row `n` (1: the first epoch) of a metrics.csv text, as numbers.
+#[test]
+fn more_ranks_than_validation_images_leave_the_empty_shard_out_of_the_average() {
+    // 3 validation images over 4 ranks: rank 3 validates none. Its empty epoch must weigh
+    // nothing (it used to turn the job's validation metrics into NaN and fail the run).
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    hearth::datasets::synth::generate(
+        &data,
+        &hearth::datasets::synth::SynthConfig::new(3, 8, 32)
+            .with_seed(2)
+            .with_val(1),
+    )
+    .unwrap();
+    let run_dir = dir.path().join("run");
+    let mut cmd = hearth();
+    cmd.args([
+        "train",
+        "--nproc",
+        "4",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--workers",
+        "1",
+    ])
+    .arg("--data")
+    .arg(&data)
+    .arg("--run-dir")
+    .arg(&run_dir);
+    let (out, _) = run(cmd, Duration::from_secs(300));
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    let csv = std::fs::read_to_string(run_dir.join("metrics.csv")).unwrap();
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let row = csv_row(&csv, 1);
+    let col = |name: &str| row[header.iter().position(|c| *c == name).unwrap()];
+    assert!(col("val_loss").is_finite(), "{csv}");
+    // Each of the 3 images counted once: the exported model's accuracy on the folder.
+    let recomputed = common::folder_accuracy(&run_dir.join("model.bpk"), &data.join("val"), 32);
+    assert!(
+        (col("val_accuracy") - recomputed).abs() < 1e-3,
+        "reported {}% vs recomputed {recomputed}%",
+        col("val_accuracy")
+    );
+}
+
 fn csv_row(csv: &str, n: usize) -> Vec<f64> {
     csv.lines()
         .nth(n)

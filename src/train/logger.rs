@@ -69,17 +69,22 @@ fn slug(name: &str) -> String {
 
 /// How many samples an epoch's entries cover: the batch sizes of its per-batch entries (1 for a
 /// plain value). burn-train closes every epoch with a final entry (the sample-weighted value),
-/// which adds no samples; an epoch with a final entry alone counts 1.
+/// which adds no samples; an epoch with a final entry alone counts 1, unless that value is not
+/// a number: burn-train closes an epoch without batches (a rank whose validation shard is empty,
+/// with fewer images than ranks) with the NaN of an empty mean, which counts 0.
 pub fn epoch_count(entries: &[NumericEntry]) -> usize {
-    entries
-        .iter()
-        .map(|e| match e {
-            NumericEntry::Aggregated { count, .. } => *count,
-            NumericEntry::Value(_) => 1,
-            NumericEntry::Final(_) => 0,
-        })
-        .sum::<usize>()
-        .max(1)
+    let (mut n, mut last) = (0usize, None);
+    for e in entries {
+        match e {
+            NumericEntry::Aggregated { count, .. } => n += *count,
+            NumericEntry::Value(_) => n += 1,
+            NumericEntry::Final(v) => last = Some(*v),
+        }
+    }
+    match last {
+        Some(v) if n == 0 => usize::from(v.is_finite()),
+        _ => n,
+    }
 }
 
 /// The value of an epoch from its entries: the final value when logged, else the mean weighted
@@ -326,8 +331,16 @@ impl MetricLogger for CsvMetricLogger {
                 && *v == valid
                 && let Some(x) = epoch_value(entries)
             {
+                let n = epoch_count(entries);
+                // A rank whose shard was empty (fewer validation images than ranks) logged a
+                // batch of nothing, whose value is NaN: it weighs nothing in the job's figure.
+                let x = if n == 0 && self.ranks.is_some() {
+                    0.0
+                } else {
+                    x
+                };
                 by_name.insert(name.clone(), x);
-                counts.insert(name.clone(), epoch_count(entries));
+                counts.insert(name.clone(), n);
             }
         }
         let mut per_rank_columns = BTreeMap::new();
@@ -455,6 +468,8 @@ mod tests {
         );
         assert_eq!(epoch_value(&[]), None);
         assert_eq!(epoch_count(&agg), 4);
+        // An epoch without batches (an empty shard): no samples, it weighs nothing across ranks.
+        assert_eq!(epoch_count(&[NumericEntry::Final(f64::NAN)]), 0);
         let with_final = [agg[0].clone(), agg[1].clone(), NumericEntry::Final(1.5)];
         assert_eq!(epoch_count(&with_final), 4);
         assert_eq!(epoch_count(&[NumericEntry::Final(0.5)]), 1);
