@@ -153,9 +153,9 @@ fn expect(flag: &str, mode: &str) -> Expect {
         ("--zero", "single") => Refused("a one-process run has one"),
         ("--zero", "elastic") => Refused("--zero does not work with --elastic: not built yet"),
         ("--zero", "parameter servers") => Refused("--zero does not work with --ps"),
-        ("--zero", "pipeline") => {
-            Refused("--zero does not work with --pipeline-stages: not built yet")
-        }
+        // A pipeline shards each stage's state over its replicas (tests/zero.rs); the walk's
+        // pipeline has one replica per stage.
+        ("--zero", "pipeline") => Refused("--pipeline-stages and one replica per stage"),
         // Not built yet (said by name).
         // No meaning: a pipeline's micro-batches are its accumulation.
         ("--grad-accum", "pipeline") => Refused("--micro-batches"),

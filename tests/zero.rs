@@ -184,22 +184,7 @@ fn zero_1_and_2_train_an_image_model_as_plain_data_parallel_does_and_resume_exac
     ];
     let mut first = adam.to_vec();
     first.extend(["--stop-after-epoch", "1"]);
-    run_job(dir.path(), &data, &stopped, 2, &first, &[]);
-    let logs = run_job(
-        dir.path(),
-        &data,
-        &stopped,
-        2,
-        &["--resume", "--zero", "1"],
-        &[],
-    );
-    assert!(logs.contains("resuming after epoch 1"), "{logs}");
-    same_curves(
-        ("straight", &metrics(&dir.path().join("adam-zero2"))),
-        ("resumed", &metrics(&stopped)),
-        &COLUMNS,
-        1e-5,
-    );
+    resumes_as_straight(dir.path(), &data, &stopped, 2, &first, "adam-zero2");
     let three = dir.path().join("adam-three");
     run_job(dir.path(), &data, &three, 2, &first, &[]);
     let logs = run_job(dir.path(), &data, &three, 3, &["--resume"], &[]);
@@ -290,4 +275,117 @@ fn a_state_written_by_four_ranks_resumes_exactly_on_two() {
         // It learned: the spirals are not at chance (33%) after 3 epochs.
         assert!(straight[&3]["val_accuracy"] > 40.0, "{straight:?}");
     }
+}
+
+/// A pipeline of 2 stages x 2 replicas (4 processes): each stage's replicas shard its
+/// optimizer state. Stages 1 and 2 train exactly as the plain pipeline does (Adam, and SGD with
+/// fp16 and a forced overflow on one rank, skipped by every stage), and a stopped run resumes
+/// exactly from each stage's state file.
+#[test]
+fn zero_shards_each_pipeline_stage_over_its_replicas_and_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    let pipe = ["--pipeline-stages", "2", "--micro-batches", "2"];
+    for (name, opts, env) in [
+        (
+            "adam",
+            &["--optimizer", "adam", "--lr", "0.003"][..],
+            &[][..],
+        ),
+        // Exact f32 on the wire: with fp16's default wire the replicas' allreduce (plain, stage
+        // 1) rounds the averaged gradient to fp16 once more in its all-gather, which stage 2's
+        // reduce-scatter does not (its segment's sums stay f32), so they differ by that rounding.
+        (
+            "fp16",
+            &[
+                "--precision",
+                "fp16",
+                "--compression",
+                "none",
+                "--optimizer",
+                "sgd",
+                "--lr",
+                "0.05",
+            ][..],
+            &[("HEARTH_FP16_OVERFLOW_AT_STEP", "3:2")][..],
+        ),
+    ] {
+        let run = |zero: &str| dir.path().join(format!("pipe-{name}-zero{zero}"));
+        let mut curves = Vec::new();
+        for zero in ["0", "1", "2"] {
+            let mut args = vec!["--epochs", "2", "--zero", zero];
+            args.extend_from_slice(&pipe);
+            args.extend_from_slice(opts);
+            let logs = run_job(dir.path(), &data, &run(zero), 4, &args, env);
+            if zero != "0" {
+                assert!(
+                    logs.contains(&format!("ZeRO stage {zero} over each stage's 2 replicas")),
+                    "{logs}"
+                );
+                for s in 0..2 {
+                    let file = format!("checkpoint/stage-{s}/optim-zero-2.safetensors");
+                    assert!(run(zero).join(&file).is_file(), "{file}");
+                }
+            }
+            if name == "fp16" {
+                assert!(
+                    metrics(&run(zero))
+                        .values()
+                        .map(|r| r["train_skipped_steps"])
+                        .sum::<f64>()
+                        >= 1.0
+                );
+            }
+            curves.push(metrics(&run(zero)));
+        }
+        for (i, zero) in ["1", "2"].iter().enumerate() {
+            same_curves(
+                (&format!("pipeline {name} plain"), &curves[0]),
+                (&format!("pipeline {name} zero {zero}"), &curves[i + 1]),
+                &COLUMNS,
+                1e-5,
+            );
+            same_weights(
+                &run("0").join("model.bpk"),
+                &run(zero).join("model.bpk"),
+                1e-5,
+            );
+        }
+    }
+    // Stopped after epoch 1, resumed with the other stage: the uninterrupted run's curve.
+    let stopped = dir.path().join("pipe-stopped");
+    let mut first = vec![
+        "--epochs",
+        "2",
+        "--zero",
+        "2",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.003",
+    ];
+    first.extend_from_slice(&pipe);
+    first.extend(["--stop-after-epoch", "1"]);
+    resumes_as_straight(dir.path(), &data, &stopped, 4, &first, "pipe-adam-zero2");
+}
+
+/// `first` (a run stopped after epoch 1) on `world` ranks into `stopped`, then resumed with
+/// `--zero 1`: the same curve as the uninterrupted run `straight` (in `dir`).
+fn resumes_as_straight(
+    dir: &Path,
+    data: &Path,
+    stopped: &Path,
+    world: usize,
+    first: &[&str],
+    straight: &str,
+) {
+    run_job(dir, data, stopped, world, first, &[]);
+    let logs = run_job(dir, data, stopped, world, &["--resume", "--zero", "1"], &[]);
+    assert!(logs.contains("resuming after epoch 1"), "{logs}");
+    same_curves(
+        ("straight", &metrics(&dir.join(straight))),
+        ("resumed", &metrics(stopped)),
+        &COLUMNS,
+        1e-5,
+    );
 }

@@ -30,7 +30,6 @@ use burn_dist::zero::ZeroOptimizer;
 
 use super::best::{export_best, model_checkpoint, save_epoch_weights};
 use super::epochs::{Epochs, Row};
-use super::flat::model_optimizer;
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, Sums};
 use super::precision::{LossScaler, Precision, divide, overflow_hook};
@@ -152,22 +151,14 @@ impl<T: Trainee> Allreduce<'_, T> {
         let (Some(comm), true) = (&self.comm, self.cfg.zero > 0) else {
             return Ok(());
         };
-        let stage = burn_dist::zero::Stage::from_number(self.cfg.zero)?;
-        // The rate comes from this strategy's own schedule at each step.
-        let optimizer = model_optimizer(self.cfg, self.cfg.lr, self.batches, &self.model)?;
-        let names = burn_dist::flat::module::trainable_names(&self.model);
-        let mut z = ZeroOptimizer::new(stage, &names, optimizer, comm, self.cfg.bucket_bytes)?;
-        if first > 0 {
-            let read = (self.rank == 0).then(|| {
-                super::zero::read_state(&super::zero::state_file(&self.cfg.run_dir, first))
-                    .map_err(|e| e.to_string())
-            });
-            z.scatter_state(
-                comm,
-                0,
-                read.as_ref().map(|r| r.as_ref().map_err(String::clone)),
-            )?;
-        }
+        let z = super::zero::start(
+            self.cfg,
+            &self.model,
+            self.batches,
+            comm,
+            &self.cfg.run_dir.join("checkpoint"),
+            first,
+        )?;
         log(&format!(
             "ZeRO stage {}: rank 0 keeps the optimizer state of {}",
             self.cfg.zero,
@@ -445,7 +436,7 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
         // --zero: every rank's shard to rank 0 first, written before the optimizer file that
         // completes the epoch.
         if let (Some(z), Some(comm)) = (&self.zero, &self.comm) {
-            super::zero::save_state(&self.cfg.run_dir, epoch, z, comm)?;
+            super::zero::save_state(&self.cfg.run_dir.join("checkpoint"), epoch, z, comm)?;
         }
         if self.rank != 0 {
             return Ok(());

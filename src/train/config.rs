@@ -460,8 +460,13 @@ impl TrainConfig {
         }
         let mode = if self.ps.is_some() {
             Some("--ps: its servers already hold the optimizer state, sharded")
-        } else if self.pipeline.is_some() {
-            Some("--pipeline-stages: not built yet (each stage's replicas could shard its state)")
+        } else if let Some(p) = &self.pipeline {
+            // A stage's replicas shard its state: P stages x D replicas, D at least 2.
+            let world = self.dist.as_ref().map_or(1, |d| d.world);
+            (world / p.stages.max(1) < 2).then_some(
+                "--pipeline-stages and one replica per stage: --zero shards a stage's state over \
+                 its replicas (--nproc P x D with D of 2 or more)",
+            )
         } else if self.elastic.is_some() {
             Some("--elastic: not built yet (a membership change would re-shard the state)")
         } else {

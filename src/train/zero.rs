@@ -13,13 +13,15 @@
 //! burn-train files are being written).
 //!
 //! Hearth's image models take it in burn-train's Learner (burn-dist's `DdpStrategy`), a custom
-//! module in its data-parallel strategy (`allreduce.rs`); both step through burn-dist's
-//! `zero::module::sharded_step`.
+//! module in its data-parallel strategy (`allreduce.rs`), and a pipeline's stage over the
+//! stage's replicas (`pipeline/`, `--nproc P x D`; each stage's file in its
+//! `checkpoint/stage-<s>/`); all step through burn-dist's `zero::module::sharded_step`.
 //!
 //! Not built yet, and refused by name ([`TrainConfig::validate`]): `--zero` with the
-//! parameter servers (whose servers already hold the state sharded), pipelines, elastic
-//! training, and `--unfreeze-after` (the fine-tuning phase trains tensors the frozen phase's
-//! state does not hold, and Adam counts steps per tensor).
+//! parameter servers (whose servers already hold the state sharded), pipelines of one replica
+//! per stage (nothing to shard over), elastic training, and `--unfreeze-after` (the
+//! fine-tuning phase trains tensors the frozen phase's state does not hold, and Adam counts
+//! steps per tensor).
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -36,16 +38,15 @@ use crate::{HearthError, Result};
 /// The format's name in a file's metadata.
 const FORMAT: &str = "hearth-zero-1";
 
-/// `run_dir/checkpoint/optim-zero-<epoch>.safetensors`.
-pub fn state_file(run_dir: &Path, epoch: usize) -> PathBuf {
-    run_dir
-        .join("checkpoint")
-        .join(format!("optim-zero-{epoch}.safetensors"))
+/// `dir/optim-zero-<epoch>.safetensors`; `dir` is the run's `checkpoint/` folder (data
+/// parallel) or a pipeline stage's (`checkpoint/stage-<s>/`).
+pub fn state_file(dir: &Path, epoch: usize) -> PathBuf {
+    dir.join(format!("optim-zero-{epoch}.safetensors"))
 }
 
-/// Epochs with a sharded optimizer state in `run_dir`.
-fn state_epochs(run_dir: &Path) -> Vec<usize> {
-    let Ok(entries) = std::fs::read_dir(run_dir.join("checkpoint")) else {
+/// Epochs with a sharded optimizer state in the checkpoint folder `dir`.
+fn state_epochs(dir: &Path) -> Vec<usize> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
     entries
@@ -77,16 +78,50 @@ pub(super) fn sharding<M: Module>(
         stage,
         optimizer: super::flat::model_optimizer(cfg, lr, batches_per_epoch, model)?,
         store: Arc::new(Files {
-            run_dir: cfg.run_dir.clone(),
+            dir: cfg.run_dir.join("checkpoint"),
         }),
     }))
+}
+
+/// A rank's sharded optimizer for `model` over `comm` (the run's optimizer; the rate comes from
+/// the strategy's schedule at each step, `batches` per epoch); when resuming after `resume`,
+/// its state from epoch `resume`'s file in the checkpoint folder `dir`, read by `comm`'s rank
+/// 0 (written by any number of ranks) and scattered.
+pub(super) fn start<M: Module>(
+    cfg: &TrainConfig,
+    model: &M,
+    batches: usize,
+    comm: &burn_dist::Communicator,
+    dir: &Path,
+    resume: usize,
+) -> Result<burn_dist::zero::ZeroOptimizer> {
+    let stage = Stage::from_number(cfg.zero)?;
+    let optimizer = super::flat::model_optimizer(cfg, cfg.lr, batches, model)?;
+    let names = burn_dist::flat::module::trainable_names(model);
+    let mut z =
+        burn_dist::zero::ZeroOptimizer::new(stage, &names, optimizer, comm, cfg.bucket_bytes)?;
+    if resume > 0 {
+        let read = (comm.rank() == 0)
+            .then(|| read_state(&state_file(dir, resume)).map_err(|e| e.to_string()));
+        z.scatter_state(
+            comm,
+            0,
+            read.as_ref().map(|r| r.as_ref().map_err(String::clone)),
+        )?;
+    }
+    Ok(z)
 }
 
 /// `--resume` after `epoch`: a run written with `--zero` resumes only with it (its Burn
 /// optimizer file is empty), and one written without it only without (it has no sharded
 /// state); the stage and the number of ranks may change.
 pub(super) fn check_resume(cfg: &TrainConfig, epoch: usize) -> Result<()> {
-    let file = state_file(&cfg.run_dir, epoch);
+    check_resume_in(cfg, &cfg.run_dir.join("checkpoint"), epoch)
+}
+
+/// [`check_resume`] for the checkpoint folder `dir` (a pipeline stage's).
+pub(super) fn check_resume_in(cfg: &TrainConfig, dir: &Path, epoch: usize) -> Result<()> {
+    let file = state_file(dir, epoch);
     match (cfg.zero > 0, file.is_file()) {
         (true, false) => Err(HearthError::InvalidArgument(format!(
             "cannot resume {} with --zero {}: {} is missing (was the run trained without \
@@ -105,9 +140,9 @@ pub(super) fn check_resume(cfg: &TrainConfig, epoch: usize) -> Result<()> {
     }
 }
 
-/// The run directory's sharded states.
+/// The sharded states of a checkpoint folder.
 struct Files {
-    run_dir: PathBuf,
+    dir: PathBuf,
 }
 
 /// One tensor's part of one slot, as safetensors writes it (no copy on little-endian hosts).
@@ -145,7 +180,7 @@ struct FileWriter {
     out: std::io::BufWriter<std::fs::File>,
     tmp: PathBuf,
     path: PathBuf,
-    run_dir: PathBuf,
+    dir: PathBuf,
     epoch: usize,
     /// Values still expected.
     left: usize,
@@ -154,7 +189,7 @@ struct FileWriter {
 impl Files {
     fn start(&self, epoch: usize, layout: &StateLayout) -> Result<FileWriter> {
         use std::io::Write;
-        let path = state_file(&self.run_dir, epoch);
+        let path = state_file(&self.dir, epoch);
         let fail = |e: String| HearthError::Checkpoint(format!("{}: {e}", path.display()));
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|source| HearthError::Write {
@@ -200,7 +235,7 @@ impl Files {
             out,
             tmp,
             path,
-            run_dir: self.run_dir.clone(),
+            dir: self.dir.clone(),
             epoch,
             left: at / 4,
         })
@@ -252,7 +287,7 @@ impl FileWriter {
             mut out,
             tmp,
             path,
-            run_dir,
+            dir,
             epoch,
             ..
         } = self;
@@ -264,9 +299,9 @@ impl FileWriter {
             fail(e.to_string())
         })?;
         // The previous epoch's stays until this epoch's burn-train files are complete.
-        for old in state_epochs(&run_dir) {
+        for old in state_epochs(&dir) {
             if old + 1 < epoch {
-                let _ = std::fs::remove_file(state_file(&run_dir, old));
+                let _ = std::fs::remove_file(state_file(&dir, old));
             }
         }
         Ok(())
@@ -282,16 +317,16 @@ impl StateWriter for FileWriter {
     }
 }
 
-/// Streams `zero`'s state into epoch `epoch`'s file of `run_dir` (every rank calls it; rank 0
-/// writes, holding one bucket of it at a time).
+/// Streams `zero`'s state into epoch `epoch`'s file of the checkpoint folder `dir` (every rank
+/// of `comm` calls it; its rank 0 writes, holding one bucket of it at a time).
 pub(super) fn save_state(
-    run_dir: &Path,
+    dir: &Path,
     epoch: usize,
     zero: &burn_dist::zero::ZeroOptimizer,
     comm: &burn_dist::Communicator,
 ) -> Result<()> {
     let files = Files {
-        run_dir: run_dir.to_path_buf(),
+        dir: dir.to_path_buf(),
     };
     Ok(burn_dist::zero::module::save_sharded_state(
         zero, comm, &files, epoch,
@@ -373,7 +408,7 @@ impl StateStore for Files {
     }
 
     fn load(&self, epoch: usize) -> std::result::Result<WholeState, String> {
-        read_state(&state_file(&self.run_dir, epoch)).map_err(|e| e.to_string())
+        read_state(&state_file(&self.dir, epoch)).map_err(|e| e.to_string())
     }
 }
 
@@ -384,9 +419,8 @@ mod tests {
     #[test]
     fn a_state_round_trips_and_damaged_files_are_errors_naming_them() {
         let dir = tempfile::tempdir().unwrap();
-        let files = Files {
-            run_dir: dir.path().to_path_buf(),
-        };
+        let ck = dir.path().join("checkpoint");
+        let files = Files { dir: ck.clone() };
         let state = WholeState {
             tensors: vec![("b.weight".into(), 3), ("a.bias".into(), 2)],
             updates: 7,
@@ -401,10 +435,10 @@ mod tests {
         for epoch in 1..=4 {
             files.write(epoch, &state).unwrap();
         }
-        let mut kept = state_epochs(dir.path());
+        let mut kept = state_epochs(&ck);
         kept.sort();
         assert_eq!(kept, vec![3, 4], "the two latest are kept");
-        let path = state_file(dir.path(), 4);
+        let path = state_file(&ck, 4);
         assert_eq!(read_state(&path).unwrap(), state);
         // Any safetensors reader sees whole named tensors.
         let bytes = std::fs::read(&path).unwrap();
@@ -441,7 +475,7 @@ mod tests {
         cfg.zero = 2;
         let e = check_resume(&cfg, 3).unwrap_err().to_string();
         assert!(e.contains("optim-zero-3.safetensors is missing"), "{e}");
-        std::fs::write(state_file(dir.path(), 3), b"x").unwrap();
+        std::fs::write(state_file(&dir.path().join("checkpoint"), 3), b"x").unwrap();
         check_resume(&cfg, 3).unwrap();
         cfg.zero = 0;
         let e = check_resume(&cfg, 3).unwrap_err().to_string();

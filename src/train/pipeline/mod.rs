@@ -34,6 +34,7 @@ use burn_dist::ddp::{allreduce_grads, broadcast_module, module_values, with_modu
 use burn_dist::pipeline::{Activation, Pipeline};
 use burn_dist::transport::group::{Grid, Group};
 use burn_dist::wire::Kind;
+use burn_dist::zero::ZeroOptimizer;
 use burn_dist::{Communicator, ReduceOp};
 use hearth_models::stages::Unit;
 use hearth_models::{Classifier, HeadActivation, ModelConfig, Preprocessing, save_model_with};
@@ -250,6 +251,37 @@ impl PipelineRun<'_> {
         distributed::agree_settings(&self.comm, &settings)
     }
 
+    /// `--zero`: this rank's shard of the stage's optimizer, over the stage's replicas; when
+    /// resuming after `resume`, its state from the stage's file of that epoch (written by any
+    /// number of replicas), read by replica 0.
+    fn start_sharding(
+        &self,
+        model: &StageModel,
+        resume: usize,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Option<ZeroOptimizer>> {
+        let (Some(replicas), true) = (&self.replicas, self.cfg.zero > 0) else {
+            return Ok(None);
+        };
+        let z = super::zero::start(
+            self.cfg,
+            model,
+            self.steps_per_epoch,
+            replicas,
+            &store::stage_dir(&self.cfg.run_dir, self.stage),
+            resume,
+        )?;
+        log(&format!(
+            "ZeRO stage {} over each stage's {} replicas: stage {}'s replica 0 keeps the \
+             optimizer state of {}",
+            self.cfg.zero,
+            self.grid.replicas,
+            self.stage,
+            z.describe()
+        ));
+        Ok(Some(z))
+    }
+
     fn pipeline(&self) -> Result<Pipeline> {
         Ok(Pipeline::new(
             self.comm.transport().clone(),
@@ -276,6 +308,9 @@ struct StageStrategy<'r, 'a> {
     unfrozen: bool,
     /// fp16's loss scale, the same on every rank (one verdict per step for the job).
     scaler: Option<LossScaler>,
+    /// `--zero`: this rank's shard of the stage's optimizer over the stage's replicas
+    /// (`optim` then never steps).
+    zero: Option<ZeroOptimizer>,
 }
 
 impl Strategy for StageStrategy<'_, '_> {
@@ -295,6 +330,7 @@ impl Strategy for StageStrategy<'_, '_> {
             &mut self.pipe,
             model,
             &mut self.optim,
+            &mut self.zero,
             epoch,
             &mut self.scaler,
         )?;
@@ -309,6 +345,16 @@ impl Strategy for StageStrategy<'_, '_> {
             .model
             .as_ref()
             .ok_or_else(|| HearthError::Training("the stage lost its model".into()))?;
+        // --zero: the stage's replicas' shards to its replica 0 first, written before the
+        // files that complete the epoch.
+        if let (Some(z), Some(replicas)) = (&self.zero, &self.run.replicas) {
+            super::zero::save_state(
+                &store::stage_dir(&self.run.cfg.run_dir, self.run.stage),
+                epoch,
+                z,
+                replicas,
+            )?;
+        }
         self.run
             .checkpoint(model, &self.optim, self.scaler.as_ref(), epoch, best)
     }
@@ -333,6 +379,7 @@ impl PipelineRun<'_> {
         let resume_epoch = if cfg.resume {
             let epoch = self.agreed_resume_epoch()?;
             run_dir::check_resume_compatible(&cfg.run_dir, &self.config.to_json(), &hparams)?;
+            super::zero::check_resume_in(cfg, &store::stage_dir(&cfg.run_dir, self.stage), epoch)?;
             epochs.reload(epoch)?;
             let (m, o) = self.load_checkpoint(model, optim, epoch)?;
             model = m;
@@ -349,6 +396,7 @@ impl PipelineRun<'_> {
             run_dir::record(&cfg.run_dir, &self.config.to_json(), &hparams)?;
         }
         epochs.check_left(resume_epoch)?;
+        let zero = self.start_sharding(&model, resume_epoch, log)?;
         let mut strategy = StageStrategy {
             run: &self,
             pipe,
@@ -356,6 +404,7 @@ impl PipelineRun<'_> {
             optim,
             unfrozen: false,
             scaler,
+            zero,
         };
         let last = epochs.run(resume_epoch, &mut strategy, log)?;
         self.comm.barrier()?;

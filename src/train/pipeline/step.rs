@@ -39,6 +39,7 @@ impl PipelineRun<'_> {
         pipe: &mut Pipeline,
         model: StageModel,
         optim: &mut ModuleOptimizer,
+        zero: &mut Option<ZeroOptimizer>,
         epoch: usize,
         scaler: &mut Option<LossScaler>,
     ) -> Result<(StageModel, Sums)> {
@@ -110,6 +111,39 @@ impl PipelineRun<'_> {
                 // Unscaled before the exchange, as data parallel sends them.
                 divide(&model, &mut out.grads, s.scale());
             }
+            let step = (epoch - 1) * self.steps_per_epoch + i;
+            if let (Some(z), Some(replicas)) = (zero.as_mut(), &self.replicas) {
+                // --zero: the replicas' exchange and this rank's shard's update in one; fp16's
+                // verdict on the replicas' averaged gradients, then one for the whole job.
+                let mut failed = None;
+                let mut take = |finite: bool| match scaler.as_mut() {
+                    None => true,
+                    Some(s) => {
+                        let mut flag = [if finite { 0.0f32 } else { 1.0 }];
+                        if let Err(e) = self.comm.allreduce(&mut flag, ReduceOp::Sum) {
+                            failed = Some(e);
+                            return false;
+                        }
+                        s.decide(flag[0] == 0.0)
+                    }
+                };
+                let stepped = burn_dist::zero::module::sharded_step(
+                    z,
+                    &model,
+                    out.grads,
+                    replicas,
+                    self.rate(epoch, step),
+                    &mut take,
+                )?;
+                if let Some(e) = failed {
+                    return Err(e.into());
+                }
+                match stepped {
+                    Some(m) => model = m,
+                    None => sums.skipped += 1.0,
+                }
+                continue;
+            }
             if let Some(replicas) = &self.replicas {
                 allreduce_grads(&model, &mut out.grads, replicas, self.cfg.bucket_bytes)?;
             }
@@ -124,7 +158,6 @@ impl PipelineRun<'_> {
                 }
                 None => true,
             };
-            let step = (epoch - 1) * self.steps_per_epoch + i;
             if take {
                 model = optim.step(self.rate(epoch, step), model, out.grads);
             } else {

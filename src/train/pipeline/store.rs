@@ -4,7 +4,7 @@
 use super::*;
 
 /// `run_dir/checkpoint/stage-<s>`.
-fn stage_dir(run_dir: &Path, stage: usize) -> PathBuf {
+pub(super) fn stage_dir(run_dir: &Path, stage: usize) -> PathBuf {
     run_dir.join("checkpoint").join(format!("stage-{stage}"))
 }
 
