@@ -201,6 +201,52 @@ fn sync_servers_resume_exactly_at_and_after_the_fine_tuning_switch() {
 }
 
 #[test]
+fn a_servers_state_resumes_on_another_number_of_servers() {
+    // Sync servers with momentum: a run stopped on 2 servers resumes on 1 (the shards joined),
+    // one stopped on 1 resumes on 2 (cut anew); both end where the uninterrupted run does.
+    let dir = tempfile::tempdir().unwrap();
+    let data = elastic_data(dir.path());
+    let base = ["--batch-size", "24", "--epochs", "2"];
+    let run = |name: &str, servers: usize, extra: &[&str]| {
+        let path = dir.path().join(name);
+        let n = servers.to_string();
+        let mut args = vec!["--ps", &n, "--mode", "sync"];
+        args.extend_from_slice(extra);
+        let mut job = Job::spawn(dir.path(), &data, &path, servers + 2, &base, &args, &[]);
+        let ok = job.wait(300);
+        assert!(
+            ok.iter().all(|&o| o),
+            "{name} {extra:?}: {}",
+            job.all_logs()
+        );
+        job.log(0)
+    };
+    let last = |name: &str| -> BTreeMap<String, Vec<f32>> {
+        common::tensors(&dir.path().join(name).join("checkpoint/model-2.bpk"))
+            .into_iter()
+            .collect()
+    };
+    run("straight", 1, &[]);
+    let straight = last("straight");
+    for (name, before, after) in [("joined", 2, 1), ("cut", 1, 2)] {
+        run(name, before, &["--stop-after-epoch", "1"]);
+        let log = run(name, after, &["--resume"]);
+        assert!(
+            log.contains(&format!(
+                "written by {before} server(s): cut anew for {after}"
+            )),
+            "{log}"
+        );
+        let resumed = last(name);
+        let worst = straight
+            .iter()
+            .map(|(k, a)| common::max_abs_diff(a, &resumed[k]))
+            .fold(0f32, f32::max);
+        assert!(worst <= 1e-5, "{before} -> {after} servers: {worst}");
+    }
+}
+
+#[test]
 fn sync_servers_train_multi_label_sets_like_data_parallel() {
     // Binary cross-entropy per label, the Hamming score, the lead's AUROC and auroc.csv.
     sync_servers_equal_data_parallel(&["--optimizer", "adamw", "--lr", "0.002"], true);

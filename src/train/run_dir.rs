@@ -243,12 +243,23 @@ pub fn check_resume_compatible(
     if saved.values().all(serde_json::Value::is_string) {
         return Ok(());
     }
+    // The number of parameter servers may change: their state is cut anew for the new number.
+    let comparable = |k: &str, v: &serde_json::Value| {
+        let mut v = v.clone();
+        if k == "ps"
+            && let Some(o) = v.as_object_mut()
+        {
+            o.remove("servers");
+        }
+        v
+    };
     let differing: Vec<String> = hparams
         .iter()
         .filter(|(k, _)| !super::config::MAY_CHANGE_ON_RESUME.contains(*k))
         .filter_map(|(k, now)| {
             let then = saved.get(*k)?;
-            (then != now).then(|| format!("{k}: {then} then, {now} now"))
+            (comparable(k, then) != comparable(k, now))
+                .then(|| format!("{k}: {then} then, {now} now"))
         })
         .collect();
     if !differing.is_empty() {

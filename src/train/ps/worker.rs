@@ -426,6 +426,13 @@ impl<T: Trainee> Worker<'_, T> {
                 })?;
                 self.model = self.model.clone().load_record(record);
                 log(&format!("resuming after epoch {}", s.epoch));
+                if s.shards.len() != self.roles.servers {
+                    log(&format!(
+                        "the servers' state was written by {} server(s): cut anew for {}",
+                        s.shards.len(),
+                        self.roles.servers
+                    ));
+                }
                 epoch[0] = s.epoch as f32;
                 state = Some(s);
             } else {
@@ -446,23 +453,27 @@ impl<T: Trainee> Worker<'_, T> {
     /// Every shard's starting state: the seeded model's values, or the checkpoint's.
     fn starting_state(&self, layout: &Layout, resume: Option<PsState>) -> Result<Vec<ShardState>> {
         if let Some(s) = resume {
-            let fits = s.shards.len() == layout.servers()
+            let held: usize = s.shards.iter().map(|x| x.values.len()).sum();
+            if held != layout.total() {
+                return Err(HearthError::InvalidArgument(format!(
+                    "{} holds {held} values in {} shards; this run's model has {}: resume with \
+                     the same model",
+                    state_file(&self.cfg.run_dir).display(),
+                    s.shards.len(),
+                    layout.total()
+                )));
+            }
+            let same_cut = s.shards.len() == layout.servers()
                 && s.shards
                     .iter()
                     .enumerate()
                     .all(|(i, sh)| sh.values.len() == layout.range(i).len());
-            if !fits {
-                return Err(HearthError::InvalidArgument(format!(
-                    "{} holds {} shards ({} values); this run has {} servers for {} values: \
-                     resume with the same --ps and model",
-                    state_file(&self.cfg.run_dir).display(),
-                    s.shards.len(),
-                    s.shards.iter().map(|x| x.values.len()).sum::<usize>(),
-                    layout.servers(),
-                    layout.total()
-                )));
+            if same_cut {
+                return Ok(s.shards);
             }
-            return Ok(s.shards);
+            return reshard(&s.shards, layout, &trainable_names(&self.model)).map_err(|e| {
+                HearthError::Training(format!("{}: {e}", state_file(&self.cfg.run_dir).display()))
+            });
         }
         let values = trainable_values(&self.model);
         Ok((0..layout.servers())
@@ -818,4 +829,51 @@ impl<T: Trainee> Worker<'_, T> {
             }
         }
     }
+}
+
+/// `shards` (a checkpoint's, written by another number of servers) cut anew for `layout`:
+/// the same flat vector of `tensors`, each value with its optimizer state, at the new servers'
+/// ranges. Shards of one consistent cut hold the same version (the updates applied); where
+/// they differ, the new shards take the largest.
+fn reshard(
+    shards: &[ShardState],
+    layout: &Layout,
+    tensors: &[(String, usize)],
+) -> std::result::Result<Vec<ShardState>, String> {
+    let mut values = Vec::with_capacity(layout.total());
+    let mut old_ranges = Vec::with_capacity(shards.len());
+    for s in shards {
+        old_ranges.push(values.len()..values.len() + s.values.len());
+        values.extend_from_slice(&s.values);
+    }
+    let new_ranges: Vec<std::ops::Range<usize>> =
+        (0..layout.servers()).map(|i| layout.range(i)).collect();
+    let optim = reshard_optim_state(
+        Sharding {
+            tensors,
+            ranges: &old_ranges,
+        },
+        shards,
+        Sharding {
+            tensors,
+            ranges: &new_ranges,
+        },
+    );
+    let had_state = shards.iter().any(|s| !s.optim_state.is_empty());
+    if had_state && optim.iter().all(Vec::is_empty) {
+        return Err(format!(
+            "the optimizer state of its {} shards does not fit their values",
+            shards.len()
+        ));
+    }
+    let version = shards.iter().map(|s| s.version).max().unwrap_or(0);
+    Ok(new_ranges
+        .into_iter()
+        .zip(optim)
+        .map(|(r, optim_state)| ShardState {
+            version,
+            values: values[r].to_vec(),
+            optim_state,
+        })
+        .collect())
 }
