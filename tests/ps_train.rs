@@ -12,6 +12,13 @@ use std::time::{Duration, Instant};
 
 use common::{Job, elastic_data, folder_accuracy, metrics, wait_bounded};
 
+/// The largest difference between two models' tensors of the same names.
+fn largest_gap(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f32 {
+    a.iter()
+        .map(|(k, x)| common::max_abs_diff(x, &b[k]))
+        .fold(0f32, f32::max)
+}
+
 fn wait_for_file(path: &Path, job: &mut Job) {
     let until = Instant::now() + Duration::from_secs(120);
     while !path.is_file() {
@@ -192,10 +199,7 @@ fn sync_servers_resume_exactly_at_and_after_the_fine_tuning_switch() {
             "{log}"
         );
         let resumed = last(name);
-        let worst = straight
-            .iter()
-            .map(|(k, a)| common::max_abs_diff(a, &resumed[k]))
-            .fold(0f32, f32::max);
+        let worst = largest_gap(&straight, &resumed);
         assert!(worst <= 1e-5, "resumed after epoch {stop}: {worst}");
     }
 }
@@ -238,10 +242,7 @@ fn a_servers_state_resumes_on_another_number_of_servers() {
             "{log}"
         );
         let resumed = last(name);
-        let worst = straight
-            .iter()
-            .map(|(k, a)| common::max_abs_diff(a, &resumed[k]))
-            .fold(0f32, f32::max);
+        let worst = largest_gap(&straight, &resumed);
         assert!(worst <= 1e-5, "{before} -> {after} servers: {worst}");
     }
 }
