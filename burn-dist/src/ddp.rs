@@ -420,9 +420,13 @@ impl DdpStrategy {
             self.bucket_bytes,
         )?;
         if starting_epoch > 1 {
-            let loaded = (self.comm.rank() == 0).then(|| s.store.load(starting_epoch - 1));
-            let root = loaded.as_ref().map(|r| r.as_ref().map_err(String::clone));
-            z.scatter_state(&self.comm, 0, root)?;
+            let mut loaded = (self.comm.rank() == 0).then(|| s.store.load(starting_epoch - 1));
+            let root = loaded.as_mut().map(|r| {
+                r.as_mut()
+                    .map(|b| b.as_mut() as &mut dyn crate::zero::StateReader)
+                    .map_err(|e| e.clone())
+            });
+            z.scatter_from_reader(&self.comm, 0, root)?;
         }
         if self.comm.rank() == 0 {
             eprintln!(

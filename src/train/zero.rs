@@ -30,7 +30,7 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn_dist::zero::module::{Sharding, StateStore, StateWriter};
 use burn_dist::zero::{Stage, StateLayout, WholeState};
-use safetensors::tensor::{Dtype, SafeTensors, View};
+use safetensors::tensor::{Dtype, View};
 
 use super::TrainConfig;
 use crate::{HearthError, Result};
@@ -101,12 +101,17 @@ pub(super) fn start<M: Module>(
     let mut z =
         burn_dist::zero::ZeroOptimizer::new(stage, &names, optimizer, comm, cfg.bucket_bytes)?;
     if resume > 0 {
-        let read = (comm.rank() == 0)
-            .then(|| read_state(&state_file(dir, resume)).map_err(|e| e.to_string()));
-        z.scatter_state(
+        // Rank 0 reads the file a bucket at a time as it hands the state out.
+        let mut read = (comm.rank() == 0)
+            .then(|| open_state(&state_file(dir, resume)).map_err(|e| e.to_string()));
+        z.scatter_from_reader(
             comm,
             0,
-            read.as_ref().map(|r| r.as_ref().map_err(String::clone)),
+            read.as_mut().map(|r| {
+                r.as_mut()
+                    .map(|f| f as &mut dyn burn_dist::zero::StateReader)
+                    .map_err(|e| e.clone())
+            }),
         )?;
     }
     Ok(z)
@@ -333,22 +338,53 @@ pub(super) fn save_state(
     )?)
 }
 
-/// The state in `path` (`optim-zero-<epoch>.safetensors`); every way it can be wrong is an
-/// error naming the file and what is wrong.
-pub fn read_state(path: &Path) -> Result<WholeState> {
+/// A state file opened for reading piece by piece: its header checked whole up front (every
+/// tensor present, f32, of its length, inside the file), then values read where they lie.
+pub struct StateFile {
+    file: std::fs::File,
+    path: PathBuf,
+    tensors: Vec<(String, usize)>,
+    updates: u64,
+    slots: Vec<String>,
+    /// Per slot, per tensor: the byte offset of its values in the file.
+    at: Vec<Vec<u64>>,
+}
+
+/// The longest header a state file may have (names and offsets of every tensor and slot).
+const MAX_HEADER: u64 = 256 << 20;
+
+/// Opens the state in `path` (`optim-zero-<epoch>.safetensors`); every way it can be wrong is
+/// an error naming the file and what is wrong.
+pub fn open_state(path: &Path) -> Result<StateFile> {
+    use std::io::Read;
     let bad = |what: String| HearthError::Checkpoint(format!("{}: {what}", path.display()));
-    let bytes = std::fs::read(path).map_err(|source| HearthError::Read {
+    let read_err = |source| HearthError::Read {
         path: path.to_path_buf(),
         source,
-    })?;
-    let (_, header) = SafeTensors::read_metadata(&bytes)
-        .map_err(|e| bad(format!("not a safetensors file ({e})")))?;
+    };
+    let mut file = std::fs::File::open(path).map_err(read_err)?;
+    let size = file.metadata().map_err(read_err)?.len();
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)
+        .map_err(|_| bad("not a safetensors file (shorter than its header)".into()))?;
+    let n = u64::from_le_bytes(len);
+    if n > MAX_HEADER || 8 + n > size {
+        return Err(bad(format!(
+            "not a safetensors file (a {n}-byte header in {size} bytes)"
+        )));
+    }
+    let mut text = vec![0u8; n as usize];
+    file.read_exact(&mut text)
+        .map_err(|e| bad(format!("reading the header: {e}")))?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&text).map_err(|e| bad(format!("not a safetensors file ({e})")))?;
     let meta = header
-        .metadata()
-        .clone()
+        .get("__metadata__")
+        .and_then(|m| m.as_object())
         .ok_or_else(|| bad("no metadata (not written by hearth --zero)".into()))?;
     let field = |k: &str| {
         meta.get(k)
+            .and_then(|v| v.as_str())
             .ok_or_else(|| bad(format!("metadata has no {k:?}")))
     };
     if field("format")? != FORMAT {
@@ -364,35 +400,123 @@ pub fn read_state(path: &Path) -> Result<WholeState> {
         serde_json::from_str(field("tensors")?).map_err(|e| bad(format!("tensors: {e}")))?;
     let slots: Vec<String> =
         serde_json::from_str(field("slots")?).map_err(|e| bad(format!("slots: {e}")))?;
-    let file = SafeTensors::deserialize(&bytes).map_err(|e| bad(e.to_string()))?;
-    let total: usize = tensors.iter().map(|t| t.1).sum();
-    let mut out = Vec::with_capacity(slots.len());
-    for slot in slots {
-        let mut values = Vec::with_capacity(total);
+    let data = 8 + n;
+    let mut at = Vec::with_capacity(slots.len());
+    for slot in &slots {
+        let mut offsets = Vec::with_capacity(tensors.len());
         for (name, len) in &tensors {
             let key = format!("{name}.{slot}");
-            let t = file
-                .tensor(&key)
-                .map_err(|_| bad(format!("{key} is missing")))?;
-            if t.dtype() != Dtype::F32 || t.shape() != [*len] {
+            let t = header
+                .get(&key)
+                .ok_or_else(|| bad(format!("{key} is missing")))?;
+            let dtype = t.get("dtype").and_then(|d| d.as_str()).unwrap_or("?");
+            let shape: Vec<u64> = t
+                .get("shape")
+                .and_then(|s| serde_json::from_value(s.clone()).ok())
+                .unwrap_or_default();
+            let span: Vec<u64> = t
+                .get("data_offsets")
+                .and_then(|s| serde_json::from_value(s.clone()).ok())
+                .unwrap_or_default();
+            if dtype != "F32" || shape != [*len as u64] {
                 return Err(bad(format!(
-                    "{key} is {:?} {:?}, expected F32 [{len}]",
-                    t.dtype(),
-                    t.shape()
+                    "{key} is {dtype} {shape:?}, expected F32 [{len}]"
                 )));
             }
-            values.extend(
-                t.data()
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            );
+            let fits = span.len() == 2
+                && span[1] >= span[0]
+                && span[1] - span[0] == 4 * *len as u64
+                && data + span[1] <= size;
+            if !fits {
+                return Err(bad(format!(
+                    "{key}'s values {span:?} do not fit the file ({size} bytes)"
+                )));
+            }
+            offsets.push(data + span[0]);
         }
-        out.push((slot, values));
+        at.push(offsets);
     }
-    Ok(WholeState {
+    Ok(StateFile {
+        file,
+        path: path.to_path_buf(),
         tensors,
         updates,
-        slots: out,
+        slots,
+        at,
+    })
+}
+
+impl burn_dist::zero::StateReader for StateFile {
+    fn tensors(&self) -> &[(String, usize)] {
+        &self.tensors
+    }
+
+    fn updates(&self) -> u64 {
+        self.updates
+    }
+
+    fn slot_names(&self) -> Vec<String> {
+        self.slots.clone()
+    }
+
+    fn read(
+        &mut self,
+        slot: usize,
+        range: std::ops::Range<usize>,
+    ) -> std::result::Result<Vec<f32>, String> {
+        use std::io::{Read, Seek, SeekFrom};
+        let offsets = self
+            .at
+            .get(slot)
+            .ok_or_else(|| format!("{}: no slot {slot}", self.path.display()))?;
+        let mut out = Vec::with_capacity(range.len());
+        let mut bytes = Vec::new();
+        let mut start = 0usize;
+        for ((_, len), &at) in self.tensors.iter().zip(offsets) {
+            let (from, to) = (range.start.max(start), range.end.min(start + len));
+            if from < to {
+                bytes.resize(4 * (to - from), 0);
+                self.file
+                    .seek(SeekFrom::Start(at + 4 * (from - start) as u64))
+                    .and_then(|_| self.file.read_exact(&mut bytes))
+                    .map_err(|e| format!("{}: {e}", self.path.display()))?;
+                out.extend(
+                    bytes
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                );
+            }
+            start += len;
+            if start >= range.end {
+                break;
+            }
+        }
+        if out.len() != range.len() {
+            return Err(format!(
+                "{}: values {range:?} of {} lie outside its tensors",
+                self.path.display(),
+                self.slots[slot]
+            ));
+        }
+        Ok(out)
+    }
+}
+
+/// The whole state in `path`, in memory (the tests and small tools; runs read it a bucket at
+/// a time through [`open_state`]).
+pub fn read_state(path: &Path) -> Result<WholeState> {
+    use burn_dist::zero::StateReader;
+    let mut f = open_state(path)?;
+    let total: usize = f.tensors.iter().map(|t| t.1).sum();
+    let mut slots = Vec::with_capacity(f.slots.len());
+    for (i, name) in f.slot_names().into_iter().enumerate() {
+        let values = f.read(i, 0..total).map_err(HearthError::Checkpoint)?;
+        slots.push((name, values));
+    }
+    Ok(WholeState {
+        tensors: f.tensors.clone(),
+        updates: f.updates,
+        slots,
     })
 }
 
@@ -407,14 +531,21 @@ impl StateStore for Files {
             .map_err(|e| e.to_string())
     }
 
-    fn load(&self, epoch: usize) -> std::result::Result<WholeState, String> {
-        read_state(&state_file(&self.dir, epoch)).map_err(|e| e.to_string())
+    fn load(
+        &self,
+        epoch: usize,
+    ) -> std::result::Result<Box<dyn burn_dist::zero::StateReader>, String> {
+        open_state(&state_file(&self.dir, epoch))
+            .map(|f| Box::new(f) as Box<dyn burn_dist::zero::StateReader>)
+            .map_err(|e| e.to_string())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn_dist::zero::StateReader;
+    use safetensors::tensor::SafeTensors;
 
     #[test]
     fn a_state_round_trips_and_damaged_files_are_errors_naming_them() {
@@ -440,6 +571,12 @@ mod tests {
         assert_eq!(kept, vec![3, 4], "the two latest are kept");
         let path = state_file(&ck, 4);
         assert_eq!(read_state(&path).unwrap(), state);
+        // A piece across two tensors, as a bucket of the scatter reads it.
+        let mut f = open_state(&path).unwrap();
+        assert_eq!(f.slot_names(), ["moment_1", "moment_2"]);
+        assert_eq!(f.read(1, 2..4).unwrap(), vec![0.0, -1.0]);
+        assert_eq!(f.read(0, 0..1).unwrap(), vec![1.0]);
+        assert!(f.read(0, 4..6).is_err());
         // Any safetensors reader sees whole named tensors.
         let bytes = std::fs::read(&path).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();

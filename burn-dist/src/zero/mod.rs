@@ -95,6 +95,43 @@ impl WholeState {
     }
 }
 
+/// A saved state handed out a piece at a time ([`ZeroOptimizer::scatter_from_reader`]): its
+/// shape up front, then any range of any slot's whole vector (a checkpoint file read as it is
+/// scattered, so the reading rank never holds more than a bucket of it).
+pub trait StateReader {
+    /// The trainable tensors (name, values) the slots' vectors concatenate.
+    fn tensors(&self) -> &[(String, usize)];
+    /// Updates taken.
+    fn updates(&self) -> u64;
+    /// The slots' names in order (none: saved before the first update).
+    fn slot_names(&self) -> Vec<String>;
+    /// Values `range` of slot `slot`'s whole vector.
+    fn read(&mut self, slot: usize, range: Range<usize>) -> std::result::Result<Vec<f32>, String>;
+}
+
+/// A [`WholeState`] in memory as a [`StateReader`].
+struct InMemory<'a>(&'a WholeState);
+
+impl StateReader for InMemory<'_> {
+    fn tensors(&self) -> &[(String, usize)] {
+        &self.0.tensors
+    }
+    fn updates(&self) -> u64 {
+        self.0.updates
+    }
+    fn slot_names(&self) -> Vec<String> {
+        self.0.slots.iter().map(|s| s.0.clone()).collect()
+    }
+    fn read(&mut self, slot: usize, range: Range<usize>) -> std::result::Result<Vec<f32>, String> {
+        self.0
+            .slots
+            .get(slot)
+            .and_then(|s| s.1.get(range.clone()))
+            .map(<[f32]>::to_vec)
+            .ok_or_else(|| format!("slot {slot} has no values {range:?}"))
+    }
+}
+
 /// The shape of a streamed state ([`ZeroOptimizer::stream_state`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct StateLayout {
@@ -531,7 +568,38 @@ impl ZeroOptimizer {
         root: usize,
         read: Option<std::result::Result<&WholeState, String>>,
     ) -> Result<()> {
+        let total = self.total();
+        let mut whole = read.map(|r| {
+            r.and_then(|s| match s.slots.iter().find(|x| x.1.len() != total) {
+                Some((slot, v)) => Err(format!(
+                    "the saved {slot} has {} values for {total} trainable values",
+                    v.len()
+                )),
+                None => Ok(InMemory(s)),
+            })
+        });
+        let reader = whole.as_mut().map(|r| {
+            r.as_mut()
+                .map(|m| m as &mut dyn StateReader)
+                .map_err(|e| e.clone())
+        });
+        self.scatter_from_reader(comm, root, reader)
+    }
+
+    /// [`ZeroOptimizer::scatter_state`] from a [`StateReader`]: the root reads one bucket of
+    /// one slot at a time and hands it out, so it never holds more of the state than that. A
+    /// read that fails on the way is an error on every rank, the root's naming it.
+    pub fn scatter_from_reader(
+        &mut self,
+        comm: &Communicator,
+        root: usize,
+        read: Option<std::result::Result<&mut dyn StateReader, String>>,
+    ) -> Result<()> {
         let names = self.whole.state_slots();
+        let fail = |reason: String| DistError::Mismatch {
+            op: "sharded optimizer state".into(),
+            reason,
+        };
         // The root's verdict first, so every rank fails alike.
         let mut header = [0f32; 3];
         let mut problem = None;
@@ -542,12 +610,12 @@ impl ZeroOptimizer {
             });
             match s {
                 Ok(s) => {
-                    problem = self.mismatch(s, names);
+                    problem = self.mismatch(s.tensors(), &s.slot_names(), names);
                     header = [
                         if problem.is_some() { 1.0 } else { 0.0 },
-                        if s.slots.is_empty() { 0.0 } else { 1.0 },
+                        if s.slot_names().is_empty() { 0.0 } else { 1.0 },
                         // Updates travel as two exact halves.
-                        (s.updates >> 24) as f32,
+                        (s.updates() >> 24) as f32,
                     ];
                     state = Some(s);
                 }
@@ -557,16 +625,15 @@ impl ZeroOptimizer {
                 }
             }
         }
-        let mut low = [state.map_or(0.0, |s| (s.updates & 0xFF_FFFF) as f32)];
+        let mut low = [state
+            .as_ref()
+            .map_or(0.0, |s| (s.updates() & 0xFF_FFFF) as f32)];
         comm.broadcast(&mut header, root)?;
         comm.broadcast(&mut low, root)?;
         if header[0] != 0.0 {
-            return Err(DistError::Mismatch {
-                op: "sharded optimizer state".into(),
-                reason: problem.unwrap_or_else(|| {
-                    format!("rank {root}'s saved state does not fit this model or optimizer")
-                }),
-            });
+            return Err(fail(problem.unwrap_or_else(|| {
+                format!("rank {root}'s saved state does not fit this model or optimizer")
+            })));
         }
         self.updates = ((header[2] as u64) << 24) | low[0] as u64;
         self.state = vec![Vec::new(); self.buckets.len()];
@@ -576,7 +643,30 @@ impl ZeroOptimizer {
         for i in 0..names.len() {
             for b in 0..self.buckets.len() {
                 let range = self.buckets[b].range.clone();
-                let whole = state.map(|s| &s.slots[i].1[range]);
+                // The root's read, and its verdict to every rank before the values.
+                let piece = state.as_mut().map(|s| s.read(i, range.clone()));
+                let mut ok = [match &piece {
+                    Some(Ok(v)) if v.len() == range.len() => 0.0f32,
+                    Some(_) => 1.0,
+                    None => 0.0,
+                }];
+                comm.broadcast(&mut ok, root)?;
+                if ok[0] != 0.0 {
+                    return Err(fail(match piece {
+                        Some(Err(e)) => e,
+                        Some(Ok(v)) => format!(
+                            "reading {} values of slot {} gave {}",
+                            range.len(),
+                            names[i],
+                            v.len()
+                        ),
+                        None => format!("rank {root} could not read the saved state"),
+                    }));
+                }
+                let whole = piece
+                    .as_ref()
+                    .and_then(|p| p.as_ref().ok())
+                    .map(Vec::as_slice);
                 let part = comm.scatter_from(root, whole, &self.bounds(b))?;
                 self.state[b].extend_from_slice(&part);
             }
@@ -584,35 +674,30 @@ impl ZeroOptimizer {
         Ok(())
     }
 
-    fn mismatch(&self, s: &WholeState, names: &[&str]) -> Option<String> {
+    fn mismatch(
+        &self,
+        tensors: &[(String, usize)],
+        slots: &[String],
+        names: &[&str],
+    ) -> Option<String> {
         let want = &self.tensors;
-        if s.tensors.len() != want.len() {
+        if tensors.len() != want.len() {
             return Some(format!(
                 "the saved state has {} tensors, this model trains {}",
-                s.tensors.len(),
+                tensors.len(),
                 want.len()
             ));
         }
-        if let Some(((a, n), (b, m))) = s.tensors.iter().zip(want).find(|(x, y)| x != y) {
+        if let Some(((a, n), (b, m))) = tensors.iter().zip(want).find(|(x, y)| x != y) {
             return Some(format!(
                 "the saved state's tensor {a} ({n} values) is {b} ({m} values) here"
             ));
         }
-        if !s.slots.is_empty() {
-            let saved: Vec<&str> = s.slots.iter().map(|x| x.0.as_str()).collect();
-            if saved != names {
-                return Some(format!(
-                    "the saved state holds {saved:?}, this optimizer keeps {names:?} (was it \
-                     written with another --optimizer or --momentum?)"
-                ));
-            }
-            if let Some((slot, v)) = s.slots.iter().find(|x| x.1.len() != self.total()) {
-                return Some(format!(
-                    "the saved {slot} has {} values for {} trainable values",
-                    v.len(),
-                    self.total()
-                ));
-            }
+        if !slots.is_empty() && slots != names {
+            return Some(format!(
+                "the saved state holds {slots:?}, this optimizer keeps {names:?} (was it \
+                 written with another --optimizer or --momentum?)"
+            ));
         }
         None
     }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 
-use super::{Stage, StateLayout, Stepped, WholeState, ZeroOptimizer};
+use super::{Stage, StateLayout, StateReader, Stepped, ZeroOptimizer};
 use crate::collective::Communicator;
 use crate::flat::module::{take_trainable_grads_of, trainable_values_in, with_trainable_parts};
 use crate::flat::optim::ShardOptimizer;
@@ -24,8 +24,9 @@ pub trait StateStore: Send + Sync {
         epoch: usize,
         layout: &StateLayout,
     ) -> std::result::Result<Box<dyn StateWriter>, String>;
-    /// The state a launch resuming after `epoch` starts from (rank 0).
-    fn load(&self, epoch: usize) -> std::result::Result<WholeState, String>;
+    /// The state a launch resuming after `epoch` starts from (rank 0), read as it is handed
+    /// out.
+    fn load(&self, epoch: usize) -> std::result::Result<Box<dyn StateReader>, String>;
 }
 
 /// A state being written, a bucket's values at a time.

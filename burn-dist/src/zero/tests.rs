@@ -299,3 +299,72 @@ fn named_state_cuts_each_slot_by_tensor() {
     );
     assert_eq!(named[3].1, &[6.0]);
 }
+
+/// A saved state whose reads fail from the `fail_at`-th on (a file cut or unreadable on the
+/// way).
+struct Failing {
+    whole: WholeState,
+    reads: usize,
+    fail_at: usize,
+}
+
+impl StateReader for Failing {
+    fn tensors(&self) -> &[(String, usize)] {
+        &self.whole.tensors
+    }
+    fn updates(&self) -> u64 {
+        self.whole.updates
+    }
+    fn slot_names(&self) -> Vec<String> {
+        self.whole.slots.iter().map(|s| s.0.clone()).collect()
+    }
+    fn read(&mut self, slot: usize, range: Range<usize>) -> std::result::Result<Vec<f32>, String> {
+        self.reads += 1;
+        if self.reads >= self.fail_at {
+            return Err("state.safetensors: unexpected end of file".into());
+        }
+        Ok(self.whole.slots[slot].1[range].to_vec())
+    }
+}
+
+#[test]
+fn a_read_that_fails_while_scattering_is_an_error_on_every_rank_not_a_hang() {
+    let (_, saved) = run(Update::adam(), Stage::One, 2, 1, None, None);
+    for fail_at in [1, 2, 5] {
+        let handles: Vec<_> = MemoryTransport::mesh(3)
+            .into_iter()
+            .map(|t| {
+                let saved = saved.clone();
+                thread::spawn(move || {
+                    let comm = Communicator::new(Arc::new(t))
+                        .with_timeout(std::time::Duration::from_secs(20));
+                    let mut z = ZeroOptimizer::new(
+                        Stage::Two,
+                        &tensors(),
+                        optimizer(Update::adam()),
+                        &comm,
+                        40,
+                    )
+                    .unwrap();
+                    let mut reader = Failing {
+                        whole: saved,
+                        reads: 0,
+                        fail_at,
+                    };
+                    let root =
+                        (comm.rank() == 0).then_some(Ok(&mut reader as &mut dyn StateReader));
+                    z.scatter_from_reader(&comm, 0, root)
+                        .unwrap_err()
+                        .to_string()
+                })
+            })
+            .collect();
+        for (r, h) in handles.into_iter().enumerate() {
+            let e = h.join().unwrap();
+            assert!(e.contains("sharded optimizer state"), "rank {r}: {e}");
+            if r == 0 {
+                assert!(e.contains("unexpected end of file"), "{e}");
+            }
+        }
+    }
+}
