@@ -1,5 +1,5 @@
 //! `--recompute`, activation recomputation, as real process trees in every training mode of
-//! Hearth's image models: it trains exactly as the run without it does (the default ResNet has
+//! Hearth's image models (ResNet; DenseNet and VGG in one process and data parallel): it trains exactly as the run without it does (the default ResNet has
 //! batch norm, whose running statistics must move once per batch, not again in the
 //! recomputation), and a custom module, which has no units, refuses it by name.
 
@@ -32,8 +32,12 @@ fn same_curves(
 fn recompute_trains_exactly_as_without_it_in_every_mode() {
     let dir = tempfile::tempdir().unwrap();
     let data = small_data(dir.path());
-    let modes: [(&str, usize, &[&str]); 6] = [
+    let modes: [(&str, usize, &[&str]); 8] = [
         ("single", 1, &[]),
+        // DenseNet's units concatenate their input; VGG's are single convolutions and the
+        // classifier.
+        ("densenet", 1, &["--model", "densenet-mini"]),
+        ("vgg", 2, &["--model", "vgg-mini-plain"]),
         ("dp", 2, &[]),
         ("dp-bf16", 2, &["--precision", "bf16"]),
         ("elastic", 2, &["--elastic"]),
