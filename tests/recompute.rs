@@ -32,7 +32,18 @@ fn same_curves(
 fn recompute_trains_exactly_as_without_it_in_every_mode() {
     let dir = tempfile::tempdir().unwrap();
     let data = small_data(dir.path());
-    let modes: [(&str, usize, &[&str]); 8] = [
+    let frozen: &[&str] = &["--freeze-backbone", "--unfreeze-after", "1"];
+    let frozen_pipeline: &[&str] = &[
+        "--pipeline-stages",
+        "2",
+        "--freeze-backbone",
+        "--unfreeze-after",
+        "1",
+    ];
+    let modes: [(&str, usize, &[&str]); 10] = [
+        // A frozen backbone (nothing flows back through it), then fine-tuning.
+        ("frozen", 1, frozen),
+        ("frozen-pipeline", 2, frozen_pipeline),
         ("single", 1, &[]),
         // DenseNet's units concatenate their input; VGG's are single convolutions and the
         // classifier.
