@@ -91,6 +91,7 @@ fn setting(flag: &str) -> Vec<&'static str> {
         "--precision" => &["--precision", "bf16"],
         "--zero" => &["--zero", "1"],
         "--recompute" => &["--recompute"],
+        "--no-recompute" => &["--recompute", "--no-recompute"],
         "--micro-batches" => &["--micro-batches", "2"],
         "--pipeline-schedule" => &["--pipeline-schedule", "gpipe"],
         "--pipeline-split" => &["--pipeline-split", "0:2,2:6"],
@@ -153,6 +154,9 @@ fn expect(flag: &str, mode: &str) -> Expect {
         ("--zero", "single") => Refused("a one-process run has one"),
         ("--zero", "elastic") => Refused("--zero does not work with --elastic: not built yet"),
         ("--zero", "parameter servers") => Refused("--zero does not work with --ps"),
+        // The default, said again (it turns a resumed run's --recompute off): what it records
+        // is the baseline's.
+        ("--no-recompute", _) => Mechanics,
         // A pipeline shards each stage's state over its replicas (tests/zero.rs); the walk's
         // pipeline has one replica per stage.
         ("--zero", "pipeline") => Refused("--pipeline-stages and one replica per stage"),

@@ -83,3 +83,41 @@ fn recompute_trains_exactly_as_without_it_in_every_mode() {
         );
     }
 }
+
+#[test]
+fn a_run_resumed_without_recompute_goes_on_as_it_would_have() {
+    // Stopped after epoch 1 with --recompute, resumed with --no-recompute: the same curve as
+    // the uninterrupted run, and the resumed launch says nothing of recomputation; resumed
+    // without either flag, it recomputes as recorded.
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    let run = |name: &str, args: &[&str]| {
+        let mut job = Job::start(dir.path(), &data, &dir.path().join(name), 1, args, &[]);
+        let ok = job.wait(300);
+        let logs = job.all_logs();
+        assert!(ok.iter().all(|o| *o), "{name} {args:?}:\n{logs}");
+        logs
+    };
+    run("straight", &["--epochs", "2"]);
+    run(
+        "resumed",
+        &["--epochs", "2", "--recompute", "--stop-after-epoch", "1"],
+    );
+    let logs = run("resumed", &["--resume", "--no-recompute"]);
+    assert!(
+        logs.contains("resuming after epoch 1") && !logs.contains("--recompute: each"),
+        "{logs}"
+    );
+    same_curves(
+        "resumed without --recompute",
+        &metrics(&dir.path().join("straight")),
+        &metrics(&dir.path().join("resumed")),
+    );
+    // Without either flag a resume keeps the recorded setting.
+    run(
+        "kept",
+        &["--epochs", "2", "--recompute", "--stop-after-epoch", "1"],
+    );
+    let logs = run("kept", &["--resume"]);
+    assert!(logs.contains("--recompute: each"), "{logs}");
+}

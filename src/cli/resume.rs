@@ -69,7 +69,7 @@ fn recorded_flags(key: &str) -> &'static [&'static str] {
         "compression" => &["--compression"],
         "precision" => &["--precision"],
         "zero" => &["--zero"],
-        "recompute" => &["--recompute"],
+        "recompute" => &["--recompute", "--no-recompute"],
         "pipeline" => &[
             "--pipeline-stages",
             "--micro-batches",

@@ -177,8 +177,11 @@ pub(crate) struct TrainArgs {
     /// Activation recomputation: keep only each unit's input (a ResNet block, a DenseNet
     /// layer; in pipelines each stage's) from the forward and compute the unit again in the
     /// backward. Less memory for one more forward per step; every mode of the image models.
-    #[arg(long)]
+    #[arg(long, overrides_with = "no_recompute")]
     recompute: bool,
+    /// No activation recomputation (the default): turns a resumed run's --recompute off.
+    #[arg(long, overrides_with = "recompute")]
+    no_recompute: bool,
     /// Pipeline model parallelism: split the model into P stages, one per process (--nproc
     /// defaults to P; a multiple P x D trains D pipelines data parallel).
     #[arg(long, value_name = "P")]
@@ -334,7 +337,7 @@ fn build_config(
     cfg.bucket_bytes = (a.bucket_mb * 1024.0 * 1024.0) as usize;
     cfg.precision = a.precision;
     cfg.zero = a.zero;
-    cfg.recompute = a.recompute;
+    cfg.recompute = a.recompute && !a.no_recompute;
     cfg.pipeline = match a.pipeline_stages {
         Some(stages) => Some(PipelineOptions {
             stages,
