@@ -351,6 +351,31 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_recomputing_stage_holds_its_inputs_and_one_micro_batch_of_activations() {
+        let unit = |held: f64, input: f64| UnitCost {
+            seconds: 0.0,
+            retained_bytes: held,
+            input_bytes: input,
+        };
+        let costs = [unit(100.0, 10.0), unit(50.0, 5.0), unit(20.0, 2.0)];
+        let params = [1, 2, 3];
+        // Without: 3 micro-batches of both units' activations, plus 8 bytes per parameter.
+        assert_eq!(
+            stage_memory(&params, &costs, 0..2, 8.0, 3, false),
+            24.0 + 450.0
+        );
+        // With: one micro-batch's activations, and 3 inputs of the stage's first unit.
+        assert_eq!(
+            stage_memory(&params, &costs, 0..2, 8.0, 3, true),
+            24.0 + 150.0 + 30.0
+        );
+        assert_eq!(
+            stage_memory(&params, &costs, 1..3, 8.0, 2, true),
+            40.0 + 70.0 + 10.0
+        );
+    }
+
+    #[test]
     fn balance_minimises_the_largest_stage() {
         assert_eq!(balance(&[1, 1, 1, 1], 2).unwrap(), vec![0..2, 2..4]);
         assert_eq!(balance(&[5, 1, 1, 1, 1, 1], 2).unwrap(), vec![0..1, 1..6]);
