@@ -143,19 +143,7 @@ fn zero_1_and_2_train_an_image_model_as_plain_data_parallel_does_and_resume_exac
             }
             curves.push(metrics(&run(zero)));
         }
-        for (i, zero) in ["1", "2"].iter().enumerate() {
-            same_curves(
-                (&format!("{name} plain"), &curves[0]),
-                (&format!("{name} zero {zero}"), &curves[i + 1]),
-                &COLUMNS,
-                1e-5,
-            );
-            same_weights(
-                &run("0").join("model.bpk"),
-                &run(zero).join("model.bpk"),
-                1e-5,
-            );
-        }
+        stages_equal_plain(name, &curves, &run);
         if name == "fp16" {
             // The forced skip and any the scale's first steps make on their own (it comes down
             // from 2^16), the same in every run.
@@ -338,19 +326,7 @@ fn zero_shards_each_pipeline_stage_over_its_replicas_and_resumes_exactly() {
             }
             curves.push(metrics(&run(zero)));
         }
-        for (i, zero) in ["1", "2"].iter().enumerate() {
-            same_curves(
-                (&format!("pipeline {name} plain"), &curves[0]),
-                (&format!("pipeline {name} zero {zero}"), &curves[i + 1]),
-                &COLUMNS,
-                1e-5,
-            );
-            same_weights(
-                &run("0").join("model.bpk"),
-                &run(zero).join("model.bpk"),
-                1e-5,
-            );
-        }
+        stages_equal_plain(&format!("pipeline {name}"), &curves, &run);
     }
     // Stopped after epoch 1, resumed with the other stage: the uninterrupted run's curve.
     let stopped = dir.path().join("pipe-stopped");
@@ -367,6 +343,28 @@ fn zero_shards_each_pipeline_stage_over_its_replicas_and_resumes_exactly() {
     first.extend_from_slice(&pipe);
     first.extend(["--stop-after-epoch", "1"]);
     resumes_as_straight(dir.path(), &data, &stopped, 4, &first, "pipe-adam-zero2");
+}
+
+/// Runs `run("1")` and `run("2")` (curves 1 and 2) equal `run("0")` (curve 0): curves and
+/// exported weights, to 1e-5.
+fn stages_equal_plain(
+    name: &str,
+    curves: &[BTreeMap<usize, BTreeMap<String, f64>>],
+    run: &dyn Fn(&str) -> PathBuf,
+) {
+    for (i, zero) in ["1", "2"].iter().enumerate() {
+        same_curves(
+            (&format!("{name} plain"), &curves[0]),
+            (&format!("{name} zero {zero}"), &curves[i + 1]),
+            &COLUMNS,
+            1e-5,
+        );
+        same_weights(
+            &run("0").join("model.bpk"),
+            &run(zero).join("model.bpk"),
+            1e-5,
+        );
+    }
 }
 
 /// `first` (a run stopped after epoch 1) on `world` ranks into `stopped`, then resumed with
@@ -387,5 +385,73 @@ fn resumes_as_straight(
         ("resumed", &metrics(stopped)),
         &COLUMNS,
         1e-5,
+    );
+}
+
+/// `--freeze-backbone --unfreeze-after 1` with SGD: the frozen phase shards the head's state;
+/// at the switch the backbone's tensors join, their state starting from zero as burn's
+/// optimizer's does. Data parallel (also resumed right at the switch) and a 2 x 2 pipeline
+/// train as without `--zero`; Adam is refused by name (one step count for every tensor).
+#[test]
+fn zero_takes_the_fine_tuning_switch_with_sgd_and_refuses_adam_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    let phases = [
+        "--freeze-backbone",
+        "--unfreeze-after",
+        "1",
+        "--epochs",
+        "2",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+    ];
+    for (name, world, layout) in [
+        ("dp", 2, &[][..]),
+        ("pipe", 4, &["--pipeline-stages", "2"][..]),
+    ] {
+        let run = |zero: &str| dir.path().join(format!("ft-{name}-zero{zero}"));
+        let mut curves = Vec::new();
+        for zero in ["0", "1", "2"] {
+            let mut args = vec!["--zero", zero];
+            args.extend_from_slice(&phases);
+            args.extend_from_slice(layout);
+            run_job(dir.path(), &data, &run(zero), world, &args, &[]);
+            curves.push(metrics(&run(zero)));
+        }
+        stages_equal_plain(name, &curves, &run);
+    }
+    // Stopped at the switch, resumed: the fine-tuning phase starts from the head's file (in
+    // the pipeline, stage 0 trained nothing before it and wrote none).
+    for (name, world, layout) in [
+        ("dp", 2, &[][..]),
+        ("pipe", 4, &["--pipeline-stages", "2"][..]),
+    ] {
+        let stopped = dir.path().join(format!("ft-{name}-stopped"));
+        let mut first = vec!["--zero", "2", "--stop-after-epoch", "1"];
+        first.extend_from_slice(&phases);
+        first.extend_from_slice(layout);
+        let straight = format!("ft-{name}-zero2");
+        resumes_as_straight(dir.path(), &data, &stopped, world, &first, &straight);
+    }
+
+    let out = common::hearth_cli(&[
+        "train",
+        "--dry-run",
+        "--nproc",
+        "2",
+        "--zero",
+        "1",
+        "--freeze-backbone",
+        "--unfreeze-after",
+        "1",
+        "--optimizer",
+        "adam",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--unfreeze-after and --optimizer adam"),
+        "{err}"
     );
 }

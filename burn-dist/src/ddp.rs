@@ -418,7 +418,8 @@ impl DdpStrategy {
             s.optimizer.clone(),
             &self.comm,
             self.bucket_bytes,
-        )?;
+        )?
+        .with_new_tensors_at_zero(s.new_tensors_at_zero);
         if starting_epoch > 1 {
             let mut loaded = (self.comm.rank() == 0).then(|| s.store.load(starting_epoch - 1));
             let root = loaded.as_mut().map(|r| {

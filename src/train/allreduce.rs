@@ -158,6 +158,7 @@ impl<T: Trainee> Allreduce<'_, T> {
             comm,
             &self.cfg.run_dir.join("checkpoint"),
             first,
+            false,
         )?;
         log(&format!(
             "ZeRO stage {}: rank 0 keeps the optimizer state of {}",

@@ -482,12 +482,18 @@ impl TrainConfig {
                 self.zero
             ));
         }
-        if self.freeze_backbone && self.unfreeze_after.is_some() {
-            return bad(
-                "--zero with --unfreeze-after is not built yet: the fine-tuning phase trains \
-                 tensors the frozen phase's sharded state does not hold"
-                    .into(),
-            );
+        let adam = matches!(self.optimizer, OptimizerKind::Adam | OptimizerKind::AdamW);
+        if self.freeze_backbone && self.unfreeze_after.is_some() && adam {
+            return bad(format!(
+                "--zero with --unfreeze-after and --optimizer {}: not built yet (the tensors the \
+                 fine-tuning phase adds need their own Adam step count, and the sharded \
+                 optimizer keeps one); SGD and LARS work",
+                if self.optimizer == OptimizerKind::Adam {
+                    "adam"
+                } else {
+                    "adamw"
+                }
+            ));
         }
         Ok(())
     }

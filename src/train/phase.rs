@@ -117,9 +117,16 @@ impl<T: Task> Phase<'_, T> {
                 // fp16: the verdict on the averaged gradients, the same on every rank.
                 strategy = strategy.with_step_guard(Arc::new(s));
             }
-            if let Some(s) =
-                super::zero::sharding(cfg, self.lr, self.batches_per_epoch, &self.trainee)?
-            {
+            // The fine-tuning phase right after the frozen one: the state it starts from holds
+            // the head alone; the backbone's starts from zero (as burn's optimizer's would).
+            let fine_tuning_start = cfg.freeze_backbone && cfg.unfreeze_after == Some(self.first);
+            if let Some(s) = super::zero::sharding(
+                cfg,
+                self.lr,
+                self.batches_per_epoch,
+                &self.trainee,
+                fine_tuning_start,
+            )? {
                 strategy = strategy.with_sharding(s);
             }
             training =

@@ -17,11 +17,16 @@
 //! stage's replicas (`pipeline/`, `--nproc P x D`; each stage's file in its
 //! `checkpoint/stage-<s>/`); all step through burn-dist's `zero::module::sharded_step`.
 //!
+//! `--unfreeze-after` with SGD or LARS: the fine-tuning phase starts from the frozen phase's
+//! state of the head, the backbone's tensors from a zero state (burn's optimizers start a
+//! tensor without state the same way): the Learner's phase reads the head's file with
+//! `new_tensors_at_zero`, a pipeline stage moves its state over with [`refit`].
+//!
 //! Not built yet, and refused by name ([`TrainConfig::validate`]): `--zero` with the
 //! parameter servers (whose servers already hold the state sharded), pipelines of one replica
-//! per stage (nothing to shard over), elastic training, and `--unfreeze-after` (the
-//! fine-tuning phase trains tensors the frozen phase's state does not hold, and Adam counts
-//! steps per tensor).
+//! per stage (nothing to shard over), elastic training, and `--unfreeze-after` with Adam or
+//! AdamW (the tensors the fine-tuning phase adds would need their own step count for the bias
+//! correction; the sharded optimizer keeps one).
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -69,6 +74,7 @@ pub(super) fn sharding<M: Module>(
     lr: f64,
     batches_per_epoch: usize,
     model: &M,
+    fine_tuning_start: bool,
 ) -> Result<Option<Sharding>> {
     if cfg.zero == 0 {
         return Ok(None);
@@ -80,13 +86,15 @@ pub(super) fn sharding<M: Module>(
         store: Arc::new(Files {
             dir: cfg.run_dir.join("checkpoint"),
         }),
+        new_tensors_at_zero: fine_tuning_start,
     }))
 }
 
 /// A rank's sharded optimizer for `model` over `comm` (the run's optimizer; the rate comes from
 /// the strategy's schedule at each step, `batches` per epoch); when resuming after `resume`,
 /// its state from epoch `resume`'s file in the checkpoint folder `dir`, read by `comm`'s rank
-/// 0 (written by any number of ranks) and scattered.
+/// 0 (written by any number of ranks) and scattered (`new_at_zero`: the file may hold some of
+/// the tensors, the fine-tuning phase starting after a frozen one).
 pub(super) fn start<M: Module>(
     cfg: &TrainConfig,
     model: &M,
@@ -94,12 +102,14 @@ pub(super) fn start<M: Module>(
     comm: &burn_dist::Communicator,
     dir: &Path,
     resume: usize,
+    new_at_zero: bool,
 ) -> Result<burn_dist::zero::ZeroOptimizer> {
     let stage = Stage::from_number(cfg.zero)?;
     let optimizer = super::flat::model_optimizer(cfg, cfg.lr, batches, model)?;
     let names = burn_dist::flat::module::trainable_names(model);
     let mut z =
-        burn_dist::zero::ZeroOptimizer::new(stage, &names, optimizer, comm, cfg.bucket_bytes)?;
+        burn_dist::zero::ZeroOptimizer::new(stage, &names, optimizer, comm, cfg.bucket_bytes)?
+            .with_new_tensors_at_zero(new_at_zero);
     if resume > 0 {
         // Rank 0 reads the file a bucket at a time as it hands the state out.
         let mut read = (comm.rank() == 0)
@@ -114,6 +124,32 @@ pub(super) fn start<M: Module>(
             }),
         )?;
     }
+    Ok(z)
+}
+
+/// `zero` moved to `model`'s trainable tensors at the fine-tuning switch (`--unfreeze-after`):
+/// its state (the head's, small) gathered on `comm`'s rank 0 and handed out again over the new
+/// set, the tensors new to training starting from zero, as burn's optimizer's do. Every rank of
+/// `comm` calls it.
+pub(super) fn refit<M: Module>(
+    cfg: &TrainConfig,
+    zero: &burn_dist::zero::ZeroOptimizer,
+    model: &M,
+    batches: usize,
+    comm: &burn_dist::Communicator,
+) -> Result<burn_dist::zero::ZeroOptimizer> {
+    let whole = zero.gather_state(comm, 0)?;
+    let optimizer = super::flat::model_optimizer(cfg, cfg.lr, batches, model)?;
+    let names = burn_dist::flat::module::trainable_names(model);
+    let mut z = burn_dist::zero::ZeroOptimizer::new(
+        zero.stage(),
+        &names,
+        optimizer,
+        comm,
+        cfg.bucket_bytes,
+    )?
+    .with_new_tensors_at_zero(true);
+    z.scatter_state(comm, 0, whole.as_ref().map(Ok))?;
     Ok(z)
 }
 

@@ -205,6 +205,8 @@ pub struct ZeroOptimizer {
     mine: Vec<ShardOptimizer>,
     state: Vec<Vec<f32>>,
     updates: u64,
+    /// A saved state of a subset of the tensors is taken, the others starting from zero.
+    new_at_zero: bool,
 }
 
 impl std::fmt::Debug for ZeroOptimizer {
@@ -263,6 +265,7 @@ impl ZeroOptimizer {
             state: vec![Vec::new(); buckets.len()],
             buckets,
             updates: 0,
+            new_at_zero: false,
         };
         z.mine = (0..z.buckets.len())
             .map(|b| z.whole.restrict(z.segment(b, rank)))
@@ -272,6 +275,16 @@ impl ZeroOptimizer {
 
     pub fn stage(&self) -> Stage {
         self.stage
+    }
+
+    /// Lets [`ZeroOptimizer::scatter_from_reader`] take a state saved for some of this
+    /// optimizer's tensors (by name and length), the others starting from a zero state: the
+    /// fine-tuning phase after a frozen one, whose state held the head alone. Right for update
+    /// rules whose zero state is their first step's (SGD with momentum, LARS); Adam counts its
+    /// steps once for every tensor, so its callers must not ask for it.
+    pub fn with_new_tensors_at_zero(mut self, on: bool) -> Self {
+        self.new_at_zero = on;
+        self
     }
 
     /// Rank `r`'s segment of bucket `b`, in the whole vector.
@@ -568,14 +581,16 @@ impl ZeroOptimizer {
         root: usize,
         read: Option<std::result::Result<&WholeState, String>>,
     ) -> Result<()> {
-        let total = self.total();
         let mut whole = read.map(|r| {
-            r.and_then(|s| match s.slots.iter().find(|x| x.1.len() != total) {
-                Some((slot, v)) => Err(format!(
-                    "the saved {slot} has {} values for {total} trainable values",
-                    v.len()
-                )),
-                None => Ok(InMemory(s)),
+            r.and_then(|s| {
+                let total: usize = s.tensors.iter().map(|t| t.1).sum();
+                match s.slots.iter().find(|x| x.1.len() != total) {
+                    Some((slot, v)) => Err(format!(
+                        "the saved {slot} has {} values for {total} trainable values",
+                        v.len()
+                    )),
+                    None => Ok(InMemory(s)),
+                }
             })
         });
         let reader = whole.as_mut().map(|r| {
@@ -640,11 +655,25 @@ impl ZeroOptimizer {
         if header[1] == 0.0 {
             return Ok(());
         }
+        // Where each of this optimizer's tensors lies in the saved vectors (None: not saved,
+        // starts from zero; only with `new_at_zero`).
+        let saved_at: Option<Vec<Option<usize>>> = state.as_ref().map(|s| {
+            let mut at = std::collections::BTreeMap::new();
+            let mut o = 0;
+            for t in s.tensors() {
+                at.insert(t.clone(), o);
+                o += t.1;
+            }
+            self.tensors.iter().map(|t| at.get(t).copied()).collect()
+        });
         for i in 0..names.len() {
             for b in 0..self.buckets.len() {
                 let range = self.buckets[b].range.clone();
                 // The root's read, and its verdict to every rank before the values.
-                let piece = state.as_mut().map(|s| s.read(i, range.clone()));
+                let piece = match (state.as_mut(), &saved_at) {
+                    (Some(s), Some(at)) => Some(self.read_range(&mut **s, at, i, range.clone())),
+                    _ => None,
+                };
                 let mut ok = [match &piece {
                     Some(Ok(v)) if v.len() == range.len() => 0.0f32,
                     Some(_) => 1.0,
@@ -674,6 +703,37 @@ impl ZeroOptimizer {
         Ok(())
     }
 
+    /// Values `range` (this optimizer's coordinates) of slot `slot` from `reader`, whose
+    /// tensors lie at `at` (zeros for one it does not hold).
+    fn read_range(
+        &self,
+        reader: &mut dyn StateReader,
+        at: &[Option<usize>],
+        slot: usize,
+        range: Range<usize>,
+    ) -> std::result::Result<Vec<f32>, String> {
+        if at
+            .iter()
+            .enumerate()
+            .all(|(j, a)| *a == Some(self.offsets[j]))
+        {
+            return reader.read(slot, range);
+        }
+        let mut out = Vec::with_capacity(range.len());
+        for (j, saved) in at.iter().enumerate() {
+            let (start, end) = (self.offsets[j], self.offsets[j + 1]);
+            let (from, to) = (range.start.max(start), range.end.min(end));
+            if from >= to {
+                continue;
+            }
+            match saved {
+                Some(s) => out.extend(reader.read(slot, s + from - start..s + to - start)?),
+                None => out.resize(out.len() + (to - from), 0.0),
+            }
+        }
+        Ok(out)
+    }
+
     fn mismatch(
         &self,
         tensors: &[(String, usize)],
@@ -681,14 +741,19 @@ impl ZeroOptimizer {
         names: &[&str],
     ) -> Option<String> {
         let want = &self.tensors;
-        if tensors.len() != want.len() {
+        if self.new_at_zero && tensors != want.as_slice() {
+            if let Some((a, n)) = tensors.iter().find(|t| !want.contains(t)) {
+                return Some(format!(
+                    "the saved state's tensor {a} ({n} values) is not one this model trains"
+                ));
+            }
+        } else if tensors.len() != want.len() {
             return Some(format!(
                 "the saved state has {} tensors, this model trains {}",
                 tensors.len(),
                 want.len()
             ));
-        }
-        if let Some(((a, n), (b, m))) = tensors.iter().zip(want).find(|(x, y)| x != y) {
+        } else if let Some(((a, n), (b, m))) = tensors.iter().zip(want).find(|(x, y)| x != y) {
             return Some(format!(
                 "the saved state's tensor {a} ({n} values) is {b} ({m} values) here"
             ));

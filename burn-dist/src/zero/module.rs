@@ -73,6 +73,9 @@ pub struct Sharding {
     pub stage: Stage,
     pub optimizer: ShardOptimizer,
     pub store: Arc<dyn StateStore>,
+    /// The state resumed from may hold some of the tensors, the others starting from zero
+    /// ([`ZeroOptimizer::with_new_tensors_at_zero`]: a fine-tuning phase after a frozen one).
+    pub new_tensors_at_zero: bool,
 }
 
 /// One sharded step on `model`: `grads` (this rank's mean) taken bucket by bucket into the

@@ -263,13 +263,32 @@ impl PipelineRun<'_> {
         let (Some(replicas), true) = (&self.replicas, self.cfg.zero > 0) else {
             return Ok(None);
         };
+        // A resume inside the fine-tuning phase shards what that phase trains; one right at
+        // the switch starts from the frozen phase's state of the head.
+        let fine_tuning = self.cfg.freeze_backbone && self.fine_tuning(resume + 1);
+        let trains = if fine_tuning {
+            super::model::unfrozen(self.cfg, model.clone())
+        } else {
+            model.clone()
+        };
+        if burn_dist::flat::module::trainable_names(&trains).is_empty() {
+            // A stage frozen whole (the backbone's first units): nothing to shard until the
+            // fine-tuning phase starts.
+            return Ok(None);
+        }
+        let from = if resume > 0 && self.stage_wrote_state(model, resume) {
+            resume
+        } else {
+            0
+        };
         let z = super::zero::start(
             self.cfg,
-            model,
+            &trains,
             self.steps_per_epoch,
             replicas,
             &store::stage_dir(&self.cfg.run_dir, self.stage),
-            resume,
+            from,
+            fine_tuning && self.cfg.unfreeze_after == Some(resume),
         )?;
         log(&format!(
             "ZeRO stage {} over each stage's {} replicas: stage {}'s replica 0 keeps the \
@@ -280,6 +299,15 @@ impl PipelineRun<'_> {
             z.describe()
         ));
         Ok(Some(z))
+    }
+
+    /// Whether this stage trained something in `epoch`, so `--zero` wrote its state: not when
+    /// the epoch was frozen and `frozen` (the stage as the frozen phase trains it) has nothing
+    /// to train.
+    fn stage_wrote_state(&self, frozen: &StageModel, epoch: usize) -> bool {
+        self.fine_tuning(epoch)
+            || !self.cfg.freeze_backbone
+            || !burn_dist::flat::module::trainable_names(frozen).is_empty()
     }
 
     fn pipeline(&self) -> Result<Pipeline> {
@@ -325,6 +353,28 @@ impl Strategy for StageStrategy<'_, '_> {
             log(&self.run.rates.unfreeze_line(after));
             model = super::model::unfrozen(self.run.cfg, model);
             self.unfrozen = true;
+            // --zero: the state moves to the larger set of trainable tensors (a stage that
+            // trained nothing so far starts its sharded optimizer now).
+            if let (true, Some(replicas)) = (self.run.cfg.zero > 0, &self.run.replicas) {
+                self.zero = Some(match &self.zero {
+                    Some(z) => super::zero::refit(
+                        self.run.cfg,
+                        z,
+                        &model,
+                        self.run.steps_per_epoch,
+                        replicas,
+                    )?,
+                    None => super::zero::start(
+                        self.run.cfg,
+                        &model,
+                        self.run.steps_per_epoch,
+                        replicas,
+                        &store::stage_dir(&self.run.cfg.run_dir, self.run.stage),
+                        0,
+                        false,
+                    )?,
+                });
+            }
         }
         let (model, train) = self.run.train_epoch(
             &mut self.pipe,
@@ -379,7 +429,13 @@ impl PipelineRun<'_> {
         let resume_epoch = if cfg.resume {
             let epoch = self.agreed_resume_epoch()?;
             run_dir::check_resume_compatible(&cfg.run_dir, &self.config.to_json(), &hparams)?;
-            super::zero::check_resume_in(cfg, &store::stage_dir(&cfg.run_dir, self.stage), epoch)?;
+            if cfg.zero == 0 || self.stage_wrote_state(&model, epoch) {
+                super::zero::check_resume_in(
+                    cfg,
+                    &store::stage_dir(&cfg.run_dir, self.stage),
+                    epoch,
+                )?;
+            }
             epochs.reload(epoch)?;
             let (m, o) = self.load_checkpoint(model, optim, epoch)?;
             model = m;
