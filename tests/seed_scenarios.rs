@@ -87,8 +87,18 @@ fn check_multi_label_run(run: &Path, epochs: usize, text: &str) {
     assert_eq!(saved.model.family(), "DenseNet");
 }
 
+/// Held by each scenario for its whole run: they launch 2 to 5 processes each on a 2-core
+/// machine, and ADAG's asynchronous workers learn worse when another scenario's processes
+/// crowd them (their staleness grows): one scenario at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn seed_001_densenet_multi_label_by_auroc_on_two_ranks_elastic_and_pipeline() {
+    let _alone = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let data = common::small_data(dir.path());
     let labels = common::multi_label_csv(&data);
@@ -152,6 +162,7 @@ fn best_val_accuracy(run: &Path) -> f64 {
 
 #[test]
 fn seed_000_a_frozen_pretrained_resnet_on_adag_workers_learns_as_one_process_does() {
+    let _alone = one_at_a_time();
     let dir = tempfile::tempdir().unwrap();
     let first = common::small_data(dir.path());
     let pre = dir.path().join("pretrained");

@@ -20,7 +20,7 @@
 //! `--unfreeze-after` with SGD or LARS: the fine-tuning phase starts from the frozen phase's
 //! state of the head, the backbone's tensors from a zero state (burn's optimizers start a
 //! tensor without state the same way): the Learner's phase reads the head's file with
-//! `new_tensors_at_zero`, a pipeline stage moves its state over with [`refit`].
+//! `new_tensors_at_zero`, a pipeline stage moves its state over with `refit`.
 //!
 //! Not built yet, and refused by name ([`TrainConfig::validate`]): `--zero` with the
 //! parameter servers (whose servers already hold the state sharded), pipelines of one replica
