@@ -43,38 +43,45 @@ fn text(o: &Output) -> String {
     )
 }
 
+/// `hearth train --data DATA --run-dir RUN --batch-size 8 --workers 1 ARGS`, which must
+/// succeed within 300 s; its output.
+fn train(data: &Path, run_dir: &Path, args: &[&str]) -> String {
+    let mut cmd = hearth();
+    cmd.args(["train", "--batch-size", "8", "--workers", "1"])
+        .args(args)
+        .arg("--data")
+        .arg(data)
+        .arg("--run-dir")
+        .arg(run_dir);
+    let (out, _) = run(cmd, Duration::from_secs(300));
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    log
+}
+
 #[test]
 fn train_nproc_2_averages_metrics_and_keeps_per_rank_curves() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     hearth_datasets_synth(&data);
     let run_dir = dir.path().join("run");
-    let mut cmd = hearth();
-    cmd.args([
-        "train",
-        "--nproc",
-        "2",
-        "--epochs",
-        "2",
-        "--batch-size",
-        "8",
-        "--workers",
-        "1",
-        // Accumulation with warmup over epoch 1: the schedule must count optimizer steps.
-        "--grad-accum",
-        "2",
-        "--schedule",
-        "constant",
-        "--warmup-epochs",
-        "1",
-    ])
-    .arg("--data")
-    .arg(&data)
-    .arg("--run-dir")
-    .arg(&run_dir);
-    let (out, _) = run(cmd, Duration::from_secs(300));
-    let log = text(&out);
-    assert!(out.status.success(), "{log}");
+    let log = train(
+        &data,
+        &run_dir,
+        &[
+            "--nproc",
+            "2",
+            "--epochs",
+            "2",
+            // Accumulation with warmup over epoch 1: the schedule must count optimizer steps.
+            "--grad-accum",
+            "2",
+            "--schedule",
+            "constant",
+            "--warmup-epochs",
+            "1",
+        ],
+    );
     assert!(log.contains("[rank 1] rank 1 of 2: device flex"), "{log}");
     assert!(
         log.contains("[rank 0] trained on 2 ranks, global batch 8 (4 per rank)"),
@@ -156,25 +163,7 @@ fn more_ranks_than_validation_images_leave_the_empty_shard_out_of_the_average() 
     )
     .unwrap();
     let run_dir = dir.path().join("run");
-    let mut cmd = hearth();
-    cmd.args([
-        "train",
-        "--nproc",
-        "4",
-        "--epochs",
-        "1",
-        "--batch-size",
-        "8",
-        "--workers",
-        "1",
-    ])
-    .arg("--data")
-    .arg(&data)
-    .arg("--run-dir")
-    .arg(&run_dir);
-    let (out, _) = run(cmd, Duration::from_secs(300));
-    let log = text(&out);
-    assert!(out.status.success(), "{log}");
+    train(&data, &run_dir, &["--nproc", "4", "--epochs", "1"]);
     let csv = std::fs::read_to_string(run_dir.join("metrics.csv")).unwrap();
     let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
     let row = csv_row(&csv, 1);

@@ -12,6 +12,36 @@ use std::time::{Duration, Instant};
 
 use common::{Job, elastic_data, folder_accuracy, metrics, wait_bounded};
 
+/// A sync-server job of `servers` servers and 2 workers into `dir/name` (`base`, then `extra`),
+/// which must succeed; the lead's log.
+fn sync_job(
+    dir: &Path,
+    data: &Path,
+    name: &str,
+    servers: usize,
+    base: &[&str],
+    extra: &[&str],
+) -> String {
+    let n = servers.to_string();
+    let mut args = vec!["--ps", &n, "--mode", "sync"];
+    args.extend_from_slice(extra);
+    let mut job = Job::spawn(dir, data, &dir.join(name), servers + 2, base, &args, &[]);
+    let ok = job.wait(300);
+    assert!(
+        ok.iter().all(|&o| o),
+        "{name} {extra:?}: {}",
+        job.all_logs()
+    );
+    job.log(0)
+}
+
+/// The tensors of `dir/name`'s checkpoint of `epoch`, by name.
+fn last_model(dir: &Path, name: &str, epoch: usize) -> BTreeMap<String, Vec<f32>> {
+    common::tensors(&dir.join(name).join(format!("checkpoint/model-{epoch}.bpk")))
+        .into_iter()
+        .collect()
+}
+
 /// The largest difference between two models' tensors of the same names.
 fn largest_gap(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f32 {
     a.iter()
@@ -168,26 +198,9 @@ fn sync_servers_resume_exactly_at_and_after_the_fine_tuning_switch() {
         "--unfreeze-after",
         "1",
     ];
-    let ps = ["--ps", "1", "--mode", "sync"];
-    let run = |name: &str, extra: &[&str]| {
-        let path = dir.path().join(name);
-        let mut args = ps.to_vec();
-        args.extend_from_slice(extra);
-        let mut job = Job::spawn(dir.path(), &data, &path, 3, &base, &args, &[]);
-        let ok = job.wait(300);
-        assert!(
-            ok.iter().all(|&o| o),
-            "{name} {extra:?}: {}",
-            job.all_logs()
-        );
-        job.log(0)
-    };
+    let run = |name: &str, extra: &[&str]| sync_job(dir.path(), &data, name, 1, &base, extra);
     run("straight", &[]);
-    let last = |name: &str| -> BTreeMap<String, Vec<f32>> {
-        common::tensors(&dir.path().join(name).join("checkpoint/model-3.bpk"))
-            .into_iter()
-            .collect()
-    };
+    let last = |name: &str| last_model(dir.path(), name, 3);
     let straight = last("straight");
     // Stopped after the frozen epoch (the switch comes first on resume) and after the first
     // fine-tuning epoch (the checkpoint holds the whole model's shards).
@@ -212,24 +225,9 @@ fn a_servers_state_resumes_on_another_number_of_servers() {
     let data = elastic_data(dir.path());
     let base = ["--batch-size", "24", "--epochs", "2"];
     let run = |name: &str, servers: usize, extra: &[&str]| {
-        let path = dir.path().join(name);
-        let n = servers.to_string();
-        let mut args = vec!["--ps", &n, "--mode", "sync"];
-        args.extend_from_slice(extra);
-        let mut job = Job::spawn(dir.path(), &data, &path, servers + 2, &base, &args, &[]);
-        let ok = job.wait(300);
-        assert!(
-            ok.iter().all(|&o| o),
-            "{name} {extra:?}: {}",
-            job.all_logs()
-        );
-        job.log(0)
+        sync_job(dir.path(), &data, name, servers, &base, extra)
     };
-    let last = |name: &str| -> BTreeMap<String, Vec<f32>> {
-        common::tensors(&dir.path().join(name).join("checkpoint/model-2.bpk"))
-            .into_iter()
-            .collect()
-    };
+    let last = |name: &str| last_model(dir.path(), name, 2);
     run("straight", 1, &[]);
     let straight = last("straight");
     for (name, before, after) in [("joined", 2, 1), ("cut", 1, 2)] {
