@@ -14,15 +14,6 @@ mod common;
 use std::collections::BTreeMap;
 use std::process::Command;
 
-fn list(key: &str, default: &str) -> Vec<String> {
-    std::env::var(key)
-        .unwrap_or_else(|_| default.to_string())
-        .split(',')
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect()
-}
-
 /// `size_mb -> time_ms` from lines `size_mb=S time_ms=T ...`.
 fn parse(out: &str) -> BTreeMap<String, f64> {
     out.lines()
@@ -84,8 +75,8 @@ fn hearth(n: &str, sizes: &[String], iters: &str, shm: bool) -> String {
 }
 
 fn main() {
-    let ranks = list("HEARTH_BENCH_RANKS", "2,4");
-    let sizes = list("HEARTH_BENCH_SIZES", "1,10,100");
+    let ranks = common::env_list("HEARTH_BENCH_RANKS", "2,4");
+    let sizes = common::env_list("HEARTH_BENCH_SIZES", "1,10,100");
     let iters = common::env_usize("HEARTH_BENCH_ITERS", 5).to_string();
     let python = common::torch_python();
     if python.is_none() {

@@ -39,15 +39,6 @@ struct Measured {
     values: u64,
 }
 
-fn list(key: &str, default: &str) -> Vec<String> {
-    std::env::var(key)
-        .unwrap_or_else(|_| default.to_string())
-        .split(',')
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect()
-}
-
 fn cpu() -> String {
     let text = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let name = text
@@ -232,9 +223,9 @@ fn main() {
     let bench = std::env::args().any(|a| a == "--bench");
     let (models, optimizers, ranks, size, per_rank) = if bench {
         (
-            list("HEARTH_MEM_MODELS", "vgg16,resnet50"),
-            list("HEARTH_MEM_OPTIMIZERS", "sgd,adam"),
-            list("HEARTH_MEM_RANKS", "1,2,4"),
+            common::env_list("HEARTH_MEM_MODELS", "vgg16,resnet50"),
+            common::env_list("HEARTH_MEM_OPTIMIZERS", "sgd,adam"),
+            common::env_list("HEARTH_MEM_RANKS", "1,2,4"),
             common::env_usize("HEARTH_MEM_SIZE", 32),
             common::env_usize("HEARTH_MEM_PER_RANK", 2),
         )

@@ -368,16 +368,6 @@ fn recompute_choices() -> Vec<bool> {
     }
 }
 
-/// A comma-separated list from `var`, else `default`.
-fn list(var: &str, default: &str) -> Vec<String> {
-    std::env::var(var)
-        .unwrap_or_else(|_| default.into())
-        .split(',')
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect()
-}
-
 fn memory(smoke: bool) -> anyhow::Result<()> {
     let model = std::env::var("HEARTH_PIPE_MODEL")
         .unwrap_or_else(|_| if smoke { "resnet-mini" } else { "resnet152" }.into());
@@ -433,12 +423,12 @@ fn memory(smoke: bool) -> anyhow::Result<()> {
     let stage_counts: Vec<usize> = if smoke {
         vec![2]
     } else {
-        list("HEARTH_PIPE_P", "2,4")
+        common::env_list("HEARTH_PIPE_P", "2,4")
             .iter()
             .map(|p| p.parse())
             .collect::<Result<_, _>>()?
     };
-    let schedules: Vec<Schedule> = list("HEARTH_PIPE_SCHEDULES", "gpipe,1f1b")
+    let schedules: Vec<Schedule> = common::env_list("HEARTH_PIPE_SCHEDULES", "gpipe,1f1b")
         .iter()
         .map(|s| {
             if s == "gpipe" {

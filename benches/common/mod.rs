@@ -11,6 +11,16 @@ pub fn env_usize(key: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// A comma-separated list from the variable `key` (blank items dropped), else from `default`.
+pub fn env_list(key: &str, default: &str) -> Vec<String> {
+    std::env::var(key)
+        .unwrap_or_else(|_| default.to_string())
+        .split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
 /// The Python with PyTorch and torchvision for the peer: `$HEARTH_TORCH_PYTHON`, else the
 /// environment made by scripts/setup_pytorch.sh. `None` when neither imports torch.
 pub fn torch_python() -> Option<PathBuf> {
