@@ -65,7 +65,6 @@ pub(super) struct Objective {
     /// Label smoothing of the training loss (single-label only; validation never smooths).
     smoothing: f32,
     /// The type the model computes in (`--precision`; the loss is always f32).
-    dtype: burn::tensor::FloatDType,
     precision: super::Precision,
     /// `--recompute`: gradients unit by unit, recomputing each unit's activations.
     recompute: bool,
@@ -76,7 +75,6 @@ impl Objective {
         Self {
             multi_label,
             smoothing: cfg.label_smoothing,
-            dtype: cfg.precision.dtype(),
             precision: cfg.precision,
             recompute: cfg.recompute,
         }
@@ -238,7 +236,7 @@ impl Objective {
                 })?;
             return Ok((grads, sums));
         }
-        let loss = weighted(model.logits_in(input, self.dtype))?;
+        let loss = weighted(model.logits_in(input, self.precision.dtype()))?;
         Ok((GradientsParams::from_grads(loss.backward(), model), sums))
     }
 
@@ -254,7 +252,7 @@ impl Objective {
         let mut scores = ValScores::default();
         for batch in batches {
             let (input, targets) = batch?;
-            let logits = model.logits_in(input, self.dtype);
+            let logits = model.logits_in(input, self.precision.dtype());
             let n = logits.dims()[0] as f64;
             sums.hits += self.hits(&logits, &targets);
             scores.push(&logits, &targets)?;
@@ -394,7 +392,6 @@ mod tests {
     #[test]
     fn multi_label_hits_are_the_hamming_score_in_samples() {
         let o = Objective {
-            dtype: burn::tensor::FloatDType::F32,
             precision: crate::train::Precision::Fp32,
             multi_label: true,
             smoothing: 0.0,
