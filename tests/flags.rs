@@ -152,7 +152,6 @@ fn expect(flag: &str, mode: &str) -> Expect {
         ("--bucket-mb", _) => Mechanics,
         // The sharded optimizer shards over data-parallel ranks (tests/zero.rs).
         ("--zero", "single") => Refused("a one-process run has one"),
-        ("--zero", "elastic") => Refused("--zero does not work with --elastic: not built yet"),
         ("--zero", "parameter servers") => Refused("--zero does not work with --ps"),
         // The default, said again (it turns a resumed run's --recompute off): what it records
         // is the baseline's.

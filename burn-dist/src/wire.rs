@@ -49,6 +49,9 @@ pub enum Kind {
     /// Rendezvous with a secret: rank 0's certificate for a member's rank, and the member's
     /// answer that it now uses it.
     Issue = 10,
+    /// The sharded optimizer of elastic training (its own tag space beside the step's control
+    /// and metric traffic, with the run's `--compression`).
+    Sharded = 11,
 }
 
 impl Kind {
@@ -64,6 +67,7 @@ impl Kind {
             8 => Kind::Pipeline,
             9 => Kind::Ps,
             10 => Kind::Issue,
+            11 => Kind::Sharded,
             _ => return None,
         })
     }

@@ -169,9 +169,11 @@ pub(crate) struct TrainArgs {
     /// devices have no bf16.
     #[arg(long, value_enum, default_value_t = hearth::train::Precision::Fp32)]
     precision: hearth::train::Precision,
-    /// Sharded optimizer (ZeRO) in data parallel: 1 keeps 1/N of the optimizer state on each
-    /// of the N ranks, 2 the averaged gradients too; 0 off. The state is checkpointed as whole
-    /// named tensors, so a run resumes on any number of ranks.
+    /// Sharded optimizer (ZeRO) in data parallel, pipelines with replicas and elastic
+    /// training: 1 keeps 1/N of the optimizer state on each of the N ranks, 2 the averaged
+    /// gradients too; 0 off (elastic workers also keep a replica of the next one's share, so a
+    /// lost worker loses no state). The state is checkpointed as whole named tensors, so a run
+    /// resumes on any number of ranks.
     #[arg(long, value_name = "STAGE", default_value_t = 0)]
     zero: u8,
     /// Activation recomputation: keep only each unit's input (a ResNet block, a DenseNet

@@ -467,15 +467,19 @@ impl TrainConfig {
                 "--pipeline-stages and one replica per stage: --zero shards a stage's state over \
                  its replicas (--nproc P x D with D of 2 or more)",
             )
-        } else if self.elastic.is_some() {
-            Some("--elastic: not built yet (a membership change would re-shard the state)")
+        } else if self.elastic.is_some() && self.freeze_backbone && self.unfreeze_after.is_some() {
+            Some(
+                "--elastic and --unfreeze-after: not built yet (the fine-tuning switch would \
+                 re-shard the state over the tensors it adds)",
+            )
         } else {
             None
         };
         if let Some(why) = mode {
             return bad(format!("--zero does not work with {why}"));
         }
-        if self.dist.as_ref().is_none_or(|d| d.world < 2) {
+        // An elastic job's workers come and go (a joiner has no launch world at all).
+        if self.elastic.is_none() && self.dist.as_ref().is_none_or(|d| d.world < 2) {
             return bad(format!(
                 "--zero {} shards the optimizer over data-parallel ranks, and a one-process run \
                  has one: add --nproc N (or launch it as a job)",

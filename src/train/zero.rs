@@ -22,11 +22,14 @@
 //! tensor without state the same way): the Learner's phase reads the head's file with
 //! `new_tensors_at_zero`, a pipeline stage moves its state over with `refit`.
 //!
+//! Elastic training keeps a replica of the next worker's shard and re-shards the state at
+//! every change of membership (`elastic/sharded.rs`).
+//!
 //! Not built yet, and refused by name ([`TrainConfig::validate`]): `--zero` with the
 //! parameter servers (whose servers already hold the state sharded), pipelines of one replica
-//! per stage (nothing to shard over), elastic training, and `--unfreeze-after` with Adam or
-//! AdamW (the tensors the fine-tuning phase adds would need their own step count for the bias
-//! correction; the sharded optimizer keeps one).
+//! per stage (nothing to shard over), `--unfreeze-after` in elastic training, and
+//! `--unfreeze-after` with Adam or AdamW (the tensors the fine-tuning phase adds would need
+//! their own step count for the bias correction; the sharded optimizer keeps one).
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};

@@ -186,6 +186,36 @@ impl Communicator {
         Ok(mine)
     }
 
+    /// Each rank's `mine` to the rank before it (rank `r` sends to `r - 1`, rank 0 to the
+    /// last) and what the rank after it sent, `len` values: a replica of the next rank's
+    /// segment (the elastic sharded optimizer's). Point to point, chunked; exact.
+    pub fn shift_down(&self, mine: &[f32], len: usize) -> Result<Vec<f32>> {
+        let (n, r) = (self.world(), self.rank());
+        let op = self.next_op();
+        if n == 1 {
+            return Ok(mine.to_vec());
+        }
+        let (to, from) = ((r + n - 1) % n, (r + 1) % n);
+        let chunk = self.chunk_elems;
+        let chunks = mine.len().div_ceil(chunk).max(1);
+        for c in 0..chunks {
+            let part = &mine[(c * chunk).min(mine.len())..((c + 1) * chunk).min(mine.len())];
+            self.send(to, tag(op, r, c), f32_to_bytes(part))?;
+        }
+        let mut out = vec![0f32; len];
+        let expect = len.div_ceil(chunk).max(1);
+        for c in 0..expect {
+            let (lo, hi) = ((c * chunk).min(len), ((c + 1) * chunk).min(len));
+            let bytes = self.recv(from, tag(op, from, c), "shift")?;
+            let v = bytes_to_f32(&bytes, hi - lo).map_err(|e| DistError::Mismatch {
+                op: "shift".into(),
+                reason: format!("rank {from} sent a chunk that does not fit: {e}"),
+            })?;
+            out[lo..hi].copy_from_slice(&v);
+        }
+        Ok(out)
+    }
+
     /// `[start, end)` of rank `rank`'s segment of a `len`-value buffer in
     /// [`Communicator::reduce_scatter`]: `rank * len / n .. (rank + 1) * len / n`.
     pub fn segment_of(&self, len: usize, rank: usize) -> (usize, usize) {

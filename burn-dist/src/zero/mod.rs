@@ -122,6 +122,7 @@ struct Bucket {
 /// owning segment `r` of every bucket: `1/N` of the values, balanced by bytes. A step works
 /// bucket by bucket, so besides the model a rank holds its shard and one bucket in flight,
 /// never a second copy of the whole vector.
+#[derive(Clone)]
 pub struct ZeroOptimizer {
     stage: Stage,
     rank: usize,
@@ -137,6 +138,24 @@ pub struct ZeroOptimizer {
     updates: u64,
     /// A saved state of a subset of the tensors is taken, the others starting from zero.
     new_at_zero: bool,
+    /// How the ranks' gradients combine: their mean (data parallel: every rank's is the mean
+    /// over its own samples) or their sum (elastic: each already weighted by its share).
+    reduce: ReduceOp,
+    /// The next rank's segments held too, updated alike ([`ZeroOptimizer::with_replica`]).
+    replica: Option<Replica>,
+    /// Updates applied to this rank's segments: one more than `updates` while a step is
+    /// between its local update and the end of its all-gather (see [`Self::applied`]).
+    applied: u64,
+}
+
+/// A copy of the next rank's segments of the state, kept up to date by computing its update
+/// too: should that rank fail, its state survives here.
+#[derive(Clone)]
+struct Replica {
+    /// The rank whose segments these are.
+    of: usize,
+    mine: Vec<ShardOptimizer>,
+    state: Vec<Vec<f32>>,
 }
 
 impl std::fmt::Debug for ZeroOptimizer {
@@ -196,6 +215,9 @@ impl ZeroOptimizer {
             buckets,
             updates: 0,
             new_at_zero: false,
+            reduce: ReduceOp::Mean,
+            replica: None,
+            applied: 0,
         };
         z.mine = (0..z.buckets.len())
             .map(|b| z.whole.restrict(z.segment(b, rank)))
@@ -217,10 +239,64 @@ impl ZeroOptimizer {
         self
     }
 
+    /// Sums the ranks' gradients instead of averaging them: each rank's gradient is already
+    /// weighted by its share of the global batch (elastic training's uneven shares).
+    pub fn with_summed_gradients(mut self) -> Self {
+        self.reduce = ReduceOp::Sum;
+        self
+    }
+
+    /// Also holds and updates the next rank's segments of the state (rank `r` holds `r + 1`'s,
+    /// the last rank holds rank 0's): twice the state of a plain shard, and the update of two
+    /// segments a step, so that the state of any one rank, or of several no two of them
+    /// neighbours, outlives it ([`Self::reshard_from`]). Stage 2 then sends each rank's
+    /// averaged gradient segment to the rank before it too. No effect on a world of one.
+    pub fn with_replica(mut self) -> Self {
+        if self.world >= 2 {
+            let of = (self.rank + 1) % self.world;
+            self.replica = Some(Replica {
+                of,
+                mine: (0..self.buckets.len())
+                    .map(|b| self.whole.restrict(self.segment(b, of)))
+                    .collect(),
+                state: vec![Vec::new(); self.buckets.len()],
+            });
+        }
+        self
+    }
+
+    /// Whether this rank holds a replica of the next rank's segments.
+    pub fn has_replica(&self) -> bool {
+        self.replica.is_some()
+    }
+
+    /// Updates applied to this rank's segments: [`Self::updates`], or one more when a step
+    /// failed after its local update, in its all-gather (a copy taken before the step then
+    /// holds the state after it, which the ranks that finished the step hold too).
+    pub fn applied(&self) -> u64 {
+        self.applied
+    }
+
+    /// Counts the local update of a step that failed in its all-gather as taken: the state a
+    /// rank adopts when another rank finished that step.
+    pub fn confirm_applied(&mut self) {
+        self.updates = self.applied;
+    }
+
+    /// The world this shard was cut for, and its rank there.
+    pub fn world(&self) -> (usize, usize) {
+        (self.world, self.rank)
+    }
+
     /// Rank `r`'s segment of bucket `b`, in the whole vector.
     fn segment(&self, b: usize, r: usize) -> Range<usize> {
+        self.segment_in(b, r, self.world)
+    }
+
+    /// Rank `r`'s segment of bucket `b` in a world of `world`.
+    fn segment_in(&self, b: usize, r: usize, world: usize) -> Range<usize> {
         let range = &self.buckets[b].range;
-        let (lo, hi) = segment(range.len(), self.world, r);
+        let (lo, hi) = segment(range.len(), world, r);
         range.start + lo..range.start + hi
     }
 
@@ -253,18 +329,26 @@ impl ZeroOptimizer {
     /// The optimizer state this rank holds, in values (what sharding saves: a rank of plain
     /// data parallel holds the whole vector's).
     pub fn state_len(&self) -> usize {
-        self.state.iter().map(Vec::len).sum()
+        self.state.iter().map(Vec::len).sum::<usize>()
+            + self
+                .replica
+                .as_ref()
+                .map_or(0, |r| r.state.iter().map(Vec::len).sum())
     }
 
     /// A description of this rank's shard, for logs.
     pub fn describe(&self) -> String {
         format!(
-            "{} of {} values (segment {} of {} in each of {} buckets)",
+            "{} of {} values (segment {} of {} in each of {} buckets){}",
             self.shard_len(),
             self.total(),
             self.rank,
             self.world,
-            self.buckets.len()
+            self.buckets.len(),
+            match &self.replica {
+                Some(r) => format!(", and a replica of segment {}", r.of),
+                None => String::new(),
+            }
         )
     }
 
@@ -283,6 +367,7 @@ impl ZeroOptimizer {
     ) -> Result<Stepped> {
         // 1. Each bucket's averaged gradient, this rank's segment kept.
         let mut grads = Vec::with_capacity(self.buckets.len());
+        let mut theirs = Vec::new();
         let mut finite = true;
         for b in 0..self.buckets.len() {
             let bucket = self.buckets[b].clone();
@@ -299,14 +384,23 @@ impl ZeroOptimizer {
                     ),
                 });
             }
+            let rel =
+                |seg: Range<usize>| seg.start - bucket.range.start..seg.end - bucket.range.start;
             let mine = match self.stage {
                 Stage::One => {
-                    comm.allreduce(&mut g, ReduceOp::Mean)?;
-                    let seg = self.segment(b, self.rank);
-                    let rel = seg.start - bucket.range.start..seg.end - bucket.range.start;
-                    g[rel].to_vec()
+                    comm.allreduce(&mut g, self.reduce)?;
+                    if let Some(r) = &self.replica {
+                        theirs.push(g[rel(self.segment(b, r.of))].to_vec());
+                    }
+                    g[rel(self.segment(b, self.rank))].to_vec()
                 }
-                Stage::Two => comm.reduce_scatter(g, ReduceOp::Mean)?,
+                Stage::Two => {
+                    let mine = comm.reduce_scatter(g, self.reduce)?;
+                    if let Some(r) = &self.replica {
+                        theirs.push(comm.shift_down(&mine, self.segment(b, r.of).len())?);
+                    }
+                    mine
+                }
             };
             finite &= mine.iter().all(|x| x.is_finite());
             grads.push(mine);
@@ -351,6 +445,14 @@ impl ZeroOptimizer {
             }
         }
         let (updates, norms) = (self.updates, norms.as_deref());
+        // The replica's segments: updated alike, their values dropped (the all-gather brings
+        // the owner's, the same).
+        let mut replica_values: Vec<Vec<f32>> = match &self.replica {
+            Some(r) => (0..self.buckets.len())
+                .map(|b| source.values(self.segment(b, r.of)))
+                .collect(),
+            None => Vec::new(),
+        };
         let mut work: Vec<_> = self
             .mine
             .iter()
@@ -358,6 +460,15 @@ impl ZeroOptimizer {
             .zip(grads.drain(..))
             .zip(self.state.iter_mut())
             .collect();
+        if let Some(r) = self.replica.as_mut() {
+            work.extend(
+                r.mine
+                    .iter()
+                    .zip(replica_values.iter_mut())
+                    .zip(theirs.drain(..))
+                    .zip(r.state.iter_mut()),
+            );
+        }
         let threads = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
             .min(work.len())
@@ -380,6 +491,8 @@ impl ZeroOptimizer {
                 });
             }
         });
+        drop(replica_values);
+        self.applied = self.updates + 1;
         let mut out: Vec<Vec<f32>> = self
             .tensors
             .iter()
@@ -402,6 +515,7 @@ impl ZeroOptimizer {
             }
         }
         self.updates += 1;
+        self.applied = self.updates;
         Ok(Stepped::Updated(out))
     }
 

@@ -109,13 +109,7 @@ fn run(
                     } else {
                         g
                     };
-                    let mut source = FlatSource {
-                        grad: &g,
-                        values: &values,
-                        offsets: vec![0, 7, 9, 20, 23],
-                    };
-                    let lr = o.lr_at(z.updates());
-                    match z.step(&comm, &mut source, lr, &mut |f| f).unwrap() {
+                    match step_on(&mut z, &comm, &o, &g, &values) {
                         Stepped::Updated(v) => {
                             assert_eq!(v.len(), 4, "one vector per tensor");
                             values = v.concat();
@@ -135,6 +129,23 @@ fn run(
         state = state.or(s);
     }
     (all, state.unwrap())
+}
+
+/// One step of `z` at `o`'s rate with gradient `g` at `values`.
+fn step_on(
+    z: &mut ZeroOptimizer,
+    comm: &Communicator,
+    o: &ShardOptimizer,
+    g: &[f32],
+    values: &[f32],
+) -> Stepped {
+    let mut source = FlatSource {
+        grad: g,
+        values,
+        offsets: vec![0, 7, 9, 20, 23],
+    };
+    let lr = o.lr_at(z.updates());
+    z.step(comm, &mut source, lr, &mut |f| f).unwrap()
 }
 
 /// The reference: one process on the whole vector with the mean of the ranks' gradients.
@@ -366,5 +377,156 @@ fn a_read_that_fails_while_scattering_is_an_error_on_every_rank_not_a_hang() {
                 assert!(e.contains("unexpected end of file"), "{e}");
             }
         }
+    }
+}
+
+/// `steps` steps on `world` ranks keeping replicas, each rank's gradient weighted by `1/world`
+/// and summed (elastic's shares): every rank's optimizer after them and the gathered state.
+fn run_replicated(
+    update: Update,
+    stage: Stage,
+    world: usize,
+    steps: u64,
+) -> (Vec<ZeroOptimizer>, Vec<f32>, WholeState) {
+    let handles: Vec<_> = MemoryTransport::mesh(world)
+        .into_iter()
+        .map(|t| {
+            thread::spawn(move || {
+                let comm = Communicator::new(Arc::new(t))
+                    .with_timeout(std::time::Duration::from_secs(20))
+                    .with_chunk_elems(4);
+                let o = optimizer(update);
+                let mut z = ZeroOptimizer::new(stage, &tensors(), o.clone(), &comm, 40)
+                    .unwrap()
+                    .with_summed_gradients()
+                    .with_replica();
+                assert!(z.has_replica());
+                let mut values: Vec<f32> = (0..23).map(|i| (i as f32 - 11.0) / 10.0).collect();
+                for t in 0..steps {
+                    let g: Vec<f32> = grad(comm.rank(), t, &values)
+                        .into_iter()
+                        .map(|x| x / world as f32)
+                        .collect();
+                    match step_on(&mut z, &comm, &o, &g, &values) {
+                        Stepped::Updated(v) => values = v.concat(),
+                        Stepped::Skipped => panic!("no step is skipped here"),
+                    }
+                }
+                let whole = z.gather_state(&comm, 0).unwrap();
+                (z, values, whole)
+            })
+        })
+        .collect();
+    let mut zs = Vec::new();
+    let (mut values, mut state) = (Vec::new(), None);
+    for h in handles {
+        let (z, v, s) = h.join().unwrap();
+        zs.push(z);
+        values = v;
+        state = state.or(s);
+    }
+    (zs, values, state.unwrap())
+}
+
+/// A new world whose rank `i` was old rank `olds[i]` (`None`: a joiner) takes the old state;
+/// each rank's result.
+fn reshard(
+    update: Update,
+    stage: Stage,
+    old: &[ZeroOptimizer],
+    olds: &[Option<usize>],
+) -> Vec<Result<(ZeroOptimizer, Option<WholeState>)>> {
+    let handles: Vec<_> = MemoryTransport::mesh(olds.len())
+        .into_iter()
+        .zip(olds)
+        .map(|(t, o)| {
+            let mine = o.map(|o| old[o].clone());
+            thread::spawn(move || {
+                let comm = Communicator::new(Arc::new(t))
+                    .with_timeout(std::time::Duration::from_secs(20))
+                    .with_chunk_elems(4);
+                let mut z = ZeroOptimizer::new(stage, &tensors(), optimizer(update), &comm, 40)?
+                    .with_summed_gradients()
+                    .with_replica();
+                z.reshard_from(&comm, mine.as_ref())?;
+                let whole = z.gather_state(&comm, 0)?;
+                Ok((z, whole))
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn summed_weighted_gradients_with_replicas_equal_the_mean_without() {
+    for update in updates() {
+        for stage in [Stage::One, Stage::Two] {
+            let (want, want_state) = reference(update, 4, 3);
+            let (zs, got, state) = run_replicated(update, stage, 4, 3);
+            close(&got, &want, &format!("{update:?} {stage:?} values"));
+            let flat: Vec<f32> = state.slots.iter().flat_map(|s| s.1.clone()).collect();
+            close(&flat, &want_state, &format!("{update:?} {stage:?} state"));
+            // Each replica is its owner's state, bit for bit.
+            for z in &zs {
+                let r = z.replica.as_ref().unwrap();
+                assert_eq!(
+                    r.state, zs[r.of].state,
+                    "{update:?} {stage:?} replica of {}",
+                    r.of
+                );
+                assert_eq!(z.applied(), 3);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_lost_rank_s_state_comes_back_from_its_replica_on_any_new_world() {
+    for update in updates() {
+        for stage in [Stage::One, Stage::Two] {
+            let (zs, _, whole) = run_replicated(update, stage, 4, 3);
+            // Old rank 2 died: 0, 1, 3 go on with a joiner; then 3 and 1 alone; then
+            // 1 and 3 reversed with two joiners (rank 0 must be an old member).
+            for olds in [
+                vec![Some(0), Some(1), Some(3), None],
+                vec![Some(3), Some(1)],
+                vec![Some(1), None, Some(3), None, None],
+                vec![Some(0), Some(1), Some(2), Some(3)],
+            ] {
+                let out = reshard(update, stage, &zs, &olds);
+                let mut gathered = None;
+                for r in out {
+                    let (z, w) = r.unwrap_or_else(|e| panic!("{update:?} {olds:?}: {e}"));
+                    assert_eq!(z.updates(), 3);
+                    if let Some(r) = &z.replica {
+                        assert_eq!(r.state.len(), z.state.len());
+                    }
+                    gathered = gathered.or(w);
+                }
+                let gathered = gathered.unwrap();
+                assert_eq!(gathered.slots, whole.slots, "{update:?} {stage:?} {olds:?}");
+                assert_eq!(gathered.updates, whole.updates);
+            }
+        }
+    }
+}
+
+#[test]
+fn neighbours_lost_together_are_an_error_on_every_rank_naming_them() {
+    let update = Update::adam();
+    let (zs, _, _) = run_replicated(update, Stage::Two, 4, 2);
+    // Old ranks 1 and 2 (2's replica is on 1) both gone.
+    for r in reshard(update, Stage::Two, &zs, &[Some(0), Some(3), None]) {
+        let e = r.err().expect("an error on every rank").to_string();
+        assert!(e.contains("old rank(s) [2]"), "{e}");
+    }
+    // A joiner as rank 0: refused on every rank, no hang.
+    for r in reshard(
+        update,
+        Stage::Two,
+        &zs,
+        &[None, Some(0), Some(1), Some(2), Some(3)],
+    ) {
+        assert!(r.is_err());
     }
 }

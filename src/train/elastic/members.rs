@@ -47,6 +47,10 @@ impl<T: Trainee> Members<'_, '_, '_, T> {
             }
         };
         if leaving.contains(&world.rank()) {
+            if leaving.len() == world.size() {
+                // --zero: every member hands its shard to rank 0's file first.
+                self.run.save_shards(world, self.commit.step)?;
+            }
             if leaving.len() == world.size() && world.rank() == 0 {
                 let saved = self.run.save_state(&self.commit, world)?;
                 log(&format!(
@@ -66,12 +70,21 @@ impl<T: Trainee> Members<'_, '_, '_, T> {
                 step: self.commit.step,
             });
         }
+        let mine = self.commit.step;
         let (next, commit) = self
             .run
             .change(world, self.commit.clone(), &leaving, &lost, log)?;
         self.world.transport.shutdown(Duration::from_secs(1));
         self.world = next;
         self.commit = commit;
+        if let Some(z) = self.run.zero.take() {
+            // --zero: the optimizer state re-sharded over the new world.
+            self.run.zero =
+                Some(
+                    self.run
+                        .reshard(&self.world, &self.commit, Some((z, mine)), log)?,
+                );
+        }
         // The new rank 0 writes the files, from the table the state carries.
         self.epochs.set_writer(self.world.rank() == 0);
         self.epochs.set_rows(self.commit.rows.clone());
@@ -133,6 +146,8 @@ impl<T: Trainee> Strategy for Members<'_, '_, '_, T> {
             c.epoch_started = c.elapsed;
         }
         c.rows = self.epochs.rows();
+        // --zero: every member streams its shard into rank 0's file of this step first.
+        self.run.save_shards(&self.world, self.commit.step)?;
         if self.world.rank() == 0 {
             let t = Instant::now();
             self.run

@@ -206,6 +206,9 @@ struct World {
     number: u32,
     transport: Arc<RoutedTransport>,
     comm: Communicator,
+    /// The sharded optimizer's collectives (`--zero`): their own tag space, with the run's
+    /// `--compression`.
+    sharded: Communicator,
     members: Vec<Worker>,
     /// Each member's weight in the batch split.
     weights: Vec<f64>,
@@ -268,6 +271,8 @@ struct ElasticRun<'a, T: Trainee> {
     freeze_secs: Option<u64>,
     /// `HEARTH_FP16_OVERFLOW_AT_STEP` for this worker's id.
     overflow_at: Option<u64>,
+    /// `--zero`: this worker's shard of the optimizer (the commit's `optim` is then unused).
+    zero: Option<sharded::Sharded>,
 }
 
 /// A short fingerprint of a model's values (FNV-1a over the f32 bits), to show in logs that
@@ -304,6 +309,7 @@ const REBALANCE_EVERY: u64 = 8;
 
 mod fence;
 mod members;
+mod sharded;
 mod state;
 mod step;
 mod world;
@@ -413,6 +419,7 @@ pub(super) fn train_with<R: Recipe>(
         freeze_at: None,
         freeze_secs: None,
         overflow_at: None,
+        zero: None,
     };
     run.die_at = hook("HEARTH_ELASTIC_DIE_AT_STEP", &run.me.id);
     run.freeze_at = hook("HEARTH_ELASTIC_FREEZE_AT_STEP", &run.me.id);
@@ -424,6 +431,12 @@ pub(super) fn train_with<R: Recipe>(
         Some(info) => run.first_world(info, log)?,
         None => run.join_world(log)?,
     };
+    if cfg.zero > 0 {
+        run.zero = Some(match &initial {
+            Some(_) => run.first_shards(&world, &commit, log)?,
+            None => run.reshard(&world, &commit, None, log)?,
+        });
+    }
     run.train(world, commit, log)
 }
 

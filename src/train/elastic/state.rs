@@ -53,6 +53,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
             "finished": c.finished,
             "loss_scale": c.scaler.as_ref().map(LossScaler::to_json),
             "epoch_skipped": c.epoch_skipped,
+            // --zero: the optimizer state is in checkpoint/elastic-zero/, not below.
+            "zero": self.cfg.zero > 0,
             "launch": self.launch,
             // The coordinator's blacklist and failure counts, for whoever coordinates next.
             "health": {
@@ -206,6 +208,13 @@ impl<T: Trainee> ElasticRun<'_, T> {
         {
             return Ok(false);
         }
+        if self.zero.is_some()
+            && !crate::train::zero::state_file(&sharded::state_dir(self.cfg), c.step as usize)
+                .is_file()
+        {
+            // The sharded state of this step was not written (one worker cannot alone).
+            return Ok(false);
+        }
         let bytes = self.encode(c, world.number, &world.members, &world.coordinator_join)?;
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|source| HearthError::Write {
@@ -228,6 +237,25 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 path.display()
             ))
         })?;
+        let zero = saved_meta(&bytes)
+            .and_then(|m| m["zero"].as_bool())
+            .unwrap_or(false);
+        if zero != (self.cfg.zero > 0) {
+            return Err(HearthError::InvalidArgument(format!(
+                "--resume: {} was written {}; resume {}",
+                path.display(),
+                if zero {
+                    "with --zero (its optimizer state is in checkpoint/elastic-zero/)"
+                } else {
+                    "without --zero"
+                },
+                if zero {
+                    "with --zero 1 or 2, on any number of workers"
+                } else {
+                    "without --zero"
+                }
+            )));
+        }
         let mut c = self
             .decode(&bytes)
             .map_err(|e| {
@@ -244,8 +272,11 @@ impl<T: Trainee> ElasticRun<'_, T> {
 
 /// The step a saved state holds, from its leading metadata alone (no model is built).
 fn saved_step(bytes: &[u8]) -> Option<u64> {
+    saved_meta(bytes)?["step"].as_u64()
+}
+
+/// A saved state's leading metadata.
+fn saved_meta(bytes: &[u8]) -> Option<serde_json::Value> {
     let len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
-    let meta: serde_json::Value =
-        serde_json::from_slice(bytes.get(8..8usize.checked_add(len)?)?).ok()?;
-    meta["step"].as_u64()
+    serde_json::from_slice(bytes.get(8..8usize.checked_add(len)?)?).ok()
 }

@@ -144,35 +144,70 @@ impl<T: Trainee> ElasticRun<'_, T> {
                     control[w + 3]
                 )));
             }
-            // The shares are weighted in the loss already: the sum is the global mean.
-            if let Err(e) = burn_dist::ddp::allreduce_grads_scaled(
-                &commit.model,
-                &mut grads,
-                &world.comm,
-                self.cfg.bucket_bytes,
-                1.0,
-                self.cfg.compression,
-            ) {
-                return Ok(Interrupt::Failed(e.to_string()));
-            }
-
-            // fp16: every member holds the same averaged gradients, so all take the same
-            // verdict; a skipped step still counts (its samples and the schedule go on).
-            let mut scaler = commit.scaler.clone();
-            let take = match &mut scaler {
-                Some(s) => s.decide(burn_dist::ddp::grads_finite(&commit.model, &grads)),
-                None => true,
-            };
-
-            // The commit: nothing above changed any state.
             let lr = self
                 .rates
                 .rate(commit.epoch as usize + 1, commit.step as usize);
-            if take {
-                let model = commit.model.clone();
-                commit.model = commit.optim.step(lr, model, grads);
+            let mut scaler = commit.scaler.clone();
+            if let Some(z) = self.zero.as_mut() {
+                // --zero: the shard's step on a copy (the commit's shard stays as it was
+                // should the step fail); the gradients are summed (the shares are weighted in
+                // the loss already), one fp16 verdict for the job inside it.
+                let mut next = z.current.clone();
+                let stepped = burn_dist::zero::module::sharded_step(
+                    &mut next,
+                    &commit.model,
+                    grads,
+                    &world.sharded,
+                    lr,
+                    &mut |finite| match &mut scaler {
+                        Some(s) => s.decide(finite),
+                        None => true,
+                    },
+                );
+                match stepped {
+                    Err(e) => {
+                        // Failed in the all-gather after the local update: another member
+                        // may have finished the step (see sharded.rs).
+                        if next.applied() > next.updates() {
+                            z.pending = Some(next);
+                        }
+                        return Ok(Interrupt::Failed(e.to_string()));
+                    }
+                    Ok(Some(model)) => {
+                        let before = std::mem::replace(&mut z.current, next);
+                        z.previous = Some((z.since, before));
+                        z.since = commit.step + 1;
+                        commit.model = model;
+                    }
+                    Ok(None) => commit.epoch_skipped += 1,
+                }
             } else {
-                commit.epoch_skipped += 1;
+                // The shares are weighted in the loss already: the sum is the global mean.
+                if let Err(e) = burn_dist::ddp::allreduce_grads_scaled(
+                    &commit.model,
+                    &mut grads,
+                    &world.comm,
+                    self.cfg.bucket_bytes,
+                    1.0,
+                    self.cfg.compression,
+                ) {
+                    return Ok(Interrupt::Failed(e.to_string()));
+                }
+
+                // fp16: every member holds the same averaged gradients, so all take the same
+                // verdict; a skipped step still counts (its samples and the schedule go on).
+                let take = match &mut scaler {
+                    Some(s) => s.decide(burn_dist::ddp::grads_finite(&commit.model, &grads)),
+                    None => true,
+                };
+
+                // The commit: nothing above changed any state.
+                if take {
+                    let model = commit.model.clone();
+                    commit.model = commit.optim.step(lr, model, grads);
+                } else {
+                    commit.epoch_skipped += 1;
+                }
             }
             commit.scaler = scaler;
             let now = unix_now() - commit.start_unix;
@@ -185,8 +220,36 @@ impl<T: Trainee> ElasticRun<'_, T> {
             commit.sums[1] += f64::from(control[w + 2]);
             commit.sums[2] += total as f64;
             commit.world_log.push((commit.step, now, w));
+            if let Some(z) = self.zero.as_mut() {
+                // Every member finished the step: the shard before it is no longer needed.
+                let mut ack = [0f32];
+                if let Err(e) = world.comm.allreduce(&mut ack, ReduceOp::Sum) {
+                    return Ok(Interrupt::Failed(e.to_string()));
+                }
+                z.previous = None;
+                z.pending = None;
+            }
 
-            let leaving: Vec<usize> = (0..w).filter(|&r| control[r] > 0.5).collect();
+            let mut leaving: Vec<usize> = (0..w).filter(|&r| control[r] > 0.5).collect();
+            if self.zero.is_some() && leaving.len() < w {
+                // --zero: a worker's state lives on with it and the worker before it (its
+                // replica), so two neighbours never leave in one change: the second asks
+                // again after the next step (every member filters alike).
+                let mut go: Vec<usize> = Vec::new();
+                for &r in &leaving {
+                    let (before, after) = ((r + w - 1) % w, (r + 1) % w);
+                    if !go.contains(&before) && !go.contains(&after) {
+                        go.push(r);
+                    }
+                }
+                if go.len() < leaving.len() && world.rank() == 0 {
+                    log(&format!(
+                        "--zero: of the workers asking to leave, {go:?} leave now (neighbours \
+                         leave one change at a time)"
+                    ));
+                }
+                leaving = go;
+            }
             if !leaving.is_empty() || control[w] > 0.5 {
                 return Ok(Interrupt::Planned { leaving });
             }
@@ -313,6 +376,9 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 let _ = std::fs::remove_file(model_checkpoint(dir, old));
             }
         }
-        self.save_state(c, world).map(|_| ())
+        if self.save_state(c, world)? && self.zero.is_some() {
+            self.prune_shards(c.step);
+        }
+        Ok(())
     }
 }

@@ -175,11 +175,15 @@ impl<T: Trainee> ElasticRun<'_, T> {
             self.join.set_role(Role::Redirect(coordinator_join.clone()));
         }
         let weights = vec![1.0; members.len()];
+        let sharded = comm
+            .sibling(Kind::Sharded)
+            .with_compression(self.cfg.compression);
         Ok((
             World {
                 number,
                 transport,
                 comm,
+                sharded,
                 members,
                 weights,
                 coordinator_join,
@@ -274,7 +278,18 @@ impl<T: Trainee> ElasticRun<'_, T> {
                         members: Vec::new(),
                     };
                     let _ = give_up.send_to(world.transport.as_ref(), &survivors);
-                    let state = if saved {
+                    let sharded = crate::train::zero::state_file(
+                        &sharded::state_dir(self.cfg),
+                        commit.step as usize,
+                    );
+                    let state = if !saved && self.zero.is_some() && !sharded.is_file() {
+                        format!(
+                            "the optimizer state is sharded over the workers (--zero) and one \
+                             cannot write it alone: {} keeps the last state saved, at an \
+                             epoch's end (the steps since are lost)",
+                            self.state_file().display()
+                        )
+                    } else if saved {
                         format!("state saved in {}", self.state_file().display())
                     } else {
                         format!(
