@@ -486,19 +486,6 @@ impl TrainConfig {
                 self.zero
             ));
         }
-        let adam = matches!(self.optimizer, OptimizerKind::Adam | OptimizerKind::AdamW);
-        if self.freeze_backbone && self.unfreeze_after.is_some() && adam {
-            return bad(format!(
-                "--zero with --unfreeze-after and --optimizer {}: not built yet (the tensors the \
-                 fine-tuning phase adds need their own Adam step count, and the sharded \
-                 optimizer keeps one); SGD and LARS work",
-                if self.optimizer == OptimizerKind::Adam {
-                    "adam"
-                } else {
-                    "adamw"
-                }
-            ));
-        }
         Ok(())
     }
 

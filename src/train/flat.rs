@@ -52,6 +52,7 @@ pub(super) fn flat_optimizer(
         lr: Arc::new(move |step| schedule.lr_at(step as usize) as f32),
         tensors: Vec::new(),
         origin: 0,
+        born: Vec::new(),
     })
 }
 

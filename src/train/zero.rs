@@ -17,19 +17,19 @@
 //! stage's replicas (`pipeline/`, `--nproc P x D`; each stage's file in its
 //! `checkpoint/stage-<s>/`); all step through burn-dist's `zero::module::sharded_step`.
 //!
-//! `--unfreeze-after` with SGD or LARS: the fine-tuning phase starts from the frozen phase's
-//! state of the head, the backbone's tensors from a zero state (burn's optimizers start a
-//! tensor without state the same way): the Learner's phase reads the head's file with
-//! `new_tensors_at_zero`, a pipeline stage moves its state over with `refit`.
+//! `--unfreeze-after`: the fine-tuning phase starts from the frozen phase's state of the head,
+//! the backbone's tensors from a zero state (burn's optimizers start a tensor without state the
+//! same way), and Adam/AdamW count the backbone's steps from the switch (the update count each
+//! tensor joined at, `born` in the file's metadata, as burn's per-tensor step count): the
+//! Learner's phase reads the head's file with `new_tensors_at_zero`, a pipeline stage moves its
+//! state over with `refit`.
 //!
 //! Elastic training keeps a replica of the next worker's shard and re-shards the state at
 //! every change of membership (`elastic/sharded.rs`).
 //!
 //! Not built yet, and refused by name ([`TrainConfig::validate`]): `--zero` with the
 //! parameter servers (whose servers already hold the state sharded), pipelines of one replica
-//! per stage (nothing to shard over), `--unfreeze-after` in elastic training, and
-//! `--unfreeze-after` with Adam or AdamW (the tensors the fine-tuning phase adds would need
-//! their own step count for the bias correction; the sharded optimizer keeps one).
+//! per stage (nothing to shard over) and `--unfreeze-after` in elastic training.
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -247,15 +247,17 @@ impl Files {
             .map(|(n, l)| (n.as_str(), *l))
             .collect();
         let mut header = serde_json::Map::new();
-        header.insert(
-            "__metadata__".into(),
-            serde_json::json!({
-                "format": FORMAT,
-                "updates": layout.updates.to_string(),
-                "tensors": serde_json::json!(tensors).to_string(),
-                "slots": serde_json::json!(layout.slots).to_string(),
-            }),
-        );
+        let mut meta = serde_json::json!({
+            "format": FORMAT,
+            "updates": layout.updates.to_string(),
+            "tensors": serde_json::json!(tensors).to_string(),
+            "slots": serde_json::json!(layout.slots).to_string(),
+        });
+        if !layout.born.is_empty() {
+            // Adam's per-tensor counts after a fine-tuning switch (absent: all 0).
+            meta["born"] = serde_json::json!(layout.born).to_string().into();
+        }
+        header.insert("__metadata__".into(), meta);
         let mut at = 0usize;
         for slot in &layout.slots {
             for (name, len) in &layout.tensors {
@@ -292,6 +294,7 @@ impl Files {
             tensors: state.tensors.clone(),
             updates: state.updates,
             slots: state.slots.iter().map(|s| s.0.clone()).collect(),
+            born: state.born.clone(),
         };
         let mut w = self.start(epoch, &layout)?;
         for (_, values) in &state.slots {
@@ -387,6 +390,8 @@ pub struct StateFile {
     slots: Vec<String>,
     /// Per slot, per tensor: the byte offset of its values in the file.
     at: Vec<Vec<u64>>,
+    /// Per tensor: the update count when it joined (empty: all 0).
+    born: Vec<u64>,
 }
 
 /// The longest header a state file may have (names and offsets of every tensor and slot).
@@ -439,6 +444,17 @@ pub fn open_state(path: &Path) -> Result<StateFile> {
         serde_json::from_str(field("tensors")?).map_err(|e| bad(format!("tensors: {e}")))?;
     let slots: Vec<String> =
         serde_json::from_str(field("slots")?).map_err(|e| bad(format!("slots: {e}")))?;
+    let born: Vec<u64> = match meta.get("born").and_then(|v| v.as_str()) {
+        Some(text) => serde_json::from_str(text).map_err(|e| bad(format!("born: {e}")))?,
+        None => Vec::new(),
+    };
+    if !born.is_empty() && born.len() != tensors.len() {
+        return Err(bad(format!(
+            "born lists {} tensors, the file holds {}",
+            born.len(),
+            tensors.len()
+        )));
+    }
     let data = 8 + n;
     let mut at = Vec::with_capacity(slots.len());
     for slot in &slots {
@@ -482,6 +498,7 @@ pub fn open_state(path: &Path) -> Result<StateFile> {
         updates,
         slots,
         at,
+        born,
     })
 }
 
@@ -496,6 +513,10 @@ impl burn_dist::zero::StateReader for StateFile {
 
     fn slot_names(&self) -> Vec<String> {
         self.slots.clone()
+    }
+
+    fn born(&self) -> Vec<u64> {
+        self.born.clone()
     }
 
     fn read(
@@ -556,6 +577,7 @@ pub fn read_state(path: &Path) -> Result<WholeState> {
         tensors: f.tensors.clone(),
         updates: f.updates,
         slots,
+        born: f.born.clone(),
     })
 }
 
@@ -601,6 +623,8 @@ mod tests {
                     vec![0.5, 0.25, 0.0, -1.0, f32::MIN_POSITIVE],
                 ),
             ],
+            // b.weight joined at update 3 (a fine-tuning switch), a.bias at 0.
+            born: vec![3, 0],
         };
         for epoch in 1..=4 {
             files.write(epoch, &state).unwrap();

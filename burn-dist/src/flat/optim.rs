@@ -103,6 +103,11 @@ pub struct ShardOptimizer {
     /// Where the slice this optimizer updates starts in the whole vector (see
     /// [`Self::restrict`]).
     pub origin: usize,
+    /// Per tensor of [`Self::tensors`]: the update count when it joined the optimizer (empty:
+    /// all 0). Adam and AdamW count a tensor's steps from there for their bias correction, as
+    /// burn's optimizers count each tensor's own (a fine-tuning phase's backbone after a
+    /// frozen one); the other rules have no count.
+    pub born: Vec<u64>,
 }
 
 impl std::fmt::Debug for ShardOptimizer {
@@ -129,6 +134,7 @@ impl ShardOptimizer {
             lr: Arc::new(move |_| lr),
             tensors: Vec::new(),
             origin: 0,
+            born: Vec::new(),
         }
     }
 
@@ -193,6 +199,19 @@ impl ShardOptimizer {
                 let (a, b) = (e.range.start.max(lo), e.range.end.min(hi));
                 (a < b).then(|| (i, a - lo..b - lo, e.matrix))
             })
+            .collect()
+    }
+
+    /// Adam's step count (from 1) at update `step` over a slice of `n` values: one range with
+    /// `step + 1`, or per tensor where [`Self::born`] says some joined later.
+    fn counts(&self, step: u64, n: usize) -> Vec<(i32, Range<usize>)> {
+        let count = |born: u64| (step + 1).saturating_sub(born).clamp(1, i32::MAX as u64) as i32;
+        if self.born.iter().all(|&b| b == 0) {
+            return vec![(count(0), 0..n)];
+        }
+        self.parts(n)
+            .into_iter()
+            .map(|(i, r, _)| (count(self.born.get(i).copied().unwrap_or(0)), r))
             .collect()
     }
 
@@ -276,14 +295,15 @@ impl ShardOptimizer {
                 beta_2,
                 epsilon,
             } => {
-                let t = (step + 1).min(i32::MAX as u64) as i32;
                 let (m, s) = state.split_at_mut(n);
                 moments(m, s, &g, beta_1, beta_2);
-                let c2 = (1.0 - beta_2.powi(t)).sqrt();
-                let combined = c2 / (1.0 - beta_1.powi(t));
-                for i in 0..n {
-                    let d = (m[i] * combined) / (s[i].sqrt() + epsilon * c2);
-                    values[i] -= d * lr;
+                for (t, r) in self.counts(step, n) {
+                    let c2 = (1.0 - beta_2.powi(t)).sqrt();
+                    let combined = c2 / (1.0 - beta_1.powi(t));
+                    for i in r {
+                        let d = (m[i] * combined) / (s[i].sqrt() + epsilon * c2);
+                        values[i] -= d * lr;
+                    }
                 }
             }
             Update::AdamW {
@@ -291,10 +311,8 @@ impl ShardOptimizer {
                 beta_2,
                 epsilon,
             } => {
-                let t = (step + 1).min(i32::MAX as u64) as i32;
                 let (m, s) = state.split_at_mut(n);
                 moments(m, s, &g, beta_1, beta_2);
-                let (b1, b2) = (1.0 - beta_1.powi(t), 1.0 - beta_2.powi(t));
                 if self.weight_decay > 0.0 {
                     // Decoupled: the values shrink before the step, never the gradient.
                     let keep = 1.0 - (f64::from(lr) * f64::from(self.weight_decay)) as f32;
@@ -304,9 +322,12 @@ impl ShardOptimizer {
                             .for_each(|p| *p *= keep);
                     }
                 }
-                for i in 0..n {
-                    let d = (m[i] / b1) / ((s[i] / b2).sqrt() + epsilon);
-                    values[i] -= d * lr;
+                for (t, r) in self.counts(step, n) {
+                    let (b1, b2) = (1.0 - beta_1.powi(t), 1.0 - beta_2.powi(t));
+                    for i in r {
+                        let d = (m[i] / b1) / ((s[i] / b2).sqrt() + epsilon);
+                        values[i] -= d * lr;
+                    }
                 }
             }
             Update::Lars {
@@ -434,6 +455,7 @@ mod tests {
             lr: Arc::new(|_| 0.01),
             tensors: Vec::new(),
             origin: 0,
+            born: Vec::new(),
         };
         let mut p = vec![1.0, -2.0, 3.0];
         let mut s = Vec::new();
@@ -457,5 +479,63 @@ mod tests {
         o.decay = vec![0..4, 6..10];
         assert_eq!(o.restrict(3..8).decay, vec![0..1, 3..5]);
         assert!(o.restrict(4..6).decay.is_empty());
+    }
+
+    /// A tensor that joined at update 3 (a fine-tuning switch) is stepped as a fresh Adam on
+    /// it alone, the other as the Adam that has run since 0, in one slice and in shards.
+    #[test]
+    fn adam_counts_each_tensor_s_steps_from_when_it_joined() {
+        for update in [Update::adam(), Update::adamw()] {
+            let mut one = ShardOptimizer::sgd(0.01, 0.0);
+            one.update = update;
+            let grad = |t: u64, i: usize| ((t as usize * 3 + i) % 5) as f32 * 0.2 - 0.3;
+            // Tensor 0 (2 values) alone for updates 0..3.
+            let (mut a, mut sa) = (vec![1.0f32, -1.0], Vec::new());
+            for t in 0..3 {
+                one.step(t, &mut a, &[grad(t, 0), grad(t, 1)], &mut sa);
+            }
+            // Then both, tensor 1 joining at 3 with a zero state.
+            let mut both = one.clone();
+            both.tensors = vec![
+                Extent {
+                    range: 0..2,
+                    matrix: true,
+                },
+                Extent {
+                    range: 2..3,
+                    matrix: false,
+                },
+            ];
+            both.born = vec![0, 3];
+            let mut p = vec![a[0], a[1], 0.5];
+            let mut s = vec![sa[0], sa[1], 0.0, sa[2], sa[3], 0.0];
+            let (mut b, mut sb) = (vec![0.5f32], Vec::new());
+            // The second shard alone (values 2..3), as a ZeRO rank holds it.
+            let shard = both.restrict(2..3);
+            let (mut c, mut sc) = (vec![0.5f32], vec![0.0f32, 0.0]);
+            for t in 3..6 {
+                let g = [grad(t, 0), grad(t, 1), grad(t, 2)];
+                both.step(t, &mut p, &g, &mut s);
+                one.step(t, &mut a, &g[..2], &mut sa);
+                one.step(t - 3, &mut b, &g[2..], &mut sb);
+                shard.step(t, &mut c, &g[2..], &mut sc);
+            }
+            assert_eq!(&p[..2], &a[..], "{update:?}: the tensor trained since 0");
+            assert_eq!(p[2], b[0], "{update:?}: the tensor that joined at 3");
+            assert_eq!(c[0], b[0], "{update:?}: in a shard");
+            // Without the joining count, its first steps' bias correction differs.
+            both.born.clear();
+            let mut q = vec![a[0], a[1], 0.5];
+            let mut sq = vec![sa[0], sa[1], 0.0, sa[2], sa[3], 0.0];
+            both.step(3, &mut q, &[0.1, 0.1, 0.1], &mut sq);
+            let (mut r, mut sr) = (vec![0.5f32], Vec::new());
+            one.step(0, &mut r, &[0.1], &mut sr);
+            assert!(
+                (q[2] - r[0]).abs() > 1e-4,
+                "{update:?}: {} vs {}",
+                q[2],
+                r[0]
+            );
+        }
     }
 }

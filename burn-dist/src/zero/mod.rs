@@ -231,9 +231,9 @@ impl ZeroOptimizer {
 
     /// Lets [`ZeroOptimizer::scatter_from_reader`] take a state saved for some of this
     /// optimizer's tensors (by name and length), the others starting from a zero state: the
-    /// fine-tuning phase after a frozen one, whose state held the head alone. Right for update
-    /// rules whose zero state is their first step's (SGD with momentum, LARS); Adam counts its
-    /// steps once for every tensor, so its callers must not ask for it.
+    /// fine-tuning phase after a frozen one, whose state held the head alone. Zero is every
+    /// rule's state before its first step; Adam and AdamW count the new tensors' steps from
+    /// there ([`ShardOptimizer::born`]), as burn's optimizers count each tensor's own.
     pub fn with_new_tensors_at_zero(mut self, on: bool) -> Self {
         self.new_at_zero = on;
         self
@@ -263,6 +263,32 @@ impl ZeroOptimizer {
             });
         }
         self
+    }
+
+    /// Per tensor: the update count when it joined ([`ShardOptimizer::born`]; empty: all 0).
+    pub fn born(&self) -> Vec<u64> {
+        if self.whole.born.iter().all(|&b| b == 0) {
+            Vec::new()
+        } else {
+            self.whole.born.clone()
+        }
+    }
+
+    /// Sets [`Self::born`] on the optimizer of every segment this rank updates.
+    fn set_born(&mut self, born: Vec<u64>) {
+        let born = if born.iter().all(|&b| b == 0) {
+            Vec::new()
+        } else {
+            born
+        };
+        for o in self.mine.iter_mut().chain(
+            self.replica
+                .as_mut()
+                .map_or(&mut [][..], |r| &mut r.mine[..]),
+        ) {
+            o.born = born.clone();
+        }
+        self.whole.born = born;
     }
 
     /// Whether this rank holds a replica of the next rank's segments.

@@ -19,6 +19,9 @@ pub struct WholeState {
     /// One vector per slot of [`ShardOptimizer::state_slots`](crate::flat::optim::ShardOptimizer::state_slots), each over all the values;
     /// empty before the first update.
     pub slots: Vec<(String, Vec<f32>)>,
+    /// Per tensor: the update count when it joined (Adam's count for it starts there; see
+    /// [`ShardOptimizer::born`](crate::flat::optim::ShardOptimizer::born)); empty: all 0.
+    pub born: Vec<u64>,
 }
 
 impl WholeState {
@@ -48,6 +51,10 @@ pub trait StateReader {
     fn slot_names(&self) -> Vec<String>;
     /// Values `range` of slot `slot`'s whole vector.
     fn read(&mut self, slot: usize, range: Range<usize>) -> std::result::Result<Vec<f32>, String>;
+    /// Per tensor: the update count when it joined ([`WholeState::born`]; empty: all 0).
+    fn born(&self) -> Vec<u64> {
+        Vec::new()
+    }
 }
 
 /// A [`WholeState`] in memory as a [`StateReader`].
@@ -71,6 +78,9 @@ impl StateReader for InMemory<'_> {
             .map(<[f32]>::to_vec)
             .ok_or_else(|| format!("slot {slot} has no values {range:?}"))
     }
+    fn born(&self) -> Vec<u64> {
+        self.0.born.clone()
+    }
 }
 
 /// The shape of a streamed state ([`ZeroOptimizer::stream_state`]).
@@ -80,6 +90,8 @@ pub struct StateLayout {
     pub updates: u64,
     /// The slots sent (empty before the first update).
     pub slots: Vec<String>,
+    /// Per tensor: the update count when it joined ([`WholeState::born`]).
+    pub born: Vec<u64>,
 }
 
 impl ZeroOptimizer {
@@ -99,6 +111,7 @@ impl ZeroOptimizer {
             } else {
                 Vec::new()
             },
+            born: self.born(),
         }
     }
 
@@ -155,6 +168,7 @@ impl ZeroOptimizer {
             tensors: layout.tensors,
             updates: layout.updates,
             slots,
+            born: layout.born,
         }))
     }
 
@@ -240,6 +254,32 @@ impl ZeroOptimizer {
         }
         self.updates = ((header[2] as u64) << 24) | low[0] as u64;
         self.applied = self.updates;
+        // Each tensor's joining count: the saved one, or now for a tensor the state lacks
+        // (`new_at_zero`), as two exact halves per tensor.
+        let mut born = vec![0f32; 2 * self.tensors.len()];
+        if let Some(s) = state.as_ref() {
+            let saved = s.born();
+            let index: std::collections::BTreeMap<&(String, usize), usize> = s
+                .tensors()
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t, i))
+                .collect();
+            for (j, t) in self.tensors.iter().enumerate() {
+                let b = match index.get(t) {
+                    Some(&i) => saved.get(i).copied().unwrap_or(0),
+                    None => self.updates,
+                };
+                born[2 * j] = (b >> 24) as f32;
+                born[2 * j + 1] = (b & 0xFF_FFFF) as f32;
+            }
+        }
+        comm.broadcast(&mut born, root)?;
+        self.set_born(
+            born.chunks_exact(2)
+                .map(|p| ((p[0] as u64) << 24) | p[1] as u64)
+                .collect(),
+        );
         self.state = vec![Vec::new(); self.buckets.len()];
         if let Some(r) = self.replica.as_mut() {
             r.state = vec![Vec::new(); self.buckets.len()];

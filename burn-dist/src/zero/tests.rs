@@ -301,6 +301,7 @@ fn named_state_cuts_each_slot_by_tensor() {
             ("moment_1".into(), vec![1.0, 2.0, 3.0]),
             ("moment_2".into(), vec![4.0, 5.0, 6.0]),
         ],
+        born: Vec::new(),
     };
     let named = s.named();
     let names: Vec<&str> = named.iter().map(|n| n.0.as_str()).collect();
