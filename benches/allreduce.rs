@@ -6,7 +6,10 @@
 //!   cargo bench --bench allreduce
 //!   HEARTH_BENCH_RANKS=2,4 HEARTH_BENCH_SIZES=1,10,100 HEARTH_BENCH_ITERS=5 cargo bench --bench allreduce
 //!
-//! Prints every tool's lines, then per size the busbw of each and the ratios: shared memory
+//! `HEARTH_BENCH_ROUNDS` (default 3) rounds, each running memcpy, Hearth and gloo one after the
+//! other, so a machine whose speed drifts shows it in every column; `HEARTH_BENCH_QUIC=0` skips
+//! the QUIC-only run (it runs in the first round). Prints every tool's lines, then per size
+//! the busbw of each and the ratios per round, as their median and range: shared memory
 //! against gloo (above 1: Hearth faster) and against memcpy.
 
 mod common;
@@ -74,10 +77,22 @@ fn hearth(n: &str, sizes: &[String], iters: &str, shm: bool) -> String {
     String::from_utf8_lossy(&out.stdout).to_string()
 }
 
+/// Median and range of `v` (empty: NaN).
+fn spread(v: &[f64]) -> (f64, f64, f64) {
+    let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
 fn main() {
     let ranks = common::env_list("HEARTH_BENCH_RANKS", "2,4");
     let sizes = common::env_list("HEARTH_BENCH_SIZES", "1,10,100");
     let iters = common::env_usize("HEARTH_BENCH_ITERS", 5).to_string();
+    let rounds = common::env_usize("HEARTH_BENCH_ROUNDS", 3).max(1);
+    let quic_too = std::env::var("HEARTH_BENCH_QUIC").map_or(true, |v| v != "0");
     let python = common::torch_python();
     if python.is_none() {
         eprintln!("PyTorch not found (bash scripts/setup_pytorch.sh): gloo columns skipped");
@@ -86,49 +101,75 @@ fn main() {
         .iter()
         .filter_map(|s| s.parse::<f64>().ok())
         .fold(1.0, f64::max);
-    let memcpy = memcpy_gbps(largest);
-    println!("# memcpy of {largest} MB, one thread: {memcpy:.2} GB/s");
+    println!(
+        "# {rounds} rounds, each: memcpy of {largest} MB (one thread), Hearth shared memory, \
+         {}gloo; ratios per round, then their median and range",
+        if quic_too {
+            "Hearth QUIC only (first round), "
+        } else {
+            ""
+        }
+    );
     for n in &ranks {
-        let shm_out = hearth(n, &sizes, &iters, true);
-        println!("# Hearth, shared memory, {n} ranks");
-        print!("{shm_out}");
-        let quic_out = hearth(n, &sizes, &iters, false);
-        println!("# Hearth, QUIC only (HEARTH_SHM=0), {n} ranks");
-        print!("{quic_out}");
-        let (shm, quic) = (parse(&shm_out), parse(&quic_out));
-        let gloo = match &python {
-            Some(py) => {
-                let out = Command::new(py)
-                    .arg(concat!(
-                        env!("CARGO_MANIFEST_DIR"),
-                        "/benches/peer/gloo_allreduce.py"
-                    ))
-                    .args(["--ranks", n, "--iters", &iters, "--size-mb"])
-                    .args(&sizes)
-                    .output()
-                    .expect("running the gloo peer");
-                let gloo_out = String::from_utf8_lossy(&out.stdout).to_string();
-                println!("# torch.distributed gloo, {n} ranks");
-                print!("{gloo_out}");
-                parse(&gloo_out)
-            }
-            None => BTreeMap::new(),
-        };
         let ranks_f: f64 = n.parse().unwrap_or(2.0);
         let busbw = |size: &str, ms: f64| {
             size.parse::<f64>().unwrap_or(0.0) * 1e6 / (ms / 1e3) / 1e9 * 2.0 * (ranks_f - 1.0)
                 / ranks_f
         };
-        for (size, s_ms) in &shm {
+        // size -> per round (shm ms, gloo ms, memcpy GB/s)
+        let mut per_size: BTreeMap<String, Vec<(f64, f64, f64)>> = BTreeMap::new();
+        let mut quic = BTreeMap::new();
+        for round in 0..rounds {
+            let memcpy = memcpy_gbps(largest);
+            println!("# round {}: memcpy {memcpy:.2} GB/s", round + 1);
+            let shm_out = hearth(n, &sizes, &iters, true);
+            println!("# Hearth, shared memory, {n} ranks");
+            print!("{shm_out}");
+            if quic_too && round == 0 {
+                let quic_out = hearth(n, &sizes, &iters, false);
+                println!("# Hearth, QUIC only (HEARTH_SHM=0), {n} ranks");
+                print!("{quic_out}");
+                quic = parse(&quic_out);
+            }
+            let gloo = match &python {
+                Some(py) => {
+                    let out = Command::new(py)
+                        .arg(concat!(
+                            env!("CARGO_MANIFEST_DIR"),
+                            "/benches/peer/gloo_allreduce.py"
+                        ))
+                        .args(["--ranks", n, "--iters", &iters, "--size-mb"])
+                        .args(&sizes)
+                        .output()
+                        .expect("running the gloo peer");
+                    let gloo_out = String::from_utf8_lossy(&out.stdout).to_string();
+                    println!("# torch.distributed gloo, {n} ranks");
+                    print!("{gloo_out}");
+                    parse(&gloo_out)
+                }
+                None => BTreeMap::new(),
+            };
+            for (size, s_ms) in parse(&shm_out) {
+                let g = gloo.get(&size).copied().unwrap_or(f64::NAN);
+                per_size.entry(size).or_default().push((s_ms, g, memcpy));
+            }
+        }
+        for (size, runs) in &per_size {
+            let shm_ms: Vec<f64> = runs.iter().map(|r| r.0).collect();
+            let gloo_ms: Vec<f64> = runs.iter().map(|r| r.1).collect();
+            let vs_gloo: Vec<f64> = runs.iter().map(|r| r.1 / r.0).collect();
+            let vs_memcpy: Vec<f64> = runs.iter().map(|r| busbw(size, r.0) / r.2).collect();
+            let (s, _, _) = spread(&shm_ms);
+            let (g, _, _) = spread(&gloo_ms);
+            let (vg, vg_lo, vg_hi) = spread(&vs_gloo);
+            let (vm, vm_lo, vm_hi) = spread(&vs_memcpy);
             let q = quic.get(size).copied().unwrap_or(f64::NAN);
-            let g = gloo.get(size).copied().unwrap_or(f64::NAN);
             println!(
-                "ranks={n} size_mb={size} shm_ms={s_ms:.2} shm_busbw={:.2} quic_ms={q:.2} \
-                 gloo_ms={g:.2} gloo_busbw={:.2} shm_vs_gloo={:.2}x shm_vs_memcpy={:.2}x",
-                busbw(size, *s_ms),
+                "ranks={n} size_mb={size} shm_ms={s:.2} shm_busbw={:.2} quic_ms={q:.2} \
+                 gloo_ms={g:.2} gloo_busbw={:.2} shm_vs_gloo={vg:.2}x ({vg_lo:.2}-{vg_hi:.2}) \
+                 shm_vs_memcpy={vm:.2}x ({vm_lo:.2}-{vm_hi:.2})",
+                busbw(size, s),
                 busbw(size, g),
-                g / s_ms,
-                busbw(size, *s_ms) / memcpy
             );
         }
     }

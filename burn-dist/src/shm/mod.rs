@@ -16,7 +16,8 @@
 //! which chooses between a ring, an in-place allreduce, and a hierarchical one.
 //!
 //! Settings: `HEARTH_SHM=0` (off), `HEARTH_SHM_RING_MB` (each pipe, default 4),
-//! `HEARTH_SHM_SLOT_MB` or `HEARTH_SHM_SLOT_KB` (each rank's reduction slot, default 1 MiB), `HEARTH_SHM_STALE` (seconds
+//! `HEARTH_SHM_SLOT_MB` or `HEARTH_SHM_SLOT_KB` (each rank's reduction slot; default 1 MiB,
+//! 256 KiB when the host's ranks outnumber its cores), `HEARTH_SHM_STALE` (seconds
 //! without a heartbeat before a rank in another pid namespace counts as dead, default 8).
 
 pub mod pipe;
@@ -41,6 +42,8 @@ use crate::{DistError, Result};
 pub struct ShmOptions {
     pub enabled: bool,
     pub ring_bytes: usize,
+    /// Each rank's reduction slot in bytes; 0 lets [`ShmOptions::slot_bytes_for`] choose by
+    /// the number of ranks on the host.
     pub slot_bytes: usize,
     pub stale: Duration,
     pub max_frame_bytes: usize,
@@ -53,16 +56,31 @@ impl Default for ShmOptions {
         Self {
             enabled: !env_off("HEARTH_SHM"),
             ring_bytes: mb("HEARTH_SHM_RING_MB", 4),
-            // Small pieces stay in cache between the copy in, the reduction and the copy out:
-            // 100 MB, 2 ranks here took 10.8 ms with 1 MiB slots, 17 ms with 8 MiB, 32 ms with
-            // 64 MiB (BENCHMARKS.md).
             slot_bytes: env_parse::<usize>("HEARTH_SHM_SLOT_KB")
                 .filter(|&kb| kb > 0)
-                .map_or_else(|| mb("HEARTH_SHM_SLOT_MB", 1), |kb| kb << 10),
+                .map_or_else(|| env_mb("HEARTH_SHM_SLOT_MB").unwrap_or(0), |kb| kb << 10),
             stale: env_secs("HEARTH_SHM_STALE").unwrap_or(Duration::from_secs(8)),
             max_frame_bytes: mb("HEARTH_MAX_FRAME_MB", 256),
             frame_timeout: env_secs("HEARTH_FRAME_TIMEOUT").unwrap_or(Duration::from_secs(120)),
         }
+    }
+}
+
+impl ShmOptions {
+    /// The slot size a segment for `ranks` ranks gets: `slot_bytes` when set, else 1 MiB, or
+    /// 256 KiB when the ranks outnumber this host's cores. Only the segment's creator calls
+    /// it; the others read the size from the segment's header, so the ranks always agree.
+    ///
+    /// Small pieces stay in cache between the copy in, the reduction and the copy out: 100 MB
+    /// over 2 ranks took 10.8 ms with 1 MiB slots, 17 ms with 8 MiB, 32 ms with 64 MiB. With
+    /// two ranks per core the two share a cache, and 256 KiB slots took 38.8-39.4 ms for 4
+    /// ranks on 2 cores against 1 MiB's 42.5-42.9 (BENCHMARKS.md).
+    pub fn slot_bytes_for(&self, ranks: usize) -> usize {
+        if self.slot_bytes > 0 {
+            return self.slot_bytes;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        if ranks > cores { 256 << 10 } else { 1 << 20 }
     }
 }
 
@@ -82,7 +100,7 @@ impl ShmTransport {
         let seg = Arc::new(Segment::create(
             world,
             options.ring_bytes,
-            options.slot_bytes,
+            options.slot_bytes_for(world),
         )?);
         let mut segs = vec![seg.clone()];
         for _ in 1..world {

@@ -130,7 +130,11 @@ fn lead(
     if stale > 0 {
         eprintln!("burn-dist: removed {stale} shared-memory segment(s) of dead jobs from /dev/shm");
     }
-    let created = Segment::create(local.len(), options.ring_bytes, options.slot_bytes);
+    let created = Segment::create(
+        local.len(),
+        options.ring_bytes,
+        options.slot_bytes_for(local.len()),
+    );
     let message = match &created {
         Ok(seg) => {
             seg.register(0);

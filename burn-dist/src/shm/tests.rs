@@ -460,3 +460,20 @@ fn pipes_carry_thousands_of_messages_from_concurrent_senders_intact() {
         h.join().expect("a sender or receiver failed");
     }
 }
+
+#[test]
+fn the_slot_size_is_the_one_asked_for_else_chosen_by_ranks_per_core() {
+    let asked = ShmOptions {
+        slot_bytes: 8192,
+        ..small()
+    };
+    assert_eq!(asked.slot_bytes_for(1000), 8192);
+    let auto = ShmOptions {
+        slot_bytes: 0,
+        ..small()
+    };
+    assert_eq!(auto.slot_bytes_for(1), 1 << 20);
+    // More ranks than any machine has cores: the smaller slot, which two ranks sharing a
+    // core's cache keep there.
+    assert_eq!(auto.slot_bytes_for(1 << 20), 256 << 10);
+}
