@@ -410,9 +410,166 @@ pub fn plot_curves(
     Ok(())
 }
 
+/// One panel of the scaling plot: modelled curves (hosts, efficiency) and measured points.
+pub struct ScalingPanel {
+    pub title: String,
+    /// Modelled curves: label, (hosts, efficiency) points. Curves whose labels start alike up
+    /// to the first comma share a colour; a label ending in "overlap" is dashed, one naming
+    /// "ranks/host" thin.
+    pub curves: Vec<(String, Vec<(f64, f64)>)>,
+    /// Measured points: label, (hosts, efficiency).
+    pub measured: Vec<(String, Vec<(f64, f64)>)>,
+    /// Reference points drawn as crosses (a published figure): label, (hosts, efficiency).
+    pub references: Vec<(String, (f64, f64))>,
+}
+
+/// Scaling efficiency against hosts on a log axis, one panel per [`ScalingPanel`] side by
+/// side (the scaling benchmark's plot).
+pub fn plot_scaling(panels: &[ScalingPanel], out: &Path) -> Result<()> {
+    let err = |e: String| HearthError::Plot {
+        path: out.to_path_buf(),
+        reason: e,
+    };
+    let points = || {
+        panels.iter().flat_map(|p| {
+            p.curves
+                .iter()
+                .chain(&p.measured)
+                .flat_map(|(_, v)| v.iter().copied())
+                .chain(p.references.iter().map(|r| r.1))
+        })
+    };
+    if panels.is_empty() || points().next().is_none() {
+        return Err(err("no points to plot".into()));
+    }
+    let x_max = points().map(|p| p.0).fold(2.0f64, f64::max);
+    let text = register_font();
+    let root = BitMapBackend::new(out, (700 * panels.len() as u32, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let areas = root.split_evenly((1, panels.len()));
+    for (panel, area) in panels.iter().zip(&areas) {
+        draw_scaling(area, panel, x_max, text).map_err(err)?;
+    }
+    root.present().map_err(|e| err(e.to_string()))?;
+    Ok(())
+}
+
+fn draw_scaling<A: DrawingBackend>(
+    area: &DrawingArea<A, plotters::coord::Shift>,
+    panel: &ScalingPanel,
+    x_max: f64,
+    text: bool,
+) -> std::result::Result<(), String> {
+    let err = |e: DrawingAreaErrorKind<A::ErrorType>| e.to_string();
+    let mut builder = ChartBuilder::on(area);
+    builder.margin(14);
+    if text {
+        builder
+            .caption(&panel.title, ("sans-serif", 18))
+            .x_label_area_size(35)
+            .y_label_area_size(50);
+    }
+    let mut chart = builder
+        .build_cartesian_2d((1f64..x_max * 1.2).log_scale(), 0f64..1.05)
+        .map_err(err)?;
+    if text {
+        chart
+            .configure_mesh()
+            .x_desc("hosts")
+            .y_desc("scaling efficiency")
+            .x_label_formatter(&|x| format!("{}", x.round() as i64))
+            .draw()
+            .map_err(err)?;
+    }
+    let mut colour_of = std::collections::BTreeMap::<String, RGBAColor>::new();
+    let mut colour = |label: &str| {
+        // The curves and points of one link share its colour.
+        let key = label.split(',').next().unwrap_or(label).to_string();
+        let next = colour_of.len();
+        *colour_of
+            .entry(key)
+            .or_insert_with(|| Palette99::pick(next).to_rgba())
+    };
+    for (label, pts) in &panel.curves {
+        let c = colour(label);
+        let pts: Vec<(f64, f64)> = pts.iter().copied().filter(|p| p.1.is_finite()).collect();
+        let width = if label.contains("ranks/host") { 1 } else { 2 };
+        let series = if label.ends_with("overlap") {
+            chart.draw_series(DashedLineSeries::new(pts, 6, 4, c.stroke_width(width)))
+        } else {
+            chart.draw_series(LineSeries::new(pts, c.stroke_width(width)))
+        }
+        .map_err(err)?;
+        if text {
+            series.label(label.clone()).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 18, y)], c.stroke_width(width))
+            });
+        }
+    }
+    for (label, pts) in &panel.measured {
+        let c = colour(label);
+        let s = chart
+            .draw_series(pts.iter().map(|&p| Circle::new(p, 5, c.filled())))
+            .map_err(err)?;
+        if text {
+            s.label(label.clone())
+                .legend(move |(x, y)| Circle::new((x + 9, y), 5, c.filled()));
+        }
+    }
+    for (label, p) in &panel.references {
+        let s = chart
+            .draw_series(std::iter::once(Cross::new(*p, 7, BLACK.stroke_width(2))))
+            .map_err(err)?;
+        if text {
+            s.label(label.clone())
+                .legend(move |(x, y)| Cross::new((x + 9, y), 5, BLACK.stroke_width(2)));
+        }
+    }
+    if text {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 13))
+            .draw()
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_scaling_plot_draws_curves_points_and_references_and_refuses_an_empty_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("scaling.png");
+        let panel = ScalingPanel {
+            title: "ResNet-101".into(),
+            curves: vec![
+                ("1 Gbit/s".into(), vec![(2.0, 0.9), (512.0, 0.5)]),
+                ("1 Gbit/s, overlap".into(), vec![(2.0, 0.95), (512.0, 0.7)]),
+            ],
+            measured: vec![("1 Gbit/s".into(), vec![(2.0, 0.88)])],
+            references: vec![("Horovod".into(), (512.0, 0.9))],
+        };
+        plot_scaling(std::slice::from_ref(&panel), &out).unwrap();
+        let img = image::open(&out).unwrap();
+        assert_eq!((img.width(), img.height()), (700, 520));
+        // Something besides the white background was drawn.
+        let rgb = img.to_rgb8();
+        assert!(rgb.pixels().any(|p| p.0 != [255, 255, 255]));
+        let empty = ScalingPanel {
+            curves: vec![],
+            measured: vec![],
+            references: vec![],
+            ..panel
+        };
+        assert!(plot_scaling(&[empty], &out).is_err());
+        assert!(plot_scaling(&[], &out).is_err());
+    }
 
     #[test]
     fn confusion_maps_of_one_to_many_classes_are_drawn() {
