@@ -15,7 +15,9 @@
 //! own low-precision speed-up (`vs f32`).
 //!
 //! Both sides report images/s at their median step and at their best (fastest) step; the
-//! ratios compare medians and bests.
+//! ratios compare medians and bests. Each configuration runs `HEARTH_BENCH_ROUNDS` rounds
+//! (default 3) of Hearth then the peer; the figures are the median of the rounds' medians and
+//! the best of their bests, and the ratio is followed by the range of the rounds' ratios.
 //!
 //! PyTorch comes from $HEARTH_TORCH_PYTHON, else ~/.cache/hearth/venv-torch/bin/python
 //! (scripts/setup_pytorch.sh); without it only Hearth's numbers are printed.
@@ -176,6 +178,7 @@ fn main() {
     let python = if smoke { None } else { torch_python() };
     let peer_device = peer_device(&device_name);
     let batch = env_usize("HEARTH_BENCH_BATCH", 16);
+    let rounds = env_usize("HEARTH_BENCH_ROUNDS", if smoke { 1 } else { 3 }).max(1);
     let precision = bench_precision();
     println!("hearth device: {device_name}; precision {precision}");
     match &python {
@@ -194,7 +197,7 @@ fn main() {
     let channels_last = !on_cpu && peer_device.starts_with("cuda");
     let mut gpu_peak: Option<(String, Option<f64>)> = None;
     println!(
-        "{:<12} {:<6} {:>5} {:>16} {:>16} {:>8} {:>8} {:>14} {:>16} {:>8}",
+        "{:<12} {:<6} {:>5} {:>16} {:>16} {:>20} {:>8} {:>14} {:>16} {:>8}",
         "model",
         "mode",
         "batch",
@@ -236,26 +239,6 @@ fn main() {
                 num_classes: 1000,
                 precision,
             };
-            let hearth = match bench.run(&device, |_, _, _, _| {}) {
-                Ok(r) => r.median_and_best(batch),
-                Err(e) => {
-                    eprintln!("{name} {mode_name}: {e}");
-                    std::process::exit(1);
-                }
-            };
-            // Hearth's own speed-up over f32 in a low-precision run, at the median step.
-            let own = if precision.is_low() {
-                let f32_bench = ModelBench {
-                    precision: hearth::train::Precision::Fp32,
-                    ..bench.clone()
-                };
-                match f32_bench.run(&device, |_, _, _, _| {}) {
-                    Ok(r) => format!(" vs f32 {:.2}x", hearth.0 / r.median_and_best(batch).0),
-                    Err(e) => format!(" vs f32: {e}"),
-                }
-            } else {
-                String::new()
-            };
             let run_peer = |cl: bool| {
                 python.as_ref().and_then(|p| {
                     peer(
@@ -271,8 +254,41 @@ fn main() {
                     )
                 })
             };
-            let torch = run_peer(false);
-            let torch_cl = if channels_last { run_peer(true) } else { None };
+            // Rounds of Hearth then the peer, so that a drift of the machine's speed reaches
+            // both sides; each round's ratio is kept for the range.
+            let mut hearth_runs = Vec::with_capacity(rounds);
+            let mut torch_runs: Vec<Option<PeerRun>> = Vec::with_capacity(rounds);
+            let mut torch_cl_runs: Vec<Option<PeerRun>> = Vec::with_capacity(rounds);
+            for _ in 0..rounds {
+                hearth_runs.push(match bench.run(&device, |_, _, _, _| {}) {
+                    Ok(r) => r.median_and_best(batch),
+                    Err(e) => {
+                        eprintln!("{name} {mode_name}: {e}");
+                        std::process::exit(1);
+                    }
+                });
+                torch_runs.push(run_peer(false));
+                torch_cl_runs.push(if channels_last { run_peer(true) } else { None });
+            }
+            let hearth = (
+                median(hearth_runs.iter().map(|h| h.0)),
+                hearth_runs.iter().map(|h| h.1).fold(0.0, f64::max),
+            );
+            let (torch, torch_range) = combine(&hearth_runs, &torch_runs);
+            let (torch_cl, _) = combine(&hearth_runs, &torch_cl_runs);
+            // Hearth's own speed-up over f32 in a low-precision run, at the median step.
+            let own = if precision.is_low() {
+                let f32_bench = ModelBench {
+                    precision: hearth::train::Precision::Fp32,
+                    ..bench.clone()
+                };
+                match f32_bench.run(&device, |_, _, _, _| {}) {
+                    Ok(r) => format!(" vs f32 {:.2}x", hearth.0 / r.median_and_best(batch).0),
+                    Err(e) => format!(" vs f32: {e}"),
+                }
+            } else {
+                String::new()
+            };
             if !on_cpu
                 && gpu_peak.is_none()
                 && let Some(t) = &torch
@@ -293,7 +309,7 @@ fn main() {
             let (t, r, rb, tp) = match &torch {
                 Some(p) => (
                     format!("{:.2}/{:.2}", p.median, p.best),
-                    format!("{:.2}x", hearth.0 / p.median),
+                    format!("{:.2}x{torch_range}", hearth.0 / p.median),
                     format!("{:.2}x", hearth.1 / p.best),
                     share(p.median),
                 ),
@@ -307,7 +323,7 @@ fn main() {
                 None => ("-".into(), "-".into()),
             };
             println!(
-                "{:<12} {:<6} {:>5} {:>16} {:>16} {:>8} {:>8} {:>14} {:>16} {:>8}{own}",
+                "{:<12} {:<6} {:>5} {:>16} {:>16} {:>20} {:>8} {:>14} {:>16} {:>8}{own}",
                 arch.name(),
                 mode_name,
                 batch,
@@ -321,6 +337,40 @@ fn main() {
             );
         }
     }
+}
+
+/// The median of `v` (NaN when empty).
+fn median(v: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = v.filter(|x| x.is_finite()).collect();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// The peer's rounds as one run (the median of its medians, the best of its bests) and, with
+/// more than one round, the range of the per-round ratios Hearth / peer at the median step.
+fn combine(hearth: &[(f64, f64)], peer: &[Option<PeerRun>]) -> (Option<PeerRun>, String) {
+    let runs: Vec<(&(f64, f64), &PeerRun)> = hearth
+        .iter()
+        .zip(peer)
+        .filter_map(|(h, p)| p.as_ref().map(|p| (h, p)))
+        .collect();
+    let Some(first) = runs.first() else {
+        return (None, String::new());
+    };
+    let ratios: Vec<f64> = runs.iter().map(|(h, p)| h.0 / p.median).collect();
+    let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = ratios.iter().copied().fold(0.0, f64::max);
+    let combined = PeerRun {
+        median: median(runs.iter().map(|r| r.1.median)),
+        best: runs.iter().map(|r| r.1.best).fold(0.0, f64::max),
+        gpu: first.1.gpu.clone(),
+    };
+    let range = if runs.len() > 1 {
+        format!(" ({lo:.2}-{hi:.2})")
+    } else {
+        String::new()
+    };
+    (Some(combined), range)
 }
 
 /// `--precision X` after `cargo bench --bench models --`, else `HEARTH_BENCH_PRECISION`, else
