@@ -20,6 +20,8 @@
 //!   coordinates, then the links become a [`routed::RoutedTransport`].
 //! - [`collective`]: ring allreduce, broadcast, all-gather, reduce-scatter, barrier on `f32`.
 //! - [`bucket`]: fusion buffers for gradients in one fixed order.
+//! - [`overlap`]: the gradient exchange overlapped with the backward pass: buckets reduced on a
+//!   thread of their own as the gradients are handed over.
 //! - [`flat`]: a model as one flat vector of named tensors: its cut into shards, a Burn
 //!   module's trainable values and gradients as that vector, the optimizers as loops over it.
 //! - [`zero`]: data parallel's sharded optimizer (ZeRO stages 1 and 2), its state as whole
@@ -54,6 +56,7 @@ pub mod ddp;
 pub mod elastic;
 mod error;
 pub mod flat;
+pub mod overlap;
 pub mod pipeline;
 pub mod ps;
 pub mod rendezvous;

@@ -27,6 +27,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     // sharded optimizer over it and the collectives; DDP over both.
     ("flat/", &["flat"]),
     ("zero/", &["bucket", "collective", "flat", "split", "zero"]),
+    ("overlap.rs", &["bucket", "collective"]),
     ("ddp.rs", &["bucket", "collective", "flat", "zero"]),
 ];
 

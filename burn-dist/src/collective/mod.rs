@@ -302,4 +302,4 @@ pub(crate) fn tag(op: u64, step: usize, chunk: usize) -> u64 {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -21,7 +21,7 @@ fn expected_sum(world: usize, len: usize) -> Vec<f64> {
 }
 
 /// Runs `f` on every rank of an in-memory world, each in a thread, with a join deadline.
-fn on_ranks<T: Send + 'static>(
+pub(crate) fn on_ranks<T: Send + 'static>(
     world: usize,
     chunk: usize,
     compression: Compression,
