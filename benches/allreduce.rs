@@ -17,28 +17,6 @@ mod common;
 use std::collections::BTreeMap;
 use std::process::Command;
 
-/// `size_mb -> time_ms` from lines `size_mb=S time_ms=T ...`.
-fn parse(out: &str) -> BTreeMap<String, f64> {
-    out.lines()
-        .filter_map(|l| {
-            let l = l.trim();
-            let size = l
-                .strip_prefix("size_mb=")?
-                .split_whitespace()
-                .next()?
-                .to_string();
-            let time = l
-                .split("time_ms=")
-                .nth(1)?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()?;
-            Some((size, time))
-        })
-        .collect()
-}
-
 /// Best of five single-thread copies of `mb` megabytes, in GB/s (bytes copied per second).
 fn memcpy_gbps(mb: f64) -> f64 {
     let len = ((mb * 1e6) / 4.0) as usize;
@@ -79,12 +57,12 @@ fn hearth(n: &str, sizes: &[String], iters: &str, shm: bool) -> String {
 
 /// Median and range of `v` (empty: NaN).
 fn spread(v: &[f64]) -> (f64, f64, f64) {
-    let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
-    if v.is_empty() {
-        return (f64::NAN, f64::NAN, f64::NAN);
-    }
-    v.sort_by(f64::total_cmp);
-    (v[v.len() / 2], v[0], v[v.len() - 1])
+    let finite = || v.iter().copied().filter(|x| x.is_finite());
+    (
+        common::median(finite()),
+        finite().reduce(f64::min).unwrap_or(f64::NAN),
+        finite().reduce(f64::max).unwrap_or(f64::NAN),
+    )
 }
 
 fn main() {
@@ -129,7 +107,7 @@ fn main() {
                 let quic_out = hearth(n, &sizes, &iters, false);
                 println!("# Hearth, QUIC only (HEARTH_SHM=0), {n} ranks");
                 print!("{quic_out}");
-                quic = parse(&quic_out);
+                quic = common::parse_times(&quic_out);
             }
             let gloo = match &python {
                 Some(py) => {
@@ -145,11 +123,11 @@ fn main() {
                     let gloo_out = String::from_utf8_lossy(&out.stdout).to_string();
                     println!("# torch.distributed gloo, {n} ranks");
                     print!("{gloo_out}");
-                    parse(&gloo_out)
+                    common::parse_times(&gloo_out)
                 }
                 None => BTreeMap::new(),
             };
-            for (size, s_ms) in parse(&shm_out) {
+            for (size, s_ms) in common::parse_times(&shm_out) {
                 let g = gloo.get(&size).copied().unwrap_or(f64::NAN);
                 per_size.entry(size).or_default().push((s_ms, g, memcpy));
             }

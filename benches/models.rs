@@ -36,7 +36,7 @@ mod common;
 use std::path::PathBuf;
 use std::process::Command;
 
-use common::{env_usize, torch_python};
+use common::{env_usize, median, torch_python};
 
 use hearth::bench::{BenchMode, ModelBench};
 use hearth::models::Architecture;
@@ -337,13 +337,6 @@ fn main() {
             );
         }
     }
-}
-
-/// The median of `v` (NaN when empty).
-fn median(v: impl Iterator<Item = f64>) -> f64 {
-    let mut v: Vec<f64> = v.filter(|x| x.is_finite()).collect();
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// The peer's rounds as one run (the median of its medians, the best of its bests) and, with

@@ -11,11 +11,15 @@
 //!    (`scripts/netns_allreduce.sh`); and the shared-memory allreduce of the gradients among
 //!    `HEARTH_SCALING_PER_HOST` ranks of this host (the in-host part of a hierarchy).
 //! 3. **Model** (`burn_dist::collective::cost`): per rate, the alpha-beta ring cost fitted to
-//!    the runs without the largest host count, which is then predicted and compared with its
-//!    measurement; then refitted on all runs and extrapolated to 512 hosts: images/s and
+//!    the 2-host runs (each rank has a core of its own, as on separate hosts). The larger host
+//!    counts, which share this machine's cores, are predicted with that sharing (one core's
+//!    transport speed is the fastest rate's 2-host fit, where the core and not the link is the
+//!    limit; the bench warns when that fit is near its shaped rate) and compared with their
+//!    measurements. The 2-host fit is then extrapolated to 512 separate hosts: images/s and
 //!    scaling efficiency (one-host step / step), one rank per host and hierarchical hosts,
 //!    with Hearth's exchange after the backward pass and with it overlapped (bucket by bucket
-//!    as the backward pass produces them: what PyTorch DDP and Horovod do; Hearth does not yet).
+//!    as the backward pass produces them: what PyTorch DDP and Horovod do; Hearth does not yet),
+//!    and with Hearth's transport or links at their shaped rate.
 //! 4. The same model for a GPU-class step (`HEARTH_SCALING_GPU_IMG_S`: default PyTorch's
 //!    ResNet-50 training rate on an H200 measured in BENCHMARKS.md, scaled by the models'
 //!    multiply-adds), against Horovod's published 90% at 512 GPUs for ResNet-101.
@@ -32,7 +36,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use burn_dist::collective::cost::{Hierarchy, LinkCost, StepCost};
-use common::{env_list, env_usize};
+use common::{env_f64, env_list, env_usize, parse_times};
 use hearth::bench::{BenchMode, ModelBench};
 use hearth::models::Architecture;
 use hearth::plot::{ScalingPanel, plot_scaling};
@@ -44,25 +48,6 @@ const HOROVOD: (f64, f64) = (512.0, 0.90);
 /// PyTorch's ResNet-50 training at batch 32 on one H200 (BENCHMARKS.md, "GPU: one NVIDIA H200":
 /// 1,407 and 1,494 img/s); measured by the peer, not by Hearth.
 const H200_RESNET50_IMG_S: f64 = 1_450.0;
-
-fn env_f64(key: &str, default: f64) -> f64 {
-    std::env::var(key)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-/// `size_mb -> time_ms` from lines `size_mb=S time_ms=T ...`.
-fn parse_times(out: &str) -> BTreeMap<String, f64> {
-    out.lines()
-        .filter_map(|l| {
-            let l = l.trim();
-            let size = l.strip_prefix("size_mb=")?.split_whitespace().next()?;
-            let time = l.split("time_ms=").nth(1)?.split_whitespace().next()?;
-            Some((size.to_string(), time.parse().ok()?))
-        })
-        .collect()
-}
 
 /// Bits per second of a tc rate (`1gbit`, `500mbit`).
 fn rate_bps(rate: &str) -> Option<f64> {
@@ -123,7 +108,21 @@ fn step_seconds(
     batch as f64 / median_img_s
 }
 
-/// Median ms of allreduces between `ranks` namespace hosts on links of `rate`, per size.
+/// Runs `cmd` and reads its `size_mb=S time_ms=T` lines; a failure is printed, named `what`.
+fn run_times(cmd: &mut Command, what: &str) -> Option<BTreeMap<String, f64>> {
+    let out = cmd.output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        eprintln!(
+            "{what} failed:\n{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return None;
+    }
+    Some(parse_times(&text))
+}
+
+/// Mean ms of allreduces between `ranks` namespace hosts on links of `rate`, per size.
 fn netns_allreduce(
     ranks: usize,
     rate: &str,
@@ -142,34 +141,20 @@ fn netns_allreduce(
         ])
         .arg("--size-mb")
         .args(sizes.iter().map(|s| size_label(*s)));
-    let out = cmd.output().ok()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        eprintln!(
-            "netns allreduce ({ranks} hosts, {rate}) failed:\n{text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        return None;
-    }
-    Some(parse_times(&text))
+    run_times(
+        &mut cmd,
+        &format!("netns allreduce ({ranks} hosts, {rate})"),
+    )
 }
 
-/// Median ms of the shared-memory allreduce among `ranks` local processes.
+/// Mean ms of the shared-memory allreduce of `mb` among `ranks` local processes.
 fn shm_allreduce(ranks: usize, mb: f64, iters: usize) -> Option<f64> {
-    let out = Command::new(env!("CARGO_BIN_EXE_hearth"))
-        .args(["bench", "allreduce", "--ranks", &ranks.to_string()])
-        .args(["--size-mb", &size_label(mb), "--iters", &iters.to_string()])
-        .output()
-        .ok()?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        eprintln!(
-            "shm allreduce failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        return None;
-    }
-    parse_times(&text).get(&size_label(mb)).copied()
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hearth"));
+    cmd.args(["bench", "allreduce", "--ranks", &ranks.to_string()])
+        .args(["--size-mb", &size_label(mb), "--iters", &iters.to_string()]);
+    run_times(&mut cmd, "shm allreduce")?
+        .get(&size_label(mb))
+        .copied()
 }
 
 struct Scenario {
@@ -314,6 +299,18 @@ fn main() {
     // One core's transport: the fastest 2-host fit (at the high rates the link is not the
     // limit, the core is).
     let core_bps = fits.values().map(|l| l.bandwidth_bps).fold(0.0, f64::max);
+    // That holds only where the fastest fit stays well under its shaped rate.
+    if let Some((rate, l)) = fits
+        .iter()
+        .max_by(|a, b| a.1.bandwidth_bps.total_cmp(&b.1.bandwidth_bps))
+        && rate_bps(rate).is_some_and(|b| l.bandwidth_bps * 8.0 > 0.5 * b)
+    {
+        println!(
+            "warning: the fastest 2-host fit ({rate}) reaches over half its shaped rate, so the \
+             link may be its limit and one core's speed is underestimated; measure a faster rate \
+             (HEARTH_SCALING_RATES) for the shared-core predictions"
+        );
+    }
     println!();
     println!(
         "ring allreduce of {grad_mb} MB between namespace hosts on this machine's {cores} cores: measured, \
@@ -356,7 +353,6 @@ fn main() {
     }
     // Hearth's transport on separate hosts, and a transport at the shaped rate less the
     // headers (what RDMA and NCCL come near), with the same per-step alpha.
-    let links: BTreeMap<String, LinkCost> = fits.clone();
     let line_rate: BTreeMap<String, LinkCost> = fits
         .iter()
         .filter_map(|(rate, l)| {
@@ -376,8 +372,8 @@ fn main() {
     let mut panels = Vec::new();
     let line_name = format!("{}, links at line rate", gpu.name);
     for (panel, (sc, links, name)) in [
-        (&cpu, &links, cpu.name.clone()),
-        (&gpu, &links, gpu.name.clone()),
+        (&cpu, &fits, cpu.name.clone()),
+        (&gpu, &fits, gpu.name.clone()),
         (&gpu, &line_rate, line_name),
     ]
     .into_iter()

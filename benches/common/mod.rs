@@ -11,6 +11,34 @@ pub fn env_usize(key: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// A number from the variable `key`, else `default`.
+pub fn env_f64(key: &str, default: f64) -> f64 {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// `size_mb -> time_ms` from the lines `size_mb=S time_ms=T ...` that `hearth bench allreduce`,
+/// `scripts/netns_allreduce.sh` and the gloo peer print.
+pub fn parse_times(out: &str) -> std::collections::BTreeMap<String, f64> {
+    out.lines()
+        .filter_map(|l| {
+            let l = l.trim();
+            let size = l.strip_prefix("size_mb=")?.split_whitespace().next()?;
+            let time = l.split("time_ms=").nth(1)?.split_whitespace().next()?;
+            Some((size.to_string(), time.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The median of the finite values of `v` (NaN when there are none).
+pub fn median(v: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = v.filter(|x| x.is_finite()).collect();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 /// A comma-separated list from the variable `key` (blank items dropped), else from `default`.
 pub fn env_list(key: &str, default: &str) -> Vec<String> {
     std::env::var(key)

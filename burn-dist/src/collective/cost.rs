@@ -22,11 +22,8 @@ pub struct LinkCost {
 impl LinkCost {
     /// Seconds of a ring allreduce of `bytes` over `n` ranks.
     pub fn ring_allreduce(&self, n: usize, bytes: f64) -> f64 {
-        if n <= 1 {
-            return 0.0;
-        }
-        let steps = 2.0 * (n as f64 - 1.0);
-        steps * (self.alpha_s + bytes / n as f64 / self.bandwidth_bps)
+        // A core per rank, and cores never the limit.
+        self.ring_allreduce_on_cores(n, bytes, n, f64::INFINITY)
     }
 
     /// Seconds of a ring allreduce of `bytes` over `n` ranks that share `cores` cores, each
