@@ -91,16 +91,24 @@ impl PipelineStage for StageModel {
     }
 }
 
-/// Activation recomputation (`--recompute`) in one process: the gradients of
-/// `loss(model(x))` for `owner`'s parameters (`owner` holds `model`, e.g. the Learner's task),
-/// with `model` run unit by unit in `precision`, keeping only each unit's input between the
-/// forward and the backward ([`burn_dist::pipeline::recomputed_gradients`]). `loss` gets the
-/// logits (f32, with their graph) and may keep them for metrics.
-pub fn recomputed_gradients<M: Module>(
+/// The gradients of `loss(model(x))` for `owner`'s parameters (`owner` holds `model`, e.g.
+/// the Learner's task), with `model` run unit by unit in `precision`:
+///
+/// - `recompute` (`--recompute`): keeping only each unit's input between the forward and the
+///   backward ([`burn_dist::pipeline::recomputed_gradients_each`]);
+/// - else with every unit's graph, the backward cut at the units
+///   ([`burn_dist::pipeline::segmented_gradients`]).
+///
+/// Either way each unit's gradients go, as soon as its backward is over, to the overlapped
+/// exchange of this thread's step if one is installed ([`burn_dist::overlap::hand_over`]:
+/// `--overlap`), and the rest come back. `loss` gets the logits (f32, with their graph) and
+/// may keep them for metrics.
+pub fn unit_gradients<M: Module>(
     owner: &M,
     model: &hearth_models::Classifier,
     x: burn::prelude::Tensor<4>,
     precision: crate::train::Precision,
+    recompute: bool,
     loss: &mut dyn FnMut(burn::prelude::Tensor<2>) -> Result<burn::prelude::Tensor<1>>,
 ) -> Result<burn::optim::GradientsParams> {
     let device = x.device();
@@ -114,19 +122,27 @@ pub fn recomputed_gradients<M: Module>(
         })
         .collect();
     let mut failed = None;
-    let grads = burn_dist::pipeline::recomputed_gradients(
-        &segments,
-        Activation::Rank4(x),
-        &mut |out| {
-            let logits = out.rank2("the model's output")?;
-            loss(logits).map_err(|e| {
-                let text = e.to_string();
-                failed = Some(e);
-                burn_dist::DistError::Config(text)
-            })
-        },
-        &device,
-    );
+    let mut on_output = |out: Activation| {
+        let logits = out.rank2("the model's output")?;
+        loss(logits).map_err(|e| {
+            let text = e.to_string();
+            failed = Some(e);
+            burn_dist::DistError::Config(text)
+        })
+    };
+    let mut done = |_: usize, unit: &StageModel, g| Ok(burn_dist::overlap::hand_over(unit, g));
+    let x = Activation::Rank4(x);
+    let grads = if recompute {
+        burn_dist::pipeline::recomputed_gradients_each(
+            &segments,
+            x,
+            &mut on_output,
+            &device,
+            &mut done,
+        )
+    } else {
+        burn_dist::pipeline::segmented_gradients(&segments, x, &mut on_output, &mut done)
+    };
     let grads = match (grads, failed) {
         (_, Some(e)) => return Err(e),
         (Ok(g), None) => g,
@@ -137,6 +153,18 @@ pub fn recomputed_gradients<M: Module>(
         all.accumulate(owner, g);
     }
     Ok(all.grads())
+}
+
+/// Activation recomputation (`--recompute`) in one process: [`unit_gradients`] keeping only
+/// each unit's input between the forward and the backward.
+pub fn recomputed_gradients<M: Module>(
+    owner: &M,
+    model: &hearth_models::Classifier,
+    x: burn::prelude::Tensor<4>,
+    precision: crate::train::Precision,
+    loss: &mut dyn FnMut(burn::prelude::Tensor<2>) -> Result<burn::prelude::Tensor<1>>,
+) -> Result<burn::optim::GradientsParams> {
+    unit_gradients(owner, model, x, precision, true, loss)
 }
 
 /// What one training pass of a unit costs on one micro-batch.

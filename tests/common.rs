@@ -348,6 +348,22 @@ pub fn hearth_cli(args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// The usual settings of [`Job::start`]: constant rate 0.05, momentum 0.9, no augmentation.
+pub const USUAL: [&str; 12] = [
+    "--batch-size",
+    "24",
+    "--lr",
+    "0.05",
+    "--momentum",
+    "0.9",
+    "--schedule",
+    "constant",
+    "--warmup-epochs",
+    "0",
+    "--augment",
+    "none",
+];
+
 /// The ranks of one job, each writing to its own log.
 pub struct Job {
     pub children: Vec<Child>,
@@ -365,21 +381,7 @@ impl Job {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Self {
-        let base = [
-            "--batch-size",
-            "24",
-            "--lr",
-            "0.05",
-            "--momentum",
-            "0.9",
-            "--schedule",
-            "constant",
-            "--warmup-epochs",
-            "0",
-            "--augment",
-            "none",
-        ];
-        Self::spawn(dir, data, run, world, &base, args, env)
+        Self::spawn(dir, data, run, world, &USUAL, args, env)
     }
 
     /// [`Job::start`] with `base` instead of the usual settings (one loader thread and 32x32
@@ -437,6 +439,27 @@ impl Job {
         Self { children, logs }
     }
 
+    /// [`Job::spawn`], waited for (at most 300 s): every rank must succeed. Their logs.
+    pub fn spawn_ok(
+        dir: &Path,
+        data: &Path,
+        run: &Path,
+        world: usize,
+        base: &[&str],
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> String {
+        let mut job = Self::spawn(dir, data, run, world, base, args, env);
+        let ok = job.wait(300);
+        let logs = job.all_logs();
+        assert!(
+            ok.iter().all(|o| *o),
+            "{args:?} on {world} ranks failed ({}):\n{logs}",
+            run.display()
+        );
+        logs
+    }
+
     pub fn log(&self, r: usize) -> String {
         std::fs::read_to_string(&self.logs[r]).unwrap_or_default()
     }
@@ -488,6 +511,29 @@ pub fn metrics(run: &Path) -> BTreeMap<usize, BTreeMap<String, f64>> {
 }
 
 /// Every tensor of two model files within `tolerance`.
+/// The columns of an epoch table that say how a run trained.
+pub const CURVES: [&str; 4] = ["train_loss", "train_accuracy", "val_loss", "val_accuracy"];
+
+/// The columns of the epoch tables `a` and `b` (each with its name for the message) agree
+/// within `tolerance`, relative to `1 + |b|`, at every epoch.
+pub fn same_curves(
+    (a_name, a): (&str, &BTreeMap<usize, BTreeMap<String, f64>>),
+    (b_name, b): (&str, &BTreeMap<usize, BTreeMap<String, f64>>),
+    columns: &[&str],
+    tolerance: f64,
+) {
+    assert_eq!(a.len(), b.len(), "{a_name}: {a:?}\n{b_name}: {b:?}");
+    for (epoch, row) in a {
+        for &c in columns {
+            let (x, y) = (row[c], b[epoch][c]);
+            assert!(
+                (x - y).abs() <= tolerance * (1.0 + y.abs()),
+                "epoch {epoch} {c}: {a_name} {x}, {b_name} {y}"
+            );
+        }
+    }
+}
+
 pub fn same_weights(a: &Path, b: &Path, tolerance: f32) {
     let (ta, tb) = (tensors(a), tensors(b));
     assert_eq!(ta.len(), tb.len());

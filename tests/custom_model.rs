@@ -79,25 +79,6 @@ fn run(mut cmd: Command, args: &[&str]) -> String {
     out
 }
 
-/// Whether `columns` of every epoch of `a` and `b` agree within `tolerance`.
-fn assert_same_curve(
-    (a_name, a): (&str, &BTreeMap<usize, BTreeMap<String, f64>>),
-    (b_name, b): (&str, &BTreeMap<usize, BTreeMap<String, f64>>),
-    columns: &[&str],
-    tolerance: f64,
-) {
-    assert_eq!(a.len(), b.len(), "{a_name}: {a:?}\n{b_name}: {b:?}");
-    for (epoch, row) in a {
-        for &column in columns {
-            let (x, y) = (row[column], b[epoch][column]);
-            assert!(
-                (x - y).abs() < tolerance,
-                "epoch {epoch} {column}: {a_name} {x}, {b_name} {y}"
-            );
-        }
-    }
-}
-
 /// metrics.csv: epoch -> column -> value.
 fn metrics(run: &Path) -> BTreeMap<usize, BTreeMap<String, f64>> {
     let text = std::fs::read_to_string(run.join("metrics.csv")).unwrap();
@@ -165,7 +146,7 @@ fn a_user_module_trains_alone_data_parallel_on_servers_and_elastic_and_resumes_e
     // One process on batches of 32, two ranks on 16 each of the same 32, synchronous servers
     // and elastic allreduce: the same global batches, the same mean gradient, the same curve.
     for (name, curve) in &curves[1..] {
-        assert_same_curve(
+        common::same_curves(
             ("one process", &curves[0].1),
             (name, curve),
             &["val_loss", "val_accuracy", "train_loss"],
@@ -206,7 +187,7 @@ fn a_user_module_trains_alone_data_parallel_on_servers_and_elastic_and_resumes_e
         assert_eq!(metrics(&resumed).len(), 4);
         let out = launch(&["-n", launched], &[mode, resumed_str, "--resume"]);
         assert!(out.contains("resuming after epoch 4"), "{out}");
-        assert_same_curve(
+        common::same_curves(
             (&format!("{mode} resumed"), &metrics(&resumed)),
             (&format!("{mode} uninterrupted"), uninterrupted),
             &["val_loss", "val_accuracy", "train_loss"],
@@ -270,6 +251,10 @@ fn image_settings_are_refused_by_name_for_a_user_module() {
     let mut cfg = base();
     cfg.recompute = true;
     assert!(refusal(&cfg).contains("recompute"));
+    // --overlap hands over each unit's gradients as the backward finishes it: none here.
+    let mut cfg = base();
+    cfg.overlap = true;
+    assert!(refusal(&cfg).contains("overlap"));
     // One process too.
     let mut cfg = base();
     cfg.ps = None;

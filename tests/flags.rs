@@ -92,6 +92,7 @@ fn setting(flag: &str) -> Vec<&'static str> {
         "--zero" => &["--zero", "1"],
         "--recompute" => &["--recompute"],
         "--no-recompute" => &["--recompute", "--no-recompute"],
+        "--overlap" => &["--overlap"],
         "--micro-batches" => &["--micro-batches", "2"],
         "--pipeline-schedule" => &["--pipeline-schedule", "gpipe"],
         "--pipeline-split" => &["--pipeline-split", "0:2,2:6"],
@@ -159,6 +160,13 @@ fn expect(flag: &str, mode: &str) -> Expect {
         // A pipeline shards each stage's state over its replicas (tests/zero.rs); the walk's
         // pipeline has one replica per stage.
         ("--zero", "pipeline") => Refused("--pipeline-stages and one replica per stage"),
+        // The exchange overlapped with the backward: data parallel's allreduce only
+        // (tests/overlap.rs); the same arithmetic, so a resume may switch it.
+        ("--overlap", "data parallel") => Mechanics,
+        ("--overlap", "single") => Refused("--overlap does not work with a one-process run"),
+        ("--overlap", "elastic") => Refused("--overlap does not work with --elastic"),
+        ("--overlap", "parameter servers") => Refused("--overlap does not work with --ps"),
+        ("--overlap", "pipeline") => Refused("--overlap does not work with --pipeline-stages"),
         // Not built yet (said by name).
         // No meaning: a pipeline's micro-batches are its accumulation.
         ("--grad-accum", "pipeline") => Refused("--micro-batches"),
@@ -267,6 +275,16 @@ fn values_a_mode_cannot_run_are_refused_before_launching() {
             &[][..],
             &["--bucket-mb", "0"][..],
             "--bucket-mb must be positive",
+        ),
+        (
+            &["--nproc", "2"][..],
+            &["--overlap", "--zero", "1"][..],
+            "--overlap does not work with --zero",
+        ),
+        (
+            &["--nproc", "2"][..],
+            &["--overlap", "--grad-accum", "2"][..],
+            "--overlap does not work with --grad-accum",
         ),
     ] {
         let out = dry_run(base, setting);

@@ -5,28 +5,7 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-
-use common::{Job, metrics, same_weights, small_data};
-
-const COLUMNS: [&str; 4] = ["train_loss", "train_accuracy", "val_loss", "val_accuracy"];
-
-fn same_curves(
-    name: &str,
-    a: &BTreeMap<usize, BTreeMap<String, f64>>,
-    b: &BTreeMap<usize, BTreeMap<String, f64>>,
-) {
-    assert_eq!(a.len(), b.len(), "{name}: {a:?}\n{b:?}");
-    for (epoch, row) in a {
-        for c in COLUMNS {
-            let (x, y) = (row[c], b[epoch][c]);
-            assert!(
-                (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
-                "{name}, epoch {epoch} {c}: without {x}, with --recompute {y}"
-            );
-        }
-    }
-}
+use common::{CURVES, Job, USUAL, metrics, same_curves, same_weights, small_data};
 
 #[test]
 fn recompute_trains_exactly_as_without_it_in_every_mode() {
@@ -67,15 +46,17 @@ fn recompute_trains_exactly_as_without_it_in_every_mode() {
             if on {
                 all.push("--recompute");
             }
-            let mut job = Job::start(dir.path(), &data, &run(on), world, &all, &[]);
-            let ok = job.wait(300);
-            let logs = job.all_logs();
-            assert!(ok.iter().all(|o| *o), "{name} {all:?}:\n{logs}");
+            let logs = Job::spawn_ok(dir.path(), &data, &run(on), world, &USUAL, &all, &[]);
             if on {
                 assert!(logs.contains("--recompute: each"), "{name}:\n{logs}");
             }
         }
-        same_curves(name, &metrics(&run(false)), &metrics(&run(true)));
+        same_curves(
+            (name, &metrics(&run(false))),
+            ("with --recompute", &metrics(&run(true))),
+            &CURVES,
+            1e-5,
+        );
         same_weights(
             &run(false).join("model.bpk"),
             &run(true).join("model.bpk"),
@@ -92,11 +73,15 @@ fn a_run_resumed_without_recompute_goes_on_as_it_would_have() {
     let dir = tempfile::tempdir().unwrap();
     let data = small_data(dir.path());
     let run = |name: &str, args: &[&str]| {
-        let mut job = Job::start(dir.path(), &data, &dir.path().join(name), 1, args, &[]);
-        let ok = job.wait(300);
-        let logs = job.all_logs();
-        assert!(ok.iter().all(|o| *o), "{name} {args:?}:\n{logs}");
-        logs
+        Job::spawn_ok(
+            dir.path(),
+            &data,
+            &dir.path().join(name),
+            1,
+            &USUAL,
+            args,
+            &[],
+        )
     };
     run("straight", &["--epochs", "2"]);
     run(
@@ -109,9 +94,13 @@ fn a_run_resumed_without_recompute_goes_on_as_it_would_have() {
         "{logs}"
     );
     same_curves(
-        "resumed without --recompute",
-        &metrics(&dir.path().join("straight")),
-        &metrics(&dir.path().join("resumed")),
+        ("straight", &metrics(&dir.path().join("straight"))),
+        (
+            "resumed without --recompute",
+            &metrics(&dir.path().join("resumed")),
+        ),
+        &CURVES,
+        1e-5,
     );
     // Without either flag a resume keeps the recorded setting.
     run(

@@ -14,27 +14,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Job, metrics, same_weights, small_data, wait_bounded};
+use common::{Job, metrics, same_curves, same_weights, small_data, wait_bounded};
 
 /// Every value of two runs' `columns`, epoch by epoch, within `tolerance`.
-fn same_curves(
-    (a_name, a): (&str, &BTreeMap<usize, BTreeMap<String, f64>>),
-    (b_name, b): (&str, &BTreeMap<usize, BTreeMap<String, f64>>),
-    columns: &[&str],
-    tolerance: f64,
-) {
-    assert_eq!(a.len(), b.len(), "{a_name}: {a:?}\n{b_name}: {b:?}");
-    for (epoch, row) in a {
-        for &c in columns {
-            let (x, y) = (row[c], b[epoch][c]);
-            assert!(
-                (x - y).abs() <= tolerance * (1.0 + y.abs()),
-                "epoch {epoch} {c}: {a_name} {x}, {b_name} {y}"
-            );
-        }
-    }
-}
-
 /// The settings every job here shares (the rate and optimizer are each test's).
 const BASE: [&str; 10] = [
     "--batch-size",
@@ -57,14 +39,7 @@ fn run_job(
     args: &[&str],
     env: &[(&str, &str)],
 ) -> String {
-    let mut job = Job::spawn(dir, data, run, world, &BASE, args, env);
-    let ok = job.wait(300);
-    let logs = job.all_logs();
-    assert!(
-        ok.iter().all(|o| *o),
-        "{args:?} on {world} ranks failed:\n{logs}"
-    );
-    logs
+    Job::spawn_ok(dir, data, run, world, &BASE, args, env)
 }
 
 const COLUMNS: [&str; 4] = ["train_loss", "train_accuracy", "val_loss", "val_accuracy"];

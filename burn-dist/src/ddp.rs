@@ -32,6 +32,7 @@ use burn::train::{
 use crate::bucket::{BucketPlan, DEFAULT_BUCKET_BYTES};
 use crate::collective::{Communicator, ReduceOp};
 use crate::flat::module::trainable_names;
+use crate::overlap::OverlappedStep;
 use crate::zero::ZeroOptimizer;
 use crate::zero::module::{Sharding, save_sharded_state, sharded_step};
 use crate::{DistError, Result};
@@ -263,7 +264,7 @@ pub fn allreduce_grads_scaled<M: Module>(
 /// Each bucket is packed on the gradients' own device (the concatenation and the scaling run
 /// there) and crosses to the host as one buffer: on a GPU, one read per bucket instead of one
 /// per tensor. The reduced bucket goes back to the device as one buffer and is split there.
-fn reduce_grads<M: Module>(
+pub(crate) fn reduce_grads<M: Module>(
     module: &M,
     grads: &mut GradientsParams,
     comm: &Communicator,
@@ -382,6 +383,7 @@ pub struct DdpStrategy {
     bucket_bytes: usize,
     guard: Option<Arc<dyn StepGuard>>,
     sharding: Option<Sharding>,
+    overlap: bool,
 }
 
 impl DdpStrategy {
@@ -391,7 +393,19 @@ impl DdpStrategy {
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             guard: None,
             sharding: None,
+            overlap: false,
         }
+    }
+
+    /// Overlaps the gradient exchange with the backward pass ([`crate::overlap`]): every
+    /// training step runs with an [`OverlappedStep`] installed, and a model whose step runs
+    /// its backward segment by segment and hands each segment's gradients over
+    /// ([`crate::overlap::hand_over`]) has them reduced, bucket by bucket, while the segments
+    /// before run; what the step does not hand over is reduced after it, as without overlap.
+    /// Not with ZeRO or gradient accumulation (the fit fails naming them).
+    pub fn with_overlap(mut self, overlap: bool) -> Self {
+        self.overlap = overlap;
+        self
     }
 
     /// ZeRO stage 1 or 2 ([`crate::zero`]): each rank keeps `1/N` of the optimizer state and
@@ -453,15 +467,24 @@ impl DdpStrategy {
         self
     }
 
-    /// Plain data parallel's step: the gradients averaged, then the Learner's optimizer.
-    /// Returns the time of the exchange alone.
+    /// Plain data parallel's step: the gradients averaged (what `overlapped` has not reduced
+    /// yet, with it), then the Learner's optimizer. Returns the time of the exchange alone
+    /// (overlapped: the wait for what the backward pass did not hide).
     fn plain_step<M: LearnerModel>(
         &self,
         learner: &mut Learner<M>,
         mut grads: GradientsParams,
+        overlapped: Option<OverlappedStep>,
     ) -> Result<std::time::Duration> {
         let start = Instant::now();
-        allreduce_grads(&learner.model(), &mut grads, &self.comm, self.bucket_bytes)?;
+        match overlapped {
+            Some(step) => {
+                if step.finish(&learner.model(), &mut grads)? == 0 {
+                    self.warn_not_segmented();
+                }
+            }
+            None => allreduce_grads(&learner.model(), &mut grads, &self.comm, self.bucket_bytes)?,
+        }
         let took = start.elapsed();
         learner.lr_step();
         let take = match &self.guard {
@@ -472,6 +495,41 @@ impl DdpStrategy {
             learner.optimizer_step(grads);
         }
         Ok(took)
+    }
+
+    /// Said once (rank 0): overlap asked for, but the model's step ran its backward whole.
+    fn warn_not_segmented(&self) {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        if self.comm.rank() == 0 {
+            SAID.call_once(|| {
+                eprintln!(
+                    "overlap: the model's step ran its backward whole (it handed no gradients \
+                     over), so its exchange ran after it"
+                )
+            });
+        }
+    }
+
+    /// What [`Self::with_overlap`] cannot run with, by name.
+    fn check_overlap(&self, grad_accumulation: Option<usize>) -> Result<()> {
+        if !self.overlap {
+            return Ok(());
+        }
+        let why = if self.sharding.is_some() {
+            Some("ZeRO (its exchange is a reduce-scatter in its own buckets)")
+        } else if grad_accumulation.is_some_and(|k| k > 1) {
+            Some(
+                "gradient accumulation (a step's gradients are exchanged on its k-th backward only)",
+            )
+        } else {
+            None
+        };
+        match why {
+            Some(why) => Err(DistError::Config(format!(
+                "overlapping the gradient exchange does not work with {why}"
+            ))),
+            None => Ok(()),
+        }
     }
 
     fn fail(interrupter: &burn::train::Interrupter, e: DistError) {
@@ -508,6 +566,10 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
                 return (learner.model(), event_processor);
             }
         }
+        if let Err(e) = self.check_overlap(training_components.grad_accumulation) {
+            Self::fail(&interrupter, e);
+            return (learner.model(), event_processor);
+        }
         let mut zero = match self.start_sharding(&learner.model(), starting_epoch) {
             Ok(z) => z,
             Err(e) => {
@@ -532,6 +594,22 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
                 iteration += 1;
                 let progress = iterator.progress();
                 let step_start = Instant::now();
+                let overlapped = match self.overlap.then(|| {
+                    OverlappedStep::begin(
+                        self.comm.clone(),
+                        self.bucket_bytes,
+                        ReduceOp::Mean,
+                        self.comm.compression(),
+                        1.0,
+                    )
+                }) {
+                    Some(Err(e)) => {
+                        Self::fail(&interrupter, e);
+                        break;
+                    }
+                    Some(Ok(o)) => Some(o),
+                    None => None,
+                };
                 let out = learner.train_step(item);
                 let step_grads = match training_components.grad_accumulation {
                     Some(k) => {
@@ -570,7 +648,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
                                 exchange_start.elapsed()
                             })
                         }
-                        None => self.plain_step(&mut learner, grads),
+                        None => self.plain_step(&mut learner, grads, overlapped),
                     };
                     match stepped {
                         Ok(took) => exchanging += took,
@@ -597,7 +675,12 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
             interrupter.fail_on_error(event_processor.process_train(LearnerEvent::EndSplit(epoch)));
             if self.comm.rank() == 0 && !stepping.is_zero() {
                 eprintln!(
-                    "epoch {epoch}: gradient exchange {:.2} s of {:.2} s in training steps ({:.1}%, rank 0)",
+                    "epoch {epoch}: gradient exchange {}{:.2} s of {:.2} s in training steps ({:.1}%, rank 0)",
+                    if self.overlap {
+                        "(overlapped with the backward) waited "
+                    } else {
+                        ""
+                    },
                     exchanging.as_secs_f64(),
                     stepping.as_secs_f64(),
                     100.0 * exchanging.as_secs_f64() / stepping.as_secs_f64()

@@ -9,8 +9,13 @@
 //! its backward pass is timed. The result equals [`BucketPlan`]'s packing of the whole list
 //! reduced at once.
 //!
-//! Not yet used by a training loop: Hearth's data-parallel step still exchanges after the whole
-//! backward pass (issue 30).
+//! [`OverlappedStep`] runs one training step's exchange: it is installed on the thread that
+//! runs the step, a segmented backward ([`crate::pipeline::segmented_gradients`]) hands each
+//! segment's gradients over with [`hand_over`] as soon as they exist, and
+//! [`OverlappedStep::finish`] puts the reduced gradients back where the step's optimizer finds
+//! them. Burn's autodiff has no hook that fires as each parameter's gradient is ready, so the
+//! model must be run segment by segment for its gradients to come out in pieces;
+//! [`crate::ddp::DdpStrategy::with_overlap`] drives it in burn-train's loop.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -37,10 +42,19 @@
 //!
 //! [`BucketPlan`]: crate::bucket::BucketPlan
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::tensor::TensorData;
+
+use crate::Compression;
 use crate::collective::{Communicator, ReduceOp};
 use crate::{DistError, Result};
 
@@ -56,10 +70,22 @@ impl OverlappedExchange {
     /// Starts the exchange thread: buckets of up to `bucket_bytes` (of `f32`), each reduced
     /// with `op` over `comm`.
     pub fn start(comm: Arc<Communicator>, bucket_bytes: usize, op: ReduceOp) -> Result<Self> {
+        let compression = comm.compression();
+        Self::start_with(comm, bucket_bytes, op, compression)
+    }
+
+    /// [`Self::start`] with the buckets in the wire format `compression` (the communicator's
+    /// own stays what its other collectives use).
+    pub fn start_with(
+        comm: Arc<Communicator>,
+        bucket_bytes: usize,
+        op: ReduceOp,
+        compression: Compression,
+    ) -> Result<Self> {
         let (tx, rx) = channel();
         let worker = std::thread::Builder::new()
             .name("burn-dist-exchange".into())
-            .spawn(move || exchange(&comm, (bucket_bytes / 4).max(1), op, rx))
+            .spawn(move || exchange(&comm, (bucket_bytes / 4).max(1), op, compression, rx))
             .map_err(|e| DistError::Config(format!("starting the exchange thread: {e}")))?;
         Ok(Self {
             tx: Some(tx),
@@ -111,15 +137,18 @@ fn exchange(
     comm: &Communicator,
     cap: usize,
     op: ReduceOp,
+    compression: Compression,
     rx: Receiver<Vec<Vec<f32>>>,
 ) -> Result<Vec<Vec<f32>>> {
+    let reduce =
+        |bucket: &mut [Vec<f32>], flat: &mut Vec<f32>| reduce(comm, op, compression, bucket, flat);
     let mut all: Vec<Vec<f32>> = Vec::new();
     let (mut start, mut fill) = (0usize, 0usize);
     let mut flat = Vec::new();
     for tensors in rx {
         for t in tensors {
             if fill > 0 && fill + t.len() > cap {
-                reduce(comm, op, &mut all[start..], &mut flat)?;
+                reduce(&mut all[start..], &mut flat)?;
                 start = all.len();
                 fill = 0;
             }
@@ -128,7 +157,7 @@ fn exchange(
         }
     }
     if start < all.len() {
-        reduce(comm, op, &mut all[start..], &mut flat)?;
+        reduce(&mut all[start..], &mut flat)?;
     }
     Ok(all)
 }
@@ -137,6 +166,7 @@ fn exchange(
 fn reduce(
     comm: &Communicator,
     op: ReduceOp,
+    compression: Compression,
     bucket: &mut [Vec<f32>],
     flat: &mut Vec<f32>,
 ) -> Result<()> {
@@ -144,7 +174,7 @@ fn reduce(
     for t in bucket.iter() {
         flat.extend_from_slice(t);
     }
-    comm.allreduce(flat, op)?;
+    comm.allreduce_with(flat, op, compression)?;
     let mut at = 0;
     for t in bucket.iter_mut() {
         let n = t.len();
@@ -152,6 +182,242 @@ fn reduce(
         at += n;
     }
     Ok(())
+}
+
+/// The step under way on this thread: its exchange and what was handed over to it.
+struct Handing {
+    exchange: OverlappedExchange,
+    /// Each tensor handed over, in order: its parameter and shape.
+    taken: Vec<(ParamId, Vec<usize>)>,
+    /// The device the gradients live on (the reduced ones go back there).
+    device: Option<Device>,
+    /// Every value is multiplied by it before it leaves (a rank's weight in a weighted mean).
+    weight: f32,
+    /// The handed-over values are also multiplied by it (fp16's unscaling: what the step
+    /// leaves is unscaled already).
+    unscale: f32,
+    /// A gradient that could not be read (reported at finish).
+    failed: Option<String>,
+}
+
+thread_local! {
+    static STEP: RefCell<Option<Handing>> = const { RefCell::new(None) };
+}
+
+/// One training step's gradient exchange, overlapped with its backward pass: installed on the
+/// thread that runs the step ([`Self::begin`]), fed by [`hand_over`] as the backward produces
+/// each segment's gradients, and ended by [`Self::finish`] once the backward is over. Dropped
+/// without `finish` (the step failed), it is removed from the thread and its exchange stopped.
+///
+/// Every rank must hand over the same tensors in the same order (the same model, segmented
+/// the same way), as every rank of a data-parallel job does.
+pub struct OverlappedStep {
+    comm: Arc<Communicator>,
+    bucket_bytes: usize,
+    op: ReduceOp,
+    compression: Compression,
+    /// Tied to the thread it was installed on.
+    _thread: PhantomData<*const ()>,
+}
+
+impl OverlappedStep {
+    /// Installs a step's exchange on this thread: buckets of up to `bucket_bytes`, each
+    /// reduced with `op` in the wire format `compression`, each value first multiplied by
+    /// `weight`. An error if one is already installed here (steps do not nest).
+    pub fn begin(
+        comm: Arc<Communicator>,
+        bucket_bytes: usize,
+        op: ReduceOp,
+        compression: Compression,
+        weight: f32,
+    ) -> Result<Self> {
+        if handing_over() {
+            return Err(DistError::Config(
+                "an overlapped step began while another was under way on the same thread".into(),
+            ));
+        }
+        let exchange = OverlappedExchange::start_with(comm.clone(), bucket_bytes, op, compression)?;
+        STEP.with(|s| {
+            *s.borrow_mut() = Some(Handing {
+                exchange,
+                taken: Vec::new(),
+                device: None,
+                weight,
+                unscale: 1.0,
+                failed: None,
+            })
+        });
+        Ok(Self {
+            comm,
+            bucket_bytes,
+            op,
+            compression,
+            _thread: PhantomData,
+        })
+    }
+
+    /// Ends the step: waits for the last buckets and registers every handed-over gradient,
+    /// reduced, in `grads` (which holds what the step left: gradients of `module`'s parameters
+    /// that were not handed over, reduced here after the others, in module order). Returns
+    /// how many tensors were handed over (0: the step ran whole, and everything was reduced
+    /// here after its backward).
+    pub fn finish<M: Module>(self, module: &M, grads: &mut GradientsParams) -> Result<usize> {
+        let handing = STEP
+            .with(|s| s.borrow_mut().take())
+            .ok_or_else(|| DistError::Config("the overlapped step was removed early".into()))?;
+        let Handing {
+            exchange,
+            taken,
+            device,
+            weight,
+            failed,
+            ..
+        } = handing;
+        let reduced = exchange.finish()?;
+        if let Some(e) = failed {
+            return Err(DistError::Mismatch {
+                op: "overlapped gradient exchange".into(),
+                reason: e,
+            });
+        }
+        // What was not handed over (a model run whole, parameters outside every segment).
+        crate::ddp::reduce_grads(
+            module,
+            grads,
+            &self.comm,
+            self.bucket_bytes,
+            (weight != 1.0).then_some(weight),
+            self.op,
+            self.compression,
+        )?;
+        let handed = taken.len();
+        if handed == 0 {
+            return Ok(0);
+        }
+        if reduced.len() != handed {
+            return Err(DistError::Mismatch {
+                op: "overlapped gradient exchange".into(),
+                reason: format!(
+                    "{} tensors came back for {handed} handed over",
+                    reduced.len()
+                ),
+            });
+        }
+        let device = device.ok_or_else(|| {
+            DistError::Config("gradients were handed over without a device".into())
+        })?;
+        let mut put = PutReduced {
+            grads,
+            values: taken
+                .into_iter()
+                .zip(reduced)
+                .map(|((id, dims), v)| (id, (dims, v)))
+                .collect(),
+            device,
+        };
+        module.visit(&mut put);
+        if let Some(id) = put.values.keys().next() {
+            return Err(DistError::Mismatch {
+                op: "overlapped gradient exchange".into(),
+                reason: format!("parameter {id} was handed over but is not the module's"),
+            });
+        }
+        Ok(handed)
+    }
+}
+
+impl Drop for OverlappedStep {
+    fn drop(&mut self) {
+        // Finished: already taken. Abandoned: the exchange stops (its own Drop).
+        STEP.with(|s| s.borrow_mut().take());
+    }
+}
+
+/// Whether an [`OverlappedStep`] is installed on this thread: a step should then run its
+/// backward segment by segment and [`hand_over`] each segment's gradients.
+pub fn handing_over() -> bool {
+    STEP.with(|s| s.borrow().is_some())
+}
+
+/// Multiplies every value handed over from now on by `1 / scale` (fp16: the loss was scaled
+/// by `scale`); nothing without an [`OverlappedStep`] on this thread.
+pub fn unscale_by(scale: f32) {
+    STEP.with(|s| {
+        if let Some(h) = s.borrow_mut().as_mut() {
+            h.unscale = 1.0 / scale;
+        }
+    });
+}
+
+/// Hands `segment`'s gradients in `grads` to this thread's [`OverlappedStep`] (in the
+/// segment's parameter order) and returns what is left of `grads`; without a step, returns
+/// `grads` as they are.
+pub fn hand_over<M: Module>(segment: &M, grads: GradientsParams) -> GradientsParams {
+    STEP.with(|s| {
+        let mut s = s.borrow_mut();
+        let Some(h) = s.as_mut() else {
+            return grads;
+        };
+        let mut take = Take {
+            grads,
+            tensors: Vec::new(),
+            handing: h,
+        };
+        segment.visit(&mut take);
+        let Take { grads, tensors, .. } = take;
+        if !tensors.is_empty() {
+            h.exchange.submit(tensors);
+        }
+        grads
+    })
+}
+
+/// Takes a segment's gradients out, as host values (scaled) with their parameters and shapes.
+struct Take<'a> {
+    grads: GradientsParams,
+    tensors: Vec<Vec<f32>>,
+    handing: &'a mut Handing,
+}
+
+impl ModuleVisitor for Take<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let Some(g) = self.grads.remove::<D>(param.id) else {
+            return;
+        };
+        self.handing.device.get_or_insert_with(|| g.device());
+        let dims = g.dims().to_vec();
+        let mut values = match g.into_data().convert::<f32>().try_into_vec::<f32>() {
+            Ok(v) => v,
+            Err(e) => {
+                self.handing
+                    .failed
+                    .get_or_insert(format!("parameter {}'s gradient: {e:?}", param.id));
+                vec![0.0; dims.iter().product()]
+            }
+        };
+        let scale = self.handing.weight * self.handing.unscale;
+        if scale != 1.0 {
+            values.iter_mut().for_each(|v| *v *= scale);
+        }
+        self.handing.taken.push((param.id, dims));
+        self.tensors.push(values);
+    }
+}
+
+/// Registers the reduced gradients for the module's parameters.
+struct PutReduced<'a> {
+    grads: &'a mut GradientsParams,
+    values: HashMap<ParamId, (Vec<usize>, Vec<f32>)>,
+    device: Device,
+}
+
+impl ModuleVisitor for PutReduced<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some((dims, v)) = self.values.remove(&param.id) {
+            let g = Tensor::<D>::from_data(TensorData::new(v, dims), &self.device);
+            self.grads.register::<D>(param.id, g);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -66,6 +66,14 @@ impl Activation {
         }
     }
 
+    /// The same values, cut from the graph that made them.
+    fn detach(self) -> Self {
+        match self {
+            Activation::Rank2(t) => Activation::Rank2(t.detach()),
+            Activation::Rank4(t) => Activation::Rank4(t.detach()),
+        }
+    }
+
     fn require_grad(self) -> Self {
         match self {
             Activation::Rank2(t) => Activation::Rank2(t.require_grad()),
@@ -714,6 +722,24 @@ pub fn recomputed_gradients<M: PipelineStage>(
     loss: &mut dyn FnMut(Activation) -> Result<Tensor<1>>,
     device: &Device,
 ) -> Result<Vec<GradientsParams>> {
+    recomputed_gradients_each(segments, input, loss, device, &mut |_, _, g| Ok(g))
+}
+
+/// What a segmented backward does with each segment's gradients as soon as they are done
+/// (the last segment's first): `done(k, segment, grads)` returns what it leaves of them for
+/// the result (all of them, or nothing once it has handed them on, e.g. to an
+/// [`crate::overlap`] exchange).
+pub type SegmentDone<'a, M> = dyn FnMut(usize, &M, GradientsParams) -> Result<GradientsParams> + 'a;
+
+/// [`recomputed_gradients`], each segment's gradients passed to `done` as soon as its
+/// backward is over.
+pub fn recomputed_gradients_each<M: PipelineStage>(
+    segments: &[M],
+    input: Activation,
+    loss: &mut dyn FnMut(Activation) -> Result<Tensor<1>>,
+    device: &Device,
+    done: &mut SegmentDone<'_, M>,
+) -> Result<Vec<GradientsParams>> {
     let Some((last, rest)) = segments.split_last() else {
         return Err(DistError::Config("recomputation over no segments".into()));
     };
@@ -745,7 +771,7 @@ pub fn recomputed_gradients<M: PipelineStage>(
     } else {
         x_last.grad_activation(&g)
     };
-    grads.push(GradientsParams::from_grads(g, last));
+    grads.push(done(k_last, last, GradientsParams::from_grads(g, last))?);
     for (k, (x, seed)) in held.into_iter().enumerate().rev() {
         let Some(dy) = upstream.take() else {
             // Nothing flows further back (a frozen segment whose input needs no gradient).
@@ -765,10 +791,101 @@ pub fn recomputed_gradients<M: PipelineStage>(
         if k > 0 {
             upstream = x.grad_activation(&g);
         }
-        grads.push(GradientsParams::from_grads(g, &segments[k]));
+        grads.push(done(
+            k,
+            &segments[k],
+            GradientsParams::from_grads(g, &segments[k]),
+        )?);
     }
     grads.reverse();
     Ok(grads)
+}
+
+/// The gradients of `loss(segments[K-1](... segments[0](input)))` for every segment's
+/// parameters, computed segment by segment from the last (one [`GradientsParams`] per
+/// segment, in segment order), each passed to `done` as soon as its backward is over, while
+/// the segments before it are still to run: what overlapping the gradient exchange with the
+/// backward pass needs ([`crate::overlap`]), since Burn's autodiff has no hook that fires as a
+/// parameter's gradient is ready.
+///
+/// The forward keeps every segment's graph, each cut from the one before at its input (which
+/// requires a gradient where a segment before it trains), so it holds what one graph through
+/// the whole chain holds. The backward starts from the loss and runs each segment's graph
+/// with the gradient of its output that the segment after it produced. The results equal one
+/// backward through the whole chain (the same operations; only the sums across a cut are
+/// made at the cut).
+pub fn segmented_gradients<M: PipelineStage>(
+    segments: &[M],
+    input: Activation,
+    loss: &mut dyn FnMut(Activation) -> Result<Tensor<1>>,
+    done: &mut SegmentDone<'_, M>,
+) -> Result<Vec<GradientsParams>> {
+    if segments.is_empty() {
+        return Err(DistError::Config(
+            "a segmented backward over no segments".into(),
+        ));
+    }
+    for s in segments {
+        s.visit(&mut Materialize);
+    }
+    let fail = |k: usize, e: DistError| mismatch("segmented forward", format!("segment {k}: {e}"));
+    // A segment's input needs a gradient when a segment before it trains.
+    let mut upstream_trains = Vec::with_capacity(segments.len());
+    let mut trains = false;
+    for s in segments {
+        upstream_trains.push(trains);
+        let mut t = Trains(false);
+        s.visit(&mut t);
+        trains |= t.0;
+    }
+    // Forward with graphs: each segment's input (cut from the graph before) and output.
+    let mut cut: Vec<(Activation, Activation)> = Vec::with_capacity(segments.len());
+    let mut x = input;
+    for (k, s) in segments.iter().enumerate() {
+        let input = match (k, upstream_trains[k]) {
+            (0, _) => x,
+            (_, true) => x.detach().require_grad(),
+            (_, false) => x.detach(),
+        };
+        let y = s.forward(input.clone()).map_err(|e| fail(k, e))?;
+        x = y.clone();
+        cut.push((input, y));
+    }
+    let mut grads: Vec<GradientsParams> = Vec::with_capacity(segments.len());
+    let mut upstream: Option<Activation> = None;
+    for (k, (input, y)) in cut.into_iter().enumerate().rev() {
+        let g = if k + 1 == segments.len() {
+            loss(y)?.backward()
+        } else {
+            match upstream.take() {
+                Some(dy) if y.is_tracked() => y.inject_activation(dy)?.backward(),
+                // Nothing flows back into this segment (it and all before it are frozen).
+                _ => {
+                    grads.push(GradientsParams::new());
+                    continue;
+                }
+            }
+        };
+        if upstream_trains[k] {
+            upstream = input.grad_activation(&g);
+        }
+        grads.push(done(
+            k,
+            &segments[k],
+            GradientsParams::from_grads(g, &segments[k]),
+        )?);
+    }
+    grads.reverse();
+    Ok(grads)
+}
+
+/// Whether a visit reaches a parameter that requires a gradient.
+struct Trains(bool);
+
+impl burn::module::ModuleVisitor for Trains {
+    fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+        self.0 |= param.val().is_require_grad();
+    }
 }
 
 /// A seed from the device's random stream (so it follows the run's seeding).

@@ -184,6 +184,11 @@ pub(crate) struct TrainArgs {
     /// No activation recomputation (the default): turns a resumed run's --recompute off.
     #[arg(long, overrides_with = "recompute")]
     no_recompute: bool,
+    /// Data parallel: overlap the gradient exchange with the backward pass. The model runs
+    /// unit by unit and each unit's gradients are averaged, in --bucket-mb buckets, while the
+    /// units before it compute (as PyTorch DDP's buckets do). The same result as without it.
+    #[arg(long)]
+    overlap: bool,
     /// Pipeline model parallelism: split the model into P stages, one per process (--nproc
     /// defaults to P; a multiple P x D trains D pipelines data parallel).
     #[arg(long, value_name = "P")]
@@ -340,6 +345,7 @@ fn build_config(
     cfg.precision = a.precision;
     cfg.zero = a.zero;
     cfg.recompute = a.recompute && !a.no_recompute;
+    cfg.overlap = a.overlap;
     cfg.pipeline = match a.pipeline_stages {
         Some(stages) => Some(PipelineOptions {
             stages,

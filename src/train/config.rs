@@ -234,6 +234,11 @@ pub struct TrainConfig {
     /// forward keeps only each unit's input (pipelines: each stage's), and the backward runs
     /// each unit's forward again with its graph. Less memory, one more forward per step.
     pub recompute: bool,
+    /// `--overlap`: data parallel's gradient exchange overlapped with the backward pass (the
+    /// model runs unit by unit and each unit's gradients are reduced, bucket by bucket, while
+    /// the units before it run). The same arithmetic as without it (the buckets are cut in
+    /// another order), so not a hyperparameter: a resumed run may turn it on or off.
+    pub overlap: bool,
     /// Pipeline model parallelism instead of pure data parallelism.
     pub pipeline: Option<PipelineOptions>,
     /// Elastic data parallelism: workers join and leave, the global batch stays fixed.
@@ -284,6 +289,7 @@ impl TrainConfig {
             precision: super::Precision::Fp32,
             zero: 0,
             recompute: false,
+            overlap: false,
             pipeline: None,
             elastic: None,
             ps: None,
@@ -441,7 +447,40 @@ impl TrainConfig {
             self.validate_ps(p)?;
         }
         self.validate_zero()?;
+        self.validate_overlap()?;
         self.validate_exchange()
+    }
+
+    /// `--overlap`: data parallel over two ranks or more, and what it does not work with
+    /// refused by name.
+    fn validate_overlap(&self) -> Result<()> {
+        if !self.overlap {
+            return Ok(());
+        }
+        let why = if self.ps.is_some() {
+            Some("--ps (workers exchange values with the servers, not by allreduce)")
+        } else if self.pipeline.is_some() {
+            Some("--pipeline-stages (not built: a stage's replicas exchange after its step)")
+        } else if self.elastic.is_some() {
+            Some("--elastic (not built: an elastic step exchanges after its backward)")
+        } else if self.zero > 0 {
+            Some("--zero (its exchange is a reduce-scatter in buckets of its own)")
+        } else if self.grad_accum.is_some_and(|k| k > 1) {
+            Some("--grad-accum (a step's gradients are exchanged on its last backward only)")
+        } else if self.dist.as_ref().is_none_or(|d| d.world < 2) {
+            Some(
+                "a one-process run: it exchanges no gradients (add --nproc N, or launch it as \
+                 a job)",
+            )
+        } else {
+            None
+        };
+        match why {
+            Some(why) => Err(HearthError::InvalidArgument(format!(
+                "--overlap does not work with {why}"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// `--zero`: data parallel over two ranks or more, and what is not built yet refused by

@@ -169,6 +169,12 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
              the backward"
         });
     }
+    if cfg.overlap {
+        log(
+            "--overlap: the model runs unit by unit, and each unit's gradients are averaged while \
+             the units before it compute",
+        );
+    }
     if cfg.pipeline.is_some() {
         return pipeline::train(cfg, device, log);
     }
@@ -219,7 +225,7 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
 ///
 /// The settings that only mean something for Hearth's image models (`data`, `val_fraction`, `labels`,
 /// `model`, `weights`, `freeze_backbone`, `unfreeze_after`, `finetune_lr`, `augmentation`,
-/// `image_size`, `workers`, `pipeline`) are refused by name when set.
+/// `image_size`, `workers`, `pipeline`, `recompute`, `overlap`) are refused by name when set.
 pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
     cfg: &TrainConfig,
     custom: &Custom<N, E>,
@@ -227,7 +233,7 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
     log: &mut dyn FnMut(&str),
 ) -> Result<TrainReport> {
     let defaults = TrainConfig::new(cfg.run_dir.clone());
-    let image_only: [(&str, bool); 13] = [
+    let image_only: [(&str, bool); 14] = [
         ("data (the examples are the data)", cfg.data.is_some()),
         (
             "val_fraction (the validation examples are given apart)",
@@ -264,6 +270,11 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
         (
             "recompute (it recomputes a model's units, which a custom module does not have)",
             cfg.recompute,
+        ),
+        (
+            "overlap (it exchanges each of a model's units' gradients as the backward pass \
+             finishes it, and a custom module has no units)",
+            cfg.overlap,
         ),
     ];
     if let Some((name, _)) = image_only.iter().find(|(_, set)| *set) {

@@ -111,8 +111,9 @@ impl<T: Task> Phase<'_, T> {
             training = training.grads_accumulation(k);
         }
         if let Some(comm) = self.dist {
-            let mut strategy =
-                burn_dist::ddp::DdpStrategy::new(comm.clone()).with_bucket_bytes(cfg.bucket_bytes);
+            let mut strategy = burn_dist::ddp::DdpStrategy::new(comm.clone())
+                .with_bucket_bytes(cfg.bucket_bytes)
+                .with_overlap(cfg.overlap);
             if let Some(s) = scaler {
                 // fp16: the verdict on the averaged gradients, the same on every rank.
                 strategy = strategy.with_step_guard(Arc::new(s));

@@ -347,6 +347,8 @@ impl Mixed {
             return backward(1.0);
         };
         let (scale, factor) = scaler.with(|s| (s.scale(), s.loss_factor(self.overflow_at)));
+        // What a unit-by-unit backward hands to an overlapped exchange leaves unscaled.
+        burn_dist::overlap::unscale_by(scale);
         let mut grads = backward(factor);
         divide(module, &mut grads, scale);
         // In data parallel the strategy checks the averaged gradients instead (once, after

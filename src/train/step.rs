@@ -16,10 +16,18 @@ use hearth_models::Classifier;
 use super::data::ImageBatch;
 use super::precision::Mixed;
 
-/// `--recompute`'s training step: the gradients of `loss(logits)` for `task` (scaled and
-/// checked as `mixed` says), with `model`'s activations recomputed unit by unit; the loss and
-/// the logits, detached, for the metrics.
-fn recomputed<T: Module>(
+/// Whether a step runs its model unit by unit: `--recompute`, or an overlapped exchange
+/// installed on this thread (`--overlap`: each unit's gradients are handed over as soon as
+/// they exist).
+fn by_units(mixed: &Mixed) -> bool {
+    mixed.recompute || burn_dist::overlap::handing_over()
+}
+
+/// The training step of `--recompute` or `--overlap` ([`by_units`]): the gradients of
+/// `loss(logits)` for `task` (scaled and checked as `mixed` says), with `model` run unit by
+/// unit ([`crate::pipeline::unit_gradients`]); the loss and the logits, detached, for the
+/// metrics.
+fn unit_by_unit<T: Module>(
     task: &T,
     model: &Classifier,
     mixed: &Mixed,
@@ -32,19 +40,27 @@ fn recomputed<T: Module>(
 ) {
     let mut kept = None;
     let grads = mixed.gradients_with(task, |factor| {
-        crate::pipeline::recomputed_gradients(task, model, images, mixed.precision, &mut |l| {
-            let value = loss(l.clone());
-            kept = Some((value.clone().detach(), l.detach()));
-            Ok(if factor == 1.0 {
-                value
-            } else {
-                value.mul_scalar(factor)
-            })
-        })
+        crate::pipeline::unit_gradients(
+            task,
+            model,
+            images,
+            mixed.precision,
+            mixed.recompute,
+            &mut |l| {
+                let value = loss(l.clone());
+                kept = Some((value.clone().detach(), l.detach()));
+                Ok(if factor == 1.0 {
+                    value
+                } else {
+                    value.mul_scalar(factor)
+                })
+            },
+        )
         // A model's own units chained: a failure is a bug, as a shape error in its forward is.
-        .unwrap_or_else(|e| panic!("--recompute: {e}"))
+        .unwrap_or_else(|e| panic!("a unit-by-unit step: {e}"))
     });
-    let (loss, logits) = kept.unwrap_or_else(|| panic!("--recompute: the loss was never computed"));
+    let (loss, logits) =
+        kept.unwrap_or_else(|| panic!("a unit-by-unit step: the loss was never computed"));
     (grads, loss, logits)
 }
 
@@ -102,7 +118,7 @@ impl TrainStep for SingleLabel {
     type Output = ClassificationOutput;
 
     fn step(&self, batch: ImageBatch) -> TrainOutput<ClassificationOutput> {
-        if self.mixed.recompute {
+        if by_units(&self.mixed) {
             let device = batch.images.device();
             let smoothing = (self.smoothing > 0.0).then_some(self.smoothing);
             let loss = CrossEntropyLossConfig::new()
@@ -110,7 +126,7 @@ impl TrainStep for SingleLabel {
                 .init(&device);
             let targets = batch.targets.clone();
             let (grads, loss, logits) =
-                recomputed(self, &self.model, &self.mixed, batch.images, |l| {
+                unit_by_unit(self, &self.model, &self.mixed, batch.images, |l| {
                     loss.forward(l, targets.clone())
                 });
             let item = ClassificationOutput::new(loss, logits, batch.targets);
@@ -204,7 +220,7 @@ impl TrainStep for MultiLabel {
     type Output = MultiLabelClassificationOutput;
 
     fn step(&self, batch: ImageBatch) -> TrainOutput<MultiLabelClassificationOutput> {
-        if self.mixed.recompute {
+        if by_units(&self.mixed) {
             let device = batch.images.device();
             let k = self.model.num_classes();
             let targets = match batch.multi_hot {
@@ -215,7 +231,7 @@ impl TrainStep for MultiLabel {
                 .with_logits(true)
                 .init(&device);
             let (grads, loss, logits) =
-                recomputed(self, &self.model, &self.mixed, batch.images, |l| {
+                unit_by_unit(self, &self.model, &self.mixed, batch.images, |l| {
                     bce.forward(l, targets.clone())
                 });
             let item = MultiLabelClassificationOutput::new(loss, logits, targets);
