@@ -39,27 +39,6 @@ struct Measured {
     values: u64,
 }
 
-fn cpu() -> String {
-    let text = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let name = text
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split(':').nth(1))
-        .unwrap_or("?")
-        .trim()
-        .to_string();
-    let flags = text.lines().find(|l| l.starts_with("flags")).unwrap_or("");
-    let isa = if flags.contains("avx512f") {
-        "AVX-512"
-    } else if flags.contains("avx2") {
-        "AVX2"
-    } else {
-        "no AVX2"
-    };
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    format!("{name}, {isa}, {cores} cores")
-}
-
 /// `hearth train` as one job of `ranks`; what it measured.
 #[allow(clippy::too_many_arguments)]
 fn hearth(
@@ -263,7 +242,10 @@ fn main() {
         Ok("both") => vec![false, true],
         _ => vec![false],
     };
-    println!("# {}; per-rank batch {per_rank} at {size}x{size}", cpu());
+    println!(
+        "# {}; per-rank batch {per_rank} at {size}x{size}",
+        common::cpu()
+    );
     println!(
         "| model | optimizer | N | zero | recompute | Hearth peak per rank, MB: resident / live heap | optimizer state per rank, MB | saved vs zero 0, MB: resident / heap (the state's share) | step, ms | PyTorch peak per rank, MB | PyTorch step, ms | peak ratio Hearth/PyTorch | step ratio |"
     );

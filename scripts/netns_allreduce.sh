@@ -35,32 +35,11 @@ if [ -z "$BIN" ]; then
 fi
 BIN=$(readlink -f "$BIN")
 
-cleanup() {
-    for i in $(seq 0 $((RANKS - 1))); do ip netns del "hearth-r$i" 2>/dev/null || true; done
-    ip netns del hearth-br 2>/dev/null || true
-}
+. "$(dirname "$(readlink -f "$0")")/netns_lib.sh"
+cleanup() { netns_down "$RANKS"; }
 trap cleanup EXIT
 cleanup
-
-ip netns add hearth-br
-ip -n hearth-br link add br0 type bridge
-ip -n hearth-br link set br0 up
-for i in $(seq 0 $((RANKS - 1))); do
-    ns="hearth-r$i"
-    ip netns add "$ns"
-    ip link add "v$i" netns "$ns" type veth peer name "b$i" netns hearth-br
-    ip -n hearth-br link set "b$i" master br0 up
-    ip -n "$ns" addr add "10.77.0.$((i + 1))/24" dev "v$i"
-    ip -n "$ns" link set "v$i" up
-    ip -n "$ns" link set lo up
-    # Shape what each rank sends: netem (rate and delay) where the kernel has it, else a token
-    # bucket (rate only; the delay is then not applied and the report says so).
-    if ! ip netns exec "$ns" tc qdisc add dev "v$i" root netem delay "$DELAY" rate "$RATE" limit 10000 2>/dev/null; then
-        ip netns exec "$ns" tc qdisc add dev "v$i" root tbf rate "$RATE" burst 256kb latency 50ms
-        SHAPING="tbf rate $RATE (no sch_netem in this kernel: no added delay)"
-    fi
-done
-SHAPING=${SHAPING:-"netem rate $RATE delay $DELAY"}
+netns_up "$RANKS" "$RATE" "$DELAY"
 
 SECRET=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
 OUT=$(mktemp)

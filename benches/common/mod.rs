@@ -72,3 +72,25 @@ pub fn peer_script(name: &str) -> PathBuf {
         .join("benches/peer")
         .join(name)
 }
+
+/// The CPU as a figure should name it: its model, its widest vector extension, its cores.
+pub fn cpu() -> String {
+    let text = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let name = text
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .unwrap_or("?")
+        .trim()
+        .to_string();
+    let flags = text.lines().find(|l| l.starts_with("flags")).unwrap_or("");
+    let isa = if flags.contains("avx512f") {
+        "AVX-512"
+    } else if flags.contains("avx2") {
+        "AVX2"
+    } else {
+        "no AVX2"
+    };
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{name}, {isa}, {cores} cores")
+}

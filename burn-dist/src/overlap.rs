@@ -3,11 +3,13 @@
 //! reduced on a thread of its own while the backward pass goes on, as PyTorch DDP and Horovod
 //! do. [`crate::collective::cost::StepCost::step_s`] models what that is worth.
 //!
-//! The buckets are cut by the tensors' sizes alone, with [`BucketPlan`]'s rule (a bucket closes
-//! when the next tensor would take it past the bucket size), never by when tensors arrive: so
-//! every rank cuts the same buckets and calls the same collectives in the same order, however
-//! its backward pass is timed. The result equals [`BucketPlan`]'s packing of the whole list
-//! reduced at once.
+//! The buckets are cut by the tensors' sizes alone, never by when tensors arrive: a bucket
+//! closes as soon as it holds its size (so its last tensor may take it past; waiting to learn
+//! whether the next tensor fits would hold every bucket back for one more segment's backward),
+//! and the first bucket is at most [`FIRST_BUCKET_BYTES`], so that the exchange starts as soon
+//! as the last segment's backward is over, as PyTorch DDP's first bucket does. Every rank cuts
+//! the same buckets and calls the same collectives in the same order, however its backward
+//! pass is timed, and the result equals the whole list reduced at once.
 //!
 //! [`OverlappedStep`] runs one training step's exchange: it is installed on the thread that
 //! runs the step, a segmented backward ([`crate::pipeline::segmented_gradients`]) hands each
@@ -40,8 +42,6 @@
 //! }
 //! ```
 //!
-//! [`BucketPlan`]: crate::bucket::BucketPlan
-
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -85,7 +85,7 @@ impl OverlappedExchange {
         let (tx, rx) = channel();
         let worker = std::thread::Builder::new()
             .name("burn-dist-exchange".into())
-            .spawn(move || exchange(&comm, (bucket_bytes / 4).max(1), op, compression, rx))
+            .spawn(move || exchange(&comm, bucket_bytes, op, compression, rx))
             .map_err(|e| DistError::Config(format!("starting the exchange thread: {e}")))?;
         Ok(Self {
             tx: Some(tx),
@@ -130,12 +130,55 @@ impl Drop for OverlappedExchange {
     }
 }
 
-/// The exchange thread: packs the tensors as they come into buckets of at most `cap` values
-/// (a larger tensor alone) and reduces each full bucket at once, the last when the sender is
-/// done.
+/// The first bucket's size at most, in bytes (PyTorch DDP's is 1 MB too): the exchange starts
+/// after the first few gradients instead of a whole bucket's worth.
+pub const FIRST_BUCKET_BYTES: usize = 1 << 20;
+
+/// Where the buckets end, from the tensors' sizes alone: a bucket closes with the tensor that
+/// brings it to its size (the first's size at most [`FIRST_BUCKET_BYTES`]).
+#[derive(Debug, Clone)]
+pub struct BucketCutter {
+    cap: usize,
+    first_cap: usize,
+    fill: usize,
+    closed: usize,
+}
+
+impl BucketCutter {
+    /// Buckets of `bucket_bytes` (of `f32`).
+    pub fn new(bucket_bytes: usize) -> Self {
+        let cap = (bucket_bytes / 4).max(1);
+        Self {
+            cap,
+            first_cap: cap.min(FIRST_BUCKET_BYTES / 4),
+            fill: 0,
+            closed: 0,
+        }
+    }
+
+    /// Adds a tensor of `len` values to the open bucket; whether the bucket closes with it.
+    pub fn add(&mut self, len: usize) -> bool {
+        self.fill += len;
+        let cap = if self.closed == 0 {
+            self.first_cap
+        } else {
+            self.cap
+        };
+        if self.fill >= cap {
+            self.fill = 0;
+            self.closed += 1;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// The exchange thread: packs the tensors as they come into buckets ([`BucketCutter`]) and
+/// reduces each bucket as soon as it closes, the last when the sender is done.
 fn exchange(
     comm: &Communicator,
-    cap: usize,
+    bucket_bytes: usize,
     op: ReduceOp,
     compression: Compression,
     rx: Receiver<Vec<Vec<f32>>>,
@@ -143,17 +186,17 @@ fn exchange(
     let reduce =
         |bucket: &mut [Vec<f32>], flat: &mut Vec<f32>| reduce(comm, op, compression, bucket, flat);
     let mut all: Vec<Vec<f32>> = Vec::new();
-    let (mut start, mut fill) = (0usize, 0usize);
+    let mut cutter = BucketCutter::new(bucket_bytes);
+    let mut start = 0usize;
     let mut flat = Vec::new();
     for tensors in rx {
         for t in tensors {
-            if fill > 0 && fill + t.len() > cap {
+            let closes = cutter.add(t.len());
+            all.push(t);
+            if closes {
                 reduce(&mut all[start..], &mut flat)?;
                 start = all.len();
-                fill = 0;
             }
-            fill += t.len();
-            all.push(t);
         }
     }
     if start < all.len() {
@@ -426,7 +469,6 @@ mod tests {
 
     use super::*;
     use crate::Compression;
-    use crate::bucket::BucketPlan;
 
     /// Runs `f(rank, comm)` on `world` ranks as threads (collectives time out after
     /// `timeout`), each result within the collective tests' deadline.
@@ -486,10 +528,23 @@ mod tests {
                 }
             }
         }
-        // The buckets it cuts are BucketPlan's (its greedy rule), so the collectives match a
-        // non-overlapped exchange's one for one.
-        let plan = BucketPlan::new(&SIZES, 40);
-        assert_eq!(plan.buckets, vec![0..2, 2..5, 5..6, 6..7]);
+    }
+
+    #[test]
+    fn buckets_close_with_the_tensor_that_fills_them_the_first_one_small() {
+        // Buckets of 10 values: each closes with the tensor that brings it to 10 or more.
+        let mut c = BucketCutter::new(40);
+        let closes: Vec<bool> = SIZES.iter().map(|&n| c.add(n)).collect();
+        assert_eq!(
+            closes,
+            [false, false, true, false, false, true, false],
+            "[5, 3, 7] [0, 2, 30] [9]"
+        );
+        // The first bucket is at most FIRST_BUCKET_BYTES, the later ones the size asked for.
+        let mut c = BucketCutter::new(100 * FIRST_BUCKET_BYTES);
+        let quarter = FIRST_BUCKET_BYTES / 16;
+        let closes: Vec<bool> = (0..6).map(|_| c.add(quarter)).collect();
+        assert_eq!(closes, [false, false, false, true, false, false]);
     }
 
     #[test]

@@ -671,19 +671,19 @@ fn a_segmented_backward_equals_one_backward_and_hands_out_the_last_segment_first
 fn an_overlapped_exchange_equals_the_exchange_after_the_backward() {
     let _random = random_lock();
     let device = Device::flex().autodiff();
-    let model = parts(3, &device);
-    // Materialised once, so every rank holds the same weights.
-    let model: Vec<Part> = model
-        .into_iter()
-        .map(|p| {
-            let _ = module_values(&p);
-            p
-        })
-        .collect();
+    // Every rank the same weights in parameters of its own: ranks as threads must not share
+    // parameter tensors, or Burn's autodiff joins their graphs (and its graph locks deadlock
+    // between a forward and a backward on two threads).
+    let weights: Vec<Vec<Vec<f32>>> = parts(3, &device).iter().map(module_values).collect();
     let world = 3;
     let (tx, rx) = std::sync::mpsc::channel();
     for (r, t) in MemoryTransport::mesh(world).into_iter().enumerate() {
-        let (tx, model, device) = (tx.clone(), model.clone(), device.clone());
+        let model: Vec<Part> = parts(3, &device)
+            .into_iter()
+            .zip(weights.clone())
+            .map(|(p, w)| burn_dist::ddp::with_module_values(p, w).unwrap())
+            .collect();
+        let (tx, device) = (tx.clone(), device.clone());
         std::thread::spawn(move || {
             let comm =
                 Arc::new(Communicator::new(Arc::new(t)).with_timeout(Duration::from_secs(30)));
