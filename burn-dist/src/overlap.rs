@@ -15,8 +15,11 @@
 //! runs the step, a segmented backward ([`crate::pipeline::segmented_gradients`]) hands each
 //! segment's gradients over with [`hand_over`] as soon as they exist, and
 //! [`OverlappedStep::finish`] puts the reduced gradients back where the step's optimizer finds
-//! them. Burn's autodiff has no hook that fires as each parameter's gradient is ready, so the
-//! model must be run segment by segment for its gradients to come out in pieces;
+//! them. Burn 0.22's autodiff does fire a hook as each parameter's gradient is ready
+//! (`Tensor::grad_distributed`, then the backend's `DistributedOps::submit_gradient_sync`), but
+//! only into Burn's own in-process sync server for several devices of one process, which our
+//! transports cannot stand in for; so the model runs segment by segment for its gradients to
+//! come out in pieces;
 //! [`crate::ddp::DdpStrategy::with_overlap`] drives it in burn-train's loop.
 //!
 //! ```

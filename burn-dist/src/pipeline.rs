@@ -805,8 +805,8 @@ pub fn recomputed_gradients_each<M: PipelineStage>(
 /// parameters, computed segment by segment from the last (one [`GradientsParams`] per
 /// segment, in segment order), each passed to `done` as soon as its backward is over, while
 /// the segments before it are still to run: what overlapping the gradient exchange with the
-/// backward pass needs ([`crate::overlap`]), since Burn's autodiff has no hook that fires as a
-/// parameter's gradient is ready.
+/// backward pass needs ([`crate::overlap`]): Burn's own per-parameter hook feeds only its
+/// in-process multi-device sync server.
 ///
 /// The forward keeps every segment's graph, each cut from the one before at its input (which
 /// requires a gradient where a segment before it trains), so it holds what one graph through
