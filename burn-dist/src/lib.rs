@@ -56,6 +56,7 @@ pub mod ddp;
 pub mod elastic;
 mod error;
 pub mod flat;
+mod grads;
 pub mod overlap;
 pub mod pipeline;
 pub mod ps;

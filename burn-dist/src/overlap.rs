@@ -327,7 +327,7 @@ impl OverlappedStep {
             });
         }
         // What was not handed over (a model run whole, parameters outside every segment).
-        crate::ddp::reduce_grads(
+        crate::grads::reduce_grads(
             module,
             grads,
             &self.comm,

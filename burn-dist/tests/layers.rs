@@ -27,8 +27,13 @@ const LAYERS: &[(&str, &[&str])] = &[
     // sharded optimizer over it and the collectives; DDP over both.
     ("flat/", &["flat"]),
     ("zero/", &["bucket", "collective", "flat", "split", "zero"]),
-    ("overlap.rs", &["bucket", "collective"]),
-    ("ddp.rs", &["bucket", "collective", "flat", "zero"]),
+    // A module's gradients in buckets; the exchange overlapped with the backward over them.
+    ("grads.rs", &["bucket", "collective"]),
+    ("overlap.rs", &["bucket", "collective", "grads"]),
+    (
+        "ddp.rs",
+        &["bucket", "collective", "flat", "grads", "overlap", "zero"],
+    ),
 ];
 
 fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
