@@ -92,7 +92,6 @@ fn netns_run(rate: &str, logs: &Path, command: &[String]) -> bool {
         .arg(logs)
         .arg("--")
         .args(command)
-        .env("RAYON_NUM_THREADS", "")
         .status();
     status.is_ok_and(|s| s.success())
 }

@@ -3,8 +3,8 @@
 //! SGD-momentum steps every stage's weights equal the unsplit model's under gradient
 //! accumulation over the same micro-batches (1e-5). Once more over a QUIC job (TLS, threads as
 //! ranks). 2D: 2 stages x 2 replicas, each stage's replicas averaging its gradients with the
-//! allreduce of their group, equal one process on the whole batch. A segmented backward equals
-//! one backward, and the exchange overlapped with it equals the exchange after it.
+//! allreduce of their group, equal one process on the whole batch. (The segmented backward and
+//! the overlapped exchange: `segments.rs`.)
 
 mod common;
 
@@ -13,11 +13,10 @@ use std::time::Duration;
 
 use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
-use burn::nn::{Linear, LinearConfig, PaddingConfig2d};
+use burn::nn::{LinearConfig, PaddingConfig2d};
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{GradientsAccumulator, GradientsParams, SgdConfig};
 use burn::prelude::*;
-use burn::tensor::TensorData;
 use burn::tensor::activation::relu;
 use burn_dist::ddp::allreduce_grads;
 use burn_dist::ddp::module_values;
@@ -25,46 +24,10 @@ use burn_dist::pipeline::{Activation, Pipeline, PipelineStage, Schedule};
 use burn_dist::transport::group::{Grid, Group};
 use burn_dist::transport::memory::MemoryTransport;
 use burn_dist::{Communicator, DistError, Transport};
+use common::cnn::{Head, MB, Part, micro, mse, parts};
 
 const STEPS: usize = 3;
 const MICRO: usize = 4;
-const MB: usize = 2;
-
-#[derive(Module, Debug)]
-struct Conv {
-    conv: Conv2d,
-}
-
-#[derive(Module, Debug)]
-struct Head {
-    fc: Linear,
-}
-
-/// A stage of the test network.
-#[derive(Module, Debug)]
-enum Part {
-    Conv(Conv),
-    Head(Head),
-}
-
-impl Part {
-    fn apply(&self, x: Activation) -> burn_dist::Result<Activation> {
-        Ok(match self {
-            Part::Conv(c) => Activation::Rank4(relu(c.conv.forward(x.rank4("conv")?))),
-            Part::Head(h) => {
-                let x = x.rank4("head")?;
-                let [n, c, hh, w] = x.dims();
-                Activation::Rank2(h.fc.forward(x.reshape([n, c * hh * w])))
-            }
-        })
-    }
-}
-
-impl PipelineStage for Part {
-    fn forward(&self, x: Activation) -> burn_dist::Result<Activation> {
-        self.apply(x)
-    }
-}
 
 /// Held by every test for its whole run: the backend's random stream is the process's (and
 /// parameters initialise lazily, at their first forward), and the recomputation test reseeds
@@ -73,42 +36,6 @@ static RANDOM: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn random_lock() -> std::sync::MutexGuard<'static, ()> {
     RANDOM.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The network's stages: `convs` convolutions (3->4, then 4->4 channels) and the head.
-fn parts(convs: usize, device: &Device) -> Vec<Part> {
-    let mut v: Vec<Part> = (0..convs)
-        .map(|i| {
-            let cin = if i == 0 { 3 } else { 4 };
-            Part::Conv(Conv {
-                conv: Conv2dConfig::new([cin, 4], [3, 3])
-                    .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
-                    .init(device),
-            })
-        })
-        .collect();
-    v.push(Part::Head(Head {
-        fc: LinearConfig::new(4 * 4 * 4, 3).init(device),
-    }));
-    v
-}
-
-/// Micro-batch `m` of step `s`: inputs `[MB, 3, 4, 4]` and targets `[MB, 3]`.
-fn micro(s: usize, m: usize, device: &Device) -> (Tensor<4>, Tensor<2>) {
-    let x: Vec<f32> = (0..MB * 48)
-        .map(|i| (((s * 97 + m * 31 + i * 7) % 19) as f32 - 9.0) / 9.0)
-        .collect();
-    let y: Vec<f32> = (0..MB * 3)
-        .map(|i| (((s * 13 + m * 5 + i * 3) % 7) as f32 - 3.0) / 3.0)
-        .collect();
-    (
-        Tensor::from_data(TensorData::new(x, [MB, 3, 4, 4]), device),
-        Tensor::from_data(TensorData::new(y, [MB, 3]), device),
-    )
-}
-
-fn mse(out: Tensor<2>, target: Tensor<2>) -> Tensor<1> {
-    (out - target).powi_scalar(2).mean()
 }
 
 fn sgd() -> burn::optim::ModuleOptimizer {
@@ -557,204 +484,4 @@ fn recomputed_gradients_in_one_process_equal_one_backward_through_the_chain() {
             assert!((a - b).abs() <= 1e-6, "{convs} convolutions: {a} vs {b}");
         }
     }
-}
-
-/// Each parameter's gradient in `grads`, in `model`'s visiting order (empty where it has none).
-fn grad_values<M: Module>(model: &M, grads: &GradientsParams) -> Vec<Vec<f32>> {
-    struct Read<'a>(&'a GradientsParams, Vec<Vec<f32>>);
-    impl burn::module::ModuleVisitor for Read<'_> {
-        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<D>>) {
-            let v = self
-                .0
-                .get::<D>(p.id)
-                .map(|g| g.into_data().convert::<f32>().try_to_vec::<f32>().unwrap())
-                .unwrap_or_default();
-            self.1.push(v);
-        }
-    }
-    let mut r = Read(grads, Vec::new());
-    model.visit(&mut r);
-    r.1
-}
-
-fn assert_close(what: &str, a: &[Vec<f32>], b: &[Vec<f32>], tol: f32) {
-    assert_eq!(a.len(), b.len(), "{what}");
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert_eq!(x.len(), y.len(), "{what}: tensor {i}");
-        for (u, v) in x.iter().zip(y) {
-            assert!(
-                (u - v).abs() <= tol * (1.0 + v.abs()),
-                "{what}: tensor {i}: {u} against {v}"
-            );
-        }
-    }
-}
-
-/// One backward through the whole chain: the reference for the segmented ones.
-fn whole_backward(model: &[Part], x: Tensor<4>, y: Tensor<2>) -> GradientsParams {
-    let mut a = Activation::Rank4(x);
-    for part in model {
-        a = part.apply(a).unwrap();
-    }
-    let grads = mse(a.rank2("out").unwrap(), y).backward();
-    GradientsParams::from_grads(grads, &model.to_vec())
-}
-
-/// The segmented backward with `done` on each segment; the segments' gradients merged.
-/// The loss is multiplied by `factor` (as fp16's loss scaling does).
-fn segmented(
-    model: &[Part],
-    x: Tensor<4>,
-    y: Tensor<2>,
-    factor: f32,
-    done: &mut burn_dist::pipeline::SegmentDone<'_, Part>,
-) -> GradientsParams {
-    let parts = burn_dist::pipeline::segmented_gradients(
-        model,
-        Activation::Rank4(x),
-        &mut |out| Ok(mse(out.rank2("out")?, y.clone()).mul_scalar(factor)),
-        done,
-    )
-    .unwrap();
-    assert_eq!(parts.len(), model.len());
-    let whole = model.to_vec();
-    let mut acc = GradientsAccumulator::<Vec<Part>>::new();
-    for g in parts {
-        acc.accumulate(&whole, g);
-    }
-    acc.grads()
-}
-
-#[test]
-fn a_segmented_backward_equals_one_backward_and_hands_out_the_last_segment_first() {
-    let _random = random_lock();
-    let device = Device::flex().autodiff();
-    for convs in [1, 3] {
-        let model = parts(convs, &device);
-        let (x, y) = micro(0, 0, &device);
-        let want = grad_values(
-            &model.to_vec(),
-            &whole_backward(&model, x.clone(), y.clone()),
-        );
-        let mut order = Vec::new();
-        let got = segmented(&model, x, y, 1.0, &mut |k, _, g| {
-            order.push(k);
-            Ok(g)
-        });
-        assert_close(
-            "segmented",
-            &grad_values(&model.to_vec(), &got),
-            &want,
-            1e-6,
-        );
-        assert!(want.iter().all(|g| !g.is_empty()));
-        assert_eq!(order, (0..=convs).rev().collect::<Vec<_>>());
-    }
-    // A frozen first segment: no gradient for it, the others' unchanged, and nothing is
-    // differentiated through it.
-    let mut model = parts(2, &device);
-    model[0] = model[0].clone().no_grad();
-    let (x, y) = micro(1, 0, &device);
-    let want = grad_values(
-        &model.to_vec(),
-        &whole_backward(&model, x.clone(), y.clone()),
-    );
-    let got = grad_values(
-        &model.to_vec(),
-        &segmented(&model, x, y, 1.0, &mut |_, _, g| Ok(g)),
-    );
-    assert!(want[0].is_empty() && got[0].is_empty(), "{:?}", got[0]);
-    assert_close("frozen first", &got, &want, 1e-6);
-}
-
-#[test]
-fn an_overlapped_exchange_equals_the_exchange_after_the_backward() {
-    let _random = random_lock();
-    let device = Device::flex().autodiff();
-    // Every rank the same weights in parameters of its own: ranks as threads must not share
-    // parameter tensors, or Burn's autodiff joins their graphs (and its graph locks deadlock
-    // between a forward and a backward on two threads).
-    let weights: Vec<Vec<Vec<f32>>> = parts(3, &device).iter().map(module_values).collect();
-    let world = 3;
-    let (tx, rx) = std::sync::mpsc::channel();
-    for (r, t) in MemoryTransport::mesh(world).into_iter().enumerate() {
-        let model: Vec<Part> = parts(3, &device)
-            .into_iter()
-            .zip(weights.clone())
-            .map(|(p, w)| burn_dist::ddp::with_module_values(p, w).unwrap())
-            .collect();
-        let (tx, device) = (tx.clone(), device.clone());
-        std::thread::spawn(move || {
-            let comm =
-                Arc::new(Communicator::new(Arc::new(t)).with_timeout(Duration::from_secs(30)));
-            let whole = model.to_vec();
-            let mut out = Vec::new();
-            // Buckets of one tensor, of a few, of everything; then a weighted sum with an
-            // fp16-style unscaling of what is handed over.
-            for (bucket, op, weight, unscale) in [
-                (4usize, burn_dist::ReduceOp::Mean, 1.0f32, None),
-                (600, burn_dist::ReduceOp::Mean, 1.0, None),
-                (1 << 20, burn_dist::ReduceOp::Mean, 1.0, None),
-                (
-                    600,
-                    burn_dist::ReduceOp::Sum,
-                    0.25 * (r + 1) as f32,
-                    Some(8.0f32),
-                ),
-            ] {
-                let (x, y) = micro(2, r, &device);
-                // The reference: one backward, then the exchange in module order.
-                let mut want = whole_backward(&model, x.clone(), y.clone());
-                let scale = (op == burn_dist::ReduceOp::Sum).then_some(weight);
-                match scale {
-                    None => allreduce_grads(&whole, &mut want, &comm, bucket).unwrap(),
-                    Some(w) => burn_dist::ddp::allreduce_grads_scaled(
-                        &whole,
-                        &mut want,
-                        &comm,
-                        bucket,
-                        w,
-                        burn_dist::Compression::None,
-                    )
-                    .unwrap(),
-                }
-                let step = burn_dist::overlap::OverlappedStep::begin(
-                    comm.clone(),
-                    bucket,
-                    op,
-                    burn_dist::Compression::None,
-                    weight,
-                )
-                .unwrap();
-                assert!(burn_dist::overlap::handing_over());
-                let factor = unscale.unwrap_or(1.0);
-                if let Some(s) = unscale {
-                    burn_dist::overlap::unscale_by(s);
-                }
-                let mut handed = 0;
-                let mut got = segmented(&model, x, y, factor, &mut |_, seg, g| {
-                    handed += 1;
-                    Ok(burn_dist::overlap::hand_over(seg, g))
-                });
-                // Everything was handed over: nothing is left for after the backward.
-                assert!(grad_values(&whole, &got).iter().all(Vec::is_empty));
-                assert_eq!(handed, 4);
-                let n = step.finish(&whole, &mut got).unwrap();
-                assert!(!burn_dist::overlap::handing_over());
-                assert_eq!(n, 8, "two tensors per segment");
-                out.push((grad_values(&whole, &want), grad_values(&whole, &got)));
-            }
-            let _ = tx.send((r, out));
-        });
-    }
-    drop(tx);
-    let mut seen = 0;
-    while let Ok((r, out)) = rx.recv_timeout(Duration::from_secs(120)) {
-        for (i, (want, got)) in out.iter().enumerate() {
-            // Case 3's loss is scaled by 8 and its handed-over gradients unscaled by 8.
-            assert_close(&format!("rank {r}, case {i}"), got, want, 1e-5);
-        }
-        seen += 1;
-    }
-    assert_eq!(seen, world, "a rank failed or hung");
 }

@@ -2,6 +2,8 @@
 //! ranks as threads over the in-memory transport, and the weight comparison.
 #![allow(dead_code)]
 
+pub mod cnn;
+
 use std::process::Child;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

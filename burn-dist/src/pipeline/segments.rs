@@ -1,0 +1,208 @@
+//! Backward passes cut at segment boundaries in one process: activation recomputation
+//! (`--recompute` outside pipelines) and the segmented backward that hands each segment's
+//! gradients on as soon as they exist (`--overlap`).
+
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+
+use super::{Activation, Materialize, PipelineStage, mismatch};
+use crate::{DistError, Result};
+
+/// Activation recomputation in one process: the gradients of `loss(segments[K-1](...
+/// segments[0](input)))` for every segment's parameters (one [`GradientsParams`] per segment,
+/// keyed by their parameters' ids), holding between the forward and the backward only each
+/// segment's input, and at any time one segment's graph.
+///
+/// The forward runs each segment but the last without a graph (its parameters untracked;
+/// batch norm trains and updates its running statistics as usual); the last runs with its
+/// graph and `loss` (which may keep what it needs of the output, e.g. for metrics), then the
+/// backward goes from the last segment to the first, running each one's forward again
+/// ([`PipelineStage::forward_again`]) with its graph before differentiating it. Random draws
+/// (dropout) of every segment but the last come from a seed per segment drawn from the
+/// device's stream and set again for the recomputation, so both passes draw the same. The
+/// results equal one backward through the whole chain, bar those draws.
+pub fn recomputed_gradients<M: PipelineStage>(
+    segments: &[M],
+    input: Activation,
+    loss: &mut dyn FnMut(Activation) -> Result<Tensor<1>>,
+    device: &Device,
+) -> Result<Vec<GradientsParams>> {
+    recomputed_gradients_each(segments, input, loss, device, &mut |_, _, g| Ok(g))
+}
+
+/// What a segmented backward does with each segment's gradients as soon as they are done
+/// (the last segment's first): `done(k, segment, grads)` returns what it leaves of them for
+/// the result (all of them, or nothing once it has handed them on, e.g. to an
+/// [`crate::overlap`] exchange).
+pub type SegmentDone<'a, M> = dyn FnMut(usize, &M, GradientsParams) -> Result<GradientsParams> + 'a;
+
+/// [`recomputed_gradients`], each segment's gradients passed to `done` as soon as its
+/// backward is over.
+pub fn recomputed_gradients_each<M: PipelineStage>(
+    segments: &[M],
+    input: Activation,
+    loss: &mut dyn FnMut(Activation) -> Result<Tensor<1>>,
+    device: &Device,
+    done: &mut SegmentDone<'_, M>,
+) -> Result<Vec<GradientsParams>> {
+    let Some((last, rest)) = segments.split_last() else {
+        return Err(DistError::Config("recomputation over no segments".into()));
+    };
+    for s in segments {
+        s.visit(&mut Materialize);
+    }
+    let fail = |k: usize, e: DistError| mismatch("recomputed forward", format!("segment {k}: {e}"));
+    // Forward without graphs: each segment's input and seed.
+    let mut held: Vec<(Activation, u64)> = Vec::with_capacity(rest.len());
+    let mut x = input;
+    for (k, s) in rest.iter().enumerate() {
+        let seed = draw_seed(device);
+        device.seed(seed);
+        let y = s
+            .clone()
+            .no_grad()
+            .forward(x.clone())
+            .map_err(|e| fail(k, e))?;
+        held.push((x, seed));
+        x = y;
+    }
+    let mut grads = Vec::with_capacity(segments.len());
+    let k_last = rest.len();
+    let x_last = if k_last == 0 { x } else { x.require_grad() };
+    let y = last.forward(x_last.clone()).map_err(|e| fail(k_last, e))?;
+    let g = loss(y)?.backward();
+    let mut upstream = if k_last == 0 {
+        None
+    } else {
+        x_last.grad_activation(&g)
+    };
+    grads.push(hand_on(done, k_last, last, g)?);
+    for (k, (x, seed)) in held.into_iter().enumerate().rev() {
+        let Some(dy) = upstream.take() else {
+            // Nothing flows further back (a frozen segment whose input needs no gradient).
+            grads.push(GradientsParams::new());
+            continue;
+        };
+        device.seed(seed);
+        let x = if k == 0 { x } else { x.require_grad() };
+        let y = segments[k]
+            .forward_again(x.clone())
+            .map_err(|e| fail(k, e))?;
+        if !y.is_tracked() {
+            grads.push(GradientsParams::new());
+            continue;
+        }
+        let g = y.inject_activation(dy)?.backward();
+        if k > 0 {
+            upstream = x.grad_activation(&g);
+        }
+        grads.push(hand_on(done, k, &segments[k], g)?);
+    }
+    grads.reverse();
+    Ok(grads)
+}
+
+/// The gradients of `loss(segments[K-1](... segments[0](input)))` for every segment's
+/// parameters, computed segment by segment from the last (one [`GradientsParams`] per
+/// segment, in segment order), each passed to `done` as soon as its backward is over, while
+/// the segments before it are still to run: what overlapping the gradient exchange with the
+/// backward pass needs ([`crate::overlap`]): Burn's own per-parameter hook feeds only its
+/// in-process multi-device sync server.
+///
+/// The forward keeps every segment's graph, each cut from the one before at its input (which
+/// requires a gradient where a segment before it trains), so it holds what one graph through
+/// the whole chain holds. The backward starts from the loss and runs each segment's graph
+/// with the gradient of its output that the segment after it produced. The results equal one
+/// backward through the whole chain (the same operations; only the sums across a cut are
+/// made at the cut).
+pub fn segmented_gradients<M: PipelineStage>(
+    segments: &[M],
+    input: Activation,
+    loss: &mut dyn FnMut(Activation) -> Result<Tensor<1>>,
+    done: &mut SegmentDone<'_, M>,
+) -> Result<Vec<GradientsParams>> {
+    if segments.is_empty() {
+        return Err(DistError::Config(
+            "a segmented backward over no segments".into(),
+        ));
+    }
+    for s in segments {
+        s.visit(&mut Materialize);
+    }
+    let fail = |k: usize, e: DistError| mismatch("segmented forward", format!("segment {k}: {e}"));
+    // A segment's input needs a gradient when a segment before it trains.
+    let mut upstream_trains = Vec::with_capacity(segments.len());
+    let mut trains = false;
+    for s in segments {
+        upstream_trains.push(trains);
+        let mut t = Trains(false);
+        s.visit(&mut t);
+        trains |= t.0;
+    }
+    // Forward with graphs: each segment's input (cut from the graph before) and output.
+    let mut cut: Vec<(Activation, Activation)> = Vec::with_capacity(segments.len());
+    let mut x = input;
+    for (k, s) in segments.iter().enumerate() {
+        let input = match (k, upstream_trains[k]) {
+            (0, _) => x,
+            (_, true) => x.detach().require_grad(),
+            (_, false) => x.detach(),
+        };
+        let y = s.forward(input.clone()).map_err(|e| fail(k, e))?;
+        x = y.clone();
+        cut.push((input, y));
+    }
+    let mut grads: Vec<GradientsParams> = Vec::with_capacity(segments.len());
+    let mut upstream: Option<Activation> = None;
+    for (k, (input, y)) in cut.into_iter().enumerate().rev() {
+        let g = if k + 1 == segments.len() {
+            loss(y)?.backward()
+        } else {
+            match upstream.take() {
+                Some(dy) if y.is_tracked() => y.inject_activation(dy)?.backward(),
+                // Nothing flows back into this segment (it and all before it are frozen).
+                _ => {
+                    grads.push(GradientsParams::new());
+                    continue;
+                }
+            }
+        };
+        if upstream_trains[k] {
+            upstream = input.grad_activation(&g);
+        }
+        grads.push(hand_on(done, k, &segments[k], g)?);
+    }
+    grads.reverse();
+    Ok(grads)
+}
+
+/// Segment `k`'s gradients from a backward's `grads`, passed to `done`.
+fn hand_on<M: PipelineStage>(
+    done: &mut SegmentDone<'_, M>,
+    k: usize,
+    segment: &M,
+    grads: burn::tensor::Gradients,
+) -> Result<GradientsParams> {
+    done(k, segment, GradientsParams::from_grads(grads, segment))
+}
+
+/// Whether a visit reaches a parameter that requires a gradient.
+struct Trains(bool);
+
+impl burn::module::ModuleVisitor for Trains {
+    fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+        self.0 |= param.val().is_require_grad();
+    }
+}
+
+/// A seed from the device's random stream (so it follows the run's seeding).
+fn draw_seed(device: &Device) -> u64 {
+    let t = Tensor::<1>::random([2], burn::tensor::Distribution::Uniform(0.0, 1.0), device);
+    let v = t
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap_or_default();
+    v.iter()
+        .fold(0u64, |acc, x| (acc << 32) | u64::from(x.to_bits()))
+}
