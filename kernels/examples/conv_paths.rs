@@ -1,4 +1,5 @@
-//! Times ResNet-50's (or, with `HEARTH_CONV_MODEL=vgg16`, VGG-16's) convolution shapes (224x224) through autodiff on Burn Flex, forward and
+//! Times ResNet-50's (or, with `HEARTH_CONV_MODEL=vgg16` or `densenet121`, VGG-16's or
+//! DenseNet-121's) convolution shapes (224x224) through autodiff on Burn Flex, forward and
 //! backward (input and weight gradients), by each path: Burn's `conv2d`, the pointwise matrix
 //! product (1x1 only), and the extension op with the GEMM weight gradient. The measurement
 //! behind which shapes the fast path takes (BENCHMARKS.md, "CPU kernels").
@@ -61,9 +62,28 @@ fn main() {
         (2048, 512, 1, 1, 7, 2),
         (512, 2048, 1, 1, 7, 3),
     ];
-    let vgg = std::env::var("HEARTH_CONV_MODEL").is_ok_and(|m| m == "vgg16");
-    let shapes: &[(usize, usize, usize, usize, usize, usize)] =
-        if vgg { &vgg16 } else { &resnet50 };
+    // DenseNet-121: each block's 1x1 bottlenecks at their median input width (the input grows
+    // by 32 channels a layer), its 3x3 128→32 layers, and the transitions.
+    let densenet121 = [
+        (3, 64, 7, 2, 224, 1),
+        (160, 128, 1, 1, 56, 6),
+        (128, 32, 3, 1, 56, 6),
+        (256, 128, 1, 1, 56, 1),
+        (304, 128, 1, 1, 28, 12),
+        (128, 32, 3, 1, 28, 12),
+        (512, 256, 1, 1, 28, 1),
+        (624, 128, 1, 1, 14, 24),
+        (128, 32, 3, 1, 14, 24),
+        (1024, 512, 1, 1, 14, 1),
+        (752, 128, 1, 1, 7, 16),
+        (128, 32, 3, 1, 7, 16),
+    ];
+    let model = std::env::var("HEARTH_CONV_MODEL").unwrap_or_default();
+    let shapes: &[(usize, usize, usize, usize, usize, usize)] = match model.as_str() {
+        "vgg16" => &vgg16,
+        "densenet121" => &densenet121,
+        _ => &resnet50,
+    };
     println!("batch {n}; seconds for forward + backward (min of 3); GFLOP/s of the three passes");
     println!(
         "| conv | count | Burn s | pointwise s | GEMM weight grad s | Burn GFLOP/s | best GFLOP/s |"
@@ -121,12 +141,16 @@ fn main() {
 /// The three raw kernels alone on `f32` slices (no Burn), GFLOP/s each: where the GEMM path's
 /// time goes.
 fn raw_kernels(n: usize, shapes: &[(usize, usize, usize, usize, usize, usize)]) {
-    use hearth_kernels::conv::{conv2d_forward, conv2d_input_grad};
+    use hearth_kernels::conv::{
+        conv2d_forward, conv2d_input_grad, conv2d_input_grad_as_conv, input_grad_as_conv_applies,
+    };
     use hearth_kernels::weight_grad::{ConvShape, conv2d_weight_grad};
     println!();
     println!("raw kernels, batch {n} (min of 3): GFLOP/s");
-    println!("| conv | forward (Flex) | input grad (Flex) | weight grad (Flex) |");
-    println!("| --- | ---: | ---: | ---: |");
+    println!(
+        "| conv | forward (Flex) | input grad (Flex) | input grad as a convolution | weight grad (Flex) |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: |");
     let flex = Device::flex();
     for &(cin, cout, k, stride, side, _) in shapes {
         let s = ConvShape {
@@ -150,6 +174,8 @@ fn raw_kernels(n: usize, shapes: &[(usize, usize, usize, usize, usize, usize)]) 
         let gflop = 2.0 * (n * cout * out[2] * out[3] * cin * k * k) as f64 / 1e9;
         let f = time_min(3, || drop(conv2d_forward(&x, &w, &s)));
         let dx = time_min(3, || drop(conv2d_input_grad(&w, &dy, &s)));
+        let dx_conv = input_grad_as_conv_applies(&s)
+            .then(|| time_min(3, || drop(conv2d_input_grad_as_conv(&w, &dy, &s))));
         let dw = time_min(3, || drop(conv2d_weight_grad(&x, &dy, &s)));
         // Flex's own kernels on the same data.
         let tensor = |v: &[f32], shape: [usize; 4]| {
@@ -191,11 +217,12 @@ fn raw_kernels(n: usize, shapes: &[(usize, usize, usize, usize, usize, usize)]) 
             .into_data();
         });
         println!(
-            "| {cin}→{cout} {k}x{k} s{stride} {side} | {:.0} ({:.0}) | {:.0} ({:.0}) | {:.0} ({:.0}) |",
+            "| {cin}→{cout} {k}x{k} s{stride} {side} | {:.0} ({:.0}) | {:.0} ({:.0}) | {} | {:.0} ({:.0}) |",
             gflop / f,
             gflop / ff,
             gflop / dx,
             gflop / fdx,
+            dx_conv.map_or("-".into(), |t| format!("{:.0}", gflop / t)),
             gflop / dw,
             gflop / fdw
         );

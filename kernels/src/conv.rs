@@ -3,7 +3,11 @@
 //!
 //! - forward: `Yₙ[Co, Ho·Wo] = W[Co, Ci·kh·kw] · colsₙ[Ci·kh·kw, Ho·Wo]`;
 //! - input gradient: `dcolsₙ = Wᵀ · dYₙ`, then col2im adds every tap back onto the input
-//!   pixel it came from.
+//!   pixel it came from;
+//! - or, for a stride of 1, the input gradient as a forward convolution of `dY` with the
+//!   kernel flipped and its channel axes swapped ([`conv2d_input_grad_as_conv`]): its columns
+//!   have `Co·kh·kw` rows where col2im scatters `Ci·kh·kw`, which wins where `Co < Ci`
+//!   (DenseNet's 128→32 3x3: Flex's transposed convolution spends most of its time scattering).
 //!
 //! A 1x1 convolution with stride 1 and no padding needs no columns: the image is the matrix.
 //! Burn Flex converts every input to channels-last and builds its columns in tiles of 512
@@ -221,4 +225,58 @@ pub fn conv2d_input_grad(weight: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> 
         }
     }
     dx
+}
+
+/// Whether [`conv2d_input_grad_as_conv`] applies: stride 1, and padding at most the dilated
+/// kernel's reach (`p ≤ d·(k - 1)`), so the flipped convolution's padding is not negative.
+pub fn input_grad_as_conv_applies(s: &ConvShape) -> bool {
+    s.stride == [1, 1]
+        && s.kernel.iter().all(|&k| k > 0)
+        && (0..2).all(|a| s.padding[a] <= s.dilation[a] * s.kernel[a].saturating_sub(1))
+}
+
+/// The input gradient `[N, Ci, H, W]` of a stride-1 convolution, as the forward convolution
+/// of `dy` (`[N, Co, Ho, Wo]`) with `W'[ci, co, i, j] = W[co, ci, kh-1-i, kw-1-j]`, the same
+/// dilation and padding `d·(k - 1) - p`: every input pixel gathers the output gradients of the
+/// taps that read it, which is what col2im scatters. Panics where
+/// [`input_grad_as_conv_applies`] is false.
+pub fn conv2d_input_grad_as_conv(weight: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
+    assert!(
+        input_grad_as_conv_applies(s),
+        "conv input gradient as a convolution: needs stride 1 and padding within the kernel, {s:?}"
+    );
+    let [n, ci, h, w] = s.input;
+    let [_, co, ho, wo] = s
+        .output()
+        .unwrap_or_else(|| panic!("conv input gradient: kernel does not fit {s:?}"));
+    let [kh, kw] = s.kernel;
+    assert_eq!(
+        weight.len(),
+        co * ci * kh * kw,
+        "conv input gradient: weight length for {s:?}"
+    );
+    let taps = kh * kw;
+    let mut flipped = vec![0f32; weight.len()];
+    for o in 0..co {
+        for i in 0..ci {
+            let src = &weight[(o * ci + i) * taps..][..taps];
+            let dst = &mut flipped[(i * co + o) * taps..][..taps];
+            for (d, &v) in dst.iter_mut().zip(src.iter().rev()) {
+                *d = v;
+            }
+        }
+    }
+    let transposed = ConvShape {
+        input: [n, co, ho, wo],
+        out_channels: ci,
+        kernel: s.kernel,
+        stride: [1, 1],
+        padding: [
+            s.dilation[0] * (kh - 1) - s.padding[0],
+            s.dilation[1] * (kw - 1) - s.padding[1],
+        ],
+        dilation: s.dilation,
+    };
+    debug_assert_eq!(transposed.output(), Some([n, ci, h, w]));
+    conv2d_forward(dy, &flipped, &transposed)
 }

@@ -86,13 +86,21 @@ impl ConvBackend for Flex {
         let fits =
             shape.output() == Some(grad.shape().dims::<4>()) && weight_shape[1] == input_shape[1];
         let f32s = weight.dtype() == DType::F32 && grad.dtype() == DType::F32;
-        if !(f32s && fits && own_input_grad_is_faster(&shape)) {
+        let path = if f32s && fits {
+            input_grad_path(&shape)
+        } else {
+            InputGrad::Flex
+        };
+        if path == InputGrad::Flex {
             let x = FlexTensor::from_data(burn::tensor::TensorData::zeros::<f32, _>(input_shape));
             return Flex::conv2d_x_backward(x, weight, grad, options(geometry));
         }
         let (weight, grad) = (weight.to_contiguous(), grad.to_contiguous());
-        let dx =
-            crate::conv::conv2d_input_grad(weight.storage::<f32>(), grad.storage::<f32>(), &shape);
+        let (weight, grad) = (weight.storage::<f32>(), grad.storage::<f32>());
+        let dx = match path {
+            InputGrad::AsConv => crate::conv::conv2d_input_grad_as_conv(weight, grad, &shape),
+            _ => crate::conv::conv2d_input_grad(weight, grad, &shape),
+        };
         f32_tensor(dx, input_shape.to_vec())
     }
 
@@ -137,15 +145,46 @@ fn own_forward_is_faster(s: &ConvShape) -> bool {
         || (pointwise && s.stride != [1, 1] && s.padding == [0, 0])
 }
 
-/// Where our input gradient beat Flex's transposed convolution (same measurement): 1x1,
-/// stride 1, no padding, on maps of 28x28 or more (256→64 at 56x56: 61 against 17 GFLOP/s)
-/// or when Flex has few tiles (batch 1: 123-206 against 96-154). For 3x3 Flex's is faster
-/// (129-175 against 112-148).
-fn own_input_grad_is_faster(s: &ConvShape) -> bool {
-    s.kernel == [1, 1]
+/// Which kernel computes a convolution's input gradient.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputGrad {
+    /// Flex's transposed convolution.
+    Flex,
+    /// Ours: `Wᵀ · dY` (col2im for wider kernels; only 1x1 takes it).
+    Gemm,
+    /// Ours: the forward convolution of `dY` with the flipped kernel (stride 1).
+    AsConv,
+}
+
+/// Where our input gradients beat Flex's transposed convolution (`kernels/examples/
+/// conv_paths.rs`, 2-core AVX-512, batch 16 unless said):
+/// - 1x1, stride 1, no padding, on maps of 28x28 or more (256→64 at 56x56: 89 against 36
+///   GFLOP/s) or when Flex has few tiles (batch 1: 123-206 against 96-154): `Wᵀ · dY`;
+/// - wider kernels with stride 1 and fewer output than input channels, the flipped
+///   convolution: DenseNet-121's 128→32 3x3 at 237-261 GFLOP/s against Flex's 97-110 on
+///   56x56 and 28x28 maps, 142 against 106 on 14x14, 73 against 47 on 7x7. Flex scatters
+///   `Ci·9` rows of columns back onto the image where the flipped convolution gathers `Co·9`.
+///   Also with as many output as input channels where Flex has few tiles (512→512 on 7x7:
+///   191 against 125). With more output channels than input ones Flex wins (VGG-16's 64→128
+///   at 112x112: 228 against 200, batch 4), and with as many it is a tie elsewhere
+///   (ResNet-50's 256→256 at 14x14: 243 against 216; 128→128 at 28x28: 224 against 241).
+pub fn input_grad_path(s: &ConvShape) -> InputGrad {
+    let [ci, co] = [s.input[1], s.out_channels];
+    let pointwise = s.kernel == [1, 1];
+    if pointwise
         && s.stride == [1, 1]
         && s.padding == [0, 0]
         && (s.input[2] * s.input[3] >= 28 * 28 || flex_has_few_tiles(s))
+    {
+        InputGrad::Gemm
+    } else if !pointwise
+        && crate::conv::input_grad_as_conv_applies(s)
+        && (co < ci || (co == ci && flex_has_few_tiles(s)))
+    {
+        InputGrad::AsConv
+    } else {
+        InputGrad::Flex
+    }
 }
 
 fn conv_shape(

@@ -46,6 +46,35 @@ pub(crate) fn f32_tensor(values: Vec<f32>, dims: Vec<usize>) -> burn_flex::FlexT
     )
 }
 
+/// `len` values written plane by plane in parallel (planes of `plane` values), without first
+/// zeroing them: `fill(i, values)` writes plane `i`. A kernel's output written once skips a
+/// pass over memory that `vec![0.0; len]` costs (a memset, or the kernel clearing fresh pages).
+///
+/// # Safety
+/// `fill` must write every element of every plane it is given; `len` must be a multiple of
+/// `plane` (or 0).
+pub(crate) unsafe fn par_planes(
+    len: usize,
+    plane: usize,
+    fill: impl Fn(usize, &mut [std::mem::MaybeUninit<f32>]) + Sync + Send,
+) -> Vec<f32> {
+    use rayon::prelude::*;
+    let mut values = Vec::<f32>::with_capacity(len);
+    if len > 0 {
+        assert!(
+            plane > 0 && len.is_multiple_of(plane),
+            "{len} values in planes of {plane}"
+        );
+        values.spare_capacity_mut()[..len]
+            .par_chunks_mut(plane)
+            .enumerate()
+            .for_each(|(i, p)| fill(i, p));
+    }
+    // SAFETY: the caller's `fill` wrote all `len` values (a panic in it never gets here).
+    unsafe { values.set_len(len) };
+    values
+}
+
 /// Which implementation a convolution takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Path {

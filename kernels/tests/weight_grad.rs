@@ -275,6 +275,7 @@ fn input_grad_naive(w: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
 fn forward_and_input_grad_kernels_equal_the_definition_over_random_geometries() {
     let cases = geometries(0x1234_5678_9abc_def1, 30);
     assert!(cases.len() >= 30, "only {} geometries fit", cases.len());
+    let mut as_conv = 0;
     for (i, s) in cases.iter().enumerate() {
         let [n, ci, h, w] = s.input;
         let out = s.output().expect("filtered");
@@ -286,25 +287,58 @@ fn forward_and_input_grad_kernels_equal_the_definition_over_random_geometries() 
             &forward_naive(&x, &wt, s),
             &format!("forward {s:?}"),
         );
+        let naive = input_grad_naive(&wt, &dy, s);
         close(
             &hearth_kernels::conv::conv2d_input_grad(&wt, &dy, s),
-            &input_grad_naive(&wt, &dy, s),
+            &naive,
             &format!("input grad {s:?}"),
         );
+        if hearth_kernels::conv::input_grad_as_conv_applies(s) {
+            as_conv += 1;
+            close(
+                &hearth_kernels::conv::conv2d_input_grad_as_conv(&wt, &dy, s),
+                &naive,
+                &format!("input grad as a convolution {s:?}"),
+            );
+        }
     }
+    // Stride 1 with padding within the kernel: the fixed cases alone give several (dilation
+    // 2 among them), the random ones more.
+    assert!(
+        as_conv >= 10,
+        "only {as_conv} geometries took the flipped convolution"
+    );
 }
 
 /// Shapes large enough that the op takes our forward (3x3 with 60x60 outputs, strided 1x1)
-/// and our input gradient (1x1 on 30x30), through autodiff and without it.
+/// and our input gradients (1x1 on 30x30: `Wᵀ · dY`; 3x3 with fewer output channels, or as
+/// many on a small map: the flipped convolution), through autodiff and without it.
 #[test]
 fn the_extension_takes_its_own_kernels_on_large_maps_and_equals_burn() {
+    use hearth_kernels::ext::{InputGrad, input_grad_path};
     let device = Device::flex().autodiff();
-    for (ci, co, k, stride, pad, side) in [
-        (3, 4, 3, 1, 1, 60),
-        (4, 3, 1, 1, 0, 30),
-        (4, 3, 1, 2, 0, 30),
+    for (ci, co, k, stride, pad, side, input_grad) in [
+        (3, 4, 3, 1, 1, 60, InputGrad::Flex),
+        (4, 3, 1, 1, 0, 30, InputGrad::Gemm),
+        (4, 3, 1, 2, 0, 30, InputGrad::Flex),
+        (8, 3, 3, 1, 1, 20, InputGrad::AsConv),
+        (5, 5, 3, 1, 1, 6, InputGrad::AsConv),
+        (6, 2, 5, 1, 1, 9, InputGrad::AsConv),
     ] {
         let what = format!("{ci}→{co} {k}x{k} s{stride} p{pad} {side}x{side}");
+        let shape = ConvShape {
+            input: [2, ci, side, side],
+            out_channels: co,
+            kernel: [k, k],
+            stride: [stride; 2],
+            padding: [pad; 2],
+            dilation: [1, 1],
+        };
+        assert_eq!(
+            input_grad_path(&shape),
+            input_grad,
+            "{what}: input gradient kernel"
+        );
         let conv = Conv2dConfig::new([ci, co], [k, k])
             .with_stride([stride, stride])
             .with_padding(PaddingConfig2d::Explicit(pad, pad, pad, pad))
