@@ -99,7 +99,7 @@ pub fn forward(
 }
 
 /// `y = x·scale[c] + shift[c]` per channel `c`, then `max(y, 0)` when `relu`: one pass.
-fn scale_shift(
+pub fn scale_shift(
     x: &[f32],
     [_, c, s]: [usize; 3],
     scale: &[f32],
@@ -126,6 +126,34 @@ fn scale_shift(
             }
         })
     }
+}
+
+/// Batch norm with fixed statistics (inference): `y = γ·(x - mean)/sqrt(var + ε) + β`, then
+/// `max(y, 0)` when `relu`, in one pass over `x` (the statistics folded into a scale and a
+/// shift per channel). Burn's generic `batch_norm` makes one pass per arithmetic step.
+pub fn inference(
+    x: &[f32],
+    shape: [usize; 3],
+    [gamma, beta, mean, var]: [&[f32]; 4],
+    epsilon: f64,
+    relu: bool,
+) -> Vec<f32> {
+    let c = shape[1];
+    assert!(
+        [gamma, beta, mean, var].iter().all(|v| v.len() == c),
+        "batch norm: {c} channels, γ {}, β {}, mean {}, variance {}",
+        gamma.len(),
+        beta.len(),
+        mean.len(),
+        var.len()
+    );
+    assert_eq!(
+        x.len(),
+        shape.iter().product::<usize>(),
+        "batch norm: input length"
+    );
+    let (scale, shift) = affine(gamma, beta, mean, var, epsilon);
+    scale_shift(x, shape, &scale, &shift, relu)
 }
 
 /// Per channel, `y = x·scale + shift` with `scale = γ/sqrt(var + ε)`, `shift = β - mean·scale`.

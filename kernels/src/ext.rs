@@ -92,8 +92,7 @@ impl ConvBackend for Flex {
             InputGrad::Flex
         };
         if path == InputGrad::Flex {
-            let x = FlexTensor::from_data(burn::tensor::TensorData::zeros::<f32, _>(input_shape));
-            return Flex::conv2d_x_backward(x, weight, grad, options(geometry));
+            return flex_input_grad(weight, grad, &shape);
         }
         let (weight, grad) = (weight.to_contiguous(), grad.to_contiguous());
         let (weight, grad) = (weight.storage::<f32>(), grad.storage::<f32>());
@@ -143,6 +142,32 @@ fn own_forward_is_faster(s: &ConvShape) -> bool {
     let pointwise = s.kernel == [1, 1];
     (!pointwise && (pixels >= 56 * 56 || flex_has_few_tiles(s)))
         || (pointwise && s.stride != [1, 1] && s.padding == [0, 0])
+}
+
+/// Flex's input gradient: the transposed convolution `conv2d_x_backward` calls (Burn's
+/// `conv2d_x_backward` takes the input only for its shape; building a zero input of that shape
+/// cost a pass over memory per call).
+fn flex_input_grad(weight: FlexTensor, grad: FlexTensor, s: &ConvShape) -> FlexTensor {
+    let out = grad.shape().dims::<4>();
+    // The input rows and columns a strided convolution left unread at the far edge: the
+    // transposed convolution must give them back (zero gradient) to restore the input's size.
+    let padding_out: [usize; 2] = std::array::from_fn(|a| {
+        let reach = s.dilation[a] * (s.kernel[a] - 1) + 1;
+        let covered = (out[2 + a].max(1) - 1) * s.stride[a] + reach;
+        (s.input[2 + a] + 2 * s.padding[a]).saturating_sub(covered)
+    });
+    Flex::conv_transpose2d(
+        grad,
+        weight,
+        None,
+        burn::tensor::ops::ConvTransposeOptions::new(
+            s.stride,
+            s.padding,
+            padding_out,
+            s.dilation,
+            1,
+        ),
+    )
 }
 
 /// Which kernel computes a convolution's input gradient.

@@ -32,6 +32,20 @@ pub trait NormBackend: Backend {
         relu: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
+    /// Batch norm with the given (running) statistics, then ReLU when `relu`, in one pass: for
+    /// inference. Not differentiable: under autodiff the result is a constant, so
+    /// [`batch_norm`] takes it only on devices without autodiff.
+    #[allow(clippy::too_many_arguments)]
+    fn hearth_batch_norm_inference(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        variance: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> FloatTensor<Self>;
+
     /// `(dx, dγ, dβ)` of that op for the output gradient `grad`.
     #[allow(clippy::too_many_arguments)]
     fn hearth_batch_norm_train_backward(
@@ -104,6 +118,36 @@ impl NormBackend for Flex {
             relu,
         );
         outputs([y, mean, var], dims, dtype)
+    }
+
+    fn hearth_batch_norm_inference(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        variance: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> FloatTensor<Self> {
+        let dtype = x.dtype();
+        let dims = x.shape().to_vec();
+        let shape = ncs(&x);
+        let [x, gamma, beta, mean, variance] = [x, gamma, beta, mean, variance].map(f32_values);
+        let y = crate::batch_norm::inference(
+            x.storage::<f32>(),
+            shape,
+            [gamma, beta, mean, variance]
+                .each_ref()
+                .map(|t| t.storage::<f32>()),
+            epsilon,
+            relu,
+        );
+        let y = f32_tensor(y, dims);
+        if dtype == DType::F32 {
+            y
+        } else {
+            Flex::float_cast(y, dtype.into())
+        }
     }
 
     fn hearth_batch_norm_train_backward(
@@ -211,6 +255,28 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
         }
     }
 
+    /// Not differentiable: the result is a constant ([`batch_norm`] calls it only without
+    /// autodiff).
+    fn hearth_batch_norm_inference(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        variance: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> FloatTensor<Self> {
+        <Self as AutodiffBackend>::from_inner(B::hearth_batch_norm_inference(
+            x.into_primitive(),
+            gamma.into_primitive(),
+            beta.into_primitive(),
+            mean.into_primitive(),
+            variance.into_primitive(),
+            epsilon,
+            relu,
+        ))
+    }
+
     /// A backward pass: not differentiable itself, the results are constants.
     fn hearth_batch_norm_train_backward(
         x: FloatTensor<Self>,
@@ -262,8 +328,8 @@ pub fn batch_norm_train<const D: usize>(
 
 /// `bn.forward(x)`, then ReLU when `relu`: by the fused op while training on a Flex device
 /// with the fast paths on (updating the running statistics as Burn's `BatchNorm` does), by
-/// Burn's module and `relu` otherwise (inference, where folding the statistics into one
-/// scale-and-shift pass measured no faster; frozen layers; other devices).
+/// one scale-and-shift pass for inference on a Flex device, by Burn's module and `relu`
+/// otherwise (frozen layers on a training device, other devices).
 ///
 /// Inside [`replaying`] a training batch norm normalises by the batch's statistics as usual
 /// but leaves its running statistics alone.
@@ -287,6 +353,19 @@ pub fn batch_norm<const D: usize>(bn: &BatchNorm, x: Tensor<D>, relu: bool) -> T
         } else {
             y
         };
+    }
+    if !device.is_autodiff() && crate::enabled() && crate::is_flex(&device) {
+        // Inference: one pass where Burn's generic batch norm and ReLU make five.
+        let y = <Dispatch as NormBackend>::hearth_batch_norm_inference(
+            x.into_dispatch(),
+            bn.gamma.val().into_dispatch(),
+            bn.beta.val().into_dispatch(),
+            bn.running_mean.value().to_device(&device).into_dispatch(),
+            bn.running_var.value().to_device(&device).into_dispatch(),
+            bn.epsilon,
+            relu,
+        );
+        return Tensor::from_dispatch(y);
     }
     if !(training && crate::enabled() && crate::is_flex(&device)) {
         let y = bn.forward(x);

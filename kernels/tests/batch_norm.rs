@@ -104,7 +104,7 @@ fn fused_batch_norm_equals_burns_over_random_shapes() {
 }
 
 #[test]
-fn fused_batch_norm_takes_rank_3_inputs_and_keeps_inference_on_burns_path() {
+fn fused_batch_norm_takes_rank_3_inputs() {
     let device = Device::flex().autodiff();
     let x = Tensor::<3>::random([3, 4, 10], Distribution::Normal(0.0, 1.0), &device);
     let dy = Tensor::<3>::random([3, 4, 10], Distribution::Normal(0.0, 1.0), &device);
@@ -113,16 +113,80 @@ fn fused_batch_norm_takes_rank_3_inputs_and_keeps_inference_on_burns_path() {
     let fast = step(&module(&gamma, &beta, &device), &x, &dy, true, true);
     let reference = step(&module(&gamma, &beta, &device), &x, &dy, true, false);
     compare(fast, reference, "rank 3");
+}
 
-    // Without autodiff the running statistics are used and not updated.
+/// Without autodiff the one-pass inference kernel uses the running statistics (random ones
+/// here, not the initial 0 and 1), leaves them as they were, and equals Burn's `BatchNorm`
+/// (+ `relu`), rank 3 and 4, odd planes.
+#[test]
+fn inference_batch_norm_equals_burns_with_running_statistics() {
+    use burn::module::RunningState;
     let plain = Device::flex();
-    let bn = module(
-        &gamma.clone().to_device(&plain),
-        &beta.to_device(&plain),
-        &plain,
-    );
-    let x = Tensor::<4>::random([2, 4, 3, 3], Distribution::Normal(0.0, 1.0), &plain);
-    let ours = batch_norm(&bn, x.clone(), false);
-    close(&values(ours), &values(bn.forward(x)), "inference");
-    assert_eq!(values(bn.running_mean.value()), vec![0.0; 4]);
+    for (i, dims) in [
+        vec![2, 4, 3, 3],
+        vec![3, 5, 7],
+        vec![1, 6, 1, 1],
+        vec![2, 3, 5, 9],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let c = dims[1];
+        let gamma = Tensor::<1>::random([c], Distribution::Normal(1.0, 0.5), &plain);
+        let beta = Tensor::<1>::random([c], Distribution::Normal(0.0, 0.5), &plain);
+        let mut bn = module(&gamma, &beta, &plain);
+        let mean = Tensor::<1>::random([c], Distribution::Normal(0.3, 1.0), &plain);
+        let var = Tensor::<1>::random([c], Distribution::Uniform(0.2, 3.0), &plain);
+        bn.running_mean = RunningState::new(mean.clone());
+        bn.running_var = RunningState::new(var.clone());
+        for with_relu in [false, true] {
+            let what = format!("inference {dims:?} relu {with_relu}");
+            let check = |ours: Vec<f32>, reference: Vec<f32>| {
+                close(&ours, &reference, &what);
+                if with_relu {
+                    assert!(
+                        ours.iter().any(|&v| v == 0.0),
+                        "{what}: ReLU clipped nothing"
+                    );
+                }
+            };
+            if dims.len() == 3 {
+                let x = Tensor::<3>::random(
+                    [dims[0], c, dims[2]],
+                    Distribution::Normal(0.0, 2.0),
+                    &plain,
+                );
+                let reference = bn.forward(x.clone());
+                let reference = if with_relu {
+                    relu(reference)
+                } else {
+                    reference
+                };
+                check(values(batch_norm(&bn, x, with_relu)), values(reference));
+            } else {
+                let x = Tensor::<4>::random(
+                    [dims[0], c, dims[2], dims[3]],
+                    Distribution::Normal(0.0, 2.0),
+                    &plain,
+                );
+                let reference = bn.forward(x.clone());
+                let reference = if with_relu {
+                    relu(reference)
+                } else {
+                    reference
+                };
+                check(values(batch_norm(&bn, x, with_relu)), values(reference));
+            }
+        }
+        assert_eq!(
+            values(bn.running_mean.value()),
+            values(mean),
+            "case {i}: mean kept"
+        );
+        assert_eq!(
+            values(bn.running_var.value()),
+            values(var),
+            "case {i}: variance kept"
+        );
+    }
 }
