@@ -32,6 +32,7 @@ pub mod batch_norm;
 pub mod conv;
 pub mod ext;
 pub mod norm;
+pub mod pool;
 pub mod precision;
 pub mod weight_grad;
 

@@ -265,9 +265,10 @@ impl DenseNet {
     /// torchvision's `features` output (after `norm5`, before the final ReLU).
     pub fn features(&self, x: Tensor<4>) -> Tensor<4> {
         let f = &self.features;
-        let mut x = f
-            .pool0
-            .forward(fast_batch_norm(&f.norm0, fast_conv2d(&f.conv0, x), true));
+        let mut x = hearth_kernels::pool::max_pool(
+            &f.pool0,
+            fast_batch_norm(&f.norm0, fast_conv2d(&f.conv0, x), true),
+        );
         for (i, block) in f.blocks.iter().enumerate() {
             x = block.forward(x);
             if let Some(t) = f.transitions.get(i) {

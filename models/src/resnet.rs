@@ -228,7 +228,7 @@ impl ResNet {
     /// The feature map before global pooling: `[batch, 512 * expansion, H/32, W/32]`.
     pub fn features(&self, x: Tensor<4>) -> Tensor<4> {
         let mut x = fast_batch_norm(&self.bn1, fast_conv2d(&self.conv1, x), true);
-        x = self.maxpool.forward(x);
+        x = hearth_kernels::pool::max_pool(&self.maxpool, x);
         for block in self
             .layer1
             .iter()

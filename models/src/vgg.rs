@@ -199,7 +199,7 @@ impl Vgg {
     /// The output of `features` (before the adaptive pool).
     pub fn features(&self, x: Tensor<4>) -> Tensor<4> {
         let mut x = if self.leading_pool {
-            self.maxpool.forward(x)
+            hearth_kernels::pool::max_pool(&self.maxpool, x)
         } else {
             x
         };
@@ -210,7 +210,7 @@ impl Vgg {
                 None => relu(x),
             };
             if pool {
-                x = self.maxpool.forward(x);
+                x = hearth_kernels::pool::max_pool(&self.maxpool, x);
             }
         }
         x

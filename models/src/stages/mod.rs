@@ -38,6 +38,7 @@ use burn::prelude::*;
 use burn::tensor::activation::relu;
 use hearth_kernels::conv2d as fast_conv2d;
 use hearth_kernels::norm::batch_norm as fast_batch_norm;
+use hearth_kernels::pool::max_pool;
 
 use crate::ModelError;
 use crate::densenet::{DenseLayer, DenseNet, Transition};
@@ -70,11 +71,10 @@ impl Unit {
         match self {
             // The same kernels as the whole networks' forward (hearth-kernels on the CPU), so
             // that a split network computes what the whole one does, to the last bit.
-            Unit::ResNetStem(s) => UnitOutput::Features(s.maxpool.forward(fast_batch_norm(
-                &s.bn1,
-                fast_conv2d(&s.conv1, x),
-                true,
-            ))),
+            Unit::ResNetStem(s) => UnitOutput::Features(max_pool(
+                &s.maxpool,
+                fast_batch_norm(&s.bn1, fast_conv2d(&s.conv1, x), true),
+            )),
             Unit::ResNetBlock(b) => UnitOutput::Features(b.forward(x)),
             Unit::ResNetHead(h) => UnitOutput::Logits(hearth_kernels::linear(
                 &h.fc,
@@ -82,7 +82,7 @@ impl Unit {
             )),
             Unit::VggConv(u) => {
                 let mut x = if u.pool_before {
-                    u.maxpool.forward(x)
+                    max_pool(&u.maxpool, x)
                 } else {
                     x
                 };
@@ -92,7 +92,7 @@ impl Unit {
                     None => relu(x),
                 };
                 UnitOutput::Features(if u.pool_after {
-                    u.maxpool.forward(x)
+                    max_pool(&u.maxpool, x)
                 } else {
                     x
                 })
@@ -104,11 +104,10 @@ impl Unit {
                 let x = c.dropout.forward(relu(hearth_kernels::linear(&c.fc2, x)));
                 UnitOutput::Logits(hearth_kernels::linear(&c.fc3, x))
             }
-            Unit::DenseStem(s) => UnitOutput::Features(s.pool0.forward(fast_batch_norm(
-                &s.norm0,
-                fast_conv2d(&s.conv0, x),
-                true,
-            ))),
+            Unit::DenseStem(s) => UnitOutput::Features(max_pool(
+                &s.pool0,
+                fast_batch_norm(&s.norm0, fast_conv2d(&s.conv0, x), true),
+            )),
             Unit::DenseLayer(l) => {
                 let new = l.new_features(x.clone());
                 UnitOutput::Features(Tensor::cat(vec![x, new], 1))
