@@ -91,6 +91,26 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// A port on 127.0.0.1 for a job's coordinator, free for UDP and TCP when chosen. Below the
+/// kernel's ephemeral range (32768-60999 here), so no socket bound to port 0 (every QUIC
+/// endpoint of the jobs running beside this one) can take it between this choice and rank 0's
+/// bind: a port asked of the kernel and released was once handed to another test's endpoint in
+/// between ("Address already in use", the whole job lost). Each test process starts at its own
+/// offset and walks a counter; the bind check skips ports another process holds.
+pub fn coordinator_port() -> u16 {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let base = 20_000 + (std::process::id() as usize * 61) % 12_000;
+    for _ in 0..12_000 {
+        let port = (20_000 + (base - 20_000 + NEXT.fetch_add(1, Ordering::SeqCst)) % 12_000) as u16;
+        let udp = std::net::UdpSocket::bind(("127.0.0.1", port));
+        let tcp = std::net::TcpListener::bind(("127.0.0.1", port));
+        if udp.is_ok() && tcp.is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in 20000-31999 on 127.0.0.1")
+}
+
 /// The largest difference between the logits two Hearth model files give over a folder's
 /// images (two runs that should have exported the same model).
 pub fn exported_logit_gap(
@@ -395,10 +415,7 @@ impl Job {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Self {
-        let port = std::net::UdpSocket::bind("127.0.0.1:0")
-            .and_then(|s| s.local_addr())
-            .map(|a| a.port())
-            .unwrap();
+        let port = coordinator_port();
         static JOBS: AtomicUsize = AtomicUsize::new(0);
         let job = JOBS.fetch_add(1, Ordering::SeqCst);
         let logs: Vec<PathBuf> = (0..world)

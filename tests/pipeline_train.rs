@@ -284,10 +284,7 @@ fn two_stage_ranks(
     name: &str,
     extra: [&[&str]; 2],
 ) -> (Vec<std::process::Child>, Vec<std::path::PathBuf>) {
-    let port = std::net::UdpSocket::bind("127.0.0.1:0")
-        .and_then(|s| s.local_addr())
-        .map(|a| a.port())
-        .unwrap();
+    let port = common::coordinator_port();
     let logs: Vec<_> = (0..2)
         .map(|r| dir.join(format!("{name}-rank{r}.txt")))
         .collect();

@@ -58,7 +58,11 @@ fn nan_wins_and_padding_never_does() {
     assert!(y[4].is_nan(), "the centre window holds the NaN: {y:?}");
     assert_eq!(y[8], -5.0, "bottom-right window");
     assert_eq!(g.out_side(0, 5), Some(3));
-    assert_eq!(g.out_side(0, 0), None, "a 3-wide window does not fit 0 + 2 padding");
+    assert_eq!(
+        g.out_side(0, 0),
+        None,
+        "a 3-wide window does not fit 0 + 2 padding"
+    );
 }
 
 #[test]
@@ -68,8 +72,8 @@ fn training_keeps_burns_pool_and_its_gradient() {
         .with_strides([2, 2])
         .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
         .init();
-    let x = Tensor::<4>::random([2, 3, 9, 9], Distribution::Normal(0.0, 1.0), &device)
-        .require_grad();
+    let x =
+        Tensor::<4>::random([2, 3, 9, 9], Distribution::Normal(0.0, 1.0), &device).require_grad();
     let grads = max_pool(&pool, x.clone()).sum().backward();
     let g = values(x.grad(&grads).expect("the pool passes a gradient"));
     // Every output's gradient lands on one input: the total is the number of outputs.
