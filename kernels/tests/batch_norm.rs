@@ -156,26 +156,16 @@ fn inference_batch_norm_equals_burns_with_running_statistics() {
                     Distribution::Normal(0.0, 2.0),
                     &plain,
                 );
-                let reference = bn.forward(x.clone());
-                let reference = if with_relu {
-                    relu(reference)
-                } else {
-                    reference
-                };
-                check(values(batch_norm(&bn, x, with_relu)), values(reference));
+                let (ours, reference) = both(&bn, x, with_relu);
+                check(ours, reference);
             } else {
                 let x = Tensor::<4>::random(
                     [dims[0], c, dims[2], dims[3]],
                     Distribution::Normal(0.0, 2.0),
                     &plain,
                 );
-                let reference = bn.forward(x.clone());
-                let reference = if with_relu {
-                    relu(reference)
-                } else {
-                    reference
-                };
-                check(values(batch_norm(&bn, x, with_relu)), values(reference));
+                let (ours, reference) = both(&bn, x, with_relu);
+                check(ours, reference);
             }
         }
         assert_eq!(
@@ -189,4 +179,15 @@ fn inference_batch_norm_equals_burns_with_running_statistics() {
             "case {i}: variance kept"
         );
     }
+}
+
+/// `(ours, Burn's BatchNorm + relu)` on `x`, both as values.
+fn both<const D: usize>(bn: &BatchNorm, x: Tensor<D>, with_relu: bool) -> (Vec<f32>, Vec<f32>) {
+    let reference = bn.forward(x.clone());
+    let reference = if with_relu {
+        relu(reference)
+    } else {
+        reference
+    };
+    (values(batch_norm(bn, x, with_relu)), values(reference))
 }
