@@ -140,18 +140,27 @@ fn assert_within(
     assert!(worst <= bound, "{what}: max difference {worst}");
 }
 
-#[test]
-fn a_worker_killed_mid_step_a_joiner_and_a_graceful_leave_keep_training() {
+/// 3 workers, a joiner at once, w2 killed inside step `die` and w1 leaving gracefully after
+/// step `leave`, over `epochs` epochs with `extra` flags: the survivors w0 and w3 finish with
+/// identical weights, having run every step once.
+fn kill_join_leave(epochs: usize, die: usize, leave: usize, extra: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let d = common::elastic_data(tmp.path());
+    let (epochs, die, leave) = (
+        epochs.to_string(),
+        format!("w2:{die}"),
+        format!("w1:{leave}"),
+    );
+    let mut train = vec!["--epochs", epochs.as_str()];
+    train.extend_from_slice(extra);
     let run = elastic(
         &d,
         &tmp.path().join("run"),
         &["-n", "3", "--min", "2", "--max", "4", "--churn", "t=0s:+1"],
-        &["--epochs", "12"],
+        &train,
         &[
-            ("HEARTH_ELASTIC_DIE_AT_STEP", "w2:12"),
-            ("HEARTH_ELASTIC_LEAVE_AT_STEP", "w1:60"),
+            ("HEARTH_ELASTIC_DIE_AT_STEP", die.as_str()),
+            ("HEARTH_ELASTIC_LEAVE_AT_STEP", leave.as_str()),
             ("HEARTH_ELASTIC_THROTTLE", "w0:15,w1:15,w2:15,w3:15"),
         ],
     );
@@ -170,9 +179,15 @@ fn a_worker_killed_mid_step_a_joiner_and_a_graceful_leave_keep_training() {
         run.log
     );
     let worlds = run.worlds();
-    assert_eq!(worlds.len(), 12 * 10, "every step of every epoch once");
+    let steps = epochs.parse::<usize>().unwrap() * 10;
+    assert_eq!(worlds.len(), steps, "every step of every epoch once");
     assert_eq!(worlds.last(), Some(&2));
     assert!(worlds.contains(&3), "{worlds:?}");
+}
+
+#[test]
+fn a_worker_killed_mid_step_a_joiner_and_a_graceful_leave_keep_training() {
+    kill_join_leave(12, 12, 60, &[]);
 }
 
 #[test]
@@ -724,4 +739,73 @@ fn zero_in_fp16_skips_an_overflowed_step_as_without_it() {
         "fp16 with --zero 2 vs without",
         1e-4,
     );
+}
+
+/// `--overlap` in an elastic job: the gradients are summed while the backward runs, unit by
+/// unit, and the result is the unoverlapped run's (to 1e-6: the buckets are cut in another
+/// order), in f32 and in fp16 with an overflowed step (one worker's gradients infinite: both
+/// workers skip it, the handed-over gradients having left unscaled).
+#[test]
+fn overlap_equals_the_unoverlapped_elastic_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = common::elastic_data(tmp.path());
+    let launch = ["-n", "2", "--min", "1", "--max", "2"];
+    for precision in ["fp32", "fp16"] {
+        let hook = [("HEARTH_FP16_OVERFLOW_AT_STEP", "w1:5")];
+        let env: &[(&str, &str)] = if precision == "fp16" { &hook } else { &[] };
+        let train = |overlap: bool, name: &str| {
+            let mut args = vec!["--epochs", "2", "--precision", precision];
+            if overlap {
+                args.push("--overlap");
+            }
+            let run = elastic(&d, &tmp.path().join(name), &launch, &args, env);
+            run.check(2);
+            run
+        };
+        let plain = train(false, &format!("{precision}-plain"));
+        let overlapped = train(true, &format!("{precision}-overlapped"));
+        // Every worker's first step says what went during its backward: every tensor (the
+        // model is its units and nothing else).
+        let said: Vec<&str> = overlapped
+            .log
+            .lines()
+            .filter(|l| l.contains("were exchanged during the backward pass"))
+            .collect();
+        assert_eq!(said.len(), 2, "{}", overlapped.log);
+        for line in said {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let at = words.iter().position(|w| *w == "--overlap:").unwrap();
+            let (handed, all) = (words[at + 1], words[at + 5]);
+            assert!(handed == all && handed != "0", "{line}");
+        }
+        if precision == "fp16" {
+            for run in [&plain, &overlapped] {
+                let metrics = std::fs::read_to_string(run.dir.join("metrics.csv")).unwrap();
+                let header: Vec<&str> = metrics.lines().next().unwrap().split(',').collect();
+                let col = header
+                    .iter()
+                    .position(|h| *h == "train_skipped_steps")
+                    .expect("fp16 counts skipped steps");
+                let skipped: Vec<f64> = metrics
+                    .lines()
+                    .skip(1)
+                    .map(|l| l.split(',').nth(col).unwrap_or("").parse().unwrap())
+                    .collect();
+                assert_eq!(skipped, [1.0, 0.0], "epoch 1 skips a step:\n{metrics}");
+            }
+        }
+        assert_within(
+            &last_checkpoint(&plain.dir, 2),
+            &last_checkpoint(&overlapped.dir, 2),
+            &format!("{precision}: overlapped vs unoverlapped"),
+            1e-6,
+        );
+    }
+}
+
+/// `--overlap` through membership changes: a worker killed (its peers' next exchange, under
+/// way during their backward, fails and the world re-forms), a joiner and a graceful leave.
+#[test]
+fn overlap_survives_a_kill_a_join_and_a_leave() {
+    kill_join_leave(5, 8, 35, &["--overlap"]);
 }

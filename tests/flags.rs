@@ -160,11 +160,12 @@ fn expect(flag: &str, mode: &str) -> Expect {
         // A pipeline shards each stage's state over its replicas (tests/zero.rs); the walk's
         // pipeline has one replica per stage.
         ("--zero", "pipeline") => Refused("--pipeline-stages and one replica per stage"),
-        // The exchange overlapped with the backward: data parallel's allreduce only
-        // (tests/overlap.rs); the same arithmetic, so a resume may switch it.
+        // The exchange overlapped with the backward: data parallel's and elastic's allreduce
+        // (tests/overlap.rs, tests/elastic_train.rs); the same arithmetic, so a resume may
+        // switch it.
         ("--overlap", "data parallel") => Mechanics,
         ("--overlap", "single") => Refused("--overlap does not work with a one-process run"),
-        ("--overlap", "elastic") => Refused("--overlap does not work with --elastic"),
+        ("--overlap", "elastic") => Mechanics,
         ("--overlap", "parameter servers") => Refused("--overlap does not work with --ps"),
         ("--overlap", "pipeline") => Refused("--overlap does not work with --pipeline-stages"),
         // Not built yet (said by name).

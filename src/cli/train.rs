@@ -184,9 +184,10 @@ pub(crate) struct TrainArgs {
     /// No activation recomputation (the default): turns a resumed run's --recompute off.
     #[arg(long, overrides_with = "recompute")]
     no_recompute: bool,
-    /// Data parallel: overlap the gradient exchange with the backward pass. The model runs
-    /// unit by unit and each unit's gradients are averaged, in --bucket-mb buckets, while the
-    /// units before it compute (as PyTorch DDP's buckets do). The same result as without it.
+    /// Data parallel and elastic: overlap the gradient exchange with the backward pass. The
+    /// model runs unit by unit and each unit's gradients are averaged, in --bucket-mb buckets,
+    /// while the units before it compute (as PyTorch DDP's buckets do). The same result as
+    /// without it.
     #[arg(long)]
     overlap: bool,
     /// Pipeline model parallelism: split the model into P stages, one per process (--nproc

@@ -234,10 +234,11 @@ pub struct TrainConfig {
     /// forward keeps only each unit's input (pipelines: each stage's), and the backward runs
     /// each unit's forward again with its graph. Less memory, one more forward per step.
     pub recompute: bool,
-    /// `--overlap`: data parallel's gradient exchange overlapped with the backward pass (the
-    /// model runs unit by unit and each unit's gradients are reduced, bucket by bucket, while
-    /// the units before it run). The same arithmetic as without it (the buckets are cut in
-    /// another order), so not a hyperparameter: a resumed run may turn it on or off.
+    /// `--overlap`: data parallel's (and elastic's) gradient exchange overlapped with the
+    /// backward pass (the model runs unit by unit and each unit's gradients are reduced,
+    /// bucket by bucket, while the units before it run). The same arithmetic as without it
+    /// (the buckets are cut in another order), so not a hyperparameter: a resumed run may turn
+    /// it on or off.
     pub overlap: bool,
     /// Pipeline model parallelism instead of pure data parallelism.
     pub pipeline: Option<PipelineOptions>,
@@ -451,8 +452,8 @@ impl TrainConfig {
         self.validate_exchange()
     }
 
-    /// `--overlap`: data parallel over two ranks or more, and what it does not work with
-    /// refused by name.
+    /// `--overlap`: data parallel over two ranks or more, or elastic; what it does not work
+    /// with refused by name.
     fn validate_overlap(&self) -> Result<()> {
         if !self.overlap {
             return Ok(());
@@ -461,13 +462,11 @@ impl TrainConfig {
             Some("--ps (workers exchange values with the servers, not by allreduce)")
         } else if self.pipeline.is_some() {
             Some("--pipeline-stages (not built: a stage's replicas exchange after its step)")
-        } else if self.elastic.is_some() {
-            Some("--elastic (not built: an elastic step exchanges after its backward)")
         } else if self.zero > 0 {
             Some("--zero (its exchange is a reduce-scatter in buckets of its own)")
         } else if self.grad_accum.is_some_and(|k| k > 1) {
             Some("--grad-accum (a step's gradients are exchanged on its last backward only)")
-        } else if self.dist.as_ref().is_none_or(|d| d.world < 2) {
+        } else if self.elastic.is_none() && self.dist.as_ref().is_none_or(|d| d.world < 2) {
             Some(
                 "a one-process run: it exchanges no gradients (add --nproc N, or launch it as \
                  a job)",

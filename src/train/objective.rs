@@ -226,13 +226,21 @@ impl Objective {
                 loss.mul_scalar(weight)
             })
         };
-        if self.recompute {
+        // `--recompute`, or `--overlap`'s exchange installed on this thread (elastic): unit
+        // by unit, each unit's gradients handed over as soon as its backward is over.
+        let overlap = burn_dist::overlap::handing_over();
+        if self.recompute || overlap {
             let grads = model
-                .recomputed_gradients(input, self.precision, &mut weighted)
+                .unit_gradients(input, self.precision, self.recompute, &mut weighted)
                 .unwrap_or_else(|| {
-                    Err(HearthError::InvalidArgument(
-                        "--recompute: this model has no units to recompute".into(),
-                    ))
+                    Err(HearthError::InvalidArgument(format!(
+                        "{}: this model has no units to run one by one",
+                        if self.recompute {
+                            "--recompute"
+                        } else {
+                            "--overlap"
+                        }
+                    )))
                 })?;
             return Ok((grads, sums));
         }

@@ -70,18 +70,20 @@ pub trait Net: Module + 'static {
         self.logits(input)
     }
 
-    /// Activation recomputation (`--recompute`): the gradients of `loss(logits)` for this
-    /// module, computed `precision` unit by unit with each unit's activations recomputed in
-    /// the backward; `None` (the default) for a module without units, whose runs refuse
-    /// `--recompute`.
+    /// The gradients of `loss(logits)` for this module, computed `precision` unit by unit:
+    /// with each unit's activations recomputed in the backward (`recompute`: `--recompute`),
+    /// and each unit's gradients handed to the overlapped exchange installed on this thread
+    /// if there is one (`--overlap`). `None` (the default) for a module without units, whose
+    /// runs refuse both flags.
     #[doc(hidden)]
-    fn recomputed_gradients(
+    fn unit_gradients(
         &self,
         input: Self::Input,
         precision: super::Precision,
+        recompute: bool,
         loss: &mut dyn FnMut(Tensor<2>) -> crate::Result<Tensor<1>>,
     ) -> Option<crate::Result<burn::optim::GradientsParams>> {
-        let _ = (input, precision, loss);
+        let _ = (input, precision, recompute, loss);
         None
     }
 }
@@ -95,14 +97,15 @@ impl Net for Classifier {
     fn logits_in(&self, input: Tensor<4>, dtype: burn::tensor::FloatDType) -> Tensor<2> {
         self.forward_in(input, dtype)
     }
-    fn recomputed_gradients(
+    fn unit_gradients(
         &self,
         input: Tensor<4>,
         precision: super::Precision,
+        recompute: bool,
         loss: &mut dyn FnMut(Tensor<2>) -> crate::Result<Tensor<1>>,
     ) -> Option<crate::Result<burn::optim::GradientsParams>> {
-        Some(crate::pipeline::recomputed_gradients(
-            self, self, input, precision, loss,
+        Some(crate::pipeline::unit_gradients(
+            self, self, input, precision, recompute, loss,
         ))
     }
 }

@@ -50,6 +50,7 @@ use burn_dist::elastic::join::{JoinService, Reply, Role, request_join};
 use burn_dist::elastic::membership::{Decision, Epoch, Health, Limits, Membership, Worker, quorum};
 use burn_dist::elastic::reform::Announcement;
 use burn_dist::elastic::{broadcast_bytes, step_len, step_positions};
+use burn_dist::overlap::OverlappedStep;
 use burn_dist::rendezvous::{RankInfo, RendezvousOptions, bind_coordinator, connect_epoch_on};
 use burn_dist::routed::RoutedTransport;
 use burn_dist::wire::Kind;
@@ -205,7 +206,8 @@ struct Commit<M: Net> {
 struct World {
     number: u32,
     transport: Arc<RoutedTransport>,
-    comm: Communicator,
+    /// Shared with `--overlap`'s exchange thread during a step.
+    comm: Arc<Communicator>,
     /// The sharded optimizer's collectives (`--zero`): their own tag space, with the run's
     /// `--compression`.
     sharded: Communicator,
@@ -273,6 +275,9 @@ struct ElasticRun<'a, T: Trainee> {
     overflow_at: Option<u64>,
     /// `--zero`: this worker's shard of the optimizer (the commit's `optim` is then unused).
     zero: Option<sharded::Sharded>,
+    /// `--overlap`: whether this worker has said how many gradients its first overlapped
+    /// step exchanged during the backward.
+    overlap_said: bool,
 }
 
 /// A short fingerprint of a model's values (FNV-1a over the f32 bits), to show in logs that
@@ -420,6 +425,7 @@ pub(super) fn train_with<R: Recipe>(
         freeze_secs: None,
         overflow_at: None,
         zero: None,
+        overlap_said: false,
     };
     run.die_at = hook("HEARTH_ELASTIC_DIE_AT_STEP", &run.me.id);
     run.freeze_at = hook("HEARTH_ELASTIC_FREEZE_AT_STEP", &run.me.id);

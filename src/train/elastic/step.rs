@@ -43,6 +43,27 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 .map_or(1.0, |s| s.loss_factor(self.overflow_at));
             let (mut loss_sum, mut correct, mut mine, mut total) = (0.0f64, 0.0f64, 0usize, 0usize);
             let mut pos = commit.position as usize;
+            // --overlap: the exchange runs while the backward goes on, unit by unit (one
+            // backward per step: --grad-accum is refused with it). The shares are weighted in
+            // the loss already, so the exchange sums.
+            let overlapped = if self.cfg.overlap {
+                match OverlappedStep::begin(
+                    world.comm.clone(),
+                    self.cfg.bucket_bytes,
+                    ReduceOp::Sum,
+                    self.cfg.compression,
+                    1.0,
+                ) {
+                    Ok(o) => Some(o),
+                    Err(e) => return Ok(Interrupt::Failed(e.to_string())),
+                }
+            } else {
+                None
+            };
+            if let Some(s) = &commit.scaler {
+                // What is handed over leaves unscaled, as `divide` below leaves the rest.
+                burn_dist::overlap::unscale_by(s.scale());
+            }
             for sub in 0..k {
                 if pos >= n {
                     break;
@@ -88,7 +109,25 @@ impl<T: Trainee> ElasticRun<'_, T> {
             if self.leave_at.is_some_and(|at| commit.step + 1 >= at) {
                 LEAVE.store(true, Ordering::SeqCst);
             }
+            // The step's compute, without the end of the exchange: a fast worker waiting for
+            // a slow one's last buckets is not slow (--balance throughput reads this).
             let took = t.elapsed().as_secs_f64().max(1e-6);
+            if let Some(o) = overlapped {
+                // The last buckets, and whatever was not handed over; before the control
+                // allreduce, since nothing else may use the communicator while it runs.
+                match o.finish(&commit.model, &mut grads) {
+                    Err(e) => return Ok(Interrupt::Failed(e.to_string())),
+                    Ok(handed) if !self.overlap_said => {
+                        self.overlap_said = true;
+                        log(&format!(
+                            "--overlap: {handed} gradient tensors of {} were exchanged during \
+                             the backward pass",
+                            burn_dist::ddp::module_values(&commit.model).len()
+                        ));
+                    }
+                    Ok(_) => {}
+                }
+            }
             let rate = mine as f64 / took;
             self.speed = if self.speed > 0.0 {
                 0.7 * self.speed + 0.3 * rate
@@ -183,14 +222,17 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 }
             } else {
                 // The shares are weighted in the loss already: the sum is the global mean.
-                if let Err(e) = burn_dist::ddp::allreduce_grads_scaled(
-                    &commit.model,
-                    &mut grads,
-                    &world.comm,
-                    self.cfg.bucket_bytes,
-                    1.0,
-                    self.cfg.compression,
-                ) {
+                // (--overlap: summed during the backward.)
+                if !self.cfg.overlap
+                    && let Err(e) = burn_dist::ddp::allreduce_grads_scaled(
+                        &commit.model,
+                        &mut grads,
+                        &world.comm,
+                        self.cfg.bucket_bytes,
+                        1.0,
+                        self.cfg.compression,
+                    )
+                {
                     return Ok(Interrupt::Failed(e.to_string()));
                 }
 

@@ -182,7 +182,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             World {
                 number,
                 transport,
-                comm,
+                comm: Arc::new(comm),
                 sharded,
                 members,
                 weights,
