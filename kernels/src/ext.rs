@@ -189,10 +189,13 @@ pub enum InputGrad {
 ///   convolution: DenseNet-121's 128→32 3x3 at 237-261 GFLOP/s against Flex's 97-110 on
 ///   56x56 and 28x28 maps, 142 against 106 on 14x14, 73 against 47 on 7x7. Flex scatters
 ///   `Ci·9` rows of columns back onto the image where the flipped convolution gathers `Co·9`.
-///   Also with as many output as input channels where Flex has few tiles (512→512 on 7x7:
-///   191 against 125). With more output channels than input ones Flex wins (VGG-16's 64→128
-///   at 112x112: 228 against 200, batch 4), and with as many it is a tie elsewhere
-///   (ResNet-50's 256→256 at 14x14: 243 against 216; 128→128 at 28x28: 224 against 241).
+///   Also with as many output as input channels on maps of 28x28 or more (VGG-16's 64→64 at
+///   224x224: 153 against 126; 128→128 at 112: 238 against 187; 256→256 at 56: 287 against
+///   246; 512→512 at 28: 346 against 314; ResNet-50's 64→64 at 56: 176 against 163, 128→128
+///   at 28 a tie) or where Flex has few tiles (512→512 on 7x7: 191-201 against 123-125); on
+///   14x14 it is a tie either way (ResNet-50's 256→256: 224-243 against 216-247). With more
+///   output channels than input ones Flex wins (VGG-16's 128→256 at 56x56: 285 against 245;
+///   256→512 at 28: 338 against 299).
 pub fn input_grad_path(s: &ConvShape) -> InputGrad {
     let [ci, co] = [s.input[1], s.out_channels];
     let pointwise = s.kernel == [1, 1];
@@ -204,7 +207,7 @@ pub fn input_grad_path(s: &ConvShape) -> InputGrad {
         InputGrad::Gemm
     } else if !pointwise
         && crate::conv::input_grad_as_conv_applies(s)
-        && (co < ci || (co == ci && flex_has_few_tiles(s)))
+        && (co < ci || (co == ci && (s.input[2] * s.input[3] >= 28 * 28 || flex_has_few_tiles(s))))
     {
         InputGrad::AsConv
     } else {

@@ -1,11 +1,19 @@
-//! 2-D max pooling for inference on Burn Flex: each output row is the maximum of its window's
-//! input rows (taken whole, so the loop vectorizes), then of the window's columns in it. Flex's
-//! pooling is a generic 3-D kernel that finds each output's window bounds and records its
-//! argmax as an `i64`, which inference throws away: ResNet-50's stem pool took 8.7% of a
-//! batch-1 inference step (`perf`, 2-core AVX-512), DenseNet-121's 6.6% at batch 16.
+//! 2-D max pooling on Burn Flex: each output row is the maximum of its window's input rows
+//! (taken whole, so the loop vectorizes), then of the window's columns in it. Flex's pooling is
+//! a generic 3-D kernel that finds each output's window bounds and records its argmax as an
+//! `i64`, which inference throws away: ResNet-50's stem pool took 8.7% of a batch-1 inference
+//! step (`perf`, 2-core AVX-512), DenseNet-121's 6.6% at batch 16.
 //!
-//! Training keeps Flex's pooling (its backward needs the argmax).
+//! Training takes the same forward and keeps no argmax: the backward
+//! ([`max_pool2d_backward`]) finds each window's argmax again in the input it keeps (one more
+//! read of it, against Flex's pass writing 8 bytes per output in the forward and reading them
+//! back), with Flex's rule for ties and NaN, so the gradient lands where Flex's would.
 
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{
     Autodiff, AutodiffBackend, Backend, Dispatch, Flex, TensorMetadata, backend_extension,
@@ -80,13 +88,82 @@ pub fn max_pool2d(x: &[f32], [n, c, h, w]: [usize; 4], g: &PoolGeometry) -> Vec<
     }
 }
 
-/// The extension: max pooling for inference.
+/// The gradient of [`max_pool2d`] with respect to `x`: each output's gradient in `dy`
+/// (`[N, C, Ho, Wo]`) added to the input its window's maximum came from. The argmax is Flex's
+/// (and PyTorch's): the first of equal values in the window's row-major order, the last NaN;
+/// padding never. Windows that overlap add in output order.
+pub fn max_pool2d_backward(
+    x: &[f32],
+    dy: &[f32],
+    [n, c, h, w]: [usize; 4],
+    g: &PoolGeometry,
+) -> Vec<f32> {
+    assert_eq!(x.len(), n * c * h * w, "max pool backward: input length");
+    let (Some(ho), Some(wo)) = (g.out_side(0, h), g.out_side(1, w)) else {
+        panic!("max pool backward: a {g:?} window does not fit {h}x{w}");
+    };
+    assert_eq!(
+        dy.len(),
+        n * c * ho * wo,
+        "max pool backward: gradient length"
+    );
+    let plane = h * w;
+    // Each window's valid input rows and columns, the same for every plane.
+    let span = |a: usize, o: usize, len: usize| -> Vec<usize> {
+        (0..g.kernel[a])
+            .filter_map(|k| {
+                (o * g.stride[a] + k * g.dilation[a])
+                    .checked_sub(g.padding[a])
+                    .filter(|&i| i < len)
+            })
+            .collect()
+    };
+    let rows: Vec<Vec<usize>> = (0..ho).map(|oh| span(0, oh, h)).collect();
+    let cols: Vec<Vec<usize>> = (0..wo).map(|ow| span(1, ow, w)).collect();
+    // SAFETY: each plane's closure zeroes its `h·w` values before adding into them.
+    unsafe {
+        crate::par_planes(n * c * plane, plane, |p, out| {
+            for v in out.iter_mut() {
+                v.write(0.0);
+            }
+            // SAFETY (inside the call's unsafe block): every value was written just above.
+            let out: &mut [f32] = &mut *(std::ptr::from_mut(out) as *mut [f32]);
+            let src = &x[p * plane..(p + 1) * plane];
+            let grad = &dy[p * ho * wo..(p + 1) * ho * wo];
+            for (oh, rs) in rows.iter().enumerate() {
+                for (ow, cs) in cols.iter().enumerate() {
+                    let mut best: Option<(usize, f32)> = None;
+                    for &ih in rs {
+                        for &iw in cs {
+                            let at = ih * w + iw;
+                            let v = src[at];
+                            if best.is_none_or(|(_, m)| v > m || v.is_nan()) {
+                                best = Some((at, v));
+                            }
+                        }
+                    }
+                    if let Some((at, _)) = best {
+                        out[at] += grad[oh * wo + ow];
+                    }
+                }
+            }
+        })
+    }
+}
+
+/// The extension: max pooling, its forward and its backward.
 #[backend_extension(Flex, Autodiff)]
 pub trait PoolBackend: Backend {
-    /// `max_pool2d(x)` with `[kernel, stride, padding, dilation]` (floor mode). Not
-    /// differentiable: under autodiff the result is a constant, so [`max_pool`] takes it only
-    /// on devices without autodiff.
+    /// `max_pool2d(x)` with `[kernel, stride, padding, dilation]` (floor mode); under autodiff
+    /// its backward is [`PoolBackend::hearth_max_pool2d_backward`] (x is kept for it).
     fn hearth_max_pool2d(x: FloatTensor<Self>, geometry: [[usize; 2]; 4]) -> FloatTensor<Self>;
+    /// The gradient of `hearth_max_pool2d(x)` for the output gradient `grad` (a backward pass:
+    /// not differentiable itself).
+    fn hearth_max_pool2d_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        geometry: [[usize; 2]; 4],
+    ) -> FloatTensor<Self>;
 }
 
 fn geometry([kernel, stride, padding, dilation]: [[usize; 2]; 4]) -> PoolGeometry {
@@ -112,21 +189,76 @@ impl PoolBackend for Flex {
         ];
         f32_tensor(y, dims)
     }
-}
 
-impl<B: PoolBackend, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
-    PoolBackend for Autodiff<B, C>
-{
-    /// Not differentiable: the result is a constant ([`max_pool`] calls it only without
-    /// autodiff).
-    fn hearth_max_pool2d(x: FloatTensor<Self>, g: [[usize; 2]; 4]) -> FloatTensor<Self> {
-        <Self as AutodiffBackend>::from_inner(B::hearth_max_pool2d(x.into_primitive(), g))
+    fn hearth_max_pool2d_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        g: [[usize; 2]; 4],
+    ) -> FloatTensor<Self> {
+        let g = geometry(g);
+        let dims = x.shape().dims::<4>();
+        let (x, grad) = (x.to_contiguous(), grad.to_contiguous());
+        let dx = max_pool2d_backward(x.storage::<f32>(), grad.storage::<f32>(), dims, &g);
+        f32_tensor(dx, dims.to_vec())
     }
 }
 
-/// `pool.forward(x)`: by [`max_pool2d`] for f32 inference on a Flex device with the fast paths
-/// on, symmetric explicit padding and floor mode; by Burn's module otherwise (training, other
-/// devices and types, ceil mode, same-padding).
+/// The backward of [`PoolBackend::hearth_max_pool2d`] under autodiff: the kept input and the
+/// geometry.
+#[derive(Debug)]
+struct MaxPoolBackward;
+
+impl<B: PoolBackend> Backward<B, 1> for MaxPoolBackward {
+    type State = (NodeId, [[usize; 2]; 4]);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [node_x] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (x_state, g) = ops.state;
+        let x = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(x_state);
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, B::hearth_max_pool2d_backward(x, grad, g));
+        }
+    }
+}
+
+impl<B: PoolBackend, C: CheckpointStrategy> PoolBackend for Autodiff<B, C> {
+    fn hearth_max_pool2d(x: FloatTensor<Self>, g: [[usize; 2]; 4]) -> FloatTensor<Self> {
+        match MaxPoolBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let x_state = prep.checkpoint(&x);
+                prep.finish((x_state, g), B::hearth_max_pool2d(x.into_primitive(), g))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::hearth_max_pool2d(x.into_primitive(), g)),
+        }
+    }
+
+    /// Not differentiable itself (it is a backward pass): the result is a constant.
+    fn hearth_max_pool2d_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        g: [[usize; 2]; 4],
+    ) -> FloatTensor<Self> {
+        <Self as AutodiffBackend>::from_inner(B::hearth_max_pool2d_backward(
+            x.into_primitive(),
+            grad.into_primitive(),
+            g,
+        ))
+    }
+}
+
+/// `pool.forward(x)`: by [`max_pool2d`] (and, training, [`max_pool2d_backward`]) for f32 on a
+/// Flex device with the fast paths on, symmetric explicit padding and floor mode; by Burn's
+/// module otherwise (other devices and types, ceil mode, same-padding).
 pub fn max_pool(pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
     let device = x.device();
     let padding = crate::symmetric(&pool.padding);
@@ -140,7 +272,6 @@ pub fn max_pool(pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
     let fits = g.is_some_and(|g| g.out_side(0, h).is_some() && g.out_side(1, w).is_some());
     let fast = fits
         && !pool.ceil_mode
-        && !device.is_autodiff()
         && x.dtype() == DType::F32
         && crate::enabled()
         && crate::is_flex(&device);

@@ -1,6 +1,7 @@
 //! The one-pass max pool for inference equals Burn's `MaxPool2d` exactly (a maximum is not
 //! rounded): the stems' 3x3 stride 2 with padding 1, VGG's 2x2 stride 2, odd sides, dilation,
-//! windows wider than their stride, NaN propagation; and it leaves training to Burn.
+//! windows wider than their stride, NaN propagation; in training too, where its gradient
+//! lands where Burn's does.
 
 use burn::nn::PaddingConfig2d;
 use burn::nn::pool::MaxPool2dConfig;
@@ -11,27 +12,32 @@ use hearth_kernels::pool::{PoolGeometry, max_pool, max_pool2d};
 mod common;
 use common::values;
 
+/// (n, c, h, w, kernel, stride, padding, dilation)
+const CASES: [(usize, usize, usize, usize, usize, usize, usize, usize); 8] = [
+    (2, 3, 12, 12, 3, 2, 1, 1),
+    (1, 2, 13, 11, 3, 2, 1, 1),
+    (2, 4, 10, 10, 2, 2, 0, 1),
+    (1, 3, 9, 7, 2, 2, 0, 1),
+    (2, 2, 9, 9, 3, 1, 1, 1),
+    (1, 2, 11, 10, 3, 2, 1, 2),
+    (3, 1, 5, 6, 3, 3, 0, 1),
+    (1, 1, 1, 1, 1, 1, 0, 1),
+];
+
+fn pool(k: usize, s: usize, p: usize, d: usize) -> burn::nn::pool::MaxPool2d {
+    MaxPool2dConfig::new([k, k])
+        .with_strides([s, s])
+        .with_padding(PaddingConfig2d::Explicit(p, p, p, p))
+        .with_dilation([d, d])
+        .init()
+}
+
 #[test]
 fn inference_max_pool_equals_burns_exactly() {
     let device = Device::flex();
-    // (n, c, h, w, kernel, stride, padding, dilation)
-    let cases = [
-        (2, 3, 12, 12, 3, 2, 1, 1),
-        (1, 2, 13, 11, 3, 2, 1, 1),
-        (2, 4, 10, 10, 2, 2, 0, 1),
-        (1, 3, 9, 7, 2, 2, 0, 1),
-        (2, 2, 9, 9, 3, 1, 1, 1),
-        (1, 2, 11, 10, 3, 2, 1, 2),
-        (3, 1, 5, 6, 3, 3, 0, 1),
-        (1, 1, 1, 1, 1, 1, 0, 1),
-    ];
-    for (n, c, h, w, k, s, p, d) in cases {
+    for (n, c, h, w, k, s, p, d) in CASES {
         let what = format!("{n}x{c}x{h}x{w} k{k} s{s} p{p} d{d}");
-        let pool = MaxPool2dConfig::new([k, k])
-            .with_strides([s, s])
-            .with_padding(PaddingConfig2d::Explicit(p, p, p, p))
-            .with_dilation([d, d])
-            .init();
+        let pool = pool(k, s, p, d);
         let x = Tensor::<4>::random([n, c, h, w], Distribution::Normal(0.0, 1.0), &device);
         let ours = max_pool(&pool, x.clone());
         let reference = pool.forward(x);
@@ -65,18 +71,72 @@ fn nan_wins_and_padding_never_does() {
     );
 }
 
+/// Training: the forward equals Burn's exactly and the gradient lands where Burn's does (the
+/// argmax found again in the backward, with Flex's rule for ties), including windows of equal
+/// values (a ReLU's zeros), overlapping windows (added in the same order: exact) and a NaN.
 #[test]
-fn training_keeps_burns_pool_and_its_gradient() {
+fn training_pool_and_its_gradient_equal_burns() {
     let device = Device::flex().autodiff();
-    let pool = MaxPool2dConfig::new([3, 3])
-        .with_strides([2, 2])
-        .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
-        .init();
-    let x =
-        Tensor::<4>::random([2, 3, 9, 9], Distribution::Normal(0.0, 1.0), &device).require_grad();
-    let grads = max_pool(&pool, x.clone()).sum().backward();
-    let g = values(x.grad(&grads).expect("the pool passes a gradient"));
-    // Every output's gradient lands on one input: the total is the number of outputs.
-    let total: f32 = g.iter().sum();
-    assert_eq!(total, (2 * 3 * 5 * 5) as f32);
+    for (n, c, h, w, k, s, p, d) in CASES {
+        for relu in [false, true] {
+            let what = format!("{n}x{c}x{h}x{w} k{k} s{s} p{p} d{d} relu {relu}");
+            let pool = pool(k, s, p, d);
+            let x0 = Tensor::<4>::random([n, c, h, w], Distribution::Normal(0.0, 1.0), &device);
+            // Rounded to a few values so that windows hold ties, and after a ReLU many zeros.
+            let x0 = x0.mul_scalar(2.0).round().div_scalar(2.0);
+            let x0 = if relu {
+                burn::tensor::activation::relu(x0)
+            } else {
+                x0
+            };
+            let run = |ours: bool| {
+                let x = x0.clone().detach().require_grad();
+                let y = if ours {
+                    max_pool(&pool, x.clone())
+                } else {
+                    pool.forward(x.clone())
+                };
+                let dy = Tensor::<4>::random(y.dims(), Distribution::Normal(0.0, 1.0), &device);
+                // The same output gradient for both: seeded by the output's shape.
+                let dy = dy.mul_scalar(0.0).add(
+                    Tensor::<1, Int>::arange(0..y.dims().iter().product::<usize>() as i64, &device)
+                        .float()
+                        .reshape(y.dims())
+                        .div_scalar(7.0)
+                        .sin(),
+                );
+                let out = values(y.clone());
+                let grads = (y * dy).sum().backward();
+                (
+                    out,
+                    values(x.grad(&grads).expect("the pool passes a gradient")),
+                )
+            };
+            let (ours, theirs) = (run(true), run(false));
+            assert_eq!(ours.0, theirs.0, "{what}: forward");
+            assert_eq!(ours.1, theirs.1, "{what}: gradient");
+        }
+    }
+}
+
+#[test]
+fn backward_sends_a_nan_windows_gradient_to_its_nan() {
+    let g = PoolGeometry {
+        kernel: [2, 2],
+        stride: [2, 2],
+        padding: [0, 0],
+        dilation: [1, 1],
+    };
+    // One 2x2 window: 3 is the largest real value, but the NaN takes the gradient.
+    let x = [3.0, f32::NAN, 1.0, 3.0];
+    assert_eq!(
+        hearth_kernels::pool::max_pool2d_backward(&x, &[5.0], [1, 1, 2, 2], &g),
+        [0.0, 5.0, 0.0, 0.0]
+    );
+    // Ties: the first in row-major order.
+    let x = [1.0, 3.0, 3.0, 3.0];
+    assert_eq!(
+        hearth_kernels::pool::max_pool2d_backward(&x, &[5.0], [1, 1, 2, 2], &g),
+        [0.0, 5.0, 0.0, 0.0]
+    );
 }
