@@ -144,13 +144,15 @@ fn raw_kernels(n: usize, shapes: &[(usize, usize, usize, usize, usize, usize)]) 
     use hearth_kernels::conv::{
         conv2d_forward, conv2d_input_grad, conv2d_input_grad_as_conv, input_grad_as_conv_applies,
     };
-    use hearth_kernels::weight_grad::{ConvShape, conv2d_weight_grad};
+    use hearth_kernels::weight_grad::{
+        ConvShape, conv2d_weight_grad, conv2d_weight_grad_shifted, shifted_applies,
+    };
     println!();
     println!("raw kernels, batch {n} (min of 3): GFLOP/s");
     println!(
-        "| conv | forward (Flex) | input grad (Flex) | input grad as a convolution | weight grad (Flex) |"
+        "| conv | forward (Flex) | input grad (Flex) | input grad as a convolution | weight grad (Flex) | weight grad shifted |"
     );
-    println!("| --- | ---: | ---: | ---: | ---: |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
     let flex = Device::flex();
     for &(cin, cout, k, stride, side, _) in shapes {
         let s = ConvShape {
@@ -177,6 +179,8 @@ fn raw_kernels(n: usize, shapes: &[(usize, usize, usize, usize, usize, usize)]) 
         let dx_conv = input_grad_as_conv_applies(&s)
             .then(|| time_min(3, || drop(conv2d_input_grad_as_conv(&w, &dy, &s))));
         let dw = time_min(3, || drop(conv2d_weight_grad(&x, &dy, &s)));
+        let dw_shifted = shifted_applies(&s)
+            .then(|| time_min(3, || drop(conv2d_weight_grad_shifted(&x, &dy, &s))));
         // Flex's own kernels on the same data.
         let tensor = |v: &[f32], shape: [usize; 4]| {
             Tensor::<4>::from_data(TensorData::new(v.to_vec(), shape), &flex)
@@ -217,14 +221,15 @@ fn raw_kernels(n: usize, shapes: &[(usize, usize, usize, usize, usize, usize)]) 
             .into_data();
         });
         println!(
-            "| {cin}→{cout} {k}x{k} s{stride} {side} | {:.0} ({:.0}) | {:.0} ({:.0}) | {} | {:.0} ({:.0}) |",
+            "| {cin}→{cout} {k}x{k} s{stride} {side} | {:.0} ({:.0}) | {:.0} ({:.0}) | {} | {:.0} ({:.0}) | {} |",
             gflop / f,
             gflop / ff,
             gflop / dx,
             gflop / fdx,
             dx_conv.map_or("-".into(), |t| format!("{:.0}", gflop / t)),
             gflop / dw,
-            gflop / fdw
+            gflop / fdw,
+            dw_shifted.map_or("-".into(), |t| format!("{:.0}", gflop / t)),
         );
     }
 }

@@ -8,7 +8,10 @@ use burn::nn::PaddingConfig2d;
 use burn::nn::conv::Conv2dConfig;
 use burn::prelude::*;
 use burn::tensor::Distribution;
-use hearth_kernels::weight_grad::{ConvShape, conv2d_weight_grad};
+use hearth_kernels::weight_grad::{
+    ConvShape, conv2d_weight_grad, conv2d_weight_grad_im2col, conv2d_weight_grad_shifted,
+    shifted_applies,
+};
 use hearth_kernels::{Path, fast_path};
 
 mod common;
@@ -79,6 +82,8 @@ fn geometries(seed: u64, random: usize) -> Vec<ConvShape> {
         (2, 4, 5, 9, 7, 3, 3, 1, 2, 2),
         (1, 256, 2, 40, 40, 3, 3, 1, 1, 1),
         (1, 256, 3, 81, 79, 3, 3, 2, 1, 1),
+        (6, 70, 60, 12, 11, 3, 2, 1, 1, 1),
+        (5, 9, 7, 20, 3, 5, 1, 1, 2, 1),
     ];
     for _ in 0..random {
         let k = g.next(1, 5);
@@ -113,17 +118,29 @@ fn geometries(seed: u64, random: usize) -> Vec<ConvShape> {
 fn the_kernel_equals_the_definition_over_random_geometries() {
     let cases = geometries(0x2545_f491_4f6c_dd1d, 40);
     assert!(cases.len() >= 40, "only {} geometries fit", cases.len());
+    let mut shifted = 0;
     for (i, s) in cases.iter().enumerate() {
         let [n, ci, h, w] = s.input;
         let out = s.output().expect("filtered");
         let x = noise(n * ci * h * w, 2 * i as u64 + 7);
         let dy = noise(out.iter().product(), 2 * i as u64 + 8);
+        let naive = conv2d_weight_grad_naive(&x, &dy, s);
+        close(&conv2d_weight_grad(&x, &dy, s), &naive, &format!("{s:?}"));
         close(
-            &conv2d_weight_grad(&x, &dy, s),
-            &conv2d_weight_grad_naive(&x, &dy, s),
-            &format!("{s:?}"),
+            &conv2d_weight_grad_im2col(&x, &dy, s),
+            &naive,
+            &format!("im2col {s:?}"),
         );
+        if shifted_applies(s) {
+            shifted += 1;
+            close(
+                &conv2d_weight_grad_shifted(&x, &dy, s),
+                &naive,
+                &format!("shifted {s:?}"),
+            );
+        }
     }
+    assert!(shifted >= 10, "only {shifted} stride-1 geometries");
 }
 
 #[test]
