@@ -159,20 +159,30 @@ pub(crate) fn row_blocks(rows: usize, ho: usize, wo: usize) -> Vec<std::ops::Ran
 
 /// The weight gradient `[Co, Ci, kh, kw]` (row-major) of a convolution with shape `s`, from
 /// its input `x` (`[N, Ci, H, W]`, row-major) and output gradient `dy` (`[N, Co, Ho, Wo]`):
-/// [`conv2d_weight_grad_shifted`] for stride 1 with at most 256 input and output channels
-/// together, [`conv2d_weight_grad_im2col`] otherwise.
+/// [`conv2d_weight_grad_shifted`] for stride 1 with a small weight (wider kernels: at most
+/// 256 input and output channels together; 1x1: at most 2¹⁹ weights), and
+/// [`conv2d_weight_grad_im2col`] otherwise.
 ///
 /// Where each won (`kernels/examples/conv_paths.rs`, batch 16, 2-core AVX-512, GFLOP/s
 /// shifted against im2col): VGG-16's 64→64 on 224x224 256 against 90, 3→64 103 against 56,
 /// 64→128 on 112x112 294 against 167, 128→128 297 against 232; ResNet-50's 64→64 on 56x56
 /// 261 against 76, 128→128 on 28x28 280 against 218; DenseNet-121's 128→32 on 56 to 7 px
 /// maps 109-198 against 63-98. With more channels im2col's one large product wins (128→256
-/// on 56x56: 269 against 296; 512→512 on 7x7: 101 against 305).
+/// on 56x56: 269 against 296; 512→512 on 7x7: 101 against 305). For 1x1 the images' split
+/// into partial sums wins up to 1024→512 (ResNet-50's 256→64 on 56x56: 186 against 88;
+/// 512→128 on 28x28: 269 against 172; DenseNet-121's 1x1 layers: 208-328 against 133-290)
+/// and loses at 2048→512 on 7x7 (245 against 292).
 ///
 /// Panics when the slices' lengths do not match `s` (callers pass Burn tensors whose shapes
 /// Burn already checked).
 pub fn conv2d_weight_grad(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
-    if shifted_applies(s) && s.input[1] + s.out_channels <= 256 {
+    let [ci, co] = [s.input[1], s.out_channels];
+    let small = if s.kernel == [1, 1] && s.padding == [0, 0] {
+        ci * co <= 1 << 19
+    } else {
+        ci + co <= 256
+    };
+    if shifted_applies(s) && small {
         conv2d_weight_grad_shifted(x, dy, s)
     } else {
         conv2d_weight_grad_im2col(x, dy, s)
