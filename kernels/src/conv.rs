@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use crate::weight_grad::{ConvShape, for_each_column_block};
+use crate::weight_grad::{ConvShape, fill_row, for_each_column_block, row_blocks};
 
 fn is_plain_pointwise(s: &ConvShape) -> bool {
     s.kernel == [1, 1] && s.stride == [1, 1] && s.padding == [0, 0]
@@ -40,6 +40,39 @@ unsafe fn gemm_rows(
 ) {
     // SAFETY: forwarded from the caller.
     unsafe {
+        gemm_rows_on(
+            m,
+            n,
+            k,
+            dst,
+            dst_rs,
+            a,
+            a_cs,
+            a_rs,
+            b,
+            b_rs,
+            gemm::Parallelism::Rayon(0),
+        )
+    }
+}
+
+/// [`gemm_rows`] with the given parallelism.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_rows_on(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    a: *const f32,
+    a_cs: usize,
+    a_rs: usize,
+    b: *const f32,
+    b_rs: usize,
+    parallelism: gemm::Parallelism,
+) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
         gemm::gemm(
             m,
             n,
@@ -59,8 +92,28 @@ unsafe fn gemm_rows(
             false,
             false,
             false,
-            gemm::Parallelism::Rayon(0),
+            parallelism,
         );
+    }
+}
+
+/// `product(b, out, parallelism)` for every image `b`, `out` its `per` values of `all`: images
+/// in parallel with single-threaded products when there are two or more (gemm's own threading
+/// splits one image's thin product poorly: `kernels/examples/conv_paths.rs`), one image with
+/// gemm's threads.
+fn per_image(
+    all: &mut [f32],
+    per: usize,
+    product: impl Fn(usize, &mut [f32], gemm::Parallelism) + Sync,
+) {
+    if all.len() >= 2 * per {
+        all.par_chunks_mut(per)
+            .enumerate()
+            .for_each(|(b, out)| product(b, out, gemm::Parallelism::None));
+    } else {
+        for (b, out) in all.chunks_mut(per.max(1)).enumerate() {
+            product(b, out, gemm::Parallelism::Rayon(0));
+        }
     }
 }
 
@@ -90,12 +143,11 @@ pub fn conv2d_forward(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f32> {
         return y;
     }
     if is_plain_pointwise(s) {
-        for b in 0..n {
+        let product = |b: usize, out: &mut [f32], parallelism| {
             let rhs = &x[b * ci * pixels..(b + 1) * ci * pixels];
-            let out = &mut y[b * co * pixels..(b + 1) * co * pixels];
             // SAFETY: out is co x pixels, weight co x rows, rhs rows x pixels, all row-major.
             unsafe {
-                gemm_rows(
+                gemm_rows_on(
                     co,
                     pixels,
                     rows,
@@ -106,9 +158,53 @@ pub fn conv2d_forward(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f32> {
                     rows,
                     rhs.as_ptr(),
                     pixels,
+                    parallelism,
                 );
             }
-        }
+        };
+        per_image(&mut y, co * pixels, product);
+        return y;
+    }
+    if n >= 2 {
+        // Images in parallel, each product on one thread: gemm's own threading splits these
+        // thin products poorly (the weight gradient measured the same).
+        let [kh, kw] = s.kernel;
+        let taps = kh * kw;
+        let blocks = row_blocks(rows, ho, wo);
+        let largest = blocks.iter().map(|r| r.len()).max().unwrap_or(0) * wo;
+        y.par_chunks_mut(co * pixels).enumerate().for_each_init(
+            || vec![0f32; rows * largest],
+            |cols, (b, out)| {
+                for block in &blocks {
+                    let inner = block.len() * wo;
+                    let cols = &mut cols[..rows * inner];
+                    for (r, row) in cols.chunks_mut(inner).enumerate() {
+                        let (c, tap) = (r / taps, r % taps);
+                        let plane = &x[(b * ci + c) * h * w..][..h * w];
+                        fill_row(row, plane, s, tap / kw, tap % kw, block.clone(), wo);
+                    }
+                    let out = &mut out[block.start * wo..];
+                    // SAFETY: out covers co rows of `inner` values `pixels` apart (the block's
+                    // columns of image b's output), weight is co x rows, cols rows x inner,
+                    // all row-major.
+                    unsafe {
+                        gemm_rows_on(
+                            co,
+                            inner,
+                            rows,
+                            out.as_mut_ptr(),
+                            pixels,
+                            weight.as_ptr(),
+                            1,
+                            rows,
+                            cols.as_ptr(),
+                            inner,
+                            gemm::Parallelism::None,
+                        );
+                    }
+                }
+            },
+        );
         return y;
     }
     // Each image in blocks of output rows, so the columns stay small on large maps.
@@ -197,6 +293,30 @@ pub fn conv2d_input_grad(weight: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> 
     } else {
         vec![0f32; rows * pixels]
     };
+    if pointwise {
+        let product = |b: usize, out: &mut [f32], parallelism| {
+            let g = &dy[b * co * pixels..(b + 1) * co * pixels];
+            // SAFETY: out is ci x pixels, the weight read transposed is ci x co (column
+            // stride `rows` = ci), g is co x pixels, all row-major.
+            unsafe {
+                gemm_rows_on(
+                    rows,
+                    pixels,
+                    co,
+                    out.as_mut_ptr(),
+                    pixels,
+                    weight.as_ptr(),
+                    rows,
+                    1,
+                    g.as_ptr(),
+                    pixels,
+                    parallelism,
+                );
+            }
+        };
+        per_image(&mut dx, ci * pixels, product);
+        return dx;
+    }
     for b in 0..n {
         let g = &dy[b * co * pixels..(b + 1) * co * pixels];
         let dst: *mut f32 = if pointwise {

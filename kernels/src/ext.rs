@@ -132,15 +132,20 @@ fn flex_has_few_tiles(s: &ConvShape) -> bool {
     s.input[0] * pixels < 4 * 512
 }
 
-/// Where our forward beat Flex's in `kernels/examples/conv_paths.rs` (ResNet-50 shapes at
-/// batch 16 and 1, 2-core AVX-512): kernels wider than 1x1 on maps of 56x56 outputs or more
-/// (the stem: 79 against 46 GFLOP/s; 64→64 3x3: 176 against 108) or when Flex has few tiles,
-/// and strided 1x1 (157 against 46). For plain 1x1 Flex's direct GEMM wins on small maps
-/// (131 against 172-189 at 14x14).
+/// Where our forward beat Flex's in `kernels/examples/conv_paths.rs` (2-core AVX-512). With
+/// two images or more ours runs images in parallel with single-threaded products and wins or
+/// ties everywhere at batch 16: 3x3 (ResNet-50's 217-304 against 151-253 GFLOP/s, strided
+/// ones 223-260 against 148-203; VGG-16's 220-371 against 121-307; DenseNet-121's 128→32
+/// 146-155 against 100-107, 88 against 99 on 7x7), the 7x7 stem (114 against 64) and 1x1
+/// (ResNet-50's 256→64 on 56x56: 273 against 208; elsewhere 292-351 against 273-343). At
+/// batch 1 (gemm's own threads): kernels wider than 1x1 on maps of 56x56 outputs or more (the
+/// stem: 79 against 46; 64→64 3x3: 176 against 108) or when Flex has few tiles, and strided
+/// 1x1 (157 against 46); for plain 1x1 Flex's direct GEMM wins on small maps.
 fn own_forward_is_faster(s: &ConvShape) -> bool {
     let pixels = s.output().map_or(0, |o| o[2] * o[3]);
     let pointwise = s.kernel == [1, 1];
-    (!pointwise && (pixels >= 56 * 56 || flex_has_few_tiles(s)))
+    s.input[0] >= 2
+        || (!pointwise && (pixels >= 56 * 56 || flex_has_few_tiles(s)))
         || (pointwise && s.stride != [1, 1] && s.padding == [0, 0])
 }
 
@@ -182,32 +187,35 @@ pub enum InputGrad {
 }
 
 /// Where our input gradients beat Flex's transposed convolution (`kernels/examples/
-/// conv_paths.rs`, 2-core AVX-512, batch 16 unless said):
-/// - 1x1, stride 1, no padding, on maps of 28x28 or more (256→64 at 56x56: 89 against 36
-///   GFLOP/s) or when Flex has few tiles (batch 1: 123-206 against 96-154): `Wᵀ · dY`;
-/// - wider kernels with stride 1 and fewer output than input channels, the flipped
-///   convolution: DenseNet-121's 128→32 3x3 at 237-261 GFLOP/s against Flex's 97-110 on
-///   56x56 and 28x28 maps, 142 against 106 on 14x14, 73 against 47 on 7x7. Flex scatters
-///   `Ci·9` rows of columns back onto the image where the flipped convolution gathers `Co·9`.
-///   Also with as many output as input channels on maps of 28x28 or more (VGG-16's 64→64 at
-///   224x224: 153 against 126; 128→128 at 112: 238 against 187; 256→256 at 56: 287 against
-///   246; 512→512 at 28: 346 against 314; ResNet-50's 64→64 at 56: 176 against 163, 128→128
-///   at 28 a tie) or where Flex has few tiles (512→512 on 7x7: 191-201 against 123-125); on
-///   14x14 it is a tie either way (ResNet-50's 256→256: 224-243 against 216-247). With more
-///   output channels than input ones Flex wins (VGG-16's 128→256 at 56x56: 285 against 245;
-///   256→512 at 28: 338 against 299).
+/// conv_paths.rs`, 2-core AVX-512, batch 16 unless said). With two images or more, ours run
+/// images in parallel with single-threaded products, and win wherever they apply:
+/// - 1x1, stride 1, no padding: `Wᵀ · dY` (ResNet-50's 64→256 on 56x56: 277 against 153
+///   GFLOP/s; 512→128 on 28x28: 288 against 172; 2048→512 on 7x7: 147 against 127);
+/// - wider kernels with stride 1: the forward convolution of `dY` with the flipped kernel
+///   (DenseNet-121's 128→32 3x3: 169-292 against 49-111; ResNet-50's 3x3: 216-293 against
+///   123-247; VGG-16's: 212-365 against 184-322, with 128→256 and 256→512 a tie). Flex
+///   scatters `Ci·9` rows of columns back onto the image where the flipped convolution
+///   gathers `Co·9`.
+///
+/// At batch 1 (one image: gemm's own threads) the earlier measurements hold: 1x1 on maps of
+/// 28x28 or more or where Flex has few tiles (123-206 against 96-154); the flipped
+/// convolution with fewer output than input channels, or as many on maps of 28x28 or more or
+/// where Flex has few tiles (512→512 on 7x7: 191 against 125).
 pub fn input_grad_path(s: &ConvShape) -> InputGrad {
     let [ci, co] = [s.input[1], s.out_channels];
+    let batch = s.input[0] >= 2;
     let pointwise = s.kernel == [1, 1];
     if pointwise
         && s.stride == [1, 1]
         && s.padding == [0, 0]
-        && (s.input[2] * s.input[3] >= 28 * 28 || flex_has_few_tiles(s))
+        && (batch || s.input[2] * s.input[3] >= 28 * 28 || flex_has_few_tiles(s))
     {
         InputGrad::Gemm
     } else if !pointwise
         && crate::conv::input_grad_as_conv_applies(s)
-        && (co < ci || (co == ci && (s.input[2] * s.input[3] >= 28 * 28 || flex_has_few_tiles(s))))
+        && (batch
+            || co < ci
+            || (co == ci && (s.input[2] * s.input[3] >= 28 * 28 || flex_has_few_tiles(s))))
     {
         InputGrad::AsConv
     } else {

@@ -81,7 +81,7 @@ fn valid_range(out: usize, stride: usize, offset: usize, pad: usize, len: usize)
 
 /// Fills one row of the columns: kernel tap `(ki, kj)` of input channel plane `plane`
 /// (`H x W`) for every output pixel, zero where the tap falls in the padding.
-fn fill_row(
+pub(crate) fn fill_row(
     row: &mut [f32],
     plane: &[f32],
     s: &ConvShape,
