@@ -21,44 +21,13 @@ fn is_plain_pointwise(s: &ConvShape) -> bool {
     s.kernel == [1, 1] && s.stride == [1, 1] && s.padding == [0, 0]
 }
 
-/// `dst[m, n] = a[m, k] · b[k, n]` (all row-major with the given row strides), in parallel.
+/// `dst[m, n] = a[m, k] · b[k, n]` (all row-major with the given row strides) on gemm's own
+/// threads (`Rayon(0)`) or on the calling thread (`None`: the caller's threads split the work).
 ///
 /// # Safety
 /// Each pointer must cover its matrix as the sizes and row strides describe.
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_rows(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    a: *const f32,
-    a_cs: usize,
-    a_rs: usize,
-    b: *const f32,
-    b_rs: usize,
-) {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        gemm_rows_on(
-            m,
-            n,
-            k,
-            dst,
-            dst_rs,
-            a,
-            a_cs,
-            a_rs,
-            b,
-            b_rs,
-            gemm::Parallelism::Rayon(0),
-        )
-    }
-}
-
-/// [`gemm_rows`] with the given parallelism.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_rows_on(
     m: usize,
     n: usize,
     k: usize,
@@ -147,7 +116,7 @@ pub fn conv2d_forward(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f32> {
             let rhs = &x[b * ci * pixels..(b + 1) * ci * pixels];
             // SAFETY: out is co x pixels, weight co x rows, rhs rows x pixels, all row-major.
             unsafe {
-                gemm_rows_on(
+                gemm_rows(
                     co,
                     pixels,
                     rows,
@@ -188,7 +157,7 @@ pub fn conv2d_forward(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f32> {
                     // columns of image b's output), weight is co x rows, cols rows x inner,
                     // all row-major.
                     unsafe {
-                        gemm_rows_on(
+                        gemm_rows(
                             co,
                             inner,
                             rows,
@@ -225,6 +194,7 @@ pub fn conv2d_forward(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f32> {
                 rows,
                 cols.as_ptr(),
                 inner,
+                gemm::Parallelism::Rayon(0),
             );
         }
     });
@@ -299,7 +269,7 @@ pub fn conv2d_input_grad(weight: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> 
             // SAFETY: out is ci x pixels, the weight read transposed is ci x co (column
             // stride `rows` = ci), g is co x pixels, all row-major.
             unsafe {
-                gemm_rows_on(
+                gemm_rows(
                     rows,
                     pixels,
                     co,
@@ -338,6 +308,7 @@ pub fn conv2d_input_grad(weight: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> 
                 1,
                 g.as_ptr(),
                 pixels,
+                gemm::Parallelism::Rayon(0),
             );
         }
         if !pointwise {
