@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use crate::weight_grad::{ConvShape, fill_row, for_each_column_block, row_blocks};
+use crate::weight_grad::{ConvShape, fill_row, row_blocks};
 
 fn is_plain_pointwise(s: &ConvShape) -> bool {
     s.kernel == [1, 1] && s.stride == [1, 1] && s.padding == [0, 0]
@@ -66,22 +66,79 @@ unsafe fn gemm_rows(
     }
 }
 
-/// `product(b, out, parallelism)` for every image `b`, `out` its `per` values of `all`: images
-/// in parallel with single-threaded products when there are two or more (gemm's own threading
-/// splits one image's thin product poorly: `kernels/examples/conv_paths.rs`), one image with
-/// gemm's threads.
-fn per_image(
-    all: &mut [f32],
-    per: usize,
-    product: impl Fn(usize, &mut [f32], gemm::Parallelism) + Sync,
-) {
-    if all.len() >= 2 * per {
-        all.par_chunks_mut(per)
-            .enumerate()
-            .for_each(|(b, out)| product(b, out, gemm::Parallelism::None));
+/// A pointer to an output that parallel products write through, each its own elements.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: shared only between products that write disjoint elements (see the callers).
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+impl Out {
+    /// The pointer `at` values in (a method, so closures capture the whole `Out`).
+    fn at(self, at: usize) -> *mut f32 {
+        self.0.wrapping_add(at)
+    }
+}
+
+/// Pieces of work for the threads: with one image, split it so that there are at least two
+/// per thread (gemm's own threading splits one thin product poorly, `conv_paths`), but keep
+/// each at least this many output pixels.
+const MIN_PIECE_PIXELS: usize = 256;
+
+/// Column ranges of `pixels` output pixels for `n` images: the whole image when there are two
+/// or more, else about two per thread of at least [`MIN_PIECE_PIXELS`] (multiples of 16).
+fn column_pieces(n: usize, pixels: usize) -> Vec<std::ops::Range<usize>> {
+    let per = if n >= 2 {
+        pixels
     } else {
-        for (b, out) in all.chunks_mut(per.max(1)).enumerate() {
-            product(b, out, gemm::Parallelism::Rayon(0));
+        let target = 2 * rayon::current_num_threads();
+        pixels
+            .div_ceil(target)
+            .next_multiple_of(16)
+            .max(MIN_PIECE_PIXELS)
+    };
+    (0..pixels)
+        .step_by(per.max(1))
+        .map(|p| p..(p + per).min(pixels))
+        .collect()
+}
+
+/// Output row blocks for `n` images of `ho x wo` outputs: [`row_blocks`], split further for
+/// one image as [`column_pieces`] says.
+fn row_pieces(n: usize, rows: usize, ho: usize, wo: usize) -> Vec<std::ops::Range<usize>> {
+    let blocks = row_blocks(rows, ho, wo);
+    if n >= 2 {
+        return blocks;
+    }
+    let target = 2 * rayon::current_num_threads();
+    let per = ho
+        .div_ceil(target)
+        .max(MIN_PIECE_PIXELS.div_ceil(wo.max(1)))
+        .max(1);
+    if blocks.first().is_some_and(|b| b.len() <= per) {
+        return blocks;
+    }
+    (0..ho).step_by(per).map(|r| r..(r + per).min(ho)).collect()
+}
+
+/// Runs `piece(b, range)` for every image `b` and every range of `ranges`, in parallel when
+/// there are two pieces or more, each product then on its thread (`Parallelism::None`); a
+/// single piece gets gemm's threads.
+fn for_pieces(
+    n: usize,
+    ranges: &[std::ops::Range<usize>],
+    piece: impl Fn(usize, std::ops::Range<usize>, gemm::Parallelism) + Sync,
+) {
+    let items: Vec<(usize, std::ops::Range<usize>)> = (0..n)
+        .flat_map(|b| ranges.iter().map(move |r| (b, r.clone())))
+        .collect();
+    if items.len() >= 2 {
+        items
+            .into_par_iter()
+            .for_each(|(b, r)| piece(b, r, gemm::Parallelism::None));
+    } else {
+        for (b, r) in items {
+            piece(b, r, gemm::Parallelism::Rayon(0));
         }
     }
 }
@@ -111,93 +168,82 @@ pub fn conv2d_forward(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f32> {
     if pixels == 0 || co == 0 || rows == 0 {
         return y;
     }
+    let out = Out(y.as_mut_ptr());
     if is_plain_pointwise(s) {
-        let product = |b: usize, out: &mut [f32], parallelism| {
-            let rhs = &x[b * ci * pixels..(b + 1) * ci * pixels];
-            // SAFETY: out is co x pixels, weight co x rows, rhs rows x pixels, all row-major.
+        for_pieces(n, &column_pieces(n, pixels), |b, cols, parallelism| {
+            // SAFETY: the piece writes columns `cols` of image b's co x pixels output (no
+            // other piece does), from the weight (co x rows) and those columns of image b's
+            // input (rows x pixels), all row-major.
             unsafe {
                 gemm_rows(
                     co,
-                    pixels,
+                    cols.len(),
                     rows,
-                    out.as_mut_ptr(),
+                    out.at(b * co * pixels + cols.start),
                     pixels,
                     weight.as_ptr(),
                     1,
                     rows,
-                    rhs.as_ptr(),
+                    x[b * ci * pixels + cols.start..].as_ptr(),
                     pixels,
                     parallelism,
                 );
             }
-        };
-        per_image(&mut y, co * pixels, product);
+        });
         return y;
     }
-    if n >= 2 {
-        // Images in parallel, each product on one thread: gemm's own threading splits these
-        // thin products poorly (the weight gradient measured the same).
-        let [kh, kw] = s.kernel;
-        let taps = kh * kw;
-        let blocks = row_blocks(rows, ho, wo);
-        let largest = blocks.iter().map(|r| r.len()).max().unwrap_or(0) * wo;
-        y.par_chunks_mut(co * pixels).enumerate().for_each_init(
-            || vec![0f32; rows * largest],
-            |cols, (b, out)| {
-                for block in &blocks {
-                    let inner = block.len() * wo;
-                    let cols = &mut cols[..rows * inner];
-                    for (r, row) in cols.chunks_mut(inner).enumerate() {
-                        let (c, tap) = (r / taps, r % taps);
-                        let plane = &x[(b * ci + c) * h * w..][..h * w];
-                        fill_row(row, plane, s, tap / kw, tap % kw, block.clone(), wo);
-                    }
-                    let out = &mut out[block.start * wo..];
-                    // SAFETY: out covers co rows of `inner` values `pixels` apart (the block's
-                    // columns of image b's output), weight is co x rows, cols rows x inner,
-                    // all row-major.
-                    unsafe {
-                        gemm_rows(
-                            co,
-                            inner,
-                            rows,
-                            out.as_mut_ptr(),
-                            pixels,
-                            weight.as_ptr(),
-                            1,
-                            rows,
-                            cols.as_ptr(),
-                            inner,
-                            gemm::Parallelism::None,
-                        );
-                    }
-                }
-            },
-        );
-        return y;
-    }
-    // Each image in blocks of output rows, so the columns stay small on large maps.
-    for_each_column_block(x, s, |b, block, cols| {
+    // Pieces of output rows, each with its own columns (im2col): images in parallel, one image
+    // split by rows (`row_pieces`).
+    let [kh, kw] = s.kernel;
+    let taps = kh * kw;
+    let blocks = row_pieces(n, rows, ho, wo);
+    let largest = blocks.iter().map(|r| r.len()).max().unwrap_or(0) * wo;
+    let fill_and_multiply = |cols: &mut Vec<f32>, b: usize, block: std::ops::Range<usize>, par| {
         let inner = block.len() * wo;
-        let out = &mut y[b * co * pixels + block.start * wo..];
-        // SAFETY: out covers co rows of `inner` values `pixels` apart (the block's columns of
-        // image b's output), weight is co x rows, cols rows x inner, all row-major.
+        let cols = &mut cols[..rows * inner];
+        let fill = |(r, row): (usize, &mut [f32])| {
+            let (c, tap) = (r / taps, r % taps);
+            let plane = &x[(b * ci + c) * h * w..][..h * w];
+            fill_row(row, plane, s, tap / kw, tap % kw, block.clone(), wo);
+        };
+        if matches!(par, gemm::Parallelism::None) {
+            cols.chunks_mut(inner).enumerate().for_each(fill);
+        } else {
+            cols.par_chunks_mut(inner).enumerate().for_each(fill);
+        }
+        // SAFETY: the piece writes rows `block` of every channel of image b's co x pixels
+        // output (no other piece does), from the weight (co x rows) and its columns (rows x
+        // inner), all row-major.
         unsafe {
             gemm_rows(
                 co,
                 inner,
                 rows,
-                out.as_mut_ptr(),
+                out.at(b * co * pixels + block.start * wo),
                 pixels,
                 weight.as_ptr(),
                 1,
                 rows,
                 cols.as_ptr(),
                 inner,
-                gemm::Parallelism::Rayon(0),
+                par,
             );
         }
-    });
+    };
+    let items: Vec<(usize, std::ops::Range<usize>)> = (0..n)
+        .flat_map(|b| blocks.iter().map(move |r| (b, r.clone())))
+        .collect();
+    if items.len() >= 2 {
+        items.into_par_iter().for_each_init(
+            || vec![0f32; rows * largest],
+            |cols, (b, block)| fill_and_multiply(cols, b, block, gemm::Parallelism::None),
+        );
+    } else {
+        let mut cols = vec![0f32; rows * largest];
+        for (b, block) in items {
+            fill_and_multiply(&mut cols, b, block, gemm::Parallelism::Rayon(0));
+        }
+    }
     y
 }
 
@@ -264,27 +310,27 @@ pub fn conv2d_input_grad(weight: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> 
         vec![0f32; rows * pixels]
     };
     if pointwise {
-        let product = |b: usize, out: &mut [f32], parallelism| {
-            let g = &dy[b * co * pixels..(b + 1) * co * pixels];
-            // SAFETY: out is ci x pixels, the weight read transposed is ci x co (column
-            // stride `rows` = ci), g is co x pixels, all row-major.
+        let out = Out(dx.as_mut_ptr());
+        for_pieces(n, &column_pieces(n, pixels), |b, cols, parallelism| {
+            // SAFETY: the piece writes columns `cols` of image b's ci x pixels gradient (no
+            // other piece does), from the weight read transposed (ci x co, column stride
+            // `rows` = ci) and those columns of image b's co x pixels output gradient.
             unsafe {
                 gemm_rows(
                     rows,
-                    pixels,
+                    cols.len(),
                     co,
-                    out.as_mut_ptr(),
+                    out.at(b * ci * pixels + cols.start),
                     pixels,
                     weight.as_ptr(),
                     rows,
                     1,
-                    g.as_ptr(),
+                    dy[b * co * pixels + cols.start..].as_ptr(),
                     pixels,
                     parallelism,
                 );
             }
-        };
-        per_image(&mut dx, ci * pixels, product);
+        });
         return dx;
     }
     for b in 0..n {

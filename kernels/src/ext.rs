@@ -132,21 +132,18 @@ fn flex_has_few_tiles(s: &ConvShape) -> bool {
     s.input[0] * pixels < 4 * 512
 }
 
-/// Where our forward beat Flex's in `kernels/examples/conv_paths.rs` (2-core AVX-512). With
-/// two images or more ours runs images in parallel with single-threaded products and wins or
-/// ties everywhere at batch 16: 3x3 (ResNet-50's 217-304 against 151-253 GFLOP/s, strided
-/// ones 223-260 against 148-203; VGG-16's 220-371 against 121-307; DenseNet-121's 128→32
-/// 146-155 against 100-107, 88 against 99 on 7x7), the 7x7 stem (114 against 64) and 1x1
-/// (ResNet-50's 256→64 on 56x56: 273 against 208; elsewhere 292-351 against 273-343). At
-/// batch 1 (gemm's own threads): kernels wider than 1x1 on maps of 56x56 outputs or more (the
-/// stem: 79 against 46; 64→64 3x3: 176 against 108) or when Flex has few tiles, and strided
-/// 1x1 (157 against 46); for plain 1x1 Flex's direct GEMM wins on small maps.
+/// Where our forward beat Flex's in `kernels/examples/conv_paths.rs` (2-core AVX-512). Ours
+/// runs images in parallel with single-threaded products (one image: split into pieces of
+/// rows, or of columns for 1x1), and wins or ties at batch 16 everywhere: 3x3 (ResNet-50's
+/// 217-304 against 151-253 GFLOP/s, strided ones 223-260 against 148-203; VGG-16's 220-371
+/// against 121-307; DenseNet-121's 128→32 146-155 against 100-107, 88 against 99 on 7x7), the
+/// 7x7 stem (114 against 64) and 1x1 (ResNet-50's 256→64 on 56x56: 273 against 208; elsewhere
+/// 292-351 against 273-343). At batch 1 it wins for every kernel wider than 1x1 (ResNet-50's:
+/// 124-222 against 69-163; VGG-16's: 125-332 against 23-251) but 1x1 with stride 1 is Flex's
+/// (its direct GEMM: ResNet-50's 1024→256 on 14x14: 248 against 120), and strided 1x1 ours.
 fn own_forward_is_faster(s: &ConvShape) -> bool {
-    let pixels = s.output().map_or(0, |o| o[2] * o[3]);
     let pointwise = s.kernel == [1, 1];
-    s.input[0] >= 2
-        || (!pointwise && (pixels >= 56 * 56 || flex_has_few_tiles(s)))
-        || (pointwise && s.stride != [1, 1] && s.padding == [0, 0])
+    !pointwise || s.input[0] >= 2 || (s.stride != [1, 1] && s.padding == [0, 0])
 }
 
 /// Flex's input gradient: the transposed convolution `conv2d_x_backward` calls (Burn's
@@ -197,10 +194,14 @@ pub enum InputGrad {
 ///   scatters `Ci·9` rows of columns back onto the image where the flipped convolution
 ///   gathers `Co·9`.
 ///
-/// At batch 1 (one image: gemm's own threads) the earlier measurements hold: 1x1 on maps of
-/// 28x28 or more or where Flex has few tiles (123-206 against 96-154); the flipped
-/// convolution with fewer output than input channels, or as many on maps of 28x28 or more or
-/// where Flex has few tiles (512→512 on 7x7: 191 against 125).
+/// At batch 1 (the image split into pieces of rows or columns, one per thread or more):
+/// `Wᵀ · dY` for 1x1 on maps of 28x28 or more or where Flex has few tiles (ResNet-50's and
+/// DenseNet-121's: 101-301 against 86-229, except 1024→256 on 14x14: 127 against 193); the
+/// flipped convolution with fewer output than input channels (DenseNet-121's 128→32:
+/// 58-281 against 43-83), or as many, up to 256, on maps of 28x28 or more (ResNet-50's 64→64
+/// on 56x56: 218 against 121; 128→128 on 28x28: 202 against 173; VGG-16's 256→256 on 56x56:
+/// 322 against 267); Flex's with 512 channels (VGG-16's 512→512 on 28x28: 294 against 252)
+/// or on small maps (ResNet-50's 256→256 on 14x14: 216 against 157).
 pub fn input_grad_path(s: &ConvShape) -> InputGrad {
     let [ci, co] = [s.input[1], s.out_channels];
     let batch = s.input[0] >= 2;
@@ -213,9 +214,7 @@ pub fn input_grad_path(s: &ConvShape) -> InputGrad {
         InputGrad::Gemm
     } else if !pointwise
         && crate::conv::input_grad_as_conv_applies(s)
-        && (batch
-            || co < ci
-            || (co == ci && (s.input[2] * s.input[3] >= 28 * 28 || flex_has_few_tiles(s))))
+        && (batch || co < ci || (co == ci && co <= 256 && s.input[2] * s.input[3] >= 28 * 28))
     {
         InputGrad::AsConv
     } else {

@@ -12,6 +12,11 @@
 //! 7x7 feature maps; the columns of one chunk are `ci·kh·kw × chunk·Ho·Wo` floats. The row
 //! order of the columns follows the weight's `[Co, Ci, kh, kw]` layout, so the result needs no
 //! permutation. Deterministic: the GEMM splits rows and columns across threads, never the sum.
+//!
+//! For stride 1 with a small weight, [`conv2d_weight_grad_shifted`] does without im2col (one
+//! GEMM per kernel tap over the padded input's flat pixels) and splits the images into partial
+//! sums, one per thread or more: the result depends on the batch and the number of threads
+//! only, never on timing.
 
 use rayon::prelude::*;
 
@@ -182,7 +187,8 @@ pub fn conv2d_weight_grad(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
     } else {
         ci + co <= 256
     };
-    if shifted_applies(s) && small {
+    // One image would be one partial sum on one thread.
+    if shifted_applies(s) && small && s.input[0] >= 2 {
         conv2d_weight_grad_shifted(x, dy, s)
     } else {
         conv2d_weight_grad_im2col(x, dy, s)
@@ -269,8 +275,9 @@ pub fn shifted_applies(s: &ConvShape) -> bool {
     s.stride == [1, 1] && s.dilation == [1, 1] && s.output().is_some()
 }
 
-/// How many partial sums [`conv2d_weight_grad_shifted`] splits the images into (fixed, so the
-/// result does not depend on the number of threads).
+/// How many partial sums [`conv2d_weight_grad_shifted`] splits the images into at least (as
+/// many as there are threads where there are more), so the result depends on the batch and on
+/// the number of threads only, never on timing.
 const SHIFTED_PARTS: usize = 4;
 
 /// The weight gradient of a stride-1 convolution without im2col: with the input zero-padded
@@ -282,7 +289,7 @@ const SHIFTED_PARTS: usize = 4;
 ///
 /// where the columns past `Wo` contribute nothing. The input is copied once (padded) instead
 /// of `kh·kw` times, and each chunk of pixels is read by the `kh·kw` products while it is in
-/// the cache. Images are split into [`SHIFTED_PARTS`] partial sums, added in order.
+/// the cache. Images are split into partial sums ([`SHIFTED_PARTS`]), added in order.
 ///
 /// Panics where [`shifted_applies`] is false or the slices' lengths do not match `s`.
 pub fn conv2d_weight_grad_shifted(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
@@ -305,7 +312,7 @@ pub fn conv2d_weight_grad_shifted(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f
     let reach = (kh - 1) * wp + kw - 1;
     // Pixels per chunk: its dYp and Xp rows together near 1 MiB.
     let chunk = ((1usize << 18).saturating_sub(ci * reach) / (co + ci).max(1)).clamp(512, 8192);
-    let parts = n.clamp(1, SHIFTED_PARTS);
+    let parts = n.clamp(1, SHIFTED_PARTS.max(rayon::current_num_threads()));
     let partials: Vec<Vec<f32>> = (0..parts)
         .into_par_iter()
         .map(|part| {

@@ -84,6 +84,9 @@ fn geometries(seed: u64, random: usize) -> Vec<ConvShape> {
         (1, 256, 3, 81, 79, 3, 3, 2, 1, 1),
         (6, 70, 60, 12, 11, 3, 2, 1, 1, 1),
         (5, 9, 7, 20, 3, 5, 1, 1, 2, 1),
+        // One image large enough to be split into pieces: of columns (1x1), of rows.
+        (1, 6, 5, 40, 36, 1, 1, 1, 0, 1),
+        (1, 5, 6, 37, 41, 3, 3, 1, 1, 1),
     ];
     for _ in 0..random {
         let k = g.next(1, 5);
