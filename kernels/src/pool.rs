@@ -119,6 +119,7 @@ pub fn max_pool2d_backward(
             .collect()
     };
     let rows: Vec<Vec<usize>> = (0..ho).map(|oh| span(0, oh, h)).collect();
+    let inside = g.padding == [0, 0] && g.dilation == [1, 1];
     let cols: Vec<Vec<usize>> = (0..wo).map(|ow| span(1, ow, w)).collect();
     // SAFETY: each plane's closure zeroes its `h·w` values before adding into them.
     unsafe {
@@ -130,20 +131,45 @@ pub fn max_pool2d_backward(
             let out: &mut [f32] = &mut *(std::ptr::from_mut(out) as *mut [f32]);
             let src = &x[p * plane..(p + 1) * plane];
             let grad = &dy[p * ho * wo..(p + 1) * ho * wo];
+            if inside {
+                // No padding, no dilation (VGG's pools): every window lies inside the plane.
+                let [kh, kw] = g.kernel;
+                let [sh, sw] = g.stride;
+                for oh in 0..ho {
+                    for ow in 0..wo {
+                        let first = oh * sh * w + ow * sw;
+                        let (mut best, mut top) = (first, src[first]);
+                        for i in 0..kh {
+                            let row = &src[first + i * w..first + i * w + kw];
+                            for (j, &v) in row.iter().enumerate() {
+                                // Branch-free selects: random data makes the comparisons
+                                // unpredictable. The first value is compared with itself
+                                // (never greater; a NaN takes its own place again).
+                                let take = v > top || v.is_nan();
+                                best = if take { first + i * w + j } else { best };
+                                top = if take { v } else { top };
+                            }
+                        }
+                        out[best] += grad[oh * wo + ow];
+                    }
+                }
+                return;
+            }
             for (oh, rs) in rows.iter().enumerate() {
                 for (ow, cs) in cols.iter().enumerate() {
-                    let mut best: Option<(usize, f32)> = None;
+                    // Branch-free selects: on random data the comparisons are unpredictable.
+                    let (mut best, mut top) = (usize::MAX, f32::NEG_INFINITY);
                     for &ih in rs {
                         for &iw in cs {
                             let at = ih * w + iw;
                             let v = src[at];
-                            if best.is_none_or(|(_, m)| v > m || v.is_nan()) {
-                                best = Some((at, v));
-                            }
+                            let take = best == usize::MAX || v > top || v.is_nan();
+                            best = if take { at } else { best };
+                            top = if take { v } else { top };
                         }
                     }
-                    if let Some((at, _)) = best {
-                        out[at] += grad[oh * wo + ow];
+                    if best != usize::MAX {
+                        out[best] += grad[oh * wo + ow];
                     }
                 }
             }
