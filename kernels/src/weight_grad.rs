@@ -275,10 +275,12 @@ pub fn shifted_applies(s: &ConvShape) -> bool {
     s.stride == [1, 1] && s.dilation == [1, 1] && s.output().is_some()
 }
 
-/// How many partial sums [`conv2d_weight_grad_shifted`] splits the images into at least (as
-/// many as there are threads where there are more), so the result depends on the batch and on
-/// the number of threads only, never on timing.
-const SHIFTED_PARTS: usize = 4;
+/// How many consecutive images one partial sum of [`conv2d_weight_grad_shifted`] holds. Fixed,
+/// so a part's value depends on its images alone: a batch's gradient and the sum of its
+/// halves' (a pipeline's micro-batches, data-parallel ranks, when their sizes are multiples of
+/// it) add the same parts, in another grouping only, and nothing depends on the number of
+/// threads or on timing.
+pub const SHIFTED_RUN: usize = 4;
 
 /// The weight gradient of a stride-1 convolution without im2col: with the input zero-padded
 /// (`Xp`, rows of `Wp = W + 2·pw`) and the output gradient laid out on the same rows (`dYp`,
@@ -289,7 +291,8 @@ const SHIFTED_PARTS: usize = 4;
 ///
 /// where the columns past `Wo` contribute nothing. The input is copied once (padded) instead
 /// of `kh·kw` times, and each chunk of pixels is read by the `kh·kw` products while it is in
-/// the cache. Images are split into partial sums ([`SHIFTED_PARTS`]), added in order.
+/// the cache. Images are summed in runs of [`SHIFTED_RUN`], the runs on the threads in
+/// parallel, and the runs' sums added in order.
 ///
 /// Panics where [`shifted_applies`] is false or the slices' lengths do not match `s`.
 pub fn conv2d_weight_grad_shifted(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
@@ -312,77 +315,84 @@ pub fn conv2d_weight_grad_shifted(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f
     let reach = (kh - 1) * wp + kw - 1;
     // Pixels per chunk: its dYp and Xp rows together near 1 MiB.
     let chunk = ((1usize << 18).saturating_sub(ci * reach) / (co + ci).max(1)).clamp(512, 8192);
-    let parts = n.clamp(1, SHIFTED_PARTS.max(rayon::current_num_threads()));
-    let partials: Vec<Vec<f32>> = (0..parts)
-        .into_par_iter()
-        .map(|part| {
-            let mut dw = vec![0f32; co * ci * taps];
-            if n == 0 || len == 0 {
-                return dw;
-            }
-            // Zero once: the borders and the columns past Wo are never written.
-            let mut xp = vec![0f32; ci * plane];
-            let mut dyp = vec![0f32; co * len];
-            let mut started = false;
-            for b in (part..n).step_by(parts) {
-                for c in 0..ci {
-                    let src = &x[(b * ci + c) * h * w..][..h * w];
-                    let dst = &mut xp[c * plane..][..plane];
-                    for r in 0..h {
-                        dst[(r + ph) * wp + pw..][..w].copy_from_slice(&src[r * w..][..w]);
-                    }
-                }
-                for o in 0..co {
-                    let src = &dy[(b * co + o) * ho * wo..][..ho * wo];
-                    let dst = &mut dyp[o * len..][..len];
-                    for r in 0..ho {
-                        dst[r * wp..][..wo].copy_from_slice(&src[r * wo..][..wo]);
-                    }
-                }
-                for q0 in (0..len).step_by(chunk) {
-                    let k = chunk.min(len - q0);
-                    for tap in 0..taps {
-                        let off = (tap / kw) * wp + tap % kw;
-                        // SAFETY: dst is co x ci with strides (ci·taps, taps) from the tap's
-                        // offset inside dw (co·ci·taps long); lhs reads co rows of dyp (len
-                        // apart) at q0..q0+k <= len; rhs reads ci planes of xp (plane apart)
-                        // at q0+off..q0+off+k <= len + reach = ho·wp + (kh-1)·wp + kw - 1
-                        // = hp·wp + kw - 1 <= plane.
-                        unsafe {
-                            gemm::gemm(
-                                co,
-                                ci,
-                                k,
-                                dw.as_mut_ptr().add(tap),
-                                taps as isize,
-                                (ci * taps) as isize,
-                                started,
-                                dyp.as_ptr().add(q0),
-                                1,
-                                len as isize,
-                                xp.as_ptr().add(q0 + off),
-                                plane as isize,
-                                1,
-                                1.0f32,
-                                1.0f32,
-                                false,
-                                false,
-                                false,
-                                gemm::Parallelism::None,
-                            );
+    let mut dw = vec![0f32; co * ci * taps];
+    if n == 0 || len == 0 {
+        return dw;
+    }
+    let runs: Vec<std::ops::Range<usize>> = (0..n)
+        .step_by(SHIFTED_RUN)
+        .map(|b| b..(b + SHIFTED_RUN).min(n))
+        .collect();
+    let threads = rayon::current_num_threads().max(1);
+    // Waves of one run per thread, so that as many partial sums as threads are held at once.
+    for wave in runs.chunks(threads) {
+        let partials: Vec<Vec<f32>> = wave
+            .par_iter()
+            .map_init(
+                // Zero once: the borders and the columns past Wo are never written.
+                || (vec![0f32; ci * plane], vec![0f32; co * len]),
+                |(xp, dyp), run| {
+                    let mut dw = vec![0f32; co * ci * taps];
+                    let mut started = false;
+                    for b in run.clone() {
+                        for c in 0..ci {
+                            let src = &x[(b * ci + c) * h * w..][..h * w];
+                            let dst = &mut xp[c * plane..][..plane];
+                            for r in 0..h {
+                                dst[(r + ph) * wp + pw..][..w].copy_from_slice(&src[r * w..][..w]);
+                            }
+                        }
+                        for o in 0..co {
+                            let src = &dy[(b * co + o) * ho * wo..][..ho * wo];
+                            let dst = &mut dyp[o * len..][..len];
+                            for r in 0..ho {
+                                dst[r * wp..][..wo].copy_from_slice(&src[r * wo..][..wo]);
+                            }
+                        }
+                        for q0 in (0..len).step_by(chunk) {
+                            let k = chunk.min(len - q0);
+                            for tap in 0..taps {
+                                let off = (tap / kw) * wp + tap % kw;
+                                // SAFETY: dst is co x ci with strides (ci·taps, taps) from the tap's
+                                // offset inside dw (co·ci·taps long); lhs reads co rows of dyp (len
+                                // apart) at q0..q0+k <= len; rhs reads ci planes of xp (plane apart)
+                                // at q0+off..q0+off+k <= len + reach = ho·wp + (kh-1)·wp + kw - 1
+                                // = hp·wp + kw - 1 <= plane.
+                                unsafe {
+                                    gemm::gemm(
+                                        co,
+                                        ci,
+                                        k,
+                                        dw.as_mut_ptr().add(tap),
+                                        taps as isize,
+                                        (ci * taps) as isize,
+                                        started,
+                                        dyp.as_ptr().add(q0),
+                                        1,
+                                        len as isize,
+                                        xp.as_ptr().add(q0 + off),
+                                        plane as isize,
+                                        1,
+                                        1.0f32,
+                                        1.0f32,
+                                        false,
+                                        false,
+                                        false,
+                                        gemm::Parallelism::None,
+                                    );
+                                }
+                            }
+                            started = true;
                         }
                     }
-                    started = true;
-                }
+                    dw
+                },
+            )
+            .collect();
+        for p in partials {
+            for (a, b) in dw.iter_mut().zip(&p) {
+                *a += b;
             }
-            dw
-        })
-        .collect();
-    let mut partials = partials.into_iter();
-    let mut dw = partials.next().unwrap_or_default();
-    for p in partials {
-        for (a, b) in dw.iter_mut().zip(&p) {
-            *a += b;
         }
     }
     dw

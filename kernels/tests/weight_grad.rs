@@ -426,3 +426,47 @@ fn inference_takes_the_gemm_op_and_equals_burns_forward() {
         );
     }
 }
+
+/// The shifted weight gradient sums fixed runs of images and adds the runs' sums in order: a
+/// batch's gradient is its runs' gradients added in order, bit for bit (so the gradients of
+/// whole runs, such as a pipeline's micro-batches or data-parallel ranks, regroup only the last
+/// additions), and nothing depends on the number of threads.
+#[test]
+fn a_batchs_shifted_weight_gradient_adds_its_runs_in_order() {
+    use hearth_kernels::weight_grad::SHIFTED_RUN;
+    let (n, ci, co, side) = (4 * SHIFTED_RUN, 5, 7, 9);
+    let s = ConvShape {
+        input: [n, ci, side, side],
+        out_channels: co,
+        kernel: [3, 3],
+        stride: [1, 1],
+        padding: [1, 1],
+        dilation: [1, 1],
+    };
+    let x = noise(n * ci * side * side, 11);
+    let dy = noise(n * co * side * side, 12);
+    let whole = conv2d_weight_grad_shifted(&x, &dy, &s);
+    // Piece i of `count` equal pieces of the batch.
+    let piece = |i: usize, count: usize| {
+        let m = n / count;
+        let (xs, ys) = (m * ci * side * side, m * co * side * side);
+        let part = ConvShape {
+            input: [m, ci, side, side],
+            ..s
+        };
+        conv2d_weight_grad_shifted(&x[i * xs..(i + 1) * xs], &dy[i * ys..(i + 1) * ys], &part)
+    };
+    let mut in_order = piece(0, 4);
+    for i in 1..4 {
+        for (acc, v) in in_order.iter_mut().zip(piece(i, 4)) {
+            *acc += v;
+        }
+    }
+    assert_eq!(whole, in_order, "the runs added in order");
+    let halves: Vec<f32> = piece(0, 2)
+        .iter()
+        .zip(piece(1, 2))
+        .map(|(p, q)| p + q)
+        .collect();
+    close(&whole, &halves, "the halves' sum");
+}
