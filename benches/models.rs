@@ -191,7 +191,9 @@ fn main() {
     let on_cpu = hearth_kernels::is_cpu(&device);
     let cpu_peak = hearth::bench::cpu_peak_gflops().filter(|_| on_cpu);
     if let Some(p) = cpu_peak {
-        println!("CPU nominal peak: {p:.0} GFLOP/s (HEARTH_PEAK_GFLOPS overrides)");
+        println!(
+            "CPU peak (measured FMA rate, all cores): {p:.0} GFLOP/s (HEARTH_PEAK_GFLOPS overrides)"
+        );
     }
     // On a GPU the peer also runs in channels_last, when it runs on CUDA.
     let channels_last = !on_cpu && peer_device.starts_with("cuda");

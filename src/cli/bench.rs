@@ -176,7 +176,7 @@ pub(crate) fn bench_model(device_name: &str, args: BenchModelArgs) -> Result<()>
     let gflops = median * bench.gflop_per_image();
     match hearth::bench::cpu_peak_gflops().filter(|_| hearth_kernels::is_cpu(&device)) {
         Some(peak) => println!(
-            "GFLOP/s at the median step: {gflops:.1} ({:.0}% of the CPU's nominal {peak:.0}; HEARTH_PEAK_GFLOPS overrides)",
+            "GFLOP/s at the median step: {gflops:.1} ({:.0}% of the CPU's measured FMA peak {peak:.0}; HEARTH_PEAK_GFLOPS overrides)",
             100.0 * gflops / peak
         ),
         None => println!("GFLOP/s at the median step: {gflops:.1}"),
