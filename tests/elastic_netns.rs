@@ -37,14 +37,6 @@ fn sh(args: &[&str]) -> Result<(), String> {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Hosts for one test: namespaces with their own addresses, or 127.0.0.1 as a fallback.
 struct Hosts {
     /// Namespace of each host (empty on loopback), and the switch namespace.
@@ -95,7 +87,13 @@ impl Hosts {
                 );
                 hosts.remove_namespaces();
                 hosts.addrs = (0..n)
-                    .map(|_| ("127.0.0.1".to_string(), free_port(), free_port()))
+                    .map(|_| {
+                        (
+                            "127.0.0.1".to_string(),
+                            common::coordinator_port(),
+                            common::coordinator_port(),
+                        )
+                    })
                     .collect();
             }
         }

@@ -12,7 +12,6 @@
 
 mod common;
 
-use std::net::{TcpListener, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -40,20 +39,6 @@ fn on_path(tool: &str) -> bool {
     }
     std::env::var_os("PATH")
         .is_some_and(|paths| std::env::split_paths(&paths).any(|d| d.join(tool).is_file()))
-}
-
-fn free_tcp_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free TCP port on 127.0.0.1")
-}
-
-fn free_udp_port() -> u16 {
-    UdpSocket::bind("127.0.0.1:0")
-        .and_then(|s| s.local_addr())
-        .map(|a| a.port())
-        .expect("a free UDP port on 127.0.0.1")
 }
 
 /// PATH with the `hearth` under test first, so `srun hearth ...` and `mpirun hearth ...` run it.
@@ -198,8 +183,8 @@ impl Slurm {
              NodeName=localhost NodeHostname={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN\n\
              PartitionName=hearth Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES\n",
             sock = socket.display(),
-            ctld = free_tcp_port(),
-            slurmd = free_tcp_port(),
+            ctld = common::coordinator_port(),
+            slurmd = common::coordinator_port(),
             d = d.display(),
         );
         let conf_path = d.join("slurm.conf");
@@ -315,7 +300,7 @@ fn slurm_runs_deploy_sbatch_with_two_tasks_and_the_run_trains() {
     .arg(&sbatch)
     .current_dir(work.path())
     .env("PATH", path_with_hearth())
-    .env("HEARTH_PORT", free_udp_port().to_string())
+    .env("HEARTH_PORT", common::coordinator_port().to_string())
     .env("HEARTH_DATA", &data)
     .env("HEARTH_RUN_DIR", &run)
     .env("HEARTH_TRAIN_ARGS", TRAIN)
@@ -376,7 +361,10 @@ fn mpirun_starts_two_ranks_that_train_as_one_job() {
         "HEARTH_JOB_SECRET",
     ])
     .arg("-x")
-    .arg(format!("HEARTH_COORDINATOR=127.0.0.1:{}", free_udp_port()))
+    .arg(format!(
+        "HEARTH_COORDINATOR=127.0.0.1:{}",
+        common::coordinator_port()
+    ))
     .arg("-x")
     .arg("PATH")
     .arg("hearth")

@@ -6,6 +6,8 @@
 //! processes (each stage's replicas averaging its gradients over their own group) equal one
 //! process on the whole batch.
 
+mod common;
+
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -367,10 +369,7 @@ fn rank_processes(
     world: usize,
     out: &std::path::Path,
 ) -> Vec<(bool, String)> {
-    let port = std::net::UdpSocket::bind("127.0.0.1:0")
-        .and_then(|s| s.local_addr())
-        .map(|a| a.port())
-        .unwrap();
+    let port = common::coordinator_port();
     let children: Vec<_> = (0..world)
         .map(|r| {
             Command::new(std::env::current_exe().unwrap())
