@@ -6,7 +6,7 @@
 //!
 //!   cargo run --release -p hearth-kernels --example conv_paths   # HEARTH_PROFILE_BATCH (16)
 
-use std::time::Instant;
+mod common;
 
 use burn::prelude::*;
 use burn::tensor::Distribution;
@@ -15,22 +15,10 @@ use burn::tensor::ops::ConvOptions;
 use hearth_kernels::ext::conv2d_gemm_grad;
 use hearth_kernels::pointwise_strided;
 
-fn time_min(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::MAX, f64::min)
-}
+use common::{env_usize, time_min};
 
 fn main() {
-    let n: usize = std::env::var("HEARTH_PROFILE_BATCH")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(16);
+    let n = env_usize("HEARTH_PROFILE_BATCH", 16);
     let device = Device::flex().autodiff();
     // (cin, cout, k, stride, side, count in the network)
     let vgg16 = [
