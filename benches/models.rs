@@ -158,6 +158,7 @@ fn gpu_configs() -> Vec<(BenchMode, &'static str, usize)> {
 }
 
 fn main() {
+    common::freed_memory_policy();
     // `cargo bench` passes --bench; `cargo test --benches` would pass nothing: do a tiny run.
     let smoke = !std::env::args().any(|a| a == "--bench");
     let steps = env_usize("HEARTH_BENCH_STEPS", if smoke { 1 } else { 5 });

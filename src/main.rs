@@ -183,6 +183,11 @@ fn main() {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = Cli::parse();
+    // Freed tensors stay in the process for the next step (`HEARTH_MALLOC=system` opts out).
+    if let Err(err) = hearth::alloc::apply_freed_memory_policy() {
+        eprintln!("error: {err}");
+        std::process::exit(1);
+    }
     if let Err(err) = run(cli) {
         eprintln!("error: {}", report(&err));
         std::process::exit(1);

@@ -94,3 +94,16 @@ pub fn cpu() -> String {
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     format!("{name}, {isa}, {cores} cores")
 }
+
+/// The `hearth` binary's policy for freed memory in this bench's process too (kept for reuse
+/// unless `HEARTH_MALLOC=system`; `hearth::alloc::keep_freed_memory`), printed; a bad value
+/// ends the bench.
+pub fn freed_memory_policy() {
+    match hearth::alloc::apply_freed_memory_policy() {
+        Ok(p) => println!("freed memory: {p:?} (HEARTH_MALLOC=keep|system)"),
+        Err(e) => {
+            eprintln!("bench: {e}");
+            std::process::exit(1);
+        }
+    }
+}
