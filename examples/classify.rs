@@ -13,6 +13,9 @@ use hearth::datasets::preprocess::{eval_preprocess, load_rgb};
 use hearth::models::{Architecture, LoadOptions, load_torchvision};
 
 fn main() -> Result<()> {
+    // Freed tensors stay in the process for the next step, as in the `hearth` binary
+    // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
+    hearth::alloc::apply_freed_memory_policy()?;
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arch = Architecture::from_name(args.first().map_or("resnet18", String::as_str))?;
     let device = hearth::device::select(&std::env::var("HEARTH_DEVICE").unwrap_or("flex".into()))?;

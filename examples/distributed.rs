@@ -13,6 +13,9 @@ use hearth::dist::rendezvous::RankInfo;
 use hearth::train::{TrainConfig, train};
 
 fn main() -> Result<()> {
+    // Freed tensors stay in the process for the next step, as in the `hearth` binary
+    // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
+    hearth::alloc::apply_freed_memory_policy()?;
     let info = RankInfo::detect()?.context(
         "start this example under `hearth launch -n 2 -- ...` (or torchrun, Slurm, mpirun)",
     )?;

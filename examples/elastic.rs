@@ -22,6 +22,9 @@ use hearth::dist::rendezvous::RankInfo;
 use hearth::train::{Balance, ElasticOptions, TrainConfig, train};
 
 fn main() -> Result<()> {
+    // Freed tensors stay in the process for the next step, as in the `hearth` binary
+    // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
+    hearth::alloc::apply_freed_memory_policy()?;
     let data: PathBuf = std::env::args()
         .nth(1)
         .context("usage: elastic DATA_FOLDER (under `hearth launch --elastic`)")?

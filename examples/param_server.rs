@@ -18,6 +18,9 @@ use hearth::dist::rendezvous::RankInfo;
 use hearth::train::{PsMode, PsOptions, PsServers, TrainConfig, train};
 
 fn main() -> Result<()> {
+    // Freed tensors stay in the process for the next step, as in the `hearth` binary
+    // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
+    hearth::alloc::apply_freed_memory_policy()?;
     let data: PathBuf = std::env::args()
         .nth(1)
         .context("usage: param_server DATA_FOLDER (under `hearth launch -n 5`)")?
