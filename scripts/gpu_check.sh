@@ -55,12 +55,46 @@ if [ "$ROOT" != "$BUILD_ROOT" ] && [ ! -e "$BUILD_ROOT" ]; then
     mkdir -p "$(dirname "$BUILD_ROOT")" && ln -s "$ROOT" "$BUILD_ROOT"
 fi
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-$(mktemp -d)}
+# cubecl-cuda loads libcuda (the driver's) and NVRTC at run time (cudarc, CUDA 13 names such as
+# libnvrtc.so.13). A machine with PyTorch but no CUDA toolkit has NVRTC only in the pip wheels
+# (site-packages/nvidia/*/lib): put those folders on the library path.
+NV_LIBS=$(python3 - 2>/dev/null <<'PY'
+import glob, os, site
+dirs = set()
+for sp in site.getsitepackages() + [site.getusersitepackages()]:
+    for lib in glob.glob(os.path.join(sp, "nvidia", "**", "lib"), recursive=True):
+        if glob.glob(os.path.join(lib, "libnvrtc*")):
+            dirs.add(lib)
+print(":".join(sorted(dirs)))
+PY
+)
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    [ -e "$d/libnvrtc.so" ] || ls "$d"/libnvrtc.so.* >/dev/null 2>&1 && NV_LIBS="${NV_LIBS:+$NV_LIBS:}$d"
+done
+[ -n "$NV_LIBS" ] && export LD_LIBRARY_PATH="$NV_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 STEPS=${HEARTH_GPU_BENCH_STEPS:-20}
 WARMUP=${HEARTH_BENCH_WARMUP:-3}
 DEVICES=${HEARTH_GPU_DEVICES:-cuda wgpu vulkan}
 FIRST=${DEVICES%% *}
 ONLY=${HEARTH_GPU_ONLY:-all}
 status=0
+# Autotune's decisions persist in cubecl's environment database, TARGET/environment of the
+# outermost Cargo.toml above the working directory (here: this checkout's target/). On a fresh
+# machine every shape is tuned first, each candidate kernel compiled by NVRTC: on an H200 that
+# took about 7 minutes for ResNet-50 inference at batch 1 and 32, and training at batch 32 had
+# not finished its tuning 2.5 minutes later (BENCHMARKS.md). The database is saved to
+# OUT/cubecl-environment.tar.xz at the end; carried back beside the binaries (in the BIN
+# folder), it is restored first and spares the next call the tuning already done.
+if [ -f "$BIN/cubecl-environment.tar.xz" ]; then
+    mkdir -p "$ROOT/target" \
+        && tar -xJf "$BIN/cubecl-environment.tar.xz" -C "$ROOT/target" \
+        && echo "autotune: restored $(du -sh "$ROOT/target/environment" | cut -f1) of earlier decisions"
+fi
+save_autotune() {
+    [ -d "$ROOT/target/environment" ] || return 0
+    tar -cJf "$OUT/cubecl-environment.tar.xz" -C "$ROOT/target" environment \
+        && echo "autotune: decisions saved to $OUT/cubecl-environment.tar.xz"
+}
 step() { echo; echo "=== $* ($(date +%T))"; }
 run() {
     # Runs a step (at most $HEARTH_STEP_TIMEOUT s), records its exit status, and carries on.
@@ -77,6 +111,7 @@ step "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 ldconfig -p | grep -q libvulkan || echo "no libvulkan: Vulkan/wgpu steps will fail"
 python3 -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())' 2>&1
+echo "NVRTC: $( (ldconfig -p | grep -o 'libnvrtc\.so[.0-9]*' | head -1; for d in ${NV_LIBS//:/ }; do ls "$d" | grep '^libnvrtc\.so'; done) | tr '\n' ' ')(library path: ${NV_LIBS:-system only})"
 [ -x "$BIN/hearth" ] && "$BIN/hearth" devices 2>&1
 
 if wants parity; then
@@ -136,4 +171,5 @@ if wants train; then
         [ -f "$r/metrics.csv" ] && { echo "$r/metrics.csv:"; cat "$r/metrics.csv"; }
     done
 fi
+save_autotune
 exit $status
