@@ -98,11 +98,12 @@ fn log_path_for(value: &std::ffi::OsStr, rank: &str) -> std::path::PathBuf {
 pub struct Decision {
     /// What was tuned: the operation and its shapes, in words.
     pub what: String,
-    /// The winning kernel.
+    /// The kernel autotune kept (cubecl's `fastest_index`).
     pub chosen: String,
     /// Its median time in seconds.
     pub seconds: f64,
-    /// The runner-up and its median time, if another candidate ran.
+    /// The fastest other candidate by median and its median time, if another ran: it can be
+    /// faster than the chosen one, since cubecl ranks by its own estimate.
     pub runner_up: Option<(String, f64)>,
     /// Candidates that failed or could not run this shape.
     pub failed: usize,
@@ -135,7 +136,8 @@ pub fn read_decisions(path: &Path) -> Result<Vec<Decision>> {
 
 fn decision(v: &Value) -> Option<Decision> {
     let key = v.get("key")?;
-    let mut measured: Vec<(String, f64)> = Vec::new();
+    // (candidate index, short name, median seconds) of each candidate that ran.
+    let mut measured: Vec<(Option<u64>, String, f64)> = Vec::new();
     let mut failed = 0;
     for r in v.get("results")?.as_array()? {
         match r.get("outcome").and_then(|o| o.get("Ok")) {
@@ -146,19 +148,35 @@ fn decision(v: &Value) -> Option<Decision> {
                     .and_then(|c| c.get("median"))
                     .and_then(duration)
                     .unwrap_or(f64::NAN);
-                measured.push((short_name(name), t));
+                let index = ok.get("index").and_then(Value::as_u64);
+                measured.push((index, short_name(name), t));
             }
             None => failed += 1,
         }
     }
-    measured.sort_by(|a, b| a.1.total_cmp(&b.1));
-    let mut it = measured.into_iter();
-    let (chosen, seconds) = it.next()?;
+    // The kernel cubecl keeps is `fastest_index`, by its own ranking (the adaptive scheduler
+    // drops candidates after a few samples), which is not always the lowest median: on an H200
+    // 14 of 98 decisions kept a kernel whose median was over 10% behind another's. Without an
+    // index, the first candidate listed (cubecl lists its ranking in order).
+    let pick = v
+        .get("fastest_index")
+        .and_then(Value::as_u64)
+        .and_then(|i| measured.iter().position(|m| m.0 == Some(i)))
+        .unwrap_or(0);
+    if measured.is_empty() {
+        return None;
+    }
+    let (_, chosen, median) = measured.remove(pick);
+    measured.sort_by(|a, b| a.2.total_cmp(&b.2));
     Some(Decision {
         what: describe_key(key),
         chosen,
-        seconds: v.get("fastest_time").and_then(duration).unwrap_or(seconds),
-        runner_up: it.next(),
+        seconds: if median.is_nan() {
+            v.get("fastest_time").and_then(duration).unwrap_or(median)
+        } else {
+            median
+        },
+        runner_up: measured.into_iter().next().map(|(_, n, t)| (n, t)),
         failed,
     })
 }
@@ -295,6 +313,23 @@ pub fn autotune_report(path: &Path) -> Result<String> {
             d.failed
         );
     }
+    // Where another candidate's median beat the kept kernel's by over 10%: the choice may be
+    // noise, or a kernel left on the table.
+    let behind: Vec<f64> = decisions
+        .iter()
+        .filter_map(|d| d.runner_up.as_ref().map(|(_, t)| d.seconds / t.max(1e-12)))
+        .filter(|&x| x > 1.1)
+        .collect();
+    if !behind.is_empty() {
+        let worst = behind.iter().copied().fold(1.0, f64::max);
+        let _ = writeln!(
+            out,
+            "\n{} of {} decisions kept a kernel whose median was more than 10% behind the \
+             runner-up's (x below 0.91; up to {worst:.2}x slower)",
+            behind.len(),
+            decisions.len()
+        );
+    }
     Ok(out)
 }
 
@@ -324,6 +359,31 @@ mod tests {
         let table = autotune_report(&path).unwrap();
         assert!(table.contains("| Conv 64->64 ch"), "{table}");
         assert!(table.contains("1.000 (4.00x)"), "{table}");
+    }
+
+    #[test]
+    fn the_chosen_kernel_is_cubecls_pick_even_where_another_median_was_lower() {
+        // cubecl kept index 2 (listed first) although index 0's median was lower.
+        let line = r#"{"key":{"Sum":{"dtype":"F32","length":2}},"fastest_index":2,"fastest_time":{"secs":0,"nanos":300000},"results":[{"outcome":{"Ok":{"name":"kept","index":2,"computation":{"median":{"secs":0,"nanos":300000}}}}},{"outcome":{"Ok":{"name":"faster","index":0,"computation":{"median":{"secs":0,"nanos":200000}}}}},{"outcome":{"Ok":{"name":"slowest","index":1,"computation":{"median":{"secs":0,"nanos":900000}}}}}]}"#;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log.jsonl");
+        std::fs::write(&path, format!("{line}\n{LINE}\n")).unwrap();
+        let d = read_decisions(&path).unwrap();
+        assert_eq!(d[0].chosen, "kept");
+        assert!((d[0].seconds - 300e-6).abs() < 1e-12);
+        let (ru, t) = d[0].runner_up.clone().unwrap();
+        assert_eq!(ru, "faster");
+        assert!((t - 200e-6).abs() < 1e-12);
+        let table = autotune_report(&path).unwrap();
+        assert!(
+            table.contains("| kept | 0.300 | faster | 0.200 (0.67x)"),
+            "{table}"
+        );
+        assert!(
+            table.contains("1 of 2 decisions kept a kernel whose median was more than 10% behind"),
+            "{table}"
+        );
+        assert!(table.contains("up to 1.50x slower"), "{table}");
     }
 
     #[test]
