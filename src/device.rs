@@ -149,6 +149,15 @@ impl DeviceChoice {
         }
         .device()
     }
+
+    /// [`DeviceChoice::device`] without the autotune note: for listing which devices work.
+    pub fn probe(self) -> Result<Device> {
+        DeviceSpec {
+            choice: self,
+            index: None,
+        }
+        .probe()
+    }
 }
 
 /// A device as named on the command line: a [`DeviceChoice`] and, for GPUs, an index
@@ -173,8 +182,18 @@ impl DeviceSpec {
         }
     }
 
-    /// The Burn device after a tiny computation on it proves it works.
+    /// The Burn device after a tiny computation on it proves it works. On a GPU device whose
+    /// autotune has no earlier decisions, says (on stderr) that the first steps will tune.
     pub fn device(self) -> Result<Device> {
+        self.start(true)
+    }
+
+    /// [`DeviceSpec::device`] without the autotune note: for listing which devices work.
+    pub fn probe(self) -> Result<Device> {
+        self.start(false)
+    }
+
+    fn start(self, note: bool) -> Result<Device> {
         let name = self.to_string();
         quiet_wayland();
         if self.choice.is_cubecl() {
@@ -187,6 +206,12 @@ impl DeviceSpec {
                 crate::gpu::AUTOTUNE_LOG_ENV
             );
         }
+        // Read before the device starts: starting it opens (creates) autotune's database.
+        let notice = if note && self.choice.is_cubecl() {
+            crate::gpu::autotune_notice(&name)
+        } else {
+            None
+        };
         let device = self.choice.device_at(self.index);
         let probe = device.clone();
         let previous = std::panic::take_hook();
@@ -197,7 +222,12 @@ impl DeviceSpec {
         });
         std::panic::set_hook(previous);
         match outcome {
-            Ok(v) if (v - 3.0).abs() < 1e-6 => Ok(device),
+            Ok(v) if (v - 3.0).abs() < 1e-6 => {
+                if let Some(note) = notice {
+                    eprintln!("note: {note}");
+                }
+                Ok(device)
+            }
             Ok(v) => Err(HearthError::DeviceUnavailable {
                 name,
                 reason: format!("a test sum gave {v} instead of 3"),
@@ -216,7 +246,7 @@ impl DeviceSpec {
                         index: None,
                         ..self
                     }
-                    .device()
+                    .probe()
                     .is_ok()
                 });
                 let reason = if let Some(index) = missing_index {

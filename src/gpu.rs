@@ -74,6 +74,40 @@ fn apply_config() -> Option<String> {
     }
 }
 
+/// A line for the start of a run on a cubecl device, or `None` when autotune has earlier
+/// decisions to reuse: where its decisions are kept and that, with none there yet, the first
+/// steps time the candidate kernels of each new shape (minutes on a fresh GPU: about 7 for
+/// ResNet-50's inference on an H200, each candidate compiled by NVRTC), so that a long first
+/// step does not look like a hang. Call it before the device starts: starting it creates the
+/// database.
+pub fn autotune_notice(device: &str) -> Option<String> {
+    #[cfg(feature = "gpu-kernels")]
+    {
+        use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+        if CubeClRuntimeConfig::get().autotune.disable_cache {
+            return Some(format!(
+                "autotune on {device}: its disk cache is off (CUBECL_AUTOTUNE_CACHE=0), so the \
+                 first steps of every run time the candidate kernels of each new shape"
+            ));
+        }
+        let db = cubecl::environment::path();
+        let empty = std::fs::metadata(&db).map_or(true, |m| m.len() == 0);
+        empty.then(|| {
+            format!(
+                "autotune on {device}: no earlier decisions in {}; the first steps time the \
+                 candidate kernels of each new convolution and matrix shape, which can take \
+                 minutes on a GPU it has not seen (later runs reuse the decisions)",
+                db.display()
+            )
+        })
+    }
+    #[cfg(not(feature = "gpu-kernels"))]
+    {
+        let _ = device;
+        None
+    }
+}
+
 /// The log file a process writes: `{rank}` in the variable's value becomes this process's rank
 /// (`HEARTH_RANK`, else torchrun's `RANK`, else 0), so the ranks of a job write a file each.
 #[cfg_attr(not(feature = "gpu-kernels"), allow(dead_code))]

@@ -388,7 +388,7 @@ fn units(a: UnitsArgs) -> Result<()> {
 fn devices() -> Result<()> {
     println!("{:<12} {:<10} description", "device", "status");
     for d in DeviceChoice::ALL {
-        let status = match d.device() {
+        let status = match d.probe() {
             Ok(_) => "ok".to_string(),
             Err(e) => format!("unavailable ({e})"),
         };

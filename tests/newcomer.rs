@@ -1,6 +1,7 @@
 //! A newcomer's mistakes lose no data: `hearth data synth` never writes into (or deletes)
 //! another data set, and `hearth train --run-dir` never writes over an earlier run, not even
-//! through `--nproc` (refused before any rank starts).
+//! through `--nproc` (refused before any rank starts). A first run on a GPU device says that its
+//! first steps will tune kernels, so that minutes of tuning do not look like a hang.
 
 mod common;
 
@@ -578,4 +579,46 @@ fn a_killed_rank_is_reported_as_killed() {
     assert!(!out.status.success());
     assert!(err.contains("was killed by a signal"), "{err}");
     assert!(!err.contains("None") && !err.contains("Some("), "{err}");
+}
+
+/// A first run on a GPU device says that its first steps will tune kernels (minutes on a fresh
+/// GPU, which would look like a hang), naming where the decisions go; a second run, which
+/// reuses them, says nothing. On `vulkan-cpu` (lavapipe), with cubecl's cache in a fresh folder
+/// (no Cargo.toml above the working directory, so the user cache folder: `XDG_CACHE_HOME`).
+#[test]
+fn a_first_gpu_run_says_its_first_steps_will_tune_and_a_second_does_not() {
+    use hearth::device::DeviceChoice;
+    if common::device_or_skip(DeviceChoice::VulkanCpu, "autotune note").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    assert!(synth(&data, "2", &[]).status.success());
+    let cache = dir.path().join("cache");
+    let run = || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_hearth"))
+            .args(["--device", "vulkan-cpu", "bench", "loader", "--data"])
+            .arg(&data)
+            .args(["--batch-size", "2", "--size", "16", "--batches", "1"])
+            .args(["--workers", "1"])
+            .current_dir(dir.path())
+            .env("XDG_CACHE_HOME", &cache)
+            .env_remove("CUBECL_AUTOTUNE_CACHE")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{err}");
+        err
+    };
+    let first = run();
+    let db = cache.join("cubecl").join("default.db");
+    assert!(
+        first.contains("note: autotune on vulkan-cpu: no earlier decisions in")
+            && first.contains(&db.display().to_string())
+            && first.contains("can take minutes"),
+        "{first}"
+    );
+    assert!(db.exists(), "no database at {}:\n{first}", db.display());
+    let second = run();
+    assert!(!second.contains("note: autotune"), "{second}");
 }
