@@ -38,6 +38,14 @@
 #             the GPU, with images/s and the gradient exchange's share of a step.
 # HEARTH_GPU_ONLY=parity|bench|mixed|train runs one step group (a device call is limited to 10
 # minutes and 64 MiB of carried files: split the work across calls with it).
+#
+# Budget (measured 2026-11-26, one H200, fresh machine, CUDA): autotune's first pass is most of
+# the time. ResNet-50 inference at batch 1 and 32 took about 7 minutes of tuning, and training
+# at batch 32 was still tuning 2.5 minutes later; parity on CUDA reached 4 of its 6 fixtures in
+# 230 s. With 15 minutes of device time per session, ask for one configuration per call
+# (HEARTH_BENCH_MODELS=resnet50 HEARTH_BENCH_BATCHES=train:32 HEARTH_BENCH_ROUNDS=1), keep
+# HEARTH_STEP_TIMEOUT under the call's limit so that the autotune database is saved to OUT, and
+# carry that database back (OUT/cubecl-environment.tar.xz into BIN) for the next call.
 # The parity test and the bench read fixtures and the peer script at the path of the checkout
 # they were built in ($HEARTH_BUILD_ROOT, default /work/main): this script links it here.
 set -u
