@@ -21,7 +21,9 @@
 //! Environment: `HEARTH_OVERLAP_MODEL` (resnet50), `HEARTH_OVERLAP_SIZE` (128),
 //! `HEARTH_OVERLAP_BATCH` (16, global), `HEARTH_OVERLAP_STEPS` (8 per epoch),
 //! `HEARTH_BENCH_ROUNDS` (2), `HEARTH_OVERLAP_RATES`, `HEARTH_OVERLAP_HERE` (0 skips the
-//! one-host setting), `HEARTH_TORCH_PYTHON`.
+//! one-host setting), `HEARTH_TORCH_PYTHON`, `HEARTH_OVERLAP_MODE` (`dp`, default, or
+//! `elastic`: the same with `hearth launch --elastic -n 2 --min 2 --max 2 -- hearth train
+//! --elastic`, on this host only).
 
 mod common;
 
@@ -37,6 +39,8 @@ struct Setup {
     batch: usize,
     steps: usize,
     threads: usize,
+    /// `HEARTH_OVERLAP_MODE=elastic`: elastic training instead of data parallel.
+    elastic: bool,
     data: PathBuf,
     work: PathBuf,
     python: Option<PathBuf>,
@@ -127,9 +131,28 @@ fn hearth_run(s: &Setup, place: &Place, overlap: bool, run: &Path) -> Option<(f6
     let hearth = env!("CARGO_BIN_EXE_hearth").to_string();
     let log = match place {
         Place::Here => {
-            let out = Command::new(&hearth)
-                .args(&args)
-                .args(["--nproc", &RANKS.to_string()])
+            let mut command = Command::new(&hearth);
+            if s.elastic {
+                let n = RANKS.to_string();
+                command
+                    .args([
+                        "launch",
+                        "--elastic",
+                        "-n",
+                        &n,
+                        "--min",
+                        &n,
+                        "--max",
+                        &n,
+                        "--",
+                    ])
+                    .arg(&hearth)
+                    .args(&args)
+                    .arg("--elastic");
+            } else {
+                command.args(&args).args(["--nproc", &RANKS.to_string()]);
+            }
+            let out = command
                 .env("RAYON_NUM_THREADS", s.threads.to_string())
                 .output()
                 .ok()?;
@@ -232,6 +255,14 @@ fn main() {
         batch: common::env_usize("HEARTH_OVERLAP_BATCH", 16),
         steps: common::env_usize("HEARTH_OVERLAP_STEPS", 8),
         threads: (cores / RANKS).max(1),
+        elastic: match std::env::var("HEARTH_OVERLAP_MODE").as_deref() {
+            Err(_) | Ok("dp") => false,
+            Ok("elastic") => true,
+            Ok(other) => {
+                eprintln!("HEARTH_OVERLAP_MODE={other}: expected dp or elastic");
+                std::process::exit(1);
+            }
+        },
         data: work.path().join("data"),
         work: work.path().to_path_buf(),
         python: common::torch_python(),
@@ -246,8 +277,13 @@ fn main() {
     )
     .expect("the synthetic data set");
     println!(
-        "{} at {}x{}, global batch {} on {RANKS} ranks, {} steps per epoch (epoch 2 timed), \
+        "{}{} at {}x{}, global batch {} on {RANKS} ranks, {} steps per epoch (epoch 2 timed), \
          {} thread(s) per rank, {rounds} round(s); CPU: {}",
+        if s.elastic {
+            "elastic training (hearth launch --elastic), "
+        } else {
+            ""
+        },
         s.model,
         s.size,
         s.size,
@@ -264,7 +300,9 @@ fn main() {
         .arg("-u")
         .output()
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
-    if is_root {
+    if s.elastic {
+        println!("(elastic: this host only; the namespace hosts are not built for it here)");
+    } else if is_root {
         for rate in common::env_list("HEARTH_OVERLAP_RATES", "1gbit,10gbit") {
             places.push(Place::Hosts(rate));
         }

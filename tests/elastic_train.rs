@@ -778,6 +778,25 @@ fn overlap_equals_the_unoverlapped_elastic_run() {
             let (handed, all) = (words[at + 1], words[at + 5]);
             assert!(handed == all && handed != "0", "{line}");
         }
+        // Rank 0 reports the exchange's share of each epoch's steps, as data parallel does
+        // (with --overlap, only the wait after the backward).
+        for (run, overlap) in [(&plain, false), (&overlapped, true)] {
+            let reports: Vec<&str> = run
+                .log
+                .lines()
+                .filter(|l| l.contains("gradient exchange") && l.contains("s in training steps"))
+                .collect();
+            assert_eq!(reports.len(), 2, "one per epoch:\n{}", run.log);
+            for (e, line) in reports.iter().enumerate() {
+                assert!(line.contains(&format!("epoch {}: ", e + 1)), "{line}");
+                assert!(line.contains("rank 0)"), "{line}");
+                assert_eq!(
+                    line.contains("(overlapped with the backward) waited"),
+                    overlap,
+                    "{line}"
+                );
+            }
+        }
         if precision == "fp16" {
             for run in [&plain, &overlapped] {
                 let metrics = std::fs::read_to_string(run.dir.join("metrics.csv")).unwrap();

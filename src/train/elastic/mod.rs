@@ -278,6 +278,17 @@ struct ElasticRun<'a, T: Trainee> {
     /// `--overlap`: whether this worker has said how many gradients its first overlapped
     /// step exchanged during the backward.
     overlap_said: bool,
+    /// This epoch's time in training steps and, of it, in the gradient exchange (rank 0
+    /// reports both at the epoch's end, as data parallel does).
+    exchange: ExchangeClock,
+}
+
+/// Time in training steps and, of it, in the gradient exchange (with `--overlap`: only the
+/// wait after the backward pass), over one epoch of one worker.
+#[derive(Debug, Default, Clone, Copy)]
+struct ExchangeClock {
+    exchanging: Duration,
+    stepping: Duration,
 }
 
 /// A short fingerprint of a model's values (FNV-1a over the f32 bits), to show in logs that
@@ -426,6 +437,7 @@ pub(super) fn train_with<R: Recipe>(
         overflow_at: None,
         zero: None,
         overlap_said: false,
+        exchange: ExchangeClock::default(),
     };
     run.die_at = hook("HEARTH_ELASTIC_DIE_AT_STEP", &run.me.id);
     run.freeze_at = hook("HEARTH_ELASTIC_FREEZE_AT_STEP", &run.me.id);

@@ -17,6 +17,23 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let mut stream: Option<(u64, u64, Stream<Input<T>>)> = None;
         loop {
             if commit.position as usize >= n {
+                let clock = std::mem::take(&mut self.exchange);
+                // --zero's exchange is inside its sharded step: not timed apart.
+                if world.rank() == 0 && self.zero.is_none() && !clock.stepping.is_zero() {
+                    log(&format!(
+                        "epoch {}: gradient exchange {}{:.2} s of {:.2} s in training steps \
+                         ({:.1}%, rank 0)",
+                        commit.epoch + 1,
+                        if self.cfg.overlap {
+                            "(overlapped with the backward) waited "
+                        } else {
+                            ""
+                        },
+                        clock.exchanging.as_secs_f64(),
+                        clock.stepping.as_secs_f64(),
+                        100.0 * clock.exchanging.as_secs_f64() / clock.stepping.as_secs_f64()
+                    ));
+                }
                 return Ok(Interrupt::EpochEnd);
             }
             // The stream of the rest of the epoch for the current world and shares.
@@ -115,7 +132,10 @@ impl<T: Trainee> ElasticRun<'_, T> {
             if let Some(o) = overlapped {
                 // The last buckets, and whatever was not handed over; before the control
                 // allreduce, since nothing else may use the communicator while it runs.
-                match o.finish(&commit.model, &mut grads) {
+                let waited = Instant::now();
+                let finished = o.finish(&commit.model, &mut grads);
+                self.exchange.exchanging += waited.elapsed();
+                match finished {
                     Err(e) => return Ok(Interrupt::Failed(e.to_string())),
                     Ok(handed) if !self.overlap_said => {
                         self.overlap_said = true;
@@ -223,17 +243,20 @@ impl<T: Trainee> ElasticRun<'_, T> {
             } else {
                 // The shares are weighted in the loss already: the sum is the global mean.
                 // (--overlap: summed during the backward.)
-                if !self.cfg.overlap
-                    && let Err(e) = burn_dist::ddp::allreduce_grads_scaled(
+                if !self.cfg.overlap {
+                    let exchanging = Instant::now();
+                    let reduced = burn_dist::ddp::allreduce_grads_scaled(
                         &commit.model,
                         &mut grads,
                         &world.comm,
                         self.cfg.bucket_bytes,
                         1.0,
                         self.cfg.compression,
-                    )
-                {
-                    return Ok(Interrupt::Failed(e.to_string()));
+                    );
+                    self.exchange.exchanging += exchanging.elapsed();
+                    if let Err(e) = reduced {
+                        return Ok(Interrupt::Failed(e.to_string()));
+                    }
                 }
 
                 // fp16: every member holds the same averaged gradients, so all take the same
@@ -262,6 +285,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             commit.sums[1] += f64::from(control[w + 2]);
             commit.sums[2] += total as f64;
             commit.world_log.push((commit.step, now, w));
+            self.exchange.stepping += t.elapsed();
             if let Some(z) = self.zero.as_mut() {
                 // Every member finished the step: the shard before it is no longer needed.
                 let mut ack = [0f32];
