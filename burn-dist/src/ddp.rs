@@ -89,6 +89,28 @@ impl ModuleMapper for Replace {
     }
 }
 
+/// Rank 0's line at an epoch's end: the time in training steps and, of it, in the gradient
+/// exchange (with `overlapped`, only the wait after the backward pass). Data parallel and
+/// elastic training print it alike; `benches/overlap.rs` reads it.
+pub fn exchange_report(
+    epoch: usize,
+    overlapped: bool,
+    exchanging: std::time::Duration,
+    stepping: std::time::Duration,
+) -> String {
+    format!(
+        "epoch {epoch}: gradient exchange {}{:.2} s of {:.2} s in training steps ({:.1}%, rank 0)",
+        if overlapped {
+            "(overlapped with the backward) waited "
+        } else {
+            ""
+        },
+        exchanging.as_secs_f64(),
+        stepping.as_secs_f64(),
+        100.0 * exchanging.as_secs_f64() / stepping.as_secs_f64()
+    )
+}
+
 /// Every float tensor of `module` (parameters and buffers such as batch-norm statistics), in
 /// visiting order, with the buffers' latest updates.
 pub fn module_values<M: Module>(module: &M) -> Vec<Vec<f32>> {
@@ -561,15 +583,8 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
             interrupter.fail_on_error(event_processor.process_train(LearnerEvent::EndSplit(epoch)));
             if self.comm.rank() == 0 && !stepping.is_zero() {
                 eprintln!(
-                    "epoch {epoch}: gradient exchange {}{:.2} s of {:.2} s in training steps ({:.1}%, rank 0)",
-                    if self.overlap {
-                        "(overlapped with the backward) waited "
-                    } else {
-                        ""
-                    },
-                    exchanging.as_secs_f64(),
-                    stepping.as_secs_f64(),
-                    100.0 * exchanging.as_secs_f64() / stepping.as_secs_f64()
+                    "{}",
+                    exchange_report(epoch, self.overlap, exchanging, stepping)
                 );
             }
             if interrupter.should_stop() {

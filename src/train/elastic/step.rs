@@ -20,18 +20,11 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 let clock = std::mem::take(&mut self.exchange);
                 // --zero's exchange is inside its sharded step: not timed apart.
                 if world.rank() == 0 && self.zero.is_none() && !clock.stepping.is_zero() {
-                    log(&format!(
-                        "epoch {}: gradient exchange {}{:.2} s of {:.2} s in training steps \
-                         ({:.1}%, rank 0)",
-                        commit.epoch + 1,
-                        if self.cfg.overlap {
-                            "(overlapped with the backward) waited "
-                        } else {
-                            ""
-                        },
-                        clock.exchanging.as_secs_f64(),
-                        clock.stepping.as_secs_f64(),
-                        100.0 * clock.exchanging.as_secs_f64() / clock.stepping.as_secs_f64()
+                    log(&burn_dist::ddp::exchange_report(
+                        commit.epoch as usize + 1,
+                        self.cfg.overlap,
+                        clock.exchanging,
+                        clock.stepping,
                     ));
                 }
                 return Ok(Interrupt::EpochEnd);
