@@ -142,8 +142,8 @@ fn assert_within(
 
 /// 3 workers, a joiner at once, w2 killed inside step `die` and w1 leaving gracefully after
 /// step `leave`, over `epochs` epochs with `extra` flags: the survivors w0 and w3 finish with
-/// identical weights, having run every step once.
-fn kill_join_leave(epochs: usize, die: usize, leave: usize, extra: &[&str]) {
+/// identical weights, having run every step once. Returns the run for further checks.
+fn kill_join_leave(epochs: usize, die: usize, leave: usize, extra: &[&str]) -> Run {
     let tmp = tempfile::tempdir().unwrap();
     let d = common::elastic_data(tmp.path());
     let (epochs, die, leave) = (
@@ -183,6 +183,7 @@ fn kill_join_leave(epochs: usize, die: usize, leave: usize, extra: &[&str]) {
     assert_eq!(worlds.len(), steps, "every step of every epoch once");
     assert_eq!(worlds.last(), Some(&2));
     assert!(worlds.contains(&3), "{worlds:?}");
+    run
 }
 
 #[test]
@@ -827,4 +828,20 @@ fn overlap_equals_the_unoverlapped_elastic_run() {
 #[test]
 fn overlap_survives_a_kill_a_join_and_a_leave() {
     kill_join_leave(5, 8, 35, &["--overlap"]);
+}
+
+/// `--overlap` with a worker killed in the step another leaves gracefully after: the gradient
+/// exchange ends before the step's control allreduce, so no collective of that step sees the
+/// loss, and the planned change (w1's leave) must find it before its rendezvous rather than
+/// wait there for the dead worker (it did, until the rendezvous timed out and the job ended).
+#[test]
+fn overlap_a_kill_in_the_step_of_a_leave_is_found_before_the_change() {
+    let run = kill_join_leave(4, 20, 20, &["--overlap"]);
+    assert!(
+        run.log
+            .contains("lost w2 (no answer before the planned change after step 20)"),
+        "the survivors found the loss before the change:\n{}",
+        run.log
+    );
+    assert!(!run.log.contains("never arrived"), "{}", run.log);
 }

@@ -26,23 +26,38 @@ impl<T: Trainee> Members<'_, '_, '_, T> {
     /// forms the next world with the others and takes its rank 0's state.
     fn reform(&mut self, interrupt: Interrupt, log: &mut dyn FnMut(&str)) -> Result<()> {
         let world = &self.world;
+        let me = &self.run.me.id;
+        let names = |lost: &[usize]| {
+            lost.iter()
+                .map(|&r| world.members[r].id.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
         let (leaving, lost) = match interrupt {
             Interrupt::EpochEnd => return Ok(()),
-            Interrupt::Planned { leaving } => (leaving, Vec::new()),
+            Interrupt::Planned { leaving } if leaving.contains(&world.rank()) => {
+                (leaving, Vec::new())
+            }
+            Interrupt::Planned { leaving } => {
+                // Every member that stays answers first: one that died after the step's
+                // last collective is counted lost here, not waited for in the rendezvous.
+                let lost = self.run.unanswered(world, &leaving);
+                if !lost.is_empty() {
+                    log(&format!(
+                        "{me}: lost {} (no answer before the planned change after step {})",
+                        names(&lost),
+                        self.commit.step
+                    ));
+                }
+                (leaving, lost)
+            }
             Interrupt::Failed(reason) => {
-                let me = &self.run.me.id;
                 log(&format!(
                     "{me}: step {} failed: {reason}",
                     self.commit.step + 1
                 ));
-                let lost = self.run.lost_after_failure(world);
-                log(&format!(
-                    "{me}: lost {}",
-                    lost.iter()
-                        .map(|&r| world.members[r].id.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ));
+                let lost = self.run.unanswered(world, &[]);
+                log(&format!("{me}: lost {}", names(&lost)));
                 (Vec::new(), lost)
             }
         };

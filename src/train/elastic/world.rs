@@ -194,21 +194,28 @@ impl<T: Trainee> ElasticRun<'_, T> {
 
     // ---- the committed state as bytes ----------------------------------------------------
 
-    /// After a failed step: greet every member over the links that still work; those that
-    /// answer (in time) survive. Returns the lost members' ranks.
-    pub(super) fn lost_after_failure(&self, world: &World) -> Vec<usize> {
+    /// Before a change: greet every member but `leaving` over the links that still work;
+    /// those that answer (in time) survive. Returns the lost members' ranks. After a failed
+    /// step this is how the survivors find each other; before a planned change it finds a
+    /// member that died after the step's last collective (with `--overlap` the gradient
+    /// exchange ends before the control allreduce), which the rendezvous would otherwise
+    /// wait for until it timed out.
+    pub(super) fn unanswered(&self, world: &World, leaving: &[usize]) -> Vec<usize> {
         let t = &world.transport;
         t.accept_losses();
         let tag = greeting_tag(world.number);
         let me = world.rank();
-        for r in (0..world.size()).filter(|&r| r != me) {
+        let others: Vec<usize> = (0..world.size())
+            .filter(|r| *r != me && !leaving.contains(r))
+            .collect();
+        for &r in &others {
             let _ = t.send(r, Kind::Control, tag, vec![1]);
         }
         let deadline = Instant::now() + collective_timeout();
-        let lost: Vec<usize> = (0..world.size())
-            .filter(|&r| r != me && t.recv(r, Kind::Control, tag, deadline).is_err())
-            .collect();
-        lost
+        others
+            .into_iter()
+            .filter(|&r| t.recv(r, Kind::Control, tag, deadline).is_err())
+            .collect()
     }
 
     /// The lowest survivor decides the next epoch's members (survivors in their order, then
