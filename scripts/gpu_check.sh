@@ -41,7 +41,8 @@
 #
 # Budget (measured 2026-11-26, one H200, fresh machine, CUDA): autotune's first pass is most of
 # the time. ResNet-50 inference at batch 1 and 32 took about 7 minutes of tuning, and training
-# at batch 32 was still tuning 2.5 minutes later; parity on CUDA reached 4 of its 6 fixtures in
+# at batch 32 was still tuning 2.5 minutes later (a second session gave training at batch 32
+# alone 13 minutes, 136 decisions, and it was still tuning); parity on CUDA reached 4 of its 6 fixtures in
 # 230 s. With 15 minutes of device time per session, ask for one configuration per call
 # (HEARTH_BENCH_MODELS=resnet50 HEARTH_BENCH_BATCHES=train:32 HEARTH_BENCH_ROUNDS=1), keep
 # HEARTH_STEP_TIMEOUT under the call's limit so that the autotune database is saved to OUT, and
