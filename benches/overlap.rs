@@ -23,7 +23,8 @@
 //! `HEARTH_BENCH_ROUNDS` (2), `HEARTH_OVERLAP_RATES`, `HEARTH_OVERLAP_HERE` (0 skips the
 //! one-host setting), `HEARTH_TORCH_PYTHON`, `HEARTH_OVERLAP_MODE` (`dp`, default, or
 //! `elastic`: the same with `hearth launch --elastic -n 2 --min 2 --max 2 -- hearth train
-//! --elastic`, on this host only).
+//! --elastic` on this host, and `hearth train --elastic --min-workers 2 --max-workers 2` in
+//! each namespace).
 
 mod common;
 
@@ -172,6 +173,14 @@ fn hearth_run(s: &Setup, place: &Place, overlap: bool, run: &Path) -> Option<(f6
                 hearth,
             ];
             command.extend(args);
+            if s.elastic {
+                // Each namespace's rank starts as an initial worker of a fixed world (no
+                // launcher: netns_run.sh gives it its rank, the world and the coordinator).
+                let n = RANKS.to_string();
+                command.extend(
+                    ["--elastic", "--min-workers", &n, "--max-workers", &n].map(String::from),
+                );
+            }
             if !netns_run(rate, &logs, &command) {
                 eprintln!(
                     "hearth train in namespaces failed:\n{}",
@@ -300,9 +309,7 @@ fn main() {
         .arg("-u")
         .output()
         .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
-    if s.elastic {
-        println!("(elastic: this host only; the namespace hosts are not built for it here)");
-    } else if is_root {
+    if is_root {
         for rate in common::env_list("HEARTH_OVERLAP_RATES", "1gbit,10gbit") {
             places.push(Place::Hosts(rate));
         }
