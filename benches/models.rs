@@ -159,6 +159,11 @@ fn gpu_configs() -> Vec<(BenchMode, &'static str, usize)> {
 
 fn main() {
     common::freed_memory_policy();
+    // As the `hearth` binary: this thread one of the kernels' (`HEARTH_JOIN_POOL=0` opts out).
+    println!(
+        "main thread in the kernels' pool: {}",
+        hearth::kernels::join_global_pool()
+    );
     // `cargo bench` passes --bench; `cargo test --benches` would pass nothing: do a tiny run.
     let smoke = !std::env::args().any(|a| a == "--bench");
     let steps = env_usize("HEARTH_BENCH_STEPS", if smoke { 1 } else { 5 });

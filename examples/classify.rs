@@ -16,6 +16,8 @@ fn main() -> Result<()> {
     // Freed tensors stay in the process for the next step, as in the `hearth` binary
     // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
     hearth::alloc::apply_freed_memory_policy()?;
+    // This thread computes as one of the kernels' threads, as in the `hearth` binary.
+    hearth::kernels::join_global_pool();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arch = Architecture::from_name(args.first().map_or("resnet18", String::as_str))?;
     let device = hearth::device::select(&std::env::var("HEARTH_DEVICE").unwrap_or("flex".into()))?;

@@ -130,6 +130,8 @@ fn main() -> Result<()> {
     // Freed tensors stay in the process for the next step, as in the `hearth` binary
     // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
     hearth::alloc::apply_freed_memory_policy()?;
+    // This thread computes as one of the kernels' threads, as in the `hearth` binary.
+    hearth::kernels::join_global_pool();
     let mut args = std::env::args().skip(1);
     let usage = "usage: custom_model dp|ps|elastic RUN_DIR [--resume] [--epochs N] [--lr RATE] \
                  [--precision fp32|bf16|fp16] [--optimizer sgd|adam|adamw|lars] [--zero 1|2] \

@@ -21,6 +21,8 @@ fn main() -> Result<()> {
     // Freed tensors stay in the process for the next step, as in the `hearth` binary
     // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
     hearth::alloc::apply_freed_memory_policy()?;
+    // This thread computes as one of the kernels' threads, as in the `hearth` binary.
+    hearth::kernels::join_global_pool();
     let data: PathBuf = std::env::args()
         .nth(1)
         .context("usage: param_server DATA_FOLDER (under `hearth launch -n 5`)")?

@@ -11,6 +11,8 @@ fn main() -> Result<()> {
     // Freed tensors stay in the process for the next step, as in the `hearth` binary
     // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
     hearth::alloc::apply_freed_memory_policy()?;
+    // This thread computes as one of the kernels' threads, as in the `hearth` binary.
+    hearth::kernels::join_global_pool();
     let device = hearth::device::select(&std::env::var("HEARTH_DEVICE").unwrap_or("flex".into()))?;
     let mut cfg = TrainConfig::new("runs/train_from_scratch".into());
     cfg.data = std::env::args().nth(1).map(Into::into);

@@ -14,6 +14,8 @@ fn main() -> Result<()> {
     // Freed tensors stay in the process for the next step, as in the `hearth` binary
     // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
     hearth::alloc::apply_freed_memory_policy()?;
+    // This thread computes as one of the kernels' threads, as in the `hearth` binary.
+    hearth::kernels::join_global_pool();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (Some(data), Some(model)) = (args.first(), args.get(1)) else {
         bail!("usage: transfer_learning DATA_DIR MODEL [WEIGHTS]");

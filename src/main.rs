@@ -188,6 +188,8 @@ fn main() {
         eprintln!("error: {err}");
         std::process::exit(1);
     }
+    // This thread computes as one of the kernels' threads (`HEARTH_JOIN_POOL=0` opts out).
+    hearth::kernels::join_global_pool();
     if let Err(err) = run(cli) {
         eprintln!("error: {}", report(&err));
         std::process::exit(1);

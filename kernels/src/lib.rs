@@ -105,6 +105,43 @@ pub fn enabled() -> bool {
     })
 }
 
+/// Makes the calling thread the first of the threads of rayon's global pool, as a program's
+/// main thread before any parallel work; `false` where it does not (`HEARTH_JOIN_POOL=0`,
+/// fewer than 2 threads, or the global pool was already built).
+///
+/// Why: every parallel kernel (ours, gemm's, Burn Flex's) forks onto the global pool and joins.
+/// Called from a thread outside the pool, each op injects its job, wakes the workers and puts
+/// the caller to sleep until they finish: a sleep and a wake-up per op, and between ops three
+/// threads (the caller and two spinning workers) on two cores. From a thread of the pool, an
+/// op's pieces go on its own queue and it works on them itself, the other threads stealing.
+/// The pool keeps its size (`RAYON_NUM_THREADS`, else one per core), the calling thread now
+/// one of them. Measured on 2 cores (AMD EPYC Zen 5): BENCHMARKS.md, "the main thread in the
+/// pool".
+///
+/// The calling thread keeps its identity, so Burn's `RunningState` (batch norm's running
+/// statistics, kept per thread and averaged over threads) sees the same thread as without it;
+/// running the steps on the pool's other threads instead changed them. With one thread the
+/// pool would have no thread of its own left for work that other threads hand it while this
+/// one waits on them, so it is not done then.
+pub fn join_global_pool() -> bool {
+    let off =
+        std::env::var("HEARTH_JOIN_POOL").is_ok_and(|v| matches!(v.trim(), "0" | "false" | "off"));
+    let threads = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+        .unwrap_or(1);
+    if off || threads < 2 {
+        return false;
+    }
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .use_current_thread()
+        .build_global()
+        .is_ok()
+}
+
 /// Whether `device` computes on the CPU (the fast paths are measured there only).
 pub fn is_cpu(device: &Device) -> bool {
     is_flex(device) || format!("{:?}", device.clone().inner()).starts_with("NdArray")
