@@ -271,6 +271,25 @@ pub fn small_config(data: &std::path::Path, run: PathBuf) -> hearth::train::Trai
     cfg
 }
 
+/// The largest absolute difference of each tensor of two burnpack files, by name; panics
+/// when the two do not hold the same tensors.
+pub fn tensor_gaps(a: &std::path::Path, b: &std::path::Path) -> Vec<(String, f32)> {
+    let (a, b) = (tensors(a), tensors(b));
+    assert_eq!(a.len(), b.len(), "tensor sets");
+    a.into_iter()
+        .zip(b)
+        .map(|((na, va), (nb, vb))| {
+            assert_eq!(na, nb);
+            let gap = va
+                .iter()
+                .zip(&vb)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            (na, gap)
+        })
+        .collect()
+}
+
 /// Every tensor of a burnpack file (checkpoint or model file) as f32 values, by name.
 pub fn tensors(path: &std::path::Path) -> Vec<(String, Vec<f32>)> {
     let reader = burn::store::burn_pack::Reader::from_file(path).unwrap();

@@ -32,16 +32,8 @@ fn fixture_resnet() -> hearth::models::Classifier {
 
 /// Two checkpoints hold the same tensors, within 1e-6.
 fn assert_same_weights(a: &Path, b: &Path) {
-    let (a, b) = (tensors(a), tensors(b));
-    assert_eq!(a.len(), b.len());
-    for ((na, va), (nb, vb)) in a.iter().zip(&b) {
-        assert_eq!(na, nb);
-        let diff = va
-            .iter()
-            .zip(vb)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
-        assert!(diff <= 1e-6, "{na}: resumed weights differ by {diff}");
+    for (name, diff) in common::tensor_gaps(a, b) {
+        assert!(diff <= 1e-6, "{name}: resumed weights differ by {diff}");
     }
 }
 
