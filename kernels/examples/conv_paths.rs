@@ -18,6 +18,7 @@ use hearth_kernels::pointwise_strided;
 use common::{env_usize, time_min};
 
 fn main() {
+    hearth_kernels::join_global_pool();
     let n = env_usize("HEARTH_PROFILE_BATCH", 16);
     let device = Device::flex().autodiff();
     // (cin, cout, k, stride, side, count in the network)

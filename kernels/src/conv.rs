@@ -103,21 +103,30 @@ fn column_pieces(n: usize, pixels: usize) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
-/// Output row blocks for `n` images of `ho x wo` outputs: [`row_blocks`], split further for
-/// one image as [`column_pieces`] says.
+/// With one image, about how many floats of columns one piece of output rows gets: the
+/// weight is packed once per piece, so pieces want to be large, and their columns are written
+/// and then read back, so they want to fit the caches. Measured on VGG-16's 3x3 layers at
+/// batch 1 (`kernels/examples/forward_b1.rs`, 2-core Zen 5): a budget of 2²⁰ floats (4 MiB)
+/// took the thirteen convolutions from 89-117 ms to 81-93 ms against the earlier split (about
+/// two pieces per thread, each up to [`BLOCK_FLOATS`](crate::weight_grad::BLOCK_FLOATS));
+/// 2¹⁹ and 2²¹ were slower.
+const ONE_IMAGE_PIECE_FLOATS: usize = 1 << 20;
+
+/// Output row blocks for `n` images of `ho x wo` outputs whose columns have `rows` rows: with
+/// two images or more, [`row_blocks`] (images in parallel); with one, pieces of about
+/// [`ONE_IMAGE_PIECE_FLOATS`] floats of columns, as many as a multiple of the thread count so
+/// that no thread waits on the last piece, and at most one per output row.
 fn row_pieces(n: usize, rows: usize, ho: usize, wo: usize) -> Vec<std::ops::Range<usize>> {
-    let blocks = row_blocks(rows, ho, wo);
     if n >= 2 {
-        return blocks;
+        return row_blocks(rows, ho, wo);
     }
-    let target = 2 * rayon::current_num_threads();
-    let per = ho
-        .div_ceil(target)
-        .max(MIN_PIECE_PIXELS.div_ceil(wo.max(1)))
-        .max(1);
-    if blocks.first().is_some_and(|b| b.len() <= per) {
-        return blocks;
-    }
+    let threads = rayon::current_num_threads().max(1);
+    let pixels_per_piece = (ONE_IMAGE_PIECE_FLOATS / rows.max(1)).max(1);
+    let pieces = (ho * wo)
+        .div_ceil(pixels_per_piece)
+        .next_multiple_of(threads)
+        .clamp(1, ho.max(1));
+    let per = ho.div_ceil(pieces).max(1);
     (0..ho).step_by(per).map(|r| r..(r + per).min(ho)).collect()
 }
 
@@ -416,4 +425,47 @@ pub fn conv2d_input_grad_as_conv(weight: &[f32], dy: &[f32], s: &ConvShape) -> V
     };
     debug_assert_eq!(transposed.output(), Some([n, ci, h, w]));
     conv2d_forward(dy, &flipped, &transposed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_image_pieces_partition_the_rows_in_a_multiple_of_the_threads() {
+        let threads = rayon::current_num_threads().max(1);
+        // VGG-16's 3x3 layers at 224, a 1x1 output, a map with fewer rows than threads.
+        for (rows, ho, wo) in [
+            (27, 224, 224),
+            (576, 224, 224),
+            (1152, 112, 112),
+            (2304, 56, 56),
+            (4608, 28, 28),
+            (4608, 14, 14),
+            (4608, 1, 1),
+            (9, 3, 40),
+        ] {
+            let pieces = row_pieces(1, rows, ho, wo);
+            assert_eq!(pieces.first().map(|p| p.start), Some(0), "{rows} {ho}");
+            assert_eq!(pieces.last().map(|p| p.end), Some(ho), "{rows} {ho}");
+            for pair in pieces.windows(2) {
+                assert_eq!(pair[0].end, pair[1].start, "{rows} {ho}");
+            }
+            assert!(
+                pieces.iter().all(|p| !p.is_empty()),
+                "{rows} {ho}: {pieces:?}"
+            );
+            if ho >= 2 * threads && ho % (2 * threads) == 0 {
+                assert_eq!(pieces.len() % threads, 0, "{rows} {ho}x{wo}: {pieces:?}");
+            }
+            // Each piece's columns stay near the budget unless one row is already over it.
+            let largest = pieces.iter().map(|p| p.len()).max().unwrap_or(0);
+            assert!(
+                largest == 1 || rows * (largest - 1) * wo <= ONE_IMAGE_PIECE_FLOATS,
+                "{rows} {ho}x{wo}: {pieces:?}"
+            );
+        }
+        // Images in parallel keep the cache-sized blocks.
+        assert_eq!(row_pieces(16, 576, 224, 224), row_blocks(576, 224, 224));
+    }
 }
