@@ -35,6 +35,7 @@ use burn::tensor::FloatDType;
 pub mod batch_norm;
 pub mod conv;
 pub mod ext;
+pub mod gemv;
 pub mod norm;
 pub mod pool;
 pub mod precision;

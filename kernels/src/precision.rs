@@ -20,10 +20,17 @@ pub fn low_precision<const D: usize>(x: &Tensor<D>) -> Option<FloatDType> {
     }
 }
 
-/// `linear.forward(x)` in `x`'s float type.
+/// `linear.forward(x)` in `x`'s float type; one f32 row for inference on the CPU on all
+/// threads ([`crate::gemv`]).
 pub fn linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
     match low_precision(&x) {
-        None => linear.forward(x),
+        None => match crate::gemv::one_row(&x, &linear.weight.val()) {
+            Some(y) => match &linear.bias {
+                Some(b) => y + b.val().unsqueeze::<D>(),
+                None => y,
+            },
+            None => linear.forward(x),
+        },
         Some(dt) => burn::tensor::module::linear(
             x,
             linear.weight.val().cast(dt),
