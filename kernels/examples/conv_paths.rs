@@ -15,42 +15,12 @@ use burn::tensor::ops::ConvOptions;
 use hearth_kernels::ext::conv2d_gemm_grad;
 use hearth_kernels::pointwise_strided;
 
-use common::{env_usize, time_min};
+use common::{RESNET50, VGG16, env_usize, time_min};
 
 fn main() {
     hearth_kernels::join_global_pool();
     let n = env_usize("HEARTH_PROFILE_BATCH", 16);
     let device = Device::flex().autodiff();
-    // (cin, cout, k, stride, side, count in the network)
-    let vgg16 = [
-        (3, 64, 3, 1, 224, 1),
-        (64, 64, 3, 1, 224, 1),
-        (64, 128, 3, 1, 112, 1),
-        (128, 128, 3, 1, 112, 1),
-        (128, 256, 3, 1, 56, 1),
-        (256, 256, 3, 1, 56, 2),
-        (256, 512, 3, 1, 28, 1),
-        (512, 512, 3, 1, 28, 2),
-        (512, 512, 3, 1, 14, 3),
-    ];
-    let resnet50 = [
-        (3, 64, 7, 2, 224, 1),
-        (64, 64, 3, 1, 56, 3),
-        (128, 128, 3, 2, 56, 1),
-        (128, 128, 3, 1, 28, 3),
-        (256, 256, 3, 2, 28, 1),
-        (256, 256, 3, 1, 14, 5),
-        (512, 512, 3, 2, 14, 1),
-        (512, 512, 3, 1, 7, 2),
-        (64, 256, 1, 1, 56, 4),
-        (256, 64, 1, 1, 56, 2),
-        (256, 512, 1, 2, 56, 1),
-        (512, 128, 1, 1, 28, 3),
-        (1024, 256, 1, 1, 14, 5),
-        (256, 1024, 1, 1, 14, 6),
-        (2048, 512, 1, 1, 7, 2),
-        (512, 2048, 1, 1, 7, 3),
-    ];
     // DenseNet-121: each block's 1x1 bottlenecks at their median input width (the input grows
     // by 32 channels a layer), its 3x3 128→32 layers, and the transitions.
     let densenet121 = [
@@ -69,9 +39,9 @@ fn main() {
     ];
     let model = std::env::var("HEARTH_CONV_MODEL").unwrap_or_default();
     let shapes: &[(usize, usize, usize, usize, usize, usize)] = match model.as_str() {
-        "vgg16" => &vgg16,
+        "vgg16" => &VGG16,
         "densenet121" => &densenet121,
-        _ => &resnet50,
+        _ => &RESNET50,
     };
     println!("batch {n}; seconds for forward + backward (min of 3); GFLOP/s of the three passes");
     println!(

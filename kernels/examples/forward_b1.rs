@@ -1,5 +1,5 @@
 //! Inference at batch 1 piece by piece: our convolution forward ([`conv2d_forward`]) for each
-//! 3x3 (and stem) shape of VGG-16, or of ResNet-50 with `HEARTH_CONV_MODEL=resnet50`, with its
+//! convolution shape of VGG-16, or of ResNet-50 with `HEARTH_CONV_MODEL=resnet50`, with its
 //! time in the network (times its count), and the classifiers' one-row products by
 //! [`row_times_matrix`] against Burn Flex's `matmul` (gemm's one-thread matrix-vector kernel).
 //! The measurement behind `ONE_IMAGE_PIECE_FLOATS` (`conv.rs`) and `gemv.rs`.
@@ -9,7 +9,7 @@
 mod common;
 
 use burn::prelude::*;
-use common::{env_usize, time_min};
+use common::{Conv, RESNET50, VGG16, env_usize, time_min};
 use hearth_kernels::conv::conv2d_forward;
 use hearth_kernels::gemv::row_times_matrix;
 use hearth_kernels::weight_grad::ConvShape;
@@ -17,31 +17,8 @@ use hearth_kernels::weight_grad::ConvShape;
 fn main() {
     hearth_kernels::join_global_pool();
     let reps = env_usize("HEARTH_PROFILE_REPS", 5);
-    // (in, out, input side, kernel, stride, count in the network)
-    let vgg16 = [
-        (3, 64, 224, 3, 1, 1),
-        (64, 64, 224, 3, 1, 1),
-        (64, 128, 112, 3, 1, 1),
-        (128, 128, 112, 3, 1, 1),
-        (128, 256, 56, 3, 1, 1),
-        (256, 256, 56, 3, 1, 2),
-        (256, 512, 28, 3, 1, 1),
-        (512, 512, 28, 3, 1, 2),
-        (512, 512, 14, 3, 1, 3),
-    ];
-    let resnet50 = [
-        (3, 64, 224, 7, 2, 1),
-        (64, 64, 56, 3, 1, 3),
-        (128, 128, 56, 3, 2, 1),
-        (128, 128, 28, 3, 1, 3),
-        (256, 256, 28, 3, 2, 1),
-        (256, 256, 14, 3, 1, 5),
-        (512, 512, 14, 3, 2, 1),
-        (512, 512, 7, 3, 1, 2),
-    ];
     let resnet = std::env::var("HEARTH_CONV_MODEL").is_ok_and(|m| m == "resnet50");
-    let shapes: &[(usize, usize, usize, usize, usize, usize)] =
-        if resnet { &resnet50 } else { &vgg16 };
+    let shapes: &[Conv] = if resnet { &RESNET50 } else { &VGG16 };
     println!(
         "convolution forward, batch 1, {} threads (min of {reps})",
         rayon::current_num_threads()
@@ -49,7 +26,7 @@ fn main() {
     println!("| conv | count | ms | GFLOP/s |");
     println!("| --- | ---: | ---: | ---: |");
     let mut total = 0.0;
-    for &(cin, cout, side, k, stride, count) in shapes {
+    for &(cin, cout, k, stride, side, count) in shapes {
         let s = ConvShape {
             input: [1, cin, side, side],
             out_channels: cout,
