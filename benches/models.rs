@@ -15,7 +15,8 @@
 //! own low-precision speed-up (`vs f32`).
 //!
 //! Both sides report images/s at their median step and at their best (fastest) step; the
-//! ratios compare medians and bests. Each configuration runs `HEARTH_BENCH_ROUNDS` rounds
+//! ratios compare medians and bests. On the CPU the batch-1 rows run `HEARTH_BENCH_STEPS`
+//! times the batch (16) steps, so that every row times about as many images. Each configuration runs `HEARTH_BENCH_ROUNDS` rounds
 //! (default 3) of Hearth then the peer; the figures are the median of the rounds' medians and
 //! the best of their bests, and the ratio is followed by the range of the rounds' ratios.
 //!
@@ -184,6 +185,7 @@ fn main() {
     let python = if smoke { None } else { torch_python() };
     let peer_device = peer_device(&device_name);
     let batch = env_usize("HEARTH_BENCH_BATCH", 16);
+    let batched = batch;
     let rounds = env_usize("HEARTH_BENCH_ROUNDS", if smoke { 1 } else { 3 }).max(1);
     let precision = bench_precision();
     println!("hearth device: {device_name}; precision {precision}");
@@ -237,6 +239,14 @@ fn main() {
             gpu_configs()
         };
         for (mode, mode_name, batch) in configs {
+            // On the CPU every configuration times about as many images: a step at batch 1 is
+            // ~16x shorter than one at 16, and a handful of them is within the machine's
+            // noise, so the batch-1 rows take 16 times the steps (BENCHMARKS.md, 2026-11-26).
+            let steps = if on_cpu && !smoke {
+                steps * (batched / batch.max(1)).max(1)
+            } else {
+                steps
+            };
             let bench = ModelBench {
                 arch,
                 mode,

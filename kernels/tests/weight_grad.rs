@@ -416,14 +416,18 @@ fn inference_takes_the_gemm_op_and_equals_burns_forward() {
             .with_padding(PaddingConfig2d::Explicit(pad, pad, pad, pad))
             .init(&device);
         assert_eq!(fast_path(&conv, &device, true), Path::Gemm);
-        let x = Tensor::<4>::random([2, 3, side, side], Distribution::Normal(0.0, 1.0), &device);
-        let ours = hearth_kernels::conv2d(&conv, x.clone());
-        let reference = conv.forward(x);
-        close(
-            &values(ours),
-            &values(reference),
-            &format!("k{k} s{stride} {side}x{side}"),
-        );
+        // Images in parallel (2) and one image in pieces of rows (1).
+        for n in [2, 1] {
+            let x =
+                Tensor::<4>::random([n, 3, side, side], Distribution::Normal(0.0, 1.0), &device);
+            let ours = hearth_kernels::conv2d(&conv, x.clone());
+            let reference = conv.forward(x);
+            close(
+                &values(ours),
+                &values(reference),
+                &format!("k{k} s{stride} {side}x{side} batch {n}"),
+            );
+        }
     }
 }
 
