@@ -32,7 +32,7 @@ const MIN_COLUMNS: usize = 256;
 const MIN_WEIGHTS: usize = 1 << 22;
 
 /// `x · w` for one row `x` (`k` floats) and a row-major `w` (`k x n`): `n` floats. The columns
-/// are split between rayon's threads in pieces of at least [`MIN_COLUMNS`].
+/// are split between rayon's threads in pieces of at least 256 columns.
 ///
 /// Panics when the lengths do not match `k` and `n` (callers pass Burn tensors Burn checked).
 pub fn row_times_matrix(x: &[f32], w: &[f32], k: usize, n: usize) -> Vec<f32> {
