@@ -101,10 +101,16 @@ impl LinearBackend for Flex {
     fn hearth_row_matmul(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
         let [rows, k] = x.shape().dims::<2>();
         let [wk, n] = weight.shape().dims::<2>();
-        if rows != 1 || wk != k || x.dtype() != DType::F32 || weight.dtype() != DType::F32 {
+        // A weight that is a view (transposed, sliced) would be copied whole on every call:
+        // Flex's product reads it through its strides instead.
+        let plain = weight.is_contiguous()
+            && weight.layout().start_offset() == 0
+            && weight.bytes().len() == k * n * std::mem::size_of::<f32>();
+        let f32s = x.dtype() == DType::F32 && weight.dtype() == DType::F32;
+        if rows != 1 || wk != k || !f32s || !plain {
             return Flex::float_matmul(x, weight);
         }
-        let (x, weight) = (x.to_contiguous(), weight.to_contiguous());
+        let x = x.to_contiguous();
         let y = row_times_matrix(x.storage::<f32>(), weight.storage::<f32>(), k, n);
         f32_tensor(y, vec![1, n])
     }

@@ -79,6 +79,16 @@ fn a_linear_layer_at_batch_1_takes_the_path_and_equals_burn() {
     assert_eq!(y3.dims(), [1, 1, n]);
     close(&values(y3), &values(layer.forward(x3)), "rank 3");
 
+    // A weight that is a view (here transposed) is read through its strides by Flex's
+    // product, never copied whole: the same values.
+    let w_t = Tensor::<2>::random([n, k], Distribution::Normal(0.0, 1.0), &flex);
+    let view = w_t.clone().transpose();
+    close(
+        &values(one_row(&x, &view).expect("a view is still a [k, n] weight")),
+        &values(x.clone().matmul(view)),
+        "transposed weight",
+    );
+
     // Not taken: two rows, a small weight, autodiff (training), another float type.
     let x2 = Tensor::<2>::random([2, k], Distribution::Normal(0.0, 1.0), &flex);
     assert!(one_row(&x2, &layer.weight.val()).is_none(), "two rows");
