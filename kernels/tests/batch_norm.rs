@@ -144,10 +144,7 @@ fn inference_batch_norm_equals_burns_with_running_statistics() {
             let check = |ours: Vec<f32>, reference: Vec<f32>| {
                 close(&ours, &reference, &what);
                 if with_relu {
-                    assert!(
-                        ours.iter().any(|&v| v == 0.0),
-                        "{what}: ReLU clipped nothing"
-                    );
+                    assert!(ours.contains(&0.0), "{what}: ReLU clipped nothing");
                 }
             };
             if dims.len() == 3 {

@@ -13,7 +13,9 @@ mod common;
 use common::values;
 
 /// (n, c, h, w, kernel, stride, padding, dilation)
-const CASES: [(usize, usize, usize, usize, usize, usize, usize, usize); 8] = [
+type Case = (usize, usize, usize, usize, usize, usize, usize, usize);
+
+const CASES: [Case; 8] = [
     (2, 3, 12, 12, 3, 2, 1, 1),
     (1, 2, 13, 11, 3, 2, 1, 1),
     (2, 4, 10, 10, 2, 2, 0, 1),
