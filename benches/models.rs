@@ -16,9 +16,10 @@
 //!
 //! Both sides report images/s at their median step and at their best (fastest) step; the
 //! ratios compare medians and bests. On the CPU the batch-1 rows run `HEARTH_BENCH_STEPS`
-//! times the batch (16) steps, so that every row times about as many images. Each configuration runs `HEARTH_BENCH_ROUNDS` rounds
-//! (default 3) of Hearth then the peer; the figures are the median of the rounds' medians and
-//! the best of their bests, and the ratio is followed by the range of the rounds' ratios.
+//! times the batch (16) steps, so that every row times about as many images. Each
+//! configuration runs `HEARTH_BENCH_ROUNDS` rounds (default 3) of Hearth then the peer; the
+//! figures are the median of the rounds' medians and the best of their bests, and the ratio is
+//! followed by the range of the rounds' ratios.
 //!
 //! PyTorch comes from $HEARTH_TORCH_PYTHON, else ~/.cache/hearth/venv-torch/bin/python
 //! (scripts/setup_pytorch.sh); without it only Hearth's numbers are printed.

@@ -27,7 +27,7 @@ fn is_plain_pointwise(s: &ConvShape) -> bool {
 /// # Safety
 /// Each pointer must cover its matrix as the sizes and row strides describe.
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_rows(
+pub(crate) unsafe fn gemm_rows(
     m: usize,
     n: usize,
     k: usize,

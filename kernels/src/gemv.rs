@@ -64,25 +64,17 @@ pub fn row_times_matrix(x: &[f32], w: &[f32], k: usize, n: usize) -> Vec<f32> {
         // column stride 1; the matrix's columns `first..first + len` start at `w[first]`, with
         // row stride `n` and column stride 1, all inside `w` (k x n).
         unsafe {
-            gemm::gemm(
+            crate::conv::gemm_rows(
                 1,
                 out.len(),
                 k,
                 out.as_mut_ptr(),
-                1,
-                out.len() as isize,
-                false,
+                out.len(),
                 x.as_ptr(),
                 1,
-                k as isize,
+                k,
                 w[first..].as_ptr(),
-                1,
-                n as isize,
-                0.0f32,
-                1.0f32,
-                false,
-                false,
-                false,
+                n,
                 gemm::Parallelism::None,
             );
         }
