@@ -17,7 +17,9 @@
 //!
 //! Settings: `HEARTH_SHM=0` (off), `HEARTH_SHM_RING_MB` (each pipe, default 4),
 //! `HEARTH_SHM_SLOT_MB` or `HEARTH_SHM_SLOT_KB` (each rank's reduction slot; default 1 MiB,
-//! 256 KiB when the host's ranks outnumber its cores), `HEARTH_SHM_STALE` (seconds
+//! 256 KiB when the host's ranks outnumber its cores), `HEARTH_SHM_CHAIN` (1 or 0: the
+//! allreduce as a chain or not; by default a chain when the host's ranks outnumber its cores),
+//! `HEARTH_SHM_STALE` (seconds
 //! without a heartbeat before a rank in another pid namespace counts as dead, default 8).
 
 pub mod pipe;
@@ -45,6 +47,9 @@ pub struct ShmOptions {
     /// Each rank's reduction slot in bytes; 0 lets [`ShmOptions::slot_bytes_for`] choose by
     /// the number of ranks on the host.
     pub slot_bytes: usize,
+    /// The allreduce as a chain ([`reduce`]): `Some` forces it on or off; `None` lets
+    /// [`ShmOptions::chain_for`] choose by the number of ranks on the host.
+    pub chain: Option<bool>,
     pub stale: Duration,
     pub max_frame_bytes: usize,
     pub frame_timeout: Duration,
@@ -59,6 +64,7 @@ impl Default for ShmOptions {
             slot_bytes: env_parse::<usize>("HEARTH_SHM_SLOT_KB")
                 .filter(|&kb| kb > 0)
                 .map_or_else(|| env_mb("HEARTH_SHM_SLOT_MB").unwrap_or(0), |kb| kb << 10),
+            chain: env_parse::<u8>("HEARTH_SHM_CHAIN").map(|v| v != 0),
             stale: env_secs("HEARTH_SHM_STALE").unwrap_or(Duration::from_secs(8)),
             max_frame_bytes: mb("HEARTH_MAX_FRAME_MB", 256),
             frame_timeout: env_secs("HEARTH_FRAME_TIMEOUT").unwrap_or(Duration::from_secs(120)),
@@ -84,6 +90,20 @@ impl ShmOptions {
     }
 }
 
+impl ShmOptions {
+    /// Whether a segment for `ranks` ranks runs its allreduce as a chain: `chain` when set,
+    /// else when the ranks outnumber this host's cores. Only the creator calls it and records
+    /// the answer in the segment, so the ranks always agree.
+    ///
+    /// A chain passes each piece from rank to rank without barriers, so a rank that holds a
+    /// core works through every piece it can before it sleeps; with more ranks than cores the
+    /// two barriers per piece of the other path cost a context switch each.
+    pub fn chain_for(&self, ranks: usize) -> bool {
+        self.chain
+            .unwrap_or_else(|| ranks > std::thread::available_parallelism().map_or(1, |c| c.get()))
+    }
+}
+
 /// A world of ranks that all share one segment: the shared-memory transport alone (tests; a job
 /// on several hosts routes per peer between QUIC and [`Pipes`] in [`crate::routed`]).
 pub struct ShmTransport {
@@ -102,6 +122,7 @@ impl ShmTransport {
             options.ring_bytes,
             options.slot_bytes_for(world),
         )?);
+        seg.set_chain(options.chain_for(world));
         let mut segs = vec![seg.clone()];
         for _ in 1..world {
             segs.push(Arc::new(Segment::attach(&seg.name(), seg.nonce(), world)?));

@@ -12,6 +12,12 @@
 //! parallel. Consecutive pieces alternate slot halves, so the reads of one piece never race the
 //! writes of the next and two barriers per piece suffice. Every segment is summed by one rank
 //! only, so every rank ends with identical values.
+//!
+//! With more ranks than cores, each of those barriers costs context switches (the ranks a
+//! barrier waits for are not running), so the segment's creator may choose a chain instead
+//! ([`crate::shm::ShmOptions::chain_for`]): the pieces pass from rank to rank through a ring of
+//! the slots without barriers ([`LocalGroup::reduce`] describes it). 100 MB over 4 ranks on 2
+//! cores: 23-27 ms with barriers, 18-22 ms as a chain (BENCHMARKS.md).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -41,13 +47,16 @@ pub struct LocalGroup {
     busy: Mutex<Watch>,
     /// More ranks on this host than cores.
     oversubscribed: bool,
+    /// The allreduce runs as a chain (the segment's choice, the same on every member).
+    chain: bool,
+    /// Pieces this rank has passed through the chain (the same count on every member).
+    chained: AtomicU64,
 }
 
 impl LocalGroup {
     pub(crate) fn new(seg: Arc<Segment>, me: usize, members: Vec<usize>, stale: Duration) -> Self {
         let n = members.len();
         LocalGroup {
-            seg,
             me,
             members,
             barriers: AtomicU32::new(0),
@@ -55,6 +64,9 @@ impl LocalGroup {
             calls: AtomicU64::new(0),
             busy: Mutex::new(Watch::new(n, stale)),
             oversubscribed: std::thread::available_parallelism().map_or(true, |c| n > c.get()),
+            chain: seg.chain(),
+            chained: AtomicU64::new(0),
+            seg,
         }
     }
 
@@ -104,21 +116,10 @@ impl LocalGroup {
             }
             if last_check.elapsed() >= Duration::from_millis(100) {
                 last_check = Instant::now();
-                let job = self.members[k];
-                if self.seg.entry(k).closed.load(Ordering::Acquire) != 0 {
-                    return Err(DistError::PeerFailed {
-                        rank: job,
-                        reason: format!("it left the job during a shared-memory {op}"),
-                    });
-                }
-                if let Some(why) = watch.dead(&self.seg, k) {
-                    return Err(DistError::PeerFailed {
-                        rank: job,
-                        reason: why,
-                    });
-                }
+                self.check_alive(k, watch, op)?;
             }
             if Instant::now() >= deadline {
+                self.give_up_on(k);
                 return Err(DistError::Timeout {
                     op: format!("shared-memory {op}"),
                     rank: self.members[k],
@@ -140,6 +141,11 @@ impl LocalGroup {
         op: &str,
     ) -> Result<()> {
         let parity = (self.calls.fetch_add(1, Ordering::Relaxed) % 2) as usize;
+        // A new collective: whatever this rank gave up on before is history.
+        self.seg
+            .entry(self.me)
+            .gave_up_on
+            .store(0, Ordering::Release);
         self.seg.entry(self.me).lens[parity].store(len as u64, Ordering::Release);
         self.barrier(watch, deadline, op)?;
         for k in 0..self.members.len() {
@@ -161,6 +167,10 @@ impl LocalGroup {
     /// Sums `buf` over the group in place. With `everyone` false only the leader (local rank
     /// 0) is guaranteed the sum; the others keep partial values (a hierarchical allreduce
     /// broadcasts the final values afterwards).
+    ///
+    /// On a segment whose creator chose the chain, each piece instead passes from local rank 0
+    /// to the last through a ring of `2n` half slots, each rank adding its values in turn, and
+    /// every rank but the last copies the sum out: no barriers, values summed in rank order.
     pub fn reduce(&self, buf: &mut [f32], everyone: bool, deadline: Instant) -> Result<()> {
         let n = self.members.len();
         if n == 1 {
@@ -168,6 +178,9 @@ impl LocalGroup {
         }
         let mut watch = self.busy.lock().unwrap_or_else(|e| e.into_inner());
         self.agree_on_length(buf.len(), &mut watch, deadline, "allreduce")?;
+        if self.chain {
+            return self.reduce_chain(buf, everyone, &mut watch, deadline);
+        }
         let (_, piece_len) = self.seg.slot(0, 0);
         for piece in buf.chunks_mut(piece_len) {
             let half = (self.pieces.fetch_add(1, Ordering::Relaxed) % 2) as usize;
@@ -214,6 +227,209 @@ impl LocalGroup {
             }
         }
         Ok(())
+    }
+
+    /// [`Self::reduce`] as a chain through a ring of `2n` half slots: for each piece, local rank
+    /// 0 copies its values into the piece's place in the ring, rank 1 adds its own, and so on;
+    /// the last rank's addition is the sum, which it keeps and every other rank copies out.
+    /// Rank 0 reuses a place once every rank is finished with the piece it held.
+    ///
+    /// No barrier: each rank waits only for the one step it needs next (its predecessor's
+    /// addition, the last rank's, or a free place) and meanwhile does whatever else is ready,
+    /// so a rank that holds a core goes through every piece it can before it sleeps. Each rank
+    /// reads its buffer once and writes it once, as in the barrier path; every value is summed
+    /// in rank order, `((x0 + x1) + x2) + ...`, by one chain, so every rank ends with identical
+    /// values.
+    fn reduce_chain(
+        &self,
+        buf: &mut [f32],
+        everyone: bool,
+        watch: &mut Watch,
+        deadline: Instant,
+    ) -> Result<()> {
+        let n = self.members.len();
+        let (me, last) = (self.me, n - 1);
+        let (_, piece_len) = self.seg.slot(0, 0);
+        let places = 2 * n as u64;
+        let count = buf.len().div_ceil(piece_len) as u64;
+        // The pieces of earlier calls, the same on every member (they agreed on the length).
+        let base = self.chained.fetch_add(count, Ordering::Relaxed);
+        let place = |g: u64| {
+            let k = (g % places) as usize;
+            // SAFETY: piece k of the slots, which lie back to back.
+            unsafe { self.seg.slot(0, 0).0.add(k * piece_len) }
+        };
+        let total = buf.len();
+        let range = |i: u64| {
+            let a = i as usize * piece_len;
+            a..(a + piece_len).min(total)
+        };
+        let entry = |k: usize| self.seg.entry(k);
+        // Ranks that need only their own addition: the last (its addition is the sum) and,
+        // when only the leader needs the sum, every rank but the leader.
+        let done_at_add = me == last || !(everyone || me == 0);
+        let header = self.seg.header();
+        let (mut added, mut done) = (0u64, 0u64);
+        let started = Instant::now();
+        let mut idle_since = Instant::now();
+        let mut last_check = Instant::now();
+        let mut spins = 0u32;
+        while done < count {
+            let seen = header.chain_word.load(Ordering::SeqCst);
+            let mut stepped = false;
+            while added < count {
+                let g = base + added;
+                let ready = if me == 0 {
+                    g < places
+                        || (0..n).all(|k| entry(k).chain_done.load(Ordering::Acquire) > g - places)
+                } else {
+                    entry(me - 1).chain_added.load(Ordering::Acquire) > g
+                };
+                if !ready {
+                    break;
+                }
+                let piece = &mut buf[range(added)];
+                let len = piece.len();
+                // SAFETY: the place holds `piece_len >= len` values. Rank 0 writes it only
+                // once every rank is finished with its previous piece; rank k > 0 only after
+                // rank k - 1's addition, so one rank at a time writes it; readers copy it out
+                // only after the last addition and before they mark the piece done.
+                let acc = unsafe { std::slice::from_raw_parts_mut(place(g), len) };
+                if me == 0 {
+                    acc.copy_from_slice(piece);
+                } else if me == last {
+                    for (a, m) in acc.iter_mut().zip(piece.iter_mut()) {
+                        let sum = *a + *m;
+                        *a = sum;
+                        *m = sum;
+                    }
+                } else {
+                    acc.iter_mut().zip(piece.iter()).for_each(|(a, m)| *a += m);
+                }
+                added += 1;
+                entry(me).chain_added.store(base + added, Ordering::Release);
+                if done_at_add {
+                    done = added;
+                    entry(me).chain_done.store(base + done, Ordering::Release);
+                }
+                self.chain_signal();
+                stepped = true;
+            }
+            while done < added {
+                let g = base + done;
+                if entry(last).chain_added.load(Ordering::Acquire) <= g {
+                    break;
+                }
+                let piece = &mut buf[range(done)];
+                // SAFETY: the last rank has added this piece: its place holds the sum, and
+                // rank 0 overwrites it only after this rank marks the piece done below.
+                let sum = unsafe { std::slice::from_raw_parts(place(g), piece.len()) };
+                piece.copy_from_slice(sum);
+                done += 1;
+                entry(me).chain_done.store(base + done, Ordering::Release);
+                self.chain_signal();
+                stepped = true;
+            }
+            if done >= count {
+                break;
+            }
+            if stepped {
+                idle_since = Instant::now();
+                spins = 0;
+                continue;
+            }
+            // Nothing ready: spin briefly (yielding the core when the ranks outnumber the
+            // cores), then sleep on the chain word. Sleeping at once instead was 1.5-2x slower
+            // with 4 ranks on 2 cores: a futex wake costs more than a yield.
+            if spins < SPIN_ROUNDS && idle_since.elapsed() < SPIN {
+                spins += 1;
+                if self.oversubscribed {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            // The rank this one waits for: its predecessor, the last rank, or the slowest.
+            let awaited = if added < count && me > 0 {
+                me - 1
+            } else if done < added {
+                last
+            } else {
+                (0..n)
+                    .filter(|&k| k != me)
+                    .min_by_key(|&k| entry(k).chain_done.load(Ordering::Acquire))
+                    .unwrap_or(last)
+            };
+            if last_check.elapsed() >= Duration::from_millis(100) {
+                last_check = Instant::now();
+                // The awaited rank first: of several gone, it is the likelier cause.
+                self.check_alive(awaited, watch, "allreduce")?;
+                for k in (0..n).filter(|&k| k != me && k != awaited) {
+                    self.check_alive(k, watch, "allreduce")?;
+                }
+            }
+            if Instant::now() >= deadline {
+                self.give_up_on(awaited);
+                return Err(DistError::Timeout {
+                    op: "shared-memory allreduce".into(),
+                    rank: self.members[awaited],
+                    after: started.elapsed(),
+                });
+            }
+            header.chain_sleepers.fetch_add(1, Ordering::SeqCst);
+            futex_wait(&header.chain_word, seen, Duration::from_millis(20));
+            header.chain_sleepers.fetch_sub(1, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
+    /// Announces a chain step: bumps the word and wakes its sleepers, if any (the word is
+    /// bumped before the count is read, and a sleeper counts itself before it reads the word,
+    /// so a step never goes unnoticed).
+    fn chain_signal(&self) {
+        let header = self.seg.header();
+        header.chain_word.fetch_add(1, Ordering::SeqCst);
+        if header.chain_sleepers.load(Ordering::SeqCst) > 0 {
+            futex_wake(&header.chain_word);
+        }
+    }
+
+    /// An error when local rank `k` has left the job or died. When `k` had itself given up on
+    /// a third rank before it went, the error names that rank: the one that failed first.
+    fn check_alive(&self, k: usize, watch: &mut Watch, op: &str) -> Result<()> {
+        let reason = if self.seg.entry(k).closed.load(Ordering::Acquire) != 0 {
+            format!("it left the job during a shared-memory {op}")
+        } else if let Some(why) = watch.dead(&self.seg, k) {
+            why
+        } else {
+            return Ok(());
+        };
+        let first = self.seg.entry(k).gave_up_on.load(Ordering::Acquire) as usize;
+        if first > 0 && first - 1 != k && first - 1 != self.me && first - 1 < self.members.len() {
+            self.give_up_on(first - 1);
+            return Err(DistError::PeerFailed {
+                rank: self.members[first - 1],
+                reason: format!(
+                    "rank {} gave up waiting for it during a shared-memory {op} and is gone \
+                     ({reason})",
+                    self.members[k]
+                ),
+            });
+        }
+        self.give_up_on(k);
+        Err(DistError::PeerFailed {
+            rank: self.members[k],
+            reason,
+        })
+    }
+
+    /// Records in the segment that this rank gives up its collective because of local rank `k`.
+    fn give_up_on(&self, k: usize) {
+        self.seg
+            .entry(self.me)
+            .gave_up_on
+            .store(k as u32 + 1, Ordering::Release);
     }
 
     /// Sums `buf` over the group so that member `k` ends with the sum of its segment

@@ -2,8 +2,10 @@
 //! rank of one host, and the layout of what lives in it.
 //!
 //! ```text
-//! header (one cache line)      magic, version, world, nonce, ring and slot sizes, barrier word
-//! rank entries (world)         pid, pid namespace, start time, heartbeat, closed, arrived, doorbell
+//! header (one cache line)      magic, version, world, nonce, ring and slot sizes, barrier word,
+//!                              chain choice and word
+//! rank entries (world)         pid, pid namespace, start time, heartbeat, closed, arrived, doorbell,
+//!                              chain progress
 //! ring controls (w(w-1))       head (written), tail (read), space word: one per ordered pair
 //! ring data (w(w-1))           ring_bytes each: the pipes behind the Transport trait
 //! slots (world)                slot_bytes each, in two halves: the in-place reduction
@@ -27,7 +29,7 @@ pub const SHM_DIR: &str = "/dev/shm";
 /// Every segment's file name starts with this, then `<pid>-<start time>-<random>`.
 pub const PREFIX: &str = "hearth-";
 const MAGIC: u64 = u64::from_le_bytes(*b"HEARTHSM");
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const LINE: usize = 128;
 const PAGE: usize = 4096;
 
@@ -45,6 +47,13 @@ pub(crate) struct Header {
     slot_bytes: AtomicU64,
     /// Bumped at every barrier arrival; waiters sleep on it.
     pub barrier_word: AtomicU32,
+    /// 1 when the host's allreduce runs as a chain (set by the creator before anyone attaches,
+    /// so every rank of the host takes the same path).
+    chain: AtomicU32,
+    /// Bumped after a chain step that someone may wait for; waiters sleep on it.
+    pub chain_word: AtomicU32,
+    /// Ranks asleep on `chain_word` (a stepping rank wakes them only when there are any).
+    pub chain_sleepers: AtomicU32,
 }
 
 /// One rank's public state.
@@ -65,6 +74,13 @@ pub(crate) struct RankEntry {
     pub heartbeat: AtomicU64,
     /// The buffer length this rank passed to its last two in-place collectives (by parity).
     pub lens: [AtomicU64; 2],
+    /// Chain allreduce: pieces this rank has added into the ring (counted over the job).
+    pub chain_added: AtomicU64,
+    /// Chain allreduce: pieces this rank is finished with (their sum copied out, or not needed).
+    pub chain_done: AtomicU64,
+    /// The local rank (plus one; 0 for none) whose failure made this rank give up a collective,
+    /// so a rank that finds this one gone names the rank that failed first.
+    pub gave_up_on: AtomicU32,
 }
 
 /// One ordered pair's byte ring: positions only grow; `head - tail` bytes are unread.
@@ -377,6 +393,17 @@ impl Segment {
                 .add(self.layout.rings + p * self.layout.ring_bytes)
         };
         (ctl, data)
+    }
+
+    /// Whether this host's allreduce runs as a chain ([`crate::shm::reduce`]).
+    pub(crate) fn chain(&self) -> bool {
+        self.header().chain.load(Ordering::Acquire) != 0
+    }
+
+    /// Chooses the chain allreduce for every rank of the host: the creator calls it before any
+    /// other rank attaches (or builds its group).
+    pub(crate) fn set_chain(&self, on: bool) {
+        self.header().chain.store(u32::from(on), Ordering::Release);
     }
 
     /// Half `half` (0 or 1) of rank `r`'s slot, as `f32`s.

@@ -137,6 +137,7 @@ fn lead(
     );
     let message = match &created {
         Ok(seg) => {
+            seg.set_chain(options.chain_for(local.len()));
             seg.register(0);
             offer(seg)
         }

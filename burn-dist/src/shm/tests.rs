@@ -121,8 +121,13 @@ fn reduce_scatter_and_all_gather_in_the_segment_match_direct_results() {
 
 #[test]
 fn in_place_allreduce_matches_the_sum_for_2_to_4_ranks() {
-    for world in 2..=4 {
-        let ranks = ShmTransport::group(world, &small()).unwrap();
+    // Both paths, whatever this machine's cores would choose.
+    for (world, chain) in (2..=4).flat_map(|w| [(w, false), (w, true)]) {
+        let o = ShmOptions {
+            chain: Some(chain),
+            ..small()
+        };
+        let ranks = ShmTransport::group(world, &o).unwrap();
         let got = each(ranks, move |comm| {
             let mut out = Vec::new();
             // Empty, shorter than the ranks, odd, and several pieces (1,024 values each).
@@ -138,15 +143,155 @@ fn in_place_allreduce_matches_the_sum_for_2_to_4_ranks() {
         });
         for (r, results) in got.iter().enumerate() {
             for (v, len) in results.iter().zip([0usize, 1, 3, 7, 1000, 1024, 5000]) {
-                assert_eq!(v, &expected(world, len), "world {world} rank {r} len {len}");
+                assert_eq!(
+                    v,
+                    &expected(world, len),
+                    "world {world} chain {chain} rank {r} len {len}"
+                );
             }
             let mean = (0..world).sum::<usize>() as f32 / world as f32;
             assert!(
                 results[7].iter().all(|&x| x == mean),
-                "world {world} rank {r} mean"
+                "world {world} chain {chain} rank {r} mean"
             );
         }
     }
+}
+
+/// Values whose sum depends on the order of the additions (no exact small integers).
+fn ragged(rank: usize, i: usize) -> f32 {
+    ((i as f32 + 0.1) * (rank as f32 + 1.3)).sin() * 10f32.powi((i % 7) as i32 - 3)
+}
+
+#[test]
+fn the_chain_sums_in_rank_order_and_every_rank_ends_with_the_same_bits() {
+    // From 3 ranks on, the barrier path's order differs ((x2 + x0) + x1 for rank 2's
+    // segment), so this also shows that the chain was taken.
+    for world in 2..=5 {
+        let o = ShmOptions {
+            chain: Some(true),
+            ..small()
+        };
+        let ranks = ShmTransport::group(world, &o).unwrap();
+        // Several calls in a row: the ring's places are reused across calls and pieces.
+        let lens = [5000usize, 1, 3000, 2048];
+        let got = each(ranks, move |comm| {
+            lens.iter()
+                .map(|&len| {
+                    let mut v: Vec<f32> = (0..len).map(|i| ragged(comm.rank(), i)).collect();
+                    comm.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                    v
+                })
+                .collect::<Vec<_>>()
+        });
+        for (c, &len) in lens.iter().enumerate() {
+            let want: Vec<f32> = (0..len)
+                .map(|i| (1..world).fold(ragged(0, i), |acc, r| acc + ragged(r, i)))
+                .collect();
+            for (r, results) in got.iter().enumerate() {
+                let same = results[c]
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "world {world} rank {r} call {c}: not the rank-order sum"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_hangs_or_dies_during_the_chain_fails_the_other_naming_it() {
+    // Rank 1 is a real process of this host that passes the length barrier (the test arrives
+    // for it) and then never adds a piece: rank 0 fills the ring and waits for it.
+    use std::sync::atomic::Ordering::Release;
+    let o = small();
+    let seg = Arc::new(Segment::create(2, o.ring_bytes, o.slot_bytes).unwrap());
+    seg.set_chain(true);
+    seg.unlink().unwrap();
+    seg.register(0);
+    seg.register(1);
+    let mut child = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let (_, start) = segment::proc_stat(pid).unwrap();
+    let e1 = seg.entry(1);
+    e1.pid.store(pid, Release);
+    e1.start_time.store(start, Release);
+    let group = LocalGroup::new(seg.clone(), 0, vec![5, 9], o.stale);
+    let len = 100_000; // about a hundred pieces of 1,024 values: far more than the ring holds
+    let arrive = |round: u32| {
+        seg.entry(1).lens[(round as usize - 1) % 2].store(len as u64, Release);
+        seg.entry(1).arrived.store(round, Release);
+    };
+    // Alive but silent: the deadline, naming it.
+    arrive(1);
+    let started = Instant::now();
+    let e = group
+        .reduce(
+            &mut vec![1.0; len],
+            true,
+            Instant::now() + Duration::from_millis(500),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(e, crate::DistError::Timeout { rank: 9, .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("allreduce"), "{e}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    // Dead: a failure naming it, long before the deadline.
+    let _ = child.kill();
+    let _ = child.wait();
+    arrive(2);
+    let started = Instant::now();
+    let e = group.reduce(&mut vec![1.0; len], true, soon()).unwrap_err();
+    assert!(
+        matches!(e, crate::DistError::PeerFailed { rank: 9, .. }),
+        "{e}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_rank_gone_after_giving_up_on_another_points_at_the_one_that_failed_first() {
+    // Three ranks: 2 died, 1 gave up on it and exited. Rank 0, which finds rank 1 missing at
+    // the barrier first, must name rank 2 (the chain checks liveness the same way).
+    use std::sync::atomic::Ordering::{Acquire, Release};
+    let o = small();
+    let seg = Arc::new(Segment::create(3, o.ring_bytes, o.slot_bytes).unwrap());
+    seg.unlink().unwrap();
+    for r in 0..3 {
+        seg.register(r);
+    }
+    for r in 1..3 {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let _ = child.wait();
+        seg.entry(r).pid.store(pid, Release);
+    }
+    seg.entry(1).gave_up_on.store(2 + 1, Release);
+    let group = LocalGroup::new(seg.clone(), 0, vec![4, 6, 8], o.stale);
+    let e = group.reduce(&mut [1.0; 10], true, soon()).unwrap_err();
+    assert!(
+        matches!(e, crate::DistError::PeerFailed { rank: 8, .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("rank 6 gave up"), "{e}");
+    // And rank 0 records the same cause for whoever finds it gone.
+    assert_eq!(seg.entry(0).gave_up_on.load(Acquire), 2 + 1);
 }
 
 /// A job of `world` ranks over in-memory "network" links where ranks `hosts[r]` share a
@@ -209,6 +354,8 @@ fn hosted(hosts: &[usize]) -> Vec<Hosted> {
             continue;
         }
         let seg = Arc::new(Segment::create(members.len(), o.ring_bytes, o.slot_bytes).unwrap());
+        // The first host's allreduce as a chain, the others' with barriers.
+        seg.set_chain(h == 0);
         for (li, &m) in members.iter().enumerate() {
             let s = if li == 0 {
                 seg.clone()
@@ -232,7 +379,8 @@ fn hosted(hosts: &[usize]) -> Vec<Hosted> {
 
 #[test]
 fn hierarchical_allreduce_matches_the_sum_across_uneven_hosts() {
-    // Two hosts of two; three hosts of 2, 1 and 3 ranks (a host without shared memory among them).
+    // Two hosts of two; three hosts of 2, 1 and 3 ranks (a host without shared memory among
+    // them). The first host's segment runs a chain, the others' barriers.
     for hosts in [vec![0, 0, 1, 1], vec![0, 1, 0, 2, 2, 2]] {
         let world = hosts.len();
         let got = each(hosted(&hosts), move |comm| {
@@ -476,4 +624,22 @@ fn the_slot_size_is_the_one_asked_for_else_chosen_by_ranks_per_core() {
     // More ranks than any machine has cores: the smaller slot, which two ranks sharing a
     // core's cache keep there.
     assert_eq!(auto.slot_bytes_for(1 << 20), 256 << 10);
+}
+
+#[test]
+fn the_chain_is_the_one_asked_for_else_chosen_by_ranks_per_core() {
+    let auto = ShmOptions {
+        chain: None,
+        ..small()
+    };
+    assert!(!auto.chain_for(1));
+    assert!(auto.chain_for(1 << 20));
+    for asked in [false, true] {
+        let o = ShmOptions {
+            chain: Some(asked),
+            ..small()
+        };
+        assert_eq!(o.chain_for(1), asked);
+        assert_eq!(o.chain_for(1 << 20), asked);
+    }
 }
