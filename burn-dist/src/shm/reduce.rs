@@ -80,6 +80,22 @@ impl LocalGroup {
         self.me
     }
 
+    /// One round of a brief busy wait that began at `since`: spins the core, or yields it when
+    /// the ranks outnumber the cores (the ranks waited for need it). False once the wait has
+    /// lasted [`SPIN`] (or [`SPIN_ROUNDS`] rounds): time to sleep.
+    fn spin(&self, spins: &mut u32, since: Instant) -> bool {
+        if *spins >= SPIN_ROUNDS || since.elapsed() >= SPIN {
+            return false;
+        }
+        *spins += 1;
+        if self.oversubscribed {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+        true
+    }
+
     fn barrier(&self, watch: &mut Watch, deadline: Instant, op: &str) -> Result<()> {
         let round = self
             .barriers
@@ -105,13 +121,7 @@ impl LocalGroup {
             // Spin briefly (the others are usually microseconds away), then sleep on the word.
             // With more ranks than cores the waiting rank yields its core instead: the ranks it
             // waits for need it.
-            if spins < SPIN_ROUNDS && started.elapsed() < SPIN {
-                spins += 1;
-                if self.oversubscribed {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
+            if self.spin(&mut spins, started) {
                 continue;
             }
             if last_check.elapsed() >= Duration::from_millis(100) {
@@ -341,13 +351,7 @@ impl LocalGroup {
             // Nothing ready: spin briefly (yielding the core when the ranks outnumber the
             // cores), then sleep on the chain word. Sleeping at once instead was 1.5-2x slower
             // with 4 ranks on 2 cores: a futex wake costs more than a yield.
-            if spins < SPIN_ROUNDS && idle_since.elapsed() < SPIN {
-                spins += 1;
-                if self.oversubscribed {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
+            if self.spin(&mut spins, idle_since) {
                 continue;
             }
             // The rank this one waits for: its predecessor, the last rank, or the slowest.

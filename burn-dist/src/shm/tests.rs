@@ -202,18 +202,19 @@ fn the_chain_sums_in_rank_order_and_every_rank_ends_with_the_same_bits() {
     }
 }
 
-#[test]
-fn a_rank_that_hangs_or_dies_during_the_chain_fails_the_other_naming_it() {
-    // Rank 1 is a real process of this host that passes the length barrier (the test arrives
-    // for it) and then never adds a piece: rank 0 fills the ring and waits for it.
+/// A segment of `world` ranks, unlinked, every rank registered as this process, with rank 1
+/// played by a real `sleep` process of this host (a member that never does anything): kill
+/// the child to make it a dead member.
+fn with_silent_rank_1(world: usize, chain: bool) -> (Arc<Segment>, std::process::Child) {
     use std::sync::atomic::Ordering::Release;
     let o = small();
-    let seg = Arc::new(Segment::create(2, o.ring_bytes, o.slot_bytes).unwrap());
-    seg.set_chain(true);
+    let seg = Arc::new(Segment::create(world, o.ring_bytes, o.slot_bytes).unwrap());
+    seg.set_chain(chain);
     seg.unlink().unwrap();
-    seg.register(0);
-    seg.register(1);
-    let mut child = std::process::Command::new("sleep")
+    for r in 0..world {
+        seg.register(r);
+    }
+    let child = std::process::Command::new("sleep")
         .arg("60")
         .spawn()
         .unwrap();
@@ -222,6 +223,16 @@ fn a_rank_that_hangs_or_dies_during_the_chain_fails_the_other_naming_it() {
     let e1 = seg.entry(1);
     e1.pid.store(pid, Release);
     e1.start_time.store(start, Release);
+    (seg, child)
+}
+
+#[test]
+fn a_rank_that_hangs_or_dies_during_the_chain_fails_the_other_naming_it() {
+    // Rank 1 is a real process of this host that passes the length barrier (the test arrives
+    // for it) and then never adds a piece: rank 0 fills the ring and waits for it.
+    use std::sync::atomic::Ordering::Release;
+    let o = small();
+    let (seg, mut child) = with_silent_rank_1(2, true);
     let group = LocalGroup::new(seg.clone(), 0, vec![5, 9], o.stale);
     let len = 100_000; // about a hundred pieces of 1,024 values: far more than the ring holds
     let arrive = |round: u32| {
@@ -271,17 +282,12 @@ fn a_rank_gone_after_giving_up_on_another_points_at_the_one_that_failed_first() 
     // the barrier first, must name rank 2 (the chain checks liveness the same way).
     use std::sync::atomic::Ordering::{Acquire, Release};
     let o = small();
-    let seg = Arc::new(Segment::create(3, o.ring_bytes, o.slot_bytes).unwrap());
-    seg.unlink().unwrap();
-    for r in 0..3 {
-        seg.register(r);
-    }
-    for r in 1..3 {
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let pid = child.id();
-        let _ = child.wait();
-        seg.entry(r).pid.store(pid, Release);
-    }
+    let (seg, mut child) = with_silent_rank_1(3, false);
+    let _ = child.kill();
+    let _ = child.wait();
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    seg.entry(2).pid.store(gone.id(), Release);
+    let _ = gone.wait();
     seg.entry(1).gave_up_on.store(2 + 1, Release);
     let group = LocalGroup::new(seg.clone(), 0, vec![4, 6, 8], o.stale);
     let e = group.reduce(&mut [1.0; 10], true, soon()).unwrap_err();
@@ -436,20 +442,8 @@ fn a_stopped_process_on_this_host_is_lost_once_its_heartbeat_is_stale() {
     // Rank 1 is a real process of this pid namespace that never beats: running, it is alive
     // until the collective's deadline; stopped (SIGSTOP), it is lost after `stale`.
     let o = small();
-    let seg = Arc::new(Segment::create(2, o.ring_bytes, o.slot_bytes).unwrap());
-    seg.unlink().unwrap();
-    seg.register(0);
-    seg.register(1);
-    let mut child = std::process::Command::new("sleep")
-        .arg("60")
-        .spawn()
-        .unwrap();
+    let (seg, mut child) = with_silent_rank_1(2, false);
     let pid = child.id();
-    let (_, start) = segment::proc_stat(pid).unwrap();
-    let e1 = seg.entry(1);
-    e1.pid.store(pid, std::sync::atomic::Ordering::Relaxed);
-    e1.start_time
-        .store(start, std::sync::atomic::Ordering::Relaxed);
     let group = LocalGroup::new(seg, 0, vec![5, 9], o.stale);
     let e = group
         .reduce(&mut [1.0; 10], true, Instant::now() + 4 * o.stale)
