@@ -1,7 +1,9 @@
 //! Allreduce on one host: Hearth (`hearth bench allreduce`) with shared memory between the ranks
 //! (the default) and without it (`HEARTH_SHM=0`: QUIC on loopback), against torch.distributed's
-//! gloo backend, same ranks and sizes, same run; and a single-thread memcpy of the largest size
-//! measured in this process, the bandwidth anchor:
+//! gloo backend, same ranks and sizes, same run; a single-thread memcpy of the largest size
+//! measured in this process, the bandwidth anchor; and the memory floor of that size: as many
+//! threads as ranks, each reading and writing its own buffer once, all at once (the bytes any
+//! allreduce must move on this host: every rank's values in, the sum out):
 //!
 //!   cargo bench --bench allreduce
 //!   HEARTH_BENCH_RANKS=2,4 HEARTH_BENCH_SIZES=1,10,100 HEARTH_BENCH_ITERS=5 cargo bench --bench allreduce
@@ -10,7 +12,9 @@
 //! other, so a machine whose speed drifts shows it in every column; `HEARTH_BENCH_QUIC=0` skips
 //! the QUIC-only run (it runs in the first round). Prints every tool's lines, then per size
 //! the busbw of each and the ratios per round, as their median and range: shared memory
-//! against gloo (above 1: Hearth faster) and against memcpy.
+//! against gloo (above 1: Hearth faster), against memcpy, and for the largest size the floor's
+//! time against Hearth's (1: at the floor) and the most any allreduce could reach against
+//! memcpy (`ceiling_vs_memcpy`, the floor's busbw over memcpy's).
 
 mod common;
 
@@ -30,6 +34,48 @@ fn memcpy_gbps(mb: f64) -> f64 {
         std::hint::black_box(&mut dst);
     }
     (len * 4) as f64 / best / 1e9
+}
+
+/// The memory floor of an allreduce of `mb` megabytes over `n` ranks of this host, in ms: `n`
+/// threads (time-sharing the cores as the ranks' processes do), each reading and writing its
+/// own buffer once, started together; best of five.
+fn floor_ms(n: usize, mb: f64) -> f64 {
+    let len = ((mb * 1e6) / 4.0) as usize;
+    let mut bufs: Vec<Vec<f32>> = (0..n).map(|r| vec![r as f32; len]).collect();
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        // From the first thread's start to the last one's end, as each thread sees them (the
+        // spawning thread may not get a core until the others are done).
+        let start = std::sync::Barrier::new(n);
+        let spans: Vec<(std::time::Instant, std::time::Instant)> = std::thread::scope(|s| {
+            let handles: Vec<_> = bufs
+                .iter_mut()
+                .map(|b| {
+                    let start = &start;
+                    s.spawn(move || {
+                        start.wait();
+                        let began = std::time::Instant::now();
+                        let k = std::hint::black_box(1.0f32);
+                        b.iter_mut().for_each(|x| *x *= k);
+                        (began, std::time::Instant::now())
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a floor thread panicked"))
+                .collect()
+        });
+        let (Some(first), Some(last)) = (
+            spans.iter().map(|s| s.0).min(),
+            spans.iter().map(|s| s.1).max(),
+        ) else {
+            continue;
+        };
+        best = best.min((last - first).as_secs_f64());
+    }
+    std::hint::black_box(&bufs);
+    best * 1e3
 }
 
 /// Runs `hearth bench allreduce` for `n` ranks, with shared memory or QUIC only.
@@ -94,12 +140,17 @@ fn main() {
             size.parse::<f64>().unwrap_or(0.0) * 1e6 / (ms / 1e3) / 1e9 * 2.0 * (ranks_f - 1.0)
                 / ranks_f
         };
-        // size -> per round (shm ms, gloo ms, memcpy GB/s)
-        let mut per_size: BTreeMap<String, Vec<(f64, f64, f64)>> = BTreeMap::new();
+        // size -> per round (shm ms, gloo ms, memcpy GB/s, floor ms of the largest size)
+        let mut per_size: BTreeMap<String, Vec<(f64, f64, f64, f64)>> = BTreeMap::new();
         let mut quic = BTreeMap::new();
         for round in 0..rounds {
             let memcpy = memcpy_gbps(largest);
-            println!("# round {}: memcpy {memcpy:.2} GB/s", round + 1);
+            let floor = floor_ms(n.parse().unwrap_or(2), largest);
+            println!(
+                "# round {}: memcpy {memcpy:.2} GB/s; floor of {largest} MB over {n} ranks \
+                 {floor:.2} ms",
+                round + 1
+            );
             let shm_out = hearth(n, &sizes, &iters, true);
             println!("# Hearth, shared memory, {n} ranks");
             print!("{shm_out}");
@@ -129,7 +180,10 @@ fn main() {
             };
             for (size, s_ms) in common::parse_times(&shm_out) {
                 let g = gloo.get(&size).copied().unwrap_or(f64::NAN);
-                per_size.entry(size).or_default().push((s_ms, g, memcpy));
+                per_size
+                    .entry(size)
+                    .or_default()
+                    .push((s_ms, g, memcpy, floor));
             }
         }
         for (size, runs) in &per_size {
@@ -142,10 +196,23 @@ fn main() {
             let (vg, vg_lo, vg_hi) = spread(&vs_gloo);
             let (vm, vm_lo, vm_hi) = spread(&vs_memcpy);
             let q = quic.get(size).copied().unwrap_or(f64::NAN);
+            let floor = if size.parse::<f64>().ok() == Some(largest) {
+                let vs_floor: Vec<f64> = runs.iter().map(|r| r.3 / r.0).collect();
+                let ceiling: Vec<f64> = runs.iter().map(|r| busbw(size, r.3) / r.2).collect();
+                let (f, _, _) = spread(&runs.iter().map(|r| r.3).collect::<Vec<_>>());
+                let (vf, vf_lo, vf_hi) = spread(&vs_floor);
+                let (c, c_lo, c_hi) = spread(&ceiling);
+                format!(
+                    " floor_ms={f:.2} shm_vs_floor={vf:.2}x ({vf_lo:.2}-{vf_hi:.2}) \
+                     ceiling_vs_memcpy={c:.2}x ({c_lo:.2}-{c_hi:.2})"
+                )
+            } else {
+                String::new()
+            };
             println!(
                 "ranks={n} size_mb={size} shm_ms={s:.2} shm_busbw={:.2} quic_ms={q:.2} \
                  gloo_ms={g:.2} gloo_busbw={:.2} shm_vs_gloo={vg:.2}x ({vg_lo:.2}-{vg_hi:.2}) \
-                 shm_vs_memcpy={vm:.2}x ({vm_lo:.2}-{vm_hi:.2})",
+                 shm_vs_memcpy={vm:.2}x ({vm_lo:.2}-{vm_hi:.2}){floor}",
                 busbw(size, s),
                 busbw(size, g),
             );
