@@ -134,6 +134,7 @@ fn hearth(
 }
 
 /// PyTorch's job of the same shape (`zero` 1 or 2: ZeroRedundancyOptimizer, its stage 1).
+#[allow(clippy::too_many_arguments)]
 fn torch(
     python: &Path,
     model: &str,

@@ -390,7 +390,9 @@ fn main() {
         let mut curves = Vec::new();
         let mut points = Vec::new();
         for (rate, link) in links {
-            let mut layouts: Vec<(String, Box<dyn Fn(usize, f64) -> f64>)> = vec![(
+            // A layout's allreduce time for (hosts, bytes).
+            type Cost<'a> = Box<dyn Fn(usize, f64) -> f64 + 'a>;
+            let mut layouts: Vec<(String, Cost<'_>)> = vec![(
                 "1 rank/host".into(),
                 Box::new(move |n: usize, b: f64| link.ring_allreduce(n, b)),
             )];

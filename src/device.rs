@@ -363,6 +363,27 @@ pub fn select(name: &str) -> Result<Device> {
     name.parse::<DeviceSpec>()?.device()
 }
 
+/// Whether `device` computes in `precision`: wgpu devices (Vulkan, Metal, DX12, lavapipe) have
+/// no bf16 in their shaders (cubecl fails each kernel with `UnsupportedType("cube.bf16")`), so
+/// bf16 is refused there by name; fp16 runs where the adapter has shader f16 (lavapipe does).
+/// Flex (the CPU) and CUDA take both.
+pub fn check_precision(device: &Device, precision: crate::train::Precision) -> Result<()> {
+    if precision != crate::train::Precision::Bf16 {
+        return Ok(());
+    }
+    let described = format!("{:?}", device.clone().inner());
+    if ["Wgpu", "Vulkan", "Metal", "Dx12", "WebGpu"]
+        .iter()
+        .any(|k| described.contains(k))
+    {
+        return Err(HearthError::InvalidArgument(format!(
+            "--precision bf16 does not run on this device ({described}): wgpu's shaders have no \
+             bf16; use --precision fp16 here, or bf16 on CUDA or the CPU"
+        )));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -419,25 +440,4 @@ mod tests {
         select("flex").unwrap();
         select("ndarray").unwrap();
     }
-}
-
-/// Whether `device` computes in `precision`: wgpu devices (Vulkan, Metal, DX12, lavapipe) have
-/// no bf16 in their shaders (cubecl fails each kernel with `UnsupportedType("cube.bf16")`), so
-/// bf16 is refused there by name; fp16 runs where the adapter has shader f16 (lavapipe does).
-/// Flex (the CPU) and CUDA take both.
-pub fn check_precision(device: &Device, precision: crate::train::Precision) -> Result<()> {
-    if precision != crate::train::Precision::Bf16 {
-        return Ok(());
-    }
-    let described = format!("{:?}", device.clone().inner());
-    if ["Wgpu", "Vulkan", "Metal", "Dx12", "WebGpu"]
-        .iter()
-        .any(|k| described.contains(k))
-    {
-        return Err(HearthError::InvalidArgument(format!(
-            "--precision bf16 does not run on this device ({described}): wgpu's shaders have no \
-             bf16; use --precision fp16 here, or bf16 on CUDA or the CPU"
-        )));
-    }
-    Ok(())
 }

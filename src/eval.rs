@@ -77,6 +77,7 @@ pub struct EvalReport {
 
 /// Evaluates `model` on class folders under `data`. Folder names are matched to the model's
 /// `class_names`; without names, the sorted folders must be as many as the model's classes.
+#[allow(clippy::too_many_arguments)]
 pub fn evaluate(
     model: &Classifier,
     class_names: Option<&[String]>,

@@ -323,8 +323,8 @@ fn launch_elastic_cmd(a: &LaunchArgs, program: PathBuf, args: &[String]) -> Resu
 fn models() -> Result<()> {
     let cpu = burn::prelude::Device::flex();
     println!(
-        "{:<14} {:>14}  {}",
-        "model", "parameters", "(1000 classes, torchvision architecture)"
+        "{:<14} {:>14}  (1000 classes, torchvision architecture)",
+        "model", "parameters"
     );
     for arch in Architecture::ALL {
         // Lazy init: counting parameters allocates nothing.

@@ -100,7 +100,7 @@ fn metrics(run: &Path) -> BTreeMap<usize, BTreeMap<String, f64>> {
 /// The accuracy (%) of the module in `run/model.bpk` on the example's validation set.
 fn exported_accuracy(run: &Path) -> f64 {
     let device = Device::flex();
-    let record = ModuleRecord::load(&run.join("model.bpk")).unwrap();
+    let record = ModuleRecord::load(run.join("model.bpk")).unwrap();
     let model = example::Mlp::new(3, &device).load_record(record);
     let val = example::Spirals::new(3, 60, 2);
     let all: Vec<usize> = (0..val.len()).collect();
@@ -133,7 +133,9 @@ fn a_user_module_trains_alone_data_parallel_on_servers_and_elastic_and_resumes_e
         &["--elastic", "-n", "2", "--min", "1", "--max", "3"],
         &["elastic", elastic.to_str().unwrap()],
     );
-    let curves: Vec<(&str, BTreeMap<usize, BTreeMap<String, f64>>)> = [
+    // Each epoch's metrics by name.
+    type Curve = BTreeMap<usize, BTreeMap<String, f64>>;
+    let curves: Vec<(&str, Curve)> = [
         ("one process", &one),
         ("data parallel", &dp),
         ("ps", &ps),

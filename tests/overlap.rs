@@ -14,7 +14,9 @@ use common::{CURVES, Job, USUAL, metrics, same_curves, same_weights, small_data}
 fn overlap_trains_exactly_as_the_exchange_after_the_backward() {
     let dir = tempfile::tempdir().unwrap();
     let data = small_data(dir.path());
-    let cases: [(&str, &[&str], &[(&str, &str)]); 4] = [
+    // (name, extra flags, extra environment).
+    type Case<'a> = (&'a str, &'a [&'a str], &'a [(&'a str, &'a str)]);
+    let cases: [Case; 4] = [
         ("resnet-quic", &[], &[("HEARTH_SHM", "0")]),
         ("densenet-shm", &["--model", "densenet-mini"], &[]),
         (

@@ -325,11 +325,14 @@ fn two_stages_times_two_replicas_equal_one_process_on_the_whole_batch() {
 
 /// A convolution whose output is multiplied by a random 0/1 mask (dropout's draw), recording
 /// each draw with its input's sum.
+/// Each forward pass's dropout draws: (first pass, recomputation).
+type Draws = Arc<std::sync::Mutex<Vec<(Vec<f32>, Vec<f32>)>>>;
+
 #[derive(Module, Debug)]
 struct Noisy {
     conv: Conv2d,
     #[module(skip)]
-    draws: Arc<std::sync::Mutex<Vec<(Vec<f32>, Vec<f32>)>>>,
+    draws: Draws,
 }
 
 impl PipelineStage for Noisy {

@@ -144,6 +144,8 @@ impl std::fmt::Display for Architecture {
 /// Any supported image classifier. Inputs are `[batch, 3, H, W]` with H, W >= 32, normalised
 /// as torchvision does (ImageNet mean and std); outputs are logits `[batch, classes]`.
 #[derive(Module, Debug)]
+// Built once per run: boxing the largest variant would add an indirection to every match.
+#[allow(clippy::large_enum_variant)]
 pub enum Classifier {
     ResNet(ResNet),
     Vgg(Vgg),

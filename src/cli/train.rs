@@ -376,7 +376,9 @@ fn build_config(
 /// A mode's own flags without the mode are an error naming both (clap's `requires` does not
 /// fire beside an argument that conflicts with the mode, as `--ps` with `--micro-batches`).
 fn mode_flags(a: &TrainArgs) -> Result<()> {
-    let modes: [(bool, &str, &[(bool, &str)]); 3] = [
+    // (mode given, its flag, its own flags: (given, name)).
+    type Mode<'a> = (bool, &'a str, &'a [(bool, &'a str)]);
+    let modes: [Mode; 3] = [
         (
             a.pipeline_stages.is_some(),
             "--pipeline-stages",

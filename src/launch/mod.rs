@@ -173,13 +173,13 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
         // one killed by a signal is the cause and the others' errors its consequence (they
         // lost a peer), so it is the one named.
         let mut failed = Vec::new();
-        for rank in 0..children.len() {
-            let Some(child) = children[rank].as_mut() else {
+        for (rank, slot) in children.iter_mut().enumerate() {
+            let Some(child) = slot.as_mut() else {
                 continue;
             };
             match child.try_wait() {
                 Ok(Some(status)) => {
-                    children[rank] = None;
+                    *slot = None;
                     running -= 1;
                     if !status.success() {
                         failed.push((rank, status));

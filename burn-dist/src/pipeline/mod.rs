@@ -313,6 +313,8 @@ pub struct StepOutput {
 }
 
 /// What a stage keeps of a micro-batch between its forward and its backward.
+// One per micro-batch in flight (a handful): boxing the graph would add an allocation each.
+#[allow(clippy::large_enum_variant)]
 enum Held {
     /// The input (to send its gradient back) and the output, with its graph.
     Graph(Activation, Activation),

@@ -298,7 +298,7 @@ impl ZeroOptimizer {
             }
             self.tensors.iter().map(|t| at.get(t).copied()).collect()
         });
-        for i in 0..names.len() {
+        for (i, name) in names.iter().enumerate() {
             for b in 0..self.buckets.len() {
                 let range = self.buckets[b].range.clone();
                 // The root's read, and its verdict to every rank before the values.
@@ -318,7 +318,7 @@ impl ZeroOptimizer {
                         Some(Ok(v)) => format!(
                             "reading {} values of slot {} gave {}",
                             range.len(),
-                            names[i],
+                            name,
                             v.len()
                         ),
                         None => format!("rank {root} could not read the saved state"),

@@ -518,7 +518,7 @@ fn neighbours_lost_together_are_an_error_on_every_rank_naming_them() {
     let (zs, _, _) = run_replicated(update, Stage::Two, 4, 2);
     // Old ranks 1 and 2 (2's replica is on 1) both gone.
     for r in reshard(update, Stage::Two, &zs, &[Some(0), Some(3), None]) {
-        let e = r.err().expect("an error on every rank").to_string();
+        let e = r.expect_err("an error on every rank").to_string();
         assert!(e.contains("old rank(s) [2]"), "{e}");
     }
     // A joiner as rank 0: refused on every rank, no hang.

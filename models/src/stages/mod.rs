@@ -47,6 +47,9 @@ use crate::vgg::Vgg;
 
 /// One unit of a model's natural split.
 #[derive(Module, Debug)]
+// A model's units are built once and moved a few times: boxing the largest would add an
+// indirection to every match for no measurable gain.
+#[allow(clippy::large_enum_variant)]
 pub enum Unit {
     ResNetStem(ResNetStem),
     ResNetBlock(ResidualBlock),
