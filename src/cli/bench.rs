@@ -106,13 +106,20 @@ pub(crate) fn bench_allreduce(a: BenchAllreduceArgs) -> Result<()> {
         "--size-mb".into(),
     ];
     args.extend(a.size_mb.iter().map(|s| s.to_string()));
+    let shm = hearth::dist::shm::ShmOptions::default();
     eprintln!(
         "allreduce, {} ranks on 127.0.0.1 ({}), {} timed iterations per size",
         a.ranks,
-        if hearth::dist::shm::ShmOptions::default().enabled {
-            "shared memory between them; HEARTH_SHM=0 for QUIC only"
-        } else {
-            "QUIC only: HEARTH_SHM=0"
+        match (shm.enabled, shm.chain_for(a.ranks)) {
+            (false, _) => "QUIC only: HEARTH_SHM=0",
+            (true, true) => {
+                "shared memory between them, the allreduce as a chain (HEARTH_SHM_CHAIN=0: with \
+                 barriers); HEARTH_SHM=0 for QUIC only"
+            }
+            (true, false) => {
+                "shared memory between them, the allreduce with barriers (HEARTH_SHM_CHAIN=1: as \
+                 a chain); HEARTH_SHM=0 for QUIC only"
+            }
         },
         a.iters
     );
