@@ -85,12 +85,13 @@ impl ShmOptions {
         if self.slot_bytes > 0 {
             return self.slot_bytes;
         }
-        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-        if ranks > cores { 256 << 10 } else { 1 << 20 }
+        if outnumber_cores(ranks) {
+            256 << 10
+        } else {
+            1 << 20
+        }
     }
-}
 
-impl ShmOptions {
     /// Whether a segment for `ranks` ranks runs its allreduce as a chain: `chain` when set,
     /// else when the ranks outnumber this host's cores. Only the creator calls it and records
     /// the answer in the segment, so the ranks always agree.
@@ -99,9 +100,13 @@ impl ShmOptions {
     /// core works through every piece it can before it sleeps; with more ranks than cores the
     /// two barriers per piece of the other path cost a context switch each.
     pub fn chain_for(&self, ranks: usize) -> bool {
-        self.chain
-            .unwrap_or_else(|| ranks > std::thread::available_parallelism().map_or(1, |c| c.get()))
+        self.chain.unwrap_or_else(|| outnumber_cores(ranks))
     }
+}
+
+/// Whether `ranks` ranks outnumber this host's cores (one core when the count is unknown).
+pub(crate) fn outnumber_cores(ranks: usize) -> bool {
+    ranks > std::thread::available_parallelism().map_or(1, |c| c.get())
 }
 
 /// A world of ranks that all share one segment: the shared-memory transport alone (tests; a job

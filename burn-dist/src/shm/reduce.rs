@@ -63,7 +63,7 @@ impl LocalGroup {
             pieces: AtomicU64::new(0),
             calls: AtomicU64::new(0),
             busy: Mutex::new(Watch::new(n, stale)),
-            oversubscribed: std::thread::available_parallelism().map_or(true, |c| n > c.get()),
+            oversubscribed: super::outnumber_cores(n),
             chain: seg.chain(),
             chained: AtomicU64::new(0),
             seg,
