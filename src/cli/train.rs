@@ -187,7 +187,8 @@ pub(crate) struct TrainArgs {
     /// Data parallel and elastic: overlap the gradient exchange with the backward pass. The
     /// model runs unit by unit and each unit's gradients are averaged, in --bucket-mb buckets,
     /// while the units before it compute (as PyTorch DDP's buckets do). The same result as
-    /// without it.
+    /// without it. Pays off between hosts (1 Gbit/s: a ResNet-50 step 20% shorter); on one
+    /// host the exchange shares the backward pass's cores and measured no faster.
     #[arg(long)]
     overlap: bool,
     /// Pipeline model parallelism: split the model into P stages, one per process (--nproc

@@ -198,6 +198,19 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
         run_dir::start(cfg, log)?;
         log(&format!("augmentation: {}", cfg.augmentation));
     }
+    if cfg.overlap
+        && let Some(comm) = &dist
+        && comm
+            .transport()
+            .topology()
+            .is_some_and(|t| t.shares_memory() && t.group_leaders().len() == 1)
+    {
+        log(
+            "--overlap: every rank is on this host, so the exchange runs through shared memory \
+             on the cores the backward pass uses; on one host it measured no faster (a ResNet-50 \
+             step 1.02-1.08x longer, BENCHMARKS.md): it pays off between hosts",
+        );
+    }
     let (train_set, val_set) = match &dist {
         Some(comm) => distributed::load_data(cfg, comm, log)?,
         None => sets::load(cfg, log)?,
