@@ -21,63 +21,6 @@ mod common;
 use std::collections::BTreeMap;
 use std::process::Command;
 
-/// Best of five single-thread copies of `mb` megabytes, in GB/s (bytes copied per second).
-fn memcpy_gbps(mb: f64) -> f64 {
-    let len = ((mb * 1e6) / 4.0) as usize;
-    let src: Vec<f32> = (0..len).map(|i| i as f32).collect();
-    let mut dst = vec![0f32; len];
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t = std::time::Instant::now();
-        dst.copy_from_slice(&src);
-        best = best.min(t.elapsed().as_secs_f64());
-        std::hint::black_box(&mut dst);
-    }
-    (len * 4) as f64 / best / 1e9
-}
-
-/// The memory floor of an allreduce of `mb` megabytes over `n` ranks of this host, in ms: `n`
-/// threads (time-sharing the cores as the ranks' processes do), each reading and writing its
-/// own buffer once, started together; best of five.
-fn floor_ms(n: usize, mb: f64) -> f64 {
-    let len = ((mb * 1e6) / 4.0) as usize;
-    let mut bufs: Vec<Vec<f32>> = (0..n).map(|r| vec![r as f32; len]).collect();
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        // From the first thread's start to the last one's end, as each thread sees them (the
-        // spawning thread may not get a core until the others are done).
-        let start = std::sync::Barrier::new(n);
-        let spans: Vec<(std::time::Instant, std::time::Instant)> = std::thread::scope(|s| {
-            let handles: Vec<_> = bufs
-                .iter_mut()
-                .map(|b| {
-                    let start = &start;
-                    s.spawn(move || {
-                        start.wait();
-                        let began = std::time::Instant::now();
-                        let k = std::hint::black_box(1.0f32);
-                        b.iter_mut().for_each(|x| *x *= k);
-                        (began, std::time::Instant::now())
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("a floor thread panicked"))
-                .collect()
-        });
-        let (Some(first), Some(last)) = (
-            spans.iter().map(|s| s.0).min(),
-            spans.iter().map(|s| s.1).max(),
-        ) else {
-            continue;
-        };
-        best = best.min((last - first).as_secs_f64());
-    }
-    std::hint::black_box(&bufs);
-    best * 1e3
-}
-
 /// Runs `hearth bench allreduce` for `n` ranks, with shared memory or QUIC only.
 fn hearth(n: &str, sizes: &[String], iters: &str, shm: bool) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_hearth"))
@@ -144,8 +87,8 @@ fn main() {
         let mut per_size: BTreeMap<String, Vec<(f64, f64, f64, f64)>> = BTreeMap::new();
         let mut quic = BTreeMap::new();
         for round in 0..rounds {
-            let memcpy = memcpy_gbps(largest);
-            let floor = floor_ms(n.parse().unwrap_or(2), largest);
+            let memcpy = hearth::dist_bench::memcpy_gbps(largest);
+            let floor = hearth::dist_bench::floor_ms(n.parse().unwrap_or(2), largest);
             println!(
                 "# round {}: memcpy {memcpy:.2} GB/s; floor of {largest} MB over {n} ranks \
                  {floor:.2} ms",

@@ -3,7 +3,10 @@
 //!
 //! Each size is timed over `iters` allreduces after `warmup` untimed ones; rank 0 prints one line
 //! per size in nccl-tests' terms: `size_mb=S time_ms=T algbw_GBps=A busbw_GBps=B`, where
-//! algbw = bytes / time and busbw = algbw * 2(n-1)/n.
+//! algbw = bytes / time and busbw = algbw * 2(n-1)/n. Once the ranks are done, `hearth bench
+//! allreduce` measures this host's memory ([`memcpy_gbps`], [`floor_ms`]) and prints per size
+//! the most any allreduce could reach there ([`ceiling_busbw_gbps`]), the same measures as
+//! `cargo bench --bench allreduce` takes.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -81,4 +84,92 @@ pub fn run_rank(
     }
     comm.barrier()?;
     Ok(())
+}
+
+/// Best of five single-thread copies of `mb` megabytes, in GB/s (bytes copied per second).
+pub fn memcpy_gbps(mb: f64) -> f64 {
+    let len = ((mb * 1e6) / 4.0) as usize;
+    let src: Vec<f32> = (0..len).map(|i| i as f32).collect();
+    let mut dst = vec![0f32; len];
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = std::time::Instant::now();
+        dst.copy_from_slice(&src);
+        best = best.min(t.elapsed().as_secs_f64());
+        std::hint::black_box(&mut dst);
+    }
+    (len * 4) as f64 / best / 1e9
+}
+
+/// The memory floor of an allreduce of `mb` megabytes over `n` ranks of this host, in ms: `n`
+/// threads (time-sharing the cores as the ranks' processes do), each reading and writing its
+/// own buffer once, started together; best of five.
+pub fn floor_ms(n: usize, mb: f64) -> f64 {
+    let len = ((mb * 1e6) / 4.0) as usize;
+    let mut bufs: Vec<Vec<f32>> = (0..n).map(|r| vec![r as f32; len]).collect();
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        // From the first thread's start to the last one's end, as each thread sees them (the
+        // spawning thread may not get a core until the others are done).
+        let start = std::sync::Barrier::new(n);
+        let spans: Vec<(std::time::Instant, std::time::Instant)> = std::thread::scope(|s| {
+            let handles: Vec<_> = bufs
+                .iter_mut()
+                .map(|b| {
+                    let start = &start;
+                    s.spawn(move || {
+                        start.wait();
+                        let began = std::time::Instant::now();
+                        let k = std::hint::black_box(1.0f32);
+                        b.iter_mut().for_each(|x| *x *= k);
+                        (began, std::time::Instant::now())
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a floor thread panicked"))
+                .collect()
+        });
+        let (Some(first), Some(last)) = (
+            spans.iter().map(|s| s.0).min(),
+            spans.iter().map(|s| s.1).max(),
+        ) else {
+            continue;
+        };
+        best = best.min((last - first).as_secs_f64());
+    }
+    std::hint::black_box(&bufs);
+    best * 1e3
+}
+
+/// The most any allreduce of `mb` megabytes over `n` ranks can reach on this host, as busbw in
+/// GB/s: the bytes of the allreduce's busbw over [`floor_ms`]'s time (0 for one rank).
+pub fn ceiling_busbw_gbps(n: usize, mb: f64, floor_ms: f64) -> f64 {
+    if n < 2 || floor_ms <= 0.0 {
+        return 0.0;
+    }
+    mb * 1e6 / (floor_ms / 1e3) / 1e9 * 2.0 * (n as f64 - 1.0) / n as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ceiling_is_the_floors_time_as_busbw() {
+        // 100 MB in 10 ms is 10 GB/s of algbw; busbw is 2(n-1)/n of it.
+        assert!((ceiling_busbw_gbps(2, 100.0, 10.0) - 10.0).abs() < 1e-9);
+        assert!((ceiling_busbw_gbps(4, 100.0, 10.0) - 15.0).abs() < 1e-9);
+        // One rank moves nothing; a floor not measured is no ceiling.
+        assert_eq!(ceiling_busbw_gbps(1, 100.0, 10.0), 0.0);
+        assert_eq!(ceiling_busbw_gbps(4, 100.0, 0.0), 0.0);
+    }
+
+    #[test]
+    fn the_floor_and_memcpy_measure_something() {
+        assert!(memcpy_gbps(1.0) > 0.0);
+        let floor = floor_ms(2, 1.0);
+        assert!(floor.is_finite() && floor > 0.0, "{floor}");
+    }
 }

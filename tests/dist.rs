@@ -235,6 +235,55 @@ fn a_rank_killed_mid_collective_fails_the_job_naming_it() {
 }
 
 #[test]
+fn bench_allreduce_prints_every_size_and_the_hosts_memory_ceiling() {
+    let mut cmd = hearth();
+    cmd.args([
+        "bench",
+        "allreduce",
+        "--ranks",
+        "2",
+        "--size-mb",
+        "1",
+        "4",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+    ]);
+    let (out, _) = run(cmd, Duration::from_secs(90));
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    // A field's value on the line of `size_mb=S` that has it.
+    let field = |size: &str, key: &str| -> f64 {
+        log.lines()
+            .filter(|l| l.contains(&format!("size_mb={size} ")))
+            .find_map(|l| {
+                l.split_whitespace()
+                    .find_map(|w| w.strip_prefix(&format!("{key}=")))
+            })
+            .and_then(|v| v.trim_end_matches('x').parse().ok())
+            .unwrap_or_else(|| panic!("no {key} for size {size}:\n{log}"))
+    };
+    assert!(log.contains("this host's memory: memcpy_GBps="), "{log}");
+    for size in ["1", "4"] {
+        let (busbw, floor, ceiling) = (
+            field(size, "busbw_GBps"),
+            field(size, "floor_ms"),
+            field(size, "ceiling_busbw_GBps"),
+        );
+        assert!(busbw > 0.0 && floor > 0.0 && ceiling > 0.0, "{log}");
+        // The ceiling is the floor's time as busbw: 2(n-1)/n * bytes / time, n = 2.
+        let mb: f64 = size.parse().unwrap();
+        // Both printed to 4 decimals: the floor's rounding moves `want` by up to 0.00005/floor.
+        let want = mb * 1e6 / (floor / 1e3) / 1e9;
+        assert!(
+            (ceiling - want).abs() <= want * (0.0001 / floor + 1e-6) + 0.0001,
+            "{size}: {ceiling} vs {want}\n{log}"
+        );
+    }
+}
+
+#[test]
 fn killing_the_launcher_kills_its_ranks() {
     let dir = tempfile::tempdir().unwrap();
     let pids = dir.path().join("pids");

@@ -130,6 +130,25 @@ pub(crate) fn bench_allreduce(a: BenchAllreduceArgs) -> Result<()> {
         port: 0,
         prefix: false,
     })?;
+    if matches!(outcome, hearth::launch::LaunchOutcome::Success) && a.ranks > 1 {
+        // This host's memory, measured after the ranks are done so it does not compete with
+        // them: how close the busbw above comes to what any allreduce could reach here.
+        let memcpy = hearth::dist_bench::memcpy_gbps(a.size_mb.iter().copied().fold(0.0, f64::max));
+        println!(
+            "this host's memory: memcpy_GBps={memcpy:.3} (one thread); the least any allreduce \
+             over {} ranks moves (each rank's buffer read and written once, all at once):",
+            a.ranks
+        );
+        for &mb in &a.size_mb {
+            let floor = hearth::dist_bench::floor_ms(a.ranks, mb);
+            let ceiling = hearth::dist_bench::ceiling_busbw_gbps(a.ranks, mb, floor);
+            println!(
+                "size_mb={mb} floor_ms={floor:.4} ceiling_busbw_GBps={ceiling:.4} \
+                 ceiling_vs_memcpy={:.2}x",
+                ceiling / memcpy
+            );
+        }
+    }
     exit_with(outcome)
 }
 
