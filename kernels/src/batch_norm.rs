@@ -58,12 +58,35 @@ fn masked_sums(xs: &[f32], gs: &[f32], a: f32, b: f32, m: f32, is: f32, relu: bo
 }
 
 /// The per-channel statistics of the batch: `(mean, biased variance)`.
-pub fn statistics(x: &[f32], [n, c, s]: [usize; 3]) -> (Vec<f32>, Vec<f32>) {
+pub fn statistics(x: &[f32], shape: [usize; 3]) -> (Vec<f32>, Vec<f32>) {
+    statistics_after(x, shape, &[], &[])
+}
+
+/// [`statistics`] of an input whose first `known_mean.len()` channels are the same values as
+/// an earlier input's, whose statistics (`known_mean`, `known_var`) this function computed:
+/// those are taken as they are (a channel's statistics depend on its values alone, in a fixed
+/// order, so they are the same bits), the rest computed. DenseNet: a layer's input is the
+/// layer before's input with its new channels after it.
+pub fn statistics_after(
+    x: &[f32],
+    [n, c, s]: [usize; 3],
+    known_mean: &[f32],
+    known_var: &[f32],
+) -> (Vec<f32>, Vec<f32>) {
     assert_eq!(x.len(), n * c * s, "batch norm: input length");
+    let known = known_mean.len();
+    assert!(
+        known_var.len() == known && known <= c,
+        "batch norm: {known} known means and {} known variances for {c} channels",
+        known_var.len()
+    );
     let count = (n * s).max(1) as f64;
     (0..c)
         .into_par_iter()
         .map(|ch| {
+            if ch < known {
+                return (known_mean[ch], known_var[ch]);
+            }
             let plane = |b: usize| &x[(b * c + ch) * s..(b * c + ch + 1) * s];
             let mean = (0..n).map(|b| plane_sum(plane(b), |v| v)).sum::<f64>() / count;
             let m = mean as f32;
@@ -86,6 +109,20 @@ pub fn forward(
     epsilon: f64,
     relu: bool,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    forward_after(x, shape, gamma, beta, [&[], &[]], epsilon, relu)
+}
+
+/// [`forward`] with the first channels' statistics known ([`statistics_after`]): the same
+/// result, two passes fewer over those channels.
+pub fn forward_after(
+    x: &[f32],
+    shape: [usize; 3],
+    gamma: &[f32],
+    beta: &[f32],
+    [known_mean, known_var]: [&[f32]; 2],
+    epsilon: f64,
+    relu: bool,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let c = shape[1];
     assert!(
         gamma.len() == c && beta.len() == c,
@@ -93,7 +130,7 @@ pub fn forward(
         gamma.len(),
         beta.len()
     );
-    let (mean, var) = statistics(x, shape);
+    let (mean, var) = statistics_after(x, shape, known_mean, known_var);
     let (scale, shift) = affine(gamma, beta, &mean, &var, epsilon);
     (scale_shift(x, shape, &scale, &shift, relu), mean, var)
 }

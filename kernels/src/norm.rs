@@ -32,6 +32,20 @@ pub trait NormBackend: Backend {
         relu: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
+    /// [`Self::hearth_batch_norm_train`] of an input whose first `known_mean.len()` channels
+    /// are an earlier input's, with that input's batch statistics (constants): the same
+    /// results, those channels' statistics not computed again.
+    #[allow(clippy::too_many_arguments)]
+    fn hearth_batch_norm_train_after(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        known_mean: FloatTensor<Self>,
+        known_var: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
     /// Batch norm with the given (running) statistics, then ReLU when `relu`, in one pass: for
     /// inference. Not differentiable: under autodiff the result is a constant, so
     /// [`batch_norm`] takes it only on devices without autodiff.
@@ -97,6 +111,36 @@ fn outputs(
     )
 }
 
+/// Flex's training batch norm, the statistics of the channels in `known` given.
+fn flex_train(
+    x: FlexTensor,
+    gamma: FlexTensor,
+    beta: FlexTensor,
+    known: Option<[FlexTensor; 2]>,
+    epsilon: f64,
+    relu: bool,
+) -> (FlexTensor, FlexTensor, FlexTensor) {
+    let dtype = x.dtype();
+    let dims = x.shape().to_vec();
+    let shape = ncs(&x);
+    let (x, gamma, beta) = (f32_values(x), f32_values(gamma), f32_values(beta));
+    let known = known.map(|k| k.map(f32_values));
+    let known_values: [&[f32]; 2] = match &known {
+        Some([m, v]) => [m.storage::<f32>(), v.storage::<f32>()],
+        None => [&[], &[]],
+    };
+    let (y, mean, var) = crate::batch_norm::forward_after(
+        x.storage::<f32>(),
+        shape,
+        gamma.storage::<f32>(),
+        beta.storage::<f32>(),
+        known_values,
+        epsilon,
+        relu,
+    );
+    outputs([y, mean, var], dims, dtype)
+}
+
 impl NormBackend for Flex {
     fn hearth_batch_norm_train(
         x: FloatTensor<Self>,
@@ -105,19 +149,19 @@ impl NormBackend for Flex {
         epsilon: f64,
         relu: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let dtype = x.dtype();
-        let dims = x.shape().to_vec();
-        let shape = ncs(&x);
-        let (x, gamma, beta) = (f32_values(x), f32_values(gamma), f32_values(beta));
-        let (y, mean, var) = crate::batch_norm::forward(
-            x.storage::<f32>(),
-            shape,
-            gamma.storage::<f32>(),
-            beta.storage::<f32>(),
-            epsilon,
-            relu,
-        );
-        outputs([y, mean, var], dims, dtype)
+        flex_train(x, gamma, beta, None, epsilon, relu)
+    }
+
+    fn hearth_batch_norm_train_after(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        known_mean: FloatTensor<Self>,
+        known_var: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        flex_train(x, gamma, beta, Some([known_mean, known_var]), epsilon, relu)
     }
 
     fn hearth_batch_norm_inference(
@@ -212,6 +256,61 @@ impl<B: NormBackend> Backward<B, 3> for BatchNormTrainOp {
     }
 }
 
+/// The inner backend's training batch norm on `(x, γ, β)`: `(output, mean, variance)`.
+type InnerTrain<B> = Box<
+    dyn FnOnce(
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+    ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>),
+>;
+
+/// A training batch norm under autodiff: `inner` computes it, [`BatchNormTrainOp`] is its
+/// backward (with or without known statistics: the statistics it is given back are the
+/// batch's either way).
+fn autodiff_train<B: NormBackend, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    gamma: FloatTensor<Autodiff<B, C>>,
+    beta: FloatTensor<Autodiff<B, C>>,
+    epsilon: f64,
+    relu: bool,
+    inner: InnerTrain<B>,
+) -> (
+    FloatTensor<Autodiff<B, C>>,
+    FloatTensor<Autodiff<B, C>>,
+    FloatTensor<Autodiff<B, C>>,
+) {
+    let constant = <Autodiff<B, C> as AutodiffBackend>::from_inner;
+    match BatchNormTrainOp
+        .prepare::<C>([x.node(), gamma.node(), beta.node()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(mut prep) => {
+            let (xs, gs, bs) = (
+                prep.checkpoint(&x),
+                prep.checkpoint(&gamma),
+                prep.checkpoint(&beta),
+            );
+            let (y, mean, var) = inner(
+                x.into_primitive(),
+                gamma.into_primitive(),
+                beta.into_primitive(),
+            );
+            let state = (xs, gs, bs, mean.clone(), var.clone(), epsilon, relu);
+            (prep.finish(state, y), constant(mean), constant(var))
+        }
+        OpsKind::UnTracked(prep) => {
+            let (y, mean, var) = inner(
+                x.into_primitive(),
+                gamma.into_primitive(),
+                beta.into_primitive(),
+            );
+            (prep.finish(y), constant(mean), constant(var))
+        }
+    }
+}
+
 impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
     fn hearth_batch_norm_train(
         x: FloatTensor<Self>,
@@ -220,39 +319,35 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
         epsilon: f64,
         relu: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let constant = <Self as AutodiffBackend>::from_inner;
-        match BatchNormTrainOp
-            .prepare::<C>([x.node(), gamma.node(), beta.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let (xs, gs, bs) = (
-                    prep.checkpoint(&x),
-                    prep.checkpoint(&gamma),
-                    prep.checkpoint(&beta),
-                );
-                let (y, mean, var) = B::hearth_batch_norm_train(
-                    x.into_primitive(),
-                    gamma.into_primitive(),
-                    beta.into_primitive(),
-                    epsilon,
-                    relu,
-                );
-                let state = (xs, gs, bs, mean.clone(), var.clone(), epsilon, relu);
-                (prep.finish(state, y), constant(mean), constant(var))
-            }
-            OpsKind::UnTracked(prep) => {
-                let (y, mean, var) = B::hearth_batch_norm_train(
-                    x.into_primitive(),
-                    gamma.into_primitive(),
-                    beta.into_primitive(),
-                    epsilon,
-                    relu,
-                );
-                (prep.finish(y), constant(mean), constant(var))
-            }
-        }
+        autodiff_train::<B, C>(
+            x,
+            gamma,
+            beta,
+            epsilon,
+            relu,
+            Box::new(move |x, g, b| B::hearth_batch_norm_train(x, g, b, epsilon, relu)),
+        )
+    }
+
+    /// The known statistics are constants: no gradient flows into them.
+    fn hearth_batch_norm_train_after(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        known_mean: FloatTensor<Self>,
+        known_var: FloatTensor<Self>,
+        epsilon: f64,
+        relu: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (m, v) = (known_mean.into_primitive(), known_var.into_primitive());
+        autodiff_train::<B, C>(
+            x,
+            gamma,
+            beta,
+            epsilon,
+            relu,
+            Box::new(move |x, g, b| B::hearth_batch_norm_train_after(x, g, b, m, v, epsilon, relu)),
+        )
     }
 
     /// Not differentiable: the result is a constant ([`batch_norm`] calls it only without
@@ -326,6 +421,86 @@ pub fn batch_norm_train<const D: usize>(
     )
 }
 
+/// The batch statistics of a training batch norm's input, per channel, detached: what a later
+/// batch norm over the same channels and more may take instead of computing them again
+/// ([`batch_norm_after`]).
+#[derive(Debug, Clone)]
+pub struct BatchStats {
+    pub mean: Tensor<1>,
+    pub var: Tensor<1>,
+}
+
+/// [`batch_norm`] of an input whose first channels hold the same values as the input of the
+/// batch norm that returned `known` (DenseNet: each layer's input is the one before's with its
+/// new channels after it), those channels' statistics taken from `known` rather than
+/// computed again: the same output, gradients and running statistics, bit for bit (a
+/// channel's statistics depend only on its values). Returns the statistics of all of `x`'s
+/// channels for the next such batch norm when it took the fused training path, `None`
+/// otherwise (inference, other devices, low precision, recomputation), where `known` is not
+/// needed either.
+pub fn batch_norm_after<const D: usize>(
+    bn: &BatchNorm,
+    x: Tensor<D>,
+    relu: bool,
+    known: Option<&BatchStats>,
+) -> (Tensor<D>, Option<BatchStats>) {
+    let device = x.device();
+    let fused = device.is_autodiff()
+        && bn.training.is_enabled()
+        && !is_replaying()
+        && crate::low_precision(&x).is_none()
+        && crate::enabled()
+        && crate::is_flex(&device);
+    if !fused {
+        return (batch_norm(bn, x, relu), None);
+    }
+    let channels = x.dims()[1];
+    let known = known.filter(|k| {
+        let n = k.mean.dims()[0];
+        n > 0 && n <= channels && k.var.dims()[0] == n
+    });
+    let (y, mean, var) = match known {
+        Some(k) => {
+            let (y, mean, var) = <Dispatch as NormBackend>::hearth_batch_norm_train_after(
+                x.into_dispatch(),
+                bn.gamma.val().into_dispatch(),
+                bn.beta.val().into_dispatch(),
+                k.mean.clone().into_dispatch(),
+                k.var.clone().into_dispatch(),
+                bn.epsilon,
+                relu,
+            );
+            (
+                Tensor::from_dispatch(y),
+                Tensor::from_dispatch(mean),
+                Tensor::from_dispatch(var),
+            )
+        }
+        None => batch_norm_train(x, bn.gamma.val(), bn.beta.val(), bn.epsilon, relu),
+    };
+    update_running(bn, &mean, &var, &device);
+    let stats = BatchStats {
+        mean: mean.detach(),
+        var: var.detach(),
+    };
+    (y, Some(stats))
+}
+
+/// Moves `bn`'s running statistics towards a batch's, as Burn's `BatchNorm` does.
+fn update_running(bn: &BatchNorm, mean: &Tensor<1>, var: &Tensor<1>, device: &Device) {
+    let momentum = bn.momentum;
+    let running_mean = bn.running_mean.value_sync().to_device(device);
+    let running_var = bn.running_var.value_sync().to_device(device);
+    let running_mean = running_mean
+        .mul_scalar(1.0 - momentum)
+        .add(mean.clone().detach().mul_scalar(momentum));
+    let running_var = running_var
+        .mul_scalar(1.0 - momentum)
+        .add(var.clone().detach().mul_scalar(momentum));
+    bn.running_mean.update(running_mean.detach());
+    bn.running_var.update(running_var.detach());
+}
+
 /// `bn.forward(x)`, then ReLU when `relu`: by the fused op while training on a Flex device
 /// with the fast paths on (updating the running statistics as Burn's `BatchNorm` does), by
 /// one scale-and-shift pass for inference on a Flex device, by Burn's module and `relu`
@@ -376,17 +551,7 @@ pub fn batch_norm<const D: usize>(bn: &BatchNorm, x: Tensor<D>, relu: bool) -> T
         };
     }
     let (y, mean, var) = batch_norm_train(x, bn.gamma.val(), bn.beta.val(), bn.epsilon, relu);
-    let momentum = bn.momentum;
-    let running_mean = bn.running_mean.value_sync().to_device(&device);
-    let running_var = bn.running_var.value_sync().to_device(&device);
-    let running_mean = running_mean
-        .mul_scalar(1.0 - momentum)
-        .add(mean.detach().mul_scalar(momentum));
-    let running_var = running_var
-        .mul_scalar(1.0 - momentum)
-        .add(var.detach().mul_scalar(momentum));
-    bn.running_mean.update(running_mean.detach());
-    bn.running_var.update(running_var.detach());
+    update_running(bn, &mean, &var, &device);
     y
 }
 

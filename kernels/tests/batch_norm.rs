@@ -188,3 +188,66 @@ fn both<const D: usize>(bn: &BatchNorm, x: Tensor<D>, with_relu: bool) -> (Vec<f
     };
     (values(batch_norm(bn, x, with_relu)), values(reference))
 }
+
+/// A batch norm over an input whose first channels are an earlier batch norm's input, given
+/// that batch norm's statistics (DenseNet's layers): output, gradients and running statistics
+/// equal computing every statistic afresh bit for bit; statistics that do not fit are not
+/// used; and the known statistics are really what it takes (wrong ones change the output).
+#[test]
+fn batch_norm_after_known_statistics_changes_no_bit() {
+    use hearth_kernels::norm::{BatchStats, batch_norm_after};
+    let device = Device::flex().autodiff();
+    let (n, c1, g, h, w) = (3, 5, 2, 6, 7);
+    let prev = Tensor::<4>::random([n, c1, h, w], Distribution::Normal(0.5, 2.0), &device);
+    let new = Tensor::<4>::random([n, g, h, w], Distribution::Normal(-0.3, 1.5), &device);
+    let ones = |c| Tensor::<1>::ones([c], &device);
+    let zeros = |c| Tensor::<1>::zeros([c], &device);
+    let (_, known) = batch_norm_after(
+        &module(&ones(c1), &zeros(c1), &device),
+        prev.clone(),
+        true,
+        None,
+    );
+    let known = known.expect("the fused training path returns its statistics");
+    let x = Tensor::cat(vec![prev, new], 1);
+    let c = c1 + g;
+    let gamma = Tensor::<1>::random([c], Distribution::Normal(1.0, 0.5), &device);
+    let beta = Tensor::<1>::random([c], Distribution::Normal(0.0, 0.5), &device);
+    let dy = Tensor::<4>::random([n, c, h, w], Distribution::Normal(0.0, 1.0), &device);
+    let run = |known: Option<&BatchStats>| {
+        let bn = module(&gamma, &beta, &device);
+        let x = x.clone().detach().require_grad();
+        let (y, stats) = batch_norm_after(&bn, x.clone(), true, known);
+        let grads = (y.clone() * dy.clone()).sum().backward();
+        let stats = stats.expect("statistics of the whole input");
+        [
+            values(y),
+            values(x.grad(&grads).expect("input gradient")),
+            values(bn.gamma.grad(&grads).expect("γ gradient")),
+            values(bn.beta.grad(&grads).expect("β gradient")),
+            values(bn.running_mean.value()),
+            values(bn.running_var.value()),
+            values(stats.mean),
+            values(stats.var),
+        ]
+    };
+    let afresh = run(None);
+    assert_eq!(
+        run(Some(&known)),
+        afresh,
+        "known statistics of the first {c1} channels"
+    );
+    // Statistics for more channels than the input has are not taken.
+    let too_many = BatchStats {
+        mean: zeros(c + 1),
+        var: ones(c + 1),
+    };
+    assert_eq!(run(Some(&too_many)), afresh, "statistics that do not fit");
+    // Wrong statistics for the first channels: the output moves, so the equality above is
+    // the known statistics' doing.
+    let wrong = BatchStats {
+        mean: known.mean.clone().add_scalar(1.0),
+        var: known.var.clone(),
+    };
+    assert_ne!(run(Some(&wrong))[0], afresh[0], "wrong known statistics");
+}

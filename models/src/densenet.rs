@@ -17,7 +17,7 @@ use burn::prelude::*;
 use burn::tensor::activation::relu;
 // Training on a CPU takes hearth-kernels' faster convolutions and fused batch norm + ReLU.
 use hearth_kernels::conv2d as fast_conv2d;
-use hearth_kernels::norm::batch_norm as fast_batch_norm;
+use hearth_kernels::norm::{BatchStats, batch_norm as fast_batch_norm, batch_norm_after};
 
 use crate::ModelError;
 use crate::layers::{HeadActivation, HeadConfig, batch_norm, conv2d};
@@ -207,29 +207,56 @@ pub struct DenseBlock {
 impl DenseLayer {
     /// The `growth_rate` new channels computed from all the channels so far.
     pub fn new_features(&self, input: Tensor<4>) -> Tensor<4> {
-        let out = fast_conv2d(&self.conv1, fast_batch_norm(&self.norm1, input, true));
+        self.new_features_after(input, None).0
+    }
+
+    /// [`Self::new_features`] where `input`'s first channels are the previous layer's input,
+    /// whose batch statistics that layer returned (`known`): its first batch norm takes them
+    /// instead of computing them again (the same bits). Returns the statistics of `input` for
+    /// the next layer, while training on the CPU's fused path.
+    pub fn new_features_after(
+        &self,
+        input: Tensor<4>,
+        known: Option<&BatchStats>,
+    ) -> (Tensor<4>, Option<BatchStats>) {
+        let (out, stats) = batch_norm_after(&self.norm1, input, true, known);
+        let out = fast_conv2d(&self.conv1, out);
         let out = fast_conv2d(&self.conv2, fast_batch_norm(&self.norm2, out, true));
-        self.dropout.forward(out)
+        (self.dropout.forward(out), stats)
     }
 }
 
 impl Transition {
     pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
-        self.pool.forward(fast_conv2d(
-            &self.conv,
-            fast_batch_norm(&self.norm, x, true),
-        ))
+        self.forward_after(x, None)
+    }
+
+    /// [`Self::forward`] with the batch statistics of `x`'s first channels known (the block's
+    /// last layer's input), as [`DenseLayer::new_features_after`].
+    pub fn forward_after(&self, x: Tensor<4>, known: Option<&BatchStats>) -> Tensor<4> {
+        let (x, _) = batch_norm_after(&self.norm, x, true, known);
+        self.pool.forward(fast_conv2d(&self.conv, x))
     }
 }
 
 impl DenseBlock {
     pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
+        self.forward_with_stats(x).0
+    }
+
+    /// [`Self::forward`], each layer's first batch norm taking the statistics of the channels
+    /// the layer before saw from it; also returns the last layer's input statistics, the first
+    /// channels of the block's output (for the transition after it).
+    pub fn forward_with_stats(&self, x: Tensor<4>) -> (Tensor<4>, Option<BatchStats>) {
         let mut features = vec![x];
+        let mut known: Option<BatchStats> = None;
         for layer in &self.layers {
             let input = Tensor::cat(features.clone(), 1);
-            features.push(layer.new_features(input));
+            let (new, stats) = layer.new_features_after(input, known.as_ref());
+            known = stats;
+            features.push(new);
         }
-        Tensor::cat(features, 1)
+        (Tensor::cat(features, 1), known)
     }
 }
 
@@ -270,10 +297,11 @@ impl DenseNet {
             fast_batch_norm(&f.norm0, fast_conv2d(&f.conv0, x), true),
         );
         for (i, block) in f.blocks.iter().enumerate() {
-            x = block.forward(x);
-            if let Some(t) = f.transitions.get(i) {
-                x = t.forward(x);
-            }
+            let (out, stats) = block.forward_with_stats(x);
+            x = match f.transitions.get(i) {
+                Some(t) => t.forward_after(out, stats.as_ref()),
+                None => out,
+            };
         }
         fast_batch_norm(&f.norm5, x, false)
     }

@@ -1,5 +1,6 @@
 //! Every named variant: torchvision's exact parameter count, and full-size networks accept
-//! small inputs (adaptive pooling) with the right output shapes.
+//! small inputs (adaptive pooling) with the right output shapes; heads, freezing and kept
+//! statistics; DenseNet's batch statistics passed from layer to layer change no bit.
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
@@ -227,4 +228,87 @@ fn every_value<M: Module>(model: &M) -> Vec<f32> {
     let mut a = All(Vec::new());
     model.visit(&mut a);
     a.0
+}
+
+/// DenseNet's layers pass their input's batch statistics on to the next layer and the
+/// transition (each input is the one before's with new channels after it): the features,
+/// every parameter's gradient and the running statistics equal, bit for bit, those of each
+/// batch norm computing its statistics afresh.
+#[test]
+fn densenet_passing_batch_statistics_on_changes_no_bit() {
+    use burn::tensor::Distribution;
+    use hearth_kernels::norm::batch_norm;
+    use hearth_models::{DenseNet, DenseNetConfig};
+
+    let device = Device::flex().autodiff();
+    let config = DenseNetConfig::new(4, vec![3, 2], 8, 5).with_bn_size(2);
+    let passing = config.init(&device).unwrap();
+    let afresh: DenseNet = config
+        .init(&device)
+        .unwrap()
+        .load_record(passing.clone().into_record());
+    assert_eq!(every_value(&passing), every_value(&afresh));
+    let x = Tensor::<4>::random([2, 3, 32, 32], Distribution::Normal(0.0, 1.0), &device);
+    let stem = |m: &DenseNet, x: Tensor<4>| {
+        let f = &m.features;
+        hearth_kernels::pool::max_pool(
+            &f.pool0,
+            batch_norm(&f.norm0, hearth_kernels::conv2d(&f.conv0, x), true),
+        )
+    };
+    // The same pieces as `DenseNet::features`, every batch norm on its own.
+    let features_afresh = |m: &DenseNet, x: Tensor<4>| {
+        let f = &m.features;
+        let mut x = stem(m, x);
+        for (i, block) in f.blocks.iter().enumerate() {
+            let mut all = vec![x];
+            for layer in &block.layers {
+                let new = layer.new_features(Tensor::cat(all.clone(), 1));
+                all.push(new);
+            }
+            x = Tensor::cat(all, 1);
+            if let Some(t) = f.transitions.get(i) {
+                x = t.forward(x);
+            }
+        }
+        batch_norm(&f.norm5, x, false)
+    };
+    // Output, then every parameter's gradient in visiting order, of a weighted sum.
+    let weights = Tensor::<4>::random([2, 18, 4, 4], Distribution::Normal(0.0, 1.0), &device);
+    let outcome = |m: &DenseNet, y: Tensor<4>| {
+        assert_eq!(y.dims(), [2, 18, 4, 4]);
+        let out = y.clone().into_data().to_vec_f32();
+        let grads = GradientsParams::from_grads((y * weights.clone()).sum().backward(), m);
+        struct Collect<'a>(&'a GradientsParams, Vec<Vec<f32>>);
+        impl burn::module::ModuleVisitor for Collect<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<D>>) {
+                if let Some(g) = self.0.get::<D>(p.id) {
+                    self.1.push(g.into_data().to_vec_f32());
+                }
+            }
+        }
+        let mut c = Collect(&grads, Vec::new());
+        m.visit(&mut c);
+        assert!(c.1.len() > 10, "gradients of the parameters");
+        (out, c.1)
+    };
+    let with_passing = outcome(&passing, passing.features(x.clone()));
+    // The two models keep their own running statistics: the run above moved only its own.
+    assert_ne!(every_value(&passing), every_value(&afresh));
+    let without = outcome(&afresh, features_afresh(&afresh, x.clone()));
+    assert_eq!(with_passing.0, without.0, "features");
+    assert_eq!(with_passing.1, without.1, "gradients");
+    assert_eq!(
+        every_value(&passing),
+        every_value(&afresh),
+        "running statistics"
+    );
+    // The path under test took the statistics: a block hands its last layer's on.
+    let f = &passing.features;
+    assert!(
+        f.blocks[0]
+            .forward_with_stats(stem(&passing, x))
+            .1
+            .is_some()
+    );
 }
