@@ -256,14 +256,11 @@ impl<B: NormBackend> Backward<B, 3> for BatchNormTrainOp {
     }
 }
 
-/// The inner backend's training batch norm on `(x, γ, β)`: `(output, mean, variance)`.
-type InnerTrain<B> = Box<
-    dyn FnOnce(
-        FloatTensor<B>,
-        FloatTensor<B>,
-        FloatTensor<B>,
-    ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>),
->;
+/// A training batch norm's `(output, mean, variance)` on backend `B`.
+type Trained<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
+/// The inner backend's training batch norm on `(x, γ, β)`.
+type InnerTrain<B> = Box<dyn FnOnce(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) -> Trained<B>>;
 
 /// A training batch norm under autodiff: `inner` computes it, [`BatchNormTrainOp`] is its
 /// backward (with or without known statistics: the statistics it is given back are the
@@ -275,11 +272,7 @@ fn autodiff_train<B: NormBackend, C: CheckpointStrategy>(
     epsilon: f64,
     relu: bool,
     inner: InnerTrain<B>,
-) -> (
-    FloatTensor<Autodiff<B, C>>,
-    FloatTensor<Autodiff<B, C>>,
-    FloatTensor<Autodiff<B, C>>,
-) {
+) -> Trained<Autodiff<B, C>> {
     let constant = <Autodiff<B, C> as AutodiffBackend>::from_inner;
     match BatchNormTrainOp
         .prepare::<C>([x.node(), gamma.node(), beta.node()])
