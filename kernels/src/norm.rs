@@ -259,9 +259,6 @@ impl<B: NormBackend> Backward<B, 3> for BatchNormTrainOp {
 /// A training batch norm's `(output, mean, variance)` on backend `B`.
 type Trained<B> = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
 
-/// The inner backend's training batch norm on `(x, γ, β)`.
-type InnerTrain<B> = Box<dyn FnOnce(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) -> Trained<B>>;
-
 /// A training batch norm under autodiff: `inner` computes it, [`BatchNormTrainOp`] is its
 /// backward (with or without known statistics: the statistics it is given back are the
 /// batch's either way).
@@ -271,7 +268,7 @@ fn autodiff_train<B: NormBackend, C: CheckpointStrategy>(
     beta: FloatTensor<Autodiff<B, C>>,
     epsilon: f64,
     relu: bool,
-    inner: InnerTrain<B>,
+    inner: impl FnOnce(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) -> Trained<B>,
 ) -> Trained<Autodiff<B, C>> {
     let constant = <Autodiff<B, C> as AutodiffBackend>::from_inner;
     match BatchNormTrainOp
@@ -312,14 +309,9 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
         epsilon: f64,
         relu: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        autodiff_train::<B, C>(
-            x,
-            gamma,
-            beta,
-            epsilon,
-            relu,
-            Box::new(move |x, g, b| B::hearth_batch_norm_train(x, g, b, epsilon, relu)),
-        )
+        autodiff_train::<B, C>(x, gamma, beta, epsilon, relu, move |x, g, b| {
+            B::hearth_batch_norm_train(x, g, b, epsilon, relu)
+        })
     }
 
     /// The known statistics are constants: no gradient flows into them.
@@ -333,14 +325,9 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
         relu: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let (m, v) = (known_mean.into_primitive(), known_var.into_primitive());
-        autodiff_train::<B, C>(
-            x,
-            gamma,
-            beta,
-            epsilon,
-            relu,
-            Box::new(move |x, g, b| B::hearth_batch_norm_train_after(x, g, b, m, v, epsilon, relu)),
-        )
+        autodiff_train::<B, C>(x, gamma, beta, epsilon, relu, move |x, g, b| {
+            B::hearth_batch_norm_train_after(x, g, b, m, v, epsilon, relu)
+        })
     }
 
     /// Not differentiable: the result is a constant ([`batch_norm`] calls it only without
