@@ -70,6 +70,7 @@ pub mod transport;
 pub mod wire;
 pub mod zero;
 
+pub use collective::buffer::ReduceBuffer;
 pub use collective::{Communicator, Compression, ReduceOp};
 pub use error::{DistError, Result};
 pub use transport::Transport;

@@ -5,12 +5,13 @@
 //! [`allreduce`] (ring: reduce-scatter then all-gather, chunked and pipelined), [`broadcast`]
 //! (pipelined chain from the root), [`gather`] (all-gather, reduce-scatter), [`barrier`], and
 //! [`hierarchical`] (allreduce through shared memory within a host, which `allreduce` picks
-//! by itself when the transport has some). Beside them, [`cost`]: what they cost, as a model
+//! by itself when the transport has some), summing in place the [`buffer`]s it hands out. Beside them, [`cost`]: what they cost, as a model
 //! fitted to measured times.
 
 pub mod allreduce;
 pub mod barrier;
 pub mod broadcast;
+pub mod buffer;
 pub mod cost;
 pub mod gather;
 pub mod hierarchical;

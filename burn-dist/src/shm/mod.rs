@@ -3,7 +3,10 @@
 //! Ranks that share a host talk through a segment in `/dev/shm` instead of QUIC: framed
 //! messages through byte rings behind the [`Transport`] trait
 //! ([`pipe`]), and allreduce computed in place in the segment ([`reduce`]). No byte is encrypted
-//! or split into datagrams, and each rank reduces its `1/n` of the buffer where it lies.
+//! or split into datagrams, and each rank reduces its `1/n` of the buffer where it lies. A
+//! caller that fills buffers the host's ranks all map (`shared`, through
+//! `Communicator::reduce_buffer`) skips the segment's slots altogether: each rank sums its
+//! `1/n` of every rank's buffer and writes the sum into each.
 //!
 //! How ranks find out ([`setup::negotiate`], run by the rendezvous once the QUIC links exist):
 //! every rank tells every other one its host identity (boot id and network namespace, never
@@ -22,10 +25,12 @@
 //! `HEARTH_SHM_STALE` (seconds
 //! without a heartbeat before a rank in another pid namespace counts as dead, default 8).
 
+mod add;
 pub mod pipe;
 pub mod reduce;
 pub mod segment;
 pub mod setup;
+pub(crate) mod shared;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -23,14 +23,19 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::add::{add_assign, add_both};
 use super::segment::{Segment, Watch, futex_wait, futex_wake};
+use super::shared::{NOWHERE, Shared};
 use crate::split::segment;
-use crate::transport::HostGroup;
+use crate::transport::{HostGroup, SharedBuf};
 use crate::{DistError, Result};
 
 /// How long a barrier spins before it sleeps (rounds bound it when the clock is slow to read).
 const SPIN: Duration = Duration::from_micros(200);
 const SPIN_ROUNDS: u32 = 1 << 20;
+/// Values an in-place allreduce sums at a time (64 KiB: the sum stays in the core's cache
+/// between its reads and its writes).
+const IN_PLACE_PIECE: usize = 16 << 10;
 
 /// The ranks of one host that share a segment, as a group for in-place collectives.
 pub struct LocalGroup {
@@ -51,6 +56,11 @@ pub struct LocalGroup {
     chain: bool,
     /// Pieces this rank has passed through the chain (the same count on every member).
     chained: AtomicU64,
+    /// Shared buffers made so far (the same count on every member).
+    shares: AtomicU64,
+    /// The latest shared buffers ([`Self::share`]): collectives of a range of them run in
+    /// place.
+    shared: Mutex<Option<Arc<Shared>>>,
 }
 
 impl LocalGroup {
@@ -66,6 +76,8 @@ impl LocalGroup {
             oversubscribed: super::outnumber_cores(n),
             chain: seg.chain(),
             chained: AtomicU64::new(0),
+            shares: AtomicU64::new(0),
+            shared: Mutex::new(None),
             seg,
         }
     }
@@ -150,14 +162,29 @@ impl LocalGroup {
         deadline: Instant,
         op: &str,
     ) -> Result<()> {
+        self.agree(len, NOWHERE, watch, deadline, op).map(|_| ())
+    }
+
+    /// [`Self::agree_on_length`], with where each member's buffer lies (`place`, from
+    /// [`Shared::place_of`], or [`NOWHERE`]): true when every member passes the same range of
+    /// its latest shared buffer, so the collective can run in place. Announced with the
+    /// length, at the same barrier.
+    fn agree(
+        &self,
+        len: usize,
+        place: u64,
+        watch: &mut Watch,
+        deadline: Instant,
+        op: &str,
+    ) -> Result<bool> {
         let parity = (self.calls.fetch_add(1, Ordering::Relaxed) % 2) as usize;
+        let entry = self.seg.entry(self.me);
         // A new collective: whatever this rank gave up on before is history.
-        self.seg
-            .entry(self.me)
-            .gave_up_on
-            .store(0, Ordering::Release);
-        self.seg.entry(self.me).lens[parity].store(len as u64, Ordering::Release);
+        entry.gave_up_on.store(0, Ordering::Release);
+        entry.places[parity].store(place, Ordering::Release);
+        entry.lens[parity].store(len as u64, Ordering::Release);
         self.barrier(watch, deadline, op)?;
+        let mut in_place = place != NOWHERE;
         for k in 0..self.members.len() {
             let theirs = self.seg.entry(k).lens[parity].load(Ordering::Acquire);
             if theirs != len as u64 {
@@ -170,8 +197,89 @@ impl LocalGroup {
                     ),
                 });
             }
+            in_place &= self.seg.entry(k).places[parity].load(Ordering::Acquire) == place;
         }
-        Ok(())
+        Ok(in_place)
+    }
+
+    /// Where `buf` lies in this rank's latest shared buffer, if it does: the buffers, the
+    /// place to announce and the offset.
+    fn place_of(&self, buf: &[f32]) -> Option<(Arc<Shared>, u64, usize)> {
+        let shared = self
+            .shared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()?;
+        let (place, offset) = shared.place_of(self.me, buf)?;
+        Some((shared, place, offset))
+    }
+
+    /// Makes every member's shared buffer of `len` values (see [`crate::shm::shared`]): each
+    /// member creates its file, maps every member's, and removes its own once all have mapped
+    /// it. A failure on any member (a full `/dev/shm`, a file that is not what it should be)
+    /// is an error on every member, naming the rank it happened on. The buffers replace the
+    /// previous ones as the ones collectives run in place on; earlier buffers stay valid memory
+    /// (reduced through the slots).
+    pub fn share(&self, len: usize, deadline: Instant) -> Result<SharedBuf> {
+        let n = self.members.len();
+        let mut watch = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        self.agree_on_length(len, &mut watch, deadline, "buffer sharing")?;
+        let generation = self.shares.fetch_add(1, Ordering::Relaxed) + 1;
+        let name = self.seg.name();
+        let paths: Vec<_> = (0..n)
+            .map(|k| {
+                let e = self.seg.entry(k);
+                super::shared::path_for(
+                    &name,
+                    e.pid.load(Ordering::Relaxed),
+                    e.start_time.load(Ordering::Relaxed),
+                    generation,
+                    k,
+                )
+            })
+            .collect();
+        let mine = &paths[self.me];
+        let entry = self.seg.entry(self.me);
+        let made = super::shared::create(mine, len);
+        let created = made.is_ok();
+        if created {
+            entry.sharing.store(4 * generation + 1, Ordering::Release);
+        }
+        let stage = |want: u64, what: &str, watch: &mut Watch| -> Result<()> {
+            self.barrier(watch, deadline, "buffer sharing")?;
+            match (0..n).find(|&k| {
+                self.seg.entry(k).sharing.load(Ordering::Acquire) < 4 * generation + want
+            }) {
+                Some(k) => Err(DistError::PeerFailed {
+                    rank: self.members[k],
+                    reason: format!("it could not {what} (its own error says why)"),
+                }),
+                None => Ok(()),
+            }
+        };
+        // Every member comes to both barriers whatever happened before them (a member that
+        // failed arrives too), so each ends at the same point with the same verdict.
+        let all_made = stage(1, "create its shared buffer", &mut watch);
+        let shared = made.and(all_made).and_then(|()| {
+            let mapped = super::shared::map_all(&paths, len, generation);
+            if mapped.is_ok() {
+                entry.sharing.store(4 * generation + 2, Ordering::Release);
+            }
+            let all = stage(2, "map every rank's shared buffer", &mut watch);
+            let mapped = mapped?;
+            all.map(|()| mapped)
+        });
+        // Every member that got here has mapped it, or given up: the name is no longer needed
+        // (and a file this member did not make is not its to remove).
+        if created {
+            let _ = std::fs::remove_file(mine);
+        }
+        let shared = Arc::new(shared?);
+        let me = shared.base(self.me);
+        *self.shared.lock().unwrap_or_else(|e| e.into_inner()) = Some(shared.clone());
+        // SAFETY: this member's mapping of `len` values (zeros: a new file), kept by `shared`;
+        // peers write it only inside collectives it is passed to.
+        Ok(unsafe { SharedBuf::new(me, shared.len(), shared) })
     }
 
     /// Sums `buf` over the group in place. With `everyone` false only the leader (local rank
@@ -187,7 +295,13 @@ impl LocalGroup {
             return Ok(());
         }
         let mut watch = self.busy.lock().unwrap_or_else(|e| e.into_inner());
-        self.agree_on_length(buf.len(), &mut watch, deadline, "allreduce")?;
+        let found = self.place_of(buf);
+        let place = found.as_ref().map_or(NOWHERE, |f| f.1);
+        if self.agree(buf.len(), place, &mut watch, deadline, "allreduce")?
+            && let Some((shared, _, offset)) = found
+        {
+            return self.reduce_in_place(&shared, offset, buf, everyone, &mut watch, deadline);
+        }
         if self.chain {
             return self.reduce_chain(buf, everyone, &mut watch, deadline);
         }
@@ -215,8 +329,9 @@ impl LocalGroup {
             for k in (0..n).filter(|&k| k != self.me) {
                 // SAFETY: rank k wrote this range before the barrier and does not write its
                 // half again before the next piece's barrier.
-                let theirs = unsafe { std::slice::from_raw_parts(slot(k).add(a), b - a) };
-                mine.iter_mut().zip(theirs).for_each(|(m, t)| *m += t);
+                add_assign(mine, unsafe {
+                    std::slice::from_raw_parts(slot(k).add(a), b - a)
+                });
             }
             // SAFETY: this rank's slot, its own segment (no other rank writes it).
             unsafe { std::ptr::copy_nonoverlapping(mine.as_ptr(), slot(self.me).add(a), b - a) };
@@ -237,6 +352,66 @@ impl LocalGroup {
             }
         }
         Ok(())
+    }
+
+    /// [`Self::reduce`] of the same range of every member's shared buffer, in place: this
+    /// member sums its segment of the range over every member's buffer, a piece at a time (in
+    /// rank order, `((x0 + x1) + x2) + ...`, as the chain does), and writes the sum into every
+    /// member's buffer (into the leader's only, when not `everyone`); a barrier then marks
+    /// every sum written. Each value of every buffer is read once and written once, and no
+    /// value is copied through the slots. Every segment is summed by one member, so every
+    /// member ends with identical values. The barrier at the call's start (where the members
+    /// agreed on the range) orders every member's writes of its values before these reads;
+    /// the one at the end orders the sums before anyone uses or refills its buffer.
+    ///
+    /// Members taking pieces from a shared counter instead of a segment each (so that ranks
+    /// holding a core do all the work) was slower with 4 ranks on 2 cores: 14.5-15.6 ms
+    /// against 13.9-14.4 for 100 MB, alternating runs (BENCHMARKS.md).
+    fn reduce_in_place(
+        &self,
+        shared: &Shared,
+        offset: usize,
+        buf: &mut [f32],
+        everyone: bool,
+        watch: &mut Watch,
+        deadline: Instant,
+    ) -> Result<()> {
+        let n = self.members.len();
+        let len = buf.len();
+        // Segment bounds on 64-byte steps of the range, so neighbours rarely share a line.
+        let cut = |k: usize| if k >= n { len } else { (len / n * k) & !15 };
+        let (a, b) = (cut(self.me), cut(self.me + 1));
+        let mine = buf.as_mut_ptr();
+        // Every member's copy of the range; this member's own through `buf`.
+        let at: Vec<*mut f32> = (0..n)
+            .map(|k| {
+                if k == self.me {
+                    mine
+                } else {
+                    // SAFETY: member k's buffer holds `offset + len` values (agreed range).
+                    unsafe { shared.base(k).add(offset) }
+                }
+            })
+            .collect();
+        let mut acc = vec![0f32; IN_PLACE_PIECE.min(b - a)];
+        let mut lo = a;
+        while lo < b {
+            let hi = (lo + IN_PLACE_PIECE).min(b);
+            let acc = &mut acc[..hi - lo];
+            // SAFETY: [lo, hi) lies in this member's segment of the agreed range, which every
+            // buffer holds: between the two barriers no other member reads or writes it.
+            unsafe {
+                acc.copy_from_slice(std::slice::from_raw_parts(at[0].add(lo), hi - lo));
+                for p in &at[1..] {
+                    add_assign(acc, std::slice::from_raw_parts(p.add(lo), hi - lo));
+                }
+                for p in if everyone { &at[..] } else { &at[..1] } {
+                    std::ptr::copy_nonoverlapping(acc.as_ptr(), p.add(lo), hi - lo);
+                }
+            }
+            lo = hi;
+        }
+        self.barrier(watch, deadline, "allreduce")
     }
 
     /// [`Self::reduce`] as a chain through a ring of `2n` half slots: for each piece, local rank
@@ -308,13 +483,9 @@ impl LocalGroup {
                 if me == 0 {
                     acc.copy_from_slice(piece);
                 } else if me == last {
-                    for (a, m) in acc.iter_mut().zip(piece.iter_mut()) {
-                        let sum = *a + *m;
-                        *a = sum;
-                        *m = sum;
-                    }
+                    add_both(acc, piece);
                 } else {
-                    acc.iter_mut().zip(piece.iter()).for_each(|(a, m)| *a += m);
+                    add_assign(acc, piece);
                 }
                 added += 1;
                 entry(me).chain_added.store(base + added, Ordering::Release);
@@ -483,7 +654,7 @@ impl LocalGroup {
                 // writes this half again only after the next round's barrier.
                 let theirs =
                     unsafe { std::slice::from_raw_parts(slot(k).add(self.me * chunk), b - a) };
-                buf[a..b].iter_mut().zip(theirs).for_each(|(m, t)| *m += t);
+                add_assign(&mut buf[a..b], theirs);
             }
         }
         Ok(())
@@ -531,7 +702,25 @@ impl LocalGroup {
             return Ok(());
         }
         let mut watch = self.busy.lock().unwrap_or_else(|e| e.into_inner());
-        self.agree_on_length(buf.len(), &mut watch, deadline, "broadcast")?;
+        let found = self.place_of(buf);
+        let place = found.as_ref().map_or(NOWHERE, |f| f.1);
+        if self.agree(buf.len(), place, &mut watch, deadline, "broadcast")?
+            && let Some((shared, _, offset)) = found
+        {
+            if self.me != root {
+                // SAFETY: the root's buffer holds `offset + buf.len()` values (the same range
+                // on every member, agreed above); the root does not write it before the
+                // barrier below, which every member passes after its copy.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        shared.base(root).add(offset),
+                        buf.as_mut_ptr(),
+                        buf.len(),
+                    )
+                };
+            }
+            return self.barrier(&mut watch, deadline, "broadcast");
+        }
         let (_, piece_len) = self.seg.slot(0, 0);
         for piece in buf.chunks_mut(piece_len) {
             let half = (self.pieces.fetch_add(1, Ordering::Relaxed) % 2) as usize;
@@ -569,5 +758,9 @@ impl HostGroup for LocalGroup {
 
     fn all_gather(&self, buf: &mut [f32], deadline: Instant) -> Result<()> {
         LocalGroup::all_gather(self, buf, deadline)
+    }
+
+    fn share(&self, len: usize, deadline: Instant) -> Result<SharedBuf> {
+        LocalGroup::share(self, len, deadline)
     }
 }

@@ -5,7 +5,7 @@
 //! header (one cache line)      magic, version, world, nonce, ring and slot sizes, barrier word,
 //!                              chain choice and word
 //! rank entries (world)         pid, pid namespace, start time, heartbeat, closed, arrived, doorbell,
-//!                              chain progress
+//!                              chain progress, where its buffer lies, shared-buffer progress
 //! ring controls (w(w-1))       head (written), tail (read), space word: one per ordered pair
 //! ring data (w(w-1))           ring_bytes each: the pipes behind the Transport trait
 //! slots (world)                slot_bytes each, in two halves: the in-place reduction
@@ -29,7 +29,7 @@ pub const SHM_DIR: &str = "/dev/shm";
 /// Every segment's file name starts with this, then `<pid>-<start time>-<random>`.
 pub const PREFIX: &str = "hearth-";
 const MAGIC: u64 = u64::from_le_bytes(*b"HEARTHSM");
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 const LINE: usize = 128;
 const PAGE: usize = 4096;
 
@@ -81,6 +81,13 @@ pub(crate) struct RankEntry {
     /// The local rank (plus one; 0 for none) whose failure made this rank give up a collective,
     /// so a rank that finds this one gone names the rank that failed first.
     pub gave_up_on: AtomicU32,
+    /// Where the buffer of this rank's last two in-place collectives lies (by parity, as
+    /// `lens`): a shared buffer's generation and offset ([`crate::shm::shared`]), or
+    /// `u64::MAX` for a buffer of the rank's own.
+    pub places: [AtomicU64; 2],
+    /// How far this rank got in making its latest shared buffer: `4 * generation + stage`,
+    /// stage 1 when its file exists, 2 when it has mapped every peer's.
+    pub sharing: AtomicU64,
 }
 
 /// One ordered pair's byte ring: positions only grow; `head - tail` bytes are unread.
@@ -169,6 +176,66 @@ fn random_u64s<const N: usize>() -> Result<[u64; N]> {
     Ok(out)
 }
 
+/// Creates `path` (owner-only, never an existing file) with `bytes` reserved up front, so a
+/// full tmpfs is an error here, never a SIGBUS later; `hint` says what sets the size. The file
+/// is removed again when the space cannot be reserved.
+pub(crate) fn create_reserved(path: &Path, bytes: usize, hint: &str) -> Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(io(format!("creating {}", path.display())))?;
+    // SAFETY: a valid open descriptor; the range is the file's whole new length.
+    #[cfg(target_os = "linux")]
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, bytes as i64) };
+    // Elsewhere the length only (no /dev/shm there in practice: creating fails first).
+    #[cfg(not(target_os = "linux"))]
+    let rc = match file.set_len(bytes as u64) {
+        Ok(()) => 0,
+        Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
+    };
+    if rc != 0 {
+        let _ = std::fs::remove_file(path);
+        return Err(DistError::Io {
+            context: format!(
+                "reserving {} MiB for {} in {SHM_DIR} (too small? {hint})",
+                bytes >> 20,
+                path.display()
+            ),
+            source: std::io::Error::from_raw_os_error(rc),
+        });
+    }
+    Ok(file)
+}
+
+/// Opens a file another rank made for this job: a regular file of this user with owner-only
+/// permissions (anything else is refused), with its metadata.
+pub(crate) fn open_owned(path: &Path) -> Result<(File, std::fs::Metadata)> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(io(format!("opening {}", path.display())))?;
+    let meta = file
+        .metadata()
+        .map_err(io(format!("inspecting {}", path.display())))?;
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    if !meta.is_file() || meta.uid() != uid || meta.mode() & 0o077 != 0 {
+        return Err(DistError::Config(format!(
+            "{} is not an owner-only file of this user (mode {:o}, owner {}): refusing it",
+            path.display(),
+            meta.mode() & 0o7777,
+            meta.uid()
+        )));
+    }
+    Ok((file, meta))
+}
+
 impl Segment {
     /// Creates a new segment for `world` ranks in [`SHM_DIR`] (owner-only, never an existing
     /// file), with its space reserved up front: a full tmpfs is an error here, never a SIGBUS
@@ -179,14 +246,12 @@ impl Segment {
         let [rand, n0, n1] = random_u64s::<3>()?;
         let path =
             Path::new(SHM_DIR).join(format!("{PREFIX}{}-{}-{rand:016x}", me.pid, me.start_time));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&path)
-            .map_err(io(format!("creating {}", path.display())))?;
+        let file = create_reserved(
+            &path,
+            layout.total,
+            "HEARTH_SHM_SLOT_MB and HEARTH_SHM_RING_MB set the size; HEARTH_SHM=0 turns shared \
+             memory off",
+        )?;
         let mut seg = Segment {
             base: std::ptr::null_mut(),
             layout,
@@ -195,26 +260,6 @@ impl Segment {
             creator: true,
             _file: file,
         };
-        // SAFETY: a valid open descriptor; the range is the file's whole new length.
-        #[cfg(target_os = "linux")]
-        let rc = unsafe { libc::posix_fallocate(seg._file.as_raw_fd(), 0, layout.total as i64) };
-        // Elsewhere the length only (no /dev/shm there in practice: creating fails first).
-        #[cfg(not(target_os = "linux"))]
-        let rc = match seg._file.set_len(layout.total as u64) {
-            Ok(()) => 0,
-            Err(e) => e.raw_os_error().unwrap_or(libc::EIO),
-        };
-        if rc != 0 {
-            return Err(DistError::Io {
-                context: format!(
-                    "reserving {} MiB for {} in {SHM_DIR} (too small? HEARTH_SHM_SLOT_MB and \
-                     HEARTH_SHM_RING_MB set the size; HEARTH_SHM=0 turns shared memory off)",
-                    layout.total >> 20,
-                    seg.path.display()
-                ),
-                source: std::io::Error::from_raw_os_error(rc),
-            });
-        }
         seg.map()?;
         let h = seg.header();
         h.version.store(VERSION, Ordering::Relaxed);
@@ -243,25 +288,7 @@ impl Segment {
             )));
         }
         let path = Path::new(SHM_DIR).join(name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&path)
-            .map_err(io(format!("opening {}", path.display())))?;
-        let meta = file
-            .metadata()
-            .map_err(io(format!("inspecting {}", path.display())))?;
-        // SAFETY: getuid has no preconditions.
-        let uid = unsafe { libc::getuid() };
-        if !meta.is_file() || meta.uid() != uid || meta.mode() & 0o077 != 0 {
-            return Err(DistError::Config(format!(
-                "{} is not an owner-only file of this user (mode {:o}, owner {}): refusing it",
-                path.display(),
-                meta.mode() & 0o7777,
-                meta.uid()
-            )));
-        }
+        let (file, meta) = open_owned(&path)?;
         let mut seg = Segment {
             base: std::ptr::null_mut(),
             layout: Layout::new(world, 0, 0),

@@ -17,7 +17,7 @@ pub mod memory;
 pub mod quic;
 mod topology;
 
-pub use topology::{HostGroup, Topology};
+pub use topology::{HostGroup, SharedBuf, Topology};
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Condvar, Mutex};

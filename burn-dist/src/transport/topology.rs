@@ -24,6 +24,58 @@ pub trait HostGroup: Send + Sync {
     fn reduce_scatter(&self, buf: &mut [f32], deadline: Instant) -> Result<()>;
     /// Member `k`'s segment `k` of `buf` into every other member's `buf`.
     fn all_gather(&self, buf: &mut [f32], deadline: Instant) -> Result<()>;
+    /// A buffer of `len` zeros that every member can reach, so that [`HostGroup::reduce`] and
+    /// [`HostGroup::broadcast`] of a range of it that every member passes (the same offset
+    /// in each member's latest shared buffer) run in place instead of through copies. A
+    /// collective: every member calls it with the same length.
+    fn share(&self, len: usize, deadline: Instant) -> Result<SharedBuf>;
+}
+
+/// A buffer a [`HostGroup`] made with [`HostGroup::share`]: this member's part of memory the
+/// whole group maps. It reads and writes as a slice; the group's members write into it only
+/// inside the collectives it (or a range of it) is passed to.
+pub struct SharedBuf {
+    ptr: *mut f32,
+    len: usize,
+    _mapping: Arc<dyn Send + Sync>,
+}
+
+// The memory is this member's alone outside the collectives that borrow it mutably.
+unsafe impl Send for SharedBuf {}
+unsafe impl Sync for SharedBuf {}
+
+impl SharedBuf {
+    /// # Safety
+    /// `ptr` points to `len` initialised `f32`s, writable and valid as long as `mapping` lives,
+    /// that nobody else writes except inside a collective this buffer is passed to.
+    pub unsafe fn new(ptr: *mut f32, len: usize, mapping: Arc<dyn Send + Sync>) -> SharedBuf {
+        SharedBuf {
+            ptr,
+            len,
+            _mapping: mapping,
+        }
+    }
+}
+
+impl std::ops::Deref for SharedBuf {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        // SAFETY: by `new`'s contract.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for SharedBuf {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        // SAFETY: by `new`'s contract; `&mut self` makes this the only borrow.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl std::fmt::Debug for SharedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedBuf({} values)", self.len)
+    }
 }
 
 /// For every job rank, the lowest rank of its shared-memory group (itself when it has none),
