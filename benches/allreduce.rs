@@ -1,5 +1,7 @@
 //! Allreduce on one host: Hearth (`hearth bench allreduce`) with shared memory between the ranks
-//! (the default) and without it (`HEARTH_SHM=0`: QUIC on loopback), against torch.distributed's
+//! (the default), on each rank's own vector and on buffers from `Communicator::reduce_buffer`
+//! (`--buffer shared`: mapped by every rank, summed in place), and without shared memory
+//! (`HEARTH_SHM=0`: QUIC on loopback), against torch.distributed's
 //! gloo backend, same ranks and sizes, same run; a single-thread memcpy of the largest size
 //! measured in this process, the bandwidth anchor; and the memory floor of that size: as many
 //! threads as ranks, each reading and writing its own buffer once, all at once (the bytes any
@@ -11,8 +13,8 @@
 //! `HEARTH_BENCH_ROUNDS` (default 3) rounds, each running memcpy, Hearth and gloo one after the
 //! other, so a machine whose speed drifts shows it in every column; `HEARTH_BENCH_QUIC=0` skips
 //! the QUIC-only run (it runs in the first round). Prints every tool's lines, then per size
-//! the busbw of each and the ratios per round, as their median and range: shared memory
-//! against gloo (above 1: Hearth faster), against memcpy, and for the largest size the floor's
+//! the busbw of each and the ratios per round, as their median and range, a line per buffer
+//! (`buffer=own`, `buffer=shared`): shared memory against gloo (above 1: Hearth faster), against memcpy, and for the largest size the floor's
 //! time against Hearth's (1: at the floor) and the most any allreduce could reach against
 //! memcpy (`ceiling_vs_memcpy`, the floor's busbw over memcpy's).
 
@@ -21,8 +23,9 @@ mod common;
 use std::collections::BTreeMap;
 use std::process::Command;
 
-/// Runs `hearth bench allreduce` for `n` ranks, with shared memory or QUIC only.
-fn hearth(n: &str, sizes: &[String], iters: &str, shm: bool) -> String {
+/// Runs `hearth bench allreduce` for `n` ranks, with shared memory or QUIC only, on each rank's
+/// own vector or on shared buffers.
+fn hearth(n: &str, sizes: &[String], iters: &str, shm: bool, shared: bool) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_hearth"))
         .args([
             "bench",
@@ -31,6 +34,8 @@ fn hearth(n: &str, sizes: &[String], iters: &str, shm: bool) -> String {
             n,
             "--iters",
             iters,
+            "--buffer",
+            if shared { "shared" } else { "own" },
             "--size-mb",
         ])
         .args(sizes)
@@ -42,6 +47,16 @@ fn hearth(n: &str, sizes: &[String], iters: &str, shm: bool) -> String {
         panic!("hearth bench allreduce failed");
     }
     String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// One round's measures of one size.
+struct Round {
+    /// Hearth's time on each rank's own vector, then on shared buffers.
+    shm_ms: [f64; 2],
+    gloo_ms: f64,
+    memcpy_gbps: f64,
+    /// The memory floor of the largest size.
+    floor_ms: f64,
 }
 
 /// Median and range of `v` (empty: NaN).
@@ -69,8 +84,8 @@ fn main() {
         .filter_map(|s| s.parse::<f64>().ok())
         .fold(1.0, f64::max);
     println!(
-        "# {rounds} rounds, each: memcpy of {largest} MB (one thread), Hearth shared memory, \
-         {}gloo; ratios per round, then their median and range",
+        "# {rounds} rounds, each: memcpy of {largest} MB (one thread), Hearth shared memory \
+         (own vectors, then shared buffers), {}gloo; ratios per round, then their median and range",
         if quic_too {
             "Hearth QUIC only (first round), "
         } else {
@@ -83,8 +98,7 @@ fn main() {
             size.parse::<f64>().unwrap_or(0.0) * 1e6 / (ms / 1e3) / 1e9 * 2.0 * (ranks_f - 1.0)
                 / ranks_f
         };
-        // size -> per round (shm ms, gloo ms, memcpy GB/s, floor ms of the largest size)
-        let mut per_size: BTreeMap<String, Vec<(f64, f64, f64, f64)>> = BTreeMap::new();
+        let mut per_size: BTreeMap<String, Vec<Round>> = BTreeMap::new();
         let mut quic = BTreeMap::new();
         for round in 0..rounds {
             let memcpy = hearth::dist_bench::memcpy_gbps(largest);
@@ -94,11 +108,15 @@ fn main() {
                  {floor:.2} ms",
                 round + 1
             );
-            let shm_out = hearth(n, &sizes, &iters, true);
-            println!("# Hearth, shared memory, {n} ranks");
+            let shm_out = hearth(n, &sizes, &iters, true, false);
+            println!("# Hearth, shared memory, own vectors, {n} ranks");
             print!("{shm_out}");
+            let shared_out = hearth(n, &sizes, &iters, true, true);
+            println!("# Hearth, shared memory, shared buffers (--buffer shared), {n} ranks");
+            print!("{shared_out}");
+            let shared_times = common::parse_times(&shared_out);
             if quic_too && round == 0 {
-                let quic_out = hearth(n, &sizes, &iters, false);
+                let quic_out = hearth(n, &sizes, &iters, false, false);
                 println!("# Hearth, QUIC only (HEARTH_SHM=0), {n} ranks");
                 print!("{quic_out}");
                 quic = common::parse_times(&quic_out);
@@ -123,42 +141,54 @@ fn main() {
             };
             for (size, s_ms) in common::parse_times(&shm_out) {
                 let g = gloo.get(&size).copied().unwrap_or(f64::NAN);
-                per_size
-                    .entry(size)
-                    .or_default()
-                    .push((s_ms, g, memcpy, floor));
+                let sh = shared_times.get(&size).copied().unwrap_or(f64::NAN);
+                per_size.entry(size).or_default().push(Round {
+                    shm_ms: [s_ms, sh],
+                    gloo_ms: g,
+                    memcpy_gbps: memcpy,
+                    floor_ms: floor,
+                });
             }
         }
         for (size, runs) in &per_size {
-            let shm_ms: Vec<f64> = runs.iter().map(|r| r.0).collect();
-            let gloo_ms: Vec<f64> = runs.iter().map(|r| r.1).collect();
-            let vs_gloo: Vec<f64> = runs.iter().map(|r| r.1 / r.0).collect();
-            let vs_memcpy: Vec<f64> = runs.iter().map(|r| busbw(size, r.0) / r.2).collect();
-            let (s, _, _) = spread(&shm_ms);
-            let (g, _, _) = spread(&gloo_ms);
-            let (vg, vg_lo, vg_hi) = spread(&vs_gloo);
-            let (vm, vm_lo, vm_hi) = spread(&vs_memcpy);
-            let q = quic.get(size).copied().unwrap_or(f64::NAN);
-            let floor = if size.parse::<f64>().ok() == Some(largest) {
-                let vs_floor: Vec<f64> = runs.iter().map(|r| r.3 / r.0).collect();
-                let ceiling: Vec<f64> = runs.iter().map(|r| busbw(size, r.3) / r.2).collect();
-                let (f, _, _) = spread(&runs.iter().map(|r| r.3).collect::<Vec<_>>());
-                let (vf, vf_lo, vf_hi) = spread(&vs_floor);
-                let (c, c_lo, c_hi) = spread(&ceiling);
-                format!(
-                    " floor_ms={f:.2} shm_vs_floor={vf:.2}x ({vf_lo:.2}-{vf_hi:.2}) \
-                     ceiling_vs_memcpy={c:.2}x ({c_lo:.2}-{c_hi:.2})"
-                )
-            } else {
-                String::new()
-            };
-            println!(
-                "ranks={n} size_mb={size} shm_ms={s:.2} shm_busbw={:.2} quic_ms={q:.2} \
-                 gloo_ms={g:.2} gloo_busbw={:.2} shm_vs_gloo={vg:.2}x ({vg_lo:.2}-{vg_hi:.2}) \
-                 shm_vs_memcpy={vm:.2}x ({vm_lo:.2}-{vm_hi:.2}){floor}",
-                busbw(size, s),
-                busbw(size, g),
-            );
+            for (which, buffer) in ["own", "shared"].iter().enumerate() {
+                let shm_ms: Vec<f64> = runs.iter().map(|r| r.shm_ms[which]).collect();
+                let gloo_ms: Vec<f64> = runs.iter().map(|r| r.gloo_ms).collect();
+                let vs_gloo: Vec<f64> = runs.iter().map(|r| r.gloo_ms / r.shm_ms[which]).collect();
+                let vs_memcpy: Vec<f64> = runs
+                    .iter()
+                    .map(|r| busbw(size, r.shm_ms[which]) / r.memcpy_gbps)
+                    .collect();
+                let (s, _, _) = spread(&shm_ms);
+                let (g, _, _) = spread(&gloo_ms);
+                let (vg, vg_lo, vg_hi) = spread(&vs_gloo);
+                let (vm, vm_lo, vm_hi) = spread(&vs_memcpy);
+                let q = quic.get(size).copied().unwrap_or(f64::NAN);
+                let floor = if size.parse::<f64>().ok() == Some(largest) {
+                    let vs_floor: Vec<f64> =
+                        runs.iter().map(|r| r.floor_ms / r.shm_ms[which]).collect();
+                    let ceiling: Vec<f64> = runs
+                        .iter()
+                        .map(|r| busbw(size, r.floor_ms) / r.memcpy_gbps)
+                        .collect();
+                    let (f, _, _) = spread(&runs.iter().map(|r| r.floor_ms).collect::<Vec<_>>());
+                    let (vf, vf_lo, vf_hi) = spread(&vs_floor);
+                    let (c, c_lo, c_hi) = spread(&ceiling);
+                    format!(
+                        " floor_ms={f:.2} shm_vs_floor={vf:.2}x ({vf_lo:.2}-{vf_hi:.2}) \
+                         ceiling_vs_memcpy={c:.2}x ({c_lo:.2}-{c_hi:.2})"
+                    )
+                } else {
+                    String::new()
+                };
+                println!(
+                    "ranks={n} size_mb={size} buffer={buffer} shm_ms={s:.2} shm_busbw={:.2} \
+                     quic_ms={q:.2} gloo_ms={g:.2} gloo_busbw={:.2} shm_vs_gloo={vg:.2}x \
+                     ({vg_lo:.2}-{vg_hi:.2}) shm_vs_memcpy={vm:.2}x ({vm_lo:.2}-{vm_hi:.2}){floor}",
+                    busbw(size, s),
+                    busbw(size, g),
+                );
+            }
         }
     }
 }

@@ -6,7 +6,8 @@
 //! algbw = bytes / time and busbw = algbw * 2(n-1)/n. Once the ranks are done, `hearth bench
 //! allreduce` measures this host's memory ([`memcpy_gbps`], [`floor_ms`]) and prints per size
 //! the most any allreduce could reach there ([`ceiling_busbw_gbps`]), the same measures as
-//! `cargo bench --bench allreduce` takes.
+//! `cargo bench --bench allreduce` takes. After each size's timing every rank checks one more
+//! allreduce of known values, so a wrong sum fails the bench instead of being timed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,11 +39,15 @@ impl std::fmt::Display for AllreduceTiming {
 
 /// This process's part of the benchmark: joins the job from the environment and times every
 /// size. Rank 0 calls `report` with each timing.
+///
+/// With `shared`, each size's buffer comes from [`Communicator::reduce_buffer`] (memory the
+/// host's ranks all map, summed in place) instead of the rank's own vector.
 pub fn run_rank(
     sizes_mb: &[f64],
     iters: usize,
     warmup: usize,
     compression: Compression,
+    shared: bool,
     report: &mut dyn FnMut(AllreduceTiming),
 ) -> Result<()> {
     let info = RankInfo::from_env()?;
@@ -58,18 +63,30 @@ pub fn run_rank(
     let n = comm.world();
     for &mb in sizes_mb {
         let len = ((mb * 1e6) / 4.0).round() as usize;
-        let mut buf: Vec<f32> = (0..len)
-            .map(|i| (i % 97) as f32 + comm.rank() as f32)
-            .collect();
+        let mut owned = Vec::new();
+        let mut from_comm = if shared {
+            Some(comm.reduce_buffer(len)?)
+        } else {
+            owned = vec![0.0; len];
+            None
+        };
+        let buf: &mut [f32] = match &mut from_comm {
+            Some(b) => b,
+            None => &mut owned,
+        };
+        for (i, v) in buf.iter_mut().enumerate() {
+            *v = (i % 97) as f32 + comm.rank() as f32;
+        }
         for _ in 0..warmup {
-            comm.allreduce(&mut buf, ReduceOp::Sum)?;
+            comm.allreduce(buf, ReduceOp::Sum)?;
         }
         comm.barrier()?;
         let start = Instant::now();
         for _ in 0..iters.max(1) {
-            comm.allreduce(&mut buf, ReduceOp::Sum)?;
+            comm.allreduce(buf, ReduceOp::Sum)?;
         }
         let secs = start.elapsed().as_secs_f64() / iters.max(1) as f64;
+        check_sum(&comm, buf, compression)?;
         let bytes = (len * 4) as f64;
         let algbw = bytes / secs / 1e9;
         let t = AllreduceTiming {
@@ -84,6 +101,37 @@ pub fn run_rank(
     }
     comm.barrier()?;
     Ok(())
+}
+
+/// One more allreduce, of known values, checked on every rank: a fast wrong allreduce is no
+/// result. Exact without compression; within the wire format's rounding with it.
+fn check_sum(comm: &Communicator, buf: &mut [f32], compression: Compression) -> Result<()> {
+    let (n, rank) = (comm.world(), comm.rank());
+    for (i, v) in buf.iter_mut().enumerate() {
+        *v = (i % 97) as f32 + rank as f32;
+    }
+    comm.allreduce(buf, ReduceOp::Sum)?;
+    let tolerance = match compression {
+        Compression::None => 0.0,
+        // 8 (bf16) or 11 (fp16) significant bits, rounded at every rank's contribution.
+        _ => 1.0 / 64.0,
+    };
+    let ranks = (n * (n - 1) / 2) as f32;
+    let wrong = buf.iter().enumerate().find(|&(i, &v)| {
+        let want = (i % 97) as f32 * n as f32 + ranks;
+        (v - want).abs() > want * tolerance
+    });
+    match wrong {
+        Some((i, &v)) => Err(burn_dist::DistError::Mismatch {
+            op: "allreduce benchmark check".into(),
+            reason: format!(
+                "rank {rank}: value {i} is {v} after the allreduce, the sum is {}",
+                (i % 97) as f32 * n as f32 + ranks
+            ),
+        }
+        .into()),
+        None => Ok(()),
+    }
 }
 
 /// Best of five single-thread copies of `mb` megabytes, in GB/s (bytes copied per second).

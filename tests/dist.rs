@@ -284,6 +284,49 @@ fn bench_allreduce_prints_every_size_and_the_hosts_memory_ceiling() {
 }
 
 #[test]
+fn bench_allreduce_on_shared_buffers_sums_in_place_checks_the_sum_and_leaves_no_file() {
+    // Files of shared buffers in /dev/shm: only this test of this binary makes any.
+    let buffers = || -> Vec<String> {
+        std::fs::read_dir("/dev/shm")
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with("hearth-") && n.contains("-buffer"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let before = buffers();
+    let mut cmd = hearth();
+    cmd.args([
+        "bench",
+        "allreduce",
+        "--ranks",
+        "3",
+        "--size-mb",
+        "1",
+        "--iters",
+        "3",
+        "--buffer",
+        "shared",
+    ]);
+    let (out, _) = run(cmd, Duration::from_secs(90));
+    let log = text(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(log.contains("summed in place"), "{log}");
+    assert!(
+        log.lines()
+            .any(|l| l.starts_with("size_mb=1 ") && l.contains("busbw_GBps=")),
+        "{log}"
+    );
+    let left: Vec<String> = buffers()
+        .into_iter()
+        .filter(|f| !before.contains(f))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
 fn killing_the_launcher_kills_its_ranks() {
     let dir = tempfile::tempdir().unwrap();
     let pids = dir.path().join("pids");

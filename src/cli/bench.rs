@@ -40,6 +40,18 @@ pub(crate) struct BenchAllreduceArgs {
     /// Wire format of the values.
     #[arg(long, value_enum, default_value_t = Compression::None)]
     compression: Compression,
+    /// Whose memory the buffer is: each rank's own vector (as a caller's tensor), or memory
+    /// from the communicator that the host's ranks all map (summed in place).
+    #[arg(long, value_enum, default_value_t = BenchBuffer::Own)]
+    buffer: BenchBuffer,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum BenchBuffer {
+    /// Each rank's own vector.
+    Own,
+    /// `Communicator::reduce_buffer`: shared memory on one host (a vector elsewhere).
+    Shared,
 }
 
 #[derive(Args)]
@@ -103,6 +115,12 @@ pub(crate) fn bench_allreduce(a: BenchAllreduceArgs) -> Result<()> {
         a.warmup.to_string(),
         "--compression".into(),
         a.compression.name().into(),
+        "--buffer".into(),
+        match a.buffer {
+            BenchBuffer::Own => "own",
+            BenchBuffer::Shared => "shared",
+        }
+        .into(),
         "--size-mb".into(),
     ];
     args.extend(a.size_mb.iter().map(|s| s.to_string()));
@@ -110,13 +128,20 @@ pub(crate) fn bench_allreduce(a: BenchAllreduceArgs) -> Result<()> {
     eprintln!(
         "allreduce, {} ranks on 127.0.0.1 ({}), {} timed iterations per size",
         a.ranks,
-        match (shm.enabled, shm.chain_for(a.ranks)) {
-            (false, _) => "QUIC only: HEARTH_SHM=0",
-            (true, true) => {
+        match (shm.enabled, shm.chain_for(a.ranks), a.buffer) {
+            (false, _, BenchBuffer::Own) => "QUIC only: HEARTH_SHM=0",
+            (false, _, BenchBuffer::Shared) => {
+                "QUIC only: HEARTH_SHM=0, so --buffer shared gives each rank a vector of its own"
+            }
+            (true, _, BenchBuffer::Shared) => {
+                "shared memory between them, each rank's buffer mapped by all (--buffer \
+                 shared), summed in place; HEARTH_SHM=0 for QUIC only"
+            }
+            (true, true, BenchBuffer::Own) => {
                 "shared memory between them, the allreduce as a chain (HEARTH_SHM_CHAIN=0: with \
                  barriers); HEARTH_SHM=0 for QUIC only"
             }
-            (true, false) => {
+            (true, false, BenchBuffer::Own) => {
                 "shared memory between them, the allreduce with barriers (HEARTH_SHM_CHAIN=1: as \
                  a chain); HEARTH_SHM=0 for QUIC only"
             }
@@ -153,9 +178,14 @@ pub(crate) fn bench_allreduce(a: BenchAllreduceArgs) -> Result<()> {
 }
 
 pub(crate) fn bench_allreduce_rank(a: BenchAllreduceArgs) -> Result<()> {
-    hearth::dist_bench::run_rank(&a.size_mb, a.iters, a.warmup, a.compression, &mut |t| {
-        println!("{t}")
-    })?;
+    hearth::dist_bench::run_rank(
+        &a.size_mb,
+        a.iters,
+        a.warmup,
+        a.compression,
+        a.buffer == BenchBuffer::Shared,
+        &mut |t| println!("{t}"),
+    )?;
     Ok(())
 }
 
