@@ -25,7 +25,6 @@
 //! `HEARTH_SHM_STALE` (seconds
 //! without a heartbeat before a rank in another pid namespace counts as dead, default 8).
 
-mod add;
 pub mod pipe;
 pub mod reduce;
 pub mod segment;

@@ -23,7 +23,6 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::add::{add_assign, add_both};
 use super::segment::{Segment, Watch, futex_wait, futex_wake};
 use super::shared::{NOWHERE, Shared};
 use crate::split::segment;
@@ -36,6 +35,12 @@ const SPIN_ROUNDS: u32 = 1 << 20;
 /// Values an in-place allreduce sums at a time (64 KiB: the sum stays in the core's cache
 /// between its reads and its writes).
 const IN_PLACE_PIECE: usize = 16 << 10;
+
+/// `acc += src`, value by value. (Compiled for AVX2 or AVX-512 at run time it was no faster on
+/// any path here: the additions wait for memory; BENCHMARKS.md.)
+fn add(acc: &mut [f32], src: &[f32]) {
+    acc.iter_mut().zip(src).for_each(|(a, s)| *a += s);
+}
 
 /// The ranks of one host that share a segment, as a group for in-place collectives.
 pub struct LocalGroup {
@@ -329,9 +334,8 @@ impl LocalGroup {
             for k in (0..n).filter(|&k| k != self.me) {
                 // SAFETY: rank k wrote this range before the barrier and does not write its
                 // half again before the next piece's barrier.
-                add_assign(mine, unsafe {
-                    std::slice::from_raw_parts(slot(k).add(a), b - a)
-                });
+                let theirs = unsafe { std::slice::from_raw_parts(slot(k).add(a), b - a) };
+                add(mine, theirs);
             }
             // SAFETY: this rank's slot, its own segment (no other rank writes it).
             unsafe { std::ptr::copy_nonoverlapping(mine.as_ptr(), slot(self.me).add(a), b - a) };
@@ -403,7 +407,7 @@ impl LocalGroup {
             unsafe {
                 acc.copy_from_slice(std::slice::from_raw_parts(at[0].add(lo), hi - lo));
                 for p in &at[1..] {
-                    add_assign(acc, std::slice::from_raw_parts(p.add(lo), hi - lo));
+                    add(acc, std::slice::from_raw_parts(p.add(lo), hi - lo));
                 }
                 for p in if everyone { &at[..] } else { &at[..1] } {
                     std::ptr::copy_nonoverlapping(acc.as_ptr(), p.add(lo), hi - lo);
@@ -483,9 +487,13 @@ impl LocalGroup {
                 if me == 0 {
                     acc.copy_from_slice(piece);
                 } else if me == last {
-                    add_both(acc, piece);
+                    for (a, m) in acc.iter_mut().zip(piece.iter_mut()) {
+                        let sum = *a + *m;
+                        *a = sum;
+                        *m = sum;
+                    }
                 } else {
-                    add_assign(acc, piece);
+                    add(acc, piece);
                 }
                 added += 1;
                 entry(me).chain_added.store(base + added, Ordering::Release);
@@ -654,7 +662,7 @@ impl LocalGroup {
                 // writes this half again only after the next round's barrier.
                 let theirs =
                     unsafe { std::slice::from_raw_parts(slot(k).add(self.me * chunk), b - a) };
-                add_assign(&mut buf[a..b], theirs);
+                add(&mut buf[a..b], theirs);
             }
         }
         Ok(())
