@@ -32,14 +32,53 @@ use crate::{DistError, Result};
 /// How long a barrier spins before it sleeps (rounds bound it when the clock is slow to read).
 const SPIN: Duration = Duration::from_micros(200);
 const SPIN_ROUNDS: u32 = 1 << 20;
-/// Values an in-place allreduce sums at a time (64 KiB: the sum stays in the core's cache
-/// between its reads and its writes).
-const IN_PLACE_PIECE: usize = 16 << 10;
+/// Values the in-place allreduce sums at a time, in registers (one AVX-512 register, two AVX2
+/// or four SSE ones).
+const LANES: usize = 16;
 
 /// `acc += src`, value by value. (Compiled for AVX2 or AVX-512 at run time it was no faster on
 /// any path here: the additions wait for memory; BENCHMARKS.md.)
 fn add(acc: &mut [f32], src: &[f32]) {
     acc.iter_mut().zip(src).for_each(|(a, s)| *a += s);
+}
+
+/// Values `lo..hi` of every buffer in `srcs` summed in their order, the sum written into every
+/// buffer in `outs`: one pass, each value read once and each sum written once, `LANES` values
+/// at a time in registers. Summing a cache-sized piece into a scratch buffer, then copying it
+/// out, took 1.3-1.9x as long (4 and 2 ranks, 100 MB; BENCHMARKS.md): four more passes over
+/// the scratch.
+///
+/// # Safety
+/// Every pointer is valid for reads (`srcs`) or writes (`outs`) of `hi` values, and nothing
+/// else reads or writes `lo..hi` of them meanwhile.
+unsafe fn sum_across(srcs: &[*mut f32], outs: &[*mut f32], lo: usize, hi: usize) {
+    let Some((first, rest)) = srcs.split_first() else {
+        return;
+    };
+    let mut i = lo;
+    // SAFETY (all blocks below): in bounds by the contract; `[f32; LANES]` has `f32`'s
+    // alignment.
+    while i + LANES <= hi {
+        let mut sum = unsafe { first.add(i).cast::<[f32; LANES]>().read() };
+        for p in rest {
+            let x = unsafe { p.add(i).cast::<[f32; LANES]>().read() };
+            sum.iter_mut().zip(x).for_each(|(s, v)| *s += v);
+        }
+        for p in outs {
+            unsafe { p.add(i).cast::<[f32; LANES]>().write(sum) };
+        }
+        i += LANES;
+    }
+    while i < hi {
+        let mut sum = unsafe { first.add(i).read() };
+        for p in rest {
+            sum += unsafe { p.add(i).read() };
+        }
+        for p in outs {
+            unsafe { p.add(i).write(sum) };
+        }
+        i += 1;
+    }
 }
 
 /// The ranks of one host that share a segment, as a group for in-place collectives.
@@ -359,8 +398,8 @@ impl LocalGroup {
     }
 
     /// [`Self::reduce`] of the same range of every member's shared buffer, in place: this
-    /// member sums its segment of the range over every member's buffer, a piece at a time (in
-    /// rank order, `((x0 + x1) + x2) + ...`, as the chain does), and writes the sum into every
+    /// member sums its segment of the range over every member's buffer in one pass (in rank
+    /// order, `((x0 + x1) + x2) + ...`, as the chain does), and writes the sum into every
     /// member's buffer (into the leader's only, when not `everyone`); a barrier then marks
     /// every sum written. Each value of every buffer is read once and written once, and no
     /// value is copied through the slots. Every segment is summed by one member, so every
@@ -397,24 +436,10 @@ impl LocalGroup {
                 }
             })
             .collect();
-        let mut acc = vec![0f32; IN_PLACE_PIECE.min(b - a)];
-        let mut lo = a;
-        while lo < b {
-            let hi = (lo + IN_PLACE_PIECE).min(b);
-            let acc = &mut acc[..hi - lo];
-            // SAFETY: [lo, hi) lies in this member's segment of the agreed range, which every
-            // buffer holds: between the two barriers no other member reads or writes it.
-            unsafe {
-                acc.copy_from_slice(std::slice::from_raw_parts(at[0].add(lo), hi - lo));
-                for p in &at[1..] {
-                    add(acc, std::slice::from_raw_parts(p.add(lo), hi - lo));
-                }
-                for p in if everyone { &at[..] } else { &at[..1] } {
-                    std::ptr::copy_nonoverlapping(acc.as_ptr(), p.add(lo), hi - lo);
-                }
-            }
-            lo = hi;
-        }
+        let outs = if everyone { &at[..] } else { &at[..1] };
+        // SAFETY: [a, b) lies in this member's segment of the agreed range, which every buffer
+        // holds: between the two barriers no other member reads or writes it.
+        unsafe { sum_across(&at, outs, a, b) };
         self.barrier(watch, deadline, "allreduce")
     }
 
