@@ -258,7 +258,7 @@ impl LocalGroup {
         Some((shared, place, offset))
     }
 
-    /// Makes every member's shared buffer of `len` values (see [`crate::shm::shared`]): each
+    /// Makes every member's shared buffer of `len` values (module `shm::shared`): each
     /// member creates its file, maps every member's, and removes its own once all have mapped
     /// it. A failure on any member (a full `/dev/shm`, a file that is not what it should be)
     /// is an error on every member, naming the rank it happened on. The buffers replace the
