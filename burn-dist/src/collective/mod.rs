@@ -14,6 +14,7 @@ pub mod broadcast;
 pub mod buffer;
 pub mod cost;
 pub mod gather;
+mod halves;
 pub mod hierarchical;
 mod ring;
 
@@ -63,16 +64,8 @@ impl Compression {
                     o.copy_from_slice(&x.to_le_bytes());
                 }
             }
-            Compression::Bf16 => {
-                for (o, x) in out.chunks_exact_mut(2).zip(v) {
-                    o.copy_from_slice(&half::bf16::from_f32(*x).to_le_bytes());
-                }
-            }
-            Compression::Fp16 => {
-                for (o, x) in out.chunks_exact_mut(2).zip(v) {
-                    o.copy_from_slice(&half::f16::from_f32(*x).to_le_bytes());
-                }
-            }
+            Compression::Bf16 => halves::encode_bf16(v, &mut out),
+            Compression::Fp16 => halves::encode_f16(v, &mut out),
         }
         out
     }
@@ -97,16 +90,8 @@ impl Compression {
                     f(o, f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
                 }
             }
-            Compression::Bf16 => {
-                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    f(o, half::bf16::from_le_bytes([c[0], c[1]]).to_f32());
-                }
-            }
-            Compression::Fp16 => {
-                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                    f(o, half::f16::from_le_bytes([c[0], c[1]]).to_f32());
-                }
-            }
+            Compression::Bf16 => halves::decode_bf16(bytes, out, f),
+            Compression::Fp16 => halves::decode_f16(bytes, out, f),
         }
         Ok(())
     }
@@ -152,12 +137,8 @@ impl Compression {
     pub(crate) fn round(self, v: &mut [f32]) {
         match self {
             Compression::None => {}
-            Compression::Bf16 => v
-                .iter_mut()
-                .for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
-            Compression::Fp16 => v
-                .iter_mut()
-                .for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
+            Compression::Bf16 => halves::round_bf16(v),
+            Compression::Fp16 => halves::round_f16(v),
         }
     }
 }
