@@ -773,6 +773,15 @@ fn overlap_equals_the_unoverlapped_elastic_run() {
             .filter(|l| l.contains("were exchanged during the backward pass"))
             .collect();
         assert_eq!(said.len(), 2, "{}", overlapped.log);
+        // Both workers share this host (shared memory): each says the overlap is not expected
+        // to pay here, as data parallel does; the run without --overlap says nothing of it.
+        let one_host = |log: &str| {
+            log.lines()
+                .filter(|l| l.contains("--overlap: every rank is on this host"))
+                .count()
+        };
+        assert_eq!(one_host(&overlapped.log), 2, "{}", overlapped.log);
+        assert_eq!(one_host(&plain.log), 0, "{}", plain.log);
         for line in said {
             let words: Vec<&str> = line.split_whitespace().collect();
             let at = words.iter().position(|w| *w == "--overlap:").unwrap();

@@ -199,17 +199,9 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
         log(&format!("augmentation: {}", cfg.augmentation));
     }
     if cfg.overlap
-        && let Some(comm) = &dist
-        && comm
-            .transport()
-            .topology()
-            .is_some_and(|t| t.shares_memory() && t.group_leaders().len() == 1)
+        && let Some(notice) = dist.as_ref().and_then(shared::one_host_overlap_notice)
     {
-        log(
-            "--overlap: every rank is on this host, so the exchange runs through shared memory \
-             on the cores the backward pass uses; on one host it measured no faster (a ResNet-50 \
-             step 1.02-1.08x longer, BENCHMARKS.md): it pays off between hosts",
-        );
+        log(notice);
     }
     let (train_set, val_set) = match &dist {
         Some(comm) => distributed::load_data(cfg, comm, log)?,

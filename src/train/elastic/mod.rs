@@ -37,7 +37,7 @@ use super::epochs::{Epochs, Row};
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, Targets};
 use super::precision::{LossScaler, Precision, divide, overflow_hook};
-use super::shared::{Rates, collective_timeout, epoch_lr, hook};
+use super::shared::{Rates, collective_timeout, epoch_lr, hook, one_host_overlap_notice};
 use super::trainee::{ImageRecipe, Input, Net, Recipe, Stream, Trainee, val_share};
 use super::{EpochRows, TrainConfig, TrainReport, run_dir};
 use crate::{HearthError, Result};

@@ -137,6 +137,9 @@ impl<T: Trainee> ElasticRun<'_, T> {
                              the backward pass",
                             burn_dist::ddp::module_values(&commit.model).len()
                         ));
+                        if let Some(notice) = one_host_overlap_notice(&world.comm) {
+                            log(notice);
+                        }
                     }
                     Ok(_) => {}
                 }
