@@ -409,7 +409,8 @@ impl LocalGroup {
     ///
     /// Members taking pieces from a shared counter instead of a segment each (so that ranks
     /// holding a core do all the work) was slower with 4 ranks on 2 cores: 14.5-15.6 ms
-    /// against 13.9-14.4 for 100 MB, alternating runs (BENCHMARKS.md).
+    /// against 13.9-14.4 for 100 MB, alternating runs of an earlier version that summed through
+    /// a scratch piece (BENCHMARKS.md).
     fn reduce_in_place(
         &self,
         shared: &Shared,
