@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use super::super::segment::Watch;
+use super::super::shared::{self, Shared};
 use super::LocalGroup;
-use crate::shm::segment::Watch;
-use crate::shm::shared::{self, Shared};
 use crate::transport::SharedBuf;
 use crate::{DistError, Result};
 
