@@ -142,6 +142,10 @@ impl Transport for RoutedTransport {
         self.quic.accept_losses();
     }
 
+    fn lost(&self, peer: usize) -> Option<String> {
+        self.quic.lost(peer)
+    }
+
     fn topology(&self) -> Option<&Topology> {
         Some(&self.topology)
     }

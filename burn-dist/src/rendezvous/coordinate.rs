@@ -10,7 +10,7 @@ use rustls::pki_types::CertificateDer;
 use tokio::task::JoinSet;
 
 use super::messages::{issue, table};
-use super::{Link, RankInfo, accept, peer_certs, remaining};
+use super::{Link, RankInfo, accept, peer_certs, remaining, watched};
 use crate::tls::RankAuthority;
 use crate::transport::quic::{QuicNode, recv_control, write_frame};
 use crate::wire::{Header, Kind};
@@ -26,7 +26,7 @@ pub(super) fn coordinate(
     let world = info.world;
     let endpoint = node.endpoint.clone();
     let coordinator = info.coordinator.clone();
-    node.rt.block_on(async move {
+    node.rt.block_on(watched(link.abort.clone(), async move {
         let mut conns: BTreeMap<usize, (Connection, SocketAddr)> = BTreeMap::new();
         // Each rank's further connections (lanes 1..).
         let mut extra: BTreeMap<usize, Vec<Connection>> = BTreeMap::new();
@@ -85,7 +85,7 @@ pub(super) fn coordinate(
             peers[r].extend(extra.remove(&r).unwrap_or_default());
         }
         Ok(peers)
-    })
+    }))
 }
 
 /// The first certificate the peer of `conn` presented.

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use quinn::Connection;
 
 use super::messages::{hello, parse_issue, parse_table};
-use super::{Link, RankInfo, accept, check_rank, remaining};
+use super::{Link, RankInfo, accept, check_rank, remaining, watched};
 use crate::tls::{Identity, SERVER_NAME};
 use crate::transport::quic::{QuicNode, recv_control, write_frame};
 use crate::wire::{Header, Kind};
@@ -25,7 +25,7 @@ pub(super) fn join(
     let (rank, world) = (info.rank, info.world);
     let endpoint = node.endpoint.clone();
     let port = node.local_addr()?.port();
-    node.rt.block_on(async move {
+    node.rt.block_on(watched(link.abort.clone(), async move {
         // The coordinator may start later than us: retry until the deadline.
         let conn = loop {
             let attempt = async {
@@ -131,7 +131,7 @@ pub(super) fn join(
         }
         drop(acceptor);
         Ok(peers)
-    })
+    }))
 }
 
 /// Takes the certificate rank 0 issued this rank (see the [module docs](super)): from now on

@@ -14,7 +14,7 @@
 //! connects to it (retrying until the timeout) and announces its own listening port; once all
 //! have arrived rank 0 sends everyone the table of addresses, and each rank connects to the
 //! ranks below it. A rank that never arrives makes rank 0 fail with
-//! [`DistError::MissingRanks`](crate::DistError::MissingRanks) naming it, within the timeout.
+//! [`DistError::MissingRanks`] naming it, within the timeout.
 //!
 //! **Ranks that members cannot forge.** With a job secret every holder could make a certificate
 //! for any rank, so the secret only admits a process to the rendezvous: rank 0 makes a fresh
@@ -32,17 +32,18 @@
 //! others); this file forms the job from them.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use quinn::Connection;
 use rustls::pki_types::CertificateDer;
 
-use crate::Result;
 use crate::routed::RoutedTransport;
 use crate::settings::env_secs;
 use crate::shm::ShmOptions;
 use crate::tls::{Identity, Membership};
 use crate::transport::quic::{QuicNode, QuicOptions, QuicTransport};
+use crate::{DistError, Result};
 
 mod accept;
 mod coordinate;
@@ -134,6 +135,26 @@ pub fn connect_epoch_on(
     options: &RendezvousOptions,
     epoch: u32,
 ) -> Result<RoutedTransport> {
+    connect_epoch_watched(bound, info, membership, options, epoch, None)
+}
+
+/// What [`connect_epoch_watched`] asks, about four times a second while the rendezvous waits:
+/// an error ends the rendezvous with it (an elastic job's member found dead on the old world's
+/// links, which the rendezvous would otherwise wait for until it timed out).
+pub type Abort = Arc<dyn Fn() -> Option<DistError> + Send + Sync>;
+
+/// How often the rendezvous asks its [`Abort`].
+const ABORT_POLL: Duration = Duration::from_millis(250);
+
+/// [`connect_epoch_on`], given up as soon as `abort` says so (see [`Abort`]).
+pub fn connect_epoch_watched(
+    bound: Option<QuicNode>,
+    info: &RankInfo,
+    membership: &Membership,
+    options: &RendezvousOptions,
+    epoch: u32,
+    abort: Option<Abort>,
+) -> Result<RoutedTransport> {
     let coordinator = info.coordinator_addr()?;
     let loopback = coordinator.ip().is_loopback();
     let quic = options.quic.clone().unwrap_or_else(|| {
@@ -164,6 +185,7 @@ pub fn connect_epoch_on(
         timeout: options.timeout,
         lanes: quic.lanes.max(1),
         issues: membership.rank_zero_issues(),
+        abort,
     };
     let peers = if info.rank == 0 {
         coordinate::coordinate(&node, info, &link)?
@@ -203,6 +225,29 @@ pub(super) struct Link {
     /// [`crate::tls::RankAuthority`]): the members arrive with certificates they made from the
     /// secret, and use the issued ones with each other.
     pub(super) issues: bool,
+    /// Asked while the rendezvous waits (see [`Abort`]).
+    pub(super) abort: Option<Abort>,
+}
+
+/// `fut`, or the first error `abort` gives while it runs.
+pub(super) async fn watched<T>(
+    abort: Option<Abort>,
+    fut: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let Some(abort) = abort else {
+        return fut.await;
+    };
+    tokio::pin!(fut);
+    loop {
+        tokio::select! {
+            done = &mut fut => return done,
+            _ = tokio::time::sleep(ABORT_POLL) => {
+                if let Some(e) = abort() {
+                    return Err(e);
+                }
+            }
+        }
+    }
 }
 
 pub(super) fn remaining(deadline: Instant) -> Duration {

@@ -400,3 +400,69 @@ fn with_a_secret_only_rank_zero_s_authority_makes_a_rank_certificate_that_member
         "{refused}"
     );
 }
+
+/// A rendezvous watched by an [`Abort`] ends with the abort's error once it gives one, on the
+/// coordinator and on a member alike, instead of waiting for a rank that will not come.
+#[test]
+fn a_watched_rendezvous_ends_with_the_aborts_error() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let secret = Membership::secret("one job's shared secret value").unwrap();
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .map(|a| a.port())
+        .unwrap();
+    let lost = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = std::sync::mpsc::channel();
+    // Ranks 0 and 1 of 3 come; rank 2 never does.
+    for r in 0..2 {
+        let (tx, secret, lost) = (tx.clone(), secret.clone(), lost.clone());
+        std::thread::spawn(move || {
+            let info = RankInfo {
+                rank: r,
+                world: 3,
+                local_rank: None,
+                coordinator: format!("127.0.0.1:{port}"),
+                source: "test",
+            };
+            let options = RendezvousOptions {
+                // Longer than the test waits below: a timeout is not what ends it.
+                timeout: Duration::from_secs(90),
+                quic: None,
+                bind_ip: None,
+                shm: Default::default(),
+            };
+            let abort: Abort = Arc::new(move || {
+                lost.load(Ordering::SeqCst).then(|| DistError::PeerFailed {
+                    rank: 2,
+                    reason: "found dead elsewhere".into(),
+                })
+            });
+            let formed = connect_epoch_watched(None, &info, &secret, &options, 1, Some(abort));
+            let _ = tx.send((r, formed.map(|_| ()).map_err(|e| e.to_string())));
+        });
+    }
+    drop(tx);
+    // Both wait in the rendezvous (no answer yet), then the abort says rank 2 is lost.
+    assert!(
+        rx.recv_timeout(Duration::from_millis(1500)).is_err(),
+        "nothing ends before the abort"
+    );
+    lost.store(true, Ordering::SeqCst);
+    let mut ended = Vec::new();
+    for _ in 0..2 {
+        let (r, formed) = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("every rank ends soon after the abort");
+        let e = formed.expect_err("no world forms without rank 2");
+        // The coordinator ends on its abort; the member on its own, or on the coordinator's
+        // leaving first (either way, not on its timeout).
+        assert!(
+            e == "rank 2 failed: found dead elsewhere"
+                || (r == 1 && e.starts_with("rank 0 failed")),
+            "rank {r}: {e}"
+        );
+        ended.push(r);
+    }
+    ended.sort();
+    assert_eq!(ended, [0, 1]);
+}

@@ -69,6 +69,12 @@ pub trait Transport: Send + Sync {
     /// on without a dead worker.
     fn accept_losses(&self) {}
 
+    /// Why `peer` is known to have failed or left, if it is (`None` where this transport
+    /// does not keep track).
+    fn lost(&self, _peer: usize) -> Option<String> {
+        None
+    }
+
     /// Which ranks share memory with which, when this transport knows (see [`Topology`]):
     /// allreduce then reduces within each host in shared memory and runs the ring only among
     /// one rank per host.

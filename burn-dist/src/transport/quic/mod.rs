@@ -532,6 +532,10 @@ impl Transport for QuicTransport {
     fn accept_losses(&self) {
         self.inbox.accept_losses();
     }
+
+    fn lost(&self, peer: usize) -> Option<String> {
+        self.inbox.failure(peer)
+    }
 }
 
 #[cfg(test)]
