@@ -331,6 +331,125 @@ fn one_leave_and_one_join_equal_a_fixed_world_fed_the_same_batches() {
     );
 }
 
+/// 3 workers; w1 leaves after step 5, and `dies` dies after membership epoch 1's announcement,
+/// before its rendezvous: the survivors settle that epoch over the old links and form epoch 2
+/// without it. The rendezvous keeps its default timeout (120 s): it ends as soon as the old
+/// links find the worker dead, and a rendezvous that waited its timeout out fails the log
+/// checks below.
+fn a_death_while_forming(data: &Path, run: &Path, dies: &str, extra: &[&str]) -> Run {
+    let die = format!("{dies}:1");
+    let mut train = vec!["--epochs", "4"];
+    train.extend_from_slice(extra);
+    elastic(
+        data,
+        run,
+        &["-n", "3", "--min", "1", "--max", "3"],
+        &train,
+        &[
+            ("HEARTH_ELASTIC_THROTTLE", "w0:40,w1:40,w2:40"),
+            ("HEARTH_ELASTIC_LEAVE_AT_STEP", "w1:5"),
+            ("HEARTH_ELASTIC_DIE_IN_CHANGE", die.as_str()),
+        ],
+    )
+}
+
+#[test]
+fn a_worker_lost_while_the_next_world_forms_is_dropped_and_training_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = common::elastic_data(tmp.path());
+    // The global batch stays fixed through it: the same weights as 2 workers throughout.
+    let fixed = fixed_world(&d, &tmp.path().join("fixed"));
+    // A member dies (the announcer w0 finds it by its missing report), then the announcer
+    // (the member w2 hears nothing from it and announces the next epoch). Each rendezvous
+    // ends on the loss, not on its timeout.
+    let cases = [
+        (
+            "w2",
+            "w0",
+            &[
+                "w0: forming membership epoch 1 failed here: rank 2 failed: w2 was lost",
+                "w0: membership epoch 1 did not form (lost w2 while it formed); forming epoch 2",
+                "membership epoch 2: 1 workers [w0]",
+            ][..],
+        ),
+        (
+            "w0",
+            "w2",
+            &[
+                "w2: forming membership epoch 1 failed here: rank 0 failed: w0 was lost",
+                "w2: no word from w0 on membership epoch 1",
+                "membership epoch 2: 1 workers [w2]",
+            ][..],
+        ),
+    ];
+    for (dies, survivor, said) in cases {
+        let run = a_death_while_forming(&d, &tmp.path().join(dies), dies, &[]);
+        run.check(1);
+        assert_eq!(run.finals()[0].0, survivor, "{}", run.log);
+        for line in said {
+            assert!(
+                run.log.contains(line),
+                "{dies} dies: no {line:?} in\n{}",
+                run.log
+            );
+        }
+        let worlds = run.worlds();
+        assert_eq!(worlds.len(), 4 * 10, "every step once: {worlds:?}");
+        assert_eq!((worlds[0], worlds.last()), (3, Some(&1)), "{worlds:?}");
+        assert_close(
+            &last_checkpoint(&fixed.dir, 4),
+            &last_checkpoint(&run.dir, 4),
+            &format!("{dies} lost while forming vs fixed world"),
+        );
+    }
+}
+
+/// A joiner admitted to an epoch that a member's death keeps from forming asks again and is
+/// admitted to a later one; with `--zero 1` too, the lost worker's optimizer shard coming from
+/// the replica its neighbour keeps.
+#[test]
+fn a_joiner_in_an_epoch_that_did_not_form_asks_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = common::elastic_data(tmp.path());
+    let fixed = fixed_world(&d, &tmp.path().join("fixed"));
+    for (name, extra) in [("plain", &[][..]), ("zero", &["--zero", "1"][..])] {
+        let mut train = vec!["--epochs", "4"];
+        train.extend_from_slice(extra);
+        // Epoch 1 is the joiner's (w3); w2 dies after its announcement. The joiner finds the
+        // epoch failed when its link to w0 closes or idles out (5 s); 300 ms steps leave it
+        // time to join again.
+        let run = elastic(
+            &d,
+            &tmp.path().join(name),
+            &["-n", "3", "--min", "1", "--max", "4", "--churn", "t=0s:+1"],
+            &train,
+            &[
+                ("HEARTH_ELASTIC_THROTTLE", "w0:300,w1:300,w2:300,w3:300"),
+                ("HEARTH_ELASTIC_DIE_IN_CHANGE", "w2:1"),
+            ],
+        );
+        run.check(3);
+        let mut ids: Vec<String> = run.finals().into_iter().map(|f| f.0).collect();
+        ids.sort();
+        assert_eq!(ids, ["w0", "w1", "w3"], "{name}");
+        for said in [
+            "w0: membership epoch 1 did not form (lost w2 while it formed)",
+            "w3: membership epoch 1 did not form here",
+        ] {
+            assert!(
+                run.log.contains(said),
+                "{name}: no {said:?} in\n{}",
+                run.log
+            );
+        }
+        assert_close(
+            &last_checkpoint(&fixed.dir, 4),
+            &last_checkpoint(&run.dir, 4),
+            &format!("{name}: a joiner's epoch formed again vs fixed world"),
+        );
+    }
+}
+
 #[test]
 fn uneven_shares_by_throughput_equal_one_process_on_the_global_batch() {
     let tmp = tempfile::tempdir().unwrap();

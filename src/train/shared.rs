@@ -101,7 +101,8 @@ pub(super) fn collective_timeout() -> Duration {
 /// A per-worker number from a test or benchmark hook variable `ID:N[,ID:N...]`
 /// (`HEARTH_ELASTIC_LEAVE_AT_STEP`: leave gracefully after step N, as SIGTERM would;
 /// `HEARTH_ELASTIC_DIE_AT_STEP`: SIGKILL itself inside step N, between the control and the
-/// gradient allreduce; `HEARTH_ELASTIC_FREEZE_AT_STEP`: SIGSTOP itself there, a worker cut
+/// gradient allreduce; `HEARTH_ELASTIC_DIE_IN_CHANGE`: SIGKILL itself after the announcement
+/// of membership epoch N, before its rendezvous; `HEARTH_ELASTIC_FREEZE_AT_STEP`: SIGSTOP itself there, a worker cut
 /// off (`HEARTH_ELASTIC_FREEZE_SECS`: continued after N s); `HEARTH_ELASTIC_THROTTLE`: N ms of extra compute per step, a slow worker;
 /// `HEARTH_PS_DELAY_MS`, `HEARTH_PS_DIE_AT_STEP`: the same for parameter-server workers;
 /// `HEARTH_FP16_OVERFLOW_AT_STEP`: an fp16 rank's gradients of step N made infinite).

@@ -51,10 +51,12 @@ use burn_dist::elastic::membership::{Decision, Epoch, Health, Limits, Membership
 use burn_dist::elastic::reform::Announcement;
 use burn_dist::elastic::{broadcast_bytes, step_len, step_positions};
 use burn_dist::overlap::OverlappedStep;
-use burn_dist::rendezvous::{RankInfo, RendezvousOptions, bind_coordinator, connect_epoch_on};
+use burn_dist::rendezvous::{
+    Abort, RankInfo, RendezvousOptions, bind_coordinator, connect_epoch_on, connect_epoch_watched,
+};
 use burn_dist::routed::RoutedTransport;
 use burn_dist::wire::Kind;
-use burn_dist::{Communicator, ReduceOp, Transport};
+use burn_dist::{Communicator, DistError, ReduceOp, Transport};
 
 /// How the global batch is shared between the workers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -269,6 +271,8 @@ struct ElasticRun<'a, T: Trainee> {
     throttle: Option<u64>,
     leave_at: Option<u64>,
     die_at: Option<u64>,
+    /// `HEARTH_ELASTIC_DIE_IN_CHANGE`: the membership epoch in whose forming this worker dies.
+    die_in_change: Option<u64>,
     freeze_at: Option<u64>,
     freeze_secs: Option<u64>,
     /// `HEARTH_FP16_OVERFLOW_AT_STEP` for this worker's id.
@@ -325,6 +329,7 @@ const REBALANCE_EVERY: u64 = 8;
 
 mod fence;
 mod members;
+mod settle;
 mod sharded;
 mod state;
 mod step;
@@ -432,6 +437,7 @@ pub(super) fn train_with<R: Recipe>(
         throttle: None,
         leave_at: None,
         die_at: None,
+        die_in_change: None,
         freeze_at: None,
         freeze_secs: None,
         overflow_at: None,
@@ -440,6 +446,7 @@ pub(super) fn train_with<R: Recipe>(
         exchange: ExchangeClock::default(),
     };
     run.die_at = hook("HEARTH_ELASTIC_DIE_AT_STEP", &run.me.id);
+    run.die_in_change = hook("HEARTH_ELASTIC_DIE_IN_CHANGE", &run.me.id);
     run.freeze_at = hook("HEARTH_ELASTIC_FREEZE_AT_STEP", &run.me.id);
     run.freeze_secs = hook("HEARTH_ELASTIC_FREEZE_SECS", &run.me.id);
     run.throttle = hook("HEARTH_ELASTIC_THROTTLE", &run.me.id);

@@ -1,6 +1,7 @@
 //! Forming worlds: the first one, a joiner's, and every change after a leave, a join or a
 //! loss (the lowest survivor coordinates; everyone takes rank 0's commit).
 
+use super::settle::{FORMING_ATTEMPTS, Settled};
 use super::*;
 
 impl<T: Trainee> ElasticRun<'_, T> {
@@ -81,29 +82,42 @@ impl<T: Trainee> ElasticRun<'_, T> {
             self.me.id,
             addrs.join(", ")
         ));
-        let opts = self.opts.clone();
-        let (rank, a) = request_join(
-            &move || opts.join_addresses(),
-            &self.me,
-            &self.membership,
-            self.opts.rejoin_timeout.max(Duration::from_secs(30)),
-        )?;
-        let info = RankInfo {
-            rank,
-            world: a.members.len(),
-            local_rank: None,
-            coordinator: a.coordinator.clone(),
-            source: "elastic join",
-        };
-        let transport = connect_epoch_on(
-            None,
-            &info,
-            &self.membership,
-            &RendezvousOptions::default(),
-            a.epoch,
-        )?;
-        // Members and everything else come with rank 0's state.
-        self.form(a.epoch, Arc::new(transport), Vec::new(), None, log)
+        for attempt in 1.. {
+            let opts = self.opts.clone();
+            let (rank, a) = request_join(
+                &move || opts.join_addresses(),
+                &self.me,
+                &self.membership,
+                self.opts.rejoin_timeout.max(Duration::from_secs(30)),
+            )?;
+            let info = RankInfo {
+                rank,
+                world: a.members.len(),
+                local_rank: None,
+                coordinator: a.coordinator.clone(),
+                source: "elastic join",
+            };
+            // Members and everything else come with rank 0's state.
+            let formed = connect_epoch_on(
+                None,
+                &info,
+                &self.membership,
+                &RendezvousOptions::default(),
+                a.epoch,
+            )
+            .map_err(HearthError::from)
+            .and_then(|t| self.form(a.epoch, Arc::new(t), Vec::new(), None, log));
+            match formed {
+                // A member lost while the epoch formed: the members form another, and this
+                // worker asks again to be in it.
+                Err(HearthError::Dist(e)) if attempt < FORMING_ATTEMPTS => log(&format!(
+                    "{}: membership epoch {} did not form here ({e}): asking to join again",
+                    self.me.id, a.epoch
+                )),
+                formed => return formed,
+            }
+        }
+        unreachable!("the attempts loop returns")
     }
 
     /// Every member of a freshly formed world: rank 0 sends its commit and the member list;
@@ -227,9 +241,9 @@ impl<T: Trainee> ElasticRun<'_, T> {
         commit: &Commit<T::Model>,
         leaving: &[usize],
         gone: &[usize],
+        next: u32,
         log: &mut dyn FnMut(&str),
     ) -> Result<Announcement> {
-        let next = world.number + 1;
         let now = Instant::now();
         self.coordinator.adopt(Epoch {
             number: u64::from(world.number),
@@ -346,7 +360,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
     /// No quorum ([`quorum`]): this worker and the survivors it reached are the smaller part
     /// of the last world. It tells them (an announcement with no members, the reason in place
     /// of the coordinator), writes nothing, and returns the error that ends it.
-    fn cut_off(&self, world: &World, gone: &[usize], need: usize) -> HearthError {
+    fn cut_off(&self, world: &World, gone: &[usize], next: u32, need: usize) -> HearthError {
         let reached: Vec<usize> = (0..world.size()).filter(|r| !gone.contains(r)).collect();
         let names = |rs: &mut dyn Iterator<Item = usize>| {
             rs.map(|r| world.members[r].id.as_str())
@@ -366,7 +380,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             self.cfg.run_dir.display()
         );
         let give_up = Announcement {
-            epoch: world.number + 1,
+            epoch: next,
             coordinator: why.clone(),
             members: Vec::new(),
         };
@@ -375,7 +389,11 @@ impl<T: Trainee> ElasticRun<'_, T> {
     }
 
     /// A change of membership after `leaving` asked to go and `lost` were lost: the lowest
-    /// survivor coordinates, every survivor forms the next world and takes rank 0's state.
+    /// survivor coordinates, every survivor forms the next world and takes its rank 0's
+    /// state. A member lost while the next world forms (in its rendezvous, or before rank 0's
+    /// state reached everyone) is found when the survivors settle it over the old links
+    /// ([`ElasticRun::settle`]): they form the world after it without that member, a
+    /// membership epoch number further on.
     pub(super) fn change(
         &mut self,
         world: &World,
@@ -384,10 +402,75 @@ impl<T: Trainee> ElasticRun<'_, T> {
         lost: &[usize],
         log: &mut dyn FnMut(&str),
     ) -> Result<(World, Commit<T::Model>)> {
-        let me = world.rank();
-        let next = world.number + 1;
         let mut gone: Vec<usize> = leaving.iter().chain(lost).copied().collect();
-        let announcement = loop {
+        let mut next = world.number + 1;
+        for attempt in 1.. {
+            let (lowest, announcement) =
+                self.announced(world, &commit, leaving, &mut gone, next, log)?;
+            let rank = self.admitted(&announcement, world.rank(), next)?;
+            if self.die_in_change == Some(u64::from(next)) {
+                // The test hook of a loss while the next world forms: after the announcement,
+                // before this worker's rendezvous (SIGKILL, no goodbye).
+                // SAFETY: signals this very process.
+                unsafe {
+                    libc::kill(libc::getpid(), libc::SIGKILL);
+                }
+            }
+            let formed = self.form_announced(world, &announcement, rank, &commit, log);
+            match self.settle(world, lowest, &announcement, formed, log)? {
+                Settled::Formed(formed) => return Ok(*formed),
+                Settled::Again(lost_now) => {
+                    let names: Vec<&str> = lost_now
+                        .iter()
+                        .map(|&r| world.members[r].id.as_str())
+                        .collect();
+                    if attempt >= FORMING_ATTEMPTS {
+                        return Err(HearthError::Training(format!(
+                            "membership epoch {next} did not form after {attempt} attempts \
+                             (the last lost {}): giving up",
+                            if names.is_empty() {
+                                "nobody".into()
+                            } else {
+                                names.join(", ")
+                            }
+                        )));
+                    }
+                    log(&format!(
+                        "{}: membership epoch {next} did not form{}; forming epoch {} without \
+                         {}",
+                        self.me.id,
+                        if names.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" (lost {} while it formed)", names.join(", "))
+                        },
+                        next + 1,
+                        if names.is_empty() { "them" } else { "it" }
+                    ));
+                    gone.extend(lost_now);
+                    gone.sort_unstable();
+                    gone.dedup();
+                    next += 1;
+                }
+            }
+        }
+        unreachable!("the attempts loop returns")
+    }
+
+    /// Membership epoch `next`'s announcement and the old rank of the survivor that made it:
+    /// this worker's own when it is the lowest survivor (after the quorum check), else the
+    /// lowest survivor's, or the next one's when that one is gone too (added to `gone`).
+    fn announced(
+        &mut self,
+        world: &World,
+        commit: &Commit<T::Model>,
+        leaving: &[usize],
+        gone: &mut Vec<usize>,
+        next: u32,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<(usize, Announcement)> {
+        let me = world.rank();
+        loop {
             let Some(lowest) = (0..world.size()).find(|r| !gone.contains(r)) else {
                 return Err(HearthError::Training("no member survived".into()));
             };
@@ -398,9 +481,12 @@ impl<T: Trainee> ElasticRun<'_, T> {
                     .filter(|r| !leaving.contains(r))
                     .collect();
                 if let Err(need) = quorum(world.size(), &lost) {
-                    return Err(self.cut_off(world, &gone, need));
+                    return Err(self.cut_off(world, gone, next, need));
                 }
-                break self.coordinate(world, &commit, leaving, &gone, log)?;
+                return Ok((
+                    me,
+                    self.coordinate(world, commit, leaving, gone, next, log)?,
+                ));
             }
             self.join.set_role(Role::Busy);
             let wait = self.opts.rejoin_timeout + collective_timeout();
@@ -410,14 +496,19 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 next,
                 Instant::now() + wait,
             ) {
-                Ok(a) => break a,
+                Ok(a) => return Ok((lowest, a)),
                 // The coordinator died too: the next survivor coordinates.
                 Err(_) => gone.push(lowest),
             }
-        };
+        }
+    }
+
+    /// This worker's rank in the announced epoch `next`, or the error that ends it: the job
+    /// gave up (below the minimum, or no quorum), or this worker was left out.
+    fn admitted(&self, announcement: &Announcement, me: usize, next: u32) -> Result<usize> {
         if announcement.members.is_empty() && !announcement.coordinator.is_empty() {
             // The coordinator found no quorum: its reason.
-            return Err(HearthError::CutOff(announcement.coordinator));
+            return Err(HearthError::CutOff(announcement.coordinator.clone()));
         }
         if announcement.members.is_empty() {
             return Err(HearthError::Training(format!(
@@ -428,12 +519,24 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 self.state_file().display()
             )));
         }
-        let Some(rank) = announcement.rank_of(me) else {
-            return Err(HearthError::Training(format!(
+        announcement.rank_of(me).ok_or_else(|| {
+            HearthError::Training(format!(
                 "{} was left out of membership epoch {next}",
                 self.me.id
-            )));
-        };
+            ))
+        })
+    }
+
+    /// The announced world formed by rendezvous, with its rank 0's commit on every member.
+    fn form_announced(
+        &mut self,
+        world: &World,
+        announcement: &Announcement,
+        rank: usize,
+        commit: &Commit<T::Model>,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<(World, Commit<T::Model>)> {
+        let next = announcement.epoch;
         let info = RankInfo {
             rank,
             world: announcement.members.len(),
@@ -442,12 +545,34 @@ impl<T: Trainee> ElasticRun<'_, T> {
             source: "elastic",
         };
         let bound = self.bound.take();
-        let transport = connect_epoch_on(
+        // A member lost on the old world's links meanwhile will never arrive: the rendezvous
+        // ends with it instead of waiting out its timeout.
+        let old = world.transport.clone();
+        let watched: Vec<(usize, String)> = announcement
+            .members
+            .iter()
+            .flatten()
+            .filter(|&&r| r != world.rank())
+            .map(|&r| (r, world.members[r].id.clone()))
+            .collect();
+        let abort: Abort = Arc::new(move || {
+            watched.iter().find_map(|(r, id)| {
+                old.lost(*r).map(|reason| DistError::PeerFailed {
+                    rank: *r,
+                    reason: format!(
+                        "{id} was lost while membership epoch {next} formed (rank {r} of the \
+                         epoch before: {reason})"
+                    ),
+                })
+            })
+        });
+        let transport = connect_epoch_watched(
             bound,
             &info,
             &self.membership,
             &RendezvousOptions::default(),
             next,
+            Some(abort),
         )?;
         let members: Vec<Worker> = announcement
             .members
@@ -469,7 +594,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             next,
             Arc::new(transport),
             members,
-            (rank == 0).then_some(commit),
+            (rank == 0).then(|| commit.clone()),
             log,
         )
     }
