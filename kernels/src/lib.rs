@@ -189,8 +189,21 @@ pub fn fast_path(conv: &Conv2d, device: &Device, allowed: bool) -> Path {
 
 /// `conv.forward(x)`, by the fast path where one applies; in `x`'s float type when that is
 /// bf16 or f16 ([`precision`]).
+///
+/// On a CPU with a fast path, a low-precision convolution runs in the f32 kernels on its
+/// inputs and weights rounded to the low type, the result rounded to it: what a bf16 or f16
+/// kernel with f32 accumulation gives (oneDNN's, and PyTorch's on the CPU), at the f32
+/// kernels' speed instead of Burn's portable low-precision ones (2.5x slower for ResNet-50
+/// training, BENCHMARKS.md "Mixed precision").
 pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
     if let Some(dt) = low_precision(&x) {
+        let path = fast_path(conv, &x.device(), enabled());
+        if path != Path::Reference {
+            let rounded = |t: Tensor<1>| t.cast(dt).cast(FloatDType::F32);
+            let weight = conv.weight.val().cast(dt).cast(FloatDType::F32);
+            let bias = conv.bias.as_ref().map(|b| rounded(b.val()));
+            return conv2d_on(conv, path, x.cast(FloatDType::F32), weight, bias).cast(dt);
+        }
         return match symmetric(&conv.padding) {
             Some(padding) => burn::tensor::module::conv2d(
                 x,
@@ -207,14 +220,31 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
             None => conv.forward(x.cast(FloatDType::F32)).cast(dt),
         };
     }
-    let bias = || conv.bias.as_ref().map(|b| b.val());
-    match fast_path(conv, &x.device(), enabled()) {
-        Path::Pointwise => pointwise_strided(x, conv.weight.val(), bias(), conv.stride),
+    let path = fast_path(conv, &x.device(), enabled());
+    conv2d_on(
+        conv,
+        path,
+        x,
+        conv.weight.val(),
+        conv.bias.as_ref().map(|b| b.val()),
+    )
+}
+
+/// `conv`'s shape applied to `x` with `weight` and `bias` (f32) by `path` (the reference path
+/// is `conv.forward`: with the module's own weight and bias).
+fn conv2d_on(
+    conv: &Conv2d,
+    path: Path,
+    x: Tensor<4>,
+    weight: Tensor<4>,
+    bias: Option<Tensor<1>>,
+) -> Tensor<4> {
+    match path {
+        Path::Pointwise => pointwise_strided(x, weight, bias, conv.stride),
         Path::Gemm => {
             let padding = symmetric(&conv.padding).unwrap_or([0, 0]);
-            let y =
-                ext::conv2d_gemm_grad(x, conv.weight.val(), [conv.stride, padding, conv.dilation]);
-            match bias() {
+            let y = ext::conv2d_gemm_grad(x, weight, [conv.stride, padding, conv.dilation]);
+            match bias {
                 Some(b) => {
                     let co = b.dims()[0];
                     y + b.reshape([1, co, 1, 1])
@@ -222,6 +252,7 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
                 None => y,
             }
         }
+        // Only the f32 path takes it, with the module's own weight and bias.
         Path::Reference => conv.forward(x),
     }
 }

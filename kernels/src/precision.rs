@@ -31,6 +31,20 @@ pub fn linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
             },
             None => linear.forward(x),
         },
+        // On Flex, in f32 on the values rounded to the low type, the result rounded to it (as
+        // `crate::conv2d`): its f32 product is the fast one.
+        Some(dt) if crate::is_flex(&x.device()) && crate::enabled() => {
+            let rounded = |t: Tensor<2>| t.cast(dt).cast(FloatDType::F32);
+            burn::tensor::module::linear(
+                x.cast(FloatDType::F32),
+                rounded(linear.weight.val()),
+                linear
+                    .bias
+                    .as_ref()
+                    .map(|b| b.val().cast(dt).cast(FloatDType::F32)),
+            )
+            .cast(dt)
+        }
         Some(dt) => burn::tensor::module::linear(
             x,
             linear.weight.val().cast(dt),

@@ -1,0 +1,157 @@
+//! A bf16 or f16 convolution or linear layer on Flex takes the f32 kernels on its inputs and
+//! weights rounded to the low type, the result rounded to it: exactly that, bit for bit; close
+//! to Burn's own low-precision kernels (an independent implementation) in the forward and the
+//! input's gradient; the gradient in the activation's type and the parameters' in f32.
+
+use burn::module::Param;
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::{LinearConfig, PaddingConfig2d};
+use burn::prelude::*;
+use burn::tensor::ops::ConvOptions;
+use burn::tensor::{DType, Distribution, FloatDType};
+
+mod common;
+use common::values;
+
+/// `|a - b| / |b|` over whole vectors.
+fn gap(a: &[f32], b: &[f32]) -> f32 {
+    let d: f32 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+    let n: f32 = b.iter().map(|y| y * y).sum();
+    (d / n.max(f32::MIN_POSITIVE)).sqrt()
+}
+
+/// `a` equals `b` bit for bit; else how many values differ, and the first.
+fn same_bits(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let differ: Vec<usize> = (0..a.len())
+        .filter(|&i| a[i].to_bits() != b[i].to_bits())
+        .collect();
+    if let Some(&i) = differ.first() {
+        panic!(
+            "{what}: {} of {} values differ, the first [{i}]: {} vs {}",
+            differ.len(),
+            a.len(),
+            a[i],
+            b[i]
+        );
+    }
+}
+
+/// The low types and the gap each may show against Burn's own kernels of that type (a few of
+/// its epsilons: both round the output once, and Burn's may round partial sums).
+const TYPES: [(FloatDType, f32); 2] = [(FloatDType::BF16, 2e-2), (FloatDType::F16, 4e-3)];
+
+#[test]
+fn a_low_precision_convolution_is_the_f32_kernel_on_rounded_values() {
+    let device = Device::flex().autodiff();
+    // (in, out, kernel, stride, padding): ResNet's stem, a 3x3, a strided 1x1 (its own path),
+    // a plain 1x1.
+    let shapes = [
+        (3, 8, 7, 2, 3),
+        (8, 8, 3, 1, 1),
+        (8, 16, 1, 2, 0),
+        (16, 8, 1, 1, 0),
+    ];
+    for (ci, co, k, stride, pad) in shapes {
+        let conv = Conv2dConfig::new([ci, co], [k, k])
+            .with_stride([stride, stride])
+            .with_padding(PaddingConfig2d::Explicit(pad, pad, pad, pad))
+            .with_bias(true)
+            .init(&device);
+        let x = Tensor::<4>::random([2, ci, 12, 12], Distribution::Normal(0.0, 1.0), &device);
+        for (dt, allowed) in TYPES {
+            let what = format!("{ci}->{co} {k}x{k} stride {stride}, {dt:?}");
+            let low = x.clone().cast(dt).detach().require_grad();
+            let y = hearth_kernels::conv2d(&conv, low.clone());
+            assert_eq!(y.dtype(), DType::from(dt), "{what}: the output's type");
+
+            // Exactly the f32 kernel on the rounded input, weight and bias, rounded.
+            let rounded: Conv2d = Conv2d {
+                weight: Param::from_tensor(
+                    conv.weight.val().cast(dt).cast(FloatDType::F32).detach(),
+                ),
+                bias: conv
+                    .bias
+                    .as_ref()
+                    .map(|b| Param::from_tensor(b.val().cast(dt).cast(FloatDType::F32).detach())),
+                ..conv.clone()
+            };
+            let by_f32 =
+                hearth_kernels::conv2d(&rounded, low.clone().cast(FloatDType::F32)).cast(dt);
+            same_bits(
+                &values(y.clone()),
+                &values(by_f32),
+                &format!("{what}: the f32 kernel's result"),
+            );
+
+            // Close to Burn's own kernels in the low type, forward and backward.
+            let reference = burn::tensor::module::conv2d(
+                low.clone(),
+                conv.weight.val().cast(dt),
+                conv.bias.as_ref().map(|b| b.val().cast(dt)),
+                ConvOptions::new([stride, stride], [pad, pad], [1, 1], 1),
+            );
+            let g = gap(&values(y.clone()), &values(reference.clone()));
+            assert!(
+                g <= allowed,
+                "{what}: forward gap {g} to Burn's {dt:?} kernel"
+            );
+            let ours = y.sum().backward();
+            let dx = low.grad(&ours).expect("the input's gradient");
+            assert_eq!(
+                dx.dtype(),
+                DType::from(dt),
+                "{what}: the input gradient's type"
+            );
+            let dw = conv
+                .weight
+                .val()
+                .grad(&ours)
+                .expect("the weight's gradient");
+            assert_eq!(dw.dtype(), DType::F32, "{what}: the weight gradient's type");
+            let theirs = reference.sum().backward();
+            let dx_ref = low.grad(&theirs).expect("the reference input gradient");
+            let g = gap(&values(dx), &values(dx_ref));
+            assert!(
+                g <= allowed,
+                "{what}: input-gradient gap {g} to Burn's {dt:?} kernel"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_low_precision_linear_layer_is_the_f32_product_on_rounded_values() {
+    let device = Device::flex().autodiff();
+    let linear = LinearConfig::new(40, 24).init(&device);
+    let x = Tensor::<2>::random([5, 40], Distribution::Normal(0.0, 1.0), &device);
+    for (dt, allowed) in TYPES {
+        let low = x.clone().cast(dt).detach().require_grad();
+        let y = hearth_kernels::linear(&linear, low.clone());
+        assert_eq!(y.dtype(), DType::from(dt));
+        let by_f32 = burn::tensor::module::linear(
+            low.clone().cast(FloatDType::F32),
+            linear.weight.val().cast(dt).cast(FloatDType::F32),
+            linear
+                .bias
+                .as_ref()
+                .map(|b| b.val().cast(dt).cast(FloatDType::F32)),
+        )
+        .cast(dt);
+        same_bits(&values(y.clone()), &values(by_f32), &format!("{dt:?}"));
+        let reference = burn::tensor::module::linear(
+            low.clone(),
+            linear.weight.val().cast(dt),
+            linear.bias.as_ref().map(|b| b.val().cast(dt)),
+        );
+        let g = gap(&values(y.clone()), &values(reference));
+        assert!(g <= allowed, "{dt:?}: gap {g} to Burn's kernel");
+        let grads = y.sum().backward();
+        let dw = linear
+            .weight
+            .val()
+            .grad(&grads)
+            .expect("the weight's gradient");
+        assert_eq!(dw.dtype(), DType::F32, "{dt:?}: the weight gradient's type");
+    }
+}
