@@ -33,6 +33,7 @@ use burn::prelude::*;
 use burn::tensor::FloatDType;
 
 pub mod batch_norm;
+pub mod cast;
 pub mod conv;
 pub mod ext;
 pub mod gemv;
@@ -41,6 +42,7 @@ pub mod pool;
 pub mod precision;
 pub mod weight_grad;
 
+pub use cast::cast;
 pub use precision::{linear, low_precision};
 
 /// A contiguous Flex f32 tensor of `dims` holding `values` (the raw kernels' outputs).
@@ -199,10 +201,11 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
     if let Some(dt) = low_precision(&x) {
         let path = fast_path(conv, &x.device(), enabled());
         if path != Path::Reference {
-            let rounded = |t: Tensor<1>| t.cast(dt).cast(FloatDType::F32);
-            let weight = conv.weight.val().cast(dt).cast(FloatDType::F32);
+            let f32 = FloatDType::F32;
+            let rounded = |t: Tensor<1>| cast(cast(t, dt), f32);
+            let weight = cast(cast(conv.weight.val(), dt), f32);
             let bias = conv.bias.as_ref().map(|b| rounded(b.val()));
-            return conv2d_on(conv, path, x.cast(FloatDType::F32), weight, bias).cast(dt);
+            return cast(conv2d_on(conv, path, cast(x, f32), weight, bias), dt);
         }
         return match symmetric(&conv.padding) {
             Some(padding) => burn::tensor::module::conv2d(

@@ -491,7 +491,8 @@ fn update_running(bn: &BatchNorm, mean: &Tensor<1>, var: &Tensor<1>, device: &De
 pub fn batch_norm<const D: usize>(bn: &BatchNorm, x: Tensor<D>, relu: bool) -> Tensor<D> {
     // Mixed precision: statistics and normalisation in f32, the activation's type out.
     if let Some(dt) = crate::low_precision(&x) {
-        return batch_norm(bn, x.cast(burn::tensor::FloatDType::F32), relu).cast(dt);
+        let x = crate::cast(x, burn::tensor::FloatDType::F32);
+        return crate::cast(batch_norm(bn, x, relu), dt);
     }
     let device = x.device();
     let training = device.is_autodiff() && bn.training.is_enabled();

@@ -283,8 +283,9 @@ impl<B: PoolBackend, C: CheckpointStrategy> PoolBackend for Autodiff<B, C> {
 }
 
 /// `pool.forward(x)`: by [`max_pool2d`] (and, training, [`max_pool2d_backward`]) for f32 on a
-/// Flex device with the fast paths on, symmetric explicit padding and floor mode; by Burn's
-/// module otherwise (other devices and types, ceil mode, same-padding).
+/// Flex device with the fast paths on, symmetric explicit padding and floor mode (bf16 and f16
+/// pooled in f32, which is exact); by Burn's module otherwise (other devices and types, ceil
+/// mode, same-padding).
 pub fn max_pool(pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
     let device = x.device();
     let padding = crate::symmetric(&pool.padding);
@@ -296,11 +297,13 @@ pub fn max_pool(pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
         dilation: pool.dilation,
     });
     let fits = g.is_some_and(|g| g.out_side(0, h).is_some() && g.out_side(1, w).is_some());
-    let fast = fits
-        && !pool.ceil_mode
-        && x.dtype() == DType::F32
-        && crate::enabled()
-        && crate::is_flex(&device);
+    let fast = fits && !pool.ceil_mode && crate::enabled() && crate::is_flex(&device);
+    if fast && let Some(dt) = crate::low_precision(&x) {
+        // The largest of bf16 or f16 values is one of them: pooled in f32, exactly.
+        let y = max_pool(pool, crate::cast(x, burn::tensor::FloatDType::F32));
+        return crate::cast(y, dt);
+    }
+    let fast = fast && x.dtype() == DType::F32;
     match g {
         Some(g) if fast => Tensor::from_dispatch(<Dispatch as PoolBackend>::hearth_max_pool2d(
             x.into_dispatch(),

@@ -11,6 +11,8 @@ use burn::nn::Linear;
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
 
+use crate::cast;
+
 /// The low-precision float type `x` computes in: bf16 or f16; `None` for f32 (and f64).
 pub fn low_precision<const D: usize>(x: &Tensor<D>) -> Option<FloatDType> {
     match x.dtype() {
@@ -34,16 +36,13 @@ pub fn linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
         // On Flex, in f32 on the values rounded to the low type, the result rounded to it (as
         // `crate::conv2d`): its f32 product is the fast one.
         Some(dt) if crate::is_flex(&x.device()) && crate::enabled() => {
-            let rounded = |t: Tensor<2>| t.cast(dt).cast(FloatDType::F32);
-            burn::tensor::module::linear(
-                x.cast(FloatDType::F32),
-                rounded(linear.weight.val()),
-                linear
-                    .bias
-                    .as_ref()
-                    .map(|b| b.val().cast(dt).cast(FloatDType::F32)),
-            )
-            .cast(dt)
+            let f32 = FloatDType::F32;
+            let y = burn::tensor::module::linear(
+                cast(x, f32),
+                cast(cast(linear.weight.val(), dt), f32),
+                linear.bias.as_ref().map(|b| cast(cast(b.val(), dt), f32)),
+            );
+            cast(y, dt)
         }
         Some(dt) => burn::tensor::module::linear(
             x,

@@ -155,3 +155,138 @@ fn a_low_precision_linear_layer_is_the_f32_product_on_rounded_values() {
         assert_eq!(dw.dtype(), DType::F32, "{dt:?}: the weight gradient's type");
     }
 }
+
+/// Every f32 bit pattern class: zeros, subnormals of both types, ties, the largest finite
+/// values, infinities and NaNs (quiet and signalling, both signs), then random patterns.
+fn awkward_values() -> Vec<f32> {
+    let mut bits: Vec<u32> = vec![
+        0,
+        0x8000_0000,
+        1,
+        0x0000_8000,
+        0x0001_8000,
+        0x3380_0000,
+        0x3F80_8000,
+        0x3F81_8000,
+        0x3F80_1000,
+        0x477F_E000,
+        0x477F_F000,
+        0x7F7F_FFFF,
+        0xFF7F_FFFF,
+        0x7F80_0000,
+        0xFF80_0000,
+        0x7FC0_0000,
+        0x7F80_0001,
+        0xFF80_0001,
+        0x7FFF_FFFF,
+    ];
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    for _ in 0..100_000 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        bits.push(state as u32);
+    }
+    bits.into_iter().map(f32::from_bits).collect()
+}
+
+/// The bits of a tensor of any float type, as u32 (16-bit types widened).
+fn bits<const D: usize>(t: Tensor<D>) -> Vec<u32> {
+    let data = t.into_data();
+    match data.dtype() {
+        DType::F32 => data
+            .try_to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect(),
+        DType::BF16 => data
+            .try_to_vec::<half::bf16>()
+            .unwrap()
+            .iter()
+            .map(|v| u32::from(v.to_bits()))
+            .collect(),
+        DType::F16 => data
+            .try_to_vec::<half::f16>()
+            .unwrap()
+            .iter()
+            .map(|v| u32::from(v.to_bits()))
+            .collect(),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn the_fast_cast_gives_burns_bits_and_casts_the_gradient_back() {
+    let device = Device::flex();
+    let v = awkward_values();
+    let n = v.len();
+    let x = Tensor::<1>::from_data(TensorData::new(v, [n]), &device);
+    for dt in [FloatDType::BF16, FloatDType::F16] {
+        let ours = hearth_kernels::cast(x.clone(), dt);
+        let theirs = x.clone().cast(dt);
+        assert_eq!(ours.dtype(), DType::from(dt));
+        let (a, b) = (bits(ours.clone()), bits(theirs.clone()));
+        let differ = (0..n).filter(|&i| a[i] != b[i]).count();
+        assert_eq!(
+            differ, 0,
+            "{dt:?}: {differ} of {n} values differ from Burn's cast"
+        );
+        let (a, b) = (
+            bits(hearth_kernels::cast(theirs.clone(), FloatDType::F32)),
+            bits(theirs.cast(FloatDType::F32)),
+        );
+        let differ = (0..n).filter(|&i| a[i] != b[i]).count();
+        assert_eq!(differ, 0, "{dt:?} -> f32: {differ} of {n} values differ");
+    }
+    // Under autodiff the gradient comes back in the input's type.
+    let device = Device::flex().autodiff();
+    let x = Tensor::<2>::random([3, 5], Distribution::Normal(0.0, 1.0), &device).require_grad();
+    for dt in [FloatDType::BF16, FloatDType::F16] {
+        let y = hearth_kernels::cast(x.clone(), dt);
+        let grads = (y * 3.0).sum().backward();
+        let g = x.grad(&grads).expect("the input's gradient");
+        assert_eq!(g.dtype(), DType::F32, "{dt:?}");
+        assert_eq!(values(g), vec![3.0; 15], "{dt:?}");
+    }
+}
+
+#[test]
+fn low_precision_max_pooling_equals_burns_forward_and_backward() {
+    use burn::nn::pool::MaxPool2dConfig;
+    let device = Device::flex().autodiff();
+    let pool = MaxPool2dConfig::new([3, 3])
+        .with_strides([2, 2])
+        .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+        .init();
+    let x = Tensor::<4>::random([2, 3, 9, 9], Distribution::Normal(0.0, 1.0), &device);
+    for dt in [FloatDType::BF16, FloatDType::F16] {
+        let low = x.clone().cast(dt).detach().require_grad();
+        let ours = hearth_kernels::pool::max_pool(&pool, low.clone());
+        let theirs = pool.forward(low.clone());
+        assert_eq!(ours.dtype(), DType::from(dt));
+        assert_eq!(bits(ours.clone()), bits(theirs.clone()), "{dt:?} forward");
+        let weights = Tensor::<4>::random(ours.dims(), Distribution::Default, &device).cast(dt);
+        let g_ours = low
+            .grad(&(ours * weights.clone()).sum().backward())
+            .unwrap();
+        let g_theirs = low.grad(&(theirs * weights).sum().backward()).unwrap();
+        assert_eq!(g_ours.dtype(), DType::from(dt));
+        // The same inputs get gradient; where overlapping windows add up at one input, ours
+        // sums in f32 and rounds once, Burn's rounds every addition: one unit in the last
+        // place apart at most.
+        let ulp = if dt == FloatDType::BF16 {
+            1.0 / 128.0
+        } else {
+            1.0 / 1024.0
+        };
+        let (a, b) = (values(g_ours), values(g_theirs));
+        for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+            assert_eq!(*p == 0.0, *q == 0.0, "{dt:?} backward [{i}]: {p} vs {q}");
+            assert!(
+                (p - q).abs() <= ulp * q.abs(),
+                "{dt:?} backward [{i}]: {p} vs {q}"
+            );
+        }
+    }
+}

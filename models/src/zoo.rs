@@ -219,7 +219,10 @@ impl Classifier {
     pub fn forward_in(&self, x: Tensor<4>, dtype: burn::tensor::FloatDType) -> Tensor<2> {
         use burn::tensor::FloatDType;
         match dtype {
-            FloatDType::BF16 | FloatDType::F16 => self.forward(x.cast(dtype)).cast(FloatDType::F32),
+            FloatDType::BF16 | FloatDType::F16 => {
+                let x = hearth_kernels::cast(x, dtype);
+                hearth_kernels::cast(self.forward(x), FloatDType::F32)
+            }
             _ => self.forward(x),
         }
     }
