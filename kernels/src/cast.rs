@@ -106,12 +106,9 @@ impl<B: CastBackend> Backward<B, 1> for CastBackward {
 
 impl<B: CastBackend, C: CheckpointStrategy> CastBackend for Autodiff<B, C> {
     fn hearth_cast(x: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        let from = match x.dtype() {
-            DType::F16 => FloatDType::F16,
-            DType::BF16 => FloatDType::BF16,
-            DType::F64 => FloatDType::F64,
-            _ => FloatDType::F32,
-        };
+        // The input's type, which its gradient is cast back to (a float tensor's: `From`
+        // covers every one, Flex32 included).
+        let from = FloatDType::from(x.dtype());
         match CastBackward
             .prepare::<C>([x.node()])
             .compute_bound()
