@@ -11,7 +11,7 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn::backend::ops::ModuleOps;
+use burn::backend::ops::{FloatTensorOps, ModuleOps};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension};
 use burn::backend::{AutodiffBackend, TensorMetadata};
@@ -30,10 +30,39 @@ fn options([stride, padding, dilation]: Geometry2) -> ConvOptions<2> {
     ConvOptions::new(stride, padding, dilation, 1)
 }
 
-/// The extension: a convolution whose weight gradient is ours, and that weight gradient alone.
-#[backend_extension(Flex, Autodiff)]
+/// The output shape of a convolution of `x` by `weight` (for fusion's deferred ops).
+#[cfg_attr(not(feature = "cube"), allow(dead_code))]
+fn conv_out_shape(x: &Shape, weight: &Shape, geometry: &Geometry2) -> Shape {
+    let s = conv_shape(x.dims::<4>(), weight.dims::<4>(), *geometry);
+    Shape::from(s.output().map_or_else(|| vec![0; 4], |o| o.to_vec()))
+}
+
+#[cfg_attr(not(feature = "cube"), allow(dead_code))]
+fn dims_shape(dims: &[usize; 4]) -> Shape {
+    Shape::from(dims.to_vec())
+}
+
+#[cfg_attr(not(feature = "cube"), allow(dead_code))]
+fn product_shape(lhs: &Shape, rhs: &Shape) -> Shape {
+    let mut dims = lhs.to_vec();
+    let last = dims.len() - 1;
+    dims[last] = rhs[rhs.num_dims() - 1];
+    Shape::from(dims)
+}
+
+/// The extension: a convolution with its two gradients as ops of their own, and a linear
+/// layer's matrix product. On Flex the weight gradient (and where faster the forward and input
+/// gradient) are ours; on cubecl devices (the `cube` feature) every pass runs the kernel
+/// [`crate::select`] picks by rule, with no autotune (`cube.rs`).
+#[backend_extension(
+    Flex,
+    Autodiff,
+    Cube: cfg(feature = "cube"),
+    Fusion: cfg(feature = "cube"),
+)]
 pub trait ConvBackend: Backend {
     /// `conv2d(x, weight)` with one group and no bias.
+    #[fusion(dtype = x, shape = conv_out_shape(x, weight, geometry))]
     fn hearth_conv2d(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -41,6 +70,7 @@ pub trait ConvBackend: Backend {
     ) -> FloatTensor<Self>;
 
     /// The input gradient `input_shape` of that convolution.
+    #[fusion(dtype = grad, shape = dims_shape(input_shape))]
     fn hearth_conv2d_x_grad(
         weight: FloatTensor<Self>,
         grad: FloatTensor<Self>,
@@ -49,12 +79,50 @@ pub trait ConvBackend: Backend {
     ) -> FloatTensor<Self>;
 
     /// The weight gradient `[Co, Ci, kh, kw]` of that convolution.
+    #[fusion(dtype = grad, shape = dims_shape(weight_shape))]
     fn hearth_conv2d_weight_grad(
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         weight_shape: [usize; 4],
         geometry: Geometry2,
     ) -> FloatTensor<Self>;
+
+    /// `lhs · rhs` for two matrices (a linear layer's `[B, in] · [in, out]`).
+    #[fusion(dtype = lhs, shape = product_shape(lhs, rhs))]
+    fn hearth_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self>;
+}
+
+#[cfg(feature = "cube")]
+impl ConvBackend for burn_cubecl::CubeBackend {
+    fn hearth_conv2d(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        geometry: Geometry2,
+    ) -> FloatTensor<Self> {
+        crate::cube::conv2d(x, weight, geometry)
+    }
+
+    fn hearth_conv2d_x_grad(
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        input_shape: [usize; 4],
+        geometry: Geometry2,
+    ) -> FloatTensor<Self> {
+        crate::cube::conv2d_x_grad(weight, grad, input_shape, geometry)
+    }
+
+    fn hearth_conv2d_weight_grad(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        weight_shape: [usize; 4],
+        geometry: Geometry2,
+    ) -> FloatTensor<Self> {
+        crate::cube::conv2d_weight_grad(x, grad, weight_shape, geometry)
+    }
+
+    fn hearth_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        crate::cube::linear_product(lhs, rhs)
+    }
 }
 
 impl ConvBackend for Flex {
@@ -121,6 +189,10 @@ impl ConvBackend for Flex {
         let (x, grad) = (x.to_contiguous(), grad.to_contiguous());
         let dw = conv2d_weight_grad(x.storage::<f32>(), grad.storage::<f32>(), &shape);
         f32_tensor(dw, weight_shape.to_vec())
+    }
+
+    fn hearth_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        Flex::float_matmul(lhs, rhs)
     }
 }
 
@@ -323,6 +395,55 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
             geometry,
         ))
     }
+
+    fn hearth_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        match LinearProduct
+            .prepare::<C>([lhs.node(), rhs.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(mut prep) => {
+                let lhs_state = prep.checkpoint(&lhs);
+                let rhs_state = prep.checkpoint(&rhs);
+                prep.finish(
+                    (lhs_state, rhs_state),
+                    B::hearth_matmul(lhs.into_primitive(), rhs.into_primitive()),
+                )
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::hearth_matmul(lhs.into_primitive(), rhs.into_primitive()))
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct LinearProduct;
+
+impl<B: ConvBackend> Backward<B, 2> for LinearProduct {
+    type State = (NodeId, NodeId);
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 2>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [node_lhs, node_rhs] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let (lhs_state, rhs_state) = ops.state;
+        let lhs = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(lhs_state);
+        let rhs = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(rhs_state);
+        // C = A · B: dA = dC · Bᵀ, dB = Aᵀ · dC.
+        if let Some(node) = node_lhs {
+            let d = B::hearth_matmul(grad.clone(), B::float_transpose(rhs));
+            grads.register::<B>(node.id, d);
+        }
+        if let Some(node) = node_rhs {
+            let d = B::hearth_matmul(B::float_transpose(lhs), grad);
+            grads.register::<B>(node.id, d);
+        }
+    }
 }
 
 /// `conv2d(x, weight)` (one group, no bias) through the extension: only for tensors on a Flex
@@ -350,5 +471,12 @@ pub fn conv2d_weight_grad_tensor(
         weight_shape,
         geometry,
     );
+    Tensor::from_dispatch(out)
+}
+
+/// `lhs · rhs` for two matrices through the extension (a linear layer's product on a cubecl
+/// device, by one fixed kernel; Flex's own product on Flex).
+pub fn matmul2(lhs: Tensor<2>, rhs: Tensor<2>) -> Tensor<2> {
+    let out = <Dispatch as ConvBackend>::hearth_matmul(lhs.into_dispatch(), rhs.into_dispatch());
     Tensor::from_dispatch(out)
 }

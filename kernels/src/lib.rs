@@ -35,11 +35,14 @@ use burn::tensor::FloatDType;
 pub mod batch_norm;
 pub mod cast;
 pub mod conv;
+#[cfg(feature = "cube")]
+pub mod cube;
 pub mod ext;
 pub mod gemv;
 pub mod norm;
 pub mod pool;
 pub mod precision;
+pub mod select;
 pub mod weight_grad;
 
 pub use cast::cast;
@@ -95,6 +98,9 @@ pub enum Path {
     /// our im2col + GEMM forward and input gradient where they measured faster than Flex's and
     /// Flex's elsewhere, and always our weight gradient.
     Gemm,
+    /// One group on a cubecl device (wgpu, Vulkan, CUDA; the `cube` feature): the same
+    /// extension op, each pass by the kernel [`select`] picks by rule, never autotuned.
+    Selected,
 }
 
 /// Whether the fast paths are allowed (`HEARTH_FAST_KERNELS`, read once; anything but `0`,
@@ -150,6 +156,30 @@ pub fn is_cpu(device: &Device) -> bool {
     is_flex(device) || format!("{:?}", device.clone().inner()).starts_with("NdArray")
 }
 
+/// Whether `device` runs through cubecl (wgpu, Vulkan, CUDA) in a build with the `cube`
+/// feature: where [`Path::Selected`] applies.
+pub fn is_cube(device: &Device) -> bool {
+    #[cfg(feature = "cube")]
+    {
+        use burn::backend::DispatchDevice;
+        matches!(
+            device.clone().inner().as_dispatch(),
+            DispatchDevice::Cube(_)
+        )
+    }
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = device;
+        false
+    }
+}
+
+/// Whether Hearth's convolutions and linear layers on `device` take the kernels [`select`]
+/// picks by rule: a cubecl device, the fast paths allowed, and `--autotune full` not asked for.
+pub fn selects_gpu_kernels(device: &Device, allowed: bool) -> bool {
+    allowed && is_cube(device) && select::selection() == select::Selection::Rules
+}
+
 /// Whether `device` is Burn Flex (with or without autodiff): the backend [`ext`] extends.
 pub fn is_flex(device: &Device) -> bool {
     device.clone().inner() == Device::flex()
@@ -168,12 +198,18 @@ fn symmetric(padding: &PaddingConfig2d) -> Option<[usize; 2]> {
 
 /// The path `conv` takes on `x`'s device (with `allowed` standing for [`enabled`]).
 pub fn fast_path(conv: &Conv2d, device: &Device, allowed: bool) -> Path {
-    if !allowed || !is_cpu(device) || conv.groups != 1 {
+    if conv.groups != 1 {
         return Path::Reference;
     }
     let Some(padding) = symmetric(&conv.padding) else {
         return Path::Reference;
     };
+    if selects_gpu_kernels(device, allowed) {
+        return Path::Selected;
+    }
+    if !allowed || !is_cpu(device) {
+        return Path::Reference;
+    }
     let pointwise = conv.kernel_size == [1, 1] && conv.dilation == [1, 1] && padding == [0, 0];
     let strided = conv.stride.iter().any(|&s| s > 1);
     let training = device.is_autodiff();
@@ -200,6 +236,12 @@ pub fn fast_path(conv: &Conv2d, device: &Device, allowed: bool) -> Path {
 pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
     if let Some(dt) = low_precision(&x) {
         let path = fast_path(conv, &x.device(), enabled());
+        if path == Path::Selected {
+            // GPU kernels take the low type as it is (tensor cores).
+            let weight = conv.weight.val().cast(dt);
+            let bias = conv.bias.as_ref().map(|b| b.val().cast(dt));
+            return conv2d_on(conv, path, x, weight, bias);
+        }
         if path != Path::Reference {
             let f32 = FloatDType::F32;
             let rounded = |t: Tensor<1>| cast(cast(t, dt), f32);
@@ -244,7 +286,7 @@ fn conv2d_on(
 ) -> Tensor<4> {
     match path {
         Path::Pointwise => pointwise_strided(x, weight, bias, conv.stride),
-        Path::Gemm => {
+        Path::Gemm | Path::Selected => {
             let padding = symmetric(&conv.padding).unwrap_or([0, 0]);
             let y = ext::conv2d_gemm_grad(x, weight, [conv.stride, padding, conv.dilation]);
             match bias {

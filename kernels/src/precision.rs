@@ -25,6 +25,9 @@ pub fn low_precision<const D: usize>(x: &Tensor<D>) -> Option<FloatDType> {
 /// `linear.forward(x)` in `x`'s float type; one f32 row for inference on the CPU on all
 /// threads ([`crate::gemv`]).
 pub fn linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
+    if crate::selects_gpu_kernels(&x.device(), crate::enabled()) {
+        return selected_linear(linear, x);
+    }
     match low_precision(&x) {
         None => match crate::gemv::one_row(&x, &linear.weight.val()) {
             Some(y) => match &linear.bias {
@@ -50,4 +53,29 @@ pub fn linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
             linear.bias.as_ref().map(|b| b.val().cast(dt)),
         ),
     }
+}
+
+/// A linear layer on a cubecl device by the fixed product of [`crate::ext::matmul2`] (never
+/// autotuned), in `x`'s float type: the rows of `x` flattened into one matrix.
+fn selected_linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
+    let dims = x.dims();
+    let inputs = dims[D - 1];
+    let rows = dims[..D - 1].iter().product::<usize>();
+    let weight = linear.weight.val();
+    let outputs = weight.dims()[1];
+    let (weight, bias) = match low_precision(&x) {
+        Some(dt) => (
+            weight.cast(dt),
+            linear.bias.as_ref().map(|b| b.val().cast(dt)),
+        ),
+        None => (weight, linear.bias.as_ref().map(|b| b.val())),
+    };
+    let y = crate::ext::matmul2(x.reshape([rows, inputs]), weight);
+    let y = match bias {
+        Some(b) => y + b.unsqueeze::<2>(),
+        None => y,
+    };
+    let mut out = dims;
+    out[D - 1] = outputs;
+    y.reshape(out)
 }
