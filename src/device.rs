@@ -200,6 +200,7 @@ impl DeviceSpec {
             if let Some(warning) = crate::gpu::configure() {
                 eprintln!("warning: {warning}");
             }
+            import_kernel_bundle()?;
         } else if std::env::var_os(crate::gpu::AUTOTUNE_LOG_ENV).is_some() {
             eprintln!(
                 "warning: {} is set, but {name} has no autotune (GPU devices only): nothing is logged",
@@ -263,6 +264,24 @@ impl DeviceSpec {
             }
         }
     }
+}
+
+/// Imports the kernel bundle [`crate::gpu::KERNEL_BUNDLE_ENV`] names, once per process, before
+/// the first GPU device starts (its entries must be in cubecl's cache before a tuner opens it).
+fn import_kernel_bundle() -> Result<()> {
+    static DONE: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
+    let Some(path) = std::env::var_os(crate::gpu::KERNEL_BUNDLE_ENV) else {
+        return Ok(());
+    };
+    let path = std::path::PathBuf::from(path);
+    let outcome = DONE.get_or_init(|| match crate::gpu::import_bundle(&path) {
+        Ok(line) => {
+            eprintln!("{line}");
+            Ok(())
+        }
+        Err(e) => Err(e.to_string()),
+    });
+    outcome.clone().map_err(HearthError::InvalidArgument)
 }
 
 /// Why a CUDA device cannot start when the cause is the usual one: no NVIDIA driver library.

@@ -35,6 +35,8 @@ pub enum HearthError {
     },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    #[error("kernel bundle {path}: {reason}")]
+    KernelBundle { path: PathBuf, reason: String },
     #[error("training failed: {0}")]
     Training(String),
     #[error("unusable checkpoint {0}")]

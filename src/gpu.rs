@@ -1,12 +1,21 @@
 //! Kernel selection on the cubecl devices (wgpu, Vulkan, CUDA), and a way to see it.
 //!
-//! Builds with a cubecl device (the `wgpu` and `cuda` features) turn on Burn's `autotune`,
-//! `fusion` and `persistence`: the first time a convolution or matrix product of a new shape
-//! runs, Burn times its candidate kernels (direct, im2col and implicit-GEMM convolutions, the
-//! tiled and tensor-core matmuls) and keeps the fastest, in memory and in cubecl's on-disk cache
-//! (`target/environment` inside a Cargo project, else `~/.cache/cubecl`), so a second run does
-//! not tune again. `CUBECL_AUTOTUNE_CACHE=0` turns the disk cache off, `CUBECL_AUTOTUNE_LEVEL`
-//! (`minimal`, `balanced`, `extensive`, `full`) sets how many candidates are tried.
+//! By default Hearth's convolutions and linear layers take the kernels `hearth_kernels::select`
+//! picks by rule for each operation, geometry and device (tensor cores, TMA), without timing
+//! anything: a new GPU compiles only the kernels it runs, and the first step comes within
+//! seconds of the device starting instead of after minutes of tuning. The choice never depends
+//! on the batch size. `--autotune full` (`HEARTH_AUTOTUNE=full`) hands them back to Burn's
+//! `autotune`, which times every candidate kernel (direct, im2col and implicit-GEMM
+//! convolutions, the tiled and tensor-core matmuls) on each new shape and keeps the fastest, in
+//! memory and in cubecl's on-disk cache (`target/environment` inside a Cargo project, else
+//! `~/.cache/cubecl`), so a second run does not tune again. `CUBECL_AUTOTUNE_CACHE=0` turns
+//! that disk cache off, `CUBECL_AUTOTUNE_LEVEL` (`minimal`, `balanced`, `extensive`, `full`)
+//! sets how many candidates are tried. Burn's own ops that Hearth does not route (reductions,
+//! fused element-wise work) keep autotune in both modes: a few candidates each, most with an
+//! early stop.
+//!
+//! cubecl's compiled-kernel cache is on (CUDA and HIP keep each compiled kernel under the GPU's
+//! fingerprint, so a second run compiles nothing); `HEARTH_KERNEL_CACHE=0` turns it off.
 //!
 //! `HEARTH_AUTOTUNE_LOG=FILE` appends every decision autotune takes to FILE, one JSON object a
 //! line (cubecl's own `AutotuneDecision`: the key with the shapes, each candidate's timing;
@@ -33,14 +42,22 @@ use crate::{HearthError, Result};
 /// The variable that names the autotune decision log.
 pub const AUTOTUNE_LOG_ENV: &str = "HEARTH_AUTOTUNE_LOG";
 
+/// The variable naming a kernel bundle (what `hearth tune` writes) to import into cubecl's
+/// cache before the first GPU device starts.
+pub const KERNEL_BUNDLE_ENV: &str = "HEARTH_KERNEL_BUNDLE";
+
 /// Largest |difference| over the largest |expected value| accepted where f32 products run as
 /// TF32 (10-bit mantissa: about 5e-4 per product, more after long sums).
 pub const TF32_RELATIVE_TOLERANCE: f32 = 5e-3;
 
-/// Applies Hearth's cubecl settings before the first cubecl device starts: today, the decision
-/// log of [`AUTOTUNE_LOG_ENV`]. Called by [`crate::device`] before it builds a device; calling it
-/// again does nothing. Returns a warning when the log was asked for but cubecl's configuration
-/// had already been read (a program that used a cubecl device before calling this).
+/// The variable that turns cubecl's compiled-kernel cache off (`0`).
+pub const KERNEL_CACHE_ENV: &str = "HEARTH_KERNEL_CACHE";
+
+/// Applies Hearth's cubecl settings before the first cubecl device starts: the compiled-kernel
+/// cache (on unless [`KERNEL_CACHE_ENV`] is `0`) and the decision log of [`AUTOTUNE_LOG_ENV`].
+/// Called by [`crate::device`] before it builds a device; calling it again does nothing.
+/// Returns a warning when cubecl's configuration had already been read (a program that used a
+/// cubecl device before calling this), so neither setting took.
 pub fn configure() -> Option<String> {
     #[cfg(feature = "gpu-kernels")]
     {
@@ -59,19 +76,28 @@ pub fn configure() -> Option<String> {
 fn apply_config() -> Option<String> {
     use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
 
-    let path = log_path(&std::env::var_os(AUTOTUNE_LOG_ENV)?);
+    let log = std::env::var_os(AUTOTUNE_LOG_ENV).map(|v| log_path(&v));
+    let cache = std::env::var(KERNEL_CACHE_ENV)
+        .map_or(true, |v| !matches!(v.trim(), "0" | "false" | "off"));
     // cubecl's own sources first (cubecl.toml or burn.toml, CUBECL_* variables), then ours.
     let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
-    config.autotune.decisions.file = Some(path.clone());
-    config.autotune.decisions.append = true;
+    config.compilation.cache = cache;
+    if let Some(path) = &log {
+        config.autotune.decisions.file = Some(path.clone());
+        config.autotune.decisions.append = true;
+    }
     if CubeClRuntimeConfig::try_set(config) {
-        None
-    } else {
-        Some(format!(
+        return None;
+    }
+    Some(match &log {
+        Some(path) => format!(
             "{AUTOTUNE_LOG_ENV}={}: cubecl's configuration was already in use, so no decision is logged",
             path.display()
-        ))
-    }
+        ),
+        None => "cubecl's configuration was already in use, so its compiled-kernel cache keeps \
+                 cubecl's own setting"
+            .into(),
+    })
 }
 
 /// A line for the start of a run on a cubecl device, or `None` when autotune has earlier
@@ -84,6 +110,10 @@ pub fn autotune_notice(device: &str) -> Option<String> {
     #[cfg(feature = "gpu-kernels")]
     {
         use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+        // Kernels chosen by rule: nothing long to announce.
+        if hearth_kernels::select::selection() == hearth_kernels::select::Selection::Rules {
+            return None;
+        }
         if CubeClRuntimeConfig::get().autotune.disable_cache {
             return Some(format!(
                 "autotune on {device}: its disk cache is off (CUBECL_AUTOTUNE_CACHE=0), so the \
@@ -108,6 +138,96 @@ pub fn autotune_notice(device: &str) -> Option<String> {
     }
 }
 
+/// Copies the kernel bundle at `path` (autotune decisions and compiled kernels, written by
+/// [`export_bundle`]) into cubecl's cache, once per process: entries the cache already holds
+/// keep their value. Returns a line saying what was imported. A missing, unreadable or corrupt
+/// file is an error naming it; a bundle from another cubecl version or GPU imports entries no
+/// lookup here will ask for, and costs nothing else (cubecl keys them by version and device).
+pub fn import_bundle(path: &Path) -> Result<String> {
+    let bundle_error = |reason: String| HearthError::KernelBundle {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if !path.is_file() {
+        return Err(bundle_error("no such file".into()));
+    }
+    #[cfg(feature = "gpu-kernels")]
+    {
+        use cubecl::bundle::{import, open};
+        let bundle = open(path).map_err(|e| bundle_error(format!("{e}")))?;
+        let report = import(bundle.as_ref());
+        Ok(format!(
+            "kernel bundle {}: {} entries imported into {} ({} already there{})",
+            path.display(),
+            report.imported,
+            cubecl::environment::path().display(),
+            report.skipped,
+            if report.failed > 0 {
+                format!(", {} could not be written", report.failed)
+            } else {
+                String::new()
+            }
+        ))
+    }
+    #[cfg(not(feature = "gpu-kernels"))]
+    Err(bundle_error(
+        "this build has no GPU device (build with the wgpu or cuda feature)".into(),
+    ))
+}
+
+/// Writes what cubecl's cache holds now (autotune decisions and, on CUDA, compiled kernels)
+/// to `out` as a bundle named `name`, for [`import_bundle`] on other machines. The account of
+/// how the cache was built (cubecl's `records`) is left out. Returns a line saying what was
+/// written.
+pub fn export_bundle(out: &Path, name: &str) -> Result<String> {
+    let bundle_error = |reason: String| HearthError::KernelBundle {
+        path: out.to_path_buf(),
+        reason,
+    };
+    #[cfg(feature = "gpu-kernels")]
+    {
+        use cubecl::bundle::{BundleFormat, ExportOptions, export};
+        let options = ExportOptions {
+            name: name.to_string(),
+            excluded_namespaces: vec!["records".into()],
+            format: BundleFormat::Sqlite,
+            ..Default::default()
+        };
+        let source = cubecl::environment::path();
+        if !source.is_file() {
+            return Err(bundle_error(format!(
+                "cubecl's cache {} holds nothing to export",
+                source.display()
+            )));
+        }
+        let manifest =
+            export(&[&source], out, &options).map_err(|e| bundle_error(format!("{e}")))?;
+        let bundle = cubecl::bundle::open(out).map_err(|e| bundle_error(format!("{e}")))?;
+        let mut entries = 0usize;
+        let mut namespaces = Vec::new();
+        for namespace in bundle.namespaces() {
+            let mut n = 0usize;
+            bundle.scan(&namespace, &mut |_, _| n += 1);
+            entries += n;
+            namespaces.push(format!("{namespace}: {n}"));
+        }
+        Ok(format!(
+            "kernel bundle {} ({:?}, cubecl {}): {entries} entries\n  {}",
+            out.display(),
+            manifest.name,
+            manifest.cubecl_version,
+            namespaces.join("\n  ")
+        ))
+    }
+    #[cfg(not(feature = "gpu-kernels"))]
+    {
+        let _ = name;
+        Err(bundle_error(
+            "this build has no GPU device (build with the wgpu or cuda feature)".into(),
+        ))
+    }
+}
+
 /// The log file a process writes: `{rank}` in the variable's value becomes this process's rank
 /// (`HEARTH_RANK`, else torchrun's `RANK`, else 0), so the ranks of a job write a file each.
 #[cfg_attr(not(feature = "gpu-kernels"), allow(dead_code))]
@@ -127,9 +247,22 @@ fn log_path_for(value: &std::ffi::OsStr, rank: &str) -> std::path::PathBuf {
     }
 }
 
+/// What an autotune decision chose a kernel for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecisionKind {
+    /// A convolution pass (forward, input or weight gradient, transposed).
+    Convolution,
+    /// A matrix product (Burn's, or one fused with element-wise work).
+    MatrixProduct,
+    /// Anything else: reductions, fused reductions, sums.
+    Other,
+}
+
 /// One autotune decision, as [`autotune_report`] reads it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
+    /// What kind of operation was tuned.
+    pub kind: DecisionKind,
     /// What was tuned: the operation and its shapes, in words.
     pub what: String,
     /// The kernel autotune kept (cubecl's `fastest_index`).
@@ -202,7 +335,20 @@ fn decision(v: &Value) -> Option<Decision> {
     }
     let (_, chosen, median) = measured.remove(pick);
     measured.sort_by(|a, b| a.2.total_cmp(&b.2));
+    let kind = if find_with(key, "kernel_size").is_some() {
+        DecisionKind::Convolution
+    } else if find_with(key, "matmul_key").is_some()
+        || find_with(key, "definition").is_some_and(|d| {
+            d.get("definition")
+                .is_some_and(|m| m.get("m").is_some() && m.get("k").is_some())
+        })
+    {
+        DecisionKind::MatrixProduct
+    } else {
+        DecisionKind::Other
+    };
     Some(Decision {
+        kind,
         what: describe_key(key),
         chosen,
         seconds: if median.is_nan() {
@@ -386,6 +532,7 @@ mod tests {
         assert!((d[0].seconds - 250e-6).abs() < 1e-12);
         assert_eq!(d[0].runner_up.as_ref().unwrap().0, "Direct");
         assert_eq!(d[0].failed, 1);
+        assert_eq!(d[0].kind, DecisionKind::Convolution);
         assert_eq!(
             d[0].what,
             "Conv 64->64 ch, kernel 3x3, stride 1x1, input 56x56, batch 32, F32"
@@ -403,6 +550,7 @@ mod tests {
         let path = dir.path().join("log.jsonl");
         std::fs::write(&path, format!("{line}\n{LINE}\n")).unwrap();
         let d = read_decisions(&path).unwrap();
+        assert_eq!(d[0].kind, DecisionKind::Other);
         assert_eq!(d[0].chosen, "kept");
         assert!((d[0].seconds - 300e-6).abs() < 1e-12);
         let (ru, t) = d[0].runner_up.clone().unwrap();
@@ -418,6 +566,30 @@ mod tests {
             "{table}"
         );
         assert!(table.contains("up to 1.50x slower"), "{table}");
+    }
+
+    #[test]
+    fn matrix_products_are_told_from_other_decisions() {
+        // cubek's matmul key (as the H200 logged it) and the fused one around it.
+        let plain = r#"{"key":{"definition":{"m":40,"n":1526,"k":3815,"lhs_pow2_factor":0},"analysis":{"scale_global":"Small"}},"fastest_index":0,"results":[{"outcome":{"Ok":{"name":"matmul_simple","index":0,"computation":{"median":{"secs":0,"nanos":9000}}}}}]}"#;
+        let fused = r#"{"key":{"matmul_key":{"definition":{"m":8,"n":8,"k":8}},"num_out_buffers":1,"num_ops":2},"fastest_index":0,"results":[{"outcome":{"Ok":{"name":"fused","index":0,"computation":{"median":{"secs":0,"nanos":9000}}}}}]}"#;
+        let reduce = r#"{"key":{"reduce_key":{"axis_is_contiguous":true},"definition":"not a product"},"fastest_index":0,"results":[{"outcome":{"Ok":{"name":"plane","index":0,"computation":{"median":{"secs":0,"nanos":9000}}}}}]}"#;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log.jsonl");
+        std::fs::write(&path, format!("{plain}\n{fused}\n{reduce}\n")).unwrap();
+        let kinds: Vec<_> = read_decisions(&path)
+            .unwrap()
+            .iter()
+            .map(|d| d.kind)
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                DecisionKind::MatrixProduct,
+                DecisionKind::MatrixProduct,
+                DecisionKind::Other
+            ]
+        );
     }
 
     #[test]

@@ -5,6 +5,7 @@ mod cli {
     pub mod predict;
     pub mod resume;
     pub mod train;
+    pub mod tune;
 }
 
 use std::path::PathBuf;
@@ -35,6 +36,17 @@ struct Cli {
     /// `hearth devices` lists this build's choices.
     #[arg(long, global = true, env = "HEARTH_DEVICE", default_value = "flex")]
     device: String,
+    /// How GPU kernels are chosen for Hearth's convolutions and linear layers: off (default: by
+    /// rule for the operation, its geometry and the GPU, nothing timed, the first step within
+    /// seconds) or full (Burn's autotune times every candidate kernel of each new shape first:
+    /// minutes on a GPU it has not seen, its decisions kept in cubecl's cache). GPU devices only.
+    #[arg(long, global = true, env = "HEARTH_AUTOTUNE", default_value = "off")]
+    autotune: String,
+    /// A kernel bundle (`hearth tune --out FILE`, from a machine with the same GPU model) to
+    /// import into cubecl's cache before the GPU starts: its compiled kernels spare compiling
+    /// them again, and under --autotune full its decisions spare the tuning. GPU devices only.
+    #[arg(long, global = true, env = "HEARTH_KERNEL_BUNDLE")]
+    kernel_bundle: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -66,6 +78,10 @@ enum Command {
     Secret,
     /// Start N local ranks of a distributed job: `hearth launch -n 2 -- hearth train ...`.
     Launch(LaunchArgs),
+    /// Tune a model's GPU kernels with Burn's autotune (a few training steps: minutes on a GPU
+    /// it has not seen) and write them, with the compiled kernels, to a bundle that other
+    /// machines with the same GPU model load with --kernel-bundle.
+    Tune(cli::tune::TuneArgs),
     /// Which kernel Burn's autotune chose for each shape on a GPU: reads the file a run wrote
     /// with HEARTH_AUTOTUNE_LOG=FILE and prints a table (winner, its time, the runner-up).
     AutotuneReport {
@@ -183,6 +199,10 @@ fn main() {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = Cli::parse();
+    if let Err(err) = set_autotune(&cli) {
+        eprintln!("error: {}", report(&err));
+        std::process::exit(1);
+    }
     // Freed tensors stay in the process for the next step (`HEARTH_MALLOC=system` opts out).
     if let Err(err) = hearth::alloc::apply_freed_memory_policy() {
         eprintln!("error: {err}");
@@ -214,6 +234,67 @@ fn report(err: &anyhow::Error) -> String {
     text
 }
 
+/// Sets how GPU kernels are chosen (`--autotune`) for this process and the ranks it starts, and
+/// refuses `full` where the command's device has no autotune.
+fn set_autotune(cli: &Cli) -> Result<()> {
+    use hearth::kernels::select::{Selection, set_selection};
+    let selection = Selection::parse(&cli.autotune).ok_or_else(|| {
+        anyhow::anyhow!(
+            "--autotune {}: expected off (kernels chosen by rule) or full (Burn's autotune)",
+            cli.autotune
+        )
+    })?;
+    let uses_device = matches!(
+        cli.command,
+        Command::Predict(_)
+            | Command::Eval(_)
+            | Command::Train(_)
+            | Command::Tune(_)
+            | Command::Bench(BenchCommand::Model(_))
+            | Command::Bench(BenchCommand::Loader(_))
+    );
+    let gpus = || {
+        DeviceChoice::ALL
+            .iter()
+            .filter(|d| d.is_cubecl())
+            .map(|d| d.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if uses_device && (selection == Selection::Autotune || cli.kernel_bundle.is_some()) {
+        let spec: hearth::device::DeviceSpec = cli.device.parse()?;
+        if !spec.choice.is_cubecl() {
+            let flag = if selection == Selection::Autotune {
+                "--autotune full"
+            } else {
+                "--kernel-bundle"
+            };
+            anyhow::bail!(
+                "{flag}: {} has no GPU kernels to tune or bundle (GPU devices of this build: {})",
+                spec.choice,
+                match gpus() {
+                    g if g.is_empty() => "none; build with the wgpu or cuda feature".into(),
+                    g => g,
+                }
+            );
+        }
+    }
+    if let Some(path) = &cli.kernel_bundle
+        && !path.is_file()
+    {
+        anyhow::bail!("--kernel-bundle {}: no such file", path.display());
+    }
+    set_selection(selection);
+    // SAFETY: before any thread of this process starts; ranks it spawns inherit the choices.
+    unsafe {
+        std::env::set_var("HEARTH_AUTOTUNE", selection.name());
+        if let Some(path) = &cli.kernel_bundle {
+            std::env::set_var(hearth::gpu::KERNEL_BUNDLE_ENV, path);
+        }
+    }
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Models => models(),
@@ -226,6 +307,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Data(DataCommand::Synth(args)) => data_synth(args),
         Command::Data(DataCommand::Check(args)) => data_check(args),
         Command::Train(args) => train_cmd(&cli.device, *args),
+        Command::Tune(args) => cli::tune::tune(&cli.device, args),
         Command::Launch(args) => launch_cmd(args),
         Command::Secret => {
             println!("{}", hearth::dist::tls::random_secret()?);

@@ -55,6 +55,42 @@ fn a_tuned_convolution_is_logged_and_reported() {
     assert!(!conv_decision.chosen.is_empty());
     assert!(conv_decision.seconds > 0.0, "{conv_decision:?}");
 
+    // Hearth's own convolution (`hearth_kernels::conv2d`): chosen by rule by default, with no
+    // decision; handed to autotune under `--autotune full`, with one.
+    {
+        use hearth::gpu::DecisionKind;
+        use hearth::kernels::select::{Selection, set_selection};
+        let convolutions = || {
+            hearth::gpu::read_decisions(&log)
+                .unwrap()
+                .iter()
+                .filter(|d| d.kind == DecisionKind::Convolution)
+                .count()
+        };
+        let before = convolutions();
+        let run = |co: usize| {
+            let conv = Conv2dConfig::new([3, co], [3, 3])
+                .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+                .init(&device);
+            let y = hearth::kernels::conv2d(&conv, Tensor::<4>::ones([2, 3, 9, 9], &device));
+            let _ = y.sum().into_scalar::<f32>();
+        };
+        set_selection(Selection::Rules);
+        run(20);
+        assert_eq!(
+            convolutions(),
+            before,
+            "a convolution chosen by rule was tuned"
+        );
+        set_selection(Selection::Autotune);
+        run(40);
+        assert!(
+            convolutions() > before,
+            "--autotune full tuned no convolution"
+        );
+        set_selection(Selection::Rules);
+    }
+
     let started = Instant::now();
     let mut child = Command::new(env!("CARGO_BIN_EXE_hearth"))
         .arg("autotune-report")
@@ -72,8 +108,10 @@ fn a_tuned_convolution_is_logged_and_reported() {
     let out = child.wait_with_output().unwrap();
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{table}");
+    let logged = hearth::gpu::read_decisions(&log).unwrap().len();
+    assert!(logged > decisions.len(), "{table}");
     assert!(
-        table.contains(&format!("{} autotune decisions", decisions.len())),
+        table.contains(&format!("{logged} autotune decisions")),
         "{table}"
     );
     assert!(table.contains("4->8 ch, kernel 3x3"), "{table}");

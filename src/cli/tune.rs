@@ -1,0 +1,101 @@
+//! `hearth tune`: tuning as a deliberate act. A few steps of a model under Burn's autotune (and
+//! one with the kernels chosen by rule, so that their compiled form is kept too), then cubecl's
+//! cache written to a bundle file that `--kernel-bundle` imports on other machines.
+
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+use clap::Args;
+use hearth::bench::{BenchMode, ModelBench};
+use hearth::kernels::select::{Selection, set_selection};
+use hearth::models::Architecture;
+
+#[derive(Args)]
+pub(crate) struct TuneArgs {
+    /// A torchvision name (resnet50, densenet121, vgg16, ...).
+    #[arg(long, default_value = "resnet50")]
+    model: String,
+    /// train (forward, backward, SGD step: the shapes training runs) or infer.
+    #[arg(long, value_enum, default_value_t = BenchMode::Train)]
+    mode: BenchMode,
+    /// Images per step: tune the batch size you train with (autotune's keys round it up to a
+    /// power of two, so a last partial batch of another size tunes again).
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// Input side in pixels.
+    #[arg(long, default_value_t = 224)]
+    size: usize,
+    /// Classes of the head.
+    #[arg(long, default_value_t = 1000)]
+    num_classes: usize,
+    /// The type steps compute in, as `hearth train --precision`.
+    #[arg(long, value_enum, default_value_t = hearth::train::Precision::Fp32)]
+    precision: hearth::train::Precision,
+    /// Where to write the bundle (an SQLite file; an earlier bundle there is replaced).
+    #[arg(long)]
+    out: PathBuf,
+    /// The bundle's name (default: the model, batch and device).
+    #[arg(long)]
+    name: Option<String>,
+}
+
+pub(crate) fn tune(device_name: &str, args: TuneArgs) -> Result<()> {
+    if hearth::train::MINI_MODELS.contains(&args.model.as_str()) {
+        bail!(
+            "tune takes a torchvision name (resnet50, densenet121, vgg16, ...): {} is a \
+             test-size network",
+            args.model
+        );
+    }
+    if args.out.is_dir() {
+        bail!(
+            "--out {}: is a folder; give a file name",
+            args.out.display()
+        );
+    }
+    let device = hearth::device::select(device_name)?;
+    let arch = Architecture::from_name(&args.model)?;
+    let run = |selection: Selection, what: &str| -> Result<()> {
+        set_selection(selection);
+        eprintln!(
+            "tune: {arch} {:?} batch {} at {}x{} on {device_name}, {what}",
+            args.mode, args.batch_size, args.size, args.size
+        );
+        let started = std::time::Instant::now();
+        ModelBench {
+            arch,
+            mode: args.mode,
+            batch_size: args.batch_size,
+            size: args.size,
+            warmup: 1,
+            steps: 1,
+            num_classes: args.num_classes,
+            precision: args.precision,
+        }
+        .run(&device, |i, total, dt, _| {
+            eprintln!("  step {i}/{total}: {:.1} s", dt);
+        })?;
+        eprintln!("  {:.1} s", started.elapsed().as_secs_f64());
+        Ok(())
+    };
+    run(
+        Selection::Rules,
+        "kernels chosen by rule (compiled and kept)",
+    )?;
+    run(
+        Selection::Autotune,
+        "--autotune full (every candidate kernel of each new shape compiled and timed)",
+    )?;
+    let name = args.name.clone().unwrap_or_else(|| {
+        format!(
+            "{arch} {:?} batch {} {}px {} on {device_name}",
+            args.mode, args.batch_size, args.size, args.precision
+        )
+    });
+    println!("{}", hearth::gpu::export_bundle(&args.out, &name)?);
+    println!(
+        "use it with: hearth --device {device_name} --kernel-bundle {} [--autotune full] train ...",
+        args.out.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,229 @@
+//! Kernels chosen by rule on a cubecl device (Vulkan on the CPU: Mesa lavapipe, which CI
+//! installs): Hearth's convolutions and linear layers train with no autotune decision for a
+//! convolution or a matrix product, whatever the batch, and give what Flex gives. A file of its
+//! own: cubecl's configuration (the decision log) is read once per process, when the first
+//! cubecl device starts.
+
+mod common;
+
+/// Relative gap of `a` to `b`: the largest difference over the largest |b|.
+#[cfg(feature = "wgpu")]
+fn relative_gap(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    common::max_abs_diff(a, b) / scale
+}
+
+/// One training step of `config`'s model on `device` from the weights in `record`: the logits
+/// before the step, the input's gradient, and the logits after an SGD step.
+#[cfg(feature = "wgpu")]
+fn train_step(
+    record: &hearth::models::Classifier,
+    device: &burn::prelude::Device,
+    x: &burn::tensor::TensorData,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    use burn::module::Module;
+    use burn::optim::{GradientsParams, SgdConfig};
+    use burn::prelude::*;
+
+    let device = device.clone().autodiff();
+    // `fork`: a new leaf on `device` whose parameters are tracked there.
+    let model = record.clone().fork(&device);
+    let x = Tensor::<4>::from_data(x.clone(), &device).require_grad();
+    let logits = model.forward(x.clone());
+    let classes = logits.dims()[1];
+    // A loss that weighs each logit differently, so every output's gradient differs.
+    let ramp: Vec<f32> = (1..=classes).map(|c| c as f32).collect();
+    let weights =
+        Tensor::<2>::from_data(burn::tensor::TensorData::new(ramp, [1, classes]), &device);
+    let loss = (logits.clone() * weights).sum();
+    let grads = loss.backward();
+    let x_grad = x.grad(&grads).expect("the input has a gradient");
+    let params = GradientsParams::from_grads(grads, &model);
+    assert!(!params.is_empty(), "no parameter has a gradient");
+    let mut sgd = SgdConfig::new().init();
+    let stepped = sgd.step(0.05, model, params);
+    let after = stepped.forward(x.detach());
+    let values = |t: Tensor<2>| t.into_data().iter::<f32>().collect::<Vec<_>>();
+    (
+        values(logits),
+        x_grad.into_data().iter::<f32>().collect(),
+        values(after),
+    )
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn selected_kernels_train_as_flex_does_and_tune_no_convolution_or_product() {
+    use burn::prelude::*;
+    use hearth::device::DeviceChoice;
+    use hearth::gpu::DecisionKind;
+    use hearth::models::{BlockKind, ModelConfig, ResNetConfig};
+
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("autotune.jsonl");
+    // SAFETY: the only test of this process, before any device (or other thread) starts.
+    unsafe {
+        std::env::set_var(hearth::gpu::AUTOTUNE_LOG_ENV, &log);
+        // Every decision taken now, none read back from an earlier run's disk cache.
+        std::env::set_var("CUBECL_AUTOTUNE_CACHE", "0");
+        std::env::remove_var("HEARTH_AUTOTUNE");
+        std::env::remove_var("HEARTH_FAST_KERNELS");
+    }
+    let Some(gpu) = common::device_or_skip(
+        DeviceChoice::VulkanCpu,
+        "selected_kernels_train_as_flex_does_and_tune_no_convolution_or_product",
+    ) else {
+        return;
+    };
+    assert_eq!(
+        hearth::kernels::select::selection(),
+        hearth::kernels::select::Selection::Rules
+    );
+    let flex = Device::flex();
+    // A bottleneck ResNet: the strided 7x7 stem, 3x3 with stride 1 and 2, 1x1 with stride 1
+    // (the pointwise products) and 2 (the shortcuts), and a linear head. Small: lavapipe
+    // compiles every kernel it meets.
+    let config = ModelConfig::ResNet(
+        ResNetConfig::new(BlockKind::Bottleneck, [1, 1, 1, 1], 5)
+            .with_stem_width(8)
+            .with_stage_widths([4, 8, 8, 8]),
+    );
+    // Initialised on an autodiff device, so that its parameters are tracked wherever it moves.
+    let record = config.init(&flex.clone().autodiff()).unwrap();
+    let input = |batch: usize| {
+        Tensor::<4>::random(
+            [batch, 3, 32, 32],
+            burn::tensor::Distribution::Normal(0.0, 1.0),
+            &flex,
+        )
+        .into_data()
+    };
+    let x = input(2);
+    let started = std::time::Instant::now();
+    let on_flex = train_step(&record, &flex, &x);
+    let on_gpu = train_step(&record, &gpu, &x);
+    eprintln!(
+        "batch 2 on Flex and lavapipe: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    // f32 in both, summed in other orders: the logits agree to about 1e-4 of their largest;
+    // gradients through batch norm (which subtracts the batch's mean) lose more digits. A wrong
+    // kernel (a transposed weight, a shifted window) is off by the values' own size.
+    for (what, g, f, bound) in [
+        ("logits", &on_gpu.0, &on_flex.0, 1e-3),
+        ("input gradient", &on_gpu.1, &on_flex.1, 2e-2),
+        ("logits after an SGD step", &on_gpu.2, &on_flex.2, 2e-2),
+    ] {
+        let gap = relative_gap(g, f);
+        eprintln!("{what}: {gap:.2e} of the largest value (bound {bound:e})");
+        assert!(gap < bound, "{what} differs by {gap:.2e}");
+    }
+    // Another batch size: no decision either (the choice does not depend on the batch).
+    let started = std::time::Instant::now();
+    let _ = train_step(&record, &gpu, &input(3));
+    eprintln!(
+        "batch 3 on lavapipe: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    // The step changed the weights: the parameters' gradients were there (and so computed by
+    // the weight-gradient kernels checked below).
+    assert!(
+        relative_gap(&on_gpu.2, &on_gpu.0) > 1e-4,
+        "the SGD step changed nothing"
+    );
+
+    // The selection ran, for every pass and the linear layers.
+    let chosen = hearth::kernels::cube::chosen();
+    for (what, kernel) in &chosen {
+        eprintln!("chosen: {what}: {kernel}");
+    }
+    for pass in ["forward", "input gradient", "weight gradient", "matmul"] {
+        assert!(
+            chosen.iter().any(|(what, _)| what.starts_with(pass)),
+            "no {pass} chosen by rule: {chosen:?}"
+        );
+    }
+    assert!(
+        chosen
+            .iter()
+            .any(|(_, kernel)| kernel == "pointwise_matmul"),
+        "the bottleneck's 1x1 convolutions took no matrix product: {chosen:?}"
+    );
+    // lavapipe has no tensor cores: everything else is Burn's direct kernel.
+    assert!(
+        chosen
+            .iter()
+            .all(|(_, kernel)| ["pointwise_matmul", "direct", "matmul_cube"]
+                .contains(&kernel.as_str())),
+        "{chosen:?}"
+    );
+
+    let decisions = if log.exists() {
+        hearth::gpu::read_decisions(&log).unwrap()
+    } else {
+        Vec::new()
+    };
+    let heavy: Vec<_> = decisions
+        .iter()
+        .filter(|d| d.kind != DecisionKind::Other)
+        .collect();
+    let others = decisions.len() - heavy.len();
+    eprintln!(
+        "{} autotune decisions, {others} of them reductions and other element-wise work",
+        decisions.len()
+    );
+    assert!(
+        heavy.is_empty(),
+        "convolutions or products were autotuned: {heavy:#?}"
+    );
+}
+
+/// `--autotune` takes off or full, and full is refused by name on a device that has no
+/// autotune (a CPU backend), before anything runs; so is `--kernel-bundle` there, and a bundle
+/// that does not exist.
+#[test]
+fn autotune_full_on_a_cpu_device_and_an_unknown_value_are_refused_by_name() {
+    for (args, expected) in [
+        (
+            &[
+                "--device",
+                "flex",
+                "--autotune",
+                "full",
+                "train",
+                "--epochs",
+                "1",
+            ][..],
+            "--autotune full: flex has no GPU kernels to tune",
+        ),
+        (
+            &["--autotune", "sometimes", "models"][..],
+            "--autotune sometimes: expected off",
+        ),
+        (
+            &["--kernel-bundle", "/nonexistent/h200.bundle", "models"][..],
+            "--kernel-bundle /nonexistent/h200.bundle: no such file",
+        ),
+        (
+            &["--device", "flex", "--kernel-bundle", "/dev/null", "train"][..],
+            "--kernel-bundle: flex has no GPU kernels",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_hearth"))
+            .args(args)
+            .current_dir(dir.path())
+            .env_remove("HEARTH_AUTOTUNE")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} ran: {err}");
+        assert!(err.contains(expected), "{args:?}: {err}");
+        // Nothing was started: no run folder, no data set.
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "{args:?}"
+        );
+    }
+}
