@@ -20,8 +20,16 @@
 # `--features cuda-ptx,vulkan` (LLVM's PTX back end instead of NVRTC) into another folder and run
 # the bench step on each.
 #
+# Kernels: by default Hearth's convolutions and linear layers take the kernels chosen by rule
+# (`hearth_kernels::select`, no autotune); HEARTH_GPU_AUTOTUNE=full runs every step under
+# `--autotune full` instead (Burn's autotune), to compare the two on the same GPU.
+#
 # Steps (each bounded by HEARTH_STEP_TIMEOUT s, default 600; a failed step is reported and the
 # script goes on; the exit status says whether any failed):
+#   first  0. time to the first training step on a GPU this machine has not tuned: `hearth bench
+#             model --model resnet50 --mode train --batch-size 32 --steps 3 --warmup 1` from the
+#             process's start to its end, kernels by rule (and, with HEARTH_GPU_FIRST_FULL=1,
+#             under --autotune full with an empty cache);
 #   parity 1. torchvision parity on each device of HEARTH_GPU_DEVICES (default "cuda wgpu
 #             vulkan"; f32 1e-4, CUDA within the TF32 bound);
 #   bench  2. the models bench on each device: ResNet-50, DenseNet-121 and VGG-16 at 224,
@@ -36,7 +44,7 @@
 #   train  4. a short training run on each device; `hearth train --model resnet50` on a
 #             generated 224-pixel image folder, one process, then 2 data-parallel ranks sharing
 #             the GPU, with images/s and the gradient exchange's share of a step.
-# HEARTH_GPU_ONLY=parity|bench|mixed|train runs one step group (a device call is limited to 10
+# HEARTH_GPU_ONLY=first|parity|bench|mixed|train runs one step group (a device call is limited to 10
 # minutes and 64 MiB of carried files: split the work across calls with it).
 #
 # Budget (measured 2026-11-26, one H200, fresh machine, CUDA): autotune's first pass is most of
@@ -86,6 +94,7 @@ WARMUP=${HEARTH_BENCH_WARMUP:-3}
 DEVICES=${HEARTH_GPU_DEVICES:-cuda wgpu vulkan}
 FIRST=${DEVICES%% *}
 ONLY=${HEARTH_GPU_ONLY:-all}
+export HEARTH_AUTOTUNE=${HEARTH_GPU_AUTOTUNE:-off}
 status=0
 # Autotune's decisions persist in cubecl's environment database, TARGET/environment of the
 # outermost Cargo.toml above the working directory (here: this checkout's target/). On a fresh
@@ -94,15 +103,31 @@ status=0
 # not finished its tuning 2.5 minutes later (BENCHMARKS.md). The database is saved to
 # OUT/cubecl-environment.tar.xz at the end; carried back beside the binaries (in the BIN
 # folder), it is restored first and spares the next call the tuning already done.
+# Outside a Cargo project cubecl keeps the same database in ~/.cache/cubecl ($XDG_CACHE_HOME):
+# both places are saved and restored.
+CUBECL_USER_CACHE=${XDG_CACHE_HOME:-$HOME/.cache}
 if [ -f "$BIN/cubecl-environment.tar.xz" ]; then
-    mkdir -p "$ROOT/target" \
-        && tar -xJf "$BIN/cubecl-environment.tar.xz" -C "$ROOT/target" \
-        && echo "autotune: restored $(du -sh "$ROOT/target/environment" | cut -f1) of earlier decisions"
+    unpacked=$(mktemp -d)
+    if tar -xJf "$BIN/cubecl-environment.tar.xz" -C "$unpacked"; then
+        if [ -d "$unpacked/environment" ]; then
+            mkdir -p "$ROOT/target" && rm -rf "$ROOT/target/environment" \
+                && mv "$unpacked/environment" "$ROOT/target/environment"
+        fi
+        if [ -d "$unpacked/cubecl" ]; then
+            mkdir -p "$CUBECL_USER_CACHE" && rm -rf "$CUBECL_USER_CACHE/cubecl" \
+                && mv "$unpacked/cubecl" "$CUBECL_USER_CACHE/cubecl"
+        fi
+        echo "autotune: restored $(du -sh "$unpacked" | cut -f1) of earlier decisions and kernels"
+    fi
+    rm -rf "$unpacked"
 fi
 save_autotune() {
-    [ -d "$ROOT/target/environment" ] || return 0
-    tar -cJf "$OUT/cubecl-environment.tar.xz" -C "$ROOT/target" environment \
-        && echo "autotune: decisions saved to $OUT/cubecl-environment.tar.xz"
+    local parts=()
+    [ -d "$ROOT/target/environment" ] && parts+=(-C "$ROOT/target" environment)
+    [ -d "$CUBECL_USER_CACHE/cubecl" ] && parts+=(-C "$CUBECL_USER_CACHE" cubecl)
+    [ ${#parts[@]} -gt 0 ] || return 0
+    tar -cJf "$OUT/cubecl-environment.tar.xz" "${parts[@]}" \
+        && echo "autotune: decisions and compiled kernels saved to $OUT/cubecl-environment.tar.xz"
 }
 step() { echo; echo "=== $* ($(date +%T))"; }
 run() {
@@ -122,6 +147,18 @@ ldconfig -p | grep -q libvulkan || echo "no libvulkan: Vulkan/wgpu steps will fa
 python3 -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())' 2>&1
 echo "NVRTC: $( (ldconfig -p | grep -o 'libnvrtc\.so[.0-9]*' | head -1; for d in ${NV_LIBS//:/ }; do ls "$d" | grep '^libnvrtc\.so'; done) | tr '\n' ' ')(library path: ${NV_LIBS:-system only})"
 [ -x "$BIN/hearth" ] && "$BIN/hearth" devices 2>&1
+
+if wants first; then
+    modes=off
+    [ "${HEARTH_GPU_FIRST_FULL:-0}" = 1 ] && modes="off full"
+    for mode in $modes; do
+        step "time to the first ResNet-50 training steps on $FIRST, --autotune $mode"
+        started=$(date +%s.%N)
+        run "$BIN/hearth" --device "$FIRST" --autotune "$mode" bench model --model resnet50 \
+            --mode train --batch-size 32 --steps 3 --warmup 1
+        echo "first steps, --autotune $mode: $(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s from the process's start (device start, kernel compilation, 1 warm-up and 3 timed steps)"
+    done
+fi
 
 if wants parity; then
     step "torchvision parity on $DEVICES"
