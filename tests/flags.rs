@@ -107,6 +107,8 @@ fn setting(flag: &str) -> Vec<&'static str> {
         "--rho" => &["--rho", "2"],
         "--staleness" => &["--staleness", "4"],
         "--device" => &["--device", "flex"],
+        "--autotune" => &["--autotune", "full"],
+        "--kernel-bundle" => &["--kernel-bundle", "bundle.db"],
         other => panic!(
             "`hearth train {other}` has no row in tests/flags.rs: say what it does in every \
              mode (setting() and expect())"
@@ -168,6 +170,10 @@ fn expect(flag: &str, mode: &str) -> Expect {
         ("--overlap", "elastic") => Mechanics,
         ("--overlap", "parameter servers") => Refused("--overlap does not work with --ps"),
         ("--overlap", "pipeline") => Refused("--overlap does not work with --pipeline-stages"),
+        // GPU kernel selection: the walk runs on flex, which has no GPU kernels (on a GPU:
+        // tests/gpu_select.rs, tests/autotune_log.rs).
+        ("--autotune", _) => Refused("--autotune full: flex has no GPU kernels"),
+        ("--kernel-bundle", _) => Refused("--kernel-bundle: flex has no GPU kernels"),
         // Not built yet (said by name).
         // No meaning: a pipeline's micro-batches are its accumulation.
         ("--grad-accum", "pipeline") => Refused("--micro-batches"),
