@@ -24,8 +24,17 @@ use hearth_models::Classifier;
 use super::{EpochTable, Monitor, Task};
 use crate::{HearthError, Result};
 
-/// The best epoch by the monitored metric; an improvement of `min_delta` or less does not count
-/// (the earlier epoch stays the best).
+/// A metric as `metrics.csv` stores it (six decimals): how [`best_epoch`] compares values, so
+/// that a resumed run, whose earlier epochs come back from that file, and an uninterrupted run,
+/// which holds them at full precision, choose the same epoch. (They did not: two epochs at the
+/// same accuracy tied in one run, while in the resumed one the later epoch's unrounded value
+/// beat the earlier's rounded one by 3.5e-7 and was exported instead.)
+fn as_stored(v: f64) -> f64 {
+    (v * 1e6).round() / 1e6
+}
+
+/// The best epoch by the monitored metric, compared as `metrics.csv` stores it; an improvement
+/// of `min_delta` or less does not count (the earlier epoch stays the best).
 pub fn best_epoch(
     rows: &BTreeMap<usize, BTreeMap<String, f64>>,
     monitor: Monitor,
@@ -39,6 +48,7 @@ pub fn best_epoch(
         if !v.is_finite() {
             continue;
         }
+        let v = as_stored(v);
         let better = match best {
             None => true,
             Some((_, b)) if higher => v > b + min_delta,
@@ -288,6 +298,30 @@ mod tests {
             monitor,
             min_delta,
         }
+    }
+
+    #[test]
+    fn a_tie_is_the_same_tie_whether_the_earlier_epoch_was_read_back_from_metrics_csv() {
+        // 15/18 validation images: in memory, and as metrics.csv stores it ("83.333331").
+        let in_memory = 15.0f32 as f64 / 18.0 * 100.0;
+        let stored: f64 = format!("{in_memory:.6}").parse().unwrap();
+        assert_ne!(stored, in_memory);
+        assert!(in_memory > stored);
+        for (earlier, later) in [(in_memory, in_memory), (stored, in_memory)] {
+            let acc = [(1, 61.1), (2, earlier), (3, later)];
+            assert_eq!(rule(&acc, Monitor::ValAccuracy, 0.0).best(), Some(2));
+        }
+        // A loss the file rounds up: the later epoch's unrounded value is below it.
+        let loss = 0.123_456_6;
+        let stored: f64 = format!("{loss:.6}").parse().unwrap();
+        assert!(loss < stored);
+        for (earlier, later) in [(loss, loss), (stored, loss)] {
+            let rows = [(1, 0.9), (2, earlier), (3, later)];
+            assert_eq!(rule(&rows, Monitor::ValLoss, 0.0).best(), Some(2));
+        }
+        // A real improvement still counts.
+        let acc = [(1, 61.1), (2, 83.333331), (3, 83.333341)];
+        assert_eq!(rule(&acc, Monitor::ValAccuracy, 0.0).best(), Some(3));
     }
 
     #[test]
