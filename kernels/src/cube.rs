@@ -29,7 +29,7 @@ use cubek::convolution::{
 use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
 use cubek::std::InputBinding;
 
-use crate::ext::Geometry2;
+use crate::ext::{Geometry2, conv_shape};
 use crate::select::{Caps, ConvKernel, ConvOp, Loading, Tile, conv_kernels};
 use crate::weight_grad::ConvShape;
 
@@ -82,21 +82,6 @@ fn describe(op: ConvOp, s: &ConvShape, dtype: DType) -> String {
         s.input[2],
         s.input[3]
     )
-}
-
-fn shape_of(
-    input: [usize; 4],
-    weight: [usize; 4],
-    [stride, padding, dilation]: Geometry2,
-) -> ConvShape {
-    ConvShape {
-        input,
-        out_channels: weight[0],
-        kernel: [weight[2], weight[3]],
-        stride,
-        padding,
-        dilation,
-    }
 }
 
 fn options([stride, padding, dilation]: Geometry2) -> ConvOptions<2> {
@@ -280,14 +265,7 @@ fn direct_input_grad(
     grad: &CubeTensor,
     s: &ConvShape,
 ) -> Result<CubeTensor, String> {
-    let out = dims4(grad);
-    // The input rows and columns a strided convolution left unread at the far edge: the
-    // transposed convolution gives them back (zero gradient) to restore the input's size.
-    let padding_out: [usize; 2] = std::array::from_fn(|a| {
-        let reach = s.dilation[a] * (s.kernel[a] - 1) + 1;
-        let covered = (out[2 + a].max(1) - 1) * s.stride[a] + reach;
-        (s.input[2 + a] + 2 * s.padding[a]).saturating_sub(covered)
-    });
+    let padding_out = s.unread_edge(dims4(grad));
     let options = ConvTransposeOptions::new(s.stride, s.padding, padding_out, s.dilation, 1);
     conv_transpose2d(
         grad.clone(),
@@ -326,7 +304,7 @@ fn direct_weight_grad(
 
 /// The forward convolution (one group, no bias).
 pub fn conv2d(x: CubeTensor, weight: CubeTensor, geometry: Geometry2) -> CubeTensor {
-    let s = shape_of(dims4(&x), dims4(&weight), geometry);
+    let s = conv_shape(dims4(&x), dims4(&weight), geometry);
     let Some(out) = s.output() else {
         // Burn's own kernel says what is wrong with the shape.
         return conv_forward(x, weight, None, options(geometry), ConvStrategy::Direct)
@@ -360,7 +338,7 @@ pub fn conv2d_x_grad(
     input_shape: [usize; 4],
     geometry: Geometry2,
 ) -> CubeTensor {
-    let s = shape_of(input_shape, dims4(&weight), geometry);
+    let s = conv_shape(input_shape, dims4(&weight), geometry);
     run(ConvOp::InputGrad, &s, &grad, |kernel| match kernel {
         ConvKernel::ImplicitGemm(l, t) => implicit_gemm(
             ConvOp::InputGrad,
@@ -382,7 +360,7 @@ pub fn conv2d_weight_grad(
     weight_shape: [usize; 4],
     geometry: Geometry2,
 ) -> CubeTensor {
-    let s = shape_of(dims4(&x), weight_shape, geometry);
+    let s = conv_shape(dims4(&x), weight_shape, geometry);
     run(ConvOp::WeightGrad, &s, &x, |kernel| match kernel {
         ConvKernel::ImplicitGemm(l, t) => implicit_gemm(
             ConvOp::WeightGrad,

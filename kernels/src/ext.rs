@@ -222,14 +222,7 @@ fn own_forward_is_faster(s: &ConvShape) -> bool {
 /// `conv2d_x_backward` takes the input only for its shape; building a zero input of that shape
 /// cost a pass over memory per call).
 fn flex_input_grad(weight: FlexTensor, grad: FlexTensor, s: &ConvShape) -> FlexTensor {
-    let out = grad.shape().dims::<4>();
-    // The input rows and columns a strided convolution left unread at the far edge: the
-    // transposed convolution must give them back (zero gradient) to restore the input's size.
-    let padding_out: [usize; 2] = std::array::from_fn(|a| {
-        let reach = s.dilation[a] * (s.kernel[a] - 1) + 1;
-        let covered = (out[2 + a].max(1) - 1) * s.stride[a] + reach;
-        (s.input[2 + a] + 2 * s.padding[a]).saturating_sub(covered)
-    });
+    let padding_out = s.unread_edge(grad.shape().dims::<4>());
     Flex::conv_transpose2d(
         grad,
         weight,
@@ -294,7 +287,7 @@ pub fn input_grad_path(s: &ConvShape) -> InputGrad {
     }
 }
 
-fn conv_shape(
+pub(crate) fn conv_shape(
     input: [usize; 4],
     weight: [usize; 4],
     [stride, padding, dilation]: Geometry2,

@@ -50,6 +50,17 @@ impl ConvShape {
         (input >= span && self.stride[axis] > 0).then(|| (input - span) / self.stride[axis] + 1)
     }
 
+    /// The input rows and columns a strided convolution with output `out` left unread at the
+    /// far edge: a transposed convolution computing the input gradient gives them back (zero
+    /// gradient) to restore the input's size (its `padding_out`).
+    pub fn unread_edge(&self, out: [usize; 4]) -> [usize; 2] {
+        std::array::from_fn(|a| {
+            let reach = self.dilation[a] * (self.kernel[a] - 1) + 1;
+            let covered = (out[2 + a].max(1) - 1) * self.stride[a] + reach;
+            (self.input[2 + a] + 2 * self.padding[a]).saturating_sub(covered)
+        })
+    }
+
     /// `[N, Co, Ho, Wo]`, or `None` when the kernel does not fit.
     pub fn output(&self) -> Option<[usize; 4]> {
         Some([
