@@ -37,8 +37,8 @@ struct Cli {
     #[arg(long, global = true, env = "HEARTH_DEVICE", default_value = "flex")]
     device: String,
     /// How GPU kernels are chosen for Hearth's convolutions and linear layers: off (default: by
-    /// rule for the operation, its geometry and the GPU, nothing timed, the first step within
-    /// seconds) or full (Burn's autotune times every candidate kernel of each new shape first:
+    /// rule for the operation, its geometry and the GPU, nothing timed; only the kernels that
+    /// run are compiled) or full (Burn's autotune times every candidate kernel of each new shape first:
     /// minutes on a GPU it has not seen, its decisions kept in cubecl's cache). GPU devices only.
     #[arg(long, global = true, env = "HEARTH_AUTOTUNE", default_value = "off")]
     autotune: String,

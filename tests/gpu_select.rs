@@ -208,6 +208,10 @@ fn autotune_full_on_a_cpu_device_and_an_unknown_value_are_refused_by_name() {
             &["--device", "flex", "--kernel-bundle", "/dev/null", "train"][..],
             "--kernel-bundle: flex has no GPU kernels",
         ),
+        (
+            &["--device", "flex", "tune", "--out", "flex.bundle"][..],
+            "tune: flex has no GPU kernels to tune",
+        ),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_hearth"))

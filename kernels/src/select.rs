@@ -203,7 +203,7 @@ pub fn conv_kernels(op: ConvOp, s: &ConvShape, elem_bytes: usize, caps: Caps) ->
 /// autotune, which times every candidate on each new shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Selection {
-    /// By rule: no timing, the first step within seconds of the device starting.
+    /// By rule: nothing timed; only the kernels that run are compiled.
     #[default]
     Rules,
     /// Burn's autotune: each new shape's candidates compiled and timed (minutes on a new GPU),

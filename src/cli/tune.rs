@@ -47,6 +47,14 @@ pub(crate) fn tune(device_name: &str, args: TuneArgs) -> Result<()> {
             args.model
         );
     }
+    let spec: hearth::device::DeviceSpec = device_name.parse()?;
+    if !spec.choice.is_cubecl() {
+        bail!(
+            "tune: {} has no GPU kernels to tune; give a GPU device (--device cuda, vulkan, \
+             wgpu or vulkan-cpu, as this build has them)",
+            spec.choice
+        );
+    }
     if args.out.is_dir() {
         bail!(
             "--out {}: is a folder; give a file name",
