@@ -1,0 +1,268 @@
+//! Kernel selection on the cubecl devices (wgpu, Vulkan, CUDA), and a way to see it.
+//!
+//! By default Hearth's convolutions and linear layers take the kernels `hearth_kernels::select`
+//! picks by rule for each operation, geometry and device (tensor cores, TMA), without timing
+//! anything: a new GPU compiles only the kernels it runs, instead of compiling and timing
+//! every candidate (on a fresh H200, ResNet-50 training had not reached its first step after 12
+//! minutes of that; the time by rule is not yet measured on a GPU). The choice never depends
+//! on the batch size. `--autotune full` (`HEARTH_AUTOTUNE=full`) hands them back to Burn's
+//! `autotune`, which times every candidate kernel (direct, im2col and implicit-GEMM
+//! convolutions, the tiled and tensor-core matmuls) on each new shape and keeps the fastest, in
+//! memory and in cubecl's on-disk cache (`target/environment` inside a Cargo project, else
+//! `~/.cache/cubecl`), so a second run does not tune again. `CUBECL_AUTOTUNE_CACHE=0` turns
+//! that disk cache off, `CUBECL_AUTOTUNE_LEVEL` (`minimal`, `balanced`, `extensive`, `full`)
+//! sets how many candidates are tried. Burn's own ops that Hearth does not route (reductions,
+//! fused element-wise work) keep autotune in both modes: a few candidates each, most with an
+//! early stop.
+//!
+//! cubecl's compiled-kernel cache is on (CUDA and HIP keep each compiled kernel under the GPU's
+//! fingerprint, so a second run compiles nothing); `HEARTH_KERNEL_CACHE=0` turns it off.
+//!
+//! `HEARTH_AUTOTUNE_LOG=FILE` appends every decision autotune takes to FILE, one JSON object a
+//! line (cubecl's own `AutotuneDecision`: the key with the shapes, each candidate's timing;
+//! `{rank}` in FILE becomes the process's rank, so each rank of a job writes its own), and
+//! `hearth autotune-report FILE` prints them as a table: which kernel won for each shape, how long
+//! it took, and how far the runner-up was behind. Keys round channels, sizes and the batch up to
+//! powers of two (cubecl's anchors: a 3->5 convolution on 9x9 is tuned as 4->8 on 16x16), so one
+//! decision covers a range of shapes. A decision found in the disk cache is not
+//! taken again, so it is not logged: delete the cache or set `CUBECL_AUTOTUNE_CACHE=0` to see
+//! every decision of a run.
+//!
+//! TF32: on NVIDIA GPUs from sm_80, cubecl runs f32 matrix products and convolutions on tensor
+//! cores as TF32 whenever the device supports it, and Burn 0.22.1 / cubecl 0.11.3 offer no switch
+//! to turn that off. Results then differ from f32 by about 1e-3 relative; the parity test checks
+//! CUDA against [`TF32_RELATIVE_TOLERANCE`] instead of the f32 tolerance.
+
+use std::path::Path;
+
+use crate::{HearthError, Result};
+
+mod report;
+pub use report::{Decision, DecisionKind, autotune_report, read_decisions};
+
+/// The variable that names the autotune decision log.
+pub const AUTOTUNE_LOG_ENV: &str = "HEARTH_AUTOTUNE_LOG";
+
+/// The variable naming a kernel bundle (what `hearth tune` writes) to import into cubecl's
+/// cache before the first GPU device starts.
+pub const KERNEL_BUNDLE_ENV: &str = "HEARTH_KERNEL_BUNDLE";
+
+/// Largest |difference| over the largest |expected value| accepted where f32 products run as
+/// TF32 (10-bit mantissa: about 5e-4 per product, more after long sums).
+pub const TF32_RELATIVE_TOLERANCE: f32 = 5e-3;
+
+/// The variable that turns cubecl's compiled-kernel cache off (`0`).
+pub const KERNEL_CACHE_ENV: &str = "HEARTH_KERNEL_CACHE";
+
+/// Applies Hearth's cubecl settings before the first cubecl device starts: the compiled-kernel
+/// cache (on unless [`KERNEL_CACHE_ENV`] is `0`) and the decision log of [`AUTOTUNE_LOG_ENV`].
+/// Called by [`crate::device`] before it builds a device; calling it again does nothing.
+/// Returns a warning when cubecl's configuration had already been read (a program that used a
+/// cubecl device before calling this), so neither setting took.
+pub fn configure() -> Option<String> {
+    #[cfg(feature = "gpu-kernels")]
+    {
+        static WARNING: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+        WARNING.get_or_init(apply_config).clone()
+    }
+    #[cfg(not(feature = "gpu-kernels"))]
+    {
+        std::env::var_os(AUTOTUNE_LOG_ENV).map(|_| {
+            format!("{AUTOTUNE_LOG_ENV} is set, but this build has no cubecl device (wgpu, cuda)")
+        })
+    }
+}
+
+#[cfg(feature = "gpu-kernels")]
+fn apply_config() -> Option<String> {
+    use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+
+    let log = std::env::var_os(AUTOTUNE_LOG_ENV).map(|v| log_path(&v));
+    let cache = std::env::var(KERNEL_CACHE_ENV)
+        .map_or(true, |v| !matches!(v.trim(), "0" | "false" | "off"));
+    // cubecl's own sources first (cubecl.toml or burn.toml, CUBECL_* variables), then ours.
+    let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+    config.compilation.cache = cache;
+    if let Some(path) = &log {
+        config.autotune.decisions.file = Some(path.clone());
+        config.autotune.decisions.append = true;
+    }
+    if CubeClRuntimeConfig::try_set(config) {
+        return None;
+    }
+    Some(match &log {
+        Some(path) => format!(
+            "{AUTOTUNE_LOG_ENV}={}: cubecl's configuration was already in use, so no decision is logged",
+            path.display()
+        ),
+        None => "cubecl's configuration was already in use, so its compiled-kernel cache keeps \
+                 cubecl's own setting"
+            .into(),
+    })
+}
+
+/// A line for the start of a run on a cubecl device, or `None` when autotune has earlier
+/// decisions to reuse: where its decisions are kept and that, with none there yet, the first
+/// steps time the candidate kernels of each new shape (minutes on a fresh GPU: about 7 for
+/// ResNet-50's inference on an H200, each candidate compiled by NVRTC), so that a long first
+/// step does not look like a hang. Call it before the device starts: starting it creates the
+/// database.
+pub fn autotune_notice(device: &str) -> Option<String> {
+    #[cfg(feature = "gpu-kernels")]
+    {
+        use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+        // Kernels chosen by rule: nothing long to announce.
+        if hearth_kernels::select::selection() == hearth_kernels::select::Selection::Rules {
+            return None;
+        }
+        if CubeClRuntimeConfig::get().autotune.disable_cache {
+            return Some(format!(
+                "autotune on {device}: its disk cache is off (CUBECL_AUTOTUNE_CACHE=0), so the \
+                 first steps of every run time the candidate kernels of each new shape"
+            ));
+        }
+        let db = cubecl::environment::path();
+        let empty = std::fs::metadata(&db).map_or(true, |m| m.len() == 0);
+        empty.then(|| {
+            format!(
+                "autotune on {device}: no earlier decisions in {}; the first steps time the \
+                 candidate kernels of each new convolution and matrix shape, which can take \
+                 minutes on a GPU it has not seen (later runs reuse the decisions)",
+                db.display()
+            )
+        })
+    }
+    #[cfg(not(feature = "gpu-kernels"))]
+    {
+        let _ = device;
+        None
+    }
+}
+
+/// Copies the kernel bundle at `path` (autotune decisions and compiled kernels, written by
+/// [`export_bundle`]) into cubecl's cache, once per process: entries the cache already holds
+/// keep their value. Returns a line saying what was imported. A missing, unreadable or corrupt
+/// file is an error naming it; a bundle from another cubecl version or GPU imports entries no
+/// lookup here will ask for, and costs nothing else (cubecl keys them by version and device).
+pub fn import_bundle(path: &Path) -> Result<String> {
+    let bundle_error = |reason: String| HearthError::KernelBundle {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if !path.is_file() {
+        return Err(bundle_error("no such file".into()));
+    }
+    #[cfg(feature = "gpu-kernels")]
+    {
+        use cubecl::bundle::{import, open};
+        let bundle = open(path).map_err(|e| bundle_error(format!("{e}")))?;
+        let report = import(bundle.as_ref());
+        Ok(format!(
+            "kernel bundle {}: {} entries imported into {} ({} already there{})",
+            path.display(),
+            report.imported,
+            cubecl::environment::path().display(),
+            report.skipped,
+            if report.failed > 0 {
+                format!(", {} could not be written", report.failed)
+            } else {
+                String::new()
+            }
+        ))
+    }
+    #[cfg(not(feature = "gpu-kernels"))]
+    Err(bundle_error(
+        "this build has no GPU device (build with the wgpu or cuda feature)".into(),
+    ))
+}
+
+/// Writes what cubecl's cache holds now (autotune decisions and, on CUDA, compiled kernels)
+/// to `out` as a bundle named `name`, for [`import_bundle`] on other machines. The account of
+/// how the cache was built (cubecl's `records`) is left out. Returns a line saying what was
+/// written.
+pub fn export_bundle(out: &Path, name: &str) -> Result<String> {
+    let bundle_error = |reason: String| HearthError::KernelBundle {
+        path: out.to_path_buf(),
+        reason,
+    };
+    #[cfg(feature = "gpu-kernels")]
+    {
+        use cubecl::bundle::{BundleFormat, ExportOptions, export};
+        let options = ExportOptions {
+            name: name.to_string(),
+            excluded_namespaces: vec!["records".into()],
+            format: BundleFormat::Sqlite,
+            ..Default::default()
+        };
+        let source = cubecl::environment::path();
+        if !source.is_file() {
+            return Err(bundle_error(format!(
+                "cubecl's cache {} holds nothing to export",
+                source.display()
+            )));
+        }
+        let manifest =
+            export(&[&source], out, &options).map_err(|e| bundle_error(format!("{e}")))?;
+        let bundle = cubecl::bundle::open(out).map_err(|e| bundle_error(format!("{e}")))?;
+        let mut entries = 0usize;
+        let mut namespaces = Vec::new();
+        for namespace in bundle.namespaces() {
+            let mut n = 0usize;
+            bundle.scan(&namespace, &mut |_, _| n += 1);
+            entries += n;
+            namespaces.push(format!("{namespace}: {n}"));
+        }
+        Ok(format!(
+            "kernel bundle {} ({:?}, cubecl {}): {entries} entries\n  {}",
+            out.display(),
+            manifest.name,
+            manifest.cubecl_version,
+            namespaces.join("\n  ")
+        ))
+    }
+    #[cfg(not(feature = "gpu-kernels"))]
+    {
+        let _ = name;
+        Err(bundle_error(
+            "this build has no GPU device (build with the wgpu or cuda feature)".into(),
+        ))
+    }
+}
+
+/// The log file a process writes: `{rank}` in the variable's value becomes this process's rank
+/// (`HEARTH_RANK`, else torchrun's `RANK`, else 0), so the ranks of a job write a file each.
+#[cfg_attr(not(feature = "gpu-kernels"), allow(dead_code))]
+fn log_path(value: &std::ffi::OsStr) -> std::path::PathBuf {
+    let rank = std::env::var("HEARTH_RANK")
+        .or_else(|_| std::env::var("RANK"))
+        .unwrap_or_else(|_| "0".into());
+    log_path_for(value, rank.trim())
+}
+
+fn log_path_for(value: &std::ffi::OsStr, rank: &str) -> std::path::PathBuf {
+    let text = value.to_string_lossy();
+    if text.contains("{rank}") {
+        text.replace("{rank}", rank).into()
+    } else {
+        value.into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_in_the_log_name_becomes_this_process_rank() {
+        use std::ffi::OsStr;
+        use std::path::PathBuf;
+        assert_eq!(
+            log_path_for(OsStr::new("/tmp/a.jsonl"), "3"),
+            PathBuf::from("/tmp/a.jsonl")
+        );
+        assert_eq!(
+            log_path_for(OsStr::new("/tmp/a-{rank}.jsonl"), "3"),
+            PathBuf::from("/tmp/a-3.jsonl")
+        );
+    }
+}
