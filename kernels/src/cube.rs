@@ -7,7 +7,7 @@
 //! to the next in the list; the list ends with Burn's direct kernels, which run everywhere.
 //! Which kernel ran for each geometry is kept ([`chosen`]) for reports and tests.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::sync::Mutex;
 
 use burn::backend::cubecl::dtype_to_storage_type;
@@ -44,23 +44,47 @@ fn caps(t: &CubeTensor) -> Caps {
     }
 }
 
-/// Which kernel ran for each operation and geometry in this process (batch left out), by
-/// [`describe`].
-static CHOSEN: Mutex<BTreeMap<String, String>> = Mutex::new(BTreeMap::new());
+/// What a kernel was chosen for: a convolution pass and its geometry without the batch, or a
+/// linear product's `[in, out]`, with the element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Choice {
+    Conv(ConvOp, ConvShape, DType),
+    Product([usize; 2], DType),
+}
 
-fn remember(what: String, kernel: String) {
+/// Which kernel ran for each [`Choice`] in this process. Looked up on every call (a hash of a
+/// few integers); described in words only when [`chosen`] reads it.
+static CHOSEN: Mutex<Option<HashMap<Choice, &'static str>>> = Mutex::new(None);
+
+fn remember(choice: Choice, kernel: &'static str) {
     if let Ok(mut map) = CHOSEN.lock() {
-        map.entry(what).or_insert(kernel);
+        map.get_or_insert_with(HashMap::new)
+            .entry(choice)
+            .or_insert(kernel);
     }
 }
 
 /// Every (operation and geometry, kernel) this process chose by rule on a cubecl device, in
 /// order of the description. Empty where nothing ran there, or everything autotuned.
 pub fn chosen() -> Vec<(String, String)> {
-    CHOSEN
-        .lock()
-        .map(|m| m.iter().map(|(a, b)| (a.clone(), b.clone())).collect())
-        .unwrap_or_default()
+    let Ok(map) = CHOSEN.lock() else {
+        return Vec::new();
+    };
+    let mut out: Vec<(String, String)> = map
+        .iter()
+        .flatten()
+        .map(|(choice, kernel)| {
+            let what = match choice {
+                Choice::Conv(op, s, dtype) => describe(*op, s, *dtype),
+                Choice::Product([i, o], dtype) => {
+                    format!("matmul [.., {i}] x [{i}, {o}] {dtype:?}")
+                }
+            };
+            (what, kernel.to_string())
+        })
+        .collect();
+    out.sort();
+    out
 }
 
 /// An operation and its geometry in words, without the batch: `forward 64->64 3x3 stride 1
@@ -106,10 +130,12 @@ fn run(
     for kernel in kernels {
         match launch(kernel) {
             Ok(out) => {
-                remember(describe(op, s, dtype), kernel.name());
+                let mut geometry = *s;
+                geometry.input[0] = 0;
+                remember(Choice::Conv(op, geometry, dtype), kernel.label());
                 return out;
             }
-            Err(reason) => declined.push(format!("{}: {reason}", kernel.name())),
+            Err(reason) => declined.push(format!("{}: {reason}", kernel.label())),
         }
     }
     // The list ends with Burn's direct kernel, which declines nothing Burn's own conv2d
@@ -377,14 +403,14 @@ pub fn conv2d_weight_grad(
 
 /// `lhs · rhs` for a linear layer, by one fixed kernel.
 pub fn linear_product(lhs: FloatTensor<CubeBackend>, rhs: FloatTensor<CubeBackend>) -> CubeTensor {
-    let rank = lhs.meta.num_dims();
-    let what = format!(
-        "matmul [.., {}] x {:?} {:?}",
-        lhs.meta.shape()[rank - 1],
-        rhs.meta.shape(),
-        lhs.dtype
-    );
-    let out = product(lhs, rhs).unwrap_or_else(|e| panic!("{what}: {e}"));
-    remember(what, "matmul_cube".into());
+    let [inputs, outputs] = [
+        rhs.meta.shape()[0],
+        rhs.meta.shape()[rhs.meta.num_dims() - 1],
+    ];
+    let dtype = lhs.dtype;
+    let out = product(lhs, rhs).unwrap_or_else(|e| {
+        panic!("linear layer [.., {inputs}] x [{inputs}, {outputs}] {dtype:?}: {e}")
+    });
+    remember(Choice::Product([inputs, outputs], dtype), "matmul_cube");
     out
 }

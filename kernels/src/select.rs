@@ -75,22 +75,18 @@ pub enum ConvKernel {
 
 impl ConvKernel {
     /// A short name for logs and reports (cubek's names for the implicit GEMMs).
-    pub fn name(self) -> String {
+    pub fn label(self) -> &'static str {
+        use Loading::*;
+        use Tile::*;
         match self {
-            ConvKernel::ImplicitGemm(loading, tile) => {
-                let loading = match loading {
-                    Loading::Sync => "sync",
-                    Loading::Async => "async",
-                    Loading::Tma => "tma",
-                };
-                let tile = match tile {
-                    Tile::Cmma => "cmma",
-                    Tile::Mma => "mma",
-                };
-                format!("simple_{loading}_{tile}")
-            }
-            ConvKernel::Pointwise => "pointwise_matmul".into(),
-            ConvKernel::Direct => "direct".into(),
+            ConvKernel::ImplicitGemm(Sync, Cmma) => "simple_sync_cmma",
+            ConvKernel::ImplicitGemm(Sync, Mma) => "simple_sync_mma",
+            ConvKernel::ImplicitGemm(Async, Cmma) => "simple_async_cmma",
+            ConvKernel::ImplicitGemm(Async, Mma) => "simple_async_mma",
+            ConvKernel::ImplicitGemm(Tma, Cmma) => "simple_tma_cmma",
+            ConvKernel::ImplicitGemm(Tma, Mma) => "simple_tma_mma",
+            ConvKernel::Pointwise => "pointwise_matmul",
+            ConvKernel::Direct => "direct",
         }
     }
 }

@@ -30,7 +30,7 @@ pub const MIN_INNER: usize = 1024;
 pub const BLOCK_FLOATS: usize = 1 << 21;
 
 /// The geometry of the convolution whose weight gradient is wanted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ConvShape {
     /// Input `[N, Ci, H, W]`.
     pub input: [usize; 4],
