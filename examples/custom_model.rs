@@ -127,6 +127,10 @@ impl Examples for Spirals {
 }
 
 fn main() -> Result<()> {
+    // Burn's default device on the run's backend: burn-optim builds loaded optimizer state there
+    // (a resume, an elastic re-forming).
+    // SAFETY: first thing in main, before any thread starts.
+    unsafe { hearth::device::pin_burn_default(hearth::device::DeviceChoice::Flex) }
     // Freed tensors stay in the process for the next step, as in the `hearth` binary
     // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
     hearth::alloc::apply_freed_memory_policy()?;

@@ -11,6 +11,12 @@ use anyhow::{Result, bail};
 use hearth::train::{TrainConfig, train};
 
 fn main() -> Result<()> {
+    let device_name = std::env::var("HEARTH_DEVICE").unwrap_or("flex".into());
+    // Burn's default device on the run's backend: burn-optim builds loaded optimizer state there
+    // (the switch from the frozen phase to fine-tuning loads a checkpoint).
+    let spec: hearth::device::DeviceSpec = device_name.parse()?;
+    // SAFETY: in main, before any thread starts.
+    unsafe { hearth::device::pin_burn_default(spec.choice) }
     // Freed tensors stay in the process for the next step, as in the `hearth` binary
     // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
     hearth::alloc::apply_freed_memory_policy()?;
@@ -20,7 +26,7 @@ fn main() -> Result<()> {
     let (Some(data), Some(model)) = (args.first(), args.get(1)) else {
         bail!("usage: transfer_learning DATA_DIR MODEL [WEIGHTS]");
     };
-    let device = hearth::device::select(&std::env::var("HEARTH_DEVICE").unwrap_or("flex".into()))?;
+    let device = hearth::device::select(&device_name)?;
     let mut cfg = TrainConfig::new("runs/transfer_learning".into());
     cfg.data = Some(data.into());
     cfg.model = model.clone();

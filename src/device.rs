@@ -160,6 +160,98 @@ impl DeviceChoice {
     }
 }
 
+/// The variable Burn reads for its default device, `Device::default()`.
+pub const BURN_DEVICE_ENV: &str = "BURN_DEVICE";
+
+impl DeviceChoice {
+    /// The name `BURN_DEVICE` gives this device's backend: Burn's default device is then one of
+    /// the same backend (for a GPU, its default adapter or device 0).
+    pub fn burn_device_name(self) -> &'static str {
+        match self {
+            DeviceChoice::Flex => "flex",
+            DeviceChoice::NdArray => "ndarray",
+            #[cfg(feature = "wgpu")]
+            DeviceChoice::Wgpu => "wgpu",
+            #[cfg(feature = "wgpu")]
+            DeviceChoice::Vulkan | DeviceChoice::VulkanCpu => {
+                if cfg!(feature = "vulkan") {
+                    "vulkan"
+                } else {
+                    "wgpu"
+                }
+            }
+            #[cfg(feature = "cuda-device")]
+            DeviceChoice::Cuda => "cuda",
+        }
+    }
+}
+
+/// Makes Burn's default device (`Device::default()`) one of `choice`'s backend, for this
+/// process and the processes it starts.
+///
+/// burn-optim's `ModuleOptimizer::load_record` (which burn-train's resume also calls) builds the
+/// loaded state on Burn's default device, and moves it to each parameter's device on the next
+/// step. Unpinned, that default is the first backend compiled in (CUDA in a CUDA build, wgpu in
+/// the default one), which a run on another device may not be able to start: a resume, the
+/// fine-tuning switch, a pipeline stage's checkpoint or an elastic re-forming would then panic
+/// in the backend. The `hearth` binary pins its `--device` at start; a program embedding the
+/// library calls this at the top of `main` (or sets `BURN_DEVICE`), and the loading paths
+/// refuse with [`HearthError::BurnDefaultDevice`] where neither was done.
+///
+/// # Safety
+///
+/// Sets an environment variable: call it before any other thread of the process starts.
+pub unsafe fn pin_burn_default(choice: DeviceChoice) {
+    // SAFETY: the caller guarantees no other thread runs yet.
+    unsafe { std::env::set_var(BURN_DEVICE_ENV, choice.burn_device_name()) }
+}
+
+/// The `BURN_DEVICE` name of `device`'s backend, read from its debug text (Burn's device type
+/// does not name its backend otherwise): "flex", "ndarray", "wgpu" or "cuda".
+fn burn_backend_name(device: &Device) -> Option<&'static str> {
+    let text = format!("{:?}", device.clone().without_autodiff());
+    let inner = text.strip_prefix("Device<")?;
+    [
+        ("Flex(", "flex"),
+        ("NdArray(", "ndarray"),
+        ("Cube(Wgpu(", "wgpu"),
+        ("Cube(Cuda(", "cuda"),
+    ]
+    .into_iter()
+    .find(|(prefix, _)| inner.starts_with(prefix))
+    .map(|(_, name)| name)
+}
+
+/// Ok where Burn's default device is on `device`'s backend, so that loading optimizer state
+/// (which burn-optim does on Burn's default device) cannot reach for a backend the run never
+/// asked for; [`HearthError::BurnDefaultDevice`] otherwise. Checked before every such load.
+pub fn check_burn_default(device: &Device) -> Result<()> {
+    let run = burn_backend_name(device).unwrap_or("another backend");
+    let compiled = DeviceChoice::ALL
+        .iter()
+        .map(|d| d.burn_device_name())
+        .collect::<Vec<_>>();
+    let mismatch = |default: String| {
+        Err(HearthError::BurnDefaultDevice {
+            run: run.to_string(),
+            default,
+        })
+    };
+    if let Ok(set) = std::env::var(BURN_DEVICE_ENV) {
+        // A name this build lacks would make Burn panic: refuse it before asking Burn.
+        if !compiled.contains(&set.to_lowercase().as_str()) {
+            return mismatch(format!("{BURN_DEVICE_ENV}={set}, which this build cannot start"));
+        }
+    }
+    // Constructing a device is lazy in Burn: nothing starts here.
+    let default = Device::default();
+    match burn_backend_name(&default) {
+        Some(name) if name == run => Ok(()),
+        Some(name) => mismatch(name.to_string()),
+        None => mismatch(format!("{default:?}")),
+    }
+}
+
 /// A device as named on the command line: a [`DeviceChoice`] and, for GPUs, an index
 /// (`cuda:1`, `vulkan:1`, `wgpu:1`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -406,6 +498,24 @@ pub fn check_precision(device: &Device, precision: crate::train::Precision) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_device_of_the_build_names_its_burn_backend() {
+        for &choice in DeviceChoice::ALL {
+            let expected = match choice.burn_device_name() {
+                // One cubecl runtime, wgpu's, whichever compiler it uses.
+                "vulkan" => "wgpu",
+                other => other,
+            };
+            let device = choice.device_unchecked();
+            assert_eq!(burn_backend_name(&device), Some(expected), "{choice}");
+            assert_eq!(
+                burn_backend_name(&device.autodiff()),
+                Some(expected),
+                "{choice}, autodiff"
+            );
+        }
+    }
 
     #[test]
     fn unknown_device_lists_the_choices() {

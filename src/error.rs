@@ -39,6 +39,12 @@ pub enum HearthError {
     KernelBundle { path: PathBuf, reason: String },
     #[error("training failed: {0}")]
     Training(String),
+    #[error(
+        "Burn's default device is {default}, not the run's ({run}): burn-optim and burn-train \
+         build loaded optimizer state on Burn's default device; set BURN_DEVICE={run} or call \
+         hearth::device::pin_burn_default at the start of main"
+    )]
+    BurnDefaultDevice { run: String, default: String },
     #[error("unusable checkpoint {0}")]
     Checkpoint(String),
     #[error(

@@ -318,6 +318,7 @@ pub fn stop_then_resume(
     cfg: &hearth::train::TrainConfig,
     stop: usize,
 ) -> hearth::train::TrainReport {
+    pin_flex();
     let train = |c: &hearth::train::TrainConfig| {
         hearth::train::train(c, &Device::flex(), &mut |l| eprintln!("{l}")).unwrap()
     };
@@ -327,6 +328,15 @@ pub fn stop_then_resume(
     let mut second = cfg.clone();
     second.resume = true;
     train(&second)
+}
+
+/// Burn's default device on Flex for this test process, as a program embedding the library sets
+/// it (`hearth::device::pin_burn_default`): in-process runs that load optimizer state need it.
+pub fn pin_flex() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    // SAFETY: the test threads touch the environment only through std, which serializes its
+    // reads and writes; none reads it from C while a test runs in process.
+    ONCE.call_once(|| unsafe { hearth::device::pin_burn_default(DeviceChoice::Flex) });
 }
 
 /// A multi-label CSV (`labels.csv` in `data`) over a generated folder's images: labels a, b, c

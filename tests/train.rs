@@ -13,6 +13,7 @@ use hearth::train::{TrainConfig, TrainReport, train};
 use common::{small_config as config, small_data as data, tensors};
 
 fn run(cfg: &TrainConfig) -> TrainReport {
+    common::pin_flex();
     train(cfg, &Device::flex(), &mut |l| eprintln!("{l}")).unwrap()
 }
 

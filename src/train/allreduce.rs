@@ -247,6 +247,7 @@ impl<T: Trainee> Allreduce<'_, T> {
         self.model = self.model.clone().try_load_record(record).map_err(|e| {
             HearthError::Training(format!("epoch {epoch}'s weights do not fit the model: {e}"))
         })?;
+        crate::device::check_burn_default(&self.device)?;
         self.optim = optimizer(self.cfg)
             .from_bytes(Bytes::from_bytes_vec(optim.to_vec()))
             .map_err(|e| HearthError::Training(format!("epoch {epoch}'s optimizer state: {e}")))?;

@@ -147,6 +147,8 @@ impl<T: Task> Phase<'_, T> {
             });
         }
         if self.first > 0 {
+            // burn-train loads the optimizer state on Burn's default device.
+            crate::device::check_burn_default(device)?;
             training = training.checkpoint(self.first);
         }
         // burn-train's TUI on a terminal; plain progress lines otherwise.

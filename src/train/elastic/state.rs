@@ -139,6 +139,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let optim_record = OptimizerRecord::from_bytes(Bytes::from_bytes_vec(parts[2].to_vec()))
             .map_err(|e| bad(format!("optimizer: {e}")))?;
         let skeleton = self.skeleton(&self.device)?;
+        crate::device::check_burn_default(&self.device)?;
         let epoch = num("epoch")? as u64;
         // fp16's loss scale: a state of another precision (or from before it was kept) starts
         // the scale afresh.

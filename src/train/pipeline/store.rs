@@ -53,6 +53,7 @@ impl PipelineRun<'_> {
             .map_err(|e| fail(e.to_string()))?;
         let optim_record = OptimizerRecord::load(optim_file(&self.cfg.run_dir, self.stage, epoch))
             .map_err(|e| fail(e.to_string()))?;
+        crate::device::check_burn_default(&self.device)?;
         Ok((model.load_record(record), optim.load_record(optim_record)))
     }
 
