@@ -199,6 +199,12 @@ fn main() {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
     let cli = Cli::parse();
+    // Burn's default device on the run's backend: burn-optim loads optimizer state there
+    // (`hearth::device::pin_burn_default`). An unknown --device is refused later, by name.
+    if let Ok(spec) = cli.device.parse::<hearth::device::DeviceSpec>() {
+        // SAFETY: before any thread of this process starts; ranks it spawns inherit it.
+        unsafe { hearth::device::pin_burn_default(spec.choice) }
+    }
     if let Err(err) = set_autotune(&cli) {
         eprintln!("error: {}", report(&err));
         std::process::exit(1);

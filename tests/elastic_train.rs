@@ -303,6 +303,57 @@ fn a_worker_stopped_then_continued_with_default_flags_is_cut_off_and_the_majorit
 }
 
 #[test]
+fn rank_0_stopped_then_continued_is_cut_off_and_writes_nothing() {
+    // Issue 55: "writes nothing" was asserted only of workers that never write. Here rank 0
+    // itself (w0) stops inside step 15 and is continued 10 s later: w1 and w2 form membership
+    // epoch 1 (w1 its rank 0 and the fence's holder) and finish; w0, back, is cut off and
+    // none of its files land (metrics.csv keeps every epoch the others wrote).
+    let tmp = tempfile::tempdir().unwrap();
+    let d = common::elastic_data(tmp.path());
+    let run = elastic(
+        &d,
+        &tmp.path().join("run"),
+        &["-n", "3"],
+        &["--epochs", "12"],
+        &[
+            ("HEARTH_ELASTIC_FREEZE_AT_STEP", "w0:15"),
+            ("HEARTH_ELASTIC_FREEZE_SECS", "w0:10"),
+            ("HEARTH_ELASTIC_THROTTLE", "w0:50,w1:50,w2:50"),
+        ],
+    );
+    run.check(2);
+    let ids: Vec<String> = run.finals().into_iter().map(|f| f.0).collect();
+    assert!(
+        ids.contains(&"w1".into()) && ids.contains(&"w2".into()),
+        "{ids:?}"
+    );
+    assert!(
+        run.log.contains("membership epoch 1: 2 workers [w1, w2]"),
+        "{}",
+        run.log
+    );
+    let cut = run
+        .log
+        .lines()
+        .find(|l| l.starts_with("[w0]") && l.contains("cut off from the elastic job"))
+        .unwrap_or_else(|| panic!("w0 says it was cut off:\n{}", run.log));
+    assert!(cut.contains("writes nothing") || cut.contains("reached"), "{cut}");
+    assert!(!run.log.contains("[w0] exported"), "{}", run.log);
+    let fence = std::fs::read_to_string(run.dir.join("checkpoint").join("elastic.fence")).unwrap();
+    assert!(
+        fence.contains("\"epoch\":1") && fence.contains("\"by\":\"w1\""),
+        "{fence}"
+    );
+    let rows = common::metrics(&run.dir);
+    assert_eq!(
+        rows.keys().copied().collect::<Vec<_>>(),
+        (1..=12).collect::<Vec<_>>(),
+        "metrics.csv holds every epoch, none rolled back"
+    );
+    assert_eq!(run.worlds().len(), 12 * 10, "every step of every epoch once");
+}
+
+#[test]
 fn one_leave_and_one_join_equal_a_fixed_world_fed_the_same_batches() {
     let tmp = tempfile::tempdir().unwrap();
     let d = common::elastic_data(tmp.path());

@@ -313,7 +313,14 @@ impl<T: Trainee> Allreduce<'_, T> {
         let best = epochs.best_or_err()?;
         let mut per_class_auroc = None;
         if self.rank == 0 {
-            per_class_auroc = export_best(self.cfg, &self.trainee, best, &self.plain_device, log)?;
+            per_class_auroc = export_best(
+                self.cfg,
+                &self.trainee,
+                best,
+                &self.plain_device,
+                &Default::default(),
+                log,
+            )?;
             epochs.plot(log);
         }
         let mut report = epochs.report(
@@ -444,7 +451,7 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
             return Ok(());
         }
         let dir = &self.cfg.run_dir;
-        save_epoch_weights(dir, epoch, self.model.clone())?;
+        save_epoch_weights(dir, epoch, self.model.clone(), &Default::default())?;
         // Written after the weights: an epoch with both files is complete.
         let path = optim_checkpoint(dir, epoch);
         let tmp = path.with_extension("bpk.tmp");

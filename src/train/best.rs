@@ -196,6 +196,7 @@ pub fn save_epoch_weights<M: burn::module::Module>(
     run_dir: &Path,
     epoch: usize,
     model: M,
+    gate: &super::gate::Gate,
 ) -> Result<()> {
     let path = model_checkpoint(run_dir, epoch);
     if let Some(parent) = path.parent() {
@@ -204,10 +205,14 @@ pub fn save_epoch_weights<M: burn::module::Module>(
             source,
         })?;
     }
-    model
-        .into_record()
-        .save(&path)
-        .map_err(|e| HearthError::Training(format!("saving epoch {epoch}'s weights: {e}")))
+    let tmp = super::gate::Gate::temp_for(&path);
+    if let Err(e) = model.into_record().save(&tmp) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(HearthError::Training(format!(
+            "saving epoch {epoch}'s weights: {e}"
+        )));
+    }
+    gate.land(&tmp, &path)
 }
 
 /// Exports epoch `best`'s checkpoint as the run's `model.bpk` (the trainee's file: for Hearth's
@@ -218,6 +223,7 @@ pub(super) fn export_best<T: super::trainee::Trainee>(
     trainee: &T,
     best: usize,
     device: &burn::prelude::Device,
+    gate: &super::gate::Gate,
     log: &mut dyn FnMut(&str),
 ) -> Result<Option<Vec<(String, f64)>>> {
     use burn::module::Module;
@@ -237,7 +243,13 @@ pub(super) fn export_best<T: super::trainee::Trainee>(
                 path.display()
             ))
         })?;
-    trainee.export(cfg, &model)?;
+    let out = cfg.run_dir.join("model.bpk");
+    let tmp = super::gate::Gate::temp_for(&out);
+    if let Err(e) = trainee.export(cfg, &model, &tmp) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    gate.land(&tmp, &out)?;
     log(&format!(
         "exported the best epoch ({best}, by {}) into {}",
         cfg.monitor.column(),

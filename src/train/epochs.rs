@@ -60,6 +60,8 @@ pub(super) struct Epochs<'a> {
     /// Whether this rank writes `metrics.csv` and prints the epoch lines (elastic membership
     /// moves it to a new rank 0).
     writer: std::cell::Cell<bool>,
+    /// How `metrics.csv` lands (an elastic rank 0's: under the run directory's fence).
+    gate: std::cell::RefCell<super::gate::Gate>,
     /// The epoch patience counts from at the earliest (the fine-tuning phase's start).
     patience_origin: usize,
 }
@@ -70,6 +72,7 @@ impl<'a> Epochs<'a> {
             cfg,
             table: EpochTable::default(),
             writer: std::cell::Cell::new(writer),
+            gate: Default::default(),
             patience_origin: cfg
                 .unfreeze_after
                 .filter(|_| cfg.freeze_backbone)
@@ -105,6 +108,11 @@ impl<'a> Epochs<'a> {
     /// Makes this rank the one that writes (or not).
     pub fn set_writer(&self, writer: bool) {
         self.writer.set(writer);
+    }
+
+    /// Makes `metrics.csv` land through `gate`.
+    pub fn set_gate(&self, gate: super::gate::Gate) {
+        *self.gate.borrow_mut() = gate;
     }
 
     /// Replaces the table (a state that carries its rows, as an elastic commit does).
@@ -155,9 +163,9 @@ impl<'a> Epochs<'a> {
         if !self.writer.get() {
             return Ok(());
         }
-        run_dir::write_atomic(
+        self.gate.borrow().write(
             &self.cfg.run_dir.join("metrics.csv"),
-            &metrics_csv(&self.rows()),
+            metrics_csv(&self.rows()).as_bytes(),
         )
     }
 

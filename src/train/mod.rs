@@ -40,6 +40,7 @@ mod elastic;
 mod epochs;
 mod export;
 mod flat;
+mod gate;
 mod hparams;
 mod logger;
 mod model;

@@ -106,23 +106,11 @@ pub fn prepare(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Writes `text` to `path` atomically: a temporary file beside it, then a rename, so a crash
-/// leaves either the old file or the new one, never a part.
+/// Writes `text` to `path` atomically ([`super::gate::Gate`], unguarded): a synced temporary
+/// file of a name no other writer uses, then a rename, so a crash leaves either the old file or
+/// the new one, never a part.
 pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
-    let write = |source| HearthError::Write {
-        path: path.to_path_buf(),
-        source,
-    };
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.tmp"));
-    std::fs::write(&tmp, text).map_err(write)?;
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        write(e)
-    })
+    super::gate::Gate::default().write(path, text.as_bytes())
 }
 
 /// The three files burn-train writes for a checkpoint; each is written atomically, but not

@@ -11,6 +11,7 @@
 //! The order of an epoch and the shard of a rank are the same for both: hearth-datasets'
 //! [`epoch_order`] and [`shard_of`].
 
+use std::path::Path;
 use std::sync::Arc;
 
 use burn::module::Module;
@@ -198,7 +199,7 @@ pub(crate) trait Trainee {
     }
     /// Writes the run's `model.bpk` from the best epoch's `model` (a user's module: its
     /// weights as burnpack, to load into the same module).
-    fn export(&self, cfg: &TrainConfig, model: &Self::Model) -> Result<()>;
+    fn export(&self, cfg: &TrainConfig, model: &Self::Model, out: &Path) -> Result<()>;
 }
 
 /// `rank`'s part of a validation set of `n` examples validated by `world` ranks together:
@@ -359,14 +360,13 @@ impl Trainee for ImageTrainee {
     fn skipped(&self) -> Vec<String> {
         self.loaders.skipped()
     }
-    fn export(&self, cfg: &TrainConfig, model: &Classifier) -> Result<()> {
-        let out = cfg.run_dir.join("model.bpk");
+    fn export(&self, cfg: &TrainConfig, model: &Classifier, out: &Path) -> Result<()> {
         hearth_models::save_model_with(
             model,
             &self.config,
             Some(&self.outputs.classes),
             Some(&hearth_models::Preprocessing::eval(cfg.image_size)),
-            &out,
+            out,
         )?;
         Ok(())
     }
@@ -562,14 +562,11 @@ impl<N: Net, E: Examples<Input = N::Input>> Trainee for CustomTrainee<N, E> {
         let batches = all.chunks(self.batch).map(<[usize]>::to_vec).collect();
         made(&self.val, "validation", batches, device)
     }
-    fn export(&self, cfg: &TrainConfig, model: &N) -> Result<()> {
-        let out = cfg.run_dir.join("model.bpk");
-        let tmp = cfg.run_dir.join(".model.bpk.tmp");
+    fn export(&self, _cfg: &TrainConfig, model: &N, out: &Path) -> Result<()> {
         model
             .clone()
             .into_record()
-            .save(&tmp)
-            .map_err(|e| HearthError::Training(format!("writing {}: {e}", tmp.display())))?;
-        std::fs::rename(&tmp, &out).map_err(|source| HearthError::Write { path: out, source })
+            .save(out)
+            .map_err(|e| HearthError::Training(format!("writing {}: {e}", out.display())))
     }
 }

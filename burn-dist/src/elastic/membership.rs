@@ -315,20 +315,23 @@ impl Membership {
 }
 
 /// Whether the survivors of an epoch of `world` members may form the next one after the
-/// members `lost` (their ranks in that epoch; graceful leavers are not lost) are gone: more
-/// than half of the members remain, or exactly half and old rank 0 among them. Two disjoint
-/// sets of survivors cannot both pass, whatever each of them believes about the other, so a
-/// partition leaves at most one part training; a tie goes to the part holding old rank 0.
-/// Returns the members the survivors need when they do not pass.
-pub fn quorum(world: usize, lost: &[usize]) -> Result<(), usize> {
-    let mut gone: Vec<usize> = lost.iter().copied().filter(|&r| r < world).collect();
-    gone.sort_unstable();
-    gone.dedup();
-    let have = world - gone.len();
-    if 2 * have > world || (2 * have == world && have > 0 && !gone.contains(&0)) {
+/// members `left` (graceful leavers, their ranks in that epoch) and `lost` are gone. The quorum
+/// is taken over the world after the leave: of the `world - left` members that stayed, more
+/// than half remain, or exactly half and the lowest of them (old rank 0 unless it left) among
+/// them. Two disjoint sets of survivors cannot both pass, whatever each of them believes about
+/// the other and whichever leaves each has heard of (a leave one side missed counts as a loss
+/// there, which only makes that side's quorum harder), so a partition leaves at most one part
+/// training. A leaver counts toward neither side. Returns the members the survivors need when
+/// they do not pass.
+pub fn quorum(world: usize, left: &[usize], lost: &[usize]) -> Result<(), usize> {
+    let stayed: Vec<usize> = (0..world).filter(|r| !left.contains(r)).collect();
+    let gone = stayed.iter().filter(|r| lost.contains(r)).count();
+    let have = stayed.len() - gone;
+    let holds_tie_breaker = stayed.first().is_some_and(|r| !lost.contains(r));
+    if 2 * have > stayed.len() || (2 * have == stayed.len() && have > 0 && holds_tie_breaker) {
         Ok(())
     } else {
-        Err(world / 2 + 1)
+        Err(stayed.len() / 2 + 1)
     }
 }
 
@@ -337,25 +340,67 @@ mod tests {
 
     #[test]
     fn only_one_side_of_any_split_holds_a_quorum() {
-        assert_eq!(quorum(3, &[2]), Ok(()));
-        assert_eq!(quorum(3, &[0, 1]), Err(2), "the cut-off third");
-        assert_eq!(quorum(1, &[]), Ok(()));
-        assert_eq!(quorum(1, &[0]), Err(1));
+        assert_eq!(quorum(3, &[], &[2]), Ok(()));
+        assert_eq!(quorum(3, &[], &[0, 1]), Err(2), "the cut-off third");
+        assert_eq!(quorum(1, &[], &[]), Ok(()));
+        assert_eq!(quorum(1, &[], &[0]), Err(1));
         // A tie goes to the half holding rank 0.
-        assert_eq!(quorum(2, &[1]), Ok(()));
-        assert_eq!(quorum(2, &[0]), Err(2));
-        assert_eq!(quorum(4, &[2, 3]), Ok(()));
-        assert_eq!(quorum(4, &[0, 3]), Err(3));
+        assert_eq!(quorum(2, &[], &[1]), Ok(()));
+        assert_eq!(quorum(2, &[], &[0]), Err(2));
+        assert_eq!(quorum(4, &[], &[2, 3]), Ok(()));
+        assert_eq!(quorum(4, &[], &[0, 3]), Err(3));
         // Duplicates and ranks outside the world count once or not at all.
-        assert_eq!(quorum(3, &[2, 2, 7]), Ok(()));
+        assert_eq!(quorum(3, &[], &[2, 2, 7]), Ok(()));
         // Every split of worlds up to 8: never both sides.
         for world in 1..=8usize {
             for mask in 0u32..(1 << world) {
                 let a: Vec<usize> = (0..world).filter(|r| mask & (1 << r) != 0).collect();
                 let b: Vec<usize> = (0..world).filter(|r| mask & (1 << r) == 0).collect();
                 // Side A lost B's members and the other way round.
-                let both = quorum(world, &b).is_ok() && quorum(world, &a).is_ok();
+                let both = quorum(world, &[], &b).is_ok() && quorum(world, &[], &a).is_ok();
                 assert!(!both, "world {world}: {a:?} and {b:?} both hold a quorum");
+            }
+        }
+    }
+
+    #[test]
+    fn a_graceful_leaver_counts_toward_neither_side_of_a_split() {
+        // Issue 55's case: in a world of 3, w2 leaves, then w0 and w1 split. Counting the
+        // leaver as nobody's loss, each side saw one of three lost and both passed.
+        assert_eq!(quorum(3, &[2], &[1]), Ok(()), "w0: the tie-breaker's half");
+        assert_eq!(quorum(3, &[2], &[0]), Err(2), "w1");
+        // Rank 0 left: the lowest that stayed breaks ties.
+        assert_eq!(quorum(3, &[0], &[2]), Ok(()), "w1 holds the tie");
+        assert_eq!(quorum(3, &[0], &[1]), Err(2), "w2");
+        // Everyone left or was lost: nobody forms a world.
+        assert_eq!(quorum(2, &[0, 1], &[]), Err(1));
+        // Every world up to 7, every set of leavers, every split of those who stayed, and
+        // each side having heard of all the leaves or of none (a leave it missed is a loss to
+        // it): never both sides.
+        for world in 1..=7usize {
+            for leave_mask in 0u32..(1 << world) {
+                let left: Vec<usize> = (0..world).filter(|r| leave_mask & (1 << r) != 0).collect();
+                let stayed: Vec<usize> = (0..world).filter(|r| !left.contains(r)).collect();
+                for mask in 0u32..(1 << stayed.len()) {
+                    let (mut a, mut b) = (Vec::new(), Vec::new());
+                    for (i, &r) in stayed.iter().enumerate() {
+                        if mask & (1 << i) != 0 { a.push(r) } else { b.push(r) }
+                    }
+                    for (a_heard, b_heard) in [(true, true), (true, false), (false, true)] {
+                        let view = |heard: bool, other: &[usize]| {
+                            let mut lost = other.to_vec();
+                            let left = if heard { left.clone() } else {
+                                lost.extend(&left);
+                                Vec::new()
+                            };
+                            quorum(world, &left, &lost).is_ok()
+                        };
+                        assert!(
+                            !(view(a_heard, &b) && view(b_heard, &a)),
+                            "world {world}, left {left:?}: {a:?} and {b:?} both hold a quorum"
+                        );
+                    }
+                }
             }
         }
     }

@@ -102,6 +102,7 @@ impl<T: Trainee> Members<'_, '_, '_, T> {
         }
         // The new rank 0 writes the files, from the table the state carries.
         self.epochs.set_writer(self.world.rank() == 0);
+        self.epochs.set_gate(self.run.gate());
         self.epochs.set_rows(self.commit.rows.clone());
         Ok(())
     }

@@ -33,6 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::best::{export_best, model_checkpoint, save_epoch_weights};
+use super::gate::Gate;
 use super::epochs::{Epochs, Row};
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, Targets};
@@ -488,6 +489,15 @@ impl<T: Trainee> ElasticRun<'_, T> {
         }
     }
 
+    /// How rank 0's files land: each one checked against the fence under the run directory's
+    /// lock just before its rename (see `fence.rs`).
+    fn gate(&self) -> Gate {
+        match &self.token {
+            Some(t) => self.fence.gate(t),
+            None => Gate::default(),
+        }
+    }
+
     fn fresh_commit(&self) -> Result<Commit<T::Model>> {
         let model = self.in_phase(self.skeleton(&self.device)?, 0);
         Ok(Commit {
@@ -523,6 +533,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             ));
         }
         let epochs = Epochs::new(self.cfg, world.rank() == 0);
+        epochs.set_gate(self.gate());
         epochs.set_rows(commit.rows.clone());
         let first = commit.epoch as usize;
         let mut members = Members {
@@ -561,20 +572,29 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let dir = &self.cfg.run_dir;
         let mut per_class_auroc = None;
         if world.rank() == 0 {
-            self.fenced()?;
-            per_class_auroc = export_best(self.cfg, &self.trainee, best, &self.plain_device, log)?;
+            let gate = self.gate();
+            per_class_auroc = export_best(
+                self.cfg,
+                &self.trainee,
+                best,
+                &self.plain_device,
+                &gate,
+                log,
+            )?;
             let points: Vec<(f64, f64)> = commit
                 .world_log
                 .iter()
                 .map(|(_, t, w)| (*t, *w as f64))
                 .collect();
-            if let Err(e) =
-                crate::plot::plot_metrics_world(&rows, &points, &dir.join("metrics.png"))
-            {
-                log(&format!("warning: no plot written: {e}"));
+            let (metrics_png, world_png) = (dir.join("metrics.png"), dir.join("world.png"));
+            let (m_tmp, w_tmp) = (Gate::temp_for(&metrics_png), Gate::temp_for(&world_png));
+            match crate::plot::plot_metrics_world(&rows, &points, &m_tmp) {
+                Ok(()) => gate.land(&m_tmp, &metrics_png)?,
+                Err(e) => log(&format!("warning: no plot written: {e}")),
             }
-            if let Err(e) = crate::plot::plot_world(&points, &dir.join("world.png")) {
-                log(&format!("warning: no world-size plot written: {e}"));
+            match crate::plot::plot_world(&points, &w_tmp) {
+                Ok(()) => gate.land(&w_tmp, &world_png)?,
+                Err(e) => log(&format!("warning: no world-size plot written: {e}")),
             }
         }
         world.comm.barrier()?;

@@ -223,10 +223,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 source,
             })?;
         }
-        let tmp = path.with_extension("state.tmp");
-        std::fs::write(&tmp, &bytes)
-            .and_then(|()| std::fs::rename(&tmp, &path))
-            .map_err(|source| HearthError::Write { path, source })?;
+        self.gate().write(&path, &bytes)?;
         Ok(true)
     }
 

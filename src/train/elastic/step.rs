@@ -425,17 +425,17 @@ impl<T: Trainee> ElasticRun<'_, T> {
         epoch: usize,
         best: Option<usize>,
     ) -> Result<()> {
-        self.fenced()?;
+        let gate = self.gate();
         let dir = &self.cfg.run_dir;
         let mut steps = String::from("step,elapsed_seconds,world_size\n");
         for (s, t, w) in &c.world_log {
             steps.push_str(&format!("{s},{t:.3},{w}\n"));
         }
-        run_dir::write_atomic(&dir.join("world.csv"), &steps)?;
-        save_epoch_weights(dir, epoch, c.model.clone())?;
+        gate.write(&dir.join("world.csv"), steps.as_bytes())?;
+        save_epoch_weights(dir, epoch, c.model.clone(), &gate)?;
         for old in 1..epoch {
             if Some(old) != best {
-                let _ = std::fs::remove_file(model_checkpoint(dir, old));
+                gate.remove(&model_checkpoint(dir, old))?;
             }
         }
         if self.save_state(c, world)? && self.zero.is_some() {

@@ -360,23 +360,32 @@ impl<T: Trainee> ElasticRun<'_, T> {
     /// No quorum ([`quorum`]): this worker and the survivors it reached are the smaller part
     /// of the last world. It tells them (an announcement with no members, the reason in place
     /// of the coordinator), writes nothing, and returns the error that ends it.
-    fn cut_off(&self, world: &World, gone: &[usize], next: u32, need: usize) -> HearthError {
+    fn cut_off(
+        &self,
+        world: &World,
+        leaving: &[usize],
+        gone: &[usize],
+        next: u32,
+        need: usize,
+    ) -> HearthError {
         let reached: Vec<usize> = (0..world.size()).filter(|r| !gone.contains(r)).collect();
+        let stayed = (0..world.size()).filter(|r| !leaving.contains(r)).count();
+        let lost: Vec<usize> = gone.iter().copied().filter(|r| !leaving.contains(r)).collect();
         let names = |rs: &mut dyn Iterator<Item = usize>| {
             rs.map(|r| world.members[r].id.as_str())
                 .collect::<Vec<_>>()
                 .join(", ")
         };
         let why = format!(
-            "{} reached {} of the {} members of membership epoch {} ({}; lost {}), and a new \
-             epoch needs {need} of them (a majority, or exactly half with that epoch's rank \
-             0), so the others may go on without them; nothing was written to {}",
+            "{} reached {} of the {stayed} members of membership epoch {} that did not leave \
+             ({}; lost {}), and a new epoch needs {need} of them (a majority, or exactly half \
+             with the lowest of them), so the others may go on without them; nothing was \
+             written to {}",
             self.me.id,
             reached.len(),
-            world.size(),
             world.number,
             names(&mut reached.iter().copied()),
-            names(&mut gone.iter().copied()),
+            names(&mut lost.iter().copied()),
             self.cfg.run_dir.display()
         );
         let give_up = Announcement {
@@ -475,13 +484,14 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 return Err(HearthError::Training("no member survived".into()));
             };
             if lowest == me {
+                // Over the world after the leave: a leaver counts toward neither side.
                 let lost: Vec<usize> = gone
                     .iter()
                     .copied()
                     .filter(|r| !leaving.contains(r))
                     .collect();
-                if let Err(need) = quorum(world.size(), &lost) {
-                    return Err(self.cut_off(world, gone, next, need));
+                if let Err(need) = quorum(world.size(), leaving, &lost) {
+                    return Err(self.cut_off(world, leaving, gone, next, need));
                 }
                 return Ok((
                     me,

@@ -687,7 +687,7 @@ impl<T: Trainee> Worker<'_, T> {
         best: Option<usize>,
     ) -> Result<()> {
         let dir = &self.cfg.run_dir;
-        save_epoch_weights(dir, epoch, served)?;
+        save_epoch_weights(dir, epoch, served, &Default::default())?;
         // The state file names the epoch whose weights it goes with: written after them.
         PsState {
             epoch,
@@ -734,7 +734,14 @@ impl<T: Trainee> Worker<'_, T> {
         epochs.update_rows(|rows| self.merge_worker_stats(rows, &all, log));
         epochs.write_csv()?;
         let best = epochs.best_or_err()?;
-        let per_class_auroc = export_best(self.cfg, &self.trainee, best, &self.plain_device, log)?;
+        let per_class_auroc = export_best(
+            self.cfg,
+            &self.trainee,
+            best,
+            &self.plain_device,
+            &Default::default(),
+            log,
+        )?;
         epochs.plot(log);
         let samples: f64 = all.iter().flat_map(|(_, s)| s).map(|s| s.samples).sum();
         let mut report = epochs.report(
