@@ -39,7 +39,7 @@ use hearth::dist::{Communicator, Transport};
 use hearth::models::{Architecture, ModelConfig};
 use hearth::pipeline::{StageModel, balance, balance_by, measure_units, stage_memory};
 
-const SECRET: &str = "pipeline bench secret, long enough";
+const SECRET: &str = "4968e432276b93ebaa930d1fd7b33ee5";
 
 /// Counts live bytes for the memory-balanced split.
 #[global_allocator]

@@ -76,9 +76,11 @@ fn run_with(
     if mode == "allreduce" {
         cmd.args(["--nproc", "4"]);
     } else {
-        cmd.args([
-            "--nproc", "5", "--ps", "1", "--mode", mode, "--window", window,
-        ]);
+        cmd.args(["--nproc", "5", "--ps", "1", "--mode", mode]);
+        // Sync exchanges every step: it has no window (and refuses one).
+        if mode != "sync" {
+            cmd.args(["--window", window]);
+        }
     }
     for (k, v) in env {
         cmd.env(k, v);

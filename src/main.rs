@@ -524,8 +524,7 @@ fn data_synth(args: SynthArgs) -> Result<()> {
     let occupied = std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_some());
     if occupied {
         match (out.join(SYNTH_MARK).is_file(), args.overwrite) {
-            (true, true) => std::fs::remove_dir_all(out)
-                .with_context(|| format!("removing the earlier synthetic set {}", out.display()))?,
+            (true, true) => remove_synth(out)?,
             (true, false) => anyhow::bail!(
                 "{} holds a synthetic set written before: --overwrite replaces it",
                 out.display()
@@ -538,15 +537,23 @@ fn data_synth(args: SynthArgs) -> Result<()> {
         }
     }
     let started = Instant::now();
+    let before = files_under(out);
     let n = generate(out, &cfg)?;
-    std::fs::write(
-        out.join(SYNTH_MARK),
-        format!(
-            "{{\"classes\": {}, \"per_class\": {}, \"val_per_class\": {}, \"size\": {}, \"seed\": {}}}\n",
-            args.classes, args.per_class, args.val_per_class, args.size, args.seed
-        ),
-    )
-    .with_context(|| format!("writing {}", out.join(SYNTH_MARK).display()))?;
+    // The files this command wrote, so that --overwrite deletes those and nothing else.
+    let written: Vec<String> = files_under(out)
+        .difference(&before)
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect();
+    let mark = serde_json::json!({
+        "classes": args.classes,
+        "per_class": args.per_class,
+        "val_per_class": args.val_per_class,
+        "size": args.size,
+        "seed": args.seed,
+        "files": written,
+    });
+    std::fs::write(out.join(SYNTH_MARK), format!("{mark}\n"))
+        .with_context(|| format!("writing {}", out.join(SYNTH_MARK).display()))?;
     println!(
         "wrote {n} images ({} classes, {}x{}) to {} in {:.1} s",
         args.classes,
@@ -555,6 +562,78 @@ fn data_synth(args: SynthArgs) -> Result<()> {
         args.out.display(),
         started.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// Every file under `dir`, as paths relative to it (none when it does not exist).
+fn files_under(dir: &std::path::Path) -> std::collections::BTreeSet<PathBuf> {
+    let mut out = std::collections::BTreeSet::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(dir.join(&rel)) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let path = rel.join(e.file_name());
+            match e.file_type() {
+                Ok(t) if t.is_dir() => stack.push(path),
+                Ok(_) => {
+                    out.insert(path);
+                }
+                Err(_) => {}
+            }
+        }
+    }
+    out
+}
+
+/// `--overwrite`: removes the files an earlier `data synth` wrote in `out` (its mark lists
+/// them), then the folders that left empty; anything else there stays.
+fn remove_synth(out: &std::path::Path) -> Result<()> {
+    let mark = out.join(SYNTH_MARK);
+    let text = std::fs::read_to_string(&mark)
+        .with_context(|| format!("reading {}", mark.display()))?;
+    let files: Vec<PathBuf> = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| {
+            v["files"].as_array().map(|a| {
+                a.iter()
+                    .filter_map(|f| f.as_str().map(PathBuf::from))
+                    .collect()
+            })
+        })
+        .with_context(|| {
+            format!(
+                "{} does not list the files it wrote (an older hearth wrote it): delete the \
+                 set yourself, or give a new folder",
+                mark.display()
+            )
+        })?;
+    let mut dirs = std::collections::BTreeSet::new();
+    for f in &files {
+        // Only paths inside `out`, as the command wrote them.
+        if f.is_absolute() || f.components().any(|c| c == std::path::Component::ParentDir) {
+            anyhow::bail!("{} lists {} outside the folder", mark.display(), f.display());
+        }
+        match std::fs::remove_file(out.join(f)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("removing {}", out.join(f).display()));
+            }
+            _ => {}
+        }
+        let mut parent = f.parent();
+        while let Some(p) = parent.filter(|p| !p.as_os_str().is_empty()) {
+            dirs.insert(p.to_path_buf());
+            parent = p.parent();
+        }
+    }
+    std::fs::remove_file(&mark).with_context(|| format!("removing {}", mark.display()))?;
+    // Deepest first; a folder that still holds something else is kept.
+    let mut dirs: Vec<PathBuf> = dirs.into_iter().collect();
+    dirs.sort_by_key(|d| std::cmp::Reverse(d.components().count()));
+    for d in dirs {
+        let _ = std::fs::remove_dir(out.join(d));
+    }
     Ok(())
 }
 

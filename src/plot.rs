@@ -261,12 +261,33 @@ pub fn plot_confusion(confusion: &[Vec<usize>], names: &[&str], out: &Path) -> R
         return Err(err(format!("a {k}x{k} matrix with {} names", names.len())));
     }
     let text = register_font();
-    // Cells wide enough for the longest class name under its column.
+    let size = confusion_size(names);
+    let root = BitMapBackend::new(out, size).into_drawing_area();
+    draw_confusion(&root, confusion, names, text).map_err(err)
+}
+
+/// The picture's size: cells wide enough for the longest class name under its column.
+fn confusion_size(names: &[&str]) -> (u32, u32) {
+    let k = names.len() as u32;
     let longest = names.iter().map(|n| n.chars().count()).max().unwrap_or(1) as u32;
-    let side = (120 + (7 * longest).clamp(48, 160) * k as u32).clamp(300, 4000);
-    let root = BitMapBackend::new(out, (side + 60, side)).into_drawing_area();
+    let side = (120 + (7 * longest).clamp(48, 160) * k).clamp(300, 4000);
+    (side + 60, side)
+}
+
+/// The confusion matrix on `root` (any plotters backend: the PNG, or SVG in the tests, whose
+/// text can be read back): row t is the true class t from the top, column p the predicted
+/// class p from the left, each labelled with its class name, each cell with its count.
+fn draw_confusion<DB: DrawingBackend>(
+    root: &DrawingArea<DB, plotters::coord::Shift>,
+    confusion: &[Vec<usize>],
+    names: &[&str],
+    text: bool,
+) -> std::result::Result<(), String> {
+    let err = |e: String| e;
+    let k = confusion.len();
+    let longest = names.iter().map(|n| n.chars().count()).max().unwrap_or(1) as u32;
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
-    let mut builder = ChartBuilder::on(&root);
+    let mut builder = ChartBuilder::on(root);
     builder.margin(12);
     if text {
         builder
@@ -304,7 +325,7 @@ pub fn plot_confusion(confusion: &[Vec<usize>], names: &[&str], out: &Path) -> R
     }
     let centred =
         ("sans-serif", 14)
-            .into_text_style(&root)
+            .into_text_style(root)
             .pos(plotters::style::text_anchor::Pos::new(
                 plotters::style::text_anchor::HPos::Center,
                 plotters::style::text_anchor::VPos::Center,
@@ -339,6 +360,17 @@ pub fn plot_confusion(confusion: &[Vec<usize>], names: &[&str], out: &Path) -> R
     }
     root.present().map_err(|e| err(e.to_string()))?;
     Ok(())
+}
+
+/// [`plot_confusion`]'s picture as SVG text (tests read its labels back).
+#[cfg(test)]
+fn confusion_svg(confusion: &[Vec<usize>], names: &[&str]) -> std::result::Result<String, String> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, confusion_size(names)).into_drawing_area();
+        draw_confusion(&root, confusion, names, register_font())?;
+    }
+    Ok(svg)
 }
 
 /// Labelled curves on one chart (x, y points each; benchmarks: validation accuracy against
@@ -569,6 +601,62 @@ mod tests {
         };
         assert!(plot_scaling(&[empty], &out).is_err());
         assert!(plot_scaling(&[], &out).is_err());
+    }
+
+    #[test]
+    fn confusion_labels_name_true_rows_from_the_top_and_predicted_columns_from_the_left() {
+        assert!(
+            register_font(),
+            "no DejaVu Sans in {FONT_PATHS:?}: the plots would have no labels (apt install \
+             fonts-dejavu-core)"
+        );
+        let names = ["cat", "dog", "fox"];
+        // Row t (true class), column p (predicted): counts 10*t + p + 1, all distinct.
+        let m: Vec<Vec<usize>> = (0..3)
+            .map(|t| (0..3).map(|p| 10 * t + p + 1).collect())
+            .collect();
+        let svg = confusion_svg(&m, &names).unwrap();
+        // Each <text x=.. y=..>content</text>, as plotters writes them.
+        let texts: Vec<(f64, f64, String)> = svg
+            .split("<text")
+            .skip(1)
+            .filter_map(|t| {
+                let attr = |name: &str| -> Option<f64> {
+                    let at = t.find(&format!(" {name}=\""))? + name.len() + 3;
+                    t[at..].split('"').next()?.parse().ok()
+                };
+                let body = t.split('>').nth(1)?.split('<').next()?.trim().to_string();
+                Some((attr("x")?, attr("y")?, body))
+            })
+            .collect();
+        let find = |s: &str| -> Vec<(f64, f64)> {
+            texts
+                .iter()
+                .filter(|t| t.2 == s)
+                .map(|t| (t.0, t.1))
+                .collect()
+        };
+        // Every name appears twice: under its column and beside its row.
+        for n in names {
+            assert_eq!(find(n).len(), 2, "{n}: {texts:?}");
+        }
+        // The column labels (the lower of each pair) run left to right in class order, the
+        // row labels (the leftmost) top to bottom.
+        let column = |n: &str| find(n).into_iter().max_by(|a, b| a.1.total_cmp(&b.1)).unwrap();
+        let row = |n: &str| find(n).into_iter().min_by(|a, b| a.0.total_cmp(&b.0)).unwrap();
+        assert!(column("cat").0 < column("dog").0 && column("dog").0 < column("fox").0);
+        assert!(row("cat").1 < row("dog").1 && row("dog").1 < row("fox").1);
+        // Each count sits in its row's and column's cell: under the column label's x, level
+        // with the row label's y.
+        for (t, tn) in names.iter().enumerate() {
+            for (p, pn) in names.iter().enumerate() {
+                let at = find(&(10 * t + p + 1).to_string());
+                assert_eq!(at.len(), 1, "count of ({tn}, {pn})");
+                let (x, y) = at[0];
+                assert!((x - column(pn).0).abs() < 2.0, "({tn}, {pn}) at x {x}");
+                assert!((y - row(tn).1).abs() < 2.0, "({tn}, {pn}) at y {y}");
+            }
+        }
     }
 
     #[test]

@@ -22,13 +22,16 @@ pub enum DistError {
     },
     /// Ranks that never arrived at the rendezvous.
     #[error(
-        "rendezvous timed out after {after:?}: rank(s) {missing:?} of {world} never arrived at {coordinator}"
+        "rendezvous timed out after {after:?}: rank(s) {missing:?} of {world} never arrived at {coordinator}{}",
+        refused_note(.refused)
     )]
     MissingRanks {
         missing: Vec<usize>,
         world: usize,
         coordinator: String,
         after: Duration,
+        /// Hellos the coordinator refused meanwhile (a rank outside the world, a rank taken).
+        refused: Vec<String>,
     },
     /// A rank number outside the world, a world of 0, or mismatched settings between ranks.
     #[error("invalid setup: {0}")]
@@ -58,3 +61,12 @@ pub enum DistError {
 }
 
 pub type Result<T> = std::result::Result<T, DistError>;
+
+/// The refused hellos of a rendezvous that timed out, for its error.
+fn refused_note(refused: &[String]) -> String {
+    if refused.is_empty() {
+        String::new()
+    } else {
+        format!("; refused meanwhile: {}", refused.join("; "))
+    }
+}

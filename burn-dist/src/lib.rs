@@ -56,6 +56,8 @@ pub mod ddp;
 pub mod elastic;
 mod error;
 pub mod flat;
+#[doc(hidden)]
+pub mod fuzz;
 mod grads;
 pub mod overlap;
 pub mod pipeline;

@@ -10,9 +10,11 @@
 //! **Offline guessing.** Anyone who reaches a rank's port sees a certificate signed by the CA,
 //! enough to test guesses of the secret without talking to the job again. So the key comes
 //! from the secret through PBKDF2-HMAC-SHA256 with [`KDF_ITERATIONS`] rounds (about a quarter
-//! of a second per guess on one core; once per process, cached), and a secret with less than
-//! [`MIN_SECRET_BITS`] bits of estimated entropy is refused with a message that says how to
-//! make one ([`random_secret`], `hearth secret`). A secret of 128 random bits cannot be
+//! of a second per guess on one core; once per process, cached), salted with the job's id
+//! ([`JOB_ID_VARS`]) so that no dictionary computed once serves against every Hearth job, and
+//! a secret with less than [`MIN_SECRET_BITS`] bits of estimated entropy ([`secret_bits`]:
+//! character classes, dictionary words, and zxcvbn's patterns) is refused with a message that
+//! says how to make one ([`random_secret`], `hearth secret`). A secret of 128 random bits cannot be
 //! guessed at any speed; the slow KDF is the margin for one that is less random than it looks.
 //! A password-authenticated key exchange would remove the offline test altogether; it is not
 //! built.
@@ -54,12 +56,87 @@ pub const MIN_SECRET_BITS: f64 = 128.0;
 /// PBKDF2-HMAC-SHA256 rounds from the secret to the CA key (OWASP's 2023 figure).
 pub const KDF_ITERATIONS: u32 = 600_000;
 
-/// A generous estimate of a secret's entropy in bits: its length times the bits of the
-/// smallest alphabet of character classes that spells it (digits 10, hex 16, lower or upper
-/// case 26 each, anything else 33); a repeated pattern counts what it repeats once. Only a
-/// bound for refusing the obviously weak: a sentence passes it, and is still guessable by
-/// someone who knows the sentence.
+/// Where a job's id comes from, the first one set: it salts the key derivation, so every rank
+/// of a job must see the same value and another job a different one. `hearth launch` sets
+/// `HEARTH_JOB_ID`; Slurm and Open MPI name their jobs; a job started by hand shares its
+/// coordinator's address.
+pub const JOB_ID_VARS: [&str; 5] = [
+    "HEARTH_JOB_ID",
+    "SLURM_JOB_ID",
+    "PMIX_NAMESPACE",
+    "OMPI_MCA_ess_base_jobid",
+    "HEARTH_COORDINATOR",
+];
+
+/// An estimate of a secret's entropy in bits, the least of three:
+/// - its character classes ([`class_bits`]): its length times the bits of the smallest
+///   alphabet that spells it, a repeated pattern counted once;
+/// - as a phrase: a secret of several words (letters between spaces or punctuation) counts each
+///   word as one pick from a 7,776-word list (12.9 bits, Diceware's), whatever its length;
+/// - zxcvbn's estimate of the guesses an attacker with dictionaries, keyboard runs, sequences,
+///   dates and repeats needs (used where it is below 2^63, where the crate saturates).
+///
+/// "correct horse battery staple" is 4 words (52 bits) and "Password1Password1Password1!" a
+/// repeat of a dictionary word (about 15 bits): both are refused; 32 random hex characters
+/// keep their 128 bits.
 pub fn secret_bits(secret: &[u8]) -> f64 {
+    class_bits(secret)
+        .min(phrase_bits(secret))
+        .min(pattern_bits(secret))
+}
+
+/// Bits of one word of a passphrase: a pick from Diceware's 7,776 words.
+const WORD_BITS: f64 = 12.925;
+
+/// A secret of two or more tokens split at spaces and punctuation, where words (a lower-case
+/// run, possibly capitalised, of at most 12 letters) count [`WORD_BITS`] each and other tokens
+/// their [`class_bits`]; infinite for a secret of one token.
+fn phrase_bits(secret: &[u8]) -> f64 {
+    let tokens: Vec<&[u8]> = secret
+        .split(|b| b.is_ascii_whitespace() || b.is_ascii_punctuation())
+        .filter(|t| !t.is_empty())
+        .collect();
+    if tokens.len() < 2 {
+        return f64::INFINITY;
+    }
+    let word = |t: &[u8]| {
+        t.len() <= 12
+            && t.iter().skip(1).all(u8::is_ascii_lowercase)
+            && t[0].is_ascii_alphabetic()
+    };
+    tokens
+        .iter()
+        .map(|t| {
+            if word(t) {
+                WORD_BITS.min(class_bits(t))
+            } else {
+                class_bits(t)
+            }
+        })
+        .sum()
+}
+
+/// log2 of zxcvbn's guesses; infinite where it saturates (about 2^63 and more) or the secret
+/// is not UTF-8.
+fn pattern_bits(secret: &[u8]) -> f64 {
+    let Ok(text) = std::str::from_utf8(secret) else {
+        return f64::INFINITY;
+    };
+    // zxcvbn's matching grows faster than linearly; a secret longer than this has bits enough
+    // in its first part or is refused for it.
+    let text: String = text.chars().take(100).collect();
+    let log10 = zxcvbn::zxcvbn(&text, &[]).guesses_log10();
+    if log10 >= 19.0 {
+        f64::INFINITY
+    } else {
+        log10 * std::f64::consts::LOG2_10
+    }
+}
+
+/// A generous bound: the secret's length times the bits of the smallest alphabet of character
+/// classes that spells it (digits 10, hex 16, lower or upper case 26 each, anything else 33);
+/// a repeated pattern counts what it repeats once.
+pub fn class_bits(secret: &[u8]) -> f64 {
     let has = |f: fn(&u8) -> bool| secret.iter().any(f);
     let (digit, lower, upper) = (
         has(u8::is_ascii_digit),
@@ -153,7 +230,8 @@ pub fn check_peer_rank(
 /// Who belongs to the job.
 #[derive(Clone)]
 pub enum Membership {
-    Secret(Vec<u8>),
+    /// A job secret and the job's id, which salts the key derivation ([`JOB_ID_VARS`]).
+    Secret { secret: Vec<u8>, job: String },
     Files {
         ca: PathBuf,
         cert: PathBuf,
@@ -164,7 +242,7 @@ pub enum Membership {
 impl std::fmt::Debug for Membership {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Membership::Secret(_) => write!(f, "Membership::Secret(..)"),
+            Membership::Secret { job, .. } => write!(f, "Membership::Secret(job {job:?}, ..)"),
             Membership::Files { ca, cert, key } => f
                 .debug_struct("Membership::Files")
                 .field("ca", ca)
@@ -176,25 +254,16 @@ impl std::fmt::Debug for Membership {
 }
 
 impl Membership {
-    /// A job secret, refused when it is short or easy to guess ([`secret_bits`]).
-    pub fn secret(secret: impl AsRef<[u8]>) -> Result<Self> {
+    /// A job secret for the job `job` (any id every rank shares and no other job uses; it
+    /// salts the key derivation), refused when the secret is short or easy to guess
+    /// ([`secret_bits`]).
+    pub fn secret(secret: impl AsRef<[u8]>, job: &str) -> Result<Self> {
         let s = secret.as_ref();
-        let make = "make one with `hearth secret` (or `openssl rand -hex 32`)";
-        if s.len() < MIN_SECRET_LEN {
-            return Err(DistError::Tls(format!(
-                "the job secret is {} bytes; use at least {MIN_SECRET_LEN}: {make}",
-                s.len()
-            )));
-        }
-        let bits = secret_bits(s);
-        if bits < MIN_SECRET_BITS {
-            return Err(DistError::Tls(format!(
-                "the job secret is too easy to guess (about {bits:.0} bits; at least \
-                 {MIN_SECRET_BITS:.0} needed): anyone who reaches a rank's port can test guesses \
-                 of it offline; {make}"
-            )));
-        }
-        Ok(Self::Secret(s.to_vec()))
+        check_secret(s)?;
+        Ok(Self::Secret {
+            secret: s.to_vec(),
+            job: job.to_string(),
+        })
     }
 
     /// From `HEARTH_JOB_SECRET`, `HEARTH_JOB_SECRET_FILE`, or `HEARTH_TLS_CA`/`_CERT`/`_KEY`.
@@ -203,8 +272,22 @@ impl Membership {
     }
 
     pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Self> {
+        let job = || {
+            JOB_ID_VARS
+                .iter()
+                .find_map(|k| get(k).filter(|v| !v.is_empty()))
+                .ok_or_else(|| {
+                    DistError::Tls(format!(
+                        "a job secret needs the job's id, which salts the key it derives: set \
+                         HEARTH_JOB_ID to a value every rank of this job shares and no other \
+                         job uses (read, the first one set: {})",
+                        JOB_ID_VARS.join(", ")
+                    ))
+                })
+        };
         if let Some(s) = get("HEARTH_JOB_SECRET").filter(|s| !s.is_empty()) {
-            return Self::secret(s);
+            check_secret(s.as_bytes())?;
+            return Self::secret(s, &job()?);
         }
         if let Some(path) = get("HEARTH_JOB_SECRET_FILE").filter(|s| !s.is_empty()) {
             let s = std::fs::read(&path).map_err(|source| DistError::Io {
@@ -212,7 +295,8 @@ impl Membership {
                 source,
             })?;
             let trimmed = s.trim_ascii();
-            return Self::secret(trimmed);
+            check_secret(trimmed)?;
+            return Self::secret(trimmed, &job()?);
         }
         match (
             get("HEARTH_TLS_CA"),
@@ -236,6 +320,26 @@ impl Membership {
     }
 }
 
+/// An error when the job secret `s` is short or easy to guess ([`secret_bits`]).
+fn check_secret(s: &[u8]) -> Result<()> {
+    let make = "make one with `hearth secret` (or `openssl rand -hex 32`)";
+    if s.len() < MIN_SECRET_LEN {
+        return Err(DistError::Tls(format!(
+            "the job secret is {} bytes; use at least {MIN_SECRET_LEN}: {make}",
+            s.len()
+        )));
+    }
+    let bits = secret_bits(s);
+    if bits < MIN_SECRET_BITS {
+        return Err(DistError::Tls(format!(
+            "the job secret is too easy to guess (about {bits:.0} bits; at least \
+             {MIN_SECRET_BITS:.0} needed): anyone who reaches a rank's port can test guesses \
+             of it offline; {make}"
+        )));
+    }
+    Ok(())
+}
+
 /// A rank's TLS material: the job CA, its certificate chain and key.
 pub struct Identity {
     pub ca: CertificateDer<'static>,
@@ -247,7 +351,7 @@ impl Identity {
     /// The identity of `rank`: with a job secret, a fresh key and a certificate naming the rank.
     pub fn new(m: &Membership, rank: usize) -> Result<Self> {
         match m {
-            Membership::Secret(s) => from_secret(s, rank),
+            Membership::Secret { secret, job } => from_secret(secret, job, rank),
             Membership::Files { ca, cert, key } => from_files(ca, cert, key, rank),
         }
     }
@@ -257,14 +361,26 @@ fn tls_err(what: &str) -> impl Fn(rcgen::Error) -> DistError + '_ {
     move |e| DistError::Tls(format!("{what}: {e}"))
 }
 
+/// The salt of job `job`'s key derivation.
+fn job_salt(job: &str) -> Vec<u8> {
+    let mut salt = b"hearth burn-dist job CA v3\0".to_vec();
+    salt.extend_from_slice(job.as_bytes());
+    salt
+}
+
 /// The 32-byte seed of the job CA's key: PBKDF2-HMAC-SHA256 of the secret, [`KDF_ITERATIONS`]
-/// rounds with a fixed salt (every rank must find the same key). Computed once per secret and
-/// process: a job re-forms its links many times.
-fn ca_seed(secret: &[u8]) -> [u8; 32] {
+/// rounds salted with the job's id (every rank of the job finds the same key; another job,
+/// another salt). Computed once per secret, job and process: a job re-forms its links many
+/// times.
+fn ca_seed(secret: &[u8], job: &str) -> [u8; 32] {
     type Seeds = Vec<([u8; 32], [u8; 32])>;
     static SEEDS: std::sync::Mutex<Seeds> = std::sync::Mutex::new(Vec::new());
+    let salt = job_salt(job);
+    let mut keyed = (secret.len() as u64).to_le_bytes().to_vec();
+    keyed.extend_from_slice(secret);
+    keyed.extend_from_slice(&salt);
     let mut id = [0u8; 32];
-    id.copy_from_slice(ring::digest::digest(&ring::digest::SHA256, secret).as_ref());
+    id.copy_from_slice(ring::digest::digest(&ring::digest::SHA256, &keyed).as_ref());
     let mut seeds = SEEDS.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, seed)) = seeds.iter().find(|(k, _)| *k == id) {
         return *seed;
@@ -274,7 +390,7 @@ fn ca_seed(secret: &[u8]) -> [u8; 32] {
     ring::pbkdf2::derive(
         ring::pbkdf2::PBKDF2_HMAC_SHA256,
         rounds,
-        b"hearth burn-dist job CA v2",
+        &salt,
         secret,
         &mut seed,
     );
@@ -283,8 +399,8 @@ fn ca_seed(secret: &[u8]) -> [u8; 32] {
 }
 
 /// The job CA's Ed25519 key from the secret ([`ca_seed`]).
-fn ca_key(secret: &[u8]) -> Result<KeyPair> {
-    let seed = ca_seed(secret);
+fn ca_key(secret: &[u8], job: &str) -> Result<KeyPair> {
+    let seed = ca_seed(secret, job);
     // PKCS#8 v1 wrapping of an Ed25519 seed (RFC 8410).
     let mut pkcs8 = vec![
         0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04,
@@ -318,8 +434,8 @@ fn rank_params(rank: usize) -> Result<CertificateParams> {
     Ok(leaf)
 }
 
-fn from_secret(secret: &[u8], rank: usize) -> Result<Identity> {
-    let ca_key = ca_key(secret)?;
+fn from_secret(secret: &[u8], job: &str, rank: usize) -> Result<Identity> {
+    let ca_key = ca_key(secret, job)?;
     let ca_params = ca_params()?;
     // Deterministic: fixed parameters and an Ed25519 signature, so every rank builds the same CA.
     let ca_cert = ca_params
@@ -529,7 +645,7 @@ impl Membership {
     /// any holder could make a certificate for any rank from it; a user's CA binds each rank
     /// in the certificate the user gave.
     pub fn rank_zero_issues(&self) -> bool {
-        matches!(self, Membership::Secret(_))
+        matches!(self, Membership::Secret { .. })
     }
 }
 
@@ -585,26 +701,31 @@ pub fn client_config(id: &Identity) -> Result<rustls::ClientConfig> {
 mod tests {
     use super::*;
 
+    const SECRET: &str = "1f0e2d3c4b5a69788796a5b4c3d2e1f0";
+
     #[test]
     fn one_secret_gives_one_ca_and_another_secret_another() {
-        let m = Membership::secret("correct horse battery staple").unwrap();
+        let m = Membership::secret(SECRET, "job-1").unwrap();
         let a = Identity::new(&m, 0).unwrap();
         let b = Identity::new(&m, 1).unwrap();
         let c = Identity::new(
-            &Membership::secret("another job's secret value").unwrap(),
+            &Membership::secret("e1d2c3b4a5968778695a4b3c2d1e0f9a", "job-1").unwrap(),
             0,
         )
         .unwrap();
         assert_eq!(a.ca, b.ca, "ranks of one job must derive the same CA");
         assert_ne!(a.chain[0], b.chain[0], "each rank has its own key");
         assert_ne!(a.ca, c.ca);
+        // The same secret in another job: another salt, another CA.
+        let other_job = Identity::new(&Membership::secret(SECRET, "job-2").unwrap(), 0).unwrap();
+        assert_ne!(a.ca, other_job.ca);
         server_config(&a).unwrap();
         client_config(&a).unwrap();
     }
 
     #[test]
     fn certificates_name_their_rank_and_a_claim_of_another_rank_is_refused() {
-        let m = Membership::secret("correct horse battery staple").unwrap();
+        let m = Membership::secret(SECRET, "job-1").unwrap();
         let two = Identity::new(&m, 2).unwrap();
         assert!(names_rank(&two.chain[0], 2));
         assert!(!names_rank(&two.chain[0], 1));
@@ -624,8 +745,15 @@ mod tests {
             "passwordpasswordpassword",
             "deadbeefdeadbeefdeadbeefdeadbeef",
             "1234567890123456",
+            // Issue 55: each passed the bound of character classes alone.
+            "correct horse battery staple",
+            "Password1Password1Password1!",
+            "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaab",
+            "parameter server test secret, long enough",
+            "Tr0ub4dor&3Tr0ub4dor&3Tr0ub4dor&3",
+            "qwertyuiopasdfghjklzxcvbnm1234567890",
         ] {
-            let e = Membership::secret(weak).unwrap_err().to_string();
+            let e = Membership::secret(weak, "job").unwrap_err().to_string();
             assert!(
                 e.contains("too easy to guess") && e.contains("hearth secret"),
                 "{weak}: {e}"
@@ -636,26 +764,30 @@ mod tests {
             random_secret().unwrap()[..32].to_string(),
         ] {
             assert!(secret_bits(strong.as_bytes()) >= 128.0, "{strong}");
-            Membership::secret(&strong).unwrap();
+            Membership::secret(&strong, "job").unwrap();
         }
         // Random secrets that begin and end alike (one in 16 did, and was refused) keep
         // their length's bits; a true repeat counts once.
         let ends_alike = "23cf9c10c801e82b17c35fea78f616e2";
         assert_eq!(secret_bits(ends_alike.as_bytes()), 128.0);
-        assert_eq!(secret_bits(b"0f73b9f0d113e3c50f73b9f0d113e3c5"), 64.0);
-        assert_eq!(secret_bits(b"abcabcab"), 12.0, "3 hex characters");
-        // The derivation is the slow one, and the same on every call.
-        let m = b"correct horse battery staple";
-        assert_eq!(ca_seed(m), ca_seed(m));
+        assert!(secret_bits(b"0f73b9f0d113e3c50f73b9f0d113e3c5") <= 64.0);
+        assert!(secret_bits(b"abcabcab") <= 12.0, "3 hex characters, repeated");
+        // A passphrase of enough words passes: 11 Diceware words are 142 bits.
+        let words = "ankle bishop cobalt dwarf ember fjord gravel hatch iris jolly kiln";
+        assert!(secret_bits(words.as_bytes()) >= 128.0, "{}", secret_bits(words.as_bytes()));
+        // The derivation is the slow one, salted by the job, and the same on every call.
+        let m = SECRET.as_bytes();
+        assert_eq!(ca_seed(m, "job-1"), ca_seed(m, "job-1"));
+        assert_ne!(ca_seed(m, "job-1"), ca_seed(m, "job-2"));
         let mut fast = [0u8; 32];
         ring::pbkdf2::derive(
             ring::pbkdf2::PBKDF2_HMAC_SHA256,
             std::num::NonZeroU32::new(1).unwrap(),
-            b"hearth burn-dist job CA v2",
+            &job_salt("job-1"),
             m,
             &mut fast,
         );
-        assert_ne!(ca_seed(m), fast, "more than one round");
+        assert_ne!(ca_seed(m, "job-1"), fast, "more than one round");
     }
 
     #[test]
@@ -666,6 +798,22 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(short.contains("at least 16"), "{short}");
+        // A good secret without any job id: the error names the variable to set.
+        let no_job = Membership::from_lookup(&|k| (k == "HEARTH_JOB_SECRET").then(|| SECRET.into()))
+            .unwrap_err()
+            .to_string();
+        assert!(no_job.contains("HEARTH_JOB_ID"), "{no_job}");
+        // The first job id set salts: the launcher's over the coordinator's address.
+        let vars = |k: &str| match k {
+            "HEARTH_JOB_SECRET" => Some(SECRET.to_string()),
+            "SLURM_JOB_ID" => Some("4242".to_string()),
+            "HEARTH_COORDINATOR" => Some("10.0.0.1:29400".to_string()),
+            _ => None,
+        };
+        match Membership::from_lookup(&vars).unwrap() {
+            Membership::Secret { job, .. } => assert_eq!(job, "4242"),
+            m => panic!("{m:?}"),
+        }
         let partial = Membership::from_lookup(&|k| (k == "HEARTH_TLS_CA").then(|| "ca.pem".into()))
             .unwrap_err()
             .to_string();

@@ -1,7 +1,75 @@
 //! `hearth train --resume RUN`: the settings the run recorded in `hparams.json`, taken for
 //! every one the command line does not set.
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
+
+/// How a run was started, as its `hparams.json` records it.
+pub(crate) struct RecordedLaunch {
+    pub processes: usize,
+    pub elastic: bool,
+}
+
+/// Whether the command line sets `flag` (`--flag V` or `--flag=V`).
+pub(crate) fn given(flag: &str) -> bool {
+    std::env::args().any(|a| a == flag || a.starts_with(&format!("{flag}=")))
+}
+
+/// `--resume RUN` outside a launched job: how RUN was started (`launch` in its
+/// `hparams.json`), so that a bare resume starts it the same way. `None` for a run whose file
+/// predates the record. A missing `hparams.json` is an error when the command line gives
+/// nothing else to go by, and said otherwise.
+pub(crate) fn recorded_launch(run: &std::path::Path) -> Result<Option<RecordedLaunch>> {
+    let path = run.join("hparams.json");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            // No run there at all: the run directory's own check says so (a mistyped path).
+            if !run.join("metrics.csv").exists() && !run.join("checkpoint").exists() {
+                return Ok(None);
+            }
+            // Only `train --resume RUN` (and its device) on the command line: nothing to go by.
+            let bare = std::env::args()
+                .skip(2)
+                .filter(|a| a.starts_with("--"))
+                .all(|a| {
+                    ["--resume", "--device", "--autotune", "--kernel-bundle"]
+                        .iter()
+                        .any(|f| a == *f || a.starts_with(&format!("{f}=")))
+                });
+            if bare {
+                bail!(
+                    "cannot resume {}: {} is missing, so the run's settings (model, data, batch \
+                     size, schedule, processes) cannot be restored; give them on the command \
+                     line with --resume",
+                    run.display(),
+                    path.display()
+                );
+            }
+            eprintln!(
+                "warning: --resume: {} is missing; nothing is restored from it, the command \
+                 line's settings (and their defaults) apply",
+                path.display()
+            );
+            return Ok(None);
+        }
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let saved: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
+    let launch = &saved["launch"];
+    if launch.is_null() {
+        return Ok(None);
+    }
+    let processes = launch["processes"]
+        .as_u64()
+        .and_then(|n| usize::try_from(n).ok())
+        .filter(|&n| n >= 1)
+        .with_context(|| format!("{}: launch.processes is not a count", path.display()))?;
+    let elastic = launch["elastic"]
+        .as_bool()
+        .with_context(|| format!("{}: launch.elastic is not true or false", path.display()))?;
+    Ok(Some(RecordedLaunch { processes, elastic }))
+}
 
 /// `--resume RUN`: the run's recorded settings (`hparams.json`) for every one the command line
 /// does not set. Runs whose file predates typed values keep the command line's.
@@ -18,14 +86,8 @@ pub(crate) fn take_recorded(cfg: &mut hearth::train::TrainConfig) -> Result<Vec<
     if saved.values().all(serde_json::Value::is_string) {
         return Ok(Vec::new());
     }
-    let args: Vec<String> = std::env::args().collect();
-    let given = |key: &str| {
-        recorded_flags(key).iter().any(|f| {
-            args.iter()
-                .any(|a| a == f || a.starts_with(&format!("{f}=")))
-        })
-    };
-    Ok(cfg.take_recorded(&saved, &given)?)
+    let set = |key: &str| recorded_flags(key).iter().any(|f| given(f));
+    Ok(cfg.take_recorded(&saved, &set)?)
 }
 
 /// The flags that set each setting `hparams.json` records.

@@ -66,10 +66,12 @@ pub(crate) struct TrainArgs {
     /// The optimizer.
     #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
     optimizer: OptimizerKind,
-    /// SGD and LARS momentum (PyTorch semantics: no dampening; 0 for plain SGD).
-    #[arg(long, default_value_t = 0.9)]
-    momentum: f64,
-    /// Nesterov momentum (SGD).
+    /// SGD and LARS momentum (PyTorch semantics: no dampening; 0 for plain SGD). Refused with
+    /// adam and adamw, which keep their own moment estimates.
+    /// (default 0.9)
+    #[arg(long)]
+    momentum: Option<f64>,
+    /// Nesterov momentum (SGD with momentum above 0).
     #[arg(long)]
     nesterov: bool,
     /// L2 weight decay (SGD, Adam: not applied to biases and batch norm; AdamW: decoupled).
@@ -84,8 +86,8 @@ pub(crate) struct TrainArgs {
     /// Scale --lr by the batch ratio: linear (Goyal et al.) or sqrt.
     #[arg(long, value_enum, requires = "base_batch")]
     scale_lr: Option<LrScaling>,
-    /// The batch size --lr was tuned for.
-    #[arg(long)]
+    /// The batch size --lr was tuned for (with --scale-lr).
+    #[arg(long, requires = "scale_lr")]
     base_batch: Option<usize>,
     /// Label smoothing of the cross-entropy loss, in [0, 1) (single-label sets).
     #[arg(long, default_value_t = 0.0)]
@@ -145,7 +147,8 @@ pub(crate) struct TrainArgs {
     /// End this run after that epoch (its checkpoint written); --resume continues it exactly.
     #[arg(long)]
     stop_after_epoch: Option<usize>,
-    /// Price of one node-hour, for the cost line of the summary.
+    /// Price of one process-hour (a GPU or a machine per rank), for the cost line of the
+    /// summary: the job's wall time times its processes (an elastic job: its worker-hours).
     #[arg(long)]
     price_per_hour: Option<f64>,
     /// Accumulate gradients over K micro-batches per optimizer step (in a distributed run they
@@ -322,7 +325,7 @@ fn build_config(
     cfg.batch_size = a.batch_size;
     cfg.lr = a.lr;
     cfg.optimizer = a.optimizer;
-    cfg.momentum = a.momentum;
+    cfg.momentum = a.momentum.unwrap_or(hearth::train::DEFAULT_MOMENTUM);
     cfg.nesterov = a.nesterov;
     cfg.weight_decay = a.weight_decay;
     cfg.schedule = a.schedule.decay();
@@ -417,6 +420,43 @@ fn mode_flags(a: &TrainArgs) -> Result<()> {
             bail!("{flag} belongs to {mode}, which this run does not use");
         }
     }
+    unread_flags(a)
+}
+
+/// Flags given where the run would not read them, even at their default value (the settings'
+/// own check refuses the values it can tell from the defaults).
+fn unread_flags(a: &TrainArgs) -> Result<()> {
+    let mode = a.mode.as_deref().unwrap_or("adag");
+    if a.rho.is_some() && a.ps.is_some() && mode != "easgd" {
+        bail!("--rho is EASGD's elastic force; --mode {mode} does not use it (--mode easgd does)");
+    }
+    if a.ps.is_some() && mode == "sync" {
+        if a.window.is_some() {
+            bail!(
+                "--window sets how often an asynchronous worker exchanges; --mode sync exchanges \
+                 every step"
+            );
+        }
+        if a.staleness.is_some() {
+            bail!(
+                "--staleness bounds how far asynchronous workers run ahead; --mode sync waits \
+                 for every worker at every step"
+            );
+        }
+    }
+    if a.momentum.is_some() && matches!(a.optimizer, OptimizerKind::Adam | OptimizerKind::AdamW) {
+        bail!(
+            "--momentum applies to sgd and lars; --optimizer {} keeps its own moment estimates \
+             (betas 0.9 and 0.999)",
+            if a.optimizer == OptimizerKind::Adam { "adam" } else { "adamw" }
+        );
+    }
+    if a.pipeline_balance.is_some() && a.pipeline_split.is_some() {
+        bail!(
+            "--pipeline-balance chooses where the stages split; --pipeline-split gives the split \
+             itself, so one of them would be ignored"
+        );
+    }
     Ok(())
 }
 
@@ -504,6 +544,31 @@ pub(crate) fn augmentation(a: &TrainArgs) -> Result<hearth::datasets::Augmentati
 pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     use hearth::train::train;
     let in_job = std::env::var_os("HEARTH_RANK").is_some();
+    // A bare `--resume RUN` starts the run as it was started: its processes, and elastic only
+    // through `hearth launch --elastic`.
+    let mut a = a;
+    if let Some(run) = a.resume.clone().filter(|_| !in_job)
+        && let Some(then) = crate::cli::resume::recorded_launch(&run)?
+    {
+        if then.elastic && !a.elastic {
+            bail!(
+                "{} was trained with --elastic: resume it as it ran, `hearth launch --elastic -n \
+                 {} -- hearth train --elastic --resume {} ...`",
+                run.display(),
+                then.processes,
+                run.display()
+            );
+        }
+        if !then.elastic && !crate::cli::resume::given("--nproc") && then.processes > 1 {
+            eprintln!(
+                "--resume: {} processes, as {} was trained (--nproc {})",
+                then.processes,
+                run.display(),
+                then.processes
+            );
+            a.nproc = then.processes;
+        }
+    }
     // A pipeline of P stages needs P processes at least.
     let nproc = match a.pipeline_stages {
         Some(p) if a.nproc == 1 => p,
@@ -689,7 +754,7 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
             "skipped {} image(s) that failed to decode (never trained or validated on{}):",
             report.skipped.len(),
             if report.world > 1 {
-                "; rank 0's shard"
+                "; every rank's"
             } else {
                 ""
             }

@@ -194,6 +194,8 @@ pub enum ElasticOutcome {
 struct Launcher<'a> {
     cfg: &'a ElasticLaunchConfig,
     secret: String,
+    /// `HEARTH_JOB_ID`: every worker's, joiners' too (it salts the secret's key).
+    job: String,
     coordinator: String,
     join_addrs: Vec<String>,
     slots: Vec<Slot>,
@@ -219,6 +221,7 @@ impl Launcher<'_> {
         command
             .args(&self.cfg.args)
             .env("HEARTH_JOB_SECRET", &self.secret)
+            .env("HEARTH_JOB_ID", &self.job)
             .env("HEARTH_ELASTIC_ID", &id)
             .env("HEARTH_ELASTIC_ADDR", &join)
             .env("HEARTH_ELASTIC_PEERS", self.join_addrs.join(","))
@@ -335,6 +338,7 @@ pub fn launch_elastic(cfg: &ElasticLaunchConfig) -> Result<ElasticOutcome> {
     let mut l = Launcher {
         cfg,
         secret,
+        job: super::job_id()?,
         coordinator: format!("127.0.0.1:{}", free_port()?),
         join_addrs: Vec::new(),
         slots: Vec::new(),

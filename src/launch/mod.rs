@@ -1,7 +1,8 @@
 //! `hearth launch -n N -- COMMAND...`: N local ranks of one job.
 //!
 //! Each rank gets `HEARTH_RANK`, `HEARTH_WORLD_SIZE`, `HEARTH_COORDINATOR` (127.0.0.1 and a free
-//! port), `LOCAL_RANK` and `HEARTH_JOB_SECRET` (the caller's, or a fresh random one). Output
+//! port), `LOCAL_RANK`, `HEARTH_JOB_SECRET` (the caller's, or a fresh random one) and
+//! `HEARTH_JOB_ID` (the caller's, or a fresh one: it salts the secret's key). Output
 //! lines are prefixed with `[rank R]`. When a rank fails, the others are stopped and the launch
 //! fails with that rank's exit status. When the launcher itself ends (Ctrl-C, a kill), the kernel
 //! kills the ranks (`PR_SET_PDEATHSIG`).
@@ -112,6 +113,18 @@ pub(crate) fn child_command(program: &std::path::Path) -> Command {
     command
 }
 
+/// This job's id (`HEARTH_JOB_ID`, which salts the job secret's key): the caller's, or a fresh
+/// random one, so that no two launches share it.
+pub(crate) fn job_id() -> Result<String> {
+    match std::env::var("HEARTH_JOB_ID") {
+        Ok(id) if !id.is_empty() => Ok(id),
+        _ => Ok(format!(
+            "launch-{}",
+            &burn_dist::tls::random_secret()?[..16]
+        )),
+    }
+}
+
 /// Starts the ranks and waits for them (see the module docs).
 pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
     if cfg.nproc == 0 {
@@ -126,6 +139,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
         Ok(s) if !s.is_empty() => s,
         _ => burn_dist::tls::random_secret()?,
     };
+    let job = job_id()?;
     let mut children: Vec<Option<Child>> = Vec::new();
     let mut pumps = Vec::new();
     for rank in 0..cfg.nproc {
@@ -137,6 +151,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
             .env("HEARTH_COORDINATOR", format!("127.0.0.1:{port}"))
             .env("LOCAL_RANK", rank.to_string())
             .env("HEARTH_JOB_SECRET", &secret)
+            .env("HEARTH_JOB_ID", &job)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

@@ -210,7 +210,8 @@ impl<T: Trainee> Allreduce<'_, T> {
             }
         }
         if let Some(comm) = &self.comm {
-            state = burn_dist::elastic::broadcast_bytes(comm, state)?;
+            let limit = super::shared::state_limit(self.model.num_params());
+            state = burn_dist::elastic::broadcast_bytes(comm, state, limit)?;
         }
         if self.scaler.is_some() && !state.is_empty() {
             // fp16's loss scale goes on from the checkpoint's, on every rank.
@@ -224,7 +225,8 @@ impl<T: Trainee> Allreduce<'_, T> {
                     .into_bytes();
             }
             if let Some(comm) = &self.comm {
-                text = burn_dist::elastic::broadcast_bytes(comm, text)?;
+                // A loss scaler's JSON: a few numbers.
+                text = burn_dist::elastic::broadcast_bytes(comm, text, 1 << 20)?;
             }
             let scaler = serde_json::from_slice(&text)
                 .ok()
@@ -333,7 +335,11 @@ impl<T: Trainee> Allreduce<'_, T> {
         );
         report.epochs_run = last;
         report.per_class_auroc = per_class_auroc;
-        report.skipped = self.trainee.skipped();
+        // Every rank's skipped files, on rank 0.
+        report.skipped = match &self.comm {
+            Some(comm) => super::shared::gather_lines(comm, &self.trainee.skipped())?,
+            None => self.trainee.skipped(),
+        };
         Ok(report)
     }
 }
@@ -513,17 +519,8 @@ fn decode_state(bytes: &[u8]) -> Result<(usize, &[u8], &[u8])> {
             .map(u64::from_le_bytes)
             .ok_or_else(|| bad("truncated"))
     };
-    let epoch = word(0)? as usize;
-    let mut at = 8;
-    let mut parts = Vec::with_capacity(2);
-    for _ in 0..2 {
-        let len = word(at)? as usize;
-        let part = bytes
-            .get(at + 8..(at + 8).saturating_add(len))
-            .ok_or_else(|| bad(&format!("truncated: {len} bytes announced")))?;
-        parts.push(part);
-        at += 8 + len;
-    }
+    let epoch = usize::try_from(word(0)?).map_err(|_| bad("an epoch past usize"))?;
+    let parts = super::shared::prefixed_parts(&bytes[8..], 2, "resume state from rank 0")?;
     Ok((epoch, parts[0], parts[1]))
 }
 

@@ -22,8 +22,8 @@ pub const MINI_VGG_PLAIN: &str = "vgg-mini-plain";
 /// `zero`: the stage may change (the state file is the same); switching sharding on or off is
 /// refused on resume by its own check (`zero::check_resume`).
 /// `recompute`: the same training (bar dropout's draws), with less memory held.
-pub const MAY_CHANGE_ON_RESUME: [&str; 5] =
-    ["epochs", "patience", "min_delta", "zero", "recompute"];
+pub const MAY_CHANGE_ON_RESUME: [&str; 6] =
+    ["epochs", "patience", "min_delta", "zero", "recompute", "launch"];
 
 /// A small DenseNet (growth 8, two layers per block, 16 stem channels): DenseNet-121's
 /// architecture at test size (the multi-label recipe of seed 001 on a small machine).
@@ -40,6 +40,9 @@ pub enum FinetuneBn {
     /// By each training batch's statistics, updating the running ones (PyTorch's `train()`).
     Batch,
 }
+
+/// SGD's and LARS's momentum unless set (`--momentum`).
+pub const DEFAULT_MOMENTUM: f64 = 0.9;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum OptimizerKind {
@@ -264,7 +267,7 @@ impl TrainConfig {
             batch_size: 32,
             lr: 0.05,
             optimizer: OptimizerKind::Sgd,
-            momentum: 0.9,
+            momentum: DEFAULT_MOMENTUM,
             nesterov: false,
             weight_decay: 5e-4,
             schedule: Decay::Cosine { min_lr: 0.0 },
@@ -361,6 +364,7 @@ impl TrainConfig {
         if self.bucket_bytes == 0 {
             return bad("--bucket-mb must be positive".into());
         }
+        self.validate_optimizer()?;
         if self.grad_accum == Some(0) {
             return bad("--grad-accum must be at least 1".into());
         }
@@ -450,6 +454,39 @@ impl TrainConfig {
         self.validate_zero()?;
         self.validate_overlap()?;
         self.validate_exchange()
+    }
+
+    /// The optimizer's settings: momentum and Nesterov only where the optimizer has them.
+    fn validate_optimizer(&self) -> Result<()> {
+        let bad = |m: String| Err(HearthError::InvalidArgument(m));
+        let name = match self.optimizer {
+            OptimizerKind::Sgd => "sgd",
+            OptimizerKind::Adam => "adam",
+            OptimizerKind::AdamW => "adamw",
+            OptimizerKind::Lars => "lars",
+        };
+        if !(self.momentum.is_finite() && (0.0..1.0).contains(&self.momentum)) {
+            return bad(format!("--momentum {} must be in [0, 1)", self.momentum));
+        }
+        let adaptive = matches!(self.optimizer, OptimizerKind::Adam | OptimizerKind::AdamW);
+        if adaptive && self.momentum != DEFAULT_MOMENTUM {
+            return bad(format!(
+                "--momentum {} applies to sgd and lars; --optimizer {name} keeps its own moment \
+                 estimates (betas 0.9 and 0.999)",
+                self.momentum
+            ));
+        }
+        if self.nesterov {
+            if self.optimizer != OptimizerKind::Sgd {
+                return bad(format!(
+                    "--nesterov applies to --optimizer sgd; {name} has no Nesterov variant here"
+                ));
+            }
+            if self.momentum == 0.0 {
+                return bad("--nesterov needs --momentum above 0 (0 is plain SGD)".into());
+            }
+        }
+        Ok(())
     }
 
     /// `--overlap`: data parallel over two ranks or more, or elastic; what it does not work
@@ -579,6 +616,30 @@ impl TrainConfig {
         }
         if !(p.rho.is_finite() && p.rho > 0.0) {
             return bad(format!("--rho {} must be positive", p.rho));
+        }
+        // A setting the mode does not read is refused, not ignored.
+        let defaults = super::PsOptions::default();
+        let mode = p.mode.name();
+        if p.mode != burn_dist::ps::Mode::Easgd && p.rho != defaults.rho {
+            return bad(format!(
+                "--rho {} is EASGD's elastic force; --mode {mode} does not use it (--mode easgd does)",
+                p.rho
+            ));
+        }
+        if p.mode == burn_dist::ps::Mode::Sync {
+            if p.window != defaults.window {
+                return bad(format!(
+                    "--window {} sets how often an asynchronous worker exchanges; --mode sync \
+                     exchanges every step",
+                    p.window
+                ));
+            }
+            if let Some(s) = p.staleness {
+                return bad(format!(
+                    "--staleness {s} bounds how far asynchronous workers run ahead; --mode sync \
+                     waits for every worker at every step"
+                ));
+            }
         }
         if let Some(d) = &self.dist {
             let roles = super::ps::Roles::new(p.servers, d.world)?;

@@ -262,7 +262,7 @@ impl<'a> Epochs<'a> {
     ) -> TrainReport {
         let mut r = TrainReport::summarise(self.cfg, &self.rows(), best, started, images, classes);
         r.rank = rank;
-        r.world = world;
+        r.set_world(world, self.cfg.price_per_hour);
         r
     }
 }
@@ -430,5 +430,27 @@ mod tests {
         );
         let csv = std::fs::read_to_string(dir.path().join("metrics.csv")).unwrap();
         assert_eq!(csv.lines().count(), 5, "{csv}");
+    }
+
+    #[test]
+    fn the_cost_prices_every_process_of_the_job_not_rank_0s_clock() {
+        // Issue 55: --price-per-hour priced rank 0's wall clock alone.
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = config(dir.path());
+        cfg.price_per_hour = Some(3.0);
+        let epochs = Epochs::new(&cfg, true);
+        let started = Instant::now() - std::time::Duration::from_secs(36);
+        let one = epochs.report(0, started, 10, Vec::new(), 0, 1);
+        let four = epochs.report(0, started, 10, Vec::new(), 0, 4);
+        for r in [&one, &four] {
+            let hours = r.wall_seconds * r.world as f64 / 3600.0;
+            assert!((r.node_hours - hours).abs() < 1e-12, "{} {hours}", r.node_hours);
+            assert_eq!(r.cost, Some(3.0 * r.node_hours));
+        }
+        assert!(four.node_hours > 3.9 * one.node_hours, "{} {}", four.node_hours, one.node_hours);
+        // An elastic job's worker-seconds, whatever its last world.
+        let mut elastic = four;
+        elastic.price_process_seconds(7200.0, cfg.price_per_hour);
+        assert_eq!((elastic.node_hours, elastic.cost), (2.0, Some(6.0)));
     }
 }

@@ -249,6 +249,15 @@ impl TrainConfig {
             ("precision", json!(self.precision.name())),
             ("zero", json!(self.zero)),
             ("recompute", json!(self.recompute)),
+            // How the run was started, for a bare `--resume RUN` to start it the same way
+            // (the processes may change on resume).
+            (
+                "launch",
+                json!({
+                    "processes": self.dist.as_ref().map_or(1, |d| d.world),
+                    "elastic": self.elastic.is_some(),
+                }),
+            ),
         ])
         .into_iter()
         .chain(self.pipeline.as_ref().map(|p| {

@@ -61,7 +61,7 @@ pub mod zero;
 pub use best::{BestRule, KeepBestAndLast, Patience, best_epoch};
 pub use burn_dist::ps::Mode as PsMode;
 pub use config::{
-    AugmentPreset, DEFAULT_MODEL, FinetuneBn, MAY_CHANGE_ON_RESUME, MINI_DENSENET, MINI_VGG,
+    AugmentPreset, DEFAULT_MODEL, DEFAULT_MOMENTUM, FinetuneBn, MAY_CHANGE_ON_RESUME, MINI_DENSENET, MINI_VGG,
     MINI_VGG_PLAIN, Monitor, OptimizerKind, PipelineBalance, PipelineOptions, TrainConfig,
 };
 pub use data::{ImageBatch, LoaderAdapter};
@@ -101,6 +101,9 @@ pub struct TrainReport {
     pub epochs_run: usize,
     pub wall_seconds: f64,
     pub images_per_sec: f64,
+    /// Process-hours of the whole job: wall time times the processes of a fixed world
+    /// (workers, servers and stages alike); an elastic job's worker-hours across its
+    /// membership changes and resumes.
     pub node_hours: f64,
     pub cost: Option<f64>,
     pub class_names: Vec<String>,
@@ -113,12 +116,28 @@ pub struct TrainReport {
     /// This process's rank (0 when not distributed); only rank 0 exports and plots.
     pub rank: usize,
     pub world: usize,
-    /// Images this rank's loaders skipped because they failed to decode (`path: reason`, each
+    /// Images the run's loaders skipped because they failed to decode (on rank 0: every
+    /// rank's, gathered at the end; elsewhere this rank's) (`path: reason`, each
     /// once): never trained or validated on.
     pub skipped: Vec<String>,
 }
 
 impl TrainReport {
+    /// The job runs on `world` processes, each from its start to its end as this one: its
+    /// node-hours are this process's wall time times `world`, and `price` (per node-hour,
+    /// `--price-per-hour`) prices them.
+    pub(crate) fn set_world(&mut self, world: usize, price: Option<f64>) {
+        self.world = world;
+        self.price_process_seconds(self.wall_seconds * world.max(1) as f64, price);
+    }
+
+    /// The job used `seconds` process-seconds in all (an elastic job's worker-seconds, over
+    /// the membership changes): its node-hours and their cost at `price` per node-hour.
+    pub(crate) fn price_process_seconds(&mut self, seconds: f64, price: Option<f64>) {
+        self.node_hours = seconds / 3600.0;
+        self.cost = price.map(|p| p * self.node_hours);
+    }
+
     /// The report of a run that trained `images` images in all since `started`, whose best
     /// epoch is `best` (rank 0 of 1, no per-class AUROC: the caller fills those in).
     fn summarise(
@@ -543,9 +562,13 @@ impl<'a> Run<'a> {
         let mut report =
             TrainReport::summarise(cfg, &rows, best, self.started, images, self.classes);
         report.per_class_auroc = exported.per_class_auroc;
-        report.skipped = self.loaders.skipped();
+        // Every rank's skipped files, on rank 0 (each rank decodes only its shard).
+        report.skipped = match &self.dist {
+            Some(comm) => shared::gather_lines(comm, &self.loaders.skipped())?,
+            None => self.loaders.skipped(),
+        };
         report.rank = self.rank;
-        report.world = self.world;
+        report.set_world(self.world, cfg.price_per_hour);
         Ok(report)
     }
 }

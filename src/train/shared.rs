@@ -9,6 +9,129 @@ use super::TrainConfig;
 use crate::Result;
 use crate::schedule::Schedule;
 
+/// The first `count` length-prefixed parts of `bytes` (each a little-endian u64 byte count,
+/// then that many bytes), for the states ranks send each other; `what` names the state in the
+/// error. An announced length is checked against the bytes there before any arithmetic.
+pub(crate) fn prefixed_parts<'a>(bytes: &'a [u8], count: usize, what: &str) -> Result<Vec<&'a [u8]>> {
+    let bad = |m: String| crate::HearthError::Training(format!("{what}: {m}"));
+    let mut parts = Vec::with_capacity(count);
+    let mut at = 0usize;
+    for _ in 0..count {
+        let len = bytes
+            .get(at..)
+            .and_then(|rest| rest.get(..8))
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+            .ok_or_else(|| bad("truncated".into()))?;
+        let left = bytes.len() - (at + 8);
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&len| len <= left)
+            .ok_or_else(|| bad(format!("truncated: {len} bytes announced, {left} left")))?;
+        parts.push(&bytes[at + 8..at + 8 + len]);
+        at += 8 + len;
+    }
+    Ok(parts)
+}
+
+/// Most bytes of skipped-image lines one rank sends for the summary (about 20,000 paths);
+/// below 2^24, so their count travels exactly as an `f32`.
+const MAX_LINES_BYTES: usize = 4 << 20;
+
+/// `lines` as bytes for another rank: a count, then each line length-prefixed (cut to 4,000
+/// bytes), stopping at [`MAX_LINES_BYTES`] with a line saying how many were left out.
+pub(crate) fn encode_lines(lines: &[String]) -> Vec<u8> {
+    let mut kept: Vec<String> = Vec::new();
+    let mut size = 8;
+    for (i, l) in lines.iter().enumerate() {
+        let mut l = l.clone();
+        if l.len() > 4000 {
+            let mut cut = 4000;
+            while !l.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            l.truncate(cut);
+        }
+        if size + 8 + l.len() > MAX_LINES_BYTES - 128 {
+            kept.push(format!("... and {} more", lines.len() - i));
+            break;
+        }
+        size += 8 + l.len();
+        kept.push(l);
+    }
+    let mut w = burn_dist::wire::Writer::default().u64(kept.len() as u64);
+    for l in &kept {
+        w = w.string(l);
+    }
+    w.bytes
+}
+
+/// The lines [`encode_lines`] wrote, or an error naming what was wrong.
+pub(crate) fn decode_lines(b: &[u8]) -> std::result::Result<Vec<String>, String> {
+    let mut r = burn_dist::wire::Reader::new(b);
+    let n = r.u64().map_err(|e| e.to_string())?;
+    if n > (MAX_LINES_BYTES / 8) as u64 {
+        return Err(format!("{n} lines"));
+    }
+    let lines = (0..n)
+        .map(|_| r.string().map_err(|e| e.to_string()))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    r.finish().map_err(|e| e.to_string())?;
+    Ok(lines)
+}
+
+/// Every rank's `mine` on rank 0, in rank order, each line once (a file every rank reads is
+/// reported by each); other ranks get their own back. Every rank of `comm` calls it.
+pub(crate) fn gather_lines(comm: &burn_dist::Communicator, mine: &[String]) -> Result<Vec<String>> {
+    if comm.world() == 1 {
+        return Ok(mine.to_vec());
+    }
+    let bytes = encode_lines(mine);
+    let words: Vec<f32> = bytes
+        .chunks(4)
+        .map(|c| {
+            let mut w = [0u8; 4];
+            w[..c.len()].copy_from_slice(c);
+            f32::from_bits(u32::from_le_bytes(w))
+        })
+        .collect();
+    let lens = comm.all_gather(&[bytes.len() as f32])?;
+    let lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+    let mut bounds = vec![0usize];
+    for l in &lens {
+        bounds.push(bounds[bounds.len() - 1] + l.div_ceil(4));
+    }
+    let Some(whole) = comm.gather_to(0, &words, &bounds)? else {
+        return Ok(mine.to_vec());
+    };
+    let mut out: Vec<String> = Vec::new();
+    for (r, len) in lens.iter().enumerate() {
+        let mut b: Vec<u8> = whole[bounds[r]..bounds[r + 1]]
+            .iter()
+            .flat_map(|w| w.to_bits().to_le_bytes())
+            .collect();
+        b.truncate(*len);
+        match decode_lines(&b) {
+            Ok(lines) => {
+                for l in lines {
+                    if !out.contains(&l) {
+                        out.push(l);
+                    }
+                }
+            }
+            Err(e) => out.push(format!("(rank {r}'s list could not be read: {e})")),
+        }
+    }
+    Ok(out)
+}
+
+/// The most bytes of training state a rank takes from rank 0 for a model of `params`
+/// parameters: the weights, up to three optimizer slots per weight and the records' own
+/// framing, with room to spare; a larger announcement is refused before anything is
+/// allocated for it.
+pub(crate) fn state_limit(params: usize) -> usize {
+    params.saturating_mul(4 * 8).saturating_add(256 << 20)
+}
+
 /// What a run with `--overlap` says when every rank of `comm`'s world is on this host (the
 /// exchange then runs through shared memory on the cores the backward uses): `None` otherwise.
 pub(super) fn one_host_overlap_notice(comm: &burn_dist::Communicator) -> Option<&'static str> {
@@ -159,7 +282,26 @@ pub(super) fn epoch_lr(
 
 #[cfg(test)]
 mod tests {
-    use super::{epoch_lr, hook, hook_value};
+    use super::{epoch_lr, hook, hook_value, prefixed_parts};
+
+    #[test]
+    fn prefixed_parts_round_trip_and_any_bytes_decode_without_a_panic() {
+        let mut state = Vec::new();
+        for part in [&b"meta"[..], &[1u8; 20][..], &[][..]] {
+            state.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            state.extend_from_slice(part);
+        }
+        let parts = prefixed_parts(&state, 3, "test state").unwrap();
+        assert_eq!(parts, [&b"meta"[..], &[1u8; 20][..], &[][..]]);
+        let e = prefixed_parts(&state[..20], 3, "test state").unwrap_err();
+        assert!(e.to_string().contains("test state: truncated"), "{e}");
+        let mut rng = burn_dist::fuzz::Rng::new(21);
+        let mut refused = 0;
+        for input in burn_dist::fuzz::inputs(&[state], 20_000, &mut rng) {
+            refused += usize::from(prefixed_parts(&input, 3, "fuzzed").is_err());
+        }
+        assert!(refused > 5_000, "{refused}");
+    }
 
     #[test]
     fn hook_values_name_workers() {

@@ -335,7 +335,7 @@ mod tests {
     use super::*;
 
     fn secret() -> Membership {
-        Membership::secret("join-service-test-secret-0123456789").unwrap()
+        Membership::secret("b9a95fa04c2958aa27c34d38a2908386", "test-job").unwrap()
     }
 
     fn worker(id: &str) -> Worker {
@@ -444,7 +444,7 @@ mod tests {
         let e = joiner.join().unwrap().unwrap_err().to_string();
         assert!(e.contains("blacklisted"), "{e}");
 
-        let wrong = Membership::secret("another-jobs-secret-0123456789abcdef").unwrap();
+        let wrong = Membership::secret("f0fb17856b40a8d3cb642c7b81144402", "test-job").unwrap();
         let t = Instant::now();
         let e = request_join(
             &|| vec![addr.clone()],

@@ -31,21 +31,41 @@ use crate::{DistError, Result};
 
 /// Rank 0's `bytes` on every rank (the committed training state sent to the members of a new
 /// epoch: module and optimizer records, step, data position). Other ranks pass anything (it is
-/// replaced). The length travels first; the bytes go as `f32` bit patterns, exactly.
-pub fn broadcast_bytes(comm: &Communicator, bytes: Vec<u8>) -> Result<Vec<u8>> {
+/// replaced). The length travels first; the bytes go as `f32` bit patterns, exactly. No rank
+/// takes more than `limit` bytes (what the state can hold, by the caller's model): a longer
+/// announcement is an error naming both, before anything is allocated for it.
+pub fn broadcast_bytes(comm: &Communicator, bytes: Vec<u8>, limit: usize) -> Result<Vec<u8>> {
     if comm.world() == 1 {
         return Ok(bytes);
     }
+    let too_many = |n: u64| {
+        DistError::Config(format!(
+            "rank 0 announced {n} bytes of state, more than the {limit} this rank takes for it"
+        ))
+    };
     // The length as two exact 24-bit halves (f32 holds integers below 2^24 exactly).
     let n = bytes.len() as u64;
-    if n >= 1 << 48 {
-        return Err(DistError::Config(format!(
-            "{n} bytes are too many to broadcast"
-        )));
+    if comm.rank() == 0 && (n >= 1 << 48 || n > limit as u64) {
+        return Err(too_many(n));
     }
     let mut len = [(n >> 24) as f32, (n & 0xFF_FFFF) as f32];
     comm.broadcast(&mut len, 0)?;
-    let n = ((len[0] as u64) << 24 | len[1] as u64) as usize;
+    // Whatever arrived: two halves, each a whole number below 2^24, or an error.
+    let half = |x: f32| {
+        (x.is_finite() && x >= 0.0 && x < (1u32 << 24) as f32 && x.fract() == 0.0)
+            .then_some(x as u64)
+    };
+    let (Some(hi), Some(lo)) = (half(len[0]), half(len[1])) else {
+        return Err(DistError::Config(format!(
+            "rank 0 announced a malformed state length ({}, {})",
+            len[0], len[1]
+        )));
+    };
+    let n = hi << 24 | lo;
+    if n > limit as u64 {
+        return Err(too_many(n));
+    }
+    let n = n as usize;
     let mut words: Vec<f32> = if comm.rank() == 0 {
         bytes
             .chunks(4)

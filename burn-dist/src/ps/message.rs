@@ -158,10 +158,13 @@ impl ShardState {
     pub fn decode(b: &[u8], shard_len: Option<usize>) -> Result<Self> {
         let mut r = Reader::new(b);
         let version = r.u64()?;
-        let (n, m) = (r.u64()? as usize, r.u64()? as usize);
+        let (n, m) = (r.u64()?, r.u64()?);
         // Optimizer state: none yet, one value per parameter (momentum) or two (Adam's
-        // moments); the optimizer checks its own length when it steps.
-        if shard_len.is_some_and(|l| l != n) || (m != 0 && m != n && m != 2 * n) {
+        // moments); the optimizer checks its own length when it steps. Counts from the wire
+        // are checked before any arithmetic on them.
+        if shard_len.is_some_and(|l| l as u64 != n)
+            || (m != 0 && m != n && Some(m) != n.checked_mul(2))
+        {
             return Err(DistError::Config(format!(
                 "a shard state of {n} values and {m} optimizer state values where {} values \
                  and 0, 1 or 2 state values each were expected",
@@ -169,13 +172,15 @@ impl ShardState {
             )));
         }
         let rest = r.rest();
-        if rest.len() != 4 * (n + m) {
+        let want = n.checked_add(m).and_then(|v| v.checked_mul(4));
+        if want != Some(rest.len() as u64) {
             return Err(DistError::Config(format!(
-                "a shard state of {} bytes for {} values",
+                "a shard state of {} bytes for {n} + {m} values",
                 rest.len(),
-                n + m
             )));
         }
+        // Both fit in the bytes at hand, so in usize.
+        let (n, m) = (n as usize, m as usize);
         let (a, b) = rest.split_at(4 * n);
         Ok(Self {
             version,

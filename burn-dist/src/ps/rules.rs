@@ -62,14 +62,15 @@ pub fn easgd_elastic(w: &mut [f32], theta: &[f32], alpha: f32) -> Vec<f32> {
 
 /// Gradients of several workers averaged weighted by their sample counts.
 pub fn weighted_mean(grads: &[(u64, Vec<f32>)]) -> Vec<f32> {
-    let total: u64 = grads.iter().map(|g| g.0).sum();
+    // Counts come from the workers' messages: summed in f64, which cannot overflow.
+    let total: f64 = grads.iter().map(|g| g.0 as f64).sum();
     let len = grads.first().map_or(0, |g| g.1.len());
     let mut out = vec![0f32; len];
-    if total == 0 {
+    if total == 0.0 {
         return out;
     }
     for (n, g) in grads {
-        let w = *n as f32 / total as f32;
+        let w = (*n as f64 / total) as f32;
         for (o, x) in out.iter_mut().zip(g) {
             *o += w * x;
         }

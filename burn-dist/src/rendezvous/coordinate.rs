@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use quinn::Connection;
+use quinn::{Connection, VarInt};
 use rustls::pki_types::CertificateDer;
 use tokio::task::JoinSet;
 
@@ -36,6 +36,7 @@ pub(super) fn coordinate(
             conns.contains_key(&r) && extra.get(&r).map_or(0, Vec::len) + 1 >= lanes
         };
         let mut acceptor = accept::Acceptor::start(endpoint.clone(), world);
+        let mut refused: Vec<String> = Vec::new();
         while !(1..world).all(|r| complete(&conns, &extra, r)) {
             let Some(accept::Hello { rank, port, lane, conn }) = acceptor.next(deadline).await else {
                 let missing: Vec<usize> =
@@ -45,12 +46,21 @@ pub(super) fn coordinate(
                     world,
                     coordinator,
                     after: timeout,
+                    refused: std::mem::take(&mut refused),
                 });
             };
+            // A claim no member can make is refused and logged, never fatal: anyone holding the
+            // secret could otherwise end any rendezvous with one hello. Should the real ranks
+            // never come, the timeout's error lists what was refused.
+            let from = conn.remote_address();
             if rank == 0 || rank >= world {
-                return Err(DistError::Config(format!(
-                    "a process claims rank {rank}, outside 1..{world}: do all ranks agree on the world size?"
-                )));
+                let why = format!(
+                    "{from} claimed rank {rank}, outside 1..{world} (do all ranks agree on the world size?)"
+                );
+                log::warn!("refused during rendezvous: {why}");
+                conn.close(VarInt::from_u32(5), b"rank outside the world");
+                refused.push(why);
+                continue;
             }
             if lane > 0 {
                 let e = extra.entry(rank).or_default();
@@ -62,7 +72,11 @@ pub(super) fn coordinate(
                 continue;
             }
             if conns.contains_key(&rank) {
-                return Err(DistError::Config(format!("two processes claim rank {rank}")));
+                let why = format!("{from} claimed rank {rank}, which another process holds");
+                log::warn!("refused during rendezvous: {why}");
+                conn.close(VarInt::from_u32(6), b"rank taken");
+                refused.push(why);
+                continue;
             }
             let addr = SocketAddr::new(conn.remote_address().ip(), port);
             conns.insert(rank, (conn, addr));

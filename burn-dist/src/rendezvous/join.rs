@@ -121,6 +121,7 @@ pub(super) fn join(
                     world,
                     coordinator: coordinator.to_string(),
                     after: timeout,
+                    refused: Vec::new(),
                 });
             };
             if peer <= rank || peer >= world || peers[peer].len() >= lanes {

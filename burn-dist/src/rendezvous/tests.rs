@@ -136,11 +136,12 @@ fn detect_is_none_without_variables_and_an_error_for_half_a_pair() {
 }
 
 /// A job of 3 on `membership(r)` forms while an impostor with `impostor`'s identity says it is
-/// rank 1 to the coordinator first: the coordinator closes the impostor's connection (the
+/// rank `claim` to the coordinator first: the coordinator closes the impostor's connection (the
 /// reason, returned) and ranks 0, 1 and 2 form the job.
 fn impostor_refused_and_job_forms(
     membership: impl Fn(usize) -> Membership + Send + Sync + 'static,
     impostor: Identity,
+    claim: usize,
 ) -> String {
     use crate::transport::Transport;
     let membership = Arc::new(membership);
@@ -190,7 +191,7 @@ fn impostor_refused_and_job_forms(
                 Err(e) => panic!("the impostor never reached the coordinator: {e}"),
             }
         };
-        let h = hello(1, own_port, 0);
+        let h = hello(claim, own_port, 0);
         let _ = write_frame(&conn, Header::new(Kind::Hello, 0, 0, h.len()), h).await;
         tokio::time::timeout(Duration::from_secs(20), conn.closed()).await
     });
@@ -209,11 +210,20 @@ fn impostor_refused_and_job_forms(
 
 #[test]
 fn a_member_claiming_another_rank_is_refused_and_the_job_still_forms() {
-    let secret = Membership::secret("one job's shared secret value").unwrap();
+    let secret = Membership::secret("370eaf93d9be60f04dbe4a25d3136d2c", "test-job").unwrap();
     // Rank 2's process (its certificate names rank 2) will say it is rank 1.
     let impostor = Identity::new(&secret, 2).unwrap();
-    let reason = impostor_refused_and_job_forms(move |_| secret.clone(), impostor);
+    let reason = impostor_refused_and_job_forms(move |_| secret.clone(), impostor, 1);
     assert!(reason.contains("rank does not match"), "{reason}");
+}
+
+#[test]
+fn a_secret_holder_claiming_a_rank_outside_the_world_is_refused_and_the_job_still_forms() {
+    // Issue 55: a hello claiming rank >= world ended the whole rendezvous with an error.
+    let secret = Membership::secret("370eaf93d9be60f04dbe4a25d3136d2c", "test-job").unwrap();
+    let holder = Identity::new(&secret, 2).unwrap();
+    let reason = impostor_refused_and_job_forms(move |_| secret.clone(), holder, 7);
+    assert!(reason.contains("rank outside the world"), "{reason}");
 }
 
 /// A user's CA in `dir` (`ca.pem`) and, for each `(file, names)`, a certificate and key it
@@ -296,9 +306,9 @@ fn with_user_certificates_the_rank_and_the_job_name_come_from_the_certificate() 
         cert: dirp.join(format!("rank{r}.pem")),
         key: dirp.join(format!("rank{r}.key")),
     };
-    let reason = impostor_refused_and_job_forms(membership.clone(), by_hand("unranked"));
+    let reason = impostor_refused_and_job_forms(membership.clone(), by_hand("unranked"), 1);
     assert!(reason.contains("rank does not match"), "{reason}");
-    let reason = impostor_refused_and_job_forms(membership, by_hand("other-job"));
+    let reason = impostor_refused_and_job_forms(membership, by_hand("other-job"), 1);
     assert!(reason.contains("rank does not match"), "{reason}");
 }
 
@@ -309,6 +319,27 @@ fn slurm_node_lists_give_their_first_host() {
     assert_eq!(first_slurm_host("a[1,2],b[3-4]").as_deref(), Some("a1"));
     assert_eq!(first_slurm_host("x1,y2").as_deref(), Some("x1"));
     assert_eq!(first_slurm_host(""), None);
+}
+
+#[test]
+fn hellos_tables_and_issues_decode_any_bytes_without_a_panic() {
+    use crate::fuzz::{Rng, inputs};
+    let addrs: BTreeMap<usize, SocketAddr> = [
+        (0, "127.0.0.1:4000".parse().unwrap()),
+        (1, "[::1]:4001".parse().unwrap()),
+    ]
+    .into();
+    let seeds = vec![
+        hello(3, 4000, 1),
+        table(&addrs),
+        super::messages::issue(&CertificateDer::from(vec![1u8; 40]), &CertificateDer::from(vec![2u8; 30])),
+    ];
+    let mut rng = Rng::new(11);
+    for input in inputs(&seeds, 20_000, &mut rng) {
+        let _ = super::messages::parse_hello(&input);
+        let _ = parse_table(&input, 2);
+        let _ = super::messages::parse_issue(&input);
+    }
 }
 
 #[test]
@@ -360,7 +391,7 @@ fn server_sees(served: &Identity, client: &Identity) -> std::result::Result<usiz
 
 #[test]
 fn with_a_secret_only_rank_zero_s_authority_makes_a_rank_certificate_that_members_accept() {
-    let secret = Membership::secret("one job's shared secret value").unwrap();
+    let secret = Membership::secret("370eaf93d9be60f04dbe4a25d3136d2c", "test-job").unwrap();
     let authority = crate::tls::RankAuthority::new().unwrap();
     let ca = authority.ca().clone();
     // Members arrive with certificates made from the secret; rank 0 issues over their keys.
@@ -406,7 +437,7 @@ fn with_a_secret_only_rank_zero_s_authority_makes_a_rank_certificate_that_member
 #[test]
 fn a_watched_rendezvous_ends_with_the_aborts_error() {
     use std::sync::atomic::{AtomicBool, Ordering};
-    let secret = Membership::secret("one job's shared secret value").unwrap();
+    let secret = Membership::secret("370eaf93d9be60f04dbe4a25d3136d2c", "test-job").unwrap();
     let port = std::net::UdpSocket::bind("127.0.0.1:0")
         .and_then(|s| s.local_addr())
         .map(|a| a.port())

@@ -368,7 +368,7 @@ pub(super) fn train_with<R: Recipe>(
         libc::signal(libc::SIGTERM, on_sigterm as *const () as libc::sighandler_t);
     }
     let membership = burn_dist::tls::Membership::from_env()?;
-    if !matches!(membership, burn_dist::tls::Membership::Secret(_)) {
+    if !matches!(membership, burn_dist::tls::Membership::Secret { .. }) {
         return Err(HearthError::InvalidArgument(
             "--elastic needs a job secret (HEARTH_JOB_SECRET): members change ranks, which \
              per-rank certificates cannot follow"
@@ -614,7 +614,11 @@ impl<T: Trainee> ElasticRun<'_, T> {
             world.size(),
         );
         report.per_class_auroc = per_class_auroc;
-        report.skipped = self.trainee.skipped();
+        // Every member's skipped files, on rank 0.
+        report.skipped = super::shared::gather_lines(&world.comm, &self.trainee.skipped())?;
+        // The world changed size along the way: the job's worker-seconds, not this process's
+        // wall time times the last world.
+        report.price_process_seconds(commit.worker_seconds, self.cfg.price_per_hour);
         world.transport.shutdown(Duration::from_secs(2));
         Ok(report)
     }

@@ -75,19 +75,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
     /// (empty in states written before it was kept), and the launch.
     pub(super) fn decode(&self, bytes: &[u8]) -> Result<Decoded<T::Model>> {
         let bad = |m: String| HearthError::Training(format!("elastic state: {m}"));
-        let mut parts = Vec::new();
-        let mut at = 0usize;
-        for _ in 0..3 {
-            let len = bytes
-                .get(at..at + 8)
-                .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as usize)
-                .ok_or_else(|| bad("truncated".into()))?;
-            let part = bytes
-                .get(at + 8..at + 8 + len)
-                .ok_or_else(|| bad(format!("truncated: {len} bytes announced")))?;
-            parts.push(part);
-            at += 8 + len;
-        }
+        let parts = super::super::shared::prefixed_parts(bytes, 3, "elastic state")?;
         let meta: serde_json::Value =
             serde_json::from_slice(parts[0]).map_err(|e| bad(e.to_string()))?;
         let num = |k: &str| meta[k].as_f64().ok_or_else(|| bad(format!("no {k}")));

@@ -14,6 +14,15 @@ impl<T: Trainee> ElasticRun<'_, T> {
     ) -> Result<(World, Commit<T::Model>)> {
         if info.rank == 0 {
             run_dir::start(self.cfg, log)?;
+            if !self.cfg.resume {
+                // What the run is, for `--resume` (a bare one refuses to start it outside
+                // `hearth launch --elastic`).
+                run_dir::record(
+                    &self.cfg.run_dir,
+                    &self.trainee.describe(),
+                    &self.cfg.hyperparameters(),
+                )?;
+            }
             log(&format!(
                 "elastic: {} workers to start (min {}, max {}), global batch {}, shares {}",
                 info.world,
@@ -138,7 +147,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
             (Some(c), 0) => self.encode(c, number, &members, &my_join)?,
             _ => Vec::new(),
         };
-        let bytes = broadcast_bytes(&comm, bytes)?;
+        let params = self.skeleton(&self.device)?.num_params();
+        let bytes = broadcast_bytes(&comm, bytes, super::super::shared::state_limit(params))?;
         let state::Decoded {
             members,
             join: coordinator_join,
@@ -416,7 +426,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         for attempt in 1.. {
             let (lowest, announcement) =
                 self.announced(world, &commit, leaving, &mut gone, next, log)?;
-            let rank = self.admitted(&announcement, world.rank(), next)?;
+            let rank = self.admitted(&announcement, world.rank(), world.size(), next)?;
             if self.die_in_change == Some(u64::from(next)) {
                 // The test hook of a loss while the next world forms: after the announcement,
                 // before this worker's rendezvous (SIGKILL, no goodbye).
@@ -515,7 +525,13 @@ impl<T: Trainee> ElasticRun<'_, T> {
 
     /// This worker's rank in the announced epoch `next`, or the error that ends it: the job
     /// gave up (below the minimum, or no quorum), or this worker was left out.
-    fn admitted(&self, announcement: &Announcement, me: usize, next: u32) -> Result<usize> {
+    fn admitted(
+        &self,
+        announcement: &Announcement,
+        me: usize,
+        old_world: usize,
+        next: u32,
+    ) -> Result<usize> {
         if announcement.members.is_empty() && !announcement.coordinator.is_empty() {
             // The coordinator found no quorum: its reason.
             return Err(HearthError::CutOff(announcement.coordinator.clone()));
@@ -528,6 +544,23 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 self.opts.rejoin_timeout,
                 self.state_file().display()
             )));
+        }
+        // Old ranks come off the wire: each inside the old world, and each once.
+        let mut seen = vec![false; old_world];
+        for &old in announcement.members.iter().flatten() {
+            match seen.get_mut(old) {
+                Some(s) if !*s => *s = true,
+                _ => {
+                    return Err(HearthError::Training(format!(
+                        "membership epoch {next}'s announcement names old rank {old} {}",
+                        if old < seen.len() {
+                            "twice"
+                        } else {
+                            "outside the old world"
+                        }
+                    )));
+                }
+            }
         }
         announcement.rank_of(me).ok_or_else(|| {
             HearthError::Training(format!(

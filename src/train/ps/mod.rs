@@ -145,6 +145,8 @@ impl Roles {
 pub(crate) const BYE: u64 = burn_dist::ps::message::APP_TAGS + 1;
 /// A worker's per-epoch statistics, sent to the lead when it is done.
 pub(crate) const STATS: u64 = burn_dist::ps::message::APP_TAGS;
+/// A worker's skipped images (`path: reason` lines), sent to the lead after its statistics.
+pub(crate) const SKIPPED: u64 = burn_dist::ps::message::APP_TAGS + 3;
 
 /// The lead's settings for one server's optimizer, sent before each session's values: the
 /// optimizer steps per epoch (the schedule's unit), the phase's base rate and its shard's
@@ -362,7 +364,7 @@ pub(super) fn train_with<R: super::trainee::Recipe>(
 fn server_report(cfg: &TrainConfig, started: Instant, rank: usize, roles: Roles) -> TrainReport {
     let mut r = TrainReport::summarise(cfg, &Default::default(), 0, started, 0, Vec::new());
     r.rank = rank;
-    r.world = roles.world();
+    r.set_world(roles.world(), cfg.price_per_hour);
     r
 }
 

@@ -24,7 +24,7 @@ use super::super::flat::{decay_ranges, flat_optimizer};
 use super::state::{
     EpochStats, PsState, Sharding, decode_stats, encode_stats, reshard_optim_state, state_file,
 };
-use super::{BYE, PsOptions, Roles, SETUP, STATS, ServerSetup};
+use super::{BYE, PsOptions, Roles, SETUP, SKIPPED, STATS, ServerSetup};
 use crate::train::best::{export_best, model_checkpoint, save_epoch_weights};
 use crate::train::epochs::{Epochs, Row, Strategy};
 use crate::train::model::seed_stream;
@@ -187,6 +187,8 @@ pub(super) fn train<R: Recipe>(
     };
     if rank != 0 {
         w.t.send(0, Kind::Ps, STATS, encode_stats(&w.stats))?;
+        let skipped = crate::train::shared::encode_lines(&w.trainee.skipped());
+        w.t.send(0, Kind::Ps, SKIPPED, skipped)?;
         // The lead's goodbye, or its loss, ends this worker.
         let _ = w.t.recv(0, Kind::Ps, BYE, Instant::now() + PATIENT);
         return Ok(epochs.report(
@@ -715,6 +717,7 @@ impl<T: Trainee> Worker<'_, T> {
             self.t.send(server, Kind::Ps, SETUP, Vec::new())?;
         }
         let mut all: Vec<(usize, Vec<EpochStats>)> = vec![(0, self.stats.clone())];
+        let mut skipped = self.trainee.skipped();
         let deadline = Instant::now() + collective_timeout();
         for r in 1..self.roles.workers {
             match self.t.recv(r, Kind::Ps, STATS, deadline) {
@@ -722,10 +725,32 @@ impl<T: Trainee> Worker<'_, T> {
                     Ok(s) => all.push((r, s)),
                     Err(e) => log(&format!("worker {r} sent damaged statistics: {e}")),
                 },
-                Err(DistError::PeerFailed { reason, .. }) => log(&format!(
-                    "worker {r} was lost ({reason}); its statistics are missing"
-                )),
-                Err(e) => log(&format!("no statistics from worker {r}: {e}")),
+                Err(DistError::PeerFailed { reason, .. }) => {
+                    log(&format!(
+                        "worker {r} was lost ({reason}); its statistics are missing"
+                    ));
+                    continue;
+                }
+                Err(e) => {
+                    log(&format!("no statistics from worker {r}: {e}"));
+                    continue;
+                }
+            }
+            // Its skipped images, for the summary (each worker decodes only its shard).
+            match self
+                .t
+                .recv(r, Kind::Ps, SKIPPED, deadline)
+                .map_err(|e| e.to_string())
+                .and_then(|b| crate::train::shared::decode_lines(&b))
+            {
+                Ok(lines) => {
+                    for l in lines {
+                        if !skipped.contains(&l) {
+                            skipped.push(l);
+                        }
+                    }
+                }
+                Err(e) => log(&format!("worker {r}'s skipped images are missing: {e}")),
             }
         }
         for r in (1..self.roles.workers).chain(self.roles.server_ranks()) {
@@ -754,7 +779,7 @@ impl<T: Trainee> Worker<'_, T> {
         );
         report.epochs_run = last;
         report.per_class_auroc = per_class_auroc;
-        report.skipped = self.trainee.skipped();
+        report.skipped = skipped;
         Ok(report)
     }
 

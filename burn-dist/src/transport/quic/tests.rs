@@ -7,7 +7,7 @@ use crate::tls::{Identity, Membership, SERVER_NAME};
 
 /// Rank 0's transport, and rank 1's raw connection to it.
 fn pair(options: &QuicOptions) -> (QuicTransport, QuicNode, Connection) {
-    let m = Membership::secret("a test secret of enough length").unwrap();
+    let m = Membership::secret("5d1cbfa2d53e9a0d51747a0f1f197276", "test-job").unwrap();
     let any: SocketAddr = "127.0.0.1:0".parse().unwrap();
     let a = QuicNode::bind(any, &Identity::new(&m, 0).unwrap(), options).unwrap();
     let b = QuicNode::bind(any, &Identity::new(&m, 1).unwrap(), options).unwrap();
