@@ -387,17 +387,28 @@ fn one_leave_and_one_join_equal_a_fixed_world_fed_the_same_batches() {
 /// without it. The rendezvous keeps its default timeout (120 s): it ends as soon as the old
 /// links find the worker dead, and a rendezvous that waited its timeout out fails the log
 /// checks below.
-fn a_death_while_forming(data: &Path, run: &Path, dies: &str, extra: &[&str]) -> Run {
+fn a_death_while_forming(
+    data: &Path,
+    run: &Path,
+    workers: usize,
+    dies: &str,
+    extra: &[&str],
+) -> Run {
     let die = format!("{dies}:1");
     let mut train = vec!["--epochs", "4"];
     train.extend_from_slice(extra);
+    let n = workers.to_string();
+    let throttle = (0..workers)
+        .map(|w| format!("w{w}:40"))
+        .collect::<Vec<_>>()
+        .join(",");
     elastic(
         data,
         run,
-        &["-n", "3", "--min", "1", "--max", "3"],
+        &["-n", &n, "--min", "1", "--max", &n],
         &train,
         &[
-            ("HEARTH_ELASTIC_THROTTLE", "w0:40,w1:40,w2:40"),
+            ("HEARTH_ELASTIC_THROTTLE", throttle.as_str()),
             ("HEARTH_ELASTIC_LEAVE_AT_STEP", "w1:5"),
             ("HEARTH_ELASTIC_DIE_IN_CHANGE", die.as_str()),
         ],
@@ -410,13 +421,16 @@ fn a_worker_lost_while_the_next_world_forms_is_dropped_and_training_goes_on() {
     let d = common::elastic_data(tmp.path());
     // The global batch stays fixed through it: the same weights as 2 workers throughout.
     let fixed = fixed_world(&d, &tmp.path().join("fixed"));
-    // A member dies (the announcer w0 finds it by its missing report), then the announcer
-    // (the member w2 hears nothing from it and announces the next epoch). Each rendezvous
-    // ends on the loss, not on its timeout.
+    // w1 leaves; as the next epoch forms a member dies (the announcer w0 finds it by its
+    // missing report), or the announcer itself (the lowest survivor hears nothing from it and
+    // announces the next epoch). Each rendezvous ends on the loss, not on its timeout. The
+    // leaver counts toward neither side of the quorum: of 3 workers, w0 and w2 stayed, and w0
+    // alone keeps the tie; of 4, w2 and w3 are 2 of the 3 that stayed.
     let cases = [
         (
+            3,
             "w2",
-            "w0",
+            &["w0"][..],
             &[
                 "w0: forming membership epoch 1 failed here: rank 2 failed: w2 was lost",
                 "w0: membership epoch 1 did not form (lost w2 while it formed); forming epoch 2",
@@ -424,19 +438,29 @@ fn a_worker_lost_while_the_next_world_forms_is_dropped_and_training_goes_on() {
             ][..],
         ),
         (
+            4,
             "w0",
-            "w2",
+            &["w2", "w3"][..],
             &[
                 "w2: forming membership epoch 1 failed here: rank 0 failed: w0 was lost",
                 "w2: no word from w0 on membership epoch 1",
-                "membership epoch 2: 1 workers [w2]",
+                "membership epoch 2: 2 workers [w2, w3]",
             ][..],
         ),
     ];
-    for (dies, survivor, said) in cases {
-        let run = a_death_while_forming(&d, &tmp.path().join(dies), dies, &[]);
-        run.check(1);
-        assert_eq!(run.finals()[0].0, survivor, "{}", run.log);
+    for (workers, dies, survivors, said) in cases {
+        let run = a_death_while_forming(
+            &d,
+            &tmp.path().join(format!("{dies}-of-{workers}")),
+            workers,
+            dies,
+            &[],
+        );
+        run.check(survivors.len());
+        let ids: Vec<String> = run.finals().into_iter().map(|f| f.0).collect();
+        for s in survivors {
+            assert!(ids.contains(&s.to_string()), "{ids:?}\n{}", run.log);
+        }
         for line in said {
             assert!(
                 run.log.contains(line),
@@ -446,13 +470,38 @@ fn a_worker_lost_while_the_next_world_forms_is_dropped_and_training_goes_on() {
         }
         let worlds = run.worlds();
         assert_eq!(worlds.len(), 4 * 10, "every step once: {worlds:?}");
-        assert_eq!((worlds[0], worlds.last()), (3, Some(&1)), "{worlds:?}");
+        assert_eq!(
+            (worlds[0], worlds.last()),
+            (workers, Some(&survivors.len())),
+            "{worlds:?}"
+        );
         assert_close(
             &last_checkpoint(&fixed.dir, 4),
             &last_checkpoint(&run.dir, 4),
-            &format!("{dies} lost while forming vs fixed world"),
+            &format!("{dies} of {workers} lost while forming vs fixed world"),
         );
     }
+}
+
+#[test]
+fn after_a_graceful_leave_the_lone_survivor_of_a_lost_rank_0_stops_and_writes_nothing() {
+    // Issue 55: the leaver used to count as present, so w2, alone after w1 left and w0 died
+    // while the next epoch formed, held "2 of 3" and trained on; had w0 been cut off instead
+    // of dead, it would have trained on too. Over the world after the leave (w0 and w2) w2 has
+    // half without the tie-breaker: it stops, naming why, and writes nothing.
+    let tmp = tempfile::tempdir().unwrap();
+    let d = common::elastic_data(tmp.path());
+    let run = a_death_while_forming(&d, &tmp.path().join("run"), 3, "w0", &[]);
+    assert!(!run.ok, "w2 alone must not train on:\n{}", run.log);
+    assert!(
+        run.log.contains(
+            "w2 reached 1 of the 2 members of membership epoch 0 that did not leave (w2; lost w0)"
+        ),
+        "{}",
+        run.log
+    );
+    assert!(!run.log.contains("membership epoch 2"), "{}", run.log);
+    assert!(!run.dir.join("model.bpk").exists(), "nothing exported");
 }
 
 /// A joiner admitted to an epoch that a member's death keeps from forming asks again and is

@@ -140,6 +140,8 @@ fn expect(flag: &str, mode: &str) -> Expect {
                 Refused("--elastic")
             }
         }
+        // The walk's servers run adag, which has no elastic force.
+        ("--rho", "parameter servers") => Refused("--rho is EASGD's elastic force"),
         ("--mode" | "--window" | "--rho" | "--staleness", m) => {
             if m == "parameter servers" {
                 Recorded
@@ -292,6 +294,58 @@ fn values_a_mode_cannot_run_are_refused_before_launching() {
             &["--nproc", "2"][..],
             &["--overlap", "--grad-accum", "2"][..],
             "--overlap does not work with --grad-accum",
+        ),
+        // Issue 55: flags that were accepted and did nothing.
+        (
+            &["--nproc", "3", "--ps", "1", "--mode", "sync"][..],
+            &["--rho", "5"][..],
+            "--mode sync does not use it",
+        ),
+        (
+            &["--nproc", "3", "--ps", "1", "--mode", "sync"][..],
+            &["--window", "5"][..],
+            "--mode sync exchanges every step",
+        ),
+        (
+            &["--nproc", "3", "--ps", "1", "--mode", "sync"][..],
+            &["--staleness", "2"][..],
+            "--mode sync waits for every worker",
+        ),
+        (
+            &["--nproc", "3", "--ps", "1", "--mode", "downpour"][..],
+            &["--rho", "2"][..],
+            "--mode downpour does not use it",
+        ),
+        (
+            &["--optimizer", "adam"][..],
+            &["--momentum", "0.9"][..],
+            "--optimizer adam keeps its own moment estimates",
+        ),
+        (
+            &["--optimizer", "adamw"][..],
+            &["--momentum", "0.5"][..],
+            "--optimizer adamw keeps its own moment estimates",
+        ),
+        (
+            &["--optimizer", "adamw"][..],
+            &["--nesterov"][..],
+            "--nesterov applies to --optimizer sgd",
+        ),
+        (
+            &["--optimizer", "lars"][..],
+            &["--nesterov"][..],
+            "--nesterov applies to --optimizer sgd",
+        ),
+        (
+            &[][..],
+            &["--nesterov", "--momentum", "0"][..],
+            "--nesterov needs --momentum above 0",
+        ),
+        (&[][..], &["--base-batch", "16"][..], "--scale-lr"),
+        (
+            &["--nproc", "2", "--pipeline-stages", "2"][..],
+            &["--pipeline-split", "0:2,2:6", "--pipeline-balance", "time"][..],
+            "--pipeline-split gives the split itself",
         ),
     ] {
         let out = dry_run(base, setting);

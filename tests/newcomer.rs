@@ -61,8 +61,14 @@ fn data_synth_refuses_another_data_set_and_replaces_only_its_own() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--overwrite replaces it"), "{err}");
     assert_eq!(classes(&set), 5);
+    // Files the user put beside the set stay (issue 55: --overwrite deleted the whole folder).
+    std::fs::write(set.join("notes.txt"), b"mine").unwrap();
+    std::fs::create_dir_all(set.join("extra")).unwrap();
+    std::fs::write(set.join("extra/my-photo.png"), b"mine too").unwrap();
     assert!(synth(&set, "3", &["--overwrite"]).status.success());
-    assert_eq!(classes(&set), 3, "replaced, not merged");
+    assert_eq!(classes(&set), 3 + 1, "replaced, not merged; the user's folder kept");
+    assert_eq!(std::fs::read(set.join("notes.txt")).unwrap(), b"mine");
+    assert_eq!(std::fs::read(set.join("extra/my-photo.png")).unwrap(), b"mine too");
 }
 
 #[test]
@@ -230,6 +236,75 @@ fn truncated_images_are_skipped_by_path_and_a_folder_of_them_stops_the_run() {
     assert!(e.contains("fail to decode"), "{e}");
     assert!(e.contains(".jpg"), "{e}");
     assert!(!e.contains("NaN"), "{e}");
+}
+
+/// Issue 55: in data parallel, elastic and parameter-server runs the summary listed rank 0's
+/// skipped images only; each rank decodes its own shard. Six training images spread over the
+/// shards are cut: every mode's summary counts all six.
+#[test]
+fn every_ranks_skipped_images_reach_the_summary_in_every_distributed_mode() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = jpeg_set(tmp.path());
+    let train: Vec<_> = images(&data)
+        .into_iter()
+        .filter(|f| !f.components().any(|c| c.as_os_str() == "val"))
+        .collect();
+    let cut: Vec<_> = train.iter().step_by(train.len() / 6).take(6).cloned().collect();
+    assert_eq!(cut.len(), 6);
+    for f in &cut {
+        truncate(f);
+    }
+    let common_args = [
+        "--data",
+        data.to_str().unwrap(),
+        "--epochs",
+        "1",
+        "--batch-size",
+        "12",
+        "--workers",
+        "1",
+        "--size",
+        "32",
+    ];
+    let said = "skipped 6 image(s) that failed to decode";
+    let check = |mode: &str, out: std::process::Output| {
+        let all = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{mode}:\n{all}");
+        assert!(all.contains(said), "{mode}: no {said:?} in\n{all}");
+        for f in &cut {
+            let name = f.display().to_string();
+            assert!(all.contains(&name), "{mode}: {name} not listed:\n{all}");
+        }
+    };
+    for (mode, extra) in [
+        ("data parallel", &["--nproc", "2"][..]),
+        ("parameter servers", &["--nproc", "3", "--ps", "1", "--mode", "sync"][..]),
+    ] {
+        let run = tmp.path().join(mode.replace(' ', "-"));
+        let mut args = vec!["train", "--run-dir", run.to_str().unwrap()];
+        args.extend(common_args);
+        args.extend(extra);
+        check(mode, hearth(&args));
+    }
+    let run = tmp.path().join("elastic");
+    let mut args = vec![
+        "launch",
+        "--elastic",
+        "-n",
+        "2",
+        "--",
+        "hearth",
+        "train",
+        "--elastic",
+        "--run-dir",
+        run.to_str().unwrap(),
+    ];
+    args.extend(common_args);
+    check("elastic", hearth(&args));
 }
 
 #[test]

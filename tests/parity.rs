@@ -110,7 +110,8 @@ fn torchvision_parity_vulkan_cpu() {
 /// Parity on real GPUs: `HEARTH_PARITY_DEVICES=cuda,wgpu,vulkan` runs the same check on each
 /// named device (a build with the matching features), and fails if one of them does not work.
 /// Unset, it says it skipped (CI has no GPU), unless `HEARTH_REQUIRE_GPU=1` (set by
-/// `scripts/gpu_check.sh`) makes that a failure, as `HEARTH_REQUIRE_VULKAN` does for lavapipe.
+/// `scripts/gpu_check.sh`) makes that a failure (a missing lavapipe fails without being asked:
+/// `common::device_or_skip`).
 #[test]
 fn torchvision_parity_on_named_devices() {
     let Ok(list) = std::env::var("HEARTH_PARITY_DEVICES") else {

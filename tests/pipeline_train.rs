@@ -304,7 +304,7 @@ fn two_stage_ranks(
                 .env("HEARTH_COLLECTIVE_TIMEOUT", "60")
                 .env(
                     "HEARTH_JOB_SECRET",
-                    "pipeline training test secret, long enough",
+                    "3191845343c8df2c56705d005db6cc2e",
                 )
                 .stdout(Stdio::from(file.try_clone().unwrap()))
                 .stderr(Stdio::from(file))

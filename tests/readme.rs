@@ -115,15 +115,36 @@ fn hearth(args: &[String], env: &[(String, String)], cwd: &Path) -> std::process
         .unwrap()
 }
 
+/// The `--flags` a `--help` text lists, each whole (the long name on an option line), so that
+/// `--size` is not found inside `--size-mb`.
+fn help_flags(help: &str) -> std::collections::BTreeSet<String> {
+    help.lines()
+        .filter_map(|l| {
+            let l = l.trim_start();
+            // "--size <SIZE>  ...", "-h, --help  ...", "-n <N>  ..." (no long name: none).
+            let long = if l.starts_with("--") {
+                l
+            } else if l.starts_with('-') {
+                l.split_once(", ")?.1
+            } else {
+                return None;
+            };
+            let flag = long.split([' ', '=', '\t']).next()?;
+            (flag.starts_with("--") && flag.len() > 2).then(|| flag.to_string())
+        })
+        .collect()
+}
+
 /// The `--flags` of `args` missing from `hearth SUBCOMMAND --help`.
 fn unknown_flags(sub: &[&str], args: &[String], cwd: &Path) -> Vec<String> {
     let mut help_args: Vec<String> = sub.iter().map(|s| s.to_string()).collect();
     help_args.push("--help".into());
     let help = String::from_utf8_lossy(&hearth(&help_args, &[], cwd).stdout).into_owned();
+    let flags = help_flags(&help);
     args.iter()
         .filter(|a| a.starts_with("--"))
         .map(|a| a.split('=').next().unwrap_or(a).to_string())
-        .filter(|f| !help.contains(f.as_str()))
+        .filter(|f| !flags.contains(f))
         .collect()
 }
 
@@ -194,6 +215,64 @@ fn every_readme_command_works_as_written() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn flags_are_matched_whole_against_the_help() {
+    let help = "Options:\n      --size-mb <MB>  Sizes\n  -n, --nproc <N>  Ranks\n  -h, --help  Help\n";
+    let flags = help_flags(help);
+    assert!(flags.contains("--size-mb") && flags.contains("--nproc") && flags.contains("--help"));
+    assert!(!flags.contains("--size"), "{flags:?}");
+}
+
+/// README's headline command, run for real as a newcomer runs it (the release build's
+/// `cargo run --release --` is this test's own build of `hearth`): it generates its data,
+/// trains on 2 processes and ends with the validation accuracy README promises.
+#[test]
+fn the_headline_command_trains_to_the_accuracy_readme_states() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let first = readme
+        .lines()
+        .find(|l| l.starts_with("cargo run --release -- "))
+        .expect("README's first lines give the main job's command");
+    let args: Vec<String> = words(first.trim_start_matches("cargo run --release -- "));
+    let promised: f64 = readme
+        .split("validation accuracy (")
+        .nth(1)
+        .and_then(|t| t.split('%').next())
+        .and_then(|v| v.trim().parse().ok())
+        .expect("README states the headline's validation accuracy");
+    let tmp = tempfile::tempdir().unwrap();
+    // Output to a file: a pipe nobody reads until the end could fill and stall the run.
+    let log = tmp.path().join("headline.log");
+    let file = std::fs::File::create(&log).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hearth"))
+        .args(&args)
+        .env_remove("HEARTH_RANK")
+        .env_remove("HEARTH_WORLD_SIZE")
+        .env_remove("HEARTH_COORDINATOR")
+        .current_dir(tmp.path())
+        .stdout(std::process::Stdio::from(file.try_clone().unwrap()))
+        .stderr(std::process::Stdio::from(file))
+        .spawn()
+        .unwrap();
+    let status = common::wait_bounded(
+        &mut child,
+        std::time::Instant::now() + std::time::Duration::from_secs(600),
+    );
+    let out = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(status.is_some_and(|s| s.success()), "hearth {args:?}:\n{out}");
+    let accuracy: f64 = out
+        .lines()
+        .filter_map(|l| l.split("validation accuracy: ").nth(1))
+        .filter_map(|v| v.trim().trim_end_matches('%').parse().ok())
+        .next_back()
+        .unwrap_or_else(|| panic!("no validation accuracy line:\n{out}"));
+    assert!(
+        accuracy >= promised - 1e-9,
+        "README promises {promised}%, the run reached {accuracy}%:\n{out}"
+    );
 }
 
 #[test]

@@ -25,7 +25,7 @@ fn hearth_ok(dir: &Path, args: &[&str]) -> String {
     let mut child = Command::new(env!("CARGO_BIN_EXE_hearth"))
         .args(args)
         .env(UNUSABLE_DEFAULT.0, UNUSABLE_DEFAULT.1)
-        .env("HEARTH_JOB_SECRET", "resume on any build: a test secret long enough")
+        .env("HEARTH_JOB_SECRET", "08b34a1c32b732f5e950f6c201136522")
         .env("HEARTH_COLLECTIVE_TIMEOUT", "120")
         .stdout(Stdio::from(file.try_clone().unwrap()))
         .stderr(Stdio::from(file))
@@ -41,8 +41,15 @@ fn hearth_ok(dir: &Path, args: &[&str]) -> String {
     text
 }
 
-/// Trains `extra` for one epoch of two into `run`, then resumes it (with `resume_extra`).
-fn stop_and_resume(dir: &Path, data: &Path, run: &str, extra: &[&str], resume_extra: &[&str]) {
+/// Trains `extra` for one epoch of two into `run`, then resumes it (with `resume_extra`); the
+/// resumed run's log.
+fn stop_and_resume(
+    dir: &Path,
+    data: &Path,
+    run: &str,
+    extra: &[&str],
+    resume_extra: &[&str],
+) -> String {
     let run = dir.join(run);
     let mut first = vec![
         "train",
@@ -76,6 +83,7 @@ fn stop_and_resume(dir: &Path, data: &Path, run: &str, extra: &[&str], resume_ex
         "{} resumed at epoch 2:\n{log}",
         run.display()
     );
+    log
 }
 
 #[test]
@@ -83,11 +91,34 @@ fn one_process_data_parallel_servers_and_a_pipeline_resume_with_burns_default_un
     let dir = tempfile::tempdir().unwrap();
     let data = common::small_data(dir.path());
     stop_and_resume(dir.path(), &data, "one", &[], &[]);
-    stop_and_resume(dir.path(), &data, "dp", &["--nproc", "2"], &["--nproc", "2"]);
+    // A bare `--resume RUN` starts the run on the processes it was trained on (issue 55: it
+    // resumed a data-parallel run as one process).
     let ps = ["--nproc", "3", "--ps", "1", "--mode", "sync"];
-    stop_and_resume(dir.path(), &data, "ps", &ps, &["--nproc", "3"]);
     let pipeline = ["--nproc", "2", "--pipeline-stages", "2"];
-    stop_and_resume(dir.path(), &data, "pipeline", &pipeline, &["--nproc", "2"]);
+    for (name, extra, ranks) in [
+        ("dp", &["--nproc", "2"][..], 2),
+        ("ps", &ps[..], 3),
+        ("pipeline", &pipeline[..], 2),
+    ] {
+        let log = stop_and_resume(dir.path(), &data, name, extra, &[]);
+        let said = format!("--resume: {ranks} processes, as");
+        assert!(log.contains(&said), "{name}:\n{log}");
+        let last = format!("[rank {}]", ranks - 1);
+        assert!(log.contains(&last), "{name} resumed on {ranks} ranks:\n{log}");
+    }
+}
+
+#[test]
+fn a_bare_resume_without_hparams_json_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::small_data(dir.path());
+    let run = dir.path().join("one");
+    stop_and_resume(dir.path(), &data, "one", &[], &[]);
+    std::fs::remove_file(run.join("hparams.json")).unwrap();
+    let out = common::hearth_cli(&["train", "--resume", run.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("hparams.json is missing"), "{err}");
 }
 
 #[test]
@@ -164,6 +195,13 @@ fn an_elastic_world_re_forms_after_rank_0_dies_and_resumes_with_burns_default_un
     let finals: Vec<_> = log.lines().filter_map(common::final_weights).collect();
     assert_eq!(finals.len(), 2, "{log}");
     // The run stopped after epoch 2 resumes from its checkpoint.
+    // A bare resume outside `hearth launch --elastic` is refused, naming the way.
+    let out = common::hearth_cli(&["train", "--resume", run.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("hearth launch --elastic"),
+        "{err}"
+    );
     let log = elastic("--resume", &[], &[]);
     assert!(log.contains("resum"), "{log}");
     assert_eq!(common::metrics(&run).len(), 3, "{log}");

@@ -142,8 +142,8 @@ fn run_epoch(
             let device = Device::flex().autodiff();
             // The new epoch starts from rank 0's committed state, joiners included.
             let state = |c: &Committed| -> Result<Committed, String> {
-                let module = broadcast_bytes(&comm, c.module.clone()).map_err(|e| e.to_string())?;
-                let optim = broadcast_bytes(&comm, c.optim.clone()).map_err(|e| e.to_string())?;
+                let module = broadcast_bytes(&comm, c.module.clone(), 1 << 30).map_err(|e| e.to_string())?;
+                let optim = broadcast_bytes(&comm, c.optim.clone(), 1 << 30).map_err(|e| e.to_string())?;
                 Ok(Committed {
                     step: c.step,
                     module,
@@ -300,7 +300,7 @@ fn a_world_re_forms_over_quic_after_a_loss_and_again_for_a_joiner() {
     let join = move |rank: usize, a: &Announcement| {
         connect_epoch(
             &at(rank, a.members.len(), &a.coordinator),
-            &tls::Membership::secret(common::SECRET).unwrap(),
+            &tls::Membership::secret(common::SECRET, common::JOB).unwrap(),
             &common::options(Duration::from_secs(30)),
             a.epoch,
         )

@@ -114,7 +114,9 @@ pub fn assert_close(weights: &[Vec<f32>], reference: &[Vec<f32>], what: &str) {
 
 // QUIC jobs on 127.0.0.1 with threads as ranks.
 
-pub const SECRET: &str = "test job secret, 32 bytes long..";
+pub const SECRET: &str = "9c1e6bd2f04a7358e1c0b9d7a2f46e8b";
+/// The job id that salts [`SECRET`]'s key.
+pub const JOB: &str = "burn-dist-tests";
 
 pub fn free_port() -> u16 {
     UdpSocket::bind("127.0.0.1:0")
@@ -178,7 +180,7 @@ pub fn job_with(world: usize, options: fn(Duration) -> RendezvousOptions) -> Vec
             std::thread::spawn(move || {
                 connect(
                     &info(r, world, port),
-                    &Membership::secret(SECRET).unwrap(),
+                    &Membership::secret(SECRET, JOB).unwrap(),
                     &options(Duration::from_secs(30)),
                 )
             })
