@@ -167,21 +167,12 @@ impl DeviceChoice {
     /// The name `BURN_DEVICE` gives this device's backend: Burn's default device is then one of
     /// the same backend (for a GPU, its default adapter or device 0).
     pub fn burn_device_name(self) -> &'static str {
-        match self {
-            DeviceChoice::Flex => "flex",
-            DeviceChoice::NdArray => "ndarray",
-            #[cfg(feature = "wgpu")]
-            DeviceChoice::Wgpu => "wgpu",
-            #[cfg(feature = "wgpu")]
-            DeviceChoice::Vulkan | DeviceChoice::VulkanCpu => {
-                if cfg!(feature = "vulkan") {
-                    "vulkan"
-                } else {
-                    "wgpu"
-                }
-            }
-            #[cfg(feature = "cuda-device")]
-            DeviceChoice::Cuda => "cuda",
+        match self.name() {
+            // One cubecl runtime, wgpu's: pinned to Vulkan where cubecl's own compiler is built.
+            "vulkan" | "vulkan-cpu" if cfg!(feature = "vulkan") => "vulkan",
+            "vulkan" | "vulkan-cpu" => "wgpu",
+            // flex, ndarray, wgpu and cuda are Burn's names too.
+            other => other,
         }
     }
 }
@@ -240,7 +231,9 @@ pub fn check_burn_default(device: &Device) -> Result<()> {
     if let Ok(set) = std::env::var(BURN_DEVICE_ENV) {
         // A name this build lacks would make Burn panic: refuse it before asking Burn.
         if !compiled.contains(&set.to_lowercase().as_str()) {
-            return mismatch(format!("{BURN_DEVICE_ENV}={set}, which this build cannot start"));
+            return mismatch(format!(
+                "{BURN_DEVICE_ENV}={set}, which this build cannot start"
+            ));
         }
     }
     // Constructing a device is lazy in Burn: nothing starts here.

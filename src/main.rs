@@ -591,8 +591,8 @@ fn files_under(dir: &std::path::Path) -> std::collections::BTreeSet<PathBuf> {
 /// them), then the folders that left empty; anything else there stays.
 fn remove_synth(out: &std::path::Path) -> Result<()> {
     let mark = out.join(SYNTH_MARK);
-    let text = std::fs::read_to_string(&mark)
-        .with_context(|| format!("reading {}", mark.display()))?;
+    let text =
+        std::fs::read_to_string(&mark).with_context(|| format!("reading {}", mark.display()))?;
     let files: Vec<PathBuf> = serde_json::from_str::<serde_json::Value>(&text)
         .ok()
         .and_then(|v| {
@@ -613,7 +613,11 @@ fn remove_synth(out: &std::path::Path) -> Result<()> {
     for f in &files {
         // Only paths inside `out`, as the command wrote them.
         if f.is_absolute() || f.components().any(|c| c == std::path::Component::ParentDir) {
-            anyhow::bail!("{} lists {} outside the folder", mark.display(), f.display());
+            anyhow::bail!(
+                "{} lists {} outside the folder",
+                mark.display(),
+                f.display()
+            );
         }
         match std::fs::remove_file(out.join(f)) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {

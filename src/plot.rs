@@ -642,8 +642,18 @@ mod tests {
         }
         // The column labels (the lower of each pair) run left to right in class order, the
         // row labels (the leftmost) top to bottom.
-        let column = |n: &str| find(n).into_iter().max_by(|a, b| a.1.total_cmp(&b.1)).unwrap();
-        let row = |n: &str| find(n).into_iter().min_by(|a, b| a.0.total_cmp(&b.0)).unwrap();
+        let column = |n: &str| {
+            find(n)
+                .into_iter()
+                .max_by(|a, b| a.1.total_cmp(&b.1))
+                .unwrap()
+        };
+        let row = |n: &str| {
+            find(n)
+                .into_iter()
+                .min_by(|a, b| a.0.total_cmp(&b.0))
+                .unwrap()
+        };
         assert!(column("cat").0 < column("dog").0 && column("dog").0 < column("fox").0);
         assert!(row("cat").1 < row("dog").1 && row("dog").1 < row("fox").1);
         // Each count sits in its row's and column's cell: under the column label's x, level

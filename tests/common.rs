@@ -84,7 +84,9 @@ pub fn device_or_skip(choice: DeviceChoice, test: &str) -> Option<Device> {
                      .ci/run does), or set HEARTH_ALLOW_SKIP=vulkan to skip it"
                 );
             }
-            eprintln!("SKIPPED {test}: device {choice} unavailable here ({e}); HEARTH_ALLOW_SKIP=vulkan");
+            eprintln!(
+                "SKIPPED {test}: device {choice} unavailable here ({e}); HEARTH_ALLOW_SKIP=vulkan"
+            );
             None
         }
     }
@@ -417,8 +419,18 @@ pub fn hearth_cli(args: &[&str]) -> std::process::Output {
             v
         })
     };
-    let out = drain(child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
-    let err = drain(child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>));
+    let out = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let err = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
     let limit = std::time::Duration::from_secs(900);
     let status = wait_bounded(&mut child, std::time::Instant::now() + limit)
         .unwrap_or_else(|| panic!("hearth {args:?} ran past {limit:?} and was killed"));
@@ -497,10 +509,7 @@ impl Job {
                     .env("HEARTH_RANK", r.to_string())
                     .env("HEARTH_WORLD_SIZE", world.to_string())
                     .env("HEARTH_COORDINATOR", format!("127.0.0.1:{port}"))
-                    .env(
-                        "HEARTH_JOB_SECRET",
-                        "a26c9576eb252322226a17c9c4a359b4",
-                    )
+                    .env("HEARTH_JOB_SECRET", "a26c9576eb252322226a17c9c4a359b4")
                     // Rank 0 writes checkpoints while the others wait in a collective: on
                     // this loaded 2-core machine, late in the suite, such a write has stalled
                     // 70-120 s (the process in disk sleep), and 60 s split the job.

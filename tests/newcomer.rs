@@ -66,9 +66,16 @@ fn data_synth_refuses_another_data_set_and_replaces_only_its_own() {
     std::fs::create_dir_all(set.join("extra")).unwrap();
     std::fs::write(set.join("extra/my-photo.png"), b"mine too").unwrap();
     assert!(synth(&set, "3", &["--overwrite"]).status.success());
-    assert_eq!(classes(&set), 3 + 1, "replaced, not merged; the user's folder kept");
+    assert_eq!(
+        classes(&set),
+        3 + 1,
+        "replaced, not merged; the user's folder kept"
+    );
     assert_eq!(std::fs::read(set.join("notes.txt")).unwrap(), b"mine");
-    assert_eq!(std::fs::read(set.join("extra/my-photo.png")).unwrap(), b"mine too");
+    assert_eq!(
+        std::fs::read(set.join("extra/my-photo.png")).unwrap(),
+        b"mine too"
+    );
 }
 
 #[test]
@@ -249,7 +256,12 @@ fn every_ranks_skipped_images_reach_the_summary_in_every_distributed_mode() {
         .into_iter()
         .filter(|f| !f.components().any(|c| c.as_os_str() == "val"))
         .collect();
-    let cut: Vec<_> = train.iter().step_by(train.len() / 6).take(6).cloned().collect();
+    let cut: Vec<_> = train
+        .iter()
+        .step_by(train.len() / 6)
+        .take(6)
+        .cloned()
+        .collect();
     assert_eq!(cut.len(), 6);
     for f in &cut {
         truncate(f);
@@ -282,7 +294,10 @@ fn every_ranks_skipped_images_reach_the_summary_in_every_distributed_mode() {
     };
     for (mode, extra) in [
         ("data parallel", &["--nproc", "2"][..]),
-        ("parameter servers", &["--nproc", "3", "--ps", "1", "--mode", "sync"][..]),
+        (
+            "parameter servers",
+            &["--nproc", "3", "--ps", "1", "--mode", "sync"][..],
+        ),
     ] {
         let run = tmp.path().join(mode.replace(' ', "-"));
         let mut args = vec!["train", "--run-dir", run.to_str().unwrap()];

@@ -378,7 +378,13 @@ fn rank_processes(
     let children: Vec<_> = (0..world)
         .map(|r| {
             Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", test, "--ignored", "--nocapture", "--test-threads=1"])
+                .args([
+                    "--exact",
+                    test,
+                    "--ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
                 .env(var, mode)
                 .env("HEARTH_RANK", r.to_string())
                 .env("HEARTH_WORLD_SIZE", world.to_string())

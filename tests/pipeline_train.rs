@@ -302,10 +302,7 @@ fn two_stage_ranks(
                 .env("HEARTH_WORLD_SIZE", "2")
                 .env("HEARTH_COORDINATOR", format!("127.0.0.1:{port}"))
                 .env("HEARTH_COLLECTIVE_TIMEOUT", "60")
-                .env(
-                    "HEARTH_JOB_SECRET",
-                    "3191845343c8df2c56705d005db6cc2e",
-                )
+                .env("HEARTH_JOB_SECRET", "3191845343c8df2c56705d005db6cc2e")
                 .stdout(Stdio::from(file.try_clone().unwrap()))
                 .stderr(Stdio::from(file))
                 .spawn()

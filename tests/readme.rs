@@ -219,7 +219,8 @@ fn every_readme_command_works_as_written() {
 
 #[test]
 fn flags_are_matched_whole_against_the_help() {
-    let help = "Options:\n      --size-mb <MB>  Sizes\n  -n, --nproc <N>  Ranks\n  -h, --help  Help\n";
+    let help =
+        "Options:\n      --size-mb <MB>  Sizes\n  -n, --nproc <N>  Ranks\n  -h, --help  Help\n";
     let flags = help_flags(help);
     assert!(flags.contains("--size-mb") && flags.contains("--nproc") && flags.contains("--help"));
     assert!(!flags.contains("--size"), "{flags:?}");
@@ -262,7 +263,10 @@ fn the_headline_command_trains_to_the_accuracy_readme_states() {
         std::time::Instant::now() + std::time::Duration::from_secs(600),
     );
     let out = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(status.is_some_and(|s| s.success()), "hearth {args:?}:\n{out}");
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "hearth {args:?}:\n{out}"
+    );
     let accuracy: f64 = out
         .lines()
         .filter_map(|l| l.split("validation accuracy: ").nth(1))

@@ -20,7 +20,10 @@ const UNUSABLE_DEFAULT: (&str, &str) = ("BURN_DEVICE", "cuda");
 
 /// `hearth ARGS` with Burn's default device unusable; its log, after asserting it succeeded.
 fn hearth_ok(dir: &Path, args: &[&str]) -> String {
-    let log = dir.join(format!("log-{}.txt", args.join("_").replace(['/', '.'], "")));
+    let log = dir.join(format!(
+        "log-{}.txt",
+        args.join("_").replace(['/', '.'], "")
+    ));
     let file = std::fs::File::create(&log).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_hearth"))
         .args(args)
@@ -104,7 +107,10 @@ fn one_process_data_parallel_servers_and_a_pipeline_resume_with_burns_default_un
         let said = format!("--resume: {ranks} processes, as");
         assert!(log.contains(&said), "{name}:\n{log}");
         let last = format!("[rank {}]", ranks - 1);
-        assert!(log.contains(&last), "{name} resumed on {ranks} ranks:\n{log}");
+        assert!(
+            log.contains(&last),
+            "{name} resumed on {ranks} ranks:\n{log}"
+        );
     }
 }
 
@@ -191,7 +197,10 @@ fn an_elastic_world_re_forms_after_rank_0_dies_and_resumes_with_burns_default_un
         &["--stop-after-epoch", "2"],
         &[("HEARTH_ELASTIC_DIE_AT_STEP", "w0:15")],
     );
-    assert!(log.contains("membership epoch 1: 2 workers [w1, w2]"), "{log}");
+    assert!(
+        log.contains("membership epoch 1: 2 workers [w1, w2]"),
+        "{log}"
+    );
     let finals: Vec<_> = log.lines().filter_map(common::final_weights).collect();
     assert_eq!(finals.len(), 2, "{log}");
     // The run stopped after epoch 2 resumes from its checkpoint.

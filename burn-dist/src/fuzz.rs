@@ -44,9 +44,8 @@ pub fn inputs(seeds: &[Vec<u8>], count: usize, rng: &mut Rng) -> Vec<Vec<u8>> {
 }
 
 fn input(seeds: &[Vec<u8>], rng: &mut Rng) -> Vec<u8> {
-    let random = |rng: &mut Rng, len: usize| -> Vec<u8> {
-        (0..len).map(|_| rng.next_u64() as u8).collect()
-    };
+    let random =
+        |rng: &mut Rng, len: usize| -> Vec<u8> { (0..len).map(|_| rng.next_u64() as u8).collect() };
     if seeds.is_empty() || rng.below(8) == 0 {
         let len = rng.below(96);
         return random(rng, len);

@@ -100,9 +100,7 @@ fn phrase_bits(secret: &[u8]) -> f64 {
         return f64::INFINITY;
     }
     let word = |t: &[u8]| {
-        t.len() <= 12
-            && t.iter().skip(1).all(u8::is_ascii_lowercase)
-            && t[0].is_ascii_alphabetic()
+        t.len() <= 12 && t.iter().skip(1).all(u8::is_ascii_lowercase) && t[0].is_ascii_alphabetic()
     };
     tokens
         .iter()
@@ -771,10 +769,17 @@ mod tests {
         let ends_alike = "23cf9c10c801e82b17c35fea78f616e2";
         assert_eq!(secret_bits(ends_alike.as_bytes()), 128.0);
         assert!(secret_bits(b"0f73b9f0d113e3c50f73b9f0d113e3c5") <= 64.0);
-        assert!(secret_bits(b"abcabcab") <= 12.0, "3 hex characters, repeated");
+        assert!(
+            secret_bits(b"abcabcab") <= 12.0,
+            "3 hex characters, repeated"
+        );
         // A passphrase of enough words passes: 11 Diceware words are 142 bits.
         let words = "ankle bishop cobalt dwarf ember fjord gravel hatch iris jolly kiln";
-        assert!(secret_bits(words.as_bytes()) >= 128.0, "{}", secret_bits(words.as_bytes()));
+        assert!(
+            secret_bits(words.as_bytes()) >= 128.0,
+            "{}",
+            secret_bits(words.as_bytes())
+        );
         // The derivation is the slow one, salted by the job, and the same on every call.
         let m = SECRET.as_bytes();
         assert_eq!(ca_seed(m, "job-1"), ca_seed(m, "job-1"));
@@ -799,9 +804,10 @@ mod tests {
             .to_string();
         assert!(short.contains("at least 16"), "{short}");
         // A good secret without any job id: the error names the variable to set.
-        let no_job = Membership::from_lookup(&|k| (k == "HEARTH_JOB_SECRET").then(|| SECRET.into()))
-            .unwrap_err()
-            .to_string();
+        let no_job =
+            Membership::from_lookup(&|k| (k == "HEARTH_JOB_SECRET").then(|| SECRET.into()))
+                .unwrap_err()
+                .to_string();
         assert!(no_job.contains("HEARTH_JOB_ID"), "{no_job}");
         // The first job id set salts: the launcher's over the coordinator's address.
         let vars = |k: &str| match k {

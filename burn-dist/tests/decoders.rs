@@ -34,7 +34,10 @@ fn fuzz(name: &str, seed: u64, seeds: Vec<Vec<u8>>, decode: impl Fn(&[u8]) -> bo
         }
     }
     // The mutations reach the checks: most inputs are refused, not all accepted.
-    assert!(refused > count() / 4, "{name}: only {refused} inputs refused");
+    assert!(
+        refused > count() / 4,
+        "{name}: only {refused} inputs refused"
+    );
 }
 
 #[test]

@@ -142,8 +142,10 @@ fn run_epoch(
             let device = Device::flex().autodiff();
             // The new epoch starts from rank 0's committed state, joiners included.
             let state = |c: &Committed| -> Result<Committed, String> {
-                let module = broadcast_bytes(&comm, c.module.clone(), 1 << 30).map_err(|e| e.to_string())?;
-                let optim = broadcast_bytes(&comm, c.optim.clone(), 1 << 30).map_err(|e| e.to_string())?;
+                let module =
+                    broadcast_bytes(&comm, c.module.clone(), 1 << 30).map_err(|e| e.to_string())?;
+                let optim =
+                    broadcast_bytes(&comm, c.optim.clone(), 1 << 30).map_err(|e| e.to_string())?;
                 Ok(Committed {
                     step: c.step,
                     module,

@@ -134,8 +134,10 @@ fn child() {
 /// Whether `HEARTH_ALLOW_SKIP` lets this test skip without namespaces (`netns` or `all`);
 /// otherwise their absence fails it, as in CI.
 fn may_skip_netns() -> bool {
-    std::env::var("HEARTH_ALLOW_SKIP")
-        .is_ok_and(|v| v.split(',').any(|s| s.trim() == "netns" || s.trim() == "all"))
+    std::env::var("HEARTH_ALLOW_SKIP").is_ok_and(|v| {
+        v.split(',')
+            .any(|s| s.trim() == "netns" || s.trim() == "all")
+    })
 }
 
 #[test]
@@ -161,7 +163,13 @@ fn two_hosts_of_two_ranks_reduce_by_host_and_match_the_direct_sum() {
             Command::new("ip")
                 .args(["netns", "exec", &hosts.ns[rank / 2]])
                 .arg(&exe)
-                .args(["--exact", "child", "--ignored", "--nocapture", "--test-threads=1"])
+                .args([
+                    "--exact",
+                    "child",
+                    "--ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
                 .env("HOSTS_CHILD", "1")
                 .env("HEARTH_RANK", rank.to_string())
                 .env("HEARTH_WORLD_SIZE", "4")

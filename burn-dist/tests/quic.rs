@@ -15,7 +15,9 @@ use burn_dist::rendezvous::{RankInfo, connect};
 use burn_dist::routed::RoutedTransport;
 use burn_dist::tls::Membership;
 use burn_dist::{Communicator, Compression, DistError, ReduceOp, Transport};
-use common::{JOB, SECRET, finish, free_port, info, job, job_with, options, options_lanes, options_shm};
+use common::{
+    JOB, SECRET, finish, free_port, info, job, job_with, options, options_lanes, options_shm,
+};
 
 /// Runs `f` on each rank in a thread and returns the results in rank order, with a deadline.
 fn each<T: Send + 'static>(
@@ -356,7 +358,13 @@ fn a_rank_that_never_arrives_is_named_within_the_timeout() {
 /// Rank `rank` of a process job; `shm`: ranks talk through shared memory (else QUIC only).
 fn spawn_rank(rank: usize, world: usize, port: u16, mode: &str, shm: bool) -> Child {
     Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("BURN_DIST_CHILD", mode)
         .env("BURN_DIST_SHM", if shm { "1" } else { "0" })
         .env("HEARTH_RANK", rank.to_string())

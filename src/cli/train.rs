@@ -448,7 +448,11 @@ fn unread_flags(a: &TrainArgs) -> Result<()> {
         bail!(
             "--momentum applies to sgd and lars; --optimizer {} keeps its own moment estimates \
              (betas 0.9 and 0.999)",
-            if a.optimizer == OptimizerKind::Adam { "adam" } else { "adamw" }
+            if a.optimizer == OptimizerKind::Adam {
+                "adam"
+            } else {
+                "adamw"
+            }
         );
     }
     if a.pipeline_balance.is_some() && a.pipeline_split.is_some() {

@@ -22,8 +22,14 @@ pub const MINI_VGG_PLAIN: &str = "vgg-mini-plain";
 /// `zero`: the stage may change (the state file is the same); switching sharding on or off is
 /// refused on resume by its own check (`zero::check_resume`).
 /// `recompute`: the same training (bar dropout's draws), with less memory held.
-pub const MAY_CHANGE_ON_RESUME: [&str; 6] =
-    ["epochs", "patience", "min_delta", "zero", "recompute", "launch"];
+pub const MAY_CHANGE_ON_RESUME: [&str; 6] = [
+    "epochs",
+    "patience",
+    "min_delta",
+    "zero",
+    "recompute",
+    "launch",
+];
 
 /// A small DenseNet (growth 8, two layers per block, 16 stem channels): DenseNet-121's
 /// architecture at test size (the multi-label recipe of seed 001 on a small machine).

@@ -444,10 +444,19 @@ mod tests {
         let four = epochs.report(0, started, 10, Vec::new(), 0, 4);
         for r in [&one, &four] {
             let hours = r.wall_seconds * r.world as f64 / 3600.0;
-            assert!((r.node_hours - hours).abs() < 1e-12, "{} {hours}", r.node_hours);
+            assert!(
+                (r.node_hours - hours).abs() < 1e-12,
+                "{} {hours}",
+                r.node_hours
+            );
             assert_eq!(r.cost, Some(3.0 * r.node_hours));
         }
-        assert!(four.node_hours > 3.9 * one.node_hours, "{} {}", four.node_hours, one.node_hours);
+        assert!(
+            four.node_hours > 3.9 * one.node_hours,
+            "{} {}",
+            four.node_hours,
+            one.node_hours
+        );
         // An elastic job's worker-seconds, whatever its last world.
         let mut elastic = four;
         elastic.price_process_seconds(7200.0, cfg.price_per_hour);

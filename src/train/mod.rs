@@ -61,8 +61,9 @@ pub mod zero;
 pub use best::{BestRule, KeepBestAndLast, Patience, best_epoch};
 pub use burn_dist::ps::Mode as PsMode;
 pub use config::{
-    AugmentPreset, DEFAULT_MODEL, DEFAULT_MOMENTUM, FinetuneBn, MAY_CHANGE_ON_RESUME, MINI_DENSENET, MINI_VGG,
-    MINI_VGG_PLAIN, Monitor, OptimizerKind, PipelineBalance, PipelineOptions, TrainConfig,
+    AugmentPreset, DEFAULT_MODEL, DEFAULT_MOMENTUM, FinetuneBn, MAY_CHANGE_ON_RESUME,
+    MINI_DENSENET, MINI_VGG, MINI_VGG_PLAIN, Monitor, OptimizerKind, PipelineBalance,
+    PipelineOptions, TrainConfig,
 };
 pub use data::{ImageBatch, LoaderAdapter};
 pub use elastic::{Balance, ElasticOptions, request_leave};

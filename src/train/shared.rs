@@ -12,7 +12,11 @@ use crate::schedule::Schedule;
 /// The first `count` length-prefixed parts of `bytes` (each a little-endian u64 byte count,
 /// then that many bytes), for the states ranks send each other; `what` names the state in the
 /// error. An announced length is checked against the bytes there before any arithmetic.
-pub(crate) fn prefixed_parts<'a>(bytes: &'a [u8], count: usize, what: &str) -> Result<Vec<&'a [u8]>> {
+pub(crate) fn prefixed_parts<'a>(
+    bytes: &'a [u8],
+    count: usize,
+    what: &str,
+) -> Result<Vec<&'a [u8]>> {
     let bad = |m: String| crate::HearthError::Training(format!("{what}: {m}"));
     let mut parts = Vec::with_capacity(count);
     let mut at = 0usize;

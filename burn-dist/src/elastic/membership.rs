@@ -384,12 +384,18 @@ mod tests {
                 for mask in 0u32..(1 << stayed.len()) {
                     let (mut a, mut b) = (Vec::new(), Vec::new());
                     for (i, &r) in stayed.iter().enumerate() {
-                        if mask & (1 << i) != 0 { a.push(r) } else { b.push(r) }
+                        if mask & (1 << i) != 0 {
+                            a.push(r)
+                        } else {
+                            b.push(r)
+                        }
                     }
                     for (a_heard, b_heard) in [(true, true), (true, false), (false, true)] {
                         let view = |heard: bool, other: &[usize]| {
                             let mut lost = other.to_vec();
-                            let left = if heard { left.clone() } else {
+                            let left = if heard {
+                                left.clone()
+                            } else {
                                 lost.extend(&left);
                                 Vec::new()
                             };

@@ -332,7 +332,10 @@ fn hellos_tables_and_issues_decode_any_bytes_without_a_panic() {
     let seeds = vec![
         hello(3, 4000, 1),
         table(&addrs),
-        super::messages::issue(&CertificateDer::from(vec![1u8; 40]), &CertificateDer::from(vec![2u8; 30])),
+        super::messages::issue(
+            &CertificateDer::from(vec![1u8; 40]),
+            &CertificateDer::from(vec![2u8; 30]),
+        ),
     ];
     let mut rng = Rng::new(11);
     for input in inputs(&seeds, 20_000, &mut rng) {

@@ -151,7 +151,8 @@ impl Fence {
             if !first {
                 match self.read()? {
                     Some(on_disk) if on_disk == *token => {}
-                    Some(on_disk) if on_disk.launch == token.launch && on_disk.epoch < token.epoch => {}
+                    Some(on_disk)
+                        if on_disk.launch == token.launch && on_disk.epoch < token.epoch => {}
                     on_disk => self.refuse(on_disk, token)?,
                 }
             }
@@ -280,7 +281,10 @@ mod tests {
         // Raising one's own token again is no conflict.
         fence.raise(&w1, false).unwrap();
         let gate = fence.gate(&w2);
-        assert!(gate.write(&dir.path().join("metrics.csv"), b"w2's").is_err());
+        assert!(
+            gate.write(&dir.path().join("metrics.csv"), b"w2's")
+                .is_err()
+        );
         assert!(!dir.path().join("metrics.csv").exists());
     }
 
@@ -296,7 +300,10 @@ mod tests {
         stale.write(&metrics, b"epoch 1").unwrap();
         let new = token("a", 1, "w1");
         fence.raise(&new, false).unwrap();
-        fence.gate(&new).write(&metrics, b"epoch 1\nepoch 2").unwrap();
+        fence
+            .gate(&new)
+            .write(&metrics, b"epoch 1\nepoch 2")
+            .unwrap();
         // w0 continues with its next write: refused, and metrics.csv is not rolled back.
         let e = stale.write(&metrics, b"epoch 1").unwrap_err().to_string();
         assert!(e.contains("cut off"), "{e}");

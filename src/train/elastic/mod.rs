@@ -33,8 +33,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::best::{export_best, model_checkpoint, save_epoch_weights};
-use super::gate::Gate;
 use super::epochs::{Epochs, Row};
+use super::gate::Gate;
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, Targets};
 use super::precision::{LossScaler, Precision, divide, overflow_hook};

@@ -380,7 +380,11 @@ impl<T: Trainee> ElasticRun<'_, T> {
     ) -> HearthError {
         let reached: Vec<usize> = (0..world.size()).filter(|r| !gone.contains(r)).collect();
         let stayed = (0..world.size()).filter(|r| !leaving.contains(r)).count();
-        let lost: Vec<usize> = gone.iter().copied().filter(|r| !leaving.contains(r)).collect();
+        let lost: Vec<usize> = gone
+            .iter()
+            .copied()
+            .filter(|r| !leaving.contains(r))
+            .collect();
         let names = |rs: &mut dyn Iterator<Item = usize>| {
             rs.map(|r| world.members[r].id.as_str())
                 .collect::<Vec<_>>()
