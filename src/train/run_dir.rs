@@ -106,7 +106,7 @@ pub fn prepare(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Writes `text` to `path` atomically ([`super::gate::Gate`], unguarded): a synced temporary
+/// Writes `text` to `path` atomically (`train/gate.rs`'s `Gate`, unguarded): a synced temporary
 /// file of a name no other writer uses, then a rename, so a crash leaves either the old file or
 /// the new one, never a part.
 pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
