@@ -15,6 +15,18 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The small run every test here trains (its data, epochs and run directory aside).
+const SMALL: [&str; 8] = [
+    "--model",
+    "resnet-mini",
+    "--size",
+    "32",
+    "--batch-size",
+    "8",
+    "--workers",
+    "1",
+];
+
 /// A backend Burn cannot start in this build.
 const UNUSABLE_DEFAULT: (&str, &str) = ("BURN_DEVICE", "cuda");
 
@@ -54,25 +66,16 @@ fn stop_and_resume(
     resume_extra: &[&str],
 ) -> String {
     let run = dir.join(run);
-    let mut first = vec![
-        "train",
-        "--data",
-        data.to_str().unwrap(),
-        "--model",
-        "resnet-mini",
-        "--size",
-        "32",
+    let mut first = vec!["train", "--data", data.to_str().unwrap()];
+    first.extend(SMALL);
+    first.extend([
         "--epochs",
         "2",
-        "--batch-size",
-        "8",
-        "--workers",
-        "1",
         "--stop-after-epoch",
         "1",
         "--run-dir",
         run.to_str().unwrap(),
-    ];
+    ]);
     first.extend(extra);
     hearth_ok(dir, &first);
     assert_eq!(common::metrics(&run).len(), 1, "{}", run.display());
@@ -137,27 +140,21 @@ fn the_fine_tuning_switch_loads_its_checkpoint_with_burns_default_unusable() {
     let log = hearth_ok(
         dir.path(),
         &[
-            "train",
-            "--data",
-            data.to_str().unwrap(),
-            "--model",
-            "resnet-mini",
-            "--size",
-            "32",
-            "--epochs",
-            "3",
-            "--batch-size",
-            "8",
-            "--workers",
-            "1",
-            "--weights",
-            weights.to_str().unwrap(),
-            "--freeze-backbone",
-            "--unfreeze-after",
-            "1",
-            "--run-dir",
-            run.to_str().unwrap(),
-        ],
+            &["train", "--data", data.to_str().unwrap()][..],
+            &SMALL,
+            &[
+                "--epochs",
+                "3",
+                "--weights",
+                weights.to_str().unwrap(),
+                "--freeze-backbone",
+                "--unfreeze-after",
+                "1",
+                "--run-dir",
+                run.to_str().unwrap(),
+            ][..],
+        ]
+        .concat(),
     );
     assert_eq!(common::metrics(&run).len(), 3, "{log}");
 }

@@ -268,6 +268,9 @@ struct ElasticRun<'a, T: Trainee> {
     launch: String,
     fence: fence::Fence,
     token: Option<fence::Token>,
+    /// The most bytes of state this worker takes from a new epoch's rank 0 (from the model's
+    /// parameter count, counted once).
+    state_limit: std::cell::OnceCell<usize>,
     /// Test and benchmark hooks (see [`hook`]).
     throttle: Option<u64>,
     leave_at: Option<u64>,
@@ -435,6 +438,7 @@ pub(super) fn train_with<R: Recipe>(
         launch: String::new(),
         fence: fence::Fence::new(&cfg.run_dir),
         token: None,
+        state_limit: std::cell::OnceCell::new(),
         throttle: None,
         leave_at: None,
         die_at: None,

@@ -147,8 +147,16 @@ impl<T: Trainee> ElasticRun<'_, T> {
             (Some(c), 0) => self.encode(c, number, &members, &my_join)?,
             _ => Vec::new(),
         };
-        let params = self.skeleton(&self.device)?.num_params();
-        let bytes = broadcast_bytes(&comm, bytes, super::super::shared::state_limit(params))?;
+        let limit = match self.state_limit.get() {
+            Some(&l) => l,
+            None => {
+                let params = self.skeleton(&self.device)?.num_params();
+                *self
+                    .state_limit
+                    .get_or_init(|| super::super::shared::state_limit(params))
+            }
+        };
+        let bytes = broadcast_bytes(&comm, bytes, limit)?;
         let state::Decoded {
             members,
             join: coordinator_join,
