@@ -64,6 +64,7 @@ pub mod pipeline;
 pub mod ps;
 pub mod rendezvous;
 pub mod routed;
+pub mod secret;
 pub mod settings;
 pub mod shm;
 mod split;
