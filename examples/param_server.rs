@@ -39,7 +39,7 @@ fn main() -> Result<()> {
     cfg.ps = Some(PsOptions {
         servers: PsServers::Dedicated(1),
         mode: PsMode::Adag,
-        window: 4,
+        window: Some(4),
         ..Default::default()
     });
     let report = train(&cfg, &Device::flex(), &mut |line| eprintln!("{line}"))?;

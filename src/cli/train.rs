@@ -68,7 +68,8 @@ pub(crate) struct TrainArgs {
     optimizer: OptimizerKind,
     /// SGD and LARS momentum (PyTorch semantics: no dampening; 0 for plain SGD). Refused with
     /// adam and adamw, which keep their own moment estimates.
-    /// (default 0.9)
+    /// (default 0.9; 0 in the local steps of --mode downpour and dynsgd, whose servers add up
+    /// the workers' changes)
     #[arg(long)]
     momentum: Option<f64>,
     /// Nesterov momentum (SGD with momentum above 0).
@@ -248,11 +249,11 @@ pub(crate) struct TrainArgs {
     #[arg(long, requires = "ps")]
     mode: Option<String>,
     /// Steps between a worker's exchanges with the servers (asynchronous modes).
-    /// (default 5)
+    /// (default 2 for downpour and easgd, 5 for adag and dynsgd)
     #[arg(long, requires = "ps")]
     window: Option<usize>,
-    /// EASGD's rho: the elastic force is lr x rho.
-    /// (default 5)
+    /// EASGD's rho: the elastic force is alpha = rate x rho, following the schedule (at most 1).
+    /// (default: 0.5 / the peak rate, so that alpha is 0.5 at the peak)
     #[arg(long, requires = "ps")]
     rho: Option<f64>,
     /// Most steps a worker may run ahead of the slowest one (stale synchronous parallel).
@@ -272,8 +273,8 @@ fn ps_options(a: &TrainArgs) -> Result<Option<hearth::train::PsOptions>> {
     Ok(Some(hearth::train::PsOptions {
         servers: servers.parse()?,
         mode: a.mode.as_deref().unwrap_or("adag").parse()?,
-        window: a.window.unwrap_or(5),
-        rho: a.rho.unwrap_or(5.0),
+        window: a.window,
+        rho: a.rho,
         staleness: a.staleness,
     }))
 }
@@ -325,7 +326,7 @@ fn build_config(
     cfg.batch_size = a.batch_size;
     cfg.lr = a.lr;
     cfg.optimizer = a.optimizer;
-    cfg.momentum = a.momentum.unwrap_or(hearth::train::DEFAULT_MOMENTUM);
+    cfg.momentum = a.momentum;
     cfg.nesterov = a.nesterov;
     cfg.weight_decay = a.weight_decay;
     cfg.schedule = a.schedule.decay();

@@ -47,7 +47,8 @@ pub enum FinetuneBn {
     Batch,
 }
 
-/// SGD's and LARS's momentum unless set (`--momentum`).
+/// SGD's and LARS's momentum unless set (`--momentum`), except in the parameter-server modes
+/// that default to none ([`TrainConfig::momentum`]).
 pub const DEFAULT_MOMENTUM: f64 = 0.9;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -195,7 +196,8 @@ pub struct TrainConfig {
     pub batch_size: usize,
     pub lr: f64,
     pub optimizer: OptimizerKind,
-    pub momentum: f64,
+    /// SGD's and LARS's momentum; `None`: the mode's default ([`TrainConfig::momentum`]).
+    pub momentum: Option<f64>,
     pub nesterov: bool,
     pub weight_decay: f64,
     pub schedule: Decay,
@@ -273,7 +275,7 @@ impl TrainConfig {
             batch_size: 32,
             lr: 0.05,
             optimizer: OptimizerKind::Sgd,
-            momentum: DEFAULT_MOMENTUM,
+            momentum: None,
             nesterov: false,
             weight_decay: 5e-4,
             schedule: Decay::Cosine { min_lr: 0.0 },
@@ -471,15 +473,16 @@ impl TrainConfig {
             OptimizerKind::AdamW => "adamw",
             OptimizerKind::Lars => "lars",
         };
-        if !(self.momentum.is_finite() && (0.0..1.0).contains(&self.momentum)) {
-            return bad(format!("--momentum {} must be in [0, 1)", self.momentum));
+        let momentum = self.momentum();
+        if !(momentum.is_finite() && (0.0..1.0).contains(&momentum)) {
+            return bad(format!("--momentum {momentum} must be in [0, 1)"));
         }
         let adaptive = matches!(self.optimizer, OptimizerKind::Adam | OptimizerKind::AdamW);
-        if adaptive && self.momentum != DEFAULT_MOMENTUM {
+        // hparams.json records 0.9 for adam runs too: only another value is refused.
+        if adaptive && self.momentum.is_some_and(|m| m != DEFAULT_MOMENTUM) {
             return bad(format!(
-                "--momentum {} applies to sgd and lars; --optimizer {name} keeps its own moment \
-                 estimates (betas 0.9 and 0.999)",
-                self.momentum
+                "--momentum {momentum} applies to sgd and lars; --optimizer {name} keeps its own \
+                 moment estimates (betas 0.9 and 0.999)"
             ));
         }
         if self.nesterov {
@@ -488,8 +491,15 @@ impl TrainConfig {
                     "--nesterov applies to --optimizer sgd; {name} has no Nesterov variant here"
                 ));
             }
-            if self.momentum == 0.0 {
-                return bad("--nesterov needs --momentum above 0 (0 is plain SGD)".into());
+            if momentum == 0.0 {
+                return bad(format!(
+                    "--nesterov needs --momentum above 0 (0 is plain SGD{})",
+                    if self.momentum.is_none() {
+                        ", this mode's default"
+                    } else {
+                        ""
+                    }
+                ));
             }
         }
         Ok(())
@@ -617,27 +627,41 @@ impl TrainConfig {
 
     fn validate_ps(&self, p: &super::PsOptions) -> Result<()> {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
-        if p.window == 0 {
+        if p.window == Some(0) {
             return bad("--window must be at least 1".into());
         }
-        if !(p.rho.is_finite() && p.rho > 0.0) {
-            return bad(format!("--rho {} must be positive", p.rho));
-        }
         // A setting the mode does not read is refused, not ignored.
-        let defaults = super::PsOptions::default();
         let mode = p.mode.name();
-        if p.mode != burn_dist::ps::Mode::Easgd && p.rho != defaults.rho {
-            return bad(format!(
-                "--rho {} is EASGD's elastic force; --mode {mode} does not use it (--mode easgd does)",
-                p.rho
-            ));
+        if let Some(rho) = p.rho {
+            if !(rho.is_finite() && rho > 0.0) {
+                return bad(format!("--rho {rho} must be positive"));
+            }
+            if p.mode != burn_dist::ps::Mode::Easgd {
+                return bad(format!(
+                    "--rho {rho} is EASGD's elastic force; --mode {mode} does not use it (--mode \
+                     easgd does)"
+                ));
+            }
+            // α = rate · ρ above 1 moves a worker past the centre at each exchange.
+            let peak = self
+                .scaled_lr(&mut |_| {})?
+                .max(self.finetune_lr.unwrap_or(0.0));
+            if rho * peak > 1.0 {
+                return bad(format!(
+                    "--rho {rho} with a peak rate of {peak} makes EASGD's elastic force α = rate x \
+                     rho {} (above 1 a worker overshoots the centre at each exchange); give \
+                     --rho at most {} or leave it out (α = {} at the peak)",
+                    rho * peak,
+                    1.0 / peak,
+                    super::EASGD_PEAK_ALPHA
+                ));
+            }
         }
         if p.mode == burn_dist::ps::Mode::Sync {
-            if p.window != defaults.window {
+            if let Some(w) = p.window {
                 return bad(format!(
-                    "--window {} sets how often an asynchronous worker exchanges; --mode sync \
-                     exchanges every step",
-                    p.window
+                    "--window {w} sets how often an asynchronous worker exchanges; --mode sync \
+                     exchanges every step"
                 ));
             }
             if let Some(s) = p.staleness {
@@ -699,6 +723,19 @@ impl TrainConfig {
     /// optimizer (and so burn-train's scheduler) steps on every K-th batch and on the last one.
     pub fn optimizer_steps(&self, batches: usize) -> usize {
         batches.div_ceil(self.grad_accum.unwrap_or(1).max(1)).max(1)
+    }
+
+    /// SGD's and LARS's momentum for this run: `momentum` where set, else [`DEFAULT_MOMENTUM`],
+    /// except none where workers of parameter servers add up each other's local steps
+    /// (`downpour`, `dynsgd`). Each worker's momentum there compounds the sum of several
+    /// workers' changes: DOWNPOUR with 0.9 fell to chance level with the other flags at their
+    /// defaults (BENCHMARKS.md, issue 55).
+    pub fn momentum(&self) -> f64 {
+        use burn_dist::ps::Mode;
+        self.momentum.unwrap_or_else(|| match &self.ps {
+            Some(p) if matches!(p.mode, Mode::Downpour | Mode::DynSgd) => 0.0,
+            _ => DEFAULT_MOMENTUM,
+        })
     }
 
     /// `lr` after the large-batch scaling `scale_lr` asks for (said in `log` when it applies).

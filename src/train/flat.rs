@@ -26,7 +26,7 @@ pub(super) fn flat_optimizer(
 ) -> Result<ShardOptimizer> {
     let update = match cfg.optimizer {
         OptimizerKind::Sgd => Update::Sgd {
-            momentum: cfg.momentum as f32,
+            momentum: cfg.momentum() as f32,
             nesterov: cfg.nesterov,
         },
         OptimizerKind::Adam => Update::adam(),
@@ -36,7 +36,7 @@ pub(super) fn flat_optimizer(
         OptimizerKind::Lars => {
             let l = crate::optim::LarsConfig::new();
             Update::Lars {
-                momentum: cfg.momentum as f32,
+                momentum: cfg.momentum() as f32,
                 trust: l.trust_coefficient as f32,
                 epsilon: l.epsilon as f32,
                 exclude_1d: l.exclude_1d,

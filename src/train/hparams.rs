@@ -59,7 +59,7 @@ impl TrainConfig {
                     self.optimizer =
                         clap::ValueEnum::from_str(&named(k, v)?, false).map_err(|_| bad(k, v))?
                 }
-                "momentum" => self.momentum = f(k, v)?,
+                "momentum" => self.momentum = Some(f(k, v)?),
                 "nesterov" => self.nesterov = b(k, v)?,
                 "weight_decay" => self.weight_decay = f(k, v)?,
                 "schedule" => {
@@ -145,14 +145,20 @@ impl TrainConfig {
                     })
                 }
                 "ps" => {
+                    use burn_dist::ps::Mode;
+                    let mode: Mode = named(k, &v["mode"])?.parse()?;
+                    // Runs before issue 55 recorded a window for sync and a rho for every
+                    // mode, which the mode never read (and the settings now refuse).
+                    let window = opt(&v["window"]).filter(|_| mode != Mode::Sync);
+                    let rho = opt(&v["rho"]).filter(|_| mode == Mode::Easgd);
                     self.ps = Some(super::PsOptions {
                         servers: match &v["servers"] {
                             Value::String(s) => s.parse()?,
                             other => super::PsServers::Dedicated(n(k, other)?),
                         },
-                        mode: named(k, &v["mode"])?.parse()?,
-                        window: n(k, &v["window"])?,
-                        rho: f(k, &v["rho"])?,
+                        mode,
+                        window: window.map(|w| n(k, &w)).transpose()?,
+                        rho: rho.map(|r| f(k, &r)).transpose()?,
                         staleness: opt(&v["staleness"])
                             .map(|s| n(k, &s).map(|x| x as u64))
                             .transpose()?,
@@ -218,7 +224,7 @@ impl TrainConfig {
                 "optimizer",
                 value_name(clap::ValueEnum::to_possible_value(&self.optimizer)),
             ),
-            ("momentum", json!(self.momentum)),
+            ("momentum", json!(self.momentum())),
             ("nesterov", json!(self.nesterov)),
             ("weight_decay", json!(self.weight_decay)),
             ("schedule", schedule),
@@ -283,7 +289,8 @@ impl TrainConfig {
                         super::PsServers::Colocated => json!("colocated"),
                     },
                     "mode": p.mode.name(),
-                    "window": p.window,
+                    // What ran (the mode's default where not given); sync has none.
+                    "window": (p.mode != burn_dist::ps::Mode::Sync).then(|| p.window()),
                     "rho": p.rho,
                     "staleness": p.staleness,
                 }),

@@ -71,7 +71,7 @@ pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
 pub use model::{MINI_MODELS, epoch_seed, mini_resnet, mini_vgg, model_config};
 pub use objective::Targets;
 pub use precision::{LossScaler, Mixed, Precision, SharedScaler};
-pub use ps::{PsOptions, PsServers};
+pub use ps::{EASGD_PEAK_ALPHA, PsOptions, PsServers};
 pub use render::PlainRenderer;
 pub use speed::{EpochCount, ImagesPerSecond};
 pub use step::{MultiLabel, SingleLabel, Task};

@@ -230,9 +230,9 @@ pub fn optimizer(cfg: &TrainConfig) -> ModuleOptimizer {
     match cfg.optimizer {
         OptimizerKind::Sgd => {
             // PyTorch semantics: no dampening.
-            let momentum = (cfg.momentum > 0.0).then(|| {
+            let momentum = (cfg.momentum() > 0.0).then(|| {
                 MomentumConfig::new()
-                    .with_momentum(cfg.momentum)
+                    .with_momentum(cfg.momentum())
                     .with_dampening(0.0)
                     .with_nesterov(cfg.nesterov)
             });
@@ -249,7 +249,7 @@ pub fn optimizer(cfg: &TrainConfig) -> ModuleOptimizer {
             .with_weight_decay(cfg.weight_decay as f32)
             .init(),
         OptimizerKind::Lars => LarsConfig::new()
-            .with_momentum(cfg.momentum)
+            .with_momentum(cfg.momentum())
             .with_weight_decay(cfg.weight_decay)
             .init(),
     }

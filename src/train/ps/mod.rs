@@ -75,15 +75,24 @@ impl std::str::FromStr for PsServers {
     }
 }
 
+/// EASGD's elastic force α at the schedule's peak rate unless `--rho` is given: a worker and
+/// the centre meet halfway at each exchange. ρ = 5 with `--lr 0.05` (α = 0.25) learned 3 to
+/// 14 points under sync with the other flags at their defaults; α = 0.5 came within about 3
+/// (BENCHMARKS.md, issue 55).
+pub const EASGD_PEAK_ALPHA: f64 = 0.5;
+
 /// Parameter-server settings (`hearth train --ps`).
 #[derive(Debug, Clone)]
 pub struct PsOptions {
     pub servers: PsServers,
     pub mode: Mode,
-    /// Steps between a worker's exchanges with the servers (asynchronous modes).
-    pub window: usize,
-    /// EASGD's ρ: the elastic force is α = lr · ρ.
-    pub rho: f64,
+    /// Steps between a worker's exchanges with the servers (asynchronous modes); `None`: the
+    /// mode's default ([`PsOptions::window`]).
+    pub window: Option<usize>,
+    /// EASGD's ρ: the elastic force is α = lr · ρ (the scheduled rate). `None`: ρ =
+    /// [`EASGD_PEAK_ALPHA`] / the phase's base rate, so that α is 0.5 at the schedule's peak
+    /// whatever `--lr` is.
+    pub rho: Option<f64>,
     /// Most steps a worker may run ahead of the slowest (`--staleness`, SSP).
     pub staleness: Option<u64>,
 }
@@ -93,10 +102,26 @@ impl Default for PsOptions {
         Self {
             servers: PsServers::Dedicated(1),
             mode: Mode::Adag,
-            window: 5,
-            rho: 5.0,
+            window: None,
+            rho: None,
             staleness: None,
         }
+    }
+}
+
+impl PsOptions {
+    /// Steps between a worker's exchanges: `window` where set, else 2 for `downpour` and
+    /// `easgd` and 5 for `adag` and `dynsgd` (1 for `sync`, which exchanges every step).
+    /// Chosen by measurement with every other flag at its default (BENCHMARKS.md, issue 55):
+    /// EASGD's centre, moved only by the elastic pulls, learned 12 points under sync with a
+    /// window of 5 and came level with one of 2; DOWNPOUR gained 2 to 3 points; ADAG, whose
+    /// servers divide each change by the window, lost 7 with 2.
+    pub fn window(&self) -> usize {
+        self.window.unwrap_or(match self.mode {
+            Mode::Sync => 1,
+            Mode::Downpour | Mode::Easgd => 2,
+            Mode::Adag | Mode::DynSgd => 5,
+        })
     }
 }
 
@@ -222,7 +247,7 @@ impl ServerSetup {
 /// The servers' settings from the run's, once the lead's [`ServerSetup`] is known.
 fn server_config(cfg: &TrainConfig, opts: &PsOptions, setup: ServerSetup) -> Result<ServerConfig> {
     let mut s = ServerConfig::new(opts.mode);
-    s.window = opts.window;
+    s.window = opts.window();
     s.optimizer =
         super::flat::flat_optimizer(cfg, setup.lr, setup.batches_per_epoch as usize, setup.decay)?;
     s.max_staleness = opts.staleness;
