@@ -155,7 +155,7 @@ fn patience_stops_every_asynchronous_worker_and_exports_the_best_epoch() {
 fn sync_servers_train_like_data_parallel_with_the_default_flags() {
     // Defaults included: SGD with momentum 0.9, weight decay 5e-4 on layer weights, one
     // warmup epoch then cosine decay, light augmentation.
-    sync_servers_equal_data_parallel(&[], false);
+    sync_servers_equal_data_parallel(&[], false, 1);
 }
 
 #[test]
@@ -164,6 +164,7 @@ fn sync_servers_accumulate_gradients_like_data_parallel() {
     sync_servers_equal_data_parallel(
         &["--grad-accum", "3", "--optimizer", "adam", "--lr", "0.002"],
         false,
+        1,
     );
 }
 
@@ -180,6 +181,9 @@ fn sync_servers_fine_tune_after_a_frozen_phase_like_data_parallel() {
             "0.005",
         ],
         false,
+        // Two servers: each session's rounds agreed between them, and none of the first
+        // session's messages read in the second.
+        2,
     );
 }
 
@@ -248,13 +252,13 @@ fn a_servers_state_resumes_on_another_number_of_servers() {
 #[test]
 fn sync_servers_train_multi_label_sets_like_data_parallel() {
     // Binary cross-entropy per label, the Hamming score, the lead's AUROC and auroc.csv.
-    sync_servers_equal_data_parallel(&["--optimizer", "adamw", "--lr", "0.002"], true);
+    sync_servers_equal_data_parallel(&["--optimizer", "adamw", "--lr", "0.002"], true, 1);
 }
 
 /// `--ps 1 --mode sync` on 2 workers and `--nproc 2` with the same `flags` train the same
 /// curves and export the same model. A model without batch norm or dropout, so the two runs
 /// compute the same thing. `multi_label`: on a multi-label CSV over the same images.
-fn sync_servers_equal_data_parallel(flags: &[&str], multi_label: bool) {
+fn sync_servers_equal_data_parallel(flags: &[&str], multi_label: bool, servers: usize) {
     let dir = tempfile::tempdir().unwrap();
     let data = elastic_data(dir.path());
     let labels = common::multi_label_csv(&data);
@@ -282,8 +286,9 @@ fn sync_servers_equal_data_parallel(flags: &[&str], multi_label: bool) {
     let ok = ddp.wait(300);
     assert!(ok.iter().all(|&o| o), "{}", ddp.all_logs());
     let ps_run = dir.path().join("ps");
-    let args = ["--ps", "1", "--mode", "sync"];
-    let mut ps = Job::spawn(dir.path(), &data, &ps_run, 3, &base, &args, &[]);
+    let n = servers.to_string();
+    let args = ["--ps", &n, "--mode", "sync"];
+    let mut ps = Job::spawn(dir.path(), &data, &ps_run, 2 + servers, &base, &args, &[]);
     let ok = ps.wait(300);
     assert!(ok.iter().all(|&o| o), "{}", ps.all_logs());
     let (a, b) = (metrics(&ddp_run), metrics(&ps_run));

@@ -7,7 +7,7 @@
 use burn_dist::elastic::join::Reply as JoinReply;
 use burn_dist::elastic::reform::Announcement;
 use burn_dist::fuzz::{Rng, inputs};
-use burn_dist::ps::message::{Op, Reply, Request, ShardState};
+use burn_dist::ps::message::{Op, Reply, Request, RoundSet, ShardState};
 use burn_dist::wire::{Header, Kind, decode_frame, encode_frame};
 
 fn count() -> usize {
@@ -87,6 +87,23 @@ fn parameter_server_requests_replies_and_states() {
     fuzz("ps reply", 3, replies, |b| Reply::decode(b, 2).is_ok());
     fuzz("shard state", 4, vec![state.encode()], |b| {
         ShardState::decode(b, None).is_ok()
+    });
+    let sets = vec![
+        RoundSet {
+            round: 7,
+            workers: vec![0, 2],
+            last: false,
+        }
+        .encode(),
+        RoundSet {
+            round: 7,
+            workers: Vec::new(),
+            last: true,
+        }
+        .encode(),
+    ];
+    fuzz("sync round set", 9, sets, |b| {
+        RoundSet::decode(b, 4).is_ok()
     });
 }
 

@@ -6,12 +6,13 @@
 
 use std::sync::Arc;
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use burn_dist::collective::{Communicator, ReduceOp};
 use burn_dist::flat::layout::Layout;
 use burn_dist::flat::optim::ShardOptimizer;
 use burn_dist::ps::client::{Client, PsWorker};
+use burn_dist::ps::message::{Op, REPLY, REQUEST, Reply, Request};
 use burn_dist::ps::server::{ServerConfig, ServerReport, serve};
 use burn_dist::ps::{Mode, rules};
 use burn_dist::transport::Transport;
@@ -116,6 +117,9 @@ fn run_scheduled(
 ) -> Vec<ServerReport> {
     let skips = skips.to_vec();
     let turns: Option<Turns> = lockstep.then(Default::default);
+    // The servers are ranks 0..servers: sync rounds agreed across them, as a job does.
+    let mut cfg = cfg;
+    cfg.peers = (0..servers).collect();
     let layout = layout(servers);
     let mut ranks: Vec<Arc<dyn Transport>> = MemoryTransport::mesh(servers + workers)
         .into_iter()
@@ -391,6 +395,83 @@ fn a_dead_server_is_an_error_naming_its_shard() {
     );
     assert!(err.contains("killed by the test"), "{err}");
     get(server, "server 0").unwrap();
+}
+
+/// Issue 55: a sync worker lost after its gradient reached one shard and before the other
+/// is left out of the round on both, so the shards hold the same update. Worker 1 pushes
+/// 10s to shard 0 only; worker 0 pushes 1s to both; worker 1 dies once shard 0 has had the
+/// time to close the round (a real transport notices a death seconds later). Without the
+/// servers' agreement shard 0 applied the mean of both (-5.5) and shard 1 only worker 0's
+/// (-1).
+#[test]
+fn a_sync_round_is_all_or_nothing_across_shards_when_a_worker_dies_mid_push() {
+    let mut ranks = MemoryTransport::mesh(4).into_iter();
+    let (w0, w1) = (ranks.next().unwrap(), ranks.next().unwrap());
+    let servers: Vec<_> = ranks
+        .enumerate()
+        .map(|(s, t)| {
+            let mut cfg = ServerConfig::new(Mode::Sync);
+            cfg.optimizer = ShardOptimizer::sgd(1.0, 0.0);
+            cfg.peers = vec![2, 3];
+            cfg.idle_timeout = Duration::from_secs(20);
+            bounded(move || {
+                serve(&t, &cfg, vec![0.0; 2], &[0, 1], &mut |l| {
+                    eprintln!("server {s}: {l}")
+                })
+            })
+        })
+        .collect();
+    let push = |v: f32| {
+        Request {
+            op: Op::PushGrad,
+            clock: 1,
+            version: 0,
+            samples: 1,
+            values: vec![v; 2],
+            cut: Vec::new(),
+        }
+        .encode()
+    };
+    // Worker 0 outlives worker 1 (as a worker's client accepts another worker's loss).
+    w0.accept_losses();
+    w1.send(2, Kind::Ps, REQUEST, push(10.0)).unwrap();
+    w0.send(2, Kind::Ps, REQUEST, push(1.0)).unwrap();
+    w0.send(3, Kind::Ps, REQUEST, push(1.0)).unwrap();
+    // Shard 0 holds both gradients; without an agreement it answers at once.
+    let soon = Instant::now() + Duration::from_millis(500);
+    let early = w0.recv(2, Kind::Ps, REPLY, soon).ok();
+    w1.kill("killed between its pushes to shard 0 and shard 1");
+    let later = Instant::now() + Duration::from_secs(20);
+    let mut values = Vec::new();
+    for (shard, early) in [(2, early), (3, None)] {
+        let bytes = early.unwrap_or_else(|| w0.recv(shard, Kind::Ps, REPLY, later).unwrap());
+        match Reply::decode(&bytes, 2).unwrap() {
+            Reply::Values { values: v, .. } => values.extend(v),
+            other => panic!("shard rank {shard} answered {other:?}"),
+        }
+    }
+    let done = Request {
+        op: Op::Done,
+        clock: 1,
+        version: 1,
+        samples: 0,
+        values: Vec::new(),
+        cut: Vec::new(),
+    };
+    for shard in [2, 3] {
+        w0.send(shard, Kind::Ps, REQUEST, done.encode()).unwrap();
+    }
+    assert_eq!(values, vec![-1.0; 4], "worker 0's values after the round");
+    let reports: Vec<ServerReport> = servers
+        .into_iter()
+        .map(|s| get(s, "a server").unwrap())
+        .collect();
+    assert_eq!(joined(&reports), vec![-1.0; 4]);
+    for r in &reports {
+        assert_eq!(r.version, 1);
+        assert_eq!(r.dropped.len(), 1, "{:?}", r.dropped);
+        assert_eq!(r.dropped[0].0, 1);
+    }
 }
 
 #[test]

@@ -13,6 +13,12 @@ pub const REPLY: u64 = 2;
 pub const INIT: u64 = 3;
 /// A server gives the lead worker its shard's final state once every worker is done.
 pub const FINAL: u64 = 4;
+/// Sync, between servers: a server's round is ready, with the workers whose gradients it
+/// holds, or its session is over ([`RoundSet::last`]) ([`RoundSet`], to the first server).
+pub const ROUND_READY: u64 = 5;
+/// Sync, between servers: the workers whose gradients every shard holds, which each applies
+/// ([`RoundSet`], from the first server).
+pub const ROUND_COMMIT: u64 = 6;
 /// The first tag the parameter servers do not use.
 pub const APP_TAGS: u64 = 100;
 
@@ -111,6 +117,70 @@ impl Request {
             samples,
             values,
             cut,
+        })
+    }
+}
+
+/// A synchronous round's number (the shards' version) and a set of worker ranks: what a server
+/// holds ([`ROUND_READY`]) or what every server applies ([`ROUND_COMMIT`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoundSet {
+    pub round: u64,
+    pub workers: Vec<u64>,
+    /// The sender's session is over (it has no live worker left): it holds nothing now and
+    /// sends nothing more.
+    pub last: bool,
+}
+
+impl RoundSet {
+    /// Little-endian `u64`s: the round, whether it is the last (0 or 1), the number of
+    /// workers, the workers.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default()
+            .u64(self.round)
+            .u64(self.last as u64)
+            .u64(self.workers.len() as u64);
+        for &r in &self.workers {
+            w = w.u64(r);
+        }
+        w.bytes
+    }
+
+    /// A set whose workers are distinct ranks below `world`; anything else is an error
+    /// naming it.
+    pub fn decode(b: &[u8], world: usize) -> Result<Self> {
+        let mut r = Reader::new(b);
+        let round = r.u64()?;
+        let last = match r.u64()? {
+            0 => false,
+            1 => true,
+            other => {
+                return Err(DistError::Config(format!(
+                    "a round's set with a last flag of {other}"
+                )));
+            }
+        };
+        let n = r.u64()?;
+        if n > world as u64 {
+            return Err(DistError::Config(format!(
+                "a round's set of {n} workers in a job of {world} ranks"
+            )));
+        }
+        let mut workers = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            let w = r.u64()?;
+            if w >= world as u64 || workers.contains(&w) {
+                return Err(DistError::Config(format!(
+                    "worker rank {w} in a round's set (job of {world} ranks, or named twice)"
+                )));
+            }
+            workers.push(w);
+        }
+        r.finish()?;
+        Ok(Self {
+            round,
+            workers,
+            last,
         })
     }
 }

@@ -1,8 +1,12 @@
 //! One parameter server: a shard's values, their optimizer state and version, answering its
 //! workers in whatever order they ask ([`Transport::recv_any`]).
 //!
-//! - `sync`: a round closes when every live worker pushed its gradient; the server then takes
-//!   one step of its optimizer ([`crate::flat::optim`]: SGD, Adam or AdamW, weight decay, the
+//! - `sync`: a round closes when every live worker pushed its gradient. With several servers
+//!   ([`ServerConfig::peers`]) the round is all or nothing across shards: each server tells
+//!   the first which workers' gradients it holds ([`ROUND_READY`]), and every server applies
+//!   the gradients of the workers that reached every shard ([`ROUND_COMMIT`]). A worker lost
+//!   after pushing to some shards and not others is left out of the round on all of them, and
+//!   dropped. The server then takes one step of its optimizer ([`crate::flat::optim`]: SGD, Adam or AdamW, weight decay, the
 //!   learning rate by the round's number) on the weighted mean and answers everyone with the
 //!   new values.
 //!   It counts, per worker, how often and how long the round waited for it last.
@@ -21,7 +25,10 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::Mode;
-use super::message::{FINAL, INIT, Op, REPLY, REQUEST, Reply, Request, ShardState};
+use super::message::{
+    FINAL, INIT, Op, REPLY, REQUEST, ROUND_COMMIT, ROUND_READY, Reply, Request, RoundSet,
+    ShardState,
+};
 use super::rules;
 use crate::flat::optim::ShardOptimizer;
 use crate::transport::Transport;
@@ -41,6 +48,9 @@ pub struct ServerConfig {
     pub max_staleness: Option<u64>,
     /// A server with no request for this long stops with an error (default 600 s).
     pub idle_timeout: Duration,
+    /// Every server of the job, in shard order, this one included (sync: the first agrees
+    /// each round's set of gradients with the others). Empty or one: no agreement.
+    pub peers: Vec<usize>,
 }
 
 impl ServerConfig {
@@ -51,6 +61,7 @@ impl ServerConfig {
             optimizer: ShardOptimizer::sgd(0.01, 0.0),
             max_staleness: None,
             idle_timeout: Duration::from_secs(600),
+            peers: Vec::new(),
         }
     }
 }
@@ -100,6 +111,10 @@ struct Server<'a> {
     owed: bool,
     queue: VecDeque<(usize, Request)>,
     report: ServerReport,
+    /// What stops this server (a peer server lost, or a round the servers disagree on).
+    failure: Option<DistError>,
+    /// Sync, the first server: the servers whose session is over (they hold nothing more).
+    departed: Vec<usize>,
 }
 
 /// Serves `values` (this server's shard) to `workers` until every one is done or dropped.
@@ -180,6 +195,8 @@ pub fn serve_state(
         owed: false,
         queue: VecDeque::new(),
         report: ServerReport::default(),
+        failure: None,
+        departed: Vec::new(),
     };
     while !s.live.is_empty() {
         let deadline = Instant::now() + cfg.idle_timeout;
@@ -188,7 +205,7 @@ pub fn serve_state(
                 s.report.bytes_in += bytes.len() as u64;
                 match Request::decode(&bytes, s.values.len()) {
                     Ok(req) => {
-                        if let Err(why) = s.handle(from, req) {
+                        if let Err(why) = s.handle(from, req, log) {
                             s.refuse(from, why, log);
                         }
                     }
@@ -199,12 +216,18 @@ pub fn serve_state(
                 log(&format!(
                     "parameter server: worker rank {rank} lost ({reason}); dropped"
                 ));
-                s.drop_worker(rank, reason);
+                s.drop_worker(rank, reason, log);
             }
             Err(e) => return Err(e),
         }
+        if let Some(e) = s.failure.take() {
+            return Err(e);
+        }
         s.release_held();
         s.settle_cut();
+    }
+    if cfg.mode == Mode::Sync {
+        s.leave(log)?;
     }
     s.report.values = std::mem::take(&mut s.values);
     s.report.version = s.version;
@@ -215,14 +238,19 @@ pub fn serve_state(
 }
 
 impl Server<'_> {
-    fn handle(&mut self, from: usize, req: Request) -> std::result::Result<(), String> {
+    fn handle(
+        &mut self,
+        from: usize,
+        req: Request,
+        log: &mut dyn FnMut(&str),
+    ) -> std::result::Result<(), String> {
         let sync = self.cfg.mode == Mode::Sync;
         match req.op {
             Op::Pull => {
                 self.clocks.insert(from, req.clock);
                 self.answer_or_hold(from);
             }
-            Op::Done => self.drop_worker(from, String::new()),
+            Op::Done => self.drop_worker(from, String::new(), log),
             Op::Freeze => {
                 if self.freezer.is_some_and(|f| f != from) {
                     return Err("a checkpoint is already under way".into());
@@ -272,7 +300,7 @@ impl Server<'_> {
                         at: Instant::now(),
                     },
                 );
-                self.close_round();
+                self.close_round(log);
             }
             Op::PushDelta if !sync => self.apply_delta(from, &req),
             op => {
@@ -359,9 +387,38 @@ impl Server<'_> {
     }
 
     /// Sync: once every live worker pushed, one optimizer step on the weighted mean (the
-    /// round's number, the version, picks the learning rate).
-    fn close_round(&mut self) {
-        if self.pending.is_empty() || !self.live.iter().all(|w| self.pending.contains_key(w)) {
+    /// round's number, the version, picks the learning rate) of the gradients every shard
+    /// holds ([`Self::agree`]).
+    fn close_round(&mut self, log: &mut dyn FnMut(&str)) {
+        if self.failure.is_some()
+            || self.pending.is_empty()
+            || !self.live.iter().all(|w| self.pending.contains_key(w))
+        {
+            return;
+        }
+        let agreed = match self.agree() {
+            Ok(agreed) => agreed,
+            Err(e) => {
+                self.failure = Some(e);
+                return;
+            }
+        };
+        let partial: Vec<usize> = self
+            .pending
+            .keys()
+            .copied()
+            .filter(|w| !agreed.contains(w))
+            .collect();
+        for w in partial {
+            let why = "its gradient of this round did not reach every shard (lost on another \
+                       server); left out of the round on every shard"
+                .to_string();
+            log(&format!("parameter server: worker rank {w} dropped: {why}"));
+            self.reply(w, &Reply::Refused(why.clone()));
+            self.forget(w, why);
+        }
+        if self.pending.is_empty() {
+            // Every gradient left out: nothing to apply, and no worker to answer.
             return;
         }
         let first = self.pending.values().map(|p| p.at).min();
@@ -389,6 +446,131 @@ impl Server<'_> {
         for w in done {
             self.answer(w);
         }
+    }
+
+    /// The workers whose gradients of this round every shard holds: with one server, all it
+    /// holds; otherwise the first server gathers each one's set ([`ROUND_READY`]) and sends
+    /// back their intersection ([`ROUND_COMMIT`]). Every server stays in step: a set for
+    /// another round, one naming a worker this shard holds no gradient of, or a lost server is
+    /// an error.
+    fn agree(&mut self) -> Result<Vec<usize>> {
+        let mine: Vec<usize> = self.pending.keys().copied().collect();
+        let peers = &self.cfg.peers;
+        let me = self.t.rank();
+        if peers.len() < 2 {
+            return Ok(mine);
+        }
+        if !peers.contains(&me) {
+            return Err(DistError::Config(format!(
+                "parameter server rank {me} is not among the servers {peers:?}"
+            )));
+        }
+        let first = peers[0];
+        if me == first {
+            let mut agreed = mine;
+            for p in peers[1..].to_vec() {
+                if self.departed.contains(&p) {
+                    // Its session is over: it holds no gradient of this round.
+                    agreed.clear();
+                    continue;
+                }
+                let theirs = self.ready_from(p)?;
+                agreed.retain(|w| theirs.contains(w));
+            }
+            let bytes = self.round_set(&agreed, false).encode();
+            for &p in &peers[1..] {
+                if !self.departed.contains(&p) {
+                    self.t.send(p, Kind::Ps, ROUND_COMMIT, bytes.clone())?;
+                }
+            }
+            Ok(agreed)
+        } else {
+            let ready = self.round_set(&mine, false).encode();
+            self.t.send(first, Kind::Ps, ROUND_READY, ready)?;
+            let deadline = Instant::now() + self.cfg.idle_timeout;
+            let bytes = self.t.recv(first, Kind::Ps, ROUND_COMMIT, deadline)?;
+            let agreed = self.in_step(first, RoundSet::decode(&bytes, self.t.world())?)?;
+            if let Some(w) = agreed.iter().find(|w| !mine.contains(w)) {
+                return Err(DistError::Config(format!(
+                    "the first parameter server (rank {first}) applies worker {w}'s gradient, \
+                     which this shard (rank {me}) does not hold"
+                )));
+            }
+            Ok(agreed)
+        }
+    }
+
+    fn round_set(&self, workers: &[usize], last: bool) -> RoundSet {
+        RoundSet {
+            round: self.version,
+            workers: workers.iter().map(|&w| w as u64).collect(),
+            last,
+        }
+    }
+
+    /// The workers of a set for this round; one for another round is an error.
+    fn in_step(&self, from: usize, s: RoundSet) -> Result<Vec<usize>> {
+        if s.round != self.version {
+            return Err(DistError::Config(format!(
+                "parameter server rank {from} is at synchronous round {}, this one (rank {}) at \
+                 {}: the shards went out of step",
+                s.round,
+                self.t.rank(),
+                self.version
+            )));
+        }
+        Ok(s.workers.iter().map(|&w| w as usize).collect())
+    }
+
+    /// The first server: peer `p`'s next [`ROUND_READY`], its workers (none once its session
+    /// is over, which marks it departed).
+    fn ready_from(&mut self, p: usize) -> Result<Vec<usize>> {
+        let deadline = Instant::now() + self.cfg.idle_timeout;
+        let bytes = self.t.recv(p, Kind::Ps, ROUND_READY, deadline)?;
+        let set = RoundSet::decode(&bytes, self.t.world())?;
+        let last = set.last;
+        let workers = self.in_step(p, set)?;
+        if last {
+            self.departed.push(p);
+            return Ok(Vec::new());
+        }
+        Ok(workers)
+    }
+
+    /// Sync, the session over (no live worker left): with several servers, every message
+    /// between them is consumed before the next session, so none is read in the wrong one.
+    /// Another server says it is done ([`RoundSet::last`]) and leaves; the first answers each
+    /// round still offered with an empty set (it holds no gradient) until every other one has
+    /// said it is done.
+    fn leave(&mut self, log: &mut dyn FnMut(&str)) -> Result<()> {
+        let peers = self.cfg.peers.clone();
+        let me = self.t.rank();
+        if peers.len() < 2 || !peers.contains(&me) {
+            return Ok(());
+        }
+        if me != peers[0] {
+            let done = self.round_set(&[], true).encode();
+            if let Err(e) = self.t.send(peers[0], Kind::Ps, ROUND_READY, done) {
+                log(&format!(
+                    "parameter server: the first server did not hear this one leave: {e}"
+                ));
+            }
+            return Ok(());
+        }
+        for &p in &peers[1..] {
+            while !self.departed.contains(&p) {
+                let theirs = self.ready_from(p)?;
+                if !self.departed.contains(&p) {
+                    log(&format!(
+                        "parameter server: server rank {p} offered a round with workers \
+                         {theirs:?} after every worker left this shard; nothing applied"
+                    ));
+                    let none = self.round_set(&[], false).encode();
+                    self.t.send(p, Kind::Ps, ROUND_COMMIT, none)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     fn slowest(&self) -> u64 {
@@ -435,13 +617,21 @@ impl Server<'_> {
             "parameter server: worker rank {w} refused and dropped: {why}"
         ));
         self.reply(w, &Reply::Refused(why.clone()));
-        self.drop_worker(w, why);
+        self.drop_worker(w, why, log);
     }
 
     /// A worker done (`reason` empty) or lost: it no longer counts for rounds or staleness,
     /// and a gradient it pushed to a round not yet closed is withdrawn (it may not have
-    /// reached every shard).
-    fn drop_worker(&mut self, w: usize, reason: String) {
+    /// reached every shard); sync: the round closes if it waited only for this worker.
+    fn drop_worker(&mut self, w: usize, reason: String, log: &mut dyn FnMut(&str)) {
+        self.forget(w, reason);
+        if self.cfg.mode == Mode::Sync {
+            self.close_round(log);
+        }
+    }
+
+    /// [`Self::drop_worker`] without closing a round.
+    fn forget(&mut self, w: usize, reason: String) {
         self.live.retain(|&x| x != w);
         self.clocks.remove(&w);
         self.held.retain(|&x| x != w);
@@ -453,9 +643,6 @@ impl Server<'_> {
         if !reason.is_empty() {
             self.pending.remove(&w);
             self.report.dropped.push((w, reason));
-        }
-        if self.cfg.mode == Mode::Sync {
-            self.close_round();
         }
     }
 }

@@ -245,12 +245,19 @@ impl ServerSetup {
 }
 
 /// The servers' settings from the run's, once the lead's [`ServerSetup`] is known.
-fn server_config(cfg: &TrainConfig, opts: &PsOptions, setup: ServerSetup) -> Result<ServerConfig> {
+fn server_config(
+    cfg: &TrainConfig,
+    opts: &PsOptions,
+    roles: Roles,
+    setup: ServerSetup,
+) -> Result<ServerConfig> {
     let mut s = ServerConfig::new(opts.mode);
     s.window = opts.window();
     s.optimizer =
         super::flat::flat_optimizer(cfg, setup.lr, setup.batches_per_epoch as usize, setup.decay)?;
     s.max_staleness = opts.staleness;
+    // Sync rounds are all or nothing across the shards: the servers agree each one's set.
+    s.peers = roles.server_ranks();
     s.idle_timeout = super::shared::collective_timeout().max(Duration::from_secs(600));
     Ok(s)
 }
@@ -291,7 +298,7 @@ fn serve(
         // The shard's length is known with its values; the ranges are checked against the
         // largest a shard can be here and again by the optimizer's clipping.
         let setup = ServerSetup::decode(&bytes, usize::MAX)?;
-        let scfg = server_config(cfg, opts, setup)?;
+        let scfg = server_config(cfg, opts, roles, setup)?;
         let report = run_server(t, &scfg, 0, &roles.worker_ranks(), deadline, log)?;
         let mut line = format!(
             "parameter server {shard}: {} values, {} updates, {:.1} MB in, {:.1} MB out, largest lead {} steps",
