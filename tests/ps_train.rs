@@ -481,6 +481,7 @@ fn every_asynchronous_mode_learns_near_sync_with_the_default_flags() {
         .into_iter()
         .map(|m| (m, sync - best(m)))
         .collect();
+    eprintln!("points under sync's best {sync:.1}%: {gaps:?}");
     assert!(
         gaps.iter().all(|&(_, gap)| gap < 20.0),
         "points under sync's best {sync:.1}%: {gaps:?}"

@@ -36,6 +36,7 @@
 //! assert!(report.values.iter().all(|v| (v - 1.0).abs() < 0.2), "{:?}", report.values);
 //! ```
 
+mod agreement;
 pub mod client;
 pub mod message;
 pub mod rules;

@@ -2,11 +2,10 @@
 //! workers in whatever order they ask ([`Transport::recv_any`]).
 //!
 //! - `sync`: a round closes when every live worker pushed its gradient. With several servers
-//!   ([`ServerConfig::peers`]) the round is all or nothing across shards: each server tells
-//!   the first which workers' gradients it holds ([`ROUND_READY`]), and every server applies
-//!   the gradients of the workers that reached every shard ([`ROUND_COMMIT`]). A worker lost
-//!   after pushing to some shards and not others is left out of the round on all of them, and
-//!   dropped. The server then takes one step of its optimizer ([`crate::flat::optim`]: SGD, Adam or AdamW, weight decay, the
+//!   ([`ServerConfig::peers`]) the round is all or nothing across shards
+//!   ([`super::agreement`]): every server applies the gradients of the workers that reached
+//!   every shard; a worker lost after pushing to some shards and not others is left out of the
+//!   round on all of them, and dropped. The server then takes one step of its optimizer ([`crate::flat::optim`]: SGD, Adam or AdamW, weight decay, the
 //!   learning rate by the round's number) on the weighted mean and answers everyone with the
 //!   new values.
 //!   It counts, per worker, how often and how long the round waited for it last.
@@ -25,10 +24,8 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::Mode;
-use super::message::{
-    FINAL, INIT, Op, REPLY, REQUEST, ROUND_COMMIT, ROUND_READY, Reply, Request, RoundSet,
-    ShardState,
-};
+use super::agreement::Agreement;
+use super::message::{FINAL, INIT, Op, REPLY, REQUEST, Reply, Request, ShardState};
 use super::rules;
 use crate::flat::optim::ShardOptimizer;
 use crate::transport::Transport;
@@ -113,8 +110,8 @@ struct Server<'a> {
     report: ServerReport,
     /// What stops this server (a peer server lost, or a round the servers disagree on).
     failure: Option<DistError>,
-    /// Sync, the first server: the servers whose session is over (they hold nothing more).
-    departed: Vec<usize>,
+    /// Sync: each round's set of gradients agreed with the other servers.
+    agreement: Agreement<'a>,
 }
 
 /// Serves `values` (this server's shard) to `workers` until every one is done or dropped.
@@ -196,7 +193,7 @@ pub fn serve_state(
         queue: VecDeque::new(),
         report: ServerReport::default(),
         failure: None,
-        departed: Vec::new(),
+        agreement: Agreement::new(t, cfg.peers.clone(), cfg.idle_timeout),
     };
     while !s.live.is_empty() {
         let deadline = Instant::now() + cfg.idle_timeout;
@@ -227,7 +224,7 @@ pub fn serve_state(
         s.settle_cut();
     }
     if cfg.mode == Mode::Sync {
-        s.leave(log)?;
+        s.agreement.leave(s.version, log)?;
     }
     s.report.values = std::mem::take(&mut s.values);
     s.report.version = s.version;
@@ -388,7 +385,7 @@ impl Server<'_> {
 
     /// Sync: once every live worker pushed, one optimizer step on the weighted mean (the
     /// round's number, the version, picks the learning rate) of the gradients every shard
-    /// holds ([`Self::agree`]).
+    /// holds ([`Agreement::round`]).
     fn close_round(&mut self, log: &mut dyn FnMut(&str)) {
         if self.failure.is_some()
             || self.pending.is_empty()
@@ -396,7 +393,8 @@ impl Server<'_> {
         {
             return;
         }
-        let agreed = match self.agree() {
+        let mine: Vec<usize> = self.pending.keys().copied().collect();
+        let agreed = match self.agreement.round(self.version, mine) {
             Ok(agreed) => agreed,
             Err(e) => {
                 self.failure = Some(e);
@@ -446,131 +444,6 @@ impl Server<'_> {
         for w in done {
             self.answer(w);
         }
-    }
-
-    /// The workers whose gradients of this round every shard holds: with one server, all it
-    /// holds; otherwise the first server gathers each one's set ([`ROUND_READY`]) and sends
-    /// back their intersection ([`ROUND_COMMIT`]). Every server stays in step: a set for
-    /// another round, one naming a worker this shard holds no gradient of, or a lost server is
-    /// an error.
-    fn agree(&mut self) -> Result<Vec<usize>> {
-        let mine: Vec<usize> = self.pending.keys().copied().collect();
-        let peers = &self.cfg.peers;
-        let me = self.t.rank();
-        if peers.len() < 2 {
-            return Ok(mine);
-        }
-        if !peers.contains(&me) {
-            return Err(DistError::Config(format!(
-                "parameter server rank {me} is not among the servers {peers:?}"
-            )));
-        }
-        let first = peers[0];
-        if me == first {
-            let mut agreed = mine;
-            for p in peers[1..].to_vec() {
-                if self.departed.contains(&p) {
-                    // Its session is over: it holds no gradient of this round.
-                    agreed.clear();
-                    continue;
-                }
-                let theirs = self.ready_from(p)?;
-                agreed.retain(|w| theirs.contains(w));
-            }
-            let bytes = self.round_set(&agreed, false).encode();
-            for &p in &peers[1..] {
-                if !self.departed.contains(&p) {
-                    self.t.send(p, Kind::Ps, ROUND_COMMIT, bytes.clone())?;
-                }
-            }
-            Ok(agreed)
-        } else {
-            let ready = self.round_set(&mine, false).encode();
-            self.t.send(first, Kind::Ps, ROUND_READY, ready)?;
-            let deadline = Instant::now() + self.cfg.idle_timeout;
-            let bytes = self.t.recv(first, Kind::Ps, ROUND_COMMIT, deadline)?;
-            let agreed = self.in_step(first, RoundSet::decode(&bytes, self.t.world())?)?;
-            if let Some(w) = agreed.iter().find(|w| !mine.contains(w)) {
-                return Err(DistError::Config(format!(
-                    "the first parameter server (rank {first}) applies worker {w}'s gradient, \
-                     which this shard (rank {me}) does not hold"
-                )));
-            }
-            Ok(agreed)
-        }
-    }
-
-    fn round_set(&self, workers: &[usize], last: bool) -> RoundSet {
-        RoundSet {
-            round: self.version,
-            workers: workers.iter().map(|&w| w as u64).collect(),
-            last,
-        }
-    }
-
-    /// The workers of a set for this round; one for another round is an error.
-    fn in_step(&self, from: usize, s: RoundSet) -> Result<Vec<usize>> {
-        if s.round != self.version {
-            return Err(DistError::Config(format!(
-                "parameter server rank {from} is at synchronous round {}, this one (rank {}) at \
-                 {}: the shards went out of step",
-                s.round,
-                self.t.rank(),
-                self.version
-            )));
-        }
-        Ok(s.workers.iter().map(|&w| w as usize).collect())
-    }
-
-    /// The first server: peer `p`'s next [`ROUND_READY`], its workers (none once its session
-    /// is over, which marks it departed).
-    fn ready_from(&mut self, p: usize) -> Result<Vec<usize>> {
-        let deadline = Instant::now() + self.cfg.idle_timeout;
-        let bytes = self.t.recv(p, Kind::Ps, ROUND_READY, deadline)?;
-        let set = RoundSet::decode(&bytes, self.t.world())?;
-        let last = set.last;
-        let workers = self.in_step(p, set)?;
-        if last {
-            self.departed.push(p);
-            return Ok(Vec::new());
-        }
-        Ok(workers)
-    }
-
-    /// Sync, the session over (no live worker left): with several servers, every message
-    /// between them is consumed before the next session, so none is read in the wrong one.
-    /// Another server says it is done ([`RoundSet::last`]) and leaves; the first answers each
-    /// round still offered with an empty set (it holds no gradient) until every other one has
-    /// said it is done.
-    fn leave(&mut self, log: &mut dyn FnMut(&str)) -> Result<()> {
-        let peers = self.cfg.peers.clone();
-        let me = self.t.rank();
-        if peers.len() < 2 || !peers.contains(&me) {
-            return Ok(());
-        }
-        if me != peers[0] {
-            let done = self.round_set(&[], true).encode();
-            if let Err(e) = self.t.send(peers[0], Kind::Ps, ROUND_READY, done) {
-                log(&format!(
-                    "parameter server: the first server did not hear this one leave: {e}"
-                ));
-            }
-            return Ok(());
-        }
-        for &p in &peers[1..] {
-            while !self.departed.contains(&p) {
-                let theirs = self.ready_from(p)?;
-                if !self.departed.contains(&p) {
-                    log(&format!(
-                        "parameter server: server rank {p} offered a round with workers \
-                         {theirs:?} after every worker left this shard; nothing applied"
-                    ));
-                    let none = self.round_set(&[], false).encode();
-                    self.t.send(p, Kind::Ps, ROUND_COMMIT, none)?;
-                }
-            }
-        }
-        Ok(())
     }
 
     fn slowest(&self) -> u64 {

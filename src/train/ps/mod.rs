@@ -123,6 +123,45 @@ impl PsOptions {
             Mode::Adag | Mode::DynSgd => 5,
         })
     }
+
+    /// EASGD's ρ in a phase whose base (peak) rate is `lr`: `rho` where set, else
+    /// [`EASGD_PEAK_ALPHA`] / `lr`.
+    pub fn rho_at(&self, lr: f64) -> f64 {
+        self.rho.unwrap_or(EASGD_PEAK_ALPHA / lr)
+    }
+
+    /// The lead's start line: the servers, the workers and the settings this mode takes (the
+    /// asynchronous modes' defaults differ by mode, so it says which).
+    pub(crate) fn describe(&self, cfg: &TrainConfig, roles: Roles, lr: f64) -> String {
+        let local = match (self.mode, cfg.optimizer) {
+            (Mode::Sync, _) => String::new(),
+            (_, super::OptimizerKind::Sgd) => format!(", local SGD momentum {}", cfg.momentum()),
+            _ => String::new(),
+        };
+        let elastic = match self.mode {
+            Mode::Easgd => {
+                let rho = self.rho_at(lr);
+                format!(", rho {rho} (alpha {} at the peak)", rho * lr)
+            }
+            _ => String::new(),
+        };
+        let staleness = self
+            .staleness
+            .map(|s| format!(", staleness bound {s}"))
+            .unwrap_or_default();
+        format!(
+            "parameter servers: {} {}, {} workers, mode {}, window {}, lr {lr}{local}{elastic}{staleness}",
+            roles.servers,
+            if roles.colocated {
+                "colocated"
+            } else {
+                "dedicated"
+            },
+            roles.workers,
+            self.mode,
+            self.window(),
+        )
+    }
 }
 
 /// Who does what in a job of `world` launched ranks.

@@ -83,39 +83,7 @@ pub(super) fn train<R: Recipe>(
     let log: &mut dyn FnMut(&str) = if rank == 0 { log } else { &mut quiet };
     if rank == 0 {
         run_dir::start(cfg, log)?;
-        use burn_dist::ps::Mode;
-        // The asynchronous modes' defaults differ by mode: say what this run takes.
-        let local = match (opts.mode, cfg.optimizer) {
-            (Mode::Sync, _) => String::new(),
-            (_, crate::train::OptimizerKind::Sgd) => {
-                format!(", local SGD momentum {}", cfg.momentum())
-            }
-            _ => String::new(),
-        };
-        let elastic = match (opts.mode, opts.rho) {
-            (Mode::Easgd, Some(rho)) => format!(", rho {rho} (alpha {} at the peak)", rho * lr),
-            (Mode::Easgd, None) => format!(
-                ", rho {} (alpha {} at the peak)",
-                super::EASGD_PEAK_ALPHA / lr,
-                super::EASGD_PEAK_ALPHA
-            ),
-            _ => String::new(),
-        };
-        log(&format!(
-            "parameter servers: {} {}, {} workers, mode {}, window {}, lr {lr}{local}{elastic}{}",
-            roles.servers,
-            if roles.colocated {
-                "colocated"
-            } else {
-                "dedicated"
-            },
-            roles.workers,
-            opts.mode,
-            opts.window(),
-            opts.staleness
-                .map(|s| format!(", staleness bound {s}"))
-                .unwrap_or_default()
-        ));
+        log(&opts.describe(cfg, roles, lr));
     }
     let group = Group::new(t.clone(), roles.worker_ranks(), 2)?;
     let comm = Communicator::new(Arc::new(group)).with_timeout(collective_timeout());
@@ -412,7 +380,7 @@ impl<T: Trainee> Worker<'_, T> {
             self.opts.mode,
             self.opts.window(),
             lr as f32,
-            self.opts.rho.unwrap_or(super::EASGD_PEAK_ALPHA / lr) as f32,
+            self.opts.rho_at(lr) as f32,
         )?;
         let ps = ps.with_optimizer(local).resumed_at(steps);
         self.model = with_trainable_values(self.model.clone(), &params)?;
