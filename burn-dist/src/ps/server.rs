@@ -3,9 +3,10 @@
 //!
 //! - `sync`: a round closes when every live worker pushed its gradient. With several servers
 //!   ([`ServerConfig::peers`]) the round is all or nothing across shards
-//!   ([`super::agreement`]): every server applies the gradients of the workers that reached
+//!   (`ps/agreement.rs`): every server applies the gradients of the workers that reached
 //!   every shard; a worker lost after pushing to some shards and not others is left out of the
-//!   round on all of them, and dropped. The server then takes one step of its optimizer ([`crate::flat::optim`]: SGD, Adam or AdamW, weight decay, the
+//!   round on all of them, and dropped. The server then takes one step of its optimizer
+//!   ([`crate::flat::optim`]: SGD, Adam or AdamW, weight decay, the
 //!   learning rate by the round's number) on the weighted mean and answers everyone with the
 //!   new values.
 //!   It counts, per worker, how often and how long the round waited for it last.
