@@ -1,6 +1,8 @@
 //! `hearth tune`: tuning as a deliberate act. A few steps of a model under Burn's autotune (and
 //! one with the kernels chosen by rule, so that their compiled form is kept too), then cubecl's
 //! cache written to a bundle file that `--kernel-bundle` imports on other machines.
+//! `--rules-only` skips autotune: the bundle then holds the compiled kernels that runs with the
+//! default selection use (and whatever else the cache held), made in seconds.
 
 use std::path::PathBuf;
 
@@ -37,6 +39,11 @@ pub(crate) struct TuneArgs {
     /// The bundle's name (default: the model, batch and device).
     #[arg(long)]
     name: Option<String>,
+    /// Only the steps with the kernels chosen by rule (the default `--autotune off`): the bundle
+    /// holds their compiled kernels and no autotune decision. Seconds where a full tune takes
+    /// minutes; enough for runs that keep the default selection.
+    #[arg(long)]
+    rules_only: bool,
 }
 
 pub(crate) fn tune(device_name: &str, args: TuneArgs) -> Result<()> {
@@ -59,6 +66,12 @@ pub(crate) fn tune(device_name: &str, args: TuneArgs) -> Result<()> {
         bail!(
             "--out {}: is a folder; give a file name",
             args.out.display()
+        );
+    }
+    if args.rules_only && hearth::kernels::select::selection() == Selection::Autotune {
+        bail!(
+            "--rules-only compiles only the kernels chosen by rule, but --autotune full (or \
+             HEARTH_AUTOTUNE=full) asks for autotune: drop one of them"
         );
     }
     let device = hearth::device::select(device_name)?;
@@ -90,10 +103,12 @@ pub(crate) fn tune(device_name: &str, args: TuneArgs) -> Result<()> {
         Selection::Rules,
         "kernels chosen by rule (compiled and kept)",
     )?;
-    run(
-        Selection::Autotune,
-        "--autotune full (every candidate kernel of each new shape compiled and timed)",
-    )?;
+    if !args.rules_only {
+        run(
+            Selection::Autotune,
+            "--autotune full (every candidate kernel of each new shape compiled and timed)",
+        )?;
+    }
     let name = args.name.clone().unwrap_or_else(|| {
         format!(
             "{arch} {:?} batch {} {}px {} on {device_name}",
@@ -102,8 +117,9 @@ pub(crate) fn tune(device_name: &str, args: TuneArgs) -> Result<()> {
     });
     println!("{}", hearth::gpu::export_bundle(&args.out, &name)?);
     println!(
-        "use it with: hearth --device {device_name} --kernel-bundle {} [--autotune full] train ...",
-        args.out.display()
+        "use it with: hearth --device {device_name} --kernel-bundle {}{} train ...",
+        args.out.display(),
+        if args.rules_only { "" } else { " [--autotune full]" }
     );
     Ok(())
 }
