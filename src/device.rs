@@ -339,8 +339,10 @@ impl DeviceSpec {
                     format!(
                         "this machine has no discrete GPU {index} for {} (an index counts the \
                          discrete GPUs from 0); --device {} without an index takes its default \
-                         adapter, which works; `hearth devices` lists the devices",
-                        self.choice, self.choice
+                         adapter, which works; `hearth devices` lists the devices. The ranks of \
+                         a job take the GPU of their local rank unless the device names one: \
+                         --device {}:0 puts them all on GPU 0",
+                        self.choice, self.choice, self.choice
                     )
                 } else {
                     missing_driver(self.choice).unwrap_or_else(|| first_line(&msg))
