@@ -1,77 +1,69 @@
 #!/usr/bin/env bash
-# GPU check on a machine with an NVIDIA GPU, PyTorch and no Rust toolchain: runs binaries built
-# elsewhere and produces BENCHMARKS.md's whole "GPU" table in one call. Build them here with
-# CUDA (NVRTC kernels) and Vulkan:
+# GPU check on a machine with an NVIDIA GPU, PyTorch and no Rust toolchain: runs the `hearth`
+# binary built elsewhere and produces BENCHMARKS.md's GPU table (issue 54) in one call, within a
+# time budget. Build it here (NVRTC kernels; CUDA 13's driver API names):
 #
 #   bash scripts/install_llvm.sh      # once: the LLVM cubecl-cuda links, from PyPI
-#   cargo build --release --features cuda,vulkan --bin hearth --test parity --bench models
-#   mkdir -p .gpu && cp target/release/hearth .gpu/ \
-#     && cp "$(ls -t target/release/deps/parity-* | grep -v '\.d$' | head -1)" .gpu/parity \
-#     && cp "$(ls -t target/release/deps/models-* | grep -v '\.d$' | head -1)" .gpu/models
-#   strip .gpu/* && xz -T2 .gpu/*     # this script unpacks .gpu/*.xz first
-#   bash scripts/gpu_check.sh [.gpu] [OUT_DIR]
+#   CUDARC_CUDA_VERSION=13000 CARGO_PROFILE_RELEASE_DEBUG=false CARGO_PROFILE_RELEASE_STRIP=true \
+#     cargo build --release --features cuda --bin hearth
+#   mkdir -p .gpu && cp target/release/hearth .gpu/ && xz -T2 -f .gpu/hearth
+#   bash scripts/gpu_check.sh [.gpu] [OUT_DIR]      # this script unpacks .gpu/*.xz first
 #
-# With CUDA each binary links LLVM: about 220 MB stripped, 53 MB xz-compressed, so the three do
-# not fit the device tool's 64 MiB carry together. Carry one per call and name its step group:
-# HEARTH_GPU_ONLY=parity (parity), =bench (models; hearth too if it fits, for the autotune
-# table), =train (hearth).
-#
-# To compare cubecl's two CUDA kernel compilers, build a second `hearth` and `models` with
-# `--features cuda-ptx,vulkan` (LLVM's PTX back end instead of NVRTC) into another folder and run
-# the bench step on each.
+# One binary does everything: `hearth bench model` times Hearth, and the PyTorch peer
+# (benches/peer/torch_models.py) runs beside it on the same GPU in the same call, so the
+# `models` bench binary need not be carried (with CUDA each binary links LLVM: about 200 MB
+# stripped, 50 MB xz-compressed, and a device call carries at most 64 MiB).
 #
 # Kernels: by default Hearth's convolutions and linear layers take the kernels chosen by rule
 # (`hearth_kernels::select`, no autotune); HEARTH_GPU_AUTOTUNE=full runs every step under
-# `--autotune full` instead (Burn's autotune), to compare the two on the same GPU.
+# `--autotune full` (Burn's autotune) instead, to compare the two on the same GPU.
 #
-# Steps (each bounded by HEARTH_STEP_TIMEOUT s, default 600; a failed step is reported and the
-# script goes on; the exit status says whether any failed):
-#   first  0. time to the first training step on a GPU this machine has not tuned: `hearth bench
-#             model --model resnet50 --mode train --batch-size 32 --steps 3 --warmup 1` from the
-#             process's start to its end, kernels by rule (and, with HEARTH_GPU_FIRST_FULL=1,
-#             under --autotune full with an empty cache);
-#   parity 1. torchvision parity on each device of HEARTH_GPU_DEVICES (default "cuda wgpu
-#             vulkan"; f32 1e-4, CUDA within the TF32 bound);
-#   bench  2. the models bench on each device: ResNet-50, DenseNet-121 and VGG-16 at 224,
-#             inference batch 1 and 32, training batch 32 and 64, against PyTorch eager on the
-#             same GPU in the same run (also channels_last), median and best step, share of the
-#             GPU's TF32 peak; autotune's decisions go to OUT/autotune-DEVICE.jsonl and their
-#             table to OUT/autotune-DEVICE.md;
-#   mixed  3. mixed precision (issue 28): ResNet-50 training at batch 32 and 64 in bf16 and fp16
-#             on each device, against PyTorch autocast (fp16 with GradScaler) on the same GPU in
-#             the same run, with Hearth's own speed-up over its f32 (`vs f32`); then a short
-#             bf16 training run, one process;
-#   train  4. a short training run on each device; `hearth train --model resnet50` on a
-#             generated 224-pixel image folder, one process, then 2 data-parallel ranks sharing
-#             the GPU, with images/s and the gradient exchange's share of a step.
-# HEARTH_GPU_ONLY=first|parity|bench|mixed|train runs one step group (a device call is limited to 10
-# minutes and 64 MiB of carried files: split the work across calls with it).
+# Steps, in the order they run (most wanted first). HEARTH_GPU_BUDGET (seconds, default 480)
+# bounds the whole script: each step gets at most what is left (less a reserve to save the
+# cache), and a step that no longer fits is listed as skipped. A failed step is reported and
+# the script goes on; the exit status says whether any failed.
+#   first  ResNet-50 training at batch 32: the time from `hearth bench model`'s start to the end
+#          of its first step on a GPU this machine has never compiled kernels for (nothing
+#          shipped), then the same again with the kernels compiled by the first run in cubecl's
+#          cache (what a shipped bundle gives), each with images/s over the timed steps; the
+#          peer in NCHW and channels_last, with PyTorch's own time to its first step;
+#   profile where ResNet-50's training step spends its GPU time: cubecl's profiler over 1 warm-up
+#          and 2 steps, the top 40 kernels to OUT/profile-resnet50.md;
+#   bench  DenseNet-121 and VGG-16 training at batch 32, then ResNet-50, VGG-16 and DenseNet-121
+#          at batch 64, each against the peer (NCHW and channels_last);
+#   train  `hearth train --model resnet50` on a generated 224-pixel folder: one process, then 2
+#          data-parallel ranks sharing the GPU; time to the first step, images/s and the
+#          gradient exchange's share of a step, from their logs;
+#   mixed  ResNet-50 training at batch 32 in bf16 and fp16 against PyTorch autocast;
+#   parity torchvision parity (needs the `parity` test binary in BIN; skipped without it).
+# Then (all, or first) `hearth tune --rules-only` writes every kernel the runs compiled to
+# OUT/kernels-DEVICE.bundle, for `--kernel-bundle` on other machines with this GPU.
+# HEARTH_GPU_ONLY=first|profile|bench|train|mixed|parity runs one group. Every Hearth/peer pair adds a
+# row to OUT/table.md; logs go to OUT/logs.tar.xz; cubecl's cache (compiled kernels, any autotune
+# decisions) is saved to OUT/cubecl-environment.tar.xz and, carried back in BIN, restored first.
+# HEARTH_GPU_FRESH=1 ignores a carried cache (to time a first run again).
 #
-# Budget (measured 2026-11-26, one H200, fresh machine, CUDA): autotune's first pass is most of
-# the time. ResNet-50 inference at batch 1 and 32 took about 7 minutes of tuning, and training
-# at batch 32 was still tuning 2.5 minutes later (a second session gave training at batch 32
-# alone 13 minutes, 136 decisions, and it was still tuning); parity on CUDA reached 4 of its 6 fixtures in
-# 230 s. With 15 minutes of device time per session, ask for one configuration per call
-# (HEARTH_BENCH_MODELS=resnet50 HEARTH_BENCH_BATCHES=train:32 HEARTH_BENCH_ROUNDS=1), keep
-# HEARTH_STEP_TIMEOUT under the call's limit so that the autotune database is saved to OUT, and
-# carry that database back (OUT/cubecl-environment.tar.xz into BIN) for the next call.
-# The parity test and the bench read fixtures and the peer script at the path of the checkout
-# they were built in ($HEARTH_BUILD_ROOT, default /work/main): this script links it here.
+# The peer script is read from this checkout (benches/peer/torch_models.py).
 set -u
 BIN=$(realpath "${1:-.gpu}")
 for packed in "$BIN"/*.xz; do
     [ -e "$packed" ] || continue
+    case "$packed" in *.tar.xz) continue ;; esac
     xz -dkf "$packed" && chmod +x "${packed%.xz}"
 done
 OUT=${2:-${OUT:-/tmp/gpu-check}}
 mkdir -p "$OUT"
 OUT=$(realpath "$OUT")
+# Logs, run folders and the generated data set live here; OUT gets a handful of files (a device
+# call brings back at most 8): table.md, logs.tar.xz, profile-*.md, the cache and the bundle.
+WORK=$(mktemp -d)
+LOGS=$WORK/logs
+mkdir -p "$LOGS"
 ROOT=$(pwd)
-BUILD_ROOT=${HEARTH_BUILD_ROOT:-/work/main}
-if [ "$ROOT" != "$BUILD_ROOT" ] && [ ! -e "$BUILD_ROOT" ]; then
-    mkdir -p "$(dirname "$BUILD_ROOT")" && ln -s "$ROOT" "$BUILD_ROOT"
-fi
+PEER=$ROOT/benches/peer/torch_models.py
+HEARTH=$BIN/hearth
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-$(mktemp -d)}
+export PYTHONUNBUFFERED=1
 # cubecl-cuda loads libcuda (the driver's) and NVRTC at run time (cudarc, CUDA 13 names such as
 # libnvrtc.so.13). A machine with PyTorch but no CUDA toolkit has NVRTC only in the pip wheels
 # (site-packages/nvidia/*/lib): put those folders on the library path.
@@ -86,27 +78,61 @@ print(":".join(sorted(dirs)))
 PY
 )
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-    [ -e "$d/libnvrtc.so" ] || ls "$d"/libnvrtc.so.* >/dev/null 2>&1 && NV_LIBS="${NV_LIBS:+$NV_LIBS:}$d"
+    ls "$d"/libnvrtc.so* >/dev/null 2>&1 && NV_LIBS="${NV_LIBS:+$NV_LIBS:}$d"
 done
 [ -n "$NV_LIBS" ] && export LD_LIBRARY_PATH="$NV_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-STEPS=${HEARTH_GPU_BENCH_STEPS:-20}
-WARMUP=${HEARTH_BENCH_WARMUP:-3}
-DEVICES=${HEARTH_GPU_DEVICES:-cuda wgpu vulkan}
-FIRST=${DEVICES%% *}
+STEPS=${HEARTH_GPU_BENCH_STEPS:-10}
+WARMUP=${HEARTH_BENCH_WARMUP:-2}
+DEVICE=${HEARTH_GPU_DEVICE:-cuda}
 ONLY=${HEARTH_GPU_ONLY:-all}
-export HEARTH_AUTOTUNE=${HEARTH_GPU_AUTOTUNE:-off}
+AUTOTUNE=${HEARTH_GPU_AUTOTUNE:-off}
+BUDGET=${HEARTH_GPU_BUDGET:-480}
+RESERVE=25
+START_US=${EPOCHREALTIME/./}
 status=0
-# Autotune's decisions persist in cubecl's environment database, TARGET/environment of the
-# outermost Cargo.toml above the working directory (here: this checkout's target/). On a fresh
-# machine every shape is tuned first, each candidate kernel compiled by NVRTC: on an H200 that
-# took about 7 minutes for ResNet-50 inference at batch 1 and 32, and training at batch 32 had
-# not finished its tuning 2.5 minutes later (BENCHMARKS.md). The database is saved to
-# OUT/cubecl-environment.tar.xz at the end; carried back beside the binaries (in the BIN
-# folder), it is restored first and spares the next call the tuning already done.
-# Outside a Cargo project cubecl keeps the same database in ~/.cache/cubecl ($XDG_CACHE_HOME):
-# both places are saved and restored.
+TABLE=$OUT/table.md
+
+# Seconds since the script started, and left of the budget.
+elapsed() { echo $(( (${EPOCHREALTIME/./} - START_US) / 1000000 )); }
+left() { echo $(( BUDGET - $(elapsed) )); }
+step() { echo; echo "=== $* ($(date +%T), $(elapsed) s into the check)"; }
+# Prefixes each line with the seconds since the pipeline started (to 0.1 s).
+stamp() {
+    local t0=${EPOCHREALTIME/./} line
+    while IFS= read -r line; do
+        local us=$(( ${EPOCHREALTIME/./} - t0 ))
+        printf '%4d.%01d s | %s\n' $((us / 1000000)) $(( (us / 100000) % 10 )) "$line"
+    done
+}
+# bounded MAX CMD...: runs CMD for at most MAX seconds and never past the budget; returns 124
+# on a timeout, 125 when the budget had no room for it (reported as skipped).
+bounded() {
+    local max=$1
+    shift
+    local room=$(( $(left) - RESERVE ))
+    [ "$room" -lt "$max" ] && max=$room
+    if [ "$max" -lt 10 ]; then
+        echo "SKIPPED (out of time, $(elapsed) s of the ${BUDGET} s budget spent): $*"
+        return 125
+    fi
+    timeout "$max" "$@"
+    local rc=$?
+    if [ $rc -ne 0 ]; then
+        echo "FAILED (exit $rc$( [ $rc = 124 ] && echo ", stopped at its $max s limit")): $*"
+        status=1
+    fi
+    return $rc
+}
+# Pipelines run `bounded` in a subshell: their callers record its exit status here.
+failed() { [ "$1" -ne 0 ] && [ "$1" -ne 125 ] && status=1; return 0; }
+wants() { [ "$ONLY" = all ] || [ "$ONLY" = "$1" ]; }
+field() { grep -o "$1[0-9.]*" "$2" 2>/dev/null | head -1 | sed "s/^$1//"; }
+
+# Restores a carried cubecl cache (compiled kernels, autotune decisions). cubecl keeps it in
+# TARGET/environment of the outermost Cargo.toml above the working directory (this checkout's
+# target/), else in ~/.cache/cubecl ($XDG_CACHE_HOME): both are saved and restored.
 CUBECL_USER_CACHE=${XDG_CACHE_HOME:-$HOME/.cache}
-if [ -f "$BIN/cubecl-environment.tar.xz" ]; then
+if [ -f "$BIN/cubecl-environment.tar.xz" ] && [ "${HEARTH_GPU_FRESH:-0}" != 1 ]; then
     unpacked=$(mktemp -d)
     if tar -xJf "$BIN/cubecl-environment.tar.xz" -C "$unpacked"; then
         if [ -d "$unpacked/environment" ]; then
@@ -117,105 +143,200 @@ if [ -f "$BIN/cubecl-environment.tar.xz" ]; then
             mkdir -p "$CUBECL_USER_CACHE" && rm -rf "$CUBECL_USER_CACHE/cubecl" \
                 && mv "$unpacked/cubecl" "$CUBECL_USER_CACHE/cubecl"
         fi
-        echo "autotune: restored $(du -sh "$unpacked" | cut -f1) of earlier decisions and kernels"
+        echo "cubecl cache: restored from $BIN/cubecl-environment.tar.xz (not a fresh machine)"
     fi
     rm -rf "$unpacked"
+else
+    rm -rf "$ROOT/target/environment" "$CUBECL_USER_CACHE/cubecl"
 fi
-save_autotune() {
+save_cache() {
     local parts=()
     [ -d "$ROOT/target/environment" ] && parts+=(-C "$ROOT/target" environment)
     [ -d "$CUBECL_USER_CACHE/cubecl" ] && parts+=(-C "$CUBECL_USER_CACHE" cubecl)
     [ ${#parts[@]} -gt 0 ] || return 0
-    tar -cJf "$OUT/cubecl-environment.tar.xz" "${parts[@]}" \
-        && echo "autotune: decisions and compiled kernels saved to $OUT/cubecl-environment.tar.xz"
+    XZ_OPT=-T0 tar -cJf "$OUT/cubecl-environment.tar.xz" "${parts[@]}" \
+        && echo "cubecl cache ($(du -sh "$OUT/cubecl-environment.tar.xz" | cut -f1) xz) saved to $OUT/cubecl-environment.tar.xz"
 }
-step() { echo; echo "=== $* ($(date +%T))"; }
-run() {
-    # Runs a step (at most $HEARTH_STEP_TIMEOUT s), records its exit status, and carries on.
-    timeout "${HEARTH_STEP_TIMEOUT:-600}" "$@"
-    local rc=$?
-    if [ $rc -ne 0 ]; then
-        echo "FAILED (exit $rc): $*"
-        status=1
+
+# hearth_run LABEL MODEL BATCH PRECISION: one `hearth bench model` training run; prints the
+# time from its start to the end of its first step and its images/s, and leaves them in
+# H_FIRST, H_MED and H_BEST.
+hearth_run() {
+    local label=$1 model=$2 batch=$3 precision=$4
+    local log=$LOGS/hearth-$label.log
+    H_FIRST=- H_MED=- H_BEST=-
+    bounded "${HEARTH_STEP_TIMEOUT:-360}" "$HEARTH" --device "$DEVICE" --autotune "$AUTOTUNE" \
+        bench model --model "$model" --mode train --batch-size "$batch" --precision "$precision" \
+        --steps "$STEPS" --warmup "$WARMUP" 2>&1 | stamp | tee "$log" \
+        | grep -v "^ *[0-9.]* s |   step [3-9]\|step [1-9][0-9]"
+    failed "${PIPESTATUS[0]}"
+    H_FIRST=$(grep -m1 "step 1/" "$log" | awk '{print $1}')
+    H_FIRST=${H_FIRST:--}
+    H_MED=$(grep -o "images/s at the median step: [0-9.]*" "$log" | awk '{print $NF}')
+    H_BEST=$(grep -o "at the best: [0-9.]*" "$log" | awk '{print $NF}')
+    H_MED=${H_MED:--} H_BEST=${H_BEST:--}
+}
+# peer_run LABEL MODEL BATCH PRECISION [--channels-last]: the PyTorch peer; leaves its median
+# images/s in P_MED and the seconds from its start to the end of its first step in P_FIRST.
+peer_run() {
+    local label=$1 model=$2 batch=$3 precision=$4 cl=${5:-}
+    local log=$LOGS/torch-$label${cl:+-cl}.log
+    local t0=${EPOCHREALTIME/./}
+    P_MED=- P_FIRST=-
+    bounded 120 python3 "$PEER" --model "$model" --mode train --device cuda \
+        --batch-size "$batch" --size 224 --steps "$STEPS" --warmup "$WARMUP" \
+        --precision "$precision" $cl > "$log" 2>&1
+    cat "$log" | tail -3
+    P_MED=$(field median_images_per_s= "$log")
+    P_FIRST=$(field first_step_s= "$log")
+    P_MED=${P_MED:--} P_FIRST=${P_FIRST:--}
+}
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a + 0 > 0 && b + 0 > 0) printf "%.2fx", a / b; else print "-" }'; }
+# pair MODEL BATCH PRECISION [NOTE]: Hearth, then the peer in NCHW and channels_last; one row.
+pair() {
+    local model=$1 batch=$2 precision=$3 note=${4:-}
+    local label=$model-b$batch-$precision${note:+-$note}
+    if [ $(( $(left) - RESERVE )) -lt 30 ]; then
+        echo "SKIPPED (out of time): $model training, batch $batch, $precision"
+        printf '| %s | %s | %s | %s | skipped: out of time | | | | | | |\n' "$model" "$batch" "$precision" "${note:--}" >> "$TABLE"
+        return 0
     fi
+    step "$model training, batch $batch, $precision, on $DEVICE (--autotune $AUTOTUNE) against PyTorch"
+    hearth_run "$label" "$model" "$batch" "$precision"
+    local hf=$H_FIRST hm=$H_MED hb=$H_BEST
+    peer_run "$label" "$model" "$batch" "$precision"
+    local pf=$P_FIRST pm=$P_MED
+    local pcl=- 
+    if [ "$precision" = fp32 ]; then
+        peer_run "$label" "$model" "$batch" "$precision" --channels-last
+        pcl=$P_MED
+    fi
+    printf '| %s | %s | %s | %s | %s s | %s / %s | %s | **%s** | %s | %s | %s s |\n' \
+        "$model" "$batch" "$precision" "${note:--}" "$hf" "$hm" "$hb" "$pm" "$(ratio "$hm" "$pm")" \
+        "$pcl" "$(ratio "$hm" "$pcl")" "$pf" | tee -a "$TABLE"
 }
-wants() { [ "$ONLY" = all ] || [ "$ONLY" = "$1" ]; }
 
 step "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
-ldconfig -p | grep -q libvulkan || echo "no libvulkan: Vulkan/wgpu steps will fail"
 python3 -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())' 2>&1
-echo "NVRTC: $( (ldconfig -p | grep -o 'libnvrtc\.so[.0-9]*' | head -1; for d in ${NV_LIBS//:/ }; do ls "$d" | grep '^libnvrtc\.so'; done) | tr '\n' ' ')(library path: ${NV_LIBS:-system only})"
-[ -x "$BIN/hearth" ] && "$BIN/hearth" devices 2>&1
+echo "NVRTC library path: ${NV_LIBS:-system only}"
+[ -x "$HEARTH" ] || { echo "no hearth binary in $BIN"; exit 1; }
+ls -la "$HEARTH" | awk '{print "hearth binary:", $5, "bytes"}'
+"$HEARTH" devices 2>&1 | head -20
+{
+    echo "| model | batch | precision | run | Hearth: start to end of step 1 | Hearth img/s (median / best) | PyTorch img/s | ratio | PyTorch CL img/s | ratio CL | PyTorch: start to end of step 1 |"
+    echo "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+} > "$TABLE"
 
 if wants first; then
-    modes=off
-    [ "${HEARTH_GPU_FIRST_FULL:-0}" = 1 ] && modes="off full"
-    for mode in $modes; do
-        step "time to the first ResNet-50 training steps on $FIRST, --autotune $mode"
-        started=$(date +%s.%N)
-        run "$BIN/hearth" --device "$FIRST" --autotune "$mode" bench model --model resnet50 \
-            --mode train --batch-size 32 --steps 3 --warmup 1
-        echo "first steps, --autotune $mode: $(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s from the process's start (device start, kernel compilation, 1 warm-up and 3 timed steps)"
-    done
+    pair resnet50 32 fp32 first
+    # The same again in a new process: the kernels compiled by the first run are in cubecl's
+    # cache now, as a shipped bundle would put them.
+    step "resnet50 again, kernels from cubecl's cache (what a shipped bundle gives)"
+    hearth_run resnet50-b32-fp32-cached resnet50 32 fp32
+    printf '| resnet50 | 32 | fp32 | cached | %s s | %s / %s | | | | | |\n' "$H_FIRST" "$H_MED" "$H_BEST" | tee -a "$TABLE"
 fi
 
-if wants parity; then
-    step "torchvision parity on $DEVICES"
-    run env HEARTH_REQUIRE_GPU=1 HEARTH_PARITY_DEVICES="${DEVICES// /,}" \
-        "$BIN/parity" --exact torchvision_parity_on_named_devices --nocapture
+if wants profile; then
+    # cubecl's profiler: every kernel launch timed, summed per kernel. Read from cubecl.toml in
+    # the working directory for this run only.
+    step "where ResNet-50's training step spends its GPU time (cubecl's profiler, 1 warm-up + 2 steps)"
+    [ -e "$ROOT/cubecl.toml" ] && mv "$ROOT/cubecl.toml" "$WORK/cubecl.toml.user"
+    printf '[profiling]\nlogger = { level = "basic", file = "%s" }\n' "$LOGS/profile-resnet50.log" > "$ROOT/cubecl.toml"
+    bounded 120 "$HEARTH" --device "$DEVICE" --autotune "$AUTOTUNE" bench model --model resnet50 \
+        --mode train --batch-size 32 --steps 2 --warmup 1 2>&1 | tail -3
+    rm -f "$ROOT/cubecl.toml"
+    [ -e "$WORK/cubecl.toml.user" ] && mv "$WORK/cubecl.toml.user" "$ROOT/cubecl.toml"
+    python3 - "$LOGS/profile-resnet50.log" > "$OUT/profile-resnet50.md" <<'PY'
+import re, sys
+# The summaries are blocks of table rows whose last cells are time, launches and share; the
+# last block with a Total row covers the run. Kernel names drop cubecl's generic-argument noise.
+noise = {"TensorArgs", "TensorMapArgs", "RuntimeArgs", "DynamicScalar", "DynamicSize"}
+blocks, block = [], []
+for line in open(sys.argv[1], encoding="utf-8", errors="replace"):
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if line.startswith("|"):
+        # Rows, and the ruled lines between them (which carry no share).
+        if len(cells) >= 4 and cells[-1].endswith("%"):
+            block.append(cells)
+    elif block:
+        blocks.append(block)
+        block = []
+if block:
+    blocks.append(block)
+last = [b for b in blocks if any(c[0] == "Total" for c in b)] or blocks
+if not last:
+    sys.exit("no profile summary in the log")
+rows = last[-1]
+print("| kernel | time | launches | share |\n| --- | ---: | ---: | ---: |")
+kernels = [r for r in rows if r[0] != "Total"]
+for c in kernels[:40] + [r for r in rows if r[0] == "Total"][:1]:
+    parts = [t for t in c[:-3] if t and t not in noise and not t.startswith("__")]
+    name = " ".join(parts)
+    if len(name) > 140:
+        loads = [t for t in parts if "Loading" in t][:2]
+        name = " ".join(parts[:2] + loads) + " ... " + parts[-1]
+    print(f"| {name} | {c[-3]} | {c[-2]} | {c[-1]} |")
+PY
+    head -25 "$OUT/profile-resnet50.md"
 fi
 
 if wants bench; then
-    for d in $DEVICES; do
-        step "models against PyTorch on $d (autotune log: $OUT/autotune-$d.jsonl)"
-        rm -f "$OUT/autotune-$d.jsonl"
-        run env HEARTH_DEVICE="$d" HEARTH_TORCH_PYTHON=${HEARTH_TORCH_PYTHON:-python3} \
-            HEARTH_BENCH_MODELS=${HEARTH_BENCH_MODELS:-resnet50,densenet121,vgg16} \
-            HEARTH_BENCH_STEPS="$STEPS" HEARTH_BENCH_WARMUP="$WARMUP" \
-            HEARTH_AUTOTUNE_LOG="$OUT/autotune-$d.jsonl" \
-            "$BIN/models" --bench
-        if [ -s "$OUT/autotune-$d.jsonl" ] && [ -x "$BIN/hearth" ]; then
-            "$BIN/hearth" autotune-report "$OUT/autotune-$d.jsonl" > "$OUT/autotune-$d.md" 2>&1
-            head -c 4000 "$OUT/autotune-$d.md"
-        fi
+    for mb in densenet121:32 vgg16:32 resnet50:64 vgg16:64 densenet121:64; do
+        pair "${mb%:*}" "${mb#*:}" fp32
+    done
+fi
+
+if wants train; then
+    DATA=$WORK/data224
+    step "generating a 224-pixel image folder"
+    bounded 120 "$HEARTH" data synth --out "$DATA" --classes 10 --per-class 64 --val-per-class 16 --size 224 | tail -2
+    for n in 1 2; do
+        step "hearth train --model resnet50 on $DEVICE, $n process(es), global batch $((32 * n))"
+        log=$LOGS/train-resnet50-n$n.log
+        extra=()
+        dev=$DEVICE
+        # Ranks of one job take the GPU of their local rank unless the device names one: both
+        # on GPU 0 here.
+        [ $n -gt 1 ] && extra=(--nproc $n) && dev=${DEVICE%%:*}:0
+        bounded 240 "$HEARTH" --device "$dev" --autotune "$AUTOTUNE" train --data "$DATA" \
+            --model resnet50 --size 224 --batch-size $((32 * n)) --epochs 2 "${extra[@]}" \
+            --run-dir "$LOGS/run-resnet50-n$n" 2>&1 | stamp | tee "$log" | tail -25
+        failed "${PIPESTATUS[0]}"
+        echo "first progress line (after the first steps): $(grep -m1 "train: [0-9]*/" "$log")"
     done
 fi
 
 if wants mixed; then
-    for d in $DEVICES; do
-        for p in bf16 fp16; do
-            step "ResNet-50 training in $p on $d against PyTorch autocast"
-            run env HEARTH_DEVICE="$d" HEARTH_TORCH_PYTHON=${HEARTH_TORCH_PYTHON:-python3} \
-                HEARTH_BENCH_MODELS=resnet50 HEARTH_BENCH_BATCHES=train:32,train:64 \
-                HEARTH_BENCH_STEPS="$STEPS" HEARTH_BENCH_WARMUP="$WARMUP" \
-                "$BIN/models" --bench --precision "$p"
-        done
+    for p in bf16 fp16; do
+        pair resnet50 32 "$p"
     done
-    step "hearth train --precision bf16 on $FIRST, one process"
-    run "$BIN/hearth" --device "$FIRST" train --precision bf16 --epochs 3 \
-        --run-dir "$OUT/run-bf16-$FIRST"
 fi
 
-if wants train; then
-    for d in $DEVICES; do
-        step "training run on $d"
-        run "$BIN/hearth" --device "$d" train --epochs 3 --run-dir "$OUT/run-$d"
-    done
-    DATA=$OUT/data224
-    if [ ! -d "$DATA" ]; then
-        step "generating a 224-pixel image folder"
-        run "$BIN/hearth" data synth --out "$DATA" --classes 10 --per-class 100 --size 224
+if wants parity; then
+    if [ -x "$BIN/parity" ]; then
+        step "torchvision parity on $DEVICE"
+        bounded 300 env HEARTH_REQUIRE_GPU=1 HEARTH_PARITY_DEVICES="$DEVICE" \
+            "$BIN/parity" --exact torchvision_parity_on_named_devices --nocapture
+    else
+        echo "parity: skipped (no parity binary in $BIN)"
     fi
-    step "hearth train --model resnet50 on $FIRST, one process"
-    run "$BIN/hearth" --device "$FIRST" train --data "$DATA" --model resnet50 --size 224 \
-        --batch-size 32 --epochs 2 --run-dir "$OUT/train-resnet50-$FIRST"
-    step "2 data-parallel ranks sharing $FIRST:0, ResNet-50 (global batch 64)"
-    run "$BIN/hearth" --device "$FIRST:0" train --nproc 2 --data "$DATA" --model resnet50 \
-        --size 224 --batch-size 64 --epochs 2 --run-dir "$OUT/train-resnet50-ddp-$FIRST"
-    for r in "$OUT/train-resnet50-$FIRST" "$OUT/train-resnet50-ddp-$FIRST"; do
-        [ -f "$r/metrics.csv" ] && { echo "$r/metrics.csv:"; cat "$r/metrics.csv"; }
-    done
 fi
-save_autotune
+
+if [ "$ONLY" = all ] || [ "$ONLY" = first ]; then
+    # Every kernel the runs above compiled, as a bundle that `--kernel-bundle` imports on another
+    # machine with this GPU (the tune's own steps find their kernels in the cache already).
+    step "kernel bundle of this GPU (hearth tune --rules-only)"
+    RESERVE=0 bounded 90 "$HEARTH" --device "$DEVICE" tune --rules-only --model resnet50 \
+        --batch-size 32 --out "$WORK/kernels-$DEVICE.bundle" 2>&1 | tail -8
+    # SQLite with every kernel's source and binary: about 40 MB for the whole table on an H200,
+    # 2 MB compressed.
+    [ -f "$WORK/kernels-$DEVICE.bundle" ] && xz -T0 -c "$WORK/kernels-$DEVICE.bundle" \
+        > "$OUT/kernels-${DEVICE%%:*}.bundle.xz"
+fi
+
+step "table ($(elapsed) s of the ${BUDGET} s budget)"
+cat "$TABLE"
+tar -cJf "$OUT/logs.tar.xz" -C "$WORK" --exclude='*.bpk' logs 2>/dev/null
+save_cache
 exit $status

@@ -1,15 +1,20 @@
 #!/usr/bin/env python3
 """PyTorch peer of `hearth bench model`: same model, batch, size and step counts, on CPU or CUDA.
 
-Prints one line per config: `peer model=NAME mode=MODE batch=B images_per_s=X`.
+Prints one line per config: `peer model=NAME mode=MODE batch=B images_per_s=X ...`, with
+`first_step_s`, the seconds from this script's start (before torch is imported) to the end of its
+first step: PyTorch's counterpart of a first run's kernel selection.
 Usage: torch_models.py --model resnet50 --mode train --batch-size 16 --size 224 --steps 3 --warmup 1 [--device cuda]
 """
-import argparse
-import contextlib
 import time
 
-import torch
-import torchvision
+T_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+
+import torch  # noqa: E402
+import torchvision  # noqa: E402
 
 
 def main():
@@ -39,6 +44,7 @@ def main():
         x = x.contiguous(memory_format=torch.channels_last)
     y = torch.arange(a.batch_size, device=dev) % 1000
     times = []
+    first = None
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.precision)
 
     def autocast():
@@ -56,6 +62,8 @@ def main():
                 with autocast():
                     model(x)
                 sync()
+                if first is None:
+                    first = time.perf_counter() - T_START
                 if i >= a.warmup:
                     times.append(time.perf_counter() - t)
     else:
@@ -77,6 +85,8 @@ def main():
                 scaler.update()
             loss.item()
             sync()
+            if first is None:
+                first = time.perf_counter() - T_START
             if i >= a.warmup:
                 times.append(time.perf_counter() - t)
     ips = a.steps * a.batch_size / sum(times)
@@ -84,7 +94,7 @@ def main():
     median = a.batch_size / ordered[len(ordered) // 2]
     best = a.batch_size / ordered[0]
     name = torch.cuda.get_device_name(dev).replace(" ", "_") if dev.type == "cuda" else "cpu"
-    print(f"peer model={a.model} mode={a.mode} batch={a.batch_size} device={a.device} gpu={name} channels_last={int(a.channels_last)} precision={a.precision} threads={torch.get_num_threads()} images_per_s={ips:.3f} median_images_per_s={median:.3f} best_images_per_s={best:.3f}")
+    print(f"peer model={a.model} mode={a.mode} batch={a.batch_size} device={a.device} gpu={name} channels_last={int(a.channels_last)} precision={a.precision} threads={torch.get_num_threads()} images_per_s={ips:.3f} median_images_per_s={median:.3f} best_images_per_s={best:.3f} first_step_s={first:.2f}")
 
 
 if __name__ == "__main__":
