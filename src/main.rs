@@ -2,6 +2,8 @@
 
 mod cli {
     pub mod bench;
+    #[cfg(feature = "cuda-device")]
+    pub mod llvm_targets;
     pub mod predict;
     pub mod resume;
     pub mod train;
