@@ -47,6 +47,8 @@ struct Cli {
     /// A kernel bundle (`hearth tune --out FILE`, from a machine with the same GPU model) to
     /// import into cubecl's cache before the GPU starts: its compiled kernels spare compiling
     /// them again, and under --autotune full its decisions spare the tuning. GPU devices only.
+    /// Without it a CUDA device imports, once, the bundle Hearth ships for its GPU's
+    /// architecture where there is one (bundles/: H100/H200; HEARTH_SHIPPED_KERNELS=0 skips it).
     #[arg(long, global = true, env = "HEARTH_KERNEL_BUNDLE")]
     kernel_bundle: Option<std::path::PathBuf>,
     #[command(subcommand)]

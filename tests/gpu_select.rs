@@ -235,7 +235,8 @@ fn autotune_full_on_a_cpu_device_and_an_unknown_value_are_refused_by_name() {
 /// `hearth tune --rules-only` compiles the kernels chosen by rule and writes cubecl's cache to a
 /// bundle without timing a convolution or a matrix product; a second machine (here: a fresh
 /// cache folder) that imports the bundle with `--kernel-bundle` makes no autotune decision at
-/// all for the same steps, since the bundle carried the first one's. `--rules-only` beside
+/// all for the same steps, since the bundle carried the first one's. `--from-cache` bundles the
+/// same cache in the flat format without running anything. `--rules-only` beside
 /// `--autotune full` is refused by name before anything starts.
 #[cfg(feature = "wgpu")]
 #[test]
@@ -310,6 +311,27 @@ fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
         .filter(|d| d.kind != DecisionKind::Other)
         .collect();
     assert!(heavy.is_empty(), "convolutions or products were tuned: {heavy:#?}");
+    // The same cache bundled again without running anything, in cubecl's flat format (`.ccb`,
+    // what Hearth embeds): it opens and holds the decisions.
+    let flat = dir.path().join("first.ccb");
+    let out = Command::new(env!("CARGO_BIN_EXE_hearth"))
+        .args(["--device", "vulkan-cpu", "tune", "--from-cache", "--out"])
+        .arg(&flat)
+        .current_dir(dir.path())
+        .env("XDG_CACHE_HOME", dir.path().join("first"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "tune --from-cache failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reopened = cubecl::bundle::open(&flat).expect("the flat bundle does not open");
+    let mut entries = 0usize;
+    for namespace in reopened.namespaces() {
+        reopened.scan(&namespace, &mut |_, _| entries += 1);
+    }
+    assert!(entries >= made.len(), "{entries} entries for {} decisions", made.len());
     std::fs::rename(dir.path().join("first.bundle"), &bundle).unwrap();
     assert!(std::fs::metadata(&bundle).unwrap().len() > 0);
     assert!(text.contains("entries"), "no account of the bundle: {text}");
@@ -333,4 +355,42 @@ fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
     // Reductions keep autotune by rule too: without the bundle a fresh cache decides some.
     assert!(!made.is_empty(), "the first tune decided nothing: the import proves nothing");
     assert!(again.is_empty(), "decided again despite the bundle: {again:#?}");
+}
+
+/// The kernel bundle CUDA builds embed (`bundles/cuda-sm90.ccb.gz`) unpacks and opens as a
+/// bundle of the cubecl version Hearth pins, holding compiled sm_90 kernels: a cubecl upgrade
+/// (whose lookups would never match it) or a file cut short fails here, not silently on a
+/// user's first GPU run.
+#[cfg(feature = "wgpu")]
+#[test]
+fn the_shipped_sm90_kernel_bundle_opens_and_holds_compiled_kernels() {
+    use std::io::Read;
+
+    let gz = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/bundles/cuda-sm90.ccb.gz"
+    ))
+    .unwrap();
+    let mut raw = Vec::new();
+    flate2::read::GzDecoder::new(&gz[..])
+        .read_to_end(&mut raw)
+        .expect("the shipped bundle does not unpack");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cuda-sm90.ccb");
+    std::fs::write(&path, &raw).unwrap();
+    let bundle = cubecl::bundle::open(&path).expect("the shipped bundle does not open");
+    // Cargo.toml pins cubecl at this version; the bundle's namespaces carry the version they
+    // were made with, and only those of the running version are ever looked up.
+    let version = "0.11.3";
+    let mut kernels = 0usize;
+    let namespaces = bundle.namespaces();
+    for namespace in &namespaces {
+        if namespace.starts_with(&format!("cuda/{version}/ptx_sm90")) {
+            bundle.scan(namespace, &mut |_, _| kernels += 1);
+        }
+    }
+    assert!(
+        kernels >= 100,
+        "{kernels} sm_90 kernels for cubecl {version} in {namespaces:?}"
+    );
 }

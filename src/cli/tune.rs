@@ -2,7 +2,8 @@
 //! one with the kernels chosen by rule, so that their compiled form is kept too), then cubecl's
 //! cache written to a bundle file that `--kernel-bundle` imports on other machines.
 //! `--rules-only` skips autotune: the bundle then holds the compiled kernels that runs with the
-//! default selection use (and whatever else the cache held), made in seconds.
+//! default selection use (and whatever else the cache held), made in seconds. `--from-cache`
+//! runs nothing and bundles the cache as it is (how `bundles/` is made from a GPU run's cache).
 
 use std::path::PathBuf;
 
@@ -33,7 +34,8 @@ pub(crate) struct TuneArgs {
     /// The type steps compute in, as `hearth train --precision`.
     #[arg(long, value_enum, default_value_t = hearth::train::Precision::Fp32)]
     precision: hearth::train::Precision,
-    /// Where to write the bundle (an SQLite file; an earlier bundle there is replaced).
+    /// Where to write the bundle (an SQLite file, or cubecl's flat format for a name ending in
+    /// `.ccb`, the one Hearth embeds; an earlier bundle there is replaced).
     #[arg(long)]
     out: PathBuf,
     /// The bundle's name (default: the model, batch and device).
@@ -44,6 +46,10 @@ pub(crate) struct TuneArgs {
     /// minutes; enough for runs that keep the default selection.
     #[arg(long)]
     rules_only: bool,
+    /// Run nothing: write what cubecl's cache holds now (the kernels earlier runs on this
+    /// machine compiled, their decisions) to the bundle. Starts no device.
+    #[arg(long, conflicts_with = "rules_only")]
+    from_cache: bool,
 }
 
 pub(crate) fn tune(device_name: &str, args: TuneArgs) -> Result<()> {
@@ -74,8 +80,18 @@ pub(crate) fn tune(device_name: &str, args: TuneArgs) -> Result<()> {
              HEARTH_AUTOTUNE=full) asks for autotune: drop one of them"
         );
     }
-    let device = hearth::device::select(device_name)?;
     let arch = Architecture::from_name(&args.model)?;
+    let name = args.name.clone().unwrap_or_else(|| {
+        format!(
+            "{arch} {:?} batch {} {}px {} on {device_name}",
+            args.mode, args.batch_size, args.size, args.precision
+        )
+    });
+    if args.from_cache {
+        println!("{}", hearth::gpu::export_bundle(&args.out, &name)?);
+        return Ok(());
+    }
+    let device = hearth::device::select(device_name)?;
     let run = |selection: Selection, what: &str| -> Result<()> {
         set_selection(selection);
         eprintln!(
@@ -109,12 +125,6 @@ pub(crate) fn tune(device_name: &str, args: TuneArgs) -> Result<()> {
             "--autotune full (every candidate kernel of each new shape compiled and timed)",
         )?;
     }
-    let name = args.name.clone().unwrap_or_else(|| {
-        format!(
-            "{arch} {:?} batch {} {}px {} on {device_name}",
-            args.mode, args.batch_size, args.size, args.precision
-        )
-    });
     println!("{}", hearth::gpu::export_bundle(&args.out, &name)?);
     println!(
         "use it with: hearth --device {device_name} --kernel-bundle {}{} train ...",

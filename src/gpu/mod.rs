@@ -139,6 +139,122 @@ pub fn autotune_notice(device: &str) -> Option<String> {
     }
 }
 
+/// The variable that turns off the kernel bundles Hearth ships (`0`): a CUDA device on a GPU
+/// they were made for then compiles every kernel itself, as on a GPU with none shipped.
+pub const SHIPPED_KERNELS_ENV: &str = "HEARTH_SHIPPED_KERNELS";
+
+/// A kernel bundle compiled into the binary: cubecl's flat format, gzip-compressed.
+#[cfg(feature = "cuda")]
+struct Shipped {
+    name: &'static str,
+    /// Parts of the GPU model names (as the NVIDIA driver reports them) of its architecture.
+    models: &'static [&'static str],
+    gz: &'static [u8],
+}
+
+/// The bundles Hearth ships: for each GPU architecture measured with `scripts/gpu_check.sh`,
+/// the kernels its runs compiled (NVRTC) and the reductions' autotune decisions, written by
+/// `hearth tune --from-cache` (bundles/README.md says how to make one again).
+#[cfg(feature = "cuda")]
+const SHIPPED: &[Shipped] = &[Shipped {
+    name: "cuda-sm90",
+    models: &["H100", "H200", "H800", "H20"],
+    gz: include_bytes!("../../bundles/cuda-sm90.ccb.gz"),
+}];
+
+/// Imports the kernel bundles Hearth ships for this machine's NVIDIA GPUs into cubecl's cache,
+/// once per cache (a marker file beside cubecl's database names the bundle and its checksum),
+/// and not where [`SHIPPED_KERNELS_ENV`] is `0`. Returns a line for each bundle imported.
+/// Entries are keyed by cubecl's version, the GPU architecture and each kernel's source, so
+/// entries of another GPU, or of a kernel changed since the bundle was made, are never looked
+/// up: a stale bundle costs its import and nothing else. Builds without the `cuda` feature
+/// ship none.
+pub fn import_shipped_bundles() -> Result<Vec<String>> {
+    #[cfg(feature = "cuda")]
+    {
+        let off = std::env::var(SHIPPED_KERNELS_ENV)
+            .is_ok_and(|v| matches!(v.trim(), "0" | "false" | "off"));
+        if off {
+            return Ok(Vec::new());
+        }
+        let models = nvidia_models();
+        let db = cubecl::environment::path();
+        let dir = db.parent().map(Path::to_path_buf).unwrap_or_default();
+        let mut lines = Vec::new();
+        for bundle in SHIPPED {
+            // Without the driver's list (no /proc/driver/nvidia here) the bundle is imported
+            // anyway: entries for another architecture are never looked up.
+            let fits = models.is_empty()
+                || models
+                    .iter()
+                    .any(|m| bundle.models.iter().any(|part| m.contains(part)));
+            if !fits {
+                continue;
+            }
+            let marker = dir.join(format!(
+                "hearth-{}-{:016x}.imported",
+                bundle.name,
+                fnv1a(bundle.gz)
+            ));
+            if marker.exists() {
+                continue;
+            }
+            lines.push(import_gz_bundle(bundle.name, bundle.gz, &dir, &marker)?);
+        }
+        Ok(lines)
+    }
+    #[cfg(not(feature = "cuda"))]
+    Ok(Vec::new())
+}
+
+/// The GPU model names the NVIDIA driver lists (`/proc/driver/nvidia/gpus/*/information`).
+#[cfg(feature = "cuda")]
+fn nvidia_models() -> Vec<String> {
+    let Ok(gpus) = std::fs::read_dir("/proc/driver/nvidia/gpus") else {
+        return Vec::new();
+    };
+    gpus.flatten()
+        .filter_map(|gpu| std::fs::read_to_string(gpu.path().join("information")).ok())
+        .filter_map(|text| {
+            text.lines()
+                .find_map(|line| line.strip_prefix("Model:").map(|m| m.trim().to_string()))
+        })
+        .collect()
+}
+
+/// FNV-1a over `bytes`: names a shipped bundle's version in its import marker.
+#[cfg(feature = "cuda")]
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Unpacks a gzip-compressed bundle into `dir`, imports it, and leaves `marker` behind.
+#[cfg(feature = "cuda")]
+fn import_gz_bundle(name: &str, gz: &[u8], dir: &Path, marker: &Path) -> Result<String> {
+    use std::io::Read;
+    let unpacked = dir.join(format!("hearth-{name}.ccb.tmp"));
+    let failed = |reason: String| HearthError::KernelBundle {
+        path: unpacked.clone(),
+        reason,
+    };
+    let mut raw = Vec::new();
+    flate2::read::GzDecoder::new(gz)
+        .read_to_end(&mut raw)
+        .map_err(|e| failed(format!("the shipped bundle {name} does not unpack: {e}")))?;
+    std::fs::create_dir_all(dir).map_err(|e| failed(format!("cannot create {}: {e}", dir.display())))?;
+    std::fs::write(&unpacked, &raw).map_err(|e| failed(format!("cannot write it: {e}")))?;
+    let imported = import_bundle(&unpacked);
+    let _ = std::fs::remove_file(&unpacked);
+    let line = imported?;
+    std::fs::write(marker, line.as_bytes())
+        .map_err(|e| failed(format!("cannot write {}: {e}", marker.display())))?;
+    // `line` names the unpacked file, gone now: keep what was imported where.
+    let what = line.split_once(": ").map_or(line.as_str(), |(_, rest)| rest);
+    Ok(format!("{name} (kernels shipped with Hearth): {what}"))
+}
+
 /// Copies the kernel bundle at `path` (autotune decisions and compiled kernels, written by
 /// [`export_bundle`]) into cubecl's cache, once per process: entries the cache already holds
 /// keep their value. Returns a line saying what was imported. A missing, unreadable or corrupt
@@ -191,7 +307,12 @@ pub fn export_bundle(out: &Path, name: &str) -> Result<String> {
         let options = ExportOptions {
             name: name.to_string(),
             excluded_namespaces: vec!["records".into()],
-            format: BundleFormat::Sqlite,
+            // A `.ccb` name gets cubecl's flat format (what Hearth embeds); anything else SQLite.
+            format: if out.extension().is_some_and(|e| e == "ccb") {
+                BundleFormat::Flat
+            } else {
+                BundleFormat::Sqlite
+            },
             ..Default::default()
         };
         let source = cubecl::environment::path();
