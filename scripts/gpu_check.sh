@@ -23,10 +23,11 @@
 # cache), and a step that no longer fits is listed as skipped. A failed step is reported and
 # the script goes on; the exit status says whether any failed.
 #   first  ResNet-50 training at batch 32: the time from `hearth bench model`'s start to the end
-#          of its first step on a GPU this machine has never compiled kernels for (nothing
-#          shipped), then the same again with the kernels compiled by the first run in cubecl's
-#          cache (what a shipped bundle gives), each with images/s over the timed steps; the
-#          peer in NCHW and channels_last, with PyTorch's own time to its first step;
+#          of its first step on a GPU this machine has never compiled kernels for (the shipped
+#          bundle off: HEARTH_SHIPPED_KERNELS=0), then again with the kernels that run compiled
+#          in cubecl's cache, then on an emptied cache with the bundle Hearth ships for this
+#          architecture (bundles/), each with images/s over the timed steps; the peer in NCHW
+#          and channels_last, with PyTorch's own time to its first step;
 #   profile where ResNet-50's training step spends its GPU time: cubecl's profiler over 1 warm-up
 #          and 2 steps, the top 40 kernels to OUT/profile-resnet50.md;
 #   bench  DenseNet-121 and VGG-16 training at batch 32, then ResNet-50, VGG-16 and DenseNet-121
@@ -229,12 +230,23 @@ ls -la "$HEARTH" | awk '{print "hearth binary:", $5, "bytes"}'
 } > "$TABLE"
 
 if wants first; then
+    # Nothing shipped: what a GPU Hearth has no bundle for costs.
+    export HEARTH_SHIPPED_KERNELS=0
     pair resnet50 32 fp32 first
     # The same again in a new process: the kernels compiled by the first run are in cubecl's
-    # cache now, as a shipped bundle would put them.
-    step "resnet50 again, kernels from cubecl's cache (what a shipped bundle gives)"
+    # cache now.
+    step "resnet50 again, kernels from cubecl's cache"
     hearth_run resnet50-b32-fp32-cached resnet50 32 fp32
     printf '| resnet50 | 32 | fp32 | cached | %s s | %s / %s | | | | | |\n' "$H_FIRST" "$H_MED" "$H_BEST" | tee -a "$TABLE"
+    unset HEARTH_SHIPPED_KERNELS
+    # An empty cache again, with the bundle Hearth ships for this GPU's architecture (if any):
+    # what a new user of a GPU Hearth was measured on gets.
+    rm -rf "$ROOT/target/environment" "$CUBECL_USER_CACHE/cubecl"
+    step "resnet50 on an empty cache with the kernel bundle Hearth ships"
+    hearth_run resnet50-b32-fp32-shipped resnet50 32 fp32
+    grep -m1 "kernels shipped with Hearth" "$LOGS/hearth-resnet50-b32-fp32-shipped.log" \
+        || echo "no bundle shipped for this GPU"
+    printf '| resnet50 | 32 | fp32 | shipped bundle | %s s | %s / %s | | | | | |\n' "$H_FIRST" "$H_MED" "$H_BEST" | tee -a "$TABLE"
 fi
 
 if wants profile; then
