@@ -283,8 +283,14 @@ fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
 
     let refused = tune("refused", "refused.jsonl", &["--autotune", "full"]);
     let err = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success(), "--rules-only with --autotune full ran: {err}");
-    assert!(err.contains("--rules-only compiles only the kernels chosen by rule"), "{err}");
+    assert!(
+        !refused.status.success(),
+        "--rules-only with --autotune full ran: {err}"
+    );
+    assert!(
+        err.contains("--rules-only compiles only the kernels chosen by rule"),
+        "{err}"
+    );
     assert!(!dir.path().join("refused.bundle").exists());
 
     let first = tune("first", "first.jsonl", &[]);
@@ -302,15 +308,24 @@ fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
         eprintln!("SKIPPED: vulkan-cpu unavailable here; HEARTH_ALLOW_SKIP=vulkan");
         return;
     }
-    assert!(first.status.success(), "hearth tune --rules-only failed: {text}");
+    assert!(
+        first.status.success(),
+        "hearth tune --rules-only failed: {text}"
+    );
     eprintln!("{text}");
-    assert!(!text.contains("--autotune full ("), "the full tune ran: {text}");
+    assert!(
+        !text.contains("--autotune full ("),
+        "the full tune ran: {text}"
+    );
     let made = decisions("first.jsonl");
     let heavy: Vec<_> = made
         .iter()
         .filter(|d| d.kind != DecisionKind::Other)
         .collect();
-    assert!(heavy.is_empty(), "convolutions or products were tuned: {heavy:#?}");
+    assert!(
+        heavy.is_empty(),
+        "convolutions or products were tuned: {heavy:#?}"
+    );
     // The same cache bundled again without running anything, in cubecl's flat format (`.ccb`,
     // what Hearth embeds): it opens and holds the decisions.
     let flat = dir.path().join("first.ccb");
@@ -331,7 +346,11 @@ fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
     for namespace in reopened.namespaces() {
         reopened.scan(&namespace, &mut |_, _| entries += 1);
     }
-    assert!(entries >= made.len(), "{entries} entries for {} decisions", made.len());
+    assert!(
+        entries >= made.len(),
+        "{entries} entries for {} decisions",
+        made.len()
+    );
     std::fs::rename(dir.path().join("first.bundle"), &bundle).unwrap();
     assert!(std::fs::metadata(&bundle).unwrap().len() > 0);
     assert!(text.contains("entries"), "no account of the bundle: {text}");
@@ -344,8 +363,14 @@ fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
         String::from_utf8_lossy(&second.stdout),
         String::from_utf8_lossy(&second.stderr)
     );
-    assert!(second.status.success(), "tune with the bundle failed: {text}");
-    assert!(text.contains("entries imported"), "nothing said about the import: {text}");
+    assert!(
+        second.status.success(),
+        "tune with the bundle failed: {text}"
+    );
+    assert!(
+        text.contains("entries imported"),
+        "nothing said about the import: {text}"
+    );
     let again = decisions("second.jsonl");
     eprintln!(
         "decisions: {} without the bundle (reductions and element-wise work), {} with it",
@@ -353,8 +378,14 @@ fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
         again.len()
     );
     // Reductions keep autotune by rule too: without the bundle a fresh cache decides some.
-    assert!(!made.is_empty(), "the first tune decided nothing: the import proves nothing");
-    assert!(again.is_empty(), "decided again despite the bundle: {again:#?}");
+    assert!(
+        !made.is_empty(),
+        "the first tune decided nothing: the import proves nothing"
+    );
+    assert!(
+        again.is_empty(),
+        "decided again despite the bundle: {again:#?}"
+    );
 }
 
 /// The kernel bundle CUDA builds embed (`bundles/cuda-sm90.ccb.gz`) unpacks and opens as a

@@ -129,7 +129,11 @@ pub(crate) fn tune(device_name: &str, args: TuneArgs) -> Result<()> {
     println!(
         "use it with: hearth --device {device_name} --kernel-bundle {}{} train ...",
         args.out.display(),
-        if args.rules_only { "" } else { " [--autotune full]" }
+        if args.rules_only {
+            ""
+        } else {
+            " [--autotune full]"
+        }
     );
     Ok(())
 }

@@ -243,7 +243,8 @@ fn import_gz_bundle(name: &str, gz: &[u8], dir: &Path, marker: &Path) -> Result<
     flate2::read::GzDecoder::new(gz)
         .read_to_end(&mut raw)
         .map_err(|e| failed(format!("the shipped bundle {name} does not unpack: {e}")))?;
-    std::fs::create_dir_all(dir).map_err(|e| failed(format!("cannot create {}: {e}", dir.display())))?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| failed(format!("cannot create {}: {e}", dir.display())))?;
     std::fs::write(&unpacked, &raw).map_err(|e| failed(format!("cannot write it: {e}")))?;
     let imported = import_bundle(&unpacked);
     let _ = std::fs::remove_file(&unpacked);
@@ -251,7 +252,9 @@ fn import_gz_bundle(name: &str, gz: &[u8], dir: &Path, marker: &Path) -> Result<
     std::fs::write(marker, line.as_bytes())
         .map_err(|e| failed(format!("cannot write {}: {e}", marker.display())))?;
     // `line` names the unpacked file, gone now: keep what was imported where.
-    let what = line.split_once(": ").map_or(line.as_str(), |(_, rest)| rest);
+    let what = line
+        .split_once(": ")
+        .map_or(line.as_str(), |(_, rest)| rest);
     Ok(format!("{name} (kernels shipped with Hearth): {what}"))
 }
 
