@@ -285,7 +285,11 @@ impl DeviceSpec {
             if let Some(warning) = crate::gpu::configure() {
                 eprintln!("warning: {warning}");
             }
-            import_kernel_bundle(self.choice)?;
+            #[cfg(feature = "cuda-device")]
+            let ships = self.choice == DeviceChoice::Cuda;
+            #[cfg(not(feature = "cuda-device"))]
+            let ships = false;
+            crate::gpu::import_bundles_at_start(ships)?;
         } else if std::env::var_os(crate::gpu::AUTOTUNE_LOG_ENV).is_some() {
             eprintln!(
                 "warning: {} is set, but {name} has no autotune (GPU devices only): nothing is logged",
@@ -351,40 +355,6 @@ impl DeviceSpec {
             }
         }
     }
-}
-
-/// Imports the kernel bundle [`crate::gpu::KERNEL_BUNDLE_ENV`] names, once per process, before
-/// the first GPU device starts (its entries must be in cubecl's cache before a tuner opens it).
-fn import_kernel_bundle(choice: DeviceChoice) -> Result<()> {
-    static DONE: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
-    let given = std::env::var_os(crate::gpu::KERNEL_BUNDLE_ENV).map(std::path::PathBuf::from);
-    // Without a bundle of the user's, a CUDA device takes the one Hearth ships for its GPU.
-    #[cfg(feature = "cuda-device")]
-    let ships = choice == DeviceChoice::Cuda;
-    #[cfg(not(feature = "cuda-device"))]
-    let ships = {
-        let _ = choice;
-        false
-    };
-    if given.is_none() && !ships {
-        return Ok(());
-    }
-    let outcome = DONE.get_or_init(|| {
-        let lines = match &given {
-            Some(path) => crate::gpu::import_bundle(path).map(|line| vec![line]),
-            None => crate::gpu::import_shipped_bundles(),
-        };
-        match lines {
-            Ok(lines) => {
-                for line in lines {
-                    eprintln!("{line}");
-                }
-                Ok(())
-            }
-            Err(e) => Err(e.to_string()),
-        }
-    });
-    outcome.clone().map_err(HearthError::InvalidArgument)
 }
 
 /// Why a GPU device cannot start when the cause is the usual one: no NVIDIA driver library for

@@ -258,6 +258,34 @@ fn import_gz_bundle(name: &str, gz: &[u8], dir: &Path, marker: &Path) -> Result<
     Ok(format!("{name} (kernels shipped with Hearth): {what}"))
 }
 
+/// Imports the kernel bundle [`KERNEL_BUNDLE_ENV`] names, once per process, before the first
+/// GPU device starts (its entries must be in cubecl's cache before a tuner opens it); without
+/// one, where `ships` (a CUDA device), the bundles Hearth ships for its GPU
+/// ([`import_shipped_bundles`]). Called by [`crate::device`] before it builds a cubecl device.
+pub(crate) fn import_bundles_at_start(ships: bool) -> Result<()> {
+    static DONE: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
+    let given = std::env::var_os(KERNEL_BUNDLE_ENV).map(std::path::PathBuf::from);
+    if given.is_none() && !ships {
+        return Ok(());
+    }
+    let outcome = DONE.get_or_init(|| {
+        let lines = match &given {
+            Some(path) => import_bundle(path).map(|line| vec![line]),
+            None => import_shipped_bundles(),
+        };
+        match lines {
+            Ok(lines) => {
+                for line in lines {
+                    eprintln!("{line}");
+                }
+                Ok(())
+            }
+            Err(e) => Err(e.to_string()),
+        }
+    });
+    outcome.clone().map_err(HearthError::InvalidArgument)
+}
+
 /// Copies the kernel bundle at `path` (autotune decisions and compiled kernels, written by
 /// [`export_bundle`]) into cubecl's cache, once per process: entries the cache already holds
 /// keep their value. Returns a line saying what was imported. A missing, unreadable or corrupt
