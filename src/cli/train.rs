@@ -468,6 +468,10 @@ fn unread_flags(a: &TrainArgs) -> Result<()> {
 /// `--dry-run`: the settings passed every check; what `hparams.json` would record.
 fn dry_run(cfg: &hearth::train::TrainConfig) -> Result<()> {
     eprintln!("hearth train --dry-run: the settings are valid; nothing was read or written");
+    // Under `hearth launch --elastic`, a worker's dry run is its whole job.
+    if let Ok(id) = std::env::var("HEARTH_ELASTIC_ID") {
+        hearth::train::mark_finished(&id);
+    }
     println!(
         "{}",
         hearth::train::run_dir::hparams_json(&cfg.hyperparameters())

@@ -66,7 +66,7 @@ pub use config::{
     PipelineOptions, TrainConfig,
 };
 pub use data::{ImageBatch, LoaderAdapter};
-pub use elastic::{Balance, ElasticOptions, request_leave};
+pub use elastic::{Balance, ElasticOptions, mark_finished, request_leave};
 pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
 pub use model::{MINI_MODELS, epoch_seed, mini_resnet, mini_vgg, model_config};
 pub use objective::Targets;

@@ -173,6 +173,15 @@ pub fn request_leave() {
     LEAVE.store(true, Ordering::SeqCst);
 }
 
+/// Tells `hearth launch --elastic` (its `HEARTH_ELASTIC_DONE_DIR`) that worker `id` did what
+/// it was asked: trained to the end, or checked the settings of a dry run (a graceful leave
+/// exits 0 too, so the exit status cannot say it). Outside such a launch: nothing.
+pub fn mark_finished(id: &str) {
+    if let Ok(dir) = std::env::var("HEARTH_ELASTIC_DONE_DIR") {
+        let _ = std::fs::write(Path::new(&dir).join(id), b"done\n");
+    }
+}
+
 /// Everything a change of membership carries from the new rank 0 to every member.
 #[derive(Clone)]
 struct Commit<M: Net> {
@@ -602,11 +611,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             }
         }
         world.comm.barrier()?;
-        // Tells `hearth launch --elastic` this worker finished the training (a graceful leave
-        // exits 0 too).
-        if let Ok(dir) = std::env::var("HEARTH_ELASTIC_DONE_DIR") {
-            let _ = std::fs::write(Path::new(&dir).join(&self.me.id), b"done\n");
-        }
+        mark_finished(&self.me.id);
         let images =
             commit.world_log.len() * self.cfg.batch_size * self.cfg.grad_accum.unwrap_or(1).max(1);
         let mut report = epochs.report(
@@ -621,8 +626,17 @@ impl<T: Trainee> ElasticRun<'_, T> {
         // Every member's skipped files, on rank 0.
         report.skipped = super::shared::gather_lines(&world.comm, &self.trainee.skipped())?;
         // The world changed size along the way: the job's worker-seconds, not this process's
-        // wall time times the last world.
-        report.price_process_seconds(commit.worker_seconds, self.cfg.price_per_hour);
+        // wall time times the last world. The steps count from the job's start; added here:
+        // the time since the last step (validation, export) by the last world, and this
+        // launch's time before the job started (reading the data, forming) by the first.
+        let since_start = unix_now() - commit.start_unix;
+        let tail = (since_start - commit.elapsed).max(0.0) * world.size() as f64;
+        let first = commit.world_log.first().map_or(world.size(), |l| l.2);
+        let before = (self.started.elapsed().as_secs_f64() - since_start).max(0.0) * first as f64;
+        report.price_process_seconds(
+            commit.worker_seconds + tail + before,
+            self.cfg.price_per_hour,
+        );
         world.transport.shutdown(Duration::from_secs(2));
         Ok(report)
     }

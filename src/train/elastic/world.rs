@@ -12,6 +12,15 @@ impl<T: Trainee> ElasticRun<'_, T> {
         info: &RankInfo,
         log: &mut dyn FnMut(&str),
     ) -> Result<(World, Commit<T::Model>)> {
+        // Every starting worker refuses (none waits for a peer that gave up): the cap binds
+        // joiners, and a first world above it would train as if it were not there.
+        if info.world > self.opts.max_workers {
+            return Err(HearthError::InvalidArgument(format!(
+                "--max-workers {} is below the {} workers this elastic job starts with \
+                 (`hearth launch --elastic -n {}`): start at most {} or raise --max-workers",
+                self.opts.max_workers, info.world, info.world, self.opts.max_workers
+            )));
+        }
         if info.rank == 0 {
             run_dir::start(self.cfg, log)?;
             if !self.cfg.resume {
