@@ -638,3 +638,40 @@ pub fn same_weights(a: &Path, b: &Path, tolerance: f32) {
         );
     }
 }
+
+/// The epoch the run exported, from its summary.
+pub fn best_epoch(log: &str) -> Option<usize> {
+    log.lines()
+        .find_map(|l| l.split("best epoch: ").nth(1))
+        .and_then(|t| {
+            t.chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+                .parse()
+                .ok()
+        })
+}
+
+/// The epoch early stopping with `patience` and `min_delta` ends a run of `epochs` on `rows`'
+/// validation accuracy: the first after `patience` epochs without a new best.
+pub fn patience_end(
+    rows: &BTreeMap<usize, BTreeMap<String, f64>>,
+    patience: usize,
+    min_delta: f64,
+    epochs: usize,
+) -> usize {
+    let mut best = f64::MIN;
+    let mut since = 0;
+    for (&e, r) in rows {
+        if r["val_accuracy"] > best + min_delta {
+            best = r["val_accuracy"];
+            since = 0;
+        } else {
+            since += 1;
+        }
+        if since >= patience && e < epochs {
+            return e;
+        }
+    }
+    epochs
+}

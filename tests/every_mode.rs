@@ -19,7 +19,9 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::{Job, elastic_data, exported_logit_gap, hearth_cli, metrics};
+use common::{
+    Job, best_epoch, elastic_data, exported_logit_gap, hearth_cli, metrics, patience_end,
+};
 
 type Rows = BTreeMap<usize, BTreeMap<String, f64>>;
 
@@ -156,38 +158,6 @@ fn train(
         job.all_logs()
     );
     job.log(0)
-}
-
-/// The epoch the run exported, from its summary.
-fn best_epoch(log: &str) -> Option<usize> {
-    log.lines()
-        .find_map(|l| l.split("best epoch: ").nth(1))
-        .and_then(|t| {
-            t.chars()
-                .take_while(char::is_ascii_digit)
-                .collect::<String>()
-                .parse()
-                .ok()
-        })
-}
-
-/// The epoch early stopping with `patience` and `min_delta` ends a run of `epochs` on `rows`'
-/// validation accuracy: the first after `patience` epochs without a new best.
-fn patience_end(rows: &Rows, patience: usize, min_delta: f64, epochs: usize) -> usize {
-    let mut best = f64::MIN;
-    let mut since = 0;
-    for (&e, r) in rows {
-        if r["val_accuracy"] > best + min_delta {
-            best = r["val_accuracy"];
-            since = 0;
-        } else {
-            since += 1;
-        }
-        if since >= patience && e < epochs {
-            return e;
-        }
-    }
-    epochs
 }
 
 /// The largest relative difference of `columns` between two runs' rows; both must have the
