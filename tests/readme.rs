@@ -1,6 +1,6 @@
 //! README's commands work as written. Every `hearth ...` or `cargo run --release -- ...` line
-//! of README.md's shell blocks (and deploy/README.md's) is taken apart and checked the cheapest
-//! way that proves it:
+//! of README.md's shell blocks (and deploy/README.md's and those of every file in docs/) is
+//! taken apart and checked the cheapest way that proves it:
 //! - `train`: with `--dry-run`, every check a run makes before reading data (flags, values,
 //!   their combinations, the pipeline split against the model's units);
 //! - `data synth`, `models`, `devices`, `units`: run for real (in a scratch folder);
@@ -203,17 +203,37 @@ fn check(env: &[(String, String)], args: &[String], cwd: &Path) -> Result<(), St
 #[test]
 fn every_readme_command_works_as_written() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut all = commands(&root.join("README.md"));
-    all.extend(commands(&root.join("deploy/README.md")));
-    assert!(all.len() >= 15, "README's commands were not found: {all:?}");
-    // A scratch folder per run of the test, where `data synth` writes its sets.
-    let tmp = tempfile::tempdir().unwrap();
+    let mut files = vec![root.join("README.md"), root.join("deploy/README.md")];
+    let mut docs: Vec<_> = std::fs::read_dir(root.join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "md"))
+        .collect();
+    docs.sort();
+    files.extend(docs);
+    let readme = commands(&files[0]);
+    assert!(
+        readme.len() >= 10,
+        "README's commands were not found: {readme:?}"
+    );
     let mut failures = Vec::new();
-    for (env, args) in &all {
-        if let Err(e) = check(env, args, tmp.path()) {
-            failures.push(format!("hearth {}:\n  {e}", args.join(" ")));
+    let mut count = 0;
+    for file in &files {
+        // A scratch folder per file, where its `data synth` commands write their sets (each
+        // file is read on its own, from the top).
+        let tmp = tempfile::tempdir().unwrap();
+        for (env, args) in commands(file) {
+            count += 1;
+            if let Err(e) = check(&env, &args, tmp.path()) {
+                failures.push(format!(
+                    "{}: hearth {}:\n  {e}",
+                    file.strip_prefix(root).unwrap_or(file).display(),
+                    args.join(" ")
+                ));
+            }
         }
     }
+    assert!(count >= 40, "the docs' commands were not found ({count})");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

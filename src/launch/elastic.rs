@@ -13,7 +13,7 @@
 //! `--hosts FILE` (re-read when it changes, as MXNet's dynamic training does): its lines
 //! `HOST [slots=K]` say how many workers to run; only local hosts (127.x, localhost) can be
 //! started here, as there is no SSH launch. Workers started elsewhere join by themselves with
-//! `HEARTH_ELASTIC_PEERS` (see the README).
+//! `HEARTH_ELASTIC_PEERS` (see docs/elastic.md).
 
 use std::path::PathBuf;
 use std::process::{Child, Stdio};
@@ -118,7 +118,7 @@ pub fn parse_hosts(text: &str) -> Result<usize> {
         if !(host_only == "localhost" || host_only.starts_with("127.")) {
             return Err(HearthError::InvalidArgument(format!(
                 "--hosts: {host} is not this machine; hearth launch starts local workers only \
-                 (start workers elsewhere with HEARTH_ELASTIC_PEERS, see the README)"
+                 (start workers elsewhere with HEARTH_ELASTIC_PEERS, see docs/elastic.md)"
             )));
         }
         let mut slots = 1;
