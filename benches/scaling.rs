@@ -45,7 +45,7 @@ const HOSTS_MODELLED: [usize; 9] = [2, 4, 8, 16, 32, 64, 128, 256, 512];
 /// Horovod (Sergeev and Del Balso, 2018): ResNet-101 on 128 servers of 4 Pascal GPUs, 25 Gbit/s
 /// RoCE, 90% scaling efficiency.
 const HOROVOD: (f64, f64) = (512.0, 0.90);
-/// PyTorch's ResNet-50 training at batch 32 on one H200 (BENCHMARKS.md, "GPU: one NVIDIA H200":
+/// PyTorch's ResNet-50 training at batch 32 on one H200 (docs/benchmarks/gpu.md, "GPU: one NVIDIA H200":
 /// 1,407 and 1,494 img/s); measured by the peer, not by Hearth.
 const H200_RESNET50_IMG_S: f64 = 1_450.0;
 

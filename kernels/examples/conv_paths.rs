@@ -2,7 +2,7 @@
 //! DenseNet-121's) convolution shapes (224x224) through autodiff on Burn Flex, forward and
 //! backward (input and weight gradients), by each path: Burn's `conv2d`, the pointwise matrix
 //! product (1x1 only), and the extension op with the GEMM weight gradient. The measurement
-//! behind which shapes the fast path takes (BENCHMARKS.md, "CPU kernels").
+//! behind which shapes the fast path takes (docs/benchmarks/cpu-models.md, "CPU kernels").
 //!
 //!   cargo run --release -p hearth-kernels --example conv_paths   # HEARTH_PROFILE_BATCH (16)
 

@@ -1,7 +1,7 @@
 //! Times our batch norm (training statistics, with ReLU), forward and backward, at every batch
 //! norm of DenseNet-121 (224x224, the activation shapes its dense layers and transitions
 //! normalize) and four of ResNet-50's, with the bytes its passes move per second: how near
-//! the memory's speed these loops run (BENCHMARKS.md, "Issue 30, item 1: batch norm").
+//! the memory's speed these loops run (docs/benchmarks/cpu-models.md, "Issue 30, item 1: batch norm").
 //!
 //!   cargo run --release -q -p hearth-kernels --example elementwise   # HEARTH_PROFILE_BATCH (16), _REPS (5)
 

@@ -4,7 +4,7 @@
 //! Burn's generic `batch_norm_train` and its backward (`burn-backend`, `modules/base.rs`) are
 //! composed of tensor ops: each statistic swaps batch and channel axes (a full copy on Flex)
 //! and every elementwise step is its own pass, and ReLU adds two more. Together they took 28%
-//! of a ResNet-50 step's ops (BENCHMARKS.md, "CPU profile"). Here:
+//! of a ResNet-50 step's ops (docs/benchmarks/cpu-models.md, "CPU profile"). Here:
 //! - forward: one pass for the mean, one for the variance (centred, as Burn computes it), one
 //!   that writes the normalized, scaled, shifted and rectified output;
 //! - backward: one pass for the two per-channel sums, one that writes the input gradient.

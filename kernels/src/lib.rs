@@ -2,7 +2,7 @@
 //! autodiff backward passes.
 //!
 //! Why: on Burn Flex a ResNet-50 training step spent half its time in convolution weight
-//! gradients (BENCHMARKS.md, "CPU profile"). Burn's generic `conv2d_weight_backward` runs a
+//! gradients (docs/benchmarks/cpu-models.md, "CPU profile"). Burn's generic `conv2d_weight_backward` runs a
 //! convolution with batch and channels swapped, which Flex executes as thin matrix products
 //! at 4-65 GFLOP/s. Two paths replace it while training on the CPU:
 //!
@@ -124,7 +124,7 @@ pub fn enabled() -> bool {
 /// threads (the caller and two spinning workers) on two cores. From a thread of the pool, an
 /// op's pieces go on its own queue and it works on them itself, the other threads stealing.
 /// The pool keeps its size (`RAYON_NUM_THREADS`, else one per core), the calling thread now
-/// one of them. Measured on 2 cores (AMD EPYC Zen 5): BENCHMARKS.md, "the main thread in the
+/// one of them. Measured on 2 cores (AMD EPYC Zen 5): docs/benchmarks/cpu-models.md, "the main thread in the
 /// pool".
 ///
 /// The calling thread keeps its identity, so Burn's `RunningState` (batch norm's running
