@@ -396,7 +396,7 @@ fn bench_precision() -> hearth::train::Precision {
         .or_else(|| std::env::var("HEARTH_BENCH_PRECISION").ok());
     match named {
         None => hearth::train::Precision::Fp32,
-        Some(p) => clap::ValueEnum::from_str(&p, true).unwrap_or_else(|_| {
+        Some(p) => p.parse().unwrap_or_else(|_| {
             eprintln!("bench: --precision {p}: expected fp32, bf16 or fp16");
             std::process::exit(2);
         }),

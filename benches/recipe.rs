@@ -19,7 +19,7 @@ use hearth::datasets::synth::{SynthConfig, generate};
 use hearth::train::{AugmentPreset, TrainConfig, train};
 
 fn preset(name: &str) -> Option<AugmentPreset> {
-    clap::ValueEnum::from_str(name, true).ok()
+    AugmentPreset::from_name(name)
 }
 
 fn main() {

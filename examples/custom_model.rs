@@ -162,12 +162,14 @@ fn main() -> Result<()> {
             "--patience" => cfg.patience = Some(args.next().context("--patience N")?.parse()?),
             "--precision" => {
                 let p = args.next().context("--precision fp32|bf16|fp16")?;
-                cfg.precision = clap::ValueEnum::from_str(&p, true)
+                cfg.precision = p
+                    .parse()
                     .map_err(|e| anyhow::anyhow!("--precision {p}: {e}"))?;
             }
             "--optimizer" => {
                 let o = args.next().context("--optimizer sgd|adam|adamw|lars")?;
-                cfg.optimizer = clap::ValueEnum::from_str(&o, true)
+                cfg.optimizer = o
+                    .parse()
                     .map_err(|e| anyhow::anyhow!("--optimizer {o}: {e}"))?;
             }
             // Data parallel's sharded optimizer: each rank keeps 1/N of the optimizer state.

@@ -11,15 +11,18 @@ use hearth_models::Architecture;
 
 use crate::{HearthError, Result};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum BenchMode {
     /// Forward pass only, model in evaluation mode.
-    #[value(alias = "inference")]
+    #[cfg_attr(feature = "cli", value(alias = "inference"))]
     Infer,
     /// Forward, cross-entropy, backward and an SGD-with-momentum update.
-    #[value(alias = "training")]
+    #[cfg_attr(feature = "cli", value(alias = "training"))]
     Train,
 }
+
+crate::names::named_settings!(BenchMode { Infer => "infer", Train => "train" });
 
 #[derive(Debug, Clone)]
 pub struct ModelBench {

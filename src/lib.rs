@@ -34,6 +34,8 @@
 //! # Ok(()) }
 //! ```
 
+mod names;
+
 pub mod alloc;
 pub mod bench;
 pub mod data_check;

@@ -25,7 +25,8 @@ pub enum Decay {
 }
 
 /// The schedule names `--schedule` takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum ScheduleKind {
     /// The base rate after warmup.
     Constant,
@@ -34,6 +35,8 @@ pub enum ScheduleKind {
     /// Cosine down to zero at the last step.
     Cosine,
 }
+
+crate::names::named_settings!(ScheduleKind { Constant => "constant", Step => "step", Cosine => "cosine" });
 
 impl ScheduleKind {
     /// The decay it names (the step size of `Step` is set from the run's length).
@@ -132,13 +135,16 @@ impl LrScheduler for Schedule {
 }
 
 /// How the learning rate follows the batch size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum LrScaling {
     /// lr * B / B0 (Goyal et al. 2017).
     Linear,
     /// lr * sqrt(B / B0) (Krizhevsky 2014; seed 002).
     Sqrt,
 }
+
+crate::names::named_settings!(LrScaling { Linear => "linear", Sqrt => "sqrt" });
 
 /// The learning rate for global batch `batch` given `lr` tuned at `base_batch`.
 pub fn scale_lr(lr: f64, rule: LrScaling, batch: usize, base_batch: usize) -> Result<f64> {

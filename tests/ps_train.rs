@@ -642,8 +642,8 @@ fn each_mode_takes_its_own_defaults_where_a_flag_is_not_given() {
         assert_eq!(opts.window(), window, "{mode}");
         cfg.ps = Some(opts);
         assert_eq!(cfg.momentum(), momentum, "{mode}");
-        cfg.momentum = Some(0.5);
-        assert_eq!(cfg.momentum(), 0.5, "{mode}: a given momentum stands");
+        cfg.momentum = Some(0.7);
+        assert_eq!(cfg.momentum(), 0.7, "{mode}: a given momentum stands");
         cfg.momentum = None;
     }
 }

@@ -36,7 +36,8 @@ pub const MAY_CHANGE_ON_RESUME: [&str; 6] = [
 pub const MINI_DENSENET: &str = "densenet-mini";
 
 /// How batch norm normalises in the fine-tuning phase after `--unfreeze-after`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum FinetuneBn {
     /// By the running statistics the frozen phase used (the pretrained ones), which stay as
     /// they are, while the scales and shifts train: Keras's advice for fine-tuning, and what
@@ -47,39 +48,43 @@ pub enum FinetuneBn {
     Batch,
 }
 
+crate::names::named_settings!(FinetuneBn { Frozen => "frozen", Batch => "batch" });
+
 /// SGD's and LARS's momentum unless set (`--momentum`), except in the parameter-server modes
 /// that default to none ([`TrainConfig::momentum`]).
 pub const DEFAULT_MOMENTUM: f64 = 0.9;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum OptimizerKind {
     Sgd,
     Adam,
-    #[value(name = "adamw")]
+    #[cfg_attr(feature = "cli", value(name = "adamw"))]
     AdamW,
     Lars,
 }
 
+crate::names::named_settings!(OptimizerKind { Sgd => "sgd", Adam => "adam", AdamW => "adamw", Lars => "lars" });
+
 /// Which validation metric early stopping and best-epoch selection follow.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum Monitor {
-    #[value(name = "val_loss")]
+    #[cfg_attr(feature = "cli", value(name = "val_loss"))]
     ValLoss,
-    #[value(name = "val_accuracy")]
+    #[cfg_attr(feature = "cli", value(name = "val_accuracy"))]
     ValAccuracy,
     /// Mean per-class AUROC (multi-label sets).
-    #[value(name = "val_auroc")]
+    #[cfg_attr(feature = "cli", value(name = "val_auroc"))]
     ValAuroc,
 }
+
+crate::names::named_settings!(Monitor { ValLoss => "val_loss", ValAccuracy => "val_accuracy", ValAuroc => "val_auroc" });
 
 impl Monitor {
     /// The `metrics.csv` column it reads.
     pub fn column(self) -> &'static str {
-        match self {
-            Monitor::ValLoss => "val_loss",
-            Monitor::ValAccuracy => "val_accuracy",
-            Monitor::ValAuroc => "val_auroc",
-        }
+        self.name()
     }
 
     pub fn higher_is_better(self) -> bool {
@@ -88,7 +93,8 @@ impl Monitor {
 }
 
 /// Named augmentation recipes (`--augment`); the per-transform flags adjust them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum AugmentPreset {
     /// Resize and center crop, as validation: nothing random.
     None,
@@ -98,6 +104,8 @@ pub enum AugmentPreset {
     /// torchvision's ImageNet recipe: random resized crop of 8-100%, horizontal flip.
     Imagenet,
 }
+
+crate::names::named_settings!(AugmentPreset { None => "none", Light => "light", Imagenet => "imagenet" });
 
 impl AugmentPreset {
     pub fn augmentation(self) -> Augmentation {
@@ -110,7 +118,8 @@ impl AugmentPreset {
 }
 
 /// How `--pipeline-stages` splits the model's units when no `--pipeline-split` is given.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum PipelineBalance {
     /// Equal learnable-parameter counts (weights, gradients and optimizer state per rank).
     #[default]
@@ -126,6 +135,8 @@ pub enum PipelineBalance {
     /// parameter state only).
     Memory,
 }
+
+crate::names::named_settings!(PipelineBalance { Params => "params", Time => "time", Memory => "memory" });
 
 /// Pipeline model parallelism (`--pipeline-stages`): the model's units split into `stages`
 /// consecutive stages, one per rank of each pipeline; `world / stages` pipelines train data
@@ -729,7 +740,8 @@ impl TrainConfig {
     /// except none where workers of parameter servers add up each other's local steps
     /// (`downpour`, `dynsgd`). Each worker's momentum there compounds the sum of several
     /// workers' changes: DOWNPOUR with 0.9 fell to chance level with the other flags at their
-    /// defaults (BENCHMARKS.md, issue 55).
+    /// defaults (docs/benchmarks/parameter-servers.md, issue 55). ADAG keeps 0.9: 0.5 came
+    /// nearer sync from scratch but cost seed 000's fine-tuning recipe 7.5 points.
     pub fn momentum(&self) -> f64 {
         use burn_dist::ps::Mode;
         self.momentum.unwrap_or_else(|| match &self.ps {

@@ -50,14 +50,14 @@ impl TrainConfig {
                 "finetune_lr" => self.finetune_lr = opt(v).map(|v| f(k, &v)).transpose()?,
                 "finetune_bn" => {
                     self.finetune_bn =
-                        clap::ValueEnum::from_str(&named(k, v)?, false).map_err(|_| bad(k, v))?
+                        FinetuneBn::from_name(&named(k, v)?).ok_or_else(|| bad(k, v))?
                 }
                 "epochs" => self.epochs = n(k, v)?,
                 "batch_size" => self.batch_size = n(k, v)?,
                 "lr" => self.lr = f(k, v)?,
                 "optimizer" => {
                     self.optimizer =
-                        clap::ValueEnum::from_str(&named(k, v)?, false).map_err(|_| bad(k, v))?
+                        OptimizerKind::from_name(&named(k, v)?).ok_or_else(|| bad(k, v))?
                 }
                 "momentum" => self.momentum = Some(f(k, v)?),
                 "nesterov" => self.nesterov = b(k, v)?,
@@ -81,16 +81,15 @@ impl TrainConfig {
                     self.scale_lr = match opt(v) {
                         None => None,
                         Some(s) => Some((
-                            clap::ValueEnum::from_str(&named(k, &s["rule"])?, false)
-                                .map_err(|_| bad(k, &s))?,
+                            crate::schedule::LrScaling::from_name(&named(k, &s["rule"])?)
+                                .ok_or_else(|| bad(k, &s))?,
                             n(k, &s["base_batch"])?,
                         )),
                     }
                 }
                 "label_smoothing" => self.label_smoothing = f(k, v)? as f32,
                 "monitor" => {
-                    self.monitor =
-                        clap::ValueEnum::from_str(&named(k, v)?, false).map_err(|_| bad(k, v))?
+                    self.monitor = Monitor::from_name(&named(k, v)?).ok_or_else(|| bad(k, v))?
                 }
                 "patience" => self.patience = opt(v).map(|v| n(k, &v)).transpose()?,
                 "min_delta" => self.min_delta = f(k, v)?,
@@ -111,11 +110,11 @@ impl TrainConfig {
                 "grad_accum" => self.grad_accum = opt(v).map(|v| n(k, &v)).transpose()?,
                 "compression" => {
                     self.compression =
-                        clap::ValueEnum::from_str(&named(k, v)?, false).map_err(|_| bad(k, v))?
+                        burn_dist::Compression::from_name(&named(k, v)?).ok_or_else(|| bad(k, v))?
                 }
                 "precision" => {
                     self.precision =
-                        clap::ValueEnum::from_str(&named(k, v)?, false).map_err(|_| bad(k, v))?
+                        super::Precision::from_name(&named(k, v)?).ok_or_else(|| bad(k, v))?
                 }
                 "zero" => {
                     self.zero = u8::try_from(n(k, v)?).map_err(|_| bad(k, v))?;
@@ -137,11 +136,14 @@ impl TrainConfig {
                     self.pipeline = Some(PipelineOptions {
                         stages: n(k, &v["stages"])?,
                         micro_batches: n(k, &v["micro_batches"])?,
-                        schedule: clap::ValueEnum::from_str(&named(k, &v["schedule"])?, false)
-                            .map_err(|_| bad(k, v))?,
+                        schedule: burn_dist::pipeline::Schedule::from_name(&named(
+                            k,
+                            &v["schedule"],
+                        )?)
+                        .ok_or_else(|| bad(k, v))?,
                         split,
-                        balance: clap::ValueEnum::from_str(&named(k, &v["balance"])?, false)
-                            .map_err(|_| bad(k, v))?,
+                        balance: PipelineBalance::from_name(&named(k, &v["balance"])?)
+                            .ok_or_else(|| bad(k, v))?,
                     })
                 }
                 "ps" => {
@@ -180,9 +182,6 @@ impl TrainConfig {
             p.as_ref()
                 .map_or(Value::Null, |p| json!(p.display().to_string()))
         };
-        let value_name = |v: Option<clap::builder::PossibleValue>| {
-            v.map_or(Value::Null, |v| json!(v.get_name()))
-        };
         let schedule = match self.schedule {
             crate::schedule::Decay::Constant => json!({"decay": "constant"}),
             crate::schedule::Decay::Step { step_size, gamma } => {
@@ -192,15 +191,10 @@ impl TrainConfig {
                 json!({"decay": "cosine", "min_lr": min_lr})
             }
         };
-        let scale_lr = self.scale_lr.map_or(Value::Null, |(rule, base)| {
-            json!({
-                "rule": match rule {
-                    crate::schedule::LrScaling::Linear => "linear",
-                    crate::schedule::LrScaling::Sqrt => "sqrt",
-                },
-                "base_batch": base,
-            })
-        });
+        let scale_lr = self.scale_lr.map_or(
+            Value::Null,
+            |(rule, base)| json!({"rule": rule.name(), "base_batch": base}),
+        );
         BTreeMap::from([
             ("data", path(&self.data)),
             ("labels", path(&self.labels)),
@@ -210,20 +204,11 @@ impl TrainConfig {
             ("freeze_backbone", json!(self.freeze_backbone)),
             ("unfreeze_after", json!(self.unfreeze_after)),
             ("finetune_lr", json!(self.finetune_lr)),
-            (
-                "finetune_bn",
-                json!(
-                    clap::ValueEnum::to_possible_value(&self.finetune_bn)
-                        .map(|v| v.get_name().to_string())
-                ),
-            ),
+            ("finetune_bn", json!(self.finetune_bn.name())),
             ("epochs", json!(self.epochs)),
             ("batch_size", json!(self.batch_size)),
             ("lr", json!(self.lr)),
-            (
-                "optimizer",
-                value_name(clap::ValueEnum::to_possible_value(&self.optimizer)),
-            ),
+            ("optimizer", json!(self.optimizer.name())),
             ("momentum", json!(self.momentum())),
             ("nesterov", json!(self.nesterov)),
             ("weight_decay", json!(self.weight_decay)),
@@ -276,7 +261,7 @@ impl TrainConfig {
                     "split": p.split.as_ref().map(|s| {
                         s.iter().map(|r| format!("{}:{}", r.start, r.end)).collect::<Vec<_>>()
                     }),
-                    "balance": value_name(clap::ValueEnum::to_possible_value(&p.balance)),
+                    "balance": p.balance.name(),
                 }),
             )
         }))

@@ -36,7 +36,8 @@ use burn::prelude::*;
 use burn::tensor::FloatDType;
 
 /// The type a training step computes in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum Precision {
     /// Everything in f32.
     #[default]
@@ -48,15 +49,9 @@ pub enum Precision {
     Fp16,
 }
 
-impl Precision {
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::Fp32 => "fp32",
-            Precision::Bf16 => "bf16",
-            Precision::Fp16 => "fp16",
-        }
-    }
+crate::names::named_settings!(Precision { Fp32 => "fp32", Bf16 => "bf16", Fp16 => "fp16" });
 
+impl Precision {
     /// The float type activations take.
     pub fn dtype(self) -> FloatDType {
         match self {

@@ -144,6 +144,18 @@ impl Compression {
 }
 
 impl Compression {
+    /// Every value, in the order the command line lists them.
+    pub const ALL: &'static [Compression] =
+        &[Compression::None, Compression::Bf16, Compression::Fp16];
+
+    /// The value named `name` (ASCII case ignored), as [`Compression::name`] spells it.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|c| c.name().eq_ignore_ascii_case(name))
+    }
+
     /// The name the command line uses for it.
     pub fn name(self) -> &'static str {
         match self {

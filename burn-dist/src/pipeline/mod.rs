@@ -259,6 +259,17 @@ pub enum Schedule {
 }
 
 impl Schedule {
+    /// Every schedule, in the order the command line lists them.
+    pub const ALL: &'static [Schedule] = &[Schedule::GPipe, Schedule::OneFOneB];
+
+    /// The schedule named `name` (ASCII case ignored), as [`Schedule::name`] spells it.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|s| s.name().eq_ignore_ascii_case(name))
+    }
+
     /// The schedule's name as the command line spells it (`gpipe`, `1f1b`).
     pub fn name(self) -> &'static str {
         match self {

@@ -60,7 +60,8 @@ use burn_dist::wire::Kind;
 use burn_dist::{Communicator, DistError, ReduceOp, Transport};
 
 /// How the global batch is shared between the workers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum Balance {
     /// global / world each, the remainder to the first workers.
     #[default]
@@ -69,6 +70,8 @@ pub enum Balance {
     /// so a slow worker and a fast one finish their steps together.
     Throughput,
 }
+
+crate::names::named_settings!(Balance { Even => "even", Throughput => "throughput" });
 
 /// Elastic membership settings (`hearth train --elastic`).
 #[derive(Debug, Clone)]
