@@ -24,8 +24,11 @@
 //! below and 2.5 above, later 6.3 below in one run stopped by patience. One run's gap is
 //! noise at this size; the mean over seeds meets the goal, no single run is held to it. Before,
 //! ADAG ended 2.5 to 11.3 points below (12 runs). The test checks that the recipe runs through
-//! every step (frozen phase, switch, fine-tuning, export) and bounds one run's gap at 10
-//! points.
+//! every step (frozen phase, switch, fine-tuning, export) and bounds one run's gap at 5
+//! points: in the test's form (`--staleness 3`) the run gave 94.4% against one process's 96.9%
+//! in every one of 24 runs and of 5 more on 2026-11-27, and a local momentum of 0.5 for ADAG's
+//! workers, tried as a default that day, fell to 86.9%, which the old 10-point bound let pass.
+//! The 1-point goal is met on the mean over seeds, not by this run (2.5 under).
 //!
 //! Every run is a real process tree, bounded in time.
 
@@ -262,8 +265,8 @@ fn seed_000_a_frozen_pretrained_resnet_on_adag_workers_learns_as_one_process_doe
     let (a, b) = (best_val_accuracy(&one), best_val_accuracy(&adag));
     eprintln!("seed 000: best validation accuracy, one process {a}%, 4 ADAG workers {b}%");
     assert!(
-        b >= a - 10.0,
-        "ADAG's best validation accuracy {b}% is more than 10 points below one process's {a}%\n{text}"
+        b >= a - 5.0,
+        "ADAG's best validation accuracy {b}% is more than 5 points below one process's {a}%\n{text}"
     );
     assert!(adag.join("model.bpk").is_file());
 }
