@@ -318,16 +318,11 @@ fn sync_servers_equal_data_parallel(flags: &[&str], multi_label: bool, servers: 
     // logits.
     let ddp_log = ddp.log(0);
     let ps_log = ps.log(0);
-    let best = |log: &str| {
-        log.lines()
-            .find_map(|l| l.split("best epoch: ").nth(1))
-            .map(|t| {
-                t.chars()
-                    .take_while(char::is_ascii_digit)
-                    .collect::<String>()
-            })
-    };
-    assert_eq!(best(&ddp_log), best(&ps_log), "both export the same epoch");
+    assert_eq!(
+        common::best_epoch(&ddp_log),
+        common::best_epoch(&ps_log),
+        "both export the same epoch"
+    );
     let worst = common::exported_logit_gap(
         &ddp_run.join("model.bpk"),
         &ps_run.join("model.bpk"),
