@@ -149,7 +149,7 @@ pub fn scale_shift(
     );
     // SAFETY: the closure writes every value of its plane (`out` zipped with the input).
     unsafe {
-        crate::par_planes(x.len(), s, |i, out| {
+        crate::base::par_planes(x.len(), s, |i, out| {
             let (a, b) = (scale[i % c], shift[i % c]);
             let inp = &x[i * s..(i + 1) * s];
             if relu {
@@ -256,7 +256,7 @@ pub fn backward(
     let count = (n * s).max(1) as f64;
     // SAFETY: the closure writes every value of its plane (`out` zipped with the input).
     let dx = unsafe {
-        crate::par_planes(x.len(), s, |i, out| {
+        crate::base::par_planes(x.len(), s, |i, out| {
             let ch = i % c;
             let (xs, gs) = (&x[i * s..(i + 1) * s], &dy[i * s..(i + 1) * s]);
             let (a, b, m, is) = (scale[ch], shift[ch], mean[ch], inv_std[ch]);

@@ -123,7 +123,7 @@ impl<B: CastBackend, C: CheckpointStrategy> CastBackend for Autodiff<B, C> {
 /// `x.cast(dtype)`: through [`CastBackend`] on a Flex device with the fast paths on, by Burn's
 /// cast elsewhere.
 pub fn cast<const D: usize>(x: Tensor<D>, dtype: FloatDType) -> Tensor<D> {
-    if !(crate::enabled() && crate::is_flex(&x.device())) {
+    if !(crate::base::enabled() && crate::base::is_flex(&x.device())) {
         return x.cast(dtype);
     }
     Tensor::from_dispatch(<Dispatch as CastBackend>::hearth_cast(

@@ -29,9 +29,8 @@ use cubek::convolution::{
 use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
 use cubek::std::InputBinding;
 
-use crate::ext::{Geometry2, conv_shape};
 use crate::select::{Caps, ConvKernel, ConvOp, Loading, Tile, conv_kernels};
-use crate::weight_grad::ConvShape;
+use crate::weight_grad::{ConvShape, Geometry2, conv_shape};
 
 /// What the device of `t` can run, for [`crate::select`].
 fn caps(t: &CubeTensor) -> Caps {

@@ -20,11 +20,9 @@ use burn::tensor::DType;
 use burn::tensor::ops::ConvOptions;
 use burn_flex::FlexTensor;
 
-use crate::f32_tensor;
-use crate::weight_grad::{ConvShape, conv2d_weight_grad};
-
-/// Convolution geometry passed through the extension (stride, padding, dilation).
-pub type Geometry2 = [[usize; 2]; 3];
+use crate::base::f32_tensor;
+pub use crate::weight_grad::Geometry2;
+use crate::weight_grad::{ConvShape, conv_shape, conv2d_weight_grad};
 
 fn options([stride, padding, dilation]: Geometry2) -> ConvOptions<2> {
     ConvOptions::new(stride, padding, dilation, 1)
@@ -287,21 +285,6 @@ pub fn input_grad_path(s: &ConvShape) -> InputGrad {
     }
 }
 
-pub(crate) fn conv_shape(
-    input: [usize; 4],
-    weight: [usize; 4],
-    [stride, padding, dilation]: Geometry2,
-) -> ConvShape {
-    ConvShape {
-        input,
-        out_channels: weight[0],
-        kernel: [weight[2], weight[3]],
-        stride,
-        padding,
-        dilation,
-    }
-}
-
 #[derive(Debug)]
 struct ConvWithOurWeightGrad;
 
@@ -441,7 +424,7 @@ impl<B: ConvBackend> Backward<B, 2> for LinearProduct {
 
 /// `conv2d(x, weight)` (one group, no bias) through the extension: only for tensors on a Flex
 /// device (with or without autodiff); other backends panic in Burn's dispatch, so callers check
-/// the device first ([`crate::fast_path`]).
+/// the device first ([`crate::layer::fast_path`]).
 pub fn conv2d_gemm_grad(x: Tensor<4>, weight: Tensor<4>, geometry: Geometry2) -> Tensor<4> {
     let out = <Dispatch as ConvBackend>::hearth_conv2d(
         x.into_dispatch(),

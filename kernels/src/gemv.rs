@@ -19,7 +19,7 @@ use burn::prelude::*;
 use burn::tensor::DType;
 use rayon::prelude::*;
 
-use crate::f32_tensor;
+use crate::base::f32_tensor;
 
 /// The fewest output columns one thread takes (a multiple of 16, the widest SIMD vector): a
 /// narrower split costs more in waking a thread than the columns' share of memory.
@@ -132,8 +132,8 @@ pub fn one_row<const D: usize>(x: &Tensor<D>, weight: &Tensor<2>) -> Option<Tens
     let fast = fits
         && x.dtype() == DType::F32
         && weight.dtype() == DType::F32
-        && crate::enabled()
-        && crate::is_flex(&device)
+        && crate::base::enabled()
+        && crate::base::is_flex(&device)
         && !device.is_autodiff();
     if !fast {
         return None;

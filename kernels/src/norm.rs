@@ -18,7 +18,7 @@ use burn::prelude::*;
 use burn::tensor::DType;
 use burn_flex::FlexTensor;
 
-use crate::f32_tensor;
+use crate::base::f32_tensor;
 
 /// The extension: training-mode batch norm (optionally with ReLU) and its backward.
 #[backend_extension(Flex, Autodiff)]
@@ -379,7 +379,7 @@ impl<B: NormBackend, C: CheckpointStrategy> NormBackend for Autodiff<B, C> {
 }
 
 /// The extension op on tensors: `(output, mean, variance)`. Only for Flex devices (Burn's
-/// dispatch panics on others; callers check with [`crate::is_flex`]).
+/// dispatch panics on others; callers check with [`crate::base::is_flex`]).
 pub fn batch_norm_train<const D: usize>(
     x: Tensor<D>,
     gamma: Tensor<1>,
@@ -429,8 +429,8 @@ pub fn batch_norm_after<const D: usize>(
         && bn.training.is_enabled()
         && !is_replaying()
         && crate::low_precision(&x).is_none()
-        && crate::enabled()
-        && crate::is_flex(&device);
+        && crate::base::enabled()
+        && crate::base::is_flex(&device);
     if !fused {
         return (batch_norm(bn, x, relu), None);
     }
@@ -498,7 +498,7 @@ pub fn batch_norm<const D: usize>(bn: &BatchNorm, x: Tensor<D>, relu: bool) -> T
     let training = device.is_autodiff() && bn.training.is_enabled();
     if training && is_replaying() {
         // The same kernels as the first pass took, so the output is the same.
-        if crate::enabled() && crate::is_flex(&device) {
+        if crate::base::enabled() && crate::base::is_flex(&device) {
             return batch_norm_train(x, bn.gamma.val(), bn.beta.val(), bn.epsilon, relu).0;
         }
         let y =
@@ -510,7 +510,7 @@ pub fn batch_norm<const D: usize>(bn: &BatchNorm, x: Tensor<D>, relu: bool) -> T
             y
         };
     }
-    if !device.is_autodiff() && crate::enabled() && crate::is_flex(&device) {
+    if !device.is_autodiff() && crate::base::enabled() && crate::base::is_flex(&device) {
         // Inference: one pass where Burn's generic batch norm and ReLU make five.
         let y = <Dispatch as NormBackend>::hearth_batch_norm_inference(
             x.into_dispatch(),
@@ -523,7 +523,7 @@ pub fn batch_norm<const D: usize>(bn: &BatchNorm, x: Tensor<D>, relu: bool) -> T
         );
         return Tensor::from_dispatch(y);
     }
-    if !(training && crate::enabled() && crate::is_flex(&device)) {
+    if !(training && crate::base::enabled() && crate::base::is_flex(&device)) {
         let y = bn.forward(x);
         return if relu {
             burn::tensor::activation::relu(y)

@@ -22,7 +22,7 @@ use burn::nn::pool::MaxPool2d;
 use burn::prelude::*;
 use burn::tensor::DType;
 
-use crate::f32_tensor;
+use crate::base::f32_tensor;
 
 /// Kernel, stride, padding and dilation, `[rows, columns]` each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,7 +59,7 @@ pub fn max_pool2d(x: &[f32], [n, c, h, w]: [usize; 4], g: &PoolGeometry) -> Vec<
     let plane = ho * wo;
     // SAFETY: each plane's closure writes all `ho·wo` outputs (one per `(oh, ow)`).
     unsafe {
-        crate::par_planes(n * c * plane, plane, |p, out| {
+        crate::base::par_planes(n * c * plane, plane, |p, out| {
             let src = &x[p * h * w..(p + 1) * h * w];
             let mut row = vec![f32::NEG_INFINITY; w];
             for oh in 0..ho {
@@ -123,7 +123,7 @@ pub fn max_pool2d_backward(
     let cols: Vec<Vec<usize>> = (0..wo).map(|ow| span(1, ow, w)).collect();
     // SAFETY: each plane's closure zeroes its `h·w` values before adding into them.
     unsafe {
-        crate::par_planes(n * c * plane, plane, |p, out| {
+        crate::base::par_planes(n * c * plane, plane, |p, out| {
             for v in out.iter_mut() {
                 v.write(0.0);
             }
@@ -288,7 +288,7 @@ impl<B: PoolBackend, C: CheckpointStrategy> PoolBackend for Autodiff<B, C> {
 /// mode, same-padding).
 pub fn max_pool(pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
     let device = x.device();
-    let padding = crate::symmetric(&pool.padding);
+    let padding = crate::base::symmetric(&pool.padding);
     let [_, _, h, w] = x.dims();
     let g = padding.map(|padding| PoolGeometry {
         kernel: pool.kernel_size,
@@ -297,7 +297,7 @@ pub fn max_pool(pool: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
         dilation: pool.dilation,
     });
     let fits = g.is_some_and(|g| g.out_side(0, h).is_some() && g.out_side(1, w).is_some());
-    let fast = fits && !pool.ceil_mode && crate::enabled() && crate::is_flex(&device);
+    let fast = fits && !pool.ceil_mode && crate::base::enabled() && crate::base::is_flex(&device);
     if fast && let Some(dt) = crate::low_precision(&x) {
         // The largest of bf16 or f16 values is one of them: pooled in f32, exactly.
         let y = max_pool(pool, crate::cast(x, burn::tensor::FloatDType::F32));

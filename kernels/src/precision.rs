@@ -25,7 +25,7 @@ pub fn low_precision<const D: usize>(x: &Tensor<D>) -> Option<FloatDType> {
 /// `linear.forward(x)` in `x`'s float type; one f32 row for inference on the CPU on all
 /// threads ([`crate::gemv`]).
 pub fn linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
-    if crate::selects_gpu_kernels(&x.device(), crate::enabled()) {
+    if crate::base::selects_gpu_kernels(&x.device(), crate::base::enabled()) {
         return selected_linear(linear, x);
     }
     match low_precision(&x) {
@@ -37,8 +37,8 @@ pub fn linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
             None => linear.forward(x),
         },
         // On Flex, in f32 on the values rounded to the low type, the result rounded to it (as
-        // `crate::conv2d`): its f32 product is the fast one.
-        Some(dt) if crate::is_flex(&x.device()) && crate::enabled() => {
+        // `crate::layer::conv2d`): its f32 product is the fast one.
+        Some(dt) if crate::base::is_flex(&x.device()) && crate::base::enabled() => {
             let f32 = FloatDType::F32;
             let y = burn::tensor::module::linear(
                 cast(x, f32),

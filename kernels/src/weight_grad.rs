@@ -29,6 +29,25 @@ pub const MIN_INNER: usize = 1024;
 /// reading from memory (and the page faults of a fresh buffer) cost more than the GEMM.
 pub const BLOCK_FLOATS: usize = 1 << 21;
 
+/// Convolution geometry passed through the extension (stride, padding, dilation).
+pub type Geometry2 = [[usize; 2]; 3];
+
+/// The shape of a convolution of an `input` by a `weight` of these dims.
+pub(crate) fn conv_shape(
+    input: [usize; 4],
+    weight: [usize; 4],
+    [stride, padding, dilation]: Geometry2,
+) -> ConvShape {
+    ConvShape {
+        input,
+        out_channels: weight[0],
+        kernel: [weight[2], weight[3]],
+        stride,
+        padding,
+        dilation,
+    }
+}
+
 /// The geometry of the convolution whose weight gradient is wanted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ConvShape {

@@ -1,0 +1,140 @@
+//! What every kernel module shares: the switches (`HEARTH_FAST_KERNELS`, the device kinds),
+//! Flex tensors from raw values, and the parallel loop over planes.
+
+use std::sync::OnceLock;
+
+use burn::nn::PaddingConfig2d;
+use burn::prelude::*;
+
+use crate::select;
+
+/// A contiguous Flex f32 tensor of `dims` holding `values` (the raw kernels' outputs).
+pub(crate) fn f32_tensor(values: Vec<f32>, dims: Vec<usize>) -> burn_flex::FlexTensor {
+    burn_flex::FlexTensor::new(
+        burn::tensor::Bytes::from_elems(values),
+        burn_flex::Layout::contiguous(burn::tensor::Shape::from(dims)),
+        burn::tensor::DType::F32,
+    )
+}
+
+/// `len` values written plane by plane in parallel (planes of `plane` values), without first
+/// zeroing them: `fill(i, values)` writes plane `i`. A kernel's output written once skips a
+/// pass over memory that `vec![0.0; len]` costs (a memset, or the kernel clearing fresh pages).
+///
+/// # Safety
+/// `fill` must write every element of every plane it is given; `len` must be a multiple of
+/// `plane` (or 0).
+pub(crate) unsafe fn par_planes(
+    len: usize,
+    plane: usize,
+    fill: impl Fn(usize, &mut [std::mem::MaybeUninit<f32>]) + Sync + Send,
+) -> Vec<f32> {
+    use rayon::prelude::*;
+    let mut values = Vec::<f32>::with_capacity(len);
+    if len > 0 {
+        assert!(
+            plane > 0 && len.is_multiple_of(plane),
+            "{len} values in planes of {plane}"
+        );
+        values.spare_capacity_mut()[..len]
+            .par_chunks_mut(plane)
+            .enumerate()
+            .for_each(|(i, p)| fill(i, p));
+    }
+    // SAFETY: the caller's `fill` wrote all `len` values (a panic in it never gets here).
+    unsafe { values.set_len(len) };
+    values
+}
+
+/// Whether the fast paths are allowed (`HEARTH_FAST_KERNELS`, read once; anything but `0`,
+/// `false` or `off` means yes).
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("HEARTH_FAST_KERNELS")
+            .map(|v| !matches!(v.trim(), "0" | "false" | "off"))
+            .unwrap_or(true)
+    })
+}
+
+/// Makes the calling thread the first of the threads of rayon's global pool, as a program's
+/// main thread before any parallel work; `false` where it does not (`HEARTH_JOIN_POOL=0`,
+/// fewer than 2 threads, or the global pool was already built).
+///
+/// Why: every parallel kernel (ours, gemm's, Burn Flex's) forks onto the global pool and joins.
+/// Called from a thread outside the pool, each op injects its job, wakes the workers and puts
+/// the caller to sleep until they finish: a sleep and a wake-up per op, and between ops three
+/// threads (the caller and two spinning workers) on two cores. From a thread of the pool, an
+/// op's pieces go on its own queue and it works on them itself, the other threads stealing.
+/// The pool keeps its size (`RAYON_NUM_THREADS`, else one per core), the calling thread now
+/// one of them. Measured on 2 cores (AMD EPYC Zen 5): docs/benchmarks/cpu-models.md, "the main thread in the
+/// pool".
+///
+/// The calling thread keeps its identity, so Burn's `RunningState` (batch norm's running
+/// statistics, kept per thread and averaged over threads) sees the same thread as without it;
+/// running the steps on the pool's other threads instead changed them. With one thread the
+/// pool would have no thread of its own left for work that other threads hand it while this
+/// one waits on them, so it is not done then.
+pub fn join_global_pool() -> bool {
+    let off =
+        std::env::var("HEARTH_JOIN_POOL").is_ok_and(|v| matches!(v.trim(), "0" | "false" | "off"));
+    let threads = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+        .unwrap_or(1);
+    if off || threads < 2 {
+        return false;
+    }
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .use_current_thread()
+        .build_global()
+        .is_ok()
+}
+
+/// Whether `device` computes on the CPU (the fast paths are measured there only).
+pub fn is_cpu(device: &Device) -> bool {
+    is_flex(device) || format!("{:?}", device.clone().inner()).starts_with("NdArray")
+}
+
+/// Whether `device` runs through cubecl (wgpu, Vulkan, CUDA) in a build with the `cube`
+/// feature: where [`crate::Path::Selected`] applies.
+pub fn is_cube(device: &Device) -> bool {
+    #[cfg(feature = "cube")]
+    {
+        use burn::backend::DispatchDevice;
+        matches!(
+            device.clone().inner().as_dispatch(),
+            DispatchDevice::Cube(_)
+        )
+    }
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = device;
+        false
+    }
+}
+
+/// Whether Hearth's convolutions and linear layers on `device` take the kernels [`select`]
+/// picks by rule: a cubecl device, the fast paths allowed, and `--autotune full` not asked for.
+pub fn selects_gpu_kernels(device: &Device, allowed: bool) -> bool {
+    allowed && is_cube(device) && select::selection() == select::Selection::Rules
+}
+
+/// Whether `device` is Burn Flex (with or without autodiff): the backend [`crate::ext`] extends.
+pub fn is_flex(device: &Device) -> bool {
+    device.clone().inner() == Device::flex()
+}
+
+/// The symmetric padding `[rows, columns]` of `padding`, if it is symmetric and explicit.
+pub(crate) fn symmetric(padding: &PaddingConfig2d) -> Option<[usize; 2]> {
+    match *padding {
+        PaddingConfig2d::Valid => Some([0, 0]),
+        PaddingConfig2d::Explicit(top, left, bottom, right) if top == bottom && left == right => {
+            Some([top, left])
+        }
+        _ => None,
+    }
+}

@@ -1,0 +1,171 @@
+//! [`conv2d`] and the path it takes ([`fast_path`]), over the kernels of the other modules.
+
+use burn::nn::conv::Conv2d;
+use burn::prelude::*;
+use burn::tensor::FloatDType;
+
+use crate::base::{enabled, is_cpu, is_flex, selects_gpu_kernels, symmetric};
+use crate::cast::cast;
+use crate::ext;
+use crate::precision::low_precision;
+
+/// Which implementation a convolution takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// Burn's own `conv2d`.
+    Reference,
+    /// 1x1 with a stride above 1, no padding, no dilation, one group: every stride-th pixel,
+    /// then a matrix product per image.
+    Pointwise,
+    /// One group on a Flex device: the extension op [`ext::conv2d_gemm_grad`], which takes
+    /// our im2col + GEMM forward and input gradient where they measured faster than Flex's and
+    /// Flex's elsewhere, and always our weight gradient.
+    Gemm,
+    /// One group on a cubecl device (wgpu, Vulkan, CUDA; the `cube` feature): the same
+    /// extension op, each pass by the kernel [`crate::select`] picks by rule, never autotuned.
+    Selected,
+}
+
+/// The path `conv` takes on `x`'s device (with `allowed` standing for [`enabled`]).
+pub fn fast_path(conv: &Conv2d, device: &Device, allowed: bool) -> Path {
+    if conv.groups != 1 {
+        return Path::Reference;
+    }
+    let Some(padding) = symmetric(&conv.padding) else {
+        return Path::Reference;
+    };
+    if selects_gpu_kernels(device, allowed) {
+        return Path::Selected;
+    }
+    if !allowed || !is_cpu(device) {
+        return Path::Reference;
+    }
+    let pointwise = conv.kernel_size == [1, 1] && conv.dilation == [1, 1] && padding == [0, 0];
+    let strided = conv.stride.iter().any(|&s| s > 1);
+    let training = device.is_autodiff();
+    // kernels/examples/conv_paths.rs: while training, a strided 1x1 is fastest as a slice and
+    // a product (0.12-0.14 s against 0.16-0.23 s for ResNet-50's at batch 16); every other
+    // shape with the GEMM op. On NdArray, which the extension does not cover, only the
+    // pointwise path applies, and only its backward gains.
+    match (is_flex(device), training, pointwise) {
+        (true, true, true) if strided => Path::Pointwise,
+        (true, _, _) => Path::Gemm,
+        (false, true, true) => Path::Pointwise,
+        _ => Path::Reference,
+    }
+}
+
+/// `conv.forward(x)`, by the fast path where one applies; in `x`'s float type when that is
+/// bf16 or f16 ([`crate::precision`]).
+///
+/// On a CPU with a fast path, a low-precision convolution runs in the f32 kernels on its
+/// inputs and weights rounded to the low type, the result rounded to it: what a bf16 or f16
+/// kernel with f32 accumulation gives (oneDNN's, and PyTorch's on the CPU), at the f32
+/// kernels' speed instead of Burn's portable low-precision ones (2.5x slower for ResNet-50
+/// training, BENCHMARKS.md "Mixed precision").
+pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
+    if let Some(dt) = low_precision(&x) {
+        let path = fast_path(conv, &x.device(), enabled());
+        if path == Path::Selected {
+            // GPU kernels take the low type as it is (tensor cores).
+            let weight = conv.weight.val().cast(dt);
+            let bias = conv.bias.as_ref().map(|b| b.val().cast(dt));
+            return conv2d_on(conv, path, x, weight, bias);
+        }
+        if path != Path::Reference {
+            let f32 = FloatDType::F32;
+            let rounded = |t: Tensor<1>| cast(cast(t, dt), f32);
+            let weight = cast(cast(conv.weight.val(), dt), f32);
+            let bias = conv.bias.as_ref().map(|b| rounded(b.val()));
+            return cast(conv2d_on(conv, path, cast(x, f32), weight, bias), dt);
+        }
+        return match symmetric(&conv.padding) {
+            Some(padding) => burn::tensor::module::conv2d(
+                x,
+                conv.weight.val().cast(dt),
+                conv.bias.as_ref().map(|b| b.val().cast(dt)),
+                burn::tensor::ops::ConvOptions::new(
+                    conv.stride,
+                    padding,
+                    conv.dilation,
+                    conv.groups,
+                ),
+            ),
+            // Padding only Burn's module resolves: in f32, handed back in `x`'s type.
+            None => conv.forward(x.cast(FloatDType::F32)).cast(dt),
+        };
+    }
+    let path = fast_path(conv, &x.device(), enabled());
+    conv2d_on(
+        conv,
+        path,
+        x,
+        conv.weight.val(),
+        conv.bias.as_ref().map(|b| b.val()),
+    )
+}
+
+/// `conv`'s shape applied to `x` with `weight` and `bias` (f32) by `path` (the reference path
+/// is `conv.forward`: with the module's own weight and bias).
+fn conv2d_on(
+    conv: &Conv2d,
+    path: Path,
+    x: Tensor<4>,
+    weight: Tensor<4>,
+    bias: Option<Tensor<1>>,
+) -> Tensor<4> {
+    match path {
+        Path::Pointwise => pointwise_strided(x, weight, bias, conv.stride),
+        Path::Gemm | Path::Selected => {
+            let padding = symmetric(&conv.padding).unwrap_or([0, 0]);
+            let y = ext::conv2d_gemm_grad(x, weight, [conv.stride, padding, conv.dilation]);
+            match bias {
+                Some(b) => {
+                    let co = b.dims()[0];
+                    y + b.reshape([1, co, 1, 1])
+                }
+                None => y,
+            }
+        }
+        // Only the f32 path takes it, with the module's own weight and bias.
+        Path::Reference => conv.forward(x),
+    }
+}
+
+/// A 1x1 convolution with `stride` (no padding, one group): every stride-th pixel (a strided
+/// slice, whose backward scatters the gradient back), then [`pointwise`].
+pub fn pointwise_strided(
+    x: Tensor<4>,
+    weight: Tensor<4>,
+    bias: Option<Tensor<1>>,
+    stride: [usize; 2],
+) -> Tensor<4> {
+    let x = if stride == [1, 1] {
+        x
+    } else {
+        let [_, _, h, w] = x.dims();
+        x.slice(burn::tensor::s![.., .., 0..h; stride[0] as isize, 0..w; stride[1] as isize])
+    };
+    pointwise(x, weight, bias)
+}
+
+/// A 1x1 convolution (stride 1, no padding, one group) as a matrix product per image:
+/// `[Co, Ci] · [N, Ci, H·W]`. Its autodiff backward is two matrix products: the weight
+/// gradient `Σₙ dYₙ · Xₙᵀ` and the input gradient `Wᵀ · dY`.
+pub fn pointwise(x: Tensor<4>, weight: Tensor<4>, bias: Option<Tensor<1>>) -> Tensor<4> {
+    let [n, ci, h, w] = x.dims();
+    let [co, wci, kh, kw] = weight.dims();
+    assert!(
+        wci == ci && kh == 1 && kw == 1,
+        "pointwise convolution: weight {:?} for input {:?}",
+        weight.dims(),
+        x.dims()
+    );
+    let w2 = weight.reshape([1, co, ci]);
+    let y = w2.matmul(x.reshape([n, ci, h * w]));
+    let y = match bias {
+        Some(b) => y + b.reshape([1, co, 1]),
+        None => y,
+    };
+    y.reshape([n, co, h, w])
+}
