@@ -2,6 +2,7 @@
 
 use burn::module::Param;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::{BatchNorm, BatchNormConfig, Initializer, Linear, LinearConfig, PaddingConfig2d};
 use burn::prelude::*;
 use burn::tensor::activation::{sigmoid, softmax};
@@ -161,4 +162,17 @@ pub fn keep_batch_norm_statistics<M: burn::module::Module>(module: M) -> M {
         }
     }
     module.map(&mut Keep(Vec::new()))
+}
+
+/// ResNet's stem pool: 3x3, stride 2, padding 1.
+pub(crate) fn stem_pool() -> MaxPool2d {
+    MaxPool2dConfig::new([3, 3])
+        .with_strides([2, 2])
+        .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+        .init()
+}
+
+/// VGG's pool: 2x2, stride 2.
+pub(crate) fn vgg_pool() -> MaxPool2d {
+    MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init()
 }

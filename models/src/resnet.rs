@@ -123,7 +123,7 @@ impl ResNetConfig {
         Ok(ResNet {
             conv1: conv2d(3, self.stem_width, 7, 2, 3, 1, false, true, device),
             bn1: batch_norm(self.stem_width, device),
-            maxpool: crate::stages::stem_pool(),
+            maxpool: crate::layers::stem_pool(),
             layer1: next(),
             layer2: next(),
             layer3: next(),

@@ -2,35 +2,15 @@
 
 use std::ops::Range;
 
-use burn::module::Module;
-use burn::nn::conv::Conv2d;
-use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, MaxPool2d};
-use burn::nn::{BatchNorm, Linear};
+use burn::nn::pool::AdaptiveAvgPool2dConfig;
 use burn::prelude::*;
 
 use crate::ModelError;
 use crate::layers::HeadActivation;
 
 use super::Unit;
+use super::parts::{DenseHead, DenseStem};
 use crate::densenet::{DenseNet, DenseNetConfig, DensePiece};
-
-/// DenseNet's stem: `conv0`, `norm0`, ReLU, `pool0`.
-#[derive(Module, Debug)]
-pub struct DenseStem {
-    pub conv0: Conv2d,
-    pub norm0: BatchNorm,
-    pub pool0: MaxPool2d,
-}
-
-/// DenseNet's head: `norm5`, ReLU, global average pooling, flatten, `classifier`.
-#[derive(Module, Debug)]
-pub struct DenseHead {
-    pub norm5: BatchNorm,
-    pub avgpool: AdaptiveAvgPool2d,
-    pub classifier: Linear,
-    #[module(skip)]
-    pub head: HeadActivation,
-}
 
 impl DenseNetConfig {
     /// How many units the network has: the stem, every dense layer, every transition, the head.

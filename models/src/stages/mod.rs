@@ -20,16 +20,13 @@
 //! they share and the dispatch over [`crate::ModelConfig`] and [`crate::Classifier`].
 
 mod densenet;
+mod parts;
 mod resnet;
 #[cfg(test)]
 mod tests;
 mod vgg;
 
-pub use densenet::{DenseHead, DenseStem};
-pub(crate) use resnet::stem_pool;
-pub use resnet::{ResNetHead, ResNetStem};
-use vgg::vgg_pool;
-pub use vgg::{VggConvUnit, VggHead};
+pub use parts::{DenseHead, DenseStem, ResNetHead, ResNetStem, VggConvUnit, VggHead};
 
 use std::ops::Range;
 
@@ -279,7 +276,7 @@ impl crate::Classifier {
                     features,
                     pool_after,
                     leading_pool,
-                    maxpool: vgg_pool(),
+                    maxpool: crate::layers::vgg_pool(),
                     avgpool: head.avgpool,
                     classifier: head.classifier,
                     head: head.head,

@@ -2,34 +2,16 @@
 
 use std::ops::Range;
 
-use burn::module::Module;
-use burn::nn::conv::Conv2d;
-use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, MaxPool2d, MaxPool2dConfig};
-use burn::nn::{BatchNorm, Linear, PaddingConfig2d};
+use burn::nn::pool::AdaptiveAvgPool2dConfig;
 use burn::prelude::*;
 
 use crate::ModelError;
 use crate::layers::{HeadActivation, HeadConfig, batch_norm, conv2d};
 
 use super::Unit;
+use super::parts::{ResNetHead, ResNetStem};
+use crate::layers::stem_pool;
 use crate::resnet::{ResNet, ResNetConfig, ResidualBlock};
-
-/// ResNet's stem: `conv1`, `bn1`, ReLU, `maxpool`.
-#[derive(Module, Debug)]
-pub struct ResNetStem {
-    pub conv1: Conv2d,
-    pub bn1: BatchNorm,
-    pub maxpool: MaxPool2d,
-}
-
-/// ResNet's head: global average pooling, flatten, `fc`.
-#[derive(Module, Debug)]
-pub struct ResNetHead {
-    pub avgpool: AdaptiveAvgPool2d,
-    pub fc: Linear,
-    #[module(skip)]
-    pub head: HeadActivation,
-}
 
 /// The (inplanes, planes, stride) of every residual block, in order.
 fn blocks(cfg: &ResNetConfig) -> Vec<(usize, usize, usize)> {
@@ -84,13 +66,6 @@ impl ResNetConfig {
             })
             .collect())
     }
-}
-
-pub(crate) fn stem_pool() -> MaxPool2d {
-    MaxPool2dConfig::new([3, 3])
-        .with_strides([2, 2])
-        .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
-        .init()
 }
 
 impl ResNet {

@@ -2,40 +2,16 @@
 
 use std::ops::Range;
 
-use burn::module::Module;
-use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, MaxPool2d, MaxPool2dConfig};
+use burn::nn::pool::AdaptiveAvgPool2dConfig;
 use burn::prelude::*;
 
 use crate::ModelError;
 use crate::layers::{HeadActivation, batch_norm, conv2d};
 
 use super::Unit;
-use crate::vgg::{Vgg, VggClassifier, VggConfig, VggConv, VggLayer};
-
-/// One VGG convolution with what surrounds it: an optional max pool before (a layer table
-/// starting with a pool), batch norm, ReLU, and an optional max pool after.
-#[derive(Module, Debug)]
-pub struct VggConvUnit {
-    pub layer: VggConv,
-    pub maxpool: MaxPool2d,
-    #[module(skip)]
-    pub pool_before: bool,
-    #[module(skip)]
-    pub pool_after: bool,
-}
-
-/// VGG's head: adaptive average pooling, flatten, the classifier.
-#[derive(Module, Debug)]
-pub struct VggHead {
-    pub avgpool: AdaptiveAvgPool2d,
-    pub classifier: VggClassifier,
-    #[module(skip)]
-    pub head: HeadActivation,
-}
-
-pub(super) fn vgg_pool() -> MaxPool2d {
-    MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init()
-}
+use super::parts::{VggConvUnit, VggHead};
+use crate::layers::vgg_pool;
+use crate::vgg::{Vgg, VggConfig, VggConv, VggLayer};
 
 impl VggConfig {
     /// How many units the network has: every convolution, then the classifier.
