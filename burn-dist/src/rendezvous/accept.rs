@@ -10,8 +10,8 @@ use quinn::{Connection, Endpoint, Incoming, VarInt};
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 
+use super::link::{check_rank, remaining};
 use super::messages::parse_hello;
-use super::{check_rank, remaining};
 use crate::transport::quic::recv_control;
 use crate::wire::Kind;
 

@@ -9,8 +9,10 @@ use quinn::{Connection, VarInt};
 use rustls::pki_types::CertificateDer;
 use tokio::task::JoinSet;
 
+use super::accept;
+use super::link::{Link, peer_certs, remaining, watched};
 use super::messages::{issue, table};
-use super::{Link, RankInfo, accept, peer_certs, remaining, watched};
+use super::rank_info::RankInfo;
 use crate::tls::RankAuthority;
 use crate::transport::quic::{QuicNode, recv_control, write_frame};
 use crate::wire::{Header, Kind};

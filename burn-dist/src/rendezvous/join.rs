@@ -6,8 +6,10 @@ use std::time::{Duration, Instant};
 
 use quinn::Connection;
 
+use super::accept;
+use super::link::{Link, check_rank, remaining, watched};
 use super::messages::{hello, parse_issue, parse_table};
-use super::{Link, RankInfo, accept, check_rank, remaining, watched};
+use super::rank_info::RankInfo;
 use crate::tls::{Identity, SERVER_NAME};
 use crate::transport::quic::{QuicNode, recv_control, write_frame};
 use crate::wire::{Header, Kind};

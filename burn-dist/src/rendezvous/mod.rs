@@ -14,7 +14,7 @@
 //! connects to it (retrying until the timeout) and announces its own listening port; once all
 //! have arrived rank 0 sends everyone the table of addresses, and each rank connects to the
 //! ranks below it. A rank that never arrives makes rank 0 fail with
-//! [`DistError::MissingRanks`] naming it, within the timeout.
+//! [`crate::DistError::MissingRanks`] naming it, within the timeout.
 //!
 //! **Ranks that members cannot forge.** With a job secret every holder could make a certificate
 //! for any rank, so the secret only admits a process to the rendezvous: rank 0 makes a fresh
@@ -32,27 +32,26 @@
 //! others); this file forms the job from them.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use quinn::Connection;
-use rustls::pki_types::CertificateDer;
-
+use crate::Result;
 use crate::routed::RoutedTransport;
 use crate::settings::env_secs;
 use crate::shm::ShmOptions;
 use crate::tls::{Identity, Membership};
 use crate::transport::quic::{QuicNode, QuicOptions, QuicTransport};
-use crate::{DistError, Result};
 
 mod accept;
 mod coordinate;
 mod join;
+mod link;
 mod messages;
 mod rank_info;
 #[cfg(test)]
 mod tests;
 
+pub use link::Abort;
+use link::Link;
 pub use rank_info::{DEFAULT_PORT, RankInfo, first_slurm_host};
 
 /// Rendezvous settings.
@@ -138,14 +137,6 @@ pub fn connect_epoch_on(
     connect_epoch_watched(bound, info, membership, options, epoch, None)
 }
 
-/// What [`connect_epoch_watched`] asks, about four times a second while the rendezvous waits:
-/// an error ends the rendezvous with it (an elastic job's member found dead on the old world's
-/// links, which the rendezvous would otherwise wait for until it timed out).
-pub type Abort = Arc<dyn Fn() -> Option<DistError> + Send + Sync>;
-
-/// How often the rendezvous asks its [`Abort`].
-const ABORT_POLL: Duration = Duration::from_millis(250);
-
 /// [`connect_epoch_on`], given up as soon as `abort` says so (see [`Abort`]).
 pub fn connect_epoch_watched(
     bound: Option<QuicNode>,
@@ -199,57 +190,4 @@ pub fn connect_epoch_watched(
         &options.shm,
         deadline.max(Instant::now() + options.timeout / 2),
     )
-}
-
-/// The peer of `conn` may be rank `claimed`: its certificate names that rank (see
-/// [`crate::tls::check_peer_rank`]).
-fn check_rank(conn: &Connection, claimed: usize, world: usize) -> std::result::Result<(), String> {
-    let certs = peer_certs(conn);
-    crate::tls::check_peer_rank(certs.as_deref(), claimed, world)
-}
-
-/// The certificate chain the peer of `conn` authenticated with.
-fn peer_certs(conn: &Connection) -> Option<Vec<CertificateDer<'static>>> {
-    conn.peer_identity()
-        .and_then(|id| id.downcast::<Vec<CertificateDer<'static>>>().ok())
-        .map(|chain| *chain)
-}
-
-/// How the rendezvous makes its connections.
-pub(super) struct Link {
-    pub(super) deadline: Instant,
-    pub(super) timeout: Duration,
-    /// Connections per pair of ranks.
-    pub(super) lanes: usize,
-    /// Rank 0 issues the members' rank certificates (a job formed with a secret, see
-    /// [`crate::tls::RankAuthority`]): the members arrive with certificates they made from the
-    /// secret, and use the issued ones with each other.
-    pub(super) issues: bool,
-    /// Asked while the rendezvous waits (see [`Abort`]).
-    pub(super) abort: Option<Abort>,
-}
-
-/// `fut`, or the first error `abort` gives while it runs.
-pub(super) async fn watched<T>(
-    abort: Option<Abort>,
-    fut: impl std::future::Future<Output = Result<T>>,
-) -> Result<T> {
-    let Some(abort) = abort else {
-        return fut.await;
-    };
-    tokio::pin!(fut);
-    loop {
-        tokio::select! {
-            done = &mut fut => return done,
-            _ = tokio::time::sleep(ABORT_POLL) => {
-                if let Some(e) = abort() {
-                    return Err(e);
-                }
-            }
-        }
-    }
-}
-
-pub(super) fn remaining(deadline: Instant) -> Duration {
-    deadline.saturating_duration_since(Instant::now())
 }

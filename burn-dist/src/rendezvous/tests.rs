@@ -1,7 +1,9 @@
 //! Rendezvous: launcher variables, rank claims checked against certificates, tables.
 
+use super::link::peer_certs;
 use super::messages::{hello, parse_table, table};
 use super::*;
+use crate::DistError;
 use crate::tls::SERVER_NAME;
 use crate::tls::rank_name;
 use crate::transport::quic::write_frame;

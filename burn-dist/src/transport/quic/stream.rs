@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use quinn::{Connection, RecvStream};
 
-use super::QuicOptions;
+use super::options::QuicOptions;
 use crate::transport::{Inbox, Payload};
 use crate::wire::{HEADER_LEN, Header, Kind};
 
