@@ -3,6 +3,7 @@
 mod cli {
     pub mod bench;
     pub mod data;
+    pub mod exit;
     pub mod kernels;
     #[cfg(feature = "cuda-device")]
     pub mod llvm_targets;
@@ -18,6 +19,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use cli::bench::*;
 use cli::data::DataCommand;
+use cli::exit::exit_with;
 use cli::predict::*;
 use cli::train::*;
 use hearth::device::DeviceChoice;
@@ -225,19 +227,6 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Bench(BenchCommand::Allreduce(args)) => bench_allreduce(args),
         Command::Bench(BenchCommand::AllreduceRank(args)) => bench_allreduce_rank(args),
-    }
-}
-
-pub(crate) fn exit_with(outcome: hearth::launch::LaunchOutcome) -> Result<()> {
-    match outcome {
-        hearth::launch::LaunchOutcome::Success => Ok(()),
-        hearth::launch::LaunchOutcome::Failed { rank, code } => {
-            match code {
-                Some(c) => eprintln!("error: rank {rank} failed (exit status {c})"),
-                None => eprintln!("error: rank {rank} was killed by a signal"),
-            }
-            std::process::exit(code.filter(|c| *c != 0).unwrap_or(1));
-        }
     }
 }
 

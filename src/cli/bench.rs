@@ -8,7 +8,7 @@ use hearth::bench::{BenchMode, ModelBench};
 use hearth::dist::Compression;
 use hearth::models::Architecture;
 
-use crate::exit_with;
+use crate::cli::exit::exit_with;
 
 #[derive(Subcommand)]
 pub(crate) enum BenchCommand {

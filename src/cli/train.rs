@@ -12,8 +12,8 @@ use hearth::train::{
     AugmentPreset, FinetuneBn, Monitor, OptimizerKind, PipelineBalance, PipelineOptions,
 };
 
+use crate::cli::exit::exit_with;
 use crate::cli::resume::take_recorded;
-use crate::exit_with;
 
 #[derive(Args)]
 pub(crate) struct TrainArgs {
