@@ -53,6 +53,7 @@ pub mod pipeline;
 pub mod plot;
 pub mod predict;
 pub mod schedule;
+pub mod settings;
 pub mod train;
 
 pub use burn_dist as dist;

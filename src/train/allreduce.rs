@@ -28,14 +28,16 @@ use burn_dist::{Communicator, ReduceOp};
 
 use burn_dist::zero::ZeroOptimizer;
 
-use super::best::{export_best, model_checkpoint, save_epoch_weights};
+use super::best::{model_checkpoint, save_epoch_weights};
 use super::epochs::{Epochs, Row};
+use super::export::export_best;
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, Sums};
-use super::precision::{LossScaler, Precision, divide, overflow_hook};
+use super::precision::{LossScaler, divide, overflow_hook};
 use super::shared::{Rates, epoch_lr};
 use super::trainee::{Recipe, Trainee, val_share};
 use super::{TrainConfig, TrainReport, run_dir};
+use crate::settings::Precision;
 use crate::{HearthError, Result};
 
 /// `run_dir/checkpoint/optim-<epoch>.bpk`.

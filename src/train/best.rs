@@ -215,56 +215,6 @@ pub fn save_epoch_weights<M: burn::module::Module>(
     gate.land(&tmp, &path)
 }
 
-/// Exports epoch `best`'s checkpoint as the run's `model.bpk` (the trainee's file: for Hearth's
-/// classifiers with the model's config, class names and evaluation preprocessing), and for a
-/// multi-label run `auroc.csv` over the whole validation set; returns the per-class AUROCs.
-pub(super) fn export_best<T: super::trainee::Trainee>(
-    cfg: &super::TrainConfig,
-    trainee: &T,
-    best: usize,
-    device: &burn::prelude::Device,
-    gate: &super::gate::Gate,
-    log: &mut dyn FnMut(&str),
-) -> Result<Option<Vec<(String, f64)>>> {
-    use burn::module::Module;
-    let path = model_checkpoint(&cfg.run_dir, best);
-    let record = burn::store::ModuleRecord::load(&path).map_err(|e| {
-        HearthError::Training(format!(
-            "the best epoch's ({best}) checkpoint {}: {e}",
-            path.display()
-        ))
-    })?;
-    let model = trainee
-        .init(device, &mut |_| {})?
-        .try_load_record(record)
-        .map_err(|e| {
-            HearthError::Training(format!(
-                "the best epoch's ({best}) checkpoint {} does not fit the model: {e}",
-                path.display()
-            ))
-        })?;
-    let out = cfg.run_dir.join("model.bpk");
-    let tmp = super::gate::Gate::temp_for(&out);
-    if let Err(e) = trainee.export(cfg, &model, &tmp) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
-    gate.land(&tmp, &out)?;
-    log(&format!(
-        "exported the best epoch ({best}, by {}) into {}",
-        cfg.monitor.column(),
-        cfg.run_dir.join("model.bpk").display()
-    ));
-    super::export::auroc_report(
-        trainee.multi_label(),
-        &model,
-        trainee.classes(),
-        trainee.full_val(device),
-        &cfg.run_dir,
-        log,
-    )
-}
-
 /// The classifier with the weights of `epoch`'s checkpoint loaded into `model`; an error when
 /// that checkpoint is missing or unreadable (never a silent fall-back to another epoch).
 pub fn restore_best<T: Task>(

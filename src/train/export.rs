@@ -9,8 +9,8 @@ use hearth_datasets::Loader;
 use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
 
 use super::best::restore_best;
-use super::objective::Targets;
 use super::run_dir::write_atomic;
+use super::targets::Targets;
 use super::trainee::{Net, Stream};
 use super::{EpochRows, Task, TrainConfig};
 use crate::{HearthError, Result};
@@ -67,7 +67,7 @@ pub fn export<T: Task>(
             Box::new(
                 full_val_loader
                     .epoch(0, plain_device)
-                    .map(|b| super::objective::targets(b?, true)),
+                    .map(|b| super::targets::targets(b?, true)),
             ),
             &cfg.run_dir,
             log,
@@ -76,6 +76,56 @@ pub fn export<T: Task>(
         None
     };
     Ok(Exported { per_class_auroc })
+}
+
+/// Exports epoch `best`'s checkpoint as the run's `model.bpk` (the trainee's file: for Hearth's
+/// classifiers with the model's config, class names and evaluation preprocessing), and for a
+/// multi-label run `auroc.csv` over the whole validation set; returns the per-class AUROCs.
+pub(super) fn export_best<T: super::trainee::Trainee>(
+    cfg: &super::TrainConfig,
+    trainee: &T,
+    best: usize,
+    device: &burn::prelude::Device,
+    gate: &super::gate::Gate,
+    log: &mut dyn FnMut(&str),
+) -> Result<Option<Vec<(String, f64)>>> {
+    use burn::module::Module;
+    let path = super::best::model_checkpoint(&cfg.run_dir, best);
+    let record = burn::store::ModuleRecord::load(&path).map_err(|e| {
+        HearthError::Training(format!(
+            "the best epoch's ({best}) checkpoint {}: {e}",
+            path.display()
+        ))
+    })?;
+    let model = trainee
+        .init(device, &mut |_| {})?
+        .try_load_record(record)
+        .map_err(|e| {
+            HearthError::Training(format!(
+                "the best epoch's ({best}) checkpoint {} does not fit the model: {e}",
+                path.display()
+            ))
+        })?;
+    let out = cfg.run_dir.join("model.bpk");
+    let tmp = super::gate::Gate::temp_for(&out);
+    if let Err(e) = trainee.export(cfg, &model, &tmp) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    gate.land(&tmp, &out)?;
+    log(&format!(
+        "exported the best epoch ({best}, by {}) into {}",
+        cfg.monitor.column(),
+        cfg.run_dir.join("model.bpk").display()
+    ));
+    auroc_report(
+        trainee.multi_label(),
+        &model,
+        trainee.classes(),
+        trainee.full_val(device),
+        &cfg.run_dir,
+        log,
+    )
 }
 
 /// A multi-label run's `auroc.csv` for its exported `model` ([`write_auroc`]) over the whole

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use super::TrainConfig;
-use super::config::*;
+use crate::settings::*;
 use crate::{HearthError, Result};
 
 impl TrainConfig {

@@ -33,6 +33,7 @@
 
 mod allreduce;
 mod best;
+mod catalog;
 mod config;
 mod data;
 mod distributed;
@@ -50,35 +51,40 @@ mod pipeline;
 mod precision;
 mod ps;
 mod render;
+mod report;
 pub mod run_dir;
 mod sets;
 mod shared;
 mod speed;
 mod step;
+mod targets;
 mod trainee;
+mod validate;
 pub mod zero;
 
+pub use crate::settings::{
+    AugmentPreset, Balance, DEFAULT_MOMENTUM, EASGD_PEAK_ALPHA, ElasticOptions, FinetuneBn,
+    Monitor, OptimizerKind, PipelineBalance, PipelineOptions, Precision, PsOptions, PsServers,
+};
 pub use best::{BestRule, KeepBestAndLast, Patience, best_epoch};
 pub use burn_dist::ps::Mode as PsMode;
-pub use config::{
-    AugmentPreset, DEFAULT_MODEL, DEFAULT_MOMENTUM, FinetuneBn, MAY_CHANGE_ON_RESUME,
-    MINI_DENSENET, MINI_VGG, MINI_VGG_PLAIN, Monitor, OptimizerKind, PipelineBalance,
-    PipelineOptions, TrainConfig,
+pub use catalog::{
+    DEFAULT_MODEL, MINI_DENSENET, MINI_MODELS, MINI_VGG, MINI_VGG_PLAIN, mini_resnet, mini_vgg,
+    model_config,
 };
+pub use config::{MAY_CHANGE_ON_RESUME, TrainConfig};
 pub use data::{ImageBatch, LoaderAdapter};
-pub use elastic::{Balance, ElasticOptions, mark_finished, request_leave};
+pub use elastic::{mark_finished, request_leave};
 pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
-pub use model::{MINI_MODELS, epoch_seed, mini_resnet, mini_vgg, model_config};
-pub use objective::Targets;
-pub use precision::{LossScaler, Mixed, Precision, SharedScaler};
-pub use ps::{EASGD_PEAK_ALPHA, PsOptions, PsServers};
+pub use model::epoch_seed;
+pub use precision::{LossScaler, Mixed, SharedScaler};
 pub use render::PlainRenderer;
+pub use report::{EpochRows, TrainReport};
 pub use speed::{EpochCount, ImagesPerSecond};
 pub use step::{MultiLabel, SingleLabel, Task};
+pub use targets::Targets;
 pub use trainee::{Custom, ExampleError, Examples, Net};
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -87,92 +93,6 @@ use hearth_datasets::ImageSet;
 use hearth_models::ModelConfig;
 
 use crate::{HearthError, Result};
-
-/// Epoch -> column -> value: the rows of `metrics.csv`.
-pub type EpochRows = BTreeMap<usize, BTreeMap<String, f64>>;
-
-/// What a run reports at the end.
-#[derive(Debug, Clone)]
-pub struct TrainReport {
-    pub run_dir: PathBuf,
-    pub model_path: PathBuf,
-    pub best_epoch: usize,
-    pub best_val_accuracy: Option<f64>,
-    pub best_val_loss: Option<f64>,
-    pub epochs_run: usize,
-    pub wall_seconds: f64,
-    pub images_per_sec: f64,
-    /// Process-hours of the whole job: wall time times the processes of a fixed world
-    /// (workers, servers and stages alike); an elastic job's worker-hours across its
-    /// membership changes and resumes.
-    pub node_hours: f64,
-    pub cost: Option<f64>,
-    pub class_names: Vec<String>,
-    /// Multi-label runs: mean per-class validation AUROC of the best epoch (0-100, as burn
-    /// reports it).
-    pub best_val_auroc: Option<f64>,
-    /// Multi-label runs: each class's validation AUROC (0-1) for the exported model, as CheXNet
-    /// reports it; also written to `auroc.csv`.
-    pub per_class_auroc: Option<Vec<(String, f64)>>,
-    /// This process's rank (0 when not distributed); only rank 0 exports and plots.
-    pub rank: usize,
-    pub world: usize,
-    /// Images the run's loaders skipped because they failed to decode (on rank 0: every
-    /// rank's, gathered at the end; elsewhere this rank's) (`path: reason`, each
-    /// once): never trained or validated on.
-    pub skipped: Vec<String>,
-}
-
-impl TrainReport {
-    /// The job runs on `world` processes, each from its start to its end as this one: its
-    /// node-hours are this process's wall time times `world`, and `price` (per node-hour,
-    /// `--price-per-hour`) prices them.
-    pub(crate) fn set_world(&mut self, world: usize, price: Option<f64>) {
-        self.world = world;
-        self.price_process_seconds(self.wall_seconds * world.max(1) as f64, price);
-    }
-
-    /// The job used `seconds` process-seconds in all (an elastic job's worker-seconds, over
-    /// the membership changes): its node-hours and their cost at `price` per node-hour.
-    pub(crate) fn price_process_seconds(&mut self, seconds: f64, price: Option<f64>) {
-        self.node_hours = seconds / 3600.0;
-        self.cost = price.map(|p| p * self.node_hours);
-    }
-
-    /// The report of a run that trained `images` images in all since `started`, whose best
-    /// epoch is `best` (rank 0 of 1, no per-class AUROC: the caller fills those in).
-    fn summarise(
-        cfg: &TrainConfig,
-        rows: &EpochRows,
-        best: usize,
-        started: Instant,
-        images: usize,
-        class_names: Vec<String>,
-    ) -> Self {
-        let wall = started.elapsed().as_secs_f64();
-        let node_hours = wall / 3600.0;
-        let row = rows.get(&best);
-        let value = |column: &str| row.and_then(|r| r.get(column)).copied();
-        Self {
-            run_dir: cfg.run_dir.clone(),
-            model_path: cfg.run_dir.join("model.bpk"),
-            best_epoch: best,
-            best_val_accuracy: value("val_accuracy"),
-            best_val_loss: value("val_loss"),
-            epochs_run: rows.keys().copied().max().unwrap_or(0),
-            wall_seconds: wall,
-            images_per_sec: images as f64 / wall.max(1e-9),
-            node_hours,
-            cost: cfg.price_per_hour.map(|p| p * node_hours),
-            class_names,
-            best_val_auroc: value("val_auroc"),
-            per_class_auroc: None,
-            rank: 0,
-            world: 1,
-            skipped: Vec::new(),
-        }
-    }
-}
 
 /// Trains, validates every epoch, and exports the best epoch's weights to `run_dir/model.bpk`.
 ///
@@ -380,7 +300,7 @@ impl<'a> Run<'a> {
         let multi_label = train_set.multi_label;
         let (rank, world) = dist.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
         let loaders = sets::Loaders::new(cfg, train_set, val_set, rank, world)?;
-        let config = model::model_config(&cfg.model, classes.len())?;
+        let config = catalog::model_config(&cfg.model, classes.len())?;
         let lr = cfg.scaled_lr(log)?;
         // Resume: burn's checkpointer restores model, optimizer and scheduler of the last
         // complete epoch; data order, augmentation and the model's random stream are functions

@@ -6,76 +6,14 @@ use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, AdamWConfig, LearningRate, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::prelude::*;
 use hearth_models::{
-    Architecture, BiasInit, BlockKind, Classifier, DenseNetConfig, HeadActivation, HeadConfig,
-    LoadOptions, ModelConfig, ResNetConfig, VggConfig, VggLayer, WeightsFormat, load_model,
-    load_torchvision,
+    BiasInit, Classifier, HeadActivation, HeadConfig, LoadOptions, ModelConfig, WeightsFormat,
+    load_model, load_torchvision,
 };
 
-use super::config::{MINI_DENSENET, MINI_VGG_PLAIN};
-use super::{DEFAULT_MODEL, MINI_VGG, OptimizerKind, TrainConfig};
+use super::TrainConfig;
 use crate::optim::LarsConfig;
+use crate::settings::{FinetuneBn, OptimizerKind};
 use crate::{HearthError, Result};
-
-/// The small ResNet of the default run: torchvision's BasicBlock ResNet, one block per stage,
-/// widths 16-128 (0.7 M parameters).
-pub fn mini_resnet(num_classes: usize) -> ModelConfig {
-    ModelConfig::ResNet(
-        ResNetConfig::new(BlockKind::Basic, [1, 1, 1, 1], num_classes)
-            .with_stem_width(16)
-            .with_stage_widths([16, 32, 64, 128]),
-    )
-}
-
-/// A small VGG with batch norm and torchvision's classifier (dropout 0.5), 64 hidden units.
-pub fn mini_vgg(num_classes: usize) -> ModelConfig {
-    use VggLayer::{Conv, Pool};
-    ModelConfig::Vgg(
-        VggConfig::new(
-            vec![Conv(16), Pool, Conv(32), Pool, Conv(64), Pool],
-            true,
-            num_classes,
-        )
-        .with_hidden(64)
-        .with_pool_size(2),
-    )
-}
-
-/// The small test-size networks `--model` takes beside torchvision's names (no torchvision
-/// weights exist for them; an earlier run's `model.bpk` carries them).
-pub const MINI_MODELS: [&str; 4] = [DEFAULT_MODEL, MINI_VGG, MINI_VGG_PLAIN, MINI_DENSENET];
-
-/// The architecture `name` (torchvision's names, [`DEFAULT_MODEL`], [`MINI_VGG`],
-/// [`MINI_VGG_PLAIN`], [`MINI_DENSENET`]).
-pub fn model_config(name: &str, classes: usize) -> Result<ModelConfig> {
-    match name {
-        DEFAULT_MODEL => Ok(mini_resnet(classes)),
-        MINI_VGG => Ok(mini_vgg(classes)),
-        MINI_VGG_PLAIN => {
-            let ModelConfig::Vgg(v) = mini_vgg(classes) else {
-                unreachable!("mini_vgg is a VGG")
-            };
-            let mut v = v.with_dropout(0.0);
-            v.batch_norm = false;
-            Ok(ModelConfig::Vgg(v))
-        }
-        MINI_DENSENET => Ok(ModelConfig::DenseNet(DenseNetConfig::new(
-            8,
-            vec![2, 2, 2, 2],
-            16,
-            classes,
-        ))),
-        _ => match Architecture::from_name(name) {
-            Ok(arch) => Ok(arch.config(classes)),
-            Err(hearth_models::ModelError::UnknownModel { name, known }) => {
-                Err(HearthError::InvalidArgument(format!(
-                    "unknown model '{name}'; known models: {known}; test-size networks: {}",
-                    MINI_MODELS.join(", ")
-                )))
-            }
-            Err(e) => Err(e.into()),
-        },
-    }
-}
 
 /// Serialises seeding and parameter initialisation across threads: Burn keeps one random
 /// generator per process and initialises parameters lazily.
@@ -168,8 +106,8 @@ pub(crate) fn materialize<M: Module>(model: M) -> M {
 pub(crate) fn unfrozen<M: Module>(cfg: &TrainConfig, model: M) -> M {
     let model = model.unfreeze();
     match cfg.finetune_bn {
-        super::FinetuneBn::Frozen => hearth_models::keep_batch_norm_statistics(model),
-        super::FinetuneBn::Batch => model,
+        FinetuneBn::Frozen => hearth_models::keep_batch_norm_statistics(model),
+        FinetuneBn::Batch => model,
     }
 }
 

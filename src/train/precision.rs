@@ -33,56 +33,8 @@ use std::sync::{Arc, Mutex};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
-use burn::tensor::FloatDType;
 
-/// The type a training step computes in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
-pub enum Precision {
-    /// Everything in f32.
-    #[default]
-    Fp32,
-    /// bfloat16 compute (f32's range, 8 bits of mantissa), f32 master weights.
-    Bf16,
-    /// float16 compute (11 bits of mantissa, range up to 65504), f32 master weights, dynamic
-    /// loss scaling.
-    Fp16,
-}
-
-crate::names::named_settings!(Precision { Fp32 => "fp32", Bf16 => "bf16", Fp16 => "fp16" });
-
-impl Precision {
-    /// The float type activations take.
-    pub fn dtype(self) -> FloatDType {
-        match self {
-            Precision::Fp32 => FloatDType::F32,
-            Precision::Bf16 => FloatDType::BF16,
-            Precision::Fp16 => FloatDType::F16,
-        }
-    }
-
-    /// Whether the step computes below f32.
-    pub fn is_low(self) -> bool {
-        self != Precision::Fp32
-    }
-
-    /// The wire format gradients take by default in a distributed run of this precision:
-    /// nothing is gained by sending more bits than the gradients were computed with (the
-    /// reduction itself adds in f32).
-    pub fn wire(self) -> burn_dist::Compression {
-        match self {
-            Precision::Fp32 => burn_dist::Compression::None,
-            Precision::Bf16 => burn_dist::Compression::Bf16,
-            Precision::Fp16 => burn_dist::Compression::Fp16,
-        }
-    }
-}
-
-impl std::fmt::Display for Precision {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+use crate::settings::Precision;
 
 /// Dynamic loss scaling for fp16: the loss times [`LossScaler::scale`] before the backward pass,
 /// the gradients divided by it after; a step whose gradients are not finite is skipped and the

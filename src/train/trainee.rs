@@ -20,7 +20,7 @@ use hearth_datasets::loader::{epoch_order, shard_of};
 use hearth_models::{Classifier, ModelConfig};
 
 use super::TrainConfig;
-use super::objective::Targets;
+use super::targets::Targets;
 use crate::{HearthError, Result};
 
 /// A Burn model Hearth's modes can train: any module whose forward pass maps a batch's input
@@ -263,7 +263,7 @@ impl Recipe for ImageRecipe {
         };
         let classes = train_set.classes.clone();
         let multi_label = train_set.multi_label;
-        let config = super::model::model_config(&cfg.model, classes.len())?;
+        let config = super::catalog::model_config(&cfg.model, classes.len())?;
         let loaders = super::sets::Loaders::new(cfg, train_set, val_set, rank, world)?;
         Ok(ImageTrainee {
             cfg: cfg.clone(),
@@ -279,7 +279,7 @@ impl Recipe for ImageRecipe {
 
 /// A loader's batches as (images, targets).
 fn images(stream: hearth_datasets::BatchStream, multi_label: bool) -> Stream<Tensor<4>> {
-    Box::new(stream.map(move |b| super::objective::targets(b?, multi_label)))
+    Box::new(stream.map(move |b| super::targets::targets(b?, multi_label)))
 }
 
 impl Trainee for ImageTrainee {

@@ -194,3 +194,34 @@ impl<T: Trainee> Strategy for Members<'_, '_, '_, T> {
         self.run.trainee.decode_failures()
     }
 }
+
+impl<T: Trainee> ElasticRun<'_, T> {
+    /// The run's epochs on the shared loop ([`Epochs::run`]), membership changes inside them,
+    /// then the end of the run.
+    pub(super) fn train(
+        mut self,
+        world: World,
+        commit: Commit<T::Model>,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<TrainReport> {
+        if self.trainee.train_len() == 0 {
+            return Err(HearthError::InvalidArgument(
+                "the training set is empty".into(),
+            ));
+        }
+        let epochs = Epochs::new(self.cfg, world.rank() == 0);
+        epochs.set_gate(self.gate());
+        epochs.set_rows(commit.rows.clone());
+        let first = commit.epoch as usize;
+        let mut members = Members {
+            run: &mut self,
+            epochs: &epochs,
+            world,
+            commit,
+            done: first,
+        };
+        epochs.run(first, &mut members, log)?;
+        let Members { world, commit, .. } = members;
+        self.finish(world, commit, log)
+    }
+}

@@ -32,15 +32,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use super::best::{export_best, model_checkpoint, save_epoch_weights};
+use super::best::{model_checkpoint, save_epoch_weights};
 use super::epochs::{Epochs, Row};
+use super::export::export_best;
 use super::gate::Gate;
 use super::model::{optimizer, seed_stream};
-use super::objective::{Objective, Targets};
-use super::precision::{LossScaler, Precision, divide, overflow_hook};
+use super::objective::Objective;
+use super::precision::{LossScaler, divide, overflow_hook};
 use super::shared::{Rates, collective_timeout, epoch_lr, hook, one_host_overlap_notice};
+use super::targets::Targets;
 use super::trainee::{ImageRecipe, Input, Net, Recipe, Stream, Trainee, val_share};
 use super::{EpochRows, TrainConfig, TrainReport, run_dir};
+use crate::settings::{Balance, ElasticOptions, Precision};
 use crate::{HearthError, Result};
 use burn::module::Module;
 use burn::optim::{GradientsAccumulator, ModuleOptimizer, OptimizerRecord};
@@ -58,66 +61,6 @@ use burn_dist::rendezvous::{
 use burn_dist::routed::RoutedTransport;
 use burn_dist::wire::Kind;
 use burn_dist::{Communicator, DistError, ReduceOp, Transport};
-
-/// How the global batch is shared between the workers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
-pub enum Balance {
-    /// global / world each, the remainder to the first workers.
-    #[default]
-    Even,
-    /// In proportion to each worker's measured samples per second (re-measured as it trains),
-    /// so a slow worker and a fast one finish their steps together.
-    Throughput,
-}
-
-crate::names::named_settings!(Balance { Even => "even", Throughput => "throughput" });
-
-/// Elastic membership settings (`hearth train --elastic`).
-#[derive(Debug, Clone)]
-pub struct ElasticOptions {
-    pub min_workers: usize,
-    pub max_workers: usize,
-    /// How long a world below `min_workers` waits for joiners before giving up.
-    pub rejoin_timeout: Duration,
-    pub balance: Balance,
-    /// This worker's name in the job (`HEARTH_ELASTIC_ID`; initial workers default to `w<rank>`,
-    /// joiners to `<host>:<pid>`).
-    pub id: Option<String>,
-    /// The host its failures count against for the blacklist: by default the machine as the
-    /// kernel names it (boot id and network namespace, as the shared-memory path tells hosts
-    /// apart), so a process restarted on a failing machine is still refused;
-    /// `HEARTH_ELASTIC_HOST` overrides it.
-    pub host: Option<String>,
-    /// Where this worker listens for joiners (`HEARTH_ELASTIC_ADDR`; default 127.0.0.1 or
-    /// 0.0.0.0, any port).
-    pub join_addr: Option<SocketAddr>,
-    /// Join a running job through these join addresses instead of starting one
-    /// (`HEARTH_ELASTIC_PEERS`, comma-separated).
-    pub peers: Vec<String>,
-    /// A file of join addresses, one `host:port` per line, re-read while joining
-    /// (`--hosts` / `HEARTH_ELASTIC_HOSTS`).
-    pub hosts_file: Option<PathBuf>,
-    /// This process joins a running job (no `HEARTH_RANK`).
-    pub joiner: bool,
-}
-
-impl Default for ElasticOptions {
-    fn default() -> Self {
-        Self {
-            min_workers: 1,
-            max_workers: 64,
-            rejoin_timeout: Duration::from_secs(300),
-            balance: Balance::Even,
-            id: None,
-            host: None,
-            join_addr: None,
-            peers: Vec::new(),
-            hosts_file: None,
-            joiner: false,
-        }
-    }
-}
 
 impl ElasticOptions {
     /// Fills in what the launcher says about this worker: `HEARTH_ELASTIC_ID`,
@@ -294,7 +237,7 @@ struct ElasticRun<'a, T: Trainee> {
     /// `HEARTH_FP16_OVERFLOW_AT_STEP` for this worker's id.
     overflow_at: Option<u64>,
     /// `--zero`: this worker's shard of the optimizer (the commit's `optim` is then unused).
-    zero: Option<sharded::Sharded>,
+    zero: Option<shard::Sharded>,
     /// `--overlap`: whether this worker has said how many gradients its first overlapped
     /// step exchanged during the backward.
     overlap_said: bool,
@@ -343,144 +286,17 @@ fn greeting_tag(epoch: u32) -> u64 {
 /// Steps between re-measured throughput shares (`--balance throughput`).
 const REBALANCE_EVERY: u64 = 8;
 
+mod entry;
 mod fence;
 mod members;
 mod settle;
+mod shard;
 mod sharded;
 mod state;
 mod step;
 mod world;
 
-use members::Members;
-
-pub(super) fn train(
-    cfg: &TrainConfig,
-    opts: &ElasticOptions,
-    device: &Device,
-    log: &mut dyn FnMut(&str),
-) -> Result<TrainReport> {
-    if cfg.data.is_none() {
-        return Err(HearthError::InvalidArgument(
-            "--elastic needs --data (workers start at different times, so none may generate the \
-             synthetic set for the others: write one with `hearth data synth`)"
-                .into(),
-        ));
-    }
-    train_with(cfg, opts, &ImageRecipe, device, log)
-}
-
-/// An elastic worker of `recipe`'s model and data.
-pub(super) fn train_with<R: Recipe>(
-    cfg: &TrainConfig,
-    opts: &ElasticOptions,
-    recipe: &R,
-    device: &Device,
-    log: &mut dyn FnMut(&str),
-) -> Result<TrainReport> {
-    let started = Instant::now();
-    // SAFETY: the handler only stores to an atomic.
-    unsafe {
-        libc::signal(libc::SIGTERM, on_sigterm as *const () as libc::sighandler_t);
-    }
-    let membership = burn_dist::tls::Membership::from_env()?;
-    if !matches!(membership, burn_dist::tls::Membership::Secret { .. }) {
-        return Err(HearthError::InvalidArgument(
-            "--elastic needs a job secret (HEARTH_JOB_SECRET): members change ranks, which \
-             per-rank certificates cannot follow"
-                .into(),
-        ));
-    }
-    let initial = cfg.dist.clone();
-    if initial.is_none() && !opts.joiner {
-        return Err(HearthError::InvalidArgument(
-            "--elastic runs under `hearth launch --elastic`, or joins a job given \
-             HEARTH_ELASTIC_PEERS or --hosts"
-                .into(),
-        ));
-    }
-    let loopback = initial.as_ref().is_none_or(|i| {
-        i.coordinator.starts_with("127.") || i.coordinator.starts_with("localhost")
-    });
-    let join_addr = opts.join_addr.unwrap_or(SocketAddr::new(
-        if loopback {
-            IpAddr::V4(Ipv4Addr::LOCALHOST)
-        } else {
-            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
-        },
-        0,
-    ));
-    let join = JoinService::bind(join_addr, &membership, Role::Busy)?;
-    let id = opts.id.clone().unwrap_or_else(|| match &initial {
-        Some(i) => format!("w{}", i.rank),
-        None => format!("{}:{}", join_addr.ip(), std::process::id()),
-    });
-    let me = Worker {
-        host: opts.host.clone().unwrap_or_else(|| machine(&id)),
-        id,
-    };
-    // Every worker reads the whole set: which part of it a worker trains on changes with
-    // the membership.
-    let trainee = recipe.prepare(cfg, None, 0, 1, &mut |_| {})?;
-    let objective = Objective::new(cfg, trainee.multi_label());
-    let batches_per_epoch = trainee.train_len().div_ceil(cfg.batch_size).max(1);
-    let limits = Limits {
-        min: opts.min_workers,
-        max: opts.max_workers,
-        rejoin_timeout: opts.rejoin_timeout,
-        ..Limits::default()
-    };
-    let mut run = ElasticRun {
-        cfg,
-        opts,
-        device: device.clone().autodiff(),
-        plain_device: device.clone(),
-        trainee,
-        rates: Rates::new(cfg, cfg.scaled_lr(&mut |_| {})?, batches_per_epoch)?,
-        objective,
-        batches_per_epoch,
-        steps_per_epoch: cfg.optimizer_steps(batches_per_epoch),
-        membership,
-        join,
-        coordinator: Membership::new(limits, Vec::new()),
-        me,
-        started,
-        speed: 0.0,
-        bound: None,
-        next_members: None,
-        launch: String::new(),
-        fence: fence::Fence::new(&cfg.run_dir),
-        token: None,
-        state_limit: std::cell::OnceCell::new(),
-        throttle: None,
-        leave_at: None,
-        die_at: None,
-        die_in_change: None,
-        freeze_at: None,
-        freeze_secs: None,
-        overflow_at: None,
-        zero: None,
-        overlap_said: false,
-        exchange: ExchangeClock::default(),
-    };
-    run.die_at = hook("HEARTH_ELASTIC_DIE_AT_STEP", &run.me.id);
-    run.die_in_change = hook("HEARTH_ELASTIC_DIE_IN_CHANGE", &run.me.id);
-    run.freeze_at = hook("HEARTH_ELASTIC_FREEZE_AT_STEP", &run.me.id);
-    run.freeze_secs = hook("HEARTH_ELASTIC_FREEZE_SECS", &run.me.id);
-    run.throttle = hook("HEARTH_ELASTIC_THROTTLE", &run.me.id);
-    run.leave_at = hook("HEARTH_ELASTIC_LEAVE_AT_STEP", &run.me.id);
-    run.overflow_at = overflow_hook(cfg.precision, &run.me.id);
-    let (world, commit) = match &initial {
-        Some(info) => run.first_world(info, log)?,
-        None => run.join_world(log)?,
-    };
-    if cfg.zero > 0 {
-        run.zero = Some(match &initial {
-            Some(_) => run.first_shards(&world, &commit, log)?,
-            None => run.reshard(&world, &commit, None, log)?,
-        });
-    }
-    run.train(world, commit, log)
-}
+pub(crate) use entry::{train, train_with};
 
 impl<T: Trainee> ElasticRun<'_, T> {
     /// The model, seeded as every run initialises it; commits load their weights into it.
@@ -533,35 +349,6 @@ impl<T: Trainee> ElasticRun<'_, T> {
             scaler: (self.cfg.precision == Precision::Fp16).then(LossScaler::default),
             epoch_skipped: 0,
         })
-    }
-
-    /// The run's epochs on the shared loop ([`Epochs::run`]), membership changes inside them,
-    /// then the end of the run.
-    fn train(
-        mut self,
-        world: World,
-        commit: Commit<T::Model>,
-        log: &mut dyn FnMut(&str),
-    ) -> Result<TrainReport> {
-        if self.trainee.train_len() == 0 {
-            return Err(HearthError::InvalidArgument(
-                "the training set is empty".into(),
-            ));
-        }
-        let epochs = Epochs::new(self.cfg, world.rank() == 0);
-        epochs.set_gate(self.gate());
-        epochs.set_rows(commit.rows.clone());
-        let first = commit.epoch as usize;
-        let mut members = Members {
-            run: &mut self,
-            epochs: &epochs,
-            world,
-            commit,
-            done: first,
-        };
-        epochs.run(first, &mut members, log)?;
-        let Members { world, commit, .. } = members;
-        self.finish(world, commit, log)
     }
 
     /// The end of the run: rank 0 exports the best epoch's weights and the plots.

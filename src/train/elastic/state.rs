@@ -198,7 +198,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             return Ok(false);
         }
         if self.zero.is_some()
-            && !crate::train::zero::state_file(&sharded::state_dir(self.cfg), c.step as usize)
+            && !crate::train::zero::state_file(&shard::state_dir(self.cfg), c.step as usize)
                 .is_file()
         {
             // The sharded state of this step was not written (one worker cannot alone).

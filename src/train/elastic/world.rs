@@ -327,7 +327,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
                     };
                     let _ = give_up.send_to(world.transport.as_ref(), &survivors);
                     let sharded = crate::train::zero::state_file(
-                        &sharded::state_dir(self.cfg),
+                        &shard::state_dir(self.cfg),
                         commit.step as usize,
                     );
                     let state = if !saved && self.zero.is_some() && !sharded.is_file() {

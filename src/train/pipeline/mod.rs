@@ -20,9 +20,7 @@
 //! rank 0, which assembles the whole model (the only time one process holds all of it) into
 //! `model.bpk`, loadable by `hearth predict` like any other.
 
-use std::collections::BTreeSet;
 use std::ops::Range;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,15 +37,18 @@ use burn_dist::{Communicator, ReduceOp};
 use hearth_models::stages::Unit;
 use hearth_models::{Classifier, HeadActivation, ModelConfig, Preprocessing, save_model_with};
 
-use super::config::{PipelineBalance, PipelineOptions};
+use super::catalog::model_config;
 use super::epochs::{Epochs, Row, Strategy};
 use super::export::auroc_report;
-use super::model::{SEED_LOCK, epoch_seed, init_model, model_config, optimizer, seed_stream};
-use super::objective::{Objective, ValScores, targets};
-use super::precision::{LossScaler, Precision};
+use super::model::{SEED_LOCK, epoch_seed, init_model, optimizer, seed_stream};
+use super::objective::{Objective, ValScores};
+use super::precision::LossScaler;
 use super::shared::{Rates, collective_timeout, epoch_lr};
+use super::targets::targets;
 use super::{TrainConfig, TrainReport, distributed, run_dir, sets};
 use crate::pipeline::{StageModel, UnitCost, balance, balance_by, stage_memory};
+use crate::settings::Precision;
+use crate::settings::{PipelineBalance, PipelineOptions};
 use crate::{HearthError, Result};
 
 /// Largest piece of a tensor sent to rank 0 at export (values), well under the frame cap.
@@ -115,7 +116,7 @@ pub(super) fn train(
     let (stage, replica) = grid.place(rank);
     let classes = train_set.classes.clone();
     let config = model_config(&cfg.model, classes.len())?;
-    let ranges = split::split(cfg, opts, &config, device)?;
+    let ranges = files::split(cfg, opts, &config, device)?;
     let plain = device.clone();
     log(&format!(
         "pipeline: {} stages x {} replicas, {} micro-batches of a {}-image batch per replica, {} schedule",
@@ -235,7 +236,7 @@ impl PipelineRun<'_> {
     ) -> Result<()> {
         let mut settings = vec![
             ("model", self.config.to_json()),
-            ("pipeline split", split::format_split(&self.ranges)),
+            ("pipeline split", files::format_split(&self.ranges)),
             ("--pipeline-stages", self.grid.stages.to_string()),
             ("pipelines", self.grid.replicas.to_string()),
             ("--micro-batches", self.opts.micro_batches.to_string()),
@@ -286,7 +287,7 @@ impl PipelineRun<'_> {
             &trains,
             self.steps_per_epoch,
             replicas,
-            &store::stage_dir(&self.cfg.run_dir, self.stage),
+            &files::stage_dir(&self.cfg.run_dir, self.stage),
             from,
             fine_tuning && self.cfg.unfreeze_after == Some(resume),
         )?;
@@ -321,6 +322,7 @@ impl PipelineRun<'_> {
     }
 }
 
+mod files;
 mod split;
 mod step;
 mod store;
@@ -369,7 +371,7 @@ impl Strategy for StageStrategy<'_, '_> {
                         &model,
                         self.run.steps_per_epoch,
                         replicas,
-                        &store::stage_dir(&self.run.cfg.run_dir, self.run.stage),
+                        &files::stage_dir(&self.run.cfg.run_dir, self.run.stage),
                         0,
                         false,
                     )?,
@@ -399,7 +401,7 @@ impl Strategy for StageStrategy<'_, '_> {
         // files that complete the epoch.
         if let (Some(z), Some(replicas)) = (&self.zero, &self.run.replicas) {
             super::zero::save_state(
-                &store::stage_dir(&self.run.cfg.run_dir, self.run.stage),
+                &files::stage_dir(&self.run.cfg.run_dir, self.run.stage),
                 epoch,
                 z,
                 replicas,
@@ -432,7 +434,7 @@ impl PipelineRun<'_> {
             if cfg.zero == 0 || self.stage_wrote_state(&model, epoch) {
                 super::zero::check_resume_in(
                     cfg,
-                    &store::stage_dir(&cfg.run_dir, self.stage),
+                    &files::stage_dir(&cfg.run_dir, self.stage),
                     epoch,
                 )?;
             }

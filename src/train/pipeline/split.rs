@@ -2,41 +2,7 @@
 //! time or by estimated memory, or as a resumed run recorded it (`pipeline_split.txt`).
 
 use super::*;
-
-/// The run's recorded split (`pipeline_split.txt`), which a resumed run keeps.
-fn split_file(run_dir: &Path) -> PathBuf {
-    run_dir.join("pipeline_split.txt")
-}
-
-pub(super) fn format_split(ranges: &[Range<usize>]) -> String {
-    ranges
-        .iter()
-        .map(|r| format!("{}:{}", r.start, r.end))
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
-/// The stages' unit ranges: `--pipeline-split`, or balanced by parameter count.
-pub(super) fn split(
-    cfg: &TrainConfig,
-    opts: &PipelineOptions,
-    config: &ModelConfig,
-    device: &Device,
-) -> Result<Vec<Range<usize>>> {
-    let n = config.units();
-    let ranges = match &opts.split {
-        Some(r) => r.clone(),
-        None => balance(&config.unit_params(device)?, opts.stages)?,
-    };
-    if ranges.last().map(|r| r.end) != Some(n) {
-        return Err(HearthError::InvalidArgument(format!(
-            "--pipeline-split must cover units 0..{n} of {} (it ends at {})",
-            cfg.model,
-            ranges.last().map_or(0, |r| r.end)
-        )));
-    }
-    Ok(ranges)
-}
+use files::{format_split, split_file};
 
 impl PipelineRun<'_> {
     /// The final split: the one a resumed run recorded, else measured by time

@@ -2,7 +2,8 @@
 //! and the metrics row every rank agrees on.
 
 use super::*;
-use crate::train::precision::{LossScaler, Precision, divide};
+use crate::settings::Precision;
+use crate::train::precision::{LossScaler, divide};
 use burn_dist::DistError;
 
 /// Sums over a stage's share of an epoch: (loss x samples, correct, samples).

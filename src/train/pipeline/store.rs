@@ -2,40 +2,9 @@
 //! stage can resume from, and the export that assembles the stages into `model.bpk`.
 
 use super::*;
-
-/// `run_dir/checkpoint/stage-<s>`.
-pub(super) fn stage_dir(run_dir: &Path, stage: usize) -> PathBuf {
-    run_dir.join("checkpoint").join(format!("stage-{stage}"))
-}
-
-fn model_file(run_dir: &Path, stage: usize, epoch: usize) -> PathBuf {
-    stage_dir(run_dir, stage).join(format!("model-{epoch}.bpk"))
-}
-
-fn optim_file(run_dir: &Path, stage: usize, epoch: usize) -> PathBuf {
-    stage_dir(run_dir, stage).join(format!("optim-{epoch}.bpk"))
-}
-
-/// fp16's loss scale after `epoch` (the same on every stage; each stage keeps a copy, so a
-/// rank resumes from its own disk).
-fn loss_scale_file(run_dir: &Path, stage: usize, epoch: usize) -> PathBuf {
-    stage_dir(run_dir, stage).join(format!("loss-scale-{epoch}.json"))
-}
-
-/// Epochs whose model and optimizer files exist for every one of `stages` stages (on a shared
-/// disk; on separate machines each rank checks what it can see, and the ranks agree on the
-/// minimum).
-pub fn complete_pipeline_checkpoints(run_dir: &Path, stages: usize) -> BTreeSet<usize> {
-    (0..stages)
-        .map(|s| stage_epochs(run_dir, s))
-        .reduce(|a, b| a.intersection(&b).copied().collect())
-        .unwrap_or_default()
-}
-
-/// Epochs for which stage `stage` has both its model and optimizer files.
-fn stage_epochs(run_dir: &Path, stage: usize) -> BTreeSet<usize> {
-    run_dir::checkpoints_in(&stage_dir(run_dir, stage), &["model", "optim"])
-}
+use files::{
+    complete_pipeline_checkpoints, loss_scale_file, model_file, optim_file, stage_dir, stage_epochs,
+};
 
 impl PipelineRun<'_> {
     /// The last epoch every stage has a complete checkpoint of, agreed by all ranks (each sees

@@ -34,10 +34,10 @@
 //! `--freeze-backbone --unfreeze-after N`: the servers hold the head's shards for N epochs,
 //! then a second session shards the whole model (see [`SETUP`]).
 
+mod job;
 mod state;
 mod worker;
 
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -49,87 +49,12 @@ use burn_dist::transport::Transport;
 use burn_dist::wire::Kind;
 
 use super::{TrainConfig, TrainReport};
+use crate::settings::PsOptions;
 use crate::{HearthError, Result};
-
-/// Where the parameter servers run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PsServers {
-    /// This many of the job's ranks serve; the others train.
-    Dedicated(usize),
-    /// Every rank trains and also serves one shard (a thread of its own).
-    Colocated,
-}
-
-impl std::str::FromStr for PsServers {
-    type Err = HearthError;
-    fn from_str(s: &str) -> Result<Self> {
-        if s == "colocated" {
-            return Ok(Self::Colocated);
-        }
-        match s.parse::<usize>() {
-            Ok(n) if n > 0 => Ok(Self::Dedicated(n)),
-            _ => Err(HearthError::InvalidArgument(format!(
-                "--ps {s:?}: give a number of server ranks (at least 1) or `colocated`"
-            ))),
-        }
-    }
-}
-
-/// EASGD's elastic force α at the schedule's peak rate unless `--rho` is given: a worker and
-/// the centre meet halfway at each exchange. ρ = 5 with `--lr 0.05` (α = 0.25) learned 3 to
-/// 14 points under sync with the other flags at their defaults; α = 0.5 came within about 3
-/// (BENCHMARKS.md, issue 55).
-pub const EASGD_PEAK_ALPHA: f64 = 0.5;
-
-/// Parameter-server settings (`hearth train --ps`).
-#[derive(Debug, Clone)]
-pub struct PsOptions {
-    pub servers: PsServers,
-    pub mode: Mode,
-    /// Steps between a worker's exchanges with the servers (asynchronous modes); `None`: the
-    /// mode's default ([`PsOptions::window`]).
-    pub window: Option<usize>,
-    /// EASGD's ρ: the elastic force is α = lr · ρ (the scheduled rate). `None`: ρ =
-    /// [`EASGD_PEAK_ALPHA`] / the phase's base rate, so that α is 0.5 at the schedule's peak
-    /// whatever `--lr` is.
-    pub rho: Option<f64>,
-    /// Most steps a worker may run ahead of the slowest (`--staleness`, SSP).
-    pub staleness: Option<u64>,
-}
-
-impl Default for PsOptions {
-    fn default() -> Self {
-        Self {
-            servers: PsServers::Dedicated(1),
-            mode: Mode::Adag,
-            window: None,
-            rho: None,
-            staleness: None,
-        }
-    }
-}
+pub(crate) use job::Roles;
+use job::{BYE, SETUP, ServerSetup};
 
 impl PsOptions {
-    /// Steps between a worker's exchanges: `window` where set, else 2 for `downpour` and
-    /// `easgd` and 5 for `adag` and `dynsgd` (1 for `sync`, which exchanges every step).
-    /// Chosen by measurement with every other flag at its default (BENCHMARKS.md, issue 55):
-    /// EASGD's centre, moved only by the elastic pulls, learned 12 points under sync with a
-    /// window of 5 and came level with one of 2; DOWNPOUR gained 2 to 3 points; ADAG, whose
-    /// servers divide each change by the window, lost 7 with 2.
-    pub fn window(&self) -> usize {
-        self.window.unwrap_or(match self.mode {
-            Mode::Sync => 1,
-            Mode::Downpour | Mode::Easgd => 2,
-            Mode::Adag | Mode::DynSgd => 5,
-        })
-    }
-
-    /// EASGD's ρ in a phase whose base (peak) rate is `lr`: `rho` where set, else
-    /// [`EASGD_PEAK_ALPHA`] / `lr`.
-    pub fn rho_at(&self, lr: f64) -> f64 {
-        self.rho.unwrap_or(EASGD_PEAK_ALPHA / lr)
-    }
-
     /// The lead's start line: the servers, the workers and the settings this mode takes (the
     /// asynchronous modes' defaults differ by mode, so it says which).
     pub(crate) fn describe(&self, cfg: &TrainConfig, roles: Roles, lr: f64) -> String {
@@ -161,125 +86,6 @@ impl PsOptions {
             self.mode,
             self.window(),
         )
-    }
-}
-
-/// Who does what in a job of `world` launched ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Roles {
-    pub workers: usize,
-    pub servers: usize,
-    pub colocated: bool,
-}
-
-impl Roles {
-    pub fn new(servers: PsServers, world: usize) -> Result<Self> {
-        match servers {
-            PsServers::Dedicated(p) if p < world => Ok(Self {
-                workers: world - p,
-                servers: p,
-                colocated: false,
-            }),
-            PsServers::Dedicated(p) => Err(HearthError::InvalidArgument(format!(
-                "--ps {p} leaves no worker among {world} ranks (--nproc must exceed --ps)"
-            ))),
-            PsServers::Colocated => Ok(Self {
-                workers: world,
-                servers: world,
-                colocated: true,
-            }),
-        }
-    }
-
-    /// Ranks of the parameter-server job (twice the launched ranks when colocated).
-    pub fn world(&self) -> usize {
-        self.workers + self.servers
-    }
-
-    pub fn worker_ranks(&self) -> Vec<usize> {
-        (0..self.workers).collect()
-    }
-
-    pub fn server_ranks(&self) -> Vec<usize> {
-        (self.workers..self.world()).collect()
-    }
-}
-
-/// The lead worker's goodbye: everything it needed from this rank has arrived.
-pub(crate) const BYE: u64 = burn_dist::ps::message::APP_TAGS + 1;
-/// A worker's per-epoch statistics, sent to the lead when it is done.
-pub(crate) const STATS: u64 = burn_dist::ps::message::APP_TAGS;
-/// A worker's skipped images (`path: reason` lines), sent to the lead after its statistics.
-pub(crate) const SKIPPED: u64 = burn_dist::ps::message::APP_TAGS + 3;
-
-/// The lead's settings for one server's optimizer, sent before each session's values: the
-/// optimizer steps per epoch (the schedule's unit), the phase's base rate and its shard's
-/// weight-decay ranges. A run has one session, or two with `--unfreeze-after` (the frozen
-/// phase's shards of the head, then the fine-tuning phase's shards of the whole model); an
-/// empty [`SETUP`] says there is no further session.
-pub(crate) const SETUP: u64 = burn_dist::ps::message::APP_TAGS + 2;
-
-/// What [`SETUP`] carries.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct ServerSetup {
-    pub batches_per_epoch: u64,
-    /// The phase's rate (after `--scale-lr`; `--finetune-lr` in the fine-tuning phase).
-    pub lr: f64,
-    /// Value ranges of the shard (shard indices) that weight decay applies to.
-    pub decay: Vec<Range<usize>>,
-}
-
-impl ServerSetup {
-    /// Little-endian `u64`s: steps per epoch, the rate's bits, the number of ranges, then each
-    /// start and end.
-    pub fn encode(&self) -> Vec<u8> {
-        let mut words = vec![
-            self.batches_per_epoch,
-            self.lr.to_bits(),
-            self.decay.len() as u64,
-        ];
-        for r in &self.decay {
-            words.extend([r.start as u64, r.end as u64]);
-        }
-        words.iter().flat_map(|w| w.to_le_bytes()).collect()
-    }
-
-    /// The setup for a shard of `shard_len` values; anything else is an error naming it.
-    pub fn decode(bytes: &[u8], shard_len: usize) -> Result<Self> {
-        let bad = |m: String| HearthError::Training(format!("parameter server setup: {m}"));
-        if !bytes.len().is_multiple_of(8) || bytes.len() < 24 {
-            return Err(bad(format!("{} bytes", bytes.len())));
-        }
-        let words: Vec<u64> = bytes
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-            .collect();
-        let lr = f64::from_bits(words[1]);
-        if !(lr.is_finite() && lr > 0.0) {
-            return Err(bad(format!("a rate of {lr}")));
-        }
-        let n = usize::try_from(words[2]).unwrap_or(usize::MAX);
-        if words.len() != n.saturating_mul(2).saturating_add(3) {
-            return Err(bad(format!(
-                "{n} ranges in {} words",
-                words.len().saturating_sub(3)
-            )));
-        }
-        let mut decay = Vec::with_capacity(n);
-        for pair in words[3..].chunks_exact(2) {
-            let (a, b) = (pair[0] as usize, pair[1] as usize);
-            if a >= b || b > shard_len {
-                return Err(bad(format!(
-                    "range {a}..{b} outside a shard of {shard_len} values"
-                )));
-            }
-            decay.push(a..b);
-        }
-        Ok(Self {
-            batches_per_epoch: words[0].max(1),
-            lr,
-            decay,
-        })
     }
 }
 
@@ -442,6 +248,7 @@ fn server_report(cfg: &TrainConfig, started: Instant, rank: usize, roles: Roles)
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::settings::PsServers;
 
     #[test]
     fn server_setup_round_trips_and_garbage_is_named() {

@@ -21,15 +21,18 @@ use burn_dist::wire::Kind;
 use burn_dist::{Communicator, DistError};
 
 use super::super::flat::{decay_ranges, flat_optimizer};
+use super::job::{BYE, Roles, SETUP, SKIPPED, STATS, ServerSetup};
 use super::state::{
     EpochStats, PsState, Sharding, decode_stats, encode_stats, reshard_optim_state, state_file,
 };
-use super::{BYE, PsOptions, Roles, SETUP, SKIPPED, STATS, ServerSetup};
-use crate::train::best::{export_best, model_checkpoint, save_epoch_weights};
+use crate::settings::Precision;
+use crate::settings::PsOptions;
+use crate::train::best::{model_checkpoint, save_epoch_weights};
 use crate::train::epochs::{Epochs, Row, Strategy};
+use crate::train::export::export_best;
 use crate::train::model::seed_stream;
 use crate::train::objective::Objective;
-use crate::train::precision::{LossScaler, Precision, overflow_hook, unscale_flat};
+use crate::train::precision::{LossScaler, overflow_hook, unscale_flat};
 use crate::train::shared::{Rates, collective_timeout, epoch_lr, hook};
 use crate::train::trainee::{Net, Recipe, Trainee};
 use crate::train::{TrainConfig, TrainReport, run_dir};

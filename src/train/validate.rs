@@ -1,0 +1,425 @@
+//! [`TrainConfig::validate`]: every setting checked alone and together before anything is read
+//! or launched, so that a combination a mode cannot run is an error naming the flag. It sits
+//! above the settings and the modes it asks (the model catalogue, the parameter servers'
+//! roles), so that the settings themselves depend on none of them.
+
+use super::TrainConfig;
+use super::catalog::model_config;
+use super::ps::Roles;
+use crate::settings::{
+    DEFAULT_MOMENTUM, EASGD_PEAK_ALPHA, FinetuneBn, Monitor, OptimizerKind, PsOptions,
+};
+use crate::{HearthError, Result};
+
+impl TrainConfig {
+    /// Checks the settings, alone and together: every combination a mode cannot run is an
+    /// error naming the flag (and why), before anything is read or launched.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(HearthError::InvalidArgument(m));
+        // An unknown --model is said before any data is read or generated.
+        model_config(&self.model, 2)?;
+        if self.batch_size == 0 {
+            return bad("--batch-size must be at least 1 (got 0)".into());
+        }
+        if self.epochs == 0 {
+            return bad("--epochs must be at least 1".into());
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad(format!("--lr {} must be positive", self.lr));
+        }
+        if !(0.0..1.0).contains(&self.label_smoothing) {
+            return bad("--label-smoothing must be in [0, 1)".into());
+        }
+        if self.label_smoothing > 0.0 && self.labels.is_some() {
+            return bad(
+                "--label-smoothing smooths single-label cross-entropy; a multi-label run \
+                 (--labels) trains one sigmoid per class with binary cross-entropy"
+                    .into(),
+            );
+        }
+        if !(self.min_delta.is_finite() && self.min_delta >= 0.0) {
+            return bad(format!("--min-delta {} must be 0 or more", self.min_delta));
+        }
+        if self.patience == Some(0) {
+            return bad("--patience must be at least 1".into());
+        }
+        if let Some(n) = self.unfreeze_after {
+            if !self.freeze_backbone {
+                return bad("--unfreeze-after needs --freeze-backbone".into());
+            }
+            if n == 0 || n >= self.epochs {
+                return bad(format!(
+                    "--unfreeze-after {n} must be between 1 and --epochs - 1 ({})",
+                    self.epochs - 1
+                ));
+            }
+        }
+        if self.finetune_bn != FinetuneBn::default()
+            && (self.unfreeze_after.is_none() || !self.freeze_backbone)
+        {
+            return bad(
+                "--finetune-bn applies to the fine-tuning phase: it needs --freeze-backbone \
+                 --unfreeze-after N"
+                    .into(),
+            );
+        }
+        if let Some(lr) = self.finetune_lr
+            && !(lr.is_finite() && lr > 0.0)
+        {
+            return bad(format!("--finetune-lr {lr} must be positive"));
+        }
+        if self.monitor == Monitor::ValAuroc && self.labels.is_none() {
+            return bad(
+                "--monitor val_auroc needs a multi-label data set (--labels FILE.csv)".into(),
+            );
+        }
+        if self.bucket_bytes == 0 {
+            return bad("--bucket-mb must be positive".into());
+        }
+        self.validate_optimizer()?;
+        if self.grad_accum == Some(0) {
+            return bad("--grad-accum must be at least 1".into());
+        }
+        if let Some(d) = &self.dist
+            && self.elastic.is_none()
+            && self.ps.is_none()
+        {
+            // The global batch is split over the data-parallel replicas: every rank, or every
+            // pipeline (a pipeline's stages share their replica's batch).
+            let (parts, what) = match &self.pipeline {
+                Some(p) => ((d.world / p.stages.max(1)).max(1), "pipelines"),
+                None => (d.world, "ranks"),
+            };
+            if !self.batch_size.is_multiple_of(parts) {
+                return bad(format!(
+                    "--batch-size {} (the global batch) must divide evenly over {parts} {what}",
+                    self.batch_size
+                ));
+            }
+        }
+        if self.image_size < hearth_models::MIN_INPUT_SIZE as u32 {
+            return bad(format!(
+                "--size {} is below the minimum of {}",
+                self.image_size,
+                hearth_models::MIN_INPUT_SIZE
+            ));
+        }
+        self.augmentation.pipeline(self.image_size)?;
+        if let Some(p) = &self.pipeline {
+            if p.stages == 0 || p.micro_batches == 0 {
+                return bad("--pipeline-stages and --micro-batches must be at least 1".into());
+            }
+            if let Some(split) = &p.split
+                && split.len() != p.stages
+            {
+                return bad(format!(
+                    "--pipeline-split gives {} stages, --pipeline-stages {}",
+                    split.len(),
+                    p.stages
+                ));
+            }
+            // The split must cover the model's units exactly (known from its name alone).
+            if let Some(end) = p.split.as_ref().and_then(|s| s.last()).map(|r| r.end) {
+                let units = model_config(&self.model, 2)?.units();
+                if end != units {
+                    return bad(format!(
+                        "--pipeline-split ends at unit {end}, but --model {} has {units} units \
+                         (0..{units}; `hearth units --model {}` lists them)",
+                        self.model, self.model
+                    ));
+                }
+            }
+            // Without a meaning here: a pipeline's micro-batches are its accumulation.
+            if self.grad_accum.is_some() {
+                return bad(
+                    "--grad-accum does not apply to --pipeline-stages: a pipeline step \
+                            already sums the gradients of --micro-batches micro-batches; raise \
+                            --micro-batches (and --batch-size) instead"
+                        .into(),
+                );
+            }
+        }
+        if let Some(e) = &self.elastic {
+            if e.min_workers == 0 || e.min_workers > e.max_workers {
+                return bad(format!(
+                    "--min-workers {} and --max-workers {} need 1 <= min <= max",
+                    e.min_workers, e.max_workers
+                ));
+            }
+            if self.batch_size < e.max_workers {
+                return bad(format!(
+                    "--batch-size {} (the global batch) must give each of --max-workers {} a sample",
+                    self.batch_size, e.max_workers
+                ));
+            }
+            if self.pipeline.is_some() {
+                return bad(
+                    "--pipeline-stages does not work with --elastic: a pipeline's stages are \
+                     fixed ranks, and elastic membership changes them"
+                        .into(),
+                );
+            }
+        }
+        if let Some(p) = &self.ps {
+            self.validate_ps(p)?;
+        }
+        self.validate_zero()?;
+        self.validate_overlap()?;
+        self.validate_exchange()
+    }
+
+    /// The optimizer's settings: momentum and Nesterov only where the optimizer has them.
+    fn validate_optimizer(&self) -> Result<()> {
+        let bad = |m: String| Err(HearthError::InvalidArgument(m));
+        let name = match self.optimizer {
+            OptimizerKind::Sgd => "sgd",
+            OptimizerKind::Adam => "adam",
+            OptimizerKind::AdamW => "adamw",
+            OptimizerKind::Lars => "lars",
+        };
+        let momentum = self.momentum();
+        if !(momentum.is_finite() && (0.0..1.0).contains(&momentum)) {
+            return bad(format!("--momentum {momentum} must be in [0, 1)"));
+        }
+        let adaptive = matches!(self.optimizer, OptimizerKind::Adam | OptimizerKind::AdamW);
+        // hparams.json records 0.9 for adam runs too: only another value is refused.
+        if adaptive && self.momentum.is_some_and(|m| m != DEFAULT_MOMENTUM) {
+            return bad(format!(
+                "--momentum {momentum} applies to sgd and lars; --optimizer {name} keeps its own \
+                 moment estimates (betas 0.9 and 0.999)"
+            ));
+        }
+        if self.nesterov {
+            if self.optimizer != OptimizerKind::Sgd {
+                return bad(format!(
+                    "--nesterov applies to --optimizer sgd; {name} has no Nesterov variant here"
+                ));
+            }
+            if momentum == 0.0 {
+                return bad(format!(
+                    "--nesterov needs --momentum above 0 (0 is plain SGD{})",
+                    if self.momentum.is_none() {
+                        ", this mode's default"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `--overlap`: data parallel over two ranks or more, or elastic; what it does not work
+    /// with refused by name.
+    fn validate_overlap(&self) -> Result<()> {
+        if !self.overlap {
+            return Ok(());
+        }
+        let why = if self.ps.is_some() {
+            Some("--ps (workers exchange values with the servers, not by allreduce)")
+        } else if self.pipeline.is_some() {
+            Some("--pipeline-stages (not built: a stage's replicas exchange after its step)")
+        } else if self.zero > 0 {
+            Some("--zero (its exchange is a reduce-scatter in buckets of its own)")
+        } else if self.grad_accum.is_some_and(|k| k > 1) {
+            Some("--grad-accum (a step's gradients are exchanged on its last backward only)")
+        } else if self.elastic.is_none() && self.dist.as_ref().is_none_or(|d| d.world < 2) {
+            Some(
+                "a one-process run: it exchanges no gradients (add --nproc N, or launch it as \
+                 a job)",
+            )
+        } else {
+            None
+        };
+        match why {
+            Some(why) => Err(HearthError::InvalidArgument(format!(
+                "--overlap does not work with {why}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// `--zero`: data parallel over two ranks or more, and what is not built yet refused by
+    /// name.
+    fn validate_zero(&self) -> Result<()> {
+        if self.zero == 0 {
+            return Ok(());
+        }
+        let bad = |m: String| Err(HearthError::InvalidArgument(m));
+        if self.zero > 2 {
+            return bad(format!(
+                "--zero {}: the stages are 0 (off), 1 (optimizer state sharded) and 2 (gradients \
+                 too); stage 3 (parameters) is not built",
+                self.zero
+            ));
+        }
+        let mode = if self.ps.is_some() {
+            Some("--ps: its servers already hold the optimizer state, sharded")
+        } else if let Some(p) = &self.pipeline {
+            // A stage's replicas shard its state: P stages x D replicas, D at least 2.
+            let world = self.dist.as_ref().map_or(1, |d| d.world);
+            (world / p.stages.max(1) < 2).then_some(
+                "--pipeline-stages and one replica per stage: --zero shards a stage's state over \
+                 its replicas (--nproc P x D with D of 2 or more)",
+            )
+        } else if self.elastic.is_some() && self.freeze_backbone && self.unfreeze_after.is_some() {
+            Some(
+                "--elastic and --unfreeze-after: not built yet (the fine-tuning switch would \
+                 re-shard the state over the tensors it adds)",
+            )
+        } else {
+            None
+        };
+        if let Some(why) = mode {
+            return bad(format!("--zero does not work with {why}"));
+        }
+        // An elastic job's workers come and go (a joiner has no launch world at all).
+        if self.elastic.is_none() && self.dist.as_ref().is_none_or(|d| d.world < 2) {
+            return bad(format!(
+                "--zero {} shards the optimizer over data-parallel ranks, and a one-process run \
+                 has one: add --nproc N (or launch it as a job)",
+                self.zero
+            ));
+        }
+        Ok(())
+    }
+
+    /// `--compression` and `--bucket-mb` shape the gradients ranks exchange by allreduce: an
+    /// error where a run exchanges none (one process, a pipeline of one replica) or exchanges
+    /// them otherwise (parameter servers).
+    fn validate_exchange(&self) -> Result<()> {
+        let (allreduce, why) = self.allreduce_exchange();
+        if allreduce {
+            return Ok(());
+        }
+        if self.compression != burn_dist::Compression::None && self.ps.is_none() {
+            return Err(HearthError::InvalidArgument(format!(
+                "--compression {} does not apply: {why}",
+                self.compression.name()
+            )));
+        }
+        if self.bucket_bytes != burn_dist::bucket::DEFAULT_BUCKET_BYTES {
+            return Err(HearthError::InvalidArgument(format!(
+                "--bucket-mb does not apply: {why}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether this run averages gradients by allreduce (so `--compression` applies), and if
+    /// not, why.
+    pub fn exchanges_by_allreduce(&self) -> bool {
+        self.allreduce_exchange().0
+    }
+
+    fn allreduce_exchange(&self) -> (bool, &'static str) {
+        let ranks = self.dist.as_ref().map_or(1, |d| d.world);
+        match (&self.pipeline, &self.ps, &self.elastic) {
+            (_, Some(_), _) => (
+                false,
+                "--ps exchanges values with the servers, not by allreduce",
+            ),
+            (_, _, Some(_)) => (true, ""),
+            (Some(p), _, _) => (
+                ranks > p.stages,
+                "a pipeline of one replica has no gradients to average (add replicas: --nproc \
+                 a multiple of --pipeline-stages)",
+            ),
+            (None, None, None) => (ranks > 1, "a one-process run exchanges no gradients"),
+        }
+    }
+
+    fn validate_ps(&self, p: &PsOptions) -> Result<()> {
+        let bad = |m: String| Err(HearthError::InvalidArgument(m));
+        if p.window == Some(0) {
+            return bad("--window must be at least 1".into());
+        }
+        // A setting the mode does not read is refused, not ignored.
+        let mode = p.mode.name();
+        if let Some(rho) = p.rho {
+            if !(rho.is_finite() && rho > 0.0) {
+                return bad(format!("--rho {rho} must be positive"));
+            }
+            if p.mode != burn_dist::ps::Mode::Easgd {
+                return bad(format!(
+                    "--rho {rho} is EASGD's elastic force; --mode {mode} does not use it (--mode \
+                     easgd does)"
+                ));
+            }
+            // α = rate · ρ above 1 moves a worker past the centre at each exchange.
+            let peak = self
+                .scaled_lr(&mut |_| {})?
+                .max(self.finetune_lr.unwrap_or(0.0));
+            if rho * peak > 1.0 {
+                return bad(format!(
+                    "--rho {rho} with a peak rate of {peak} makes EASGD's elastic force α = rate x \
+                     rho {} (above 1 a worker overshoots the centre at each exchange); give \
+                     --rho at most {} or leave it out (α = {} at the peak)",
+                    rho * peak,
+                    1.0 / peak,
+                    EASGD_PEAK_ALPHA
+                ));
+            }
+        }
+        if p.mode == burn_dist::ps::Mode::Sync {
+            if let Some(w) = p.window {
+                return bad(format!(
+                    "--window {w} sets how often an asynchronous worker exchanges; --mode sync \
+                     exchanges every step"
+                ));
+            }
+            if let Some(s) = p.staleness {
+                return bad(format!(
+                    "--staleness {s} bounds how far asynchronous workers run ahead; --mode sync \
+                     waits for every worker at every step"
+                ));
+            }
+        }
+        if let Some(d) = &self.dist {
+            let roles = Roles::new(p.servers, d.world)?;
+            if !self.batch_size.is_multiple_of(roles.workers) {
+                return bad(format!(
+                    "--batch-size {} (the global batch) must divide evenly over {} workers",
+                    self.batch_size, roles.workers
+                ));
+            }
+        }
+        let unsupported = [
+            (self.pipeline.is_some(), "--pipeline-stages"),
+            (self.elastic.is_some(), "--elastic"),
+        ];
+        if let Some((_, what)) = unsupported.iter().find(|(on, _)| *on) {
+            return bad(format!("{what} does not work with --ps yet"));
+        }
+        // Combinations without a meaning here, refused for good.
+        if self.optimizer == OptimizerKind::Lars {
+            return bad(
+                "--optimizer lars does not work with --ps: a server holds slices of layers, and \
+                 LARS's trust ratio needs each layer's whole norm"
+                    .into(),
+            );
+        }
+        if self.compression != burn_dist::Compression::None {
+            return bad(format!(
+                "--compression {} does not apply to --ps: workers and servers exchange exact \
+                 f32 values (it compresses allreduce traffic)",
+                self.compression.name()
+            ));
+        }
+        Ok(())
+    }
+
+    /// Settings that run but are probably not what was meant, each a sentence.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.freeze_backbone && self.weights.is_none() {
+            out.push(
+                "--freeze-backbone without --weights freezes a randomly initialised backbone: \
+                 only the head learns, on random features (give --weights to fine-tune a \
+                 pretrained network)"
+                    .into(),
+            );
+        }
+        out
+    }
+}
