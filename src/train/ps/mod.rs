@@ -34,7 +34,9 @@
 //! `--freeze-backbone --unfreeze-after N`: the servers hold the head's shards for N epochs,
 //! then a second session shards the whole model (see [`SETUP`]).
 
+mod finish;
 mod job;
+mod run;
 mod state;
 mod worker;
 
@@ -224,7 +226,7 @@ pub(super) fn train_with<R: super::trainee::Recipe>(
         return Ok(server_report(cfg, started, info.rank, roles));
     };
     let t = connect(&info, rank, roles.world())?;
-    let out = worker::train(cfg, opts, recipe, roles, lr, t, device, started, log);
+    let out = run::train(cfg, opts, recipe, roles, lr, t, device, started, log);
     if let Some(h) = colocated_server {
         let served = h
             .join()

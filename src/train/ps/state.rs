@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use burn_dist::flat::layout::Layout;
 use burn_dist::ps::message::ShardState;
 use burn_dist::wire::{Reader, Writer};
 
@@ -161,6 +162,53 @@ pub fn decode_stats(b: &[u8]) -> std::result::Result<Vec<EpochStats>, String> {
     }
     r.finish().map_err(|e| e.to_string())?;
     Ok(out)
+}
+
+/// `shards` (a checkpoint's, written by another number of servers) cut anew for `layout`:
+/// the same flat vector of `tensors`, each value with its optimizer state, at the new servers'
+/// ranges. Shards of one consistent cut hold the same version (the updates applied); where
+/// they differ, the new shards take the largest.
+pub(super) fn reshard(
+    shards: &[ShardState],
+    layout: &Layout,
+    tensors: &[(String, usize)],
+) -> std::result::Result<Vec<ShardState>, String> {
+    let mut values = Vec::with_capacity(layout.total());
+    let mut old_ranges = Vec::with_capacity(shards.len());
+    for s in shards {
+        old_ranges.push(values.len()..values.len() + s.values.len());
+        values.extend_from_slice(&s.values);
+    }
+    let new_ranges: Vec<std::ops::Range<usize>> =
+        (0..layout.servers()).map(|i| layout.range(i)).collect();
+    let optim = reshard_optim_state(
+        Sharding {
+            tensors,
+            ranges: &old_ranges,
+        },
+        shards,
+        Sharding {
+            tensors,
+            ranges: &new_ranges,
+        },
+    );
+    let had_state = shards.iter().any(|s| !s.optim_state.is_empty());
+    if had_state && optim.iter().all(Vec::is_empty) {
+        return Err(format!(
+            "the optimizer state of its {} shards does not fit their values",
+            shards.len()
+        ));
+    }
+    let version = shards.iter().map(|s| s.version).max().unwrap_or(0);
+    Ok(new_ranges
+        .into_iter()
+        .zip(optim)
+        .map(|(r, optim_state)| ShardState {
+            version,
+            values: values[r].to_vec(),
+            optim_state,
+        })
+        .collect())
 }
 
 #[cfg(test)]
