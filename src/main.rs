@@ -10,6 +10,7 @@ mod cli {
     pub mod predict;
     pub mod resume;
     pub mod train;
+    pub mod train_args;
     pub mod tune;
 }
 
@@ -22,6 +23,7 @@ use cli::data::DataCommand;
 use cli::exit::exit_with;
 use cli::predict::*;
 use cli::train::*;
+use cli::train_args::TrainArgs;
 use hearth::device::DeviceChoice;
 use hearth::models::Architecture;
 

@@ -84,32 +84,7 @@ pub(crate) fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
     let model = loaded.model.valid();
     hearth::device::check_precision(&device, args.precision)?;
     if let (Some(dir), Some(out)) = (&args.data, &args.out) {
-        let mut progress = progress_bar("predicting");
-        let done = hearth::eval::predict_folder(
-            &model,
-            loaded.class_names.as_deref(),
-            dir,
-            &loaded.preprocessing,
-            args.top.max(1),
-            args.batch_size,
-            2,
-            &device,
-            args.precision.dtype(),
-            out,
-            &mut |done, total| progress(done, total),
-        )?;
-        if let Some(summary) = done.problems.summary() {
-            eprintln!("{summary}");
-        }
-        if let Some(gap) = &done.gap {
-            eprintln!("{gap}");
-        }
-        println!(
-            "{} image(s) predicted; results in {}",
-            done.written,
-            out.display()
-        );
-        return Ok(());
+        return predict_folder(&args, &model, &loaded, dir, out, &device);
     }
     let (x, labels): (_, Vec<String>) = match &args.input {
         Some(path) => {
@@ -128,25 +103,13 @@ pub(crate) fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
     let started = Instant::now();
     let logits = model.try_forward(x.clone())?;
     let logits = if args.precision.is_low() {
-        let f32_time = started.elapsed();
-        let reference: Vec<f32> = logits
-            .into_data()
-            .try_to_vec::<f32>()
-            .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
-        let started = Instant::now();
-        let low = model.forward_in(x, args.precision.dtype());
-        let values: Vec<f32> = low
-            .clone()
-            .into_data()
-            .try_to_vec::<f32>()
-            .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
-        let low_time = started.elapsed();
-        let mut gap = hearth::predict::PrecisionGap::new(args.precision.dtype());
-        gap.add(&values, &reference, low.dims()[1]);
-        gap.low_secs = low_time.as_secs_f64();
-        gap.f32_secs = f32_time.as_secs_f64();
-        eprintln!("{gap}");
-        low
+        in_precision(
+            &model,
+            x,
+            logits,
+            args.precision,
+            started.elapsed().as_secs_f64(),
+        )?
     } else {
         logits
     };
@@ -186,6 +149,71 @@ pub(crate) fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
         elapsed.as_secs_f64() * 1e3
     );
     Ok(())
+}
+
+/// `--data DIR --out CSV`: every image of a folder, in batches, into a CSV.
+fn predict_folder(
+    args: &PredictArgs,
+    model: &hearth::models::Classifier,
+    loaded: &predict::PredictModel,
+    dir: &std::path::Path,
+    out: &std::path::Path,
+    device: &burn::prelude::Device,
+) -> Result<()> {
+    let mut progress = progress_bar("predicting");
+    let done = hearth::eval::predict_folder(
+        &model,
+        loaded.class_names.as_deref(),
+        dir,
+        &loaded.preprocessing,
+        args.top.max(1),
+        args.batch_size,
+        2,
+        &device,
+        args.precision.dtype(),
+        out,
+        &mut |done, total| progress(done, total),
+    )?;
+    if let Some(summary) = done.problems.summary() {
+        eprintln!("{summary}");
+    }
+    if let Some(gap) = &done.gap {
+        eprintln!("{gap}");
+    }
+    println!(
+        "{} image(s) predicted; results in {}",
+        done.written,
+        out.display()
+    );
+    Ok(())
+}
+
+/// The logits in `precision` (below f32), after saying how far they are from the f32
+/// `reference` ones (taken in `f32_secs`) and how long each took.
+fn in_precision(
+    model: &hearth::models::Classifier,
+    x: burn::prelude::Tensor<4>,
+    reference: burn::prelude::Tensor<2>,
+    precision: hearth::train::Precision,
+    f32_secs: f64,
+) -> Result<burn::prelude::Tensor<2>> {
+    let reference: Vec<f32> = reference
+        .into_data()
+        .try_to_vec::<f32>()
+        .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
+    let started = Instant::now();
+    let low = model.forward_in(x, precision.dtype());
+    let values: Vec<f32> = low
+        .clone()
+        .into_data()
+        .try_to_vec::<f32>()
+        .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
+    let mut gap = hearth::predict::PrecisionGap::new(precision.dtype());
+    gap.add(&values, &reference, low.dims()[1]);
+    gap.low_secs = started.elapsed().as_secs_f64();
+    gap.f32_secs = f32_secs;
+    eprintln!("{gap}");
+    Ok(low)
 }
 
 /// An indicatif bar on stderr (hidden when stderr is not a terminal), fed (done, total).

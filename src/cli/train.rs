@@ -1,269 +1,17 @@
-//! `hearth train`: its arguments, augmentation flags, and local multi-process launch.
+//! `hearth train`: the settings from its flags (`train_args.rs`), their checks, augmentation,
+//! local multi-process launch, and the summary at the end.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use clap::Args;
 use hearth::device::DeviceSpec;
 use hearth::dist::Compression;
 use hearth::dist::pipeline::Schedule;
-use hearth::schedule::{LrScaling, ScheduleKind};
-use hearth::train::{
-    AugmentPreset, FinetuneBn, Monitor, OptimizerKind, PipelineBalance, PipelineOptions,
-};
+use hearth::train::{OptimizerKind, PipelineBalance, PipelineOptions};
 
 use crate::cli::exit::exit_with;
 use crate::cli::resume::take_recorded;
-
-#[derive(Args)]
-pub(crate) struct TrainArgs {
-    /// Image folder: train/ and val/ class folders, or one folder split by --val-fraction.
-    /// Without it a synthetic data set is generated into the run directory.
-    #[arg(long)]
-    data: Option<PathBuf>,
-    /// Multi-label CSV (`path,label1|label2|...`; paths relative to --data or the CSV's folder):
-    /// one sigmoid per label, binary cross-entropy, per-class AUROC (CheXNet style).
-    #[arg(long)]
-    labels: Option<PathBuf>,
-    /// Share of the images held out for validation when --data has no val/ (stratified by
-    /// class, seeded by --seed).
-    #[arg(long, default_value_t = 0.2)]
-    val_fraction: f64,
-    /// torchvision name (resnet50, densenet121, vgg16, ...), or a small test-size network:
-    /// resnet-mini (the default), vgg-mini, vgg-mini-plain (no batch norm, no dropout),
-    /// densenet-mini.
-    #[arg(long, default_value = hearth::train::DEFAULT_MODEL)]
-    model: String,
-    /// torchvision weights to start from; the head is replaced to fit the data's classes.
-    #[arg(long)]
-    weights: Option<PathBuf>,
-    /// Train only the new head.
-    #[arg(long)]
-    freeze_backbone: bool,
-    /// With --freeze-backbone: after N epochs, unfreeze everything and fine-tune at
-    /// --finetune-lr (early-stopping patience counts from then).
-    #[arg(long, requires = "freeze_backbone")]
-    unfreeze_after: Option<usize>,
-    /// Learning rate of the fine-tuning phase (default: --lr / 10).
-    #[arg(long, requires = "unfreeze_after")]
-    finetune_lr: Option<f64>,
-    /// Batch norm in the fine-tuning phase: `frozen` normalises by the running statistics of
-    /// the frozen phase and keeps them (scales and shifts still train; Keras's way, robust to
-    /// small per-rank batches), `batch` by each batch's statistics (PyTorch's train mode).
-    #[arg(long, value_enum, default_value_t = FinetuneBn::Frozen, requires = "unfreeze_after")]
-    finetune_bn: FinetuneBn,
-    /// Passes over the training set.
-    #[arg(long, default_value_t = 12)]
-    epochs: usize,
-    /// The global batch: images per optimizer step over all ranks together (split evenly
-    /// over data-parallel ranks or pipelines).
-    #[arg(long, default_value_t = 32)]
-    batch_size: usize,
-    /// Peak learning rate (after --scale-lr), reached after --warmup-epochs and decayed by
-    /// --schedule.
-    #[arg(long, default_value_t = 0.05)]
-    lr: f64,
-    /// The optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
-    optimizer: OptimizerKind,
-    /// SGD and LARS momentum (PyTorch semantics: no dampening; 0 for plain SGD). Refused with
-    /// adam and adamw, which keep their own moment estimates.
-    /// (default 0.9; 0 in the local steps of --mode downpour and dynsgd, whose servers add up
-    /// the workers' changes)
-    #[arg(long)]
-    momentum: Option<f64>,
-    /// Nesterov momentum (SGD with momentum above 0).
-    #[arg(long)]
-    nesterov: bool,
-    /// L2 weight decay (SGD, Adam: not applied to biases and batch norm; AdamW: decoupled).
-    #[arg(long, default_value_t = 5e-4)]
-    weight_decay: f64,
-    /// Learning-rate decay after warmup.
-    #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]
-    schedule: ScheduleKind,
-    /// Epochs of linear warmup from 0 to --lr before the --schedule decay.
-    #[arg(long, default_value_t = 1)]
-    warmup_epochs: usize,
-    /// Scale --lr by the batch ratio: linear (Goyal et al.) or sqrt.
-    #[arg(long, value_enum, requires = "base_batch")]
-    scale_lr: Option<LrScaling>,
-    /// The batch size --lr was tuned for (with --scale-lr).
-    #[arg(long, requires = "scale_lr")]
-    base_batch: Option<usize>,
-    /// Label smoothing of the cross-entropy loss, in [0, 1) (single-label sets).
-    #[arg(long, default_value_t = 0.0)]
-    label_smoothing: f32,
-    /// Metric for early stopping and the exported (best) epoch; val_auroc needs multi-label data.
-    #[arg(long, value_enum, default_value_t = Monitor::ValAccuracy)]
-    monitor: Monitor,
-    /// Stop after this many epochs without improvement of --monitor.
-    #[arg(long)]
-    patience: Option<usize>,
-    /// Smallest change of --monitor that counts as an improvement, for early stopping and for
-    /// picking the exported epoch.
-    #[arg(long, default_value_t = 0.0)]
-    min_delta: f64,
-    /// Input side in pixels.
-    #[arg(long, default_value_t = 32)]
-    size: u32,
-    /// Training augmentation recipe; the flags below adjust it. light suits short fine-tuning
-    /// runs and small data sets; imagenet is torchvision's recipe for long runs on large sets.
-    #[arg(long, value_enum, default_value_t = AugmentPreset::Light)]
-    augment: AugmentPreset,
-    /// Random resized crop of MIN,MAX of the image area (e.g. 0.5,1), replacing the preset's.
-    #[arg(long, value_name = "MIN,MAX")]
-    crop_scale: Option<String>,
-    /// Random horizontal flips (on in light and imagenet).
-    #[arg(long, overrides_with = "no_flip")]
-    flip: bool,
-    /// No flips: for text, digits, and images whose left and right differ in meaning.
-    #[arg(long, overrides_with = "flip")]
-    no_flip: bool,
-    /// Random rotation up to DEG degrees either way.
-    #[arg(long, value_name = "DEG")]
-    rotate: Option<f64>,
-    /// Random horizontal shear up to DEG degrees either way.
-    #[arg(long, value_name = "DEG")]
-    shear: Option<f64>,
-    /// Brightness, contrast and saturation jitter of up to X (0-1).
-    #[arg(long, value_name = "X")]
-    color_jitter: Option<f64>,
-    /// Decoding threads.
-    #[arg(long, default_value_t = 2)]
-    workers: usize,
-    /// Seed of the initialisation, the data split, the shuffling and the augmentation: the
-    /// same seed and flags train the same run.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Default: runs/<timestamp>.
-    #[arg(long)]
-    run_dir: Option<PathBuf>,
-    /// Continue the run in this directory from its last checkpoint.
-    #[arg(long, conflicts_with = "run_dir")]
-    resume: Option<PathBuf>,
-    /// Replace the run already in --run-dir (its metrics, checkpoints and model files are
-    /// deleted first); without it, a --run-dir holding a run is an error.
-    #[arg(long, conflicts_with = "resume")]
-    overwrite: bool,
-    /// End this run after that epoch (its checkpoint written); --resume continues it exactly.
-    #[arg(long)]
-    stop_after_epoch: Option<usize>,
-    /// Price of one process-hour (a GPU or a machine per rank), for the cost line of the
-    /// summary: the job's wall time times its processes (an elastic job: its worker-hours).
-    #[arg(long)]
-    price_per_hour: Option<f64>,
-    /// Accumulate gradients over K micro-batches per optimizer step (in a distributed run they
-    /// are averaged across ranks only on the K-th).
-    #[arg(long)]
-    grad_accum: Option<usize>,
-    /// Train data parallel on N local processes (`hearth launch`); --batch-size stays the global
-    /// batch. Inside a launched job (HEARTH_RANK, torchrun, Slurm or mpirun variables) the rank
-    /// joins that job instead.
-    #[arg(long, default_value_t = 1)]
-    nproc: usize,
-    /// Gradient fusion bucket size in MiB (allreduce: data parallel, elastic, pipeline replicas).
-    #[arg(long, default_value_t = 25.0)]
-    bucket_mb: f64,
-    /// Wire format of gradient averaging in distributed runs (default: the training
-    /// precision's, so none in fp32, bf16 in a bf16 run, fp16 in an fp16 run).
-    #[arg(long, value_enum)]
-    compression: Option<Compression>,
-    /// The type steps compute in: fp32, or bf16/fp16 mixed precision with f32 master weights
-    /// (fp16 with dynamic loss scaling; skipped steps in metrics.csv). Every mode; wgpu
-    /// devices have no bf16.
-    #[arg(long, value_enum, default_value_t = hearth::train::Precision::Fp32)]
-    precision: hearth::train::Precision,
-    /// Sharded optimizer (ZeRO) in data parallel, pipelines with replicas and elastic
-    /// training: 1 keeps 1/N of the optimizer state on each of the N ranks, 2 the averaged
-    /// gradients too; 0 off (elastic workers also keep a replica of the next one's share, so a
-    /// lost worker loses no state). The state is checkpointed as whole named tensors, so a run
-    /// resumes on any number of ranks.
-    #[arg(long, value_name = "STAGE", default_value_t = 0)]
-    zero: u8,
-    /// Activation recomputation: keep only each unit's input (a ResNet block, a DenseNet
-    /// layer; in pipelines each stage's) from the forward and compute the unit again in the
-    /// backward. Less memory for one more forward per step; every mode of the image models.
-    #[arg(long, overrides_with = "no_recompute")]
-    recompute: bool,
-    /// No activation recomputation (the default): turns a resumed run's --recompute off.
-    #[arg(long, overrides_with = "recompute")]
-    no_recompute: bool,
-    /// Data parallel and elastic: overlap the gradient exchange with the backward pass. The
-    /// model runs unit by unit and each unit's gradients are averaged, in --bucket-mb buckets,
-    /// while the units before it compute (as PyTorch DDP's buckets do). The same result as
-    /// without it. Pays off between hosts (1 Gbit/s: a ResNet-50 step 20% shorter); on one
-    /// host the exchange shares the backward pass's cores and measured no faster.
-    #[arg(long)]
-    overlap: bool,
-    /// Pipeline model parallelism: split the model into P stages, one per process (--nproc
-    /// defaults to P; a multiple P x D trains D pipelines data parallel).
-    #[arg(long, value_name = "P")]
-    pipeline_stages: Option<usize>,
-    /// Micro-batches per step of each pipeline (its batch is cut into M).
-    /// (default 4)
-    #[arg(long, value_name = "M", requires = "pipeline_stages")]
-    micro_batches: Option<usize>,
-    /// Pipeline schedule: 1f1b holds at most P micro-batches of activations, gpipe all M.
-    /// (default 1f1b)
-    #[arg(long, value_enum, requires = "pipeline_stages")]
-    pipeline_schedule: Option<Schedule>,
-    /// Unit ranges of the stages, e.g. 0:2,2:5 (default: balanced by --pipeline-balance).
-    #[arg(long, value_name = "A:B,...", requires = "pipeline_stages")]
-    pipeline_split: Option<String>,
-    /// How the stages are balanced when no --pipeline-split is given.
-    /// (default params)
-    #[arg(long, value_enum, requires = "pipeline_stages")]
-    pipeline_balance: Option<PipelineBalance>,
-    /// Elastic data parallelism: workers may join and leave between steps while the global
-    /// batch stays --batch-size (run under `hearth launch --elastic`, or join a running job
-    /// given HEARTH_ELASTIC_PEERS or --hosts).
-    #[arg(long, conflicts_with = "pipeline_stages")]
-    elastic: bool,
-    /// Fewest workers an elastic job trains with; below it, it waits --rejoin-timeout for
-    /// joiners, then saves its state and fails.
-    /// (default 1)
-    #[arg(long, requires = "elastic")]
-    min_workers: Option<usize>,
-    /// Most workers an elastic job admits (later joiners wait for room); default 64, or
-    /// --batch-size when smaller (each worker needs a sample of the global batch).
-    #[arg(long, requires = "elastic")]
-    max_workers: Option<usize>,
-    /// Seconds an elastic job below --min-workers waits for joiners.
-    /// (default 300)
-    #[arg(long, requires = "elastic")]
-    rejoin_timeout: Option<f64>,
-    /// How an elastic job shares the global batch: even, or by each worker's measured speed.
-    /// (default even)
-    #[arg(long, value_enum, requires = "elastic")]
-    balance: Option<hearth::train::Balance>,
-    /// File of elastic join addresses (host:port per line), re-read while joining.
-    #[arg(long, requires = "elastic")]
-    hosts: Option<PathBuf>,
-    /// Parameter servers: P of the --nproc ranks serve the model's shards and the others
-    /// train, or `colocated` (every rank trains and also serves a shard).
-    #[arg(long, value_name = "P|colocated", conflicts_with_all = ["elastic", "pipeline_stages"])]
-    ps: Option<String>,
-    /// Parameter-server mode: sync (equals allreduce data parallel), downpour, adag, dynsgd,
-    /// easgd (update rules and sources in `burn_dist::ps::rules`).
-    /// (default adag)
-    #[arg(long, requires = "ps")]
-    mode: Option<String>,
-    /// Steps between a worker's exchanges with the servers (asynchronous modes).
-    /// (default 2 for downpour and easgd, 5 for adag and dynsgd)
-    #[arg(long, requires = "ps")]
-    window: Option<usize>,
-    /// EASGD's rho: the elastic force is alpha = rate x rho, following the schedule (at most 1).
-    /// (default: 0.5 / the peak rate, so that alpha is 0.5 at the peak)
-    #[arg(long, requires = "ps")]
-    rho: Option<f64>,
-    /// Most steps a worker may run ahead of the slowest one (stale synchronous parallel).
-    #[arg(long, value_name = "S", requires = "ps")]
-    staleness: Option<u64>,
-    /// Check the settings and print what hparams.json would record, then exit: no data is
-    /// read, nothing is launched or written.
-    #[arg(long)]
-    dry_run: bool,
-}
+use crate::cli::train_args::TrainArgs;
 
 /// The parameter-server settings from the flags.
 fn ps_options(a: &TrainArgs) -> Result<Option<hearth::train::PsOptions>> {
@@ -553,31 +301,8 @@ pub(crate) fn augmentation(a: &TrainArgs) -> Result<hearth::datasets::Augmentati
 pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     use hearth::train::train;
     let in_job = std::env::var_os("HEARTH_RANK").is_some();
-    // A bare `--resume RUN` starts the run as it was started: its processes, and elastic only
-    // through `hearth launch --elastic`.
     let mut a = a;
-    if let Some(run) = a.resume.clone().filter(|_| !in_job)
-        && let Some(then) = crate::cli::resume::recorded_launch(&run)?
-    {
-        if then.elastic && !a.elastic {
-            bail!(
-                "{} was trained with --elastic: resume it as it ran, `hearth launch --elastic -n \
-                 {} -- hearth train --elastic --resume {} ...`",
-                run.display(),
-                then.processes,
-                run.display()
-            );
-        }
-        if !then.elastic && !crate::cli::resume::given("--nproc") && then.processes > 1 {
-            eprintln!(
-                "--resume: {} processes, as {} was trained (--nproc {})",
-                then.processes,
-                run.display(),
-                then.processes
-            );
-            a.nproc = then.processes;
-        }
-    }
+    resume_as_started(&mut a, in_job)?;
     // A pipeline of P stages needs P processes at least.
     let nproc = match a.pipeline_stages {
         Some(p) if a.nproc == 1 => p,
@@ -632,23 +357,7 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         }
     }
     if launching {
-        let run_dir = a
-            .resume
-            .clone()
-            .or(a.run_dir.clone())
-            .unwrap_or_else(default_run_dir);
-        eprintln!(
-            "launching {nproc} ranks; run directory: {}",
-            run_dir.display()
-        );
-        let outcome = hearth::launch::launch(&hearth::launch::LaunchConfig {
-            nproc,
-            program: std::env::current_exe().context("locating the hearth binary")?,
-            args: rank_args(&run_dir),
-            port: 0,
-            prefix: true,
-        })?;
-        return exit_with(outcome);
+        return launch_ranks(&a, nproc);
     }
     let spec: DeviceSpec = device_name.parse()?;
     let spec = spec.for_local_rank(cfg.dist.as_ref().and_then(|d| d.local_rank));
@@ -683,6 +392,41 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         }
         Err(e) => return Err(e.into()),
     };
+    summarise(&cfg, &report);
+    Ok(())
+}
+
+/// A bare `--resume RUN` starts the run as it was started: its processes, and elastic only
+/// through `hearth launch --elastic`.
+fn resume_as_started(a: &mut TrainArgs, in_job: bool) -> Result<()> {
+    if let Some(run) = a.resume.clone().filter(|_| !in_job)
+        && let Some(then) = crate::cli::resume::recorded_launch(&run)?
+    {
+        if then.elastic && !a.elastic {
+            bail!(
+                "{} was trained with --elastic: resume it as it ran, `hearth launch --elastic -n \
+                 {} -- hearth train --elastic --resume {} ...`",
+                run.display(),
+                then.processes,
+                run.display()
+            );
+        }
+        if !then.elastic && !crate::cli::resume::given("--nproc") && then.processes > 1 {
+            eprintln!(
+                "--resume: {} processes, as {} was trained (--nproc {})",
+                then.processes,
+                run.display(),
+                then.processes
+            );
+            a.nproc = then.processes;
+        }
+    }
+    Ok(())
+}
+
+/// What the process the user started prints at the end: every rank its peak memory, rank 0
+/// the layout of the job, the best epoch, time and cost, the model's place and its scores.
+fn summarise(cfg: &hearth::train::TrainConfig, report: &hearth::train::TrainReport) {
     // Every rank's own peak (ranks differ: rank 0 writes checkpoints, --zero shards state).
     let peak = hearth::loader_bench::peak_rss_mb();
     if peak > 0.0 {
@@ -695,7 +439,7 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
         );
     }
     if report.rank != 0 {
-        return Ok(());
+        return;
     }
     if let Some(ps) = &cfg.ps {
         println!(
@@ -772,5 +516,25 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
             println!("  {s}");
         }
     }
-    Ok(())
+}
+
+/// `--nproc N` outside a job: this process launches the N ranks on this machine and waits.
+fn launch_ranks(a: &TrainArgs, nproc: usize) -> Result<()> {
+    let run_dir = a
+        .resume
+        .clone()
+        .or(a.run_dir.clone())
+        .unwrap_or_else(default_run_dir);
+    eprintln!(
+        "launching {nproc} ranks; run directory: {}",
+        run_dir.display()
+    );
+    let outcome = hearth::launch::launch(&hearth::launch::LaunchConfig {
+        nproc,
+        program: std::env::current_exe().context("locating the hearth binary")?,
+        args: rank_args(&run_dir),
+        port: 0,
+        prefix: true,
+    })?;
+    exit_with(outcome)
 }
