@@ -7,7 +7,8 @@ use super::TrainConfig;
 use super::catalog::model_config;
 use super::ps::Roles;
 use crate::settings::{
-    DEFAULT_MOMENTUM, EASGD_PEAK_ALPHA, FinetuneBn, Monitor, OptimizerKind, PsOptions,
+    DEFAULT_MOMENTUM, EASGD_PEAK_ALPHA, ElasticOptions, FinetuneBn, Monitor, OptimizerKind,
+    PipelineOptions, PsOptions,
 };
 use crate::{HearthError, Result};
 
@@ -18,6 +19,35 @@ impl TrainConfig {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
         // An unknown --model is said before any data is read or generated.
         model_config(&self.model, 2)?;
+        self.validate_run()?;
+        self.validate_fine_tuning()?;
+        if self.monitor == Monitor::ValAuroc && self.labels.is_none() {
+            return bad(
+                "--monitor val_auroc needs a multi-label data set (--labels FILE.csv)".into(),
+            );
+        }
+        if self.bucket_bytes == 0 {
+            return bad("--bucket-mb must be positive".into());
+        }
+        self.validate_optimizer()?;
+        self.validate_batches()?;
+        if let Some(p) = &self.pipeline {
+            self.validate_pipeline(p)?;
+        }
+        if let Some(e) = &self.elastic {
+            self.validate_elastic(e)?;
+        }
+        if let Some(p) = &self.ps {
+            self.validate_ps(p)?;
+        }
+        self.validate_zero()?;
+        self.validate_overlap()?;
+        self.validate_exchange()
+    }
+
+    /// The run's length, rate, smoothing and early stopping.
+    fn validate_run(&self) -> Result<()> {
+        let bad = |m: String| Err(HearthError::InvalidArgument(m));
         if self.batch_size == 0 {
             return bad("--batch-size must be at least 1 (got 0)".into());
         }
@@ -43,6 +73,12 @@ impl TrainConfig {
         if self.patience == Some(0) {
             return bad("--patience must be at least 1".into());
         }
+        Ok(())
+    }
+
+    /// `--unfreeze-after`, `--finetune-bn` and `--finetune-lr`, which go together.
+    fn validate_fine_tuning(&self) -> Result<()> {
+        let bad = |m: String| Err(HearthError::InvalidArgument(m));
         if let Some(n) = self.unfreeze_after {
             if !self.freeze_backbone {
                 return bad("--unfreeze-after needs --freeze-backbone".into());
@@ -68,15 +104,13 @@ impl TrainConfig {
         {
             return bad(format!("--finetune-lr {lr} must be positive"));
         }
-        if self.monitor == Monitor::ValAuroc && self.labels.is_none() {
-            return bad(
-                "--monitor val_auroc needs a multi-label data set (--labels FILE.csv)".into(),
-            );
-        }
-        if self.bucket_bytes == 0 {
-            return bad("--bucket-mb must be positive".into());
-        }
-        self.validate_optimizer()?;
+        Ok(())
+    }
+
+    /// Accumulation, how the global batch divides over the replicas, the input size and
+    /// augmentation.
+    fn validate_batches(&self) -> Result<()> {
+        let bad = |m: String| Err(HearthError::InvalidArgument(m));
         if self.grad_accum == Some(0) {
             return bad("--grad-accum must be at least 1".into());
         }
@@ -105,67 +139,70 @@ impl TrainConfig {
             ));
         }
         self.augmentation.pipeline(self.image_size)?;
-        if let Some(p) = &self.pipeline {
-            if p.stages == 0 || p.micro_batches == 0 {
-                return bad("--pipeline-stages and --micro-batches must be at least 1".into());
-            }
-            if let Some(split) = &p.split
-                && split.len() != p.stages
-            {
+        Ok(())
+    }
+
+    /// `--pipeline-stages` and what goes with it.
+    fn validate_pipeline(&self, p: &PipelineOptions) -> Result<()> {
+        let bad = |m: String| Err(HearthError::InvalidArgument(m));
+        if p.stages == 0 || p.micro_batches == 0 {
+            return bad("--pipeline-stages and --micro-batches must be at least 1".into());
+        }
+        if let Some(split) = &p.split
+            && split.len() != p.stages
+        {
+            return bad(format!(
+                "--pipeline-split gives {} stages, --pipeline-stages {}",
+                split.len(),
+                p.stages
+            ));
+        }
+        // The split must cover the model's units exactly (known from its name alone).
+        if let Some(end) = p.split.as_ref().and_then(|s| s.last()).map(|r| r.end) {
+            let units = model_config(&self.model, 2)?.units();
+            if end != units {
                 return bad(format!(
-                    "--pipeline-split gives {} stages, --pipeline-stages {}",
-                    split.len(),
-                    p.stages
+                    "--pipeline-split ends at unit {end}, but --model {} has {units} units \
+                     (0..{units}; `hearth units --model {}` lists them)",
+                    self.model, self.model
                 ));
             }
-            // The split must cover the model's units exactly (known from its name alone).
-            if let Some(end) = p.split.as_ref().and_then(|s| s.last()).map(|r| r.end) {
-                let units = model_config(&self.model, 2)?.units();
-                if end != units {
-                    return bad(format!(
-                        "--pipeline-split ends at unit {end}, but --model {} has {units} units \
-                         (0..{units}; `hearth units --model {}` lists them)",
-                        self.model, self.model
-                    ));
-                }
-            }
-            // Without a meaning here: a pipeline's micro-batches are its accumulation.
-            if self.grad_accum.is_some() {
-                return bad(
-                    "--grad-accum does not apply to --pipeline-stages: a pipeline step \
-                            already sums the gradients of --micro-batches micro-batches; raise \
-                            --micro-batches (and --batch-size) instead"
-                        .into(),
-                );
-            }
         }
-        if let Some(e) = &self.elastic {
-            if e.min_workers == 0 || e.min_workers > e.max_workers {
-                return bad(format!(
-                    "--min-workers {} and --max-workers {} need 1 <= min <= max",
-                    e.min_workers, e.max_workers
-                ));
-            }
-            if self.batch_size < e.max_workers {
-                return bad(format!(
-                    "--batch-size {} (the global batch) must give each of --max-workers {} a sample",
-                    self.batch_size, e.max_workers
-                ));
-            }
-            if self.pipeline.is_some() {
-                return bad(
-                    "--pipeline-stages does not work with --elastic: a pipeline's stages are \
-                     fixed ranks, and elastic membership changes them"
-                        .into(),
-                );
-            }
+        // Without a meaning here: a pipeline's micro-batches are its accumulation.
+        if self.grad_accum.is_some() {
+            return bad(
+                "--grad-accum does not apply to --pipeline-stages: a pipeline step \
+                        already sums the gradients of --micro-batches micro-batches; raise \
+                        --micro-batches (and --batch-size) instead"
+                    .into(),
+            );
         }
-        if let Some(p) = &self.ps {
-            self.validate_ps(p)?;
+        Ok(())
+    }
+
+    /// `--elastic`'s worker bounds against the batch and the modes it cannot join.
+    fn validate_elastic(&self, e: &ElasticOptions) -> Result<()> {
+        let bad = |m: String| Err(HearthError::InvalidArgument(m));
+        if e.min_workers == 0 || e.min_workers > e.max_workers {
+            return bad(format!(
+                "--min-workers {} and --max-workers {} need 1 <= min <= max",
+                e.min_workers, e.max_workers
+            ));
         }
-        self.validate_zero()?;
-        self.validate_overlap()?;
-        self.validate_exchange()
+        if self.batch_size < e.max_workers {
+            return bad(format!(
+                "--batch-size {} (the global batch) must give each of --max-workers {} a sample",
+                self.batch_size, e.max_workers
+            ));
+        }
+        if self.pipeline.is_some() {
+            return bad(
+                "--pipeline-stages does not work with --elastic: a pipeline's stages are \
+                 fixed ranks, and elastic membership changes them"
+                    .into(),
+            );
+        }
+        Ok(())
     }
 
     /// The optimizer's settings: momentum and Nesterov only where the optimizer has them.
