@@ -102,6 +102,23 @@ impl DataCheck {
     }
 }
 
+/// Byte-identical files across the parts, training then validation (the hash groups them;
+/// the bytes confirm), sorted.
+fn across_parts(by_hash: &HashMap<u64, Vec<(PathBuf, bool)>>) -> Vec<(PathBuf, PathBuf)> {
+    let mut duplicates = Vec::new();
+    for group in by_hash.values().filter(|g| g.len() > 1) {
+        for (a, _) in group.iter().filter(|g| !g.1) {
+            for (b, _) in group.iter().filter(|g| g.1) {
+                if std::fs::read(a).ok() == std::fs::read(b).ok() {
+                    duplicates.push((a.clone(), b.clone()));
+                }
+            }
+        }
+    }
+    duplicates.sort();
+    duplicates
+}
+
 /// Checks `data` (with `labels`, a multi-label CSV, as `hearth train --labels` reads it);
 /// `progress(done, total)` is called as images are decoded.
 pub fn check(
@@ -182,18 +199,7 @@ pub fn check(
             progress(done, total);
         }
     }
-    // Byte-identical files across the parts (the hash groups them; the bytes confirm).
-    let mut duplicates = Vec::new();
-    for group in by_hash.values().filter(|g| g.len() > 1) {
-        for (a, _) in group.iter().filter(|g| !g.1) {
-            for (b, _) in group.iter().filter(|g| g.1) {
-                if std::fs::read(a).ok() == std::fs::read(b).ok() {
-                    duplicates.push((a.clone(), b.clone()));
-                }
-            }
-        }
-    }
-    duplicates.sort();
+    let duplicates = across_parts(&by_hash);
     sizes.sort_by_key(|(w, h)| u64::from(*w) * u64::from(*h));
     let sizes =
         (!sizes.is_empty()).then(|| [sizes[0], sizes[sizes.len() / 2], sizes[sizes.len() - 1]]);

@@ -284,6 +284,23 @@ pub struct FolderPredictions {
     pub gap: Option<crate::predict::PrecisionGap>,
 }
 
+/// `files` under `data` as a set with one placeholder class (predictions need no labels).
+fn unlabelled(data: &Path, files: &[std::path::PathBuf]) -> ImageSet {
+    ImageSet {
+        root: data.to_path_buf(),
+        classes: vec!["?".into()],
+        samples: files
+            .iter()
+            .map(|p| Sample {
+                path: p.clone(),
+                target: Target::Class(0),
+            })
+            .collect(),
+        problems: Problems::default(),
+        multi_label: false,
+    }
+}
+
 /// Streams every image under `data` through `model` in batches and writes `out` as CSV:
 /// `path,top1,p1,...` up to `top` classes per image. With `dtype` bf16 or f16 the model
 /// computes in it (`hearth predict --precision`; f32 weights), the CSV holds those
@@ -312,20 +329,7 @@ pub fn predict_folder(
         )));
     }
     let total = files.len();
-    let set = ImageSet {
-        root: data.to_path_buf(),
-        classes: vec!["?".into()],
-        samples: files
-            .iter()
-            .map(|p| Sample {
-                path: p.clone(),
-                target: Target::Class(0),
-            })
-            .collect(),
-        problems: Problems::default(),
-        multi_label: false,
-    };
-    let loader = loader(set, preprocessing, batch, workers)?;
+    let loader = loader(unlabelled(data, &files), preprocessing, batch, workers)?;
     let k = model.num_classes();
     let top = top.clamp(1, k);
     let name = |i: usize| {

@@ -54,6 +54,33 @@ pub fn plot_metrics(rows: &Rows, out: &Path) -> Result<()> {
     plot_metrics_world(rows, &[], out)
 }
 
+/// Distributed runs: each rank's training curve of `metric` (`train_accuracy_rank{r}`), by rank.
+fn rank_series(rows: &Rows, metric: &str) -> Vec<(usize, Vec<(f64, f64)>)> {
+    let prefix = format!("train_{metric}_rank");
+    let mut rank_columns: Vec<(usize, String)> = rows
+        .values()
+        .flat_map(|r| r.keys())
+        .filter_map(|k| Some((k.strip_prefix(&prefix)?.parse::<usize>().ok()?, k.clone())))
+        .collect();
+    rank_columns.sort();
+    rank_columns.dedup();
+    rank_columns
+        .iter()
+        .map(|(r, k)| (*r, series(rows, k)))
+        .collect()
+}
+
+/// The value axis for `points`: from 0 (or below, for negative values) to 5% above the
+/// highest; 0..1 when there is none.
+fn y_range<'a>(points: impl Iterator<Item = &'a (f64, f64)>) -> (f64, f64) {
+    let (lo, hi) = points.fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
+    if lo > hi {
+        (0.0, 1.0)
+    } else {
+        (lo.min(0.0), hi * 1.05 + 1e-9)
+    }
+}
+
 /// [`plot_metrics`] with a third panel, the number of workers over time (an elastic run's
 /// `world` points: seconds, workers), when `world` is not empty.
 pub fn plot_metrics_world(rows: &Rows, world: &[(f64, f64)], out: &Path) -> Result<()> {
@@ -80,33 +107,13 @@ pub fn plot_metrics_world(rows: &Rows, world: &[(f64, f64)], out: &Path) -> Resu
     ] {
         let train = series(rows, &format!("train_{metric}"));
         let val = series(rows, &format!("val_{metric}"));
-        // Distributed runs: each rank's training curve (`train_accuracy_rank{r}`).
-        let prefix = format!("train_{metric}_rank");
-        let mut rank_columns: Vec<(usize, String)> = rows
-            .values()
-            .flat_map(|r| r.keys())
-            .filter_map(|k| Some((k.strip_prefix(&prefix)?.parse::<usize>().ok()?, k.clone())))
-            .collect();
-        rank_columns.sort();
-        rank_columns.dedup();
-        let per_rank: Vec<(usize, Vec<(f64, f64)>)> = rank_columns
-            .iter()
-            .map(|(r, k)| (*r, series(rows, k)))
-            .collect();
-        let all: Vec<f64> = train
-            .iter()
-            .chain(&val)
-            .chain(per_rank.iter().flat_map(|(_, s)| s))
-            .map(|p| p.1)
-            .collect();
-        let (lo, hi) = all
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(*v), b.max(*v)));
-        let (lo, hi) = if lo > hi {
-            (0.0, 1.0)
-        } else {
-            (lo.min(0.0), hi * 1.05 + 1e-9)
-        };
+        let per_rank = rank_series(rows, metric);
+        let (lo, hi) = y_range(
+            train
+                .iter()
+                .chain(&val)
+                .chain(per_rank.iter().flat_map(|(_, s)| s)),
+        );
         let mut builder = ChartBuilder::on(area);
         builder.margin(12);
         if text {

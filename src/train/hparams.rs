@@ -251,7 +251,14 @@ impl TrainConfig {
             ),
         ])
         .into_iter()
-        .chain(self.pipeline.as_ref().map(|p| {
+        .chain(self.mode_hyperparameters())
+        .collect()
+    }
+
+    /// The hyperparameters of the pipeline and parameter-server modes, where the run is one.
+    fn mode_hyperparameters(&self) -> Vec<(&'static str, serde_json::Value)> {
+        use serde_json::json;
+        let pipeline = self.pipeline.as_ref().map(|p| {
             (
                 "pipeline",
                 json!({
@@ -264,8 +271,8 @@ impl TrainConfig {
                     "balance": p.balance.name(),
                 }),
             )
-        }))
-        .chain(self.ps.as_ref().map(|p| {
+        });
+        let ps = self.ps.as_ref().map(|p| {
             (
                 "ps",
                 json!({
@@ -280,7 +287,7 @@ impl TrainConfig {
                     "staleness": p.staleness,
                 }),
             )
-        }))
-        .collect()
+        });
+        pipeline.into_iter().chain(ps).collect()
     }
 }

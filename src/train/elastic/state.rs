@@ -95,33 +95,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             .as_array()
             .filter(|a| a.len() == 3)
             .ok_or_else(|| bad("no sums".into()))?;
-        let world_log = meta["world_log"]
-            .as_array()
-            .ok_or_else(|| bad("no world log".into()))?
-            .iter()
-            .map(|p| {
-                Some((
-                    p.get(0)?.as_u64()?,
-                    p.get(1)?.as_f64()?,
-                    p.get(2)?.as_u64()? as usize,
-                ))
-            })
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| bad("malformed world log".into()))?;
-        let mut rows = EpochRows::new();
-        for (e, r) in meta["rows"]
-            .as_object()
-            .ok_or_else(|| bad("no rows".into()))?
-        {
-            let e: usize = e.parse().map_err(|_| bad(format!("epoch {e}")))?;
-            let r = r
-                .as_object()
-                .ok_or_else(|| bad("malformed row".into()))?
-                .iter()
-                .map(|(k, v)| (k.clone(), v.as_f64().unwrap_or(f64::NAN)))
-                .collect();
-            rows.insert(e, r);
-        }
+        let (world_log, rows) = (world_log(&meta)?, epoch_rows(&meta)?);
         let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(parts[1].to_vec()))
             .map_err(|e| bad(format!("model: {e}")))?;
         let optim_record = OptimizerRecord::from_bytes(Bytes::from_bytes_vec(parts[2].to_vec()))
@@ -265,4 +239,44 @@ fn saved_step(bytes: &[u8]) -> Option<u64> {
 fn saved_meta(bytes: &[u8]) -> Option<serde_json::Value> {
     let len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
     serde_json::from_slice(bytes.get(8..8usize.checked_add(len)?)?).ok()
+}
+
+fn malformed(m: String) -> HearthError {
+    HearthError::Training(format!("elastic state: {m}"))
+}
+
+/// The state's world log: (step, seconds, workers) at each change.
+fn world_log(meta: &serde_json::Value) -> Result<Vec<(u64, f64, usize)>> {
+    meta["world_log"]
+        .as_array()
+        .ok_or_else(|| malformed("no world log".into()))?
+        .iter()
+        .map(|p| {
+            Some((
+                p.get(0)?.as_u64()?,
+                p.get(1)?.as_f64()?,
+                p.get(2)?.as_u64()? as usize,
+            ))
+        })
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| malformed("malformed world log".into()))
+}
+
+/// The state's rows of `metrics.csv`, by epoch.
+fn epoch_rows(meta: &serde_json::Value) -> Result<EpochRows> {
+    let mut rows = EpochRows::new();
+    for (e, r) in meta["rows"]
+        .as_object()
+        .ok_or_else(|| malformed("no rows".into()))?
+    {
+        let e: usize = e.parse().map_err(|_| malformed(format!("epoch {e}")))?;
+        let r = r
+            .as_object()
+            .ok_or_else(|| malformed("malformed row".into()))?
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_f64().unwrap_or(f64::NAN)))
+            .collect();
+        rows.insert(e, r);
+    }
+    Ok(rows)
 }
