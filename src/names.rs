@@ -26,6 +26,15 @@ macro_rules! named_settings {
             }
         }
 
+        impl crate::names::Named for $ty {
+            fn setting_name(self) -> &'static str {
+                self.name()
+            }
+            fn from_setting_name(name: &str) -> Option<Self> {
+                Self::from_name(name)
+            }
+        }
+
         impl std::str::FromStr for $ty {
             type Err = crate::HearthError;
 
@@ -46,6 +55,60 @@ macro_rules! named_settings {
 }
 
 pub(crate) use named_settings;
+
+/// A settings enum that reads and writes itself by name (`hparams.json` through serde:
+/// `#[serde(with = "crate::names::by_name")]`).
+pub(crate) trait Named: Sized + Copy {
+    fn setting_name(self) -> &'static str;
+    fn from_setting_name(name: &str) -> Option<Self>;
+}
+
+impl Named for burn_dist::Compression {
+    fn setting_name(self) -> &'static str {
+        self.name()
+    }
+    fn from_setting_name(name: &str) -> Option<Self> {
+        Self::from_name(name)
+    }
+}
+
+impl Named for burn_dist::pipeline::Schedule {
+    fn setting_name(self) -> &'static str {
+        self.name()
+    }
+    fn from_setting_name(name: &str) -> Option<Self> {
+        Self::from_name(name)
+    }
+}
+
+impl Named for burn_dist::ps::Mode {
+    fn setting_name(self) -> &'static str {
+        self.name()
+    }
+    fn from_setting_name(name: &str) -> Option<Self> {
+        name.parse().ok()
+    }
+}
+
+/// serde by a [`Named`] enum's name.
+pub(crate) mod by_name {
+    use serde::{Deserialize, Deserializer, Serializer, de::Error};
+
+    pub(crate) fn serialize<T: super::Named, S: Serializer>(
+        v: &T,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.serialize_str(v.setting_name())
+    }
+
+    pub(crate) fn deserialize<'de, T: super::Named, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<T, D::Error> {
+        let name = String::deserialize(d)?;
+        T::from_setting_name(&name)
+            .ok_or_else(|| D::Error::custom(format!("{name:?} is not a name this version knows")))
+    }
+}
 
 #[cfg(all(test, feature = "cli"))]
 mod tests {

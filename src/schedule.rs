@@ -9,8 +9,9 @@ use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
 
 use crate::{HearthError, Result};
 
-/// What happens after warmup.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// What happens after warmup (`hparams.json` writes it as `{"decay": "step", "step_size": ..}`).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "decay", rename_all = "lowercase")]
 pub enum Decay {
     Constant,
     /// Multiply by `gamma` every `step_size` iterations (after warmup).

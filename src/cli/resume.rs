@@ -2,12 +2,7 @@
 //! every one the command line does not set.
 
 use anyhow::{Context, Result, bail};
-
-/// How a run was started, as its `hparams.json` records it.
-pub(crate) struct RecordedLaunch {
-    pub processes: usize,
-    pub elastic: bool,
-}
+use hearth::train::LaunchRecord;
 
 /// Whether the command line sets `flag` (`--flag V` or `--flag=V`).
 pub(crate) fn given(flag: &str) -> bool {
@@ -18,7 +13,7 @@ pub(crate) fn given(flag: &str) -> bool {
 /// `hparams.json`), so that a bare resume starts it the same way. `None` for a run whose file
 /// predates the record. A missing `hparams.json` is an error when the command line gives
 /// nothing else to go by, and said otherwise.
-pub(crate) fn recorded_launch(run: &std::path::Path) -> Result<Option<RecordedLaunch>> {
+pub(crate) fn recorded_launch(run: &std::path::Path) -> Result<Option<LaunchRecord>> {
     let path = run.join("hparams.json");
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
@@ -54,21 +49,17 @@ pub(crate) fn recorded_launch(run: &std::path::Path) -> Result<Option<RecordedLa
         }
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
     };
-    let saved: serde_json::Value =
+    let mut saved: serde_json::Map<String, serde_json::Value> =
         serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
-    let launch = &saved["launch"];
-    if launch.is_null() {
-        return Ok(None);
+    let launch = match saved.remove("launch") {
+        None | Some(serde_json::Value::Null) => return Ok(None),
+        Some(l) => serde_json::from_value::<LaunchRecord>(l)
+            .with_context(|| format!("{}: launch", path.display()))?,
+    };
+    if launch.processes == 0 {
+        bail!("{}: launch.processes is 0", path.display());
     }
-    let processes = launch["processes"]
-        .as_u64()
-        .and_then(|n| usize::try_from(n).ok())
-        .filter(|&n| n >= 1)
-        .with_context(|| format!("{}: launch.processes is not a count", path.display()))?;
-    let elastic = launch["elastic"]
-        .as_bool()
-        .with_context(|| format!("{}: launch.elastic is not true or false", path.display()))?;
-    Ok(Some(RecordedLaunch { processes, elastic }))
+    Ok(Some(launch))
 }
 
 /// `--resume RUN`: the run's recorded settings (`hparams.json`) for every one the command line

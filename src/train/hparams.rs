@@ -1,293 +1,541 @@
-//! What a run records of its settings (`hparams.json`) and how `--resume` takes them back:
-//! [`TrainConfig::hyperparameters`] and [`TrainConfig::take_recorded`].
+//! What a run records of its settings (`hparams.json`) and how `--resume` takes them back.
+//!
+//! [`Hparams`] is the file, field for field, written and read by serde. A resume lays the
+//! recorded values the command line did not set over the run's own settings and reads the
+//! result back as one [`Hparams`]: no setting is parsed by hand.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 
 use super::TrainConfig;
+use crate::names::by_name;
+use crate::schedule::{Decay, LrScaling};
 use crate::settings::*;
 use crate::{HearthError, Result};
+
+/// `hparams.json` as a map from each setting's name to its value (what a resume compares).
+pub type Recorded = BTreeMap<String, Value>;
+
+/// The settings a run records in `hparams.json`, under the names the file uses.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hparams {
+    pub data: Option<String>,
+    pub labels: Option<String>,
+    pub val_fraction: f64,
+    pub model: String,
+    pub weights: Option<String>,
+    pub freeze_backbone: bool,
+    pub unfreeze_after: Option<usize>,
+    pub finetune_lr: Option<f64>,
+    #[serde(with = "by_name")]
+    pub finetune_bn: FinetuneBn,
+    pub epochs: usize,
+    pub batch_size: usize,
+    pub lr: f64,
+    #[serde(with = "by_name")]
+    pub optimizer: OptimizerKind,
+    /// What ran: the mode's default where the command line gave none.
+    pub momentum: Option<f64>,
+    pub nesterov: bool,
+    pub weight_decay: f64,
+    pub schedule: Decay,
+    pub warmup_epochs: usize,
+    pub scale_lr: Option<ScaleLr>,
+    /// As typed (0.1, not the f32's 0.10000000149...).
+    #[serde(with = "shortest_f32")]
+    pub label_smoothing: f32,
+    #[serde(with = "by_name")]
+    pub monitor: Monitor,
+    pub patience: Option<usize>,
+    pub min_delta: f64,
+    pub image_size: u32,
+    #[serde(with = "AugmentationDef")]
+    pub augmentation: hearth_datasets::Augmentation,
+    pub seed: u64,
+    pub grad_accum: Option<usize>,
+    #[serde(with = "by_name")]
+    pub compression: burn_dist::Compression,
+    #[serde(with = "by_name")]
+    pub precision: Precision,
+    pub zero: u8,
+    pub recompute: bool,
+    /// How the run was started, for a bare `--resume RUN` to start it the same way (the
+    /// processes may change on resume). Recorded, never taken back into the settings.
+    pub launch: LaunchRecord,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<PipelineRecord>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ps: Option<PsRecord>,
+}
+
+/// `--scale-lr RULE --base-batch N`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ScaleLr {
+    #[serde(with = "by_name")]
+    pub rule: LrScaling,
+    pub base_batch: usize,
+}
+
+/// How many processes started the run, and whether elastically.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaunchRecord {
+    pub processes: usize,
+    pub elastic: bool,
+}
+
+/// [`PipelineOptions`] as recorded: the split as `START:END` per stage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PipelineRecord {
+    pub stages: usize,
+    pub micro_batches: usize,
+    #[serde(with = "by_name")]
+    pub schedule: burn_dist::pipeline::Schedule,
+    pub split: Option<Vec<String>>,
+    #[serde(with = "by_name")]
+    pub balance: PipelineBalance,
+}
+
+/// [`PsOptions`] as recorded: `servers` is a count or `"colocated"`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PsRecord {
+    pub servers: ServersRecord,
+    #[serde(with = "by_name")]
+    pub mode: burn_dist::ps::Mode,
+    /// What ran (the mode's default where not given); sync has none.
+    pub window: Option<usize>,
+    pub rho: Option<f64>,
+    pub staleness: Option<u64>,
+}
+
+/// [`PsServers`]: a number of dedicated servers, or a name (`"colocated"`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ServersRecord {
+    Count(usize),
+    Named(String),
+}
+
+/// serde's view of [`hearth_datasets::Augmentation`] (a crate without serde).
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "hearth_datasets::Augmentation")]
+struct AugmentationDef {
+    crop_scale: Option<(f64, f64)>,
+    flip: bool,
+    rotate: f64,
+    shear: f64,
+    color_jitter: f64,
+}
+
+/// An f32 written as the shortest decimal that reads back to it.
+mod shortest_f32 {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(v: &f32, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(v.to_string().parse().unwrap_or(f64::from(*v)))
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
+        f64::deserialize(d).map(|v| v as f32)
+    }
+}
+
+/// The keys of the modes' own sections, present only in runs of that mode.
+const MODE_KEYS: [&str; 2] = ["pipeline", "ps"];
+
+impl Hparams {
+    /// What `cfg` records.
+    pub fn of(cfg: &TrainConfig) -> Self {
+        let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.display().to_string());
+        Self {
+            data: path(&cfg.data),
+            labels: path(&cfg.labels),
+            val_fraction: cfg.val_fraction,
+            model: cfg.model.clone(),
+            weights: path(&cfg.weights),
+            freeze_backbone: cfg.freeze_backbone,
+            unfreeze_after: cfg.unfreeze_after,
+            finetune_lr: cfg.finetune_lr,
+            finetune_bn: cfg.finetune_bn,
+            epochs: cfg.epochs,
+            batch_size: cfg.batch_size,
+            lr: cfg.lr,
+            optimizer: cfg.optimizer,
+            momentum: Some(cfg.momentum()),
+            nesterov: cfg.nesterov,
+            weight_decay: cfg.weight_decay,
+            schedule: cfg.schedule,
+            warmup_epochs: cfg.warmup_epochs,
+            scale_lr: cfg
+                .scale_lr
+                .map(|(rule, base_batch)| ScaleLr { rule, base_batch }),
+            label_smoothing: cfg.label_smoothing,
+            monitor: cfg.monitor,
+            patience: cfg.patience,
+            min_delta: cfg.min_delta,
+            image_size: cfg.image_size,
+            augmentation: cfg.augmentation.clone(),
+            seed: cfg.seed,
+            grad_accum: cfg.grad_accum,
+            compression: cfg.compression,
+            precision: cfg.precision,
+            zero: cfg.zero,
+            recompute: cfg.recompute,
+            launch: LaunchRecord {
+                processes: cfg.dist.as_ref().map_or(1, |d| d.world),
+                elastic: cfg.elastic.is_some(),
+            },
+            pipeline: cfg.pipeline.as_ref().map(|p| PipelineRecord {
+                stages: p.stages,
+                micro_batches: p.micro_batches,
+                schedule: p.schedule,
+                split: p
+                    .split
+                    .as_ref()
+                    .map(|s| s.iter().map(|r| format!("{}:{}", r.start, r.end)).collect()),
+                balance: p.balance,
+            }),
+            ps: cfg.ps.as_ref().map(|p| PsRecord {
+                servers: match p.servers {
+                    PsServers::Dedicated(n) => ServersRecord::Count(n),
+                    PsServers::Colocated => ServersRecord::Named("colocated".into()),
+                },
+                mode: p.mode,
+                window: (p.mode != burn_dist::ps::Mode::Sync).then(|| p.window()),
+                rho: p.rho,
+                staleness: p.staleness,
+            }),
+        }
+    }
+
+    /// [`Hparams::of`] with the two values the file records as they ran (momentum and the
+    /// parameter servers' window) left as the command line gave them, so that reading it
+    /// back changes nothing.
+    fn as_given(cfg: &TrainConfig) -> Self {
+        let mut h = Self::of(cfg);
+        h.momentum = cfg.momentum;
+        if let (Some(r), Some(p)) = (h.ps.as_mut(), cfg.ps.as_ref()) {
+            r.window = p.window;
+        }
+        h
+    }
+
+    /// The file's map, by setting name.
+    pub fn to_map(&self) -> Recorded {
+        match serde_json::to_value(self) {
+            Ok(Value::Object(m)) => m.into_iter().collect(),
+            // A struct of strings, numbers and options always writes as an object.
+            _ => Recorded::new(),
+        }
+    }
+
+    /// Sets every setting of `cfg` this records (all but `launch`).
+    fn apply(self, cfg: &mut TrainConfig) -> Result<()> {
+        let Hparams {
+            data,
+            labels,
+            val_fraction,
+            model,
+            weights,
+            freeze_backbone,
+            unfreeze_after,
+            finetune_lr,
+            finetune_bn,
+            epochs,
+            batch_size,
+            lr,
+            optimizer,
+            momentum,
+            nesterov,
+            weight_decay,
+            schedule,
+            warmup_epochs,
+            scale_lr,
+            label_smoothing,
+            monitor,
+            patience,
+            min_delta,
+            image_size,
+            augmentation,
+            seed,
+            grad_accum,
+            compression,
+            precision,
+            zero,
+            recompute,
+            launch: _,
+            pipeline,
+            ps,
+        } = self;
+        cfg.pipeline = pipeline.map(PipelineRecord::options).transpose()?;
+        cfg.ps = ps.map(PsRecord::options).transpose()?;
+        cfg.data = data.map(Into::into);
+        cfg.labels = labels.map(Into::into);
+        cfg.val_fraction = val_fraction;
+        cfg.model = model;
+        cfg.weights = weights.map(Into::into);
+        cfg.freeze_backbone = freeze_backbone;
+        cfg.unfreeze_after = unfreeze_after;
+        cfg.finetune_lr = finetune_lr;
+        cfg.finetune_bn = finetune_bn;
+        cfg.epochs = epochs;
+        cfg.batch_size = batch_size;
+        cfg.lr = lr;
+        cfg.optimizer = optimizer;
+        cfg.momentum = momentum;
+        cfg.nesterov = nesterov;
+        cfg.weight_decay = weight_decay;
+        cfg.schedule = schedule;
+        cfg.warmup_epochs = warmup_epochs;
+        cfg.scale_lr = scale_lr.map(|s| (s.rule, s.base_batch));
+        cfg.label_smoothing = label_smoothing;
+        cfg.monitor = monitor;
+        cfg.patience = patience;
+        cfg.min_delta = min_delta;
+        cfg.image_size = image_size;
+        cfg.augmentation = augmentation;
+        cfg.seed = seed;
+        cfg.grad_accum = grad_accum;
+        cfg.compression = compression;
+        cfg.precision = precision;
+        cfg.zero = zero;
+        cfg.recompute = recompute;
+        Ok(())
+    }
+}
+
+impl PipelineRecord {
+    fn options(self) -> Result<PipelineOptions> {
+        Ok(PipelineOptions {
+            stages: self.stages,
+            micro_batches: self.micro_batches,
+            schedule: self.schedule,
+            split: self
+                .split
+                .map(|s| PipelineOptions::parse_split(&s.join(",")))
+                .transpose()?,
+            balance: self.balance,
+        })
+    }
+}
+
+impl PsRecord {
+    fn options(self) -> Result<PsOptions> {
+        Ok(PsOptions {
+            servers: match self.servers {
+                ServersRecord::Count(n) => PsServers::Dedicated(n),
+                ServersRecord::Named(s) => s.parse()?,
+            },
+            mode: self.mode,
+            window: self.window,
+            rho: self.rho,
+            staleness: self.staleness,
+        })
+    }
+}
+
+/// A recorded value as this version reads it. Runs before issue 55 recorded a window for
+/// sync and a rho for every mode, which the mode never read (and the settings now refuse).
+fn upgraded(key: &str, value: &Value) -> Value {
+    let mut value = value.clone();
+    if key == "ps"
+        && let Some(ps) = value.as_object_mut()
+    {
+        let mode = ps.get("mode").and_then(Value::as_str).map(str::to_string);
+        if mode.as_deref() == Some("sync") {
+            ps.insert("window".into(), Value::Null);
+        }
+        if mode.as_deref() != Some("easgd") {
+            ps.insert("rho".into(), Value::Null);
+        }
+    }
+    value
+}
 
 impl TrainConfig {
     /// `--resume`: the settings recorded in the run's `hparams.json` (`saved`) for every one
     /// `given` says the command line did not set, so `hearth train --resume RUN` alone
     /// continues the run as it was started. Returns the names taken; a value that does not
-    /// read is an error naming it.
+    /// read is an error naming it. Names this version does not know are left alone.
     pub fn take_recorded(
         &mut self,
-        saved: &serde_json::Map<String, serde_json::Value>,
+        saved: &Map<String, Value>,
         given: &dyn Fn(&str) -> bool,
     ) -> Result<Vec<String>> {
-        use serde_json::Value;
-        let bad = |k: &str, v: &Value| {
-            HearthError::InvalidArgument(format!(
-                "{}: {k} = {v} does not read as a setting",
-                self.run_dir.join("hparams.json").display()
-            ))
+        let Value::Object(base) = serde_json::to_value(Hparams::as_given(self))
+            .map_err(|e| HearthError::InvalidArgument(format!("the run's settings: {e}")))?
+        else {
+            return Err(HearthError::InvalidArgument(
+                "the run's settings do not write as an object".into(),
+            ));
         };
-        let f = |k: &str, v: &Value| v.as_f64().ok_or_else(|| bad(k, v));
-        let n = |k: &str, v: &Value| v.as_u64().map(|x| x as usize).ok_or_else(|| bad(k, v));
-        let b = |k: &str, v: &Value| v.as_bool().ok_or_else(|| bad(k, v));
-        let text = |k: &str, v: &Value| v.as_str().map(str::to_string).ok_or_else(|| bad(k, v));
-        let opt = |v: &Value| (!v.is_null()).then_some(v.clone());
-        let named = |k: &str, v: &Value| -> Result<String> { text(k, v) };
-        let mut taken = Vec::new();
-        for (k, v) in saved {
-            if given(k) {
-                continue;
+        let taken: Vec<String> = saved
+            .keys()
+            .filter(|k| k.as_str() != "launch" && !given(k))
+            .filter(|k| base.contains_key(*k) || MODE_KEYS.contains(&k.as_str()))
+            .cloned()
+            .collect();
+        let read = |keys: &[String]| {
+            let mut merged = base.clone();
+            for k in keys {
+                merged.insert(k.clone(), upgraded(k, &saved[k]));
             }
-            let path = |v: &Value| -> Result<Option<PathBuf>> {
-                opt(v).map(|v| text(k, &v).map(PathBuf::from)).transpose()
-            };
-            match k.as_str() {
-                "data" => self.data = path(v)?,
-                "labels" => self.labels = path(v)?,
-                "weights" => self.weights = path(v)?,
-                "val_fraction" => self.val_fraction = f(k, v)?,
-                "model" => self.model = text(k, v)?,
-                "freeze_backbone" => self.freeze_backbone = b(k, v)?,
-                "unfreeze_after" => self.unfreeze_after = opt(v).map(|v| n(k, &v)).transpose()?,
-                "finetune_lr" => self.finetune_lr = opt(v).map(|v| f(k, &v)).transpose()?,
-                "finetune_bn" => {
-                    self.finetune_bn =
-                        FinetuneBn::from_name(&named(k, v)?).ok_or_else(|| bad(k, v))?
-                }
-                "epochs" => self.epochs = n(k, v)?,
-                "batch_size" => self.batch_size = n(k, v)?,
-                "lr" => self.lr = f(k, v)?,
-                "optimizer" => {
-                    self.optimizer =
-                        OptimizerKind::from_name(&named(k, v)?).ok_or_else(|| bad(k, v))?
-                }
-                "momentum" => self.momentum = Some(f(k, v)?),
-                "nesterov" => self.nesterov = b(k, v)?,
-                "weight_decay" => self.weight_decay = f(k, v)?,
-                "schedule" => {
-                    use crate::schedule::Decay;
-                    self.schedule = match v["decay"].as_str() {
-                        Some("constant") => Decay::Constant,
-                        Some("step") => Decay::Step {
-                            step_size: n(k, &v["step_size"])?,
-                            gamma: f(k, &v["gamma"])?,
-                        },
-                        Some("cosine") => Decay::Cosine {
-                            min_lr: f(k, &v["min_lr"])?,
-                        },
-                        _ => return Err(bad(k, v)),
-                    }
-                }
-                "warmup_epochs" => self.warmup_epochs = n(k, v)?,
-                "scale_lr" => {
-                    self.scale_lr = match opt(v) {
-                        None => None,
-                        Some(s) => Some((
-                            crate::schedule::LrScaling::from_name(&named(k, &s["rule"])?)
-                                .ok_or_else(|| bad(k, &s))?,
-                            n(k, &s["base_batch"])?,
-                        )),
-                    }
-                }
-                "label_smoothing" => self.label_smoothing = f(k, v)? as f32,
-                "monitor" => {
-                    self.monitor = Monitor::from_name(&named(k, v)?).ok_or_else(|| bad(k, v))?
-                }
-                "patience" => self.patience = opt(v).map(|v| n(k, &v)).transpose()?,
-                "min_delta" => self.min_delta = f(k, v)?,
-                "image_size" => self.image_size = n(k, v)? as u32,
-                "augmentation" => {
-                    self.augmentation = hearth_datasets::Augmentation {
-                        crop_scale: match opt(&v["crop_scale"]) {
-                            None => None,
-                            Some(c) => Some((f(k, &c[0])?, f(k, &c[1])?)),
-                        },
-                        flip: b(k, &v["flip"])?,
-                        rotate: f(k, &v["rotate"])?,
-                        shear: f(k, &v["shear"])?,
-                        color_jitter: f(k, &v["color_jitter"])?,
-                    }
-                }
-                "seed" => self.seed = n(k, v)? as u64,
-                "grad_accum" => self.grad_accum = opt(v).map(|v| n(k, &v)).transpose()?,
-                "compression" => {
-                    self.compression =
-                        burn_dist::Compression::from_name(&named(k, v)?).ok_or_else(|| bad(k, v))?
-                }
-                "precision" => {
-                    self.precision =
-                        super::Precision::from_name(&named(k, v)?).ok_or_else(|| bad(k, v))?
-                }
-                "zero" => {
-                    self.zero = u8::try_from(n(k, v)?).map_err(|_| bad(k, v))?;
-                }
-                "recompute" => self.recompute = b(k, v)?,
-                "pipeline" => {
-                    let split = match opt(&v["split"]) {
-                        None => None,
-                        Some(s) => {
-                            let parts: Vec<String> = s
-                                .as_array()
-                                .ok_or_else(|| bad(k, v))?
-                                .iter()
-                                .map(|p| text(k, p))
-                                .collect::<Result<_>>()?;
-                            Some(PipelineOptions::parse_split(&parts.join(","))?)
-                        }
-                    };
-                    self.pipeline = Some(PipelineOptions {
-                        stages: n(k, &v["stages"])?,
-                        micro_batches: n(k, &v["micro_batches"])?,
-                        schedule: burn_dist::pipeline::Schedule::from_name(&named(
-                            k,
-                            &v["schedule"],
-                        )?)
-                        .ok_or_else(|| bad(k, v))?,
-                        split,
-                        balance: PipelineBalance::from_name(&named(k, &v["balance"])?)
-                            .ok_or_else(|| bad(k, v))?,
-                    })
-                }
-                "ps" => {
-                    use burn_dist::ps::Mode;
-                    let mode: Mode = named(k, &v["mode"])?.parse()?;
-                    // Runs before issue 55 recorded a window for sync and a rho for every
-                    // mode, which the mode never read (and the settings now refuse).
-                    let window = opt(&v["window"]).filter(|_| mode != Mode::Sync);
-                    let rho = opt(&v["rho"]).filter(|_| mode == Mode::Easgd);
-                    self.ps = Some(super::PsOptions {
-                        servers: match &v["servers"] {
-                            Value::String(s) => s.parse()?,
-                            other => super::PsServers::Dedicated(n(k, other)?),
-                        },
-                        mode,
-                        window: window.map(|w| n(k, &w)).transpose()?,
-                        rho: rho.map(|r| f(k, &r)).transpose()?,
-                        staleness: opt(&v["staleness"])
-                            .map(|s| n(k, &s).map(|x| x as u64))
-                            .transpose()?,
-                    })
-                }
-                // A setting this version does not know: the run's check says so if it matters.
-                _ => continue,
-            }
-            taken.push(k.clone());
-        }
+            serde_json::from_value::<Hparams>(Value::Object(merged))
+        };
+        let file = self.run_dir.join("hparams.json");
+        let recorded = read(&taken).map_err(|all| {
+            // Name the setting that does not read.
+            let (key, e) = taken
+                .iter()
+                .find_map(|k| read(std::slice::from_ref(k)).err().map(|e| (k.as_str(), e)))
+                .unwrap_or(("settings", all));
+            HearthError::InvalidArgument(format!(
+                "{}: {key} = {} does not read as a setting ({e})",
+                file.display(),
+                saved.get(key).unwrap_or(&Value::Null)
+            ))
+        })?;
+        recorded.apply(self)?;
         Ok(taken)
     }
 
     /// The hyperparameters a resumed run must share with the original, by name
     /// (`hparams.json`).
-    pub fn hyperparameters(&self) -> BTreeMap<&'static str, serde_json::Value> {
-        use serde_json::{Value, json};
-        let path = |p: &Option<PathBuf>| {
-            p.as_ref()
-                .map_or(Value::Null, |p| json!(p.display().to_string()))
+    pub fn hyperparameters(&self) -> Recorded {
+        Hparams::of(self).to_map()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> TrainConfig {
+        let mut c = TrainConfig::new("run".into());
+        c.data = Some("/data/set".into());
+        c.lr = 0.02;
+        c.label_smoothing = 0.1;
+        c.schedule = Decay::Step {
+            step_size: 7,
+            gamma: 0.5,
         };
-        let schedule = match self.schedule {
-            crate::schedule::Decay::Constant => json!({"decay": "constant"}),
-            crate::schedule::Decay::Step { step_size, gamma } => {
-                json!({"decay": "step", "step_size": step_size, "gamma": gamma})
-            }
-            crate::schedule::Decay::Cosine { min_lr } => {
-                json!({"decay": "cosine", "min_lr": min_lr})
-            }
-        };
-        let scale_lr = self.scale_lr.map_or(
-            Value::Null,
-            |(rule, base)| json!({"rule": rule.name(), "base_batch": base}),
-        );
-        BTreeMap::from([
-            ("data", path(&self.data)),
-            ("labels", path(&self.labels)),
-            ("val_fraction", json!(self.val_fraction)),
-            ("model", json!(self.model)),
-            ("weights", path(&self.weights)),
-            ("freeze_backbone", json!(self.freeze_backbone)),
-            ("unfreeze_after", json!(self.unfreeze_after)),
-            ("finetune_lr", json!(self.finetune_lr)),
-            ("finetune_bn", json!(self.finetune_bn.name())),
-            ("epochs", json!(self.epochs)),
-            ("batch_size", json!(self.batch_size)),
-            ("lr", json!(self.lr)),
-            ("optimizer", json!(self.optimizer.name())),
-            ("momentum", json!(self.momentum())),
-            ("nesterov", json!(self.nesterov)),
-            ("weight_decay", json!(self.weight_decay)),
-            ("schedule", schedule),
-            ("warmup_epochs", json!(self.warmup_epochs)),
-            ("scale_lr", scale_lr),
-            // As typed (0.1, not the f32's 0.10000000149...).
-            (
-                "label_smoothing",
-                json!((f64::from(self.label_smoothing) * 1e6).round() / 1e6),
-            ),
-            ("monitor", json!(self.monitor.column())),
-            ("patience", json!(self.patience)),
-            ("min_delta", json!(self.min_delta)),
-            ("image_size", json!(self.image_size)),
-            (
-                "augmentation",
-                json!({
-                    "crop_scale": self.augmentation.crop_scale.map(|(a, b)| [a, b]),
-                    "flip": self.augmentation.flip,
-                    "rotate": self.augmentation.rotate,
-                    "shear": self.augmentation.shear,
-                    "color_jitter": self.augmentation.color_jitter,
-                }),
-            ),
-            ("seed", json!(self.seed)),
-            ("grad_accum", json!(self.grad_accum)),
-            ("compression", json!(self.compression.name())),
-            ("precision", json!(self.precision.name())),
-            ("zero", json!(self.zero)),
-            ("recompute", json!(self.recompute)),
-            // How the run was started, for a bare `--resume RUN` to start it the same way
-            // (the processes may change on resume).
-            (
-                "launch",
-                json!({
-                    "processes": self.dist.as_ref().map_or(1, |d| d.world),
-                    "elastic": self.elastic.is_some(),
-                }),
-            ),
-        ])
-        .into_iter()
-        .chain(self.mode_hyperparameters())
-        .collect()
+        c.scale_lr = Some((LrScaling::Sqrt, 64));
+        c.augmentation.crop_scale = Some((0.3, 1.0));
+        c.ps = Some(PsOptions {
+            servers: PsServers::Colocated,
+            mode: burn_dist::ps::Mode::Easgd,
+            window: Some(3),
+            rho: Some(2.5),
+            staleness: None,
+        });
+        c
     }
 
-    /// The hyperparameters of the pipeline and parameter-server modes, where the run is one.
-    fn mode_hyperparameters(&self) -> Vec<(&'static str, serde_json::Value)> {
-        use serde_json::json;
-        let pipeline = self.pipeline.as_ref().map(|p| {
-            (
-                "pipeline",
-                json!({
-                    "stages": p.stages,
-                    "micro_batches": p.micro_batches,
-                    "schedule": p.schedule.name(),
-                    "split": p.split.as_ref().map(|s| {
-                        s.iter().map(|r| format!("{}:{}", r.start, r.end)).collect::<Vec<_>>()
-                    }),
-                    "balance": p.balance.name(),
-                }),
-            )
+    #[test]
+    fn the_file_keeps_its_names_and_values() {
+        let h = config().hyperparameters();
+        assert_eq!(h["label_smoothing"], serde_json::json!(0.1));
+        assert_eq!(
+            h["schedule"],
+            serde_json::json!({"decay": "step", "step_size": 7, "gamma": 0.5})
+        );
+        assert_eq!(
+            h["scale_lr"],
+            serde_json::json!({"rule": "sqrt", "base_batch": 64})
+        );
+        assert_eq!(
+            h["augmentation"]["crop_scale"],
+            serde_json::json!([0.3, 1.0])
+        );
+        assert_eq!(h["ps"]["servers"], "colocated");
+        assert_eq!(h["ps"]["mode"], "easgd");
+        assert_eq!(
+            h["launch"],
+            serde_json::json!({"processes": 1, "elastic": false})
+        );
+        assert_eq!(h["momentum"], serde_json::json!(DEFAULT_MOMENTUM));
+        assert!(!h.contains_key("pipeline"));
+    }
+
+    #[test]
+    fn a_bare_resume_takes_back_every_setting() {
+        let original = config();
+        let saved: Map<String, Value> = original.hyperparameters().into_iter().collect();
+        let mut resumed = TrainConfig::new("run".into());
+        let taken = resumed.take_recorded(&saved, &|_| false).unwrap();
+        assert!(taken.contains(&"ps".to_string()) && !taken.contains(&"launch".to_string()));
+        assert_eq!(resumed.hyperparameters(), original.hyperparameters());
+        assert_eq!(resumed.data, original.data);
+        assert_eq!(resumed.label_smoothing, original.label_smoothing);
+    }
+
+    #[test]
+    fn what_the_command_line_sets_stays() {
+        let saved: Map<String, Value> = config().hyperparameters().into_iter().collect();
+        let mut resumed = TrainConfig::new("run".into());
+        resumed.lr = 0.5;
+        resumed.label_smoothing = 0.123_456_7;
+        let given = |k: &str| matches!(k, "lr" | "label_smoothing" | "momentum");
+        let taken = resumed.take_recorded(&saved, &given).unwrap();
+        assert!(!taken.contains(&"lr".to_string()));
+        assert_eq!(resumed.lr, 0.5);
+        assert_eq!(resumed.label_smoothing, 0.123_456_7);
+        assert_eq!(resumed.momentum, None, "left for the mode to choose");
+        assert_eq!(resumed.seed, config().seed);
+    }
+
+    #[test]
+    fn a_value_that_does_not_read_is_named() {
+        let mut saved: Map<String, Value> = config().hyperparameters().into_iter().collect();
+        saved.insert("optimizer".into(), "adamx".into());
+        saved.insert("unknown_to_this_version".into(), 3.into());
+        let err = TrainConfig::new("run".into())
+            .take_recorded(&saved, &|_| false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("optimizer = \"adamx\" does not read"), "{err}");
+        saved.insert("optimizer".into(), "adam".into());
+        saved.insert("zero".into(), 300.into());
+        let err = TrainConfig::new("run".into())
+            .take_recorded(&saved, &|_| false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("zero = 300"), "{err}");
+    }
+
+    #[test]
+    fn old_files_lose_the_ps_values_their_mode_never_read() {
+        let mut saved = Map::new();
+        saved.insert(
+            "ps".into(),
+            serde_json::json!({"servers": 2, "mode": "sync", "window": 1, "rho": 1.0,
+                               "staleness": null}),
+        );
+        let mut c = TrainConfig::new("run".into());
+        assert_eq!(c.take_recorded(&saved, &|_| false).unwrap(), ["ps"]);
+        let ps = c.ps.unwrap();
+        assert_eq!(ps.servers, PsServers::Dedicated(2));
+        assert_eq!((ps.window, ps.rho), (None, None));
+    }
+
+    #[test]
+    fn a_pipeline_split_reads_back_as_ranges() {
+        let mut c = TrainConfig::new("run".into());
+        c.pipeline = Some(PipelineOptions {
+            stages: 2,
+            micro_batches: 4,
+            schedule: burn_dist::pipeline::Schedule::default(),
+            split: Some(vec![0..2, 2..5]),
+            balance: PipelineBalance::Params,
         });
-        let ps = self.ps.as_ref().map(|p| {
-            (
-                "ps",
-                json!({
-                    "servers": match p.servers {
-                        super::PsServers::Dedicated(n) => json!(n),
-                        super::PsServers::Colocated => json!("colocated"),
-                    },
-                    "mode": p.mode.name(),
-                    // What ran (the mode's default where not given); sync has none.
-                    "window": (p.mode != burn_dist::ps::Mode::Sync).then(|| p.window()),
-                    "rho": p.rho,
-                    "staleness": p.staleness,
-                }),
-            )
-        });
-        pipeline.into_iter().chain(ps).collect()
+        let saved: Map<String, Value> = c.hyperparameters().into_iter().collect();
+        assert_eq!(
+            saved["pipeline"]["split"],
+            serde_json::json!(["0:2", "2:5"])
+        );
+        let mut back = TrainConfig::new("run".into());
+        back.take_recorded(&saved, &|_| false).unwrap();
+        assert_eq!(back.pipeline.unwrap().split, Some(vec![0..2, 2..5]));
     }
 }

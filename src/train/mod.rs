@@ -75,6 +75,9 @@ pub use catalog::{
 pub use config::{MAY_CHANGE_ON_RESUME, TrainConfig};
 pub use data::{ImageBatch, LoaderAdapter};
 pub use elastic::{mark_finished, request_leave};
+pub use hparams::{
+    Hparams, LaunchRecord, PipelineRecord, PsRecord, Recorded, ScaleLr, ServersRecord,
+};
 pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
 pub use model::epoch_seed;
 pub use precision::{LossScaler, Mixed, SharedScaler};

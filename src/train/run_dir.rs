@@ -170,17 +170,13 @@ pub fn last_complete_checkpoint(run_dir: &Path) -> Result<usize> {
         })
 }
 
-pub fn hparams_json(h: &BTreeMap<&'static str, serde_json::Value>) -> String {
+pub fn hparams_json(h: &super::Recorded) -> String {
     serde_json::to_string_pretty(h).unwrap_or_default()
 }
 
 /// Writes `model_config.json` (`model_json`: a `ModelConfig`'s JSON, or a user's module's
 /// type and classes) and `hparams.json`, which `--resume` checks against.
-pub fn record(
-    run_dir: &Path,
-    model_json: &str,
-    h: &BTreeMap<&'static str, serde_json::Value>,
-) -> Result<()> {
+pub fn record(run_dir: &Path, model_json: &str, h: &super::Recorded) -> Result<()> {
     write_atomic(&run_dir.join("model_config.json"), model_json)?;
     write_atomic(&run_dir.join("hparams.json"), &hparams_json(h))
 }
@@ -190,7 +186,7 @@ pub fn record(
 pub fn check_resume_compatible(
     run_dir: &Path,
     model_json: &str,
-    hparams: &BTreeMap<&'static str, serde_json::Value>,
+    hparams: &super::Recorded,
 ) -> Result<()> {
     let path = run_dir.join("model_config.json");
     let saved = std::fs::read_to_string(&path).map_err(|source| HearthError::Read {
@@ -243,9 +239,9 @@ pub fn check_resume_compatible(
     };
     let differing: Vec<String> = hparams
         .iter()
-        .filter(|(k, _)| !super::config::MAY_CHANGE_ON_RESUME.contains(*k))
+        .filter(|(k, _)| !super::config::MAY_CHANGE_ON_RESUME.contains(&k.as_str()))
         .filter_map(|(k, now)| {
-            let then = saved.get(*k)?;
+            let then = saved.get(k.as_str())?;
             (comparable(k, then) != comparable(k, now))
                 .then(|| format!("{k}: {then} then, {now} now"))
         })

@@ -230,10 +230,7 @@ impl PipelineRun<'_> {
     /// rank's comes from its own `pipeline_split.txt`), micro-batches and flags, before the
     /// first step. Paths are left out (a host may keep its copy elsewhere; the data itself was
     /// compared when it was read).
-    fn agree(
-        &self,
-        hparams: &std::collections::BTreeMap<&'static str, serde_json::Value>,
-    ) -> Result<()> {
+    fn agree(&self, hparams: &crate::train::Recorded) -> Result<()> {
         let mut settings = vec![
             ("model", self.config.to_json()),
             ("pipeline split", files::format_split(&self.ranges)),
@@ -246,8 +243,8 @@ impl PipelineRun<'_> {
         settings.extend(
             hparams
                 .iter()
-                .filter(|(k, _)| !matches!(**k, "data" | "labels" | "weights"))
-                .map(|(k, v)| (*k, v.to_string())),
+                .filter(|(k, _)| !matches!(k.as_str(), "data" | "labels" | "weights"))
+                .map(|(k, v)| (k.as_str(), v.to_string())),
         );
         distributed::agree_settings(&self.comm, &settings)
     }
