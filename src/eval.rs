@@ -190,7 +190,8 @@ fn write_text(path: &Path, text: &str) -> Result<()> {
     crate::train::run_dir::write_atomic(path, text)
 }
 
-/// Writes `per_class.csv`, `confusion.csv` and `confusion.png` into `out`.
+/// Writes `per_class.csv`, `confusion.csv` and (with the `plots` feature) `confusion.png`
+/// into `out`; returns the paths written.
 pub fn write_report(report: &EvalReport, out: &Path) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(out).map_err(|source| HearthError::Write {
         path: out.to_path_buf(),
@@ -220,16 +221,19 @@ pub fn write_report(report: &EvalReport, out: &Path) -> Result<Vec<PathBuf>> {
         }
         confusion.push('\n');
     }
-    let paths = [
-        out.join("per_class.csv"),
-        out.join("confusion.csv"),
-        out.join("confusion.png"),
-    ];
-    write_text(&paths[0], &per_class)?;
-    write_text(&paths[1], &confusion)?;
-    let names: Vec<&str> = report.classes.iter().map(|c| c.name.as_str()).collect();
-    crate::plot::plot_confusion(&report.confusion, &names, &paths[2])?;
-    Ok(paths.to_vec())
+    let csvs = [out.join("per_class.csv"), out.join("confusion.csv")];
+    write_text(&csvs[0], &per_class)?;
+    write_text(&csvs[1], &confusion)?;
+    #[cfg(feature = "plots")]
+    let png = {
+        let png = out.join("confusion.png");
+        let names: Vec<&str> = report.classes.iter().map(|c| c.name.as_str()).collect();
+        crate::plot::plot_confusion(&report.confusion, &names, &png)?;
+        Some(png)
+    };
+    #[cfg(not(feature = "plots"))]
+    let png = None;
+    Ok(csvs.into_iter().chain(png).collect())
 }
 
 /// A CSV field, quoted when it holds a comma, quote or line break.

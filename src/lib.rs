@@ -50,6 +50,7 @@ pub mod metrics;
 pub mod npy;
 pub mod optim;
 pub mod pipeline;
+#[cfg(feature = "plots")]
 pub mod plot;
 pub mod predict;
 pub mod schedule;

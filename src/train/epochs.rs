@@ -240,8 +240,12 @@ impl<'a> Epochs<'a> {
         })
     }
 
-    /// `metrics.png` of the table (a warning when it cannot be drawn).
+    /// `metrics.png` of the table (a warning when it cannot be drawn); nothing without the
+    /// `plots` feature.
     pub fn plot(&self, log: &mut dyn FnMut(&str)) {
+        #[cfg(not(feature = "plots"))]
+        let _ = log;
+        #[cfg(feature = "plots")]
         if let Err(e) =
             crate::plot::plot_metrics(&self.rows(), &self.cfg.run_dir.join("metrics.png"))
         {

@@ -57,6 +57,9 @@ pub fn export<T: Task>(
         Some(&preprocessing),
         &cfg.run_dir.join("model.bpk"),
     )?;
+    #[cfg(not(feature = "plots"))]
+    let _ = rows;
+    #[cfg(feature = "plots")]
     if let Err(e) = crate::plot::plot_metrics(rows, &cfg.run_dir.join("metrics.png")) {
         log(&format!("warning: no plot written: {e}"));
     }

@@ -372,7 +372,6 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let epochs = Epochs::new(self.cfg, world.rank() == 0);
         epochs.set_rows(rows.clone());
         let best = epochs.best_or_err()?;
-        let dir = &self.cfg.run_dir;
         let mut per_class_auroc = None;
         if world.rank() == 0 {
             let gate = self.gate();
@@ -384,20 +383,24 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 &gate,
                 log,
             )?;
-            let points: Vec<(f64, f64)> = commit
-                .world_log
-                .iter()
-                .map(|(_, t, w)| (*t, *w as f64))
-                .collect();
-            let (metrics_png, world_png) = (dir.join("metrics.png"), dir.join("world.png"));
-            let (m_tmp, w_tmp) = (Gate::temp_for(&metrics_png), Gate::temp_for(&world_png));
-            match crate::plot::plot_metrics_world(&rows, &points, &m_tmp) {
-                Ok(()) => gate.land(&m_tmp, &metrics_png)?,
-                Err(e) => log(&format!("warning: no plot written: {e}")),
-            }
-            match crate::plot::plot_world(&points, &w_tmp) {
-                Ok(()) => gate.land(&w_tmp, &world_png)?,
-                Err(e) => log(&format!("warning: no world-size plot written: {e}")),
+            #[cfg(feature = "plots")]
+            {
+                let dir = &self.cfg.run_dir;
+                let points: Vec<(f64, f64)> = commit
+                    .world_log
+                    .iter()
+                    .map(|(_, t, w)| (*t, *w as f64))
+                    .collect();
+                let (metrics_png, world_png) = (dir.join("metrics.png"), dir.join("world.png"));
+                let (m_tmp, w_tmp) = (Gate::temp_for(&metrics_png), Gate::temp_for(&world_png));
+                match crate::plot::plot_metrics_world(&rows, &points, &m_tmp) {
+                    Ok(()) => gate.land(&m_tmp, &metrics_png)?,
+                    Err(e) => log(&format!("warning: no plot written: {e}")),
+                }
+                match crate::plot::plot_world(&points, &w_tmp) {
+                    Ok(()) => gate.land(&w_tmp, &world_png)?,
+                    Err(e) => log(&format!("warning: no world-size plot written: {e}")),
+                }
             }
         }
         world.comm.barrier()?;
