@@ -13,14 +13,13 @@ use hearth::datasets::preprocess::{eval_preprocess, load_rgb};
 use hearth::models::{Architecture, LoadOptions, load_torchvision};
 
 fn main() -> Result<()> {
-    // Freed tensors stay in the process for the next step, as in the `hearth` binary
-    // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
-    hearth::alloc::apply_freed_memory_policy()?;
-    // This thread computes as one of the kernels' threads, as in the `hearth` binary.
-    hearth::kernels::join_global_pool();
+    // As the `hearth` binary does: Burn's default device pinned to the run's backend (where
+    // a resume loads optimizer state), freed memory kept for the next step, this thread one of
+    // the kernels' threads. SAFETY: first thing in main, before any thread starts.
+    let spec = unsafe { hearth::process::start_from_env() }?;
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arch = Architecture::from_name(args.first().map_or("resnet18", String::as_str))?;
-    let device = hearth::device::select(&std::env::var("HEARTH_DEVICE").unwrap_or("flex".into()))?;
+    let device = spec.device()?;
 
     let mut model = arch.init(1000, &device)?;
     match args.get(1) {

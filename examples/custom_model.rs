@@ -127,15 +127,10 @@ impl Examples for Spirals {
 }
 
 fn main() -> Result<()> {
-    // Burn's default device on the run's backend: burn-optim builds loaded optimizer state there
-    // (a resume, an elastic re-forming).
-    // SAFETY: first thing in main, before any thread starts.
-    unsafe { hearth::device::pin_burn_default(hearth::device::DeviceChoice::Flex) }
-    // Freed tensors stay in the process for the next step, as in the `hearth` binary
-    // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
-    hearth::alloc::apply_freed_memory_policy()?;
-    // This thread computes as one of the kernels' threads, as in the `hearth` binary.
-    hearth::kernels::join_global_pool();
+    // As the `hearth` binary does: Burn's default device pinned to the run's backend, the CPU
+    // (where a resume loads optimizer state), freed memory kept for the next step, this thread
+    // one of the kernels' threads. SAFETY: first thing in main, before any thread starts.
+    unsafe { hearth::process::start("flex") }?;
     let mut args = std::env::args().skip(1);
     let usage = "usage: custom_model dp|ps|elastic RUN_DIR [--resume] [--epochs N] [--lr RATE] \
                  [--precision fp32|bf16|fp16] [--optimizer sgd|adam|adamw|lars] [--zero 1|2] \

@@ -8,23 +8,18 @@
 //! result.
 
 use anyhow::{Context, Result};
-use hearth::device::DeviceSpec;
 use hearth::dist::rendezvous::RankInfo;
 use hearth::train::{TrainConfig, train};
 
 fn main() -> Result<()> {
-    // Freed tensors stay in the process for the next step, as in the `hearth` binary
-    // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
-    hearth::alloc::apply_freed_memory_policy()?;
-    // This thread computes as one of the kernels' threads, as in the `hearth` binary.
-    hearth::kernels::join_global_pool();
+    // As the `hearth` binary does: Burn's default device pinned to the run's backend (where
+    // a resume loads optimizer state), freed memory kept for the next step, this thread one of
+    // the kernels' threads. SAFETY: first thing in main, before any thread starts.
+    let spec = unsafe { hearth::process::start_from_env() }?;
     let info = RankInfo::detect()?.context(
         "start this example under `hearth launch -n 2 -- ...` (or torchrun, Slurm, mpirun)",
     )?;
     // Each rank of a multi-GPU machine takes the GPU of its local rank.
-    let spec: DeviceSpec = std::env::var("HEARTH_DEVICE")
-        .unwrap_or("flex".into())
-        .parse()?;
     let spec = spec.for_local_rank(info.local_rank);
     let device = spec.device()?;
     eprintln!("rank {} of {}: device {spec}", info.rank, info.world);

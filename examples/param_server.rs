@@ -18,11 +18,10 @@ use hearth::dist::rendezvous::RankInfo;
 use hearth::train::{PsMode, PsOptions, PsServers, TrainConfig, train};
 
 fn main() -> Result<()> {
-    // Freed tensors stay in the process for the next step, as in the `hearth` binary
-    // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
-    hearth::alloc::apply_freed_memory_policy()?;
-    // This thread computes as one of the kernels' threads, as in the `hearth` binary.
-    hearth::kernels::join_global_pool();
+    // As the `hearth` binary does: Burn's default device pinned to the run's backend, the CPU
+    // (where a resume loads optimizer state), freed memory kept for the next step, this thread
+    // one of the kernels' threads. SAFETY: first thing in main, before any thread starts.
+    unsafe { hearth::process::start("flex") }?;
     let data: PathBuf = std::env::args()
         .nth(1)
         .context("usage: param_server DATA_FOLDER (under `hearth launch -n 5`)")?

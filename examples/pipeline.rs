@@ -29,11 +29,10 @@ const MICRO: usize = 4;
 const MICRO_BATCH: usize = 8;
 
 fn main() -> Result<()> {
-    // Freed tensors stay in the process for the next step, as in the `hearth` binary
-    // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
-    hearth::alloc::apply_freed_memory_policy()?;
-    // This thread computes as one of the kernels' threads, as in the `hearth` binary.
-    hearth::kernels::join_global_pool();
+    // As the `hearth` binary does: Burn's default device pinned to the run's backend, the CPU
+    // (where a resume loads optimizer state), freed memory kept for the next step, this thread
+    // one of the kernels' threads. SAFETY: first thing in main, before any thread starts.
+    unsafe { hearth::process::start("flex") }?;
     let info = RankInfo::detect()?.context(
         "start this example under `hearth launch -n 2 -- ...` (or torchrun, Slurm, mpirun)",
     )?;

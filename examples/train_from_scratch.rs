@@ -5,15 +5,14 @@
 //! Without DATA_DIR a synthetic data set (coloured shapes, 6 classes) is written first.
 
 use anyhow::Result;
-use hearth::train::{TrainConfig, train};
+use hearth::prelude::*;
 
 fn main() -> Result<()> {
-    // Freed tensors stay in the process for the next step, as in the `hearth` binary
-    // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
-    hearth::alloc::apply_freed_memory_policy()?;
-    // This thread computes as one of the kernels' threads, as in the `hearth` binary.
-    hearth::kernels::join_global_pool();
-    let device = hearth::device::select(&std::env::var("HEARTH_DEVICE").unwrap_or("flex".into()))?;
+    // As the `hearth` binary does: Burn's default device pinned to the run's backend (where
+    // a resume loads optimizer state), freed memory kept for the next step, this thread one of
+    // the kernels' threads. SAFETY: first thing in main, before any thread starts.
+    let spec = unsafe { hearth::process::start_from_env() }?;
+    let device = spec.device()?;
     let mut cfg = TrainConfig::new("runs/train_from_scratch".into());
     cfg.data = std::env::args().nth(1).map(Into::into);
     cfg.epochs = 6;

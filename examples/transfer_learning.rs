@@ -8,25 +8,18 @@
 //! whole network fine-tunes at a tenth of the learning rate (the Keras recipe).
 
 use anyhow::{Result, bail};
-use hearth::train::{TrainConfig, train};
+use hearth::prelude::*;
 
 fn main() -> Result<()> {
-    let device_name = std::env::var("HEARTH_DEVICE").unwrap_or("flex".into());
-    // Burn's default device on the run's backend: burn-optim builds loaded optimizer state there
-    // (the switch from the frozen phase to fine-tuning loads a checkpoint).
-    let spec: hearth::device::DeviceSpec = device_name.parse()?;
-    // SAFETY: in main, before any thread starts.
-    unsafe { hearth::device::pin_burn_default(spec.choice) }
-    // Freed tensors stay in the process for the next step, as in the `hearth` binary
-    // (`HEARTH_MALLOC=system` keeps the C allocator's defaults).
-    hearth::alloc::apply_freed_memory_policy()?;
-    // This thread computes as one of the kernels' threads, as in the `hearth` binary.
-    hearth::kernels::join_global_pool();
+    // As the `hearth` binary does: Burn's default device pinned to the run's backend (where
+    // a resume loads optimizer state), freed memory kept for the next step, this thread one of
+    // the kernels' threads. SAFETY: first thing in main, before any thread starts.
+    let spec = unsafe { hearth::process::start_from_env() }?;
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (Some(data), Some(model)) = (args.first(), args.get(1)) else {
         bail!("usage: transfer_learning DATA_DIR MODEL [WEIGHTS]");
     };
-    let device = hearth::device::select(&device_name)?;
+    let device = spec.device()?;
     let mut cfg = TrainConfig::new("runs/transfer_learning".into());
     cfg.data = Some(data.into());
     cfg.model = model.clone();

@@ -12,10 +12,13 @@
 //! Fine-tuning a torchvision network on your own folder of images:
 //!
 //! ```no_run
-//! use hearth::train::{TrainConfig, train};
+//! use hearth::prelude::*;
 //!
 //! # fn main() -> anyhow::Result<()> {
-//! let device = hearth::device::select("flex")?; // or "vulkan", "cuda", ...
+//! // First in main, before any thread starts: Burn's default device on the run's backend,
+//! // memory and threads as the `hearth` binary sets them.
+//! let spec = unsafe { hearth::process::start("flex") }?; // or "vulkan", "cuda", ...
+//! let device = spec.device()?;
 //! let mut cfg = TrainConfig::new("runs/flowers".into());
 //! cfg.data = Some("data/flowers".into()); // train/ + val/ class folders, or one folder
 //! cfg.model = "resnet50".into();
@@ -53,6 +56,8 @@ pub mod pipeline;
 #[cfg(feature = "plots")]
 pub mod plot;
 pub mod predict;
+pub mod prelude;
+pub mod process;
 pub mod schedule;
 pub mod settings;
 pub mod train;

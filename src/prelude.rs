@@ -1,0 +1,10 @@
+//! The names most programs that embed Hearth use: `use hearth::prelude::*;`.
+
+pub use crate::device::{DeviceSpec, select};
+pub use crate::models::{Architecture, LoadOptions, ModelConfig, load_torchvision};
+pub use crate::train::{
+    ElasticOptions, Net, PsMode, PsOptions, PsServers, TrainConfig, TrainReport, train,
+    train_custom,
+};
+pub use crate::{HearthError, Result};
+pub use burn::prelude::Device;
