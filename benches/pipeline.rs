@@ -226,7 +226,7 @@ fn rank_main(out: &Path) -> anyhow::Result<()> {
         let transport: Arc<dyn Transport> = Arc::new(connect(
             &info,
             &Membership::from_env()?,
-            &RendezvousOptions::default(),
+            &RendezvousOptions::from_env(),
         )?);
         let mut ranges = balance(&cfg.unit_params(&device)?, run.stages)?;
         let mut pipe = Pipeline::new(transport.clone(), (0..run.stages).collect(), run.schedule)?

@@ -39,7 +39,7 @@ fn main() -> Result<()> {
     let transport: Arc<dyn Transport> = Arc::new(connect(
         &info,
         &Membership::from_env()?,
-        &RendezvousOptions::default(),
+        &RendezvousOptions::from_env(),
     )?);
     let device = Device::flex().autodiff();
     let ModelConfig::ResNet(cfg) = hearth::train::mini_resnet(6) else {
@@ -113,6 +113,6 @@ fn main() -> Result<()> {
         }
     }
     // Every stage is done before anyone hangs up.
-    Communicator::new(transport).barrier()?;
+    Communicator::from_env(transport).barrier()?;
     Ok(())
 }

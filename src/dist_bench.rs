@@ -56,10 +56,10 @@ pub fn run_rank(
         &Membership::from_env()?,
         &RendezvousOptions {
             timeout: Duration::from_secs(60),
-            ..Default::default()
+            ..RendezvousOptions::from_env()
         },
     )?;
-    let comm = Communicator::new(Arc::new(transport)).with_compression(compression);
+    let comm = Communicator::from_env(Arc::new(transport)).with_compression(compression);
     let n = comm.world();
     for &mb in sizes_mb {
         let len = ((mb * 1e6) / 4.0).round() as usize;

@@ -302,7 +302,7 @@ fn child() {
         &hearth::dist::tls::Membership::from_env().expect("secret"),
         &hearth::dist::rendezvous::RendezvousOptions {
             timeout: Duration::from_secs(30),
-            ..Default::default()
+            ..hearth::dist::rendezvous::RendezvousOptions::from_env()
         },
     )
     .expect("rendezvous");
@@ -320,7 +320,7 @@ fn child() {
     ) {
         Ok(values) => {
             // Both stages are done before either hangs up.
-            hearth::dist::Communicator::new(transport)
+            hearth::dist::Communicator::from_env(transport)
                 .with_timeout(Duration::from_secs(30))
                 .barrier()
                 .expect("final barrier");
@@ -516,7 +516,7 @@ fn child_2d() {
             &hearth::dist::tls::Membership::from_env().expect("secret"),
             &hearth::dist::rendezvous::RendezvousOptions {
                 timeout: Duration::from_secs(30),
-                ..Default::default()
+                ..hearth::dist::rendezvous::RendezvousOptions::from_env()
             },
         )
         .expect("rendezvous"),
@@ -555,7 +555,7 @@ fn child_2d() {
             .expect("stage allreduce");
         stage = opt.step(0.05, stage, out.grads);
     }
-    hearth::dist::Communicator::new(transport)
+    hearth::dist::Communicator::from_env(transport)
         .with_timeout(Duration::from_secs(30))
         .barrier()
         .expect("final barrier");

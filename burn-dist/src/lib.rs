@@ -7,7 +7,6 @@
 //!
 //! The modules, bottom up: each uses only those above it in this list.
 //!
-//! - [`settings`]: values read from the environment; nothing below it.
 //! - [`wire`]: the frame (magic, version, kind, membership epoch, sequence, length) and a decoder
 //!   that never panics on bad bytes.
 //! - [`tls`]: job membership: certificates derived from a job secret, or a CA the user gives.
@@ -29,6 +28,9 @@
 //! - [`ps`]: parameter servers (sharded; sync, DOWNPOUR, ADAG, DynSGD, EASGD; staleness bound).
 //! - [`ddp`]: data parallel for Burn modules: parameter broadcast, bucketed gradient averaging,
 //!   and a burn-train `SupervisedLearningStrategy`.
+//! - [`env`]: the edge, above everything: every `HEARTH_*` variable, read into the options
+//!   (`RendezvousOptions::from_env`, `Communicator::from_env`, ...). No other module reads the
+//!   environment; options built by hand are what they say.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -54,6 +56,7 @@ pub mod bucket;
 pub mod collective;
 pub mod ddp;
 pub mod elastic;
+pub mod env;
 mod error;
 pub mod flat;
 #[doc(hidden)]
@@ -65,7 +68,6 @@ pub mod ps;
 pub mod rendezvous;
 pub mod routed;
 pub mod secret;
-pub mod settings;
 pub mod shm;
 mod split;
 pub mod tls;

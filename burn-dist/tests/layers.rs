@@ -1,5 +1,5 @@
-//! burn-dist's modules depend one way (DESIGN.md; the list in `src/lib.rs`): settings at the
-//! bottom, the transports side by side over the `Transport` trait, the routing transport above
+//! burn-dist's modules depend one way (DESIGN.md; the list in `src/lib.rs`): the environment
+//! read only at the edge (`env.rs`), the transports side by side over the `Transport` trait, the routing transport above
 //! QUIC and shared memory, the rendezvous above that, the collectives over the trait alone, the
 //! flat-vector layer on nothing, the sharded optimizer over it and the collectives.
 //! This reads every source file (test modules aside) and fails on any `crate::` path that goes
@@ -11,23 +11,22 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[(&str, &[&str])] = &[
     // The crate root declares the modules and names none of them by path.
     ("lib.rs", &[]),
-    ("settings.rs", &[]),
     ("fuzz.rs", &[]),
     ("bucket.rs", &[]),
     ("split.rs", &[]),
     ("error.rs", &["wire"]),
     ("wire.rs", &[]),
     ("secret.rs", &[]),
-    ("tls.rs", &["secret", "settings"]),
+    ("tls.rs", &["secret"]),
     ("transport/", &["transport", "wire"]),
-    ("transport/quic/", &["settings", "tls", "transport", "wire"]),
-    ("shm/", &["settings", "split", "transport", "wire"]),
+    ("transport/quic/", &["tls", "transport", "wire"]),
+    ("shm/", &["split", "transport", "wire"]),
     ("routed.rs", &["shm", "transport", "wire"]),
     (
         "rendezvous/",
-        &["routed", "settings", "shm", "tls", "transport", "wire"],
+        &["routed", "shm", "tls", "transport", "wire"],
     ),
-    ("collective/", &["settings", "split", "transport", "wire"]),
+    ("collective/", &["split", "transport", "wire"]),
     // A model as a flat vector (layout, module glue, optimizers): nothing but itself; the
     // sharded optimizer over it and the collectives; DDP over both.
     ("flat/", &["flat"]),
@@ -44,6 +43,11 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("elastic/", &["collective", "tls", "transport", "wire"]),
     ("ps/", &["flat", "transport", "wire"]),
     ("pipeline/", &["transport", "wire"]),
+    // The edge: the environment read into every layer's options; nothing names it.
+    (
+        "env.rs",
+        &["collective", "rendezvous", "shm", "tls", "transport"],
+    ),
 ];
 
 fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
@@ -149,12 +153,73 @@ fn every_module_names_only_the_layers_below_it() {
     assert!(wrong.is_empty(), "layers crossed:\n{}", wrong.join("\n"));
 }
 
+/// Whether a line reads an environment variable (comments aside).
+fn reads_environment(line: &str) -> bool {
+    let code = line.split("//").next().unwrap_or("");
+    ["env::var(", "env::var_os(", "env::vars("]
+        .iter()
+        .any(|call| code.contains(call))
+}
+
+#[test]
+fn only_the_edge_reads_the_environment() {
+    let root = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    let src = root.join("src");
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    let mut readers = Vec::new();
+    let mut edge_reads = 0;
+    for file in &files {
+        let rel = file
+            .strip_prefix(&src)
+            .expect("under src/")
+            .to_string_lossy()
+            .replace('\\', "/");
+        if rel.ends_with("tests.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(file).expect("reading a source file");
+        for (n, line) in text.lines().enumerate() {
+            if line.trim_start().starts_with("#[cfg(test)]")
+                && text
+                    .lines()
+                    .nth(n + 1)
+                    .is_some_and(|l| l.contains("mod tests"))
+            {
+                break;
+            }
+            if reads_environment(line) {
+                if rel == "env.rs" {
+                    edge_reads += 1;
+                } else {
+                    readers.push(format!("src/{rel}:{}: {}", n + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(
+        edge_reads > 0,
+        "env.rs reads no variable: did the edge move?"
+    );
+    assert!(
+        readers.is_empty(),
+        "the environment is read outside src/env.rs (take an option instead):\n{}",
+        readers.join("\n")
+    );
+}
+
 #[test]
 fn the_checker_sees_a_crossing() {
+    assert!(reads_environment("let x = std::env::var(\"HEARTH_X\");"));
+    assert!(!reads_environment(
+        "let dir = std::env::temp_dir(); // env::var( in a comment"
+    ));
     assert_eq!(named_modules("use crate::shm::Topology;"), vec!["shm"]);
     assert_eq!(
-        named_modules("x = crate::settings::env_secs(\"A\"); // crate::rendezvous"),
-        vec!["settings"]
+        named_modules("x = crate::env::collective_timeout(); // crate::rendezvous"),
+        vec!["env"]
     );
     assert!(named_modules("use crate::{DistError, Result};").is_empty());
     assert_eq!(

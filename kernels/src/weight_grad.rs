@@ -368,16 +368,12 @@ pub fn conv2d_weight_grad_shifted(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f
                         for c in 0..ci {
                             let src = &x[(b * ci + c) * h * w..][..h * w];
                             let dst = &mut xp[c * plane..][..plane];
-                            for r in 0..h {
-                                dst[(r + ph) * wp + pw..][..w].copy_from_slice(&src[r * w..][..w]);
-                            }
+                            copy_rows(dst, src, h, w, ph * wp + pw, wp);
                         }
                         for o in 0..co {
                             let src = &dy[(b * co + o) * ho * wo..][..ho * wo];
                             let dst = &mut dyp[o * len..][..len];
-                            for r in 0..ho {
-                                dst[r * wp..][..wo].copy_from_slice(&src[r * wo..][..wo]);
-                            }
+                            copy_rows(dst, src, ho, wo, 0, wp);
                         }
                         for q0 in (0..len).step_by(chunk) {
                             let k = chunk.min(len - q0);
@@ -426,6 +422,14 @@ pub fn conv2d_weight_grad_shifted(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f
         }
     }
     dw
+}
+
+/// Copies `rows` rows of `width` values, packed in `src`, into `dst` at `at + r·stride`.
+#[inline]
+fn copy_rows(dst: &mut [f32], src: &[f32], rows: usize, width: usize, at: usize, stride: usize) {
+    for r in 0..rows {
+        dst[at + r * stride..][..width].copy_from_slice(&src[r * width..][..width]);
+    }
 }
 
 /// `dW[Co, rows]` accumulating `lhs · colsᵀ` one block at a time.

@@ -124,7 +124,7 @@ pub(crate) fn bench_allreduce(a: BenchAllreduceArgs) -> Result<()> {
         "--size-mb".into(),
     ];
     args.extend(a.size_mb.iter().map(|s| s.to_string()));
-    let shm = hearth::dist::shm::ShmOptions::default();
+    let shm = hearth::dist::shm::ShmOptions::from_env();
     eprintln!(
         "allreduce, {} ranks on 127.0.0.1 ({}), {} timed iterations per size",
         a.ranks,

@@ -323,6 +323,77 @@ impl Launcher<'_> {
     }
 }
 
+impl Launcher<'_> {
+    /// Collects the workers that ended since the last look: `finished` takes the first that
+    /// finished the job, `last_failure` the exit code of the last that failed. Returns how many
+    /// still run.
+    fn reap(
+        &mut self,
+        finished: &mut Option<String>,
+        last_failure: &mut Option<Option<i32>>,
+    ) -> Result<usize> {
+        let done = self.done.path().to_path_buf();
+        for i in 0..self.slots.len() {
+            let slot = &mut self.slots[i];
+            let Some(child) = slot.child.as_mut() else {
+                continue;
+            };
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    slot.child = None;
+                    if status.success() && done.join(&slot.id).is_file() {
+                        finished.get_or_insert(slot.id.clone());
+                    } else if status.success() {
+                        eprintln!("hearth launch: {} left", slot.id);
+                    } else if !status.success() && !slot.stopped {
+                        eprintln!(
+                            "hearth launch: {} ended ({status}); the others go on",
+                            slot.id
+                        );
+                        *last_failure = Some(status.code());
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    return Err(HearthError::Launch(format!("waiting for {}: {e}", slot.id)));
+                }
+            }
+        }
+        Ok(self.slots.iter().filter(|s| s.child.is_some()).count())
+    }
+
+    /// `--hosts`: when the file changed, starts or stops workers to the number it asks for (a
+    /// file that does not read is said and ignored).
+    fn follow_hosts(&mut self, hosts_seen: &mut Option<SystemTime>) -> Result<()> {
+        let cfg = self.cfg;
+        if let Some(path) = &cfg.hosts
+            && let Ok(modified) = std::fs::metadata(path).and_then(|m| m.modified())
+            && *hosts_seen != Some(modified)
+        {
+            *hosts_seen = Some(modified);
+            match std::fs::read_to_string(path)
+                .map_err(|e| HearthError::Launch(format!("--hosts {}: {e}", path.display())))
+                .and_then(|t| parse_hosts(&t))
+            {
+                Ok(want) => {
+                    let want = want.min(cfg.max);
+                    let live = self.live();
+                    if want > live {
+                        self.apply(&ChurnAction::Add(want - live))?;
+                    } else if want < live {
+                        self.apply(&ChurnAction::Remove {
+                            count: live - want,
+                            abrupt: false,
+                        })?;
+                    }
+                }
+                Err(e) => eprintln!("hearth launch: ignoring the host file: {e}"),
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Runs the elastic job (see the module docs).
 pub fn launch_elastic(cfg: &ElasticLaunchConfig) -> Result<ElasticOutcome> {
     if cfg.nproc == 0 || cfg.nproc > cfg.max {
@@ -355,35 +426,7 @@ pub fn launch_elastic(cfg: &ElasticLaunchConfig) -> Result<ElasticOutcome> {
     let mut finished_at: Option<Instant> = None;
     let mut last_failure: Option<Option<i32>> = None;
     loop {
-        // Reap.
-        let done = l.done.path().to_path_buf();
-        for i in 0..l.slots.len() {
-            let slot = &mut l.slots[i];
-            let Some(child) = slot.child.as_mut() else {
-                continue;
-            };
-            match child.try_wait() {
-                Ok(Some(status)) => {
-                    slot.child = None;
-                    if status.success() && done.join(&slot.id).is_file() {
-                        finished.get_or_insert(slot.id.clone());
-                    } else if status.success() {
-                        eprintln!("hearth launch: {} left", slot.id);
-                    } else if !status.success() && !slot.stopped {
-                        eprintln!(
-                            "hearth launch: {} ended ({status}); the others go on",
-                            slot.id
-                        );
-                        last_failure = Some(status.code());
-                    }
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    return Err(HearthError::Launch(format!("waiting for {}: {e}", slot.id)));
-                }
-            }
-        }
-        let running = l.slots.iter().filter(|s| s.child.is_some()).count();
+        let running = l.reap(&mut finished, &mut last_failure)?;
         if running == 0 {
             break;
         }
@@ -405,30 +448,7 @@ pub fn launch_elastic(cfg: &ElasticLaunchConfig) -> Result<ElasticOutcome> {
             while let Some(e) = churn.next_if(|e| e.at <= now) {
                 l.apply(&e.action)?;
             }
-            if let Some(path) = &cfg.hosts
-                && let Ok(modified) = std::fs::metadata(path).and_then(|m| m.modified())
-                && hosts_seen != Some(modified)
-            {
-                hosts_seen = Some(modified);
-                match std::fs::read_to_string(path)
-                    .map_err(|e| HearthError::Launch(format!("--hosts {}: {e}", path.display())))
-                    .and_then(|t| parse_hosts(&t))
-                {
-                    Ok(want) => {
-                        let want = want.min(cfg.max);
-                        let live = l.live();
-                        if want > live {
-                            l.apply(&ChurnAction::Add(want - live))?;
-                        } else if want < live {
-                            l.apply(&ChurnAction::Remove {
-                                count: live - want,
-                                abrupt: false,
-                            })?;
-                        }
-                    }
-                    Err(e) => eprintln!("hearth launch: ignoring the host file: {e}"),
-                }
-            }
+            l.follow_hosts(&mut hosts_seen)?;
         }
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -181,8 +181,24 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
         }
         children.push(Some(child));
     }
+    let outcome = wait_for_ranks(&mut children)?;
+    // Output readers end when the last writer closes; do not wait on stray grandchildren.
+    let until = std::time::Instant::now() + Duration::from_secs(2);
+    for p in pumps {
+        while !p.is_finished() && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if p.is_finished() {
+            let _ = p.join();
+        }
+    }
+    Ok(outcome)
+}
+
+/// Waits for every rank; the first to fail is the outcome, and the others are killed then.
+fn wait_for_ranks(children: &mut [Option<Child>]) -> Result<LaunchOutcome> {
     let mut outcome = LaunchOutcome::Success;
-    let mut running = cfg.nproc;
+    let mut running = children.len();
     while running > 0 {
         // The ranks that ended since the last look. When several failed in the same interval,
         // one killed by a signal is the cause and the others' errors its consequence (they
@@ -223,16 +239,6 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
             }
         }
         std::thread::sleep(Duration::from_millis(50));
-    }
-    // Output readers end when the last writer closes; do not wait on stray grandchildren.
-    let until = std::time::Instant::now() + Duration::from_secs(2);
-    for p in pumps {
-        while !p.is_finished() && std::time::Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        if p.is_finished() {
-            let _ = p.join();
-        }
     }
     Ok(outcome)
 }

@@ -346,6 +346,56 @@ impl<T: Trainee> Allreduce<'_, T> {
     }
 }
 
+impl<T: Trainee> Allreduce<'_, T> {
+    /// The epoch's validation (with rank 0's batch-norm statistics on every rank, as DDP's
+    /// broadcast) and its row of `metrics.csv`, after `train` (summed over the ranks) took
+    /// `took` seconds with `k` batches per step.
+    fn validate_row(&mut self, epoch: usize, k: usize, train: &Sums, took: f64) -> Result<Row> {
+        // Validation with rank 0's batch-norm statistics on every rank (as DDP's broadcast).
+        if let Some(comm) = &self.comm
+            && self.trainee.has_batch_norm()
+        {
+            self.model = burn_dist::ddp::broadcast_module(self.model.clone(), comm)?;
+        }
+        let parts = val_share(
+            self.trainee.val_len(),
+            self.rank,
+            self.world,
+            self.cfg.batch_size,
+        );
+        let val = self.objective.validate(
+            &self.model.valid(),
+            self.trainee.val_batches(parts, &self.plain_device),
+            self.comm.as_deref(),
+        )?;
+        let mut row: Row = [
+            ("train_loss", train.mean_loss()),
+            ("train_accuracy", train.accuracy()),
+            ("val_loss", val.sums.mean_loss()),
+            ("val_accuracy", val.sums.accuracy()),
+            (
+                "train_lr",
+                epoch_lr(|i| self.rates.rate(epoch, i), epoch, self.batches, k),
+            ),
+            ("train_images_per_sec", train.samples / took),
+            ("elapsed_seconds", self.started.elapsed().as_secs_f64()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        if let Some(a) = val.auroc {
+            row.insert("val_auroc".into(), a);
+        }
+        if self.scaler.is_some() {
+            row.insert(
+                "train_skipped_steps".into(),
+                std::mem::take(&mut self.epoch_skipped) as f64,
+            );
+        }
+        Ok(row)
+    }
+}
+
 impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
     fn epoch(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) -> Result<Option<Row>> {
         let t = Instant::now();
@@ -404,49 +454,7 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
         };
         self.images += train.samples as usize;
         let took = t.elapsed().as_secs_f64().max(1e-9);
-
-        // Validation with rank 0's batch-norm statistics on every rank (as DDP's broadcast).
-        if let Some(comm) = &self.comm
-            && self.trainee.has_batch_norm()
-        {
-            self.model = burn_dist::ddp::broadcast_module(self.model.clone(), comm)?;
-        }
-        let parts = val_share(
-            self.trainee.val_len(),
-            self.rank,
-            self.world,
-            self.cfg.batch_size,
-        );
-        let val = self.objective.validate(
-            &self.model.valid(),
-            self.trainee.val_batches(parts, &self.plain_device),
-            self.comm.as_deref(),
-        )?;
-        let mut row: Row = [
-            ("train_loss", train.mean_loss()),
-            ("train_accuracy", train.accuracy()),
-            ("val_loss", val.sums.mean_loss()),
-            ("val_accuracy", val.sums.accuracy()),
-            (
-                "train_lr",
-                epoch_lr(|i| self.rates.rate(epoch, i), epoch, self.batches, k),
-            ),
-            ("train_images_per_sec", train.samples / took),
-            ("elapsed_seconds", self.started.elapsed().as_secs_f64()),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
-        if let Some(a) = val.auroc {
-            row.insert("val_auroc".into(), a);
-        }
-        if self.scaler.is_some() {
-            row.insert(
-                "train_skipped_steps".into(),
-                std::mem::take(&mut self.epoch_skipped) as f64,
-            );
-        }
-        Ok(Some(row))
+        self.validate_row(epoch, k, &train, took).map(Some)
     }
 
     fn checkpoint(&mut self, epoch: usize, best: Option<usize>) -> Result<()> {

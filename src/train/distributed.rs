@@ -22,9 +22,9 @@ pub fn connect(
     let transport = burn_dist::rendezvous::connect(
         info,
         &membership,
-        &burn_dist::rendezvous::RendezvousOptions::default(),
+        &burn_dist::rendezvous::RendezvousOptions::from_env(),
     )?;
-    Ok(burn_dist::Communicator::new(Arc::new(transport)))
+    Ok(burn_dist::Communicator::from_env(Arc::new(transport)))
 }
 
 /// Every rank reads the data set itself: scanning a large folder takes as long as it takes and
@@ -165,7 +165,7 @@ mod tests {
             .zip(sizes.to_vec())
             .map(|(t, n)| {
                 std::thread::spawn(move || {
-                    let comm = burn_dist::Communicator::new(Arc::new(t))
+                    let comm = burn_dist::Communicator::from_env(Arc::new(t))
                         .with_timeout(std::time::Duration::from_secs(20));
                     agree(&comm, &set(n), &set(4)).map_err(|e| e.to_string())
                 })
@@ -182,7 +182,7 @@ mod tests {
                 .zip(values.to_vec())
                 .map(|(t, v)| {
                     std::thread::spawn(move || {
-                        let comm = burn_dist::Communicator::new(Arc::new(t))
+                        let comm = burn_dist::Communicator::from_env(Arc::new(t))
                             .with_timeout(std::time::Duration::from_secs(20));
                         let settings = [("model", "resnet18".to_string()), ("split", v.into())];
                         agree_settings(&comm, &settings).map_err(|e| e.to_string())

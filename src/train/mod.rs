@@ -450,7 +450,18 @@ impl<'a> Run<'a> {
             // Everyone is done with collectives before anyone hangs up.
             comm.barrier()?;
         }
+        self.finish(last_model, end, log)
+    }
 
+    /// After the last phase: says why the run ended early, exports the best epoch and sums up
+    /// the run (every rank's skipped files on rank 0).
+    fn finish<T: Task>(
+        self,
+        last_model: T,
+        end: usize,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<TrainReport> {
+        let cfg = self.cfg;
         let rows: EpochRows = self.table.lock().map(|t| t.clone()).unwrap_or_default();
         let epochs_run = rows.keys().copied().max().unwrap_or(0);
         if let Some(patience) = cfg.patience

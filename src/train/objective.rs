@@ -397,7 +397,7 @@ mod tests {
             .enumerate()
             .map(|(r, t)| {
                 std::thread::spawn(move || {
-                    let comm = Communicator::new(Arc::new(t))
+                    let comm = Communicator::from_env(Arc::new(t))
                         .with_timeout(std::time::Duration::from_secs(20));
                     let mut part = ValScores::default();
                     for (i, (l, h)) in rows.iter().enumerate() {

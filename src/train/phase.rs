@@ -43,6 +43,68 @@ impl<T: Task> Phase<'_, T> {
         cfg.lr_schedule(self.lr, self.batches_per_epoch)
     }
 
+    /// `metrics.csv` and the epoch lines (rank 0), with the NaN guard, the epoch's rate and the
+    /// metrics averaged over the ranks.
+    fn csv_logger(
+        &self,
+        cfg: &TrainConfig,
+        schedule: &Schedule,
+        rank: usize,
+        non_finite: &NonFinite,
+        interrupter: &burn::train::Interrupter,
+    ) -> CsvMetricLogger {
+        let mut csv_logger =
+            CsvMetricLogger::new(cfg.run_dir.join("metrics.csv"), self.table.clone())
+                .with_nan_guard(non_finite.clone(), interrupter.clone());
+        if rank == 0 {
+            csv_logger =
+                csv_logger.with_report(Box::new(|line: &str| eprintln!("{line}")), cfg.epochs);
+        }
+        let (rates, batches) = (schedule.clone(), self.batches_per_epoch);
+        let k = cfg.grad_accum.unwrap_or(1);
+        csv_logger = csv_logger.with_epoch_lr(Box::new(move |epoch| {
+            epoch_lr(|i| rates.lr_at(i), epoch, batches, k)
+        }));
+        if let Some(comm) = self.dist {
+            // Metric averaging runs on its own tag space, beside the gradient traffic.
+            csv_logger = csv_logger
+                .with_rank_averaging(Arc::new(comm.sibling(burn_dist::wire::Kind::Metric)));
+        }
+        csv_logger
+    }
+
+    /// Data parallel's strategy for burn-train (where the run is distributed): buckets,
+    /// overlap, fp16's shared verdict, and `--zero`'s sharding.
+    fn ddp_strategy(
+        &self,
+        cfg: &TrainConfig,
+        scaler: Option<super::SharedScaler>,
+    ) -> Result<Option<burn_dist::ddp::DdpStrategy>> {
+        let Some(comm) = self.dist else {
+            return Ok(None);
+        };
+        let mut strategy = burn_dist::ddp::DdpStrategy::new(comm.clone())
+            .with_bucket_bytes(cfg.bucket_bytes)
+            .with_overlap(cfg.overlap);
+        if let Some(s) = scaler {
+            // fp16: the verdict on the averaged gradients, the same on every rank.
+            strategy = strategy.with_step_guard(Arc::new(s));
+        }
+        // The fine-tuning phase right after the frozen one: the state it starts from holds
+        // the head alone; the backbone's starts from zero (as burn's optimizer's would).
+        let fine_tuning_start = cfg.freeze_backbone && cfg.unfreeze_after == Some(self.first);
+        if let Some(s) = super::zero::sharding(
+            cfg,
+            self.lr,
+            self.batches_per_epoch,
+            &self.trainee,
+            fine_tuning_start,
+        )? {
+            strategy = strategy.with_sharding(s);
+        }
+        Ok(Some(strategy))
+    }
+
     pub fn run(
         self,
         cfg: &TrainConfig,
@@ -63,23 +125,7 @@ impl<T: Task> Phase<'_, T> {
         let interrupter = burn::train::Interrupter::new();
         let non_finite = NonFinite::default();
         let rank = self.dist.map_or(0, |c| c.rank());
-        let mut csv_logger =
-            CsvMetricLogger::new(cfg.run_dir.join("metrics.csv"), self.table.clone())
-                .with_nan_guard(non_finite.clone(), interrupter.clone());
-        if rank == 0 {
-            csv_logger =
-                csv_logger.with_report(Box::new(|line: &str| eprintln!("{line}")), cfg.epochs);
-        }
-        let (rates, batches) = (schedule.clone(), self.batches_per_epoch);
-        let k = cfg.grad_accum.unwrap_or(1);
-        csv_logger = csv_logger.with_epoch_lr(Box::new(move |epoch| {
-            epoch_lr(|i| rates.lr_at(i), epoch, batches, k)
-        }));
-        if let Some(comm) = self.dist {
-            // Metric averaging runs on its own tag space, beside the gradient traffic.
-            csv_logger = csv_logger
-                .with_rank_averaging(Arc::new(comm.sibling(burn_dist::wire::Kind::Metric)));
-        }
+        let csv_logger = self.csv_logger(cfg, &schedule, rank, &non_finite, &interrupter);
         let first_epoch = self.first as u64;
         let mut training = SupervisedTraining::new(
             &cfg.run_dir,
@@ -110,26 +156,7 @@ impl<T: Task> Phase<'_, T> {
         if let Some(k) = cfg.grad_accum.filter(|&k| k > 1) {
             training = training.grads_accumulation(k);
         }
-        if let Some(comm) = self.dist {
-            let mut strategy = burn_dist::ddp::DdpStrategy::new(comm.clone())
-                .with_bucket_bytes(cfg.bucket_bytes)
-                .with_overlap(cfg.overlap);
-            if let Some(s) = scaler {
-                // fp16: the verdict on the averaged gradients, the same on every rank.
-                strategy = strategy.with_step_guard(Arc::new(s));
-            }
-            // The fine-tuning phase right after the frozen one: the state it starts from holds
-            // the head alone; the backbone's starts from zero (as burn's optimizer's would).
-            let fine_tuning_start = cfg.freeze_backbone && cfg.unfreeze_after == Some(self.first);
-            if let Some(s) = super::zero::sharding(
-                cfg,
-                self.lr,
-                self.batches_per_epoch,
-                &self.trainee,
-                fine_tuning_start,
-            )? {
-                strategy = strategy.with_sharding(s);
-            }
+        if let Some(strategy) = self.ddp_strategy(cfg, scaler)? {
             training =
                 training.with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)));
         }
@@ -151,8 +178,12 @@ impl<T: Task> Phase<'_, T> {
             crate::device::check_burn_default(device)?;
             training = training.checkpoint(self.first);
         }
-        // burn-train's TUI on a terminal; plain progress lines otherwise.
-        if rank != 0 || !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+        // burn-train's dashboard on a terminal (the `tui` feature); plain progress lines
+        // otherwise.
+        if rank != 0
+            || !cfg!(feature = "tui")
+            || !std::io::IsTerminal::is_terminal(&std::io::stdout())
+        {
             training = training.renderer(Box::new(if rank == 0 {
                 PlainRenderer::default()
             } else {

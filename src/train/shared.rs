@@ -222,7 +222,7 @@ impl Rates {
 /// (`HEARTH_COLLECTIVE_TIMEOUT`, default 120 s); a peer that dies is reported sooner by the
 /// transport.
 pub(super) fn collective_timeout() -> Duration {
-    burn_dist::settings::env_secs("HEARTH_COLLECTIVE_TIMEOUT").unwrap_or(Duration::from_secs(120))
+    burn_dist::env::collective_timeout()
 }
 
 /// A per-worker number from a test or benchmark hook variable `ID:N[,ID:N...]`

@@ -173,6 +173,14 @@ pub enum ReduceOp {
     Mean,
 }
 
+/// How long a collective waits for a peer by default (`HEARTH_COLLECTIVE_TIMEOUT` through
+/// [`Communicator::from_env`]).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Pipelining granularity in values by default: 1 MiB of `f32` (`HEARTH_CHUNK_KB` through
+/// [`Communicator::from_env`]).
+pub const DEFAULT_CHUNK_ELEMS: usize = 256 * 1024;
+
 /// A rank's handle on the collectives of one world.
 pub struct Communicator {
     transport: Arc<dyn Transport>,
@@ -190,12 +198,8 @@ impl Communicator {
         Self {
             transport,
             seq: AtomicU64::new(0),
-            timeout: crate::settings::env_secs("HEARTH_COLLECTIVE_TIMEOUT")
-                .unwrap_or(Duration::from_secs(120)),
-            chunk_elems: std::env::var("HEARTH_CHUNK_KB")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .map_or(256 * 1024, |kb| (kb * 256).max(1)),
+            timeout: DEFAULT_TIMEOUT,
+            chunk_elems: DEFAULT_CHUNK_ELEMS,
             compression: Compression::None,
             kind: Kind::Collective,
             leaders: OnceLock::new(),

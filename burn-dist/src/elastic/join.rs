@@ -22,7 +22,7 @@ use super::membership::Worker;
 use super::reform::Announcement;
 use crate::tls::{Identity, Membership, SERVER_NAME};
 use crate::transport::quic::recv_control;
-use crate::transport::quic::{QuicNode, QuicOptions, write_frame};
+use crate::transport::quic::{QuicNode, QuicOptions, QuicProfiles, write_frame};
 use crate::wire::{Header, Kind, Reader, Writer};
 use crate::{DistError, Result};
 
@@ -126,14 +126,15 @@ pub struct JoinService {
 }
 
 impl JoinService {
-    /// Listens on `addr` (port 0: any free port) until dropped, answering as `role`.
-    pub fn bind(addr: SocketAddr, membership: &Membership, role: Role) -> Result<Self> {
-        let options = if addr.ip().is_loopback() {
-            QuicOptions::loopback()
-        } else {
-            QuicOptions::default()
-        };
-        let node = QuicNode::bind(addr, &Identity::new(membership, 0)?, &options)?;
+    /// Listens on `addr` (port 0: any free port) until dropped, answering as `role`, with
+    /// `quic`'s settings for that address.
+    pub fn bind(
+        addr: SocketAddr,
+        membership: &Membership,
+        role: Role,
+        quic: &QuicProfiles,
+    ) -> Result<Self> {
+        let node = QuicNode::bind(addr, &Identity::new(membership, 0)?, quic.for_ip(addr.ip()))?;
         let shared = Arc::new(Mutex::new(Shared {
             role,
             waiting: Vec::new(),
@@ -236,21 +237,18 @@ async fn serve(endpoint: Endpoint, shared: Arc<Mutex<Shared>>) {
 }
 
 /// Asks to join the job through the members at `peers` (`host:port` join addresses, tried in
-/// order, redirects followed), waiting up to `timeout` in all. Returns the admission: this
-/// process's rank and the epoch to form. A refusal is an error naming its reason.
+/// order, redirects followed), waiting up to `timeout` in all, with `quic`'s settings. Returns
+/// the admission: this process's rank and the epoch to form. A refusal is an error naming its reason.
 pub fn request_join(
     peers: &dyn Fn() -> Vec<String>,
     worker: &Worker,
     membership: &Membership,
     timeout: Duration,
+    quic: &QuicOptions,
 ) -> Result<(usize, Announcement)> {
     let deadline = Instant::now() + timeout;
     let identity = Identity::new(membership, 0)?;
-    let node = QuicNode::bind(
-        SocketAddr::from(([0, 0, 0, 0], 0)),
-        &identity,
-        &QuicOptions::default(),
-    )?;
+    let node = QuicNode::bind(SocketAddr::from(([0, 0, 0, 0], 0)), &identity, quic)?;
     let mut last = String::from("no member answered");
     while Instant::now() < deadline {
         let mut targets: Vec<String> = peers();
@@ -388,11 +386,21 @@ mod tests {
     #[test]
     fn a_joiner_follows_a_redirect_past_a_dead_address_and_is_admitted() {
         let m = secret();
-        let coordinator =
-            JoinService::bind("127.0.0.1:0".parse().unwrap(), &m, Role::Coordinator).unwrap();
+        let coordinator = JoinService::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            &m,
+            Role::Coordinator,
+            &QuicProfiles::default(),
+        )
+        .unwrap();
         let c_addr = coordinator.local_addr().unwrap().to_string();
-        let other =
-            JoinService::bind("127.0.0.1:0".parse().unwrap(), &m, Role::Redirect(c_addr)).unwrap();
+        let other = JoinService::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            &m,
+            Role::Redirect(c_addr),
+            &QuicProfiles::default(),
+        )
+        .unwrap();
         // An address where nobody listens comes first.
         let dead = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let dead_addr = dead.local_addr().unwrap().to_string();
@@ -404,6 +412,7 @@ mod tests {
                 &worker("w9"),
                 &secret(),
                 Duration::from_secs(30),
+                &QuicOptions::default(),
             )
         });
         hello_arrives(&coordinator);
@@ -427,8 +436,13 @@ mod tests {
     #[test]
     fn refusals_and_other_secrets_fail_the_joiner_within_its_deadline() {
         let m = secret();
-        let coordinator =
-            JoinService::bind("127.0.0.1:0".parse().unwrap(), &m, Role::Coordinator).unwrap();
+        let coordinator = JoinService::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            &m,
+            Role::Coordinator,
+            &QuicProfiles::default(),
+        )
+        .unwrap();
         let addr = coordinator.local_addr().unwrap().to_string();
         let peers = vec![addr.clone()];
         let joiner = std::thread::spawn(move || {
@@ -437,6 +451,7 @@ mod tests {
                 &worker("w1"),
                 &secret(),
                 Duration::from_secs(30),
+                &QuicOptions::default(),
             )
         });
         hello_arrives(&coordinator);
@@ -451,6 +466,7 @@ mod tests {
             &worker("w2"),
             &wrong,
             Duration::from_secs(4),
+            &QuicOptions::default(),
         )
         .unwrap_err()
         .to_string();

@@ -36,10 +36,9 @@ use std::time::{Duration, Instant};
 
 use crate::Result;
 use crate::routed::RoutedTransport;
-use crate::settings::env_secs;
 use crate::shm::ShmOptions;
 use crate::tls::{Identity, Membership};
-use crate::transport::quic::{QuicNode, QuicOptions, QuicTransport};
+use crate::transport::quic::{QuicNode, QuicOptions, QuicProfiles, QuicTransport};
 
 mod accept;
 mod coordinate;
@@ -60,9 +59,11 @@ pub struct RendezvousOptions {
     /// How long rank 0 waits for everyone, and others for rank 0 and their peers (default
     /// 120 s, or `HEARTH_RENDEZVOUS_TIMEOUT` seconds).
     pub timeout: Duration,
-    /// QUIC settings; `None` picks [`QuicOptions::loopback`] when the coordinator is a loopback
-    /// address, else [`QuicOptions::default`].
+    /// QUIC settings; `None` picks from `profiles` by the coordinator's address.
     pub quic: Option<QuicOptions>,
+    /// The QUIC settings for a loopback coordinator and for a remote one, where `quic` is
+    /// `None`.
+    pub profiles: QuicProfiles,
     /// Address to listen on for peers (non-zero ranks); default: 127.0.0.1 for a loopback
     /// coordinator, else 0.0.0.0 (`HEARTH_BIND` overrides).
     pub bind_ip: Option<IpAddr>,
@@ -73,13 +74,21 @@ pub struct RendezvousOptions {
 impl Default for RendezvousOptions {
     fn default() -> Self {
         Self {
-            timeout: env_secs("HEARTH_RENDEZVOUS_TIMEOUT").unwrap_or(Duration::from_secs(120)),
+            timeout: Duration::from_secs(120),
             quic: None,
-            bind_ip: std::env::var("HEARTH_BIND")
-                .ok()
-                .and_then(|s| s.parse().ok()),
+            profiles: QuicProfiles::default(),
+            bind_ip: None,
             shm: ShmOptions::default(),
         }
+    }
+}
+
+impl RendezvousOptions {
+    /// The QUIC settings for a coordinator at `ip`: `quic` where set, else its profile.
+    pub fn quic_for(&self, ip: IpAddr) -> QuicOptions {
+        self.quic
+            .clone()
+            .unwrap_or_else(|| self.profiles.for_ip(ip).clone())
     }
 }
 
@@ -111,13 +120,7 @@ pub fn bind_coordinator(
     membership: &Membership,
     options: &RendezvousOptions,
 ) -> Result<QuicNode> {
-    let quic = options.quic.clone().unwrap_or_else(|| {
-        if ip.is_loopback() {
-            QuicOptions::loopback()
-        } else {
-            QuicOptions::default()
-        }
-    });
+    let quic = options.quic_for(ip);
     QuicNode::bind(
         SocketAddr::new(ip, 0),
         &Identity::new(membership, 0)?,
@@ -148,13 +151,7 @@ pub fn connect_epoch_watched(
 ) -> Result<RoutedTransport> {
     let coordinator = info.coordinator_addr()?;
     let loopback = coordinator.ip().is_loopback();
-    let quic = options.quic.clone().unwrap_or_else(|| {
-        if loopback {
-            QuicOptions::loopback()
-        } else {
-            QuicOptions::default()
-        }
-    });
+    let quic = options.quic_for(coordinator.ip());
     let identity = Identity::new(membership, info.rank)?;
     let bind_ip = options.bind_ip.unwrap_or(if loopback {
         IpAddr::V4(Ipv4Addr::LOCALHOST)

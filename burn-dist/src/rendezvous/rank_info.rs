@@ -65,17 +65,6 @@ const RANK_PAIRS: [(&str, &str); 4] = [
 ];
 
 impl RankInfo {
-    pub fn from_env() -> Result<Self> {
-        Self::from_lookup(&|k| std::env::var(k).ok())
-    }
-
-    /// This process's place in a job, `None` when no launcher's variables are set at all (a
-    /// single process). Half a pair (`RANK` without `WORLD_SIZE`, ...) or any other malformed
-    /// variable is an error naming them: a job must never quietly train as one process.
-    pub fn detect() -> Result<Option<Self>> {
-        Self::detect_lookup(&|k| std::env::var(k).ok())
-    }
-
     /// As [`RankInfo::detect`], from any variable lookup.
     pub fn detect_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<Self>> {
         let mut any = false;

@@ -170,6 +170,7 @@ fn impostor_refused_and_job_forms(
         quic: None,
         bind_ip: None,
         shm: Default::default(),
+        profiles: Default::default(),
     };
     let (tx, rx) = std::sync::mpsc::channel();
     let start = |r: usize| {
@@ -466,6 +467,7 @@ fn a_watched_rendezvous_ends_with_the_aborts_error() {
                 quic: None,
                 bind_ip: None,
                 shm: Default::default(),
+                profiles: Default::default(),
             };
             let abort: Abort = Arc::new(move || {
                 lost.load(Ordering::SeqCst).then(|| DistError::PeerFailed {

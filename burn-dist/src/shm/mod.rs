@@ -38,7 +38,6 @@ pub use pipe::Pipes;
 pub use reduce::LocalGroup;
 pub use segment::{Segment, remove_stale};
 
-use crate::settings::{env_mb, env_off, env_parse, env_secs};
 use crate::transport::{Inbox, Topology, Transport, check_peer};
 use crate::wire::Kind;
 use crate::{DistError, Result};
@@ -61,17 +60,14 @@ pub struct ShmOptions {
 
 impl Default for ShmOptions {
     fn default() -> Self {
-        let mb = |k: &str, d: usize| env_mb(k).unwrap_or(d << 20);
         Self {
-            enabled: !env_off("HEARTH_SHM"),
-            ring_bytes: mb("HEARTH_SHM_RING_MB", 4),
-            slot_bytes: env_parse::<usize>("HEARTH_SHM_SLOT_KB")
-                .filter(|&kb| kb > 0)
-                .map_or_else(|| env_mb("HEARTH_SHM_SLOT_MB").unwrap_or(0), |kb| kb << 10),
-            chain: env_parse::<u8>("HEARTH_SHM_CHAIN").map(|v| v != 0),
-            stale: env_secs("HEARTH_SHM_STALE").unwrap_or(Duration::from_secs(8)),
-            max_frame_bytes: mb("HEARTH_MAX_FRAME_MB", 256),
-            frame_timeout: env_secs("HEARTH_FRAME_TIMEOUT").unwrap_or(Duration::from_secs(120)),
+            enabled: true,
+            ring_bytes: 4 << 20,
+            slot_bytes: 0,
+            chain: None,
+            stale: Duration::from_secs(8),
+            max_frame_bytes: 256 << 20,
+            frame_timeout: Duration::from_secs(120),
         }
     }
 }

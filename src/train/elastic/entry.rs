@@ -20,6 +20,67 @@ pub(crate) fn train(
     train_with(cfg, opts, &ImageRecipe, device, log)
 }
 
+/// What a worker is before its first world: the job's membership (by its secret), its place
+/// in the job's first world if launched into it, its join service, and its name and machine.
+struct Entry {
+    membership: burn_dist::tls::Membership,
+    initial: Option<burn_dist::rendezvous::RankInfo>,
+    join: JoinService,
+    me: Worker,
+}
+
+impl Entry {
+    fn new(cfg: &TrainConfig, opts: &ElasticOptions) -> Result<Self> {
+        let membership = burn_dist::tls::Membership::from_env()?;
+        if !matches!(membership, burn_dist::tls::Membership::Secret { .. }) {
+            return Err(HearthError::InvalidArgument(
+                "--elastic needs a job secret (HEARTH_JOB_SECRET): members change ranks, which \
+                 per-rank certificates cannot follow"
+                    .into(),
+            ));
+        }
+        let initial = cfg.dist.clone();
+        if initial.is_none() && !opts.joiner {
+            return Err(HearthError::InvalidArgument(
+                "--elastic runs under `hearth launch --elastic`, or joins a job given \
+                 HEARTH_ELASTIC_PEERS or --hosts"
+                    .into(),
+            ));
+        }
+        let loopback = initial.as_ref().is_none_or(|i| {
+            i.coordinator.starts_with("127.") || i.coordinator.starts_with("localhost")
+        });
+        let join_addr = opts.join_addr.unwrap_or(SocketAddr::new(
+            if loopback {
+                IpAddr::V4(Ipv4Addr::LOCALHOST)
+            } else {
+                IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+            },
+            0,
+        ));
+        let join = JoinService::bind(
+            join_addr,
+            &membership,
+            Role::Busy,
+            &burn_dist::transport::quic::QuicProfiles::from_env(),
+        )?;
+        let id = opts.id.clone().unwrap_or_else(|| match &initial {
+            Some(i) => format!("w{}", i.rank),
+            None => format!("{}:{}", join_addr.ip(), std::process::id()),
+        });
+        let me = Worker {
+            host: opts.host.clone().unwrap_or_else(|| machine(&id)),
+            id,
+        };
+        Ok(Self {
+            membership,
+            initial,
+            join,
+            me,
+        })
+    }
+}
+
 /// An elastic worker of `recipe`'s model and data.
 pub(crate) fn train_with<R: Recipe>(
     cfg: &TrainConfig,
@@ -33,42 +94,12 @@ pub(crate) fn train_with<R: Recipe>(
     unsafe {
         libc::signal(libc::SIGTERM, on_sigterm as *const () as libc::sighandler_t);
     }
-    let membership = burn_dist::tls::Membership::from_env()?;
-    if !matches!(membership, burn_dist::tls::Membership::Secret { .. }) {
-        return Err(HearthError::InvalidArgument(
-            "--elastic needs a job secret (HEARTH_JOB_SECRET): members change ranks, which \
-             per-rank certificates cannot follow"
-                .into(),
-        ));
-    }
-    let initial = cfg.dist.clone();
-    if initial.is_none() && !opts.joiner {
-        return Err(HearthError::InvalidArgument(
-            "--elastic runs under `hearth launch --elastic`, or joins a job given \
-             HEARTH_ELASTIC_PEERS or --hosts"
-                .into(),
-        ));
-    }
-    let loopback = initial.as_ref().is_none_or(|i| {
-        i.coordinator.starts_with("127.") || i.coordinator.starts_with("localhost")
-    });
-    let join_addr = opts.join_addr.unwrap_or(SocketAddr::new(
-        if loopback {
-            IpAddr::V4(Ipv4Addr::LOCALHOST)
-        } else {
-            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
-        },
-        0,
-    ));
-    let join = JoinService::bind(join_addr, &membership, Role::Busy)?;
-    let id = opts.id.clone().unwrap_or_else(|| match &initial {
-        Some(i) => format!("w{}", i.rank),
-        None => format!("{}:{}", join_addr.ip(), std::process::id()),
-    });
-    let me = Worker {
-        host: opts.host.clone().unwrap_or_else(|| machine(&id)),
-        id,
-    };
+    let Entry {
+        membership,
+        initial,
+        join,
+        me,
+    } = Entry::new(cfg, opts)?;
     // Every worker reads the whole set: which part of it a worker trains on changes with
     // the membership.
     let trainee = recipe.prepare(cfg, None, 0, 1, &mut |_| {})?;

@@ -99,7 +99,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         }
         // A member reports once its rendezvous and the state's broadcast ended, either way.
         let wait =
-            RendezvousOptions::default().timeout + collective_timeout() + Duration::from_secs(30);
+            RendezvousOptions::from_env().timeout + collective_timeout() + Duration::from_secs(30);
         let me = world.rank();
         if me != lowest {
             let report = vec![if formed.is_ok() { FORMED } else { FAILED }];

@@ -185,7 +185,7 @@ mod tests {
     /// A one-rank shard after `n` updates (its update count tells the versions apart).
     fn shard(n: u64) -> ZeroOptimizer {
         let t = MemoryTransport::mesh(1).remove(0);
-        let comm = Communicator::new(Arc::new(t));
+        let comm = Communicator::from_env(Arc::new(t));
         let tensors = vec![("w".to_string(), 3)];
         let mut z = ZeroOptimizer::new(
             Stage::Two,

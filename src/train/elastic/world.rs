@@ -48,7 +48,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             None,
             info,
             &self.membership,
-            &RendezvousOptions::default(),
+            &RendezvousOptions::from_env(),
             0,
         )?;
         let members: Vec<Worker> = (0..info.world)
@@ -107,6 +107,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 &self.me,
                 &self.membership,
                 self.opts.rejoin_timeout.max(Duration::from_secs(30)),
+                &burn_dist::transport::quic::QuicOptions::from_env(),
             )?;
             let info = RankInfo {
                 rank,
@@ -120,7 +121,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 None,
                 &info,
                 &self.membership,
-                &RendezvousOptions::default(),
+                &RendezvousOptions::from_env(),
                 a.epoch,
             )
             .map_err(HearthError::from)
@@ -148,7 +149,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         mine: Option<Commit<T::Model>>,
         log: &mut dyn FnMut(&str),
     ) -> Result<(World, Commit<T::Model>)> {
-        let comm = Communicator::new(transport.clone() as Arc<dyn Transport>)
+        let comm = Communicator::from_env(transport.clone() as Arc<dyn Transport>)
             .with_timeout(collective_timeout());
         let rank = comm.rank();
         let my_join = self.join.local_addr()?.to_string();
@@ -319,38 +320,14 @@ impl<T: Trainee> ElasticRun<'_, T> {
                     std::thread::sleep(Duration::from_millis(200));
                 }
                 Decision::GiveUp { have, need, waited } => {
-                    let saved = self.save_state(commit, world)?;
-                    let give_up = Announcement {
-                        epoch: next,
-                        coordinator: String::new(),
-                        members: Vec::new(),
-                    };
-                    let _ = give_up.send_to(world.transport.as_ref(), &survivors);
-                    let sharded = crate::train::zero::state_file(
-                        &shard::state_dir(self.cfg),
-                        commit.step as usize,
-                    );
-                    let state = if !saved && self.zero.is_some() && !sharded.is_file() {
-                        format!(
-                            "the optimizer state is sharded over the workers (--zero) and one \
-                             cannot write it alone: {} keeps the last state saved, at an \
-                             epoch's end (the steps since are lost)",
-                            self.state_file().display()
-                        )
-                    } else if saved {
-                        format!("state saved in {}", self.state_file().display())
-                    } else {
-                        format!(
-                            "{} already holds a later step, kept (this worker was cut off \
-                             while the others went on)",
-                            self.state_file().display()
-                        )
-                    };
-                    return Err(HearthError::Training(format!(
-                        "only {have} of the --min-workers {need} workers after waiting {:.0} s \
-                         (--rejoin-timeout) for joiners; {state} (--resume continues it)",
-                        waited.as_secs_f64(),
-                    )));
+                    return Err(self.give_up(
+                        world,
+                        commit,
+                        &survivors,
+                        next,
+                        (have, need),
+                        waited,
+                    ));
                 }
             }
         };
@@ -358,7 +335,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             ip if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
             ip => ip,
         };
-        let node = bind_coordinator(ip, &self.membership, &RendezvousOptions::default())?;
+        let node = bind_coordinator(ip, &self.membership, &RendezvousOptions::from_env())?;
         let old_rank = |w: &Worker| world.members.iter().position(|m| m.id == w.id);
         let announcement = Announcement {
             epoch: next,
@@ -382,6 +359,53 @@ impl<T: Trainee> ElasticRun<'_, T> {
         self.bound = Some(node);
         self.next_members = Some(members);
         Ok(announcement)
+    }
+
+    /// Too few workers after `--rejoin-timeout` (`have` of the `need`ed): saves the state where
+    /// it can, tells the `survivors` the job ends, and returns the error that says where the
+    /// state is.
+    fn give_up(
+        &self,
+        world: &World,
+        commit: &Commit<T::Model>,
+        survivors: &[usize],
+        next: u32,
+        (have, need): (usize, usize),
+        waited: Duration,
+    ) -> HearthError {
+        let saved = match self.save_state(commit, world) {
+            Ok(saved) => saved,
+            Err(e) => return e,
+        };
+        let give_up = Announcement {
+            epoch: next,
+            coordinator: String::new(),
+            members: Vec::new(),
+        };
+        let _ = give_up.send_to(world.transport.as_ref(), survivors);
+        let sharded =
+            crate::train::zero::state_file(&shard::state_dir(self.cfg), commit.step as usize);
+        let state = if !saved && self.zero.is_some() && !sharded.is_file() {
+            format!(
+                "the optimizer state is sharded over the workers (--zero) and one \
+                 cannot write it alone: {} keeps the last state saved, at an \
+                 epoch's end (the steps since are lost)",
+                self.state_file().display()
+            )
+        } else if saved {
+            format!("state saved in {}", self.state_file().display())
+        } else {
+            format!(
+                "{} already holds a later step, kept (this worker was cut off \
+                 while the others went on)",
+                self.state_file().display()
+            )
+        };
+        HearthError::Training(format!(
+            "only {have} of the --min-workers {need} workers after waiting {:.0} s \
+             (--rejoin-timeout) for joiners; {state} (--resume continues it)",
+            waited.as_secs_f64(),
+        ))
     }
 
     /// No quorum ([`quorum`]): this worker and the survivors it reached are the smaller part
@@ -634,7 +658,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             bound,
             &info,
             &self.membership,
-            &RendezvousOptions::default(),
+            &RendezvousOptions::from_env(),
             next,
             Some(abort),
         )?;

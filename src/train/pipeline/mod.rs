@@ -131,7 +131,7 @@ pub(super) fn train(
     let steps_per_epoch = loaders.train.batches_per_epoch().max(1);
     let replicas = if grid.replicas > 1 {
         let group = Group::new(comm.transport().clone(), grid.stage_replicas(stage), 1)?;
-        Some(Communicator::new(Arc::new(group)).with_compression(cfg.compression))
+        Some(Communicator::from_env(Arc::new(group)).with_compression(cfg.compression))
     } else {
         None
     };

@@ -15,23 +15,7 @@ impl PipelineRun<'_> {
         let file = split_file(&self.cfg.run_dir);
         let mut measured: Option<Vec<UnitCost>> = None;
         if self.cfg.resume && file.is_file() {
-            let text = std::fs::read_to_string(&file).map_err(|source| HearthError::Read {
-                path: file.clone(),
-                source,
-            })?;
-            let recorded = PipelineOptions::parse_split(text.trim())?;
-            if recorded.len() != self.grid.stages
-                || recorded.last().map(|r| r.end) != Some(self.config.units())
-            {
-                return Err(HearthError::InvalidArgument(format!(
-                    "--resume: {} records the split {} for another layout than {} stages of {} units",
-                    file.display(),
-                    text.trim(),
-                    self.grid.stages,
-                    self.config.units()
-                )));
-            }
-            self.ranges = recorded;
+            self.ranges = self.recorded_split(&file)?;
         } else if self.opts.balance != PipelineBalance::Params && self.opts.split.is_none() {
             let costs = self.measure_units(pipe)?;
             self.ranges = match self.opts.balance {
@@ -108,6 +92,28 @@ impl PipelineRun<'_> {
             ));
         }
         Ok(())
+    }
+
+    /// The split a resumed run recorded in `file`, refused where it does not fit this run's
+    /// stages and units.
+    fn recorded_split(&self, file: &std::path::Path) -> Result<Vec<std::ops::Range<usize>>> {
+        let text = std::fs::read_to_string(file).map_err(|source| HearthError::Read {
+            path: file.to_path_buf(),
+            source,
+        })?;
+        let recorded = PipelineOptions::parse_split(text.trim())?;
+        if recorded.len() != self.grid.stages
+            || recorded.last().map(|r| r.end) != Some(self.config.units())
+        {
+            return Err(HearthError::InvalidArgument(format!(
+                "--resume: {} records the split {} for another layout than {} stages of {} units",
+                file.display(),
+                text.trim(),
+                self.grid.stages,
+                self.config.units()
+            )));
+        }
+        Ok(recorded)
     }
 
     /// Time and held memory of one training pass of every unit on a micro-batch of the first

@@ -119,7 +119,7 @@ fn connect(info: &RankInfo, rank: usize, world: usize) -> Result<Arc<dyn Transpo
         coordinator: info.coordinator.clone(),
         source: info.source,
     };
-    let t = burn_dist::rendezvous::connect(&me, &membership, &RendezvousOptions::default())?;
+    let t = burn_dist::rendezvous::connect(&me, &membership, &RendezvousOptions::from_env())?;
     Ok(Arc::new(t))
 }
 

@@ -69,7 +69,7 @@ pub(super) fn train<R: Recipe>(
     // do the asynchronous workers wait for each other; a long wait: the lead validates).
     let stop = match cfg.patience {
         Some(_) => Some(
-            Communicator::new(Arc::new(Group::new(w.t.clone(), roles.worker_ranks(), 3)?))
+            Communicator::from_env(Arc::new(Group::new(w.t.clone(), roles.worker_ranks(), 3)?))
                 .with_timeout(PATIENT),
         ),
         None => None,
@@ -77,7 +77,7 @@ pub(super) fn train<R: Recipe>(
     // `--unfreeze-after`: the workers agree on the switch to the fine-tuning session.
     let phase = match w.rates.fine_tuning(epochs.end()) && !unfrozen {
         true => Some(
-            Communicator::new(Arc::new(Group::new(w.t.clone(), roles.worker_ranks(), 4)?))
+            Communicator::from_env(Arc::new(Group::new(w.t.clone(), roles.worker_ranks(), 4)?))
                 .with_timeout(PATIENT),
         ),
         false => None,
@@ -126,7 +126,7 @@ fn start<'a, R: Recipe>(
 ) -> Result<(Worker<'a, R::T>, Communicator)> {
     let rank = t.rank();
     let group = Group::new(t.clone(), roles.worker_ranks(), 2)?;
-    let comm = Communicator::new(Arc::new(group)).with_timeout(collective_timeout());
+    let comm = Communicator::from_env(Arc::new(group)).with_timeout(collective_timeout());
     let trainee = recipe.prepare(cfg, Some(&comm), rank, roles.workers, log)?;
     let objective = Objective::new(cfg, trainee.multi_label());
     let ad = device.clone().autodiff();

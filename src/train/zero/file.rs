@@ -315,33 +315,7 @@ pub fn open_state(path: &Path) -> Result<StateFile> {
         let mut offsets = Vec::with_capacity(tensors.len());
         for (name, len) in &tensors {
             let key = format!("{name}.{slot}");
-            let t = header
-                .get(&key)
-                .ok_or_else(|| bad(format!("{key} is missing")))?;
-            let dtype = t.get("dtype").and_then(|d| d.as_str()).unwrap_or("?");
-            let shape: Vec<u64> = t
-                .get("shape")
-                .and_then(|s| serde_json::from_value(s.clone()).ok())
-                .unwrap_or_default();
-            let span: Vec<u64> = t
-                .get("data_offsets")
-                .and_then(|s| serde_json::from_value(s.clone()).ok())
-                .unwrap_or_default();
-            if dtype != "F32" || shape != [*len as u64] {
-                return Err(bad(format!(
-                    "{key} is {dtype} {shape:?}, expected F32 [{len}]"
-                )));
-            }
-            let fits = span.len() == 2
-                && span[1] >= span[0]
-                && span[1] - span[0] == 4 * *len as u64
-                && data + span[1] <= size;
-            if !fits {
-                return Err(bad(format!(
-                    "{key}'s values {span:?} do not fit the file ({size} bytes)"
-                )));
-            }
-            offsets.push(data + span[0]);
+            offsets.push(tensor_offset(&header, &key, *len, data, size, &bad)?);
         }
         at.push(offsets);
     }
@@ -354,6 +328,45 @@ pub fn open_state(path: &Path) -> Result<StateFile> {
         at,
         born,
     })
+}
+
+/// Where tensor `key` (`len` f32 values) starts in a state file of `size` bytes whose data
+/// begins at `data`, checked against its header entry.
+fn tensor_offset(
+    header: &serde_json::Map<String, serde_json::Value>,
+    key: &str,
+    len: usize,
+    data: u64,
+    size: u64,
+    bad: &dyn Fn(String) -> HearthError,
+) -> Result<u64> {
+    let t = header
+        .get(key)
+        .ok_or_else(|| bad(format!("{key} is missing")))?;
+    let dtype = t.get("dtype").and_then(|d| d.as_str()).unwrap_or("?");
+    let shape: Vec<u64> = t
+        .get("shape")
+        .and_then(|s| serde_json::from_value(s.clone()).ok())
+        .unwrap_or_default();
+    let span: Vec<u64> = t
+        .get("data_offsets")
+        .and_then(|s| serde_json::from_value(s.clone()).ok())
+        .unwrap_or_default();
+    if dtype != "F32" || shape != [len as u64] {
+        return Err(bad(format!(
+            "{key} is {dtype} {shape:?}, expected F32 [{len}]"
+        )));
+    }
+    let fits = span.len() == 2
+        && span[1] >= span[0]
+        && span[1] - span[0] == 4 * len as u64
+        && data + span[1] <= size;
+    if !fits {
+        return Err(bad(format!(
+            "{key}'s values {span:?} do not fit the file ({size} bytes)"
+        )));
+    }
+    Ok(data + span[0])
 }
 
 impl burn_dist::zero::StateReader for StateFile {

@@ -22,12 +22,11 @@ use quinn::{Connection, Endpoint, VarInt};
 mod options;
 mod stream;
 
-pub use options::QuicOptions;
+pub use options::{Congestion, QuicOptions, QuicProfiles};
 use stream::receive_frame;
 pub(crate) use stream::{recv_control, write_frame};
 
 use super::{Inbox, Payload, Transport, check_peer};
-use crate::settings::env_parse;
 use crate::tls::{self, Identity};
 use crate::wire::{Header, Kind};
 use crate::{DistError, Result};
@@ -74,9 +73,7 @@ pub struct QuicNode {
 impl QuicNode {
     /// Binds `bind` (port 0: any free port) with `identity` as server and client.
     pub fn bind(bind: SocketAddr, identity: &Identity, options: &QuicOptions) -> Result<Self> {
-        let threads = env_parse::<usize>("HEARTH_QUIC_THREADS")
-            .unwrap_or(2)
-            .max(1);
+        let threads = options.threads.max(1);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
             .thread_name("burn-dist-quic")
@@ -104,7 +101,7 @@ impl QuicNode {
         let sock = socket2::SockRef::from(&socket);
         let _ = sock.set_recv_buffer_size(options.socket_buffer);
         let _ = sock.set_send_buffer_size(options.socket_buffer);
-        if std::env::var_os("HEARTH_QUIC_DEBUG").is_some() {
+        if options.debug {
             eprintln!(
                 "burn-dist: UDP buffers recv {:?} send {:?}",
                 sock.recv_buffer_size(),
@@ -167,6 +164,8 @@ pub struct QuicTransport {
     /// not their QUIC connection, says when they have left (it may still hold their last
     /// messages when the connection closes).
     elsewhere: Arc<Vec<AtomicBool>>,
+    /// Per-peer statistics on stderr at shutdown ([`QuicOptions::debug`]).
+    debug: bool,
 }
 
 impl QuicTransport {
@@ -272,6 +271,7 @@ impl QuicTransport {
             inbox,
             in_flight: Arc::new(AtomicUsize::new(0)),
             elsewhere,
+            debug: options.debug,
         }
     }
 
@@ -298,7 +298,7 @@ impl QuicTransport {
             std::thread::sleep(Duration::from_millis(2));
         }
         for c in self.peers.iter().flatten() {
-            if std::env::var_os("HEARTH_QUIC_DEBUG").is_some() {
+            if self.debug {
                 let st = c.stats();
                 eprintln!(
                     "burn-dist rank {}: to {}: sent {} datagrams in {} sends, received {} in {}, lost {} packets, cwnd {}, rtt {:?}, mtu {}",

@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use quinn::VarInt;
 
-use crate::settings::{env_mb, env_parse, env_secs};
 use crate::{DistError, Result};
 
 /// Connection settings.
@@ -37,6 +36,63 @@ pub struct QuicOptions {
     /// QUIC connections per pair of ranks (`HEARTH_QUIC_LANES`, default 1); messages are spread
     /// over them by tag, so a collective's chunks travel on all of them.
     pub lanes: usize,
+    /// Threads of the node's I/O runtime (`HEARTH_QUIC_THREADS`, default 2).
+    pub threads: usize,
+    /// Congestion control (`HEARTH_QUIC_CC`: `bbr` or `newreno`; default quinn's Cubic).
+    pub congestion: Congestion,
+    /// Socket buffer sizes at bind and per-peer statistics at shutdown on stderr
+    /// (`HEARTH_QUIC_DEBUG`).
+    pub debug: bool,
+}
+
+/// QUIC congestion controller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Congestion {
+    /// quinn's default.
+    #[default]
+    Cubic,
+    Bbr,
+    NewReno,
+}
+
+impl Congestion {
+    /// `cubic`, `bbr` or `newreno`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name.trim() {
+            "cubic" => Some(Self::Cubic),
+            "bbr" => Some(Self::Bbr),
+            "newreno" => Some(Self::NewReno),
+            _ => None,
+        }
+    }
+}
+
+/// The settings for peers on this machine and for remote ones: a node picks by the address it
+/// binds or dials.
+#[derive(Debug, Clone)]
+pub struct QuicProfiles {
+    pub loopback: QuicOptions,
+    pub remote: QuicOptions,
+}
+
+impl Default for QuicProfiles {
+    fn default() -> Self {
+        Self {
+            loopback: QuicOptions::loopback(),
+            remote: QuicOptions::default(),
+        }
+    }
+}
+
+impl QuicProfiles {
+    /// `loopback` for a loopback address, else `remote`.
+    pub fn for_ip(&self, ip: std::net::IpAddr) -> &QuicOptions {
+        if ip.is_loopback() {
+            &self.loopback
+        } else {
+            &self.remote
+        }
+    }
 }
 
 impl Default for QuicOptions {
@@ -44,25 +100,26 @@ impl Default for QuicOptions {
         Self {
             idle_timeout: Duration::from_secs(5),
             fixed_mtu: None,
-            window_bytes: env_mb("HEARTH_QUIC_WINDOW_MB").unwrap_or(64 << 20) as u64,
+            window_bytes: 64 << 20,
             socket_buffer: 16 << 20,
-            max_frame_bytes: env_mb("HEARTH_MAX_FRAME_MB").unwrap_or(256 << 20),
-            inbox_bytes: env_mb("HEARTH_INBOX_MB").unwrap_or(1 << 30),
-            frame_timeout: env_secs("HEARTH_FRAME_TIMEOUT").unwrap_or(Duration::from_secs(120)),
-            ack_every: env_parse("HEARTH_QUIC_ACK_EVERY").unwrap_or(20),
-            lanes: env_parse("HEARTH_QUIC_LANES")
-                .filter(|&n: &usize| (1..=16).contains(&n))
-                .unwrap_or(1),
+            max_frame_bytes: 256 << 20,
+            inbox_bytes: 1 << 30,
+            frame_timeout: Duration::from_secs(120),
+            ack_every: 20,
+            lanes: 1,
+            threads: 2,
+            congestion: Congestion::Cubic,
+            debug: false,
         }
     }
 }
 
 impl QuicOptions {
-    /// Settings for ranks that all run on one machine (bigger datagrams).
+    /// Settings for ranks that all run on one machine (bigger datagrams: 6500 bytes,
+    /// `HEARTH_QUIC_MTU` through [`QuicOptions::loopback_from_env`]).
     pub fn loopback() -> Self {
-        let mtu = env_parse("HEARTH_QUIC_MTU").unwrap_or(6500);
         Self {
-            fixed_mtu: Some(mtu),
+            fixed_mtu: Some(6500),
             ..Self::default()
         }
     }
@@ -82,16 +139,16 @@ impl QuicOptions {
         t.receive_window(w);
         t.stream_receive_window(w);
         t.send_window(self.window_bytes);
-        match std::env::var("HEARTH_QUIC_CC").as_deref() {
-            Ok("bbr") => {
+        match self.congestion {
+            Congestion::Bbr => {
                 t.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()));
             }
-            Ok("newreno") => {
+            Congestion::NewReno => {
                 t.congestion_controller_factory(Arc::new(
                     quinn::congestion::NewRenoConfig::default(),
                 ));
             }
-            _ => {}
+            Congestion::Cubic => {}
         }
         // Fewer acknowledgements: on a saturated link every ACK packet takes the place of data
         // (quinn's default acknowledges every other packet: a third of all packets).
