@@ -28,7 +28,7 @@
 //! - [`ps`]: parameter servers (sharded; sync, DOWNPOUR, ADAG, DynSGD, EASGD; staleness bound).
 //! - [`ddp`]: data parallel for Burn modules: parameter broadcast, bucketed gradient averaging,
 //!   and a burn-train `SupervisedLearningStrategy`.
-//! - [`env`]: the edge, above everything: every `HEARTH_*` variable, read into the options
+//! - [`env`](mod@env): the edge, above everything: every `HEARTH_*` variable, read into the options
 //!   (`RendezvousOptions::from_env`, `Communicator::from_env`, ...). No other module reads the
 //!   environment; options built by hand are what they say.
 //!
