@@ -13,11 +13,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::Result;
 use crate::shm::{LocalGroup, Pipes, ShmOptions};
 use crate::transport::quic::QuicTransport;
-use crate::transport::{HostGroup, Payload, Topology, Transport, check_peer};
+use crate::transport::{Endpoint, HostGroup, Inbox, Topology};
 use crate::wire::Kind;
-use crate::{DistError, Result};
 
 /// QUIC and shared memory side by side, each message sent the way its peer is reached.
 pub struct RoutedTransport {
@@ -41,7 +41,7 @@ impl RoutedTransport {
                     seg.clone(),
                     me,
                     members.clone(),
-                    quic.inbox(),
+                    quic.shared_inbox(),
                     options.clone(),
                 )?;
                 quic.hand_over(&members);
@@ -91,7 +91,7 @@ impl Drop for RoutedTransport {
     }
 }
 
-impl Transport for RoutedTransport {
+impl Endpoint for RoutedTransport {
     fn rank(&self) -> usize {
         self.quic.rank()
     }
@@ -100,50 +100,20 @@ impl Transport for RoutedTransport {
         self.quic.world()
     }
 
-    fn send(&self, to: usize, kind: Kind, tag: u64, payload: Vec<u8>) -> Result<()> {
-        if let Some(p) = &self.pipes
-            && let Some(local) = p.local_index(to)
+    fn transmit(&self, to: usize, kind: Kind, tag: u64, payload: Vec<u8>) -> Result<()> {
+        match self
+            .pipes
+            .as_ref()
+            .and_then(|p| Some((p, p.local_index(to)?)))
         {
-            check_peer(self, to, "send")?;
-            if let Some(reason) = self.quic.inbox().failure(to) {
-                return Err(DistError::PeerFailed { rank: to, reason });
-            }
-            return p.send(local, kind, tag, &payload);
+            Some((pipes, local)) => pipes.send(local, kind, tag, &payload),
+            None => Endpoint::transmit(&self.quic, to, kind, tag, payload),
         }
-        self.quic.send(to, kind, tag, payload)
     }
 
-    // Receives: both transports deliver into QUIC's inbox.
-    fn recv(&self, from: usize, kind: Kind, tag: u64, deadline: Instant) -> Result<Vec<u8>> {
-        self.quic.recv(from, kind, tag, deadline)
-    }
-
-    fn recv_payload(
-        &self,
-        from: usize,
-        kind: Kind,
-        tag: u64,
-        deadline: Instant,
-    ) -> Result<Payload> {
-        self.quic.recv_payload(from, kind, tag, deadline)
-    }
-
-    fn recv_any(
-        &self,
-        from: &[usize],
-        kind: Kind,
-        tag: u64,
-        deadline: Instant,
-    ) -> Result<(usize, Vec<u8>)> {
-        self.quic.recv_any(from, kind, tag, deadline)
-    }
-
-    fn accept_losses(&self) {
-        self.quic.accept_losses();
-    }
-
-    fn lost(&self, peer: usize) -> Option<String> {
-        self.quic.lost(peer)
+    /// QUIC's: the pipes deliver into it too, so one receive waits on both.
+    fn inbox(&self) -> &Inbox {
+        Endpoint::inbox(&self.quic)
     }
 
     fn topology(&self) -> Option<&Topology> {

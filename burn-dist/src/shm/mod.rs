@@ -32,13 +32,13 @@ pub mod setup;
 pub(crate) mod shared;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use pipe::Pipes;
 pub use reduce::LocalGroup;
 pub use segment::{Segment, remove_stale};
 
-use crate::transport::{Inbox, Topology, Transport, check_peer};
+use crate::transport::{Inbox, Topology};
 use crate::wire::Kind;
 use crate::{DistError, Result};
 
@@ -173,7 +173,7 @@ impl ShmTransport {
     }
 }
 
-impl Transport for ShmTransport {
+impl crate::transport::Endpoint for ShmTransport {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -182,11 +182,7 @@ impl Transport for ShmTransport {
         self.topology.leaders.len()
     }
 
-    fn send(&self, to: usize, kind: Kind, tag: u64, payload: Vec<u8>) -> Result<()> {
-        check_peer(self, to, "send")?;
-        if let Some(reason) = self.inbox.failure(to) {
-            return Err(DistError::PeerFailed { rank: to, reason });
-        }
+    fn transmit(&self, to: usize, kind: Kind, tag: u64, payload: Vec<u8>) -> Result<()> {
         let local = self
             .pipes
             .local_index(to)
@@ -197,24 +193,8 @@ impl Transport for ShmTransport {
         self.pipes.send(local, kind, tag, &payload)
     }
 
-    fn recv(&self, from: usize, kind: Kind, tag: u64, deadline: Instant) -> Result<Vec<u8>> {
-        check_peer(self, from, "recv")?;
-        self.inbox.take(from, kind, tag, deadline, "recv")
-    }
-
-    fn recv_any(
-        &self,
-        from: &[usize],
-        kind: Kind,
-        tag: u64,
-        deadline: Instant,
-    ) -> Result<(usize, Vec<u8>)> {
-        crate::transport::check_peers(self, from, "recv_any")?;
-        self.inbox.take_any(from, kind, tag, deadline, "recv_any")
-    }
-
-    fn accept_losses(&self) {
-        self.inbox.accept_losses();
+    fn inbox(&self) -> &Inbox {
+        &self.inbox
     }
 
     fn topology(&self) -> Option<&Topology> {

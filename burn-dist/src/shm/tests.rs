@@ -317,14 +317,14 @@ struct Hosted {
     topology: Topology,
 }
 
-impl Transport for Hosted {
+impl crate::transport::Endpoint for Hosted {
     fn rank(&self) -> usize {
-        self.net.rank()
+        Transport::rank(&self.net)
     }
     fn world(&self) -> usize {
-        self.net.world()
+        Transport::world(&self.net)
     }
-    fn send(
+    fn transmit(
         &self,
         to: usize,
         kind: crate::wire::Kind,
@@ -333,23 +333,8 @@ impl Transport for Hosted {
     ) -> crate::Result<()> {
         self.net.send(to, kind, tag, payload)
     }
-    fn recv(
-        &self,
-        from: usize,
-        kind: crate::wire::Kind,
-        tag: u64,
-        deadline: Instant,
-    ) -> crate::Result<Vec<u8>> {
-        self.net.recv(from, kind, tag, deadline)
-    }
-    fn recv_any(
-        &self,
-        from: &[usize],
-        kind: crate::wire::Kind,
-        tag: u64,
-        deadline: Instant,
-    ) -> crate::Result<(usize, Vec<u8>)> {
-        self.net.recv_any(from, kind, tag, deadline)
+    fn inbox(&self) -> &crate::transport::Inbox {
+        crate::transport::Endpoint::inbox(&self.net)
     }
     fn topology(&self) -> Option<&Topology> {
         Some(&self.topology)

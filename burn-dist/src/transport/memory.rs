@@ -1,11 +1,9 @@
 //! In-memory transport: N ranks as threads of one process, for tests.
 
-use std::sync::Arc;
-use std::time::Instant;
-
-use super::{Inbox, Transport, check_peer};
+use super::Inbox;
+use crate::Result;
 use crate::wire::Kind;
-use crate::{DistError, Result};
+use std::sync::Arc;
 
 /// One rank of an in-memory mesh.
 pub struct MemoryTransport {
@@ -35,36 +33,18 @@ impl MemoryTransport {
     }
 }
 
-impl Transport for MemoryTransport {
+impl super::Endpoint for MemoryTransport {
     fn rank(&self) -> usize {
         self.rank
     }
     fn world(&self) -> usize {
         self.inboxes.len()
     }
-    fn send(&self, to: usize, kind: Kind, tag: u64, payload: Vec<u8>) -> Result<()> {
-        check_peer(self, to, "send")?;
-        if let Some(reason) = self.inboxes[self.rank].failure(to) {
-            return Err(DistError::PeerFailed { rank: to, reason });
-        }
+    fn transmit(&self, to: usize, kind: Kind, tag: u64, payload: Vec<u8>) -> Result<()> {
         self.inboxes[to].deliver(self.rank, kind, tag, payload);
         Ok(())
     }
-    fn recv(&self, from: usize, kind: Kind, tag: u64, deadline: Instant) -> Result<Vec<u8>> {
-        check_peer(self, from, "recv")?;
-        self.inboxes[self.rank].take(from, kind, tag, deadline, "recv")
-    }
-    fn recv_any(
-        &self,
-        from: &[usize],
-        kind: Kind,
-        tag: u64,
-        deadline: Instant,
-    ) -> Result<(usize, Vec<u8>)> {
-        super::check_peers(self, from, "recv_any")?;
-        self.inboxes[self.rank].take_any(from, kind, tag, deadline, "recv_any")
-    }
-    fn accept_losses(&self) {
-        self.inboxes[self.rank].accept_losses();
+    fn inbox(&self) -> &Inbox {
+        &self.inboxes[self.rank]
     }
 }

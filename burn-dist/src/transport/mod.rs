@@ -11,12 +11,18 @@
 //! [`crate::shm::ShmTransport`] (the ranks of one host). [`crate::routed::RoutedTransport`],
 //! above QUIC and shared memory, is what a job's rank uses: it sends each message the way its
 //! peer is reached. [`group::Group`] is a sub-world of any transport.
+//!
+//! Each of the four that moves bytes is an [`Endpoint`]: it says how a message leaves and which
+//! [`Inbox`] messages arrive in, and its receives, peer checks and failure reports come from
+//! the inbox, written once.
 
+mod endpoint;
 pub mod group;
 pub mod memory;
 pub mod quic;
 mod topology;
 
+pub use endpoint::Endpoint;
 pub use topology::{HostGroup, SharedBuf, Topology};
 
 use std::collections::{HashMap, VecDeque};

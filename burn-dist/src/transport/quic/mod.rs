@@ -26,7 +26,7 @@ pub use options::{Congestion, QuicOptions, QuicProfiles};
 use stream::receive_frame;
 pub(crate) use stream::{recv_control, write_frame};
 
-use super::{Inbox, Payload, Transport, check_peer};
+use super::Inbox;
 use crate::tls::{self, Identity};
 use crate::wire::{Header, Kind};
 use crate::{DistError, Result};
@@ -277,7 +277,7 @@ impl QuicTransport {
 
     /// The inbox every message for this rank lands in: another transport serving some of the
     /// peers ([`QuicTransport::hand_over`]) delivers into it too, so one receive waits on both.
-    pub(crate) fn inbox(&self) -> Arc<Inbox> {
+    pub(crate) fn shared_inbox(&self) -> Arc<Inbox> {
         self.inbox.clone()
     }
 
@@ -365,7 +365,7 @@ impl Drop for QuicTransport {
     }
 }
 
-impl Transport for QuicTransport {
+impl super::Endpoint for QuicTransport {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -374,11 +374,7 @@ impl Transport for QuicTransport {
         self.peers.len()
     }
 
-    fn send(&self, to: usize, kind: Kind, tag: u64, payload: Vec<u8>) -> Result<()> {
-        check_peer(self, to, "send")?;
-        if let Some(reason) = self.inbox.failure(to) {
-            return Err(DistError::PeerFailed { rank: to, reason });
-        }
+    fn transmit(&self, to: usize, kind: Kind, tag: u64, payload: Vec<u8>) -> Result<()> {
         let lanes = &self.peers[to];
         if lanes.is_empty() {
             return Err(DistError::PeerFailed {
@@ -401,39 +397,8 @@ impl Transport for QuicTransport {
         Ok(())
     }
 
-    fn recv(&self, from: usize, kind: Kind, tag: u64, deadline: Instant) -> Result<Vec<u8>> {
-        check_peer(self, from, "recv")?;
-        self.inbox.take(from, kind, tag, deadline, "recv")
-    }
-
-    fn recv_payload(
-        &self,
-        from: usize,
-        kind: Kind,
-        tag: u64,
-        deadline: Instant,
-    ) -> Result<Payload> {
-        check_peer(self, from, "recv")?;
-        self.inbox.take_payload(from, kind, tag, deadline, "recv")
-    }
-
-    fn recv_any(
-        &self,
-        from: &[usize],
-        kind: Kind,
-        tag: u64,
-        deadline: Instant,
-    ) -> Result<(usize, Vec<u8>)> {
-        super::check_peers(self, from, "recv_any")?;
-        self.inbox.take_any(from, kind, tag, deadline, "recv_any")
-    }
-
-    fn accept_losses(&self) {
-        self.inbox.accept_losses();
-    }
-
-    fn lost(&self, peer: usize) -> Option<String> {
-        self.inbox.failure(peer)
+    fn inbox(&self) -> &Inbox {
+        &self.inbox
     }
 }
 

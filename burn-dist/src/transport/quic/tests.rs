@@ -4,6 +4,7 @@
 use super::stream::write_frame;
 use super::*;
 use crate::tls::{Identity, Membership, SERVER_NAME};
+use crate::transport::Transport;
 
 /// Rank 0's transport, and rank 1's raw connection to it.
 fn pair(options: &QuicOptions) -> (QuicTransport, QuicNode, Connection) {
