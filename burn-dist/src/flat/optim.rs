@@ -236,15 +236,7 @@ impl ShardOptimizer {
     /// [`Self::check_state`] accepts (an empty one is started). LARS takes the norms from
     /// the slice itself, which is right when the slice holds whole tensors.
     pub fn step(&self, step: u64, values: &mut [f32], grad: &[f32], state: &mut Vec<f32>) {
-        let norms = self.needs_norms().then(|| self.partial_norms(values, grad));
-        self.step_at(
-            step,
-            self.lr_at(step),
-            values,
-            grad,
-            state,
-            norms.as_deref(),
-        );
+        self.step_at(step, self.lr_at(step), values, grad, state, None);
     }
 
     /// [`Self::step`] at the learning rate `lr` (the caller's schedule) and, for LARS, with
@@ -264,121 +256,123 @@ impl ShardOptimizer {
         if first {
             *state = vec![0.0; self.state_len(n)];
         }
-        // The gradient after L2 weight decay (Sgd, Adam).
-        let mut g: Vec<f32> = grad[..n].to_vec();
-        let l2 = matches!(self.update, Update::Sgd { .. } | Update::Adam { .. })
-            && self.weight_decay > 0.0;
-        if l2 {
-            for r in &self.decay {
-                let r = r.start.min(n)..r.end.min(n);
-                for i in r {
-                    g[i] += values[i] * self.weight_decay;
-                }
+        let norms_own;
+        let norms = match (self.needs_norms(), norms) {
+            (true, None) => {
+                norms_own = self.partial_norms(values, grad);
+                Some(norms_own.as_slice())
             }
-        }
+            (_, given) => given,
+        };
+        let mut slice = Slice {
+            step,
+            lr,
+            g: self.decayed_gradient(values, &grad[..n]),
+            values,
+            state,
+            first,
+        };
         match self.update {
-            Update::Sgd { momentum, nesterov } => {
-                if momentum > 0.0 {
-                    for ((gi, v), p) in g.iter_mut().zip(state.iter_mut()).zip(values.iter_mut()) {
-                        *v = if first { *gi } else { *gi + *v * momentum };
-                        let d = if nesterov { *v * momentum + *gi } else { *v };
-                        *p -= d * lr;
-                    }
-                } else {
-                    for (gi, p) in g.iter().zip(values.iter_mut()) {
-                        *p -= gi * lr;
-                    }
-                }
-            }
+            Update::Sgd { momentum, nesterov } => slice.sgd(momentum, nesterov),
             Update::Adam {
                 beta_1,
                 beta_2,
                 epsilon,
-            } => {
-                let (m, s) = state.split_at_mut(n);
-                moments(m, s, &g, beta_1, beta_2);
-                for (t, r) in self.counts(step, n) {
-                    let c2 = (1.0 - beta_2.powi(t)).sqrt();
-                    let combined = c2 / (1.0 - beta_1.powi(t));
-                    for i in r {
-                        let d = (m[i] * combined) / (s[i].sqrt() + epsilon * c2);
-                        values[i] -= d * lr;
-                    }
-                }
-            }
+            } => self.adam(&mut slice, beta_1, beta_2, epsilon),
             Update::AdamW {
                 beta_1,
                 beta_2,
                 epsilon,
-            } => {
-                let (m, s) = state.split_at_mut(n);
-                moments(m, s, &g, beta_1, beta_2);
-                if self.weight_decay > 0.0 {
-                    // Decoupled: the values shrink before the step, never the gradient.
-                    let keep = 1.0 - (f64::from(lr) * f64::from(self.weight_decay)) as f32;
-                    for r in &self.decay {
-                        values[r.start.min(n)..r.end.min(n)]
-                            .iter_mut()
-                            .for_each(|p| *p *= keep);
-                    }
-                }
-                for (t, r) in self.counts(step, n) {
-                    let (b1, b2) = (1.0 - beta_1.powi(t), 1.0 - beta_2.powi(t));
-                    for i in r {
-                        let d = (m[i] / b1) / ((s[i] / b2).sqrt() + epsilon);
-                        values[i] -= d * lr;
-                    }
-                }
-            }
+            } => self.adamw(&mut slice, beta_1, beta_2, epsilon),
             Update::Lars {
                 momentum,
                 trust,
                 epsilon,
                 exclude_1d,
             } => {
-                let own;
-                let norms = match norms {
-                    Some(x) => x,
-                    None => {
-                        own = self.partial_norms(values, grad);
-                        &own
-                    }
-                };
-                let wd = self.weight_decay;
-                for (i, r, matrix) in self.parts(n) {
-                    // The update before momentum, into g (hearth::optim::Lars, in its order).
-                    if exclude_1d && !matrix {
-                        g[r.clone()].iter_mut().for_each(|x| *x *= lr);
-                    } else {
-                        let w_norm = f64::from(norms.get(2 * i).copied().unwrap_or(0.0)).sqrt();
-                        let g_norm = f64::from(norms.get(2 * i + 1).copied().unwrap_or(0.0)).sqrt();
-                        let local = if w_norm > 0.0 && g_norm > 0.0 {
-                            f64::from(trust) * w_norm
-                                / (g_norm + f64::from(wd) * w_norm + f64::from(epsilon))
-                        } else {
-                            1.0
-                        };
-                        let factor = (f64::from(lr) * local) as f32;
-                        for j in r {
-                            let gj = if wd > 0.0 {
-                                g[j] + values[j] * wd
-                            } else {
-                                g[j]
-                            };
-                            g[j] = gj * factor;
-                        }
-                    }
+                self.lars_scale(&mut slice, norms.unwrap_or(&[]), trust, epsilon, exclude_1d);
+                slice.descend_with_momentum(momentum);
+            }
+        }
+    }
+
+    /// The gradient after L2 weight decay (Sgd, Adam; AdamW and LARS decay their own way).
+    fn decayed_gradient(&self, values: &[f32], grad: &[f32]) -> Vec<f32> {
+        let n = values.len();
+        let mut g = grad.to_vec();
+        let l2 = matches!(self.update, Update::Sgd { .. } | Update::Adam { .. })
+            && self.weight_decay > 0.0;
+        if l2 {
+            for r in &self.decay {
+                for i in r.start.min(n)..r.end.min(n) {
+                    g[i] += values[i] * self.weight_decay;
                 }
-                if momentum > 0.0 {
-                    for ((u, v), p) in g.iter().zip(state.iter_mut()).zip(values.iter_mut()) {
-                        *v = if first { *u } else { *v * momentum + *u };
-                        *p -= *v;
-                    }
+            }
+        }
+        g
+    }
+
+    fn adam(&self, s: &mut Slice, beta_1: f32, beta_2: f32, epsilon: f32) {
+        let n = s.values.len();
+        let (m, v) = s.state.split_at_mut(n);
+        moments(m, v, &s.g, beta_1, beta_2);
+        for (t, r) in self.counts(s.step, n) {
+            let c2 = (1.0 - beta_2.powi(t)).sqrt();
+            let combined = c2 / (1.0 - beta_1.powi(t));
+            for i in r {
+                let d = (m[i] * combined) / (v[i].sqrt() + epsilon * c2);
+                s.values[i] -= d * s.lr;
+            }
+        }
+    }
+
+    fn adamw(&self, s: &mut Slice, beta_1: f32, beta_2: f32, epsilon: f32) {
+        let n = s.values.len();
+        let (m, v) = s.state.split_at_mut(n);
+        moments(m, v, &s.g, beta_1, beta_2);
+        if self.weight_decay > 0.0 {
+            // Decoupled: the values shrink before the step, never the gradient.
+            let keep = 1.0 - (f64::from(s.lr) * f64::from(self.weight_decay)) as f32;
+            for r in &self.decay {
+                s.values[r.start.min(n)..r.end.min(n)]
+                    .iter_mut()
+                    .for_each(|p| *p *= keep);
+            }
+        }
+        for (t, r) in self.counts(s.step, n) {
+            let (b1, b2) = (1.0 - beta_1.powi(t), 1.0 - beta_2.powi(t));
+            for i in r {
+                let d = (m[i] / b1) / ((v[i] / b2).sqrt() + epsilon);
+                s.values[i] -= d * s.lr;
+            }
+        }
+    }
+
+    /// LARS's update before momentum, into the slice's gradient (hearth::optim::Lars, in its
+    /// order): each weight tensor's gradient, with weight decay, scaled by its trust ratio
+    /// from `norms` (`[Σw², Σg²]` per tensor).
+    fn lars_scale(&self, s: &mut Slice, norms: &[f32], trust: f32, epsilon: f32, exclude_1d: bool) {
+        let (lr, wd) = (s.lr, self.weight_decay);
+        for (i, r, matrix) in self.parts(s.values.len()) {
+            if exclude_1d && !matrix {
+                s.g[r].iter_mut().for_each(|x| *x *= lr);
+                continue;
+            }
+            let w_norm = f64::from(norms.get(2 * i).copied().unwrap_or(0.0)).sqrt();
+            let g_norm = f64::from(norms.get(2 * i + 1).copied().unwrap_or(0.0)).sqrt();
+            let local = if w_norm > 0.0 && g_norm > 0.0 {
+                f64::from(trust) * w_norm / (g_norm + f64::from(wd) * w_norm + f64::from(epsilon))
+            } else {
+                1.0
+            };
+            let factor = (f64::from(lr) * local) as f32;
+            for j in r {
+                let gj = if wd > 0.0 {
+                    s.g[j] + s.values[j] * wd
                 } else {
-                    for (u, p) in g.iter().zip(values.iter_mut()) {
-                        *p -= *u;
-                    }
-                }
+                    s.g[j]
+                };
+                s.g[j] = gj * factor;
             }
         }
     }
@@ -404,6 +398,52 @@ impl ShardOptimizer {
 
 /// Adam's moment updates, as burn-optim writes them (`m·β₁ + g(1−β₁)`, `s·β₂ + g²(1−β₂)`; zero
 /// moments give its first step's values exactly).
+/// One update's working set: the values being updated, their gradient (after L2 decay), the
+/// optimizer's state for them and where in the run the update is.
+struct Slice<'a> {
+    step: u64,
+    lr: f32,
+    g: Vec<f32>,
+    values: &'a mut [f32],
+    state: &'a mut [f32],
+    first: bool,
+}
+
+impl Slice<'_> {
+    /// SGD, with PyTorch's momentum (no dampening; the first step's buffer is the gradient).
+    fn sgd(&mut self, momentum: f32, nesterov: bool) {
+        let (first, lr) = (self.first, self.lr);
+        if momentum > 0.0 {
+            let buffers = self.state.iter_mut();
+            for ((gi, v), p) in self.g.iter().zip(buffers).zip(self.values.iter_mut()) {
+                *v = if first { *gi } else { *gi + *v * momentum };
+                let d = if nesterov { *v * momentum + *gi } else { *v };
+                *p -= d * lr;
+            }
+        } else {
+            for (gi, p) in self.g.iter().zip(self.values.iter_mut()) {
+                *p -= gi * lr;
+            }
+        }
+    }
+
+    /// Steps by the gradient, already scaled by the learning rate, through momentum (LARS).
+    fn descend_with_momentum(&mut self, momentum: f32) {
+        let first = self.first;
+        if momentum > 0.0 {
+            let buffers = self.state.iter_mut();
+            for ((u, v), p) in self.g.iter().zip(buffers).zip(self.values.iter_mut()) {
+                *v = if first { *u } else { *v * momentum + *u };
+                *p -= *v;
+            }
+        } else {
+            for (u, p) in self.g.iter().zip(self.values.iter_mut()) {
+                *p -= *u;
+            }
+        }
+    }
+}
+
 fn moments(m: &mut [f32], s: &mut [f32], g: &[f32], beta_1: f32, beta_2: f32) {
     for ((mi, si), gi) in m.iter_mut().zip(s.iter_mut()).zip(g) {
         *mi = *mi * beta_1 + gi * (1.0 - beta_1);

@@ -23,106 +23,181 @@ pub(super) fn join(
     link: &Link,
     identity: &Identity,
 ) -> Result<Vec<Vec<Connection>>> {
-    let (deadline, timeout, lanes) = (link.deadline, link.timeout, link.lanes);
-    let (rank, world) = (info.rank, info.world);
-    let endpoint = node.endpoint.clone();
-    let port = node.local_addr()?.port();
+    let (rank, world, lanes) = (info.rank, info.world, link.lanes);
+    let dialer = Dialer {
+        endpoint: node.endpoint.clone(),
+        deadline: link.deadline,
+        timeout: link.timeout,
+        rank,
+        world,
+        port: node.local_addr()?.port(),
+    };
     node.rt.block_on(watched(link.abort.clone(), async move {
-        // The coordinator may start later than us: retry until the deadline.
-        let conn = loop {
-            let attempt = async {
-                let connecting = endpoint.connect(coordinator, SERVER_NAME).map_err(|e| e.to_string())?;
-                connecting.await.map_err(|e| e.to_string())
-            };
-            match tokio::time::timeout(Duration::from_secs(3).min(remaining(deadline)), attempt).await {
-                Ok(Ok(c)) => break c,
-                Ok(Err(e)) if e.contains("certificate") || e.contains("handshake") || e.contains("crypto") => {
-                    return Err(DistError::Tls(format!(
-                        "the coordinator {coordinator} refused this rank's credentials: {e} (same job secret or CA on every rank?)"
-                    )));
-                }
-                _ if Instant::now() >= deadline => {
-                    return Err(DistError::Timeout {
-                        op: format!("rendezvous with the coordinator {coordinator}"),
-                        rank: 0,
-                        after: timeout,
-                    });
-                }
-                _ => tokio::time::sleep(Duration::from_millis(200)).await,
-            }
-        };
-        check_rank(&conn, 0, world).map_err(|e| DistError::Tls(format!("the coordinator {coordinator}: {e}")))?;
-        let h = hello(rank, port, 0);
+        let conn = dialer.reach_coordinator(coordinator).await?;
+        let h = hello(rank, dialer.port, 0);
         write_frame(&conn, Header::new(Kind::Hello, 0, 0, h.len()), h)
             .await
             .map_err(|reason| DistError::PeerFailed { rank: 0, reason })?;
-        // A connection to `peer` at `addr` announcing this rank's `lane` (`config`: the issued
-        // certificate, for the members; `None`: the endpoint's own, for rank 0).
-        let dial = |peer: usize, addr: SocketAddr, lane: usize, config: Option<quinn::ClientConfig>| {
-            let endpoint = endpoint.clone();
-            async move {
-                let c = tokio::time::timeout(remaining(deadline), async {
-                    let connecting = match config {
-                        Some(config) => endpoint.connect_with(config, addr, SERVER_NAME),
-                        None => endpoint.connect(addr, SERVER_NAME),
-                    };
-                    connecting.map_err(|e| e.to_string())?.await.map_err(|e| e.to_string())
-                })
-                .await
-                .map_err(|_| DistError::Timeout { op: format!("connecting to rank {peer} at {addr}"), rank: peer, after: timeout })?
-                .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
-                check_rank(&c, peer, world).map_err(|e| DistError::Tls(format!("rank {peer} at {addr}: {e}")))?;
-                let h = hello(rank, port, lane);
-                write_frame(&c, Header::new(Kind::Hello, 0, 0, h.len()), h)
-                    .await
-                    .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
-                Ok::<_, DistError>(c)
-            }
-        };
         let mut to_coordinator = vec![conn];
         for lane in 1..lanes {
-            to_coordinator.push(dial(0, coordinator, lane, None).await?);
+            to_coordinator.push(dialer.dial(0, coordinator, lane, None).await?);
         }
         let conn = to_coordinator[0].clone();
         let with_peers = if link.issues {
-            Some(take_rank_certificate(node, &conn, identity, rank, deadline, timeout).await?)
+            Some(
+                take_rank_certificate(node, &conn, identity, rank, dialer.deadline, dialer.timeout)
+                    .await?,
+            )
         } else {
             None
         };
-        let t = match tokio::time::timeout(remaining(deadline), recv_control(&conn, Kind::Table)).await {
-            Ok(Ok(t)) => t,
-            Ok(Err(reason)) => return Err(DistError::PeerFailed { rank: 0, reason }),
-            Err(_) => {
-                return Err(DistError::Timeout {
-                    op: "waiting for the other ranks to arrive".into(),
-                    rank: 0,
-                    after: timeout,
-                });
-            }
-        };
-        let addrs = parse_table(&t, world)?;
+        let addrs = parse_table(&dialer.table(&conn).await?, world)?;
         let mut peers: Vec<Vec<Connection>> = vec![Vec::new(); world];
         peers[0] = to_coordinator;
         // Dial the ranks below; accept the ranks above.
         #[allow(clippy::needless_range_loop)] // `peer` is a rank, named in the errors
         for peer in 1..rank {
             let Some(addr) = addrs.get(&peer).copied() else {
-                return Err(DistError::Config(format!("rank {peer} missing from the table")));
+                return Err(DistError::Config(format!(
+                    "rank {peer} missing from the table"
+                )));
             };
             for lane in 0..lanes {
-                let c = dial(peer, addr, lane, with_peers.clone()).await?;
+                let c = dialer.dial(peer, addr, lane, with_peers.clone()).await?;
                 peers[peer].push(c);
             }
         }
-        let mut acceptor = accept::Acceptor::start(endpoint.clone(), world);
+        dialer.accept_above(&mut peers, lanes, coordinator).await?;
+        Ok(peers)
+    }))
+}
+
+/// What a joining rank dials with: its endpoint, its rank and port to announce, the deadline.
+struct Dialer {
+    endpoint: quinn::Endpoint,
+    deadline: Instant,
+    timeout: Duration,
+    rank: usize,
+    world: usize,
+    port: u16,
+}
+
+impl Dialer {
+    /// The first connection to the coordinator, which may start later than this rank: retried
+    /// until the deadline, and refused at once when the coordinator rejects the credentials.
+    async fn reach_coordinator(&self, coordinator: SocketAddr) -> Result<Connection> {
+        let conn = loop {
+            let attempt = async {
+                let connecting = self
+                    .endpoint
+                    .connect(coordinator, SERVER_NAME)
+                    .map_err(|e| e.to_string())?;
+                connecting.await.map_err(|e| e.to_string())
+            };
+            match tokio::time::timeout(
+                Duration::from_secs(3).min(remaining(self.deadline)),
+                attempt,
+            )
+            .await
+            {
+                Ok(Ok(c)) => break c,
+                Ok(Err(e))
+                    if e.contains("certificate")
+                        || e.contains("handshake")
+                        || e.contains("crypto") =>
+                {
+                    return Err(DistError::Tls(format!(
+                        "the coordinator {coordinator} refused this rank's credentials: {e} (same job secret or CA on every rank?)"
+                    )));
+                }
+                _ if Instant::now() >= self.deadline => {
+                    return Err(DistError::Timeout {
+                        op: format!("rendezvous with the coordinator {coordinator}"),
+                        rank: 0,
+                        after: self.timeout,
+                    });
+                }
+                _ => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        };
+        check_rank(&conn, 0, self.world)
+            .map_err(|e| DistError::Tls(format!("the coordinator {coordinator}: {e}")))?;
+        Ok(conn)
+    }
+
+    /// A connection to `peer` at `addr` announcing this rank's `lane` (`config`: the issued
+    /// certificate, for the members; `None`: the endpoint's own, for rank 0).
+    async fn dial(
+        &self,
+        peer: usize,
+        addr: SocketAddr,
+        lane: usize,
+        config: Option<quinn::ClientConfig>,
+    ) -> Result<Connection> {
+        let c = tokio::time::timeout(remaining(self.deadline), async {
+            let connecting = match config {
+                Some(config) => self.endpoint.connect_with(config, addr, SERVER_NAME),
+                None => self.endpoint.connect(addr, SERVER_NAME),
+            };
+            connecting
+                .map_err(|e| e.to_string())?
+                .await
+                .map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|_| DistError::Timeout {
+            op: format!("connecting to rank {peer} at {addr}"),
+            rank: peer,
+            after: self.timeout,
+        })?
+        .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
+        check_rank(&c, peer, self.world)
+            .map_err(|e| DistError::Tls(format!("rank {peer} at {addr}: {e}")))?;
+        let h = hello(self.rank, self.port, lane);
+        write_frame(&c, Header::new(Kind::Hello, 0, 0, h.len()), h)
+            .await
+            .map_err(|reason| DistError::PeerFailed { rank: peer, reason })?;
+        Ok(c)
+    }
+
+    /// The table of every rank's address, sent by the coordinator once all have arrived.
+    async fn table(&self, conn: &Connection) -> Result<Vec<u8>> {
+        match tokio::time::timeout(remaining(self.deadline), recv_control(conn, Kind::Table)).await
+        {
+            Ok(Ok(t)) => Ok(t),
+            Ok(Err(reason)) => Err(DistError::PeerFailed { rank: 0, reason }),
+            Err(_) => Err(DistError::Timeout {
+                op: "waiting for the other ranks to arrive".into(),
+                rank: 0,
+                after: self.timeout,
+            }),
+        }
+    }
+
+    /// Accepts `lanes` connections from every rank above this one into `peers`.
+    async fn accept_above(
+        &self,
+        peers: &mut [Vec<Connection>],
+        lanes: usize,
+        coordinator: SocketAddr,
+    ) -> Result<()> {
+        let (rank, world) = (self.rank, self.world);
+        let mut acceptor = accept::Acceptor::start(self.endpoint.clone(), world);
         while (rank + 1..world).any(|r| peers[r].len() < lanes) {
-            let missing: Vec<usize> = (rank + 1..world).filter(|&r| peers[r].len() < lanes).collect();
-            let Some(accept::Hello { rank: peer, conn: c, .. }) = acceptor.next(deadline).await else {
+            let missing: Vec<usize> = (rank + 1..world)
+                .filter(|&r| peers[r].len() < lanes)
+                .collect();
+            let Some(accept::Hello {
+                rank: peer,
+                conn: c,
+                ..
+            }) = acceptor.next(self.deadline).await
+            else {
                 return Err(DistError::MissingRanks {
                     missing,
                     world,
                     coordinator: coordinator.to_string(),
-                    after: timeout,
+                    after: self.timeout,
                     refused: Vec::new(),
                 });
             };
@@ -132,9 +207,8 @@ pub(super) fn join(
             }
             peers[peer].push(c);
         }
-        drop(acceptor);
-        Ok(peers)
-    }))
+        Ok(())
+    }
 }
 
 /// Takes the certificate rank 0 issued this rank (see the [module docs](super)): from now on

@@ -297,120 +297,200 @@ impl Reader {
     fn read(&mut self, i: usize) -> bool {
         let seg = self.seg.clone();
         let (ctl, data) = seg.ring(self.peers[i].local, self.me);
-        let cap = seg.layout().ring_bytes as u64;
-        let head = ctl.head.0.load(Ordering::Acquire);
-        let mut tail = ctl.tail.0.load(Ordering::Relaxed);
-        let start = tail;
-        let take = |tail: &mut u64, out: &mut dyn FnMut(&[u8]), want: usize| -> usize {
-            let n = ((head - *tail) as usize).min(want);
-            let at = (*tail % cap) as usize;
-            let first = n.min(cap as usize - at);
-            // SAFETY: `[tail, head)` was published by the writer (Acquire on `head`) and is not
-            // written again before `tail` moves past it.
-            unsafe {
-                out(std::slice::from_raw_parts(data.add(at), first));
-                out(std::slice::from_raw_parts(data, n - first));
-            }
-            *tail += n as u64;
-            n
+        let mut ring = RingRead {
+            data,
+            cap: seg.layout().ring_bytes as u64,
+            head: ctl.head.0.load(Ordering::Acquire),
+            tail: ctl.tail.0.load(Ordering::Relaxed),
         };
-        loop {
-            let peer = &mut self.peers[i];
-            match &mut peer.frame {
-                Frame::Header(h, got) => {
-                    if head == tail {
-                        break;
-                    }
-                    let mut w = *got;
-                    let n = take(
-                        &mut tail,
-                        &mut |b| {
-                            h[w..w + b.len()].copy_from_slice(b);
-                            w += b.len();
-                        },
-                        FRAME_HEADER - *got,
-                    );
-                    *got += n;
-                    if *got < FRAME_HEADER {
-                        continue;
-                    }
-                    let kind = Kind::from_u8(h[0]);
-                    let tag = u64::from_le_bytes(h[8..16].try_into().unwrap_or_default());
-                    let len = u64::from_le_bytes(h[16..24].try_into().unwrap_or_default());
-                    let Some(kind) = kind else {
-                        let k = h[0];
-                        self.fail(i, format!("malformed shared-memory frame: kind {k}"));
-                        break;
-                    };
-                    let max = self.max_frame.min(self.inbox.budget());
-                    if len > max as u64 {
-                        self.fail(
-                            i,
-                            format!(
-                                "a frame announces {len} payload bytes, over the limit of \
-                                 {max} (HEARTH_MAX_FRAME_MB)"
-                            ),
-                        );
-                        break;
-                    }
-                    peer.frame = Frame::Payload {
-                        kind,
-                        tag,
-                        len: len as usize,
-                        buf: Vec::new(),
-                        reserved: false,
-                        since: Instant::now(),
-                    };
-                }
-                Frame::Payload {
-                    kind,
-                    tag,
-                    len,
-                    buf,
-                    reserved,
-                    since,
-                } => {
-                    if !*reserved {
-                        if !self.inbox.try_reserve(*len) {
-                            if since.elapsed() > self.frame_timeout {
-                                let (len, held) = (*len, self.inbox.held());
-                                let budget = self.inbox.budget();
-                                self.fail(
-                                    i,
-                                    format!(
-                                        "no room for a {len}-byte frame for {:?}: {held} of \
-                                         {budget} inbox bytes hold messages this rank has not \
-                                         taken (HEARTH_INBOX_MB)",
-                                        self.frame_timeout
-                                    ),
-                                );
-                            }
-                            break;
-                        }
-                        *reserved = true;
-                        *buf = Vec::with_capacity(*len);
-                    }
-                    if buf.len() < *len {
-                        if head == tail {
-                            break;
-                        }
-                        let want = *len - buf.len();
-                        take(&mut tail, &mut |b| buf.extend_from_slice(b), want);
-                    }
-                    if buf.len() == *len {
-                        let (kind, tag) = (*kind, *tag);
-                        let payload = std::mem::take(buf);
-                        peer.frame = Frame::Header([0; FRAME_HEADER], 0);
-                        self.inbox.deliver_reserved(peer.job, kind, tag, payload);
-                    }
-                }
-            }
-        }
-        if tail != start {
-            ctl.tail.0.store(tail, Ordering::Release);
+        let start = ring.tail;
+        while self.read_on(i, &mut ring) {}
+        if ring.tail != start {
+            ctl.tail.0.store(ring.tail, Ordering::Release);
             ctl.space_word.0.fetch_add(1, Ordering::Release);
             futex_wake(&ctl.space_word.0);
         }
-        tail != start
+        ring.tail != start
+    }
+
+    /// Reads on in peer `i`'s current frame, delivering it when whole; `false` once the ring
+    /// is empty, the frame waits for room in the inbox, or the peer failed.
+    fn read_on(&mut self, i: usize, ring: &mut RingRead) -> bool {
+        let max = self.max_frame.min(self.inbox.budget());
+        let Frame::Header(h, got) = &mut self.peers[i].frame else {
+            return self.read_payload(i, ring);
+        };
+        if ring.is_empty() {
+            return false;
+        }
+        let mut w = *got;
+        *got += ring.take(FRAME_HEADER - *got, &mut |b| {
+            h[w..w + b.len()].copy_from_slice(b);
+            w += b.len();
+        });
+        if *got < FRAME_HEADER {
+            return true;
+        }
+        match frame_announced(h, max) {
+            Ok(frame) => {
+                self.peers[i].frame = frame;
+                true
+            }
+            Err(reason) => {
+                self.fail(i, reason);
+                false
+            }
+        }
+    }
+
+    /// [`Self::read_on`] in a frame's payload: room in the inbox first, then the bytes.
+    fn read_payload(&mut self, i: usize, ring: &mut RingRead) -> bool {
+        let Frame::Payload {
+            kind,
+            tag,
+            len,
+            buf,
+            reserved,
+            since,
+        } = &mut self.peers[i].frame
+        else {
+            return true;
+        };
+        if !*reserved {
+            if !self.inbox.try_reserve(*len) {
+                if since.elapsed() > self.frame_timeout {
+                    let (len, held) = (*len, self.inbox.held());
+                    let budget = self.inbox.budget();
+                    let reason = format!(
+                        "no room for a {len}-byte frame for {:?}: {held} of {budget} inbox \
+                         bytes hold messages this rank has not taken (HEARTH_INBOX_MB)",
+                        self.frame_timeout
+                    );
+                    self.fail(i, reason);
+                }
+                return false;
+            }
+            *reserved = true;
+            *buf = Vec::with_capacity(*len);
+        }
+        if buf.len() < *len {
+            if ring.is_empty() {
+                return false;
+            }
+            ring.take(*len - buf.len(), &mut |b| buf.extend_from_slice(b));
+        }
+        if buf.len() == *len {
+            let (kind, tag, payload) = (*kind, *tag, std::mem::take(buf));
+            let peer = &mut self.peers[i];
+            peer.frame = Frame::Header([0; FRAME_HEADER], 0);
+            self.inbox.deliver_reserved(peer.job, kind, tag, payload);
+        }
+        true
+    }
+}
+
+/// What a whole frame header announces: the frame to read, or why it is refused (a kind no
+/// rank sends, a payload over `max` bytes).
+fn frame_announced(h: &[u8; FRAME_HEADER], max: usize) -> std::result::Result<Frame, String> {
+    let Some(kind) = Kind::from_u8(h[0]) else {
+        return Err(format!("malformed shared-memory frame: kind {}", h[0]));
+    };
+    let tag = u64::from_le_bytes(h[8..16].try_into().unwrap_or_default());
+    let len = u64::from_le_bytes(h[16..24].try_into().unwrap_or_default());
+    if len > max as u64 {
+        return Err(format!(
+            "a frame announces {len} payload bytes, over the limit of {max} \
+             (HEARTH_MAX_FRAME_MB)"
+        ));
+    }
+    Ok(Frame::Payload {
+        kind,
+        tag,
+        len: len as usize,
+        buf: Vec::new(),
+        reserved: false,
+        since: Instant::now(),
+    })
+}
+
+/// The part of a ring one read may consume: `[tail, head)`, as the writer published it.
+struct RingRead {
+    data: *mut u8,
+    cap: u64,
+    head: u64,
+    tail: u64,
+}
+
+impl RingRead {
+    fn is_empty(&self) -> bool {
+        self.head == self.tail
+    }
+
+    /// Hands up to `want` bytes to `out` (two pieces where the ring wraps) and moves past them.
+    fn take(&mut self, want: usize, out: &mut dyn FnMut(&[u8])) -> usize {
+        let n = ((self.head - self.tail) as usize).min(want);
+        let at = (self.tail % self.cap) as usize;
+        let first = n.min(self.cap as usize - at);
+        // SAFETY: `[tail, head)` was published by the writer (Acquire on `head`) and is not
+        // written again before `tail` moves past it.
+        unsafe {
+            out(std::slice::from_raw_parts(self.data.add(at), first));
+            out(std::slice::from_raw_parts(self.data, n - first));
+        }
+        self.tail += n as u64;
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(kind: u8, tag: u64, len: u64) -> [u8; FRAME_HEADER] {
+        let mut h = [0u8; FRAME_HEADER];
+        h[0] = kind;
+        h[8..16].copy_from_slice(&tag.to_le_bytes());
+        h[16..24].copy_from_slice(&len.to_le_bytes());
+        h
+    }
+
+    #[test]
+    fn a_header_announces_its_frame_or_is_refused_by_name() {
+        match frame_announced(&header(Kind::Ps as u8, 7, 100), 100) {
+            Ok(Frame::Payload { kind, tag, len, .. }) => {
+                assert_eq!((kind, tag, len), (Kind::Ps, 7, 100));
+            }
+            Ok(Frame::Header(..)) => panic!("a whole header must start a payload"),
+            Err(e) => panic!("a valid header was refused: {e}"),
+        }
+        let Err(e) = frame_announced(&header(0, 7, 10), 100) else {
+            panic!("kind 0 was accepted");
+        };
+        assert!(e.contains("malformed shared-memory frame: kind 0"), "{e}");
+        let Err(e) = frame_announced(&header(Kind::Ps as u8, 7, 101), 100) else {
+            panic!("a frame over the limit was accepted");
+        };
+        assert!(
+            e.contains("101 payload bytes, over the limit of 100"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_wrapped_ring_is_read_in_two_pieces_in_order() {
+        let mut data: Vec<u8> = (0..8).collect();
+        // Four bytes published from position 6: 6, 7, then 0, 1 after the wrap.
+        let mut ring = RingRead {
+            data: data.as_mut_ptr(),
+            cap: 8,
+            head: 10,
+            tail: 6,
+        };
+        let mut got = Vec::new();
+        assert_eq!(ring.take(3, &mut |b| got.extend_from_slice(b)), 3);
+        assert_eq!(got, [6, 7, 0]);
+        assert_eq!(ring.take(9, &mut |b| got.extend_from_slice(b)), 1);
+        assert_eq!(got, [6, 7, 0, 1]);
+        assert!(ring.is_empty());
     }
 }
