@@ -213,10 +213,6 @@ impl ZeroOptimizer {
         read: Option<std::result::Result<&mut dyn StateReader, String>>,
     ) -> Result<()> {
         let names = self.whole.state_slots();
-        let fail = |reason: String| DistError::Mismatch {
-            op: "sharded optimizer state".into(),
-            reason,
-        };
         // The root's verdict first, so every rank fails alike.
         let mut header = [0f32; 3];
         let mut problem = None;
@@ -248,16 +244,54 @@ impl ZeroOptimizer {
         comm.broadcast(&mut header, root)?;
         comm.broadcast(&mut low, root)?;
         if header[0] != 0.0 {
-            return Err(fail(problem.unwrap_or_else(|| {
-                format!("rank {root}'s saved state does not fit this model or optimizer")
-            })));
+            return Err(state_mismatch(
+                SCATTER,
+                problem.unwrap_or_else(|| {
+                    format!("rank {root}'s saved state does not fit this model or optimizer")
+                }),
+            ));
         }
         self.updates = ((header[2] as u64) << 24) | low[0] as u64;
         self.applied = self.updates;
-        // Each tensor's joining count: the saved one, or now for a tensor the state lacks
-        // (`new_at_zero`), as two exact halves per tensor.
+        self.scatter_born(comm, root, state.as_deref())?;
+        self.state = vec![Vec::new(); self.buckets.len()];
+        if let Some(r) = self.replica.as_mut() {
+            r.state = vec![Vec::new(); self.buckets.len()];
+        }
+        if header[1] == 0.0 {
+            return Ok(());
+        }
+        // Where each of this optimizer's tensors lies in the saved vectors (None: not saved,
+        // starts from zero; only with `new_at_zero`).
+        let saved_at: Option<Vec<Option<usize>>> = state.as_ref().map(|s| {
+            let mut at = std::collections::BTreeMap::new();
+            let mut o = 0;
+            for t in s.tensors() {
+                at.insert(t.clone(), o);
+                o += t.1;
+            }
+            self.tensors.iter().map(|t| at.get(t).copied()).collect()
+        });
+        for slot in 0..names.len() {
+            for b in 0..self.buckets.len() {
+                let reader = state.as_mut().map(|s| &mut **s as &mut dyn StateReader);
+                let source = reader.zip(saved_at.as_deref());
+                self.scatter_bucket(comm, root, source, slot, b)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The joining count of each tensor (the saved one, or now for a tensor the state lacks:
+    /// `new_at_zero`), from the root to every rank as two exact halves per tensor.
+    fn scatter_born(
+        &mut self,
+        comm: &Communicator,
+        root: usize,
+        state: Option<&dyn StateReader>,
+    ) -> Result<()> {
         let mut born = vec![0f32; 2 * self.tensors.len()];
-        if let Some(s) = state.as_ref() {
+        if let Some(s) = state {
             let saved = s.born();
             let index: std::collections::BTreeMap<&(String, usize), usize> = s
                 .tensors()
@@ -280,64 +314,55 @@ impl ZeroOptimizer {
                 .map(|p| ((p[0] as u64) << 24) | p[1] as u64)
                 .collect(),
         );
-        self.state = vec![Vec::new(); self.buckets.len()];
-        if let Some(r) = self.replica.as_mut() {
-            r.state = vec![Vec::new(); self.buckets.len()];
+        Ok(())
+    }
+
+    /// Bucket `b` of state slot `slot`: the root reads it from `source` (the reader and where
+    /// this optimizer's tensors lie in it), says to every rank whether the read worked, then
+    /// scatters it (and each rank's replica its neighbour's segment).
+    fn scatter_bucket(
+        &mut self,
+        comm: &Communicator,
+        root: usize,
+        source: Option<(&mut dyn StateReader, &[Option<usize>])>,
+        slot: usize,
+        b: usize,
+    ) -> Result<()> {
+        let range = self.buckets[b].range.clone();
+        let piece = source.map(|(s, at)| self.read_range(s, at, slot, range.clone()));
+        let mut ok = [match &piece {
+            Some(Ok(v)) if v.len() == range.len() => 0.0f32,
+            Some(_) => 1.0,
+            None => 0.0,
+        }];
+        comm.broadcast(&mut ok, root)?;
+        if ok[0] != 0.0 {
+            return Err(state_mismatch(
+                SCATTER,
+                match piece {
+                    Some(Err(e)) => e,
+                    Some(Ok(v)) => format!(
+                        "reading {} values of slot {} gave {}",
+                        range.len(),
+                        self.whole.state_slots()[slot],
+                        v.len()
+                    ),
+                    None => format!("rank {root} could not read the saved state"),
+                },
+            ));
         }
-        if header[1] == 0.0 {
-            return Ok(());
-        }
-        // Where each of this optimizer's tensors lies in the saved vectors (None: not saved,
-        // starts from zero; only with `new_at_zero`).
-        let saved_at: Option<Vec<Option<usize>>> = state.as_ref().map(|s| {
-            let mut at = std::collections::BTreeMap::new();
-            let mut o = 0;
-            for t in s.tensors() {
-                at.insert(t.clone(), o);
-                o += t.1;
-            }
-            self.tensors.iter().map(|t| at.get(t).copied()).collect()
-        });
-        for (i, name) in names.iter().enumerate() {
-            for b in 0..self.buckets.len() {
-                let range = self.buckets[b].range.clone();
-                // The root's read, and its verdict to every rank before the values.
-                let piece = match (state.as_mut(), &saved_at) {
-                    (Some(s), Some(at)) => Some(self.read_range(&mut **s, at, i, range.clone())),
-                    _ => None,
-                };
-                let mut ok = [match &piece {
-                    Some(Ok(v)) if v.len() == range.len() => 0.0f32,
-                    Some(_) => 1.0,
-                    None => 0.0,
-                }];
-                comm.broadcast(&mut ok, root)?;
-                if ok[0] != 0.0 {
-                    return Err(fail(match piece {
-                        Some(Err(e)) => e,
-                        Some(Ok(v)) => format!(
-                            "reading {} values of slot {} gave {}",
-                            range.len(),
-                            name,
-                            v.len()
-                        ),
-                        None => format!("rank {root} could not read the saved state"),
-                    }));
-                }
-                let whole = piece
-                    .as_ref()
-                    .and_then(|p| p.as_ref().ok())
-                    .map(Vec::as_slice);
-                let part = comm.scatter_from(root, whole, &self.bounds(b))?;
-                if let Some(of) = self.replica.as_ref().map(|r| r.of) {
-                    let theirs = comm.shift_down(&part, self.segment(b, of).len())?;
-                    if let Some(r) = self.replica.as_mut() {
-                        r.state[b].extend_from_slice(&theirs);
-                    }
-                }
-                self.state[b].extend_from_slice(&part);
+        let whole = piece
+            .as_ref()
+            .and_then(|p| p.as_ref().ok())
+            .map(Vec::as_slice);
+        let part = comm.scatter_from(root, whole, &self.bounds(b))?;
+        if let Some(of) = self.replica.as_ref().map(|r| r.of) {
+            let theirs = comm.shift_down(&part, self.segment(b, of).len())?;
+            if let Some(r) = self.replica.as_mut() {
+                r.state[b].extend_from_slice(&theirs);
             }
         }
+        self.state[b].extend_from_slice(&part);
         Ok(())
     }
 
@@ -352,10 +377,6 @@ impl ZeroOptimizer {
     /// segments), so no rank holds more of it than its shards and one bucket. Rank 0 must be
     /// an old member.
     pub fn reshard_from(&mut self, comm: &Communicator, old: Option<&ZeroOptimizer>) -> Result<()> {
-        let fail = |reason: String| DistError::Mismatch {
-            op: "re-sharding the optimizer state".into(),
-            reason,
-        };
         // Rank 0 says the old world's size, whether it kept replicas and the update count;
         // an old world of 0 says rank 0 holds no state.
         let mut head = [0f32; 4];
@@ -372,11 +393,44 @@ impl ZeroOptimizer {
         comm.broadcast(&mut head, 0)?;
         let old_world = head[0] as usize;
         if old_world == 0 {
-            return Err(fail(
+            return Err(state_mismatch(
+                RESHARD,
                 "rank 0 of the new world holds no state of the old one".into(),
             ));
         }
         let updates = ((head[2] as u64) << 24) | head[3] as u64;
+        let replicas = head[1] != 0.0 && old_world >= 2;
+        let holders = self.old_holders(comm, old, old_world, updates, replicas)?;
+        self.updates = updates;
+        self.applied = updates;
+        self.state = vec![Vec::new(); self.buckets.len()];
+        if let Some(r) = self.replica.as_mut() {
+            r.state = vec![Vec::new(); self.buckets.len()];
+        }
+        if updates == 0 {
+            // Nothing stepped yet: no state anywhere.
+            return Ok(());
+        }
+        for slot in 0..self.whole.state_slots().len() {
+            for b in 0..self.buckets.len() {
+                self.gather_bucket(comm, old, &holders, slot, b)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Which new rank holds each old rank's segments: the old rank itself where it is still a
+    /// member, else the rank holding its replica (the one before it) if `replicas` were kept.
+    /// An error on every rank where a member's shard is of another version or model, or where
+    /// nobody holds an old rank's segments (naming them).
+    fn old_holders(
+        &self,
+        comm: &Communicator,
+        old: Option<&ZeroOptimizer>,
+        old_world: usize,
+        updates: u64,
+        replicas: bool,
+    ) -> Result<Vec<usize>> {
         // Who of the old world is here (and whether anyone's shard does not fit this one).
         let mut have = vec![0f32; old_world + 1];
         if let Some(o) = old {
@@ -390,92 +444,93 @@ impl ZeroOptimizer {
         }
         comm.allreduce(&mut have, ReduceOp::Sum)?;
         if have[old_world] != 0.0 {
-            return Err(fail(format!(
-                "the old members' shards disagree (world of {old_world}, {updates} updates, the \
-                 same tensors: a member holds another version of the state, or another model)"
-            )));
+            return Err(state_mismatch(
+                RESHARD,
+                format!(
+                    "the old members' shards disagree (world of {old_world}, {updates} updates, \
+                     the same tensors: a member holds another version of the state, or another \
+                     model)"
+                ),
+            ));
         }
-        let replicas = head[1] != 0.0 && old_world >= 2;
-        let holders: Vec<Option<usize>> = (0..old_world)
-            .map(|s| {
-                let before = (s + old_world - 1) % old_world;
-                if have[s] > 0.0 {
-                    Some(s)
-                } else if replicas && have[before] > 0.0 {
-                    Some(before)
-                } else {
-                    None
-                }
-            })
-            .collect();
-        let lost: Vec<usize> = (0..old_world).filter(|&s| holders[s].is_none()).collect();
+        let holder = |s: usize| {
+            let before = (s + old_world - 1) % old_world;
+            if have[s] > 0.0 {
+                Some(s)
+            } else if replicas && have[before] > 0.0 {
+                Some(before)
+            } else {
+                None
+            }
+        };
+        let lost: Vec<usize> = (0..old_world).filter(|&s| holder(s).is_none()).collect();
         if !lost.is_empty() {
-            return Err(fail(format!(
-                "the optimizer state of old rank(s) {lost:?} of {old_world} is lost: {}",
-                if replicas {
-                    "each went together with the rank holding its replica (the one before it)"
+            return Err(state_mismatch(
+                RESHARD,
+                format!(
+                    "the optimizer state of old rank(s) {lost:?} of {old_world} is lost: {}",
+                    if replicas {
+                        "each went together with the rank holding its replica (the one before it)"
+                    } else {
+                        "the shards were kept without replicas"
+                    }
+                ),
+            ));
+        }
+        Ok((0..old_world).filter_map(holder).collect())
+    }
+
+    /// Bucket `b` of state slot `slot` put together from the old holders' segments (each
+    /// writes its own into zeros, a sum over the ranks joins them); each rank keeps its new
+    /// segment, and its replica's.
+    fn gather_bucket(
+        &mut self,
+        comm: &Communicator,
+        old: Option<&ZeroOptimizer>,
+        holders: &[usize],
+        slot: usize,
+        b: usize,
+    ) -> Result<()> {
+        let range = self.buckets[b].range.clone();
+        let mut buf = vec![0f32; range.len()];
+        let mut short = 0f32;
+        if let Some(o) = old {
+            for (s, _) in holders.iter().enumerate().filter(|&(_, &h)| h == o.rank) {
+                let seg = o.segment_in(b, s, holders.len());
+                let n = seg.len();
+                let held = if s == o.rank {
+                    Some(&o.state[b])
                 } else {
-                    "the shards were kept without replicas"
-                }
-            )));
-        }
-        self.updates = updates;
-        self.applied = updates;
-        self.state = vec![Vec::new(); self.buckets.len()];
-        if let Some(r) = self.replica.as_mut() {
-            r.state = vec![Vec::new(); self.buckets.len()];
-        }
-        if updates == 0 {
-            // Nothing stepped yet: no state anywhere.
-            return Ok(());
-        }
-        let slots = self.whole.state_slots().len();
-        for i in 0..slots {
-            for b in 0..self.buckets.len() {
-                let range = self.buckets[b].range.clone();
-                let mut buf = vec![0f32; range.len()];
-                let mut short = 0f32;
-                if let Some(o) = old {
-                    for (s, h) in holders.iter().enumerate() {
-                        if *h != Some(o.rank) {
-                            continue;
-                        }
-                        let seg = o.segment_in(b, s, old_world);
-                        let n = seg.len();
-                        let held = if s == o.rank {
-                            Some(&o.state[b])
-                        } else {
-                            o.replica
-                                .as_ref()
-                                .filter(|r| r.of == s)
-                                .map(|r| &r.state[b])
-                        };
-                        match held.and_then(|v| v.get(i * n..(i + 1) * n)) {
-                            Some(v) => buf[seg.start - range.start..seg.end - range.start]
-                                .copy_from_slice(v),
-                            None => short = 1.0,
-                        }
+                    o.replica
+                        .as_ref()
+                        .filter(|r| r.of == s)
+                        .map(|r| &r.state[b])
+                };
+                match held.and_then(|v| v.get(slot * n..(slot + 1) * n)) {
+                    Some(v) => {
+                        buf[seg.start - range.start..seg.end - range.start].copy_from_slice(v)
                     }
+                    None => short = 1.0,
                 }
-                buf.push(short);
-                comm.allreduce(&mut buf, ReduceOp::Sum)?;
-                if buf.pop() != Some(0.0) {
-                    return Err(fail(format!(
-                        "an old member lacks its segment of bucket {b}'s {}",
-                        self.whole.state_slots()[i]
-                    )));
-                }
-                let mine = self.segment(b, self.rank);
-                self.state[b]
-                    .extend_from_slice(&buf[mine.start - range.start..mine.end - range.start]);
-                if let Some(of) = self.replica.as_ref().map(|r| r.of) {
-                    let seg = self.segment(b, of);
-                    if let Some(r) = self.replica.as_mut() {
-                        r.state[b].extend_from_slice(
-                            &buf[seg.start - range.start..seg.end - range.start],
-                        );
-                    }
-                }
+            }
+        }
+        buf.push(short);
+        comm.allreduce(&mut buf, ReduceOp::Sum)?;
+        if buf.pop() != Some(0.0) {
+            return Err(state_mismatch(
+                RESHARD,
+                format!(
+                    "an old member lacks its segment of bucket {b}'s {}",
+                    self.whole.state_slots()[slot]
+                ),
+            ));
+        }
+        let mine = self.segment(b, self.rank);
+        self.state[b].extend_from_slice(&buf[mine.start - range.start..mine.end - range.start]);
+        if let Some(of) = self.replica.as_ref().map(|r| r.of) {
+            let seg = self.segment(b, of);
+            if let Some(r) = self.replica.as_mut() {
+                r.state[b].extend_from_slice(&buf[seg.start - range.start..seg.end - range.start]);
             }
         }
         Ok(())
@@ -543,5 +598,15 @@ impl ZeroOptimizer {
             ));
         }
         None
+    }
+}
+
+const SCATTER: &str = "sharded optimizer state";
+const RESHARD: &str = "re-sharding the optimizer state";
+
+fn state_mismatch(op: &str, reason: String) -> DistError {
+    DistError::Mismatch {
+        op: op.into(),
+        reason,
     }
 }
