@@ -43,6 +43,28 @@ fn add(acc: &mut [f32], src: &[f32]) {
     acc.iter_mut().zip(src).for_each(|(a, s)| *a += s);
 }
 
+/// Where this rank is in one chained reduction: pieces `base..base + count` of the chain (its
+/// buffer's, `piece_len` values each), how many it has added to and how many it is done with.
+struct ChainPos {
+    base: u64,
+    count: u64,
+    added: u64,
+    done: u64,
+    piece_len: usize,
+    /// The buffer's length.
+    total: usize,
+    /// Done with a piece once it has added to it (it needs no sum copied back).
+    done_at_add: bool,
+}
+
+impl ChainPos {
+    /// The values of the buffer piece `i` covers.
+    fn range(&self, i: u64) -> std::ops::Range<usize> {
+        let a = i as usize * self.piece_len;
+        a..(a + self.piece_len).min(self.total)
+    }
+}
+
 /// The ranks of one host that share a segment, as a group for in-place collectives.
 pub struct LocalGroup {
     seg: Arc<Segment>,
@@ -297,93 +319,34 @@ impl LocalGroup {
         watch: &mut Watch,
         deadline: Instant,
     ) -> Result<()> {
-        let n = self.members.len();
-        let (me, last) = (self.me, n - 1);
+        let (me, last) = (self.me, self.members.len() - 1);
         let (_, piece_len) = self.seg.slot(0, 0);
-        let places = 2 * n as u64;
         let count = buf.len().div_ceil(piece_len) as u64;
-        // The pieces of earlier calls, the same on every member (they agreed on the length).
-        let base = self.chained.fetch_add(count, Ordering::Relaxed);
-        let place = |g: u64| {
-            let k = (g % places) as usize;
-            // SAFETY: piece k of the slots, which lie back to back.
-            unsafe { self.seg.slot(0, 0).0.add(k * piece_len) }
+        let mut pos = ChainPos {
+            // The pieces of earlier calls, the same on every member (they agreed on the length).
+            base: self.chained.fetch_add(count, Ordering::Relaxed),
+            count,
+            added: 0,
+            done: 0,
+            piece_len,
+            total: buf.len(),
+            // Ranks that need only their own addition: the last (its addition is the sum)
+            // and, when only the leader needs the sum, every rank but the leader.
+            done_at_add: me == last || !(everyone || me == 0),
         };
-        let total = buf.len();
-        let range = |i: u64| {
-            let a = i as usize * piece_len;
-            a..(a + piece_len).min(total)
-        };
-        let entry = |k: usize| self.seg.entry(k);
-        // Ranks that need only their own addition: the last (its addition is the sum) and,
-        // when only the leader needs the sum, every rank but the leader.
-        let done_at_add = me == last || !(everyone || me == 0);
         let header = self.seg.header();
-        let (mut added, mut done) = (0u64, 0u64);
         let started = Instant::now();
         let mut idle_since = Instant::now();
         let mut last_check = Instant::now();
         let mut spins = 0u32;
-        while done < count {
+        while pos.done < pos.count {
             let seen = header.chain_word.load(Ordering::SeqCst);
-            let mut stepped = false;
-            while added < count {
-                let g = base + added;
-                let ready = if me == 0 {
-                    g < places
-                        || (0..n).all(|k| entry(k).chain_done.load(Ordering::Acquire) > g - places)
-                } else {
-                    entry(me - 1).chain_added.load(Ordering::Acquire) > g
-                };
-                if !ready {
-                    break;
-                }
-                let piece = &mut buf[range(added)];
-                let len = piece.len();
-                // SAFETY: the place holds `piece_len >= len` values. Rank 0 writes it only
-                // once every rank is finished with its previous piece; rank k > 0 only after
-                // rank k - 1's addition, so one rank at a time writes it; readers copy it out
-                // only after the last addition and before they mark the piece done.
-                let acc = unsafe { std::slice::from_raw_parts_mut(place(g), len) };
-                if me == 0 {
-                    acc.copy_from_slice(piece);
-                } else if me == last {
-                    for (a, m) in acc.iter_mut().zip(piece.iter_mut()) {
-                        let sum = *a + *m;
-                        *a = sum;
-                        *m = sum;
-                    }
-                } else {
-                    add(acc, piece);
-                }
-                added += 1;
-                entry(me).chain_added.store(base + added, Ordering::Release);
-                if done_at_add {
-                    done = added;
-                    entry(me).chain_done.store(base + done, Ordering::Release);
-                }
-                self.chain_signal();
-                stepped = true;
-            }
-            while done < added {
-                let g = base + done;
-                if entry(last).chain_added.load(Ordering::Acquire) <= g {
-                    break;
-                }
-                let piece = &mut buf[range(done)];
-                // SAFETY: the last rank has added this piece: its place holds the sum, and
-                // rank 0 overwrites it only after this rank marks the piece done below.
-                let sum = unsafe { std::slice::from_raw_parts(place(g), piece.len()) };
-                piece.copy_from_slice(sum);
-                done += 1;
-                entry(me).chain_done.store(base + done, Ordering::Release);
-                self.chain_signal();
-                stepped = true;
-            }
-            if done >= count {
+            let added = self.chain_add(&mut pos, buf);
+            let copied = self.chain_copy_out(&mut pos, buf);
+            if pos.done >= pos.count {
                 break;
             }
-            if stepped {
+            if added || copied {
                 idle_since = Instant::now();
                 spins = 0;
                 continue;
@@ -394,22 +357,12 @@ impl LocalGroup {
             if self.spin(&mut spins, idle_since) {
                 continue;
             }
-            // The rank this one waits for: its predecessor, the last rank, or the slowest.
-            let awaited = if added < count && me > 0 {
-                me - 1
-            } else if done < added {
-                last
-            } else {
-                (0..n)
-                    .filter(|&k| k != me)
-                    .min_by_key(|&k| entry(k).chain_done.load(Ordering::Acquire))
-                    .unwrap_or(last)
-            };
+            let awaited = self.chain_awaited(&pos);
             if last_check.elapsed() >= Duration::from_millis(100) {
                 last_check = Instant::now();
                 // The awaited rank first: of several gone, it is the likelier cause.
                 self.check_alive(awaited, watch, "allreduce")?;
-                for k in (0..n).filter(|&k| k != me && k != awaited) {
+                for k in (0..=last).filter(|&k| k != me && k != awaited) {
                     self.check_alive(k, watch, "allreduce")?;
                 }
             }
@@ -426,6 +379,111 @@ impl LocalGroup {
             header.chain_sleepers.fetch_sub(1, Ordering::SeqCst);
         }
         Ok(())
+    }
+
+    /// The place of chain piece `g` in the ring of `2n` half slots.
+    fn chain_place(&self, g: u64, piece_len: usize) -> *mut f32 {
+        let k = (g % (2 * self.members.len() as u64)) as usize;
+        // SAFETY: piece k of the slots, which lie back to back.
+        unsafe { self.seg.slot(0, 0).0.add(k * piece_len) }
+    }
+
+    /// Adds this rank's values to every piece whose turn it is (rank 0: copies them into a
+    /// free place); `true` if it added any.
+    fn chain_add(&self, pos: &mut ChainPos, buf: &mut [f32]) -> bool {
+        let n = self.members.len();
+        let (me, last) = (self.me, n - 1);
+        let places = 2 * n as u64;
+        let entry = |k: usize| self.seg.entry(k);
+        let mut stepped = false;
+        while pos.added < pos.count {
+            let g = pos.base + pos.added;
+            let ready = if me == 0 {
+                g < places
+                    || (0..n).all(|k| entry(k).chain_done.load(Ordering::Acquire) > g - places)
+            } else {
+                entry(me - 1).chain_added.load(Ordering::Acquire) > g
+            };
+            if !ready {
+                break;
+            }
+            let piece = &mut buf[pos.range(pos.added)];
+            let len = piece.len();
+            // SAFETY: the place holds `piece_len >= len` values. Rank 0 writes it only once
+            // every rank is finished with its previous piece; rank k > 0 only after rank
+            // k - 1's addition, so one rank at a time writes it; readers copy it out only
+            // after the last addition and before they mark the piece done.
+            let acc =
+                unsafe { std::slice::from_raw_parts_mut(self.chain_place(g, pos.piece_len), len) };
+            if me == 0 {
+                acc.copy_from_slice(piece);
+            } else if me == last {
+                for (a, m) in acc.iter_mut().zip(piece.iter_mut()) {
+                    let sum = *a + *m;
+                    *a = sum;
+                    *m = sum;
+                }
+            } else {
+                add(acc, piece);
+            }
+            pos.added += 1;
+            entry(me)
+                .chain_added
+                .store(pos.base + pos.added, Ordering::Release);
+            if pos.done_at_add {
+                pos.done = pos.added;
+                entry(me)
+                    .chain_done
+                    .store(pos.base + pos.done, Ordering::Release);
+            }
+            self.chain_signal();
+            stepped = true;
+        }
+        stepped
+    }
+
+    /// Copies out every piece this rank added that the last rank has summed; `true` if any.
+    fn chain_copy_out(&self, pos: &mut ChainPos, buf: &mut [f32]) -> bool {
+        let last = self.members.len() - 1;
+        let mut stepped = false;
+        while pos.done < pos.added {
+            let g = pos.base + pos.done;
+            if self.seg.entry(last).chain_added.load(Ordering::Acquire) <= g {
+                break;
+            }
+            let piece = &mut buf[pos.range(pos.done)];
+            // SAFETY: the last rank has added this piece: its place holds the sum, and rank 0
+            // overwrites it only after this rank marks the piece done below.
+            let sum = unsafe {
+                std::slice::from_raw_parts(self.chain_place(g, pos.piece_len), piece.len())
+            };
+            piece.copy_from_slice(sum);
+            pos.done += 1;
+            let mark = pos.base + pos.done;
+            self.seg
+                .entry(self.me)
+                .chain_done
+                .store(mark, Ordering::Release);
+            self.chain_signal();
+            stepped = true;
+        }
+        stepped
+    }
+
+    /// The rank a waiting chain member waits for: its predecessor, the last rank, or the
+    /// slowest.
+    fn chain_awaited(&self, pos: &ChainPos) -> usize {
+        let (me, last) = (self.me, self.members.len() - 1);
+        if pos.added < pos.count && me > 0 {
+            me - 1
+        } else if pos.done < pos.added {
+            last
+        } else {
+            (0..=last)
+                .filter(|&k| k != me)
+                .min_by_key(|&k| self.seg.entry(k).chain_done.load(Ordering::Acquire))
+                .unwrap_or(last)
+        }
     }
 
     /// Announces a chain step: bumps the word and wakes its sleepers, if any (the word is
