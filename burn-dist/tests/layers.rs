@@ -35,7 +35,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("grads.rs", &["bucket", "collective"]),
     ("overlap.rs", &["bucket", "collective", "grads"]),
     (
-        "ddp.rs",
+        "ddp/",
         &["bucket", "collective", "flat", "grads", "overlap", "zero"],
     ),
     // Beside DDP: elastic membership over the collectives and the rendezvous' TLS, parameter

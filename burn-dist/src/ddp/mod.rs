@@ -15,26 +15,23 @@
 //! 0's running statistics are the ones kept (broadcast after every epoch, like DDP's
 //! `broadcast_buffers`). Synchronised batch norm is not offered.
 
+mod fit;
+
 use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::optim::GradientsAccumulator;
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::TensorData;
-use burn::train::{
-    EventProcessorTraining, Learner, LearnerEvent, LearnerModel, LearningCheckpointer,
-    SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents,
-    TrainingItem, ValidLoader,
-};
+use burn::train::{Learner, LearnerModel};
 
 use crate::bucket::DEFAULT_BUCKET_BYTES;
 use crate::collective::{Communicator, ReduceOp};
 use crate::flat::module::trainable_names;
 use crate::overlap::OverlappedStep;
 use crate::zero::ZeroOptimizer;
-use crate::zero::module::{Sharding, save_sharded_state, sharded_step};
+use crate::zero::module::Sharding;
 use crate::{DistError, Result};
 
 trait FlatF32 {
@@ -238,21 +235,6 @@ pub fn allreduce_grads_scaled<M: Module>(
     )
 }
 
-/// The loader's next item; `None` at its end or on a loader error, which fails the run.
-fn next_item<T, E, I>(iterator: &mut I, interrupter: &burn::train::Interrupter) -> Option<T>
-where
-    I: Iterator<Item = std::result::Result<T, E>> + ?Sized,
-    E: Into<burn::train::TrainingError>,
-{
-    match iterator.next()? {
-        Ok(item) => Some(item),
-        Err(err) => {
-            interrupter.fail(err);
-            None
-        }
-    }
-}
-
 /// Decides whether an optimizer step is taken once the gradients are averaged (fp16 loss
 /// scaling: a step whose averaged gradients are not finite is skipped, on every rank alike,
 /// since every rank holds the same average).
@@ -440,209 +422,7 @@ impl DdpStrategy {
         }
     }
 
-    fn fail(interrupter: &burn::train::Interrupter, e: DistError) {
+    pub(super) fn fail(interrupter: &burn::train::Interrupter, e: DistError) {
         interrupter.fail(burn::data::dataset::DatasetError::new(e));
-    }
-}
-
-impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpStrategy {
-    fn fit(
-        &self,
-        training_components: TrainingComponents<M>,
-        mut learner: Learner<M>,
-        dataloader_train: TrainLoader<M>,
-        dataloader_valid: ValidLoader<M>,
-        starting_epoch: usize,
-    ) -> (M, SupervisedTrainingEventProcessor<M>) {
-        let mut event_processor = training_components.event_processor;
-        let interrupter = training_components.interrupter.clone();
-        // Rank 0 alone writes checkpoints.
-        let mut checkpointer: Option<LearningCheckpointer<M>> = if self.comm.rank() == 0 {
-            training_components.checkpointer
-        } else {
-            None
-        };
-        let mut early_stopping = training_components.early_stopping;
-        let train_total = dataloader_train.num_items();
-        let valid_total = dataloader_valid.num_items();
-
-        // The same starting point everywhere (parameters and buffers of rank 0).
-        match broadcast_module(learner.model(), &self.comm) {
-            Ok(m) => learner.load_model(m.into_record()),
-            Err(e) => {
-                Self::fail(&interrupter, e);
-                return (learner.model(), event_processor);
-            }
-        }
-        if let Err(e) = self.check_overlap(training_components.grad_accumulation) {
-            Self::fail(&interrupter, e);
-            return (learner.model(), event_processor);
-        }
-        let mut zero = match self.start_sharding(&learner.model(), starting_epoch) {
-            Ok(z) => z,
-            Err(e) => {
-                Self::fail(&interrupter, e);
-                return (learner.model(), event_processor);
-            }
-        };
-
-        for epoch in starting_epoch..=training_components.num_epochs {
-            interrupter.fail_on_error(event_processor.process_train(LearnerEvent::StartSplit {
-                epoch_number: epoch,
-                total_items: train_total,
-            }));
-            let mut iterator = dataloader_train.iter();
-            let mut iteration = 0;
-            let mut accumulator = GradientsAccumulator::new();
-            let mut accumulated = 0;
-            // Time in training steps and, of it, in the gradient exchange (rank 0 prints both).
-            let mut stepping = std::time::Duration::ZERO;
-            let mut exchanging = std::time::Duration::ZERO;
-            while let Some(item) = next_item(&mut *iterator, &interrupter) {
-                iteration += 1;
-                let progress = iterator.progress();
-                let step_start = Instant::now();
-                let overlapped = match self.overlap.then(|| {
-                    OverlappedStep::begin(
-                        self.comm.clone(),
-                        self.bucket_bytes,
-                        ReduceOp::Mean,
-                        self.comm.compression(),
-                        1.0,
-                    )
-                }) {
-                    Some(Err(e)) => {
-                        Self::fail(&interrupter, e);
-                        break;
-                    }
-                    Some(Ok(o)) => Some(o),
-                    None => None,
-                };
-                let out = learner.train_step(item);
-                let step_grads = match training_components.grad_accumulation {
-                    Some(k) => {
-                        accumulator.accumulate(&learner.model(), out.grads);
-                        accumulated += 1;
-                        if accumulated >= k || progress.is_completed() {
-                            accumulated = 0;
-                            Some(accumulator.grads())
-                        } else {
-                            None
-                        }
-                    }
-                    None => Some(out.grads),
-                };
-                if let Some(grads) = step_grads {
-                    let exchange_start = Instant::now();
-                    let stepped = match zero.as_mut() {
-                        // ZeRO: exchange and update in one (the lr first: this step's rate).
-                        Some(z) => {
-                            learner.lr_step();
-                            sharded_step(
-                                z,
-                                &learner.model(),
-                                grads,
-                                &self.comm,
-                                learner.lr_current().base(),
-                                &mut |finite| {
-                                    self.guard.as_ref().is_none_or(|g| g.take_step(finite))
-                                },
-                            )
-                            .map(|m| {
-                                if let Some(m) = m {
-                                    learner.load_model(m.into_record());
-                                }
-                                // The update is part of the exchange here.
-                                exchange_start.elapsed()
-                            })
-                        }
-                        None => self.plain_step(&mut learner, grads, overlapped),
-                    };
-                    match stepped {
-                        Ok(took) => exchanging += took,
-                        Err(e) => {
-                            Self::fail(&interrupter, e);
-                            break;
-                        }
-                    }
-                }
-                stepping += step_start.elapsed();
-                let item = TrainingItem::new(
-                    out.item,
-                    progress,
-                    Some(iteration),
-                    Some(learner.lr_current()),
-                );
-                interrupter.fail_on_error(
-                    event_processor.process_train(LearnerEvent::ProcessedItem(item)),
-                );
-                if interrupter.should_stop() {
-                    break;
-                }
-            }
-            interrupter.fail_on_error(event_processor.process_train(LearnerEvent::EndSplit(epoch)));
-            if self.comm.rank() == 0 && !stepping.is_zero() {
-                eprintln!(
-                    "{}",
-                    exchange_report(epoch, self.overlap, exchanging, stepping)
-                );
-            }
-            if interrupter.should_stop() {
-                break;
-            }
-            // Rank 0's batch-norm statistics everywhere, so every rank validates one model.
-            match broadcast_module(learner.model(), &self.comm) {
-                Ok(m) => learner.load_model(m.into_record()),
-                Err(e) => {
-                    Self::fail(&interrupter, e);
-                    break;
-                }
-            }
-
-            interrupter.fail_on_error(event_processor.process_valid(LearnerEvent::StartSplit {
-                epoch_number: epoch,
-                total_items: valid_total,
-            }));
-            let model = learner.model().valid();
-            let mut iterator = dataloader_valid.iter();
-            let mut iteration = 0;
-            while let Some(item) = next_item(&mut *iterator, &interrupter) {
-                let progress = iterator.progress();
-                iteration += 1;
-                let out = burn::train::InferenceStep::step(&model, item);
-                let item = TrainingItem::new(out, progress, Some(iteration), None);
-                interrupter.fail_on_error(
-                    event_processor.process_valid(LearnerEvent::ProcessedItem(item)),
-                );
-                if interrupter.should_stop() {
-                    break;
-                }
-            }
-            interrupter.fail_on_error(event_processor.process_valid(LearnerEvent::EndSplit(epoch)));
-            interrupter.fail_on_error(event_processor.process_train(LearnerEvent::EndEpoch(epoch)));
-            interrupter.fail_on_error(event_processor.flush());
-            if interrupter.should_stop() {
-                break;
-            }
-            if let (Some(z), Some(s)) = (&zero, &self.sharding) {
-                // Every rank hands its shard to rank 0, which writes the whole state before
-                // burn-train's files of the epoch: a resume finds it for every complete one.
-                let saved = save_sharded_state(z, &self.comm, s.store.as_ref(), epoch);
-                if let Err(e) = saved {
-                    Self::fail(&interrupter, e);
-                    break;
-                }
-            }
-            if let Some(c) = &mut checkpointer {
-                c.checkpoint(&learner, epoch, &training_components.event_store);
-            }
-            // Every rank sees the same validation metrics, so they stop together.
-            if let Some(es) = &mut early_stopping
-                && es.should_stop(epoch, &training_components.event_store)
-            {
-                break;
-            }
-        }
-        (learner.model(), event_processor)
     }
 }
