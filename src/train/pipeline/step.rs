@@ -3,7 +3,9 @@
 
 use super::*;
 use crate::settings::Precision;
+use crate::train::Targets;
 use crate::train::precision::{LossScaler, divide};
+use burn::optim::GradientsParams;
 use burn_dist::DistError;
 
 /// Sums over a stage's share of an epoch: (loss x samples, correct, samples).
@@ -14,6 +16,15 @@ pub(super) struct Sums {
     count: f64,
     /// Steps skipped for non-finite fp16 gradients (the same on every rank).
     skipped: f64,
+}
+
+/// One batch's pass through this stage: its gradients and, on the last stage, the batch's
+/// mean loss, hits and size.
+struct BatchDone {
+    grads: GradientsParams,
+    loss: f64,
+    correct: f64,
+    n: usize,
 }
 
 impl PipelineRun<'_> {
@@ -62,106 +73,37 @@ impl PipelineRun<'_> {
                 self.comm.rank(),
             ));
         }
-        let objective = self.objective;
         for (i, batch) in self
             .loaders
             .train
             .epoch(epoch as u64 - 1, &self.device)
             .enumerate()
         {
-            let (images, targets) = targets(batch?, objective.multi_label())?;
-            let n = images.dims()[0];
-            let parts = self.micro_split(n);
-            let mut correct = 0.0f64;
-            let mut loss = 0.0f64;
+            let (images, targets) = targets(batch?, self.objective.multi_label())?;
             // fp16: the last stage multiplies the loss by the scale, so every stage's
             // gradients (and the activations' between them) carry it.
             let factor = scaler
                 .as_ref()
                 .map_or(1.0, |s| s.loss_factor(self.overflow_at));
-            let mut out = pipe.step(
-                &model,
-                &mut |m| Activation::Rank4(images.clone().narrow(0, parts[m].0, parts[m].1)),
-                &mut |logits, m| {
-                    let logits = logits.rank2("the last stage's output")?;
-                    let y = targets.narrow(parts[m].0, parts[m].1);
-                    correct += objective.hits(&logits, &y);
-                    // The batch mean: each micro-batch's mean weighted by its share.
-                    let l = objective
-                        .loss(logits, &y, true)
-                        .map_err(|e| DistError::Config(e.to_string()))?
-                        .mul_scalar(parts[m].1 as f32 / n as f32);
-                    if factor == 1.0 {
-                        return Ok(l);
-                    }
-                    loss += f64::from(l.clone().into_scalar::<f32>());
-                    Ok(l.mul_scalar(factor))
-                },
-                parts.len(),
-                &self.device,
-            )?;
+            let mut done = self.run_batch(pipe, &model, images, &targets, factor)?;
             if self.is_last() {
-                if factor == 1.0 {
-                    loss = out.losses.iter().map(|&l| f64::from(l)).sum::<f64>();
-                }
-                sums.loss += loss * n as f64;
-                sums.correct += correct;
-                sums.count += n as f64;
+                sums.loss += done.loss * done.n as f64;
+                sums.correct += done.correct;
+                sums.count += done.n as f64;
             }
             if let Some(s) = scaler.as_ref() {
                 // Unscaled before the exchange, as data parallel sends them.
-                divide(&model, &mut out.grads, s.scale());
+                divide(&model, &mut done.grads, s.scale());
             }
-            let step = (epoch - 1) * self.steps_per_epoch + i;
-            if let (Some(z), Some(replicas)) = (zero.as_mut(), &self.replicas) {
-                // --zero: the replicas' exchange and this rank's shard's update in one; fp16's
-                // verdict on the replicas' averaged gradients, then one for the whole job.
-                let mut failed = None;
-                let mut take = |finite: bool| match scaler.as_mut() {
-                    None => true,
-                    Some(s) => {
-                        let mut flag = [if finite { 0.0f32 } else { 1.0 }];
-                        if let Err(e) = self.comm.allreduce(&mut flag, ReduceOp::Sum) {
-                            failed = Some(e);
-                            return false;
-                        }
-                        s.decide(flag[0] == 0.0)
-                    }
-                };
-                let stepped = burn_dist::zero::module::sharded_step(
-                    z,
-                    &model,
-                    out.grads,
-                    replicas,
-                    self.rate(epoch, step),
-                    &mut take,
-                )?;
-                if let Some(e) = failed {
-                    return Err(e.into());
+            let rate = self.rate(epoch, (epoch - 1) * self.steps_per_epoch + i);
+            let stepped;
+            (model, stepped) = match (zero.as_mut(), &self.replicas) {
+                (Some(z), Some(replicas)) => {
+                    self.sharded_update(z, replicas, model, done.grads, scaler, rate)?
                 }
-                match stepped {
-                    Some(m) => model = m,
-                    None => sums.skipped += 1.0,
-                }
-                continue;
-            }
-            if let Some(replicas) = &self.replicas {
-                allreduce_grads(&model, &mut out.grads, replicas, self.cfg.bucket_bytes)?;
-            }
-            // fp16: one verdict for the whole job (a stage's overflow skips the step on every
-            // stage and replica), from a flag summed over every rank.
-            let take = match scaler.as_mut() {
-                Some(s) => {
-                    let finite = burn_dist::ddp::grads_finite(&model, &out.grads);
-                    let mut flag = [if finite { 0.0f32 } else { 1.0 }];
-                    self.comm.allreduce(&mut flag, ReduceOp::Sum)?;
-                    s.decide(flag[0] == 0.0)
-                }
-                None => true,
+                _ => self.plain_update(model, done.grads, optim, scaler, rate)?,
             };
-            if take {
-                model = optim.step(self.rate(epoch, step), model, out.grads);
-            } else {
+            if !stepped {
                 sums.skipped += 1.0;
             }
         }
@@ -172,6 +114,119 @@ impl PipelineRun<'_> {
         }
 
         Ok((model, sums))
+    }
+
+    /// One batch through the pipeline in micro-batches: this stage's gradients and, on the
+    /// last stage, the batch's mean loss (unscaled) and hits. `factor` scales the loss the
+    /// backward starts from (fp16).
+    fn run_batch(
+        &self,
+        pipe: &mut Pipeline,
+        model: &StageModel,
+        images: Tensor<4>,
+        targets: &Targets,
+        factor: f32,
+    ) -> Result<BatchDone> {
+        let objective = self.objective;
+        let n = images.dims()[0];
+        let parts = self.micro_split(n);
+        let mut correct = 0.0f64;
+        let mut loss = 0.0f64;
+        let out = pipe.step(
+            model,
+            &mut |m| Activation::Rank4(images.clone().narrow(0, parts[m].0, parts[m].1)),
+            &mut |logits, m| {
+                let logits = logits.rank2("the last stage's output")?;
+                let y = targets.narrow(parts[m].0, parts[m].1);
+                correct += objective.hits(&logits, &y);
+                // The batch mean: each micro-batch's mean weighted by its share.
+                let l = objective
+                    .loss(logits, &y, true)
+                    .map_err(|e| DistError::Config(e.to_string()))?
+                    .mul_scalar(parts[m].1 as f32 / n as f32);
+                if factor == 1.0 {
+                    return Ok(l);
+                }
+                loss += f64::from(l.clone().into_scalar::<f32>());
+                Ok(l.mul_scalar(factor))
+            },
+            parts.len(),
+            &self.device,
+        )?;
+        if factor == 1.0 {
+            loss = out.losses.iter().map(|&l| f64::from(l)).sum::<f64>();
+        }
+        Ok(BatchDone {
+            grads: out.grads,
+            loss,
+            correct,
+            n,
+        })
+    }
+
+    /// `--zero`: the replicas' exchange and this rank's shard's update in one; fp16's verdict
+    /// on the replicas' averaged gradients, then one for the whole job. The model, and
+    /// whether it stepped.
+    fn sharded_update(
+        &self,
+        z: &mut ZeroOptimizer,
+        replicas: &Communicator,
+        model: StageModel,
+        grads: GradientsParams,
+        scaler: &mut Option<LossScaler>,
+        rate: f64,
+    ) -> Result<(StageModel, bool)> {
+        let mut failed = None;
+        let mut take = |finite: bool| match scaler.as_mut() {
+            None => true,
+            Some(s) => {
+                let mut flag = [if finite { 0.0f32 } else { 1.0 }];
+                if let Err(e) = self.comm.allreduce(&mut flag, ReduceOp::Sum) {
+                    failed = Some(e);
+                    return false;
+                }
+                s.decide(flag[0] == 0.0)
+            }
+        };
+        let stepped =
+            burn_dist::zero::module::sharded_step(z, &model, grads, replicas, rate, &mut take)?;
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
+        Ok(match stepped {
+            Some(m) => (m, true),
+            None => (model, false),
+        })
+    }
+
+    /// The replicas' allreduce, fp16's one verdict for the whole job (a stage's overflow
+    /// skips the step on every stage and replica, from a flag summed over every rank), the
+    /// optimizer's step. The model, and whether it stepped.
+    fn plain_update(
+        &self,
+        model: StageModel,
+        mut grads: GradientsParams,
+        optim: &mut ModuleOptimizer,
+        scaler: &mut Option<LossScaler>,
+        rate: f64,
+    ) -> Result<(StageModel, bool)> {
+        if let Some(replicas) = &self.replicas {
+            allreduce_grads(&model, &mut grads, replicas, self.cfg.bucket_bytes)?;
+        }
+        let take = match scaler.as_mut() {
+            Some(s) => {
+                let finite = burn_dist::ddp::grads_finite(&model, &grads);
+                let mut flag = [if finite { 0.0f32 } else { 1.0 }];
+                self.comm.allreduce(&mut flag, ReduceOp::Sum)?;
+                s.decide(flag[0] == 0.0)
+            }
+            None => true,
+        };
+        Ok(if take {
+            (optim.step(rate, model, grads), true)
+        } else {
+            (model, false)
+        })
     }
 
     /// Validation of this replica's shard: the sums, and (multi-label, last stages) the
