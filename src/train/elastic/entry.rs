@@ -133,23 +133,13 @@ pub(crate) fn train_with<R: Recipe>(
         fence: fence::Fence::new(&cfg.run_dir),
         token: None,
         state_limit: std::cell::OnceCell::new(),
-        throttle: None,
-        leave_at: None,
-        die_at: None,
-        die_in_change: None,
-        freeze_at: None,
-        freeze_secs: None,
+        faults: faults::Faults::default(),
         overflow_at: None,
         zero: None,
         overlap_said: false,
         exchange: ExchangeClock::default(),
     };
-    run.die_at = hook("HEARTH_ELASTIC_DIE_AT_STEP", &run.me.id);
-    run.die_in_change = hook("HEARTH_ELASTIC_DIE_IN_CHANGE", &run.me.id);
-    run.freeze_at = hook("HEARTH_ELASTIC_FREEZE_AT_STEP", &run.me.id);
-    run.freeze_secs = hook("HEARTH_ELASTIC_FREEZE_SECS", &run.me.id);
-    run.throttle = hook("HEARTH_ELASTIC_THROTTLE", &run.me.id);
-    run.leave_at = hook("HEARTH_ELASTIC_LEAVE_AT_STEP", &run.me.id);
+    run.faults = faults::Faults::from_env(&run.me.id);
     run.overflow_at = overflow_hook(cfg.precision, &run.me.id);
     let (world, commit) = match &initial {
         Some(info) => run.first_world(info, log)?,

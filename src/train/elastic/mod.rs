@@ -226,14 +226,8 @@ struct ElasticRun<'a, T: Trainee> {
     /// The most bytes of state this worker takes from a new epoch's rank 0 (from the model's
     /// parameter count, counted once).
     state_limit: std::cell::OnceCell<usize>,
-    /// Test and benchmark hooks (see [`hook`]).
-    throttle: Option<u64>,
-    leave_at: Option<u64>,
-    die_at: Option<u64>,
-    /// `HEARTH_ELASTIC_DIE_IN_CHANGE`: the membership epoch in whose forming this worker dies.
-    die_in_change: Option<u64>,
-    freeze_at: Option<u64>,
-    freeze_secs: Option<u64>,
+    /// Fault injection: the test and benchmark hooks (see `faults.rs`).
+    faults: faults::Faults,
     /// `HEARTH_FP16_OVERFLOW_AT_STEP` for this worker's id.
     overflow_at: Option<u64>,
     /// `--zero`: this worker's shard of the optimizer (the commit's `optim` is then unused).
@@ -287,6 +281,7 @@ fn greeting_tag(epoch: u32) -> u64 {
 const REBALANCE_EVERY: u64 = 8;
 
 mod entry;
+mod faults;
 mod fence;
 mod members;
 mod settle;

@@ -2,6 +2,53 @@
 //! at the end of each data epoch (the epoch's row; the rest is [`Epochs::run`]'s).
 
 use super::*;
+use burn::optim::GradientsParams;
+
+/// What a step's members agreed on: the control vector, summed over the world (who asks to
+/// leave, whether joiners wait, the step's loss, hits and samples, each member's speed).
+struct Control {
+    values: Vec<f32>,
+    world: usize,
+}
+
+impl Control {
+    fn leaving(&self) -> Vec<usize> {
+        (0..self.world).filter(|&r| self.values[r] > 0.5).collect()
+    }
+    fn joiners_wait(&self) -> bool {
+        self.values[self.world] > 0.5
+    }
+    fn loss(&self) -> f64 {
+        f64::from(self.values[self.world + 1])
+    }
+    fn hits(&self) -> f64 {
+        f64::from(self.values[self.world + 2])
+    }
+    fn samples(&self) -> f32 {
+        self.values[self.world + 3]
+    }
+    fn speed(&self, r: usize) -> f32 {
+        self.values[self.world + 4 + r]
+    }
+}
+
+/// One step's compute on this worker: its gradients (its shares' part of the global mean,
+/// summed over the step's batches), its loss sum, hits and samples, the step's samples over
+/// every worker, and the epoch position after the step.
+struct Computed {
+    grads: GradientsParams,
+    loss_sum: f64,
+    correct: f64,
+    mine: usize,
+    total: usize,
+    position: usize,
+}
+
+/// How a step ended: committed (with what the members agreed), or the world is left.
+enum Stepped {
+    Committed(Control),
+    Stop(Interrupt),
+}
 
 impl<T: Trainee> ElasticRun<'_, T> {
     /// Steps in one world until the epoch's samples are done, a change is asked for, or a step
@@ -12,21 +59,10 @@ impl<T: Trainee> ElasticRun<'_, T> {
         commit: &mut Commit<T::Model>,
         log: &mut dyn FnMut(&str),
     ) -> Result<Interrupt> {
-        let n = self.trainee.train_len();
-        let global = self.cfg.batch_size;
         let mut stream: Option<(u64, u64, Stream<Input<T>>)> = None;
         loop {
-            if commit.position as usize >= n {
-                let clock = std::mem::take(&mut self.exchange);
-                // --zero's exchange is inside its sharded step: not timed apart.
-                if world.rank() == 0 && self.zero.is_none() && !clock.stepping.is_zero() {
-                    log(&burn_dist::ddp::exchange_report(
-                        commit.epoch as usize + 1,
-                        self.cfg.overlap,
-                        clock.exchanging,
-                        clock.stepping,
-                    ));
-                }
+            if commit.position as usize >= self.trainee.train_len() {
+                self.report_exchange(world, commit, log);
                 return Ok(Interrupt::EpochEnd);
             }
             // The stream of the rest of the epoch for the current world and shares.
@@ -39,301 +75,374 @@ impl<T: Trainee> ElasticRun<'_, T> {
             let Some((_, at, s)) = stream.as_mut() else {
                 continue;
             };
-            // One optimizer step: `--grad-accum K` global batches (fewer at the epoch's end),
-            // each worker's share of each; the sum of the K batch-mean gradients is the step's
-            // (burn-train's accumulation), so a membership change never splits a step.
-            let t = Instant::now();
-            let k = self.cfg.grad_accum.unwrap_or(1).max(1);
-            let mut acc = GradientsAccumulator::<T::Model>::new();
-            // fp16: the loss times the committed scale (the gradients divided by it after the
-            // exchange).
-            let factor = commit
-                .scaler
-                .as_ref()
-                .map_or(1.0, |s| s.loss_factor(self.overflow_at));
-            let (mut loss_sum, mut correct, mut mine, mut total) = (0.0f64, 0.0f64, 0usize, 0usize);
-            let mut pos = commit.position as usize;
-            // --overlap: the exchange runs while the backward goes on, unit by unit (one
-            // backward per step: --grad-accum is refused with it). The shares are weighted in
-            // the loss already, so the exchange sums.
-            let overlapped = if self.cfg.overlap {
-                match OverlappedStep::begin(
-                    world.comm.clone(),
-                    self.cfg.bucket_bytes,
-                    ReduceOp::Sum,
-                    self.cfg.compression,
-                    1.0,
-                ) {
-                    Ok(o) => Some(o),
-                    Err(e) => return Ok(Interrupt::Failed(e.to_string())),
-                }
-            } else {
-                None
+            let control = match self.step(world, commit, s, log)? {
+                Stepped::Committed(control) => control,
+                Stepped::Stop(interrupt) => return Ok(interrupt),
             };
-            if let Some(s) = &commit.scaler {
-                // What is handed over leaves unscaled, as `divide` below leaves the rest.
-                burn_dist::overlap::unscale_by(s.scale());
-            }
-            for sub in 0..k {
-                if pos >= n {
-                    break;
-                }
-                let batch = s
-                    .next()
-                    .ok_or_else(|| HearthError::Training("the loader ended early".into()))??;
-                let (input, targets) = batch;
-                let part = match &targets {
-                    Targets::Classes(t) => t.dims()[0],
-                    Targets::MultiHot(t) => t.dims()[0],
-                };
-                let global_part = step_len(n, pos, global);
-                seed_stream(
-                    &self.device,
-                    self.cfg.seed,
-                    commit.step * k as u64 + sub as u64,
-                    world.rank(),
-                );
-                // This worker's share of the global batch's mean.
-                let (grads, sums) = self.objective.train_batch(
-                    &commit.model,
-                    input,
-                    &targets,
-                    part as f32 / global_part.max(1) as f32 * factor,
-                )?;
-                loss_sum += sums.loss;
-                correct += sums.hits;
-                acc.accumulate(&commit.model, grads);
-                mine += part;
-                total += global_part;
-                pos += global_part;
-            }
-            let mut grads = acc.grads();
-            if let Some(s) = &commit.scaler {
-                // Unscaled before the exchange, as data parallel sends them (an fp16 wire
-                // would overflow on gradients still multiplied by the scale).
-                divide(&commit.model, &mut grads, s.scale());
-            }
-            if let Some(ms) = self.throttle {
-                std::thread::sleep(Duration::from_millis(ms));
-            }
-            if self.leave_at.is_some_and(|at| commit.step + 1 >= at) {
-                LEAVE.store(true, Ordering::SeqCst);
-            }
-            // The step's compute, without the end of the exchange: a fast worker waiting for
-            // a slow one's last buckets is not slow (--balance throughput reads this).
-            let took = t.elapsed().as_secs_f64().max(1e-6);
-            if let Some(o) = overlapped {
-                // The last buckets, and whatever was not handed over; before the control
-                // allreduce, since nothing else may use the communicator while it runs.
-                let waited = Instant::now();
-                let finished = o.finish(&commit.model, &mut grads);
-                self.exchange.exchanging += waited.elapsed();
-                match finished {
-                    Err(e) => return Ok(Interrupt::Failed(e.to_string())),
-                    Ok(handed) if !self.overlap_said => {
-                        self.overlap_said = true;
-                        log(&format!(
-                            "--overlap: {handed} gradient tensors of {} were exchanged during \
-                             the backward pass",
-                            burn_dist::ddp::module_values(&commit.model).len()
-                        ));
-                        if let Some(notice) = one_host_overlap_notice(&world.comm) {
-                            log(notice);
-                        }
-                    }
-                    Ok(_) => {}
-                }
-            }
-            let rate = mine as f64 / took;
-            self.speed = if self.speed > 0.0 {
-                0.7 * self.speed + 0.3 * rate
-            } else {
-                rate
-            };
-
-            // The step's control vector, the same on every member afterwards.
-            let w = world.size();
-            let mut control = vec![0.0f32; 2 * w + 4];
-            control[world.rank()] = f32::from(LEAVE.load(Ordering::SeqCst));
-            if world.rank() == 0 && w < self.opts.max_workers && !self.join.waiting().is_empty() {
-                control[w] = 1.0;
-            }
-            control[w + 1] = loss_sum as f32;
-            control[w + 2] = correct as f32;
-            control[w + 3] = mine as f32;
-            control[w + 4 + world.rank()] = self.speed as f32;
-            if let Err(e) = world.comm.allreduce(&mut control, ReduceOp::Sum) {
-                return Ok(Interrupt::Failed(e.to_string()));
-            }
-            if self.die_at.is_some_and(|at| commit.step + 1 >= at) {
-                // The test hook of an abrupt loss inside a step: the others wait in the
-                // gradient allreduce below when this worker vanishes (SIGKILL, no goodbye).
-                // SAFETY: signals this very process.
-                unsafe {
-                    libc::kill(libc::getpid(), libc::SIGKILL);
-                }
-            }
-            if self.freeze_at.is_some_and(|at| commit.step + 1 >= at) {
-                self.freeze_at = None;
-                // A worker cut off: alive, but not a packet in or out (SIGSTOP) until killed,
-                // or for `HEARTH_ELASTIC_FREEZE_SECS` (a process it leaves behind continues it).
-                if let Some(secs) = self.freeze_secs {
-                    let _ = std::process::Command::new("sh")
-                        .arg("-c")
-                        .arg(format!("sleep {secs}; kill -CONT {}", std::process::id()))
-                        .stdin(std::process::Stdio::null())
-                        .stdout(std::process::Stdio::null())
-                        .stderr(std::process::Stdio::null())
-                        .spawn();
-                }
-                // SAFETY: signals this very process.
-                unsafe {
-                    libc::kill(libc::getpid(), libc::SIGSTOP);
-                }
-            }
-            if control[w + 3] as usize != total {
-                // Every member computes the shares from the same commit: a difference is a bug.
-                return Err(HearthError::Training(format!(
-                    "step {}: the members trained on {} samples, the step has {total}",
-                    commit.step + 1,
-                    control[w + 3]
-                )));
-            }
-            let lr = self
-                .rates
-                .rate(commit.epoch as usize + 1, commit.step as usize);
-            let mut scaler = commit.scaler.clone();
-            if let Some(z) = self.zero.as_mut() {
-                // --zero: the shard's step on a copy (the commit's shard stays as it was
-                // should the step fail); the gradients are summed (the shares are weighted in
-                // the loss already), one fp16 verdict for the job inside it.
-                let mut next = z.current.clone();
-                let stepped = burn_dist::zero::module::sharded_step(
-                    &mut next,
-                    &commit.model,
-                    grads,
-                    &world.sharded,
-                    lr,
-                    &mut |finite| match &mut scaler {
-                        Some(s) => s.decide(finite),
-                        None => true,
-                    },
-                );
-                match stepped {
-                    Err(e) => {
-                        // Failed in the all-gather after the local update: another member
-                        // may have finished the step (see sharded.rs).
-                        if next.applied() > next.updates() {
-                            z.pending = Some(next);
-                        }
-                        return Ok(Interrupt::Failed(e.to_string()));
-                    }
-                    Ok(Some(model)) => {
-                        let before = std::mem::replace(&mut z.current, next);
-                        z.previous = Some((z.since, before));
-                        z.since = commit.step + 1;
-                        commit.model = model;
-                    }
-                    Ok(None) => commit.epoch_skipped += 1,
-                }
-            } else {
-                // The shares are weighted in the loss already: the sum is the global mean.
-                // (--overlap: summed during the backward.)
-                if !self.cfg.overlap {
-                    let exchanging = Instant::now();
-                    let reduced = burn_dist::ddp::allreduce_grads_scaled(
-                        &commit.model,
-                        &mut grads,
-                        &world.comm,
-                        self.cfg.bucket_bytes,
-                        1.0,
-                        self.cfg.compression,
-                    );
-                    self.exchange.exchanging += exchanging.elapsed();
-                    if let Err(e) = reduced {
-                        return Ok(Interrupt::Failed(e.to_string()));
-                    }
-                }
-
-                // fp16: every member holds the same averaged gradients, so all take the same
-                // verdict; a skipped step still counts (its samples and the schedule go on).
-                let take = match &mut scaler {
-                    Some(s) => s.decide(burn_dist::ddp::grads_finite(&commit.model, &grads)),
-                    None => true,
-                };
-
-                // The commit: nothing above changed any state.
-                if take {
-                    let model = commit.model.clone();
-                    commit.model = commit.optim.step(lr, model, grads);
-                } else {
-                    commit.epoch_skipped += 1;
-                }
-            }
-            commit.scaler = scaler;
-            let now = unix_now() - commit.start_unix;
-            commit.worker_seconds += (now - commit.elapsed).max(0.0) * w as f64;
-            commit.elapsed = now;
-            commit.step += 1;
-            commit.position = pos as u64;
             *at = commit.position;
-            commit.sums[0] += f64::from(control[w + 1]);
-            commit.sums[1] += f64::from(control[w + 2]);
-            commit.sums[2] += total as f64;
-            commit.world_log.push((commit.step, now, w));
-            self.exchange.stepping += t.elapsed();
-            if let Some(z) = self.zero.as_mut() {
-                // Every member finished the step: the shard before it is no longer needed.
-                let mut ack = [0f32];
-                if let Err(e) = world.comm.allreduce(&mut ack, ReduceOp::Sum) {
-                    return Ok(Interrupt::Failed(e.to_string()));
-                }
-                z.previous = None;
-                z.pending = None;
+            if let Some(interrupt) = self.change_asked(world, &control, log) {
+                return Ok(interrupt);
             }
-
-            let mut leaving: Vec<usize> = (0..w).filter(|&r| control[r] > 0.5).collect();
-            if self.zero.is_some() && leaving.len() < w {
-                // --zero: a worker's state lives on with it and the worker before it (its
-                // replica), so two neighbours never leave in one change: the second asks
-                // again after the next step (every member filters alike).
-                let mut go: Vec<usize> = Vec::new();
-                for &r in &leaving {
-                    let (before, after) = ((r + w - 1) % w, (r + 1) % w);
-                    if !go.contains(&before) && !go.contains(&after) {
-                        go.push(r);
-                    }
-                }
-                if go.len() < leaving.len() && world.rank() == 0 {
-                    log(&format!(
-                        "--zero: of the workers asking to leave, {go:?} leave now (neighbours \
-                         leave one change at a time)"
-                    ));
-                }
-                leaving = go;
-            }
-            if !leaving.is_empty() || control[w] > 0.5 {
-                return Ok(Interrupt::Planned { leaving });
-            }
-            if self.opts.balance == Balance::Throughput
-                && commit.step.is_multiple_of(REBALANCE_EVERY)
-                && (0..w).all(|r| control[w + 4 + r] > 0.0)
-            {
-                let speeds: Vec<f64> = (0..w).map(|r| f64::from(control[w + 4 + r])).collect();
-                if speeds != world.weights {
-                    let shares = burn_dist::elastic::shares(global, &speeds)?;
-                    if world.rank() == 0
-                        && shares != burn_dist::elastic::shares(global, &world.weights)?
-                    {
-                        log(&format!(
-                            "shares of the global batch by throughput: {shares:?}"
-                        ));
-                    }
-                    world.weights = speeds;
-                    stream = None;
-                }
+            if self.rebalance(world, commit, &control, log)? {
+                stream = None;
             }
         }
+    }
+
+    /// Rank 0's line on the epoch's time in the exchange (--zero's exchange is inside its
+    /// sharded step: not timed apart).
+    fn report_exchange(
+        &mut self,
+        world: &World,
+        commit: &Commit<T::Model>,
+        log: &mut dyn FnMut(&str),
+    ) {
+        let clock = std::mem::take(&mut self.exchange);
+        if world.rank() == 0 && self.zero.is_none() && !clock.stepping.is_zero() {
+            log(&burn_dist::ddp::exchange_report(
+                commit.epoch as usize + 1,
+                self.cfg.overlap,
+                clock.exchanging,
+                clock.stepping,
+            ));
+        }
+    }
+
+    /// One optimizer step: the compute, the control allreduce, the exchange and update, the
+    /// commit. Nothing in `commit` changes unless the step completes.
+    fn step(
+        &mut self,
+        world: &World,
+        commit: &mut Commit<T::Model>,
+        s: &mut Stream<Input<T>>,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Stepped> {
+        let t = Instant::now();
+        // --overlap: the exchange runs while the backward goes on, unit by unit (one backward
+        // per step: --grad-accum is refused with it). The shares are weighted in the loss
+        // already, so the exchange sums.
+        let overlapped = if self.cfg.overlap {
+            let comm = world.comm.clone();
+            let (bytes, compression) = (self.cfg.bucket_bytes, self.cfg.compression);
+            match OverlappedStep::begin(comm, bytes, ReduceOp::Sum, compression, 1.0) {
+                Ok(o) => Some(o),
+                Err(e) => return Ok(Stepped::Stop(Interrupt::Failed(e.to_string()))),
+            }
+        } else {
+            None
+        };
+        if let Some(s) = &commit.scaler {
+            // What is handed over leaves unscaled, as `divide` leaves the rest.
+            burn_dist::overlap::unscale_by(s.scale());
+        }
+        let mut c = self.compute(world, commit, s)?;
+        self.faults.after_compute(commit.step);
+        // The step's compute, without the end of the exchange: a fast worker waiting for a
+        // slow one's last buckets is not slow (--balance throughput reads this).
+        let took = t.elapsed().as_secs_f64().max(1e-6);
+        if let Some(o) = overlapped
+            && let Err(e) = self.finish_overlap(o, world, commit, &mut c.grads, log)
+        {
+            return Ok(Stepped::Stop(Interrupt::Failed(e.to_string())));
+        }
+        let rate = c.mine as f64 / took;
+        self.speed = if self.speed > 0.0 {
+            0.7 * self.speed + 0.3 * rate
+        } else {
+            rate
+        };
+        let control = match self.agree(world, &c) {
+            Ok(control) => control,
+            Err(e) => return Ok(Stepped::Stop(Interrupt::Failed(e.to_string()))),
+        };
+        self.faults.after_control(commit.step);
+        if control.samples() as usize != c.total {
+            // Every member computes the shares from the same commit: a difference is a bug.
+            return Err(HearthError::Training(format!(
+                "step {}: the members trained on {} samples, the step has {}",
+                commit.step + 1,
+                control.samples(),
+                c.total
+            )));
+        }
+        if let Some(interrupt) = self.update(world, commit, c.grads)? {
+            return Ok(Stepped::Stop(interrupt));
+        }
+        let w = world.size();
+        let now = unix_now() - commit.start_unix;
+        commit.worker_seconds += (now - commit.elapsed).max(0.0) * w as f64;
+        commit.elapsed = now;
+        commit.step += 1;
+        commit.position = c.position as u64;
+        commit.sums[0] += control.loss();
+        commit.sums[1] += control.hits();
+        commit.sums[2] += c.total as f64;
+        commit.world_log.push((commit.step, now, w));
+        self.exchange.stepping += t.elapsed();
+        if let Some(z) = self.zero.as_mut() {
+            // Every member finished the step: the shard before it is no longer needed.
+            let mut ack = [0f32];
+            if let Err(e) = world.comm.allreduce(&mut ack, ReduceOp::Sum) {
+                return Ok(Stepped::Stop(Interrupt::Failed(e.to_string())));
+            }
+            z.previous = None;
+            z.pending = None;
+        }
+        Ok(Stepped::Committed(control))
+    }
+
+    /// The step's gradients on this worker: `--grad-accum K` global batches (fewer at the
+    /// epoch's end), this worker's share of each; the sum of the K batch-mean gradients is the
+    /// step's (burn-train's accumulation), so a membership change never splits a step. With
+    /// fp16 the loss is multiplied by the committed scale and the gradients divided by it.
+    fn compute(
+        &mut self,
+        world: &World,
+        commit: &Commit<T::Model>,
+        s: &mut Stream<Input<T>>,
+    ) -> Result<Computed> {
+        let n = self.trainee.train_len();
+        let k = self.cfg.grad_accum.unwrap_or(1).max(1);
+        let mut acc = GradientsAccumulator::<T::Model>::new();
+        let factor = commit
+            .scaler
+            .as_ref()
+            .map_or(1.0, |s| s.loss_factor(self.overflow_at));
+        let (mut loss_sum, mut correct, mut mine, mut total) = (0.0f64, 0.0f64, 0usize, 0usize);
+        let mut pos = commit.position as usize;
+        for sub in 0..k {
+            if pos >= n {
+                break;
+            }
+            let (input, targets) = s
+                .next()
+                .ok_or_else(|| HearthError::Training("the loader ended early".into()))??;
+            let part = match &targets {
+                Targets::Classes(t) => t.dims()[0],
+                Targets::MultiHot(t) => t.dims()[0],
+            };
+            let global_part = step_len(n, pos, self.cfg.batch_size);
+            let stream_at = commit.step * k as u64 + sub as u64;
+            seed_stream(&self.device, self.cfg.seed, stream_at, world.rank());
+            // This worker's share of the global batch's mean.
+            let share = part as f32 / global_part.max(1) as f32 * factor;
+            let (grads, sums) =
+                self.objective
+                    .train_batch(&commit.model, input, &targets, share)?;
+            loss_sum += sums.loss;
+            correct += sums.hits;
+            acc.accumulate(&commit.model, grads);
+            mine += part;
+            total += global_part;
+            pos += global_part;
+        }
+        let mut grads = acc.grads();
+        if let Some(s) = &commit.scaler {
+            // Unscaled before the exchange, as data parallel sends them (an fp16 wire would
+            // overflow on gradients still multiplied by the scale).
+            divide(&commit.model, &mut grads, s.scale());
+        }
+        Ok(Computed {
+            grads,
+            loss_sum,
+            correct,
+            mine,
+            total,
+            position: pos,
+        })
+    }
+
+    /// --overlap: the last buckets, and whatever was not handed over; before the control
+    /// allreduce, since nothing else may use the communicator while it runs. The first time,
+    /// how much went during the backward.
+    fn finish_overlap(
+        &mut self,
+        o: OverlappedStep,
+        world: &World,
+        commit: &Commit<T::Model>,
+        grads: &mut GradientsParams,
+        log: &mut dyn FnMut(&str),
+    ) -> std::result::Result<(), DistError> {
+        let waited = Instant::now();
+        let finished = o.finish(&commit.model, grads);
+        self.exchange.exchanging += waited.elapsed();
+        let handed = finished?;
+        if !self.overlap_said {
+            self.overlap_said = true;
+            log(&format!(
+                "--overlap: {handed} gradient tensors of {} were exchanged during the backward \
+                 pass",
+                burn_dist::ddp::module_values(&commit.model).len()
+            ));
+            if let Some(notice) = one_host_overlap_notice(&world.comm) {
+                log(notice);
+            }
+        }
+        Ok(())
+    }
+
+    /// The step's control vector, summed over the world: the same on every member afterwards.
+    fn agree(&self, world: &World, c: &Computed) -> std::result::Result<Control, DistError> {
+        let w = world.size();
+        let mut control = vec![0.0f32; 2 * w + 4];
+        control[world.rank()] = f32::from(LEAVE.load(Ordering::SeqCst));
+        if world.rank() == 0 && w < self.opts.max_workers && !self.join.waiting().is_empty() {
+            control[w] = 1.0;
+        }
+        control[w + 1] = c.loss_sum as f32;
+        control[w + 2] = c.correct as f32;
+        control[w + 3] = c.mine as f32;
+        control[w + 4 + world.rank()] = self.speed as f32;
+        world.comm.allreduce(&mut control, ReduceOp::Sum)?;
+        Ok(Control {
+            values: control,
+            world: w,
+        })
+    }
+
+    /// The exchange and the update into `commit` (its model, scaler and skipped count; with
+    /// --zero the shard). `Some` when the world is left: nothing of the commit changed then.
+    fn update(
+        &mut self,
+        world: &World,
+        commit: &mut Commit<T::Model>,
+        mut grads: GradientsParams,
+    ) -> Result<Option<Interrupt>> {
+        let lr = self
+            .rates
+            .rate(commit.epoch as usize + 1, commit.step as usize);
+        let mut scaler = commit.scaler.clone();
+        if let Some(z) = self.zero.as_mut() {
+            // --zero: the shard's step on a copy (the commit's shard stays as it was should
+            // the step fail); the gradients are summed (the shares are weighted in the loss
+            // already), one fp16 verdict for the job inside it.
+            let mut next = z.current.clone();
+            let stepped = burn_dist::zero::module::sharded_step(
+                &mut next,
+                &commit.model,
+                grads,
+                &world.sharded,
+                lr,
+                &mut |finite| match &mut scaler {
+                    Some(s) => s.decide(finite),
+                    None => true,
+                },
+            );
+            match stepped {
+                Err(e) => {
+                    // Failed in the all-gather after the local update: another member may
+                    // have finished the step (see sharded.rs).
+                    if next.applied() > next.updates() {
+                        z.pending = Some(next);
+                    }
+                    return Ok(Some(Interrupt::Failed(e.to_string())));
+                }
+                Ok(Some(model)) => {
+                    let before = std::mem::replace(&mut z.current, next);
+                    z.previous = Some((z.since, before));
+                    z.since = commit.step + 1;
+                    commit.model = model;
+                }
+                Ok(None) => commit.epoch_skipped += 1,
+            }
+            commit.scaler = scaler;
+            return Ok(None);
+        }
+        // The shares are weighted in the loss already: the sum is the global mean.
+        // (--overlap: summed during the backward.)
+        if !self.cfg.overlap {
+            let exchanging = Instant::now();
+            let reduced = burn_dist::ddp::allreduce_grads_scaled(
+                &commit.model,
+                &mut grads,
+                &world.comm,
+                self.cfg.bucket_bytes,
+                1.0,
+                self.cfg.compression,
+            );
+            self.exchange.exchanging += exchanging.elapsed();
+            if let Err(e) = reduced {
+                return Ok(Some(Interrupt::Failed(e.to_string())));
+            }
+        }
+        // fp16: every member holds the same averaged gradients, so all take the same verdict;
+        // a skipped step still counts (its samples and the schedule go on).
+        let take = match &mut scaler {
+            Some(s) => s.decide(burn_dist::ddp::grads_finite(&commit.model, &grads)),
+            None => true,
+        };
+        // The commit: nothing above changed any state.
+        if take {
+            let model = commit.model.clone();
+            commit.model = commit.optim.step(lr, model, grads);
+        } else {
+            commit.epoch_skipped += 1;
+        }
+        commit.scaler = scaler;
+        Ok(None)
+    }
+
+    /// After a committed step: the change its members asked for (leaving, or joiners
+    /// waiting), if any.
+    fn change_asked(
+        &self,
+        world: &World,
+        control: &Control,
+        log: &mut dyn FnMut(&str),
+    ) -> Option<Interrupt> {
+        let w = world.size();
+        let mut leaving = control.leaving();
+        if self.zero.is_some() && leaving.len() < w {
+            // --zero: a worker's state lives on with it and the worker before it (its
+            // replica), so two neighbours never leave in one change: the second asks again
+            // after the next step (every member filters alike).
+            let mut go: Vec<usize> = Vec::new();
+            for &r in &leaving {
+                let (before, after) = ((r + w - 1) % w, (r + 1) % w);
+                if !go.contains(&before) && !go.contains(&after) {
+                    go.push(r);
+                }
+            }
+            if go.len() < leaving.len() && world.rank() == 0 {
+                log(&format!(
+                    "--zero: of the workers asking to leave, {go:?} leave now (neighbours leave \
+                     one change at a time)"
+                ));
+            }
+            leaving = go;
+        }
+        (!leaving.is_empty() || control.joiners_wait()).then_some(Interrupt::Planned { leaving })
+    }
+
+    /// `--balance throughput`: every `REBALANCE_EVERY` steps, the global batch shared by the
+    /// members' measured speeds; `true` when the shares changed (the stream is cut anew).
+    fn rebalance(
+        &self,
+        world: &mut World,
+        commit: &Commit<T::Model>,
+        control: &Control,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<bool> {
+        let w = world.size();
+        if self.opts.balance != Balance::Throughput
+            || !commit.step.is_multiple_of(REBALANCE_EVERY)
+            || !(0..w).all(|r| control.speed(r) > 0.0)
+        {
+            return Ok(false);
+        }
+        let speeds: Vec<f64> = (0..w).map(|r| f64::from(control.speed(r))).collect();
+        if speeds == world.weights {
+            return Ok(false);
+        }
+        let global = self.cfg.batch_size;
+        let shares = burn_dist::elastic::shares(global, &speeds)?;
+        if world.rank() == 0 && shares != burn_dist::elastic::shares(global, &world.weights)? {
+            log(&format!(
+                "shares of the global batch by throughput: {shares:?}"
+            ));
+        }
+        world.weights = speeds;
+        Ok(true)
     }
 
     /// This worker's batches for the rest of the epoch with the world's current shares.

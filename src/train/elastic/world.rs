@@ -472,14 +472,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             let (lowest, announcement) =
                 self.announced(world, &commit, leaving, &mut gone, next, log)?;
             let rank = self.admitted(&announcement, world.rank(), world.size(), next)?;
-            if self.die_in_change == Some(u64::from(next)) {
-                // The test hook of a loss while the next world forms: after the announcement,
-                // before this worker's rendezvous (SIGKILL, no goodbye).
-                // SAFETY: signals this very process.
-                unsafe {
-                    libc::kill(libc::getpid(), libc::SIGKILL);
-                }
-            }
+            self.faults.announced(u64::from(next));
             let formed = self.form_announced(world, &announcement, rank, &commit, log);
             match self.settle(world, lowest, &announcement, formed, log)? {
                 Settled::Formed(formed) => return Ok(*formed),
