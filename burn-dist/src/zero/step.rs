@@ -1,0 +1,226 @@
+//! One step of the sharded optimizer: the gradients reduced to each rank's segments, one verdict
+//! on their finiteness, LARS's norms over every segment, the segments' updates on every core,
+//! and every tensor gathered whole again.
+
+use super::*;
+
+impl ZeroOptimizer {
+    /// One step. `source` gives each bucket's gradient (this rank's mean over its own
+    /// samples; every rank holds the same number, as data parallel splits the global batch
+    /// evenly) and the current values of this rank's segments (the same on every rank); `lr` is
+    /// the schedule's rate. `take(finite)` decides, with whether every averaged gradient value
+    /// is finite, whether to update (the same on every rank, since `finite` is agreed first).
+    /// Every rank must call it alike.
+    pub fn step(
+        &mut self,
+        comm: &Communicator,
+        source: &mut dyn StepSource,
+        lr: f32,
+        take: &mut dyn FnMut(bool) -> bool,
+    ) -> Result<Stepped> {
+        // 1. Each bucket's averaged gradient, this rank's segment kept.
+        let Reduced {
+            mut grads,
+            mut theirs,
+            finite,
+        } = self.reduce_gradients(comm, source)?;
+        // 2. One verdict for the job.
+        let mut verdict = [if finite { 0.0 } else { 1.0 }];
+        comm.allreduce(&mut verdict, ReduceOp::Sum)?;
+        if !take(verdict[0] == 0.0) {
+            return Ok(Stepped::Skipped);
+        }
+        // 3. The segments' values, and LARS's norms summed over every rank's segments.
+        let mut values: Vec<Vec<f32>> = (0..self.buckets.len())
+            .map(|b| source.values(self.segment(b, self.rank)))
+            .collect();
+        for (b, (v, g)) in values.iter().zip(&grads).enumerate() {
+            if v.len() != g.len() {
+                return Err(step_mismatch(format!(
+                    "{} values read for a segment of {} (bucket {b})",
+                    v.len(),
+                    g.len()
+                )));
+            }
+        }
+        let norms = self.summed_norms(comm, &values, &grads)?;
+        // 4. This rank's update of every bucket's segment (the buckets are independent: spread
+        //    over the cores), then bucket by bucket every rank's segment to every rank.
+        // The replica's segments: updated alike, their values dropped (the all-gather brings
+        // the owner's, the same).
+        let mut replica_values: Vec<Vec<f32>> = match &self.replica {
+            Some(r) => (0..self.buckets.len())
+                .map(|b| source.values(self.segment(b, r.of)))
+                .collect(),
+            None => Vec::new(),
+        };
+        let mut work: Vec<Update<'_>> = self
+            .mine
+            .iter()
+            .zip(values.iter_mut())
+            .zip(grads.drain(..))
+            .zip(self.state.iter_mut())
+            .collect();
+        if let Some(r) = self.replica.as_mut() {
+            work.extend(
+                r.mine
+                    .iter()
+                    .zip(replica_values.iter_mut())
+                    .zip(theirs.drain(..))
+                    .zip(r.state.iter_mut()),
+            );
+        }
+        update_on_every_core(work, self.updates, lr, norms.as_deref());
+        drop(replica_values);
+        self.applied = self.updates + 1;
+        let out = self.gather_tensors(comm, values)?;
+        self.updates += 1;
+        self.applied = self.updates;
+        Ok(Stepped::Updated(out))
+    }
+
+    /// Each bucket's gradient from `source`, averaged over the ranks: this rank's segment of
+    /// it (and its replica's), and whether every value of those is finite.
+    fn reduce_gradients(
+        &self,
+        comm: &Communicator,
+        source: &mut dyn StepSource,
+    ) -> Result<Reduced> {
+        let mut reduced = Reduced {
+            grads: Vec::with_capacity(self.buckets.len()),
+            theirs: Vec::new(),
+            finite: true,
+        };
+        for (b, bucket) in self.buckets.iter().enumerate() {
+            let mut g = source.grads(bucket.tensors.clone());
+            if g.len() != bucket.range.len() {
+                return Err(step_mismatch(format!(
+                    "{} gradient values for a bucket of {} ({} tensors from {})",
+                    g.len(),
+                    bucket.range.len(),
+                    bucket.tensors.len(),
+                    self.tensors[bucket.tensors.start].0
+                )));
+            }
+            let rel =
+                |seg: Range<usize>| seg.start - bucket.range.start..seg.end - bucket.range.start;
+            let mine = match self.stage {
+                Stage::One => {
+                    comm.allreduce(&mut g, self.reduce)?;
+                    if let Some(r) = &self.replica {
+                        reduced.theirs.push(g[rel(self.segment(b, r.of))].to_vec());
+                    }
+                    g[rel(self.segment(b, self.rank))].to_vec()
+                }
+                Stage::Two => {
+                    let mine = comm.reduce_scatter(g, self.reduce)?;
+                    if let Some(r) = &self.replica {
+                        let theirs = comm.shift_down(&mine, self.segment(b, r.of).len())?;
+                        reduced.theirs.push(theirs);
+                    }
+                    mine
+                }
+            };
+            reduced.finite &= mine.iter().all(|x| x.is_finite());
+            reduced.grads.push(mine);
+        }
+        Ok(reduced)
+    }
+
+    /// LARS's `[Σw², Σg²]` per tensor summed over every rank's segments (`None` for the
+    /// rules that need no norms).
+    fn summed_norms(
+        &self,
+        comm: &Communicator,
+        values: &[Vec<f32>],
+        grads: &[Vec<f32>],
+    ) -> Result<Option<Vec<f32>>> {
+        if !self.whole.needs_norms() {
+            return Ok(None);
+        }
+        let mut n = vec![0f32; 2 * self.tensors.len().max(1)];
+        for b in 0..self.buckets.len() {
+            let partial = self.mine[b].partial_norms(&values[b], &grads[b]);
+            for (o, x) in n.iter_mut().zip(partial) {
+                *o += x;
+            }
+        }
+        comm.allreduce(&mut n, ReduceOp::Sum)?;
+        Ok(Some(n))
+    }
+
+    /// Every tensor's updated values, whole, from every rank's updated segments of each
+    /// bucket (`values`, this rank's).
+    fn gather_tensors(&self, comm: &Communicator, values: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>> {
+        let mut out: Vec<Vec<f32>> = self
+            .tensors
+            .iter()
+            .map(|t| Vec::with_capacity(t.1))
+            .collect();
+        for (b, v) in values.into_iter().enumerate() {
+            let gathered = self.all_gather(comm, b, &v)?;
+            drop(v);
+            let bucket = &self.buckets[b];
+            if bucket.tensors.len() == 1 {
+                // One tensor: the gathered bucket is its values, moved, not copied.
+                out[bucket.tensors.start] = gathered;
+                continue;
+            }
+            for t in bucket.tensors.clone() {
+                let (lo, hi) = (
+                    self.offsets[t] - bucket.range.start,
+                    self.offsets[t + 1] - bucket.range.start,
+                );
+                out[t].extend_from_slice(&gathered[lo..hi]);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A step's averaged gradients: this rank's segment of each bucket, its replica's segments,
+/// and whether all of them are finite.
+struct Reduced {
+    grads: Vec<Vec<f32>>,
+    theirs: Vec<Vec<f32>>,
+    finite: bool,
+}
+
+/// One segment's update: its optimizer, values, averaged gradient and state.
+type Update<'a> = (
+    ((&'a ShardOptimizer, &'a mut Vec<f32>), Vec<f32>),
+    &'a mut Vec<f32>,
+);
+
+/// Runs the segments' updates on every core (they are independent), largest first onto the
+/// least loaded core.
+fn update_on_every_core(mut work: Vec<Update<'_>>, updates: u64, lr: f32, norms: Option<&[f32]>) {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(work.len())
+        .max(1);
+    let mut groups: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
+    let mut load = vec![0usize; threads];
+    work.sort_by_key(|w| std::cmp::Reverse(w.0.1.len()));
+    for w in work {
+        let i = (0..threads).min_by_key(|&i| load[i]).unwrap_or(0);
+        load[i] += w.0.1.len();
+        groups[i].push(w);
+    }
+    std::thread::scope(|scope| {
+        for group in groups {
+            scope.spawn(move || {
+                for (((o, v), g), state) in group {
+                    o.step_at(updates, lr, v, &g, state, norms);
+                }
+            });
+        }
+    });
+}
+
+fn step_mismatch(reason: String) -> DistError {
+    DistError::Mismatch {
+        op: "sharded optimizer step".into(),
+        reason,
+    }
+}
