@@ -280,6 +280,7 @@ fn greeting_tag(epoch: u32) -> u64 {
 /// Steps between re-measured throughput shares (`--balance throughput`).
 const REBALANCE_EVERY: u64 = 8;
 
+mod change;
 mod entry;
 mod faults;
 mod fence;
