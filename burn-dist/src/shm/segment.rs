@@ -24,11 +24,13 @@ use std::time::{Duration, Instant};
 
 use crate::{DistError, Result};
 
+mod futex;
 mod liveness;
 
+pub(crate) use futex::{futex_wait, futex_wake};
 #[cfg(test)]
 pub(crate) use liveness::proc_stat;
-pub(crate) use liveness::{ProcessId, Watch, namespace_inode};
+pub(crate) use liveness::{ProcessId, namespace_inode};
 use liveness::{Seen, process_seen};
 
 /// Where segments live (tmpfs).
@@ -471,6 +473,58 @@ impl Drop for Segment {
     }
 }
 
+/// Watches other ranks of a segment for death: their process gone when it is in this pid
+/// namespace (a running process is alive, however busy), else, or when it is stopped
+/// (SIGSTOP: it could stay so forever), their heartbeat still for longer than `stale`.
+pub(crate) struct Watch {
+    seen: Vec<(u64, Instant)>,
+    stale: Duration,
+}
+
+impl Watch {
+    pub fn new(world: usize, stale: Duration) -> Watch {
+        Watch {
+            seen: vec![(u64::MAX, Instant::now()); world],
+            stale,
+        }
+    }
+
+    /// Why rank `r` is dead, if it is.
+    pub fn dead(&mut self, seg: &Segment, r: usize) -> Option<String> {
+        let e = seg.entry(r);
+        let id = ProcessId {
+            pid: e.pid.load(Ordering::Relaxed),
+            pid_ns: e.pid_ns.load(Ordering::Relaxed),
+            start_time: e.start_time.load(Ordering::Relaxed),
+        };
+        let stopped = match process_seen(id) {
+            Seen::Running => return None,
+            Seen::Gone(why) => return Some(format!("{why} (shared memory)")),
+            Seen::Stopped => true,
+            Seen::Hidden => false,
+        };
+        let beat = e.heartbeat.load(Ordering::Relaxed);
+        let (last, since) = &mut self.seen[r];
+        if beat != *last {
+            *last = beat;
+            *since = Instant::now();
+            None
+        } else if since.elapsed() > self.stale {
+            Some(format!(
+                "no shared-memory heartbeat for {:?} (HEARTH_SHM_STALE){}",
+                self.stale,
+                if stopped {
+                    format!("; its process {} is stopped", id.pid)
+                } else {
+                    String::new()
+                }
+            ))
+        } else {
+            None
+        }
+    }
+}
+
 /// Removes segments of this user whose creator is no longer running (jobs killed between
 /// creating a segment and every rank attaching it). Returns how many.
 pub fn remove_stale() -> usize {
@@ -506,53 +560,4 @@ pub fn remove_stale() -> usize {
         }
     }
     removed
-}
-
-/// Sleeps until `word` is no longer `expected`, a wake, or `timeout` (spurious returns allowed).
-pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    #[cfg(target_os = "linux")]
-    {
-        let ts = libc::timespec {
-            tv_sec: timeout.as_secs() as libc::time_t,
-            tv_nsec: timeout.subsec_nanos() as libc::c_long,
-        };
-        // SAFETY: `word` is a live 4-byte aligned atomic; FUTEX_WAIT only reads it. Not the
-        // private variant: the word is shared between processes.
-        unsafe {
-            libc::syscall(
-                libc::SYS_futex,
-                word as *const AtomicU32,
-                libc::FUTEX_WAIT,
-                expected,
-                &ts as *const libc::timespec,
-                std::ptr::null::<u32>(),
-                0,
-            );
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        if word.load(Ordering::Acquire) == expected {
-            std::thread::sleep(timeout.min(Duration::from_micros(200)));
-        }
-    }
-}
-
-/// Wakes every waiter on `word`.
-pub(crate) fn futex_wake(word: &AtomicU32) {
-    #[cfg(target_os = "linux")]
-    // SAFETY: as in `futex_wait`.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word as *const AtomicU32,
-            libc::FUTEX_WAKE,
-            i32::MAX,
-            std::ptr::null::<libc::timespec>(),
-            std::ptr::null::<u32>(),
-            0,
-        );
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = word;
 }

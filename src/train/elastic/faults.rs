@@ -1,8 +1,10 @@
 //! The elastic worker's fault injection, in one place: the test and benchmark hooks (see
-//! [`super::hook`]) are read once when the worker starts and acted on only here. Outside a
+//! `hook` in `train/shared.rs`) are read once when the worker starts and acted on only here. Outside a
 //! `test-hooks` build every one of them is `None`, and none of this does anything.
 
-use super::*;
+use std::time::Duration;
+
+use crate::train::shared::hook;
 
 /// This worker's hooks (each `ID:N` in its variable, for this worker's id).
 #[derive(Debug, Default)]
@@ -37,14 +39,13 @@ impl Faults {
     }
 
     /// After the compute of the step following `step` committed steps, before its control
-    /// allreduce: the slow worker's extra time, the graceful leave.
-    pub(super) fn after_compute(&self, step: u64) {
+    /// allreduce: the slow worker's extra time; `true` when this worker is to leave gracefully
+    /// after the step, as SIGTERM would have it.
+    pub(super) fn after_compute(&self, step: u64) -> bool {
         if let Some(ms) = self.throttle {
             std::thread::sleep(Duration::from_millis(ms));
         }
-        if self.leave_at.is_some_and(|at| step + 1 >= at) {
-            LEAVE.store(true, Ordering::SeqCst);
-        }
+        self.leave_at.is_some_and(|at| step + 1 >= at)
     }
 
     /// After that step's control allreduce, before its gradient exchange: an abrupt loss

@@ -39,7 +39,7 @@ use super::gate::Gate;
 use super::model::{optimizer, seed_stream};
 use super::objective::Objective;
 use super::precision::{LossScaler, divide, overflow_hook};
-use super::shared::{Rates, collective_timeout, epoch_lr, hook, one_host_overlap_notice};
+use super::shared::{Rates, collective_timeout, epoch_lr, one_host_overlap_notice};
 use super::targets::Targets;
 use super::trainee::{ImageRecipe, Input, Net, Recipe, Stream, Trainee, val_share};
 use super::{EpochRows, TrainConfig, TrainReport, run_dir};

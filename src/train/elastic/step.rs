@@ -136,7 +136,9 @@ impl<T: Trainee> ElasticRun<'_, T> {
             burn_dist::overlap::unscale_by(s.scale());
         }
         let mut c = self.compute(world, commit, s)?;
-        self.faults.after_compute(commit.step);
+        if self.faults.after_compute(commit.step) {
+            LEAVE.store(true, Ordering::SeqCst);
+        }
         // The step's compute, without the end of the exchange: a fast worker waiting for a
         // slow one's last buckets is not slow (--balance throughput reads this).
         let took = t.elapsed().as_secs_f64().max(1e-6);

@@ -1,8 +1,5 @@
 //! Whether the processes of a segment are alive: a process as the kernel names it (so a
-//! recycled pid is never taken for the same process), and a watch over the segment's ranks that
-//! names the one that died or stopped beating.
-
-use super::*;
+//! recycled pid is never taken for the same process) and what `/proc` says of it.
 
 /// A process as the kernel names it: pid, pid namespace, start time (ticks since boot), so a
 /// recycled pid is never taken for the same process.
@@ -67,57 +64,5 @@ pub(super) fn process_seen(id: ProcessId) -> Seen {
         Some(('Z' | 'X', _)) => Seen::Gone(format!("its process {} exited", id.pid)),
         Some(('T' | 't', _)) => Seen::Stopped,
         Some(_) => Seen::Running,
-    }
-}
-
-/// Watches other ranks of a segment for death: their process gone when it is in this pid
-/// namespace (a running process is alive, however busy), else, or when it is stopped
-/// (SIGSTOP: it could stay so forever), their heartbeat still for longer than `stale`.
-pub(crate) struct Watch {
-    seen: Vec<(u64, Instant)>,
-    stale: Duration,
-}
-
-impl Watch {
-    pub fn new(world: usize, stale: Duration) -> Watch {
-        Watch {
-            seen: vec![(u64::MAX, Instant::now()); world],
-            stale,
-        }
-    }
-
-    /// Why rank `r` is dead, if it is.
-    pub fn dead(&mut self, seg: &Segment, r: usize) -> Option<String> {
-        let e = seg.entry(r);
-        let id = ProcessId {
-            pid: e.pid.load(Ordering::Relaxed),
-            pid_ns: e.pid_ns.load(Ordering::Relaxed),
-            start_time: e.start_time.load(Ordering::Relaxed),
-        };
-        let stopped = match process_seen(id) {
-            Seen::Running => return None,
-            Seen::Gone(why) => return Some(format!("{why} (shared memory)")),
-            Seen::Stopped => true,
-            Seen::Hidden => false,
-        };
-        let beat = e.heartbeat.load(Ordering::Relaxed);
-        let (last, since) = &mut self.seen[r];
-        if beat != *last {
-            *last = beat;
-            *since = Instant::now();
-            None
-        } else if since.elapsed() > self.stale {
-            Some(format!(
-                "no shared-memory heartbeat for {:?} (HEARTH_SHM_STALE){}",
-                self.stale,
-                if stopped {
-                    format!("; its process {} is stopped", id.pid)
-                } else {
-                    String::new()
-                }
-            ))
-        } else {
-            None
-        }
     }
 }
