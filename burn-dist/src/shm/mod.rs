@@ -1,8 +1,8 @@
 //! Shared memory between the ranks of one host.
 //!
 //! Ranks that share a host talk through a segment in `/dev/shm` instead of QUIC: framed
-//! messages through byte rings behind the [`Transport`] trait
-//! ([`pipe`]), and allreduce computed in place in the segment ([`reduce`]). No byte is encrypted
+//! messages through byte rings behind the [`Transport`](crate::Transport) trait (an
+//! [`Endpoint`](crate::transport::Endpoint)) ([`pipe`]), and allreduce computed in place in the segment ([`reduce`]). No byte is encrypted
 //! or split into datagrams, and each rank reduces its `1/n` of the buffer where it lies. A
 //! caller that fills buffers the host's ranks all map (`shared`, through
 //! `Communicator::reduce_buffer`) skips the segment's slots altogether: each rank sums its
