@@ -56,8 +56,6 @@ pub enum HearthError {
     Plot { path: PathBuf, reason: String },
     #[error(transparent)]
     Dist(#[from] burn_dist::DistError),
-    #[error("launch: {0}")]
-    Launch(String),
     /// An elastic worker left the job gracefully (SIGTERM); not a failure: exit 0.
     /// An elastic worker that lost the majority of its world (no quorum), or whose membership
     /// epoch the run directory's fence has passed: it stops and writes nothing.

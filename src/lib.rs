@@ -41,13 +41,11 @@ mod names;
 
 pub mod alloc;
 pub mod bench;
-pub mod data_check;
 pub mod device;
 pub mod dist_bench;
 mod error;
 pub mod eval;
 pub mod gpu;
-pub mod launch;
 pub mod loader_bench;
 pub mod metrics;
 pub mod npy;

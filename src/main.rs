@@ -3,8 +3,10 @@
 mod cli {
     pub mod bench;
     pub mod data;
+    pub mod data_check;
     pub mod exit;
     pub mod kernels;
+    pub mod launch;
     #[cfg(feature = "cuda-device")]
     pub mod llvm_targets;
     pub mod predict;
@@ -245,7 +247,7 @@ fn launch_cmd(a: LaunchArgs) -> Result<()> {
     if a.elastic {
         return launch_elastic_cmd(&a, program, args);
     }
-    let outcome = hearth::launch::launch(&hearth::launch::LaunchConfig {
+    let outcome = cli::launch::launch(&cli::launch::LaunchConfig {
         nproc: a.nproc,
         program,
         args: args.to_vec(),
@@ -256,9 +258,7 @@ fn launch_cmd(a: LaunchArgs) -> Result<()> {
 }
 
 fn launch_elastic_cmd(a: &LaunchArgs, program: PathBuf, args: &[String]) -> Result<()> {
-    use hearth::launch::elastic::{
-        ElasticLaunchConfig, ElasticOutcome, launch_elastic, parse_churn,
-    };
+    use cli::launch::elastic::{ElasticLaunchConfig, ElasticOutcome, launch_elastic, parse_churn};
     let mut args = args.to_vec();
     let has = |args: &[String], flag: &str| {
         args.iter()

@@ -148,14 +148,14 @@ pub(crate) fn bench_allreduce(a: BenchAllreduceArgs) -> Result<()> {
         },
         a.iters
     );
-    let outcome = hearth::launch::launch(&hearth::launch::LaunchConfig {
+    let outcome = crate::cli::launch::launch(&crate::cli::launch::LaunchConfig {
         nproc: a.ranks,
         program: std::env::current_exe().context("locating the hearth binary")?,
         args,
         port: 0,
         prefix: false,
     })?;
-    if matches!(outcome, hearth::launch::LaunchOutcome::Success) && a.ranks > 1 {
+    if matches!(outcome, crate::cli::launch::LaunchOutcome::Success) && a.ranks > 1 {
         // This host's memory, measured after the ranks are done so it does not compete with
         // them: how close the busbw above comes to what any allreduce could reach here.
         let memcpy = hearth::dist_bench::memcpy_gbps(a.size_mb.iter().copied().fold(0.0, f64::max));

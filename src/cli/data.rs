@@ -71,7 +71,7 @@ pub(crate) fn data_check(args: CheckArgs) -> Result<()> {
         indicatif::ProgressStyle::with_template("decoding {pos}/{len} images {wide_bar}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let found = hearth::data_check::check(
+    let found = crate::cli::data_check::check(
         &args.data,
         args.labels.as_deref(),
         args.val_fraction,

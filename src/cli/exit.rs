@@ -3,10 +3,10 @@
 use anyhow::Result;
 
 /// `Ok` when every rank succeeded; otherwise says which rank failed and exits with its status.
-pub(crate) fn exit_with(outcome: hearth::launch::LaunchOutcome) -> Result<()> {
+pub(crate) fn exit_with(outcome: crate::cli::launch::LaunchOutcome) -> Result<()> {
     match outcome {
-        hearth::launch::LaunchOutcome::Success => Ok(()),
-        hearth::launch::LaunchOutcome::Failed { rank, code } => {
+        crate::cli::launch::LaunchOutcome::Success => Ok(()),
+        crate::cli::launch::LaunchOutcome::Failed { rank, code } => {
             match code {
                 Some(c) => eprintln!("error: rank {rank} failed (exit status {c})"),
                 None => eprintln!("error: rank {rank} was killed by a signal"),

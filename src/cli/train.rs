@@ -529,7 +529,7 @@ fn launch_ranks(a: &TrainArgs, nproc: usize) -> Result<()> {
         "launching {nproc} ranks; run directory: {}",
         run_dir.display()
     );
-    let outcome = hearth::launch::launch(&hearth::launch::LaunchConfig {
+    let outcome = crate::cli::launch::launch(&crate::cli::launch::LaunchConfig {
         nproc,
         program: std::env::current_exe().context("locating the hearth binary")?,
         args: rank_args(&run_dir),

@@ -8,9 +8,9 @@ use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 
-use hearth_datasets::{ImageSet, Target, train_val};
+use hearth::datasets::{ImageSet, Target, train_val};
 
-use crate::Result;
+use hearth::Result;
 
 /// What a check found.
 #[derive(Debug, Clone)]
@@ -185,7 +185,7 @@ pub fn check(
                     continue;
                 }
             };
-            match hearth_datasets::preprocess::decode_rgb(&bytes, &s.path) {
+            match hearth::datasets::preprocess::decode_rgb(&bytes, &s.path) {
                 Ok(img) => sizes.push((img.width(), img.height())),
                 Err(e) => undecodable.push((s.path.clone(), e.to_string())),
             }

@@ -20,7 +20,7 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
 use super::{child_command, free_port, kill_group, pump};
-use crate::{HearthError, Result};
+use anyhow::{Result, anyhow};
 
 /// One change of the `--churn` schedule.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,10 +43,10 @@ pub enum ChurnAction {
 /// Parses `t=30s:-1,t=60s:+2,t=90s:-1!,t=100s:kill=w0,t=2m:term=w1` (`!`: SIGKILL).
 pub fn parse_churn(text: &str) -> Result<Vec<ChurnEvent>> {
     let bad = |part: &str, why: &str| {
-        HearthError::InvalidArgument(format!(
+        anyhow!(
             "--churn {part:?}: {why} (expected e.g. t=30s:-1,t=60s:+2; -1! kills, kill=w0 or \
              term=w0 name a worker)"
-        ))
+        )
     };
     let mut out = Vec::new();
     for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -116,19 +116,17 @@ pub fn parse_hosts(text: &str) -> Result<usize> {
         let host = words.next().unwrap_or("");
         let host_only = host.rsplit_once(':').map_or(host, |(h, _)| h);
         if !(host_only == "localhost" || host_only.starts_with("127.")) {
-            return Err(HearthError::InvalidArgument(format!(
+            return Err(anyhow!(
                 "--hosts: {host} is not this machine; hearth launch starts local workers only \
                  (start workers elsewhere with HEARTH_ELASTIC_PEERS, see docs/elastic.md)"
-            )));
+            ));
         }
         let mut slots = 1;
         for w in words {
             match w.strip_prefix("slots=").map(str::parse::<usize>) {
                 Some(Ok(k)) => slots = k,
                 _ => {
-                    return Err(HearthError::InvalidArgument(format!(
-                        "--hosts: {line:?}: expected HOST [slots=K]"
-                    )));
+                    return Err(anyhow!("--hosts: {line:?}: expected HOST [slots=K]"));
                 }
             }
         }
@@ -160,7 +158,7 @@ impl DoneDir {
         let dir =
             std::env::temp_dir().join(format!("hearth-elastic-{}-{nanos}", std::process::id()));
         std::fs::create_dir_all(&dir)
-            .map_err(|e| HearthError::Launch(format!("creating {}: {e}", dir.display())))?;
+            .map_err(|e| anyhow!("launch: creating {}: {e}", dir.display()))?;
         Ok(Self(dir))
     }
 
@@ -240,10 +238,10 @@ impl Launcher<'_> {
             eprintln!("hearth launch: starting joiner {id}");
         }
         let mut child = command.spawn().map_err(|e| {
-            HearthError::Launch(format!(
-                "starting {id} ({}): {e}",
+            anyhow!(
+                "launch: starting {id} ({}): {e}",
                 self.cfg.program.display()
-            ))
+            )
         })?;
         if let Some(out) = child.stdout.take() {
             self.pumps
@@ -355,7 +353,7 @@ impl Launcher<'_> {
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    return Err(HearthError::Launch(format!("waiting for {}: {e}", slot.id)));
+                    return Err(anyhow!("launch: waiting for {}: {e}", slot.id));
                 }
             }
         }
@@ -372,7 +370,7 @@ impl Launcher<'_> {
         {
             *hosts_seen = Some(modified);
             match std::fs::read_to_string(path)
-                .map_err(|e| HearthError::Launch(format!("--hosts {}: {e}", path.display())))
+                .map_err(|e| anyhow!("launch: --hosts {}: {e}", path.display()))
                 .and_then(|t| parse_hosts(&t))
             {
                 Ok(want) => {
@@ -397,10 +395,11 @@ impl Launcher<'_> {
 /// Runs the elastic job (see the module docs).
 pub fn launch_elastic(cfg: &ElasticLaunchConfig) -> Result<ElasticOutcome> {
     if cfg.nproc == 0 || cfg.nproc > cfg.max {
-        return Err(HearthError::InvalidArgument(format!(
+        return Err(anyhow!(
             "-n {} must be between 1 and --max {}",
-            cfg.nproc, cfg.max
-        )));
+            cfg.nproc,
+            cfg.max
+        ));
     }
     let secret = match std::env::var("HEARTH_JOB_SECRET") {
         Ok(s) if !s.is_empty() => s,

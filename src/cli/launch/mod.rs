@@ -11,7 +11,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use crate::{HearthError, Result};
+use anyhow::{Result, anyhow};
 
 pub mod elastic;
 
@@ -38,7 +38,7 @@ pub enum LaunchOutcome {
     },
 }
 
-pub(crate) fn free_port() -> Result<u16> {
+pub(super) fn free_port() -> Result<u16> {
     // Below the kernel's ephemeral range: a port handed out now and bound later by a rank must
     // not be taken meanwhile by an endpoint bound to port 0 (every elastic membership change
     // binds new ones; seen once in CI as "Address already in use" for a joiner).
@@ -61,12 +61,12 @@ pub(crate) fn free_port() -> Result<u16> {
     std::net::UdpSocket::bind("127.0.0.1:0")
         .and_then(|s| s.local_addr())
         .map(|a| a.port())
-        .map_err(|e| HearthError::Launch(format!("no free UDP port on 127.0.0.1: {e}")))
+        .map_err(|e| anyhow!("launch: no free UDP port on 127.0.0.1: {e}"))
 }
 
 /// Copies `input`'s lines to our stdout or stderr, each prefixed with `[label]` when `prefix`;
 /// without it only `first`'s lines are shown, bare.
-pub(crate) fn pump(
+pub(super) fn pump(
     label: String,
     first: bool,
     input: impl std::io::Read + Send + 'static,
@@ -98,7 +98,7 @@ pub(crate) fn pump(
 /// A command for a rank or worker: in its own process group, so stopping it stops whatever it
 /// started too; out of the terminal's process group Ctrl-C no longer reaches it, so the kernel
 /// kills it when the launcher dies, however it dies.
-pub(crate) fn child_command(program: &std::path::Path) -> Command {
+pub(super) fn child_command(program: &std::path::Path) -> Command {
     let mut command = Command::new(program);
     std::os::unix::process::CommandExt::process_group(&mut command, 0);
     // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
@@ -115,7 +115,7 @@ pub(crate) fn child_command(program: &std::path::Path) -> Command {
 
 /// This job's id (`HEARTH_JOB_ID`, which salts the job secret's key): the caller's, or a fresh
 /// random one, so that no two launches share it.
-pub(crate) fn job_id() -> Result<String> {
+pub(super) fn job_id() -> Result<String> {
     match std::env::var("HEARTH_JOB_ID") {
         Ok(id) if !id.is_empty() => Ok(id),
         _ => Ok(format!(
@@ -128,7 +128,7 @@ pub(crate) fn job_id() -> Result<String> {
 /// Starts the ranks and waits for them (see the module docs).
 pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
     if cfg.nproc == 0 {
-        return Err(HearthError::InvalidArgument("-n must be at least 1".into()));
+        return Err(anyhow!("-n must be at least 1"));
     }
     let port = if cfg.port == 0 {
         free_port()?
@@ -156,10 +156,10 @@ pub fn launch(cfg: &LaunchConfig) -> Result<LaunchOutcome> {
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| {
-                HearthError::Launch(format!(
-                    "starting rank {rank} ({}): {e}",
+                anyhow!(
+                    "launch: starting rank {rank} ({}): {e}",
                     cfg.program.display()
-                ))
+                )
             })?;
         if let Some(out) = child.stdout.take() {
             pumps.push(pump(
@@ -218,7 +218,7 @@ fn wait_for_ranks(children: &mut [Option<Child>]) -> Result<LaunchOutcome> {
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    return Err(HearthError::Launch(format!("waiting for rank {rank}: {e}")));
+                    return Err(anyhow!("launch: waiting for rank {rank}: {e}"));
                 }
             }
         }
@@ -244,7 +244,7 @@ fn wait_for_ranks(children: &mut [Option<Child>]) -> Result<LaunchOutcome> {
 }
 
 /// SIGKILL to the rank's whole process group (it leads one: see `process_group(0)`).
-pub(crate) fn kill_group(child: &mut Child) {
+pub(super) fn kill_group(child: &mut Child) {
     if let Ok(pid) = i32::try_from(child.id()) {
         // SAFETY: kill(2) with a negative pid signals that process group; no memory is shared.
         unsafe {
