@@ -12,6 +12,7 @@ pub enum DeviceChoice {
     /// Burn Flex: pure-Rust CPU backend (gemm + SIMD). The default.
     Flex,
     /// Burn NdArray: the older CPU backend (deprecated upstream, much slower for convolutions).
+    #[cfg(feature = "ndarray")]
     NdArray,
     /// The best GPU wgpu finds, on any graphics API.
     #[cfg(feature = "wgpu")]
@@ -31,6 +32,7 @@ impl DeviceChoice {
     /// Every device compiled into this build.
     pub const ALL: &'static [DeviceChoice] = &[
         DeviceChoice::Flex,
+        #[cfg(feature = "ndarray")]
         DeviceChoice::NdArray,
         #[cfg(feature = "wgpu")]
         DeviceChoice::Wgpu,
@@ -45,6 +47,7 @@ impl DeviceChoice {
     pub fn name(self) -> &'static str {
         match self {
             DeviceChoice::Flex => "flex",
+            #[cfg(feature = "ndarray")]
             DeviceChoice::NdArray => "ndarray",
             #[cfg(feature = "wgpu")]
             DeviceChoice::Wgpu => "wgpu",
@@ -60,6 +63,7 @@ impl DeviceChoice {
     pub fn description(self) -> &'static str {
         match self {
             DeviceChoice::Flex => "CPU, Burn Flex (pure Rust, SIMD) - default",
+            #[cfg(feature = "ndarray")]
             DeviceChoice::NdArray => "CPU, Burn NdArray (deprecated upstream, slow convolutions)",
             #[cfg(feature = "wgpu")]
             DeviceChoice::Wgpu => "GPU through wgpu (Vulkan, Metal, DX12)",
@@ -95,7 +99,7 @@ impl DeviceChoice {
     /// Whether the device runs through cubecl (wgpu, Vulkan, CUDA): Burn's autotune and fusion
     /// apply there (`crate::gpu`).
     pub fn is_cubecl(self) -> bool {
-        !matches!(self, DeviceChoice::Flex | DeviceChoice::NdArray)
+        !matches!(self.name(), "flex" | "ndarray")
     }
 
     /// Whether the device has an index (`cuda:1`, `vulkan:1`): GPUs do, CPU backends do not.
@@ -121,6 +125,7 @@ impl DeviceChoice {
         match self {
             DeviceChoice::Flex => Device::flex(),
             // Deprecated upstream in favour of Flex; kept selectable (DESIGN.md).
+            #[cfg(feature = "ndarray")]
             #[allow(deprecated)]
             DeviceChoice::NdArray => Device::ndarray(),
             #[cfg(feature = "wgpu")]
@@ -423,10 +428,45 @@ impl FromStr for DeviceChoice {
             .iter()
             .copied()
             .find(|d| d.name() == wanted)
-            .ok_or_else(|| HearthError::UnknownDevice {
-                name: s.to_string(),
-                choices: Self::choices(),
+            .ok_or_else(|| match feature_of(&wanted) {
+                Some(feature) => HearthError::DeviceNotBuilt {
+                    name: s.to_string(),
+                    feature,
+                    choices: Self::choices(),
+                },
+                None => HearthError::UnknownDevice {
+                    name: s.to_string(),
+                    choices: Self::choices(),
+                },
             })
+    }
+}
+
+/// Hearth's devices that a cargo feature compiles in (all but `flex`), each with its feature,
+/// whether or not this build has it.
+const OPTIONAL_DEVICES: [(&str, &str); 5] = [
+    ("ndarray", "ndarray"),
+    ("wgpu", "wgpu"),
+    ("vulkan", "wgpu"),
+    ("vulkan-cpu", "wgpu"),
+    ("cuda", "cuda"),
+];
+
+fn feature_of(name: &str) -> Option<&'static str> {
+    OPTIONAL_DEVICES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, feature)| *feature)
+}
+
+impl DeviceChoice {
+    /// The devices Hearth has that this build left out, each with the cargo feature that
+    /// brings it (`hearth devices` lists them).
+    pub fn left_out() -> Vec<(&'static str, &'static str)> {
+        OPTIONAL_DEVICES
+            .into_iter()
+            .filter(|(name, _)| !Self::ALL.iter().any(|d| d.name() == *name))
+            .collect()
     }
 }
 
@@ -535,10 +575,43 @@ mod tests {
     #[test]
     fn unknown_device_lists_the_choices() {
         let err = "tpu".parse::<DeviceChoice>().unwrap_err().to_string();
-        assert!(
-            err.contains("'tpu'") && err.contains("flex") && err.contains("ndarray"),
-            "{err}"
-        );
+        assert!(err.contains("'tpu'") && err.contains("flex"), "{err}");
+    }
+
+    /// A device Hearth has but this build left out names the feature that brings it, in every
+    /// build: the one the tests run (wgpu and ndarray, no CUDA) and the default one (none).
+    #[test]
+    fn a_device_left_out_of_the_build_names_its_feature() {
+        for (name, feature) in [
+            ("cuda", "cuda"),
+            ("wgpu", "wgpu"),
+            ("vulkan-cpu", "wgpu"),
+            ("ndarray", "ndarray"),
+        ] {
+            match name.parse::<DeviceChoice>() {
+                Ok(choice) => assert_eq!(choice.name(), name),
+                Err(err) => {
+                    let err = err.to_string();
+                    assert!(
+                        err.contains(&format!("'{name}'"))
+                            && err.contains(&format!("--features {feature}"))
+                            && err.contains("flex"),
+                        "{err}"
+                    );
+                }
+            }
+        }
+        #[cfg(not(feature = "cuda-device"))]
+        assert!("cuda".parse::<DeviceChoice>().is_err());
+        // Every optional device is either built in or listed as left out, never both.
+        for (name, _) in OPTIONAL_DEVICES {
+            let built = DeviceChoice::ALL.iter().any(|d| d.name() == name);
+            let listed = DeviceChoice::left_out().iter().any(|(n, _)| *n == name);
+            assert!(
+                built != listed,
+                "{name}: built {built}, listed as left out {listed}"
+            );
+        }
     }
 
     #[test]
@@ -582,6 +655,7 @@ mod tests {
     #[test]
     fn cpu_devices_work() {
         select("flex").unwrap();
+        #[cfg(feature = "ndarray")]
         select("ndarray").unwrap();
     }
 }

@@ -10,6 +10,15 @@ pub enum HearthError {
 
     #[error("unknown device '{name}'; this build offers: {choices}")]
     UnknownDevice { name: String, choices: String },
+    #[error(
+        "device '{name}' is not compiled into this build (it offers: {choices}); \
+         build with `--features {feature}` to use it"
+    )]
+    DeviceNotBuilt {
+        name: String,
+        feature: &'static str,
+        choices: String,
+    },
     #[error("device '{name}' is not available on this machine: {reason}")]
     DeviceUnavailable { name: String, reason: String },
 

@@ -40,8 +40,8 @@ static ALLOC: hearth::alloc::CountingAllocator = hearth::alloc::CountingAllocato
     about = "Image models and distributed training on Burn"
 )]
 struct Cli {
-    /// Device to run on: flex (default CPU), ndarray, vulkan, wgpu, vulkan-cpu, cuda (when built
-    /// with the `cuda` feature); a GPU index picks one of several (cuda:1, vulkan:1). In a
+    /// Device to run on: flex (default CPU), ndarray (built with the `ndarray` feature), vulkan,
+    /// wgpu, vulkan-cpu (the `wgpu` feature), cuda (the `cuda` feature); a GPU index picks one of several (cuda:1, vulkan:1). In a
     /// distributed job without an index, each rank takes the GPU of its local rank.
     /// `hearth devices` lists this build's choices.
     #[arg(long, global = true, env = "HEARTH_DEVICE", default_value = "flex")]
@@ -378,6 +378,12 @@ fn devices() -> Result<()> {
             None => (status.clone(), String::new()),
         };
         println!("{:<12} {:<10} {}{}", d.name(), short, d.description(), rest);
+    }
+    for (name, feature) in DeviceChoice::left_out() {
+        println!(
+            "{name:<12} {:<10} not in this build: build with `--features {feature}`",
+            "-"
+        );
     }
     Ok(())
 }

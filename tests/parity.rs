@@ -94,6 +94,8 @@ fn torchvision_parity_flex() {
     check_parity(&DeviceChoice::Flex.device().unwrap(), "flex");
 }
 
+/// NdArray is a cargo feature (`ndarray`) the test command turns on.
+#[cfg(feature = "ndarray")]
 #[test]
 fn torchvision_parity_ndarray() {
     check_parity(&DeviceChoice::NdArray.device().unwrap(), "ndarray");
