@@ -188,7 +188,7 @@ impl DeviceChoice {
 /// burn-optim's `ModuleOptimizer::load_record` (which burn-train's resume also calls) builds the
 /// loaded state on Burn's default device, and moves it to each parameter's device on the next
 /// step. Unpinned, that default is the first backend compiled in (CUDA in a CUDA build, wgpu in
-/// the default one), which a run on another device may not be able to start: a resume, the
+/// a wgpu one), which a run on another device may not be able to start: a resume, the
 /// fine-tuning switch, a pipeline stage's checkpoint or an elastic re-forming would then panic
 /// in the backend. The `hearth` binary pins its `--device` at start; a program embedding the
 /// library calls this at the top of `main` (or sets `BURN_DEVICE`), and the loading paths
