@@ -8,7 +8,8 @@
 //! - `--compression bf16` changes an elastic run exactly as it changes a data-parallel one;
 //! - data-parallel and elastic runs stopped after an epoch and resumed equal the straight ones;
 //! - a pipeline (2 stages, and 2 stages x 2 replicas with compression) trains the recipe's
-//!   curve without accumulation as one process does.
+//!   curve without accumulation as one process does;
+//! - every mode's `metrics.csv` opens with the same columns, each filled at every epoch.
 //!
 //! The model has no batch norm or dropout, so every mode computes the same function; the
 //! training set (240 images, batches of 24) has only full batches, where burn-train's loss
@@ -190,6 +191,44 @@ fn model_gap(a: &Path, b: &Path, data: &Path) -> f32 {
 
 const CURVE: [&str; 3] = ["train_loss", "train_lr", "val_accuracy"];
 
+/// The columns every mode's `metrics.csv` starts with, in this order (the library's
+/// `SHARED_COLUMNS` after `epoch`), written out here so that a change to either is seen.
+const SHARED: [&str; 10] = [
+    "epoch",
+    "train_loss",
+    "train_accuracy",
+    "val_loss",
+    "val_accuracy",
+    "train_lr",
+    "train_images_per_sec",
+    "elapsed_seconds",
+    "train_skipped_images",
+    "val_skipped_images",
+];
+
+/// `run`'s `metrics.csv` opens with [`SHARED`], each with a value at every epoch, and puts
+/// per-rank columns after every other one.
+fn shared_columns(name: &str, run: &Path) {
+    let csv = std::fs::read_to_string(run.join("metrics.csv")).unwrap();
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    assert_eq!(header[..SHARED.len()], SHARED, "{name}: {csv}");
+    let first_rank = header.iter().position(|c| c.contains("_rank"));
+    if let Some(i) = first_rank {
+        assert!(
+            header[i..].iter().all(|c| c.contains("_rank")),
+            "{name}: per-rank columns last: {header:?}"
+        );
+    }
+    for (epoch, row) in metrics(run) {
+        for c in &SHARED[1..] {
+            let v = row.get(*c).copied().unwrap_or(f64::NAN);
+            assert!(v.is_finite(), "{name}: epoch {epoch} has no {c}: {csv}");
+        }
+        assert!(row["train_images_per_sec"] > 0.0, "{name}: {csv}");
+        assert!(row["elapsed_seconds"] > 0.0, "{name}: {csv}");
+    }
+}
+
 #[test]
 fn one_recipe_trains_the_same_in_one_process_data_parallel_elastic_and_on_servers() {
     let dir = tempfile::tempdir().unwrap();
@@ -225,7 +264,9 @@ fn one_recipe_trains_the_same_in_one_process_data_parallel_elastic_and_on_server
             train(dir.path(), &data, &path(name), world, &base, args),
         );
     }
+    shared_columns("one", &path("one"));
     for (name, _, _) in modes {
+        shared_columns(name, &path(name));
         let rows = metrics(&path(name));
         let worst = gap(&one, &rows, &CURVE);
         assert!(
@@ -315,6 +356,7 @@ fn a_pipeline_trains_the_recipe_as_one_process_does_with_and_without_replicas() 
     let one = metrics(&path("one"));
     let stages = ["--pipeline-stages", "2", "--micro-batches", "2"];
     let log = train(dir.path(), &data, &path("pipeline"), 1, &base, &stages);
+    shared_columns("pipeline", &path("pipeline"));
     let rows = metrics(&path("pipeline"));
     let worst = gap(&one, &rows, &CURVE);
     assert!(

@@ -1,11 +1,12 @@
 //! A burn-train `MetricLogger` that keeps every numeric entry in memory (burn-train reads them
 //! back for early stopping and best-epoch checkpoints) and writes `metrics.csv` after every
-//! validation epoch: one row per epoch, a header naming each column
-//! (`epoch, train_loss, train_accuracy, val_loss, val_accuracy, ...`).
+//! validation epoch: one row per epoch, a header naming each column (`epoch`, then
+//! [`SHARED_COLUMNS`], the same in every mode, then what only some runs have).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use burn::train::logger::MetricLogger;
 use burn::train::metric::store::{EpochSummary, MetricsUpdate, Split};
@@ -37,6 +38,8 @@ pub struct CsvMetricLogger {
     entries: HashMap<(String, usize, bool), Vec<NumericEntry>>,
     table: EpochTable,
     csv: PathBuf,
+    /// When the run started: each validated epoch's `elapsed_seconds` counts from it.
+    started: Instant,
 }
 
 /// An epoch's `train_lr` (epoch from 1).
@@ -131,7 +134,14 @@ impl CsvMetricLogger {
             entries: HashMap::new(),
             table,
             csv,
+            started: Instant::now(),
         }
+    }
+
+    /// Counts `elapsed_seconds` from `started` (the run's start, not this phase's).
+    pub fn with_started(mut self, started: Instant) -> Self {
+        self.started = started;
+        self
     }
 
     /// Fails the run through `interrupter` at the first non-finite training loss, recording
@@ -225,11 +235,41 @@ pub fn epoch_line(epoch: usize, epochs: Option<usize>, row: &BTreeMap<String, f6
     line
 }
 
-/// `metrics.csv` of `table`: `epoch`, then the required columns (`train_loss`,
-/// `train_accuracy`, `val_loss`, `val_accuracy`) and every other column in name order; an
-/// empty cell where an epoch lacks a value.
+/// The columns of `metrics.csv` that every mode writes, in this order, right after `epoch`
+/// (a cell stays empty where an epoch has no value: a resumed run's rows from an older
+/// build, a parameter-server lead's rows before the workers' figures arrive at the end).
+pub const SHARED_COLUMNS: [&str; 9] = [
+    "train_loss",
+    "train_accuracy",
+    "val_loss",
+    "val_accuracy",
+    "train_lr",
+    "train_images_per_sec",
+    "elapsed_seconds",
+    "train_skipped_images",
+    "val_skipped_images",
+];
+
+/// Where `column` goes in `metrics.csv`: the shared columns in their order, then what only
+/// some runs have (top-5 accuracy, AUROC, world size, server version, ...) in name order, then
+/// the per-rank curves (`..._rank{r}`) by rank, then name.
+fn column_order(column: &str) -> (usize, usize, String) {
+    if let Some(i) = SHARED_COLUMNS.iter().position(|c| *c == column) {
+        return (0, i, String::new());
+    }
+    let rank = column
+        .rsplit_once("_rank")
+        .and_then(|(_, r)| r.parse::<usize>().ok());
+    match rank {
+        Some(r) => (2, r, column.to_string()),
+        None => (1, 0, column.to_string()),
+    }
+}
+
+/// `metrics.csv` of `table`: `epoch`, the [`SHARED_COLUMNS`], then the run's other columns
+/// (see [`column_order`]); an empty cell where an epoch lacks a value.
 pub fn metrics_csv(table: &BTreeMap<usize, BTreeMap<String, f64>>) -> String {
-    let mut columns: Vec<String> = vec![];
+    let mut columns: Vec<String> = SHARED_COLUMNS.iter().map(|c| c.to_string()).collect();
     for row in table.values() {
         for k in row.keys() {
             if !columns.contains(k) {
@@ -237,13 +277,7 @@ pub fn metrics_csv(table: &BTreeMap<usize, BTreeMap<String, f64>>) -> String {
             }
         }
     }
-    let first = ["train_loss", "train_accuracy", "val_loss", "val_accuracy"];
-    columns.sort_by_key(|c| {
-        (
-            first.iter().position(|f| f == c).unwrap_or(first.len()),
-            c.clone(),
-        )
-    });
+    columns.sort_by_cached_key(|c| column_order(c));
     let mut out = String::from("epoch");
     for c in &columns {
         out.push(',');
@@ -388,6 +422,12 @@ impl MetricLogger for CsvMetricLogger {
             };
             values.insert(format!("{prefix}_{column}"), x);
         }
+        if valid {
+            values.insert(
+                "elapsed_seconds".into(),
+                self.started.elapsed().as_secs_f64(),
+            );
+        }
         if let Ok(mut table) = self.table.lock() {
             table.entry(epoch).or_default().extend(values);
         }
@@ -431,6 +471,45 @@ fn gather_over_ranks(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn metrics_csv_puts_the_shared_columns_first_then_the_runs_own_then_each_ranks() {
+        let mut row = BTreeMap::new();
+        for (k, v) in [
+            ("world_size", 2.0),
+            ("train_loss_rank10", 1.0),
+            ("train_loss_rank2", 1.0),
+            ("elapsed_seconds_rank2", 4.0),
+            ("val_accuracy", 50.0),
+            ("train_loss", 0.5),
+            ("bytes_per_sample", 8.0),
+            ("elapsed_seconds", 3.0),
+        ] {
+            row.insert(k.to_string(), v);
+        }
+        let table = BTreeMap::from([(1, row)]);
+        let csv = metrics_csv(&table);
+        let mut lines = csv.lines();
+        let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+        let mut expected = vec!["epoch"];
+        expected.extend(SHARED_COLUMNS);
+        expected.extend([
+            "bytes_per_sample",
+            "world_size",
+            "elapsed_seconds_rank2",
+            "train_loss_rank2",
+            "train_loss_rank10",
+        ]);
+        assert_eq!(header, expected);
+        // The shared columns this row lacks are empty cells, in place.
+        let cells: Vec<&str> = lines.next().unwrap().split(',').collect();
+        assert_eq!(cells.len(), header.len(), "{csv}");
+        let cell = |c: &str| cells[header.iter().position(|h| *h == c).unwrap()];
+        assert_eq!(cell("train_loss"), "0.500000");
+        assert_eq!(cell("elapsed_seconds"), "3.000000");
+        assert_eq!(cell("train_accuracy"), "");
+        assert_eq!(cell("train_loss_rank10"), "1.000000");
+    }
 
     #[test]
     fn the_epoch_line_counts_skipped_images_only_when_there_are_some() {

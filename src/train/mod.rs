@@ -375,6 +375,7 @@ impl<'a> Run<'a> {
             val_loader: &self.loaders.val,
             table: &self.table,
             dist: self.dist.as_ref(),
+            started: self.started,
         }
     }
 

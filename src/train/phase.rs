@@ -33,6 +33,8 @@ pub struct Phase<'a, T: Task> {
     pub val_loader: &'a Loader,
     pub table: &'a EpochTable,
     pub dist: Option<&'a Arc<burn_dist::Communicator>>,
+    /// When the run started (`elapsed_seconds` counts from it in every phase).
+    pub started: std::time::Instant,
 }
 
 impl<T: Task> Phase<'_, T> {
@@ -55,7 +57,8 @@ impl<T: Task> Phase<'_, T> {
     ) -> CsvMetricLogger {
         let mut csv_logger =
             CsvMetricLogger::new(cfg.run_dir.join("metrics.csv"), self.table.clone())
-                .with_nan_guard(non_finite.clone(), interrupter.clone());
+                .with_nan_guard(non_finite.clone(), interrupter.clone())
+                .with_started(self.started);
         if rank == 0 {
             csv_logger =
                 csv_logger.with_report(Box::new(|line: &str| eprintln!("{line}")), cfg.epochs);

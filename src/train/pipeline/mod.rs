@@ -77,6 +77,8 @@ struct PipelineRun<'a> {
     steps_per_epoch: usize,
     /// `HEARTH_FP16_OVERFLOW_AT_STEP` for this rank.
     overflow_at: Option<u64>,
+    /// When the run started: each epoch's `elapsed_seconds` counts from it.
+    started: Instant,
 }
 
 pub(super) fn train(
@@ -153,8 +155,9 @@ pub(super) fn train(
         objective: Objective::new(cfg, multi_label),
         steps_per_epoch,
         overflow_at: super::precision::overflow_hook(cfg.precision, &rank.to_string()),
+        started,
     };
-    run.train(started, log)
+    run.train(log)
 }
 
 impl PipelineRun<'_> {
@@ -414,8 +417,9 @@ impl Strategy for StageStrategy<'_, '_> {
 }
 
 impl PipelineRun<'_> {
-    fn train(mut self, started: Instant, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
+    fn train(mut self, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
         let cfg = self.cfg;
+        let started = self.started;
         let rank = self.comm.rank();
         let hparams = cfg.hyperparameters();
         let mut pipe = self.pipeline()?;

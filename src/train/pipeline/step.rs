@@ -309,6 +309,7 @@ impl PipelineRun<'_> {
                 "train_images_per_sec",
                 f64::from(v[2]) / took.as_secs_f64().max(1e-9),
             ),
+            ("elapsed_seconds", self.started.elapsed().as_secs_f64()),
         ]
         .into_iter()
         .map(|(k, x)| (k.to_string(), x))

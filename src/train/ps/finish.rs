@@ -98,7 +98,7 @@ impl<T: Trainee> Worker<'_, T> {
     }
 
     /// Each worker's epochs as `*_rank{r}` columns, `train_*` as the mean over the workers,
-    /// bytes exchanged per sample, and in sync mode which worker the rounds waited for.
+    /// `train_images_per_sec` as their sum, bytes exchanged per sample, and in sync mode which worker the rounds waited for.
     pub(super) fn merge_worker_stats(
         &self,
         rows: &mut crate::train::EpochRows,
@@ -131,6 +131,14 @@ impl<T: Trainee> Worker<'_, T> {
                 );
             }
             let samples: f64 = of_epoch.iter().map(|(_, s)| s.samples).sum();
+            // The job's throughput: the workers train side by side, so their rates add up.
+            row.insert(
+                "train_images_per_sec".into(),
+                of_epoch
+                    .iter()
+                    .map(|(_, s)| s.samples / s.seconds.max(1e-9))
+                    .sum(),
+            );
             row.insert(
                 "train_loss".into(),
                 of_epoch.iter().map(|(_, s)| s.loss_sum).sum::<f64>() / samples.max(1.0),

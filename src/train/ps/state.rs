@@ -99,7 +99,8 @@ impl PsState {
 }
 
 /// One worker's epoch: training loss × samples, correct predictions, samples, seconds spent
-/// waiting for the servers, seconds since the start when the epoch ended.
+/// waiting for the servers, seconds since the start when the epoch ended, and the epoch's own
+/// seconds (its training, waits included).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct EpochStats {
     pub epoch: usize,
@@ -112,6 +113,7 @@ pub struct EpochStats {
     pub bytes: f64,
     /// Steps this worker skipped for non-finite fp16 gradients.
     pub skipped: f64,
+    pub seconds: f64,
 }
 
 impl EpochStats {
@@ -128,7 +130,7 @@ pub fn encode_stats(rows: &[EpochStats]) -> Vec<u8> {
     for r in rows {
         w = w.u64(r.epoch as u64);
         for v in [
-            r.loss_sum, r.correct, r.samples, r.wait, r.elapsed, r.bytes, r.skipped,
+            r.loss_sum, r.correct, r.samples, r.wait, r.elapsed, r.bytes, r.skipped, r.seconds,
         ] {
             w = w.u64(v.to_bits());
         }
@@ -145,7 +147,7 @@ pub fn decode_stats(b: &[u8]) -> std::result::Result<Vec<EpochStats>, String> {
     let mut out = Vec::new();
     for _ in 0..n {
         let epoch = r.u64().map_err(|e| e.to_string())? as usize;
-        let mut f = [0f64; 7];
+        let mut f = [0f64; 8];
         for v in &mut f {
             *v = f64::from_bits(r.u64().map_err(|e| e.to_string())?);
         }
@@ -158,6 +160,7 @@ pub fn decode_stats(b: &[u8]) -> std::result::Result<Vec<EpochStats>, String> {
             elapsed: f[4],
             bytes: f[5],
             skipped: f[6],
+            seconds: f[7],
         });
     }
     r.finish().map_err(|e| e.to_string())?;
@@ -254,6 +257,7 @@ mod tests {
             elapsed: 9.0,
             bytes: 1e6,
             skipped: 2.0,
+            seconds: 3.5,
         }];
         assert_eq!(decode_stats(&encode_stats(&rows)).unwrap(), rows);
         assert!(decode_stats(&encode_stats(&rows)[..20]).is_err());

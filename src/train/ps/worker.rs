@@ -209,6 +209,7 @@ impl<T: Trainee> Worker<'_, T> {
         params: &mut Vec<f32>,
         step: &mut u64,
     ) -> Result<()> {
+        let began = Instant::now();
         let mut row = EpochStats {
             epoch,
             ..Default::default()
@@ -266,6 +267,7 @@ impl<T: Trainee> Worker<'_, T> {
             self.model = with_trainable_values(self.model.clone(), params)?;
         }
         row.elapsed = self.started.elapsed().as_secs_f64();
+        row.seconds = began.elapsed().as_secs_f64();
         row.bytes = (ps.client.bytes_in + ps.client.bytes_out) as f64;
         self.stats.push(row);
         self.save_loss_scale(epoch)
