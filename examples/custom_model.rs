@@ -33,7 +33,7 @@ use hearth::dist::rendezvous::RankInfo;
 use hearth::kernels::linear;
 use hearth::train::{
     Custom, ElasticOptions, ExampleError, Examples, Net, PsMode, PsOptions, PsServers, Targets,
-    TrainConfig, train_custom,
+    TrainConfig, TrainingMode, train_custom,
 };
 
 /// The user's network: 2 inputs, two hidden layers, one logit per class.
@@ -179,14 +179,14 @@ fn main() -> Result<()> {
         // Data parallel over the ranks `hearth launch -n N` starts; one process without it.
         "dp" => {}
         "ps" => {
-            cfg.ps = Some(PsOptions {
+            cfg.mode = TrainingMode::ParameterServers(PsOptions {
                 servers: PsServers::Dedicated(1),
                 mode: PsMode::Sync,
                 ..Default::default()
             })
         }
         "elastic" => {
-            cfg.elastic = Some(
+            cfg.mode = TrainingMode::Elastic(
                 ElasticOptions {
                     min_workers,
                     max_workers,

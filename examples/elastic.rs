@@ -19,7 +19,7 @@ use anyhow::{Context, Result};
 use burn::prelude::*;
 use hearth::HearthError;
 use hearth::dist::rendezvous::RankInfo;
-use hearth::train::{Balance, ElasticOptions, TrainConfig, train};
+use hearth::train::{Balance, ElasticOptions, TrainConfig, TrainingMode, train};
 
 fn main() -> Result<()> {
     // As the `hearth` binary does: Burn's default device pinned to the run's backend, the CPU
@@ -38,7 +38,7 @@ fn main() -> Result<()> {
     cfg.workers = 1;
     // The first workers are a job (HEARTH_RANK...); joiners are not.
     cfg.dist = RankInfo::detect()?;
-    cfg.elastic = Some(
+    cfg.mode = TrainingMode::Elastic(
         ElasticOptions {
             min_workers: 2,
             max_workers: 4,

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use burn::prelude::*;
 use hearth::dist::rendezvous::RankInfo;
-use hearth::train::{PsMode, PsOptions, PsServers, TrainConfig, train};
+use hearth::train::{PsMode, PsOptions, PsServers, TrainConfig, TrainingMode, train};
 
 fn main() -> Result<()> {
     // As the `hearth` binary does: Burn's default device pinned to the run's backend, the CPU
@@ -35,7 +35,7 @@ fn main() -> Result<()> {
     cfg.warmup_epochs = 0;
     cfg.workers = 1;
     cfg.dist = RankInfo::detect()?;
-    cfg.ps = Some(PsOptions {
+    cfg.mode = TrainingMode::ParameterServers(PsOptions {
         servers: PsServers::Dedicated(1),
         mode: PsMode::Adag,
         window: Some(4),

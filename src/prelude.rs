@@ -3,8 +3,8 @@
 pub use crate::device::{DeviceSpec, select};
 pub use crate::models::{Architecture, LoadOptions, ModelConfig, load_torchvision};
 pub use crate::train::{
-    ElasticOptions, Net, PsMode, PsOptions, PsServers, TrainConfig, TrainReport, train,
-    train_custom,
+    ElasticOptions, Net, PipelineOptions, PsMode, PsOptions, PsServers, TrainConfig, TrainReport,
+    TrainingMode, train, train_custom,
 };
 pub use crate::{HearthError, Result};
 pub use burn::prelude::Device;

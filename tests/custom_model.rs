@@ -231,7 +231,7 @@ fn image_settings_are_refused_by_name_for_a_user_module() {
     let dir = tempfile::tempdir().unwrap();
     let base = || {
         let mut cfg = TrainConfig::new(dir.path().join("run"));
-        cfg.ps = Some(Default::default());
+        cfg.mode = hearth::train::TrainingMode::ParameterServers(Default::default());
         cfg
     };
     let mut cfg = base();
@@ -259,7 +259,7 @@ fn image_settings_are_refused_by_name_for_a_user_module() {
     assert!(refusal(&cfg).contains("overlap"));
     // One process too.
     let mut cfg = base();
-    cfg.ps = None;
+    cfg.mode = hearth::train::TrainingMode::DataParallel;
     cfg.val_fraction = 0.3;
     assert!(refusal(&cfg).contains("val_fraction"));
     // Nothing was written for a refused run.

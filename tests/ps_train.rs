@@ -561,6 +561,7 @@ fn refused(cfg: &hearth::train::TrainConfig) -> String {
 
 #[test]
 fn settings_that_do_not_fit_a_parameter_server_run_are_refused() {
+    use hearth::train::TrainingMode::ParameterServers;
     let mut cfg = hearth::train::TrainConfig::new("unused".into());
     cfg.dist = Some(hearth::dist::rendezvous::RankInfo {
         rank: 0,
@@ -574,10 +575,10 @@ fn settings_that_do_not_fit_a_parameter_server_run_are_refused() {
         ..Default::default()
     };
     cfg.batch_size = 24;
-    cfg.ps = Some(ps(hearth::train::PsServers::Dedicated(3)));
+    cfg.mode = ParameterServers(ps(hearth::train::PsServers::Dedicated(3)));
     let e = refused(&cfg);
     assert!(e.contains("no worker"), "{e}");
-    cfg.ps = Some(ps(hearth::train::PsServers::Dedicated(1)));
+    cfg.mode = ParameterServers(ps(hearth::train::PsServers::Dedicated(1)));
     cfg.batch_size = 25;
     let e = refused(&cfg);
     assert!(e.contains("2 workers"), "{e}");
@@ -604,10 +605,10 @@ fn settings_that_do_not_fit_a_parameter_server_run_are_refused() {
         ..ps(hearth::train::PsServers::Dedicated(1))
     };
     cfg.lr = 0.05;
-    cfg.ps = Some(easgd(Some(30.0)));
+    cfg.mode = ParameterServers(easgd(Some(30.0)));
     let e = refused(&cfg);
     assert!(e.contains("--rho 30") && e.contains("at most 20"), "{e}");
-    cfg.ps = Some(hearth::train::PsOptions {
+    cfg.mode = ParameterServers(hearth::train::PsOptions {
         mode: hearth::train::PsMode::Sync,
         window: Some(5),
         ..ps(hearth::train::PsServers::Dedicated(1))
@@ -635,7 +636,7 @@ fn each_mode_takes_its_own_defaults_where_a_flag_is_not_given() {
             ..Default::default()
         };
         assert_eq!(opts.window(), window, "{mode}");
-        cfg.ps = Some(opts);
+        cfg.mode = hearth::train::TrainingMode::ParameterServers(opts);
         assert_eq!(cfg.momentum(), momentum, "{mode}");
         cfg.momentum = Some(0.7);
         assert_eq!(cfg.momentum(), 0.7, "{mode}: a given momentum stands");

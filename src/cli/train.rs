@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use hearth::device::DeviceSpec;
 use hearth::dist::Compression;
 use hearth::dist::pipeline::Schedule;
-use hearth::train::{OptimizerKind, PipelineBalance, PipelineOptions};
+use hearth::train::{OptimizerKind, PipelineBalance, PipelineOptions, TrainingMode};
 
 use crate::cli::exit::exit_with;
 use crate::cli::resume::take_recorded;
@@ -100,8 +100,9 @@ fn build_config(
     cfg.zero = a.zero;
     cfg.recompute = a.recompute && !a.no_recompute;
     cfg.overlap = a.overlap;
-    cfg.pipeline = match a.pipeline_stages {
-        Some(stages) => Some(PipelineOptions {
+    // clap refuses two mode flags together (--elastic, --ps, --pipeline-stages).
+    cfg.mode = match (a.pipeline_stages, elastic, ps) {
+        (Some(stages), _, _) => TrainingMode::Pipeline(PipelineOptions {
             stages,
             micro_batches: a.micro_batches.unwrap_or(4),
             schedule: a.pipeline_schedule.unwrap_or(Schedule::OneFOneB),
@@ -112,10 +113,10 @@ fn build_config(
                 .transpose()?,
             balance: a.pipeline_balance.unwrap_or(PipelineBalance::Params),
         }),
-        None => None,
+        (None, Some(e), _) => TrainingMode::Elastic(e),
+        (None, None, Some(p)) => TrainingMode::ParameterServers(p),
+        (None, None, None) => TrainingMode::DataParallel,
     };
-    cfg.elastic = elastic;
-    cfg.ps = ps;
     cfg.dist = dist;
     // Gradients travel in the training precision unless --compression says otherwise.
     cfg.compression = match a.compression {
@@ -441,7 +442,7 @@ fn summarise(cfg: &hearth::train::TrainConfig, report: &hearth::train::TrainRepo
     if report.rank != 0 {
         return;
     }
-    if let Some(ps) = &cfg.ps {
+    if let Some(ps) = cfg.mode.ps() {
         println!(
             "trained with parameter servers ({}, mode {}): global batch {}",
             match ps.servers {
@@ -452,8 +453,8 @@ fn summarise(cfg: &hearth::train::TrainConfig, report: &hearth::train::TrainRepo
             cfg.batch_size
         );
     }
-    match &cfg.pipeline {
-        _ if cfg.ps.is_some() => {}
+    match cfg.mode.pipeline() {
+        _ if cfg.mode.ps().is_some() => {}
         Some(p) => {
             let pipelines = (report.world / p.stages.max(1)).max(1);
             println!(

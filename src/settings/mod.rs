@@ -9,4 +9,6 @@ mod modes;
 pub use choices::{
     AugmentPreset, DEFAULT_MOMENTUM, FinetuneBn, Monitor, OptimizerKind, PipelineBalance, Precision,
 };
-pub use modes::{Balance, EASGD_PEAK_ALPHA, ElasticOptions, PipelineOptions, PsOptions, PsServers};
+pub use modes::{
+    Balance, EASGD_PEAK_ALPHA, ElasticOptions, PipelineOptions, PsOptions, PsServers, TrainingMode,
+};

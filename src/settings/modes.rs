@@ -1,5 +1,6 @@
-//! Each distributed mode's own options: pipeline stages, parameter servers, elastic
-//! membership. What the modes do with them lives in `crate::train`'s mode modules.
+//! How a run's processes share the training ([`TrainingMode`]) and each distributed mode's own
+//! options: pipeline stages, parameter servers, elastic membership. What the modes do with
+//! them lives in `crate::train`'s mode modules.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -9,6 +10,63 @@ use burn_dist::ps::Mode;
 
 use super::PipelineBalance;
 use crate::{HearthError, Result};
+
+/// How a run's processes share the training: exactly one mode, carrying its own options.
+///
+/// The ranks themselves (`TrainConfig::dist`) come from the launcher, not from this choice:
+/// [`TrainingMode::DataParallel`] is one process on a run of one rank and data parallel on
+/// more, the other modes split their ranks as their options say.
+#[derive(Debug, Clone, Default)]
+pub enum TrainingMode {
+    /// Every rank holds the whole model and the gradients are averaged by allreduce each
+    /// step (one process when the run has one rank).
+    #[default]
+    DataParallel,
+    /// Data parallel whose workers may die, leave and join while it trains (`--elastic`).
+    Elastic(ElasticOptions),
+    /// Workers exchange with parameter servers that hold the weights (`--ps`).
+    ParameterServers(PsOptions),
+    /// The model split into stages over the ranks, in pipelines that train data parallel
+    /// (`--pipeline-stages`).
+    Pipeline(PipelineOptions),
+}
+
+impl TrainingMode {
+    /// The elastic options, when the mode is elastic.
+    pub fn elastic(&self) -> Option<&ElasticOptions> {
+        match self {
+            Self::Elastic(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The parameter-server options, when the mode is parameter servers.
+    pub fn ps(&self) -> Option<&PsOptions> {
+        match self {
+            Self::ParameterServers(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// The pipeline options, when the mode is a pipeline.
+    pub fn pipeline(&self) -> Option<&PipelineOptions> {
+        match self {
+            Self::Pipeline(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// The flag that chooses the mode on the command line (`None` for data parallel, the
+    /// mode without a flag).
+    pub fn flag(&self) -> Option<&'static str> {
+        match self {
+            Self::DataParallel => None,
+            Self::Elastic(_) => Some("--elastic"),
+            Self::ParameterServers(_) => Some("--ps"),
+            Self::Pipeline(_) => Some("--pipeline-stages"),
+        }
+    }
+}
 
 /// Pipeline model parallelism (`--pipeline-stages`): the model's units split into `stages`
 /// consecutive stages, one per rank of each pipeline; `world / stages` pipelines train data

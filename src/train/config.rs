@@ -7,8 +7,7 @@ use hearth_datasets::Augmentation;
 use crate::Result;
 use crate::schedule::{Decay, LrScaling};
 use crate::settings::{
-    AugmentPreset, DEFAULT_MOMENTUM, ElasticOptions, FinetuneBn, Monitor, OptimizerKind,
-    PipelineOptions, Precision, PsOptions,
+    AugmentPreset, DEFAULT_MOMENTUM, FinetuneBn, Monitor, OptimizerKind, Precision, TrainingMode,
 };
 
 /// Settings `--resume` may change: the run's length (extending a finished run) and early
@@ -104,12 +103,10 @@ pub struct TrainConfig {
     /// (the buckets are cut in another order), so not a hyperparameter: a resumed run may turn
     /// it on or off.
     pub overlap: bool,
-    /// Pipeline model parallelism instead of pure data parallelism.
-    pub pipeline: Option<PipelineOptions>,
-    /// Elastic data parallelism: workers join and leave, the global batch stays fixed.
-    pub elastic: Option<ElasticOptions>,
-    /// Parameter servers (`--ps`): its own loop over burn-dist's `ps`.
-    pub ps: Option<PsOptions>,
+    /// How the processes share the training, with the chosen mode's own options: data
+    /// parallel (the default; one process on one rank), elastic, parameter servers or a
+    /// pipeline.
+    pub mode: TrainingMode,
 }
 
 impl TrainConfig {
@@ -155,9 +152,7 @@ impl TrainConfig {
             zero: 0,
             recompute: false,
             overlap: false,
-            pipeline: None,
-            elastic: None,
-            ps: None,
+            mode: TrainingMode::DataParallel,
         }
     }
 
@@ -175,7 +170,7 @@ impl TrainConfig {
     /// nearer sync from scratch but cost seed 000's fine-tuning recipe 7.5 points.
     pub fn momentum(&self) -> f64 {
         use burn_dist::ps::Mode;
-        self.momentum.unwrap_or_else(|| match &self.ps {
+        self.momentum.unwrap_or_else(|| match self.mode.ps() {
             Some(p) if matches!(p.mode, Mode::Downpour | Mode::DynSgd) => 0.0,
             _ => DEFAULT_MOMENTUM,
         })

@@ -184,9 +184,9 @@ impl Hparams {
             recompute: cfg.recompute,
             launch: LaunchRecord {
                 processes: cfg.dist.as_ref().map_or(1, |d| d.world),
-                elastic: cfg.elastic.is_some(),
+                elastic: cfg.mode.elastic().is_some(),
             },
-            pipeline: cfg.pipeline.as_ref().map(|p| PipelineRecord {
+            pipeline: cfg.mode.pipeline().map(|p| PipelineRecord {
                 stages: p.stages,
                 micro_batches: p.micro_batches,
                 schedule: p.schedule,
@@ -196,7 +196,7 @@ impl Hparams {
                     .map(|s| s.iter().map(|r| format!("{}:{}", r.start, r.end)).collect()),
                 balance: p.balance,
             }),
-            ps: cfg.ps.as_ref().map(|p| PsRecord {
+            ps: cfg.mode.ps().map(|p| PsRecord {
                 servers: match p.servers {
                     PsServers::Dedicated(n) => ServersRecord::Count(n),
                     PsServers::Colocated => ServersRecord::Named("colocated".into()),
@@ -215,7 +215,7 @@ impl Hparams {
     fn as_given(cfg: &TrainConfig) -> Self {
         let mut h = Self::of(cfg);
         h.momentum = cfg.momentum;
-        if let (Some(r), Some(p)) = (h.ps.as_mut(), cfg.ps.as_ref()) {
+        if let (Some(r), Some(p)) = (h.ps.as_mut(), cfg.mode.ps()) {
             r.window = p.window;
         }
         h
@@ -268,8 +268,28 @@ impl Hparams {
             pipeline,
             ps,
         } = self;
-        cfg.pipeline = pipeline.map(PipelineRecord::options).transpose()?;
-        cfg.ps = ps.map(PsRecord::options).transpose()?;
+        cfg.mode = match (pipeline, ps, &cfg.mode) {
+            (Some(_), Some(_), _) => {
+                return Err(HearthError::InvalidArgument(
+                    "the run's settings name both a pipeline and parameter servers; a run has \
+                     one mode"
+                        .into(),
+                ));
+            }
+            (Some(_), None, TrainingMode::Elastic(_))
+            | (None, Some(_), TrainingMode::Elastic(_)) => {
+                return Err(HearthError::InvalidArgument(
+                    "--elastic: this run was not elastic (it recorded a pipeline or parameter \
+                     servers); resume it without --elastic"
+                        .into(),
+                ));
+            }
+            (Some(p), None, _) => TrainingMode::Pipeline(p.options()?),
+            (None, Some(p), _) => TrainingMode::ParameterServers(p.options()?),
+            // Elastic membership comes from the launch (hparams.json records only that it was).
+            (None, None, TrainingMode::Elastic(e)) => TrainingMode::Elastic(e.clone()),
+            (None, None, _) => TrainingMode::DataParallel,
+        };
         cfg.data = data.map(Into::into);
         cfg.labels = labels.map(Into::into);
         cfg.val_fraction = val_fraction;
@@ -422,7 +442,7 @@ mod tests {
         };
         c.scale_lr = Some((LrScaling::Sqrt, 64));
         c.augmentation.crop_scale = Some((0.3, 1.0));
-        c.ps = Some(PsOptions {
+        c.mode = TrainingMode::ParameterServers(PsOptions {
             servers: PsServers::Colocated,
             mode: burn_dist::ps::Mode::Easgd,
             window: Some(3),
@@ -514,15 +534,44 @@ mod tests {
         );
         let mut c = TrainConfig::new("run".into());
         assert_eq!(c.take_recorded(&saved, &|_| false).unwrap(), ["ps"]);
-        let ps = c.ps.unwrap();
+        let ps = c.mode.ps().unwrap();
         assert_eq!(ps.servers, PsServers::Dedicated(2));
         assert_eq!((ps.window, ps.rho), (None, None));
     }
 
     #[test]
+    fn the_recorded_mode_comes_back_and_a_conflicting_one_is_refused() {
+        let saved: Map<String, Value> = config().hyperparameters().into_iter().collect();
+        // A bare resume takes the recorded parameter servers.
+        let mut back = TrainConfig::new("run".into());
+        back.take_recorded(&saved, &|_| false).unwrap();
+        assert_eq!(back.mode.ps().unwrap().mode, burn_dist::ps::Mode::Easgd);
+        // An elastic launch of a run recorded with parameter servers is refused by name.
+        let mut elastic = TrainConfig::new("run".into());
+        elastic.mode = TrainingMode::Elastic(Default::default());
+        let e = elastic
+            .take_recorded(&saved, &|_| false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--elastic") && e.contains("was not elastic"),
+            "{e}"
+        );
+        // An elastic run (no pipeline, no servers recorded) stays elastic.
+        let plain: Map<String, Value> = TrainConfig::new("run".into())
+            .hyperparameters()
+            .into_iter()
+            .collect();
+        let mut again = TrainConfig::new("run".into());
+        again.mode = TrainingMode::Elastic(Default::default());
+        again.take_recorded(&plain, &|_| false).unwrap();
+        assert!(again.mode.elastic().is_some());
+    }
+
+    #[test]
     fn a_pipeline_split_reads_back_as_ranges() {
         let mut c = TrainConfig::new("run".into());
-        c.pipeline = Some(PipelineOptions {
+        c.mode = TrainingMode::Pipeline(PipelineOptions {
             stages: 2,
             micro_batches: 4,
             schedule: burn_dist::pipeline::Schedule::default(),
@@ -536,6 +585,6 @@ mod tests {
         );
         let mut back = TrainConfig::new("run".into());
         back.take_recorded(&saved, &|_| false).unwrap();
-        assert_eq!(back.pipeline.unwrap().split, Some(vec![0..2, 2..5]));
+        assert_eq!(back.mode.pipeline().unwrap().split, Some(vec![0..2, 2..5]));
     }
 }

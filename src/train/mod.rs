@@ -65,6 +65,7 @@ pub mod zero;
 pub use crate::settings::{
     AugmentPreset, Balance, DEFAULT_MOMENTUM, EASGD_PEAK_ALPHA, ElasticOptions, FinetuneBn,
     Monitor, OptimizerKind, PipelineBalance, PipelineOptions, Precision, PsOptions, PsServers,
+    TrainingMode,
 };
 pub use best::{BestRule, KeepBestAndLast, Patience, best_epoch};
 pub use burn_dist::ps::Mode as PsMode;
@@ -105,7 +106,7 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
     cfg.validate()?;
     crate::device::check_precision(device, cfg.precision)?;
     if cfg.recompute {
-        log(if cfg.pipeline.is_some() {
+        log(if cfg.mode.pipeline().is_some() {
             "--recompute: each stage keeps only its micro-batches' inputs and computes their \
              activations again in the backward"
         } else {
@@ -119,14 +120,11 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
              the units before it compute",
         );
     }
-    if cfg.pipeline.is_some() {
-        return pipeline::train(cfg, device, log);
-    }
-    if let Some(opts) = &cfg.elastic {
-        return elastic::train(cfg, opts, device, log);
-    }
-    if let Some(opts) = &cfg.ps {
-        return ps::train(cfg, opts, device, log);
+    match &cfg.mode {
+        TrainingMode::Pipeline(_) => return pipeline::train(cfg, device, log),
+        TrainingMode::Elastic(opts) => return elastic::train(cfg, opts, device, log),
+        TrainingMode::ParameterServers(opts) => return ps::train(cfg, opts, device, log),
+        TrainingMode::DataParallel => {}
     }
     let started = Instant::now();
     let dist = match &cfg.dist {
@@ -166,15 +164,15 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
 }
 
 /// Trains a user's own Burn module on their own data ([`Custom`]: a [`Net`] and two
-/// [`Examples`] sets) with `cfg`'s settings, elastic (`cfg.elastic`) or on parameter servers
-/// (`cfg.ps`), or else data parallel over `cfg.dist`'s ranks (one process without it): the
+/// [`Examples`] sets) with `cfg`'s settings in `cfg.mode`: data parallel over `cfg.dist`'s
+/// ranks (one process without it), elastic or on parameter servers: the
 /// same validation, metrics, early stopping, checkpoints, exact resume and export as Hearth's
 /// image models get. `model.bpk` holds the module's
 /// weights (burnpack: load them with `ModuleRecord::load` into the same module).
 ///
 /// The settings that only mean something for Hearth's image models (`data`, `val_fraction`, `labels`,
 /// `model`, `weights`, `freeze_backbone`, `unfreeze_after`, `finetune_lr`, `augmentation`,
-/// `image_size`, `workers`, `pipeline`, `recompute`, `overlap`) are refused by name when set.
+/// `image_size`, `workers`, a pipeline `mode`, `recompute`, `overlap`) are refused by name when set.
 pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
     cfg: &TrainConfig,
     custom: &Custom<N, E>,
@@ -213,8 +211,8 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
             cfg.workers != defaults.workers,
         ),
         (
-            "pipeline (stages split Hearth's own models)",
-            cfg.pipeline.is_some(),
+            "mode Pipeline (stages split Hearth's own models)",
+            cfg.mode.pipeline().is_some(),
         ),
         (
             "recompute (it recomputes a model's units, which a custom module does not have)",
@@ -256,13 +254,14 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
     checked.monitor = defaults.monitor;
     checked.validate()?;
     crate::device::check_precision(device, cfg.precision)?;
-    if let Some(opts) = &cfg.elastic {
-        return elastic::train_with(cfg, opts, custom, device, log);
+    match &cfg.mode {
+        TrainingMode::Elastic(opts) => elastic::train_with(cfg, opts, custom, device, log),
+        TrainingMode::ParameterServers(opts) => ps::train_with(cfg, opts, custom, device, log),
+        // Refused above, with the other image-model settings.
+        TrainingMode::Pipeline(_) | TrainingMode::DataParallel => {
+            allreduce::train_with(cfg, custom, device, log)
+        }
     }
-    if let Some(opts) = &cfg.ps {
-        return ps::train_with(cfg, opts, custom, device, log);
-    }
-    allreduce::train_with(cfg, custom, device, log)
 }
 
 /// What the steps of a run share once the data and the job are known.

@@ -8,7 +8,7 @@ use super::catalog::model_config;
 use super::ps::Roles;
 use crate::settings::{
     DEFAULT_MOMENTUM, EASGD_PEAK_ALPHA, ElasticOptions, FinetuneBn, Monitor, OptimizerKind,
-    PipelineOptions, PsOptions,
+    PipelineOptions, PsOptions, TrainingMode,
 };
 use crate::{HearthError, Result};
 
@@ -31,14 +31,11 @@ impl TrainConfig {
         }
         self.validate_optimizer()?;
         self.validate_batches()?;
-        if let Some(p) = &self.pipeline {
-            self.validate_pipeline(p)?;
-        }
-        if let Some(e) = &self.elastic {
-            self.validate_elastic(e)?;
-        }
-        if let Some(p) = &self.ps {
-            self.validate_ps(p)?;
+        match &self.mode {
+            TrainingMode::Pipeline(p) => self.validate_pipeline(p)?,
+            TrainingMode::Elastic(e) => self.validate_elastic(e)?,
+            TrainingMode::ParameterServers(p) => self.validate_ps(p)?,
+            TrainingMode::DataParallel => {}
         }
         self.validate_zero()?;
         self.validate_overlap()?;
@@ -114,16 +111,16 @@ impl TrainConfig {
         if self.grad_accum == Some(0) {
             return bad("--grad-accum must be at least 1".into());
         }
-        if let Some(d) = &self.dist
-            && self.elastic.is_none()
-            && self.ps.is_none()
-        {
-            // The global batch is split over the data-parallel replicas: every rank, or every
-            // pipeline (a pipeline's stages share their replica's batch).
-            let (parts, what) = match &self.pipeline {
-                Some(p) => ((d.world / p.stages.max(1)).max(1), "pipelines"),
-                None => (d.world, "ranks"),
-            };
+        // The global batch is split over the data-parallel replicas: every rank, or every
+        // pipeline (a pipeline's stages share their replica's batch).
+        let parts = match (&self.dist, &self.mode) {
+            (Some(d), TrainingMode::Pipeline(p)) => {
+                Some(((d.world / p.stages.max(1)).max(1), "pipelines"))
+            }
+            (Some(d), TrainingMode::DataParallel) => Some((d.world, "ranks")),
+            _ => None,
+        };
+        if let Some((parts, what)) = parts {
             if !self.batch_size.is_multiple_of(parts) {
                 return bad(format!(
                     "--batch-size {} (the global batch) must divide evenly over {parts} {what}",
@@ -195,13 +192,6 @@ impl TrainConfig {
                 self.batch_size, e.max_workers
             ));
         }
-        if self.pipeline.is_some() {
-            return bad(
-                "--pipeline-stages does not work with --elastic: a pipeline's stages are \
-                 fixed ranks, and elastic membership changes them"
-                    .into(),
-            );
-        }
         Ok(())
     }
 
@@ -252,15 +242,15 @@ impl TrainConfig {
         if !self.overlap {
             return Ok(());
         }
-        let why = if self.ps.is_some() {
+        let why = if self.mode.ps().is_some() {
             Some("--ps (workers exchange values with the servers, not by allreduce)")
-        } else if self.pipeline.is_some() {
+        } else if self.mode.pipeline().is_some() {
             Some("--pipeline-stages (not built: a stage's replicas exchange after its step)")
         } else if self.zero > 0 {
             Some("--zero (its exchange is a reduce-scatter in buckets of its own)")
         } else if self.grad_accum.is_some_and(|k| k > 1) {
             Some("--grad-accum (a step's gradients are exchanged on its last backward only)")
-        } else if self.elastic.is_none() && self.dist.as_ref().is_none_or(|d| d.world < 2) {
+        } else if self.mode.elastic().is_none() && self.dist.as_ref().is_none_or(|d| d.world < 2) {
             Some(
                 "a one-process run: it exchanges no gradients (add --nproc N, or launch it as \
                  a job)",
@@ -290,16 +280,19 @@ impl TrainConfig {
                 self.zero
             ));
         }
-        let mode = if self.ps.is_some() {
+        let mode = if self.mode.ps().is_some() {
             Some("--ps: its servers already hold the optimizer state, sharded")
-        } else if let Some(p) = &self.pipeline {
+        } else if let Some(p) = self.mode.pipeline() {
             // A stage's replicas shard its state: P stages x D replicas, D at least 2.
             let world = self.dist.as_ref().map_or(1, |d| d.world);
             (world / p.stages.max(1) < 2).then_some(
                 "--pipeline-stages and one replica per stage: --zero shards a stage's state over \
                  its replicas (--nproc P x D with D of 2 or more)",
             )
-        } else if self.elastic.is_some() && self.freeze_backbone && self.unfreeze_after.is_some() {
+        } else if self.mode.elastic().is_some()
+            && self.freeze_backbone
+            && self.unfreeze_after.is_some()
+        {
             Some(
                 "--elastic and --unfreeze-after: not built yet (the fine-tuning switch would \
                  re-shard the state over the tensors it adds)",
@@ -311,7 +304,7 @@ impl TrainConfig {
             return bad(format!("--zero does not work with {why}"));
         }
         // An elastic job's workers come and go (a joiner has no launch world at all).
-        if self.elastic.is_none() && self.dist.as_ref().is_none_or(|d| d.world < 2) {
+        if self.mode.elastic().is_none() && self.dist.as_ref().is_none_or(|d| d.world < 2) {
             return bad(format!(
                 "--zero {} shards the optimizer over data-parallel ranks, and a one-process run \
                  has one: add --nproc N (or launch it as a job)",
@@ -329,7 +322,7 @@ impl TrainConfig {
         if allreduce {
             return Ok(());
         }
-        if self.compression != burn_dist::Compression::None && self.ps.is_none() {
+        if self.compression != burn_dist::Compression::None && self.mode.ps().is_none() {
             return Err(HearthError::InvalidArgument(format!(
                 "--compression {} does not apply: {why}",
                 self.compression.name()
@@ -351,18 +344,18 @@ impl TrainConfig {
 
     fn allreduce_exchange(&self) -> (bool, &'static str) {
         let ranks = self.dist.as_ref().map_or(1, |d| d.world);
-        match (&self.pipeline, &self.ps, &self.elastic) {
-            (_, Some(_), _) => (
+        match &self.mode {
+            TrainingMode::ParameterServers(_) => (
                 false,
                 "--ps exchanges values with the servers, not by allreduce",
             ),
-            (_, _, Some(_)) => (true, ""),
-            (Some(p), _, _) => (
+            TrainingMode::Elastic(_) => (true, ""),
+            TrainingMode::Pipeline(p) => (
                 ranks > p.stages,
                 "a pipeline of one replica has no gradients to average (add replicas: --nproc \
                  a multiple of --pipeline-stages)",
             ),
-            (None, None, None) => (ranks > 1, "a one-process run exchanges no gradients"),
+            TrainingMode::DataParallel => (ranks > 1, "a one-process run exchanges no gradients"),
         }
     }
 
@@ -420,13 +413,6 @@ impl TrainConfig {
                     self.batch_size, roles.workers
                 ));
             }
-        }
-        let unsupported = [
-            (self.pipeline.is_some(), "--pipeline-stages"),
-            (self.elastic.is_some(), "--elastic"),
-        ];
-        if let Some((_, what)) = unsupported.iter().find(|(on, _)| *on) {
-            return bad(format!("{what} does not work with --ps yet"));
         }
         // Combinations without a meaning here, refused for good.
         if self.optimizer == OptimizerKind::Lars {

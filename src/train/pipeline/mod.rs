@@ -86,7 +86,7 @@ pub(super) fn train(
     device: &Device,
     log: &mut dyn FnMut(&str),
 ) -> Result<TrainReport> {
-    let Some(opts) = &cfg.pipeline else {
+    let Some(opts) = cfg.mode.pipeline() else {
         return Err(HearthError::InvalidArgument(
             "pipeline training without pipeline options".into(),
         ));
