@@ -57,11 +57,11 @@ fn main() {
         let run_dir = target.join(format!("bench-runs/recipe-{name}"));
         let _ = std::fs::remove_dir_all(&run_dir);
         let mut cfg = TrainConfig::new(run_dir.clone());
-        cfg.data = Some(data.clone());
+        cfg.data.folder = Some(data.clone());
         cfg.epochs = epochs;
         cfg.batch_size = 32;
-        cfg.lr = 0.05;
-        cfg.augmentation = p.augmentation();
+        cfg.optim.lr = 0.05;
+        cfg.data.augmentation = p.augmentation();
         let report = match train(&cfg, &burn::prelude::Device::flex(), &mut |_| {}) {
             Ok(r) => r,
             Err(e) => {

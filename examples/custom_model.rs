@@ -140,35 +140,38 @@ fn main() -> Result<()> {
     let mut cfg = TrainConfig::new(run);
     cfg.epochs = 8;
     cfg.batch_size = 32;
-    cfg.lr = 0.1;
-    cfg.weight_decay = 0.0;
-    cfg.warmup_epochs = 0;
+    cfg.optim.lr = 0.1;
+    cfg.optim.weight_decay = 0.0;
+    cfg.optim.warmup_epochs = 0;
     // `hearth launch --elastic` passes its --min/--max on as these two.
     let (mut min_workers, mut max_workers) = (1, 3);
     while let Some(a) = args.next() {
         match a.as_str() {
-            "--resume" => cfg.resume = true,
-            "--overwrite" => cfg.overwrite = true,
+            "--resume" => cfg.checkpoint.resume = true,
+            "--overwrite" => cfg.checkpoint.overwrite = true,
             "--epochs" => cfg.epochs = args.next().context("--epochs N")?.parse()?,
-            "--lr" => cfg.lr = args.next().context("--lr RATE")?.parse()?,
+            "--lr" => cfg.optim.lr = args.next().context("--lr RATE")?.parse()?,
             "--stop-after-epoch" => {
-                cfg.stop_after_epoch = Some(args.next().context("--stop-after-epoch N")?.parse()?)
+                cfg.checkpoint.stop_after_epoch =
+                    Some(args.next().context("--stop-after-epoch N")?.parse()?)
             }
-            "--patience" => cfg.patience = Some(args.next().context("--patience N")?.parse()?),
+            "--patience" => {
+                cfg.checkpoint.patience = Some(args.next().context("--patience N")?.parse()?)
+            }
             "--precision" => {
                 let p = args.next().context("--precision fp32|bf16|fp16")?;
-                cfg.precision = p
+                cfg.compute.precision = p
                     .parse()
                     .map_err(|e| anyhow::anyhow!("--precision {p}: {e}"))?;
             }
             "--optimizer" => {
                 let o = args.next().context("--optimizer sgd|adam|adamw|lars")?;
-                cfg.optimizer = o
+                cfg.optim.optimizer = o
                     .parse()
                     .map_err(|e| anyhow::anyhow!("--optimizer {o}: {e}"))?;
             }
             // Data parallel's sharded optimizer: each rank keeps 1/N of the optimizer state.
-            "--zero" => cfg.zero = args.next().context("--zero 1|2")?.parse()?,
+            "--zero" => cfg.exchange.zero = args.next().context("--zero 1|2")?.parse()?,
             "--min-workers" => min_workers = args.next().context("--min-workers N")?.parse()?,
             "--max-workers" => max_workers = args.next().context("--max-workers N")?.parse()?,
             other => bail!("unknown option {other}; {usage}"),

@@ -31,11 +31,11 @@ fn main() -> Result<()> {
         .context("usage: elastic DATA_FOLDER (under `hearth launch --elastic`)")?
         .into();
     let mut cfg = TrainConfig::new(PathBuf::from("runs/elastic-example"));
-    cfg.data = Some(data);
+    cfg.data.folder = Some(data);
     cfg.epochs = 20;
     cfg.batch_size = 32;
-    cfg.lr = 0.05;
-    cfg.workers = 1;
+    cfg.optim.lr = 0.05;
+    cfg.data.workers = 1;
     // The first workers are a job (HEARTH_RANK...); joiners are not.
     cfg.dist = RankInfo::detect()?;
     cfg.mode = TrainingMode::Elastic(

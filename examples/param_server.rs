@@ -27,13 +27,13 @@ fn main() -> Result<()> {
         .context("usage: param_server DATA_FOLDER (under `hearth launch -n 5`)")?
         .into();
     let mut cfg = TrainConfig::new(PathBuf::from("runs/ps-example"));
-    cfg.data = Some(data);
+    cfg.data.folder = Some(data);
     cfg.epochs = 8;
     cfg.batch_size = 32;
-    cfg.lr = 0.05;
-    cfg.schedule = hearth::schedule::Decay::Constant;
-    cfg.warmup_epochs = 0;
-    cfg.workers = 1;
+    cfg.optim.lr = 0.05;
+    cfg.optim.schedule = hearth::schedule::Decay::Constant;
+    cfg.optim.warmup_epochs = 0;
+    cfg.data.workers = 1;
     cfg.dist = RankInfo::detect()?;
     cfg.mode = TrainingMode::ParameterServers(PsOptions {
         servers: PsServers::Dedicated(1),

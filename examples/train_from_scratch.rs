@@ -14,7 +14,7 @@ fn main() -> Result<()> {
     let spec = unsafe { hearth::process::start_from_env() }?;
     let device = spec.device()?;
     let mut cfg = TrainConfig::new("runs/train_from_scratch".into());
-    cfg.data = std::env::args().nth(1).map(Into::into);
+    cfg.data.folder = std::env::args().nth(1).map(Into::into);
     cfg.epochs = 6;
     let report = train(&cfg, &device, &mut |line| eprintln!("{line}"))?;
     println!(

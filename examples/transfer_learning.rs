@@ -21,17 +21,17 @@ fn main() -> Result<()> {
     };
     let device = spec.device()?;
     let mut cfg = TrainConfig::new("runs/transfer_learning".into());
-    cfg.data = Some(data.into());
-    cfg.model = model.clone();
-    cfg.image_size = 224;
+    cfg.data.folder = Some(data.into());
+    cfg.model.name = model.clone();
+    cfg.data.image_size = 224;
     cfg.batch_size = 16;
     cfg.epochs = 6;
-    cfg.lr = 0.01;
+    cfg.optim.lr = 0.01;
     if let Some(weights) = args.get(2) {
-        cfg.weights = Some(weights.into());
-        cfg.freeze_backbone = true;
-        cfg.unfreeze_after = Some(3);
-        cfg.finetune_lr = Some(cfg.lr / 10.0);
+        cfg.model.weights = Some(weights.into());
+        cfg.model.freeze_backbone = true;
+        cfg.model.unfreeze_after = Some(3);
+        cfg.model.finetune_lr = Some(cfg.optim.lr / 10.0);
     }
     let report = train(&cfg, &device, &mut |line| eprintln!("{line}"))?;
     println!(

@@ -20,13 +20,13 @@
 //! let spec = unsafe { hearth::process::start("flex") }?; // or "vulkan", "cuda", ...
 //! let device = spec.device()?;
 //! let mut cfg = TrainConfig::new("runs/flowers".into());
-//! cfg.data = Some("data/flowers".into()); // train/ + val/ class folders, or one folder
-//! cfg.model = "resnet50".into();
-//! cfg.weights = Some("resnet50.pth".into()); // torchvision ImageNet weights
-//! cfg.freeze_backbone = true; // train only the new head
-//! cfg.image_size = 224;
+//! cfg.data.folder = Some("data/flowers".into()); // train/ + val/ class folders, or one folder
+//! cfg.model.name = "resnet50".into();
+//! cfg.model.weights = Some("resnet50.pth".into()); // torchvision ImageNet weights
+//! cfg.model.freeze_backbone = true; // train only the new head
+//! cfg.data.image_size = 224;
 //! cfg.epochs = 5;
-//! cfg.patience = Some(2); // early stopping; the best epoch's weights are kept
+//! cfg.checkpoint.patience = Some(2); // early stopping; the best epoch's weights are kept
 //! let report = train(&cfg, &device, &mut |line| eprintln!("{line}"))?;
 //! println!(
 //!     "validation accuracy {:.2}% at epoch {}, model in {}",

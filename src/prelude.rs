@@ -3,8 +3,10 @@
 pub use crate::device::{DeviceSpec, select};
 pub use crate::models::{Architecture, LoadOptions, ModelConfig, load_torchvision};
 pub use crate::train::{
-    ElasticOptions, Net, PipelineOptions, PsMode, PsOptions, PsServers, TrainConfig, TrainReport,
-    TrainingMode, train, train_custom,
+    CheckpointSettings, ComputeSettings, DataSettings, ElasticOptions, ExchangeSettings,
+    ModelSettings, Net, OptimSettings, OptimizerKind, PipelineOptions, Precision, PsMode,
+    PsOptions, PsServers, TrainConfig, TrainConfigBuilder, TrainReport, TrainingMode, train,
+    train_custom,
 };
 pub use crate::{HearthError, Result};
 pub use burn::prelude::Device;

@@ -271,12 +271,12 @@ pub fn small_data(dir: &std::path::Path) -> PathBuf {
 /// A quick run on `data` into `run`: 2 epochs, batch 8, no warmup, one decoding thread.
 pub fn small_config(data: &std::path::Path, run: PathBuf) -> hearth::train::TrainConfig {
     let mut cfg = hearth::train::TrainConfig::new(run);
-    cfg.data = Some(data.to_path_buf());
+    cfg.data.folder = Some(data.to_path_buf());
     cfg.epochs = 2;
     cfg.batch_size = 8;
-    cfg.lr = 0.05;
-    cfg.warmup_epochs = 0;
-    cfg.workers = 1;
+    cfg.optim.lr = 0.05;
+    cfg.optim.warmup_epochs = 0;
+    cfg.data.workers = 1;
     cfg
 }
 
@@ -332,10 +332,10 @@ pub fn stop_then_resume(
         hearth::train::train(c, &Device::flex(), &mut |l| eprintln!("{l}")).unwrap()
     };
     let mut first = cfg.clone();
-    first.stop_after_epoch = Some(stop);
+    first.checkpoint.stop_after_epoch = Some(stop);
     train(&first);
     let mut second = cfg.clone();
-    second.resume = true;
+    second.checkpoint.resume = true;
     train(&second)
 }
 

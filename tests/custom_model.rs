@@ -235,32 +235,32 @@ fn image_settings_are_refused_by_name_for_a_user_module() {
         cfg
     };
     let mut cfg = base();
-    cfg.weights = Some("resnet18.pth".into());
+    cfg.model.weights = Some("resnet18.pth".into());
     assert!(refusal(&cfg).contains("weights"));
     let mut cfg = base();
-    cfg.freeze_backbone = true;
+    cfg.model.freeze_backbone = true;
     assert!(refusal(&cfg).contains("freeze_backbone"));
     let mut cfg = base();
-    cfg.augmentation = hearth::train::AugmentPreset::Imagenet.augmentation();
+    cfg.data.augmentation = hearth::train::AugmentPreset::Imagenet.augmentation();
     assert!(refusal(&cfg).contains("augmentation"));
     let mut cfg = base();
-    cfg.model = "resnet50".into();
+    cfg.model.name = "resnet50".into();
     assert!(refusal(&cfg).contains("model"));
     let mut cfg = base();
-    cfg.monitor = hearth::train::Monitor::ValAuroc;
+    cfg.checkpoint.monitor = hearth::train::Monitor::ValAuroc;
     assert!(refusal(&cfg).contains("val_auroc"));
     // --recompute recomputes a model's units; a module has none.
     let mut cfg = base();
-    cfg.recompute = true;
+    cfg.compute.recompute = true;
     assert!(refusal(&cfg).contains("recompute"));
     // --overlap hands over each unit's gradients as the backward finishes it: none here.
     let mut cfg = base();
-    cfg.overlap = true;
+    cfg.exchange.overlap = true;
     assert!(refusal(&cfg).contains("overlap"));
     // One process too.
     let mut cfg = base();
     cfg.mode = hearth::train::TrainingMode::DataParallel;
-    cfg.val_fraction = 0.3;
+    cfg.data.val_fraction = 0.3;
     assert!(refusal(&cfg).contains("val_fraction"));
     // Nothing was written for a refused run.
     assert!(!dir.path().join("run").exists());
@@ -337,7 +337,7 @@ fn a_user_module_trains_in_mixed_precision_and_an_f32_only_one_is_refused() {
     assert!(exported_accuracy(&fp16_run) > 50.0);
 
     let mut cfg = TrainConfig::new(dir.path().join("refused"));
-    cfg.precision = hearth::train::Precision::Bf16;
+    cfg.compute.precision = hearth::train::Precision::Bf16;
     let custom = hearth::train::Custom::new(
         |d: &Device| F32Only {
             mlp: example::Mlp::new(3, d),
@@ -418,10 +418,10 @@ fn a_multi_label_user_module_trains_in_this_process_by_val_auroc() {
     let mut cfg = TrainConfig::new(run.clone());
     cfg.epochs = 4;
     cfg.batch_size = 32;
-    cfg.lr = 0.1;
-    cfg.weight_decay = 0.0;
-    cfg.warmup_epochs = 0;
-    cfg.monitor = hearth::train::Monitor::ValAuroc;
+    cfg.optim.lr = 0.1;
+    cfg.optim.weight_decay = 0.0;
+    cfg.optim.warmup_epochs = 0;
+    cfg.checkpoint.monitor = hearth::train::Monitor::ValAuroc;
     let mut lines = Vec::new();
     let report = hearth::train::train_custom(&cfg, &custom, &Device::flex(), &mut |l| {
         lines.push(l.to_string())
@@ -491,10 +491,10 @@ fn on_vulkan_cpu_a_user_module_in_fp16_reaches_the_f32_accuracy() {
         let mut cfg = TrainConfig::new(dir.path().join(precision.name()));
         cfg.epochs = 6;
         cfg.batch_size = 32;
-        cfg.lr = 0.1;
-        cfg.weight_decay = 0.0;
-        cfg.warmup_epochs = 0;
-        cfg.precision = precision;
+        cfg.optim.lr = 0.1;
+        cfg.optim.weight_decay = 0.0;
+        cfg.optim.warmup_epochs = 0;
+        cfg.compute.precision = precision;
         let t = Instant::now();
         let report = hearth::train::train_custom(&cfg, &custom, &device, &mut |l| {
             eprintln!("[{precision}] {l}")
@@ -514,7 +514,7 @@ fn on_vulkan_cpu_a_user_module_in_fp16_reaches_the_f32_accuracy() {
         best[0]
     );
     let mut cfg = TrainConfig::new(dir.path().join("bf16"));
-    cfg.precision = hearth::train::Precision::Bf16;
+    cfg.compute.precision = hearth::train::Precision::Bf16;
     let e = hearth::train::train_custom(&cfg, &custom, &device, &mut |_| {})
         .unwrap_err()
         .to_string();

@@ -21,7 +21,7 @@ use common::{small_data as data, tensors};
 fn config(data: &Path, run: PathBuf) -> TrainConfig {
     let mut cfg = common::small_config(data, run);
     cfg.epochs = 3;
-    cfg.lr = 0.02;
+    cfg.optim.lr = 0.02;
     cfg
 }
 
@@ -36,8 +36,8 @@ fn a_model_with_dropout_and_patience_resumes_bit_exactly() {
     let d = data(dir.path());
     let make = |name: &str| {
         let mut cfg = config(&d, dir.path().join(name));
-        cfg.model = MINI_VGG.into();
-        cfg.patience = Some(5);
+        cfg.model.name = MINI_VGG.into();
+        cfg.checkpoint.patience = Some(5);
         cfg
     };
     run(&make("straight"));
@@ -81,17 +81,20 @@ fn with_gradient_accumulation_warmup_ends_after_its_epochs() {
     for k in [None, Some(2), Some(3)] {
         let mut cfg = config(&d, dir.path().join(format!("accum{k:?}")));
         cfg.epochs = 2;
-        cfg.warmup_epochs = 1;
-        cfg.schedule = Decay::Constant;
-        cfg.grad_accum = k;
+        cfg.optim.warmup_epochs = 1;
+        cfg.optim.schedule = Decay::Constant;
+        cfg.optim.grad_accum = k;
         let report = run(&cfg);
         let lr2 = train_lr(&report.run_dir, 2);
         assert!(
-            (lr2 - cfg.lr).abs() < 1e-6,
+            (lr2 - cfg.optim.lr).abs() < 1e-6,
             "grad_accum {k:?}: epoch 2 trained at {lr2}, not {}",
-            cfg.lr
+            cfg.optim.lr
         );
         let lr1 = train_lr(&report.run_dir, 1);
-        assert!(lr1 < cfg.lr, "grad_accum {k:?}: epoch 1 is warmup ({lr1})");
+        assert!(
+            lr1 < cfg.optim.lr,
+            "grad_accum {k:?}: epoch 1 is warmup ({lr1})"
+        );
     }
 }

@@ -38,8 +38,8 @@ fn config(data: &Path, run: PathBuf, precision: Precision) -> TrainConfig {
     cfg.epochs = 12;
     cfg.batch_size = 16;
     cfg.seed = 5;
-    cfg.augmentation = hearth::train::AugmentPreset::None.augmentation();
-    cfg.precision = precision;
+    cfg.data.augmentation = hearth::train::AugmentPreset::None.augmentation();
+    cfg.compute.precision = precision;
     cfg
 }
 

@@ -583,20 +583,20 @@ fn settings_that_do_not_fit_a_parameter_server_run_are_refused() {
     let e = refused(&cfg);
     assert!(e.contains("2 workers"), "{e}");
     cfg.batch_size = 24;
-    cfg.optimizer = hearth::train::OptimizerKind::Lars;
+    cfg.optim.optimizer = hearth::train::OptimizerKind::Lars;
     let e = refused(&cfg);
     assert!(
         e.contains("--optimizer lars does not work with --ps"),
         "{e}"
     );
-    cfg.optimizer = hearth::train::OptimizerKind::Sgd;
-    cfg.compression = hearth::dist::Compression::Bf16;
+    cfg.optim.optimizer = hearth::train::OptimizerKind::Sgd;
+    cfg.exchange.compression = hearth::dist::Compression::Bf16;
     let e = refused(&cfg);
     assert!(
         e.contains("--compression bf16 does not apply to --ps"),
         "{e}"
     );
-    cfg.compression = hearth::dist::Compression::None;
+    cfg.exchange.compression = hearth::dist::Compression::None;
     assert!("fast".parse::<hearth::train::PsMode>().is_err());
     // EASGD's elastic force α = rate x rho above 1 overshoots the centre.
     let easgd = |rho| hearth::train::PsOptions {
@@ -604,7 +604,7 @@ fn settings_that_do_not_fit_a_parameter_server_run_are_refused() {
         rho,
         ..ps(hearth::train::PsServers::Dedicated(1))
     };
-    cfg.lr = 0.05;
+    cfg.optim.lr = 0.05;
     cfg.mode = ParameterServers(easgd(Some(30.0)));
     let e = refused(&cfg);
     assert!(e.contains("--rho 30") && e.contains("at most 20"), "{e}");
@@ -638,8 +638,8 @@ fn each_mode_takes_its_own_defaults_where_a_flag_is_not_given() {
         assert_eq!(opts.window(), window, "{mode}");
         cfg.mode = hearth::train::TrainingMode::ParameterServers(opts);
         assert_eq!(cfg.momentum(), momentum, "{mode}");
-        cfg.momentum = Some(0.7);
+        cfg.optim.momentum = Some(0.7);
         assert_eq!(cfg.momentum(), 0.7, "{mode}: a given momentum stands");
-        cfg.momentum = None;
+        cfg.optim.momentum = None;
     }
 }

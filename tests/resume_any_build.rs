@@ -224,11 +224,11 @@ fn the_library_refuses_to_load_optimizer_state_where_burns_default_is_another_ba
     let dir = tempfile::tempdir().unwrap();
     let data = common::small_data(dir.path());
     let mut cfg = common::small_config(&data, dir.path().join("run"));
-    cfg.stop_after_epoch = Some(1);
+    cfg.checkpoint.stop_after_epoch = Some(1);
     let flex = burn::prelude::Device::flex();
     hearth::train::train(&cfg, &flex, &mut |_| {}).unwrap();
-    cfg.stop_after_epoch = None;
-    cfg.resume = true;
+    cfg.checkpoint.stop_after_epoch = None;
+    cfg.checkpoint.resume = true;
     let e = hearth::train::train(&cfg, &flex, &mut |_| {})
         .err()
         .expect("a resume with Burn's default on another backend is refused")

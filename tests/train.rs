@@ -115,8 +115,8 @@ fn patience_stops_at_the_right_epoch_and_the_export_is_the_best_checkpoint() {
     // 2 ends the run after epoch 3 of 5.
     let mut cfg = config(&d, dir.path().join("run"));
     cfg.epochs = 5;
-    cfg.patience = Some(2);
-    cfg.min_delta = 1000.0;
+    cfg.checkpoint.patience = Some(2);
+    cfg.checkpoint.min_delta = 1000.0;
     let mut said = Vec::new();
     let report = train(&cfg, &Device::flex(), &mut |l| said.push(l.to_string())).unwrap();
     assert_eq!(report.epochs_run, 3);
@@ -144,7 +144,7 @@ fn patience_stops_at_the_right_epoch_and_the_export_is_the_best_checkpoint() {
     // Without min_delta, on val_loss: the export is the best epoch by metrics.csv.
     let mut cfg = config(&d, dir.path().join("loss"));
     cfg.epochs = 3;
-    cfg.monitor = hearth::train::Monitor::ValLoss;
+    cfg.checkpoint.monitor = hearth::train::Monitor::ValLoss;
     let report = run(&cfg);
     let run_dir = dir.path().join("loss");
     let best = best_by_csv(&run_dir, "val_loss", false, 0.0);
@@ -163,7 +163,7 @@ fn restore_best_holds_across_a_resume() {
     let make = || {
         let mut cfg = config(&d, run_dir.clone());
         cfg.epochs = 3;
-        cfg.min_delta = 1000.0; // epoch 1 stays the best
+        cfg.checkpoint.min_delta = 1000.0; // epoch 1 stays the best
         cfg
     };
     let report = common::stop_then_resume(&make(), 1);
@@ -226,17 +226,17 @@ fn resume_picks_the_last_complete_checkpoint() {
     let make = || {
         let mut cfg = config(&d, run_dir.clone());
         cfg.epochs = 3;
-        cfg.min_delta = 1000.0; // epoch 1 stays the best, so its checkpoint is kept
+        cfg.checkpoint.min_delta = 1000.0; // epoch 1 stays the best, so its checkpoint is kept
         cfg
     };
     let mut first = make();
-    first.stop_after_epoch = Some(2);
+    first.checkpoint.stop_after_epoch = Some(2);
     run(&first);
     // A crash while epoch 2's checkpoint was written: its scheduler file never arrived.
     std::fs::remove_file(run_dir.join("checkpoint/scheduler-2.bpk")).unwrap();
     let mut lines = Vec::new();
     let mut second = make();
-    second.resume = true;
+    second.checkpoint.resume = true;
     train(&second, &Device::flex(), &mut |l| lines.push(l.to_string())).unwrap();
     assert!(
         lines.iter().any(|l| l == "resuming after epoch 1"),
@@ -292,11 +292,11 @@ fn resuming_after_an_epoch_ends_with_the_same_weights() {
 
     // Same configuration, stopped after epoch 1 (as a time limit would), then resumed.
     let mut first = config(&d, dir.path().join("resumed"));
-    first.stop_after_epoch = Some(1);
+    first.checkpoint.stop_after_epoch = Some(1);
     run(&first);
     assert!(!dir.path().join("resumed/checkpoint/model-2.bpk").exists());
     let mut second = config(&d, dir.path().join("resumed"));
-    second.resume = true;
+    second.checkpoint.resume = true;
     run(&second);
 
     assert_same_weights(
@@ -312,8 +312,8 @@ fn a_frozen_backbone_is_unchanged_after_training() {
     let mut cfg = config(&d, dir.path().join("run"));
     cfg.epochs = 1;
     // The default small ResNet has the parity fixture's architecture: start from its weights.
-    cfg.weights = Some(common::fixture("resnet_basic.pth"));
-    cfg.freeze_backbone = true;
+    cfg.model.weights = Some(common::fixture("resnet_basic.pth"));
+    cfg.model.freeze_backbone = true;
     let report = run(&cfg);
     let trained = load_model(&report.model_path, &Device::flex())
         .unwrap()
@@ -370,18 +370,18 @@ fn bad_input_gives_clear_errors() {
     generate(&one, &SynthConfig::new(2, 3, 32)).unwrap();
     std::fs::remove_dir_all(one.join(&hearth::datasets::synth::class_names(2)[1])).unwrap();
     let mut c = config(&one, dir.path().join("b"));
-    c.val_fraction = 0.34;
+    c.data.val_fraction = 0.34;
     assert!(err(c).contains("1 class(es)"));
 
     let mut c = config(&d, dir.path().join("c"));
-    c.weights = Some(common::fixture("densenet.pth"));
+    c.model.weights = Some(common::fixture("densenet.pth"));
     let e = err(c);
     assert!(e.contains("densenet.pth"), "{e}");
 
     // A diverging run stops with the epoch and step of the first NaN loss.
     let mut c = config(&d, dir.path().join("nan"));
-    c.lr = 1e12;
-    c.weight_decay = 0.0;
+    c.optim.lr = 1e12;
+    c.optim.weight_decay = 0.0;
     let e = err(c);
     assert!(e.contains("NaN or infinite at epoch 1, step"), "{e}");
 
@@ -392,7 +392,7 @@ fn bad_input_gives_clear_errors() {
     let other = dir.path().join("other");
     generate(&other, &SynthConfig::new(4, 8, 32).with_val(2)).unwrap();
     let mut c = config(&other, dir.path().join("d"));
-    c.resume = true;
+    c.checkpoint.resume = true;
     let e = err(c);
     assert!(e.contains("different model or class count"), "{e}");
 }
@@ -402,9 +402,9 @@ fn multi_label_training_reports_per_class_auroc_that_matches_the_metric() {
     let dir = tempfile::tempdir().unwrap();
     let d = data(dir.path());
     let mut cfg = config(&d, dir.path().join("run"));
-    cfg.labels = Some(common::multi_label_csv(&d));
-    cfg.val_fraction = 0.3;
-    cfg.monitor = hearth::train::Monitor::ValAuroc;
+    cfg.data.labels = Some(common::multi_label_csv(&d));
+    cfg.data.val_fraction = 0.3;
+    cfg.checkpoint.monitor = hearth::train::Monitor::ValAuroc;
     let report = run(&cfg);
 
     let csv = std::fs::read_to_string(dir.path().join("run/metrics.csv")).unwrap();
@@ -455,12 +455,12 @@ fn unfreezing_after_an_epoch_fine_tunes_the_backbone_and_resumes_exactly() {
     let d = data(dir.path());
     let make = |run: &str| {
         let mut cfg = config(&d, dir.path().join(run));
-        cfg.weights = Some(common::fixture("resnet_basic.pth"));
-        cfg.freeze_backbone = true;
-        cfg.unfreeze_after = Some(1);
-        cfg.finetune_lr = Some(0.01);
+        cfg.model.weights = Some(common::fixture("resnet_basic.pth"));
+        cfg.model.freeze_backbone = true;
+        cfg.model.unfreeze_after = Some(1);
+        cfg.model.finetune_lr = Some(0.01);
         // Epoch 1 stays the best (its checkpoint is kept, and it is what gets exported).
-        cfg.min_delta = 1000.0;
+        cfg.checkpoint.min_delta = 1000.0;
         cfg
     };
     let report = run(&make("straight"));
@@ -496,9 +496,9 @@ fn unfreezing_after_an_epoch_fine_tunes_the_backbone_and_resumes_exactly() {
 
     // Resuming with other hyperparameters is refused, naming them.
     let mut other = make("resumed");
-    other.resume = true;
+    other.checkpoint.resume = true;
     other.epochs = 3;
-    other.lr = 0.1;
+    other.optim.lr = 0.1;
     let e = train(&other, &Device::flex(), &mut |_| {})
         .unwrap_err()
         .to_string();
@@ -512,7 +512,7 @@ fn unfreezing_after_an_epoch_fine_tunes_the_backbone_and_resumes_exactly() {
     // run ends after the first fine-tuning epoch (2 of 4), exporting epoch 1.
     let mut patient = make("patient");
     patient.epochs = 4;
-    patient.patience = Some(1);
+    patient.checkpoint.patience = Some(1);
     let report = run(&patient);
     assert_eq!((report.epochs_run, report.best_epoch), (2, 1));
     assert_exported_is(&report.model_path, &ckpt("patient", 1));
@@ -541,7 +541,7 @@ fn a_new_run_into_a_finished_runs_directory_is_refused_unless_overwrite() {
     // --overwrite: the earlier run's files go, a new run is written in their place.
     std::fs::write(run_dir.join("checkpoint/model-7.bpk"), b"stale").unwrap();
     let mut again = cfg.clone();
-    again.overwrite = true;
+    again.checkpoint.overwrite = true;
     again.seed = 5;
     let mut said = Vec::new();
     train(&again, &Device::flex(), &mut |l| said.push(l.to_string())).unwrap();

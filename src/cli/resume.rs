@@ -65,7 +65,7 @@ pub(crate) fn recorded_launch(run: &std::path::Path) -> Result<Option<LaunchReco
 /// `--resume RUN`: the run's recorded settings (`hparams.json`) for every one the command line
 /// does not set. Runs whose file predates typed values keep the command line's.
 pub(crate) fn take_recorded(cfg: &mut hearth::train::TrainConfig) -> Result<Vec<String>> {
-    if !cfg.resume {
+    if !cfg.checkpoint.resume {
         return Ok(Vec::new());
     }
     let path = cfg.run_dir.join("hparams.json");

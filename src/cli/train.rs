@@ -60,46 +60,46 @@ fn build_config(
         (None, None) => (default_run_dir(), false),
     };
     let mut cfg = TrainConfig::new(run_dir);
-    cfg.resume = resume;
-    cfg.data = a.data.clone();
-    cfg.labels = a.labels.clone();
-    cfg.unfreeze_after = a.unfreeze_after;
-    cfg.finetune_lr = a.finetune_lr;
-    cfg.finetune_bn = a.finetune_bn;
-    cfg.val_fraction = a.val_fraction;
-    cfg.model = a.model.clone();
-    cfg.weights = a.weights.clone();
-    cfg.freeze_backbone = a.freeze_backbone;
+    cfg.checkpoint.resume = resume;
+    cfg.data.folder = a.data.clone();
+    cfg.data.labels = a.labels.clone();
+    cfg.model.unfreeze_after = a.unfreeze_after;
+    cfg.model.finetune_lr = a.finetune_lr;
+    cfg.model.finetune_bn = a.finetune_bn;
+    cfg.data.val_fraction = a.val_fraction;
+    cfg.model.name = a.model.clone();
+    cfg.model.weights = a.weights.clone();
+    cfg.model.freeze_backbone = a.freeze_backbone;
     cfg.epochs = a.epochs;
     cfg.batch_size = a.batch_size;
-    cfg.lr = a.lr;
-    cfg.optimizer = a.optimizer;
-    cfg.momentum = a.momentum;
-    cfg.nesterov = a.nesterov;
-    cfg.weight_decay = a.weight_decay;
-    cfg.schedule = a.schedule.decay();
-    cfg.warmup_epochs = a.warmup_epochs;
-    cfg.scale_lr = match (a.scale_lr, a.base_batch) {
+    cfg.optim.lr = a.lr;
+    cfg.optim.optimizer = a.optimizer;
+    cfg.optim.momentum = a.momentum;
+    cfg.optim.nesterov = a.nesterov;
+    cfg.optim.weight_decay = a.weight_decay;
+    cfg.optim.schedule = a.schedule.decay();
+    cfg.optim.warmup_epochs = a.warmup_epochs;
+    cfg.optim.scale_lr = match (a.scale_lr, a.base_batch) {
         (Some(rule), Some(base)) => Some((rule, base)),
         _ => None,
     };
-    cfg.label_smoothing = a.label_smoothing;
-    cfg.monitor = a.monitor;
-    cfg.patience = a.patience;
-    cfg.min_delta = a.min_delta;
-    cfg.image_size = a.size;
-    cfg.augmentation = augment;
-    cfg.workers = a.workers;
+    cfg.optim.label_smoothing = a.label_smoothing;
+    cfg.checkpoint.monitor = a.monitor;
+    cfg.checkpoint.patience = a.patience;
+    cfg.checkpoint.min_delta = a.min_delta;
+    cfg.data.image_size = a.size;
+    cfg.data.augmentation = augment;
+    cfg.data.workers = a.workers;
     cfg.seed = a.seed;
     cfg.price_per_hour = a.price_per_hour;
-    cfg.stop_after_epoch = a.stop_after_epoch;
-    cfg.overwrite = a.overwrite;
-    cfg.grad_accum = a.grad_accum;
-    cfg.bucket_bytes = (a.bucket_mb * 1024.0 * 1024.0) as usize;
-    cfg.precision = a.precision;
-    cfg.zero = a.zero;
-    cfg.recompute = a.recompute && !a.no_recompute;
-    cfg.overlap = a.overlap;
+    cfg.checkpoint.stop_after_epoch = a.stop_after_epoch;
+    cfg.checkpoint.overwrite = a.overwrite;
+    cfg.optim.grad_accum = a.grad_accum;
+    cfg.exchange.bucket_bytes = (a.bucket_mb * 1024.0 * 1024.0) as usize;
+    cfg.compute.precision = a.precision;
+    cfg.exchange.zero = a.zero;
+    cfg.compute.recompute = a.recompute && !a.no_recompute;
+    cfg.exchange.overlap = a.overlap;
     // clap refuses two mode flags together (--elastic, --ps, --pipeline-stages).
     cfg.mode = match (a.pipeline_stages, elastic, ps) {
         (Some(stages), _, _) => TrainingMode::Pipeline(PipelineOptions {
@@ -119,9 +119,9 @@ fn build_config(
     };
     cfg.dist = dist;
     // Gradients travel in the training precision unless --compression says otherwise.
-    cfg.compression = match a.compression {
+    cfg.exchange.compression = match a.compression {
         Some(c) => c,
-        None if cfg.exchanges_by_allreduce() => cfg.precision.wire(),
+        None if cfg.exchanges_by_allreduce() => cfg.compute.precision.wire(),
         None => Compression::None,
     };
     Ok(cfg)

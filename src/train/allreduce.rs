@@ -58,7 +58,7 @@ pub(super) fn train_with<R: Recipe>(
     let comm = match &cfg.dist {
         Some(info) if info.world > 1 => Some(Arc::new(
             super::distributed::connect(info, log)?
-                .with_compression(cfg.compression)
+                .with_compression(cfg.exchange.compression)
                 .with_timeout(super::shared::collective_timeout()),
         )),
         _ => None,
@@ -91,8 +91,8 @@ pub(super) fn train_with<R: Recipe>(
         steps: 0,
         images: 0,
         started,
-        scaler: (cfg.precision == Precision::Fp16).then(LossScaler::default),
-        overflow_at: overflow_hook(cfg.precision, &rank.to_string()),
+        scaler: (cfg.compute.precision == Precision::Fp16).then(LossScaler::default),
+        overflow_at: overflow_hook(cfg.compute.precision, &rank.to_string()),
         epoch_skipped: 0,
         zero: None,
     };
@@ -150,7 +150,7 @@ impl<T: Trainee> Allreduce<'_, T> {
     /// `--zero`: this rank's shard of the optimizer, its state from rank 0's file of epoch
     /// `first` when resuming (written by any number of ranks).
     fn start_sharding(&mut self, first: usize, log: &mut dyn FnMut(&str)) -> Result<()> {
-        let (Some(comm), true) = (&self.comm, self.cfg.zero > 0) else {
+        let (Some(comm), true) = (&self.comm, self.cfg.exchange.zero > 0) else {
             return Ok(());
         };
         let z = super::zero::start(
@@ -164,7 +164,7 @@ impl<T: Trainee> Allreduce<'_, T> {
         )?;
         log(&format!(
             "ZeRO stage {}: rank 0 keeps the optimizer state of {}",
-            self.cfg.zero,
+            self.cfg.exchange.zero,
             z.describe()
         ));
         self.zero = Some(z);
@@ -179,7 +179,7 @@ impl<T: Trainee> Allreduce<'_, T> {
         let hparams = cfg.hyperparameters();
         let mut state: Vec<u8> = Vec::new();
         if self.rank == 0 {
-            if cfg.resume {
+            if cfg.checkpoint.resume {
                 let dir = cfg.run_dir.join("checkpoint");
                 let epoch = run_dir::checkpoints_in(&dir, &["model", "optim"])
                     .last()
@@ -283,9 +283,9 @@ impl<T: Trainee> Allreduce<'_, T> {
                 &self.model,
                 &mut grads,
                 comm,
-                self.cfg.bucket_bytes,
+                self.cfg.exchange.bucket_bytes,
                 1.0 / self.world as f32,
-                self.cfg.compression,
+                self.cfg.exchange.compression,
             )?;
         }
         // fp16: every rank holds the same averaged gradients, so all take the same verdict.
@@ -404,7 +404,7 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
             log(&self.rates.unfreeze_line(epoch - 1));
         }
         self.model = self.trainee.phase(self.model.clone(), frozen);
-        let k = self.cfg.grad_accum.unwrap_or(1).max(1);
+        let k = self.cfg.optim.grad_accum.unwrap_or(1).max(1);
         let mut train = Sums::default();
         let mut acc = GradientsAccumulator::<T::Model>::new();
         let mut pending = 0usize;

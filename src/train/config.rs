@@ -24,17 +24,77 @@ pub const MAY_CHANGE_ON_RESUME: [&str; 6] = [
     "launch",
 ];
 
-/// Everything `hearth train` takes.
+/// Everything a training run takes (`hearth train`'s flags, or a program's own settings), in
+/// sections: where the images come from ([`DataSettings`]), the network ([`ModelSettings`]),
+/// how it learns ([`OptimSettings`]), what is kept and when the run stops
+/// ([`CheckpointSettings`]), how steps compute ([`ComputeSettings`]), how ranks exchange
+/// gradients ([`ExchangeSettings`]), and the training mode with its own options
+/// ([`TrainingMode`]). Start from [`TrainConfig::new`] (every default) and set what differs;
+/// [`TrainConfig::validate`] (which `train` calls first) refuses a combination that cannot run,
+/// naming the setting.
 #[derive(Debug, Clone)]
 pub struct TrainConfig {
+    /// Where the run writes (metrics, checkpoints, `model.bpk`, `hparams.json`).
+    pub run_dir: PathBuf,
+    pub epochs: usize,
+    /// The global batch: images per optimizer step over all ranks together.
+    pub batch_size: usize,
+    pub seed: u64,
+    /// The machine's price, for the summary's cost line.
+    pub price_per_hour: Option<f64>,
+    pub data: DataSettings,
+    pub model: ModelSettings,
+    pub optim: OptimSettings,
+    pub checkpoint: CheckpointSettings,
+    pub compute: ComputeSettings,
+    pub exchange: ExchangeSettings,
+    /// Distributed runs: this process's place in the job (from `hearth launch`, torchrun, Slurm
+    /// or mpirun variables). `batch_size` stays the global batch, split over the ranks.
+    pub dist: Option<burn_dist::rendezvous::RankInfo>,
+    /// How the processes share the training, with the chosen mode's own options: data
+    /// parallel (the default; one process on one rank), elastic, parameter servers or a
+    /// pipeline.
+    pub mode: TrainingMode,
+}
+
+/// Where the images come from and how they are prepared.
+#[derive(Debug, Clone)]
+pub struct DataSettings {
     /// Image folder; `None` generates the synthetic default set into the run directory.
-    pub data: Option<PathBuf>,
-    /// Multi-label CSV (`path,label1|label2`), paths relative to `data` (default: the CSV's
+    pub folder: Option<PathBuf>,
+    /// Multi-label CSV (`path,label1|label2`), paths relative to `folder` (default: the CSV's
     /// folder). Trains with one sigmoid per class and binary cross-entropy.
     pub labels: Option<PathBuf>,
+    /// Share held out for validation when the folder has no `val/`.
     pub val_fraction: f64,
+    /// Input side in pixels.
+    pub image_size: u32,
+    /// Training augmentation (validation is always resize + center crop).
+    pub augmentation: Augmentation,
+    /// Threads that decode images.
+    pub workers: usize,
+}
+
+impl Default for DataSettings {
+    fn default() -> Self {
+        Self {
+            folder: None,
+            labels: None,
+            val_fraction: 0.2,
+            image_size: 32,
+            augmentation: AugmentPreset::Light.augmentation(),
+            workers: 2,
+        }
+    }
+}
+
+/// The network: which one, the weights it starts from, and transfer learning.
+#[derive(Debug, Clone)]
+pub struct ModelSettings {
     /// torchvision name, [`super::DEFAULT_MODEL`] or [`super::MINI_VGG`].
-    pub model: String,
+    pub name: String,
+    /// torchvision weights (or an earlier run's `.bpk`) to start from; the head is replaced to
+    /// fit the data's classes.
     pub weights: Option<PathBuf>,
     pub freeze_backbone: bool,
     /// With `freeze_backbone`: after this many epochs, unfreeze everything and fine-tune at
@@ -44,87 +104,46 @@ pub struct TrainConfig {
     pub finetune_lr: Option<f64>,
     /// Batch norm in the fine-tuning phase: frozen statistics (default) or batch statistics.
     pub finetune_bn: FinetuneBn,
-    pub epochs: usize,
-    pub batch_size: usize,
-    pub lr: f64,
+}
+
+impl Default for ModelSettings {
+    fn default() -> Self {
+        Self {
+            name: super::catalog::DEFAULT_MODEL.into(),
+            weights: None,
+            freeze_backbone: false,
+            unfreeze_after: None,
+            finetune_lr: None,
+            finetune_bn: FinetuneBn::default(),
+        }
+    }
+}
+
+/// How the network learns: the optimizer, its rate and schedule, the loss's smoothing and
+/// gradient accumulation.
+#[derive(Debug, Clone)]
+pub struct OptimSettings {
     pub optimizer: OptimizerKind,
+    /// Peak learning rate (after `scale_lr`), reached after `warmup_epochs`.
+    pub lr: f64,
     /// SGD's and LARS's momentum; `None`: the mode's default ([`TrainConfig::momentum`]).
     pub momentum: Option<f64>,
     pub nesterov: bool,
     pub weight_decay: f64,
     pub schedule: Decay,
     pub warmup_epochs: usize,
+    /// Scale `lr` by the batch ratio to the batch it was tuned for.
     pub scale_lr: Option<(LrScaling, usize)>,
     pub label_smoothing: f32,
-    pub monitor: Monitor,
-    /// Stop after this many epochs without an improvement of `monitor` by more than `min_delta`.
-    pub patience: Option<usize>,
-    /// Smallest change of `monitor` that counts as an improvement, for early stopping and for
-    /// picking the exported epoch alike.
-    pub min_delta: f64,
-    pub image_size: u32,
-    /// Training augmentation (validation is always resize + center crop).
-    pub augmentation: Augmentation,
-    pub workers: usize,
-    pub seed: u64,
-    pub run_dir: PathBuf,
-    pub resume: bool,
-    /// Replace the run already in `run_dir` (its metrics, checkpoints and model files); without
-    /// it, a `run_dir` holding a run is an error (`--resume` continues one).
-    pub overwrite: bool,
-    /// End the run after this epoch (checkpoint written), e.g. before a time limit; `--resume`
-    /// continues it exactly.
-    pub stop_after_epoch: Option<usize>,
-    pub price_per_hour: Option<f64>,
     /// Accumulate gradients over this many micro-batches per optimizer step.
     pub grad_accum: Option<usize>,
-    /// Distributed data parallel: this process's place in the job (from `hearth launch`,
-    /// torchrun, Slurm or mpirun variables). `batch_size` stays the global batch, split evenly
-    /// over the ranks.
-    pub dist: Option<burn_dist::rendezvous::RankInfo>,
-    /// Gradient fusion bucket size in bytes (distributed runs).
-    pub bucket_bytes: usize,
-    /// Wire format of gradient averaging (distributed runs); parameters always travel exact.
-    pub compression: burn_dist::Compression,
-    /// The type steps compute in: f32, or bf16/f16 with f32 master weights (mixed precision,
-    /// see [`Precision`]), in every mode. A custom module trains in it when its
-    /// [`super::Net::MIXED_PRECISION`] says it computes in it; wgpu devices refuse bf16.
-    pub precision: Precision,
-    /// Data parallel's sharded optimizer (ZeRO): 0 off, 1 the optimizer state sharded over the
-    /// ranks, 2 the gradients too (see `train::zero`).
-    pub zero: u8,
-    /// Activation recomputation (`--recompute`), every mode of Hearth's image models: the
-    /// forward keeps only each unit's input (pipelines: each stage's), and the backward runs
-    /// each unit's forward again with its graph. Less memory, one more forward per step.
-    pub recompute: bool,
-    /// `--overlap`: data parallel's (and elastic's) gradient exchange overlapped with the
-    /// backward pass (the model runs unit by unit and each unit's gradients are reduced,
-    /// bucket by bucket, while the units before it run). The same arithmetic as without it
-    /// (the buckets are cut in another order), so not a hyperparameter: a resumed run may turn
-    /// it on or off.
-    pub overlap: bool,
-    /// How the processes share the training, with the chosen mode's own options: data
-    /// parallel (the default; one process on one rank), elastic, parameter servers or a
-    /// pipeline.
-    pub mode: TrainingMode,
 }
 
-impl TrainConfig {
-    pub fn new(run_dir: PathBuf) -> Self {
+impl Default for OptimSettings {
+    fn default() -> Self {
         Self {
-            data: None,
-            labels: None,
-            val_fraction: 0.2,
-            model: super::catalog::DEFAULT_MODEL.into(),
-            weights: None,
-            freeze_backbone: false,
-            unfreeze_after: None,
-            finetune_lr: None,
-            finetune_bn: FinetuneBn::default(),
-            epochs: 12,
-            batch_size: 32,
-            lr: 0.05,
             optimizer: OptimizerKind::Sgd,
+            lr: 0.05,
             momentum: None,
             nesterov: false,
             weight_decay: 5e-4,
@@ -132,26 +151,102 @@ impl TrainConfig {
             warmup_epochs: 1,
             scale_lr: None,
             label_smoothing: 0.0,
+            grad_accum: None,
+        }
+    }
+}
+
+/// What the run keeps and when it stops: resuming, replacing, the best-epoch rule and early
+/// stopping.
+#[derive(Debug, Clone)]
+pub struct CheckpointSettings {
+    /// Continue the run in `run_dir` after its last complete epoch.
+    pub resume: bool,
+    /// Replace the run already in `run_dir` (its metrics, checkpoints and model files); without
+    /// it, a `run_dir` holding a run is an error (`resume` continues one).
+    pub overwrite: bool,
+    /// End the run after this epoch (checkpoint written), e.g. before a time limit; `resume`
+    /// continues it exactly.
+    pub stop_after_epoch: Option<usize>,
+    /// The metric that picks the exported (best) epoch and drives early stopping.
+    pub monitor: Monitor,
+    /// Stop after this many epochs without an improvement of `monitor` by more than `min_delta`.
+    pub patience: Option<usize>,
+    /// Smallest change of `monitor` that counts as an improvement, for early stopping and for
+    /// picking the exported epoch alike.
+    pub min_delta: f64,
+}
+
+impl Default for CheckpointSettings {
+    fn default() -> Self {
+        Self {
+            resume: false,
+            overwrite: false,
+            stop_after_epoch: None,
             monitor: Monitor::ValAccuracy,
             patience: None,
             min_delta: 0.0,
-            image_size: 32,
-            augmentation: AugmentPreset::Light.augmentation(),
-            workers: 2,
-            seed: 0,
-            run_dir,
-            resume: false,
-            stop_after_epoch: None,
-            overwrite: false,
-            price_per_hour: None,
-            grad_accum: None,
-            dist: None,
+        }
+    }
+}
+
+/// How steps compute: the number type and activation recomputation.
+#[derive(Debug, Clone, Default)]
+pub struct ComputeSettings {
+    /// The type steps compute in: f32, or bf16/f16 with f32 master weights (mixed precision,
+    /// see [`Precision`]), in every mode. A custom module trains in it when its
+    /// [`super::Net::MIXED_PRECISION`] says it computes in it; wgpu devices refuse bf16.
+    pub precision: Precision,
+    /// Activation recomputation (`--recompute`), every mode of Hearth's image models: the
+    /// forward keeps only each unit's input (pipelines: each stage's), and the backward runs
+    /// each unit's forward again with its graph. Less memory, one more forward per step.
+    pub recompute: bool,
+}
+
+/// How ranks exchange gradients (distributed runs).
+#[derive(Debug, Clone)]
+pub struct ExchangeSettings {
+    /// Gradient fusion bucket size in bytes.
+    pub bucket_bytes: usize,
+    /// Wire format of gradient averaging; parameters always travel exact.
+    pub compression: burn_dist::Compression,
+    /// Data parallel's sharded optimizer (ZeRO): 0 off, 1 the optimizer state sharded over the
+    /// ranks, 2 the gradients too (see `train::zero`).
+    pub zero: u8,
+    /// `--overlap`: data parallel's (and elastic's) gradient exchange overlapped with the
+    /// backward pass (the model runs unit by unit and each unit's gradients are reduced,
+    /// bucket by bucket, while the units before it run). The same arithmetic as without it
+    /// (the buckets are cut in another order), so not a hyperparameter: a resumed run may turn
+    /// it on or off.
+    pub overlap: bool,
+}
+
+impl Default for ExchangeSettings {
+    fn default() -> Self {
+        Self {
             bucket_bytes: burn_dist::bucket::DEFAULT_BUCKET_BYTES,
             compression: burn_dist::Compression::None,
-            precision: Precision::Fp32,
             zero: 0,
-            recompute: false,
             overlap: false,
+        }
+    }
+}
+
+impl TrainConfig {
+    pub fn new(run_dir: PathBuf) -> Self {
+        Self {
+            run_dir,
+            epochs: 12,
+            batch_size: 32,
+            seed: 0,
+            price_per_hour: None,
+            data: DataSettings::default(),
+            model: ModelSettings::default(),
+            optim: OptimSettings::default(),
+            checkpoint: CheckpointSettings::default(),
+            compute: ComputeSettings::default(),
+            exchange: ExchangeSettings::default(),
+            dist: None,
             mode: TrainingMode::DataParallel,
         }
     }
@@ -159,7 +254,9 @@ impl TrainConfig {
     /// Optimizer steps per epoch for `batches` loader batches: with gradient accumulation K the
     /// optimizer (and so burn-train's scheduler) steps on every K-th batch and on the last one.
     pub fn optimizer_steps(&self, batches: usize) -> usize {
-        batches.div_ceil(self.grad_accum.unwrap_or(1).max(1)).max(1)
+        batches
+            .div_ceil(self.optim.grad_accum.unwrap_or(1).max(1))
+            .max(1)
     }
 
     /// SGD's and LARS's momentum for this run: `momentum` where set, else [`DEFAULT_MOMENTUM`],
@@ -170,7 +267,7 @@ impl TrainConfig {
     /// nearer sync from scratch but cost seed 000's fine-tuning recipe 7.5 points.
     pub fn momentum(&self) -> f64 {
         use burn_dist::ps::Mode;
-        self.momentum.unwrap_or_else(|| match self.mode.ps() {
+        self.optim.momentum.unwrap_or_else(|| match self.mode.ps() {
             Some(p) if matches!(p.mode, Mode::Downpour | Mode::DynSgd) => 0.0,
             _ => DEFAULT_MOMENTUM,
         })
@@ -178,13 +275,13 @@ impl TrainConfig {
 
     /// `lr` after the large-batch scaling `scale_lr` asks for (said in `log` when it applies).
     pub fn scaled_lr(&self, log: &mut dyn FnMut(&str)) -> Result<f64> {
-        let Some((rule, base)) = self.scale_lr else {
-            return Ok(self.lr);
+        let Some((rule, base)) = self.optim.scale_lr else {
+            return Ok(self.optim.lr);
         };
-        let scaled = crate::schedule::scale_lr(self.lr, rule, self.batch_size, base)?;
+        let scaled = crate::schedule::scale_lr(self.optim.lr, rule, self.batch_size, base)?;
         log(&format!(
             "learning rate {} scaled ({rule:?}, batch {} / base {base}) to {scaled}",
-            self.lr, self.batch_size
+            self.optim.lr, self.batch_size
         ));
         Ok(scaled)
     }
@@ -194,13 +291,18 @@ impl TrainConfig {
     pub fn lr_schedule(&self, lr: f64, batches: usize) -> Result<crate::schedule::Schedule> {
         use crate::schedule::Decay;
         let steps = self.optimizer_steps(batches);
-        let decay = match self.schedule {
+        let decay = match self.optim.schedule {
             Decay::Step { gamma, .. } => Decay::Step {
                 step_size: (steps * self.epochs / 3).max(1),
                 gamma,
             },
             d => d,
         };
-        crate::schedule::Schedule::new(lr, self.warmup_epochs * steps, self.epochs * steps, decay)
+        crate::schedule::Schedule::new(
+            lr,
+            self.optim.warmup_epochs * steps,
+            self.epochs * steps,
+            decay,
+        )
     }
 }

@@ -37,7 +37,7 @@ pub fn load_data(
     comm: &burn_dist::Communicator,
     log: &mut dyn FnMut(&str),
 ) -> Result<(ImageSet, ImageSet)> {
-    let generated = cfg.data.is_none() && cfg.labels.is_none();
+    let generated = cfg.data.folder.is_none() && cfg.data.labels.is_none();
     let sets = if generated {
         if comm.rank() == 0 {
             let sets = sets::load(cfg, log);

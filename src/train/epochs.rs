@@ -74,8 +74,9 @@ impl<'a> Epochs<'a> {
             writer: std::cell::Cell::new(writer),
             gate: Default::default(),
             patience_origin: cfg
+                .model
                 .unfreeze_after
-                .filter(|_| cfg.freeze_backbone)
+                .filter(|_| cfg.model.freeze_backbone)
                 .unwrap_or(0),
         }
     }
@@ -83,6 +84,7 @@ impl<'a> Epochs<'a> {
     /// The last epoch this launch trains (`--stop-after-epoch`, else `--epochs`).
     pub fn end(&self) -> usize {
         self.cfg
+            .checkpoint
             .stop_after_epoch
             .unwrap_or(self.cfg.epochs)
             .min(self.cfg.epochs)
@@ -136,8 +138,8 @@ impl<'a> Epochs<'a> {
     pub fn rule(&self) -> BestRule {
         BestRule {
             table: self.table.clone(),
-            monitor: self.cfg.monitor,
-            min_delta: self.cfg.min_delta,
+            monitor: self.cfg.checkpoint.monitor,
+            min_delta: self.cfg.checkpoint.min_delta,
         }
     }
 
@@ -172,7 +174,7 @@ impl<'a> Epochs<'a> {
     /// Whether early stopping ends the run after `epoch` (said in `log`): `--patience` epochs
     /// without an improvement of more than `--min-delta`. Never after the last epoch.
     pub fn stop_early(&self, epoch: usize, log: &mut dyn FnMut(&str)) -> bool {
-        let Some(patience) = self.cfg.patience else {
+        let Some(patience) = self.cfg.checkpoint.patience else {
             return false;
         };
         let stop = epoch < self.end()
@@ -185,7 +187,7 @@ impl<'a> Epochs<'a> {
         if stop && self.writer.get() {
             log(&format!(
                 "early stopping after epoch {epoch}: no improvement of {} in {patience} epochs",
-                self.cfg.monitor.column()
+                self.cfg.checkpoint.monitor.column()
             ));
         }
         stop
@@ -232,10 +234,15 @@ impl<'a> Epochs<'a> {
 
     /// The epoch to export, or an error naming the monitored column none of them has.
     pub fn best_or_err(&self) -> Result<usize> {
-        best_epoch(&self.rows(), self.cfg.monitor, self.cfg.min_delta).ok_or_else(|| {
+        best_epoch(
+            &self.rows(),
+            self.cfg.checkpoint.monitor,
+            self.cfg.checkpoint.min_delta,
+        )
+        .ok_or_else(|| {
             HearthError::Training(format!(
                 "no epoch has a {} value to pick the best one by",
-                self.cfg.monitor.column()
+                self.cfg.checkpoint.monitor.column()
             ))
         })
     }
@@ -301,7 +308,7 @@ mod tests {
     fn config(dir: &std::path::Path) -> TrainConfig {
         let mut cfg = TrainConfig::new(dir.to_path_buf());
         cfg.epochs = 8;
-        cfg.patience = Some(2);
+        cfg.checkpoint.patience = Some(2);
         cfg
     }
 
@@ -341,8 +348,8 @@ mod tests {
     fn patience_counts_from_the_fine_tuning_phase() {
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = config(dir.path());
-        cfg.freeze_backbone = true;
-        cfg.unfreeze_after = Some(4);
+        cfg.model.freeze_backbone = true;
+        cfg.model.unfreeze_after = Some(4);
         let epochs = Epochs::new(&cfg, true);
         let mut s = Scripted {
             accuracy: vec![60.0, 50.0, 50.0, 50.0, 50.0, 50.0, 50.0, 50.0],
@@ -359,7 +366,7 @@ mod tests {
     fn a_resume_past_the_end_is_refused_and_no_value_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = config(dir.path());
-        cfg.stop_after_epoch = Some(3);
+        cfg.checkpoint.stop_after_epoch = Some(3);
         let epochs = Epochs::new(&cfg, false);
         assert_eq!(epochs.end(), 3);
         let e = epochs.check_left(3).unwrap_err().to_string();

@@ -42,14 +42,14 @@ pub fn export<T: Task>(
             per_class_auroc: None,
         });
     }
-    let model = restore_best::<T>(last, &cfg.run_dir, best, cfg.label_smoothing)?;
+    let model = restore_best::<T>(last, &cfg.run_dir, best, cfg.optim.label_smoothing)?;
     log(&format!(
         "restored the best epoch ({best}, by {}) from {}",
-        cfg.monitor.column(),
+        cfg.checkpoint.monitor.column(),
         super::best::model_checkpoint(&cfg.run_dir, best).display()
     ));
     let model = model.valid();
-    let preprocessing = Preprocessing::eval(cfg.image_size);
+    let preprocessing = Preprocessing::eval(cfg.data.image_size);
     save_model_with(
         &model,
         config,
@@ -118,7 +118,7 @@ pub(super) fn export_best<T: super::trainee::Trainee>(
     gate.land(&tmp, &out)?;
     log(&format!(
         "exported the best epoch ({best}, by {}) into {}",
-        cfg.monitor.column(),
+        cfg.checkpoint.monitor.column(),
         cfg.run_dir.join("model.bpk").display()
     ));
     auroc_report(

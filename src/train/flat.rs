@@ -24,10 +24,10 @@ pub(super) fn flat_optimizer(
     batches_per_epoch: usize,
     decay: Vec<Range<usize>>,
 ) -> Result<ShardOptimizer> {
-    let update = match cfg.optimizer {
+    let update = match cfg.optim.optimizer {
         OptimizerKind::Sgd => Update::Sgd {
             momentum: cfg.momentum() as f32,
-            nesterov: cfg.nesterov,
+            nesterov: cfg.optim.nesterov,
         },
         OptimizerKind::Adam => Update::adam(),
         OptimizerKind::AdamW => Update::adamw(),
@@ -47,7 +47,7 @@ pub(super) fn flat_optimizer(
     let schedule = Arc::new(cfg.lr_schedule(lr, batches_per_epoch)?);
     Ok(ShardOptimizer {
         update,
-        weight_decay: cfg.weight_decay as f32,
+        weight_decay: cfg.optim.weight_decay as f32,
         decay,
         lr: Arc::new(move |step| schedule.lr_at(step as usize) as f32),
         tensors: Vec::new(),
@@ -59,7 +59,7 @@ pub(super) fn flat_optimizer(
 /// The value ranges of `model`'s trainable vector that weight decay applies to: the weights of
 /// layers (as data parallel's optimizer), or everything for AdamW (Burn's decays every tensor).
 pub(super) fn decay_ranges<M: Module>(cfg: &TrainConfig, model: &M) -> Vec<Range<usize>> {
-    if cfg.optimizer == OptimizerKind::AdamW {
+    if cfg.optim.optimizer == OptimizerKind::AdamW {
         let total: usize = trainable_names(model).iter().map(|t| t.1).sum();
         return std::iter::once(0..total).collect();
     }
@@ -108,10 +108,10 @@ mod tests {
     fn the_flat_optimizer_follows_the_runs_schedule() {
         let mut cfg = TrainConfig::new("unused".into());
         cfg.epochs = 4;
-        cfg.warmup_epochs = 1;
-        cfg.lr = 0.4;
-        let o = flat_optimizer(&cfg, cfg.lr, 10, std::iter::once(0..2).collect()).unwrap();
-        let s = cfg.lr_schedule(cfg.lr, 10).unwrap();
+        cfg.optim.warmup_epochs = 1;
+        cfg.optim.lr = 0.4;
+        let o = flat_optimizer(&cfg, cfg.optim.lr, 10, std::iter::once(0..2).collect()).unwrap();
+        let s = cfg.lr_schedule(cfg.optim.lr, 10).unwrap();
         for step in [0u64, 3, 9, 10, 25, 39] {
             assert_eq!(o.lr_at(step), s.lr_at(step as usize) as f32, "step {step}");
         }
@@ -142,9 +142,9 @@ mod tests {
                     continue;
                 }
                 let mut cfg = TrainConfig::new("unused".into());
-                cfg.optimizer = kind;
-                cfg.nesterov = nesterov;
-                cfg.weight_decay = 0.01;
+                cfg.optim.optimizer = kind;
+                cfg.optim.nesterov = nesterov;
+                cfg.optim.weight_decay = 0.01;
                 let lr = 0.05;
                 let net = Net {
                     fc: LinearConfig::new(5, 4).init(&device),

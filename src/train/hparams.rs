@@ -149,39 +149,40 @@ impl Hparams {
     pub fn of(cfg: &TrainConfig) -> Self {
         let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.display().to_string());
         Self {
-            data: path(&cfg.data),
-            labels: path(&cfg.labels),
-            val_fraction: cfg.val_fraction,
-            model: cfg.model.clone(),
-            weights: path(&cfg.weights),
-            freeze_backbone: cfg.freeze_backbone,
-            unfreeze_after: cfg.unfreeze_after,
-            finetune_lr: cfg.finetune_lr,
-            finetune_bn: cfg.finetune_bn,
+            data: path(&cfg.data.folder),
+            labels: path(&cfg.data.labels),
+            val_fraction: cfg.data.val_fraction,
+            model: cfg.model.name.clone(),
+            weights: path(&cfg.model.weights),
+            freeze_backbone: cfg.model.freeze_backbone,
+            unfreeze_after: cfg.model.unfreeze_after,
+            finetune_lr: cfg.model.finetune_lr,
+            finetune_bn: cfg.model.finetune_bn,
             epochs: cfg.epochs,
             batch_size: cfg.batch_size,
-            lr: cfg.lr,
-            optimizer: cfg.optimizer,
+            lr: cfg.optim.lr,
+            optimizer: cfg.optim.optimizer,
             momentum: Some(cfg.momentum()),
-            nesterov: cfg.nesterov,
-            weight_decay: cfg.weight_decay,
-            schedule: cfg.schedule,
-            warmup_epochs: cfg.warmup_epochs,
+            nesterov: cfg.optim.nesterov,
+            weight_decay: cfg.optim.weight_decay,
+            schedule: cfg.optim.schedule,
+            warmup_epochs: cfg.optim.warmup_epochs,
             scale_lr: cfg
+                .optim
                 .scale_lr
                 .map(|(rule, base_batch)| ScaleLr { rule, base_batch }),
-            label_smoothing: cfg.label_smoothing,
-            monitor: cfg.monitor,
-            patience: cfg.patience,
-            min_delta: cfg.min_delta,
-            image_size: cfg.image_size,
-            augmentation: cfg.augmentation.clone(),
+            label_smoothing: cfg.optim.label_smoothing,
+            monitor: cfg.checkpoint.monitor,
+            patience: cfg.checkpoint.patience,
+            min_delta: cfg.checkpoint.min_delta,
+            image_size: cfg.data.image_size,
+            augmentation: cfg.data.augmentation.clone(),
             seed: cfg.seed,
-            grad_accum: cfg.grad_accum,
-            compression: cfg.compression,
-            precision: cfg.precision,
-            zero: cfg.zero,
-            recompute: cfg.recompute,
+            grad_accum: cfg.optim.grad_accum,
+            compression: cfg.exchange.compression,
+            precision: cfg.compute.precision,
+            zero: cfg.exchange.zero,
+            recompute: cfg.compute.recompute,
             launch: LaunchRecord {
                 processes: cfg.dist.as_ref().map_or(1, |d| d.world),
                 elastic: cfg.mode.elastic().is_some(),
@@ -214,7 +215,7 @@ impl Hparams {
     /// back changes nothing.
     fn as_given(cfg: &TrainConfig) -> Self {
         let mut h = Self::of(cfg);
-        h.momentum = cfg.momentum;
+        h.momentum = cfg.optim.momentum;
         if let (Some(r), Some(p)) = (h.ps.as_mut(), cfg.mode.ps()) {
             r.window = p.window;
         }
@@ -290,37 +291,37 @@ impl Hparams {
             (None, None, TrainingMode::Elastic(e)) => TrainingMode::Elastic(e.clone()),
             (None, None, _) => TrainingMode::DataParallel,
         };
-        cfg.data = data.map(Into::into);
-        cfg.labels = labels.map(Into::into);
-        cfg.val_fraction = val_fraction;
-        cfg.model = model;
-        cfg.weights = weights.map(Into::into);
-        cfg.freeze_backbone = freeze_backbone;
-        cfg.unfreeze_after = unfreeze_after;
-        cfg.finetune_lr = finetune_lr;
-        cfg.finetune_bn = finetune_bn;
+        cfg.data.folder = data.map(Into::into);
+        cfg.data.labels = labels.map(Into::into);
+        cfg.data.val_fraction = val_fraction;
+        cfg.model.name = model;
+        cfg.model.weights = weights.map(Into::into);
+        cfg.model.freeze_backbone = freeze_backbone;
+        cfg.model.unfreeze_after = unfreeze_after;
+        cfg.model.finetune_lr = finetune_lr;
+        cfg.model.finetune_bn = finetune_bn;
         cfg.epochs = epochs;
         cfg.batch_size = batch_size;
-        cfg.lr = lr;
-        cfg.optimizer = optimizer;
-        cfg.momentum = momentum;
-        cfg.nesterov = nesterov;
-        cfg.weight_decay = weight_decay;
-        cfg.schedule = schedule;
-        cfg.warmup_epochs = warmup_epochs;
-        cfg.scale_lr = scale_lr.map(|s| (s.rule, s.base_batch));
-        cfg.label_smoothing = label_smoothing;
-        cfg.monitor = monitor;
-        cfg.patience = patience;
-        cfg.min_delta = min_delta;
-        cfg.image_size = image_size;
-        cfg.augmentation = augmentation;
+        cfg.optim.lr = lr;
+        cfg.optim.optimizer = optimizer;
+        cfg.optim.momentum = momentum;
+        cfg.optim.nesterov = nesterov;
+        cfg.optim.weight_decay = weight_decay;
+        cfg.optim.schedule = schedule;
+        cfg.optim.warmup_epochs = warmup_epochs;
+        cfg.optim.scale_lr = scale_lr.map(|s| (s.rule, s.base_batch));
+        cfg.optim.label_smoothing = label_smoothing;
+        cfg.checkpoint.monitor = monitor;
+        cfg.checkpoint.patience = patience;
+        cfg.checkpoint.min_delta = min_delta;
+        cfg.data.image_size = image_size;
+        cfg.data.augmentation = augmentation;
         cfg.seed = seed;
-        cfg.grad_accum = grad_accum;
-        cfg.compression = compression;
-        cfg.precision = precision;
-        cfg.zero = zero;
-        cfg.recompute = recompute;
+        cfg.optim.grad_accum = grad_accum;
+        cfg.exchange.compression = compression;
+        cfg.compute.precision = precision;
+        cfg.exchange.zero = zero;
+        cfg.compute.recompute = recompute;
         Ok(())
     }
 }
@@ -433,15 +434,15 @@ mod tests {
 
     fn config() -> TrainConfig {
         let mut c = TrainConfig::new("run".into());
-        c.data = Some("/data/set".into());
-        c.lr = 0.02;
-        c.label_smoothing = 0.1;
-        c.schedule = Decay::Step {
+        c.data.folder = Some("/data/set".into());
+        c.optim.lr = 0.02;
+        c.optim.label_smoothing = 0.1;
+        c.optim.schedule = Decay::Step {
             step_size: 7,
             gamma: 0.5,
         };
-        c.scale_lr = Some((LrScaling::Sqrt, 64));
-        c.augmentation.crop_scale = Some((0.3, 1.0));
+        c.optim.scale_lr = Some((LrScaling::Sqrt, 64));
+        c.data.augmentation.crop_scale = Some((0.3, 1.0));
         c.mode = TrainingMode::ParameterServers(PsOptions {
             servers: PsServers::Colocated,
             mode: burn_dist::ps::Mode::Easgd,
@@ -486,22 +487,25 @@ mod tests {
         let taken = resumed.take_recorded(&saved, &|_| false).unwrap();
         assert!(taken.contains(&"ps".to_string()) && !taken.contains(&"launch".to_string()));
         assert_eq!(resumed.hyperparameters(), original.hyperparameters());
-        assert_eq!(resumed.data, original.data);
-        assert_eq!(resumed.label_smoothing, original.label_smoothing);
+        assert_eq!(resumed.data.folder, original.data.folder);
+        assert_eq!(
+            resumed.optim.label_smoothing,
+            original.optim.label_smoothing
+        );
     }
 
     #[test]
     fn what_the_command_line_sets_stays() {
         let saved: Map<String, Value> = config().hyperparameters().into_iter().collect();
         let mut resumed = TrainConfig::new("run".into());
-        resumed.lr = 0.5;
-        resumed.label_smoothing = 0.123_456_7;
+        resumed.optim.lr = 0.5;
+        resumed.optim.label_smoothing = 0.123_456_7;
         let given = |k: &str| matches!(k, "lr" | "label_smoothing" | "momentum");
         let taken = resumed.take_recorded(&saved, &given).unwrap();
         assert!(!taken.contains(&"lr".to_string()));
-        assert_eq!(resumed.lr, 0.5);
-        assert_eq!(resumed.label_smoothing, 0.123_456_7);
-        assert_eq!(resumed.momentum, None, "left for the mode to choose");
+        assert_eq!(resumed.optim.lr, 0.5);
+        assert_eq!(resumed.optim.label_smoothing, 0.123_456_7);
+        assert_eq!(resumed.optim.momentum, None, "left for the mode to choose");
         assert_eq!(resumed.seed, config().seed);
     }
 

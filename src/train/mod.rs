@@ -33,6 +33,7 @@
 
 mod allreduce;
 mod best;
+mod builder;
 mod catalog;
 mod config;
 mod data;
@@ -68,12 +69,16 @@ pub use crate::settings::{
     TrainingMode,
 };
 pub use best::{BestRule, KeepBestAndLast, Patience, best_epoch};
+pub use builder::TrainConfigBuilder;
 pub use burn_dist::ps::Mode as PsMode;
 pub use catalog::{
     DEFAULT_MODEL, MINI_DENSENET, MINI_MODELS, MINI_VGG, MINI_VGG_PLAIN, mini_resnet, mini_vgg,
     model_config,
 };
-pub use config::{MAY_CHANGE_ON_RESUME, TrainConfig};
+pub use config::{
+    CheckpointSettings, ComputeSettings, DataSettings, ExchangeSettings, MAY_CHANGE_ON_RESUME,
+    ModelSettings, OptimSettings, TrainConfig,
+};
 pub use data::{ImageBatch, LoaderAdapter};
 pub use elastic::{mark_finished, request_leave};
 pub use hparams::{
@@ -104,8 +109,8 @@ use crate::{HearthError, Result};
 /// binary cross-entropy, per-class AUROC); any other trains [`SingleLabel`].
 pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> Result<TrainReport> {
     cfg.validate()?;
-    crate::device::check_precision(device, cfg.precision)?;
-    if cfg.recompute {
+    crate::device::check_precision(device, cfg.compute.precision)?;
+    if cfg.compute.recompute {
         log(if cfg.mode.pipeline().is_some() {
             "--recompute: each stage keeps only its micro-batches' inputs and computes their \
              activations again in the backward"
@@ -114,7 +119,7 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
              the backward"
         });
     }
-    if cfg.overlap {
+    if cfg.exchange.overlap {
         log(
             "--overlap: the model runs unit by unit, and each unit's gradients are averaged while \
              the units before it compute",
@@ -129,7 +134,7 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
     let started = Instant::now();
     let dist = match &cfg.dist {
         Some(info) if info.world > 1 => {
-            Some(distributed::connect(info, log)?.with_compression(cfg.compression))
+            Some(distributed::connect(info, log)?.with_compression(cfg.exchange.compression))
         }
         _ => None,
     };
@@ -138,9 +143,9 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
     let log: &mut dyn FnMut(&str) = if rank == 0 { log } else { &mut quiet };
     if rank == 0 {
         run_dir::start(cfg, log)?;
-        log(&format!("augmentation: {}", cfg.augmentation));
+        log(&format!("augmentation: {}", cfg.data.augmentation));
     }
-    if cfg.overlap
+    if cfg.exchange.overlap
         && let Some(notice) = dist.as_ref().and_then(shared::one_host_overlap_notice)
     {
         log(notice);
@@ -154,7 +159,7 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
     if run.multi_label {
         run.train::<MultiLabel>(log)
     } else {
-        if cfg.monitor == Monitor::ValAuroc {
+        if cfg.checkpoint.monitor == Monitor::ValAuroc {
             return Err(HearthError::InvalidArgument(
                 "--monitor val_auroc needs a multi-label data set (--labels FILE.csv)".into(),
             ));
@@ -170,9 +175,9 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
 /// image models get. `model.bpk` holds the module's
 /// weights (burnpack: load them with `ModuleRecord::load` into the same module).
 ///
-/// The settings that only mean something for Hearth's image models (`data`, `val_fraction`, `labels`,
-/// `model`, `weights`, `freeze_backbone`, `unfreeze_after`, `finetune_lr`, `augmentation`,
-/// `image_size`, `workers`, a pipeline `mode`, `recompute`, `overlap`) are refused by name when set.
+/// The settings that only mean something for Hearth's image models (the `data` and `model`
+/// sections, a pipeline `mode`, `compute.recompute`, `exchange.overlap`) are refused by name
+/// when set.
 pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
     cfg: &TrainConfig,
     custom: &Custom<N, E>,
@@ -181,47 +186,53 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
 ) -> Result<TrainReport> {
     let defaults = TrainConfig::new(cfg.run_dir.clone());
     let image_only: [(&str, bool); 14] = [
-        ("data (the examples are the data)", cfg.data.is_some()),
         (
-            "val_fraction (the validation examples are given apart)",
-            cfg.val_fraction != defaults.val_fraction,
+            "data.folder (the examples are the data)",
+            cfg.data.folder.is_some(),
         ),
         (
-            "labels (a multi-label custom set: Custom::multi_label)",
-            cfg.labels.is_some(),
+            "data.val_fraction (the validation examples are given apart)",
+            cfg.data.val_fraction != defaults.data.val_fraction,
         ),
         (
-            "model (the module is the model)",
-            cfg.model != defaults.model,
+            "data.labels (a multi-label custom set: Custom::multi_label)",
+            cfg.data.labels.is_some(),
         ),
-        ("weights", cfg.weights.is_some()),
         (
-            "freeze_backbone (a custom module has no known backbone)",
-            cfg.freeze_backbone,
+            "model.name (the module is the model)",
+            cfg.model.name != defaults.model.name,
         ),
-        ("unfreeze_after", cfg.unfreeze_after.is_some()),
-        ("finetune_lr", cfg.finetune_lr.is_some()),
+        ("model.weights", cfg.model.weights.is_some()),
         (
-            "augmentation (augment in your Examples::batch)",
-            cfg.augmentation != defaults.augmentation,
+            "model.freeze_backbone (a custom module has no known backbone)",
+            cfg.model.freeze_backbone,
         ),
-        ("image_size", cfg.image_size != defaults.image_size),
+        ("model.unfreeze_after", cfg.model.unfreeze_after.is_some()),
+        ("model.finetune_lr", cfg.model.finetune_lr.is_some()),
         (
-            "workers (your Examples make the batches)",
-            cfg.workers != defaults.workers,
+            "data.augmentation (augment in your Examples::batch)",
+            cfg.data.augmentation != defaults.data.augmentation,
+        ),
+        (
+            "data.image_size",
+            cfg.data.image_size != defaults.data.image_size,
+        ),
+        (
+            "data.workers (your Examples make the batches)",
+            cfg.data.workers != defaults.data.workers,
         ),
         (
             "mode Pipeline (stages split Hearth's own models)",
             cfg.mode.pipeline().is_some(),
         ),
         (
-            "recompute (it recomputes a model's units, which a custom module does not have)",
-            cfg.recompute,
+            "compute.recompute (it recomputes a model's units, which a custom module does not have)",
+            cfg.compute.recompute,
         ),
         (
-            "overlap (it exchanges each of a model's units' gradients as the backward pass \
+            "exchange.overlap (it exchanges each of a model's units' gradients as the backward pass \
              finishes it, and a custom module has no units)",
-            cfg.overlap,
+            cfg.exchange.overlap,
         ),
     ];
     if let Some((name, _)) = image_only.iter().find(|(_, set)| *set) {
@@ -229,31 +240,31 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
             "{name} is a setting of Hearth's image models; a custom model's run refuses it"
         )));
     }
-    if cfg.precision.is_low() && !N::MIXED_PRECISION {
+    if cfg.compute.precision.is_low() && !N::MIXED_PRECISION {
         return Err(HearthError::InvalidArgument(format!(
             "precision {}: this module computes in f32 only (its Net::logits_in is the \
              default); override logits_in and set Net::MIXED_PRECISION to train it in mixed \
              precision, or train in fp32",
-            cfg.precision
+            cfg.compute.precision
         )));
     }
-    if custom.is_multi_label() && cfg.label_smoothing > 0.0 {
+    if custom.is_multi_label() && cfg.optim.label_smoothing > 0.0 {
         return Err(HearthError::InvalidArgument(
-            "label_smoothing applies to single-label targets; this custom set is multi-label"
+            "optim.label_smoothing applies to single-label targets; this custom set is multi-label"
                 .into(),
         ));
     }
-    if !custom.is_multi_label() && cfg.monitor == Monitor::ValAuroc {
+    if !custom.is_multi_label() && cfg.checkpoint.monitor == Monitor::ValAuroc {
         return Err(HearthError::InvalidArgument(
-            "monitor val_auroc needs multi-label targets (Custom::multi_label)".into(),
+            "checkpoint.monitor val_auroc needs multi-label targets (Custom::multi_label)".into(),
         ));
     }
     // The image checks, less the one answered above: val_auroc with multi-label examples
     // instead of a --labels file.
     let mut checked = cfg.clone();
-    checked.monitor = defaults.monitor;
+    checked.checkpoint.monitor = defaults.checkpoint.monitor;
     checked.validate()?;
-    crate::device::check_precision(device, cfg.precision)?;
+    crate::device::check_precision(device, cfg.compute.precision)?;
     match &cfg.mode {
         TrainingMode::Elastic(opts) => elastic::train_with(cfg, opts, custom, device, log),
         TrainingMode::ParameterServers(opts) => ps::train_with(cfg, opts, custom, device, log),
@@ -302,14 +313,14 @@ impl<'a> Run<'a> {
         let multi_label = train_set.multi_label;
         let (rank, world) = dist.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
         let loaders = sets::Loaders::new(cfg, train_set, val_set, rank, world)?;
-        let config = catalog::model_config(&cfg.model, classes.len())?;
+        let config = catalog::model_config(&cfg.model.name, classes.len())?;
         let lr = cfg.scaled_lr(log)?;
         // Resume: burn's checkpointer restores model, optimizer and scheduler of the last
         // complete epoch; data order, augmentation and the model's random stream are functions
         // of (seed, epoch); the earlier epochs' metrics come back from metrics.csv.
         let hparams = cfg.hyperparameters();
         let table = EpochTable::default();
-        let resume_epoch = if cfg.resume {
+        let resume_epoch = if cfg.checkpoint.resume {
             let epoch = run_dir::last_complete_checkpoint(&cfg.run_dir)?;
             run_dir::check_resume_compatible(&cfg.run_dir, &config.to_json(), &hparams)?;
             zero::check_resume(cfg, epoch)?;
@@ -338,8 +349,8 @@ impl<'a> Run<'a> {
             world,
             started,
             mixed: {
-                let mut mixed = Mixed::new(cfg.precision, world > 1, rank);
-                mixed.recompute = cfg.recompute;
+                let mut mixed = Mixed::new(cfg.compute.precision, world > 1, rank);
+                mixed.recompute = cfg.compute.recompute;
                 if let (Some(s), true) = (&mixed.scaler, resume_epoch > 0) {
                     s.restore(&cfg.run_dir, resume_epoch)?;
                 }
@@ -391,7 +402,11 @@ impl<'a> Run<'a> {
             log,
         )?;
         // This launch may end before `epochs` (`stop_after_epoch`); the schedule spans them all.
-        let end = cfg.stop_after_epoch.unwrap_or(cfg.epochs).min(cfg.epochs);
+        let end = cfg
+            .checkpoint
+            .stop_after_epoch
+            .unwrap_or(cfg.epochs)
+            .min(cfg.epochs);
         if self.resume_epoch >= end {
             return Err(HearthError::InvalidArgument(format!(
                 "{} has already finished epoch {} of {}; nothing left to train",
@@ -400,19 +415,22 @@ impl<'a> Run<'a> {
                 cfg.epochs
             )));
         }
-        let unfreeze_at = cfg.unfreeze_after.filter(|_| cfg.freeze_backbone);
+        let unfreeze_at = cfg
+            .model
+            .unfreeze_after
+            .filter(|_| cfg.model.freeze_backbone);
         let phase1_end = unfreeze_at.map_or(end, |n| n.min(end));
         let mut done = self.resume_epoch;
         let mut trained: Option<T> = None;
         if done < phase1_end {
-            let backbone = if cfg.freeze_backbone {
+            let backbone = if cfg.model.freeze_backbone {
                 log("backbone frozen: only the head trains");
                 model.clone().freeze_backbone()
             } else {
                 model.clone()
             };
             let mut phase = self.phase(
-                T::wrap(backbone, cfg.label_smoothing).with_mixed(self.mixed.clone()),
+                T::wrap(backbone, cfg.optim.label_smoothing).with_mixed(self.mixed.clone()),
                 self.lr,
                 done,
                 phase1_end,
@@ -426,7 +444,7 @@ impl<'a> Run<'a> {
             && done >= n
             && done < end
         {
-            let finetune_lr = cfg.finetune_lr.unwrap_or(self.lr / 10.0);
+            let finetune_lr = cfg.model.finetune_lr.unwrap_or(self.lr / 10.0);
             if let Some(comm) = &self.dist {
                 // Phase 2 starts from rank 0's checkpoint of epoch `done` on every rank (as a
                 // resume does): no rank reads it before rank 0 has written it.
@@ -434,7 +452,7 @@ impl<'a> Run<'a> {
             }
             log(&shared::unfreeze_line(done, finetune_lr));
             let mut phase = self.phase(
-                T::wrap(model::unfrozen(cfg, model), cfg.label_smoothing)
+                T::wrap(model::unfrozen(cfg, model), cfg.optim.label_smoothing)
                     .with_mixed(self.mixed.clone()),
                 finetune_lr,
                 done,
@@ -464,22 +482,24 @@ impl<'a> Run<'a> {
         let cfg = self.cfg;
         let rows: EpochRows = self.table.lock().map(|t| t.clone()).unwrap_or_default();
         let epochs_run = rows.keys().copied().max().unwrap_or(0);
-        if let Some(patience) = cfg.patience
+        if let Some(patience) = cfg.checkpoint.patience
             && epochs_run < end
         {
             // burn-train stops quietly: say why the run ended before --epochs, as the other
             // modes do.
             log(&format!(
                 "early stopping after epoch {epochs_run}: no improvement of {} in {patience} epochs",
-                cfg.monitor.column()
+                cfg.checkpoint.monitor.column()
             ));
         }
-        let best = best_epoch(&rows, cfg.monitor, cfg.min_delta).ok_or_else(|| {
-            HearthError::Training(format!(
-                "no epoch has a {} value to pick the best one by",
-                cfg.monitor.column()
-            ))
-        })?;
+        let best = best_epoch(&rows, cfg.checkpoint.monitor, cfg.checkpoint.min_delta).ok_or_else(
+            || {
+                HearthError::Training(format!(
+                    "no epoch has a {} value to pick the best one by",
+                    cfg.checkpoint.monitor.column()
+                ))
+            },
+        )?;
         let exported = export::export::<T>(
             cfg,
             last_model.into_classifier(),

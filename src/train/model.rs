@@ -51,7 +51,7 @@ pub fn init_model(
         HeadConfig::new(classes)
     };
     let mut model = config.init(device)?;
-    if let Some(weights) = &cfg.weights
+    if let Some(weights) = &cfg.model.weights
         && WeightsFormat::of(weights)? == WeightsFormat::Hearth
     {
         // A Hearth model file (an earlier run's model.bpk): the same architecture, whatever its
@@ -63,7 +63,7 @@ pub fn init_model(
                 "--weights {}: its {} architecture is not the one of --model {} ({})",
                 weights.display(),
                 saved.model.family(),
-                cfg.model,
+                cfg.model.name,
                 arch(&saved.config).unwrap_or_default()
             )));
         }
@@ -73,7 +73,7 @@ pub fn init_model(
             weights.display(),
         ));
         model = saved.model.replace_head(head, device)?;
-    } else if let Some(weights) = &cfg.weights {
+    } else if let Some(weights) = &cfg.model.weights {
         let report = load_torchvision(
             &mut model,
             weights,
@@ -105,7 +105,7 @@ pub(crate) fn materialize<M: Module>(model: M) -> M {
 /// its batch norms normalising as `--finetune-bn` says (every mode unfreezes through this).
 pub(crate) fn unfrozen<M: Module>(cfg: &TrainConfig, model: M) -> M {
     let model = model.unfreeze();
-    match cfg.finetune_bn {
+    match cfg.model.finetune_bn {
         FinetuneBn::Frozen => hearth_models::keep_batch_norm_statistics(model),
         FinetuneBn::Batch => model,
     }
@@ -165,30 +165,30 @@ impl<O: Optimizer> Optimizer for DecayWeightsOnly<O> {
 }
 
 pub fn optimizer(cfg: &TrainConfig) -> ModuleOptimizer {
-    match cfg.optimizer {
+    match cfg.optim.optimizer {
         OptimizerKind::Sgd => {
             // PyTorch semantics: no dampening.
             let momentum = (cfg.momentum() > 0.0).then(|| {
                 MomentumConfig::new()
                     .with_momentum(cfg.momentum())
                     .with_dampening(0.0)
-                    .with_nesterov(cfg.nesterov)
+                    .with_nesterov(cfg.optim.nesterov)
             });
             ModuleOptimizer::from(DecayWeightsOnly {
                 inner: SgdConfig::new().with_momentum(momentum).build(),
-                weight_decay: cfg.weight_decay,
+                weight_decay: cfg.optim.weight_decay,
             })
         }
         OptimizerKind::Adam => ModuleOptimizer::from(DecayWeightsOnly {
             inner: AdamConfig::new().build(),
-            weight_decay: cfg.weight_decay,
+            weight_decay: cfg.optim.weight_decay,
         }),
         OptimizerKind::AdamW => AdamWConfig::new()
-            .with_weight_decay(cfg.weight_decay as f32)
+            .with_weight_decay(cfg.optim.weight_decay as f32)
             .init(),
         OptimizerKind::Lars => LarsConfig::new()
             .with_momentum(cfg.momentum())
-            .with_weight_decay(cfg.weight_decay)
+            .with_weight_decay(cfg.optim.weight_decay)
             .init(),
     }
 }

@@ -34,9 +34,9 @@ impl Objective {
     pub fn new(cfg: &TrainConfig, multi_label: bool) -> Self {
         Self {
             multi_label,
-            smoothing: cfg.label_smoothing,
-            precision: cfg.precision,
-            recompute: cfg.recompute,
+            smoothing: cfg.optim.label_smoothing,
+            precision: cfg.compute.precision,
+            recompute: cfg.compute.recompute,
         }
     }
 

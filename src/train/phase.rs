@@ -64,7 +64,7 @@ impl<T: Task> Phase<'_, T> {
                 csv_logger.with_report(Box::new(|line: &str| eprintln!("{line}")), cfg.epochs);
         }
         let (rates, batches) = (schedule.clone(), self.batches_per_epoch);
-        let k = cfg.grad_accum.unwrap_or(1);
+        let k = cfg.optim.grad_accum.unwrap_or(1);
         csv_logger = csv_logger.with_epoch_lr(Box::new(move |epoch| {
             epoch_lr(|i| rates.lr_at(i), epoch, batches, k)
         }));
@@ -87,15 +87,16 @@ impl<T: Task> Phase<'_, T> {
             return Ok(None);
         };
         let mut strategy = burn_dist::ddp::DdpStrategy::new(comm.clone())
-            .with_bucket_bytes(cfg.bucket_bytes)
-            .with_overlap(cfg.overlap);
+            .with_bucket_bytes(cfg.exchange.bucket_bytes)
+            .with_overlap(cfg.exchange.overlap);
         if let Some(s) = scaler {
             // fp16: the verdict on the averaged gradients, the same on every rank.
             strategy = strategy.with_step_guard(Arc::new(s));
         }
         // The fine-tuning phase right after the frozen one: the state it starts from holds
         // the head alone; the backbone's starts from zero (as burn's optimizer's would).
-        let fine_tuning_start = cfg.freeze_backbone && cfg.unfreeze_after == Some(self.first);
+        let fine_tuning_start =
+            cfg.model.freeze_backbone && cfg.model.unfreeze_after == Some(self.first);
         if let Some(s) = super::zero::sharding(
             cfg,
             self.lr,
@@ -117,8 +118,8 @@ impl<T: Task> Phase<'_, T> {
         let schedule = self.schedule(cfg)?;
         let rule = BestRule {
             table: self.table.clone(),
-            monitor: cfg.monitor,
-            min_delta: cfg.min_delta,
+            monitor: cfg.checkpoint.monitor,
+            min_delta: cfg.checkpoint.min_delta,
         };
         let mut checkpointing =
             KeepBestAndLast::new(rule.clone(), complete_checkpoints(&cfg.run_dir));
@@ -156,7 +157,7 @@ impl<T: Task> Phase<'_, T> {
         if let Some(s) = &scaler {
             training = training.metric_train_numeric(EpochCount::skipped_steps(s.clone()));
         }
-        if let Some(k) = cfg.grad_accum.filter(|&k| k > 1) {
+        if let Some(k) = cfg.optim.grad_accum.filter(|&k| k > 1) {
             training = training.grads_accumulation(k);
         }
         if let Some(strategy) = self.ddp_strategy(cfg, scaler)? {
@@ -169,7 +170,7 @@ impl<T: Task> Phase<'_, T> {
             // Rank 0 alone writes the run directory's logs.
             training = training.with_application_logger(None);
         }
-        if let (Some(patience), Some(origin)) = (cfg.patience, self.patience_origin) {
+        if let (Some(patience), Some(origin)) = (cfg.checkpoint.patience, self.patience_origin) {
             training = training.early_stopping(Patience {
                 rule,
                 patience,

@@ -36,7 +36,7 @@ fn run_files(dir: &Path) -> Vec<&'static str> {
 /// and a `--resume` of a directory that holds no run (a mistyped path), before anything is
 /// created there.
 pub fn check_fresh(cfg: &super::TrainConfig) -> Result<()> {
-    if cfg.resume {
+    if cfg.checkpoint.resume {
         if run_files(&cfg.run_dir).is_empty() {
             return Err(HearthError::InvalidArgument(format!(
                 "cannot resume {}: no run there (no metrics.csv, checkpoint/ or hparams.json); \
@@ -46,7 +46,7 @@ pub fn check_fresh(cfg: &super::TrainConfig) -> Result<()> {
         }
         return Ok(());
     }
-    if cfg.overwrite {
+    if cfg.checkpoint.overwrite {
         return Ok(());
     }
     let found = run_files(&cfg.run_dir);
@@ -66,7 +66,7 @@ pub fn check_fresh(cfg: &super::TrainConfig) -> Result<()> {
 /// `--overwrite` (said in `log`), then [`prepare`].
 pub fn start(cfg: &super::TrainConfig, log: &mut dyn FnMut(&str)) -> Result<()> {
     check_fresh(cfg)?;
-    if cfg.overwrite && !cfg.resume {
+    if cfg.checkpoint.overwrite && !cfg.checkpoint.resume {
         let found = run_files(&cfg.run_dir);
         for f in &found {
             let path = cfg.run_dir.join(f);

@@ -9,11 +9,11 @@ use crate::Result;
 
 /// Reads (or, without `--data`, generates) the training and validation sets.
 pub fn load(cfg: &TrainConfig, log: &mut dyn FnMut(&str)) -> Result<(ImageSet, ImageSet)> {
-    let (train_set, val_set) = match (&cfg.labels, &cfg.data) {
+    let (train_set, val_set) = match (&cfg.data.labels, &cfg.data.folder) {
         (Some(csv), data) => {
-            ImageSet::from_csv(csv, data.as_deref())?.split(cfg.val_fraction, cfg.seed)?
+            ImageSet::from_csv(csv, data.as_deref())?.split(cfg.data.val_fraction, cfg.seed)?
         }
-        (None, Some(dir)) => train_val(dir, cfg.val_fraction, cfg.seed)?,
+        (None, Some(dir)) => train_val(dir, cfg.data.val_fraction, cfg.seed)?,
         (None, None) => {
             let dir = synthetic_dir(cfg);
             if !dir.join("val").is_dir() {
@@ -28,7 +28,7 @@ pub fn load(cfg: &TrainConfig, log: &mut dyn FnMut(&str)) -> Result<(ImageSet, I
                         .with_val(40),
                 )?;
             }
-            train_val(&dir, cfg.val_fraction, cfg.seed)?
+            train_val(&dir, cfg.data.val_fraction, cfg.seed)?
         }
     };
     train_set.require_classes(2)?;
@@ -97,20 +97,24 @@ impl Loaders {
         // The global batch, split evenly; each rank streams its own shard of every epoch.
         let train = Loader::new(
             train_set,
-            cfg.augmentation.pipeline(cfg.image_size)?,
+            cfg.data.augmentation.pipeline(cfg.data.image_size)?,
             LoaderConfig::new(cfg.batch_size / world)
-                .with_workers(cfg.workers)
+                .with_workers(cfg.data.workers)
                 .with_seed(cfg.seed)
                 .with_shard(rank, world),
         )?;
         let val_config = LoaderConfig::new((cfg.batch_size / world).max(1))
-            .with_workers(cfg.workers)
+            .with_workers(cfg.data.workers)
             .with_shuffle(false)
             .with_pad(false);
-        let full_val = Loader::new(val_set, Pipeline::eval(cfg.image_size), val_config.clone())?;
+        let full_val = Loader::new(
+            val_set,
+            Pipeline::eval(cfg.data.image_size),
+            val_config.clone(),
+        )?;
         let val = Loader::new(
             full_val.set().clone(),
-            Pipeline::eval(cfg.image_size),
+            Pipeline::eval(cfg.data.image_size),
             val_config.with_shard(rank, world),
         )?;
         Ok(Self {

@@ -171,8 +171,11 @@ pub(super) struct Rates {
 impl Rates {
     /// `lr`: the run's rate after `--scale-lr`; `batches`: loader batches per epoch.
     pub fn new(cfg: &TrainConfig, lr: f64, batches: usize) -> Result<Self> {
-        let unfreeze_after = cfg.unfreeze_after.filter(|_| cfg.freeze_backbone);
-        let finetune_lr = cfg.finetune_lr.unwrap_or(lr / 10.0);
+        let unfreeze_after = cfg
+            .model
+            .unfreeze_after
+            .filter(|_| cfg.model.freeze_backbone);
+        let finetune_lr = cfg.model.finetune_lr.unwrap_or(lr / 10.0);
         Ok(Self {
             lr: cfg.lr_schedule(lr, batches)?,
             finetune: match unfreeze_after {
@@ -180,7 +183,7 @@ impl Rates {
                 None => None,
             },
             bases: (lr, finetune_lr),
-            freeze_backbone: cfg.freeze_backbone,
+            freeze_backbone: cfg.model.freeze_backbone,
             unfreeze_after,
         })
     }

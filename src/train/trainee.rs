@@ -263,7 +263,7 @@ impl Recipe for ImageRecipe {
         };
         let classes = train_set.classes.clone();
         let multi_label = train_set.multi_label;
-        let config = super::catalog::model_config(&cfg.model, classes.len())?;
+        let config = super::catalog::model_config(&cfg.model.name, classes.len())?;
         let loaders = super::sets::Loaders::new(cfg, train_set, val_set, rank, world)?;
         Ok(ImageTrainee {
             cfg: cfg.clone(),
@@ -304,7 +304,7 @@ impl Trainee for ImageTrainee {
     fn phase(&self, model: Classifier, frozen: bool) -> Classifier {
         if frozen {
             model.freeze_backbone()
-        } else if self.cfg.freeze_backbone {
+        } else if self.cfg.model.freeze_backbone {
             super::model::unfrozen(&self.cfg, model)
         } else {
             model
@@ -365,7 +365,7 @@ impl Trainee for ImageTrainee {
             model,
             &self.config,
             Some(&self.outputs.classes),
-            Some(&hearth_models::Preprocessing::eval(cfg.image_size)),
+            Some(&hearth_models::Preprocessing::eval(cfg.data.image_size)),
             out,
         )?;
         Ok(())

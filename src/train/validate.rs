@@ -18,15 +18,15 @@ impl TrainConfig {
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
         // An unknown --model is said before any data is read or generated.
-        model_config(&self.model, 2)?;
+        model_config(&self.model.name, 2)?;
         self.validate_run()?;
         self.validate_fine_tuning()?;
-        if self.monitor == Monitor::ValAuroc && self.labels.is_none() {
+        if self.checkpoint.monitor == Monitor::ValAuroc && self.data.labels.is_none() {
             return bad(
                 "--monitor val_auroc needs a multi-label data set (--labels FILE.csv)".into(),
             );
         }
-        if self.bucket_bytes == 0 {
+        if self.exchange.bucket_bytes == 0 {
             return bad("--bucket-mb must be positive".into());
         }
         self.validate_optimizer()?;
@@ -51,23 +51,26 @@ impl TrainConfig {
         if self.epochs == 0 {
             return bad("--epochs must be at least 1".into());
         }
-        if !(self.lr.is_finite() && self.lr > 0.0) {
-            return bad(format!("--lr {} must be positive", self.lr));
+        if !(self.optim.lr.is_finite() && self.optim.lr > 0.0) {
+            return bad(format!("--lr {} must be positive", self.optim.lr));
         }
-        if !(0.0..1.0).contains(&self.label_smoothing) {
+        if !(0.0..1.0).contains(&self.optim.label_smoothing) {
             return bad("--label-smoothing must be in [0, 1)".into());
         }
-        if self.label_smoothing > 0.0 && self.labels.is_some() {
+        if self.optim.label_smoothing > 0.0 && self.data.labels.is_some() {
             return bad(
                 "--label-smoothing smooths single-label cross-entropy; a multi-label run \
                  (--labels) trains one sigmoid per class with binary cross-entropy"
                     .into(),
             );
         }
-        if !(self.min_delta.is_finite() && self.min_delta >= 0.0) {
-            return bad(format!("--min-delta {} must be 0 or more", self.min_delta));
+        if !(self.checkpoint.min_delta.is_finite() && self.checkpoint.min_delta >= 0.0) {
+            return bad(format!(
+                "--min-delta {} must be 0 or more",
+                self.checkpoint.min_delta
+            ));
         }
-        if self.patience == Some(0) {
+        if self.checkpoint.patience == Some(0) {
             return bad("--patience must be at least 1".into());
         }
         Ok(())
@@ -76,8 +79,8 @@ impl TrainConfig {
     /// `--unfreeze-after`, `--finetune-bn` and `--finetune-lr`, which go together.
     fn validate_fine_tuning(&self) -> Result<()> {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
-        if let Some(n) = self.unfreeze_after {
-            if !self.freeze_backbone {
+        if let Some(n) = self.model.unfreeze_after {
+            if !self.model.freeze_backbone {
                 return bad("--unfreeze-after needs --freeze-backbone".into());
             }
             if n == 0 || n >= self.epochs {
@@ -87,8 +90,8 @@ impl TrainConfig {
                 ));
             }
         }
-        if self.finetune_bn != FinetuneBn::default()
-            && (self.unfreeze_after.is_none() || !self.freeze_backbone)
+        if self.model.finetune_bn != FinetuneBn::default()
+            && (self.model.unfreeze_after.is_none() || !self.model.freeze_backbone)
         {
             return bad(
                 "--finetune-bn applies to the fine-tuning phase: it needs --freeze-backbone \
@@ -96,7 +99,7 @@ impl TrainConfig {
                     .into(),
             );
         }
-        if let Some(lr) = self.finetune_lr
+        if let Some(lr) = self.model.finetune_lr
             && !(lr.is_finite() && lr > 0.0)
         {
             return bad(format!("--finetune-lr {lr} must be positive"));
@@ -108,7 +111,7 @@ impl TrainConfig {
     /// augmentation.
     fn validate_batches(&self) -> Result<()> {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
-        if self.grad_accum == Some(0) {
+        if self.optim.grad_accum == Some(0) {
             return bad("--grad-accum must be at least 1".into());
         }
         // The global batch is split over the data-parallel replicas: every rank, or every
@@ -128,14 +131,14 @@ impl TrainConfig {
                 ));
             }
         }
-        if self.image_size < hearth_models::MIN_INPUT_SIZE as u32 {
+        if self.data.image_size < hearth_models::MIN_INPUT_SIZE as u32 {
             return bad(format!(
                 "--size {} is below the minimum of {}",
-                self.image_size,
+                self.data.image_size,
                 hearth_models::MIN_INPUT_SIZE
             ));
         }
-        self.augmentation.pipeline(self.image_size)?;
+        self.data.augmentation.pipeline(self.data.image_size)?;
         Ok(())
     }
 
@@ -156,17 +159,17 @@ impl TrainConfig {
         }
         // The split must cover the model's units exactly (known from its name alone).
         if let Some(end) = p.split.as_ref().and_then(|s| s.last()).map(|r| r.end) {
-            let units = model_config(&self.model, 2)?.units();
+            let units = model_config(&self.model.name, 2)?.units();
             if end != units {
                 return bad(format!(
                     "--pipeline-split ends at unit {end}, but --model {} has {units} units \
                      (0..{units}; `hearth units --model {}` lists them)",
-                    self.model, self.model
+                    self.model.name, self.model.name
                 ));
             }
         }
         // Without a meaning here: a pipeline's micro-batches are its accumulation.
-        if self.grad_accum.is_some() {
+        if self.optim.grad_accum.is_some() {
             return bad(
                 "--grad-accum does not apply to --pipeline-stages: a pipeline step \
                         already sums the gradients of --micro-batches micro-batches; raise \
@@ -198,7 +201,7 @@ impl TrainConfig {
     /// The optimizer's settings: momentum and Nesterov only where the optimizer has them.
     fn validate_optimizer(&self) -> Result<()> {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
-        let name = match self.optimizer {
+        let name = match self.optim.optimizer {
             OptimizerKind::Sgd => "sgd",
             OptimizerKind::Adam => "adam",
             OptimizerKind::AdamW => "adamw",
@@ -208,16 +211,19 @@ impl TrainConfig {
         if !(momentum.is_finite() && (0.0..1.0).contains(&momentum)) {
             return bad(format!("--momentum {momentum} must be in [0, 1)"));
         }
-        let adaptive = matches!(self.optimizer, OptimizerKind::Adam | OptimizerKind::AdamW);
+        let adaptive = matches!(
+            self.optim.optimizer,
+            OptimizerKind::Adam | OptimizerKind::AdamW
+        );
         // hparams.json records 0.9 for adam runs too: only another value is refused.
-        if adaptive && self.momentum.is_some_and(|m| m != DEFAULT_MOMENTUM) {
+        if adaptive && self.optim.momentum.is_some_and(|m| m != DEFAULT_MOMENTUM) {
             return bad(format!(
                 "--momentum {momentum} applies to sgd and lars; --optimizer {name} keeps its own \
                  moment estimates (betas 0.9 and 0.999)"
             ));
         }
-        if self.nesterov {
-            if self.optimizer != OptimizerKind::Sgd {
+        if self.optim.nesterov {
+            if self.optim.optimizer != OptimizerKind::Sgd {
                 return bad(format!(
                     "--nesterov applies to --optimizer sgd; {name} has no Nesterov variant here"
                 ));
@@ -225,7 +231,7 @@ impl TrainConfig {
             if momentum == 0.0 {
                 return bad(format!(
                     "--nesterov needs --momentum above 0 (0 is plain SGD{})",
-                    if self.momentum.is_none() {
+                    if self.optim.momentum.is_none() {
                         ", this mode's default"
                     } else {
                         ""
@@ -239,16 +245,16 @@ impl TrainConfig {
     /// `--overlap`: data parallel over two ranks or more, or elastic; what it does not work
     /// with refused by name.
     fn validate_overlap(&self) -> Result<()> {
-        if !self.overlap {
+        if !self.exchange.overlap {
             return Ok(());
         }
         let why = if self.mode.ps().is_some() {
             Some("--ps (workers exchange values with the servers, not by allreduce)")
         } else if self.mode.pipeline().is_some() {
             Some("--pipeline-stages (not built: a stage's replicas exchange after its step)")
-        } else if self.zero > 0 {
+        } else if self.exchange.zero > 0 {
             Some("--zero (its exchange is a reduce-scatter in buckets of its own)")
-        } else if self.grad_accum.is_some_and(|k| k > 1) {
+        } else if self.optim.grad_accum.is_some_and(|k| k > 1) {
             Some("--grad-accum (a step's gradients are exchanged on its last backward only)")
         } else if self.mode.elastic().is_none() && self.dist.as_ref().is_none_or(|d| d.world < 2) {
             Some(
@@ -269,15 +275,15 @@ impl TrainConfig {
     /// `--zero`: data parallel over two ranks or more, and what is not built yet refused by
     /// name.
     fn validate_zero(&self) -> Result<()> {
-        if self.zero == 0 {
+        if self.exchange.zero == 0 {
             return Ok(());
         }
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
-        if self.zero > 2 {
+        if self.exchange.zero > 2 {
             return bad(format!(
                 "--zero {}: the stages are 0 (off), 1 (optimizer state sharded) and 2 (gradients \
                  too); stage 3 (parameters) is not built",
-                self.zero
+                self.exchange.zero
             ));
         }
         let mode = if self.mode.ps().is_some() {
@@ -290,8 +296,8 @@ impl TrainConfig {
                  its replicas (--nproc P x D with D of 2 or more)",
             )
         } else if self.mode.elastic().is_some()
-            && self.freeze_backbone
-            && self.unfreeze_after.is_some()
+            && self.model.freeze_backbone
+            && self.model.unfreeze_after.is_some()
         {
             Some(
                 "--elastic and --unfreeze-after: not built yet (the fine-tuning switch would \
@@ -308,7 +314,7 @@ impl TrainConfig {
             return bad(format!(
                 "--zero {} shards the optimizer over data-parallel ranks, and a one-process run \
                  has one: add --nproc N (or launch it as a job)",
-                self.zero
+                self.exchange.zero
             ));
         }
         Ok(())
@@ -322,13 +328,13 @@ impl TrainConfig {
         if allreduce {
             return Ok(());
         }
-        if self.compression != burn_dist::Compression::None && self.mode.ps().is_none() {
+        if self.exchange.compression != burn_dist::Compression::None && self.mode.ps().is_none() {
             return Err(HearthError::InvalidArgument(format!(
                 "--compression {} does not apply: {why}",
-                self.compression.name()
+                self.exchange.compression.name()
             )));
         }
-        if self.bucket_bytes != burn_dist::bucket::DEFAULT_BUCKET_BYTES {
+        if self.exchange.bucket_bytes != burn_dist::bucket::DEFAULT_BUCKET_BYTES {
             return Err(HearthError::InvalidArgument(format!(
                 "--bucket-mb does not apply: {why}"
             )));
@@ -379,7 +385,7 @@ impl TrainConfig {
             // α = rate · ρ above 1 moves a worker past the centre at each exchange.
             let peak = self
                 .scaled_lr(&mut |_| {})?
-                .max(self.finetune_lr.unwrap_or(0.0));
+                .max(self.model.finetune_lr.unwrap_or(0.0));
             if rho * peak > 1.0 {
                 return bad(format!(
                     "--rho {rho} with a peak rate of {peak} makes EASGD's elastic force α = rate x \
@@ -415,18 +421,18 @@ impl TrainConfig {
             }
         }
         // Combinations without a meaning here, refused for good.
-        if self.optimizer == OptimizerKind::Lars {
+        if self.optim.optimizer == OptimizerKind::Lars {
             return bad(
                 "--optimizer lars does not work with --ps: a server holds slices of layers, and \
                  LARS's trust ratio needs each layer's whole norm"
                     .into(),
             );
         }
-        if self.compression != burn_dist::Compression::None {
+        if self.exchange.compression != burn_dist::Compression::None {
             return bad(format!(
                 "--compression {} does not apply to --ps: workers and servers exchange exact \
                  f32 values (it compresses allreduce traffic)",
-                self.compression.name()
+                self.exchange.compression.name()
             ));
         }
         Ok(())
@@ -435,7 +441,7 @@ impl TrainConfig {
     /// Settings that run but are probably not what was meant, each a sentence.
     pub fn warnings(&self) -> Vec<String> {
         let mut out = Vec::new();
-        if self.freeze_backbone && self.weights.is_none() {
+        if self.model.freeze_backbone && self.model.weights.is_none() {
             out.push(
                 "--freeze-backbone without --weights freezes a randomly initialised backbone: \
                  only the head learns, on random features (give --weights to fine-tune a \

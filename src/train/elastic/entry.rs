@@ -10,7 +10,7 @@ pub(crate) fn train(
     device: &Device,
     log: &mut dyn FnMut(&str),
 ) -> Result<TrainReport> {
-    if cfg.data.is_none() {
+    if cfg.data.folder.is_none() {
         return Err(HearthError::InvalidArgument(
             "--elastic needs --data (workers start at different times, so none may generate the \
              synthetic set for the others: write one with `hearth data synth`)"
@@ -140,12 +140,12 @@ pub(crate) fn train_with<R: Recipe>(
         exchange: ExchangeClock::default(),
     };
     run.faults = faults::Faults::from_env(&run.me.id);
-    run.overflow_at = overflow_hook(cfg.precision, &run.me.id);
+    run.overflow_at = overflow_hook(cfg.compute.precision, &run.me.id);
     let (world, commit) = match &initial {
         Some(info) => run.first_world(info, log)?,
         None => run.join_world(log)?,
     };
-    if cfg.zero > 0 {
+    if cfg.exchange.zero > 0 {
         run.zero = Some(match &initial {
             Some(_) => run.first_shards(&world, &commit, log)?,
             None => run.reshard(&world, &commit, None, log)?,

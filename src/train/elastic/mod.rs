@@ -342,7 +342,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             finished: false,
             model,
             optim: optimizer(self.cfg),
-            scaler: (self.cfg.precision == Precision::Fp16).then(LossScaler::default),
+            scaler: (self.cfg.compute.precision == Precision::Fp16).then(LossScaler::default),
             epoch_skipped: 0,
         })
     }
@@ -401,8 +401,9 @@ impl<T: Trainee> ElasticRun<'_, T> {
         }
         world.comm.barrier()?;
         mark_finished(&self.me.id);
-        let images =
-            commit.world_log.len() * self.cfg.batch_size * self.cfg.grad_accum.unwrap_or(1).max(1);
+        let images = commit.world_log.len()
+            * self.cfg.batch_size
+            * self.cfg.optim.grad_accum.unwrap_or(1).max(1);
         let mut report = epochs.report(
             best,
             self.started,

@@ -28,10 +28,10 @@ impl<T: Trainee> ElasticRun<'_, T> {
     /// A fresh shard of `model`'s trainable tensors for `world` (summed weighted gradients,
     /// with a replica of the next worker's shard).
     fn new_shard(&self, world: &World, model: &T::Model) -> Result<ZeroOptimizer> {
-        let stage = Stage::from_number(self.cfg.zero)?;
+        let stage = Stage::from_number(self.cfg.exchange.zero)?;
         let optimizer = crate::train::flat::model_optimizer(
             self.cfg,
-            self.cfg.lr,
+            self.cfg.optim.lr,
             self.batches_per_epoch,
             model,
         )?;
@@ -41,7 +41,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             &names,
             optimizer,
             &world.sharded,
-            self.cfg.bucket_bytes,
+            self.cfg.exchange.bucket_bytes,
         )?
         .with_summed_gradients()
         .with_replica())
@@ -56,7 +56,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         log: &mut dyn FnMut(&str),
     ) -> Result<Sharded> {
         let mut z = self.new_shard(world, &commit.model)?;
-        if self.cfg.resume && commit.step > 0 {
+        if self.cfg.checkpoint.resume && commit.step > 0 {
             let path = zero::state_file(&state_dir(self.cfg), commit.step as usize);
             let mut read =
                 (world.rank() == 0).then(|| zero::open_state(&path).map_err(|e| e.to_string()));
@@ -92,7 +92,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         if world.rank() == 0 {
             log(&format!(
                 "--zero {}: worker 0 updates {} ({} optimizer values held)",
-                self.cfg.zero,
+                self.cfg.exchange.zero,
                 z.describe(),
                 z.state_len()
             ));

@@ -54,7 +54,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             "loss_scale": c.scaler.as_ref().map(LossScaler::to_json),
             "epoch_skipped": c.epoch_skipped,
             // --zero: the optimizer state is in checkpoint/elastic-zero/, not below.
-            "zero": self.cfg.zero > 0,
+            "zero": self.cfg.exchange.zero > 0,
             "launch": self.launch,
             // The coordinator's blacklist and failure counts, for whoever coordinates next.
             "health": {
@@ -105,7 +105,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let epoch = num("epoch")? as u64;
         // fp16's loss scale: a state of another precision (or from before it was kept) starts
         // the scale afresh.
-        let scaler = match (self.cfg.precision, &meta["loss_scale"]) {
+        let scaler = match (self.cfg.compute.precision, &meta["loss_scale"]) {
             (Precision::Fp16, serde_json::Value::Null) => Some(LossScaler::default()),
             (Precision::Fp16, v) => {
                 Some(LossScaler::from_json(v).ok_or_else(|| bad("malformed loss scale".into()))?)
@@ -200,7 +200,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let zero = saved_meta(&bytes)
             .and_then(|m| m["zero"].as_bool())
             .unwrap_or(false);
-        if zero != (self.cfg.zero > 0) {
+        if zero != (self.cfg.exchange.zero > 0) {
             return Err(HearthError::InvalidArgument(format!(
                 "--resume: {} was written {}; resume {}",
                 path.display(),

@@ -101,7 +101,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         if world.rank() == 0 && self.zero.is_none() && !clock.stepping.is_zero() {
             log(&burn_dist::ddp::exchange_report(
                 commit.epoch as usize + 1,
-                self.cfg.overlap,
+                self.cfg.exchange.overlap,
                 clock.exchanging,
                 clock.stepping,
             ));
@@ -121,9 +121,12 @@ impl<T: Trainee> ElasticRun<'_, T> {
         // --overlap: the exchange runs while the backward goes on, unit by unit (one backward
         // per step: --grad-accum is refused with it). The shares are weighted in the loss
         // already, so the exchange sums.
-        let overlapped = if self.cfg.overlap {
+        let overlapped = if self.cfg.exchange.overlap {
             let comm = world.comm.clone();
-            let (bytes, compression) = (self.cfg.bucket_bytes, self.cfg.compression);
+            let (bytes, compression) = (
+                self.cfg.exchange.bucket_bytes,
+                self.cfg.exchange.compression,
+            );
             match OverlappedStep::begin(comm, bytes, ReduceOp::Sum, compression, 1.0) {
                 Ok(o) => Some(o),
                 Err(e) => return Ok(Stepped::Stop(Interrupt::Failed(e.to_string()))),
@@ -204,7 +207,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         s: &mut Stream<Input<T>>,
     ) -> Result<Computed> {
         let n = self.trainee.train_len();
-        let k = self.cfg.grad_accum.unwrap_or(1).max(1);
+        let k = self.cfg.optim.grad_accum.unwrap_or(1).max(1);
         let mut acc = GradientsAccumulator::<T::Model>::new();
         let factor = commit
             .scaler
@@ -352,15 +355,15 @@ impl<T: Trainee> ElasticRun<'_, T> {
         }
         // The shares are weighted in the loss already: the sum is the global mean.
         // (--overlap: summed during the backward.)
-        if !self.cfg.overlap {
+        if !self.cfg.exchange.overlap {
             let exchanging = Instant::now();
             let reduced = burn_dist::ddp::allreduce_grads_scaled(
                 &commit.model,
                 &mut grads,
                 &world.comm,
-                self.cfg.bucket_bytes,
+                self.cfg.exchange.bucket_bytes,
                 1.0,
-                self.cfg.compression,
+                self.cfg.exchange.compression,
             );
             self.exchange.exchanging += exchanging.elapsed();
             if let Err(e) = reduced {
@@ -506,7 +509,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
                     |i| self.rates.rate(epoch, i),
                     epoch,
                     self.batches_per_epoch,
-                    self.cfg.grad_accum.unwrap_or(1),
+                    self.cfg.optim.grad_accum.unwrap_or(1),
                 ),
             ),
             ("train_images_per_sec", commit.sums[2] / took),

@@ -23,7 +23,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         }
         if info.rank == 0 {
             run_dir::start(self.cfg, log)?;
-            if !self.cfg.resume {
+            if !self.cfg.checkpoint.resume {
                 // What the run is, for `--resume` (a bare one refuses to start it outside
                 // `hearth launch --elastic`).
                 run_dir::record(
@@ -60,7 +60,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let mine = if info.rank == 0 {
             // This launch's id, for the fence: a --resume is a new launch.
             self.launch = burn_dist::tls::random_secret()?[..16].to_string();
-            let c = if self.cfg.resume {
+            let c = if self.cfg.checkpoint.resume {
                 let mut c = self.load_state()?;
                 // The saved state says whether that launch ended (`--stop-after-epoch`,
                 // patience); this one trains on from it, unless every epoch is done.
@@ -219,7 +219,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let weights = vec![1.0; members.len()];
         let sharded = comm
             .sibling(Kind::Sharded)
-            .with_compression(self.cfg.compression);
+            .with_compression(self.cfg.exchange.compression);
         Ok((
             World {
                 number,

@@ -117,7 +117,7 @@ pub(super) fn train(
     }
     let (stage, replica) = grid.place(rank);
     let classes = train_set.classes.clone();
-    let config = model_config(&cfg.model, classes.len())?;
+    let config = model_config(&cfg.model.name, classes.len())?;
     let ranges = files::split(cfg, opts, &config, device)?;
     let plain = device.clone();
     log(&format!(
@@ -133,7 +133,7 @@ pub(super) fn train(
     let steps_per_epoch = loaders.train.batches_per_epoch().max(1);
     let replicas = if grid.replicas > 1 {
         let group = Group::new(comm.transport().clone(), grid.stage_replicas(stage), 1)?;
-        Some(Communicator::from_env(Arc::new(group)).with_compression(cfg.compression))
+        Some(Communicator::from_env(Arc::new(group)).with_compression(cfg.exchange.compression))
     } else {
         None
     };
@@ -154,7 +154,7 @@ pub(super) fn train(
         rates: Rates::new(cfg, lr, steps_per_epoch)?,
         objective: Objective::new(cfg, multi_label),
         steps_per_epoch,
-        overflow_at: super::precision::overflow_hook(cfg.precision, &rank.to_string()),
+        overflow_at: super::precision::overflow_hook(cfg.compute.precision, &rank.to_string()),
         started,
     };
     run.train(log)
@@ -173,7 +173,7 @@ impl PipelineRun<'_> {
     /// moment on every rank.
     fn init_stage(&self) -> Result<StageModel> {
         let range = self.ranges[self.stage].clone();
-        if self.cfg.weights.is_some() || self.objective.multi_label() {
+        if self.cfg.model.weights.is_some() || self.objective.multi_label() {
             let mut model = init_model(
                 self.cfg,
                 &self.config,
@@ -182,7 +182,7 @@ impl PipelineRun<'_> {
                 &self.device,
                 &mut |_| {},
             )?;
-            if self.cfg.freeze_backbone {
+            if self.cfg.model.freeze_backbone {
                 model = model.freeze_backbone();
             }
             return Ok(Self::cut(model, range));
@@ -200,7 +200,7 @@ impl PipelineRun<'_> {
             }
             Ok(out)
         };
-        if self.cfg.freeze_backbone {
+        if self.cfg.model.freeze_backbone {
             let model = Classifier::from_units(&self.config, seeded(0..self.config.units())?)?;
             return Ok(Self::cut(model.freeze_backbone(), range));
         }
@@ -241,7 +241,7 @@ impl PipelineRun<'_> {
             ("pipelines", self.grid.replicas.to_string()),
             ("--micro-batches", self.opts.micro_batches.to_string()),
             ("--pipeline-schedule", self.opts.schedule.name().to_string()),
-            ("--resume", self.cfg.resume.to_string()),
+            ("--resume", self.cfg.checkpoint.resume.to_string()),
         ];
         settings.extend(
             hparams
@@ -261,12 +261,12 @@ impl PipelineRun<'_> {
         resume: usize,
         log: &mut dyn FnMut(&str),
     ) -> Result<Option<ZeroOptimizer>> {
-        let (Some(replicas), true) = (&self.replicas, self.cfg.zero > 0) else {
+        let (Some(replicas), true) = (&self.replicas, self.cfg.exchange.zero > 0) else {
             return Ok(None);
         };
         // A resume inside the fine-tuning phase shards what that phase trains; one right at
         // the switch starts from the frozen phase's state of the head.
-        let fine_tuning = self.cfg.freeze_backbone && self.fine_tuning(resume + 1);
+        let fine_tuning = self.cfg.model.freeze_backbone && self.fine_tuning(resume + 1);
         let trains = if fine_tuning {
             super::model::unfrozen(self.cfg, model.clone())
         } else {
@@ -289,12 +289,12 @@ impl PipelineRun<'_> {
             replicas,
             &files::stage_dir(&self.cfg.run_dir, self.stage),
             from,
-            fine_tuning && self.cfg.unfreeze_after == Some(resume),
+            fine_tuning && self.cfg.model.unfreeze_after == Some(resume),
         )?;
         log(&format!(
             "ZeRO stage {} over each stage's {} replicas: stage {}'s replica 0 keeps the \
              optimizer state of {}",
-            self.cfg.zero,
+            self.cfg.exchange.zero,
             self.grid.replicas,
             self.stage,
             z.describe()
@@ -307,7 +307,7 @@ impl PipelineRun<'_> {
     /// to train.
     fn stage_wrote_state(&self, frozen: &StageModel, epoch: usize) -> bool {
         self.fine_tuning(epoch)
-            || !self.cfg.freeze_backbone
+            || !self.cfg.model.freeze_backbone
             || !burn_dist::flat::module::trainable_names(frozen).is_empty()
     }
 
@@ -318,7 +318,7 @@ impl PipelineRun<'_> {
             self.opts.schedule,
         )?
         .with_timeout(collective_timeout())
-        .with_recompute(self.cfg.recompute))
+        .with_recompute(self.cfg.compute.recompute))
     }
 }
 
@@ -351,13 +351,13 @@ impl Strategy for StageStrategy<'_, '_> {
             .take()
             .ok_or_else(|| HearthError::Training("the stage lost its model".into()))?;
         if self.run.fine_tuning(epoch) && !self.unfrozen {
-            let after = self.run.cfg.unfreeze_after.unwrap_or(epoch - 1);
+            let after = self.run.cfg.model.unfreeze_after.unwrap_or(epoch - 1);
             log(&self.run.rates.unfreeze_line(after));
             model = super::model::unfrozen(self.run.cfg, model);
             self.unfrozen = true;
             // --zero: the state moves to the larger set of trainable tensors (a stage that
             // trained nothing so far starts its sharded optimizer now).
-            if let (true, Some(replicas)) = (self.run.cfg.zero > 0, &self.run.replicas) {
+            if let (true, Some(replicas)) = (self.run.cfg.exchange.zero > 0, &self.run.replicas) {
                 self.zero = Some(match &self.zero {
                     Some(z) => super::zero::refit(
                         self.run.cfg,
@@ -427,12 +427,12 @@ impl PipelineRun<'_> {
         self.agree(&hparams)?;
         let mut model = self.init_stage()?;
         let mut optim = optimizer(cfg);
-        let mut scaler = (cfg.precision == Precision::Fp16).then(LossScaler::default);
+        let mut scaler = (cfg.compute.precision == Precision::Fp16).then(LossScaler::default);
         let epochs = Epochs::new(cfg, rank == 0);
-        let resume_epoch = if cfg.resume {
+        let resume_epoch = if cfg.checkpoint.resume {
             let epoch = self.agreed_resume_epoch()?;
             run_dir::check_resume_compatible(&cfg.run_dir, &self.config.to_json(), &hparams)?;
-            if cfg.zero == 0 || self.stage_wrote_state(&model, epoch) {
+            if cfg.exchange.zero == 0 || self.stage_wrote_state(&model, epoch) {
                 super::zero::check_resume_in(
                     cfg,
                     &files::stage_dir(&cfg.run_dir, self.stage),

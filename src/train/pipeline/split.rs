@@ -14,7 +14,7 @@ impl PipelineRun<'_> {
     ) -> Result<()> {
         let file = split_file(&self.cfg.run_dir);
         let mut measured: Option<Vec<UnitCost>> = None;
-        if self.cfg.resume && file.is_file() {
+        if self.cfg.checkpoint.resume && file.is_file() {
             self.ranges = self.recorded_split(&file)?;
         } else if self.opts.balance != PipelineBalance::Params && self.opts.split.is_none() {
             let costs = self.measure_units(pipe)?;
@@ -29,7 +29,7 @@ impl PipelineRun<'_> {
                             r,
                             state,
                             self.in_flight(s),
-                            self.cfg.recompute,
+                            self.cfg.compute.recompute,
                         )
                     })?
                 }
@@ -53,7 +53,7 @@ impl PipelineRun<'_> {
                 "balanced by estimated memory"
             } else if measured.is_some() {
                 "balanced by measured time"
-            } else if self.cfg.resume {
+            } else if self.cfg.checkpoint.resume {
                 "as the run recorded it"
             } else if self.opts.split.is_some() {
                 "as given"
@@ -74,7 +74,7 @@ impl PipelineRun<'_> {
                         r.clone(),
                         self.state_bytes_per_param(),
                         self.in_flight(s),
-                        self.cfg.recompute,
+                        self.cfg.compute.recompute,
                     );
                     format!(
                         ", {:.1} ms per micro-batch pass, ~{:.0} MB",
@@ -142,7 +142,7 @@ impl PipelineRun<'_> {
     /// Bytes each parameter costs a stage: weights, gradients, their sum over micro-batches,
     /// and the optimizer's state (momentum: 1 value; Adam, AdamW, LARS: up to 2).
     fn state_bytes_per_param(&self) -> f64 {
-        let optimizer_values = match self.cfg.optimizer {
+        let optimizer_values = match self.cfg.optim.optimizer {
             crate::train::OptimizerKind::Sgd => 1.0,
             _ => 2.0,
         };

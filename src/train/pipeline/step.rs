@@ -56,7 +56,7 @@ impl PipelineRun<'_> {
         scaler: &mut Option<LossScaler>,
     ) -> Result<(StageModel, Sums)> {
         let mut model = model;
-        model.precision = self.cfg.precision;
+        model.precision = self.cfg.compute.precision;
         let mut sums = Sums::default();
         {
             // Dropout's stream of this epoch, a function of (seed, epoch, rank) as elsewhere.
@@ -211,7 +211,7 @@ impl PipelineRun<'_> {
         rate: f64,
     ) -> Result<(StageModel, bool)> {
         if let Some(replicas) = &self.replicas {
-            allreduce_grads(&model, &mut grads, replicas, self.cfg.bucket_bytes)?;
+            allreduce_grads(&model, &mut grads, replicas, self.cfg.exchange.bucket_bytes)?;
         }
         let take = match scaler.as_mut() {
             Some(s) => {
@@ -237,7 +237,7 @@ impl PipelineRun<'_> {
         model: &StageModel,
     ) -> Result<(Sums, ValScores)> {
         let mut model = model.valid();
-        model.precision = self.cfg.precision;
+        model.precision = self.cfg.compute.precision;
         let objective = self.objective;
         let mut sums = Sums::default();
         let mut scores = ValScores::default();
@@ -317,7 +317,7 @@ impl PipelineRun<'_> {
         if let Some(a) = auroc {
             row.insert("val_auroc".into(), a);
         }
-        if self.cfg.precision == Precision::Fp16 {
+        if self.cfg.compute.precision == Precision::Fp16 {
             // Every rank took the same verdicts: its own count is the job's.
             row.insert("train_skipped_steps".into(), train.skipped);
         }

@@ -181,12 +181,12 @@ impl PipelineRun<'_> {
             &model,
             &self.config,
             Some(&self.classes),
-            Some(&Preprocessing::eval(self.cfg.image_size)),
+            Some(&Preprocessing::eval(self.cfg.data.image_size)),
             &self.cfg.run_dir.join("model.bpk"),
         )?;
         log(&format!(
             "exported the best epoch ({best}, by {}) assembled from {} stages into {}",
-            self.cfg.monitor.column(),
+            self.cfg.checkpoint.monitor.column(),
             self.grid.stages,
             self.cfg.run_dir.join("model.bpk").display()
         ));

@@ -60,7 +60,7 @@ impl PsOptions {
     /// The lead's start line: the servers, the workers and the settings this mode takes (the
     /// asynchronous modes' defaults differ by mode, so it says which).
     pub(crate) fn describe(&self, cfg: &TrainConfig, roles: Roles, lr: f64) -> String {
-        let local = match (self.mode, cfg.optimizer) {
+        let local = match (self.mode, cfg.optim.optimizer) {
             (Mode::Sync, _) => String::new(),
             (_, super::OptimizerKind::Sgd) => format!(", local SGD momentum {}", cfg.momentum()),
             _ => String::new(),

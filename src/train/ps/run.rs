@@ -67,7 +67,7 @@ pub(super) fn train<R: Recipe>(
     })?;
     // Early stopping: the lead's decision reaches every worker at each epoch's end (only then
     // do the asynchronous workers wait for each other; a long wait: the lead validates).
-    let stop = match cfg.patience {
+    let stop = match cfg.checkpoint.patience {
         Some(_) => Some(
             Communicator::from_env(Arc::new(Group::new(w.t.clone(), roles.worker_ranks(), 3)?))
                 .with_timeout(PATIENT),
@@ -131,7 +131,7 @@ fn start<'a, R: Recipe>(
     let objective = Objective::new(cfg, trainee.multi_label());
     let ad = device.clone().autodiff();
     let mut model = trainee.init(&ad, log)?;
-    if cfg.freeze_backbone {
+    if cfg.model.freeze_backbone {
         log("backbone frozen: only the head trains");
         model = trainee.phase(model, true);
     }
@@ -156,8 +156,8 @@ fn start<'a, R: Recipe>(
         die_at: hook("HEARTH_PS_DIE_AT_STEP", &format!("w{rank}")),
         rates,
         batches,
-        scaler: (cfg.precision == Precision::Fp16).then(LossScaler::default),
-        overflow_at: overflow_hook(cfg.precision, &format!("w{rank}")),
+        scaler: (cfg.compute.precision == Precision::Fp16).then(LossScaler::default),
+        overflow_at: overflow_hook(cfg.compute.precision, &format!("w{rank}")),
     };
     Ok((w, comm))
 }

@@ -120,7 +120,7 @@ impl<T: Trainee> Worker<'_, T> {
         let mut state = None;
         let mut epoch = [0f32];
         if self.rank == 0 {
-            if cfg.resume {
+            if cfg.checkpoint.resume {
                 let s = PsState::load(&state_file(&cfg.run_dir))?;
                 run_dir::check_resume_compatible(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
                 epochs.reload(s.epoch)?;
@@ -216,7 +216,7 @@ impl<T: Trainee> Worker<'_, T> {
         };
         // `--grad-accum K`: the sum of K batches' mean gradients goes to the servers as one
         // step (burn-train's accumulation), on every K-th batch and the epoch's last.
-        let k = self.cfg.grad_accum.unwrap_or(1).max(1);
+        let k = self.cfg.optim.grad_accum.unwrap_or(1).max(1);
         let batches = self.trainee.shard_batches();
         let mut acc: Option<(Vec<f32>, u64)> = None;
         for (i, batch) in self
@@ -359,7 +359,7 @@ impl<T: Trainee> Worker<'_, T> {
                     |i| self.rates.rate(epoch, i),
                     epoch,
                     self.batches,
-                    self.cfg.grad_accum.unwrap_or(1),
+                    self.cfg.optim.grad_accum.unwrap_or(1),
                 ),
             ),
             ("elapsed_seconds", self.started.elapsed().as_secs_f64()),

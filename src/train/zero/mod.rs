@@ -56,10 +56,10 @@ pub(super) fn sharding<M: Module>(
     model: &M,
     fine_tuning_start: bool,
 ) -> Result<Option<Sharding>> {
-    if cfg.zero == 0 {
+    if cfg.exchange.zero == 0 {
         return Ok(None);
     }
-    let stage = Stage::from_number(cfg.zero)?;
+    let stage = Stage::from_number(cfg.exchange.zero)?;
     Ok(Some(Sharding {
         stage,
         optimizer: super::flat::model_optimizer(cfg, lr, batches_per_epoch, model)?,
@@ -84,12 +84,17 @@ pub(super) fn start<M: Module>(
     resume: usize,
     new_at_zero: bool,
 ) -> Result<burn_dist::zero::ZeroOptimizer> {
-    let stage = Stage::from_number(cfg.zero)?;
-    let optimizer = super::flat::model_optimizer(cfg, cfg.lr, batches, model)?;
+    let stage = Stage::from_number(cfg.exchange.zero)?;
+    let optimizer = super::flat::model_optimizer(cfg, cfg.optim.lr, batches, model)?;
     let names = burn_dist::flat::module::trainable_names(model);
-    let mut z =
-        burn_dist::zero::ZeroOptimizer::new(stage, &names, optimizer, comm, cfg.bucket_bytes)?
-            .with_new_tensors_at_zero(new_at_zero);
+    let mut z = burn_dist::zero::ZeroOptimizer::new(
+        stage,
+        &names,
+        optimizer,
+        comm,
+        cfg.exchange.bucket_bytes,
+    )?
+    .with_new_tensors_at_zero(new_at_zero);
     if resume > 0 {
         // Rank 0 reads the file a bucket at a time as it hands the state out.
         let mut read = (comm.rank() == 0)
@@ -119,14 +124,14 @@ pub(super) fn refit<M: Module>(
     comm: &burn_dist::Communicator,
 ) -> Result<burn_dist::zero::ZeroOptimizer> {
     let whole = zero.gather_state(comm, 0)?;
-    let optimizer = super::flat::model_optimizer(cfg, cfg.lr, batches, model)?;
+    let optimizer = super::flat::model_optimizer(cfg, cfg.optim.lr, batches, model)?;
     let names = burn_dist::flat::module::trainable_names(model);
     let mut z = burn_dist::zero::ZeroOptimizer::new(
         zero.stage(),
         &names,
         optimizer,
         comm,
-        cfg.bucket_bytes,
+        cfg.exchange.bucket_bytes,
     )?
     .with_new_tensors_at_zero(true);
     z.scatter_state(comm, 0, whole.as_ref().map(Ok))?;
@@ -143,12 +148,12 @@ pub(super) fn check_resume(cfg: &TrainConfig, epoch: usize) -> Result<()> {
 /// [`check_resume`] for the checkpoint folder `dir` (a pipeline stage's).
 pub(super) fn check_resume_in(cfg: &TrainConfig, dir: &Path, epoch: usize) -> Result<()> {
     let file = state_file(dir, epoch);
-    match (cfg.zero > 0, file.is_file()) {
+    match (cfg.exchange.zero > 0, file.is_file()) {
         (true, false) => Err(HearthError::InvalidArgument(format!(
             "cannot resume {} with --zero {}: {} is missing (was the run trained without \
              --zero? then resume without it)",
             cfg.run_dir.display(),
-            cfg.zero,
+            cfg.exchange.zero,
             file.display()
         ))),
         (false, true) => Err(HearthError::InvalidArgument(format!(
@@ -233,12 +238,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("checkpoint")).unwrap();
         let mut cfg = TrainConfig::new(dir.path().to_path_buf());
-        cfg.zero = 2;
+        cfg.exchange.zero = 2;
         let e = check_resume(&cfg, 3).unwrap_err().to_string();
         assert!(e.contains("optim-zero-3.safetensors is missing"), "{e}");
         std::fs::write(state_file(&dir.path().join("checkpoint"), 3), b"x").unwrap();
         check_resume(&cfg, 3).unwrap();
-        cfg.zero = 0;
+        cfg.exchange.zero = 0;
         let e = check_resume(&cfg, 3).unwrap_err().to_string();
         assert!(
             e.contains("without --zero") && e.contains("any number of ranks"),
