@@ -154,6 +154,20 @@ pub fn apply_freed_memory_policy() -> crate::Result<FreedMemory> {
     Ok(policy)
 }
 
+/// Peak resident set size of this process in MB (Linux `VmHWM`), 0 where unknown.
+pub fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(0.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

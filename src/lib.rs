@@ -40,12 +40,15 @@
 mod names;
 
 pub mod alloc;
+#[cfg(feature = "bench-tools")]
 pub mod bench;
 pub mod device;
+#[cfg(feature = "bench-tools")]
 pub mod dist_bench;
 mod error;
 pub mod eval;
 pub mod gpu;
+#[cfg(feature = "bench-tools")]
 pub mod loader_bench;
 pub mod metrics;
 pub mod npy;

@@ -28,20 +28,6 @@ pub struct LoaderReport {
     pub skipped: usize,
 }
 
-/// Peak resident set size of this process in MB (Linux `VmHWM`), 0 where unknown.
-pub fn peak_rss_mb() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map(|kb| kb / 1024.0)
-        .unwrap_or(0.0)
-}
-
 impl LoaderBench {
     pub fn run(
         &self,
@@ -99,7 +85,7 @@ impl LoaderBench {
             images,
             seconds,
             images_per_sec: images as f64 / seconds.max(1e-12),
-            peak_rss_mb: peak_rss_mb(),
+            peak_rss_mb: crate::alloc::peak_rss_mb(),
             skipped,
         })
     }

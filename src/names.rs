@@ -157,8 +157,11 @@ mod tests {
             ScheduleKind::from_name,
         );
         agree(LrScaling::ALL, LrScaling::name, LrScaling::from_name);
-        use crate::bench::BenchMode;
-        agree(BenchMode::ALL, BenchMode::name, BenchMode::from_name);
+        #[cfg(feature = "bench-tools")]
+        {
+            use crate::bench::BenchMode;
+            agree(BenchMode::ALL, BenchMode::name, BenchMode::from_name);
+        }
         use burn_dist::{Compression, pipeline::Schedule};
         agree(Compression::ALL, Compression::name, Compression::from_name);
         agree(Schedule::ALL, Schedule::name, Schedule::from_name);

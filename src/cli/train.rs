@@ -429,7 +429,7 @@ fn resume_as_started(a: &mut TrainArgs, in_job: bool) -> Result<()> {
 /// the layout of the job, the best epoch, time and cost, the model's place and its scores.
 fn summarise(cfg: &hearth::train::TrainConfig, report: &hearth::train::TrainReport) {
     // Every rank's own peak (ranks differ: rank 0 writes checkpoints, --zero shards state).
-    let peak = hearth::loader_bench::peak_rss_mb();
+    let peak = hearth::alloc::peak_rss_mb();
     if peak > 0.0 {
         let heap = hearth::alloc::peak_live_bytes()
             .map(|b| format!(", heap at most {:.0} MB live", b as f64 / 1e6))
