@@ -191,7 +191,7 @@ fn main() {
 
 /// The error and its causes on one line, each said once: our error types already include their
 /// source's text ("cannot read x: No such file or directory"), so a cause whose text is already
-/// there is not repeated.
+/// there is not repeated. Settings the library names (`optim.lr`) are said as their flags.
 fn report(err: &anyhow::Error) -> String {
     let mut text = String::new();
     for cause in err.chain() {
@@ -204,7 +204,7 @@ fn report(err: &anyhow::Error) -> String {
         }
         text.push_str(&part);
     }
-    text
+    hearth::settings::flags::with_flags(&text)
 }
 
 fn run(cli: Cli) -> Result<()> {

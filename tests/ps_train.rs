@@ -559,6 +559,8 @@ fn refused(cfg: &hearth::train::TrainConfig) -> String {
         .to_string()
 }
 
+/// Through the library, so the refusals name settings (`optim.optimizer`); the command line's
+/// flags for the same refusals are checked in `tests/flags.rs`.
 #[test]
 fn settings_that_do_not_fit_a_parameter_server_run_are_refused() {
     use hearth::train::TrainingMode::ParameterServers;
@@ -586,14 +588,16 @@ fn settings_that_do_not_fit_a_parameter_server_run_are_refused() {
     cfg.optim.optimizer = hearth::train::OptimizerKind::Lars;
     let e = refused(&cfg);
     assert!(
-        e.contains("--optimizer lars does not work with --ps"),
+        e.contains("`optim.optimizer` lars does not work with `TrainingMode::ParameterServers`"),
         "{e}"
     );
     cfg.optim.optimizer = hearth::train::OptimizerKind::Sgd;
     cfg.exchange.compression = hearth::dist::Compression::Bf16;
     let e = refused(&cfg);
     assert!(
-        e.contains("--compression bf16 does not apply to --ps"),
+        e.contains(
+            "`exchange.compression` bf16 does not apply to `TrainingMode::ParameterServers`"
+        ),
         "{e}"
     );
     cfg.exchange.compression = hearth::dist::Compression::None;
@@ -607,14 +611,20 @@ fn settings_that_do_not_fit_a_parameter_server_run_are_refused() {
     cfg.optim.lr = 0.05;
     cfg.mode = ParameterServers(easgd(Some(30.0)));
     let e = refused(&cfg);
-    assert!(e.contains("--rho 30") && e.contains("at most 20"), "{e}");
+    assert!(
+        e.contains("`PsOptions.rho` 30") && e.contains("at most 20"),
+        "{e}"
+    );
     cfg.mode = ParameterServers(hearth::train::PsOptions {
         mode: hearth::train::PsMode::Sync,
         window: Some(5),
         ..ps(hearth::train::PsServers::Dedicated(1))
     });
     let e = refused(&cfg);
-    assert!(e.contains("--window 5") && e.contains("--mode sync"), "{e}");
+    assert!(
+        e.contains("`PsOptions.window` 5") && e.contains("`PsOptions.mode` sync"),
+        "{e}"
+    );
 }
 
 /// The modes' defaults where a flag is not given: what the asynchronous modes need to learn

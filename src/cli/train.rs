@@ -345,7 +345,7 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     // (not by every rank of a job).
     if launching || a.dry_run || cfg.dist.is_none() {
         for w in cfg.warnings() {
-            eprintln!("warning: {w}");
+            eprintln!("warning: {}", hearth::settings::flags::with_flags(&w));
         }
     }
     if launching || a.dry_run {

@@ -4,6 +4,7 @@
 //! these types without depending on each other (`hearth::train` re-exports them).
 
 mod choices;
+pub mod flags;
 mod modes;
 
 pub use choices::{

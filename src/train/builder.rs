@@ -216,6 +216,6 @@ mod tests {
             .build()
             .unwrap_err()
             .to_string();
-        assert!(e.contains("--epochs"), "{e}");
+        assert!(e.contains("`epochs` must be at least 1"), "{e}");
     }
 }

@@ -23,11 +23,11 @@ impl TrainConfig {
         self.validate_fine_tuning()?;
         if self.checkpoint.monitor == Monitor::ValAuroc && self.data.labels.is_none() {
             return bad(
-                "--monitor val_auroc needs a multi-label data set (--labels FILE.csv)".into(),
+                "`checkpoint.monitor` val_auroc needs a multi-label data set (`data.labels` FILE.csv)".into(),
             );
         }
         if self.exchange.bucket_bytes == 0 {
-            return bad("--bucket-mb must be positive".into());
+            return bad("`exchange.bucket_bytes` must be positive".into());
         }
         self.validate_optimizer()?;
         self.validate_batches()?;
@@ -46,32 +46,32 @@ impl TrainConfig {
     fn validate_run(&self) -> Result<()> {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
         if self.batch_size == 0 {
-            return bad("--batch-size must be at least 1 (got 0)".into());
+            return bad("`batch_size` must be at least 1 (got 0)".into());
         }
         if self.epochs == 0 {
-            return bad("--epochs must be at least 1".into());
+            return bad("`epochs` must be at least 1".into());
         }
         if !(self.optim.lr.is_finite() && self.optim.lr > 0.0) {
-            return bad(format!("--lr {} must be positive", self.optim.lr));
+            return bad(format!("`optim.lr` {} must be positive", self.optim.lr));
         }
         if !(0.0..1.0).contains(&self.optim.label_smoothing) {
-            return bad("--label-smoothing must be in [0, 1)".into());
+            return bad("`optim.label_smoothing` must be in [0, 1)".into());
         }
         if self.optim.label_smoothing > 0.0 && self.data.labels.is_some() {
             return bad(
-                "--label-smoothing smooths single-label cross-entropy; a multi-label run \
-                 (--labels) trains one sigmoid per class with binary cross-entropy"
+                "`optim.label_smoothing` smooths single-label cross-entropy; a multi-label run \
+                 (`data.labels`) trains one sigmoid per class with binary cross-entropy"
                     .into(),
             );
         }
         if !(self.checkpoint.min_delta.is_finite() && self.checkpoint.min_delta >= 0.0) {
             return bad(format!(
-                "--min-delta {} must be 0 or more",
+                "`checkpoint.min_delta` {} must be 0 or more",
                 self.checkpoint.min_delta
             ));
         }
         if self.checkpoint.patience == Some(0) {
-            return bad("--patience must be at least 1".into());
+            return bad("`checkpoint.patience` must be at least 1".into());
         }
         Ok(())
     }
@@ -81,11 +81,11 @@ impl TrainConfig {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
         if let Some(n) = self.model.unfreeze_after {
             if !self.model.freeze_backbone {
-                return bad("--unfreeze-after needs --freeze-backbone".into());
+                return bad("`model.unfreeze_after` needs `model.freeze_backbone`".into());
             }
             if n == 0 || n >= self.epochs {
                 return bad(format!(
-                    "--unfreeze-after {n} must be between 1 and --epochs - 1 ({})",
+                    "`model.unfreeze_after` {n} must be between 1 and `epochs` - 1 ({})",
                     self.epochs - 1
                 ));
             }
@@ -94,15 +94,15 @@ impl TrainConfig {
             && (self.model.unfreeze_after.is_none() || !self.model.freeze_backbone)
         {
             return bad(
-                "--finetune-bn applies to the fine-tuning phase: it needs --freeze-backbone \
-                 --unfreeze-after N"
+                "`model.finetune_bn` applies to the fine-tuning phase: it needs `model.freeze_backbone` \
+                 `model.unfreeze_after` N"
                     .into(),
             );
         }
         if let Some(lr) = self.model.finetune_lr
             && !(lr.is_finite() && lr > 0.0)
         {
-            return bad(format!("--finetune-lr {lr} must be positive"));
+            return bad(format!("`model.finetune_lr` {lr} must be positive"));
         }
         Ok(())
     }
@@ -112,7 +112,7 @@ impl TrainConfig {
     fn validate_batches(&self) -> Result<()> {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
         if self.optim.grad_accum == Some(0) {
-            return bad("--grad-accum must be at least 1".into());
+            return bad("`optim.grad_accum` must be at least 1".into());
         }
         // The global batch is split over the data-parallel replicas: every rank, or every
         // pipeline (a pipeline's stages share their replica's batch).
@@ -126,14 +126,14 @@ impl TrainConfig {
         if let Some((parts, what)) = parts {
             if !self.batch_size.is_multiple_of(parts) {
                 return bad(format!(
-                    "--batch-size {} (the global batch) must divide evenly over {parts} {what}",
+                    "`batch_size` {} (the global batch) must divide evenly over {parts} {what}",
                     self.batch_size
                 ));
             }
         }
         if self.data.image_size < hearth_models::MIN_INPUT_SIZE as u32 {
             return bad(format!(
-                "--size {} is below the minimum of {}",
+                "`data.image_size` {} is below the minimum of {}",
                 self.data.image_size,
                 hearth_models::MIN_INPUT_SIZE
             ));
@@ -146,13 +146,16 @@ impl TrainConfig {
     fn validate_pipeline(&self, p: &PipelineOptions) -> Result<()> {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
         if p.stages == 0 || p.micro_batches == 0 {
-            return bad("--pipeline-stages and --micro-batches must be at least 1".into());
+            return bad(
+                "`PipelineOptions.stages` and `PipelineOptions.micro_batches` must be at least 1"
+                    .into(),
+            );
         }
         if let Some(split) = &p.split
             && split.len() != p.stages
         {
             return bad(format!(
-                "--pipeline-split gives {} stages, --pipeline-stages {}",
+                "`PipelineOptions.split` gives {} stages, `PipelineOptions.stages` {}",
                 split.len(),
                 p.stages
             ));
@@ -162,7 +165,7 @@ impl TrainConfig {
             let units = model_config(&self.model.name, 2)?.units();
             if end != units {
                 return bad(format!(
-                    "--pipeline-split ends at unit {end}, but --model {} has {units} units \
+                    "`PipelineOptions.split` ends at unit {end}, but `model.name` {} has {units} units \
                      (0..{units}; `hearth units --model {}` lists them)",
                     self.model.name, self.model.name
                 ));
@@ -171,9 +174,9 @@ impl TrainConfig {
         // Without a meaning here: a pipeline's micro-batches are its accumulation.
         if self.optim.grad_accum.is_some() {
             return bad(
-                "--grad-accum does not apply to --pipeline-stages: a pipeline step \
-                        already sums the gradients of --micro-batches micro-batches; raise \
-                        --micro-batches (and --batch-size) instead"
+                "`optim.grad_accum` does not apply to `PipelineOptions.stages`: a pipeline step \
+                        already sums the gradients of `PipelineOptions.micro_batches` micro-batches; raise \
+                        `PipelineOptions.micro_batches` (and `batch_size`) instead"
                     .into(),
             );
         }
@@ -185,13 +188,13 @@ impl TrainConfig {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
         if e.min_workers == 0 || e.min_workers > e.max_workers {
             return bad(format!(
-                "--min-workers {} and --max-workers {} need 1 <= min <= max",
+                "`ElasticOptions.min_workers` {} and `ElasticOptions.max_workers` {} need 1 <= min <= max",
                 e.min_workers, e.max_workers
             ));
         }
         if self.batch_size < e.max_workers {
             return bad(format!(
-                "--batch-size {} (the global batch) must give each of --max-workers {} a sample",
+                "`batch_size` {} (the global batch) must give each of `ElasticOptions.max_workers` {} a sample",
                 self.batch_size, e.max_workers
             ));
         }
@@ -209,7 +212,7 @@ impl TrainConfig {
         };
         let momentum = self.momentum();
         if !(momentum.is_finite() && (0.0..1.0).contains(&momentum)) {
-            return bad(format!("--momentum {momentum} must be in [0, 1)"));
+            return bad(format!("`optim.momentum` {momentum} must be in [0, 1)"));
         }
         let adaptive = matches!(
             self.optim.optimizer,
@@ -218,19 +221,19 @@ impl TrainConfig {
         // hparams.json records 0.9 for adam runs too: only another value is refused.
         if adaptive && self.optim.momentum.is_some_and(|m| m != DEFAULT_MOMENTUM) {
             return bad(format!(
-                "--momentum {momentum} applies to sgd and lars; --optimizer {name} keeps its own \
+                "`optim.momentum` {momentum} applies to sgd and lars; `optim.optimizer` {name} keeps its own \
                  moment estimates (betas 0.9 and 0.999)"
             ));
         }
         if self.optim.nesterov {
             if self.optim.optimizer != OptimizerKind::Sgd {
                 return bad(format!(
-                    "--nesterov applies to --optimizer sgd; {name} has no Nesterov variant here"
+                    "`optim.nesterov` applies to `optim.optimizer` sgd; {name} has no Nesterov variant here"
                 ));
             }
             if momentum == 0.0 {
                 return bad(format!(
-                    "--nesterov needs --momentum above 0 (0 is plain SGD{})",
+                    "`optim.nesterov` needs `optim.momentum` above 0 (0 is plain SGD{})",
                     if self.optim.momentum.is_none() {
                         ", this mode's default"
                     } else {
@@ -249,16 +252,18 @@ impl TrainConfig {
             return Ok(());
         }
         let why = if self.mode.ps().is_some() {
-            Some("--ps (workers exchange values with the servers, not by allreduce)")
+            Some(
+                "`TrainingMode::ParameterServers` (workers exchange values with the servers, not by allreduce)",
+            )
         } else if self.mode.pipeline().is_some() {
-            Some("--pipeline-stages (not built: a stage's replicas exchange after its step)")
+            Some("`PipelineOptions.stages` (not built: a stage's replicas exchange after its step)")
         } else if self.exchange.zero > 0 {
-            Some("--zero (its exchange is a reduce-scatter in buckets of its own)")
+            Some("`exchange.zero` (its exchange is a reduce-scatter in buckets of its own)")
         } else if self.optim.grad_accum.is_some_and(|k| k > 1) {
-            Some("--grad-accum (a step's gradients are exchanged on its last backward only)")
+            Some("`optim.grad_accum` (a step's gradients are exchanged on its last backward only)")
         } else if self.mode.elastic().is_none() && self.dist.as_ref().is_none_or(|d| d.world < 2) {
             Some(
-                "a one-process run: it exchanges no gradients (add --nproc N, or launch it as \
+                "a one-process run: it exchanges no gradients (add `dist.world` N, or launch it as \
                  a job)",
             )
         } else {
@@ -266,7 +271,7 @@ impl TrainConfig {
         };
         match why {
             Some(why) => Err(HearthError::InvalidArgument(format!(
-                "--overlap does not work with {why}"
+                "`exchange.overlap` does not work with {why}"
             ))),
             None => Ok(()),
         }
@@ -281,39 +286,41 @@ impl TrainConfig {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
         if self.exchange.zero > 2 {
             return bad(format!(
-                "--zero {}: the stages are 0 (off), 1 (optimizer state sharded) and 2 (gradients \
+                "`exchange.zero` {}: the stages are 0 (off), 1 (optimizer state sharded) and 2 (gradients \
                  too); stage 3 (parameters) is not built",
                 self.exchange.zero
             ));
         }
         let mode = if self.mode.ps().is_some() {
-            Some("--ps: its servers already hold the optimizer state, sharded")
+            Some(
+                "`TrainingMode::ParameterServers`: its servers already hold the optimizer state, sharded",
+            )
         } else if let Some(p) = self.mode.pipeline() {
             // A stage's replicas shard its state: P stages x D replicas, D at least 2.
             let world = self.dist.as_ref().map_or(1, |d| d.world);
             (world / p.stages.max(1) < 2).then_some(
-                "--pipeline-stages and one replica per stage: --zero shards a stage's state over \
-                 its replicas (--nproc P x D with D of 2 or more)",
+                "`PipelineOptions.stages` and one replica per stage: `exchange.zero` shards a stage's state over \
+                 its replicas (`dist.world` P x D with D of 2 or more)",
             )
         } else if self.mode.elastic().is_some()
             && self.model.freeze_backbone
             && self.model.unfreeze_after.is_some()
         {
             Some(
-                "--elastic and --unfreeze-after: not built yet (the fine-tuning switch would \
+                "`TrainingMode::Elastic` and `model.unfreeze_after`: not built yet (the fine-tuning switch would \
                  re-shard the state over the tensors it adds)",
             )
         } else {
             None
         };
         if let Some(why) = mode {
-            return bad(format!("--zero does not work with {why}"));
+            return bad(format!("`exchange.zero` does not work with {why}"));
         }
         // An elastic job's workers come and go (a joiner has no launch world at all).
         if self.mode.elastic().is_none() && self.dist.as_ref().is_none_or(|d| d.world < 2) {
             return bad(format!(
-                "--zero {} shards the optimizer over data-parallel ranks, and a one-process run \
-                 has one: add --nproc N (or launch it as a job)",
+                "`exchange.zero` {} shards the optimizer over data-parallel ranks, and a one-process run \
+                 has one: add `dist.world` N (or launch it as a job)",
                 self.exchange.zero
             ));
         }
@@ -330,13 +337,13 @@ impl TrainConfig {
         }
         if self.exchange.compression != burn_dist::Compression::None && self.mode.ps().is_none() {
             return Err(HearthError::InvalidArgument(format!(
-                "--compression {} does not apply: {why}",
+                "`exchange.compression` {} does not apply: {why}",
                 self.exchange.compression.name()
             )));
         }
         if self.exchange.bucket_bytes != burn_dist::bucket::DEFAULT_BUCKET_BYTES {
             return Err(HearthError::InvalidArgument(format!(
-                "--bucket-mb does not apply: {why}"
+                "`exchange.bucket_bytes` does not apply: {why}"
             )));
         }
         Ok(())
@@ -353,13 +360,13 @@ impl TrainConfig {
         match &self.mode {
             TrainingMode::ParameterServers(_) => (
                 false,
-                "--ps exchanges values with the servers, not by allreduce",
+                "`TrainingMode::ParameterServers` exchanges values with the servers, not by allreduce",
             ),
             TrainingMode::Elastic(_) => (true, ""),
             TrainingMode::Pipeline(p) => (
                 ranks > p.stages,
-                "a pipeline of one replica has no gradients to average (add replicas: --nproc \
-                 a multiple of --pipeline-stages)",
+                "a pipeline of one replica has no gradients to average (add replicas: `dist.world` \
+                 a multiple of `PipelineOptions.stages`)",
             ),
             TrainingMode::DataParallel => (ranks > 1, "a one-process run exchanges no gradients"),
         }
@@ -368,17 +375,17 @@ impl TrainConfig {
     fn validate_ps(&self, p: &PsOptions) -> Result<()> {
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
         if p.window == Some(0) {
-            return bad("--window must be at least 1".into());
+            return bad("`PsOptions.window` must be at least 1".into());
         }
         // A setting the mode does not read is refused, not ignored.
         let mode = p.mode.name();
         if let Some(rho) = p.rho {
             if !(rho.is_finite() && rho > 0.0) {
-                return bad(format!("--rho {rho} must be positive"));
+                return bad(format!("`PsOptions.rho` {rho} must be positive"));
             }
             if p.mode != burn_dist::ps::Mode::Easgd {
                 return bad(format!(
-                    "--rho {rho} is EASGD's elastic force; --mode {mode} does not use it (--mode \
+                    "`PsOptions.rho` {rho} is EASGD's elastic force; `PsOptions.mode` {mode} does not use it (`PsOptions.mode` \
                      easgd does)"
                 ));
             }
@@ -388,9 +395,9 @@ impl TrainConfig {
                 .max(self.model.finetune_lr.unwrap_or(0.0));
             if rho * peak > 1.0 {
                 return bad(format!(
-                    "--rho {rho} with a peak rate of {peak} makes EASGD's elastic force α = rate x \
+                    "`PsOptions.rho` {rho} with a peak rate of {peak} makes EASGD's elastic force α = rate x \
                      rho {} (above 1 a worker overshoots the centre at each exchange); give \
-                     --rho at most {} or leave it out (α = {} at the peak)",
+                     `PsOptions.rho` at most {} or leave it out (α = {} at the peak)",
                     rho * peak,
                     1.0 / peak,
                     EASGD_PEAK_ALPHA
@@ -400,13 +407,13 @@ impl TrainConfig {
         if p.mode == burn_dist::ps::Mode::Sync {
             if let Some(w) = p.window {
                 return bad(format!(
-                    "--window {w} sets how often an asynchronous worker exchanges; --mode sync \
+                    "`PsOptions.window` {w} sets how often an asynchronous worker exchanges; `PsOptions.mode` sync \
                      exchanges every step"
                 ));
             }
             if let Some(s) = p.staleness {
                 return bad(format!(
-                    "--staleness {s} bounds how far asynchronous workers run ahead; --mode sync \
+                    "`PsOptions.staleness` {s} bounds how far asynchronous workers run ahead; `PsOptions.mode` sync \
                      waits for every worker at every step"
                 ));
             }
@@ -415,7 +422,7 @@ impl TrainConfig {
             let roles = Roles::new(p.servers, d.world)?;
             if !self.batch_size.is_multiple_of(roles.workers) {
                 return bad(format!(
-                    "--batch-size {} (the global batch) must divide evenly over {} workers",
+                    "`batch_size` {} (the global batch) must divide evenly over {} workers",
                     self.batch_size, roles.workers
                 ));
             }
@@ -423,14 +430,14 @@ impl TrainConfig {
         // Combinations without a meaning here, refused for good.
         if self.optim.optimizer == OptimizerKind::Lars {
             return bad(
-                "--optimizer lars does not work with --ps: a server holds slices of layers, and \
+                "`optim.optimizer` lars does not work with `TrainingMode::ParameterServers`: a server holds slices of layers, and \
                  LARS's trust ratio needs each layer's whole norm"
                     .into(),
             );
         }
         if self.exchange.compression != burn_dist::Compression::None {
             return bad(format!(
-                "--compression {} does not apply to --ps: workers and servers exchange exact \
+                "`exchange.compression` {} does not apply to `TrainingMode::ParameterServers`: workers and servers exchange exact \
                  f32 values (it compresses allreduce traffic)",
                 self.exchange.compression.name()
             ));
@@ -443,8 +450,8 @@ impl TrainConfig {
         let mut out = Vec::new();
         if self.model.freeze_backbone && self.model.weights.is_none() {
             out.push(
-                "--freeze-backbone without --weights freezes a randomly initialised backbone: \
-                 only the head learns, on random features (give --weights to fine-tune a \
+                "`model.freeze_backbone` without `model.weights` freezes a randomly initialised backbone: \
+                 only the head learns, on random features (give `model.weights` to fine-tune a \
                  pretrained network)"
                     .into(),
             );

@@ -1,0 +1,71 @@
+//! The library names a setting by its path in [`crate::train::TrainConfig`] (`optim.lr`,
+//! `model.weights`, `PsOptions.window`), in backticks, in the errors it returns; the `hearth`
+//! command line shows the same errors with its flags instead ([`with_flags`]). One table holds
+//! the pairs, so a message is written once and reads right on either side.
+
+/// (setting as the library's errors name it, `hearth train` flag).
+pub const SETTING_FLAGS: &[(&str, &str)] = &[
+    ("batch_size", "--batch-size"),
+    ("epochs", "--epochs"),
+    ("data.labels", "--labels"),
+    ("data.image_size", "--size"),
+    ("model.name", "--model"),
+    ("model.weights", "--weights"),
+    ("model.freeze_backbone", "--freeze-backbone"),
+    ("model.unfreeze_after", "--unfreeze-after"),
+    ("model.finetune_lr", "--finetune-lr"),
+    ("model.finetune_bn", "--finetune-bn"),
+    ("optim.optimizer", "--optimizer"),
+    ("optim.lr", "--lr"),
+    ("optim.momentum", "--momentum"),
+    ("optim.nesterov", "--nesterov"),
+    ("optim.label_smoothing", "--label-smoothing"),
+    ("optim.grad_accum", "--grad-accum"),
+    ("checkpoint.monitor", "--monitor"),
+    ("checkpoint.patience", "--patience"),
+    ("checkpoint.min_delta", "--min-delta"),
+    ("exchange.bucket_bytes", "--bucket-mb"),
+    ("exchange.compression", "--compression"),
+    ("exchange.zero", "--zero"),
+    ("exchange.overlap", "--overlap"),
+    ("dist.world", "--nproc"),
+    ("TrainingMode::Elastic", "--elastic"),
+    ("ElasticOptions.min_workers", "--min-workers"),
+    ("ElasticOptions.max_workers", "--max-workers"),
+    ("TrainingMode::ParameterServers", "--ps"),
+    ("PsOptions.mode", "--mode"),
+    ("PsOptions.window", "--window"),
+    ("PsOptions.rho", "--rho"),
+    ("PsOptions.staleness", "--staleness"),
+    ("PipelineOptions.stages", "--pipeline-stages"),
+    ("PipelineOptions.micro_batches", "--micro-batches"),
+    ("PipelineOptions.split", "--pipeline-split"),
+];
+
+/// `text` with every setting the table knows, in backticks, replaced by its flag: what the
+/// command line prints for a library error.
+pub fn with_flags(text: &str) -> String {
+    let mut out = text.to_string();
+    for (setting, flag) in SETTING_FLAGS {
+        out = out.replace(&format!("`{setting}`"), flag);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_setting_and_each_flag_appears_once_and_the_mapping_reads_both_ways() {
+        for (i, (s, f)) in SETTING_FLAGS.iter().enumerate() {
+            for (t, g) in &SETTING_FLAGS[i + 1..] {
+                assert!(s != t && f != g, "{s} {f} / {t} {g}");
+            }
+        }
+        assert_eq!(
+            with_flags("`optim.lr` 0 must be positive; `model.weights` and `lr` stay"),
+            "--lr 0 must be positive; --weights and `lr` stay"
+        );
+    }
+}
