@@ -31,9 +31,10 @@ use burn_dist::zero::ZeroOptimizer;
 use super::best::{model_checkpoint, save_epoch_weights};
 use super::epochs::{Epochs, Row};
 use super::export::export_best;
+use super::faults::Faults;
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, Sums};
-use super::precision::{LossScaler, divide, overflow_hook};
+use super::precision::{LossScaler, divide};
 use super::shared::{Rates, epoch_lr};
 use super::trainee::{Recipe, Trainee, val_share};
 use super::{TrainConfig, TrainReport, run_dir};
@@ -92,7 +93,7 @@ pub(super) fn train_with<R: Recipe>(
         images: 0,
         started,
         scaler: (cfg.compute.precision == Precision::Fp16).then(LossScaler::default),
-        overflow_at: overflow_hook(cfg.compute.precision, &rank.to_string()),
+        overflow_at: Faults::rank(rank, cfg.compute.precision).overflow_at(),
         epoch_skipped: 0,
         zero: None,
     };

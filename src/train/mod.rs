@@ -41,6 +41,7 @@ mod distributed;
 mod elastic;
 mod epochs;
 mod export;
+mod faults;
 mod flat;
 mod gate;
 mod hparams;

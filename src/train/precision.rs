@@ -118,7 +118,7 @@ impl LossScaler {
     }
 
     /// What the loss of the next step is multiplied by: the scale, or infinity where the test
-    /// hook `overflow_at` (`HEARTH_FP16_OVERFLOW_AT_STEP`, read by `overflow_hook`) names that
+    /// hook `overflow_at` (`HEARTH_FP16_OVERFLOW_AT_STEP`, read in `train/faults.rs`) names that
     /// step.
     pub fn loss_factor(&self, overflow_at: Option<u64>) -> f32 {
         if overflow_at == Some(self.decided + 1) {
@@ -265,7 +265,7 @@ impl Mixed {
             recompute: false,
             scaler: fp16.then(SharedScaler::default),
             skip_in_step: !distributed,
-            overflow_at: overflow_hook(precision, &rank.to_string()),
+            overflow_at: super::faults::Faults::rank(rank, precision).overflow_at(),
         }
     }
 
@@ -305,14 +305,6 @@ impl Mixed {
         }
         grads
     }
-}
-
-/// The step of the test hook `HEARTH_FP16_OVERFLOW_AT_STEP=ID:N` for the process `id` names
-/// (a rank, or an elastic worker's id), in an fp16 run.
-pub(super) fn overflow_hook(precision: Precision, id: &str) -> Option<u64> {
-    (precision == Precision::Fp16)
-        .then(|| super::shared::hook("HEARTH_FP16_OVERFLOW_AT_STEP", id))
-        .flatten()
 }
 
 /// A flat gradient vector (the parameter-server modes') divided by `scale` in place; whether

@@ -228,38 +228,6 @@ pub(super) fn collective_timeout() -> Duration {
     burn_dist::env::collective_timeout()
 }
 
-/// A per-worker number from a test or benchmark hook variable `ID:N[,ID:N...]`
-/// (`HEARTH_ELASTIC_LEAVE_AT_STEP`: leave gracefully after step N, as SIGTERM would;
-/// `HEARTH_ELASTIC_DIE_AT_STEP`: SIGKILL itself inside step N, between the control and the
-/// gradient allreduce; `HEARTH_ELASTIC_DIE_IN_CHANGE`: SIGKILL itself after the announcement
-/// of membership epoch N, before its rendezvous; `HEARTH_ELASTIC_FREEZE_AT_STEP`: SIGSTOP itself there, a worker cut
-/// off (`HEARTH_ELASTIC_FREEZE_SECS`: continued after N s); `HEARTH_ELASTIC_THROTTLE`: N ms of extra compute per step, a slow worker;
-/// `HEARTH_PS_DELAY_MS`, `HEARTH_PS_DIE_AT_STEP`: the same for parameter-server workers;
-/// `HEARTH_FP16_OVERFLOW_AT_STEP`: an fp16 rank's gradients of step N made infinite).
-///
-/// Hooks are read only in builds with the `test-hooks` feature (the test command and the
-/// benches that need them enable it; `cargo build --release` does not): elsewhere a hook
-/// variable is refused by name on stderr and does nothing.
-pub(super) fn hook(name: &str, id: &str) -> Option<u64> {
-    let value = std::env::var(name).ok()?;
-    if !cfg!(feature = "test-hooks") {
-        eprintln!(
-            "warning: {name} is a test hook, and this build of hearth has none (the \
-             `test-hooks` cargo feature is off): ignored"
-        );
-        return None;
-    }
-    hook_value(&value, id)
-}
-
-/// `id`'s number in a hook value `ID:N[,ID:N...]`.
-fn hook_value(value: &str, id: &str) -> Option<u64> {
-    value.split(',').find_map(|part| {
-        let (who, n) = part.trim().split_once(':')?;
-        (who == id).then(|| n.parse().ok()).flatten()
-    })
-}
-
 /// `train_lr` of `epoch` as burn-train writes it, for every mode to write the same: the mean
 /// over the epoch's `batches` of the rate of the latest optimizer step taken at or before each
 /// batch (`lr_at(i)`: the rate of the run's optimizer step `i`, counted from 0; with
@@ -289,7 +257,7 @@ pub(super) fn epoch_lr(
 
 #[cfg(test)]
 mod tests {
-    use super::{epoch_lr, hook, hook_value, prefixed_parts};
+    use super::{epoch_lr, prefixed_parts};
 
     #[test]
     fn prefixed_parts_round_trip_and_any_bytes_decode_without_a_panic() {
@@ -308,15 +276,6 @@ mod tests {
             refused += usize::from(prefixed_parts(&input, 3, "fuzzed").is_err());
         }
         assert!(refused > 5_000, "{refused}");
-    }
-
-    #[test]
-    fn hook_values_name_workers() {
-        assert_eq!(hook_value("w0:3, w12:40", "w12"), Some(40));
-        assert_eq!(hook_value("w0:3", "w1"), None);
-        assert_eq!(hook_value("w0:x,garbage", "w0"), None);
-        // PATH is set in every test environment: no worker's hook either way.
-        assert_eq!(hook("PATH", "w0"), None);
     }
 
     #[test]

@@ -133,14 +133,12 @@ pub(crate) fn train_with<R: Recipe>(
         fence: fence::Fence::new(&cfg.run_dir),
         token: None,
         state_limit: std::cell::OnceCell::new(),
-        faults: faults::Faults::default(),
-        overflow_at: None,
+        faults: Default::default(),
         zero: None,
         overlap_said: false,
         exchange: ExchangeClock::default(),
     };
-    run.faults = faults::Faults::from_env(&run.me.id);
-    run.overflow_at = overflow_hook(cfg.compute.precision, &run.me.id);
+    run.faults = crate::train::faults::Faults::elastic(&run.me.id, cfg.compute.precision);
     let (world, commit) = match &initial {
         Some(info) => run.first_world(info, log)?,
         None => run.join_world(log)?,

@@ -38,7 +38,7 @@ use super::export::export_best;
 use super::gate::Gate;
 use super::model::{optimizer, seed_stream};
 use super::objective::Objective;
-use super::precision::{LossScaler, divide, overflow_hook};
+use super::precision::{LossScaler, divide};
 use super::shared::{Rates, collective_timeout, epoch_lr, one_host_overlap_notice};
 use super::targets::Targets;
 use super::trainee::{ImageRecipe, Input, Net, Recipe, Stream, Trainee, val_share};
@@ -226,10 +226,8 @@ struct ElasticRun<'a, T: Trainee> {
     /// The most bytes of state this worker takes from a new epoch's rank 0 (from the model's
     /// parameter count, counted once).
     state_limit: std::cell::OnceCell<usize>,
-    /// Fault injection: the test and benchmark hooks (see `faults.rs`).
-    faults: faults::Faults,
-    /// `HEARTH_FP16_OVERFLOW_AT_STEP` for this worker's id.
-    overflow_at: Option<u64>,
+    /// Fault injection: the test and benchmark hooks (`train/faults.rs`).
+    faults: super::faults::Faults,
     /// `--zero`: this worker's shard of the optimizer (the commit's `optim` is then unused).
     zero: Option<shard::Sharded>,
     /// `--overlap`: whether this worker has said how many gradients its first overlapped
@@ -282,7 +280,6 @@ const REBALANCE_EVERY: u64 = 8;
 
 mod change;
 mod entry;
-mod faults;
 mod fence;
 mod members;
 mod settle;

@@ -160,7 +160,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             Ok(control) => control,
             Err(e) => return Ok(Stepped::Stop(Interrupt::Failed(e.to_string()))),
         };
-        self.faults.after_control(commit.step);
+        self.faults.in_step(commit.step);
         if control.samples() as usize != c.total {
             // Every member computes the shares from the same commit: a difference is a bug.
             return Err(HearthError::Training(format!(
@@ -212,7 +212,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let factor = commit
             .scaler
             .as_ref()
-            .map_or(1.0, |s| s.loss_factor(self.overflow_at));
+            .map_or(1.0, |s| s.loss_factor(self.faults.overflow_at()));
         let (mut loss_sum, mut correct, mut mine, mut total) = (0.0f64, 0.0f64, 0usize, 0usize);
         let mut pos = commit.position as usize;
         for sub in 0..k {

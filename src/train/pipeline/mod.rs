@@ -154,7 +154,7 @@ pub(super) fn train(
         rates: Rates::new(cfg, lr, steps_per_epoch)?,
         objective: Objective::new(cfg, multi_label),
         steps_per_epoch,
-        overflow_at: super::precision::overflow_hook(cfg.compute.precision, &rank.to_string()),
+        overflow_at: super::faults::Faults::rank(rank, cfg.compute.precision).overflow_at(),
         started,
     };
     run.train(log)

@@ -20,9 +20,10 @@ use super::worker::{PATIENT, Worker};
 use crate::settings::Precision;
 use crate::settings::PsOptions;
 use crate::train::epochs::{Epochs, Row, Strategy};
+use crate::train::faults::Faults;
 use crate::train::objective::Objective;
-use crate::train::precision::{LossScaler, overflow_hook};
-use crate::train::shared::{Rates, collective_timeout, hook};
+use crate::train::precision::LossScaler;
+use crate::train::shared::{Rates, collective_timeout};
 use crate::train::trainee::{Recipe, Trainee};
 use crate::train::{TrainConfig, TrainReport, run_dir};
 use crate::{HearthError, Result};
@@ -152,12 +153,10 @@ fn start<'a, R: Recipe>(
         stats: Vec::new(),
         started,
         // Test hooks, as the elastic trainer's ("w1:50,w2:10" names workers by rank).
-        delay: hook("HEARTH_PS_DELAY_MS", &format!("w{rank}")),
-        die_at: hook("HEARTH_PS_DIE_AT_STEP", &format!("w{rank}")),
+        faults: Faults::ps_worker(&format!("w{rank}"), cfg.compute.precision),
         rates,
         batches,
         scaler: (cfg.compute.precision == Precision::Fp16).then(LossScaler::default),
-        overflow_at: overflow_hook(cfg.compute.precision, &format!("w{rank}")),
     };
     Ok((w, comm))
 }

@@ -51,8 +51,8 @@ pub(super) struct Worker<'a, T: Trainee> {
     pub(super) model: T::Model,
     pub(super) stats: Vec<EpochStats>,
     pub(super) started: Instant,
-    pub(super) delay: Option<u64>,
-    pub(super) die_at: Option<u64>,
+    /// Fault injection: the test and benchmark hooks (`train/faults.rs`).
+    pub(super) faults: crate::train::faults::Faults,
     /// Each optimizer step's rate and the transfer-learning phases (the `train_lr` column, as
     /// burn-train's metric writes it for data parallel runs: [`epoch_lr`]).
     pub(super) rates: Rates,
@@ -61,7 +61,6 @@ pub(super) struct Worker<'a, T: Trainee> {
     /// fp16's loss scale of this worker's own steps (`--precision fp16`): each worker decides
     /// for its own gradient (see [`Worker::push`]).
     pub(super) scaler: Option<LossScaler>,
-    pub(super) overflow_at: Option<u64>,
 }
 
 impl<T: Trainee> Worker<'_, T> {
@@ -230,7 +229,7 @@ impl<T: Trainee> Worker<'_, T> {
             let factor = self
                 .scaler
                 .as_ref()
-                .map_or(1.0, |s| s.loss_factor(self.overflow_at));
+                .map_or(1.0, |s| s.loss_factor(self.faults.overflow_at()));
             let (grads, sums) = self
                 .objective
                 .train_batch(&self.model, input, &targets, factor)?;
@@ -239,17 +238,10 @@ impl<T: Trainee> Worker<'_, T> {
             row.loss_sum += sums.loss;
             row.samples += sums.samples;
             let grad = trainable_grads(&self.model, &grads);
-            if let Some(ms) = self.delay {
-                std::thread::sleep(Duration::from_millis(ms));
-            }
+            // The test hooks of a slow worker, and of one lost mid-run (no goodbye).
+            self.faults.after_compute(*step);
+            self.faults.in_step(*step);
             *step += 1;
-            if self.die_at.is_some_and(|at| *step >= at) {
-                // The test hook of a worker lost mid-run (SIGKILL: no goodbye).
-                // SAFETY: signals this very process.
-                unsafe {
-                    libc::kill(libc::getpid(), libc::SIGKILL);
-                }
-            }
             let (sum, samples) = match acc.take() {
                 None => (grad, n as u64),
                 Some((mut sum, m)) => {
