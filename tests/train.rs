@@ -361,7 +361,7 @@ fn bad_input_gives_clear_errors() {
 
     let mut c = config(&d, dir.path().join("a"));
     c.batch_size = 0;
-    assert!(err(c).contains("--batch-size"));
+    assert!(err(c).contains("`batch_size`"));
 
     let c = config(&d, PathBuf::from("/dev/null/run"));
     assert!(err(c).contains("/dev/null/run"));
@@ -534,7 +534,10 @@ fn a_new_run_into_a_finished_runs_directory_is_refused_unless_overwrite() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("already holds a run"), "{e}");
-    assert!(e.contains("--resume") && e.contains("--overwrite"), "{e}");
+    assert!(
+        e.contains("`checkpoint.resume`") && e.contains("`checkpoint.overwrite`"),
+        "{e}"
+    );
     assert!(e.contains("model.bpk") && e.contains("checkpoint"), "{e}");
     assert_eq!(std::fs::read(run_dir.join("model.bpk")).unwrap(), model);
     assert_eq!(std::fs::read(run_dir.join("metrics.csv")).unwrap(), metrics);
@@ -546,7 +549,8 @@ fn a_new_run_into_a_finished_runs_directory_is_refused_unless_overwrite() {
     let mut said = Vec::new();
     train(&again, &Device::flex(), &mut |l| said.push(l.to_string())).unwrap();
     assert!(
-        said.iter().any(|l| l.contains("--overwrite: removed")),
+        said.iter()
+            .any(|l| l.contains("`checkpoint.overwrite`: removed")),
         "{said:?}"
     );
     assert!(!run_dir.join("checkpoint/model-7.bpk").exists());

@@ -379,7 +379,10 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     }
     // A run that fails leaves no empty folder behind (one it did not create stays).
     let existed = cfg.run_dir.exists();
-    let outcome = train(&cfg, &device, &mut |line| eprintln!("{line}"));
+    // The library names settings (`exchange.overlap`); this command line says its flags.
+    let outcome = train(&cfg, &device, &mut |line| {
+        eprintln!("{}", hearth::settings::flags::with_flags(line))
+    });
     if outcome.is_err() && !existed {
         // Only an empty directory is removed: whatever the run wrote stays for inspection.
         let _ = std::fs::remove_dir(&cfg.run_dir);

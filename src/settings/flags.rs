@@ -5,8 +5,10 @@
 
 /// (setting as the library's errors name it, `hearth train` flag).
 pub const SETTING_FLAGS: &[(&str, &str)] = &[
+    ("run_dir", "--run-dir"),
     ("batch_size", "--batch-size"),
     ("epochs", "--epochs"),
+    ("data.folder", "--data"),
     ("data.labels", "--labels"),
     ("data.image_size", "--size"),
     ("model.name", "--model"),
@@ -21,9 +23,13 @@ pub const SETTING_FLAGS: &[(&str, &str)] = &[
     ("optim.nesterov", "--nesterov"),
     ("optim.label_smoothing", "--label-smoothing"),
     ("optim.grad_accum", "--grad-accum"),
+    ("checkpoint.resume", "--resume"),
+    ("checkpoint.overwrite", "--overwrite"),
     ("checkpoint.monitor", "--monitor"),
     ("checkpoint.patience", "--patience"),
     ("checkpoint.min_delta", "--min-delta"),
+    ("compute.precision", "--precision"),
+    ("compute.recompute", "--recompute"),
     ("exchange.bucket_bytes", "--bucket-mb"),
     ("exchange.compression", "--compression"),
     ("exchange.zero", "--zero"),
@@ -32,6 +38,8 @@ pub const SETTING_FLAGS: &[(&str, &str)] = &[
     ("TrainingMode::Elastic", "--elastic"),
     ("ElasticOptions.min_workers", "--min-workers"),
     ("ElasticOptions.max_workers", "--max-workers"),
+    ("ElasticOptions.rejoin_timeout", "--rejoin-timeout"),
+    ("ElasticOptions.hosts_file", "--hosts"),
     ("TrainingMode::ParameterServers", "--ps"),
     ("PsOptions.mode", "--mode"),
     ("PsOptions.window", "--window"),
@@ -40,6 +48,7 @@ pub const SETTING_FLAGS: &[(&str, &str)] = &[
     ("PipelineOptions.stages", "--pipeline-stages"),
     ("PipelineOptions.micro_batches", "--micro-batches"),
     ("PipelineOptions.split", "--pipeline-split"),
+    ("PipelineOptions.schedule", "--pipeline-schedule"),
 ];
 
 /// `text` with every setting the table knows, in backticks, replaced by its flag: what the

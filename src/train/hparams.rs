@@ -280,8 +280,8 @@ impl Hparams {
             (Some(_), None, TrainingMode::Elastic(_))
             | (None, Some(_), TrainingMode::Elastic(_)) => {
                 return Err(HearthError::InvalidArgument(
-                    "--elastic: this run was not elastic (it recorded a pipeline or parameter \
-                     servers); resume it without --elastic"
+                    "`TrainingMode::Elastic`: this run was not elastic (it recorded a pipeline or parameter \
+                     servers); resume it without `TrainingMode::Elastic`"
                         .into(),
                 ));
             }
@@ -558,7 +558,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("--elastic") && e.contains("was not elastic"),
+            e.contains("`TrainingMode::Elastic`") && e.contains("was not elastic"),
             "{e}"
         );
         // An elastic run (no pipeline, no servers recorded) stays elastic.

@@ -113,16 +113,16 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
     crate::device::check_precision(device, cfg.compute.precision)?;
     if cfg.compute.recompute {
         log(if cfg.mode.pipeline().is_some() {
-            "--recompute: each stage keeps only its micro-batches' inputs and computes their \
+            "`compute.recompute`: each stage keeps only its micro-batches' inputs and computes their \
              activations again in the backward"
         } else {
-            "--recompute: each unit keeps only its input and computes its activations again in \
+            "`compute.recompute`: each unit keeps only its input and computes its activations again in \
              the backward"
         });
     }
     if cfg.exchange.overlap {
         log(
-            "--overlap: the model runs unit by unit, and each unit's gradients are averaged while \
+            "`exchange.overlap`: the model runs unit by unit, and each unit's gradients are averaged while \
              the units before it compute",
         );
     }
@@ -162,7 +162,7 @@ pub fn train(cfg: &TrainConfig, device: &Device, log: &mut dyn FnMut(&str)) -> R
     } else {
         if cfg.checkpoint.monitor == Monitor::ValAuroc {
             return Err(HearthError::InvalidArgument(
-                "--monitor val_auroc needs a multi-label data set (--labels FILE.csv)".into(),
+                "`checkpoint.monitor` val_auroc needs a multi-label data set (`data.labels` FILE.csv)".into(),
             ));
         }
         run.train::<SingleLabel>(log)

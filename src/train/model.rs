@@ -60,7 +60,7 @@ pub fn init_model(
         let arch = |c: &ModelConfig| serde_json::to_string(&c.clone().with_classes(1)).ok();
         if arch(&saved.config) != arch(config) {
             return Err(HearthError::InvalidArgument(format!(
-                "--weights {}: its {} architecture is not the one of --model {} ({})",
+                "`model.weights` {}: its {} architecture is not the one of `model.name` {} ({})",
                 weights.display(),
                 saved.model.family(),
                 cfg.model.name,

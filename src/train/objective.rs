@@ -196,9 +196,9 @@ impl Objective {
                     Err(HearthError::InvalidArgument(format!(
                         "{}: this model has no units to run one by one",
                         if self.recompute {
-                            "--recompute"
+                            "`compute.recompute`"
                         } else {
-                            "--overlap"
+                            "`exchange.overlap`"
                         }
                     )))
                 })?;

@@ -40,7 +40,7 @@ pub fn check_fresh(cfg: &super::TrainConfig) -> Result<()> {
         if run_files(&cfg.run_dir).is_empty() {
             return Err(HearthError::InvalidArgument(format!(
                 "cannot resume {}: no run there (no metrics.csv, checkpoint/ or hparams.json); \
-                 --run-dir starts a new one",
+                 `run_dir` starts a new one",
                 cfg.run_dir.display()
             )));
         }
@@ -54,8 +54,8 @@ pub fn check_fresh(cfg: &super::TrainConfig) -> Result<()> {
         return Ok(());
     }
     Err(HearthError::InvalidArgument(format!(
-        "{} already holds a run ({}): --resume {} continues it, --overwrite replaces it, or \
-         choose another --run-dir",
+        "{} already holds a run ({}): `checkpoint.resume` {} continues it, `checkpoint.overwrite` replaces it, or \
+         choose another `run_dir`",
         cfg.run_dir.display(),
         found.join(", "),
         cfg.run_dir.display()
@@ -82,7 +82,7 @@ pub fn start(cfg: &super::TrainConfig, log: &mut dyn FnMut(&str)) -> Result<()> 
         }
         if !found.is_empty() {
             log(&format!(
-                "--overwrite: removed the earlier run's {} from {}",
+                "`checkpoint.overwrite`: removed the earlier run's {} from {}",
                 found.join(", "),
                 cfg.run_dir.display()
             ));

@@ -143,7 +143,7 @@ pub(super) fn one_host_overlap_notice(comm: &burn_dist::Communicator) -> Option<
         .topology()
         .is_some_and(|t| t.shares_memory() && t.group_leaders().len() == 1)
         .then_some(
-            "--overlap: every rank is on this host, so the exchange runs through shared memory \
+            "`exchange.overlap`: every rank is on this host, so the exchange runs through shared memory \
              on the cores the backward pass uses; on one host it measured no faster (a ResNet-50 \
              step 1.02-1.08x longer, BENCHMARKS.md): it pays off between hosts",
         )

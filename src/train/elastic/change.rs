@@ -130,8 +130,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
         }
         if announcement.members.is_empty() {
             return Err(HearthError::Training(format!(
-                "the job gave up: fewer than --min-workers {} workers and nobody joined within \
-                 --rejoin-timeout {:?} (state saved by the coordinator in {})",
+                "the job gave up: fewer than `ElasticOptions.min_workers` {} workers and nobody joined within \
+                 `ElasticOptions.rejoin_timeout` {:?} (state saved by the coordinator in {})",
                 self.opts.min_workers,
                 self.opts.rejoin_timeout,
                 self.state_file().display()

@@ -12,7 +12,7 @@ pub(crate) fn train(
 ) -> Result<TrainReport> {
     if cfg.data.folder.is_none() {
         return Err(HearthError::InvalidArgument(
-            "--elastic needs --data (workers start at different times, so none may generate the \
+            "`TrainingMode::Elastic` needs `data.folder` (workers start at different times, so none may generate the \
              synthetic set for the others: write one with `hearth data synth`)"
                 .into(),
         ));
@@ -34,7 +34,7 @@ impl Entry {
         let membership = burn_dist::tls::Membership::from_env()?;
         if !matches!(membership, burn_dist::tls::Membership::Secret { .. }) {
             return Err(HearthError::InvalidArgument(
-                "--elastic needs a job secret (HEARTH_JOB_SECRET): members change ranks, which \
+                "`TrainingMode::Elastic` needs a job secret (HEARTH_JOB_SECRET): members change ranks, which \
                  per-rank certificates cannot follow"
                     .into(),
             ));
@@ -42,8 +42,8 @@ impl Entry {
         let initial = cfg.dist.clone();
         if initial.is_none() && !opts.joiner {
             return Err(HearthError::InvalidArgument(
-                "--elastic runs under `hearth launch --elastic`, or joins a job given \
-                 HEARTH_ELASTIC_PEERS or --hosts"
+                "`TrainingMode::Elastic` runs under `hearth launch --elastic`, or joins a job given \
+                 HEARTH_ELASTIC_PEERS or `ElasticOptions.hosts_file`"
                     .into(),
             ));
         }

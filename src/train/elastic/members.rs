@@ -69,7 +69,7 @@ impl<T: Trainee> Members<'_, '_, '_, T> {
             if leaving.len() == world.size() && world.rank() == 0 {
                 let saved = self.run.save_state(&self.commit, world)?;
                 log(&format!(
-                    "every worker left: {} {} (--resume continues it)",
+                    "every worker left: {} {} (`checkpoint.resume` continues it)",
                     if saved {
                         "state saved in"
                     } else {

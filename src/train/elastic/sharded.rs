@@ -91,7 +91,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
     ) -> Sharded {
         if world.rank() == 0 {
             log(&format!(
-                "--zero {}: worker 0 updates {} ({} optimizer values held)",
+                "`exchange.zero` {}: worker 0 updates {} ({} optimizer values held)",
                 self.cfg.exchange.zero,
                 z.describe(),
                 z.state_len()
@@ -130,7 +130,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         }
         moved.map_err(|e| {
             HearthError::Training(format!(
-                "{e}; --resume continues from the last state saved in {}",
+                "{e}; `checkpoint.resume` continues from the last state saved in {}",
                 self.state_file().display()
             ))
         })?;

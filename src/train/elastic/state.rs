@@ -193,7 +193,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let path = self.state_file();
         let bytes = std::fs::read(&path).map_err(|e| {
             HearthError::InvalidArgument(format!(
-                "--resume: {} cannot be read ({e}); an elastic run resumes from it",
+                "`checkpoint.resume`: {} cannot be read ({e}); an elastic run resumes from it",
                 path.display()
             ))
         })?;
@@ -202,24 +202,27 @@ impl<T: Trainee> ElasticRun<'_, T> {
             .unwrap_or(false);
         if zero != (self.cfg.exchange.zero > 0) {
             return Err(HearthError::InvalidArgument(format!(
-                "--resume: {} was written {}; resume {}",
+                "`checkpoint.resume`: {} was written {}; resume {}",
                 path.display(),
                 if zero {
-                    "with --zero (its optimizer state is in checkpoint/elastic-zero/)"
+                    "with `exchange.zero` (its optimizer state is in checkpoint/elastic-zero/)"
                 } else {
-                    "without --zero"
+                    "without `exchange.zero`"
                 },
                 if zero {
-                    "with --zero 1 or 2, on any number of workers"
+                    "with `exchange.zero` 1 or 2, on any number of workers"
                 } else {
-                    "without --zero"
+                    "without `exchange.zero`"
                 }
             )));
         }
         let mut c = self
             .decode(&bytes)
             .map_err(|e| {
-                HearthError::InvalidArgument(format!("--resume: {}: {e}", path.display()))
+                HearthError::InvalidArgument(format!(
+                    "`checkpoint.resume`: {}: {e}",
+                    path.display()
+                ))
             })?
             .commit;
         // The clock goes on from where the saved run stopped.

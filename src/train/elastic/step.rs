@@ -275,7 +275,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         if !self.overlap_said {
             self.overlap_said = true;
             log(&format!(
-                "--overlap: {handed} gradient tensors of {} were exchanged during the backward \
+                "`exchange.overlap`: {handed} gradient tensors of {} were exchanged during the backward \
                  pass",
                 burn_dist::ddp::module_values(&commit.model).len()
             ));
@@ -410,7 +410,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             }
             if go.len() < leaving.len() && world.rank() == 0 {
                 log(&format!(
-                    "--zero: of the workers asking to leave, {go:?} leave now (neighbours leave \
+                    "`exchange.zero`: of the workers asking to leave, {go:?} leave now (neighbours leave \
                      one change at a time)"
                 ));
             }

@@ -16,8 +16,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
         // joiners, and a first world above it would train as if it were not there.
         if info.world > self.opts.max_workers {
             return Err(HearthError::InvalidArgument(format!(
-                "--max-workers {} is below the {} workers this elastic job starts with \
-                 (`hearth launch --elastic -n {}`): start at most {} or raise --max-workers",
+                "`ElasticOptions.max_workers` {} is below the {} workers this elastic job starts with \
+                 (`hearth launch --elastic -n {}`): start at most {} or raise `ElasticOptions.max_workers`",
                 self.opts.max_workers, info.world, info.world, self.opts.max_workers
             )));
         }
@@ -91,7 +91,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let addrs = self.opts.join_addresses();
         if addrs.is_empty() {
             return Err(HearthError::InvalidArgument(
-                "joining an elastic job needs join addresses: HEARTH_ELASTIC_PEERS or --hosts"
+                "joining an elastic job needs join addresses: HEARTH_ELASTIC_PEERS or `ElasticOptions.hosts_file`"
                     .into(),
             ));
         }
@@ -387,7 +387,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             crate::train::zero::state_file(&shard::state_dir(self.cfg), commit.step as usize);
         let state = if !saved && self.zero.is_some() && !sharded.is_file() {
             format!(
-                "the optimizer state is sharded over the workers (--zero) and one \
+                "the optimizer state is sharded over the workers (`exchange.zero`) and one \
                  cannot write it alone: {} keeps the last state saved, at an \
                  epoch's end (the steps since are lost)",
                 self.state_file().display()
@@ -402,8 +402,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
             )
         };
         HearthError::Training(format!(
-            "only {have} of the --min-workers {need} workers after waiting {:.0} s \
-             (--rejoin-timeout) for joiners; {state} (--resume continues it)",
+            "only {have} of the `ElasticOptions.min_workers` {need} workers after waiting {:.0} s \
+             (`ElasticOptions.rejoin_timeout`) for joiners; {state} (`checkpoint.resume` continues it)",
             waited.as_secs_f64(),
         ))
     }

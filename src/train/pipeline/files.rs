@@ -42,7 +42,7 @@ pub(super) fn split(
     };
     if ranges.last().map(|r| r.end) != Some(n) {
         return Err(HearthError::InvalidArgument(format!(
-            "--pipeline-split must cover units 0..{n} of {} (it ends at {})",
+            "`PipelineOptions.split` must cover units 0..{n} of {} (it ends at {})",
             cfg.model.name,
             ranges.last().map_or(0, |r| r.end)
         )));

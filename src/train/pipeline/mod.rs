@@ -94,8 +94,8 @@ pub(super) fn train(
     let started = Instant::now();
     let info = cfg.dist.clone().filter(|i| i.world > 1).ok_or_else(|| {
         HearthError::InvalidArgument(format!(
-            "--pipeline-stages {} needs {} processes or a multiple (one per stage and replica): \
-             add --nproc {}",
+            "`PipelineOptions.stages` {} needs {} processes or a multiple (one per stage and replica): \
+             add `dist.world` {}",
             opts.stages, opts.stages, opts.stages
         ))
     })?;
@@ -111,7 +111,7 @@ pub(super) fn train(
     let multi_label = train_set.multi_label;
     if !cfg.batch_size.is_multiple_of(grid.replicas) {
         return Err(HearthError::InvalidArgument(format!(
-            "--batch-size {} must divide evenly over {} pipelines",
+            "`batch_size` {} must divide evenly over {} pipelines",
             cfg.batch_size, grid.replicas
         )));
     }
@@ -237,11 +237,20 @@ impl PipelineRun<'_> {
         let mut settings = vec![
             ("model", self.config.to_json()),
             ("pipeline split", files::format_split(&self.ranges)),
-            ("--pipeline-stages", self.grid.stages.to_string()),
+            ("`PipelineOptions.stages`", self.grid.stages.to_string()),
             ("pipelines", self.grid.replicas.to_string()),
-            ("--micro-batches", self.opts.micro_batches.to_string()),
-            ("--pipeline-schedule", self.opts.schedule.name().to_string()),
-            ("--resume", self.cfg.checkpoint.resume.to_string()),
+            (
+                "`PipelineOptions.micro_batches`",
+                self.opts.micro_batches.to_string(),
+            ),
+            (
+                "`PipelineOptions.schedule`",
+                self.opts.schedule.name().to_string(),
+            ),
+            (
+                "`checkpoint.resume`",
+                self.cfg.checkpoint.resume.to_string(),
+            ),
         ];
         settings.extend(
             hparams

@@ -106,7 +106,7 @@ impl PipelineRun<'_> {
             || recorded.last().map(|r| r.end) != Some(self.config.units())
         {
             return Err(HearthError::InvalidArgument(format!(
-                "--resume: {} records the split {} for another layout than {} stages of {} units",
+                "`checkpoint.resume`: {} records the split {} for another layout than {} stages of {} units",
                 file.display(),
                 text.trim(),
                 self.grid.stages,

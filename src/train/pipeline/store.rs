@@ -44,7 +44,7 @@ impl PipelineRun<'_> {
         let epoch = all.into_iter().fold(f32::MAX, f32::min) as usize;
         if epoch == 0 {
             return Err(HearthError::InvalidArgument(format!(
-                "--resume: {} has no epoch checkpointed by every pipeline stage",
+                "`checkpoint.resume`: {} has no epoch checkpointed by every pipeline stage",
                 self.cfg.run_dir.display()
             )));
         }

@@ -24,7 +24,7 @@ impl Roles {
                 colocated: false,
             }),
             PsServers::Dedicated(p) => Err(HearthError::InvalidArgument(format!(
-                "--ps {p} leaves no worker among {world} ranks (--nproc must exceed --ps)"
+                "`TrainingMode::ParameterServers` {p} leaves no worker among {world} ranks (`dist.world` must exceed `TrainingMode::ParameterServers`)"
             ))),
             PsServers::Colocated => Ok(Self {
                 workers: world,

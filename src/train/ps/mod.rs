@@ -199,7 +199,7 @@ pub(super) fn train_with<R: super::trainee::Recipe>(
     let started = Instant::now();
     let info = cfg.dist.clone().ok_or_else(|| {
         HearthError::InvalidArgument(
-            "--ps needs a distributed job: --nproc N (or a launcher's variables)".into(),
+            "`TrainingMode::ParameterServers` needs a distributed job: `dist.world` N (or a launcher's variables)".into(),
         )
     })?;
     let roles = Roles::new(opts.servers, info.world)?;

@@ -150,15 +150,15 @@ pub(super) fn check_resume_in(cfg: &TrainConfig, dir: &Path, epoch: usize) -> Re
     let file = state_file(dir, epoch);
     match (cfg.exchange.zero > 0, file.is_file()) {
         (true, false) => Err(HearthError::InvalidArgument(format!(
-            "cannot resume {} with --zero {}: {} is missing (was the run trained without \
-             --zero? then resume without it)",
+            "cannot resume {} with `exchange.zero` {}: {} is missing (was the run trained without \
+             `exchange.zero`? then resume without it)",
             cfg.run_dir.display(),
             cfg.exchange.zero,
             file.display()
         ))),
         (false, true) => Err(HearthError::InvalidArgument(format!(
-            "cannot resume {} without --zero: its optimizer state is sharded ({}); resume \
-             with --zero 1 or 2, on any number of ranks",
+            "cannot resume {} without `exchange.zero`: its optimizer state is sharded ({}); resume \
+             with `exchange.zero` 1 or 2, on any number of ranks",
             cfg.run_dir.display(),
             file.display()
         ))),
@@ -246,7 +246,7 @@ mod tests {
         cfg.exchange.zero = 0;
         let e = check_resume(&cfg, 3).unwrap_err().to_string();
         assert!(
-            e.contains("without --zero") && e.contains("any number of ranks"),
+            e.contains("without `exchange.zero`") && e.contains("any number of ranks"),
             "{e}"
         );
     }
