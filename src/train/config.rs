@@ -3,8 +3,10 @@
 use std::path::PathBuf;
 
 use hearth_datasets::Augmentation;
+use serde::{Deserialize, Serialize};
 
 use crate::Result;
+use crate::names::by_name;
 use crate::schedule::{Decay, LrScaling};
 use crate::settings::{
     AugmentPreset, DEFAULT_MOMENTUM, FinetuneBn, Monitor, OptimizerKind, Precision, TrainingMode,
@@ -58,20 +60,27 @@ pub struct TrainConfig {
 }
 
 /// Where the images come from and how they are prepared.
-#[derive(Debug, Clone)]
+///
+/// Each section reads and writes itself in `hparams.json` (serde, under the file's names);
+/// what does not change the training (threads, the run's own bookkeeping) is not recorded.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DataSettings {
     /// Image folder; `None` generates the synthetic default set into the run directory.
+    #[serde(rename = "data", with = "path_text")]
     pub folder: Option<PathBuf>,
     /// Multi-label CSV (`path,label1|label2`), paths relative to `folder` (default: the CSV's
     /// folder). Trains with one sigmoid per class and binary cross-entropy.
+    #[serde(with = "path_text")]
     pub labels: Option<PathBuf>,
     /// Share held out for validation when the folder has no `val/`.
     pub val_fraction: f64,
     /// Input side in pixels.
     pub image_size: u32,
     /// Training augmentation (validation is always resize + center crop).
+    #[serde(with = "AugmentationDef")]
     pub augmentation: Augmentation,
     /// Threads that decode images.
+    #[serde(skip)]
     pub workers: usize,
 }
 
@@ -89,12 +98,14 @@ impl Default for DataSettings {
 }
 
 /// The network: which one, the weights it starts from, and transfer learning.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ModelSettings {
     /// torchvision name, [`super::DEFAULT_MODEL`] or [`super::MINI_VGG`].
+    #[serde(rename = "model")]
     pub name: String,
     /// torchvision weights (or an earlier run's `.bpk`) to start from; the head is replaced to
     /// fit the data's classes.
+    #[serde(with = "path_text")]
     pub weights: Option<PathBuf>,
     pub freeze_backbone: bool,
     /// With `freeze_backbone`: after this many epochs, unfreeze everything and fine-tune at
@@ -103,6 +114,7 @@ pub struct ModelSettings {
     /// Learning rate of the fine-tuning phase (default: a tenth of the scaled `lr`).
     pub finetune_lr: Option<f64>,
     /// Batch norm in the fine-tuning phase: frozen statistics (default) or batch statistics.
+    #[serde(with = "by_name")]
     pub finetune_bn: FinetuneBn,
 }
 
@@ -121,8 +133,9 @@ impl Default for ModelSettings {
 
 /// How the network learns: the optimizer, its rate and schedule, the loss's smoothing and
 /// gradient accumulation.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct OptimSettings {
+    #[serde(with = "by_name")]
     pub optimizer: OptimizerKind,
     /// Peak learning rate (after `scale_lr`), reached after `warmup_epochs`.
     pub lr: f64,
@@ -133,7 +146,10 @@ pub struct OptimSettings {
     pub schedule: Decay,
     pub warmup_epochs: usize,
     /// Scale `lr` by the batch ratio to the batch it was tuned for.
+    #[serde(with = "scale_lr_record")]
     pub scale_lr: Option<(LrScaling, usize)>,
+    /// As typed in `hparams.json` (0.1, not the f32's 0.10000000149...).
+    #[serde(with = "shortest_f32")]
     pub label_smoothing: f32,
     /// Accumulate gradients over this many micro-batches per optimizer step.
     pub grad_accum: Option<usize>,
@@ -158,17 +174,21 @@ impl Default for OptimSettings {
 
 /// What the run keeps and when it stops: resuming, replacing, the best-epoch rule and early
 /// stopping.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CheckpointSettings {
     /// Continue the run in `run_dir` after its last complete epoch.
+    #[serde(skip)]
     pub resume: bool,
     /// Replace the run already in `run_dir` (its metrics, checkpoints and model files); without
     /// it, a `run_dir` holding a run is an error (`resume` continues one).
+    #[serde(skip)]
     pub overwrite: bool,
     /// End the run after this epoch (checkpoint written), e.g. before a time limit; `resume`
     /// continues it exactly.
+    #[serde(skip)]
     pub stop_after_epoch: Option<usize>,
     /// The metric that picks the exported (best) epoch and drives early stopping.
+    #[serde(with = "by_name")]
     pub monitor: Monitor,
     /// Stop after this many epochs without an improvement of `monitor` by more than `min_delta`.
     pub patience: Option<usize>,
@@ -191,11 +211,12 @@ impl Default for CheckpointSettings {
 }
 
 /// How steps compute: the number type and activation recomputation.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ComputeSettings {
     /// The type steps compute in: f32, or bf16/f16 with f32 master weights (mixed precision,
     /// see [`Precision`]), in every mode. A custom module trains in it when its
     /// [`super::Net::MIXED_PRECISION`] says it computes in it; wgpu devices refuse bf16.
+    #[serde(with = "by_name")]
     pub precision: Precision,
     /// Activation recomputation (`--recompute`), every mode of Hearth's image models: the
     /// forward keeps only each unit's input (pipelines: each stage's), and the backward runs
@@ -204,11 +225,13 @@ pub struct ComputeSettings {
 }
 
 /// How ranks exchange gradients (distributed runs).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExchangeSettings {
-    /// Gradient fusion bucket size in bytes.
+    /// Gradient fusion bucket size in bytes (the same arithmetic at any size: not recorded).
+    #[serde(skip)]
     pub bucket_bytes: usize,
     /// Wire format of gradient averaging; parameters always travel exact.
+    #[serde(with = "by_name")]
     pub compression: burn_dist::Compression,
     /// Data parallel's sharded optimizer (ZeRO): 0 off, 1 the optimizer state sharded over the
     /// ranks, 2 the gradients too (see `train::zero`).
@@ -218,6 +241,7 @@ pub struct ExchangeSettings {
     /// bucket by bucket, while the units before it run). The same arithmetic as without it
     /// (the buckets are cut in another order), so not a hyperparameter: a resumed run may turn
     /// it on or off.
+    #[serde(skip)]
     pub overlap: bool,
 }
 
@@ -229,6 +253,80 @@ impl Default for ExchangeSettings {
             zero: 0,
             overlap: false,
         }
+    }
+}
+
+/// serde's view of [`hearth_datasets::Augmentation`] (a crate without serde).
+#[derive(Serialize, Deserialize)]
+#[serde(remote = "hearth_datasets::Augmentation")]
+struct AugmentationDef {
+    crop_scale: Option<(f64, f64)>,
+    flip: bool,
+    rotate: f64,
+    shear: f64,
+    color_jitter: f64,
+}
+
+/// An optional path as text (lossy where it is not UTF-8, as it is shown).
+mod path_text {
+    use std::path::PathBuf;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(p: &Option<PathBuf>, s: S) -> Result<S::Ok, S::Error> {
+        match p {
+            Some(p) => s.serialize_some(&p.display().to_string()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<PathBuf>, D::Error> {
+        Option::<String>::deserialize(d).map(|p| p.map(PathBuf::from))
+    }
+}
+
+/// An f32 written as the shortest decimal that reads back to it.
+mod shortest_f32 {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(v: &f32, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(v.to_string().parse().unwrap_or(f64::from(*v)))
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
+        f64::deserialize(d).map(|v| v as f32)
+    }
+}
+
+/// `scale_lr` as the file writes it: `{"rule": .., "base_batch": ..}` or `null`.
+mod scale_lr_record {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use crate::names::by_name;
+    use crate::schedule::LrScaling;
+
+    #[derive(Serialize, Deserialize)]
+    struct ScaleLr {
+        #[serde(with = "by_name")]
+        rule: LrScaling,
+        base_batch: usize,
+    }
+
+    pub(super) fn serialize<S: Serializer>(
+        v: &Option<(LrScaling, usize)>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        v.as_ref()
+            .map(|&(rule, base_batch)| ScaleLr { rule, base_batch })
+            .serialize(s)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<(LrScaling, usize)>, D::Error> {
+        Option::<ScaleLr>::deserialize(d).map(|v| v.map(|r| (r.rule, r.base_batch)))
     }
 }
 

@@ -10,57 +10,38 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::TrainConfig;
+use super::config::{
+    CheckpointSettings, ComputeSettings, DataSettings, ExchangeSettings, ModelSettings,
+    OptimSettings,
+};
 use crate::names::by_name;
-use crate::schedule::{Decay, LrScaling};
 use crate::settings::*;
 use crate::{HearthError, Result};
 
 /// `hparams.json` as a map from each setting's name to its value (what a resume compares).
 pub type Recorded = BTreeMap<String, Value>;
 
-/// The settings a run records in `hparams.json`, under the names the file uses.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// The settings a run records in `hparams.json`, under the names the file uses: the
+/// settings' own sections, written and read by their serde derives (flattened into one
+/// object), plus how the run was launched and its mode's options.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Hparams {
-    pub data: Option<String>,
-    pub labels: Option<String>,
-    pub val_fraction: f64,
-    pub model: String,
-    pub weights: Option<String>,
-    pub freeze_backbone: bool,
-    pub unfreeze_after: Option<usize>,
-    pub finetune_lr: Option<f64>,
-    #[serde(with = "by_name")]
-    pub finetune_bn: FinetuneBn,
+    #[serde(flatten)]
+    pub data: DataSettings,
+    #[serde(flatten)]
+    pub model: ModelSettings,
     pub epochs: usize,
     pub batch_size: usize,
-    pub lr: f64,
-    #[serde(with = "by_name")]
-    pub optimizer: OptimizerKind,
-    /// What ran: the mode's default where the command line gave none.
-    pub momentum: Option<f64>,
-    pub nesterov: bool,
-    pub weight_decay: f64,
-    pub schedule: Decay,
-    pub warmup_epochs: usize,
-    pub scale_lr: Option<ScaleLr>,
-    /// As typed (0.1, not the f32's 0.10000000149...).
-    #[serde(with = "shortest_f32")]
-    pub label_smoothing: f32,
-    #[serde(with = "by_name")]
-    pub monitor: Monitor,
-    pub patience: Option<usize>,
-    pub min_delta: f64,
-    pub image_size: u32,
-    #[serde(with = "AugmentationDef")]
-    pub augmentation: hearth_datasets::Augmentation,
+    /// `momentum` is what ran: the mode's default where the command line gave none.
+    #[serde(flatten)]
+    pub optim: OptimSettings,
+    #[serde(flatten)]
+    pub checkpoint: CheckpointSettings,
     pub seed: u64,
-    pub grad_accum: Option<usize>,
-    #[serde(with = "by_name")]
-    pub compression: burn_dist::Compression,
-    #[serde(with = "by_name")]
-    pub precision: Precision,
-    pub zero: u8,
-    pub recompute: bool,
+    #[serde(flatten)]
+    pub compute: ComputeSettings,
+    #[serde(flatten)]
+    pub exchange: ExchangeSettings,
     /// How the run was started, for a bare `--resume RUN` to start it the same way (the
     /// processes may change on resume). Recorded, never taken back into the settings.
     pub launch: LaunchRecord,
@@ -68,14 +49,6 @@ pub struct Hparams {
     pub pipeline: Option<PipelineRecord>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ps: Option<PsRecord>,
-}
-
-/// `--scale-lr RULE --base-batch N`.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct ScaleLr {
-    #[serde(with = "by_name")]
-    pub rule: LrScaling,
-    pub base_batch: usize,
 }
 
 /// How many processes started the run, and whether elastically.
@@ -117,72 +90,25 @@ pub enum ServersRecord {
     Named(String),
 }
 
-/// serde's view of [`hearth_datasets::Augmentation`] (a crate without serde).
-#[derive(Serialize, Deserialize)]
-#[serde(remote = "hearth_datasets::Augmentation")]
-struct AugmentationDef {
-    crop_scale: Option<(f64, f64)>,
-    flip: bool,
-    rotate: f64,
-    shear: f64,
-    color_jitter: f64,
-}
-
-/// An f32 written as the shortest decimal that reads back to it.
-mod shortest_f32 {
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    pub(super) fn serialize<S: Serializer>(v: &f32, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_f64(v.to_string().parse().unwrap_or(f64::from(*v)))
-    }
-
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f32, D::Error> {
-        f64::deserialize(d).map(|v| v as f32)
-    }
-}
-
 /// The keys of the modes' own sections, present only in runs of that mode.
 const MODE_KEYS: [&str; 2] = ["pipeline", "ps"];
 
 impl Hparams {
     /// What `cfg` records.
     pub fn of(cfg: &TrainConfig) -> Self {
-        let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| p.display().to_string());
         Self {
-            data: path(&cfg.data.folder),
-            labels: path(&cfg.data.labels),
-            val_fraction: cfg.data.val_fraction,
-            model: cfg.model.name.clone(),
-            weights: path(&cfg.model.weights),
-            freeze_backbone: cfg.model.freeze_backbone,
-            unfreeze_after: cfg.model.unfreeze_after,
-            finetune_lr: cfg.model.finetune_lr,
-            finetune_bn: cfg.model.finetune_bn,
+            data: cfg.data.clone(),
+            model: cfg.model.clone(),
             epochs: cfg.epochs,
             batch_size: cfg.batch_size,
-            lr: cfg.optim.lr,
-            optimizer: cfg.optim.optimizer,
-            momentum: Some(cfg.momentum()),
-            nesterov: cfg.optim.nesterov,
-            weight_decay: cfg.optim.weight_decay,
-            schedule: cfg.optim.schedule,
-            warmup_epochs: cfg.optim.warmup_epochs,
-            scale_lr: cfg
-                .optim
-                .scale_lr
-                .map(|(rule, base_batch)| ScaleLr { rule, base_batch }),
-            label_smoothing: cfg.optim.label_smoothing,
-            monitor: cfg.checkpoint.monitor,
-            patience: cfg.checkpoint.patience,
-            min_delta: cfg.checkpoint.min_delta,
-            image_size: cfg.data.image_size,
-            augmentation: cfg.data.augmentation.clone(),
+            optim: OptimSettings {
+                momentum: Some(cfg.momentum()),
+                ..cfg.optim.clone()
+            },
+            checkpoint: cfg.checkpoint.clone(),
             seed: cfg.seed,
-            grad_accum: cfg.optim.grad_accum,
-            compression: cfg.exchange.compression,
-            precision: cfg.compute.precision,
-            zero: cfg.exchange.zero,
-            recompute: cfg.compute.recompute,
+            compute: cfg.compute.clone(),
+            exchange: cfg.exchange.clone(),
             launch: LaunchRecord {
                 processes: cfg.dist.as_ref().map_or(1, |d| d.world),
                 elastic: cfg.mode.elastic().is_some(),
@@ -215,7 +141,7 @@ impl Hparams {
     /// back changes nothing.
     fn as_given(cfg: &TrainConfig) -> Self {
         let mut h = Self::of(cfg);
-        h.momentum = cfg.optim.momentum;
+        h.optim.momentum = cfg.optim.momentum;
         if let (Some(r), Some(p)) = (h.ps.as_mut(), cfg.mode.ps()) {
             r.window = p.window;
         }
@@ -231,40 +157,19 @@ impl Hparams {
         }
     }
 
-    /// Sets every setting of `cfg` this records (all but `launch`).
+    /// Sets every setting of `cfg` this records (all but `launch`); what the file does not
+    /// record (threads, the run's bookkeeping, bucket size, overlap) stays as `cfg` has it.
     fn apply(self, cfg: &mut TrainConfig) -> Result<()> {
         let Hparams {
             data,
-            labels,
-            val_fraction,
             model,
-            weights,
-            freeze_backbone,
-            unfreeze_after,
-            finetune_lr,
-            finetune_bn,
             epochs,
             batch_size,
-            lr,
-            optimizer,
-            momentum,
-            nesterov,
-            weight_decay,
-            schedule,
-            warmup_epochs,
-            scale_lr,
-            label_smoothing,
-            monitor,
-            patience,
-            min_delta,
-            image_size,
-            augmentation,
+            optim,
+            checkpoint,
             seed,
-            grad_accum,
-            compression,
-            precision,
-            zero,
-            recompute,
+            compute,
+            exchange,
             launch: _,
             pipeline,
             ps,
@@ -291,37 +196,27 @@ impl Hparams {
             (None, None, TrainingMode::Elastic(e)) => TrainingMode::Elastic(e.clone()),
             (None, None, _) => TrainingMode::DataParallel,
         };
-        cfg.data.folder = data.map(Into::into);
-        cfg.data.labels = labels.map(Into::into);
-        cfg.data.val_fraction = val_fraction;
-        cfg.model.name = model;
-        cfg.model.weights = weights.map(Into::into);
-        cfg.model.freeze_backbone = freeze_backbone;
-        cfg.model.unfreeze_after = unfreeze_after;
-        cfg.model.finetune_lr = finetune_lr;
-        cfg.model.finetune_bn = finetune_bn;
+        cfg.data = DataSettings {
+            workers: cfg.data.workers,
+            ..data
+        };
+        cfg.model = model;
         cfg.epochs = epochs;
         cfg.batch_size = batch_size;
-        cfg.optim.lr = lr;
-        cfg.optim.optimizer = optimizer;
-        cfg.optim.momentum = momentum;
-        cfg.optim.nesterov = nesterov;
-        cfg.optim.weight_decay = weight_decay;
-        cfg.optim.schedule = schedule;
-        cfg.optim.warmup_epochs = warmup_epochs;
-        cfg.optim.scale_lr = scale_lr.map(|s| (s.rule, s.base_batch));
-        cfg.optim.label_smoothing = label_smoothing;
-        cfg.checkpoint.monitor = monitor;
-        cfg.checkpoint.patience = patience;
-        cfg.checkpoint.min_delta = min_delta;
-        cfg.data.image_size = image_size;
-        cfg.data.augmentation = augmentation;
+        cfg.optim = optim;
+        cfg.checkpoint = CheckpointSettings {
+            resume: cfg.checkpoint.resume,
+            overwrite: cfg.checkpoint.overwrite,
+            stop_after_epoch: cfg.checkpoint.stop_after_epoch,
+            ..checkpoint
+        };
         cfg.seed = seed;
-        cfg.optim.grad_accum = grad_accum;
-        cfg.exchange.compression = compression;
-        cfg.compute.precision = precision;
-        cfg.exchange.zero = zero;
-        cfg.compute.recompute = recompute;
+        cfg.compute = compute;
+        cfg.exchange = ExchangeSettings {
+            bucket_bytes: cfg.exchange.bucket_bytes,
+            overlap: cfg.exchange.overlap,
+            ..exchange
+        };
         Ok(())
     }
 }
@@ -431,6 +326,7 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::schedule::{Decay, LrScaling};
 
     fn config() -> TrainConfig {
         let mut c = TrainConfig::new("run".into());

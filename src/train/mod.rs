@@ -82,9 +82,7 @@ pub use config::{
 };
 pub use data::{ImageBatch, LoaderAdapter};
 pub use elastic::{mark_finished, request_leave};
-pub use hparams::{
-    Hparams, LaunchRecord, PipelineRecord, PsRecord, Recorded, ScaleLr, ServersRecord,
-};
+pub use hparams::{Hparams, LaunchRecord, PipelineRecord, PsRecord, Recorded, ServersRecord};
 pub use logger::{CsvMetricLogger, EpochTable, NonFinite, Report, epoch_value};
 pub use model::epoch_seed;
 pub use precision::{LossScaler, Mixed, SharedScaler};
