@@ -55,17 +55,6 @@ impl TrainingMode {
             _ => None,
         }
     }
-
-    /// The flag that chooses the mode on the command line (`None` for data parallel, the
-    /// mode without a flag).
-    pub fn flag(&self) -> Option<&'static str> {
-        match self {
-            Self::DataParallel => None,
-            Self::Elastic(_) => Some("--elastic"),
-            Self::ParameterServers(_) => Some("--ps"),
-            Self::Pipeline(_) => Some("--pipeline-stages"),
-        }
-    }
 }
 
 /// Pipeline model parallelism (`--pipeline-stages`): the model's units split into `stages`
