@@ -1,14 +1,14 @@
 //! Data parallel over a fixed world by gradient allreduce, on the shared epoch loop: the mode
-//! that trains a user's own module ([`super::train_custom`]) in one process (a world of one)
-//! or on `--nproc N` ranks. Hearth's image models take burn-train's Learner for the same
-//! mode (`phase`), for its dashboard; this strategy gives a custom module the same files.
+//! of Hearth's image models and of a user's own module ([`super::train_custom`]) in one
+//! process (a world of one) or on `--nproc N` ranks.
 //!
 //! A step: each rank computes the gradient of its share of the global batch
 //! ([`super::trainee::Trainee::shard`]: every `world`-th sample of each global batch of the
 //! epoch's order, so the ranks together see exactly the batches one process would), `--grad-accum
 //! K` batches summed (burn-train's accumulation); the gradients are averaged over the ranks
-//! (bucketed allreduce, `--compression` on the wire) and every rank applies the same optimizer
-//! step at the schedule's rate. Validation: each rank scores every `world`-th validation
+//! (bucketed allreduce, `--compression` on the wire; `--overlap`: during the backward, unit by
+//! unit; `--zero`: reduce-scattered into each rank's shard of the optimizer) and every rank
+//! applies the same optimizer step at the schedule's rate. Validation: each rank scores every `world`-th validation
 //! example with rank 0's batch-norm statistics, and the sums (and AUROC scores) are combined.
 //!
 //! Checkpoints: rank 0 writes `checkpoint/model-<epoch>.bpk` (the best epoch's and the last
@@ -20,22 +20,22 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{GradientsAccumulator, ModuleOptimizer};
+use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::prelude::*;
 use burn::store::ModuleRecord;
 use burn::tensor::Bytes;
-use burn_dist::{Communicator, ReduceOp};
-
+use burn_dist::overlap::OverlappedStep;
 use burn_dist::zero::ZeroOptimizer;
+use burn_dist::{Communicator, ReduceOp};
 
 use super::best::{model_checkpoint, save_epoch_weights};
 use super::epochs::{Epochs, Row};
 use super::export::export_best;
 use super::faults::Faults;
 use super::model::{optimizer, seed_stream};
-use super::objective::{Objective, Sums};
+use super::objective::{Objective, Sums, ValScores};
 use super::precision::{LossScaler, divide};
-use super::shared::{Rates, epoch_lr};
+use super::shared::{Rates, epoch_lr, one_host_overlap_notice};
 use super::trainee::{Recipe, Trainee, val_share};
 use super::{TrainConfig, TrainReport, run_dir};
 use crate::settings::Precision;
@@ -83,6 +83,14 @@ pub(super) fn train_with<R: Recipe>(
         model,
         optim: optimizer(cfg),
         rates,
+        // The metrics' own tag space, exact: `--compression` is for gradients only (a bf16
+        // sum of the epoch's losses would be off by a part in 256).
+        metrics: comm.as_ref().map(|c| {
+            Arc::new(
+                c.sibling(burn_dist::wire::Kind::Metric)
+                    .with_compression(burn_dist::Compression::None),
+            )
+        }),
         comm,
         rank,
         world,
@@ -96,6 +104,9 @@ pub(super) fn train_with<R: Recipe>(
         overflow_at: Faults::rank(rank, cfg.compute.precision).overflow_at(),
         epoch_skipped: 0,
         zero: None,
+        clock: ExchangeClock::default(),
+        overlap_said: false,
+        frozen: false,
     };
     let first = s.resume(&epochs, log)?;
     s.start_sharding(first, log)?;
@@ -126,6 +137,8 @@ struct Allreduce<'a, T: Trainee> {
     optim: ModuleOptimizer,
     rates: Rates,
     comm: Option<Arc<Communicator>>,
+    /// The same ranks for metrics, sums and decisions, never compressed.
+    metrics: Option<Arc<Communicator>>,
     rank: usize,
     world: usize,
     /// The autodiff view of the device (training) and the device itself (validation).
@@ -145,15 +158,41 @@ struct Allreduce<'a, T: Trainee> {
     epoch_skipped: u64,
     /// `--zero`: this rank's shard of the optimizer (`self.optim` then never steps).
     zero: Option<ZeroOptimizer>,
+    /// The epoch's time in training steps and, of it, in the gradient exchange.
+    clock: ExchangeClock,
+    /// `--overlap`: whether rank 0 has said how much of the first step's exchange ran during
+    /// its backward.
+    overlap_said: bool,
+    /// Whether the model trains its head alone now (`--freeze-backbone`).
+    frozen: bool,
+}
+
+/// Time in training steps and, of it, in the gradient exchange (with `--overlap`: only the
+/// wait for what the backward did not hide; with `--zero`: the sharded update too).
+#[derive(Default)]
+struct ExchangeClock {
+    stepping: std::time::Duration,
+    exchanging: std::time::Duration,
 }
 
 impl<T: Trainee> Allreduce<'_, T> {
     /// `--zero`: this rank's shard of the optimizer, its state from rank 0's file of epoch
     /// `first` when resuming (written by any number of ranks).
+    ///
+    /// The model enters the phase of epoch `first + 1` first (`--freeze-backbone`: the shards
+    /// cover what trains); a resume right at the fine-tuning switch starts the backbone's state
+    /// from zero, the file holding the head's alone.
     fn start_sharding(&mut self, first: usize, log: &mut dyn FnMut(&str)) -> Result<()> {
+        let frozen = self.rates.frozen(first + 1);
+        if frozen {
+            log("backbone frozen: only the head trains");
+        }
+        self.model = self.trainee.phase(self.model.clone(), frozen);
+        self.frozen = frozen;
         let (Some(comm), true) = (&self.comm, self.cfg.exchange.zero > 0) else {
             return Ok(());
         };
+        let at_switch = first > 0 && self.rates.frozen(first) && !frozen;
         let z = super::zero::start(
             self.cfg,
             &self.model,
@@ -161,7 +200,7 @@ impl<T: Trainee> Allreduce<'_, T> {
             comm,
             &self.cfg.run_dir.join("checkpoint"),
             first,
-            false,
+            at_switch,
         )?;
         log(&format!(
             "ZeRO stage {}: rank 0 keeps the optimizer state of {}",
@@ -259,14 +298,49 @@ impl<T: Trainee> Allreduce<'_, T> {
         Ok(epoch)
     }
 
-    /// One optimizer step's gradients, averaged over the ranks, applied at the step's rate.
-    fn apply(&mut self, epoch: usize, mut acc: GradientsAccumulator<T::Model>) -> Result<()> {
+    /// One optimizer step's gradients, averaged over the ranks (what `overlapped` has not
+    /// reduced during the backward yet, with it), applied at the step's rate.
+    fn apply(
+        &mut self,
+        epoch: usize,
+        mut acc: GradientsAccumulator<T::Model>,
+        overlapped: Option<OverlappedStep>,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<()> {
         let mut grads = acc.grads();
         if let Some(s) = &self.scaler {
-            // Unscaled before the exchange (an fp16 wire would overflow on scaled ones).
+            // Unscaled before the exchange (an fp16 wire would overflow on scaled ones; what
+            // went during the backward left unscaled).
             divide(&self.model, &mut grads, s.scale());
         }
-        if let (Some(z), Some(comm)) = (&mut self.zero, &self.comm) {
+        let exchange = Instant::now();
+        let applied = self.exchange_and_step(epoch, grads, overlapped, log);
+        self.clock.exchanging += exchange.elapsed();
+        applied
+    }
+
+    /// [`Self::apply`]'s exchange and update.
+    fn exchange_and_step(
+        &mut self,
+        epoch: usize,
+        mut grads: GradientsParams,
+        overlapped: Option<OverlappedStep>,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<()> {
+        if let Some(o) = overlapped {
+            let handed = o.finish(&self.model, &mut grads)?;
+            if !self.overlap_said {
+                self.overlap_said = true;
+                log(&format!(
+                    "`exchange.overlap`: {handed} gradient tensors of {} were exchanged during the \
+                     backward pass",
+                    burn_dist::ddp::module_values(&self.model).len()
+                ));
+                if let Some(notice) = self.comm.as_deref().and_then(one_host_overlap_notice) {
+                    log(notice);
+                }
+            }
+        } else if let (Some(z), Some(comm)) = (&mut self.zero, &self.comm) {
             // Exchange and update in one; the verdict on the averaged gradients as below.
             let lr = self.rates.rate(epoch, self.steps);
             let scaler = &mut self.scaler;
@@ -278,15 +352,14 @@ impl<T: Trainee> Allreduce<'_, T> {
             }
             self.steps += 1;
             return Ok(());
-        }
-        if let Some(comm) = &self.comm {
-            burn_dist::ddp::allreduce_grads_scaled(
+        } else if let Some(comm) = &self.comm {
+            // The mean: summed on the wire in `--compression`'s format (the communicator's),
+            // divided after, so that a narrow format (fp16) never holds the halved values.
+            burn_dist::ddp::allreduce_grads(
                 &self.model,
                 &mut grads,
                 comm,
                 self.cfg.exchange.bucket_bytes,
-                1.0 / self.world as f32,
-                self.cfg.exchange.compression,
             )?;
         }
         // fp16: every rank holds the same averaged gradients, so all take the same verdict.
@@ -348,6 +421,76 @@ impl<T: Trainee> Allreduce<'_, T> {
 }
 
 impl<T: Trainee> Allreduce<'_, T> {
+    /// The model in epoch `epoch`'s phase (`--freeze-backbone`: the head alone until
+    /// `--unfreeze-after`); at the switch, `--zero`'s shards move over to the whole model.
+    fn enter_phase(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) -> Result<()> {
+        let frozen = self.rates.frozen(epoch);
+        if epoch > 1 && self.rates.frozen(epoch - 1) && !frozen {
+            log(&self.rates.unfreeze_line(epoch - 1));
+        }
+        self.model = self.trainee.phase(self.model.clone(), frozen);
+        // (A resume right at the switch started its shards over the whole model already.)
+        let switch = std::mem::replace(&mut self.frozen, frozen) && !frozen;
+        if let (true, Some(z), Some(comm)) = (switch, &self.zero, &self.comm) {
+            let moved = super::zero::refit(self.cfg, z, &self.model, self.batches, comm)?;
+            self.zero = Some(moved);
+        }
+        Ok(())
+    }
+
+    /// `--overlap`: a step's exchange, installed on this thread so that the backward hands
+    /// each unit's gradients over as soon as they exist (the mean over the ranks; fp16's
+    /// gradients unscaled as they leave).
+    fn begin_overlap(&self) -> Result<Option<OverlappedStep>> {
+        let (Some(comm), true) = (&self.comm, self.cfg.exchange.overlap) else {
+            return Ok(None);
+        };
+        let o = OverlappedStep::begin(
+            comm.clone(),
+            self.cfg.exchange.bucket_bytes,
+            ReduceOp::Mean,
+            self.cfg.exchange.compression,
+            1.0,
+        )?;
+        if let Some(s) = &self.scaler {
+            burn_dist::overlap::unscale_by(s.scale());
+        }
+        Ok(Some(o))
+    }
+
+    /// Stops every rank when one saw a loss that is not finite (fp16 aside, whose loss scale
+    /// handles overflows): the error names the earliest such batch of the epoch over the ranks.
+    /// (Data parallel learns of it at the epoch's end, so that no rank leaves the others
+    /// waiting in a collective; one process stops at the batch itself.)
+    fn check_diverged(&self, epoch: usize, diverged: Option<usize>) -> Result<()> {
+        let step = match &self.metrics {
+            Some(comm) => comm
+                .all_gather(&[diverged.map_or(0.0, |s| s as f32)])?
+                .into_iter()
+                .filter(|&s| s > 0.0)
+                .fold(None, |a: Option<f32>, s| Some(a.map_or(s, |a| a.min(s))))
+                .map(|s| s as usize),
+            None => diverged,
+        };
+        match step {
+            Some(step) => Err(HearthError::NanLoss { epoch, step }),
+            None => Ok(()),
+        }
+    }
+
+    /// Rank 0's line on the epoch's time in the gradient exchange (data parallel only).
+    fn report_exchange(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) {
+        let clock = std::mem::take(&mut self.clock);
+        if self.rank == 0 && self.comm.is_some() && !clock.stepping.is_zero() {
+            log(&burn_dist::ddp::exchange_report(
+                epoch,
+                self.cfg.exchange.overlap,
+                clock.exchanging,
+                clock.stepping,
+            ));
+        }
+    }
+
     /// The epoch's validation (with rank 0's batch-norm statistics on every rank, as DDP's
     /// broadcast) and its row of `metrics.csv`, after `train` (summed over the ranks) took
     /// `took` seconds with `k` batches per step.
@@ -367,7 +510,7 @@ impl<T: Trainee> Allreduce<'_, T> {
         let val = self.objective.validate(
             &self.model.valid(),
             self.trainee.val_batches(parts, &self.plain_device),
-            self.comm.as_deref(),
+            self.metrics.as_deref(),
         )?;
         let mut row: Row = [
             ("train_loss", train.mean_loss()),
@@ -387,6 +530,11 @@ impl<T: Trainee> Allreduce<'_, T> {
         if let Some(a) = val.auroc {
             row.insert("val_auroc".into(), a);
         }
+        // Top-5 says something only with more than 5 classes (with 5 or fewer it is 100%).
+        if !self.trainee.multi_label() && self.trainee.classes().len() > 5 {
+            row.insert("train_top5_accuracy".into(), train.top5_accuracy());
+            row.insert("val_top5_accuracy".into(), val.sums.top5_accuracy());
+        }
         if self.scaler.is_some() {
             row.insert(
                 "train_skipped_steps".into(),
@@ -400,22 +548,29 @@ impl<T: Trainee> Allreduce<'_, T> {
 impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
     fn epoch(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) -> Result<Option<Row>> {
         let t = Instant::now();
-        let frozen = self.rates.frozen(epoch);
-        if epoch > 1 && self.rates.frozen(epoch - 1) && !frozen {
-            log(&self.rates.unfreeze_line(epoch - 1));
-        }
-        self.model = self.trainee.phase(self.model.clone(), frozen);
+        self.enter_phase(epoch, log)?;
         let k = self.cfg.optim.grad_accum.unwrap_or(1).max(1);
         let mut train = Sums::default();
+        // A multi-label epoch's outputs, for its `train_auroc`.
+        let mut scores = self.trainee.multi_label().then(ValScores::default);
         let mut acc = GradientsAccumulator::<T::Model>::new();
         let mut pending = 0usize;
         let mut seen = 0usize;
+        let mut progress = Progress::new(epoch, self.cfg.epochs, self.batches, self.rank == 0);
+        let mut overlapped = None;
+        let mut step_started = Instant::now();
+        // The first batch of the epoch (from 1) whose loss was not finite on this rank.
+        let mut diverged: Option<usize> = None;
         for (i, batch) in self
             .trainee
             .shard(epoch as u64 - 1, &self.device)
             .enumerate()
         {
             let (input, targets) = batch?;
+            if pending == 0 {
+                step_started = Instant::now();
+                overlapped = self.begin_overlap()?;
+            }
             // Random ops inside the model (dropout): per rank and batch.
             seed_stream(
                 &self.device,
@@ -428,9 +583,19 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
                 .scaler
                 .as_ref()
                 .map_or(1.0, |s| s.loss_factor(self.overflow_at));
-            let (grads, sums) = self
-                .objective
-                .train_batch(&self.model, input, &targets, factor)?;
+            let (grads, sums) = self.objective.train_batch_scored(
+                &self.model,
+                input,
+                &targets,
+                factor,
+                scores.as_mut(),
+            )?;
+            if !sums.loss.is_finite() && self.scaler.is_none() && diverged.is_none() {
+                diverged = Some(i + 1);
+                if self.comm.is_none() {
+                    return Err(HearthError::NanLoss { epoch, step: i + 1 });
+                }
+            }
             train.add(sums);
             acc.accumulate(&self.model, grads);
             pending += 1;
@@ -439,23 +604,49 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
                 self.apply(
                     epoch,
                     std::mem::replace(&mut acc, GradientsAccumulator::new()),
+                    overlapped.take(),
+                    log,
                 )?;
                 pending = 0;
+                self.clock.stepping += step_started.elapsed();
             }
+            progress.batch(seen, log);
         }
+        self.report_exchange(epoch, log);
+        self.check_diverged(epoch, diverged)?;
         if seen != self.batches {
             return Err(HearthError::Training(format!(
                 "epoch {epoch}: the data gave {seen} batches on rank {}, {} were expected",
                 self.rank, self.batches
             )));
         }
-        let train = match &self.comm {
-            Some(comm) => train.all_reduce(comm)?,
+        // Each rank's own training curve (`train_loss_rank<r>`, `train_accuracy_rank<r>`),
+        // then the sums over the ranks.
+        let mut per_rank = Vec::new();
+        let train = match &self.metrics {
+            Some(comm) => {
+                let mine = [train.mean_loss() as f32, train.accuracy() as f32];
+                for (r, v) in comm.all_gather(&mine)?.chunks(2).enumerate() {
+                    per_rank.push((format!("train_loss_rank{r}"), f64::from(v[0])));
+                    per_rank.push((format!("train_accuracy_rank{r}"), f64::from(v[1])));
+                }
+                train.all_reduce(comm)?
+            }
             None => train,
         };
         self.images += train.samples as usize;
+        let train_auroc = match (scores, &self.metrics) {
+            (Some(s), Some(comm)) => s.gather(comm)?.auroc(),
+            (Some(s), None) => s.auroc(),
+            (None, _) => None,
+        };
         let took = t.elapsed().as_secs_f64().max(1e-9);
-        self.validate_row(epoch, k, &train, took).map(Some)
+        let mut row = self.validate_row(epoch, k, &train, took)?;
+        if let Some(a) = train_auroc {
+            row.insert("train_auroc".into(), a);
+        }
+        row.extend(per_rank);
+        Ok(Some(row))
     }
 
     fn checkpoint(&mut self, epoch: usize, best: Option<usize>) -> Result<()> {
@@ -497,7 +688,7 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
 
     fn agree_stop(&mut self, stop: bool) -> Result<bool> {
         // Rank 0's table decides (the others' may lack the epochs before a resume).
-        let Some(comm) = &self.comm else {
+        let Some(comm) = &self.metrics else {
             return Ok(stop);
         };
         let mut v = [f32::from(u8::from(self.rank == 0 && stop))];
@@ -507,6 +698,42 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
 
     fn decode_failures(&self) -> (usize, usize) {
         self.trainee.decode_failures()
+    }
+}
+
+/// Rank 0's progress through an epoch's training batches: a line at each tenth.
+struct Progress {
+    epoch: usize,
+    epochs: usize,
+    batches: usize,
+    said: usize,
+    on: bool,
+}
+
+impl Progress {
+    fn new(epoch: usize, epochs: usize, batches: usize, on: bool) -> Self {
+        Self {
+            epoch,
+            epochs,
+            batches,
+            said: 0,
+            on,
+        }
+    }
+
+    /// `seen` batches of the epoch are done.
+    fn batch(&mut self, seen: usize, log: &mut dyn FnMut(&str)) {
+        if !self.on || self.batches == 0 {
+            return;
+        }
+        let tenth = seen * 10 / self.batches;
+        if tenth > self.said && tenth < 10 {
+            self.said = tenth;
+            log(&format!(
+                "epoch {}/{} train: {seen}/{} batches",
+                self.epoch, self.epochs, self.batches
+            ));
+        }
     }
 }
 

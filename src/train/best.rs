@@ -1,27 +1,18 @@
 //! The best epoch, Keras' `restore_best_weights` made to hold across resumes and phases.
 //!
 //! One rule ([`best_epoch`]: the monitored column of the run's epoch table, an improvement
-//! counting only when larger than `min_delta`) drives all three decisions:
-//! - which checkpoints burn-train keeps ([`KeepBestAndLast`]: the best, for the export, and the
-//!   last, for `--resume`);
+//! counting only when larger than `min_delta`) drives all three decisions of every mode:
+//! - which checkpoints stay (the best, for the export, and the last, for `--resume`);
 //! - when early stopping ends the run ([`Patience`]);
-//! - which epoch becomes `model.bpk` ([`restore_best`]).
+//! - which epoch becomes `model.bpk`.
 //!
 //! They read the [`EpochTable`], which holds every epoch of the run: a resumed run reloads the
-//! earlier rows from `metrics.csv`, and a second (fine-tuning) phase shares the table of the
-//! first. burn-train's own metric strategies only see the epochs of one Learner launch, so
-//! after a resume they took every epoch for the best and deleted the real best's checkpoint.
+//! earlier rows from `metrics.csv`, so the best epoch before a resume stays the best after it.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use burn::store::BurnpackStore;
-use burn::train::EarlyStoppingStrategy;
-use burn::train::checkpoint::{CheckpointingAction, CheckpointingStrategy};
-use burn::train::metric::store::{Aggregate, EventStoreClient, Split};
-use hearth_models::Classifier;
-
-use super::{EpochTable, Monitor, Task};
+use super::{EpochTable, Monitor};
 use crate::{HearthError, Result};
 
 /// A metric as `metrics.csv` stores it (six decimals): how [`best_epoch`] compares values, so
@@ -76,88 +67,6 @@ impl BestRule {
     }
 }
 
-/// Keeps two checkpoints: the last epoch's (what `--resume` continues) and the best epoch's
-/// (what the export restores); deletes every other one it knows of.
-pub struct KeepBestAndLast {
-    rule: BestRule,
-    /// Epochs whose checkpoint files exist.
-    kept: BTreeSet<usize>,
-    /// fp16: the loss scaler, saved beside each checkpoint of the run directory.
-    scaler: Option<(super::SharedScaler, PathBuf)>,
-}
-
-impl KeepBestAndLast {
-    /// `existing`: the epochs already checkpointed in this run directory (a resumed run, or the
-    /// first phase before fine-tuning).
-    pub fn new(rule: BestRule, existing: impl IntoIterator<Item = usize>) -> Self {
-        Self {
-            rule,
-            kept: existing.into_iter().collect(),
-            scaler: None,
-        }
-    }
-
-    /// Also saves `scaler`'s state with every checkpoint in `run_dir` (and removes it with the
-    /// checkpoint), so an fp16 run resumes with its loss scale.
-    pub fn with_loss_scaler(mut self, scaler: super::SharedScaler, run_dir: PathBuf) -> Self {
-        self.scaler = Some((scaler, run_dir));
-        self
-    }
-}
-
-impl KeepBestAndLast {
-    /// What to do with the checkpoints after `epoch`: save it, delete all but it and the best.
-    fn actions(&mut self, epoch: usize) -> Vec<CheckpointingAction> {
-        let best = self.rule.best().unwrap_or(epoch);
-        let mut actions: Vec<CheckpointingAction> = self
-            .kept
-            .iter()
-            .filter(|&&e| e != best && e != epoch)
-            .map(|&e| CheckpointingAction::Delete(e))
-            .collect();
-        self.kept.retain(|&e| e == best);
-        actions.push(CheckpointingAction::Save);
-        self.kept.insert(epoch);
-        if let Some((scaler, run_dir)) = &self.scaler {
-            for a in &actions {
-                if let CheckpointingAction::Delete(e) = a {
-                    let _ = std::fs::remove_file(super::LossScaler::file(run_dir, *e));
-                }
-            }
-            if let Err(e) = scaler.save(run_dir, epoch) {
-                eprintln!("warning: saving the fp16 loss scale of epoch {epoch}: {e}");
-            }
-        }
-        actions
-    }
-}
-
-/// Waits until burn-train's event store has handled every event sent to it so far. Its metric
-/// logger (ours, which fills the epoch table and averages the epoch over the ranks) runs on the
-/// store's own thread, and burn-train's flush before these decisions does not wait for that
-/// thread: without this, a decision could read the table before the epoch's row is in, and two
-/// ranks could decide differently (one stopping early while the other trains on, both then
-/// waiting for each other). A query is answered in order after the events before it.
-fn settle(store: &EventStoreClient, epoch: usize) {
-    let _ = store.find_metric(
-        "hearth settles the epoch",
-        epoch,
-        Aggregate::Mean,
-        &Split::Valid,
-    );
-}
-
-impl CheckpointingStrategy for KeepBestAndLast {
-    fn checkpointing(
-        &mut self,
-        epoch: usize,
-        store: &EventStoreClient,
-    ) -> Vec<CheckpointingAction> {
-        settle(store, epoch);
-        self.actions(epoch)
-    }
-}
-
 /// Early stopping: stop once `patience` epochs have passed without an improvement of more than
 /// `min_delta` over the best epoch so far (of the whole run), counting from `origin` at the
 /// earliest (the first epoch of fine-tuning in a two-phase run, 0 otherwise).
@@ -173,13 +82,6 @@ impl Patience {
     pub fn exhausted(&self, epoch: usize) -> bool {
         let since = self.rule.best().unwrap_or(epoch).max(self.origin);
         epoch.saturating_sub(since) >= self.patience
-    }
-}
-
-impl EarlyStoppingStrategy for Patience {
-    fn should_stop(&mut self, epoch: usize, store: &EventStoreClient) -> bool {
-        settle(store, epoch);
-        self.exhausted(epoch)
     }
 }
 
@@ -213,33 +115,6 @@ pub fn save_epoch_weights<M: burn::module::Module>(
         )));
     }
     gate.land(&tmp, &path)
-}
-
-/// The classifier with the weights of `epoch`'s checkpoint loaded into `model`; an error when
-/// that checkpoint is missing or unreadable (never a silent fall-back to another epoch).
-pub fn restore_best<T: Task>(
-    model: Classifier,
-    run_dir: &Path,
-    epoch: usize,
-    smoothing: f32,
-) -> Result<Classifier> {
-    let file = model_checkpoint(run_dir, epoch);
-    if !file.is_file() {
-        return Err(HearthError::Training(format!(
-            "the best epoch's checkpoint {} is missing; cannot export the best weights",
-            file.display()
-        )));
-    }
-    let mut trainee = T::wrap(model, smoothing);
-    let mut store = BurnpackStore::from_file(&file).auto_extension(false);
-    use burn::store::ModuleSnapshot;
-    trainee.load_from(&mut store).map_err(|e| {
-        HearthError::Training(format!(
-            "restoring epoch {epoch} from {}: {e}",
-            file.display()
-        ))
-    })?;
-    Ok(trainee.into_classifier())
 }
 
 #[cfg(test)]
@@ -309,34 +184,5 @@ mod tests {
         assert!(p(1.0, 0).exhausted(4), "0.4 is below min_delta: best is 2");
         assert!(!p(1.0, 3).exhausted(4), "patience counts from epoch 3");
         assert!(p(1.0, 2).exhausted(4));
-    }
-
-    #[test]
-    fn keeps_the_best_and_the_last_checkpoint_across_a_resume() {
-        // Epochs 1-3 ran before the resume; epoch 2 was the best, 3 the last.
-        let r = rule(
-            &[(1, 50.0), (2, 70.0), (3, 60.0), (4, 65.0)],
-            Monitor::ValAccuracy,
-            0.0,
-        );
-        let mut s = KeepBestAndLast::new(r.clone(), [2, 3]);
-        assert_eq!(
-            s.actions(4),
-            vec![CheckpointingAction::Delete(3), CheckpointingAction::Save]
-        );
-        assert_eq!(s.kept, BTreeSet::from([2, 4]));
-        r.table
-            .lock()
-            .unwrap()
-            .insert(5, BTreeMap::from([("val_accuracy".into(), 80.0)]));
-        assert_eq!(
-            s.actions(5),
-            vec![
-                CheckpointingAction::Delete(2),
-                CheckpointingAction::Delete(4),
-                CheckpointingAction::Save
-            ]
-        );
-        assert_eq!(s.kept, BTreeSet::from([5]));
     }
 }

@@ -1,12 +1,12 @@
-//! The one epoch loop of the training modes that burn-train's Learner cannot drive: a user's
-//! module in one process or data parallel (allreduce), elastic membership, parameter servers
-//! and pipeline stages.
+//! The one epoch loop of every training mode: one process and data parallel (allreduce),
+//! elastic membership, parameter servers and pipeline stages, for Hearth's models and a user's
+//! own module alike.
 //!
 //! A mode is a [`Strategy`]: how an epoch trains and validates on this rank, how its state is
 //! saved, and how the ranks agree to stop. [`Epochs::run`] owns the rest, once for all of them:
 //! the epoch range (a resume's start, `--stop-after-epoch`), the table of every epoch's metrics
 //! (reloaded from `metrics.csv` on resume), `metrics.csv` and the console line (the same line
-//! as the Learner's runs print), the best-epoch rule handed to checkpoints, early stopping
+//! in every mode), the best-epoch rule handed to checkpoints, early stopping
 //! (`--patience`, `--min-delta`, counted from the fine-tuning phase when there is one), the
 //! plot and the summary ([`TrainReport`]).
 

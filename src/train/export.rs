@@ -3,83 +3,10 @@
 
 use std::path::Path;
 
-use burn::module::Module;
-use burn::prelude::*;
-use hearth_datasets::Loader;
-use hearth_models::{Classifier, ModelConfig, Preprocessing, save_model_with};
-
-use super::best::restore_best;
 use super::run_dir::write_atomic;
 use super::targets::Targets;
 use super::trainee::{Net, Stream};
-use super::{EpochRows, Task, TrainConfig};
 use crate::{HearthError, Result};
-
-/// What the export wrote.
-pub struct Exported {
-    /// Multi-label runs: each class's validation AUROC (0-1) for the exported model.
-    pub per_class_auroc: Option<Vec<(String, f64)>>,
-}
-
-/// On rank 0: restores epoch `best` and writes `model.bpk`, `metrics.png` and `auroc.csv`.
-/// Other ranks do nothing.
-#[allow(clippy::too_many_arguments)]
-pub fn export<T: Task>(
-    cfg: &TrainConfig,
-    last: Classifier,
-    best: usize,
-    rows: &EpochRows,
-    config: &ModelConfig,
-    classes: &[String],
-    full_val_loader: &Loader,
-    rank: usize,
-    plain_device: &Device,
-    log: &mut dyn FnMut(&str),
-) -> Result<Exported> {
-    // Rank 0 alone wrote the checkpoints (other machines may not share its disk) and exports.
-    if rank != 0 {
-        return Ok(Exported {
-            per_class_auroc: None,
-        });
-    }
-    let model = restore_best::<T>(last, &cfg.run_dir, best, cfg.optim.label_smoothing)?;
-    log(&format!(
-        "restored the best epoch ({best}, by {}) from {}",
-        cfg.checkpoint.monitor.column(),
-        super::best::model_checkpoint(&cfg.run_dir, best).display()
-    ));
-    let model = model.valid();
-    let preprocessing = Preprocessing::eval(cfg.data.image_size);
-    save_model_with(
-        &model,
-        config,
-        Some(classes),
-        Some(&preprocessing),
-        &cfg.run_dir.join("model.bpk"),
-    )?;
-    #[cfg(not(feature = "plots"))]
-    let _ = rows;
-    #[cfg(feature = "plots")]
-    if let Err(e) = crate::plot::plot_metrics(rows, &cfg.run_dir.join("metrics.png")) {
-        log(&format!("warning: no plot written: {e}"));
-    }
-    let per_class_auroc = if T::MULTI_LABEL {
-        Some(write_auroc(
-            &model,
-            classes,
-            Box::new(
-                full_val_loader
-                    .epoch(0, plain_device)
-                    .map(|b| super::targets::targets(b?, true)),
-            ),
-            &cfg.run_dir,
-            log,
-        )?)
-    } else {
-        None
-    };
-    Ok(Exported { per_class_auroc })
-}
 
 /// Exports epoch `best`'s checkpoint as the run's `model.bpk` (the trainee's file: for Hearth's
 /// classifiers with the model's config, class names and evaluation preprocessing), and for a

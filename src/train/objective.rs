@@ -1,9 +1,9 @@
-//! What the custom modes (allreduce, elastic, parameter servers, pipeline stages) train a model
-//! against, below all of them, so that they compute the loss and the metrics columns as the
-//! Learner's [`super::SingleLabel`] and [`super::MultiLabel`] tasks do:
+//! What every mode (allreduce, elastic, parameter servers, pipeline stages) trains a model
+//! against, below all of them, so that they compute the loss and the metrics columns alike:
 //!
 //! - single-label: cross-entropy (with `--label-smoothing` in training), `accuracy` = the share
-//!   of samples whose highest score is their class;
+//!   of samples whose highest score is their class, and above 5 classes `top5_accuracy`, the
+//!   share whose class is among the 5 highest scores;
 //! - multi-label (`--labels`): binary cross-entropy on the logits, `accuracy` = burn's Hamming
 //!   score (the share of labels right after a sigmoid at 0.5), and `val_auroc` = burn's macro
 //!   AUROC over the whole validation set (gathered from every rank that validated a part).
@@ -106,6 +106,28 @@ impl Objective {
             }
         }
     }
+
+    /// The batch's samples whose class is among the 5 highest scores (burn's top-5 accuracy
+    /// in samples): `None` for multi-label targets and for 5 classes or fewer, where it would
+    /// always be every sample.
+    pub fn top5_hits(&self, logits: &Tensor<2>, targets: &Targets) -> Option<f64> {
+        let Targets::Classes(y) = targets else {
+            return None;
+        };
+        let [n, classes] = logits.dims();
+        if classes <= 5 || n == 0 {
+            return None;
+        }
+        // A sample's class is in its top 5 where fewer than 5 scores exceed the class's.
+        let own = logits.clone().gather(1, y.clone().reshape([n, 1]));
+        let above = logits
+            .clone()
+            .greater(own.expand([n, classes]))
+            .int()
+            .sum_dim(1)
+            .flatten::<1>(0, 1);
+        Some(above.lower_elem(5).int().sum().into_scalar::<i64>() as f64)
+    }
 }
 
 /// What a pass over batches adds up: loss x samples, right answers (in samples, see
@@ -115,6 +137,9 @@ pub(super) struct Sums {
     pub loss: f64,
     pub hits: f64,
     pub samples: f64,
+    /// Samples with their class among the 5 highest scores ([`Objective::top5_hits`]; 0 where
+    /// it does not apply).
+    pub top5: f64,
 }
 
 impl Sums {
@@ -122,6 +147,7 @@ impl Sums {
         self.loss += other.loss;
         self.hits += other.hits;
         self.samples += other.samples;
+        self.top5 += other.top5;
     }
 
     /// The mean loss (NaN before any sample).
@@ -142,14 +168,29 @@ impl Sums {
         }
     }
 
+    /// The top-5 accuracy column in percent (NaN before any sample).
+    pub fn top5_accuracy(&self) -> f64 {
+        if self.samples > 0.0 {
+            100.0 * self.top5 / self.samples
+        } else {
+            f64::NAN
+        }
+    }
+
     /// The sums of every rank of `comm` (each calls it).
     pub fn all_reduce(self, comm: &Communicator) -> Result<Self> {
-        let mut v = [self.loss as f32, self.hits as f32, self.samples as f32];
+        let mut v = [
+            self.loss as f32,
+            self.hits as f32,
+            self.samples as f32,
+            self.top5 as f32,
+        ];
         comm.allreduce(&mut v, burn_dist::ReduceOp::Sum)?;
         Ok(Self {
             loss: f64::from(v[0]),
             hits: f64::from(v[1]),
             samples: f64::from(v[2]),
+            top5: f64::from(v[3]),
         })
     }
 }
@@ -170,15 +211,33 @@ impl Objective {
         targets: &Targets,
         weight: f32,
     ) -> Result<(GradientsParams, Sums)> {
+        self.train_batch_scored(model, input, targets, weight, None)
+    }
+
+    /// [`Self::train_batch`], keeping the batch's outputs in `scores` when given (a
+    /// multi-label epoch's `train_auroc`).
+    pub fn train_batch_scored<M: Net>(
+        &self,
+        model: &M,
+        input: M::Input,
+        targets: &Targets,
+        weight: f32,
+        mut scores: Option<&mut ValScores>,
+    ) -> Result<(GradientsParams, Sums)> {
         let mut sums = Sums::default();
         let mut weighted = |logits: Tensor<2>| -> Result<Tensor<1>> {
             let n = logits.dims()[0] as f64;
             let hits = self.hits(&logits, targets);
+            let top5 = self.top5_hits(&logits, targets).unwrap_or(0.0);
+            if let Some(scores) = scores.as_deref_mut() {
+                scores.push(&logits, targets)?;
+            }
             let loss = self.loss(logits, targets, true)?;
             sums = Sums {
                 loss: f64::from(loss.clone().into_scalar::<f32>()) * n,
                 hits,
                 samples: n,
+                top5,
             };
             Ok(if weight == 1.0 {
                 loss
@@ -223,6 +282,7 @@ impl Objective {
             let logits = model.logits_in(input, self.precision.dtype());
             let n = logits.dims()[0] as f64;
             sums.hits += self.hits(&logits, &targets);
+            sums.top5 += self.top5_hits(&logits, &targets).unwrap_or(0.0);
             scores.push(&logits, &targets)?;
             let loss = self.loss(logits, &targets, false)?;
             sums.loss += f64::from(loss.into_scalar::<f32>()) * n;

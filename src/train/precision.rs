@@ -17,9 +17,8 @@
 //! Every mode scales the same way with the pieces here ([`LossScaler::loss_factor`] before the
 //! backward pass, [`divide`] or [`unscale_flat`] before the exchange, [`LossScaler::decide`]
 //! after it):
-//! - one process and data parallel (burn-train's Learner): [`Mixed`], the verdict through
-//!   burn-dist's `StepGuard` after the allreduce; a custom module's data parallel
-//!   (`allreduce.rs`) the same in its own step;
+//! - one process and data parallel (`allreduce.rs`): the verdict on the averaged gradients,
+//!   the same on every rank ([`Mixed`] does the same for the benches' timed steps);
 //! - elastic: the scaler is part of the commit, so a re-formed world, a joiner and a resume go
 //!   on with the scale every member agreed on;
 //! - pipeline: the last stage scales the loss, each stage unscales its own gradients, and one

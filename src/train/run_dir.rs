@@ -113,15 +113,6 @@ pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
     super::gate::Gate::default().write(path, text.as_bytes())
 }
 
-/// The three files burn-train writes for a checkpoint; each is written atomically, but not
-/// together.
-const CHECKPOINT_PARTS: [&str; 3] = ["model", "optim", "scheduler"];
-
-/// Epochs of `run_dir/checkpoint` whose model, optimizer and scheduler files all exist.
-pub fn complete_checkpoints(run_dir: &Path) -> BTreeSet<usize> {
-    checkpoints_in(&run_dir.join("checkpoint"), &CHECKPOINT_PARTS)
-}
-
 /// Epochs `e` for which `dir` holds `<part>-<e>.bpk` for every one of `parts` (the first part
 /// names the candidates).
 pub fn checkpoints_in(dir: &Path, parts: &[&str]) -> BTreeSet<usize> {
@@ -147,27 +138,6 @@ pub fn checkpoints_in(dir: &Path, parts: &[&str]) -> BTreeSet<usize> {
                 .all(|part| dir.join(format!("{part}-{e}.bpk")).is_file())
         })
         .collect()
-}
-
-/// The last epoch with a complete checkpoint, which `--resume` continues from.
-pub fn last_complete_checkpoint(run_dir: &Path) -> Result<usize> {
-    let dir = run_dir.join("checkpoint");
-    if !dir.is_dir() {
-        return Err(HearthError::InvalidArgument(format!(
-            "cannot resume {}: it has no checkpoint/ folder",
-            run_dir.display()
-        )));
-    }
-    complete_checkpoints(run_dir)
-        .last()
-        .copied()
-        .ok_or_else(|| {
-            HearthError::InvalidArgument(format!(
-                "cannot resume {}: no epoch in {} has all of its model, optim and scheduler files",
-                run_dir.display(),
-                dir.display()
-            ))
-        })
 }
 
 pub fn hparams_json(h: &super::Recorded) -> String {
@@ -298,26 +268,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_epochs_with_all_three_files_are_complete() {
+    fn only_epochs_with_every_part_are_complete() {
         let dir = tempfile::tempdir().unwrap();
         let ck = dir.path().join("checkpoint");
         std::fs::create_dir_all(&ck).unwrap();
-        for name in [
-            "model-1.bpk",
-            "optim-1.bpk",
-            "scheduler-1.bpk",
-            "model-2.bpk",
-            "optim-2.bpk",
-        ] {
+        for name in ["model-1.bpk", "optim-1.bpk", "model-2.bpk", "optim-x.bpk"] {
             std::fs::write(ck.join(name), b"x").unwrap();
         }
-        assert_eq!(complete_checkpoints(dir.path()), BTreeSet::from([1]));
-        assert_eq!(last_complete_checkpoint(dir.path()).unwrap(), 1);
-        std::fs::remove_file(ck.join("scheduler-1.bpk")).unwrap();
-        let e = last_complete_checkpoint(dir.path())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("no epoch"), "{e}");
+        let parts = ["model", "optim"];
+        assert_eq!(checkpoints_in(&ck, &parts), BTreeSet::from([1]));
+        std::fs::remove_file(ck.join("optim-1.bpk")).unwrap();
+        assert!(checkpoints_in(&ck, &parts).is_empty());
+        assert!(checkpoints_in(&dir.path().join("none"), &parts).is_empty());
     }
 
     #[test]

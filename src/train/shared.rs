@@ -1,4 +1,4 @@
-//! What the training modes beside the Learner's share, below all of them: the collective
+//! What the training modes share, below all of them: the collective
 //! timeout, the epoch's learning rate, and the per-worker test hooks (the loss and metrics of a
 //! batch are [`super::objective`]). No mode imports a
 //! helper from a sibling mode; what two need lives here (or in [`super::epochs`]).

@@ -257,6 +257,9 @@ impl Recipe for ImageRecipe {
         world: usize,
         log: &mut dyn FnMut(&str),
     ) -> Result<ImageTrainee> {
+        if rank == 0 {
+            log(&format!("augmentation: {}", cfg.data.augmentation));
+        }
         let (train_set, val_set) = match comm {
             Some(comm) => super::distributed::load_data(cfg, comm, log)?,
             None => super::sets::load(cfg, log)?,

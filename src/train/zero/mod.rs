@@ -10,10 +10,10 @@
 //! so it never holds more of the state than its own shard and one bucket. Whole named tensors, so a run written by 4
 //! ranks resumes on 2 or 8 (or without sharding's world at all: any safetensors reader opens
 //! it). The two latest files are kept (the one a resume may need while the next epoch's
-//! burn-train files are being written).
+//! optimizer file is being written).
 //!
-//! Hearth's image models take it in burn-train's Learner (burn-dist's `DdpStrategy`), a custom
-//! module in its data-parallel strategy (`allreduce.rs`), and a pipeline's stage over the
+//! Data parallel takes it in its strategy (`allreduce.rs`, Hearth's models and a custom
+//! module alike), and a pipeline's stage over the
 //! stage's replicas (`pipeline/`, `--nproc P x D`; each stage's file in its
 //! `checkpoint/stage-<s>/`); all step through burn-dist's `zero::module::sharded_step`.
 //!
@@ -21,8 +21,8 @@
 //! the backbone's tensors from a zero state (burn's optimizers start a tensor without state the
 //! same way), and Adam/AdamW count the backbone's steps from the switch (the update count each
 //! tensor joined at, `born` in the file's metadata, as burn's per-tensor step count): the
-//! Learner's phase reads the head's file with `new_tensors_at_zero`, a pipeline stage moves its
-//! state over with `refit`.
+//! data parallel resuming right at the switch reads the head's file with `new_tensors_at_zero`;
+//! data parallel at the switch and a pipeline stage move the state over with `refit`.
 //!
 //! Elastic training keeps a replica of the next worker's shard and re-shards the state at
 //! every change of membership (`elastic/sharded.rs`).
@@ -32,43 +32,17 @@
 //! per stage (nothing to shard over) and `--unfreeze-after` in elastic training.
 
 use std::path::Path;
-use std::sync::Arc;
 
 use burn::module::Module;
 use burn_dist::zero::Stage;
-use burn_dist::zero::module::Sharding;
 
 mod file;
 
-use file::Files;
 pub(crate) use file::save_state;
 pub use file::{StateFile, open_state, read_state, state_file};
 
 use super::TrainConfig;
 use crate::{HearthError, Result};
-
-/// The data-parallel strategy's sharding for this run (`None` without `--zero`): `model`'s
-/// trainable tensors under the run's optimizer, the state kept in `run_dir`.
-pub(super) fn sharding<M: Module>(
-    cfg: &TrainConfig,
-    lr: f64,
-    batches_per_epoch: usize,
-    model: &M,
-    fine_tuning_start: bool,
-) -> Result<Option<Sharding>> {
-    if cfg.exchange.zero == 0 {
-        return Ok(None);
-    }
-    let stage = Stage::from_number(cfg.exchange.zero)?;
-    Ok(Some(Sharding {
-        stage,
-        optimizer: super::flat::model_optimizer(cfg, lr, batches_per_epoch, model)?,
-        store: Arc::new(Files {
-            dir: cfg.run_dir.join("checkpoint"),
-        }),
-        new_tensors_at_zero: fine_tuning_start,
-    }))
-}
 
 /// A rank's sharded optimizer for `model` over `comm` (the run's optimizer; the rate comes from
 /// the strategy's schedule at each step, `batches` per epoch); when resuming after `resume`,
@@ -168,7 +142,7 @@ pub(super) fn check_resume_in(cfg: &TrainConfig, dir: &Path, epoch: usize) -> Re
 
 #[cfg(test)]
 mod tests {
-    use super::file::{Part, state_epochs};
+    use super::file::{Files, Part, state_epochs};
     use super::*;
     use burn_dist::zero::StateReader;
     use burn_dist::zero::WholeState;
