@@ -1,6 +1,6 @@
 //! `--zero 1|2`, data parallel's sharded optimizer, as real process trees: it trains exactly
-//! as plain data parallel does (Hearth's image models through burn-train's Learner, and a
-//! user's module through its own strategy), resumes exactly, and its checkpoint resumes on
+//! as plain data parallel does (Hearth's image models and a user's module, both through the
+//! allreduce strategy), resumes exactly, and its checkpoint resumes on
 //! another number of ranks.
 
 mod common;
