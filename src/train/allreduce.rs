@@ -233,6 +233,8 @@ impl<T: Trainee> Allreduce<'_, T> {
                     })?;
                 epochs.check_left(epoch)?;
                 run_dir::check_resume_compatible(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
+                // What may change on a resume (`--epochs`, ...) is recorded as it is now.
+                run_dir::record(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
                 super::zero::check_resume(cfg, epoch)?;
                 epochs.reload(epoch)?;
                 let read = |path: std::path::PathBuf| {
