@@ -1,0 +1,195 @@
+//! Data parallel's files: the checkpoint of an epoch (rank 0 writes it) and the resume that
+//! reads it on rank 0 and hands it to every rank over the wire.
+
+use burn::module::Module;
+use burn::store::ModuleRecord;
+use burn::tensor::Bytes;
+
+use super::Allreduce;
+use crate::train::best::{model_checkpoint, save_epoch_weights};
+use crate::train::epochs::Epochs;
+use crate::train::model::optimizer;
+use crate::train::precision::LossScaler;
+use crate::train::run_dir;
+use crate::train::trainee::Trainee;
+use crate::{HearthError, Result};
+
+/// `run_dir/checkpoint/optim-<epoch>.bpk`.
+fn optim_checkpoint(run_dir: &std::path::Path, epoch: usize) -> std::path::PathBuf {
+    run_dir
+        .join("checkpoint")
+        .join(format!("optim-{epoch}.bpk"))
+}
+
+impl<T: Trainee> Allreduce<'_, T> {
+    /// `--resume`: rank 0 reads the last epoch with both checkpoint files (and its table) and
+    /// sends epoch, weights and optimizer state to every rank; a fresh run records what it
+    /// trains. Returns the epoch to start after.
+    pub(super) fn resume(&mut self, epochs: &Epochs, log: &mut dyn FnMut(&str)) -> Result<usize> {
+        let cfg = self.cfg;
+        let hparams = cfg.hyperparameters();
+        let mut state: Vec<u8> = Vec::new();
+        if self.rank == 0 {
+            if cfg.checkpoint.resume {
+                let dir = cfg.run_dir.join("checkpoint");
+                let epoch = run_dir::checkpoints_in(&dir, &["model", "optim"])
+                    .last()
+                    .copied()
+                    .ok_or_else(|| {
+                        HearthError::InvalidArgument(format!(
+                            "cannot resume {}: no epoch in {} has both its model and optim files",
+                            cfg.run_dir.display(),
+                            dir.display()
+                        ))
+                    })?;
+                epochs.check_left(epoch)?;
+                run_dir::check_resume_compatible(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
+                // What may change on a resume (`--epochs`, ...) is recorded as it is now.
+                run_dir::record(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
+                crate::train::zero::check_resume(cfg, epoch)?;
+                epochs.reload(epoch)?;
+                let read = |path: std::path::PathBuf| {
+                    std::fs::read(&path).map_err(|e| {
+                        HearthError::Training(format!(
+                            "epoch {epoch}'s checkpoint {}: {e}",
+                            path.display()
+                        ))
+                    })
+                };
+                let model = read(model_checkpoint(&cfg.run_dir, epoch))?;
+                let optim = read(optim_checkpoint(&cfg.run_dir, epoch))?;
+                state = encode_state(epoch, &model, &optim);
+                log(&format!("resuming after epoch {epoch}"));
+            } else {
+                run_dir::record(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
+            }
+        }
+        if let Some(comm) = &self.comm {
+            let limit = crate::train::shared::state_limit(self.model.num_params());
+            state = burn_dist::elastic::broadcast_bytes(comm, state, limit)?;
+        }
+        if self.scaler.is_some() && !state.is_empty() {
+            // fp16's loss scale goes on from the checkpoint's, on every rank.
+            let mut text = Vec::new();
+            if self.rank == 0 {
+                let epoch = decode_state(&state)?.0;
+                let file = LossScaler::file(&cfg.run_dir, epoch);
+                text = LossScaler::load(&file, epoch)?
+                    .to_json()
+                    .to_string()
+                    .into_bytes();
+            }
+            if let Some(comm) = &self.comm {
+                // A loss scaler's JSON: a few numbers.
+                text = burn_dist::elastic::broadcast_bytes(comm, text, 1 << 20)?;
+            }
+            let scaler = serde_json::from_slice(&text)
+                .ok()
+                .and_then(|v| LossScaler::from_json(&v))
+                .ok_or_else(|| {
+                    HearthError::Training("rank 0's fp16 loss scale is malformed".into())
+                })?;
+            self.scaler = Some(scaler);
+        }
+        if state.is_empty() {
+            // Every rank seeded the same weights; rank 0's go to all, as DDP starts.
+            if let Some(comm) = &self.comm {
+                self.model = burn_dist::ddp::broadcast_module(self.model.clone(), comm)?;
+            }
+            return Ok(0);
+        }
+        let (epoch, model, optim) = decode_state(&state)?;
+        let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(model.to_vec()))
+            .map_err(|e| HearthError::Training(format!("epoch {epoch}'s weights: {e}")))?;
+        self.model = self.model.clone().try_load_record(record).map_err(|e| {
+            HearthError::Training(format!("epoch {epoch}'s weights do not fit the model: {e}"))
+        })?;
+        crate::device::check_burn_default(&self.device)?;
+        self.optim = optimizer(self.cfg)
+            .from_bytes(Bytes::from_bytes_vec(optim.to_vec()))
+            .map_err(|e| HearthError::Training(format!("epoch {epoch}'s optimizer state: {e}")))?;
+        Ok(epoch)
+    }
+
+    /// Saves what `--resume` needs after `epoch`, keeping the weights of `best` and of the last
+    /// epoch and the optimizer file of the last.
+    pub(super) fn save_checkpoint(&mut self, epoch: usize, best: Option<usize>) -> Result<()> {
+        // --zero: every rank's shard to rank 0 first, written before the optimizer file that
+        // completes the epoch.
+        if let (Some(z), Some(comm)) = (&self.zero, &self.comm) {
+            crate::train::zero::save_state(&self.cfg.run_dir.join("checkpoint"), epoch, z, comm)?;
+        }
+        if self.rank != 0 {
+            return Ok(());
+        }
+        let dir = &self.cfg.run_dir;
+        save_epoch_weights(dir, epoch, self.model.clone(), &Default::default())?;
+        // Written after the weights: an epoch with both files is complete.
+        let path = optim_checkpoint(dir, epoch);
+        let tmp = path.with_extension("bpk.tmp");
+        self.optim
+            .save(&tmp)
+            .map_err(|e| HearthError::Training(format!("saving epoch {epoch}'s optimizer: {e}")))?;
+        if let Some(s) = &self.scaler {
+            // Before the optimizer file that completes the epoch.
+            let file = LossScaler::file(dir, epoch);
+            s.save(&file)
+                .map_err(|source| HearthError::Write { path: file, source })?;
+        }
+        std::fs::rename(&tmp, &path).map_err(|source| HearthError::Write {
+            path: path.clone(),
+            source,
+        })?;
+        for old in 1..epoch {
+            let _ = std::fs::remove_file(optim_checkpoint(dir, old));
+            let _ = std::fs::remove_file(LossScaler::file(dir, old));
+            if Some(old) != best {
+                let _ = std::fs::remove_file(model_checkpoint(dir, old));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A resume's state on the wire: the epoch, the model file's bytes, the optimizer file's.
+fn encode_state(epoch: usize, model: &[u8], optim: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(24 + model.len() + optim.len());
+    out.extend_from_slice(&(epoch as u64).to_le_bytes());
+    for part in [model, optim] {
+        out.extend_from_slice(&(part.len() as u64).to_le_bytes());
+        out.extend_from_slice(part);
+    }
+    out
+}
+
+fn decode_state(bytes: &[u8]) -> Result<(usize, &[u8], &[u8])> {
+    let bad = |what: &str| HearthError::Training(format!("resume state from rank 0: {what}"));
+    let word = |at: usize| {
+        bytes
+            .get(at..at + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+            .ok_or_else(|| bad("truncated"))
+    };
+    let epoch = usize::try_from(word(0)?).map_err(|_| bad("an epoch past usize"))?;
+    let parts = crate::train::shared::prefixed_parts(&bytes[8..], 2, "resume state from rank 0")?;
+    Ok((epoch, parts[0], parts[1]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_resume_state_round_trips_and_truncation_is_named() {
+        let bytes = encode_state(7, b"model", b"optimizer");
+        let (epoch, model, optim) = decode_state(&bytes).unwrap();
+        assert_eq!((epoch, model, optim), (7, &b"model"[..], &b"optimizer"[..]));
+        let e = decode_state(&bytes[..bytes.len() - 1])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("truncated"), "{e}");
+        let e = decode_state(&[1, 2]).unwrap_err().to_string();
+        assert!(e.contains("resume state from rank 0"), "{e}");
+    }
+}
