@@ -382,3 +382,119 @@ fn a_pipeline_trains_the_recipe_as_one_process_does_with_and_without_replicas() 
         "--compression bf16 left the replicas' model unchanged: {changed}"
     );
 }
+
+/// The largest difference of `column` between `a` and `b` over their epochs (both must have
+/// it at every epoch).
+fn column_gap(name: &str, a: &Rows, b: &Rows, column: &str) -> f64 {
+    let mut worst = 0f64;
+    for (e, row) in a {
+        let (x, y) = (row.get(column), b.get(e).and_then(|r| r.get(column)));
+        let (Some(x), Some(y)) = (x, y) else {
+            panic!("{name}: epoch {e} lacks {column}:\n{a:?}\n{b:?}");
+        };
+        assert!(y.is_finite(), "{name}: epoch {e}: {column} {y}");
+        worst = worst.max((x - y).abs());
+    }
+    worst
+}
+
+/// Top-5 accuracy (above 5 classes) is a column of every mode, counted over the whole epoch:
+/// one process, data parallel, elastic, sync parameter servers and a pipeline give the same
+/// value to within one sample; a multi-label pipeline reports the epoch's `train_auroc` as one
+/// process does.
+#[test]
+fn top5_in_every_mode_and_train_auroc_in_a_pipeline() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("seven");
+    // 7 classes x 24 training images (7 batches of 24), 6 validation images each.
+    hearth::datasets::synth::generate(
+        &data,
+        &hearth::datasets::synth::SynthConfig::new(7, 24, 32)
+            .with_seed(5)
+            .with_val(6),
+    )
+    .unwrap();
+    // An earlier run's backbone under a new head: a pipeline's stages start from the weights
+    // one process starts from (the same seed initialises a whole model and a stage's part
+    // differently).
+    let weights = pretrained(dir.path());
+    let base: Vec<String> = [
+        "--model",
+        "vgg-mini-plain",
+        "--weights",
+        weights.to_str().unwrap(),
+        "--batch-size",
+        "24",
+        "--epochs",
+        "3",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.003",
+    ]
+    .map(str::to_string)
+    .to_vec();
+    let path = |n: &str| dir.path().join(n);
+    train(dir.path(), &data, &path("one"), 1, &base, &[]);
+    let one = metrics(&path("one"));
+    for row in one.values() {
+        for (top5, top1) in [
+            ("train_top5_accuracy", "train_accuracy"),
+            ("val_top5_accuracy", "val_accuracy"),
+        ] {
+            let (t5, t1) = (row[top5], row[top1]);
+            assert!((t1..=100.0).contains(&t5), "{top5} {t5} below {top1} {t1}");
+        }
+    }
+    let modes: [(&str, usize, &[&str]); 4] = [
+        ("dp", 2, &[]),
+        ("elastic", 2, &["--elastic"]),
+        ("ps", 3, &["--ps", "1", "--mode", "sync"]),
+        (
+            "pipeline",
+            1,
+            &["--pipeline-stages", "2", "--micro-batches", "2"],
+        ),
+    ];
+    for (name, world, args) in modes {
+        train(dir.path(), &data, &path(name), world, &base, args);
+        let rows = metrics(&path(name));
+        // One sample of 168 training or 42 validation images.
+        for (column, sample) in [
+            ("train_top5_accuracy", 100.0 / 168.0),
+            ("val_top5_accuracy", 100.0 / 42.0),
+        ] {
+            let gap = column_gap(name, &one, &rows, column);
+            assert!(
+                gap <= sample + 1e-6,
+                "{name}: {column} differs from one process by {gap}:\n{one:?}\n{rows:?}"
+            );
+        }
+    }
+
+    let labels = common::multi_label_csv(&data);
+    let mut multi = base.clone();
+    multi.extend(["--labels".to_string(), labels.to_str().unwrap().to_string()]);
+    train(dir.path(), &data, &path("one-multi"), 1, &multi, &[]);
+    train(
+        dir.path(),
+        &data,
+        &path("pipeline-multi"),
+        1,
+        &multi,
+        &["--pipeline-stages", "2", "--micro-batches", "2"],
+    );
+    let (one, piped) = (
+        metrics(&path("one-multi")),
+        metrics(&path("pipeline-multi")),
+    );
+    let gap = column_gap("pipeline", &one, &piped, "train_auroc");
+    assert!(
+        gap <= 0.5,
+        "train_auroc differs by {gap}:\n{one:?}\n{piped:?}"
+    );
+    assert!(
+        !one[&1].contains_key("train_top5_accuracy"),
+        "no top-5 for multi-label targets: {one:?}"
+    );
+}

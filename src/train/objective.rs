@@ -130,6 +130,25 @@ impl Objective {
     }
 }
 
+/// Adds `train_top5_accuracy` and `val_top5_accuracy` (percent) to an epoch's row where top-5
+/// says something: single-label targets over more than 5 classes (with 5 or fewer it is always
+/// 100%). `train` and `val` are (samples with their class among the 5 highest scores,
+/// samples); every mode calls this, so the columns are the same in each.
+pub(super) fn insert_top5(
+    row: &mut std::collections::BTreeMap<String, f64>,
+    classes: usize,
+    multi_label: bool,
+    train: (f64, f64),
+    val: (f64, f64),
+) {
+    if multi_label || classes <= 5 {
+        return;
+    }
+    let pct = |(hits, n): (f64, f64)| if n > 0.0 { 100.0 * hits / n } else { f64::NAN };
+    row.insert("train_top5_accuracy".into(), pct(train));
+    row.insert("val_top5_accuracy".into(), pct(val));
+}
+
 /// What a pass over batches adds up: loss x samples, right answers (in samples, see
 /// [`Objective::hits`]) and samples.
 #[derive(Clone, Copy, Debug, Default)]
@@ -163,15 +182,6 @@ impl Sums {
     pub fn accuracy(&self) -> f64 {
         if self.samples > 0.0 {
             100.0 * self.hits / self.samples
-        } else {
-            f64::NAN
-        }
-    }
-
-    /// The top-5 accuracy column in percent (NaN before any sample).
-    pub fn top5_accuracy(&self) -> f64 {
-        if self.samples > 0.0 {
-            100.0 * self.top5 / self.samples
         } else {
             f64::NAN
         }

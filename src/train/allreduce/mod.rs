@@ -35,7 +35,7 @@ use super::epochs::{Epochs, Row};
 use super::export::export_best;
 use super::faults::Faults;
 use super::model::{optimizer, seed_stream};
-use super::objective::{Objective, Sums, ValScores};
+use super::objective::{Objective, Sums, ValScores, insert_top5};
 use super::precision::{LossScaler, divide};
 use super::shared::{Rates, epoch_lr, one_host_overlap_notice};
 use super::trainee::{Recipe, Trainee, val_share};
@@ -399,6 +399,30 @@ impl<T: Trainee> Allreduce<'_, T> {
         }
     }
 
+    /// The epoch's training sums over the ranks, its `train_auroc` (multi-label) and each
+    /// rank's own curve (`train_loss_rank<r>`, `train_accuracy_rank<r>`; none in one process).
+    #[allow(clippy::type_complexity)]
+    fn gather_train(
+        &self,
+        train: Sums,
+        scores: Option<ValScores>,
+    ) -> Result<(Sums, Option<f64>, Vec<(String, f64)>)> {
+        let Some(comm) = &self.metrics else {
+            return Ok((train, scores.and_then(|s| s.auroc()), Vec::new()));
+        };
+        let mut per_rank = Vec::new();
+        let mine = [train.mean_loss() as f32, train.accuracy() as f32];
+        for (r, v) in comm.all_gather(&mine)?.chunks(2).enumerate() {
+            per_rank.push((format!("train_loss_rank{r}"), f64::from(v[0])));
+            per_rank.push((format!("train_accuracy_rank{r}"), f64::from(v[1])));
+        }
+        let auroc = match scores {
+            Some(s) => s.gather(comm)?.auroc(),
+            None => None,
+        };
+        Ok((train.all_reduce(comm)?, auroc, per_rank))
+    }
+
     /// The epoch's validation (with rank 0's batch-norm statistics on every rank, as DDP's
     /// broadcast) and its row of `metrics.csv`, after `train` (summed over the ranks) took
     /// `took` seconds with `k` batches per step.
@@ -438,11 +462,13 @@ impl<T: Trainee> Allreduce<'_, T> {
         if let Some(a) = val.auroc {
             row.insert("val_auroc".into(), a);
         }
-        // Top-5 says something only with more than 5 classes (with 5 or fewer it is 100%).
-        if !self.trainee.multi_label() && self.trainee.classes().len() > 5 {
-            row.insert("train_top5_accuracy".into(), train.top5_accuracy());
-            row.insert("val_top5_accuracy".into(), val.sums.top5_accuracy());
-        }
+        insert_top5(
+            &mut row,
+            self.trainee.classes().len(),
+            self.trainee.multi_label(),
+            (train.top5, train.samples),
+            (val.sums.top5, val.sums.samples),
+        );
         if self.scaler.is_some() {
             row.insert(
                 "train_skipped_steps".into(),
@@ -528,26 +554,8 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
                 self.rank, self.batches
             )));
         }
-        // Each rank's own training curve (`train_loss_rank<r>`, `train_accuracy_rank<r>`),
-        // then the sums over the ranks.
-        let mut per_rank = Vec::new();
-        let train = match &self.metrics {
-            Some(comm) => {
-                let mine = [train.mean_loss() as f32, train.accuracy() as f32];
-                for (r, v) in comm.all_gather(&mine)?.chunks(2).enumerate() {
-                    per_rank.push((format!("train_loss_rank{r}"), f64::from(v[0])));
-                    per_rank.push((format!("train_accuracy_rank{r}"), f64::from(v[1])));
-                }
-                train.all_reduce(comm)?
-            }
-            None => train,
-        };
+        let (train, train_auroc, per_rank) = self.gather_train(train, scores)?;
         self.images += train.samples as usize;
-        let train_auroc = match (scores, &self.metrics) {
-            (Some(s), Some(comm)) => s.gather(comm)?.auroc(),
-            (Some(s), None) => s.auroc(),
-            (None, _) => None,
-        };
         let took = t.elapsed().as_secs_f64().max(1e-9);
         let mut row = self.validate_row(epoch, k, &train, took)?;
         if let Some(a) = train_auroc {

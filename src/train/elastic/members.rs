@@ -157,7 +157,7 @@ impl<T: Trainee> Strategy for Members<'_, '_, '_, T> {
             c.model = self.run.in_phase(c.model.clone(), epoch as u64);
             c.epoch += 1;
             c.position = 0;
-            c.sums = [0.0; 3];
+            c.sums = [0.0; 4];
             c.epoch_skipped = 0;
             c.epoch_started = c.elapsed;
         }

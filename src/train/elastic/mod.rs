@@ -37,7 +37,7 @@ use super::epochs::{Epochs, Row};
 use super::export::export_best;
 use super::gate::Gate;
 use super::model::{optimizer, seed_stream};
-use super::objective::Objective;
+use super::objective::{Objective, insert_top5};
 use super::precision::{LossScaler, divide};
 use super::shared::{Rates, collective_timeout, epoch_lr, one_host_overlap_notice};
 use super::targets::Targets;
@@ -136,8 +136,9 @@ struct Commit<M: Net> {
     /// Data epoch in progress (0-based) and samples of it done.
     epoch: u64,
     position: u64,
-    /// This epoch's training loss x samples, correct predictions, samples.
-    sums: [f64; 3],
+    /// This epoch's training loss x samples, correct predictions, samples, and samples with
+    /// their class among the 5 highest scores.
+    sums: [f64; 4],
     /// Seconds of training so far (rank 0's clock), and when this epoch started.
     elapsed: f64,
     epoch_started: f64,
@@ -329,7 +330,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             step: 0,
             epoch: 0,
             position: 0,
-            sums: [0.0; 3],
+            sums: [0.0; 4],
             elapsed: 0.0,
             epoch_started: 0.0,
             start_unix: unix_now(),

@@ -93,7 +93,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             .ok_or_else(|| bad("malformed members".into()))?;
         let sums = meta["sums"]
             .as_array()
-            .filter(|a| a.len() == 3)
+            .filter(|a| a.len() == 3 || a.len() == 4)
             .ok_or_else(|| bad("no sums".into()))?;
         let (world_log, rows) = (world_log(&meta)?, epoch_rows(&meta)?);
         let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(parts[1].to_vec()))
@@ -120,6 +120,9 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 sums[0].as_f64().unwrap_or(0.0),
                 sums[1].as_f64().unwrap_or(0.0),
                 sums[2].as_f64().unwrap_or(0.0),
+                // A state from before top-5 was counted (3 sums): the epoch's top-5 is
+                // unknown (NaN in its row), the next epoch counts again.
+                sums.get(3).and_then(|v| v.as_f64()).unwrap_or(f64::NAN),
             ],
             elapsed: num("elapsed")?,
             start_unix: num("start_unix")?,

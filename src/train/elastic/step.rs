@@ -30,6 +30,9 @@ impl Control {
     fn speed(&self, r: usize) -> f32 {
         self.values[self.world + 4 + r]
     }
+    fn top5(&self) -> f64 {
+        f64::from(self.values[2 * self.world + 4])
+    }
 }
 
 /// One step's compute on this worker: its gradients (its shares' part of the global mean,
@@ -39,6 +42,8 @@ struct Computed {
     grads: GradientsParams,
     loss_sum: f64,
     correct: f64,
+    /// Samples with their class among the 5 highest scores (0 where top-5 does not apply).
+    top5: f64,
     mine: usize,
     total: usize,
     position: usize,
@@ -182,6 +187,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         commit.sums[0] += control.loss();
         commit.sums[1] += control.hits();
         commit.sums[2] += c.total as f64;
+        commit.sums[3] += control.top5();
         commit.world_log.push((commit.step, now, w));
         self.exchange.stepping += t.elapsed();
         if let Some(z) = self.zero.as_mut() {
@@ -213,7 +219,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
             .scaler
             .as_ref()
             .map_or(1.0, |s| s.loss_factor(self.faults.overflow_at()));
-        let (mut loss_sum, mut correct, mut mine, mut total) = (0.0f64, 0.0f64, 0usize, 0usize);
+        let (mut loss_sum, mut correct, mut top5) = (0.0f64, 0.0f64, 0.0f64);
+        let (mut mine, mut total) = (0usize, 0usize);
         let mut pos = commit.position as usize;
         for sub in 0..k {
             if pos >= n {
@@ -236,6 +243,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
                     .train_batch(&commit.model, input, &targets, share)?;
             loss_sum += sums.loss;
             correct += sums.hits;
+            top5 += sums.top5;
             acc.accumulate(&commit.model, grads);
             mine += part;
             total += global_part;
@@ -251,6 +259,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             grads,
             loss_sum,
             correct,
+            top5,
             mine,
             total,
             position: pos,
@@ -289,7 +298,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
     /// The step's control vector, summed over the world: the same on every member afterwards.
     fn agree(&self, world: &World, c: &Computed) -> std::result::Result<Control, DistError> {
         let w = world.size();
-        let mut control = vec![0.0f32; 2 * w + 4];
+        let mut control = vec![0.0f32; 2 * w + 5];
         control[world.rank()] = f32::from(LEAVE.load(Ordering::SeqCst));
         if world.rank() == 0 && w < self.opts.max_workers && !self.join.waiting().is_empty() {
             control[w] = 1.0;
@@ -298,6 +307,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         control[w + 2] = c.correct as f32;
         control[w + 3] = c.mine as f32;
         control[w + 4 + world.rank()] = self.speed as f32;
+        control[2 * w + 4] = c.top5 as f32;
         world.comm.allreduce(&mut control, ReduceOp::Sum)?;
         Ok(Control {
             values: control,
@@ -523,6 +533,13 @@ impl<T: Trainee> ElasticRun<'_, T> {
         if let Some(a) = val.auroc {
             row.insert("val_auroc".into(), a);
         }
+        insert_top5(
+            &mut row,
+            self.trainee.classes().len(),
+            self.trainee.multi_label(),
+            (commit.sums[3], commit.sums[2]),
+            (val.sums.top5, val.sums.samples),
+        );
         if commit.scaler.is_some() {
             row.insert("train_skipped_steps".into(), commit.epoch_skipped as f64);
         }

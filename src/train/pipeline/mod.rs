@@ -41,7 +41,7 @@ use super::catalog::model_config;
 use super::epochs::{Epochs, Row, Strategy};
 use super::export::auroc_report;
 use super::model::{SEED_LOCK, epoch_seed, init_model, optimizer, seed_stream};
-use super::objective::{Objective, ValScores};
+use super::objective::{Objective, ValScores, insert_top5};
 use super::precision::LossScaler;
 use super::shared::{Rates, collective_timeout, epoch_lr};
 use super::targets::targets;
@@ -387,7 +387,7 @@ impl Strategy for StageStrategy<'_, '_> {
                 });
             }
         }
-        let (model, train) = self.run.train_epoch(
+        let (model, sums, scores) = self.run.train_epoch(
             &mut self.pipe,
             model,
             &mut self.optim,
@@ -398,7 +398,12 @@ impl Strategy for StageStrategy<'_, '_> {
         let val = self.run.validate(&mut self.pipe, &model)?;
         self.model = Some(model);
         // Every rank gets the row: every rank decides early stopping the same way.
-        Ok(Some(self.run.epoch_row(train, val, epoch, t.elapsed())?))
+        Ok(Some(self.run.epoch_row(
+            (sums, scores),
+            val,
+            epoch,
+            t.elapsed(),
+        )?))
     }
 
     fn checkpoint(&mut self, epoch: usize, best: Option<usize>) -> Result<()> {

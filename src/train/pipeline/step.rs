@@ -8,12 +8,14 @@ use crate::train::precision::{LossScaler, divide};
 use burn::optim::GradientsParams;
 use burn_dist::DistError;
 
-/// Sums over a stage's share of an epoch: (loss x samples, correct, samples).
+/// Sums over a stage's share of an epoch: (loss x samples, correct, samples, samples with
+/// their class among the 5 highest scores).
 #[derive(Debug, Default, Clone, Copy)]
 pub(super) struct Sums {
     loss: f64,
     correct: f64,
     count: f64,
+    top5: f64,
     /// Steps skipped for non-finite fp16 gradients (the same on every rank).
     skipped: f64,
 }
@@ -24,6 +26,7 @@ struct BatchDone {
     grads: GradientsParams,
     loss: f64,
     correct: f64,
+    top5: f64,
     n: usize,
 }
 
@@ -54,10 +57,12 @@ impl PipelineRun<'_> {
         zero: &mut Option<ZeroOptimizer>,
         epoch: usize,
         scaler: &mut Option<LossScaler>,
-    ) -> Result<(StageModel, Sums)> {
+    ) -> Result<(StageModel, Sums, ValScores)> {
         let mut model = model;
         model.precision = self.cfg.compute.precision;
         let mut sums = Sums::default();
+        // A multi-label epoch's outputs on the last stages, for its `train_auroc`.
+        let mut scores = ValScores::default();
         {
             // Dropout's stream of this epoch, a function of (seed, epoch, rank) as elsewhere.
             seed_stream(
@@ -85,10 +90,11 @@ impl PipelineRun<'_> {
             let factor = scaler
                 .as_ref()
                 .map_or(1.0, |s| s.loss_factor(self.overflow_at));
-            let mut done = self.run_batch(pipe, &model, images, &targets, factor)?;
+            let mut done = self.run_batch(pipe, &model, images, &targets, factor, &mut scores)?;
             if self.is_last() {
                 sums.loss += done.loss * done.n as f64;
                 sums.correct += done.correct;
+                sums.top5 += done.top5;
                 sums.count += done.n as f64;
             }
             if let Some(s) = scaler.as_ref() {
@@ -113,12 +119,12 @@ impl PipelineRun<'_> {
             model = broadcast_module(model, replicas)?;
         }
 
-        Ok((model, sums))
+        Ok((model, sums, scores))
     }
 
     /// One batch through the pipeline in micro-batches: this stage's gradients and, on the
-    /// last stage, the batch's mean loss (unscaled) and hits. `factor` scales the loss the
-    /// backward starts from (fp16).
+    /// last stage, the batch's mean loss (unscaled), hits and top-5 hits, its outputs kept in
+    /// `scores` (multi-label). `factor` scales the loss the backward starts from (fp16).
     fn run_batch(
         &self,
         pipe: &mut Pipeline,
@@ -126,12 +132,12 @@ impl PipelineRun<'_> {
         images: Tensor<4>,
         targets: &Targets,
         factor: f32,
+        scores: &mut ValScores,
     ) -> Result<BatchDone> {
         let objective = self.objective;
         let n = images.dims()[0];
         let parts = self.micro_split(n);
-        let mut correct = 0.0f64;
-        let mut loss = 0.0f64;
+        let (mut correct, mut top5, mut loss) = (0.0f64, 0.0f64, 0.0f64);
         let out = pipe.step(
             model,
             &mut |m| Activation::Rank4(images.clone().narrow(0, parts[m].0, parts[m].1)),
@@ -139,6 +145,10 @@ impl PipelineRun<'_> {
                 let logits = logits.rank2("the last stage's output")?;
                 let y = targets.narrow(parts[m].0, parts[m].1);
                 correct += objective.hits(&logits, &y);
+                top5 += objective.top5_hits(&logits, &y).unwrap_or(0.0);
+                scores
+                    .push(&logits, &y)
+                    .map_err(|e| DistError::Config(e.to_string()))?;
                 // The batch mean: each micro-batch's mean weighted by its share.
                 let l = objective
                     .loss(logits, &y, true)
@@ -160,6 +170,7 @@ impl PipelineRun<'_> {
             grads: out.grads,
             loss,
             correct,
+            top5,
             n,
         })
     }
@@ -253,6 +264,7 @@ impl PipelineRun<'_> {
                     let logits = logits.rank2("the last stage's output")?;
                     let y = targets.narrow(parts[m].0, parts[m].1);
                     sums.correct += objective.hits(&logits, &y);
+                    sums.top5 += objective.top5_hits(&logits, &y).unwrap_or(0.0);
                     scores
                         .push(&logits, &y)
                         .map_err(|e| DistError::Config(e.to_string()))?;
@@ -273,10 +285,10 @@ impl PipelineRun<'_> {
 
     /// The epoch's row of `metrics.csv`, the same on every rank: the last stages' sums added
     /// over the job (the other ranks add zeros), and a multi-label run's AUROC over the outputs
-    /// every last stage kept.
+    /// every last stage kept (training's and validation's).
     pub(super) fn epoch_row(
         &self,
-        train: Sums,
+        (train, train_scores): (Sums, ValScores),
         (val, scores): (Sums, ValScores),
         epoch: usize,
         took: Duration,
@@ -288,13 +300,18 @@ impl PipelineRun<'_> {
             val.loss as f32,
             val.correct as f32,
             val.count as f32,
+            train.top5 as f32,
+            val.top5 as f32,
         ];
         self.comm.allreduce(&mut v, ReduceOp::Sum)?;
         let per = |a: f32, n: f32| if n > 0.0 { f64::from(a / n) } else { f64::NAN };
-        let auroc = if self.objective.multi_label() {
-            scores.gather(&self.comm)?.auroc()
+        let (train_auroc, auroc) = if self.objective.multi_label() {
+            (
+                train_scores.gather(&self.comm)?.auroc(),
+                scores.gather(&self.comm)?.auroc(),
+            )
         } else {
-            None
+            (None, None)
         };
         let mut row: Row = [
             ("train_loss", per(v[0], v[2])),
@@ -317,6 +334,16 @@ impl PipelineRun<'_> {
         if let Some(a) = auroc {
             row.insert("val_auroc".into(), a);
         }
+        if let Some(a) = train_auroc {
+            row.insert("train_auroc".into(), a);
+        }
+        insert_top5(
+            &mut row,
+            self.classes.len(),
+            self.objective.multi_label(),
+            (f64::from(v[6]), f64::from(v[2])),
+            (f64::from(v[7]), f64::from(v[5])),
+        );
         if self.cfg.compute.precision == Precision::Fp16 {
             // Every rank took the same verdicts: its own count is the job's.
             row.insert("train_skipped_steps".into(), train.skipped);

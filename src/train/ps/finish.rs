@@ -147,6 +147,10 @@ impl<T: Trainee> Worker<'_, T> {
                 "train_accuracy".into(),
                 100.0 * of_epoch.iter().map(|(_, s)| s.correct).sum::<f64>() / samples.max(1.0),
             );
+            if let Some(top5) = row.get_mut("train_top5_accuracy") {
+                *top5 =
+                    100.0 * of_epoch.iter().map(|(_, s)| s.top5).sum::<f64>() / samples.max(1.0);
+            }
             if self.opts.mode == burn_dist::ps::Mode::Sync && of_epoch.len() > 1 {
                 // The slowest worker waits least: the rounds wait for it.
                 if let Some((slow, s)) =

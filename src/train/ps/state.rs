@@ -114,6 +114,9 @@ pub struct EpochStats {
     /// Steps this worker skipped for non-finite fp16 gradients.
     pub skipped: f64,
     pub seconds: f64,
+    /// Samples with their class among the 5 highest scores (0 where top-5 does not apply;
+    /// NaN when read from a worker's stats written before top-5 was counted).
+    pub top5: f64,
 }
 
 impl EpochStats {
@@ -134,6 +137,10 @@ pub fn encode_stats(rows: &[EpochStats]) -> Vec<u8> {
         ] {
             w = w.u64(v.to_bits());
         }
+    }
+    // Top-5 after every row: stats written before it was counted end before it.
+    for r in rows {
+        w = w.u64(r.top5.to_bits());
     }
     w.bytes
 }
@@ -161,9 +168,24 @@ pub fn decode_stats(b: &[u8]) -> std::result::Result<Vec<EpochStats>, String> {
             bytes: f[5],
             skipped: f[6],
             seconds: f[7],
+            top5: f64::NAN,
         });
     }
-    r.finish().map_err(|e| e.to_string())?;
+    let top5 = r.rest();
+    if !top5.is_empty() {
+        if top5.len() != 8 * out.len() {
+            return Err(format!(
+                "{} bytes of top-5 counts for {} epochs",
+                top5.len(),
+                out.len()
+            ));
+        }
+        for (s, b) in out.iter_mut().zip(top5.chunks_exact(8)) {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(b);
+            s.top5 = f64::from_bits(u64::from_le_bytes(a));
+        }
+    }
     Ok(out)
 }
 
@@ -258,9 +280,17 @@ mod tests {
             bytes: 1e6,
             skipped: 2.0,
             seconds: 3.5,
+            top5: 4.0,
         }];
-        assert_eq!(decode_stats(&encode_stats(&rows)).unwrap(), rows);
-        assert!(decode_stats(&encode_stats(&rows)[..20]).is_err());
+        let b = encode_stats(&rows);
+        assert_eq!(decode_stats(&b).unwrap(), rows);
+        assert!(decode_stats(&b[..20]).is_err());
+        // Stats written before top-5 was counted read with an unknown top-5; a cut count is
+        // damage.
+        let old = decode_stats(&b[..b.len() - 8]).unwrap();
+        assert!(old[0].top5.is_nan() && old[0].seconds == 3.5, "{old:?}");
+        let e = decode_stats(&b[..b.len() - 3]).unwrap_err();
+        assert!(e.contains("top-5 counts"), "{e}");
     }
 }
 

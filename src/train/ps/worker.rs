@@ -26,7 +26,7 @@ use crate::settings::PsOptions;
 use crate::train::best::{model_checkpoint, save_epoch_weights};
 use crate::train::epochs::{Epochs, Row};
 use crate::train::model::seed_stream;
-use crate::train::objective::Objective;
+use crate::train::objective::{Objective, insert_top5};
 use crate::train::precision::{LossScaler, unscale_flat};
 use crate::train::shared::{Rates, collective_timeout, epoch_lr};
 use crate::train::trainee::{Net, Trainee};
@@ -235,6 +235,7 @@ impl<T: Trainee> Worker<'_, T> {
                 .train_batch(&self.model, input, &targets, factor)?;
             let n = sums.samples as usize;
             row.correct += sums.hits;
+            row.top5 += sums.top5;
             row.loss_sum += sums.loss;
             row.samples += sums.samples;
             let grad = trainable_grads(&self.model, &grads);
@@ -366,6 +367,15 @@ impl<T: Trainee> Worker<'_, T> {
         if let Some(a) = val.auroc {
             row.insert("val_auroc".into(), a);
         }
+        // The lead's own training top-5 here; the mean over the workers once their stats
+        // are in (`merge_worker_stats`).
+        insert_top5(
+            &mut row,
+            self.trainee.classes().len(),
+            self.trainee.multi_label(),
+            (mine.top5, mine.samples),
+            (val.sums.top5, val.sums.samples),
+        );
         if self.scaler.is_some() {
             row.insert("train_skipped_steps".into(), mine.skipped);
         }
