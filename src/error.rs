@@ -58,7 +58,7 @@ pub enum HearthError {
     Checkpoint(String),
     #[error(
         "the training loss became NaN or infinite at epoch {epoch}, step {step}; \
-         lower --lr, add --warmup-epochs or check the data"
+         lower `optim.lr`, add `optim.warmup_epochs` or check the data"
     )]
     NanLoss { epoch: usize, step: usize },
     #[error("cannot write plot {path}: {reason}")]

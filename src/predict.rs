@@ -43,13 +43,14 @@ pub fn load_for_predict(
         _ => {
             let name = arch.ok_or_else(|| {
                 HearthError::InvalidArgument(
-                    "--model is required unless --weights is a Hearth .bpk model file".into(),
+                    "`model.name` is required unless `model.weights` is a Hearth .bpk model file"
+                        .into(),
                 )
             })?;
             if crate::train::MINI_MODELS.contains(&name) {
                 return Err(HearthError::InvalidArgument(format!(
                     "{name} is a Hearth test-size network: give the model.bpk of a run that \
-                     trained it (--weights RUN/model.bpk, no --model)"
+                     trained it (`model.weights` RUN/model.bpk, no `model.name`)"
                 )));
             }
             let arch = Architecture::from_name(name)?;

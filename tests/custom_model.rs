@@ -519,7 +519,7 @@ fn on_vulkan_cpu_a_user_module_in_fp16_reaches_the_f32_accuracy() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("--precision bf16 does not run on this device"),
+        e.contains("`compute.precision` bf16 does not run on this device"),
         "{e}"
     );
 }

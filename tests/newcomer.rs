@@ -475,7 +475,7 @@ fn a_folder_one_level_off_says_what_the_layout_should_be() {
     assert!(!out.status.success());
     assert!(err.contains("holds only train/"), "{err}");
     assert!(
-        err.contains(&format!("--data {}", data.join("train").display())),
+        err.contains(&format!("train on {}", data.join("train").display())),
         "{err}"
     );
 }

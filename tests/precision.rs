@@ -584,7 +584,7 @@ fn on_vulkan_cpu_fp16_matches_f32_and_bf16_is_refused() {
         .expect_err("bf16 refused on wgpu")
         .to_string();
     assert!(
-        e.contains("--precision bf16 does not run on this device"),
+        e.contains("`compute.precision` bf16 does not run on this device"),
         "{e}"
     );
     hearth::device::check_precision(&device, Precision::Fp16).unwrap();

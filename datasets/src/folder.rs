@@ -236,15 +236,15 @@ impl ImageSet {
             let reason = if split("train") && split("val") {
                 format!(
                     "it holds train/ and val/, each with class folders: give {} (or {}) to \
-                     read one part; `hearth train --data` takes the folder itself",
+                     read one part; training takes the folder itself",
                     root.join("val").display(),
                     root.join("train").display()
                 )
             } else if split("train") || split("val") {
                 let part = if split("train") { "train" } else { "val" };
                 format!(
-                    "it holds only {part}/ with class folders: give --data {} (split by \
-                     --val-fraction), or add the other part beside it",
+                    "it holds only {part}/ with class folders: train on {} (its validation \
+                     images split off by a fraction), or add the other part beside it",
                     root.join(part).display()
                 )
             } else {

@@ -347,10 +347,10 @@ impl DeviceSpec {
                 let reason = if let Some(index) = missing_index {
                     format!(
                         "this machine has no discrete GPU {index} for {} (an index counts the \
-                         discrete GPUs from 0); --device {} without an index takes its default \
+                         discrete GPUs from 0); `device` {} without an index takes its default \
                          adapter, which works; `hearth devices` lists the devices. The ranks of \
                          a job take the GPU of their local rank unless the device names one: \
-                         --device {}:0 puts them all on GPU 0",
+                         `device` {}:0 puts them all on GPU 0",
                         self.choice, self.choice, self.choice
                     )
                 } else {
@@ -529,8 +529,8 @@ pub fn check_precision(device: &Device, precision: crate::train::Precision) -> R
         .any(|k| described.contains(k))
     {
         return Err(HearthError::InvalidArgument(format!(
-            "--precision bf16 does not run on this device ({described}): wgpu's shaders have no \
-             bf16; use --precision fp16 here, or bf16 on CUDA or the CPU"
+            "`compute.precision` bf16 does not run on this device ({described}): wgpu's shaders \
+             have no bf16; use `compute.precision` fp16 here, or bf16 on CUDA or the CPU"
         )));
     }
     Ok(())

@@ -1,5 +1,6 @@
 //! The library names a setting by its path in [`crate::train::TrainConfig`] (`optim.lr`,
-//! `model.weights`, `PsOptions.window`), in backticks, in the errors it returns; the `hearth`
+//! `model.weights`, `PsOptions.window`; `device` for the device a command runs on), in
+//! backticks, in the errors it returns; the `hearth`
 //! command line shows the same errors with its flags instead ([`with_flags`]). One table holds
 //! the pairs, so a message is written once and reads right on either side.
 
@@ -19,6 +20,7 @@ pub const SETTING_FLAGS: &[(&str, &str)] = &[
     ("model.finetune_bn", "--finetune-bn"),
     ("optim.optimizer", "--optimizer"),
     ("optim.lr", "--lr"),
+    ("optim.warmup_epochs", "--warmup-epochs"),
     ("optim.momentum", "--momentum"),
     ("optim.nesterov", "--nesterov"),
     ("optim.label_smoothing", "--label-smoothing"),
@@ -29,6 +31,7 @@ pub const SETTING_FLAGS: &[(&str, &str)] = &[
     ("checkpoint.patience", "--patience"),
     ("checkpoint.min_delta", "--min-delta"),
     ("compute.precision", "--precision"),
+    ("device", "--device"),
     ("compute.recompute", "--recompute"),
     ("exchange.bucket_bytes", "--bucket-mb"),
     ("exchange.compression", "--compression"),

@@ -75,7 +75,9 @@ impl PipelineOptions {
     /// `0:2,2:5` as ranges; each `a:b` with a < b, each starting where the previous ended, the
     /// first at 0.
     pub fn parse_split(text: &str) -> Result<Vec<std::ops::Range<usize>>> {
-        let bad = |m: String| HearthError::InvalidArgument(format!("--pipeline-split {text}: {m}"));
+        let bad = |m: String| {
+            HearthError::InvalidArgument(format!("`PipelineOptions.split` {text}: {m}"))
+        };
         let mut out: Vec<std::ops::Range<usize>> = Vec::new();
         for part in text.split(',').map(str::trim) {
             let (a, b) = part
@@ -120,7 +122,8 @@ impl std::str::FromStr for PsServers {
         match s.parse::<usize>() {
             Ok(n) if n > 0 => Ok(Self::Dedicated(n)),
             _ => Err(HearthError::InvalidArgument(format!(
-                "--ps {s:?}: give a number of server ranks (at least 1) or `colocated`"
+                "`TrainingMode::ParameterServers` {s:?}: give a number of server ranks (at least 1) \
+                 or `colocated`"
             ))),
         }
     }

@@ -286,7 +286,7 @@ impl PsWorker {
     ) -> Result<(Self, Vec<f32>)> {
         if window == 0 {
             return Err(DistError::Config(
-                "parameter servers: --window must be at least 1".into(),
+                "parameter servers: the window (steps between exchanges) must be at least 1".into(),
             ));
         }
         let params = client.pull()?;

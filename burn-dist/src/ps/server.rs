@@ -172,7 +172,7 @@ pub fn serve_state(
     }
     if cfg.window == 0 {
         return Err(DistError::Config(
-            "parameter servers: --window must be at least 1".into(),
+            "parameter servers: the window (steps between exchanges) must be at least 1".into(),
         ));
     }
     // A worker's death must not fail the receives from the others.

@@ -426,7 +426,7 @@ impl ZeroOptimizer {
         if !slots.is_empty() && slots != names {
             return Some(format!(
                 "the saved state holds {slots:?}, this optimizer keeps {names:?} (was it \
-                 written with another --optimizer or --momentum?)"
+                 written with another optimizer or momentum?)"
             ));
         }
         None

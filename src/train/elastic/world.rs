@@ -16,9 +16,9 @@ impl<T: Trainee> ElasticRun<'_, T> {
         // joiners, and a first world above it would train as if it were not there.
         if info.world > self.opts.max_workers {
             return Err(HearthError::InvalidArgument(format!(
-                "`ElasticOptions.max_workers` {} is below the {} workers this elastic job starts with \
-                 (`hearth launch --elastic -n {}`): start at most {} or raise `ElasticOptions.max_workers`",
-                self.opts.max_workers, info.world, info.world, self.opts.max_workers
+                "`ElasticOptions.max_workers` {} is below the {} workers this elastic job starts with: \
+                 start at most {} or raise `ElasticOptions.max_workers`",
+                self.opts.max_workers, info.world, self.opts.max_workers
             )));
         }
         if info.rank == 0 {

@@ -279,7 +279,7 @@ pub fn open_state(path: &Path) -> Result<StateFile> {
     let meta = header
         .get("__metadata__")
         .and_then(|m| m.as_object())
-        .ok_or_else(|| bad("no metadata (not written by hearth --zero)".into()))?;
+        .ok_or_else(|| bad("no metadata (not written by a run with `exchange.zero`)".into()))?;
     let field = |k: &str| {
         meta.get(k)
             .and_then(|v| v.as_str())
