@@ -20,8 +20,12 @@ pub enum FinetuneBn {
 crate::names::named_settings!(FinetuneBn { Frozen => "frozen", Batch => "batch" });
 
 /// SGD's and LARS's momentum unless set (`--momentum`), except in the parameter-server modes
-/// that default to none ([`crate::train::TrainConfig::momentum`]).
+/// that default to another ([`crate::train::TrainConfig::momentum`]).
 pub const DEFAULT_MOMENTUM: f64 = 0.9;
+
+/// ADAG workers' local momentum unless set, training from scratch (no `model.weights`):
+/// measured nearer sync than 0.9 ([`crate::train::TrainConfig::momentum`]).
+pub const ADAG_SCRATCH_MOMENTUM: f64 = 0.5;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[cfg_attr(feature = "cli", derive(clap::ValueEnum))]

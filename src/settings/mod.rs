@@ -8,7 +8,8 @@ pub mod flags;
 mod modes;
 
 pub use choices::{
-    AugmentPreset, DEFAULT_MOMENTUM, FinetuneBn, Monitor, OptimizerKind, PipelineBalance, Precision,
+    ADAG_SCRATCH_MOMENTUM, AugmentPreset, DEFAULT_MOMENTUM, FinetuneBn, Monitor, OptimizerKind,
+    PipelineBalance, Precision,
 };
 pub use modes::{
     Balance, EASGD_PEAK_ALPHA, ElasticOptions, PipelineOptions, PsOptions, PsServers, TrainingMode,

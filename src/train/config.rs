@@ -9,7 +9,8 @@ use crate::Result;
 use crate::names::by_name;
 use crate::schedule::{Decay, LrScaling};
 use crate::settings::{
-    AugmentPreset, DEFAULT_MOMENTUM, FinetuneBn, Monitor, OptimizerKind, Precision, TrainingMode,
+    ADAG_SCRATCH_MOMENTUM, AugmentPreset, DEFAULT_MOMENTUM, FinetuneBn, Monitor, OptimizerKind,
+    Precision, TrainingMode,
 };
 
 /// Settings `--resume` may change: the run's length (extending a finished run) and early
@@ -358,15 +359,21 @@ impl TrainConfig {
     }
 
     /// SGD's and LARS's momentum for this run: `momentum` where set, else [`DEFAULT_MOMENTUM`],
-    /// except none where workers of parameter servers add up each other's local steps
-    /// (`downpour`, `dynsgd`). Each worker's momentum there compounds the sum of several
-    /// workers' changes: DOWNPOUR with 0.9 fell to chance level with the other flags at their
-    /// defaults (docs/benchmarks/parameter-servers.md, issue 55). ADAG keeps 0.9: 0.5 came
-    /// nearer sync from scratch but cost seed 000's fine-tuning recipe 7.5 points.
+    /// except where workers of parameter servers add up each other's local steps. Each
+    /// worker's momentum there compounds the sum of several workers' stale changes: DOWNPOUR
+    /// with 0.9 fell to chance level with the other flags at their defaults, so `downpour` and
+    /// `dynsgd` take none. ADAG, which divides each change by the window, takes
+    /// [`ADAG_SCRATCH_MOMENTUM`] when training from scratch (2.8 points under sync over 9 seeds
+    /// with 0.9, 1.4 with 0.5) and 0.9 from `model.weights` (seed 000's fine-tuning recipe, at
+    /// a tenth of the rate after the switch, reached 94.4% with 0.9 and 86.9% with 0.5); both
+    /// measured in docs/benchmarks/parameter-servers.md (issue 55).
     pub fn momentum(&self) -> f64 {
         use burn_dist::ps::Mode;
         self.optim.momentum.unwrap_or_else(|| match self.mode.ps() {
             Some(p) if matches!(p.mode, Mode::Downpour | Mode::DynSgd) => 0.0,
+            Some(p) if p.mode == Mode::Adag && self.model.weights.is_none() => {
+                ADAG_SCRATCH_MOMENTUM
+            }
             _ => DEFAULT_MOMENTUM,
         })
     }

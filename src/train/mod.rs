@@ -56,9 +56,9 @@ mod validate;
 pub mod zero;
 
 pub use crate::settings::{
-    AugmentPreset, Balance, DEFAULT_MOMENTUM, EASGD_PEAK_ALPHA, ElasticOptions, FinetuneBn,
-    Monitor, OptimizerKind, PipelineBalance, PipelineOptions, Precision, PsOptions, PsServers,
-    TrainingMode,
+    ADAG_SCRATCH_MOMENTUM, AugmentPreset, Balance, DEFAULT_MOMENTUM, EASGD_PEAK_ALPHA,
+    ElasticOptions, FinetuneBn, Monitor, OptimizerKind, PipelineBalance, PipelineOptions,
+    Precision, PsOptions, PsServers, TrainingMode,
 };
 pub use best::{BestRule, Patience, best_epoch};
 pub use builder::TrainConfigBuilder;
