@@ -5,7 +5,7 @@
 //!
 //! - [`models`] (`hearth-models`): torchvision-exact ResNet, VGG and DenseNet, weight import.
 //! - [`datasets`] (`hearth-datasets`): image folders, augmentation, streaming sharded loader.
-//! - [`train`]: training and transfer learning on burn-train's Learner; [`optim`] adds LARS,
+//! - [`train`]: training and transfer learning on one epoch loop for every mode; [`optim`] adds LARS,
 //!   [`schedule`] warmup schedules and large-batch LR scaling.
 //! - [`dist`] (`burn-dist`): collectives and distributed training over QUIC.
 //!
@@ -61,6 +61,7 @@ pub mod prelude;
 pub mod process;
 pub mod schedule;
 pub mod settings;
+pub mod tensorboard;
 pub mod train;
 
 pub use burn_dist as dist;

@@ -227,6 +227,32 @@ fn shared_columns(name: &str, run: &Path) {
         assert!(row["train_images_per_sec"] > 0.0, "{name}: {csv}");
         assert!(row["elapsed_seconds"] > 0.0, "{name}: {csv}");
     }
+    // The TensorBoard event file holds the same rows (tests/tensorboard.rs reads it with
+    // TensorBoard itself).
+    let file = run.join(hearth::tensorboard::FILE_NAME);
+    let bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let events = hearth::tensorboard::read(&bytes, &file).unwrap();
+    let rows = metrics(run);
+    let epochs: Vec<(i64, f32)> = events
+        .iter()
+        .filter_map(|e| {
+            let v = e.scalars.iter().find(|(t, _)| t == "val_accuracy")?;
+            Some((e.step, v.1))
+        })
+        .collect();
+    let expected: Vec<(i64, f32)> = rows
+        .iter()
+        .map(|(e, r)| (*e as i64, r["val_accuracy"] as f32))
+        .collect();
+    // (metrics.csv holds 6 decimals, the event file an f32.)
+    assert!(
+        epochs.len() == expected.len()
+            && epochs
+                .iter()
+                .zip(&expected)
+                .all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() <= 1e-4),
+        "{name}: the event file's val_accuracy {epochs:?}, metrics.csv's {expected:?}"
+    );
 }
 
 #[test]

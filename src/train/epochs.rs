@@ -160,15 +160,20 @@ impl<'a> Epochs<'a> {
         Ok(())
     }
 
-    /// Writes `metrics.csv` (on the writer).
+    /// Writes `metrics.csv` and the TensorBoard event file of the same rows (on the writer).
     pub fn write_csv(&self) -> Result<()> {
         if !self.writer.get() {
             return Ok(());
         }
-        self.gate.borrow().write(
+        let rows = self.rows();
+        let gate = self.gate.borrow();
+        gate.write(
             &self.cfg.run_dir.join("metrics.csv"),
-            metrics_csv(&self.rows()).as_bytes(),
-        )
+            metrics_csv(&rows).as_bytes(),
+        )?;
+        crate::tensorboard::write_run(&self.cfg.run_dir, &rows, |path, bytes| {
+            gate.write(path, bytes)
+        })
     }
 
     /// Whether early stopping ends the run after `epoch` (said in `log`): `--patience` epochs
