@@ -5,6 +5,7 @@ mod cli {
     pub mod data;
     pub mod data_check;
     pub mod exit;
+    pub mod export;
     pub mod kernels;
     pub mod launch;
     #[cfg(feature = "cuda-device")]
@@ -76,6 +77,9 @@ enum Command {
     /// Accuracy, per-class precision and recall and a confusion matrix of a model on class
     /// folders (DIR/<class>/*.png).
     Eval(EvalArgs),
+    /// Write a Hearth model file in another framework's format: torchvision's state_dict as
+    /// SafeTensors, for PyTorch.
+    Export(cli::export::ExportArgs),
     /// Measure throughput.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -162,6 +166,7 @@ fn main() {
         cli.command,
         Command::Predict(_)
             | Command::Eval(_)
+            | Command::Export(_)
             | Command::Train(_)
             | Command::Tune(_)
             | Command::Bench(BenchCommand::Model(_))
@@ -214,6 +219,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Units(args) => units(args),
         Command::Predict(args) => predict_cmd(&cli.device, args),
         Command::Eval(args) => eval_cmd(&cli.device, args),
+        Command::Export(args) => cli::export::export_cmd(&cli.device, args),
         Command::Bench(BenchCommand::Model(args)) => bench_model(&cli.device, args),
         Command::Bench(BenchCommand::Loader(args)) => bench_loader(&cli.device, args),
         Command::Data(DataCommand::Synth(args)) => cli::data::data_synth(args),

@@ -132,3 +132,74 @@ fn torchvision_parity_on_named_devices() {
         check_parity(&device, name);
     }
 }
+
+/// The torchvision export (`hearth export`) gives back what PyTorch wrote: for every fixture,
+/// the model loaded from torchvision's file and exported has exactly the file's keys
+/// (`num_batches_tracked` included, which strict `load_state_dict` asks for), each tensor of a
+/// SafeTensors fixture with its shape and values, and the export loaded again gives
+/// torchvision's logits.
+#[test]
+fn the_torchvision_export_has_torchvisions_keys_values_and_logits() {
+    let device = DeviceChoice::Flex.device().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for (name, file) in CASES {
+        let mut model = fixture_config(name).init(&device).unwrap();
+        load_torchvision(&mut model, &fixture(file), &LoadOptions::default()).unwrap();
+        let out = dir.path().join(format!("{name}-{file}.safetensors"));
+        let written = hearth::models::export_torchvision(&model, &out).unwrap();
+        let bytes = std::fs::read(&out).unwrap();
+        let exported = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut ours: Vec<String> = exported.names().into_iter().map(String::from).collect();
+        ours.sort();
+        assert_eq!(ours.len(), written);
+        let mut theirs: Vec<String> = if file.ends_with(".pth") {
+            use burn::store::ModuleStore;
+            // Keys as PyTorch wrote them (burn-store renumbers `nn.Sequential` indices by
+            // default).
+            burn::store::PytorchStore::from_file(fixture(file))
+                .map_indices_contiguous(false)
+                .keys()
+                .unwrap()
+        } else {
+            let b = std::fs::read(fixture(file)).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&b).unwrap();
+            // Where torchvision's values are at hand, each one is compared.
+            for (key, view) in st.tensors() {
+                let mine = exported.tensor(&key).unwrap();
+                assert_eq!(mine.shape(), view.shape(), "{file}: {key}");
+                if !key.ends_with("num_batches_tracked") {
+                    assert_eq!(mine.data(), view.data(), "{file}: {key}");
+                }
+            }
+            st.names().into_iter().map(String::from).collect()
+        };
+        theirs.sort();
+        if file.ends_with(".safetensors") {
+            // The fixture script leaves batch norm's counters out of its SafeTensors files
+            // (scripts/make_parity_fixtures.py); its .pth files hold them, and match whole.
+            ours.retain(|k| !k.ends_with("num_batches_tracked"));
+        }
+        assert_eq!(
+            ours, theirs,
+            "{file}: the export's keys against torchvision's"
+        );
+
+        let mut again = fixture_config(name).init(&device).unwrap();
+        load_torchvision(&mut again, &out, &LoadOptions::default()).unwrap();
+        let input = npy::read(&fixture(&format!("{name}_input.npy"))).unwrap();
+        let expected = npy::read(&fixture(&format!("{name}_logits.npy"))).unwrap();
+        let shape: [usize; 4] = input.shape.clone().try_into().unwrap();
+        let x = Tensor::<4>::from_data(TensorData::new(input.data, shape), &device);
+        let got: Vec<f32> = again
+            .valid()
+            .forward(x)
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        let diff = max_abs_diff(&got, &expected.data);
+        assert!(
+            diff <= TOLERANCE,
+            "{file} exported and loaded again: {diff}"
+        );
+    }
+}

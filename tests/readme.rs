@@ -182,7 +182,7 @@ fn check(env: &[(String, String)], args: &[String], cwd: &Path) -> Result<(), St
                 _ => Ok(()),
             }
         }
-        Some(sub @ ("predict" | "eval" | "bench")) => {
+        Some(sub @ ("predict" | "eval" | "bench" | "export")) => {
             let mut path = vec![sub];
             if sub == "bench"
                 && let Some(s) = args.get(1)

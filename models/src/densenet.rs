@@ -336,4 +336,25 @@ impl DenseNet {
         }
         remaps
     }
+
+    /// The way back: this network's parameter paths to torchvision's keys
+    /// ([`crate::export::export_torchvision`]).
+    pub fn torchvision_export_remaps(&self) -> Vec<(String, String)> {
+        let mut remaps = Vec::new();
+        for (i, block) in self.features.blocks.iter().enumerate() {
+            for j in 0..block.layers.len() {
+                remaps.push((
+                    format!(r"^features\.blocks\.{i}\.layers\.{j}\."),
+                    format!("features.denseblock{}.denselayer{}.", i + 1, j + 1),
+                ));
+            }
+        }
+        for i in 0..self.features.transitions.len() {
+            remaps.push((
+                format!(r"^features\.transitions\.{i}\."),
+                format!("features.transition{}.", i + 1),
+            ));
+        }
+        remaps
+    }
 }

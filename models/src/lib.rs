@@ -28,6 +28,7 @@ mod error;
 mod layers;
 
 pub mod densenet;
+pub mod export;
 pub mod resnet;
 pub mod stages;
 pub mod vgg;
@@ -36,6 +37,7 @@ pub mod zoo;
 
 pub use densenet::{DenseNet, DenseNetConfig};
 pub use error::{ModelError, Result};
+pub use export::export_torchvision;
 pub use layers::{BiasInit, HeadActivation, HeadConfig, keep_batch_norm_statistics};
 pub use resnet::{BlockKind, ResNet, ResNetConfig};
 pub use vgg::{Vgg, VggConfig, VggLayer};

@@ -261,4 +261,16 @@ impl ResNet {
             (r"^(layer\d+\.\d+\.downsample)\.1\.".into(), "$1.bn.".into()),
         ]
     }
+
+    /// The way back: this network's parameter paths to torchvision's keys
+    /// ([`crate::export::export_torchvision`]).
+    pub fn torchvision_export_remaps() -> Vec<(String, String)> {
+        vec![
+            (
+                r"^(layer\d+\.\d+\.downsample)\.conv\.".into(),
+                "$1.0.".into(),
+            ),
+            (r"^(layer\d+\.\d+\.downsample)\.bn\.".into(), "$1.1.".into()),
+        ]
+    }
 }

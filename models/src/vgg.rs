@@ -259,4 +259,33 @@ impl Vgg {
         }
         remaps
     }
+
+    /// The way back: this network's parameter paths to torchvision's `nn.Sequential` indices
+    /// ([`crate::export::export_torchvision`]).
+    pub fn torchvision_export_remaps(&self) -> Vec<(String, String)> {
+        let mut remaps = Vec::new();
+        let mut index = usize::from(self.leading_pool);
+        for (j, (layer, &pool)) in self.features.iter().zip(&self.pool_after).enumerate() {
+            remaps.push((
+                format!(r"^features\.{j}\.conv\."),
+                format!("features.{index}."),
+            ));
+            index += 1;
+            if layer.bn.is_some() {
+                remaps.push((
+                    format!(r"^features\.{j}\.bn\."),
+                    format!("features.{index}."),
+                ));
+                index += 1;
+            }
+            index += 1 + usize::from(pool);
+        }
+        for (to, from) in [(0, "fc1"), (3, "fc2"), (6, "fc3")] {
+            remaps.push((
+                format!(r"^classifier\.{from}\."),
+                format!("classifier.{to}."),
+            ));
+        }
+        remaps
+    }
 }

@@ -372,4 +372,14 @@ impl Classifier {
         });
         remaps
     }
+
+    /// Regex remaps (pattern, replacement) from this network's parameter paths to
+    /// torchvision's state_dict keys: [`Self::torchvision_remaps`] the other way.
+    pub fn torchvision_export_remaps(&self) -> Vec<(String, String)> {
+        match self {
+            Classifier::ResNet(_) => ResNet::torchvision_export_remaps(),
+            Classifier::Vgg(m) => m.torchvision_export_remaps(),
+            Classifier::DenseNet(m) => m.torchvision_export_remaps(),
+        }
+    }
 }
