@@ -34,6 +34,15 @@ pub enum HearthError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "cannot download {url}: {reason}; fetch it by hand (curl -L -o {path} {url}) and run \
+         again, or give the file itself as the weights"
+    )]
+    Download {
+        url: String,
+        path: PathBuf,
+        reason: String,
+    },
     #[error("{path} is not a usable .npy file: {reason}")]
     Npy { path: PathBuf, reason: String },
     #[error("{path}: line {line} is not an autotune decision (JSON): {reason}")]

@@ -48,6 +48,8 @@ pub mod dist_bench;
 mod error;
 pub mod eval;
 pub mod gpu;
+#[cfg(feature = "hub")]
+pub mod hub;
 #[cfg(feature = "bench-tools")]
 pub mod loader_bench;
 pub mod metrics;

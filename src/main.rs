@@ -15,6 +15,7 @@ mod cli {
     pub mod train;
     pub mod train_args;
     pub mod tune;
+    pub mod weights;
 }
 
 use std::path::PathBuf;
@@ -80,6 +81,10 @@ enum Command {
     /// Write a Hearth model file in another framework's format: torchvision's state_dict as
     /// SafeTensors, for PyTorch.
     Export(cli::export::ExportArgs),
+    /// Pretrained weights by name: `hearth weights fetch resnet50` downloads torchvision's
+    /// ImageNet file once into Hearth's cache (`--weights imagenet` does the same on first use).
+    #[command(subcommand)]
+    Weights(cli::weights::WeightsCommand),
     /// Measure throughput.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -220,6 +225,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Predict(args) => predict_cmd(&cli.device, args),
         Command::Eval(args) => eval_cmd(&cli.device, args),
         Command::Export(args) => cli::export::export_cmd(&cli.device, args),
+        Command::Weights(cmd) => cli::weights::weights_cmd(cmd),
         Command::Bench(BenchCommand::Model(args)) => bench_model(&cli.device, args),
         Command::Bench(BenchCommand::Loader(args)) => bench_loader(&cli.device, args),
         Command::Data(DataCommand::Synth(args)) => cli::data::data_synth(args),

@@ -13,7 +13,8 @@ pub(crate) struct PredictArgs {
     /// Architecture (torchvision name, e.g. resnet50); not needed for a Hearth .bpk model file.
     #[arg(long)]
     model: Option<String>,
-    /// Weights: torchvision .pth/.pt or .safetensors, or a Hearth .bpk model file.
+    /// Weights: torchvision .pth/.pt or .safetensors, a Hearth .bpk model file, or `imagenet`
+    /// (torchvision's ImageNet weights of --model, downloaded once into Hearth's cache).
     #[arg(long)]
     weights: Option<PathBuf>,
     /// Image files, prepared as the model file records (a Hearth model trained at --size S:
@@ -72,9 +73,13 @@ pub(crate) struct EvalArgs {
 
 pub(crate) fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
     let device = hearth::device::select(device_name)?;
+    let weights = match (&args.weights, &args.model) {
+        (Some(w), Some(model)) => crate::cli::weights::resolve(Some(w.clone()), model, false)?,
+        (w, _) => w.clone(),
+    };
     let loaded = predict::load_for_predict(
         args.model.as_deref(),
-        args.weights.as_deref(),
+        weights.as_deref(),
         args.num_classes,
         &device,
     )?;

@@ -304,6 +304,9 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     let in_job = std::env::var_os("HEARTH_RANK").is_some();
     let mut a = a;
     resume_as_started(&mut a, in_job)?;
+    // `--weights imagenet`: fetched here, once, by the process the user started (the ranks it
+    // launches find it in the cache).
+    a.weights = crate::cli::weights::resolve(a.weights.take(), &a.model, a.dry_run)?;
     // A pipeline of P stages needs P processes at least.
     let nproc = match a.pipeline_stages {
         Some(p) if a.nproc == 1 => p,

@@ -27,7 +27,9 @@ pub(crate) struct TrainArgs {
     /// densenet-mini.
     #[arg(long, default_value = hearth::train::DEFAULT_MODEL)]
     pub(crate) model: String,
-    /// torchvision weights to start from; the head is replaced to fit the data's classes.
+    /// torchvision weights to start from (a file, or `imagenet`: torchvision's ImageNet weights
+    /// of --model, downloaded once into Hearth's cache); the head is replaced to fit the data's
+    /// classes.
     #[arg(long)]
     pub(crate) weights: Option<PathBuf>,
     /// Train only the new head.
