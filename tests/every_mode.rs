@@ -524,3 +524,56 @@ fn top5_in_every_mode_and_train_auroc_in_a_pipeline() {
         "no top-5 for multi-label targets: {one:?}"
     );
 }
+
+/// `--clip-grad` clips by the norm over the whole model in every mode that has it: data
+/// parallel (the averaged gradient), elastic (the summed one) and a pipeline (each stage's
+/// squares summed over the stages) train one process's curve; without the bound binding the
+/// run would be another (the bound is far below the gradients' norm).
+#[test]
+fn gradient_clipping_by_the_global_norm_is_the_same_in_every_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = elastic_data(dir.path());
+    let weights = pretrained(dir.path());
+    let base: Vec<String> = [
+        "--model",
+        "vgg-mini-plain",
+        "--weights",
+        weights.to_str().unwrap(),
+        "--batch-size",
+        "24",
+        "--epochs",
+        "2",
+        "--lr",
+        "0.05",
+        "--clip-grad",
+        "0.05",
+    ]
+    .map(str::to_string)
+    .to_vec();
+    let path = |n: &str| dir.path().join(n);
+    train(dir.path(), &data, &path("one"), 1, &base, &[]);
+    let mut unclipped = base.clone();
+    unclipped.truncate(base.len() - 2);
+    train(dir.path(), &data, &path("free"), 1, &unclipped, &[]);
+    let one = metrics(&path("one"));
+    let bound = model_gap(&path("one"), &path("free"), &data);
+    assert!(bound > 1e-3, "--clip-grad 0.05 did not bind: {bound}");
+    for (name, world, args, tolerance) in [
+        ("dp", 2, &[][..], 1e-4),
+        ("elastic", 2, &["--elastic"][..], 1e-4),
+        (
+            "pipeline",
+            1,
+            &["--pipeline-stages", "2", "--micro-batches", "2"][..],
+            1e-3,
+        ),
+    ] {
+        train(dir.path(), &data, &path(name), world, &base, args);
+        let rows = metrics(&path(name));
+        let worst = gap(&one, &rows, &CURVE);
+        assert!(
+            worst <= tolerance,
+            "{name} with --clip-grad differs from one process by {worst}:\n{one:?}\n{rows:?}"
+        );
+    }
+}

@@ -39,6 +39,10 @@ pub enum Transform {
         contrast: f64,
         saturation: f64,
     },
+    /// torchvision `RandomErasing(p)` with its defaults (scale 0.02-0.33, ratio 0.3-3.3,
+    /// value 0): with probability `p` a rectangle of the normalised tensor set to 0 (the
+    /// mean colour). It acts on the tensor, so it runs after every image step.
+    RandomErasing(f64),
 }
 
 impl Transform {
@@ -58,6 +62,9 @@ impl Transform {
             }
             Transform::HorizontalFlip(p) if !(0.0..=1.0).contains(&p) => {
                 bad(format!("flip probability {p}"))
+            }
+            Transform::RandomErasing(p) if !(0.0..=1.0).contains(&p) => {
+                bad(format!("random erasing probability {p}"))
             }
             Transform::Rotation(d) | Transform::Shear(d) if !(0.0..=180.0).contains(&d) => {
                 bad(format!("angle {d} must be in [0, 180]"))
@@ -117,6 +124,38 @@ impl Transform {
                 let s = rng.uniform(1.0 - saturation, 1.0 + saturation) as f32;
                 color_jitter(img, b, c, s)
             }
+            // A tensor step: `Pipeline::apply` runs it on the floats.
+            Transform::RandomErasing(_) => img,
+        }
+    }
+}
+
+/// torchvision's `RandomErasing.get_params` for an `h` x `w` image: up to 10 tries at an area
+/// of 2-33% and a log-uniform aspect in 0.3-3.3; the box (top, left, height, width), or `None`
+/// where no try fits (nothing is erased then, as in torchvision).
+fn erasing_box(h: usize, w: usize, rng: &mut SplitMix64) -> Option<(usize, usize, usize, usize)> {
+    let area = (h * w) as f64;
+    let (lo, hi) = (0.3f64.ln(), 3.3f64.ln());
+    for _ in 0..10 {
+        let erase = area * rng.uniform(0.02, 0.33);
+        let aspect = rng.uniform(lo, hi).exp();
+        let eh = (erase * aspect).sqrt().round() as usize;
+        let ew = (erase / aspect).sqrt().round() as usize;
+        if eh == 0 || ew == 0 || eh >= h || ew >= w {
+            continue;
+        }
+        let top = rng.below(h - eh + 1);
+        let left = rng.below(w - ew + 1);
+        return Some((top, left, eh, ew));
+    }
+    None
+}
+
+/// Sets the box of every channel of the CHW `image` (`size` x `size`) to 0.
+fn erase(image: &mut [f32], size: usize, (top, left, h, w): (usize, usize, usize, usize)) {
+    for plane in image.chunks_exact_mut(size * size) {
+        for row in top..top + h {
+            plane[row * size + left..row * size + left + w].fill(0.0);
         }
     }
 }
@@ -274,12 +313,15 @@ impl Pipeline {
         Ok(self)
     }
 
-    /// The augmented image for (seed, epoch, index).
+    /// The augmented image for (seed, epoch, index), before the tensor steps (random erasing).
     pub fn apply_image(&self, img: RgbImage, seed: u64, epoch: u64, index: u64) -> RgbImage {
-        let mut rng = SplitMix64::for_sample(seed, epoch, index);
+        self.image_steps(img, &mut SplitMix64::for_sample(seed, epoch, index))
+    }
+
+    fn image_steps(&self, img: RgbImage, rng: &mut SplitMix64) -> RgbImage {
         let mut img = img;
         for step in &self.steps {
-            img = step.apply(img, &mut rng);
+            img = step.apply(img, rng);
         }
         if img.dimensions() != (self.size, self.size) {
             img = resize_region(&img, None, self.size, self.size);
@@ -287,10 +329,22 @@ impl Pipeline {
         img
     }
 
-    /// Appends the normalised CHW floats of the augmented image to `out`.
+    /// Appends the normalised CHW floats of the augmented image to `out`: the image steps,
+    /// then the tensor steps on the floats, drawing from the same stream.
     pub fn apply(&self, img: RgbImage, seed: u64, epoch: u64, index: u64, out: &mut Vec<f32>) {
-        let img = self.apply_image(img, seed, epoch, index);
+        let mut rng = SplitMix64::for_sample(seed, epoch, index);
+        let img = self.image_steps(img, &mut rng);
+        let start = out.len();
         to_chw_normalized(&img, out);
+        let size = self.size as usize;
+        for step in &self.steps {
+            if let Transform::RandomErasing(p) = *step
+                && rng.next_f64() < p
+                && let Some(b) = erasing_box(size, size, &mut rng)
+            {
+                erase(&mut out[start..], size, b);
+            }
+        }
     }
 }
 
@@ -308,6 +362,8 @@ pub struct Augmentation {
     pub shear: f64,
     /// Brightness, contrast and saturation strength.
     pub color_jitter: f64,
+    /// Probability of torchvision's `RandomErasing` (0: off).
+    pub random_erasing: f64,
 }
 
 impl Augmentation {
@@ -319,6 +375,7 @@ impl Augmentation {
             rotate: 0.0,
             shear: 0.0,
             color_jitter: 0.0,
+            random_erasing: 0.0,
         }
     }
 
@@ -368,6 +425,9 @@ impl Augmentation {
                 saturation: x,
             });
         }
+        if self.random_erasing > 0.0 {
+            steps.push(Transform::RandomErasing(self.random_erasing));
+        }
         Pipeline::new(steps, size)
     }
 }
@@ -390,6 +450,9 @@ impl std::fmt::Display for Augmentation {
         }
         if self.color_jitter > 0.0 {
             parts.push(format!("color jitter {}", self.color_jitter));
+        }
+        if self.random_erasing > 0.0 {
+            parts.push(format!("random erasing {}", self.random_erasing));
         }
         write!(f, "{}", parts.join(", "))
     }
@@ -443,6 +506,63 @@ mod tests {
             ..Augmentation::none()
         };
         assert!(bad.pipeline(32).is_err());
+    }
+
+    /// Random erasing against torchvision's rule, by its statistics: about `p` of the images
+    /// get one zeroed box (every channel), of 2-33% of the area, placed anywhere; the others
+    /// are untouched; the same (seed, epoch, index) erase the same box.
+    #[test]
+    fn random_erasing_zeroes_one_box_of_torchvisions_sizes_in_about_p_of_the_images() {
+        let aug = Augmentation {
+            random_erasing: 0.5,
+            ..Augmentation::none()
+        };
+        assert_eq!(aug.to_string(), "resize + center crop, random erasing 0.5");
+        let p = aug.pipeline(32).unwrap();
+        let plain = Augmentation::none().pipeline(32).unwrap();
+        let img = gradient(40, 36);
+        let (mut erased, n) = (0, 2000);
+        let mut fractions = Vec::new();
+        for index in 0..n {
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            p.apply(img.clone(), 7, 1, index, &mut a);
+            plain.apply(img.clone(), 7, 1, index, &mut b);
+            let changed: Vec<usize> = (0..a.len()).filter(|&i| a[i] != b[i]).collect();
+            if changed.is_empty() {
+                continue;
+            }
+            erased += 1;
+            assert!(
+                changed.iter().all(|&i| a[i] == 0.0),
+                "erased to the mean (0)"
+            );
+            // The same pixels of each of the 3 channels.
+            let plane = 32 * 32;
+            let per: Vec<usize> = changed.iter().filter(|&&i| i < plane).copied().collect();
+            for c in 1..3 {
+                for &i in &per {
+                    assert_eq!(a[c * plane + i], 0.0);
+                }
+            }
+            fractions.push(per.len() as f64 / plane as f64);
+            let mut again = Vec::new();
+            p.apply(img.clone(), 7, 1, index, &mut again);
+            assert_eq!(again, a);
+        }
+        let rate = erased as f64 / n as f64;
+        assert!((0.45..0.55).contains(&rate), "{rate}");
+        // A pixel may keep its value inside the box where it was 0 already: at most the box.
+        assert!(fractions.iter().all(|&f| f <= 0.34), "{fractions:?}");
+        let mean = fractions.iter().sum::<f64>() / fractions.len() as f64;
+        assert!((0.12..0.2).contains(&mean), "mean area {mean}");
+        assert!(
+            Augmentation {
+                random_erasing: 1.5,
+                ..Augmentation::none()
+            }
+            .pipeline(32)
+            .is_err()
+        );
     }
 
     fn gradient(w: u32, h: u32) -> RgbImage {

@@ -84,6 +84,7 @@ fn build_config(
         _ => None,
     };
     cfg.optim.label_smoothing = a.label_smoothing;
+    cfg.optim.clip_grad = a.clip_grad;
     cfg.checkpoint.monitor = a.monitor;
     cfg.checkpoint.patience = a.patience;
     cfg.checkpoint.min_delta = a.min_delta;
@@ -295,6 +296,9 @@ pub(crate) fn augmentation(a: &TrainArgs) -> Result<hearth::datasets::Augmentati
     }
     if let Some(x) = a.color_jitter {
         aug.color_jitter = x;
+    }
+    if let Some(p) = a.random_erasing {
+        aug.random_erasing = p;
     }
     Ok(aug)
 }

@@ -85,6 +85,10 @@ pub(crate) struct TrainArgs {
     /// The batch size --lr was tuned for (with --scale-lr).
     #[arg(long, requires = "scale_lr")]
     pub(crate) base_batch: Option<usize>,
+    /// Scale each step's gradients down to at most this global L2 norm (PyTorch's
+    /// clip_grad_norm_; the norm over every parameter, across ranks and pipeline stages).
+    #[arg(long, value_name = "NORM")]
+    pub(crate) clip_grad: Option<f64>,
     /// Label smoothing of the cross-entropy loss, in [0, 1) (single-label sets).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) label_smoothing: f32,
@@ -123,6 +127,10 @@ pub(crate) struct TrainArgs {
     /// Brightness, contrast and saturation jitter of up to X (0-1).
     #[arg(long, value_name = "X")]
     pub(crate) color_jitter: Option<f64>,
+    /// torchvision's RandomErasing with probability P (0-1): a box of 2-33% of the image set
+    /// to the mean colour.
+    #[arg(long, value_name = "P")]
+    pub(crate) random_erasing: Option<f64>,
     /// Decoding threads.
     #[arg(long, default_value_t = 2)]
     pub(crate) workers: usize,

@@ -25,6 +25,7 @@ pub const SETTING_FLAGS: &[(&str, &str)] = &[
     ("optim.nesterov", "--nesterov"),
     ("optim.label_smoothing", "--label-smoothing"),
     ("optim.grad_accum", "--grad-accum"),
+    ("optim.clip_grad", "--clip-grad"),
     ("checkpoint.resume", "--resume"),
     ("checkpoint.overwrite", "--overwrite"),
     ("checkpoint.monitor", "--monitor"),

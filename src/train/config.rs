@@ -154,6 +154,11 @@ pub struct OptimSettings {
     pub label_smoothing: f32,
     /// Accumulate gradients over this many micro-batches per optimizer step.
     pub grad_accum: Option<usize>,
+    /// Each step's gradients scaled down to at most this global L2 norm, taken over every
+    /// parameter (PyTorch's `clip_grad_norm_`; across ranks and pipeline stages, after fp16's
+    /// unscaling). `None`: no clipping.
+    #[serde(default)]
+    pub clip_grad: Option<f64>,
 }
 
 impl Default for OptimSettings {
@@ -169,6 +174,7 @@ impl Default for OptimSettings {
             scale_lr: None,
             label_smoothing: 0.0,
             grad_accum: None,
+            clip_grad: None,
         }
     }
 }
@@ -266,6 +272,9 @@ struct AugmentationDef {
     rotate: f64,
     shear: f64,
     color_jitter: f64,
+    /// Runs recorded before random erasing existed had none.
+    #[serde(default)]
+    random_erasing: f64,
 }
 
 /// An optional path as text (lossy where it is not UTF-8, as it is shown).

@@ -31,6 +31,7 @@ mod allreduce;
 mod best;
 mod builder;
 mod catalog;
+mod clip;
 mod config;
 mod distributed;
 mod elastic;

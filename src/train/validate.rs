@@ -54,6 +54,24 @@ impl TrainConfig {
         if !(self.optim.lr.is_finite() && self.optim.lr > 0.0) {
             return bad(format!("`optim.lr` {} must be positive", self.optim.lr));
         }
+        if let Some(c) = self.optim.clip_grad {
+            if !(c.is_finite() && c > 0.0) {
+                return bad(format!("`optim.clip_grad` {c} must be a positive norm"));
+            }
+            let not_built = if self.exchange.zero > 0 {
+                Some("`exchange.zero` (the norm over the optimizer's shards)")
+            } else if self.mode.ps().is_some() {
+                Some("`TrainingMode::ParameterServers` (the norm over the servers' shards)")
+            } else {
+                None
+            };
+            if let Some(what) = not_built {
+                return bad(format!(
+                    "`optim.clip_grad` with {what} is not built yet; it works in one process, \
+                     data parallel, elastic and pipelines"
+                ));
+            }
+        }
         if !(0.0..1.0).contains(&self.optim.label_smoothing) {
             return bad("`optim.label_smoothing` must be in [0, 1)".into());
         }

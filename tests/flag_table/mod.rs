@@ -74,6 +74,7 @@ pub fn setting(flag: &str) -> Vec<&'static str> {
         "--scale-lr" => &["--scale-lr", "linear", "--base-batch", "16"],
         "--base-batch" => &["--scale-lr", "sqrt", "--base-batch", "16"],
         "--label-smoothing" => &["--label-smoothing", "0.1"],
+        "--clip-grad" => &["--clip-grad", "1.0"],
         "--monitor" => &["--monitor", "val_loss"],
         "--patience" => &["--patience", "2"],
         "--min-delta" => &["--min-delta", "0.5"],
@@ -85,6 +86,7 @@ pub fn setting(flag: &str) -> Vec<&'static str> {
         "--rotate" => &["--rotate", "10"],
         "--shear" => &["--shear", "10"],
         "--color-jitter" => &["--color-jitter", "0.2"],
+        "--random-erasing" => &["--random-erasing", "0.25"],
         "--workers" => &["--workers", "3"],
         "--seed" => &["--seed", "3"],
         "--run-dir" => &["--run-dir", "somewhere"],
@@ -184,6 +186,7 @@ pub fn expect(flag: &str, mode: &str) -> Expect {
         ("--autotune", _) => Refused("--autotune full: flex has no GPU kernels"),
         ("--kernel-bundle", _) => Refused("--kernel-bundle: flex has no GPU kernels"),
         // Not built yet (said by name).
+        ("--clip-grad", "parameter servers") => Refused("--clip-grad with --ps"),
         // No meaning: a pipeline's micro-batches are its accumulation.
         ("--grad-accum", "pipeline") => Refused("--micro-batches"),
         // The walk's folder holds no run: resuming it is refused before anything is read (real

@@ -276,6 +276,10 @@ impl<T: Trainee> Allreduce<'_, T> {
             None => true,
         };
         let lr = self.rates.rate(epoch, self.steps);
+        if let (true, Some(max)) = (take, self.cfg.optim.clip_grad) {
+            // Every rank holds the averaged gradients whole: its own norm is the job's.
+            super::clip::clip_grads(&self.model, &mut grads, max, Ok)?;
+        }
         if take {
             self.model = self.optim.step(lr, self.model.clone(), grads);
         } else {

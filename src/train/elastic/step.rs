@@ -386,6 +386,10 @@ impl<T: Trainee> ElasticRun<'_, T> {
             Some(s) => s.decide(burn_dist::ddp::grads_finite(&commit.model, &grads)),
             None => true,
         };
+        if let (true, Some(max)) = (take, self.cfg.optim.clip_grad) {
+            // Every member holds the summed gradients whole: its own norm is the world's.
+            super::super::clip::clip_grads(&commit.model, &mut grads, max, Ok)?;
+        }
         // The commit: nothing above changed any state.
         if take {
             let model = commit.model.clone();

@@ -233,6 +233,16 @@ impl PipelineRun<'_> {
             }
             None => true,
         };
+        if let (true, Some(max)) = (take, self.cfg.optim.clip_grad) {
+            // The norm over the whole model: every stage's squares summed over the job, where
+            // each stage's replicas (equal after their allreduce) count once.
+            let replicas = self.replicas.as_ref().map_or(1, |r| r.world()) as f64;
+            crate::train::clip::clip_grads(&model, &mut grads, max, |mine| {
+                let mut v = [mine as f32];
+                self.comm.allreduce(&mut v, ReduceOp::Sum)?;
+                Ok(f64::from(v[0]) / replicas)
+            })?;
+        }
         Ok(if take {
             (optim.step(rate, model, grads), true)
         } else {
