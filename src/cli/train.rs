@@ -308,9 +308,6 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     let in_job = std::env::var_os("HEARTH_RANK").is_some();
     let mut a = a;
     resume_as_started(&mut a, in_job)?;
-    // `--weights imagenet`: fetched here, once, by the process the user started (the ranks it
-    // launches find it in the cache).
-    a.weights = crate::cli::weights::resolve(a.weights.take(), &a.model, a.dry_run)?;
     // A pipeline of P stages needs P processes at least.
     let nproc = match a.pipeline_stages {
         Some(p) if a.nproc == 1 => p,
@@ -408,7 +405,7 @@ pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
 }
 
 /// A bare `--resume RUN` starts the run as it was started: its processes, and elastic only
-/// through `hearth launch --elastic`.
+/// through `hearth launch --elastic`. Then `--weights imagenet` becomes the file's path.
 fn resume_as_started(a: &mut TrainArgs, in_job: bool) -> Result<()> {
     if let Some(run) = a.resume.clone().filter(|_| !in_job)
         && let Some(then) = crate::cli::resume::recorded_launch(&run)?
@@ -432,6 +429,9 @@ fn resume_as_started(a: &mut TrainArgs, in_job: bool) -> Result<()> {
             a.nproc = then.processes;
         }
     }
+    // `--weights imagenet`: fetched here, once, by the process the user started (the ranks it
+    // launches find it in the cache).
+    a.weights = crate::cli::weights::resolve(a.weights.take(), &a.model, a.dry_run)?;
     Ok(())
 }
 
