@@ -224,12 +224,12 @@ impl ModelBench {
     fn validate(&self) -> Result<()> {
         if self.batch_size == 0 || self.steps == 0 {
             return Err(HearthError::InvalidArgument(
-                "--batch-size and --steps must be at least 1".into(),
+                "a bench needs a batch size and a step count of at least 1".into(),
             ));
         }
         if self.size < hearth_models::MIN_INPUT_SIZE {
             return Err(HearthError::InvalidArgument(format!(
-                "--size {} is below the minimum of {}",
+                "the input size {} is below the minimum of {}",
                 self.size,
                 hearth_models::MIN_INPUT_SIZE
             )));

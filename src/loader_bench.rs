@@ -37,7 +37,7 @@ impl LoaderBench {
     ) -> Result<LoaderReport> {
         if self.batches == 0 {
             return Err(HearthError::InvalidArgument(
-                "--batches must be at least 1".into(),
+                "the loader bench needs at least 1 batch".into(),
             ));
         }
         let set = ImageSet::from_folder(data)?;

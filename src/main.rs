@@ -214,8 +214,27 @@ fn report(err: &anyhow::Error) -> String {
         }
         text.push_str(&part);
     }
-    hearth::settings::flags::with_flags(&text)
+    let mut shown = hearth::settings::flags::with_flags(&text);
+    // Where the library names its own way, the command line's is said too.
+    for (said, hint) in CLI_HINTS {
+        if text.contains(said) {
+            shown.push_str(hint);
+        }
+    }
+    shown
 }
+
+/// (what a library error says, the command line's way to it).
+const CLI_HINTS: &[(&str, &str)] = &[
+    (
+        "`TrainingMode::Elastic` needs this worker's place",
+        " (start the job with `hearth launch --elastic -n N -- hearth train --elastic ...`)",
+    ),
+    (
+        "`ModelConfig::init_units` gives them",
+        " (`hearth units --model NAME` lists them)",
+    ),
+];
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {

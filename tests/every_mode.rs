@@ -525,16 +525,9 @@ fn top5_in_every_mode_and_train_auroc_in_a_pipeline() {
     );
 }
 
-/// `--clip-grad` clips by the norm over the whole model in every mode that has it: data
-/// parallel (the averaged gradient), elastic (the summed one) and a pipeline (each stage's
-/// squares summed over the stages) train one process's curve; without the bound binding the
-/// run would be another (the bound is far below the gradients' norm).
-#[test]
-fn gradient_clipping_by_the_global_norm_is_the_same_in_every_mode() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = elastic_data(dir.path());
-    let weights = pretrained(dir.path());
-    let base: Vec<String> = [
+/// Two epochs of the pretrained model under a new head at a rate that moves it, then `more`.
+fn short_run(weights: &Path, more: &[&str]) -> Vec<String> {
+    let mut run: Vec<String> = [
         "--model",
         "vgg-mini-plain",
         "--weights",
@@ -545,11 +538,22 @@ fn gradient_clipping_by_the_global_norm_is_the_same_in_every_mode() {
         "2",
         "--lr",
         "0.05",
-        "--clip-grad",
-        "0.05",
     ]
     .map(str::to_string)
     .to_vec();
+    run.extend(more.iter().map(|a| a.to_string()));
+    run
+}
+
+/// `--clip-grad` clips by the norm over the whole model in every mode that has it: data
+/// parallel (the averaged gradient), elastic (the summed one) and a pipeline (each stage's
+/// squares summed over the stages) train one process's curve; without the bound binding the
+/// run would be another (the bound is far below the gradients' norm).
+#[test]
+fn gradient_clipping_by_the_global_norm_is_the_same_in_every_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = elastic_data(dir.path());
+    let base = short_run(&pretrained(dir.path()), &["--clip-grad", "0.05"]);
     let path = |n: &str| dir.path().join(n);
     train(dir.path(), &data, &path("one"), 1, &base, &[]);
     let mut unclipped = base.clone();
@@ -576,4 +580,77 @@ fn gradient_clipping_by_the_global_norm_is_the_same_in_every_mode() {
             "{name} with --clip-grad differs from one process by {worst}:\n{one:?}\n{rows:?}"
         );
     }
+}
+
+/// `--mixup` and `--cutmix` (both, so batches switch between them) draw from the seed, the
+/// epoch and the batch's images alone: a pipeline's first stage mixes the images and its last
+/// the targets with the same draw, so it trains one process's curve; data parallel, elastic
+/// and a stopped-and-resumed run mix too, the resume exactly as the straight run. Without the
+/// mixing the run is another.
+#[test]
+fn mixup_and_cutmix_mix_alike_on_a_pipelines_stages_and_resume_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = elastic_data(dir.path());
+    let base = short_run(
+        &pretrained(dir.path()),
+        &["--mixup", "0.4", "--cutmix", "1.0"],
+    );
+    let path = |n: &str| dir.path().join(n);
+    train(dir.path(), &data, &path("one"), 1, &base, &[]);
+    let mut plain = base.clone();
+    plain.truncate(base.len() - 4);
+    train(dir.path(), &data, &path("plain"), 1, &plain, &[]);
+    let one = metrics(&path("one"));
+    let moved = model_gap(&path("one"), &path("plain"), &data);
+    assert!(moved > 1e-3, "mixing did not change the run: {moved}");
+    let hparams: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path("one").join("hparams.json")).unwrap())
+            .unwrap();
+    assert_eq!(hparams["mixup"], 0.4, "{hparams}");
+    assert_eq!(hparams["cutmix"], 1.0, "{hparams}");
+    train(
+        dir.path(),
+        &data,
+        &path("pipeline"),
+        1,
+        &base,
+        &["--pipeline-stages", "2", "--micro-batches", "2"],
+    );
+    let rows = metrics(&path("pipeline"));
+    let worst = gap(&one, &rows, &CURVE);
+    assert!(
+        worst <= 1e-3,
+        "a pipeline with mixing differs from one process by {worst}:\n{one:?}\n{rows:?}"
+    );
+    // Stopped after epoch 1 and resumed: the straight run, in one process and data parallel.
+    train(dir.path(), &data, &path("dp"), 2, &base, &[]);
+    for (name, world) in [("one", 1), ("dp", 2)] {
+        let run = path(&format!("{name}-resumed"));
+        train(
+            dir.path(),
+            &data,
+            &run,
+            world,
+            &base,
+            &["--stop-after-epoch", "1"],
+        );
+        train(dir.path(), &data, &run, world, &base, &["--resume"]);
+        let (straight, resumed) = (metrics(&path(name)), metrics(&run));
+        let worst = gap(&straight, &resumed, &CURVE);
+        assert!(
+            worst <= 1e-5,
+            "{name} with mixing resumed differs by {worst}:\n{straight:?}\n{resumed:?}"
+        );
+    }
+    // Elastic workers mix their shares of each global batch.
+    train(
+        dir.path(),
+        &data,
+        &path("elastic"),
+        2,
+        &base,
+        &["--elastic"],
+    );
+    let elastic = metrics(&path("elastic"));
+    assert_eq!(elastic.len(), 2, "{elastic:?}");
 }

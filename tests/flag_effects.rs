@@ -412,6 +412,28 @@ fn effect(flag: &str, mode: &str, s: &Setup) -> Effect {
         "--shear" => changes(&["--shear", "20"]),
         "--color-jitter" => changes(&["--color-jitter", "0.4"]),
         "--random-erasing" => changes(&["--random-erasing", "1.0"]),
+        "--mixup" => changes(&["--mixup", "1.0"]),
+        "--cutmix" => changes(&["--cutmix", "1.0"]),
+        "--mixup-prob" => Changes {
+            reference: args(&["--mixup", "1.0"]),
+            with: args(&["--mixup", "1.0", "--mixup-prob", "0.5"]),
+        },
+        "--mixup-switch-prob" => Changes {
+            reference: args(&["--mixup", "1.0", "--cutmix", "1.0"]),
+            with: args(&[
+                "--mixup",
+                "1.0",
+                "--cutmix",
+                "1.0",
+                "--mixup-switch-prob",
+                "0.9",
+            ]),
+        },
+        // Mixed in the first epoch alone: the second differs from a run mixing both.
+        "--mixup-off-epoch" => Changes {
+            reference: args(&["--mixup", "1.0", "--epochs", "2"]),
+            with: args(&["--mixup", "1.0", "--epochs", "2", "--mixup-off-epoch", "1"]),
+        },
         "--seed" => changes(&["--seed", "3"]),
         "--grad-accum" => changes(&["--grad-accum", "2"]),
         "--compression" => changes(&["--compression", "bf16"]),

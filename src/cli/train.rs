@@ -91,6 +91,11 @@ fn build_config(
     cfg.data.image_size = a.size;
     cfg.data.augmentation = augment;
     cfg.data.workers = a.workers;
+    cfg.data.mixup = a.mixup;
+    cfg.data.cutmix = a.cutmix;
+    cfg.data.mixup_prob = a.mixup_prob;
+    cfg.data.mixup_switch_prob = a.mixup_switch_prob;
+    cfg.data.mixup_off_epoch = a.mixup_off_epoch;
     cfg.seed = a.seed;
     cfg.price_per_hour = a.price_per_hour;
     cfg.checkpoint.stop_after_epoch = a.stop_after_epoch;

@@ -131,6 +131,24 @@ pub(crate) struct TrainArgs {
     /// to the mean colour.
     #[arg(long, value_name = "P")]
     pub(crate) random_erasing: Option<f64>,
+    /// Mixup on training batches: each image blended with the one before it in the batch,
+    /// the weight drawn per batch from Beta(ALPHA, ALPHA), the labels mixed alike (timm's
+    /// --mixup; 0.2 is common).
+    #[arg(long, value_name = "ALPHA", default_value_t = 0.0)]
+    pub(crate) mixup: f64,
+    /// CutMix on training batches: a box of the image before it pasted in, its size from
+    /// Beta(ALPHA, ALPHA), the labels mixed by the area (timm's --cutmix; 1.0 is common).
+    #[arg(long, value_name = "ALPHA", default_value_t = 0.0)]
+    pub(crate) cutmix: f64,
+    /// Probability that a batch is mixed at all, with --mixup or --cutmix.
+    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    pub(crate) mixup_prob: f64,
+    /// With --mixup and --cutmix both on: the probability that a batch takes cutmix.
+    #[arg(long, value_name = "P", default_value_t = 0.5)]
+    pub(crate) mixup_switch_prob: f64,
+    /// Stop mixing after this epoch (0: never), as timm's --mixup-off-epoch.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub(crate) mixup_off_epoch: usize,
     /// Decoding threads.
     #[arg(long, default_value_t = 2)]
     pub(crate) workers: usize,

@@ -83,6 +83,30 @@ pub struct DataSettings {
     /// Threads that decode images.
     #[serde(skip)]
     pub workers: usize,
+    /// Mixup's Beta(alpha, alpha) on training batches (timm's `--mixup`; 0: off). Runs
+    /// recorded before mixing existed had none.
+    #[serde(default)]
+    pub mixup: f64,
+    /// CutMix's Beta(alpha, alpha) (timm's `--cutmix`; 0: off).
+    #[serde(default)]
+    pub cutmix: f64,
+    /// Probability that a training batch is mixed (timm's `--mixup-prob`).
+    #[serde(default = "one")]
+    pub mixup_prob: f64,
+    /// With mixup and cutmix both on, the probability of cutmix (timm's `--mixup-switch-prob`).
+    #[serde(default = "half")]
+    pub mixup_switch_prob: f64,
+    /// Mixing stops after this epoch (timm's `--mixup-off-epoch`); 0: never.
+    #[serde(default)]
+    pub mixup_off_epoch: usize,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+fn half() -> f64 {
+    0.5
 }
 
 impl Default for DataSettings {
@@ -94,6 +118,24 @@ impl Default for DataSettings {
             image_size: 32,
             augmentation: AugmentPreset::Light.augmentation(),
             workers: 2,
+            mixup: 0.0,
+            cutmix: 0.0,
+            mixup_prob: 1.0,
+            mixup_switch_prob: 0.5,
+            mixup_off_epoch: 0,
+        }
+    }
+}
+
+impl DataSettings {
+    /// Mixup and cutmix as hearth-datasets takes them.
+    pub fn mixing(&self) -> hearth_datasets::Mixing {
+        hearth_datasets::Mixing {
+            mixup: self.mixup,
+            cutmix: self.cutmix,
+            prob: self.mixup_prob,
+            switch_prob: self.mixup_switch_prob,
+            off_epoch: self.mixup_off_epoch as u64,
         }
     }
 }

@@ -36,6 +36,7 @@ mod config;
 mod distributed;
 mod elastic;
 mod epochs;
+mod exchange;
 mod export;
 mod faults;
 mod flat;
@@ -135,7 +136,7 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
     log: &mut dyn FnMut(&str),
 ) -> Result<TrainReport> {
     let defaults = TrainConfig::new(cfg.run_dir.clone());
-    let image_only: [(&str, bool); 14] = [
+    let image_only: [(&str, bool); 15] = [
         (
             "data.folder (the examples are the data)",
             cfg.data.folder.is_some(),
@@ -166,6 +167,10 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
         (
             "data.image_size",
             cfg.data.image_size != defaults.data.image_size,
+        ),
+        (
+            "data.mixup and data.cutmix (they mix image batches; mix in your Examples::batch)",
+            cfg.data.mixing().on(),
         ),
         (
             "data.workers (your Examples make the batches)",

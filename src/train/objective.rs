@@ -76,6 +76,14 @@ impl Objective {
                     .init(&device)
                     .forward(logits, hot.clone().int()))
             }
+            // Cross-entropy and binary cross-entropy are linear in the target: the mixed
+            // target's loss is the weighted sum of the two sides' (label smoothing included,
+            // as timm smooths and then mixes).
+            Targets::Mixed { own, rolled, lam } => {
+                let a = self.loss(logits.clone(), own, training)?;
+                let b = self.loss(logits, rolled, training)?;
+                Ok(a.mul_scalar(*lam) + b.mul_scalar(1.0 - *lam))
+            }
         }
     }
 
@@ -104,6 +112,11 @@ impl Objective {
                     .into_scalar::<i64>();
                 right as f64 / k as f64
             }
+            // A mixed batch's accuracy is against its soft targets: each side's hits weighed.
+            Targets::Mixed { own, rolled, lam } => {
+                let lam = f64::from(*lam);
+                lam * self.hits(logits, own) + (1.0 - lam) * self.hits(logits, rolled)
+            }
         }
     }
 
@@ -111,8 +124,17 @@ impl Objective {
     /// in samples): `None` for multi-label targets and for 5 classes or fewer, where it would
     /// always be every sample.
     pub fn top5_hits(&self, logits: &Tensor<2>, targets: &Targets) -> Option<f64> {
-        let Targets::Classes(y) = targets else {
-            return None;
+        let y = match targets {
+            Targets::Classes(y) => y,
+            Targets::MultiHot(_) => return None,
+            Targets::Mixed { own, rolled, lam } => {
+                let lam = f64::from(*lam);
+                let (a, b) = (
+                    self.top5_hits(logits, own)?,
+                    self.top5_hits(logits, rolled)?,
+                );
+                return Some(lam * a + (1.0 - lam) * b);
+            }
         };
         let [n, classes] = logits.dims();
         if classes <= 5 || n == 0 {
@@ -327,8 +349,13 @@ pub(super) struct ValScores {
 impl ValScores {
     /// Keeps a batch's outputs (nothing for single-label targets).
     pub fn push(&mut self, logits: &Tensor<2>, targets: &Targets) -> Result<()> {
-        let Targets::MultiHot(hot) = targets else {
-            return Ok(());
+        let hot = match targets {
+            Targets::MultiHot(hot) => hot,
+            Targets::Classes(_) => return Ok(()),
+            // A mixed batch's labels are soft: the side that weighs more stands for them.
+            Targets::Mixed { own, rolled, lam } => {
+                return self.push(logits, if *lam >= 0.5 { own } else { rolled });
+            }
         };
         self.classes = hot.dims()[1];
         let read = |t: Tensor<2>, what: &str| {

@@ -20,7 +20,7 @@ use hearth_datasets::loader::{epoch_order, shard_of};
 use hearth_models::{Classifier, ModelConfig};
 
 use super::TrainConfig;
-use super::targets::Targets;
+use super::targets::{BatchMixing, Targets, train_targets};
 use crate::{HearthError, Result};
 
 /// A Burn model Hearth's modes can train: any module whose forward pass maps a batch's input
@@ -245,6 +245,8 @@ pub(crate) struct ImageTrainee {
     loaders: super::sets::Loaders,
     outputs: Outputs,
     config: ModelConfig,
+    /// `data.mixup`, `data.cutmix`: how training batches are mixed (`None`: not at all).
+    mixing: Option<BatchMixing>,
 }
 
 impl Recipe for ImageRecipe {
@@ -276,6 +278,7 @@ impl Recipe for ImageRecipe {
                 multi_label,
             },
             config,
+            mixing: BatchMixing::new(cfg.data.mixing(), cfg.seed),
         })
     }
 }
@@ -283,6 +286,17 @@ impl Recipe for ImageRecipe {
 /// A loader's batches as (images, targets).
 fn images(stream: hearth_datasets::BatchStream, multi_label: bool) -> Stream<Tensor<4>> {
     Box::new(stream.map(move |b| super::targets::targets(b?, multi_label)))
+}
+
+/// A loader's training batches of epoch `epoch` (from 0) as (images, targets), mixed where the
+/// run mixes.
+fn train_images(
+    stream: hearth_datasets::BatchStream,
+    multi_label: bool,
+    mixing: Option<BatchMixing>,
+    epoch: u64,
+) -> Stream<Tensor<4>> {
+    Box::new(stream.map(move |b| train_targets(b?, multi_label, mixing.as_ref(), epoch)))
 }
 
 impl Trainee for ImageTrainee {
@@ -331,9 +345,11 @@ impl Trainee for ImageTrainee {
         batches: Vec<Vec<usize>>,
         device: &Device,
     ) -> Stream<Tensor<4>> {
-        images(
+        train_images(
             self.loaders.train.stream(epoch, batches, device),
             self.outputs.multi_label,
+            self.mixing.clone(),
+            epoch,
         )
     }
     fn val_batches(&self, batches: Vec<Vec<usize>>, device: &Device) -> Stream<Tensor<4>> {
@@ -343,9 +359,11 @@ impl Trainee for ImageTrainee {
         )
     }
     fn shard(&self, epoch: u64, device: &Device) -> Stream<Tensor<4>> {
-        images(
+        train_images(
             self.loaders.train.epoch(epoch, device),
             self.outputs.multi_label,
+            self.mixing.clone(),
+            epoch,
         )
     }
     fn shard_batches(&self) -> usize {

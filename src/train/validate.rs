@@ -157,6 +157,9 @@ impl TrainConfig {
             ));
         }
         self.data.augmentation.pipeline(self.data.image_size)?;
+        if let Some((name, why)) = self.data.mixing().check() {
+            return bad(format!("`data.{name}` {why}"));
+        }
         Ok(())
     }
 
@@ -184,8 +187,8 @@ impl TrainConfig {
             if end != units {
                 return bad(format!(
                     "`PipelineOptions.split` ends at unit {end}, but `model.name` {} has {units} units \
-                     (0..{units}; `hearth units --model {}` lists them)",
-                    self.model.name, self.model.name
+                     (0..{units}; `ModelConfig::init_units` gives them, each with its `kind`)",
+                    self.model.name
                 ));
             }
         }

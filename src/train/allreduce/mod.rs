@@ -25,19 +25,20 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
+use burn::optim::{GradientsAccumulator, ModuleOptimizer};
 use burn::prelude::*;
 use burn_dist::overlap::OverlappedStep;
 use burn_dist::zero::ZeroOptimizer;
 use burn_dist::{Communicator, ReduceOp};
 
 use super::epochs::{Epochs, Row};
+use super::exchange::{Exchange, Update};
 use super::export::export_best;
 use super::faults::Faults;
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, Sums, ValScores, insert_top5};
 use super::precision::{LossScaler, divide};
-use super::shared::{Rates, epoch_lr, one_host_overlap_notice};
+use super::shared::{Rates, epoch_lr};
 use super::trainee::{Recipe, Trainee, val_share};
 use super::{TrainConfig, TrainReport, run_dir};
 use crate::settings::Precision;
@@ -99,8 +100,7 @@ pub(super) fn train_with<R: Recipe>(
         overflow_at: Faults::rank(rank, cfg.compute.precision).overflow_at(),
         epoch_skipped: 0,
         zero: None,
-        clock: ExchangeClock::default(),
-        overlap_said: false,
+        exchange: Exchange::new(&cfg.exchange, ReduceOp::Mean),
         frozen: false,
     };
     let first = s.resume(&epochs, log)?;
@@ -153,21 +153,10 @@ struct Allreduce<'a, T: Trainee> {
     epoch_skipped: u64,
     /// `--zero`: this rank's shard of the optimizer (`self.optim` then never steps).
     zero: Option<ZeroOptimizer>,
-    /// The epoch's time in training steps and, of it, in the gradient exchange.
-    clock: ExchangeClock,
-    /// `--overlap`: whether rank 0 has said how much of the first step's exchange ran during
-    /// its backward.
-    overlap_said: bool,
+    /// The step's plan and exchange (the mean over the ranks), and the epoch's time in them.
+    exchange: Exchange,
     /// Whether the model trains its head alone now (`--freeze-backbone`).
     frozen: bool,
-}
-
-/// Time in training steps and, of it, in the gradient exchange (with `--overlap`: only the
-/// wait for what the backward did not hide; with `--zero`: the sharded update too).
-#[derive(Default)]
-struct ExchangeClock {
-    stepping: std::time::Duration,
-    exchanging: std::time::Duration,
 }
 
 impl<T: Trainee> Allreduce<'_, T> {
@@ -206,8 +195,8 @@ impl<T: Trainee> Allreduce<'_, T> {
         Ok(())
     }
 
-    /// One optimizer step's gradients, averaged over the ranks (what `overlapped` has not
-    /// reduced during the backward yet, with it), applied at the step's rate.
+    /// One optimizer step: its gradients unscaled (fp16), exchanged (what `overlapped` has
+    /// not reduced during the backward yet, with it) and committed at the step's rate.
     fn apply(
         &mut self,
         epoch: usize,
@@ -221,71 +210,34 @@ impl<T: Trainee> Allreduce<'_, T> {
             // went during the backward left unscaled).
             divide(&self.model, &mut grads, s.scale());
         }
-        let exchange = Instant::now();
-        let applied = self.exchange_and_step(epoch, grads, overlapped, log);
-        self.clock.exchanging += exchange.elapsed();
-        applied
-    }
-
-    /// [`Self::apply`]'s exchange and update.
-    fn exchange_and_step(
-        &mut self,
-        epoch: usize,
-        mut grads: GradientsParams,
-        overlapped: Option<OverlappedStep>,
-        log: &mut dyn FnMut(&str),
-    ) -> Result<()> {
-        if let Some(o) = overlapped {
-            let handed = o.finish(&self.model, &mut grads)?;
-            if !self.overlap_said {
-                self.overlap_said = true;
-                log(&format!(
-                    "`exchange.overlap`: {handed} gradient tensors of {} were exchanged during the \
-                     backward pass",
-                    burn_dist::ddp::module_values(&self.model).len()
-                ));
-                if let Some(notice) = self.comm.as_deref().and_then(one_host_overlap_notice) {
-                    log(notice);
-                }
-            }
-        } else if let (Some(z), Some(comm)) = (&mut self.zero, &self.comm) {
-            // Exchange and update in one; the verdict on the averaged gradients as below.
-            let lr = self.rates.rate(epoch, self.steps);
-            let scaler = &mut self.scaler;
-            let mut take = |finite: bool| scaler.as_mut().is_none_or(|s| s.decide(finite));
-            match burn_dist::zero::module::sharded_step(z, &self.model, grads, comm, lr, &mut take)?
+        let update = Update {
+            lr: self.rates.rate(epoch, self.steps),
+            clip: self.cfg.optim.clip_grad,
+            scaler: self.scaler.as_mut(),
+        };
+        self.steps += 1;
+        if let (Some(z), Some(comm)) = (&mut self.zero, &self.comm) {
+            // Exchange and update in one (`--overlap` is refused with it).
+            let model = &self.model;
+            match self
+                .exchange
+                .timed(|| update.sharded(z, model, grads, comm, Ok))?
             {
                 Some(m) => self.model = m,
                 None => self.epoch_skipped += 1,
             }
-            self.steps += 1;
             return Ok(());
-        } else if let Some(comm) = &self.comm {
-            // The mean: summed on the wire in `--compression`'s format (the communicator's),
-            // divided after, so that a narrow format (fp16) never holds the halved values.
-            burn_dist::ddp::allreduce_grads(
-                &self.model,
-                &mut grads,
-                comm,
-                self.cfg.exchange.bucket_bytes,
-            )?;
         }
-        // fp16: every rank holds the same averaged gradients, so all take the same verdict.
-        let take = match &mut self.scaler {
-            Some(s) => s.decide(burn_dist::ddp::grads_finite(&self.model, &grads)),
-            None => true,
-        };
-        let lr = self.rates.rate(epoch, self.steps);
-        if let (true, Some(max)) = (take, self.cfg.optim.clip_grad) {
-            // Every rank holds the averaged gradients whole: its own norm is the job's.
-            super::clip::clip_grads(&self.model, &mut grads, max, Ok)?;
+        if let Some(comm) = &self.comm {
+            self.exchange
+                .exchange(&self.model, &mut grads, comm, overlapped, log)?;
         }
-        if take {
-            self.model = self.optim.step(lr, self.model.clone(), grads);
-        } else {
+        // Every rank holds the averaged gradients whole: its own verdict and norm are the job's.
+        let (model, stepped) = update.apply(self.model.clone(), grads, &mut self.optim, Ok, Ok)?;
+        self.model = model;
+        if !stepped {
             self.epoch_skipped += 1;
         }
-        self.steps += 1;
         Ok(())
     }
 
@@ -350,24 +302,15 @@ impl<T: Trainee> Allreduce<'_, T> {
         Ok(())
     }
 
-    /// `--overlap`: a step's exchange, installed on this thread so that the backward hands
-    /// each unit's gradients over as soon as they exist (the mean over the ranks; fp16's
-    /// gradients unscaled as they leave).
+    /// Plan: `--overlap`'s exchange, installed on this thread so that the backward hands each
+    /// unit's gradients over as soon as they exist (fp16's unscaled as they leave).
     fn begin_overlap(&self) -> Result<Option<OverlappedStep>> {
-        let (Some(comm), true) = (&self.comm, self.cfg.exchange.overlap) else {
+        let Some(comm) = &self.comm else {
             return Ok(None);
         };
-        let o = OverlappedStep::begin(
-            comm.clone(),
-            self.cfg.exchange.bucket_bytes,
-            ReduceOp::Mean,
-            self.cfg.exchange.compression,
-            1.0,
-        )?;
-        if let Some(s) = &self.scaler {
-            burn_dist::overlap::unscale_by(s.scale());
-        }
-        Ok(Some(o))
+        Ok(self
+            .exchange
+            .plan(comm, self.scaler.as_ref().map(|s| s.scale()))?)
     }
 
     /// Stops every rank when one saw a loss that is not finite (fp16 aside, whose loss scale
@@ -392,14 +335,9 @@ impl<T: Trainee> Allreduce<'_, T> {
 
     /// Rank 0's line on the epoch's time in the gradient exchange (data parallel only).
     fn report_exchange(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) {
-        let clock = std::mem::take(&mut self.clock);
-        if self.rank == 0 && self.comm.is_some() && !clock.stepping.is_zero() {
-            log(&burn_dist::ddp::exchange_report(
-                epoch,
-                self.cfg.exchange.overlap,
-                clock.exchanging,
-                clock.stepping,
-            ));
+        let line = self.exchange.report(epoch);
+        if let (0, Some(_), Some(line)) = (self.rank, &self.comm, line) {
+            log(&line);
         }
     }
 
@@ -546,7 +484,7 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
                     log,
                 )?;
                 pending = 0;
-                self.clock.stepping += step_started.elapsed();
+                self.exchange.stepped(step_started.elapsed());
             }
             progress.batch(seen, log);
         }

@@ -42,7 +42,8 @@ impl Entry {
         let initial = cfg.dist.clone();
         if initial.is_none() && !opts.joiner {
             return Err(HearthError::InvalidArgument(
-                "`TrainingMode::Elastic` runs under `hearth launch --elastic`, or joins a job given \
+                "`TrainingMode::Elastic` needs this worker's place in the job (`TrainConfig::dist`, \
+                 from an elastic launcher's variables), or joins a job given \
                  HEARTH_ELASTIC_PEERS or `ElasticOptions.hosts_file`"
                     .into(),
             ));
@@ -135,8 +136,7 @@ pub(crate) fn train_with<R: Recipe>(
         state_limit: std::cell::OnceCell::new(),
         faults: Default::default(),
         zero: None,
-        overlap_said: false,
-        exchange: ExchangeClock::default(),
+        exchange: Exchange::new(&cfg.exchange, ReduceOp::Sum),
     };
     run.faults = crate::train::faults::Faults::elastic(&run.me.id, cfg.compute.precision);
     let (world, commit) = match &initial {

@@ -34,13 +34,13 @@ use std::time::{Duration, Instant};
 
 use super::best::{model_checkpoint, save_epoch_weights};
 use super::epochs::{Epochs, Row};
+use super::exchange::{Exchange, Update};
 use super::export::export_best;
 use super::gate::Gate;
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, insert_top5};
 use super::precision::{LossScaler, divide};
-use super::shared::{Rates, collective_timeout, epoch_lr, one_host_overlap_notice};
-use super::targets::Targets;
+use super::shared::{Rates, collective_timeout, epoch_lr};
 use super::trainee::{ImageRecipe, Input, Net, Recipe, Stream, Trainee, val_share};
 use super::{EpochRows, TrainConfig, TrainReport, run_dir};
 use crate::settings::{Balance, ElasticOptions, Precision};
@@ -54,7 +54,6 @@ use burn_dist::elastic::join::{JoinService, Reply, Role, request_join};
 use burn_dist::elastic::membership::{Decision, Epoch, Health, Limits, Membership, Worker, quorum};
 use burn_dist::elastic::reform::Announcement;
 use burn_dist::elastic::{broadcast_bytes, step_len, step_positions};
-use burn_dist::overlap::OverlappedStep;
 use burn_dist::rendezvous::{
     Abort, RankInfo, RendezvousOptions, bind_coordinator, connect_epoch_on, connect_epoch_watched,
 };
@@ -231,20 +230,10 @@ struct ElasticRun<'a, T: Trainee> {
     faults: super::faults::Faults,
     /// `--zero`: this worker's shard of the optimizer (the commit's `optim` is then unused).
     zero: Option<shard::Sharded>,
-    /// `--overlap`: whether this worker has said how many gradients its first overlapped
-    /// step exchanged during the backward.
-    overlap_said: bool,
-    /// This epoch's time in training steps and, of it, in the gradient exchange (rank 0
-    /// reports both at the epoch's end, as data parallel does).
-    exchange: ExchangeClock,
-}
-
-/// Time in training steps and, of it, in the gradient exchange (with `--overlap`: only the
-/// wait after the backward pass), over one epoch of one worker.
-#[derive(Debug, Default, Clone, Copy)]
-struct ExchangeClock {
-    exchanging: Duration,
-    stepping: Duration,
+    /// The step's plan and exchange (a sum: each worker's share is weighted in its loss),
+    /// and this epoch's time in them (rank 0 reports it at the epoch's end, as data parallel
+    /// does).
+    exchange: Exchange,
 }
 
 /// A short fingerprint of a model's values (FNV-1a over the f32 bits), to show in logs that

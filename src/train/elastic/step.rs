@@ -102,14 +102,9 @@ impl<T: Trainee> ElasticRun<'_, T> {
         commit: &Commit<T::Model>,
         log: &mut dyn FnMut(&str),
     ) {
-        let clock = std::mem::take(&mut self.exchange);
-        if world.rank() == 0 && self.zero.is_none() && !clock.stepping.is_zero() {
-            log(&burn_dist::ddp::exchange_report(
-                commit.epoch as usize + 1,
-                self.cfg.exchange.overlap,
-                clock.exchanging,
-                clock.stepping,
-            ));
+        let line = self.exchange.report(commit.epoch as usize + 1);
+        if let (0, None, Some(line)) = (world.rank(), &self.zero, line) {
+            log(&line);
         }
     }
 
@@ -126,23 +121,12 @@ impl<T: Trainee> ElasticRun<'_, T> {
         // --overlap: the exchange runs while the backward goes on, unit by unit (one backward
         // per step: --grad-accum is refused with it). The shares are weighted in the loss
         // already, so the exchange sums.
-        let overlapped = if self.cfg.exchange.overlap {
-            let comm = world.comm.clone();
-            let (bytes, compression) = (
-                self.cfg.exchange.bucket_bytes,
-                self.cfg.exchange.compression,
-            );
-            match OverlappedStep::begin(comm, bytes, ReduceOp::Sum, compression, 1.0) {
-                Ok(o) => Some(o),
-                Err(e) => return Ok(Stepped::Stop(Interrupt::Failed(e.to_string()))),
-            }
-        } else {
-            None
+        // (What is handed over leaves unscaled, as `divide` leaves the rest.)
+        let scale = commit.scaler.as_ref().map(|s| s.scale());
+        let overlapped = match self.exchange.plan(&world.comm, scale) {
+            Ok(o) => o,
+            Err(e) => return Ok(Stepped::Stop(Interrupt::Failed(e.to_string()))),
         };
-        if let Some(s) = &commit.scaler {
-            // What is handed over leaves unscaled, as `divide` leaves the rest.
-            burn_dist::overlap::unscale_by(s.scale());
-        }
         let mut c = self.compute(world, commit, s)?;
         if self.faults.after_compute(commit.step) {
             LEAVE.store(true, Ordering::SeqCst);
@@ -150,8 +134,12 @@ impl<T: Trainee> ElasticRun<'_, T> {
         // The step's compute, without the end of the exchange: a fast worker waiting for a
         // slow one's last buckets is not slow (--balance throughput reads this).
         let took = t.elapsed().as_secs_f64().max(1e-6);
+        // --overlap: the last buckets, and whatever was not handed over; before the control
+        // allreduce, since nothing else may use the communicator while it runs.
         if let Some(o) = overlapped
-            && let Err(e) = self.finish_overlap(o, world, commit, &mut c.grads, log)
+            && let Err(e) =
+                self.exchange
+                    .exchange(&commit.model, &mut c.grads, &world.comm, Some(o), log)
         {
             return Ok(Stepped::Stop(Interrupt::Failed(e.to_string())));
         }
@@ -189,7 +177,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         commit.sums[2] += c.total as f64;
         commit.sums[3] += control.top5();
         commit.world_log.push((commit.step, now, w));
-        self.exchange.stepping += t.elapsed();
+        self.exchange.stepped(t.elapsed());
         if let Some(z) = self.zero.as_mut() {
             // Every member finished the step: the shard before it is no longer needed.
             let mut ack = [0f32];
@@ -229,10 +217,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             let (input, targets) = s
                 .next()
                 .ok_or_else(|| HearthError::Training("the loader ended early".into()))??;
-            let part = match &targets {
-                Targets::Classes(t) => t.dims()[0],
-                Targets::MultiHot(t) => t.dims()[0],
-            };
+            let part = targets.len();
             let global_part = step_len(n, pos, self.cfg.batch_size);
             let stream_at = commit.step * k as u64 + sub as u64;
             seed_stream(&self.device, self.cfg.seed, stream_at, world.rank());
@@ -266,35 +251,6 @@ impl<T: Trainee> ElasticRun<'_, T> {
         })
     }
 
-    /// --overlap: the last buckets, and whatever was not handed over; before the control
-    /// allreduce, since nothing else may use the communicator while it runs. The first time,
-    /// how much went during the backward.
-    fn finish_overlap(
-        &mut self,
-        o: OverlappedStep,
-        world: &World,
-        commit: &Commit<T::Model>,
-        grads: &mut GradientsParams,
-        log: &mut dyn FnMut(&str),
-    ) -> std::result::Result<(), DistError> {
-        let waited = Instant::now();
-        let finished = o.finish(&commit.model, grads);
-        self.exchange.exchanging += waited.elapsed();
-        let handed = finished?;
-        if !self.overlap_said {
-            self.overlap_said = true;
-            log(&format!(
-                "`exchange.overlap`: {handed} gradient tensors of {} were exchanged during the backward \
-                 pass",
-                burn_dist::ddp::module_values(&commit.model).len()
-            ));
-            if let Some(notice) = one_host_overlap_notice(&world.comm) {
-                log(notice);
-            }
-        }
-        Ok(())
-    }
-
     /// The step's control vector, summed over the world: the same on every member afterwards.
     fn agree(&self, world: &World, c: &Computed) -> std::result::Result<Control, DistError> {
         let w = world.size();
@@ -323,27 +279,20 @@ impl<T: Trainee> ElasticRun<'_, T> {
         commit: &mut Commit<T::Model>,
         mut grads: GradientsParams,
     ) -> Result<Option<Interrupt>> {
-        let lr = self
-            .rates
-            .rate(commit.epoch as usize + 1, commit.step as usize);
         let mut scaler = commit.scaler.clone();
+        let update = Update {
+            lr: self
+                .rates
+                .rate(commit.epoch as usize + 1, commit.step as usize),
+            clip: self.cfg.optim.clip_grad,
+            scaler: scaler.as_mut(),
+        };
         if let Some(z) = self.zero.as_mut() {
             // --zero: the shard's step on a copy (the commit's shard stays as it was should
             // the step fail); the gradients are summed (the shares are weighted in the loss
             // already), one fp16 verdict for the job inside it.
             let mut next = z.current.clone();
-            let stepped = burn_dist::zero::module::sharded_step(
-                &mut next,
-                &commit.model,
-                grads,
-                &world.sharded,
-                lr,
-                &mut |finite| match &mut scaler {
-                    Some(s) => s.decide(finite),
-                    None => true,
-                },
-            );
-            match stepped {
+            match update.sharded(&mut next, &commit.model, grads, &world.sharded, Ok) {
                 Err(e) => {
                     // Failed in the all-gather after the local update: another member may
                     // have finished the step (see sharded.rs).
@@ -363,38 +312,21 @@ impl<T: Trainee> ElasticRun<'_, T> {
             commit.scaler = scaler;
             return Ok(None);
         }
-        // The shares are weighted in the loss already: the sum is the global mean.
         // (--overlap: summed during the backward.)
-        if !self.cfg.exchange.overlap {
-            let exchanging = Instant::now();
-            let reduced = burn_dist::ddp::allreduce_grads_scaled(
-                &commit.model,
-                &mut grads,
-                &world.comm,
-                self.cfg.exchange.bucket_bytes,
-                1.0,
-                self.cfg.exchange.compression,
-            );
-            self.exchange.exchanging += exchanging.elapsed();
-            if let Err(e) = reduced {
-                return Ok(Some(Interrupt::Failed(e.to_string())));
-            }
+        if !self.cfg.exchange.overlap
+            && let Err(e) =
+                self.exchange
+                    .exchange(&commit.model, &mut grads, &world.comm, None, &mut |_| {})
+        {
+            return Ok(Some(Interrupt::Failed(e.to_string())));
         }
-        // fp16: every member holds the same averaged gradients, so all take the same verdict;
-        // a skipped step still counts (its samples and the schedule go on).
-        let take = match &mut scaler {
-            Some(s) => s.decide(burn_dist::ddp::grads_finite(&commit.model, &grads)),
-            None => true,
-        };
-        if let (true, Some(max)) = (take, self.cfg.optim.clip_grad) {
-            // Every member holds the summed gradients whole: its own norm is the world's.
-            super::super::clip::clip_grads(&commit.model, &mut grads, max, Ok)?;
-        }
-        // The commit: nothing above changed any state.
-        if take {
-            let model = commit.model.clone();
-            commit.model = commit.optim.step(lr, model, grads);
-        } else {
+        // The commit: nothing above changed any state. Every member holds the summed
+        // gradients whole, so its verdict and norm are the world's; a skipped step still
+        // counts (its samples and the schedule go on).
+        let model = commit.model.clone();
+        let (model, stepped) = update.apply(model, grads, &mut commit.optim, Ok, Ok)?;
+        commit.model = model;
+        if !stepped {
             commit.epoch_skipped += 1;
         }
         commit.scaler = scaler;

@@ -4,7 +4,9 @@
 use super::*;
 use crate::settings::Precision;
 use crate::train::Targets;
+use crate::train::exchange::Update;
 use crate::train::precision::{LossScaler, divide};
+use crate::train::targets::{BatchMixing, train_targets};
 use burn::optim::GradientsParams;
 use burn_dist::DistError;
 
@@ -78,13 +80,21 @@ impl PipelineRun<'_> {
                 self.comm.rank(),
             ));
         }
+        // Mixup and cutmix: every stage draws the same for the same batch (the first mixes
+        // the images, the last the targets).
+        let mixing = BatchMixing::new(self.cfg.data.mixing(), self.cfg.seed);
         for (i, batch) in self
             .loaders
             .train
             .epoch(epoch as u64 - 1, &self.device)
             .enumerate()
         {
-            let (images, targets) = targets(batch?, self.objective.multi_label())?;
+            let (images, targets) = train_targets(
+                batch?,
+                self.objective.multi_label(),
+                mixing.as_ref(),
+                epoch as u64 - 1,
+            )?;
             // fp16: the last stage multiplies the loss by the scale, so every stage's
             // gradients (and the activations' between them) carry it.
             let factor = scaler
@@ -187,27 +197,26 @@ impl PipelineRun<'_> {
         scaler: &mut Option<LossScaler>,
         rate: f64,
     ) -> Result<(StageModel, bool)> {
-        let mut failed = None;
-        let mut take = |finite: bool| match scaler.as_mut() {
-            None => true,
-            Some(s) => {
-                let mut flag = [if finite { 0.0f32 } else { 1.0 }];
-                if let Err(e) = self.comm.allreduce(&mut flag, ReduceOp::Sum) {
-                    failed = Some(e);
-                    return false;
-                }
-                s.decide(flag[0] == 0.0)
-            }
+        let update = Update {
+            lr: rate,
+            clip: None,
+            scaler: scaler.as_mut(),
         };
-        let stepped =
-            burn_dist::zero::module::sharded_step(z, &model, grads, replicas, rate, &mut take)?;
-        if let Some(e) = failed {
-            return Err(e.into());
-        }
+        let stepped = update.sharded(z, &model, grads, replicas, |finite| {
+            self.agree_finite(finite)
+        })?;
         Ok(match stepped {
             Some(m) => (m, true),
             None => (model, false),
         })
+    }
+
+    /// fp16's one verdict for the whole job: a stage's overflow skips the step on every stage
+    /// and replica (a flag summed over every rank).
+    fn agree_finite(&self, finite: bool) -> std::result::Result<bool, burn_dist::DistError> {
+        let mut flag = [if finite { 0.0f32 } else { 1.0 }];
+        self.comm.allreduce(&mut flag, ReduceOp::Sum)?;
+        Ok(flag[0] == 0.0)
     }
 
     /// The replicas' allreduce, fp16's one verdict for the whole job (a stage's overflow
@@ -224,30 +233,25 @@ impl PipelineRun<'_> {
         if let Some(replicas) = &self.replicas {
             allreduce_grads(&model, &mut grads, replicas, self.cfg.exchange.bucket_bytes)?;
         }
-        let take = match scaler.as_mut() {
-            Some(s) => {
-                let finite = burn_dist::ddp::grads_finite(&model, &grads);
-                let mut flag = [if finite { 0.0f32 } else { 1.0 }];
-                self.comm.allreduce(&mut flag, ReduceOp::Sum)?;
-                s.decide(flag[0] == 0.0)
-            }
-            None => true,
+        let update = Update {
+            lr: rate,
+            clip: self.cfg.optim.clip_grad,
+            scaler: scaler.as_mut(),
         };
-        if let (true, Some(max)) = (take, self.cfg.optim.clip_grad) {
-            // The norm over the whole model: every stage's squares summed over the job, where
-            // each stage's replicas (equal after their allreduce) count once.
-            let replicas = self.replicas.as_ref().map_or(1, |r| r.world()) as f64;
-            crate::train::clip::clip_grads(&model, &mut grads, max, |mine| {
+        // The norm over the whole model: every stage's squares summed over the job, where
+        // each stage's replicas (equal after their allreduce) count once.
+        let replicas = self.replicas.as_ref().map_or(1, |r| r.world()) as f64;
+        update.apply(
+            model,
+            grads,
+            optim,
+            |finite| Ok(self.agree_finite(finite)?),
+            |mine| {
                 let mut v = [mine as f32];
                 self.comm.allreduce(&mut v, ReduceOp::Sum)?;
                 Ok(f64::from(v[0]) / replicas)
-            })?;
-        }
-        Ok(if take {
-            (optim.step(rate, model, grads), true)
-        } else {
-            (model, false)
-        })
+            },
+        )
     }
 
     /// Validation of this replica's shard: the sums, and (multi-label, last stages) the

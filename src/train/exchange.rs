@@ -1,0 +1,231 @@
+//! A training step's gradient exchange and commit, shared by every mode whose ranks hold whole
+//! gradients: data parallel (`allreduce`), elastic workers and a pipeline stage's replicas.
+//!
+//! A step is four parts, in this order on every rank:
+//! - **plan** ([`Exchange::plan`]): with `exchange.overlap`, the hand-over is installed on this
+//!   thread before the backward, so each unit's gradients leave as soon as they exist;
+//! - **compute**: the caller's forward and backward (its shares, accumulation and loss scale);
+//! - **exchange** ([`Exchange::exchange`]): what the backward did not hand over is reduced
+//!   over the ranks in buckets, in `exchange.compression`'s wire format;
+//! - **commit** ([`Update::apply`]): fp16's verdict on the exchanged gradients, clipping by the
+//!   global norm, the optimizer's step. With `exchange.zero` the exchange and the commit are one
+//!   ([`Update::sharded`]: reduce-scatter, the shard's update, all-gather).
+//!
+//! Parameter servers are not behind it: their workers push gradients and pull weights (the
+//! servers commit), which `ps` keeps apart.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn_dist::overlap::OverlappedStep;
+use burn_dist::zero::ZeroOptimizer;
+use burn_dist::{Communicator, DistError, ReduceOp};
+
+use super::config::ExchangeSettings;
+use super::precision::LossScaler;
+use super::shared::one_host_overlap_notice;
+use crate::Result;
+
+/// How one rank's gradients become the step's: the plan and exchange parts of a step, and the
+/// epoch's time in them.
+pub(super) struct Exchange {
+    /// `Mean` where each rank's gradients are the mean of its own samples (data parallel);
+    /// `Sum` where each rank's share of the global batch is weighted in its loss already
+    /// (elastic workers, whose shares differ).
+    op: ReduceOp,
+    settings: ExchangeSettings,
+    /// Whether this rank has said how much of its first overlapped step's exchange ran
+    /// during the backward.
+    said: bool,
+    clock: Clock,
+}
+
+/// Time in training steps and, of it, in the gradient exchange (with `exchange.overlap`: only
+/// the wait for what the backward did not hide; with `exchange.zero`: the sharded update too),
+/// over one epoch.
+#[derive(Debug, Default, Clone, Copy)]
+struct Clock {
+    stepping: Duration,
+    exchanging: Duration,
+}
+
+impl Exchange {
+    pub(super) fn new(settings: &ExchangeSettings, op: ReduceOp) -> Self {
+        Self {
+            op,
+            settings: settings.clone(),
+            said: false,
+            clock: Clock::default(),
+        }
+    }
+
+    /// Plan: with `exchange.overlap`, the step's exchange installed on this thread, so that
+    /// the backward hands each unit's gradients over as it goes (`scale`: fp16's loss scale,
+    /// divided out as they leave). `None` without overlap.
+    pub(super) fn plan(
+        &self,
+        comm: &Arc<Communicator>,
+        scale: Option<f32>,
+    ) -> std::result::Result<Option<OverlappedStep>, DistError> {
+        if !self.settings.overlap {
+            return Ok(None);
+        }
+        let o = OverlappedStep::begin(
+            comm.clone(),
+            self.settings.bucket_bytes,
+            self.op,
+            self.settings.compression,
+            1.0,
+        )?;
+        if let Some(s) = scale {
+            burn_dist::overlap::unscale_by(s);
+        }
+        Ok(Some(o))
+    }
+
+    /// Exchange: `grads` become the step's over `comm`'s ranks: what `overlapped` handed over
+    /// during the backward, with the rest; without it, the whole gradients in buckets. The
+    /// first overlapped step says how many tensors went during the backward. Timed.
+    pub(super) fn exchange<M: Module>(
+        &mut self,
+        model: &M,
+        grads: &mut GradientsParams,
+        comm: &Communicator,
+        overlapped: Option<OverlappedStep>,
+        log: &mut dyn FnMut(&str),
+    ) -> std::result::Result<(), DistError> {
+        let started = Instant::now();
+        let bytes = self.settings.bucket_bytes;
+        let done = 'done: {
+            if let Some(o) = overlapped {
+                let handed = match o.finish(model, grads) {
+                    Ok(handed) => handed,
+                    Err(e) => break 'done Err(e),
+                };
+                if !self.said {
+                    self.said = true;
+                    log(&format!(
+                        "`exchange.overlap`: {handed} gradient tensors of {} were exchanged \
+                         during the backward pass",
+                        burn_dist::ddp::module_values(model).len()
+                    ));
+                    if let Some(notice) = one_host_overlap_notice(comm) {
+                        log(notice);
+                    }
+                }
+                break 'done Ok(());
+            }
+            match self.op {
+                // The mean: summed on the wire in the communicator's format, divided after,
+                // so that a narrow format (fp16) never holds halved values.
+                ReduceOp::Mean => burn_dist::ddp::allreduce_grads(model, grads, comm, bytes),
+                // The shares are weighted in the loss already: the sum is the global mean.
+                _ => burn_dist::ddp::allreduce_grads_scaled(
+                    model,
+                    grads,
+                    comm,
+                    bytes,
+                    1.0,
+                    self.settings.compression,
+                ),
+            }
+        };
+        self.clock.exchanging += started.elapsed();
+        done
+    }
+
+    /// Times a part of the step that exchanges inside it (`exchange.zero`'s sharded update).
+    pub(super) fn timed<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        let started = Instant::now();
+        let r = f();
+        self.clock.exchanging += started.elapsed();
+        r
+    }
+
+    /// Adds a whole step's time (compute, exchange and commit) to the epoch's.
+    pub(super) fn stepped(&mut self, took: Duration) {
+        self.clock.stepping += took;
+    }
+
+    /// The epoch's line on its time in the exchange (`None` before any step), and a fresh
+    /// clock for the next epoch.
+    pub(super) fn report(&mut self, epoch: usize) -> Option<String> {
+        let clock = std::mem::take(&mut self.clock);
+        (!clock.stepping.is_zero()).then(|| {
+            burn_dist::ddp::exchange_report(
+                epoch,
+                self.settings.overlap,
+                clock.exchanging,
+                clock.stepping,
+            )
+        })
+    }
+}
+
+/// The commit of a step: its rate, `optim.clip_grad`'s bound and fp16's loss scaler.
+pub(super) struct Update<'a> {
+    pub(super) lr: f64,
+    pub(super) clip: Option<f64>,
+    pub(super) scaler: Option<&'a mut LossScaler>,
+}
+
+impl Update<'_> {
+    /// Commit on exchanged gradients that this rank holds whole: fp16's verdict (`agree`
+    /// turns this rank's "all finite" into the job's, where ranks hold different parts of the
+    /// model; asked only with a scaler), clipping by the global norm (`total` turns this rank's
+    /// squared norm into the job's), the optimizer's step. The model, and whether it stepped
+    /// (fp16 skips a step whose gradients overflowed, on every rank alike).
+    pub(super) fn apply<M: Module>(
+        self,
+        model: M,
+        mut grads: GradientsParams,
+        optim: &mut ModuleOptimizer,
+        agree: impl FnOnce(bool) -> Result<bool>,
+        total: impl FnOnce(f64) -> Result<f64>,
+    ) -> Result<(M, bool)> {
+        let take = match self.scaler {
+            Some(s) => s.decide(agree(burn_dist::ddp::grads_finite(&model, &grads))?),
+            None => true,
+        };
+        if !take {
+            return Ok((model, false));
+        }
+        if let Some(max) = self.clip {
+            super::clip::clip_grads(&model, &mut grads, max, total)?;
+        }
+        Ok((optim.step(self.lr, model, grads), true))
+    }
+
+    /// `exchange.zero`'s exchange and commit in one: the gradients reduce-scattered into
+    /// `z`'s shard, its update, the parameters all-gathered, with fp16's verdict on the
+    /// reduced gradients (`agree` as in [`Self::apply`]). `None` when fp16 skipped the step.
+    pub(super) fn sharded<M: Module>(
+        self,
+        z: &mut ZeroOptimizer,
+        model: &M,
+        grads: GradientsParams,
+        comm: &Communicator,
+        mut agree: impl FnMut(bool) -> std::result::Result<bool, DistError>,
+    ) -> std::result::Result<Option<M>, DistError> {
+        let mut scaler = self.scaler;
+        let mut failed = None;
+        let mut take = |finite: bool| match scaler.as_deref_mut() {
+            None => true,
+            Some(s) => match agree(finite) {
+                Ok(finite) => s.decide(finite),
+                Err(e) => {
+                    failed = Some(e);
+                    false
+                }
+            },
+        };
+        let stepped =
+            burn_dist::zero::module::sharded_step(z, model, grads, comm, self.lr, &mut take)?;
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(stepped),
+        }
+    }
+}
