@@ -546,8 +546,9 @@ fn short_run(weights: &Path, more: &[&str]) -> Vec<String> {
 }
 
 /// `--clip-grad` clips by the norm over the whole model in every mode that has it: data
-/// parallel (the averaged gradient), elastic (the summed one) and a pipeline (each stage's
-/// squares summed over the stages) train one process's curve; without the bound binding the
+/// parallel (the averaged gradient), elastic (the summed one), both with ZeRO (the squares
+/// summed over the shards) and a pipeline (each stage's squares summed over the stages) train
+/// one process's curve; without the bound binding the
 /// run would be another (the bound is far below the gradients' norm).
 #[test]
 fn gradient_clipping_by_the_global_norm_is_the_same_in_every_mode() {
@@ -565,6 +566,10 @@ fn gradient_clipping_by_the_global_norm_is_the_same_in_every_mode() {
     for (name, world, args, tolerance) in [
         ("dp", 2, &[][..], 1e-4),
         ("elastic", 2, &["--elastic"][..], 1e-4),
+        // ZeRO: the norm summed over the ranks' shards of the averaged gradient.
+        ("dp-zero1", 2, &["--zero", "1"][..], 1e-4),
+        ("dp-zero2", 2, &["--zero", "2"][..], 1e-4),
+        ("elastic-zero", 2, &["--elastic", "--zero", "2"][..], 1e-4),
         (
             "pipeline",
             1,

@@ -475,6 +475,78 @@ mod tests {
         assert_eq!(single, 1.0);
     }
 
+    /// A mixed batch's loss is the soft target's, computed by hand: cross-entropy (smoothed
+    /// too, burn's `y (1 - a) + a / k`) and binary cross-entropy against `lam * own +
+    /// (1 - lam) * rolled`; its hits are each side's weighed.
+    #[test]
+    fn a_mixed_batchs_loss_is_the_soft_targets_and_its_hits_are_weighed() {
+        let rows = [[2.0f32, -1.0], [0.5, 1.5]];
+        let lam = 0.7f32;
+        let mixed = |own: Targets, rolled: Targets| Targets::Mixed {
+            own: Box::new(own),
+            rolled: Box::new(rolled),
+            lam,
+        };
+        let classes = |c: [i32; 2]| Targets::Classes(Tensor::from_ints(c, &device()));
+        for smoothing in [0.0f32, 0.1] {
+            let o = Objective {
+                precision: crate::train::Precision::Fp32,
+                multi_label: false,
+                smoothing,
+                recompute: false,
+            };
+            // Sample 0 is class 0 and sample 1 class 1; rolled by one: 1, then 0.
+            let t = mixed(classes([0, 1]), classes([1, 0]));
+            let got = o
+                .loss(logits(&rows), &t, true)
+                .unwrap()
+                .into_scalar::<f32>();
+            let mut want = 0.0f32;
+            for (i, r) in rows.iter().enumerate() {
+                let lse = (r[0].exp() + r[1].exp()).ln();
+                let (a, b) = (i, 1 - i);
+                for (c, x) in r.iter().enumerate() {
+                    let y = |k: usize| {
+                        (1.0 - smoothing) * if c == k { 1.0 } else { 0.0 } + smoothing / 2.0
+                    };
+                    want -= (lam * y(a) + (1.0 - lam) * y(b)) * (x - lse);
+                }
+            }
+            want /= 2.0;
+            assert!(
+                (got - want).abs() < 1e-5,
+                "smoothing {smoothing}: {got} against {want}"
+            );
+            // Sample 0 is right (class 0 scores highest) and sample 1 right too: all of
+            // `own`'s hits, none of `rolled`'s.
+            let hits = o.hits(&logits(&rows), &t);
+            assert!((hits - 2.0 * f64::from(lam)).abs() < 1e-6, "{hits}");
+        }
+        let o = Objective {
+            precision: crate::train::Precision::Fp32,
+            multi_label: true,
+            smoothing: 0.0,
+            recompute: false,
+        };
+        let own = [[1.0f32, 0.0], [1.0, 1.0]];
+        let rolled = [[1.0f32, 1.0], [1.0, 0.0]];
+        let t = mixed(hot(&own), hot(&rolled));
+        let got = o
+            .loss(logits(&rows), &t, true)
+            .unwrap()
+            .into_scalar::<f32>();
+        let mut want = 0.0f32;
+        for i in 0..2 {
+            for c in 0..2 {
+                let soft = lam * own[i][c] + (1.0 - lam) * rolled[i][c];
+                let p = 1.0 / (1.0 + (-rows[i][c]).exp());
+                want -= soft * p.ln() + (1.0 - soft) * (1.0 - p).ln();
+            }
+        }
+        want /= 4.0;
+        assert!((got - want).abs() < 1e-5, "BCE: {got} against {want}");
+    }
+
     #[test]
     fn gathered_scores_give_the_auroc_of_the_whole_set() {
         // Class 0 ranked perfectly, class 1 inverted: macro AUROC 50%.

@@ -58,8 +58,8 @@ impl TrainConfig {
             if !(c.is_finite() && c > 0.0) {
                 return bad(format!("`optim.clip_grad` {c} must be a positive norm"));
             }
-            let not_built = if self.exchange.zero > 0 {
-                Some("`exchange.zero` (the norm over the optimizer's shards)")
+            let not_built = if self.exchange.zero > 0 && self.mode.pipeline().is_some() {
+                Some("`exchange.zero` in a pipeline (the norm over every stage's shards)")
             } else if self.mode.ps().is_some() {
                 Some("`TrainingMode::ParameterServers` (the norm over the servers' shards)")
             } else {
@@ -68,7 +68,7 @@ impl TrainConfig {
             if let Some(what) = not_built {
                 return bad(format!(
                     "`optim.clip_grad` with {what} is not built yet; it works in one process, \
-                     data parallel, elastic and pipelines"
+                     data parallel and elastic (with or without `exchange.zero`) and pipelines"
                 ));
             }
         }

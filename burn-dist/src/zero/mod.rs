@@ -147,6 +147,9 @@ pub struct ZeroOptimizer {
     /// Updates applied to this rank's segments: one more than `updates` while a step is
     /// between its local update and the end of its all-gather (see [`Self::applied`]).
     applied: u64,
+    /// Clipping of each step's averaged gradient to this global L2 norm
+    /// ([`ZeroOptimizer::with_clip_norm`]).
+    clip_norm: Option<f64>,
 }
 
 /// A copy of the next rank's segments of the state, kept up to date by computing its update
@@ -219,6 +222,7 @@ impl ZeroOptimizer {
             reduce: ReduceOp::Mean,
             replica: None,
             applied: 0,
+            clip_norm: None,
         };
         z.mine = (0..z.buckets.len())
             .map(|b| z.whole.restrict(z.segment(b, rank)))
@@ -237,6 +241,14 @@ impl ZeroOptimizer {
     /// there ([`ShardOptimizer::born`]), as burn's optimizers count each tensor's own.
     pub fn with_new_tensors_at_zero(mut self, on: bool) -> Self {
         self.new_at_zero = on;
+        self
+    }
+
+    /// Clips each step's averaged gradient to at most `max_norm` in global L2 norm, PyTorch's
+    /// `clip_grad_norm_` rule (`max / (norm + 1e-6)` where that is below 1), the norm summed
+    /// over every rank's segments (each value counted once, replicas aside). `None`: off.
+    pub fn with_clip_norm(mut self, max_norm: Option<f64>) -> Self {
+        self.clip_norm = max_norm;
         self
     }
 

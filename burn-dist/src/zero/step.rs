@@ -30,6 +30,9 @@ impl ZeroOptimizer {
         if !take(verdict[0] == 0.0) {
             return Ok(Stepped::Skipped);
         }
+        if let Some(max) = self.clip_norm {
+            self.clip(comm, max, &mut grads, &mut theirs)?;
+        }
         // 3. The segments' values, and LARS's norms summed over every rank's segments.
         let mut values: Vec<Vec<f32>> = (0..self.buckets.len())
             .map(|b| source.values(self.segment(b, self.rank)))
@@ -125,6 +128,35 @@ impl ZeroOptimizer {
             reduced.grads.push(mine);
         }
         Ok(reduced)
+    }
+
+    /// Scales the averaged gradient's segments (`grads`, this rank's; `theirs`, its replica's)
+    /// so that the whole gradient's L2 norm, summed over every rank's own segments, is at most
+    /// `max` (PyTorch's `clip_grad_norm_`).
+    fn clip(
+        &self,
+        comm: &Communicator,
+        max: f64,
+        grads: &mut [Vec<f32>],
+        theirs: &mut [Vec<f32>],
+    ) -> Result<()> {
+        let mine: f64 = grads
+            .iter()
+            .flatten()
+            .map(|&x| f64::from(x) * f64::from(x))
+            .sum();
+        let mut total = [mine as f32];
+        comm.allreduce(&mut total, ReduceOp::Sum)?;
+        let norm = f64::from(total[0]).max(0.0).sqrt();
+        let coef = max / (norm + 1e-6);
+        if coef < 1.0 {
+            // The scale as 1 / (1 / coef) in f32, as a caller dividing by the inverse applies it.
+            let inv = 1.0 / (1.0 / coef) as f32;
+            for x in grads.iter_mut().chain(theirs.iter_mut()).flatten() {
+                *x *= inv;
+            }
+        }
+        Ok(())
     }
 
     /// LARS's `[Σw², Σg²]` per tensor summed over every rank's segments (`None` for the

@@ -44,7 +44,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
             self.cfg.exchange.bucket_bytes,
         )?
         .with_summed_gradients()
-        .with_replica())
+        .with_replica()
+        .with_clip_norm(self.cfg.optim.clip_grad))
     }
 
     /// The first world's shards: fresh, or (`--resume`) the saved state of the commit's step

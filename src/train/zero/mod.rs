@@ -68,7 +68,8 @@ pub(super) fn start<M: Module>(
         comm,
         cfg.exchange.bucket_bytes,
     )?
-    .with_new_tensors_at_zero(new_at_zero);
+    .with_new_tensors_at_zero(new_at_zero)
+    .with_clip_norm(cfg.optim.clip_grad);
     if resume > 0 {
         // Rank 0 reads the file a bucket at a time as it hands the state out.
         let mut read = (comm.rank() == 0)
@@ -107,7 +108,8 @@ pub(super) fn refit<M: Module>(
         comm,
         cfg.exchange.bucket_bytes,
     )?
-    .with_new_tensors_at_zero(true);
+    .with_new_tensors_at_zero(true)
+    .with_clip_norm(cfg.optim.clip_grad);
     z.scatter_state(comm, 0, whole.as_ref().map(Ok))?;
     Ok(z)
 }
