@@ -74,6 +74,19 @@ fn grad(r: usize, t: u64, values: &[f32]) -> Vec<f32> {
 
 /// `steps` steps on `world` ranks of ZeRO `stage`; every rank's final values and, from
 /// rank 0, the gathered state.
+/// A rank's communicator over the in-memory mesh: a 20 s timeout so a bug fails rather than
+/// hangs, and chunks of 4 values so the 23-value vector crosses chunk boundaries.
+fn rank_comm(t: MemoryTransport) -> Communicator {
+    Communicator::new(Arc::new(t))
+        .with_timeout(std::time::Duration::from_secs(20))
+        .with_chunk_elems(4)
+}
+
+/// The parameters every test starts from: 23 values in [-1.1, 1.1].
+fn start_values() -> Vec<f32> {
+    (0..23).map(|i| (i as f32 - 11.0) / 10.0).collect()
+}
+
 fn run(
     update: Update,
     stage: Stage,
@@ -87,9 +100,7 @@ fn run(
         .map(|t| {
             let start = start.clone();
             thread::spawn(move || {
-                let comm = Communicator::new(Arc::new(t))
-                    .with_timeout(std::time::Duration::from_secs(20))
-                    .with_chunk_elems(4);
+                let comm = rank_comm(t);
                 let o = optimizer(update);
                 // Buckets of 10 values: [a.weight, a.bias], [b.weight], [b.bias].
                 let mut z = ZeroOptimizer::new(stage, &tensors(), o.clone(), &comm, 40).unwrap();
@@ -97,7 +108,7 @@ fn run(
                     z.scatter_state(&comm, 0, (comm.rank() == 0).then_some(Ok(s)))
                         .unwrap();
                 }
-                let mut values: Vec<f32> = (0..23).map(|i| (i as f32 - 11.0) / 10.0).collect();
+                let mut values = start_values();
                 let first = z.updates();
                 for t in first..first + steps {
                     // Every rank's mean over its samples, as in data parallel.
@@ -151,7 +162,7 @@ fn step_on(
 /// The reference: one process on the whole vector with the mean of the ranks' gradients.
 fn reference(update: Update, world: usize, steps: u64) -> (Vec<f32>, Vec<f32>) {
     let o = optimizer(update);
-    let mut values: Vec<f32> = (0..23).map(|i| (i as f32 - 11.0) / 10.0).collect();
+    let mut values = start_values();
     let mut state = Vec::new();
     for t in 0..steps {
         let mut mean = vec![0f32; 23];
@@ -207,7 +218,7 @@ fn a_state_written_by_three_ranks_resumes_on_two_and_on_one() {
         let (on_one, _) = run(update, Stage::One, 1, 2, Some(saved.clone()), None);
         // By hand: the state the 3 ranks left, two more steps with the 2-rank mean.
         let o = optimizer(update);
-        let mut values: Vec<f32> = (0..23).map(|i| (i as f32 - 11.0) / 10.0).collect();
+        let mut values = start_values();
         let mut state = Vec::new();
         for t in 0..2 {
             let mut mean = vec![0f32; 23];
@@ -220,7 +231,7 @@ fn a_state_written_by_three_ranks_resumes_on_two_and_on_one() {
         }
         // The resumed runs start from the initial values (the model is not part of the
         // optimizer state), so the reference does too, with the saved state.
-        let mut v2: Vec<f32> = (0..23).map(|i| (i as f32 - 11.0) / 10.0).collect();
+        let mut v2 = start_values();
         let mut s2 = state.clone();
         let mut v1 = v2.clone();
         let mut s1 = state;
@@ -393,16 +404,14 @@ fn run_replicated(
         .into_iter()
         .map(|t| {
             thread::spawn(move || {
-                let comm = Communicator::new(Arc::new(t))
-                    .with_timeout(std::time::Duration::from_secs(20))
-                    .with_chunk_elems(4);
+                let comm = rank_comm(t);
                 let o = optimizer(update);
                 let mut z = ZeroOptimizer::new(stage, &tensors(), o.clone(), &comm, 40)
                     .unwrap()
                     .with_summed_gradients()
                     .with_replica();
                 assert!(z.has_replica());
-                let mut values: Vec<f32> = (0..23).map(|i| (i as f32 - 11.0) / 10.0).collect();
+                let mut values = start_values();
                 for t in 0..steps {
                     let g: Vec<f32> = grad(comm.rank(), t, &values)
                         .into_iter()
@@ -443,9 +452,7 @@ fn reshard(
         .map(|(t, o)| {
             let mine = o.map(|o| old[o].clone());
             thread::spawn(move || {
-                let comm = Communicator::new(Arc::new(t))
-                    .with_timeout(std::time::Duration::from_secs(20))
-                    .with_chunk_elems(4);
+                let comm = rank_comm(t);
                 let mut z = ZeroOptimizer::new(stage, &tensors(), optimizer(update), &comm, 40)?
                     .with_summed_gradients()
                     .with_replica();
@@ -532,79 +539,4 @@ fn neighbours_lost_together_are_an_error_on_every_rank_naming_them() {
     }
 }
 
-/// Plain momentum SGD: the step scales with the gradient, so a clip left out would show.
-const SGD: Update = Update::Sgd {
-    momentum: 0.9,
-    nesterov: false,
-};
-
-/// `with_clip_norm`: every rank's segments scaled by the whole averaged gradient's norm, as
-/// one process clips the mean gradient (PyTorch's rule), with and without a replica (whose
-/// segments count once: their owner's).
-#[test]
-fn clipping_takes_the_norm_over_every_ranks_segments() {
-    let (world, steps, max) = (3usize, 3u64, 0.1f64);
-    for stage in [Stage::One, Stage::Two] {
-        for replica in [false, true] {
-            let handles: Vec<_> = MemoryTransport::mesh(world)
-                .into_iter()
-                .map(|t| {
-                    thread::spawn(move || {
-                        let comm = Communicator::new(Arc::new(t))
-                            .with_timeout(std::time::Duration::from_secs(20))
-                            .with_chunk_elems(4);
-                        let o = optimizer(SGD);
-                        let mut z = ZeroOptimizer::new(stage, &tensors(), o.clone(), &comm, 40)
-                            .unwrap()
-                            .with_clip_norm(Some(max));
-                        if replica {
-                            z = z.with_replica();
-                        }
-                        let mut values: Vec<f32> =
-                            (0..23).map(|i| (i as f32 - 11.0) / 10.0).collect();
-                        for t in 0..steps {
-                            let g = grad(comm.rank(), t, &values);
-                            match step_on(&mut z, &comm, &o, &g, &values) {
-                                Stepped::Updated(v) => values = v.concat(),
-                                Stepped::Skipped => panic!("no step is skipped"),
-                            }
-                        }
-                        values
-                    })
-                })
-                .collect();
-            // One process: the mean gradient clipped, then the same rule.
-            let o = optimizer(SGD);
-            let mut want: Vec<f32> = (0..23).map(|i| (i as f32 - 11.0) / 10.0).collect();
-            let mut state = Vec::new();
-            let mut clipped = false;
-            for t in 0..steps {
-                let mut mean = vec![0f32; 23];
-                for r in 0..world {
-                    for (m, g) in mean.iter_mut().zip(grad(r, t, &want)) {
-                        *m += g / world as f32;
-                    }
-                }
-                let norm = mean
-                    .iter()
-                    .map(|&g| f64::from(g).powi(2))
-                    .sum::<f64>()
-                    .sqrt();
-                let coef = max / (norm + 1e-6);
-                if coef < 1.0 {
-                    clipped = true;
-                    mean.iter_mut().for_each(|g| *g *= coef as f32);
-                }
-                o.step(t, &mut want, &mean, &mut state);
-            }
-            assert!(clipped, "the bound binds");
-            for h in handles {
-                close(
-                    &h.join().unwrap(),
-                    &want,
-                    &format!("stage {stage:?}, replica {replica}"),
-                );
-            }
-        }
-    }
-}
+mod clip;
