@@ -412,6 +412,7 @@ fn effect(flag: &str, mode: &str, s: &Setup) -> Effect {
         "--shear" => changes(&["--shear", "20"]),
         "--color-jitter" => changes(&["--color-jitter", "0.4"]),
         "--random-erasing" => changes(&["--random-erasing", "1.0"]),
+        "--auto-augment" => changes(&["--auto-augment", "rand-m15-n2"]),
         "--mixup" => changes(&["--mixup", "1.0"]),
         "--cutmix" => changes(&["--cutmix", "1.0"]),
         "--mixup-prob" => Changes {

@@ -26,6 +26,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod autoaugment;
 pub mod cache;
 mod error;
 pub mod folder;
@@ -37,6 +38,7 @@ pub mod rng;
 pub mod synth;
 pub mod transform;
 
+pub use autoaugment::Policy as AutoAugment;
 pub use cache::DiskCache;
 pub use error::{DataError, Result};
 pub use folder::{ImageSet, Problem, ProblemKind, Problems, Sample, Target, train_val};

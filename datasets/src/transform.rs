@@ -7,6 +7,7 @@
 
 use image::{Rgb, RgbImage};
 
+use crate::autoaugment::Policy;
 use crate::preprocess::{center_crop, resize_region, resize_shorter, to_chw_normalized};
 use crate::rng::SplitMix64;
 use crate::{DataError, Result};
@@ -39,6 +40,9 @@ pub enum Transform {
         contrast: f64,
         saturation: f64,
     },
+    /// torchvision's `RandAugment` or `TrivialAugmentWide` (their operations and magnitude
+    /// tables, nearest sampling, fill 0).
+    AutoAugment(Policy),
     /// torchvision `RandomErasing(p)` with its defaults (scale 0.02-0.33, ratio 0.3-3.3,
     /// value 0): with probability `p` a rectangle of the normalised tensor set to 0 (the
     /// mean colour). It acts on the tensor, so it runs after every image step.
@@ -79,6 +83,7 @@ impl Transform {
             {
                 bad("color jitter strengths must be in [0, 1]".into())
             }
+            Transform::AutoAugment(p) => p.validate(),
             _ => Ok(()),
         }
     }
@@ -124,6 +129,7 @@ impl Transform {
                 let s = rng.uniform(1.0 - saturation, 1.0 + saturation) as f32;
                 color_jitter(img, b, c, s)
             }
+            Transform::AutoAugment(p) => p.apply(img, rng),
             // A tensor step: `Pipeline::apply` runs it on the floats.
             Transform::RandomErasing(_) => img,
         }
@@ -362,6 +368,8 @@ pub struct Augmentation {
     pub shear: f64,
     /// Brightness, contrast and saturation strength.
     pub color_jitter: f64,
+    /// RandAugment or TrivialAugmentWide after the flip (`None`: off).
+    pub auto_augment: Option<Policy>,
     /// Probability of torchvision's `RandomErasing` (0: off).
     pub random_erasing: f64,
 }
@@ -375,6 +383,7 @@ impl Augmentation {
             rotate: 0.0,
             shear: 0.0,
             color_jitter: 0.0,
+            auto_augment: None,
             random_erasing: 0.0,
         }
     }
@@ -417,6 +426,10 @@ impl Augmentation {
         if self.flip {
             steps.push(Transform::HorizontalFlip(0.5));
         }
+        // torchvision's reference recipe: crop, flip, then the policy, on 8-bit pixels.
+        if let Some(p) = self.auto_augment {
+            steps.push(Transform::AutoAugment(p));
+        }
         if self.color_jitter > 0.0 {
             let x = self.color_jitter;
             steps.push(Transform::ColorJitter {
@@ -450,6 +463,9 @@ impl std::fmt::Display for Augmentation {
         }
         if self.color_jitter > 0.0 {
             parts.push(format!("color jitter {}", self.color_jitter));
+        }
+        if let Some(p) = self.auto_augment {
+            parts.push(format!("auto augment {p}"));
         }
         if self.random_erasing > 0.0 {
             parts.push(format!("random erasing {}", self.random_erasing));

@@ -118,6 +118,7 @@ fn recorded_flags(key: &str) -> &'static [&'static str] {
             "--shear",
             "--color-jitter",
             "--random-erasing",
+            "--auto-augment",
         ],
         "seed" => &["--seed"],
         "mixup" => &["--mixup"],

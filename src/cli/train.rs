@@ -305,6 +305,9 @@ pub(crate) fn augmentation(a: &TrainArgs) -> Result<hearth::datasets::Augmentati
     if let Some(p) = a.random_erasing {
         aug.random_erasing = p;
     }
+    if let Some(p) = &a.auto_augment {
+        aug.auto_augment = Some(p.parse().with_context(|| format!("--auto-augment {p}"))?);
+    }
     Ok(aug)
 }
 

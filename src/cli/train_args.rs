@@ -131,6 +131,11 @@ pub(crate) struct TrainArgs {
     /// to the mean colour.
     #[arg(long, value_name = "P")]
     pub(crate) random_erasing: Option<f64>,
+    /// RandAugment or TrivialAugmentWide after the flip, as torchvision defines them:
+    /// rand-mM-nN (N operations at magnitude bin M of 0-30; rand is rand-m9-n2, timm's
+    /// spelling) or trivialaugment (also ta_wide). Alias --aa.
+    #[arg(long, visible_alias = "aa", value_name = "POLICY")]
+    pub(crate) auto_augment: Option<String>,
     /// Mixup on training batches: each image blended with the one before it in the batch,
     /// the weight drawn per batch from Beta(ALPHA, ALPHA), the labels mixed alike (timm's
     /// --mixup; 0.2 is common).

@@ -317,6 +317,33 @@ struct AugmentationDef {
     /// Runs recorded before random erasing existed had none.
     #[serde(default)]
     random_erasing: f64,
+    /// As its spelling (`rand-m9-n2`, `trivialaugment`); runs recorded before it had none.
+    #[serde(default, with = "policy_text")]
+    auto_augment: Option<hearth_datasets::AutoAugment>,
+}
+
+/// An optional augmentation policy as the text `--auto-augment` reads.
+mod policy_text {
+    use hearth_datasets::AutoAugment;
+    use serde::{Deserialize, Deserializer, Serializer, de::Error};
+
+    pub(super) fn serialize<S: Serializer>(
+        p: &Option<AutoAugment>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match p {
+            Some(p) => s.serialize_some(&p.to_string()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<AutoAugment>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|p| p.parse().map_err(D::Error::custom))
+            .transpose()
+    }
 }
 
 /// An optional path as text (lossy where it is not UTF-8, as it is shown).

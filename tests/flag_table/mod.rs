@@ -87,6 +87,7 @@ pub fn setting(flag: &str) -> Vec<&'static str> {
         "--shear" => &["--shear", "10"],
         "--color-jitter" => &["--color-jitter", "0.2"],
         "--random-erasing" => &["--random-erasing", "0.25"],
+        "--auto-augment" => &["--auto-augment", "trivialaugment"],
         "--mixup" => &["--mixup", "0.2"],
         "--cutmix" => &["--cutmix", "1.0"],
         "--mixup-prob" => &["--mixup", "0.2", "--mixup-prob", "0.5"],

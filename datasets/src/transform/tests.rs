@@ -179,3 +179,59 @@ fn invalid_parameters_are_errors() {
         .is_err()
     );
 }
+
+/// `auto_augment` adds the policy after the image steps: the pixels of an image change for
+/// most samples (TrivialAugmentWide draws Identity one time in 14), the same sample gets the
+/// same operation, and a policy outside torchvision's ranges is refused.
+#[test]
+fn an_auto_augment_policy_runs_after_the_flip_and_repeats_for_the_same_sample() {
+    use crate::autoaugment::Policy;
+    for policy in [
+        Policy::TrivialAugmentWide,
+        Policy::RandAugment {
+            ops: 2,
+            magnitude: 9,
+        },
+    ] {
+        let aug = Augmentation {
+            auto_augment: Some(policy),
+            ..Augmentation::light()
+        };
+        assert_eq!(
+            aug.to_string(),
+            format!("random crop 0.7-1, flip, auto augment {policy}")
+        );
+        let p = aug.pipeline(32).unwrap();
+        assert_eq!(p.steps.last(), Some(&Transform::AutoAugment(policy)));
+        let plain = Augmentation::light().pipeline(32).unwrap();
+        let img = gradient(40, 36);
+        let n = 200;
+        let changed = (0..n)
+            .filter(|&i| {
+                let a = p.apply_image(img.clone(), 5, 2, i);
+                assert_eq!(a, p.apply_image(img.clone(), 5, 2, i));
+                a != plain.apply_image(img.clone(), 5, 2, i)
+            })
+            .count();
+        assert!(
+            changed > n as usize * 3 / 4,
+            "{policy}: {changed} of {n} changed"
+        );
+    }
+    for bad in [
+        Policy::RandAugment {
+            ops: 0,
+            magnitude: 9,
+        },
+        Policy::RandAugment {
+            ops: 2,
+            magnitude: 31,
+        },
+    ] {
+        let aug = Augmentation {
+            auto_augment: Some(bad),
+            ..Augmentation::none()
+        };
+        assert!(aug.pipeline(32).is_err(), "{bad:?}");
+    }
+}
