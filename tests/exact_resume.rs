@@ -98,3 +98,41 @@ fn with_gradient_accumulation_warmup_ends_after_its_epochs() {
         );
     }
 }
+
+/// `optim.model_ema`: the average is validated every epoch, kept with each checkpoint and
+/// exported from the best epoch; stopped after epoch 1 and resumed, the run ends with the
+/// straight run's average to the bit (the average continues from the checkpoint's, not from
+/// the resumed weights).
+#[test]
+fn a_weight_average_resumes_bit_exactly_and_is_exported() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    let make = |name: &str| {
+        let mut cfg = config(&d, dir.path().join(name));
+        cfg.optim.model_ema = Some(0.8);
+        cfg
+    };
+    run(&make("straight"));
+    common::stop_then_resume(&make("resumed"), 1);
+    let file = |name: &str, f: &str| dir.path().join(name).join(f);
+    let (a, b) = (
+        tensors(&file("straight", "model_ema.bpk")),
+        tensors(&file("resumed", "model_ema.bpk")),
+    );
+    assert!(!a.is_empty());
+    assert_eq!(a, b, "the average differs after a resume");
+    // It is an average, not the model: the exported weights differ.
+    let model = tensors(&file("straight", "model.bpk"));
+    assert_eq!(model.len(), a.len());
+    assert!(model.iter().zip(&a).any(|((_, x), (_, y))| x != y));
+    let rows = common::metrics(&file("straight", ""));
+    assert_eq!(rows.len(), 3);
+    for row in rows.values() {
+        for c in ["val_ema_loss", "val_ema_accuracy"] {
+            assert!(row.get(c).is_some_and(|v| v.is_finite()), "{c} in {row:?}");
+        }
+    }
+    // A checkpoint's average is kept beside its weights (the last epoch's at least).
+    assert!(file("straight", "checkpoint/ema-3.bpk").is_file());
+}

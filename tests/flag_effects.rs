@@ -91,6 +91,13 @@ enum Effect {
     },
     /// `metrics.csv` has `rows` epochs.
     Rows { with: Vec<String>, rows: usize },
+    /// A weight average beside the model: the model as `reference` trained it (the average
+    /// only watches), `model_ema.bpk` other than `model.bpk` and than `reference`'s average
+    /// where it has one, and `val_ema_accuracy` in every row.
+    Averages {
+        reference: Vec<String>,
+        with: Vec<String>,
+    },
     /// The summary prices the job's process-seconds (all ranks, not rank 0's clock).
     Priced,
     /// A second run into a used run directory is refused without the flag and replaces the
@@ -390,6 +397,14 @@ fn effect(flag: &str, mode: &str, s: &Setup) -> Effect {
         "--label-smoothing" => changes(&["--label-smoothing", "0.2"]),
         // A bound far below the gradients' norm: every step is scaled down.
         "--clip-grad" => changes(&["--clip-grad", "0.01"]),
+        "--model-ema" => Averages {
+            reference: Vec::new(),
+            with: args(&["--model-ema", "--model-ema-decay", "0.5"]),
+        },
+        "--model-ema-decay" => Averages {
+            reference: args(&["--model-ema", "--model-ema-decay", "0.5"]),
+            with: args(&["--model-ema", "--model-ema-decay", "0.9"]),
+        },
         "--monitor" => Monitors {
             with: args(&["--monitor", "val_loss", "--epochs", "3", "--lr", "0.2"]),
             column: "val_loss",
@@ -607,17 +622,20 @@ fn check(
             Err(format!("the run failed:\n{}", run.text))
         }
     };
+    // The run of `reference` (the baseline where empty), run once however many ask.
+    let mut reference_path = |reference: &Vec<String>| -> Result<PathBuf, String> {
+        if reference.is_empty() {
+            return Ok(baseline.path.clone());
+        }
+        if !references.contains_key(reference) {
+            let r = ran(reference)?;
+            references.insert(reference.clone(), r);
+        }
+        Ok(references[reference].path.clone())
+    };
     match effect {
         Effect::Changes { reference, with } => {
-            let reference_run = if reference.is_empty() {
-                baseline.path.clone()
-            } else {
-                if !references.contains_key(&reference) {
-                    let r = ran(&reference)?;
-                    references.insert(reference.clone(), r);
-                }
-                references[&reference].path.clone()
-            };
+            let reference_run = reference_path(&reference)?;
             let run = ran(&with)?;
             let gap = result_gap(&reference_run, &run.path);
             if gap > changed {
@@ -701,6 +719,38 @@ fn check(
                 Ok(())
             } else {
                 Err(format!("{got} epochs, not {rows}:\n{}", run.text))
+            }
+        }
+        Effect::Averages { reference, with } => {
+            let reference_run = reference_path(&reference)?;
+            let run = ran(&with)?;
+            let trained = model_gap(
+                &reference_run.join("model.bpk"),
+                &run.path.join("model.bpk"),
+            );
+            let average = run.path.join("model_ema.bpk");
+            let own = if average.is_file() {
+                model_gap(&run.path.join("model.bpk"), &average)
+            } else {
+                return Err(format!("no model_ema.bpk:\n{}", run.text));
+            };
+            let earlier = reference_run.join("model_ema.bpk");
+            let other = if earlier.is_file() {
+                model_gap(&earlier, &average)
+            } else {
+                f32::INFINITY
+            };
+            let rows = common::metrics(&run.path);
+            let columns = rows.values().all(|r| r.contains_key("val_ema_accuracy"));
+            if trained <= changed / 100.0 && own > changed && other > changed && columns {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{with:?}: the model moved by {trained} from {reference:?}'s (it should not), \
+                     the average differs from it by {own} and from {reference:?}'s by {other} \
+                     (both should), val_ema_accuracy in every row: {columns}:\n{}",
+                    run.text
+                ))
             }
         }
         Effect::Priced => {

@@ -105,6 +105,7 @@ fn recorded_flags(key: &str) -> &'static [&'static str] {
         "scale_lr" => &["--scale-lr", "--base-batch"],
         "label_smoothing" => &["--label-smoothing"],
         "clip_grad" => &["--clip-grad"],
+        "model_ema" => &["--model-ema", "--model-ema-decay"],
         "monitor" => &["--monitor"],
         "patience" => &["--patience"],
         "min_delta" => &["--min-delta"],

@@ -85,6 +85,11 @@ fn build_config(
     };
     cfg.optim.label_smoothing = a.label_smoothing;
     cfg.optim.clip_grad = a.clip_grad;
+    cfg.optim.model_ema = match (a.model_ema, a.model_ema_decay) {
+        (true, d) => Some(d.unwrap_or(0.9998)),
+        (false, Some(_)) => bail!("--model-ema-decay without --model-ema: no average is kept"),
+        (false, None) => None,
+    };
     cfg.checkpoint.monitor = a.monitor;
     cfg.checkpoint.patience = a.patience;
     cfg.checkpoint.min_delta = a.min_delta;

@@ -89,6 +89,14 @@ pub(crate) struct TrainArgs {
     /// clip_grad_norm_; the norm over every parameter, across ranks and pipeline stages).
     #[arg(long, value_name = "NORM")]
     pub(crate) clip_grad: Option<f64>,
+    /// Keep an exponential moving average of the weights (timm's --model-ema), updated after
+    /// every optimizer step, validated each epoch (val_ema_loss, val_ema_accuracy) and
+    /// exported from the best epoch as model_ema.bpk. One process and data parallel.
+    #[arg(long)]
+    pub(crate) model_ema: bool,
+    /// The average's decay per step, with --model-ema [default: 0.9998, timm's].
+    #[arg(long, value_name = "D")]
+    pub(crate) model_ema_decay: Option<f64>,
     /// Label smoothing of the cross-entropy loss, in [0, 1) (single-label sets).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) label_smoothing: f32,

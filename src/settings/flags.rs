@@ -31,6 +31,7 @@ pub const SETTING_FLAGS: &[(&str, &str)] = &[
     ("optim.label_smoothing", "--label-smoothing"),
     ("optim.grad_accum", "--grad-accum"),
     ("optim.clip_grad", "--clip-grad"),
+    ("optim.model_ema", "--model-ema"),
     ("checkpoint.resume", "--resume"),
     ("checkpoint.overwrite", "--overwrite"),
     ("checkpoint.monitor", "--monitor"),

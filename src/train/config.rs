@@ -201,6 +201,11 @@ pub struct OptimSettings {
     /// unscaling). `None`: no clipping.
     #[serde(default)]
     pub clip_grad: Option<f64>,
+    /// An exponential moving average of the weights with this decay, updated after every
+    /// optimizer step (timm's `--model-ema-decay`), validated every epoch and exported as
+    /// `model_ema.bpk`. `None`: none kept.
+    #[serde(default)]
+    pub model_ema: Option<f64>,
 }
 
 impl Default for OptimSettings {
@@ -217,6 +222,7 @@ impl Default for OptimSettings {
             label_smoothing: 0.0,
             grad_accum: None,
             clip_grad: None,
+            model_ema: None,
         }
     }
 }

@@ -19,9 +19,36 @@ pub(super) fn export_best<T: super::trainee::Trainee>(
     gate: &super::gate::Gate,
     log: &mut dyn FnMut(&str),
 ) -> Result<Option<Vec<(String, f64)>>> {
-    use burn::module::Module;
     let path = super::best::model_checkpoint(&cfg.run_dir, best);
-    let record = burn::store::ModuleRecord::load(&path).map_err(|e| {
+    let model = export_file(cfg, trainee, &path, best, device, "model.bpk", gate)?;
+    log(&format!(
+        "exported the best epoch ({best}, by {}) into {}",
+        cfg.checkpoint.monitor.column(),
+        cfg.run_dir.join("model.bpk").display()
+    ));
+    auroc_report(
+        trainee.multi_label(),
+        &model,
+        trainee.classes(),
+        trainee.full_val(device),
+        &cfg.run_dir,
+        log,
+    )
+}
+
+/// Loads epoch `best`'s checkpoint file `path` into the trainee's model and exports it as
+/// `run_dir/name`; returns the model.
+fn export_file<T: super::trainee::Trainee>(
+    cfg: &super::TrainConfig,
+    trainee: &T,
+    path: &Path,
+    best: usize,
+    device: &burn::prelude::Device,
+    name: &str,
+    gate: &super::gate::Gate,
+) -> Result<T::Model> {
+    use burn::module::Module;
+    let record = burn::store::ModuleRecord::load(path).map_err(|e| {
         HearthError::Training(format!(
             "the best epoch's ({best}) checkpoint {}: {e}",
             path.display()
@@ -36,26 +63,40 @@ pub(super) fn export_best<T: super::trainee::Trainee>(
                 path.display()
             ))
         })?;
-    let out = cfg.run_dir.join("model.bpk");
+    let out = cfg.run_dir.join(name);
     let tmp = super::gate::Gate::temp_for(&out);
     if let Err(e) = trainee.export(cfg, &model, &tmp) {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
     gate.land(&tmp, &out)?;
+    Ok(model)
+}
+
+/// `optim.model_ema`: the best epoch's weight average as `model_ema.bpk`, in the same form as
+/// `model.bpk` (so `hearth eval` and `predict` take it).
+pub(super) fn export_ema<T: super::trainee::Trainee>(
+    cfg: &super::TrainConfig,
+    trainee: &T,
+    best: usize,
+    device: &burn::prelude::Device,
+    log: &mut dyn FnMut(&str),
+) -> Result<()> {
+    let path = super::ema::ema_checkpoint(&cfg.run_dir, best);
+    export_file(
+        cfg,
+        trainee,
+        &path,
+        best,
+        device,
+        "model_ema.bpk",
+        &Default::default(),
+    )?;
     log(&format!(
-        "exported the best epoch ({best}, by {}) into {}",
-        cfg.checkpoint.monitor.column(),
-        cfg.run_dir.join("model.bpk").display()
+        "exported the best epoch's ({best}) weight average into {}",
+        cfg.run_dir.join("model_ema.bpk").display()
     ));
-    auroc_report(
-        trainee.multi_label(),
-        &model,
-        trainee.classes(),
-        trainee.full_val(device),
-        &cfg.run_dir,
-        log,
-    )
+    Ok(())
 }
 
 /// A multi-label run's `auroc.csv` for its exported `model` ([`write_auroc`]) over the whole

@@ -35,6 +35,7 @@ mod clip;
 mod config;
 mod distributed;
 mod elastic;
+mod ema;
 mod epochs;
 mod exchange;
 mod export;

@@ -72,6 +72,26 @@ impl TrainConfig {
                 ));
             }
         }
+        if let Some(d) = self.optim.model_ema {
+            if !(d > 0.0 && d < 1.0) {
+                return bad(format!("`optim.model_ema` decay {d} must be in (0, 1)"));
+            }
+            let other = if self.mode.pipeline().is_some() {
+                Some("a pipeline (`PipelineOptions.stages`)")
+            } else if self.mode.ps().is_some() {
+                Some("`TrainingMode::ParameterServers`")
+            } else if self.mode.elastic().is_some() {
+                Some("`TrainingMode::Elastic`")
+            } else {
+                None
+            };
+            if let Some(what) = other {
+                return bad(format!(
+                    "`optim.model_ema` with {what} is not built yet; it works in one process \
+                     and data parallel"
+                ));
+            }
+        }
         if !(0.0..1.0).contains(&self.optim.label_smoothing) {
             return bad("`optim.label_smoothing` must be in [0, 1)".into());
         }

@@ -75,6 +75,8 @@ pub fn setting(flag: &str) -> Vec<&'static str> {
         "--base-batch" => &["--scale-lr", "sqrt", "--base-batch", "16"],
         "--label-smoothing" => &["--label-smoothing", "0.1"],
         "--clip-grad" => &["--clip-grad", "1.0"],
+        "--model-ema" => &["--model-ema"],
+        "--model-ema-decay" => &["--model-ema", "--model-ema-decay", "0.99"],
         "--monitor" => &["--monitor", "val_loss"],
         "--patience" => &["--patience", "2"],
         "--min-delta" => &["--min-delta", "0.5"],
@@ -200,6 +202,9 @@ pub fn expect(flag: &str, mode: &str) -> Expect {
         ("--kernel-bundle", _) => Refused("--kernel-bundle: flex has no GPU kernels"),
         // Not built yet (said by name).
         ("--clip-grad", "parameter servers") => Refused("--clip-grad with --ps"),
+        ("--model-ema" | "--model-ema-decay", "elastic" | "parameter servers" | "pipeline") => {
+            Refused("--model-ema with")
+        }
         // No meaning: a pipeline's micro-batches are its accumulation.
         ("--grad-accum", "pipeline") => Refused("--micro-batches"),
         // The walk's folder holds no run: resuming it is refused before anything is read (real

@@ -7,6 +7,7 @@ use burn::tensor::Bytes;
 
 use super::Allreduce;
 use crate::train::best::{model_checkpoint, save_epoch_weights};
+use crate::train::ema::{Ema, ema_checkpoint};
 use crate::train::epochs::Epochs;
 use crate::train::model::optimizer;
 use crate::train::precision::LossScaler;
@@ -32,14 +33,20 @@ impl<T: Trainee> Allreduce<'_, T> {
         if self.rank == 0 {
             if cfg.checkpoint.resume {
                 let dir = cfg.run_dir.join("checkpoint");
-                let epoch = run_dir::checkpoints_in(&dir, &["model", "optim"])
+                let parts: &[&str] = if cfg.optim.model_ema.is_some() {
+                    &["model", "optim", "ema"]
+                } else {
+                    &["model", "optim"]
+                };
+                let epoch = run_dir::checkpoints_in(&dir, parts)
                     .last()
                     .copied()
                     .ok_or_else(|| {
                         HearthError::InvalidArgument(format!(
-                            "cannot resume {}: no epoch in {} has both its model and optim files",
+                            "cannot resume {}: no epoch in {} has all of its {} files",
                             cfg.run_dir.display(),
-                            dir.display()
+                            dir.display(),
+                            parts.join(", ")
                         ))
                     })?;
                 epochs.check_left(epoch)?;
@@ -58,7 +65,11 @@ impl<T: Trainee> Allreduce<'_, T> {
                 };
                 let model = read(model_checkpoint(&cfg.run_dir, epoch))?;
                 let optim = read(optim_checkpoint(&cfg.run_dir, epoch))?;
-                state = encode_state(epoch, &model, &optim);
+                let ema = match cfg.optim.model_ema {
+                    Some(_) => read(ema_checkpoint(&cfg.run_dir, epoch))?,
+                    None => Vec::new(),
+                };
+                state = encode_state(epoch, &model, &optim, &ema);
                 log(&format!("resuming after epoch {epoch}"));
             } else {
                 run_dir::record(&cfg.run_dir, &self.trainee.describe(), &hparams)?;
@@ -96,9 +107,10 @@ impl<T: Trainee> Allreduce<'_, T> {
             if let Some(comm) = &self.comm {
                 self.model = burn_dist::ddp::broadcast_module(self.model.clone(), comm)?;
             }
+            self.ema = cfg.optim.model_ema.map(|d| Ema::new(&self.model, d));
             return Ok(0);
         }
-        let (epoch, model, optim) = decode_state(&state)?;
+        let (epoch, model, optim, ema) = decode_state(&state)?;
         let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(model.to_vec()))
             .map_err(|e| HearthError::Training(format!("epoch {epoch}'s weights: {e}")))?;
         self.model = self.model.clone().try_load_record(record).map_err(|e| {
@@ -108,6 +120,11 @@ impl<T: Trainee> Allreduce<'_, T> {
         self.optim = optimizer(self.cfg)
             .from_bytes(Bytes::from_bytes_vec(optim.to_vec()))
             .map_err(|e| HearthError::Training(format!("epoch {epoch}'s optimizer state: {e}")))?;
+        if let Some(d) = cfg.optim.model_ema {
+            let mut average = Ema::new(&self.model, d);
+            average.load(&self.model, ema.to_vec(), epoch)?;
+            self.ema = Some(average);
+        }
         Ok(epoch)
     }
 
@@ -124,7 +141,10 @@ impl<T: Trainee> Allreduce<'_, T> {
         }
         let dir = &self.cfg.run_dir;
         save_epoch_weights(dir, epoch, self.model.clone(), &Default::default())?;
-        // Written after the weights: an epoch with both files is complete.
+        if let Some(e) = &self.ema {
+            e.save(&ema_checkpoint(dir, epoch))?;
+        }
+        // Written after the weights (and the average): an epoch with these files is complete.
         let path = optim_checkpoint(dir, epoch);
         let tmp = path.with_extension("bpk.tmp");
         self.optim
@@ -145,24 +165,27 @@ impl<T: Trainee> Allreduce<'_, T> {
             let _ = std::fs::remove_file(LossScaler::file(dir, old));
             if Some(old) != best {
                 let _ = std::fs::remove_file(model_checkpoint(dir, old));
+                let _ = std::fs::remove_file(ema_checkpoint(dir, old));
             }
         }
         Ok(())
     }
 }
 
-/// A resume's state on the wire: the epoch, the model file's bytes, the optimizer file's.
-fn encode_state(epoch: usize, model: &[u8], optim: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(24 + model.len() + optim.len());
+/// A resume's state on the wire: the epoch, the model file's bytes, the optimizer file's and
+/// the weight average's (empty without `optim.model_ema`).
+fn encode_state(epoch: usize, model: &[u8], optim: &[u8], ema: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(32 + model.len() + optim.len() + ema.len());
     out.extend_from_slice(&(epoch as u64).to_le_bytes());
-    for part in [model, optim] {
+    for part in [model, optim, ema] {
         out.extend_from_slice(&(part.len() as u64).to_le_bytes());
         out.extend_from_slice(part);
     }
     out
 }
 
-fn decode_state(bytes: &[u8]) -> Result<(usize, &[u8], &[u8])> {
+#[allow(clippy::type_complexity)]
+fn decode_state(bytes: &[u8]) -> Result<(usize, &[u8], &[u8], &[u8])> {
     let bad = |what: &str| HearthError::Training(format!("resume state from rank 0: {what}"));
     let word = |at: usize| {
         bytes
@@ -172,8 +195,8 @@ fn decode_state(bytes: &[u8]) -> Result<(usize, &[u8], &[u8])> {
             .ok_or_else(|| bad("truncated"))
     };
     let epoch = usize::try_from(word(0)?).map_err(|_| bad("an epoch past usize"))?;
-    let parts = crate::train::shared::prefixed_parts(&bytes[8..], 2, "resume state from rank 0")?;
-    Ok((epoch, parts[0], parts[1]))
+    let parts = crate::train::shared::prefixed_parts(&bytes[8..], 3, "resume state from rank 0")?;
+    Ok((epoch, parts[0], parts[1], parts[2]))
 }
 
 #[cfg(test)]
@@ -182,9 +205,12 @@ mod tests {
 
     #[test]
     fn the_resume_state_round_trips_and_truncation_is_named() {
-        let bytes = encode_state(7, b"model", b"optimizer");
-        let (epoch, model, optim) = decode_state(&bytes).unwrap();
-        assert_eq!((epoch, model, optim), (7, &b"model"[..], &b"optimizer"[..]));
+        let bytes = encode_state(7, b"model", b"optimizer", b"average");
+        let (epoch, model, optim, ema) = decode_state(&bytes).unwrap();
+        assert_eq!(
+            (epoch, model, optim, ema),
+            (7, &b"model"[..], &b"optimizer"[..], &b"average"[..])
+        );
         let e = decode_state(&bytes[..bytes.len() - 1])
             .unwrap_err()
             .to_string();

@@ -31,9 +31,10 @@ use burn_dist::overlap::OverlappedStep;
 use burn_dist::zero::ZeroOptimizer;
 use burn_dist::{Communicator, ReduceOp};
 
+use super::ema::Ema;
 use super::epochs::{Epochs, Row};
 use super::exchange::{Exchange, Update};
-use super::export::export_best;
+use super::export::{export_best, export_ema};
 use super::faults::Faults;
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, Sums, ValScores, insert_top5};
@@ -102,6 +103,7 @@ pub(super) fn train_with<R: Recipe>(
         zero: None,
         exchange: Exchange::new(&cfg.exchange, ReduceOp::Mean),
         frozen: false,
+        ema: None,
     };
     let first = s.resume(&epochs, log)?;
     s.start_sharding(first, log)?;
@@ -157,6 +159,9 @@ struct Allreduce<'a, T: Trainee> {
     exchange: Exchange,
     /// Whether the model trains its head alone now (`--freeze-backbone`).
     frozen: bool,
+    /// `optim.model_ema`: the weight average, the same on every rank (updated from the same
+    /// weights), set by [`Self::resume`].
+    ema: Option<Ema<T::Model>>,
 }
 
 impl<T: Trainee> Allreduce<'_, T> {
@@ -223,7 +228,10 @@ impl<T: Trainee> Allreduce<'_, T> {
                 .exchange
                 .timed(|| update.sharded(z, model, grads, comm, Ok))?
             {
-                Some(m) => self.model = m,
+                Some(m) => {
+                    self.model = m;
+                    self.average();
+                }
                 None => self.epoch_skipped += 1,
             }
             return Ok(());
@@ -235,10 +243,20 @@ impl<T: Trainee> Allreduce<'_, T> {
         // Every rank holds the averaged gradients whole: its own verdict and norm are the job's.
         let (model, stepped) = update.apply(self.model.clone(), grads, &mut self.optim, Ok, Ok)?;
         self.model = model;
-        if !stepped {
+        if stepped {
+            self.average();
+        } else {
             self.epoch_skipped += 1;
         }
         Ok(())
+    }
+
+    /// `optim.model_ema`: the average follows a step that was taken (an fp16 step skipped for
+    /// overflow changed no weight, and moves no average).
+    fn average(&mut self) {
+        if let Some(e) = &mut self.ema {
+            e.update(&self.model);
+        }
     }
 
     /// The end: rank 0 exports the best epoch and plots; every rank gets the summary.
@@ -263,6 +281,9 @@ impl<T: Trainee> Allreduce<'_, T> {
                 &Default::default(),
                 log,
             )?;
+            if self.ema.is_some() {
+                export_ema(self.cfg, &self.trainee, best, &self.plain_device, log)?;
+            }
             epochs.plot(log);
         }
         let mut report = epochs.report(
@@ -365,15 +386,14 @@ impl<T: Trainee> Allreduce<'_, T> {
         Ok((train.all_reduce(comm)?, auroc, per_rank))
     }
 
-    /// The epoch's validation (with rank 0's batch-norm statistics on every rank, as DDP's
-    /// broadcast) and its row of `metrics.csv`, after `train` (summed over the ranks) took
-    /// `took` seconds with `k` batches per step.
-    fn validate_row(&mut self, epoch: usize, k: usize, train: &Sums, took: f64) -> Result<Row> {
-        // Validation with rank 0's batch-norm statistics on every rank (as DDP's broadcast).
+    /// Validates `model` (the model or its weight average) on this rank's share of the
+    /// validation set, with rank 0's batch-norm statistics on every rank (as DDP's broadcast),
+    /// combined over the ranks; returns it with those statistics.
+    fn score(&self, mut model: T::Model) -> Result<(T::Model, super::objective::Validation)> {
         if let Some(comm) = &self.comm
             && self.trainee.has_batch_norm()
         {
-            self.model = burn_dist::ddp::broadcast_module(self.model.clone(), comm)?;
+            model = burn_dist::ddp::broadcast_module(model, comm)?;
         }
         let parts = val_share(
             self.trainee.val_len(),
@@ -382,10 +402,19 @@ impl<T: Trainee> Allreduce<'_, T> {
             self.cfg.batch_size,
         );
         let val = self.objective.validate(
-            &self.model.valid(),
+            &model.valid(),
             self.trainee.val_batches(parts, &self.plain_device),
             self.metrics.as_deref(),
         )?;
+        Ok((model, val))
+    }
+
+    /// The epoch's validation (with rank 0's batch-norm statistics on every rank, as DDP's
+    /// broadcast) and its row of `metrics.csv`, after `train` (summed over the ranks) took
+    /// `took` seconds with `k` batches per step.
+    fn validate_row(&mut self, epoch: usize, k: usize, train: &Sums, took: f64) -> Result<Row> {
+        let (model, val) = self.score(self.model.clone())?;
+        self.model = model;
         let mut row: Row = [
             ("train_loss", train.mean_loss()),
             ("train_accuracy", train.accuracy()),
@@ -411,6 +440,16 @@ impl<T: Trainee> Allreduce<'_, T> {
             (train.top5, train.samples),
             (val.sums.top5, val.sums.samples),
         );
+        if let Some(e) = self.ema.take() {
+            // Scored as the model is, with rank 0's batch-norm statistics of the average.
+            let (average, val) = self.score(e.model.clone())?;
+            self.ema = Some(e.with_model(average));
+            row.insert("val_ema_loss".into(), val.sums.mean_loss());
+            row.insert("val_ema_accuracy".into(), val.sums.accuracy());
+            if let Some(a) = val.auroc {
+                row.insert("val_ema_auroc".into(), a);
+            }
+        }
         if self.scaler.is_some() {
             row.insert(
                 "train_skipped_steps".into(),
