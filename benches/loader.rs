@@ -7,6 +7,7 @@
 //!
 //!   cargo bench --bench loader
 //!   HEARTH_BENCH_WORKERS=2 HEARTH_BENCH_BATCHES=20 cargo bench --bench loader
+//!   HEARTH_BENCH_AUTO_AUGMENT=rand-m9-n2 cargo bench --bench loader   # RandAugment on both sides
 
 mod common;
 
@@ -26,6 +27,16 @@ fn main() {
     let batch = env_usize("HEARTH_BENCH_BATCH", if smoke { 8 } else { 64 });
     let batches = env_usize("HEARTH_BENCH_BATCHES", if smoke { 2 } else { 20 });
     let size = if smoke { 32 } else { 224 };
+    // RandAugment or TrivialAugmentWide after the crop and flip, on both sides.
+    let policy = std::env::var("HEARTH_BENCH_AUTO_AUGMENT").ok();
+    let auto_augment = match policy.as_deref().map(str::parse) {
+        Some(Ok(p)) => Some(p),
+        Some(Err(e)) => {
+            eprintln!("bench: HEARTH_BENCH_AUTO_AUGMENT: {e}");
+            std::process::exit(1);
+        }
+        None => None,
+    };
     let target =
         PathBuf::from(std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into()));
     let data = target.join(format!("bench-data/synth-jpeg-{per_class}x{side}"));
@@ -54,6 +65,7 @@ fn main() {
         prefetch: 4,
         size,
         batches,
+        auto_augment,
     };
     let report = match bench.run(&data, &device, |_, _| {}) {
         Ok(r) => r,
@@ -63,11 +75,12 @@ fn main() {
         }
     };
     println!(
-        "hearth  images_per_s={:.2} peak_rss_mb={:.1} (batch {batch}, {workers} workers, prefetch 4, {size}x{size}, {} images decoded-size {:.0} MB)",
+        "hearth  images_per_s={:.2} peak_rss_mb={:.1} (batch {batch}, {workers} workers, prefetch 4, {size}x{size}, {} images decoded-size {:.0} MB, auto augment {})",
         report.images_per_sec,
         report.peak_rss_mb,
         10 * per_class,
-        (10 * per_class) as f64 * (side * side * 3) as f64 / 1e6
+        (10 * per_class) as f64 * (side * side * 3) as f64 / 1e6,
+        policy.as_deref().unwrap_or("none")
     );
     if smoke {
         return;
@@ -93,6 +106,11 @@ fn main() {
             "--batches",
             &batches.to_string(),
         ])
+        .args(
+            auto_augment
+                .map(|p| vec!["--auto-augment".to_string(), p.to_string()])
+                .unwrap_or_default(),
+        )
         .output();
     let text = match out {
         Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).to_string(),

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use burn::prelude::*;
-use hearth_datasets::{ImageSet, Loader, LoaderConfig, Pipeline};
+use hearth_datasets::{Augmentation, AutoAugment, ImageSet, Loader, LoaderConfig};
 
 use crate::{HearthError, Result};
 
@@ -16,6 +16,9 @@ pub struct LoaderBench {
     pub prefetch: usize,
     pub size: u32,
     pub batches: usize,
+    /// RandAugment or TrivialAugmentWide after torchvision's training recipe (`None`: the
+    /// recipe alone: RandomResizedCrop and a flip).
+    pub auto_augment: Option<AutoAugment>,
 }
 
 #[derive(Debug, Clone)]
@@ -44,7 +47,11 @@ impl LoaderBench {
         let skipped = set.problems.len();
         let loader = Loader::new(
             set,
-            Pipeline::train(self.size),
+            Augmentation {
+                auto_augment: self.auto_augment,
+                ..Augmentation::imagenet()
+            }
+            .pipeline(self.size)?,
             LoaderConfig::new(self.batch_size)
                 .with_workers(self.workers)
                 .with_prefetch(self.prefetch)

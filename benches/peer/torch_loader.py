@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """torchvision peer of `hearth bench loader`: ImageFolder + DataLoader with the same workers,
-batch size and training augmentation (RandomResizedCrop, RandomHorizontalFlip, ToTensor,
-Normalize). Prints `peer images_per_s=X peak_rss_mb=Y`.
+batch size and training augmentation (RandomResizedCrop, RandomHorizontalFlip, with
+`--auto-augment` torchvision's RandAugment or TrivialAugmentWide, ToTensor, Normalize). Prints
+`peer images_per_s=X peak_rss_mb=Y`.
 """
 import argparse
 import resource
@@ -18,10 +19,20 @@ def main():
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--batches", type=int, default=20)
+    p.add_argument("--auto-augment", default=None,
+                   help="rand-mM-nN (RandAugment) or trivialaugment, as Hearth spells them")
     a = p.parse_args()
+    policy = []
+    if a.auto_augment == "trivialaugment":
+        policy = [transforms.TrivialAugmentWide()]
+    elif a.auto_augment:
+        # Hearth's Display form: rand-m<M>-n<N>.
+        parts = dict((s[0], int(s[1:])) for s in a.auto_augment.split("-")[1:])
+        policy = [transforms.RandAugment(num_ops=parts["n"], magnitude=parts["m"])]
     tf = transforms.Compose([
         transforms.RandomResizedCrop(a.size),
         transforms.RandomHorizontalFlip(),
+        *policy,
         transforms.ToTensor(),
         transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
     ])

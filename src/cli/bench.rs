@@ -74,6 +74,10 @@ pub(crate) struct BenchLoaderArgs {
     /// Timed batches (after one warm-up batch).
     #[arg(long, default_value_t = 20)]
     batches: usize,
+    /// RandAugment or TrivialAugmentWide after the crop and flip, as `hearth train
+    /// --auto-augment` takes it (rand-mM-nN or trivialaugment).
+    #[arg(long, value_name = "POLICY")]
+    auto_augment: Option<String>,
 }
 
 #[derive(Args)]
@@ -249,16 +253,23 @@ pub(crate) fn bench_loader(device_name: &str, args: BenchLoaderArgs) -> Result<(
         prefetch: args.prefetch,
         size: args.size,
         batches: args.batches,
+        auto_augment: match &args.auto_augment {
+            Some(p) => Some(p.parse().with_context(|| format!("--auto-augment {p}"))?),
+            None => None,
+        },
     };
     eprintln!(
-        "bench loader {}: batch {}, {} workers, prefetch {}, {}x{}, {} batches",
+        "bench loader {}: batch {}, {} workers, prefetch {}, {}x{}, {} batches, {}",
         args.data.display(),
         args.batch_size,
         args.workers,
         args.prefetch,
         args.size,
         args.size,
-        args.batches
+        args.batches,
+        args.auto_augment
+            .as_deref()
+            .map_or("no auto augment".into(), |p| format!("auto augment {p}"))
     );
     let report = bench.run(&args.data, &device, |i, n| {
         if i % 5 == 0 || i == n {
