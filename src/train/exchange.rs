@@ -1,5 +1,5 @@
-//! A training step's gradient exchange and commit, shared by every mode whose ranks hold whole
-//! gradients: data parallel (`allreduce`), elastic workers and a pipeline stage's replicas.
+//! A training step's gradient exchange and commit, shared by every mode: data parallel
+//! (`allreduce`), elastic workers, a pipeline stage's replicas and parameter-server workers.
 //!
 //! A step is four parts, in this order on every rank:
 //! - **plan** ([`Exchange::plan`]): with `exchange.overlap`, the hand-over is installed on this
@@ -9,10 +9,9 @@
 //!   over the ranks in buckets, in `exchange.compression`'s wire format;
 //! - **commit** ([`Update::apply`]): fp16's verdict on the exchanged gradients, clipping by the
 //!   global norm, the optimizer's step. With `exchange.zero` the exchange and the commit are one
-//!   ([`Update::sharded`]: reduce-scatter, the shard's update, all-gather).
-//!
-//! Parameter servers are not behind it: their workers push gradients and pull weights (the
-//! servers commit), which `ps` keeps apart.
+//!   ([`Update::sharded`]: reduce-scatter, the shard's update, all-gather); on parameter servers
+//!   too ([`Update::served`]: this worker's gradient pushed, the servers' rule applied, the
+//!   values pulled), where each worker gives fp16's verdict on its own gradient.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,11 +19,12 @@ use std::time::{Duration, Instant};
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn_dist::overlap::OverlappedStep;
+use burn_dist::ps::client::PsWorker;
 use burn_dist::zero::ZeroOptimizer;
 use burn_dist::{Communicator, DistError, ReduceOp};
 
 use super::config::ExchangeSettings;
-use super::precision::LossScaler;
+use super::precision::{LossScaler, unscale_flat};
 use super::shared::one_host_overlap_notice;
 use crate::Result;
 
@@ -164,9 +164,9 @@ impl Exchange {
     }
 }
 
-/// The commit of a step: its rate, `optim.clip_grad`'s bound and fp16's loss scaler.
+/// The commit of a step: `optim.clip_grad`'s bound and fp16's loss scaler (the rate goes to
+/// the commits that step an optimizer here; parameter servers schedule theirs).
 pub(super) struct Update<'a> {
-    pub(super) lr: f64,
     pub(super) clip: Option<f64>,
     pub(super) scaler: Option<&'a mut LossScaler>,
 }
@@ -180,6 +180,7 @@ impl Update<'_> {
     pub(super) fn apply<M: Module>(
         self,
         model: M,
+        lr: f64,
         mut grads: GradientsParams,
         optim: &mut ModuleOptimizer,
         agree: impl FnOnce(bool) -> Result<bool>,
@@ -195,7 +196,7 @@ impl Update<'_> {
         if let Some(max) = self.clip {
             super::clip::clip_grads(&model, &mut grads, max, total)?;
         }
-        Ok((optim.step(self.lr, model, grads), true))
+        Ok((optim.step(lr, model, grads), true))
     }
 
     /// `exchange.zero`'s exchange and commit in one: the gradients reduce-scattered into
@@ -204,6 +205,7 @@ impl Update<'_> {
     pub(super) fn sharded<M: Module>(
         self,
         z: &mut ZeroOptimizer,
+        lr: f64,
         model: &M,
         grads: GradientsParams,
         comm: &Communicator,
@@ -221,11 +223,42 @@ impl Update<'_> {
                 }
             },
         };
-        let stepped =
-            burn_dist::zero::module::sharded_step(z, model, grads, comm, self.lr, &mut take)?;
+        let stepped = burn_dist::zero::module::sharded_step(z, model, grads, comm, lr, &mut take)?;
         match failed {
             Some(e) => Err(e),
             None => Ok(stepped),
         }
+    }
+
+    /// Parameter servers' exchange and commit in one: this worker's gradient `grad` (the sum
+    /// over `samples` samples, still multiplied by fp16's loss scale when there is a scaler)
+    /// pushed to the servers, which apply the mode's rule, and the values pulled into
+    /// `params`. fp16: the gradient is divided by the scale, and one that is not finite is
+    /// left out (this worker's scale halves): the step still counts (sync: its share of the
+    /// round weighs nothing; asynchronous modes: no local update, the exchanges keep their
+    /// rhythm). Workers never exchange gradients with each other, so each decides for its
+    /// own. Whether this worker's gradient went in. `optim.clip_grad` has no global norm here
+    /// (each server holds a slice): refused.
+    pub(super) fn served(
+        self,
+        ps: &mut PsWorker,
+        params: &mut Vec<f32>,
+        mut grad: Vec<f32>,
+        samples: u64,
+    ) -> Result<bool> {
+        if self.clip.is_some() {
+            return Err(crate::HearthError::InvalidArgument(
+                "`optim.clip_grad` is not built with parameter servers".into(),
+            ));
+        }
+        if let Some(s) = self.scaler {
+            let finite = unscale_flat(&mut grad, s.scale());
+            if !s.decide(finite) {
+                ps.skip(params)?;
+                return Ok(false);
+            }
+        }
+        ps.step(params, &grad, samples)?;
+        Ok(true)
     }
 }

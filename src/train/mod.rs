@@ -51,6 +51,7 @@ mod precision;
 mod ps;
 mod report;
 pub mod run_dir;
+mod scores;
 mod sets;
 mod shared;
 mod targets;

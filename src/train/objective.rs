@@ -13,6 +13,7 @@ use burn::prelude::*;
 use burn_dist::Communicator;
 
 use super::TrainConfig;
+use super::scores::ValScores;
 use super::targets::Targets;
 use super::trainee::{Net, Stream};
 use crate::{HearthError, Result};
@@ -235,19 +236,8 @@ pub(super) struct Validation {
 
 impl Objective {
     /// One training batch through `model` (autodiff): the gradients of `weight` times the
-    /// batch's mean loss, and the batch's sums (of the unweighted loss).
-    pub fn train_batch<M: Net>(
-        &self,
-        model: &M,
-        input: M::Input,
-        targets: &Targets,
-        weight: f32,
-    ) -> Result<(GradientsParams, Sums)> {
-        self.train_batch_scored(model, input, targets, weight, None)
-    }
-
-    /// [`Self::train_batch`], keeping the batch's outputs in `scores` when given (a
-    /// multi-label epoch's `train_auroc`).
+    /// batch's mean loss, and the batch's sums (of the unweighted loss); the batch's outputs
+    /// kept in `scores` when given (a multi-label epoch's `train_auroc`).
     pub fn train_batch_scored<M: Net>(
         &self,
         model: &M,
@@ -337,122 +327,10 @@ impl Objective {
     }
 }
 
-/// A multi-label run's validation outputs, kept for the epoch's AUROC: each sample's scores
-/// and labels, row after row.
-#[derive(Debug, Default, Clone)]
-pub(super) struct ValScores {
-    classes: usize,
-    scores: Vec<f32>,
-    labels: Vec<f32>,
-}
-
-impl ValScores {
-    /// Keeps a batch's outputs (nothing for single-label targets).
-    pub fn push(&mut self, logits: &Tensor<2>, targets: &Targets) -> Result<()> {
-        let hot = match targets {
-            Targets::MultiHot(hot) => hot,
-            Targets::Classes(_) => return Ok(()),
-            // A mixed batch's labels are soft: the side that weighs more stands for them.
-            Targets::Mixed { own, rolled, lam } => {
-                return self.push(logits, if *lam >= 0.5 { own } else { rolled });
-            }
-        };
-        self.classes = hot.dims()[1];
-        let read = |t: Tensor<2>, what: &str| {
-            t.into_data()
-                .convert::<f32>()
-                .try_into_vec::<f32>()
-                .map_err(|e| HearthError::Training(format!("reading validation {what}: {e:?}")))
-        };
-        self.scores.extend(read(logits.clone(), "outputs")?);
-        self.labels.extend(read(hot.clone(), "labels")?);
-        Ok(())
-    }
-
-    /// Every rank's outputs, on every rank (`comm`'s ranks all call it; those that validated
-    /// nothing add nothing).
-    pub fn gather(self, comm: &Communicator) -> Result<Self> {
-        let meta = comm.all_gather(&[self.scores.len() as f32, self.classes as f32])?;
-        let most = |i: usize| {
-            meta.iter()
-                .skip(i)
-                .step_by(2)
-                .fold(0.0f32, |a, &b| a.max(b))
-        };
-        let (longest, classes) = (most(0) as usize, most(1) as usize);
-        if longest == 0 {
-            return Ok(self);
-        }
-        // Each rank's part padded to the longest, its length in front.
-        let mut mine = Vec::with_capacity(2 * longest + 1);
-        mine.push(self.scores.len() as f32);
-        for part in [&self.scores, &self.labels] {
-            mine.extend_from_slice(part);
-            mine.resize(mine.len() + longest - part.len(), 0.0);
-        }
-        let all = comm.all_gather(&mine)?;
-        let mut out = Self {
-            classes,
-            ..Self::default()
-        };
-        for part in all.chunks(2 * longest + 1) {
-            let n = (part[0] as usize).min(longest);
-            out.scores.extend_from_slice(&part[1..1 + n]);
-            out.labels
-                .extend_from_slice(&part[1 + longest..1 + longest + n]);
-        }
-        Ok(out)
-    }
-
-    /// Burn's macro AUROC in percent: the mean over the classes that have both outcomes of
-    /// each class's AUROC, 50 (chance) where none has; `None` before any multi-label output.
-    pub fn auroc(&self) -> Option<f64> {
-        let k = self.classes;
-        if k == 0 || self.scores.is_empty() {
-            return None;
-        }
-        let per_class: Vec<f64> = (0..k)
-            .filter_map(|c| {
-                let samples: Vec<(f64, bool)> = self
-                    .scores
-                    .iter()
-                    .zip(&self.labels)
-                    .skip(c)
-                    .step_by(k)
-                    .map(|(&s, &l)| (f64::from(s), l > 0.5))
-                    .collect();
-                crate::metrics::auroc(&samples)
-            })
-            .collect();
-        Some(if per_class.is_empty() {
-            50.0
-        } else {
-            100.0 * per_class.iter().sum::<f64>() / per_class.len() as f64
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn_dist::transport::memory::MemoryTransport;
-    use std::sync::Arc;
-
-    fn device() -> Device {
-        Device::flex()
-    }
-
-    fn hot(rows: &[[f32; 2]]) -> Targets {
-        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
-        Targets::MultiHot(
-            Tensor::<1>::from_floats(flat.as_slice(), &device()).reshape([rows.len(), 2]),
-        )
-    }
-
-    fn logits(rows: &[[f32; 2]]) -> Tensor<2> {
-        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
-        Tensor::<1>::from_floats(flat.as_slice(), &device()).reshape([rows.len(), 2])
-    }
+    use crate::train::scores::tests::{device, hot, logits};
 
     #[test]
     fn multi_label_hits_are_the_hamming_score_in_samples() {
@@ -545,42 +423,5 @@ mod tests {
         }
         want /= 4.0;
         assert!((got - want).abs() < 1e-5, "BCE: {got} against {want}");
-    }
-
-    #[test]
-    fn gathered_scores_give_the_auroc_of_the_whole_set() {
-        // Class 0 ranked perfectly, class 1 inverted: macro AUROC 50%.
-        let rows = [
-            ([0.9f32, 0.1f32], [1.0f32, 1.0f32]),
-            ([0.1, 0.9], [0.0, 0.0]),
-            ([0.8, 0.2], [1.0, 1.0]),
-        ];
-        let mut whole = ValScores::default();
-        for (l, h) in rows {
-            whole.push(&logits(&[l]), &hot(&[h])).unwrap();
-        }
-        assert_eq!(whole.auroc(), Some(50.0));
-        // Split over 2 ranks unevenly (2 rows and 1): the gathered AUROC is the same.
-        let handles: Vec<_> = MemoryTransport::mesh(2)
-            .into_iter()
-            .enumerate()
-            .map(|(r, t)| {
-                std::thread::spawn(move || {
-                    let comm = Communicator::from_env(Arc::new(t))
-                        .with_timeout(std::time::Duration::from_secs(20));
-                    let mut part = ValScores::default();
-                    for (i, (l, h)) in rows.iter().enumerate() {
-                        if (i == 2) == (r == 1) {
-                            part.push(&logits(&[*l]), &hot(&[*h])).unwrap();
-                        }
-                    }
-                    part.gather(&comm).unwrap().auroc()
-                })
-            })
-            .collect();
-        for h in handles {
-            assert_eq!(h.join().unwrap(), Some(50.0));
-        }
-        assert_eq!(ValScores::default().auroc(), None);
     }
 }

@@ -37,8 +37,9 @@ use super::exchange::{Exchange, Update};
 use super::export::{export_best, export_ema};
 use super::faults::Faults;
 use super::model::{optimizer, seed_stream};
-use super::objective::{Objective, Sums, ValScores, insert_top5};
+use super::objective::{Objective, Sums, insert_top5};
 use super::precision::{LossScaler, divide};
+use super::scores::ValScores;
 use super::shared::{Rates, epoch_lr};
 use super::trainee::{Recipe, Trainee, val_share};
 use super::{TrainConfig, TrainReport, run_dir};
@@ -215,8 +216,8 @@ impl<T: Trainee> Allreduce<'_, T> {
             // went during the backward left unscaled).
             divide(&self.model, &mut grads, s.scale());
         }
+        let lr = self.rates.rate(epoch, self.steps);
         let update = Update {
-            lr: self.rates.rate(epoch, self.steps),
             clip: self.cfg.optim.clip_grad,
             scaler: self.scaler.as_mut(),
         };
@@ -226,7 +227,7 @@ impl<T: Trainee> Allreduce<'_, T> {
             let model = &self.model;
             match self
                 .exchange
-                .timed(|| update.sharded(z, model, grads, comm, Ok))?
+                .timed(|| update.sharded(z, lr, model, grads, comm, Ok))?
             {
                 Some(m) => {
                     self.model = m;
@@ -241,7 +242,8 @@ impl<T: Trainee> Allreduce<'_, T> {
                 .exchange(&self.model, &mut grads, comm, overlapped, log)?;
         }
         // Every rank holds the averaged gradients whole: its own verdict and norm are the job's.
-        let (model, stepped) = update.apply(self.model.clone(), grads, &mut self.optim, Ok, Ok)?;
+        let (model, stepped) =
+            update.apply(self.model.clone(), lr, grads, &mut self.optim, Ok, Ok)?;
         self.model = model;
         if stepped {
             self.average();

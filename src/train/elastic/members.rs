@@ -158,6 +158,7 @@ impl<T: Trainee> Strategy for Members<'_, '_, '_, T> {
             c.epoch += 1;
             c.position = 0;
             c.sums = [0.0; 4];
+            c.train_scores = ValScores::default();
             c.epoch_skipped = 0;
             c.epoch_started = c.elapsed;
         }

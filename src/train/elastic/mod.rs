@@ -40,6 +40,7 @@ use super::gate::Gate;
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, insert_top5};
 use super::precision::{LossScaler, divide};
+use super::scores::ValScores;
 use super::shared::{Rates, collective_timeout, epoch_lr};
 use super::trainee::{ImageRecipe, Input, Net, Recipe, Stream, Trainee, val_share};
 use super::{EpochRows, TrainConfig, TrainReport, run_dir};
@@ -158,6 +159,9 @@ struct Commit<M: Net> {
     scaler: Option<LossScaler>,
     /// Steps of this epoch skipped for non-finite fp16 gradients.
     epoch_skipped: u64,
+    /// A multi-label epoch's training outputs so far, every member's (each step's control
+    /// allreduce carries them), for the epoch's `train_auroc`.
+    train_scores: ValScores,
 }
 
 /// The current world of an elastic job.
@@ -331,6 +335,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             optim: optimizer(self.cfg),
             scaler: (self.cfg.compute.precision == Precision::Fp16).then(LossScaler::default),
             epoch_skipped: 0,
+            train_scores: ValScores::default(),
         })
     }
 

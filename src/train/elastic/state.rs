@@ -63,8 +63,12 @@ impl<T: Trainee> ElasticRun<'_, T> {
             },
         })
         .to_string();
-        let mut out = Vec::with_capacity(24 + meta.len() + module.len() + optim.len());
-        for part in [meta.as_bytes(), &module[..], &optim[..]] {
+        // A multi-label epoch's training outputs so far (a fourth part: states from before
+        // it have three, and their epoch's `train_auroc` covers the steps after them).
+        let scores = c.train_scores.encode();
+        let mut out =
+            Vec::with_capacity(32 + meta.len() + module.len() + optim.len() + scores.len());
+        for part in [meta.as_bytes(), &module[..], &optim[..], &scores[..]] {
             out.extend_from_slice(&(part.len() as u64).to_le_bytes());
             out.extend_from_slice(part);
         }
@@ -75,7 +79,12 @@ impl<T: Trainee> ElasticRun<'_, T> {
     /// (empty in states written before it was kept), and the launch.
     pub(super) fn decode(&self, bytes: &[u8]) -> Result<Decoded<T::Model>> {
         let bad = |m: String| HearthError::Training(format!("elastic state: {m}"));
-        let parts = super::super::shared::prefixed_parts(bytes, 3, "elastic state")?;
+        let parts = super::super::shared::prefixed_parts(bytes, 4, "elastic state")
+            .or_else(|_| super::super::shared::prefixed_parts(bytes, 3, "elastic state"))?;
+        let train_scores = match parts.get(3) {
+            Some(b) => ValScores::decode(b, "elastic state")?,
+            None => ValScores::default(),
+        };
         let meta: serde_json::Value =
             serde_json::from_slice(parts[0]).map_err(|e| bad(e.to_string()))?;
         let num = |k: &str| meta[k].as_f64().ok_or_else(|| bad(format!("no {k}")));
@@ -140,6 +149,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             optim: optimizer(self.cfg).load_record(optim_record),
             scaler,
             epoch_skipped: meta["epoch_skipped"].as_u64().unwrap_or(0),
+            train_scores,
         };
         let join = meta["join"].as_str().unwrap_or_default().to_string();
         let health = Health {

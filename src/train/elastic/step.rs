@@ -33,6 +33,10 @@ impl Control {
     fn top5(&self) -> f64 {
         f64::from(self.values[2 * self.world + 4])
     }
+    /// A multi-label step's outputs, every member's rows ([`ValScores::write_rows`]).
+    fn scores(&self) -> &[f32] {
+        &self.values[2 * self.world + 5..]
+    }
 }
 
 /// One step's compute on this worker: its gradients (its shares' part of the global mean,
@@ -44,6 +48,9 @@ struct Computed {
     correct: f64,
     /// Samples with their class among the 5 highest scores (0 where top-5 does not apply).
     top5: f64,
+    /// A multi-label step's outputs on this worker: each batch's, with the row of the step's
+    /// control vector it starts at.
+    scores: Vec<(usize, ValScores)>,
     mine: usize,
     total: usize,
     position: usize,
@@ -149,7 +156,8 @@ impl<T: Trainee> ElasticRun<'_, T> {
         } else {
             rate
         };
-        let control = match self.agree(world, &c) {
+        let rows = self.score_rows(&c)?;
+        let control = match self.agree(world, &c, rows) {
             Ok(control) => control,
             Err(e) => return Ok(Stepped::Stop(Interrupt::Failed(e.to_string()))),
         };
@@ -176,6 +184,10 @@ impl<T: Trainee> ElasticRun<'_, T> {
         commit.sums[1] += control.hits();
         commit.sums[2] += c.total as f64;
         commit.sums[3] += control.top5();
+        if self.trainee.multi_label() {
+            let classes = self.trainee.classes().len();
+            commit.train_scores.read_rows(control.scores(), classes);
+        }
         commit.world_log.push((commit.step, now, w));
         self.exchange.stepped(t.elapsed());
         if let Some(z) = self.zero.as_mut() {
@@ -209,6 +221,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             .map_or(1.0, |s| s.loss_factor(self.faults.overflow_at()));
         let (mut loss_sum, mut correct, mut top5) = (0.0f64, 0.0f64, 0.0f64);
         let (mut mine, mut total) = (0usize, 0usize);
+        let mut scored = Vec::new();
         let mut pos = commit.position as usize;
         for sub in 0..k {
             if pos >= n {
@@ -223,9 +236,22 @@ impl<T: Trainee> ElasticRun<'_, T> {
             seed_stream(&self.device, self.cfg.seed, stream_at, world.rank());
             // This worker's share of the global batch's mean.
             let share = part as f32 / global_part.max(1) as f32 * factor;
-            let (grads, sums) =
-                self.objective
-                    .train_batch(&commit.model, input, &targets, share)?;
+            // A multi-label batch's outputs go in the step's rows from where this worker's
+            // share of the global batch starts.
+            let mut scores = self.trainee.multi_label().then(ValScores::default);
+            let (grads, sums) = self.objective.train_batch_scored(
+                &commit.model,
+                input,
+                &targets,
+                share,
+                scores.as_mut(),
+            )?;
+            if let Some(s) = scores {
+                let first =
+                    step_positions(n, pos, self.cfg.batch_size, &world.weights, world.rank())?;
+                let start = first.first().map_or(0, |p| p - pos);
+                scored.push((sub * self.cfg.batch_size + start, s));
+            }
             loss_sum += sums.loss;
             correct += sums.hits;
             top5 += sums.top5;
@@ -245,6 +271,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             loss_sum,
             correct,
             top5,
+            scores: scored,
             mine,
             total,
             position: pos,
@@ -252,9 +279,15 @@ impl<T: Trainee> ElasticRun<'_, T> {
     }
 
     /// The step's control vector, summed over the world: the same on every member afterwards.
-    fn agree(&self, world: &World, c: &Computed) -> std::result::Result<Control, DistError> {
+    fn agree(
+        &self,
+        world: &World,
+        c: &Computed,
+        rows: Vec<f32>,
+    ) -> std::result::Result<Control, DistError> {
         let w = world.size();
         let mut control = vec![0.0f32; 2 * w + 5];
+        control.extend(rows);
         control[world.rank()] = f32::from(LEAVE.load(Ordering::SeqCst));
         if world.rank() == 0 && w < self.opts.max_workers && !self.join.waiting().is_empty() {
             control[w] = 1.0;
@@ -271,6 +304,20 @@ impl<T: Trainee> ElasticRun<'_, T> {
         })
     }
 
+    /// A multi-label step's outputs for the control vector: a row for each sample of its K
+    /// global batches, this worker's filled (every member fills its own; empty otherwise).
+    fn score_rows(&self, c: &Computed) -> Result<Vec<f32>> {
+        if !self.trainee.multi_label() {
+            return Ok(Vec::new());
+        }
+        let rows = self.cfg.optim.grad_accum.unwrap_or(1).max(1) * self.cfg.batch_size;
+        let mut out = vec![0.0f32; rows * ValScores::row_len(self.trainee.classes().len())];
+        for (slot, s) in &c.scores {
+            s.write_rows(&mut out, *slot)?;
+        }
+        Ok(out)
+    }
+
     /// The exchange and the update into `commit` (its model, scaler and skipped count; with
     /// --zero the shard). `Some` when the world is left: nothing of the commit changed then.
     fn update(
@@ -280,10 +327,10 @@ impl<T: Trainee> ElasticRun<'_, T> {
         mut grads: GradientsParams,
     ) -> Result<Option<Interrupt>> {
         let mut scaler = commit.scaler.clone();
+        let lr = self
+            .rates
+            .rate(commit.epoch as usize + 1, commit.step as usize);
         let update = Update {
-            lr: self
-                .rates
-                .rate(commit.epoch as usize + 1, commit.step as usize),
             clip: self.cfg.optim.clip_grad,
             scaler: scaler.as_mut(),
         };
@@ -292,7 +339,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             // the step fail); the gradients are summed (the shares are weighted in the loss
             // already), one fp16 verdict for the job inside it.
             let mut next = z.current.clone();
-            match update.sharded(&mut next, &commit.model, grads, &world.sharded, Ok) {
+            match update.sharded(&mut next, lr, &commit.model, grads, &world.sharded, Ok) {
                 Err(e) => {
                     // Failed in the all-gather after the local update: another member may
                     // have finished the step (see sharded.rs).
@@ -324,7 +371,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         // gradients whole, so its verdict and norm are the world's; a skipped step still
         // counts (its samples and the schedule go on).
         let model = commit.model.clone();
-        let (model, stepped) = update.apply(model, grads, &mut commit.optim, Ok, Ok)?;
+        let (model, stepped) = update.apply(model, lr, grads, &mut commit.optim, Ok, Ok)?;
         commit.model = model;
         if !stepped {
             commit.epoch_skipped += 1;
@@ -468,6 +515,9 @@ impl<T: Trainee> ElasticRun<'_, T> {
         .collect();
         if let Some(a) = val.auroc {
             row.insert("val_auroc".into(), a);
+        }
+        if let Some(a) = commit.train_scores.auroc() {
+            row.insert("train_auroc".into(), a);
         }
         insert_top5(
             &mut row,

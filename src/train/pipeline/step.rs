@@ -198,11 +198,10 @@ impl PipelineRun<'_> {
         rate: f64,
     ) -> Result<(StageModel, bool)> {
         let update = Update {
-            lr: rate,
             clip: None,
             scaler: scaler.as_mut(),
         };
-        let stepped = update.sharded(z, &model, grads, replicas, |finite| {
+        let stepped = update.sharded(z, rate, &model, grads, replicas, |finite| {
             self.agree_finite(finite)
         })?;
         Ok(match stepped {
@@ -234,7 +233,6 @@ impl PipelineRun<'_> {
             allreduce_grads(&model, &mut grads, replicas, self.cfg.exchange.bucket_bytes)?;
         }
         let update = Update {
-            lr: rate,
             clip: self.cfg.optim.clip_grad,
             scaler: scaler.as_mut(),
         };
@@ -243,6 +241,7 @@ impl PipelineRun<'_> {
         let replicas = self.replicas.as_ref().map_or(1, |r| r.world()) as f64;
         update.apply(
             model,
+            rate,
             grads,
             optim,
             |finite| Ok(self.agree_finite(finite)?),

@@ -7,13 +7,14 @@ use std::time::Instant;
 use burn_dist::DistError;
 use burn_dist::wire::Kind;
 
-use super::job::{BYE, SETUP, SKIPPED, STATS};
-use super::state::{EpochStats, decode_stats};
+use super::job::{BYE, SCORES, SETUP, SKIPPED, STATS};
+use super::state::{EpochStats, decode_scores, decode_stats};
 use super::worker::Worker;
 use crate::Result;
 use crate::train::TrainReport;
 use crate::train::epochs::Epochs;
 use crate::train::export::export_best;
+use crate::train::scores::ValScores;
 use crate::train::shared::collective_timeout;
 use crate::train::trainee::Trainee;
 
@@ -32,6 +33,14 @@ impl<T: Trainee> Worker<'_, T> {
         }
         let mut all: Vec<(usize, Vec<EpochStats>)> = vec![(0, self.stats.clone())];
         let mut skipped = self.trainee.skipped();
+        // A multi-label run's training outputs of each epoch, every worker's.
+        let mut scores: BTreeMap<usize, ValScores> = BTreeMap::new();
+        let mut keep = |part: Vec<(usize, ValScores)>| {
+            for (epoch, s) in part {
+                scores.entry(epoch).or_default().append(s);
+            }
+        };
+        keep(self.train_scores.clone());
         let deadline = Instant::now() + collective_timeout();
         for r in 1..self.roles.workers {
             match self.t.recv(r, Kind::Ps, STATS, deadline) {
@@ -66,11 +75,32 @@ impl<T: Trainee> Worker<'_, T> {
                 }
                 Err(e) => log(&format!("worker {r}'s skipped images are missing: {e}")),
             }
+            if self.trainee.multi_label() {
+                match self
+                    .t
+                    .recv(r, Kind::Ps, SCORES, deadline)
+                    .map_err(|e| e.to_string())
+                    .and_then(|b| decode_scores(&b).map_err(|e| e.to_string()))
+                {
+                    Ok(part) => keep(part),
+                    Err(e) => log(&format!(
+                        "worker {r}'s training outputs are missing ({e}): `train_auroc` \
+                         leaves its samples out"
+                    )),
+                }
+            }
         }
         for r in (1..self.roles.workers).chain(self.roles.server_ranks()) {
             let _ = self.t.send(r, Kind::Ps, BYE, Vec::new());
         }
-        epochs.update_rows(|rows| self.merge_worker_stats(rows, &all, log));
+        epochs.update_rows(|rows| {
+            self.merge_worker_stats(rows, &all, log);
+            for (epoch, s) in &scores {
+                if let (Some(row), Some(a)) = (rows.get_mut(epoch), s.auroc()) {
+                    row.insert("train_auroc".into(), a);
+                }
+            }
+        });
         epochs.write_csv()?;
         let best = epochs.best_or_err()?;
         let per_class_auroc = export_best(

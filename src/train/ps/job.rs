@@ -54,6 +54,9 @@ pub(crate) const BYE: u64 = burn_dist::ps::message::APP_TAGS + 1;
 pub(crate) const STATS: u64 = burn_dist::ps::message::APP_TAGS;
 /// A worker's skipped images (`path: reason` lines), sent to the lead after its statistics.
 pub(crate) const SKIPPED: u64 = burn_dist::ps::message::APP_TAGS + 3;
+/// A multi-label run's training outputs of each epoch on a worker, sent to the lead after its
+/// skipped images (for `train_auroc`).
+pub(crate) const SCORES: u64 = burn_dist::ps::message::APP_TAGS + 4;
 
 /// The lead's settings for one server's optimizer, sent before each session's values: the
 /// optimizer steps per epoch (the schedule's unit), the phase's base rate and its shard's

@@ -14,8 +14,8 @@ use burn_dist::transport::Transport;
 use burn_dist::transport::group::Group;
 use burn_dist::wire::Kind;
 
-use super::job::{BYE, Roles, SKIPPED, STATS};
-use super::state::{Sharding, encode_stats, reshard_optim_state};
+use super::job::{BYE, Roles, SCORES, SKIPPED, STATS};
+use super::state::{Sharding, encode_scores, encode_stats, reshard_optim_state};
 use super::worker::{PATIENT, Worker};
 use crate::settings::Precision;
 use crate::settings::PsOptions;
@@ -157,6 +157,7 @@ fn start<'a, R: Recipe>(
         rates,
         batches,
         scaler: (cfg.compute.precision == Precision::Fp16).then(LossScaler::default),
+        train_scores: Vec::new(),
     };
     Ok((w, comm))
 }
@@ -167,6 +168,9 @@ fn farewell<T: Trainee>(w: &Worker<'_, T>, epochs: &Epochs) -> Result<TrainRepor
     w.t.send(0, Kind::Ps, STATS, encode_stats(&w.stats))?;
     let skipped = crate::train::shared::encode_lines(&w.trainee.skipped());
     w.t.send(0, Kind::Ps, SKIPPED, skipped)?;
+    if w.trainee.multi_label() {
+        w.t.send(0, Kind::Ps, SCORES, encode_scores(&w.train_scores))?;
+    }
     // The lead's goodbye, or its loss, ends this worker.
     let _ = w.t.recv(0, Kind::Ps, BYE, Instant::now() + PATIENT);
     Ok(epochs.report(

@@ -7,6 +7,7 @@ use burn_dist::flat::layout::Layout;
 use burn_dist::ps::message::ShardState;
 use burn_dist::wire::{Reader, Writer};
 
+use crate::train::scores::ValScores;
 use crate::{HearthError, Result};
 
 const MAGIC: &str = "hearth-ps-state-1";
@@ -126,6 +127,36 @@ impl EpochStats {
     pub fn accuracy(&self) -> f64 {
         100.0 * self.correct / self.samples.max(1.0)
     }
+}
+
+/// A multi-label run's training outputs of each epoch on one worker, for the lead's
+/// `train_auroc` over every worker's.
+pub(crate) fn encode_scores(epochs: &[(usize, ValScores)]) -> Vec<u8> {
+    let mut w = Writer::default().u64(epochs.len() as u64);
+    for (epoch, s) in epochs {
+        w = w.u64(*epoch as u64).blob(&s.encode());
+    }
+    w.bytes
+}
+
+pub(crate) fn decode_scores(b: &[u8]) -> Result<Vec<(usize, ValScores)>> {
+    let bad = |m: String| HearthError::Training(format!("a worker's training outputs: {m}"));
+    let mut r = Reader::new(b);
+    let n = r.u64().map_err(|e| bad(e.to_string()))?;
+    if n > 1 << 20 {
+        return Err(bad(format!("{n} epochs")));
+    }
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let epoch = r.u64().map_err(|e| bad(e.to_string()))? as usize;
+        let blob = r.blob().map_err(|e| bad(e.to_string()))?;
+        out.push((
+            epoch,
+            ValScores::decode(blob, "a worker's training outputs")?,
+        ));
+    }
+    r.finish().map_err(|e| bad(e.to_string()))?;
+    Ok(out)
 }
 
 pub fn encode_stats(rows: &[EpochStats]) -> Vec<u8> {

@@ -25,9 +25,11 @@ use super::state::{EpochStats, PsState, state_file};
 use crate::settings::PsOptions;
 use crate::train::best::{model_checkpoint, save_epoch_weights};
 use crate::train::epochs::{Epochs, Row};
+use crate::train::exchange::Update;
 use crate::train::model::seed_stream;
 use crate::train::objective::{Objective, insert_top5};
-use crate::train::precision::{LossScaler, unscale_flat};
+use crate::train::precision::LossScaler;
+use crate::train::scores::ValScores;
 use crate::train::shared::{Rates, collective_timeout, epoch_lr};
 use crate::train::trainee::{Net, Trainee};
 use crate::train::{TrainConfig, run_dir};
@@ -59,8 +61,11 @@ pub(super) struct Worker<'a, T: Trainee> {
     /// Loader batches per epoch on this worker.
     pub(super) batches: usize,
     /// fp16's loss scale of this worker's own steps (`--precision fp16`): each worker decides
-    /// for its own gradient (see [`Worker::push`]).
+    /// for its own gradient (see [`Update::served`]).
     pub(super) scaler: Option<LossScaler>,
+    /// A multi-label run's training outputs of each epoch on this worker, for the epoch's
+    /// `train_auroc` (every worker's, merged by the lead at the end).
+    pub(super) train_scores: Vec<(usize, ValScores)>,
 }
 
 impl<T: Trainee> Worker<'_, T> {
@@ -218,6 +223,7 @@ impl<T: Trainee> Worker<'_, T> {
         let k = self.cfg.optim.grad_accum.unwrap_or(1).max(1);
         let batches = self.trainee.shard_batches();
         let mut acc: Option<(Vec<f32>, u64)> = None;
+        let mut scores = self.trainee.multi_label().then(ValScores::default);
         for (i, batch) in self
             .trainee
             .shard(epoch as u64 - 1, &self.device)
@@ -230,9 +236,13 @@ impl<T: Trainee> Worker<'_, T> {
                 .scaler
                 .as_ref()
                 .map_or(1.0, |s| s.loss_factor(self.faults.overflow_at()));
-            let (grads, sums) = self
-                .objective
-                .train_batch(&self.model, input, &targets, factor)?;
+            let (grads, sums) = self.objective.train_batch_scored(
+                &self.model,
+                input,
+                &targets,
+                factor,
+                scores.as_mut(),
+            )?;
             let n = sums.samples as usize;
             row.correct += sums.hits;
             row.top5 += sums.top5;
@@ -255,7 +265,14 @@ impl<T: Trainee> Worker<'_, T> {
                 continue;
             }
             let waited = Instant::now();
-            self.push(ps, params, sum, samples, &mut row)?;
+            // Exchange and commit in one: the servers apply the mode's rule.
+            let update = Update {
+                clip: self.cfg.optim.clip_grad,
+                scaler: self.scaler.as_mut(),
+            };
+            if !update.served(ps, params, sum, samples)? {
+                row.skipped += 1.0;
+            }
             row.wait += waited.elapsed().as_secs_f64();
             self.model = with_trainable_values(self.model.clone(), params)?;
         }
@@ -263,6 +280,9 @@ impl<T: Trainee> Worker<'_, T> {
         row.seconds = began.elapsed().as_secs_f64();
         row.bytes = (ps.client.bytes_in + ps.client.bytes_out) as f64;
         self.stats.push(row);
+        if let Some(s) = scores {
+            self.train_scores.push((epoch, s));
+        }
         self.save_loss_scale(epoch)
     }
 
@@ -292,31 +312,6 @@ impl<T: Trainee> Worker<'_, T> {
             .run_dir
             .join("checkpoint")
             .join(format!("loss-scale-w{}-{epoch}.json", self.rank))
-    }
-
-    /// One step of the mode's rule with `grad` (the sum over `samples` samples). fp16: the
-    /// gradient is divided by the loss scale, and one that is not finite is skipped (this
-    /// worker's scale halves): the step still counts, but this worker's gradient is left out
-    /// (sync: its share of the round weighs nothing; asynchronous modes: no local update, the
-    /// exchanges keep their rhythm). Workers of a parameter-server run never exchange
-    /// gradients with each other, so each decides for its own; a round where every worker
-    /// skipped changes nothing on the servers.
-    pub(super) fn push(
-        &mut self,
-        ps: &mut PsWorker,
-        params: &mut Vec<f32>,
-        mut grad: Vec<f32>,
-        samples: u64,
-        row: &mut EpochStats,
-    ) -> Result<()> {
-        if let Some(s) = &mut self.scaler {
-            let finite = unscale_flat(&mut grad, s.scale());
-            if !s.decide(finite) {
-                row.skipped += 1.0;
-                return Ok(ps.skip(params)?);
-            }
-        }
-        Ok(ps.step(params, &grad, samples)?)
     }
 
     /// The lead after `epoch`: the servers' model (at one consistent cut) validated with the
