@@ -10,7 +10,7 @@
 #   bash scripts/gpu_check.sh [.gpu] [OUT_DIR]      # this script unpacks .gpu/*.xz first
 #
 # One binary does everything: `hearth bench model` times Hearth, and the PyTorch peer
-# (benches/peer/torch_models.py) runs beside it on the same GPU in the same call, so the
+# (cli/benches/peer/torch_models.py) runs beside it on the same GPU in the same call, so the
 # `models` bench binary need not be carried (with CUDA each binary links LLVM: about 200 MB
 # stripped, 50 MB xz-compressed, and a device call carries at most 64 MiB).
 #
@@ -44,7 +44,7 @@
 # decisions) is saved to OUT/cubecl-environment.tar.xz and, carried back in BIN, restored first.
 # HEARTH_GPU_FRESH=1 ignores a carried cache (to time a first run again).
 #
-# The peer script is read from this checkout (benches/peer/torch_models.py).
+# The peer script is read from this checkout (cli/benches/peer/torch_models.py).
 set -u
 BIN=$(realpath "${1:-.gpu}")
 for packed in "$BIN"/*.xz; do
@@ -61,7 +61,7 @@ WORK=$(mktemp -d)
 LOGS=$WORK/logs
 mkdir -p "$LOGS"
 ROOT=$(pwd)
-PEER=$ROOT/benches/peer/torch_models.py
+PEER=$ROOT/cli/benches/peer/torch_models.py
 HEARTH=$BIN/hearth
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1

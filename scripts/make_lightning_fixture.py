@@ -1,9 +1,9 @@
-"""Writes tests/fixtures/parity/resnet_basic_lightning.pth from resnet_basic.pth: the same
+"""Writes cli/tests/fixtures/parity/resnet_basic_lightning.pth from resnet_basic.pth: the same
 state_dict as PyTorch Lightning saves it, {'state_dict': {'model.' + k: v}, 'epoch': 3, ...},
 without torch (the tensors and storages are carried through as opaque pickle objects).
 
-    python3 scripts/make_lightning_fixture.py tests/fixtures/parity/resnet_basic.pth \
-        tests/fixtures/parity/resnet_basic_lightning.pth
+    python3 scripts/make_lightning_fixture.py cli/tests/fixtures/parity/resnet_basic.pth \
+        cli/tests/fixtures/parity/resnet_basic_lightning.pth
 """
 import pickle, sys, types, zipfile, collections
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Writes the torchvision parity fixtures under tests/fixtures/parity/.
+"""Writes the torchvision parity fixtures under cli/tests/fixtures/parity/.
 
 Each fixture is a small network built from torchvision's own classes and blocks, with random
 weights AND random batch-norm statistics (so a mis-loaded statistic shows), its state_dict,
-a fixed input and torchvision's logits in eval mode. The Rust tests (tests/parity.rs) load the
+a fixed input and torchvision's logits in eval mode. The Rust tests (cli/tests/parity.rs) load the
 weights through Hearth's real loaders and must match the logits within 1e-4.
 
 Sizes: full-width torchvision ResNets/VGGs are 20-500 MB, so
@@ -29,7 +29,7 @@ from torchvision.models import ResNet, DenseNet, VGG
 from torchvision.models.resnet import BasicBlock, Bottleneck
 from torchvision.models.vgg import make_layers
 
-OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "parity")
+OUT = os.path.join(os.path.dirname(__file__), "..", "cli", "tests", "fixtures", "parity")
 
 
 def randomize(model: nn.Module, seed: int) -> None:

@@ -1,7 +1,8 @@
 //! # Hearth
 //!
-//! Image models and distributed training on [Burn](https://burn.dev). This crate is the glue and
-//! the `hearth` command line; the parts are separate crates re-exported here:
+//! Image models and distributed training on [Burn](https://burn.dev). This crate is the library
+//! (the `hearth` command line and the benches' helpers are the `hearth-cli` crate); the parts
+//! are separate crates re-exported here:
 //!
 //! - [`models`] (`hearth-models`): torchvision-exact ResNet, VGG and DenseNet, weight import.
 //! - [`datasets`] (`hearth-datasets`): image folders, augmentation, streaming sharded loader.
@@ -40,18 +41,12 @@
 mod names;
 
 pub mod alloc;
-#[cfg(feature = "bench-tools")]
-pub mod bench;
 pub mod device;
-#[cfg(feature = "bench-tools")]
-pub mod dist_bench;
 mod error;
 pub mod eval;
 pub mod gpu;
 #[cfg(feature = "hub")]
 pub mod hub;
-#[cfg(feature = "bench-tools")]
-pub mod loader_bench;
 pub mod metrics;
 pub mod npy;
 pub mod optim;

@@ -1,5 +1,5 @@
 //! The names settings enums take on the command line and in `hparams.json`, without clap: the
-//! library reads and writes them itself, and the command line (the `cli` feature) derives
+//! library reads and writes them itself, and the command line (through the `clap` feature) derives
 //! clap's `ValueEnum` with the same names (`tests` below check that they agree).
 
 /// For a settings enum: `ALL`, `name()` and `from_name()`, and `FromStr` with an error that
@@ -110,7 +110,7 @@ pub(crate) mod by_name {
     }
 }
 
-#[cfg(all(test, feature = "cli"))]
+#[cfg(all(test, feature = "clap"))]
 mod tests {
     use clap::ValueEnum;
 
@@ -157,11 +157,6 @@ mod tests {
             ScheduleKind::from_name,
         );
         agree(LrScaling::ALL, LrScaling::name, LrScaling::from_name);
-        #[cfg(feature = "bench-tools")]
-        {
-            use crate::bench::BenchMode;
-            agree(BenchMode::ALL, BenchMode::name, BenchMode::from_name);
-        }
         use burn_dist::{Compression, pipeline::Schedule};
         agree(Compression::ALL, Compression::name, Compression::from_name);
         agree(Schedule::ALL, Schedule::name, Schedule::from_name);

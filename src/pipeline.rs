@@ -3,7 +3,7 @@
 //! stages of balanced parameter counts.
 //!
 //! ResNet, VGG and DenseNet have units; a ResNet split by this module trains through GPipe and
-//! 1F1B exactly like the unsplit model (`tests/pipeline.rs`). `hearth train --pipeline-stages`
+//! 1F1B exactly like the unsplit model (`cli/tests/pipeline.rs`). `hearth train --pipeline-stages`
 //! is [`crate::train`]'s pipeline mode (`src/train/pipeline.rs`).
 
 use std::ops::Range;

@@ -27,7 +27,7 @@ pub enum Decay {
 
 /// The schedule names `--schedule` takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum ScheduleKind {
     /// The base rate after warmup.
     Constant,
@@ -137,7 +137,7 @@ impl LrScheduler for Schedule {
 
 /// How the learning rate follows the batch size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum LrScaling {
     /// lr * B / B0 (Goyal et al. 2017).
     Linear,

@@ -6,7 +6,7 @@ use hearth_datasets::Augmentation;
 
 /// How batch norm normalises in the fine-tuning phase after `--unfreeze-after`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum FinetuneBn {
     /// By the running statistics the frozen phase used (the pretrained ones), which stay as
     /// they are, while the scales and shifts train: Keras's advice for fine-tuning, and what
@@ -28,11 +28,11 @@ pub const DEFAULT_MOMENTUM: f64 = 0.9;
 pub const ADAG_SCRATCH_MOMENTUM: f64 = 0.5;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum OptimizerKind {
     Sgd,
     Adam,
-    #[cfg_attr(feature = "cli", value(name = "adamw"))]
+    #[cfg_attr(feature = "clap", value(name = "adamw"))]
     AdamW,
     Lars,
 }
@@ -41,14 +41,14 @@ crate::names::named_settings!(OptimizerKind { Sgd => "sgd", Adam => "adam", Adam
 
 /// Which validation metric early stopping and best-epoch selection follow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Monitor {
-    #[cfg_attr(feature = "cli", value(name = "val_loss"))]
+    #[cfg_attr(feature = "clap", value(name = "val_loss"))]
     ValLoss,
-    #[cfg_attr(feature = "cli", value(name = "val_accuracy"))]
+    #[cfg_attr(feature = "clap", value(name = "val_accuracy"))]
     ValAccuracy,
     /// Mean per-class AUROC (multi-label sets).
-    #[cfg_attr(feature = "cli", value(name = "val_auroc"))]
+    #[cfg_attr(feature = "clap", value(name = "val_auroc"))]
     ValAuroc,
 }
 
@@ -67,7 +67,7 @@ impl Monitor {
 
 /// Named augmentation recipes (`--augment`); the per-transform flags adjust them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum AugmentPreset {
     /// Resize and center crop, as validation: nothing random.
     None,
@@ -92,7 +92,7 @@ impl AugmentPreset {
 
 /// How `--pipeline-stages` splits the model's units when no `--pipeline-split` is given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum PipelineBalance {
     /// Equal learnable-parameter counts (weights, gradients and optimizer state per rank).
     #[default]
@@ -113,7 +113,7 @@ crate::names::named_settings!(PipelineBalance { Params => "params", Time => "tim
 
 /// The type a training step computes in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Precision {
     /// Everything in f32.
     #[default]

@@ -187,7 +187,7 @@ impl PsOptions {
 
 /// How the global batch is shared between the workers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Balance {
     /// global / world each, the remainder to the first workers.
     #[default]

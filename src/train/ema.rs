@@ -15,6 +15,7 @@ use burn::store::ModuleRecord;
 use crate::{HearthError, Result};
 
 /// The average: a model of the live one's type, on the plain device (no autodiff).
+#[derive(Clone)]
 pub(super) struct Ema<M> {
     pub model: M,
     decay: f64,
@@ -69,6 +70,16 @@ impl<M: Module> Ema<M> {
             decay: self.decay as f32,
         };
         self.model = self.model.clone().map(&mut lerp);
+    }
+
+    /// The average as a checkpoint file's bytes (what [`Self::load`] reads).
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        self.model
+            .clone()
+            .into_record()
+            .into_bytes()
+            .map(|b| b.to_vec())
+            .map_err(|e| HearthError::Training(format!("serialising the weight average: {e}")))
     }
 
     /// The average as a checkpoint file's bytes would hold it.

@@ -80,18 +80,11 @@ pub(super) fn export_ema<T: super::trainee::Trainee>(
     trainee: &T,
     best: usize,
     device: &burn::prelude::Device,
+    gate: &super::gate::Gate,
     log: &mut dyn FnMut(&str),
 ) -> Result<()> {
     let path = super::ema::ema_checkpoint(&cfg.run_dir, best);
-    export_file(
-        cfg,
-        trainee,
-        &path,
-        best,
-        device,
-        "model_ema.bpk",
-        &Default::default(),
-    )?;
+    export_file(cfg, trainee, &path, best, device, "model_ema.bpk", gate)?;
     log(&format!(
         "exported the best epoch's ({best}) weight average into {}",
         cfg.run_dir.join("model_ema.bpk").display()

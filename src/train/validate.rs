@@ -80,15 +80,13 @@ impl TrainConfig {
                 Some("a pipeline (`PipelineOptions.stages`)")
             } else if self.mode.ps().is_some() {
                 Some("`TrainingMode::ParameterServers`")
-            } else if self.mode.elastic().is_some() {
-                Some("`TrainingMode::Elastic`")
             } else {
                 None
             };
             if let Some(what) = other {
                 return bad(format!(
-                    "`optim.model_ema` with {what} is not built yet; it works in one process \
-                     and data parallel"
+                    "`optim.model_ema` with {what} is not built yet; it works in one process, \
+                     data parallel and elastic"
                 ));
             }
         }

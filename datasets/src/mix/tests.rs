@@ -29,7 +29,7 @@ fn batch(n: usize, c: usize, h: usize, w: usize) -> (Vec<f32>, Tensor<4>) {
 }
 
 fn values(t: Tensor<4>) -> Vec<f32> {
-    t.into_data().to_vec::<f32>().expect("f32 values")
+    t.into_data().try_to_vec::<f32>().expect("f32 values")
 }
 
 #[test]
@@ -38,7 +38,7 @@ fn roll_is_torch_roll_by_one() {
     let r = roll(t)
         .into_data()
         .convert::<i64>()
-        .to_vec::<i64>()
+        .try_to_vec::<i64>()
         .expect("ints");
     assert_eq!(r, vec![3, 0, 1, 2]);
 }

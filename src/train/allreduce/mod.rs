@@ -284,7 +284,14 @@ impl<T: Trainee> Allreduce<'_, T> {
                 log,
             )?;
             if self.ema.is_some() {
-                export_ema(self.cfg, &self.trainee, best, &self.plain_device, log)?;
+                export_ema(
+                    self.cfg,
+                    &self.trainee,
+                    best,
+                    &self.plain_device,
+                    &Default::default(),
+                    log,
+                )?;
             }
             epochs.plot(log);
         }

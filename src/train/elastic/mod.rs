@@ -33,9 +33,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::best::{model_checkpoint, save_epoch_weights};
+use super::ema::Ema;
 use super::epochs::{Epochs, Row};
 use super::exchange::{Exchange, Update};
-use super::export::export_best;
+use super::export::{export_best, export_ema};
 use super::gate::Gate;
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, insert_top5};
@@ -162,6 +163,8 @@ struct Commit<M: Net> {
     /// A multi-label epoch's training outputs so far, every member's (each step's control
     /// allreduce carries them), for the epoch's `train_auroc`.
     train_scores: ValScores,
+    /// `optim.model_ema`: the weight average, moving with the model (`average.rs`).
+    ema: Option<Ema<M>>,
 }
 
 /// The current world of an elastic job.
@@ -272,6 +275,7 @@ fn greeting_tag(epoch: u32) -> u64 {
 /// Steps between re-measured throughput shares (`--balance throughput`).
 const REBALANCE_EVERY: u64 = 8;
 
+mod average;
 mod change;
 mod entry;
 mod fence;
@@ -319,6 +323,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
 
     fn fresh_commit(&self) -> Result<Commit<T::Model>> {
         let model = self.in_phase(self.skeleton(&self.device)?, 0);
+        let ema = self.fresh_average(&model);
         Ok(Commit {
             step: 0,
             epoch: 0,
@@ -336,6 +341,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             scaler: (self.cfg.compute.precision == Precision::Fp16).then(LossScaler::default),
             epoch_skipped: 0,
             train_scores: ValScores::default(),
+            ema,
         })
     }
 
@@ -371,6 +377,16 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 &gate,
                 log,
             )?;
+            if commit.ema.is_some() {
+                export_ema(
+                    self.cfg,
+                    &self.trainee,
+                    best,
+                    &self.plain_device,
+                    &gate,
+                    log,
+                )?;
+            }
             #[cfg(feature = "plots")]
             {
                 let dir = &self.cfg.run_dir;

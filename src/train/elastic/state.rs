@@ -66,9 +66,18 @@ impl<T: Trainee> ElasticRun<'_, T> {
         // A multi-label epoch's training outputs so far (a fourth part: states from before
         // it have three, and their epoch's `train_auroc` covers the steps after them).
         let scores = c.train_scores.encode();
-        let mut out =
-            Vec::with_capacity(32 + meta.len() + module.len() + optim.len() + scores.len());
-        for part in [meta.as_bytes(), &module[..], &optim[..], &scores[..]] {
+        // `optim.model_ema`'s average (a fifth part, empty without it).
+        let average = Self::encode_average(c)?;
+        let mut out = Vec::with_capacity(
+            40 + meta.len() + module.len() + optim.len() + scores.len() + average.len(),
+        );
+        for part in [
+            meta.as_bytes(),
+            &module[..],
+            &optim[..],
+            &scores[..],
+            &average[..],
+        ] {
             out.extend_from_slice(&(part.len() as u64).to_le_bytes());
             out.extend_from_slice(part);
         }
@@ -79,7 +88,9 @@ impl<T: Trainee> ElasticRun<'_, T> {
     /// (empty in states written before it was kept), and the launch.
     pub(super) fn decode(&self, bytes: &[u8]) -> Result<Decoded<T::Model>> {
         let bad = |m: String| HearthError::Training(format!("elastic state: {m}"));
-        let parts = super::super::shared::prefixed_parts(bytes, 4, "elastic state")
+        // States written before the training outputs (3 parts) and the average (4) still load.
+        let parts = super::super::shared::prefixed_parts(bytes, 5, "elastic state")
+            .or_else(|_| super::super::shared::prefixed_parts(bytes, 4, "elastic state"))
             .or_else(|_| super::super::shared::prefixed_parts(bytes, 3, "elastic state"))?;
         let train_scores = match parts.get(3) {
             Some(b) => ValScores::decode(b, "elastic state")?,
@@ -121,6 +132,13 @@ impl<T: Trainee> ElasticRun<'_, T> {
             }
             _ => None,
         };
+        let model = self.in_phase(
+            skeleton
+                .try_load_record(record)
+                .map_err(|e| bad(format!("model: {e}")))?,
+            epoch,
+        );
+        let ema = self.decode_average(&model, parts.get(4).copied(), epoch as usize)?;
         let commit = Commit {
             step: num("step")? as u64,
             epoch,
@@ -140,16 +158,12 @@ impl<T: Trainee> ElasticRun<'_, T> {
             world_log,
             rows,
             finished: meta["finished"].as_bool().unwrap_or(false),
-            model: self.in_phase(
-                skeleton
-                    .try_load_record(record)
-                    .map_err(|e| bad(format!("model: {e}")))?,
-                epoch,
-            ),
+            model,
             optim: optimizer(self.cfg).load_record(optim_record),
             scaler,
             epoch_skipped: meta["epoch_skipped"].as_u64().unwrap_or(0),
             train_scores,
+            ema,
         };
         let join = meta["join"].as_str().unwrap_or_default().to_string();
         let health = Health {

@@ -353,6 +353,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
                     z.previous = Some((z.since, before));
                     z.since = commit.step + 1;
                     commit.model = model;
+                    Self::average_step(commit);
                 }
                 Ok(None) => commit.epoch_skipped += 1,
             }
@@ -373,8 +374,9 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let model = commit.model.clone();
         let (model, stepped) = update.apply(model, lr, grads, &mut commit.optim, Ok, Ok)?;
         commit.model = model;
-        if !stepped {
-            commit.epoch_skipped += 1;
+        match stepped {
+            true => Self::average_step(commit),
+            false => commit.epoch_skipped += 1,
         }
         commit.scaler = scaler;
         Ok(None)
@@ -475,7 +477,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         let parts = val_share(self.trainee.val_len(), rank, size, self.cfg.batch_size);
         let val = self.objective.validate(
             &model.valid(),
-            self.trainee.val_batches(parts, &self.plain_device),
+            self.trainee.val_batches(parts.clone(), &self.plain_device),
             Some(&world.comm),
         )?;
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
@@ -529,6 +531,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         if commit.scaler.is_some() {
             row.insert("train_skipped_steps".into(), commit.epoch_skipped as f64);
         }
+        self.validate_average(world, commit, parts, &mut row)?;
         commit.model = model;
         Ok(row)
     }
@@ -550,6 +553,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         }
         gate.write(&dir.join("world.csv"), steps.as_bytes())?;
         save_epoch_weights(dir, epoch, c.model.clone(), &gate)?;
+        self.save_average(c, &gate, epoch, best)?;
         for old in 1..epoch {
             if Some(old) != best {
                 gate.remove(&model_checkpoint(dir, old))?;

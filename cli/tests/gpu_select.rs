@@ -1,0 +1,432 @@
+//! Kernels chosen by rule on a cubecl device (Vulkan on the CPU: Mesa lavapipe, which CI
+//! installs): Hearth's convolutions and linear layers train with no autotune decision for a
+//! convolution or a matrix product, whatever the batch, and give what Flex gives. A file of its
+//! own: cubecl's configuration (the decision log) is read once per process, when the first
+//! cubecl device starts.
+
+mod common;
+
+/// Relative gap of `a` to `b`: the largest difference over the largest |b|.
+#[cfg(feature = "wgpu")]
+fn relative_gap(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    common::max_abs_diff(a, b) / scale
+}
+
+/// One training step of `config`'s model on `device` from the weights in `record`: the logits
+/// before the step, the input's gradient, and the logits after an SGD step.
+#[cfg(feature = "wgpu")]
+fn train_step(
+    record: &hearth::models::Classifier,
+    device: &burn::prelude::Device,
+    x: &burn::tensor::TensorData,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    use burn::module::Module;
+    use burn::optim::{GradientsParams, SgdConfig};
+    use burn::prelude::*;
+
+    let device = device.clone().autodiff();
+    // `fork`: a new leaf on `device` whose parameters are tracked there.
+    let model = record.clone().fork(&device);
+    let x = Tensor::<4>::from_data(x.clone(), &device).require_grad();
+    let logits = model.forward(x.clone());
+    let classes = logits.dims()[1];
+    // A loss that weighs each logit differently, so every output's gradient differs.
+    let ramp: Vec<f32> = (1..=classes).map(|c| c as f32).collect();
+    let weights =
+        Tensor::<2>::from_data(burn::tensor::TensorData::new(ramp, [1, classes]), &device);
+    let loss = (logits.clone() * weights).sum();
+    let grads = loss.backward();
+    let x_grad = x.grad(&grads).expect("the input has a gradient");
+    let params = GradientsParams::from_grads(grads, &model);
+    assert!(!params.is_empty(), "no parameter has a gradient");
+    let mut sgd = SgdConfig::new().init();
+    let stepped = sgd.step(0.05, model, params);
+    let after = stepped.forward(x.detach());
+    let values = |t: Tensor<2>| t.into_data().iter::<f32>().collect::<Vec<_>>();
+    (
+        values(logits),
+        x_grad.into_data().iter::<f32>().collect(),
+        values(after),
+    )
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn selected_kernels_train_as_flex_does_and_tune_no_convolution_or_product() {
+    use burn::prelude::*;
+    use hearth::device::DeviceChoice;
+    use hearth::gpu::DecisionKind;
+    use hearth::models::{BlockKind, ModelConfig, ResNetConfig};
+
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("autotune.jsonl");
+    // SAFETY: the only test of this process, before any device (or other thread) starts.
+    unsafe {
+        std::env::set_var(hearth::gpu::AUTOTUNE_LOG_ENV, &log);
+        // Every decision taken now, none read back from an earlier run's disk cache.
+        std::env::set_var("CUBECL_AUTOTUNE_CACHE", "0");
+        std::env::remove_var("HEARTH_AUTOTUNE");
+        std::env::remove_var("HEARTH_FAST_KERNELS");
+    }
+    let Some(gpu) = common::device_or_skip(
+        DeviceChoice::VulkanCpu,
+        "selected_kernels_train_as_flex_does_and_tune_no_convolution_or_product",
+    ) else {
+        return;
+    };
+    assert_eq!(
+        hearth::kernels::select::selection(),
+        hearth::kernels::select::Selection::Rules
+    );
+    let flex = Device::flex();
+    // A bottleneck ResNet: the strided 7x7 stem, 3x3 with stride 1 and 2, 1x1 with stride 1
+    // (the pointwise products) and 2 (the shortcuts), and a linear head. Small: lavapipe
+    // compiles every kernel it meets.
+    let config = ModelConfig::ResNet(
+        ResNetConfig::new(BlockKind::Bottleneck, [1, 1, 1, 1], 5)
+            .with_stem_width(8)
+            .with_stage_widths([4, 8, 8, 8]),
+    );
+    // Seeded: the weights and the input are the same in every run. The last stage sees 1x1
+    // feature maps of 2 images, so its batch norm divides by the spread of two values; where a
+    // draw made two nearly equal, that division magnified the sums' last-digit differences
+    // (about 1e-6) past the bound below (3.8e-3 in one unseeded run of about ten).
+    flex.seed(5);
+    // Initialised on an autodiff device, so that its parameters are tracked wherever it moves.
+    let record = config.init(&flex.clone().autodiff()).unwrap();
+    let input = |batch: usize| {
+        Tensor::<4>::random(
+            [batch, 3, 32, 32],
+            burn::tensor::Distribution::Normal(0.0, 1.0),
+            &flex,
+        )
+        .into_data()
+    };
+    let x = input(2);
+    let started = std::time::Instant::now();
+    let on_flex = train_step(&record, &flex, &x);
+    let on_gpu = train_step(&record, &gpu, &x);
+    eprintln!(
+        "batch 2 on Flex and lavapipe: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    // f32 in both, summed in other orders: the logits agree to about 1e-4 of their largest;
+    // gradients through batch norm (which subtracts the batch's mean) lose more digits. A wrong
+    // kernel (a transposed weight, a shifted window) is off by the values' own size.
+    for (what, g, f, bound) in [
+        ("logits", &on_gpu.0, &on_flex.0, 1e-3),
+        ("input gradient", &on_gpu.1, &on_flex.1, 2e-2),
+        ("logits after an SGD step", &on_gpu.2, &on_flex.2, 2e-2),
+    ] {
+        let gap = relative_gap(g, f);
+        eprintln!("{what}: {gap:.2e} of the largest value (bound {bound:e})");
+        assert!(gap < bound, "{what} differs by {gap:.2e}");
+    }
+    // Another batch size: no decision either (the choice does not depend on the batch).
+    let started = std::time::Instant::now();
+    let _ = train_step(&record, &gpu, &input(3));
+    eprintln!(
+        "batch 3 on lavapipe: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    // The step changed the weights: the parameters' gradients were there (and so computed by
+    // the weight-gradient kernels checked below).
+    assert!(
+        relative_gap(&on_gpu.2, &on_gpu.0) > 1e-4,
+        "the SGD step changed nothing"
+    );
+
+    // The selection ran, for every pass and the linear layers.
+    let chosen = hearth::kernels::cube::chosen();
+    for (what, kernel) in &chosen {
+        eprintln!("chosen: {what}: {kernel}");
+    }
+    for pass in ["forward", "input gradient", "weight gradient", "matmul"] {
+        assert!(
+            chosen.iter().any(|(what, _)| what.starts_with(pass)),
+            "no {pass} chosen by rule: {chosen:?}"
+        );
+    }
+    assert!(
+        chosen
+            .iter()
+            .any(|(_, kernel)| kernel == "pointwise_matmul"),
+        "the bottleneck's 1x1 convolutions took no matrix product: {chosen:?}"
+    );
+    // lavapipe has no tensor cores: everything else is Burn's direct kernel.
+    assert!(
+        chosen
+            .iter()
+            .all(|(_, kernel)| ["pointwise_matmul", "direct", "matmul_cube"]
+                .contains(&kernel.as_str())),
+        "{chosen:?}"
+    );
+
+    let decisions = if log.exists() {
+        hearth::gpu::read_decisions(&log).unwrap()
+    } else {
+        Vec::new()
+    };
+    let heavy: Vec<_> = decisions
+        .iter()
+        .filter(|d| d.kind != DecisionKind::Other)
+        .collect();
+    let others = decisions.len() - heavy.len();
+    eprintln!(
+        "{} autotune decisions, {others} of them reductions and other element-wise work",
+        decisions.len()
+    );
+    assert!(
+        heavy.is_empty(),
+        "convolutions or products were autotuned: {heavy:#?}"
+    );
+}
+
+/// `--autotune` takes off or full, and full is refused by name on a device that has no
+/// autotune (a CPU backend), before anything runs; so is `--kernel-bundle` there, and a bundle
+/// that does not exist.
+#[test]
+fn autotune_full_on_a_cpu_device_and_an_unknown_value_are_refused_by_name() {
+    for (args, expected) in [
+        (
+            &[
+                "--device",
+                "flex",
+                "--autotune",
+                "full",
+                "train",
+                "--epochs",
+                "1",
+            ][..],
+            "--autotune full: flex has no GPU kernels to tune",
+        ),
+        (
+            &["--autotune", "sometimes", "models"][..],
+            "--autotune sometimes: expected off",
+        ),
+        (
+            &["--kernel-bundle", "/nonexistent/h200.bundle", "models"][..],
+            "--kernel-bundle /nonexistent/h200.bundle: no such file",
+        ),
+        (
+            &["--device", "flex", "--kernel-bundle", "/dev/null", "train"][..],
+            "--kernel-bundle: flex has no GPU kernels",
+        ),
+        (
+            &["--device", "flex", "tune", "--out", "flex.bundle"][..],
+            "tune: flex has no GPU kernels to tune",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_hearth"))
+            .args(args)
+            .current_dir(dir.path())
+            .env_remove("HEARTH_AUTOTUNE")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} ran: {err}");
+        assert!(err.contains(expected), "{args:?}: {err}");
+        // Nothing was started: no run folder, no data set.
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "{args:?}"
+        );
+    }
+}
+
+/// `hearth tune --rules-only` compiles the kernels chosen by rule and writes cubecl's cache to a
+/// bundle without timing a convolution or a matrix product; a second machine (here: a fresh
+/// cache folder) that imports the bundle with `--kernel-bundle` makes no autotune decision at
+/// all for the same steps, since the bundle carried the first one's. `--from-cache` bundles the
+/// same cache in the flat format without running anything. `--rules-only` beside
+/// `--autotune full` is refused by name before anything starts.
+#[cfg(feature = "wgpu")]
+#[test]
+fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
+    use hearth::gpu::DecisionKind;
+    use std::process::{Command, Output};
+
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = dir.path().join("lavapipe.bundle");
+    // ResNet-18 (the smallest torchvision network) at 32x32, batch 2: lavapipe compiles every
+    // kernel it meets, so keep the steps small.
+    let tune = |cache: &str, log: &str, extra: &[&str]| -> Output {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_hearth"));
+        cmd.args(["--device", "vulkan-cpu"])
+            .args(extra)
+            .args(["tune", "--rules-only", "--model", "resnet18"])
+            .args(["--batch-size", "2", "--size", "32", "--num-classes", "4"])
+            .arg("--out")
+            .arg(dir.path().join(format!("{cache}.bundle")))
+            // Outside a Cargo project cubecl keeps its cache under XDG_CACHE_HOME: a folder of
+            // its own per run is a machine that has seen nothing.
+            .current_dir(dir.path())
+            .env("XDG_CACHE_HOME", dir.path().join(cache))
+            .env(hearth::gpu::AUTOTUNE_LOG_ENV, dir.path().join(log))
+            .env_remove("HEARTH_AUTOTUNE")
+            .env_remove("HEARTH_KERNEL_BUNDLE")
+            .env_remove("CUBECL_AUTOTUNE_CACHE");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(cmd.output());
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(900))
+            .expect("hearth tune did not finish within 900 s")
+            .unwrap()
+    };
+    let decisions = |log: &str| {
+        let path = dir.path().join(log);
+        if path.exists() {
+            hearth::gpu::read_decisions(&path).unwrap()
+        } else {
+            Vec::new()
+        }
+    };
+
+    let refused = tune("refused", "refused.jsonl", &["--autotune", "full"]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success(),
+        "--rules-only with --autotune full ran: {err}"
+    );
+    assert!(
+        err.contains("--rules-only compiles only the kernels chosen by rule"),
+        "{err}"
+    );
+    assert!(!dir.path().join("refused.bundle").exists());
+
+    let first = tune("first", "first.jsonl", &[]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&first.stdout),
+        String::from_utf8_lossy(&first.stderr)
+    );
+    if !first.status.success() && text.contains("vulkan-cpu' is not available") {
+        assert!(
+            common::may_skip("vulkan"),
+            "vulkan-cpu unavailable: install mesa-vulkan-drivers (as .ci/run does), or set \
+             HEARTH_ALLOW_SKIP=vulkan to skip it: {text}"
+        );
+        eprintln!("SKIPPED: vulkan-cpu unavailable here; HEARTH_ALLOW_SKIP=vulkan");
+        return;
+    }
+    assert!(
+        first.status.success(),
+        "hearth tune --rules-only failed: {text}"
+    );
+    eprintln!("{text}");
+    assert!(
+        !text.contains("--autotune full ("),
+        "the full tune ran: {text}"
+    );
+    let made = decisions("first.jsonl");
+    let heavy: Vec<_> = made
+        .iter()
+        .filter(|d| d.kind != DecisionKind::Other)
+        .collect();
+    assert!(
+        heavy.is_empty(),
+        "convolutions or products were tuned: {heavy:#?}"
+    );
+    // The same cache bundled again without running anything, in cubecl's flat format (`.ccb`,
+    // what Hearth embeds): it opens and holds the decisions.
+    let flat = dir.path().join("first.ccb");
+    let out = Command::new(env!("CARGO_BIN_EXE_hearth"))
+        .args(["--device", "vulkan-cpu", "tune", "--from-cache", "--out"])
+        .arg(&flat)
+        .current_dir(dir.path())
+        .env("XDG_CACHE_HOME", dir.path().join("first"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "tune --from-cache failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reopened = cubecl::bundle::open(&flat).expect("the flat bundle does not open");
+    let mut entries = 0usize;
+    for namespace in reopened.namespaces() {
+        reopened.scan(&namespace, &mut |_, _| entries += 1);
+    }
+    assert!(
+        entries >= made.len(),
+        "{entries} entries for {} decisions",
+        made.len()
+    );
+    std::fs::rename(dir.path().join("first.bundle"), &bundle).unwrap();
+    assert!(std::fs::metadata(&bundle).unwrap().len() > 0);
+    assert!(text.contains("entries"), "no account of the bundle: {text}");
+
+    // A machine that has seen nothing, with the bundle: the same steps decide nothing anew.
+    let bundle_arg = bundle.to_string_lossy().into_owned();
+    let second = tune("second", "second.jsonl", &["--kernel-bundle", &bundle_arg]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&second.stdout),
+        String::from_utf8_lossy(&second.stderr)
+    );
+    assert!(
+        second.status.success(),
+        "tune with the bundle failed: {text}"
+    );
+    assert!(
+        text.contains("entries imported"),
+        "nothing said about the import: {text}"
+    );
+    let again = decisions("second.jsonl");
+    eprintln!(
+        "decisions: {} without the bundle (reductions and element-wise work), {} with it",
+        made.len(),
+        again.len()
+    );
+    // Reductions keep autotune by rule too: without the bundle a fresh cache decides some.
+    assert!(
+        !made.is_empty(),
+        "the first tune decided nothing: the import proves nothing"
+    );
+    assert!(
+        again.is_empty(),
+        "decided again despite the bundle: {again:#?}"
+    );
+}
+
+/// The kernel bundle CUDA builds embed (`bundles/cuda-sm90.ccb.gz`) unpacks and opens as a
+/// bundle of the cubecl version Hearth pins, holding compiled sm_90 kernels: a cubecl upgrade
+/// (whose lookups would never match it) or a file cut short fails here, not silently on a
+/// user's first GPU run.
+#[cfg(feature = "wgpu")]
+#[test]
+fn the_shipped_sm90_kernel_bundle_opens_and_holds_compiled_kernels() {
+    use std::io::Read;
+
+    let gz = std::fs::read(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../bundles/cuda-sm90.ccb.gz"
+    ))
+    .unwrap();
+    let mut raw = Vec::new();
+    flate2::read::GzDecoder::new(&gz[..])
+        .read_to_end(&mut raw)
+        .expect("the shipped bundle does not unpack");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cuda-sm90.ccb");
+    std::fs::write(&path, &raw).unwrap();
+    let bundle = cubecl::bundle::open(&path).expect("the shipped bundle does not open");
+    // Cargo.toml pins cubecl at this version; the bundle's namespaces carry the version they
+    // were made with, and only those of the running version are ever looked up.
+    let version = "0.11.3";
+    let mut kernels = 0usize;
+    let namespaces = bundle.namespaces();
+    for namespace in &namespaces {
+        if namespace.starts_with(&format!("cuda/{version}/ptx_sm90")) {
+            bundle.scan(namespace, &mut |_, _| kernels += 1);
+        }
+    }
+    assert!(
+        kernels >= 100,
+        "{kernels} sm_90 kernels for cubecl {version} in {namespaces:?}"
+    );
+}
