@@ -273,15 +273,15 @@ pub(super) fn effect(flag: &str, mode: &str, s: &Setup) -> Effect {
         "--resume" => Resumes,
         "--run-dir" => Everywhere,
         "--min-workers" | "--rejoin-timeout" => Elsewhere(
-            "tests/elastic_train.rs::a_worker_cut_off_is_dropped_and_below_the_minimum_it_gives_up",
+            "cli/tests/elastic_train.rs::a_worker_cut_off_is_dropped_and_below_the_minimum_it_gives_up",
             "--rejoin-timeout",
         ),
         "--balance" => Elsewhere(
-            "tests/elastic_train.rs::uneven_shares_by_throughput_equal_one_process_on_the_global_batch",
+            "cli/tests/elastic_train.rs::uneven_shares_by_throughput_equal_one_process_on_the_global_batch",
             "--balance",
         ),
         "--hosts" | "--max-workers" => Elsewhere(
-            "tests/flag_effects.rs::a_joiner_finds_the_job_through_hosts_and_waits_while_max_workers_is_reached",
+            "cli/tests/flag_effects.rs::a_joiner_finds_the_job_through_hosts_and_waits_while_max_workers_is_reached",
             "--hosts",
         ),
         other => panic!(

@@ -209,121 +209,142 @@ impl crate::Classifier {
     /// an error naming the first unit that does not belong where it stands.
     pub fn from_units(config: &crate::ModelConfig, units: Vec<Unit>) -> crate::Result<Self> {
         let n = config.units();
-        let bad = |reason: String| ModelError::InvalidConfig {
-            model: "units",
-            reason,
-        };
         if units.len() != n {
-            return Err(bad(format!(
+            return Err(bad_units(format!(
                 "{} units given for a network of {n}",
                 units.len()
             )));
         }
         let mut it = units.into_iter().enumerate();
-        let mut next = || it.next().ok_or_else(|| bad("too few units".into()));
-        let wrong = |i: usize, want: &str| bad(format!("unit {i} is not {want}"));
+        let mut next = || it.next().ok_or_else(|| bad_units("too few units".into()));
         Ok(match config {
-            crate::ModelConfig::ResNet(cfg) => {
-                let (i, u) = next()?;
-                let Unit::ResNetStem(stem) = u else {
-                    return Err(wrong(i, "a ResNet stem"));
-                };
-                let mut layers: [Vec<ResidualBlock>; 4] = Default::default();
-                for (stage, &count) in cfg.layers.iter().enumerate() {
-                    for _ in 0..count {
-                        let (i, u) = next()?;
-                        let Unit::ResNetBlock(b) = u else {
-                            return Err(wrong(i, "a residual block"));
-                        };
-                        layers[stage].push(b);
-                    }
-                }
-                let (i, u) = next()?;
-                let Unit::ResNetHead(head) = u else {
-                    return Err(wrong(i, "a ResNet head"));
-                };
-                let [layer1, layer2, layer3, layer4] = layers;
-                crate::Classifier::ResNet(ResNet {
-                    conv1: stem.conv1,
-                    bn1: stem.bn1,
-                    maxpool: stem.maxpool,
-                    layer1,
-                    layer2,
-                    layer3,
-                    layer4,
-                    avgpool: head.avgpool,
-                    fc: head.fc,
-                    head: head.head,
-                })
-            }
-            crate::ModelConfig::Vgg(_) => {
-                let (mut features, mut pool_after, mut leading_pool) =
-                    (Vec::new(), Vec::new(), false);
-                for _ in 0..n - 1 {
-                    let (i, u) = next()?;
-                    let Unit::VggConv(c) = u else {
-                        return Err(wrong(i, "a VGG convolution"));
-                    };
-                    leading_pool |= i == 0 && c.pool_before;
-                    pool_after.push(c.pool_after);
-                    features.push(c.layer);
-                }
-                let (i, u) = next()?;
-                let Unit::VggHead(head) = u else {
-                    return Err(wrong(i, "a VGG classifier"));
-                };
-                crate::Classifier::Vgg(Vgg {
-                    features,
-                    pool_after,
-                    leading_pool,
-                    maxpool: crate::layers::vgg_pool(),
-                    avgpool: head.avgpool,
-                    classifier: head.classifier,
-                    head: head.head,
-                })
-            }
-            crate::ModelConfig::DenseNet(cfg) => {
-                let (i, u) = next()?;
-                let Unit::DenseStem(stem) = u else {
-                    return Err(wrong(i, "a DenseNet stem"));
-                };
-                let (mut blocks, mut transitions) = (Vec::new(), Vec::new());
-                for (b, &count) in cfg.block_config.iter().enumerate() {
-                    let mut layers = Vec::new();
-                    for _ in 0..count {
-                        let (i, u) = next()?;
-                        let Unit::DenseLayer(l) = u else {
-                            return Err(wrong(i, "a dense layer"));
-                        };
-                        layers.push(l);
-                    }
-                    blocks.push(crate::densenet::DenseBlock { layers });
-                    if b + 1 != cfg.block_config.len() {
-                        let (i, u) = next()?;
-                        let Unit::DenseTransition(t) = u else {
-                            return Err(wrong(i, "a transition"));
-                        };
-                        transitions.push(t);
-                    }
-                }
-                let (i, u) = next()?;
-                let Unit::DenseHead(head) = u else {
-                    return Err(wrong(i, "a DenseNet head"));
-                };
-                crate::Classifier::DenseNet(DenseNet {
-                    features: crate::densenet::DenseFeatures {
-                        conv0: stem.conv0,
-                        norm0: stem.norm0,
-                        pool0: stem.pool0,
-                        blocks,
-                        transitions,
-                        norm5: head.norm5,
-                    },
-                    avgpool: head.avgpool,
-                    classifier: head.classifier,
-                    head: head.head,
-                })
-            }
+            crate::ModelConfig::ResNet(cfg) => resnet_from_units(&cfg.layers, &mut next)?,
+            crate::ModelConfig::Vgg(_) => vgg_from_units(n, &mut next)?,
+            crate::ModelConfig::DenseNet(cfg) => densenet_from_units(&cfg.block_config, &mut next)?,
         })
     }
+}
+
+/// The next unit and its position, or an error when none is left.
+type NextUnit<'a> = dyn FnMut() -> crate::Result<(usize, Unit)> + 'a;
+
+fn bad_units(reason: String) -> crate::ModelError {
+    ModelError::InvalidConfig {
+        model: "units",
+        reason,
+    }
+}
+
+fn wrong_unit(i: usize, want: &str) -> crate::ModelError {
+    bad_units(format!("unit {i} is not {want}"))
+}
+
+/// A ResNet from its stem, its `layers` of residual blocks per stage, and its head.
+fn resnet_from_units(layers: &[usize], next: &mut NextUnit) -> crate::Result<crate::Classifier> {
+    let (i, u) = next()?;
+    let Unit::ResNetStem(stem) = u else {
+        return Err(wrong_unit(i, "a ResNet stem"));
+    };
+    let mut stages: [Vec<ResidualBlock>; 4] = Default::default();
+    for (stage, &count) in layers.iter().enumerate() {
+        for _ in 0..count {
+            let (i, u) = next()?;
+            let Unit::ResNetBlock(b) = u else {
+                return Err(wrong_unit(i, "a residual block"));
+            };
+            stages[stage].push(b);
+        }
+    }
+    let (i, u) = next()?;
+    let Unit::ResNetHead(head) = u else {
+        return Err(wrong_unit(i, "a ResNet head"));
+    };
+    let [layer1, layer2, layer3, layer4] = stages;
+    Ok(crate::Classifier::ResNet(ResNet {
+        conv1: stem.conv1,
+        bn1: stem.bn1,
+        maxpool: stem.maxpool,
+        layer1,
+        layer2,
+        layer3,
+        layer4,
+        avgpool: head.avgpool,
+        fc: head.fc,
+        head: head.head,
+    }))
+}
+
+/// A VGG from its `n - 1` convolutions and its classifier.
+fn vgg_from_units(n: usize, next: &mut NextUnit) -> crate::Result<crate::Classifier> {
+    let (mut features, mut pool_after, mut leading_pool) = (Vec::new(), Vec::new(), false);
+    for _ in 0..n - 1 {
+        let (i, u) = next()?;
+        let Unit::VggConv(c) = u else {
+            return Err(wrong_unit(i, "a VGG convolution"));
+        };
+        leading_pool |= i == 0 && c.pool_before;
+        pool_after.push(c.pool_after);
+        features.push(c.layer);
+    }
+    let (i, u) = next()?;
+    let Unit::VggHead(head) = u else {
+        return Err(wrong_unit(i, "a VGG classifier"));
+    };
+    Ok(crate::Classifier::Vgg(Vgg {
+        features,
+        pool_after,
+        leading_pool,
+        maxpool: crate::layers::vgg_pool(),
+        avgpool: head.avgpool,
+        classifier: head.classifier,
+        head: head.head,
+    }))
+}
+
+/// A DenseNet from its stem, its dense blocks (`block_config` layers each) with the
+/// transitions between them, and its head.
+fn densenet_from_units(
+    block_config: &[usize],
+    next: &mut NextUnit,
+) -> crate::Result<crate::Classifier> {
+    let (i, u) = next()?;
+    let Unit::DenseStem(stem) = u else {
+        return Err(wrong_unit(i, "a DenseNet stem"));
+    };
+    let (mut blocks, mut transitions) = (Vec::new(), Vec::new());
+    for (b, &count) in block_config.iter().enumerate() {
+        let mut layers = Vec::new();
+        for _ in 0..count {
+            let (i, u) = next()?;
+            let Unit::DenseLayer(l) = u else {
+                return Err(wrong_unit(i, "a dense layer"));
+            };
+            layers.push(l);
+        }
+        blocks.push(crate::densenet::DenseBlock { layers });
+        if b + 1 != block_config.len() {
+            let (i, u) = next()?;
+            let Unit::DenseTransition(t) = u else {
+                return Err(wrong_unit(i, "a transition"));
+            };
+            transitions.push(t);
+        }
+    }
+    let (i, u) = next()?;
+    let Unit::DenseHead(head) = u else {
+        return Err(wrong_unit(i, "a DenseNet head"));
+    };
+    Ok(crate::Classifier::DenseNet(DenseNet {
+        features: crate::densenet::DenseFeatures {
+            conv0: stem.conv0,
+            norm0: stem.norm0,
+            pool0: stem.pool0,
+            blocks,
+            transitions,
+            norm5: head.norm5,
+        },
+        avgpool: head.avgpool,
+        classifier: head.classifier,
+        head: head.head,
+    }))
 }

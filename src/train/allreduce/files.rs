@@ -80,27 +80,7 @@ impl<T: Trainee> Allreduce<'_, T> {
             state = burn_dist::elastic::broadcast_bytes(comm, state, limit)?;
         }
         if self.scaler.is_some() && !state.is_empty() {
-            // fp16's loss scale goes on from the checkpoint's, on every rank.
-            let mut text = Vec::new();
-            if self.rank == 0 {
-                let epoch = decode_state(&state)?.0;
-                let file = LossScaler::file(&cfg.run_dir, epoch);
-                text = LossScaler::load(&file, epoch)?
-                    .to_json()
-                    .to_string()
-                    .into_bytes();
-            }
-            if let Some(comm) = &self.comm {
-                // A loss scaler's JSON: a few numbers.
-                text = burn_dist::elastic::broadcast_bytes(comm, text, 1 << 20)?;
-            }
-            let scaler = serde_json::from_slice(&text)
-                .ok()
-                .and_then(|v| LossScaler::from_json(&v))
-                .ok_or_else(|| {
-                    HearthError::Training("rank 0's fp16 loss scale is malformed".into())
-                })?;
-            self.scaler = Some(scaler);
+            self.scaler = Some(self.resumed_loss_scale(&state)?);
         }
         if state.is_empty() {
             // Every rank seeded the same weights; rank 0's go to all, as DDP starts.
@@ -126,6 +106,28 @@ impl<T: Trainee> Allreduce<'_, T> {
             self.ema = Some(average);
         }
         Ok(epoch)
+    }
+
+    /// fp16's loss scale of the epoch the resume `state` goes on after: rank 0 reads it from
+    /// the checkpoint and every rank takes it.
+    fn resumed_loss_scale(&self, state: &[u8]) -> Result<LossScaler> {
+        let mut text = Vec::new();
+        if self.rank == 0 {
+            let epoch = decode_state(state)?.0;
+            let file = LossScaler::file(&self.cfg.run_dir, epoch);
+            text = LossScaler::load(&file, epoch)?
+                .to_json()
+                .to_string()
+                .into_bytes();
+        }
+        if let Some(comm) = &self.comm {
+            // A loss scaler's JSON: a few numbers.
+            text = burn_dist::elastic::broadcast_bytes(comm, text, 1 << 20)?;
+        }
+        serde_json::from_slice(&text)
+            .ok()
+            .and_then(|v| LossScaler::from_json(&v))
+            .ok_or_else(|| HearthError::Training("rank 0's fp16 loss scale is malformed".into()))
     }
 
     /// Saves what `--resume` needs after `epoch`, keeping the weights of `best` and of the last

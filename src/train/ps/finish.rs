@@ -31,65 +31,11 @@ impl<T: Trainee> Worker<'_, T> {
         for &server in &self.roles.server_ranks() {
             self.t.send(server, Kind::Ps, SETUP, Vec::new())?;
         }
-        let mut all: Vec<(usize, Vec<EpochStats>)> = vec![(0, self.stats.clone())];
-        let mut skipped = self.trainee.skipped();
-        // A multi-label run's training outputs of each epoch, every worker's.
-        let mut scores: BTreeMap<usize, ValScores> = BTreeMap::new();
-        let mut keep = |part: Vec<(usize, ValScores)>| {
-            for (epoch, s) in part {
-                scores.entry(epoch).or_default().append(s);
-            }
-        };
-        keep(self.train_scores.clone());
-        let deadline = Instant::now() + collective_timeout();
-        for r in 1..self.roles.workers {
-            match self.t.recv(r, Kind::Ps, STATS, deadline) {
-                Ok(b) => match decode_stats(&b) {
-                    Ok(s) => all.push((r, s)),
-                    Err(e) => log(&format!("worker {r} sent damaged statistics: {e}")),
-                },
-                Err(DistError::PeerFailed { reason, .. }) => {
-                    log(&format!(
-                        "worker {r} was lost ({reason}); its statistics are missing"
-                    ));
-                    continue;
-                }
-                Err(e) => {
-                    log(&format!("no statistics from worker {r}: {e}"));
-                    continue;
-                }
-            }
-            // Its skipped images, for the summary (each worker decodes only its shard).
-            match self
-                .t
-                .recv(r, Kind::Ps, SKIPPED, deadline)
-                .map_err(|e| e.to_string())
-                .and_then(|b| crate::train::shared::decode_lines(&b))
-            {
-                Ok(lines) => {
-                    for l in lines {
-                        if !skipped.contains(&l) {
-                            skipped.push(l);
-                        }
-                    }
-                }
-                Err(e) => log(&format!("worker {r}'s skipped images are missing: {e}")),
-            }
-            if self.trainee.multi_label() {
-                match self
-                    .t
-                    .recv(r, Kind::Ps, SCORES, deadline)
-                    .map_err(|e| e.to_string())
-                    .and_then(|b| decode_scores(&b).map_err(|e| e.to_string()))
-                {
-                    Ok(part) => keep(part),
-                    Err(e) => log(&format!(
-                        "worker {r}'s training outputs are missing ({e}): `train_auroc` \
-                         leaves its samples out"
-                    )),
-                }
-            }
-        }
+        let Gathered {
+            all,
+            skipped,
+            scores,
+        } = self.gather_workers(log);
         for r in (1..self.roles.workers).chain(self.roles.server_ranks()) {
             let _ = self.t.send(r, Kind::Ps, BYE, Vec::new());
         }
@@ -125,6 +71,67 @@ impl<T: Trainee> Worker<'_, T> {
         report.per_class_auroc = per_class_auroc;
         report.skipped = skipped;
         Ok(report)
+    }
+
+    /// Every worker's statistics, skipped images and (multi-label) training outputs, this
+    /// lead's among them; what a lost or damaged worker did not send is said and left out.
+    fn gather_workers(&self, log: &mut dyn FnMut(&str)) -> Gathered {
+        let mut g = Gathered {
+            all: vec![(0, self.stats.clone())],
+            skipped: self.trainee.skipped(),
+            scores: BTreeMap::new(),
+        };
+        g.keep(self.train_scores.clone());
+        let deadline = Instant::now() + collective_timeout();
+        for r in 1..self.roles.workers {
+            match self.t.recv(r, Kind::Ps, STATS, deadline) {
+                Ok(b) => match decode_stats(&b) {
+                    Ok(s) => g.all.push((r, s)),
+                    Err(e) => log(&format!("worker {r} sent damaged statistics: {e}")),
+                },
+                Err(DistError::PeerFailed { reason, .. }) => {
+                    log(&format!(
+                        "worker {r} was lost ({reason}); its statistics are missing"
+                    ));
+                    continue;
+                }
+                Err(e) => {
+                    log(&format!("no statistics from worker {r}: {e}"));
+                    continue;
+                }
+            }
+            // Its skipped images, for the summary (each worker decodes only its shard).
+            match self
+                .t
+                .recv(r, Kind::Ps, SKIPPED, deadline)
+                .map_err(|e| e.to_string())
+                .and_then(|b| crate::train::shared::decode_lines(&b))
+            {
+                Ok(lines) => {
+                    for l in lines {
+                        if !g.skipped.contains(&l) {
+                            g.skipped.push(l);
+                        }
+                    }
+                }
+                Err(e) => log(&format!("worker {r}'s skipped images are missing: {e}")),
+            }
+            if self.trainee.multi_label() {
+                match self
+                    .t
+                    .recv(r, Kind::Ps, SCORES, deadline)
+                    .map_err(|e| e.to_string())
+                    .and_then(|b| decode_scores(&b).map_err(|e| e.to_string()))
+                {
+                    Ok(part) => g.keep(part),
+                    Err(e) => log(&format!(
+                        "worker {r}'s training outputs are missing ({e}): `train_auroc` \
+                         leaves its samples out"
+                    )),
+                }
+            }
+        }
+        g
     }
 
     /// Each worker's epochs as `*_rank{r}` columns, `train_*` as the mean over the workers,
@@ -215,6 +222,24 @@ impl<T: Trainee> Worker<'_, T> {
             if let Some(row) = rows.get_mut(&epoch) {
                 row.insert("bytes_per_sample".into(), bytes / samples.max(1.0));
             }
+        }
+    }
+}
+
+/// What the lead gathers from the workers at the end.
+struct Gathered {
+    /// Each worker's rank and epoch statistics.
+    all: Vec<(usize, Vec<EpochStats>)>,
+    /// Every worker's skipped images, once each.
+    skipped: Vec<String>,
+    /// A multi-label run's training outputs of each epoch, every worker's.
+    scores: BTreeMap<usize, ValScores>,
+}
+
+impl Gathered {
+    fn keep(&mut self, part: Vec<(usize, ValScores)>) {
+        for (epoch, s) in part {
+            self.scores.entry(epoch).or_default().append(s);
         }
     }
 }
