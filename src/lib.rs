@@ -49,6 +49,7 @@ pub mod gpu;
 pub mod hub;
 pub mod metrics;
 pub mod npy;
+pub mod onnx;
 pub mod optim;
 pub mod pipeline;
 #[cfg(feature = "plots")]
@@ -56,6 +57,7 @@ pub mod plot;
 pub mod predict;
 pub mod prelude;
 pub mod process;
+mod proto;
 pub mod schedule;
 pub mod settings;
 pub mod tensorboard;

@@ -11,6 +11,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::proto::{Field, Fields, Proto};
 use crate::{HearthError, Result};
 
 /// The file's name inside the run directory (TensorBoard reads any file whose name holds
@@ -28,47 +29,6 @@ pub struct Event {
     pub scalars: Vec<(String, f32)>,
     /// The tags of the event's values that are not scalars (the hyperparameters' tag).
     pub other_tags: Vec<String>,
-}
-
-/// A minimal protobuf writer: fields in the order given.
-#[derive(Default)]
-struct Proto(Vec<u8>);
-
-impl Proto {
-    fn varint(&mut self, mut v: u64) {
-        while v >= 0x80 {
-            self.0.push((v as u8) | 0x80);
-            v >>= 7;
-        }
-        self.0.push(v as u8);
-    }
-    fn key(&mut self, field: u32, wire: u8) {
-        self.varint(u64::from(field) << 3 | u64::from(wire));
-    }
-    fn uint(&mut self, field: u32, v: u64) -> &mut Self {
-        self.key(field, 0);
-        self.varint(v);
-        self
-    }
-    fn double(&mut self, field: u32, v: f64) -> &mut Self {
-        self.key(field, 1);
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    fn float(&mut self, field: u32, v: f32) -> &mut Self {
-        self.key(field, 5);
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
-    }
-    fn bytes(&mut self, field: u32, b: &[u8]) -> &mut Self {
-        self.key(field, 2);
-        self.varint(b.len() as u64);
-        self.0.extend_from_slice(b);
-        self
-    }
-    fn message(&mut self, field: u32, m: Proto) -> &mut Self {
-        self.bytes(field, &m.0)
-    }
 }
 
 /// TensorFlow's masked CRC32C of a record's parts.
@@ -206,58 +166,6 @@ pub fn encode(
     out
 }
 
-/// A protobuf reader over one message's bytes.
-struct Fields<'a> {
-    b: &'a [u8],
-}
-
-enum Field<'a> {
-    Varint(u64),
-    Fixed64([u8; 8]),
-    Fixed32([u8; 4]),
-    Bytes(&'a [u8]),
-}
-
-impl<'a> Fields<'a> {
-    fn varint(&mut self) -> std::result::Result<u64, String> {
-        let mut v = 0u64;
-        for shift in (0..64).step_by(7) {
-            let (&byte, rest) = self.b.split_first().ok_or("a varint ends early")?;
-            self.b = rest;
-            v |= u64::from(byte & 0x7f) << shift;
-            if byte < 0x80 {
-                return Ok(v);
-            }
-        }
-        Err("a varint longer than 10 bytes".into())
-    }
-    fn take(&mut self, n: usize) -> std::result::Result<&'a [u8], String> {
-        if self.b.len() < n {
-            return Err(format!("a field of {n} bytes, {} left", self.b.len()));
-        }
-        let (a, rest) = self.b.split_at(n);
-        self.b = rest;
-        Ok(a)
-    }
-    fn next(&mut self) -> std::result::Result<Option<(u64, Field<'a>)>, String> {
-        if self.b.is_empty() {
-            return Ok(None);
-        }
-        let key = self.varint()?;
-        let field = match key & 7 {
-            0 => Field::Varint(self.varint()?),
-            1 => Field::Fixed64(self.take(8)?.try_into().map_err(|_| "fixed64")?),
-            2 => {
-                let n = usize::try_from(self.varint()?).map_err(|_| "a length too large")?;
-                Field::Bytes(self.take(n)?)
-            }
-            5 => Field::Fixed32(self.take(4)?.try_into().map_err(|_| "fixed32")?),
-            w => return Err(format!("wire type {w}")),
-        };
-        Ok(Some((key >> 3, field)))
-    }
-}
-
 fn decode_event(b: &[u8]) -> std::result::Result<Event, String> {
     let mut e = Event {
         wall_time: 0.0,
@@ -265,19 +173,19 @@ fn decode_event(b: &[u8]) -> std::result::Result<Event, String> {
         scalars: Vec::new(),
         other_tags: Vec::new(),
     };
-    let mut f = Fields { b };
+    let mut f = Fields::new(b);
     while let Some((n, field)) = f.next()? {
         match (n, field) {
             (1, Field::Fixed64(x)) => e.wall_time = f64::from_le_bytes(x),
             (2, Field::Varint(x)) => e.step = x as i64,
             (5, Field::Bytes(summary)) => {
-                let mut s = Fields { b: summary };
+                let mut s = Fields::new(summary);
                 while let Some((n, field)) = s.next()? {
                     let (1, Field::Bytes(value)) = (n, field) else {
                         continue;
                     };
                     let (mut tag, mut scalar) = (String::new(), None);
-                    let mut v = Fields { b: value };
+                    let mut v = Fields::new(value);
                     while let Some((n, field)) = v.next()? {
                         match (n, field) {
                             (1, Field::Bytes(t)) => tag = String::from_utf8_lossy(t).into_owned(),

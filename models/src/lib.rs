@@ -29,6 +29,7 @@ mod layers;
 
 pub mod densenet;
 pub mod export;
+pub mod pth;
 pub mod resnet;
 pub mod stages;
 pub mod vgg;
@@ -37,7 +38,7 @@ pub mod zoo;
 
 pub use densenet::{DenseNet, DenseNetConfig};
 pub use error::{ModelError, Result};
-pub use export::export_torchvision;
+pub use export::{export_torchvision, export_torchvision_pth};
 pub use layers::{BiasInit, HeadActivation, HeadConfig, keep_batch_norm_statistics};
 pub use resnet::{BlockKind, ResNet, ResNetConfig};
 pub use vgg::{Vgg, VggConfig, VggLayer};

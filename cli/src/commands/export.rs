@@ -4,7 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use hearth::models::{Architecture, export_torchvision, load_model};
+use hearth::models::{
+    Architecture, SavedModel, export_torchvision, export_torchvision_pth, load_model,
+};
 
 #[derive(Args)]
 pub struct ExportArgs {
@@ -12,10 +14,16 @@ pub struct ExportArgs {
     #[arg(long)]
     pub weights: PathBuf,
     /// `safetensors`: torchvision's state_dict (its key names and layouts), which
-    /// `model.load_state_dict(safetensors.torch.load_file(FILE))` takes in PyTorch. `pth` and
-    /// `onnx` are not built yet and are refused.
+    /// `model.load_state_dict(safetensors.torch.load_file(FILE))` takes in PyTorch. `pth`: the
+    /// same state_dict in PyTorch's own format, for `torch.load(FILE, weights_only=True)`.
+    /// `onnx`: an inference graph (opset 13) from `input` [batch, 3, H, W] to `logits`
+    /// [batch, classes], the batch dynamic, for onnxruntime and the like.
     #[arg(long, default_value = "safetensors")]
     pub format: String,
+    /// The ONNX graph's image size, `N` or `HxW` (default: the size the model was trained
+    /// at, as its file records, else 224). Only with `--format onnx`.
+    #[arg(long)]
+    pub size: Option<String>,
     /// The file to write (default: the weights' path with the format's extension).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -30,26 +38,55 @@ fn torchvision_name(config: &hearth::models::ModelConfig) -> Option<&'static str
         .map(|a| a.name())
 }
 
+/// `--size`: `N` (square) or `HxW`.
+fn parse_size(text: &str) -> Result<[usize; 2]> {
+    let side = |s: &str| {
+        s.trim()
+            .parse::<usize>()
+            .with_context(|| format!("--size {text}: '{s}' is not a whole number of pixels"))
+    };
+    match text.split_once(['x', 'X']) {
+        Some((h, w)) => Ok([side(h)?, side(w)?]),
+        None => {
+            let s = side(text)?;
+            Ok([s, s])
+        }
+    }
+}
+
 pub fn export_cmd(device_name: &str, args: ExportArgs) -> Result<()> {
-    match args.format.as_str() {
-        "safetensors" => {}
-        "pth" | "onnx" => bail!(
-            "--format {} is not built yet: --format safetensors writes torchvision's \
-             state_dict, which PyTorch loads with safetensors.torch.load_file",
+    if !matches!(args.format.as_str(), "safetensors" | "pth" | "onnx") {
+        bail!("unknown --format {}: safetensors, pth or onnx", args.format);
+    }
+    if args.size.is_some() && args.format != "onnx" {
+        bail!(
+            "--size sets the ONNX graph's input; --format {} has none",
             args.format
-        ),
-        other => bail!("unknown --format {other}: safetensors (pth and onnx are not built yet)"),
+        );
     }
     let device = hearth::device::select(device_name)?;
     let saved = load_model(&args.weights, &device)?;
     let out = args
         .out
-        .unwrap_or_else(|| args.weights.with_extension("safetensors"));
+        .clone()
+        .unwrap_or_else(|| args.weights.with_extension(args.format.as_str()));
     if out == args.weights {
         bail!("--out {} is the model file itself", out.display());
     }
-    let count = export_torchvision(&saved.model, &out)
-        .with_context(|| format!("exporting {}", args.weights.display()))?;
+    if args.format == "onnx" {
+        return export_onnx_cmd(&args, &saved, &out);
+    }
+    let count = if args.format == "pth" {
+        export_torchvision_pth(&saved.model, &out)
+    } else {
+        export_torchvision(&saved.model, &out)
+    }
+    .with_context(|| format!("exporting {}", args.weights.display()))?;
+    let load = if args.format == "pth" {
+        "torch.load"
+    } else {
+        "safetensors.torch.load_file"
+    };
     let classes = saved.config.num_classes();
     println!(
         "{count} tensors of {} ({classes} classes) written to {}",
@@ -59,7 +96,7 @@ pub fn export_cmd(device_name: &str, args: ExportArgs) -> Result<()> {
     match torchvision_name(&saved.config) {
         Some(name) => println!(
             "in PyTorch: torchvision.models.{name}(num_classes={classes}).load_state_dict(\
-             safetensors.torch.load_file({:?}))",
+             {load}({:?}))",
             out.display().to_string()
         ),
         None => println!(
@@ -69,6 +106,55 @@ pub fn export_cmd(device_name: &str, args: ExportArgs) -> Result<()> {
     }
     if let Some(names) = &saved.class_names {
         println!("class order: {}", names.join(", "));
+    }
+    Ok(())
+}
+
+/// `--format onnx`: the graph, with the class names and the preprocessing in its metadata.
+fn export_onnx_cmd(args: &ExportArgs, saved: &SavedModel, out: &std::path::Path) -> Result<()> {
+    let size = match &args.size {
+        Some(text) => parse_size(text)?,
+        None => {
+            let side = saved
+                .preprocessing
+                .as_ref()
+                .map_or(224, |p| p.crop as usize);
+            [side, side]
+        }
+    };
+    let mut metadata = Vec::new();
+    if let Some(names) = &saved.class_names {
+        metadata.push(("class_names".to_string(), serde_json::to_string(names)?));
+    }
+    if let Some(p) = &saved.preprocessing {
+        let json = serde_json::json!({
+            "resize": p.resize, "crop": p.crop, "mean": p.mean, "std": p.std,
+        });
+        metadata.push(("preprocessing".to_string(), json.to_string()));
+    }
+    let summary = hearth::onnx::export_onnx(&saved.model, size, &metadata, out)
+        .with_context(|| format!("exporting {}", args.weights.display()))?;
+    println!(
+        "{} ({} classes) written to {}: {} nodes, {} weight tensors, {:.1} MB; input '{}' \
+         [batch, 3, {}, {}], output '{}' [batch, {}] (logits)",
+        saved.model.family(),
+        saved.config.num_classes(),
+        out.display(),
+        summary.nodes,
+        summary.initializers,
+        summary.bytes as f64 / 1e6,
+        hearth::onnx::INPUT,
+        size[0],
+        size[1],
+        hearth::onnx::OUTPUT,
+        saved.config.num_classes(),
+    );
+    if let Some(p) = &saved.preprocessing {
+        println!(
+            "inputs as in training: resize {}, center crop {}, mean {:?}, std {:?} (also in \
+             the file's metadata)",
+            p.resize, p.crop, p.mean, p.std
+        );
     }
     Ok(())
 }
