@@ -7,7 +7,7 @@ use burn::nn::{BatchNorm, Linear, PaddingConfig2d};
 use hearth_models::resnet::ResidualBlock;
 use hearth_models::{DenseNet, ResNet, Vgg};
 
-use super::{Attr, Graph, export_error};
+use super::graph::{Attr, Graph, export_error};
 use crate::Result;
 
 fn ints(v: &[usize]) -> Attr {
