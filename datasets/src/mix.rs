@@ -210,7 +210,7 @@ fn beta(rng: &mut SplitMix64, alpha: f64) -> f64 {
 
 /// The log of a draw from Gamma(alpha, 1): Marsaglia and Tsang's method (2000), with
 /// `Gamma(alpha) = Gamma(alpha + 1) * U^(1 / alpha)` below 1.
-fn ln_gamma_draw(rng: &mut SplitMix64, alpha: f64) -> f64 {
+pub(crate) fn ln_gamma_draw(rng: &mut SplitMix64, alpha: f64) -> f64 {
     if alpha < 1.0 {
         let u = 1.0 - rng.next_f64(); // in (0, 1]
         return ln_gamma_draw(rng, alpha + 1.0) + u.ln() / alpha;

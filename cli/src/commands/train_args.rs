@@ -139,9 +139,11 @@ pub(crate) struct TrainArgs {
     /// to the mean colour.
     #[arg(long, value_name = "P")]
     pub(crate) random_erasing: Option<f64>,
-    /// RandAugment or TrivialAugmentWide after the flip, as torchvision defines them:
+    /// RandAugment, TrivialAugmentWide or AugMix after the flip, as torchvision defines them:
     /// rand-mM-nN (N operations at magnitude bin M of 0-30; rand is rand-m9-n2, timm's
-    /// spelling) or trivialaugment (also ta_wide). Alias --aa.
+    /// spelling), trivialaugment (also ta_wide), or augmix-mS-wW-dD-aA (severity S of 1-10,
+    /// W chains of depth D, 0 drawing 1-3, Dirichlet/Beta alpha A; augmix is m3-w3-d0-a1).
+    /// Alias --aa.
     #[arg(long, visible_alias = "aa", value_name = "POLICY")]
     pub(crate) auto_augment: Option<String>,
     /// Mixup on training batches: each image blended with the one before it in the batch,
