@@ -364,11 +364,7 @@ fn a_dead_worker_does_not_stop_asynchronous_training() {
     assert_eq!(report.dropped.len(), 1, "{:?}", report.dropped);
     assert_eq!(report.dropped[0].0, 3);
     assert!(report.dropped[0].1.contains("killed by the test"));
-    // The survivors race (no lockstep here): after 150 steps each the loss ended at 0.09-0.22
-    // of the start under load, across the bound (one CI failure); after 600, at most 0.06 in
-    // 12 runs beside two busy cores.
-    let ratio = loss(&report.values, 3) / loss(&[0.0; DIM + 1], 3);
-    assert!(ratio < 0.2, "the loss ended at {ratio} of the start");
+    assert!(loss(&report.values, 3) < 0.2 * loss(&[0.0; DIM + 1], 3));
 }
 
 #[test]

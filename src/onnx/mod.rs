@@ -19,8 +19,8 @@ use std::path::Path;
 
 use hearth_models::Classifier;
 
+use crate::Result;
 use crate::proto::Proto;
-use crate::{HearthError, Result};
 use graph::{Dim, Graph, export_error, value_info};
 
 /// The operator set the graph is written for (onnxruntime 1.8 and later run it).
@@ -53,21 +53,8 @@ pub fn export_onnx(
     metadata: &[(String, String)],
     path: &Path,
 ) -> Result<OnnxSummary> {
-    let bytes = encode(model, size, metadata)?;
-    let summary = bytes.1;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let partial = path.with_file_name(format!(".{name}.{}.partial", std::process::id()));
-    let written = std::fs::write(&partial, &bytes.0).and_then(|()| std::fs::rename(&partial, path));
-    if let Err(source) = written {
-        let _ = std::fs::remove_file(&partial);
-        return Err(HearthError::Write {
-            path: path.to_path_buf(),
-            source,
-        });
-    }
+    let (bytes, summary) = encode(model, size, metadata)?;
+    crate::train::run_dir::write_atomic(path, &bytes)?;
     Ok(summary)
 }
 

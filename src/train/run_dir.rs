@@ -106,11 +106,11 @@ pub fn prepare(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Writes `text` to `path` atomically (`train/gate.rs`'s `Gate`, unguarded): a synced temporary
-/// file of a name no other writer uses, then a rename, so a crash leaves either the old file or
-/// the new one, never a part.
-pub fn write_atomic(path: &Path, text: &str) -> Result<()> {
-    super::gate::Gate::default().write(path, text.as_bytes())
+/// Writes `bytes` (text or binary) to `path` atomically (`train/gate.rs`'s `Gate`, unguarded): a
+/// synced temporary file of a name no other writer uses, then a rename, so a crash leaves either
+/// the old file or the new one, never a part.
+pub fn write_atomic(path: &Path, bytes: impl AsRef<[u8]>) -> Result<()> {
+    super::gate::Gate::default().write(path, bytes.as_ref())
 }
 
 /// Epochs `e` for which `dir` holds `<part>-<e>.bpk` for every one of `parts` (the first part
