@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::message::{ROUND_COMMIT, ROUND_READY, RoundSet};
+use super::message::{ROUND_COMMIT, ROUND_NORM, ROUND_READY, ROUND_TOTAL, RoundNorm, RoundSet};
 use crate::transport::Transport;
 use crate::wire::Kind;
 use crate::{DistError, Result};
@@ -78,6 +78,54 @@ impl<'a> Agreement<'a> {
                 )));
             }
             Ok(agreed)
+        }
+    }
+
+    /// Gradient clipping: the sum over every shard of `mine`, this shard's sum of the squares
+    /// of round `round`'s mean gradient (with one server, `mine`). Called by every server of
+    /// a round that steps, after [`Self::round`] agreed its set: the first adds the others'
+    /// and sends the total back.
+    pub fn total(&mut self, round: u64, mine: f64) -> Result<f64> {
+        if self.peers.len() < 2 {
+            return Ok(mine);
+        }
+        let first = self.peers[0];
+        let deadline = || Instant::now() + self.timeout;
+        let check = |from: usize, n: RoundNorm| {
+            if n.round != round {
+                return Err(DistError::Config(format!(
+                    "parameter server rank {from} sent the norm of round {}, this one (rank {}) \
+                     is at {round}",
+                    n.round,
+                    self.t.rank()
+                )));
+            }
+            Ok(n.squares)
+        };
+        if self.t.rank() == first {
+            let mut total = mine;
+            for &p in &self.peers[1..] {
+                let bytes = self.t.recv(p, Kind::Ps, ROUND_NORM, deadline())?;
+                total += check(p, RoundNorm::decode(&bytes)?)?;
+            }
+            let bytes = RoundNorm {
+                round,
+                squares: total,
+            }
+            .encode();
+            for &p in &self.peers[1..] {
+                self.t.send(p, Kind::Ps, ROUND_TOTAL, bytes.clone())?;
+            }
+            Ok(total)
+        } else {
+            let bytes = RoundNorm {
+                round,
+                squares: mine,
+            }
+            .encode();
+            self.t.send(first, Kind::Ps, ROUND_NORM, bytes)?;
+            let bytes = self.t.recv(first, Kind::Ps, ROUND_TOTAL, deadline())?;
+            check(first, RoundNorm::decode(&bytes)?)
         }
     }
 

@@ -273,6 +273,8 @@ pub struct PsWorker {
     rho: f32,
     steps: u64,
     at_pull: Vec<f32>,
+    /// The asynchronous modes: each gradient clipped to this norm before the local step.
+    clip: Option<f64>,
 }
 
 impl PsWorker {
@@ -299,6 +301,7 @@ impl PsWorker {
             rho,
             steps: 0,
             at_pull: params.clone(),
+            clip: None,
         };
         Ok((worker, params))
     }
@@ -312,7 +315,15 @@ impl PsWorker {
             *params = self.client.push_grad(grad, samples)?;
             return Ok(());
         }
-        self.local.step(step, params, grad, &mut self.local_state);
+        match self.clip {
+            Some(max) => {
+                let mut clipped = grad.to_vec();
+                rules::clip_to_norm(&mut clipped, rules::squares(grad), max);
+                self.local
+                    .step(step, params, &clipped, &mut self.local_state);
+            }
+            None => self.local.step(step, params, grad, &mut self.local_state),
+        }
         self.client.tick();
         if !self.steps.is_multiple_of(self.window as u64) {
             return Ok(());
@@ -371,6 +382,15 @@ impl PsWorker {
         self
     }
 
+    /// Gradient clipping by the norm in the asynchronous modes: each step's gradient is
+    /// clipped to `max_norm` (the norm over this worker's whole vector) before its local step,
+    /// as one process clips. Sync mode ignores it: the servers clip the round's mean
+    /// ([`super::server::ServerConfig::clip_grad`]).
+    pub fn with_clip(mut self, max_norm: Option<f64>) -> Self {
+        self.clip = max_norm;
+        self
+    }
+
     /// Steps taken so far (counted on from [`Self::resumed_at`]).
     pub fn steps(&self) -> u64 {
         self.steps
@@ -388,5 +408,43 @@ impl PsWorker {
     pub fn finish(mut self) -> Result<Client> {
         self.client.done()?;
         Ok(self.client)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ps::server::{ServerConfig, serve};
+    use crate::transport::memory::MemoryTransport;
+
+    /// An asynchronous worker with `with_clip` clips each gradient by its own norm before its
+    /// local step: one downpour step of SGD from zero moves the values by `-lr` times the
+    /// clipped gradient, which the server then holds.
+    #[test]
+    fn an_asynchronous_worker_clips_its_local_steps() {
+        let layout = Layout::new(&[("w".to_string(), 2)], 1).unwrap();
+        let mut ranks = MemoryTransport::mesh(2).into_iter();
+        let server = ranks.next().unwrap();
+        let worker = ranks.next().unwrap();
+        let cfg = ServerConfig::new(Mode::Downpour);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(serve(&server, &cfg, vec![0.0, 0.0], &[1], &mut |_| {}));
+        });
+        let client = Client::new(Arc::new(worker), layout, vec![0]).unwrap();
+        let (w, mut params) = PsWorker::start(client, Mode::Downpour, 1, 0.5, 0.0).unwrap();
+        let mut w = w.with_clip(Some(1.0));
+        // (3, 4) has norm 5: clipped to (0.6, 0.8), the step -0.5 times that.
+        w.step(&mut params, &[3.0, 4.0], 1).unwrap();
+        assert!(
+            (params[0] + 0.3).abs() < 1e-5 && (params[1] + 0.4).abs() < 1e-5,
+            "{params:?}"
+        );
+        w.finish().unwrap();
+        let report = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the server finished")
+            .unwrap();
+        assert!((report.values[0] + 0.3).abs() < 1e-5, "{:?}", report.values);
     }
 }

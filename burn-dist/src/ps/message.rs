@@ -19,6 +19,12 @@ pub const ROUND_READY: u64 = 5;
 /// Sync, between servers: the workers whose gradients every shard holds, which each applies
 /// ([`RoundSet`], from the first server).
 pub const ROUND_COMMIT: u64 = 6;
+/// Sync with gradient clipping, between servers: a server's sum of the squares of its shard
+/// of the round's mean gradient ([`RoundNorm`], to the first server).
+pub const ROUND_NORM: u64 = 7;
+/// Sync with gradient clipping: the sum over every shard ([`RoundNorm`], from the first
+/// server), the squared global norm each server clips by.
+pub const ROUND_TOTAL: u64 = 8;
 /// The first tag the parameter servers do not use.
 pub const APP_TAGS: u64 = 100;
 
@@ -182,6 +188,36 @@ impl RoundSet {
             workers,
             last,
         })
+    }
+}
+
+/// A round's sum of squares ([`ROUND_NORM`], [`ROUND_TOTAL`]): finite and not negative.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RoundNorm {
+    pub round: u64,
+    pub squares: f64,
+}
+
+impl RoundNorm {
+    pub fn encode(&self) -> Vec<u8> {
+        Writer::default()
+            .u64(self.round)
+            .u64(self.squares.to_bits())
+            .bytes
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Self> {
+        let mut r = Reader::new(b);
+        let round = r.u64()?;
+        let squares = f64::from_bits(r.u64()?);
+        r.finish()?;
+        // An infinite sum is a real one (an overflowing gradient); NaN or below zero is not.
+        if squares.is_nan() || squares < 0.0 {
+            return Err(DistError::Config(format!(
+                "a round's sum of squares of {squares}"
+            )));
+        }
+        Ok(Self { round, squares })
     }
 }
 

@@ -60,6 +60,25 @@ pub fn easgd_elastic(w: &mut [f32], theta: &[f32], alpha: f32) -> Vec<f32> {
         .collect()
 }
 
+/// The sum of the squares of `grad`, in f64.
+pub fn squares(grad: &[f32]) -> f64 {
+    grad.iter().map(|&g| f64::from(g) * f64::from(g)).sum()
+}
+
+/// Gradient clipping by the global norm, PyTorch's `clip_grad_norm_` rule: `grad` multiplied
+/// by `max_norm / (norm + 1e-6)` where that is below 1, `norm` the square root of `squares`
+/// (the sum over every piece of the gradient: the shards of all servers, or this vector
+/// alone). Returns the norm before clipping.
+pub fn clip_to_norm(grad: &mut [f32], squares: f64, max_norm: f64) -> f64 {
+    let norm = squares.max(0.0).sqrt();
+    let coef = max_norm / (norm + 1e-6);
+    if coef < 1.0 {
+        let c = coef as f32;
+        grad.iter_mut().for_each(|g| *g *= c);
+    }
+    norm
+}
+
 /// Gradients of several workers averaged weighted by their sample counts.
 pub fn weighted_mean(grads: &[(u64, Vec<f32>)]) -> Vec<f32> {
     // Counts come from the workers' messages: summed in f64, which cannot overflow.
@@ -103,5 +122,23 @@ mod tests {
 
         let m = weighted_mean(&[(1, vec![4.0]), (3, vec![0.0])]);
         assert_eq!(m, vec![1.0]);
+
+        // Clipping: (3, 4) has norm 5; to 1 it becomes (0.6, 0.8) (PyTorch's 1e-6 aside);
+        // a bound above the norm leaves it; the squares of other pieces count too.
+        let mut g = vec![3.0, 4.0];
+        assert_eq!(squares(&g), 25.0);
+        assert_eq!(clip_to_norm(&mut g, 25.0, 1.0), 5.0);
+        assert!(
+            (g[0] - 0.6).abs() < 1e-6 && (g[1] - 0.8).abs() < 1e-6,
+            "{g:?}"
+        );
+        let mut g = vec![3.0, 4.0];
+        clip_to_norm(&mut g, 25.0, 10.0);
+        assert_eq!(g, vec![3.0, 4.0]);
+        clip_to_norm(&mut g, 100.0, 5.0);
+        assert!(
+            (g[0] - 1.5).abs() < 1e-6,
+            "a norm of 10 over the pieces halves: {g:?}"
+        );
     }
 }

@@ -49,6 +49,10 @@ pub struct ServerConfig {
     /// Every server of the job, in shard order, this one included (sync: the first agrees
     /// each round's set of gradients with the others). Empty or one: no agreement.
     pub peers: Vec<usize>,
+    /// Sync: the round's mean gradient clipped to this global norm before the optimizer's
+    /// step, the norm taken over every server's shard ([`rules::clip_to_norm`]). The
+    /// asynchronous modes' workers clip their own ([`super::client::PsWorker::with_clip`]).
+    pub clip_grad: Option<f64>,
 }
 
 impl ServerConfig {
@@ -60,6 +64,7 @@ impl ServerConfig {
             max_staleness: None,
             idle_timeout: Duration::from_secs(600),
             peers: Vec::new(),
+            clip_grad: None,
         }
     }
 }
@@ -436,7 +441,19 @@ impl Server<'_> {
         // A round without samples (every worker skipped its step: fp16 overflow) moves
         // nothing, momentum included; it still counts for the rate's schedule.
         if grads.iter().any(|(n, _)| *n > 0) {
-            let mean = rules::weighted_mean(&grads);
+            let mut mean = rules::weighted_mean(&grads);
+            if let Some(max) = self.cfg.clip_grad {
+                // Every server steps this round (they agreed its set): each adds its squares.
+                match self.agreement.total(self.version, rules::squares(&mean)) {
+                    Ok(total) => {
+                        rules::clip_to_norm(&mut mean, total, max);
+                    }
+                    Err(e) => {
+                        self.failure = Some(e);
+                        return;
+                    }
+                }
+            }
             self.cfg
                 .optimizer
                 .step(self.version, &mut self.values, &mean, &mut self.optim_state);

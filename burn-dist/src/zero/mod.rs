@@ -150,6 +150,9 @@ pub struct ZeroOptimizer {
     /// Clipping of each step's averaged gradient to this global L2 norm
     /// ([`ZeroOptimizer::with_clip_norm`]).
     clip_norm: Option<f64>,
+    /// Where the squares are summed when the gradient reaches beyond this optimizer's ranks
+    /// (a pipeline's stages: [`ZeroOptimizer::with_norm_over`]); `None`: the step's ranks.
+    norm_over: Option<std::sync::Arc<Communicator>>,
 }
 
 /// A copy of the next rank's segments of the state, kept up to date by computing its update
@@ -223,6 +226,7 @@ impl ZeroOptimizer {
             replica: None,
             applied: 0,
             clip_norm: None,
+            norm_over: None,
         };
         z.mine = (0..z.buckets.len())
             .map(|b| z.whole.restrict(z.segment(b, rank)))
@@ -249,6 +253,16 @@ impl ZeroOptimizer {
     /// over every rank's segments (each value counted once, replicas aside). `None`: off.
     pub fn with_clip_norm(mut self, max_norm: Option<f64>) -> Self {
         self.clip_norm = max_norm;
+        self
+    }
+
+    /// Clipping by a norm over more than this optimizer's ranks: each rank's squares of its own
+    /// segments are summed over `job` instead of the step's ranks, every rank of `job` adding
+    /// its own part of the whole gradient alike (a pipeline: each stage's replicas shard that
+    /// stage's gradient, and the stages together make the model's). Every rank of `job` must
+    /// add its part at the same step, in the same order as its other collectives on `job`.
+    pub fn with_norm_over(mut self, job: std::sync::Arc<Communicator>) -> Self {
+        self.norm_over = Some(job);
         self
     }
 

@@ -131,8 +131,9 @@ impl ZeroOptimizer {
     }
 
     /// Scales the averaged gradient's segments (`grads`, this rank's; `theirs`, its replica's)
-    /// so that the whole gradient's L2 norm, summed over every rank's own segments, is at most
-    /// `max` (PyTorch's `clip_grad_norm_`).
+    /// so that the whole gradient's L2 norm, summed over every rank's own segments (of `comm`,
+    /// or of [`ZeroOptimizer::with_norm_over`]'s job), is at most `max` (PyTorch's
+    /// `clip_grad_norm_`).
     fn clip(
         &self,
         comm: &Communicator,
@@ -146,7 +147,8 @@ impl ZeroOptimizer {
             .map(|&x| f64::from(x) * f64::from(x))
             .sum();
         let mut total = [mine as f32];
-        comm.allreduce(&mut total, ReduceOp::Sum)?;
+        let over: &Communicator = self.norm_over.as_deref().unwrap_or(comm);
+        over.allreduce(&mut total, ReduceOp::Sum)?;
         let norm = f64::from(total[0]).max(0.0).sqrt();
         let coef = max / (norm + 1e-6);
         if coef < 1.0 {

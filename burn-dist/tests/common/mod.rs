@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cnn;
+pub mod ps;
 
 use std::process::Child;
 use std::sync::Arc;
