@@ -18,6 +18,12 @@ use crate::{HearthError, Result};
 /// `tfevents`).
 pub const FILE_NAME: &str = "events.out.tfevents.hearth";
 
+/// The file of the scalars logged every N optimizer steps (`--log-every`), beside
+/// [`FILE_NAME`]: appended to as the run goes. Its name sorts after the epochs' file, and
+/// TensorBoard polls the last file of a run's folder for new records, so the step curves
+/// grow live.
+pub const STEPS_FILE_NAME: &str = "events.out.tfevents.hearth.steps";
+
 /// TensorBoard's HParams plugin tag for a run's hyperparameters.
 const HPARAMS_TAG: &str = "_hparams_/session_start_info";
 
@@ -43,6 +49,34 @@ fn record(out: &mut Vec<u8>, event: &Proto) {
     out.extend_from_slice(&masked_crc(&len).to_le_bytes());
     out.extend_from_slice(&event.0);
     out.extend_from_slice(&masked_crc(&event.0).to_le_bytes());
+}
+
+/// The head of an event file: its version record, at `wall_time`.
+pub fn file_head(wall_time: f64) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut version = Proto::default();
+    version.double(1, wall_time).bytes(3, b"brain.Event:2");
+    record(&mut out, &version);
+    out
+}
+
+/// One record of `e`'s scalars at its step and wall time (its other tags are not written).
+pub fn scalar_record(e: &Event) -> Vec<u8> {
+    let values = e
+        .scalars
+        .iter()
+        .map(|(tag, v)| scalar_value(tag, *v))
+        .collect();
+    let mut out = Vec::new();
+    record(&mut out, &event(e.wall_time, e.step, values));
+    out
+}
+
+/// A `Summary.Value` of one scalar.
+fn scalar_value(tag: &str, v: f32) -> Proto {
+    let mut p = Proto::default();
+    p.bytes(1, tag.as_bytes()).float(2, v);
+    p
 }
 
 /// An `Event` with `wall_time`, `step` and a summary of `values` (each a `Summary.Value`).
@@ -143,10 +177,7 @@ pub fn encode(
 ) -> Vec<u8> {
     let time = |step: i64| wall_times.get(&step).copied().unwrap_or(now);
     let start = rows.keys().next().map_or(now, |&e| time(e as i64)).min(now);
-    let mut out = Vec::new();
-    let mut version = Proto::default();
-    version.double(1, start).bytes(3, b"brain.Event:2");
-    record(&mut out, &version);
+    let mut out = file_head(start);
     if let Some(h) = hparams {
         record(&mut out, &event(start, 0, vec![hparams_summary(h, start)]));
     }
@@ -154,11 +185,7 @@ pub fn encode(
         let values = row
             .iter()
             .filter(|(_, v)| v.is_finite())
-            .map(|(tag, &v)| {
-                let mut p = Proto::default();
-                p.bytes(1, tag.as_bytes()).float(2, v as f32);
-                p
-            })
+            .map(|(tag, &v)| scalar_value(tag, v as f32))
             .collect();
         let step = epoch as i64;
         record(&mut out, &event(time(step), step, values));

@@ -541,11 +541,13 @@ fn short_run(weights: &Path, more: &[&str]) -> Vec<String> {
     run
 }
 
-/// `--clip-grad` clips by the norm over the whole model in every mode that has it: data
-/// parallel (the averaged gradient), elastic (the summed one), both with ZeRO (the squares
-/// summed over the shards) and a pipeline (each stage's squares summed over the stages) train
-/// one process's curve; without the bound binding the
-/// run would be another (the bound is far below the gradients' norm).
+/// `--clip-grad` clips by the norm over the whole model in every mode: data parallel (the
+/// averaged gradient), elastic (the summed one), both with ZeRO (the squares summed over the
+/// shards), a pipeline (each stage's squares summed over the stages), a pipeline whose stages
+/// shard over their replicas (every rank's segments summed over the job) and sync parameter
+/// servers (the round's mean, the squares summed over the servers' shards) train one
+/// process's curve; without the bound binding the run would be another (the bound is far
+/// below the gradients' norm).
 #[test]
 fn gradient_clipping_by_the_global_norm_is_the_same_in_every_mode() {
     let dir = tempfile::tempdir().unwrap();
@@ -572,6 +574,26 @@ fn gradient_clipping_by_the_global_norm_is_the_same_in_every_mode() {
             &["--pipeline-stages", "2", "--micro-batches", "2"][..],
             1e-3,
         ),
+        // 2 stages x 2 replicas, each stage's gradient sharded over its replicas: the
+        // squares of every rank's segments summed over the job.
+        (
+            "pipeline-zero",
+            1,
+            &[
+                "--pipeline-stages",
+                "2",
+                "--micro-batches",
+                "2",
+                "--nproc",
+                "4",
+                "--zero",
+                "1",
+            ][..],
+            1e-3,
+        ),
+        // Sync parameter servers: two servers clip the round's mean by the norm over both
+        // shards.
+        ("ps-sync", 4, &["--ps", "2", "--mode", "sync"][..], 1e-4),
     ] {
         train(dir.path(), &data, &path(name), world, &base, args);
         let rows = metrics(&path(name));
@@ -656,11 +678,13 @@ fn mixup_and_cutmix_mix_alike_on_a_pipelines_stages_and_resume_exactly() {
     assert_eq!(elastic.len(), 2, "{elastic:?}");
 }
 
-/// `--model-ema` in data parallel and elastic: the average is one process's (validated each
-/// epoch as `val_ema_*` and exported as `model_ema.bpk`), and an elastic run stopped after
-/// epoch 1 and resumed goes on with the average it had (the state carries it).
+/// `--model-ema` in data parallel, elastic, sync parameter servers and a pipeline: the average
+/// is one process's (validated each epoch as `val_ema_*` and exported as `model_ema.bpk`, a
+/// pipeline's assembled from its stages), and elastic, parameter-server and pipeline runs
+/// stopped after epoch 1 and resumed go on with the average they had (the elastic state carries
+/// it; the servers' lead and each stage read their checkpoint).
 #[test]
-fn a_weight_average_in_data_parallel_and_elastic_is_one_process_s_and_resumes() {
+fn a_weight_average_in_every_data_parallel_mode_is_one_process_s_and_resumes() {
     let dir = tempfile::tempdir().unwrap();
     let data = elastic_data(dir.path());
     let base = short_run(
@@ -683,16 +707,32 @@ fn a_weight_average_in_data_parallel_and_elastic_is_one_process_s_and_resumes() 
         model_gap(&path("one"), &path("one"), &data) == 0.0 && ema_gap("one", "one") == 0.0,
         "the comparison sees no difference where there is none"
     );
-    for (name, args) in [("dp", &[][..]), ("elastic", &["--elastic"][..])] {
-        train(dir.path(), &data, &path(name), 2, &base, args);
+    // (name, processes, flags, tolerance: a pipeline sums its micro-batches' gradients in
+    // another order, as in the other tests here).
+    let modes: [(&str, usize, &[&str], f64); 4] = [
+        ("dp", 2, &[], 1e-4),
+        ("elastic", 2, &["--elastic"], 1e-4),
+        ("ps", 3, &["--ps", "1", "--mode", "sync"], 1e-4),
+        (
+            "pipeline",
+            1,
+            &["--pipeline-stages", "2", "--micro-batches", "2"],
+            1e-3,
+        ),
+    ];
+    for (name, world, args, tolerance) in modes {
+        train(dir.path(), &data, &path(name), world, &base, args);
         let rows = metrics(&path(name));
         let worst = gap(&one, &rows, &AVERAGE);
         assert!(
-            worst <= 1e-4,
+            worst <= tolerance,
             "{name}: the average's validation differs by {worst}:\n{one:?}\n{rows:?}"
         );
         let logits = ema_gap("one", name);
-        assert!(logits <= 1e-3, "{name}: model_ema.bpk is {logits} away");
+        assert!(
+            logits <= 10.0 * tolerance as f32,
+            "{name}: model_ema.bpk is {logits} away"
+        );
     }
     // The average is not the model.
     let apart = exported_logit_gap(
@@ -702,33 +742,39 @@ fn a_weight_average_in_data_parallel_and_elastic_is_one_process_s_and_resumes() 
         32,
     );
     assert!(apart > 1e-4, "model_ema.bpk is the model: {apart}");
-    let run = path("elastic-resumed");
-    train(
-        dir.path(),
-        &data,
-        &run,
-        2,
-        &base,
-        &["--elastic", "--stop-after-epoch", "1"],
+    // `--monitor val_ema_loss`: a pipeline's `model.bpk` is its stages' averages assembled.
+    let monitored = [modes[3].2, &["--monitor", "val_ema_loss"]].concat();
+    train(dir.path(), &data, &path("monitored"), 1, &base, &monitored);
+    let same = exported_logit_gap(
+        &path("monitored").join("model.bpk"),
+        &path("monitored").join("model_ema.bpk"),
+        &data.join("val"),
+        32,
     );
-    assert!(run.join("checkpoint/ema-1.bpk").is_file());
-    train(
-        dir.path(),
-        &data,
-        &run,
-        2,
-        &base,
-        &["--elastic", "--resume"],
-    );
-    let (straight, resumed) = (metrics(&path("elastic")), metrics(&run));
-    let worst = gap(&straight, &resumed, &AVERAGE);
-    assert!(
-        worst <= 1e-5,
-        "elastic resumed: the average differs by {worst}:\n{straight:?}\n{resumed:?}"
-    );
-    let logits = ema_gap("elastic", "elastic-resumed");
-    assert!(
-        logits <= 1e-5,
-        "elastic resumed: model_ema.bpk is {logits} away"
-    );
+    assert_eq!(same, 0.0, "model.bpk is not the average the monitor chose");
+    for (name, world, args, _) in [modes[1], modes[2], modes[3]] {
+        let resumed = format!("{name}-resumed");
+        let run = path(&resumed);
+        let first = [args, &["--stop-after-epoch", "1"]].concat();
+        train(dir.path(), &data, &run, world, &base, &first);
+        // A pipeline's stages keep theirs beside their weights.
+        let kept = match name {
+            "pipeline" => "checkpoint/stage-1/ema-1.bpk",
+            _ => "checkpoint/ema-1.bpk",
+        };
+        assert!(run.join(kept).is_file(), "{name}: no {kept}");
+        let again = [args, &["--resume"]].concat();
+        train(dir.path(), &data, &run, world, &base, &again);
+        let (straight, after) = (metrics(&path(name)), metrics(&run));
+        let worst = gap(&straight, &after, &AVERAGE);
+        assert!(
+            worst <= 1e-5,
+            "{name} resumed: the average differs by {worst}:\n{straight:?}\n{after:?}"
+        );
+        let logits = ema_gap(name, &resumed);
+        assert!(
+            logits <= 1e-5,
+            "{name} resumed: model_ema.bpk is {logits} away"
+        );
+    }
 }

@@ -136,3 +136,38 @@ fn a_weight_average_resumes_bit_exactly_and_is_exported() {
     // A checkpoint's average is kept beside its weights (the last epoch's at least).
     assert!(file("straight", "checkpoint/ema-3.bpk").is_file());
 }
+
+/// `--monitor val_ema_loss`: the best epoch is the average's best, and `model.bpk` holds that
+/// epoch's average (the weights whose score won), as `model_ema.bpk` does; without
+/// `--model-ema` the monitor is refused by name.
+#[test]
+fn monitoring_the_average_exports_the_average() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let d = data(dir.path());
+    let mut cfg = config(&d, dir.path().join("ema-monitored"));
+    cfg.checkpoint.monitor = hearth::settings::Monitor::ValEmaLoss;
+    let e = train(&cfg, &Device::flex(), &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("val_ema_loss") && e.contains("model_ema"), "{e}");
+    cfg.optim.model_ema = Some(0.8);
+    let report = run(&cfg);
+    let rows = common::metrics(&cfg.run_dir);
+    let best = rows
+        .iter()
+        .min_by(|a, b| a.1["val_ema_loss"].total_cmp(&b.1["val_ema_loss"]))
+        .map(|(e, _)| *e)
+        .unwrap();
+    assert_eq!(report.best_epoch, best, "{rows:?}");
+    let file = |f: &str| tensors(&cfg.run_dir.join(f));
+    let exported = file("model.bpk");
+    assert_eq!(exported, file("model_ema.bpk"));
+    assert_eq!(
+        exported,
+        file(&format!("checkpoint/ema-{best}.bpk")),
+        "model.bpk is epoch {best}'s average"
+    );
+    let live = file(&format!("checkpoint/model-{best}.bpk"));
+    assert!(live.iter().zip(&exported).any(|((_, x), (_, y))| x != y));
+}

@@ -1,14 +1,18 @@
 //! Every run writes a TensorBoard event file beside `metrics.csv` (issue 57, item 3): read back
 //! here with TensorBoard's own reader (the `tensorboard` package from PyPI, which `.ci/run`
 //! installs), its scalars equal `metrics.csv` and its hyperparameters `hparams.json`; a
-//! resumed run keeps each earlier epoch's wall time.
+//! resumed run keeps each earlier epoch's wall time. With `--log-every N` the step scalars are
+//! the job's in every mode (a parameter-server lead's own), and a resume after a crash keeps
+//! no step twice.
 
 mod common;
 
 use std::path::Path;
 use std::process::Command;
 
-use hearth::tensorboard::{FILE_NAME, read};
+use std::collections::BTreeMap;
+
+use hearth::tensorboard::{FILE_NAME, STEPS_FILE_NAME, read};
 
 /// TensorBoard's reading of `run`: `{"scalars": {tag: [[step, value], ...]}, "hparams":
 /// {name: value}}`, or `None` where the `tensorboard` package is missing and
@@ -117,4 +121,161 @@ fn tensorboard_reads_the_runs_scalars_and_hyperparameters_and_a_resume_keeps_wal
     assert_eq!(tb["hparams"]["lr"], hp["lr"], "{tb}");
     assert_eq!(tb["hparams"]["model"], hp["model"], "{tb}");
     assert_eq!(tb["hparams"]["epochs"].as_f64(), Some(3.0), "{tb}");
+}
+
+/// The step file's records of `run`: step -> tag -> value.
+fn step_records(run: &Path) -> BTreeMap<i64, BTreeMap<String, f32>> {
+    let file = run.join(STEPS_FILE_NAME);
+    let bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    let mut out = BTreeMap::new();
+    for e in read(&bytes, &file).unwrap() {
+        if e.scalars.is_empty() {
+            continue;
+        }
+        let row: BTreeMap<String, f32> = e.scalars.into_iter().collect();
+        assert!(out.insert(e.step, row).is_none(), "step {} twice", e.step);
+    }
+    out
+}
+
+/// `--log-every 2` over 2 epochs of 10 steps: records at steps 2, 4, ..., 20 in one process,
+/// data parallel, elastic and a pipeline, each the whole job's mean loss and accuracy of its
+/// two steps (one process's within float noise) and the step's rate; a sync parameter-server
+/// lead's at the same steps with the same rates (its loss is its own shard's). Stopped after
+/// epoch 1, a record past the checkpoint added (as a crash leaves one), and resumed: the
+/// straight run's records, none twice. TensorBoard's reader sees the step tags.
+#[test]
+fn step_scalars_are_the_jobs_in_every_mode_and_a_resume_keeps_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::elastic_data(dir.path());
+    let path = |n: &str| dir.path().join(n);
+    let base = [
+        "--model",
+        "vgg-mini-plain",
+        "--batch-size",
+        "24",
+        "--epochs",
+        "2",
+        "--lr",
+        "0.05",
+        "--augment",
+        "none",
+        "--log-every",
+        "2",
+    ];
+    let one_process = |run: &Path, more: &[&str]| {
+        let mut args = vec!["train", "--data", data.to_str().unwrap(), "--workers", "1"];
+        args.extend(["--size", "32"]);
+        args.extend(base);
+        args.extend(more);
+        let resume = more.contains(&"--resume");
+        args.retain(|a| *a != "--resume");
+        args.extend([
+            if resume { "--resume" } else { "--run-dir" },
+            run.to_str().unwrap(),
+        ]);
+        let out = common::hearth_cli(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    one_process(&path("one"), &[]);
+    let one = step_records(&path("one"));
+    assert_eq!(
+        one.keys().copied().collect::<Vec<_>>(),
+        (1..=10).map(|k| 2 * k).collect::<Vec<i64>>()
+    );
+    let value = |r: &BTreeMap<String, f32>, tag: &str| {
+        *r.get(tag).unwrap_or_else(|| panic!("no {tag} in {r:?}"))
+    };
+    let lrs: Vec<f32> = one.values().map(|r| value(r, "step/train_lr")).collect();
+    assert!(lrs[0] < lrs[4], "warmup raises the rate: {lrs:?}");
+    let modes: [(&str, usize, &[&str]); 4] = [
+        ("dp", 2, &[]),
+        ("elastic", 2, &["--elastic"]),
+        ("ps", 3, &["--ps", "1", "--mode", "sync"]),
+        (
+            "pipeline",
+            1,
+            &["--pipeline-stages", "2", "--micro-batches", "2"],
+        ),
+    ];
+    for (name, world, args) in modes {
+        if world == 1 {
+            one_process(&path(name), args);
+        } else {
+            let mut job =
+                common::Job::spawn(dir.path(), &data, &path(name), world, &base, args, &[]);
+            assert!(
+                job.wait(400).iter().all(|&ok| ok),
+                "{name}:\n{}",
+                job.all_logs()
+            );
+        }
+        let got = step_records(&path(name));
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            one.keys().collect::<Vec<_>>(),
+            "{name}"
+        );
+        for (step, r) in &got {
+            let lr = (
+                value(r, "step/train_lr"),
+                value(&one[step], "step/train_lr"),
+            );
+            assert!(
+                (lr.0 - lr.1).abs() <= 1e-6 * lr.1.abs(),
+                "{name} step {step}: {lr:?}"
+            );
+            let loss = value(r, "step/train_loss");
+            assert!(loss.is_finite(), "{name} step {step}: {r:?}");
+            if name != "ps" {
+                let theirs = value(&one[step], "step/train_loss");
+                assert!(
+                    (loss - theirs).abs() <= 1e-3 * theirs.abs().max(1.0),
+                    "{name} step {step}: loss {loss} against one process's {theirs}"
+                );
+            }
+        }
+    }
+    // Stopped after epoch 1; a record past the checkpoint, as a crash in epoch 2 leaves it;
+    // resumed.
+    let run = path("resumed");
+    one_process(&run, &["--stop-after-epoch", "1"]);
+    let file = run.join(STEPS_FILE_NAME);
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes.extend(hearth::tensorboard::scalar_record(
+        &hearth::tensorboard::Event {
+            wall_time: 1.0,
+            step: 14,
+            scalars: vec![("step/train_loss".into(), 123.0)],
+            other_tags: Vec::new(),
+        },
+    ));
+    std::fs::write(&file, bytes).unwrap();
+    one_process(&run, &["--resume"]);
+    let resumed = step_records(&run);
+    assert_eq!(
+        resumed.keys().collect::<Vec<_>>(),
+        one.keys().collect::<Vec<_>>()
+    );
+    for (step, r) in &resumed {
+        for tag in ["step/train_loss", "step/train_accuracy", "step/train_lr"] {
+            let (a, b) = (value(r, tag), value(&one[step], tag));
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                "step {step} {tag}: {a} vs {b}"
+            );
+        }
+    }
+    let Some(tb) = tensorboard_reads(&run) else {
+        return;
+    };
+    let points = tb["scalars"]["step/train_loss"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no step scalars: {tb}"));
+    assert_eq!(points.len(), 10, "{points:?}");
+    assert_eq!(points[9][0].as_u64(), Some(20));
 }

@@ -50,9 +50,19 @@ pub enum Monitor {
     /// Mean per-class AUROC (multi-label sets).
     #[cfg_attr(feature = "clap", value(name = "val_auroc"))]
     ValAuroc,
+    /// The weight average's (`optim.model_ema`) validation loss: the best epoch is the
+    /// average's, and `model.bpk` holds the average.
+    #[cfg_attr(feature = "clap", value(name = "val_ema_loss"))]
+    ValEmaLoss,
+    /// The weight average's validation accuracy (as [`Monitor::ValEmaLoss`]).
+    #[cfg_attr(feature = "clap", value(name = "val_ema_accuracy"))]
+    ValEmaAccuracy,
+    /// The weight average's mean per-class AUROC (multi-label sets).
+    #[cfg_attr(feature = "clap", value(name = "val_ema_auroc"))]
+    ValEmaAuroc,
 }
 
-crate::names::named_settings!(Monitor { ValLoss => "val_loss", ValAccuracy => "val_accuracy", ValAuroc => "val_auroc" });
+crate::names::named_settings!(Monitor { ValLoss => "val_loss", ValAccuracy => "val_accuracy", ValAuroc => "val_auroc", ValEmaLoss => "val_ema_loss", ValEmaAccuracy => "val_ema_accuracy", ValEmaAuroc => "val_ema_auroc" });
 
 impl Monitor {
     /// The `metrics.csv` column it reads.
@@ -61,7 +71,21 @@ impl Monitor {
     }
 
     pub fn higher_is_better(self) -> bool {
-        !matches!(self, Monitor::ValLoss)
+        !matches!(self, Monitor::ValLoss | Monitor::ValEmaLoss)
+    }
+
+    /// Whether it reads the weight average's scores (`optim.model_ema`): then the average of
+    /// the best epoch is what the run exports as its model.
+    pub fn averaged(self) -> bool {
+        matches!(
+            self,
+            Monitor::ValEmaLoss | Monitor::ValEmaAccuracy | Monitor::ValEmaAuroc
+        )
+    }
+
+    /// Whether it reads an AUROC (multi-label sets only).
+    pub fn auroc(self) -> bool {
+        matches!(self, Monitor::ValAuroc | Monitor::ValEmaAuroc)
     }
 }
 

@@ -37,6 +37,7 @@ pub const SETTING_FLAGS: &[(&str, &str)] = &[
     ("checkpoint.monitor", "--monitor"),
     ("checkpoint.patience", "--patience"),
     ("checkpoint.min_delta", "--min-delta"),
+    ("checkpoint.log_every", "--log-every"),
     ("compute.precision", "--precision"),
     ("device", "--device"),
     ("compute.recompute", "--recompute"),

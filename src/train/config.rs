@@ -250,6 +250,11 @@ pub struct CheckpointSettings {
     /// Smallest change of `monitor` that counts as an improvement, for early stopping and for
     /// picking the exported epoch alike.
     pub min_delta: f64,
+    /// TensorBoard scalars of the training loss, accuracy and rate every this many optimizer
+    /// steps (`events.out.tfevents.hearth.steps`), beside the per-epoch ones; `None`: per
+    /// epoch only. A log: not recorded in `hparams.json`, free to change on resume.
+    #[serde(skip)]
+    pub log_every: Option<usize>,
 }
 
 impl Default for CheckpointSettings {
@@ -261,6 +266,7 @@ impl Default for CheckpointSettings {
             monitor: Monitor::ValAccuracy,
             patience: None,
             min_delta: 0.0,
+            log_every: None,
         }
     }
 }

@@ -237,8 +237,9 @@ impl Update<'_> {
     /// left out (this worker's scale halves): the step still counts (sync: its share of the
     /// round weighs nothing; asynchronous modes: no local update, the exchanges keep their
     /// rhythm). Workers never exchange gradients with each other, so each decides for its
-    /// own. Whether this worker's gradient went in. `optim.clip_grad` has no global norm here
-    /// (each server holds a slice): refused.
+    /// own. Whether this worker's gradient went in. `optim.clip_grad` is the servers' (sync:
+    /// the round's mean, by the norm over every shard) or the worker's local steps'
+    /// (asynchronous modes), set up with the session.
     pub(super) fn served(
         self,
         ps: &mut PsWorker,
@@ -246,11 +247,6 @@ impl Update<'_> {
         mut grad: Vec<f32>,
         samples: u64,
     ) -> Result<bool> {
-        if self.clip.is_some() {
-            return Err(crate::HearthError::InvalidArgument(
-                "`optim.clip_grad` is not built with parameter servers".into(),
-            ));
-        }
         if let Some(s) = self.scaler {
             let finite = unscale_flat(&mut grad, s.scale());
             if !s.decide(finite) {

@@ -9,8 +9,10 @@ use super::trainee::{Net, Stream};
 use crate::{HearthError, Result};
 
 /// Exports epoch `best`'s checkpoint as the run's `model.bpk` (the trainee's file: for Hearth's
-/// classifiers with the model's config, class names and evaluation preprocessing), and for a
-/// multi-label run `auroc.csv` over the whole validation set; returns the per-class AUROCs.
+/// classifiers with the model's config, class names and evaluation preprocessing; the weight
+/// average's where `checkpoint.monitor` reads it), with `optim.model_ema` that epoch's average
+/// as `model_ema.bpk`, and for a multi-label run `auroc.csv` over the whole validation set;
+/// returns the per-class AUROCs.
 pub(super) fn export_best<T: super::trainee::Trainee>(
     cfg: &super::TrainConfig,
     trainee: &T,
@@ -19,13 +21,25 @@ pub(super) fn export_best<T: super::trainee::Trainee>(
     gate: &super::gate::Gate,
     log: &mut dyn FnMut(&str),
 ) -> Result<Option<Vec<(String, f64)>>> {
-    let path = super::best::model_checkpoint(&cfg.run_dir, best);
+    // The weights the monitored column scored: the average's where it reads the average.
+    let monitor = cfg.checkpoint.monitor;
+    let (path, what) = if monitor.averaged() {
+        (
+            super::ema::ema_checkpoint(&cfg.run_dir, best),
+            ": its weight average,",
+        )
+    } else {
+        (super::best::model_checkpoint(&cfg.run_dir, best), "")
+    };
     let model = export_file(cfg, trainee, &path, best, device, "model.bpk", gate)?;
     log(&format!(
-        "exported the best epoch ({best}, by {}) into {}",
-        cfg.checkpoint.monitor.column(),
+        "exported the best epoch ({best}, by {}){what} into {}",
+        monitor.column(),
         cfg.run_dir.join("model.bpk").display()
     ));
+    if cfg.optim.model_ema.is_some() {
+        export_ema(cfg, trainee, best, device, gate, log)?;
+    }
     auroc_report(
         trainee.multi_label(),
         &model,
@@ -75,7 +89,7 @@ fn export_file<T: super::trainee::Trainee>(
 
 /// `optim.model_ema`: the best epoch's weight average as `model_ema.bpk`, in the same form as
 /// `model.bpk` (so `hearth eval` and `predict` take it).
-pub(super) fn export_ema<T: super::trainee::Trainee>(
+fn export_ema<T: super::trainee::Trainee>(
     cfg: &super::TrainConfig,
     trainee: &T,
     best: usize,

@@ -158,7 +158,8 @@ impl Hparams {
     }
 
     /// Sets every setting of `cfg` this records (all but `launch`); what the file does not
-    /// record (threads, the run's bookkeeping, bucket size, overlap) stays as `cfg` has it.
+    /// record (threads, the run's bookkeeping and logs, bucket size, overlap) stays as `cfg`
+    /// has it.
     fn apply(self, cfg: &mut TrainConfig) -> Result<()> {
         let Hparams {
             data,
@@ -208,6 +209,7 @@ impl Hparams {
             resume: cfg.checkpoint.resume,
             overwrite: cfg.checkpoint.overwrite,
             stop_after_epoch: cfg.checkpoint.stop_after_epoch,
+            log_every: cfg.checkpoint.log_every,
             ..checkpoint
         };
         cfg.seed = seed;

@@ -54,6 +54,7 @@ pub mod run_dir;
 mod scores;
 mod sets;
 mod shared;
+mod step_log;
 mod targets;
 mod trainee;
 mod validate;
@@ -211,15 +212,21 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
                 .into(),
         ));
     }
-    if !custom.is_multi_label() && cfg.checkpoint.monitor == Monitor::ValAuroc {
-        return Err(HearthError::InvalidArgument(
-            "checkpoint.monitor val_auroc needs multi-label targets (Custom::multi_label)".into(),
-        ));
+    let monitor = cfg.checkpoint.monitor;
+    if !custom.is_multi_label() && monitor.auroc() {
+        return Err(HearthError::InvalidArgument(format!(
+            "checkpoint.monitor {} needs multi-label targets (Custom::multi_label)",
+            monitor.column()
+        )));
     }
-    // The image checks, less the one answered above: val_auroc with multi-label examples
-    // instead of a --labels file.
+    // The image checks, less the one answered above: an AUROC with multi-label examples
+    // instead of a --labels file (the average's still needs `optim.model_ema`).
     let mut checked = cfg.clone();
-    checked.checkpoint.monitor = defaults.checkpoint.monitor;
+    checked.checkpoint.monitor = if monitor.averaged() {
+        Monitor::ValEmaLoss
+    } else {
+        defaults.checkpoint.monitor
+    };
     checked.validate()?;
     crate::device::check_precision(device, cfg.compute.precision)?;
     match &cfg.mode {

@@ -7,8 +7,8 @@ use super::TrainConfig;
 use super::catalog::model_config;
 use super::ps::Roles;
 use crate::settings::{
-    DEFAULT_MOMENTUM, EASGD_PEAK_ALPHA, ElasticOptions, FinetuneBn, Monitor, OptimizerKind,
-    PipelineOptions, PsOptions, TrainingMode,
+    DEFAULT_MOMENTUM, EASGD_PEAK_ALPHA, ElasticOptions, FinetuneBn, OptimizerKind, PipelineOptions,
+    PsOptions, TrainingMode,
 };
 use crate::{HearthError, Result};
 
@@ -21,10 +21,18 @@ impl TrainConfig {
         model_config(&self.model.name, 2)?;
         self.validate_run()?;
         self.validate_fine_tuning()?;
-        if self.checkpoint.monitor == Monitor::ValAuroc && self.data.labels.is_none() {
-            return bad(
-                "`checkpoint.monitor` val_auroc needs a multi-label data set (`data.labels` FILE.csv)".into(),
-            );
+        let monitor = self.checkpoint.monitor;
+        if monitor.auroc() && self.data.labels.is_none() {
+            return bad(format!(
+                "`checkpoint.monitor` {} needs a multi-label data set (`data.labels` FILE.csv)",
+                monitor.column()
+            ));
+        }
+        if monitor.averaged() && self.optim.model_ema.is_none() {
+            return bad(format!(
+                "`checkpoint.monitor` {} reads the weight average: it needs `optim.model_ema`",
+                monitor.column()
+            ));
         }
         if self.exchange.bucket_bytes == 0 {
             return bad("`exchange.bucket_bytes` must be positive".into());
@@ -58,36 +66,10 @@ impl TrainConfig {
             if !(c.is_finite() && c > 0.0) {
                 return bad(format!("`optim.clip_grad` {c} must be a positive norm"));
             }
-            let not_built = if self.exchange.zero > 0 && self.mode.pipeline().is_some() {
-                Some("`exchange.zero` in a pipeline (the norm over every stage's shards)")
-            } else if self.mode.ps().is_some() {
-                Some("`TrainingMode::ParameterServers` (the norm over the servers' shards)")
-            } else {
-                None
-            };
-            if let Some(what) = not_built {
-                return bad(format!(
-                    "`optim.clip_grad` with {what} is not built yet; it works in one process, \
-                     data parallel and elastic (with or without `exchange.zero`) and pipelines"
-                ));
-            }
         }
         if let Some(d) = self.optim.model_ema {
             if !(d > 0.0 && d < 1.0) {
                 return bad(format!("`optim.model_ema` decay {d} must be in (0, 1)"));
-            }
-            let other = if self.mode.pipeline().is_some() {
-                Some("a pipeline (`PipelineOptions.stages`)")
-            } else if self.mode.ps().is_some() {
-                Some("`TrainingMode::ParameterServers`")
-            } else {
-                None
-            };
-            if let Some(what) = other {
-                return bad(format!(
-                    "`optim.model_ema` with {what} is not built yet; it works in one process, \
-                     data parallel and elastic"
-                ));
             }
         }
         if !(0.0..1.0).contains(&self.optim.label_smoothing) {
@@ -105,6 +87,9 @@ impl TrainConfig {
                 "`checkpoint.min_delta` {} must be 0 or more",
                 self.checkpoint.min_delta
             ));
+        }
+        if self.checkpoint.log_every == Some(0) {
+            return bad("`checkpoint.log_every` must be at least 1 step".into());
         }
         if self.checkpoint.patience == Some(0) {
             return bad("`checkpoint.patience` must be at least 1".into());

@@ -104,6 +104,7 @@ fn build_config(
     cfg.seed = a.seed;
     cfg.price_per_hour = a.price_per_hour;
     cfg.checkpoint.stop_after_epoch = a.stop_after_epoch;
+    cfg.checkpoint.log_every = a.log_every;
     cfg.checkpoint.overwrite = a.overwrite;
     cfg.optim.grad_accum = a.grad_accum;
     cfg.exchange.bucket_bytes = (a.bucket_mb * 1024.0 * 1024.0) as usize;

@@ -184,6 +184,10 @@ pub(crate) struct TrainArgs {
     /// End this run after that epoch (its checkpoint written); --resume continues it exactly.
     #[arg(long)]
     pub(crate) stop_after_epoch: Option<usize>,
+    /// TensorBoard scalars of the training loss, accuracy and rate every N optimizer steps
+    /// (events.out.tfevents.hearth.steps in the run directory), beside the per-epoch ones.
+    #[arg(long, value_name = "N")]
+    pub(crate) log_every: Option<usize>,
     /// Price of one process-hour (a GPU or a machine per rank), for the cost line of the
     /// summary: the job's wall time times its processes (an elastic job: its worker-hours).
     #[arg(long)]

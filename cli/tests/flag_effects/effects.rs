@@ -272,6 +272,10 @@ pub(super) fn effect(flag: &str, mode: &str, s: &Setup) -> Effect {
         "--overwrite" => Overwrites,
         "--resume" => Resumes,
         "--run-dir" => Everywhere,
+        "--log-every" => Elsewhere(
+            "cli/tests/tensorboard.rs::step_scalars_are_the_jobs_in_every_mode_and_a_resume_keeps_them",
+            "--log-every",
+        ),
         "--min-workers" | "--rejoin-timeout" => Elsewhere(
             "cli/tests/elastic_train.rs::a_worker_cut_off_is_dropped_and_below_the_minimum_it_gives_up",
             "--rejoin-timeout",

@@ -108,6 +108,7 @@ pub fn setting(flag: &str) -> Vec<&'static str> {
         "--resume" => &["--resume", "somewhere"],
         "--overwrite" => &["--overwrite"],
         "--stop-after-epoch" => &["--stop-after-epoch", "2"],
+        "--log-every" => &["--log-every", "1"],
         "--price-per-hour" => &["--price-per-hour", "2.5"],
         "--grad-accum" => &["--grad-accum", "2"],
         "--bucket-mb" => &["--bucket-mb", "4"],
@@ -201,10 +202,6 @@ pub fn expect(flag: &str, mode: &str) -> Expect {
         ("--autotune", _) => Refused("--autotune full: flex has no GPU kernels"),
         ("--kernel-bundle", _) => Refused("--kernel-bundle: flex has no GPU kernels"),
         // Not built yet (said by name).
-        ("--clip-grad", "parameter servers") => Refused("--clip-grad with --ps"),
-        ("--model-ema" | "--model-ema-decay", "parameter servers" | "pipeline") => {
-            Refused("--model-ema with")
-        }
         // No meaning: a pipeline's micro-batches are its accumulation.
         ("--grad-accum", "pipeline") => Refused("--micro-batches"),
         // The walk's folder holds no run: resuming it is refused before anything is read (real
@@ -212,7 +209,7 @@ pub fn expect(flag: &str, mode: &str) -> Expect {
         ("--resume", _) => Refused("cannot resume somewhere: no run there"),
         (
             "--workers" | "--run-dir" | "--overwrite" | "--stop-after-epoch" | "--price-per-hour"
-            | "--device",
+            | "--device" | "--log-every",
             _,
         ) => Mechanics,
         _ => Recorded,

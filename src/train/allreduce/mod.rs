@@ -34,13 +34,14 @@ use burn_dist::{Communicator, ReduceOp};
 use super::ema::Ema;
 use super::epochs::{Epochs, Row};
 use super::exchange::{Exchange, Update};
-use super::export::{export_best, export_ema};
+use super::export::export_best;
 use super::faults::Faults;
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, Sums, insert_top5};
 use super::precision::{LossScaler, divide};
 use super::scores::ValScores;
 use super::shared::{Rates, epoch_lr};
+use super::step_log::StepLog;
 use super::trainee::{Recipe, Trainee, val_share};
 use super::{TrainConfig, TrainReport, run_dir};
 use crate::settings::Precision;
@@ -105,11 +106,19 @@ pub(super) fn train_with<R: Recipe>(
         exchange: Exchange::new(&cfg.exchange, ReduceOp::Mean),
         frozen: false,
         ema: None,
+        step_log: None,
     };
     let first = s.resume(&epochs, log)?;
     s.start_sharding(first, log)?;
     epochs.check_left(first)?;
     s.steps = first * cfg.optimizer_steps(batches);
+    s.step_log = StepLog::open(
+        cfg.checkpoint.log_every,
+        &cfg.run_dir,
+        rank == 0,
+        s.steps as u64,
+        log,
+    )?;
     if rank == 0 {
         log(&format!(
             "{}: {} rank(s), {batches} batches of {} per rank and epoch",
@@ -163,6 +172,8 @@ struct Allreduce<'a, T: Trainee> {
     /// `optim.model_ema`: the weight average, the same on every rank (updated from the same
     /// weights), set by [`Self::resume`].
     ema: Option<Ema<T::Model>>,
+    /// `checkpoint.log_every`: the step scalars, the job's sums, written by rank 0.
+    step_log: Option<StepLog>,
 }
 
 impl<T: Trainee> Allreduce<'_, T> {
@@ -253,6 +264,20 @@ impl<T: Trainee> Allreduce<'_, T> {
         Ok(())
     }
 
+    /// `checkpoint.log_every`: the step just taken counted, its record written on every N-th
+    /// (the sums over the ranks).
+    fn log_step(&mut self, epoch: usize) -> Result<()> {
+        let Some(l) = &mut self.step_log else {
+            return Ok(());
+        };
+        let lr = self.rates.rate(epoch, self.steps - 1);
+        let metrics = self.metrics.clone();
+        l.stepped(self.steps as u64, lr, |s| match &metrics {
+            Some(comm) => s.all_reduce(comm),
+            None => Ok(s),
+        })
+    }
+
     /// `optim.model_ema`: the average follows a step that was taken (an fp16 step skipped for
     /// overflow changed no weight, and moves no average).
     fn average(&mut self) {
@@ -283,16 +308,6 @@ impl<T: Trainee> Allreduce<'_, T> {
                 &Default::default(),
                 log,
             )?;
-            if self.ema.is_some() {
-                export_ema(
-                    self.cfg,
-                    &self.trainee,
-                    best,
-                    &self.plain_device,
-                    &Default::default(),
-                    log,
-                )?;
-            }
             epochs.plot(log);
         }
         let mut report = epochs.report(
@@ -521,6 +536,9 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
                 }
             }
             train.add(sums);
+            if let Some(l) = &mut self.step_log {
+                l.add(epoch, sums);
+            }
             acc.accumulate(&self.model, grads);
             pending += 1;
             seen = i + 1;
@@ -533,6 +551,7 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
                 )?;
                 pending = 0;
                 self.exchange.stepped(step_started.elapsed());
+                self.log_step(epoch)?;
             }
             progress.batch(seen, log);
         }

@@ -137,6 +137,7 @@ pub(crate) fn train_with<R: Recipe>(
         faults: Default::default(),
         zero: None,
         exchange: Exchange::new(&cfg.exchange, ReduceOp::Sum),
+        step_log: None,
     };
     run.faults = crate::train::faults::Faults::elastic(&run.me.id, cfg.compute.precision);
     let (world, commit) = match &initial {

@@ -36,7 +36,7 @@ use super::best::{model_checkpoint, save_epoch_weights};
 use super::ema::Ema;
 use super::epochs::{Epochs, Row};
 use super::exchange::{Exchange, Update};
-use super::export::{export_best, export_ema};
+use super::export::export_best;
 use super::gate::Gate;
 use super::model::{optimizer, seed_stream};
 use super::objective::{Objective, insert_top5};
@@ -241,6 +241,9 @@ struct ElasticRun<'a, T: Trainee> {
     /// and this epoch's time in them (rank 0 reports it at the epoch's end, as data parallel
     /// does).
     exchange: Exchange,
+    /// `checkpoint.log_every`: the step scalars of the world numbered with it (each world's
+    /// rank 0 writes; `logging.rs`).
+    step_log: Option<(u32, super::step_log::StepLog)>,
 }
 
 /// A short fingerprint of a model's values (FNV-1a over the f32 bits), to show in logs that
@@ -279,6 +282,7 @@ mod average;
 mod change;
 mod entry;
 mod fence;
+mod logging;
 mod members;
 mod settle;
 mod shard;
@@ -377,16 +381,6 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 &gate,
                 log,
             )?;
-            if commit.ema.is_some() {
-                export_ema(
-                    self.cfg,
-                    &self.trainee,
-                    best,
-                    &self.plain_device,
-                    &gate,
-                    log,
-                )?;
-            }
             #[cfg(feature = "plots")]
             {
                 let dir = &self.cfg.run_dir;

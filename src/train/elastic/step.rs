@@ -6,7 +6,7 @@ use burn::optim::GradientsParams;
 
 /// What a step's members agreed on: the control vector, summed over the world (who asks to
 /// leave, whether joiners wait, the step's loss, hits and samples, each member's speed).
-struct Control {
+pub(super) struct Control {
     values: Vec<f32>,
     world: usize,
 }
@@ -18,19 +18,19 @@ impl Control {
     fn joiners_wait(&self) -> bool {
         self.values[self.world] > 0.5
     }
-    fn loss(&self) -> f64 {
+    pub(super) fn loss(&self) -> f64 {
         f64::from(self.values[self.world + 1])
     }
-    fn hits(&self) -> f64 {
+    pub(super) fn hits(&self) -> f64 {
         f64::from(self.values[self.world + 2])
     }
-    fn samples(&self) -> f32 {
+    pub(super) fn samples(&self) -> f32 {
         self.values[self.world + 3]
     }
     fn speed(&self, r: usize) -> f32 {
         self.values[self.world + 4 + r]
     }
-    fn top5(&self) -> f64 {
+    pub(super) fn top5(&self) -> f64 {
         f64::from(self.values[2 * self.world + 4])
     }
     /// A multi-label step's outputs, every member's rows ([`ValScores::write_rows`]).
@@ -190,6 +190,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
         }
         commit.world_log.push((commit.step, now, w));
         self.exchange.stepped(t.elapsed());
+        self.log_step(world, commit, &control, log)?;
         if let Some(z) = self.zero.as_mut() {
             // Every member finished the step: the shard before it is no longer needed.
             let mut ack = [0f32];

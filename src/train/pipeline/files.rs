@@ -59,6 +59,11 @@ pub(super) fn model_file(run_dir: &Path, stage: usize, epoch: usize) -> PathBuf 
     stage_dir(run_dir, stage).join(format!("model-{epoch}.bpk"))
 }
 
+/// `optim.model_ema`: the stage's weight average after `epoch`.
+pub(super) fn ema_file(run_dir: &Path, stage: usize, epoch: usize) -> PathBuf {
+    stage_dir(run_dir, stage).join(format!("ema-{epoch}.bpk"))
+}
+
 pub(super) fn optim_file(run_dir: &Path, stage: usize, epoch: usize) -> PathBuf {
     stage_dir(run_dir, stage).join(format!("optim-{epoch}.bpk"))
 }

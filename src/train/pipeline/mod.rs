@@ -45,6 +45,7 @@ use super::objective::{Objective, insert_top5};
 use super::precision::LossScaler;
 use super::scores::ValScores;
 use super::shared::{Rates, collective_timeout, epoch_lr};
+use super::step_log::StepLog;
 use super::targets::targets;
 use super::{TrainConfig, TrainReport, distributed, run_dir, sets};
 use crate::pipeline::{StageModel, UnitCost, balance, balance_by, stage_memory};
@@ -80,6 +81,11 @@ struct PipelineRun<'a> {
     overflow_at: Option<u64>,
     /// When the run started: each epoch's `elapsed_seconds` counts from it.
     started: Instant,
+    /// `checkpoint.log_every`: the step scalars, the last stages' sums over the job, written
+    /// by rank 0 (set once the resumed epoch is known).
+    step_log: std::cell::RefCell<Option<StepLog>>,
+    /// `optim.model_ema`: this stage's weight average (`average.rs`).
+    ema: std::cell::RefCell<Option<super::ema::Ema<StageModel>>>,
 }
 
 pub(super) fn train(
@@ -157,6 +163,8 @@ pub(super) fn train(
         steps_per_epoch,
         overflow_at: super::faults::Faults::rank(rank, cfg.compute.precision).overflow_at(),
         started,
+        step_log: Default::default(),
+        ema: Default::default(),
     };
     run.train(log)
 }
@@ -300,7 +308,9 @@ impl PipelineRun<'_> {
             &files::stage_dir(&self.cfg.run_dir, self.stage),
             from,
             fine_tuning && self.cfg.model.unfreeze_after == Some(resume),
-        )?;
+        )?
+        // `--clip-grad`: the norm over every stage, not this stage's replicas alone.
+        .with_norm_over(self.comm.clone());
         log(&format!(
             "ZeRO stage {} over each stage's {} replicas: stage {}'s replica 0 keeps the \
              optimizer state of {}",
@@ -332,6 +342,7 @@ impl PipelineRun<'_> {
     }
 }
 
+mod average;
 mod files;
 mod split;
 mod step;
@@ -375,7 +386,8 @@ impl Strategy for StageStrategy<'_, '_> {
                         &model,
                         self.run.steps_per_epoch,
                         replicas,
-                    )?,
+                    )?
+                    .with_norm_over(self.run.comm.clone()),
                     None => super::zero::start(
                         self.run.cfg,
                         &model,
@@ -384,7 +396,8 @@ impl Strategy for StageStrategy<'_, '_> {
                         &files::stage_dir(&self.run.cfg.run_dir, self.run.stage),
                         0,
                         false,
-                    )?,
+                    )?
+                    .with_norm_over(self.run.comm.clone()),
                 });
             }
         }
@@ -399,12 +412,11 @@ impl Strategy for StageStrategy<'_, '_> {
         let val = self.run.validate(&mut self.pipe, &model)?;
         self.model = Some(model);
         // Every rank gets the row: every rank decides early stopping the same way.
-        Ok(Some(self.run.epoch_row(
-            (sums, scores),
-            val,
-            epoch,
-            t.elapsed(),
-        )?))
+        let mut row = self
+            .run
+            .epoch_row((sums, scores), val, epoch, t.elapsed())?;
+        self.run.validate_average(&mut self.pipe, &mut row)?;
+        Ok(Some(row))
     }
 
     fn checkpoint(&mut self, epoch: usize, best: Option<usize>) -> Result<()> {
@@ -470,7 +482,15 @@ impl PipelineRun<'_> {
             run_dir::record(&cfg.run_dir, &self.config.to_json(), &hparams)?;
         }
         epochs.check_left(resume_epoch)?;
+        *self.step_log.borrow_mut() = StepLog::open(
+            cfg.checkpoint.log_every,
+            &cfg.run_dir,
+            rank == 0,
+            (resume_epoch * self.steps_per_epoch) as u64,
+            log,
+        )?;
         let zero = self.start_sharding(&model, resume_epoch, log)?;
+        self.start_average(&model, resume_epoch)?;
         let mut strategy = StageStrategy {
             run: &self,
             pipe,

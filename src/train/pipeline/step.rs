@@ -14,9 +14,9 @@ use burn_dist::DistError;
 /// their class among the 5 highest scores).
 #[derive(Debug, Default, Clone, Copy)]
 pub(super) struct Sums {
-    loss: f64,
-    correct: f64,
-    count: f64,
+    pub(super) loss: f64,
+    pub(super) correct: f64,
+    pub(super) count: f64,
     top5: f64,
     /// Steps skipped for non-finite fp16 gradients (the same on every rank).
     skipped: f64,
@@ -101,11 +101,19 @@ impl PipelineRun<'_> {
                 .as_ref()
                 .map_or(1.0, |s| s.loss_factor(self.overflow_at));
             let mut done = self.run_batch(pipe, &model, images, &targets, factor, &mut scores)?;
+            // The batch's sums on the last stage (zeros elsewhere).
+            let mut done_sums = crate::train::objective::Sums::default();
             if self.is_last() {
                 sums.loss += done.loss * done.n as f64;
                 sums.correct += done.correct;
                 sums.top5 += done.top5;
                 sums.count += done.n as f64;
+                done_sums = crate::train::objective::Sums {
+                    loss: done.loss * done.n as f64,
+                    hits: done.correct,
+                    samples: done.n as f64,
+                    top5: done.top5,
+                };
             }
             if let Some(s) = scaler.as_ref() {
                 // Unscaled before the exchange, as data parallel sends them.
@@ -119,17 +127,44 @@ impl PipelineRun<'_> {
                 }
                 _ => self.plain_update(model, done.grads, optim, scaler, rate)?,
             };
-            if !stepped {
+            if stepped {
+                self.average_step(&model);
+            } else {
                 sums.skipped += 1.0;
             }
+            self.log_step(
+                epoch,
+                &done_sums,
+                (epoch - 1) * self.steps_per_epoch + i + 1,
+                rate,
+            )?;
         }
         if let Some(replicas) = &self.replicas {
             // Batch norm's running statistics saw each replica's own data: replica 0's go to
             // the others (as DDP does), so validation, checkpoints and the export agree.
             model = broadcast_module(model, replicas)?;
         }
+        self.settle_average()?;
 
         Ok((model, sums, scores))
+    }
+
+    /// `checkpoint.log_every`: the batch's sums (the last stage's; zeros elsewhere) counted,
+    /// and at every N-th step of the run (`step`, from 1) summed over the job and written by
+    /// rank 0, with the step's rate.
+    fn log_step(
+        &self,
+        epoch: usize,
+        sums: &crate::train::objective::Sums,
+        step: usize,
+        rate: f64,
+    ) -> Result<()> {
+        let mut cell = self.step_log.borrow_mut();
+        let Some(l) = cell.as_mut() else {
+            return Ok(());
+        };
+        l.add(epoch, *sums);
+        l.stepped(step as u64, rate, |s| s.all_reduce(&self.comm))
     }
 
     /// One batch through the pipeline in micro-batches: this stage's gradients and, on the
@@ -186,8 +221,10 @@ impl PipelineRun<'_> {
     }
 
     /// `--zero`: the replicas' exchange and this rank's shard's update in one; fp16's verdict
-    /// on the replicas' averaged gradients, then one for the whole job. The model, and
-    /// whether it stepped.
+    /// on the replicas' averaged gradients, then one for the whole job; `--clip-grad` by the
+    /// norm over the job (the sharded optimizer adds this rank's segments' squares to every
+    /// other rank's part, [`ZeroOptimizer::with_norm_over`]). The model, and whether it
+    /// stepped.
     fn sharded_update(
         &self,
         z: &mut ZeroOptimizer,
@@ -236,8 +273,9 @@ impl PipelineRun<'_> {
             clip: self.cfg.optim.clip_grad,
             scaler: scaler.as_mut(),
         };
-        // The norm over the whole model: every stage's squares summed over the job, where
-        // each stage's replicas (equal after their allreduce) count once.
+        // The norm over the whole model: every rank's part of the squares summed over the job.
+        // Here each stage's replicas hold its whole gradient (equal after their allreduce):
+        // each adds its share; a stage sharded with `--zero` adds its segments' own.
         let replicas = self.replicas.as_ref().map_or(1, |r| r.world()) as f64;
         update.apply(
             model,
@@ -246,9 +284,9 @@ impl PipelineRun<'_> {
             optim,
             |finite| Ok(self.agree_finite(finite)?),
             |mine| {
-                let mut v = [mine as f32];
+                let mut v = [(mine / replicas) as f32];
                 self.comm.allreduce(&mut v, ReduceOp::Sum)?;
-                Ok(f64::from(v[0]) / replicas)
+                Ok(f64::from(v[0]))
             },
         )
     }

@@ -3,7 +3,8 @@
 
 use super::*;
 use files::{
-    complete_pipeline_checkpoints, loss_scale_file, model_file, optim_file, stage_dir, stage_epochs,
+    complete_pipeline_checkpoints, ema_file, loss_scale_file, model_file, optim_file, stage_dir,
+    stage_epochs,
 };
 
 impl PipelineRun<'_> {
@@ -84,6 +85,9 @@ impl PipelineRun<'_> {
                 .to_record()
                 .save(optim_file(&self.cfg.run_dir, self.stage, epoch))
                 .map_err(|e| fail("optimizer state", e.to_string()))?;
+            if let Some(e) = self.ema.borrow().as_ref() {
+                e.save(&ema_file(&self.cfg.run_dir, self.stage, epoch))?;
+            }
             // The record holds batch norm's latest statistics, not the ones a step behind.
             burn_dist::ddp::sync_running_stats(model);
             model
@@ -98,6 +102,7 @@ impl PipelineRun<'_> {
                 let _ = std::fs::remove_file(model_file(&self.cfg.run_dir, self.stage, old));
                 let _ = std::fs::remove_file(optim_file(&self.cfg.run_dir, self.stage, old));
                 let _ = std::fs::remove_file(loss_scale_file(&self.cfg.run_dir, self.stage, old));
+                let _ = std::fs::remove_file(ema_file(&self.cfg.run_dir, self.stage, old));
             }
         }
         // Every stage's files exist before any rank goes on (and before a resume could look).
@@ -105,27 +110,47 @@ impl PipelineRun<'_> {
         Ok(())
     }
 
-    /// Replica 0 of every stage sends its best-epoch part to rank 0, which assembles the whole
-    /// model and writes `model.bpk`. Returns the model on rank 0.
+    /// The export: `model.bpk` assembled from the best epoch's stages (their weight average's
+    /// where `checkpoint.monitor` reads the average), and with `optim.model_ema`
+    /// `model_ema.bpk` from their averages. Returns the model on rank 0.
     pub(super) fn export(
         &self,
         best: usize,
         log: &mut dyn FnMut(&str),
     ) -> Result<Option<Classifier>> {
+        let averaged = self.cfg.checkpoint.monitor.averaged();
+        let source = if averaged { ema_file } else { model_file };
+        let model = self.assemble(best, source, 0, "model.bpk", log)?;
+        if self.cfg.optim.model_ema.is_some() {
+            self.assemble(best, ema_file, 1, "model_ema.bpk", log)?;
+        }
+        Ok(model)
+    }
+
+    /// Replica 0 of every stage sends its best-epoch part (`file` of the stage and epoch) to
+    /// rank 0, which assembles the whole model and writes `run_dir/name`; `round` keeps each
+    /// assembly's messages apart. Returns the model on rank 0.
+    fn assemble(
+        &self,
+        best: usize,
+        file: fn(&std::path::Path, usize, usize) -> std::path::PathBuf,
+        round: u64,
+        name: &str,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<Option<Classifier>> {
         let transport = self.comm.transport().clone();
         let tag = |stage: usize, tensor: usize, chunk: usize| {
-            ((stage as u64) << 48) | ((tensor as u64) << 20) | chunk as u64
+            ((stage as u64) << 48) | (round << 44) | ((tensor as u64) << 20) | chunk as u64
         };
         let load = |stage: usize| -> Result<StageModel> {
             let units = self
                 .config
                 .init_units(self.ranges[stage].clone(), &self.plain_device)?;
-            let record =
-                ModuleRecord::load(model_file(&self.cfg.run_dir, stage, best)).map_err(|e| {
-                    HearthError::Training(format!(
-                        "the best epoch's ({best}) checkpoint of stage {stage}: {e}"
-                    ))
-                })?;
+            let record = ModuleRecord::load(file(&self.cfg.run_dir, stage, best)).map_err(|e| {
+                HearthError::Training(format!(
+                    "the best epoch's ({best}) checkpoint of stage {stage} for {name}: {e}"
+                ))
+            })?;
             Ok(StageModel::new(units).load_record(record))
         };
         let rank = self.comm.rank();
@@ -182,13 +207,13 @@ impl PipelineRun<'_> {
             &self.config,
             Some(&self.classes),
             Some(&Preprocessing::eval(self.cfg.data.image_size)),
-            &self.cfg.run_dir.join("model.bpk"),
+            &self.cfg.run_dir.join(name),
         )?;
         log(&format!(
             "exported the best epoch ({best}, by {}) assembled from {} stages into {}",
             self.cfg.checkpoint.monitor.column(),
             self.grid.stages,
-            self.cfg.run_dir.join("model.bpk").display()
+            self.cfg.run_dir.join(name).display()
         ));
         Ok(Some(model))
     }

@@ -34,6 +34,7 @@
 //! `--freeze-backbone --unfreeze-after N`: the servers hold the head's shards for N epochs,
 //! then a second session shards the whole model (see [`SETUP`]).
 
+mod average;
 mod finish;
 mod job;
 mod run;
@@ -103,6 +104,8 @@ fn server_config(
     s.optimizer =
         super::flat::flat_optimizer(cfg, setup.lr, setup.batches_per_epoch as usize, setup.decay)?;
     s.max_staleness = opts.staleness;
+    // Sync: the round's mean is clipped by the norm over every server's shard.
+    s.clip_grad = cfg.optim.clip_grad;
     // Sync rounds are all or nothing across the shards: the servers agree each one's set.
     s.peers = roles.server_ranks();
     s.idle_timeout = super::shared::collective_timeout().max(Duration::from_secs(600));

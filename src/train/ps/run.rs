@@ -66,6 +66,14 @@ pub(super) fn train<R: Recipe>(
     let (ps, params) = w.session(first + 1, steps_before, |w, layout| {
         w.starting_state(layout, resume)
     })?;
+    w.start_average(first)?;
+    w.step_log = crate::train::step_log::StepLog::open(
+        cfg.checkpoint.log_every,
+        &cfg.run_dir,
+        rank == 0,
+        steps_before,
+        log,
+    )?;
     // Early stopping: the lead's decision reaches every worker at each epoch's end (only then
     // do the asynchronous workers wait for each other; a long wait: the lead validates).
     let stop = match cfg.checkpoint.patience {
@@ -158,6 +166,8 @@ fn start<'a, R: Recipe>(
         batches,
         scaler: (cfg.compute.precision == Precision::Fp16).then(LossScaler::default),
         train_scores: Vec::new(),
+        ema: None,
+        step_log: None,
     };
     Ok((w, comm))
 }

@@ -66,6 +66,11 @@ pub(super) struct Worker<'a, T: Trainee> {
     /// A multi-label run's training outputs of each epoch on this worker, for the epoch's
     /// `train_auroc` (every worker's, merged by the lead at the end).
     pub(super) train_scores: Vec<(usize, ValScores)>,
+    /// `optim.model_ema` on the lead: the weight average of the model it holds (`average.rs`).
+    pub(super) ema: Option<crate::train::ema::Ema<T::Model>>,
+    /// `checkpoint.log_every` on the lead: its own steps' scalars (the workers do not step
+    /// together, so there is no job-wide sum per step; the epochs' rows hold every worker's).
+    pub(super) step_log: Option<crate::train::step_log::StepLog>,
 }
 
 impl<T: Trainee> Worker<'_, T> {
@@ -106,7 +111,11 @@ impl<T: Trainee> Worker<'_, T> {
             lr as f32,
             self.opts.rho_at(lr) as f32,
         )?;
-        let ps = ps.with_optimizer(local).resumed_at(steps);
+        // The asynchronous modes clip each local step's gradient (sync: the servers do).
+        let ps = ps
+            .with_optimizer(local)
+            .with_clip(cfg.optim.clip_grad)
+            .resumed_at(steps);
         self.model = with_trainable_values(self.model.clone(), &params)?;
         Ok((ps, params))
     }
@@ -244,6 +253,9 @@ impl<T: Trainee> Worker<'_, T> {
                 scores.as_mut(),
             )?;
             let n = sums.samples as usize;
+            if let Some(l) = &mut self.step_log {
+                l.add(epoch, sums);
+            }
             row.correct += sums.hits;
             row.top5 += sums.top5;
             row.loss_sum += sums.loss;
@@ -266,15 +278,26 @@ impl<T: Trainee> Worker<'_, T> {
             }
             let waited = Instant::now();
             // Exchange and commit in one: the servers apply the mode's rule.
+            // `optim.clip_grad` is the servers' (sync) or the local steps' (set up with the
+            // session), not the exchange's.
             let update = Update {
-                clip: self.cfg.optim.clip_grad,
+                clip: None,
                 scaler: self.scaler.as_mut(),
             };
-            if !update.served(ps, params, sum, samples)? {
+            let stepped = update.served(ps, params, sum, samples)?;
+            if !stepped {
                 row.skipped += 1.0;
             }
             row.wait += waited.elapsed().as_secs_f64();
             self.model = with_trainable_values(self.model.clone(), params)?;
+            if stepped {
+                self.average_step();
+            }
+            if let Some(l) = &mut self.step_log {
+                let step = ps.steps();
+                let lr = self.rates.rate(epoch, step.saturating_sub(1) as usize);
+                l.stepped(step, lr, Ok)?;
+            }
         }
         row.elapsed = self.started.elapsed().as_secs_f64();
         row.seconds = began.elapsed().as_secs_f64();
@@ -374,6 +397,7 @@ impl<T: Trainee> Worker<'_, T> {
         if self.scaler.is_some() {
             row.insert("train_skipped_steps".into(), mine.skipped);
         }
+        self.validate_average(&mut row)?;
         Ok((row, served))
     }
 
@@ -407,7 +431,9 @@ impl<T: Trainee> Worker<'_, T> {
     ) -> Result<()> {
         let dir = &self.cfg.run_dir;
         save_epoch_weights(dir, epoch, served, &Default::default())?;
-        // The state file names the epoch whose weights it goes with: written after them.
+        self.save_average(epoch, best)?;
+        // The state file names the epoch whose weights (and average) it goes with: written
+        // after them.
         PsState {
             epoch,
             shards: states,
