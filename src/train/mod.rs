@@ -139,6 +139,50 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
     log: &mut dyn FnMut(&str),
 ) -> Result<TrainReport> {
     let defaults = TrainConfig::new(cfg.run_dir.clone());
+    refuse_image_settings(cfg, &defaults)?;
+    if cfg.compute.precision.is_low() && !N::MIXED_PRECISION {
+        return Err(HearthError::InvalidArgument(format!(
+            "precision {}: this module computes in f32 only (its Net::logits_in is the \
+             default); override logits_in and set Net::MIXED_PRECISION to train it in mixed \
+             precision, or train in fp32",
+            cfg.compute.precision
+        )));
+    }
+    if custom.is_multi_label() && cfg.optim.label_smoothing > 0.0 {
+        return Err(HearthError::InvalidArgument(
+            "optim.label_smoothing applies to single-label targets; this custom set is multi-label"
+                .into(),
+        ));
+    }
+    let monitor = cfg.checkpoint.monitor;
+    if !custom.is_multi_label() && monitor.auroc() {
+        return Err(HearthError::InvalidArgument(format!(
+            "checkpoint.monitor {} needs multi-label targets (Custom::multi_label)",
+            monitor.column()
+        )));
+    }
+    // The image checks, less the one answered above: an AUROC with multi-label examples
+    // instead of a --labels file (the average's still needs `optim.model_ema`).
+    let mut checked = cfg.clone();
+    checked.checkpoint.monitor = if monitor.averaged() {
+        Monitor::ValEmaLoss
+    } else {
+        defaults.checkpoint.monitor
+    };
+    checked.validate()?;
+    crate::device::check_precision(device, cfg.compute.precision)?;
+    match &cfg.mode {
+        TrainingMode::Elastic(opts) => elastic::train_with(cfg, opts, custom, device, log),
+        TrainingMode::ParameterServers(opts) => ps::train_with(cfg, opts, custom, device, log),
+        // Refused above, with the other image-model settings.
+        TrainingMode::Pipeline(_) | TrainingMode::DataParallel => {
+            allreduce::train_with(cfg, custom, device, log)
+        }
+    }
+}
+
+/// A custom model's run refuses the settings of Hearth's image models, by name.
+fn refuse_image_settings(cfg: &TrainConfig, defaults: &TrainConfig) -> Result<()> {
     let image_only: [(&str, bool); 15] = [
         (
             "data.folder (the examples are the data)",
@@ -198,43 +242,5 @@ pub fn train_custom<N: Net, E: Examples<Input = N::Input>>(
             "{name} is a setting of Hearth's image models; a custom model's run refuses it"
         )));
     }
-    if cfg.compute.precision.is_low() && !N::MIXED_PRECISION {
-        return Err(HearthError::InvalidArgument(format!(
-            "precision {}: this module computes in f32 only (its Net::logits_in is the \
-             default); override logits_in and set Net::MIXED_PRECISION to train it in mixed \
-             precision, or train in fp32",
-            cfg.compute.precision
-        )));
-    }
-    if custom.is_multi_label() && cfg.optim.label_smoothing > 0.0 {
-        return Err(HearthError::InvalidArgument(
-            "optim.label_smoothing applies to single-label targets; this custom set is multi-label"
-                .into(),
-        ));
-    }
-    let monitor = cfg.checkpoint.monitor;
-    if !custom.is_multi_label() && monitor.auroc() {
-        return Err(HearthError::InvalidArgument(format!(
-            "checkpoint.monitor {} needs multi-label targets (Custom::multi_label)",
-            monitor.column()
-        )));
-    }
-    // The image checks, less the one answered above: an AUROC with multi-label examples
-    // instead of a --labels file (the average's still needs `optim.model_ema`).
-    let mut checked = cfg.clone();
-    checked.checkpoint.monitor = if monitor.averaged() {
-        Monitor::ValEmaLoss
-    } else {
-        defaults.checkpoint.monitor
-    };
-    checked.validate()?;
-    crate::device::check_precision(device, cfg.compute.precision)?;
-    match &cfg.mode {
-        TrainingMode::Elastic(opts) => elastic::train_with(cfg, opts, custom, device, log),
-        TrainingMode::ParameterServers(opts) => ps::train_with(cfg, opts, custom, device, log),
-        // Refused above, with the other image-model settings.
-        TrainingMode::Pipeline(_) | TrainingMode::DataParallel => {
-            allreduce::train_with(cfg, custom, device, log)
-        }
-    }
+    Ok(())
 }
