@@ -200,17 +200,19 @@ impl Update<'_> {
     }
 
     /// `exchange.zero`'s exchange and commit in one: the gradients reduce-scattered into
-    /// `z`'s shard, its update, the parameters all-gathered, with fp16's verdict on the
-    /// reduced gradients (`agree` as in [`Self::apply`]). `None` when fp16 skipped the step.
+    /// `z`'s shard, its update, the parameters all-gathered into `model` bucket by bucket
+    /// (the caller hands over its copy, so the old values go as the new ones come), with
+    /// fp16's verdict on the reduced gradients (`agree` as in [`Self::apply`]). The model, and
+    /// whether it stepped (fp16 may skip).
     pub(super) fn sharded<M: Module>(
         self,
         z: &mut ZeroOptimizer,
         lr: f64,
-        model: &M,
+        model: M,
         grads: GradientsParams,
         comm: &Communicator,
         mut agree: impl FnMut(bool) -> std::result::Result<bool, DistError>,
-    ) -> std::result::Result<Option<M>, DistError> {
+    ) -> std::result::Result<(M, bool), DistError> {
         let mut scaler = self.scaler;
         let mut failed = None;
         let mut take = |finite: bool| match scaler.as_deref_mut() {
@@ -223,7 +225,8 @@ impl Update<'_> {
                 }
             },
         };
-        let stepped = burn_dist::zero::module::sharded_step(z, model, grads, comm, lr, &mut take)?;
+        let stepped =
+            burn_dist::zero::module::sharded_step_owned(z, model, grads, comm, lr, &mut take)?;
         match failed {
             Some(e) => Err(e),
             None => Ok(stepped),

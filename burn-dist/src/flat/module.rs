@@ -154,20 +154,64 @@ pub fn take_trainable_grads_of<M: Module>(
 /// `module` with trainable tensor `i` replaced by `parts[i]` (each consumed as its tensor is
 /// made, so the new values never exist twice).
 pub fn with_trainable_parts<M: Module>(module: M, parts: Vec<Vec<f32>>) -> Result<M> {
+    let n = parts.len();
+    let (m, count) = replace_trainable(module, 0..n, parts)?;
+    if count != n {
+        let which = if n < count { "fewer" } else { "more" };
+        return Err(parts_mismatch(format!(
+            "{which} parts ({n}) than the module has trainable tensors ({count})"
+        )));
+    }
+    Ok(m)
+}
+
+/// `module` with trainable tensors `tensors` (indices in the trainable order) replaced by
+/// `parts`, one each, the others left as they are: a sharded step puts each bucket's tensors
+/// in place as its all-gather ends ([`crate::zero::ZeroOptimizer::step_with`]), so that a
+/// module held nowhere else lets its old values go bucket by bucket.
+pub fn with_trainable_range<M: Module>(
+    module: M,
+    tensors: std::ops::Range<usize>,
+    parts: Vec<Vec<f32>>,
+) -> Result<M> {
+    let (m, count) = replace_trainable(module, tensors.clone(), parts)?;
+    if tensors.end > count {
+        return Err(parts_mismatch(format!(
+            "tensors {tensors:?} of a module of {count} trainable tensors"
+        )));
+    }
+    Ok(m)
+}
+
+/// `module` with trainable tensors `tensors` replaced by `parts` (as many), and its number of
+/// trainable tensors.
+fn replace_trainable<M: Module>(
+    module: M,
+    tensors: std::ops::Range<usize>,
+    parts: Vec<Vec<f32>>,
+) -> Result<(M, usize)> {
     struct Parts {
+        want: std::ops::Range<usize>,
+        index: usize,
         parts: std::vec::IntoIter<Vec<f32>>,
         error: Option<String>,
     }
     impl ModuleMapper for Parts {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (want, index) = (&self.want, &mut self.index);
             let (parts, error) = (&mut self.parts, &mut self.error);
             param.map(|t| {
                 if !t.is_require_grad() {
                     return t;
                 }
+                let i = *index;
+                *index += 1;
+                if !want.contains(&i) {
+                    return t;
+                }
                 let shape = t.shape();
                 let Some(v) = parts.next() else {
-                    error.get_or_insert("fewer parts than the module has trainable tensors".into());
+                    error.get_or_insert("fewer parts than tensors to replace".into());
                     return t;
                 };
                 if v.len() != shape.num_elements() {
@@ -183,20 +227,29 @@ pub fn with_trainable_parts<M: Module>(module: M, parts: Vec<Vec<f32>>) -> Resul
             })
         }
     }
+    if parts.len() != tensors.len() {
+        return Err(parts_mismatch(format!(
+            "{} parts for tensors {tensors:?}",
+            parts.len()
+        )));
+    }
     let mut p = Parts {
+        want: tensors,
+        index: 0,
         parts: parts.into_iter(),
         error: None,
     };
     let m = module.map(&mut p);
-    if p.error.is_none() && p.parts.next().is_some() {
-        p.error = Some("more parts than the module has trainable tensors".into());
-    }
     match p.error {
-        Some(e) => Err(DistError::Mismatch {
-            op: "sharded optimizer values".into(),
-            reason: e,
-        }),
-        None => Ok(m),
+        Some(e) => Err(parts_mismatch(e)),
+        None => Ok((m, p.index)),
+    }
+}
+
+fn parts_mismatch(reason: String) -> DistError {
+    DistError::Mismatch {
+        op: "sharded optimizer values".into(),
+        reason,
     }
 }
 
@@ -389,6 +442,17 @@ mod tests {
         assert_eq!(trainable_values(&net), parts.concat());
         let e = with_trainable_parts(net.clone(), parts[..3].to_vec()).unwrap_err();
         assert!(e.to_string().contains("fewer parts"), "{e}");
+        // A bucket's tensors in place (1 and 2), the others as they were.
+        let two = vec![vec![-1.0; 2], vec![-2.0; 2]];
+        let net = with_trainable_range(net, 1..3, two.clone()).unwrap();
+        let now = trainable_values(&net);
+        assert_eq!(&now[..6], &parts[0][..]);
+        assert_eq!(&now[6..10], &two.concat()[..]);
+        assert_eq!(&now[10..], &parts[3][..]);
+        let e = with_trainable_range(net.clone(), 3..5, two.clone()).unwrap_err();
+        assert!(e.to_string().contains("3..5"), "{e}");
+        let e = with_trainable_range(net.clone(), 0..2, two).unwrap_err();
+        assert!(e.to_string().contains("2 values"), "{e}");
         let e = with_trainable_values(net, &values[1..]).unwrap_err();
         assert!(e.to_string().contains("11 values"), "{e}");
     }

@@ -2,14 +2,15 @@
 //! bucket ([`sharded_step`]), ZeRO's settings for the data-parallel strategy ([`Sharding`]),
 //! and where its state goes between launches ([`StateStore`], [`save_sharded_state`]).
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use burn::module::Module;
 use burn::optim::GradientsParams;
 
-use super::{Stage, StateLayout, StateReader, Stepped, ZeroOptimizer};
+use super::{Stage, StateLayout, StateReader, ZeroOptimizer};
 use crate::collective::Communicator;
-use crate::flat::module::{take_trainable_grads_of, trainable_values_in, with_trainable_parts};
+use crate::flat::module::{take_trainable_grads_of, trainable_values_in, with_trainable_range};
 use crate::flat::optim::ShardOptimizer;
 use crate::{DistError, Result};
 
@@ -86,36 +87,71 @@ pub struct Sharding {
 pub fn sharded_step<M: Module>(
     zero: &mut ZeroOptimizer,
     model: &M,
-    mut grads: GradientsParams,
+    grads: GradientsParams,
     comm: &Communicator,
     lr: f64,
     take: &mut dyn FnMut(bool) -> bool,
 ) -> Result<Option<M>> {
+    let (m, stepped) = sharded_step_owned(zero, model.clone(), grads, comm, lr, take)?;
+    Ok(stepped.then_some(m))
+}
+
+/// [`sharded_step`] on a module the caller hands over: each bucket's updated tensors replace
+/// the module's as soon as the bucket's all-gather ends, so where the caller held no other
+/// copy the old values go bucket by bucket and the step never holds the model twice (the
+/// saving ZeRO exists for: one copy of the parameters at the end of a step, not two). The
+/// module back (unchanged when skipped), and whether it stepped.
+pub fn sharded_step_owned<M: Module>(
+    zero: &mut ZeroOptimizer,
+    model: M,
+    mut grads: GradientsParams,
+    comm: &Communicator,
+    lr: f64,
+    take: &mut dyn FnMut(bool) -> bool,
+) -> Result<(M, bool)> {
+    // The step reads values from the module (before any bucket is gathered) and puts the
+    // gathered ones in place: both through the cell, never at once.
+    let cell = RefCell::new(Some(model));
     let mut source = ModuleSource {
-        model,
+        model: &cell,
         grads: &mut grads,
     };
-    match zero.step(comm, &mut source, lr as f32, take)? {
-        Stepped::Skipped => Ok(None),
-        Stepped::Updated(parts) => {
-            drop(grads);
-            with_trainable_parts(model.clone(), parts).map(Some)
-        }
+    let stepped = zero.step_with(comm, &mut source, lr as f32, take, &mut |tensors, parts| {
+        let m = cell.borrow_mut().take().ok_or_else(lost_module)?;
+        *cell.borrow_mut() = Some(with_trainable_range(m, tensors, parts)?);
+        Ok(())
+    })?;
+    drop(grads);
+    let m = cell.into_inner().ok_or_else(lost_module)?;
+    Ok((m, stepped))
+}
+
+/// A module lost by an earlier failed replacement (its error came first).
+fn lost_module() -> DistError {
+    DistError::Mismatch {
+        op: "sharded optimizer values".into(),
+        reason: "the module was lost in an earlier failed update".into(),
     }
 }
 
 /// A module and its gradients as a [`crate::zero::StepSource`]: each bucket's gradients taken
 /// out as they are flattened, the values of a range read from the tensors that meet it.
 struct ModuleSource<'a, M: Module> {
-    model: &'a M,
+    model: &'a RefCell<Option<M>>,
     grads: &'a mut GradientsParams,
 }
 
 impl<M: Module> crate::zero::StepSource for ModuleSource<'_, M> {
     fn grads(&mut self, tensors: std::ops::Range<usize>) -> Vec<f32> {
-        take_trainable_grads_of(self.model, self.grads, tensors)
+        match self.model.borrow().as_ref() {
+            Some(m) => take_trainable_grads_of(m, self.grads, tensors),
+            None => Vec::new(),
+        }
     }
     fn values(&mut self, range: std::ops::Range<usize>) -> Vec<f32> {
-        trainable_values_in(self.model, range)
+        match self.model.borrow().as_ref() {
+            Some(m) => trainable_values_in(m, range),
+            None => Vec::new(),
+        }
     }
 }

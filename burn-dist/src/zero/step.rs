@@ -18,6 +18,33 @@ impl ZeroOptimizer {
         lr: f32,
         take: &mut dyn FnMut(bool) -> bool,
     ) -> Result<Stepped> {
+        let mut out: Vec<Vec<f32>> = vec![Vec::new(); self.tensors.len()];
+        let stepped = self.step_with(comm, source, lr, take, &mut |tensors, values| {
+            for (t, v) in tensors.zip(values) {
+                out[t] = v;
+            }
+            Ok(())
+        })?;
+        Ok(if stepped {
+            Stepped::Updated(out)
+        } else {
+            Stepped::Skipped
+        })
+    }
+
+    /// [`Self::step`], handing each bucket's updated tensors to `deliver` (their indices in
+    /// the trainable order and their values, each whole) as soon as the bucket's all-gather
+    /// ends, instead of returning them all at the end: a caller that puts them in place at
+    /// once lets the old values go bucket by bucket, and the step never holds a second copy of
+    /// the model. Whether it updated (`false`: skipped, `deliver` never called).
+    pub fn step_with(
+        &mut self,
+        comm: &Communicator,
+        source: &mut dyn StepSource,
+        lr: f32,
+        take: &mut dyn FnMut(bool) -> bool,
+        deliver: &mut dyn FnMut(Range<usize>, Vec<Vec<f32>>) -> Result<()>,
+    ) -> Result<bool> {
         // 1. Each bucket's averaged gradient, this rank's segment kept.
         let Reduced {
             mut grads,
@@ -28,7 +55,7 @@ impl ZeroOptimizer {
         let mut verdict = [if finite { 0.0 } else { 1.0 }];
         comm.allreduce(&mut verdict, ReduceOp::Sum)?;
         if !take(verdict[0] == 0.0) {
-            return Ok(Stepped::Skipped);
+            return Ok(false);
         }
         if let Some(max) = self.clip_norm {
             self.clip(comm, max, &mut grads, &mut theirs)?;
@@ -76,10 +103,10 @@ impl ZeroOptimizer {
         update_on_every_core(work, self.updates, lr, norms.as_deref());
         drop(replica_values);
         self.applied = self.updates + 1;
-        let out = self.gather_tensors(comm, values)?;
+        self.gather_tensors(comm, values, deliver)?;
         self.updates += 1;
         self.applied = self.updates;
-        Ok(Stepped::Updated(out))
+        Ok(true)
     }
 
     /// Each bucket's gradient from `source`, averaged over the ranks: this rank's segment of
@@ -183,32 +210,37 @@ impl ZeroOptimizer {
         Ok(Some(n))
     }
 
-    /// Every tensor's updated values, whole, from every rank's updated segments of each
-    /// bucket (`values`, this rank's).
-    fn gather_tensors(&self, comm: &Communicator, values: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>> {
-        let mut out: Vec<Vec<f32>> = self
-            .tensors
-            .iter()
-            .map(|t| Vec::with_capacity(t.1))
-            .collect();
+    /// Each bucket's tensors' updated values, whole, from every rank's updated segments
+    /// (`values`, this rank's), to `deliver` bucket by bucket (a bucket holds whole tensors).
+    fn gather_tensors(
+        &self,
+        comm: &Communicator,
+        values: Vec<Vec<f32>>,
+        deliver: &mut dyn FnMut(Range<usize>, Vec<Vec<f32>>) -> Result<()>,
+    ) -> Result<()> {
         for (b, v) in values.into_iter().enumerate() {
             let gathered = self.all_gather(comm, b, &v)?;
             drop(v);
             let bucket = &self.buckets[b];
-            if bucket.tensors.len() == 1 {
+            let parts = if bucket.tensors.len() == 1 {
                 // One tensor: the gathered bucket is its values, moved, not copied.
-                out[bucket.tensors.start] = gathered;
-                continue;
-            }
-            for t in bucket.tensors.clone() {
-                let (lo, hi) = (
-                    self.offsets[t] - bucket.range.start,
-                    self.offsets[t + 1] - bucket.range.start,
-                );
-                out[t].extend_from_slice(&gathered[lo..hi]);
-            }
+                vec![gathered]
+            } else {
+                bucket
+                    .tensors
+                    .clone()
+                    .map(|t| {
+                        let (lo, hi) = (
+                            self.offsets[t] - bucket.range.start,
+                            self.offsets[t + 1] - bucket.range.start,
+                        );
+                        gathered[lo..hi].to_vec()
+                    })
+                    .collect()
+            };
+            deliver(bucket.tensors.clone(), parts)?;
         }
-        Ok(out)
+        Ok(())
     }
 }
 

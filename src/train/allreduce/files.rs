@@ -76,7 +76,7 @@ impl<T: Trainee> Allreduce<'_, T> {
             }
         }
         if let Some(comm) = &self.comm {
-            let limit = crate::train::shared::state_limit(self.model.num_params());
+            let limit = crate::train::shared::state_limit(self.model()?.num_params());
             state = burn_dist::elastic::broadcast_bytes(comm, state, limit)?;
         }
         if self.scaler.is_some() && !state.is_empty() {
@@ -85,24 +85,28 @@ impl<T: Trainee> Allreduce<'_, T> {
         if state.is_empty() {
             // Every rank seeded the same weights; rank 0's go to all, as DDP starts.
             if let Some(comm) = &self.comm {
-                self.model = burn_dist::ddp::broadcast_module(self.model.clone(), comm)?;
+                let model = self.model.take().ok_or_else(super::lost_model)?;
+                self.model = Some(burn_dist::ddp::broadcast_module(model, comm)?);
             }
-            self.ema = cfg.optim.model_ema.map(|d| Ema::new(&self.model, d));
+            let model = self.model()?;
+            self.ema = cfg.optim.model_ema.map(|d| Ema::new(model, d));
             return Ok(0);
         }
         let (epoch, model, optim, ema) = decode_state(&state)?;
         let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(model.to_vec()))
             .map_err(|e| HearthError::Training(format!("epoch {epoch}'s weights: {e}")))?;
-        self.model = self.model.clone().try_load_record(record).map_err(|e| {
+        let model = self.take_model()?;
+        self.model = Some(model.try_load_record(record).map_err(|e| {
             HearthError::Training(format!("epoch {epoch}'s weights do not fit the model: {e}"))
-        })?;
+        })?);
         crate::device::check_burn_default(&self.device)?;
         self.optim = optimizer(self.cfg)
             .from_bytes(Bytes::from_bytes_vec(optim.to_vec()))
             .map_err(|e| HearthError::Training(format!("epoch {epoch}'s optimizer state: {e}")))?;
         if let Some(d) = cfg.optim.model_ema {
-            let mut average = Ema::new(&self.model, d);
-            average.load(&self.model, ema.to_vec(), epoch)?;
+            let model = self.model()?;
+            let mut average = Ema::new(model, d);
+            average.load(model, ema.to_vec(), epoch)?;
             self.ema = Some(average);
         }
         Ok(epoch)
@@ -142,7 +146,7 @@ impl<T: Trainee> Allreduce<'_, T> {
             return Ok(());
         }
         let dir = &self.cfg.run_dir;
-        save_epoch_weights(dir, epoch, self.model.clone(), &Default::default())?;
+        save_epoch_weights(dir, epoch, self.model()?.clone(), &Default::default())?;
         if let Some(e) = &self.ema {
             e.save(&ema_checkpoint(dir, epoch))?;
         }

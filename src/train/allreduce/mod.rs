@@ -18,6 +18,7 @@
 
 mod files;
 mod progress;
+mod rows;
 
 use progress::Progress;
 
@@ -79,7 +80,7 @@ pub(super) fn train_with<R: Recipe>(
         cfg,
         objective: Objective::new(cfg, trainee.multi_label()),
         trainee,
-        model,
+        model: Some(model),
         optim: optimizer(cfg),
         rates,
         // The metrics' own tag space, exact: `--compression` is for gradients only (a bf16
@@ -140,7 +141,10 @@ struct Allreduce<'a, T: Trainee> {
     cfg: &'a TrainConfig,
     trainee: T,
     objective: Objective,
-    model: T::Model,
+    /// The model; taken out only while a step consumes it (the optimizer's step and ZeRO's
+    /// update own it, so that the old values can go as the new ones are made instead of the
+    /// step holding the parameters twice).
+    model: Option<T::Model>,
     optim: ModuleOptimizer,
     rates: Rates,
     comm: Option<Arc<Communicator>>,
@@ -176,7 +180,21 @@ struct Allreduce<'a, T: Trainee> {
     step_log: Option<StepLog>,
 }
 
+/// The model missing: a step that owned it failed (its error came first).
+fn lost_model() -> HearthError {
+    HearthError::Training("the model was lost in a failed step".into())
+}
+
 impl<T: Trainee> Allreduce<'_, T> {
+    fn model(&self) -> Result<&T::Model> {
+        self.model.as_ref().ok_or_else(lost_model)
+    }
+
+    /// The model, out of `self` until a step or phase puts it back.
+    fn take_model(&mut self) -> Result<T::Model> {
+        self.model.take().ok_or_else(lost_model)
+    }
+
     /// `--zero`: this rank's shard of the optimizer, its state from rank 0's file of epoch
     /// `first` when resuming (written by any number of ranks).
     ///
@@ -188,7 +206,8 @@ impl<T: Trainee> Allreduce<'_, T> {
         if frozen {
             log("backbone frozen: only the head trains");
         }
-        self.model = self.trainee.phase(self.model.clone(), frozen);
+        let model = self.take_model()?;
+        self.model = Some(self.trainee.phase(model, frozen));
         self.frozen = frozen;
         let (Some(comm), true) = (&self.comm, self.cfg.exchange.zero > 0) else {
             return Ok(());
@@ -196,7 +215,7 @@ impl<T: Trainee> Allreduce<'_, T> {
         let at_switch = first > 0 && self.rates.frozen(first) && !frozen;
         let z = super::zero::start(
             self.cfg,
-            &self.model,
+            self.model()?,
             self.batches,
             comm,
             &self.cfg.run_dir.join("checkpoint"),
@@ -225,9 +244,11 @@ impl<T: Trainee> Allreduce<'_, T> {
         if let Some(s) = &self.scaler {
             // Unscaled before the exchange (an fp16 wire would overflow on scaled ones; what
             // went during the backward left unscaled).
-            divide(&self.model, &mut grads, s.scale());
+            divide(self.model()?, &mut grads, s.scale());
         }
         let lr = self.rates.rate(epoch, self.steps);
+        // The step owns the model: no other copy keeps the old values alive.
+        let model = self.take_model()?;
         let update = Update {
             clip: self.cfg.optim.clip_grad,
             scaler: self.scaler.as_mut(),
@@ -235,27 +256,24 @@ impl<T: Trainee> Allreduce<'_, T> {
         self.steps += 1;
         if let (Some(z), Some(comm)) = (&mut self.zero, &self.comm) {
             // Exchange and update in one (`--overlap` is refused with it).
-            let model = &self.model;
-            match self
+            let (model, stepped) = self
                 .exchange
-                .timed(|| update.sharded(z, lr, model, grads, comm, Ok))?
-            {
-                Some(m) => {
-                    self.model = m;
-                    self.average();
-                }
-                None => self.epoch_skipped += 1,
+                .timed(|| update.sharded(z, lr, model, grads, comm, Ok))?;
+            self.model = Some(model);
+            if stepped {
+                self.average();
+            } else {
+                self.epoch_skipped += 1;
             }
             return Ok(());
         }
         if let Some(comm) = &self.comm {
             self.exchange
-                .exchange(&self.model, &mut grads, comm, overlapped, log)?;
+                .exchange(&model, &mut grads, comm, overlapped, log)?;
         }
         // Every rank holds the averaged gradients whole: its own verdict and norm are the job's.
-        let (model, stepped) =
-            update.apply(self.model.clone(), lr, grads, &mut self.optim, Ok, Ok)?;
-        self.model = model;
+        let (model, stepped) = update.apply(model, lr, grads, &mut self.optim, Ok, Ok)?;
+        self.model = Some(model);
         if stepped {
             self.average();
         } else {
@@ -281,8 +299,8 @@ impl<T: Trainee> Allreduce<'_, T> {
     /// `optim.model_ema`: the average follows a step that was taken (an fp16 step skipped for
     /// overflow changed no weight, and moves no average).
     fn average(&mut self) {
-        if let Some(e) = &mut self.ema {
-            e.update(&self.model);
+        if let (Some(e), Some(m)) = (&mut self.ema, &self.model) {
+            e.update(m);
         }
     }
 
@@ -337,11 +355,13 @@ impl<T: Trainee> Allreduce<'_, T> {
         if epoch > 1 && self.rates.frozen(epoch - 1) && !frozen {
             log(&self.rates.unfreeze_line(epoch - 1));
         }
-        self.model = self.trainee.phase(self.model.clone(), frozen);
+        let model = self.take_model()?;
+        self.model = Some(self.trainee.phase(model, frozen));
         // (A resume right at the switch started its shards over the whole model already.)
         let switch = std::mem::replace(&mut self.frozen, frozen) && !frozen;
         if let (true, Some(z), Some(comm)) = (switch, &self.zero, &self.comm) {
-            let moved = super::zero::refit(self.cfg, z, &self.model, self.batches, comm)?;
+            let model = self.model.as_ref().ok_or_else(lost_model)?;
+            let moved = super::zero::refit(self.cfg, z, model, self.batches, comm)?;
             self.zero = Some(moved);
         }
         Ok(())
@@ -385,103 +405,6 @@ impl<T: Trainee> Allreduce<'_, T> {
             log(&line);
         }
     }
-
-    /// The epoch's training sums over the ranks, its `train_auroc` (multi-label) and each
-    /// rank's own curve (`train_loss_rank<r>`, `train_accuracy_rank<r>`; none in one process).
-    #[allow(clippy::type_complexity)]
-    fn gather_train(
-        &self,
-        train: Sums,
-        scores: Option<ValScores>,
-    ) -> Result<(Sums, Option<f64>, Vec<(String, f64)>)> {
-        let Some(comm) = &self.metrics else {
-            return Ok((train, scores.and_then(|s| s.auroc()), Vec::new()));
-        };
-        let mut per_rank = Vec::new();
-        let mine = [train.mean_loss() as f32, train.accuracy() as f32];
-        for (r, v) in comm.all_gather(&mine)?.chunks(2).enumerate() {
-            per_rank.push((format!("train_loss_rank{r}"), f64::from(v[0])));
-            per_rank.push((format!("train_accuracy_rank{r}"), f64::from(v[1])));
-        }
-        let auroc = match scores {
-            Some(s) => s.gather(comm)?.auroc(),
-            None => None,
-        };
-        Ok((train.all_reduce(comm)?, auroc, per_rank))
-    }
-
-    /// Validates `model` (the model or its weight average) on this rank's share of the
-    /// validation set, with rank 0's batch-norm statistics on every rank (as DDP's broadcast),
-    /// combined over the ranks; returns it with those statistics.
-    fn score(&self, mut model: T::Model) -> Result<(T::Model, super::objective::Validation)> {
-        if let Some(comm) = &self.comm
-            && self.trainee.has_batch_norm()
-        {
-            model = burn_dist::ddp::broadcast_module(model, comm)?;
-        }
-        let parts = val_share(
-            self.trainee.val_len(),
-            self.rank,
-            self.world,
-            self.cfg.batch_size,
-        );
-        let val = self.objective.validate(
-            &model.valid(),
-            self.trainee.val_batches(parts, &self.plain_device),
-            self.metrics.as_deref(),
-        )?;
-        Ok((model, val))
-    }
-
-    /// The epoch's validation (with rank 0's batch-norm statistics on every rank, as DDP's
-    /// broadcast) and its row of `metrics.csv`, after `train` (summed over the ranks) took
-    /// `took` seconds with `k` batches per step.
-    fn validate_row(&mut self, epoch: usize, k: usize, train: &Sums, took: f64) -> Result<Row> {
-        let (model, val) = self.score(self.model.clone())?;
-        self.model = model;
-        let mut row: Row = [
-            ("train_loss", train.mean_loss()),
-            ("train_accuracy", train.accuracy()),
-            ("val_loss", val.sums.mean_loss()),
-            ("val_accuracy", val.sums.accuracy()),
-            (
-                "train_lr",
-                epoch_lr(|i| self.rates.rate(epoch, i), epoch, self.batches, k),
-            ),
-            ("train_images_per_sec", train.samples / took),
-            ("elapsed_seconds", self.started.elapsed().as_secs_f64()),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
-        if let Some(a) = val.auroc {
-            row.insert("val_auroc".into(), a);
-        }
-        insert_top5(
-            &mut row,
-            self.trainee.classes().len(),
-            self.trainee.multi_label(),
-            (train.top5, train.samples),
-            (val.sums.top5, val.sums.samples),
-        );
-        if let Some(e) = self.ema.take() {
-            // Scored as the model is, with rank 0's batch-norm statistics of the average.
-            let (average, val) = self.score(e.model.clone())?;
-            self.ema = Some(e.with_model(average));
-            row.insert("val_ema_loss".into(), val.sums.mean_loss());
-            row.insert("val_ema_accuracy".into(), val.sums.accuracy());
-            if let Some(a) = val.auroc {
-                row.insert("val_ema_auroc".into(), a);
-            }
-        }
-        if self.scaler.is_some() {
-            row.insert(
-                "train_skipped_steps".into(),
-                std::mem::take(&mut self.epoch_skipped) as f64,
-            );
-        }
-        Ok(row)
-    }
 }
 
 impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
@@ -523,7 +446,7 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
                 .as_ref()
                 .map_or(1.0, |s| s.loss_factor(self.overflow_at));
             let (grads, sums) = self.objective.train_batch_scored(
-                &self.model,
+                self.model()?,
                 input,
                 &targets,
                 factor,
@@ -539,7 +462,7 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
             if let Some(l) = &mut self.step_log {
                 l.add(epoch, sums);
             }
-            acc.accumulate(&self.model, grads);
+            acc.accumulate(self.model()?, grads);
             pending += 1;
             seen = i + 1;
             if pending == k || seen == self.batches {

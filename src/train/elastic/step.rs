@@ -338,9 +338,11 @@ impl<T: Trainee> ElasticRun<'_, T> {
         if let Some(z) = self.zero.as_mut() {
             // --zero: the shard's step on a copy (the commit's shard stays as it was should
             // the step fail); the gradients are summed (the shares are weighted in the loss
-            // already), one fp16 verdict for the job inside it.
+            // already), one fp16 verdict for the job inside it. (On a copy of the model too,
+            // which shares the commit's values: they stay until the step commits.)
             let mut next = z.current.clone();
-            match update.sharded(&mut next, lr, &commit.model, grads, &world.sharded, Ok) {
+            let model = commit.model.clone();
+            match update.sharded(&mut next, lr, model, grads, &world.sharded, Ok) {
                 Err(e) => {
                     // Failed in the all-gather after the local update: another member may
                     // have finished the step (see sharded.rs).
@@ -349,14 +351,14 @@ impl<T: Trainee> ElasticRun<'_, T> {
                     }
                     return Ok(Some(Interrupt::Failed(e.to_string())));
                 }
-                Ok(Some(model)) => {
+                Ok((model, true)) => {
                     let before = std::mem::replace(&mut z.current, next);
                     z.previous = Some((z.since, before));
                     z.since = commit.step + 1;
                     commit.model = model;
                     Self::average_step(commit);
                 }
-                Ok(None) => commit.epoch_skipped += 1,
+                Ok((_, false)) => commit.epoch_skipped += 1,
             }
             commit.scaler = scaler;
             return Ok(None);

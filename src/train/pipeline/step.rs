@@ -238,13 +238,9 @@ impl PipelineRun<'_> {
             clip: None,
             scaler: scaler.as_mut(),
         };
-        let stepped = update.sharded(z, rate, &model, grads, replicas, |finite| {
+        Ok(update.sharded(z, rate, model, grads, replicas, |finite| {
             self.agree_finite(finite)
-        })?;
-        Ok(match stepped {
-            Some(m) => (m, true),
-            None => (model, false),
-        })
+        })?)
     }
 
     /// fp16's one verdict for the whole job: a stage's overflow skips the step on every stage
