@@ -99,13 +99,16 @@ impl BatchMixing {
     }
 }
 
-/// A training loader batch as (images, targets), mixed where `mixing` says.
+/// A training loader batch as (images, targets), mixed where `mixing` says. Every mode takes
+/// each training step's batch through here, so this also tells the allocator that a step ended
+/// (large blocks no step asked for since go back to the kernel: [`crate::alloc::step_done`]).
 pub(crate) fn train_targets(
     batch: hearth_datasets::Batch,
     multi_label: bool,
     mixing: Option<&BatchMixing>,
     epoch: u64,
 ) -> Result<(Tensor<4>, Targets)> {
+    crate::alloc::step_done();
     match mixing {
         Some(m) => m.targets(batch, multi_label, epoch),
         None => targets(batch, multi_label),

@@ -14,55 +14,124 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+pub mod blocks;
+
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 /// The most bytes ever live at once.
 static PEAK: AtomicUsize = AtomicUsize::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
-/// The system allocator, counting live bytes (two relaxed atomic operations per call).
+/// The system allocator, counting live bytes (two relaxed atomic operations per call); blocks
+/// of [`blocks::LARGE`] bytes and more are mapped from the kernel and, under the keep policy,
+/// kept for the next request of their size until a step passes without one
+/// ([`step_done`]).
 pub struct CountingAllocator;
 
-// SAFETY: every method forwards to `System` with the caller's arguments unchanged; the counters
-// are plain atomics that never affect what is allocated.
+fn counted(p: *mut u8, size: usize) -> *mut u8 {
+    if !p.is_null() {
+        let now = LIVE.fetch_add(size, Ordering::Relaxed) + size;
+        PEAK.fetch_max(now, Ordering::Relaxed);
+        INSTALLED.store(true, Ordering::Relaxed);
+    }
+    p
+}
+
+/// The bytes the process may keep unused once `change` bytes more are live: the most it has had
+/// live at once (counting this change) less what will be live.
+fn room(change: isize) -> usize {
+    let live = LIVE.load(Ordering::Relaxed).saturating_add_signed(change);
+    PEAK.load(Ordering::Relaxed).max(live) - live
+}
+
+/// A block for `layout` from where it belongs, uncounted.
+///
+/// # Safety
+/// As [`GlobalAlloc::alloc`].
+unsafe fn raw_alloc(layout: Layout, zeroed: bool) -> *mut u8 {
+    // SAFETY: forwarded with the caller's promises; `serves` picks the large path.
+    unsafe {
+        match (blocks::serves(layout), zeroed) {
+            (true, z) => blocks::alloc(layout, z, room(layout.size() as isize)),
+            (false, false) => System.alloc(layout),
+            (false, true) => System.alloc_zeroed(layout),
+        }
+    }
+}
+
+/// Frees a block [`raw_alloc`] gave, uncounted.
+///
+/// # Safety
+/// As [`GlobalAlloc::dealloc`].
+unsafe fn raw_dealloc(ptr: *mut u8, layout: Layout) {
+    // SAFETY: the layout alone chose where it came from, so it goes back there.
+    unsafe {
+        if blocks::serves(layout) {
+            blocks::dealloc(ptr, layout, room(-(layout.size() as isize)))
+        } else {
+            System.dealloc(ptr, layout)
+        }
+    }
+}
+
+// SAFETY: small blocks forward to `System` with the caller's arguments unchanged; large ones
+// (chosen by the layout alone, so a block goes back where it came from) are whole mappings of
+// at least the layout's size, page-aligned, which satisfies any alignment `blocks::serves`
+// accepts. The counters are plain atomics that never affect what is allocated.
 unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded as is.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-            INSTALLED.store(true, Ordering::Relaxed);
-        }
-        p
+        // SAFETY: the caller's promises, passed on.
+        counted(unsafe { raw_alloc(layout, false) }, layout.size())
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded as is.
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            let now = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-            INSTALLED.store(true, Ordering::Relaxed);
-        }
-        p
+        // SAFETY: the caller's promises, passed on.
+        counted(unsafe { raw_alloc(layout, true) }, layout.size())
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: forwarded as is.
-        unsafe { System.dealloc(ptr, layout) };
+        // SAFETY: the caller's promises, passed on.
+        unsafe { raw_dealloc(ptr, layout) };
         LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: forwarded as is.
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        // SAFETY: the caller promises `new_size`, rounded up to the alignment, fits an isize.
+        let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        let p = match (blocks::serves(layout), blocks::serves(new_layout)) {
+            // SAFETY: both mapped here; the caller's promises about `ptr` hold.
+            (true, true) => unsafe { blocks::realloc(ptr, layout, new_size) },
+            // SAFETY: forwarded as is.
+            (false, false) => unsafe { System.realloc(ptr, layout, new_size) },
+            // Between the two: a new block, the contents copied, the old one freed.
+            // SAFETY: `new_layout` is valid (above); the copy stays inside both blocks.
+            _ => unsafe {
+                let p = raw_alloc(new_layout, false);
+                if !p.is_null() {
+                    std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size));
+                    raw_dealloc(ptr, layout);
+                }
+                p
+            },
+        };
         if !p.is_null() {
-            let now = LIVE.fetch_add(new_size, Ordering::Relaxed) + new_size;
-            PEAK.fetch_max(now, Ordering::Relaxed);
+            counted(p, new_size);
             LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
         }
         p
     }
+}
+
+/// Marks the end of a training step, for the keep policy: large blocks freed before the step
+/// that just ended and not asked for again during it go back to the kernel. The training loops
+/// call it once per step; a no-op where nothing is kept. Returns the bytes handed back.
+pub fn step_done() -> usize {
+    blocks::step_done()
+}
+
+/// Bytes of freed large blocks kept for reuse now (0 without [`CountingAllocator`] or under
+/// `HEARTH_MALLOC=system`).
+pub fn kept_bytes() -> usize {
+    blocks::kept_bytes()
 }
 
 /// The most bytes live at once since the process started (what its memory needs, apart from
@@ -86,8 +155,9 @@ pub enum FreedMemory {
     /// Kept for reuse (the default of the `hearth` binary and the benches): see
     /// [`keep_freed_memory`].
     Keep,
-    /// The C allocator's defaults (`HEARTH_MALLOC=system`): blocks of 32 MiB and more come
-    /// from `mmap` and go back to the kernel when freed.
+    /// Freed memory goes back (`HEARTH_MALLOC=system`): under [`CountingAllocator`] every
+    /// block of [`blocks::LARGE`] bytes and more is unmapped when freed; the C allocator's
+    /// defaults for the rest.
     System,
 }
 
@@ -115,22 +185,32 @@ impl FreedMemory {
     }
 }
 
-/// Has glibc's allocator keep the memory a process frees, for the next allocation of the same
-/// size, instead of handing large blocks back to the kernel; `false` where it cannot (not
-/// glibc, or `mallopt` refused).
+/// Keeps the memory a process frees for the next allocation of the same size, instead of
+/// handing it back to the kernel; `false` where glibc's part cannot be set (not glibc, or
+/// `mallopt` refused).
 ///
 /// Why: a training step allocates and frees the same large tensors every step (DenseNet-121's
 /// feature maps at batch 16 are 50 MB). glibc serves blocks above its mmap threshold (at most
 /// 32 MiB) with `mmap` and returns them with `munmap`, so every step the kernel zeroed and
 /// mapped fresh pages again: page faults and `clear_page` took about a sixth of a DenseNet-121
-/// training step on 2 cores (perf). Here `M_MMAP_MAX = 0` serves every block from the heap and
-/// `M_TRIM_THRESHOLD = 2 GiB` keeps up to that much free memory at the heap's top: DenseNet-121
-/// training 7.7 -> 10.9 images/s, VGG-16 2.4 -> 3.3, ResNet-50 8.5 -> 9.4 (BENCHMARKS.md). The
-/// cost is resident memory that the process keeps once it has needed it (VmHWM: DenseNet-121
-/// +3%, VGG-16 +23%). Call it before the work starts; it changes the whole process, so a
-/// library never calls it by itself: the `hearth` binary and the benches do, as
-/// [`FreedMemory::from_env`] says.
+/// training step on 2 cores (perf). Keeping them: DenseNet-121 training 7.7 -> 10.9 images/s,
+/// VGG-16 2.4 -> 3.3, ResNet-50 8.5 -> 9.4 (BENCHMARKS.md).
+///
+/// How, in two parts:
+/// - under [`CountingAllocator`], blocks of [`blocks::LARGE`] bytes and more are mapped whole
+///   and kept after they are freed, for a request of the same size, until a training step
+///   passes without one ([`step_done`]), and only within the room under the most memory the
+///   process has had live at once: nothing fragments, sizes a run stopped using go back, and
+///   keeping never raises the resident peak (ZeRO's saving shows in the resident set; see
+///   [`blocks`]);
+/// - glibc keeps the rest: `M_MMAP_MAX = 0` serves every smaller block (every block, without
+///   the counting allocator) from the heap, and `M_TRIM_THRESHOLD = 2 GiB` keeps up to that
+///   much free memory at the heap's top.
+///
+/// Call it before the work starts; it changes the whole process, so a library never calls it
+/// by itself: the `hearth` binary and the benches do, as [`FreedMemory::from_env`] says.
 pub fn keep_freed_memory() -> bool {
+    blocks::set_keep(true);
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         // SAFETY: mallopt only sets the allocator's parameters; it is called before the

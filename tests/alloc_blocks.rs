@@ -1,0 +1,151 @@
+//! The counting allocator's large blocks as the `hearth` binary uses them (installed as the
+//! global allocator): kept after they are freed for the next request of their size, handed
+//! back after a step without one or when keeping it would pass the process's peak of live
+//! memory, contents kept across every kind of resize, and the resident
+//! set falling when they go back. One test, in order: the kept set is process-wide state.
+
+#[global_allocator]
+static ALLOC: hearth::alloc::CountingAllocator = hearth::alloc::CountingAllocator;
+
+use hearth::alloc::{blocks, kept_bytes, live_bytes, step_done};
+
+/// Resident memory now, MB (`VmRSS`).
+fn rss_mb() -> f64 {
+    let s = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let line = s
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .expect("a VmRSS line");
+    let kb: f64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS in kB");
+    kb / 1024.0
+}
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[test]
+fn large_blocks_are_reused_by_size_released_after_a_step_and_keep_their_contents() {
+    assert!(blocks::serves(
+        std::alloc::Layout::from_size_align(blocks::LARGE, 64).unwrap()
+    ));
+    assert!(!blocks::serves(
+        std::alloc::Layout::from_size_align(blocks::LARGE - 1, 8).unwrap()
+    ));
+    blocks::set_keep(true);
+    // An odd size nothing else in the process asks for.
+    let n = 3 * blocks::LARGE + 12_345;
+
+    // Freed, kept, and the same block given to the next request of its size, zeroed when asked
+    // for zeros (the block held the pattern).
+    let live0 = live_bytes().expect("the counting allocator is installed");
+    let a = pattern(n, 7);
+    assert!(live_bytes().unwrap() >= live0 + n);
+    let at = a.as_ptr() as usize;
+    let kept0 = kept_bytes();
+    drop(a);
+    assert!(kept_bytes() >= kept0 + n, "the freed block is kept");
+    let z = vec![0u8; n];
+    assert_eq!(
+        z.as_ptr() as usize,
+        at,
+        "the kept block of the same size is reused"
+    );
+    assert!(
+        z.iter().all(|&b| b == 0),
+        "a reused block asked for zeroed is zeroed"
+    );
+    assert_eq!(kept_bytes(), kept0, "taken out of the kept set");
+    drop(z);
+
+    // A step passes without a request of that size: at its end the block is still kept (it was
+    // freed during the step); after one more it goes back.
+    step_done();
+    assert!(kept_bytes() >= n);
+    step_done();
+    assert_eq!(kept_bytes(), 0, "blocks no step asked for go back");
+
+    // Resizes keep the contents: large to larger (moved pages), large to small, small to large.
+    let mut v = pattern(2 * blocks::LARGE, 3);
+    let want = v.clone();
+    v.reserve_exact(40 * blocks::LARGE);
+    assert_eq!(&v[..], &want[..]);
+    v.truncate(1000);
+    v.shrink_to_fit();
+    assert_eq!(&v[..], &want[..1000]);
+    v.reserve_exact(5 * blocks::LARGE);
+    assert_eq!(&v[..], &want[..1000]);
+    drop((v, want));
+
+    // The resident set falls when kept blocks go back.
+    step_done();
+    step_done();
+    let before = rss_mb();
+    let big = pattern(256 << 20, 1);
+    assert!(rss_mb() > before + 200.0, "256 MB written are resident");
+    drop(big);
+    assert!(rss_mb() > before + 200.0, "kept for reuse");
+    step_done();
+    step_done();
+    assert!(
+        rss_mb() < before + 50.0,
+        "handed back: {} MB resident, {before} MB before",
+        rss_mb()
+    );
+
+    // Keeping never takes the process past its own peak of live memory: a block of a new size
+    // that raises the peak first hands back what is kept.
+    let a = pattern(64 << 20, 2);
+    drop(a);
+    assert!(
+        kept_bytes() >= 64 << 20,
+        "within the room under the peak: kept"
+    );
+    let b = pattern(300 << 20, 4);
+    assert_eq!(
+        kept_bytes(),
+        0,
+        "a new peak leaves no room: the kept block went back"
+    );
+    drop(b);
+
+    // Threads allocating and freeing large blocks of a few sizes at once: each sees its own
+    // contents, and the live count comes back to where it was.
+    let live1 = live_bytes().unwrap();
+    let threads: Vec<_> = (0..4u8)
+        .map(|t| {
+            std::thread::spawn(move || {
+                for round in 0..50usize {
+                    let size = blocks::LARGE * (1 + (round + t as usize) % 3) + 4096 * t as usize;
+                    let v = pattern(size, t.wrapping_add(round as u8));
+                    assert_eq!(
+                        v[size - 1],
+                        pattern(size, t.wrapping_add(round as u8))[size - 1]
+                    );
+                    if round % 10 == 9 {
+                        step_done();
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("a thread failed");
+    }
+    let drift = live_bytes().unwrap() as i64 - live1 as i64;
+    assert!(drift.abs() < (1 << 20), "live bytes drifted by {drift}");
+
+    // Without keeping (`HEARTH_MALLOC=system`) nothing is kept and what was goes back.
+    drop(pattern(n, 9));
+    assert!(kept_bytes() >= n);
+    blocks::set_keep(false);
+    assert_eq!(kept_bytes(), 0);
+    drop(pattern(n, 9));
+    assert_eq!(kept_bytes(), 0);
+}
