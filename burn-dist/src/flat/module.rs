@@ -155,7 +155,7 @@ pub fn take_trainable_grads_of<M: Module>(
 /// made, so the new values never exist twice).
 pub fn with_trainable_parts<M: Module>(module: M, parts: Vec<Vec<f32>>) -> Result<M> {
     let n = parts.len();
-    let (m, count) = replace_trainable(module, 0..n, parts)?;
+    let (m, count) = map_trainable(module, 0..n, parts, &Shapes::new())?;
     if count != n {
         let which = if n < count { "fewer" } else { "more" };
         return Err(parts_mismatch(format!(
@@ -165,16 +165,22 @@ pub fn with_trainable_parts<M: Module>(module: M, parts: Vec<Vec<f32>>) -> Resul
     Ok(m)
 }
 
+/// Trainable tensors' shapes, by index in the trainable order, kept while the tensors are out
+/// of the module ([`release_trainable_range`]).
+pub type Shapes = std::collections::BTreeMap<usize, Shape>;
+
 /// `module` with trainable tensors `tensors` (indices in the trainable order) replaced by
 /// `parts`, one each, the others left as they are: a sharded step puts each bucket's tensors
 /// in place as its all-gather ends ([`crate::zero::ZeroOptimizer::step_with`]), so that a
-/// module held nowhere else lets its old values go bucket by bucket.
+/// module held nowhere else lets its old values go bucket by bucket. A tensor released before
+/// ([`release_trainable_range`]) takes its shape from `released`.
 pub fn with_trainable_range<M: Module>(
     module: M,
     tensors: std::ops::Range<usize>,
     parts: Vec<Vec<f32>>,
+    released: &Shapes,
 ) -> Result<M> {
-    let (m, count) = replace_trainable(module, tensors.clone(), parts)?;
+    let (m, count) = map_trainable(module, tensors.clone(), parts, released)?;
     if tensors.end > count {
         return Err(parts_mismatch(format!(
             "tensors {tensors:?} of a module of {count} trainable tensors"
@@ -183,22 +189,64 @@ pub fn with_trainable_range<M: Module>(
     Ok(m)
 }
 
+/// `module` with trainable tensors `tensors` let go (empty tensors in their place, their shapes
+/// added to `released`): a sharded step whose values for them are read already frees the old
+/// values before the all-gather brings the new ones, so the two are never held at once and the
+/// new ones take the memory the old ones had. [`with_trainable_range`] puts them back.
+pub fn release_trainable_range<M: Module>(
+    module: M,
+    tensors: std::ops::Range<usize>,
+    released: &mut Shapes,
+) -> M {
+    struct Release<'a> {
+        want: std::ops::Range<usize>,
+        index: usize,
+        shapes: &'a mut Shapes,
+    }
+    impl ModuleMapper for Release<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (want, index, shapes) = (&self.want, &mut self.index, &mut *self.shapes);
+            param.map(|t| {
+                if !t.is_require_grad() {
+                    return t;
+                }
+                let i = *index;
+                *index += 1;
+                if !want.contains(&i) {
+                    return t;
+                }
+                let device = t.device();
+                shapes.insert(i, t.shape());
+                drop(t);
+                Tensor::<D>::empty([0; D], &device).set_require_grad(true)
+            })
+        }
+    }
+    module.map(&mut Release {
+        want: tensors,
+        index: 0,
+        shapes: released,
+    })
+}
+
 /// `module` with trainable tensors `tensors` replaced by `parts` (as many), and its number of
 /// trainable tensors.
-fn replace_trainable<M: Module>(
+fn map_trainable<M: Module>(
     module: M,
     tensors: std::ops::Range<usize>,
     parts: Vec<Vec<f32>>,
+    released: &Shapes,
 ) -> Result<(M, usize)> {
-    struct Parts {
+    struct Parts<'a> {
         want: std::ops::Range<usize>,
         index: usize,
         parts: std::vec::IntoIter<Vec<f32>>,
+        released: &'a Shapes,
         error: Option<String>,
     }
-    impl ModuleMapper for Parts {
+    impl ModuleMapper for Parts<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let (want, index) = (&self.want, &mut self.index);
+            let (want, index, released) = (&self.want, &mut self.index, self.released);
             let (parts, error) = (&mut self.parts, &mut self.error);
             param.map(|t| {
                 if !t.is_require_grad() {
@@ -209,7 +257,7 @@ fn replace_trainable<M: Module>(
                 if !want.contains(&i) {
                     return t;
                 }
-                let shape = t.shape();
+                let shape = released.get(&i).cloned().unwrap_or_else(|| t.shape());
                 let Some(v) = parts.next() else {
                     error.get_or_insert("fewer parts than tensors to replace".into());
                     return t;
@@ -237,6 +285,7 @@ fn replace_trainable<M: Module>(
         want: tensors,
         index: 0,
         parts: parts.into_iter(),
+        released,
         error: None,
     };
     let m = module.map(&mut p);
@@ -273,9 +322,19 @@ pub fn trainable_values_in<M: Module>(module: &M, range: std::ops::Range<usize>)
                 (self.at + n).min(self.want.end),
             );
             if lo < hi {
-                let v = flat(t);
-                self.out
-                    .extend_from_slice(v.get(lo - self.at..hi - self.at).unwrap_or(&[]));
+                // Only the part in the range is read: a shard of a large tensor (VGG-16's
+                // first classifier layer, 411 MB) is not copied whole to take half of it,
+                // which had set a ZeRO step's peak.
+                let v = if hi - lo == n {
+                    flat(t)
+                } else {
+                    flat(t.reshape([n]).slice([lo - self.at..hi - self.at]))
+                };
+                if self.out.is_empty() && v.len() == self.want.len() {
+                    self.out = v;
+                } else {
+                    self.out.extend_from_slice(&v);
+                }
             }
             self.at += n;
         }
@@ -405,6 +464,9 @@ mod tests {
         let net = with_trainable_values(net, &values).unwrap();
         assert_eq!(trainable_values(&net), values);
         assert_eq!(trainable_values_in(&net, 5..9), &values[5..9]);
+        // Inside one tensor (its slice read alone, moved out as the whole range).
+        assert_eq!(trainable_values_in(&net, 1..4), &values[1..4]);
+        assert_eq!(trainable_values_in(&net, 0..6), &values[0..6]);
         assert!(trainable_values_in(&net, 12..12).is_empty());
         let extents = trainable_extents(&net);
         assert_eq!(extents.len(), 4);
@@ -444,15 +506,28 @@ mod tests {
         assert!(e.to_string().contains("fewer parts"), "{e}");
         // A bucket's tensors in place (1 and 2), the others as they were.
         let two = vec![vec![-1.0; 2], vec![-2.0; 2]];
-        let net = with_trainable_range(net, 1..3, two.clone()).unwrap();
+        let none = Shapes::new();
+        let net = with_trainable_range(net, 1..3, two.clone(), &none).unwrap();
         let now = trainable_values(&net);
         assert_eq!(&now[..6], &parts[0][..]);
         assert_eq!(&now[6..10], &two.concat()[..]);
         assert_eq!(&now[10..], &parts[3][..]);
-        let e = with_trainable_range(net.clone(), 3..5, two.clone()).unwrap_err();
+        let e = with_trainable_range(net.clone(), 3..5, two.clone(), &none).unwrap_err();
         assert!(e.to_string().contains("3..5"), "{e}");
-        let e = with_trainable_range(net.clone(), 0..2, two).unwrap_err();
+        let e = with_trainable_range(net.clone(), 0..2, two.clone(), &none).unwrap_err();
         assert!(e.to_string().contains("2 values"), "{e}");
+        // Released first (a sharded step's old values let go before the all-gather): empty
+        // tensors in their place, their shapes kept, and put back whole from those shapes.
+        let mut released = Shapes::new();
+        let out = release_trainable_range(net.clone(), 1..3, &mut released);
+        assert_eq!(released.keys().copied().collect::<Vec<_>>(), vec![1, 2]);
+        assert_eq!(
+            trainable_values(&out).len(),
+            12 - 4,
+            "tensors 1 and 2 hold nothing"
+        );
+        let back = with_trainable_range(out, 1..3, two.clone(), &released).unwrap();
+        assert_eq!(trainable_values(&back), trainable_values(&net));
         let e = with_trainable_values(net, &values[1..]).unwrap_err();
         assert!(e.to_string().contains("11 values"), "{e}");
     }

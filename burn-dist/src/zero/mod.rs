@@ -88,6 +88,12 @@ pub trait StepSource {
     fn grads(&mut self, tensors: Range<usize>) -> Vec<f32>;
     /// Values `range` of the whole vector (the same on every rank).
     fn values(&mut self, range: Range<usize>) -> Vec<f32>;
+    /// Tensors `tensors`' old values are needed no more (their segments are read, their new
+    /// values are about to be gathered): a source that holds them lets them go now, so the
+    /// old and new values of a bucket are never held at once. Nothing by default.
+    fn release(&mut self, tensors: Range<usize>) {
+        let _ = tensors;
+    }
 }
 
 /// A [`StepSource`] over flat vectors (tests, and callers that hold the vector themselves).

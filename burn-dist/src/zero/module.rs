@@ -10,7 +10,10 @@ use burn::optim::GradientsParams;
 
 use super::{Stage, StateLayout, StateReader, ZeroOptimizer};
 use crate::collective::Communicator;
-use crate::flat::module::{take_trainable_grads_of, trainable_values_in, with_trainable_range};
+use crate::flat::module::{
+    Shapes, release_trainable_range, take_trainable_grads_of, trainable_values_in,
+    with_trainable_range,
+};
 use crate::flat::optim::ShardOptimizer;
 use crate::{DistError, Result};
 
@@ -112,13 +115,19 @@ pub fn sharded_step_owned<M: Module>(
     // The step reads values from the module (before any bucket is gathered) and puts the
     // gathered ones in place: both through the cell, never at once.
     let cell = RefCell::new(Some(model));
+    // The shapes of the tensors released before their all-gather (the module holds empty
+    // ones until their values come).
+    let released = RefCell::new(Shapes::new());
     let mut source = ModuleSource {
         model: &cell,
         grads: &mut grads,
+        released: &released,
     };
     let stepped = zero.step_with(comm, &mut source, lr as f32, take, &mut |tensors, parts| {
         let m = cell.borrow_mut().take().ok_or_else(lost_module)?;
-        *cell.borrow_mut() = Some(with_trainable_range(m, tensors, parts)?);
+        let m = with_trainable_range(m, tensors.clone(), parts, &released.borrow())?;
+        released.borrow_mut().retain(|i, _| !tensors.contains(i));
+        *cell.borrow_mut() = Some(m);
         Ok(())
     })?;
     drop(grads);
@@ -139,6 +148,7 @@ fn lost_module() -> DistError {
 struct ModuleSource<'a, M: Module> {
     model: &'a RefCell<Option<M>>,
     grads: &'a mut GradientsParams,
+    released: &'a RefCell<Shapes>,
 }
 
 impl<M: Module> crate::zero::StepSource for ModuleSource<'_, M> {
@@ -153,5 +163,10 @@ impl<M: Module> crate::zero::StepSource for ModuleSource<'_, M> {
             Some(m) => trainable_values_in(m, range),
             None => Vec::new(),
         }
+    }
+    fn release(&mut self, tensors: std::ops::Range<usize>) {
+        let m = self.model.borrow_mut().take();
+        *self.model.borrow_mut() =
+            m.map(|m| release_trainable_range(m, tensors, &mut self.released.borrow_mut()));
     }
 }

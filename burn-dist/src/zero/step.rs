@@ -103,7 +103,7 @@ impl ZeroOptimizer {
         update_on_every_core(work, self.updates, lr, norms.as_deref());
         drop(replica_values);
         self.applied = self.updates + 1;
-        self.gather_tensors(comm, values, deliver)?;
+        self.gather_tensors(comm, source, values, deliver)?;
         self.updates += 1;
         self.applied = self.updates;
         Ok(true)
@@ -215,10 +215,14 @@ impl ZeroOptimizer {
     fn gather_tensors(
         &self,
         comm: &Communicator,
+        source: &mut dyn StepSource,
         values: Vec<Vec<f32>>,
         deliver: &mut dyn FnMut(Range<usize>, Vec<Vec<f32>>) -> Result<()>,
     ) -> Result<()> {
         for (b, v) in values.into_iter().enumerate() {
+            // The old values go before the new ones come (the gathered buffer then takes
+            // the memory they had).
+            source.release(self.buckets[b].tensors.clone());
             let gathered = self.all_gather(comm, b, &v)?;
             drop(v);
             let bucket = &self.buckets[b];
