@@ -189,6 +189,21 @@ pub fn with_trainable_range<M: Module>(
     Ok(m)
 }
 
+/// Counts a tensor met while mapping a module if it is trainable, and gives its index in the
+/// trainable order when `want` holds it.
+fn wanted<const D: usize>(
+    t: &Tensor<D>,
+    index: &mut usize,
+    want: &std::ops::Range<usize>,
+) -> Option<usize> {
+    if !t.is_require_grad() {
+        return None;
+    }
+    let i = *index;
+    *index += 1;
+    want.contains(&i).then_some(i)
+}
+
 /// `module` with trainable tensors `tensors` let go (empty tensors in their place, their shapes
 /// added to `released`): a sharded step whose values for them are read already frees the old
 /// values before the all-gather brings the new ones, so the two are never held at once and the
@@ -207,14 +222,9 @@ pub fn release_trainable_range<M: Module>(
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let (want, index, shapes) = (&self.want, &mut self.index, &mut *self.shapes);
             param.map(|t| {
-                if !t.is_require_grad() {
+                let Some(i) = wanted(&t, index, want) else {
                     return t;
-                }
-                let i = *index;
-                *index += 1;
-                if !want.contains(&i) {
-                    return t;
-                }
+                };
                 let device = t.device();
                 shapes.insert(i, t.shape());
                 drop(t);
@@ -249,14 +259,9 @@ fn map_trainable<M: Module>(
             let (want, index, released) = (&self.want, &mut self.index, self.released);
             let (parts, error) = (&mut self.parts, &mut self.error);
             param.map(|t| {
-                if !t.is_require_grad() {
+                let Some(i) = wanted(&t, index, want) else {
                     return t;
-                }
-                let i = *index;
-                *index += 1;
-                if !want.contains(&i) {
-                    return t;
-                }
+                };
                 let shape = released.get(&i).cloned().unwrap_or_else(|| t.shape());
                 let Some(v) = parts.next() else {
                     error.get_or_insert("fewer parts than tensors to replace".into());
