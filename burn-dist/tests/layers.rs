@@ -31,9 +31,13 @@ const LAYERS: &[(&str, &[&str])] = &[
     // sharded optimizer over it and the collectives; DDP over both.
     ("flat/", &["flat"]),
     ("zero/", &["bucket", "collective", "flat", "split", "zero"]),
-    // A module's gradients in buckets; the exchange overlapped with the backward over them.
+    // A module's gradients in buckets; the exchange overlapped with the backward over them
+    // (into the sharded optimizer's buckets too, found by the flat layer's tensor order).
     ("grads.rs", &["bucket", "collective"]),
-    ("overlap.rs", &["bucket", "collective", "grads"]),
+    (
+        "overlap/",
+        &["bucket", "collective", "flat", "grads", "overlap", "zero"],
+    ),
     (
         "ddp/",
         &["bucket", "collective", "flat", "grads", "overlap", "zero"],

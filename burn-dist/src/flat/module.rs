@@ -3,7 +3,7 @@
 //! (`layer1.0.conv1.weight`). Buffers (batch-norm running statistics) and frozen parameters
 //! stay with the worker, as DDP keeps rank 0's buffers.
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::TensorData;
@@ -55,6 +55,21 @@ pub fn trainable_names<M: Module>(module: &M) -> Vec<(String, usize)> {
     let mut v = Names::default();
     module.visit(&mut v);
     v.out
+}
+
+/// The trainable tensors' parameter ids, in [`trainable_names`] order.
+pub fn trainable_ids<M: Module>(module: &M) -> Vec<ParamId> {
+    struct Ids(Vec<ParamId>);
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if param.val().is_require_grad() {
+                self.0.push(param.id);
+            }
+        }
+    }
+    let mut v = Ids(Vec::new());
+    module.visit(&mut v);
+    v.0
 }
 
 /// The flat ranges (in [`trainable_values`] order) of the trainable tensors of rank 2 or more:
@@ -115,11 +130,33 @@ pub fn take_trainable_grads_of<M: Module>(
     grads: &mut GradientsParams,
     tensors: std::ops::Range<usize>,
 ) -> Vec<f32> {
+    let mut out = Vec::new();
+    take_trainable_grads_each(module, grads, &|i, _| tensors.contains(&i), &mut |_, g| {
+        // A bucket of one tensor is that tensor's own buffer, not a copy.
+        if out.is_empty() {
+            out = g;
+        } else {
+            out.extend_from_slice(&g);
+        }
+    });
+    out
+}
+
+/// Takes the gradients of the trainable tensors that `want(index, id)` picks (indices in
+/// [`trainable_names`] order) out of `grads`, handing each to `each(index, values)` as it is
+/// read, so its memory can go at once (zeros where a tensor has none; an empty vector where a
+/// read failed, which the caller's length check reports).
+pub fn take_trainable_grads_each<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    want: &dyn Fn(usize, ParamId) -> bool,
+    each: &mut dyn FnMut(usize, Vec<f32>),
+) {
     struct Take<'a> {
         grads: &'a mut GradientsParams,
-        want: std::ops::Range<usize>,
+        want: &'a dyn Fn(usize, ParamId) -> bool,
+        each: &'a mut dyn FnMut(usize, Vec<f32>),
         index: usize,
-        out: Vec<f32>,
     }
     impl ModuleVisitor for Take<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -129,26 +166,22 @@ pub fn take_trainable_grads_of<M: Module>(
             }
             let i = self.index;
             self.index += 1;
-            if !self.want.contains(&i) {
+            if !(self.want)(i, param.id) {
                 return;
             }
-            let n = t.shape().num_elements();
-            match self.grads.remove::<D>(param.id) {
-                // A bucket of one tensor is that tensor's own buffer, not a copy.
-                Some(g) if self.out.is_empty() => self.out = flat(g),
-                Some(g) => self.out.extend(flat(g)),
-                None => self.out.extend(std::iter::repeat_n(0.0, n)),
-            }
+            let values = match self.grads.remove::<D>(param.id) {
+                Some(g) => flat(g),
+                None => vec![0.0; t.shape().num_elements()],
+            };
+            (self.each)(i, values);
         }
     }
-    let mut v = Take {
+    module.visit(&mut Take {
         grads,
-        want: tensors,
+        want,
+        each,
         index: 0,
-        out: Vec::new(),
-    };
-    module.visit(&mut v);
-    v.out
+    });
 }
 
 /// `module` with trainable tensor `i` replaced by `parts[i]` (each consumed as its tensor is

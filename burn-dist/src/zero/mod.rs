@@ -32,9 +32,12 @@
 use std::ops::Range;
 
 pub mod module;
+pub mod overlap;
+mod reduce;
 mod state;
 mod step;
 
+pub use reduce::{BucketReducer, ReducedGradients};
 pub use state::{StateLayout, StateReader, WholeState};
 
 use crate::bucket::BucketPlan;

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 
-use super::{Stage, StateLayout, StateReader, ZeroOptimizer};
+use super::{ReducedGradients, Stage, StateLayout, StateReader, ZeroOptimizer};
 use crate::collective::Communicator;
 use crate::flat::module::{
     Shapes, release_trainable_range, take_trainable_grads_of, trainable_values_in,
@@ -107,7 +107,42 @@ pub fn sharded_step<M: Module>(
 pub fn sharded_step_owned<M: Module>(
     zero: &mut ZeroOptimizer,
     model: M,
+    grads: GradientsParams,
+    comm: &Communicator,
+    lr: f64,
+    take: &mut dyn FnMut(bool) -> bool,
+) -> Result<(M, bool)> {
+    step_owned(zero, model, grads, None, comm, lr, take)
+}
+
+/// [`sharded_step_owned`] from gradients reduced to this rank's segments already (during the
+/// backward pass: [`crate::overlap::OverlappedStep::finish_sharded`]).
+pub fn sharded_step_reduced<M: Module>(
+    zero: &mut ZeroOptimizer,
+    model: M,
+    reduced: ReducedGradients,
+    comm: &Communicator,
+    lr: f64,
+    take: &mut dyn FnMut(bool) -> bool,
+) -> Result<(M, bool)> {
+    step_owned(
+        zero,
+        model,
+        GradientsParams::new(),
+        Some(reduced),
+        comm,
+        lr,
+        take,
+    )
+}
+
+/// The sharded step on an owned module: its gradients reduced from `grads` here, or
+/// `reduced` already.
+fn step_owned<M: Module>(
+    zero: &mut ZeroOptimizer,
+    model: M,
     mut grads: GradientsParams,
+    reduced: Option<ReducedGradients>,
     comm: &Communicator,
     lr: f64,
     take: &mut dyn FnMut(bool) -> bool,
@@ -123,13 +158,18 @@ pub fn sharded_step_owned<M: Module>(
         grads: &mut grads,
         released: &released,
     };
-    let stepped = zero.step_with(comm, &mut source, lr as f32, take, &mut |tensors, parts| {
+    let mut deliver = |tensors: std::ops::Range<usize>, parts| {
         let m = cell.borrow_mut().take().ok_or_else(lost_module)?;
         let m = with_trainable_range(m, tensors.clone(), parts, &released.borrow())?;
         released.borrow_mut().retain(|i, _| !tensors.contains(i));
         *cell.borrow_mut() = Some(m);
         Ok(())
-    })?;
+    };
+    let lr = lr as f32;
+    let stepped = match reduced {
+        Some(r) => zero.step_reduced(comm, r, &mut source, lr, take, &mut deliver)?,
+        None => zero.step_with(comm, &mut source, lr, take, &mut deliver)?,
+    };
     drop(grads);
     let m = cell.into_inner().ok_or_else(lost_module)?;
     Ok((m, stepped))

@@ -46,11 +46,37 @@ impl ZeroOptimizer {
         deliver: &mut dyn FnMut(Range<usize>, Vec<Vec<f32>>) -> Result<()>,
     ) -> Result<bool> {
         // 1. Each bucket's averaged gradient, this rank's segment kept.
-        let Reduced {
+        let reduced = self.reduce_gradients(comm, source)?;
+        self.step_reduced(comm, reduced, source, lr, take, deliver)
+    }
+
+    /// [`Self::step_with`] from gradients already reduced to this rank's segments
+    /// ([`Self::reduce_gradients`], or [`super::overlap::ShardedExchange`] during the backward
+    /// pass): `source` gives the values only.
+    pub fn step_reduced(
+        &mut self,
+        comm: &Communicator,
+        reduced: ReducedGradients,
+        source: &mut dyn StepSource,
+        lr: f32,
+        take: &mut dyn FnMut(bool) -> bool,
+        deliver: &mut dyn FnMut(Range<usize>, Vec<Vec<f32>>) -> Result<()>,
+    ) -> Result<bool> {
+        let ReducedGradients {
             mut grads,
             mut theirs,
             finite,
-        } = self.reduce_gradients(comm, source)?;
+        } = reduced;
+        if grads.len() != self.buckets.len()
+            || theirs.len() != self.replica.as_ref().map_or(0, |_| self.buckets.len())
+        {
+            return Err(step_mismatch(format!(
+                "{} reduced buckets ({} replica segments) for {} buckets",
+                grads.len(),
+                theirs.len(),
+                self.buckets.len()
+            )));
+        }
         // 2. One verdict for the job.
         let mut verdict = [if finite { 0.0 } else { 1.0 }];
         comm.allreduce(&mut verdict, ReduceOp::Sum)?;
@@ -107,54 +133,6 @@ impl ZeroOptimizer {
         self.updates += 1;
         self.applied = self.updates;
         Ok(true)
-    }
-
-    /// Each bucket's gradient from `source`, averaged over the ranks: this rank's segment of
-    /// it (and its replica's), and whether every value of those is finite.
-    fn reduce_gradients(
-        &self,
-        comm: &Communicator,
-        source: &mut dyn StepSource,
-    ) -> Result<Reduced> {
-        let mut reduced = Reduced {
-            grads: Vec::with_capacity(self.buckets.len()),
-            theirs: Vec::new(),
-            finite: true,
-        };
-        for (b, bucket) in self.buckets.iter().enumerate() {
-            let mut g = source.grads(bucket.tensors.clone());
-            if g.len() != bucket.range.len() {
-                return Err(step_mismatch(format!(
-                    "{} gradient values for a bucket of {} ({} tensors from {})",
-                    g.len(),
-                    bucket.range.len(),
-                    bucket.tensors.len(),
-                    self.tensors[bucket.tensors.start].0
-                )));
-            }
-            let rel =
-                |seg: Range<usize>| seg.start - bucket.range.start..seg.end - bucket.range.start;
-            let mine = match self.stage {
-                Stage::One => {
-                    comm.allreduce(&mut g, self.reduce)?;
-                    if let Some(r) = &self.replica {
-                        reduced.theirs.push(g[rel(self.segment(b, r.of))].to_vec());
-                    }
-                    g[rel(self.segment(b, self.rank))].to_vec()
-                }
-                Stage::Two => {
-                    let mine = comm.reduce_scatter(g, self.reduce)?;
-                    if let Some(r) = &self.replica {
-                        let theirs = comm.shift_down(&mine, self.segment(b, r.of).len())?;
-                        reduced.theirs.push(theirs);
-                    }
-                    mine
-                }
-            };
-            reduced.finite &= mine.iter().all(|x| x.is_finite());
-            reduced.grads.push(mine);
-        }
-        Ok(reduced)
     }
 
     /// Scales the averaged gradient's segments (`grads`, this rank's; `theirs`, its replica's)
@@ -246,14 +224,6 @@ impl ZeroOptimizer {
         }
         Ok(())
     }
-}
-
-/// A step's averaged gradients: this rank's segment of each bucket, its replica's segments,
-/// and whether all of them are finite.
-struct Reduced {
-    grads: Vec<Vec<f32>>,
-    theirs: Vec<Vec<f32>>,
-    finite: bool,
 }
 
 /// One segment's update: its optimizer, values, averaged gradient and state.

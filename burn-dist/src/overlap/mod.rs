@@ -59,6 +59,7 @@ use burn::tensor::TensorData;
 
 use crate::Compression;
 use crate::collective::{Communicator, ReduceOp};
+use crate::zero::overlap::ShardedExchange;
 use crate::{DistError, Result};
 
 /// An exchange under way: [`submit`](Self::submit) gradients as they exist, then
@@ -230,9 +231,21 @@ fn reduce(
     Ok(())
 }
 
+/// Where a step's handed-over gradients go.
+enum Sink {
+    /// Allreduced whole, in buckets cut as they come.
+    Allreduce(OverlappedExchange),
+    /// ZeRO: reduced to this rank's segments in the sharded optimizer's buckets; each
+    /// parameter's index in the trainable order.
+    Sharded {
+        exchange: ShardedExchange,
+        index: HashMap<ParamId, usize>,
+    },
+}
+
 /// The step under way on this thread: its exchange and what was handed over to it.
 struct Handing {
-    exchange: OverlappedExchange,
+    sink: Sink,
     /// Each tensor handed over, in order: its parameter and shape.
     taken: Vec<(ParamId, Vec<usize>)>,
     /// The device the gradients live on (the reduced ones go back there).
@@ -277,22 +290,9 @@ impl OverlappedStep {
         compression: Compression,
         weight: f32,
     ) -> Result<Self> {
-        if handing_over() {
-            return Err(DistError::Config(
-                "an overlapped step began while another was under way on the same thread".into(),
-            ));
-        }
+        refuse_nesting()?;
         let exchange = OverlappedExchange::start_with(comm.clone(), bucket_bytes, op, compression)?;
-        STEP.with(|s| {
-            *s.borrow_mut() = Some(Handing {
-                exchange,
-                taken: Vec::new(),
-                device: None,
-                weight,
-                unscale: 1.0,
-                failed: None,
-            })
-        });
+        install(Sink::Allreduce(exchange), weight);
         Ok(Self {
             comm,
             bucket_bytes,
@@ -308,17 +308,19 @@ impl OverlappedStep {
     /// how many tensors were handed over (0: the step ran whole, and everything was reduced
     /// here after its backward).
     pub fn finish<M: Module>(self, module: &M, grads: &mut GradientsParams) -> Result<usize> {
-        let handing = STEP
-            .with(|s| s.borrow_mut().take())
-            .ok_or_else(|| DistError::Config("the overlapped step was removed early".into()))?;
         let Handing {
-            exchange,
+            sink,
             taken,
             device,
             weight,
             failed,
             ..
-        } = handing;
+        } = take_step()?;
+        let Sink::Allreduce(exchange) = sink else {
+            return Err(DistError::Config(
+                "an overlapped ZeRO step was finished as an allreduce step".into(),
+            ));
+        };
         let reduced = exchange.finish()?;
         if let Some(e) = failed {
             return Err(DistError::Mismatch {
@@ -379,6 +381,36 @@ impl Drop for OverlappedStep {
     }
 }
 
+/// The step under way, taken off this thread.
+fn take_step() -> Result<Handing> {
+    STEP.with(|s| s.borrow_mut().take())
+        .ok_or_else(|| DistError::Config("the overlapped step was removed early".into()))
+}
+
+/// An error if a step is under way on this thread already (steps do not nest).
+fn refuse_nesting() -> Result<()> {
+    if handing_over() {
+        return Err(DistError::Config(
+            "an overlapped step began while another was under way on the same thread".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Installs a step's hand-over on this thread.
+fn install(sink: Sink, weight: f32) {
+    STEP.with(|s| {
+        *s.borrow_mut() = Some(Handing {
+            sink,
+            taken: Vec::new(),
+            device: None,
+            weight,
+            unscale: 1.0,
+            failed: None,
+        })
+    });
+}
+
 /// Whether an [`OverlappedStep`] is installed on this thread: a step should then run its
 /// backward segment by segment and [`hand_over`] each segment's gradients.
 pub fn handing_over() -> bool {
@@ -411,8 +443,26 @@ pub fn hand_over<M: Module>(segment: &M, grads: GradientsParams) -> GradientsPar
         };
         segment.visit(&mut take);
         let Take { grads, tensors, .. } = take;
-        if !tensors.is_empty() {
-            h.exchange.submit(tensors);
+        if tensors.is_empty() {
+            return grads;
+        }
+        match &h.sink {
+            Sink::Allreduce(x) => x.submit(tensors),
+            Sink::Sharded { exchange, index } => {
+                let ids = &h.taken[h.taken.len() - tensors.len()..];
+                let mut indexed = Vec::with_capacity(tensors.len());
+                for ((id, _), values) in ids.iter().zip(tensors) {
+                    match index.get(id) {
+                        Some(&i) => indexed.push((i, values)),
+                        None => {
+                            h.failed.get_or_insert(format!(
+                                "parameter {id} was handed over but is not trainable in the model"
+                            ));
+                        }
+                    }
+                }
+                exchange.submit(indexed);
+            }
         }
         grads
     })
@@ -432,22 +482,29 @@ impl ModuleVisitor for Take<'_> {
         };
         self.handing.device.get_or_insert_with(|| g.device());
         let dims = g.dims().to_vec();
-        let mut values = match g.into_data().convert::<f32>().try_into_vec::<f32>() {
-            Ok(v) => v,
-            Err(e) => {
-                self.handing
-                    .failed
-                    .get_or_insert(format!("parameter {}'s gradient: {e:?}", param.id));
-                vec![0.0; dims.iter().product()]
-            }
-        };
         let scale = self.handing.weight * self.handing.unscale;
-        if scale != 1.0 {
-            values.iter_mut().for_each(|v| *v *= scale);
-        }
+        let values = host_values(g, scale).unwrap_or_else(|e| {
+            self.handing
+                .failed
+                .get_or_insert(format!("parameter {}'s gradient: {e}", param.id));
+            vec![0.0; dims.iter().product()]
+        });
         self.handing.taken.push((param.id, dims));
         self.tensors.push(values);
     }
+}
+
+/// A gradient read to the host, times `scale`.
+fn host_values<const D: usize>(g: Tensor<D>, scale: f32) -> std::result::Result<Vec<f32>, String> {
+    let mut values = g
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| format!("{e:?}"))?;
+    if scale != 1.0 {
+        values.iter_mut().for_each(|v| *v *= scale);
+    }
+    Ok(values)
 }
 
 /// Registers the reduced gradients for the module's parameters.
@@ -466,101 +523,6 @@ impl ModuleVisitor for PutReduced<'_> {
     }
 }
 
+mod sharded;
 #[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use super::*;
-    use crate::Compression;
-
-    /// Runs `f(rank, comm)` on `world` ranks as threads (collectives time out after
-    /// `timeout`), each result within the collective tests' deadline.
-    fn on_ranks<T: Send + 'static>(
-        world: usize,
-        timeout: Duration,
-        f: impl Fn(usize, Arc<Communicator>) -> T + Send + Sync + 'static,
-    ) -> Vec<T> {
-        crate::collective::tests::on_ranks(world, 1 << 16, Compression::None, move |c| {
-            let c = c.with_timeout(timeout);
-            f(c.rank(), Arc::new(c))
-        })
-    }
-
-    const SIZES: [usize; 7] = [5, 3, 7, 0, 2, 30, 9];
-
-    /// Rank `r`'s tensor `i`: small integers, so every order of summation is exact.
-    fn tensor(r: usize, i: usize) -> Vec<f32> {
-        (0..SIZES[i])
-            .map(|j| ((r * 7 + i * 3 + j) % 11) as f32)
-            .collect()
-    }
-
-    #[test]
-    fn handed_over_in_any_rhythm_the_tensors_come_back_as_one_reduction_of_them_all() {
-        for world in [1usize, 2, 3] {
-            for bucket_bytes in [4usize, 40, 1 << 20] {
-                let got = on_ranks(world, Duration::from_secs(20), move |r, comm| {
-                    let x = OverlappedExchange::start(comm, bucket_bytes, ReduceOp::Sum).unwrap();
-                    // Each rank its own rhythm: all at once, one by one with pauses, in pairs.
-                    let all: Vec<Vec<f32>> = (0..SIZES.len()).map(|i| tensor(r, i)).collect();
-                    match r % 3 {
-                        0 => x.submit(all),
-                        1 => {
-                            for t in all {
-                                std::thread::sleep(Duration::from_millis(2));
-                                x.submit(vec![t]);
-                            }
-                        }
-                        _ => {
-                            for pair in all.chunks(2) {
-                                x.submit(pair.to_vec());
-                            }
-                        }
-                    }
-                    x.finish().unwrap()
-                });
-                let want: Vec<Vec<f32>> = (0..SIZES.len())
-                    .map(|i| {
-                        (0..SIZES[i])
-                            .map(|j| (0..world).map(|r| tensor(r, i)[j]).sum())
-                            .collect()
-                    })
-                    .collect();
-                for g in &got {
-                    assert_eq!(g, &want, "world {world}, buckets of {bucket_bytes} B");
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn buckets_close_with_the_tensor_that_fills_them_the_first_one_small() {
-        // Buckets of 10 values: each closes with the tensor that brings it to 10 or more.
-        let mut c = BucketCutter::new(40);
-        let closes: Vec<bool> = SIZES.iter().map(|&n| c.add(n)).collect();
-        assert_eq!(
-            closes,
-            [false, false, true, false, false, true, false],
-            "[5, 3, 7] [0, 2, 30] [9]"
-        );
-        // The first bucket is at most FIRST_BUCKET_BYTES, the later ones the size asked for.
-        let mut c = BucketCutter::new(100 * FIRST_BUCKET_BYTES);
-        let quarter = FIRST_BUCKET_BYTES / 16;
-        let closes: Vec<bool> = (0..6).map(|_| c.add(quarter)).collect();
-        assert_eq!(closes, [false, false, false, true, false, false]);
-    }
-
-    #[test]
-    fn a_failed_bucket_is_an_error_at_finish_on_every_rank_and_nothing_hangs() {
-        // Rank 1 hands over a tensor of another length than rank 0's: the bucket's reduction
-        // fails (or times out) on both, and each finish says so.
-        let got = on_ranks(2, Duration::from_secs(2), |r, comm| {
-            let x = OverlappedExchange::start(comm, 1 << 20, ReduceOp::Sum).unwrap();
-            x.submit(vec![vec![1.0; 4 + r]]);
-            x.finish().map(|_| ())
-        });
-        for (r, g) in got.iter().enumerate() {
-            assert!(g.is_err(), "rank {r}: {g:?}");
-        }
-    }
-}
+mod tests;

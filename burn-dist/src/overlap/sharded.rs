@@ -1,0 +1,92 @@
+//! The overlapped step into ZeRO's buckets: the hand-over of [`super::hand_over`] feeding
+//! [`ShardedExchange`], each parameter found by its index in the trainable order.
+
+use std::collections::HashSet;
+
+use super::*;
+use crate::flat::module::{take_trainable_grads_each, trainable_ids};
+use crate::zero::{ReducedGradients, ZeroOptimizer};
+
+impl OverlappedStep {
+    /// Installs a ZeRO step's exchange on this thread: the handed-over gradients of `model`'s
+    /// trainable tensors reduced to this rank's segments in `zero`'s buckets as each bucket
+    /// completes (stage 2: reduce-scattered, the whole gradient dropped at once), each value
+    /// first multiplied by `weight`. End it with [`Self::finish_sharded`].
+    pub fn begin_sharded<M: Module>(
+        comm: Arc<Communicator>,
+        zero: &ZeroOptimizer,
+        model: &M,
+        weight: f32,
+    ) -> Result<Self> {
+        refuse_nesting()?;
+        let reducer = zero.reducer();
+        let ids = trainable_ids(model);
+        if ids.len() != reducer.tensor_count() {
+            return Err(DistError::Mismatch {
+                op: "overlapped ZeRO exchange".into(),
+                reason: format!(
+                    "the model has {} trainable tensors, the sharded optimizer {}",
+                    ids.len(),
+                    reducer.tensor_count()
+                ),
+            });
+        }
+        let index = ids.into_iter().enumerate().map(|(i, id)| (id, i)).collect();
+        let exchange = ShardedExchange::start(comm.clone(), reducer)?;
+        install(Sink::Sharded { exchange, index }, weight);
+        Ok(Self {
+            comm,
+            bucket_bytes: 0,
+            op: ReduceOp::Mean,
+            compression: Compression::None,
+            _thread: PhantomData,
+        })
+    }
+
+    /// Ends a step begun by [`Self::begin_sharded`]: the gradients of `module` that were not
+    /// handed over (in `grads`, taken out; zero where a parameter has none) join the last
+    /// buckets, and every bucket's segments come back for [`ZeroOptimizer::step_reduced`].
+    /// Also how many tensors were handed over during the backward.
+    pub fn finish_sharded<M: Module>(
+        self,
+        module: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<(ReducedGradients, usize)> {
+        let Handing {
+            sink,
+            taken,
+            weight,
+            failed,
+            ..
+        } = take_step()?;
+        let Sink::Sharded { exchange, .. } = sink else {
+            return Err(DistError::Config(
+                "an overlapped allreduce step was finished as a ZeRO step".into(),
+            ));
+        };
+        // What was not handed over (parameters outside every unit), by index, then the last
+        // buckets.
+        let handed: HashSet<ParamId> = taken.iter().map(|(id, _)| *id).collect();
+        let mut rest = Vec::new();
+        take_trainable_grads_each(
+            module,
+            grads,
+            &|_, id| !handed.contains(&id),
+            &mut |i, mut values| {
+                if weight != 1.0 {
+                    values.iter_mut().for_each(|v| *v *= weight);
+                }
+                rest.push((i, values));
+            },
+        );
+        exchange.submit(rest);
+        let reduced = exchange.finish()?;
+        if let Some(e) = failed {
+            return Err(DistError::Mismatch {
+                op: "overlapped ZeRO exchange".into(),
+                reason: e,
+            });
+        }
+        Ok((reduced, taken.len()))
+    }
+}

@@ -1,0 +1,230 @@
+//! ZeRO's gradient reduction overlapped with the backward pass: the gradients are handed over
+//! as the backward produces them ([`crate::overlap::OverlappedStep::begin_sharded`]), each
+//! kept by its tensor's index, and as soon as every tensor of a bucket is there the bucket is
+//! reduced to this rank's segment ([`BucketReducer::reduce`]: stage 2 reduce-scatters it) and
+//! the whole gradient dropped. So a rank never holds the whole gradient at once, only its
+//! segments and the buckets under way: stage 2's saving of gradient memory.
+//!
+//! The buckets are reduced from the last down, each once all of its tensors and every bucket
+//! after it are done: the same collectives in the same order on every rank, however the ranks'
+//! backward passes are timed (a backward produces the last layers' gradients first, so the
+//! buckets complete in about that order anyway).
+//!
+//! ```
+//! use std::sync::Arc;
+//! use burn_dist::collective::Communicator;
+//! use burn_dist::flat::optim::ShardOptimizer;
+//! use burn_dist::transport::memory::MemoryTransport;
+//! use burn_dist::zero::overlap::ShardedExchange;
+//! use burn_dist::zero::{Stage, ZeroOptimizer};
+//!
+//! let tensors = vec![("a.weight".to_string(), 4), ("a.bias".to_string(), 2)];
+//! let handles: Vec<_> = MemoryTransport::mesh(2)
+//!     .into_iter()
+//!     .map(|t| {
+//!         let tensors = tensors.clone();
+//!         std::thread::spawn(move || {
+//!             let comm = Arc::new(Communicator::new(Arc::new(t)));
+//!             let r = comm.rank() as f32;
+//!             let sgd = ShardOptimizer::sgd(0.1, 0.0);
+//!             let zero = ZeroOptimizer::new(Stage::Two, &tensors, sgd, &comm, 1 << 20).unwrap();
+//!             let x = ShardedExchange::start(comm, zero.reducer()).unwrap();
+//!             // As a backward pass would: the bias's gradient first.
+//!             x.submit(vec![(1, vec![r; 2])]);
+//!             x.submit(vec![(0, vec![2.0 * r; 4])]);
+//!             let reduced = x.finish().unwrap();
+//!             assert_eq!(reduced.buckets(), 1);
+//!         })
+//!     })
+//!     .collect();
+//! for h in handles {
+//!     h.join().unwrap();
+//! }
+//! ```
+
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread::JoinHandle;
+
+use super::{BucketReducer, ReducedGradients};
+use crate::collective::Communicator;
+use crate::{DistError, Result};
+
+/// Gradients handed over by tensor index (in the trainable order), reduced bucket by bucket on
+/// a thread of its own as each bucket completes. While it runs, nothing else may call a
+/// collective on its communicator.
+pub struct ShardedExchange {
+    tx: Option<Sender<Handed>>,
+    worker: Option<JoinHandle<Result<ReducedGradients>>>,
+}
+
+impl ShardedExchange {
+    /// Starts the exchange thread, reducing buckets as `reducer` cuts them over `comm`.
+    pub fn start(comm: Arc<Communicator>, reducer: BucketReducer) -> Result<Self> {
+        let (tx, rx) = channel();
+        let worker = std::thread::Builder::new()
+            .name("burn-dist-zero-exchange".into())
+            .spawn(move || exchange(&comm, &reducer, rx))
+            .map_err(|e| DistError::Config(format!("starting the ZeRO exchange thread: {e}")))?;
+        Ok(Self {
+            tx: Some(tx),
+            worker: Some(worker),
+        })
+    }
+
+    /// Hands over gradients: `(tensor index, values)`. If the exchange has failed they are
+    /// dropped, and [`finish`](Self::finish) returns the failure.
+    pub fn submit(&self, tensors: Handed) {
+        if let Some(tx) = &self.tx {
+            // A closed channel means the thread has stopped on an error: finish reports it.
+            let _ = tx.send(tensors);
+        }
+    }
+
+    /// Reduces the buckets left (a tensor never handed over counts as a zero gradient: a
+    /// parameter the loss does not reach) and returns every bucket's segments.
+    pub fn finish(mut self) -> Result<ReducedGradients> {
+        self.tx.take();
+        let worker = self.worker.take().ok_or_else(|| {
+            DistError::Config("the ZeRO gradient exchange was finished twice".into())
+        })?;
+        worker.join().unwrap_or_else(|_| {
+            Err(DistError::Config(
+                "the ZeRO gradient exchange thread panicked".into(),
+            ))
+        })
+    }
+}
+
+impl Drop for ShardedExchange {
+    fn drop(&mut self) {
+        // Dropped without finish (the step failed): the thread reduces what it has and stops;
+        // each collective's timeout bounds the wait.
+        self.tx.take();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// Gradients handed over together: `(tensor index, values)`.
+type Handed = Vec<(usize, Vec<f32>)>;
+
+/// A bucket's reduced segments: this rank's, and its replica's.
+type Segments = (Vec<f32>, Option<Vec<f32>>);
+
+/// What the exchange thread holds: the gradients waiting for their buckets, and the buckets
+/// reduced so far.
+struct Pending<'a> {
+    reducer: &'a BucketReducer,
+    /// Per tensor: its gradient, until its bucket is reduced.
+    slots: Vec<Option<Vec<f32>>>,
+    /// Per tensor: its bucket.
+    bucket_of: Vec<usize>,
+    /// Per bucket: its tensors not handed over yet.
+    missing: Vec<usize>,
+    /// Per bucket: its segments, once reduced.
+    done: Vec<Option<Segments>>,
+    /// The buckets below it are not reduced yet.
+    next: usize,
+}
+
+impl<'a> Pending<'a> {
+    fn new(reducer: &'a BucketReducer) -> Self {
+        let buckets = reducer.buckets();
+        let mut bucket_of = vec![0; reducer.tensor_count()];
+        let mut missing = vec![0; buckets];
+        for (b, m) in missing.iter_mut().enumerate() {
+            for t in reducer.tensors(b) {
+                bucket_of[t] = b;
+                *m += 1;
+            }
+        }
+        Self {
+            reducer,
+            slots: vec![None; reducer.tensor_count()],
+            bucket_of,
+            missing,
+            done: (0..buckets).map(|_| None).collect(),
+            next: buckets,
+        }
+    }
+
+    /// Keeps tensor `t`'s gradient; an error for an unknown tensor, a wrong length or a
+    /// second hand-over.
+    fn add(&mut self, t: usize, values: Vec<f32>) -> Result<()> {
+        let bad = |reason: String| DistError::Mismatch {
+            op: "ZeRO gradient exchange".into(),
+            reason,
+        };
+        if t >= self.slots.len() {
+            return Err(bad(format!(
+                "tensor {t} handed over, of {} trainable tensors",
+                self.slots.len()
+            )));
+        }
+        let want = self.reducer.tensor_len(t);
+        if values.len() != want {
+            return Err(bad(format!(
+                "tensor {t}'s gradient has {} values, its parameter {want}",
+                values.len()
+            )));
+        }
+        let b = self.bucket_of[t];
+        if self.slots[t].is_some() || b >= self.next {
+            return Err(bad(format!("tensor {t}'s gradient was handed over twice")));
+        }
+        self.slots[t] = Some(values);
+        self.missing[b] -= 1;
+        Ok(())
+    }
+
+    /// Reduces the last unreduced bucket while it is complete (`all`: complete or not).
+    fn reduce_ready(&mut self, comm: &Communicator, all: bool) -> Result<()> {
+        while self.next > 0 && (all || self.missing[self.next - 1] == 0) {
+            let b = self.next - 1;
+            let tensors = self.reducer.tensors(b);
+            let g = if tensors.len() == 1 {
+                // One tensor: its values are the bucket, moved.
+                let t = tensors.start;
+                self.slots[t]
+                    .take()
+                    .unwrap_or_else(|| vec![0.0; self.reducer.tensor_len(t)])
+            } else {
+                let mut g = Vec::new();
+                for t in tensors {
+                    match self.slots[t].take() {
+                        Some(v) => g.extend_from_slice(&v),
+                        None => g.resize(g.len() + self.reducer.tensor_len(t), 0.0),
+                    }
+                }
+                g
+            };
+            self.done[b] = Some(self.reducer.reduce(comm, b, g)?);
+            self.next = b;
+        }
+        Ok(())
+    }
+}
+
+/// The exchange thread: keeps what comes, reduces the buckets as they complete, the rest
+/// when the sender is done.
+fn exchange(
+    comm: &Communicator,
+    reducer: &BucketReducer,
+    rx: Receiver<Handed>,
+) -> Result<ReducedGradients> {
+    let mut pending = Pending::new(reducer);
+    for tensors in rx {
+        for (t, values) in tensors {
+            pending.add(t, values)?;
+        }
+        pending.reduce_ready(comm, false)?;
+    }
+    pending.reduce_ready(comm, true)?;
+    let mut reduced = ReducedGradients::with_capacity(reducer.buckets());
+    for (mine, theirs) in pending.done.into_iter().flatten() {
+        reduced.push(mine, theirs);
+    }
+    Ok(reduced)
+}
