@@ -85,9 +85,9 @@ fn values_a_mode_cannot_run_are_refused_before_launching() {
             "--bucket-mb must be positive",
         ),
         (
-            &["--nproc", "2"][..],
+            &["--elastic"][..],
             &["--overlap", "--zero", "1"][..],
-            "--overlap does not work with --zero",
+            "--overlap does not work with --zero in --elastic",
         ),
         (
             &["--nproc", "2"][..],

@@ -94,17 +94,34 @@ fn zero_1_and_2_train_an_image_model_as_plain_data_parallel_does_and_resume_exac
     ] {
         let run = |zero: &str| dir.path().join(format!("{name}-zero{zero}"));
         let mut curves = Vec::new();
-        for zero in ["0", "1", "2"] {
+        // "2o": `--zero 2 --overlap`, each bucket reduce-scattered during the backward.
+        let stages: &[&str] = match name {
+            "adam" => &["0", "1", "2", "1o", "2o"],
+            "fp16" => &["0", "1", "2", "2o"],
+            _ => &["0", "1", "2"],
+        };
+        for &label in stages {
+            let zero = &label[..1];
             let mut args = vec!["--epochs", "2", "--zero", zero];
+            if label.ends_with('o') {
+                args.push("--overlap");
+            }
             args.extend_from_slice(opts);
-            let logs = run_job(dir.path(), &data, &run(zero), 2, &args, env);
+            let logs = run_job(dir.path(), &data, &run(label), 2, &args, env);
+            if label.ends_with('o') {
+                assert!(
+                    logs.contains("were exchanged during the backward pass")
+                        && !logs.contains("`exchange.overlap`: 0 gradient tensors"),
+                    "{logs}"
+                );
+            }
             if zero != "0" {
                 assert!(
                     logs.contains(&format!("ZeRO stage {zero}: rank 0 keeps")),
                     "{logs}"
                 );
                 assert!(
-                    run(zero)
+                    run(label)
                         .join("checkpoint/optim-zero-2.safetensors")
                         .is_file()
                 );
@@ -117,7 +134,7 @@ fn zero_1_and_2_train_an_image_model_as_plain_data_parallel_does_and_resume_exac
             }
             curves.push(metrics(&run(zero)));
         }
-        stages_equal_plain(name, &curves, &run);
+        stages_equal_plain(name, stages, &curves, &run);
         if name == "fp16" {
             // The forced skip and any the scale's first steps make on their own (it comes down
             // from 2^16), the same in every run.
@@ -300,7 +317,7 @@ fn zero_shards_each_pipeline_stage_over_its_replicas_and_resumes_exactly() {
             }
             curves.push(metrics(&run(zero)));
         }
-        stages_equal_plain(&format!("pipeline {name}"), &curves, &run);
+        stages_equal_plain(&format!("pipeline {name}"), &["0", "1", "2"], &curves, &run);
     }
     // Stopped after epoch 1, resumed with the other stage: the uninterrupted run's curve.
     let stopped = dir.path().join("pipe-stopped");
@@ -323,13 +340,14 @@ fn zero_shards_each_pipeline_stage_over_its_replicas_and_resumes_exactly() {
 /// exported weights, to 1e-5.
 fn stages_equal_plain(
     name: &str,
+    stages: &[&str],
     curves: &[BTreeMap<usize, BTreeMap<String, f64>>],
     run: &dyn Fn(&str) -> PathBuf,
 ) {
-    for (i, zero) in ["1", "2"].iter().enumerate() {
+    for (i, zero) in stages.iter().enumerate().skip(1) {
         same_curves(
             (&format!("{name} plain"), &curves[0]),
-            (&format!("{name} zero {zero}"), &curves[i + 1]),
+            (&format!("{name} zero {zero}"), &curves[i]),
             &COLUMNS,
             1e-5,
         );
@@ -388,14 +406,24 @@ fn zero_takes_the_fine_tuning_switch_with_sgd_and_adam() {
         ] {
             let run = |zero: &str| dir.path().join(format!("ft-{optimizer}-{name}-zero{zero}"));
             let mut curves = Vec::new();
-            for zero in ["0", "1", "2"] {
-                let mut args = vec!["--zero", zero];
+            // Data parallel also with `--overlap` ("2o"): the frozen phase hands over the
+            // head's gradients alone, the fine-tuning phase every unit's.
+            let stages: &[&str] = if world == 2 {
+                &["0", "1", "2", "2o"]
+            } else {
+                &["0", "1", "2"]
+            };
+            for &label in stages {
+                let mut args = vec!["--zero", &label[..1]];
+                if label.ends_with('o') {
+                    args.push("--overlap");
+                }
                 args.extend_from_slice(&phases);
                 args.extend_from_slice(layout);
-                run_job(dir.path(), &data, &run(zero), world, &args, &[]);
-                curves.push(metrics(&run(zero)));
+                run_job(dir.path(), &data, &run(label), world, &args, &[]);
+                curves.push(metrics(&run(label)));
             }
-            stages_equal_plain(&format!("{optimizer} {name}"), &curves, &run);
+            stages_equal_plain(&format!("{optimizer} {name}"), stages, &curves, &run);
             // Stopped at the switch, resumed: the fine-tuning phase starts from the head's file
             // (in the pipeline, stage 0 trained nothing before it and wrote none).
             let stopped = dir.path().join(format!("ft-{optimizer}-{name}-stopped"));

@@ -20,7 +20,7 @@ use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn_dist::overlap::OverlappedStep;
 use burn_dist::ps::client::PsWorker;
-use burn_dist::zero::ZeroOptimizer;
+use burn_dist::zero::{ReducedGradients, ZeroOptimizer};
 use burn_dist::{Communicator, DistError, ReduceOp};
 
 use super::config::ExchangeSettings;
@@ -85,6 +85,68 @@ impl Exchange {
         Ok(Some(o))
     }
 
+    /// Plan for `exchange.zero` with `exchange.overlap`: the step's exchange installed on this
+    /// thread, each unit's gradients reduced into `z`'s buckets as the backward hands them
+    /// over (stage 2: each bucket's whole gradient gone as soon as it is reduce-scattered).
+    /// `None` without overlap.
+    pub(super) fn plan_sharded<M: Module>(
+        &self,
+        comm: &Arc<Communicator>,
+        scale: Option<f32>,
+        z: &ZeroOptimizer,
+        model: &M,
+    ) -> std::result::Result<Option<OverlappedStep>, DistError> {
+        if !self.settings.overlap {
+            return Ok(None);
+        }
+        let o = OverlappedStep::begin_sharded(comm.clone(), z, model, 1.0)?;
+        if let Some(s) = scale {
+            burn_dist::overlap::unscale_by(s);
+        }
+        Ok(Some(o))
+    }
+
+    /// The exchange of a step planned by [`Self::plan_sharded`]: what the backward did not
+    /// hand over (in `grads`) joins the last buckets, and the step's gradients come back
+    /// reduced to this rank's segments, for [`Update::sharded`]. Timed.
+    pub(super) fn reduce_sharded<M: Module>(
+        &mut self,
+        model: &M,
+        grads: &mut GradientsParams,
+        overlapped: OverlappedStep,
+        comm: &Communicator,
+        log: &mut dyn FnMut(&str),
+    ) -> std::result::Result<ReducedGradients, DistError> {
+        let started = Instant::now();
+        let done = overlapped.finish_sharded(model, grads);
+        self.clock.exchanging += started.elapsed();
+        let (reduced, handed) = done?;
+        self.say_handed(handed, model, comm, log);
+        Ok(reduced)
+    }
+
+    /// The first overlapped step's line: how many tensors went during the backward.
+    fn say_handed<M: Module>(
+        &mut self,
+        handed: usize,
+        model: &M,
+        comm: &Communicator,
+        log: &mut dyn FnMut(&str),
+    ) {
+        if self.said {
+            return;
+        }
+        self.said = true;
+        log(&format!(
+            "`exchange.overlap`: {handed} gradient tensors of {} were exchanged during the \
+             backward pass",
+            burn_dist::ddp::module_values(model).len()
+        ));
+        if let Some(notice) = one_host_overlap_notice(comm) {
+            log(notice);
+        }
+    }
+
     /// Exchange: `grads` become the step's over `comm`'s ranks: what `overlapped` handed over
     /// during the backward, with the rest; without it, the whole gradients in buckets. The
     /// first overlapped step says how many tensors went during the backward. Timed.
@@ -98,26 +160,9 @@ impl Exchange {
     ) -> std::result::Result<(), DistError> {
         let started = Instant::now();
         let bytes = self.settings.bucket_bytes;
-        let done = 'done: {
-            if let Some(o) = overlapped {
-                let handed = match o.finish(model, grads) {
-                    Ok(handed) => handed,
-                    Err(e) => break 'done Err(e),
-                };
-                if !self.said {
-                    self.said = true;
-                    log(&format!(
-                        "`exchange.overlap`: {handed} gradient tensors of {} were exchanged \
-                         during the backward pass",
-                        burn_dist::ddp::module_values(model).len()
-                    ));
-                    if let Some(notice) = one_host_overlap_notice(comm) {
-                        log(notice);
-                    }
-                }
-                break 'done Ok(());
-            }
-            match self.op {
+        let handed = match overlapped {
+            Some(o) => o.finish(model, grads).map(Some),
+            None => match self.op {
                 // The mean: summed on the wire in the communicator's format, divided after,
                 // so that a narrow format (fp16) never holds halved values.
                 ReduceOp::Mean => burn_dist::ddp::allreduce_grads(model, grads, comm, bytes),
@@ -131,9 +176,13 @@ impl Exchange {
                     self.settings.compression,
                 ),
             }
+            .map(|()| None),
         };
         self.clock.exchanging += started.elapsed();
-        done
+        if let Some(handed) = handed? {
+            self.say_handed(handed, model, comm, log);
+        }
+        Ok(())
     }
 
     /// Times a part of the step that exchanges inside it (`exchange.zero`'s sharded update).
@@ -161,6 +210,19 @@ impl Exchange {
                 clock.stepping,
             )
         })
+    }
+}
+
+/// A ZeRO step's gradients: this rank's whole (reduced in the step) or reduced to its
+/// segments already (during the backward).
+pub(super) enum ShardedGrads {
+    Whole(GradientsParams),
+    Reduced(ReducedGradients),
+}
+
+impl From<GradientsParams> for ShardedGrads {
+    fn from(g: GradientsParams) -> Self {
+        ShardedGrads::Whole(g)
     }
 }
 
@@ -203,13 +265,14 @@ impl Update<'_> {
     /// `z`'s shard, its update, the parameters all-gathered into `model` bucket by bucket
     /// (the caller hands over its copy, so the old values go as the new ones come), with
     /// fp16's verdict on the reduced gradients (`agree` as in [`Self::apply`]). The model, and
-    /// whether it stepped (fp16 may skip).
+    /// whether it stepped (fp16 may skip). Gradients reduced during the backward
+    /// ([`Exchange::reduce_sharded`]) go straight to the update.
     pub(super) fn sharded<M: Module>(
         self,
         z: &mut ZeroOptimizer,
         lr: f64,
         model: M,
-        grads: GradientsParams,
+        grads: impl Into<ShardedGrads>,
         comm: &Communicator,
         mut agree: impl FnMut(bool) -> std::result::Result<bool, DistError>,
     ) -> std::result::Result<(M, bool), DistError> {
@@ -225,8 +288,11 @@ impl Update<'_> {
                 }
             },
         };
-        let stepped =
-            burn_dist::zero::module::sharded_step_owned(z, model, grads, comm, lr, &mut take)?;
+        use burn_dist::zero::module::{sharded_step_owned, sharded_step_reduced};
+        let stepped = match grads.into() {
+            ShardedGrads::Whole(g) => sharded_step_owned(z, model, g, comm, lr, &mut take)?,
+            ShardedGrads::Reduced(r) => sharded_step_reduced(z, model, r, comm, lr, &mut take)?,
+        };
         match failed {
             Some(e) => Err(e),
             None => Ok(stepped),

@@ -281,8 +281,11 @@ impl TrainConfig {
             )
         } else if self.mode.pipeline().is_some() {
             Some("`PipelineOptions.stages` (not built: a stage's replicas exchange after its step)")
-        } else if self.exchange.zero > 0 {
-            Some("`exchange.zero` (its exchange is a reduce-scatter in buckets of its own)")
+        } else if self.exchange.zero > 0 && self.mode.elastic().is_some() {
+            Some(
+                "`exchange.zero` in `TrainingMode::Elastic` (not built: its sharded step reduces \
+                 after the backward, with the members of the step)",
+            )
         } else if self.optim.grad_accum.is_some_and(|k| k > 1) {
             Some("`optim.grad_accum` (a step's gradients are exchanged on its last backward only)")
         } else if self.mode.elastic().is_none() && self.dist.as_ref().is_none_or(|d| d.world < 2) {

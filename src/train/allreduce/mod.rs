@@ -34,7 +34,7 @@ use burn_dist::{Communicator, ReduceOp};
 
 use super::ema::Ema;
 use super::epochs::{Epochs, Row};
-use super::exchange::{Exchange, Update};
+use super::exchange::{Exchange, ShardedGrads, Update};
 use super::export::export_best;
 use super::faults::Faults;
 use super::model::{optimizer, seed_stream};
@@ -255,7 +255,15 @@ impl<T: Trainee> Allreduce<'_, T> {
         };
         self.steps += 1;
         if let (Some(z), Some(comm)) = (&mut self.zero, &self.comm) {
-            // Exchange and update in one (`--overlap` is refused with it).
+            // Exchange and update in one; with `--overlap` the gradients were reduced into
+            // the shard's buckets during the backward.
+            let grads = match overlapped {
+                Some(o) => ShardedGrads::Reduced(
+                    self.exchange
+                        .reduce_sharded(&model, &mut grads, o, comm, log)?,
+                ),
+                None => grads.into(),
+            };
             let (model, stepped) = self
                 .exchange
                 .timed(|| update.sharded(z, lr, model, grads, comm, Ok))?;
@@ -373,9 +381,11 @@ impl<T: Trainee> Allreduce<'_, T> {
         let Some(comm) = &self.comm else {
             return Ok(None);
         };
-        Ok(self
-            .exchange
-            .plan(comm, self.scaler.as_ref().map(|s| s.scale()))?)
+        let scale = self.scaler.as_ref().map(|s| s.scale());
+        Ok(match &self.zero {
+            Some(z) => self.exchange.plan_sharded(comm, scale, z, self.model()?)?,
+            None => self.exchange.plan(comm, scale)?,
+        })
     }
 
     /// Stops every rank when one saw a loss that is not finite (fp16 aside, whose loss scale
