@@ -19,7 +19,9 @@
 //! `--zero` keeps 1/N of them, and `--zero 2` also 1/N of the gradients. The goal (issue 58):
 //! the peak resident memory saved against plain data parallel at least 80% of that share, at
 //! N = 2 and 4, for VGG-16 and ResNet-50 with Adam; the last column says whether it is met.
-//! ZeRO stage 3 (`--zero 3`) is not built: it has no rows.
+//! Stage 2 runs twice: as it is, and with `--overlap` ("2 + overlap"), where each bucket's
+//! gradient is reduce-scattered during the backward and dropped, which is where stage 2 saves
+//! the gradients' share. ZeRO stage 3 (`--zero 3`) is not built: it has no rows.
 //!
 //! Without `--bench` (`cargo test --benches`) it runs a small smoke configuration.
 
@@ -50,11 +52,14 @@ fn hearth(
     optimizer: &str,
     ranks: usize,
     zero: u8,
+    overlap: bool,
     recompute: bool,
     size: usize,
     per_rank: usize,
 ) -> Result<Measured, String> {
-    let run = dir.join(format!("{model}-{optimizer}-{ranks}-{zero}-{recompute}"));
+    let run = dir.join(format!(
+        "{model}-{optimizer}-{ranks}-{zero}-{overlap}-{recompute}"
+    ));
     let batch = (per_rank * ranks).to_string();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_hearth"));
     cmd.args(["train", "--data"])
@@ -75,6 +80,9 @@ fn hearth(
     if recompute {
         cmd.arg("--recompute");
     }
+    if overlap {
+        cmd.arg("--overlap");
+    }
     let out = cmd.output().map_err(|e| format!("hearth: {e}"))?;
     let text = format!(
         "{}{}",
@@ -83,7 +91,8 @@ fn hearth(
     );
     if !out.status.success() {
         return Err(format!(
-            "hearth {model} {optimizer} N={ranks} zero {zero} recompute {recompute} failed:\n{text}"
+            "hearth {model} {optimizer} N={ranks} zero {zero} overlap {overlap} recompute \
+             {recompute} failed:\n{text}"
         ));
     }
     let mut m = Measured {
@@ -269,16 +278,21 @@ fn main() {
             let slots = if optimizer == "adam" { 2.0 } else { 1.0 };
             for n in &ranks {
                 let n: usize = n.parse().expect("HEARTH_MEM_RANKS: numbers");
-                let stages: &[u8] = if n > 1 { &[0, 1, 2] } else { &[0] };
+                // (stage, --overlap)
+                let stages: &[(u8, bool)] = if n > 1 {
+                    &[(0, false), (1, false), (2, false), (2, true)]
+                } else {
+                    &[(0, false)]
+                };
                 let mut plain: Option<Measured> = None;
                 let mut torch_plain: Option<Measured> = None;
                 let mut torch_zero: Option<Measured> = None;
-                for (&zero, &recompute) in stages
+                for (&(zero, overlap), &recompute) in stages
                     .iter()
                     .flat_map(|z| recomputes.iter().map(move |r| (z, r)))
                 {
                     let m = match hearth(
-                        &dir, &data, model, optimizer, n, zero, recompute, size, per_rank,
+                        &dir, &data, model, optimizer, n, zero, overlap, recompute, size, per_rank,
                     ) {
                         Ok(m) => m,
                         Err(e) => {
@@ -363,7 +377,8 @@ fn main() {
                         }
                     };
                     println!(
-                        "| {model} | {optimizer} | {n} | {zero} | {} | {:.0} / {:.0} | {} | {saved} | {goal} | {:.0} | {} | {} | {} | {} |",
+                        "| {model} | {optimizer} | {n} | {zero}{} | {} | {:.0} / {:.0} | {} | {saved} | {goal} | {:.0} | {} | {} | {} | {} |",
+                        if overlap { " + overlap" } else { "" },
                         if recompute { "yes" } else { "no" },
                         max(&m.peaks),
                         max(&m.heaps),
