@@ -141,22 +141,53 @@ pub fn with_module_values<M: Module>(module: M, values: Vec<Vec<f32>>) -> Result
     }
 }
 
-/// Rank 0's parameters and buffers on every rank.
+/// Rank 0's parameters and buffers on every rank, a tensor at a time: each is read,
+/// broadcast and put back before the next, so besides the module a rank holds one tensor's
+/// values twice at most (a copy of the whole module's values cost three models at once:
+/// the start's peak of every data-parallel run).
 pub fn broadcast_module<M: Module>(module: M, comm: &Communicator) -> Result<M> {
     if comm.world() == 1 {
         return Ok(module);
     }
-    let values = module_values(&module);
-    let sizes: Vec<usize> = values.iter().map(Vec::len).collect();
-    let mut flat: Vec<f32> = values.into_iter().flatten().collect();
-    comm.broadcast(&mut flat, 0)?;
-    let mut out = Vec::with_capacity(sizes.len());
-    let mut at = 0;
-    for n in sizes {
-        out.push(flat[at..at + n].to_vec());
-        at += n;
+    sync_running_stats(&module);
+    let mut b = Broadcast { comm, error: None };
+    let m = module.map(&mut b);
+    match b.error {
+        Some(e) => Err(e),
+        None => Ok(m),
     }
-    with_module_values(module, out)
+}
+
+/// Broadcasts each float tensor from rank 0 as the module is mapped.
+struct Broadcast<'a> {
+    comm: &'a Communicator,
+    error: Option<DistError>,
+}
+
+impl ModuleMapper for Broadcast<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if self.error.is_some() {
+            return param;
+        }
+        let (comm, error) = (self.comm, &mut self.error);
+        param.map(|t| {
+            let shape = t.shape();
+            let rg = t.is_require_grad();
+            let device = t.device();
+            let mut v = t.into_flat_f32();
+            if v.len() != shape.num_elements() {
+                error.get_or_insert(DistError::Mismatch {
+                    op: "module broadcast".into(),
+                    reason: format!("a tensor of shape {shape:?} read as {} values", v.len()),
+                });
+                v.resize(shape.num_elements(), 0.0);
+            }
+            if let Err(e) = comm.broadcast(&mut v, 0) {
+                error.get_or_insert(e);
+            }
+            Tensor::<D>::from_data(TensorData::new(v, shape), &device).set_require_grad(rg)
+        })
+    }
 }
 
 /// Averages `grads` across ranks in place: flattened in the module's parameter order, packed
