@@ -366,6 +366,13 @@ impl<T: Trainee> ElasticRun<'_, T> {
             world.rank(),
             world.size()
         ));
+        // The training state goes before rank 0 builds the best epoch's model again to export
+        // it (as data parallel's finish does): that model takes the memory this one held.
+        let Commit {
+            model, optim, ema, ..
+        } = commit;
+        drop((model, optim, ema));
+        self.zero = None;
         let rows = commit.rows.clone();
         let epochs = Epochs::new(self.cfg, world.rank() == 0);
         epochs.set_rows(rows.clone());
