@@ -86,6 +86,9 @@ impl ZeroOptimizer {
         if let Some(max) = self.clip_norm {
             self.clip(comm, max, &mut grads, &mut theirs)?;
         }
+        if self.replica.is_none() && !self.whole.needs_norms() {
+            return self.step_bucket_by_bucket(comm, grads, source, lr, deliver);
+        }
         // 3. The segments' values, and LARS's norms summed over every rank's segments.
         let mut values: Vec<Vec<f32>> = (0..self.buckets.len())
             .map(|b| source.values(self.segment(b, self.rank)))
@@ -198,31 +201,75 @@ impl ZeroOptimizer {
         deliver: &mut dyn FnMut(Range<usize>, Vec<Vec<f32>>) -> Result<()>,
     ) -> Result<()> {
         for (b, v) in values.into_iter().enumerate() {
-            // The old values go before the new ones come (the gathered buffer then takes
-            // the memory they had).
-            source.release(self.buckets[b].tensors.clone());
-            let gathered = self.all_gather(comm, b, &v)?;
-            drop(v);
-            let bucket = &self.buckets[b];
-            let parts = if bucket.tensors.len() == 1 {
-                // One tensor: the gathered bucket is its values, moved, not copied.
-                vec![gathered]
-            } else {
-                bucket
-                    .tensors
-                    .clone()
-                    .map(|t| {
-                        let (lo, hi) = (
-                            self.offsets[t] - bucket.range.start,
-                            self.offsets[t + 1] - bucket.range.start,
-                        );
-                        gathered[lo..hi].to_vec()
-                    })
-                    .collect()
-            };
-            deliver(bucket.tensors.clone(), parts)?;
+            self.deliver_bucket(comm, source, b, v, deliver)?;
         }
         Ok(())
+    }
+
+    /// Steps 3 and 4 a bucket at a time, where no update needs another bucket (no norms, no
+    /// replica): a segment's values are read, updated and gathered before the next bucket's
+    /// are read, so the step never holds every segment's values and averaged gradient at once
+    /// (1/N of the model each). The same operations, and collectives, as the other path.
+    fn step_bucket_by_bucket(
+        &mut self,
+        comm: &Communicator,
+        grads: Vec<Vec<f32>>,
+        source: &mut dyn StepSource,
+        lr: f32,
+        deliver: &mut dyn FnMut(Range<usize>, Vec<Vec<f32>>) -> Result<()>,
+    ) -> Result<bool> {
+        self.applied = self.updates + 1;
+        for (b, g) in grads.into_iter().enumerate() {
+            let mut v = source.values(self.segment(b, self.rank));
+            if v.len() != g.len() {
+                return Err(step_mismatch(format!(
+                    "{} values read for a segment of {} (bucket {b})",
+                    v.len(),
+                    g.len()
+                )));
+            }
+            self.mine[b].step_at(self.updates, lr, &mut v, &g, &mut self.state[b], None);
+            drop(g);
+            self.deliver_bucket(comm, source, b, v, deliver)?;
+        }
+        self.updates += 1;
+        self.applied = self.updates;
+        Ok(true)
+    }
+
+    /// Bucket `b`'s tensors' updated values, whole, from every rank's updated segment (`v`,
+    /// this rank's), to `deliver` (a bucket holds whole tensors).
+    fn deliver_bucket(
+        &self,
+        comm: &Communicator,
+        source: &mut dyn StepSource,
+        b: usize,
+        v: Vec<f32>,
+        deliver: &mut dyn FnMut(Range<usize>, Vec<Vec<f32>>) -> Result<()>,
+    ) -> Result<()> {
+        // The old values go before the new ones come (the gathered buffer then takes the
+        // memory they had).
+        source.release(self.buckets[b].tensors.clone());
+        let gathered = self.all_gather(comm, b, &v)?;
+        drop(v);
+        let bucket = &self.buckets[b];
+        let parts = if bucket.tensors.len() == 1 {
+            // One tensor: the gathered bucket is its values, moved, not copied.
+            vec![gathered]
+        } else {
+            bucket
+                .tensors
+                .clone()
+                .map(|t| {
+                    let (lo, hi) = (
+                        self.offsets[t] - bucket.range.start,
+                        self.offsets[t + 1] - bucket.range.start,
+                    );
+                    gathered[lo..hi].to_vec()
+                })
+                .collect()
+        };
+        deliver(bucket.tensors.clone(), parts)
     }
 }
 
