@@ -1,0 +1,98 @@
+//! The gradients reduced during the backward (`ShardedExchange`) against the reduction after it.
+
+use super::*;
+
+/// Rank `r`'s gradient of the 23 values, and the order it hands its tensors over in: the
+/// ranks' rhythms differ (one at a time from the last, all at once in module order, a pair
+/// then one, tensor 0 never handed over: counted as zero).
+fn handed(r: usize) -> (Vec<f32>, Vec<Vec<usize>>) {
+    let mut g = grad(r, 0, &start_values());
+    let order = match r % 3 {
+        0 => vec![vec![3], vec![2], vec![1], vec![0]],
+        1 => vec![vec![0, 1, 2, 3]],
+        _ => {
+            g[..7].fill(0.0);
+            vec![vec![3, 2], vec![1]]
+        }
+    };
+    (g, order)
+}
+
+#[test]
+fn gradients_handed_over_in_any_rhythm_reduce_as_after_the_backward() {
+    let offsets = vec![0, 7, 9, 20, 23];
+    for (world, stage, replica) in [
+        (2, Stage::One, false),
+        (2, Stage::Two, false),
+        (3, Stage::Two, false),
+        (3, Stage::One, true),
+        (3, Stage::Two, true),
+    ] {
+        let handles: Vec<_> = MemoryTransport::mesh(world)
+            .into_iter()
+            .map(|t| {
+                let offsets = offsets.clone();
+                thread::spawn(move || {
+                    let comm = Arc::new(rank_comm(t));
+                    let o = optimizer(Update::adam());
+                    // Buckets of 10 values: [a.weight, a.bias], [b.weight], [b.bias].
+                    let mut z = ZeroOptimizer::new(stage, &tensors(), o, &comm, 40).unwrap();
+                    if replica {
+                        z = z.with_replica();
+                    }
+                    let (g, order) = handed(comm.rank());
+                    let values = start_values();
+                    let mut source = FlatSource {
+                        grad: &g,
+                        values: &values,
+                        offsets: offsets.clone(),
+                    };
+                    let want = z.reduce_gradients(&comm, &mut source).unwrap();
+                    let x = overlap::ShardedExchange::start(comm.clone(), z.reducer()).unwrap();
+                    for batch in order {
+                        let tensors = batch
+                            .into_iter()
+                            .map(|t| (t, g[offsets[t]..offsets[t + 1]].to_vec()))
+                            .collect();
+                        x.submit(tensors);
+                    }
+                    let got = x.finish().unwrap();
+                    (want, got)
+                })
+            })
+            .collect();
+        for (r, h) in handles.into_iter().enumerate() {
+            let (want, got) = h.join().unwrap();
+            let case = format!("world {world}, {stage:?}, replica {replica}, rank {r}");
+            assert_eq!(got.grads, want.grads, "{case}");
+            assert_eq!(got.theirs, want.theirs, "{case}");
+            assert_eq!(got.buckets(), 3, "{case}");
+            assert!(got.finite, "{case}");
+        }
+    }
+}
+
+#[test]
+fn a_bad_hand_over_fails_the_exchange_naming_the_tensor() {
+    let cases: [(Vec<(usize, usize)>, &str); 3] = [
+        (vec![(4, 3)], "tensor 4 handed over, of 4"),
+        (
+            vec![(1, 3)],
+            "tensor 1's gradient has 3 values, its parameter 2",
+        ),
+        (
+            vec![(3, 3), (3, 3)],
+            "tensor 3's gradient was handed over twice",
+        ),
+    ];
+    for (batch, want) in cases {
+        let t = MemoryTransport::mesh(1).pop().unwrap();
+        let comm = Arc::new(rank_comm(t));
+        let z = ZeroOptimizer::new(Stage::Two, &tensors(), optimizer(Update::adam()), &comm, 40)
+            .unwrap();
+        let x = overlap::ShardedExchange::start(comm, z.reducer()).unwrap();
+        x.submit(batch.into_iter().map(|(t, n)| (t, vec![1.0; n])).collect());
+        let e = x.finish().unwrap_err().to_string();
+        assert!(e.contains(want), "{e}");
+    }
+}
