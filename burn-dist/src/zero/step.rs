@@ -94,13 +94,7 @@ impl ZeroOptimizer {
             .map(|b| source.values(self.segment(b, self.rank)))
             .collect();
         for (b, (v, g)) in values.iter().zip(&grads).enumerate() {
-            if v.len() != g.len() {
-                return Err(step_mismatch(format!(
-                    "{} values read for a segment of {} (bucket {b})",
-                    v.len(),
-                    g.len()
-                )));
-            }
+            same_segment(b, v, g)?;
         }
         let norms = self.summed_norms(comm, &values, &grads)?;
         // 4. This rank's update of every bucket's segment (the buckets are independent: spread
@@ -221,13 +215,7 @@ impl ZeroOptimizer {
         self.applied = self.updates + 1;
         for (b, g) in grads.into_iter().enumerate() {
             let mut v = source.values(self.segment(b, self.rank));
-            if v.len() != g.len() {
-                return Err(step_mismatch(format!(
-                    "{} values read for a segment of {} (bucket {b})",
-                    v.len(),
-                    g.len()
-                )));
-            }
+            same_segment(b, &v, &g)?;
             self.mine[b].step_at(self.updates, lr, &mut v, &g, &mut self.state[b], None);
             drop(g);
             self.deliver_bucket(comm, source, b, v, deliver)?;
@@ -303,6 +291,18 @@ fn update_on_every_core(mut work: Vec<Update<'_>>, updates: u64, lr: f32, norms:
             });
         }
     });
+}
+
+/// Bucket `b`'s segment values `v` read for its averaged gradient `g`: the same length.
+fn same_segment(b: usize, v: &[f32], g: &[f32]) -> Result<()> {
+    if v.len() == g.len() {
+        return Ok(());
+    }
+    Err(step_mismatch(format!(
+        "{} values read for a segment of {} (bucket {b})",
+        v.len(),
+        g.len()
+    )))
 }
 
 fn step_mismatch(reason: String) -> DistError {
