@@ -225,3 +225,176 @@ fn an_overlapped_exchange_equals_the_exchange_after_the_backward() {
     }
     assert_eq!(seen, world, "a rank failed or hung");
 }
+
+/// ZeRO stage 3 on a model of units: the parameters held as each rank's segments, each unit
+/// gathered before its forward (and again before its recomputed backward), every gradient
+/// reduced during the backward on the step's thread; against stage 2 (itself tested equal to
+/// plain data parallel) from the same weights and batches.
+#[test]
+fn zero_stage_3_gathers_each_unit_for_its_passes_and_equals_stage_2() {
+    let _random = random_lock();
+    let device = Device::flex().autodiff();
+    let weights: Vec<Vec<Vec<f32>>> = parts(3, &device).iter().map(module_values).collect();
+    let fresh = || -> Vec<Part> {
+        parts(3, &device)
+            .into_iter()
+            .zip(weights.clone())
+            .map(|(p, w)| burn_dist::ddp::with_module_values(p, w).unwrap())
+            .collect()
+    };
+    for world in [2, 3] {
+        let (tx, rx) = std::sync::mpsc::channel();
+        for (r, t) in MemoryTransport::mesh(world).into_iter().enumerate() {
+            let models = [fresh(), fresh(), fresh()];
+            let (tx, device) = (tx.clone(), device.clone());
+            std::thread::spawn(move || {
+                let comm =
+                    Arc::new(Communicator::new(Arc::new(t)).with_timeout(Duration::from_secs(30)));
+                let [reference, recomputed, segmented] = models;
+                let want = stage_2_steps(reference, &comm, &device);
+                let got = [true, false]
+                    .into_iter()
+                    .zip([recomputed, segmented])
+                    .map(|(recompute, m)| stage_3_steps(m, recompute, &comm, &device))
+                    .collect::<Vec<_>>();
+                let _ = tx.send((r, want, got));
+            });
+        }
+        drop(tx);
+        let mut seen = 0;
+        while let Ok((r, want, got)) = rx.recv_timeout(Duration::from_secs(120)) {
+            // The steps moved every tensor (Adam at 0.01: by up to 0.01 a value per step).
+            let start: Vec<Vec<f32>> = weights.concat();
+            for (i, (w, s)) in want.iter().zip(&start).enumerate() {
+                let moved = w
+                    .iter()
+                    .zip(s)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                assert!(moved > 5e-3, "rank {r}: tensor {i} moved by {moved}");
+            }
+            assert_eq!(got.len(), 2);
+            for (case, g) in ["recomputed", "segmented"].iter().zip(&got) {
+                assert_close(&format!("world {world}, rank {r}, {case}"), g, &want, 1e-5);
+            }
+            seen += 1;
+        }
+        assert_eq!(seen, world, "a rank failed or hung");
+    }
+}
+
+/// The sharded tests' optimizer (Adam) and buckets: 600 bytes, so the convolutions' weights
+/// (108 and 144 values) have buckets of their own and the rest go in pairs (in stage 3, cut
+/// at the units).
+fn zero_optimizer(
+    stage: burn_dist::zero::Stage,
+    model: &[Part],
+    comm: &Communicator,
+) -> burn_dist::zero::ZeroOptimizer {
+    let mut opt = burn_dist::flat::optim::ShardOptimizer::sgd(0.01, 0.0);
+    opt.update = burn_dist::flat::optim::Update::adam();
+    let names = burn_dist::flat::module::trainable_names(&model.to_vec());
+    burn_dist::zero::ZeroOptimizer::new(stage, &names, opt, comm, 600).unwrap()
+}
+
+/// Rank `comm.rank()`'s three steps of ZeRO stage 2 on its micro-batches: the model's values.
+fn stage_2_steps(model: Vec<Part>, comm: &Communicator, device: &Device) -> Vec<Vec<f32>> {
+    let mut z = zero_optimizer(burn_dist::zero::Stage::Two, &model, comm);
+    let mut m = model;
+    for s in 0..3 {
+        let (x, y) = micro(s, comm.rank(), device);
+        let g = whole_backward(&m, x, y);
+        let (next, stepped) =
+            burn_dist::zero::module::sharded_step_owned(&mut z, m, g, comm, 0.01, &mut |f| f)
+                .unwrap();
+        assert!(stepped);
+        m = next;
+    }
+    module_values(&m)
+}
+
+/// The same three steps in stage 3, each unit gathered for its passes, with or without
+/// recomputation: the model's values, gathered at the end.
+fn stage_3_steps(
+    model: Vec<Part>,
+    recompute: bool,
+    comm: &Arc<Communicator>,
+    device: &Device,
+) -> Vec<Vec<f32>> {
+    use burn_dist::flat::module::trainable_names;
+    use burn_dist::zero::module::{gather_unit, shard_params, sharded_step_reduced};
+    let counts: Vec<usize> = model.iter().map(|p| trainable_names(p).len()).collect();
+    let firsts: Vec<usize> = (0..counts.len())
+        .map(|k| counts[..k].iter().sum())
+        .collect();
+    let mut z = zero_optimizer(burn_dist::zero::Stage::Three, &model, comm)
+        .cut_at_units(&counts)
+        .unwrap();
+    let total = z.total();
+    let (mut skeleton, shapes) = shard_params(&mut z, model).unwrap();
+    // 1/N of the values, give or take one per bucket (8 buckets).
+    assert!(
+        z.params_len() <= total / comm.world() + 8,
+        "{}",
+        z.params_len()
+    );
+    for s in 0..3 {
+        assert!(
+            module_values(&skeleton).iter().all(Vec::is_empty),
+            "the module holds no values between steps"
+        );
+        let (x, y) = micro(s, comm.rank(), device);
+        let step =
+            burn_dist::overlap::OverlappedStep::begin_sharded(comm.clone(), &z, &skeleton, 1.0)
+                .unwrap();
+        let mut gathers = Vec::new();
+        let grads = {
+            let mut gather = |k: usize, unit: &Part| {
+                gathers.push(k);
+                gather_unit(&z, comm, unit, firsts[k], &shapes)
+            };
+            let mut loss = |out: Activation| Ok(mse(out.rank2("out")?, y.clone()));
+            let mut done = |_: usize, seg: &Part, g| Ok(burn_dist::overlap::hand_over(seg, g));
+            let x = Activation::Rank4(x);
+            if recompute {
+                burn_dist::pipeline::recomputed_gradients_gathered(
+                    &skeleton,
+                    &mut gather,
+                    x,
+                    &mut loss,
+                    device,
+                    &mut done,
+                )
+            } else {
+                burn_dist::pipeline::segmented_gradients_gathered(
+                    &skeleton,
+                    &mut gather,
+                    x,
+                    &mut loss,
+                    &mut done,
+                )
+            }
+            .unwrap()
+        };
+        // Recomputation: the first three units without a graph, the head with it, then the
+        // three again from the last; else each unit once.
+        let want: Vec<usize> = if recompute {
+            vec![0, 1, 2, 3, 2, 1, 0]
+        } else {
+            vec![0, 1, 2, 3]
+        };
+        assert_eq!(gathers, want);
+        let mut acc = GradientsAccumulator::<Vec<Part>>::new();
+        for g in grads {
+            acc.accumulate(&skeleton, g);
+        }
+        let mut rest = acc.grads();
+        let (reduced, handed) = step.finish_sharded(&skeleton, &mut rest).unwrap();
+        assert_eq!(handed, 8, "every tensor during the backward");
+        let (m, stepped) =
+            sharded_step_reduced(&mut z, skeleton, reduced, comm, 0.01, &mut |f| f).unwrap();
+        assert!(stepped);
+        skeleton = m;
+    }
+    module_values(&gather_unit(&z, comm, &skeleton, 0, &shapes).unwrap())
+}

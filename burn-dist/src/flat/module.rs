@@ -131,7 +131,8 @@ pub fn take_trainable_grads_of<M: Module>(
     tensors: std::ops::Range<usize>,
 ) -> Vec<f32> {
     let mut out = Vec::new();
-    take_trainable_grads_each(module, grads, &|i, _| tensors.contains(&i), &mut |_, g| {
+    let want = |i, _| tensors.contains(&i);
+    take_trainable_grads_each(module, grads, &want, true, &mut |_, g| {
         // A bucket of one tensor is that tensor's own buffer, not a copy.
         if out.is_empty() {
             out = g;
@@ -144,17 +145,20 @@ pub fn take_trainable_grads_of<M: Module>(
 
 /// Takes the gradients of the trainable tensors that `want(index, id)` picks (indices in
 /// [`trainable_names`] order) out of `grads`, handing each to `each(index, values)` as it is
-/// read, so its memory can go at once (zeros where a tensor has none; an empty vector where a
-/// read failed, which the caller's length check reports).
+/// read, so its memory can go at once (where a tensor has none: zeros of its shape with
+/// `zeros`, else nothing, as for a tensor released by ZeRO stage 3, whose module holds an
+/// empty one; an empty vector where a read failed, which the caller's length check reports).
 pub fn take_trainable_grads_each<M: Module>(
     module: &M,
     grads: &mut GradientsParams,
     want: &dyn Fn(usize, ParamId) -> bool,
+    zeros: bool,
     each: &mut dyn FnMut(usize, Vec<f32>),
 ) {
     struct Take<'a> {
         grads: &'a mut GradientsParams,
         want: &'a dyn Fn(usize, ParamId) -> bool,
+        zeros: bool,
         each: &'a mut dyn FnMut(usize, Vec<f32>),
         index: usize,
     }
@@ -171,7 +175,8 @@ pub fn take_trainable_grads_each<M: Module>(
             }
             let values = match self.grads.remove::<D>(param.id) {
                 Some(g) => flat(g),
-                None => vec![0.0; t.shape().num_elements()],
+                None if self.zeros => vec![0.0; t.shape().num_elements()],
+                None => return,
             };
             (self.each)(i, values);
         }
@@ -179,6 +184,7 @@ pub fn take_trainable_grads_each<M: Module>(
     module.visit(&mut Take {
         grads,
         want,
+        zeros,
         each,
         index: 0,
     });

@@ -12,6 +12,11 @@ impl OverlappedStep {
     /// trainable tensors reduced to this rank's segments in `zero`'s buckets as each bucket
     /// completes (stage 2: reduce-scattered, the whole gradient dropped at once), each value
     /// first multiplied by `weight`. End it with [`Self::finish_sharded`].
+    ///
+    /// Where `zero` holds the parameters (stage 3) the buckets are reduced on this thread as
+    /// each hand-over completes them ([`ShardedExchange::inline`]), not on a thread of their
+    /// own: the step's gathers of parameters run on this thread over the same communicator,
+    /// and every rank must call the two kinds of collective in one order.
     pub fn begin_sharded<M: Module>(
         comm: Arc<Communicator>,
         zero: &ZeroOptimizer,
@@ -32,7 +37,11 @@ impl OverlappedStep {
             });
         }
         let index = ids.into_iter().enumerate().map(|(i, id)| (id, i)).collect();
-        let exchange = ShardedExchange::start(comm.clone(), reducer)?;
+        let exchange = if zero.holds_params() {
+            ShardedExchange::inline(comm.clone(), reducer)
+        } else {
+            ShardedExchange::start(comm.clone(), reducer)?
+        };
         install(Sink::Sharded { exchange, index }, weight);
         Ok(Self {
             comm,
@@ -65,13 +74,15 @@ impl OverlappedStep {
             ));
         };
         // What was not handed over (parameters outside every unit), by index, then the last
-        // buckets.
+        // buckets; a tensor without a gradient is left to the exchange, which counts it as
+        // zero (its module may hold it released: ZeRO stage 3).
         let handed: HashSet<ParamId> = taken.iter().map(|(id, _)| *id).collect();
         let mut rest = Vec::new();
         take_trainable_grads_each(
             module,
             grads,
             &|_, id| !handed.contains(&id),
+            false,
             &mut |i, mut values| {
                 if weight != 1.0 {
                     values.iter_mut().for_each(|v| *v *= weight);

@@ -32,7 +32,8 @@ use crate::{DistError, Result};
 mod segments;
 mod step;
 pub use segments::{
-    SegmentDone, recomputed_gradients, recomputed_gradients_each, segmented_gradients,
+    Gather, SegmentDone, recomputed_gradients, recomputed_gradients_each,
+    recomputed_gradients_gathered, segmented_gradients, segmented_gradients_gathered,
 };
 
 /// A tensor between two stages: rank 2 (`[batch, features]`) or rank 4 (`[batch, c, h, w]`).

@@ -36,10 +36,32 @@ pub fn recomputed_gradients<M: PipelineStage>(
 /// [`crate::overlap`] exchange).
 pub type SegmentDone<'a, M> = dyn FnMut(usize, &M, GradientsParams) -> Result<GradientsParams> + 'a;
 
+/// Where a segment's values come from when it runs: `gather(k, segment)` returns segment `k`
+/// ready to run. ZeRO stage 3's segments are skeletons whose parameters are gathered from the
+/// ranks' shards before each forward and recomputation ([`crate::zero::module::gather_unit`]),
+/// and let go when the module returned is dropped; elsewhere the segment itself (a clone).
+pub type Gather<'a, M> = dyn FnMut(usize, &M) -> Result<M> + 'a;
+
 /// [`recomputed_gradients`], each segment's gradients passed to `done` as soon as its
 /// backward is over.
 pub fn recomputed_gradients_each<M: PipelineStage>(
     segments: &[M],
+    input: Activation,
+    loss: &mut dyn FnMut(Activation) -> Result<Tensor<1>>,
+    device: &Device,
+    done: &mut SegmentDone<'_, M>,
+) -> Result<Vec<GradientsParams>> {
+    let mut itself = |_: usize, s: &M| Ok(s.clone());
+    recomputed_gradients_gathered(segments, &mut itself, input, loss, device, done)
+}
+
+/// [`recomputed_gradients_each`] with each segment's values from `gather` before each of its
+/// forwards (once without a graph, once again with it for its backward; the last segment
+/// once): at any time one segment's gathered values are held, and the forward's are let go
+/// before the next segment's are gathered. `done` gets the gathered segment.
+pub fn recomputed_gradients_gathered<M: PipelineStage>(
+    segments: &[M],
+    gather: &mut Gather<'_, M>,
     input: Activation,
     loss: &mut dyn FnMut(Activation) -> Result<Tensor<1>>,
     device: &Device,
@@ -58,8 +80,7 @@ pub fn recomputed_gradients_each<M: PipelineStage>(
     for (k, s) in rest.iter().enumerate() {
         let seed = draw_seed(device);
         device.seed(seed);
-        let y = s
-            .clone()
+        let y = gather(k, s)?
             .no_grad()
             .forward(x.clone())
             .map_err(|e| fail(k, e))?;
@@ -69,6 +90,7 @@ pub fn recomputed_gradients_each<M: PipelineStage>(
     let mut grads = Vec::with_capacity(segments.len());
     let k_last = rest.len();
     let x_last = if k_last == 0 { x } else { x.require_grad() };
+    let last = gather(k_last, last)?;
     let y = last.forward(x_last.clone()).map_err(|e| fail(k_last, e))?;
     let g = loss(y)?.backward();
     let mut upstream = if k_last == 0 {
@@ -76,7 +98,8 @@ pub fn recomputed_gradients_each<M: PipelineStage>(
     } else {
         x_last.grad_activation(&g)
     };
-    grads.push(hand_on(done, k_last, last, g)?);
+    grads.push(hand_on(done, k_last, &last, g)?);
+    drop(last);
     for (k, (x, seed)) in held.into_iter().enumerate().rev() {
         let Some(dy) = upstream.take() else {
             // Nothing flows further back (a frozen segment whose input needs no gradient).
@@ -85,9 +108,8 @@ pub fn recomputed_gradients_each<M: PipelineStage>(
         };
         device.seed(seed);
         let x = if k == 0 { x } else { x.require_grad() };
-        let y = segments[k]
-            .forward_again(x.clone())
-            .map_err(|e| fail(k, e))?;
+        let segment = gather(k, &segments[k])?;
+        let y = segment.forward_again(x.clone()).map_err(|e| fail(k, e))?;
         if !y.is_tracked() {
             grads.push(GradientsParams::new());
             continue;
@@ -96,7 +118,7 @@ pub fn recomputed_gradients_each<M: PipelineStage>(
         if k > 0 {
             upstream = x.grad_activation(&g);
         }
-        grads.push(hand_on(done, k, &segments[k], g)?);
+        grads.push(hand_on(done, k, &segment, g)?);
     }
     grads.reverse();
     Ok(grads)
@@ -121,6 +143,21 @@ pub fn segmented_gradients<M: PipelineStage>(
     loss: &mut dyn FnMut(Activation) -> Result<Tensor<1>>,
     done: &mut SegmentDone<'_, M>,
 ) -> Result<Vec<GradientsParams>> {
+    let mut itself = |_: usize, s: &M| Ok(s.clone());
+    segmented_gradients_gathered(segments, &mut itself, input, loss, done)
+}
+
+/// [`segmented_gradients`] with each segment's values from `gather` before its forward. Each
+/// segment's graph holds its gathered values until its backward is over (then they go, as
+/// `done`, which gets the gathered segment, returns): ZeRO stage 3 without recomputation
+/// holds every segment's values at the end of the forward.
+pub fn segmented_gradients_gathered<M: PipelineStage>(
+    segments: &[M],
+    gather: &mut Gather<'_, M>,
+    input: Activation,
+    loss: &mut dyn FnMut(Activation) -> Result<Tensor<1>>,
+    done: &mut SegmentDone<'_, M>,
+) -> Result<Vec<GradientsParams>> {
     if segments.is_empty() {
         return Err(DistError::Config(
             "a segmented backward over no segments".into(),
@@ -139,8 +176,9 @@ pub fn segmented_gradients<M: PipelineStage>(
         s.visit(&mut t);
         trains |= t.0;
     }
-    // Forward with graphs: each segment's input (cut from the graph before) and output.
-    let mut cut: Vec<(Activation, Activation)> = Vec::with_capacity(segments.len());
+    // Forward with graphs: each segment (gathered), its input (cut from the graph before) and
+    // output.
+    let mut cut: Vec<(M, Activation, Activation)> = Vec::with_capacity(segments.len());
     let mut x = input;
     for (k, s) in segments.iter().enumerate() {
         let input = match (k, upstream_trains[k]) {
@@ -148,13 +186,15 @@ pub fn segmented_gradients<M: PipelineStage>(
             (_, true) => x.detach().require_grad(),
             (_, false) => x.detach(),
         };
+        let s = gather(k, s)?;
         let y = s.forward(input.clone()).map_err(|e| fail(k, e))?;
         x = y.clone();
-        cut.push((input, y));
+        cut.push((s, input, y));
     }
     let mut grads: Vec<GradientsParams> = Vec::with_capacity(segments.len());
     let mut upstream: Option<Activation> = None;
-    for (k, (input, y)) in cut.into_iter().enumerate().rev() {
+    while let Some((segment, input, y)) = cut.pop() {
+        let k = cut.len();
         let g = if k + 1 == segments.len() {
             loss(y)?.backward()
         } else {
@@ -170,7 +210,7 @@ pub fn segmented_gradients<M: PipelineStage>(
         if upstream_trains[k] {
             upstream = input.grad_activation(&g);
         }
-        grads.push(hand_on(done, k, &segments[k], g)?);
+        grads.push(hand_on(done, k, &segment, g)?);
     }
     grads.reverse();
     Ok(grads)

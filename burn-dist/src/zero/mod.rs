@@ -24,6 +24,13 @@
 //! The arithmetic is burn-optim's operation for operation, so a run equals plain data parallel
 //! up to the order of the gradient sums (1e-5).
 //!
+//! Stage 3 shards the parameters too ([`Stage::Three`], `params.rs`): each rank keeps only its
+//! segments' values ([`ZeroOptimizer::hold_params`]; the module's tensors are let go), updates
+//! them in place with no all-gather at the end of the step, and gathers a unit's buckets
+//! whole before that unit's forward and again before its backward
+//! ([`ZeroOptimizer::gather_params`]; [`module::gather_unit`]), the buckets cut at the units'
+//! boundaries ([`ZeroOptimizer::cut_at_units`]) so that a unit gathers only its own.
+//!
 //! The state leaves and enters as whole named vectors ([`ZeroOptimizer::gather_state`],
 //! [`ZeroOptimizer::scatter_state`]): one vector per slot (`velocity`, or `moment_1` and
 //! `moment_2`) over all the trainable values, gathered on one rank. A checkpoint written by `N`
@@ -33,6 +40,7 @@ use std::ops::Range;
 
 pub mod module;
 pub mod overlap;
+mod params;
 mod reduce;
 mod state;
 mod step;
@@ -53,6 +61,10 @@ pub enum Stage {
     One,
     /// Optimizer state and gradients: the gradient is reduce-scattered.
     Two,
+    /// Optimizer state, gradients and parameters: each rank holds its segments' values alone,
+    /// updates them without gathering, and a unit's are gathered whole for its forward and its
+    /// backward.
+    Three,
 }
 
 impl Stage {
@@ -61,8 +73,10 @@ impl Stage {
         match n {
             1 => Ok(Stage::One),
             2 => Ok(Stage::Two),
+            3 => Ok(Stage::Three),
             _ => Err(DistError::Config(format!(
-                "ZeRO stage {n}: the stages are 1 (optimizer state) and 2 (and gradients)"
+                "ZeRO stage {n}: the stages are 1 (optimizer state), 2 (and gradients) and 3 \
+                 (and parameters)"
             ))),
         }
     }
@@ -71,6 +85,7 @@ impl Stage {
         match self {
             Stage::One => 1,
             Stage::Two => 2,
+            Stage::Three => 3,
         }
     }
 }
@@ -141,6 +156,8 @@ pub struct ZeroOptimizer {
     /// Each tensor's start in the vector, and the end.
     offsets: Vec<usize>,
     buckets: Vec<Bucket>,
+    /// The buckets' size, bytes (a tensor larger than that has a bucket of its own).
+    bucket_bytes: usize,
     whole: ShardOptimizer,
     /// Per bucket: the optimizer on this rank's segment, and its state there.
     mine: Vec<ShardOptimizer>,
@@ -156,6 +173,9 @@ pub struct ZeroOptimizer {
     /// Updates applied to this rank's segments: one more than `updates` while a step is
     /// between its local update and the end of its all-gather (see [`Self::applied`]).
     applied: u64,
+    /// Stage 3: per bucket, this rank's segment of the parameters ([`Self::hold_params`];
+    /// empty before, and in stages 1 and 2).
+    params: Vec<Vec<f32>>,
     /// Clipping of each step's averaged gradient to this global L2 norm
     /// ([`ZeroOptimizer::with_clip_norm`]).
     clip_norm: Option<f64>,
@@ -210,14 +230,6 @@ impl ZeroOptimizer {
             at += s;
         }
         offsets.push(at);
-        let buckets: Vec<Bucket> = BucketPlan::new(&sizes, bucket_bytes)
-            .buckets
-            .into_iter()
-            .map(|t| Bucket {
-                range: offsets[t.start]..offsets[t.end],
-                tensors: t,
-            })
-            .collect();
         let rank = comm.rank();
         let mut z = Self {
             stage,
@@ -227,20 +239,40 @@ impl ZeroOptimizer {
             offsets,
             whole: optimizer,
             mine: Vec::new(),
-            state: vec![Vec::new(); buckets.len()],
-            buckets,
+            state: Vec::new(),
+            buckets: Vec::new(),
+            bucket_bytes,
             updates: 0,
             new_at_zero: false,
             reduce: ReduceOp::Mean,
             replica: None,
             applied: 0,
+            params: Vec::new(),
             clip_norm: None,
             norm_over: None,
         };
-        z.mine = (0..z.buckets.len())
-            .map(|b| z.whole.restrict(z.segment(b, rank)))
-            .collect();
+        z.cut(&[]);
         Ok(z)
+    }
+
+    /// Cuts the vector into buckets of about `bucket_bytes`, a bucket also closing before
+    /// each tensor of `cuts`, and each bucket among the ranks: this rank's optimizers, and an
+    /// empty state.
+    fn cut(&mut self, cuts: &[usize]) {
+        let sizes: Vec<usize> = self.tensors.iter().map(|t| t.1).collect();
+        let offsets = &self.offsets;
+        self.buckets = BucketPlan::with_cuts(&sizes, self.bucket_bytes, cuts)
+            .buckets
+            .into_iter()
+            .map(|t| Bucket {
+                range: offsets[t.start]..offsets[t.end],
+                tensors: t,
+            })
+            .collect();
+        self.state = vec![Vec::new(); self.buckets.len()];
+        self.mine = (0..self.buckets.len())
+            .map(|b| self.whole.restrict(self.segment(b, self.rank)))
+            .collect();
     }
 
     pub fn stage(&self) -> Stage {

@@ -11,7 +11,7 @@ use burn::optim::GradientsParams;
 use super::{ReducedGradients, Stage, StateLayout, StateReader, ZeroOptimizer};
 use crate::collective::Communicator;
 use crate::flat::module::{
-    Shapes, release_trainable_range, take_trainable_grads_of, trainable_values_in,
+    Shapes, release_trainable_range, take_trainable_grads_of, trainable_names, trainable_values_in,
     with_trainable_range,
 };
 use crate::flat::optim::ShardOptimizer;
@@ -173,6 +173,54 @@ fn step_owned<M: Module>(
     drop(grads);
     let m = cell.into_inner().ok_or_else(lost_module)?;
     Ok((m, stepped))
+}
+
+/// ZeRO stage 3 on a Burn module: this rank's segments of `model`'s trainable values taken
+/// into `zero` ([`ZeroOptimizer::hold_params`]) and the module's own let go (empty tensors in
+/// their place, the same parameter ids). The module back, a skeleton whose units
+/// [`gather_unit`] fills for their forward and backward, and its trainable tensors' shapes,
+/// which the gathering needs. Every rank alike, from the same values.
+pub fn shard_params<M: Module>(zero: &mut ZeroOptimizer, model: M) -> Result<(M, Shapes)> {
+    let n = trainable_names(&model).len();
+    let cell = RefCell::new(Some(model));
+    let released = RefCell::new(Shapes::new());
+    let mut grads = GradientsParams::new();
+    zero.hold_params(&mut ModuleSource {
+        model: &cell,
+        grads: &mut grads,
+        released: &released,
+    })?;
+    let model = cell.into_inner().ok_or_else(lost_module)?;
+    let mut shapes = Shapes::new();
+    let skeleton = release_trainable_range(model, 0..n, &mut shapes);
+    Ok((skeleton, shapes))
+}
+
+/// ZeRO stage 3: `unit`, a part of a skeleton from [`shard_params`] whose trainable tensors
+/// are the whole model's `first..`, with its values gathered from every rank's segments (the
+/// buckets must be cut at the units: [`ZeroOptimizer::cut_at_units`]). The skeleton stays
+/// empty: the values live as long as the returned module (and a graph that uses it). Every
+/// rank alike, in the same order of units.
+pub fn gather_unit<M: Module>(
+    zero: &ZeroOptimizer,
+    comm: &Communicator,
+    unit: &M,
+    first: usize,
+    shapes: &Shapes,
+) -> Result<M> {
+    let n = trainable_names(unit).len();
+    let local: Shapes = shapes
+        .range(first..first + n)
+        .map(|(i, s)| (i - first, s.clone()))
+        .collect();
+    let mut m = Some(unit.clone());
+    zero.gather_params(comm, first..first + n, &mut |tensors, parts| {
+        let u = m.take().ok_or_else(lost_module)?;
+        let at = tensors.start - first..tensors.end - first;
+        m = Some(with_trainable_range(u, at, parts, &local)?);
+        Ok(())
+    })?;
+    m.ok_or_else(lost_module)
 }
 
 /// A module lost by an earlier failed replacement (its error came first).

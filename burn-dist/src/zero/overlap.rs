@@ -42,20 +42,37 @@
 //! }
 //! ```
 
-use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use super::{BucketReducer, ReducedGradients};
 use crate::collective::Communicator;
 use crate::{DistError, Result};
 
-/// Gradients handed over by tensor index (in the trainable order), reduced bucket by bucket on
-/// a thread of its own as each bucket completes. While it runs, nothing else may call a
-/// collective on its communicator.
+/// Gradients handed over by tensor index (in the trainable order), reduced bucket by bucket as
+/// each bucket completes: on a thread of its own ([`Self::start`]; while it runs, nothing else
+/// may call a collective on its communicator), or on the thread that hands them over
+/// ([`Self::inline`]: ZeRO stage 3, whose gathers of parameters share the communicator and
+/// must keep one order of collectives with the reductions).
 pub struct ShardedExchange {
-    tx: Option<Sender<Handed>>,
-    worker: Option<JoinHandle<Result<ReducedGradients>>>,
+    mode: Mode,
+}
+
+enum Mode {
+    Thread {
+        tx: Option<Sender<Handed>>,
+        worker: Option<JoinHandle<Result<ReducedGradients>>>,
+    },
+    /// The pending buckets and the first failure (then what comes is dropped); `None` once
+    /// finished.
+    Inline(Mutex<Option<Box<Inline>>>),
+}
+
+struct Inline {
+    comm: Arc<Communicator>,
+    pending: Pending,
+    failed: Option<DistError>,
 }
 
 impl ShardedExchange {
@@ -64,45 +81,89 @@ impl ShardedExchange {
         let (tx, rx) = channel();
         let worker = std::thread::Builder::new()
             .name("burn-dist-zero-exchange".into())
-            .spawn(move || exchange(&comm, &reducer, rx))
+            .spawn(move || exchange(&comm, reducer, rx))
             .map_err(|e| DistError::Config(format!("starting the ZeRO exchange thread: {e}")))?;
         Ok(Self {
-            tx: Some(tx),
-            worker: Some(worker),
+            mode: Mode::Thread {
+                tx: Some(tx),
+                worker: Some(worker),
+            },
         })
+    }
+
+    /// The same reduction without a thread: each [`submit`](Self::submit) reduces the buckets
+    /// it completes before it returns, on the caller's thread, so the caller's own collectives
+    /// on `comm` (stage 3's gathers) keep their order with the reductions on every rank.
+    pub fn inline(comm: Arc<Communicator>, reducer: BucketReducer) -> Self {
+        Self {
+            mode: Mode::Inline(Mutex::new(Some(Box::new(Inline {
+                comm,
+                pending: Pending::new(reducer),
+                failed: None,
+            })))),
+        }
     }
 
     /// Hands over gradients: `(tensor index, values)`. If the exchange has failed they are
     /// dropped, and [`finish`](Self::finish) returns the failure.
     pub fn submit(&self, tensors: Handed) {
-        if let Some(tx) = &self.tx {
-            // A closed channel means the thread has stopped on an error: finish reports it.
-            let _ = tx.send(tensors);
+        match &self.mode {
+            Mode::Thread { tx: Some(tx), .. } => {
+                // A closed channel means the thread has stopped on an error: finish reports it.
+                let _ = tx.send(tensors);
+            }
+            Mode::Thread { tx: None, .. } => {}
+            Mode::Inline(m) => {
+                let mut guard = m.lock().unwrap_or_else(|e| e.into_inner());
+                let Some(x) = guard.as_mut() else {
+                    return;
+                };
+                if x.failed.is_some() {
+                    return;
+                }
+                if let Err(e) = x.pending.take(&x.comm, tensors) {
+                    x.failed = Some(e);
+                }
+            }
         }
     }
 
     /// Reduces the buckets left (a tensor never handed over counts as a zero gradient: a
     /// parameter the loss does not reach) and returns every bucket's segments.
     pub fn finish(mut self) -> Result<ReducedGradients> {
-        self.tx.take();
-        let worker = self.worker.take().ok_or_else(|| {
-            DistError::Config("the ZeRO gradient exchange was finished twice".into())
-        })?;
-        worker.join().unwrap_or_else(|_| {
-            Err(DistError::Config(
-                "the ZeRO gradient exchange thread panicked".into(),
-            ))
-        })
+        let twice = || DistError::Config("the ZeRO gradient exchange was finished twice".into());
+        match &mut self.mode {
+            Mode::Thread { tx, worker } => {
+                tx.take();
+                let worker = worker.take().ok_or_else(twice)?;
+                worker.join().unwrap_or_else(|_| {
+                    Err(DistError::Config(
+                        "the ZeRO gradient exchange thread panicked".into(),
+                    ))
+                })
+            }
+            Mode::Inline(m) => {
+                let x = m.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+                let mut x = x.ok_or_else(twice)?;
+                if let Some(e) = x.failed {
+                    return Err(e);
+                }
+                x.pending.reduce_ready(&x.comm, true)?;
+                Ok(x.pending.into_reduced())
+            }
+        }
     }
 }
 
 impl Drop for ShardedExchange {
     fn drop(&mut self) {
         // Dropped without finish (the step failed): the thread reduces what it has and stops;
-        // each collective's timeout bounds the wait.
-        self.tx.take();
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
+        // each collective's timeout bounds the wait. (Inline: nothing runs.)
+        if let Mode::Thread { tx, worker } = &mut self.mode {
+            tx.take();
+            if let Some(w) = worker.take() {
+                let _ = w.join();
+            }
         }
     }
 }
@@ -115,8 +176,8 @@ type Segments = (Vec<f32>, Option<Vec<f32>>);
 
 /// What the exchange thread holds: the gradients waiting for their buckets, and the buckets
 /// reduced so far.
-struct Pending<'a> {
-    reducer: &'a BucketReducer,
+struct Pending {
+    reducer: BucketReducer,
     /// Per tensor: its gradient, until its bucket is reduced.
     slots: Vec<Option<Vec<f32>>>,
     /// Per tensor: its bucket.
@@ -129,8 +190,8 @@ struct Pending<'a> {
     next: usize,
 }
 
-impl<'a> Pending<'a> {
-    fn new(reducer: &'a BucketReducer) -> Self {
+impl Pending {
+    fn new(reducer: BucketReducer) -> Self {
         let buckets = reducer.buckets();
         let mut bucket_of = vec![0; reducer.tensor_count()];
         let mut missing = vec![0; buckets];
@@ -141,8 +202,8 @@ impl<'a> Pending<'a> {
             }
         }
         Self {
-            reducer,
             slots: vec![None; reducer.tensor_count()],
+            reducer,
             bucket_of,
             missing,
             done: (0..buckets).map(|_| None).collect(),
@@ -179,6 +240,23 @@ impl<'a> Pending<'a> {
         Ok(())
     }
 
+    /// Keeps gradients handed over together, then reduces the buckets they complete.
+    fn take(&mut self, comm: &Communicator, tensors: Handed) -> Result<()> {
+        for (t, values) in tensors {
+            self.add(t, values)?;
+        }
+        self.reduce_ready(comm, false)
+    }
+
+    /// Every bucket's segments, once all are reduced.
+    fn into_reduced(self) -> ReducedGradients {
+        let mut reduced = ReducedGradients::with_capacity(self.reducer.buckets());
+        for (mine, theirs) in self.done.into_iter().flatten() {
+            reduced.push(mine, theirs);
+        }
+        reduced
+    }
+
     /// Reduces the last unreduced bucket while it is complete (`all`: complete or not).
     fn reduce_ready(&mut self, comm: &Communicator, all: bool) -> Result<()> {
         while self.next > 0 && (all || self.missing[self.next - 1] == 0) {
@@ -211,20 +289,13 @@ impl<'a> Pending<'a> {
 /// when the sender is done.
 fn exchange(
     comm: &Communicator,
-    reducer: &BucketReducer,
+    reducer: BucketReducer,
     rx: Receiver<Handed>,
 ) -> Result<ReducedGradients> {
     let mut pending = Pending::new(reducer);
     for tensors in rx {
-        for (t, values) in tensors {
-            pending.add(t, values)?;
-        }
-        pending.reduce_ready(comm, false)?;
+        pending.take(comm, tensors)?;
     }
     pending.reduce_ready(comm, true)?;
-    let mut reduced = ReducedGradients::with_capacity(reducer.buckets());
-    for (mine, theirs) in pending.done.into_iter().flatten() {
-        reduced.push(mine, theirs);
-    }
-    Ok(reduced)
+    Ok(pending.into_reduced())
 }

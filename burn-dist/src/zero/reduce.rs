@@ -89,7 +89,7 @@ impl BucketReducer {
                 g.drain(..self.relative(b, self.rank).start);
                 (g, theirs)
             }
-            Stage::Two => {
+            Stage::Two | Stage::Three => {
                 let mine = comm.reduce_scatter(g, self.reduce)?;
                 let theirs = match self.replica_of {
                     Some(of) => Some(comm.shift_down(&mine, self.relative(b, of).len())?),

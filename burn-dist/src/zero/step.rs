@@ -91,7 +91,7 @@ impl ZeroOptimizer {
         }
         // 3. The segments' values, and LARS's norms summed over every rank's segments.
         let mut values: Vec<Vec<f32>> = (0..self.buckets.len())
-            .map(|b| source.values(self.segment(b, self.rank)))
+            .map(|b| self.segment_values(b, source))
             .collect();
         for (b, (v, g)) in values.iter().zip(&grads).enumerate() {
             same_segment(b, v, g)?;
@@ -126,10 +126,24 @@ impl ZeroOptimizer {
         update_on_every_core(work, self.updates, lr, norms.as_deref());
         drop(replica_values);
         self.applied = self.updates + 1;
-        self.gather_tensors(comm, source, values, deliver)?;
+        if self.holds_params() {
+            self.params = values;
+        } else {
+            self.gather_tensors(comm, source, values, deliver)?;
+        }
         self.updates += 1;
         self.applied = self.updates;
         Ok(true)
+    }
+
+    /// This rank's segment of bucket `b`'s current values: taken from the held parameters
+    /// (stage 3: the step puts them back updated), else read from `source`.
+    fn segment_values(&mut self, b: usize, source: &mut dyn StepSource) -> Vec<f32> {
+        if self.holds_params() {
+            std::mem::take(&mut self.params[b])
+        } else {
+            source.values(self.segment(b, self.rank))
+        }
     }
 
     /// Scales the averaged gradient's segments (`grads`, this rank's; `theirs`, its replica's)
@@ -214,11 +228,16 @@ impl ZeroOptimizer {
     ) -> Result<bool> {
         self.applied = self.updates + 1;
         for (b, g) in grads.into_iter().enumerate() {
-            let mut v = source.values(self.segment(b, self.rank));
+            let mut v = self.segment_values(b, source);
             same_segment(b, &v, &g)?;
             self.mine[b].step_at(self.updates, lr, &mut v, &g, &mut self.state[b], None);
             drop(g);
-            self.deliver_bucket(comm, source, b, v, deliver)?;
+            if self.holds_params() {
+                // Stage 3: the segment stays here, updated; nothing is gathered.
+                self.params[b] = v;
+            } else {
+                self.deliver_bucket(comm, source, b, v, deliver)?;
+            }
         }
         self.updates += 1;
         self.applied = self.updates;
@@ -240,24 +259,10 @@ impl ZeroOptimizer {
         source.release(self.buckets[b].tensors.clone());
         let gathered = self.all_gather(comm, b, &v)?;
         drop(v);
-        let bucket = &self.buckets[b];
-        let parts = if bucket.tensors.len() == 1 {
-            // One tensor: the gathered bucket is its values, moved, not copied.
-            vec![gathered]
-        } else {
-            bucket
-                .tensors
-                .clone()
-                .map(|t| {
-                    let (lo, hi) = (
-                        self.offsets[t] - bucket.range.start,
-                        self.offsets[t + 1] - bucket.range.start,
-                    );
-                    gathered[lo..hi].to_vec()
-                })
-                .collect()
-        };
-        deliver(bucket.tensors.clone(), parts)
+        deliver(
+            self.buckets[b].tensors.clone(),
+            self.split_bucket(b, gathered),
+        )
     }
 }
 
@@ -305,7 +310,7 @@ fn same_segment(b: usize, v: &[f32], g: &[f32]) -> Result<()> {
     )))
 }
 
-fn step_mismatch(reason: String) -> DistError {
+pub(super) fn step_mismatch(reason: String) -> DistError {
     DistError::Mismatch {
         op: "sharded optimizer step".into(),
         reason,

@@ -109,6 +109,9 @@ fn run(
                         .unwrap();
                 }
                 let mut values = start_values();
+                if stage == Stage::Three {
+                    hold(&mut z, &values);
+                }
                 let first = z.updates();
                 for t in first..first + steps {
                     // Every rank's mean over its samples, as in data parallel.
@@ -121,6 +124,11 @@ fn run(
                         g
                     };
                     match step_on(&mut z, &comm, &o, &g, &values) {
+                        Stepped::Updated(v) if stage == Stage::Three => {
+                            // Nothing gathered by the step: the shard stays with the rank.
+                            assert!(v.iter().all(Vec::is_empty), "stage 3 delivered values");
+                            values = gather_all(&z, &comm);
+                        }
                         Stepped::Updated(v) => {
                             assert_eq!(v.len(), 4, "one vector per tensor");
                             values = v.concat();
@@ -140,6 +148,29 @@ fn run(
         state = state.or(s);
     }
     (all, state.unwrap())
+}
+
+/// Stage 3: `z` takes this rank's segments of `values` (the same on every rank).
+fn hold(z: &mut ZeroOptimizer, values: &[f32]) {
+    let mut source = FlatSource {
+        grad: &[],
+        values,
+        offsets: vec![0, 7, 9, 20, 23],
+    };
+    z.hold_params(&mut source).unwrap();
+}
+
+/// Stage 3: every tensor gathered from the ranks' segments, as one vector.
+fn gather_all(z: &ZeroOptimizer, comm: &Communicator) -> Vec<f32> {
+    let mut out = vec![Vec::new(); 4];
+    z.gather_params(comm, 0..4, &mut |tensors, parts| {
+        for (t, v) in tensors.zip(parts) {
+            out[t] = v;
+        }
+        Ok(())
+    })
+    .unwrap();
+    out.concat()
 }
 
 /// One step of `z` at `o`'s rate with gradient `g` at `values`.
@@ -191,7 +222,7 @@ fn every_stage_and_world_equals_one_process_on_the_whole_vector() {
     for update in updates() {
         for world in [3, 4] {
             let (want, want_state) = reference(update, world, 4);
-            for stage in [Stage::One, Stage::Two] {
+            for stage in [Stage::One, Stage::Two, Stage::Three] {
                 // 4 ranks: the last bucket (3 values) leaves rank 0 an empty segment.
                 let (got, state) = run(update, stage, world, 4, None, None);
                 for v in &got {
@@ -300,7 +331,7 @@ fn a_state_of_another_model_or_optimizer_is_refused_on_every_rank() {
             }
         }
     }
-    assert!(Stage::from_number(3).is_err());
+    assert!(Stage::from_number(4).is_err());
 }
 
 #[test]
@@ -542,3 +573,5 @@ fn neighbours_lost_together_are_an_error_on_every_rank_naming_them() {
 mod clip;
 
 mod exchange;
+
+mod params;
