@@ -322,16 +322,17 @@ fn stage_3_steps(
     device: &Device,
 ) -> Vec<Vec<f32>> {
     use burn_dist::flat::module::trainable_names;
-    use burn_dist::zero::module::{gather_unit, shard_params, sharded_step_reduced};
+    use burn_dist::zero::module::{shard_params, sharded_step_reduced};
     let counts: Vec<usize> = model.iter().map(|p| trainable_names(p).len()).collect();
-    let firsts: Vec<usize> = (0..counts.len())
-        .map(|k| counts[..k].iter().sum())
-        .collect();
     let mut z = zero_optimizer(burn_dist::zero::Stage::Three, &model, comm)
         .cut_at_units(&counts)
         .unwrap();
     let total = z.total();
-    let (mut skeleton, shapes) = shard_params(&mut z, model).unwrap();
+    let (mut skeleton, sharded) = shard_params(&mut z, model).unwrap();
+    // A unit that is not the model's is refused by name.
+    let other = parts(1, device);
+    let e = sharded.gather(&z, comm, &other[0]).unwrap_err().to_string();
+    assert!(e.contains("not one of the sharded model's"), "{e}");
     // 1/N of the values, give or take one per bucket (8 buckets).
     assert!(
         z.params_len() <= total / comm.world() + 8,
@@ -351,7 +352,7 @@ fn stage_3_steps(
         let grads = {
             let mut gather = |k: usize, unit: &Part| {
                 gathers.push(k);
-                gather_unit(&z, comm, unit, firsts[k], &shapes)
+                sharded.gather(&z, comm, unit)
             };
             let mut loss = |out: Activation| Ok(mse(out.rank2("out")?, y.clone()));
             let mut done = |_: usize, seg: &Part, g| Ok(burn_dist::overlap::hand_over(seg, g));
@@ -396,5 +397,5 @@ fn stage_3_steps(
         assert!(stepped);
         skeleton = m;
     }
-    module_values(&gather_unit(&z, comm, &skeleton, 0, &shapes).unwrap())
+    module_values(&sharded.gather(&z, comm, &skeleton).unwrap())
 }

@@ -38,7 +38,7 @@ pub type SegmentDone<'a, M> = dyn FnMut(usize, &M, GradientsParams) -> Result<Gr
 
 /// Where a segment's values come from when it runs: `gather(k, segment)` returns segment `k`
 /// ready to run. ZeRO stage 3's segments are skeletons whose parameters are gathered from the
-/// ranks' shards before each forward and recomputation ([`crate::zero::module::gather_unit`]),
+/// ranks' shards before each forward and recomputation ([`crate::zero::module::ShardedParams`]),
 /// and let go when the module returned is dropped; elsewhere the segment itself (a clone).
 pub type Gather<'a, M> = dyn FnMut(usize, &M) -> Result<M> + 'a;
 

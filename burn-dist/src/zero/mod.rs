@@ -28,7 +28,7 @@
 //! segments' values ([`ZeroOptimizer::hold_params`]; the module's tensors are let go), updates
 //! them in place with no all-gather at the end of the step, and gathers a unit's buckets
 //! whole before that unit's forward and again before its backward
-//! ([`ZeroOptimizer::gather_params`]; [`module::gather_unit`]), the buckets cut at the units'
+//! ([`ZeroOptimizer::gather_params`]; [`module::ShardedParams::gather`]), the buckets cut at the units'
 //! boundaries ([`ZeroOptimizer::cut_at_units`]) so that a unit gathers only its own.
 //!
 //! The state leaves and enters as whole named vectors ([`ZeroOptimizer::gather_state`],

@@ -1,18 +1,20 @@
 //! The sharded optimizer on a Burn module: a step taking the module's gradients bucket by
 //! bucket ([`sharded_step`]), ZeRO's settings for the data-parallel strategy ([`Sharding`]),
-//! and where its state goes between launches ([`StateStore`], [`save_sharded_state`]).
+//! where its state goes between launches ([`StateStore`], [`save_sharded_state`]), and stage
+//! 3's skeleton and its parts gathered ([`shard_params`], [`ShardedParams`]).
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 
 use super::{ReducedGradients, Stage, StateLayout, StateReader, ZeroOptimizer};
 use crate::collective::Communicator;
 use crate::flat::module::{
-    Shapes, release_trainable_range, take_trainable_grads_of, trainable_names, trainable_values_in,
-    with_trainable_range,
+    Shapes, release_trainable_range, take_trainable_grads_of, trainable_ids, trainable_names,
+    trainable_values_in, with_trainable_range,
 };
 use crate::flat::optim::ShardOptimizer;
 use crate::{DistError, Result};
@@ -177,11 +179,11 @@ fn step_owned<M: Module>(
 
 /// ZeRO stage 3 on a Burn module: this rank's segments of `model`'s trainable values taken
 /// into `zero` ([`ZeroOptimizer::hold_params`]) and the module's own let go (empty tensors in
-/// their place, the same parameter ids). The module back, a skeleton whose units
-/// [`gather_unit`] fills for their forward and backward, and its trainable tensors' shapes,
-/// which the gathering needs. Every rank alike, from the same values.
-pub fn shard_params<M: Module>(zero: &mut ZeroOptimizer, model: M) -> Result<(M, Shapes)> {
-    let n = trainable_names(&model).len();
+/// their place, the same parameter ids). The module back, a skeleton whose parts
+/// [`ShardedParams::gather`] fills for their passes, and what the gathering needs. Every rank
+/// alike, from the same values.
+pub fn shard_params<M: Module>(zero: &mut ZeroOptimizer, model: M) -> Result<(M, ShardedParams)> {
+    let ids = trainable_ids(&model);
     let cell = RefCell::new(Some(model));
     let released = RefCell::new(Shapes::new());
     let mut grads = GradientsParams::new();
@@ -192,16 +194,66 @@ pub fn shard_params<M: Module>(zero: &mut ZeroOptimizer, model: M) -> Result<(M,
     })?;
     let model = cell.into_inner().ok_or_else(lost_module)?;
     let mut shapes = Shapes::new();
-    let skeleton = release_trainable_range(model, 0..n, &mut shapes);
-    Ok((skeleton, shapes))
+    let skeleton = release_trainable_range(model, 0..ids.len(), &mut shapes);
+    let index = ids.into_iter().enumerate().map(|(i, id)| (id, i)).collect();
+    Ok((skeleton, ShardedParams { shapes, index }))
 }
 
-/// ZeRO stage 3: `unit`, a part of a skeleton from [`shard_params`] whose trainable tensors
-/// are the whole model's `first..`, with its values gathered from every rank's segments (the
-/// buckets must be cut at the units: [`ZeroOptimizer::cut_at_units`]). The skeleton stays
-/// empty: the values live as long as the returned module (and a graph that uses it). Every
-/// rank alike, in the same order of units.
-pub fn gather_unit<M: Module>(
+/// What gathering a stage 3 skeleton's parts needs: its trainable tensors' shapes and each
+/// one's index in the trainable order, by parameter id.
+#[derive(Debug, Clone)]
+pub struct ShardedParams {
+    shapes: Shapes,
+    index: HashMap<ParamId, usize>,
+}
+
+impl ShardedParams {
+    /// `part` of the skeleton (the whole, or a unit: its trainable tensors consecutive in the
+    /// skeleton's order) with its values gathered from every rank's segments, the buckets cut
+    /// at the parts ([`ZeroOptimizer::cut_at_units`]). The skeleton stays empty: the values
+    /// live as long as the returned module (and a graph that uses it). Every rank alike, in the
+    /// same order of parts.
+    pub fn gather<U: Module>(
+        &self,
+        zero: &ZeroOptimizer,
+        comm: &Communicator,
+        part: &U,
+    ) -> Result<U> {
+        let first = self.first_of(part)?;
+        gather_unit(zero, comm, part, first, &self.shapes)
+    }
+
+    /// Where `part`'s trainable tensors start in the skeleton's order: an error where they are
+    /// not the skeleton's, or not consecutive there.
+    pub fn first_of<U: Module>(&self, part: &U) -> Result<usize> {
+        let at: Vec<Option<usize>> = trainable_ids(part)
+            .iter()
+            .map(|id| self.index.get(id).copied())
+            .collect();
+        let first = at.first().copied().flatten().unwrap_or(0);
+        for (k, i) in at.iter().enumerate() {
+            match i {
+                Some(i) if *i == first + k => {}
+                Some(i) => {
+                    return Err(DistError::Config(format!(
+                        "a part's trainable tensor {k} is the model's {i}, not {}: a stage 3 \
+                         part's tensors must be consecutive in the model's order",
+                        first + k
+                    )));
+                }
+                None => {
+                    return Err(DistError::Config(format!(
+                        "a part's trainable tensor {k} is not one of the sharded model's"
+                    )));
+                }
+            }
+        }
+        Ok(first)
+    }
+}
+
+/// `unit` with its trainable tensors (the skeleton's `first..`) gathered whole.
+fn gather_unit<M: Module>(
     zero: &ZeroOptimizer,
     comm: &Communicator,
     unit: &M,
