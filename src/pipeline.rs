@@ -99,6 +99,11 @@ impl PipelineStage for StageModel {
 /// - else with every unit's graph, the backward cut at the units
 ///   ([`burn_dist::pipeline::segmented_gradients`]).
 ///
+/// With `gathering` (ZeRO stage 3) `model` is a skeleton: each unit's parameters are gathered
+/// from the ranks' shards before each of its passes, and go when the pass is over (with
+/// `recompute`: one unit's at a time; without, each unit's graph holds them until its
+/// backward).
+///
 /// Either way each unit's gradients go, as soon as its backward is over, to the overlapped
 /// exchange of this thread's step if one is installed ([`burn_dist::overlap::hand_over`]:
 /// `--overlap`), and the rest come back. `loss` gets the logits (f32, with their graph) and
@@ -109,6 +114,7 @@ pub fn unit_gradients<M: Module>(
     x: burn::prelude::Tensor<4>,
     precision: crate::train::Precision,
     recompute: bool,
+    gathering: Option<&Gathering<'_>>,
     loss: &mut dyn FnMut(burn::prelude::Tensor<2>) -> Result<burn::prelude::Tensor<1>>,
 ) -> Result<burn::optim::GradientsParams> {
     let device = x.device();
@@ -132,16 +138,27 @@ pub fn unit_gradients<M: Module>(
     };
     let mut done = |_: usize, unit: &StageModel, g| Ok(burn_dist::overlap::hand_over(unit, g));
     let x = Activation::Rank4(x);
+    let mut gather = |_: usize, s: &StageModel| match gathering {
+        Some(g) => g.params.gather(g.zero, g.comm, s),
+        None => Ok(s.clone()),
+    };
     let grads = if recompute {
-        burn_dist::pipeline::recomputed_gradients_each(
+        burn_dist::pipeline::recomputed_gradients_gathered(
             &segments,
+            &mut gather,
             x,
             &mut on_output,
             &device,
             &mut done,
         )
     } else {
-        burn_dist::pipeline::segmented_gradients(&segments, x, &mut on_output, &mut done)
+        burn_dist::pipeline::segmented_gradients_gathered(
+            &segments,
+            &mut gather,
+            x,
+            &mut on_output,
+            &mut done,
+        )
     };
     let grads = match (grads, failed) {
         (_, Some(e)) => return Err(e),
@@ -164,7 +181,26 @@ pub fn recomputed_gradients<M: Module>(
     precision: crate::train::Precision,
     loss: &mut dyn FnMut(burn::prelude::Tensor<2>) -> Result<burn::prelude::Tensor<1>>,
 ) -> Result<burn::optim::GradientsParams> {
-    unit_gradients(owner, model, x, precision, true, loss)
+    unit_gradients(owner, model, x, precision, true, None, loss)
+}
+
+/// ZeRO stage 3's source of a unit's parameters: the sharded optimizer holding them, the
+/// ranks, and the skeleton's layout ([`burn_dist::zero::module::shard_params`]).
+pub struct Gathering<'a> {
+    pub zero: &'a burn_dist::zero::ZeroOptimizer,
+    pub comm: &'a burn_dist::Communicator,
+    pub params: &'a burn_dist::zero::module::ShardedParams,
+}
+
+/// Each of `model`'s units' number of trainable tensors, in order: where ZeRO stage 3 cuts
+/// its buckets ([`burn_dist::zero::ZeroOptimizer::cut_at_units`]).
+pub fn unit_tensor_counts(model: &hearth_models::Classifier) -> Vec<usize> {
+    model
+        .clone()
+        .into_units()
+        .iter()
+        .map(|u| burn_dist::flat::module::trainable_names(u).len())
+        .collect()
 }
 
 /// What one training pass of a unit costs on one micro-batch.

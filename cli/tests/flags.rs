@@ -94,6 +94,27 @@ fn values_a_mode_cannot_run_are_refused_before_launching() {
             &["--overlap", "--grad-accum", "2"][..],
             "--overlap does not work with --grad-accum",
         ),
+        // ZeRO stage 3: what it does not work with yet.
+        (
+            &["--nproc", "2"][..],
+            &["--zero", "3", "--overlap"][..],
+            "--zero 3 does not work with --overlap",
+        ),
+        (
+            &["--nproc", "2"][..],
+            &["--zero", "3", "--model-ema"][..],
+            "--zero 3 does not work with --model-ema",
+        ),
+        (
+            &["--elastic"][..],
+            &["--zero", "3"][..],
+            "--zero 3 does not work with --elastic",
+        ),
+        (
+            &["--nproc", "2"][..],
+            &["--zero", "4"][..],
+            "--zero 4: the stages are",
+        ),
         // Issue 55: flags that were accepted and did nothing.
         (
             &["--nproc", "3", "--ps", "1", "--mode", "sync"][..],

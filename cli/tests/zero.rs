@@ -1,6 +1,6 @@
-//! `--zero 1|2`, data parallel's sharded optimizer, as real process trees: it trains exactly
+//! `--zero 1|2|3`, data parallel's sharded optimizer, as real process trees: it trains exactly
 //! as plain data parallel does (Hearth's image models and a user's module, both through the
-//! allreduce strategy), resumes exactly, and its checkpoint resumes on
+//! allreduce strategy; stage 3 Hearth's models), resumes exactly, and its checkpoint resumes on
 //! another number of ranks.
 
 mod common;
@@ -44,7 +44,7 @@ fn run_job(
 const COLUMNS: [&str; 4] = ["train_loss", "train_accuracy", "val_loss", "val_accuracy"];
 
 #[test]
-fn zero_1_and_2_train_an_image_model_as_plain_data_parallel_does_and_resume_exactly() {
+fn zero_1_2_and_3_train_an_image_model_as_plain_data_parallel_does_and_resume_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let data = small_data(dir.path());
     for (name, opts, env) in [
@@ -94,17 +94,21 @@ fn zero_1_and_2_train_an_image_model_as_plain_data_parallel_does_and_resume_exac
     ] {
         let run = |zero: &str| dir.path().join(format!("{name}-zero{zero}"));
         let mut curves = Vec::new();
-        // "2o": `--zero 2 --overlap`, each bucket reduce-scattered during the backward.
+        // "2o": `--zero 2 --overlap`, each bucket reduce-scattered during the backward; "3r":
+        // `--zero 3 --recompute`, one unit's parameters gathered at a time.
         let stages: &[&str] = match name {
-            "adam" => &["0", "1", "2", "1o", "2o"],
-            "fp16" => &["0", "1", "2", "2o"],
-            _ => &["0", "1", "2"],
+            "adam" => &["0", "1", "2", "1o", "2o", "3", "3r"],
+            "fp16" => &["0", "1", "2", "2o", "3"],
+            _ => &["0", "1", "2", "3"],
         };
         for &label in stages {
             let zero = &label[..1];
             let mut args = vec!["--epochs", "2", "--zero", zero];
             if label.ends_with('o') {
                 args.push("--overlap");
+            }
+            if label.ends_with('r') {
+                args.push("--recompute");
             }
             args.extend_from_slice(opts);
             let logs = run_job(dir.path(), &data, &run(label), 2, &args, env);
@@ -114,6 +118,10 @@ fn zero_1_and_2_train_an_image_model_as_plain_data_parallel_does_and_resume_exac
                         && !logs.contains("`exchange.overlap`: 0 gradient tensors"),
                     "{logs}"
                 );
+            }
+            if zero == "3" {
+                // The model's values live in the shards: about half of them on each rank.
+                assert!(logs.contains("parameter values"), "{logs}");
             }
             if zero != "0" {
                 assert!(
@@ -132,7 +140,7 @@ fn zero_1_and_2_train_an_image_model_as_plain_data_parallel_does_and_resume_exac
                     "{logs}"
                 );
             }
-            curves.push(metrics(&run(zero)));
+            curves.push(metrics(&run(label)));
         }
         stages_equal_plain(name, stages, &curves, &run);
         if name == "fp16" {
@@ -163,7 +171,12 @@ fn zero_1_and_2_train_an_image_model_as_plain_data_parallel_does_and_resume_exac
     ];
     let mut first = adam.to_vec();
     first.extend(["--stop-after-epoch", "1"]);
-    resumes_as_straight(dir.path(), &data, &stopped, 2, &first, "adam-zero2");
+    resumes_as_straight(dir.path(), &data, &stopped, 2, &first, "adam-zero2", "1");
+    // Stage 3 stopped, resumed in stage 3: its checkpoint holds the whole model.
+    let stopped = dir.path().join("adam-stopped-3");
+    let mut first_3 = first.clone();
+    first_3[7] = "3";
+    resumes_as_straight(dir.path(), &data, &stopped, 2, &first_3, "adam-zero3", "3");
     let three = dir.path().join("adam-three");
     run_job(dir.path(), &data, &three, 2, &first, &[]);
     let logs = run_job(dir.path(), &data, &three, 3, &["--resume"], &[]);
@@ -190,6 +203,13 @@ fn example_bin() -> PathBuf {
 
 /// `hearth launch -n N -- custom_model dp RUN ARGS` to the end; its output.
 fn launch(n: usize, run: &Path, args: &[&str]) -> String {
+    let (ok, out) = launch_status(n, run, args);
+    assert!(ok, "custom_model dp {args:?} on {n} failed or hung:\n{out}");
+    out
+}
+
+/// [`launch`], whether it succeeded beside its output.
+fn launch_status(n: usize, run: &Path, args: &[&str]) -> (bool, String) {
     let log = tempfile::NamedTempFile::new().unwrap();
     let file = log.reopen().unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_hearth"))
@@ -209,11 +229,10 @@ fn launch(n: usize, run: &Path, args: &[&str]) -> String {
         .unwrap();
     let status = wait_bounded(&mut child, Instant::now() + Duration::from_secs(300));
     let out = std::fs::read_to_string(log.path()).unwrap();
-    assert!(
+    (
         status.is_some_and(|s| s.success()),
-        "custom_model dp {args:?} on {n} failed or hung ({status:?}):\n{out}"
-    );
-    out
+        format!("{status:?}\n{out}"),
+    )
 }
 
 /// A module without batch norm computes the same on any number of ranks (each rank's share of
@@ -224,6 +243,9 @@ fn launch(n: usize, run: &Path, args: &[&str]) -> String {
 fn a_state_written_by_four_ranks_resumes_exactly_on_two() {
     let dir = tempfile::tempdir().unwrap();
     let run = |n: &str| dir.path().join(n);
+    // Stage 3 gathers a model unit by unit: a user's module without units is refused by name.
+    let (ok, out) = launch_status(2, &run("stage-3"), &["--epochs", "1", "--zero", "3"]);
+    assert!(!ok && out.contains("this model has no units"), "{out}");
     for (optimizer, lr) in [("adam", "0.01"), ("lars", "5")] {
         let base = ["--epochs", "3", "--optimizer", optimizer, "--lr", lr];
         let mut zero = base.to_vec();
@@ -333,10 +355,18 @@ fn zero_shards_each_pipeline_stage_over_its_replicas_and_resumes_exactly() {
     ];
     first.extend_from_slice(&pipe);
     first.extend(["--stop-after-epoch", "1"]);
-    resumes_as_straight(dir.path(), &data, &stopped, 4, &first, "pipe-adam-zero2");
+    resumes_as_straight(
+        dir.path(),
+        &data,
+        &stopped,
+        4,
+        &first,
+        "pipe-adam-zero2",
+        "1",
+    );
 }
 
-/// Runs `run("1")` and `run("2")` (curves 1 and 2) equal `run("0")` (curve 0): curves and
+/// Every stage's run (`run(label)`, its curve beside) equals `run("0")` (curve 0): curves and
 /// exported weights, to 1e-5.
 fn stages_equal_plain(
     name: &str,
@@ -360,7 +390,7 @@ fn stages_equal_plain(
 }
 
 /// `first` (a run stopped after epoch 1) on `world` ranks into `stopped`, then resumed with
-/// `--zero 1`: the same curve as the uninterrupted run `straight` (in `dir`).
+/// `--zero <zero>`: the same curve as the uninterrupted run `straight` (in `dir`).
 fn resumes_as_straight(
     dir: &Path,
     data: &Path,
@@ -368,9 +398,17 @@ fn resumes_as_straight(
     world: usize,
     first: &[&str],
     straight: &str,
+    zero: &str,
 ) {
     run_job(dir, data, stopped, world, first, &[]);
-    let logs = run_job(dir, data, stopped, world, &["--resume", "--zero", "1"], &[]);
+    let logs = run_job(
+        dir,
+        data,
+        stopped,
+        world,
+        &["--resume", "--zero", zero],
+        &[],
+    );
     assert!(logs.contains("resuming after epoch 1"), "{logs}");
     same_curves(
         ("straight", &metrics(&dir.join(straight))),
@@ -431,7 +469,7 @@ fn zero_takes_the_fine_tuning_switch_with_sgd_and_adam() {
             first.extend_from_slice(&phases);
             first.extend_from_slice(layout);
             let straight = format!("ft-{optimizer}-{name}-zero2");
-            resumes_as_straight(dir.path(), &data, &stopped, world, &first, &straight);
+            resumes_as_straight(dir.path(), &data, &stopped, world, &first, &straight, "1");
         }
     }
 }

@@ -88,7 +88,8 @@ impl Exchange {
     /// Plan for `exchange.zero` with `exchange.overlap`: the step's exchange installed on this
     /// thread, each unit's gradients reduced into `z`'s buckets as the backward hands them
     /// over (stage 2: each bucket's whole gradient gone as soon as it is reduce-scattered).
-    /// `None` without overlap.
+    /// `None` without overlap, except in stage 3 (`z` holds the parameters), whose step always
+    /// takes each unit's gradients as its backward ends, reduced on the step's own thread.
     pub(super) fn plan_sharded<M: Module>(
         &self,
         comm: &Arc<Communicator>,
@@ -96,7 +97,7 @@ impl Exchange {
         z: &ZeroOptimizer,
         model: &M,
     ) -> std::result::Result<Option<OverlappedStep>, DistError> {
-        if !self.settings.overlap {
+        if !self.settings.overlap && !z.holds_params() {
             return Ok(None);
         }
         let o = OverlappedStep::begin_sharded(comm.clone(), z, model, 1.0)?;

@@ -244,7 +244,21 @@ impl Objective {
         input: M::Input,
         targets: &Targets,
         weight: f32,
+        scores: Option<&mut ValScores>,
+    ) -> Result<(GradientsParams, Sums)> {
+        self.train_batch_gathered(model, input, targets, weight, scores, None)
+    }
+
+    /// [`Self::train_batch_scored`] on ZeRO stage 3's skeleton when `gathering` is given: unit
+    /// by unit, each unit's parameters gathered for its passes.
+    pub(super) fn train_batch_gathered<M: Net>(
+        &self,
+        model: &M,
+        input: M::Input,
+        targets: &Targets,
+        weight: f32,
         mut scores: Option<&mut ValScores>,
+        gathering: Option<&crate::pipeline::Gathering<'_>>,
     ) -> Result<(GradientsParams, Sums)> {
         let mut sums = Sums::default();
         let mut weighted = |logits: Tensor<2>| -> Result<Tensor<1>> {
@@ -267,20 +281,29 @@ impl Objective {
                 loss.mul_scalar(weight)
             })
         };
-        // `--recompute`, or `--overlap`'s exchange installed on this thread (elastic): unit
-        // by unit, each unit's gradients handed over as soon as its backward is over.
+        // `--recompute`, `--overlap`'s exchange installed on this thread (elastic) or stage 3's
+        // gathering: unit by unit, each unit's gradients handed over as soon as its backward
+        // is over.
         let overlap = burn_dist::overlap::handing_over();
-        if self.recompute || overlap {
+        if self.recompute || overlap || gathering.is_some() {
+            let what = if gathering.is_some() {
+                "`exchange.zero` 3"
+            } else if self.recompute {
+                "`compute.recompute`"
+            } else {
+                "`exchange.overlap`"
+            };
             let grads = model
-                .unit_gradients(input, self.precision, self.recompute, &mut weighted)
+                .unit_gradients(
+                    input,
+                    self.precision,
+                    self.recompute,
+                    gathering,
+                    &mut weighted,
+                )
                 .unwrap_or_else(|| {
                     Err(HearthError::InvalidArgument(format!(
-                        "{}: this model has no units to run one by one",
-                        if self.recompute {
-                            "`compute.recompute`"
-                        } else {
-                            "`exchange.overlap`"
-                        }
+                        "{what}: this model has no units to run one by one"
                     )))
                 })?;
             return Ok((grads, sums));

@@ -74,17 +74,26 @@ pub trait Net: Module + 'static {
     /// The gradients of `loss(logits)` for this module, computed `precision` unit by unit:
     /// with each unit's activations recomputed in the backward (`recompute`: `--recompute`),
     /// and each unit's gradients handed to the overlapped exchange installed on this thread
-    /// if there is one (`--overlap`). `None` (the default) for a module without units, whose
-    /// runs refuse both flags.
+    /// if there is one (`--overlap`); with `gathering` (ZeRO stage 3) each unit's parameters
+    /// gathered for its passes. `None` (the default) for a module without units, whose runs
+    /// refuse these flags.
     #[doc(hidden)]
     fn unit_gradients(
         &self,
         input: Self::Input,
         precision: super::Precision,
         recompute: bool,
+        gathering: Option<&crate::pipeline::Gathering<'_>>,
         loss: &mut dyn FnMut(Tensor<2>) -> crate::Result<Tensor<1>>,
     ) -> Option<crate::Result<burn::optim::GradientsParams>> {
-        let _ = (input, precision, recompute, loss);
+        let _ = (input, precision, recompute, gathering, loss);
+        None
+    }
+
+    /// Each unit's number of trainable tensors, in the module's order (ZeRO stage 3 gathers a
+    /// unit at a time); `None` (the default) for a module without units.
+    #[doc(hidden)]
+    fn unit_tensor_counts(&self) -> Option<Vec<usize>> {
         None
     }
 }
@@ -103,11 +112,15 @@ impl Net for Classifier {
         input: Tensor<4>,
         precision: super::Precision,
         recompute: bool,
+        gathering: Option<&crate::pipeline::Gathering<'_>>,
         loss: &mut dyn FnMut(Tensor<2>) -> crate::Result<Tensor<1>>,
     ) -> Option<crate::Result<burn::optim::GradientsParams>> {
         Some(crate::pipeline::unit_gradients(
-            self, self, input, precision, recompute, loss,
+            self, self, input, precision, recompute, gathering, loss,
         ))
+    }
+    fn unit_tensor_counts(&self) -> Option<Vec<usize>> {
+        Some(crate::pipeline::unit_tensor_counts(self))
     }
 }
 

@@ -311,12 +311,15 @@ impl TrainConfig {
             return Ok(());
         }
         let bad = |m: String| Err(HearthError::InvalidArgument(m));
-        if self.exchange.zero > 2 {
+        if self.exchange.zero > 3 {
             return bad(format!(
-                "`exchange.zero` {}: the stages are 0 (off), 1 (optimizer state sharded) and 2 (gradients \
-                 too); stage 3 (parameters) is not built",
+                "`exchange.zero` {}: the stages are 0 (off), 1 (optimizer state sharded), 2 (gradients \
+                 too) and 3 (parameters too)",
                 self.exchange.zero
             ));
+        }
+        if self.exchange.zero == 3 {
+            self.validate_zero_3()?;
         }
         let mode = if self.mode.ps().is_some() {
             Some(
@@ -352,6 +355,38 @@ impl TrainConfig {
             ));
         }
         Ok(())
+    }
+
+    /// `--zero 3`: data parallel alone, and what it does not work with yet refused by name.
+    fn validate_zero_3(&self) -> Result<()> {
+        let why = if self.mode.elastic().is_some() {
+            Some(
+                "`TrainingMode::Elastic` (not built: a change of membership would re-shard the parameters)",
+            )
+        } else if self.mode.pipeline().is_some() {
+            Some("`PipelineOptions.stages` (not built: stage 3 shards data parallel's whole model)")
+        } else if self.exchange.overlap {
+            Some(
+                "`exchange.overlap` (stage 3 reduces each unit's gradients as its backward ends already, on \
+                 the step's own thread, between its gathers of parameters: an overlapped stage 3 is not built)",
+            )
+        } else if self.optim.model_ema.is_some() {
+            Some(
+                "`optim.model_ema` (not built: the average would hold the whole model on every rank)",
+            )
+        } else if self.model.freeze_backbone {
+            Some("`model.freeze_backbone` (not built: a phase change would cut the shards again)")
+        } else if self.optim.grad_accum.is_some_and(|k| k > 1) {
+            Some("`optim.grad_accum` (not built: each unit's gradients leave as its backward ends)")
+        } else {
+            None
+        };
+        match why {
+            Some(why) => Err(HearthError::InvalidArgument(format!(
+                "`exchange.zero` 3 does not work with {why}"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// `--compression` and `--bucket-mb` shape the gradients ranks exchange by allreduce: an

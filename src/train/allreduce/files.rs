@@ -142,11 +142,17 @@ impl<T: Trainee> Allreduce<'_, T> {
         if let (Some(z), Some(comm)) = (&self.zero, &self.comm) {
             crate::train::zero::save_state(&self.cfg.run_dir.join("checkpoint"), epoch, z, comm)?;
         }
+        // `--zero 3`: the weights gathered whole (every rank takes part).
+        let whole = self.whole_model()?;
         if self.rank != 0 {
             return Ok(());
         }
         let dir = &self.cfg.run_dir;
-        save_epoch_weights(dir, epoch, self.model()?.clone(), &Default::default())?;
+        let model = match whole {
+            Some(m) => m,
+            None => self.model()?.clone(),
+        };
+        save_epoch_weights(dir, epoch, model, &Default::default())?;
         if let Some(e) = &self.ema {
             e.save(&ema_checkpoint(dir, epoch))?;
         }

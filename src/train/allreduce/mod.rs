@@ -30,6 +30,7 @@ use burn::optim::{GradientsAccumulator, ModuleOptimizer};
 use burn::prelude::*;
 use burn_dist::overlap::OverlappedStep;
 use burn_dist::zero::ZeroOptimizer;
+use burn_dist::zero::module::ShardedParams;
 use burn_dist::{Communicator, ReduceOp};
 
 use super::ema::Ema;
@@ -43,8 +44,9 @@ use super::precision::{LossScaler, divide};
 use super::scores::ValScores;
 use super::shared::{Rates, epoch_lr};
 use super::step_log::StepLog;
-use super::trainee::{Recipe, Trainee, val_share};
+use super::trainee::{Net, Recipe, Trainee, val_share};
 use super::{TrainConfig, TrainReport, run_dir};
+use crate::pipeline::Gathering;
 use crate::settings::Precision;
 use crate::{HearthError, Result};
 
@@ -104,6 +106,7 @@ pub(super) fn train_with<R: Recipe>(
         overflow_at: Faults::rank(rank, cfg.compute.precision).overflow_at(),
         epoch_skipped: 0,
         zero: None,
+        params: None,
         exchange: Exchange::new(&cfg.exchange, ReduceOp::Mean),
         frozen: false,
         ema: None,
@@ -169,6 +172,9 @@ struct Allreduce<'a, T: Trainee> {
     epoch_skipped: u64,
     /// `--zero`: this rank's shard of the optimizer (`self.optim` then never steps).
     zero: Option<ZeroOptimizer>,
+    /// `--zero 3`: the model is a skeleton whose values `zero` holds; where each of its
+    /// tensors sits, for gathering a unit (or the whole, to validate and checkpoint).
+    params: Option<ShardedParams>,
     /// The step's plan and exchange (the mean over the ranks), and the epoch's time in them.
     exchange: Exchange,
     /// Whether the model trains its head alone now (`--freeze-backbone`).
@@ -213,7 +219,18 @@ impl<T: Trainee> Allreduce<'_, T> {
             return Ok(());
         };
         let at_switch = first > 0 && self.rates.frozen(first) && !frozen;
-        let z = super::zero::start(
+        let stage_3 = self.cfg.exchange.zero == 3;
+        let units = match stage_3 {
+            true => Some(self.model()?.unit_tensor_counts().ok_or_else(|| {
+                HearthError::InvalidArgument(
+                    "`exchange.zero` 3 gathers a model's parameters unit by unit, and this model \
+                     has no units (Hearth's ResNet, DenseNet and VGG have): use stage 1 or 2"
+                        .into(),
+                )
+            })?),
+            false => None,
+        };
+        let mut z = super::zero::start(
             self.cfg,
             self.model()?,
             self.batches,
@@ -221,14 +238,45 @@ impl<T: Trainee> Allreduce<'_, T> {
             &self.cfg.run_dir.join("checkpoint"),
             first,
             at_switch,
+            units.as_deref(),
         )?;
+        if stage_3 {
+            // The values go into the shard; the model keeps its structure, ids and buffers.
+            let model = self.take_model()?;
+            let (skeleton, params) = burn_dist::zero::module::shard_params(&mut z, model)?;
+            self.model = Some(skeleton);
+            self.params = Some(params);
+        }
         log(&format!(
-            "ZeRO stage {}: rank 0 keeps the optimizer state of {}",
+            "ZeRO stage {}: rank 0 keeps the optimizer state of {}{}",
             self.cfg.exchange.zero,
-            z.describe()
+            z.describe(),
+            if stage_3 {
+                format!(", and {} parameter values", z.params_len())
+            } else {
+                String::new()
+            }
         ));
         self.zero = Some(z);
         Ok(())
+    }
+
+    /// `--zero 3`: where a unit's parameters come from for its passes (`None` otherwise).
+    fn gathering(&self) -> Option<Gathering<'_>> {
+        match (&self.zero, &self.comm, &self.params) {
+            (Some(zero), Some(comm), Some(params)) => Some(Gathering { zero, comm, params }),
+            _ => None,
+        }
+    }
+
+    /// `--zero 3`: the whole model, gathered from every rank's segments (every rank calls it
+    /// alike), to validate or checkpoint; `None` where the model is whole already. Its
+    /// batch-norm statistics are the skeleton's own (shared, not copied).
+    fn whole_model(&self) -> Result<Option<T::Model>> {
+        let Some(g) = self.gathering() else {
+            return Ok(None);
+        };
+        Ok(Some(g.params.gather(g.zero, g.comm, self.model()?)?))
     }
 
     /// One optimizer step: its gradients unscaled (fp16), exchanged (what `overlapped` has
@@ -324,6 +372,7 @@ impl<T: Trainee> Allreduce<'_, T> {
         // (measured: VGG-16's export raised rank 0's peak by 340 MB over the steps').
         self.model = None;
         self.zero = None;
+        self.params = None;
         self.ema = None;
         self.optim = optimizer(self.cfg);
         if let Some(comm) = &self.comm {
@@ -462,12 +511,14 @@ impl<T: Trainee> super::epochs::Strategy for Allreduce<'_, T> {
                 .scaler
                 .as_ref()
                 .map_or(1.0, |s| s.loss_factor(self.overflow_at));
-            let (grads, sums) = self.objective.train_batch_scored(
+            let gathering = self.gathering();
+            let (grads, sums) = self.objective.train_batch_gathered(
                 self.model()?,
                 input,
                 &targets,
                 factor,
                 scores.as_mut(),
+                gathering.as_ref(),
             )?;
             if !sums.loss.is_finite() && self.scaler.is_none() && diverged.is_none() {
                 diverged = Some(i + 1);

@@ -65,9 +65,17 @@ impl<T: Trainee> Allreduce<'_, T> {
         train: &Sums,
         took: f64,
     ) -> Result<Row> {
-        let model = self.take_model()?;
-        let (model, val) = self.score(model)?;
-        self.model = Some(model);
+        // `--zero 3`: the whole model gathered for the pass, the skeleton kept (the batch-norm
+        // statistics rank 0's broadcast sets are the skeleton's own).
+        let val = match self.whole_model()? {
+            Some(whole) => self.score(whole)?.1,
+            None => {
+                let model = self.take_model()?;
+                let (model, val) = self.score(model)?;
+                self.model = Some(model);
+                val
+            }
+        };
         let mut row: Row = [
             ("train_loss", train.mean_loss()),
             ("train_accuracy", train.accuracy()),

@@ -308,6 +308,7 @@ impl PipelineRun<'_> {
             &files::stage_dir(&self.cfg.run_dir, self.stage),
             from,
             fine_tuning && self.cfg.model.unfreeze_after == Some(resume),
+            None,
         )?
         // `--clip-grad`: the norm over every stage, not this stage's replicas alone.
         .with_norm_over(self.comm.clone());
@@ -396,6 +397,7 @@ impl Strategy for StageStrategy<'_, '_> {
                         &files::stage_dir(&self.run.cfg.run_dir, self.run.stage),
                         0,
                         false,
+                        None,
                     )?
                     .with_norm_over(self.run.comm.clone()),
                 });

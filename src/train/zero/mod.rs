@@ -1,7 +1,10 @@
-//! `--zero 1|2`: data parallel with a sharded optimizer (burn-dist's [`burn_dist::zero`]).
+//! `--zero 1|2|3`: data parallel with a sharded optimizer (burn-dist's [`burn_dist::zero`]).
 //! Each rank keeps `1/N` of the optimizer's state (its segment of every fusion bucket of the
 //! trainable values) and updates those values; the updated segments are all-gathered. Stage 2
-//! also receives only its segments of the averaged gradient (reduce-scatter).
+//! also receives only its segments of the averaged gradient (reduce-scatter). Stage 3 (data
+//! parallel on Hearth's models) keeps only its segments of the parameters too: the buckets are
+//! cut at the model's units, the model is a skeleton, and each unit is gathered for its passes
+//! (`allreduce/`; validation and checkpoints gather the whole model).
 //!
 //! Checkpoints: at every epoch's checkpoint the shards are gathered on rank 0, which writes
 //! `checkpoint/optim-zero-<epoch>.safetensors`: one tensor per trainable tensor and state slot,
@@ -48,7 +51,8 @@ use crate::{HearthError, Result};
 /// the strategy's schedule at each step, `batches` per epoch); when resuming after `resume`,
 /// its state from epoch `resume`'s file in the checkpoint folder `dir`, read by `comm`'s rank
 /// 0 (written by any number of ranks) and scattered (`new_at_zero`: the file may hold some of
-/// the tensors, the fine-tuning phase starting after a frozen one).
+/// the tensors, the fine-tuning phase starting after a frozen one). `units` (stage 3): each
+/// unit's number of trainable tensors, where the buckets are cut.
 pub(super) fn start<M: Module>(
     cfg: &TrainConfig,
     model: &M,
@@ -57,6 +61,7 @@ pub(super) fn start<M: Module>(
     dir: &Path,
     resume: usize,
     new_at_zero: bool,
+    units: Option<&[usize]>,
 ) -> Result<burn_dist::zero::ZeroOptimizer> {
     let stage = Stage::from_number(cfg.exchange.zero)?;
     let optimizer = super::flat::model_optimizer(cfg, cfg.optim.lr, batches, model)?;
@@ -70,6 +75,9 @@ pub(super) fn start<M: Module>(
     )?
     .with_new_tensors_at_zero(new_at_zero)
     .with_clip_norm(cfg.optim.clip_grad);
+    if let Some(counts) = units {
+        z = z.cut_at_units(counts)?;
+    }
     if resume > 0 {
         // Rank 0 reads the file a bucket at a time as it hands the state out.
         let mut read = (comm.rank() == 0)
