@@ -58,7 +58,8 @@ pub fn recomputed_gradients_each<M: PipelineStage>(
 /// [`recomputed_gradients_each`] with each segment's values from `gather` before each of its
 /// forwards (once without a graph, once again with it for its backward; the last segment
 /// once): at any time one segment's gathered values are held, and the forward's are let go
-/// before the next segment's are gathered. `done` gets the gathered segment.
+/// before the next segment's are gathered. `done` gets the caller's segment (the same
+/// parameter ids), after the gathered one is let go.
 pub fn recomputed_gradients_gathered<M: PipelineStage>(
     segments: &[M],
     gather: &mut Gather<'_, M>,
@@ -90,16 +91,15 @@ pub fn recomputed_gradients_gathered<M: PipelineStage>(
     let mut grads = Vec::with_capacity(segments.len());
     let k_last = rest.len();
     let x_last = if k_last == 0 { x } else { x.require_grad() };
-    let last = gather(k_last, last)?;
-    let y = last.forward(x_last.clone()).map_err(|e| fail(k_last, e))?;
+    let used = gather(k_last, last)?;
+    let y = used.forward(x_last.clone()).map_err(|e| fail(k_last, e))?;
     let g = loss(y)?.backward();
     let mut upstream = if k_last == 0 {
         None
     } else {
         x_last.grad_activation(&g)
     };
-    grads.push(hand_on(done, k_last, &last, g)?);
-    drop(last);
+    grads.push(hand_on(done, k_last, last, used, g)?);
     for (k, (x, seed)) in held.into_iter().enumerate().rev() {
         let Some(dy) = upstream.take() else {
             // Nothing flows further back (a frozen segment whose input needs no gradient).
@@ -118,7 +118,7 @@ pub fn recomputed_gradients_gathered<M: PipelineStage>(
         if k > 0 {
             upstream = x.grad_activation(&g);
         }
-        grads.push(hand_on(done, k, &segment, g)?);
+        grads.push(hand_on(done, k, &segments[k], segment, g)?);
     }
     grads.reverse();
     Ok(grads)
@@ -148,9 +148,9 @@ pub fn segmented_gradients<M: PipelineStage>(
 }
 
 /// [`segmented_gradients`] with each segment's values from `gather` before its forward. Each
-/// segment's graph holds its gathered values until its backward is over (then they go, as
-/// `done`, which gets the gathered segment, returns): ZeRO stage 3 without recomputation
-/// holds every segment's values at the end of the forward.
+/// segment's graph holds its gathered values until its backward is over (then they go, before
+/// `done` gets the caller's segment): ZeRO stage 3 without recomputation holds every segment's
+/// values at the end of the forward.
 pub fn segmented_gradients_gathered<M: PipelineStage>(
     segments: &[M],
     gather: &mut Gather<'_, M>,
@@ -210,20 +210,26 @@ pub fn segmented_gradients_gathered<M: PipelineStage>(
         if upstream_trains[k] {
             upstream = input.grad_activation(&g);
         }
-        grads.push(hand_on(done, k, &segment, g)?);
+        grads.push(hand_on(done, k, &segments[k], segment, g)?);
     }
     grads.reverse();
     Ok(grads)
 }
 
-/// Segment `k`'s gradients from a backward's `grads`, passed to `done`.
+/// Segment `k`'s gradients from a backward's `grads` through `used` (the segment as it ran,
+/// gathered or a clone), passed to `done` with `segment` (the caller's, the same parameter
+/// ids) once `used` is let go: a gathered segment's values are gone before `done` hands the
+/// gradients on (ZeRO stage 3 holds a unit's parameters or its gradients' copies, not both).
 fn hand_on<M: PipelineStage>(
     done: &mut SegmentDone<'_, M>,
     k: usize,
     segment: &M,
+    used: M,
     grads: burn::tensor::Gradients,
 ) -> Result<GradientsParams> {
-    done(k, segment, GradientsParams::from_grads(grads, segment))
+    let g = GradientsParams::from_grads(grads, &used);
+    drop(used);
+    done(k, segment, g)
 }
 
 /// Whether a visit reaches a parameter that requires a gradient.
