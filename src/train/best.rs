@@ -108,13 +108,84 @@ pub fn save_epoch_weights<M: burn::module::Module>(
         })?;
     }
     let tmp = super::gate::Gate::temp_for(&path);
-    if let Err(e) = model.into_record().save(&tmp) {
+    if let Err(e) = save_streamed(&model, &tmp) {
         let _ = std::fs::remove_file(&tmp);
         return Err(HearthError::Training(format!(
             "saving epoch {epoch}'s weights: {e}"
         )));
     }
+    drop(model);
     gate.land(&tmp, &path)
+}
+
+/// `module`'s record written as Burn's `into_record().save(path)` writes it (the same burnpack
+/// container: each parameter and buffer by its module path, with its parameter id, type and
+/// shape, in visiting order), each tensor's values read only when the writer reaches it and
+/// let go before the next: `into_record` copies every value first, so a checkpoint held the
+/// model twice (rank 0's peak of a ZeRO run).
+fn save_streamed<M: burn::module::Module>(
+    module: &M,
+    path: &Path,
+) -> std::result::Result<(), String> {
+    use burn::module::{ModuleVisitor, Param};
+    use burn::prelude::{Bool, Int, Tensor};
+    use burn::tensor::kind::Basic;
+
+    #[derive(Default)]
+    struct Deferred {
+        path: Vec<String>,
+        out: Vec<burn_pack::Tensor>,
+    }
+    impl Deferred {
+        fn push<const D: usize, K: Basic + 'static>(&mut self, id: u64, t: Tensor<D, K>)
+        where
+            Tensor<D, K>: Send + Sync,
+        {
+            let (dtype, shape) = (t.dtype(), t.shape());
+            let len = shape.num_elements() * dtype.size();
+            let read = move || {
+                let (bytes, _, stored) = t.clone().into_data().into_parts();
+                // The type the header declares must be the one the values come in (a backend
+                // may store a type in a wider one).
+                match stored == dtype {
+                    true => Ok(bytes),
+                    false => Err(burn_pack::Error::ValidationError(format!(
+                        "declared {dtype:?}, read {stored:?}"
+                    ))),
+                }
+            };
+            self.out.push(burn_pack::Tensor::deferred(
+                self.path.join("."),
+                dtype,
+                shape,
+                Some(id),
+                len,
+                read,
+            ));
+        }
+    }
+    impl ModuleVisitor for Deferred {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.push(param.id.val(), param.transform_for_save().val());
+        }
+        fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<D, Int>>) {
+            self.push(param.id.val(), param.transform_for_save().val());
+        }
+        fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<D, Bool>>) {
+            self.push(param.id.val(), param.transform_for_save().val());
+        }
+    }
+    let mut d = Deferred::default();
+    module.visit(&mut d);
+    burn_pack::Writer::new(d.out)
+        .write_to_file(path)
+        .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -184,5 +255,42 @@ mod tests {
         assert!(p(1.0, 0).exhausted(4), "0.4 is below min_delta: best is 2");
         assert!(!p(1.0, 3).exhausted(4), "patience counts from epoch 3");
         assert!(p(1.0, 2).exhausted(4));
+    }
+
+    /// The streamed checkpoint is Burn's own file byte for byte (parameters with their ids,
+    /// batch norm's running statistics, nested paths), and it loads back.
+    #[test]
+    fn a_streamed_checkpoint_is_burn_s_file_byte_for_byte() {
+        use burn::module::Module;
+        use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
+        #[derive(Module, Debug)]
+        struct Inner {
+            norm: BatchNorm,
+        }
+        #[derive(Module, Debug)]
+        struct Net {
+            fc: Linear,
+            inner: Vec<Inner>,
+        }
+        let device = burn::prelude::Device::flex();
+        let net = Net {
+            fc: LinearConfig::new(5, 3).init(&device),
+            inner: vec![Inner {
+                norm: BatchNormConfig::new(3).init(&device),
+            }],
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (ours, burns) = (dir.path().join("ours.bpk"), dir.path().join("burns.bpk"));
+        save_streamed(&net, &ours).unwrap();
+        net.clone().into_record().save(&burns).unwrap();
+        let (a, b) = (std::fs::read(&ours).unwrap(), std::fs::read(&burns).unwrap());
+        assert!(a.len() > 100, "{} bytes", a.len());
+        assert!(a == b, "the files differ ({} and {} bytes)", a.len(), b.len());
+        let record = burn::store::ModuleRecord::load(&ours).unwrap();
+        let back = net.clone().load_record(record);
+        assert_eq!(
+            back.fc.weight.val().into_data(),
+            net.fc.weight.val().into_data()
+        );
     }
 }
