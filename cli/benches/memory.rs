@@ -1,5 +1,5 @@
 //! Memory at scale: each rank's peak resident memory and the step time of data parallel with
-//! the plain optimizer and with the sharded one (`--zero 1|2`), against PyTorch DDP over gloo
+//! the plain optimizer and with the sharded one (`--zero 1|2|3`), against PyTorch DDP over gloo
 //! (plain, and `ZeroRedundancyOptimizer`, PyTorch's stage 1) on this machine, in the same run.
 //!
 //!   cargo bench --bench memory
@@ -16,12 +16,15 @@
 //! what sharding moves changes). Each rank prints its peak (VmHWM) at the end; the step time is
 //! the global batch over the epoch's `train_images_per_sec`. What sharding should free is
 //! counted from the model: SGD with momentum keeps one value per trainable parameter, Adam two;
-//! `--zero` keeps 1/N of them, and `--zero 2` also 1/N of the gradients. The goal (issue 58):
+//! `--zero` keeps 1/N of them, `--zero 2` also 1/N of the gradients, and `--zero 3` also 1/N of
+//! the parameters. The goal (issue 58):
 //! the peak resident memory saved against plain data parallel at least 80% of that share, at
 //! N = 2 and 4, for VGG-16 and ResNet-50 with Adam; the last column says whether it is met.
 //! Stage 2 runs twice: as it is, and with `--overlap` ("2 + overlap"), where each bucket's
 //! gradient is reduce-scattered during the backward and dropped, which is where stage 2 saves
-//! the gradients' share. ZeRO stage 3 (`--zero 3`) is not built: it has no rows.
+//! the gradients' share. Stage 3 runs as it is (each unit's graph holds its gathered parameters
+//! until its backward); `HEARTH_MEM_RECOMPUTE=both` adds its `--recompute` row, where a rank
+//! holds one unit's parameters at a time. PyTorch's column beside any stage is its stage 1.
 //!
 //! Without `--bench` (`cargo test --benches`) it runs a small smoke configuration.
 
@@ -280,7 +283,7 @@ fn main() {
                 let n: usize = n.parse().expect("HEARTH_MEM_RANKS: numbers");
                 // (stage, --overlap)
                 let stages: &[(u8, bool)] = if n > 1 {
-                    &[(0, false), (1, false), (2, false), (2, true)]
+                    &[(0, false), (1, false), (2, false), (2, true), (3, false)]
                 } else {
                     &[(0, false)]
                 };
@@ -337,12 +340,13 @@ fn main() {
                         state(1.0)
                     };
                     // What sharding frees per rank: (N-1)/N of the state, and of the gradients
-                    // with stage 2.
+                    // with stage 2, and of the parameters too with stage 3.
                     let unsharded = 1.0 - 1.0 / n as f64;
                     let share = match zero {
                         0 => 0.0,
                         1 => state(1.0) * unsharded,
-                        _ => (state(1.0) + total * 4.0 / 1e6) * unsharded,
+                        2 => (state(1.0) + total * 4.0 / 1e6) * unsharded,
+                        _ => (state(1.0) + 2.0 * total * 4.0 / 1e6) * unsharded,
                     };
                     let (saved, goal) = match (&plain, zero) {
                         (Some(p), z) if z > 0 || recompute => {

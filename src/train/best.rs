@@ -283,9 +283,17 @@ mod tests {
         let (ours, burns) = (dir.path().join("ours.bpk"), dir.path().join("burns.bpk"));
         save_streamed(&net, &ours).unwrap();
         net.clone().into_record().save(&burns).unwrap();
-        let (a, b) = (std::fs::read(&ours).unwrap(), std::fs::read(&burns).unwrap());
+        let (a, b) = (
+            std::fs::read(&ours).unwrap(),
+            std::fs::read(&burns).unwrap(),
+        );
         assert!(a.len() > 100, "{} bytes", a.len());
-        assert!(a == b, "the files differ ({} and {} bytes)", a.len(), b.len());
+        assert!(
+            a == b,
+            "the files differ ({} and {} bytes)",
+            a.len(),
+            b.len()
+        );
         let record = burn::store::ModuleRecord::load(&ours).unwrap();
         let back = net.clone().load_record(record);
         assert_eq!(

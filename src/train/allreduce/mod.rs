@@ -230,16 +230,14 @@ impl<T: Trainee> Allreduce<'_, T> {
             })?),
             false => None,
         };
-        let mut z = super::zero::start(
-            self.cfg,
-            self.model()?,
-            self.batches,
-            comm,
-            &self.cfg.run_dir.join("checkpoint"),
-            first,
-            at_switch,
-            units.as_deref(),
-        )?;
+        let dir = self.cfg.run_dir.join("checkpoint");
+        let at = super::zero::ShardStart {
+            dir: &dir,
+            resume: first,
+            new_at_zero: at_switch,
+            units: units.as_deref(),
+        };
+        let mut z = super::zero::start(self.cfg, self.model()?, self.batches, comm, at)?;
         if stage_3 {
             // The values go into the shard; the model keeps its structure, ids and buffers.
             let model = self.take_model()?;

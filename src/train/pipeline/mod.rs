@@ -300,18 +300,16 @@ impl PipelineRun<'_> {
         } else {
             0
         };
-        let z = super::zero::start(
-            self.cfg,
-            &trains,
-            self.steps_per_epoch,
-            replicas,
-            &files::stage_dir(&self.cfg.run_dir, self.stage),
-            from,
-            fine_tuning && self.cfg.model.unfreeze_after == Some(resume),
-            None,
-        )?
-        // `--clip-grad`: the norm over every stage, not this stage's replicas alone.
-        .with_norm_over(self.comm.clone());
+        let dir = files::stage_dir(&self.cfg.run_dir, self.stage);
+        let at = super::zero::ShardStart {
+            dir: &dir,
+            resume: from,
+            new_at_zero: fine_tuning && self.cfg.model.unfreeze_after == Some(resume),
+            units: None,
+        };
+        let z = super::zero::start(self.cfg, &trains, self.steps_per_epoch, replicas, at)?
+            // `--clip-grad`: the norm over every stage, not this stage's replicas alone.
+            .with_norm_over(self.comm.clone());
         log(&format!(
             "ZeRO stage {} over each stage's {} replicas: stage {}'s replica 0 keeps the \
              optimizer state of {}",
@@ -394,10 +392,12 @@ impl Strategy for StageStrategy<'_, '_> {
                         &model,
                         self.run.steps_per_epoch,
                         replicas,
-                        &files::stage_dir(&self.run.cfg.run_dir, self.run.stage),
-                        0,
-                        false,
-                        None,
+                        super::zero::ShardStart {
+                            dir: &files::stage_dir(&self.run.cfg.run_dir, self.run.stage),
+                            resume: 0,
+                            new_at_zero: false,
+                            units: None,
+                        },
                     )?
                     .with_norm_over(self.run.comm.clone()),
                 });

@@ -47,22 +47,35 @@ pub use file::{StateFile, open_state, read_state, state_file};
 use super::TrainConfig;
 use crate::{HearthError, Result};
 
+/// Where a shard starts ([`start`]).
+pub(super) struct ShardStart<'a> {
+    /// The checkpoint folder its state file is in.
+    pub dir: &'a Path,
+    /// The epoch resumed after (0: a fresh start).
+    pub resume: usize,
+    /// The file may hold some of the tensors: the fine-tuning phase starting after a frozen one.
+    pub new_at_zero: bool,
+    /// Stage 3: each unit's number of trainable tensors, where the buckets are cut.
+    pub units: Option<&'a [usize]>,
+}
+
 /// A rank's sharded optimizer for `model` over `comm` (the run's optimizer; the rate comes from
-/// the strategy's schedule at each step, `batches` per epoch); when resuming after `resume`,
-/// its state from epoch `resume`'s file in the checkpoint folder `dir`, read by `comm`'s rank
-/// 0 (written by any number of ranks) and scattered (`new_at_zero`: the file may hold some of
-/// the tensors, the fine-tuning phase starting after a frozen one). `units` (stage 3): each
-/// unit's number of trainable tensors, where the buckets are cut.
+/// the strategy's schedule at each step, `batches` per epoch); when resuming after
+/// `at.resume`, its state from that epoch's file in `at.dir`, read by `comm`'s rank 0 (written
+/// by any number of ranks) and scattered.
 pub(super) fn start<M: Module>(
     cfg: &TrainConfig,
     model: &M,
     batches: usize,
     comm: &burn_dist::Communicator,
-    dir: &Path,
-    resume: usize,
-    new_at_zero: bool,
-    units: Option<&[usize]>,
+    at: ShardStart<'_>,
 ) -> Result<burn_dist::zero::ZeroOptimizer> {
+    let ShardStart {
+        dir,
+        resume,
+        new_at_zero,
+        units,
+    } = at;
     let stage = Stage::from_number(cfg.exchange.zero)?;
     let optimizer = super::flat::model_optimizer(cfg, cfg.optim.lr, batches, model)?;
     let names = burn_dist::flat::module::trainable_names(model);
