@@ -120,8 +120,14 @@ fn zero_1_2_and_3_train_an_image_model_as_plain_data_parallel_does_and_resume_ex
                 );
             }
             if zero == "3" {
-                // The model's values live in the shards: about half of them on each rank.
+                // The model's values live in the shards, and every gradient left as its unit's
+                // backward ended (no `--overlap` line: nothing overlapped).
                 assert!(logs.contains("parameter values"), "{logs}");
+                assert!(
+                    logs.contains("were reduce-scattered as their units' backward ended"),
+                    "{logs}"
+                );
+                assert!(!logs.contains("--overlap:"), "{logs}");
             }
             if zero != "0" {
                 assert!(

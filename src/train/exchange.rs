@@ -138,10 +138,19 @@ impl Exchange {
             return;
         }
         self.said = true;
+        let of = burn_dist::ddp::module_values(model).len();
+        if !self.settings.overlap {
+            // ZeRO stage 3 reduces each unit's gradients as its backward ends, without
+            // `--overlap`: on the step's thread, nothing overlapped.
+            log(&format!(
+                "`exchange.zero` 3: {handed} gradient tensors of {of} were reduce-scattered as \
+                 their units' backward ended"
+            ));
+            return;
+        }
         log(&format!(
-            "`exchange.overlap`: {handed} gradient tensors of {} were exchanged during the \
-             backward pass",
-            burn_dist::ddp::module_values(model).len()
+            "`exchange.overlap`: {handed} gradient tensors of {of} were exchanged during the \
+             backward pass"
         ));
         if let Some(notice) = one_host_overlap_notice(comm) {
             log(notice);

@@ -255,6 +255,15 @@ pub(super) fn epoch_lr(
     sum / batches as f64
 }
 
+/// `rank`'s part of a validation set of `n` examples validated by `world` ranks together:
+/// every `world`-th example from `rank`, in batches of its share of the global `batch`.
+pub(crate) fn val_share(n: usize, rank: usize, world: usize, batch: usize) -> Vec<Vec<usize>> {
+    let world = world.max(1);
+    let per = (batch / world).max(1);
+    let mine: Vec<usize> = (rank..n).step_by(world).collect();
+    mine.chunks(per).map(<[usize]>::to_vec).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::{epoch_lr, prefixed_parts};

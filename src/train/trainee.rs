@@ -215,15 +215,6 @@ pub(crate) trait Trainee {
     fn export(&self, cfg: &TrainConfig, model: &Self::Model, out: &Path) -> Result<()>;
 }
 
-/// `rank`'s part of a validation set of `n` examples validated by `world` ranks together:
-/// every `world`-th example from `rank`, in batches of its share of the global `batch`.
-pub(crate) fn val_share(n: usize, rank: usize, world: usize, batch: usize) -> Vec<Vec<usize>> {
-    let world = world.max(1);
-    let per = (batch / world).max(1);
-    let mine: Vec<usize> = (rank..n).step_by(world).collect();
-    mine.chunks(per).map(<[usize]>::to_vec).collect()
-}
-
 /// What a model's outputs mean: one per class (or label), and whether they are independent
 /// labels (multi-hot targets, sigmoid) or one class per example.
 #[derive(Clone, Debug)]
