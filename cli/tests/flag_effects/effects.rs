@@ -203,7 +203,7 @@ pub(super) fn effect(flag: &str, mode: &str, s: &Setup) -> Effect {
         "--zero" => Same {
             with: args(&["--zero", "1"]),
             tolerance: 1e-5,
-            mechanism: "cli/tests/zero.rs::zero_1_and_2_train_an_image_model_as_plain_data_parallel_does_and_resume_exactly",
+            mechanism: "cli/tests/zero.rs::zero_1_2_and_3_train_an_image_model_as_plain_data_parallel_does_and_resume_exactly",
             uses: "--zero",
         },
         "--recompute" => Same {
