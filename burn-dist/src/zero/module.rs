@@ -225,7 +225,7 @@ impl ShardedParams {
 
     /// Where `part`'s trainable tensors start in the skeleton's order: an error where they are
     /// not the skeleton's, or not consecutive there.
-    pub fn first_of<U: Module>(&self, part: &U) -> Result<usize> {
+    fn first_of<U: Module>(&self, part: &U) -> Result<usize> {
         let at: Vec<Option<usize>> = trainable_ids(part)
             .iter()
             .map(|id| self.index.get(id).copied())
