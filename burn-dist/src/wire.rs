@@ -52,6 +52,9 @@ pub enum Kind {
     /// The sharded optimizer of elastic training (its own tag space beside the step's control
     /// and metric traffic, with the run's `--compression`).
     Sharded = 11,
+    /// ZeRO stage 3's gathers of parameters in an overlapped step, beside the gradient
+    /// reductions on the exchange thread (which keep [`Kind::Collective`] and its arithmetic).
+    Gather = 12,
 }
 
 impl Kind {
@@ -68,6 +71,7 @@ impl Kind {
             9 => Kind::Ps,
             10 => Kind::Issue,
             11 => Kind::Sharded,
+            12 => Kind::Gather,
             _ => return None,
         })
     }
@@ -325,6 +329,17 @@ mod tests {
             })
         );
         assert!(bytes_to_f32(&[0; 7], 2).is_err());
+    }
+
+    #[test]
+    fn every_kind_reads_back_from_its_byte() {
+        let kinds: Vec<Kind> = (0..=255u8).filter_map(Kind::from_u8).collect();
+        assert_eq!(kinds.len(), 12, "kinds 1 to 12, nothing else");
+        for k in kinds {
+            assert_eq!(Kind::from_u8(k as u8), Some(k));
+        }
+        assert_eq!(Kind::from_u8(12), Some(Kind::Gather));
+        assert_eq!(Kind::from_u8(13), None);
     }
 
     #[test]

@@ -228,7 +228,8 @@ fn an_overlapped_exchange_equals_the_exchange_after_the_backward() {
 
 /// ZeRO stage 3 on a model of units: the parameters held as each rank's segments, each unit
 /// gathered before its forward (and again before its recomputed backward), every gradient
-/// reduced during the backward on the step's thread; against stage 2 (itself tested equal to
+/// reduced during the backward, on the step's thread or (overlapped) on a thread of its own
+/// while the gathers go over a sibling communicator; against stage 2 (itself tested equal to
 /// plain data parallel) from the same weights and batches.
 #[test]
 fn zero_stage_3_gathers_each_unit_for_its_passes_and_equals_stage_2() {
@@ -245,18 +246,24 @@ fn zero_stage_3_gathers_each_unit_for_its_passes_and_equals_stage_2() {
     for world in [2, 3] {
         let (tx, rx) = std::sync::mpsc::channel();
         for (r, t) in MemoryTransport::mesh(world).into_iter().enumerate() {
-            let models = [fresh(), fresh(), fresh()];
+            let models = [fresh(), fresh(), fresh(), fresh(), fresh()];
             let (tx, device) = (tx.clone(), device.clone());
             std::thread::spawn(move || {
                 let comm =
                     Arc::new(Communicator::new(Arc::new(t)).with_timeout(Duration::from_secs(30)));
-                let [reference, recomputed, segmented] = models;
+                let beside = Arc::new(comm.sibling(burn_dist::wire::Kind::Gather));
+                let [reference, models @ ..] = models;
                 let want = stage_2_steps(reference, &comm, &device);
-                let got = [true, false]
-                    .into_iter()
-                    .zip([recomputed, segmented])
-                    .map(|(recompute, m)| stage_3_steps(m, recompute, &comm, &device))
-                    .collect::<Vec<_>>();
+                let got = [
+                    (true, None),
+                    (false, None),
+                    (true, Some(&beside)),
+                    (false, Some(&beside)),
+                ]
+                .into_iter()
+                .zip(models)
+                .map(|((recompute, beside), m)| stage_3_steps(m, recompute, beside, &comm, &device))
+                .collect::<Vec<_>>();
                 let _ = tx.send((r, want, got));
             });
         }
@@ -273,8 +280,14 @@ fn zero_stage_3_gathers_each_unit_for_its_passes_and_equals_stage_2() {
                     .fold(0.0, f32::max);
                 assert!(moved > 5e-3, "rank {r}: tensor {i} moved by {moved}");
             }
-            assert_eq!(got.len(), 2);
-            for (case, g) in ["recomputed", "segmented"].iter().zip(&got) {
+            assert_eq!(got.len(), 4);
+            let cases = [
+                "recomputed",
+                "segmented",
+                "recomputed, overlapped",
+                "segmented, overlapped",
+            ];
+            for (case, g) in cases.iter().zip(&got) {
                 assert_close(&format!("world {world}, rank {r}, {case}"), g, &want, 1e-5);
             }
             seen += 1;
@@ -314,10 +327,12 @@ fn stage_2_steps(model: Vec<Part>, comm: &Communicator, device: &Device) -> Vec<
 }
 
 /// The same three steps in stage 3, each unit gathered for its passes, with or without
-/// recomputation: the model's values, gathered at the end.
+/// recomputation, the gradients reduced inline or (with `beside`: overlapped) on a thread
+/// while the units are gathered over `beside`: the model's values, gathered at the end.
 fn stage_3_steps(
     model: Vec<Part>,
     recompute: bool,
+    beside: Option<&Arc<Communicator>>,
     comm: &Arc<Communicator>,
     device: &Device,
 ) -> Vec<Vec<f32>> {
@@ -345,14 +360,27 @@ fn stage_3_steps(
             "the module holds no values between steps"
         );
         let (x, y) = micro(s, comm.rank(), device);
-        let step =
-            burn_dist::overlap::OverlappedStep::begin_sharded(comm.clone(), &z, &skeleton, 1.0)
-                .unwrap();
+        use burn_dist::overlap::OverlappedStep;
+        // Reductions beside the gathers on the gathers' own communicator: refused.
+        let e = OverlappedStep::begin_sharded_beside(comm.clone(), comm, &z, &skeleton, 1.0)
+            .err()
+            .expect("one communicator for both")
+            .to_string();
+        assert!(
+            e.contains("both communicators are of kind Collective"),
+            "{e}"
+        );
+        let step = match beside {
+            Some(b) => OverlappedStep::begin_sharded_beside(comm.clone(), b, &z, &skeleton, 1.0),
+            None => OverlappedStep::begin_sharded(comm.clone(), &z, &skeleton, 1.0),
+        }
+        .unwrap();
+        let gather_comm: &Communicator = beside.map_or(comm, |b| b);
         let mut gathers = Vec::new();
         let grads = {
             let mut gather = |k: usize, unit: &Part| {
                 gathers.push(k);
-                sharded.gather(&z, comm, unit)
+                sharded.gather(&z, gather_comm, unit)
             };
             let mut loss = |out: Activation| Ok(mse(out.rank2("out")?, y.clone()));
             let mut done = |_: usize, seg: &Part, g| Ok(burn_dist::overlap::hand_over(seg, g));

@@ -97,11 +97,6 @@ fn values_a_mode_cannot_run_are_refused_before_launching() {
         // ZeRO stage 3: what it does not work with yet.
         (
             &["--nproc", "2"][..],
-            &["--zero", "3", "--overlap"][..],
-            "--zero 3 does not work with --overlap",
-        ),
-        (
-            &["--nproc", "2"][..],
             &["--zero", "3", "--model-ema"][..],
             "--zero 3 does not work with --model-ema",
         ),

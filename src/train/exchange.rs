@@ -89,18 +89,28 @@ impl Exchange {
     /// thread, each unit's gradients reduced into `z`'s buckets as the backward hands them
     /// over (stage 2: each bucket's whole gradient gone as soon as it is reduce-scattered).
     /// `None` without overlap, except in stage 3 (`z` holds the parameters), whose step always
-    /// takes each unit's gradients as its backward ends, reduced on the step's own thread.
+    /// takes each unit's gradients as its backward ends: reduced on the step's own thread, or
+    /// with overlap on a thread of their own over `comm`, while the step's thread gathers the
+    /// next units' parameters over `gathers` (a sibling of `comm`: [`Kind::Gather`]) and goes
+    /// on backward.
+    ///
+    /// [`Kind::Gather`]: burn_dist::wire::Kind::Gather
     pub(super) fn plan_sharded<M: Module>(
         &self,
         comm: &Arc<Communicator>,
         scale: Option<f32>,
         z: &ZeroOptimizer,
         model: &M,
+        gathers: Option<&Communicator>,
     ) -> std::result::Result<Option<OverlappedStep>, DistError> {
         if !self.settings.overlap && !z.holds_params() {
             return Ok(None);
         }
-        let o = OverlappedStep::begin_sharded(comm.clone(), z, model, 1.0)?;
+        let o = if let (true, true, Some(g)) = (self.settings.overlap, z.holds_params(), gathers) {
+            OverlappedStep::begin_sharded_beside(comm.clone(), g, z, model, 1.0)?
+        } else {
+            OverlappedStep::begin_sharded(comm.clone(), z, model, 1.0)?
+        };
         if let Some(s) = scale {
             burn_dist::overlap::unscale_by(s);
         }

@@ -365,11 +365,6 @@ impl TrainConfig {
             )
         } else if self.mode.pipeline().is_some() {
             Some("`PipelineOptions.stages` (not built: stage 3 shards data parallel's whole model)")
-        } else if self.exchange.overlap {
-            Some(
-                "`exchange.overlap` (stage 3 reduces each unit's gradients as its backward ends already, on \
-                 the step's own thread, between its gathers of parameters: an overlapped stage 3 is not built)",
-            )
         } else if self.optim.model_ema.is_some() {
             Some(
                 "`optim.model_ema` (not built: the average would hold the whole model on every rank)",

@@ -214,6 +214,11 @@ impl Communicator {
         self
     }
 
+    /// The frame kind of this communicator's data.
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
     /// Another communicator on the same transport and settings, with its own kind and sequence.
     pub fn sibling(&self, kind: Kind) -> Self {
         Self {

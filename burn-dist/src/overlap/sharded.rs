@@ -23,6 +23,46 @@ impl OverlappedStep {
         model: &M,
         weight: f32,
     ) -> Result<Self> {
+        let inline = zero.holds_params();
+        Self::begin_sharded_with(comm, zero, model, weight, inline)
+    }
+
+    /// ZeRO stage 3 overlapped: as [`Self::begin_sharded`], but the buckets are reduced on a
+    /// thread of their own over `reduce` while the backward goes on, the step's thread
+    /// gathering parameters over `gathers`. The two must be communicators of different kinds
+    /// on one transport ([`Communicator::sibling`]), so that neither sees the other's messages
+    /// and each keeps one order of collectives on every rank; the same kind is refused.
+    ///
+    /// Give the reductions the step's own communicator and the gathers the sibling
+    /// ([`Kind::Gather`](crate::wire::Kind::Gather)): an all-gather is exact on any path, but a
+    /// reduction rounds to the wire format (`--compression`) where its path does (only
+    /// [`Kind::Collective`](crate::wire::Kind::Collective) uses one host's shared segment,
+    /// whose slots serve one collective at a time; other kinds keep to the ring), so the
+    /// reductions keep the arithmetic of the step without overlap.
+    pub fn begin_sharded_beside<M: Module>(
+        reduce: Arc<Communicator>,
+        gathers: &Communicator,
+        zero: &ZeroOptimizer,
+        model: &M,
+        weight: f32,
+    ) -> Result<Self> {
+        if reduce.kind() == gathers.kind() {
+            return Err(DistError::Config(format!(
+                "an overlapped ZeRO stage 3 step reduces beside its gathers: both communicators are \
+                 of kind {:?}, so their collectives would share one sequence of tags",
+                reduce.kind()
+            )));
+        }
+        Self::begin_sharded_with(reduce, zero, model, weight, false)
+    }
+
+    fn begin_sharded_with<M: Module>(
+        comm: Arc<Communicator>,
+        zero: &ZeroOptimizer,
+        model: &M,
+        weight: f32,
+        inline: bool,
+    ) -> Result<Self> {
         refuse_nesting()?;
         let reducer = zero.reducer();
         let ids = trainable_ids(model);
@@ -37,7 +77,7 @@ impl OverlappedStep {
             });
         }
         let index = ids.into_iter().enumerate().map(|(i, id)| (id, i)).collect();
-        let exchange = if zero.holds_params() {
+        let exchange = if inline {
             ShardedExchange::inline(comm.clone(), reducer)
         } else {
             ShardedExchange::start(comm.clone(), reducer)?

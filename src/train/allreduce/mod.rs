@@ -107,6 +107,7 @@ pub(super) fn train_with<R: Recipe>(
         epoch_skipped: 0,
         zero: None,
         params: None,
+        gathers: None,
         exchange: Exchange::new(&cfg.exchange, ReduceOp::Mean),
         frozen: false,
         ema: None,
@@ -175,6 +176,9 @@ struct Allreduce<'a, T: Trainee> {
     /// `--zero 3`: the model is a skeleton whose values `zero` holds; where each of its
     /// tensors sits, for gathering a unit (or the whole, to validate and checkpoint).
     params: Option<ShardedParams>,
+    /// `--zero 3 --overlap`: the communicator the step's thread gathers parameters over (a
+    /// sibling of `comm`, whose reductions run on the exchange thread meanwhile).
+    gathers: Option<Arc<Communicator>>,
     /// The step's plan and exchange (the mean over the ranks), and the epoch's time in them.
     exchange: Exchange,
     /// Whether the model trains its head alone now (`--freeze-backbone`).
@@ -244,6 +248,10 @@ impl<T: Trainee> Allreduce<'_, T> {
             let (skeleton, params) = burn_dist::zero::module::shard_params(&mut z, model)?;
             self.model = Some(skeleton);
             self.params = Some(params);
+            if self.cfg.exchange.overlap {
+                let sibling = |c: &Arc<Communicator>| c.sibling(burn_dist::wire::Kind::Gather);
+                self.gathers = self.comm.as_ref().map(sibling).map(Arc::new);
+            }
         }
         log(&format!(
             "ZeRO stage {}: rank 0 keeps the optimizer state of {}{}",
@@ -261,7 +269,11 @@ impl<T: Trainee> Allreduce<'_, T> {
 
     /// `--zero 3`: where a unit's parameters come from for its passes (`None` otherwise).
     fn gathering(&self) -> Option<Gathering<'_>> {
-        match (&self.zero, &self.comm, &self.params) {
+        match (
+            &self.zero,
+            self.gathers.as_ref().or(self.comm.as_ref()),
+            &self.params,
+        ) {
             (Some(zero), Some(comm), Some(params)) => Some(Gathering { zero, comm, params }),
             _ => None,
         }
@@ -437,7 +449,11 @@ impl<T: Trainee> Allreduce<'_, T> {
         };
         let scale = self.scaler.as_ref().map(|s| s.scale());
         Ok(match &self.zero {
-            Some(z) => self.exchange.plan_sharded(comm, scale, z, self.model()?)?,
+            Some(z) => {
+                let gathers = self.gathers.as_deref();
+                self.exchange
+                    .plan_sharded(comm, scale, z, self.model()?, gathers)?
+            }
             None => self.exchange.plan(comm, scale)?,
         })
     }
