@@ -24,7 +24,10 @@
 //! one-host setting), `HEARTH_TORCH_PYTHON`, `HEARTH_OVERLAP_MODE` (`dp`, default, or
 //! `elastic`: the same with `hearth launch --elastic -n 2 --min 2 --max 2 -- hearth train
 //! --elastic` on this host, and `hearth train --elastic --min-workers 2 --max-workers 2` in
-//! each namespace).
+//! each namespace), `HEARTH_OVERLAP_ZERO` (unset; `1`, `2` or `3` runs Hearth's jobs with
+//! `--zero N`, and each round also plain data parallel with `--overlap`, whose step the
+//! sharded one is compared to: ZeRO stage 3's goal of a step within 25% of plain data
+//! parallel, overlapped between hosts).
 
 mod common;
 
@@ -42,6 +45,8 @@ struct Setup {
     threads: usize,
     /// `HEARTH_OVERLAP_MODE=elastic`: elastic training instead of data parallel.
     elastic: bool,
+    /// `HEARTH_OVERLAP_ZERO`: the ZeRO stage of Hearth's jobs.
+    zero: Option<String>,
     data: PathBuf,
     work: PathBuf,
     python: Option<PathBuf>,
@@ -102,8 +107,15 @@ fn netns_run(rate: &str, logs: &Path, command: &[String]) -> bool {
     status.is_ok_and(|s| s.success())
 }
 
-/// One `hearth train` job at `place`: (exchange s, training-step s) of epoch 2.
-fn hearth_run(s: &Setup, place: &Place, overlap: bool, run: &Path) -> Option<(f64, f64)> {
+/// One `hearth train` job at `place` (with `zero`: `--zero` at that stage): (exchange s,
+/// training-step s) of epoch 2.
+fn hearth_run(
+    s: &Setup,
+    place: &Place,
+    overlap: bool,
+    zero: Option<&str>,
+    run: &Path,
+) -> Option<(f64, f64)> {
     let _ = std::fs::remove_dir_all(run);
     let mut args: Vec<String> = [
         "train",
@@ -129,6 +141,9 @@ fn hearth_run(s: &Setup, place: &Place, overlap: bool, run: &Path) -> Option<(f6
     args.push(run.display().to_string());
     if overlap {
         args.push("--overlap".into());
+    }
+    if let Some(z) = zero {
+        args.extend(["--zero".into(), z.to_string()]);
     }
     let hearth = env!("CARGO_BIN_EXE_hearth").to_string();
     let log = match place {
@@ -273,6 +288,17 @@ fn main() {
                 std::process::exit(1);
             }
         },
+        zero: match std::env::var("HEARTH_OVERLAP_ZERO")
+            .ok()
+            .filter(|z| !z.is_empty())
+        {
+            Some(z) if ["1", "2", "3"].contains(&z.as_str()) => Some(z),
+            Some(z) => {
+                eprintln!("HEARTH_OVERLAP_ZERO={z}: expected 1, 2 or 3");
+                std::process::exit(1);
+            }
+            None => None,
+        },
         data: work.path().join("data"),
         work: work.path().to_path_buf(),
         python: common::torch_python(),
@@ -287,13 +313,16 @@ fn main() {
     )
     .expect("the synthetic data set");
     println!(
-        "{}{} at {}x{}, global batch {} on {RANKS} ranks, {} steps per epoch (epoch 2 timed), \
+        "{}{}{} at {}x{}, global batch {} on {RANKS} ranks, {} steps per epoch (epoch 2 timed), \
          {} thread(s) per rank, {rounds} round(s); CPU: {}",
         if s.elastic {
             "elastic training (hearth launch --elastic), "
         } else {
             ""
         },
+        s.zero
+            .as_ref()
+            .map_or(String::new(), |z| format!("Hearth with --zero {z}, ")),
         s.model,
         s.size,
         s.size,
@@ -319,13 +348,21 @@ fn main() {
     }
     for place in &places {
         println!("\n{}", place.name());
-        let (mut off, mut on, mut peer) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut off, mut on, mut peer, mut plain) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for round in 0..rounds {
             for overlap in [false, true] {
                 let run = s.work.join(format!("run-{round}-{overlap}"));
-                match hearth_run(&s, place, overlap, &run) {
+                match hearth_run(&s, place, overlap, s.zero.as_deref(), &run) {
                     Some(r) => (if overlap { &mut on } else { &mut off }).push(r),
                     None => println!("  round {round}, overlap {overlap}: failed"),
+                }
+            }
+            if s.zero.is_some() {
+                let run = s.work.join(format!("run-{round}-plain"));
+                match hearth_run(&s, place, true, None, &run) {
+                    Some(r) => plain.push(r),
+                    None => println!("  round {round}, plain data parallel: failed"),
                 }
             }
             if let Some(py) = &s.python
@@ -335,7 +372,28 @@ fn main() {
             }
         }
         report(&s, &off, &on, &peer);
+        report_zero(&s, &on, &plain);
     }
+}
+
+/// `HEARTH_OVERLAP_ZERO`: the sharded step with `--overlap` against plain data parallel's
+/// with `--overlap`, by the medians of the rounds.
+fn report_zero(s: &Setup, on: &[(f64, f64)], plain: &[(f64, f64)]) {
+    let Some(z) = &s.zero else {
+        return;
+    };
+    if on.is_empty() || plain.is_empty() {
+        println!("  --zero {z} against plain data parallel: no complete round");
+        return;
+    }
+    let steps = s.steps as f64;
+    let med = |v: &[(f64, f64)]| common::median(v.iter().map(|r| r.1 / steps));
+    let (zero_step, plain_step) = (med(on), med(plain));
+    println!(
+        "  plain data parallel with --overlap: step {plain_step:.3} s; --zero {z} with \
+         --overlap / plain: {:.3}x (goal for stage 3: at most 1.25x)",
+        zero_step / plain_step
+    );
 }
 
 /// Medians of the rounds, per step.
