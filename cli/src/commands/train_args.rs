@@ -219,8 +219,9 @@ pub(crate) struct TrainArgs {
     /// gathered for its forward and backward (with --recompute one unit's at a time); 0 off
     /// (elastic workers also keep a replica of the next one's share, so a lost worker loses no
     /// state). The state is checkpointed as whole named tensors, so a run resumes on any number
-    /// of ranks. With --overlap (stages 1 and 2, data parallel), each bucket of the gradient is
-    /// reduced during the backward pass and dropped at once: stage 2's saving.
+    /// of ranks. With --overlap (data parallel), each bucket of the gradient is reduced during
+    /// the backward pass and dropped at once: stage 2's saving (stage 3: on a thread of its own
+    /// while the next unit is gathered).
     #[arg(long, value_name = "STAGE", default_value_t = 0)]
     pub(crate) zero: u8,
     /// Activation recomputation: keep only each unit's input (a ResNet block, a DenseNet
