@@ -106,10 +106,19 @@ impl Exchange {
         if !self.settings.overlap && !z.holds_params() {
             return Ok(None);
         }
-        let o = if let (true, true, Some(g)) = (self.settings.overlap, z.holds_params(), gathers) {
-            OverlappedStep::begin_sharded_beside(comm.clone(), g, z, model, 1.0)?
-        } else {
-            OverlappedStep::begin_sharded(comm.clone(), z, model, 1.0)?
+        let o = match (self.settings.overlap && z.holds_params(), gathers) {
+            (true, Some(g)) => {
+                OverlappedStep::begin_sharded_beside(comm.clone(), g, z, model, 1.0)?
+            }
+            // Never inline in its place: `--overlap` would be ignored without a word.
+            (true, None) => {
+                return Err(DistError::Config(
+                    "an overlapped ZeRO stage 3 step was planned without a communicator for its \
+                     gathers"
+                        .into(),
+                ));
+            }
+            (false, _) => OverlappedStep::begin_sharded(comm.clone(), z, model, 1.0)?,
         };
         if let Some(s) = scale {
             burn_dist::overlap::unscale_by(s);
