@@ -1,13 +1,14 @@
 //! The counting allocator's large blocks as the `hearth` binary uses them (installed as the
 //! global allocator): kept after they are freed for the next request of their size, handed
 //! back after a step without one or when keeping it would pass the process's peak of live
-//! memory, contents kept across every kind of resize, and the resident
-//! set falling when they go back. One test, in order: the kept set is process-wide state.
+//! memory (a small block's growth of the live bytes included), contents kept across every kind
+//! of resize, and the resident set falling when they go back. One test, in order: the kept set
+//! is process-wide state.
 
 #[global_allocator]
 static ALLOC: hearth::alloc::CountingAllocator = hearth::alloc::CountingAllocator;
 
-use hearth::alloc::{blocks, kept_bytes, live_bytes, step_done};
+use hearth::alloc::{blocks, c_free_bytes, kept_bytes, live_bytes, step_done};
 
 /// Resident memory now, MB (`VmRSS`).
 fn rss_mb() -> f64 {
@@ -39,6 +40,12 @@ fn large_blocks_are_reused_by_size_released_after_a_step_and_keep_their_contents
         std::alloc::Layout::from_size_align(blocks::LARGE - 1, 8).unwrap()
     ));
     blocks::set_keep(true);
+    // Room under the peak of live memory for what follows: what glibc holds free counts against
+    // it from the first step's end on, and the test harness's own peak is small.
+    drop(pattern(64 << 20, 0));
+    step_done();
+    step_done();
+    assert_eq!(kept_bytes(), 0, "the block that made room went back");
     // An odd size nothing else in the process asks for.
     let n = 3 * blocks::LARGE + 12_345;
 
@@ -88,7 +95,10 @@ fn large_blocks_are_reused_by_size_released_after_a_step_and_keep_their_contents
     step_done();
     let before = rss_mb();
     let big = pattern(256 << 20, 1);
+    // The peak passes what is kept by more than glibc's free bytes, which the room leaves out.
+    let pad = pattern(32 << 20, 6);
     assert!(rss_mb() > before + 200.0, "256 MB written are resident");
+    drop(pad);
     drop(big);
     assert!(rss_mb() > before + 200.0, "kept for reuse");
     step_done();
@@ -113,7 +123,45 @@ fn large_blocks_are_reused_by_size_released_after_a_step_and_keep_their_contents
         0,
         "a new peak leaves no room: the kept block went back"
     );
+    let pad = pattern(32 << 20, 6);
+    drop(pad);
     drop(b);
+
+    // Small blocks (glibc's, below `LARGE`) raise the live count too: as they fill the room
+    // under the peak, what is kept goes back, so kept and live bytes never pass the peak.
+    let kept_then = kept_bytes();
+    assert!(kept_then >= 300 << 20, "the 300 MB block is kept");
+    let mut small: Vec<Vec<u8>> = Vec::new();
+    for i in 0..3200u32 {
+        small.push(pattern(64 << 10, i as u8));
+        let (live, peak) = (
+            live_bytes().unwrap(),
+            hearth::alloc::peak_live_bytes().unwrap(),
+        );
+        assert!(
+            kept_bytes() + live <= peak,
+            "after {} small blocks: {} kept + {live} live > peak {peak}",
+            i + 1,
+            kept_bytes()
+        );
+    }
+    assert!(
+        kept_bytes() < kept_then,
+        "200 MB of small blocks made the kept block go back"
+    );
+    drop(small);
+    // At a step's end what glibc holds free is read and left out of the room too.
+    step_done();
+    let (live, peak) = (
+        live_bytes().unwrap(),
+        hearth::alloc::peak_live_bytes().unwrap(),
+    );
+    assert!(
+        kept_bytes() + live + c_free_bytes() <= peak,
+        "{} kept + {live} live + {} free in glibc > peak {peak}",
+        kept_bytes(),
+        c_free_bytes()
+    );
 
     // Threads allocating and freeing large blocks of a few sizes at once: each sees its own
     // contents, and the live count comes back to where it was.
