@@ -119,7 +119,7 @@ impl ZeroOptimizer {
 
     /// The whole state to `sink` on `root`, a bucket's values at a time in
     /// [`Self::state_layout`]'s order; every rank calls it. `root` never holds more than one
-    /// bucket of it. A `sink` error is returned after the last piece (the other ranks are not
+    /// bucket of it, in its inbox included (a barrier between buckets). A `sink` error is returned after the last piece (the other ranks are not
     /// left waiting).
     pub fn stream_state(
         &self,
@@ -131,6 +131,13 @@ impl ZeroOptimizer {
         let mut failed = None;
         for i in 0..slots {
             for b in 0..self.buckets.len() {
+                // The other ranks send a bucket only once the root has taken the one before:
+                // without this they sent every bucket at once, and the root's inbox held up to
+                // all of their state while it wrote the first (rank 0's peak in the memory
+                // bench, 20-30 MB above the others' for ResNet-50 at 4 ranks).
+                if i + b > 0 {
+                    comm.barrier()?;
+                }
                 let n = self.segment(b, self.rank).len();
                 let part = &self.state[b][i * n..(i + 1) * n];
                 if let Some(piece) = comm.gather_to(root, part, &self.bounds(b))?
