@@ -119,8 +119,8 @@ impl ZeroOptimizer {
 
     /// The whole state to `sink` on `root`, a bucket's values at a time in
     /// [`Self::state_layout`]'s order; every rank calls it. `root` never holds more than one
-    /// bucket of it, in its inbox included (a barrier between buckets). A `sink` error is returned after the last piece (the other ranks are not
-    /// left waiting).
+    /// bucket of it, in its inbox included (a barrier between buckets). A `sink` error is
+    /// returned after the last piece (the other ranks are not left waiting).
     pub fn stream_state(
         &self,
         comm: &Communicator,
