@@ -11,7 +11,7 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn::backend::ops::{FloatTensorOps, ModuleOps};
+use burn::backend::ops::ModuleOps;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension};
 use burn::backend::{AutodiffBackend, TensorMetadata};
@@ -190,7 +190,7 @@ impl ConvBackend for Flex {
     }
 
     fn hearth_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        Flex::float_matmul(lhs, rhs)
+        crate::product::product(lhs, rhs)
     }
 }
 
@@ -379,8 +379,10 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
             .stateful()
         {
             OpsKind::Tracked(mut prep) => {
-                let lhs_state = prep.checkpoint(&lhs);
-                let rhs_state = prep.checkpoint(&rhs);
+                // Each operand is kept only for the other's gradient (as Burn's `linear`): a
+                // frozen weight keeps no input, an input that needs no gradient no weight.
+                let lhs_state = rhs.is_tracked().then(|| prep.checkpoint(&lhs));
+                let rhs_state = lhs.is_tracked().then(|| prep.checkpoint(&rhs));
                 prep.finish(
                     (lhs_state, rhs_state),
                     B::hearth_matmul(lhs.into_primitive(), rhs.into_primitive()),
@@ -397,7 +399,7 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
 struct LinearProduct;
 
 impl<B: ConvBackend> Backward<B, 2> for LinearProduct {
-    type State = (NodeId, NodeId);
+    type State = (Option<NodeId>, Option<NodeId>);
 
     fn backward(
         self,
@@ -408,14 +410,17 @@ impl<B: ConvBackend> Backward<B, 2> for LinearProduct {
         let [node_lhs, node_rhs] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let (lhs_state, rhs_state) = ops.state;
-        let lhs = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(lhs_state);
-        let rhs = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(rhs_state);
-        // C = A · B: dA = dC · Bᵀ, dB = Aᵀ · dC.
-        if let Some(node) = node_lhs {
+        let lhs =
+            lhs_state.map(|s| checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(s));
+        let rhs =
+            rhs_state.map(|s| checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(s));
+        // C = A · B: dA = dC · Bᵀ, dB = Aᵀ · dC (a parent that needs its gradient had the
+        // other operand kept for it).
+        if let (Some(node), Some(rhs)) = (node_lhs, rhs) {
             let d = B::hearth_matmul(grad.clone(), B::float_transpose(rhs));
             grads.register::<B>(node.id, d);
         }
-        if let Some(node) = node_rhs {
+        if let (Some(node), Some(lhs)) = (node_rhs, lhs) {
             let d = B::hearth_matmul(B::float_transpose(lhs), grad);
             grads.register::<B>(node.id, d);
         }
@@ -451,7 +456,8 @@ pub fn conv2d_weight_grad_tensor(
 }
 
 /// `lhs · rhs` for two matrices through the extension (a linear layer's product on a cubecl
-/// device, by one fixed kernel; Flex's own product on Flex).
+/// device, by one fixed kernel; on Flex [`crate::product::product`], its output written
+/// once).
 pub fn matmul2(lhs: Tensor<2>, rhs: Tensor<2>) -> Tensor<2> {
     let out = <Dispatch as ConvBackend>::hearth_matmul(lhs.into_dispatch(), rhs.into_dispatch());
     Tensor::from_dispatch(out)

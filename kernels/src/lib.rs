@@ -37,6 +37,7 @@ mod layer;
 pub mod norm;
 pub mod pool;
 pub mod precision;
+pub mod product;
 pub mod select;
 pub mod weight_grad;
 

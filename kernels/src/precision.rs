@@ -23,7 +23,9 @@ pub fn low_precision<const D: usize>(x: &Tensor<D>) -> Option<FloatDType> {
 }
 
 /// `linear.forward(x)` in `x`'s float type; one f32 row for inference on the CPU on all
-/// threads ([`crate::gemv`]).
+/// threads ([`crate::gemv`]); other f32 products on Flex (training included) by
+/// [`crate::product`], which holds a product's result once where Flex's holds it twice for a
+/// moment (VGG-16's first classifier layer's weight gradient: 392 MiB).
 pub fn linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
     if crate::base::selects_gpu_kernels(&x.device(), crate::base::enabled()) {
         return selected_linear(linear, x);
@@ -34,6 +36,9 @@ pub fn linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
                 Some(b) => y + b.val().unsqueeze::<D>(),
                 None => y,
             },
+            None if crate::base::is_flex(&x.device()) && crate::base::enabled() => {
+                selected_linear(linear, x)
+            }
             None => linear.forward(x),
         },
         // On Flex, in f32 on the values rounded to the low type, the result rounded to it (as
@@ -55,8 +60,9 @@ pub fn linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
     }
 }
 
-/// A linear layer on a cubecl device by the fixed product of [`crate::ext::matmul2`] (never
-/// autotuned), in `x`'s float type: the rows of `x` flattened into one matrix.
+/// A linear layer by the extension's product [`crate::ext::matmul2`] (on a cubecl device its
+/// fixed kernel, never autotuned; on Flex [`crate::product`]), in `x`'s float type: the rows
+/// of `x` flattened into one matrix.
 fn selected_linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
     let dims = x.dims();
     let inputs = dims[D - 1];
