@@ -41,7 +41,9 @@ pub mod product;
 pub mod select;
 pub mod weight_grad;
 
-pub use base::{enabled, is_cpu, is_cube, is_flex, join_global_pool, selects_gpu_kernels};
+pub use base::{
+    enabled, file_bytes, is_cpu, is_cube, is_flex, join_global_pool, selects_gpu_kernels,
+};
 pub use cast::cast;
 pub use layer::{Path, conv2d, fast_path, pointwise, pointwise_strided};
 pub use precision::{linear, low_precision};
