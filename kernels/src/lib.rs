@@ -19,8 +19,9 @@
 //! `HEARTH_FAST_KERNELS=0`, so the reference path stays one variable away.
 //!
 //! Beside the convolutions: batch norm (+ ReLU) in few passes while training and in one for
-//! inference ([`norm`], [`batch_norm`]), and max pooling, its backward finding the argmax
-//! again ([`pool`]).
+//! inference ([`norm`], [`batch_norm`]), max pooling, its backward finding the argmax
+//! again ([`pool`]), and linear layers' products: one row on all threads for inference
+//! ([`gemv`]), the rest written once into their result ([`product`]).
 //!
 //! No dependency on any model: the weight gradient could go upstream as Flex's
 //! `conv2d_weight_backward` (see the crate README).
