@@ -1,9 +1,9 @@
 //! The counting allocator's large blocks as the `hearth` binary uses them (installed as the
-//! global allocator): kept after they are freed for the next request of their size, handed
-//! back after a step without one or when keeping it would pass the process's peak of live
-//! memory (a small block's growth of the live bytes included), contents kept across every kind
-//! of resize, and the resident set falling when they go back. One test, in order: the kept set
-//! is process-wide state.
+//! global allocator): kept after they are freed for the next request of their size (or cut or
+//! grown for a request of another length), handed back after a step without one or when keeping
+//! it would pass the process's peak of live memory (a small block's growth of the live bytes
+//! included), contents kept across every kind of resize, and the resident set falling when they
+//! go back. One test, in order: the kept set is process-wide state.
 
 #[global_allocator]
 static ALLOC: hearth::alloc::CountingAllocator = hearth::alloc::CountingAllocator;
@@ -188,6 +188,43 @@ fn large_blocks_are_reused_by_size_released_after_a_step_and_keep_their_contents
     }
     let drift = live_bytes().unwrap() as i64 - live1 as i64;
     assert!(drift.abs() < (1 << 20), "live bytes drifted by {drift}");
+
+    // A request of a length nothing kept has takes a kept block of another length instead of a
+    // new mapping (whose every page the kernel would fault in and zero again): a longer one is
+    // cut, its tail kept; a shorter one grown. Zeroed when asked for zeros; contents kept
+    // through a resize afterwards.
+    step_done();
+    step_done();
+    assert_eq!(kept_bytes(), 0);
+    drop(pattern(8 * blocks::LARGE, 5));
+    assert_eq!(kept_bytes(), 8 * blocks::LARGE, "the 8 MiB block is kept");
+    let (maps0, _) = blocks::maps();
+    let recycled0 = blocks::recycled();
+    let a = vec![0u8; 3 * blocks::LARGE + 100];
+    assert!(a.iter().all(|&b| b == 0), "a cut block asked for zeros");
+    assert_eq!(blocks::maps().0, maps0, "no new mapping for the cut block");
+    assert_eq!(blocks::recycled(), recycled0 + 1);
+    let tail = kept_bytes();
+    assert!(
+        tail > 4 * blocks::LARGE && tail < 5 * blocks::LARGE,
+        "the tail stays kept: {tail} bytes"
+    );
+    let mut b = pattern(6 * blocks::LARGE, 2);
+    assert_eq!(
+        blocks::maps().0,
+        maps0,
+        "no new mapping for the grown block"
+    );
+    assert_eq!(blocks::recycled(), recycled0 + 2);
+    assert_eq!(kept_bytes(), 0, "the tail was grown into the second block");
+    let want = b.clone();
+    b.reserve_exact(10 * blocks::LARGE);
+    assert_eq!(
+        &b[..],
+        &want[..],
+        "a recycled block resized keeps its contents"
+    );
+    drop((a, b, want));
 
     // Without keeping (`HEARTH_MALLOC=system`) nothing is kept and what was goes back.
     drop(pattern(n, 9));

@@ -221,13 +221,28 @@ pub(crate) fn bench_model(device_name: &str, args: BenchModelArgs) -> Result<()>
         "bench {} {:?} batch {} at {}x{} on {device_name}: {} warm-up + {} timed steps",
         bench.arch, bench.mode, bench.batch_size, bench.size, bench.size, bench.warmup, bench.steps
     );
+    // The allocator's new mappings over the timed steps: memory faulted in afresh each step.
+    let mut mapped_at_warm = hearth::alloc::blocks::maps();
+    let mut recycled_at_warm = hearth::alloc::blocks::recycled();
     let report = bench.run(&device, |i, total, dt, warm| {
         eprintln!(
             "  step {i}/{total}{}: {:.1} ms",
             if warm { " (warm-up)" } else { "" },
             dt * 1e3
         );
+        if warm {
+            mapped_at_warm = hearth::alloc::blocks::maps();
+            recycled_at_warm = hearth::alloc::blocks::recycled();
+        }
     })?;
+    let (maps, bytes) = hearth::alloc::blocks::maps();
+    let steps = bench.steps as f64;
+    eprintln!(
+        "large blocks per timed step: {:.1} new mappings ({:.0} MB faulted in), {:.1} kept blocks resized",
+        (maps - mapped_at_warm.0) as f64 / steps,
+        (bytes - mapped_at_warm.1) as f64 / steps / 1e6,
+        (hearth::alloc::blocks::recycled() - recycled_at_warm) as f64 / steps
+    );
     let mut sorted = report.step_seconds.clone();
     sorted.sort_by(f64::total_cmp);
     println!("median step: {:.1} ms", sorted[sorted.len() / 2] * 1e3);
