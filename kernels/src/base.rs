@@ -57,6 +57,17 @@ pub fn enabled() -> bool {
     })
 }
 
+/// Whether 3x3 stride-1 convolutions run by Winograd's F(2x2, 3x3) (`crate::winograd`) on
+/// the fast paths (`HEARTH_WINOGRAD`, read once; `0`, `false` or `off` keeps im2col's GEMM).
+pub fn winograd_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("HEARTH_WINOGRAD")
+            .map(|v| !matches!(v.trim(), "0" | "false" | "off"))
+            .unwrap_or(true)
+    })
+}
+
 /// Makes the calling thread the first of the threads of rayon's global pool, as a program's
 /// main thread before any parallel work; `false` where it does not (`HEARTH_JOIN_POOL=0`,
 /// fewer than 2 threads, or the global pool was already built).

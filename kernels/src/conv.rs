@@ -68,14 +68,14 @@ pub(crate) unsafe fn gemm_rows(
 
 /// A pointer to an output that parallel products write through, each its own elements.
 #[derive(Clone, Copy)]
-struct Out(*mut f32);
+pub(crate) struct Out(pub(crate) *mut f32);
 // SAFETY: shared only between products that write disjoint elements (see the callers).
 unsafe impl Send for Out {}
 unsafe impl Sync for Out {}
 
 impl Out {
     /// The pointer `at` values in (a method, so closures capture the whole `Out`).
-    fn at(self, at: usize) -> *mut f32 {
+    pub(crate) fn at(self, at: usize) -> *mut f32 {
         self.0.wrapping_add(at)
     }
 }
@@ -153,10 +153,23 @@ fn for_pieces(
 }
 
 /// The forward pass `[N, Co, Ho, Wo]` of `x` (`[N, Ci, H, W]`) with `weight` (`[Co, Ci, kh,
-/// kw]`), all row-major.
+/// kw]`), all row-major: Winograd's F(2x2, 3x3) where it applies and measured faster
+/// ([`crate::winograd`], unless `HEARTH_WINOGRAD=0`), else [`conv2d_forward_im2col`].
 ///
 /// Panics when the lengths do not match `s` (callers pass Burn tensors Burn has checked).
 pub fn conv2d_forward(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f32> {
+    use crate::winograd;
+    if crate::base::winograd_enabled() && winograd::applies(s) && winograd::pays(s) {
+        return crate::winograd::conv2d_forward(x, weight, s);
+    }
+    conv2d_forward_im2col(x, weight, s)
+}
+
+/// The forward pass as im2col and one GEMM per piece of output rows (1x1 with stride 1 and no
+/// padding: the image is the matrix).
+///
+/// Panics when the lengths do not match `s`.
+pub fn conv2d_forward_im2col(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f32> {
     let [n, ci, h, w] = s.input;
     let [_, co, ho, wo] = s
         .output()

@@ -41,9 +41,11 @@ pub mod precision;
 pub mod product;
 pub mod select;
 pub mod weight_grad;
+pub mod winograd;
 
 pub use base::{
     enabled, file_bytes, is_cpu, is_cube, is_flex, join_global_pool, selects_gpu_kernels,
+    winograd_enabled,
 };
 pub use cast::cast;
 pub use layer::{Path, conv2d, fast_path, pointwise, pointwise_strided};

@@ -331,7 +331,9 @@ fn forward_and_input_grad_kernels_equal_the_definition_over_random_geometries() 
 }
 
 /// Two images, so the op takes our forward and our input gradients (1x1: `Wᵀ · dY`; stride
-/// 1: the flipped convolution; strided: Flex's), through autodiff and without it.
+/// 1: the flipped convolution; strided: Flex's), through autodiff and without it; a 64 → 64
+/// 3x3 on 14x14 takes Winograd's F(2x2, 3x3) for its forward and for its input gradient
+/// (the flipped convolution is one too).
 #[test]
 fn the_extension_takes_its_own_kernels_and_equals_burn() {
     use hearth_kernels::ext::{InputGrad, input_grad_path};
@@ -346,6 +348,7 @@ fn the_extension_takes_its_own_kernels_and_equals_burn() {
         (5, 5, 3, 1, 1, 6, InputGrad::AsConv),
         (4, 6, 3, 1, 1, 30, InputGrad::AsConv),
         (6, 2, 5, 1, 1, 9, InputGrad::AsConv),
+        (64, 64, 3, 1, 1, 14, InputGrad::AsConv),
     ] {
         let what = format!("{ci}→{co} {k}x{k} s{stride} p{pad} {side}x{side}");
         let shape = ConvShape {
@@ -361,6 +364,9 @@ fn the_extension_takes_its_own_kernels_and_equals_burn() {
             input_grad,
             "{what}: input gradient kernel"
         );
+        let winograd =
+            hearth_kernels::winograd::applies(&shape) && hearth_kernels::winograd::pays(&shape);
+        assert_eq!(winograd, ci == 64, "{what}: Winograd's forward");
         let conv = Conv2dConfig::new([ci, co], [k, k])
             .with_stride([stride, stride])
             .with_padding(PaddingConfig2d::Explicit(pad, pad, pad, pad))

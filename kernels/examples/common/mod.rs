@@ -59,3 +59,16 @@ pub const RESNET50: [Conv; 16] = [
     (2048, 512, 1, 1, 7, 2),
     (512, 2048, 1, 1, 7, 3),
 ];
+
+/// DenseNet-121's 3x3 convolutions (128 → 32 in every dense layer), then the same shapes'
+/// input gradients as forward convolutions of the output gradient (32 → 128, kernel flipped).
+pub const DENSENET121: [Conv; 8] = [
+    (128, 32, 3, 1, 56, 6),
+    (128, 32, 3, 1, 28, 12),
+    (128, 32, 3, 1, 14, 24),
+    (128, 32, 3, 1, 7, 16),
+    (32, 128, 3, 1, 56, 6),
+    (32, 128, 3, 1, 28, 12),
+    (32, 128, 3, 1, 14, 24),
+    (32, 128, 3, 1, 7, 16),
+];
