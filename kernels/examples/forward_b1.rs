@@ -1,11 +1,11 @@
 //! Inference at batch 1 piece by piece: our convolution forward for each convolution shape of
-//! VGG-16, or of ResNet-50 or DenseNet-121 with `HEARTH_CONV_MODEL=resnet50|densenet121`, as im2col's GEMM
-//! ([`conv2d_forward_im2col`]) and, where it applies, Winograd's F(2x2, 3x3)
+//! VGG-16, or of ResNet-50 or DenseNet-121 with `HEARTH_CONV_MODEL=resnet50|densenet121`, as
+//! im2col's GEMM ([`conv2d_forward_im2col`]) and, where it applies, Winograd's F(2x2, 3x3)
 //! ([`hearth_kernels::winograd`], bands of `HEARTH_WINOGRAD_BAND` floats), each with its time
 //! in the network (times its count; `HEARTH_CONV_BATCH` for another batch), and the
-//! classifiers' one-row products by
-//! [`row_times_matrix`] against Burn Flex's `matmul` (gemm's one-thread matrix-vector kernel).
-//! The measurement behind `ONE_IMAGE_PIECE_FLOATS` (`conv.rs`) and `gemv.rs`.
+//! classifiers' one-row products by [`row_times_matrix`] against Burn Flex's `matmul` (gemm's
+//! one-thread matrix-vector kernel). The measurement behind `ONE_IMAGE_PIECE_FLOATS`
+//! (`conv.rs`), `winograd::pays` and `gemv.rs`.
 //!
 //!   cargo run --release -p hearth-kernels --example forward_b1   # HEARTH_PROFILE_REPS (5)
 

@@ -160,7 +160,7 @@ fn for_pieces(
 pub fn conv2d_forward(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f32> {
     use crate::winograd;
     if crate::base::winograd_enabled() && winograd::applies(s) && winograd::pays(s) {
-        return crate::winograd::conv2d_forward(x, weight, s);
+        return winograd::conv2d_forward(x, weight, s);
     }
     conv2d_forward_im2col(x, weight, s)
 }
