@@ -15,69 +15,11 @@
 
 use rayon::prelude::*;
 
+use crate::base::{Out, gemm_rows};
 use crate::weight_grad::{ConvShape, fill_row, row_blocks};
 
 fn is_plain_pointwise(s: &ConvShape) -> bool {
     s.kernel == [1, 1] && s.stride == [1, 1] && s.padding == [0, 0]
-}
-
-/// `dst[m, n] = a[m, k] · b[k, n]` (all row-major with the given row strides) on gemm's own
-/// threads (`Rayon(0)`) or on the calling thread (`None`: the caller's threads split the work).
-///
-/// # Safety
-/// Each pointer must cover its matrix as the sizes and row strides describe.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm_rows(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    a: *const f32,
-    a_cs: usize,
-    a_rs: usize,
-    b: *const f32,
-    b_rs: usize,
-    parallelism: gemm::Parallelism,
-) {
-    // SAFETY: forwarded from the caller.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            1,
-            dst_rs as isize,
-            false,
-            a,
-            a_cs as isize,
-            a_rs as isize,
-            b,
-            1,
-            b_rs as isize,
-            0.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
-            parallelism,
-        );
-    }
-}
-
-/// A pointer to an output that parallel products write through, each its own elements.
-#[derive(Clone, Copy)]
-pub(crate) struct Out(pub(crate) *mut f32);
-// SAFETY: shared only between products that write disjoint elements (see the callers).
-unsafe impl Send for Out {}
-unsafe impl Sync for Out {}
-
-impl Out {
-    /// The pointer `at` values in (a method, so closures capture the whole `Out`).
-    pub(crate) fn at(self, at: usize) -> *mut f32 {
-        self.0.wrapping_add(at)
-    }
 }
 
 /// Pieces of work for the threads: with one image, split it so that there are at least two

@@ -64,7 +64,7 @@ pub fn row_times_matrix(x: &[f32], w: &[f32], k: usize, n: usize) -> Vec<f32> {
         // column stride 1; the matrix's columns `first..first + len` start at `w[first]`, with
         // row stride `n` and column stride 1, all inside `w` (k x n).
         unsafe {
-            crate::conv::gemm_rows(
+            crate::base::gemm_rows(
                 1,
                 out.len(),
                 k,

@@ -20,7 +20,7 @@
 
 use rayon::prelude::*;
 
-use crate::conv::{Out, gemm_rows};
+use crate::base::{Out, gemm_rows};
 use crate::weight_grad::ConvShape;
 
 /// Floats of `V` and `M` one band holds: measured on VGG-16's and ResNet-50's 3x3 layers
