@@ -45,14 +45,16 @@ pub fn applies(s: &ConvShape) -> bool {
 ///   9 times that (DenseNet-121's input gradient, a 32 → 128 forward, lost at every size:
 ///   21.3 against 21.6 ms at batch 16 on 56x56, 0.16 against 0.11 ms at batch 1 on 14x14),
 ///   and at least 16 output channels;
-/// - at least 784 output pixels over the batch, or 196 with at most 256 x 256 channels: the
+/// - at least 784 output pixels an image, or 196 with at most 256 x 256 channels (per image,
+///   never over the batch, so that one image's result does not depend on its batch): the
 ///   transformed weights (16/9 of the weights' size, made at every call) and their packing
 ///   cost what the products save on small maps (batch 1: ResNet-50's 512 → 512 on 7x7 took 4.7
 ///   against 3.2 ms, VGG-16's on 14x14 6.1 against 5.5, ResNet-50's 256 → 256 on 14x14 2.1
-///   against 2.6; at batch 16 every one of those won, 1.5-1.9x).
+///   against 2.6; at batch 16 every one of those won, 1.5-1.9x, but only with bands across
+///   images, which made an image's result depend on its batch: those stay im2col's).
 pub fn pays(s: &ConvShape) -> bool {
-    let [n, ci, _, _] = s.input;
-    let pixels = s.output().map_or(0, |[_, _, ho, wo]| n * ho * wo);
+    let ci = s.input[1];
+    let pixels = s.output().map_or(0, |[_, _, ho, wo]| ho * wo);
     ci >= 64
         && s.out_channels >= 16
         && (pixels >= 784 || (pixels >= 196 && ci * s.out_channels <= 256 * 256))
@@ -364,14 +366,17 @@ pub fn conv2d_forward_in_bands(
         tw: wo.div_ceil(2),
         th: ho.div_ceil(2),
     };
-    // Bands of the batch's tile rows, images one after another (a band may hold the end of
-    // one image and the start of the next, so small maps still make wide products).
-    let all_rows = n * g.th;
+    // Bands of each image's tile rows, never across two images: an image's result is then
+    // the same bits whatever batch it comes in (each band's products have the same width), so
+    // data-parallel ranks with smaller batches compute what one process does.
     let per_row = 16 * (ci + co) * g.tw;
-    let band_rows = (band_floats / per_row).clamp(1, all_rows);
-    let bands: Vec<std::ops::Range<usize>> = (0..all_rows)
-        .step_by(band_rows)
-        .map(|r| r..(r + band_rows).min(all_rows))
+    let band_rows = (band_floats / per_row).clamp(1, g.th);
+    let bands: Vec<std::ops::Range<usize>> = (0..n)
+        .flat_map(|b| {
+            (0..g.th)
+                .step_by(band_rows)
+                .map(move |r| b * g.th + r..b * g.th + (r + band_rows).min(g.th))
+        })
         .collect();
     let u = transform_weights(weight, co, ci);
     let out = Out(y.as_mut_ptr());
@@ -514,7 +519,7 @@ mod tests {
         assert!(pays_at(1, 512, 512, 28));
         assert!(pays_at(1, 256, 256, 14));
         assert!(pays_at(1, 128, 32, 14));
-        assert!(pays_at(16, 512, 512, 7));
+        assert!(!pays_at(16, 512, 512, 7));
         assert!(!pays_at(1, 512, 512, 14));
         assert!(!pays_at(1, 512, 512, 7));
         assert!(!pays_at(16, 32, 128, 56));
