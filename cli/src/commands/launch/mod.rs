@@ -50,10 +50,13 @@ pub(super) fn free_port() -> Result<u16> {
     if low > FIRST + 1000 {
         use std::hash::{BuildHasher, RandomState};
         let span = u64::from(low - FIRST);
+        let reservations = std::env::temp_dir().join("hearth-ports");
         let start = RandomState::new().hash_one(std::process::id()) % span;
         for i in 0..span.min(2000) {
             let port = FIRST + ((start + i * 7919) % span) as u16;
-            if std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok() {
+            if std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok()
+                && reserve(&reservations, port)
+            {
                 return Ok(port);
             }
         }
@@ -62,6 +65,42 @@ pub(super) fn free_port() -> Result<u16> {
         .and_then(|s| s.local_addr())
         .map(|a| a.port())
         .map_err(|e| anyhow!("launch: no free UDP port on 127.0.0.1: {e}"))
+}
+
+/// How long a port handed out stays reserved: its rank binds it within seconds.
+const RESERVED_FOR: Duration = Duration::from_secs(60);
+
+/// Claims `port` for this launcher among all launchers of the machine: a file in `dir` for each
+/// port handed out in the last [`RESERVED_FOR`]. A port probed free is bound by its rank only
+/// once the rank has started, and another launcher's probe in between found it free too (two
+/// tests' jobs at once, seen in CI as "Address already in use"). Where no file can be written
+/// (another user's directory), the probe alone decides, as before.
+fn reserve(dir: &std::path::Path, port: u16) -> bool {
+    use std::io::ErrorKind;
+    let path = dir.join(port.to_string());
+    let claim = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+    };
+    if std::fs::create_dir_all(dir).is_err() {
+        return true;
+    }
+    match claim() {
+        Ok(_) => true,
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => {
+            let stale = std::fs::metadata(&path)
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age > RESERVED_FOR);
+            // Of two launchers finding the same stale claim, only the one that removes it
+            // takes the port.
+            stale && std::fs::remove_file(&path).is_ok() && claim().is_ok()
+        }
+        Err(_) => true,
+    }
 }
 
 /// Copies `input`'s lines to our stdout or stderr, each prefixed with `[label]` when `prefix`;
@@ -252,4 +291,30 @@ pub(super) fn kill_group(child: &mut Child) {
         }
     }
     let _ = child.kill();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_port_goes_to_one_launcher_until_its_claim_is_stale() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ports");
+        assert!(reserve(&dir, 20_001), "a fresh port is claimed");
+        assert!(
+            !reserve(&dir, 20_001),
+            "a claimed port is not handed out again"
+        );
+        assert!(reserve(&dir, 20_002), "another port is free");
+        let old = std::time::SystemTime::now() - RESERVED_FOR - Duration::from_secs(5);
+        std::fs::File::options()
+            .write(true)
+            .open(dir.join("20001"))
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        assert!(reserve(&dir, 20_001), "a stale claim is taken over");
+        assert!(!reserve(&dir, 20_001), "and claimed afresh");
+    }
 }
