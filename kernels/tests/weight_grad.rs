@@ -480,3 +480,64 @@ fn a_batchs_shifted_weight_gradient_adds_its_runs_in_order() {
         .collect();
     close(&whole, &halves, "the halves' sum");
 }
+
+/// The shifted weight gradient's channels-last copies (wider kernels with fewer output than
+/// input channels): channel counts and widths around the 8x8 blocks of its transpose (a
+/// multiple of 8, one over, one under), padding on either side and none, non-square kernels,
+/// against the definition; and its runs still add in order.
+#[test]
+fn the_channels_last_shifted_weight_gradient_equals_the_definition() {
+    // (n, ci, co, h, w, kh, kw, pad)
+    let cases = [
+        (2, 16, 8, 8, 8, 3, 3, 1),
+        (3, 17, 9, 9, 17, 3, 3, 1),
+        (1, 23, 7, 7, 15, 3, 3, 0),
+        (5, 12, 5, 10, 9, 5, 5, 2),
+        (2, 9, 3, 11, 16, 3, 2, 1),
+        (4, 40, 32, 6, 6, 3, 3, 2),
+    ];
+    for (i, &(n, ci, co, h, w, kh, kw, pad)) in cases.iter().enumerate() {
+        let s = ConvShape {
+            input: [n, ci, h, w],
+            out_channels: co,
+            kernel: [kh, kw],
+            stride: [1, 1],
+            padding: [pad, pad],
+            dilation: [1, 1],
+        };
+        let out = s.output().expect("the kernel fits");
+        let x = noise(n * ci * h * w, 40 + 2 * i as u64);
+        let dy = noise(out.iter().product(), 41 + 2 * i as u64);
+        close(
+            &conv2d_weight_grad_shifted(&x, &dy, &s),
+            &conv2d_weight_grad_naive(&x, &dy, &s),
+            &format!("{s:?}"),
+        );
+    }
+    let (n, ci, co, side) = (2 * hearth_kernels::weight_grad::SHIFTED_RUN, 19, 6, 11);
+    let s = ConvShape {
+        input: [n, ci, side, side],
+        out_channels: co,
+        kernel: [3, 3],
+        stride: [1, 1],
+        padding: [1, 1],
+        dilation: [1, 1],
+    };
+    let (xs, ys) = (n / 2 * ci * side * side, n / 2 * co * side * side);
+    let x = noise(2 * xs, 60);
+    let dy = noise(2 * ys, 61);
+    let half = ConvShape {
+        input: [n / 2, ci, side, side],
+        ..s
+    };
+    let halves: Vec<f32> = conv2d_weight_grad_shifted(&x[..xs], &dy[..ys], &half)
+        .iter()
+        .zip(conv2d_weight_grad_shifted(&x[xs..], &dy[ys..], &half))
+        .map(|(p, q)| p + q)
+        .collect();
+    assert_eq!(
+        conv2d_weight_grad_shifted(&x, &dy, &s),
+        halves,
+        "the runs added in order"
+    );
+}
