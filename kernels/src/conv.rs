@@ -128,11 +128,21 @@ pub fn conv2d_forward_im2col(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f3
         "conv forward: weight length for {s:?}"
     );
     let pixels = ho * wo;
-    let mut y = vec![0f32; n * co * pixels];
     if pixels == 0 || co == 0 || rows == 0 {
-        return y;
+        return vec![0f32; n * co * pixels];
     }
-    let out = Out(y.as_mut_ptr());
+    // SAFETY: the pieces below partition the images and their output rows (or, 1x1, their
+    // columns), and each piece's GEMM writes its part of every output channel without reading
+    // it (`gemm_rows` does not read the destination).
+    unsafe { crate::base::written_by(n * co * pixels, |out| forward_into(x, weight, s, out)) }
+}
+
+/// [`conv2d_forward_im2col`]'s work, writing every value of the output at `out`.
+fn forward_into(x: &[f32], weight: &[f32], s: &ConvShape, out: Out) {
+    let [n, ci, h, w] = s.input;
+    let [_, co, ho, wo] = s.output().unwrap_or_default();
+    let rows = ci * s.kernel[0] * s.kernel[1];
+    let pixels = ho * wo;
     if is_plain_pointwise(s) {
         for_pieces(n, &column_pieces(n, pixels), |b, cols, parallelism| {
             // SAFETY: the piece writes columns `cols` of image b's co x pixels output (no
@@ -154,7 +164,7 @@ pub fn conv2d_forward_im2col(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f3
                 );
             }
         });
-        return y;
+        return;
     }
     // Pieces of output rows, each with its own columns (im2col): images in parallel, one image
     // split by rows (`row_pieces`).
@@ -208,7 +218,6 @@ pub fn conv2d_forward_im2col(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f3
             fill_and_multiply(&mut cols, b, block, gemm::Parallelism::Rayon(0));
         }
     }
-    y
 }
 
 /// Adds the columns `[Ci·kh·kw, Ho·Wo]` of image `b` back onto `dx` (`[N, Ci, H, W]`).
@@ -263,55 +272,30 @@ pub fn conv2d_input_grad(weight: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> 
         n * co * pixels,
         "conv input gradient: output gradient length for {s:?}"
     );
-    let mut dx = vec![0f32; n * ci * h * w];
     if pixels == 0 || co == 0 || rows == 0 {
-        return dx;
+        return vec![0f32; n * ci * h * w];
     }
-    let pointwise = is_plain_pointwise(s);
-    let mut dcols = if pointwise {
-        Vec::new()
-    } else {
-        vec![0f32; rows * pixels]
-    };
-    if pointwise {
-        let out = Out(dx.as_mut_ptr());
-        for_pieces(n, &column_pieces(n, pixels), |b, cols, parallelism| {
-            // SAFETY: the piece writes columns `cols` of image b's ci x pixels gradient (no
-            // other piece does), from the weight read transposed (ci x co, column stride
-            // `rows` = ci) and those columns of image b's co x pixels output gradient.
-            unsafe {
-                gemm_rows(
-                    rows,
-                    cols.len(),
-                    co,
-                    out.at(b * ci * pixels + cols.start),
-                    pixels,
-                    weight.as_ptr(),
-                    rows,
-                    1,
-                    dy[b * co * pixels + cols.start..].as_ptr(),
-                    pixels,
-                    parallelism,
-                );
-            }
-        });
-        return dx;
+    if is_plain_pointwise(s) {
+        // SAFETY: the pieces partition the images' columns, and each piece's GEMM writes its
+        // columns of every input channel without reading them.
+        return unsafe {
+            crate::base::written_by(n * ci * pixels, |out| {
+                pointwise_input_grad_into(weight, dy, s, out)
+            })
+        };
     }
+    let mut dx = vec![0f32; n * ci * h * w];
+    let mut dcols = vec![0f32; rows * pixels];
     for b in 0..n {
         let g = &dy[b * co * pixels..(b + 1) * co * pixels];
-        let dst: *mut f32 = if pointwise {
-            dx[b * ci * pixels..].as_mut_ptr()
-        } else {
-            dcols.as_mut_ptr()
-        };
-        // SAFETY: dst is rows x pixels (rows = ci for 1x1), the weight read transposed is
+        // SAFETY: dcols is rows x pixels, the weight read transposed is
         // rows x co (column stride `rows`), g is co x pixels, all row-major.
         unsafe {
             gemm_rows(
                 rows,
                 pixels,
                 co,
-                dst,
+                dcols.as_mut_ptr(),
                 pixels,
                 weight.as_ptr(),
                 rows,
@@ -321,11 +305,37 @@ pub fn conv2d_input_grad(weight: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> 
                 gemm::Parallelism::Rayon(0),
             );
         }
-        if !pointwise {
-            col2im(&dcols, b, s, ho, wo, &mut dx);
-        }
+        col2im(&dcols, b, s, ho, wo, &mut dx);
     }
     dx
+}
+
+/// A 1x1 convolution's input gradient `Wᵀ · dYₙ` (stride 1, no padding), writing every value
+/// at `out`: images in parallel, or one image's columns in pieces.
+fn pointwise_input_grad_into(weight: &[f32], dy: &[f32], s: &ConvShape, out: Out) {
+    let [n, ci, _, _] = s.input;
+    let [_, co, ho, wo] = s.output().unwrap_or_default();
+    let pixels = ho * wo;
+    for_pieces(n, &column_pieces(n, pixels), |b, cols, parallelism| {
+        // SAFETY: the piece writes columns `cols` of image b's ci x pixels gradient (no other
+        // piece does), from the weight read transposed (ci x co, column stride ci) and those
+        // columns of image b's co x pixels output gradient.
+        unsafe {
+            gemm_rows(
+                ci,
+                cols.len(),
+                co,
+                out.at(b * ci * pixels + cols.start),
+                pixels,
+                weight.as_ptr(),
+                ci,
+                1,
+                dy[b * co * pixels + cols.start..].as_ptr(),
+                pixels,
+                parallelism,
+            );
+        }
+    });
 }
 
 /// Whether [`conv2d_input_grad_as_conv`] applies: stride 1, and padding at most the dilated

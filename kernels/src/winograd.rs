@@ -228,16 +228,24 @@ unsafe fn transform_output(
             let s = |j: usize, tc: usize| {
                 line[a + j][tc] + sign * line[b + j][tc] + line[c + j][tc] * sign
             };
-            // SAFETY: row y0 + l < ho of the plane, which only this call writes.
-            let row = unsafe { std::slice::from_raw_parts_mut(plane.at((y0 + l) * g.wo), g.wo) };
+            // SAFETY: row y0 + l < ho of the plane, which only this call writes (possibly not
+            // yet initialized: written, never read).
+            let row = unsafe {
+                std::slice::from_raw_parts_mut(
+                    plane
+                        .at((y0 + l) * g.wo)
+                        .cast::<std::mem::MaybeUninit<f32>>(),
+                    g.wo,
+                )
+            };
             for (tc, pair) in row[..2 * pairs].chunks_exact_mut(2).enumerate() {
                 let (s0, s1, s2, s3) = (s(0, tc), s(1, tc), s(2, tc), s(3, tc));
-                pair[0] = s0 + s1 + s2;
-                pair[1] = s1 - s2 - s3;
+                pair[0].write(s0 + s1 + s2);
+                pair[1].write(s1 - s2 - s3);
             }
             if g.wo % 2 == 1 {
                 let tc = n - 1;
-                row[g.wo - 1] = s(0, tc) + s(1, tc) + s(2, tc);
+                row[g.wo - 1].write(s(0, tc) + s(1, tc) + s(2, tc));
             }
         }
     }
@@ -351,9 +359,8 @@ pub fn conv2d_forward_in_bands(
         co * ci * 9,
         "winograd forward: weight length for {s:?}"
     );
-    let mut y = vec![0f32; n * co * ho * wo];
-    if ho == 0 || wo == 0 || n == 0 {
-        return y;
+    if ho == 0 || wo == 0 || n == 0 || ci == 0 || co == 0 {
+        return vec![0f32; n * co * ho * wo];
     }
     let g = Geometry {
         ci,
@@ -379,13 +386,31 @@ pub fn conv2d_forward_in_bands(
         })
         .collect();
     let u = transform_weights(weight, co, ci);
-    let out = Out(y.as_mut_ptr());
+    // SAFETY: the bands partition the batch's tile rows, and every tile row's output rows
+    // (one or two) of every channel are written whole by `transform_output`.
+    unsafe {
+        crate::base::written_by(n * co * ho * wo, |out| {
+            bands_into(x, &u, &g, bands, band_rows, out)
+        })
+    }
+}
+
+/// Runs `bands` (of `band_rows` tile rows at most) of `x` with the transformed weights `u`
+/// into the output at `out`.
+fn bands_into(
+    x: &[f32],
+    u: &[f32],
+    g: &Geometry,
+    bands: Vec<std::ops::Range<usize>>,
+    band_rows: usize,
+    out: Out,
+) {
     let threads = rayon::current_num_threads().max(1);
     if bands.len() < 2 * threads {
         // Too few bands to keep every thread busy: each band's phases in parallel.
-        let mut scratch = Scratch::new(&g, band_rows);
+        let mut scratch = Scratch::new(g, band_rows);
         for rows in bands {
-            band(x, &u, &g, rows, out, &mut scratch, true);
+            band(x, u, g, rows, out, &mut scratch, true);
         }
     } else {
         // Bands in parallel, each on its thread, with one scratch per thread for the whole
@@ -398,11 +423,10 @@ pub fn conv2d_forward_in_bands(
             let mut scratch = scratches[slot]
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let scratch = scratch.get_or_insert_with(|| Scratch::new(&g, band_rows));
-            band(x, &u, &g, rows, out, scratch, false);
+            let scratch = scratch.get_or_insert_with(|| Scratch::new(g, band_rows));
+            band(x, u, g, rows, out, scratch, false);
         });
     }
-    y
 }
 
 #[cfg(test)]
