@@ -328,12 +328,13 @@ pub const SHIFTED_RUN: usize = 4;
 /// copies are channels-last (`[pixel][channel]`) instead: the products' depth is the pixels,
 /// and gemm packs its operands along the depth, which from `[channel][pixel]` rows is a
 /// gather, once per tap; a transpose once per image makes those reads contiguous, and the
-/// shift by a tap stays a pointer offset. Measured per shape (`kernels/examples/
-/// conv_paths.rs`, batch 16, AVX2 Zen 3, GFLOP/s against the plain copies): DenseNet-121's
-/// 128→32 3x3 on 56 to 7 px maps 72-85 against 62-75, 43-55 against 20-42 on 7x7; as many
-/// or more output channels lost or tied (ResNet-50's 64→64 on 56x56: 78-85 against 84-91;
-/// 128→128 on 28x28, VGG-16's 64→128 on 112x112: 92-100 both), and 1x1 layers lost to the
-/// transpose (DenseNet-121's 160→128 on 56x56: 52-61 against 73-102).
+/// shift by a tap stays a pointer offset. Measured against the plain copies side by side
+/// (batch 16, AVX2 Zen 3, GFLOP/s, best of 7, two runs): DenseNet-121's 128→32 3x3 on 56 to
+/// 14 px maps 71-87 against 59-78, on 7x7 58-62 against 42-43; with the channels-last copies
+/// forced everywhere, 1x1 layers lost to the transpose (DenseNet-121's 160→128 on 56x56: 52-61
+/// against 80-83), and as many output channels as input lost or tied (ResNet-50's 64→64 on
+/// 56x56: 78-85 against 84-91), those two measured before the sums were kept per tap.
+/// `kernels/examples/conv_paths.rs` times this function per shape ("weight grad shifted").
 ///
 /// Panics where [`shifted_applies`] is false or the slices' lengths do not match `s`.
 pub fn conv2d_weight_grad_shifted(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
@@ -357,9 +358,16 @@ pub fn conv2d_weight_grad_shifted(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f
     // Pixels per chunk: its dYp and Xp rows together near 1 MiB.
     let chunk = ((1usize << 18).saturating_sub(ci * reach) / (co + ci).max(1)).clamp(512, 8192);
     let channels_last = taps > 1 && co < ci;
+    // A 1x1 kernel without padding reads the image and its gradient where they are: the rows
+    // need no padding, so Xp and dYp would be copies of them. Against copying, side by side
+    // (batch 16, AVX2 Zen 3, GFLOP/s): DenseNet-121's 1x1 layers 96-108 against 85-94 on 56x56
+    // down to 55-56 against 50-51 on 7x7, ResNet-50's 256→64 on 56x56 95-97 against 74-77.
+    let in_place = taps == 1 && s.padding == [0, 0];
     // How far apart a pixel's and a channel's values lie in Xp and in dYp.
     let ([x_pixel, x_channel], [dy_pixel, dy_channel]) = if channels_last {
         ([ci, 1], [co, 1])
+    } else if in_place {
+        ([1, h * w], [1, ho * wo])
     } else {
         ([1, plane], [1, len])
     };
@@ -387,7 +395,13 @@ pub fn conv2d_weight_grad_shifted(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f
             .par_iter()
             .map_init(
                 // Zero once: the borders and the columns past Wo are never written.
-                || (vec![0f32; ci * plane], vec![0f32; co * len]),
+                || {
+                    if in_place {
+                        (Vec::new(), Vec::new())
+                    } else {
+                        (vec![0f32; ci * plane], vec![0f32; co * len])
+                    }
+                },
                 |(xp, dyp), run| {
                     let mut dw = vec![0f32; co * ci * taps];
                     let mut started = false;
@@ -397,7 +411,7 @@ pub fn conv2d_weight_grad_shifted(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f
                         if channels_last {
                             to_channels_last(xp, image, ci, [h, w], ph * wp + pw, wp);
                             to_channels_last(dyp, grad, co, [ho, wo], 0, wp);
-                        } else {
+                        } else if !in_place {
                             for c in 0..ci {
                                 let dst = &mut xp[c * plane..][..plane];
                                 copy_rows(
@@ -414,15 +428,18 @@ pub fn conv2d_weight_grad_shifted(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f
                                 copy_rows(dst, &grad[o * ho * wo..][..ho * wo], ho, wo, 0, wp);
                             }
                         }
+                        let (xs, ys): (&[f32], &[f32]) =
+                            if in_place { (image, grad) } else { (xp, dyp) };
                         for q0 in (0..len).step_by(chunk) {
                             let k = chunk.min(len - q0);
                             for tap in 0..taps {
                                 let off = (tap / kw) * wp + tap % kw;
-                                // SAFETY: dst is tap's ci x co block of dw (co·ci·taps long,
-                                // either layout); lhs reads ci
-                                // channels of xp at pixels q0+off..q0+off+k <= len + reach =
-                                // ho·wp + (kh-1)·wp + kw - 1 = hp·wp + kw - 1 <= plane; rhs
-                                // reads co channels of dyp at pixels q0..q0+k <= len.
+                                // SAFETY: dst is the tap's ci x co block of dw (co·ci·taps
+                                // long, either layout); lhs reads ci channels of xs at pixels
+                                // q0+off..q0+off+k <= len + reach = ho·wp + (kh-1)·wp + kw - 1
+                                // = hp·wp + kw - 1 <= plane (in place: off = 0 and len = h·w,
+                                // a channel's plane); rhs reads co channels of ys at pixels
+                                // q0..q0+k <= len.
                                 unsafe {
                                     gemm::gemm(
                                         ci,
@@ -432,10 +449,10 @@ pub fn conv2d_weight_grad_shifted(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f
                                         dw_col as isize,
                                         dw_row as isize,
                                         started,
-                                        xp.as_ptr().add((q0 + off) * x_pixel),
+                                        xs.as_ptr().add((q0 + off) * x_pixel),
                                         x_pixel as isize,
                                         x_channel as isize,
-                                        dyp.as_ptr().add(q0 * dy_pixel),
+                                        ys.as_ptr().add(q0 * dy_pixel),
                                         dy_channel as isize,
                                         dy_pixel as isize,
                                         1.0f32,

@@ -481,12 +481,13 @@ fn a_batchs_shifted_weight_gradient_adds_its_runs_in_order() {
     close(&whole, &halves, "the halves' sum");
 }
 
-/// The shifted weight gradient's channels-last copies (wider kernels with fewer output than
-/// input channels): channel counts and widths around the 8x8 blocks of its transpose (a
-/// multiple of 8, one over, one under), padding on either side and none, non-square kernels,
-/// against the definition; and its runs still add in order.
+/// The shifted weight gradient's layouts against the definition: channels-last copies (wider
+/// kernels with fewer output than input channels; channel counts and widths around the 8x8
+/// blocks of its transpose: a multiple of 8, one over, one under; padding and none; non-square
+/// kernels), the image read in place (1x1 without padding) and plain copies (1x1 with
+/// padding, more output channels); and the channels-last runs still add in order.
 #[test]
-fn the_channels_last_shifted_weight_gradient_equals_the_definition() {
+fn the_shifted_weight_gradients_layouts_equal_the_definition() {
     // (n, ci, co, h, w, kh, kw, pad)
     let cases = [
         (2, 16, 8, 8, 8, 3, 3, 1),
@@ -495,6 +496,10 @@ fn the_channels_last_shifted_weight_gradient_equals_the_definition() {
         (5, 12, 5, 10, 9, 5, 5, 2),
         (2, 9, 3, 11, 16, 3, 2, 1),
         (4, 40, 32, 6, 6, 3, 3, 2),
+        (3, 10, 7, 5, 9, 1, 1, 0),
+        (6, 9, 12, 8, 8, 1, 1, 0),
+        (2, 6, 4, 5, 5, 1, 1, 1),
+        (2, 4, 9, 7, 6, 3, 3, 1),
     ];
     for (i, &(n, ci, co, h, w, kh, kw, pad)) in cases.iter().enumerate() {
         let s = ConvShape {
