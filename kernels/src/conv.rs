@@ -144,26 +144,7 @@ fn forward_into(x: &[f32], weight: &[f32], s: &ConvShape, out: Out) {
     let rows = ci * s.kernel[0] * s.kernel[1];
     let pixels = ho * wo;
     if is_plain_pointwise(s) {
-        for_pieces(n, &column_pieces(n, pixels), |b, cols, parallelism| {
-            // SAFETY: the piece writes columns `cols` of image b's co x pixels output (no
-            // other piece does), from the weight (co x rows) and those columns of image b's
-            // input (rows x pixels), all row-major.
-            unsafe {
-                gemm_rows(
-                    co,
-                    cols.len(),
-                    rows,
-                    out.at(b * co * pixels + cols.start),
-                    pixels,
-                    weight.as_ptr(),
-                    1,
-                    rows,
-                    x[b * ci * pixels + cols.start..].as_ptr(),
-                    pixels,
-                    parallelism,
-                );
-            }
-        });
+        pointwise_products(n, [co, ci], pixels, weight, [1, ci], x, out);
         return;
     }
     // Pieces of output rows, each with its own columns (im2col): images in parallel, one image
@@ -280,7 +261,7 @@ pub fn conv2d_input_grad(weight: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> 
         // columns of every input channel without reading them.
         return unsafe {
             crate::base::written_by(n * ci * pixels, |out| {
-                pointwise_input_grad_into(weight, dy, s, out)
+                pointwise_products(n, [ci, co], pixels, weight, [ci, 1], dy, out)
             })
         };
     }
@@ -310,27 +291,34 @@ pub fn conv2d_input_grad(weight: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> 
     dx
 }
 
-/// A 1x1 convolution's input gradient `Wᵀ · dYₙ` (stride 1, no padding), writing every value
-/// at `out`: images in parallel, or one image's columns in pieces.
-fn pointwise_input_grad_into(weight: &[f32], dy: &[f32], s: &ConvShape, out: Out) {
-    let [n, ci, _, _] = s.input;
-    let [_, co, ho, wo] = s.output().unwrap_or_default();
-    let pixels = ho * wo;
+/// `outₙ[m, pixels] = W · srcₙ[k, pixels]` for each of `n` images, `W` an `m x k` matrix read
+/// with column and row strides `[w_cs, w_rs]` (a 1x1 convolution's forward reads the weight as it
+/// is, its input gradient transposed), writing every value at `out`: images in parallel, or
+/// one image's columns in pieces ([`column_pieces`]).
+fn pointwise_products(
+    n: usize,
+    [m, k]: [usize; 2],
+    pixels: usize,
+    weight: &[f32],
+    [w_cs, w_rs]: [usize; 2],
+    src: &[f32],
+    out: Out,
+) {
     for_pieces(n, &column_pieces(n, pixels), |b, cols, parallelism| {
-        // SAFETY: the piece writes columns `cols` of image b's ci x pixels gradient (no other
-        // piece does), from the weight read transposed (ci x co, column stride ci) and those
-        // columns of image b's co x pixels output gradient.
+        // SAFETY: the piece writes columns `cols` of image b's m x pixels output (no other
+        // piece does), from the weight (m x k with the given strides) and those columns of
+        // image b's k x pixels source, all row-major.
         unsafe {
             gemm_rows(
-                ci,
+                m,
                 cols.len(),
-                co,
-                out.at(b * ci * pixels + cols.start),
+                k,
+                out.at(b * m * pixels + cols.start),
                 pixels,
                 weight.as_ptr(),
-                ci,
-                1,
-                dy[b * co * pixels + cols.start..].as_ptr(),
+                w_cs,
+                w_rs,
+                src[b * k * pixels + cols.start..].as_ptr(),
                 pixels,
                 parallelism,
             );
