@@ -381,7 +381,7 @@ pub fn conv2d_weight_grad_shifted(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f
         (1, [taps, ci * taps])
     };
     let mut dw = vec![0f32; co * ci * taps];
-    if n == 0 || len == 0 {
+    if n == 0 || len == 0 || co * ci == 0 {
         return dw;
     }
     let runs: Vec<std::ops::Range<usize>> = (0..n)

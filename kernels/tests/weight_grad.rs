@@ -500,6 +500,7 @@ fn the_shifted_weight_gradients_layouts_equal_the_definition() {
         (6, 9, 12, 8, 8, 1, 1, 0),
         (2, 6, 4, 5, 5, 1, 1, 1),
         (2, 4, 9, 7, 6, 3, 3, 1),
+        (2, 5, 0, 6, 6, 3, 3, 1),
     ];
     for (i, &(n, ci, co, h, w, kh, kw, pad)) in cases.iter().enumerate() {
         let s = ConvShape {
