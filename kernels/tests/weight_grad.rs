@@ -437,6 +437,19 @@ fn inference_takes_the_gemm_op_and_equals_burns_forward() {
     }
 }
 
+/// A 3x3 convolution with stride 1 and padding 1 of `n` square `ci`-channel images of `side`
+/// pixels into `co` channels.
+fn same_3x3([n, ci, co, side]: [usize; 4]) -> ConvShape {
+    ConvShape {
+        input: [n, ci, side, side],
+        out_channels: co,
+        kernel: [3, 3],
+        stride: [1, 1],
+        padding: [1, 1],
+        dilation: [1, 1],
+    }
+}
+
 /// The shifted weight gradient sums fixed runs of images and adds the runs' sums in order: a
 /// batch's gradient is its runs' gradients added in order, bit for bit (so the gradients of
 /// whole runs, such as a pipeline's micro-batches or data-parallel ranks, regroup only the last
@@ -445,14 +458,7 @@ fn inference_takes_the_gemm_op_and_equals_burns_forward() {
 fn a_batchs_shifted_weight_gradient_adds_its_runs_in_order() {
     use hearth_kernels::weight_grad::SHIFTED_RUN;
     let (n, ci, co, side) = (4 * SHIFTED_RUN, 5, 7, 9);
-    let s = ConvShape {
-        input: [n, ci, side, side],
-        out_channels: co,
-        kernel: [3, 3],
-        stride: [1, 1],
-        padding: [1, 1],
-        dilation: [1, 1],
-    };
+    let s = same_3x3([n, ci, co, side]);
     let x = noise(n * ci * side * side, 11);
     let dy = noise(n * co * side * side, 12);
     let whole = conv2d_weight_grad_shifted(&x, &dy, &s);
@@ -521,14 +527,7 @@ fn the_shifted_weight_gradients_layouts_equal_the_definition() {
         );
     }
     let (n, ci, co, side) = (2 * hearth_kernels::weight_grad::SHIFTED_RUN, 19, 6, 11);
-    let s = ConvShape {
-        input: [n, ci, side, side],
-        out_channels: co,
-        kernel: [3, 3],
-        stride: [1, 1],
-        padding: [1, 1],
-        dilation: [1, 1],
-    };
+    let s = same_3x3([n, ci, co, side]);
     let (xs, ys) = (n / 2 * ci * side * side, n / 2 * co * side * side);
     let x = noise(2 * xs, 60);
     let dy = noise(2 * ys, 61);
