@@ -40,6 +40,7 @@ pub mod pool;
 pub mod precision;
 pub mod product;
 pub mod select;
+mod shape;
 pub mod weight_grad;
 pub mod winograd;
 

@@ -21,7 +21,7 @@
 use rayon::prelude::*;
 
 use crate::base::{Out, gemm_rows};
-use crate::weight_grad::ConvShape;
+use crate::shape::ConvShape;
 
 /// Floats of `V` and `M` one band holds: measured on VGG-16's and ResNet-50's 3x3 layers
 /// (`kernels/examples/forward_b1.rs`, `HEARTH_WINOGRAD_BAND`).
