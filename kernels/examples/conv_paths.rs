@@ -106,12 +106,13 @@ fn raw_kernels(n: usize, shapes: &[(usize, usize, usize, usize, usize, usize)]) 
     use hearth_kernels::weight_grad::{
         ConvShape, conv2d_weight_grad, conv2d_weight_grad_shifted, shifted_applies,
     };
+    use hearth_kernels::winograd;
     println!();
     println!("raw kernels, batch {n} (min of 3): GFLOP/s");
     println!(
-        "| conv | forward (Flex) | input grad (Flex) | input grad as a convolution | weight grad (Flex) | weight grad shifted |"
+        "| conv | forward (Flex) | input grad (Flex) | input grad as a convolution | weight grad (Flex) | weight grad shifted | weight grad Winograd |"
     );
-    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     let flex = Device::flex();
     for &(cin, cout, k, stride, side, _) in shapes {
         let s = ConvShape {
@@ -140,6 +141,8 @@ fn raw_kernels(n: usize, shapes: &[(usize, usize, usize, usize, usize, usize)]) 
         let dw = time_min(3, || drop(conv2d_weight_grad(&x, &dy, &s)));
         let dw_shifted = shifted_applies(&s)
             .then(|| time_min(3, || drop(conv2d_weight_grad_shifted(&x, &dy, &s))));
+        let dw_winograd = winograd::applies(&s)
+            .then(|| time_min(3, || drop(winograd::conv2d_weight_grad(&x, &dy, &s))));
         // Flex's own kernels on the same data.
         let tensor = |v: &[f32], shape: [usize; 4]| {
             Tensor::<4>::from_data(TensorData::new(v.to_vec(), shape), &flex)
@@ -180,7 +183,7 @@ fn raw_kernels(n: usize, shapes: &[(usize, usize, usize, usize, usize, usize)]) 
             .into_data();
         });
         println!(
-            "| {cin}→{cout} {k}x{k} s{stride} {side} | {:.0} ({:.0}) | {:.0} ({:.0}) | {} | {:.0} ({:.0}) | {} |",
+            "| {cin}→{cout} {k}x{k} s{stride} {side} | {:.0} ({:.0}) | {:.0} ({:.0}) | {} | {:.0} ({:.0}) | {} | {} |",
             gflop / f,
             gflop / ff,
             gflop / dx,
@@ -189,6 +192,7 @@ fn raw_kernels(n: usize, shapes: &[(usize, usize, usize, usize, usize, usize)]) 
             gflop / dw,
             gflop / fdw,
             dw_shifted.map_or("-".into(), |t| format!("{:.0}", gflop / t)),
+            dw_winograd.map_or("-".into(), |t| format!("{:.0}", gflop / t)),
         );
     }
 }

@@ -75,7 +75,8 @@ pub fn enabled() -> bool {
 }
 
 /// Whether 3x3 stride-1 convolutions run by Winograd's F(2x2, 3x3) (`crate::winograd`) on
-/// the fast paths (`HEARTH_WINOGRAD`, read once; `0`, `false` or `off` keeps im2col's GEMM).
+/// the fast paths, their forward and their weight gradient (`HEARTH_WINOGRAD`, read once; `0`,
+/// `false` or `off` keeps im2col's GEMM forward and the shifted or im2col weight gradient).
 pub fn winograd_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {

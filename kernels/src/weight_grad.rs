@@ -32,9 +32,10 @@ pub const MIN_INNER: usize = 1024;
 /// reading from memory (and the page faults of a fresh buffer) cost more than the GEMM.
 pub const BLOCK_FLOATS: usize = 1 << 21;
 
-/// The shape types, defined below both this module and [`crate::winograd`].
-pub use crate::shape::{ConvShape, Geometry2};
 pub(crate) use crate::shape::conv_shape;
+/// The shape types, defined below both this module and [`crate::winograd`] (which computes a
+/// weight gradient too).
+pub use crate::shape::{ConvShape, Geometry2};
 
 /// The output range `lo..hi` along one axis whose input index `o·stride + offset - pad` lies in
 /// `0..len`.
@@ -129,9 +130,11 @@ pub(crate) fn row_blocks(rows: usize, ho: usize, wo: usize) -> Vec<std::ops::Ran
 
 /// The weight gradient `[Co, Ci, kh, kw]` (row-major) of a convolution with shape `s`, from
 /// its input `x` (`[N, Ci, H, W]`, row-major) and output gradient `dy` (`[N, Co, Ho, Wo]`):
-/// [`conv2d_weight_grad_shifted`] for stride 1 with a small weight (wider kernels: at most
-/// 256 input and output channels together; 1x1: at most 2¹⁹ weights), and
-/// [`conv2d_weight_grad_im2col`] otherwise.
+/// Winograd's F(2x2, 3x3) for a 3x3 stride-1 convolution where
+/// [`crate::winograd::weight_grad_pays`] (measured per shape and vector width; not with
+/// `HEARTH_WINOGRAD=0`), else [`conv2d_weight_grad_shifted`] for stride 1 with a small weight
+/// (wider kernels: at most 256 input and output channels together; 1x1: at most 2¹⁹ weights),
+/// and [`conv2d_weight_grad_im2col`] otherwise.
 ///
 /// Where each won (`kernels/examples/conv_paths.rs`, batch 16, 2-core AVX-512, GFLOP/s
 /// shifted against im2col): VGG-16's 64→64 on 224x224 256 against 90, 3→64 103 against 56,
@@ -152,6 +155,12 @@ pub fn conv2d_weight_grad(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
     } else {
         ci + co <= 256
     };
+    if crate::base::winograd_enabled()
+        && crate::winograd::applies(s)
+        && crate::winograd::weight_grad_pays(s)
+    {
+        return crate::winograd::conv2d_weight_grad(x, dy, s);
+    }
     // One image would be one partial sum on one thread.
     if shifted_applies(s) && small && s.input[0] >= 2 {
         conv2d_weight_grad_shifted(x, dy, s)

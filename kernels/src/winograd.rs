@@ -13,6 +13,9 @@
 //! `B`, `G` and `A` hold only 0, ±1 and ½, so the transforms are additions and the results
 //! round like im2col's within a few units in the last place (tested against it).
 //!
+//! The weight gradient turns the same products around ([`conv2d_weight_grad`]: `V` as here, the
+//! output gradient through `A`, 16 GEMMs over the tiles, then `G'` back to 3x3).
+//!
 //! The tiles go in bands of tile rows whose `V` and `M` fit [`BAND_FLOATS`]: with two images
 //! or more, images in parallel and each band's products on its thread; with one, the bands in
 //! turn, each band's transform split by channels and its 16 products by `e` across the
@@ -22,6 +25,11 @@ use rayon::prelude::*;
 
 use crate::base::{Out, gemm_rows};
 use crate::shape::ConvShape;
+
+mod weight_grad;
+pub use weight_grad::{
+    conv2d_weight_grad, conv2d_weight_grad_in_bands, weight_grad_pays, weight_grad_pays_on,
+};
 
 /// Floats of `V` and `M` one band holds: measured on VGG-16's and ResNet-50's 3x3 layers
 /// (`kernels/examples/forward_b1.rs`, `HEARTH_WINOGRAD_BAND`).
