@@ -20,7 +20,7 @@ pub(crate) fn conv_shape(
     }
 }
 
-/// The geometry of the convolution whose weight gradient is wanted.
+/// The geometry of a 2-D convolution with one group: what its kernels are computed for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ConvShape {
     /// Input `[N, Ci, H, W]`.

@@ -442,8 +442,8 @@ mod tests {
     use super::*;
     use crate::conv::conv2d_forward_im2col;
 
-    /// Deterministic values in [-1, 1).
-    fn values(len: usize, seed: u64) -> Vec<f32> {
+    /// Deterministic values in [-1, 1) (the weight gradient's tests take them too).
+    pub(super) fn values(len: usize, seed: u64) -> Vec<f32> {
         let mut state = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);

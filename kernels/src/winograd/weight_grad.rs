@@ -63,8 +63,9 @@ fn wide_gemm() -> bool {
 ///   DenseNet-121's 128→32 1.07-1.20x, ResNet-50's 1.59-1.69x, VGG-16's 1.16-1.92x, and lost
 ///   on 7x7 (0.80-0.81x: 16 tiles an image, a quarter of them past the edge);
 /// - AVX-512: the other paths' products run near twice as fast while the transforms do not,
-///   so Winograd won only with 64 channels or more on both sides and 196 to 12544 pixels
-///   (ResNet-50 1.24-1.43x, VGG-16 1.18-1.72x; 512→512 on 14x14 tied, 1.00x), and lost
+///   so Winograd won only with 64 channels or more on both sides and 784 to 12544 pixels, or
+///   196 with at most 256 x 256 channels (ResNet-50 1.24-1.43x, VGG-16 1.18-1.72x; 512→512 on
+///   14x14 tied, 1.00x), and lost
 ///   on DenseNet-121's 128→32 (0.85-0.95x), on 224x224 maps (0.73-0.88x) and on 7x7 (0.54x).
 ///
 /// Two images or more (one would be one run on one thread).
@@ -377,21 +378,7 @@ fn to_weights(du: &[f32], co: usize, ci: usize) -> Vec<f32> {
 mod tests {
     use super::*;
     use crate::weight_grad::conv2d_weight_grad_im2col;
-
-    /// Deterministic values in [-1, 1).
-    fn values(len: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (0..len)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::winograd::tests::values;
 
     fn shape(n: usize, ci: usize, co: usize, h: usize, w: usize, p: usize) -> ConvShape {
         ConvShape {
