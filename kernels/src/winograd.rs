@@ -111,6 +111,38 @@ struct Geometry {
 }
 
 impl Geometry {
+    /// The geometry of `s` for `what` (the forward, the weight gradient), after checking that
+    /// [`applies`] holds and that `x` is the input `s` describes.
+    fn checked(s: &ConvShape, x: &[f32], what: &str) -> Self {
+        assert!(
+            applies(s),
+            "winograd {what}: not a 3x3 stride-1 convolution it takes, {s:?}"
+        );
+        let [n, ci, h, w] = s.input;
+        let [_, co, ho, wo] = s.output().unwrap_or_default();
+        assert_eq!(
+            x.len(),
+            n * ci * h * w,
+            "winograd {what}: input length for {s:?}"
+        );
+        Geometry {
+            ci,
+            co,
+            h,
+            w,
+            ho,
+            wo,
+            pad: s.padding,
+            tw: wo.div_ceil(2),
+            th: ho.div_ceil(2),
+        }
+    }
+
+    /// Whether nothing is computed: no image, channel or output pixel.
+    fn is_empty(&self, n: usize) -> bool {
+        n == 0 || self.ci == 0 || self.co == 0 || self.ho == 0 || self.wo == 0
+    }
+
     /// Image and tile row of the batch's tile row `row` (the images' rows one after another).
     fn split(&self, row: usize) -> (usize, usize) {
         (row / self.th, row % self.th)
@@ -351,36 +383,16 @@ pub fn conv2d_forward_in_bands(
     s: &ConvShape,
     band_floats: usize,
 ) -> Vec<f32> {
-    assert!(
-        applies(s),
-        "winograd forward: not a 3x3 stride-1 convolution it takes, {s:?}"
-    );
-    let [n, ci, h, w] = s.input;
-    let [_, co, ho, wo] = s.output().unwrap_or_default();
-    assert_eq!(
-        x.len(),
-        n * ci * h * w,
-        "winograd forward: input length for {s:?}"
-    );
+    let g = Geometry::checked(s, x, "forward");
+    let (n, ci, co, ho, wo) = (s.input[0], g.ci, g.co, g.ho, g.wo);
     assert_eq!(
         weight.len(),
         co * ci * 9,
         "winograd forward: weight length for {s:?}"
     );
-    if ho == 0 || wo == 0 || n == 0 || ci == 0 || co == 0 {
+    if g.is_empty(n) {
         return vec![0f32; n * co * ho * wo];
     }
-    let g = Geometry {
-        ci,
-        co,
-        h,
-        w,
-        ho,
-        wo,
-        pad: s.padding,
-        tw: wo.div_ceil(2),
-        th: ho.div_ceil(2),
-    };
     // Bands of each image's tile rows, never across two images: an image's result is then
     // the same bits whatever batch it comes in (each band's products have the same width), so
     // data-parallel ranks with smaller batches compute what one process does.

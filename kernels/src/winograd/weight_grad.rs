@@ -25,7 +25,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::{BAND_FLOATS, Geometry, applies, line_floats, transform_input};
+use super::{BAND_FLOATS, Geometry, line_floats, transform_input};
 use crate::base::Out;
 use crate::shape::ConvShape;
 
@@ -34,7 +34,7 @@ use crate::shape::ConvShape;
 pub const RUN: usize = 4;
 
 /// Whether [`conv2d_weight_grad`] beat the weight gradient the other paths give `s` (the
-/// shifted products, or im2col's for wide layers), where [`applies`] holds, on this CPU: see
+/// shifted products, or im2col's for wide layers), where [`super::applies`] holds, on this CPU: see
 /// [`weight_grad_pays_on`].
 pub fn weight_grad_pays(s: &ConvShape) -> bool {
     weight_grad_pays_on(s, wide_gemm())
@@ -81,7 +81,7 @@ pub fn weight_grad_pays_on(s: &ConvShape, wide: bool) -> bool {
 
 /// The weight gradient `[Co, Ci, 3, 3]` of a 3x3 stride-1 convolution from its input `x`
 /// (`[N, Ci, H, W]`) and output gradient `dy` (`[N, Co, Ho, Wo]`), all row-major. Panics where
-/// [`applies`] is false or the lengths do not match `s`.
+/// [`super::applies`] is false or the lengths do not match `s`.
 pub fn conv2d_weight_grad(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> {
     conv2d_weight_grad_in_bands(x, dy, s, BAND_FLOATS)
 }
@@ -94,36 +94,16 @@ pub fn conv2d_weight_grad_in_bands(
     s: &ConvShape,
     band_floats: usize,
 ) -> Vec<f32> {
-    assert!(
-        applies(s),
-        "winograd weight gradient: not a 3x3 stride-1 convolution it takes, {s:?}"
-    );
-    let [n, ci, h, w] = s.input;
-    let [_, co, ho, wo] = s.output().unwrap_or_default();
-    assert_eq!(
-        x.len(),
-        n * ci * h * w,
-        "winograd weight gradient: input length for {s:?}"
-    );
+    let g = Geometry::checked(s, x, "weight gradient");
+    let (n, ci, co) = (s.input[0], g.ci, g.co);
     assert_eq!(
         dy.len(),
-        n * co * ho * wo,
+        n * co * g.ho * g.wo,
         "winograd weight gradient: output gradient length for {s:?}"
     );
-    if n == 0 || ci == 0 || co == 0 || ho == 0 || wo == 0 {
+    if g.is_empty(n) {
         return vec![0f32; co * ci * 9];
     }
-    let g = Geometry {
-        ci,
-        co,
-        h,
-        w,
-        ho,
-        wo,
-        pad: s.padding,
-        tw: wo.div_ceil(2),
-        th: ho.div_ceil(2),
-    };
     let per_row = 16 * (ci + co) * g.tw;
     // Bands of the run's tile rows, across its images where they are small: the products'
     // depth is the band's tiles, and each adds into all of dU.
@@ -378,6 +358,7 @@ fn to_weights(du: &[f32], co: usize, ci: usize) -> Vec<f32> {
 mod tests {
     use super::*;
     use crate::weight_grad::conv2d_weight_grad_im2col;
+    use crate::winograd::applies;
     use crate::winograd::tests::values;
 
     fn shape(n: usize, ci: usize, co: usize, h: usize, w: usize, p: usize) -> ConvShape {
