@@ -64,6 +64,7 @@ pub fn fast_path(conv: &Conv2d, device: &Device, allowed: bool) -> Path {
 /// kernels' speed instead of Burn's portable low-precision ones (2.5x slower for ResNet-50
 /// training, BENCHMARKS.md "Mixed precision").
 pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
+    crate::warm::keep_pool_warm(&x.device());
     if let Some(dt) = low_precision(&x) {
         let path = fast_path(conv, &x.device(), enabled());
         if path == Path::Selected {

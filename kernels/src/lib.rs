@@ -41,6 +41,7 @@ pub mod precision;
 pub mod product;
 pub mod select;
 mod shape;
+pub mod warm;
 pub mod weight_grad;
 pub mod winograd;
 

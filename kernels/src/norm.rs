@@ -489,6 +489,7 @@ fn update_running(bn: &BatchNorm, mean: &Tensor<1>, var: &Tensor<1>, device: &De
 /// Inside [`replaying`] a training batch norm normalises by the batch's statistics as usual
 /// but leaves its running statistics alone.
 pub fn batch_norm<const D: usize>(bn: &BatchNorm, x: Tensor<D>, relu: bool) -> Tensor<D> {
+    crate::warm::keep_pool_warm(&x.device());
     // Mixed precision: statistics and normalisation in f32, the activation's type out.
     if let Some(dt) = crate::low_precision(&x) {
         let x = crate::cast(x, burn::tensor::FloatDType::F32);

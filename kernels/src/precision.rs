@@ -27,6 +27,7 @@ pub fn low_precision<const D: usize>(x: &Tensor<D>) -> Option<FloatDType> {
 /// [`crate::product`], which holds a product's result once where Flex's holds it twice for a
 /// moment (VGG-16's first classifier layer's weight gradient: 392 MiB).
 pub fn linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
+    crate::warm::keep_pool_warm(&x.device());
     if crate::base::selects_gpu_kernels(&x.device(), crate::base::enabled()) {
         return selected_linear(linear, x);
     }
