@@ -70,7 +70,7 @@ pub fn keep_pool_warm(device: &burn::prelude::Device) {
                     }
                 }
                 let _done = Done;
-                look_for_work(asker, budget);
+                let _ = look_for_work(asker, budget);
             });
         }
     }
@@ -81,21 +81,26 @@ fn wanted(device: &burn::prelude::Device, budget: Duration) -> bool {
     !budget.is_zero() && !device.is_autodiff() && crate::base::is_flex(device)
 }
 
-/// Runs the pool's pending pieces until none has come for `budget`; returns at once on the
-/// thread that asked, which must stay free to go on with its own work.
-fn look_for_work(asker: Option<usize>, budget: Duration) {
+/// Runs the pool's pending pieces until none has come for `budget`, and returns how many it
+/// ran; returns at once on the thread that asked, which must stay free to go on with its own
+/// work.
+fn look_for_work(asker: Option<usize>, budget: Duration) -> usize {
     let me = rayon::current_thread_index();
     if me.is_none() || me == asker {
-        return;
+        return 0;
     }
+    let mut ran = 0;
     let mut last = Instant::now();
     let mut idle = 0u32;
     loop {
         match rayon::yield_now() {
-            Some(rayon::Yield::Executed) => last = Instant::now(),
+            Some(rayon::Yield::Executed) => {
+                ran += 1;
+                last = Instant::now();
+            }
             Some(rayon::Yield::Idle) => {
                 if last.elapsed() >= budget {
-                    return;
+                    return ran;
                 }
                 idle = idle.wrapping_add(1);
                 if idle % 32 == 0 {
@@ -106,7 +111,7 @@ fn look_for_work(asker: Option<usize>, budget: Duration) {
                     }
                 }
             }
-            None => return,
+            None => return ran,
         }
     }
 }
@@ -141,25 +146,34 @@ mod tests {
             .expect("the asker's own keep-warm job did not return");
     }
 
-    /// On another thread it runs the pool's work while it waits (the sums come out right) and
-    /// returns once no work has come for its budget.
+    /// On another thread it runs the pool's work while it waits (here the only free thread:
+    /// the other is held, so the sum below can only have run inside it) and returns once no
+    /// work has come for its budget.
     #[test]
     fn runs_work_then_returns_when_none_comes() {
         let pool = pool();
-        let (tx, rx) = mpsc::channel();
-        let sum: u64 = pool.install(|| {
-            let asker = rayon::current_thread_index();
-            rayon::spawn(move || {
-                look_for_work(asker, Duration::from_millis(20));
-                let _ = tx.send(());
-            });
-            (0..20)
-                .map(|_| (0..100_000u64).into_par_iter().map(|i| i * 2).sum::<u64>())
-                .sum()
+        let (held_tx, held_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        pool.spawn(move || {
+            let _ = held_tx.send(rayon::current_thread_index());
+            let _ = release_rx.recv_timeout(WAIT);
         });
-        assert_eq!(sum, 20 * 99_999 * 100_000);
-        rx.recv_timeout(WAIT)
+        let held = held_rx
+            .recv_timeout(WAIT)
+            .expect("a pool thread was not held");
+        let (done_tx, done_rx) = mpsc::channel();
+        pool.spawn(move || {
+            let ran = look_for_work(held, Duration::from_secs(2));
+            let _ = done_tx.send((rayon::current_thread_index(), ran));
+        });
+        let sum: u64 = pool.install(|| (0..100_000u64).into_par_iter().map(|i| i * 2).sum());
+        assert_eq!(sum, 99_999 * 100_000);
+        let (on, ran) = done_rx
+            .recv_timeout(WAIT)
             .expect("the keep-warm job did not return after the work stopped");
+        let _ = release_tx.send(());
+        assert_ne!(on, held, "the keep-warm job ran on the held thread");
+        assert!(ran >= 1, "the keep-warm job ran none of the pool's work");
     }
 
     /// Inference on Flex is kept warm; training, other devices and a zero budget are not.
