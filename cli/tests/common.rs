@@ -432,8 +432,15 @@ pub fn hearth_cli(args: &[&str]) -> std::process::Output {
             .map(|p| Box::new(p) as Box<dyn Read + Send>),
     );
     let limit = std::time::Duration::from_secs(900);
-    let status = wait_bounded(&mut child, std::time::Instant::now() + limit)
+    let started = std::time::Instant::now();
+    let status = wait_bounded(&mut child, started + limit)
         .unwrap_or_else(|| panic!("hearth {args:?} ran past {limit:?} and was killed"));
+    // Shown with `--nocapture` and beside a failure: where a test's time goes.
+    eprintln!(
+        "hearth_cli: {:.1} s: hearth {}",
+        started.elapsed().as_secs_f64(),
+        args.join(" ")
+    );
     std::process::Output {
         status,
         stdout: out.join().unwrap_or_default(),
