@@ -182,6 +182,18 @@ pub(super) fn check(
                     refused.text
                 ));
             }
+            // Elastic: the other worker ends with rank 0's reason, heard through the
+            // rendezvous (not after waiting for it until the rendezvous times out).
+            if mode == "elastic"
+                && !refused
+                    .text
+                    .contains("rank 0 of the elastic job did not start it")
+            {
+                return Err(format!(
+                    "the second worker did not end with rank 0's refusal:\n{}",
+                    refused.text
+                ));
+            }
             let second = s.run_in(mode, &args(&["--epochs", "2", "--overwrite"]), &dir);
             let rows = common::metrics(&dir).len();
             if second.ok && rows == 2 {

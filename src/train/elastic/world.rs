@@ -21,28 +21,14 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 self.opts.max_workers, info.world, self.opts.max_workers
             )));
         }
-        if info.rank == 0 {
-            run_dir::start(self.cfg, log)?;
-            if !self.cfg.checkpoint.resume {
-                // What the run is, for `--resume` (a bare one refuses to start it outside
-                // `hearth launch --elastic`).
-                run_dir::record(
-                    &self.cfg.run_dir,
-                    &self.trainee.describe(),
-                    &self.cfg.hyperparameters(),
-                )?;
-            }
-            log(&format!(
-                "elastic: {} workers to start (min {}, max {}), global batch {}, shares {}",
-                info.world,
-                self.opts.min_workers,
-                self.opts.max_workers,
-                self.cfg.batch_size,
-                match self.opts.balance {
-                    Balance::Even => "even",
-                    Balance::Throughput => "by throughput",
-                }
-            ));
+        // Rank 0's refusals (a used run directory, a checkpoint that does not resume) still go
+        // through the rendezvous, so that every member ends with rank 0's reason at once
+        // instead of waiting for it until the rendezvous times out.
+        let mut refusal = None;
+        if info.rank == 0
+            && let Err(e) = self.start_run_dir(info, log)
+        {
+            refusal = Some(e);
         }
         let transport = connect_epoch_on(
             None,
@@ -57,30 +43,62 @@ impl<T: Trainee> ElasticRun<'_, T> {
                 host: format!("w{r}"),
             })
             .collect();
-        let mine = if info.rank == 0 {
-            // This launch's id, for the fence: a --resume is a new launch.
-            self.launch = burn_dist::tls::random_secret()?[..16].to_string();
-            let c = if self.cfg.checkpoint.resume {
-                let mut c = self.load_state()?;
-                // The saved state says whether that launch ended (`--stop-after-epoch`,
-                // patience); this one trains on from it, unless every epoch is done.
-                Epochs::new(self.cfg, true).check_left(c.epoch as usize)?;
-                c.finished = false;
-                log(&format!(
-                    "resuming at step {} (epoch {}, sample {})",
-                    c.step,
-                    c.epoch + 1,
-                    c.position
-                ));
-                c
-            } else {
-                self.fresh_commit()?
-            };
-            Some(c)
-        } else {
-            None
-        };
+        let mut mine = None;
+        if info.rank == 0 && refusal.is_none() {
+            match self.first_commit(log) {
+                Ok(c) => mine = Some(c),
+                Err(e) => refusal = Some(e),
+            }
+        }
+        start_verdict(&transport, info, refusal)?;
         self.form(0, Arc::new(transport), members, mine, log)
+    }
+
+    /// Rank 0 before the first world: the run directory checked and started.
+    fn start_run_dir(&self, info: &RankInfo, log: &mut dyn FnMut(&str)) -> Result<()> {
+        run_dir::start(self.cfg, log)?;
+        if !self.cfg.checkpoint.resume {
+            // What the run is, for `--resume` (a bare one refuses to start it outside
+            // `hearth launch --elastic`).
+            run_dir::record(
+                &self.cfg.run_dir,
+                &self.trainee.describe(),
+                &self.cfg.hyperparameters(),
+            )?;
+        }
+        log(&format!(
+            "elastic: {} workers to start (min {}, max {}), global batch {}, shares {}",
+            info.world,
+            self.opts.min_workers,
+            self.opts.max_workers,
+            self.cfg.batch_size,
+            match self.opts.balance {
+                Balance::Even => "even",
+                Balance::Throughput => "by throughput",
+            }
+        ));
+        Ok(())
+    }
+
+    /// Rank 0's first commit: fresh, or `checkpoint/elastic.state` with `--resume`.
+    fn first_commit(&mut self, log: &mut dyn FnMut(&str)) -> Result<Commit<T::Model>> {
+        // This launch's id, for the fence: a --resume is a new launch.
+        self.launch = burn_dist::tls::random_secret()?[..16].to_string();
+        if !self.cfg.checkpoint.resume {
+            return self.fresh_commit();
+        }
+        let mut c = self.load_state()?;
+        // The saved state says whether that launch ended (`--stop-after-epoch`, patience);
+        // this one trains on from it, unless every epoch is done.
+        Epochs::new(self.cfg, true).check_left(c.epoch as usize)?;
+        c.finished = false;
+        log(&format!(
+            "resuming at step {} (epoch {}, sample {})",
+            c.step,
+            c.epoch + 1,
+            c.position
+        ));
+        Ok(c)
     }
 
     /// A joiner: ask the members for admission, then form the announced world.
@@ -407,4 +425,49 @@ impl<T: Trainee> ElasticRun<'_, T> {
             waited.as_secs_f64(),
         ))
     }
+}
+
+/// Tag of rank 0's word on starting the job, sent once over the first world's links.
+const START_TAG: u64 = 0xE1A6_57A7_0000_0000;
+
+/// The longest refusal a member repeats from rank 0 (the rest is cut).
+const REFUSAL_LIMIT: usize = 4096;
+
+/// Rank 0 tells every member whether the job starts (an empty word) or why not; a refusing
+/// rank 0 returns its own error, the others return it as rank 0's.
+fn start_verdict(
+    transport: &RoutedTransport,
+    info: &RankInfo,
+    refusal: Option<HearthError>,
+) -> Result<()> {
+    if info.rank == 0 {
+        let word = refusal
+            .as_ref()
+            .map_or_else(Vec::new, |e| e.to_string().into_bytes());
+        for r in 1..info.world {
+            // A member already gone fails the forming that follows, with its own error.
+            let _ = transport.send(r, Kind::Control, START_TAG, word.clone());
+        }
+        return match refusal {
+            None => Ok(()),
+            Some(e) => {
+                // The word reaches the members before this worker's links close.
+                transport.shutdown(Duration::from_secs(2));
+                Err(e)
+            }
+        };
+    }
+    let word = transport.recv(
+        0,
+        Kind::Control,
+        START_TAG,
+        Instant::now() + collective_timeout(),
+    )?;
+    if word.is_empty() {
+        return Ok(());
+    }
+    let said = String::from_utf8_lossy(&word[..word.len().min(REFUSAL_LIMIT)]).into_owned();
+    Err(HearthError::Training(format!(
+        "rank 0 of the elastic job did not start it: {said}"
+    )))
 }
