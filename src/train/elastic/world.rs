@@ -30,13 +30,17 @@ impl<T: Trainee> ElasticRun<'_, T> {
         {
             refusal = Some(e);
         }
-        let transport = connect_epoch_on(
+        let transport = match connect_epoch_on(
             None,
             info,
             &self.membership,
             &RendezvousOptions::from_env(),
             0,
-        )?;
+        ) {
+            Ok(t) => t,
+            // No world to tell: rank 0's own reason comes first.
+            Err(e) => return Err(refusal.unwrap_or(e.into())),
+        };
         let members: Vec<Worker> = (0..info.world)
             .map(|r| Worker {
                 id: format!("w{r}"),
