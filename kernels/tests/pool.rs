@@ -142,3 +142,78 @@ fn backward_sends_a_nan_windows_gradient_to_its_nan() {
         [0.0, 5.0, 0.0, 0.0]
     );
 }
+
+/// (n, c, h, w, kernel, stride) of the average pools: DenseNet's 2x2 stride 2 transition,
+/// odd sides (a row and a column no window covers), windows wider than their stride (inputs
+/// shared by several windows), a 1x1 window.
+const AVG_CASES: [(usize, usize, usize, usize, usize, usize); 6] = [
+    (2, 3, 8, 8, 2, 2),
+    (1, 2, 9, 7, 2, 2),
+    (2, 2, 9, 9, 3, 1),
+    (1, 3, 11, 10, 3, 2),
+    (3, 1, 5, 6, 2, 3),
+    (1, 1, 1, 1, 1, 1),
+];
+
+/// Training and inference: the forward and the gradient equal Burn's `AvgPool2d` exactly (the
+/// same sums in the same order, divided the same way).
+#[test]
+fn average_pool_and_its_gradient_equal_burns() {
+    use burn::nn::pool::AvgPool2dConfig;
+    use hearth_kernels::pool::avg_pool;
+    for autodiff in [false, true] {
+        let device = if autodiff {
+            Device::flex().autodiff()
+        } else {
+            Device::flex()
+        };
+        for (n, c, h, w, k, s) in AVG_CASES {
+            let what = format!("{n}x{c}x{h}x{w} k{k} s{s} autodiff {autodiff}");
+            let pool = AvgPool2dConfig::new([k, k]).with_strides([s, s]).init();
+            let x0 = Tensor::<4>::random([n, c, h, w], Distribution::Normal(0.0, 1.0), &device);
+            let run = |ours: bool| {
+                let x = x0.clone().detach();
+                let x = if autodiff { x.require_grad() } else { x };
+                let y = if ours {
+                    avg_pool(&pool, x.clone())
+                } else {
+                    pool.forward(x.clone())
+                };
+                let out = values(y.clone());
+                if !autodiff {
+                    return (out, Vec::new());
+                }
+                let count = y.dims().iter().product::<usize>() as i64;
+                let dy = Tensor::<1, Int>::arange(0..count, &device)
+                    .float()
+                    .reshape(y.dims())
+                    .div_scalar(7.0)
+                    .sin();
+                let grads = (y * dy).sum().backward();
+                let dx = x.grad(&grads).expect("the pool passes a gradient");
+                (out, values(dx))
+            };
+            let (ours, theirs) = (run(true), run(false));
+            assert_eq!(ours.0.len(), theirs.0.len(), "{what}: output size");
+            assert_eq!(ours.0, theirs.0, "{what}: forward");
+            assert_eq!(ours.1, theirs.1, "{what}: gradient");
+        }
+    }
+}
+
+#[test]
+fn average_pool_counts_the_window_and_skips_uncovered_inputs() {
+    use hearth_kernels::pool::{avg_pool2d, avg_pool2d_backward};
+    // 1 plane of 3x3, 2x2 windows of stride 2: one window; the last row and column unused.
+    let x: Vec<f32> = (1..=9).map(|v| v as f32).collect();
+    assert_eq!(avg_pool2d(&x, [1, 1, 3, 3], [2, 2], [2, 2]), vec![3.0]);
+    assert_eq!(
+        avg_pool2d_backward(&[8.0], [1, 1, 3, 3], [2, 2], [2, 2]),
+        vec![2.0, 2.0, 0.0, 2.0, 2.0, 0.0, 0.0, 0.0, 0.0]
+    );
+    // Overlapping 2x2 windows of stride 1 on 1x3: the middle input is in both.
+    assert_eq!(
+        avg_pool2d_backward(&[4.0, 8.0], [1, 1, 2, 3], [2, 2], [1, 1]),
+        vec![1.0, 3.0, 2.0, 1.0, 3.0, 2.0]
+    );
+}

@@ -235,7 +235,7 @@ impl Transition {
     /// last layer's input), as [`DenseLayer::new_features_after`].
     pub fn forward_after(&self, x: Tensor<4>, known: Option<&BatchStats>) -> Tensor<4> {
         let (x, _) = batch_norm_after(&self.norm, x, true, known);
-        self.pool.forward(fast_conv2d(&self.conv, x))
+        hearth_kernels::pool::avg_pool(&self.pool, fast_conv2d(&self.conv, x))
     }
 }
 
