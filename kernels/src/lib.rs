@@ -29,6 +29,7 @@
 mod base;
 pub mod batch_norm;
 pub mod cast;
+pub mod cat;
 pub mod conv;
 #[cfg(feature = "cube")]
 pub mod cube;

@@ -248,15 +248,18 @@ impl DenseBlock {
     /// the layer before saw from it; also returns the last layer's input statistics, the first
     /// channels of the block's output (for the transition after it).
     pub fn forward_with_stats(&self, x: Tensor<4>) -> (Tensor<4>, Option<BatchStats>) {
-        let mut features = vec![x];
+        // Each layer's input is the one before and that layer's new channels, joined: the
+        // same values as joining every piece so far, two parents to an op (hearth-kernels'
+        // parallel join takes two) and the gradients summed in the order the pipeline's
+        // units, one layer each, sum them.
+        let mut input = x;
         let mut known: Option<BatchStats> = None;
         for layer in &self.layers {
-            let input = Tensor::cat(features.clone(), 1);
-            let (new, stats) = layer.new_features_after(input, known.as_ref());
+            let (new, stats) = layer.new_features_after(input.clone(), known.as_ref());
             known = stats;
-            features.push(new);
+            input = hearth_kernels::cat::cat(input, new, 1);
         }
-        (Tensor::cat(features, 1), known)
+        (input, known)
     }
 }
 

@@ -110,7 +110,7 @@ impl Unit {
             )),
             Unit::DenseLayer(l) => {
                 let new = l.new_features(x.clone());
-                UnitOutput::Features(Tensor::cat(vec![x, new], 1))
+                UnitOutput::Features(hearth_kernels::cat::cat(x, new, 1))
             }
             Unit::DenseTransition(t) => UnitOutput::Features(t.forward(x)),
             Unit::DenseHead(h) => {
