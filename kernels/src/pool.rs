@@ -119,6 +119,7 @@ pub fn max_pool2d_backward(
             .collect()
     };
     let rows: Vec<Vec<usize>> = (0..ho).map(|oh| span(0, oh, h)).collect();
+    let inside = g.padding == [0, 0] && g.dilation == [1, 1];
     let cols: Vec<Vec<usize>> = (0..wo).map(|ow| span(1, ow, w)).collect();
     // SAFETY: each plane's closure zeroes its `h·w` values before adding into them.
     unsafe {
@@ -130,95 +131,50 @@ pub fn max_pool2d_backward(
             let out: &mut [f32] = &mut *(std::ptr::from_mut(out) as *mut [f32]);
             let src = &x[p * plane..(p + 1) * plane];
             let grad = &dy[p * ho * wo..(p + 1) * ho * wo];
-            plane_backward(src, grad, out, &rows, &cols, w);
+            if inside {
+                // No padding, no dilation (VGG's pools): every window lies inside the plane.
+                let [kh, kw] = g.kernel;
+                let [sh, sw] = g.stride;
+                for oh in 0..ho {
+                    for ow in 0..wo {
+                        let first = oh * sh * w + ow * sw;
+                        let (mut best, mut top) = (first, src[first]);
+                        for i in 0..kh {
+                            let row = &src[first + i * w..first + i * w + kw];
+                            for (j, &v) in row.iter().enumerate() {
+                                // Branch-free selects: random data makes the comparisons
+                                // unpredictable. The first value is compared with itself
+                                // (never greater; a NaN takes its own place again).
+                                let take = v > top || v.is_nan();
+                                best = if take { first + i * w + j } else { best };
+                                top = if take { v } else { top };
+                            }
+                        }
+                        out[best] += grad[oh * wo + ow];
+                    }
+                }
+                return;
+            }
+            for (oh, rs) in rows.iter().enumerate() {
+                for (ow, cs) in cols.iter().enumerate() {
+                    // Branch-free selects: on random data the comparisons are unpredictable.
+                    let (mut best, mut top) = (usize::MAX, f32::NEG_INFINITY);
+                    for &ih in rs {
+                        for &iw in cs {
+                            let at = ih * w + iw;
+                            let v = src[at];
+                            let take = best == usize::MAX || v > top || v.is_nan();
+                            best = if take { at } else { best };
+                            top = if take { v } else { top };
+                        }
+                    }
+                    if best != usize::MAX {
+                        out[best] += grad[oh * wo + ow];
+                    }
+                }
+            }
         })
     }
-}
-
-/// One plane of [`max_pool2d_backward`]: `rows[oh]` and `cols[ow]` are each window's input
-/// rows and columns inside the plane (`w` wide).
-///
-/// Each output row first takes, for every input column, the largest value of the window's
-/// rows and the first row holding it (a pass along whole rows, which vectorizes); a window's
-/// argmax is then the first, in row-major order, of its columns' maxima that equal the
-/// window's maximum. That is the first of equal values in row-major order, Flex's rule, and
-/// replaced a per-window scan whose every comparison waited on the one before (6x the
-/// forward's time on the stems' 3x3 pools, `perf` on a Zen 4). Windows holding a NaN take the
-/// scan ([`window_argmax`]: the last NaN wins).
-fn plane_backward(
-    src: &[f32],
-    grad: &[f32],
-    out: &mut [f32],
-    rows: &[Vec<usize>],
-    cols: &[Vec<usize>],
-    w: usize,
-) {
-    let wo = cols.len();
-    let mut top = vec![0f32; w];
-    let mut first = vec![0u32; w];
-    let mut nan = vec![false; w];
-    for (oh, rs) in rows.iter().enumerate() {
-        let Some(&r0) = rs.first() else {
-            continue;
-        };
-        top.copy_from_slice(&src[r0 * w..(r0 + 1) * w]);
-        first.fill(0);
-        for (n, &v) in nan.iter_mut().zip(&top) {
-            *n = v.is_nan();
-        }
-        for (k, &ih) in rs.iter().enumerate().skip(1) {
-            let row = &src[ih * w..(ih + 1) * w];
-            for (((t, f), n), &v) in top.iter_mut().zip(&mut first).zip(&mut nan).zip(row) {
-                let take = v > *t;
-                *t = if take { v } else { *t };
-                *f = if take { k as u32 } else { *f };
-                *n |= v.is_nan();
-            }
-        }
-        for (ow, cs) in cols.iter().enumerate() {
-            if cs.is_empty() {
-                continue;
-            }
-            let g = grad[oh * wo + ow];
-            if cs.iter().any(|&iw| nan[iw]) {
-                if let Some(at) = window_argmax(src, rs, cs, w) {
-                    out[at] += g;
-                }
-                continue;
-            }
-            let m = cs.iter().fold(
-                f32::NEG_INFINITY,
-                |m, &iw| if top[iw] > m { top[iw] } else { m },
-            );
-            // The first (row, column) in row-major order among the columns whose maximum is
-            // the window's (every column's first row holding it).
-            let (mut key, mut at) = (usize::MAX, usize::MAX);
-            for &iw in cs {
-                let k = first[iw] as usize;
-                let take = top[iw] == m && k < key;
-                key = if take { k } else { key };
-                at = if take { rs[k] * w + iw } else { at };
-            }
-            out[at] += g;
-        }
-    }
-}
-
-/// The argmax of the window of input rows `rs` and columns `cs` by a scan in row-major order:
-/// the first of equal values, the last NaN; `None` for an empty window.
-fn window_argmax(src: &[f32], rs: &[usize], cs: &[usize], w: usize) -> Option<usize> {
-    let (mut best, mut top) = (None, f32::NEG_INFINITY);
-    for &ih in rs {
-        for &iw in cs {
-            let at = ih * w + iw;
-            let v = src[at];
-            if best.is_none() || v > top || v.is_nan() {
-                best = Some(at);
-                top = v;
-            }
-        }
-    }
-    best
 }
 
 /// Average pooling of `x` (`[N, C, H, W]`, row-major) with every window inside the plane (no
