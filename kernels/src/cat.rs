@@ -3,8 +3,8 @@
 //! Why: Burn Flex's `cat` copies on the calling thread alone, into memory it has just asked
 //! for (each page faulted in as the copy first touches it). A DenseNet joins every layer's new
 //! channels to all the ones before them, so the copies grow with the square of the block's
-//! depth: on a 2-core Zen 4, DenseNet-121's training step spent about 0.22 s of 2.9 in them,
-//! the other core idle (`perf`), where PyTorch's `cat` took 0.06 s. Here the pieces are
+//! depth: on a 2-core Zen 4, DenseNet-121's training step spent 0.16-0.22 s of 2.5-2.9 in
+//! them, the other core idle (`perf`), where PyTorch's `cat` took 0.06 s. Here the pieces are
 //! copied in parallel, and a DenseNet block joins two tensors per layer (the input so far and
 //! the new channels: the same copies) so that the backward, which only cuts the gradient in
 //! two, is an op with two parents ([`Backward`] takes a fixed count).
