@@ -47,33 +47,14 @@ pub fn cat2(a: &[f32], b: &[f32], outer: usize, a_run: usize, b_run: usize) -> V
         }
     }
     let len = outer * run;
-    let mut out = Vec::<f32>::with_capacity(len);
-    let dst = SendPtr(out.as_mut_ptr());
-    pieces.par_iter().for_each(|&(src, at)| {
-        // SAFETY: the pieces cover `0..len` exactly once between them (each run's two parts,
-        // cut into consecutive chunks), so every write lands in the allocation and no two
-        // pieces write the same value.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.at(at), src.len()) };
-    });
-    // SAFETY: every one of the `len` values was written above.
-    unsafe { out.set_len(len) };
-    out
-}
-
-/// The output's pointer, shared by the threads that write disjoint pieces of it.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: used only by `cat2`, whose pieces write disjoint ranges of one allocation that
-// outlives the parallel loop.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
-impl SendPtr {
-    /// # Safety
-    /// `i` must lie within the allocation.
-    unsafe fn at(self, i: usize) -> *mut f32 {
-        // SAFETY: the caller's promise.
-        unsafe { self.0.add(i) }
+    // SAFETY: the pieces cover `0..len` exactly once between them (each run's two parts, cut
+    // into consecutive chunks), so every value is written, each by one piece, inside the block.
+    unsafe {
+        crate::base::written_by(len, |out| {
+            pieces.par_iter().for_each(|&(src, at)| {
+                std::ptr::copy_nonoverlapping(src.as_ptr(), out.at(at), src.len());
+            });
+        })
     }
 }
 
