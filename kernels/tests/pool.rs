@@ -15,8 +15,10 @@ use common::values;
 /// (n, c, h, w, kernel, stride, padding, dilation)
 type Case = (usize, usize, usize, usize, usize, usize, usize, usize);
 
-const CASES: [Case; 8] = [
+const CASES: [Case; 9] = [
     (2, 3, 12, 12, 3, 2, 1, 1),
+    // Every window cut by the padding (no column of windows wholly inside).
+    (1, 2, 5, 2, 3, 1, 1, 1),
     (1, 2, 13, 11, 3, 2, 1, 1),
     (2, 4, 10, 10, 2, 2, 0, 1),
     (1, 3, 9, 7, 2, 2, 0, 1),
@@ -218,4 +220,71 @@ fn average_pool_counts_the_window_and_skips_uncovered_inputs() {
         avg_pool2d_backward(&[4.0, 8.0], [1, 1, 2, 3], [2, 2], [1, 1]),
         vec![1.0, 3.0, 2.0, 1.0, 3.0, 2.0]
     );
+}
+
+/// The backward against a window-by-window scan written here, on values full of ties, NaNs
+/// and -∞ (windows where -∞ is the maximum, or a NaN beats it), over padded, dilated and
+/// strided geometries: the run of windows inside the plane and the border windows must send
+/// each gradient to the same input.
+#[test]
+fn backward_equals_a_window_by_window_scan_with_nans_and_infinities() {
+    let mut seed = 0x2545_f491_u32;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 17;
+        seed ^= seed << 5;
+        seed
+    };
+    for (n, c, h, w, k, s, p, d) in CASES {
+        for nan_rate in [0, 50] {
+            let g = PoolGeometry {
+                kernel: [k, k],
+                stride: [s, s],
+                padding: [p, p],
+                dilation: [d, d],
+            };
+            let x: Vec<f32> = (0..n * c * h * w)
+                .map(|_| match next() % 100 {
+                    r if r < nan_rate / 10 => f32::NAN,
+                    r if r < 20 => f32::NEG_INFINITY,
+                    r => (r % 4) as f32,
+                })
+                .collect();
+            let (ho, wo) = (
+                g.out_side(0, h).expect("fits"),
+                g.out_side(1, w).expect("fits"),
+            );
+            let dy: Vec<f32> = (0..n * c * ho * wo).map(|i| 1.0 + i as f32).collect();
+            let mut expected = vec![0f32; x.len()];
+            for plane in 0..n * c {
+                for oh in 0..ho {
+                    for ow in 0..wo {
+                        let mut best: Option<(usize, f32)> = None;
+                        for i in 0..k {
+                            for j in 0..k {
+                                let ih = (oh * s + i * d) as isize - p as isize;
+                                let iw = (ow * s + j * d) as isize - p as isize;
+                                if ih < 0 || iw < 0 || ih >= h as isize || iw >= w as isize {
+                                    continue;
+                                }
+                                let at = plane * h * w + ih as usize * w + iw as usize;
+                                let v = x[at];
+                                if best.is_none_or(|(_, top)| v > top || v.is_nan()) {
+                                    best = Some((at, v));
+                                }
+                            }
+                        }
+                        if let Some((at, _)) = best {
+                            expected[at] += dy[(plane * ho + oh) * wo + ow];
+                        }
+                    }
+                }
+            }
+            let ours = hearth_kernels::pool::max_pool2d_backward(&x, &dy, [n, c, h, w], &g);
+            assert_eq!(
+                ours, expected,
+                "{n}x{c}x{h}x{w} k{k} s{s} p{p} d{d}, NaN rate {nan_rate}/1000"
+            );
+        }
+    }
 }
