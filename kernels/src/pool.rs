@@ -120,18 +120,12 @@ pub fn max_pool2d_backward(
     };
     let rows: Vec<Vec<usize>> = (0..ho).map(|oh| span(0, oh, h)).collect();
     let cols: Vec<Vec<usize>> = (0..wo).map(|ow| span(1, ow, w)).collect();
-    // The output columns whose windows lie wholly inside the plane's columns (`lo..hi`): there
-    // each window's maximum is taken tap by tap across the whole run of windows, then its first
-    // position, both branch-free. A window-by-window scan, its comparisons unpredictable on a
-    // ReLU's output, took DenseNet-121's stem pool 62 ms of a batch-16 training step (2-core
-    // Zen 4); this about a third of that (3x3 stride 2 on 112x112, one thread: 130 against 40
-    // ms for 1024 planes).
+    // The output columns whose windows lie wholly inside the plane's columns (`lo..hi`) go as
+    // one run ([`Phases::run_argmax`]; window by window, DenseNet-121's stem pool took 62 ms of
+    // a batch-16 training step on a 2-core Zen 4, and 24 ms this way), the others one by one.
     let full = |ow: usize| cols[ow].len() == g.kernel[1];
     let lo = (0..wo).find(|&ow| full(ow)).unwrap_or(wo);
     let hi = (lo..wo).find(|&ow| !full(ow)).unwrap_or(wo);
-    let [kw, sw] = [g.kernel[1], g.stride[1]];
-    // A row's columns by phase (`c % sw`), so that a tap's inputs across the run lie together.
-    let phase_len = w.div_ceil(sw);
     assert!(
         u32::try_from(plane).is_ok_and(|p| p < NONE),
         "max pool backward: a {h}x{w} plane has more values than a u32 index holds"
@@ -146,54 +140,20 @@ pub fn max_pool2d_backward(
             let out: &mut [f32] = &mut *(std::ptr::from_mut(out) as *mut [f32]);
             let src = &x[p * plane..(p + 1) * plane];
             let grad = &dy[p * ho * wo..(p + 1) * ho * wo];
-            let mut phases = vec![0f32; sw * h * phase_len];
-            for (ih, line) in src.chunks_exact(w).enumerate() {
-                for r in 0..sw.min(w) {
-                    let dst = &mut phases[(r * h + ih) * phase_len..][..phase_len];
-                    for (d, &v) in dst.iter_mut().zip(line[r..].iter().step_by(sw)) {
-                        *d = v;
-                    }
-                }
-            }
-            // Per output column of the current row: the argmax (NONE where every tap is
-            // padding) and the maximum.
+            let phases = Phases::new(src, [h, w], g.stride[1]);
+            // Per output column of the row: the argmax (NONE: every tap padding), the maximum.
             let mut best = vec![NONE; wo];
             let mut top = vec![f32::NEG_INFINITY; wo];
-            // The current row's taps in row-major order: where the run's inputs start in
-            // `phases`, and the first one's index in the plane.
-            let mut taps: Vec<(usize, u32)> = Vec::with_capacity(g.kernel[0] * kw);
+            let mut taps: Vec<(usize, u32)> = Vec::with_capacity(g.kernel[0] * g.kernel[1]);
             for (oh, rs) in rows.iter().enumerate() {
                 best.fill(NONE);
                 top.fill(f32::NEG_INFINITY);
                 if lo < hi {
-                    taps.clear();
-                    let mut nan = false;
-                    for &ih in rs {
-                        for j in 0..kw {
-                            let first = lo * sw + j * g.dilation[1] - g.padding[1];
-                            let at = ((first % sw) * h + ih) * phase_len + first / sw;
-                            taps.push((at, (ih * w + first) as u32));
-                            let run = &phases[at..at + (hi - lo)];
-                            for (t, &v) in top[lo..hi].iter_mut().zip(run) {
-                                nan |= v.is_nan();
-                                *t = if v > *t { v } else { *t };
-                            }
-                        }
-                    }
-                    // The first tap equal to the maximum: scanned last to first, the earliest
-                    // is written last (Flex's rule for ties; a window of -∞ takes its first).
-                    for &(at, first) in taps.iter().rev() {
-                        let run = &phases[at..at + (hi - lo)];
-                        let windows = best[lo..hi].iter_mut().zip(&top[lo..hi]).zip(run);
-                        for (k, ((b, &t), &v)) in windows.enumerate() {
-                            let take = ((v == t) as u32).wrapping_neg();
-                            *b = ((first + (k * sw) as u32) & take) | (*b & !take);
-                        }
-                    }
-                    // A NaN wins its window (the last NaN): those rows are scanned again.
-                    if nan {
+                    let (best, top) = (&mut best[lo..hi], &mut top[lo..hi]);
+                    // A NaN wins its window (the last NaN): such rows are scanned again.
+                    if phases.run_argmax(rs, g, lo, (best, top), &mut taps) {
                         for ow in lo..hi {
-                            (best[ow], top[ow]) = window_argmax(src, w, rs, &cols[ow]);
+                            (best[ow - lo], top[ow - lo]) = window_argmax(src, w, rs, &cols[ow]);
                         }
                     }
                 }
@@ -208,6 +168,81 @@ pub fn max_pool2d_backward(
                 }
             }
         })
+    }
+}
+
+/// One plane's columns regrouped by phase of the stride (`c % stride`), row by row: the inputs
+/// that one tap of a run of windows reads (every `stride`-th column) lie side by side.
+struct Phases {
+    values: Vec<f32>,
+    /// Rows and columns of the plane, the stride along a row, columns per phase row.
+    h: usize,
+    w: usize,
+    stride: usize,
+    len: usize,
+}
+
+impl Phases {
+    fn new(src: &[f32], [h, w]: [usize; 2], stride: usize) -> Self {
+        let len = w.div_ceil(stride);
+        let mut values = vec![0f32; stride * h * len];
+        for (ih, line) in src.chunks_exact(w).enumerate() {
+            for r in 0..stride.min(w) {
+                let dst = &mut values[(r * h + ih) * len..][..len];
+                for (d, &v) in dst.iter_mut().zip(line[r..].iter().step_by(stride)) {
+                    *d = v;
+                }
+            }
+        }
+        Self {
+            values,
+            h,
+            w,
+            stride,
+            len,
+        }
+    }
+
+    /// The argmax and maximum of the run of windows that starts at output column `lo`, each
+    /// wholly inside the plane's columns, over the input rows `rows`: written into `best` and
+    /// `top` (the run's columns, NONE and -∞ on entry). The maximum is taken tap by tap across
+    /// the whole run, then each window's first tap equal to it, with a mask: no branch per
+    /// comparison (a ReLU's output makes them unpredictable). True when a NaN was seen (its
+    /// window's argmax is then not Flex's: the caller scans those again). `taps` is scratch.
+    fn run_argmax(
+        &self,
+        rows: &[usize],
+        g: &PoolGeometry,
+        lo: usize,
+        (best, top): (&mut [u32], &mut [f32]),
+        taps: &mut Vec<(usize, u32)>,
+    ) -> bool {
+        let (n, s) = (best.len(), self.stride);
+        taps.clear();
+        let mut nan = false;
+        // Row-major order: the window's rows, then its columns.
+        for &ih in rows {
+            for j in 0..g.kernel[1] {
+                let first = lo * s + j * g.dilation[1] - g.padding[1];
+                let at = ((first % s) * self.h + ih) * self.len + first / s;
+                taps.push((at, (ih * self.w + first) as u32));
+                for (t, &v) in top.iter_mut().zip(&self.values[at..at + n]) {
+                    nan |= v.is_nan();
+                    *t = if v > *t { v } else { *t };
+                }
+            }
+        }
+        // The first tap equal to the maximum: scanned last to first, the earliest is written
+        // last (Flex's rule for ties; a window of -∞ takes its first).
+        for &(at, first) in taps.iter().rev() {
+            let run = &self.values[at..at + n];
+            let windows = best.iter_mut().zip(top.iter()).zip(run);
+            for (k, ((b, &t), &v)) in windows.enumerate() {
+                let take = ((v == t) as u32).wrapping_neg();
+                *b = ((first + (k * s) as u32) & take) | (*b & !take);
+            }
+        }
+        nan
     }
 }
 
