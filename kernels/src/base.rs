@@ -63,6 +63,68 @@ pub(crate) unsafe fn written_by(len: usize, fill: impl FnOnce(Out)) -> Vec<f32> 
     values
 }
 
+/// The vector width the hand-written loops (batch norm, Winograd's transforms) are compiled
+/// for, picked at run time: the crate itself is built for the baseline x86-64 (SSE2, 4 lanes).
+/// Every width gives the same bits (no fused multiply-adds, the same order of additions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Width {
+    /// AVX-512F (16 lanes); only with this crate's `avx512` feature, as gemm's kernels.
+    Avx512,
+    /// AVX2 (8 lanes).
+    Avx2,
+    /// The build's baseline.
+    Base,
+}
+
+/// The widest [`Width`] this CPU and build allow, detected once.
+pub(crate) fn vector_width() -> Width {
+    #[cfg(test)]
+    if let Some(w) = tests::forced() {
+        return w;
+    }
+    static W: OnceLock<Width> = OnceLock::new();
+    *W.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if cfg!(feature = "avx512") && std::arch::is_x86_feature_detected!("avx512f") {
+                return Width::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Width::Avx2;
+            }
+        }
+        Width::Base
+    })
+}
+
+/// Runs `f` compiled for the vector width `w`: an `#[inline(always)]` closure is compiled
+/// into the function picked here, so its loops use that width (the crate itself is built for
+/// the baseline x86-64, SSE2).
+#[inline(always)]
+pub(crate) fn on_width<R>(w: Width, f: impl FnOnce() -> R) -> R {
+    match w {
+        // SAFETY: `vector_width` saw the CPU's features.
+        #[cfg(target_arch = "x86_64")]
+        Width::Avx512 => unsafe { with_avx512(f) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Width::Avx2 => unsafe { with_avx2(f) },
+        _ => f(),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn with_avx512<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn with_avx2<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
 /// Whether the fast paths are allowed (`HEARTH_FAST_KERNELS`, read once; anything but `0`,
 /// `false` or `off` means yes).
 pub fn enabled() -> bool {
@@ -247,5 +309,53 @@ impl Out {
     /// The pointer `at` values in (a method, so closures capture the whole `Out`).
     pub(crate) fn at(self, at: usize) -> *mut f32 {
         self.0.wrapping_add(at)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicU8, Ordering};
+
+    use super::Width;
+
+    /// 0: none forced; else 1 + the index in `ALL`.
+    static FORCED: AtomicU8 = AtomicU8::new(0);
+    static FORCING: Mutex<()> = Mutex::new(());
+    const ALL: [Width; 3] = [Width::Base, Width::Avx2, Width::Avx512];
+
+    pub(super) fn forced() -> Option<Width> {
+        match FORCED.load(Ordering::SeqCst) {
+            0 => None,
+            i => Some(ALL[i as usize - 1]),
+        }
+    }
+
+    /// `f()` under every width this CPU has (the baseline first), one test at a time. Tests
+    /// running beside it may see the forced width too: every width gives the same bits.
+    pub(crate) fn under_each_width<R>(mut f: impl FnMut() -> R) -> Vec<(Width, R)> {
+        struct Reset;
+        impl Drop for Reset {
+            fn drop(&mut self) {
+                FORCED.store(0, Ordering::SeqCst);
+            }
+        }
+        let _one = FORCING.lock().unwrap_or_else(|e| e.into_inner());
+        let _reset = Reset;
+        FORCED.store(0, Ordering::SeqCst);
+        let widest = super::vector_width();
+        let mut out = Vec::new();
+        for (i, w) in ALL.into_iter().enumerate() {
+            let has = match widest {
+                Width::Avx512 => true,
+                Width::Avx2 => w != Width::Avx512,
+                Width::Base => w == Width::Base,
+            };
+            if has {
+                FORCED.store(i as u8 + 1, Ordering::SeqCst);
+                out.push((w, f()));
+            }
+        }
+        out
     }
 }

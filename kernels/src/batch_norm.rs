@@ -15,7 +15,10 @@
 
 use rayon::prelude::*;
 
+use crate::base::{on_width, vector_width};
+
 /// Sum of a plane with eight independent accumulators (vectorizable), in f64 at the end.
+#[inline(always)]
 fn plane_sum(values: &[f32], f: impl Fn(f32) -> f32) -> f64 {
     let mut acc = [0f32; 8];
     let chunks = values.chunks_exact(8);
@@ -33,6 +36,7 @@ fn plane_sum(values: &[f32], f: impl Fn(f32) -> f32) -> f64 {
 /// without `relu`) and `x̂ = (x - m)·is`: sixteen independent lanes so the loop vectorizes (one
 /// running sum is a chain of dependent additions), in f64 at the end. The lanes add in a
 /// fixed order, so the result is deterministic.
+#[inline(always)]
 fn masked_sums(xs: &[f32], gs: &[f32], a: f32, b: f32, m: f32, is: f32, relu: bool) -> (f64, f64) {
     const L: usize = 16;
     let (mut sg, mut sgx) = ([0f32; L], [0f32; L]);
@@ -81,20 +85,27 @@ pub fn statistics_after(
         known_var.len()
     );
     let count = (n * s).max(1) as f64;
+    let wide = vector_width();
     (0..c)
         .into_par_iter()
         .map(|ch| {
             if ch < known {
                 return (known_mean[ch], known_var[ch]);
             }
-            let plane = |b: usize| &x[(b * c + ch) * s..(b * c + ch + 1) * s];
-            let mean = (0..n).map(|b| plane_sum(plane(b), |v| v)).sum::<f64>() / count;
-            let m = mean as f32;
-            let var = (0..n)
-                .map(|b| plane_sum(plane(b), |v| (v - m) * (v - m)))
-                .sum::<f64>()
-                / count;
-            (m, var as f32)
+            on_width(
+                wide,
+                #[inline(always)]
+                || {
+                    let plane = |b: usize| &x[(b * c + ch) * s..(b * c + ch + 1) * s];
+                    let mean = (0..n).map(|b| plane_sum(plane(b), |v| v)).sum::<f64>() / count;
+                    let m = mean as f32;
+                    let var = (0..n)
+                        .map(|b| plane_sum(plane(b), |v| (v - m) * (v - m)))
+                        .sum::<f64>()
+                        / count;
+                    (m, var as f32)
+                },
+            )
         })
         .unzip()
 }
@@ -147,20 +158,27 @@ pub fn scale_shift(
         scale.len() == c && shift.len() == c,
         "scale and shift: {c} channels"
     );
+    let wide = vector_width();
     // SAFETY: the closure writes every value of its plane (`out` zipped with the input).
     unsafe {
         crate::base::par_planes(x.len(), s, |i, out| {
             let (a, b) = (scale[i % c], shift[i % c]);
             let inp = &x[i * s..(i + 1) * s];
-            if relu {
-                for (o, &v) in out.iter_mut().zip(inp) {
-                    o.write((v * a + b).max(0.0));
-                }
-            } else {
-                for (o, &v) in out.iter_mut().zip(inp) {
-                    o.write(v * a + b);
-                }
-            }
+            on_width(
+                wide,
+                #[inline(always)]
+                || {
+                    if relu {
+                        for (o, &v) in out.iter_mut().zip(inp) {
+                            o.write((v * a + b).max(0.0));
+                        }
+                    } else {
+                        for (o, &v) in out.iter_mut().zip(inp) {
+                            o.write(v * a + b);
+                        }
+                    }
+                },
+            )
         })
     }
 }
@@ -237,20 +255,28 @@ pub fn backward(
         .iter()
         .map(|&v| 1.0 / (v as f64 + epsilon).sqrt() as f32)
         .collect();
+    let wide = vector_width();
     // g = dy where the output passed the ReLU; Σg and Σg·x̂ per channel.
     let (sum_g, sum_gx): (Vec<f64>, Vec<f64>) = (0..c)
         .into_par_iter()
         .map(|ch| {
             let (a, b, m, is) = (scale[ch], shift[ch], mean[ch], inv_std[ch]);
-            let mut sg = 0f64;
-            let mut sgx = 0f64;
-            for bi in 0..n {
-                let range = (bi * c + ch) * s..(bi * c + ch + 1) * s;
-                let (pg, pgx) = masked_sums(&x[range.clone()], &dy[range], a, b, m, is, relu);
-                sg += pg;
-                sgx += pgx;
-            }
-            (sg, sgx)
+            on_width(
+                wide,
+                #[inline(always)]
+                || {
+                    let mut sg = 0f64;
+                    let mut sgx = 0f64;
+                    for bi in 0..n {
+                        let range = (bi * c + ch) * s..(bi * c + ch + 1) * s;
+                        let (xs, gs) = (&x[range.clone()], &dy[range]);
+                        let (pg, pgx) = masked_sums(xs, gs, a, b, m, is, relu);
+                        sg += pg;
+                        sgx += pgx;
+                    }
+                    (sg, sgx)
+                },
+            )
         })
         .unzip();
     let count = (n * s).max(1) as f64;
@@ -263,13 +289,63 @@ pub fn backward(
             let mg = (sum_g[ch] / count) as f32;
             let mgx = (sum_gx[ch] / count) as f32;
             // dx = γ/σ · (g - mean(g) - x̂·mean(g·x̂))
-            for ((o, &v), &g) in out.iter_mut().zip(xs).zip(gs) {
-                let g = if relu && v * a + b <= 0.0 { 0.0 } else { g };
-                o.write(a * (g - mg - (v - m) * is * mgx));
-            }
+            on_width(
+                wide,
+                #[inline(always)]
+                || {
+                    for ((o, &v), &g) in out.iter_mut().zip(xs).zip(gs) {
+                        let g = if relu && v * a + b <= 0.0 { 0.0 } else { g };
+                        o.write(a * (g - mg - (v - m) * is * mgx));
+                    }
+                },
+            )
         })
     };
     let dgamma = sum_gx.iter().map(|&v| v as f32).collect();
     let dbeta = sum_g.iter().map(|&v| v as f32).collect();
     (dx, dgamma, dbeta)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::base::tests::under_each_width;
+
+    fn values(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i * 7919 + seed * 104729) % 1009) as f32 / 504.0 - 1.0) * 1.7)
+            .collect()
+    }
+
+    #[test]
+    fn every_vector_width_gives_the_same_bits() {
+        // Planes of 49 and 13 values (remainders after 16 and 8 lanes), and one of 64.
+        for (k, shape) in [[3, 5, 49], [2, 4, 13], [2, 3, 64]].into_iter().enumerate() {
+            let [n, c, s] = shape;
+            let (x, dy) = (values(n * c * s, k), values(n * c * s, k + 10));
+            let (gamma, beta) = (values(c, k + 20), values(c, k + 30));
+            for relu in [false, true] {
+                let runs = under_each_width(|| {
+                    let (y, mean, var) = forward(&x, shape, &gamma, &beta, 1e-5, relu);
+                    let known = forward_after(
+                        &x,
+                        shape,
+                        &gamma,
+                        &beta,
+                        [&mean[..2], &var[..2]],
+                        1e-5,
+                        relu,
+                    );
+                    let fixed = inference(&x, shape, [&gamma, &beta, &mean, &var], 1e-5, relu);
+                    let grads = backward(&x, shape, &gamma, &beta, &mean, &var, 1e-5, relu, &dy);
+                    (y, mean, var, known, fixed, grads)
+                });
+                let (_, first) = &runs[0];
+                assert_eq!(first.3, (first.0.clone(), first.1.clone(), first.2.clone()));
+                for (width, got) in &runs[1..] {
+                    assert!(got == first, "{shape:?}, relu {relu}: {width:?} differs");
+                }
+            }
+        }
+    }
 }

@@ -103,7 +103,7 @@ fn look_for_work(asker: Option<usize>, budget: Duration) -> usize {
                     return ran;
                 }
                 idle = idle.wrapping_add(1);
-                if idle % 32 == 0 {
+                if idle.is_multiple_of(32) {
                     std::thread::yield_now();
                 } else {
                     for _ in 0..64 {
