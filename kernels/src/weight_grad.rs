@@ -96,28 +96,49 @@ pub(crate) fn for_each_column_block(
     s: &ConvShape,
     mut f: impl FnMut(usize, &std::ops::Range<usize>, &[f32]),
 ) {
-    let [n, ci, h, w] = s.input;
+    let [n, ci, _, _] = s.input;
     let Some([_, _, ho, wo]) = s.output() else {
         return;
     };
-    let [_, kw] = s.kernel;
-    let taps = s.kernel[0] * kw;
-    let rows = ci * taps;
+    let rows = ci * s.kernel[0] * s.kernel[1];
     let blocks = row_blocks(rows, ho, wo);
     let largest = blocks.iter().map(|r| r.len()).max().unwrap_or(0) * wo;
     let mut cols = vec![0f32; rows * largest];
     for b in 0..n {
         for block in &blocks {
-            let inner = block.len() * wo;
-            let cols = &mut cols[..rows * inner];
-            cols.par_chunks_mut(inner).enumerate().for_each(|(r, row)| {
-                let (c, tap) = (r / taps, r % taps);
-                let plane = &x[(b * ci + c) * h * w..][..h * w];
-                fill_row(row, plane, s, tap / kw, tap % kw, block.clone(), wo);
-            });
+            let cols = fill_columns(&mut cols, x, s, b, block, true);
             f(b, block, cols);
         }
     }
+}
+
+/// Image `b`'s columns for output rows `block` (`[Ci·kh·kw, block·Wo]`) in the front of `cols`,
+/// their rows filled in parallel when `parallel`.
+fn fill_columns<'a>(
+    cols: &'a mut [f32],
+    x: &[f32],
+    s: &ConvShape,
+    b: usize,
+    block: &std::ops::Range<usize>,
+    parallel: bool,
+) -> &'a [f32] {
+    let [_, ci, h, w] = s.input;
+    let wo = s.output().map_or(0, |o| o[3]);
+    let [_, kw] = s.kernel;
+    let taps = s.kernel[0] * kw;
+    let inner = block.len() * wo;
+    let cols = &mut cols[..ci * taps * inner];
+    let fill = |(r, row): (usize, &mut [f32])| {
+        let (c, tap) = (r / taps, r % taps);
+        let plane = &x[(b * ci + c) * h * w..][..h * w];
+        fill_row(row, plane, s, tap / kw, tap % kw, block.clone(), wo);
+    };
+    if parallel {
+        cols.par_chunks_mut(inner).enumerate().for_each(fill);
+    } else {
+        cols.chunks_mut(inner).enumerate().for_each(fill);
+    }
+    cols
 }
 
 /// The output rows `oh` of one block of columns: enough rows for [`MIN_INNER`] pixels, and
@@ -134,7 +155,8 @@ pub(crate) fn row_blocks(rows: usize, ho: usize, wo: usize) -> Vec<std::ops::Ran
 /// [`crate::winograd::weight_grad_pays`] (measured per shape and vector width; not with
 /// `HEARTH_WINOGRAD=0`), else [`conv2d_weight_grad_shifted`] for stride 1 with a small weight
 /// (wider kernels: at most 256 input and output channels together; 1x1: at most 2¹⁹ weights),
-/// and [`conv2d_weight_grad_im2col`] otherwise.
+/// and [`conv2d_weight_grad_im2col`] otherwise (with each image its own partial sum where the
+/// gradient has at most [`PARTIAL_FLOATS`] values: a stem's).
 ///
 /// Where each won (`kernels/examples/conv_paths.rs`, batch 16, 2-core AVX-512, GFLOP/s
 /// shifted against im2col): VGG-16's 64→64 on 224x224 256 against 90, 3→64 103 against 56,
@@ -195,11 +217,16 @@ pub fn conv2d_weight_grad_im2col(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f3
     if n == 0 || pixels == 0 || rows == 0 || co == 0 {
         return dw;
     }
+    if pixels >= MIN_INNER && n >= 2 && co * rows <= PARTIAL_FLOATS {
+        per_image_partial_sums(x, dy, s, &mut dw);
+        return dw;
+    }
     let mut acc = Accumulator {
         dw: &mut dw,
         co,
         rows,
         started: false,
+        parallelism: gemm::Parallelism::Rayon(0),
     };
     if pixels >= MIN_INNER {
         // Large maps: each image in blocks of output rows, so the columns stay small.
@@ -243,12 +270,63 @@ pub fn conv2d_weight_grad_im2col(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f3
     dw
 }
 
+/// The most weight-gradient values for which [`conv2d_weight_grad_im2col`] gives each image
+/// its own partial sum, on its own thread. Such a product (a stem's: 64 x 147 values over
+/// 12544 pixels an image) has too few output blocks for gemm's threads to share, and each
+/// image's columns are filled and then multiplied in turn: the 7x7 stride-2 stem's weight
+/// gradient at batch 16 went from 84 to 44-47 ms (Zen 4, 2 cores; the same at batch 1).
+const PARTIAL_FLOATS: usize = 1 << 15;
+
+/// `dw = Σ_b dWᵦ`, each image's `dWᵦ` computed on one thread from its own columns, the
+/// partial sums added in image order (deterministic for any thread count).
+fn per_image_partial_sums(x: &[f32], dy: &[f32], s: &ConvShape, dw: &mut [f32]) {
+    let [n, ci, _, _] = s.input;
+    let [_, co, ho, wo] = s.output().unwrap_or_default();
+    let rows = ci * s.kernel[0] * s.kernel[1];
+    let pixels = ho * wo;
+    let blocks = row_blocks(rows, ho, wo);
+    let largest = blocks.iter().map(|r| r.len()).max().unwrap_or(0) * wo;
+    let partials: Vec<Vec<f32>> = (0..n)
+        .into_par_iter()
+        .map_init(
+            || vec![0f32; rows * largest],
+            |cols, b| {
+                let mut part = vec![0f32; co * rows];
+                let mut acc = Accumulator {
+                    dw: &mut part,
+                    co,
+                    rows,
+                    started: false,
+                    parallelism: gemm::Parallelism::None,
+                };
+                for block in &blocks {
+                    let cols = fill_columns(cols, x, s, b, block, false);
+                    let lhs = &dy[b * co * pixels + block.start * wo..];
+                    acc.add(lhs, pixels, cols, block.len() * wo);
+                }
+                part
+            },
+        )
+        .collect();
+    dw.par_chunks_mut(1024).enumerate().for_each(|(i, out)| {
+        let at = i * 1024;
+        out.fill(0.0);
+        for part in &partials {
+            for (o, &v) in out.iter_mut().zip(&part[at..]) {
+                *o += v;
+            }
+        }
+    });
+}
+
 /// `dW[Co, rows]` accumulating `lhs · colsᵀ` one block at a time.
 struct Accumulator<'a> {
     dw: &'a mut [f32],
     co: usize,
     rows: usize,
     started: bool,
+    /// gemm's threads for each product.
+    parallelism: gemm::Parallelism,
 }
 
 impl Accumulator<'_> {
@@ -281,7 +359,7 @@ impl Accumulator<'_> {
                 false,
                 false,
                 false,
-                gemm::Parallelism::Rayon(0),
+                self.parallelism,
             );
         }
         self.started = true;

@@ -87,6 +87,10 @@ fn geometries(seed: u64, random: usize) -> Vec<ConvShape> {
         // One image large enough to be split into pieces: of columns (1x1), of rows.
         (1, 6, 5, 40, 36, 1, 1, 1, 0, 1),
         (1, 5, 6, 37, 41, 3, 3, 1, 1, 1),
+        // Batches of maps of 1024 pixels or more with a small gradient: each image its own
+        // partial sum (a stem's 7x7 stride 2; deep columns cut into three blocks of rows).
+        (2, 3, 8, 70, 66, 7, 7, 2, 3, 1),
+        (3, 512, 3, 64, 64, 3, 3, 2, 1, 1),
     ];
     for _ in 0..random {
         let k = g.next(1, 5);
