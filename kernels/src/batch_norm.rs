@@ -13,6 +13,8 @@
 //! Channels reduce in parallel and planes are written in parallel; each channel's sums run in a
 //! fixed order, so results are deterministic.
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use crate::base::{on_width, vector_width};
@@ -167,17 +169,7 @@ pub fn scale_shift(
             on_width(
                 wide,
                 #[inline(always)]
-                || {
-                    if relu {
-                        for (o, &v) in out.iter_mut().zip(inp) {
-                            o.write((v * a + b).max(0.0));
-                        }
-                    } else {
-                        for (o, &v) in out.iter_mut().zip(inp) {
-                            o.write(v * a + b);
-                        }
-                    }
-                },
+                || scale_shift_plane(out, inp, a, b, relu),
             )
         })
     }
@@ -292,18 +284,52 @@ pub fn backward(
             on_width(
                 wide,
                 #[inline(always)]
-                || {
-                    for ((o, &v), &g) in out.iter_mut().zip(xs).zip(gs) {
-                        let g = if relu && v * a + b <= 0.0 { 0.0 } else { g };
-                        o.write(a * (g - mg - (v - m) * is * mgx));
-                    }
-                },
+                || input_grad_plane(out, [xs, gs], [a, b, m, is], [mg, mgx], relu),
             )
         })
     };
     let dgamma = sum_gx.iter().map(|&v| v as f32).collect();
     let dbeta = sum_g.iter().map(|&v| v as f32).collect();
     (dx, dgamma, dbeta)
+}
+
+/// `out = max(x·a + b, 0)` (without `relu`: `x·a + b`) over one plane. The loops live in
+/// functions of slices, one per case: inlined into a closure that captures the output, the
+/// loop lost its vectorization in the AVX2 build (scalar `vmulss`, DenseNet-121's training
+/// step 35% slower).
+#[inline(always)]
+fn scale_shift_plane(out: &mut [MaybeUninit<f32>], x: &[f32], a: f32, b: f32, relu: bool) {
+    if relu {
+        for (o, &v) in out.iter_mut().zip(x) {
+            o.write((v * a + b).max(0.0));
+        }
+    } else {
+        for (o, &v) in out.iter_mut().zip(x) {
+            o.write(v * a + b);
+        }
+    }
+}
+
+/// One plane of `dx = γ/σ · (g - mean(g) - x̂·mean(g·x̂))`, `g` being `dy` where `x·a + b`
+/// passed the ReLU (all of it without `relu`), `x̂ = (x - m)·is`.
+#[inline(always)]
+fn input_grad_plane(
+    out: &mut [MaybeUninit<f32>],
+    [xs, gs]: [&[f32]; 2],
+    [a, b, m, is]: [f32; 4],
+    [mg, mgx]: [f32; 2],
+    relu: bool,
+) {
+    if relu {
+        for ((o, &v), &g) in out.iter_mut().zip(xs).zip(gs) {
+            let g = if v * a + b <= 0.0 { 0.0 } else { g };
+            o.write(a * (g - mg - (v - m) * is * mgx));
+        }
+    } else {
+        for ((o, &v), &g) in out.iter_mut().zip(xs).zip(gs) {
+            o.write(a * (g - mg - (v - m) * is * mgx));
+        }
+    }
 }
 
 #[cfg(test)]
