@@ -274,7 +274,7 @@ pub fn conv2d_weight_grad_im2col(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f3
 /// its own partial sum, on its own thread. Such a product (a stem's: 64 x 147 values over
 /// 12544 pixels an image) has too few output blocks for gemm's threads to share, and each
 /// image's columns are filled and then multiplied in turn: the 7x7 stride-2 stem's weight
-/// gradient at batch 16 went from 84 to 44-47 ms (Zen 4, 2 cores; the same at batch 1).
+/// gradient at batch 16 went from 84 to 44-47 ms (Zen 4, 2 cores). Batch 1 keeps the path before.
 const PARTIAL_FLOATS: usize = 1 << 15;
 
 /// `dw = Σ_b dWᵦ`, each image's `dWᵦ` computed on one thread from its own columns, the

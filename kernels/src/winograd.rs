@@ -176,6 +176,7 @@ fn transform_input(
     )
 }
 
+/// [`transform_input`], inlined into the function for the CPU's vector width.
 #[inline(always)]
 fn transform_input_on(
     x: &[f32],
