@@ -275,7 +275,7 @@ pub fn conv2d_weight_grad_im2col(x: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f3
 /// 12544 pixels an image) has too few output blocks for gemm's threads to share, and each
 /// image's columns are filled and then multiplied in turn: the 7x7 stride-2 stem's weight
 /// gradient at batch 16 went from 84 to 44-47 ms (Zen 4, 2 cores). Batch 1 keeps the path before.
-const PARTIAL_FLOATS: usize = 1 << 15;
+pub const PARTIAL_FLOATS: usize = 1 << 15;
 
 /// `dw = Σ_b dWᵦ`, each image's `dWᵦ` computed on one thread from its own columns, the
 /// partial sums added in image order (deterministic for any thread count).
