@@ -31,7 +31,8 @@
 //! TF32 tensor-core peak, looked up from the name the peer reports (H100, H200, A100; else
 //! `HEARTH_PEAK_GFLOPS`). Autotune runs in the first steps: keep `HEARTH_BENCH_WARMUP` at 3 or
 //! more there. On the CPU, `HEARTH_BENCH_BATCH` sets the batch of the batched configurations
-//! (default 16); on a GPU, `HEARTH_BENCH_BATCHES=infer:1,infer:32,train:32` picks others.
+//! (default 16). On either, `HEARTH_BENCH_BATCHES=infer:1,train:16` picks the configurations
+//! (on the CPU a batch below `HEARTH_BENCH_BATCH` still runs that many times the steps).
 
 mod common;
 
@@ -134,10 +135,10 @@ fn gpu_peak_gflops(name: &str) -> Option<f64> {
     }
 }
 
-/// The GPU configurations: `HEARTH_BENCH_BATCHES` (`infer:1,train:32`), else issue 24's table.
-fn gpu_configs() -> Vec<(BenchMode, &'static str, usize)> {
-    let spec = std::env::var("HEARTH_BENCH_BATCHES")
-        .unwrap_or_else(|_| "infer:1,infer:32,train:32,train:64".into());
+/// The configurations: `HEARTH_BENCH_BATCHES` (`infer:1,train:32`), else `default` (on a GPU
+/// issue 24's table, on the CPU batch 1 and the batched inference and training).
+fn configs(default: &str) -> Vec<(BenchMode, &'static str, usize)> {
+    let spec = std::env::var("HEARTH_BENCH_BATCHES").unwrap_or_else(|_| default.into());
     let mut out = Vec::new();
     for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let parsed = item.split_once(':').and_then(|(mode, b)| {
@@ -231,13 +232,9 @@ fn main() {
         let configs: Vec<(BenchMode, &str, usize)> = if smoke {
             vec![(BenchMode::Infer, "infer", 1)]
         } else if on_cpu {
-            vec![
-                (BenchMode::Infer, "infer", 1),
-                (BenchMode::Infer, "infer", batch),
-                (BenchMode::Train, "train", batch),
-            ]
+            configs(&format!("infer:1,infer:{batch},train:{batch}"))
         } else {
-            gpu_configs()
+            configs("infer:1,infer:32,train:32,train:64")
         };
         for (mode, mode_name, batch) in configs {
             // On the CPU every configuration times about as many images: a step at batch 1 is
