@@ -22,22 +22,28 @@ fn is_plain_pointwise(s: &ConvShape) -> bool {
     s.kernel == [1, 1] && s.stride == [1, 1] && s.padding == [0, 0]
 }
 
-/// Pieces of work for the threads: with one image, split it so that there are at least two
-/// per thread (gemm's own threading splits one thin product poorly, `conv_paths`), but keep
-/// each at least this many output pixels.
+/// Pieces of work for the threads: with one image, split it so that there are up to two per
+/// thread (gemm's own threading splits one thin product poorly, `conv_paths`), but keep each
+/// at least this many output pixels.
 const MIN_PIECE_PIXELS: usize = 256;
 
 /// Column ranges of `pixels` output pixels for `n` images: the whole image when there are two
-/// or more, else about two per thread of at least [`MIN_PIECE_PIXELS`] (multiples of 16).
+/// or more, else as many pieces of at least [`MIN_PIECE_PIXELS`] as fit, up to two per thread
+/// and a multiple of the threads, of about equal width (multiples of 16). ResNet-50's 28x28
+/// maps had been cut 256, 256, 256, 16: three pieces' work on one thread, one on the other
+/// (512→128 at batch 1: 158-168 GFLOP/s against Flex's 194, `conv_paths`).
 fn column_pieces(n: usize, pixels: usize) -> Vec<std::ops::Range<usize>> {
     let per = if n >= 2 {
         pixels
     } else {
-        let target = 2 * rayon::current_num_threads();
-        pixels
-            .div_ceil(target)
-            .next_multiple_of(16)
-            .max(MIN_PIECE_PIXELS)
+        let threads = rayon::current_num_threads().max(1);
+        let fit = (pixels / MIN_PIECE_PIXELS).min(2 * threads);
+        let pieces = if fit >= threads {
+            fit - fit % threads
+        } else {
+            fit.max(1)
+        };
+        pixels.div_ceil(pieces).next_multiple_of(16)
     };
     (0..pixels)
         .step_by(per.max(1))
@@ -294,7 +300,8 @@ pub fn conv2d_input_grad(weight: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> 
 /// `outₙ[m, pixels] = W · srcₙ[k, pixels]` for each of `n` images, `W` an `m x k` matrix read
 /// with column and row strides `[w_cs, w_rs]` (a 1x1 convolution's forward reads the weight as it
 /// is, its input gradient transposed), writing every value at `out`: images in parallel, or
-/// one image's columns in pieces ([`column_pieces`]).
+/// one image's columns in pieces ([`column_pieces`]), or, where that leaves one piece, its
+/// rows ([`one_image_row_pieces`]).
 fn pointwise_products(
     n: usize,
     [m, k]: [usize; 2],
@@ -304,7 +311,38 @@ fn pointwise_products(
     src: &[f32],
     out: Out,
 ) {
-    for_pieces(n, &column_pieces(n, pixels), |b, cols, parallelism| {
+    let columns = column_pieces(n, pixels);
+    if n == 1 && columns.len() == 1 {
+        let rows = one_image_row_pieces(m);
+        let piece = |r: std::ops::Range<usize>, parallelism| {
+            // SAFETY: the piece writes rows `r` of the image's m x pixels output (no other
+            // piece does), from those rows of the weight (m x k with the given strides) and
+            // the image's k x pixels source, all row-major.
+            unsafe {
+                gemm_rows(
+                    r.len(),
+                    pixels,
+                    k,
+                    out.at(r.start * pixels),
+                    pixels,
+                    weight[r.start * w_rs..].as_ptr(),
+                    w_cs,
+                    w_rs,
+                    src.as_ptr(),
+                    pixels,
+                    parallelism,
+                );
+            }
+        };
+        if rows.len() >= 2 {
+            rows.into_par_iter()
+                .for_each(|r| piece(r, gemm::Parallelism::None));
+        } else {
+            piece(0..m, gemm::Parallelism::Rayon(0));
+        }
+        return;
+    }
+    for_pieces(n, &columns, |b, cols, parallelism| {
         // SAFETY: the piece writes columns `cols` of image b's m x pixels output (no other
         // piece does), from the weight (m x k with the given strides) and those columns of
         // image b's k x pixels source, all row-major.
@@ -324,6 +362,18 @@ fn pointwise_products(
             );
         }
     });
+}
+
+/// Rows of one image's product too narrow for [`column_pieces`] (1x1 convolutions on 14x14
+/// and 7x7 maps at batch 1): as many pieces as threads, of a multiple of 16 rows, so that
+/// each thread packs its share of the weight once (gemm's own threading split these products
+/// with one core waiting, `perf` on ResNet-50 at batch 1). Every output value is the same
+/// chain of multiply-adds over `k` whichever rows its piece holds (gemm blocks `k` by `k`
+/// alone), so the bits are those of one product.
+fn one_image_row_pieces(m: usize) -> Vec<std::ops::Range<usize>> {
+    let threads = rayon::current_num_threads().max(1);
+    let per = m.div_ceil(threads).next_multiple_of(16).max(16);
+    (0..m).step_by(per).map(|r| r..(r + per).min(m)).collect()
 }
 
 /// Whether [`conv2d_input_grad_as_conv`] applies: stride 1, and padding at most the dilated
@@ -420,5 +470,93 @@ mod tests {
         }
         // Images in parallel keep the cache-sized blocks.
         assert_eq!(row_pieces(16, 576, 224, 224), row_blocks(576, 224, 224));
+    }
+
+    /// `pieces` cover `0..len` in order, none empty.
+    fn partition(pieces: &[std::ops::Range<usize>], len: usize, what: &str) {
+        assert_eq!(
+            pieces.first().map(|p| p.start),
+            Some(0),
+            "{what}: {pieces:?}"
+        );
+        assert_eq!(
+            pieces.last().map(|p| p.end),
+            Some(len),
+            "{what}: {pieces:?}"
+        );
+        for pair in pieces.windows(2) {
+            assert_eq!(pair[0].end, pair[1].start, "{what}: {pieces:?}");
+        }
+        assert!(pieces.iter().all(|p| !p.is_empty()), "{what}: {pieces:?}");
+    }
+
+    #[test]
+    fn one_image_column_and_row_pieces_share_the_work_evenly() {
+        let threads = rayon::current_num_threads().max(1);
+        // ResNet-50's and DenseNet-121's maps at batch 1, and two odd ones.
+        for pixels in [12544, 3136, 784, 400, 196, 49, 1, 520] {
+            let pieces = column_pieces(1, pixels);
+            partition(&pieces, pixels, &format!("{pixels} pixels"));
+            let widths: Vec<usize> = pieces.iter().map(|p| p.len()).collect();
+            if pieces.len() >= threads {
+                assert_eq!(pieces.len() % threads, 0, "{pixels}: {widths:?}");
+                assert!(pieces.len() <= 2 * threads, "{pixels}: {widths:?}");
+            }
+            if pieces.len() > 1 {
+                assert!(
+                    widths.iter().all(|&w| w >= MIN_PIECE_PIXELS / 2),
+                    "{widths:?}"
+                );
+                // No piece is more than 16 pixels and a rounding wider than the narrowest.
+                let (lo, hi) = (widths.iter().min(), widths.iter().max());
+                let spread = hi.zip(lo).map_or(0, |(h, l)| h - l);
+                assert!(spread <= 16 * pieces.len(), "{pixels}: {widths:?}");
+            }
+        }
+        // Two images or more: whole images.
+        assert_eq!(column_pieces(2, 784), vec![0..784]);
+        for m in [2048, 512, 256, 128, 32, 16, 7, 1] {
+            let pieces = one_image_row_pieces(m);
+            partition(&pieces, m, &format!("{m} rows"));
+            assert!(pieces.len() <= threads, "{m}: {pieces:?}");
+            assert!(pieces[..pieces.len() - 1].iter().all(|p| p.len() % 16 == 0));
+        }
+    }
+
+    /// A 1x1 convolution at batch 1, cut by rows or by columns, gives the bits of the same
+    /// image in a batch of two (whole products), forward and input gradient.
+    #[test]
+    fn one_image_pieces_give_the_bits_of_a_whole_product() {
+        for (ci, co, side) in [(64, 96, 7), (48, 40, 14), (32, 64, 28), (16, 32, 23)] {
+            let s1 = ConvShape {
+                input: [1, ci, side, side],
+                out_channels: co,
+                kernel: [1, 1],
+                stride: [1, 1],
+                padding: [0, 0],
+                dilation: [1, 1],
+            };
+            let s2 = ConvShape {
+                input: [2, ci, side, side],
+                ..s1
+            };
+            let wave = |len: usize, seed: usize| -> Vec<f32> {
+                (0..len)
+                    .map(|i| ((i * 2654435761 + seed) % 2003) as f32 / 1001.0 - 1.0)
+                    .collect()
+            };
+            let plane = ci * side * side;
+            let (x, w) = (wave(2 * plane, 1), wave(co * ci, 2));
+            let one = conv2d_forward_im2col(&x[plane..], &w, &s1);
+            let two = conv2d_forward_im2col(&x, &w, &s2);
+            assert!(
+                one == two[co * side * side..],
+                "forward {ci}->{co} on {side}"
+            );
+            let dy = wave(2 * co * side * side, 3);
+            let one = conv2d_input_grad(&w, &dy[co * side * side..], &s1);
+            let two = conv2d_input_grad(&w, &dy, &s2);
+            assert!(one == two[plane..], "input gradient {ci}->{co} on {side}");
+        }
     }
 }
