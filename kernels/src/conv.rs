@@ -507,7 +507,7 @@ mod tests {
                     widths.iter().all(|&w| w >= MIN_PIECE_PIXELS / 2),
                     "{widths:?}"
                 );
-                // No piece is more than 16 pixels and a rounding wider than the narrowest.
+                // The widths differ only by the rounding to multiples of 16 (and the last's rest).
                 let (lo, hi) = (widths.iter().min(), widths.iter().max());
                 let spread = hi.zip(lo).map_or(0, |(h, l)| h - l);
                 assert!(spread <= 16 * pieces.len(), "{pixels}: {widths:?}");

@@ -133,17 +133,19 @@ impl ConvBackend for Flex {
         let shape = conv_shape(x.shape().dims::<4>(), weight_shape, geometry);
         let fits = shape.output().is_some() && weight_shape[1] == shape.input[1];
         let f32s = x.dtype() == DType::F32 && weight.dtype() == DType::F32;
-        // Ours beats or ties Flex's forward on the shapes measured in `kernels/examples/conv_paths.rs`
-        // (2-core AVX-512), images in parallel with single-threaded products (one image cut
-        // into pieces of rows, of columns for 1x1, or of output channels for a 1x1 on a small
-        // map): at batch 16 3x3 (ResNet-50's 217-304 against 151-253 GFLOP/s, strided ones
-        // 223-260 against 148-203; VGG-16's 220-371 against 121-307; DenseNet-121's 128→32
-        // 146-155 against 100-107, 88 against 99 on 7x7), the 7x7 stem (114 against 64) and 1x1
-        // (292-351 against 273-343); at batch 1 every kernel wider than 1x1 (ResNet-50's 124-222
-        // against 69-163, VGG-16's 125-332 against 23-251) and, since one image's 1x1 products
-        // are cut evenly (Zen 4, 2026-12-04), 1x1 too: DenseNet-121's 147-223 against 84-208,
-        // ResNet-50's 166-216 against 141-197 but 256→64 on 56x56 (185-189 against 211-213, one
-        // layer in sixteen).
+        // Ours beats or ties Flex's forward on the shapes measured in
+        // `kernels/examples/conv_paths.rs` (2-core AVX-512), images in parallel with
+        // single-threaded products (one image cut into pieces of rows, of columns for 1x1, or
+        // of output channels for a 1x1 on a small map): at batch 16 3x3 (ResNet-50's 217-304
+        // against 151-253 GFLOP/s, strided ones 223-260 against 148-203; VGG-16's 220-371
+        // against 121-307; DenseNet-121's 128→32 146-155 against 100-107, 88 against 99 on
+        // 7x7), the 7x7 stem (114 against 64) and 1x1 (292-351 against 273-343); at batch 1
+        // every kernel wider than 1x1 (ResNet-50's 124-222 against 69-163, VGG-16's 125-332
+        // against 23-251) and, since one image's 1x1 products are cut evenly (Zen 4,
+        // 2026-12-04), 1x1 too: DenseNet-121's 147-223 against 84-208, ResNet-50's 166-216
+        // against 141-197 but 256→64 on 56x56 (185-189 against 211-213, one layer in
+        // sixteen). On a Zen 5 Flex's 1x1 had led at batch 1 (1024→256 on 14x14: 248 against
+        // ours 120, before the cut by output channels); not measured there since.
         if !(f32s && fits) {
             return Flex::conv2d(x, weight, None, options(geometry));
         }
