@@ -313,8 +313,7 @@ fn pointwise_products(
 ) {
     let columns = column_pieces(n, pixels);
     if n == 1 && columns.len() == 1 {
-        let rows = one_image_row_pieces(m);
-        let piece = |r: std::ops::Range<usize>, parallelism| {
+        for_pieces(1, &one_image_row_pieces(m), |_, r, parallelism| {
             // SAFETY: the piece writes rows `r` of the image's m x pixels output (no other
             // piece does), from those rows of the weight (m x k with the given strides) and
             // the image's k x pixels source, all row-major.
@@ -333,13 +332,7 @@ fn pointwise_products(
                     parallelism,
                 );
             }
-        };
-        if rows.len() >= 2 {
-            rows.into_par_iter()
-                .for_each(|r| piece(r, gemm::Parallelism::None));
-        } else {
-            piece(0..m, gemm::Parallelism::Rayon(0));
-        }
+        });
         return;
     }
     for_pieces(n, &columns, |b, cols, parallelism| {
@@ -449,15 +442,7 @@ mod tests {
             (9, 3, 40),
         ] {
             let pieces = row_pieces(1, rows, ho, wo);
-            assert_eq!(pieces.first().map(|p| p.start), Some(0), "{rows} {ho}");
-            assert_eq!(pieces.last().map(|p| p.end), Some(ho), "{rows} {ho}");
-            for pair in pieces.windows(2) {
-                assert_eq!(pair[0].end, pair[1].start, "{rows} {ho}");
-            }
-            assert!(
-                pieces.iter().all(|p| !p.is_empty()),
-                "{rows} {ho}: {pieces:?}"
-            );
+            partition(&pieces, ho, &format!("{rows} {ho}"));
             if ho >= 2 * threads && ho % (2 * threads) == 0 {
                 assert_eq!(pieces.len() % threads, 0, "{rows} {ho}x{wo}: {pieces:?}");
             }
