@@ -184,6 +184,41 @@ pub fn recomputed_gradients<M: Module>(
     unit_gradients(owner, model, x, precision, true, None, loss)
 }
 
+/// ZeRO stage 3's forward without a graph (validation): `x` through `model`'s units (a
+/// skeleton), each unit's parameters gathered from the ranks' shards for its pass and let go
+/// after it, so that a rank never holds more than one unit's parameters whole (gathering the
+/// whole model would need what stage 3 is there to save). Computed in `precision`, the
+/// logits in f32, on `x`'s device (an inner device: no graph).
+///
+/// Every rank calls it alike for each round of a validation, `x` `None` on a rank whose
+/// share has no batch left while another's has: the gathers are collective, so such a rank
+/// gathers each unit all the same and computes nothing (the result `None`).
+pub fn gathered_logits(
+    model: &hearth_models::Classifier,
+    x: Option<burn::prelude::Tensor<4>>,
+    precision: crate::train::Precision,
+    gathering: &Gathering<'_>,
+) -> Result<Option<burn::prelude::Tensor<2>>> {
+    let mut x = x.map(Activation::Rank4);
+    for unit in model.clone().into_units() {
+        let unit = StageModel {
+            units: vec![unit],
+            precision,
+        };
+        let whole = gathering
+            .params
+            .gather(gathering.zero, gathering.comm, &unit)?
+            .valid();
+        if let Some(a) = x.take() {
+            x = Some(whole.forward(a)?);
+        }
+    }
+    match x {
+        Some(a) => Ok(Some(a.rank2("the model's output")?)),
+        None => Ok(None),
+    }
+}
+
 /// ZeRO stage 3's source of a unit's parameters: the sharded optimizer holding them, the
 /// ranks, and the skeleton's layout ([`burn_dist::zero::module::shard_params`]).
 pub struct Gathering<'a> {

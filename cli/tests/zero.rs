@@ -204,6 +204,35 @@ fn zero_1_2_and_3_train_an_image_model_as_plain_data_parallel_does_and_resume_ex
     assert!(job.log(0).contains("without --zero"), "{}", job.log(0));
 }
 
+/// Stage 3 validates with one unit's parameters gathered at a time, the gathers collective:
+/// on 4 ranks, 18 validation images in batches of 4 per rank give ranks 0 and 1 two batches
+/// and ranks 2 and 3 one, so ranks 2 and 3 gather a second time without computing. No rank
+/// waits on another (each job is bounded), and the curve is plain data parallel's.
+#[test]
+fn stage_3_validates_shares_of_different_lengths_as_plain_data_parallel() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    let mut base = BASE;
+    base[1] = "16";
+    let run = |zero: &str| dir.path().join(format!("uneven-zero{zero}"));
+    for zero in ["0", "3"] {
+        let args = [
+            "--epochs",
+            "2",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.003",
+            "--zero",
+            zero,
+        ];
+        Job::spawn_ok(dir.path(), &data, &run(zero), 4, &base, &args, &[]);
+    }
+    let (plain, three) = (metrics(&run("0")), metrics(&run("3")));
+    same_curves(("plain", &plain), ("zero 3", &three), &COLUMNS, 1e-5);
+    assert_eq!(three.len(), 2, "{three:?}");
+}
+
 /// The example's binary, built by `cargo test` into the target's `examples/` folder.
 fn example_bin() -> PathBuf {
     let exe = std::env::current_exe().unwrap();

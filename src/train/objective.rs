@@ -325,14 +325,85 @@ impl Objective {
         for batch in batches {
             let (input, targets) = batch?;
             let logits = model.logits_in(input, self.precision.dtype());
-            let n = logits.dims()[0] as f64;
-            sums.hits += self.hits(&logits, &targets);
-            sums.top5 += self.top5_hits(&logits, &targets).unwrap_or(0.0);
-            scores.push(&logits, &targets)?;
-            let loss = self.loss(logits, &targets, false)?;
-            sums.loss += f64::from(loss.into_scalar::<f32>()) * n;
-            sums.samples += n;
+            self.score_batch(logits, &targets, &mut sums, &mut scores)?;
         }
+        self.combine(sums, scores, comm)
+    }
+
+    /// [`Self::validate`] on ZeRO stage 3's skeleton `model`: each batch's forward gathers
+    /// one unit's parameters at a time ([`Net::gathered_logits`]). The gathers are collective,
+    /// so every rank runs `rounds` forwards (the most batches any rank's share has): a rank
+    /// whose `batches` ran out gathers without computing.
+    pub fn validate_gathered<M: Net>(
+        &self,
+        model: &M,
+        mut batches: Stream<M::Input>,
+        rounds: usize,
+        gathering: &crate::pipeline::Gathering<'_>,
+        comm: Option<&Communicator>,
+    ) -> Result<Validation> {
+        let mut sums = Sums::default();
+        let mut scores = ValScores::default();
+        for round in 0..rounds {
+            let (input, targets) = match batches.next() {
+                Some(batch) => {
+                    let (input, targets) = batch?;
+                    (Some(input), Some(targets))
+                }
+                None => (None, None),
+            };
+            let logits = model
+                .gathered_logits(input, self.precision, gathering)
+                .unwrap_or_else(|| {
+                    Err(HearthError::InvalidArgument(
+                        "`exchange.zero` 3: this model has no units to gather one by one".into(),
+                    ))
+                })?;
+            match (logits, targets) {
+                (Some(logits), Some(targets)) => {
+                    self.score_batch(logits, &targets, &mut sums, &mut scores)?;
+                }
+                (None, None) => {}
+                _ => {
+                    return Err(HearthError::Training(format!(
+                        "validation round {round}: a batch went in and no logits came out"
+                    )));
+                }
+            }
+        }
+        if batches.next().is_some() {
+            return Err(HearthError::Training(format!(
+                "validation: this rank's share has more than the {rounds} batches every rank                  was to run"
+            )));
+        }
+        self.combine(sums, scores, comm)
+    }
+
+    /// One validation batch's loss, hits, top-5 hits and scores added to the sums.
+    fn score_batch(
+        &self,
+        logits: Tensor<2>,
+        targets: &Targets,
+        sums: &mut Sums,
+        scores: &mut ValScores,
+    ) -> Result<()> {
+        let n = logits.dims()[0] as f64;
+        sums.hits += self.hits(&logits, targets);
+        sums.top5 += self.top5_hits(&logits, targets).unwrap_or(0.0);
+        scores.push(&logits, targets)?;
+        let loss = self.loss(logits, targets, false)?;
+        sums.loss += f64::from(loss.into_scalar::<f32>()) * n;
+        sums.samples += n;
+        Ok(())
+    }
+
+    /// A validation's sums (and AUROC) over the ranks that validated parts, with `comm`.
+    fn combine(
+        &self,
+        mut sums: Sums,
+        mut scores: ValScores,
+        comm: Option<&Communicator>,
+    ) -> Result<Validation> {
         if let Some(comm) = comm {
             sums = sums.all_reduce(comm)?;
             if self.multi_label {

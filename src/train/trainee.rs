@@ -90,6 +90,22 @@ pub trait Net: Module + 'static {
         None
     }
 
+    /// ZeRO stage 3's validation forward on this module's skeleton: `input`'s logits (f32,
+    /// computed in `precision`, no graph) with each unit's parameters gathered for its pass
+    /// and let go after it ([`crate::pipeline::gathered_logits`]; `input` `None`: gathers
+    /// alone, for a rank with no batch in a round that others have). `None` (the default) for
+    /// a module without units, which stage 3 refuses.
+    #[doc(hidden)]
+    fn gathered_logits(
+        &self,
+        input: Option<Self::Input>,
+        precision: super::Precision,
+        gathering: &crate::pipeline::Gathering<'_>,
+    ) -> Option<crate::Result<Option<Tensor<2>>>> {
+        let _ = (input, precision, gathering);
+        None
+    }
+
     /// Each unit's number of trainable tensors, in the module's order (ZeRO stage 3 gathers a
     /// unit at a time); `None` (the default) for a module without units.
     #[doc(hidden)]
@@ -121,6 +137,16 @@ impl Net for Classifier {
     }
     fn unit_tensor_counts(&self) -> Option<Vec<usize>> {
         Some(crate::pipeline::unit_tensor_counts(self))
+    }
+    fn gathered_logits(
+        &self,
+        input: Option<Tensor<4>>,
+        precision: super::Precision,
+        gathering: &crate::pipeline::Gathering<'_>,
+    ) -> Option<crate::Result<Option<Tensor<2>>>> {
+        Some(crate::pipeline::gathered_logits(
+            self, input, precision, gathering,
+        ))
     }
 }
 

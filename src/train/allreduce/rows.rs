@@ -55,6 +55,35 @@ impl<T: Trainee> Allreduce<'_, T> {
         Ok((model, val))
     }
 
+    /// [`Self::score`] of ZeRO stage 3's skeleton: each batch's forward gathers the units'
+    /// parameters one unit at a time, every rank running as many forwards as the largest
+    /// share has batches (rank 0's). The skeleton's statistics stay its own, as a gathered
+    /// model's did: rank 0's are broadcast into a copy for the pass (its parameters are
+    /// empty, so only the buffers travel).
+    fn score_gathered(
+        &self,
+        gathering: &crate::pipeline::Gathering<'_>,
+    ) -> Result<crate::train::objective::Validation> {
+        let mut model = self.model()?.clone();
+        if let Some(comm) = &self.comm
+            && self.trainee.has_batch_norm()
+        {
+            model = burn_dist::ddp::broadcast_module(model, comm)?;
+        }
+        let (len, batch) = (self.trainee.val_len(), self.cfg.batch_size);
+        let rounds = val_share(len, 0, self.world, batch).len();
+        self.objective.validate_gathered(
+            &model,
+            self.trainee.val_batches(
+                val_share(len, self.rank, self.world, batch),
+                &self.plain_device,
+            ),
+            rounds,
+            gathering,
+            self.metrics.as_deref(),
+        )
+    }
+
     /// The epoch's validation (with rank 0's batch-norm statistics on every rank, as DDP's
     /// broadcast) and its row of `metrics.csv`, after `train` (summed over the ranks) took
     /// `took` seconds with `k` batches per step.
@@ -65,10 +94,9 @@ impl<T: Trainee> Allreduce<'_, T> {
         train: &Sums,
         took: f64,
     ) -> Result<Row> {
-        // `--zero 3`: the whole model gathered for the pass, the skeleton kept (the batch-norm
-        // statistics rank 0's broadcast sets are the skeleton's own).
-        let val = match self.whole_model()? {
-            Some(whole) => self.score(whole)?.1,
+        // `--zero 3`: one unit's parameters gathered at a time, the skeleton kept.
+        let val = match self.gathering() {
+            Some(g) => self.score_gathered(&g)?,
             None => {
                 let model = self.take_model()?;
                 let (model, val) = self.score(model)?;
