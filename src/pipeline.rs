@@ -219,6 +219,48 @@ pub fn gathered_logits(
     }
 }
 
+/// ZeRO stage 3's checkpoint: `model`'s (a skeleton's) units gathered one at a time, in
+/// order, and each tensor the skeleton holds empty handed to `each` with its parameter id and
+/// a function that reads its bytes (f32, as a checkpoint stores them; read only if `each`
+/// calls it). Every rank calls it alike (the gathers are collective); one unit's parameters
+/// are held whole at a time.
+pub fn gathered_tensors(
+    model: &hearth_models::Classifier,
+    gathering: &Gathering<'_>,
+    each: &mut dyn FnMut(u64, &dyn Fn() -> burn::tensor::Bytes),
+) -> Result<()> {
+    use burn::module::{ModuleVisitor, Param};
+    struct Each<'a> {
+        params: &'a burn_dist::zero::module::ShardedParams,
+        each: &'a mut dyn FnMut(u64, &dyn Fn() -> burn::tensor::Bytes),
+    }
+    impl ModuleVisitor for Each<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<burn::prelude::Tensor<D>>) {
+            if self.params.shape_of(&param.id).is_none() {
+                return;
+            }
+            let t = param.transform_for_save().val();
+            // One copy on the CPU (`into_data` of a held tensor makes two).
+            let read = || {
+                hearth_kernels::file_bytes(&t).unwrap_or_else(|| t.clone().into_data().into_bytes())
+            };
+            (self.each)(param.id.val(), &read);
+        }
+    }
+    for unit in model.clone().into_units() {
+        let whole = gathering.params.gather(
+            gathering.zero,
+            gathering.comm,
+            &StageModel::new(vec![unit]),
+        )?;
+        whole.visit(&mut Each {
+            params: gathering.params,
+            each,
+        });
+    }
+    Ok(())
+}
+
 /// ZeRO stage 3's source of a unit's parameters: the sharded optimizer holding them, the
 /// ranks, and the skeleton's layout ([`burn_dist::zero::module::shard_params`]).
 pub struct Gathering<'a> {

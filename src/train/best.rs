@@ -11,6 +11,11 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, sync_channel};
+use std::sync::{Arc, Mutex};
+
+use burn::module::ParamId;
+use burn::tensor::{Bytes, DType, Shape};
 
 use super::{EpochTable, Monitor};
 use crate::{HearthError, Result};
@@ -100,6 +105,46 @@ pub fn save_epoch_weights<M: burn::module::Module>(
     model: M,
     gate: &super::gate::Gate,
 ) -> Result<()> {
+    save_weights(run_dir, epoch, model, gate, None)
+}
+
+/// What a [`Fed`] hands each tensor's id and bytes to; it says whether the writer still takes
+/// them.
+pub type Handover<'a> = &'a mut dyn FnMut(u64, Bytes) -> bool;
+
+/// A parameter's shape where a skeleton holds it empty.
+pub type ShapeOf<'a> = &'a dyn Fn(&ParamId) -> Option<Shape>;
+
+/// The values of the tensors a ZeRO stage 3 skeleton holds empty, fed to the checkpoint's
+/// writer while it writes ([`save_epoch_weights_fed`]).
+pub struct Fed<'a> {
+    /// The shape of each tensor the skeleton holds empty (`None`: a tensor it holds whole).
+    pub shape: ShapeOf<'a>,
+    /// Hands every empty tensor's id and bytes, in the module's order, to the function it is
+    /// given (which says whether the writer still takes them); its error is the write's.
+    pub feed: &'a mut dyn FnMut(Handover<'_>) -> Result<()>,
+}
+
+/// [`save_epoch_weights`] of a ZeRO stage 3 skeleton: the tensors it holds empty written from
+/// `fed` as the writer reaches them (gathered a unit at a time), so that the file is Burn's
+/// of the whole model byte for byte while no more than a unit of it is held at once.
+pub fn save_epoch_weights_fed<M: burn::module::Module>(
+    run_dir: &Path,
+    epoch: usize,
+    skeleton: M,
+    gate: &super::gate::Gate,
+    fed: Fed<'_>,
+) -> Result<()> {
+    save_weights(run_dir, epoch, skeleton, gate, Some(fed))
+}
+
+fn save_weights<M: burn::module::Module>(
+    run_dir: &Path,
+    epoch: usize,
+    model: M,
+    gate: &super::gate::Gate,
+    fed: Option<Fed<'_>>,
+) -> Result<()> {
     let path = model_checkpoint(run_dir, epoch);
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(|source| HearthError::Write {
@@ -108,7 +153,7 @@ pub fn save_epoch_weights<M: burn::module::Module>(
         })?;
     }
     let tmp = super::gate::Gate::temp_for(&path);
-    if let Err(e) = save_streamed(&model, &tmp) {
+    if let Err(e) = save_streamed(&model, &tmp, fed) {
         let _ = std::fs::remove_file(&tmp);
         return Err(HearthError::Training(format!(
             "saving epoch {epoch}'s weights: {e}"
@@ -124,20 +169,51 @@ pub fn save_epoch_weights<M: burn::module::Module>(
 /// let go before the next: `into_record` copies every value first, so a checkpoint held the
 /// model twice (rank 0's peak of a ZeRO run). Float tensors on the CPU are read by
 /// [`hearth_kernels::file_bytes`], one copy where Burn's `into_data` makes two.
+///
+/// With `fed`, each tensor the module holds empty is written from the bytes `fed` hands over
+/// (the writer on a thread of its own, taking them one at a time as it reaches them).
 fn save_streamed<M: burn::module::Module>(
     module: &M,
     path: &Path,
+    fed: Option<Fed<'_>>,
 ) -> std::result::Result<(), String> {
     use burn::module::{ModuleVisitor, Param};
     use burn::prelude::{Bool, Int, Tensor};
     use burn::tensor::kind::Basic;
 
-    #[derive(Default)]
-    struct Deferred {
+    type Inbox = Arc<Mutex<Receiver<(u64, Bytes)>>>;
+    struct Deferred<'a> {
         path: Vec<String>,
         out: Vec<burn_pack::Tensor>,
+        fed: Option<(ShapeOf<'a>, Inbox)>,
     }
-    impl Deferred {
+    impl Deferred<'_> {
+        /// A tensor held empty: `shape`'s f32 values, the next bytes `inbox` receives (which
+        /// must be this tensor's).
+        fn push_fed(&mut self, id: u64, shape: Shape, inbox: Inbox) {
+            let len = shape.num_elements() * DType::F32.size();
+            let read = move || {
+                let next = inbox.lock().map(|r| r.recv());
+                match next {
+                    Ok(Ok((got, bytes))) if got == id => Ok(bytes),
+                    Ok(Ok((got, _))) => Err(burn_pack::Error::ValidationError(format!(
+                        "the gathered tensors came out of order: parameter {got} where {id} \
+                         was due"
+                    ))),
+                    _ => Err(burn_pack::Error::ValidationError(
+                        "the gathered values stopped coming".into(),
+                    )),
+                }
+            };
+            self.out.push(burn_pack::Tensor::deferred(
+                self.path.join("."),
+                DType::F32,
+                shape,
+                Some(id),
+                len,
+                read,
+            ));
+        }
         /// `t`, its bytes read by `direct` where it can (else as Burn reads them).
         fn push<const D: usize, K: Basic + 'static>(
             &mut self,
@@ -173,7 +249,7 @@ fn save_streamed<M: burn::module::Module>(
             ));
         }
     }
-    impl ModuleVisitor for Deferred {
+    impl ModuleVisitor for Deferred<'_> {
         fn enter_module(&mut self, name: &str, _container_type: &str) {
             self.path.push(name.to_string());
         }
@@ -181,6 +257,12 @@ fn save_streamed<M: burn::module::Module>(
             self.path.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some((shape_of, inbox)) = &self.fed
+                && let Some(shape) = shape_of(&param.id)
+            {
+                let inbox = inbox.clone();
+                return self.push_fed(param.id.val(), shape, inbox);
+            }
             // Copied once on the CPU, where `into_data` copies a held tensor twice.
             let direct = hearth_kernels::file_bytes::<D>;
             self.push(param.id.val(), param.transform_for_save().val(), direct);
@@ -192,11 +274,46 @@ fn save_streamed<M: burn::module::Module>(
             self.push(param.id.val(), param.transform_for_save().val(), |_| None);
         }
     }
-    let mut d = Deferred::default();
+    let write = |out| {
+        burn_pack::Writer::new(out)
+            .write_to_file(path)
+            .map_err(|e| e.to_string())
+    };
+    let Some(fed) = fed else {
+        let mut d = Deferred {
+            path: Vec::new(),
+            out: Vec::new(),
+            fed: None,
+        };
+        module.visit(&mut d);
+        return write(d.out);
+    };
+    // Handed over one at a time: the writer holds the tensor it writes, the feed the next.
+    let (tx, rx) = sync_channel::<(u64, Bytes)>(0);
+    let mut d = Deferred {
+        path: Vec::new(),
+        out: Vec::new(),
+        fed: Some((fed.shape, Arc::new(Mutex::new(rx)))),
+    };
     module.visit(&mut d);
-    burn_pack::Writer::new(d.out)
-        .write_to_file(path)
-        .map_err(|e| e.to_string())
+    // The writer's tensors alone hold the receiver: a writer that stops drops it, so a send
+    // fails instead of waiting for a reader that is gone.
+    let Deferred {
+        out, fed: inbox, ..
+    } = d;
+    drop(inbox);
+    std::thread::scope(|s| {
+        let writer = s.spawn(move || write(out));
+        // A writer that stopped early dropped the receiver: the feed goes on without sending
+        // (its gathers are collective), then the writer's error is the one reported.
+        let fed = (fed.feed)(&mut |id, bytes| tx.send((id, bytes)).is_ok());
+        drop(tx);
+        let written = writer
+            .join()
+            .map_err(|_| "the checkpoint's writer panicked".to_string())?;
+        fed.map_err(|e| e.to_string())?;
+        written
+    })
 }
 
 #[cfg(test)]
@@ -268,13 +385,25 @@ mod tests {
         assert!(p(1.0, 2).exhausted(4));
     }
 
+    /// `f`'s result, on a thread of its own: a test failure after 60 s instead of a hang.
+    fn bounded<R: Send + 'static>(what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{what}: no result in 60 s (it failed or hangs): {e}"))
+    }
+
     /// The streamed checkpoint is Burn's own file byte for byte (parameters with their ids,
     /// batch norm's running statistics, nested paths), on Flex with and without autodiff, and
-    /// it loads back.
+    /// it loads back; so is a skeleton's whose empty tensors are fed (ZeRO stage 3), and a
+    /// feed out of order or failing leaves no file and names why.
     #[test]
     fn a_streamed_checkpoint_is_burn_s_file_byte_for_byte() {
         use burn::module::Module;
         use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
+        use burn::prelude::Tensor;
         #[derive(Module, Debug)]
         struct Inner {
             norm: BatchNorm,
@@ -297,7 +426,7 @@ mod tests {
             };
             let dir = tempfile::tempdir().unwrap();
             let (ours, burns) = (dir.path().join("ours.bpk"), dir.path().join("burns.bpk"));
-            save_streamed(&net, &ours).unwrap();
+            save_streamed(&net, &ours, None).unwrap();
             net.clone().into_record().save(&burns).unwrap();
             let (a, b) = (
                 std::fs::read(&ours).unwrap(),
@@ -316,6 +445,80 @@ mod tests {
                 back.fc.weight.val().into_data(),
                 net.fc.weight.val().into_data()
             );
+
+            // ZeRO stage 3: a skeleton holding the weight and bias empty, their values fed in
+            // the module's order as the writer reaches them, writes the same file.
+            let (weight, bias) = (net.fc.weight.clone(), net.fc.bias.clone().unwrap());
+            let ids = [weight.id, bias.id];
+            let values = [
+                weight.val().into_data().into_bytes(),
+                bias.val().into_data().into_bytes(),
+            ];
+            let shapes = [weight.val().shape(), bias.val().shape()];
+            let mut skeleton = net.clone();
+            skeleton.fc.weight = weight.map(|t| Tensor::empty([0, 0], &t.device()));
+            skeleton.fc.bias = Some(bias.map(|t| Tensor::empty([0], &t.device())));
+            let shape = |id: &ParamId| ids.iter().position(|i| i == id).map(|k| shapes[k].clone());
+            let fed_file = dir.path().join("fed.bpk");
+            let order = [0, 1];
+            let mut feed = |send: &mut dyn FnMut(u64, Bytes) -> bool| {
+                for k in order {
+                    assert!(send(ids[k].val(), values[k].clone()));
+                }
+                Ok(())
+            };
+            let fed = Fed {
+                shape: &shape,
+                feed: &mut feed,
+            };
+            save_streamed(&skeleton, &fed_file, Some(fed)).unwrap();
+            assert!(
+                std::fs::read(&fed_file).unwrap() == b,
+                "the fed file differs"
+            );
+
+            // Fed out of order: refused by name, no file left (on a thread of its own: a
+            // writer that stopped must not leave the feed waiting).
+            let wrong = dir.path().join("wrong.bpk");
+            let (sk, path, vals, dims) = (
+                skeleton.clone(),
+                wrong.clone(),
+                values.clone(),
+                shapes.clone(),
+            );
+            let e = bounded("a feed out of order", move || {
+                let shape =
+                    |id: &ParamId| ids.iter().position(|i| i == id).map(|k| dims[k].clone());
+                let mut feed = |send: &mut dyn FnMut(u64, Bytes) -> bool| {
+                    // The writer takes the bias where the weight was due, refuses it and
+                    // stops taking more.
+                    assert!(send(ids[1].val(), vals[1].clone()));
+                    assert!(!send(ids[0].val(), vals[0].clone()));
+                    Ok(())
+                };
+                let fed = Fed {
+                    shape: &shape,
+                    feed: &mut feed,
+                };
+                save_streamed(&sk, &path, Some(fed))
+            })
+            .unwrap_err();
+            assert!(e.contains("came out of order"), "{e}");
+            assert!(!wrong.exists());
+
+            // A feed that fails (a peer gone mid-gather): its error, no file left.
+            let failed = dir.path().join("failed.bpk");
+            let mut feed = |send: &mut dyn FnMut(u64, Bytes) -> bool| {
+                send(ids[0].val(), values[0].clone());
+                Err(HearthError::Training("rank 1 is gone".into()))
+            };
+            let fed = Fed {
+                shape: &shape,
+                feed: &mut feed,
+            };
+            let e = save_streamed(&skeleton, &failed, Some(fed)).unwrap_err();
+            assert!(e.contains("rank 1 is gone"), "{e}");
+            assert!(!failed.exists());
         }
     }
 }

@@ -106,6 +106,20 @@ pub trait Net: Module + 'static {
         None
     }
 
+    /// ZeRO stage 3's checkpoint on this module's skeleton: the units gathered one at a time,
+    /// each tensor the skeleton holds empty handed to `each` with its parameter id and a
+    /// reader of its bytes ([`crate::pipeline::gathered_tensors`]). `None` (the default) for
+    /// a module without units.
+    #[doc(hidden)]
+    fn gathered_tensors(
+        &self,
+        gathering: &crate::pipeline::Gathering<'_>,
+        each: &mut dyn FnMut(u64, &dyn Fn() -> burn::tensor::Bytes),
+    ) -> Option<crate::Result<()>> {
+        let _ = (gathering, each);
+        None
+    }
+
     /// Each unit's number of trainable tensors, in the module's order (ZeRO stage 3 gathers a
     /// unit at a time); `None` (the default) for a module without units.
     #[doc(hidden)]
@@ -137,6 +151,13 @@ impl Net for Classifier {
     }
     fn unit_tensor_counts(&self) -> Option<Vec<usize>> {
         Some(crate::pipeline::unit_tensor_counts(self))
+    }
+    fn gathered_tensors(
+        &self,
+        gathering: &crate::pipeline::Gathering<'_>,
+        each: &mut dyn FnMut(u64, &dyn Fn() -> burn::tensor::Bytes),
+    ) -> Option<crate::Result<()>> {
+        Some(crate::pipeline::gathered_tensors(self, gathering, each))
     }
     fn gathered_logits(
         &self,

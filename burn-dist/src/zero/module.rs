@@ -208,6 +208,12 @@ pub struct ShardedParams {
 }
 
 impl ShardedParams {
+    /// The shape of the skeleton's trainable tensor `id` (held empty, its values in the
+    /// shards); `None` for a tensor the skeleton holds whole (a buffer, a frozen parameter).
+    pub fn shape_of(&self, id: &ParamId) -> Option<&burn::tensor::Shape> {
+        self.index.get(id).and_then(|i| self.shapes.get(i))
+    }
+
     /// `part` of the skeleton (the whole, or a unit: its trainable tensors consecutive in the
     /// skeleton's order) with its values gathered from every rank's segments, the buckets cut
     /// at the parts ([`ZeroOptimizer::cut_at_units`]). The skeleton stays empty: the values

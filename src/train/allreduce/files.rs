@@ -6,13 +6,13 @@ use burn::store::ModuleRecord;
 use burn::tensor::Bytes;
 
 use super::Allreduce;
-use crate::train::best::{model_checkpoint, save_epoch_weights};
+use crate::train::best::{Fed, model_checkpoint, save_epoch_weights, save_epoch_weights_fed};
 use crate::train::ema::{Ema, ema_checkpoint};
 use crate::train::epochs::Epochs;
 use crate::train::model::optimizer;
 use crate::train::precision::LossScaler;
 use crate::train::run_dir;
-use crate::train::trainee::Trainee;
+use crate::train::trainee::{Net, Trainee};
 use crate::{HearthError, Result};
 
 /// `run_dir/checkpoint/optim-<epoch>.bpk`.
@@ -142,17 +142,37 @@ impl<T: Trainee> Allreduce<'_, T> {
         if let (Some(z), Some(comm)) = (&self.zero, &self.comm) {
             crate::train::zero::save_state(&self.cfg.run_dir.join("checkpoint"), epoch, z, comm)?;
         }
-        // `--zero 3`: the weights gathered whole (every rank takes part).
-        let whole = self.whole_model()?;
-        if self.rank != 0 {
-            return Ok(());
-        }
         let dir = &self.cfg.run_dir;
-        let model = match whole {
-            Some(m) => m,
-            None => self.model()?.clone(),
-        };
-        save_epoch_weights(dir, epoch, model, &Default::default())?;
+        match self.gathering() {
+            // `--zero 3`: the units gathered one at a time (every rank takes part), rank 0
+            // writing each tensor as it comes.
+            Some(g) => {
+                let model = self.model()?;
+                let gathered = |each: &mut dyn FnMut(u64, &dyn Fn() -> Bytes)| {
+                    model.gathered_tensors(&g, each).unwrap_or_else(|| {
+                        Err(HearthError::InvalidArgument(
+                            "`exchange.zero` 3: this model has no units to gather one by one"
+                                .into(),
+                        ))
+                    })
+                };
+                if self.rank != 0 {
+                    return gathered(&mut |_, _| {});
+                }
+                let shape = |id: &burn::module::ParamId| g.params.shape_of(id).cloned();
+                let mut feed = |send: &mut dyn FnMut(u64, Bytes) -> bool| {
+                    let mut open = true;
+                    gathered(&mut |id, read| open = open && send(id, read()))
+                };
+                let fed = Fed {
+                    shape: &shape,
+                    feed: &mut feed,
+                };
+                save_epoch_weights_fed(dir, epoch, model.clone(), &Default::default(), fed)?;
+            }
+            None if self.rank != 0 => return Ok(()),
+            None => save_epoch_weights(dir, epoch, self.model()?.clone(), &Default::default())?,
+        }
         if let Some(e) = &self.ema {
             e.save(&ema_checkpoint(dir, epoch))?;
         }

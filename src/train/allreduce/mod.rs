@@ -174,7 +174,7 @@ struct Allreduce<'a, T: Trainee> {
     /// `--zero`: this rank's shard of the optimizer (`self.optim` then never steps).
     zero: Option<ZeroOptimizer>,
     /// `--zero 3`: the model is a skeleton whose values `zero` holds; where each of its
-    /// tensors sits, for gathering a unit (or the whole, to checkpoint).
+    /// tensors sits, for gathering a unit.
     params: Option<ShardedParams>,
     /// `--zero 3 --overlap`: the communicator the step's thread gathers parameters over (a
     /// sibling of `comm`, whose reductions run on the exchange thread meanwhile).
@@ -277,16 +277,6 @@ impl<T: Trainee> Allreduce<'_, T> {
             (Some(zero), Some(comm), Some(params)) => Some(Gathering { zero, comm, params }),
             _ => None,
         }
-    }
-
-    /// `--zero 3`: the whole model, gathered from every rank's segments (every rank calls it
-    /// alike), to checkpoint; `None` where the model is whole already. Its batch-norm
-    /// statistics are the skeleton's own (shared, not copied).
-    fn whole_model(&self) -> Result<Option<T::Model>> {
-        let Some(g) = self.gathering() else {
-            return Ok(None);
-        };
-        Ok(Some(g.params.gather(g.zero, g.comm, self.model()?)?))
     }
 
     /// One optimizer step: its gradients unscaled (fp16), exchanged (what `overlapped` has
