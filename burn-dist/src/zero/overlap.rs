@@ -269,7 +269,10 @@ impl Pending {
                     .take()
                     .unwrap_or_else(|| vec![0.0; self.reducer.tensor_len(t)])
             } else {
-                let mut g = Vec::new();
+                // Its whole length at once: a vector grown by doubling held up to three
+                // times the bucket's gradient for a moment (a stage 3 step's peak).
+                let len = tensors.clone().map(|t| self.reducer.tensor_len(t)).sum();
+                let mut g = Vec::with_capacity(len);
                 for t in tensors {
                     match self.slots[t].take() {
                         Some(v) => g.extend_from_slice(&v),
