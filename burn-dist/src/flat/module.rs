@@ -130,13 +130,22 @@ pub fn take_trainable_grads_of<M: Module>(
     grads: &mut GradientsParams,
     tensors: std::ops::Range<usize>,
 ) -> Vec<f32> {
+    // The bucket's length first: a vector grown by doubling held up to three times the
+    // bucket for a moment (the old and new buffers, and the tensors not yet copied).
+    let len: usize = trainable_names(module)
+        .iter()
+        .skip(tensors.start)
+        .take(tensors.len())
+        .map(|(_, n)| n)
+        .sum();
     let mut out = Vec::new();
     let want = |i, _| tensors.contains(&i);
     take_trainable_grads_each(module, grads, &want, true, &mut |_, g| {
         // A bucket of one tensor is that tensor's own buffer, not a copy.
-        if out.is_empty() {
+        if out.is_empty() && g.len() == len {
             out = g;
         } else {
+            out.reserve_exact(len.saturating_sub(out.len()));
             out.extend_from_slice(&g);
         }
     });
