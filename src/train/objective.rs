@@ -373,7 +373,8 @@ impl Objective {
         }
         if batches.next().is_some() {
             return Err(HearthError::Training(format!(
-                "validation: this rank's share has more than the {rounds} batches every rank                  was to run"
+                "validation: this rank's share has more than the {rounds} batches every rank \
+                 was to run"
             )));
         }
         self.combine(sums, scores, comm)
