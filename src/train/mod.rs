@@ -45,6 +45,7 @@ mod gate;
 mod hparams;
 mod logger;
 mod model;
+mod net;
 mod objective;
 mod pipeline;
 mod precision;
