@@ -200,19 +200,12 @@ pub fn gathered_logits(
     gathering: &Gathering<'_>,
 ) -> Result<Option<burn::prelude::Tensor<2>>> {
     let mut x = x.map(Activation::Rank4);
-    for unit in model.clone().into_units() {
-        let unit = StageModel {
-            units: vec![unit],
-            precision,
-        };
-        let whole = gathering
-            .params
-            .gather(gathering.zero, gathering.comm, &unit)?
-            .valid();
+    each_gathered_unit(model, precision, gathering, &mut |whole| {
         if let Some(a) = x.take() {
-            x = Some(whole.forward(a)?);
+            x = Some(whole.valid().forward(a)?);
         }
-    }
+        Ok(())
+    })?;
     match x {
         Some(a) => Ok(Some(a.rank2("the model's output")?)),
         None => Ok(None),
@@ -247,16 +240,32 @@ pub fn gathered_tensors(
             (self.each)(param.id.val(), &read);
         }
     }
-    for unit in model.clone().into_units() {
-        let whole = gathering.params.gather(
-            gathering.zero,
-            gathering.comm,
-            &StageModel::new(vec![unit]),
-        )?;
+    let precision = crate::train::Precision::Fp32;
+    each_gathered_unit(model, precision, gathering, &mut |whole| {
         whole.visit(&mut Each {
             params: gathering.params,
-            each,
+            each: &mut *each,
         });
+        Ok(())
+    })
+}
+
+/// Each of `model`'s (a skeleton's) units in order, as a one-unit stage in `precision` with
+/// its parameters gathered, handed to `f` and let go before the next is gathered.
+fn each_gathered_unit(
+    model: &hearth_models::Classifier,
+    precision: crate::train::Precision,
+    gathering: &Gathering<'_>,
+    f: &mut dyn FnMut(StageModel) -> Result<()>,
+) -> Result<()> {
+    for unit in model.clone().into_units() {
+        let unit = StageModel {
+            units: vec![unit],
+            precision,
+        };
+        f(gathering
+            .params
+            .gather(gathering.zero, gathering.comm, &unit)?)?;
     }
     Ok(())
 }

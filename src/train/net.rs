@@ -153,3 +153,11 @@ impl Net for Classifier {
         ))
     }
 }
+
+/// ZeRO stage 3's validation or checkpoint on a module without units (which stage 3 refuses
+/// at its start).
+pub(crate) fn no_units_to_gather() -> crate::HearthError {
+    crate::HearthError::InvalidArgument(
+        "`exchange.zero` 3: this model has no units to gather one by one".into(),
+    )
+}

@@ -354,11 +354,7 @@ impl Objective {
             };
             let logits = model
                 .gathered_logits(input, self.precision, gathering)
-                .unwrap_or_else(|| {
-                    Err(HearthError::InvalidArgument(
-                        "`exchange.zero` 3: this model has no units to gather one by one".into(),
-                    ))
-                })?;
+                .unwrap_or_else(|| Err(super::net::no_units_to_gather()))?;
             match (logits, targets) {
                 (Some(logits), Some(targets)) => {
                     self.score_batch(logits, &targets, &mut sums, &mut scores)?;

@@ -132,12 +132,7 @@ pub fn take_trainable_grads_of<M: Module>(
 ) -> Vec<f32> {
     // The bucket's length first: a vector grown by doubling held up to three times the
     // bucket for a moment (the old and new buffers, and the tensors not yet copied).
-    let len: usize = trainable_names(module)
-        .iter()
-        .skip(tensors.start)
-        .take(tensors.len())
-        .map(|(_, n)| n)
-        .sum();
+    let len = trainable_len(module, tensors.clone());
     let mut out = Vec::new();
     let want = |i, _| tensors.contains(&i);
     take_trainable_grads_each(module, grads, &want, true, &mut |_, g| {
@@ -150,6 +145,33 @@ pub fn take_trainable_grads_of<M: Module>(
         }
     });
     out
+}
+
+/// The number of values of trainable tensors `tensors` (indices in [`trainable_names`] order).
+fn trainable_len<M: Module>(module: &M, tensors: std::ops::Range<usize>) -> usize {
+    struct Len {
+        want: std::ops::Range<usize>,
+        index: usize,
+        len: usize,
+    }
+    impl ModuleVisitor for Len {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let t = param.val();
+            if t.is_require_grad() {
+                if self.want.contains(&self.index) {
+                    self.len += t.shape().num_elements();
+                }
+                self.index += 1;
+            }
+        }
+    }
+    let mut v = Len {
+        want: tensors,
+        index: 0,
+        len: 0,
+    };
+    module.visit(&mut v);
+    v.len
 }
 
 /// Takes the gradients of the trainable tensors that `want(index, id)` picks (indices in

@@ -149,12 +149,9 @@ impl<T: Trainee> Allreduce<'_, T> {
             Some(g) => {
                 let model = self.model()?;
                 let gathered = |each: &mut dyn FnMut(u64, &dyn Fn() -> Bytes)| {
-                    model.gathered_tensors(&g, each).unwrap_or_else(|| {
-                        Err(HearthError::InvalidArgument(
-                            "`exchange.zero` 3: this model has no units to gather one by one"
-                                .into(),
-                        ))
-                    })
+                    model
+                        .gathered_tensors(&g, each)
+                        .unwrap_or_else(|| Err(crate::train::net::no_units_to_gather()))
                 };
                 if self.rank != 0 {
                     return gathered(&mut |_, _| {});
