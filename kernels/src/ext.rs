@@ -287,8 +287,63 @@ pub fn input_grad_path(s: &ConvShape) -> InputGrad {
 #[derive(Debug)]
 struct ConvWithOurWeightGrad;
 
+/// How an op's backward finds its weight: checkpointed in the graph, or by key
+/// ([`crate::keyed`]: read from the values handed to the backward, its gradient handed out).
+#[derive(Debug, Clone, Copy)]
+enum Weight {
+    Held(NodeId),
+    Keyed(u64),
+}
+
+impl Weight {
+    /// The weight kept for a backward: by key where a keyed forward gave the op one and the
+    /// weight trains (a frozen weight is not sharded: its module holds it anyway), else
+    /// checkpointed.
+    fn keep(trains: bool, checkpoint: impl FnOnce() -> NodeId) -> Self {
+        match crate::keyed::take_key() {
+            Some(key) if trains => Weight::Keyed(key),
+            _ => Weight::Held(checkpoint()),
+        }
+    }
+
+    fn retrieve<B: Backend>(
+        self,
+        checkpointer: &mut Checkpointer,
+        device: &B::Device,
+    ) -> B::FloatTensorPrimitive {
+        match self {
+            Weight::Held(node) => {
+                checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(node)
+            }
+            Weight::Keyed(key) => B::float_from_data(crate::keyed::value(key), device),
+        }
+    }
+
+    /// Registers the weight's gradient `dw`: on its graph node, or handed out by key.
+    fn register<B: Backend>(
+        self,
+        grads: &mut Gradients,
+        node: NodeId,
+        dw: B::FloatTensorPrimitive,
+    ) {
+        match self {
+            Weight::Held(_) => grads.register::<B>(node, dw),
+            Weight::Keyed(key) => match burn::tensor::try_read_sync(B::float_into_data(dw)) {
+                Some(Ok(data)) => crate::keyed::put_grad(key, data),
+                // Reading a CPU tensor cannot fail; a device's failure leaves nothing to hand.
+                Some(Err(e)) => {
+                    panic!("hearth-kernels: reading keyed weight {key}'s gradient: {e:?}")
+                }
+                None => panic!(
+                    "hearth-kernels: keyed weight {key}'s gradient cannot be read synchronously"
+                ),
+            },
+        }
+    }
+}
+
 impl<B: ConvBackend> Backward<B, 2> for ConvWithOurWeightGrad {
-    type State = (NodeId, NodeId, Geometry2);
+    type State = (NodeId, Weight, Geometry2);
 
     fn backward(
         self,
@@ -300,7 +355,7 @@ impl<B: ConvBackend> Backward<B, 2> for ConvWithOurWeightGrad {
         let grad = grads.consume::<B>(&ops.node);
         let (x_state, weight_state, geometry) = ops.state;
         let x = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(x_state);
-        let weight = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(weight_state);
+        let weight = weight_state.retrieve::<B>(checkpointer, &grad.device());
         if let Some(node) = node_x {
             let input_shape = x.shape().dims::<4>();
             let dx = B::hearth_conv2d_x_grad(weight.clone(), grad.clone(), input_shape, geometry);
@@ -308,8 +363,9 @@ impl<B: ConvBackend> Backward<B, 2> for ConvWithOurWeightGrad {
         }
         if let Some(node) = node_weight {
             let weight_shape = weight.shape().dims::<4>();
+            drop(weight);
             let dw = B::hearth_conv2d_weight_grad(x, grad, weight_shape, geometry);
-            grads.register::<B>(node.id, dw);
+            weight_state.register::<B>(grads, node.id, dw);
         }
     }
 }
@@ -327,7 +383,7 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
         {
             OpsKind::Tracked(mut prep) => {
                 let x_state = prep.checkpoint(&x);
-                let weight_state = prep.checkpoint(&weight);
+                let weight_state = Weight::keep(weight.is_tracked(), || prep.checkpoint(&weight));
                 prep.finish(
                     (x_state, weight_state, geometry),
                     B::hearth_conv2d(x.into_primitive(), weight.into_primitive(), geometry),
@@ -381,7 +437,9 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
                 // Each operand is kept only for the other's gradient (as Burn's `linear`): a
                 // frozen weight keeps no input, an input that needs no gradient no weight.
                 let lhs_state = rhs.is_tracked().then(|| prep.checkpoint(&lhs));
-                let rhs_state = lhs.is_tracked().then(|| prep.checkpoint(&rhs));
+                let rhs_state = lhs
+                    .is_tracked()
+                    .then(|| Weight::keep(rhs.is_tracked(), || prep.checkpoint(&rhs)));
                 prep.finish(
                     (lhs_state, rhs_state),
                     B::hearth_matmul(lhs.into_primitive(), rhs.into_primitive()),
@@ -398,7 +456,7 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
 struct LinearProduct;
 
 impl<B: ConvBackend> Backward<B, 2> for LinearProduct {
-    type State = (Option<NodeId>, Option<NodeId>);
+    type State = (Option<NodeId>, Option<Weight>);
 
     fn backward(
         self,
@@ -408,11 +466,11 @@ impl<B: ConvBackend> Backward<B, 2> for LinearProduct {
     ) {
         let [node_lhs, node_rhs] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
+        let device = grad.device();
         let (lhs_state, rhs_state) = ops.state;
         let lhs =
             lhs_state.map(|s| checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(s));
-        let rhs =
-            rhs_state.map(|s| checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(s));
+        let rhs = rhs_state.map(|s| s.retrieve::<B>(checkpointer, &device));
         // C = A · B: dA = dC · Bᵀ, dB = Aᵀ · dC (a parent that needs its gradient had the
         // other operand kept for it).
         if let (Some(node), Some(rhs)) = (node_lhs, rhs) {
@@ -421,7 +479,10 @@ impl<B: ConvBackend> Backward<B, 2> for LinearProduct {
         }
         if let (Some(node), Some(lhs)) = (node_rhs, lhs) {
             let d = B::hearth_matmul(B::float_transpose(lhs), grad);
-            grads.register::<B>(node.id, d);
+            match rhs_state {
+                Some(w) => w.register::<B>(grads, node.id, d),
+                None => grads.register::<B>(node.id, d),
+            }
         }
     }
 }

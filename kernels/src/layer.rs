@@ -71,14 +71,14 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
             // GPU kernels take the low type as it is (tensor cores).
             let weight = conv.weight.val().cast(dt);
             let bias = conv.bias.as_ref().map(|b| b.val().cast(dt));
-            return conv2d_on(conv, path, x, weight, bias);
+            return conv2d_on(conv, path, x, weight, bias, None);
         }
         if path != Path::Reference {
             let f32 = FloatDType::F32;
             let rounded = |t: Tensor<1>| cast(cast(t, dt), f32);
             let weight = cast(cast(conv.weight.val(), dt), f32);
             let bias = conv.bias.as_ref().map(|b| rounded(b.val()));
-            return cast(conv2d_on(conv, path, cast(x, f32), weight, bias), dt);
+            return cast(conv2d_on(conv, path, cast(x, f32), weight, bias, None), dt);
         }
         return match symmetric(&conv.padding) {
             Some(padding) => burn::tensor::module::conv2d(
@@ -96,30 +96,43 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
             None => conv.forward(x.cast(FloatDType::F32)).cast(dt),
         };
     }
-    let path = fast_path(conv, &x.device(), enabled());
+    let path = match fast_path(conv, &x.device(), enabled()) {
+        // A keyed forward (`crate::keyed`) takes the op that can keep its weight by key.
+        Path::Pointwise if crate::keyed::keying() && is_flex(&x.device()) => Path::Gemm,
+        path => path,
+    };
     conv2d_on(
         conv,
         path,
         x,
         conv.weight.val(),
         conv.bias.as_ref().map(|b| b.val()),
+        Some(conv.weight.id.val()),
     )
 }
 
 /// `conv`'s shape applied to `x` with `weight` and `bias` (f32) by `path` (the reference path
-/// is `conv.forward`: with the module's own weight and bias).
+/// is `conv.forward`: with the module's own weight and bias). `key`: `weight` is the module's
+/// own, which the extension op may keep by that key ([`crate::keyed`]).
 fn conv2d_on(
     conv: &Conv2d,
     path: Path,
     x: Tensor<4>,
     weight: Tensor<4>,
     bias: Option<Tensor<1>>,
+    key: Option<u64>,
 ) -> Tensor<4> {
     match path {
         Path::Pointwise => pointwise_strided(x, weight, bias, conv.stride),
         Path::Gemm | Path::Selected => {
             let padding = symmetric(&conv.padding).unwrap_or([0, 0]);
-            let y = ext::conv2d_gemm_grad(x, weight, [conv.stride, padding, conv.dilation]);
+            let geometry = [conv.stride, padding, conv.dilation];
+            let y = match key {
+                Some(key) => {
+                    crate::keyed::with_key(key, || ext::conv2d_gemm_grad(x, weight, geometry))
+                }
+                None => ext::conv2d_gemm_grad(x, weight, geometry),
+            };
             match bias {
                 Some(b) => {
                     let co = b.dims()[0];

@@ -70,14 +70,17 @@ fn selected_linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
     let rows = dims[..D - 1].iter().product::<usize>();
     let weight = linear.weight.val();
     let outputs = weight.dims()[1];
-    let (weight, bias) = match low_precision(&x) {
-        Some(dt) => (
-            weight.cast(dt),
-            linear.bias.as_ref().map(|b| b.val().cast(dt)),
-        ),
-        None => (weight, linear.bias.as_ref().map(|b| b.val())),
+    let low = low_precision(&x);
+    let x = x.reshape([rows, inputs]);
+    let y = match low {
+        Some(dt) => crate::ext::matmul2(x, weight.cast(dt)),
+        // The module's own weight, which the product may keep by key (`crate::keyed`).
+        None => crate::keyed::with_key(linear.weight.id.val(), || crate::ext::matmul2(x, weight)),
     };
-    let y = crate::ext::matmul2(x.reshape([rows, inputs]), weight);
+    let bias = match low {
+        Some(dt) => linear.bias.as_ref().map(|b| b.val().cast(dt)),
+        None => linear.bias.as_ref().map(|b| b.val()),
+    };
     let y = match bias {
         Some(b) => y + b.unsqueeze::<2>(),
         None => y,

@@ -4,9 +4,7 @@
 //! Flex's product holds it twice for a moment: the live bytes are counted by this test
 //! binary's allocator.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
 use burn::nn::LinearConfig;
 use burn::prelude::*;
@@ -14,48 +12,9 @@ use burn::tensor::Distribution;
 use hearth_kernels::ext::matmul2;
 
 mod common;
+mod counting;
 use common::{Shapes, close, values};
-
-/// Counts live bytes and their peak since the last [`reset_peak`].
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(live, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(live, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(p, layout) };
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
-
-/// One test at a time in this binary: the memory test counts every thread's allocations.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn reset_peak() -> usize {
-    let live = LIVE.load(Ordering::Relaxed);
-    PEAK.store(live, Ordering::Relaxed);
-    live
-}
+use counting::{ONE_AT_A_TIME, PEAK, reset_peak};
 
 fn product(lhs: Tensor<2>, rhs: Tensor<2>) -> Tensor<2> {
     matmul2(lhs, rhs)

@@ -1,0 +1,197 @@
+//! Weights kept by key (`hearth_kernels::keyed`): a convolution (3x3), a strided 1x1 (which a
+//! keyed forward moves from the pointwise path to the extension op) and a linear layer,
+//! trained with their weights let go after the forward and handed back to the backward by
+//! key, give the gradients of the ordinary backward; and the graph then holds none of those
+//! weights (the live bytes counted by this binary's allocator).
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+use burn::module::{Param, ParamId};
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::{Linear, LinearConfig, PaddingConfig2d};
+use burn::prelude::*;
+use burn::tensor::{Distribution, TensorData};
+use hearth_kernels::keyed;
+
+mod common;
+mod counting;
+use common::{close, values};
+use counting::{LIVE, ONE_AT_A_TIME};
+
+/// The layers' weights (as data, so that each run builds tensors of its own), with their ids.
+struct Weights {
+    conv: (ParamId, TensorData),
+    pointwise: (ParamId, TensorData),
+    linear: (ParamId, TensorData),
+}
+
+struct Net {
+    conv: Conv2d,
+    pointwise: Conv2d,
+    linear: Linear,
+}
+
+const CLASSES: usize = 4096;
+
+fn weights(device: &Device) -> Weights {
+    let normal = Distribution::Normal(0.0, 0.1);
+    Weights {
+        conv: (
+            ParamId::new(),
+            Tensor::<4>::random([8, 4, 3, 3], normal, device).into_data(),
+        ),
+        pointwise: (
+            ParamId::new(),
+            Tensor::<4>::random([16, 8, 1, 1], normal, device).into_data(),
+        ),
+        linear: (
+            ParamId::new(),
+            Tensor::<2>::random([256, CLASSES], normal, device).into_data(),
+        ),
+    }
+}
+
+fn param<const D: usize>((id, data): &(ParamId, TensorData), device: &Device) -> Param<Tensor<D>> {
+    Param::initialized(
+        *id,
+        Tensor::<D>::from_data(data.clone(), device).require_grad(),
+    )
+}
+
+fn net(w: &Weights, device: &Device) -> Net {
+    let mut conv = Conv2dConfig::new([4, 8], [3, 3])
+        .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+        .with_bias(false)
+        .init(device);
+    conv.weight = param(&w.conv, device);
+    let mut pointwise = Conv2dConfig::new([8, 16], [1, 1])
+        .with_stride([2, 2])
+        .with_bias(false)
+        .init(device);
+    pointwise.weight = param(&w.pointwise, device);
+    let mut linear = LinearConfig::new(256, CLASSES)
+        .with_bias(false)
+        .init(device);
+    linear.weight = param(&w.linear, device);
+    Net {
+        conv,
+        pointwise,
+        linear,
+    }
+}
+
+fn forward(net: &Net, x: Tensor<4>) -> Tensor<1> {
+    let y = hearth_kernels::conv2d(&net.conv, x);
+    let y = burn::tensor::activation::relu(y);
+    let y = hearth_kernels::conv2d(&net.pointwise, y);
+    let y = hearth_kernels::linear(&net.linear, y.reshape([2, 256]));
+    y.powi_scalar(2).sum()
+}
+
+/// One training step's weight gradients (by id) and input gradient, and the bytes the step
+/// added to the live ones after the forward, once the layers are dropped (what the graph
+/// holds).
+fn step(
+    w: &Weights,
+    x: &TensorData,
+    by_key: bool,
+) -> (HashMap<ParamId, Vec<f32>>, Vec<f32>, usize) {
+    let start = LIVE.load(Ordering::Relaxed);
+    let ad = Device::flex().autodiff();
+    let x = Tensor::<4>::from_data(x.clone(), &ad).require_grad();
+    let net = net(w, &ad);
+    let (loss, uses) = if by_key {
+        keyed::forward(|| forward(&net, x.clone()))
+    } else {
+        (forward(&net, x.clone()), keyed::Uses::new())
+    };
+    let ids = [
+        net.conv.weight.id,
+        net.pointwise.weight.id,
+        net.linear.weight.id,
+    ];
+    let held = (
+        [net.conv.weight.val(), net.pointwise.weight.val()],
+        net.linear.weight.val(),
+    );
+    drop(net);
+    if !by_key {
+        let live = LIVE.load(Ordering::Relaxed) - start;
+        let grads = loss.backward();
+        let mut by_id = HashMap::new();
+        for (id, t) in ids.iter().zip(&held.0) {
+            by_id.insert(*id, t.grad(&grads).map(values).unwrap_or_default());
+        }
+        let linear = held.1.grad(&grads).map(values).unwrap_or_default();
+        by_id.insert(ids[2], linear);
+        let dx = x.grad(&grads).map(values).unwrap_or_default();
+        return (by_id, dx, live);
+    }
+    let want: keyed::Uses = ids.iter().map(|id| (id.val(), 1)).collect();
+    assert_eq!(uses, want, "every weight kept by key by its one op");
+    drop(held);
+    let live = LIVE.load(Ordering::Relaxed) - start;
+    let provided: HashMap<u64, TensorData> = [&w.conv, &w.pointwise, &w.linear]
+        .into_iter()
+        .map(|(id, data)| (id.val(), data.clone()))
+        .collect();
+    let (grads, by_key) = keyed::backward(provided, &uses, || loss.backward());
+    let by_id = ids
+        .iter()
+        .map(|id| {
+            let g = by_key
+                .get(&id.val())
+                .map(|d| d.try_to_vec::<f32>().unwrap_or_default());
+            (*id, g.unwrap_or_default())
+        })
+        .collect();
+    let dx = x.grad(&grads).map(values).unwrap_or_default();
+    (by_id, dx, live)
+}
+
+#[test]
+fn weights_kept_by_key_give_the_same_gradients_and_leave_the_graph() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let flex = Device::flex();
+    let w = weights(&flex);
+    let x = Tensor::<4>::random([2, 4, 8, 8], Distribution::Normal(0.0, 1.0), &flex).into_data();
+    let (plain, plain_dx, plain_live) = step(&w, &x, false);
+    let (keyed, keyed_dx, keyed_live) = step(&w, &x, true);
+    for (id, name) in [
+        (w.linear.0, "linear"),
+        (w.pointwise.0, "strided 1x1"),
+        (w.conv.0, "3x3"),
+    ] {
+        assert!(
+            !plain[&id].is_empty(),
+            "{name}: the plain backward gave a gradient"
+        );
+        close(
+            &keyed[&id],
+            &plain[&id],
+            &format!("{name}'s weight gradient"),
+        );
+    }
+    close(&keyed_dx, &plain_dx, "the input's gradient");
+    // With the layers dropped, a plain graph still holds their weights (the storage this test
+    // keeps to read their gradients, counted once); a keyed graph holds none of them.
+    let linear_bytes = 256 * CLASSES * 4;
+    assert!(
+        plain_live >= keyed_live + linear_bytes * 9 / 10,
+        "after the forward, without the layers: {plain_live} bytes live with weights held, \
+         {keyed_live} by key (the linear weight is {linear_bytes})"
+    );
+}
+
+#[test]
+#[should_panic(expected = "ran outside keyed::backward")]
+fn a_keyed_graph_run_without_its_weights_names_the_broken_promise() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let ad = Device::flex().autodiff();
+    let w = weights(&Device::flex());
+    let net = net(&w, &ad);
+    let x = Tensor::<4>::random([2, 4, 8, 8], Distribution::Normal(0.0, 1.0), &ad).require_grad();
+    let (loss, _) = keyed::forward(|| forward(&net, x));
+    let _ = loss.backward();
+}
