@@ -32,8 +32,9 @@ use crate::{DistError, Result};
 mod segments;
 mod step;
 pub use segments::{
-    Gather, SegmentDone, recomputed_gradients, recomputed_gradients_each,
+    Gather, Regather, SegmentDone, recomputed_gradients, recomputed_gradients_each,
     recomputed_gradients_gathered, segmented_gradients, segmented_gradients_gathered,
+    segmented_gradients_regathered,
 };
 
 /// A tensor between two stages: rank 2 (`[batch, features]`) or rank 4 (`[batch, c, h, w]`).

@@ -150,10 +150,64 @@ pub fn segmented_gradients<M: PipelineStage>(
 /// [`segmented_gradients`] with each segment's values from `gather` before its forward. Each
 /// segment's graph holds its gathered values until its backward is over (then they go, before
 /// `done` gets the caller's segment): ZeRO stage 3 without recomputation holds every segment's
-/// values at the end of the forward.
+/// values at the end of the forward, unless [`segmented_gradients_regathered`] lets them go.
 pub fn segmented_gradients_gathered<M: PipelineStage>(
     segments: &[M],
     gather: &mut Gather<'_, M>,
+    input: Activation,
+    loss: &mut dyn FnMut(Activation) -> Result<Tensor<1>>,
+    done: &mut SegmentDone<'_, M>,
+) -> Result<Vec<GradientsParams>> {
+    segmented(segments, gather, None, input, loss, done)
+}
+
+/// How a segment's gathered values leave its graph between its forward and its backward, the
+/// graph keeping keys in their place, and come back for its backward, gathered again (ZeRO
+/// stage 3 without recomputation; PyTorch FSDP's "reshard after forward"). The ops that can
+/// keep a value by key are the caller's: burn-dist only orders the passes and the gathers.
+pub trait Regather<M> {
+    /// Runs segment `k`'s `forward` on `gathered` with its graph keeping keys where it can;
+    /// returns the output and `gathered` without the values kept by key (what is left is what
+    /// the graph's other ops need: the caller holds it until the backward).
+    fn forward(
+        &mut self,
+        k: usize,
+        gathered: M,
+        forward: &mut dyn FnMut(&M) -> Result<Activation>,
+    ) -> Result<(Activation, M)>;
+    /// Runs segment `k`'s `backward` with `again` (the segment gathered again) providing the
+    /// values its graph kept by key, and returns the backward's gradients; the gradients of
+    /// the values kept by key are held for [`Regather::add_keyed`].
+    fn backward(
+        &mut self,
+        k: usize,
+        again: M,
+        backward: &mut dyn FnMut() -> Result<burn::tensor::Gradients>,
+    ) -> Result<burn::tensor::Gradients>;
+    /// Adds segment `k`'s gradients of the values kept by key to `grads` (`segment`: the
+    /// caller's, whose parameter ids they carry).
+    fn add_keyed(&mut self, k: usize, segment: &M, grads: &mut GradientsParams) -> Result<()>;
+}
+
+/// [`segmented_gradients_gathered`] with each segment's gathered values let go after its
+/// forward and gathered again for its backward ([`Regather`]): every rank gathers each segment
+/// twice, in forward then reverse order, and between its two passes a segment holds only what
+/// its graph keeps by value.
+pub fn segmented_gradients_regathered<M: PipelineStage>(
+    segments: &[M],
+    gather: &mut Gather<'_, M>,
+    regather: &mut dyn Regather<M>,
+    input: Activation,
+    loss: &mut dyn FnMut(Activation) -> Result<Tensor<1>>,
+    done: &mut SegmentDone<'_, M>,
+) -> Result<Vec<GradientsParams>> {
+    segmented(segments, gather, Some(regather), input, loss, done)
+}
+
+fn segmented<M: PipelineStage>(
+    segments: &[M],
+    gather: &mut Gather<'_, M>,
+    mut regather: Option<&mut dyn Regather<M>>,
     input: Activation,
     loss: &mut dyn FnMut(Activation) -> Result<Tensor<1>>,
     done: &mut SegmentDone<'_, M>,
@@ -176,8 +230,8 @@ pub fn segmented_gradients_gathered<M: PipelineStage>(
         s.visit(&mut t);
         trains |= t.0;
     }
-    // Forward with graphs: each segment (gathered), its input (cut from the graph before) and
-    // output.
+    // Forward with graphs: each segment (gathered; with `regather`, without what its graph
+    // keeps by key), its input (cut from the graph before) and output.
     let mut cut: Vec<(M, Activation, Activation)> = Vec::with_capacity(segments.len());
     let mut x = input;
     for (k, s) in segments.iter().enumerate() {
@@ -187,7 +241,11 @@ pub fn segmented_gradients_gathered<M: PipelineStage>(
             (_, false) => x.detach(),
         };
         let s = gather(k, s)?;
-        let y = s.forward(input.clone()).map_err(|e| fail(k, e))?;
+        let mut forward = |m: &M| m.forward(input.clone()).map_err(|e| fail(k, e));
+        let (y, s) = match regather.as_deref_mut() {
+            Some(r) => r.forward(k, s, &mut forward)?,
+            None => (forward(&s)?, s),
+        };
         x = y.clone();
         cut.push((s, input, y));
     }
@@ -195,22 +253,35 @@ pub fn segmented_gradients_gathered<M: PipelineStage>(
     let mut upstream: Option<Activation> = None;
     while let Some((segment, input, y)) = cut.pop() {
         let k = cut.len();
-        let g = if k + 1 == segments.len() {
-            loss(y)?.backward()
-        } else {
-            match upstream.take() {
-                Some(dy) if y.is_tracked() => y.inject_activation(dy)?.backward(),
-                // Nothing flows back into this segment (it and all before it are frozen).
-                _ => {
-                    grads.push(GradientsParams::new());
-                    continue;
-                }
+        let last = k + 1 == segments.len();
+        let dy = if last { None } else { upstream.take() };
+        if !last && !(dy.is_some() && y.is_tracked()) {
+            // Nothing flows back into this segment (it and all before it are frozen).
+            grads.push(GradientsParams::new());
+            continue;
+        }
+        let mut slot = Some((y, dy));
+        let mut backward = || match slot.take() {
+            Some((y, None)) => Ok(loss(y)?.backward()),
+            Some((y, Some(dy))) => Ok(y.inject_activation(dy)?.backward()),
+            None => Err(DistError::Config("a segment's backward ran twice".into())),
+        };
+        let g = match regather.as_deref_mut() {
+            Some(r) => {
+                let again = gather(k, &segments[k])?;
+                r.backward(k, again, &mut backward)?
             }
+            None => backward()?,
         };
         if upstream_trains[k] {
             upstream = input.grad_activation(&g);
         }
-        grads.push(hand_on(done, k, &segments[k], segment, g)?);
+        let mut g = GradientsParams::from_grads(g, &segment);
+        if let Some(r) = regather.as_deref_mut() {
+            r.add_keyed(k, &segments[k], &mut g)?;
+        }
+        drop(segment);
+        grads.push(done(k, &segments[k], g)?);
     }
     grads.reverse();
     Ok(grads)
