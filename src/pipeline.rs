@@ -14,6 +14,8 @@ use hearth_models::stages::{Unit, UnitOutput};
 
 use crate::{HearthError, Result};
 
+mod regather;
+
 /// A pipeline stage: consecutive units of one model.
 #[derive(Module, Debug)]
 pub struct StageModel {
@@ -101,8 +103,9 @@ impl PipelineStage for StageModel {
 ///
 /// With `gathering` (ZeRO stage 3) `model` is a skeleton: each unit's parameters are gathered
 /// from the ranks' shards before each of its passes, and go when the pass is over (with
-/// `recompute`: one unit's at a time; without, each unit's graph holds them until its
-/// backward).
+/// `recompute`: one unit's at a time; without, each unit's graph keeps its convolutions' and
+/// linear layers' weights by key, so they go after its forward and are gathered again for its
+/// backward: [`regather`]).
 ///
 /// Either way each unit's gradients go, as soon as its backward is over, to the overlapped
 /// exchange of this thread's step if one is installed ([`burn_dist::overlap::hand_over`]:
@@ -149,6 +152,15 @@ pub fn unit_gradients<M: Module>(
             x,
             &mut on_output,
             &device,
+            &mut done,
+        )
+    } else if gathering.is_some() {
+        burn_dist::pipeline::segmented_gradients_regathered(
+            &segments,
+            &mut gather,
+            &mut regather::Regathered::default(),
+            x,
+            &mut on_output,
             &mut done,
         )
     } else {
