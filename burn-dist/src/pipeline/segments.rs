@@ -191,8 +191,9 @@ pub trait Regather<M> {
 
 /// [`segmented_gradients_gathered`] with each segment's gathered values let go after its
 /// forward and gathered again for its backward ([`Regather`]): every rank gathers each segment
-/// twice, in forward then reverse order, and between its two passes a segment holds only what
-/// its graph keeps by value.
+/// but the last twice, in forward then reverse order, and between its two passes a segment
+/// holds only what its graph keeps by value. The last segment keeps its values: its backward
+/// follows its forward at once (as FSDP keeps its root's).
 pub fn segmented_gradients_regathered<M: PipelineStage>(
     segments: &[M],
     gather: &mut Gather<'_, M>,
@@ -242,9 +243,10 @@ fn segmented<M: PipelineStage>(
         };
         let s = gather(k, s)?;
         let mut forward = |m: &M| m.forward(input.clone()).map_err(|e| fail(k, e));
+        // The last segment's backward follows its forward at once: it keeps its values.
         let (y, s) = match regather.as_deref_mut() {
-            Some(r) => r.forward(k, s, &mut forward)?,
-            None => (forward(&s)?, s),
+            Some(r) if k + 1 < segments.len() => r.forward(k, s, &mut forward)?,
+            _ => (forward(&s)?, s),
         };
         x = y.clone();
         cut.push((s, input, y));
@@ -266,7 +268,8 @@ fn segmented<M: PipelineStage>(
             Some((y, Some(dy))) => Ok(y.inject_activation(dy)?.backward()),
             None => Err(DistError::Config("a segment's backward ran twice".into())),
         };
-        let g = match regather.as_deref_mut() {
+        let mut regathered = if last { None } else { regather.as_deref_mut() };
+        let g = match regathered.as_deref_mut() {
             Some(r) => {
                 let again = gather(k, &segments[k])?;
                 r.backward(k, again, &mut backward)?
@@ -277,7 +280,7 @@ fn segmented<M: PipelineStage>(
             upstream = input.grad_activation(&g);
         }
         let mut g = GradientsParams::from_grads(g, &segment);
-        if let Some(r) = regather.as_deref_mut() {
+        if let Some(r) = regathered {
             r.add_keyed(k, &segments[k], &mut g)?;
         }
         drop(segment);
