@@ -212,7 +212,7 @@ pub fn gathered_logits(
     gathering: &Gathering<'_>,
 ) -> Result<Option<burn::prelude::Tensor<2>>> {
     let mut x = x.map(Activation::Rank4);
-    each_gathered_unit(model, precision, gathering, &mut |whole| {
+    each_gathered_unit(model, precision, gathering, false, &mut |whole| {
         if let Some(a) = x.take() {
             x = Some(whole.valid().forward(a)?);
         }
@@ -224,8 +224,8 @@ pub fn gathered_logits(
     }
 }
 
-/// ZeRO stage 3's checkpoint: `model`'s (a skeleton's) units gathered one at a time, in
-/// order, and each tensor the skeleton holds empty handed to `each` with its parameter id and
+/// ZeRO stage 3's checkpoint: `model`'s (a skeleton's) units gathered one at a time, in the
+/// order of their tensors in the model (the file's), and each tensor the skeleton holds empty handed to `each` with its parameter id and
 /// a function that reads its bytes (f32, as a checkpoint stores them; read only if `each`
 /// calls it). Every rank calls it alike (the gathers are collective); one unit's parameters
 /// are held whole at a time.
@@ -253,7 +253,7 @@ pub fn gathered_tensors(
         }
     }
     let precision = crate::train::Precision::Fp32;
-    each_gathered_unit(model, precision, gathering, &mut |whole| {
+    each_gathered_unit(model, precision, gathering, true, &mut |whole| {
         whole.visit(&mut Each {
             params: gathering.params,
             each: &mut *each,
@@ -262,15 +262,24 @@ pub fn gathered_tensors(
     })
 }
 
-/// Each of `model`'s (a skeleton's) units in order, as a one-unit stage in `precision` with
-/// its parameters gathered, handed to `f` and let go before the next is gathered.
+/// Each of `model`'s (a skeleton's) units, in the forward's order or (`model_order`) in the
+/// order of their tensors in the model, as a one-unit stage in `precision` with its parameters
+/// gathered, handed to `f` and let go before the next is gathered.
 fn each_gathered_unit(
     model: &hearth_models::Classifier,
     precision: crate::train::Precision,
     gathering: &Gathering<'_>,
+    model_order: bool,
     f: &mut dyn FnMut(StageModel) -> Result<()>,
 ) -> Result<()> {
-    for unit in model.clone().into_units() {
+    let units = match model_order {
+        true => units_in_model_order(model)?
+            .into_iter()
+            .map(|(u, _)| u)
+            .collect(),
+        false => model.clone().into_units(),
+    };
+    for unit in units {
         let unit = StageModel {
             units: vec![unit],
             precision,
@@ -282,6 +291,58 @@ fn each_gathered_unit(
     Ok(())
 }
 
+/// `model`'s units ordered by where their trainable tensors stand in the model's own order,
+/// each with its number of them. A unit's tensors are consecutive there, but the units need
+/// not come in the forward's order: a DenseNet holds all its dense layers before its
+/// transitions. An error where a unit's tensors are not consecutive in the model or the units
+/// do not cover its tensors once each.
+fn units_in_model_order(
+    model: &hearth_models::Classifier,
+) -> Result<Vec<(hearth_models::stages::Unit, usize)>> {
+    use burn_dist::flat::module::trainable_ids;
+    let index: std::collections::HashMap<burn::module::ParamId, usize> = trainable_ids(model)
+        .into_iter()
+        .enumerate()
+        .map(|(i, id)| (id, i))
+        .collect();
+    let bad = |reason: String| {
+        HearthError::InvalidArgument(format!("ZeRO stage 3's units of this model: {reason}"))
+    };
+    let mut placed = Vec::new();
+    for (k, unit) in model.clone().into_units().into_iter().enumerate() {
+        let at: Vec<Option<usize>> = trainable_ids(&unit)
+            .iter()
+            .map(|id| index.get(id).copied())
+            .collect();
+        let first = at.first().copied().flatten().unwrap_or(usize::MAX);
+        if at.iter().enumerate().any(|(j, i)| *i != Some(first + j)) {
+            return Err(bad(format!(
+                "unit {k}'s trainable tensors are not consecutive in the model's order"
+            )));
+        }
+        placed.push((first, at.len(), unit));
+    }
+    // Units without trainable tensors (pooling alone) sort last: they gather nothing.
+    placed.sort_by_key(|(first, _, _)| *first);
+    let mut next = 0;
+    for (first, len, _) in &placed {
+        if *len > 0 && *first != next {
+            return Err(bad(format!(
+                "tensor {next} of {} belongs to no unit, or to two",
+                index.len()
+            )));
+        }
+        next += len;
+    }
+    if next != index.len() {
+        return Err(bad(format!(
+            "the units hold {next} of the model's {} trainable tensors",
+            index.len()
+        )));
+    }
+    Ok(placed.into_iter().map(|(_, len, u)| (u, len)).collect())
+}
+
 /// ZeRO stage 3's source of a unit's parameters: the sharded optimizer holding them, the
 /// ranks, and the skeleton's layout ([`burn_dist::zero::module::shard_params`]).
 pub struct Gathering<'a> {
@@ -290,15 +351,14 @@ pub struct Gathering<'a> {
     pub params: &'a burn_dist::zero::module::ShardedParams,
 }
 
-/// Each of `model`'s units' number of trainable tensors, in order: where ZeRO stage 3 cuts
-/// its buckets ([`burn_dist::zero::ZeroOptimizer::cut_at_units`]).
-pub fn unit_tensor_counts(model: &hearth_models::Classifier) -> Vec<usize> {
-    model
-        .clone()
-        .into_units()
-        .iter()
-        .map(|u| burn_dist::flat::module::trainable_names(u).len())
-        .collect()
+/// Each of `model`'s units' number of trainable tensors, the units in the order of their
+/// tensors in the model (not always the forward's: [`units_in_model_order`]): where ZeRO
+/// stage 3 cuts its buckets ([`burn_dist::zero::ZeroOptimizer::cut_at_units`]).
+pub fn unit_tensor_counts(model: &hearth_models::Classifier) -> Result<Vec<usize>> {
+    Ok(units_in_model_order(model)?
+        .into_iter()
+        .map(|(_, len)| len)
+        .collect())
 }
 
 /// What one training pass of a unit costs on one micro-batch.

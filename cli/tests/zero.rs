@@ -204,6 +204,9 @@ fn zero_1_2_and_3_train_an_image_model_as_plain_data_parallel_does_and_resume_ex
     assert!(job.log(0).contains("without --zero"), "{}", job.log(0));
 }
 
+/// Adam at the rate the tests of stage 3 alone train with.
+const ADAM: [&str; 4] = ["--optimizer", "adam", "--lr", "0.003"];
+
 /// Stage 3 validates with one unit's parameters gathered at a time, the gathers collective:
 /// on 4 ranks, 18 validation images in batches of 4 per rank give ranks 0 and 1 two batches
 /// and ranks 2 and 3 one, so ranks 2 and 3 gather a second time without computing. No rank
@@ -216,21 +219,45 @@ fn stage_3_validates_shares_of_different_lengths_as_plain_data_parallel() {
     base[1] = "16";
     let run = |zero: &str| dir.path().join(format!("uneven-zero{zero}"));
     for zero in ["0", "3"] {
-        let args = [
-            "--epochs",
-            "2",
-            "--optimizer",
-            "adam",
-            "--lr",
-            "0.003",
-            "--zero",
-            zero,
-        ];
+        let args = [&["--epochs", "2", "--zero", zero][..], &ADAM].concat();
         Job::spawn_ok(dir.path(), &data, &run(zero), 4, &base, &args, &[]);
     }
     let (plain, three) = (metrics(&run("0")), metrics(&run("3")));
     same_curves(("plain", &plain), ("zero 3", &three), &COLUMNS, 1e-5);
     assert_eq!(three.len(), 2, "{three:?}");
+}
+
+/// Stage 3 without `--recompute` lets each unit's convolution and linear weights go after its
+/// forward and gathers the unit again for its backward, the graph keeping the weights' ids
+/// (`hearth_kernels::keyed`): a VGG (its classifier unit's linear layers, rank-2 weights) and
+/// a DenseNet (its blocks' joined convolutions) train as plain data parallel does.
+#[test]
+fn stage_3_regathers_vgg_and_densenet_units_as_plain_data_parallel() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    for model in ["vgg-mini-plain", "densenet-mini"] {
+        let run = |zero: &str| dir.path().join(format!("{model}-zero{zero}"));
+        for zero in ["0", "3"] {
+            let args = [
+                &["--model", model, "--epochs", "1", "--zero", zero][..],
+                &ADAM,
+            ]
+            .concat();
+            Job::spawn_ok(dir.path(), &data, &run(zero), 2, &BASE, &args, &[]);
+        }
+        let (plain, three) = (metrics(&run("0")), metrics(&run("3")));
+        same_curves(
+            (&format!("{model} plain"), &plain),
+            (&format!("{model} zero 3"), &three),
+            &COLUMNS,
+            1e-5,
+        );
+        same_weights(
+            &run("0").join("model.bpk"),
+            &run("3").join("model.bpk"),
+            1e-5,
+        );
+    }
 }
 
 /// The example's binary, built by `cargo test` into the target's `examples/` folder.

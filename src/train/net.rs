@@ -103,10 +103,11 @@ pub trait Net: Module + 'static {
         None
     }
 
-    /// Each unit's number of trainable tensors, in the module's order (ZeRO stage 3 gathers a
-    /// unit at a time); `None` (the default) for a module without units.
+    /// Each unit's number of trainable tensors, the units in the order of their tensors in
+    /// the module (ZeRO stage 3 gathers a unit at a time); `None` (the default) for a module
+    /// without units.
     #[doc(hidden)]
-    fn unit_tensor_counts(&self) -> Option<Vec<usize>> {
+    fn unit_tensor_counts(&self) -> Option<crate::Result<Vec<usize>>> {
         None
     }
 }
@@ -132,7 +133,7 @@ impl Net for Classifier {
             self, self, input, precision, recompute, gathering, loss,
         ))
     }
-    fn unit_tensor_counts(&self) -> Option<Vec<usize>> {
+    fn unit_tensor_counts(&self) -> Option<crate::Result<Vec<usize>>> {
         Some(crate::pipeline::unit_tensor_counts(self))
     }
     fn gathered_tensors(

@@ -231,7 +231,7 @@ impl<T: Trainee> Allreduce<'_, T> {
                      has no units (Hearth's ResNet, DenseNet and VGG have): use stage 1 or 2"
                         .into(),
                 )
-            })?),
+            })??),
             false => None,
         };
         let dir = self.cfg.run_dir.join("checkpoint");
