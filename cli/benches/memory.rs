@@ -22,9 +22,9 @@
 //! N = 2 and 4, for VGG-16 and ResNet-50 with Adam; the last column says whether it is met.
 //! Stage 2 runs twice: as it is, and with `--overlap` ("2 + overlap"), where each bucket's
 //! gradient is reduce-scattered during the backward and dropped, which is where stage 2 saves
-//! the gradients' share. Stage 3 runs as it is (each unit's graph holds its gathered parameters
-//! until its backward); `HEARTH_MEM_RECOMPUTE=both` adds its `--recompute` row, where a rank
-//! holds one unit's parameters at a time. PyTorch's column beside any stage is its stage 1.
+//! the gradients' share. Stage 3 runs as it is (each unit's weights let go after its forward
+//! and gathered again for its backward, the last unit's kept); `HEARTH_MEM_RECOMPUTE=both` adds
+//! its `--recompute` row, where a rank holds one unit's parameters at a time. PyTorch's column beside any stage is its stage 1.
 //!
 //! Without `--bench` (`cargo test --benches`) it runs a small smoke configuration.
 
