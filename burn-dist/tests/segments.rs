@@ -134,6 +134,100 @@ fn a_segmented_backward_equals_one_backward_and_hands_out_the_last_segment_first
     assert_close("frozen first", &got, &want, 1e-6);
 }
 
+/// What a [`burn_dist::pipeline::Regather`] was asked, in order (it keys nothing: its
+/// segments keep their values, so the gradients must equal one backward's).
+#[derive(Default)]
+struct Recorded {
+    calls: Vec<String>,
+}
+
+impl burn_dist::pipeline::Regather<Part> for Recorded {
+    fn forward(
+        &mut self,
+        k: usize,
+        gathered: Part,
+        release: bool,
+        forward: &mut dyn FnMut(&Part) -> burn_dist::Result<Activation>,
+    ) -> burn_dist::Result<(Activation, Part)> {
+        self.calls.push(format!("forward {k} release {release}"));
+        Ok((forward(&gathered)?, gathered))
+    }
+    fn backward(
+        &mut self,
+        k: usize,
+        values: Part,
+        backward: &mut dyn FnMut() -> burn_dist::Result<burn::tensor::Gradients>,
+    ) -> burn_dist::Result<(burn::tensor::Gradients, Part)> {
+        self.calls.push(format!("backward {k}"));
+        Ok((backward()?, values))
+    }
+    fn add_keyed(&mut self, k: usize, _: &Part, _: &mut GradientsParams) -> burn_dist::Result<()> {
+        self.calls.push(format!("add {k}"));
+        Ok(())
+    }
+}
+
+/// The regathered backward (ZeRO stage 3 without recomputation) gathers every segment in
+/// forward order, then every segment but the last again in reverse order, each just before
+/// its backward; the last segment's own values go to its backward; and the gradients are one
+/// backward's.
+#[test]
+fn a_regathered_backward_gathers_each_segment_but_the_last_again_before_its_backward() {
+    let _random = random_lock();
+    let device = Device::flex().autodiff();
+    let model = parts(3, &device);
+    let (x, y) = micro(2, 0, &device);
+    let want = grad_values(
+        &model.to_vec(),
+        &whole_backward(&model, x.clone(), y.clone()),
+    );
+    let gathers = std::cell::RefCell::new(Vec::new());
+    let mut gather = |k: usize, s: &Part| {
+        gathers.borrow_mut().push(k);
+        Ok(s.clone())
+    };
+    let mut recorded = Recorded::default();
+    let parts = burn_dist::pipeline::segmented_gradients_regathered(
+        &model,
+        &mut gather,
+        &mut recorded,
+        Activation::Rank4(x),
+        &mut |out| Ok(mse(out.rank2("out")?, y.clone())),
+        &mut |_, _, g| Ok(g),
+    )
+    .unwrap();
+    assert_eq!(*gathers.borrow(), vec![0, 1, 2, 3, 2, 1, 0]);
+    let calls: Vec<&str> = recorded.calls.iter().map(String::as_str).collect();
+    assert_eq!(
+        calls,
+        [
+            "forward 0 release true",
+            "forward 1 release true",
+            "forward 2 release true",
+            "forward 3 release false",
+            "backward 3",
+            "add 3",
+            "backward 2",
+            "add 2",
+            "backward 1",
+            "add 1",
+            "backward 0",
+            "add 0",
+        ]
+    );
+    let whole = model.to_vec();
+    let mut acc = GradientsAccumulator::<Vec<Part>>::new();
+    for g in parts {
+        acc.accumulate(&whole, g);
+    }
+    assert_close(
+        "regathered",
+        &grad_values(&whole, &acc.grads()),
+        &want,
+        1e-6,
+    );
+}
+
 #[test]
 fn an_overlapped_exchange_equals_the_exchange_after_the_backward() {
     let _random = random_lock();

@@ -1,5 +1,6 @@
 //! ZeRO stage 3 without recomputation: each unit's gathered parameters let go after its
-//! forward and gathered again for its backward ([`burn_dist::pipeline::Regather`] over
+//! forward and gathered again for its backward (the last unit's kept), each weight let go
+//! again as soon as its backward is done ([`burn_dist::pipeline::Regather`] over
 //! [`hearth_kernels::keyed`]). The convolutions' and linear layers' graphs keep their weights'
 //! parameter ids instead of the weights; what other ops keep (batch norm's scale and shift,
 //! the biases' shapes) stays with the unit between its passes.
@@ -27,11 +28,15 @@ impl Regather<StageModel> for Regathered {
         &mut self,
         k: usize,
         gathered: StageModel,
+        release: bool,
         forward: &mut dyn FnMut(&StageModel) -> burn_dist::Result<Activation>,
     ) -> burn_dist::Result<(Activation, StageModel)> {
         let (y, keys) = hearth_kernels::keyed::forward(|| forward(&gathered));
         let y = y?;
-        let kept = gathered.map(&mut Release { keys: &keys });
+        let kept = match release {
+            true => gathered.map(&mut Release { keys: &keys }),
+            false => gathered,
+        };
         self.keys.insert(k, keys);
         Ok((y, kept))
     }
@@ -39,25 +44,25 @@ impl Regather<StageModel> for Regathered {
     fn backward(
         &mut self,
         k: usize,
-        again: StageModel,
+        values: StageModel,
         backward: &mut dyn FnMut() -> burn_dist::Result<burn::tensor::Gradients>,
-    ) -> burn_dist::Result<burn::tensor::Gradients> {
+    ) -> burn_dist::Result<(burn::tensor::Gradients, StageModel)> {
         let keys = self.keys.remove(&k).unwrap_or_default();
         let mut take = Take {
             keys: &keys,
             values: HashMap::with_capacity(keys.len()),
         };
-        // The gathered values move into the backward's keyed values; the module goes.
-        drop(again.map(&mut take));
-        if let Some(missing) = keys.keys().find(|k| !take.values.contains_key(k)) {
+        // The keyed values move out of the module into the backward's.
+        let rest = values.map(&mut take);
+        if let Some(missing) = keys.keys().find(|key| !take.values.contains_key(key)) {
             return Err(burn_dist::DistError::Config(format!(
                 "unit {k}'s parameter {missing} was kept by key in its forward but is not among \
-                 its parameters gathered again"
+                 the values handed to its backward"
             )));
         }
         let (g, grads) = hearth_kernels::keyed::backward(take.values, &keys, backward);
         self.grads.extend(grads);
-        g
+        Ok((g?, rest))
     }
 
     fn add_keyed(

@@ -167,23 +167,25 @@ pub fn segmented_gradients_gathered<M: PipelineStage>(
 /// keep a value by key are the caller's: burn-dist only orders the passes and the gathers.
 pub trait Regather<M> {
     /// Runs segment `k`'s `forward` on `gathered` with its graph keeping keys where it can;
-    /// returns the output and `gathered` without the values kept by key (what is left is what
-    /// the graph's other ops need: the caller holds it until the backward).
+    /// returns the output and `gathered`, without the values kept by key where `release` (what
+    /// is left is what the graph's other ops need: the caller holds it until the backward).
     fn forward(
         &mut self,
         k: usize,
         gathered: M,
+        release: bool,
         forward: &mut dyn FnMut(&M) -> Result<Activation>,
     ) -> Result<(Activation, M)>;
-    /// Runs segment `k`'s `backward` with `again` (the segment gathered again) providing the
-    /// values its graph kept by key, and returns the backward's gradients; the gradients of
-    /// the values kept by key are held for [`Regather::add_keyed`].
+    /// Runs segment `k`'s `backward` with `values` (the segment gathered again, or still
+    /// whole) providing the values its graph kept by key, each let go once its ops are done;
+    /// returns the backward's gradients and `values` without them. The gradients of the values
+    /// kept by key are held for [`Regather::add_keyed`].
     fn backward(
         &mut self,
         k: usize,
-        again: M,
+        values: M,
         backward: &mut dyn FnMut() -> Result<burn::tensor::Gradients>,
-    ) -> Result<burn::tensor::Gradients>;
+    ) -> Result<(burn::tensor::Gradients, M)>;
     /// Adds segment `k`'s gradients of the values kept by key to `grads` (`segment`: the
     /// caller's, whose parameter ids they carry).
     fn add_keyed(&mut self, k: usize, segment: &M, grads: &mut GradientsParams) -> Result<()>;
@@ -192,8 +194,9 @@ pub trait Regather<M> {
 /// [`segmented_gradients_gathered`] with each segment's gathered values let go after its
 /// forward and gathered again for its backward ([`Regather`]): every rank gathers each segment
 /// but the last twice, in forward then reverse order, and between its two passes a segment
-/// holds only what its graph keeps by value. The last segment keeps its values: its backward
-/// follows its forward at once (as FSDP keeps its root's).
+/// holds only what its graph keeps by value. The last segment keeps its values for its
+/// backward, which follows its forward at once (as FSDP keeps its root's); in every segment's
+/// backward each value kept by key goes as soon as its ops are done.
 pub fn segmented_gradients_regathered<M: PipelineStage>(
     segments: &[M],
     gather: &mut Gather<'_, M>,
@@ -245,8 +248,8 @@ fn segmented<M: PipelineStage>(
         let mut forward = |m: &M| m.forward(input.clone()).map_err(|e| fail(k, e));
         // The last segment's backward follows its forward at once: it keeps its values.
         let (y, s) = match regather.as_deref_mut() {
-            Some(r) if k + 1 < segments.len() => r.forward(k, s, &mut forward)?,
-            _ => (forward(&s)?, s),
+            Some(r) => r.forward(k, s, k + 1 < segments.len(), &mut forward)?,
+            None => (forward(&s)?, s),
         };
         x = y.clone();
         cut.push((s, input, y));
@@ -268,19 +271,20 @@ fn segmented<M: PipelineStage>(
             Some((y, Some(dy))) => Ok(y.inject_activation(dy)?.backward()),
             None => Err(DistError::Config("a segment's backward ran twice".into())),
         };
-        let mut regathered = if last { None } else { regather.as_deref_mut() };
-        let g = match regathered.as_deref_mut() {
+        let (g, segment) = match regather.as_deref_mut() {
+            // The last segment still holds its values: they go into its backward.
+            Some(r) if last => r.backward(k, segment, &mut backward)?,
             Some(r) => {
                 let again = gather(k, &segments[k])?;
-                r.backward(k, again, &mut backward)?
+                (r.backward(k, again, &mut backward)?.0, segment)
             }
-            None => backward()?,
+            None => (backward()?, segment),
         };
         if upstream_trains[k] {
             upstream = input.grad_activation(&g);
         }
         let mut g = GradientsParams::from_grads(g, &segment);
-        if let Some(r) = regathered {
+        if let Some(r) = regather.as_deref_mut() {
             r.add_keyed(k, &segments[k], &mut g)?;
         }
         drop(segment);
