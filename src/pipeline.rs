@@ -225,9 +225,9 @@ pub fn gathered_logits(
 }
 
 /// ZeRO stage 3's checkpoint: `model`'s (a skeleton's) units gathered one at a time, in the
-/// order of their tensors in the model (the file's), and each tensor the skeleton holds empty handed to `each` with its parameter id and
-/// a function that reads its bytes (f32, as a checkpoint stores them; read only if `each`
-/// calls it). Every rank calls it alike (the gathers are collective); one unit's parameters
+/// order of their tensors in the model (the file's), and each tensor the skeleton holds empty
+/// handed to `each` with its parameter id and a function that reads its bytes (f32, as a
+/// checkpoint stores them; read only if `each` calls it). Every rank calls it alike (the gathers are collective); one unit's parameters
 /// are held whole at a time.
 pub fn gathered_tensors(
     model: &hearth_models::Classifier,
