@@ -1,0 +1,175 @@
+//! ZeRO stage 3's passes outside a training step, a unit's parameters gathered at a time:
+//! validation's forward ([`gathered_logits`]) and the checkpoint's tensors
+//! ([`gathered_tensors`]); and where stage 3 cuts its buckets ([`unit_tensor_counts`]: the
+//! units placed where their tensors stand in the model).
+
+use burn::module::Module;
+use burn_dist::pipeline::{Activation, PipelineStage};
+
+use super::StageModel;
+use crate::{HearthError, Result};
+
+/// ZeRO stage 3's forward without a graph (validation): `x` through `model`'s units (a
+/// skeleton), each unit's parameters gathered from the ranks' shards for its pass and let go
+/// after it, so that a rank never holds more than one unit's parameters whole (gathering the
+/// whole model would need what stage 3 is there to save). Computed in `precision`, the
+/// logits in f32, on `x`'s device (an inner device: no graph).
+///
+/// Every rank calls it alike for each round of a validation, `x` `None` on a rank whose
+/// share has no batch left while another's has: the gathers are collective, so such a rank
+/// gathers each unit all the same and computes nothing (the result `None`).
+pub fn gathered_logits(
+    model: &hearth_models::Classifier,
+    x: Option<burn::prelude::Tensor<4>>,
+    precision: crate::train::Precision,
+    gathering: &Gathering<'_>,
+) -> Result<Option<burn::prelude::Tensor<2>>> {
+    let mut x = x.map(Activation::Rank4);
+    each_gathered_unit(model, precision, gathering, false, &mut |whole| {
+        if let Some(a) = x.take() {
+            x = Some(whole.valid().forward(a)?);
+        }
+        Ok(())
+    })?;
+    match x {
+        Some(a) => Ok(Some(a.rank2("the model's output")?)),
+        None => Ok(None),
+    }
+}
+
+/// ZeRO stage 3's checkpoint: `model`'s (a skeleton's) units gathered one at a time, in the
+/// order of their tensors in the model (the file's), and each tensor the skeleton holds empty
+/// handed to `each` with its parameter id and a function that reads its bytes (f32, as a
+/// checkpoint stores them; read only if `each` calls it). Every rank calls it alike (the
+/// gathers are collective); one unit's parameters are held whole at a time.
+pub fn gathered_tensors(
+    model: &hearth_models::Classifier,
+    gathering: &Gathering<'_>,
+    each: &mut dyn FnMut(u64, &dyn Fn() -> burn::tensor::Bytes),
+) -> Result<()> {
+    use burn::module::{ModuleVisitor, Param};
+    struct Each<'a> {
+        params: &'a burn_dist::zero::module::ShardedParams,
+        each: &'a mut dyn FnMut(u64, &dyn Fn() -> burn::tensor::Bytes),
+    }
+    impl ModuleVisitor for Each<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<burn::prelude::Tensor<D>>) {
+            if self.params.shape_of(&param.id).is_none() {
+                return;
+            }
+            let t = param.transform_for_save().val();
+            // One copy on the CPU (`into_data` of a held tensor makes two).
+            let read = || {
+                hearth_kernels::file_bytes(&t).unwrap_or_else(|| t.clone().into_data().into_bytes())
+            };
+            (self.each)(param.id.val(), &read);
+        }
+    }
+    let precision = crate::train::Precision::Fp32;
+    each_gathered_unit(model, precision, gathering, true, &mut |whole| {
+        whole.visit(&mut Each {
+            params: gathering.params,
+            each: &mut *each,
+        });
+        Ok(())
+    })
+}
+
+/// Each of `model`'s (a skeleton's) units, in the forward's order or (`model_order`) in the
+/// order of their tensors in the model, as a one-unit stage in `precision` with its parameters
+/// gathered, handed to `f` and let go before the next is gathered.
+fn each_gathered_unit(
+    model: &hearth_models::Classifier,
+    precision: crate::train::Precision,
+    gathering: &Gathering<'_>,
+    model_order: bool,
+    f: &mut dyn FnMut(StageModel) -> Result<()>,
+) -> Result<()> {
+    let units = match model_order {
+        true => units_in_model_order(model)?
+            .into_iter()
+            .map(|(u, _)| u)
+            .collect(),
+        false => model.clone().into_units(),
+    };
+    for unit in units {
+        let unit = StageModel {
+            units: vec![unit],
+            precision,
+        };
+        f(gathering
+            .params
+            .gather(gathering.zero, gathering.comm, &unit)?)?;
+    }
+    Ok(())
+}
+
+/// `model`'s units ordered by where their trainable tensors stand in the model's own order,
+/// each with its number of them. A unit's tensors are consecutive there, but the units need
+/// not come in the forward's order: a DenseNet holds all its dense layers before its
+/// transitions. An error where a unit's tensors are not consecutive in the model or the units
+/// do not cover its tensors once each.
+fn units_in_model_order(
+    model: &hearth_models::Classifier,
+) -> Result<Vec<(hearth_models::stages::Unit, usize)>> {
+    use burn_dist::flat::module::trainable_ids;
+    let index: std::collections::HashMap<burn::module::ParamId, usize> = trainable_ids(model)
+        .into_iter()
+        .enumerate()
+        .map(|(i, id)| (id, i))
+        .collect();
+    let bad = |reason: String| {
+        HearthError::InvalidArgument(format!("ZeRO stage 3's units of this model: {reason}"))
+    };
+    let mut placed = Vec::new();
+    for (k, unit) in model.clone().into_units().into_iter().enumerate() {
+        let at: Vec<Option<usize>> = trainable_ids(&unit)
+            .iter()
+            .map(|id| index.get(id).copied())
+            .collect();
+        let first = at.first().copied().flatten().unwrap_or(usize::MAX);
+        if at.iter().enumerate().any(|(j, i)| *i != Some(first + j)) {
+            return Err(bad(format!(
+                "unit {k}'s trainable tensors are not consecutive in the model's order"
+            )));
+        }
+        placed.push((first, at.len(), unit));
+    }
+    // Units without trainable tensors (pooling alone) sort last: they gather nothing.
+    placed.sort_by_key(|(first, _, _)| *first);
+    let mut next = 0;
+    for (first, len, _) in &placed {
+        if *len > 0 && *first != next {
+            return Err(bad(format!(
+                "tensor {next} of {} belongs to no unit, or to two",
+                index.len()
+            )));
+        }
+        next += len;
+    }
+    if next != index.len() {
+        return Err(bad(format!(
+            "the units hold {next} of the model's {} trainable tensors",
+            index.len()
+        )));
+    }
+    Ok(placed.into_iter().map(|(_, len, u)| (u, len)).collect())
+}
+
+/// ZeRO stage 3's source of a unit's parameters: the sharded optimizer holding them, the
+/// ranks, and the skeleton's layout ([`burn_dist::zero::module::shard_params`]).
+pub struct Gathering<'a> {
+    pub zero: &'a burn_dist::zero::ZeroOptimizer,
+    pub comm: &'a burn_dist::Communicator,
+    pub params: &'a burn_dist::zero::module::ShardedParams,
+}
+
+/// Each of `model`'s units' number of trainable tensors, the units in the order of their
+/// tensors in the model (not always the forward's: [`units_in_model_order`]): where ZeRO
+/// stage 3 cuts its buckets ([`burn_dist::zero::ZeroOptimizer::cut_at_units`]).
+pub fn unit_tensor_counts(model: &hearth_models::Classifier) -> Result<Vec<usize>> {
+    Ok(units_in_model_order(model)?
+        .into_iter()
+        .map(|(_, len)| len)
+        .collect())
+}
