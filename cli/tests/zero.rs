@@ -230,7 +230,10 @@ fn stage_3_validates_shares_of_different_lengths_as_plain_data_parallel() {
 /// Stage 3 without `--recompute` lets each unit's convolution and linear weights go after its
 /// forward and gathers the unit again for its backward, the graph keeping the weights' ids
 /// (`hearth_kernels::keyed`): a VGG (its classifier unit's linear layers, rank-2 weights) and
-/// a DenseNet (its blocks' joined convolutions) train as plain data parallel does.
+/// a DenseNet (its blocks' joined convolutions; its units' tensors stand in another order in
+/// the model than in the forward, all dense layers before the transitions, where stage 3
+/// cuts its buckets and writes its checkpoints) train as plain data parallel does: curves and
+/// weights.
 #[test]
 fn stage_3_regathers_vgg_and_densenet_units_as_plain_data_parallel() {
     let dir = tempfile::tempdir().unwrap();

@@ -107,7 +107,7 @@ impl ModuleMapper for Release<'_> {
     }
 }
 
-/// Moves the keyed parameters' values out of a module gathered again.
+/// Moves the keyed parameters' values out of a unit (gathered again, or the last unit's own).
 struct Take<'a> {
     keys: &'a hearth_kernels::keyed::Uses,
     values: HashMap<u64, TensorData>,
