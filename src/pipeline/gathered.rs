@@ -6,7 +6,7 @@
 use burn::module::Module;
 use burn_dist::pipeline::{Activation, PipelineStage};
 
-use super::StageModel;
+use super::stage::StageModel;
 use crate::{HearthError, Result};
 
 /// ZeRO stage 3's forward without a graph (validation): `x` through `model`'s units (a

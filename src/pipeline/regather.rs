@@ -13,7 +13,7 @@ use burn::prelude::Tensor;
 use burn::tensor::TensorData;
 use burn_dist::pipeline::{Activation, Regather};
 
-use super::StageModel;
+use super::stage::StageModel;
 
 /// The keys each unit's graph kept, from its forward to its backward, and the gradients of
 /// the keyed weights from a backward to their hand-over.
