@@ -1,6 +1,6 @@
 //! Hearth's models on burn-dist's pipeline: a contiguous range of a model's units
-//! ([`hearth_models::stages`]) as a [`PipelineStage`], and splitting a model's units into
-//! stages of balanced parameter counts.
+//! ([`hearth_models::stages`]) as a [`burn_dist::pipeline::PipelineStage`], and splitting a
+//! model's units into stages of balanced parameter counts.
 //!
 //! ResNet, VGG and DenseNet have units; a ResNet split by this module trains through GPipe and
 //! 1F1B exactly like the unsplit model (`cli/tests/pipeline.rs`). `hearth train --pipeline-stages`
@@ -33,7 +33,7 @@ pub use stage::StageModel;
 /// from the ranks' shards before each of its passes, and go when the pass is over (with
 /// `recompute`: one unit's at a time; without, each unit's graph keeps its convolutions' and
 /// linear layers' weights by key, so they go after its forward and are gathered again for its
-/// backward: [`regather`]).
+/// backward: `pipeline/regather.rs`).
 ///
 /// Either way each unit's gradients go, as soon as its backward is over, to the overlapped
 /// exchange of this thread's step if one is installed ([`burn_dist::overlap::hand_over`]:

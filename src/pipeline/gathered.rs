@@ -165,8 +165,9 @@ pub struct Gathering<'a> {
 }
 
 /// Each of `model`'s units' number of trainable tensors, the units in the order of their
-/// tensors in the model (not always the forward's: [`units_in_model_order`]): where ZeRO
-/// stage 3 cuts its buckets ([`burn_dist::zero::ZeroOptimizer::cut_at_units`]).
+/// tensors in the model (not always the forward's: a DenseNet holds its dense layers before
+/// its transitions): where ZeRO stage 3 cuts its buckets
+/// ([`burn_dist::zero::ZeroOptimizer::cut_at_units`]).
 pub fn unit_tensor_counts(model: &hearth_models::Classifier) -> Result<Vec<usize>> {
     Ok(units_in_model_order(model)?
         .into_iter()
