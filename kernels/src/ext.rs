@@ -289,47 +289,50 @@ struct ConvWithOurWeightGrad;
 
 /// How an op's backward finds its weight: checkpointed in the graph, or by key
 /// ([`crate::keyed`]: read from the values handed to the backward, its gradient handed out).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum Weight {
     Held(NodeId),
-    Keyed(u64),
+    /// The key, and the weight's shape (zeros of it stand in where its source failed).
+    Keyed(u64, Vec<usize>),
 }
 
 impl Weight {
     /// The weight kept for a backward: by key where a keyed forward gave the op one and the
     /// weight trains (a frozen weight is not sharded: its module holds it anyway), else
     /// checkpointed.
-    fn keep(trains: bool, checkpoint: impl FnOnce() -> NodeId) -> Self {
+    fn keep(trains: bool, shape: &[usize], checkpoint: impl FnOnce() -> NodeId) -> Self {
         match crate::keyed::take_key() {
-            Some(key) if trains => Weight::Keyed(key),
+            Some(key) if trains => Weight::Keyed(key, shape.to_vec()),
             _ => Weight::Held(checkpoint()),
         }
     }
 
     fn retrieve<B: Backend>(
-        self,
+        &self,
         checkpointer: &mut Checkpointer,
         device: &B::Device,
     ) -> B::FloatTensorPrimitive {
         match self {
             Weight::Held(node) => {
-                checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(node)
+                checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(*node)
             }
-            Weight::Keyed(key) => B::float_from_data(crate::keyed::value(key), device),
+            Weight::Keyed(key, shape) => {
+                B::float_from_data(crate::keyed::value(*key, shape), device)
+            }
         }
     }
 
     /// Registers the weight's gradient `dw`: on its graph node, or handed out by key.
     fn register<B: Backend>(
-        self,
+        &self,
         grads: &mut Gradients,
         node: NodeId,
         dw: B::FloatTensorPrimitive,
     ) {
         match self {
             Weight::Held(_) => grads.register::<B>(node, dw),
-            Weight::Keyed(key) => match burn::tensor::try_read_sync(B::float_into_data(dw)) {
-                Some(Ok(data)) => crate::keyed::put_grad(key, data),
+            Weight::Keyed(key, _) => match burn::tensor::try_read_sync(B::float_into_data(dw)) {
+                Some(Ok(data)) => crate::keyed::put_grad(*key, data),
                 // Reading a CPU tensor cannot fail; a device's failure leaves nothing to hand.
                 Some(Err(e)) => {
                     panic!("hearth-kernels: reading keyed weight {key}'s gradient: {e:?}")
@@ -383,7 +386,9 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
         {
             OpsKind::Tracked(mut prep) => {
                 let x_state = prep.checkpoint(&x);
-                let weight_state = Weight::keep(weight.is_tracked(), || prep.checkpoint(&weight));
+                let shape = weight.shape().dims::<4>();
+                let weight_state =
+                    Weight::keep(weight.is_tracked(), &shape, || prep.checkpoint(&weight));
                 prep.finish(
                     (x_state, weight_state, geometry),
                     B::hearth_conv2d(x.into_primitive(), weight.into_primitive(), geometry),
@@ -437,9 +442,10 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
                 // Each operand is kept only for the other's gradient (as Burn's `linear`): a
                 // frozen weight keeps no input, an input that needs no gradient no weight.
                 let lhs_state = rhs.is_tracked().then(|| prep.checkpoint(&lhs));
+                let shape = rhs.shape().to_vec();
                 let rhs_state = lhs
                     .is_tracked()
-                    .then(|| Weight::keep(rhs.is_tracked(), || prep.checkpoint(&rhs)));
+                    .then(|| Weight::keep(rhs.is_tracked(), &shape, || prep.checkpoint(&rhs)));
                 prep.finish(
                     (lhs_state, rhs_state),
                     B::hearth_matmul(lhs.into_primitive(), rhs.into_primitive()),
@@ -470,7 +476,9 @@ impl<B: ConvBackend> Backward<B, 2> for LinearProduct {
         let (lhs_state, rhs_state) = ops.state;
         let lhs =
             lhs_state.map(|s| checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(s));
-        let rhs = rhs_state.map(|s| s.retrieve::<B>(checkpointer, &device));
+        let rhs = rhs_state
+            .as_ref()
+            .map(|s| s.retrieve::<B>(checkpointer, &device));
         // C = A · B: dA = dC · Bᵀ, dB = Aᵀ · dC (a parent that needs its gradient had the
         // other operand kept for it).
         if let (Some(node), Some(rhs)) = (node_lhs, rhs) {

@@ -17,6 +17,11 @@
 //! The caller's promise: a weight kept by key reaches the graph through keyed ops only (each
 //! of Hearth's layers uses its weight once). A keyed weight that another op also took would
 //! have that op's share of its gradient registered on the graph node the caller let go.
+//!
+//! [`backward_from`] goes one step finer, for a backward that should hold less than a unit's
+//! weights and gradients at once: a [`Source`] fetches the weights as the ops first need them
+//! (ZeRO stage 3: the bucket that holds the weight, gathered from the ranks' shards) and takes
+//! each weight's gradient as soon as all of its ops are done (reduce-scattered and let go).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -29,6 +34,25 @@ pub type Uses = HashMap<u64, usize>;
 /// Inside [`backward`]: a weight by key and the number of its ops still to read it.
 type Provided = HashMap<u64, (TensorData, usize)>;
 
+/// Where a keyed backward ([`backward_from`]) gets the weights it was not handed and where
+/// each weight's gradient goes once it is whole. Both are called from inside the backward's
+/// ops, in the order the backward runs them (the same order for the same graph: Burn runs a
+/// backward's steps by depth, each depth in the order of one walk of the graph), so that
+/// collectives behind them keep one order on every rank.
+pub trait Source {
+    /// The values of keyed weight `key` and of any other keyed weights that come with it (a
+    /// bucket gathered whole), by key: the backward keeps the others for their ops. An error
+    /// names what failed (the backward then goes on with zeros and reports it at its end).
+    fn fetch(&mut self, key: u64) -> Result<Vec<(u64, TensorData)>, String>;
+    /// Keyed weight `key`'s gradient, whole (every op that kept the key has run): `None` once
+    /// taken, or the gradient back for [`backward_from`] to return.
+    fn gradient(&mut self, key: u64, grad: TensorData) -> Result<Option<TensorData>, String>;
+}
+
+/// The source of a [`backward_from`] under way, its lifetime erased: valid while the call's
+/// guard lives, which takes it out before the call returns or unwinds.
+type ScopedSource = *mut (dyn Source + 'static);
+
 #[derive(Default)]
 struct State {
     /// Inside [`forward`]: the keys the graph kept so far.
@@ -38,6 +62,12 @@ struct State {
     /// Inside [`backward`]: the weights by key, and the gradients handed out.
     provided: Option<Provided>,
     grads: HashMap<u64, TensorData>,
+    /// Inside [`backward_from`]: the source (out of the state while it is called), the keys'
+    /// numbers of ops, the ops still to hand out each key's gradient, and the first failure.
+    source: Option<ScopedSource>,
+    uses: Uses,
+    left: Uses,
+    failed: Option<String>,
 }
 
 thread_local! {
@@ -73,14 +103,56 @@ pub fn backward<R>(
     uses: &Uses,
     f: impl FnOnce() -> R,
 ) -> (R, HashMap<u64, TensorData>) {
-    struct Restore(Option<(Option<Provided>, HashMap<u64, TensorData>)>);
+    let (out, grads) = run_backward(values, uses, None, f);
+    (out, grads.unwrap_or_default())
+}
+
+/// [`backward`] with `source` fetching each keyed weight that `values` lack as its first op
+/// needs it, and taking each keyed weight's gradient as soon as it is whole: at any time the
+/// backward holds the weights fetched and not yet used up, and the gradients not yet taken.
+/// Returns `f`'s result and the gradients `source` gave back, or the first failure of
+/// `source` (the backward went on with zeros in its place: drop `f`'s result then).
+pub fn backward_from<R>(
+    values: HashMap<u64, TensorData>,
+    uses: &Uses,
+    source: &mut dyn Source,
+    f: impl FnOnce() -> R,
+) -> (R, Result<HashMap<u64, TensorData>, String>) {
+    let source: *mut (dyn Source + '_) = source;
+    // SAFETY: only the lifetime is erased. The pointer lives in this thread's state only
+    // while `run_backward` runs (its guard takes it out on return and on unwinding), and
+    // `source` is borrowed mutably for all of that call.
+    let source = unsafe { std::mem::transmute::<*mut (dyn Source + '_), ScopedSource>(source) };
+    run_backward(values, uses, Some(source), f)
+}
+
+type Saved = (
+    Option<Provided>,
+    HashMap<u64, TensorData>,
+    Option<ScopedSource>,
+    Uses,
+    Uses,
+    Option<String>,
+);
+
+fn run_backward<R>(
+    values: HashMap<u64, TensorData>,
+    uses: &Uses,
+    source: Option<ScopedSource>,
+    f: impl FnOnce() -> R,
+) -> (R, Result<HashMap<u64, TensorData>, String>) {
+    struct Restore(Option<Saved>);
     impl Drop for Restore {
         fn drop(&mut self) {
-            if let Some((provided, grads)) = self.0.take() {
+            if let Some((provided, grads, source, uses, left, failed)) = self.0.take() {
                 STATE.with(|s| {
                     let mut s = s.borrow_mut();
                     s.provided = provided;
                     s.grads = grads;
+                    s.source = source;
+                    s.uses = uses;
+                    s.left = left;
+                    s.failed = failed;
                 });
             }
         }
@@ -91,18 +163,25 @@ pub fn backward<R>(
         .collect();
     let before = STATE.with(|s| {
         let mut s = s.borrow_mut();
-        let provided = s.provided.replace(values);
-        (provided, std::mem::take(&mut s.grads))
+        (
+            s.provided.replace(values),
+            std::mem::take(&mut s.grads),
+            std::mem::replace(&mut s.source, source),
+            std::mem::replace(&mut s.uses, uses.clone()),
+            std::mem::replace(&mut s.left, uses.clone()),
+            s.failed.take(),
+        )
     });
     let restore = Restore(Some(before));
     let out = f();
-    let grads = STATE.with(|s| {
+    let (grads, failed) = STATE.with(|s| {
         let mut s = s.borrow_mut();
         s.provided = None;
-        std::mem::take(&mut s.grads)
+        s.source = None;
+        (std::mem::take(&mut s.grads), s.failed.take())
     });
     drop(restore);
-    (out, grads)
+    (out, failed.map_or(Ok(grads), Err))
 }
 
 /// Calls `op` with `key` as the key of the weight it takes, where a [`forward`] keys weights
@@ -139,45 +218,117 @@ pub(crate) fn take_key() -> Option<u64> {
     })
 }
 
-/// The weight `key` as the backward's caller handed it in: taken by the weight's last op, a
-/// copy for the others. A keyed op's backward outside [`backward`], or a key missing from its
-/// values, is a caller's broken promise: the gradient cannot be computed, so it panics naming
-/// the key.
-pub(crate) fn value(key: u64) -> TensorData {
-    let found = STATE.with(|s| {
-        let mut s = s.borrow_mut();
-        let provided = s.provided.as_mut()?;
-        let Some((data, left)) = provided.get_mut(&key) else {
-            return Some(None);
-        };
-        if *left > 1 {
-            *left -= 1;
-            return Some(Some(data.clone()));
-        }
-        Some(provided.remove(&key).map(|(data, _)| data))
-    });
-    match found {
-        Some(Some(v)) => v,
-        Some(None) => panic!(
-            "hearth-kernels: the backward of an op that kept weight {key} by key was not given \
-             that weight (keyed::backward's values miss it)"
-        ),
-        None => panic!(
-            "hearth-kernels: the backward of an op that kept weight {key} by key ran outside \
-             keyed::backward"
-        ),
+/// The weight `key` as the backward's caller handed it in, or its [`Source`] fetched it:
+/// taken by the weight's last op, a copy for the others. `shape` is the weight's, for the
+/// zeros that stand in where the source failed (the failure is reported at the backward's
+/// end). A keyed op's backward outside [`backward`], or a key missing from its values without
+/// a source, is a caller's broken promise: the gradient cannot be computed, so it panics
+/// naming the key.
+pub(crate) fn value(key: u64, shape: &[usize]) -> TensorData {
+    if let Some(v) = provided(key) {
+        return v;
     }
+    // Not handed in: fetched from the source, out of the state while it runs.
+    let source = STATE.with(|s| s.borrow_mut().source.take());
+    let Some(source) = source else {
+        let inside = STATE.with(|s| s.borrow().provided.is_some());
+        match inside {
+            true => panic!(
+                "hearth-kernels: the backward of an op that kept weight {key} by key was not \
+                 given that weight (keyed::backward's values miss it)"
+            ),
+            false => panic!(
+                "hearth-kernels: the backward of an op that kept weight {key} by key ran outside \
+                 keyed::backward"
+            ),
+        }
+    };
+    // SAFETY: set by `backward_from` for the duration of its call, which this op's backward
+    // runs inside; taken out of the state while called, so never aliased.
+    let fetched = unsafe { (*source).fetch(key) };
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        s.source = Some(source);
+        match fetched {
+            Ok(values) => {
+                for (k, v) in values {
+                    let left = s.uses.get(&k).copied().unwrap_or(1);
+                    if let Some(p) = s.provided.as_mut() {
+                        p.entry(k).or_insert((v, left));
+                    }
+                }
+            }
+            Err(e) => {
+                s.failed.get_or_insert(e);
+            }
+        }
+    });
+    provided(key).unwrap_or_else(|| {
+        STATE.with(|s| {
+            s.borrow_mut().failed.get_or_insert(format!(
+                "weight {key} was not among the values its source fetched"
+            ));
+        });
+        TensorData::zeros::<f32, _>(shape.to_vec())
+    })
 }
 
-/// Hands out the gradient of keyed weight `key` (summed with one handed out before).
-pub(crate) fn put_grad(key: u64, grad: TensorData) {
+/// `key`'s value among those provided (the last op's takes it), if there.
+fn provided(key: u64) -> Option<TensorData> {
     STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        let provided = s.provided.as_mut()?;
+        let (data, left) = provided.get_mut(&key)?;
+        if *left > 1 {
+            *left -= 1;
+            return Some(data.clone());
+        }
+        provided.remove(&key).map(|(data, _)| data)
+    })
+}
+
+/// Hands out the gradient of keyed weight `key` (summed with one handed out before); inside
+/// [`backward_from`], once all of the key's ops have handed theirs, to the source.
+pub(crate) fn put_grad(key: u64, grad: TensorData) {
+    let (whole, source) = STATE.with(|s| {
         let mut s = s.borrow_mut();
         let sum = match s.grads.remove(&key) {
             Some(before) => add(before, grad),
             None => grad,
         };
-        s.grads.insert(key, sum);
+        let done = match s.left.get_mut(&key) {
+            Some(left) => {
+                *left = left.saturating_sub(1);
+                *left == 0
+            }
+            None => false,
+        };
+        match (done, s.source.take()) {
+            (true, Some(source)) => (Some(sum), Some(source)),
+            (_, source) => {
+                s.source = source;
+                s.grads.insert(key, sum);
+                (None, None)
+            }
+        }
+    });
+    let (Some(whole), Some(source)) = (whole, source) else {
+        return;
+    };
+    // SAFETY: as in `value`.
+    let taken = unsafe { (*source).gradient(key, whole) };
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        s.source = Some(source);
+        match taken {
+            Ok(Some(back)) => {
+                s.grads.insert(key, back);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                s.failed.get_or_insert(e);
+            }
+        }
     });
 }
 
@@ -217,19 +368,95 @@ mod tests {
         let ((first, last), grads) = backward(values, &Uses::from([(3, 2)]), || {
             put_grad(3, TensorData::new(vec![1.0f32, 1.0], [2]));
             put_grad(3, TensorData::new(vec![0.5f32, 2.0], [2]));
-            let first = value(3);
-            (first, value(3))
+            let first = value(3, &[2]);
+            (first, value(3, &[2]))
         });
         assert_eq!(first.try_to_vec::<f32>().ok(), Some(vec![1.0, 2.0]));
         assert_eq!(last.try_to_vec::<f32>().ok(), Some(vec![1.0, 2.0]));
         assert_eq!(grads[&3].try_to_vec::<f32>().ok(), Some(vec![1.5, 3.0]));
-        let missing = std::panic::catch_unwind(|| value(3));
+        let missing = std::panic::catch_unwind(|| value(3, &[2]));
         assert!(missing.is_err(), "values are gone after the backward");
         let once = HashMap::from([(4, TensorData::new(vec![1.0f32], [1]))]);
         let (twice, _) = backward(once, &Uses::from([(4, 1)]), || {
-            let _ = value(4);
-            std::panic::catch_unwind(|| value(4)).is_err()
+            let _ = value(4, &[1]);
+            std::panic::catch_unwind(|| value(4, &[1])).is_err()
         });
         assert!(twice, "a weight's last op takes it");
+    }
+
+    /// A source that fetches weights 5 and 6 together, counts its fetches and takes 5's
+    /// gradient; `fail` makes its fetch fail.
+    struct Bucket {
+        fetches: usize,
+        taken: Vec<(u64, Vec<f32>)>,
+        fail: bool,
+    }
+
+    impl Source for Bucket {
+        fn fetch(&mut self, key: u64) -> Result<Vec<(u64, TensorData)>, String> {
+            self.fetches += 1;
+            if self.fail {
+                return Err(format!("the gather of {key}'s bucket failed"));
+            }
+            Ok(vec![
+                (5, TensorData::new(vec![5.0f32, 5.0], [2])),
+                (6, TensorData::new(vec![6.0f32], [1])),
+            ])
+        }
+        fn gradient(&mut self, key: u64, grad: TensorData) -> Result<Option<TensorData>, String> {
+            if key != 5 {
+                return Ok(Some(grad));
+            }
+            let v = grad.try_to_vec::<f32>().map_err(|e| format!("{e:?}"))?;
+            self.taken.push((key, v));
+            Ok(None)
+        }
+    }
+
+    #[test]
+    fn a_source_fetches_what_values_lack_once_and_takes_each_gradient_when_whole() {
+        let mut source = Bucket {
+            fetches: 0,
+            taken: Vec::new(),
+            fail: false,
+        };
+        let uses = Uses::from([(5, 2), (6, 1)]);
+        let (read, grads) = backward_from(HashMap::new(), &uses, &mut source, || {
+            let a = value(5, &[2]);
+            put_grad(5, TensorData::new(vec![1.0f32, 2.0], [2]));
+            let b = value(6, &[1]);
+            let c = value(5, &[2]);
+            put_grad(6, TensorData::new(vec![3.0f32], [1]));
+            put_grad(5, TensorData::new(vec![1.0f32, 1.0], [2]));
+            [a, b, c].map(|d| d.try_to_vec::<f32>().unwrap_or_default())
+        });
+        assert_eq!(read, [vec![5.0, 5.0], vec![6.0], vec![5.0, 5.0]]);
+        assert_eq!(source.fetches, 1, "6 came with 5's bucket");
+        assert_eq!(
+            source.taken,
+            vec![(5, vec![2.0, 3.0])],
+            "5 taken once whole"
+        );
+        let grads = grads.expect("no failure");
+        assert_eq!(grads.len(), 1);
+        assert_eq!(grads[&6].try_to_vec::<f32>().ok(), Some(vec![3.0]));
+
+        let mut failing = Bucket {
+            fetches: 0,
+            taken: Vec::new(),
+            fail: true,
+        };
+        let (zeros, failed) = backward_from(HashMap::new(), &uses, &mut failing, || {
+            value(5, &[2]).try_to_vec::<f32>().unwrap_or_default()
+        });
+        assert_eq!(zeros, vec![0.0, 0.0], "zeros stand in for a failed fetch");
+        assert_eq!(
+            failed.err().as_deref(),
+            Some("the gather of 5's bucket failed")
+        );
+        assert!(
+            std::panic::catch_unwind(|| value(5, &[2])).is_err(),
+            "the source is gone after the backward"
+        );
     }
 }
