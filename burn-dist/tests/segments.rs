@@ -135,10 +135,12 @@ fn a_segmented_backward_equals_one_backward_and_hands_out_the_last_segment_first
 }
 
 /// What a [`burn_dist::pipeline::Regather`] was asked, in order (it keys nothing: its
-/// segments keep their values, so the gradients must equal one backward's).
+/// segments keep their values, so the gradients must equal one backward's); `fetch`: it says
+/// it fetches its values itself.
 #[derive(Default)]
 struct Recorded {
     calls: Vec<String>,
+    fetch: bool,
 }
 
 impl burn_dist::pipeline::Regather<Part> for Recorded {
@@ -155,11 +157,15 @@ impl burn_dist::pipeline::Regather<Part> for Recorded {
     fn backward(
         &mut self,
         k: usize,
-        values: Part,
+        values: Option<Part>,
         backward: &mut dyn FnMut() -> burn_dist::Result<burn::tensor::Gradients>,
-    ) -> burn_dist::Result<(burn::tensor::Gradients, Part)> {
-        self.calls.push(format!("backward {k}"));
+    ) -> burn_dist::Result<(burn::tensor::Gradients, Option<Part>)> {
+        let how = if values.is_some() { "" } else { " fetching" };
+        self.calls.push(format!("backward {k}{how}"));
         Ok((backward()?, values))
+    }
+    fn fetches(&self) -> bool {
+        self.fetch
     }
     fn add_keyed(&mut self, k: usize, _: &Part, _: &mut GradientsParams) -> burn_dist::Result<()> {
         self.calls.push(format!("add {k}"));
@@ -181,51 +187,62 @@ fn a_regathered_backward_gathers_each_segment_but_the_last_again_before_its_back
         &model.to_vec(),
         &whole_backward(&model, x.clone(), y.clone()),
     );
-    let gathers = std::cell::RefCell::new(Vec::new());
-    let mut gather = |k: usize, s: &Part| {
-        gathers.borrow_mut().push(k);
-        Ok(s.clone())
-    };
-    let mut recorded = Recorded::default();
-    let parts = burn_dist::pipeline::segmented_gradients_regathered(
-        &model,
-        &mut gather,
-        &mut recorded,
-        Activation::Rank4(x),
-        &mut |out| Ok(mse(out.rank2("out")?, y.clone())),
-        &mut |_, _, g| Ok(g),
-    )
-    .unwrap();
-    assert_eq!(*gathers.borrow(), vec![0, 1, 2, 3, 2, 1, 0]);
-    let calls: Vec<&str> = recorded.calls.iter().map(String::as_str).collect();
-    assert_eq!(
-        calls,
-        [
-            "forward 0 release true",
-            "forward 1 release true",
-            "forward 2 release true",
-            "forward 3 release false",
-            "backward 3",
-            "add 3",
-            "backward 2",
-            "add 2",
-            "backward 1",
-            "add 1",
-            "backward 0",
-            "add 0",
-        ]
-    );
-    let whole = model.to_vec();
-    let mut acc = GradientsAccumulator::<Vec<Part>>::new();
-    for g in parts {
-        acc.accumulate(&whole, g);
+    for fetch in [false, true] {
+        let gathers = std::cell::RefCell::new(Vec::new());
+        let mut gather = |k: usize, s: &Part| {
+            gathers.borrow_mut().push(k);
+            Ok(s.clone())
+        };
+        let mut recorded = Recorded {
+            fetch,
+            ..Recorded::default()
+        };
+        let parts = burn_dist::pipeline::segmented_gradients_regathered(
+            &model,
+            &mut gather,
+            &mut recorded,
+            Activation::Rank4(x.clone()),
+            &mut |out| Ok(mse(out.rank2("out")?, y.clone())),
+            &mut |_, _, g| Ok(g),
+        )
+        .unwrap();
+        // A regather that fetches its own values is not handed the segments gathered again.
+        let (gathered, how): (&[usize], &str) = match fetch {
+            false => (&[0, 1, 2, 3, 2, 1, 0], ""),
+            true => (&[0, 1, 2, 3], " fetching"),
+        };
+        assert_eq!(*gathers.borrow(), gathered);
+        let calls: Vec<&str> = recorded.calls.iter().map(String::as_str).collect();
+        let again = |k: usize| format!("backward {k}{how}");
+        assert_eq!(
+            calls,
+            [
+                "forward 0 release true",
+                "forward 1 release true",
+                "forward 2 release true",
+                "forward 3 release false",
+                "backward 3",
+                "add 3",
+                &again(2),
+                "add 2",
+                &again(1),
+                "add 1",
+                &again(0),
+                "add 0",
+            ]
+        );
+        let whole = model.to_vec();
+        let mut acc = GradientsAccumulator::<Vec<Part>>::new();
+        for g in parts {
+            acc.accumulate(&whole, g);
+        }
+        assert_close(
+            "regathered",
+            &grad_values(&whole, &acc.grads()),
+            &want,
+            1e-6,
+        );
     }
-    assert_close(
-        "regathered",
-        &grad_values(&whole, &acc.grads()),
-        &want,
-        1e-6,
-    );
 }
 
 #[test]

@@ -257,6 +257,8 @@ struct Handing {
     unscale: f32,
     /// A gradient that could not be read (reported at finish).
     failed: Option<String>,
+    /// How many tensors came one by one through [`hand_over_one`].
+    alone: usize,
 }
 
 thread_local! {
@@ -407,8 +409,17 @@ fn install(sink: Sink, weight: f32) {
             weight,
             unscale: 1.0,
             failed: None,
+            alone: 0,
         })
     });
+}
+
+impl OverlappedStep {
+    /// How many tensors this step has had handed over one by one so far ([`hand_over_one`]:
+    /// each as soon as it was whole), of all it was handed.
+    pub fn handed_alone(&self) -> usize {
+        STEP.with(|s| s.borrow().as_ref().map_or(0, |h| h.alone))
+    }
 }
 
 /// Whether an [`OverlappedStep`] is installed on this thread: a step should then run its
@@ -465,6 +476,37 @@ pub fn hand_over<M: Module>(segment: &M, grads: GradientsParams) -> GradientsPar
             }
         }
         grads
+    })
+}
+
+/// Hands one parameter's whole gradient (host values of shape `dims`) to this thread's ZeRO
+/// step ([`OverlappedStep::begin_sharded`]) as soon as it exists, outside a segment's
+/// [`hand_over`]: ZeRO stage 3's weights kept by key, whose gradients a backward computes one
+/// at a time (each bucket is then reduced as soon as its last tensor comes). Returns the values
+/// back where no ZeRO step is installed (the caller hands them over with its segment's).
+pub fn hand_over_one(id: ParamId, dims: Vec<usize>, mut values: Vec<f32>) -> Option<Vec<f32>> {
+    STEP.with(|s| {
+        let mut s = s.borrow_mut();
+        let Some(h) = s.as_mut() else {
+            return Some(values);
+        };
+        let Sink::Sharded { exchange, index } = &h.sink else {
+            return Some(values);
+        };
+        let Some(&i) = index.get(&id) else {
+            h.failed.get_or_insert(format!(
+                "parameter {id} was handed over but is not trainable in the model"
+            ));
+            return None;
+        };
+        let scale = h.weight * h.unscale;
+        if scale != 1.0 {
+            values.iter_mut().for_each(|v| *v *= scale);
+        }
+        h.taken.push((id, dims));
+        h.alone += 1;
+        exchange.submit(vec![(i, values)]);
+        None
     })
 }
 

@@ -177,15 +177,23 @@ pub trait Regather<M> {
         forward: &mut dyn FnMut(&M) -> Result<Activation>,
     ) -> Result<(Activation, M)>;
     /// Runs segment `k`'s `backward` with `values` (the segment gathered again, or still
-    /// whole) providing the values its graph kept by key, each let go once its ops are done;
-    /// returns the backward's gradients and `values` without them. The gradients of the values
-    /// kept by key are held for [`Regather::add_keyed`].
+    /// whole; `None` where [`Regather::fetches`]: the values kept by key are fetched as its
+    /// ops first need them) providing the values its graph kept by key, each let go once its
+    /// ops are done; returns the backward's gradients and `values` without them. The
+    /// gradients of the values kept by key are handed on or held for
+    /// [`Regather::add_keyed`].
     fn backward(
         &mut self,
         k: usize,
-        values: M,
+        values: Option<M>,
         backward: &mut dyn FnMut() -> Result<burn::tensor::Gradients>,
-    ) -> Result<(burn::tensor::Gradients, M)>;
+    ) -> Result<(burn::tensor::Gradients, Option<M>)>;
+    /// Whether [`Regather::backward`] fetches the values a segment's graph kept by key itself,
+    /// as its ops need them (a gather finer than a segment's), instead of being handed the
+    /// segment gathered again.
+    fn fetches(&self) -> bool {
+        false
+    }
     /// Adds segment `k`'s gradients of the values kept by key to `grads` (`segment`: the
     /// caller's, whose parameter ids they carry).
     fn add_keyed(&mut self, k: usize, segment: &M, grads: &mut GradientsParams) -> Result<()>;
@@ -273,10 +281,18 @@ fn segmented<M: PipelineStage>(
         };
         let (g, segment) = match regather.as_deref_mut() {
             // The last segment still holds its values: they go into its backward.
-            Some(r) if last => r.backward(k, segment, &mut backward)?,
+            Some(r) if last => match r.backward(k, Some(segment), &mut backward)? {
+                (g, Some(rest)) => (g, rest),
+                (_, None) => {
+                    return Err(DistError::Config(format!(
+                        "segment {k}'s backward kept nothing of the values handed to it"
+                    )));
+                }
+            },
+            Some(r) if r.fetches() => (r.backward(k, None, &mut backward)?.0, segment),
             Some(r) => {
                 let again = gather(k, &segments[k])?;
-                (r.backward(k, again, &mut backward)?.0, segment)
+                (r.backward(k, Some(again), &mut backward)?.0, segment)
             }
             None => (backward()?, segment),
         };

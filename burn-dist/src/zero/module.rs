@@ -229,6 +229,45 @@ impl ShardedParams {
         gather_unit(zero, comm, part, first, &self.shapes)
     }
 
+    /// The values of the bucket that holds the skeleton's trainable tensor `id`, gathered
+    /// whole ([`ZeroOptimizer::gather_params_bucket`]): each of its tensors' parameter id, shape and
+    /// values. Every rank alike, for the same tensor.
+    pub fn gather_bucket_of(
+        &self,
+        zero: &ZeroOptimizer,
+        comm: &Communicator,
+        id: &ParamId,
+    ) -> Result<Vec<(ParamId, burn::tensor::Shape, Vec<f32>)>> {
+        let Some(&t) = self.index.get(id) else {
+            return Err(DistError::Config(format!(
+                "parameter {id} is not one of the sharded model's trainable tensors"
+            )));
+        };
+        let (tensors, values) = zero.gather_params_bucket(comm, t)?;
+        let mut ids: Vec<Option<ParamId>> = vec![None; tensors.len()];
+        for (id, &i) in &self.index {
+            if tensors.contains(&i) {
+                ids[i - tensors.start] = Some(*id);
+            }
+        }
+        tensors
+            .zip(ids)
+            .zip(values)
+            .map(|((i, id), v)| match (id, self.shapes.get(&i)) {
+                (Some(id), Some(shape)) if shape.num_elements() == v.len() => {
+                    Ok((id, shape.clone(), v))
+                }
+                _ => Err(DistError::Mismatch {
+                    op: "stage 3 gather".into(),
+                    reason: format!(
+                        "trainable tensor {i} has no parameter or shape of {} values",
+                        v.len()
+                    ),
+                }),
+            })
+            .collect()
+    }
+
     /// Where `part`'s trainable tensors start in the skeleton's order: an error where they are
     /// not the skeleton's, or not consecutive there.
     fn first_of<U: Module>(&self, part: &U) -> Result<usize> {

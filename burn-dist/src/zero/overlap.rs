@@ -5,10 +5,14 @@
 //! the whole gradient dropped. So a rank never holds the whole gradient at once, only its
 //! segments and the buckets under way: stage 2's saving of gradient memory.
 //!
-//! The buckets are reduced from the last down, each once all of its tensors and every bucket
-//! after it are done: the same collectives in the same order on every rank, however the ranks'
-//! backward passes are timed (a backward produces the last layers' gradients first, so the
-//! buckets complete in about that order anyway).
+//! Each bucket is reduced as soon as the hand-over that brings its last tensor is taken, the
+//! buckets one hand-over completes from the last down, and at the end those never completed
+//! (from the last down): every rank hands over the same tensors in the same order (the same
+//! model, run the same way), so every rank calls the same collectives in the same order,
+//! however its backward pass is timed. A backward produces the last layers' gradients first,
+//! so the buckets complete in about that order; a weight's gradient handed over alone as soon
+//! as it exists (ZeRO stage 3's weights kept by key) reduces its bucket before the rest of its
+//! unit's backward has run.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -148,7 +152,7 @@ impl ShardedExchange {
                 if let Some(e) = x.failed {
                     return Err(e);
                 }
-                x.pending.reduce_ready(&x.comm, true)?;
+                x.pending.reduce_rest(&x.comm)?;
                 Ok(x.pending.into_reduced())
             }
         }
@@ -186,8 +190,6 @@ struct Pending {
     missing: Vec<usize>,
     /// Per bucket: its segments, once reduced.
     done: Vec<Option<Segments>>,
-    /// The buckets below it are not reduced yet.
-    next: usize,
 }
 
 impl Pending {
@@ -207,7 +209,6 @@ impl Pending {
             bucket_of,
             missing,
             done: (0..buckets).map(|_| None).collect(),
-            next: buckets,
         }
     }
 
@@ -232,7 +233,7 @@ impl Pending {
             )));
         }
         let b = self.bucket_of[t];
-        if self.slots[t].is_some() || b >= self.next {
+        if self.slots[t].is_some() || self.done[b].is_some() {
             return Err(bad(format!("tensor {t}'s gradient was handed over twice")));
         }
         self.slots[t] = Some(values);
@@ -240,12 +241,22 @@ impl Pending {
         Ok(())
     }
 
-    /// Keeps gradients handed over together, then reduces the buckets they complete.
+    /// Keeps gradients handed over together, then reduces the buckets they complete, from the
+    /// last down.
     fn take(&mut self, comm: &Communicator, tensors: Handed) -> Result<()> {
+        let mut completed = Vec::new();
         for (t, values) in tensors {
             self.add(t, values)?;
+            let b = self.bucket_of[t];
+            if self.missing[b] == 0 {
+                completed.push(b);
+            }
         }
-        self.reduce_ready(comm, false)
+        completed.sort_unstable_by(|a, b| b.cmp(a));
+        for b in completed {
+            self.reduce(comm, b)?;
+        }
+        Ok(())
     }
 
     /// Every bucket's segments, once all are reduced.
@@ -257,33 +268,40 @@ impl Pending {
         reduced
     }
 
-    /// Reduces the last unreduced bucket while it is complete (`all`: complete or not).
-    fn reduce_ready(&mut self, comm: &Communicator, all: bool) -> Result<()> {
-        while self.next > 0 && (all || self.missing[self.next - 1] == 0) {
-            let b = self.next - 1;
-            let tensors = self.reducer.tensors(b);
-            let g = if tensors.len() == 1 {
-                // One tensor: its values are the bucket, moved.
-                let t = tensors.start;
-                self.slots[t]
-                    .take()
-                    .unwrap_or_else(|| vec![0.0; self.reducer.tensor_len(t)])
-            } else {
-                // Its whole length at once: a vector grown by doubling held up to three
-                // times the bucket's gradient for a moment (a stage 3 step's peak).
-                let len = tensors.clone().map(|t| self.reducer.tensor_len(t)).sum();
-                let mut g = Vec::with_capacity(len);
-                for t in tensors {
-                    match self.slots[t].take() {
-                        Some(v) => g.extend_from_slice(&v),
-                        None => g.resize(g.len() + self.reducer.tensor_len(t), 0.0),
-                    }
-                }
-                g
-            };
-            self.done[b] = Some(self.reducer.reduce(comm, b, g)?);
-            self.next = b;
+    /// Reduces every bucket not reduced yet, from the last down (a tensor never handed over
+    /// counts as a zero gradient).
+    fn reduce_rest(&mut self, comm: &Communicator) -> Result<()> {
+        for b in (0..self.done.len()).rev() {
+            if self.done[b].is_none() {
+                self.reduce(comm, b)?;
+            }
         }
+        Ok(())
+    }
+
+    /// Reduces bucket `b` (not reduced yet) to this rank's segments and drops its gradients.
+    fn reduce(&mut self, comm: &Communicator, b: usize) -> Result<()> {
+        let tensors = self.reducer.tensors(b);
+        let g = if tensors.len() == 1 {
+            // One tensor: its values are the bucket, moved.
+            let t = tensors.start;
+            self.slots[t]
+                .take()
+                .unwrap_or_else(|| vec![0.0; self.reducer.tensor_len(t)])
+        } else {
+            // Its whole length at once: a vector grown by doubling held up to three times the
+            // bucket's gradient for a moment (a stage 3 step's peak).
+            let len = tensors.clone().map(|t| self.reducer.tensor_len(t)).sum();
+            let mut g = Vec::with_capacity(len);
+            for t in tensors {
+                match self.slots[t].take() {
+                    Some(v) => g.extend_from_slice(&v),
+                    None => g.resize(g.len() + self.reducer.tensor_len(t), 0.0),
+                }
+            }
+            g
+        };
+        self.done[b] = Some(self.reducer.reduce(comm, b, g)?);
         Ok(())
     }
 }
@@ -299,6 +317,6 @@ fn exchange(
     for tensors in rx {
         pending.take(comm, tensors)?;
     }
-    pending.reduce_ready(comm, true)?;
+    pending.reduce_rest(comm)?;
     Ok(pending.into_reduced())
 }

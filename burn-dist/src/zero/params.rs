@@ -124,6 +124,38 @@ impl ZeroOptimizer {
         Ok(())
     }
 
+    /// Stage 3: the bucket that holds trainable tensor `tensor`, gathered whole from every
+    /// rank's segments: its tensors' indices and values. Every rank calls it alike, for the
+    /// same tensor (an all-gather of one bucket: the finest gather, as fine as the buckets are
+    /// cut).
+    pub fn gather_params_bucket(
+        &self,
+        comm: &Communicator,
+        tensor: usize,
+    ) -> Result<(Range<usize>, Vec<Vec<f32>>)> {
+        if !self.holds_params() {
+            return Err(DistError::Config(
+                "gathering parameters from a sharded optimizer that holds none (stage 3 \
+                 `hold_params` first)"
+                    .into(),
+            ));
+        }
+        let b = self
+            .buckets
+            .partition_point(|bucket| bucket.tensors.end <= tensor);
+        if b >= self.buckets.len() {
+            return Err(DistError::Config(format!(
+                "trainable tensor {tensor} of a sharded optimizer of {} tensors",
+                self.tensors.len()
+            )));
+        }
+        let gathered = self.all_gather(comm, b, &self.params[b])?;
+        Ok((
+            self.buckets[b].tensors.clone(),
+            self.split_bucket(b, gathered),
+        ))
+    }
+
     /// Bucket `b`'s gathered values as its tensors' (one tensor: moved, not copied).
     pub(super) fn split_bucket(&self, b: usize, gathered: Vec<f32>) -> Vec<Vec<f32>> {
         let bucket = &self.buckets[b];
