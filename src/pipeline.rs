@@ -82,11 +82,11 @@ pub fn unit_gradients<M: Module>(
             &device,
             &mut done,
         )
-    } else if gathering.is_some() {
+    } else if let Some(shards) = gathering {
         burn_dist::pipeline::segmented_gradients_regathered(
             &segments,
             &mut gather,
-            &mut regather::Regathered::default(),
+            &mut regather::Regathered::new(shards),
             x,
             &mut on_output,
             &mut done,

@@ -263,6 +263,54 @@ fn stage_3_regathers_vgg_and_densenet_units_as_plain_data_parallel() {
     }
 }
 
+/// Stage 3 with a bucket per weight (`--bucket-mb 0.001`, 1 KiB: every convolution and linear
+/// weight of the mini models alone in its bucket): each unit's backward gathers a weight's
+/// bucket when the weight's op first needs it, and hands the weight's gradient over as soon as
+/// it is whole, its bucket reduce-scattered then rather than at the unit's end (the ranks call
+/// those collectives in their backward's order). Without and with `--overlap` (the
+/// reductions on a thread of their own beside the gathers), a ResNet and a VGG train as plain
+/// data parallel does.
+#[test]
+fn stage_3_with_a_bucket_per_weight_gathers_and_reduces_weight_by_weight_as_plain_data_parallel() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = small_data(dir.path());
+    for model in ["resnet-mini", "vgg-mini-plain"] {
+        let run = |label: &str| dir.path().join(format!("{model}-{label}"));
+        for (label, extra) in [
+            ("plain", &["--zero", "0"][..]),
+            ("fine", &["--zero", "3", "--bucket-mb", "0.001"][..]),
+            (
+                "fine-overlap",
+                &["--zero", "3", "--bucket-mb", "0.001", "--overlap"][..],
+            ),
+        ] {
+            let args = [&["--model", model, "--epochs", "1"][..], extra, &ADAM].concat();
+            let logs = Job::spawn_ok(dir.path(), &data, &run(label), 2, &BASE, &args, &[]);
+            if label != "plain" {
+                assert!(
+                    logs.contains("weights' gradients handed over one by one as each was whole")
+                        && logs.contains("buckets of 1.0 KiB"),
+                    "{logs}"
+                );
+            }
+        }
+        let plain = metrics(&run("plain"));
+        for label in ["fine", "fine-overlap"] {
+            same_curves(
+                (&format!("{model} plain"), &plain),
+                (&format!("{model} {label}"), &metrics(&run(label))),
+                &COLUMNS,
+                1e-5,
+            );
+            same_weights(
+                &run("plain").join("model.bpk"),
+                &run(label).join("model.bpk"),
+                1e-5,
+            );
+        }
+    }
+}
+
 /// The example's binary, built by `cargo test` into the target's `examples/` folder.
 fn example_bin() -> PathBuf {
     let exe = std::env::current_exe().unwrap();

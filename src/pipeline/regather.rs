@@ -4,26 +4,45 @@
 //! [`hearth_kernels::keyed`]). The convolutions' and linear layers' graphs keep their weights'
 //! parameter ids instead of the weights; what other ops keep (batch norm's scale and shift,
 //! the biases' shapes) stays with the unit between its passes.
+//!
+//! The backward gathers a bucket at a time: the bucket of a weight when its first op's
+//! backward needs it (`Fetch`), and each weight's gradient goes to the step's exchange as soon
+//! as its ops are done, where its bucket is reduce-scattered once whole
+//! ([`burn_dist::overlap::hand_over_one`]). With buckets of one weight each (`--bucket-mb`
+//! below the smallest weight worth it), a unit's backward holds a weight or two and their
+//! gradients instead of the unit's; with the default buckets, a unit's buckets are its whole.
 
 use std::collections::HashMap;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::Tensor;
 use burn::tensor::TensorData;
 use burn_dist::pipeline::{Activation, Regather};
 
+use super::gathered::Gathering;
 use super::stage::StageModel;
 
-/// The keys each unit's graph kept, from its forward to its backward, and the gradients of
-/// the keyed weights from a backward to their hand-over.
-#[derive(Default)]
-pub(super) struct Regathered {
+/// The keys each unit's graph kept, from its forward to its backward, the gradients of the
+/// keyed weights from a backward to their hand-over, and the shards the backward fetches the
+/// keyed weights from.
+pub(super) struct Regathered<'a> {
     keys: HashMap<usize, hearth_kernels::keyed::Uses>,
     grads: HashMap<u64, TensorData>,
+    shards: &'a Gathering<'a>,
 }
 
-impl Regather<StageModel> for Regathered {
+impl<'a> Regathered<'a> {
+    pub(super) fn new(shards: &'a Gathering<'a>) -> Self {
+        Self {
+            keys: HashMap::new(),
+            grads: HashMap::new(),
+            shards,
+        }
+    }
+}
+
+impl Regather<StageModel> for Regathered<'_> {
     fn forward(
         &mut self,
         k: usize,
@@ -44,25 +63,32 @@ impl Regather<StageModel> for Regathered {
     fn backward(
         &mut self,
         k: usize,
-        values: StageModel,
+        values: Option<StageModel>,
         backward: &mut dyn FnMut() -> burn_dist::Result<burn::tensor::Gradients>,
-    ) -> burn_dist::Result<(burn::tensor::Gradients, StageModel)> {
+    ) -> burn_dist::Result<(burn::tensor::Gradients, Option<StageModel>)> {
         let keys = self.keys.remove(&k).unwrap_or_default();
         let mut take = Take {
             keys: &keys,
             values: HashMap::with_capacity(keys.len()),
         };
-        // The keyed values move out of the module into the backward's.
-        let rest = values.map(&mut take);
-        if let Some(missing) = keys.keys().find(|key| !take.values.contains_key(key)) {
-            return Err(burn_dist::DistError::Config(format!(
-                "unit {k}'s parameter {missing} was kept by key in its forward but is not among \
-                 the values handed to its backward"
-            )));
-        }
-        let (g, grads) = hearth_kernels::keyed::backward(take.values, &keys, backward);
+        // The keyed values handed in (the last unit's own) move out of the module into the
+        // backward's; the others are fetched bucket by bucket as the ops need them.
+        let rest = values.map(|v| v.map(&mut take));
+        let mut fetch = Fetch {
+            shards: self.shards,
+            keys: &keys,
+        };
+        let (g, grads) =
+            hearth_kernels::keyed::backward_from(take.values, &keys, &mut fetch, backward);
+        let grads = grads.map_err(|e| {
+            burn_dist::DistError::Config(format!("unit {k}'s backward by key: {e}"))
+        })?;
         self.grads.extend(grads);
         Ok((g?, rest))
+    }
+
+    fn fetches(&self) -> bool {
+        true
     }
 
     fn add_keyed(
@@ -86,6 +112,43 @@ impl Regather<StageModel> for Regathered {
             ))),
             None => Ok(()),
         }
+    }
+}
+
+/// A unit's keyed weights from the ranks' shards, a bucket at a time as the backward's ops
+/// first need them (every rank's backward runs its ops in one order, so every rank gathers the
+/// same buckets in the same order), and their gradients handed to the step's exchange as soon
+/// as each is whole.
+struct Fetch<'a> {
+    shards: &'a Gathering<'a>,
+    keys: &'a hearth_kernels::keyed::Uses,
+}
+
+impl hearth_kernels::keyed::Source for Fetch<'_> {
+    fn fetch(&mut self, key: u64) -> Result<Vec<(u64, TensorData)>, String> {
+        let g = self.shards;
+        let bucket = g
+            .params
+            .gather_bucket_of(g.zero, g.comm, &ParamId::from(key))
+            .map_err(|e| format!("gathering weight {key}'s bucket: {e}"))?;
+        // The bucket's other tensors that the graph did not key (batch norm's, the biases)
+        // are the unit's own between its passes: dropped here.
+        Ok(bucket
+            .into_iter()
+            .filter(|(id, ..)| self.keys.contains_key(&id.val()))
+            .map(|(id, shape, v)| (id.val(), TensorData::new(v, shape)))
+            .collect())
+    }
+
+    fn gradient(&mut self, key: u64, grad: TensorData) -> Result<Option<TensorData>, String> {
+        let dims = grad.shape().to_vec();
+        let values = grad
+            .try_into_vec::<f32>()
+            .map_err(|e| format!("weight {key}'s gradient is not f32: {e:?}"))?;
+        Ok(
+            burn_dist::overlap::hand_over_one(ParamId::from(key), dims.clone(), values)
+                .map(|v| TensorData::new(v, dims)),
+        )
     }
 }
 

@@ -39,6 +39,9 @@ pub(super) struct Exchange {
     /// Whether this rank has said how much of its first overlapped step's exchange ran
     /// during the backward.
     said: bool,
+    /// Stage 3: whether this rank has said how many weights' gradients its first step handed
+    /// over one by one.
+    said_alone: bool,
     clock: Clock,
 }
 
@@ -57,6 +60,7 @@ impl Exchange {
             op,
             settings: settings.clone(),
             said: false,
+            said_alone: false,
             clock: Clock::default(),
         }
     }
@@ -138,10 +142,24 @@ impl Exchange {
         log: &mut dyn FnMut(&str),
     ) -> std::result::Result<ReducedGradients, DistError> {
         let started = Instant::now();
+        let alone = overlapped.handed_alone();
         let done = overlapped.finish_sharded(model, grads);
         self.clock.exchanging += started.elapsed();
         let (reduced, handed) = done?;
         self.say_handed(handed, model, comm, log);
+        if alone > 0 && !self.said_alone {
+            self.said_alone = true;
+            log(&format!(
+                "`exchange.zero` 3: {alone} of them weights' gradients handed over one by one as \
+                 each was whole, their buckets gathered for the backward as its ops needed them \
+                 (buckets of {}, --bucket-mb: a bucket reduced once all of its gradient is \
+                 there)",
+                match self.settings.bucket_bytes as f64 / 1024.0 {
+                    kib if kib < 1024.0 => format!("{kib:.1} KiB"),
+                    kib => format!("{:.1} MiB", kib / 1024.0),
+                }
+            ));
+        }
         Ok(reduced)
     }
 
