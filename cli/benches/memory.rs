@@ -42,6 +42,9 @@ struct Measured {
     peaks: Vec<f64>,
     heaps: Vec<f64>,
     step_ms: f64,
+    /// Each rank's largest rise of the live heap within a training step above what steps leave
+    /// held, MB.
+    rises: Vec<f64>,
     /// Trainable values (from the ZeRO line; 0 where the run printed none).
     values: u64,
 }
@@ -57,11 +60,13 @@ fn hearth(
     zero: u8,
     overlap: bool,
     recompute: bool,
+    bucket_mb: Option<&str>,
     size: usize,
     per_rank: usize,
 ) -> Result<Measured, String> {
     let run = dir.join(format!(
-        "{model}-{optimizer}-{ranks}-{zero}-{overlap}-{recompute}"
+        "{model}-{optimizer}-{ranks}-{zero}-{overlap}-{recompute}-{}",
+        bucket_mb.unwrap_or("default")
     ));
     let batch = (per_rank * ranks).to_string();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_hearth"));
@@ -86,6 +91,9 @@ fn hearth(
     if overlap {
         cmd.arg("--overlap");
     }
+    if let Some(mb) = bucket_mb {
+        cmd.args(["--bucket-mb", mb]);
+    }
     let out = cmd.output().map_err(|e| format!("hearth: {e}"))?;
     let text = format!(
         "{}{}",
@@ -101,6 +109,7 @@ fn hearth(
     let mut m = Measured {
         peaks: vec![0.0; ranks],
         heaps: vec![0.0; ranks],
+        rises: vec![0.0; ranks],
         ..Default::default()
     };
     for line in text.lines() {
@@ -122,9 +131,16 @@ fn hearth(
                 .and_then(|v| v.split(" MB").next())
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(0.0);
+            let rise = rest
+                .split("a training step at most ")
+                .nth(1)
+                .and_then(|v| v.split(" MB").next())
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0.0);
             if rank < ranks {
                 m.peaks[rank] = mb;
                 m.heaps[rank] = heap;
+                m.rises[rank] = rise;
             }
         }
         if let Some(rest) = line.split("keeps the optimizer state of ").nth(1)
@@ -276,26 +292,40 @@ fn main() {
             .expect("building the model to count its parameters");
         values.insert(model.clone(), n);
     }
+    // Stage 3 with buckets this small (MiB; `--bucket-mb`) runs as a row of its own: its
+    // backward gathers a bucket at a time and reduces each weight's bucket as soon as the
+    // weight's gradient is whole.
+    let fine_mb = std::env::var("HEARTH_MEM_FINE_MB").unwrap_or_else(|_| "0.05".into());
+    let mut strict: Vec<String> = Vec::new();
     for model in &models {
         for optimizer in &optimizers {
             let slots = if optimizer == "adam" { 2.0 } else { 1.0 };
             for n in &ranks {
                 let n: usize = n.parse().expect("HEARTH_MEM_RANKS: numbers");
-                // (stage, --overlap)
-                let stages: &[(u8, bool)] = if n > 1 {
-                    &[(0, false), (1, false), (2, false), (2, true), (3, false)]
+                // (stage, --overlap, small buckets)
+                let stages: &[(u8, bool, bool)] = if n > 1 {
+                    &[
+                        (0, false, false),
+                        (1, false, false),
+                        (2, false, false),
+                        (2, true, false),
+                        (3, false, false),
+                        (3, false, true),
+                    ]
                 } else {
-                    &[(0, false)]
+                    &[(0, false, false)]
                 };
                 let mut plain: Option<Measured> = None;
                 let mut torch_plain: Option<Measured> = None;
                 let mut torch_zero: Option<Measured> = None;
-                for (&(zero, overlap), &recompute) in stages
+                for (&(zero, overlap, fine), &recompute) in stages
                     .iter()
                     .flat_map(|z| recomputes.iter().map(move |r| (z, r)))
                 {
+                    let buckets = fine.then_some(fine_mb.as_str());
                     let m = match hearth(
-                        &dir, &data, model, optimizer, n, zero, overlap, recompute, size, per_rank,
+                        &dir, &data, model, optimizer, n, zero, overlap, recompute, buckets, size,
+                        per_rank,
                     ) {
                         Ok(m) => m,
                         Err(e) => {
@@ -380,9 +410,24 @@ fn main() {
                             "-".into()
                         }
                     };
+                    if zero == 3 && total > 0.0 {
+                        strict.push(strict_row(StrictRow {
+                            model,
+                            optimizer,
+                            n,
+                            recompute,
+                            buckets: buckets.unwrap_or("25 (default)"),
+                            total,
+                            slots,
+                            rise: max(&m.rises),
+                        }));
+                    }
                     println!(
-                        "| {model} | {optimizer} | {n} | {zero}{} | {} | {:.0} / {:.0} | {} | {saved} | {goal} | {:.0} | {} | {} | {} | {} |",
+                        "| {model} | {optimizer} | {n} | {zero}{}{} | {} | {:.0} / {:.0} | {} | {saved} | {goal} | {:.0} | {} | {} | {} | {} |",
                         if overlap { " + overlap" } else { "" },
+                        buckets
+                            .map(|b| format!(", --bucket-mb {b}"))
+                            .unwrap_or_default(),
                         if recompute { "yes" } else { "no" },
                         max(&m.peaks),
                         max(&m.heaps),
@@ -412,7 +457,65 @@ fn main() {
             }
         }
     }
+    if !strict.is_empty() {
+        println!();
+        println!(
+            "Stage 3's parameters, gradients and optimizer state per rank at a step's peak, \
+             against 1/N of the unsharded total (goal: within 10%). Held between steps: the \
+             rank's parameter shard and optimizer state (counted); a step adds at most its live \
+             heap's rise above what steps leave held (measured, the largest rank's, over the \
+             steps of the epoch: it also counts the step's activations and graph, so the sum \
+             bounds the peak from above)."
+        );
+        println!();
+        println!(
+            "| model | optimizer | N | recompute | --bucket-mb | held between steps, MB | a step's rise, MB | bound at the peak, MB | 1/N of the total, MB | goal: bound <= 1.1 x 1/N |"
+        );
+        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+        for row in &strict {
+            println!("{row}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A stage 3 run's figures for its row of the strict goal's table.
+struct StrictRow<'a> {
+    model: &'a str,
+    optimizer: &'a str,
+    n: usize,
+    recompute: bool,
+    buckets: &'a str,
+    /// Trainable values, and optimizer state values per parameter.
+    total: f64,
+    slots: f64,
+    /// The largest rank's rise within a step, MB.
+    rise: f64,
+}
+
+fn strict_row(r: StrictRow<'_>) -> String {
+    let mb = |values: f64| values * 4.0 / 1e6 / r.n as f64;
+    // Between steps: the parameter shard and the state; the share adds the gradients' shard.
+    let held = mb(r.total * (1.0 + r.slots));
+    let share = mb(r.total * (2.0 + r.slots));
+    let bound = held + r.rise;
+    let verdict = match (r.rise > 0.0, bound <= 1.1 * share) {
+        (false, _) => "- (no step's rise printed)".to_string(),
+        (true, met) => format!(
+            "{:.0}%: {}",
+            100.0 * bound / share,
+            if met { "met" } else { "NOT met" }
+        ),
+    };
+    format!(
+        "| {} | {} | {} | {} | {} | {held:.0} | {:.1} | {bound:.0} | {share:.0} | {verdict} |",
+        r.model,
+        r.optimizer,
+        r.n,
+        if r.recompute { "yes" } else { "no" },
+        r.buckets,
+        r.rise,
+    )
 }
 
 /// A scratch folder under the target directory's tmp (not /tmp: a VGG-16 set of runs writes

@@ -20,6 +20,12 @@ static LIVE: AtomicUsize = AtomicUsize::new(0);
 /// The most bytes ever live at once.
 static PEAK: AtomicUsize = AtomicUsize::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
+/// The live bytes when the running training step began ([`step_done`]), the most live since,
+/// and the most any step that ended rose above its beginning.
+static STEP_BASE: AtomicUsize = AtomicUsize::new(0);
+static STEP_PEAK: AtomicUsize = AtomicUsize::new(0);
+static STEP_RISE: AtomicUsize = AtomicUsize::new(0);
+static STEPPING: AtomicBool = AtomicBool::new(false);
 
 /// The system allocator, counting live bytes (two relaxed atomic operations per call); blocks
 /// of [`blocks::LARGE`] bytes and more are mapped from the kernel and, under the keep policy,
@@ -31,6 +37,7 @@ fn counted(p: *mut u8, size: usize) -> *mut u8 {
     if !p.is_null() {
         let now = LIVE.fetch_add(size, Ordering::Relaxed) + size;
         PEAK.fetch_max(now, Ordering::Relaxed);
+        STEP_PEAK.fetch_max(now, Ordering::Relaxed);
         INSTALLED.store(true, Ordering::Relaxed);
     }
     p
@@ -163,6 +170,17 @@ pub fn step_done() -> usize {
     if !INSTALLED.load(Ordering::Relaxed) {
         return released;
     }
+    // The step that ended: how far the live heap rose above what is held between steps, the
+    // higher of its two ends (a step that adds what stays, the optimizer's state in the first
+    // one, rose above its start by that too).
+    let live = LIVE.load(Ordering::Relaxed);
+    if STEPPING.swap(true, Ordering::Relaxed) {
+        let held = STEP_BASE.load(Ordering::Relaxed).max(live);
+        let rise = STEP_PEAK.load(Ordering::Relaxed).saturating_sub(held);
+        STEP_RISE.fetch_max(rise, Ordering::Relaxed);
+    }
+    STEP_BASE.store(live, Ordering::Relaxed);
+    STEP_PEAK.store(live, Ordering::Relaxed);
     // What glibc holds free now counts against the room: kept blocks beyond it go.
     read_c_free();
     let before = blocks::kept_bytes();
@@ -188,6 +206,18 @@ pub fn peak_live_bytes() -> Option<usize> {
     INSTALLED
         .load(Ordering::Relaxed)
         .then(|| PEAK.load(Ordering::Relaxed))
+}
+
+/// The most bytes the live heap rose within one training step (from one [`step_done`] to the
+/// next: the step's batch, forward, backward, exchange and update) above what was live at the
+/// higher of its two ends, over the steps that have ended, when the program uses
+/// [`CountingAllocator`]; `None` also before a step has ended. What a step adds to the memory
+/// held between steps: its activations and, with ZeRO stage 3, the parameters it gathers and
+/// the gradients it holds before they are reduced (a first step that creates the optimizer's
+/// state counts what it adds above the state).
+pub fn step_rise_bytes() -> Option<usize> {
+    let rise = STEP_RISE.load(Ordering::Relaxed);
+    (INSTALLED.load(Ordering::Relaxed) && rise > 0).then_some(rise)
 }
 
 /// Bytes live in the process now, when the program uses [`CountingAllocator`].

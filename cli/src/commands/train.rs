@@ -455,9 +455,15 @@ fn summarise(cfg: &hearth::train::TrainConfig, report: &hearth::train::TrainRepo
     // Every rank's own peak (ranks differ: rank 0 writes checkpoints, --zero shards state).
     let peak = hearth::alloc::peak_rss_mb();
     if peak > 0.0 {
-        let heap = hearth::alloc::peak_live_bytes()
+        let mut heap = hearth::alloc::peak_live_bytes()
             .map(|b| format!(", heap at most {:.0} MB live", b as f64 / 1e6))
             .unwrap_or_default();
+        if let Some(rise) = hearth::alloc::step_rise_bytes() {
+            heap.push_str(&format!(
+                ", a training step at most {:.1} MB above what steps leave",
+                rise as f64 / 1e6
+            ));
+        }
         eprintln!(
             "peak memory of rank {} (resident, VmHWM): {peak:.0} MB{heap}",
             report.rank
