@@ -276,38 +276,29 @@ fn stage_3_with_a_bucket_per_weight_gathers_and_reduces_weight_by_weight_as_plai
     let data = small_data(dir.path());
     for model in ["resnet-mini", "vgg-mini-plain"] {
         let run = |label: &str| dir.path().join(format!("{model}-{label}"));
-        for (label, extra) in [
-            ("plain", &["--zero", "0"][..]),
-            ("fine", &["--zero", "3", "--bucket-mb", "0.001"][..]),
-            (
-                "fine-overlap",
-                &["--zero", "3", "--bucket-mb", "0.001", "--overlap"][..],
-            ),
-        ] {
-            let args = [&["--model", model, "--epochs", "1"][..], extra, &ADAM].concat();
+        // "0": plain data parallel; "3f": stage 3 with 1 KiB buckets; "3fo": and --overlap.
+        let stages = ["0", "3f", "3fo"];
+        let mut curves = Vec::new();
+        for label in stages {
+            let mut args = vec!["--model", model, "--epochs", "1", "--zero", &label[..1]];
+            if label != "0" {
+                args.extend(["--bucket-mb", "0.001"]);
+            }
+            if label.ends_with('o') {
+                args.push("--overlap");
+            }
+            args.extend(ADAM);
             let logs = Job::spawn_ok(dir.path(), &data, &run(label), 2, &BASE, &args, &[]);
-            if label != "plain" {
+            if label != "0" {
                 assert!(
                     logs.contains("weights' gradients handed over one by one as each was whole")
                         && logs.contains("buckets of 1.0 KiB"),
                     "{logs}"
                 );
             }
+            curves.push(metrics(&run(label)));
         }
-        let plain = metrics(&run("plain"));
-        for label in ["fine", "fine-overlap"] {
-            same_curves(
-                (&format!("{model} plain"), &plain),
-                (&format!("{model} {label}"), &metrics(&run(label))),
-                &COLUMNS,
-                1e-5,
-            );
-            same_weights(
-                &run("plain").join("model.bpk"),
-                &run(label).join("model.bpk"),
-                1e-5,
-            );
-        }
+        stages_equal_plain(model, &stages, &curves, &run);
     }
 }
 

@@ -204,7 +204,9 @@ pub trait Regather<M> {
 /// but the last twice, in forward then reverse order, and between its two passes a segment
 /// holds only what its graph keeps by value. The last segment keeps its values for its
 /// backward, which follows its forward at once (as FSDP keeps its root's); in every segment's
-/// backward each value kept by key goes as soon as its ops are done.
+/// backward each value kept by key goes as soon as its ops are done. A regather that
+/// [fetches](Regather::fetches) its values itself is not handed the segment gathered again:
+/// its backward gathers what its ops need as they need it.
 pub fn segmented_gradients_regathered<M: PipelineStage>(
     segments: &[M],
     gather: &mut Gather<'_, M>,
