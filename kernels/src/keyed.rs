@@ -228,8 +228,18 @@ pub(crate) fn value(key: u64, shape: &[usize]) -> TensorData {
     if let Some(v) = provided(key) {
         return v;
     }
-    // Not handed in: fetched from the source, out of the state while it runs.
-    let source = STATE.with(|s| s.borrow_mut().source.take());
+    // Not handed in: fetched from the source, out of the state while it runs; after a
+    // failure, zeros without asking again (a dead peer would time out every fetch).
+    let source = STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        match s.failed {
+            Some(_) => None,
+            None => s.source.take(),
+        }
+    });
+    if source.is_none() && STATE.with(|s| s.borrow().failed.is_some()) {
+        return TensorData::zeros::<f32, _>(shape.to_vec());
+    }
     let Some(source) = source else {
         let inside = STATE.with(|s| s.borrow().provided.is_some());
         match inside {
@@ -303,7 +313,9 @@ pub(crate) fn put_grad(key: u64, grad: TensorData) {
             }
             None => false,
         };
-        match (done, s.source.take()) {
+        // After a failure the gradients stay here: the source is not asked again.
+        let ask = done && s.failed.is_none();
+        match (ask, s.source.take()) {
             (true, Some(source)) => (Some(sum), Some(source)),
             (_, source) => {
                 s.source = source;
@@ -447,9 +459,18 @@ mod tests {
             fail: true,
         };
         let (zeros, failed) = backward_from(HashMap::new(), &uses, &mut failing, || {
-            value(5, &[2]).try_to_vec::<f32>().unwrap_or_default()
+            let first = value(5, &[2]).try_to_vec::<f32>().unwrap_or_default();
+            let again = value(6, &[1]).try_to_vec::<f32>().unwrap_or_default();
+            put_grad(6, TensorData::new(vec![3.0f32], [1]));
+            (first, again)
         });
-        assert_eq!(zeros, vec![0.0, 0.0], "zeros stand in for a failed fetch");
+        assert_eq!(
+            zeros,
+            (vec![0.0, 0.0], vec![0.0]),
+            "zeros stand in for a failed fetch"
+        );
+        assert_eq!(failing.fetches, 1, "a failed source is not asked again");
+        assert!(failing.taken.is_empty());
         assert_eq!(
             failed.err().as_deref(),
             Some("the gather of 5's bucket failed")

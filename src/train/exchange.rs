@@ -150,7 +150,7 @@ impl Exchange {
         if alone > 0 && !self.said_alone {
             self.said_alone = true;
             log(&format!(
-                "`exchange.zero` 3: {alone} of them weights' gradients handed over one by one as \
+                "`exchange.zero` 3: {alone} weights' gradients handed over one by one as \
                  each was whole, their buckets gathered for the backward as its ops needed them \
                  (buckets of {}, --bucket-mb: a bucket reduced once all of its gradient is \
                  there)",
