@@ -230,14 +230,14 @@ pub(crate) fn value(key: u64, shape: &[usize]) -> TensorData {
     }
     // Not handed in: fetched from the source, out of the state while it runs; after a
     // failure, zeros without asking again (a dead peer would time out every fetch).
-    let source = STATE.with(|s| {
+    let (failed, source) = STATE.with(|s| {
         let mut s = s.borrow_mut();
         match s.failed {
-            Some(_) => None,
-            None => s.source.take(),
+            Some(_) => (true, None),
+            None => (false, s.source.take()),
         }
     });
-    if source.is_none() && STATE.with(|s| s.borrow().failed.is_some()) {
+    if failed {
         return TensorData::zeros::<f32, _>(shape.to_vec());
     }
     let Some(source) = source else {

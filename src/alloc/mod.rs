@@ -37,7 +37,11 @@ fn counted(p: *mut u8, size: usize) -> *mut u8 {
     if !p.is_null() {
         let now = LIVE.fetch_add(size, Ordering::Relaxed) + size;
         PEAK.fetch_max(now, Ordering::Relaxed);
-        STEP_PEAK.fetch_max(now, Ordering::Relaxed);
+        // A read first: most allocations stay under the step's peak, and a read-modify-write
+        // on every one would cost the allocation path more than the peak needs.
+        if now > STEP_PEAK.load(Ordering::Relaxed) {
+            STEP_PEAK.fetch_max(now, Ordering::Relaxed);
+        }
         INSTALLED.store(true, Ordering::Relaxed);
     }
     p
