@@ -84,6 +84,12 @@ fn values_a_mode_cannot_run_are_refused_before_launching() {
             &["--bucket-mb", "0"][..],
             "--bucket-mb must be positive",
         ),
+        // Said, even at the default's value: one process exchanges nothing.
+        (
+            &[][..],
+            &["--bucket-mb", "25"][..],
+            "--bucket-mb does not apply",
+        ),
         (
             &["--elastic"][..],
             &["--overlap", "--zero", "1"][..],

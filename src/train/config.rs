@@ -288,9 +288,11 @@ pub struct ComputeSettings {
 /// How ranks exchange gradients (distributed runs).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExchangeSettings {
-    /// Gradient fusion bucket size in bytes (the same arithmetic at any size: not recorded).
+    /// Gradient fusion bucket size in bytes (the same arithmetic at any size: not recorded);
+    /// `None`: the default ([`ExchangeSettings::bucket_size`]), and set only where a run
+    /// exchanges gradients by allreduce (refused by name elsewhere).
     #[serde(skip)]
-    pub bucket_bytes: usize,
+    pub bucket_bytes: Option<usize>,
     /// Wire format of gradient averaging; parameters always travel exact.
     #[serde(with = "by_name")]
     pub compression: burn_dist::Compression,
@@ -309,11 +311,22 @@ pub struct ExchangeSettings {
 impl Default for ExchangeSettings {
     fn default() -> Self {
         Self {
-            bucket_bytes: burn_dist::bucket::DEFAULT_BUCKET_BYTES,
+            bucket_bytes: None,
             compression: burn_dist::Compression::None,
             zero: 0,
             overlap: false,
         }
+    }
+}
+
+impl ExchangeSettings {
+    /// The buckets' size in bytes: `bucket_bytes`, else PyTorch DDP's 25 MiB
+    /// ([`burn_dist::bucket::DEFAULT_BUCKET_BYTES`]). ZeRO stage 3 keeps that default too (a
+    /// unit's weights gathered whole, as PyTorch FSDP gathers a wrapped module): smaller buckets
+    /// save memory at the cost of step time (docs/benchmarks/memory.md).
+    pub fn bucket_size(&self) -> usize {
+        self.bucket_bytes
+            .unwrap_or(burn_dist::bucket::DEFAULT_BUCKET_BYTES)
     }
 }
 

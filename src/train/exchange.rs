@@ -78,7 +78,7 @@ impl Exchange {
         }
         let o = OverlappedStep::begin(
             comm.clone(),
-            self.settings.bucket_bytes,
+            self.settings.bucket_size(),
             self.op,
             self.settings.compression,
             1.0,
@@ -154,7 +154,7 @@ impl Exchange {
                  each was whole, their buckets gathered for the backward as its ops needed them \
                  (buckets of {}, --bucket-mb: a bucket reduced once all of its gradient is \
                  there)",
-                match self.settings.bucket_bytes as f64 / 1024.0 {
+                match self.settings.bucket_size() as f64 / 1024.0 {
                     kib if kib < 1024.0 => format!("{kib:.1} KiB"),
                     kib => format!("{:.1} MiB", kib / 1024.0),
                 }
@@ -206,7 +206,7 @@ impl Exchange {
         log: &mut dyn FnMut(&str),
     ) -> std::result::Result<(), DistError> {
         let started = Instant::now();
-        let bytes = self.settings.bucket_bytes;
+        let bytes = self.settings.bucket_size();
         let handed = match overlapped {
             Some(o) => o.finish(model, grads).map(Some),
             None => match self.op {

@@ -34,7 +34,7 @@ impl TrainConfig {
                 monitor.column()
             ));
         }
-        if self.exchange.bucket_bytes == 0 {
+        if self.exchange.bucket_bytes == Some(0) {
             return bad("`exchange.bucket_bytes` must be positive".into());
         }
         self.validate_optimizer()?;
@@ -398,7 +398,7 @@ impl TrainConfig {
                 self.exchange.compression.name()
             )));
         }
-        if self.exchange.bucket_bytes != burn_dist::bucket::DEFAULT_BUCKET_BYTES {
+        if self.exchange.bucket_bytes.is_some() {
             return Err(HearthError::InvalidArgument(format!(
                 "`exchange.bucket_bytes` does not apply: {why}"
             )));

@@ -107,7 +107,8 @@ fn build_config(
     cfg.checkpoint.log_every = a.log_every;
     cfg.checkpoint.overwrite = a.overwrite;
     cfg.optim.grad_accum = a.grad_accum;
-    cfg.exchange.bucket_bytes = (a.bucket_mb * 1024.0 * 1024.0) as usize;
+    // A negative or NaN size saturates to 0, which validation refuses by name.
+    cfg.exchange.bucket_bytes = a.bucket_mb.map(|mb| (mb * 1024.0 * 1024.0) as usize);
     cfg.compute.precision = a.precision;
     cfg.exchange.zero = a.zero;
     cfg.compute.recompute = a.recompute && !a.no_recompute;

@@ -41,7 +41,7 @@ impl<T: Trainee> ElasticRun<'_, T> {
             &names,
             optimizer,
             &world.sharded,
-            self.cfg.exchange.bucket_bytes,
+            self.cfg.exchange.bucket_size(),
         )?
         .with_summed_gradients()
         .with_replica()

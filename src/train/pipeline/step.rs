@@ -263,7 +263,12 @@ impl PipelineRun<'_> {
         rate: f64,
     ) -> Result<(StageModel, bool)> {
         if let Some(replicas) = &self.replicas {
-            allreduce_grads(&model, &mut grads, replicas, self.cfg.exchange.bucket_bytes)?;
+            allreduce_grads(
+                &model,
+                &mut grads,
+                replicas,
+                self.cfg.exchange.bucket_size(),
+            )?;
         }
         let update = Update {
             clip: self.cfg.optim.clip_grad,

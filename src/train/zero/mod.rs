@@ -84,7 +84,7 @@ pub(super) fn start<M: Module>(
         &names,
         optimizer,
         comm,
-        cfg.exchange.bucket_bytes,
+        cfg.exchange.bucket_size(),
     )?
     .with_new_tensors_at_zero(new_at_zero)
     .with_clip_norm(cfg.optim.clip_grad);
@@ -127,7 +127,7 @@ pub(super) fn refit<M: Module>(
         &names,
         optimizer,
         comm,
-        cfg.exchange.bucket_bytes,
+        cfg.exchange.bucket_size(),
     )?
     .with_new_tensors_at_zero(true)
     .with_clip_norm(cfg.optim.clip_grad);
