@@ -18,7 +18,7 @@ mod gathered;
 mod regather;
 mod stage;
 
-pub use gathered::{Gathering, gathered_logits, gathered_tensors, unit_tensor_counts};
+pub use gathered::{FetchOrder, Gathering, gathered_logits, gathered_tensors, unit_tensor_counts};
 pub use stage::StageModel;
 
 /// The gradients of `loss(model(x))` for `owner`'s parameters (`owner` holds `model`, e.g.
@@ -83,14 +83,28 @@ pub fn unit_gradients<M: Module>(
             &mut done,
         )
     } else if let Some(shards) = gathering {
-        burn_dist::pipeline::segmented_gradients_regathered(
-            &segments,
-            &mut gather,
-            &mut regather::Regathered::new(shards),
-            x,
-            &mut on_output,
-            &mut done,
-        )
+        // With `--overlap` (`shards.ahead`: the gathers' communicator is theirs alone), threads
+        // of this scope gather ahead: one the forward's units, one unit ahead of it, and from the
+        // first unit's backward on (the forward's thread done) one the backward's buckets
+        // (`Regathered`). Each ends as the step's pass drops its channel.
+        std::thread::scope(|scope| {
+            let mut ahead = match shards.ahead {
+                Some(_) => Some(regather::forward_ahead(scope, shards, &segments)?),
+                None => None,
+            };
+            let mut gather = |k: usize, s: &StageModel| match ahead.as_mut() {
+                Some(a) => a.take(k, s),
+                None => gather(k, s),
+            };
+            burn_dist::pipeline::segmented_gradients_regathered(
+                &segments,
+                &mut gather,
+                &mut regather::Regathered::new(shards, Some(scope)),
+                x,
+                &mut on_output,
+                &mut done,
+            )
+        })
     } else {
         burn_dist::pipeline::segmented_gradients_gathered(
             &segments,

@@ -6,6 +6,7 @@
 use burn::module::Module;
 use burn_dist::pipeline::{Activation, PipelineStage};
 
+pub use super::regather::FetchOrder;
 use super::stage::StageModel;
 use crate::{HearthError, Result};
 
@@ -162,6 +163,12 @@ pub struct Gathering<'a> {
     pub zero: &'a burn_dist::zero::ZeroOptimizer,
     pub comm: &'a burn_dist::Communicator,
     pub params: &'a burn_dist::zero::module::ShardedParams,
+    /// Where `comm` carries the gathers alone (`--overlap`: the reductions go over a sibling
+    /// on a thread of their own), the order each unit's backward fetched its buckets in the
+    /// last step, so that a thread gathers them ahead in this one ([`FetchOrder`]); `None`
+    /// where the step's thread reduces over `comm` between its gathers (a thread's gathers
+    /// would interleave with them differently on each rank).
+    pub ahead: Option<&'a std::cell::RefCell<FetchOrder>>,
 }
 
 /// Each of `model`'s units' number of trainable tensors, the units in the order of their

@@ -10,39 +10,131 @@
 //! as its ops are done, where its bucket is reduce-scattered once whole
 //! ([`burn_dist::overlap::hand_over_one`]). With buckets of one weight each (`--bucket-mb`
 //! below the smallest weight worth it), a unit's backward holds a weight or two and their
-//! gradients instead of the unit's; with the default buckets, a unit's buckets are its whole.
+//! gradients instead of the unit's; with 25 MiB buckets, a unit's buckets are its whole.
+//!
+//! With `--overlap` the gathers have a communicator of their own, and a unit's backward
+//! fetches its buckets in the same order every step: a thread gathers them in the last step's
+//! order ([`FetchOrder`]) one bucket ahead of the ops, so that a bucket's gather runs while the
+//! op before it computes instead of between them.
 
 use std::collections::HashMap;
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::Tensor;
 use burn::tensor::TensorData;
 use burn_dist::pipeline::{Activation, Regather};
+use burn_dist::zero::module::GatheredValues;
 
 use super::gathered::Gathering;
 use super::stage::StageModel;
 
 /// The keys each unit's graph kept, from its forward to its backward, the gradients of the
 /// keyed weights from a backward to their hand-over, and the shards the backward fetches the
-/// keyed weights from.
-pub(super) struct Regathered<'a> {
+/// keyed weights from: with `--overlap`, through a thread that gathers them ahead.
+pub(super) struct Regathered<'a, 's, 'e> {
     keys: HashMap<usize, hearth_kernels::keyed::Uses>,
     grads: HashMap<u64, TensorData>,
     shards: &'a Gathering<'a>,
+    /// Where the gather-ahead thread runs (the step's backward; `None`: no thread).
+    scope: Option<&'s std::thread::Scope<'s, 'e>>,
+    /// The thread's buckets, once the first unit's backward has started it.
+    ahead: Option<Ahead>,
+    /// The keys fetched this step, in order (the next step's [`FetchOrder`]), and how many
+    /// of their buckets the thread had gathered.
+    fetched: Vec<u64>,
+    from_ahead: u64,
 }
 
-impl<'a> Regathered<'a> {
-    pub(super) fn new(shards: &'a Gathering<'a>) -> Self {
+/// The keys whose buckets the last step's backward fetched, in order (every rank's the same:
+/// the ops run in one order), for the thread that gathers them ahead in the next
+/// ([`Gathering::ahead`]).
+#[derive(Debug, Default)]
+pub struct FetchOrder {
+    keys: Vec<u64>,
+    /// Since [`FetchOrder::take_counts`]: buckets the backward fetched, and of them those
+    /// the thread had gathered ahead.
+    fetched: u64,
+    ahead: u64,
+}
+
+impl FetchOrder {
+    /// (buckets fetched, of them gathered ahead) since the last call, for an epoch's report.
+    pub fn take_counts(&mut self) -> (u64, u64) {
+        let counts = (self.fetched, self.ahead);
+        (self.fetched, self.ahead) = (0, 0);
+        counts
+    }
+}
+
+/// A bucket gathered: its tensors' keys and values, or what failed.
+type Gathered = Result<Vec<(u64, TensorData)>, String>;
+
+impl<'a: 's, 's, 'e> Regathered<'a, 's, 'e> {
+    /// Over `shards`; with `scope` (the step's backward runs inside it) and
+    /// [`Gathering::ahead`], the backward's buckets are gathered by a thread of `scope`, one
+    /// ahead of the ops, in the last step's order.
+    pub(super) fn new(
+        shards: &'a Gathering<'a>,
+        scope: Option<&'s std::thread::Scope<'s, 'e>>,
+    ) -> Self {
         Self {
             keys: HashMap::new(),
             grads: HashMap::new(),
             shards,
+            scope: scope.filter(|_| shards.ahead.is_some()),
+            ahead: None,
+            fetched: Vec::new(),
+            from_ahead: 0,
+        }
+    }
+
+    /// The gather-ahead thread, at the first unit's backward (the forward's gathers share its
+    /// communicator, so it cannot start before): it hands over each bucket only as the
+    /// backward takes it (a rendezvous channel), so it holds one bucket gathered ahead at most,
+    /// and stops when this drops its end, before the scope joins it. Every rank's backward takes
+    /// the same buckets, so every rank's thread gathers the same ones.
+    fn start_ahead(&mut self) {
+        let Some(scope) = self.scope.take() else {
+            return;
+        };
+        let order = self
+            .shards
+            .ahead
+            .map(|o| std::mem::take(&mut o.borrow_mut().keys))
+            .unwrap_or_default();
+        if order.is_empty() {
+            return;
+        }
+        let shards = Shards::of(self.shards);
+        let (tx, rx) = sync_channel(0);
+        self.ahead = std::thread::Builder::new()
+            .name("hearth-zero3-gather-ahead".into())
+            .spawn_scoped(scope, move || gather_ahead(shards, order, tx))
+            .ok()
+            .map(|_| Ahead {
+                rx,
+                spare: Vec::new(),
+                open: true,
+            });
+    }
+}
+
+impl Drop for Regathered<'_, '_, '_> {
+    /// The step's order and counts for the next step (the thread, if any, stops as its
+    /// channel goes with `self`).
+    fn drop(&mut self) {
+        if let Some(order) = self.shards.ahead {
+            let mut order = order.borrow_mut();
+            order.fetched += self.fetched.len() as u64;
+            order.ahead += self.from_ahead;
+            order.keys = std::mem::take(&mut self.fetched);
         }
     }
 }
 
-impl Regather<StageModel> for Regathered<'_> {
+impl<'a: 's, 's, 'e> Regather<StageModel> for Regathered<'a, 's, 'e> {
     fn forward(
         &mut self,
         k: usize,
@@ -66,6 +158,7 @@ impl Regather<StageModel> for Regathered<'_> {
         values: Option<StageModel>,
         backward: &mut dyn FnMut() -> burn_dist::Result<burn::tensor::Gradients>,
     ) -> burn_dist::Result<(burn::tensor::Gradients, Option<StageModel>)> {
+        self.start_ahead();
         let keys = self.keys.remove(&k).unwrap_or_default();
         let mut take = Take {
             keys: &keys,
@@ -75,8 +168,11 @@ impl Regather<StageModel> for Regathered<'_> {
         // backward's; the others are fetched bucket by bucket as the ops need them.
         let rest = values.map(|v| v.map(&mut take));
         let mut fetch = Fetch {
-            shards: self.shards,
+            shards: Shards::of(self.shards),
             keys: &keys,
+            ahead: self.ahead.as_mut(),
+            fetched: &mut self.fetched,
+            from_ahead: &mut self.from_ahead,
         };
         let (g, grads) =
             hearth_kernels::keyed::backward_from(take.values, &keys, &mut fetch, backward);
@@ -115,28 +211,172 @@ impl Regather<StageModel> for Regathered<'_> {
     }
 }
 
+/// The forward's units' parameters, gathered by a thread one unit ahead of the forward (so a
+/// unit's gathers run while the unit before it computes: PyTorch FSDP's forward prefetch).
+pub(super) struct ForwardAhead<'a> {
+    rx: Receiver<burn_dist::Result<GatheredValues>>,
+    params: &'a burn_dist::zero::module::ShardedParams,
+}
+
+/// Starts the thread that gathers `segments`' parameters in the forward's order, each handed
+/// over as the forward takes it (a rendezvous channel: one unit held ahead at most). It ends
+/// after the last unit, before the first unit's backward can start its own thread on the same
+/// communicator, or, if the forward stops early, once the forward drops its end.
+pub(super) fn forward_ahead<'s, 'e, 'a: 's>(
+    scope: &'s std::thread::Scope<'s, 'e>,
+    g: &'a Gathering<'a>,
+    segments: &[StageModel],
+) -> burn_dist::Result<ForwardAhead<'a>> {
+    let ranges = segments
+        .iter()
+        .map(|s| g.params.tensors_of(s))
+        .collect::<burn_dist::Result<Vec<_>>>()?;
+    let shards = Shards::of(g);
+    let (tx, rx) = sync_channel(0);
+    std::thread::Builder::new()
+        .name("hearth-zero3-forward-ahead".into())
+        .spawn_scoped(scope, move || {
+            for tensors in ranges {
+                let values = shards
+                    .params
+                    .gather_values(shards.zero, shards.comm, tensors);
+                let failed = values.is_err();
+                if tx.send(values).is_err() || failed {
+                    return;
+                }
+            }
+        })
+        .map_err(|e| {
+            burn_dist::DistError::Config(format!("starting stage 3's forward gather thread: {e}"))
+        })?;
+    Ok(ForwardAhead {
+        rx,
+        params: g.params,
+    })
+}
+
+impl ForwardAhead<'_> {
+    /// Unit `k` (`skeleton`, the forward's next) with its parameters from the thread.
+    pub(super) fn take(
+        &mut self,
+        k: usize,
+        skeleton: &StageModel,
+    ) -> burn_dist::Result<StageModel> {
+        match self.rx.recv() {
+            Ok(values) => self.params.with_values(skeleton, values?),
+            Err(_) => Err(burn_dist::DistError::Config(format!(
+                "unit {k}'s parameters: the thread gathering the forward's units ended before it"
+            ))),
+        }
+    }
+}
+
+/// What gathers a bucket ([`Gathering`] less the step-to-step order): shared with the threads
+/// that gather ahead.
+#[derive(Clone, Copy)]
+struct Shards<'a> {
+    zero: &'a burn_dist::zero::ZeroOptimizer,
+    comm: &'a burn_dist::Communicator,
+    params: &'a burn_dist::zero::module::ShardedParams,
+}
+
+impl<'a> Shards<'a> {
+    fn of(g: &Gathering<'a>) -> Self {
+        Self {
+            zero: g.zero,
+            comm: g.comm,
+            params: g.params,
+        }
+    }
+}
+
+/// Weight `key`'s bucket from the ranks' shards: its tensors by key.
+fn gather_bucket(g: Shards<'_>, key: u64) -> Gathered {
+    let bucket = g
+        .params
+        .gather_bucket_of(g.zero, g.comm, &ParamId::from(key))
+        .map_err(|e| format!("gathering weight {key}'s bucket: {e}"))?;
+    Ok(bucket
+        .into_iter()
+        .map(|(id, shape, v)| (id.val(), TensorData::new(v, shape)))
+        .collect())
+}
+
+/// The thread that gathers a step's buckets ahead of its backward: the buckets of `order`'s
+/// keys, each handed over when the backward takes it; it stops at the first failure (handed
+/// over) or when the backward no longer takes any.
+fn gather_ahead(g: Shards<'_>, order: Vec<u64>, tx: SyncSender<Gathered>) {
+    for key in order {
+        let bucket = gather_bucket(g, key);
+        let failed = bucket.is_err();
+        if tx.send(bucket).is_err() || failed {
+            return;
+        }
+    }
+}
+
+/// The buckets a thread gathers ahead of a step's backward, and those it gathered that the
+/// backward has not asked for yet (taken out of order: only where the order changed).
+struct Ahead {
+    rx: Receiver<Gathered>,
+    spare: Vec<Vec<(u64, TensorData)>>,
+    /// Whether the thread may still hand over buckets.
+    open: bool,
+}
+
+impl Ahead {
+    /// The bucket that holds `key`, if the thread gathered it: from the spares, else from the
+    /// thread, keeping the buckets before it as spares. `None` once the thread has ended
+    /// without it (its collectives done, so the caller may gather on the same communicator).
+    fn take(&mut self, key: u64) -> Option<Gathered> {
+        let holds = |b: &[(u64, TensorData)]| b.iter().any(|(k, _)| *k == key);
+        if let Some(i) = self.spare.iter().position(|b| holds(b)) {
+            return Some(Ok(self.spare.swap_remove(i)));
+        }
+        while self.open {
+            match self.rx.recv() {
+                Ok(Ok(bucket)) if holds(&bucket) => return Some(Ok(bucket)),
+                Ok(Ok(bucket)) => self.spare.push(bucket),
+                Ok(Err(e)) => return Some(Err(e)),
+                Err(_) => self.open = false,
+            }
+        }
+        None
+    }
+}
+
 /// A unit's keyed weights from the ranks' shards, a bucket at a time as the backward's ops
 /// first need them (every rank's backward runs its ops in one order, so every rank gathers the
 /// same buckets in the same order), and their gradients handed to the step's exchange as soon
 /// as each is whole.
-struct Fetch<'a> {
-    shards: &'a Gathering<'a>,
-    keys: &'a hearth_kernels::keyed::Uses,
+struct Fetch<'a, 'b> {
+    shards: Shards<'a>,
+    keys: &'b hearth_kernels::keyed::Uses,
+    /// The buckets gathered ahead by a thread (`--overlap`, from the second step).
+    ahead: Option<&'b mut Ahead>,
+    /// The keys fetched, in order: the next step's [`FetchOrder`].
+    fetched: &'b mut Vec<u64>,
+    /// How many of them the thread had gathered.
+    from_ahead: &'b mut u64,
 }
 
-impl hearth_kernels::keyed::Source for Fetch<'_> {
+impl hearth_kernels::keyed::Source for Fetch<'_, '_> {
     fn fetch(&mut self, key: u64) -> Result<Vec<(u64, TensorData)>, String> {
-        let g = self.shards;
-        let bucket = g
-            .params
-            .gather_bucket_of(g.zero, g.comm, &ParamId::from(key))
-            .map_err(|e| format!("gathering weight {key}'s bucket: {e}"))?;
+        self.fetched.push(key);
+        let bucket = match self.ahead.as_mut().and_then(|a| a.take(key)) {
+            Some(bucket) => {
+                *self.from_ahead += 1;
+                bucket
+            }
+            // Not gathered ahead (the first step, or an order the last step did not have):
+            // the thread, if any, has ended, so the gather keeps one order of collectives.
+            None => gather_bucket(self.shards, key),
+        }?;
         // The bucket's other tensors that the graph did not key (batch norm's, the biases)
         // are the unit's own between its passes: dropped here.
         Ok(bucket
             .into_iter()
-            .filter(|(id, ..)| self.keys.contains_key(&id.val()))
-            .map(|(id, shape, v)| (id.val(), TensorData::new(v, shape)))
+            .filter(|(k, _)| self.keys.contains_key(k))
             .collect())
     }
 
@@ -214,5 +454,73 @@ impl ModuleVisitor for Add<'_> {
         let device = param.val().device().without_autodiff();
         self.into
             .register(param.id, Tensor::<D>::from_data(data, &device));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bucket(keys: &[u64]) -> Vec<(u64, TensorData)> {
+        keys.iter()
+            .map(|&k| (k, TensorData::new(vec![k as f32], [1])))
+            .collect()
+    }
+
+    fn keys_of(b: &Gathered) -> Vec<u64> {
+        b.as_ref()
+            .map_or(Vec::new(), |b| b.iter().map(|(k, _)| *k).collect())
+    }
+
+    /// A thread's buckets taken in its order, out of it (those before kept as spares and
+    /// taken from there), and `None` once it ended without the key: then, and only then, the
+    /// caller gathers on the communicator itself.
+    #[test]
+    fn buckets_gathered_ahead_are_taken_in_order_out_of_order_and_none_after_the_thread() {
+        let (tx, rx) = sync_channel(0);
+        let thread = std::thread::spawn(move || {
+            for b in [bucket(&[1, 2]), bucket(&[3]), bucket(&[4])] {
+                if tx.send(Ok(b)).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut ahead = Ahead {
+            rx,
+            spare: Vec::new(),
+            open: true,
+        };
+        assert_eq!(keys_of(&ahead.take(2).expect("gathered ahead")), [1, 2]);
+        // 4 before 3: 3's bucket waits as a spare.
+        assert_eq!(keys_of(&ahead.take(4).expect("gathered ahead")), [4]);
+        assert_eq!(ahead.spare.len(), 1);
+        assert_eq!(keys_of(&ahead.take(3).expect("a spare")), [3]);
+        assert!(ahead.take(5).is_none(), "the thread has ended without 5");
+        assert!(!ahead.open);
+        thread.join().expect("the sender ends");
+    }
+
+    /// A failed gather is handed over as the bucket asked for, naming what failed.
+    #[test]
+    fn a_failed_gather_ahead_comes_back_as_the_fetch_error() {
+        let (tx, rx) = sync_channel(0);
+        let thread = std::thread::spawn(move || {
+            let _ = tx.send(Err(
+                "gathering weight 7's bucket: peer 1 timed out".to_string()
+            ));
+        });
+        let mut ahead = Ahead {
+            rx,
+            spare: Vec::new(),
+            open: true,
+        };
+        match ahead.take(7) {
+            Some(Err(e)) => assert!(e.contains("peer 1 timed out"), "{e}"),
+            other => panic!(
+                "expected the thread's error, got {:?}",
+                other.map(|b| keys_of(&b))
+            ),
+        }
+        thread.join().expect("the sender ends");
     }
 }

@@ -207,6 +207,14 @@ pub struct ShardedParams {
     index: HashMap<ParamId, usize>,
 }
 
+/// A part's parameter values gathered apart from the part ([`ShardedParams::gather_values`]):
+/// its tensors in the skeleton's order, and each bucket's tensors and values.
+#[derive(Debug)]
+pub struct GatheredValues {
+    tensors: std::ops::Range<usize>,
+    buckets: Vec<(std::ops::Range<usize>, Vec<Vec<f32>>)>,
+}
+
 impl ShardedParams {
     /// The shape of the skeleton's trainable tensor `id` (held empty, its values in the
     /// shards); `None` for a tensor the skeleton holds whole (a buffer, a frozen parameter).
@@ -227,6 +235,60 @@ impl ShardedParams {
     ) -> Result<U> {
         let first = self.first_of(part)?;
         gather_unit(zero, comm, part, first, &self.shapes)
+    }
+
+    /// Where `part`'s trainable tensors stand in the skeleton's order (consecutive): what
+    /// [`Self::gather_values`] takes, so that a thread may gather a part's values without the
+    /// part itself.
+    pub fn tensors_of<U: Module>(&self, part: &U) -> Result<std::ops::Range<usize>> {
+        let first = self.first_of(part)?;
+        Ok(first..first + trainable_names(part).len())
+    }
+
+    /// The values of the skeleton's trainable tensors `tensors` ([`Self::tensors_of`]),
+    /// gathered whole bucket by bucket apart from any module (a thread may gather the next
+    /// part's while the current one computes); [`Self::with_values`] puts them into the part.
+    /// Every rank alike, for the same tensors.
+    pub fn gather_values(
+        &self,
+        zero: &ZeroOptimizer,
+        comm: &Communicator,
+        tensors: std::ops::Range<usize>,
+    ) -> Result<GatheredValues> {
+        let mut buckets = Vec::new();
+        zero.gather_params(comm, tensors.clone(), &mut |range, parts| {
+            buckets.push((range, parts));
+            Ok(())
+        })?;
+        Ok(GatheredValues { tensors, buckets })
+    }
+
+    /// `part` with `values` in place of its empty trainable tensors: the values gathered for
+    /// exactly its tensors by [`Self::gather_values`].
+    pub fn with_values<U: Module>(&self, part: &U, values: GatheredValues) -> Result<U> {
+        let first = self.first_of(part)?;
+        let n = trainable_names(part).len();
+        if values.tensors != (first..first + n) {
+            return Err(DistError::Mismatch {
+                op: "stage 3 gather".into(),
+                reason: format!(
+                    "values gathered for tensors {:?} handed to a part of tensors {:?}",
+                    values.tensors,
+                    first..first + n
+                ),
+            });
+        }
+        let local: Shapes = self
+            .shapes
+            .range(first..first + n)
+            .map(|(i, s)| (i - first, s.clone()))
+            .collect();
+        let mut m = part.clone();
+        for (tensors, parts) in values.buckets {
+            let at = tensors.start - first..tensors.end - first;
+            m = with_trainable_range(m, at, parts, &local)?;
+        }
+        Ok(m)
     }
 
     /// The values of the bucket that holds the skeleton's trainable tensor `id`, gathered

@@ -108,6 +108,7 @@ pub(super) fn train_with<R: Recipe>(
         zero: None,
         params: None,
         gathers: None,
+        fetch_order: Default::default(),
         exchange: Exchange::new(&cfg.exchange, ReduceOp::Mean),
         frozen: false,
         ema: None,
@@ -179,6 +180,9 @@ struct Allreduce<'a, T: Trainee> {
     /// `--zero 3 --overlap`: the communicator the step's thread gathers parameters over (a
     /// sibling of `comm`, whose reductions run on the exchange thread meanwhile).
     gathers: Option<Arc<Communicator>>,
+    /// `--zero 3 --overlap`: the order the last step's backward fetched its buckets in, for
+    /// the next step's thread that gathers them ahead.
+    fetch_order: std::cell::RefCell<crate::pipeline::FetchOrder>,
     /// The step's plan and exchange (the mean over the ranks), and the epoch's time in them.
     exchange: Exchange,
     /// Whether the model trains its head alone now (`--freeze-backbone`).
@@ -274,7 +278,12 @@ impl<T: Trainee> Allreduce<'_, T> {
             self.gathers.as_ref().or(self.comm.as_ref()),
             &self.params,
         ) {
-            (Some(zero), Some(comm), Some(params)) => Some(Gathering { zero, comm, params }),
+            (Some(zero), Some(comm), Some(params)) => Some(Gathering {
+                zero,
+                comm,
+                params,
+                ahead: self.gathers.is_some().then_some(&self.fetch_order),
+            }),
             _ => None,
         }
     }
@@ -471,8 +480,16 @@ impl<T: Trainee> Allreduce<'_, T> {
     /// Rank 0's line on the epoch's time in the gradient exchange (data parallel only).
     fn report_exchange(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) {
         let line = self.exchange.report(epoch);
+        let (fetched, ahead) = self.fetch_order.borrow_mut().take_counts();
         if let (0, Some(_), Some(line)) = (self.rank, &self.comm, line) {
             log(&line);
+            if fetched > 0 {
+                log(&format!(
+                    "epoch {epoch}: `exchange.zero` 3's backward fetched {fetched} buckets, \
+                     {ahead} of them gathered ahead by a thread while the ops before them ran \
+                     (from the second step: each step's in the order of the one before)"
+                ));
+            }
         }
     }
 }
