@@ -22,12 +22,15 @@
 //! N = 2 and 4, for VGG-16 and ResNet-50 with Adam; the last column says whether it is met.
 //! Stage 2 runs twice: as it is, and with `--overlap` ("2 + overlap"), where each bucket's
 //! gradient is reduce-scattered during the backward and dropped, which is where stage 2 saves
-//! the gradients' share. Stage 3 runs as it is (each unit's weights let go after its forward
-//! and gathered again for its backward, the last unit's kept), and again with small buckets
-//! (`--bucket-mb` from `HEARTH_MEM_FINE_MB`, default 0.05: its backward gathers a weight's
-//! bucket as the weight's op needs it and reduces it as soon as its gradient is whole);
+//! the gradients' share. Stage 3 (each unit's weights let go after its forward and gathered
+//! again for its backward, the last unit's kept) runs twice: with the default 25 MiB buckets,
+//! where a unit's backward gathers its weights whole, and with small ones (`--bucket-mb` from
+//! `HEARTH_MEM_FINE_MB`, default 0.05), where its backward gathers a weight's bucket as the
+//! weight's op needs it and reduces it as soon as its gradient is whole;
 //! `HEARTH_MEM_RECOMPUTE=both` adds its `--recompute` row, where a rank holds one unit's
 //! parameters at a time. PyTorch's column beside any stage is its stage 1.
+//! `HEARTH_MEM_STAGES` (default `0,1,2,3`) keeps the rows of the stages it lists (without 0,
+//! the "saved" columns have nothing to compare with).
 //!
 //! A second table holds stage 3 to issue 58's stricter goal: parameters, gradients and
 //! optimizer state per rank at a step's peak within 10% of 1/N of the unsharded total. What a
@@ -291,10 +294,14 @@ fn main() {
             .expect("building the model to count its parameters");
         values.insert(model.clone(), n);
     }
-    // Stage 3 with buckets this small (MiB; `--bucket-mb`) runs as a row of its own: its
-    // backward gathers a bucket at a time and reduces each weight's bucket as soon as the
-    // weight's gradient is whole.
+    // Stage 3 runs with the default 25 MiB buckets (a unit's backward gathers the unit whole)
+    // and with these (MiB: `--bucket-mb`), where its backward gathers a bucket at a time and
+    // reduces each weight's bucket as soon as the weight's gradient is whole.
     let fine_mb = std::env::var("HEARTH_MEM_FINE_MB").unwrap_or_else(|_| "0.05".into());
+    let kept_stages: Vec<u8> = common::env_list("HEARTH_MEM_STAGES", "0,1,2,3")
+        .iter()
+        .map(|s| s.parse().expect("HEARTH_MEM_STAGES: stage numbers"))
+        .collect();
     let mut strict: Vec<String> = Vec::new();
     for model in &models {
         for optimizer in &optimizers {
@@ -319,6 +326,7 @@ fn main() {
                 let mut torch_zero: Option<Measured> = None;
                 for (&(zero, overlap, fine), &recompute) in stages
                     .iter()
+                    .filter(|z| kept_stages.contains(&z.0))
                     .flat_map(|z| recomputes.iter().map(move |r| (z, r)))
                 {
                     let buckets = fine.then_some(fine_mb.as_str());

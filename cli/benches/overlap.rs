@@ -27,7 +27,10 @@
 //! each namespace), `HEARTH_OVERLAP_ZERO` (unset; `1`, `2` or `3` runs Hearth's jobs with
 //! `--zero N`, and each round also plain data parallel with `--overlap`, whose step the
 //! sharded one is compared to: ZeRO stage 3's goal of a step within 25% of plain data
-//! parallel, overlapped between hosts).
+//! parallel, overlapped between hosts). `HEARTH_OVERLAP_ZERO_BUCKETS` (with
+//! `HEARTH_OVERLAP_ZERO`; a list of MiB, e.g. `25,1,0.05`): each round also runs the sharded
+//! job with `--overlap` at each of these `--bucket-mb` (stage 3: how finely its backward
+//! gathers and reduces), each compared to plain data parallel alike.
 
 mod common;
 
@@ -47,6 +50,8 @@ struct Setup {
     elastic: bool,
     /// `HEARTH_OVERLAP_ZERO`: the ZeRO stage of Hearth's jobs.
     zero: Option<String>,
+    /// `HEARTH_OVERLAP_ZERO_BUCKETS`: the `--bucket-mb` of further sharded jobs per round.
+    zero_buckets: Vec<String>,
     data: PathBuf,
     work: PathBuf,
     python: Option<PathBuf>,
@@ -114,6 +119,7 @@ fn hearth_run(
     place: &Place,
     overlap: bool,
     zero: Option<&str>,
+    bucket_mb: Option<&str>,
     run: &Path,
 ) -> Option<(f64, f64)> {
     let _ = std::fs::remove_dir_all(run);
@@ -144,6 +150,9 @@ fn hearth_run(
     }
     if let Some(z) = zero {
         args.extend(["--zero".into(), z.to_string()]);
+    }
+    if let Some(b) = bucket_mb {
+        args.extend(["--bucket-mb".into(), b.to_string()]);
     }
     let hearth = env!("CARGO_BIN_EXE_hearth").to_string();
     let log = match place {
@@ -299,6 +308,7 @@ fn main() {
             }
             None => None,
         },
+        zero_buckets: common::env_list("HEARTH_OVERLAP_ZERO_BUCKETS", ""),
         data: work.path().join("data"),
         work: work.path().to_path_buf(),
         python: common::torch_python(),
@@ -350,19 +360,27 @@ fn main() {
         println!("\n{}", place.name());
         let (mut off, mut on, mut peer, mut plain) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut by_bucket = vec![Vec::new(); s.zero_buckets.len()];
         for round in 0..rounds {
             for overlap in [false, true] {
                 let run = s.work.join(format!("run-{round}-{overlap}"));
-                match hearth_run(&s, place, overlap, s.zero.as_deref(), &run) {
+                match hearth_run(&s, place, overlap, s.zero.as_deref(), None, &run) {
                     Some(r) => (if overlap { &mut on } else { &mut off }).push(r),
                     None => println!("  round {round}, overlap {overlap}: failed"),
                 }
             }
             if s.zero.is_some() {
                 let run = s.work.join(format!("run-{round}-plain"));
-                match hearth_run(&s, place, true, None, &run) {
+                match hearth_run(&s, place, true, None, None, &run) {
                     Some(r) => plain.push(r),
                     None => println!("  round {round}, plain data parallel: failed"),
+                }
+            }
+            for (b, mb) in s.zero_buckets.iter().enumerate() {
+                let run = s.work.join(format!("run-{round}-bucket-{b}"));
+                match hearth_run(&s, place, true, s.zero.as_deref(), Some(mb), &run) {
+                    Some(r) => by_bucket[b].push(r),
+                    None => println!("  round {round}, --bucket-mb {mb}: failed"),
                 }
             }
             if let Some(py) = &s.python
@@ -372,26 +390,29 @@ fn main() {
             }
         }
         report(&s, &off, &on, &peer);
-        report_zero(&s, &on, &plain);
+        report_zero(&s, &on, &plain, "");
+        for (mb, on) in s.zero_buckets.iter().zip(&by_bucket) {
+            report_zero(&s, on, &plain, &format!(" --bucket-mb {mb}"));
+        }
     }
 }
 
 /// `HEARTH_OVERLAP_ZERO`: the sharded step with `--overlap` against plain data parallel's
 /// with `--overlap`, by the medians of the rounds.
-fn report_zero(s: &Setup, on: &[(f64, f64)], plain: &[(f64, f64)]) {
+fn report_zero(s: &Setup, on: &[(f64, f64)], plain: &[(f64, f64)], with: &str) {
     let Some(z) = &s.zero else {
         return;
     };
     if on.is_empty() || plain.is_empty() {
-        println!("  --zero {z} against plain data parallel: no complete round");
+        println!("  --zero {z}{with} against plain data parallel: no complete round");
         return;
     }
     let steps = s.steps as f64;
     let med = |v: &[(f64, f64)]| common::median(v.iter().map(|r| r.1 / steps));
     let (zero_step, plain_step) = (med(on), med(plain));
     println!(
-        "  plain data parallel with --overlap: step {plain_step:.3} s; --zero {z} with \
-         --overlap / plain: {:.3}x (goal for stage 3: at most 1.25x)",
+        "  plain data parallel with --overlap: step {plain_step:.3} s; --zero {z}{with} with \
+         --overlap: step {zero_step:.3} s, / plain: {:.3}x (goal for stage 3: at most 1.25x)",
         zero_step / plain_step
     );
 }
