@@ -12,10 +12,11 @@
 //! below the smallest weight worth it), a unit's backward holds a weight or two and their
 //! gradients instead of the unit's; with 25 MiB buckets, a unit's buckets are its whole.
 //!
-//! With `--overlap` the gathers have a communicator of their own, and a unit's backward
-//! fetches its buckets in the same order every step: a thread gathers them in the last step's
-//! order ([`FetchOrder`]) one bucket ahead of the ops, so that a bucket's gather runs while the
-//! op before it computes instead of between them.
+//! With `--overlap` the gathers have a communicator of their own, which threads of the step
+//! use in turn: one gathers the forward's units one unit ahead ([`forward_ahead`]), and from
+//! the first unit's backward one gathers the backward's buckets one ahead of its ops, in the
+//! order the last step fetched them ([`FetchOrder`]: every step fetches in one order), so that
+//! a gather runs while the compute before it does instead of between them.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
@@ -95,9 +96,12 @@ impl<'a: 's, 's, 'e> Regathered<'a, 's, 'e> {
     /// backward takes it (a rendezvous channel), so it holds one bucket gathered ahead at most,
     /// and stops when this drops its end, before the scope joins it. Every rank's backward takes
     /// the same buckets, so every rank's thread gathers the same ones.
-    fn start_ahead(&mut self) {
+    ///
+    /// A thread that cannot start is an error, not a fallback: this rank would then gather in
+    /// the backward's order while the other ranks' threads gather in the last step's.
+    fn start_ahead(&mut self) -> burn_dist::Result<()> {
         let Some(scope) = self.scope.take() else {
-            return;
+            return Ok(());
         };
         let order = self
             .shards
@@ -105,19 +109,24 @@ impl<'a: 's, 's, 'e> Regathered<'a, 's, 'e> {
             .map(|o| std::mem::take(&mut o.borrow_mut().keys))
             .unwrap_or_default();
         if order.is_empty() {
-            return;
+            return Ok(());
         }
         let shards = Shards::of(self.shards);
         let (tx, rx) = sync_channel(0);
-        self.ahead = std::thread::Builder::new()
+        std::thread::Builder::new()
             .name("hearth-zero3-gather-ahead".into())
             .spawn_scoped(scope, move || gather_ahead(shards, order, tx))
-            .ok()
-            .map(|_| Ahead {
-                rx,
-                spare: Vec::new(),
-                open: true,
-            });
+            .map_err(|e| {
+                burn_dist::DistError::Config(format!(
+                    "starting stage 3's backward gather thread: {e}"
+                ))
+            })?;
+        self.ahead = Some(Ahead {
+            rx,
+            spare: Vec::new(),
+            open: true,
+        });
+        Ok(())
     }
 }
 
@@ -158,7 +167,7 @@ impl<'a: 's, 's, 'e> Regather<StageModel> for Regathered<'a, 's, 'e> {
         values: Option<StageModel>,
         backward: &mut dyn FnMut() -> burn_dist::Result<burn::tensor::Gradients>,
     ) -> burn_dist::Result<(burn::tensor::Gradients, Option<StageModel>)> {
-        self.start_ahead();
+        self.start_ahead()?;
         let keys = self.keys.remove(&k).unwrap_or_default();
         let mut take = Take {
             keys: &keys,
