@@ -6,7 +6,6 @@
 use burn::module::Module;
 use burn_dist::pipeline::{Activation, PipelineStage};
 
-pub use super::regather::FetchOrder;
 use super::stage::StageModel;
 use crate::{HearthError, Result};
 
@@ -169,6 +168,27 @@ pub struct Gathering<'a> {
     /// where the step's thread reduces over `comm` between its gathers (a thread's gathers
     /// would interleave with them differently on each rank).
     pub ahead: Option<&'a std::cell::RefCell<FetchOrder>>,
+}
+
+/// The keys whose buckets the last step's backward fetched, in order (every rank's the same:
+/// the ops run in one order), for the thread that gathers them ahead in the next
+/// ([`Gathering::ahead`]; `pipeline/regather.rs` writes and reads it).
+#[derive(Debug, Default)]
+pub struct FetchOrder {
+    pub(super) keys: Vec<u64>,
+    /// Since [`FetchOrder::take_counts`]: buckets the backward fetched, and of them those
+    /// the thread had gathered ahead.
+    pub(super) fetched: u64,
+    pub(super) ahead: u64,
+}
+
+impl FetchOrder {
+    /// (buckets fetched, of them gathered ahead) since the last call, for an epoch's report.
+    pub fn take_counts(&mut self) -> (u64, u64) {
+        let counts = (self.fetched, self.ahead);
+        (self.fetched, self.ahead) = (0, 0);
+        counts
+    }
 }
 
 /// Each of `model`'s units' number of trainable tensors, the units in the order of their

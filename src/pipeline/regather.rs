@@ -15,8 +15,9 @@
 //! With `--overlap` the gathers have a communicator of their own, which threads of the step
 //! use in turn: one gathers the forward's units one unit ahead ([`forward_ahead`]), and from
 //! the first unit's backward one gathers the backward's buckets one ahead of its ops, in the
-//! order the last step fetched them ([`FetchOrder`]: every step fetches in one order), so that
-//! a gather runs while the compute before it does instead of between them.
+//! order the last step fetched them ([`FetchOrder`](super::gathered::FetchOrder): every step
+//! fetches in one order), so that a gather runs while the compute before it does instead of
+//! between them.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
@@ -42,31 +43,11 @@ pub(super) struct Regathered<'a, 's, 'e> {
     scope: Option<&'s std::thread::Scope<'s, 'e>>,
     /// The thread's buckets, once the first unit's backward has started it.
     ahead: Option<Ahead>,
-    /// The keys fetched this step, in order (the next step's [`FetchOrder`]), and how many
-    /// of their buckets the thread had gathered.
+    /// The keys fetched this step, in order (the next step's
+    /// [`FetchOrder`](super::gathered::FetchOrder)), and how many of their buckets the thread
+    /// had gathered.
     fetched: Vec<u64>,
     from_ahead: u64,
-}
-
-/// The keys whose buckets the last step's backward fetched, in order (every rank's the same:
-/// the ops run in one order), for the thread that gathers them ahead in the next
-/// ([`Gathering::ahead`]).
-#[derive(Debug, Default)]
-pub struct FetchOrder {
-    keys: Vec<u64>,
-    /// Since [`FetchOrder::take_counts`]: buckets the backward fetched, and of them those
-    /// the thread had gathered ahead.
-    fetched: u64,
-    ahead: u64,
-}
-
-impl FetchOrder {
-    /// (buckets fetched, of them gathered ahead) since the last call, for an epoch's report.
-    pub fn take_counts(&mut self) -> (u64, u64) {
-        let counts = (self.fetched, self.ahead);
-        (self.fetched, self.ahead) = (0, 0);
-        counts
-    }
 }
 
 /// A bucket gathered: its tensors' keys and values, or what failed.
@@ -363,7 +344,7 @@ struct Fetch<'a, 'b> {
     keys: &'b hearth_kernels::keyed::Uses,
     /// The buckets gathered ahead by a thread (`--overlap`, from the second step).
     ahead: Option<&'b mut Ahead>,
-    /// The keys fetched, in order: the next step's [`FetchOrder`].
+    /// The keys fetched, in order: the next step's [`FetchOrder`](super::gathered::FetchOrder).
     fetched: &'b mut Vec<u64>,
     /// How many of them the thread had gathered.
     from_ahead: &'b mut u64,
