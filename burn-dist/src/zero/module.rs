@@ -266,26 +266,20 @@ impl ShardedParams {
     /// `part` with `values` in place of its empty trainable tensors: the values gathered for
     /// exactly its tensors by [`Self::gather_values`].
     pub fn with_values<U: Module>(&self, part: &U, values: GatheredValues) -> Result<U> {
-        let first = self.first_of(part)?;
-        let n = trainable_names(part).len();
-        if values.tensors != (first..first + n) {
+        let want = self.tensors_of(part)?;
+        if values.tensors != want {
             return Err(DistError::Mismatch {
                 op: "stage 3 gather".into(),
                 reason: format!(
-                    "values gathered for tensors {:?} handed to a part of tensors {:?}",
-                    values.tensors,
-                    first..first + n
+                    "values gathered for tensors {:?} handed to a part of tensors {want:?}",
+                    values.tensors
                 ),
             });
         }
-        let local: Shapes = self
-            .shapes
-            .range(first..first + n)
-            .map(|(i, s)| (i - first, s.clone()))
-            .collect();
+        let local = local_shapes(&self.shapes, want.clone());
         let mut m = part.clone();
         for (tensors, parts) in values.buckets {
-            let at = tensors.start - first..tensors.end - first;
+            let at = tensors.start - want.start..tensors.end - want.start;
             m = with_trainable_range(m, at, parts, &local)?;
         }
         Ok(m)
@@ -368,10 +362,7 @@ fn gather_unit<M: Module>(
     shapes: &Shapes,
 ) -> Result<M> {
     let n = trainable_names(unit).len();
-    let local: Shapes = shapes
-        .range(first..first + n)
-        .map(|(i, s)| (i - first, s.clone()))
-        .collect();
+    let local = local_shapes(shapes, first..first + n);
     let mut m = Some(unit.clone());
     zero.gather_params(comm, first..first + n, &mut |tensors, parts| {
         let u = m.take().ok_or_else(lost_module)?;
@@ -380,6 +371,16 @@ fn gather_unit<M: Module>(
         Ok(())
     })?;
     m.ok_or_else(lost_module)
+}
+
+/// The shapes of the skeleton's tensors `tensors`, indexed from the range's start (a part's
+/// own numbering).
+fn local_shapes(shapes: &Shapes, tensors: std::ops::Range<usize>) -> Shapes {
+    let first = tensors.start;
+    shapes
+        .range(tensors)
+        .map(|(i, s)| (i - first, s.clone()))
+        .collect()
 }
 
 /// A module lost by an earlier failed replacement (its error came first).
