@@ -18,7 +18,9 @@ mod gathered;
 mod regather;
 mod stage;
 
-pub use gathered::{FetchOrder, Gathering, gathered_logits, gathered_tensors, unit_tensor_counts};
+pub use gathered::{
+    FetchOrder, Gathering, KeptUnits, gathered_logits, gathered_tensors, unit_tensor_counts,
+};
 pub use stage::StageModel;
 
 /// The gradients of `loss(model(x))` for `owner`'s parameters (`owner` holds `model`, e.g.
@@ -99,7 +101,7 @@ pub fn unit_gradients<M: Module>(
             burn_dist::pipeline::segmented_gradients_regathered(
                 &segments,
                 &mut gather,
-                &mut regather::Regathered::new(shards, Some(scope)),
+                &mut regather::Regathered::new(shards, Some(scope), &segments)?,
                 x,
                 &mut on_output,
                 &mut done,

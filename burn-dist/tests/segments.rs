@@ -136,11 +136,13 @@ fn a_segmented_backward_equals_one_backward_and_hands_out_the_last_segment_first
 
 /// What a [`burn_dist::pipeline::Regather`] was asked, in order (it keys nothing: its
 /// segments keep their values, so the gradients must equal one backward's); `fetch`: it says
-/// it fetches its values itself.
+/// it fetches its values itself; `keep`: it keeps the segments from this one on (`None`: the
+/// trait's default, the last alone).
 #[derive(Default)]
 struct Recorded {
     calls: Vec<String>,
     fetch: bool,
+    keep: Option<usize>,
 }
 
 impl burn_dist::pipeline::Regather<Part> for Recorded {
@@ -167,6 +169,12 @@ impl burn_dist::pipeline::Regather<Part> for Recorded {
     fn fetches(&self) -> bool {
         self.fetch
     }
+    fn keeps(&self, k: usize, segments: usize) -> bool {
+        match self.keep {
+            Some(from) => k >= from,
+            None => k + 1 == segments,
+        }
+    }
     fn add_keyed(&mut self, k: usize, _: &Part, _: &mut GradientsParams) -> burn_dist::Result<()> {
         self.calls.push(format!("add {k}"));
         Ok(())
@@ -175,8 +183,8 @@ impl burn_dist::pipeline::Regather<Part> for Recorded {
 
 /// The regathered backward (ZeRO stage 3 without recomputation) gathers every segment in
 /// forward order, then every segment but the last again in reverse order, each just before
-/// its backward; the last segment's own values go to its backward; and the gradients are one
-/// backward's.
+/// its backward; the last segment's own values go to its backward, and those of any segment
+/// the regather keeps (gathered once); and the gradients are one backward's.
 #[test]
 fn a_regathered_backward_gathers_each_segment_but_the_last_again_before_its_backward() {
     let _random = random_lock();
@@ -187,7 +195,12 @@ fn a_regathered_backward_gathers_each_segment_but_the_last_again_before_its_back
         &model.to_vec(),
         &whole_backward(&model, x.clone(), y.clone()),
     );
-    for fetch in [false, true] {
+    for (fetch, keep) in [
+        (false, None),
+        (true, None),
+        (false, Some(2)),
+        (true, Some(2)),
+    ] {
         let gathers = std::cell::RefCell::new(Vec::new());
         let mut gather = |k: usize, s: &Part| {
             gathers.borrow_mut().push(k);
@@ -195,6 +208,7 @@ fn a_regathered_backward_gathers_each_segment_but_the_last_again_before_its_back
         };
         let mut recorded = Recorded {
             fetch,
+            keep,
             ..Recorded::default()
         };
         let parts = burn_dist::pipeline::segmented_gradients_regathered(
@@ -207,23 +221,30 @@ fn a_regathered_backward_gathers_each_segment_but_the_last_again_before_its_back
         )
         .unwrap();
         // A regather that fetches its own values is not handed the segments gathered again.
-        let (gathered, how): (&[usize], &str) = match fetch {
-            false => (&[0, 1, 2, 3, 2, 1, 0], ""),
-            true => (&[0, 1, 2, 3], " fetching"),
+        // A kept segment (2, with `keep`) is gathered once and handed its own values.
+        let kept = keep.is_some();
+        let (gathered, how): (&[usize], &str) = match (fetch, kept) {
+            (false, false) => (&[0, 1, 2, 3, 2, 1, 0], ""),
+            (false, true) => (&[0, 1, 2, 3, 1, 0], ""),
+            (true, _) => (&[0, 1, 2, 3], " fetching"),
         };
-        assert_eq!(*gathers.borrow(), gathered);
+        assert_eq!(*gathers.borrow(), gathered, "fetch {fetch}, keep {keep:?}");
         let calls: Vec<&str> = recorded.calls.iter().map(String::as_str).collect();
         let again = |k: usize| format!("backward {k}{how}");
+        let (release_2, backward_2) = match kept {
+            true => ("forward 2 release false", "backward 2".to_string()),
+            false => ("forward 2 release true", again(2)),
+        };
         assert_eq!(
             calls,
             [
                 "forward 0 release true",
                 "forward 1 release true",
-                "forward 2 release true",
+                release_2,
                 "forward 3 release false",
                 "backward 3",
                 "add 3",
-                &again(2),
+                &backward_2,
                 "add 2",
                 &again(1),
                 "add 1",

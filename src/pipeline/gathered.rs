@@ -168,6 +168,21 @@ pub struct Gathering<'a> {
     /// where the step's thread reduces over `comm` between its gathers (a thread's gathers
     /// would interleave with them differently on each rank).
     pub ahead: Option<&'a std::cell::RefCell<FetchOrder>>,
+    /// Where a step's backward says which units it kept gathered from their forward
+    /// ([`KeptUnits`]), for the run's log; `None`: not said.
+    pub kept: Option<&'a std::cell::Cell<Option<KeptUnits>>>,
+}
+
+/// The units a stage 3 step keeps gathered from their forward to their backward instead of
+/// letting them go and gathering them again: the last unit, and before it the units that fit
+/// with it in one bucket (`pipeline/regather.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeptUnits {
+    /// How many (the forward's last ones) of how many units.
+    pub units: usize,
+    pub of: usize,
+    /// Their parameter values, all together.
+    pub values: usize,
 }
 
 /// The keys whose buckets the last step's backward fetched, in order (every rank's the same:

@@ -194,6 +194,14 @@ pub trait Regather<M> {
     fn fetches(&self) -> bool {
         false
     }
+    /// Whether segment `k` of `segments` keeps its gathered values from its forward to its
+    /// backward (neither let go nor gathered again), its backward handed them as the last
+    /// segment's is. The last always keeps them (its backward follows its forward at once);
+    /// a caller may keep a few before it too, trading their memory between the passes for a
+    /// gather less (FSDP's `reshard_after_forward=False` on those).
+    fn keeps(&self, k: usize, segments: usize) -> bool {
+        k + 1 == segments
+    }
     /// Adds segment `k`'s gradients of the values kept by key to `grads` (`segment`: the
     /// caller's, whose parameter ids they carry).
     fn add_keyed(&mut self, k: usize, segment: &M, grads: &mut GradientsParams) -> Result<()>;
@@ -203,7 +211,8 @@ pub trait Regather<M> {
 /// forward and gathered again for its backward ([`Regather`]): every rank gathers each segment
 /// but the last twice, in forward then reverse order, and between its two passes a segment
 /// holds only what its graph keeps by value. The last segment keeps its values for its
-/// backward, which follows its forward at once (as FSDP keeps its root's); in every segment's
+/// backward, which follows its forward at once (as FSDP keeps its root's), and so does each
+/// segment the regather [keeps](Regather::keeps), gathered once a step; in every segment's
 /// backward each value kept by key goes as soon as its ops are done. A regather that
 /// [fetches](Regather::fetches) its values itself is not handed the segment gathered again:
 /// its backward gathers what its ops need as they need it.
@@ -256,9 +265,13 @@ fn segmented<M: PipelineStage>(
         };
         let s = gather(k, s)?;
         let mut forward = |m: &M| m.forward(input.clone()).map_err(|e| fail(k, e));
-        // The last segment's backward follows its forward at once: it keeps its values.
+        // The last segment's backward follows its forward at once: it keeps its values (and
+        // so does any segment the regather keeps).
         let (y, s) = match regather.as_deref_mut() {
-            Some(r) => r.forward(k, s, k + 1 < segments.len(), &mut forward)?,
+            Some(r) => {
+                let release = !r.keeps(k, segments.len()) && k + 1 < segments.len();
+                r.forward(k, s, release, &mut forward)?
+            }
             None => (forward(&s)?, s),
         };
         x = y.clone();
@@ -282,15 +295,18 @@ fn segmented<M: PipelineStage>(
             None => Err(DistError::Config("a segment's backward ran twice".into())),
         };
         let (g, segment) = match regather.as_deref_mut() {
-            // The last segment still holds its values: they go into its backward.
-            Some(r) if last => match r.backward(k, Some(segment), &mut backward)? {
-                (g, Some(rest)) => (g, rest),
-                (_, None) => {
-                    return Err(DistError::Config(format!(
-                        "segment {k}'s backward kept nothing of the values handed to it"
-                    )));
+            // The last segment (and any the regather keeps) still holds its values: they go
+            // into its backward.
+            Some(r) if last || r.keeps(k, segments.len()) => {
+                match r.backward(k, Some(segment), &mut backward)? {
+                    (g, Some(rest)) => (g, rest),
+                    (_, None) => {
+                        return Err(DistError::Config(format!(
+                            "segment {k}'s backward kept nothing of the values handed to it"
+                        )));
+                    }
                 }
-            },
+            }
             Some(r) if r.fetches() => (r.backward(k, None, &mut backward)?.0, segment),
             Some(r) => {
                 let again = gather(k, &segments[k])?;

@@ -430,6 +430,12 @@ impl ZeroOptimizer {
                 .map_or(0, |r| r.state.iter().map(Vec::len).sum())
     }
 
+    /// The size the vector's buckets were cut to, bytes (a tensor larger than that has a
+    /// bucket of its own).
+    pub fn bucket_bytes(&self) -> usize {
+        self.bucket_bytes
+    }
+
     /// A description of this rank's shard, for logs.
     pub fn describe(&self) -> String {
         format!(

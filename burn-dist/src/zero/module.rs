@@ -245,6 +245,15 @@ impl ShardedParams {
         Ok(first..first + trainable_names(part).len())
     }
 
+    /// How many values the skeleton's trainable tensors `tensors` ([`Self::tensors_of`]) hold
+    /// whole, gathered (their shards' sum over the ranks).
+    pub fn len_of(&self, tensors: std::ops::Range<usize>) -> usize {
+        self.shapes
+            .range(tensors)
+            .map(|(_, s)| s.num_elements())
+            .sum()
+    }
+
     /// The values of the skeleton's trainable tensors `tensors` ([`Self::tensors_of`]),
     /// gathered whole bucket by bucket apart from any module (a thread may gather the next
     /// part's while the current one computes); [`Self::with_values`] puts them into the part.

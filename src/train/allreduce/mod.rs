@@ -109,6 +109,8 @@ pub(super) fn train_with<R: Recipe>(
         params: None,
         gathers: None,
         fetch_order: Default::default(),
+        kept_units: Default::default(),
+        said_kept: false,
         exchange: Exchange::new(&cfg.exchange, ReduceOp::Mean),
         frozen: false,
         ema: None,
@@ -183,6 +185,10 @@ struct Allreduce<'a, T: Trainee> {
     /// `--zero 3 --overlap`: the order the last step's backward fetched its buckets in, for
     /// the next step's thread that gathers them ahead.
     fetch_order: std::cell::RefCell<crate::pipeline::FetchOrder>,
+    /// `--zero 3` without `--recompute`: the units the steps keep gathered between their
+    /// passes, taken by the epoch's report (said once a run).
+    kept_units: std::cell::Cell<Option<crate::pipeline::KeptUnits>>,
+    said_kept: bool,
     /// The step's plan and exchange (the mean over the ranks), and the epoch's time in them.
     exchange: Exchange,
     /// Whether the model trains its head alone now (`--freeze-backbone`).
@@ -283,6 +289,7 @@ impl<T: Trainee> Allreduce<'_, T> {
                 comm,
                 params,
                 ahead: self.gathers.is_some().then_some(&self.fetch_order),
+                kept: Some(&self.kept_units),
             }),
             _ => None,
         }
@@ -481,8 +488,31 @@ impl<T: Trainee> Allreduce<'_, T> {
     fn report_exchange(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) {
         let line = self.exchange.report(epoch);
         let (fetched, ahead) = self.fetch_order.borrow_mut().take_counts();
+        // Said once a run (each step sets it again).
+        let kept = self.kept_units.take().filter(|_| !self.said_kept);
         if let (0, Some(_), Some(line)) = (self.rank, &self.comm, line) {
             log(&line);
+            if let Some(k) = kept {
+                self.said_kept = true;
+                let bytes = k.values as f64 * 4.0;
+                let size = match bytes < 1e6 {
+                    true => format!("{:.1} KB", bytes / 1e3),
+                    false => format!("{:.1} MB", bytes / 1e6),
+                };
+                let others = match k.of - k.units {
+                    0 => "none is gathered twice".to_string(),
+                    n => format!(
+                        "the other {n} are let go after their forward and gathered again for \
+                         their backward"
+                    ),
+                };
+                log(&format!(
+                    "`exchange.zero` 3 keeps the last {} of its {} units ({size} of parameters: \
+                     the last unit and those that fit with it in one bucket of --bucket-mb) \
+                     gathered from their forward to their backward; {others}",
+                    k.units, k.of
+                ));
+            }
             if fetched > 0 {
                 log(&format!(
                     "epoch {epoch}: `exchange.zero` 3's backward fetched {fetched} buckets, \
