@@ -58,6 +58,14 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// Whether a frame of this kind goes out before the others that wait on its connection:
+    /// ZeRO stage 3's parameter gathers in an overlapped step ([`Kind::Gather`]), which the
+    /// step's compute waits on, while the gradient reductions beside them are needed only at
+    /// the step's end.
+    pub fn urgent(self) -> bool {
+        self == Kind::Gather
+    }
+
     pub fn from_u8(v: u8) -> Option<Kind> {
         Some(match v {
             1 => Kind::Hello,

@@ -111,6 +111,10 @@ pub(crate) async fn write_frame(
     payload: Vec<u8>,
 ) -> std::result::Result<(), String> {
     let mut s = conn.open_uni().await.map_err(|e| e.to_string())?;
+    if header.kind.urgent() {
+        // Sent before the connection's other streams whenever both wait (quinn's scheduler).
+        s.set_priority(1).map_err(|e| e.to_string())?;
+    }
     // Handed to quinn without copying.
     let mut chunks = [
         bytes::Bytes::copy_from_slice(&header.encode()),
