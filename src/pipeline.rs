@@ -14,8 +14,10 @@ use hearth_models::stages::{Unit, UnitOutput};
 
 use crate::{HearthError, Result};
 
+mod forward_ahead;
 mod gathered;
 mod regather;
+mod room;
 mod stage;
 
 pub use gathered::{
@@ -86,12 +88,13 @@ pub fn unit_gradients<M: Module>(
         )
     } else if let Some(shards) = gathering {
         // With `--overlap` (`shards.ahead`: the gathers' communicator is theirs alone), threads
-        // of this scope gather ahead: one the forward's units, one unit ahead of it, and from the
-        // first unit's backward on (the forward's thread done) one the backward's buckets
-        // (`Regathered`). Each ends as the step's pass drops its channel.
+        // of this scope gather ahead: one the forward's units, up to a bucket's bytes ahead of
+        // it, and from the first unit's backward on (the forward's thread done) one the
+        // backward's buckets (`Regathered`), one ahead. Each ends as the step's pass drops its
+        // channel. Their frames go out before the reductions' (`Kind::urgent`).
         std::thread::scope(|scope| {
             let mut ahead = match shards.ahead {
-                Some(_) => Some(regather::forward_ahead(scope, shards, &segments)?),
+                Some(_) => Some(forward_ahead::forward_ahead(scope, shards, &segments)?),
                 None => None,
             };
             let mut gather = |k: usize, s: &StageModel| match ahead.as_mut() {

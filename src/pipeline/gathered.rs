@@ -175,7 +175,7 @@ pub struct Gathering<'a> {
 
 /// The units a stage 3 step keeps gathered from their forward to their backward instead of
 /// letting them go and gathering them again: the last unit, and before it the units that fit
-/// with it in one bucket (`pipeline/regather.rs`).
+/// with it in two buckets (`pipeline/regather.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeptUnits {
     /// How many (the forward's last ones) of how many units.

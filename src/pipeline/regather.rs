@@ -6,10 +6,12 @@
 //! the biases' shapes) stays with the unit between its passes.
 //!
 //! The last unit keeps its parameters for its backward, which follows its forward at once, and
-//! so do the units before it that fit with it in one bucket ([`kept_from`]): their backward
-//! comes soon after their forward, a bucket is what a backward holds gathered at a time anyway,
-//! and each kept unit is a gather less a step (ResNet-50 with 25 MiB buckets: its fully
-//! connected head and its last block, 26 of its 102 MB).
+//! so do the units before it that fit with it in two buckets ([`kept_from`]): their backward
+//! comes soon after their forward, two buckets are what a backward holds gathered at a time
+//! anyway (one in use, one gathered ahead), and each kept unit is a gather less a step
+//! (ResNet-50 with 25 MiB buckets: its fully connected head and its last two blocks, 44 of
+//! its 102 MB; between two hosts at 1 Gbit/s the step's backward waits on those gathers
+//! while it has little to compute).
 //!
 //! The backward gathers a bucket at a time: the bucket of a weight when its first op's
 //! backward needs it (`Fetch`), and each weight's gradient goes to the step's exchange as soon
@@ -19,7 +21,7 @@
 //! gradients instead of the unit's; with 25 MiB buckets, a unit's buckets are its whole.
 //!
 //! With `--overlap` the gathers have a communicator of their own, which threads of the step
-//! use in turn: one gathers the forward's units one unit ahead ([`forward_ahead`]), and from
+//! use in turn: one gathers the forward's units ahead ([`super::forward_ahead`]), and from
 //! the first unit's backward one gathers the backward's buckets one ahead of its ops, in the
 //! order the last step fetched them ([`FetchOrder`](super::gathered::FetchOrder): every step
 //! fetches in one order), so that a gather runs while the compute before it does instead of
@@ -33,7 +35,6 @@ use burn::optim::GradientsParams;
 use burn::prelude::Tensor;
 use burn::tensor::TensorData;
 use burn_dist::pipeline::{Activation, Regather};
-use burn_dist::zero::module::GatheredValues;
 
 use super::gathered::Gathering;
 use super::stage::StageModel;
@@ -221,8 +222,9 @@ impl<'a: 's, 's, 'e> Regather<StageModel> for Regathered<'a, 's, 'e> {
 
 /// The first of `segments` (a step's units, in the forward's order) that keeps its gathered
 /// parameters from its forward to its backward, and what they hold: the last unit, whatever
-/// its size, and before it each unit that fits with the units after it in one of the step's
-/// buckets (f32 values: what a gather delivers). Every rank computes the same from the same
+/// its size, and before it each unit that fits with the units after it in two of the step's
+/// buckets (f32 values: what a gather delivers), as much as the backward holds gathered at
+/// a time with its thread one bucket ahead. Every rank computes the same from the same
 /// layout, so every rank gathers the same units again. With `--bucket-mb` small enough to
 /// hold a weight at a time, no unit but the last fits: the memory between the passes stays
 /// as low as the buckets make it.
@@ -230,7 +232,7 @@ fn kept_from(
     shards: &Gathering<'_>,
     segments: &[StageModel],
 ) -> burn_dist::Result<(usize, super::gathered::KeptUnits)> {
-    let budget = shards.zero.bucket_bytes();
+    let budget = 2 * shards.zero.bucket_bytes();
     let mut values = 0;
     let mut from = segments.len();
     for (k, s) in segments.iter().enumerate().rev() {
@@ -250,77 +252,17 @@ fn kept_from(
     Ok((from, kept))
 }
 
-/// The forward's units' parameters, gathered by a thread one unit ahead of the forward (so a
-/// unit's gathers run while the unit before it computes: PyTorch FSDP's forward prefetch).
-pub(super) struct ForwardAhead<'a> {
-    rx: Receiver<burn_dist::Result<GatheredValues>>,
-    params: &'a burn_dist::zero::module::ShardedParams,
-}
-
-/// Starts the thread that gathers `segments`' parameters in the forward's order, each handed
-/// over as the forward takes it (a rendezvous channel: one unit held ahead at most). It ends
-/// after the last unit, before the first unit's backward can start its own thread on the same
-/// communicator, or, if the forward stops early, once the forward drops its end.
-pub(super) fn forward_ahead<'s, 'e, 'a: 's>(
-    scope: &'s std::thread::Scope<'s, 'e>,
-    g: &'a Gathering<'a>,
-    segments: &[StageModel],
-) -> burn_dist::Result<ForwardAhead<'a>> {
-    let ranges = segments
-        .iter()
-        .map(|s| g.params.tensors_of(s))
-        .collect::<burn_dist::Result<Vec<_>>>()?;
-    let shards = Shards::of(g);
-    let (tx, rx) = sync_channel(0);
-    std::thread::Builder::new()
-        .name("hearth-zero3-forward-ahead".into())
-        .spawn_scoped(scope, move || {
-            for tensors in ranges {
-                let values = shards
-                    .params
-                    .gather_values(shards.zero, shards.comm, tensors);
-                let failed = values.is_err();
-                if tx.send(values).is_err() || failed {
-                    return;
-                }
-            }
-        })
-        .map_err(|e| {
-            burn_dist::DistError::Config(format!("starting stage 3's forward gather thread: {e}"))
-        })?;
-    Ok(ForwardAhead {
-        rx,
-        params: g.params,
-    })
-}
-
-impl ForwardAhead<'_> {
-    /// Unit `k` (`skeleton`, the forward's next) with its parameters from the thread.
-    pub(super) fn take(
-        &mut self,
-        k: usize,
-        skeleton: &StageModel,
-    ) -> burn_dist::Result<StageModel> {
-        match self.rx.recv() {
-            Ok(values) => self.params.with_values(skeleton, values?),
-            Err(_) => Err(burn_dist::DistError::Config(format!(
-                "unit {k}'s parameters: the thread gathering the forward's units ended before it"
-            ))),
-        }
-    }
-}
-
 /// What gathers a bucket ([`Gathering`] less the step-to-step order): shared with the threads
 /// that gather ahead.
 #[derive(Clone, Copy)]
-struct Shards<'a> {
-    zero: &'a burn_dist::zero::ZeroOptimizer,
-    comm: &'a burn_dist::Communicator,
-    params: &'a burn_dist::zero::module::ShardedParams,
+pub(super) struct Shards<'a> {
+    pub(super) zero: &'a burn_dist::zero::ZeroOptimizer,
+    pub(super) comm: &'a burn_dist::Communicator,
+    pub(super) params: &'a burn_dist::zero::module::ShardedParams,
 }
 
 impl<'a> Shards<'a> {
-    fn of(g: &Gathering<'a>) -> Self {
+    pub(super) fn of(g: &Gathering<'a>) -> Self {
         Self {
             zero: g.zero,
             comm: g.comm,

@@ -508,7 +508,7 @@ impl<T: Trainee> Allreduce<'_, T> {
                 };
                 log(&format!(
                     "`exchange.zero` 3 keeps the last {} of its {} units ({size} of parameters: \
-                     the last unit and those that fit with it in one bucket of --bucket-mb) \
+                     the last unit and those that fit with it in two buckets of --bucket-mb) \
                      gathered from their forward to their backward; {others}",
                     k.units, k.of
                 ));
