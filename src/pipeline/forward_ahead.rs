@@ -15,8 +15,7 @@ use std::sync::mpsc::{Receiver, channel};
 
 use burn_dist::zero::module::GatheredValues;
 
-use super::gathered::Gathering;
-use super::regather::Shards;
+use super::gathered::{Gathering, Shards};
 use super::room::Room;
 use super::stage::StageModel;
 

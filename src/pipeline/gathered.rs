@@ -1,7 +1,9 @@
 //! ZeRO stage 3's passes outside a training step, a unit's parameters gathered at a time:
 //! validation's forward ([`gathered_logits`]) and the checkpoint's tensors
-//! ([`gathered_tensors`]); and where stage 3 cuts its buckets ([`unit_tensor_counts`]: the
-//! units placed where their tensors stand in the model).
+//! ([`gathered_tensors`]); where stage 3 cuts its buckets ([`unit_tensor_counts`]: the
+//! units placed where their tensors stand in the model); and what a step's passes share with
+//! them and with the threads that gather ahead ([`Gathering`], `Shards`, [`FetchOrder`],
+//! [`KeptUnits`]).
 
 use burn::module::Module;
 use burn_dist::pipeline::{Activation, PipelineStage};
@@ -185,6 +187,49 @@ pub struct KeptUnits {
     pub values: usize,
 }
 
+impl KeptUnits {
+    /// The run's line on them.
+    pub fn describe(&self) -> String {
+        let bytes = self.values as f64 * 4.0;
+        let size = match bytes < 1e6 {
+            true => format!("{:.1} KB", bytes / 1e3),
+            false => format!("{:.1} MB", bytes / 1e6),
+        };
+        let others = match self.of - self.units {
+            0 => "none is gathered twice".to_string(),
+            n => format!(
+                "the other {n} are let go after their forward and gathered again for their \
+                 backward"
+            ),
+        };
+        format!(
+            "`exchange.zero` 3 keeps the last {} of its {} units ({size} of parameters: the last \
+             unit and those that fit with it in two buckets of --bucket-mb) gathered from their \
+             forward to their backward; {others}",
+            self.units, self.of
+        )
+    }
+}
+
+/// What gathers a bucket ([`Gathering`] less the step-to-step order): shared with the threads
+/// that gather ahead.
+#[derive(Clone, Copy)]
+pub(super) struct Shards<'a> {
+    pub(super) zero: &'a burn_dist::zero::ZeroOptimizer,
+    pub(super) comm: &'a burn_dist::Communicator,
+    pub(super) params: &'a burn_dist::zero::module::ShardedParams,
+}
+
+impl<'a> Shards<'a> {
+    pub(super) fn of(g: &Gathering<'a>) -> Self {
+        Self {
+            zero: g.zero,
+            comm: g.comm,
+            params: g.params,
+        }
+    }
+}
+
 /// The keys whose buckets the last step's backward fetched, in order (every rank's the same:
 /// the ops run in one order), for the thread that gathers them ahead in the next
 /// ([`Gathering::ahead`]; `pipeline/regather.rs` writes and reads it).
@@ -215,4 +260,36 @@ pub fn unit_tensor_counts(model: &hearth_models::Classifier) -> Result<Vec<usize
         .into_iter()
         .map(|(_, len)| len)
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KeptUnits;
+
+    /// The run's line names how many units stay gathered, their size in the unit that reads,
+    /// and whether any unit is gathered twice.
+    #[test]
+    fn the_kept_units_line_says_how_many_and_what_is_gathered_twice() {
+        let some = KeptUnits {
+            units: 3,
+            of: 18,
+            values: 10_975_000,
+        }
+        .describe();
+        assert!(
+            some.contains("keeps the last 3 of its 18 units (43.9 MB")
+                && some.contains("the other 15 are let go after their forward"),
+            "{some}"
+        );
+        let all = KeptUnits {
+            units: 4,
+            of: 4,
+            values: 20_000,
+        }
+        .describe();
+        assert!(
+            all.contains("(80.0 KB") && all.contains("none is gathered twice"),
+            "{all}"
+        );
+    }
 }

@@ -36,7 +36,7 @@ use burn::prelude::Tensor;
 use burn::tensor::TensorData;
 use burn_dist::pipeline::{Activation, Regather};
 
-use super::gathered::Gathering;
+use super::gathered::{Gathering, Shards};
 use super::stage::StageModel;
 
 /// The keys each unit's graph kept, from its forward to its backward, the gradients of the
@@ -225,9 +225,9 @@ impl<'a: 's, 's, 'e> Regather<StageModel> for Regathered<'a, 's, 'e> {
 /// its size, and before it each unit that fits with the units after it in two of the step's
 /// buckets (f32 values: what a gather delivers), as much as the backward holds gathered at
 /// a time with its thread one bucket ahead. Every rank computes the same from the same
-/// layout, so every rank gathers the same units again. With `--bucket-mb` small enough to
-/// hold a weight at a time, no unit but the last fits: the memory between the passes stays
-/// as low as the buckets make it.
+/// layout, so every rank gathers the same units again. Small buckets keep few: with
+/// `--bucket-mb 1` ResNet-50 and VGG-16 keep their last unit alone, so the memory between the
+/// passes stays as low as the buckets make it.
 fn kept_from(
     shards: &Gathering<'_>,
     segments: &[StageModel],
@@ -250,25 +250,6 @@ fn kept_from(
         values,
     };
     Ok((from, kept))
-}
-
-/// What gathers a bucket ([`Gathering`] less the step-to-step order): shared with the threads
-/// that gather ahead.
-#[derive(Clone, Copy)]
-pub(super) struct Shards<'a> {
-    pub(super) zero: &'a burn_dist::zero::ZeroOptimizer,
-    pub(super) comm: &'a burn_dist::Communicator,
-    pub(super) params: &'a burn_dist::zero::module::ShardedParams,
-}
-
-impl<'a> Shards<'a> {
-    pub(super) fn of(g: &Gathering<'a>) -> Self {
-        Self {
-            zero: g.zero,
-            comm: g.comm,
-            params: g.params,
-        }
-    }
 }
 
 /// Weight `key`'s bucket from the ranks' shards: its tensors by key.

@@ -494,24 +494,7 @@ impl<T: Trainee> Allreduce<'_, T> {
             log(&line);
             if let Some(k) = kept {
                 self.said_kept = true;
-                let bytes = k.values as f64 * 4.0;
-                let size = match bytes < 1e6 {
-                    true => format!("{:.1} KB", bytes / 1e3),
-                    false => format!("{:.1} MB", bytes / 1e6),
-                };
-                let others = match k.of - k.units {
-                    0 => "none is gathered twice".to_string(),
-                    n => format!(
-                        "the other {n} are let go after their forward and gathered again for \
-                         their backward"
-                    ),
-                };
-                log(&format!(
-                    "`exchange.zero` 3 keeps the last {} of its {} units ({size} of parameters: \
-                     the last unit and those that fit with it in two buckets of --bucket-mb) \
-                     gathered from their forward to their backward; {others}",
-                    k.units, k.of
-                ));
+                log(&k.describe());
             }
             if fetched > 0 {
                 log(&format!(
