@@ -19,6 +19,7 @@
 mod files;
 mod progress;
 mod rows;
+mod sharding;
 
 use progress::Progress;
 
@@ -44,9 +45,8 @@ use super::precision::{LossScaler, divide};
 use super::scores::ValScores;
 use super::shared::{Rates, epoch_lr, val_share};
 use super::step_log::StepLog;
-use super::trainee::{Net, Recipe, Trainee};
+use super::trainee::{Recipe, Trainee};
 use super::{TrainConfig, TrainReport, run_dir};
-use crate::pipeline::Gathering;
 use crate::settings::Precision;
 use crate::{HearthError, Result};
 
@@ -213,86 +213,6 @@ impl<T: Trainee> Allreduce<'_, T> {
     /// The model, out of `self` until a step or phase puts it back.
     fn take_model(&mut self) -> Result<T::Model> {
         self.model.take().ok_or_else(lost_model)
-    }
-
-    /// `--zero`: this rank's shard of the optimizer, its state from rank 0's file of epoch
-    /// `first` when resuming (written by any number of ranks).
-    ///
-    /// The model enters the phase of epoch `first + 1` first (`--freeze-backbone`: the shards
-    /// cover what trains); a resume right at the fine-tuning switch starts the backbone's state
-    /// from zero, the file holding the head's alone.
-    fn start_sharding(&mut self, first: usize, log: &mut dyn FnMut(&str)) -> Result<()> {
-        let frozen = self.rates.frozen(first + 1);
-        if frozen {
-            log("backbone frozen: only the head trains");
-        }
-        let model = self.take_model()?;
-        self.model = Some(self.trainee.phase(model, frozen));
-        self.frozen = frozen;
-        let (Some(comm), true) = (&self.comm, self.cfg.exchange.zero > 0) else {
-            return Ok(());
-        };
-        let at_switch = first > 0 && self.rates.frozen(first) && !frozen;
-        let stage_3 = self.cfg.exchange.zero == 3;
-        let units = match stage_3 {
-            true => Some(self.model()?.unit_tensor_counts().ok_or_else(|| {
-                HearthError::InvalidArgument(
-                    "`exchange.zero` 3 gathers a model's parameters unit by unit, and this model \
-                     has no units (Hearth's ResNet, DenseNet and VGG have): use stage 1 or 2"
-                        .into(),
-                )
-            })??),
-            false => None,
-        };
-        let dir = self.cfg.run_dir.join("checkpoint");
-        let at = super::zero::ShardStart {
-            dir: &dir,
-            resume: first,
-            new_at_zero: at_switch,
-            units: units.as_deref(),
-        };
-        let mut z = super::zero::start(self.cfg, self.model()?, self.batches, comm, at)?;
-        if stage_3 {
-            // The values go into the shard; the model keeps its structure, ids and buffers.
-            let model = self.take_model()?;
-            let (skeleton, params) = burn_dist::zero::module::shard_params(&mut z, model)?;
-            self.model = Some(skeleton);
-            self.params = Some(params);
-            if self.cfg.exchange.overlap {
-                let sibling = |c: &Arc<Communicator>| c.sibling(burn_dist::wire::Kind::Gather);
-                self.gathers = self.comm.as_ref().map(sibling).map(Arc::new);
-            }
-        }
-        log(&format!(
-            "ZeRO stage {}: rank 0 keeps the optimizer state of {}{}",
-            self.cfg.exchange.zero,
-            z.describe(),
-            if stage_3 {
-                format!(", and {} parameter values", z.params_len())
-            } else {
-                String::new()
-            }
-        ));
-        self.zero = Some(z);
-        Ok(())
-    }
-
-    /// `--zero 3`: where a unit's parameters come from for its passes (`None` otherwise).
-    fn gathering(&self) -> Option<Gathering<'_>> {
-        match (
-            &self.zero,
-            self.gathers.as_ref().or(self.comm.as_ref()),
-            &self.params,
-        ) {
-            (Some(zero), Some(comm), Some(params)) => Some(Gathering {
-                zero,
-                comm,
-                params,
-                ahead: self.gathers.is_some().then_some(&self.fetch_order),
-                kept: Some(&self.kept_units),
-            }),
-            _ => None,
-        }
     }
 
     /// One optimizer step: its gradients unscaled (fp16), exchanged (what `overlapped` has
@@ -481,28 +401,6 @@ impl<T: Trainee> Allreduce<'_, T> {
         match step {
             Some(step) => Err(HearthError::NanLoss { epoch, step }),
             None => Ok(()),
-        }
-    }
-
-    /// Rank 0's line on the epoch's time in the gradient exchange (data parallel only).
-    fn report_exchange(&mut self, epoch: usize, log: &mut dyn FnMut(&str)) {
-        let line = self.exchange.report(epoch);
-        let (fetched, ahead) = self.fetch_order.borrow_mut().take_counts();
-        // Said once a run (each step sets it again).
-        let kept = self.kept_units.take().filter(|_| !self.said_kept);
-        if let (0, Some(_), Some(line)) = (self.rank, &self.comm, line) {
-            log(&line);
-            if let Some(k) = kept {
-                self.said_kept = true;
-                log(&k.describe());
-            }
-            if fetched > 0 {
-                log(&format!(
-                    "epoch {epoch}: `exchange.zero` 3's backward fetched {fetched} buckets, \
-                     {ahead} of them gathered ahead by a thread while the ops before them ran \
-                     (from the second step: each step's in the order of the one before)"
-                ));
-            }
         }
     }
 }
