@@ -7,7 +7,8 @@
 //! is no pass). In each module it reads every path that names another module of the crate:
 //! `crate::`, `super::` and `self::` paths, and paths that start with a child module's name.
 //! A path to an item resolves to the module that defines the item, through `pub use`
-//! re-exports (a re-export itself is a facade, not a dependency). Test modules
+//! re-exports (a re-export is a facade, not a dependency, unless the module itself uses the
+//! name it re-exports: then it depends on where the name goes). Test modules
 //! (`#[cfg(test)]` items) are left out. Any strongly connected set of modules is a circle, and
 //! the failure lists its edges with the line that makes each.
 
@@ -395,46 +396,43 @@ fn crate_modules(root: &Path, files: &mut BTreeSet<PathBuf>) -> BTreeMap<String,
         test_files(&tests, &dir, &file, files);
         let (mut defs, mut reexports) = (BTreeSet::new(), BTreeMap::new());
         for (k, (tok, _)) in toks.iter().enumerate() {
-            match tok {
-                Tok::Ident(kw) => {
-                    let item = ident(toks.get(k + 1));
-                    let declares = matches!(
-                        kw.as_str(),
-                        "fn" | "struct"
-                            | "enum"
-                            | "trait"
-                            | "type"
-                            | "const"
-                            | "static"
-                            | "union"
-                            | "mod"
-                    );
-                    if let Some(item) = item
-                        && declares
-                    {
-                        defs.insert(item.to_string());
-                    }
-                    if kw == "macro_rules"
-                        && let Some(item) = ident(toks.get(k + 2))
-                    {
-                        defs.insert(item.to_string());
-                    }
-                    // `pub use ...;` and `pub(crate) use ...;`: re-exports.
-                    if kw == "use" {
-                        let public = k > 0
-                            && (ident(toks.get(k - 1)) == Some("pub")
-                                || toks.get(k - 1).map(|x| &x.0) == Some(&Tok::Punct(')')));
-                        if public {
-                            let mut i = k + 1;
-                            let mut found = Vec::new();
-                            use_tree(&toks, &mut i, &[], &mut found);
-                            for (path, bound) in found {
-                                reexports.insert(bound, path);
-                            }
+            if let Tok::Ident(kw) = tok {
+                let item = ident(toks.get(k + 1));
+                let declares = matches!(
+                    kw.as_str(),
+                    "fn" | "struct"
+                        | "enum"
+                        | "trait"
+                        | "type"
+                        | "const"
+                        | "static"
+                        | "union"
+                        | "mod"
+                );
+                if let Some(item) = item
+                    && declares
+                {
+                    defs.insert(item.to_string());
+                }
+                if kw == "macro_rules"
+                    && let Some(item) = ident(toks.get(k + 2))
+                {
+                    defs.insert(item.to_string());
+                }
+                // `pub use ...;` and `pub(crate) use ...;`: re-exports.
+                if kw == "use" {
+                    let public = k > 0
+                        && (ident(toks.get(k - 1)) == Some("pub")
+                            || toks.get(k - 1).map(|x| &x.0) == Some(&Tok::Punct(')')));
+                    if public {
+                        let mut i = k + 1;
+                        let mut found = Vec::new();
+                        use_tree(&toks, &mut i, &[], &mut found);
+                        for (path, bound) in found {
+                            reexports.insert(bound, path);
                         }
                     }
                 }
-                _ => {}
             }
         }
         mods.insert(
@@ -539,8 +537,17 @@ fn edges(mods: &BTreeMap<String, Module>) -> BTreeMap<String, BTreeMap<String, u
                     let mut j = i + 1;
                     let mut found = Vec::new();
                     use_tree(t, &mut j, &[], &mut found);
-                    if !public {
-                        for (path, _) in found {
+                    for (path, bound) in found {
+                        // A re-export is a facade, unless the module itself uses the name it
+                        // binds (outside the `use`): then it depends on where the name goes.
+                        let used_here = || {
+                            t.iter().enumerate().any(|(k, (tok, _))| {
+                                !(i..j).contains(&k)
+                                    && matches!(tok, Tok::Ident(s) if *s == bound)
+                                    && !(k > 0 && matches!(t[k - 1].0, Tok::Path))
+                            })
+                        };
+                        if !public || (bound != "*" && used_here()) {
                             add(&path, line);
                         }
                     }
@@ -803,4 +810,45 @@ fn a_circle_through_a_parent_and_a_reexport_is_found() {
     let graph = edges(&mods);
     let nodes: Vec<String> = mods.keys().cloned().collect();
     assert!(circles(&graph, &nodes).is_empty());
+}
+
+/// A re-export the module itself uses is a dependency (the circle it closes is found); one it
+/// only passes on is a facade (no circle).
+#[test]
+fn a_reexport_the_module_uses_is_a_dependency() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let src = dir.path();
+    std::fs::write(
+        src.join("lib.rs"),
+        "mod stream;\npub use stream::Stream;\npub struct Loader;\n\
+         impl Loader { pub fn epoch(&self) -> Stream { Stream } }\n",
+    )
+    .expect("write");
+    std::fs::write(
+        src.join("stream.rs"),
+        "use super::Loader;\npub struct Stream;\nfn f(_: Loader) {}\n",
+    )
+    .expect("write");
+    let mut reached = BTreeSet::new();
+    let mods = crate_modules(&src.join("lib.rs"), &mut reached);
+    let nodes: Vec<String> = mods.keys().cloned().collect();
+    assert_eq!(
+        circles(&edges(&mods), &nodes),
+        vec![vec![String::new(), "stream".to_string()]]
+    );
+    // The stream's constructor beside the stream: the root only passes the name on.
+    std::fs::write(
+        src.join("lib.rs"),
+        "mod stream;\npub use stream::Stream;\npub struct Loader;\n",
+    )
+    .expect("write");
+    std::fs::write(
+        src.join("stream.rs"),
+        "use super::Loader;\npub struct Stream;\n\
+         impl Loader { pub fn epoch(&self) -> Stream { Stream } }\n",
+    )
+    .expect("write");
+    let mods = crate_modules(&src.join("lib.rs"), &mut reached);
+    let nodes: Vec<String> = mods.keys().cloned().collect();
+    assert!(circles(&edges(&mods), &nodes).is_empty());
 }

@@ -250,61 +250,12 @@ impl Loader {
         out
     }
 
-    /// Streams this worker's batches of `epoch` per [`Loader::step_slices`] (one batch per
-    /// step; a step where this worker has no sample is skipped, so the caller counts steps by
-    /// [`Loader::step_slices`]'s length when it must stay in step with the others).
-    pub fn epoch_steps(
-        &self,
-        epoch: u64,
-        start: usize,
-        global: usize,
-        offset: usize,
-        share: usize,
-        device: &Device,
-    ) -> BatchStream {
-        let batches: Vec<Vec<usize>> = self
-            .step_slices(epoch, start, global, offset, share)
-            .into_iter()
-            .filter(|b| !b.is_empty())
-            .collect();
-        BatchStream::start(self.clone(), epoch, batches, device.clone())
-    }
-
-    /// Streams the given batches (sample indices of the set, one list per batch) of `epoch`
-    /// onto `device`, prefetched by the loader's workers (elastic training's own steps).
-    pub fn stream(&self, epoch: u64, batches: Vec<Vec<usize>>, device: &Device) -> BatchStream {
-        BatchStream::start(self.clone(), epoch, batches, device.clone())
-    }
-
     /// Batches per rank in an epoch (the same on every rank unless padding is off).
     pub fn batches_per_epoch(&self) -> usize {
         let n = self
             .shard_indices(0, 0, self.config.rank, self.config.world_size)
             .len();
         n.div_ceil(self.config.batch_size)
-    }
-
-    /// Streams this rank's batches of `epoch` onto `device`.
-    pub fn epoch(&self, epoch: u64, device: &Device) -> BatchStream {
-        self.epoch_from(epoch, 0, self.config.rank, self.config.world_size, device)
-    }
-
-    /// Streams the rest of `epoch` from global position `start` for `rank` of `world`
-    /// (elastic resharding). `start` counts samples consumed by all ranks together.
-    pub fn epoch_from(
-        &self,
-        epoch: u64,
-        start: usize,
-        rank: usize,
-        world: usize,
-        device: &Device,
-    ) -> BatchStream {
-        let indices = self.shard_indices(epoch, start, rank, world.max(1));
-        let batches: Vec<Vec<usize>> = indices
-            .chunks(self.config.batch_size)
-            .map(<[usize]>::to_vec)
-            .collect();
-        BatchStream::start(self.clone(), epoch, batches, device.clone())
     }
 
     fn load_one(

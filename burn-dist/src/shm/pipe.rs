@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::ShmOptions;
+use super::options::ShmOptions;
 use super::segment::{Segment, Watch, futex_wait, futex_wake};
 use crate::transport::Inbox;
 use crate::wire::Kind;

@@ -80,7 +80,7 @@ impl LocalGroup {
             pieces: AtomicU64::new(0),
             calls: AtomicU64::new(0),
             busy: Mutex::new(Watch::new(n, stale)),
-            oversubscribed: super::outnumber_cores(n),
+            oversubscribed: super::options::outnumber_cores(n),
             chain: seg.chain(),
             chained: AtomicU64::new(0),
             shares: AtomicU64::new(0),

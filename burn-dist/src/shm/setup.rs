@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::ShmOptions;
+use super::options::ShmOptions;
 use super::segment::{Segment, namespace_inode, remove_stale};
 use crate::transport::Transport;
 use crate::wire::{Kind, Reader, Writer};
