@@ -145,8 +145,10 @@ impl ShmOptions {
     /// [`ShmOptions::default`] with the `HEARTH_SHM*`, `HEARTH_MAX_FRAME_MB` and
     /// `HEARTH_FRAME_TIMEOUT` variables applied.
     pub fn from_env() -> Self {
-        let mut o = Self::default();
-        o.enabled = !env_off("HEARTH_SHM");
+        let mut o = Self {
+            enabled: !env_off("HEARTH_SHM"),
+            ..Self::default()
+        };
         if let Some(b) = env_mb("HEARTH_SHM_RING_MB") {
             o.ring_bytes = b;
         }

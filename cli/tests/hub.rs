@@ -110,7 +110,7 @@ fn a_download_is_checked_kept_and_then_read_from_the_cache() {
         Some(&(total, Some(total))),
         "progress: {seen:?}"
     );
-    assert_eq!(cached(dir.path()), [name.clone()]);
+    assert_eq!(cached(dir.path()), std::slice::from_ref(&name));
     // The second time from the cache: the server is not asked again.
     hub.fetch(&name, &mut |_, _| {}).unwrap();
     assert_eq!(served.load(Ordering::SeqCst), 1);

@@ -695,7 +695,7 @@ fn a_first_gpu_run_says_its_first_steps_will_tune_and_a_second_does_not() {
             .args(["--batch-size", "2", "--size", "16", "--batches", "1"])
             .args(["--workers", "1"])
             .current_dir(dir.path())
-            .env("XDG_CACHE_HOME", &cache)
+            .env("XDG_CACHE_HOME", cache)
             .env_remove("CUBECL_AUTOTUNE_CACHE")
             .output()
             .unwrap();

@@ -230,8 +230,7 @@ fn the_library_refuses_to_load_optimizer_state_where_burns_default_is_another_ba
     cfg.checkpoint.stop_after_epoch = None;
     cfg.checkpoint.resume = true;
     let e = hearth::train::train(&cfg, &flex, &mut |_| {})
-        .err()
-        .expect("a resume with Burn's default on another backend is refused")
+        .expect_err("a resume with Burn's default on another backend is refused")
         .to_string();
     assert!(
         e.contains("Burn's default device is wgpu")

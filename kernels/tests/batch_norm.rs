@@ -134,6 +134,8 @@ fn inference_batch_norm_equals_burns_with_running_statistics() {
         let c = dims[1];
         // Channel 0 gets γ = 1 and (below) one input at -100, far under any running mean here,
         // so the ReLU case always has a value to clip, whatever the random draw.
+        // Burn's slice takes one range per dimension: one here.
+        #[allow(clippy::single_range_in_vec_init)]
         let gamma = Tensor::<1>::random([c], Distribution::Normal(1.0, 0.5), &plain)
             .slice_assign([0..1], Tensor::<1>::ones([1], &plain));
         let beta = Tensor::<1>::random([c], Distribution::Normal(0.0, 0.5), &plain);

@@ -29,8 +29,11 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
+/// A message's (number, bytes) fields and its (number, varint) fields.
+type ByNumber<'a> = (Vec<(u64, &'a [u8])>, Vec<(u64, u64)>);
+
 /// Every (number, bytes) and (number, varint) field of one message.
-fn fields(b: &[u8]) -> (Vec<(u64, &[u8])>, Vec<(u64, u64)>) {
+fn fields(b: &[u8]) -> ByNumber<'_> {
     let (mut bytes, mut ints) = (Vec::new(), Vec::new());
     let mut f = Fields::new(b);
     while let Some((n, field)) = f.next().unwrap() {

@@ -148,7 +148,7 @@ pub fn hparams_json(h: &super::Recorded) -> String {
 /// type and classes) and `hparams.json`, which `--resume` checks against.
 pub fn record(run_dir: &Path, model_json: &str, h: &super::Recorded) -> Result<()> {
     write_atomic(&run_dir.join("model_config.json"), model_json)?;
-    write_atomic(&run_dir.join("hparams.json"), &hparams_json(h))
+    write_atomic(&run_dir.join("hparams.json"), hparams_json(h))
 }
 
 /// A resumed run must have the same model (`model_json`, as [`record`] wrote it) and

@@ -192,7 +192,7 @@ impl ValScores {
             .collect();
         let ok = usize::try_from(classes).ok().filter(|&k| {
             rest.len() % 4 == 0
-                && (k == 0 && values.is_empty() || k > 0 && values.len() % (2 * k) == 0)
+                && (k == 0 && values.is_empty() || k > 0 && values.len().is_multiple_of(2 * k))
         });
         let Some(classes) = ok else {
             return Err(bad("damaged multi-label outputs"));

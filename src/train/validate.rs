@@ -62,15 +62,15 @@ impl TrainConfig {
         if !(self.optim.lr.is_finite() && self.optim.lr > 0.0) {
             return bad(format!("`optim.lr` {} must be positive", self.optim.lr));
         }
-        if let Some(c) = self.optim.clip_grad {
-            if !(c.is_finite() && c > 0.0) {
-                return bad(format!("`optim.clip_grad` {c} must be a positive norm"));
-            }
+        if let Some(c) = self.optim.clip_grad
+            && !(c.is_finite() && c > 0.0)
+        {
+            return bad(format!("`optim.clip_grad` {c} must be a positive norm"));
         }
-        if let Some(d) = self.optim.model_ema {
-            if !(d > 0.0 && d < 1.0) {
-                return bad(format!("`optim.model_ema` decay {d} must be in (0, 1)"));
-            }
+        if let Some(d) = self.optim.model_ema
+            && !(d > 0.0 && d < 1.0)
+        {
+            return bad(format!("`optim.model_ema` decay {d} must be in (0, 1)"));
         }
         if !(0.0..1.0).contains(&self.optim.label_smoothing) {
             return bad("`optim.label_smoothing` must be in [0, 1)".into());
@@ -144,13 +144,13 @@ impl TrainConfig {
             (Some(d), TrainingMode::DataParallel) => Some((d.world, "ranks")),
             _ => None,
         };
-        if let Some((parts, what)) = parts {
-            if !self.batch_size.is_multiple_of(parts) {
-                return bad(format!(
-                    "`batch_size` {} (the global batch) must divide evenly over {parts} {what}",
-                    self.batch_size
-                ));
-            }
+        if let Some((parts, what)) = parts
+            && !self.batch_size.is_multiple_of(parts)
+        {
+            return bad(format!(
+                "`batch_size` {} (the global batch) must divide evenly over {parts} {what}",
+                self.batch_size
+            ));
         }
         if self.data.image_size < hearth_models::MIN_INPUT_SIZE as u32 {
             return bad(format!(

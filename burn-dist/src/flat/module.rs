@@ -403,6 +403,8 @@ pub fn trainable_values_in<M: Module>(module: &M, range: std::ops::Range<usize>)
                 let v = if hi - lo == n {
                     flat(t)
                 } else {
+                    // Burn's slice takes one range per dimension: one here.
+                    #[allow(clippy::single_range_in_vec_init)]
                     flat(t.reshape([n]).slice([lo - self.at..hi - self.at]))
                 };
                 if self.out.is_empty() && v.len() == self.want.len() {

@@ -283,7 +283,7 @@ fn segmented<M: PipelineStage>(
         let k = cut.len();
         let last = k + 1 == segments.len();
         let dy = if last { None } else { upstream.take() };
-        if !last && !(dy.is_some() && y.is_tracked()) {
+        if !last && (dy.is_none() || !y.is_tracked()) {
             // Nothing flows back into this segment (it and all before it are frozen).
             grads.push(GradientsParams::new());
             continue;

@@ -49,7 +49,9 @@ impl<'a> Agreement<'a> {
         let first = self.peers[0];
         if me == first {
             let mut agreed = mine;
-            for p in self.peers[1..].to_vec() {
+            // A copy: the loop takes `self` mutably.
+            let others = self.peers[1..].to_vec();
+            for p in others {
                 if self.departed.contains(&p) {
                     // Its session is over: it holds no gradient of this round.
                     agreed.clear();
@@ -147,7 +149,9 @@ impl<'a> Agreement<'a> {
             }
             return Ok(());
         }
-        for p in self.peers[1..].to_vec() {
+        // A copy: the loop takes `self` mutably.
+        let others = self.peers[1..].to_vec();
+        for p in others {
             while !self.departed.contains(&p) {
                 let theirs = self.ready_from(round, p)?;
                 if !self.departed.contains(&p) {

@@ -16,7 +16,7 @@ pub(crate) fn set_autotune(
     uses_device: bool,
 ) -> Result<()> {
     use hearth::kernels::select::{Selection, set_selection};
-    let selection = Selection::parse(&autotune).ok_or_else(|| {
+    let selection = Selection::parse(autotune).ok_or_else(|| {
         anyhow::anyhow!(
             "--autotune {}: expected off (kernels chosen by rule) or full (Burn's autotune)",
             autotune

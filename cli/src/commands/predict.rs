@@ -167,14 +167,14 @@ fn predict_folder(
 ) -> Result<()> {
     let mut progress = progress_bar("predicting");
     let done = hearth::eval::predict_folder(
-        &model,
+        model,
         loaded.class_names.as_deref(),
         dir,
         &loaded.preprocessing,
         args.top.max(1),
         args.batch_size,
         2,
-        &device,
+        device,
         args.precision.dtype(),
         out,
         &mut |done, total| progress(done, total),

@@ -260,8 +260,8 @@ fn degenerate_images_pass_through_every_operation() {
     let tiny = RgbImage::from_pixel(2, 2, image::Rgb([10, 200, 30]));
     assert_eq!(Op::Sharpness(0.9).apply(tiny.clone()), tiny);
     let one = RgbImage::from_pixel(1, 1, image::Rgb([1, 2, 3]));
-    for i in 0..OPS.len() {
+    for (i, name) in OPS.iter().enumerate() {
         let out = make_op(i, 0.5).apply(one.clone());
-        assert_eq!(out.dimensions(), (1, 1), "{}", OPS[i]);
+        assert_eq!(out.dimensions(), (1, 1), "{name}");
     }
 }

@@ -44,7 +44,7 @@ impl PipelineRun<'_> {
             measured = Some(costs);
         }
         if self.comm.rank() == 0 {
-            run_dir::write_atomic(&file, &format_split(&self.ranges))?;
+            run_dir::write_atomic(&file, format_split(&self.ranges))?;
         }
         let weights = self.config.unit_params(&self.plain_device)?;
         log(&format!(
