@@ -15,13 +15,12 @@
 //! whole, so nothing fragments; what is kept is only blocks of the sizes the last step used,
 //! which the next step asks for again (a training step allocates the same tensors every step:
 //! reusing them is what spares the kernel's page faults and zeroing, the reason for keeping).
-//! And what is kept never takes the process past the most memory it has had live at once: a
-//! block is kept only within that room, and a new mapping hands kept ones back to stay in it
-//! (the end of a ZeRO epoch, when rank 0 writes checkpoints of sizes no step uses, had kept
-//! 1.3 GB more than it ever had live). The room is checked before every allocation that grows
-//! the live bytes, small ones (glibc's) included, and leaves out what glibc holds free: its
-//! free chunks are resident too (ResNet-50 at 32 px, 4 ranks, `--zero 2`: kept blocks filling
-//! that room had put every rank 20-30 MB above its live peak).
+//! And what is kept never takes the process past the footprint it would have had without
+//! keeping: a block is kept only within the room under that footprint's peak (glibc's heap and
+//! the large blocks in use; the caller computes it, `super::room`), and a new mapping hands kept
+//! ones back to stay in it (the end of a ZeRO epoch, when rank 0 writes checkpoints of sizes no
+//! step uses, had kept 1.3 GB more than it ever had live). The room is checked before every
+//! allocation that may grow that footprint, small ones (glibc's) included.
 //!
 //! Self-contained: the counting allocator above calls in, nothing here calls out.
 
@@ -81,6 +80,12 @@ fn rounded(size: usize) -> usize {
     size.div_ceil(p) * p
 }
 
+/// A change of `size` bytes (negative: a block freed) in whole pages, as blocks are mapped.
+pub fn rounded_change(size: isize) -> isize {
+    let r = rounded(size.unsigned_abs()) as isize;
+    if size < 0 { -r } else { r }
+}
+
 fn kept() -> std::sync::MutexGuard<'static, Kept> {
     // A panic cannot happen while the lock is held (no code here panics), but a poisoned lock
     // would still hold consistent arrays.
@@ -96,10 +101,10 @@ pub fn serves(layout: Layout) -> bool {
 /// a kept one of another length cut or grown to it, else a new mapping; zeroed where asked.
 /// Null when the kernel refuses.
 ///
-/// `room`: the bytes the process may keep unused once this block is in use (the most it has
-/// had live at once, less what is live with this block). A new mapping first hands back kept
-/// blocks beyond it, oldest first, so kept and live memory together never pass the process's
-/// own peak of live memory: keeping never raises the resident peak.
+/// `room`: the bytes the process may keep unused once this block is in use (the process's
+/// footprint without keeping at its most, less that footprint with this block). A new mapping
+/// first hands back kept blocks beyond it, oldest first, so that keeping never takes the
+/// resident set past where it would have been without keeping.
 ///
 /// # Safety
 /// `layout` must be one that [`serves`] accepts.
@@ -177,9 +182,8 @@ fn recycle(len: usize) -> Option<(*mut u8, usize)> {
 
 /// Hands kept blocks back until at most `room` bytes are kept: the blocks of earlier steps
 /// first, then any. The counting allocator calls it before every allocation that may grow the
-/// live bytes, small ones included (glibc serves those, and they raise the live count as surely
-/// as a mapping does), so kept and live memory together never pass the process's peak of live
-/// memory. One relaxed load when nothing needs handing back.
+/// process's footprint, small ones included (glibc serves those, and they may grow its heap as
+/// surely as a mapping does). One relaxed load when nothing needs handing back.
 pub fn keep_within(room: usize) {
     if KEPT_BYTES.load(Ordering::Relaxed) <= room {
         return;
@@ -190,8 +194,8 @@ pub fn keep_within(room: usize) {
 }
 
 /// Frees a block [`alloc`] gave for `layout`: kept under the keep policy, while a slot is free
-/// and the kept bytes stay within `room` (the most the process has had live at once, less what
-/// is live without this block); unmapped otherwise.
+/// and the kept bytes stay within `room` (the process's footprint without keeping at its most,
+/// less that footprint without this block); unmapped otherwise.
 ///
 /// # Safety
 /// `ptr` must come from [`alloc`] (or [`realloc`]) with this `layout`, and not be used again.
@@ -326,6 +330,13 @@ fn release_until(keep: usize, stale: impl Fn(u64) -> bool) -> usize {
         }
     }
     freed
+}
+
+/// Bytes of large blocks in use now (mapped, not kept), in whole pages.
+pub fn in_use_bytes() -> usize {
+    MAPPED_BYTES
+        .load(Ordering::Relaxed)
+        .saturating_sub(KEPT_BYTES.load(Ordering::Relaxed))
 }
 
 /// Bytes of freed blocks kept for reuse now.

@@ -47,34 +47,55 @@ fn counted(p: *mut u8, size: usize) -> *mut u8 {
     p
 }
 
-/// Bytes the C allocator held free when last read ([`read_c_free`]): resident memory that is
-/// neither live nor kept here.
-static C_FREE: AtomicUsize = AtomicUsize::new(0);
+/// What glibc had taken from the kernel when last read ([`read_c_heap`]): its heap, in use or
+/// free. glibc never gives it back under the keep policy (no trimming), so it only grows.
+static C_HEAP: AtomicUsize = AtomicUsize::new(0);
+/// The process's footprint without keeping at its most, as far as known: glibc's heap (at
+/// least [`C_HEAP`], at least what glibc serves live now) and the large blocks in use.
+static FOOT_PEAK: AtomicUsize = AtomicUsize::new(0);
 
-/// The bytes the process may keep unused once `change` bytes more are live: the most it has had
-/// live at once (counting this change) less what will be live and less what the C allocator
-/// holds free. glibc's free chunks stay resident (the keep policy never trims them), so without
-/// that last term kept blocks would fill the room that glibc's free memory already takes, and
-/// the resident peak would pass the live peak by it (ResNet-50 at 32 px, 4 ranks, `--zero 2`:
-/// 20-30 MB on every rank).
-fn room(change: isize) -> usize {
-    let live = LIVE.load(Ordering::Relaxed).saturating_add_signed(change);
-    (PEAK.load(Ordering::Relaxed).max(live) - live).saturating_sub(C_FREE.load(Ordering::Relaxed))
+/// The bytes the process may keep unused (freed large blocks) once glibc serves `small` bytes
+/// more and the large blocks in use change by `block` bytes: the process's footprint without
+/// keeping at its most (counting this change) less that footprint now. Keeping within it never
+/// takes the resident set past where it would have been without keeping.
+///
+/// The footprint counts glibc's whole heap, not only what is live in it: glibc's free chunks
+/// are resident too (the keep policy never trims them), so what is kept leaves room for them
+/// (ResNet-50 at 32 px, 4 ranks, `--zero 2`: kept blocks filling that room had put every rank
+/// 20-30 MB above its peak), and measuring against the heap's own peak rather than the live
+/// peak lets the blocks a step frees be kept for the next one while glibc's heap grows with
+/// fragmentation. Against the live peak with glibc's free bytes left out, ZeRO stage 3 with
+/// 1 MiB buckets (whose steps stay near their own peak) unmapped and faulted in about 600 MB
+/// a step again (ResNet-50, 128 px, 2 ranks: 4.8 million page faults in 2 epochs, and a step
+/// 1.35 s long against 1.02 s).
+fn room(small: isize, block: isize) -> usize {
+    let in_use = blocks::in_use_bytes();
+    let glibc = LIVE
+        .load(Ordering::Relaxed)
+        .saturating_sub(in_use)
+        .saturating_add_signed(small);
+    let foot = C_HEAP.load(Ordering::Relaxed).max(glibc) + in_use.saturating_add_signed(block);
+    // A read first, as for the live peak: most calls stay under it.
+    let mut peak = FOOT_PEAK.load(Ordering::Relaxed);
+    if foot > peak {
+        peak = FOOT_PEAK.fetch_max(foot, Ordering::Relaxed).max(foot);
+    }
+    peak - foot
 }
 
-/// Reads how many bytes the C allocator holds free (glibc's `mallinfo2`: free chunks, top and
-/// fast bins of every arena) into [`C_FREE`]. It takes glibc's arena locks and walks its bins,
-/// so it runs once per training step ([`step_done`]), not per allocation.
-fn read_c_free() {
+/// Reads how many bytes glibc has taken from the kernel (`mallinfo2`: the heap of every arena
+/// and its own mappings) into [`C_HEAP`]. It takes glibc's arena locks and walks its bins, so it
+/// runs once per training step ([`step_done`]), not per allocation.
+fn read_c_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    let free = {
+    let heap = {
         // SAFETY: mallinfo2 only reads glibc's own bookkeeping under its locks.
         let m = unsafe { libc::mallinfo2() };
-        m.fordblks.saturating_add(m.fsmblks)
+        m.arena.saturating_add(m.hblkhd)
     };
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    let free = 0;
-    C_FREE.store(free, Ordering::Relaxed);
+    let heap = 0;
+    C_HEAP.store(heap, Ordering::Relaxed);
 }
 
 /// A block for `layout` from where it belongs, uncounted.
@@ -84,12 +105,12 @@ fn read_c_free() {
 unsafe fn raw_alloc(layout: Layout, zeroed: bool) -> *mut u8 {
     // SAFETY: forwarded with the caller's promises; `serves` picks the large path.
     unsafe {
-        let room = room(layout.size() as isize);
+        let size = layout.size() as isize;
         match (blocks::serves(layout), zeroed) {
-            (true, z) => blocks::alloc(layout, z, room),
+            (true, z) => blocks::alloc(layout, z, room(0, blocks::rounded_change(size))),
             (false, z) => {
-                // A small block raises the live count too: what is kept makes room first.
-                blocks::keep_within(room);
+                // A small block may grow glibc's heap: what is kept makes room first.
+                blocks::keep_within(room(size, 0));
                 if z {
                     System.alloc_zeroed(layout)
                 } else {
@@ -108,7 +129,11 @@ unsafe fn raw_dealloc(ptr: *mut u8, layout: Layout) {
     // SAFETY: the layout alone chose where it came from, so it goes back there.
     unsafe {
         if blocks::serves(layout) {
-            blocks::dealloc(ptr, layout, room(-(layout.size() as isize)))
+            blocks::dealloc(
+                ptr,
+                layout,
+                room(0, blocks::rounded_change(-(layout.size() as isize))),
+            )
         } else {
             System.dealloc(ptr, layout)
         }
@@ -144,7 +169,7 @@ unsafe impl GlobalAlloc for CountingAllocator {
             (true, true) => unsafe { blocks::realloc(ptr, layout, new_size) },
             // SAFETY: forwarded as is; a growing block makes room first, as `raw_alloc` does.
             (false, false) => unsafe {
-                blocks::keep_within(room(new_size as isize - layout.size() as isize));
+                blocks::keep_within(room(new_size as isize - layout.size() as isize, 0));
                 System.realloc(ptr, layout, new_size)
             },
             // Between the two: a new block, the contents copied, the old one freed.
@@ -185,17 +210,24 @@ pub fn step_done() -> usize {
     }
     STEP_BASE.store(live, Ordering::Relaxed);
     STEP_PEAK.store(live, Ordering::Relaxed);
-    // What glibc holds free now counts against the room: kept blocks beyond it go.
-    read_c_free();
+    // glibc's heap as it is now counts against the room: kept blocks beyond it go.
+    read_c_heap();
     let before = blocks::kept_bytes();
-    blocks::keep_within(room(0));
+    blocks::keep_within(room(0, 0));
     released + before.saturating_sub(blocks::kept_bytes())
 }
 
-/// Bytes the C allocator held free when the last training step ended ([`step_done`]), which
-/// the room for kept blocks leaves to it; 0 before the first step or off glibc.
-pub fn c_free_bytes() -> usize {
-    C_FREE.load(Ordering::Relaxed)
+/// Bytes glibc had taken from the kernel (its heap, in use or free) when the last training step
+/// ended ([`step_done`]), which the room for kept blocks leaves to it; 0 before the first step
+/// or off glibc.
+pub fn c_heap_bytes() -> usize {
+    C_HEAP.load(Ordering::Relaxed)
+}
+
+/// The process's footprint without keeping at its most, as far as known (glibc's heap and the
+/// large blocks in use): kept blocks fill only the room under it ([`room`]).
+pub fn footprint_peak_bytes() -> usize {
+    FOOT_PEAK.load(Ordering::Relaxed)
 }
 
 /// Bytes of freed large blocks kept for reuse now (0 without [`CountingAllocator`] or under
@@ -281,11 +313,12 @@ impl FreedMemory {
 /// How, in two parts:
 /// - under [`CountingAllocator`], blocks of [`blocks::LARGE`] bytes and more are mapped whole
 ///   and kept after they are freed, for a request of the same size, until a training step
-///   passes without one ([`step_done`]), and only within the room under the most memory the
-///   process has had live at once, less the free memory glibc holds (read at each step's end),
-///   checked before every allocation that grows the live bytes, small ones included: nothing
-///   fragments, sizes a run stopped using go back, and keeping never raises the resident peak
-///   (ZeRO's saving shows in the resident set; see [`blocks`]);
+///   passes without one ([`step_done`]), and only within the room under the process's
+///   footprint without keeping at its most (glibc's heap, read at each step's end, and the large
+///   blocks in use; [`room`]), checked before every allocation that may grow it, small ones
+///   included: nothing fragments, sizes a run stopped using go back, and keeping never takes the
+///   resident set past where it would have been without keeping (ZeRO's saving shows in the
+///   resident set; see [`blocks`]);
 /// - glibc keeps the rest: `M_MMAP_MAX = 0` serves every smaller block (every block, without
 ///   the counting allocator) from the heap, and `M_TRIM_THRESHOLD = 2 GiB` keeps up to that
 ///   much free memory at the heap's top.
