@@ -252,7 +252,8 @@ fn large_blocks_are_reused_by_size_released_after_a_step_and_keep_their_contents
         "glibc keeps the 200 MB freed: its heap is {} bytes",
         c_heap_bytes()
     );
-    let big = 4 * footprint_peak_bytes();
+    // A block that takes the footprint 64 MB past its peak.
+    let big = footprint_peak_bytes() - footprint() + (64 << 20);
     let x = pattern(big, 1);
     assert_eq!(footprint_peak_bytes(), footprint(), "a new peak");
     drop(x);

@@ -48,7 +48,8 @@ fn counted(p: *mut u8, size: usize) -> *mut u8 {
 }
 
 /// What glibc had taken from the kernel when last read ([`read_c_heap`]): its heap, in use or
-/// free. glibc never gives it back under the keep policy (no trimming), so it only grows.
+/// free. Under the keep policy glibc does not trim its heap, so this mostly grows (a thread's
+/// arena still drops a heap that is left wholly free).
 static C_HEAP: AtomicUsize = AtomicUsize::new(0);
 /// The process's footprint without keeping at its most, as far as known: glibc's heap (at
 /// least [`C_HEAP`], at least what glibc serves live now) and the large blocks in use.
@@ -225,7 +226,7 @@ pub fn c_heap_bytes() -> usize {
 }
 
 /// The process's footprint without keeping at its most, as far as known (glibc's heap and the
-/// large blocks in use): kept blocks fill only the room under it ([`room`]).
+/// large blocks in use): kept blocks fill only the room under it.
 pub fn footprint_peak_bytes() -> usize {
     FOOT_PEAK.load(Ordering::Relaxed)
 }
@@ -315,7 +316,7 @@ impl FreedMemory {
 ///   and kept after they are freed, for a request of the same size, until a training step
 ///   passes without one ([`step_done`]), and only within the room under the process's
 ///   footprint without keeping at its most (glibc's heap, read at each step's end, and the large
-///   blocks in use; [`room`]), checked before every allocation that may grow it, small ones
+///   blocks in use), checked before every allocation that may grow it, small ones
 ///   included: nothing fragments, sizes a run stopped using go back, and keeping never takes the
 ///   resident set past where it would have been without keeping (ZeRO's saving shows in the
 ///   resident set; see [`blocks`]);
