@@ -22,9 +22,19 @@
 //! weights and gradients at once: a [`Source`] fetches the weights as the ops first need them
 //! (ZeRO stage 3: the bucket that holds the weight, gathered from the ranks' shards) and takes
 //! each weight's gradient as soon as all of its ops are done (reduce-scattered and let go).
+//!
+//! [`forward_from`] goes finer still for a weight too large to hold whole at all (VGG-16's
+//! first classifier weight, 411 MB, where a rank's whole budget may be a fraction of that):
+//! a linear layer's weight cut into [`Pieces`] of whole rows is neither gathered for the
+//! forward nor kept by the graph. Its product is taken a block of rows at a time, each block
+//! fetched from the [`Source`] as the product needs it and let go after it (`x · W` as the sum
+//! of `x[:, rows] · W[rows]`), and so is its backward's: each block fetched again, its share of
+//! the input's gradient taken and its own gradient handed to the source before the next block
+//! is fetched.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::ops::Range;
 
 use burn::tensor::TensorData;
 
@@ -33,6 +43,25 @@ pub type Uses = HashMap<u64, usize>;
 
 /// Inside [`backward`]: a weight by key and the number of its ops still to read it.
 type Provided = HashMap<u64, (TensorData, usize)>;
+
+/// A keyed weight of shape `[rows, cols]` cut into pieces of whole rows, in order: how
+/// [`forward_from`] takes its product a block at a time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pieces {
+    /// Each piece's rows, consecutive from 0 to the weight's rows.
+    pub rows: Vec<Range<usize>>,
+    pub cols: usize,
+}
+
+impl Pieces {
+    /// The weight's number of rows.
+    pub fn total_rows(&self) -> usize {
+        self.rows.last().map_or(0, |r| r.end)
+    }
+}
+
+/// The keyed weights cut into pieces, by key.
+pub type Pieced = HashMap<u64, Pieces>;
 
 /// Where a keyed backward ([`backward_from`]) gets the weights it was not handed and where
 /// each weight's gradient goes once it is whole. Both are called from inside the backward's
@@ -47,6 +76,23 @@ pub trait Source {
     /// Keyed weight `key`'s gradient, whole (every op that kept the key has run): `None` once
     /// taken, or the gradient back for [`backward_from`] to return.
     fn gradient(&mut self, key: u64, grad: TensorData) -> Result<Option<TensorData>, String>;
+    /// Piece `piece` of keyed weight `key` (cut into [`Pieces`]: [`forward_from`]), its rows'
+    /// values. Called in the forward and again in the backward, piece after piece in order.
+    fn fetch_piece(&mut self, key: u64, piece: usize) -> Result<TensorData, String> {
+        Err(format!(
+            "weight {key} is cut into pieces (piece {piece} asked for), and this source serves \
+             none"
+        ))
+    }
+    /// Piece `piece` of keyed weight `key`'s gradient (its rows), whole: the backward keeps
+    /// nothing of it.
+    fn piece_gradient(&mut self, key: u64, piece: usize, grad: TensorData) -> Result<(), String> {
+        let _ = grad;
+        Err(format!(
+            "weight {key} is cut into pieces (piece {piece}'s gradient handed over), and this \
+             source takes none"
+        ))
+    }
 }
 
 /// The source of a [`backward_from`] under way, its lifetime erased: valid while the call's
@@ -68,6 +114,11 @@ struct State {
     uses: Uses,
     left: Uses,
     failed: Option<String>,
+    /// Inside [`forward_from`]: the weights cut into pieces, their source (out of the state
+    /// while it is called) and the first failure.
+    pieced: Option<Pieced>,
+    forward_source: Option<ScopedSource>,
+    forward_failed: Option<String>,
 }
 
 thread_local! {
@@ -92,6 +143,173 @@ pub fn forward<R>(f: impl FnOnce() -> R) -> (R, Uses) {
         .unwrap_or_default();
     drop(restore);
     (out, keys)
+}
+
+/// [`forward`] with the linear layers' weights of `pieced` taken a piece at a time from
+/// `source` ([`Source::fetch_piece`]) instead of from their modules, which hold them empty:
+/// nothing of them is kept (their backward fetches them again). Returns `f`'s result, the keys
+/// kept, and the first failure of `source` (the product went on with zeros in its place: drop
+/// `f`'s result then).
+pub fn forward_from<R>(
+    pieced: Pieced,
+    source: &mut dyn Source,
+    f: impl FnOnce() -> R,
+) -> (R, Uses, Result<(), String>) {
+    let source: *mut (dyn Source + '_) = source;
+    // SAFETY: only the lifetime is erased. The pointer lives in this thread's state only
+    // while `f` runs (the guard takes it out on return and on unwinding), and `source` is
+    // borrowed mutably for all of this call.
+    let source = unsafe { std::mem::transmute::<*mut (dyn Source + '_), ScopedSource>(source) };
+    type Before = (Option<Pieced>, Option<ScopedSource>, Option<String>);
+    struct Restore(Option<Before>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            if let Some((pieced, source, failed)) = self.0.take() {
+                STATE.with(|s| {
+                    let mut s = s.borrow_mut();
+                    s.pieced = pieced;
+                    s.forward_source = source;
+                    s.forward_failed = failed;
+                });
+            }
+        }
+    }
+    let before = STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        (
+            s.pieced.replace(pieced),
+            s.forward_source.replace(source),
+            s.forward_failed.take(),
+        )
+    });
+    let restore = Restore(Some(before));
+    let (out, uses) = forward(f);
+    let failed = STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        s.forward_source = None;
+        s.pieced = None;
+        s.forward_failed.take()
+    });
+    drop(restore);
+    (out, uses, failed.map_or(Ok(()), Err))
+}
+
+/// The pieces of the weight the op being called takes, where a [`forward_from`] cuts it:
+/// its key, taken (one op per [`with_key`]), and its pieces. The op then takes its product a
+/// piece at a time ([`piece`]) and keeps the key alone.
+pub(crate) fn take_pieced() -> Option<(u64, Pieces)> {
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        let key = s.pending?;
+        let pieces = s.pieced.as_ref()?.get(&key)?.clone();
+        s.pending = None;
+        Some((key, pieces))
+    })
+}
+
+/// Whether weight `key` is cut into pieces by the [`forward_from`] under way: its module
+/// holds it empty, so a layer must take the op that fetches it ([`take_pieced`]).
+pub fn is_pieced(key: u64) -> bool {
+    STATE.with(|s| {
+        s.borrow()
+            .pieced
+            .as_ref()
+            .is_some_and(|p| p.contains_key(&key))
+    })
+}
+
+/// The columns of weight `key` where the [`forward_from`] under way cuts it into pieces.
+pub fn pieced_cols(key: u64) -> Option<usize> {
+    STATE.with(|s| s.borrow().pieced.as_ref()?.get(&key).map(|p| p.cols))
+}
+
+/// Piece `k` (`rows` rows of `cols`) of weight `key` from the source of the pass under way:
+/// the forward's inside [`forward_from`], else the backward's ([`backward_from`]). After a
+/// failure, zeros (reported at the pass's end); a pass without a source is a caller's broken
+/// promise, and panics naming the key.
+pub(crate) fn piece(key: u64, k: usize, rows: usize, cols: usize) -> TensorData {
+    let zeros = || TensorData::zeros::<f32, _>(vec![rows, cols]);
+    let (forward, failed, source) = STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        match s.forward_source.is_some() {
+            true => (true, s.forward_failed.is_some(), s.forward_source.take()),
+            false => (false, s.failed.is_some(), s.source.take()),
+        }
+    });
+    if failed {
+        put_back(forward, source);
+        return zeros();
+    }
+    let Some(source) = source else {
+        panic!(
+            "hearth-kernels: piece {k} of weight {key} was needed outside keyed::forward_from \
+             and keyed::backward_from"
+        );
+    };
+    // SAFETY: set by `forward_from` or `backward_from` for the duration of its call, which
+    // this op runs inside; taken out of the state while called, so never aliased.
+    let fetched = unsafe { (*source).fetch_piece(key, k) };
+    put_back(forward, Some(source));
+    let fetched = fetched.and_then(|d| match d.shape().as_slice() == [rows, cols] {
+        true => Ok(d),
+        false => Err(format!(
+            "piece {k} of weight {key} came with shape {:?}, not [{rows}, {cols}]",
+            d.shape()
+        )),
+    });
+    match fetched {
+        Ok(d) => d,
+        Err(e) => {
+            STATE.with(|s| {
+                let mut s = s.borrow_mut();
+                match forward {
+                    true => s.forward_failed.get_or_insert(e),
+                    false => s.failed.get_or_insert(e),
+                };
+            });
+            zeros()
+        }
+    }
+}
+
+/// A source taken out of the state for a call, put back.
+fn put_back(forward: bool, source: Option<ScopedSource>) {
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        match forward {
+            true => s.forward_source = source,
+            false => s.source = source,
+        }
+    });
+}
+
+/// Hands piece `k` of weight `key`'s gradient to the backward's source
+/// ([`Source::piece_gradient`]); after a failure, nothing (the failure is reported).
+pub(crate) fn put_piece_grad(key: u64, k: usize, grad: TensorData) {
+    let source = STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        match s.failed {
+            Some(_) => None,
+            None => s.source.take(),
+        }
+    });
+    let Some(source) = source else {
+        STATE.with(|s| {
+            s.borrow_mut().failed.get_or_insert(format!(
+                "piece {k} of weight {key}'s gradient has no source to take it"
+            ));
+        });
+        return;
+    };
+    // SAFETY: as in `piece`.
+    let taken = unsafe { (*source).piece_gradient(key, k, grad) };
+    STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        s.source = Some(source);
+        if let Err(e) = taken {
+            s.failed.get_or_insert(e);
+        }
+    });
 }
 
 /// Runs `f` (a backward pass through a graph built inside [`forward`], whose `uses` it gave)

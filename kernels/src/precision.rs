@@ -28,6 +28,11 @@ pub fn low_precision<const D: usize>(x: &Tensor<D>) -> Option<FloatDType> {
 /// moment (VGG-16's first classifier layer's weight gradient: 392 MiB).
 pub fn linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
     crate::warm::keep_pool_warm(&x.device());
+    // A weight cut into pieces (ZeRO stage 3, `crate::keyed::forward_from`): its module holds
+    // it empty, and only the extension's product fetches it.
+    if crate::keyed::is_pieced(linear.weight.id.val()) && low_precision(&x).is_none() {
+        return selected_linear(linear, x);
+    }
     if crate::base::selects_gpu_kernels(&x.device(), crate::base::enabled()) {
         return selected_linear(linear, x);
     }
@@ -69,7 +74,7 @@ fn selected_linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
     let inputs = dims[D - 1];
     let rows = dims[..D - 1].iter().product::<usize>();
     let weight = linear.weight.val();
-    let outputs = weight.dims()[1];
+    let outputs = crate::keyed::pieced_cols(linear.weight.id.val()).unwrap_or(weight.dims()[1]);
     let low = low_precision(&x);
     let x = x.reshape([rows, inputs]);
     let y = match low {

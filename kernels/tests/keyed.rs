@@ -195,3 +195,138 @@ fn a_keyed_graph_run_without_its_weights_names_the_broken_promise() {
     let (loss, _) = keyed::forward(|| forward(&net, x));
     let _ = loss.backward();
 }
+
+/// A source that serves a linear weight `[rows, cols]` in pieces, as ZeRO stage 3 gathers
+/// them: the pieces it served, in order, and the gradients it took, by piece.
+struct Pieces {
+    key: u64,
+    weight: Vec<f32>,
+    pieces: keyed::Pieces,
+    served: Vec<usize>,
+    grads: HashMap<usize, Vec<f32>>,
+    fail_at: Option<usize>,
+}
+
+impl keyed::Source for Pieces {
+    fn fetch(&mut self, key: u64) -> Result<Vec<(u64, TensorData)>, String> {
+        Err(format!("weight {key} asked for whole"))
+    }
+    fn gradient(&mut self, key: u64, _: TensorData) -> Result<Option<TensorData>, String> {
+        Err(format!("weight {key}'s gradient handed over whole"))
+    }
+    fn fetch_piece(&mut self, key: u64, piece: usize) -> Result<TensorData, String> {
+        assert_eq!(key, self.key);
+        self.served.push(piece);
+        if self.fail_at == Some(piece) {
+            return Err(format!("the gather of piece {piece} failed"));
+        }
+        let rows = &self.pieces.rows[piece];
+        let c = self.pieces.cols;
+        let v = self.weight[rows.start * c..rows.end * c].to_vec();
+        Ok(TensorData::new(v, [rows.len(), c]))
+    }
+    fn piece_gradient(&mut self, key: u64, piece: usize, grad: TensorData) -> Result<(), String> {
+        assert_eq!(key, self.key);
+        let v = grad.try_to_vec::<f32>().map_err(|e| format!("{e:?}"))?;
+        assert!(self.grads.insert(piece, v).is_none(), "piece {piece} twice");
+        Ok(())
+    }
+}
+
+/// A linear layer (with a bias) whose weight is cut into pieces of rows: the forward and the
+/// backward fetch it a piece at a time, in order, and give the plain layer's output, input
+/// gradient and weight gradient; neither ever holds the whole weight (the live bytes' peak
+/// stays under half of it above what the source keeps); a piece that cannot be fetched is an error at the pass's end.
+#[test]
+fn a_weight_cut_into_pieces_is_multiplied_a_piece_at_a_time() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let flex = Device::flex();
+    let ad = flex.clone().autodiff();
+    let (inputs, outputs) = (256, CLASSES);
+    let normal = Distribution::Normal(0.0, 0.1);
+    let w = Tensor::<2>::random([inputs, outputs], normal, &flex).into_data();
+    let x = Tensor::<2>::random([3, inputs], Distribution::Normal(0.0, 1.0), &flex).into_data();
+    let mut linear = LinearConfig::new(inputs, outputs).init(&ad);
+    let id = ParamId::new();
+    linear.weight = param(&(id, w.clone()), &ad);
+
+    // The plain layer.
+    let xp = Tensor::<2>::from_data(x.clone(), &ad).require_grad();
+    let y = hearth_kernels::linear(&linear, xp.clone());
+    let plain_y = values(y.clone().inner());
+    let grads = y.powi_scalar(2).sum().backward();
+    let plain_dw = linear
+        .weight
+        .val()
+        .grad(&grads)
+        .map(values)
+        .unwrap_or_default();
+    let plain_dx = xp.grad(&grads).map(values).unwrap_or_default();
+
+    // The same layer holding its weight empty, the weight in 8 pieces of 32 rows.
+    let rows = (0..8).map(|k| k * 32..(k + 1) * 32).collect();
+    let pieces = keyed::Pieces {
+        rows,
+        cols: outputs,
+    };
+    let mut source = Pieces {
+        key: id.val(),
+        weight: w.try_to_vec::<f32>().unwrap_or_default(),
+        pieces: pieces.clone(),
+        served: Vec::new(),
+        grads: HashMap::new(),
+        fail_at: None,
+    };
+    linear.weight = Param::initialized(id, Tensor::<2>::empty([0, 0], &ad).require_grad());
+    let pieced = HashMap::from([(id.val(), pieces.clone())]);
+    let xk = Tensor::<2>::from_data(x.clone(), &ad).require_grad();
+    counting::reset_peak();
+    let start = LIVE.load(Ordering::Relaxed);
+    let (y, uses, fetched) = keyed::forward_from(pieced.clone(), &mut source, || {
+        hearth_kernels::linear(&linear, xk.clone())
+    });
+    fetched.expect("every piece fetched");
+    assert!(
+        uses.is_empty(),
+        "a weight in pieces is not kept by the graph"
+    );
+    close(&values(y.clone().inner()), &plain_y, "the output");
+    let loss = y.powi_scalar(2).sum();
+    let (grads, by_key) =
+        keyed::backward_from(HashMap::new(), &uses, &mut source, || loss.backward());
+    let peak = counting::PEAK.load(Ordering::Relaxed).saturating_sub(start);
+    assert!(by_key.expect("no failure").is_empty());
+    let order: Vec<usize> = (0..8).chain(0..8).collect();
+    assert_eq!(source.served, order, "each piece once a pass, in order");
+    let dw: Vec<f32> = (0..8).flat_map(|k| source.grads[&k].clone()).collect();
+    close(&dw, &plain_dw, "the weight's gradient, by pieces");
+    close(
+        &xk.grad(&grads).map(values).unwrap_or_default(),
+        &plain_dx,
+        "the input's gradient",
+    );
+    // The source keeps every piece's gradient (the whole weight's bytes by the end); the
+    // passes themselves add less than half of the weight on top.
+    let weight_bytes = inputs * outputs * 4;
+    assert!(
+        peak < weight_bytes + weight_bytes / 2,
+        "the passes' live peak rose {peak} bytes, with the source keeping {weight_bytes} of \
+         gradients; the whole weight is {weight_bytes}"
+    );
+
+    // A piece that cannot be fetched: zeros in its place, the failure at the forward's end.
+    source.fail_at = Some(3);
+    source.served.clear();
+    let (_, _, failed) = keyed::forward_from(pieced, &mut source, || {
+        hearth_kernels::linear(&linear, Tensor::<2>::from_data(x.clone(), &ad))
+    });
+    assert_eq!(
+        failed.err().as_deref(),
+        Some("the gather of piece 3 failed")
+    );
+    assert_eq!(
+        source.served,
+        [0, 1, 2, 3],
+        "a failed source is not asked again"
+    );
+}

@@ -510,6 +510,46 @@ pub fn hand_over_one(id: ParamId, dims: Vec<usize>, mut values: Vec<f32>) -> Opt
     })
 }
 
+/// Hands one piece of a parameter's gradient to this thread's ZeRO step, as
+/// [`hand_over_one`] does a whole one: the values from `at` on of parameter `id` (of shape
+/// `dims`), exactly one of the pieces its tensor is cut into
+/// ([`crate::zero::ZeroOptimizer::cut_rows`]: a linear layer's weight whose product is taken
+/// a block of rows at a time). The piece's bucket is reduced at once. Returns the values back
+/// where no ZeRO step is installed.
+pub fn hand_over_piece(
+    id: ParamId,
+    dims: Vec<usize>,
+    at: usize,
+    mut values: Vec<f32>,
+) -> Option<Vec<f32>> {
+    STEP.with(|s| {
+        let mut s = s.borrow_mut();
+        let Some(h) = s.as_mut() else {
+            return Some(values);
+        };
+        let Sink::Sharded { exchange, index } = &h.sink else {
+            return Some(values);
+        };
+        let Some(&i) = index.get(&id) else {
+            h.failed.get_or_insert(format!(
+                "parameter {id} was handed over but is not trainable in the model"
+            ));
+            return None;
+        };
+        let scale = h.weight * h.unscale;
+        if scale != 1.0 {
+            values.iter_mut().for_each(|v| *v *= scale);
+        }
+        // Counted once, at its first piece: the step's end takes what was never handed over.
+        if !h.taken.iter().any(|(t, _)| *t == id) {
+            h.taken.push((id, dims));
+            h.alone += 1;
+        }
+        exchange.submit_piece(i, at, values);
+        None
+    })
+}
+
 /// Takes a segment's gradients out, as host values (scaled) with their parameters and shapes.
 struct Take<'a> {
     grads: GradientsParams,

@@ -136,7 +136,8 @@ impl StepSource for FlatSource<'_> {
 struct Bucket {
     /// Its values in the whole vector.
     range: Range<usize>,
-    /// Its tensors (indices).
+    /// Its tensors (indices); for a piece of a tensor cut by rows ([`ZeroOptimizer::cut_rows`])
+    /// that tensor alone, `range` then covering part of it.
     tensors: Range<usize>,
 }
 
@@ -158,6 +159,10 @@ pub struct ZeroOptimizer {
     buckets: Vec<Bucket>,
     /// The buckets' size, bytes (a tensor larger than that has a bucket of its own).
     bucket_bytes: usize,
+    /// Where buckets close besides their size ([`Self::cut_at_units`]), and the tensors that
+    /// may be cut into pieces of whole rows, with their values per row ([`Self::cut_rows`]).
+    cuts: Vec<usize>,
+    rows: Vec<(usize, usize)>,
     whole: ShardOptimizer,
     /// Per bucket: the optimizer on this rank's segment, and its state there.
     mine: Vec<ShardOptimizer>,
@@ -242,6 +247,8 @@ impl ZeroOptimizer {
             state: Vec::new(),
             buckets: Vec::new(),
             bucket_bytes,
+            cuts: Vec::new(),
+            rows: Vec::new(),
             updates: 0,
             new_at_zero: false,
             reduce: ReduceOp::Mean,
@@ -251,28 +258,52 @@ impl ZeroOptimizer {
             clip_norm: None,
             norm_over: None,
         };
-        z.cut(&[]);
+        z.cut();
         Ok(z)
     }
 
     /// Cuts the vector into buckets of about `bucket_bytes`, a bucket also closing before
-    /// each tensor of `cuts`, and each bucket among the ranks: this rank's optimizers, and an
-    /// empty state.
-    fn cut(&mut self, cuts: &[usize]) {
+    /// each tensor of `self.cuts`, and each bucket among the ranks: this rank's optimizers, and
+    /// an empty state. A tensor of `self.rows` larger than a bucket gets several buckets of its
+    /// own, each a piece of whole rows of about a bucket's size (at least one row).
+    fn cut(&mut self) {
         let sizes: Vec<usize> = self.tensors.iter().map(|t| t.1).collect();
         let offsets = &self.offsets;
-        self.buckets = BucketPlan::with_cuts(&sizes, self.bucket_bytes, cuts)
-            .buckets
-            .into_iter()
-            .map(|t| Bucket {
-                range: offsets[t.start]..offsets[t.end],
-                tensors: t,
-            })
-            .collect();
+        let cap = (self.bucket_bytes / std::mem::size_of::<f32>()).max(1);
+        let mut buckets = Vec::new();
+        for t in BucketPlan::with_cuts(&sizes, self.bucket_bytes, &self.cuts).buckets {
+            let range = offsets[t.start]..offsets[t.end];
+            let row = match t.len() {
+                1 => self.rows.iter().find(|r| r.0 == t.start).map(|r| r.1),
+                _ => None,
+            };
+            match row {
+                Some(row) if row > 0 && range.len() > cap => {
+                    let step = (cap / row).max(1) * row;
+                    let mut at = range.start;
+                    while at < range.end {
+                        let end = (at + step).min(range.end);
+                        buckets.push(Bucket {
+                            range: at..end,
+                            tensors: t.clone(),
+                        });
+                        at = end;
+                    }
+                }
+                _ => buckets.push(Bucket { range, tensors: t }),
+            }
+        }
+        self.buckets = buckets;
         self.state = vec![Vec::new(); self.buckets.len()];
         self.mine = (0..self.buckets.len())
             .map(|b| self.whole.restrict(self.segment(b, self.rank)))
             .collect();
+    }
+
+    /// Whether bucket `b` is a piece of a tensor cut by rows (not all of its tensor).
+    fn is_piece(&self, b: usize) -> bool {
+        let bucket = &self.buckets[b];
+        bucket.range != (self.offsets[bucket.tensors.start]..self.offsets[bucket.tensors.end])
     }
 
     pub fn stage(&self) -> Stage {

@@ -46,6 +46,7 @@
 //! }
 //! ```
 
+use std::ops::Range;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -65,7 +66,7 @@ pub struct ShardedExchange {
 
 enum Mode {
     Thread {
-        tx: Option<Sender<Handed>>,
+        tx: Option<Sender<Handing>>,
         worker: Option<JoinHandle<Result<ReducedGradients>>>,
     },
     /// The pending buckets and the first failure (then what comes is dropped); `None` once
@@ -111,10 +112,24 @@ impl ShardedExchange {
     /// Hands over gradients: `(tensor index, values)`. If the exchange has failed they are
     /// dropped, and [`finish`](Self::finish) returns the failure.
     pub fn submit(&self, tensors: Handed) {
+        self.hand(Handing::Tensors(tensors));
+    }
+
+    /// Hands over one piece of a tensor cut by rows ([`ZeroOptimizer::cut_rows`]): tensor
+    /// `tensor`'s gradient values from `at` on, exactly one of its pieces
+    /// ([`ZeroOptimizer::pieces_of`]). Its bucket is reduced at once.
+    ///
+    /// [`ZeroOptimizer::cut_rows`]: super::ZeroOptimizer::cut_rows
+    /// [`ZeroOptimizer::pieces_of`]: super::ZeroOptimizer::pieces_of
+    pub fn submit_piece(&self, tensor: usize, at: usize, values: Vec<f32>) {
+        self.hand(Handing::Piece(tensor, at, values));
+    }
+
+    fn hand(&self, handing: Handing) {
         match &self.mode {
             Mode::Thread { tx: Some(tx), .. } => {
                 // A closed channel means the thread has stopped on an error: finish reports it.
-                let _ = tx.send(tensors);
+                let _ = tx.send(handing);
             }
             Mode::Thread { tx: None, .. } => {}
             Mode::Inline(m) => {
@@ -125,7 +140,7 @@ impl ShardedExchange {
                 if x.failed.is_some() {
                     return;
                 }
-                if let Err(e) = x.pending.take(&x.comm, tensors) {
+                if let Err(e) = x.pending.take(&x.comm, handing) {
                     x.failed = Some(e);
                 }
             }
@@ -175,6 +190,13 @@ impl Drop for ShardedExchange {
 /// Gradients handed over together: `(tensor index, values)`.
 type Handed = Vec<(usize, Vec<f32>)>;
 
+/// What comes to the exchange: whole tensors' gradients, or a piece of one (tensor, its
+/// first value within the tensor, the values).
+enum Handing {
+    Tensors(Handed),
+    Piece(usize, usize, Vec<f32>),
+}
+
 /// A bucket's reduced segments: this rank's, and its replica's.
 type Segments = (Vec<f32>, Option<Vec<f32>>);
 
@@ -182,11 +204,12 @@ type Segments = (Vec<f32>, Option<Vec<f32>>);
 /// reduced so far.
 struct Pending {
     reducer: BucketReducer,
-    /// Per tensor: its gradient, until its bucket is reduced.
-    slots: Vec<Option<Vec<f32>>>,
-    /// Per tensor: its bucket.
-    bucket_of: Vec<usize>,
-    /// Per bucket: its tensors not handed over yet.
+    /// Per bucket: its tensors' gradients (a piece's alone for a piece of a tensor), until
+    /// the bucket is reduced.
+    slots: Vec<Vec<Option<Vec<f32>>>>,
+    /// Per tensor: its buckets (several for a tensor cut into pieces).
+    buckets_of: Vec<Range<usize>>,
+    /// Per bucket: its slots not filled yet.
     missing: Vec<usize>,
     /// Per bucket: its segments, once reduced.
     done: Vec<Option<Segments>>,
@@ -195,63 +218,113 @@ struct Pending {
 impl Pending {
     fn new(reducer: BucketReducer) -> Self {
         let buckets = reducer.buckets();
-        let mut bucket_of = vec![0; reducer.tensor_count()];
-        let mut missing = vec![0; buckets];
-        for (b, m) in missing.iter_mut().enumerate() {
-            for t in reducer.tensors(b) {
-                bucket_of[t] = b;
-                *m += 1;
+        let mut buckets_of = vec![0..0; reducer.tensor_count()];
+        let mut slots = Vec::with_capacity(buckets);
+        for b in 0..buckets {
+            let tensors = reducer.tensors(b);
+            for t in tensors.clone() {
+                let of = &mut buckets_of[t];
+                *of = match of.start == of.end {
+                    true => b..b + 1,
+                    false => of.start..b + 1,
+                };
             }
+            let n = match reducer.piece(b) {
+                Some(_) => 1,
+                None => tensors.len(),
+            };
+            slots.push(vec![None; n]);
         }
         Self {
-            slots: vec![None; reducer.tensor_count()],
+            missing: slots.iter().map(Vec::len).collect(),
+            slots,
             reducer,
-            bucket_of,
-            missing,
+            buckets_of,
             done: (0..buckets).map(|_| None).collect(),
         }
     }
 
-    /// Keeps tensor `t`'s gradient; an error for an unknown tensor, a wrong length or a
-    /// second hand-over.
-    fn add(&mut self, t: usize, values: Vec<f32>) -> Result<()> {
-        let bad = |reason: String| DistError::Mismatch {
-            op: "ZeRO gradient exchange".into(),
-            reason,
-        };
-        if t >= self.slots.len() {
-            return Err(bad(format!(
+    /// Fills slot `i` of bucket `b`; an error for a second hand-over.
+    fn fill(&mut self, b: usize, i: usize, values: Vec<f32>, what: &str) -> Result<()> {
+        if self.slots[b][i].is_some() || self.done[b].is_some() {
+            return Err(exchange_mismatch(format!(
+                "{what}'s gradient was handed over twice"
+            )));
+        }
+        self.slots[b][i] = Some(values);
+        self.missing[b] -= 1;
+        Ok(())
+    }
+
+    /// Keeps what was handed over; returns the buckets it completed. An error for an unknown
+    /// tensor or piece, a wrong length or a second hand-over.
+    fn add(&mut self, handing: Handing) -> Result<Vec<usize>> {
+        let mut completed = Vec::new();
+        match handing {
+            Handing::Tensors(tensors) => {
+                for (t, values) in tensors {
+                    self.check_tensor(t, values.len())?;
+                    let buckets = self.buckets_of[t].clone();
+                    if self.reducer.piece(buckets.start).is_none() {
+                        let b = buckets.start;
+                        let i = t - self.reducer.tensors(b).start;
+                        self.fill(b, i, values, &format!("tensor {t}"))?;
+                        completed.extend((self.missing[b] == 0).then_some(b));
+                        continue;
+                    }
+                    // A tensor cut into pieces handed over whole: each piece to its bucket.
+                    for b in buckets {
+                        let piece = self.reducer.piece(b).unwrap_or(0..0);
+                        let part = values.get(piece).map(<[f32]>::to_vec).unwrap_or_default();
+                        self.fill(b, 0, part, &format!("tensor {t}"))?;
+                        completed.push(b);
+                    }
+                }
+            }
+            Handing::Piece(t, at, values) => {
+                if t >= self.buckets_of.len() {
+                    return Err(exchange_mismatch(format!(
+                        "a piece of tensor {t} handed over, of {} trainable tensors",
+                        self.buckets_of.len()
+                    )));
+                }
+                let b = self.buckets_of[t].clone().find(|&b| {
+                    self.reducer.piece(b).map(|p| p.start..p.end) == Some(at..at + values.len())
+                });
+                let Some(b) = b else {
+                    return Err(exchange_mismatch(format!(
+                        "values {at}..{} of tensor {t} handed over: not one of its pieces",
+                        at + values.len()
+                    )));
+                };
+                self.fill(b, 0, values, &format!("tensor {t} from value {at}"))?;
+                completed.push(b);
+            }
+        }
+        Ok(completed)
+    }
+
+    /// An error for an unknown tensor or a gradient of another length than its parameter.
+    fn check_tensor(&self, t: usize, len: usize) -> Result<()> {
+        if t >= self.buckets_of.len() {
+            return Err(exchange_mismatch(format!(
                 "tensor {t} handed over, of {} trainable tensors",
-                self.slots.len()
+                self.buckets_of.len()
             )));
         }
         let want = self.reducer.tensor_len(t);
-        if values.len() != want {
-            return Err(bad(format!(
-                "tensor {t}'s gradient has {} values, its parameter {want}",
-                values.len()
+        if len != want {
+            return Err(exchange_mismatch(format!(
+                "tensor {t}'s gradient has {len} values, its parameter {want}"
             )));
         }
-        let b = self.bucket_of[t];
-        if self.slots[t].is_some() || self.done[b].is_some() {
-            return Err(bad(format!("tensor {t}'s gradient was handed over twice")));
-        }
-        self.slots[t] = Some(values);
-        self.missing[b] -= 1;
         Ok(())
     }
 
     /// Keeps gradients handed over together, then reduces the buckets they complete, from the
     /// last down.
-    fn take(&mut self, comm: &Communicator, tensors: Handed) -> Result<()> {
-        let mut completed = Vec::new();
-        for (t, values) in tensors {
-            self.add(t, values)?;
-            let b = self.bucket_of[t];
-            if self.missing[b] == 0 {
-                completed.push(b);
-            }
-        }
+    fn take(&mut self, comm: &Communicator, handing: Handing) -> Result<()> {
+        let mut completed = self.add(handing)?;
         completed.sort_unstable_by(|a, b| b.cmp(a));
         for b in completed {
             self.reduce(comm, b)?;
@@ -282,19 +355,23 @@ impl Pending {
     /// Reduces bucket `b` (not reduced yet) to this rank's segments and drops its gradients.
     fn reduce(&mut self, comm: &Communicator, b: usize) -> Result<()> {
         let tensors = self.reducer.tensors(b);
-        let g = if tensors.len() == 1 {
+        let piece = self.reducer.piece(b);
+        let slots = std::mem::take(&mut self.slots[b]);
+        let g = if let Some(piece) = piece {
+            // A piece of a tensor: its values are the bucket, moved.
+            let slot = slots.into_iter().next().flatten();
+            slot.unwrap_or_else(|| vec![0.0; piece.len()])
+        } else if tensors.len() == 1 {
             // One tensor: its values are the bucket, moved.
-            let t = tensors.start;
-            self.slots[t]
-                .take()
-                .unwrap_or_else(|| vec![0.0; self.reducer.tensor_len(t)])
+            let slot = slots.into_iter().next().flatten();
+            slot.unwrap_or_else(|| vec![0.0; self.reducer.tensor_len(tensors.start)])
         } else {
             // Its whole length at once: a vector grown by doubling held up to three times the
             // bucket's gradient for a moment (a stage 3 step's peak).
             let len = tensors.clone().map(|t| self.reducer.tensor_len(t)).sum();
             let mut g = Vec::with_capacity(len);
-            for t in tensors {
-                match self.slots[t].take() {
+            for (t, slot) in tensors.zip(slots) {
+                match slot {
                     Some(v) => g.extend_from_slice(&v),
                     None => g.resize(g.len() + self.reducer.tensor_len(t), 0.0),
                 }
@@ -306,16 +383,23 @@ impl Pending {
     }
 }
 
+fn exchange_mismatch(reason: String) -> DistError {
+    DistError::Mismatch {
+        op: "ZeRO gradient exchange".into(),
+        reason,
+    }
+}
+
 /// The exchange thread: keeps what comes, reduces the buckets as they complete, the rest
 /// when the sender is done.
 fn exchange(
     comm: &Communicator,
     reducer: BucketReducer,
-    rx: Receiver<Handed>,
+    rx: Receiver<Handing>,
 ) -> Result<ReducedGradients> {
     let mut pending = Pending::new(reducer);
-    for tensors in rx {
-        pending.take(comm, tensors)?;
+    for handing in rx {
+        pending.take(comm, handing)?;
     }
     pending.reduce_rest(comm)?;
     Ok(pending.into_reduced())

@@ -30,8 +30,94 @@ impl ZeroOptimizer {
                 Some(start)
             })
             .collect();
-        self.cut(&cuts);
+        self.cuts = cuts;
+        self.cut();
         Ok(self)
+    }
+
+    /// Stage 3: lets each tensor of `rows` (its index, and its values per row: a matrix of
+    /// whole rows) that is larger than a bucket be cut into pieces of whole rows, a bucket each,
+    /// of about a bucket's size: such a tensor is then gathered, and its gradient reduced, a
+    /// piece at a time ([`Self::pieces_of`], [`Self::gather_piece`]; a linear layer's product
+    /// taken a block of rows at a time), so that no step holds it whole. The vector, and so the
+    /// state as it is saved, is the same. Before any state or parameter is held, after
+    /// [`Self::cut_at_units`]; every rank alike.
+    pub fn cut_rows(mut self, rows: &[(usize, usize)]) -> Result<Self> {
+        if self.stage != Stage::Three {
+            return Err(DistError::Config(format!(
+                "tensors cut into pieces of rows are stage 3's (ZeRO stage {} keeps the whole \
+                 parameters)",
+                self.stage.number()
+            )));
+        }
+        if self.updates > 0 || !self.params.is_empty() || self.state.iter().any(|s| !s.is_empty()) {
+            return Err(DistError::Config(
+                "tensors are cut into pieces before the optimizer holds any state".into(),
+            ));
+        }
+        for &(t, row) in rows {
+            let Some((name, len)) = self.tensors.get(t) else {
+                return Err(DistError::Config(format!(
+                    "tensor {t} cut into rows, of {} trainable tensors",
+                    self.tensors.len()
+                )));
+            };
+            if row == 0 || len % row != 0 {
+                return Err(DistError::Config(format!(
+                    "tensor {t} ({name}, {len} values) cut into rows of {row} values"
+                )));
+            }
+        }
+        self.rows = rows.to_vec();
+        self.cut();
+        Ok(self)
+    }
+
+    /// The pieces trainable tensor `tensor` is cut into ([`Self::cut_rows`]): each one's values
+    /// within the tensor, in order; `None` for a tensor held in one bucket.
+    pub fn pieces_of(&self, tensor: usize) -> Option<Vec<Range<usize>>> {
+        let start = *self.offsets.get(tensor)?;
+        let pieces: Vec<Range<usize>> = self
+            .buckets
+            .iter()
+            .enumerate()
+            .filter(|(b, bucket)| bucket.tensors.start == tensor && self.is_piece(*b))
+            .map(|(_, bucket)| bucket.range.start - start..bucket.range.end - start)
+            .collect();
+        (!pieces.is_empty()).then_some(pieces)
+    }
+
+    /// Stage 3: piece `k` of trainable tensor `tensor` ([`Self::pieces_of`]), gathered whole
+    /// from every rank's segments. Every rank calls it alike (an all-gather of the piece's
+    /// bucket).
+    pub fn gather_piece(&self, comm: &Communicator, tensor: usize, k: usize) -> Result<Vec<f32>> {
+        self.check_holds()?;
+        let b = self
+            .buckets
+            .iter()
+            .enumerate()
+            .filter(|(b, bucket)| bucket.tensors.start == tensor && self.is_piece(*b))
+            .nth(k)
+            .map(|(b, _)| b)
+            .ok_or_else(|| {
+                DistError::Config(format!(
+                    "piece {k} of trainable tensor {tensor}, which has {} pieces",
+                    self.pieces_of(tensor).map_or(0, |p| p.len())
+                ))
+            })?;
+        self.all_gather(comm, b, &self.params[b])
+    }
+
+    /// An error where this rank holds no parameters to gather.
+    fn check_holds(&self) -> Result<()> {
+        match self.holds_params() {
+            true => Ok(()),
+            false => Err(DistError::Config(
+                "gathering parameters from a sharded optimizer that holds none (stage 3 \
+                 `hold_params` first)"
+                    .into(),
+            )),
+        }
     }
 
     /// Stage 3: takes this rank's segment of every bucket from `source` (the values, the same on
@@ -87,7 +173,7 @@ impl ZeroOptimizer {
         let last = self
             .buckets
             .iter()
-            .position(|b| b.tensors.end == tensors.end);
+            .rposition(|b| b.tensors.end == tensors.end);
         match (first, last) {
             (Some(f), Some(l)) if f <= l => Ok(f..l + 1),
             _ if tensors.is_empty() => Ok(0..0),
@@ -99,27 +185,33 @@ impl ZeroOptimizer {
     }
 
     /// Stage 3: tensors `tensors`' values, whole, from every rank's segments, bucket by bucket
-    /// to `deliver` (their indices and values, as [`Self::step_with`] hands them over). Every
-    /// rank calls it alike, with the same range (an all-gather per bucket).
+    /// to `deliver` (their indices and values, as [`Self::step_with`] hands them over; a tensor
+    /// cut into pieces once its last piece is gathered). Every rank calls it alike, with the
+    /// same range (an all-gather per bucket).
     pub fn gather_params(
         &self,
         comm: &Communicator,
         tensors: Range<usize>,
         deliver: &mut dyn FnMut(Range<usize>, Vec<Vec<f32>>) -> Result<()>,
     ) -> Result<()> {
-        if !self.holds_params() {
-            return Err(DistError::Config(
-                "gathering parameters from a sharded optimizer that holds none (stage 3 \
-                 `hold_params` first)"
-                    .into(),
-            ));
-        }
+        self.check_holds()?;
+        let mut pieced: Vec<f32> = Vec::new();
         for b in self.buckets_of(tensors)? {
             let gathered = self.all_gather(comm, b, &self.params[b])?;
-            deliver(
-                self.buckets[b].tensors.clone(),
-                self.split_bucket(b, gathered),
-            )?;
+            let bucket = &self.buckets[b];
+            if self.is_piece(b) {
+                if pieced.is_empty() {
+                    let t = bucket.tensors.start;
+                    pieced.reserve_exact(self.offsets[t + 1] - self.offsets[t]);
+                }
+                pieced.extend_from_slice(&gathered);
+                if bucket.range.end != self.offsets[bucket.tensors.end] {
+                    continue;
+                }
+                deliver(bucket.tensors.clone(), vec![std::mem::take(&mut pieced)])?;
+                continue;
+            }
+            deliver(bucket.tensors.clone(), self.split_bucket(b, gathered))?;
         }
         Ok(())
     }
@@ -127,19 +219,13 @@ impl ZeroOptimizer {
     /// Stage 3: the bucket that holds trainable tensor `tensor`, gathered whole from every
     /// rank's segments: its tensors' indices and values. Every rank calls it alike, for the
     /// same tensor (an all-gather of one bucket: the finest gather, as fine as the buckets are
-    /// cut).
+    /// cut). An error for a tensor cut into pieces ([`Self::gather_piece`]).
     pub fn gather_params_bucket(
         &self,
         comm: &Communicator,
         tensor: usize,
     ) -> Result<(Range<usize>, Vec<Vec<f32>>)> {
-        if !self.holds_params() {
-            return Err(DistError::Config(
-                "gathering parameters from a sharded optimizer that holds none (stage 3 \
-                 `hold_params` first)"
-                    .into(),
-            ));
-        }
+        self.check_holds()?;
         let b = self
             .buckets
             .partition_point(|bucket| bucket.tensors.end <= tensor);
@@ -147,6 +233,13 @@ impl ZeroOptimizer {
             return Err(DistError::Config(format!(
                 "trainable tensor {tensor} of a sharded optimizer of {} tensors",
                 self.tensors.len()
+            )));
+        }
+        if self.is_piece(b) {
+            return Err(DistError::Config(format!(
+                "trainable tensor {tensor} ({}) is cut into pieces of rows: it is gathered a \
+                 piece at a time",
+                self.tensors[tensor].0
             )));
         }
         let gathered = self.all_gather(comm, b, &self.params[b])?;

@@ -43,6 +43,15 @@ impl BucketReducer {
         self.buckets[b].0.clone()
     }
 
+    /// Bucket `b`'s values within its tensor where it is a piece of one (a tensor cut by rows:
+    /// [`ZeroOptimizer::cut_rows`]); `None` for a bucket of whole tensors.
+    pub fn piece(&self, b: usize) -> Option<Range<usize>> {
+        let (tensors, range) = &self.buckets[b];
+        let start = self.offsets[tensors.start];
+        let whole = start..self.offsets[tensors.end];
+        (*range != whole).then(|| range.start - start..range.end - start)
+    }
+
     /// Tensor `t`'s number of values.
     pub fn tensor_len(&self, t: usize) -> usize {
         self.offsets[t + 1] - self.offsets[t]
@@ -152,8 +161,24 @@ impl ZeroOptimizer {
     ) -> Result<ReducedGradients> {
         let reducer = self.reducer();
         let mut reduced = ReducedGradients::with_capacity(self.buckets.len());
+        // A tensor cut into pieces: its gradient taken once, each piece copied out of it.
+        let mut whole: Option<(usize, Vec<f32>)> = None;
         for (b, bucket) in self.buckets.iter().enumerate() {
-            let g = source.grads(bucket.tensors.clone());
+            let g = match reducer.piece(b) {
+                None => source.grads(bucket.tensors.clone()),
+                Some(piece) => {
+                    let t = bucket.tensors.start;
+                    if whole.as_ref().is_none_or(|w| w.0 != t) {
+                        whole = Some((t, source.grads(bucket.tensors.clone())));
+                    }
+                    let g = whole.as_ref().map_or(&[][..], |w| &w.1[..]);
+                    let g = g.get(piece).map(<[f32]>::to_vec).unwrap_or_default();
+                    if bucket.range.end == self.offsets[t + 1] {
+                        whole = None;
+                    }
+                    g
+                }
+            };
             let (mine, theirs) = reducer.reduce(comm, b, g)?;
             reduced.push(mine, theirs);
         }

@@ -96,3 +96,56 @@ fn a_bad_hand_over_fails_the_exchange_naming_the_tensor() {
         assert!(e.contains(want), "{e}");
     }
 }
+
+/// A tensor cut into pieces of rows: its gradient handed over whole, or a piece at a time in
+/// any order, reduces as the step's own reduction does.
+#[test]
+fn pieces_handed_over_whole_or_one_by_one_reduce_as_after_the_backward() {
+    let offsets = vec![0, 7, 9, 20, 23];
+    let handles: Vec<_> = MemoryTransport::mesh(2)
+        .into_iter()
+        .map(|t| {
+            let offsets = offsets.clone();
+            thread::spawn(move || {
+                let comm = Arc::new(rank_comm(t));
+                let o = optimizer(Update::adam());
+                // Buckets of 4 values, b.weight in pieces of 4, 4 and 3.
+                let z = ZeroOptimizer::new(Stage::Three, &tensors(), o, &comm, 16).unwrap();
+                let z = z.cut_rows(&[(2, 1)]).unwrap();
+                let g = grad(comm.rank(), 0, &start_values());
+                let values = start_values();
+                let mut source = FlatSource {
+                    grad: &g,
+                    values: &values,
+                    offsets: offsets.clone(),
+                };
+                let want = z.reduce_gradients(&comm, &mut source).unwrap();
+                let part = |t: usize| g[offsets[t]..offsets[t + 1]].to_vec();
+                let whole = overlap::ShardedExchange::inline(comm.clone(), z.reducer());
+                whole.submit(vec![(3, part(3)), (2, part(2))]);
+                whole.submit(vec![(0, part(0)), (1, part(1))]);
+                let whole = whole.finish().unwrap();
+                let pieces = overlap::ShardedExchange::start(comm.clone(), z.reducer()).unwrap();
+                pieces.submit(vec![(3, part(3))]);
+                for at in [8, 0, 4] {
+                    let end = (at + 4).min(11);
+                    pieces.submit_piece(2, at, g[9 + at..9 + end].to_vec());
+                }
+                pieces.submit(vec![(1, part(1)), (0, part(0))]);
+                let pieces = pieces.finish().unwrap();
+                // A piece that is not one, and one handed over twice.
+                let bad = overlap::ShardedExchange::inline(comm.clone(), z.reducer());
+                bad.submit_piece(2, 1, vec![0.0; 4]);
+                let e = bad.finish().unwrap_err().to_string();
+                assert!(e.contains("values 1..5 of tensor 2"), "{e}");
+                (want, whole, pieces, e)
+            })
+        })
+        .collect();
+    for (r, h) in handles.into_iter().enumerate() {
+        let (want, whole, pieces, _) = h.join().unwrap();
+        assert_eq!(whole.grads, want.grads, "rank {r}: whole");
+        assert_eq!(pieces.grads, want.grads, "rank {r}: pieces");
+        assert_eq!(want.buckets(), 6);
+    }
+}

@@ -95,15 +95,33 @@ fn run(
     start: Option<WholeState>,
     skip_at: Option<u64>,
 ) -> (Vec<Vec<f32>>, WholeState) {
+    run_cut(update, stage, world, steps, start, skip_at, &[])
+}
+
+/// [`run`] with the tensors of `rows` cut into pieces of rows (stage 3).
+fn run_cut(
+    update: Update,
+    stage: Stage,
+    world: usize,
+    steps: u64,
+    start: Option<WholeState>,
+    skip_at: Option<u64>,
+    rows: &[(usize, usize)],
+) -> (Vec<Vec<f32>>, WholeState) {
+    let rows = rows.to_vec();
     let handles: Vec<_> = MemoryTransport::mesh(world)
         .into_iter()
         .map(|t| {
             let start = start.clone();
+            let rows = rows.clone();
             thread::spawn(move || {
                 let comm = rank_comm(t);
                 let o = optimizer(update);
                 // Buckets of 10 values: [a.weight, a.bias], [b.weight], [b.bias].
                 let mut z = ZeroOptimizer::new(stage, &tensors(), o.clone(), &comm, 40).unwrap();
+                if !rows.is_empty() {
+                    z = z.cut_rows(&rows).unwrap();
+                }
                 if let Some(s) = &start {
                     z.scatter_state(&comm, 0, (comm.rank() == 0).then_some(Ok(s)))
                         .unwrap();

@@ -106,3 +106,95 @@ fn units_cut_the_buckets_and_a_unit_gathers_its_own_alone() {
         h.join().unwrap();
     }
 }
+
+/// A tensor cut into pieces of rows (b.weight, 11 values in rows of 2 and then of 1: pieces
+/// of 10 and 1 values; rows of 3 do not divide it) steps, saves and resumes as the uncut one.
+#[test]
+fn a_tensor_cut_into_pieces_of_rows_steps_as_a_whole_one() {
+    for update in [Update::adam(), updates()[4]] {
+        let (cut, saved_cut) = run_cut(update, Stage::Three, 3, 2, None, None, &[(2, 1)]);
+        let (whole, saved) = run(update, Stage::Three, 3, 2, None, None);
+        for v in &cut {
+            close(
+                v,
+                &whole[0],
+                &format!("{update:?}: cut into pieces, after 2 steps"),
+            );
+        }
+        assert_eq!(
+            saved_cut.tensors, saved.tensors,
+            "the state's layout is the same"
+        );
+        let flat =
+            |s: &WholeState| -> Vec<f32> { s.slots.iter().flat_map(|s| s.1.clone()).collect() };
+        close(
+            &flat(&saved_cut),
+            &flat(&saved),
+            &format!("{update:?}: the state"),
+        );
+        // Resumed on 2 ranks, cut, from the uncut state.
+        let (on_two, _) = run_cut(update, Stage::Three, 2, 1, Some(saved), None, &[(2, 1)]);
+        let (want, _) = run(update, Stage::Three, 2, 1, Some(saved_cut), None);
+        for v in &on_two {
+            close(v, &want[0], &format!("{update:?}: resumed on 2"));
+        }
+    }
+}
+
+#[test]
+fn pieces_are_gathered_one_at_a_time_and_refused_where_they_do_not_fit() {
+    let handles: Vec<_> = MemoryTransport::mesh(2)
+        .into_iter()
+        .map(|t| {
+            thread::spawn(move || {
+                let comm = rank_comm(t);
+                let o = optimizer(Update::adam());
+                let z = ZeroOptimizer::new(Stage::Two, &tensors(), o.clone(), &comm, 40).unwrap();
+                let e = z.cut_rows(&[(2, 1)]).unwrap_err().to_string();
+                assert!(e.contains("stage 3"), "{e}");
+                let z = ZeroOptimizer::new(Stage::Three, &tensors(), o, &comm, 16).unwrap();
+                for (rows, what) in [(vec![(2, 3)], "rows of 3"), (vec![(4, 1)], "tensor 4")] {
+                    let e = z.clone().cut_rows(&rows).unwrap_err().to_string();
+                    assert!(e.contains(what), "{e}");
+                }
+                // Buckets of 4 values; b.weight (11) in rows of 1: pieces of 4, 4 and 3; a.weight
+                // (7) not cut: a bucket of its own, larger than 4.
+                let mut z = z
+                    .cut_at_units(&[2, 2])
+                    .unwrap()
+                    .cut_rows(&[(2, 1)])
+                    .unwrap();
+                assert_eq!(z.pieces_of(2), Some(vec![0..4, 4..8, 8..11]));
+                assert_eq!(z.pieces_of(0), None);
+                assert_eq!(z.buckets_of(2..4).unwrap(), 2..6, "three pieces and b.bias");
+                let values = start_values();
+                hold(&mut z, &values);
+                for (k, piece) in [0..4, 4..8, 8..11].into_iter().enumerate() {
+                    let got = z.gather_piece(&comm, 2, k).unwrap();
+                    assert_eq!(got, values[9 + piece.start..9 + piece.end].to_vec());
+                }
+                let e = z.gather_piece(&comm, 2, 3).unwrap_err().to_string();
+                assert!(e.contains("has 3 pieces"), "{e}");
+                let e = z.gather_params_bucket(&comm, 2).unwrap_err().to_string();
+                assert!(
+                    e.contains("b.weight") && e.contains("a piece at a time"),
+                    "{e}"
+                );
+                // Gathered by units, the pieces come together as one tensor.
+                let mut got = Vec::new();
+                z.gather_params(&comm, 2..4, &mut |tensors, parts| {
+                    got.push((tensors, parts));
+                    Ok(())
+                })
+                .unwrap();
+                assert_eq!(got.len(), 2);
+                assert_eq!(got[0].0, 2..3);
+                assert_eq!(got[0].1, vec![values[9..20].to_vec()]);
+                assert_eq!(got[1].1, vec![values[20..23].to_vec()]);
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
