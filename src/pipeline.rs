@@ -97,9 +97,11 @@ pub fn unit_gradients<M: Module>(
                 Some(_) => Some(forward_ahead::forward_ahead(scope, shards, &segments)?),
                 None => None,
             };
+            // Without a thread, the matrices cut into pieces of rows stay empty: the keyed
+            // forward takes them a piece at a time (`Regathered::forward`).
             let mut gather = |k: usize, s: &StageModel| match ahead.as_mut() {
                 Some(a) => a.take(k, s),
-                None => gather(k, s),
+                None => shards.params.gather_but_pieces(shards.zero, shards.comm, s),
             };
             burn_dist::pipeline::segmented_gradients_regathered(
                 &segments,

@@ -35,6 +35,7 @@ use burn::optim::GradientsParams;
 use burn::prelude::Tensor;
 use burn::tensor::TensorData;
 use burn_dist::pipeline::{Activation, Regather};
+use hearth_kernels::keyed::{Pieced, Pieces};
 
 use super::gathered::{Gathering, Shards};
 use super::stage::StageModel;
@@ -44,6 +45,9 @@ use super::stage::StageModel;
 /// keyed weights from: with `--overlap`, through a thread that gathers them ahead.
 pub(super) struct Regathered<'a, 's, 'e> {
     keys: HashMap<usize, hearth_kernels::keyed::Uses>,
+    /// Each unit's matrices cut into pieces of rows, by key: taken a piece at a time by its
+    /// forward and its backward, never gathered whole.
+    pieced: HashMap<usize, Pieced>,
     grads: HashMap<u64, TensorData>,
     shards: &'a Gathering<'a>,
     /// Where the gather-ahead thread runs (the step's backward; `None`: no thread).
@@ -77,6 +81,7 @@ impl<'a: 's, 's, 'e> Regathered<'a, 's, 'e> {
         }
         Ok(Self {
             keys: HashMap::new(),
+            pieced: HashMap::new(),
             grads: HashMap::new(),
             shards,
             scope: scope.filter(|_| shards.ahead.is_some()),
@@ -147,8 +152,26 @@ impl<'a: 's, 's, 'e> Regather<StageModel> for Regathered<'a, 's, 'e> {
         release: bool,
         forward: &mut dyn FnMut(&StageModel) -> burn_dist::Result<Activation>,
     ) -> burn_dist::Result<(Activation, StageModel)> {
-        let (y, keys) = hearth_kernels::keyed::forward(|| forward(&gathered));
+        let pieced = pieced_in(Shards::of(self.shards), &gathered)?;
+        let (y, keys) = match pieced.is_empty() {
+            true => hearth_kernels::keyed::forward(|| forward(&gathered)),
+            false => {
+                let mut fetch = PieceSource {
+                    shards: Shards::of(self.shards),
+                    pieced: &pieced,
+                };
+                let (y, keys, fetched) =
+                    hearth_kernels::keyed::forward_from(pieced.clone(), &mut fetch, || {
+                        forward(&gathered)
+                    });
+                fetched.map_err(|e| {
+                    burn_dist::DistError::Config(format!("unit {k}'s forward by pieces: {e}"))
+                })?;
+                (y, keys)
+            }
+        };
         let y = y?;
+        self.pieced.insert(k, pieced);
         let kept = match release {
             true => gathered.map(&mut Release { keys: &keys }),
             false => gathered,
@@ -172,9 +195,11 @@ impl<'a: 's, 's, 'e> Regather<StageModel> for Regathered<'a, 's, 'e> {
         // The keyed values handed in (the last unit's own) move out of the module into the
         // backward's; the others are fetched bucket by bucket as the ops need them.
         let rest = values.map(|v| v.map(&mut take));
+        let pieced = self.pieced.remove(&k).unwrap_or_default();
         let mut fetch = Fetch {
             shards: Shards::of(self.shards),
             keys: &keys,
+            pieced: &pieced,
             ahead: self.ahead.as_mut(),
             fetched: &mut self.fetched,
             from_ahead: &mut self.from_ahead,
@@ -236,7 +261,12 @@ fn kept_from(
     let mut values = 0;
     let mut from = segments.len();
     for (k, s) in segments.iter().enumerate().rev() {
-        let v = shards.params.len_of(shards.params.tensors_of(s)?);
+        // The matrices cut into pieces are never held whole: not counted.
+        let pieces: usize = pieced_in(Shards::of(shards), s)?
+            .values()
+            .map(|p| p.total_rows() * p.cols)
+            .sum();
+        let v = shards.params.len_of(shards.params.tensors_of(s)?) - pieces;
         let last = k + 1 == segments.len();
         if !last && (values + v) * std::mem::size_of::<f32>() > budget {
             break;
@@ -250,6 +280,50 @@ fn kept_from(
         values,
     };
     Ok((from, kept))
+}
+
+/// `unit`'s matrices cut into pieces of rows, by key.
+fn pieced_in(g: Shards<'_>, unit: &StageModel) -> burn_dist::Result<Pieced> {
+    Ok(g.params
+        .pieces_in(g.zero, unit)?
+        .into_iter()
+        .map(|(id, rows, cols)| (id.val(), Pieces { rows, cols }))
+        .collect())
+}
+
+/// Piece `k` of matrix `key` from the ranks' shards.
+fn gather_piece(g: Shards<'_>, pieced: &Pieced, key: u64, k: usize) -> Result<TensorData, String> {
+    let cols = pieced.get(&key).map_or(0, |p| p.cols);
+    let rows = pieced
+        .get(&key)
+        .and_then(|p| p.rows.get(k))
+        .map_or(0, |r| r.len());
+    let values = g
+        .params
+        .gather_piece(g.zero, g.comm, &ParamId::from(key), k)
+        .map_err(|e| format!("gathering piece {k} of weight {key}: {e}"))?;
+    Ok(TensorData::new(values, [rows, cols]))
+}
+
+/// A unit's forward's source: the pieces of its matrices cut into pieces of rows, gathered
+/// as its products need them (every rank's forward runs its ops in one order).
+struct PieceSource<'a> {
+    shards: Shards<'a>,
+    pieced: &'a Pieced,
+}
+
+impl hearth_kernels::keyed::Source for PieceSource<'_> {
+    fn fetch(&mut self, key: u64) -> Result<Vec<(u64, TensorData)>, String> {
+        Err(format!("weight {key} fetched whole in a forward"))
+    }
+
+    fn gradient(&mut self, key: u64, _: TensorData) -> Result<Option<TensorData>, String> {
+        Err(format!("weight {key}'s gradient handed over in a forward"))
+    }
+
+    fn fetch_piece(&mut self, key: u64, piece: usize) -> Result<TensorData, String> {
+        gather_piece(self.shards, self.pieced, key, piece)
+    }
 }
 
 /// Weight `key`'s bucket from the ranks' shards: its tensors by key.
@@ -314,6 +388,9 @@ impl Ahead {
 struct Fetch<'a, 'b> {
     shards: Shards<'a>,
     keys: &'b hearth_kernels::keyed::Uses,
+    /// The unit's matrices cut into pieces of rows: each piece gathered on this thread (there
+    /// is no thread ahead where they are cut), its gradient handed over alone.
+    pieced: &'b Pieced,
     /// The buckets gathered ahead by a thread (`--overlap`, from the second step).
     ahead: Option<&'b mut Ahead>,
     /// The keys fetched, in order: the next step's [`FetchOrder`](super::gathered::FetchOrder).
@@ -351,6 +428,32 @@ impl hearth_kernels::keyed::Source for Fetch<'_, '_> {
             burn_dist::overlap::hand_over_one(ParamId::from(key), dims.clone(), values)
                 .map(|v| TensorData::new(v, dims)),
         )
+    }
+
+    fn fetch_piece(&mut self, key: u64, piece: usize) -> Result<TensorData, String> {
+        gather_piece(self.shards, self.pieced, key, piece)
+    }
+
+    fn piece_gradient(&mut self, key: u64, piece: usize, grad: TensorData) -> Result<(), String> {
+        let p = self
+            .pieced
+            .get(&key)
+            .ok_or_else(|| format!("weight {key} is not cut into pieces in this unit"))?;
+        let rows = p
+            .rows
+            .get(piece)
+            .ok_or_else(|| format!("piece {piece} of weight {key}, of {}", p.rows.len()))?;
+        let values = grad
+            .try_into_vec::<f32>()
+            .map_err(|e| format!("weight {key}'s gradient is not f32: {e:?}"))?;
+        let dims = vec![p.total_rows(), p.cols];
+        let at = rows.start * p.cols;
+        match burn_dist::overlap::hand_over_piece(ParamId::from(key), dims, at, values) {
+            None => Ok(()),
+            Some(_) => Err(format!(
+                "piece {piece} of weight {key}'s gradient has no ZeRO step to take it"
+            )),
+        }
     }
 }
 

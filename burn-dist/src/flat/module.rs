@@ -57,6 +57,22 @@ pub fn trainable_names<M: Module>(module: &M) -> Vec<(String, usize)> {
     v.out
 }
 
+/// The trainable tensors' shapes, in [`trainable_names`] order.
+pub fn trainable_shapes<M: Module>(module: &M) -> Vec<Vec<usize>> {
+    struct Dims(Vec<Vec<usize>>);
+    impl ModuleVisitor for Dims {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let t = param.val();
+            if t.is_require_grad() {
+                self.0.push(t.dims().to_vec());
+            }
+        }
+    }
+    let mut v = Dims(Vec::new());
+    module.visit(&mut v);
+    v.0
+}
+
 /// The trainable tensors' parameter ids, in [`trainable_names`] order.
 pub fn trainable_ids<M: Module>(module: &M) -> Vec<ParamId> {
     struct Ids(Vec<ParamId>);

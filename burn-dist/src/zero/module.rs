@@ -237,6 +237,92 @@ impl ShardedParams {
         gather_unit(zero, comm, part, first, &self.shapes)
     }
 
+    /// [`Self::gather`] but for the tensors cut into pieces of rows
+    /// ([`ZeroOptimizer::cut_rows`]), which stay empty: a product takes them a piece at a
+    /// time ([`Self::pieces_in`], [`Self::gather_piece`]).
+    pub fn gather_but_pieces<U: Module>(
+        &self,
+        zero: &ZeroOptimizer,
+        comm: &Communicator,
+        part: &U,
+    ) -> Result<U> {
+        let first = self.first_of(part)?;
+        let n = trainable_names(part).len();
+        let local = local_shapes(&self.shapes, first..first + n);
+        let mut m = Some(part.clone());
+        zero.gather_params_but_pieces(comm, first..first + n, &mut |tensors, parts| {
+            let u = m.take().ok_or_else(lost_module)?;
+            let at = tensors.start - first..tensors.end - first;
+            m = Some(with_trainable_range(u, at, parts, &local)?);
+            Ok(())
+        })?;
+        m.ok_or_else(lost_module)
+    }
+
+    /// `part`'s trainable matrices cut into pieces of rows ([`ZeroOptimizer::cut_rows`]), by
+    /// parameter id: each piece's rows, and the matrix's columns.
+    pub fn pieces_in<U: Module>(
+        &self,
+        zero: &ZeroOptimizer,
+        part: &U,
+    ) -> Result<Vec<(ParamId, Vec<std::ops::Range<usize>>, usize)>> {
+        let first = self.first_of(part)?;
+        let ids = trainable_ids(part);
+        let mut out = Vec::new();
+        for (k, id) in ids.into_iter().enumerate() {
+            let Some(pieces) = zero.pieces_of(first + k) else {
+                continue;
+            };
+            let cols = match self.shapes.get(&(first + k)).map(|s| s.to_vec()) {
+                Some(dims) if dims.len() == 2 && dims[1] > 0 => dims[1],
+                dims => {
+                    return Err(DistError::Config(format!(
+                        "trainable tensor {} is cut into pieces of rows but is not a matrix \
+                         (shape {dims:?})",
+                        first + k
+                    )));
+                }
+            };
+            let rows = pieces
+                .iter()
+                .map(|p| p.start / cols..p.end / cols)
+                .collect();
+            out.push((id, rows, cols));
+        }
+        Ok(out)
+    }
+
+    /// Piece `k` of trainable matrix `id` cut into pieces of rows, gathered whole from every
+    /// rank's segments ([`ZeroOptimizer::gather_piece`]). Every rank alike.
+    pub fn gather_piece(
+        &self,
+        zero: &ZeroOptimizer,
+        comm: &Communicator,
+        id: &ParamId,
+        k: usize,
+    ) -> Result<Vec<f32>> {
+        let Some(&t) = self.index.get(id) else {
+            return Err(DistError::Config(format!(
+                "parameter {id} is not one of the sharded model's trainable tensors"
+            )));
+        };
+        zero.gather_piece(comm, t, k)
+    }
+
+    /// The trainable matrices of `model` (index, values per row), for
+    /// [`ZeroOptimizer::cut_rows`]: the linear layers' weights, which a product may take a
+    /// piece of rows at a time.
+    pub fn matrices<M: Module>(model: &M) -> Vec<(usize, usize)> {
+        crate::flat::module::trainable_shapes(model)
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, dims)| match dims.as_slice() {
+                [_, cols] if *cols > 0 => Some((i, *cols)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Where `part`'s trainable tensors stand in the skeleton's order (consecutive): what
     /// [`Self::gather_values`] takes, so that a thread may gather a part's values without the
     /// part itself.

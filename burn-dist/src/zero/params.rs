@@ -73,6 +73,15 @@ impl ZeroOptimizer {
         Ok(self)
     }
 
+    /// How many of `rows`' tensors ([`Self::cut_rows`]'s list) are larger than a bucket: those
+    /// it would cut.
+    pub fn large_tensors(&self, rows: &[(usize, usize)]) -> usize {
+        let cap = (self.bucket_bytes / std::mem::size_of::<f32>()).max(1);
+        rows.iter()
+            .filter(|(t, _)| self.tensors.get(*t).is_some_and(|(_, len)| *len > cap))
+            .count()
+    }
+
     /// The pieces trainable tensor `tensor` is cut into ([`Self::cut_rows`]): each one's values
     /// within the tensor, in order; `None` for a tensor held in one bucket.
     pub fn pieces_of(&self, tensor: usize) -> Option<Vec<Range<usize>>> {
@@ -194,9 +203,33 @@ impl ZeroOptimizer {
         tensors: Range<usize>,
         deliver: &mut dyn FnMut(Range<usize>, Vec<Vec<f32>>) -> Result<()>,
     ) -> Result<()> {
+        self.gather_params_in(comm, tensors, true, deliver)
+    }
+
+    /// [`Self::gather_params`] without the tensors cut into pieces: those are gathered a
+    /// piece at a time as a product needs them ([`Self::gather_piece`]), never whole.
+    pub fn gather_params_but_pieces(
+        &self,
+        comm: &Communicator,
+        tensors: Range<usize>,
+        deliver: &mut dyn FnMut(Range<usize>, Vec<Vec<f32>>) -> Result<()>,
+    ) -> Result<()> {
+        self.gather_params_in(comm, tensors, false, deliver)
+    }
+
+    fn gather_params_in(
+        &self,
+        comm: &Communicator,
+        tensors: Range<usize>,
+        pieces: bool,
+        deliver: &mut dyn FnMut(Range<usize>, Vec<Vec<f32>>) -> Result<()>,
+    ) -> Result<()> {
         self.check_holds()?;
         let mut pieced: Vec<f32> = Vec::new();
         for b in self.buckets_of(tensors)? {
+            if !pieces && self.is_piece(b) {
+                continue;
+            }
             let gathered = self.all_gather(comm, b, &self.params[b])?;
             let bucket = &self.buckets[b];
             if self.is_piece(b) {

@@ -34,15 +34,21 @@ fn stage_3_validates_shares_of_different_lengths_as_plain_data_parallel() {
 /// layers, rank-2 weights) and a DenseNet (its blocks' joined convolutions; its units' tensors
 /// stand in another order in the model than in the forward, all dense layers before the
 /// transitions, where stage 3 cuts its buckets and writes its checkpoints) train as plain data
-/// parallel does: curves and weights. With 50 KiB buckets the VGG keeps its classifier alone
-/// and the DenseNet its last 11 units of 13, so both kinds of unit run.
+/// parallel does: curves and weights. With 50 KiB buckets the VGG's first classifier weight
+/// (256 rows of 64, 64 KiB) is cut into pieces of 200 and 56 rows, gathered and multiplied a
+/// piece at a time and never held whole (so not counted in what is kept): the VGG keeps its
+/// last 2 units of 4, the DenseNet its last 11 of 13, so both kinds of unit run.
 #[test]
 fn stage_3_regathers_vgg_and_densenet_units_as_plain_data_parallel() {
     let dir = tempfile::tempdir().unwrap();
     let data = small_data(dir.path());
-    for (model, kept) in [
-        ("vgg-mini-plain", "1 of its 4"),
-        ("densenet-mini", "11 of its 13"),
+    for (model, kept, pieces) in [
+        (
+            "vgg-mini-plain",
+            "2 of its 4",
+            "cuts 1 matrix larger than a bucket into 2 pieces",
+        ),
+        ("densenet-mini", "11 of its 13", ""),
     ] {
         let run = |zero: &str| dir.path().join(format!("{model}-zero{zero}"));
         for zero in ["0", "3"] {
@@ -54,7 +60,9 @@ fn stage_3_regathers_vgg_and_densenet_units_as_plain_data_parallel() {
             let logs = Job::spawn_ok(dir.path(), &data, &run(zero), 2, &BASE, &args, &[]);
             if zero == "3" {
                 assert!(
-                    logs.contains(&format!("keeps the last {kept} units")),
+                    logs.contains(&format!("keeps the last {kept} units"))
+                        && logs.contains(pieces)
+                        && (!pieces.is_empty() || !logs.contains("pieces of rows")),
                     "{logs}"
                 );
             }
@@ -75,7 +83,8 @@ fn stage_3_regathers_vgg_and_densenet_units_as_plain_data_parallel() {
 }
 
 /// Stage 3 with a bucket per weight (`--bucket-mb 0.001`, 1 KiB: every convolution and linear
-/// weight of the mini models alone in its bucket): each unit's backward gathers a weight's
+/// weight of the mini models alone in its bucket, each linear weight cut into pieces of rows
+/// but with `--overlap`): each unit's backward gathers a weight's
 /// bucket when the weight's op first needs it, and hands the weight's gradient over as soon as
 /// it is whole, its bucket reduce-scattered then rather than at the unit's end (the ranks call
 /// those collectives in their backward's order). Without and with `--overlap` (the
@@ -107,6 +116,13 @@ fn stage_3_with_a_bucket_per_weight_gathers_and_reduces_weight_by_weight_as_plai
                         && logs.contains("buckets of 1.0 KiB"),
                     "{logs}"
                 );
+                // The linear weights are larger than 1 KiB: cut into pieces of rows, but for
+                // `--overlap`, which says it gathers them whole.
+                let said = match label {
+                    "3f" => "pieces of rows in all, each gathered, multiplied and reduced alone",
+                    _ => "passes with --overlap (its threads gather whole units ahead)",
+                };
+                assert!(logs.contains(said), "{label}: {logs}");
             }
             if label == "3fo" {
                 // "epoch 1: `exchange.zero` 3's backward fetched F buckets, A of them gathered

@@ -42,13 +42,25 @@ impl<T: Trainee> Allreduce<'_, T> {
             false => None,
         };
         let dir = self.cfg.run_dir.join("checkpoint");
+        let rows = match stage_3 {
+            true => Some(burn_dist::zero::module::ShardedParams::matrices(
+                self.model()?,
+            )),
+            false => None,
+        };
+        let pieces = stage_3 && pieces_built(self.cfg).is_ok();
         let at = crate::train::zero::ShardStart {
             dir: &dir,
             resume: first,
             new_at_zero: at_switch,
             units: units.as_deref(),
+            rows: rows.as_deref().filter(|_| pieces),
         };
         let mut z = crate::train::zero::start(self.cfg, self.model()?, self.batches, comm, at)?;
+        let line = pieces_line(&z, rows.as_deref().unwrap_or(&[]), self.cfg);
+        if !line.is_empty() {
+            log(&line);
+        }
         if stage_3 {
             // The values go into the shard; the model keeps its structure, ids and buffers.
             let model = self.take_model()?;
@@ -112,5 +124,60 @@ impl<T: Trainee> Allreduce<'_, T> {
                 ));
             }
         }
+    }
+}
+
+/// Whether stage 3 may cut its matrices larger than a bucket into pieces of rows, each
+/// gathered and multiplied alone (`hearth_kernels::keyed::forward_from`): on the keyed
+/// forward's path only, in f32. Else what takes the other path.
+fn pieces_built(cfg: &crate::train::TrainConfig) -> std::result::Result<(), &'static str> {
+    if cfg.exchange.overlap {
+        Err("`exchange.overlap` (its threads gather whole units ahead)")
+    } else if cfg.compute.recompute {
+        Err("`compute.recompute` (its backward runs each unit's forward again, gathered whole)")
+    } else if cfg.compute.precision != crate::train::Precision::Fp32 {
+        Err("`compute.precision` other than f32 (the weights are cast whole)")
+    } else {
+        Ok(())
+    }
+}
+
+/// The run's line on stage 3's matrices larger than a bucket: cut into pieces of rows, or
+/// gathered whole and why; empty where there is none.
+fn pieces_line(
+    z: &burn_dist::zero::ZeroOptimizer,
+    rows: &[(usize, usize)],
+    cfg: &crate::train::TrainConfig,
+) -> String {
+    let cut: Vec<usize> = rows
+        .iter()
+        .filter_map(|&(t, _)| z.pieces_of(t).map(|p| p.len()))
+        .collect();
+    if !cut.is_empty() {
+        let n = cut.len();
+        return format!(
+            "`exchange.zero` 3 cuts {n} {} larger than a bucket into {} pieces of rows in all, \
+             each gathered, multiplied and reduced alone, so that no step holds {} whole",
+            plural(n, "matrix", "matrices"),
+            cut.iter().sum::<usize>(),
+            plural(n, "it", "one")
+        );
+    }
+    let large = z.large_tensors(rows);
+    match (large, pieces_built(cfg)) {
+        (0, _) | (_, Ok(())) => String::new(),
+        (n, Err(why)) => format!(
+            "`exchange.zero` 3 gathers {n} {} larger than a bucket whole for {} passes with \
+             {why}: pieces of rows are taken only without it",
+            plural(n, "matrix", "matrices"),
+            plural(n, "its", "their")
+        ),
+    }
+}
+
+fn plural(n: usize, one: &'static str, many: &'static str) -> &'static str {
+    match n {
+        1 => one,
+        _ => many,
     }
 }

@@ -306,6 +306,7 @@ impl PipelineRun<'_> {
             resume: from,
             new_at_zero: fine_tuning && self.cfg.model.unfreeze_after == Some(resume),
             units: None,
+            rows: None,
         };
         let z = super::zero::start(self.cfg, &trains, self.steps_per_epoch, replicas, at)?
             // `--clip-grad`: the norm over every stage, not this stage's replicas alone.
@@ -397,6 +398,7 @@ impl Strategy for StageStrategy<'_, '_> {
                             resume: 0,
                             new_at_zero: false,
                             units: None,
+                            rows: None,
                         },
                     )?
                     .with_norm_over(self.run.comm.clone()),

@@ -57,6 +57,9 @@ pub(super) struct ShardStart<'a> {
     pub new_at_zero: bool,
     /// Stage 3: each unit's number of trainable tensors, where the buckets are cut.
     pub units: Option<&'a [usize]>,
+    /// Stage 3: the matrices (trainable index, values per row) that may be cut into pieces of
+    /// rows where larger than a bucket ([`burn_dist::zero::ZeroOptimizer::cut_rows`]).
+    pub rows: Option<&'a [(usize, usize)]>,
 }
 
 /// A rank's sharded optimizer for `model` over `comm` (the run's optimizer; the rate comes from
@@ -75,6 +78,7 @@ pub(super) fn start<M: Module>(
         resume,
         new_at_zero,
         units,
+        rows,
     } = at;
     let stage = Stage::from_number(cfg.exchange.zero)?;
     let optimizer = super::flat::model_optimizer(cfg, cfg.optim.lr, batches, model)?;
@@ -90,6 +94,9 @@ pub(super) fn start<M: Module>(
     .with_clip_norm(cfg.optim.clip_grad);
     if let Some(counts) = units {
         z = z.cut_at_units(counts)?;
+    }
+    if let Some(rows) = rows {
+        z = z.cut_rows(rows)?;
     }
     if resume > 0 {
         // Rank 0 reads the file a bucket at a time as it hands the state out.
