@@ -3,8 +3,9 @@
 //! grown for a request of another length), handed back after a step without one or when keeping
 //! it would take the process past its footprint without keeping at its most (glibc's heap and
 //! the large blocks in use: a small block's growth of glibc's live bytes included), contents kept
-//! across every kind of resize, and the resident set falling when they go back. One test, in
-//! order: the kept set is process-wide state.
+//! across every kind of resize, the resident set falling when they go back, and everything
+//! kept, glibc's free heap included, handed back at a change of phase. One test, in order: the
+//! kept set is process-wide state.
 
 #[global_allocator]
 static ALLOC: hearth::alloc::CountingAllocator = hearth::alloc::CountingAllocator;
@@ -265,7 +266,25 @@ fn large_blocks_are_reused_by_size_released_after_a_step_and_keep_their_contents
         maps0,
         "the kept block serves the next request"
     );
-    drop((y, pin));
+    drop(y);
+
+    // At a change of phase (the end of training) both go back to the kernel: the kept blocks,
+    // and glibc's free heap pages, which a live block above them pins in its heap (its trim
+    // setting keeps them otherwise).
+    assert!(kept_bytes() >= big, "freed again: kept");
+    let rss = rss_mb();
+    assert!(
+        hearth::alloc::release_freed_memory() >= big,
+        "the kept block went back"
+    );
+    assert_eq!(kept_bytes(), 0);
+    let fell = rss - rss_mb();
+    assert!(
+        fell >= 200.0,
+        "the resident set fell {fell:.0} MB (a {} MB kept block and 200 MB free in glibc)",
+        big >> 20
+    );
+    drop(pin);
 
     // Without keeping (`HEARTH_MALLOC=system`) nothing is kept and what was goes back.
     drop(pattern(n, 9));

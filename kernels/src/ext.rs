@@ -435,8 +435,7 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
     fn hearth_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         // A weight cut into pieces (`crate::keyed::forward_from`): its module holds it empty.
         if let Some((key, pieces)) = crate::keyed::take_pieced() {
-            drop(rhs);
-            return pieced_product::<B, C>(lhs, key, pieces);
+            return pieced_product::<B, C>(lhs, rhs, key, pieces);
         }
         match LinearProduct
             .prepare::<C>([lhs.node(), rhs.node()])
@@ -502,14 +501,19 @@ impl<B: ConvBackend> Backward<B, 2> for LinearProduct {
 
 /// `x · W` for a weight `W` cut into pieces of rows (`crate::keyed::forward_from`), a piece
 /// at a time: the sum of `x[:, rows] · W[rows]`, each piece fetched as it is needed and let go
-/// after its product. The graph keeps `x` and the weight's key, never the weight.
+/// after its product. The graph keeps `x` and the weight's key, never the weight: `empty`,
+/// the module's empty stand-in for it, is a parent only so that the op is tracked where the
+/// weight trains and `x` does not (its gradient is handed out by piece, not registered).
 fn pieced_product<B: ConvBackend, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
+    empty: FloatTensor<Autodiff<B, C>>,
     key: u64,
     pieces: crate::keyed::Pieces,
 ) -> FloatTensor<Autodiff<B, C>> {
+    let parents = [x.node(), empty.node()];
+    drop(empty);
     match PiecedProduct
-        .prepare::<C>([x.node()])
+        .prepare::<C>(parents)
         .compute_bound()
         .stateful()
     {
@@ -573,16 +577,16 @@ fn pieced_forward<B: ConvBackend>(
 #[derive(Debug)]
 struct PiecedProduct;
 
-impl<B: ConvBackend> Backward<B, 1> for PiecedProduct {
+impl<B: ConvBackend> Backward<B, 2> for PiecedProduct {
     type State = (NodeId, u64, crate::keyed::Pieces);
 
     fn backward(
         self,
-        ops: Ops<Self::State, 1>,
+        ops: Ops<Self::State, 2>,
         grads: &mut Gradients,
         checkpointer: &mut Checkpointer,
     ) {
-        let [node_x] = ops.parents;
+        let [node_x, _] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let device = grad.device();
         let (x_state, key, pieces) = ops.state;

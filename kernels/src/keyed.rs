@@ -208,7 +208,7 @@ pub(crate) fn take_pieced() -> Option<(u64, Pieces)> {
 }
 
 /// Whether weight `key` is cut into pieces by the [`forward_from`] under way: its module
-/// holds it empty, so a layer must take the op that fetches it ([`take_pieced`]).
+/// holds it empty, so a layer must take the product that fetches it a piece at a time.
 pub fn is_pieced(key: u64) -> bool {
     STATE.with(|s| {
         s.borrow()

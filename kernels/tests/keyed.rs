@@ -314,6 +314,20 @@ fn a_weight_cut_into_pieces_is_multiplied_a_piece_at_a_time() {
          gradients; the whole weight is {weight_bytes}"
     );
 
+    // An input that needs no gradient: the weight's pieces still get theirs.
+    source.served.clear();
+    source.grads.clear();
+    let x0 = Tensor::<2>::from_data(x.clone(), &ad);
+    let (y, uses, fetched) = keyed::forward_from(pieced.clone(), &mut source, || {
+        hearth_kernels::linear(&linear, x0.clone())
+    });
+    fetched.expect("every piece fetched");
+    let loss = y.powi_scalar(2).sum();
+    let (_, by_key) = keyed::backward_from(HashMap::new(), &uses, &mut source, || loss.backward());
+    assert!(by_key.expect("no failure").is_empty());
+    let dw: Vec<f32> = (0..8).flat_map(|k| source.grads[&k].clone()).collect();
+    close(&dw, &plain_dw, "the weight's gradient, the input untracked");
+
     // A piece that cannot be fetched: zeros in its place, the failure at the forward's end.
     source.fail_at = Some(3);
     source.served.clear();
