@@ -35,6 +35,7 @@ pub mod conv;
 pub mod cube;
 pub mod ext;
 pub mod gemv;
+mod input_grad;
 pub mod keyed;
 mod layer;
 pub mod norm;

@@ -479,77 +479,6 @@ pub fn hand_over<M: Module>(segment: &M, grads: GradientsParams) -> GradientsPar
     })
 }
 
-/// Hands one parameter's whole gradient (host values of shape `dims`) to this thread's ZeRO
-/// step ([`OverlappedStep::begin_sharded`]) as soon as it exists, outside a segment's
-/// [`hand_over`]: ZeRO stage 3's weights kept by key, whose gradients a backward computes one
-/// at a time (each bucket is then reduced as soon as its last tensor comes). Returns the values
-/// back where no ZeRO step is installed (the caller hands them over with its segment's).
-pub fn hand_over_one(id: ParamId, dims: Vec<usize>, mut values: Vec<f32>) -> Option<Vec<f32>> {
-    STEP.with(|s| {
-        let mut s = s.borrow_mut();
-        let Some(h) = s.as_mut() else {
-            return Some(values);
-        };
-        let Sink::Sharded { exchange, index } = &h.sink else {
-            return Some(values);
-        };
-        let Some(&i) = index.get(&id) else {
-            h.failed.get_or_insert(format!(
-                "parameter {id} was handed over but is not trainable in the model"
-            ));
-            return None;
-        };
-        let scale = h.weight * h.unscale;
-        if scale != 1.0 {
-            values.iter_mut().for_each(|v| *v *= scale);
-        }
-        h.taken.push((id, dims));
-        h.alone += 1;
-        exchange.submit(vec![(i, values)]);
-        None
-    })
-}
-
-/// Hands one piece of a parameter's gradient to this thread's ZeRO step, as
-/// [`hand_over_one`] does a whole one: the values from `at` on of parameter `id` (of shape
-/// `dims`), exactly one of the pieces its tensor is cut into
-/// ([`crate::zero::ZeroOptimizer::cut_rows`]: a linear layer's weight whose product is taken
-/// a block of rows at a time). The piece's bucket is reduced at once. Returns the values back
-/// where no ZeRO step is installed.
-pub fn hand_over_piece(
-    id: ParamId,
-    dims: Vec<usize>,
-    at: usize,
-    mut values: Vec<f32>,
-) -> Option<Vec<f32>> {
-    STEP.with(|s| {
-        let mut s = s.borrow_mut();
-        let Some(h) = s.as_mut() else {
-            return Some(values);
-        };
-        let Sink::Sharded { exchange, index } = &h.sink else {
-            return Some(values);
-        };
-        let Some(&i) = index.get(&id) else {
-            h.failed.get_or_insert(format!(
-                "parameter {id} was handed over but is not trainable in the model"
-            ));
-            return None;
-        };
-        let scale = h.weight * h.unscale;
-        if scale != 1.0 {
-            values.iter_mut().for_each(|v| *v *= scale);
-        }
-        // Counted once, at its first piece: the step's end takes what was never handed over.
-        if !h.taken.iter().any(|(t, _)| *t == id) {
-            h.taken.push((id, dims));
-            h.alone += 1;
-        }
-        exchange.submit_piece(i, at, values);
-        None
-    })
-}
-
 /// Takes a segment's gradients out, as host values (scaled) with their parameters and shapes.
 struct Take<'a> {
     grads: GradientsParams,
@@ -606,5 +535,6 @@ impl ModuleVisitor for PutReduced<'_> {
 }
 
 mod sharded;
+pub use sharded::{hand_over_one, hand_over_piece};
 #[cfg(test)]
 mod tests;

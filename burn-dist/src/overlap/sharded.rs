@@ -141,3 +141,67 @@ impl OverlappedStep {
         Ok((reduced, taken.len()))
     }
 }
+
+/// Hands one parameter's whole gradient (host values of shape `dims`) to this thread's ZeRO
+/// step ([`OverlappedStep::begin_sharded`]) as soon as it exists, outside a segment's
+/// [`hand_over`]: ZeRO stage 3's weights kept by key, whose gradients a backward computes one
+/// at a time (each bucket is then reduced as soon as its last tensor comes). Returns the values
+/// back where no ZeRO step is installed (the caller hands them over with its segment's).
+pub fn hand_over_one(id: ParamId, dims: Vec<usize>, values: Vec<f32>) -> Option<Vec<f32>> {
+    hand_to_sharded(id, dims, values, &mut |exchange, i, values| {
+        exchange.submit(vec![(i, values)])
+    })
+}
+
+/// Hands one piece of a parameter's gradient to this thread's ZeRO step, as
+/// [`hand_over_one`] does a whole one: the values from `at` on of parameter `id` (of shape
+/// `dims`), exactly one of the pieces its tensor is cut into
+/// ([`crate::zero::ZeroOptimizer::cut_rows`]: a linear layer's weight whose product is taken
+/// a block of rows at a time). The piece's bucket is reduced at once. Returns the values back
+/// where no ZeRO step is installed.
+pub fn hand_over_piece(
+    id: ParamId,
+    dims: Vec<usize>,
+    at: usize,
+    values: Vec<f32>,
+) -> Option<Vec<f32>> {
+    hand_to_sharded(id, dims, values, &mut |exchange, i, values| {
+        exchange.submit_piece(i, at, values)
+    })
+}
+
+/// Parameter `id`'s gradient values (or a piece of them), scaled, to this thread's ZeRO step
+/// through `submit` (with the parameter's index), the parameter counted once as handed over
+/// (the step's end takes what was not); the values back where no ZeRO step is installed.
+fn hand_to_sharded(
+    id: ParamId,
+    dims: Vec<usize>,
+    mut values: Vec<f32>,
+    submit: &mut dyn FnMut(&ShardedExchange, usize, Vec<f32>),
+) -> Option<Vec<f32>> {
+    STEP.with(|s| {
+        let mut s = s.borrow_mut();
+        let Some(h) = s.as_mut() else {
+            return Some(values);
+        };
+        let Sink::Sharded { exchange, index } = &h.sink else {
+            return Some(values);
+        };
+        let Some(&i) = index.get(&id) else {
+            h.failed.get_or_insert(format!(
+                "parameter {id} was handed over but is not trainable in the model"
+            ));
+            return None;
+        };
+        let scale = h.weight * h.unscale;
+        if scale != 1.0 {
+            values.iter_mut().for_each(|v| *v *= scale);
+        }
+        if !h.taken.iter().any(|(t, _)| *t == id) {
+            h.taken.push((id, dims));
+            h.alone += 1;
+        }
+        submit(exchange, i, values);
+        None
+    })
+}

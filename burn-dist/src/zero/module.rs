@@ -199,6 +199,10 @@ pub fn shard_params<M: Module>(zero: &mut ZeroOptimizer, model: M) -> Result<(M,
     Ok((skeleton, ShardedParams { shapes, index }))
 }
 
+/// A trainable matrix cut into pieces of rows ([`ShardedParams::pieces_in`]): its parameter,
+/// each piece's rows, and its columns.
+pub type PiecedMatrix = (ParamId, Vec<std::ops::Range<usize>>, usize);
+
 /// What gathering a stage 3 skeleton's parts needs: its trainable tensors' shapes and each
 /// one's index in the trainable order, by parameter id.
 #[derive(Debug, Clone)]
@@ -234,7 +238,7 @@ impl ShardedParams {
         part: &U,
     ) -> Result<U> {
         let first = self.first_of(part)?;
-        gather_unit(zero, comm, part, first, &self.shapes)
+        gather_unit(zero, comm, part, first, &self.shapes, true)
     }
 
     /// [`Self::gather`] but for the tensors cut into pieces of rows
@@ -247,16 +251,7 @@ impl ShardedParams {
         part: &U,
     ) -> Result<U> {
         let first = self.first_of(part)?;
-        let n = trainable_names(part).len();
-        let local = local_shapes(&self.shapes, first..first + n);
-        let mut m = Some(part.clone());
-        zero.gather_params_but_pieces(comm, first..first + n, &mut |tensors, parts| {
-            let u = m.take().ok_or_else(lost_module)?;
-            let at = tensors.start - first..tensors.end - first;
-            m = Some(with_trainable_range(u, at, parts, &local)?);
-            Ok(())
-        })?;
-        m.ok_or_else(lost_module)
+        gather_unit(zero, comm, part, first, &self.shapes, false)
     }
 
     /// `part`'s trainable matrices cut into pieces of rows ([`ZeroOptimizer::cut_rows`]), by
@@ -265,7 +260,7 @@ impl ShardedParams {
         &self,
         zero: &ZeroOptimizer,
         part: &U,
-    ) -> Result<Vec<(ParamId, Vec<std::ops::Range<usize>>, usize)>> {
+    ) -> Result<Vec<PiecedMatrix>> {
         let first = self.first_of(part)?;
         let ids = trainable_ids(part);
         let mut out = Vec::new();
@@ -448,23 +443,29 @@ impl ShardedParams {
     }
 }
 
-/// `unit` with its trainable tensors (the skeleton's `first..`) gathered whole.
+/// `unit` with its trainable tensors (the skeleton's `first..`) gathered whole, those cut into
+/// pieces of rows too where `pieces` (else they stay empty).
 fn gather_unit<M: Module>(
     zero: &ZeroOptimizer,
     comm: &Communicator,
     unit: &M,
     first: usize,
     shapes: &Shapes,
+    pieces: bool,
 ) -> Result<M> {
     let n = trainable_names(unit).len();
     let local = local_shapes(shapes, first..first + n);
     let mut m = Some(unit.clone());
-    zero.gather_params(comm, first..first + n, &mut |tensors, parts| {
+    let mut deliver = |tensors: std::ops::Range<usize>, parts| {
         let u = m.take().ok_or_else(lost_module)?;
         let at = tensors.start - first..tensors.end - first;
         m = Some(with_trainable_range(u, at, parts, &local)?);
         Ok(())
-    })?;
+    };
+    match pieces {
+        true => zero.gather_params(comm, first..first + n, &mut deliver)?,
+        false => zero.gather_params_but_pieces(comm, first..first + n, &mut deliver)?,
+    }
     m.ok_or_else(lost_module)
 }
 
