@@ -246,7 +246,8 @@ impl Pending {
 
     /// Fills slot `i` of bucket `b`; an error for a second hand-over.
     fn fill(&mut self, b: usize, i: usize, values: Vec<f32>, what: &str) -> Result<()> {
-        if self.slots[b][i].is_some() || self.done[b].is_some() {
+        // A reduced bucket's slots are gone: that test first.
+        if self.done[b].is_some() || self.slots[b][i].is_some() {
             return Err(exchange_mismatch(format!(
                 "{what}'s gradient was handed over twice"
             )));

@@ -95,6 +95,42 @@ fn a_bad_hand_over_fails_the_exchange_naming_the_tensor() {
         let e = x.finish().unwrap_err().to_string();
         assert!(e.contains(want), "{e}");
     }
+    // Handed over again after its bucket was reduced (a whole tensor, then a piece of a tensor
+    // cut by rows): an error naming it, not a panic of the exchange.
+    let t = MemoryTransport::mesh(1).pop().unwrap();
+    let comm = Arc::new(rank_comm(t));
+    let z = ZeroOptimizer::new(
+        Stage::Three,
+        &tensors(),
+        optimizer(Update::adam()),
+        &comm,
+        16,
+    )
+    .unwrap()
+    .cut_rows(&[(2, 1)])
+    .unwrap();
+    for (first, again, want) in [
+        (
+            Some(3),
+            Some(3),
+            "tensor 3's gradient was handed over twice",
+        ),
+        (
+            None,
+            None,
+            "tensor 2 from value 4's gradient was handed over twice",
+        ),
+    ] {
+        let x = overlap::ShardedExchange::start(comm.clone(), z.reducer()).unwrap();
+        for t in [first, again] {
+            match t {
+                Some(t) => x.submit(vec![(t, vec![1.0; 3])]),
+                None => x.submit_piece(2, 4, vec![1.0; 4]),
+            }
+        }
+        let e = x.finish().unwrap_err().to_string();
+        assert!(e.contains(want), "{e}");
+    }
 }
 
 /// A tensor cut into pieces of rows: its gradient handed over whole, or a piece at a time in
