@@ -21,6 +21,9 @@ pub(super) fn export_best<T: super::trainee::Trainee>(
     gate: &super::gate::Gate,
     log: &mut dyn FnMut(&str),
 ) -> Result<Option<Vec<(String, f64)>>> {
+    // What the steps freed and kept for the next step goes back before the best model is
+    // built: no step comes (every mode exports here, after its training).
+    crate::alloc::release_freed_memory();
     // The weights the monitored column scored: the average's where it reads the average.
     let monitor = cfg.checkpoint.monitor;
     let (path, what) = if monitor.averaged() {

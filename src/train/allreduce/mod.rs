@@ -311,8 +311,6 @@ impl<T: Trainee> Allreduce<'_, T> {
         self.params = None;
         self.ema = None;
         self.optim = optimizer(self.cfg);
-        // What the steps freed and kept for the next step goes back: none comes.
-        crate::alloc::release_freed_memory();
         if let Some(comm) = &self.comm {
             // Every rank is done with collectives before anyone hangs up.
             comm.barrier()?;
