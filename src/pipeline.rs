@@ -93,20 +93,27 @@ pub fn unit_gradients<M: Module>(
         // backward's buckets (`Regathered`), one ahead. Each ends as the step's pass drops its
         // channel. Their frames go out before the reductions' (`Kind::urgent`).
         std::thread::scope(|scope| {
-            let mut ahead = match shards.ahead {
-                Some(_) => Some(forward_ahead::forward_ahead(scope, shards, &segments)?),
+            let ahead: Option<forward_ahead::SharedForward<'_>> = match shards.ahead {
+                Some(_) => Some(std::rc::Rc::new(std::cell::RefCell::new(Some(
+                    forward_ahead::forward_ahead(scope, shards, &segments)?,
+                )))),
                 None => None,
             };
-            // Without a thread, the matrices cut into pieces of rows stay empty: the keyed
-            // forward takes them a piece at a time (`Regathered::forward`).
-            let mut gather = |k: usize, s: &StageModel| match ahead.as_mut() {
-                Some(a) => a.take(k, s),
+            // The matrices cut into pieces of rows stay empty: the keyed forward takes them a
+            // piece at a time (`Regathered::forward`), from the thread if there is one.
+            let mut gather = |k: usize, s: &StageModel| match ahead.as_ref() {
+                Some(thread) => match thread.borrow_mut().as_mut() {
+                    Some(a) => a.take(k, s),
+                    None => Err(burn_dist::DistError::Config(format!(
+                        "unit {k}'s parameters asked for after the forward's thread ended"
+                    ))),
+                },
                 None => shards.params.gather_but_pieces(shards.zero, shards.comm, s),
             };
             burn_dist::pipeline::segmented_gradients_regathered(
                 &segments,
                 &mut gather,
-                &mut regather::Regathered::new(shards, Some(scope), &segments)?,
+                &mut regather::Regathered::new(shards, Some(scope), &segments, ahead.clone())?,
                 x,
                 &mut on_output,
                 &mut done,

@@ -230,16 +230,24 @@ impl<'a> Shards<'a> {
     }
 }
 
-/// The keys whose buckets the last step's backward fetched, in order (every rank's the same:
-/// the ops run in one order), for the thread that gathers them ahead in the next
-/// ([`Gathering::ahead`]; `pipeline/regather.rs` writes and reads it).
+/// What the last step's backward fetched, in order (every rank's the same: the ops run in
+/// one order), for the thread that gathers them ahead in the next ([`Gathering::ahead`];
+/// `pipeline/regather.rs` writes and reads it).
 #[derive(Debug, Default)]
 pub struct FetchOrder {
-    pub(super) keys: Vec<u64>,
-    /// Since [`FetchOrder::take_counts`]: buckets the backward fetched, and of them those
-    /// the thread had gathered ahead.
+    pub(super) keys: Vec<Fetched>,
+    /// Since [`FetchOrder::take_counts`]: buckets (and pieces) the backward fetched, and of
+    /// them those the thread had gathered ahead.
     pub(super) fetched: u64,
     pub(super) ahead: u64,
+}
+
+/// One fetch of a step's backward: the bucket that holds a weight (by key), or a piece of
+/// rows of a matrix cut into pieces (key, piece).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Fetched {
+    Bucket(u64),
+    Piece(u64, usize),
 }
 
 impl FetchOrder {

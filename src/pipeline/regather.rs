@@ -25,10 +25,15 @@
 //! the first unit's backward one gathers the backward's buckets one ahead of its ops, in the
 //! order the last step fetched them ([`FetchOrder`](super::gathered::FetchOrder): every step
 //! fetches in one order), so that a gather runs while the compute before it does instead of
-//! between them.
+//! between them. A matrix cut into pieces of rows (larger than a bucket) is taken a piece at a
+//! time by both passes, and those threads gather its pieces in turn, like buckets: after its
+//! unit's other parameters in the forward, in the last step's order in the backward
+//! (`ahead.rs`).
+
+mod ahead;
 
 use std::collections::HashMap;
-use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::mpsc::sync_channel;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -37,7 +42,9 @@ use burn::tensor::TensorData;
 use burn_dist::pipeline::{Activation, Regather};
 use hearth_kernels::keyed::{Pieced, Pieces};
 
-use super::gathered::{Gathering, Shards};
+use self::ahead::{Ahead, gather_ahead, gather_bucket, gather_piece};
+use super::forward_ahead::SharedForward;
+use super::gathered::{Fetched, Gathering, Shards};
 use super::stage::StageModel;
 
 /// The keys each unit's graph kept, from its forward to its backward, the gradients of the
@@ -52,28 +59,31 @@ pub(super) struct Regathered<'a, 's, 'e> {
     shards: &'a Gathering<'a>,
     /// Where the gather-ahead thread runs (the step's backward; `None`: no thread).
     scope: Option<&'s std::thread::Scope<'s, 'e>>,
-    /// The thread's buckets, once the first unit's backward has started it.
+    /// The thread's buckets and pieces, once the first unit's backward has started it.
     ahead: Option<Ahead>,
-    /// The keys fetched this step, in order (the next step's
-    /// [`FetchOrder`](super::gathered::FetchOrder)), and how many of their buckets the thread
-    /// had gathered.
-    fetched: Vec<u64>,
+    /// The forward's thread (`--overlap`), shared with the step's gathers of units: the
+    /// forward takes the pieces of rows from it too, and the first unit's backward waits for
+    /// it to end before its own thread starts on the same communicator.
+    forward: Option<SharedForward<'a>>,
+    /// What was fetched this step, in order (the next step's
+    /// [`FetchOrder`](super::gathered::FetchOrder)), and how much of it the thread had
+    /// gathered.
+    fetched: Vec<Fetched>,
     from_ahead: u64,
     /// The first unit that keeps its parameters from its forward to its backward.
     keep_from: usize,
 }
 
-/// A bucket gathered: its tensors' keys and values, or what failed.
-type Gathered = Result<Vec<(u64, TensorData)>, String>;
-
 impl<'a: 's, 's, 'e> Regathered<'a, 's, 'e> {
     /// Over `shards`, for a step through `segments` (the units, skeletons); with `scope` (the
     /// step's backward runs inside it) and [`Gathering::ahead`], the backward's buckets are
-    /// gathered by a thread of `scope`, one ahead of the ops, in the last step's order.
+    /// gathered by a thread of `scope`, one ahead of the ops, in the last step's order; with
+    /// `forward`, the forward's thread, the forward's pieces of rows come from it.
     pub(super) fn new(
         shards: &'a Gathering<'a>,
         scope: Option<&'s std::thread::Scope<'s, 'e>>,
         segments: &[StageModel],
+        forward: Option<SharedForward<'a>>,
     ) -> burn_dist::Result<Self> {
         let (keep_from, kept) = kept_from(shards, segments)?;
         if let Some(cell) = shards.kept {
@@ -86,6 +96,7 @@ impl<'a: 's, 's, 'e> Regathered<'a, 's, 'e> {
             shards,
             scope: scope.filter(|_| shards.ahead.is_some()),
             ahead: None,
+            forward,
             fetched: Vec::new(),
             from_ahead: 0,
             keep_from,
@@ -101,6 +112,12 @@ impl<'a: 's, 's, 'e> Regathered<'a, 's, 'e> {
     /// A thread that cannot start is an error, not a fallback: this rank would then gather in
     /// the backward's order while the other ranks' threads gather in the last step's.
     fn start_ahead(&mut self) -> burn_dist::Result<()> {
+        if let Some(forward) = self.forward.take() {
+            // Its gathers done (every rank's thread gathers the same), whatever the forward
+            // did not take dropped.
+            let left = forward.borrow_mut().take();
+            left.map(|f| f.finish());
+        }
         let Some(scope) = self.scope.take() else {
             return Ok(());
         };
@@ -113,20 +130,21 @@ impl<'a: 's, 's, 'e> Regathered<'a, 's, 'e> {
             return Ok(());
         }
         let shards = Shards::of(self.shards);
+        let pieced: Pieced = self
+            .pieced
+            .values()
+            .flat_map(|p| p.iter().map(|(k, v)| (*k, v.clone())))
+            .collect();
         let (tx, rx) = sync_channel(0);
         std::thread::Builder::new()
             .name("hearth-zero3-gather-ahead".into())
-            .spawn_scoped(scope, move || gather_ahead(shards, order, tx))
+            .spawn_scoped(scope, move || gather_ahead(shards, pieced, order, tx))
             .map_err(|e| {
                 burn_dist::DistError::Config(format!(
                     "starting stage 3's backward gather thread: {e}"
                 ))
             })?;
-        self.ahead = Some(Ahead {
-            rx,
-            spare: Vec::new(),
-            open: true,
-        });
+        self.ahead = Some(Ahead::new(rx));
         Ok(())
     }
 }
@@ -159,6 +177,7 @@ impl<'a: 's, 's, 'e> Regather<StageModel> for Regathered<'a, 's, 'e> {
                 let mut fetch = PieceSource {
                     shards: Shards::of(self.shards),
                     pieced: &pieced,
+                    forward: self.forward.as_ref(),
                 };
                 let (y, keys, fetched) =
                     hearth_kernels::keyed::forward_from(pieced.clone(), &mut fetch, || {
@@ -291,28 +310,16 @@ fn pieced_in(g: Shards<'_>, unit: &StageModel) -> burn_dist::Result<Pieced> {
         .collect())
 }
 
-/// Piece `k` of matrix `key` from the ranks' shards.
-fn gather_piece(g: Shards<'_>, pieced: &Pieced, key: u64, k: usize) -> Result<TensorData, String> {
-    let cols = pieced.get(&key).map_or(0, |p| p.cols);
-    let rows = pieced
-        .get(&key)
-        .and_then(|p| p.rows.get(k))
-        .map_or(0, |r| r.len());
-    let values = g
-        .params
-        .gather_piece(g.zero, g.comm, &ParamId::from(key), k)
-        .map_err(|e| format!("gathering piece {k} of weight {key}: {e}"))?;
-    Ok(TensorData::new(values, [rows, cols]))
-}
-
 /// A unit's forward's source: the pieces of its matrices cut into pieces of rows, gathered
-/// as its products need them (every rank's forward runs its ops in one order).
-struct PieceSource<'a> {
+/// as its products need them (every rank's forward runs its ops in one order), or taken from
+/// the forward's thread, which gathers them after the unit's other parameters.
+struct PieceSource<'a, 'f> {
     shards: Shards<'a>,
     pieced: &'a Pieced,
+    forward: Option<&'a SharedForward<'f>>,
 }
 
-impl hearth_kernels::keyed::Source for PieceSource<'_> {
+impl hearth_kernels::keyed::Source for PieceSource<'_, '_> {
     fn fetch(&mut self, key: u64) -> Result<Vec<(u64, TensorData)>, String> {
         Err(format!("weight {key} fetched whole in a forward"))
     }
@@ -322,62 +329,13 @@ impl hearth_kernels::keyed::Source for PieceSource<'_> {
     }
 
     fn fetch_piece(&mut self, key: u64, piece: usize) -> Result<TensorData, String> {
-        gather_piece(self.shards, self.pieced, key, piece)
-    }
-}
-
-/// Weight `key`'s bucket from the ranks' shards: its tensors by key.
-fn gather_bucket(g: Shards<'_>, key: u64) -> Gathered {
-    let bucket = g
-        .params
-        .gather_bucket_of(g.zero, g.comm, &ParamId::from(key))
-        .map_err(|e| format!("gathering weight {key}'s bucket: {e}"))?;
-    Ok(bucket
-        .into_iter()
-        .map(|(id, shape, v)| (id.val(), TensorData::new(v, shape)))
-        .collect())
-}
-
-/// The thread that gathers a step's buckets ahead of its backward: the buckets of `order`'s
-/// keys, each handed over when the backward takes it; it stops at the first failure (handed
-/// over) or when the backward no longer takes any.
-fn gather_ahead(g: Shards<'_>, order: Vec<u64>, tx: SyncSender<Gathered>) {
-    for key in order {
-        let bucket = gather_bucket(g, key);
-        let failed = bucket.is_err();
-        if tx.send(bucket).is_err() || failed {
-            return;
+        match self
+            .forward
+            .and_then(|f| f.borrow_mut().as_mut().map(|f| f.piece(key, piece)))
+        {
+            Some(got) => got,
+            None => gather_piece(self.shards, self.pieced, key, piece),
         }
-    }
-}
-
-/// The buckets a thread gathers ahead of a step's backward, and those it gathered that the
-/// backward has not asked for yet (taken out of order: only where the order changed).
-struct Ahead {
-    rx: Receiver<Gathered>,
-    spare: Vec<Vec<(u64, TensorData)>>,
-    /// Whether the thread may still hand over buckets.
-    open: bool,
-}
-
-impl Ahead {
-    /// The bucket that holds `key`, if the thread gathered it: from the spares, else from the
-    /// thread, keeping the buckets before it as spares. `None` once the thread has ended
-    /// without it (its collectives done, so the caller may gather on the same communicator).
-    fn take(&mut self, key: u64) -> Option<Gathered> {
-        let holds = |b: &[(u64, TensorData)]| b.iter().any(|(k, _)| *k == key);
-        if let Some(i) = self.spare.iter().position(|b| holds(b)) {
-            return Some(Ok(self.spare.swap_remove(i)));
-        }
-        while self.open {
-            match self.rx.recv() {
-                Ok(Ok(bucket)) if holds(&bucket) => return Some(Ok(bucket)),
-                Ok(Ok(bucket)) => self.spare.push(bucket),
-                Ok(Err(e)) => return Some(Err(e)),
-                Err(_) => self.open = false,
-            }
-        }
-        None
     }
 }
 
@@ -388,21 +346,21 @@ impl Ahead {
 struct Fetch<'a, 'b> {
     shards: Shards<'a>,
     keys: &'b hearth_kernels::keyed::Uses,
-    /// The unit's matrices cut into pieces of rows: each piece gathered on this thread (there
-    /// is no thread ahead where they are cut), its gradient handed over alone.
+    /// The unit's matrices cut into pieces of rows: each piece fetched as its product needs
+    /// it, its gradient handed over alone.
     pieced: &'b Pieced,
-    /// The buckets gathered ahead by a thread (`--overlap`, from the second step).
+    /// The buckets and pieces gathered ahead by a thread (`--overlap`, from the second step).
     ahead: Option<&'b mut Ahead>,
-    /// The keys fetched, in order: the next step's [`FetchOrder`](super::gathered::FetchOrder).
-    fetched: &'b mut Vec<u64>,
+    /// What was fetched, in order: the next step's [`FetchOrder`](super::gathered::FetchOrder).
+    fetched: &'b mut Vec<Fetched>,
     /// How many of them the thread had gathered.
     from_ahead: &'b mut u64,
 }
 
 impl hearth_kernels::keyed::Source for Fetch<'_, '_> {
     fn fetch(&mut self, key: u64) -> Result<Vec<(u64, TensorData)>, String> {
-        self.fetched.push(key);
-        let bucket = match self.ahead.as_mut().and_then(|a| a.take(key)) {
+        self.fetched.push(Fetched::Bucket(key));
+        let bucket = match self.ahead.as_mut().and_then(|a| a.bucket(key)) {
             Some(bucket) => {
                 *self.from_ahead += 1;
                 bucket
@@ -431,7 +389,15 @@ impl hearth_kernels::keyed::Source for Fetch<'_, '_> {
     }
 
     fn fetch_piece(&mut self, key: u64, piece: usize) -> Result<TensorData, String> {
-        gather_piece(self.shards, self.pieced, key, piece)
+        self.fetched.push(Fetched::Piece(key, piece));
+        match self.ahead.as_mut().and_then(|a| a.piece(key, piece)) {
+            Some(got) => {
+                *self.from_ahead += 1;
+                got
+            }
+            // As for a bucket: the thread, if any, has ended.
+            None => gather_piece(self.shards, self.pieced, key, piece),
+        }
     }
 
     fn piece_gradient(&mut self, key: u64, piece: usize, grad: TensorData) -> Result<(), String> {
@@ -519,73 +485,5 @@ impl ModuleVisitor for Add<'_> {
         let device = param.val().device().without_autodiff();
         self.into
             .register(param.id, Tensor::<D>::from_data(data, &device));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn bucket(keys: &[u64]) -> Vec<(u64, TensorData)> {
-        keys.iter()
-            .map(|&k| (k, TensorData::new(vec![k as f32], [1])))
-            .collect()
-    }
-
-    fn keys_of(b: &Gathered) -> Vec<u64> {
-        b.as_ref()
-            .map_or(Vec::new(), |b| b.iter().map(|(k, _)| *k).collect())
-    }
-
-    /// A thread's buckets taken in its order, out of it (those before kept as spares and
-    /// taken from there), and `None` once it ended without the key: then, and only then, the
-    /// caller gathers on the communicator itself.
-    #[test]
-    fn buckets_gathered_ahead_are_taken_in_order_out_of_order_and_none_after_the_thread() {
-        let (tx, rx) = sync_channel(0);
-        let thread = std::thread::spawn(move || {
-            for b in [bucket(&[1, 2]), bucket(&[3]), bucket(&[4])] {
-                if tx.send(Ok(b)).is_err() {
-                    return;
-                }
-            }
-        });
-        let mut ahead = Ahead {
-            rx,
-            spare: Vec::new(),
-            open: true,
-        };
-        assert_eq!(keys_of(&ahead.take(2).expect("gathered ahead")), [1, 2]);
-        // 4 before 3: 3's bucket waits as a spare.
-        assert_eq!(keys_of(&ahead.take(4).expect("gathered ahead")), [4]);
-        assert_eq!(ahead.spare.len(), 1);
-        assert_eq!(keys_of(&ahead.take(3).expect("a spare")), [3]);
-        assert!(ahead.take(5).is_none(), "the thread has ended without 5");
-        assert!(!ahead.open);
-        thread.join().expect("the sender ends");
-    }
-
-    /// A failed gather is handed over as the bucket asked for, naming what failed.
-    #[test]
-    fn a_failed_gather_ahead_comes_back_as_the_fetch_error() {
-        let (tx, rx) = sync_channel(0);
-        let thread = std::thread::spawn(move || {
-            let _ = tx.send(Err(
-                "gathering weight 7's bucket: peer 1 timed out".to_string()
-            ));
-        });
-        let mut ahead = Ahead {
-            rx,
-            spare: Vec::new(),
-            open: true,
-        };
-        match ahead.take(7) {
-            Some(Err(e)) => assert!(e.contains("peer 1 timed out"), "{e}"),
-            other => panic!(
-                "expected the thread's error, got {:?}",
-                other.map(|b| keys_of(&b))
-            ),
-        }
-        thread.join().expect("the sender ends");
     }
 }

@@ -353,6 +353,23 @@ impl ShardedParams {
         Ok(GatheredValues { tensors, buckets })
     }
 
+    /// [`Self::gather_values`] but for the tensors cut into pieces of rows, which
+    /// [`Self::with_values`] leaves empty (a product takes them a piece at a time:
+    /// [`Self::gather_piece`]).
+    pub fn gather_values_but_pieces(
+        &self,
+        zero: &ZeroOptimizer,
+        comm: &Communicator,
+        tensors: std::ops::Range<usize>,
+    ) -> Result<GatheredValues> {
+        let mut buckets = Vec::new();
+        zero.gather_params_but_pieces(comm, tensors.clone(), &mut |range, parts| {
+            buckets.push((range, parts));
+            Ok(())
+        })?;
+        Ok(GatheredValues { tensors, buckets })
+    }
+
     /// `part` with `values` in place of its empty trainable tensors: the values gathered for
     /// exactly its tensors by [`Self::gather_values`].
     pub fn with_values<U: Module>(&self, part: &U, values: GatheredValues) -> Result<U> {

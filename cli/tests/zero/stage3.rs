@@ -83,14 +83,15 @@ fn stage_3_regathers_vgg_and_densenet_units_as_plain_data_parallel() {
 }
 
 /// Stage 3 with a bucket per weight (`--bucket-mb 0.001`, 1 KiB: every convolution and linear
-/// weight of the mini models alone in its bucket, each linear weight cut into pieces of rows
-/// but with `--overlap`): each unit's backward gathers a weight's
+/// weight of the mini models alone in its bucket, each linear weight cut into pieces of
+/// rows): each unit's backward gathers a weight's
 /// bucket when the weight's op first needs it, and hands the weight's gradient over as soon as
 /// it is whole, its bucket reduce-scattered then rather than at the unit's end (the ranks call
 /// those collectives in their backward's order). Without and with `--overlap` (the
-/// reductions on a thread of their own beside the gathers; from the second step a thread
-/// gathers each unit's buckets ahead of its ops, in the last step's order), a ResNet and a VGG
-/// train as plain data parallel does.
+/// reductions on a thread of their own beside the gathers; a thread gathers the forward's
+/// units and their pieces ahead, and from the second step one gathers each unit's buckets and
+/// pieces ahead of its ops, in the last step's order), a ResNet and a VGG train as plain data
+/// parallel does.
 #[test]
 fn stage_3_with_a_bucket_per_weight_gathers_and_reduces_weight_by_weight_as_plain_data_parallel() {
     let dir = tempfile::tempdir().unwrap();
@@ -116,12 +117,9 @@ fn stage_3_with_a_bucket_per_weight_gathers_and_reduces_weight_by_weight_as_plai
                         && logs.contains("buckets of 1.0 KiB"),
                     "{logs}"
                 );
-                // The linear weights are larger than 1 KiB: cut into pieces of rows, but for
-                // `--overlap`, which says it gathers them whole.
-                let said = match label {
-                    "3f" => "pieces of rows in all, each gathered, multiplied and reduced alone",
-                    _ => "passes with --overlap (its threads gather whole units ahead)",
-                };
+                // The linear weights are larger than 1 KiB: cut into pieces of rows, also with
+                // `--overlap`, whose threads gather the pieces in turn.
+                let said = "pieces of rows in all, each gathered, multiplied and reduced alone";
                 assert!(logs.contains(said), "{label}: {logs}");
             }
             if label == "3fo" {

@@ -128,12 +128,11 @@ impl<T: Trainee> Allreduce<'_, T> {
 }
 
 /// Whether stage 3 may cut its matrices larger than a bucket into pieces of rows, each
-/// gathered and multiplied alone (`hearth_kernels::keyed::forward_from`): on the keyed
-/// forward's path only, in f32. Else what takes the other path.
+/// gathered and multiplied alone (`hearth_kernels::keyed::forward_from`; with
+/// `exchange.overlap` its threads gather the pieces in turn): on the keyed forward's path
+/// only, in f32. Else what takes the other path.
 fn pieces_built(cfg: &crate::train::TrainConfig) -> std::result::Result<(), &'static str> {
-    if cfg.exchange.overlap {
-        Err("`exchange.overlap` (its threads gather whole units ahead)")
-    } else if cfg.compute.recompute {
+    if cfg.compute.recompute {
         Err("`compute.recompute` (its backward runs each unit's forward again, gathered whole)")
     } else if cfg.compute.precision != crate::train::Precision::Fp32 {
         Err("`compute.precision` other than f32 (the weights are cast whole)")
