@@ -17,7 +17,6 @@ use crate::{HearthError, Result};
 mod forward_ahead;
 mod gathered;
 mod regather;
-mod room;
 mod stage;
 
 pub use gathered::{

@@ -66,6 +66,7 @@ pub mod overlap;
 pub mod pipeline;
 pub mod ps;
 pub mod rendezvous;
+pub mod room;
 pub mod routed;
 pub mod secret;
 pub mod shm;

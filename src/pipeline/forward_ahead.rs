@@ -21,10 +21,10 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, channel};
 
 use burn::tensor::TensorData;
+use burn_dist::room::Room;
 use burn_dist::zero::module::GatheredValues;
 
 use super::gathered::{Gathering, Shards};
-use super::room::Room;
 use super::stage::StageModel;
 
 /// The forward's thread, shared by the step's gathers of units and its keyed products' pieces

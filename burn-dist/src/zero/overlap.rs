@@ -53,6 +53,7 @@ use std::thread::JoinHandle;
 
 use super::{BucketReducer, ReducedGradients};
 use crate::collective::Communicator;
+use crate::room::Room;
 use crate::{DistError, Result};
 
 /// Gradients handed over by tensor index (in the trainable order), reduced bucket by bucket as
@@ -68,6 +69,9 @@ enum Mode {
     Thread {
         tx: Option<Sender<Handing>>,
         worker: Option<JoinHandle<Result<ReducedGradients>>>,
+        /// The gradients' bytes handed to the thread and not taken yet, against two of the
+        /// largest buckets: a hand-over waits while the thread is behind.
+        queued: Arc<Room>,
     },
     /// The pending buckets and the first failure (then what comes is dropped); `None` once
     /// finished.
@@ -82,16 +86,33 @@ struct Inline {
 
 impl ShardedExchange {
     /// Starts the exchange thread, reducing buckets as `reducer` cuts them over `comm`.
+    ///
+    /// A hand-over waits while the gradients handed over and not yet taken by the thread
+    /// would pass two of the largest buckets (one being reduced, one waiting; a larger
+    /// hand-over goes once nothing waits): a backward that produces gradients faster than
+    /// they are reduced (ZeRO stage 3's pieces of a large matrix: a small product each) would
+    /// otherwise pile them all up, the whole matrix's gradient the stage is there not to hold.
     pub fn start(comm: Arc<Communicator>, reducer: BucketReducer) -> Result<Self> {
+        let largest = (0..reducer.buckets())
+            .map(|b| reducer.bucket_len(b))
+            .max()
+            .unwrap_or(0);
+        let queued = Arc::new(Room::new(2 * largest * std::mem::size_of::<f32>()));
         let (tx, rx) = channel();
+        let thread_queued = queued.clone();
         let worker = std::thread::Builder::new()
             .name("burn-dist-zero-exchange".into())
-            .spawn(move || exchange(&comm, reducer, rx))
+            .spawn(move || {
+                // However the thread ends, a hand-over waiting for room goes on (and is dropped).
+                let _close = Closing(&thread_queued);
+                exchange(&comm, reducer, rx, &thread_queued)
+            })
             .map_err(|e| DistError::Config(format!("starting the ZeRO exchange thread: {e}")))?;
         Ok(Self {
             mode: Mode::Thread {
                 tx: Some(tx),
                 worker: Some(worker),
+                queued,
             },
         })
     }
@@ -127,9 +148,17 @@ impl ShardedExchange {
 
     fn hand(&self, handing: Handing) {
         match &self.mode {
-            Mode::Thread { tx: Some(tx), .. } => {
-                // A closed channel means the thread has stopped on an error: finish reports it.
-                let _ = tx.send(handing);
+            Mode::Thread {
+                tx: Some(tx),
+                queued,
+                ..
+            } => {
+                // A closed room or channel means the thread has stopped on an error: finish
+                // reports it.
+                let bytes = handing.bytes();
+                if queued.admit(bytes) && tx.send(handing).is_err() {
+                    queued.taken(bytes);
+                }
             }
             Mode::Thread { tx: None, .. } => {}
             Mode::Inline(m) => {
@@ -152,7 +181,7 @@ impl ShardedExchange {
     pub fn finish(mut self) -> Result<ReducedGradients> {
         let twice = || DistError::Config("the ZeRO gradient exchange was finished twice".into());
         match &mut self.mode {
-            Mode::Thread { tx, worker } => {
+            Mode::Thread { tx, worker, .. } => {
                 tx.take();
                 let worker = worker.take().ok_or_else(twice)?;
                 worker.join().unwrap_or_else(|_| {
@@ -178,7 +207,7 @@ impl Drop for ShardedExchange {
     fn drop(&mut self) {
         // Dropped without finish (the step failed): the thread reduces what it has and stops;
         // each collective's timeout bounds the wait. (Inline: nothing runs.)
-        if let Mode::Thread { tx, worker } = &mut self.mode {
+        if let Mode::Thread { tx, worker, .. } = &mut self.mode {
             tx.take();
             if let Some(w) = worker.take() {
                 let _ = w.join();
@@ -195,6 +224,25 @@ type Handed = Vec<(usize, Vec<f32>)>;
 enum Handing {
     Tensors(Handed),
     Piece(usize, usize, Vec<f32>),
+}
+
+impl Handing {
+    fn bytes(&self) -> usize {
+        let values = match self {
+            Handing::Tensors(t) => t.iter().map(|(_, v)| v.len()).sum(),
+            Handing::Piece(_, _, v) => v.len(),
+        };
+        values * std::mem::size_of::<f32>()
+    }
+}
+
+/// Closes the exchange's room when its thread ends.
+struct Closing<'a>(&'a Room);
+
+impl Drop for Closing<'_> {
+    fn drop(&mut self) {
+        self.0.close();
+    }
 }
 
 /// A bucket's reduced segments: this rank's, and its replica's.
@@ -397,10 +445,14 @@ fn exchange(
     comm: &Communicator,
     reducer: BucketReducer,
     rx: Receiver<Handing>,
+    queued: &Room,
 ) -> Result<ReducedGradients> {
     let mut pending = Pending::new(reducer);
     for handing in rx {
-        pending.take(comm, handing)?;
+        let bytes = handing.bytes();
+        let took = pending.take(comm, handing);
+        queued.taken(bytes);
+        took?;
     }
     pending.reduce_rest(comm)?;
     Ok(pending.into_reduced())

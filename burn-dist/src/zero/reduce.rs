@@ -52,6 +52,11 @@ impl BucketReducer {
         (*range != whole).then(|| range.start - start..range.end - start)
     }
 
+    /// Bucket `b`'s number of values.
+    pub fn bucket_len(&self, b: usize) -> usize {
+        self.buckets[b].1.len()
+    }
+
     /// Tensor `t`'s number of values.
     pub fn tensor_len(&self, t: usize) -> usize {
         self.offsets[t + 1] - self.offsets[t]

@@ -185,3 +185,90 @@ fn pieces_handed_over_whole_or_one_by_one_reduce_as_after_the_backward() {
         assert_eq!(want.buckets(), 6);
     }
 }
+
+/// The exchange thread takes gradients under a budget of two of its largest buckets: a
+/// backward that hands them over faster than they are reduced waits instead of piling them
+/// up. Rank 1 hands over 6 gradients while rank 0 has not started: the first 4 fit (56 of
+/// the 56 bytes of two 7-value buckets), the 5th waits until rank 0's hand-overs let the
+/// reductions go on, and then the result is the reduction after the backward.
+#[test]
+fn a_hand_over_waits_while_the_exchange_thread_is_two_buckets_behind() {
+    use std::sync::mpsc::channel;
+    use std::time::Duration;
+    let offsets = vec![0, 7, 9, 20, 23];
+    let (done_tx, done_rx) = channel();
+    let (go_tx, go_rx) = channel::<()>();
+    let mut go_rx = Some(go_rx);
+    let handles: Vec<_> = MemoryTransport::mesh(2)
+        .into_iter()
+        .map(|t| {
+            let offsets = offsets.clone();
+            let done_tx = done_tx.clone();
+            let go_rx = go_rx.take();
+            thread::spawn(move || {
+                let comm = Arc::new(rank_comm(t));
+                let o = optimizer(Update::adam());
+                // Buckets of 4 values but a.weight's 7; b.weight in pieces of 4, 4 and 3.
+                let z = ZeroOptimizer::new(Stage::Three, &tensors(), o, &comm, 16).unwrap();
+                let z = z.cut_rows(&[(2, 1)]).unwrap();
+                let g = grad(comm.rank(), 0, &start_values());
+                let values = start_values();
+                let mut source = FlatSource {
+                    grad: &g,
+                    values: &values,
+                    offsets: offsets.clone(),
+                };
+                let want = z.reduce_gradients(&comm, &mut source).unwrap();
+                if let Some(go) = go_rx {
+                    go.recv_timeout(Duration::from_secs(30)).unwrap();
+                }
+                let part = |t: usize| g[offsets[t]..offsets[t + 1]].to_vec();
+                let x = overlap::ShardedExchange::start(comm.clone(), z.reducer()).unwrap();
+                for (k, at) in [0, 4, 8].into_iter().enumerate() {
+                    let end = (at + 4).min(11);
+                    x.submit_piece(2, at, g[9 + at..9 + end].to_vec());
+                    let _ = done_tx.send((comm.rank(), k));
+                }
+                for (k, t) in [3, 1, 0].into_iter().enumerate() {
+                    x.submit(vec![(t, part(t))]);
+                    let _ = done_tx.send((comm.rank(), 3 + k));
+                }
+                (want, x.finish().unwrap())
+            })
+        })
+        .collect();
+    let wait = Duration::from_secs(30);
+    for k in 0..4 {
+        assert_eq!(
+            done_rx.recv_timeout(wait),
+            Ok((1, k)),
+            "rank 1's hand-over {k}"
+        );
+    }
+    assert!(
+        done_rx.recv_timeout(Duration::from_millis(300)).is_err(),
+        "the 5th hand-over waits: 64 bytes would be queued against 56"
+    );
+    go_tx.send(()).unwrap();
+    let mut rest: Vec<(usize, usize)> = (0..8)
+        .map(|_| done_rx.recv_timeout(wait).expect("the hand-overs go on"))
+        .collect();
+    rest.sort();
+    assert_eq!(
+        rest,
+        [
+            (0, 0),
+            (0, 1),
+            (0, 2),
+            (0, 3),
+            (0, 4),
+            (0, 5),
+            (1, 4),
+            (1, 5)
+        ]
+    );
+    for (r, h) in handles.into_iter().enumerate() {
+        let (want, got) = h.join().unwrap();
+        assert_eq!(got.grads, want.grads, "rank {r}");
+    }
+}

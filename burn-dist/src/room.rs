@@ -1,21 +1,26 @@
-//! How far ahead a thread that gathers for ZeRO stage 3's forward may run
-//! (`forward_ahead.rs`): a budget of bytes handed over and not taken yet ([`Room`]).
+//! A budget of bytes that one thread hands to another and the other has not taken yet
+//! ([`Room`]): how far ahead a producer may run. ZeRO stage 3's forward gathers ahead under
+//! one (Hearth's `pipeline/forward_ahead.rs`: a bucket's bytes), and the overlapped ZeRO
+//! exchange takes gradients under one ([`crate::zero::overlap::ShardedExchange`]: two of its
+//! largest buckets), so that a backward that produces gradients faster than they are reduced
+//! waits instead of piling them up.
 //!
-//! The backward's thread stays one bucket ahead (a rendezvous, `regather.rs`): with more, its
-//! gathers took the link from the gradient reductions beside them and the step got slower
-//! (ResNet-50 between two hosts at 1 Gbit/s, 2026-12-04, two runs of 8 steps each: 2.23-2.24 s
-//! a step against 2.14-2.16 s).
+//! Hearth's backward gather thread stays one bucket ahead through a rendezvous instead: with
+//! more, its gathers took the link from the gradient reductions beside them and the step got
+//! slower (ResNet-50 between two hosts at 1 Gbit/s, 2026-12-04, two runs of 8 steps each:
+//! 2.23-2.24 s a step against 2.14-2.16 s).
 
 use std::sync::{Condvar, Mutex};
 
 /// The bytes a thread has handed over and its taker not taken yet, against a budget.
-pub(super) struct Room {
+#[derive(Debug)]
+pub struct Room {
     state: Mutex<Waiting>,
     changed: Condvar,
     budget: usize,
 }
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Waiting {
     bytes: usize,
     /// The taker is gone: the thread stops.
@@ -23,7 +28,8 @@ struct Waiting {
 }
 
 impl Room {
-    pub(super) fn new(budget: usize) -> Self {
+    /// An empty room of `budget` bytes.
+    pub fn new(budget: usize) -> Self {
         Self {
             state: Mutex::new(Waiting::default()),
             changed: Condvar::new(),
@@ -33,7 +39,7 @@ impl Room {
 
     /// Waits until `bytes` more fit beside what waits (always when nothing does) and counts
     /// them as handed over; `false` once the taker is gone.
-    pub(super) fn admit(&self, bytes: usize) -> bool {
+    pub fn admit(&self, bytes: usize) -> bool {
         let Ok(mut w) = self.state.lock() else {
             return false;
         };
@@ -51,14 +57,16 @@ impl Room {
     }
 
     /// The taker took a unit of `bytes`.
-    pub(super) fn taken(&self, bytes: usize) {
+    pub fn taken(&self, bytes: usize) {
         if let Ok(mut w) = self.state.lock() {
             w.bytes = w.bytes.saturating_sub(bytes);
         }
         self.changed.notify_all();
     }
 
-    pub(super) fn close(&self) {
+    /// The taker is gone: a thread waiting in [`Self::admit`], and any that comes, gets
+    /// `false`.
+    pub fn close(&self) {
         if let Ok(mut w) = self.state.lock() {
             w.closed = true;
         }
