@@ -26,7 +26,9 @@
 //! again for its backward, the last unit's kept) runs twice: with the default 25 MiB buckets,
 //! where a unit's backward gathers its weights whole, and with small ones (`--bucket-mb` from
 //! `HEARTH_MEM_FINE_MB`, default 0.05), where its backward gathers a weight's bucket as the
-//! weight's op needs it and reduces it as soon as its gradient is whole;
+//! weight's op needs it and reduces it as soon as its gradient is whole, and then with the
+//! small buckets and `--overlap` ("3 + overlap": threads gather ahead, the pieces of a matrix
+//! larger than a bucket in turn);
 //! `HEARTH_MEM_RECOMPUTE=both` adds its `--recompute` row, where a rank holds one unit's
 //! parameters at a time. PyTorch's column beside any stage is its stage 1.
 //! `HEARTH_MEM_STAGES` (default `0,1,2,3`) keeps the rows of the stages it lists (without 0,
@@ -317,6 +319,7 @@ fn main() {
                         (2, true, false),
                         (3, false, false),
                         (3, false, true),
+                        (3, true, true),
                     ]
                 } else {
                     &[(0, false, false)]
@@ -423,6 +426,7 @@ fn main() {
                             optimizer,
                             n,
                             recompute,
+                            overlap,
                             buckets: buckets.unwrap_or("25 (default)"),
                             total,
                             slots,
@@ -476,9 +480,9 @@ fn main() {
         );
         println!();
         println!(
-            "| model | optimizer | N | recompute | --bucket-mb | held between steps, MB | a step's rise, MB | bound at the peak, MB | 1/N of the total, MB | goal: bound <= 1.1 x 1/N |"
+            "| model | optimizer | N | recompute | overlap | --bucket-mb | held between steps, MB | a step's rise, MB | bound at the peak, MB | 1/N of the total, MB | goal: bound <= 1.1 x 1/N |"
         );
-        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
         for row in &strict {
             println!("{row}");
         }
@@ -492,6 +496,7 @@ struct StrictRow<'a> {
     optimizer: &'a str,
     n: usize,
     recompute: bool,
+    overlap: bool,
     buckets: &'a str,
     /// Trainable values, and optimizer state values per parameter.
     total: f64,
@@ -515,11 +520,12 @@ fn strict_row(r: StrictRow<'_>) -> String {
         ),
     };
     format!(
-        "| {} | {} | {} | {} | {} | {held:.0} | {:.1} | {bound:.0} | {share:.0} | {verdict} |",
+        "| {} | {} | {} | {} | {} | {} | {held:.0} | {:.1} | {bound:.0} | {share:.0} | {verdict} |",
         r.model,
         r.optimizer,
         r.n,
         if r.recompute { "yes" } else { "no" },
+        if r.overlap { "yes" } else { "no" },
         r.buckets,
         r.rise,
     )
