@@ -116,7 +116,9 @@ impl<'a: 's, 's, 'e> Regathered<'a, 's, 'e> {
             // Its gathers done (every rank's thread gathers the same), whatever the forward
             // did not take dropped.
             let left = forward.borrow_mut().take();
-            left.map(|f| f.finish());
+            if let Some(f) = left {
+                f.finish();
+            }
         }
         let Some(scope) = self.scope.take() else {
             return Ok(());

@@ -172,7 +172,7 @@ mod tests {
     fn piece_value(p: Option<Result<TensorData, String>>) -> Vec<f32> {
         p.expect("gathered ahead")
             .expect("a piece")
-            .into_vec::<f32>()
+            .try_into_vec::<f32>()
             .expect("f32")
     }
 
