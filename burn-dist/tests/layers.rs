@@ -14,6 +14,8 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("fuzz.rs", &[]),
     ("bucket.rs", &[]),
     ("split.rs", &[]),
+    // A budget of bytes between two threads: nothing.
+    ("room.rs", &[]),
     ("error.rs", &["wire"]),
     ("wire.rs", &[]),
     ("secret.rs", &[]),
@@ -30,7 +32,10 @@ const LAYERS: &[(&str, &[&str])] = &[
     // A model as a flat vector (layout, module glue, optimizers): nothing but itself; the
     // sharded optimizer over it and the collectives; DDP over both.
     ("flat/", &["flat"]),
-    ("zero/", &["bucket", "collective", "flat", "split", "zero"]),
+    (
+        "zero/",
+        &["bucket", "collective", "flat", "room", "split", "zero"],
+    ),
     // A module's gradients in buckets; the exchange overlapped with the backward over them
     // (into the sharded optimizer's buckets too, found by the flat layer's tensor order).
     ("grads.rs", &["bucket", "collective"]),
