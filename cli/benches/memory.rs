@@ -23,9 +23,10 @@
 //! Stage 2 runs twice: as it is, and with `--overlap` ("2 + overlap"), where each bucket's
 //! gradient is reduce-scattered during the backward and dropped, which is where stage 2 saves
 //! the gradients' share. Stage 3 (each unit's weights let go after its forward and gathered
-//! again for its backward, the last unit's kept) runs twice: with the default 25 MiB buckets,
-//! where a unit's backward gathers its weights whole, and with small ones (`--bucket-mb` from
-//! `HEARTH_MEM_FINE_MB`, default 0.05), where its backward gathers a weight's bucket as the
+//! again for its backward, the last unit's kept) runs twice: with 25 MiB buckets (the other
+//! stages' default; stage 3's own is 1 MiB), where a unit's backward gathers its weights
+//! whole, and with small ones (`--bucket-mb` from
+//! `HEARTH_MEM_FINE_MB`, default 1, stage 3's own default), where its backward gathers a weight's bucket as the
 //! weight's op needs it and reduces it as soon as its gradient is whole, and then with the
 //! small buckets and `--overlap` ("3 + overlap": threads gather ahead, the pieces of a matrix
 //! larger than a bucket in turn);
@@ -296,10 +297,10 @@ fn main() {
             .expect("building the model to count its parameters");
         values.insert(model.clone(), n);
     }
-    // Stage 3 runs with the default 25 MiB buckets (a unit's backward gathers the unit whole)
-    // and with these (MiB: `--bucket-mb`), where its backward gathers a bucket at a time and
-    // reduces each weight's bucket as soon as the weight's gradient is whole.
-    let fine_mb = std::env::var("HEARTH_MEM_FINE_MB").unwrap_or_else(|_| "0.05".into());
+    // Stage 3 runs with 25 MiB buckets (a unit's backward gathers the unit whole) and with
+    // these (MiB: `--bucket-mb`; stage 3's default, 1), where its backward gathers a bucket at
+    // a time and reduces each weight's bucket as soon as the weight's gradient is whole.
+    let fine_mb = std::env::var("HEARTH_MEM_FINE_MB").unwrap_or_else(|_| "1".into());
     let kept_stages: Vec<u8> = common::env_list("HEARTH_MEM_STAGES", "0,1,2,3")
         .iter()
         .map(|s| s.parse().expect("HEARTH_MEM_STAGES: stage numbers"))
@@ -332,7 +333,12 @@ fn main() {
                     .filter(|z| kept_stages.contains(&z.0))
                     .flat_map(|z| recomputes.iter().map(move |r| (z, r)))
                 {
-                    let buckets = fine.then_some(fine_mb.as_str());
+                    // Stage 3's coarse row: 25 MiB, the other stages' default (its own is 1 MiB).
+                    let buckets = match (zero, fine) {
+                        (_, true) => Some(fine_mb.as_str()),
+                        (3, false) => Some("25"),
+                        _ => None,
+                    };
                     let m = match hearth(
                         &dir, &data, model, optimizer, n, zero, overlap, recompute, buckets, size,
                         per_rank,
@@ -427,7 +433,7 @@ fn main() {
                             n,
                             recompute,
                             overlap,
-                            buckets: buckets.unwrap_or("25 (default)"),
+                            buckets: buckets.unwrap_or("default"),
                             total,
                             slots,
                             rise: max(&m.rises),

@@ -30,7 +30,8 @@
 //! parallel, overlapped between hosts). `HEARTH_OVERLAP_ZERO_BUCKETS` (with
 //! `HEARTH_OVERLAP_ZERO`; a list of MiB, e.g. `25,1,0.05`): each round also runs the sharded
 //! job with `--overlap` at each of these `--bucket-mb` (stage 3: how finely its backward
-//! gathers and reduces), each compared to plain data parallel alike.
+//! gathers and reduces; its default is 1, the other stages' 25), each compared to plain data
+//! parallel alike.
 
 mod common;
 

@@ -202,10 +202,11 @@ pub(crate) struct TrainArgs {
     #[arg(long, default_value_t = 1)]
     pub(crate) nproc: usize,
     /// Gradient fusion bucket size in MiB (allreduce: data parallel, elastic, pipeline replicas;
-    /// --zero: the buckets each rank keeps a segment of) [default: 25]. With --zero 3 also how
-    /// finely parameters are gathered for a unit's backward: small buckets (1) gather a weight
-    /// at a time and reduce each weight's gradient as soon as it is whole, for less memory per
-    /// rank and more, smaller exchanges (slower steps); 25 gathers a unit's weights whole.
+    /// --zero: the buckets each rank keeps a segment of) [default: 25; 1 with --zero 3]. With
+    /// --zero 3 also how finely parameters are gathered and reduced: small buckets (1) gather a
+    /// weight, or a piece of rows of a larger one, at a time and reduce each as soon as its
+    /// gradient is whole, for less memory per rank and more, smaller exchanges; 25 gathers a
+    /// unit's weights whole.
     #[arg(long, value_name = "MIB")]
     pub(crate) bucket_mb: Option<f64>,
     /// Wire format of gradient averaging in distributed runs (default: the training
