@@ -324,8 +324,8 @@ pub const STAGE_3_BUCKET_BYTES: usize = 1024 * 1024;
 
 impl ExchangeSettings {
     /// The buckets' size in bytes: `bucket_bytes`, else PyTorch DDP's 25 MiB
-    /// ([`burn_dist::bucket::DEFAULT_BUCKET_BYTES`]), and for ZeRO stage 3
-    /// [`STAGE_3_BUCKET_BYTES`]: its buckets are also what a step gathers and holds at a time,
+    /// ([`burn_dist::bucket::DEFAULT_BUCKET_BYTES`]), and for ZeRO stage 3 1 MiB
+    /// (`STAGE_3_BUCKET_BYTES`): its buckets are also what a step gathers and holds at a time,
     /// and with 25 MiB ones a step held up to 141% of 1/N of the parameters, gradients and
     /// state (ResNet-50 at 4 ranks; VGG-16 112%), where 1 MiB ones keep it within 10% and
     /// cost ResNet-50's and VGG-16's steps little, with `--overlap` even between hosts

@@ -345,12 +345,7 @@ impl ShardedParams {
         comm: &Communicator,
         tensors: std::ops::Range<usize>,
     ) -> Result<GatheredValues> {
-        let mut buckets = Vec::new();
-        zero.gather_params(comm, tensors.clone(), &mut |range, parts| {
-            buckets.push((range, parts));
-            Ok(())
-        })?;
-        Ok(GatheredValues { tensors, buckets })
+        gather_values_in(zero, comm, tensors, true)
     }
 
     /// [`Self::gather_values`] but for the tensors cut into pieces of rows, which
@@ -362,12 +357,7 @@ impl ShardedParams {
         comm: &Communicator,
         tensors: std::ops::Range<usize>,
     ) -> Result<GatheredValues> {
-        let mut buckets = Vec::new();
-        zero.gather_params_but_pieces(comm, tensors.clone(), &mut |range, parts| {
-            buckets.push((range, parts));
-            Ok(())
-        })?;
-        Ok(GatheredValues { tensors, buckets })
+        gather_values_in(zero, comm, tensors, false)
     }
 
     /// `part` with `values` in place of its empty trainable tensors: the values gathered for
@@ -484,6 +474,26 @@ fn gather_unit<M: Module>(
         false => zero.gather_params_but_pieces(comm, first..first + n, &mut deliver)?,
     }
     m.ok_or_else(lost_module)
+}
+
+/// The values of tensors `tensors` gathered bucket by bucket, with or without those cut into
+/// pieces of rows.
+fn gather_values_in(
+    zero: &ZeroOptimizer,
+    comm: &Communicator,
+    tensors: std::ops::Range<usize>,
+    pieces: bool,
+) -> Result<GatheredValues> {
+    let mut buckets = Vec::new();
+    let mut deliver = |range, parts| {
+        buckets.push((range, parts));
+        Ok(())
+    };
+    match pieces {
+        true => zero.gather_params(comm, tensors.clone(), &mut deliver)?,
+        false => zero.gather_params_but_pieces(comm, tensors.clone(), &mut deliver)?,
+    }
+    Ok(GatheredValues { tensors, buckets })
 }
 
 /// The shapes of the skeleton's tensors `tensors`, indexed from the range's start (a part's

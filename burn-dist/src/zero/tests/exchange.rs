@@ -144,18 +144,7 @@ fn pieces_handed_over_whole_or_one_by_one_reduce_as_after_the_backward() {
             let offsets = offsets.clone();
             thread::spawn(move || {
                 let comm = Arc::new(rank_comm(t));
-                let o = optimizer(Update::adam());
-                // Buckets of 4 values, b.weight in pieces of 4, 4 and 3.
-                let z = ZeroOptimizer::new(Stage::Three, &tensors(), o, &comm, 16).unwrap();
-                let z = z.cut_rows(&[(2, 1)]).unwrap();
-                let g = grad(comm.rank(), 0, &start_values());
-                let values = start_values();
-                let mut source = FlatSource {
-                    grad: &g,
-                    values: &values,
-                    offsets: offsets.clone(),
-                };
-                let want = z.reduce_gradients(&comm, &mut source).unwrap();
+                let (z, g, want) = cut_in_pieces(&comm, &offsets);
                 let part = |t: usize| g[offsets[t]..offsets[t + 1]].to_vec();
                 let whole = overlap::ShardedExchange::inline(comm.clone(), z.reducer());
                 whole.submit(vec![(3, part(3)), (2, part(2))]);
@@ -207,18 +196,7 @@ fn a_hand_over_waits_while_the_exchange_thread_is_two_buckets_behind() {
             let go_rx = go_rx.take();
             thread::spawn(move || {
                 let comm = Arc::new(rank_comm(t));
-                let o = optimizer(Update::adam());
-                // Buckets of 4 values but a.weight's 7; b.weight in pieces of 4, 4 and 3.
-                let z = ZeroOptimizer::new(Stage::Three, &tensors(), o, &comm, 16).unwrap();
-                let z = z.cut_rows(&[(2, 1)]).unwrap();
-                let g = grad(comm.rank(), 0, &start_values());
-                let values = start_values();
-                let mut source = FlatSource {
-                    grad: &g,
-                    values: &values,
-                    offsets: offsets.clone(),
-                };
-                let want = z.reduce_gradients(&comm, &mut source).unwrap();
+                let (z, g, want) = cut_in_pieces(&comm, &offsets);
                 if let Some(go) = go_rx {
                     go.recv_timeout(Duration::from_secs(30)).unwrap();
                 }
@@ -271,4 +249,24 @@ fn a_hand_over_waits_while_the_exchange_thread_is_two_buckets_behind() {
         let (want, got) = h.join().unwrap();
         assert_eq!(got.grads, want.grads, "rank {r}");
     }
+}
+
+/// Stage 3 in buckets of 4 values (a.weight's 7 alone), b.weight cut into pieces of 4, 4 and
+/// 3 values: the optimizer, this rank's gradient and its reduction after the backward.
+fn cut_in_pieces(
+    comm: &Communicator,
+    offsets: &[usize],
+) -> (ZeroOptimizer, Vec<f32>, crate::zero::ReducedGradients) {
+    let o = optimizer(Update::adam());
+    let z = ZeroOptimizer::new(Stage::Three, &tensors(), o, comm, 16).unwrap();
+    let z = z.cut_rows(&[(2, 1)]).unwrap();
+    let g = grad(comm.rank(), 0, &start_values());
+    let values = start_values();
+    let mut source = FlatSource {
+        grad: &g,
+        values: &values,
+        offsets: offsets.to_vec(),
+    };
+    let want = z.reduce_gradients(comm, &mut source).unwrap();
+    (z, g, want)
 }
