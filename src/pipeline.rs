@@ -20,7 +20,8 @@ mod regather;
 mod stage;
 
 pub use gathered::{
-    FetchOrder, Gathering, KeptUnits, gathered_logits, gathered_tensors, unit_tensor_counts,
+    FetchOrder, Gathering, KeptUnits, gathered_logits, gathered_tensors, piece_rows,
+    unit_tensor_counts,
 };
 pub use stage::StageModel;
 
@@ -100,7 +101,7 @@ pub fn unit_gradients<M: Module>(
             };
             // The matrices cut into pieces of rows stay empty: the keyed forward takes them a
             // piece at a time (`Regathered::forward`), from the thread if there is one.
-            let mut gather = |k: usize, s: &StageModel| match ahead.as_ref() {
+            let gather_unit = |k: usize, s: &StageModel| match ahead.as_ref() {
                 Some(thread) => match thread.borrow_mut().as_mut() {
                     Some(a) => a.take(k, s),
                     None => Err(burn_dist::DistError::Config(format!(
@@ -108,6 +109,10 @@ pub fn unit_gradients<M: Module>(
                     ))),
                 },
                 None => shards.params.gather_but_pieces(shards.zero, shards.comm, s),
+            };
+            let mut gather = |k: usize, s: &StageModel| {
+                crate::alloc::phase::mark(crate::alloc::phase::Phase::Forward(k));
+                gather_unit(k, s)
             };
             burn_dist::pipeline::segmented_gradients_regathered(
                 &segments,
@@ -127,6 +132,7 @@ pub fn unit_gradients<M: Module>(
             &mut done,
         )
     };
+    crate::alloc::phase::mark(crate::alloc::phase::Phase::Update);
     let grads = match (grads, failed) {
         (_, Some(e)) => return Err(e),
         (Ok(g), None) => g,

@@ -26,6 +26,8 @@ pub use crate::input_grad::{InputGrad, input_grad_path};
 pub use crate::weight_grad::Geometry2;
 use crate::weight_grad::{conv_shape, conv2d_weight_grad};
 
+mod pieced;
+
 fn options([stride, padding, dilation]: Geometry2) -> ConvOptions<2> {
     ConvOptions::new(stride, padding, dilation, 1)
 }
@@ -90,6 +92,31 @@ pub trait ConvBackend: Backend {
     /// `lhs · rhs` for two matrices (a linear layer's `[B, in] · [in, out]`).
     #[fusion(dtype = lhs, shape = product_shape(lhs, rhs))]
     fn hearth_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self>;
+}
+
+impl<B: ConvBackend> pieced::PieceOps for B {
+    fn conv(x: FloatTensor<B>, weight: FloatTensor<B>, geometry: Geometry2) -> FloatTensor<B> {
+        B::hearth_conv2d(x, weight, geometry)
+    }
+    fn conv_x_grad(
+        weight: FloatTensor<B>,
+        grad: FloatTensor<B>,
+        input_shape: [usize; 4],
+        geometry: Geometry2,
+    ) -> FloatTensor<B> {
+        B::hearth_conv2d_x_grad(weight, grad, input_shape, geometry)
+    }
+    fn conv_weight_grad(
+        x: FloatTensor<B>,
+        grad: FloatTensor<B>,
+        weight_shape: [usize; 4],
+        geometry: Geometry2,
+    ) -> FloatTensor<B> {
+        B::hearth_conv2d_weight_grad(x, grad, weight_shape, geometry)
+    }
+    fn matmul(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
+        B::hearth_matmul(lhs, rhs)
+    }
 }
 
 #[cfg(feature = "cube")]
@@ -304,6 +331,12 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
         weight: FloatTensor<Self>,
         geometry: Geometry2,
     ) -> FloatTensor<Self> {
+        // A weight cut into pieces of output channels (`crate::keyed::forward_from`): its
+        // module holds it empty.
+        if let Some((key, pieces)) = crate::keyed::take_pieced() {
+            let kernel = crate::keyed::take_kernel();
+            return pieced::conv2d::<B, C>(x, weight, key, pieces, kernel, geometry);
+        }
         match ConvWithOurWeightGrad
             .prepare::<C>([x.node(), weight.node()])
             .compute_bound()
@@ -360,7 +393,7 @@ impl<B: ConvBackend, C: CheckpointStrategy> ConvBackend for Autodiff<B, C> {
     fn hearth_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         // A weight cut into pieces (`crate::keyed::forward_from`): its module holds it empty.
         if let Some((key, pieces)) = crate::keyed::take_pieced() {
-            return pieced_product::<B, C>(lhs, rhs, key, pieces);
+            return pieced::product::<B, C>(lhs, rhs, key, pieces);
         }
         match LinearProduct
             .prepare::<C>([lhs.node(), rhs.node()])
@@ -420,126 +453,6 @@ impl<B: ConvBackend> Backward<B, 2> for LinearProduct {
                 Some(w) => w.register::<B>(grads, node.id, d),
                 None => grads.register::<B>(node.id, d),
             }
-        }
-    }
-}
-
-/// `x · W` for a weight `W` cut into pieces of rows (`crate::keyed::forward_from`), a piece
-/// at a time: the sum of `x[:, rows] · W[rows]`, each piece fetched as it is needed and let go
-/// after its product. The graph keeps `x` and the weight's key, never the weight: `empty`,
-/// the module's empty stand-in for it, is a parent only so that the op is tracked where the
-/// weight trains and `x` does not (its gradient is handed out by piece, not registered).
-fn pieced_product<B: ConvBackend, C: CheckpointStrategy>(
-    x: FloatTensor<Autodiff<B, C>>,
-    empty: FloatTensor<Autodiff<B, C>>,
-    key: u64,
-    pieces: crate::keyed::Pieces,
-) -> FloatTensor<Autodiff<B, C>> {
-    let parents = [x.node(), empty.node()];
-    drop(empty);
-    match PiecedProduct
-        .prepare::<C>(parents)
-        .compute_bound()
-        .stateful()
-    {
-        OpsKind::Tracked(mut prep) => {
-            let x_state = prep.checkpoint(&x);
-            let y = pieced_forward::<B>(x.into_primitive(), key, &pieces);
-            prep.finish((x_state, key, pieces), y)
-        }
-        OpsKind::UnTracked(prep) => {
-            prep.finish(pieced_forward::<B>(x.into_primitive(), key, &pieces))
-        }
-    }
-}
-
-/// Columns `rows` of matrix `x`.
-fn columns<B: Backend>(
-    x: B::FloatTensorPrimitive,
-    rows: &std::ops::Range<usize>,
-) -> B::FloatTensorPrimitive {
-    let n = x.shape().dims::<2>()[0];
-    B::float_slice(
-        x,
-        &[
-            burn::tensor::Slice::new(0, Some(n as isize), 1),
-            burn::tensor::Slice::new(rows.start as isize, Some(rows.end as isize), 1),
-        ],
-    )
-}
-
-fn pieced_forward<B: ConvBackend>(
-    x: B::FloatTensorPrimitive,
-    key: u64,
-    pieces: &crate::keyed::Pieces,
-) -> B::FloatTensorPrimitive {
-    let [n, inputs] = x.shape().dims::<2>();
-    assert_eq!(
-        inputs,
-        pieces.total_rows(),
-        "hearth-kernels: a product of {inputs} inputs by weight {key} of {} rows",
-        pieces.total_rows()
-    );
-    let device = x.device();
-    let mut y: Option<B::FloatTensorPrimitive> = None;
-    for (k, rows) in pieces.rows.iter().enumerate() {
-        let w = crate::keyed::piece_value(key, k, rows.len(), pieces.cols);
-        let w = B::float_from_data(w, &device);
-        let part = B::hearth_matmul(columns::<B>(x.clone(), rows), w);
-        y = Some(match y {
-            Some(y) => B::float_add(y, part),
-            None => part,
-        });
-    }
-    y.unwrap_or_else(|| {
-        B::float_from_data(
-            burn::tensor::TensorData::zeros::<f32, _>([n, pieces.cols]),
-            &device,
-        )
-    })
-}
-
-#[derive(Debug)]
-struct PiecedProduct;
-
-impl<B: ConvBackend> Backward<B, 2> for PiecedProduct {
-    type State = (NodeId, u64, crate::keyed::Pieces);
-
-    fn backward(
-        self,
-        ops: Ops<Self::State, 2>,
-        grads: &mut Gradients,
-        checkpointer: &mut Checkpointer,
-    ) {
-        let [node_x, _] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        let device = grad.device();
-        let (x_state, key, pieces) = ops.state;
-        let x = checkpointer.retrieve_node_output::<B::FloatTensorPrimitive>(x_state);
-        // Y = Σ X[:, r] · W[r]: dX[:, r] = dY · W[r]ᵀ, dW[r] = X[:, r]ᵀ · dY, a piece at a
-        // time, each piece's gradient handed over before the next piece is fetched.
-        let mut dx = Vec::with_capacity(pieces.rows.len());
-        for (k, rows) in pieces.rows.iter().enumerate() {
-            let w = crate::keyed::piece_value(key, k, rows.len(), pieces.cols);
-            let w = B::float_from_data(w, &device);
-            if node_x.is_some() {
-                dx.push(B::hearth_matmul(grad.clone(), B::float_transpose(w)));
-            }
-            let xk = columns::<B>(x.clone(), rows);
-            let dw = B::hearth_matmul(B::float_transpose(xk), grad.clone());
-            match burn::tensor::try_read_sync(B::float_into_data(dw)) {
-                Some(Ok(data)) => crate::keyed::put_piece_grad(key, k, data),
-                Some(Err(e)) => {
-                    panic!("hearth-kernels: reading piece {k} of weight {key}'s gradient: {e:?}")
-                }
-                None => panic!(
-                    "hearth-kernels: piece {k} of weight {key}'s gradient cannot be read \
-                     synchronously"
-                ),
-            }
-        }
-        if let Some(node) = node_x {
-            grads.register::<B>(node.id, B::float_cat(dx, 1));
         }
     }
 }

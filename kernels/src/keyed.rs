@@ -30,7 +30,11 @@
 //! fetched from the [`Source`] as the product needs it and let go after it (`x · W` as the sum
 //! of `x[:, rows] · W[rows]`), and so is its backward's: each block fetched again, its share of
 //! the input's gradient taken and its own gradient handed to the source before the next block
-//! is fetched.
+//! is fetched. A convolution's weight `[out, in, kh, kw]` is cut the same way, as a matrix of
+//! `out` rows of `in·kh·kw` values: each piece computes its own output channels
+//! (`conv(x, W[rows])`), and its backward adds each piece's share of the input's gradient
+//! (ResNet-50's last 3x3 weights, 9.4 MB each, which ZeRO stage 3 at 4 ranks could not hold
+//! two of and stay within a tenth of its share).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -48,8 +52,9 @@ pub type Uses = HashMap<u64, usize>;
 /// Inside [`backward`]: a weight by key and the number of its ops still to read it.
 type Provided = HashMap<u64, (TensorData, usize)>;
 
-/// A keyed weight of shape `[rows, cols]` cut into pieces of whole rows, in order: how
-/// [`forward_from`] takes its product a block at a time.
+/// A keyed weight of shape `[rows, cols]` (a convolution's: `[out, in·kh·kw]`) cut into
+/// pieces of whole rows, in order: how [`forward_from`] takes its product or convolution a
+/// block at a time.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pieces {
     /// Each piece's rows, consecutive from 0 to the weight's rows.
@@ -109,6 +114,8 @@ struct State {
     keying: Option<Uses>,
     /// The key of the weight of the op being called (set by [`with_key`] around one call).
     pending: Option<u64>,
+    /// The kernel's size of the convolution being called ([`with_conv_key`]).
+    kernel: Option<[usize; 2]>,
     /// Inside [`backward`]: the weights by key, and the gradients handed out.
     provided: Option<Provided>,
     grads: HashMap<u64, TensorData>,
@@ -255,6 +262,21 @@ pub(crate) fn with_key<R>(key: u64, op: impl FnOnce() -> R) -> R {
         STATE.with(|s| s.borrow_mut().pending = None);
     }
     out
+}
+
+/// [`with_key`] for a convolution of a `kernel`-sized kernel: what its op needs to shape its
+/// weight's pieces where the weight is cut into pieces of output channels ([`take_kernel`];
+/// the module then holds an empty stand-in that tells nothing).
+pub(crate) fn with_conv_key<R>(key: u64, kernel: [usize; 2], op: impl FnOnce() -> R) -> R {
+    STATE.with(|s| s.borrow_mut().kernel = Some(kernel));
+    let out = with_key(key, op);
+    STATE.with(|s| s.borrow_mut().kernel = None);
+    out
+}
+
+/// The kernel's size [`with_conv_key`] gave the convolution being called, taken.
+pub(crate) fn take_kernel() -> Option<[usize; 2]> {
+    STATE.with(|s| s.borrow_mut().kernel.take())
 }
 
 /// Whether a forward keys weights on this thread (a fast path chooses the op that can).

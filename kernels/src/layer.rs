@@ -65,6 +65,11 @@ pub fn fast_path(conv: &Conv2d, device: &Device, allowed: bool) -> Path {
 /// training, BENCHMARKS.md "Mixed precision").
 pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
     crate::warm::keep_pool_warm(&x.device());
+    // A weight cut into pieces (ZeRO stage 3, `crate::keyed::forward_from`): its module holds
+    // it empty, and only the extension's op fetches it.
+    if crate::keyed::is_pieced(conv.weight.id.val()) && low_precision(&x).is_none() {
+        return pieced_conv2d(conv, x);
+    }
     if let Some(dt) = low_precision(&x) {
         let path = fast_path(conv, &x.device(), enabled());
         if path == Path::Selected {
@@ -109,6 +114,35 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
         conv.bias.as_ref().map(|b| b.val()),
         Some(conv.weight.id.val()),
     )
+}
+
+/// `conv` on `x` with its weight cut into pieces of output channels, taken by the extension's
+/// op a piece at a time ([`crate::keyed::forward_from`]): its module holds an empty stand-in,
+/// and the op is told the kernel's size beside it. Only a convolution of
+/// one group with the same padding on both sides takes pieces (ZeRO stage 3 cuts no other:
+/// `hearth::pipeline::piece_rows`); another is a caller's broken promise, and panics naming it.
+fn pieced_conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
+    let key = conv.weight.id.val();
+    let padding = match (conv.groups, symmetric(&conv.padding)) {
+        (1, Some(padding)) => padding,
+        (groups, _) => panic!(
+            "hearth-kernels: weight {key} is cut into pieces, and its convolution ({groups} \
+             groups, padding {:?}) is not of one group with the same padding on both sides",
+            conv.padding
+        ),
+    };
+    let geometry = [conv.stride, padding, conv.dilation];
+    let empty = conv.weight.val();
+    let y = crate::keyed::with_conv_key(key, conv.kernel_size, || {
+        ext::conv2d_gemm_grad(x, empty, geometry)
+    });
+    match &conv.bias {
+        Some(b) => {
+            let co = b.dims()[0];
+            y + b.val().reshape([1, co, 1, 1])
+        }
+        None => y,
+    }
 }
 
 /// `conv`'s shape applied to `x` with `weight` and `bias` (f32) by `path` (the reference path

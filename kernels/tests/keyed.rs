@@ -344,3 +344,104 @@ fn a_weight_cut_into_pieces_is_multiplied_a_piece_at_a_time() {
         "a failed source is not asked again"
     );
 }
+
+/// A convolution's weight `[out, in, kh, kw]` cut into pieces of output channels (rows of
+/// `in·kh·kw` values, pieces of unequal sizes): the forward and the backward fetch it a piece
+/// at a time, in order, and give the plain layer's output, input gradient and weight gradient,
+/// for a padded 3x3 with a bias and a strided 1x1.
+#[test]
+fn a_convolution_cut_into_pieces_of_output_channels_gives_the_plain_gradients() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let flex = Device::flex();
+    let ad = flex.clone().autodiff();
+    let normal = Distribution::Normal(0.0, 0.1);
+    for (kernel, stride, padding, bias) in [(3, 1, 1, true), (1, 2, 0, false)] {
+        let (inputs, outputs) = (16, 40);
+        let conv_of = || {
+            Conv2dConfig::new([inputs, outputs], [kernel, kernel])
+                .with_stride([stride, stride])
+                .with_padding(PaddingConfig2d::Explicit(
+                    padding, padding, padding, padding,
+                ))
+                .with_bias(bias)
+                .init(&ad)
+        };
+        let w = Tensor::<4>::random([outputs, inputs, kernel, kernel], normal, &flex).into_data();
+        let x = Tensor::<4>::random([2, inputs, 6, 6], Distribution::Normal(0.0, 1.0), &flex)
+            .into_data();
+        let id = ParamId::new();
+        let mut conv = conv_of();
+        conv.weight = param(&(id, w.clone()), &ad);
+        let what = format!("{kernel}x{kernel} stride {stride}");
+
+        // The plain layer (its own bias kept for the pieced one: only the weight is cut).
+        let xp = Tensor::<4>::from_data(x.clone(), &ad).require_grad();
+        let y = hearth_kernels::conv2d(&conv, xp.clone());
+        let plain_y = values(y.clone().inner());
+        let grads = y.powi_scalar(2).sum().backward();
+        let plain_dw = conv
+            .weight
+            .val()
+            .grad(&grads)
+            .map(values)
+            .unwrap_or_default();
+        let plain_dx = xp.grad(&grads).map(values).unwrap_or_default();
+
+        let cols = inputs * kernel * kernel;
+        let pieces = keyed::Pieces {
+            rows: vec![0..17, 17..34, 34..40],
+            cols,
+        };
+        let mut source = Pieces {
+            key: id.val(),
+            weight: w.try_to_vec::<f32>().unwrap_or_default(),
+            pieces: pieces.clone(),
+            served: Vec::new(),
+            grads: HashMap::new(),
+            fail_at: None,
+        };
+        conv.weight = Param::initialized(id, Tensor::<4>::empty([0; 4], &ad).require_grad());
+        let pieced = HashMap::from([(id.val(), pieces)]);
+        let xk = Tensor::<4>::from_data(x.clone(), &ad).require_grad();
+        let (y, uses, fetched) = keyed::forward_from(pieced, &mut source, || {
+            hearth_kernels::conv2d(&conv, xk.clone())
+        });
+        fetched.expect("every piece fetched");
+        assert!(
+            uses.is_empty(),
+            "{what}: a weight in pieces is not kept by the graph"
+        );
+        close(
+            &values(y.clone().inner()),
+            &plain_y,
+            &format!("{what}: the output"),
+        );
+        let loss = y.powi_scalar(2).sum();
+        let (grads, by_key) =
+            keyed::backward_from(HashMap::new(), &uses, &mut source, || loss.backward());
+        assert!(by_key.expect("no failure").is_empty());
+        assert_eq!(
+            source.served,
+            [0, 1, 2, 0, 1, 2],
+            "{what}: each piece once a pass, in order"
+        );
+        for (k, rows) in [0..17, 17..34, 34..40].into_iter().enumerate() {
+            assert_eq!(
+                source.grads[&k].len(),
+                rows.len() * cols,
+                "{what}: piece {k}'s gradient"
+            );
+        }
+        let dw: Vec<f32> = (0..3).flat_map(|k| source.grads[&k].clone()).collect();
+        close(
+            &dw,
+            &plain_dw,
+            &format!("{what}: the weight's gradient, by pieces"),
+        );
+        close(
+            &xk.grad(&grads).map(values).unwrap_or_default(),
+            &plain_dx,
+            &format!("{what}: the input's gradient"),
+        );
+    }
+}

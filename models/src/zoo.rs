@@ -195,6 +195,21 @@ impl Classifier {
         learnable_params_of(self)
     }
 
+    /// The weights of its convolutions of more than one group (ResNeXt's 3x3s), which a
+    /// product taking a weight a piece of output channels at a time (ZeRO stage 3's pieces of
+    /// rows, `hearth_kernels::keyed`) does not cover.
+    pub fn grouped_conv_weights(&self) -> Vec<burn::module::ParamId> {
+        match self {
+            Classifier::ResNet(m) => [&m.layer1, &m.layer2, &m.layer3, &m.layer4]
+                .into_iter()
+                .flatten()
+                .filter(|b| b.conv2.groups != 1)
+                .map(|b| b.conv2.weight.id)
+                .collect(),
+            Classifier::Vgg(_) | Classifier::DenseNet(_) => Vec::new(),
+        }
+    }
+
     pub fn family(&self) -> &'static str {
         match self {
             Classifier::ResNet(_) => "ResNet",

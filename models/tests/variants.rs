@@ -312,3 +312,34 @@ fn densenet_passing_batch_statistics_on_changes_no_bit() {
             .is_some()
     );
 }
+
+/// ZeRO stage 3 cuts convolution weights into pieces of output channels only where one group
+/// computes them: a ResNeXt-shaped network names each block's grouped 3x3 weight, a ResNet
+/// and a VGG none.
+#[test]
+fn grouped_convolution_weights_are_named() {
+    let device = Device::flex();
+    let bottleneck = |groups: usize| {
+        ModelConfig::ResNet(
+            ResNetConfig::new(BlockKind::Bottleneck, [1, 2, 1, 1], 4)
+                .with_groups(groups)
+                .with_stem_width(8)
+                .with_stage_widths([8, 8, 16, 16]),
+        )
+        .init(&device)
+        .unwrap()
+    };
+    let grouped = bottleneck(2);
+    let hearth_models::Classifier::ResNet(r) = &grouped else {
+        panic!("a ResNet configuration built {}", grouped.family());
+    };
+    let blocks: Vec<_> = [&r.layer1, &r.layer2, &r.layer3, &r.layer4]
+        .into_iter()
+        .flatten()
+        .map(|b| b.conv2.weight.id)
+        .collect();
+    assert_eq!(blocks.len(), 5);
+    assert_eq!(grouped.grouped_conv_weights(), blocks);
+    assert!(bottleneck(1).grouped_conv_weights().is_empty());
+    assert!(small_resnet(&device).grouped_conv_weights().is_empty());
+}

@@ -15,6 +15,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 pub mod blocks;
+pub mod phase;
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 /// The most bytes ever live at once.
@@ -41,6 +42,7 @@ fn counted(p: *mut u8, size: usize) -> *mut u8 {
         // on every one would cost the allocation path more than the peak needs.
         if now > STEP_PEAK.load(Ordering::Relaxed) {
             STEP_PEAK.fetch_max(now, Ordering::Relaxed);
+            phase::peak_rose();
         }
         INSTALLED.store(true, Ordering::Relaxed);
     }
@@ -207,7 +209,9 @@ pub fn step_done() -> usize {
     if STEPPING.swap(true, Ordering::Relaxed) {
         let held = STEP_BASE.load(Ordering::Relaxed).max(live);
         let rise = STEP_PEAK.load(Ordering::Relaxed).saturating_sub(held);
-        STEP_RISE.fetch_max(rise, Ordering::Relaxed);
+        phase::step_ended(STEP_RISE.fetch_max(rise, Ordering::Relaxed) < rise);
+    } else {
+        phase::step_ended(false);
     }
     STEP_BASE.store(live, Ordering::Relaxed);
     STEP_PEAK.store(live, Ordering::Relaxed);

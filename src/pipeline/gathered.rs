@@ -270,6 +270,21 @@ pub fn unit_tensor_counts(model: &hearth_models::Classifier) -> Result<Vec<usize
         .collect())
 }
 
+/// ZeRO stage 3's tensors of `model` that its products may take a piece of rows at a time,
+/// cut where larger than a bucket (index, values per row): the linear layers' weights and the
+/// convolutions' of one group, whose products (`hearth_kernels::keyed`) take a piece of
+/// output channels at a time. ResNet-50's 3x3 weights of its last stage (9.4 MB each) and
+/// VGG-16's of 512 channels were gathered whole before, and with `--overlap` a second one
+/// ahead beside them: more than a tenth of a rank's share of 4.
+pub fn piece_rows(model: &hearth_models::Classifier) -> Vec<(usize, usize)> {
+    let grouped = model.grouped_conv_weights();
+    let ids = burn_dist::flat::module::trainable_ids(model);
+    burn_dist::zero::module::ShardedParams::by_rows(model, &[2, 4])
+        .into_iter()
+        .filter(|&(t, _)| ids.get(t).is_some_and(|id| !grouped.contains(id)))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::KeptUnits;

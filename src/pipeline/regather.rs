@@ -207,6 +207,7 @@ impl<'a: 's, 's, 'e> Regather<StageModel> for Regathered<'a, 's, 'e> {
         values: Option<StageModel>,
         backward: &mut dyn FnMut() -> burn_dist::Result<burn::tensor::Gradients>,
     ) -> burn_dist::Result<(burn::tensor::Gradients, Option<StageModel>)> {
+        crate::alloc::phase::mark(crate::alloc::phase::Phase::Backward(k));
         self.start_ahead()?;
         let keys = self.keys.remove(&k).unwrap_or_default();
         let mut take = Take {

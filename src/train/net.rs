@@ -110,6 +110,15 @@ pub trait Net: Module + 'static {
     fn unit_tensor_counts(&self) -> Option<crate::Result<Vec<usize>>> {
         None
     }
+
+    /// ZeRO stage 3: the trainable tensors whose products may take them a piece of rows at a
+    /// time, cut where larger than a bucket (index, values per row:
+    /// [`burn_dist::zero::ZeroOptimizer::cut_rows`]). By default the matrices (linear
+    /// layers' weights).
+    #[doc(hidden)]
+    fn piece_rows(&self) -> Vec<(usize, usize)> {
+        burn_dist::zero::module::ShardedParams::matrices(self)
+    }
 }
 
 impl Net for Classifier {
@@ -135,6 +144,9 @@ impl Net for Classifier {
     }
     fn unit_tensor_counts(&self) -> Option<crate::Result<Vec<usize>>> {
         Some(crate::pipeline::unit_tensor_counts(self))
+    }
+    fn piece_rows(&self) -> Vec<(usize, usize)> {
+        crate::pipeline::piece_rows(self)
     }
     fn gathered_tensors(
         &self,

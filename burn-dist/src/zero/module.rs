@@ -199,8 +199,9 @@ pub fn shard_params<M: Module>(zero: &mut ZeroOptimizer, model: M) -> Result<(M,
     Ok((skeleton, ShardedParams { shapes, index }))
 }
 
-/// A trainable matrix cut into pieces of rows ([`ShardedParams::pieces_in`]): its parameter,
-/// each piece's rows, and its columns.
+/// A trainable tensor cut into pieces of rows ([`ShardedParams::pieces_in`]): its parameter,
+/// each piece's rows, and its columns (the values of a row: a matrix's columns, a convolution
+/// weight's `[out, in, kh, kw]` as a matrix of `out` rows).
 pub type PiecedMatrix = (ParamId, Vec<std::ops::Range<usize>>, usize);
 
 /// What gathering a stage 3 skeleton's parts needs: its trainable tensors' shapes and each
@@ -254,8 +255,9 @@ impl ShardedParams {
         gather_unit(zero, comm, part, first, &self.shapes, false)
     }
 
-    /// `part`'s trainable matrices cut into pieces of rows ([`ZeroOptimizer::cut_rows`]), by
-    /// parameter id: each piece's rows, and the matrix's columns.
+    /// `part`'s trainable tensors cut into pieces of rows ([`ZeroOptimizer::cut_rows`]), by
+    /// parameter id: each piece's rows, and the values of a row (a tensor of more than two
+    /// dimensions is a matrix of its first dimension's rows).
     pub fn pieces_in<U: Module>(
         &self,
         zero: &ZeroOptimizer,
@@ -269,11 +271,13 @@ impl ShardedParams {
                 continue;
             };
             let cols = match self.shapes.get(&(first + k)).map(|s| s.to_vec()) {
-                Some(dims) if dims.len() == 2 && dims[1] > 0 => dims[1],
+                Some(dims) if dims.len() >= 2 && dims[1..].iter().all(|&d| d > 0) => {
+                    dims[1..].iter().product::<usize>()
+                }
                 dims => {
                     return Err(DistError::Config(format!(
-                        "trainable tensor {} is cut into pieces of rows but is not a matrix \
-                         (shape {dims:?})",
+                        "trainable tensor {} is cut into pieces of rows but has no rows of \
+                         values (shape {dims:?})",
                         first + k
                     )));
                 }
@@ -308,12 +312,21 @@ impl ShardedParams {
     /// [`ZeroOptimizer::cut_rows`]: the linear layers' weights, which a product may take a
     /// piece of rows at a time.
     pub fn matrices<M: Module>(model: &M) -> Vec<(usize, usize)> {
+        Self::by_rows(model, &[2])
+    }
+
+    /// `model`'s trainable tensors of `ranks` dimensions (index, values per row: the product
+    /// of all dimensions but the first), for [`ZeroOptimizer::cut_rows`]: `&[2, 4]` for the
+    /// linear layers' and the convolutions' weights, where the caller's products take either
+    /// a piece of rows (of output channels) at a time.
+    pub fn by_rows<M: Module>(model: &M, ranks: &[usize]) -> Vec<(usize, usize)> {
         crate::flat::module::trainable_shapes(model)
             .into_iter()
             .enumerate()
-            .filter_map(|(i, dims)| match dims.as_slice() {
-                [_, cols] if *cols > 0 => Some((i, *cols)),
-                _ => None,
+            .filter(|(_, dims)| dims.len() >= 2 && ranks.contains(&dims.len()))
+            .filter_map(|(i, dims)| {
+                let cols: usize = dims[1..].iter().product();
+                (cols > 0).then_some((i, cols))
             })
             .collect()
     }

@@ -36,10 +36,10 @@ impl ZeroOptimizer {
     }
 
     /// Stage 3: lets each tensor of `rows` (its index, and its values per row: a matrix of
-    /// whole rows) that is larger than a bucket be cut into pieces of whole rows, a bucket each,
+    /// whole rows, a convolution's weight one of output channels) that is larger than a bucket be cut into pieces of whole rows, a bucket each,
     /// of about a bucket's size: such a tensor is then gathered, and its gradient reduced, a
     /// piece at a time ([`Self::pieces_of`], [`Self::gather_piece`]; a linear layer's product
-    /// taken a block of rows at a time), so that no step holds it whole. The vector, and so the
+    /// or a convolution taken a block of rows at a time), so that no step holds it whole. The vector, and so the
     /// state as it is saved, is the same. Before any state or parameter is held, after
     /// [`Self::cut_at_units`]; every rank alike.
     pub fn cut_rows(mut self, rows: &[(usize, usize)]) -> Result<Self> {

@@ -464,6 +464,10 @@ fn summarise(cfg: &hearth::train::TrainConfig, report: &hearth::train::TrainRepo
                 ", a training step at most {:.1} MB above what steps leave",
                 rise as f64 / 1e6
             ));
+            let at = hearth::alloc::phase::at_largest_rise();
+            if at != hearth::alloc::phase::Phase::Step {
+                heap.push_str(&format!(" (its peak in {at})"));
+            }
         }
         eprintln!(
             "peak memory of rank {} (resident, VmHWM): {peak:.0} MB{heap}",

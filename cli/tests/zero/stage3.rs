@@ -35,9 +35,10 @@ fn stage_3_validates_shares_of_different_lengths_as_plain_data_parallel() {
 /// stand in another order in the model than in the forward, all dense layers before the
 /// transitions, where stage 3 cuts its buckets and writes its checkpoints) train as plain data
 /// parallel does: curves and weights. With 50 KiB buckets the VGG's first classifier weight
-/// (256 rows of 64, 64 KiB) is cut into pieces of 200 and 56 rows, gathered and multiplied a
-/// piece at a time and never held whole (so not counted in what is kept): the VGG keeps its
-/// last 2 units of 4, the DenseNet its last 11 of 13, so both kinds of unit run.
+/// (256 rows of 64, 64 KiB) and its largest convolution weight are cut into pieces of rows
+/// (of output channels), gathered and multiplied a piece at a time and never held whole (so
+/// not counted in what is kept): the VGG keeps all 4 of its units (their biases), the DenseNet
+/// its last 11 of 13, so both kinds of unit run.
 #[test]
 fn stage_3_regathers_vgg_and_densenet_units_as_plain_data_parallel() {
     let dir = tempfile::tempdir().unwrap();
@@ -45,8 +46,8 @@ fn stage_3_regathers_vgg_and_densenet_units_as_plain_data_parallel() {
     for (model, kept, pieces) in [
         (
             "vgg-mini-plain",
-            "2 of its 4",
-            "cuts 1 matrix larger than a bucket into 2 pieces",
+            "4 of its 4",
+            "cuts 2 weights larger than a bucket into 4 pieces",
         ),
         ("densenet-mini", "11 of its 13", ""),
     ] {

@@ -1,5 +1,5 @@
 //! Weights too large to hold whole in a step, cut into [`Pieces`] of rows: a forward whose
-//! linear products fetch them a piece at a time ([`forward_from`]), and the pieces and their
+//! linear products and convolutions fetch them a piece at a time ([`forward_from`]), and the pieces and their
 //! gradients passed between the ops and the pass's [`Source`] (the forward's, or the
 //! backward's of [`super::backward_from`]).
 
@@ -7,7 +7,7 @@ use burn::tensor::TensorData;
 
 use super::{Pieced, Pieces, STATE, ScopedSource, Source, Uses, forward};
 
-/// [`forward`] with the linear layers' weights of `pieced` taken a piece at a time from
+/// [`forward`] with the linear layers' and convolutions' weights of `pieced` taken a piece at a time from
 /// `source` ([`Source::fetch_piece`]) instead of from their modules, which hold them empty:
 /// nothing of them is kept (their backward fetches them again). Returns `f`'s result, the keys
 /// kept, and the first failure of `source` (the product went on with zeros in its place: drop

@@ -43,9 +43,7 @@ impl<T: Trainee> Allreduce<'_, T> {
         };
         let dir = self.cfg.run_dir.join("checkpoint");
         let rows = match stage_3 {
-            true => Some(burn_dist::zero::module::ShardedParams::matrices(
-                self.model()?,
-            )),
+            true => Some(self.model()?.piece_rows()),
             false => None,
         };
         let pieces = stage_3 && pieces_built(self.cfg).is_ok();
@@ -127,7 +125,7 @@ impl<T: Trainee> Allreduce<'_, T> {
     }
 }
 
-/// Whether stage 3 may cut its matrices larger than a bucket into pieces of rows, each
+/// Whether stage 3 may cut its weights larger than a bucket into pieces of rows, each
 /// gathered and multiplied alone (`hearth_kernels::keyed::forward_from`; with
 /// `exchange.overlap` its threads gather the pieces in turn): on the keyed forward's path
 /// only, in f32. Else what takes the other path.
@@ -141,7 +139,7 @@ fn pieces_built(cfg: &crate::train::TrainConfig) -> std::result::Result<(), &'st
     }
 }
 
-/// The run's line on stage 3's matrices larger than a bucket: cut into pieces of rows, or
+/// The run's line on stage 3's weights larger than a bucket: cut into pieces of rows, or
 /// gathered whole and why; empty where there is none.
 fn pieces_line(
     z: &burn_dist::zero::ZeroOptimizer,
@@ -156,8 +154,9 @@ fn pieces_line(
         let n = cut.len();
         return format!(
             "`exchange.zero` 3 cuts {n} {} larger than a bucket into {} pieces of rows in all, \
-             each gathered, multiplied and reduced alone, so that no step holds {} whole",
-            plural(n, "matrix", "matrices"),
+             each gathered, multiplied and reduced alone (a convolution's: its output channels), \
+             so that no step holds {} whole",
+            plural(n, "weight", "weights"),
             cut.iter().sum::<usize>(),
             plural(n, "it", "one")
         );
@@ -168,7 +167,7 @@ fn pieces_line(
         (n, Err(why)) => format!(
             "`exchange.zero` 3 gathers {n} {} larger than a bucket whole for {} passes with \
              {why}: pieces of rows are taken only without it",
-            plural(n, "matrix", "matrices"),
+            plural(n, "weight", "weights"),
             plural(n, "its", "their")
         ),
     }
