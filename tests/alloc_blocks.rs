@@ -204,7 +204,11 @@ fn large_blocks_are_reused_by_size_released_after_a_step_and_keep_their_contents
     step_done();
     assert_eq!(kept_bytes(), 0);
     drop(pattern(8 * blocks::LARGE, 5));
-    assert_eq!(kept_bytes(), 8 * blocks::LARGE, "the block of 8 x LARGE is kept");
+    assert_eq!(
+        kept_bytes(),
+        8 * blocks::LARGE,
+        "the block of 8 x LARGE is kept"
+    );
     let (maps0, _) = blocks::maps();
     let recycled0 = blocks::recycled();
     let a = vec![0u8; 3 * blocks::LARGE + 100];

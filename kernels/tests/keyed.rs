@@ -196,6 +196,23 @@ fn a_keyed_graph_run_without_its_weights_names_the_broken_promise() {
     let _ = loss.backward();
 }
 
+/// A plain layer `layer` on input `x` with its whole `weight`: its output, and the weight's and
+/// the input's gradients of the loss `Σ y²`.
+fn plain<const D: usize, const W: usize>(
+    weight: &Param<Tensor<W>>,
+    x: &TensorData,
+    device: &Device,
+    layer: impl FnOnce(Tensor<D>) -> Tensor<D>,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let x = Tensor::<D>::from_data(x.clone(), device).require_grad();
+    let y = layer(x.clone());
+    let out = values(y.clone().inner());
+    let grads = y.powi_scalar(2).sum().backward();
+    let dw = weight.val().grad(&grads).map(values).unwrap_or_default();
+    let dx = x.grad(&grads).map(values).unwrap_or_default();
+    (out, dw, dx)
+}
+
 /// A source that serves a linear weight `[rows, cols]` in pieces, as ZeRO stage 3 gathers
 /// them: the pieces it served, in order, and the gradients it took, by piece.
 struct Pieces {
@@ -251,17 +268,9 @@ fn a_weight_cut_into_pieces_is_multiplied_a_piece_at_a_time() {
     linear.weight = param(&(id, w.clone()), &ad);
 
     // The plain layer.
-    let xp = Tensor::<2>::from_data(x.clone(), &ad).require_grad();
-    let y = hearth_kernels::linear(&linear, xp.clone());
-    let plain_y = values(y.clone().inner());
-    let grads = y.powi_scalar(2).sum().backward();
-    let plain_dw = linear
-        .weight
-        .val()
-        .grad(&grads)
-        .map(values)
-        .unwrap_or_default();
-    let plain_dx = xp.grad(&grads).map(values).unwrap_or_default();
+    let (plain_y, plain_dw, plain_dx) = plain(&linear.weight, &x, &ad, |x: Tensor<2>| {
+        hearth_kernels::linear(&linear, x)
+    });
 
     // The same layer holding its weight empty, the weight in 8 pieces of 32 rows.
     let rows = (0..8).map(|k| k * 32..(k + 1) * 32).collect();
@@ -375,17 +384,9 @@ fn a_convolution_cut_into_pieces_of_output_channels_gives_the_plain_gradients() 
         let what = format!("{kernel}x{kernel} stride {stride}");
 
         // The plain layer (its own bias kept for the pieced one: only the weight is cut).
-        let xp = Tensor::<4>::from_data(x.clone(), &ad).require_grad();
-        let y = hearth_kernels::conv2d(&conv, xp.clone());
-        let plain_y = values(y.clone().inner());
-        let grads = y.powi_scalar(2).sum().backward();
-        let plain_dw = conv
-            .weight
-            .val()
-            .grad(&grads)
-            .map(values)
-            .unwrap_or_default();
-        let plain_dx = xp.grad(&grads).map(values).unwrap_or_default();
+        let (plain_y, plain_dw, plain_dx) = plain(&conv.weight, &x, &ad, |x: Tensor<4>| {
+            hearth_kernels::conv2d(&conv, x)
+        });
 
         let cols = inputs * kernel * kernel;
         let pieces = keyed::Pieces {
