@@ -224,6 +224,20 @@ struct Pieces {
     fail_at: Option<usize>,
 }
 
+impl Pieces {
+    /// Serving weight `w` (parameter `id`) cut into `pieces`, nothing served yet.
+    fn of(id: ParamId, w: &TensorData, pieces: &keyed::Pieces) -> Self {
+        Self {
+            key: id.val(),
+            weight: w.try_to_vec::<f32>().unwrap_or_default(),
+            pieces: pieces.clone(),
+            served: Vec::new(),
+            grads: HashMap::new(),
+            fail_at: None,
+        }
+    }
+}
+
 impl keyed::Source for Pieces {
     fn fetch(&mut self, key: u64) -> Result<Vec<(u64, TensorData)>, String> {
         Err(format!("weight {key} asked for whole"))
@@ -278,14 +292,7 @@ fn a_weight_cut_into_pieces_is_multiplied_a_piece_at_a_time() {
         rows,
         cols: outputs,
     };
-    let mut source = Pieces {
-        key: id.val(),
-        weight: w.try_to_vec::<f32>().unwrap_or_default(),
-        pieces: pieces.clone(),
-        served: Vec::new(),
-        grads: HashMap::new(),
-        fail_at: None,
-    };
+    let mut source = Pieces::of(id, &w, &pieces);
     linear.weight = Param::initialized(id, Tensor::<2>::empty([0, 0], &ad).require_grad());
     let pieced = HashMap::from([(id.val(), pieces.clone())]);
     let xk = Tensor::<2>::from_data(x.clone(), &ad).require_grad();
@@ -393,14 +400,7 @@ fn a_convolution_cut_into_pieces_of_output_channels_gives_the_plain_gradients() 
             rows: vec![0..17, 17..34, 34..40],
             cols,
         };
-        let mut source = Pieces {
-            key: id.val(),
-            weight: w.try_to_vec::<f32>().unwrap_or_default(),
-            pieces: pieces.clone(),
-            served: Vec::new(),
-            grads: HashMap::new(),
-            fail_at: None,
-        };
+        let mut source = Pieces::of(id, &w, &pieces);
         conv.weight = Param::initialized(id, Tensor::<4>::empty([0; 4], &ad).require_grad());
         let pieced = HashMap::from([(id.val(), pieces)]);
         let xk = Tensor::<4>::from_data(x.clone(), &ad).require_grad();
