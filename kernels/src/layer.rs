@@ -123,26 +123,15 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
 /// `hearth::pipeline::piece_rows`); another is a caller's broken promise, and panics naming it.
 fn pieced_conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
     let key = conv.weight.id.val();
-    let padding = match (conv.groups, symmetric(&conv.padding)) {
-        (1, Some(padding)) => padding,
-        (groups, _) => panic!(
-            "hearth-kernels: weight {key} is cut into pieces, and its convolution ({groups} \
-             groups, padding {:?}) is not of one group with the same padding on both sides",
-            conv.padding
-        ),
-    };
-    let geometry = [conv.stride, padding, conv.dilation];
-    let empty = conv.weight.val();
-    let y = crate::keyed::with_conv_key(key, conv.kernel_size, || {
-        ext::conv2d_gemm_grad(x, empty, geometry)
-    });
-    match &conv.bias {
-        Some(b) => {
-            let co = b.dims()[0];
-            y + b.val().reshape([1, co, 1, 1])
-        }
-        None => y,
+    if conv.groups != 1 || symmetric(&conv.padding).is_none() {
+        panic!(
+            "hearth-kernels: weight {key} is cut into pieces, and its convolution ({} groups, \
+             padding {:?}) is not of one group with the same padding on both sides",
+            conv.groups, conv.padding
+        );
     }
+    let bias = conv.bias.as_ref().map(|b| b.val());
+    conv2d_on(conv, Path::Gemm, x, conv.weight.val(), bias, Some(key))
 }
 
 /// `conv`'s shape applied to `x` with `weight` and `bias` (f32) by `path` (the reference path
@@ -162,9 +151,9 @@ fn conv2d_on(
             let padding = symmetric(&conv.padding).unwrap_or([0, 0]);
             let geometry = [conv.stride, padding, conv.dilation];
             let y = match key {
-                Some(key) => {
-                    crate::keyed::with_key(key, || ext::conv2d_gemm_grad(x, weight, geometry))
-                }
+                Some(key) => crate::keyed::with_conv_key(key, conv.kernel_size, || {
+                    ext::conv2d_gemm_grad(x, weight, geometry)
+                }),
                 None => ext::conv2d_gemm_grad(x, weight, geometry),
             };
             match bias {
