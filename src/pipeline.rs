@@ -20,7 +20,7 @@ mod regather;
 mod stage;
 
 pub use gathered::{
-    FetchOrder, Gathering, KeptUnits, gathered_logits, gathered_tensors, piece_rows,
+    FetchOrder, Gathering, KeptUnits, ReadBytes, gathered_logits, gathered_tensors, piece_rows,
     unit_tensor_counts,
 };
 pub use stage::StageModel;

@@ -44,7 +44,7 @@ use burn::tensor::TensorData;
 
 mod pieces;
 pub use pieces::{forward_from, is_pieced, pieced_cols};
-pub(crate) use pieces::{piece_value, put_piece_grad, take_pieced};
+pub(crate) use pieces::{piece_value, pieces_of, put_piece_grad, take_pieced};
 
 /// Each key a graph kept, with the number of its ops that kept it.
 pub type Uses = HashMap<u64, usize>;
@@ -66,6 +66,28 @@ impl Pieces {
     /// The weight's number of rows.
     pub fn total_rows(&self) -> usize {
         self.rows.last().map_or(0, |r| r.end)
+    }
+
+    /// Panics naming weight `key` unless its rows are a convolution's of `inputs` channels by
+    /// `kernel` (a caller's broken promise: the layer cut is not the one called).
+    pub(crate) fn check_conv(&self, key: u64, inputs: usize, [kh, kw]: [usize; 2]) {
+        assert_eq!(
+            inputs * kh * kw,
+            self.cols,
+            "hearth-kernels: weight {key}'s pieces have rows of {} values, and its convolution \
+             takes {inputs} channels by {kh}x{kw}",
+            self.cols
+        );
+    }
+
+    /// Panics naming weight `key` unless it has a row per input of a product of `inputs`.
+    pub(crate) fn check_product(&self, key: u64, inputs: usize) {
+        assert_eq!(
+            inputs,
+            self.total_rows(),
+            "hearth-kernels: a product of {inputs} inputs by weight {key} of {} rows",
+            self.total_rows()
+        );
     }
 }
 

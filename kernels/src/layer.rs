@@ -131,7 +131,54 @@ fn pieced_conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
         );
     }
     let bias = conv.bias.as_ref().map(|b| b.val());
+    if !x.device().is_autodiff() {
+        return pieced_conv2d_without_graph(conv, x, key, bias);
+    }
     conv2d_on(conv, Path::Gemm, x, conv.weight.val(), bias, Some(key))
+}
+
+/// [`pieced_conv2d`] on a device without autodiff (ZeRO stage 3's validation): nothing is kept
+/// for a backward, so the layer takes the pieces itself, each a plain convolution by the
+/// weight of its output channels, fetched from the pass's source and let go after it; the
+/// pieces' outputs joined along the channels. On every backend (each piece goes through
+/// [`ext::conv2d_gemm_grad`] with a weight of its own).
+fn pieced_conv2d_without_graph(
+    conv: &Conv2d,
+    x: Tensor<4>,
+    key: u64,
+    bias: Option<Tensor<1>>,
+) -> Tensor<4> {
+    let Some(pieces) = crate::keyed::pieces_of(key) else {
+        panic!("hearth-kernels: weight {key} is not cut into pieces by the forward under way");
+    };
+    let device = x.device();
+    let inputs = x.dims()[1];
+    let [kh, kw] = conv.kernel_size;
+    pieces.check_conv(key, inputs, [kh, kw]);
+    let padding = symmetric(&conv.padding).unwrap_or([0, 0]);
+    let geometry = [conv.stride, padding, conv.dilation];
+    let parts: Vec<Tensor<4>> = pieces
+        .rows
+        .iter()
+        .enumerate()
+        .map(|(k, rows)| {
+            let values = crate::keyed::piece_value(key, k, rows.len(), pieces.cols);
+            let w = Tensor::<2>::from_data(values, &device).reshape([rows.len(), inputs, kh, kw]);
+            ext::conv2d_gemm_grad(x.clone(), w, geometry)
+        })
+        .collect();
+    with_bias(Tensor::cat(parts, 1), bias)
+}
+
+/// `y` plus `bias` per output channel.
+fn with_bias(y: Tensor<4>, bias: Option<Tensor<1>>) -> Tensor<4> {
+    match bias {
+        Some(b) => {
+            let co = b.dims()[0];
+            y + b.reshape([1, co, 1, 1])
+        }
+        None => y,
+    }
 }
 
 /// `conv`'s shape applied to `x` with `weight` and `bias` (f32) by `path` (the reference path
@@ -156,13 +203,7 @@ fn conv2d_on(
                 }),
                 None => ext::conv2d_gemm_grad(x, weight, geometry),
             };
-            match bias {
-                Some(b) => {
-                    let co = b.dims()[0];
-                    y + b.reshape([1, co, 1, 1])
-                }
-                None => y,
-            }
+            with_bias(y, bias)
         }
         // Only the f32 path takes it, with the module's own weight and bias.
         Path::Reference => conv.forward(x),

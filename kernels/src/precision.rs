@@ -77,10 +77,15 @@ fn selected_linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
     let outputs = crate::keyed::pieced_cols(linear.weight.id.val()).unwrap_or(weight.dims()[1]);
     let low = low_precision(&x);
     let x = x.reshape([rows, inputs]);
+    let key = linear.weight.id.val();
     let y = match low {
         Some(dt) => crate::ext::matmul2(x, weight.cast(dt)),
+        // A weight cut into pieces without a graph (ZeRO stage 3's validation): nothing kept.
+        None if !x.device().is_autodiff() && crate::keyed::is_pieced(key) => {
+            pieced_product_without_graph(x, key)
+        }
         // The module's own weight, which the product may keep by key (`crate::keyed`).
-        None => crate::keyed::with_key(linear.weight.id.val(), || crate::ext::matmul2(x, weight)),
+        None => crate::keyed::with_key(key, || crate::ext::matmul2(x, weight)),
     };
     let bias = match low {
         Some(dt) => linear.bias.as_ref().map(|b| b.val().cast(dt)),
@@ -93,4 +98,28 @@ fn selected_linear<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
     let mut out = dims;
     out[D - 1] = outputs;
     y.reshape(out)
+}
+
+/// `x · W` for weight `key` cut into pieces of rows by the forward under way, on a device
+/// without autodiff: the sum of `x[:, rows] · W[rows]`, each piece fetched from the pass's
+/// source and let go after its product (the graph's version is the extension's
+/// `ext/pieced.rs`, which keeps what its backward needs).
+fn pieced_product_without_graph(x: Tensor<2>, key: u64) -> Tensor<2> {
+    let Some(pieces) = crate::keyed::pieces_of(key) else {
+        panic!("hearth-kernels: weight {key} is not cut into pieces by the forward under way");
+    };
+    let [n, inputs] = x.dims();
+    pieces.check_product(key, inputs);
+    let device = x.device();
+    let mut y: Option<Tensor<2>> = None;
+    for (k, rows) in pieces.rows.iter().enumerate() {
+        let values = crate::keyed::piece_value(key, k, rows.len(), pieces.cols);
+        let w = Tensor::<2>::from_data(values, &device);
+        let part = crate::ext::matmul2(x.clone().slice([0..n, rows.clone()]), w);
+        y = Some(match y {
+            Some(y) => y + part,
+            None => part,
+        });
+    }
+    y.unwrap_or_else(|| Tensor::zeros([n, pieces.cols], &device))
 }

@@ -267,7 +267,8 @@ impl keyed::Source for Pieces {
 /// A linear layer (with a bias) whose weight is cut into pieces of rows: the forward and the
 /// backward fetch it a piece at a time, in order, and give the plain layer's output, input
 /// gradient and weight gradient; neither ever holds the whole weight (the live bytes' peak
-/// stays under half of it above what the source keeps); a piece that cannot be fetched is an error at the pass's end.
+/// stays under half of it above what the source keeps), nor does a forward without a graph
+/// (on the inner device); a piece that cannot be fetched is an error at the pass's end.
 #[test]
 fn a_weight_cut_into_pieces_is_multiplied_a_piece_at_a_time() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -330,6 +331,27 @@ fn a_weight_cut_into_pieces_is_multiplied_a_piece_at_a_time() {
          gradients; the whole weight is {weight_bytes}"
     );
 
+    // Without a graph (the module and the input on the inner device: ZeRO stage 3's
+    // validation): each piece fetched once, in order, the plain output, and the pass never
+    // holds the whole weight (its live peak under half of it).
+    source.served.clear();
+    let valid = linear.valid();
+    let x_inner = Tensor::<2>::from_data(x.clone(), &flex);
+    counting::reset_peak();
+    let start = LIVE.load(Ordering::Relaxed);
+    let (y, uses, fetched) = keyed::forward_from(pieced.clone(), &mut source, || {
+        hearth_kernels::linear(&valid, x_inner.clone())
+    });
+    let peak = counting::PEAK.load(Ordering::Relaxed).saturating_sub(start);
+    fetched.expect("every piece fetched without a graph");
+    assert!(uses.is_empty());
+    assert_eq!(source.served, (0..8).collect::<Vec<_>>(), "without a graph");
+    close(&values(y), &plain_y, "the output without a graph");
+    assert!(
+        peak < weight_bytes / 2,
+        "the pass without a graph rose {peak} bytes; the whole weight is {weight_bytes}"
+    );
+
     // An input that needs no gradient: the weight's pieces still get theirs.
     source.served.clear();
     source.grads.clear();
@@ -364,7 +386,7 @@ fn a_weight_cut_into_pieces_is_multiplied_a_piece_at_a_time() {
 /// A convolution's weight `[out, in, kh, kw]` cut into pieces of output channels (rows of
 /// `in·kh·kw` values, pieces of unequal sizes): the forward and the backward fetch it a piece
 /// at a time, in order, and give the plain layer's output, input gradient and weight gradient,
-/// for a padded 3x3 with a bias and a strided 1x1.
+/// for a padded 3x3 with a bias and a strided 1x1; so does a forward without a graph.
 #[test]
 fn a_convolution_cut_into_pieces_of_output_channels_gives_the_plain_gradients() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -438,6 +460,22 @@ fn a_convolution_cut_into_pieces_of_output_channels_gives_the_plain_gradients() 
             &dw,
             &plain_dw,
             &format!("{what}: the weight's gradient, by pieces"),
+        );
+
+        // Without a graph (ZeRO stage 3's validation, on the inner device): each piece once,
+        // in order, and the plain output.
+        source.served.clear();
+        let valid = conv.valid();
+        let pieced = HashMap::from([(id.val(), source.pieces.clone())]);
+        let (y, _, fetched) = keyed::forward_from(pieced, &mut source, || {
+            hearth_kernels::conv2d(&valid, Tensor::<4>::from_data(x.clone(), &flex))
+        });
+        fetched.expect("every piece fetched without a graph");
+        assert_eq!(source.served, [0, 1, 2], "{what}: without a graph");
+        close(
+            &values(y),
+            &plain_y,
+            &format!("{what}: the output without a graph"),
         );
         close(
             &xk.grad(&grads).map(values).unwrap_or_default(),

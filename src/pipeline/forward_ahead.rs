@@ -24,7 +24,7 @@ use burn::tensor::TensorData;
 use burn_dist::room::Room;
 use burn_dist::zero::module::GatheredValues;
 
-use super::gathered::{Gathering, Shards};
+use super::gathered::{Gathering, Shards, gather_rows};
 use super::stage::StageModel;
 
 /// The forward's thread, shared by the step's gathers of units and its keyed products' pieces
@@ -115,11 +115,7 @@ pub(super) fn forward_ahead<'s, 'e, 'a: 's>(
                     if !thread_room.admit(bytes) {
                         return;
                     }
-                    let values = shards
-                        .params
-                        .gather_piece(shards.zero, shards.comm, &key.into(), k)
-                        .map(|v| TensorData::new(v, [rows, cols]))
-                        .map_err(|e| format!("gathering piece {k} of weight {key}: {e}"));
+                    let values = gather_rows(shards, key, k, rows, cols);
                     let failed = values.is_err();
                     if tx.send((Sent::Piece(key, k, values), bytes)).is_err() || failed {
                         return;

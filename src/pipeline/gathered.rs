@@ -14,12 +14,15 @@ use crate::{HearthError, Result};
 /// ZeRO stage 3's forward without a graph (validation): `x` through `model`'s units (a
 /// skeleton), each unit's parameters gathered from the ranks' shards for its pass and let go
 /// after it, so that a rank never holds more than one unit's parameters whole (gathering the
-/// whole model would need what stage 3 is there to save). Computed in `precision`, the
-/// logits in f32, on `x`'s device (an inner device: no graph).
+/// whole model would need what stage 3 is there to save). The matrices cut into pieces of rows
+/// (larger than a bucket: VGG-16's 411 MB first classifier weight) are not even held whole for
+/// their unit: their products take them a piece at a time, as the training step's do
+/// ([`PiecesInOrder`]). Computed in `precision`, the logits in f32, on `x`'s device (an inner
+/// device: no graph).
 ///
 /// Every rank calls it alike for each round of a validation, `x` `None` on a rank whose
 /// share has no batch left while another's has: the gathers are collective, so such a rank
-/// gathers each unit all the same and computes nothing (the result `None`).
+/// gathers each unit and each piece all the same and computes nothing (the result `None`).
 pub fn gathered_logits(
     model: &hearth_models::Classifier,
     x: Option<burn::prelude::Tensor<4>>,
@@ -27,65 +30,141 @@ pub fn gathered_logits(
     gathering: &Gathering<'_>,
 ) -> Result<Option<burn::prelude::Tensor<2>>> {
     let mut x = x.map(Activation::Rank4);
-    each_gathered_unit(model, precision, gathering, false, &mut |whole| {
-        if let Some(a) = x.take() {
-            x = Some(whole.valid().forward(a)?);
-        }
-        Ok(())
-    })?;
+    each_gathered_unit(
+        model,
+        precision,
+        gathering,
+        false,
+        &mut |whole, matrices| {
+            let mut pieces = PiecesInOrder::new(Shards::of(gathering), matrices);
+            if let Some(a) = x.take() {
+                let valid = whole.valid();
+                x = Some(match matrices.is_empty() {
+                    true => valid.forward(a)?,
+                    false => {
+                        let pieced = matrices
+                            .iter()
+                            .map(|(id, rows, cols)| {
+                                let (rows, cols) = (rows.clone(), *cols);
+                                (id.val(), hearth_kernels::keyed::Pieces { rows, cols })
+                            })
+                            .collect();
+                        let (y, _, fetched) =
+                            hearth_kernels::keyed::forward_from(pieced, &mut pieces, || {
+                                valid.forward(a)
+                            });
+                        fetched.map_err(|e| {
+                            HearthError::Training(format!("validation's forward by pieces: {e}"))
+                        })?;
+                        y?
+                    }
+                });
+            }
+            // What the forward did not ask for (all of it on a rank without a batch).
+            pieces.finish().map_err(HearthError::Training)
+        },
+    )?;
     match x {
         Some(a) => Ok(Some(a.rank2("the model's output")?)),
         None => Ok(None),
     }
 }
 
+/// A tensor's bytes, read at most once (a checkpoint's writer reads them when it reaches it).
+pub type ReadBytes<'a> = Box<dyn FnOnce() -> burn::tensor::Bytes + 'a>;
+
 /// ZeRO stage 3's checkpoint: `model`'s (a skeleton's) units gathered one at a time, in the
 /// order of their tensors in the model (the file's), and each tensor the skeleton holds empty
 /// handed to `each` with its parameter id and a function that reads its bytes (f32, as a
 /// checkpoint stores them; read only if `each` calls it). Every rank calls it alike (the
-/// gathers are collective); one unit's parameters are held whole at a time.
+/// gathers are collective); one unit's parameters are held whole at a time, and a matrix cut
+/// into pieces of rows is gathered a piece at a time: joined whole only where `whole` (the
+/// rank that writes the file, whose writer takes a tensor's bytes at once), each piece let go
+/// at once on the others.
 pub fn gathered_tensors(
     model: &hearth_models::Classifier,
     gathering: &Gathering<'_>,
-    each: &mut dyn FnMut(u64, &dyn Fn() -> burn::tensor::Bytes),
+    whole: bool,
+    each: &mut dyn FnMut(u64, ReadBytes<'_>),
 ) -> Result<()> {
     use burn::module::{ModuleVisitor, Param};
-    struct Each<'a> {
+    struct Each<'a, 'b> {
         params: &'a burn_dist::zero::module::ShardedParams,
-        each: &'a mut dyn FnMut(u64, &dyn Fn() -> burn::tensor::Bytes),
+        shards: Shards<'a>,
+        matrices: &'b [burn_dist::zero::module::PiecedMatrix],
+        whole: bool,
+        each: &'b mut dyn FnMut(u64, ReadBytes<'_>),
+        failed: Option<String>,
     }
-    impl ModuleVisitor for Each<'_> {
+    impl Each<'_, '_> {
+        /// Matrix `id`'s pieces gathered in order: joined where `whole`, else each let go.
+        fn joined(&mut self, id: burn::module::ParamId) -> Option<Vec<f32>> {
+            let (_, rows, cols) = self.matrices.iter().find(|m| m.0 == id)?;
+            let mut values = Vec::new();
+            if self.whole {
+                values.reserve_exact(rows.last().map_or(0, |r| r.end) * cols);
+            }
+            for (k, r) in rows.iter().enumerate() {
+                if self.failed.is_some() {
+                    break;
+                }
+                let piece = gather_rows(self.shards, id.val(), k, r.len(), *cols);
+                match piece.map(|p| p.try_into_vec::<f32>()) {
+                    Ok(Ok(piece)) if self.whole => values.extend_from_slice(&piece),
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => self.failed = Some(format!("piece {k} of weight {id}: {e:?}")),
+                    Err(e) => self.failed = Some(e),
+                }
+            }
+            Some(values)
+        }
+    }
+    impl ModuleVisitor for Each<'_, '_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<burn::prelude::Tensor<D>>) {
             if self.params.shape_of(&param.id).is_none() {
                 return;
             }
+            if let Some(values) = self.joined(param.id) {
+                let read = move || burn::tensor::Bytes::from_elems(values);
+                (self.each)(param.id.val(), Box::new(read));
+                return;
+            }
             let t = param.transform_for_save().val();
             // One copy on the CPU (`into_data` of a held tensor makes two).
-            let read = || {
+            let read = move || {
                 hearth_kernels::file_bytes(&t).unwrap_or_else(|| t.clone().into_data().into_bytes())
             };
-            (self.each)(param.id.val(), &read);
+            (self.each)(param.id.val(), Box::new(read));
         }
     }
     let precision = crate::train::Precision::Fp32;
-    each_gathered_unit(model, precision, gathering, true, &mut |whole| {
-        whole.visit(&mut Each {
+    each_gathered_unit(model, precision, gathering, true, &mut |unit, matrices| {
+        let mut visit = Each {
             params: gathering.params,
+            shards: Shards::of(gathering),
+            matrices,
+            whole,
             each: &mut *each,
-        });
-        Ok(())
+            failed: None,
+        };
+        unit.visit(&mut visit);
+        match visit.failed {
+            Some(e) => Err(HearthError::Training(format!("the checkpoint's {e}"))),
+            None => Ok(()),
+        }
     })
 }
 
 /// Each of `model`'s (a skeleton's) units, in the forward's order or (`model_order`) in the
 /// order of their tensors in the model, as a one-unit stage in `precision` with its parameters
-/// gathered, handed to `f` and let go before the next is gathered.
+/// gathered but its matrices cut into pieces of rows (held empty), handed to `f` with those
+/// matrices' pieces and let go before the next is gathered.
 fn each_gathered_unit(
     model: &hearth_models::Classifier,
     precision: crate::train::Precision,
     gathering: &Gathering<'_>,
     model_order: bool,
-    f: &mut dyn FnMut(StageModel) -> Result<()>,
+    f: &mut dyn FnMut(StageModel, &[burn_dist::zero::module::PiecedMatrix]) -> Result<()>,
 ) -> Result<()> {
     let units = match model_order {
         true => units_in_model_order(model)?
@@ -94,16 +173,113 @@ fn each_gathered_unit(
             .collect(),
         false => model.clone().into_units(),
     };
+    let (zero, comm, params) = (gathering.zero, gathering.comm, gathering.params);
     for unit in units {
         let unit = StageModel {
             units: vec![unit],
             precision,
         };
-        f(gathering
-            .params
-            .gather(gathering.zero, gathering.comm, &unit)?)?;
+        let matrices = params.pieces_in(zero, &unit)?;
+        f(params.gather_but_pieces(zero, comm, &unit)?, &matrices)?;
     }
     Ok(())
+}
+
+/// Piece `k` (`rows` rows of `cols` values) of matrix `key` cut into pieces of rows, gathered
+/// from the ranks' shards. Every rank alike.
+pub(super) fn gather_rows(
+    g: Shards<'_>,
+    key: u64,
+    k: usize,
+    rows: usize,
+    cols: usize,
+) -> std::result::Result<burn::tensor::TensorData, String> {
+    let values = g
+        .params
+        .gather_piece(g.zero, g.comm, &burn::module::ParamId::from(key), k)
+        .map_err(|e| format!("gathering piece {k} of weight {key}: {e}"))?;
+    Ok(burn::tensor::TensorData::new(values, [rows, cols]))
+}
+
+/// A forward without a graph's source of a unit's pieces of rows: gathered in the order the
+/// unit lists its matrices, on every rank alike whatever its products ask for (a rank without
+/// a batch asks for none). A piece asked for out of that order keeps those gathered before it
+/// aside until asked for; [`PiecesInOrder::finish`] gathers what was not asked for and lets it
+/// go, so that every rank has made the same gathers.
+struct PiecesInOrder<'a> {
+    shards: Shards<'a>,
+    /// (matrix key, piece, rows, columns) still to gather, in order.
+    next: std::vec::IntoIter<(u64, usize, usize, usize)>,
+    spare: Vec<(u64, usize, burn::tensor::TensorData)>,
+}
+
+impl<'a> PiecesInOrder<'a> {
+    fn new(shards: Shards<'a>, matrices: &[burn_dist::zero::module::PiecedMatrix]) -> Self {
+        let next: Vec<_> = matrices
+            .iter()
+            .flat_map(|(id, rows, cols)| {
+                let key = id.val();
+                rows.iter()
+                    .enumerate()
+                    .map(move |(k, r)| (key, k, r.len(), *cols))
+            })
+            .collect();
+        Self {
+            shards,
+            next: next.into_iter(),
+            spare: Vec::new(),
+        }
+    }
+
+    /// Gathers (and lets go) the pieces not asked for.
+    fn finish(mut self) -> std::result::Result<(), String> {
+        self.spare.clear();
+        for (key, k, rows, cols) in self.next {
+            gather_rows(self.shards, key, k, rows, cols)?;
+        }
+        Ok(())
+    }
+}
+
+impl hearth_kernels::keyed::Source for PiecesInOrder<'_> {
+    fn fetch(
+        &mut self,
+        key: u64,
+    ) -> std::result::Result<Vec<(u64, burn::tensor::TensorData)>, String> {
+        Err(format!(
+            "weight {key} fetched whole in a forward without a graph"
+        ))
+    }
+
+    fn gradient(
+        &mut self,
+        key: u64,
+        _: burn::tensor::TensorData,
+    ) -> std::result::Result<Option<burn::tensor::TensorData>, String> {
+        Err(format!(
+            "weight {key}'s gradient handed over in a forward without a graph"
+        ))
+    }
+
+    fn fetch_piece(
+        &mut self,
+        key: u64,
+        k: usize,
+    ) -> std::result::Result<burn::tensor::TensorData, String> {
+        if let Some(i) = self.spare.iter().position(|p| (p.0, p.1) == (key, k)) {
+            return Ok(self.spare.swap_remove(i).2);
+        }
+        for (got_key, got_k, rows, cols) in self.next.by_ref() {
+            let got = gather_rows(self.shards, got_key, got_k, rows, cols)?;
+            if (got_key, got_k) == (key, k) {
+                return Ok(got);
+            }
+            self.spare.push((got_key, got_k, got));
+        }
+        Err(format!(
+            "piece {k} of weight {key} is not one of this unit's pieces of rows"
+        ))
+    }
 }
 
 /// `model`'s units ordered by where their trainable tensors stand in the model's own order,

@@ -97,9 +97,10 @@ pub trait Net: Module + 'static {
     fn gathered_tensors(
         &self,
         gathering: &crate::pipeline::Gathering<'_>,
-        each: &mut dyn FnMut(u64, &dyn Fn() -> burn::tensor::Bytes),
+        whole: bool,
+        each: &mut dyn FnMut(u64, crate::pipeline::ReadBytes<'_>),
     ) -> Option<crate::Result<()>> {
-        let _ = (gathering, each);
+        let _ = (gathering, whole, each);
         None
     }
 
@@ -151,9 +152,12 @@ impl Net for Classifier {
     fn gathered_tensors(
         &self,
         gathering: &crate::pipeline::Gathering<'_>,
-        each: &mut dyn FnMut(u64, &dyn Fn() -> burn::tensor::Bytes),
+        whole: bool,
+        each: &mut dyn FnMut(u64, crate::pipeline::ReadBytes<'_>),
     ) -> Option<crate::Result<()>> {
-        Some(crate::pipeline::gathered_tensors(self, gathering, each))
+        Some(crate::pipeline::gathered_tensors(
+            self, gathering, whole, each,
+        ))
     }
     fn gathered_logits(
         &self,

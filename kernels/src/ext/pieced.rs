@@ -92,13 +92,7 @@ pub(super) fn conv2d<B: PieceOps, C: CheckpointStrategy>(
         );
     };
     let inputs = x.shape().dims::<4>()[1];
-    assert_eq!(
-        inputs * kh * kw,
-        pieces.cols,
-        "hearth-kernels: weight {key}'s pieces have rows of {} values, and its convolution \
-         takes {inputs} channels by {kh}x{kw}",
-        pieces.cols
-    );
+    pieces.check_conv(key, inputs, [kh, kw]);
     let kernel = [inputs, kh, kw];
     let parents = [x.node(), empty.node()];
     drop(empty);
@@ -175,12 +169,7 @@ fn product_forward<B: PieceOps>(
     pieces: &Pieces,
 ) -> B::FloatTensorPrimitive {
     let [n, inputs] = x.shape().dims::<2>();
-    assert_eq!(
-        inputs,
-        pieces.total_rows(),
-        "hearth-kernels: a product of {inputs} inputs by weight {key} of {} rows",
-        pieces.total_rows()
-    );
+    pieces.check_product(key, inputs);
     let device = x.device();
     let mut y: Option<B::FloatTensorPrimitive> = None;
     for (k, rows) in pieces.rows.iter().enumerate() {

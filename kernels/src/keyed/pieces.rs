@@ -80,6 +80,12 @@ pub fn is_pieced(key: u64) -> bool {
     })
 }
 
+/// Weight `key`'s pieces where the [`forward_from`] under way cuts it (a layer that takes
+/// them itself: a forward without a graph).
+pub(crate) fn pieces_of(key: u64) -> Option<Pieces> {
+    STATE.with(|s| s.borrow().pieced.as_ref()?.get(&key).cloned())
+}
+
 /// The columns of weight `key` where the [`forward_from`] under way cuts it into pieces.
 pub fn pieced_cols(key: u64) -> Option<usize> {
     STATE.with(|s| s.borrow().pieced.as_ref()?.get(&key).map(|p| p.cols))

@@ -10,7 +10,7 @@ use burn::module::ParamId;
 use burn::tensor::TensorData;
 use hearth_kernels::keyed::Pieced;
 
-use super::super::gathered::{Fetched, Shards};
+use super::super::gathered::{Fetched, Shards, gather_rows};
 
 /// A bucket gathered: its tensors' keys and values, or what failed.
 pub(super) type Gathered = Result<Vec<(u64, TensorData)>, String>;
@@ -61,11 +61,7 @@ pub(super) fn gather_piece(
         .get(k)
         .ok_or_else(|| format!("piece {k} of weight {key}, of {}", p.rows.len()))?
         .len();
-    let values = g
-        .params
-        .gather_piece(g.zero, g.comm, &ParamId::from(key), k)
-        .map_err(|e| format!("gathering piece {k} of weight {key}: {e}"))?;
-    Ok(TensorData::new(values, [rows, p.cols]))
+    gather_rows(g, key, k, rows, p.cols)
 }
 
 /// The thread's body: gathers what `order` names, each handed over when the backward takes

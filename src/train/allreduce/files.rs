@@ -148,12 +148,15 @@ impl<T: Trainee> Allreduce<'_, T> {
             // writing each tensor as it comes.
             Some(g) => {
                 let model = self.model()?;
-                let gathered = |each: &mut dyn FnMut(u64, &dyn Fn() -> Bytes)| {
+                // Rank 0 alone reads the values: the others take part in the gathers and let
+                // each tensor (each piece of a matrix cut into pieces) go at once.
+                let whole = self.rank == 0;
+                let gathered = |each: &mut dyn FnMut(u64, crate::pipeline::ReadBytes<'_>)| {
                     model
-                        .gathered_tensors(&g, each)
+                        .gathered_tensors(&g, whole, each)
                         .unwrap_or_else(|| Err(crate::train::net::no_units_to_gather()))
                 };
-                if self.rank != 0 {
+                if !whole {
                     return gathered(&mut |_, _| {});
                 }
                 let shape = |id: &burn::module::ParamId| g.params.shape_of(id).cloned();
