@@ -127,7 +127,9 @@ impl StepSource for FlatSource<'_> {
         self.grad[self.offsets[tensors.start]..self.offsets[tensors.end]].to_vec()
     }
     fn values(&mut self, range: Range<usize>) -> Vec<f32> {
-        self.values[range].to_vec()
+        // What of `range` the vector has (a range past its end reads short, as a module's).
+        let end = range.end.min(self.values.len());
+        self.values[range.start.min(end)..end].to_vec()
     }
 }
 

@@ -183,15 +183,42 @@ fn step_owned<M: Module>(
 /// [`ShardedParams::gather`] fills for their passes, and what the gathering needs. Every rank
 /// alike, from the same values.
 pub fn shard_params<M: Module>(zero: &mut ZeroOptimizer, model: M) -> Result<(M, ShardedParams)> {
+    shard_params_by(zero, model, &mut |z, source| z.hold_params(source))
+}
+
+/// [`shard_params`] from `root`'s values ([`ZeroOptimizer::hold_params_from`]): every rank's
+/// segments are `root`'s, handed out a bucket at a time (the other ranks' values are not read),
+/// so that the ranks start alike without a broadcast of the whole model first. Every rank
+/// alike.
+pub fn shard_params_from<M: Module>(
+    zero: &mut ZeroOptimizer,
+    comm: &Communicator,
+    root: usize,
+    model: M,
+) -> Result<(M, ShardedParams)> {
+    shard_params_by(zero, model, &mut |z, source| {
+        z.hold_params_from(comm, root, source)
+    })
+}
+
+/// `model`'s trainable values taken into `zero` by `hold`, the module's own let go.
+fn shard_params_by<M: Module>(
+    zero: &mut ZeroOptimizer,
+    model: M,
+    hold: &mut dyn FnMut(&mut ZeroOptimizer, &mut dyn crate::zero::StepSource) -> Result<()>,
+) -> Result<(M, ShardedParams)> {
     let ids = trainable_ids(&model);
     let cell = RefCell::new(Some(model));
     let released = RefCell::new(Shapes::new());
     let mut grads = GradientsParams::new();
-    zero.hold_params(&mut ModuleSource {
-        model: &cell,
-        grads: &mut grads,
-        released: &released,
-    })?;
+    hold(
+        zero,
+        &mut ModuleSource {
+            model: &cell,
+            grads: &mut grads,
+            released: &released,
+        },
+    )?;
     let model = cell.into_inner().ok_or_else(lost_module)?;
     let mut shapes = Shapes::new();
     let skeleton = release_trainable_range(model, 0..ids.len(), &mut shapes);

@@ -133,6 +133,54 @@ impl ZeroOptimizer {
     /// every rank) and holds it from now on; the steps update it in place and gather nothing,
     /// so the caller lets the module's own values go.
     pub fn hold_params(&mut self, source: &mut dyn StepSource) -> Result<()> {
+        self.check_can_hold()?;
+        self.params = (0..self.buckets.len())
+            .map(|b| source.values(self.segment(b, self.rank)))
+            .collect();
+        self.check_held()
+    }
+
+    /// [`Self::hold_params`] from `root`'s values: `root` reads one bucket at a time from its
+    /// `source` and hands each rank its segment ([`Communicator::scatter_from`]); the other
+    /// ranks' sources are not read. So every rank starts from one rank's parameters, as data
+    /// parallel starts from rank 0's broadcast, without any rank holding more than a bucket of
+    /// them beside its source (a broadcast of the whole model first held its largest tensor
+    /// twice: VGG-16's 411 MB first classifier weight). Every rank alike; a `root` whose source
+    /// does not hold this optimizer's number of values fails every rank, naming it.
+    pub fn hold_params_from(
+        &mut self,
+        comm: &Communicator,
+        root: usize,
+        source: &mut dyn StepSource,
+    ) -> Result<()> {
+        self.check_can_hold()?;
+        let total = self.total();
+        // The root's verdict first, so that every rank fails alike: its source's length.
+        let mut verdict = [0f32];
+        if comm.rank() == root {
+            let last = source.values(total.saturating_sub(1)..total).len();
+            let beyond = source.values(total..total + 1).len();
+            if (last, beyond) != (total.min(1), 0) {
+                verdict[0] = 1.0;
+            }
+        }
+        comm.broadcast(&mut verdict, root)?;
+        if verdict[0] != 0.0 {
+            return Err(step_mismatch(format!(
+                "rank {root}'s parameters are not the {total} values this optimizer shards"
+            )));
+        }
+        let mut held = Vec::with_capacity(self.buckets.len());
+        for b in 0..self.buckets.len() {
+            let whole = (comm.rank() == root).then(|| source.values(self.buckets[b].range.clone()));
+            held.push(comm.scatter_from(root, whole.as_deref(), &self.bounds(b))?);
+        }
+        self.params = held;
+        self.check_held()
+    }
+
+    /// An error unless this optimizer may hold parameters (stage 3, no replica).
+    fn check_can_hold(&self) -> Result<()> {
         if self.stage != Stage::Three {
             return Err(DistError::Config(format!(
                 "ZeRO stage {} keeps the whole parameters on every rank: only stage 3 holds a \
@@ -145,9 +193,11 @@ impl ZeroOptimizer {
                 "ZeRO stage 3 with a replica of the next rank's state is not built".into(),
             ));
         }
-        self.params = (0..self.buckets.len())
-            .map(|b| source.values(self.segment(b, self.rank)))
-            .collect();
+        Ok(())
+    }
+
+    /// An error (and nothing held) where a held segment is not its bucket's segment's length.
+    fn check_held(&mut self) -> Result<()> {
         for (b, p) in self.params.iter().enumerate() {
             let want = self.segment(b, self.rank).len();
             if p.len() != want {

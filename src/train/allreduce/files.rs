@@ -83,8 +83,11 @@ impl<T: Trainee> Allreduce<'_, T> {
             self.scaler = Some(self.resumed_loss_scale(&state)?);
         }
         if state.is_empty() {
-            // Every rank seeded the same weights; rank 0's go to all, as DDP starts.
-            if let Some(comm) = &self.comm {
+            // Every rank seeded the same weights; rank 0's go to all, as DDP starts (under
+            // ZeRO stage 3 as the shards: `start_sharding` hands each rank its segments of
+            // rank 0's values, never the whole model at once).
+            let stage_3 = self.cfg.exchange.zero == 3;
+            if let (Some(comm), false) = (&self.comm, stage_3) {
                 let model = self.model.take().ok_or_else(super::lost_model)?;
                 self.model = Some(burn_dist::ddp::broadcast_module(model, comm)?);
             }

@@ -26,9 +26,10 @@ impl<T: Trainee> Allreduce<'_, T> {
         let model = self.take_model()?;
         self.model = Some(self.trainee.phase(model, frozen));
         self.frozen = frozen;
-        let (Some(comm), true) = (&self.comm, self.cfg.exchange.zero > 0) else {
+        let (Some(comm), true) = (self.comm.clone(), self.cfg.exchange.zero > 0) else {
             return Ok(());
         };
+        let comm = &comm;
         let at_switch = first > 0 && self.rates.frozen(first) && !frozen;
         let stage_3 = self.cfg.exchange.zero == 3;
         let units = match stage_3 {
@@ -60,9 +61,14 @@ impl<T: Trainee> Allreduce<'_, T> {
             log(&line);
         }
         if stage_3 {
-            // The values go into the shard; the model keeps its structure, ids and buffers.
+            // The values go into the shard, rank 0's handed out a bucket at a time (in place
+            // of data parallel's broadcast of the whole model at the start, which held its
+            // largest tensor twice: `resume`); the model keeps its structure, ids and buffers,
+            // rank 0's buffers broadcast (the skeleton's trainable tensors are empty).
             let model = self.take_model()?;
-            let (skeleton, params) = burn_dist::zero::module::shard_params(&mut z, model)?;
+            let (skeleton, params) =
+                burn_dist::zero::module::shard_params_from(&mut z, comm, 0, model)?;
+            let skeleton = burn_dist::ddp::broadcast_module(skeleton, comm)?;
             self.model = Some(skeleton);
             self.params = Some(params);
             if self.cfg.exchange.overlap {

@@ -107,6 +107,63 @@ fn units_cut_the_buckets_and_a_unit_gathers_its_own_alone() {
     }
 }
 
+/// Stage 3 from the root's values: each rank's source holds other values, and every rank ends
+/// up holding its segments of rank 0's, as a broadcast of rank 0's model and `hold_params`
+/// would give; a root whose source is short fails every rank alike, naming it.
+#[test]
+fn stage_3_holds_its_segments_of_the_roots_values() {
+    let handles: Vec<_> = MemoryTransport::mesh(3)
+        .into_iter()
+        .map(|t| {
+            thread::spawn(move || {
+                let comm = rank_comm(t);
+                let o = optimizer(Update::adam());
+                let root_values = start_values();
+                let mine: Vec<f32> = root_values.iter().map(|v| v + comm.rank() as f32).collect();
+                let offsets = vec![0, 7, 9, 20, 23];
+                let mut z = ZeroOptimizer::new(Stage::Three, &tensors(), o.clone(), &comm, 40)
+                    .unwrap()
+                    .cut_at_units(&[1, 3])
+                    .unwrap();
+                let mut source = FlatSource {
+                    grad: &[],
+                    values: &mine,
+                    offsets: offsets.clone(),
+                };
+                z.hold_params_from(&comm, 0, &mut source).unwrap();
+                assert_eq!(gather_all(&z, &comm), root_values, "rank {}", comm.rank());
+                // The same from the root's own values with `hold_params`.
+                let mut plain = ZeroOptimizer::new(Stage::Three, &tensors(), o.clone(), &comm, 40)
+                    .unwrap()
+                    .cut_at_units(&[1, 3])
+                    .unwrap();
+                hold(&mut plain, &root_values);
+                assert_eq!(plain.params_len(), z.params_len());
+
+                // The root's source is three values short: every rank fails, naming rank 0.
+                let short = &mine[..20];
+                let values = if comm.rank() == 0 { short } else { &mine[..] };
+                let mut source = FlatSource {
+                    grad: &[],
+                    values,
+                    offsets,
+                };
+                let mut z = ZeroOptimizer::new(Stage::Three, &tensors(), o, &comm, 40).unwrap();
+                let e = z.hold_params_from(&comm, 0, &mut source).unwrap_err();
+                let e = e.to_string();
+                assert!(
+                    e.contains("rank 0's parameters are not the 23 values"),
+                    "{e}"
+                );
+                assert!(!z.holds_params());
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
 /// A tensor cut into pieces of rows (b.weight, 11 values in rows of 2 and then of 1: pieces
 /// of 10 and 1 values; rows of 3 do not divide it) steps, saves and resumes as the uncut one.
 #[test]
