@@ -155,6 +155,22 @@ fn hearth_model_files_round_trip_and_reject_damage() {
         .unwrap();
     assert_eq!(a, b);
 
+    // Written a tensor at a time (`hearth_models::pack`), the file is the one Burn's own
+    // burnpack store writes with the same metadata, byte for byte.
+    use burn::store::{BurnpackStore, ModuleSnapshot};
+    let burns = dir.path().join("burns.bpk");
+    let mut store = BurnpackStore::from_file(&burns)
+        .auto_extension(false)
+        .overwrite(true)
+        .metadata("hearth.model_config", config.to_json())
+        .metadata("hearth.head_activation", model.head_activation().name())
+        .metadata("hearth.class_names", serde_json::to_string(&names).unwrap());
+    model.save_into(&mut store).unwrap();
+    assert!(
+        std::fs::read(&path).unwrap() == std::fs::read(&burns).unwrap(),
+        "model.bpk differs from Burn's own file of the model"
+    );
+
     let bytes = std::fs::read(&path).unwrap();
     let cut = dir.path().join("cut.bpk");
     std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();

@@ -29,6 +29,7 @@ mod layers;
 
 pub mod densenet;
 pub mod export;
+pub mod pack;
 pub mod pth;
 pub mod resnet;
 pub mod stages;

@@ -478,25 +478,33 @@ pub fn save_model_with(
     preprocessing: Option<&Preprocessing>,
     path: &Path,
 ) -> Result<()> {
-    let mut store = BurnpackStore::from_file(path)
-        .auto_extension(false)
-        .overwrite(true)
-        .metadata(META_CONFIG, config.to_json())
-        .metadata(META_HEAD, model.head_activation().name());
+    // Burn's burnpack store's file (its default metadata and ours, the tensors in visiting
+    // order), each tensor read only as the writer reaches it ([`crate::pack`]).
+    let mut metadata = BurnpackStore::default_metadata();
+    metadata.insert(META_CONFIG.into(), config.to_json());
+    metadata.insert(META_HEAD.into(), model.head_activation().name().into());
     if let Some(names) = class_names {
         let json = serde_json::to_string(names).map_err(|e| ModelError::Save {
             path: path.to_path_buf(),
             reason: format!("class names: {e}"),
         })?;
-        store = store.metadata(META_CLASSES, json);
+        metadata.insert(META_CLASSES.into(), json);
     }
     if let Some(p) = preprocessing {
-        store = store.metadata(META_PREPROCESSING, p.to_json());
+        metadata.insert(META_PREPROCESSING.into(), p.to_json());
     }
-    model.save_into(&mut store).map_err(|e| ModelError::Save {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })
+    let mut writer = burn::store::burn_pack::Writer::new(crate::pack::deferred_tensors(model));
+    for (key, value) in &metadata {
+        writer = writer.with_metadata(key, value);
+    }
+    writer
+        .auto_extension(false)
+        .overwrite(true)
+        .write_to_file(path)
+        .map_err(|e| ModelError::Save {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })
 }
 
 /// Loads a Hearth model file written by [`save_model`]: rebuilds the network from the stored

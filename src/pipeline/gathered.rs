@@ -17,7 +17,7 @@ use crate::{HearthError, Result};
 /// whole model would need what stage 3 is there to save). The matrices cut into pieces of rows
 /// (larger than a bucket: VGG-16's 411 MB first classifier weight) are not even held whole for
 /// their unit: their products take them a piece at a time, as the training step's do
-/// ([`PiecesInOrder`]). Computed in `precision`, the logits in f32, on `x`'s device (an inner
+/// (`PiecesInOrder`). Computed in `precision`, the logits in f32, on `x`'s device (an inner
 /// device: no graph).
 ///
 /// Every rank calls it alike for each round of a validation, `x` `None` on a rank whose

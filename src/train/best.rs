@@ -223,30 +223,9 @@ fn save_streamed<M: burn::module::Module>(
         ) where
             Tensor<D, K>: Send + Sync,
         {
-            let (dtype, shape) = (t.dtype(), t.shape());
-            let len = shape.num_elements() * dtype.size();
-            let read = move || {
-                if let Some(bytes) = direct(&t) {
-                    return Ok(bytes);
-                }
-                let (bytes, _, stored) = t.clone().into_data().into_parts();
-                // The type the header declares must be the one the values come in (a backend
-                // may store a type in a wider one).
-                match stored == dtype {
-                    true => Ok(bytes),
-                    false => Err(burn_pack::Error::ValidationError(format!(
-                        "declared {dtype:?}, read {stored:?}"
-                    ))),
-                }
-            };
-            self.out.push(burn_pack::Tensor::deferred(
-                self.path.join("."),
-                dtype,
-                shape,
-                Some(id),
-                len,
-                read,
-            ));
+            let path = self.path.join(".");
+            self.out
+                .push(hearth_models::pack::deferred(path, id, t, direct));
         }
     }
     impl ModuleVisitor for Deferred<'_> {
@@ -280,13 +259,7 @@ fn save_streamed<M: burn::module::Module>(
             .map_err(|e| e.to_string())
     };
     let Some(fed) = fed else {
-        let mut d = Deferred {
-            path: Vec::new(),
-            out: Vec::new(),
-            fed: None,
-        };
-        module.visit(&mut d);
-        return write(d.out);
+        return write(hearth_models::pack::deferred_tensors(module));
     };
     // Handed over one at a time: the writer holds the tensor it writes, the feed the next.
     let (tx, rx) = sync_channel::<(u64, Bytes)>(0);

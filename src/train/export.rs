@@ -72,7 +72,7 @@ fn export_file<T: super::trainee::Trainee>(
         ))
     })?;
     let model = trainee
-        .init(device, &mut |_| {})?
+        .skeleton(device)?
         .try_load_record(record)
         .map_err(|e| {
             HearthError::Training(format!(

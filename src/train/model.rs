@@ -43,13 +43,7 @@ pub fn init_model(
     // concurrent trainings in one process (tests, embedding programs) start from their seed.
     let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     device.seed(cfg.seed);
-    let head = if multi_label {
-        HeadConfig::new(classes)
-            .with_activation(HeadActivation::Sigmoid)
-            .with_bias(BiasInit::Constant(1.0))
-    } else {
-        HeadConfig::new(classes)
-    };
+    let head = head_config(classes, multi_label);
     let mut model = config.init(device)?;
     if let Some(weights) = &cfg.model.weights
         && WeightsFormat::of(weights)? == WeightsFormat::Hearth
@@ -96,6 +90,36 @@ pub fn init_model(
 
 /// `model` with every parameter initialised now (Burn initialises them lazily, on first use:
 /// under the seed lock they are drawn from the seeded generator).
+/// The head [`init_model`] gives a model of `classes` outputs.
+fn head_config(classes: usize, multi_label: bool) -> HeadConfig {
+    match multi_label {
+        true => HeadConfig::new(classes)
+            .with_activation(HeadActivation::Sigmoid)
+            .with_bias(BiasInit::Constant(1.0)),
+        false => HeadConfig::new(classes),
+    }
+}
+
+/// The model [`init_model`] builds for `cfg`, its parameters left uninitialised (Burn's lazy
+/// parameters: nothing allocated, nothing drawn from the seed), to load a checkpoint into: a
+/// record's values replace them without their random values ever being made (the export of the
+/// best epoch built a seeded model beside the checkpoint's record: twice the model on rank 0,
+/// VGG-16's 553 MB among them). The weights of `model.weights` are not loaded: only their head's
+/// shape matters, which the new head has.
+pub(crate) fn model_skeleton(
+    cfg: &TrainConfig,
+    config: &ModelConfig,
+    classes: usize,
+    multi_label: bool,
+    device: &Device,
+) -> Result<Classifier> {
+    let model = config.init(device)?;
+    match cfg.model.weights.is_some() || multi_label {
+        true => Ok(model.replace_head(head_config(classes, multi_label), device)?),
+        false => Ok(model),
+    }
+}
+
 pub(crate) fn materialize<M: Module>(model: M) -> M {
     model.visit(&mut Materialize);
     model

@@ -72,6 +72,12 @@ pub(crate) trait Trainee {
     fn describe(&self) -> String;
     /// The model on `device`, freshly initialised from the run's seed (every rank alike).
     fn init(&self, device: &Device, log: &mut dyn FnMut(&str)) -> Result<Self::Model>;
+    /// The model's structure to load a checkpoint into (the export of the best epoch): by
+    /// default [`Self::init`]; a trainee whose parameters initialise lazily leaves them so,
+    /// since the checkpoint's values replace them all.
+    fn skeleton(&self, device: &Device) -> Result<Self::Model> {
+        self.init(device, &mut |_| {})
+    }
     /// `model` with the tensors of a phase trainable: `frozen` (`--freeze-backbone` before
     /// `--unfreeze-after`) the head alone, else everything.
     fn phase(&self, model: Self::Model, frozen: bool) -> Self::Model;
@@ -220,6 +226,15 @@ impl Trainee for ImageTrainee {
             self.outputs.multi_label,
             device,
             log,
+        )
+    }
+    fn skeleton(&self, device: &Device) -> Result<Classifier> {
+        super::model::model_skeleton(
+            &self.cfg,
+            &self.config,
+            self.outputs.classes.len(),
+            self.outputs.multi_label,
+            device,
         )
     }
     fn phase(&self, model: Classifier, frozen: bool) -> Classifier {
