@@ -563,3 +563,87 @@ fn stage_3_steps(
     }
     module_values(&sharded.gather(&z, comm, &skeleton).unwrap())
 }
+
+/// Each float tensor of a module (parameters and buffers): `None` while Burn has not
+/// initialised it, else its number of values.
+type States = Vec<Option<usize>>;
+
+/// [`States`] of `model`.
+fn initialised<M: Module>(model: &M) -> States {
+    struct States(Vec<Option<usize>>);
+    impl burn::module::ModuleVisitor for States {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<D>>) {
+            let made = p.is_initialized();
+            self.0.push(made.then(|| p.val().shape().num_elements()));
+        }
+    }
+    let mut v = States(Vec::new());
+    model.visit(&mut v);
+    v.0
+}
+
+/// ZeRO stage 3 from the root's values (`shard_params_from`): a rank other than the root may
+/// build its model without values (Burn's lazy parameters, as Hearth's do) and never makes
+/// them (its skeleton holds empty tensors, nothing initialised), and each unit it gathers
+/// then holds the root's values.
+#[test]
+fn stage_3_from_the_roots_values_never_initialises_the_other_ranks_models() {
+    let _random = random_lock();
+    let device = Device::flex().autodiff();
+    device.seed(5);
+    let root_model = parts(3, &device);
+    let want: Vec<Vec<f32>> = root_model.iter().flat_map(module_values).collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut root_model = Some(root_model);
+    for (r, t) in MemoryTransport::mesh(3).into_iter().enumerate() {
+        // The root's model was read (initialised) above; the others are built lazy here.
+        let model = match r {
+            0 => root_model.take().expect("one root"),
+            _ => parts(3, &device),
+        };
+        assert_eq!(r == 0, initialised(&model).iter().all(Option::is_some));
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let comm =
+                Arc::new(Communicator::new(Arc::new(t)).with_timeout(Duration::from_secs(30)));
+            let run = || -> burn_dist::Result<(States, Vec<Vec<f32>>)> {
+                use burn_dist::flat::module::trainable_names;
+                let counts: Vec<usize> = model.iter().map(|p| trainable_names(p).len()).collect();
+                let mut z = zero_optimizer(burn_dist::zero::Stage::Three, &model, &comm)
+                    .cut_at_units(&counts)?;
+                // A clone shares each lazy parameter's state: it sees any initialisation.
+                let witness = model.clone();
+                let (skeleton, sharded) =
+                    burn_dist::zero::module::shard_params_from(&mut z, &comm, 0, model)?;
+                let mut states = initialised(&skeleton);
+                if comm.rank() != 0 {
+                    states.extend(initialised(&witness));
+                }
+                let mut values = Vec::new();
+                for unit in &skeleton {
+                    values.extend(module_values(&sharded.gather(&z, &comm, unit)?));
+                }
+                Ok((states, values))
+            };
+            let _ = tx.send((r, run()));
+        });
+    }
+    drop(tx);
+    let mut seen = 0;
+    while let Ok((r, got)) = rx.recv_timeout(Duration::from_secs(60)) {
+        let (states, values) = got.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        // Three convolutions and the head, a weight and a bias each: all empty, none lazy;
+        // beside them on the other ranks the model as built, still lazy.
+        let mut lazy = vec![Some(0); 8];
+        if r != 0 {
+            lazy.extend([None; 8]);
+        }
+        assert_eq!(states, lazy, "rank {r}'s skeleton");
+        assert_eq!(
+            values, want,
+            "rank {r}'s gathered units hold the root's values"
+        );
+        seen += 1;
+    }
+    assert_eq!(seen, 3, "a rank failed or hung");
+}

@@ -88,8 +88,6 @@ pub fn init_model(
     Ok(materialize(model))
 }
 
-/// `model` with every parameter initialised now (Burn initialises them lazily, on first use:
-/// under the seed lock they are drawn from the seeded generator).
 /// The head [`init_model`] gives a model of `classes` outputs.
 fn head_config(classes: usize, multi_label: bool) -> HeadConfig {
     match multi_label {
@@ -120,9 +118,19 @@ pub(crate) fn model_skeleton(
     }
 }
 
+/// `model` with every parameter initialised now (Burn initialises them lazily, on first use:
+/// under the seed lock they are drawn from the seeded generator).
 pub(crate) fn materialize<M: Module>(model: M) -> M {
     model.visit(&mut Materialize);
     model
+}
+
+/// [`materialize`] under [`SEED_LOCK`], where the values drawn are overwritten anyway (a ZeRO
+/// stage 3 skeleton's frozen tensors, which rank 0's replace): the draws keep out of the way
+/// of a seeded initialisation elsewhere in the process.
+pub(crate) fn materialize_locked<M: Module>(model: M) -> M {
+    let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    materialize(model)
 }
 
 /// `model` with every parameter trainable for the fine-tuning phase of `--unfreeze-after`,

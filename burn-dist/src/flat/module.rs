@@ -14,6 +14,25 @@ pub use put::{
     with_trainable_values,
 };
 
+/// `param`'s shape if it trains (requires gradients), `None` otherwise, without initialising a
+/// parameter Burn has not initialised yet (its lazy shape and gradient requirement: a ZeRO
+/// stage 3 rank other than the root builds its model this way and never makes the values that
+/// the root's replace). Every reader of the trainable order here asks this first, so that
+/// counting, naming and releasing a module's tensors leaves its lazy parameters lazy.
+pub fn trainable_shape<const D: usize>(param: &Param<Tensor<D>>) -> Option<Shape> {
+    if param.is_initialized() {
+        let t = param.val();
+        return t.is_require_grad().then(|| t.shape());
+    }
+    // Burn reads a lazy parameter's gradient requirement without initialising it only when a
+    // value is loaded into it: an empty one, into a clone (which shares the lazy state and
+    // leaves it as it is).
+    let probe = param
+        .clone()
+        .transform_for_load(Tensor::<D>::empty([0; D], &param.lazy_device()), param.id);
+    probe.val().is_require_grad().then(|| param.lazy_shape())
+}
+
 fn flat<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     // A read that fails leaves an empty vector, which the length checks report.
     // Moved out of the tensor's storage where Burn allows it, copied otherwise.
@@ -39,8 +58,7 @@ impl ModuleVisitor for Names {
         self.path.pop();
     }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let t = param.val();
-        if t.is_require_grad() {
+        if let Some(shape) = trainable_shape(param) {
             let name = self
                 .path
                 .iter()
@@ -48,7 +66,7 @@ impl ModuleVisitor for Names {
                 .cloned()
                 .collect::<Vec<_>>()
                 .join(".");
-            self.out.push((name, t.shape().num_elements()));
+            self.out.push((name, shape.num_elements()));
             self.ranks.push(D);
         }
     }
@@ -66,9 +84,8 @@ pub fn trainable_shapes<M: Module>(module: &M) -> Vec<Vec<usize>> {
     struct Dims(Vec<Vec<usize>>);
     impl ModuleVisitor for Dims {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let t = param.val();
-            if t.is_require_grad() {
-                self.0.push(t.dims().to_vec());
+            if let Some(shape) = trainable_shape(param) {
+                self.0.push(shape.to_vec());
             }
         }
     }
@@ -82,7 +99,7 @@ pub fn trainable_ids<M: Module>(module: &M) -> Vec<ParamId> {
     struct Ids(Vec<ParamId>);
     impl ModuleVisitor for Ids {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if param.val().is_require_grad() {
+            if trainable_shape(param).is_some() {
                 self.0.push(param.id);
             }
         }
@@ -116,13 +133,12 @@ struct Values<'a> {
 
 impl ModuleVisitor for Values<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let t = param.val();
-        if !t.is_require_grad() {
+        let Some(shape) = trainable_shape(param) else {
             return;
-        }
-        let n = t.shape().num_elements();
+        };
+        let n = shape.num_elements();
         match self.grads {
-            None => self.out.extend(flat(t)),
+            None => self.out.extend(flat(param.val())),
             Some(g) => match g.get::<D>(param.id) {
                 Some(g) => self.out.extend(flat(g)),
                 // A parameter the loss does not reach has a zero gradient.
@@ -176,10 +192,9 @@ fn trainable_len<M: Module>(module: &M, tensors: std::ops::Range<usize>) -> usiz
     }
     impl ModuleVisitor for Len {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let t = param.val();
-            if t.is_require_grad() {
+            if let Some(shape) = trainable_shape(param) {
                 if self.want.contains(&self.index) {
-                    self.len += t.shape().num_elements();
+                    self.len += shape.num_elements();
                 }
                 self.index += 1;
             }
@@ -215,10 +230,9 @@ pub fn take_trainable_grads_each<M: Module>(
     }
     impl ModuleVisitor for Take<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let t = param.val();
-            if !t.is_require_grad() {
+            let Some(shape) = trainable_shape(param) else {
                 return;
-            }
+            };
             let i = self.index;
             self.index += 1;
             if !(self.want)(i, param.id) {
@@ -226,7 +240,7 @@ pub fn take_trainable_grads_each<M: Module>(
             }
             let values = match self.grads.remove::<D>(param.id) {
                 Some(g) => flat(g),
-                None if self.zeros => vec![0.0; t.shape().num_elements()],
+                None if self.zeros => vec![0.0; shape.num_elements()],
                 None => return,
             };
             (self.each)(i, values);
@@ -251,11 +265,10 @@ pub fn trainable_values_in<M: Module>(module: &M, range: std::ops::Range<usize>)
     }
     impl ModuleVisitor for Ranged {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let t = param.val();
-            if !t.is_require_grad() {
+            let Some(shape) = trainable_shape(param) else {
                 return;
-            }
-            let n = t.shape().num_elements();
+            };
+            let n = shape.num_elements();
             let (lo, hi) = (
                 self.at.max(self.want.start),
                 (self.at + n).min(self.want.end),
@@ -264,6 +277,7 @@ pub fn trainable_values_in<M: Module>(module: &M, range: std::ops::Range<usize>)
                 // Only the part in the range is read: a shard of a large tensor (VGG-16's
                 // first classifier layer, 411 MB) is not copied whole to take half of it,
                 // which had set a ZeRO step's peak.
+                let t = param.val();
                 let v = if hi - lo == n {
                     flat(t)
                 } else {
@@ -329,6 +343,82 @@ mod tests {
     struct Net {
         fc: Linear,
         bn: burn::nn::BatchNorm,
+    }
+
+    /// Each float parameter's state: `None` while Burn has not initialised it, else its
+    /// number of values.
+    fn states<M: Module>(module: &M) -> Vec<Option<usize>> {
+        struct States(Vec<Option<usize>>);
+        impl ModuleVisitor for States {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let n = param.is_initialized();
+                self.0.push(n.then(|| param.val().shape().num_elements()));
+            }
+        }
+        let mut v = States(Vec::new());
+        module.visit(&mut v);
+        v.0
+    }
+
+    /// A module Burn has not initialised (ZeRO stage 3's ranks but the root build their model
+    /// so): counting, naming and releasing its trainable tensors never makes their values, a
+    /// frozen parameter stays out of the trainable order as an initialised one does, and the
+    /// values put back into the released tensors are what the module then holds.
+    #[test]
+    fn lazy_parameters_stay_lazy_while_counted_named_and_released() {
+        let device = Device::flex().autodiff();
+        let net = Net {
+            fc: LinearConfig::new(3, 2).init(&device),
+            bn: BatchNormConfig::new(2).init(&device).no_grad(),
+        };
+        // The norm's running statistics (buffers) are made at once.
+        let buffers = [Some(2), Some(2)];
+        let lazy = [[None; 4].as_slice(), &buffers].concat();
+        assert_eq!(states(&net), lazy, "Burn's parameters start lazy");
+        let names = trainable_names(&net);
+        let listed: Vec<(&str, usize)> = names.iter().map(|(n, l)| (n.as_str(), *l)).collect();
+        assert_eq!(
+            listed,
+            [("fc.weight", 6), ("fc.bias", 2)],
+            "the frozen norm left out"
+        );
+        assert_eq!(trainable_shapes(&net), [vec![3, 2], vec![2]]);
+        assert_eq!(
+            trainable_ids(&net),
+            [net.fc.weight.id, net.fc.bias.as_ref().unwrap().id]
+        );
+        assert_eq!(matrix_ranges(&net), vec![0..6]);
+        assert_eq!(trainable_extents(&net).len(), 2);
+        assert_eq!(trainable_len(&net, 0..2), 8);
+        assert_eq!(
+            states(&net),
+            lazy,
+            "nothing initialised by reading the order"
+        );
+
+        let mut shapes = Shapes::new();
+        let net = release_trainable_range(net, 0..2, &mut shapes);
+        let kept: Vec<Vec<usize>> = shapes.values().map(|s| s.to_vec()).collect();
+        assert_eq!(kept, [vec![3, 2], vec![2]]);
+        assert_eq!(
+            states(&net),
+            [Some(0), Some(0), None, None, Some(2), Some(2)],
+            "released empty, never made; the frozen norm still lazy"
+        );
+        let parts = vec![(0..6).map(|i| i as f32).collect(), vec![6.0, 7.0]];
+        let net = with_trainable_range(net, 0..2, parts, &shapes).unwrap();
+        assert_eq!(
+            trainable_values(&net),
+            (0..8).map(|i| i as f32).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            states(&net),
+            [Some(6), Some(2), None, None, Some(2), Some(2)]
+        );
+        assert!(
+            net.fc.weight.val().is_require_grad(),
+            "the values put back train"
+        );
     }
 
     #[test]

@@ -30,6 +30,11 @@ impl<T: Trainee> Allreduce<'_, T> {
         let cfg = self.cfg;
         let hparams = cfg.hyperparameters();
         let mut state: Vec<u8> = Vec::new();
+        // ZeRO stage 3: rank 0 keeps the checkpoint's weights to itself (the other ranks take
+        // their segments of them from it, `start_sharding`), so they are not broadcast, and it
+        // reads them from the file into its model (not into a buffer first: VGG-16's 553 MB).
+        let stage_3 = cfg.exchange.zero == 3 && self.comm.is_some();
+        let mut own_weights: Option<ModuleRecord> = None;
         if self.rank == 0 {
             if cfg.checkpoint.resume {
                 let dir = cfg.run_dir.join("checkpoint");
@@ -63,7 +68,20 @@ impl<T: Trainee> Allreduce<'_, T> {
                         ))
                     })
                 };
-                let model = read(model_checkpoint(&cfg.run_dir, epoch))?;
+                let weights = model_checkpoint(&cfg.run_dir, epoch);
+                let model = match stage_3 {
+                    true => {
+                        let record = ModuleRecord::load(&weights).map_err(|e| {
+                            HearthError::Training(format!(
+                                "epoch {epoch}'s checkpoint {}: {e}",
+                                weights.display()
+                            ))
+                        })?;
+                        own_weights = Some(record);
+                        Vec::new()
+                    }
+                    false => read(weights)?,
+                };
                 let optim = read(optim_checkpoint(&cfg.run_dir, epoch))?;
                 let ema = match cfg.optim.model_ema {
                     Some(_) => read(ema_checkpoint(&cfg.run_dir, epoch))?,
@@ -96,12 +114,21 @@ impl<T: Trainee> Allreduce<'_, T> {
             return Ok(0);
         }
         let (epoch, model, optim, ema) = decode_state(&state)?;
-        let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(model.to_vec()))
-            .map_err(|e| HearthError::Training(format!("epoch {epoch}'s weights: {e}")))?;
-        let model = self.take_model()?;
-        self.model = Some(model.try_load_record(record).map_err(|e| {
-            HearthError::Training(format!("epoch {epoch}'s weights do not fit the model: {e}"))
-        })?);
+        // Stage 3's ranks other than 0 keep their skeleton (built without values): their
+        // segments come from rank 0's.
+        let record = match (stage_3, own_weights) {
+            (true, own) => own,
+            (false, _) => Some(
+                ModuleRecord::from_bytes(Bytes::from_bytes_vec(model.to_vec()))
+                    .map_err(|e| HearthError::Training(format!("epoch {epoch}'s weights: {e}")))?,
+            ),
+        };
+        if let Some(record) = record {
+            let model = self.take_model()?;
+            self.model = Some(model.try_load_record(record).map_err(|e| {
+                HearthError::Training(format!("epoch {epoch}'s weights do not fit the model: {e}"))
+            })?);
+        }
         crate::device::check_burn_default(&self.device)?;
         self.optim = optimizer(self.cfg)
             .from_bytes(Bytes::from_bytes_vec(optim.to_vec()))

@@ -74,7 +74,17 @@ pub(super) fn train_with<R: Recipe>(
     }
     let trainee = recipe.prepare(cfg, comm.as_deref(), rank, world, log)?;
     let ad = device.clone().autodiff();
-    let model = trainee.init(&ad, log)?;
+    // ZeRO stage 3: a rank other than 0 takes its segments of rank 0's values
+    // (`start_sharding`), and a resumed run's values come from its checkpoint, so the values
+    // of a fresh initialisation would never be read: such a model is built without them
+    // (Burn's lazy parameters, never initialised), and no rank but 0 ever holds the model
+    // whole (PyTorch FSDP's `sync_module_states` from a rank-0 model, the others on the meta
+    // device, does the same).
+    let hollow = cfg.exchange.zero == 3 && world > 1 && (rank != 0 || cfg.checkpoint.resume);
+    let model = match hollow {
+        true => trainee.skeleton(&ad)?,
+        false => trainee.init(&ad, log)?,
+    };
     let batches = trainee.shard_batches().max(1);
     let rates = Rates::new(cfg, cfg.scaled_lr(log)?, batches)?;
     let epochs = Epochs::new(cfg, rank == 0);

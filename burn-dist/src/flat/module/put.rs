@@ -47,19 +47,34 @@ pub fn with_trainable_range<M: Module>(
     Ok(m)
 }
 
-/// Counts a tensor met while mapping a module if it is trainable, and gives its index in the
-/// trainable order when `want` holds it.
+/// Counts a parameter met while mapping a module if it is trainable, and gives its index in
+/// the trainable order and its shape when `want` holds it (a lazy parameter stays lazy).
 fn wanted<const D: usize>(
-    t: &Tensor<D>,
+    param: &Param<Tensor<D>>,
     index: &mut usize,
     want: &std::ops::Range<usize>,
-) -> Option<usize> {
-    if !t.is_require_grad() {
-        return None;
-    }
+) -> Option<(usize, Shape)> {
+    let shape = super::trainable_shape(param)?;
     let i = *index;
     *index += 1;
-    want.contains(&i).then_some(i)
+    want.contains(&i).then_some((i, shape))
+}
+
+/// `param` holding `make(device)` in place of its value, which goes at once; a parameter Burn
+/// has not initialised yet never makes its value.
+fn replaced<const D: usize>(
+    param: Param<Tensor<D>>,
+    make: impl FnOnce(&Device) -> Tensor<D>,
+) -> Param<Tensor<D>> {
+    if param.is_initialized() {
+        return param.map(|t| {
+            let device = t.device();
+            drop(t);
+            make(&device)
+        });
+    }
+    let (id, device) = (param.id, param.lazy_device());
+    param.transform_for_load(make(&device), id)
 }
 
 /// `module` with trainable tensors `tensors` let go (empty tensors in their place, their shapes
@@ -78,15 +93,12 @@ pub fn release_trainable_range<M: Module>(
     }
     impl ModuleMapper for Release<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let (want, index, shapes) = (&self.want, &mut self.index, &mut *self.shapes);
-            param.map(|t| {
-                let Some(i) = wanted(&t, index, want) else {
-                    return t;
-                };
-                let device = t.device();
-                shapes.insert(i, t.shape());
-                drop(t);
-                Tensor::<D>::empty([0; D], &device).set_require_grad(true)
+            let Some((i, shape)) = wanted(&param, &mut self.index, &self.want) else {
+                return param;
+            };
+            self.shapes.insert(i, shape);
+            replaced(param, |device| {
+                Tensor::<D>::empty([0; D], device).set_require_grad(true)
             })
         }
     }
@@ -114,27 +126,24 @@ fn map_trainable<M: Module>(
     }
     impl ModuleMapper for Parts<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let (want, index, released) = (&self.want, &mut self.index, self.released);
-            let (parts, error) = (&mut self.parts, &mut self.error);
-            param.map(|t| {
-                let Some(i) = wanted(&t, index, want) else {
-                    return t;
-                };
-                let shape = released.get(&i).cloned().unwrap_or_else(|| t.shape());
-                let Some(v) = parts.next() else {
-                    error.get_or_insert("fewer parts than tensors to replace".into());
-                    return t;
-                };
-                if v.len() != shape.num_elements() {
-                    error.get_or_insert(format!(
-                        "a part of {} values for a tensor of shape {shape:?}",
-                        v.len()
-                    ));
-                    return t;
-                }
-                let device = t.device();
-                drop(t);
-                Tensor::<D>::from_data(TensorData::new(v, shape), &device).set_require_grad(true)
+            let Some((i, shape)) = wanted(&param, &mut self.index, &self.want) else {
+                return param;
+            };
+            let shape = self.released.get(&i).cloned().unwrap_or(shape);
+            let Some(v) = self.parts.next() else {
+                self.error
+                    .get_or_insert("fewer parts than tensors to replace".into());
+                return param;
+            };
+            if v.len() != shape.num_elements() {
+                self.error.get_or_insert(format!(
+                    "a part of {} values for a tensor of shape {shape:?}",
+                    v.len()
+                ));
+                return param;
+            }
+            replaced(param, |device| {
+                Tensor::<D>::from_data(TensorData::new(v, shape), device).set_require_grad(true)
             })
         }
     }
