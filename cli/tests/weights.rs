@@ -171,6 +171,46 @@ fn hearth_model_files_round_trip_and_reject_damage() {
         "model.bpk differs from Burn's own file of the model"
     );
 
+    // Written from a checkpoint file a tensor at a time (`pack::save_model_from_file`, the
+    // export of a run's best epoch), into a skeleton never initialised: the same file again.
+    let from_file = dir.path().join("from-file.bpk");
+    let skeleton = config.init(&device).unwrap();
+    let write = |checkpoint: &Path, skeleton: &hearth::models::Classifier| {
+        hearth::models::pack::save_model_from_file(
+            checkpoint,
+            skeleton,
+            &config,
+            Some(&names),
+            None,
+            &from_file,
+        )
+    };
+    write(&burns, &skeleton).unwrap();
+    assert!(
+        std::fs::read(&from_file).unwrap() == std::fs::read(&path).unwrap(),
+        "the model file written from the checkpoint differs from the model's own"
+    );
+    std::fs::remove_file(&from_file).unwrap();
+    // A checkpoint of another model, or a cut one: an error naming the file, nothing written.
+    let other = resnet([2, 1, 1, 1], 10);
+    let err = write(&burns, &other).unwrap_err().to_string();
+    assert!(
+        err.contains("burns.bpk") && err.contains("layer1.1"),
+        "{err}"
+    );
+    let wider = resnet([1, 1, 1, 1], 7);
+    let err = write(&burns, &wider).unwrap_err().to_string();
+    assert!(
+        err.contains("shape mismatch for 'ResNet.fc.weight'"),
+        "{err}"
+    );
+    let cut_checkpoint = dir.path().join("cut-checkpoint.bpk");
+    let whole = std::fs::read(&burns).unwrap();
+    std::fs::write(&cut_checkpoint, &whole[..whole.len() - 100]).unwrap();
+    let err = write(&cut_checkpoint, &skeleton).unwrap_err().to_string();
+    assert!(err.contains("cut-checkpoint.bpk"), "{err}");
+    assert!(!from_file.exists(), "nothing written from a bad checkpoint");
+
     let bytes = std::fs::read(&path).unwrap();
     let cut = dir.path().join("cut.bpk");
     std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();

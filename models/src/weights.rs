@@ -375,10 +375,10 @@ pub fn torchvision_num_classes(arch: crate::Architecture, path: &Path) -> Result
 }
 
 /// Metadata keys of a Hearth model file.
-const META_CONFIG: &str = "hearth.model_config";
-const META_HEAD: &str = "hearth.head_activation";
-const META_CLASSES: &str = "hearth.class_names";
-const META_PREPROCESSING: &str = "hearth.preprocessing";
+pub(crate) const META_CONFIG: &str = "hearth.model_config";
+pub(crate) const META_HEAD: &str = "hearth.head_activation";
+pub(crate) const META_CLASSES: &str = "hearth.class_names";
+pub(crate) const META_PREPROCESSING: &str = "hearth.preprocessing";
 
 /// How inputs were prepared for a model: shorter side resized to `resize`, center crop of
 /// `crop`, then `(v / 255 - mean) / std` per channel. Stored in Hearth model files so that
@@ -403,7 +403,7 @@ impl Preprocessing {
         }
     }
 
-    fn to_json(&self) -> String {
+    pub(crate) fn to_json(&self) -> String {
         serde_json::json!({
             "resize": self.resize,
             "crop": self.crop,
@@ -480,31 +480,8 @@ pub fn save_model_with(
 ) -> Result<()> {
     // Burn's burnpack store's file (its default metadata and ours, the tensors in visiting
     // order), each tensor read only as the writer reaches it ([`crate::pack`]).
-    let mut metadata = BurnpackStore::default_metadata();
-    metadata.insert(META_CONFIG.into(), config.to_json());
-    metadata.insert(META_HEAD.into(), model.head_activation().name().into());
-    if let Some(names) = class_names {
-        let json = serde_json::to_string(names).map_err(|e| ModelError::Save {
-            path: path.to_path_buf(),
-            reason: format!("class names: {e}"),
-        })?;
-        metadata.insert(META_CLASSES.into(), json);
-    }
-    if let Some(p) = preprocessing {
-        metadata.insert(META_PREPROCESSING.into(), p.to_json());
-    }
-    let mut writer = burn::store::burn_pack::Writer::new(crate::pack::deferred_tensors(model));
-    for (key, value) in &metadata {
-        writer = writer.with_metadata(key, value);
-    }
-    writer
-        .auto_extension(false)
-        .overwrite(true)
-        .write_to_file(path)
-        .map_err(|e| ModelError::Save {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })
+    let metadata = crate::pack::model_metadata(model, config, class_names, preprocessing, path)?;
+    crate::pack::write_pack(crate::pack::deferred_tensors(model), &metadata, path)
 }
 
 /// Loads a Hearth model file written by [`save_model`]: rebuilds the network from the stored

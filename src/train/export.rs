@@ -34,7 +34,7 @@ pub(super) fn export_best<T: super::trainee::Trainee>(
     } else {
         (super::best::model_checkpoint(&cfg.run_dir, best), "")
     };
-    let model = export_file(cfg, trainee, &path, best, device, "model.bpk", gate)?;
+    export_file(cfg, trainee, &path, device, "model.bpk", gate)?;
     log(&format!(
         "exported the best epoch ({best}, by {}){what} into {}",
         monitor.column(),
@@ -43,8 +43,12 @@ pub(super) fn export_best<T: super::trainee::Trainee>(
     if cfg.optim.model_ema.is_some() {
         export_ema(cfg, trainee, best, device, gate, log)?;
     }
+    if !trainee.multi_label() {
+        return Ok(None);
+    }
+    let model = super::trainee::load_checkpoint(trainee, &path, device)?;
     auroc_report(
-        trainee.multi_label(),
+        true,
         &model,
         trainee.classes(),
         trainee.full_val(device),
@@ -53,41 +57,24 @@ pub(super) fn export_best<T: super::trainee::Trainee>(
     )
 }
 
-/// Loads epoch `best`'s checkpoint file `path` into the trainee's model and exports it as
-/// `run_dir/name`; returns the model.
+/// Exports the best epoch's checkpoint file `path` as `run_dir/name`
+/// ([`super::trainee::Trainee::export_checkpoint`]), landed through `gate`.
 fn export_file<T: super::trainee::Trainee>(
     cfg: &super::TrainConfig,
     trainee: &T,
     path: &Path,
-    best: usize,
     device: &burn::prelude::Device,
     name: &str,
     gate: &super::gate::Gate,
-) -> Result<T::Model> {
-    use burn::module::Module;
-    let record = burn::store::ModuleRecord::load(path).map_err(|e| {
-        HearthError::Training(format!(
-            "the best epoch's ({best}) checkpoint {}: {e}",
-            path.display()
-        ))
-    })?;
-    let model = trainee
-        .skeleton(device)?
-        .try_load_record(record)
-        .map_err(|e| {
-            HearthError::Training(format!(
-                "the best epoch's ({best}) checkpoint {} does not fit the model: {e}",
-                path.display()
-            ))
-        })?;
+) -> Result<()> {
     let out = cfg.run_dir.join(name);
     let tmp = super::gate::Gate::temp_for(&out);
-    if let Err(e) = trainee.export(cfg, &model, &tmp) {
+    // An error names the checkpoint (`model-<best>.bpk`) and what was wrong with it.
+    if let Err(e) = trainee.export_checkpoint(cfg, path, device, &tmp) {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
-    gate.land(&tmp, &out)?;
-    Ok(model)
+    gate.land(&tmp, &out)
 }
 
 /// `optim.model_ema`: the best epoch's weight average as `model_ema.bpk`, in the same form as
@@ -101,7 +88,7 @@ fn export_ema<T: super::trainee::Trainee>(
     log: &mut dyn FnMut(&str),
 ) -> Result<()> {
     let path = super::ema::ema_checkpoint(&cfg.run_dir, best);
-    export_file(cfg, trainee, &path, best, device, "model_ema.bpk", gate)?;
+    export_file(cfg, trainee, &path, device, "model_ema.bpk", gate)?;
     log(&format!(
         "exported the best epoch's ({best}) weight average into {}",
         cfg.run_dir.join("model_ema.bpk").display()

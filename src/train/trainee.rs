@@ -119,6 +119,40 @@ pub(crate) trait Trainee {
     /// Writes the run's `model.bpk` from the best epoch's `model` (a user's module: its
     /// weights as burnpack, to load into the same module).
     fn export(&self, cfg: &TrainConfig, model: &Self::Model, out: &Path) -> Result<()>;
+    /// Writes `out` as [`Self::export`] does from the model whose weights are the checkpoint
+    /// file `checkpoint` (`best::save_epoch_weights`'): by default that model loaded
+    /// ([`load_checkpoint`]) and exported; Hearth's classifiers copy the file's tensors one at
+    /// a time into theirs, no model built.
+    fn export_checkpoint(
+        &self,
+        cfg: &TrainConfig,
+        checkpoint: &Path,
+        device: &Device,
+        out: &Path,
+    ) -> Result<()> {
+        let model = load_checkpoint(self, checkpoint, device)?;
+        self.export(cfg, &model, out)
+    }
+}
+
+/// The checkpoint file `path` (a burnpack of the trainee's model) loaded into
+/// [`Trainee::skeleton`]: the model it holds, its values never drawn first.
+pub(crate) fn load_checkpoint<T: Trainee + ?Sized>(
+    trainee: &T,
+    path: &Path,
+    device: &Device,
+) -> Result<T::Model> {
+    let record = burn::store::ModuleRecord::load(path)
+        .map_err(|e| HearthError::Training(format!("the checkpoint {}: {e}", path.display())))?;
+    trainee
+        .skeleton(device)?
+        .try_load_record(record)
+        .map_err(|e| {
+            HearthError::Training(format!(
+                "the checkpoint {} does not fit the model: {e}",
+                path.display()
+            ))
+        })
 }
 
 /// What a model's outputs mean: one per class (or label), and whether they are independent
@@ -303,6 +337,23 @@ impl Trainee for ImageTrainee {
     fn export(&self, cfg: &TrainConfig, model: &Classifier, out: &Path) -> Result<()> {
         hearth_models::save_model_with(
             model,
+            &self.config,
+            Some(&self.outputs.classes),
+            Some(&hearth_models::Preprocessing::eval(cfg.data.image_size)),
+            out,
+        )?;
+        Ok(())
+    }
+    fn export_checkpoint(
+        &self,
+        cfg: &TrainConfig,
+        checkpoint: &Path,
+        device: &Device,
+        out: &Path,
+    ) -> Result<()> {
+        hearth_models::pack::save_model_from_file(
+            checkpoint,
+            &self.skeleton(device)?,
             &self.config,
             Some(&self.outputs.classes),
             Some(&hearth_models::Preprocessing::eval(cfg.data.image_size)),
