@@ -584,24 +584,27 @@ fn initialised<M: Module>(model: &M) -> States {
 
 /// ZeRO stage 3 from the root's values (`shard_params_from`): a rank other than the root may
 /// build its model without values (Burn's lazy parameters, as Hearth's do) and never makes
-/// them (its skeleton holds empty tensors, nothing initialised), and each unit it gathers
-/// then holds the root's values.
+/// them (its skeleton holds empty tensors, nothing initialised), and the root's lazy model,
+/// seeded, is drawn as its buckets are handed out, in the model's order: each unit every rank
+/// gathers then holds the values an eager initialisation from the same seed makes.
 #[test]
 fn stage_3_from_the_roots_values_never_initialises_the_other_ranks_models() {
     let _random = random_lock();
     let device = Device::flex().autodiff();
+    // The values a seeded model takes when read whole, in its visiting order.
     device.seed(5);
-    let root_model = parts(3, &device);
-    let want: Vec<Vec<f32>> = root_model.iter().flat_map(module_values).collect();
+    let want: Vec<Vec<f32>> = parts(3, &device).iter().flat_map(module_values).collect();
+    device.seed(5);
+    let mut root_model = Some(parts(3, &device));
     let (tx, rx) = std::sync::mpsc::channel();
-    let mut root_model = Some(root_model);
     for (r, t) in MemoryTransport::mesh(3).into_iter().enumerate() {
-        // The root's model was read (initialised) above; the others are built lazy here.
+        // The root's model drawn as it is read (the test holds the random stream); the others'
+        // never.
         let model = match r {
             0 => root_model.take().expect("one root"),
             _ => parts(3, &device),
         };
-        assert_eq!(r == 0, initialised(&model).iter().all(Option::is_some));
+        assert!(initialised(&model).iter().all(Option::is_none));
         let tx = tx.clone();
         std::thread::spawn(move || {
             let comm =
@@ -641,7 +644,7 @@ fn stage_3_from_the_roots_values_never_initialises_the_other_ranks_models() {
         assert_eq!(states, lazy, "rank {r}'s skeleton");
         assert_eq!(
             values, want,
-            "rank {r}'s gathered units hold the root's values"
+            "rank {r}'s gathered units hold the seeded values"
         );
         seen += 1;
     }

@@ -41,7 +41,26 @@ pub fn init_model(
 ) -> Result<Classifier> {
     // Hold the process's generator from seeding until every random parameter exists, so
     // concurrent trainings in one process (tests, embedding programs) start from their seed.
-    let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (model, _rng) = init_model_drawn_later(cfg, config, classes, multi_label, device, log)?;
+    Ok(materialize(model))
+}
+
+/// The seed lock held ([`SEED_LOCK`]): while a model's parameters wait to be drawn.
+pub(crate) type SeedGuard = std::sync::MutexGuard<'static, ()>;
+
+/// [`init_model`] with the parameters not drawn yet: the process's generator seeded and held
+/// (the guard), the model's random parameters left to be drawn as they are first read. Read in
+/// the model's visiting order under the guard, they are [`init_model`]'s values (ZeRO stage 3's
+/// rank 0 reads them a bucket at a time as it hands them out, and lets each go).
+pub(crate) fn init_model_drawn_later(
+    cfg: &TrainConfig,
+    config: &ModelConfig,
+    classes: usize,
+    multi_label: bool,
+    device: &Device,
+    log: &mut dyn FnMut(&str),
+) -> Result<(Classifier, SeedGuard)> {
+    let rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     device.seed(cfg.seed);
     let head = head_config(classes, multi_label);
     let mut model = config.init(device)?;
@@ -85,7 +104,7 @@ pub fn init_model(
     } else if multi_label {
         model = model.replace_head(head, device)?;
     }
-    Ok(materialize(model))
+    Ok((model, rng))
 }
 
 /// The head [`init_model`] gives a model of `classes` outputs.

@@ -72,6 +72,17 @@ pub(crate) trait Trainee {
     fn describe(&self) -> String;
     /// The model on `device`, freshly initialised from the run's seed (every rank alike).
     fn init(&self, device: &Device, log: &mut dyn FnMut(&str)) -> Result<Self::Model>;
+    /// [`Self::init`] with the random parameters not drawn yet, and the seed lock that must be
+    /// held until they all are, in the model's visiting order (then they are `init`'s values):
+    /// ZeRO stage 3's rank 0 draws them a bucket at a time as it hands them out. By default
+    /// `init`'s model, drawn already (no guard).
+    fn init_drawn_later(
+        &self,
+        device: &Device,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<(Self::Model, Option<super::model::SeedGuard>)> {
+        Ok((self.init(device, log)?, None))
+    }
     /// The model's structure to load a checkpoint into (the export of the best epoch): by
     /// default [`Self::init`]; a trainee whose parameters initialise lazily leaves them so,
     /// since the checkpoint's values replace them all.
@@ -253,14 +264,24 @@ impl Trainee for ImageTrainee {
         self.config.to_json()
     }
     fn init(&self, device: &Device, log: &mut dyn FnMut(&str)) -> Result<Classifier> {
-        super::model::init_model(
+        // Drawn whole now, the seed lock held until the end.
+        let (model, _rng) = self.init_drawn_later(device, log)?;
+        Ok(super::model::materialize(model))
+    }
+    fn init_drawn_later(
+        &self,
+        device: &Device,
+        log: &mut dyn FnMut(&str),
+    ) -> Result<(Classifier, Option<super::model::SeedGuard>)> {
+        let (model, rng) = super::model::init_model_drawn_later(
             &self.cfg,
             &self.config,
             self.outputs.classes.len(),
             self.outputs.multi_label,
             device,
             log,
-        )
+        )?;
+        Ok((model, Some(rng)))
     }
     fn skeleton(&self, device: &Device) -> Result<Classifier> {
         super::model::model_skeleton(

@@ -258,16 +258,34 @@ pub fn take_trainable_grads_each<M: Module>(
 /// Values `range` of [`trainable_values`], reading only the tensors that meet it (a shard's
 /// values, without a copy of the whole vector).
 pub fn trainable_values_in<M: Module>(module: &M, range: std::ops::Range<usize>) -> Vec<f32> {
-    struct Ranged {
+    trainable_values_in_released(module, range, &Shapes::new())
+}
+
+/// [`trainable_values_in`] of a module whose tensors `released` holds the shapes of are let go
+/// ([`release_trainable_range`]): they keep their place in the vector (their values are not
+/// in `range`, or come back empty).
+pub fn trainable_values_in_released<M: Module>(
+    module: &M,
+    range: std::ops::Range<usize>,
+    released: &Shapes,
+) -> Vec<f32> {
+    struct Ranged<'a> {
         want: std::ops::Range<usize>,
         at: usize,
+        index: usize,
+        released: &'a Shapes,
         out: Vec<f32>,
     }
-    impl ModuleVisitor for Ranged {
+    impl ModuleVisitor for Ranged<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let Some(shape) = trainable_shape(param) else {
                 return;
             };
+            self.index += 1;
+            if let Some(kept) = self.released.get(&(self.index - 1)) {
+                self.at += kept.num_elements();
+                return;
+            }
             let n = shape.num_elements();
             let (lo, hi) = (
                 self.at.max(self.want.start),
@@ -298,6 +316,8 @@ pub fn trainable_values_in<M: Module>(module: &M, range: std::ops::Range<usize>)
         out: Vec::with_capacity(range.len()),
         want: range,
         at: 0,
+        index: 0,
+        released,
     };
     module.visit(&mut v);
     v.out

@@ -112,6 +112,12 @@ pub trait StepSource {
     fn release(&mut self, tensors: Range<usize>) {
         let _ = tensors;
     }
+    /// How many values the source holds, where it knows without reading any (a module whose
+    /// parameters are drawn as they are first read must not be read out of order): `None` by
+    /// default, and then the last value is read to tell.
+    fn value_count(&mut self) -> Option<usize> {
+        None
+    }
 }
 
 /// A [`StepSource`] over flat vectors (tests, and callers that hold the vector themselves).
@@ -130,6 +136,9 @@ impl StepSource for FlatSource<'_> {
         // What of `range` the vector has (a range past its end reads short, as a module's).
         let end = range.end.min(self.values.len());
         self.values[range.start.min(end)..end].to_vec()
+    }
+    fn value_count(&mut self) -> Option<usize> {
+        Some(self.values.len())
     }
 }
 

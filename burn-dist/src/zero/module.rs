@@ -14,7 +14,7 @@ use super::{ReducedGradients, Stage, StateLayout, StateReader, ZeroOptimizer};
 use crate::collective::Communicator;
 use crate::flat::module::{
     Shapes, release_trainable_range, take_trainable_grads_of, trainable_ids, trainable_names,
-    trainable_values_in, with_trainable_range,
+    trainable_values_in_released, with_trainable_range,
 };
 use crate::flat::optim::ShardOptimizer;
 use crate::{DistError, Result};
@@ -220,7 +220,9 @@ fn shard_params_by<M: Module>(
         },
     )?;
     let model = cell.into_inner().ok_or_else(lost_module)?;
-    let mut shapes = Shapes::new();
+    // What `hold` released already keeps its shape there (the root lets each tensor go once
+    // its values are out).
+    let mut shapes = released.into_inner();
     let skeleton = release_trainable_range(model, 0..ids.len(), &mut shapes);
     let index = ids.into_iter().enumerate().map(|(i, id)| (id, i)).collect();
     Ok((skeleton, ShardedParams { shapes, index }))
@@ -570,8 +572,10 @@ impl<M: Module> crate::zero::StepSource for ModuleSource<'_, M> {
         }
     }
     fn values(&mut self, range: std::ops::Range<usize>) -> Vec<f32> {
+        // Tensors released before keep their place (ZeRO stage 3's root lets each go once its
+        // segments are out).
         match self.model.borrow().as_ref() {
-            Some(m) => trainable_values_in(m, range),
+            Some(m) => trainable_values_in_released(m, range, &self.released.borrow()),
             None => Vec::new(),
         }
     }
@@ -579,5 +583,16 @@ impl<M: Module> crate::zero::StepSource for ModuleSource<'_, M> {
         let m = self.model.borrow_mut().take();
         *self.model.borrow_mut() =
             m.map(|m| release_trainable_range(m, tensors, &mut self.released.borrow_mut()));
+    }
+    fn value_count(&mut self) -> Option<usize> {
+        // Counted from the shapes, a lazy parameter's read without drawing it.
+        let (m, released) = (self.model.borrow(), self.released.borrow());
+        let names = m
+            .as_ref()
+            .map_or(Vec::new(), crate::flat::module::trainable_names);
+        let size = |(i, (_, len)): (usize, &(String, usize))| {
+            released.get(&i).map_or(*len, |s| s.num_elements())
+        };
+        Some(names.iter().enumerate().map(size).sum())
     }
 }

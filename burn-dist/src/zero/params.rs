@@ -141,11 +141,14 @@ impl ZeroOptimizer {
     }
 
     /// [`Self::hold_params`] from `root`'s values: `root` reads one bucket at a time from its
-    /// `source` and hands each rank its segment ([`Communicator::scatter_from`]); the other
-    /// ranks' sources are not read. So every rank starts from one rank's parameters, as data
-    /// parallel starts from rank 0's broadcast, without any rank holding more than a bucket of
-    /// them beside its source (a broadcast of the whole model first held its largest tensor
-    /// twice: VGG-16's 411 MB first classifier weight). Every rank alike; a `root` whose source
+    /// `source`, in the vector's order, hands each rank its segment
+    /// ([`Communicator::scatter_from`]) and releases each tensor once its last bucket is out
+    /// ([`StepSource::release`]); the other ranks' sources are not read. So every rank starts
+    /// from one rank's parameters, as data parallel starts from rank 0's broadcast, without
+    /// any rank holding more than a bucket of them beside its source (a broadcast of the whole
+    /// model first held its largest tensor twice: VGG-16's 411 MB first classifier weight), and
+    /// a root whose source makes each tensor's values as they are first read (Burn's lazy
+    /// parameters) holds one tensor of them at a time. Every rank alike; a `root` whose source
     /// does not hold this optimizer's number of values fails every rank, naming it.
     pub fn hold_params_from(
         &mut self,
@@ -158,9 +161,15 @@ impl ZeroOptimizer {
         // The root's verdict first, so that every rank fails alike: its source's length.
         let mut verdict = [0f32];
         if comm.rank() == root {
-            let last = source.values(total.saturating_sub(1)..total).len();
-            let beyond = source.values(total..total + 1).len();
-            if (last, beyond) != (total.min(1), 0) {
+            let fits = match source.value_count() {
+                Some(len) => len == total,
+                None => {
+                    let last = source.values(total.saturating_sub(1)..total).len();
+                    let beyond = source.values(total..total + 1).len();
+                    (last, beyond) == (total.min(1), 0)
+                }
+            };
+            if !fits {
                 verdict[0] = 1.0;
             }
         }
@@ -174,6 +183,16 @@ impl ZeroOptimizer {
         for b in 0..self.buckets.len() {
             let whole = (comm.rank() == root).then(|| source.values(self.buckets[b].range.clone()));
             held.push(comm.scatter_from(root, whole.as_deref(), &self.bounds(b))?);
+            if comm.rank() == root {
+                // The bucket's tensors but one the next bucket goes on with (a tensor cut
+                // into pieces of rows spans several).
+                let tensors = self.buckets[b].tensors.clone();
+                let end = match self.buckets.get(b + 1) {
+                    Some(next) => next.tensors.start.clamp(tensors.start, tensors.end),
+                    None => tensors.end,
+                };
+                source.release(tensors.start..end);
+            }
         }
         self.params = held;
         self.check_held()

@@ -81,9 +81,14 @@ pub(super) fn train_with<R: Recipe>(
     // whole (PyTorch FSDP's `sync_module_states` from a rank-0 model, the others on the meta
     // device, does the same).
     let hollow = cfg.exchange.zero == 3 && world > 1 && (rank != 0 || cfg.checkpoint.resume);
-    let model = match hollow {
-        true => trainee.skeleton(&ad)?,
-        false => trainee.init(&ad, log)?,
+    // Rank 0's own values, under stage 3, are drawn as it hands them out a bucket at a time
+    // (`start_sharding`), each tensor let go once its segments are out: it never holds the
+    // whole model either (the seed lock held until then, so the values are `init`'s).
+    let drawn_later = cfg.exchange.zero == 3 && world > 1 && !hollow;
+    let (model, seed_guard) = match (hollow, drawn_later) {
+        (true, _) => (trainee.skeleton(&ad)?, None),
+        (false, true) => trainee.init_drawn_later(&ad, log)?,
+        (false, false) => (trainee.init(&ad, log)?, None),
     };
     let batches = trainee.shard_batches().max(1);
     let rates = Rates::new(cfg, cfg.scaled_lr(log)?, batches)?;
@@ -93,6 +98,7 @@ pub(super) fn train_with<R: Recipe>(
         objective: Objective::new(cfg, trainee.multi_label()),
         trainee,
         model: Some(model),
+        seed_guard,
         optim: optimizer(cfg),
         rates,
         // The metrics' own tag space, exact: `--compression` is for gradients only (a bf16
@@ -162,6 +168,9 @@ struct Allreduce<'a, T: Trainee> {
     /// update own it, so that the old values can go as the new ones are made instead of the
     /// step holding the parameters twice).
     model: Option<T::Model>,
+    /// `--zero 3`, rank 0 of a fresh run: the seed lock, held from the model's seeding until
+    /// its parameters are drawn as their segments are handed out (`start_sharding`).
+    seed_guard: Option<super::model::SeedGuard>,
     optim: ModuleOptimizer,
     rates: Rates,
     comm: Option<Arc<Communicator>>,

@@ -68,12 +68,20 @@ impl<T: Trainee> Allreduce<'_, T> {
             let model = self.take_model()?;
             let (skeleton, params) =
                 burn_dist::zero::module::shard_params_from(&mut z, comm, 0, model)?;
-            // A rank built without values (`train_with`) would still have any tensor that does
-            // not train uninitialised (none in Hearth's models, whose tensors all train under
-            // stage 3, `--freeze-backbone` being refused): made now under the seed lock (other
-            // trainings in this process draw from the same generator), then overwritten by
-            // rank 0's with the buffers.
-            let skeleton = crate::train::model::materialize_locked(skeleton);
+            // Rank 0 drew its values as it handed them out, in the model's order, under the
+            // seed lock it still holds (`train_with`). A rank built without values would still
+            // have any tensor that does not train uninitialised (none in Hearth's models, whose
+            // tensors all train under stage 3, `--freeze-backbone` being refused): made now
+            // under the seed lock (other trainings in this process draw from the same
+            // generator), then overwritten by rank 0's with the buffers.
+            let skeleton = match self.seed_guard.take() {
+                Some(guard) => {
+                    let skeleton = crate::train::model::materialize(skeleton);
+                    drop(guard);
+                    skeleton
+                }
+                None => crate::train::model::materialize_locked(skeleton),
+            };
             let skeleton = burn_dist::ddp::broadcast_module(skeleton, comm)?;
             self.model = Some(skeleton);
             self.params = Some(params);

@@ -96,7 +96,8 @@ pub fn release_trainable_range<M: Module>(
             let Some((i, shape)) = wanted(&param, &mut self.index, &self.want) else {
                 return param;
             };
-            self.shapes.insert(i, shape);
+            // A tensor released before keeps the shape it had then.
+            self.shapes.entry(i).or_insert(shape);
             replaced(param, |device| {
                 Tensor::<D>::empty([0; D], device).set_require_grad(true)
             })

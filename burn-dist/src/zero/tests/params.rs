@@ -164,6 +164,100 @@ fn stage_3_holds_its_segments_of_the_roots_values() {
     }
 }
 
+/// What the root's source was asked, in order: values of a range, or tensors released.
+#[derive(Debug, Clone, PartialEq)]
+enum Asked {
+    Values(std::ops::Range<usize>),
+    Release(std::ops::Range<usize>),
+}
+
+/// A [`FlatSource`] that records what it is asked and knows its length.
+struct Recording<'a> {
+    flat: FlatSource<'a>,
+    asked: Vec<Asked>,
+}
+
+impl StepSource for Recording<'_> {
+    fn grads(&mut self, tensors: std::ops::Range<usize>) -> Vec<f32> {
+        self.flat.grads(tensors)
+    }
+    fn values(&mut self, range: std::ops::Range<usize>) -> Vec<f32> {
+        self.asked.push(Asked::Values(range.clone()));
+        self.flat.values(range)
+    }
+    fn release(&mut self, tensors: std::ops::Range<usize>) {
+        self.asked.push(Asked::Release(tensors));
+    }
+    fn value_count(&mut self) -> Option<usize> {
+        self.flat.value_count()
+    }
+}
+
+/// The root reads its source in the vector's order, once, and releases each tensor as soon as
+/// its last bucket is out (a tensor cut into pieces of rows after its last piece), so that a
+/// source whose values are made as they are first read (Burn's lazy parameters) makes them in
+/// the model's order and holds one tensor of them at a time; the other ranks' sources are
+/// asked nothing.
+#[test]
+fn stage_3_from_the_root_reads_it_in_order_and_releases_each_tensor_after_its_last_bucket() {
+    let handles: Vec<_> = MemoryTransport::mesh(2)
+        .into_iter()
+        .map(|t| {
+            thread::spawn(move || {
+                let comm = rank_comm(t);
+                let values = start_values();
+                // b.weight (11 values) in pieces of 2 rows of 1 value... and of 10 and 1.
+                let mut z = ZeroOptimizer::new(
+                    Stage::Three,
+                    &tensors(),
+                    optimizer(Update::adam()),
+                    &comm,
+                    40,
+                )
+                .unwrap()
+                .cut_at_units(&[1, 3])
+                .unwrap()
+                .cut_rows(&[(2, 1)])
+                .unwrap();
+                let mut source = Recording {
+                    flat: FlatSource {
+                        grad: &[],
+                        values: &values,
+                        offsets: vec![0, 7, 9, 20, 23],
+                    },
+                    asked: Vec::new(),
+                };
+                z.hold_params_from(&comm, 0, &mut source).unwrap();
+                assert_eq!(gather_all(&z, &comm), values);
+                (comm.rank(), source.asked)
+            })
+        })
+        .collect();
+    for h in handles {
+        let (rank, asked) = h.join().unwrap();
+        if rank != 0 {
+            assert!(asked.is_empty(), "rank {rank} was asked {asked:?}");
+            continue;
+        }
+        use Asked::{Release, Values};
+        assert_eq!(
+            asked,
+            [
+                Values(0..7),
+                Release(0..1),
+                Values(7..9),
+                Release(1..2),
+                Values(9..19),
+                Release(2..2),
+                Values(19..20),
+                Release(2..3),
+                Values(20..23),
+                Release(3..4),
+            ]
+        );
+    }
+}
+
 /// A tensor cut into pieces of rows (b.weight, 11 values in rows of 2 and then of 1: pieces
 /// of 10 and 1 values; rows of 3 do not divide it) steps, saves and resumes as the uncut one.
 #[test]
