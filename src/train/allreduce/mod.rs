@@ -77,13 +77,12 @@ pub(super) fn train_with<R: Recipe>(
     // ZeRO stage 3: a rank other than 0 takes its segments of rank 0's values
     // (`start_sharding`), and a resumed run's values come from its checkpoint, so the values
     // of a fresh initialisation would never be read: such a model is built without them
-    // (Burn's lazy parameters, never initialised), and no rank but 0 ever holds the model
-    // whole (PyTorch FSDP's `sync_module_states` from a rank-0 model, the others on the meta
-    // device, does the same).
+    // (Burn's lazy parameters, never initialised; PyTorch FSDP's `sync_module_states` from a
+    // rank-0 model, the others on the meta device, does the same).
     let hollow = cfg.exchange.zero == 3 && world > 1 && (rank != 0 || cfg.checkpoint.resume);
     // Rank 0's own values, under stage 3, are drawn as it hands them out a bucket at a time
-    // (`start_sharding`), each tensor let go once its segments are out: it never holds the
-    // whole model either (the seed lock held until then, so the values are `init`'s).
+    // (`start_sharding`), each tensor let go once its segments are out, so that no rank holds
+    // the whole model (the seed lock held until then, so the values are `init`'s).
     let drawn_later = cfg.exchange.zero == 3 && world > 1 && !hollow;
     let (model, seed_guard) = match (hollow, drawn_later) {
         (true, _) => (trainee.skeleton(&ad)?, None),
