@@ -171,12 +171,12 @@ fn hearth_model_files_round_trip_and_reject_damage() {
         "model.bpk differs from Burn's own file of the model"
     );
 
-    // Written from a checkpoint file a tensor at a time (`pack::save_model_from_file`, the
+    // Written from a checkpoint file a tensor at a time (`save_model_from_file`, the
     // export of a run's best epoch), into a skeleton never initialised: the same file again.
     let from_file = dir.path().join("from-file.bpk");
     let skeleton = config.init(&device).unwrap();
     let write = |checkpoint: &Path, skeleton: &hearth::models::Classifier| {
-        hearth::models::pack::save_model_from_file(
+        hearth::models::save_model_from_file(
             checkpoint,
             skeleton,
             &config,

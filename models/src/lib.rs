@@ -29,6 +29,7 @@ mod layers;
 
 pub mod densenet;
 pub mod export;
+pub mod model_file;
 pub mod pack;
 pub mod pth;
 pub mod resnet;
@@ -41,10 +42,11 @@ pub use densenet::{DenseNet, DenseNetConfig};
 pub use error::{ModelError, Result};
 pub use export::{export_torchvision, export_torchvision_pth};
 pub use layers::{BiasInit, HeadActivation, HeadConfig, keep_batch_norm_statistics};
+pub use model_file::{Preprocessing, save_model_from_file};
 pub use resnet::{BlockKind, ResNet, ResNetConfig};
 pub use vgg::{Vgg, VggConfig, VggLayer};
 pub use weights::{
-    LoadOptions, LoadReport, Preprocessing, SavedModel, WeightsFormat, load_model,
-    load_torchvision, save_model, save_model_with,
+    LoadOptions, LoadReport, SavedModel, WeightsFormat, load_model, load_torchvision, save_model,
+    save_model_with,
 };
 pub use zoo::{Architecture, Classifier, MIN_INPUT_SIZE, ModelConfig};

@@ -1,8 +1,8 @@
 //! A module's tensors for burn-pack's writer as deferred tensors: each one's values read only
 //! when the writer reaches it and let go after it, a float tensor on the CPU in one copy
 //! ([`hearth_kernels::file_bytes`]). What [`crate::save_model_with`] writes a model with, and
-//! what Hearth's checkpoints build on; [`save_model_from_file`] writes a model file from such a
-//! checkpoint a tensor at a time, no model built.
+//! what Hearth's checkpoints build on; [`checkpoint_tensors`] reads such a checkpoint back for
+//! the writer a tensor at a time (`crate::save_model_from_file`), no model built.
 //!
 //! Why: Burn's store reads a tensor that a module holds with `into_data`, which on Flex copies
 //! its values twice and, for a tensor whose values still lie in a mapped file (a model loaded
@@ -87,21 +87,17 @@ impl ModuleVisitor for Deferred {
     }
 }
 
-/// [`crate::save_model_with`] of the model whose weights are the burnpack file `weights` (a
-/// checkpoint Hearth wrote of `model`'s architecture), written from that file a tensor at a
-/// time as the writer reaches each one: no model holds them, so the process holds at most one
-/// tensor of them (the export of VGG-16's best epoch loaded the whole model, 553 MB, and copied
-/// its largest tensor, 411 MB, beside it). `model` gives the architecture only and may be a
-/// skeleton whose parameters were never initialised: the file must hold its tensors by name,
-/// each of its shape and no other, or nothing is written.
-pub fn save_model_from_file(
+/// The tensors of the burnpack file `weights` (a checkpoint Hearth wrote of `model`'s
+/// architecture) for burn-pack's writer, in `model`'s visiting order as the model's own file
+/// has them, each one's bytes a window of the file read when the writer reaches it and let go
+/// after (a provider that reads its window again, never a tensor that keeps it): written
+/// through them, a process holds at most one tensor of the file. `model` gives the
+/// architecture only and may be a skeleton whose parameters were never initialised; the file
+/// must hold its tensors by name, each of its shape, and no other.
+pub fn checkpoint_tensors(
     weights: &Path,
     model: &crate::Classifier,
-    config: &crate::ModelConfig,
-    class_names: Option<&[String]>,
-    preprocessing: Option<&crate::Preprocessing>,
-    path: &Path,
-) -> crate::Result<()> {
+) -> crate::Result<Vec<burn_pack::Tensor>> {
     let corrupt = |reason: String| crate::ModelError::Corrupt {
         path: weights.to_path_buf(),
         format: "Hearth checkpoint (burnpack)",
@@ -114,9 +110,6 @@ pub fn save_model_from_file(
     model.visit(&mut want);
     let mut found: std::collections::BTreeMap<String, burn_pack::Tensor> =
         tensors.into_iter().map(|t| (t.name.clone(), t)).collect();
-    // In the model's visiting order, as the model's own file has them; each tensor's bytes a
-    // window of the file read when the writer asks for them and let go after (a provider
-    // that reads its window again, never a tensor that keeps it).
     let mut ordered = Vec::with_capacity(want.out.len());
     for (name, shape) in want.out {
         let Some(t) = found.remove(&name) else {
@@ -139,40 +132,11 @@ pub fn save_model_from_file(
     if let Some(extra) = found.keys().next() {
         return Err(corrupt(format!("tensor '{extra}' is not the model's")));
     }
-    let metadata = model_metadata(model, config, class_names, preprocessing, path)?;
-    write_pack(ordered, &metadata, path)
-}
-
-/// What a Hearth model file records beside the tensors: Burn's store's default metadata, the
-/// configuration, the head's activation, and the class names and preprocessing when given.
-pub(crate) fn model_metadata(
-    model: &crate::Classifier,
-    config: &crate::ModelConfig,
-    class_names: Option<&[String]>,
-    preprocessing: Option<&crate::Preprocessing>,
-    path: &Path,
-) -> crate::Result<std::collections::BTreeMap<String, String>> {
-    let mut metadata = burn::store::BurnpackStore::default_metadata();
-    metadata.insert(crate::weights::META_CONFIG.into(), config.to_json());
-    metadata.insert(
-        crate::weights::META_HEAD.into(),
-        model.head_activation().name().into(),
-    );
-    if let Some(names) = class_names {
-        let json = serde_json::to_string(names).map_err(|e| crate::ModelError::Save {
-            path: path.to_path_buf(),
-            reason: format!("class names: {e}"),
-        })?;
-        metadata.insert(crate::weights::META_CLASSES.into(), json);
-    }
-    if let Some(p) = preprocessing {
-        metadata.insert(crate::weights::META_PREPROCESSING.into(), p.to_json());
-    }
-    Ok(metadata)
+    Ok(ordered)
 }
 
 /// Writes `tensors` with `metadata` as the burnpack file `path`, replacing it.
-pub(crate) fn write_pack(
+pub fn write_pack(
     tensors: Vec<burn::store::burn_pack::Tensor>,
     metadata: &std::collections::BTreeMap<String, String>,
     path: &Path,

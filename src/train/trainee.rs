@@ -372,7 +372,7 @@ impl Trainee for ImageTrainee {
         device: &Device,
         out: &Path,
     ) -> Result<()> {
-        hearth_models::pack::save_model_from_file(
+        hearth_models::save_model_from_file(
             checkpoint,
             &self.skeleton(device)?,
             &self.config,

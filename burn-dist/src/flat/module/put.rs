@@ -54,7 +54,7 @@ fn wanted<const D: usize>(
     index: &mut usize,
     want: &std::ops::Range<usize>,
 ) -> Option<(usize, Shape)> {
-    let shape = super::trainable_shape(param)?;
+    let shape = super::lazy::trainable_shape(param)?;
     let i = *index;
     *index += 1;
     want.contains(&i).then_some((i, shape))
