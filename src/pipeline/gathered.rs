@@ -70,21 +70,21 @@ pub fn gathered_logits(
     }
 }
 
-/// A tensor's bytes, read at most once (a checkpoint's writer reads them when it reaches it).
+/// A tensor's bytes, or one piece of them, read at most once (a checkpoint's writer reads them
+/// when it reaches them).
 pub type ReadBytes<'a> = Box<dyn FnOnce() -> burn::tensor::Bytes + 'a>;
 
 /// ZeRO stage 3's checkpoint: `model`'s (a skeleton's) units gathered one at a time, in the
 /// order of their tensors in the model (the file's), and each tensor the skeleton holds empty
 /// handed to `each` with its parameter id and a function that reads its bytes (f32, as a
-/// checkpoint stores them; read only if `each` calls it). Every rank calls it alike (the
-/// gathers are collective); one unit's parameters are held whole at a time, and a matrix cut
-/// into pieces of rows is gathered a piece at a time: joined whole only where `whole` (the
-/// rank that writes the file, whose writer takes a tensor's bytes at once), each piece let go
-/// at once on the others.
+/// checkpoint stores them; read only if `each` calls it). A matrix cut into pieces of rows is
+/// gathered a piece at a time and handed to `each` a piece at a time, in order (consecutive
+/// calls with its id), so that no rank ever holds it whole: the rank that writes the file
+/// writes each piece as it comes, the others let it go at once. Every rank calls it alike
+/// (the gathers are collective); one unit's other parameters are held whole at a time.
 pub fn gathered_tensors(
     model: &hearth_models::Classifier,
     gathering: &Gathering<'_>,
-    whole: bool,
     each: &mut dyn FnMut(u64, ReadBytes<'_>),
 ) -> Result<()> {
     use burn::module::{ModuleVisitor, Param};
@@ -92,41 +92,31 @@ pub fn gathered_tensors(
         params: &'a burn_dist::zero::module::ShardedParams,
         shards: Shards<'a>,
         matrices: &'b [burn_dist::zero::module::PiecedMatrix],
-        whole: bool,
         each: &'b mut dyn FnMut(u64, ReadBytes<'_>),
         failed: Option<String>,
     }
     impl Each<'_, '_> {
-        /// Matrix `id`'s pieces gathered in order: joined where `whole`, else each let go.
-        fn joined(&mut self, id: burn::module::ParamId) -> Option<Vec<f32>> {
-            let (_, rows, cols) = self.matrices.iter().find(|m| m.0 == id)?;
-            let mut values = Vec::new();
-            if self.whole {
-                values.reserve_exact(rows.last().map_or(0, |r| r.end) * cols);
-            }
+        /// Matrix `id`'s pieces gathered and handed over in order; `false` where `id` is not
+        /// cut into pieces.
+        fn pieces(&mut self, id: burn::module::ParamId) -> bool {
+            let Some((_, rows, cols)) = self.matrices.iter().find(|m| m.0 == id) else {
+                return false;
+            };
             for (k, r) in rows.iter().enumerate() {
                 if self.failed.is_some() {
                     break;
                 }
-                let piece = gather_rows(self.shards, id.val(), k, r.len(), *cols);
-                match piece.map(|p| p.try_into_vec::<f32>()) {
-                    Ok(Ok(piece)) if self.whole => values.extend_from_slice(&piece),
-                    Ok(Ok(_)) => {}
-                    Ok(Err(e)) => self.failed = Some(format!("piece {k} of weight {id}: {e:?}")),
+                match gather_rows(self.shards, id.val(), k, r.len(), *cols) {
+                    Ok(piece) => (self.each)(id.val(), Box::new(move || piece.into_bytes())),
                     Err(e) => self.failed = Some(e),
                 }
             }
-            Some(values)
+            true
         }
     }
     impl ModuleVisitor for Each<'_, '_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<burn::prelude::Tensor<D>>) {
-            if self.params.shape_of(&param.id).is_none() {
-                return;
-            }
-            if let Some(values) = self.joined(param.id) {
-                let read = move || burn::tensor::Bytes::from_elems(values);
-                (self.each)(param.id.val(), Box::new(read));
+            if self.params.shape_of(&param.id).is_none() || self.pieces(param.id) {
                 return;
             }
             let t = param.transform_for_save().val();
@@ -143,7 +133,6 @@ pub fn gathered_tensors(
             params: gathering.params,
             shards: Shards::of(gathering),
             matrices,
-            whole,
             each: &mut *each,
             failed: None,
         };

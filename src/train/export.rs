@@ -32,7 +32,7 @@ pub(super) fn export_best<T: super::trainee::Trainee>(
             ": its weight average,",
         )
     } else {
-        (super::best::model_checkpoint(&cfg.run_dir, best), "")
+        (super::checkpoint::model_checkpoint(&cfg.run_dir, best), "")
     };
     export_file(cfg, trainee, &path, device, "model.bpk", gate)?;
     log(&format!(

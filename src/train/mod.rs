@@ -19,6 +19,8 @@
 //!   timeouts, the loss and metrics of single- and multi-label runs);
 //! - `trainee`: what a mode trains, Hearth's classifiers or a user's own Burn module ([`Net`], [`Examples`], [`train_custom`]);
 //! - `best`: which epoch is best, which checkpoints stay, when to stop early;
+//! - `checkpoint`: an epoch's weights written a tensor at a time (`streamed`: one fed in
+//!   pieces, a window at a time);
 //! - `export`: `model.bpk`, `metrics.png`, `auroc.csv`;
 //! - `pipeline`: pipeline model parallelism (`--pipeline-stages`): stages, micro-batches,
 //!   per-stage checkpoints, the assembled export;
@@ -31,6 +33,7 @@ mod allreduce;
 mod best;
 mod builder;
 mod catalog;
+mod checkpoint;
 mod clip;
 mod config;
 mod distributed;
@@ -56,6 +59,7 @@ mod scores;
 mod sets;
 mod shared;
 mod step_log;
+mod streamed;
 mod targets;
 mod trainee;
 mod validate;

@@ -91,16 +91,16 @@ pub trait Net: Module + 'static {
 
     /// ZeRO stage 3's checkpoint on this module's skeleton: the units gathered one at a time,
     /// each tensor the skeleton holds empty handed to `each` with its parameter id and a
-    /// reader of its bytes ([`crate::pipeline::gathered_tensors`]). `None` (the default) for
+    /// reader of its bytes, or of each of its pieces in turn
+    /// ([`crate::pipeline::gathered_tensors`]). `None` (the default) for
     /// a module without units.
     #[doc(hidden)]
     fn gathered_tensors(
         &self,
         gathering: &crate::pipeline::Gathering<'_>,
-        whole: bool,
         each: &mut dyn FnMut(u64, crate::pipeline::ReadBytes<'_>),
     ) -> Option<crate::Result<()>> {
-        let _ = (gathering, whole, each);
+        let _ = (gathering, each);
         None
     }
 
@@ -152,12 +152,9 @@ impl Net for Classifier {
     fn gathered_tensors(
         &self,
         gathering: &crate::pipeline::Gathering<'_>,
-        whole: bool,
         each: &mut dyn FnMut(u64, crate::pipeline::ReadBytes<'_>),
     ) -> Option<crate::Result<()>> {
-        Some(crate::pipeline::gathered_tensors(
-            self, gathering, whole, each,
-        ))
+        Some(crate::pipeline::gathered_tensors(self, gathering, each))
     }
     fn gathered_logits(
         &self,

@@ -131,7 +131,7 @@ pub(crate) trait Trainee {
     /// weights as burnpack, to load into the same module).
     fn export(&self, cfg: &TrainConfig, model: &Self::Model, out: &Path) -> Result<()>;
     /// Writes `out` as [`Self::export`] does from the model whose weights are the checkpoint
-    /// file `checkpoint` (`best::save_epoch_weights`'): by default that model loaded
+    /// file `checkpoint` (`checkpoint::save_epoch_weights`'): by default that model loaded
     /// ([`load_checkpoint`]) and exported; Hearth's classifiers copy the file's tensors one at
     /// a time into theirs, no model built.
     fn export_checkpoint(

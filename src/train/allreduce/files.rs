@@ -6,7 +6,7 @@ use burn::store::ModuleRecord;
 use burn::tensor::Bytes;
 
 use super::Allreduce;
-use crate::train::best::{Fed, model_checkpoint, save_epoch_weights, save_epoch_weights_fed};
+use crate::train::checkpoint::{Fed, model_checkpoint, save_epoch_weights, save_epoch_weights_fed};
 use crate::train::ema::{Ema, ema_checkpoint};
 use crate::train::epochs::Epochs;
 use crate::train::model::optimizer;
@@ -180,13 +180,12 @@ impl<T: Trainee> Allreduce<'_, T> {
                 let model = self.model()?;
                 // Rank 0 alone reads the values: the others take part in the gathers and let
                 // each tensor (each piece of a matrix cut into pieces) go at once.
-                let whole = self.rank == 0;
                 let gathered = |each: &mut dyn FnMut(u64, crate::pipeline::ReadBytes<'_>)| {
                     model
-                        .gathered_tensors(&g, whole, each)
+                        .gathered_tensors(&g, each)
                         .unwrap_or_else(|| Err(crate::train::net::no_units_to_gather()))
                 };
-                if !whole {
+                if self.rank != 0 {
                     return gathered(&mut |_, _| {});
                 }
                 let shape = |id: &burn::module::ParamId| g.params.shape_of(id).cloned();

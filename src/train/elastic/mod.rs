@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use super::best::{model_checkpoint, save_epoch_weights};
+use super::checkpoint::{model_checkpoint, save_epoch_weights};
 use super::ema::Ema;
 use super::epochs::{Epochs, Row};
 use super::exchange::{Exchange, Update};

@@ -23,7 +23,7 @@ use super::super::flat::{decay_ranges, flat_optimizer};
 use super::job::{Roles, SETUP, ServerSetup};
 use super::state::{EpochStats, PsState, state_file};
 use crate::settings::PsOptions;
-use crate::train::best::{model_checkpoint, save_epoch_weights};
+use crate::train::checkpoint::{model_checkpoint, save_epoch_weights};
 use crate::train::epochs::{Epochs, Row};
 use crate::train::exchange::Update;
 use crate::train::model::seed_stream;
