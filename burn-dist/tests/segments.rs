@@ -617,7 +617,7 @@ fn stage_3_from_the_roots_values_never_initialises_the_other_ranks_models() {
                 // A clone shares each lazy parameter's state: it sees any initialisation.
                 let witness = model.clone();
                 let (skeleton, sharded) =
-                    burn_dist::zero::module::shard_params_from(&mut z, &comm, 0, model)?;
+                    burn_dist::zero::module::shard_params_from(&mut z, &comm, 0, model, None)?;
                 let mut states = initialised(&skeleton);
                 if comm.rank() != 0 {
                     states.extend(initialised(&witness));

@@ -188,16 +188,18 @@ pub fn shard_params<M: Module>(zero: &mut ZeroOptimizer, model: M) -> Result<(M,
 
 /// [`shard_params`] from `root`'s values ([`ZeroOptimizer::hold_params_from`]): every rank's
 /// segments are `root`'s, handed out a bucket at a time (the other ranks' values are not read),
-/// so that the ranks start alike without a broadcast of the whole model first. Every rank
-/// alike.
+/// so that the ranks start alike without a broadcast of the whole model first; from `values`
+/// where given (a checkpoint read a window at a time), the module's let go unread.
 pub fn shard_params_from<M: Module>(
     zero: &mut ZeroOptimizer,
     comm: &Communicator,
     root: usize,
     model: M,
+    mut values: Option<&mut dyn crate::zero::StepSource>,
 ) -> Result<(M, ShardedParams)> {
-    shard_params_by(zero, model, &mut |z, source| {
-        z.hold_params_from(comm, root, source)
+    shard_params_by(zero, model, &mut |z, own| match values.as_deref_mut() {
+        Some(v) => z.hold_params_from(comm, root, v),
+        None => z.hold_params_from(comm, root, own),
     })
 }
 

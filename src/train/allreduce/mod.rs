@@ -98,6 +98,7 @@ pub(super) fn train_with<R: Recipe>(
         trainee,
         model: Some(model),
         seed_guard,
+        resumed_values: None,
         optim: optimizer(cfg),
         rates,
         // The metrics' own tag space, exact: `--compression` is for gradients only (a bf16
@@ -170,6 +171,9 @@ struct Allreduce<'a, T: Trainee> {
     /// `--zero 3`, rank 0 of a fresh run: the seed lock, held from the model's seeding until
     /// its parameters are drawn as their segments are handed out (`start_sharding`).
     seed_guard: Option<super::model::SeedGuard>,
+    /// `--zero 3`, rank 0 of a resumed run: the checkpoint's trainable values, handed out a
+    /// bucket at a time (`start_sharding`).
+    resumed_values: Option<super::zero::CheckpointValues>,
     optim: ModuleOptimizer,
     rates: Rates,
     comm: Option<Arc<Communicator>>,

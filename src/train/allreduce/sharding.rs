@@ -66,8 +66,16 @@ impl<T: Trainee> Allreduce<'_, T> {
             // largest tensor twice: `resume`); the model keeps its structure, ids and buffers,
             // rank 0's buffers broadcast (the skeleton's trainable tensors are empty).
             let model = self.take_model()?;
+            // A resume's values on rank 0: the checkpoint, read a bucket's window at a time.
+            let mut values = self.resumed_values.take();
+            let source = values
+                .as_mut()
+                .map(|v| v as &mut dyn burn_dist::zero::StepSource);
             let (skeleton, params) =
-                burn_dist::zero::module::shard_params_from(&mut z, comm, 0, model)?;
+                burn_dist::zero::module::shard_params_from(&mut z, comm, 0, model, source)?;
+            if let Some(e) = values.as_ref().and_then(|v| v.failure()) {
+                return Err(e);
+            }
             // Rank 0 drew its values as it handed them out, in the model's order, under the
             // seed lock it still holds (`train_with`). A rank built without values would still
             // have any tensor that does not train uninitialised (none in Hearth's models, whose

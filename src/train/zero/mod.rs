@@ -40,9 +40,11 @@ use burn::module::Module;
 use burn_dist::zero::Stage;
 
 mod file;
+mod values;
 
 pub(crate) use file::save_state;
 pub use file::{StateFile, open_state, read_state, state_file};
+pub(crate) use values::CheckpointValues;
 
 use super::TrainConfig;
 use crate::{HearthError, Result};
