@@ -374,8 +374,10 @@ fn one_recipe_trains_the_same_in_one_process_data_parallel_elastic_and_on_server
     }
 }
 
+/// The recipe without `--grad-accum` (a pipeline's micro-batches are its accumulation, and
+/// stage 3 has none) in a pipeline, with and without replicas, and under ZeRO stage 3.
 #[test]
-fn a_pipeline_trains_the_recipe_as_one_process_does_with_and_without_replicas() {
+fn a_pipeline_and_zero_stage_3_train_the_recipe_as_one_process_and_data_parallel_do() {
     let dir = tempfile::tempdir().unwrap();
     let data = elastic_data(dir.path());
     let weights = pretrained(dir.path());
@@ -384,6 +386,39 @@ fn a_pipeline_trains_the_recipe_as_one_process_does_with_and_without_replicas() 
     let path = |n: &str| dir.path().join(n);
     let one_log = train(dir.path(), &data, &path("one"), 1, &base, &[]);
     let one = metrics(&path("one"));
+
+    // ZeRO stage 3 from the pretrained weights: rank 0 loads them and draws the new head as it
+    // hands its values out a bucket at a time; rank 1 never builds its own. As plain data
+    // parallel on the same 2 ranks (whose sums differ from one process's in the last bits).
+    let log = train(
+        dir.path(),
+        &data,
+        &path("zero3"),
+        2,
+        &base,
+        &["--zero", "3"],
+    );
+    assert!(
+        log.contains("loaded the 3-class model")
+            && log.contains("new 4-class head")
+            && log.contains("ZeRO stage 3: rank 0 keeps"),
+        "{log}"
+    );
+    let dp_log = train(dir.path(), &data, &path("dp"), 2, &base, &[]);
+    shared_columns("zero3", &path("zero3"));
+    let (dp, rows) = (metrics(&path("dp")), metrics(&path("zero3")));
+    let worst = gap(&dp, &rows, &CURVE);
+    assert!(
+        worst <= 1e-5,
+        "stage 3 differs from data parallel by {worst}:\n{dp:?}\n{rows:?}"
+    );
+    assert_eq!(best_epoch(&log), best_epoch(&dp_log));
+    let logits = model_gap(&path("dp"), &path("zero3"), &data);
+    assert!(
+        logits <= 1e-5,
+        "stage 3's exported model differs by {logits}"
+    );
+
     let stages = ["--pipeline-stages", "2", "--micro-batches", "2"];
     let log = train(dir.path(), &data, &path("pipeline"), 1, &base, &stages);
     shared_columns("pipeline", &path("pipeline"));
