@@ -83,3 +83,35 @@ pub fn micro(s: usize, m: usize, device: &Device) -> (Tensor<4>, Tensor<2>) {
 pub fn mse(out: Tensor<2>, target: Tensor<2>) -> Tensor<1> {
     (out - target).powi_scalar(2).mean()
 }
+
+/// Held by every test for its whole run: the backend's random stream is the process's (and
+/// parameters initialise lazily, at their first forward), and a test that reseeds it and must see only its own draws.
+static RANDOM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+pub fn random_lock() -> std::sync::MutexGuard<'static, ()> {
+    RANDOM.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Each tensor of `a` within `tol` (relative, plus an absolute `tol`) of `b`'s.
+pub fn assert_close(what: &str, a: &[Vec<f32>], b: &[Vec<f32>], tol: f32) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_eq!(x.len(), y.len(), "{what}: tensor {i}");
+        for (u, v) in x.iter().zip(y) {
+            assert!(
+                (u - v).abs() <= tol * (1.0 + v.abs()),
+                "{what}: tensor {i}: {u} against {v}"
+            );
+        }
+    }
+}
+
+/// One backward through the whole chain: the reference for the segmented ones.
+pub fn whole_backward(model: &[Part], x: Tensor<4>, y: Tensor<2>) -> burn::optim::GradientsParams {
+    let mut a = Activation::Rank4(x);
+    for part in model {
+        a = part.apply(a).unwrap();
+    }
+    let grads = mse(a.rank2("out").unwrap(), y).backward();
+    burn::optim::GradientsParams::from_grads(grads, &model.to_vec())
+}
