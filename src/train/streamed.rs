@@ -17,7 +17,10 @@ use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::Bytes;
-use burn_std::{AccessError, AccessPolicy, AllocationController, AllocationProperty};
+use burn_std::{
+    AccessError, AccessPolicy, AllocationController, AllocationProperty,
+    SharedBytesAllocationController,
+};
 
 /// The next piece of a tensor's bytes (an error where none came: the feed stopped, or a piece
 /// of another tensor came instead).
@@ -154,9 +157,9 @@ impl AllocationController for Streamed {
                 stream.read
             ));
             // Still the range asked for: the failure discards the write.
-            return Some(Box::new(Window(vec![0; end.saturating_sub(start)])));
+            return Some(window(vec![0; end.saturating_sub(start)]));
         }
-        let window = stream.take(end - start);
+        let bytes = stream.take(end - start);
         if stream.read == self.len && stream.used < stream.piece.len() {
             let more = stream.piece.len() - stream.used;
             stream.fail(format!(
@@ -164,43 +167,21 @@ impl AllocationController for Streamed {
                 self.len
             ));
         }
-        Some(Box::new(Window(window)))
+        Some(window(bytes))
     }
+}
+
+/// One window's bytes, owned (burn-std's controller of shared bytes: read in place).
+fn window(bytes: Vec<u8>) -> Box<dyn AllocationController> {
+    Box::new(SharedBytesAllocationController::new(
+        bytes.into(),
+        AllocationProperty::Native,
+    ))
 }
 
 fn as_uninit(v: &[u8]) -> &[MaybeUninit<u8>] {
     // SAFETY: `MaybeUninit<u8>` has `u8`'s layout, and initialised bytes are valid as it.
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), v.len()) }
-}
-
-/// One window's bytes, owned.
-struct Window(Vec<u8>);
-
-impl AllocationController for Window {
-    fn alloc_align(&self) -> usize {
-        1
-    }
-
-    fn property(&self) -> AllocationProperty {
-        AllocationProperty::Native
-    }
-
-    unsafe fn memory_mut(
-        &mut self,
-        _policy: AccessPolicy,
-    ) -> Result<&mut [MaybeUninit<u8>], AccessError> {
-        let v = &mut self.0;
-        // SAFETY: as `as_uninit`; the caller writes only initialised bytes.
-        Ok(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len()) })
-    }
-
-    fn memory(&self, _policy: AccessPolicy) -> Result<&[MaybeUninit<u8>], AccessError> {
-        Ok(as_uninit(&self.0))
-    }
-
-    fn capacity(&self) -> usize {
-        self.0.len()
-    }
 }
 
 #[cfg(test)]
