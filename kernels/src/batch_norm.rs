@@ -144,7 +144,7 @@ pub fn forward_after(
         beta.len()
     );
     let (mean, var) = statistics_after(x, shape, known_mean, known_var);
-    let (scale, shift) = affine(gamma, beta, &mean, &var, epsilon);
+    let (scale, shift) = crate::epilogue::affine(gamma, beta, &mean, &var, epsilon);
     (scale_shift(x, shape, &scale, &shift, relu), mean, var)
 }
 
@@ -199,27 +199,8 @@ pub fn inference(
         shape.iter().product::<usize>(),
         "batch norm: input length"
     );
-    let (scale, shift) = affine(gamma, beta, mean, var, epsilon);
+    let (scale, shift) = crate::epilogue::affine(gamma, beta, mean, var, epsilon);
     scale_shift(x, shape, &scale, &shift, relu)
-}
-
-/// Per channel, `y = x·scale + shift` with `scale = γ/sqrt(var + ε)`, `shift = β - mean·scale`.
-fn affine(
-    gamma: &[f32],
-    beta: &[f32],
-    mean: &[f32],
-    var: &[f32],
-    epsilon: f64,
-) -> (Vec<f32>, Vec<f32>) {
-    gamma
-        .iter()
-        .zip(beta)
-        .zip(mean.iter().zip(var))
-        .map(|((&g, &b), (&m, &v))| {
-            let a = g / (v as f64 + epsilon).sqrt() as f32;
-            (a, b - m * a)
-        })
-        .unzip()
 }
 
 /// The gradients `(dx, dγ, dβ)` of [`forward`] for the output gradient `dy`.
@@ -242,7 +223,7 @@ pub fn backward(
         x.len(),
         "batch norm backward: output gradient length"
     );
-    let (scale, shift) = affine(gamma, beta, mean, var, epsilon);
+    let (scale, shift) = crate::epilogue::affine(gamma, beta, mean, var, epsilon);
     let inv_std: Vec<f32> = var
         .iter()
         .map(|&v| 1.0 / (v as f64 + epsilon).sqrt() as f32)

@@ -16,6 +16,7 @@
 use rayon::prelude::*;
 
 use crate::base::{Out, gemm_rows};
+use crate::epilogue::Epilogue;
 use crate::weight_grad::{ConvShape, fill_row, row_blocks};
 
 fn is_plain_pointwise(s: &ConvShape) -> bool {
@@ -106,11 +107,21 @@ fn for_pieces(
 ///
 /// Panics when the lengths do not match `s` (callers pass Burn tensors Burn has checked).
 pub fn conv2d_forward(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f32> {
+    forward_then(x, weight, s, None)
+}
+
+/// [`conv2d_forward`], each piece of the output through `epi` as soon as it is computed.
+pub(crate) fn forward_then(
+    x: &[f32],
+    weight: &[f32],
+    s: &ConvShape,
+    epi: Option<&Epilogue>,
+) -> Vec<f32> {
     use crate::winograd;
     if crate::base::winograd_enabled() && winograd::applies(s) && winograd::pays(s) {
-        return winograd::conv2d_forward(x, weight, s);
+        return winograd::forward_then(x, weight, s, winograd::BAND_FLOATS, epi);
     }
-    conv2d_forward_im2col(x, weight, s)
+    im2col_then(x, weight, s, epi)
 }
 
 /// The forward pass as im2col and one GEMM per piece of output rows (1x1 with stride 1 and no
@@ -118,6 +129,11 @@ pub fn conv2d_forward(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f32> {
 ///
 /// Panics when the lengths do not match `s`.
 pub fn conv2d_forward_im2col(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f32> {
+    im2col_then(x, weight, s, None)
+}
+
+/// [`conv2d_forward_im2col`], each piece of the output through `epi`.
+fn im2col_then(x: &[f32], weight: &[f32], s: &ConvShape, epi: Option<&Epilogue>) -> Vec<f32> {
     let [n, ci, h, w] = s.input;
     let [_, co, ho, wo] = s
         .output()
@@ -135,22 +151,31 @@ pub fn conv2d_forward_im2col(x: &[f32], weight: &[f32], s: &ConvShape) -> Vec<f3
     );
     let pixels = ho * wo;
     if pixels == 0 || co == 0 || rows == 0 {
-        return vec![0f32; n * co * pixels];
+        let mut y = vec![0f32; n * co * pixels];
+        if let Some(epi) = epi {
+            // No input: every output is the epilogue of zero.
+            let out = Out(y.as_mut_ptr());
+            for b in 0..n {
+                // SAFETY: the whole (zeroed) output, only here.
+                unsafe { epi.apply_block(out, [b, co, pixels], 0..co, 0..pixels, false) };
+            }
+        }
+        return y;
     }
     // SAFETY: the pieces below partition the images and their output rows (or, 1x1, their
     // columns), and each piece's GEMM writes its part of every output channel without reading
     // it (`gemm_rows` does not read the destination).
-    unsafe { crate::base::written_by(n * co * pixels, |out| forward_into(x, weight, s, out)) }
+    unsafe { crate::base::written_by(n * co * pixels, |out| forward_into(x, weight, s, out, epi)) }
 }
 
 /// [`conv2d_forward_im2col`]'s work, writing every value of the output at `out`.
-fn forward_into(x: &[f32], weight: &[f32], s: &ConvShape, out: Out) {
+fn forward_into(x: &[f32], weight: &[f32], s: &ConvShape, out: Out, epi: Option<&Epilogue>) {
     let [n, ci, h, w] = s.input;
     let [_, co, ho, wo] = s.output().unwrap_or_default();
     let rows = ci * s.kernel[0] * s.kernel[1];
     let pixels = ho * wo;
     if is_plain_pointwise(s) {
-        pointwise_products(n, [co, ci], pixels, weight, [1, ci], x, out);
+        pointwise_products(n, [co, ci], pixels, weight, [1, ci], x, out, epi);
         return;
     }
     // Pieces of output rows, each with its own columns (im2col): images in parallel, one image
@@ -189,6 +214,12 @@ fn forward_into(x: &[f32], weight: &[f32], s: &ConvShape, out: Out) {
                 inner,
                 par,
             );
+        }
+        if let Some(epi) = epi {
+            let at = block.start * wo;
+            let parallel = !matches!(par, gemm::Parallelism::None);
+            // SAFETY: the values the product above wrote, which no other piece touches.
+            unsafe { epi.apply_block(out, [b, co, pixels], 0..co, at..at + inner, parallel) };
         }
     };
     let items: Vec<(usize, std::ops::Range<usize>)> = (0..n)
@@ -267,7 +298,7 @@ pub fn conv2d_input_grad(weight: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> 
         // columns of every input channel without reading them.
         return unsafe {
             crate::base::written_by(n * ci * pixels, |out| {
-                pointwise_products(n, [ci, co], pixels, weight, [ci, 1], dy, out)
+                pointwise_products(n, [ci, co], pixels, weight, [ci, 1], dy, out, None)
             })
         };
     }
@@ -302,6 +333,7 @@ pub fn conv2d_input_grad(weight: &[f32], dy: &[f32], s: &ConvShape) -> Vec<f32> 
 /// is, its input gradient transposed), writing every value at `out`: images in parallel, or
 /// one image's columns in pieces ([`column_pieces`]), or, where that leaves one piece, its
 /// rows ([`one_image_row_pieces`]).
+#[allow(clippy::too_many_arguments)]
 fn pointwise_products(
     n: usize,
     [m, k]: [usize; 2],
@@ -310,6 +342,7 @@ fn pointwise_products(
     [w_cs, w_rs]: [usize; 2],
     src: &[f32],
     out: Out,
+    epi: Option<&Epilogue>,
 ) {
     let columns = column_pieces(n, pixels);
     if n == 1 && columns.len() == 1 {
@@ -332,6 +365,11 @@ fn pointwise_products(
                     parallelism,
                 );
             }
+            if let Some(epi) = epi {
+                let parallel = !matches!(parallelism, gemm::Parallelism::None);
+                // SAFETY: the rows the product above wrote, which no other piece touches.
+                unsafe { epi.apply_block(out, [0, m, pixels], r, 0..pixels, parallel) };
+            }
         });
         return;
     }
@@ -353,6 +391,11 @@ fn pointwise_products(
                 pixels,
                 parallelism,
             );
+        }
+        if let Some(epi) = epi {
+            let parallel = !matches!(parallelism, gemm::Parallelism::None);
+            // SAFETY: the columns the product above wrote, which no other piece touches.
+            unsafe { epi.apply_block(out, [b, m, pixels], 0..m, cols, parallel) };
         }
     });
 }

@@ -33,8 +33,10 @@ pub mod cat;
 pub mod conv;
 #[cfg(feature = "cube")]
 pub mod cube;
+mod epilogue;
 pub mod ext;
 pub mod gemv;
+pub mod infer;
 mod input_grad;
 pub mod keyed;
 mod layer;

@@ -24,6 +24,7 @@
 use rayon::prelude::*;
 
 use crate::base::{Out, gemm_rows};
+use crate::epilogue::Epilogue;
 use crate::shape::ConvShape;
 
 mod weight_grad;
@@ -258,7 +259,7 @@ fn transform_input_on(
 }
 
 /// Output channel `o`'s tiles of the batch's tile rows `rows` from `m` (`16 x t`) into `y`
-/// (`[N, Co, Ho, Wo]`).
+/// (`[N, Co, Ho, Wo]`), each output row through `epi` as it is written.
 ///
 /// # Safety
 /// `y` must point at the whole output, whose rows of channel `o` in these tile rows nothing
@@ -269,12 +270,13 @@ unsafe fn transform_output(
     rows: std::ops::Range<usize>,
     o: usize,
     y: Out,
+    epi: Option<&Epilogue>,
 ) {
     crate::base::on_width(
         crate::base::vector_width(),
         // SAFETY: the caller's promise, passed on.
         #[inline(always)]
-        || unsafe { transform_output_on(m, g, rows, o, y) },
+        || unsafe { transform_output_on(m, g, rows, o, y, epi) },
     )
 }
 
@@ -289,13 +291,15 @@ unsafe fn transform_output_on(
     rows: std::ops::Range<usize>,
     o: usize,
     y: Out,
+    epi: Option<&Epilogue>,
 ) {
     let t = rows.len() * g.tw;
     let n = g.tw;
     let pairs = g.wo / 2;
     for (k, row) in rows.enumerate() {
         let (b, tr) = g.split(row);
-        let plane = Out(y.at((b * g.co + o) * g.ho * g.wo));
+        let plane_at = (b * g.co + o) * g.ho * g.wo;
+        let plane = Out(y.at(plane_at));
         let line: [&[f32]; 16] = std::array::from_fn(|e| &m[e * t + k * n..][..n]);
         let y0 = 2 * tr;
         for l in 0..(g.ho - y0).min(2) {
@@ -324,6 +328,10 @@ unsafe fn transform_output_on(
                 let tc = n - 1;
                 row[g.wo - 1].write(s(0, tc) + s(1, tc) + s(2, tc));
             }
+            if let Some(epi) = epi {
+                // SAFETY: the row was written whole just above; only this call touches it.
+                unsafe { epi.apply(y, plane_at + (y0 + l) * g.wo, g.wo, o) };
+            }
         }
     }
 }
@@ -348,7 +356,8 @@ impl Scratch {
 
 /// One band (the batch's tile rows `rows`) of `x` (`[N, Ci, H, W]`) into `y` (`[N, Co, Ho,
 /// Wo]`). `parallel`: split the transforms by channels and the products by `e` across the
-/// threads.
+/// threads. `epi`: what each output row passes through as it is written.
+#[allow(clippy::too_many_arguments)]
 fn band(
     x: &[f32],
     u: &[f32],
@@ -357,6 +366,7 @@ fn band(
     y: Out,
     scratch: &mut Scratch,
     parallel: bool,
+    epi: Option<&Epilogue>,
 ) {
     let t = rows.len() * g.tw;
     let (ci, co) = (g.ci, g.co);
@@ -398,11 +408,11 @@ fn band(
         (0..16).into_par_iter().for_each(product);
         m.par_chunks(16 * t)
             .enumerate()
-            .for_each(|(o, m)| unsafe { transform_output(m, g, rows.clone(), o, y) });
+            .for_each(|(o, m)| unsafe { transform_output(m, g, rows.clone(), o, y, epi) });
     } else {
         (0..16).for_each(product);
         for (o, m) in m.chunks(16 * t).enumerate() {
-            unsafe { transform_output(m, g, rows.clone(), o, y) }
+            unsafe { transform_output(m, g, rows.clone(), o, y, epi) }
         }
     }
 }
@@ -420,6 +430,17 @@ pub fn conv2d_forward_in_bands(
     s: &ConvShape,
     band_floats: usize,
 ) -> Vec<f32> {
+    forward_then(x, weight, s, band_floats, None)
+}
+
+/// [`conv2d_forward_in_bands`], each output row through `epi` as it is written.
+pub(crate) fn forward_then(
+    x: &[f32],
+    weight: &[f32],
+    s: &ConvShape,
+    band_floats: usize,
+    epi: Option<&Epilogue>,
+) -> Vec<f32> {
     let g = Geometry::checked(s, x, "forward");
     let (n, ci, co, ho, wo) = (s.input[0], g.ci, g.co, g.ho, g.wo);
     assert_eq!(
@@ -428,7 +449,16 @@ pub fn conv2d_forward_in_bands(
         "winograd forward: weight length for {s:?}"
     );
     if g.is_empty(n) {
-        return vec![0f32; n * co * ho * wo];
+        let mut y = vec![0f32; n * co * ho * wo];
+        if let Some(epi) = epi {
+            // No input channel: every output is the epilogue of zero.
+            let out = Out(y.as_mut_ptr());
+            for b in 0..n {
+                // SAFETY: the whole (zeroed) output, only here.
+                unsafe { epi.apply_block(out, [b, co, ho * wo], 0..co, 0..ho * wo, false) };
+            }
+        }
+        return y;
     }
     // Bands of each image's tile rows, never across two images: an image's result is then
     // the same bits whatever batch it comes in (each band's products have the same width), so
@@ -447,7 +477,7 @@ pub fn conv2d_forward_in_bands(
     // (one or two) of every channel are written whole by `transform_output`.
     unsafe {
         crate::base::written_by(n * co * ho * wo, |out| {
-            bands_into(x, &u, &g, bands, band_rows, out)
+            bands_into(x, &u, &g, bands, band_rows, out, epi)
         })
     }
 }
@@ -461,13 +491,14 @@ fn bands_into(
     bands: Vec<std::ops::Range<usize>>,
     band_rows: usize,
     out: Out,
+    epi: Option<&Epilogue>,
 ) {
     let threads = rayon::current_num_threads().max(1);
     if bands.len() < 2 * threads {
         // Too few bands to keep every thread busy: each band's phases in parallel.
         let mut scratch = Scratch::new(g, band_rows);
         for rows in bands {
-            band(x, u, g, rows, out, &mut scratch, true);
+            band(x, u, g, rows, out, &mut scratch, true, epi);
         }
     } else {
         // Bands in parallel, each on its thread, with one scratch per thread for the whole
@@ -481,7 +512,7 @@ fn bands_into(
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             let scratch = scratch.get_or_insert_with(|| Scratch::new(g, band_rows));
-            band(x, u, g, rows, out, scratch, false);
+            band(x, u, g, rows, out, scratch, false, epi);
         });
     }
 }

@@ -17,6 +17,7 @@ use burn::prelude::*;
 use burn::tensor::activation::relu;
 // Training on a CPU takes hearth-kernels' faster convolutions and fused batch norm + ReLU.
 use hearth_kernels::conv2d as fast_conv2d;
+use hearth_kernels::infer::{After, conv2d_batch_norm};
 use hearth_kernels::norm::{BatchStats, batch_norm as fast_batch_norm, batch_norm_after};
 
 use crate::ModelError;
@@ -297,7 +298,7 @@ impl DenseNet {
         let f = &self.features;
         let mut x = hearth_kernels::pool::max_pool(
             &f.pool0,
-            fast_batch_norm(&f.norm0, fast_conv2d(&f.conv0, x), true),
+            conv2d_batch_norm(&f.conv0, &f.norm0, x, After::Relu),
         );
         for (i, block) in f.blocks.iter().enumerate() {
             let (out, stats) = block.forward_with_stats(x);

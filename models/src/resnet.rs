@@ -12,11 +12,10 @@ use burn::nn::conv::Conv2d;
 use burn::nn::pool::{AdaptiveAvgPool2d, AdaptiveAvgPool2dConfig, MaxPool2d};
 use burn::nn::{BatchNorm, Linear};
 use burn::prelude::*;
-use burn::tensor::activation::relu;
-// Training on a CPU takes hearth-kernels' faster convolutions and fused batch norm + ReLU;
-// everything else is Burn's own `Conv2d::forward`, `BatchNorm::forward` and `relu`.
-use hearth_kernels::conv2d as fast_conv2d;
-use hearth_kernels::norm::batch_norm as fast_batch_norm;
+// On a CPU, hearth-kernels' faster convolutions with their batch norm (+ ReLU, + residual) as
+// one op for inference, fused batch norm + ReLU while training; elsewhere Burn's own
+// `Conv2d::forward`, `BatchNorm::forward` and `relu`.
+use hearth_kernels::infer::{After, conv2d_batch_norm};
 
 use crate::ModelError;
 use crate::layers::{HeadActivation, HeadConfig, batch_norm, conv2d};
@@ -193,18 +192,22 @@ impl ResidualBlock {
         }
     }
 
+    /// Each convolution with its batch norm and what follows it as one op for inference on
+    /// the CPU ([`conv2d_batch_norm`]: the last one's residual and ReLU too), the separate ops
+    /// elsewhere.
     pub fn forward(&self, x: Tensor<4>) -> Tensor<4> {
         let identity = match &self.downsample {
-            Some(ds) => fast_batch_norm(&ds.bn, fast_conv2d(&ds.conv, x.clone()), false),
+            Some(ds) => conv2d_batch_norm(&ds.conv, &ds.bn, x.clone(), After::Nothing),
             None => x.clone(),
         };
-        let bottleneck = self.conv3.is_some() && self.bn3.is_some();
-        let mut out = fast_batch_norm(&self.bn1, fast_conv2d(&self.conv1, x), true);
-        out = fast_batch_norm(&self.bn2, fast_conv2d(&self.conv2, out), bottleneck);
-        if let (Some(conv3), Some(bn3)) = (&self.conv3, &self.bn3) {
-            out = fast_batch_norm(bn3, fast_conv2d(conv3, out), false);
+        let out = conv2d_batch_norm(&self.conv1, &self.bn1, x, After::Relu);
+        match (&self.conv3, &self.bn3) {
+            (Some(conv3), Some(bn3)) => {
+                let out = conv2d_batch_norm(&self.conv2, &self.bn2, out, After::Relu);
+                conv2d_batch_norm(conv3, bn3, out, After::AddRelu(identity))
+            }
+            _ => conv2d_batch_norm(&self.conv2, &self.bn2, out, After::AddRelu(identity)),
         }
-        relu(out + identity)
     }
 }
 
@@ -227,7 +230,7 @@ pub struct ResNet {
 impl ResNet {
     /// The feature map before global pooling: `[batch, 512 * expansion, H/32, W/32]`.
     pub fn features(&self, x: Tensor<4>) -> Tensor<4> {
-        let mut x = fast_batch_norm(&self.bn1, fast_conv2d(&self.conv1, x), true);
+        let mut x = conv2d_batch_norm(&self.conv1, &self.bn1, x, After::Relu);
         x = hearth_kernels::pool::max_pool(&self.maxpool, x);
         for block in self
             .layer1

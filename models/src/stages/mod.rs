@@ -34,6 +34,7 @@ use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::activation::relu;
 use hearth_kernels::conv2d as fast_conv2d;
+use hearth_kernels::infer::{After, conv2d_batch_norm};
 use hearth_kernels::norm::batch_norm as fast_batch_norm;
 use hearth_kernels::pool::max_pool;
 
@@ -73,7 +74,7 @@ impl Unit {
             // that a split network computes what the whole one does, to the last bit.
             Unit::ResNetStem(s) => UnitOutput::Features(max_pool(
                 &s.maxpool,
-                fast_batch_norm(&s.bn1, fast_conv2d(&s.conv1, x), true),
+                conv2d_batch_norm(&s.conv1, &s.bn1, x, After::Relu),
             )),
             Unit::ResNetBlock(b) => UnitOutput::Features(b.forward(x)),
             Unit::ResNetHead(h) => UnitOutput::Logits(hearth_kernels::linear(
