@@ -17,7 +17,7 @@ use rayon::prelude::*;
 
 use crate::base::{Out, gemm_rows};
 use crate::epilogue::Epilogue;
-use crate::weight_grad::{ConvShape, fill_row, row_blocks};
+use crate::weight_grad::{ConvShape, fill_row_into, row_blocks};
 
 fn is_plain_pointwise(s: &ConvShape) -> bool {
     s.kernel == [1, 1] && s.stride == [1, 1] && s.padding == [0, 0]
@@ -184,13 +184,16 @@ fn forward_into(x: &[f32], weight: &[f32], s: &ConvShape, out: Out, epi: Option<
     let taps = kh * kw;
     let blocks = row_pieces(n, rows, ho, wo);
     let largest = blocks.iter().map(|r| r.len()).max().unwrap_or(0) * wo;
-    let fill_and_multiply = |cols: &mut Vec<f32>, b: usize, block: std::ops::Range<usize>, par| {
+    // The columns' buffer is not zeroed first: every value the product reads is written by
+    // `fill_row_into` (a memset of megabytes per call, on one thread, at batch 1).
+    type Columns = Box<[std::mem::MaybeUninit<f32>]>;
+    let fill_and_multiply = |cols: &mut Columns, b: usize, block: std::ops::Range<usize>, par| {
         let inner = block.len() * wo;
         let cols = &mut cols[..rows * inner];
-        let fill = |(r, row): (usize, &mut [f32])| {
+        let fill = |(r, row): (usize, &mut [std::mem::MaybeUninit<f32>])| {
             let (c, tap) = (r / taps, r % taps);
             let plane = &x[(b * ci + c) * h * w..][..h * w];
-            fill_row(row, plane, s, tap / kw, tap % kw, block.clone(), wo);
+            fill_row_into(row, plane, s, tap / kw, tap % kw, block.clone(), wo);
         };
         if matches!(par, gemm::Parallelism::None) {
             cols.chunks_mut(inner).enumerate().for_each(fill);
@@ -199,7 +202,7 @@ fn forward_into(x: &[f32], weight: &[f32], s: &ConvShape, out: Out, epi: Option<
         }
         // SAFETY: the piece writes rows `block` of every channel of image b's co x pixels
         // output (no other piece does), from the weight (co x rows) and its columns (rows x
-        // inner), all row-major.
+        // inner, every value written just above), all row-major.
         unsafe {
             gemm_rows(
                 co,
@@ -210,7 +213,7 @@ fn forward_into(x: &[f32], weight: &[f32], s: &ConvShape, out: Out, epi: Option<
                 weight.as_ptr(),
                 1,
                 rows,
-                cols.as_ptr(),
+                cols.as_ptr().cast::<f32>(),
                 inner,
                 par,
             );
@@ -227,11 +230,11 @@ fn forward_into(x: &[f32], weight: &[f32], s: &ConvShape, out: Out, epi: Option<
         .collect();
     if items.len() >= 2 {
         items.into_par_iter().for_each_init(
-            || vec![0f32; rows * largest],
+            || Box::<[f32]>::new_uninit_slice(rows * largest),
             |cols, (b, block)| fill_and_multiply(cols, b, block, gemm::Parallelism::None),
         );
     } else {
-        let mut cols = vec![0f32; rows * largest];
+        let mut cols = Box::<[f32]>::new_uninit_slice(rows * largest);
         for (b, block) in items {
             fill_and_multiply(&mut cols, b, block, gemm::Parallelism::Rayon(0));
         }

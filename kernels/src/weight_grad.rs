@@ -19,6 +19,7 @@
 //! only, never on timing.
 
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 mod shifted;
 pub use shifted::{SHIFTED_RUN, conv2d_weight_grad_shifted, shifted_applies};
@@ -61,29 +62,50 @@ pub(crate) fn fill_row(
     out_rows: std::ops::Range<usize>,
     wo: usize,
 ) {
+    // SAFETY: `fill_row_into` writes only initialized values, so `row` stays initialized.
+    let row = unsafe {
+        std::slice::from_raw_parts_mut(row.as_mut_ptr().cast::<MaybeUninit<f32>>(), row.len())
+    };
+    fill_row_into(row, plane, s, ki, kj, out_rows, wo);
+}
+
+/// [`fill_row`] into memory not yet written: every value of `row` is written.
+pub(crate) fn fill_row_into(
+    row: &mut [MaybeUninit<f32>],
+    plane: &[f32],
+    s: &ConvShape,
+    ki: usize,
+    kj: usize,
+    out_rows: std::ops::Range<usize>,
+    wo: usize,
+) {
+    let zero = MaybeUninit::new(0.0);
     let [_, _, h, w] = s.input;
     let ho_end = out_rows.end;
     let (oh_lo, oh_hi) = valid_range(ho_end, s.stride[0], ki * s.dilation[0], s.padding[0], h);
     let (oh_lo, oh_hi) = (oh_lo.max(out_rows.start), oh_hi.max(out_rows.start));
     let (ow_lo, ow_hi) = valid_range(wo, s.stride[1], kj * s.dilation[1], s.padding[1], w);
     let base = out_rows.start;
-    row[..(oh_lo - base) * wo].fill(0.0);
-    row[(oh_hi - base) * wo..].fill(0.0);
+    row[..(oh_lo - base) * wo].fill(zero);
+    row[(oh_hi - base) * wo..].fill(zero);
     for oh in oh_lo..oh_hi {
         let ih = oh * s.stride[0] + ki * s.dilation[0] - s.padding[0];
         let src = &plane[ih * w..(ih + 1) * w];
         let dst = &mut row[(oh - base) * wo..(oh - base + 1) * wo];
-        dst[..ow_lo].fill(0.0);
-        dst[ow_hi..].fill(0.0);
+        dst[..ow_lo].fill(zero);
+        dst[ow_hi..].fill(zero);
         if ow_lo == ow_hi {
             continue;
         }
         let first = ow_lo * s.stride[1] + kj * s.dilation[1] - s.padding[1];
         if s.stride[1] == 1 {
-            dst[ow_lo..ow_hi].copy_from_slice(&src[first..first + (ow_hi - ow_lo)]);
+            let src = &src[first..first + (ow_hi - ow_lo)];
+            for (d, &v) in dst[ow_lo..ow_hi].iter_mut().zip(src) {
+                d.write(v);
+            }
         } else {
             for (k, d) in dst[ow_lo..ow_hi].iter_mut().enumerate() {
-                *d = src[first + k * s.stride[1]];
+                d.write(src[first + k * s.stride[1]]);
             }
         }
     }

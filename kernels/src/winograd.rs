@@ -21,6 +21,8 @@
 //! turn, each band's transform split by channels and its 16 products by `e` across the
 //! threads (no product is split, so no weight is packed twice).
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use crate::base::{Out, gemm_rows};
@@ -170,6 +172,23 @@ fn transform_input(
     v: &mut [f32],
     lines: &mut [f32],
 ) {
+    // SAFETY: `transform_input_into` writes only initialized values, so `v` stays initialized.
+    let v = unsafe {
+        std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<MaybeUninit<f32>>(), v.len())
+    };
+    transform_input_into(x, c, g, rows, v, lines)
+}
+
+/// [`transform_input`] into memory not yet written: every value of `v` is written.
+/// every combination then runs over contiguous lines. Compiled for the CPU's vector width.
+fn transform_input_into(
+    x: &[f32],
+    c: usize,
+    g: &Geometry,
+    rows: std::ops::Range<usize>,
+    v: &mut [MaybeUninit<f32>],
+    lines: &mut [f32],
+) {
     crate::base::on_width(
         crate::base::vector_width(),
         #[inline(always)]
@@ -184,7 +203,7 @@ fn transform_input_on(
     c: usize,
     g: &Geometry,
     rows: std::ops::Range<usize>,
-    v: &mut [f32],
+    v: &mut [MaybeUninit<f32>],
     lines: &mut [f32],
 ) {
     let half = g.tw + 1;
@@ -249,10 +268,10 @@ fn transform_input_on(
             );
             let (e0, e1, o0, o1) = (&even[..n], &even[1..=n], &odd[..n], &odd[1..=n]);
             for tc in 0..n {
-                v0[tc] = e0[tc] - e1[tc];
-                v1[tc] = o0[tc] + e1[tc];
-                v2[tc] = e1[tc] - o0[tc];
-                v3[tc] = o0[tc] - o1[tc];
+                v0[tc].write(e0[tc] - e1[tc]);
+                v1[tc].write(o0[tc] + e1[tc]);
+                v2[tc].write(e1[tc] - o0[tc]);
+                v3[tc].write(o0[tc] - o1[tc]);
             }
         }
     }
@@ -336,10 +355,12 @@ unsafe fn transform_output_on(
     }
 }
 
-/// Scratch for one band: `V` (`[Ci][16][T]`), `M` (`[Co][16][T]`) and padded lines.
+/// Scratch for one band: `V` (`[Ci][16][T]`), `M` (`[Co][16][T]`) and padded lines. `V` and
+/// `M` are not zeroed: each band writes every value of theirs that it reads (zeroing them was a
+/// memset of megabytes per call, on one thread, at batch 1).
 struct Scratch {
-    v: Vec<f32>,
-    m: Vec<f32>,
+    v: Box<[MaybeUninit<f32>]>,
+    m: Box<[MaybeUninit<f32>]>,
     pad: Vec<f32>,
 }
 
@@ -347,8 +368,8 @@ impl Scratch {
     fn new(g: &Geometry, band_rows: usize) -> Self {
         let t = band_rows * g.tw;
         Scratch {
-            v: vec![0f32; g.ci * 16 * t],
-            m: vec![0f32; g.co * 16 * t],
+            v: Box::new_uninit_slice(g.ci * 16 * t),
+            m: Box::new_uninit_slice(g.co * 16 * t),
             pad: vec![0f32; line_floats(g)],
         }
     }
@@ -375,14 +396,16 @@ fn band(
     if parallel {
         v.par_chunks_mut(16 * t).enumerate().for_each_init(
             || vec![0f32; line_floats(g)],
-            |lines, (c, v)| transform_input(x, c, g, rows.clone(), v, lines),
+            |lines, (c, v)| transform_input_into(x, c, g, rows.clone(), v, lines),
         );
     } else {
         for (c, v) in v.chunks_mut(16 * t).enumerate() {
-            transform_input(x, c, g, rows.clone(), v, &mut scratch.pad);
+            transform_input_into(x, c, g, rows.clone(), v, &mut scratch.pad);
         }
     }
-    let (vp, mp) = (v.as_ptr() as usize, Out(m.as_mut_ptr()));
+    // V is written whole above (every point of every tile of every channel), M by the 16
+    // products below (each point's Co x T block).
+    let (vp, mp) = (v.as_ptr() as usize, Out(m.as_mut_ptr().cast::<f32>()));
     let product = |e: usize| {
         // SAFETY: M's rows for point e (Co x T, row stride 16·T) are written by this product
         // only; U's (Co x Ci, row stride 16·Ci) and V's (Ci x T, row stride 16·T) are read.
@@ -402,6 +425,8 @@ fn band(
             );
         }
     };
+    // SAFETY: the products above wrote every value of M.
+    let m: &[f32] = unsafe { std::slice::from_raw_parts(m.as_ptr().cast::<f32>(), m.len()) };
     // SAFETY (both branches): channel o's rows of these tile rows are written by its own
     // call only, and no other band has these tile rows.
     if parallel {
