@@ -1,7 +1,7 @@
 //! A convolution, its batch norm and what follows them (ReLU, or a residual added and ReLU)
 //! as one op for inference on Flex: [`conv2d_batch_norm`]. The batch norm's running statistics,
 //! the residual and the ReLU are applied to each piece of the convolution's output as soon as
-//! the kernel computes it ([`crate::epilogue`]), where ResNet's inference made three more
+//! the kernel computes it (`epilogue.rs`), where ResNet's inference made three more
 //! passes over each output: batch norm, the residual sum and ReLU.
 //!
 //! The results are those of the separate ops (the same arithmetic in the same order). While
