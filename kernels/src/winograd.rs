@@ -180,7 +180,6 @@ fn transform_input(
 }
 
 /// [`transform_input`] into memory not yet written: every value of `v` is written.
-/// every combination then runs over contiguous lines. Compiled for the CPU's vector width.
 fn transform_input_into(
     x: &[f32],
     c: usize,
