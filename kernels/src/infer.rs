@@ -193,6 +193,42 @@ fn flex_fused(
     Some(f32_tensor(y, out.to_vec()))
 }
 
+/// The op on Flex: [`flex_fused`], or where it declines, the separate ops (our convolution,
+/// batch norm's inference pass, then the residual's sum and ReLU).
+#[allow(clippy::too_many_arguments)]
+fn on_flex(
+    x: FlexTensor,
+    weight: FlexTensor,
+    geometry: Geometry2,
+    [gamma, beta, mean, variance]: [FlexTensor; 4],
+    epsilon: f64,
+    residual: Option<FlexTensor>,
+    relu: bool,
+) -> FlexTensor {
+    let stats = [&gamma, &beta, &mean, &variance];
+    if let Some(y) = flex_fused(
+        &x,
+        &weight,
+        geometry,
+        stats,
+        epsilon,
+        residual.as_ref(),
+        relu,
+    ) {
+        return y;
+    }
+    let y = <Flex as ConvBackend>::hearth_conv2d(x, weight, geometry);
+    let relu_here = relu && residual.is_none();
+    let y = <Flex as NormBackend>::hearth_batch_norm_inference(
+        y, gamma, beta, mean, variance, epsilon, relu_here,
+    );
+    match residual {
+        Some(r) if relu => Flex::relu(Flex::float_add(y, r)),
+        Some(r) => Flex::float_add(y, r),
+        None => y,
+    }
+}
+
 impl InferBackend for Flex {
     fn hearth_conv2d_batch_norm(
         x: FloatTensor<Self>,
@@ -205,14 +241,8 @@ impl InferBackend for Flex {
         epsilon: f64,
         relu: bool,
     ) -> FloatTensor<Self> {
-        let stats = [&gamma, &beta, &mean, &variance];
-        if let Some(y) = flex_fused(&x, &weight, geometry, stats, epsilon, None, relu) {
-            return y;
-        }
-        let y = <Flex as ConvBackend>::hearth_conv2d(x, weight, geometry);
-        <Flex as NormBackend>::hearth_batch_norm_inference(
-            y, gamma, beta, mean, variance, epsilon, relu,
-        )
+        let stats = [gamma, beta, mean, variance];
+        on_flex(x, weight, geometry, stats, epsilon, None, relu)
     }
 
     fn hearth_conv2d_batch_norm_add_relu(
@@ -226,15 +256,8 @@ impl InferBackend for Flex {
         epsilon: f64,
         residual: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        let stats = [&gamma, &beta, &mean, &variance];
-        if let Some(y) = flex_fused(&x, &weight, geometry, stats, epsilon, Some(&residual), true) {
-            return y;
-        }
-        let y = <Flex as ConvBackend>::hearth_conv2d(x, weight, geometry);
-        let y = <Flex as NormBackend>::hearth_batch_norm_inference(
-            y, gamma, beta, mean, variance, epsilon, false,
-        );
-        Flex::relu(Flex::float_add(y, residual))
+        let stats = [gamma, beta, mean, variance];
+        on_flex(x, weight, geometry, stats, epsilon, Some(residual), true)
     }
 }
 
