@@ -339,3 +339,153 @@ fn a_lightning_checkpoint_loads_the_state_dict_inside_it() {
         10
     );
 }
+
+/// Counts a model's float parameters, and those not made yet (Burn's lazy parameters).
+#[derive(Default)]
+struct Made {
+    params: usize,
+    unmade: usize,
+}
+
+impl burn::module::ModuleVisitor for Made {
+    fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+        self.params += 1;
+        self.unmade += usize::from(!param.is_initialized());
+    }
+}
+
+/// Every float tensor of `model`, in visiting order (reading makes a deferred one).
+fn values(model: &hearth::models::Classifier) -> Vec<Vec<f32>> {
+    struct Values(Vec<Vec<f32>>);
+    impl burn::module::ModuleVisitor for Values {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            self.0.push(param.val().into_data().iter().collect());
+        }
+    }
+    let mut v = Values(Vec::new());
+    model.visit(&mut v);
+    v.0
+}
+
+#[test]
+fn a_deferred_pth_load_reads_nothing_until_used_then_gives_the_eager_load_s_values() {
+    use hearth::models::load_torchvision_deferred;
+    let device = Device::flex();
+    // ResNet, VGG (its linear weights transposed by the adapter), DenseNet, and a Lightning
+    // checkpoint wrapping its state_dict.
+    for (file, config) in [
+        ("resnet_basic.pth", "resnet_basic"),
+        ("vgg_bn.pth", "vgg_bn"),
+        ("densenet.pth", "densenet"),
+        ("resnet_basic_lightning.pth", "resnet_basic"),
+    ] {
+        let config = fixture_config(config);
+        let mut eager = config.init(&device).unwrap();
+        let eager_report = load_torchvision(&mut eager, &fixture(file), &Default::default())
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+        let fresh = config.init(&device).unwrap();
+        let (deferred, report, reads) =
+            load_torchvision_deferred(fresh, &fixture(file), &Default::default())
+                .unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert_eq!(report.applied, eager_report.applied, "{file}");
+        assert_eq!(report.ignored, eager_report.ignored, "{file}");
+        // Nothing read but what a fresh model has made already: the batch norms' running
+        // statistics (buffers) and the head's weight (made to read the class count, as the
+        // eager load does), replaced as they are mapped. Every parameter a fresh model leaves
+        // unmade is still unmade.
+        let (mut made, mut fresh) = (Made::default(), Made::default());
+        deferred.visit(&mut made);
+        let fresh_model = config.init(&device).unwrap();
+        assert!(fresh_model.num_classes() > 0);
+        fresh_model.visit(&mut fresh);
+        assert!(fresh.unmade > 0, "{file}");
+        assert_eq!(
+            (made.params, made.unmade),
+            (fresh.params, fresh.unmade),
+            "{file}"
+        );
+        assert_eq!(values(&deferred), values(&eager), "{file}");
+        let x = Tensor::<4>::ones([1, 3, 32, 32], &device);
+        let a: Vec<f32> = eager
+            .valid()
+            .forward(x.clone())
+            .into_data()
+            .iter()
+            .collect();
+        let b: Vec<f32> = deferred.valid().forward(x).into_data().iter().collect();
+        assert_eq!(a, b, "{file}");
+        assert!(reads.failure().is_none(), "{file}");
+    }
+}
+
+#[test]
+fn a_deferred_pth_load_refuses_what_the_eager_load_refuses_with_the_same_error() {
+    use hearth::models::{Architecture, load_torchvision_deferred};
+    let device = Device::flex();
+    let options = LoadOptions {
+        skip_head: true,
+        ..Default::default()
+    };
+    // Another architecture's file.
+    let arch = Architecture::from_name("resnet18").unwrap();
+    let file = fixture("densenet.pth");
+    let mut model = arch.init(1000, &device).unwrap();
+    let eager = load_torchvision(&mut model, &file, &options).unwrap_err();
+    let deferred =
+        load_torchvision_deferred(arch.init(1000, &device).unwrap(), &file, &options).unwrap_err();
+    assert_eq!(eager.to_string(), deferred.to_string());
+    // A deeper variant's weights into a shallower model, and a truncated file.
+    let dir = tempfile::tempdir().unwrap();
+    let full = std::fs::read(fixture("resnet_basic.pth")).unwrap();
+    let half = dir.path().join("half.pth");
+    std::fs::write(&half, &full[..full.len() / 2]).unwrap();
+    for (file, config) in [
+        (fixture("resnet_bottleneck.pth"), "resnet_basic"),
+        (half, "resnet_basic"),
+    ] {
+        let config = fixture_config(config);
+        let eager = load(&mut config.init(&device).unwrap(), &file).unwrap_err();
+        let deferred =
+            load_torchvision_deferred(config.init(&device).unwrap(), &file, &Default::default())
+                .unwrap_err();
+        assert_eq!(
+            eager.to_string(),
+            deferred.to_string(),
+            "{}",
+            file.display()
+        );
+    }
+    // A Hearth model file is not a `.pth`.
+    let bpk = dir.path().join("model.bpk");
+    let model = fixture_config("resnet_basic").init(&device).unwrap();
+    save_model(&model, &fixture_config("resnet_basic"), None, &bpk).unwrap();
+    let err = load_torchvision_deferred(model, &bpk, &Default::default()).unwrap_err();
+    assert!(err.to_string().contains(".pth"), "{err}");
+}
+
+#[test]
+fn a_deferred_read_that_fails_later_is_reported_not_a_panic() {
+    use hearth::models::load_torchvision_deferred;
+    let device = Device::flex();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("w.pth");
+    std::fs::copy(fixture("resnet_basic.pth"), &file).unwrap();
+    let config = fixture_config("resnet_basic");
+    let (model, _, reads) =
+        load_torchvision_deferred(config.init(&device).unwrap(), &file, &Default::default())
+            .unwrap();
+    assert!(reads.failure().is_none());
+    // The file cut short under the loaded model (the reader keeps it open: the same file).
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(1000)
+        .unwrap();
+    let read = values(&model);
+    let err = reads.failure().expect("a failed read is reported");
+    assert!(matches!(err, ModelError::TensorLoad { .. }), "{err}");
+    assert!(err.to_string().contains("w.pth"), "{err}");
+    // What failed reads as zeros, never garbage.
+    assert!(read.iter().any(|v| v.iter().all(|x| *x == 0.0)));
+}

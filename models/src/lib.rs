@@ -27,6 +27,7 @@
 mod error;
 mod layers;
 
+pub mod deferred;
 pub mod densenet;
 pub mod export;
 pub mod model_file;
@@ -38,6 +39,7 @@ pub mod vgg;
 pub mod weights;
 pub mod zoo;
 
+pub use deferred::{DeferredReads, load_torchvision_deferred};
 pub use densenet::{DenseNet, DenseNetConfig};
 pub use error::{ModelError, Result};
 pub use export::{export_torchvision, export_torchvision_pth};

@@ -51,7 +51,7 @@ impl WeightsFormat {
         }
     }
 
-    fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Self::Pytorch => "PyTorch",
             Self::Safetensors => "SafeTensors",
@@ -82,7 +82,7 @@ pub struct LoadReport {
     pub ignored: Vec<String>,
 }
 
-fn check_readable(path: &Path) -> Result<()> {
+pub(crate) fn check_readable(path: &Path) -> Result<()> {
     std::fs::File::open(path)
         .map(|_| ())
         .map_err(|source| ModelError::Io {
@@ -97,7 +97,7 @@ fn head_key(key: &str, head_prefix: &str) -> bool {
 
 /// Turns burn-store's report into our errors: shape mismatches first, then missing, then
 /// unexpected keys.
-fn check_apply(
+pub(crate) fn check_apply(
     path: &Path,
     model_name: &str,
     head_prefix: Option<&str>,
@@ -245,6 +245,30 @@ fn safetensors_store(path: &Path, remap: KeyRemapper) -> SafetensorsStore {
         .map_indices_contiguous(false)
 }
 
+/// The store of a torchvision `.pth` for `model`: its keys remapped to the model's, the
+/// state_dict inside a checkpoint that wraps it, nothing read yet (its tensors are read from
+/// the file as they are applied).
+pub(crate) fn torchvision_pth(
+    model: &Classifier,
+    path: &Path,
+    options: &LoadOptions,
+) -> Result<PytorchStore> {
+    let (top, prefix) = match &options.top_level_key {
+        Some(key) => (Some(key.clone()), None),
+        None => match wrapped_state_dict(path) {
+            Some((key, prefix)) => (Some(key), prefix),
+            None => (None, None),
+        },
+    };
+    let mut store = pytorch_store(path, remapper_without(model, prefix.as_deref())?)
+        .allow_partial(true)
+        .validate(false);
+    if let Some(key) = top {
+        store = store.with_top_level_key(key);
+    }
+    Ok(store)
+}
+
 /// Loads a torchvision state_dict (`.pth`/`.pt` or `.safetensors`) into `model`.
 ///
 /// Every parameter and batch-norm statistic must be in the file with the right shape
@@ -266,25 +290,9 @@ pub fn load_torchvision(
         reason,
     };
     let result = match format {
-        WeightsFormat::Pytorch => {
-            // A checkpoint wrapping its state_dict loads the state_dict inside it.
-            let (top, prefix) = match &options.top_level_key {
-                Some(key) => (Some(key.clone()), None),
-                None => match wrapped_state_dict(path) {
-                    Some((key, prefix)) => (Some(key), prefix),
-                    None => (None, None),
-                },
-            };
-            let mut store = pytorch_store(path, remapper_without(model, prefix.as_deref())?)
-                .allow_partial(true)
-                .validate(false);
-            if let Some(key) = top {
-                store = store.with_top_level_key(key);
-            }
-            model
-                .load_from(&mut store)
-                .map_err(|e| corrupt(e.to_string()))?
-        }
+        WeightsFormat::Pytorch => model
+            .load_from(&mut torchvision_pth(model, path, options)?)
+            .map_err(|e| corrupt(e.to_string()))?,
         WeightsFormat::Safetensors => {
             let mut store = safetensors_store(path, remapper(model)?)
                 .with_from_adapter(PyTorchToBurnAdapter)

@@ -7,7 +7,7 @@ use burn::optim::{AdamConfig, AdamWConfig, LearningRate, ModuleOptimizer, Optimi
 use burn::prelude::*;
 use hearth_models::{
     BiasInit, Classifier, HeadActivation, HeadConfig, LoadOptions, ModelConfig, WeightsFormat,
-    load_model, load_torchvision,
+    load_model, load_torchvision, load_torchvision_deferred,
 };
 
 use super::TrainConfig;
@@ -41,17 +41,44 @@ pub fn init_model(
 ) -> Result<Classifier> {
     // Hold the process's generator from seeding until every random parameter exists, so
     // concurrent trainings in one process (tests, embedding programs) start from their seed.
-    let (model, _rng) = init_model_drawn_later(cfg, config, classes, multi_label, device, log)?;
-    Ok(materialize(model))
+    let (model, drawing) = init_model_drawn_later(cfg, config, classes, multi_label, device, log)?;
+    drawing.made(model)
 }
 
 /// The seed lock held ([`SEED_LOCK`]): while a model's parameters wait to be drawn.
 pub(crate) type SeedGuard = std::sync::MutexGuard<'static, ()>;
 
-/// [`init_model`] with the parameters not drawn yet: the process's generator seeded and held
-/// (the guard), the model's random parameters left to be drawn as they are first read. Read in
-/// the model's visiting order under the guard, they are [`init_model`]'s values (ZeRO stage 3's
-/// rank 0 reads them a bucket at a time as it hands them out, and lets each go).
+/// A model whose values are not all made yet: the seed lock, held until its random parameters
+/// are drawn (in the model's visiting order, they are then [`init_model`]'s), and the reads of
+/// a torchvision `.pth` it was loaded from, which are made as each parameter is first used.
+pub(crate) struct Drawing {
+    _rng: SeedGuard,
+    reads: Option<hearth_models::DeferredReads>,
+}
+
+impl Drawing {
+    /// `model` with every value made now, in its visiting order under the seed lock; then
+    /// [`Self::finish`].
+    pub(crate) fn made<M: Module>(self, model: M) -> Result<M> {
+        let model = materialize(model);
+        self.finish()?;
+        Ok(model)
+    }
+
+    /// Once every value is made: lets the seed lock go, and says whether a read of the weights
+    /// file failed (the file changed under the run; the values made from it are then zeros).
+    pub(crate) fn finish(self) -> Result<()> {
+        match self.reads.and_then(|r| r.failure()) {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+}
+
+/// [`init_model`] with the parameters not made yet: the process's generator seeded and held,
+/// the model's random parameters left to be drawn and a torchvision `.pth`'s tensors to be read
+/// as they are first used ([`Drawing`]). ZeRO stage 3's rank 0 makes them a bucket at a time
+/// as it hands them out, and lets each go, so that it never holds the whole model.
 pub(crate) fn init_model_drawn_later(
     cfg: &TrainConfig,
     config: &ModelConfig,
@@ -59,11 +86,12 @@ pub(crate) fn init_model_drawn_later(
     multi_label: bool,
     device: &Device,
     log: &mut dyn FnMut(&str),
-) -> Result<(Classifier, SeedGuard)> {
+) -> Result<(Classifier, Drawing)> {
     let rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     device.seed(cfg.seed);
     let head = head_config(classes, multi_label);
     let mut model = config.init(device)?;
+    let mut reads = None;
     if let Some(weights) = &cfg.model.weights
         && WeightsFormat::of(weights)? == WeightsFormat::Hearth
     {
@@ -87,14 +115,21 @@ pub(crate) fn init_model_drawn_later(
         ));
         model = saved.model.replace_head(head, device)?;
     } else if let Some(weights) = &cfg.model.weights {
-        let report = load_torchvision(
-            &mut model,
-            weights,
-            &LoadOptions {
-                skip_head: true,
-                ..Default::default()
-            },
-        )?;
+        let options = LoadOptions {
+            skip_head: true,
+            ..Default::default()
+        };
+        let report = match WeightsFormat::of(weights)? {
+            // Checked now, read as each tensor is first used.
+            WeightsFormat::Pytorch => {
+                let (loaded, report, deferred) =
+                    load_torchvision_deferred(model, weights, &options)?;
+                model = loaded;
+                reads = Some(deferred);
+                report
+            }
+            _ => load_torchvision(&mut model, weights, &options)?,
+        };
         log(&format!(
             "loaded {} tensors from {}; new {classes}-class head",
             report.applied,
@@ -104,7 +139,7 @@ pub(crate) fn init_model_drawn_later(
     } else if multi_label {
         model = model.replace_head(head, device)?;
     }
-    Ok((model, rng))
+    Ok((model, Drawing { _rng: rng, reads }))
 }
 
 /// The head [`init_model`] gives a model of `classes` outputs.

@@ -72,15 +72,15 @@ pub(crate) trait Trainee {
     fn describe(&self) -> String;
     /// The model on `device`, freshly initialised from the run's seed (every rank alike).
     fn init(&self, device: &Device, log: &mut dyn FnMut(&str)) -> Result<Self::Model>;
-    /// [`Self::init`] with the random parameters not drawn yet, and the seed lock that must be
-    /// held until they all are, in the model's visiting order (then they are `init`'s values):
-    /// ZeRO stage 3's rank 0 draws them a bucket at a time as it hands them out. By default
-    /// `init`'s model, drawn already (no guard).
+    /// [`Self::init`] with the parameters not made yet, and what must hold until they all are
+    /// (the seed lock: made in the model's visiting order, they are `init`'s values) and be
+    /// checked after ([`super::model::Drawing::finish`]): ZeRO stage 3's rank 0 makes them a
+    /// bucket at a time as it hands them out. By default `init`'s model, made already.
     fn init_drawn_later(
         &self,
         device: &Device,
         log: &mut dyn FnMut(&str),
-    ) -> Result<(Self::Model, Option<super::model::SeedGuard>)> {
+    ) -> Result<(Self::Model, Option<super::model::Drawing>)> {
         Ok((self.init(device, log)?, None))
     }
     /// The model's structure to load a checkpoint into (the export of the best epoch): by
@@ -264,16 +264,17 @@ impl Trainee for ImageTrainee {
         self.config.to_json()
     }
     fn init(&self, device: &Device, log: &mut dyn FnMut(&str)) -> Result<Classifier> {
-        // Drawn whole now, the seed lock held until the end.
-        let (model, _rng) = self.init_drawn_later(device, log)?;
-        Ok(super::model::materialize(model))
+        match self.init_drawn_later(device, log)? {
+            (model, Some(drawing)) => drawing.made(model),
+            (model, None) => Ok(super::model::materialize(model)),
+        }
     }
     fn init_drawn_later(
         &self,
         device: &Device,
         log: &mut dyn FnMut(&str),
-    ) -> Result<(Classifier, Option<super::model::SeedGuard>)> {
-        let (model, rng) = super::model::init_model_drawn_later(
+    ) -> Result<(Classifier, Option<super::model::Drawing>)> {
+        let (model, drawing) = super::model::init_model_drawn_later(
             &self.cfg,
             &self.config,
             self.outputs.classes.len(),
@@ -281,7 +282,7 @@ impl Trainee for ImageTrainee {
             device,
             log,
         )?;
-        Ok((model, Some(rng)))
+        Ok((model, Some(drawing)))
     }
     fn skeleton(&self, device: &Device) -> Result<Classifier> {
         super::model::model_skeleton(

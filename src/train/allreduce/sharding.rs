@@ -83,9 +83,11 @@ impl<T: Trainee> Allreduce<'_, T> {
             // under the seed lock (other trainings in this process draw from the same
             // generator), then overwritten by rank 0's with the buffers.
             let skeleton = match self.seed_guard.take() {
-                Some(guard) => {
+                Some(drawing) => {
                     let skeleton = crate::train::model::materialize(skeleton);
-                    drop(guard);
+                    // A `.pth` read that failed after the load checked it: the values handed
+                    // out are wrong.
+                    drawing.finish()?;
                     skeleton
                 }
                 None => crate::train::model::materialize_locked(skeleton),
