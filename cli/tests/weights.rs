@@ -368,16 +368,18 @@ fn values(model: &hearth::models::Classifier) -> Vec<Vec<f32>> {
 }
 
 #[test]
-fn a_deferred_pth_load_reads_nothing_until_used_then_gives_the_eager_load_s_values() {
+fn a_deferred_load_reads_nothing_until_used_then_gives_the_eager_load_s_values() {
     use hearth::models::load_torchvision_deferred;
     let device = Device::flex();
-    // ResNet, VGG (its linear weights transposed by the adapter), DenseNet, and a Lightning
-    // checkpoint wrapping its state_dict.
+    // ResNet, VGG (its linear weights transposed), DenseNet, a Lightning checkpoint wrapping
+    // its state_dict, and SafeTensors files.
     for (file, config) in [
         ("resnet_basic.pth", "resnet_basic"),
         ("vgg_bn.pth", "vgg_bn"),
         ("densenet.pth", "densenet"),
         ("resnet_basic_lightning.pth", "resnet_basic"),
+        ("vgg.safetensors", "vgg"),
+        ("densenet.safetensors", "densenet"),
     ] {
         let config = fixture_config(config);
         let mut eager = config.init(&device).unwrap();
@@ -419,7 +421,7 @@ fn a_deferred_pth_load_reads_nothing_until_used_then_gives_the_eager_load_s_valu
 }
 
 #[test]
-fn a_deferred_pth_load_refuses_what_the_eager_load_refuses_with_the_same_error() {
+fn a_deferred_load_refuses_what_the_eager_load_refuses_with_the_same_error() {
     use hearth::models::{Architecture, load_torchvision_deferred};
     let device = Device::flex();
     let options = LoadOptions {
@@ -428,12 +430,13 @@ fn a_deferred_pth_load_refuses_what_the_eager_load_refuses_with_the_same_error()
     };
     // Another architecture's file.
     let arch = Architecture::from_name("resnet18").unwrap();
-    let file = fixture("densenet.pth");
-    let mut model = arch.init(1000, &device).unwrap();
-    let eager = load_torchvision(&mut model, &file, &options).unwrap_err();
-    let deferred =
-        load_torchvision_deferred(arch.init(1000, &device).unwrap(), &file, &options).unwrap_err();
-    assert_eq!(eager.to_string(), deferred.to_string());
+    for file in [fixture("densenet.pth"), fixture("densenet.safetensors")] {
+        let mut model = arch.init(1000, &device).unwrap();
+        let eager = load_torchvision(&mut model, &file, &options).unwrap_err();
+        let model = arch.init(1000, &device).unwrap();
+        let deferred = load_torchvision_deferred(model, &file, &options).unwrap_err();
+        assert_eq!(eager.to_string(), deferred.to_string());
+    }
     // A deeper variant's weights into a shallower model, and a truncated file.
     let dir = tempfile::tempdir().unwrap();
     let full = std::fs::read(fixture("resnet_basic.pth")).unwrap();
@@ -455,12 +458,12 @@ fn a_deferred_pth_load_refuses_what_the_eager_load_refuses_with_the_same_error()
             file.display()
         );
     }
-    // A Hearth model file is not a `.pth`.
+    // A Hearth model file is not a torchvision file.
     let bpk = dir.path().join("model.bpk");
     let model = fixture_config("resnet_basic").init(&device).unwrap();
     save_model(&model, &fixture_config("resnet_basic"), None, &bpk).unwrap();
     let err = load_torchvision_deferred(model, &bpk, &Default::default()).unwrap_err();
-    assert!(err.to_string().contains(".pth"), "{err}");
+    assert!(err.to_string().contains("load_model"), "{err}");
 }
 
 #[test]

@@ -1,11 +1,12 @@
-//! Torchvision `.pth` weights applied without reading them yet: each parameter is left
-//! uninitialised (Burn's lazy parameters), its initialiser reading its tensor from the file when
-//! the parameter is first used.
+//! Torchvision weights (`.pth`, `.safetensors`) applied without reading them yet: each parameter
+//! is left uninitialised (Burn's lazy parameters), its initialiser reading its tensor from the
+//! file when the parameter is first used.
 //!
 //! ZeRO stage 3's rank 0 hands a model's values out a bucket at a time and lets each tensor go
 //! after; loaded with burn-store's `Applier`, which reads every tensor as it applies it, a
-//! `.pth` put the whole model in rank 0's memory first (ResNet-50: 139 MB live at its start,
-//! against 54 from a Hearth model file, whose tensors stay windows of the file). burn-store has
+//! `.pth` or a `.safetensors` file put the whole model in rank 0's memory first (ResNet-50: 120
+//! MB live at its start, against 55 from a Hearth model file, whose tensors stay windows of
+//! the file). burn-store has
 //! no deferred apply, so [`Deferring`] walks the model as its `Applier` does: keys by path with
 //! enum variants left out, PyTorch's names for a norm's parameters, the PyTorch adapter's
 //! transpose (itself deferred). Each matched tensor is read once here and let go, so a file
@@ -53,8 +54,8 @@ impl DeferredReads {
     }
 }
 
-/// [`crate::load_torchvision`] for a `.pth` file, its values read as each parameter is first
-/// used (in any order, each once) rather than now: `model` (fresh from its configuration, every
+/// [`crate::load_torchvision`] (a `.pth` or `.safetensors` file), its values read as each
+/// parameter is first used (in any order, each once) rather than now: `model` (fresh from its configuration, every
 /// parameter trainable) comes back with the file's tensors in place of its own, checked as
 /// `load_torchvision` checks them (keys, shapes, kinds, and that each tensor reads). Check
 /// [`DeferredReads::failure`] after the values are read.
@@ -65,22 +66,30 @@ pub fn load_torchvision_deferred(
 ) -> Result<(Classifier, LoadReport, DeferredReads)> {
     check_readable(path)?;
     let format = WeightsFormat::of(path)?;
-    if format != WeightsFormat::Pytorch {
-        return Err(ModelError::Corrupt {
-            path: path.to_path_buf(),
-            format: format.label(),
-            reason: "a deferred load reads torchvision `.pth` files only".into(),
-        });
-    }
-    let mut store = crate::weights::torchvision_pth(&model, path, options)?;
-    let tensors = store
-        .get_all_tensors()
-        .map_err(|e| ModelError::Corrupt {
-            path: path.to_path_buf(),
-            format: format.label(),
-            reason: e.to_string(),
-        })?
-        .clone();
+    let corrupt = |reason: String| ModelError::Corrupt {
+        path: path.to_path_buf(),
+        format: format.label(),
+        reason,
+    };
+    // The file's tensors by the model's keys, nothing read (a `.safetensors` file is mapped).
+    let tensors = match format {
+        WeightsFormat::Pytorch => crate::weights::torchvision_pth(&model, path, options)?
+            .get_all_tensors()
+            .map_err(|e| corrupt(e.to_string()))?
+            .clone(),
+        WeightsFormat::Safetensors => {
+            let remap = crate::weights::remapper(&model)?;
+            crate::weights::safetensors_store(path, remap)
+                .get_all_tensors()
+                .map_err(|e| corrupt(e.to_string()))?
+                .clone()
+        }
+        WeightsFormat::Hearth => {
+            return Err(corrupt(
+                "this is a Hearth model file: load it with `load_model`".into(),
+            ));
+        }
+    };
     let name = format!("{} ({} classes)", model.family(), model.num_classes());
     let head = options.skip_head.then(|| model.head_prefix());
     let failed = Failure::default();

@@ -179,7 +179,7 @@ pub(crate) fn check_apply(
     })
 }
 
-fn remapper(model: &Classifier) -> Result<KeyRemapper> {
+pub(crate) fn remapper(model: &Classifier) -> Result<KeyRemapper> {
     KeyRemapper::from_patterns(model.torchvision_remaps()).map_err(|e| {
         // The patterns are ours; a failure here is a bug, reported rather than panicking.
         ModelError::InvalidConfig {
@@ -239,7 +239,7 @@ fn remapper_without(model: &Classifier, prefix: Option<&str>) -> Result<KeyRemap
 }
 
 /// [`pytorch_store`] for a `.safetensors` file.
-fn safetensors_store(path: &Path, remap: KeyRemapper) -> SafetensorsStore {
+pub(crate) fn safetensors_store(path: &Path, remap: KeyRemapper) -> SafetensorsStore {
     SafetensorsStore::from_file(path)
         .remap(remap)
         .map_indices_contiguous(false)

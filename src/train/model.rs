@@ -7,7 +7,7 @@ use burn::optim::{AdamConfig, AdamWConfig, LearningRate, ModuleOptimizer, Optimi
 use burn::prelude::*;
 use hearth_models::{
     BiasInit, Classifier, HeadActivation, HeadConfig, LoadOptions, ModelConfig, WeightsFormat,
-    load_model, load_torchvision, load_torchvision_deferred,
+    load_model, load_torchvision_deferred,
 };
 
 use super::TrainConfig;
@@ -50,7 +50,7 @@ pub(crate) type SeedGuard = std::sync::MutexGuard<'static, ()>;
 
 /// A model whose values are not all made yet: the seed lock, held until its random parameters
 /// are drawn (in the model's visiting order, they are then [`init_model`]'s), and the reads of
-/// a torchvision `.pth` it was loaded from, which are made as each parameter is first used.
+/// the torchvision file it was loaded from, which are made as each parameter is first used.
 pub(crate) struct Drawing {
     _rng: SeedGuard,
     reads: Option<hearth_models::DeferredReads>,
@@ -76,7 +76,7 @@ impl Drawing {
 }
 
 /// [`init_model`] with the parameters not made yet: the process's generator seeded and held,
-/// the model's random parameters left to be drawn and a torchvision `.pth`'s tensors to be read
+/// the model's random parameters left to be drawn and a torchvision file's tensors to be read
 /// as they are first used ([`Drawing`]). ZeRO stage 3's rank 0 makes them a bucket at a time
 /// as it hands them out, and lets each go, so that it never holds the whole model.
 pub(crate) fn init_model_drawn_later(
@@ -119,17 +119,10 @@ pub(crate) fn init_model_drawn_later(
             skip_head: true,
             ..Default::default()
         };
-        let report = match WeightsFormat::of(weights)? {
-            // Checked now, read as each tensor is first used.
-            WeightsFormat::Pytorch => {
-                let (loaded, report, deferred) =
-                    load_torchvision_deferred(model, weights, &options)?;
-                model = loaded;
-                reads = Some(deferred);
-                report
-            }
-            _ => load_torchvision(&mut model, weights, &options)?,
-        };
+        // Checked now, read as each tensor is first used.
+        let (loaded, report, deferred) = load_torchvision_deferred(model, weights, &options)?;
+        model = loaded;
+        reads = Some(deferred);
         log(&format!(
             "loaded {} tensors from {}; new {classes}-class head",
             report.applied,

@@ -170,7 +170,7 @@ struct Allreduce<'a, T: Trainee> {
     model: Option<T::Model>,
     /// `--zero 3`, rank 0 of a fresh run: the seed lock, held from the model's seeding until
     /// its parameters are made as their segments are handed out (`start_sharding`), and the
-    /// reads of a `.pth` to check then.
+    /// reads of a torchvision file to check then.
     seed_guard: Option<super::model::Drawing>,
     /// `--zero 3`, rank 0 of a resumed run: the checkpoint's trainable values, handed out a
     /// bucket at a time (`start_sharding`).

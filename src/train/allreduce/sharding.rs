@@ -85,8 +85,8 @@ impl<T: Trainee> Allreduce<'_, T> {
             let skeleton = match self.seed_guard.take() {
                 Some(drawing) => {
                     let skeleton = crate::train::model::materialize(skeleton);
-                    // A `.pth` read that failed after the load checked it: the values handed
-                    // out are wrong.
+                    // A weights file's read that failed after the load checked it: the
+                    // values handed out are wrong.
                     drawing.finish()?;
                     skeleton
                 }
