@@ -58,8 +58,7 @@ impl DeferredReads {
 /// parameter is first used (in any order, each once) rather than now: `model` (fresh from its
 /// configuration, every parameter trainable) comes back with the file's tensors in place of its
 /// own, checked as `load_torchvision` checks them (keys, shapes, kinds, and that each tensor
-/// reads). Check
-/// [`DeferredReads::failure`] after the values are read.
+/// reads). Check [`DeferredReads::failure`] after the values are read.
 pub fn load_torchvision_deferred(
     model: Classifier,
     path: &Path,
