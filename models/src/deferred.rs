@@ -7,7 +7,7 @@
 //! `.pth` or a `.safetensors` file put the whole model in rank 0's memory first (ResNet-50: 120
 //! MB live at its start, against 55 from a Hearth model file, whose tensors stay windows of
 //! the file). burn-store has
-//! no deferred apply, so [`Deferring`] walks the model as its `Applier` does: keys by path with
+//! no deferred apply, so `Deferring` walks the model as its `Applier` does: keys by path with
 //! enum variants left out, PyTorch's names for a norm's parameters, the PyTorch adapter's
 //! transpose (itself deferred). Each matched tensor is read once here and let go, so a file
 //! that does not read is refused at load as [`crate::load_torchvision`] refuses it; a read that
