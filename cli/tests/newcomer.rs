@@ -291,6 +291,24 @@ fn every_ranks_skipped_images_reach_the_summary_in_every_distributed_mode() {
             let name = f.display().to_string();
             assert!(all.contains(&name), "{mode}: {name} not listed:\n{all}");
         }
+        // Every training rank's summary: its heap's peak and, within it, the start's (the model
+        // built, loaded and handed out before the first epoch; a parameter server has none).
+        let mb_after = |line: &str, label: &str| -> f64 {
+            let rest = line
+                .split(label)
+                .nth(1)
+                .unwrap_or_else(|| panic!("{label}: {line}"));
+            rest.split(" MB").next().unwrap().trim().parse().unwrap()
+        };
+        let summaries: Vec<&str> = all
+            .lines()
+            .filter(|l| l.contains("peak memory of rank") && l.contains("by the end of the start"))
+            .collect();
+        assert!(summaries.len() >= 2, "{mode}:\n{all}");
+        for line in summaries {
+            let (heap, start) = (mb_after(line, "heap at most "), mb_after(line, "live ("));
+            assert!(start > 0.0 && start <= heap, "{mode}: {line}");
+        }
     };
     for (mode, extra) in [
         ("data parallel", &["--nproc", "2"][..]),

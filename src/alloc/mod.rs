@@ -27,6 +27,8 @@ static STEP_BASE: AtomicUsize = AtomicUsize::new(0);
 static STEP_PEAK: AtomicUsize = AtomicUsize::new(0);
 static STEP_RISE: AtomicUsize = AtomicUsize::new(0);
 static STEPPING: AtomicBool = AtomicBool::new(false);
+/// The most bytes live at once when the run's start ended ([`start_done`]); 0 before.
+static START_PEAK: AtomicUsize = AtomicUsize::new(0);
 
 /// The system allocator, counting live bytes (two relaxed atomic operations per call); blocks
 /// of [`blocks::LARGE`] bytes and more are mapped from the kernel and, under the keep policy,
@@ -192,6 +194,22 @@ unsafe impl GlobalAlloc for CountingAllocator {
         }
         p
     }
+}
+
+/// Marks the end of a run's start (the model built, loaded and handed out, before its first
+/// epoch): [`start_peak_bytes`] is the live peak until now. Only the first call counts.
+pub fn start_done() {
+    if INSTALLED.load(Ordering::Relaxed) {
+        let peak = PEAK.load(Ordering::Relaxed).max(1);
+        let _ = START_PEAK.compare_exchange(0, peak, Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
+
+/// The most bytes live at once before the run's first epoch ([`start_done`]): what building,
+/// loading and handing out the model took, when the program uses [`CountingAllocator`].
+pub fn start_peak_bytes() -> Option<usize> {
+    let peak = START_PEAK.load(Ordering::Relaxed);
+    (INSTALLED.load(Ordering::Relaxed) && peak > 0).then_some(peak)
 }
 
 /// Marks the end of a training step, for the keep policy: large blocks freed before the step

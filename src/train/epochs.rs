@@ -207,6 +207,9 @@ impl<'a> Epochs<'a> {
         log: &mut dyn FnMut(&str),
     ) -> Result<usize> {
         let end = self.end();
+        // Every mode's start ends here: its memory so far is the start's (`hearth train` prints
+        // it at the end).
+        crate::alloc::start_done();
         let mut seen = strategy.decode_failures();
         let mut epoch = first + 1;
         while epoch <= end {

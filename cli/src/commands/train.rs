@@ -459,6 +459,12 @@ fn summarise(cfg: &hearth::train::TrainConfig, report: &hearth::train::TrainRepo
         let mut heap = hearth::alloc::peak_live_bytes()
             .map(|b| format!(", heap at most {:.0} MB live", b as f64 / 1e6))
             .unwrap_or_default();
+        if let Some(start) = hearth::alloc::start_peak_bytes() {
+            heap.push_str(&format!(
+                " ({:.1} MB by the end of the start)",
+                start as f64 / 1e6
+            ));
+        }
         if let Some(rise) = hearth::alloc::step_rise_bytes() {
             heap.push_str(&format!(
                 ", a training step at most {:.1} MB above what steps leave",
