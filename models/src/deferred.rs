@@ -110,6 +110,10 @@ pub fn load_torchvision_deferred(
         path: path.to_path_buf(),
         failed,
     };
+    // A value the walk made already (a buffer) and could not read is refused now.
+    if let Some(e) = reads.failure() {
+        return Err(e);
+    }
     Ok((model, report, reads))
 }
 
