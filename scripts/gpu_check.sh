@@ -3,7 +3,6 @@
 # binary built elsewhere and produces BENCHMARKS.md's GPU table (issue 54) in one call, within a
 # time budget. Build it here (NVRTC kernels; CUDA 13's driver API names):
 #
-#   bash scripts/install_llvm.sh      # once: the LLVM cubecl-cuda links, from PyPI
 #   CUDARC_CUDA_VERSION=13000 CARGO_PROFILE_RELEASE_DEBUG=false CARGO_PROFILE_RELEASE_STRIP=true \
 #     cargo build --release --features cuda --bin hearth
 #   mkdir -p .gpu && cp target/release/hearth .gpu/ && xz -T2 -f .gpu/hearth
@@ -11,8 +10,8 @@
 #
 # One binary does everything: `hearth bench model` times Hearth, and the PyTorch peer
 # (cli/benches/peer/torch_models.py) runs beside it on the same GPU in the same call, so the
-# `models` bench binary need not be carried (with CUDA each binary links LLVM: about 200 MB
-# stripped, 50 MB xz-compressed, and a device call carries at most 64 MiB).
+# `models` bench binary need not be carried (a CUDA binary is about 125 MB stripped, 26 MB
+# xz-compressed, and a device call carries at most 64 MiB).
 #
 # Kernels: by default Hearth's convolutions and linear layers take the kernels chosen by rule
 # (`hearth_kernels::select`, no autotune); HEARTH_GPU_AUTOTUNE=full runs every step under

@@ -8,8 +8,6 @@ mod commands {
     pub mod export;
     pub mod kernels;
     pub mod launch;
-    #[cfg(feature = "cuda-device")]
-    pub mod llvm_targets;
     pub mod predict;
     pub mod resume;
     pub mod train;
