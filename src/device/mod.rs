@@ -287,6 +287,11 @@ impl DeviceSpec {
         let name = self.to_string();
         quiet_wayland();
         if self.choice.is_cubecl() {
+            // No driver library: nothing to start, and no kernel bundle to import (a CUDA
+            // build's shipped one is 40 MB written into cubecl's cache).
+            if let Some(reason) = missing_driver(self.choice) {
+                return Err(HearthError::DeviceUnavailable { name, reason });
+            }
             if let Some(warning) = crate::gpu::configure() {
                 eprintln!("warning: {warning}");
             }
