@@ -3,9 +3,13 @@
 # binary built elsewhere and produces BENCHMARKS.md's GPU table (issue 54) in one call, within a
 # time budget. Build it here (NVRTC kernels; CUDA 13's driver API names):
 #
-#   CUDARC_CUDA_VERSION=13000 CARGO_PROFILE_RELEASE_DEBUG=false CARGO_PROFILE_RELEASE_STRIP=true \
-#     cargo build --release --features cuda --bin hearth
+#   export CUDARC_CUDA_VERSION=13000 CARGO_PROFILE_RELEASE_DEBUG=false CARGO_PROFILE_RELEASE_STRIP=true
+#   cargo build --release -p hearth-cli --features cuda --bin hearth
 #   mkdir -p .gpu && cp target/release/hearth .gpu/ && xz -T2 -f .gpu/hearth
+#   # the torchvision parity step's test binary (it reads cli/tests/fixtures/parity from the
+#   # checkout it runs in); both fit one carry: 26 + 21 MB xz-compressed
+#   cargo test --release -p hearth-cli --features cuda --test parity --no-run 2>&1 \
+#     | sed -n 's/.*Executable.*(\(.*\))/\1/p' | xargs -I{} cp {} .gpu/parity && xz -T2 -f .gpu/parity
 #   bash scripts/gpu_check.sh [.gpu] [OUT_DIR]      # this script unpacks .gpu/*.xz first
 #
 # One binary does everything: `hearth bench model` times Hearth, and the PyTorch peer

@@ -11,10 +11,16 @@ use burn::prelude::*;
 use hearth::device::DeviceChoice;
 use hearth::models::{BlockKind, DenseNetConfig, ModelConfig, ResNetConfig, VggConfig, VggLayer};
 
+/// The parity fixture `name`: in the checkout the test was built in, or, for a test binary
+/// carried to another machine (`scripts/gpu_check.sh`), in the checkout it runs from.
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/parity")
-        .join(name)
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/parity");
+    let dir = if built.is_dir() {
+        built
+    } else {
+        PathBuf::from("cli/tests/fixtures/parity")
+    };
+    dir.join(name)
 }
 
 /// The configurations of the fixtures written by scripts/make_parity_fixtures.py.
