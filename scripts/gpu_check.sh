@@ -46,6 +46,10 @@
 # row to OUT/table.md; logs go to OUT/logs.tar.xz; cubecl's cache (compiled kernels, any autotune
 # decisions) is saved to OUT/cubecl-environment.tar.xz and, carried back in BIN, restored first.
 # HEARTH_GPU_FRESH=1 ignores a carried cache (to time a first run again).
+# HEARTH_GPU_PEER_DEVICE (default cuda) is the PyTorch peer's device. To check the script itself
+# on a machine without a GPU before spending GPU time on it (every group runs, on the CPU):
+#   HEARTH_GPU_DEVICE=flex HEARTH_GPU_PEER_DEVICE=cpu HEARTH_GPU_BENCH_STEPS=1 \
+#     HEARTH_BENCH_WARMUP=1 bash scripts/gpu_check.sh BIN OUT
 #
 # The peer script is read from this checkout (cli/benches/peer/torch_models.py).
 set -u
@@ -88,6 +92,7 @@ done
 STEPS=${HEARTH_GPU_BENCH_STEPS:-10}
 WARMUP=${HEARTH_BENCH_WARMUP:-2}
 DEVICE=${HEARTH_GPU_DEVICE:-cuda}
+PEER_DEVICE=${HEARTH_GPU_PEER_DEVICE:-cuda}
 ONLY=${HEARTH_GPU_ONLY:-all}
 AUTOTUNE=${HEARTH_GPU_AUTOTUNE:-off}
 BUDGET=${HEARTH_GPU_BUDGET:-480}
@@ -187,7 +192,7 @@ peer_run() {
     local log=$LOGS/torch-$label${cl:+-cl}.log
     local t0=${EPOCHREALTIME/./}
     P_MED=- P_FIRST=-
-    bounded 120 python3 "$PEER" --model "$model" --mode train --device cuda \
+    bounded 120 python3 "$PEER" --model "$model" --mode train --device "$PEER_DEVICE" \
         --batch-size "$batch" --size 224 --steps "$STEPS" --warmup "$WARMUP" \
         --precision "$precision" $cl > "$log" 2>&1
     cat "$log" | tail -3
@@ -262,6 +267,9 @@ if wants profile; then
         --mode train --batch-size 32 --steps 2 --warmup 1 2>&1 | tail -3
     rm -f "$ROOT/cubecl.toml"
     [ -e "$WORK/cubecl.toml.user" ] && mv "$WORK/cubecl.toml.user" "$ROOT/cubecl.toml"
+    if [ ! -s "$LOGS/profile-resnet50.log" ]; then
+        echo "profile: cubecl wrote no profile (a CPU device has none, or the run failed)"
+    else
     python3 - "$LOGS/profile-resnet50.log" > "$OUT/profile-resnet50.md" <<'PY'
 import re, sys
 # The summaries are blocks of table rows whose last cells are time, launches and share; the
@@ -294,6 +302,7 @@ for c in kernels[:40] + [r for r in rows if r[0] == "Total"][:1]:
     print(f"| {name} | {c[-3]} | {c[-2]} | {c[-1]} |")
 PY
     head -25 "$OUT/profile-resnet50.md"
+    fi
 fi
 
 if wants bench; then
@@ -312,8 +321,11 @@ if wants train; then
         extra=()
         dev=$DEVICE
         # Ranks of one job take the GPU of their local rank unless the device names one: both
-        # on GPU 0 here.
-        [ $n -gt 1 ] && extra=(--nproc $n) && dev=${DEVICE%%:*}:0
+        # on GPU 0 here (a CPU device has no index).
+        if [ $n -gt 1 ]; then
+            extra=(--nproc $n)
+            case $DEVICE in flex* | ndarray*) ;; *) dev=${DEVICE%%:*}:0 ;; esac
+        fi
         bounded 240 "$HEARTH" --device "$dev" --autotune "$AUTOTUNE" train --data "$DATA" \
             --model resnet50 --size 224 --batch-size $((32 * n)) --epochs 2 "${extra[@]}" \
             --run-dir "$LOGS/run-resnet50-n$n" 2>&1 | stamp | tee "$log" | tail -25
