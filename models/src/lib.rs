@@ -39,7 +39,7 @@ pub mod vgg;
 pub mod weights;
 pub mod zoo;
 
-pub use deferred::{DeferredReads, load_torchvision_deferred};
+pub use deferred::{DeferredReads, FileTensor, load_torchvision_deferred};
 pub use densenet::{DenseNet, DenseNetConfig};
 pub use error::{ModelError, Result};
 pub use export::{export_torchvision, export_torchvision_pth};

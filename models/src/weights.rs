@@ -253,6 +253,23 @@ pub(crate) fn torchvision_pth(
     path: &Path,
     options: &LoadOptions,
 ) -> Result<PytorchStore> {
+    let (top, remap) = pth_keys(model, path, options)?;
+    let mut store = pytorch_store(path, remap)
+        .allow_partial(true)
+        .validate(false);
+    if let Some(key) = top {
+        store = store.with_top_level_key(key);
+    }
+    Ok(store)
+}
+
+/// Where a torchvision `.pth`'s state_dict is (the key of a checkpoint that wraps it) and how
+/// its keys become `model`'s: what [`torchvision_pth`] reads the file with.
+pub(crate) fn pth_keys(
+    model: &Classifier,
+    path: &Path,
+    options: &LoadOptions,
+) -> Result<(Option<String>, KeyRemapper)> {
     let (top, prefix) = match &options.top_level_key {
         Some(key) => (Some(key.clone()), None),
         None => match wrapped_state_dict(path) {
@@ -260,13 +277,7 @@ pub(crate) fn torchvision_pth(
             None => (None, None),
         },
     };
-    let mut store = pytorch_store(path, remapper_without(model, prefix.as_deref())?)
-        .allow_partial(true)
-        .validate(false);
-    if let Some(key) = top {
-        store = store.with_top_level_key(key);
-    }
-    Ok(store)
+    Ok((top, remapper_without(model, prefix.as_deref())?))
 }
 
 /// Loads a torchvision state_dict (`.pth`/`.pt` or `.safetensors`) into `model`.

@@ -65,6 +65,19 @@ impl Drawing {
         Ok(model)
     }
 
+    /// The torchvision `.pth` the model was loaded from and its tensors by parameter, where
+    /// every parameter the file gives can be read from them a window at a time
+    /// ([`hearth_models::DeferredReads::file_tensors`]).
+    pub(crate) fn file_tensors(
+        &self,
+    ) -> Option<(
+        &std::path::Path,
+        &std::collections::HashMap<burn::module::ParamId, hearth_models::FileTensor>,
+    )> {
+        let reads = self.reads.as_ref()?;
+        Some((reads.path(), reads.file_tensors()?))
+    }
+
     /// Once every value is made: lets the seed lock go, and says whether a read of the weights
     /// file failed (the file changed under the run; the values made from it are then zeros).
     pub(crate) fn finish(self) -> Result<()> {

@@ -176,6 +176,12 @@ fn stage_3_from_a_torchvision_pth_trains_as_plain_data_parallel() {
             logs.contains("tensors from") && logs.contains("new 3-class head"),
             "{logs}"
         );
+        // Rank 0 hands the file's tensors out from the file, each read once.
+        assert_eq!(
+            logs.contains("reads") && logs.contains("a tensor at a time as it hands"),
+            zero == "3",
+            "{logs}"
+        );
     }
     let (plain, three) = (metrics(&run("0")), metrics(&run("3")));
     same_curves(("plain", &plain), ("zero 3", &three), &COLUMNS, 1e-5);

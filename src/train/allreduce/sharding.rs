@@ -68,12 +68,36 @@ impl<T: Trainee> Allreduce<'_, T> {
             let model = self.take_model()?;
             // A resume's values on rank 0: the checkpoint, read a bucket's window at a time.
             let mut values = self.resumed_values.take();
-            let source = values
-                .as_mut()
-                .map(|v| v as &mut dyn burn_dist::zero::StepSource);
+            // A torchvision `.pth`'s on a fresh run: each tensor read once and cut into windows
+            // (its parameter, made, would hold a linear weight twice); the new head drawn now,
+            // under the seed lock, as the hand-out would have drawn it.
+            let mut weights = match (&values, &self.seed_guard) {
+                (None, Some(drawing)) => drawing.file_tensors().map(|(path, files)| {
+                    crate::train::zero::WeightsValues::new(&model, files, path)
+                }),
+                _ => None,
+            };
+            if let Some((path, _)) = weights
+                .as_ref()
+                .and(self.seed_guard.as_ref())
+                .and_then(|d| d.file_tensors())
+            {
+                log(&format!(
+                    "ZeRO stage 3: rank 0 reads {} a tensor at a time as it hands the values out",
+                    path.display()
+                ));
+            }
+            let source = match (values.as_mut(), weights.as_mut()) {
+                (Some(v), _) => Some(v as &mut dyn burn_dist::zero::StepSource),
+                (None, Some(w)) => Some(w as &mut dyn burn_dist::zero::StepSource),
+                (None, None) => None,
+            };
             let (skeleton, params) =
                 burn_dist::zero::module::shard_params_from(&mut z, comm, 0, model, source)?;
             if let Some(e) = values.as_ref().and_then(|v| v.failure()) {
+                return Err(e);
+            }
+            if let Some(e) = weights.as_ref().and_then(|w| w.failure()) {
                 return Err(e);
             }
             // Rank 0 drew its values as it handed them out, in the model's order, under the

@@ -41,10 +41,12 @@ use burn_dist::zero::Stage;
 
 mod file;
 mod values;
+mod weights;
 
 pub(crate) use file::save_state;
 pub use file::{StateFile, open_state, read_state, state_file};
 pub(crate) use values::CheckpointValues;
+pub(crate) use weights::WeightsValues;
 
 use super::TrainConfig;
 use crate::{HearthError, Result};

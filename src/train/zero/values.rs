@@ -114,6 +114,31 @@ impl CheckpointValues {
     }
 }
 
+/// Values `range` of a flat vector of tensors whose first values are at `offsets` (and the
+/// end after the last), each tensor's part read by `read(tensor, range within it)`.
+pub(super) fn cut(
+    offsets: &[usize],
+    range: Range<usize>,
+    mut read: impl FnMut(usize, Range<usize>) -> Vec<f32>,
+) -> Vec<f32> {
+    let total = offsets.last().copied().unwrap_or(0);
+    let (start, end) = (range.start.min(total), range.end.min(total));
+    let mut out = Vec::with_capacity(end.saturating_sub(start));
+    // The first tensor that ends after `start`, and each after it that `range` reaches.
+    let first = offsets.partition_point(|&o| o <= start).saturating_sub(1);
+    for k in first..offsets.len().saturating_sub(1) {
+        let (a, b) = (offsets[k], offsets[k + 1]);
+        if a >= end {
+            break;
+        }
+        let (from, to) = (start.max(a) - a, end.min(b) - a);
+        if from < to {
+            out.extend(read(k, from..to));
+        }
+    }
+    out
+}
+
 /// A module path without empty parts (Burn's visitor may name a level "").
 fn module_path(name: &str) -> String {
     name.split('.')
@@ -129,24 +154,9 @@ impl StepSource for CheckpointValues {
     }
 
     fn values(&mut self, range: Range<usize>) -> Vec<f32> {
-        let total = self.offsets[self.offsets.len() - 1];
-        let (start, end) = (range.start.min(total), range.end.min(total));
-        let mut out = Vec::with_capacity(end - start);
-        // The first tensor that ends after `start`, and each after it that `range` reaches.
-        let first = self
-            .offsets
-            .partition_point(|&o| o <= start)
-            .saturating_sub(1);
-        for k in first..self.tensors.len() {
-            let (a, b) = (self.offsets[k], self.offsets[k + 1]);
-            if a >= end {
-                break;
-            }
-            let (from, to) = (start.max(a) - a, end.min(b) - a);
-            if from < to {
-                out.extend(self.read(k, from..to));
-            }
-        }
+        let offsets = std::mem::take(&mut self.offsets);
+        let out = cut(&offsets, range, |k, r| self.read(k, r));
+        self.offsets = offsets;
         out
     }
 
