@@ -15,20 +15,20 @@
 //! which the caller checks after the values are used.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use burn::module::{ModuleMapper, Param, ParamId};
 use burn::prelude::*;
 use burn::store::burn_pack::Tensor as PackTensor;
-use burn::store::pytorch_reader::{self, PytorchReader};
 use burn::store::{
     ApplyError, ApplyResult, ModuleAdapter, ModuleContext, ModuleStore, PyTorchToBurnAdapter,
     bridge,
 };
 use burn::tensor::{Bool, DType, Int, Shape};
 
+pub use crate::stored::FileTensor;
+use crate::stored::{self, Stored};
 use crate::weights::{LoadOptions, LoadReport, WeightsFormat, check_apply, check_readable};
 use crate::zoo::Classifier;
 use crate::{ModelError, Result};
@@ -42,7 +42,7 @@ type Failure = Arc<Mutex<Option<(String, String)>>>;
 pub struct DeferredReads {
     path: PathBuf,
     failed: Failure,
-    /// The `.pth` tensors behind the deferred parameters, by parameter, when every one of
+    /// The file's tensors behind the deferred parameters, by parameter, when every one of
     /// them has its tensor here ([`Self::file_tensors`]).
     files: Option<Arc<HashMap<ParamId, FileTensor>>>,
 }
@@ -55,7 +55,7 @@ impl DeferredReads {
 
     /// Each deferred parameter's tensor in the file, for a caller that reads them itself a
     /// window at a time (ZeRO stage 3's rank 0) instead of making the parameters: `Some` for a
-    /// `.pth` whose every deferred parameter is here (f32, read through PyTorch's reader).
+    /// file whose every deferred parameter is here (f32, read straight from the file).
     /// The parameters not in it are the model's own (a new head).
     pub fn file_tensors(&self) -> Option<&HashMap<ParamId, FileTensor>> {
         self.files.as_deref()
@@ -68,72 +68,6 @@ impl DeferredReads {
             path: self.path.clone(),
             key: key.clone(),
             reason: reason.clone(),
-        })
-    }
-}
-
-/// A `.pth` tensor that a deferred load gave a parameter, read by the caller: whole, as
-/// stored ([`Self::read`]: one copy in memory), then cut a window of the parameter's values at
-/// a time ([`Self::window`]), a linear layer's weight transposed as it is cut. The
-/// parameter's own initialiser reads the same tensor, and transposes a linear weight into a
-/// second whole copy.
-#[derive(Clone)]
-pub struct FileTensor {
-    tensor: pytorch_reader::Tensor,
-    /// A linear layer's weight: the parameter's `[in, out]` (PyTorch stores `[out, in]`).
-    transposed: Option<[usize; 2]>,
-}
-
-impl std::fmt::Debug for FileTensor {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FileTensor")
-            .field("key", &self.tensor.name)
-            .field("shape", &self.tensor.shape())
-            .field("transposed", &self.transposed)
-            .finish()
-    }
-}
-
-impl FileTensor {
-    /// The number of values.
-    pub fn len(&self) -> usize {
-        self.tensor.num_elements()
-    }
-
-    /// Whether the tensor holds no value.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The tensor's key in the file.
-    pub fn key(&self) -> &str {
-        &self.tensor.name
-    }
-
-    /// The tensor's bytes as the file stores them (f32, PyTorch's layout); an error names
-    /// the tensor.
-    pub fn read(&self) -> std::io::Result<Vec<u8>> {
-        self.tensor.read()
-    }
-
-    /// Values `range` of the parameter (its row-major order) from `bytes`, what [`Self::read`]
-    /// gave; `None` where `bytes` is not the whole tensor.
-    pub fn window(&self, bytes: &[u8], range: Range<usize>) -> Option<Vec<f32>> {
-        const F32: usize = std::mem::size_of::<f32>();
-        if bytes.len() != self.len() * F32 || range.end > self.len() || range.start > range.end {
-            return None;
-        }
-        let at = |i: usize| {
-            let b = &bytes[i * F32..(i + 1) * F32];
-            f32::from_ne_bytes([b[0], b[1], b[2], b[3]])
-        };
-        Some(match self.transposed {
-            // Value (i, o) of the parameter's [in, out] is PyTorch's (o, i).
-            Some([_, cols]) => {
-                let rows = self.len() / cols.max(1);
-                range.map(|k| at((k % cols) * rows + k / cols)).collect()
-            }
-            None => range.map(at).collect(),
         })
     }
 }
@@ -174,11 +108,12 @@ pub fn load_torchvision_deferred(
             ));
         }
     };
-    // The same tensors through PyTorch's reader, for reads of one copy (burn-store's bridge
-    // copies each tensor's bytes again to realign them); none where that does not open.
+    // The same tensors read straight from the file, one copy each (burn-store's bridge copies
+    // each tensor's bytes again to realign them); none where the file does not open so.
     let raw = match format {
-        WeightsFormat::Pytorch => pth_tensors(&model, path, options),
-        _ => HashMap::new(),
+        WeightsFormat::Pytorch => stored::pth_tensors(&model, path, options),
+        WeightsFormat::Safetensors => stored::safetensors_tensors(&model, path),
+        WeightsFormat::Hearth => HashMap::new(),
     };
     let name = format!("{} ({} classes)", model.family(), model.num_classes());
     let head = options.skip_head.then(|| model.head_prefix());
@@ -213,46 +148,11 @@ pub fn load_torchvision_deferred(
     Ok((model, report, reads))
 }
 
-/// `path`'s tensors as PyTorch's reader gives them, by `model`'s keys (the keys
-/// [`crate::weights::torchvision_pth`] gives them); empty where the file does not open so.
-fn pth_tensors(
-    model: &Classifier,
-    path: &Path,
-    options: &LoadOptions,
-) -> HashMap<String, pytorch_reader::Tensor> {
-    let Ok((top, remap)) = crate::weights::pth_keys(model, path, options) else {
-        return HashMap::new();
-    };
-    let reader = match &top {
-        Some(key) => PytorchReader::with_top_level_key(path, key),
-        None => PytorchReader::new(path),
-    };
-    let Ok(reader) = reader else {
-        return HashMap::new();
-    };
-    let mut by_name: HashMap<String, pytorch_reader::Tensor> = reader
-        .into_tensors()
-        .into_values()
-        .map(|t| (t.name.clone(), t))
-        .collect();
-    // The store's own renaming, applied to handles that read nothing.
-    let handles = by_name
-        .values()
-        .cloned()
-        .map(bridge::from_pytorch)
-        .collect();
-    let (_, renamed) = remap.remap(handles);
-    renamed
-        .into_iter()
-        .filter_map(|(new, old)| by_name.remove(&old).map(|t| (new, t)))
-        .collect()
-}
-
 /// The mapper: each parameter that the file has a fitting tensor for becomes one that reads it
 /// when first used.
 struct Deferring {
-    /// The file's tensors through PyTorch's reader, by the model's keys (a `.pth`).
-    raw: HashMap<String, pytorch_reader::Tensor>,
+    /// The file's f32 tensors read straight from it, by the model's keys.
+    raw: HashMap<String, Stored>,
     /// The deferred parameters whose tensor is in `raw`, and how many were deferred.
     files: HashMap<ParamId, FileTensor>,
     deferred: usize,
@@ -313,16 +213,13 @@ impl Deferring {
             });
             return None;
         }
-        // Read once to check, through PyTorch's reader where it has the tensor in f32 (one
-        // copy); a tensor that does not read there is read again the store's way, whose error
-        // the eager load gives.
+        // Read once to check, straight from the file where it has the tensor in f32 (one copy);
+        // a tensor that does not read so is read again the store's way, whose error the eager
+        // load gives.
         let direct = self
             .raw
             .get(&source)
-            .filter(|t| {
-                t.dtype() == pytorch_reader::DType::F32 && t.num_elements() == shape.num_elements()
-            })
-            .filter(|t| t.read().is_ok())
+            .filter(|t| t.len() == shape.num_elements() && t.read().is_ok())
             .cloned();
         if direct.is_none()
             && let Err(e) = bridge::to_data(&raw)
@@ -342,10 +239,7 @@ impl Deferring {
             && self.path.last().is_some_and(|p| p == "weight")
             && shape.num_dims() == 2;
         let dims = shape.to_vec();
-        let file = direct.map(|tensor| FileTensor {
-            tensor,
-            transposed: linear_weight.then(|| [dims[0], dims[1]]),
-        });
+        let file = direct.map(|t| FileTensor::new(t, linear_weight.then(|| [dims[0], dims[1]])));
         Some(match linear_weight {
             true => (raw, true, file),
             false => (adapted, false, file),

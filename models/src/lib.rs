@@ -35,6 +35,7 @@ pub mod pack;
 pub mod pth;
 pub mod resnet;
 pub mod stages;
+mod stored;
 pub mod vgg;
 pub mod weights;
 pub mod zoo;

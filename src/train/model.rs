@@ -65,7 +65,7 @@ impl Drawing {
         Ok(model)
     }
 
-    /// The torchvision `.pth` the model was loaded from and its tensors by parameter, where
+    /// The torchvision file the model was loaded from and its tensors by parameter, where
     /// every parameter the file gives can be read from them a window at a time
     /// ([`hearth_models::DeferredReads::file_tensors`]).
     pub(crate) fn file_tensors(

@@ -145,49 +145,56 @@ fn stage_3_with_a_bucket_per_weight_gathers_and_reduces_weight_by_weight_as_plai
 }
 
 /// Stage 3 from a torchvision `.pth` (a 5-class ResNet's, written as `torch.save` writes a
-/// state_dict) under a new 3-class head: rank 0 checks the file at its start and reads each
-/// tensor as it hands its bucket out (`hearth_models::load_torchvision_deferred`); rank 1 never
-/// reads it. It trains as plain data parallel from the same file does, curves and weights.
+/// state_dict) and from the same weights as `.safetensors`, under a new 3-class head: rank 0
+/// checks the file at its start and reads each tensor once as it hands its buckets out
+/// (`hearth_models::load_torchvision_deferred`, `hearth::train::zero`); rank 1 never reads it.
+/// It trains as plain data parallel from the same file does, curves and weights.
 #[test]
 fn stage_3_from_a_torchvision_pth_trains_as_plain_data_parallel() {
     use burn::prelude::Device;
     let dir = tempfile::tempdir().unwrap();
     let data = small_data(dir.path());
-    let pth = dir.path().join("pretrained.pth");
     let config = hearth::train::model_config("resnet-mini", 5).unwrap();
     let pretrained = config.init(&Device::flex()).unwrap();
-    hearth::models::export_torchvision_pth(&pretrained, &pth).unwrap();
-    let run = |zero: &str| dir.path().join(format!("pth-zero{zero}"));
-    for zero in ["0", "3"] {
-        let args = [
-            &[
-                "--epochs",
-                "1",
-                "--zero",
-                zero,
-                "--weights",
-                pth.to_str().unwrap(),
-            ][..],
-            &ADAM,
-        ]
-        .concat();
-        let logs = Job::spawn_ok(dir.path(), &data, &run(zero), 2, &BASE, &args, &[]);
-        assert!(
-            logs.contains("tensors from") && logs.contains("new 3-class head"),
-            "{logs}"
-        );
-        // Rank 0 hands the file's tensors out from the file, each read once.
-        assert_eq!(
-            logs.contains("reads") && logs.contains("a tensor at a time as it hands"),
-            zero == "3",
-            "{logs}"
+    for ext in ["pth", "safetensors"] {
+        let file = dir.path().join(format!("pretrained.{ext}"));
+        match ext {
+            "pth" => hearth::models::export_torchvision_pth(&pretrained, &file),
+            _ => hearth::models::export_torchvision(&pretrained, &file),
+        }
+        .unwrap();
+        let run = |zero: &str| dir.path().join(format!("{ext}-zero{zero}"));
+        for zero in ["0", "3"] {
+            let args = [
+                &[
+                    "--epochs",
+                    "1",
+                    "--zero",
+                    zero,
+                    "--weights",
+                    file.to_str().unwrap(),
+                ][..],
+                &ADAM,
+            ]
+            .concat();
+            let logs = Job::spawn_ok(dir.path(), &data, &run(zero), 2, &BASE, &args, &[]);
+            assert!(
+                logs.contains("tensors from") && logs.contains("new 3-class head"),
+                "{logs}"
+            );
+            // Rank 0 hands the file's tensors out from the file, each read once.
+            assert_eq!(
+                logs.contains("reads") && logs.contains("a tensor at a time as it hands"),
+                zero == "3",
+                "{logs}"
+            );
+        }
+        let (plain, three) = (metrics(&run("0")), metrics(&run("3")));
+        same_curves(("plain", &plain), ("zero 3", &three), &COLUMNS, 1e-5);
+        same_weights(
+            &run("0").join("model.bpk"),
+            &run("3").join("model.bpk"),
+            1e-5,
         );
     }
-    let (plain, three) = (metrics(&run("0")), metrics(&run("3")));
-    same_curves(("plain", &plain), ("zero 3", &three), &COLUMNS, 1e-5);
-    same_weights(
-        &run("0").join("model.bpk"),
-        &run("3").join("model.bpk"),
-        1e-5,
-    );
 }

@@ -68,7 +68,7 @@ impl<T: Trainee> Allreduce<'_, T> {
             let model = self.take_model()?;
             // A resume's values on rank 0: the checkpoint, read a bucket's window at a time.
             let mut values = self.resumed_values.take();
-            // A torchvision `.pth`'s on a fresh run: each tensor read once and cut into windows
+            // A torchvision file's on a fresh run: each tensor read once and cut into windows
             // (its parameter, made, would hold a linear weight twice); the new head drawn now,
             // under the seed lock, as the hand-out would have drawn it.
             let mut weights = match (&values, &self.seed_guard) {

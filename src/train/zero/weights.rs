@@ -1,6 +1,6 @@
-//! ZeRO stage 3's start on rank 0 from a torchvision `.pth` given to `model.weights`: the file's
-//! tensors handed out a bucket's window at a time ([`WeightsValues`]), each read whole once,
-//! as stored, and let go once its segments are out.
+//! ZeRO stage 3's start on rank 0 from a torchvision `.pth` or `.safetensors` given to
+//! `model.weights`: the file's tensors handed out a bucket's window at a time
+//! ([`WeightsValues`]), each read whole once, as stored, and let go once its segments are out.
 //!
 //! Why: rank 0 made each parameter from the file as its first bucket came, and a linear
 //! layer's weight, `[out, in]` in the file and `[in, out]` in Burn, was then held twice, read
@@ -32,7 +32,7 @@ enum Origin {
     Released,
 }
 
-/// The trainable values of a model loaded from a torchvision `.pth`, in the model's trainable
+/// The trainable values of a model loaded from a torchvision file, in the model's trainable
 /// order: the file's tensors read as their windows are asked for, the others (a new head)
 /// taken from the model.
 pub struct WeightsValues {
