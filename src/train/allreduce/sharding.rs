@@ -73,20 +73,14 @@ impl<T: Trainee> Allreduce<'_, T> {
             // under the seed lock, as the hand-out would have drawn it.
             let mut weights = match (&values, &self.seed_guard) {
                 (None, Some(drawing)) => drawing.file_tensors().map(|(path, files)| {
+                    log(&format!(
+                        "ZeRO stage 3: rank 0 reads {} a tensor at a time as it hands the values out",
+                        path.display()
+                    ));
                     crate::train::zero::WeightsValues::new(&model, files, path)
                 }),
                 _ => None,
             };
-            if let Some((path, _)) = weights
-                .as_ref()
-                .and(self.seed_guard.as_ref())
-                .and_then(|d| d.file_tensors())
-            {
-                log(&format!(
-                    "ZeRO stage 3: rank 0 reads {} a tensor at a time as it hands the values out",
-                    path.display()
-                ));
-            }
             let source = match (values.as_mut(), weights.as_mut()) {
                 (Some(v), _) => Some(v as &mut dyn burn_dist::zero::StepSource),
                 (None, Some(w)) => Some(w as &mut dyn burn_dist::zero::StepSource),
