@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """torchvision peer of `hearth bench loader`: ImageFolder + DataLoader with the same workers,
 batch size and training augmentation (RandomResizedCrop, RandomHorizontalFlip, with
-`--auto-augment` torchvision's RandAugment or TrivialAugmentWide, ToTensor, Normalize). Prints
+`--auto-augment` torchvision's RandAugment, TrivialAugmentWide or AugMix, ToTensor, Normalize).
+Prints
 `peer images_per_s=X peak_rss_mb=Y`.
 """
 import argparse
@@ -20,11 +21,22 @@ def main():
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--batches", type=int, default=20)
     p.add_argument("--auto-augment", default=None,
-                   help="rand-mM-nN (RandAugment) or trivialaugment, as Hearth spells them")
+                   help="rand-mM-nN (RandAugment), trivialaugment or augmix-mS-wW-dD-aA, as Hearth "
+                        "spells them")
     a = p.parse_args()
     policy = []
     if a.auto_augment == "trivialaugment":
         policy = [transforms.TrivialAugmentWide()]
+    elif a.auto_augment and a.auto_augment.startswith("augmix"):
+        # Hearth's Display form: augmix-m<severity>-w<width>-d<depth>-a<alpha>; its depth 0 is
+        # torchvision's -1 (1 to 3 operations per chain). Hearth samples geometric operations at
+        # the nearest pixel, so the peer does too (torchvision's AugMix defaults to bilinear).
+        parts = dict((s[0], s[1:]) for s in a.auto_augment.split("-")[1:])
+        depth = int(parts["d"])
+        policy = [transforms.AugMix(severity=int(parts["m"]), mixture_width=int(parts["w"]),
+                                    chain_depth=depth if depth > 0 else -1,
+                                    alpha=float(parts["a"]), all_ops=True,
+                                    interpolation=transforms.InterpolationMode.NEAREST)]
     elif a.auto_augment:
         # Hearth's Display form: rand-m<M>-n<N>.
         parts = dict((s[0], int(s[1:])) for s in a.auto_augment.split("-")[1:])
