@@ -15,6 +15,9 @@ use crate::rng::SplitMix64;
 
 mod augmix;
 mod ops;
+mod pixels;
+#[cfg(test)]
+mod reference;
 
 pub use ops::{OPS, Op};
 use ops::{linspace, make_op, round_half_even, signed_draw};
