@@ -102,6 +102,12 @@ pub(super) fn round_half_even(x: f64) -> f64 {
 }
 
 impl Op {
+    /// The operation `OPS[index]` at `magnitude` (Posterize keeps that many bits, truncated;
+    /// Identity past the end of [`OPS`]).
+    pub fn at(index: usize, magnitude: f64) -> Op {
+        make_op(index, magnitude)
+    }
+
     /// The inverse map of a geometric operation on a `w` x `h` image, in centred coordinates
     /// (`[a, b, c, d, e, f]`: input = [a b; d e] output + [c, f]); `None` for the others.
     pub(super) fn inverse_map(&self, w: f64, h: f64) -> Option<[f64; 6]> {
