@@ -193,13 +193,19 @@ pub(super) fn sharpness(img: RgbImage, (ratio, rest): (f32, f32)) -> RgbImage {
     let src: &[u8] = &img;
     let row = 3 * w;
     let mut out = vec![0u8; src.len()];
-    // The border: blended with itself.
-    let own = table(|v| ratio * f32::from(v));
-    let other = table(|v| rest * f32::from(v));
-    let blend_self =
-        table(|v| (own[usize::from(v)] + other[usize::from(v)]).clamp(0.0, 255.0) as u8);
-    for (o, &v) in out.iter_mut().zip(src) {
-        *o = blend_self[usize::from(v)];
+    // The border (first and last rows, each row's first and last pixel): blended with
+    // itself. The interior is written below.
+    let blend_self = table(|v| byte(ratio * f32::from(v) + rest * f32::from(v)) as u8);
+    let mut border = |range: std::ops::Range<usize>| {
+        for (o, &v) in out[range.clone()].iter_mut().zip(&src[range]) {
+            *o = blend_self[usize::from(v)];
+        }
+    };
+    border(0..row);
+    border((h - 1) * row..h * row);
+    for y in 1..h - 1 {
+        border(y * row..y * row + 3);
+        border((y + 1) * row - 3..(y + 1) * row);
     }
     let n = row - 6;
     vectorized(
