@@ -176,6 +176,8 @@ fn three_ways(steps: usize, lr: f64) -> [Vec<f32>; 4] {
     use burn::optim::{GradientsParams, SgdConfig};
     use burn::tensor::FloatDType;
     let device = Device::flex().autodiff();
+    // Burn's generator is the process's: no training in this binary seeds it meanwhile.
+    let _rng = hearth::train::seed_lock();
     device.seed(9);
     let model = hearth::train::model_config("resnet-mini", 3)
         .unwrap()
@@ -591,6 +593,8 @@ fn on_vulkan_cpu_fp16_matches_f32_and_bf16_is_refused() {
 
     let device = device.autodiff();
     // The same weights and input every run: unseeded, the logits' gap once reached 0.0305.
+    // The generator is the process's: no training in this binary seeds it meanwhile.
+    let _rng = hearth::train::seed_lock();
     device.seed(7);
     let model = hearth::train::model_config("resnet-mini", 3)
         .unwrap()

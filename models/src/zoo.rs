@@ -283,12 +283,16 @@ impl Classifier {
         }
     }
 
+    /// The head's outputs, from its weight's shape: a lazy head is not made (made, its values
+    /// would be drawn from the process's one random generator, taking the draws of a seeded
+    /// initialisation running beside it).
     pub fn num_classes(&self) -> usize {
-        self.head().weight.dims()[1]
+        self.head().weight.lazy_shape().dims::<2>()[1]
     }
 
+    /// The head's inputs, read as [`Self::num_classes`] is.
     pub fn head_inputs(&self) -> usize {
-        self.head().weight.dims()[0]
+        self.head().weight.lazy_shape().dims::<2>()[0]
     }
 
     pub fn head_activation(&self) -> HeadActivation {

@@ -84,7 +84,7 @@ pub use config::{
 pub use elastic::{mark_finished, request_leave};
 pub use hparams::{Hparams, LaunchRecord, PipelineRecord, PsRecord, Recorded, ServersRecord};
 pub use logger::EpochTable;
-pub use model::epoch_seed;
+pub use model::{SeedGuard, epoch_seed, seed_lock};
 pub use precision::{LossScaler, Mixed, SharedScaler};
 pub use report::{EpochRows, TrainReport};
 pub use targets::Targets;

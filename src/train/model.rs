@@ -17,7 +17,7 @@ use crate::{HearthError, Result};
 
 /// Serialises seeding and parameter initialisation across threads: Burn keeps one random
 /// generator per process and initialises parameters lazily.
-pub(crate) static SEED_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static SEED_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Forces Burn's lazy parameter initialisation now.
 struct Materialize;
@@ -46,7 +46,17 @@ pub fn init_model(
 }
 
 /// The seed lock held ([`SEED_LOCK`]): while a model's parameters wait to be drawn.
-pub(crate) type SeedGuard = std::sync::MutexGuard<'static, ()>;
+pub type SeedGuard = std::sync::MutexGuard<'static, ()>;
+
+/// The lock under which Hearth's trainings seed Burn's random generator and make their
+/// parameters. Burn keeps one generator per process and makes a parameter's random values on
+/// its first use, so code that seeds a device and draws (a model it builds and runs, a random
+/// tensor) while a Hearth training may start in another thread of the process holds this
+/// meanwhile: neither then takes the other's draws, and each starts from its own seed. Do not
+/// call [`crate::train::train`] while holding it: the training waits for it.
+pub fn seed_lock() -> SeedGuard {
+    SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// A model whose values are not all made yet: the seed lock, held until its random parameters
 /// are drawn (in the model's visiting order, they are then [`init_model`]'s), and the reads of
@@ -100,7 +110,7 @@ pub(crate) fn init_model_drawn_later(
     device: &Device,
     log: &mut dyn FnMut(&str),
 ) -> Result<(Classifier, Drawing)> {
-    let rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let rng = seed_lock();
     device.seed(cfg.seed);
     let head = head_config(classes, multi_label);
     let mut model = config.init(device)?;
@@ -189,7 +199,7 @@ pub(crate) fn materialize<M: Module>(model: M) -> M {
 /// stage 3 skeleton's frozen tensors, which rank 0's replace): the draws keep out of the way
 /// of a seeded initialisation elsewhere in the process.
 pub(crate) fn materialize_locked<M: Module>(model: M) -> M {
-    let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _rng = seed_lock();
     materialize(model)
 }
 
@@ -208,7 +218,7 @@ pub(crate) fn unfrozen<M: Module>(cfg: &TrainConfig, model: M) -> M {
 /// initialises its parameters meanwhile. Every mode seeds each epoch or step this way, so a
 /// resumed run draws what the uninterrupted one would.
 pub(crate) fn seed_stream(device: &Device, seed: u64, at: u64, rank: usize) {
-    let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _rng = seed_lock();
     device.seed(epoch_seed(seed, at, rank));
 }
 

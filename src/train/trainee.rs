@@ -524,9 +524,7 @@ impl<N: Net, E: Examples<Input = N::Input>> Trainee for CustomTrainee<N, E> {
     fn init(&self, device: &Device, _log: &mut dyn FnMut(&str)) -> Result<N> {
         // As Hearth's own models: the process's generator held from seeding until every
         // parameter exists, so every rank starts from the same values.
-        let _rng = super::model::SEED_LOCK
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let _rng = super::model::seed_lock();
         device.seed(self.seed);
         let model = (self.init)(device);
         Ok(super::model::materialize(model))

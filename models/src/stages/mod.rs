@@ -140,23 +140,25 @@ impl Unit {
     }
 
     /// The channels of the feature map the unit takes (dimension 1 of its input).
+    /// Read from the parameters' shapes without drawing their values (Burn makes a lazy
+    /// parameter on first use, from the process's one random generator).
     pub fn in_channels(&self) -> usize {
         match self {
-            Unit::ResNetStem(s) => s.conv1.weight.dims()[1],
-            Unit::ResNetBlock(b) => b.conv1.weight.dims()[1],
+            Unit::ResNetStem(s) => s.conv1.weight.lazy_shape().dims::<4>()[1],
+            Unit::ResNetBlock(b) => b.conv1.weight.lazy_shape().dims::<4>()[1],
             // Burn's linear weights are [inputs, outputs]; pooling leaves one value per
             // channel.
-            Unit::ResNetHead(h) => h.fc.weight.dims()[0],
-            Unit::VggConv(u) => u.layer.conv.weight.dims()[1],
+            Unit::ResNetHead(h) => h.fc.weight.lazy_shape().dims::<2>()[0],
+            Unit::VggConv(u) => u.layer.conv.weight.lazy_shape().dims::<4>()[1],
             // The classifier takes the pooled map's values (7 x 7 in torchvision) per channel.
             Unit::VggHead(h) => {
                 let [a, b] = h.avgpool.output_size;
-                h.classifier.fc1.weight.dims()[0] / (a * b).max(1)
+                h.classifier.fc1.weight.lazy_shape().dims::<2>()[0] / (a * b).max(1)
             }
-            Unit::DenseStem(s) => s.conv0.weight.dims()[1],
-            Unit::DenseLayer(l) => l.norm1.gamma.dims()[0],
-            Unit::DenseTransition(t) => t.norm.gamma.dims()[0],
-            Unit::DenseHead(h) => h.norm5.gamma.dims()[0],
+            Unit::DenseStem(s) => s.conv0.weight.lazy_shape().dims::<4>()[1],
+            Unit::DenseLayer(l) => l.norm1.gamma.lazy_shape().dims::<1>()[0],
+            Unit::DenseTransition(t) => t.norm.gamma.lazy_shape().dims::<1>()[0],
+            Unit::DenseHead(h) => h.norm5.gamma.lazy_shape().dims::<1>()[0],
         }
     }
 

@@ -40,7 +40,7 @@ use hearth_models::{Classifier, HeadActivation, ModelConfig, Preprocessing, save
 use super::catalog::model_config;
 use super::epochs::{Epochs, Row, Strategy};
 use super::export::auroc_report;
-use super::model::{SEED_LOCK, epoch_seed, init_model, optimizer, seed_stream};
+use super::model::{epoch_seed, init_model, optimizer, seed_lock, seed_stream};
 use super::objective::{Objective, insert_top5};
 use super::precision::LossScaler;
 use super::scores::ValScores;
@@ -197,7 +197,7 @@ impl PipelineRun<'_> {
             return Ok(Self::cut(model, range));
         }
         let seeded = |units: Range<usize>| -> Result<Vec<Unit>> {
-            let _rng = SEED_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            let _rng = seed_lock();
             let mut out: Vec<Unit> = Vec::new();
             for u in units {
                 self.device
