@@ -45,7 +45,7 @@ pub fn init_model(
     drawing.made(model)
 }
 
-/// The seed lock held ([`SEED_LOCK`]): while a model's parameters wait to be drawn.
+/// The seed lock held ([`seed_lock`]): while a model's parameters wait to be drawn.
 pub type SeedGuard = std::sync::MutexGuard<'static, ()>;
 
 /// The lock under which Hearth's trainings seed Burn's random generator and make their
