@@ -6,6 +6,7 @@ mod commands {
     pub mod data_check;
     pub mod exit;
     pub mod export;
+    pub mod global;
     pub mod kernels;
     pub mod launch;
     pub mod predict;
@@ -23,6 +24,7 @@ use clap::{Args, Parser, Subcommand};
 use commands::bench::*;
 use commands::data::DataCommand;
 use commands::exit::exit_with;
+use commands::global::Use;
 use commands::predict::*;
 use commands::train::*;
 use commands::train_args::TrainArgs;
@@ -43,7 +45,8 @@ struct Cli {
     /// Device to run on: flex (default CPU), ndarray (built with the `ndarray` feature), vulkan,
     /// wgpu, vulkan-cpu (the `wgpu` feature), cuda (the `cuda` feature); a GPU index picks one of several (cuda:1, vulkan:1). In a
     /// distributed job without an index, each rank takes the GPU of its local rank.
-    /// `hearth devices` lists this build's choices.
+    /// `hearth devices` lists this build's choices. For commands that run on a device; `launch`
+    /// gives it to every rank.
     #[arg(long, global = true, env = "HEARTH_DEVICE", default_value = "flex")]
     device: String,
     /// How GPU kernels are chosen for Hearth's convolutions and linear layers: off (default: by
@@ -158,23 +161,23 @@ fn main() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let cli = Cli::parse();
+    let matches = <Cli as clap::CommandFactory>::command().get_matches();
+    let cli = match <Cli as clap::FromArgMatches>::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(err) => err.exit(),
+    };
     // Burn's default device on the run's backend: burn-optim loads optimizer state there
     // (`hearth::device::pin_burn_default`). An unknown --device is refused later, by name.
     if let Ok(spec) = cli.device.parse::<hearth::device::DeviceSpec>() {
         // SAFETY: before any thread of this process starts; ranks it spawns inherit it.
         unsafe { hearth::device::pin_burn_default(spec.choice) }
     }
-    let uses_device = matches!(
-        cli.command,
-        Command::Predict(_)
-            | Command::Eval(_)
-            | Command::Export(_)
-            | Command::Train(_)
-            | Command::Tune(_)
-            | Command::Bench(BenchCommand::Model(_))
-            | Command::Bench(BenchCommand::Loader(_))
-    );
+    let uses = global_flag_use(&cli.command);
+    let uses_device = uses == Use::Device;
+    if let Err(err) = global_flags(&cli, &matches, uses) {
+        eprintln!("error: {}", report(&err));
+        std::process::exit(1);
+    }
     if let Err(err) = commands::kernels::set_autotune(
         &cli.autotune,
         cli.kernel_bundle.as_deref(),
@@ -195,6 +198,55 @@ fn main() {
         eprintln!("error: {}", report(&err));
         std::process::exit(1);
     }
+}
+
+/// What `command` does with the global flags (`commands::global`).
+fn global_flag_use(command: &Command) -> Use {
+    match command {
+        Command::Predict(_)
+        | Command::Eval(_)
+        | Command::Export(_)
+        | Command::Train(_)
+        | Command::Tune(_)
+        | Command::Bench(BenchCommand::Model(_))
+        | Command::Bench(BenchCommand::Loader(_)) => Use::Device,
+        Command::Launch(_) => Use::Ranks,
+        _ => Use::Nothing,
+    }
+}
+
+/// Refuses a global flag the command line gave to a command that would ignore it; for
+/// `launch`, checks the device and puts each given flag in the environment its ranks inherit.
+fn global_flags(cli: &Cli, matches: &clap::ArgMatches, uses: Use) -> Result<()> {
+    // The command's words (`data synth`), and the global flags written on the command line
+    // at any of its levels (not read from the environment, not defaults).
+    let (mut words, mut given, mut level) = (Vec::new(), Vec::new(), Some(matches));
+    while let Some(m) = level {
+        for (flag, id, _) in commands::global::FLAGS {
+            if m.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
+                && !given.contains(&flag)
+            {
+                given.push(flag);
+            }
+        }
+        level = m.subcommand().map(|(name, sub)| {
+            words.push(name);
+            sub
+        });
+    }
+    let rank_args = match &cli.command {
+        Command::Launch(a) => a.command.get(1..).unwrap_or_default(),
+        _ => &[],
+    };
+    commands::global::check(&words.join(" "), uses, &given, rank_args)?;
+    if uses == Use::Ranks && given.contains(&"--device") {
+        let spec: hearth::device::DeviceSpec =
+            (cli.device.parse()).with_context(|| format!("--device {}", cli.device))?;
+        let env = commands::global::env_of("--device").unwrap_or("HEARTH_DEVICE");
+        // SAFETY: before any thread of this process starts; the ranks inherit it.
+        unsafe { std::env::set_var(env, spec.to_string()) };
+    }
+    Ok(())
 }
 
 /// The error and its causes on one line, each said once: our error types already include their

@@ -407,13 +407,25 @@ pub fn auroc_csv_mean(run: &std::path::Path) -> f64 {
 /// `hearth ARGS` outside any job (no launcher variables from the test's environment), its
 /// output captured.
 pub fn hearth_cli(args: &[&str]) -> std::process::Output {
+    hearth_cli_env(args, &[])
+}
+
+/// [`hearth_cli`] with environment variables set (`Some`) or removed (`None`).
+pub fn hearth_cli_env(args: &[&str], env: &[(&str, Option<&str>)]) -> std::process::Output {
     use std::io::Read;
     use std::process::Stdio;
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_hearth"))
-        .args(args)
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_hearth"));
+    cmd.args(args)
         .env_remove("HEARTH_RANK")
         .env_remove("HEARTH_WORLD_SIZE")
-        .env_remove("HEARTH_COORDINATOR")
+        .env_remove("HEARTH_COORDINATOR");
+    for (name, value) in env {
+        match value {
+            Some(v) => cmd.env(name, v),
+            None => cmd.env_remove(name),
+        };
+    }
+    let mut child = cmd
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

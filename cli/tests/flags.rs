@@ -194,3 +194,158 @@ fn values_a_mode_cannot_run_are_refused_before_launching() {
         "refused before launching: {err}"
     );
 }
+
+/// The commands of `hearth --help` (and of its command groups), as their words.
+fn commands() -> Vec<String> {
+    let listed = |group: &[&str]| -> Vec<String> {
+        let mut args = group.to_vec();
+        args.push("--help");
+        let out = hearth(&args);
+        assert!(out.status.success(), "hearth {args:?}");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        text.lines()
+            .skip_while(|l| !l.starts_with("Commands:"))
+            .skip(1)
+            .take_while(|l| l.starts_with("  "))
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|c| *c != "help")
+            .map(String::from)
+            .collect()
+    };
+    let mut all = Vec::new();
+    for command in listed(&[]) {
+        let subs = match command.as_str() {
+            "data" | "bench" | "weights" => listed(&[&command]),
+            _ => Vec::new(),
+        };
+        all.extend(subs.iter().map(|s| format!("{command} {s}")));
+        if subs.is_empty() {
+            all.push(command);
+        }
+    }
+    all
+}
+
+/// `--device`, `--autotune` and `--kernel-bundle` on every command: a command that runs
+/// nothing on a device refuses each one the command line gives, by name and before it does
+/// anything (set in the environment they pass: the shell's standing choice); `launch` gives
+/// each to every rank through that environment, and refuses one its ranks' command gives too.
+/// A command added without a row here fails the test until someone decides what it does.
+#[test]
+fn the_global_flags_act_or_are_refused_by_name_on_every_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = dir.path().join("b.ccb");
+    std::fs::write(&bundle, b"not read").unwrap();
+    let out = dir.path().join("synth");
+    let (out, bundle) = (out.to_str().unwrap(), bundle.to_str().unwrap());
+    // (the command's words, arguments it needs to parse, whether a device runs its work)
+    let rows: &[(&str, &[&str], bool)] = &[
+        ("models", &[], false),
+        ("devices", &[], false),
+        ("units", &["--model", "resnet18"], false),
+        ("predict", &[], true),
+        ("eval", &[], true),
+        ("export", &[], true),
+        ("weights fetch", &["resnet18"], false),
+        ("bench model", &[], true),
+        ("bench loader", &[], true),
+        ("bench allreduce", &[], false),
+        ("bench allreduce-rank", &[], false),
+        ("data synth", &["--out", out], false),
+        ("data check", &["--data", out], false),
+        ("train", &[], true),
+        ("secret", &[], false),
+        ("launch", &[], true),
+        ("tune", &[], true),
+        ("autotune-report", &["decisions.jsonl"], false),
+    ];
+    let listed = commands();
+    let missing: Vec<&String> = listed
+        .iter()
+        .filter(|c| !rows.iter().any(|(w, _, _)| w == c))
+        .collect();
+    assert!(missing.is_empty(), "commands without a row: {missing:?}");
+    let clean = [
+        ("HEARTH_DEVICE", None),
+        ("HEARTH_AUTOTUNE", None),
+        ("HEARTH_KERNEL_BUNDLE", None),
+    ];
+    for (words, needs, _) in rows.iter().filter(|(_, _, device)| !device) {
+        for flag in [
+            ["--device", "flex"],
+            ["--autotune", "off"],
+            ["--kernel-bundle", bundle],
+        ] {
+            let mut args: Vec<&str> = words.split(' ').collect();
+            args.extend_from_slice(needs);
+            args.extend_from_slice(&flag);
+            let run = common::hearth_cli_env(&args, &clean);
+            let err = String::from_utf8_lossy(&run.stderr);
+            assert_eq!(run.status.code(), Some(1), "hearth {args:?}: {err}");
+            let said = format!(
+                "error: {}: `hearth {words}` runs nothing on a device",
+                flag[0]
+            );
+            assert!(err.starts_with(&said), "hearth {args:?}: {err}");
+            // Refused before it did anything: no synthetic set written, no download tried.
+            assert!(run.stdout.is_empty(), "hearth {args:?}");
+        }
+    }
+    assert!(!std::path::Path::new(out).exists());
+    // From the environment, the same values pass.
+    for (name, value) in [
+        ("HEARTH_DEVICE", "flex"),
+        ("HEARTH_AUTOTUNE", "off"),
+        ("HEARTH_KERNEL_BUNDLE", bundle),
+    ] {
+        let run = common::hearth_cli_env(&["models"], &[(name, Some(value))]);
+        assert!(run.status.success(), "{name}={value} hearth models");
+    }
+    // launch: each given flag reaches every rank; the launcher's own environment had none.
+    let check = "test \"$HEARTH_DEVICE\" = flex && test \"$HEARTH_KERNEL_BUNDLE\" = \"$0\"";
+    let args = [
+        "--device",
+        "flex",
+        "--kernel-bundle",
+        bundle,
+        "launch",
+        "-n",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        check,
+        bundle,
+    ];
+    let run = common::hearth_cli_env(&args, &clean);
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success(),
+        "launch did not give its ranks the flags: {err}"
+    );
+    for (args, said) in [
+        (
+            &[
+                "--device",
+                "flex",
+                "launch",
+                "-n",
+                "1",
+                "--",
+                "hearth",
+                "train",
+                "--device=flex",
+            ][..],
+            "error: --device: given to `hearth launch` and to the ranks' command",
+        ),
+        (
+            &["--device", "tpu", "launch", "-n", "1", "--", "true"][..],
+            "error: --device tpu: unknown device 'tpu'",
+        ),
+    ] {
+        let run = common::hearth_cli_env(args, &clean);
+        let err = String::from_utf8_lossy(&run.stderr);
+        assert_eq!(run.status.code(), Some(1), "hearth {args:?}: {err}");
+        assert!(err.starts_with(said), "hearth {args:?}: {err}");
+    }
+}

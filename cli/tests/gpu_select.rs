@@ -202,11 +202,19 @@ fn autotune_full_on_a_cpu_device_and_an_unknown_value_are_refused_by_name() {
             "--autotune full: flex has no GPU kernels to tune",
         ),
         (
-            &["--autotune", "sometimes", "models"][..],
+            &["--autotune", "sometimes", "train", "--epochs", "1"][..],
             "--autotune sometimes: expected off",
         ),
         (
-            &["--kernel-bundle", "/nonexistent/h200.bundle", "models"][..],
+            &[
+                "--kernel-bundle",
+                "/nonexistent/h200.bundle",
+                "launch",
+                "-n",
+                "1",
+                "--",
+                "true",
+            ][..],
             "--kernel-bundle /nonexistent/h200.bundle: no such file",
         ),
         (
