@@ -33,11 +33,21 @@ fn pipeline(p: &Preprocessing) -> Result<Pipeline> {
 }
 
 fn loader(set: ImageSet, p: &Preprocessing, batch: usize, workers: usize) -> Result<Loader> {
+    if batch == 0 || workers == 0 {
+        return Err(HearthError::InvalidArgument(format!(
+            "{}: must be at least 1",
+            if batch == 0 {
+                "`batch_size` 0"
+            } else {
+                "0 decoding workers"
+            }
+        )));
+    }
     Ok(Loader::new(
         set,
         pipeline(p)?,
-        LoaderConfig::new(batch.max(1))
-            .with_workers(workers.max(1))
+        LoaderConfig::new(batch)
+            .with_workers(workers)
             .with_shuffle(false)
             .with_pad(false),
     )?)

@@ -22,7 +22,8 @@ pub struct PredictModel {
     pub preprocessing: Preprocessing,
 }
 
-/// Builds the model for `hearth predict`. A Hearth model file carries its own architecture;
+/// Builds the model for `hearth predict`. A Hearth model file carries its own architecture and
+/// class count: `arch` and `num_classes` are refused where they say otherwise than the file.
 /// torchvision files need `arch`, and their class count is read from the head in the file.
 pub fn load_for_predict(
     arch: Option<&str>,
@@ -33,6 +34,24 @@ pub fn load_for_predict(
     match weights {
         Some(path) if WeightsFormat::of(path)? == WeightsFormat::Hearth => {
             let saved = load_model(path, device)?;
+            let held = saved.config.num_classes();
+            if let Some(n) = num_classes.filter(|&n| n != held) {
+                return Err(HearthError::InvalidArgument(format!(
+                    "`model.num_classes` {n}: the model file {} has a head of {held} classes \
+                     (a Hearth model file records its own; leave it out)",
+                    path.display()
+                )));
+            }
+            if let Some(name) = arch {
+                let named = crate::train::model_config(name, held)?;
+                if named.to_json() != saved.config.to_json() {
+                    return Err(HearthError::InvalidArgument(format!(
+                        "`model.name` {name}: the model file {} holds another network (a Hearth \
+                         model file records its own architecture; leave it out)",
+                        path.display()
+                    )));
+                }
+            }
             Ok(PredictModel {
                 model: saved.model,
                 class_names: saved.class_names,

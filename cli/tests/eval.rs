@@ -1,6 +1,8 @@
 //! `hearth eval` and `hearth predict --data` on a generated folder: the confusion matrix and the
 //! per-image predictions equal an independent per-image computation; bad files are reported.
 
+mod common;
+
 use std::path::Path;
 
 use burn::module::Module;
@@ -169,4 +171,144 @@ fn the_eval_command_prints_accuracy_and_writes_its_files() {
         "{text}"
     );
     assert!(out.join("confusion.png").is_file());
+}
+
+/// `hearth predict`'s flags act on the input they are for or are refused by name, before
+/// anything is written: `--out` and `--batch-size` with `--data` only, `--logits-out` without
+/// it; a Hearth model file's architecture and class count are its own (`--model` and
+/// `--num-classes` that say otherwise are refused, the same ones pass); `--top`, `--batch-size`
+/// and `eval --workers` of 0 are refused rather than taken as 1 (the library refuses 0 too).
+#[test]
+fn predict_and_eval_flags_act_or_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("val");
+    generate(&data, &SynthConfig::new(2, 2, 40)).unwrap();
+    let file = dir.path().join("model.bpk");
+    model_file(&file, &class_names(2));
+    let image = std::fs::read_dir(data.join(&class_names(2)[0]))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let (csv, npy) = (dir.path().join("p.csv"), dir.path().join("l.npy"));
+    let run = |args: &[&std::ffi::OsStr]| {
+        let out = common::hearth_cli(&args.iter().map(|a| a.to_str().unwrap()).collect::<Vec<_>>());
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        (out.status.success(), err)
+    };
+    let os = |s: &'static str| std::ffi::OsStr::new(s);
+    let predict = [os("predict"), os("--weights"), file.as_os_str()];
+    let refusals: Vec<(Vec<&std::ffi::OsStr>, &str)> = vec![
+        (
+            vec![
+                os("--image"),
+                image.as_os_str(),
+                os("--out"),
+                csv.as_os_str(),
+            ],
+            "error: --out: only with --data",
+        ),
+        (
+            vec![
+                os("--image"),
+                image.as_os_str(),
+                os("--batch-size"),
+                os("4"),
+            ],
+            "error: --batch-size: only with --data",
+        ),
+        (
+            vec![
+                os("--data"),
+                data.as_os_str(),
+                os("--out"),
+                csv.as_os_str(),
+                os("--logits-out"),
+                npy.as_os_str(),
+            ],
+            "error: --logits-out: not with --data",
+        ),
+        (
+            vec![
+                os("--image"),
+                image.as_os_str(),
+                os("--num-classes"),
+                os("7"),
+            ],
+            "--num-classes 7: the model file",
+        ),
+        (
+            vec![os("--image"), image.as_os_str(), os("--model"), os("vgg16")],
+            "--model vgg16: the model file",
+        ),
+        (
+            vec![os("--image"), image.as_os_str(), os("--top"), os("0")],
+            "--top",
+        ),
+        (
+            vec![
+                os("--data"),
+                data.as_os_str(),
+                os("--out"),
+                csv.as_os_str(),
+                os("--batch-size"),
+                os("0"),
+            ],
+            "--batch-size",
+        ),
+    ];
+    for (extra, said) in refusals {
+        let args: Vec<&std::ffi::OsStr> = predict.iter().copied().chain(extra).collect();
+        let (ok, err) = run(&args);
+        assert!(!ok && err.contains(said), "{args:?}: {err}");
+        assert!(!csv.exists() && !npy.exists(), "{args:?} wrote a file");
+    }
+    // What agrees with the model file passes, and --logits-out writes with --image.
+    let agreeing = [
+        os("--image"),
+        image.as_os_str(),
+        os("--num-classes"),
+        os("2"),
+        os("--model"),
+        os("resnet-mini"),
+        os("--logits-out"),
+        npy.as_os_str(),
+    ];
+    let args: Vec<&std::ffi::OsStr> = predict.iter().copied().chain(agreeing).collect();
+    let (ok, err) = run(&args);
+    assert!(ok, "{args:?}: {err}");
+    assert!(npy.is_file());
+    for (extra, said) in [
+        (["--model", "vgg16"], "--model vgg16: the model file"),
+        (["--workers", "0"], "--workers"),
+        (["--batch-size", "0"], "--batch-size"),
+    ] {
+        let mut args = vec![os("eval"), os("--weights"), file.as_os_str(), os("--data")];
+        args.push(data.as_os_str());
+        args.extend(extra.map(os));
+        let (ok, err) = run(&args);
+        assert!(!ok && err.contains(said), "{args:?}: {err}");
+    }
+    let saved = hearth::models::load_model(&file, &Device::flex()).unwrap();
+    let p = saved.preprocessing.clone().unwrap();
+    for (batch, workers) in [(0, 2), (4, 0)] {
+        let err = evaluate(
+            &saved.model.valid(),
+            None,
+            &data,
+            &p,
+            batch,
+            workers,
+            &Device::flex(),
+            &mut |_, _| {},
+        )
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+        assert!(
+            err.contains("must be at least 1"),
+            "batch {batch}, workers {workers}: {err}"
+        );
+    }
 }

@@ -4,7 +4,8 @@
 //! command line shows the same errors with its flags instead ([`with_flags`]). One table holds
 //! the pairs, so a message is written once and reads right on either side.
 
-/// (setting as the library's errors name it, `hearth train` flag).
+/// (setting as the library's errors name it, the `hearth` flag that sets it: `hearth train`'s,
+/// and `hearth predict`'s `--num-classes`).
 pub const SETTING_FLAGS: &[(&str, &str)] = &[
     ("run_dir", "--run-dir"),
     ("batch_size", "--batch-size"),
@@ -18,6 +19,7 @@ pub const SETTING_FLAGS: &[(&str, &str)] = &[
     ("data.mixup_switch_prob", "--mixup-switch-prob"),
     ("data.mixup_off_epoch", "--mixup-off-epoch"),
     ("model.name", "--model"),
+    ("model.num_classes", "--num-classes"),
     ("model.weights", "--weights"),
     ("model.freeze_backbone", "--freeze-backbone"),
     ("model.unfreeze_after", "--unfreeze-after"),

@@ -28,19 +28,20 @@ pub(crate) struct PredictArgs {
     /// With --data: the CSV to write (path, then class and probability for each of --top).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// With --data: images per batch.
-    #[arg(long, default_value_t = 32)]
-    batch_size: usize,
+    /// With --data: images per batch [default: 32]. (--image and --input go as one batch.)
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    batch_size: Option<u32>,
     /// A float32 NCHW .npy tensor used as is.
     #[arg(long)]
     input: Option<PathBuf>,
-    /// How many classes to print per input.
-    #[arg(long, default_value_t = 5)]
-    top: usize,
-    /// Write the logits [N, classes] as float32 .npy.
+    /// How many classes to print per input (all of them where the model has fewer).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    top: u32,
+    /// With --image or --input: write the logits [N, classes] as float32 .npy.
     #[arg(long)]
     logits_out: Option<PathBuf>,
-    /// Class count of the model (default: read from the weights' head; 1000 without weights).
+    /// Class count of torchvision weights' model (default: read from the weights' head; 1000
+    /// without weights). A Hearth model file records its own.
     #[arg(long)]
     num_classes: Option<usize>,
     /// Compute in bf16 or fp16 (f32 weights cast on the way in); the outputs are the low
@@ -64,14 +65,38 @@ pub(crate) struct EvalArgs {
     /// Where per_class.csv, confusion.csv and confusion.png go.
     #[arg(long, default_value = "eval")]
     out: PathBuf,
-    #[arg(long, default_value_t = 32)]
-    batch_size: usize,
+    /// Images per batch.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    batch_size: u32,
     /// Decoding threads.
-    #[arg(long, default_value_t = 2)]
-    workers: usize,
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    workers: u32,
+}
+
+/// The flags that act with --data only, or without it only, refused by name on the other side.
+fn check_inputs(args: &PredictArgs) -> Result<()> {
+    let folder = args.data.is_some();
+    let given = [
+        ("--out", args.out.is_some()),
+        ("--batch-size", args.batch_size.is_some()),
+    ];
+    if let Some((flag, _)) = given.iter().find(|(_, given)| *given && !folder) {
+        anyhow::bail!(
+            "{flag}: only with --data (a folder's predictions, in batches, into a CSV); the \
+             results of --image and --input are printed, as one batch"
+        );
+    }
+    if folder && args.logits_out.is_some() {
+        anyhow::bail!(
+            "--logits-out: not with --data (its CSV holds each image's top classes); give the \
+             images with --image, or a tensor with --input, for their logits"
+        );
+    }
+    Ok(())
 }
 
 pub(crate) fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
+    check_inputs(&args)?;
     let device = hearth::device::select(device_name)?;
     let weights = match (&args.weights, &args.model) {
         (Some(w), Some(model)) => crate::commands::weights::resolve(Some(w.clone()), model, false)?,
@@ -131,7 +156,7 @@ pub(crate) fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
     let elapsed = started.elapsed();
     for (label, row) in labels
         .iter()
-        .zip(predict::top_k(&probs, classes, args.top.max(1)))
+        .zip(predict::top_k(&probs, classes, args.top as usize))
     {
         println!("{label}");
         for (class, p) in row {
@@ -171,8 +196,8 @@ fn predict_folder(
         loaded.class_names.as_deref(),
         dir,
         &loaded.preprocessing,
-        args.top.max(1),
-        args.batch_size,
+        args.top as usize,
+        args.batch_size.unwrap_or(32) as usize,
         2,
         device,
         args.precision.dtype(),
@@ -250,8 +275,8 @@ pub(crate) fn eval_cmd(device_name: &str, args: EvalArgs) -> Result<()> {
         loaded.class_names.as_deref(),
         &args.data,
         &loaded.preprocessing,
-        args.batch_size,
-        args.workers,
+        args.batch_size as usize,
+        args.workers as usize,
         &device,
         &mut |done, total| progress(done, total),
     )?;
