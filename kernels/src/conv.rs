@@ -118,7 +118,7 @@ pub(crate) fn forward_then(
     epi: Option<&Epilogue>,
 ) -> Vec<f32> {
     use crate::winograd;
-    if crate::base::winograd_enabled() && winograd::applies(s) && winograd::pays(s) {
+    if winograd::takes(s) {
         return winograd::forward_then(x, weight, s, winograd::BAND_FLOATS, epi);
     }
     im2col_then(x, weight, s, epi)

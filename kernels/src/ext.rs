@@ -178,8 +178,7 @@ impl ConvBackend for Flex {
         if !(f32s && fits) {
             return Flex::conv2d(x, weight, None, options(geometry));
         }
-        let (x, weight) = (x.to_contiguous(), weight.to_contiguous());
-        let y = crate::conv::conv2d_forward(x.storage::<f32>(), weight.storage::<f32>(), &shape);
+        let y = crate::winograd::cache::forward(&x.to_contiguous(), &weight, &shape, None);
         f32_tensor(y, shape.output().map_or(vec![], |o| o.to_vec()))
     }
 

@@ -53,6 +53,11 @@ pub fn conv2d_batch_norm(conv: &Conv2d, bn: &BatchNorm, x: Tensor<4>, after: Aft
         };
     }
     crate::warm::keep_pool_warm(&x.device());
+    crate::winograd::cache::inference(|| folded(conv, bn, x, after))
+}
+
+/// [`conv2d_batch_norm`]'s one op, where it [`folds`].
+fn folded(conv: &Conv2d, bn: &BatchNorm, x: Tensor<4>, after: After) -> Tensor<4> {
     let device = x.device();
     let padding = symmetric(&conv.padding).unwrap_or([0, 0]);
     let geometry = [conv.stride, padding, conv.dilation];
@@ -164,7 +169,8 @@ fn flex_fused(
         return None;
     }
     let x = f32s(x.clone())?;
-    let weight = f32s(weight.clone())?;
+    // Read through `winograd::cache`, which knows the weight by its own storage and view.
+    (weight.dtype() == DType::F32).then_some(())?;
     let [gamma, beta, mean, var] = stats.map(|s| f32s(s.clone()));
     let (gamma, beta, mean, var) = (gamma?, beta?, mean?, var?);
     let residual = match residual {
@@ -184,12 +190,7 @@ fn flex_fused(
         residual: residual.as_ref().map(|r| r.storage::<f32>()),
         relu,
     };
-    let y = crate::conv::forward_then(
-        x.storage::<f32>(),
-        weight.storage::<f32>(),
-        &shape,
-        Some(&epi),
-    );
+    let y = crate::winograd::cache::forward(&x, weight, &shape, Some(&epi));
     Some(f32_tensor(y, out.to_vec()))
 }
 

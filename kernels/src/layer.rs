@@ -106,14 +106,24 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
         Path::Pointwise if crate::keyed::keying() && is_flex(&x.device()) => Path::Gemm,
         path => path,
     };
-    conv2d_on(
-        conv,
-        path,
-        x,
-        conv.weight.val(),
-        conv.bias.as_ref().map(|b| b.val()),
-        Some(conv.weight.id.val()),
-    )
+    // Without autodiff the module's weight is not written while it runs: inference, whose
+    // transformed weights may be kept (`crate::winograd::cache`).
+    let inference = !x.device().is_autodiff() && !crate::keyed::keying();
+    let run = || {
+        conv2d_on(
+            conv,
+            path,
+            x,
+            conv.weight.val(),
+            conv.bias.as_ref().map(|b| b.val()),
+            Some(conv.weight.id.val()),
+        )
+    };
+    if inference {
+        crate::winograd::cache::inference(run)
+    } else {
+        run()
+    }
 }
 
 /// `conv` on `x` with its weight cut into pieces of output channels, taken by the extension's

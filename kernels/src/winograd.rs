@@ -29,6 +29,7 @@ use crate::base::{Out, gemm_rows};
 use crate::epilogue::Epilogue;
 use crate::shape::ConvShape;
 
+pub mod cache;
 mod weight_grad;
 pub use weight_grad::{
     conv2d_weight_grad, conv2d_weight_grad_in_bands, weight_grad_pays, weight_grad_pays_on,
@@ -69,6 +70,12 @@ pub fn pays(s: &ConvShape) -> bool {
     ci >= 64
         && s.out_channels >= 16
         && (pixels >= 784 || (pixels >= 196 && ci * s.out_channels <= 256 * 256))
+}
+
+/// Whether the forward of `s` runs here: [`applies`], [`pays`] and not turned off
+/// (`HEARTH_WINOGRAD=0`).
+pub(crate) fn takes(s: &ConvShape) -> bool {
+    crate::base::winograd_enabled() && applies(s) && pays(s)
 }
 
 /// `U` as `[Co][16][Ci]` for `weight` `[Co, Ci, 3, 3]`.
@@ -465,12 +472,30 @@ pub(crate) fn forward_then(
     band_floats: usize,
     epi: Option<&Epilogue>,
 ) -> Vec<f32> {
-    let g = Geometry::checked(s, x, "forward");
-    let (n, ci, co, ho, wo) = (s.input[0], g.ci, g.co, g.ho, g.wo);
+    let [co, ci] = [s.out_channels, s.input[1]];
     assert_eq!(
         weight.len(),
         co * ci * 9,
         "winograd forward: weight length for {s:?}"
+    );
+    forward_transformed(x, &transform_weights(weight, co, ci), s, band_floats, epi)
+}
+
+/// `forward_then` with the weights already transformed: `u` is `U` (`[Co][16][Ci]`) of the
+/// weights, as [`cache`] keeps it between inference passes.
+pub(crate) fn forward_transformed(
+    x: &[f32],
+    u: &[f32],
+    s: &ConvShape,
+    band_floats: usize,
+    epi: Option<&Epilogue>,
+) -> Vec<f32> {
+    let g = Geometry::checked(s, x, "forward");
+    let (n, ci, co, ho, wo) = (s.input[0], g.ci, g.co, g.ho, g.wo);
+    assert_eq!(
+        u.len(),
+        co * 16 * ci,
+        "winograd forward: transformed weight length for {s:?}"
     );
     if g.is_empty(n) {
         let mut y = vec![0f32; n * co * ho * wo];
@@ -496,12 +521,11 @@ pub(crate) fn forward_then(
                 .map(move |r| b * g.th + r..b * g.th + (r + band_rows).min(g.th))
         })
         .collect();
-    let u = transform_weights(weight, co, ci);
     // SAFETY: the bands partition the batch's tile rows, and every tile row's output rows
     // (one or two) of every channel are written whole by `transform_output`.
     unsafe {
         crate::base::written_by(n * co * ho * wo, |out| {
-            bands_into(x, &u, &g, bands, band_rows, out, epi)
+            bands_into(x, u, &g, bands, band_rows, out, epi)
         })
     }
 }
