@@ -84,6 +84,11 @@ fn values_a_mode_cannot_run_are_refused_before_launching() {
             &["--bucket-mb", "0"][..],
             "--bucket-mb must be positive",
         ),
+        (
+            &[][..],
+            &["--size", "100000"][..],
+            "--size 100000 is above the maximum of 4096",
+        ),
         // Said, even at the default's value: one process exchanges nothing.
         (
             &[][..],

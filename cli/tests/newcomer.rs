@@ -241,6 +241,42 @@ fn the_test_size_networks_are_listed_and_named_where_they_do_not_apply() {
     assert!(err.contains("model.bpk"), "{err}");
 }
 
+/// An image side past the largest Hearth prepares (4096) is refused by name wherever a side
+/// is given, before anything is allocated or written (a 100000-pixel side ended the process in
+/// a failed allocation of 30 GB).
+#[test]
+fn an_image_side_past_the_largest_is_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let set = tmp.path().join("set");
+    let set = set.to_str().unwrap();
+    for (args, said) in [
+        (
+            &["data", "synth", "--out", set, "--size", "100000"][..],
+            "a size of 8..=4096",
+        ),
+        (
+            &["bench", "model", "--model", "resnet18", "--size", "100000"][..],
+            "the input size 100000 is above the maximum of 4096",
+        ),
+        (
+            &["bench", "loader", "--data", set, "--size", "100000"][..],
+            "output size 100000 is above the largest image side, 4096",
+        ),
+    ] {
+        let out = hearth(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(said),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(
+            !std::path::Path::new(set).exists(),
+            "{args:?} wrote the set"
+        );
+    }
+}
+
 #[test]
 fn freezing_a_random_backbone_is_said() {
     let out = hearth(&["train", "--freeze-backbone", "--dry-run"]);

@@ -45,3 +45,8 @@ pub use folder::{ImageSet, Problem, ProblemKind, Problems, Sample, Target, train
 pub use loader::{Batch, BatchStream, Loader, LoaderConfig};
 pub use mix::{Mix, Mixing};
 pub use transform::{Augmentation, Pipeline, Transform};
+
+/// The largest image side Hearth prepares (a pipeline's output, a synthetic set, a bench's
+/// input): one 4096 x 4096 image is 201 MB of f32 values. A larger side is refused by name
+/// instead of ending the process in a failed allocation.
+pub const MAX_IMAGE_SIZE: u32 = 4096;

@@ -163,11 +163,18 @@ fn write_split(dir: &Path, cfg: &SynthConfig, per_class: usize, offset: usize) -
 /// Writes the data set under `out`: `out/<class>/NNNNN.png`, or with `val_per_class > 0`,
 /// `out/train/<class>/...` and `out/val/<class>/...`. Returns the image count.
 pub fn generate(out: &Path, cfg: &SynthConfig) -> Result<usize> {
-    if cfg.classes < 2 || cfg.classes > 30 || cfg.per_class == 0 || cfg.size < 8 {
+    if cfg.classes < 2
+        || cfg.classes > 30
+        || cfg.per_class == 0
+        || !(8..=crate::MAX_IMAGE_SIZE).contains(&cfg.size)
+    {
         return Err(DataError::InvalidArgument(format!(
-            "synthetic data needs 2..=30 classes, at least 1 image per class and size >= 8 \
-             (got {} classes, {} per class, size {})",
-            cfg.classes, cfg.per_class, cfg.size
+            "synthetic data needs 2..=30 classes, at least 1 image per class and a size of \
+             8..={} (got {} classes, {} per class, size {})",
+            crate::MAX_IMAGE_SIZE,
+            cfg.classes,
+            cfg.per_class,
+            cfg.size
         )));
     }
     if cfg.val_per_class == 0 {
@@ -196,5 +203,16 @@ mod tests {
             .map(|n| n.split_once('_').map(|(_, rest)| rest.to_string()))
             .collect();
         assert_eq!(unique.len(), 30);
+    }
+
+    /// A side past `MAX_IMAGE_SIZE` is refused before anything is written (a 100000-pixel side
+    /// was a 30 GB allocation that ended the process).
+    #[test]
+    fn a_side_past_the_largest_is_refused_before_writing() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("set");
+        let err = generate(&out, &SynthConfig::new(2, 1, 100_000)).unwrap_err();
+        assert!(err.to_string().contains("size of 8..=4096"), "{err}");
+        assert!(!out.exists());
     }
 }

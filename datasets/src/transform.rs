@@ -283,6 +283,12 @@ impl Pipeline {
                 "output size must be positive".into(),
             ));
         }
+        if size > crate::MAX_IMAGE_SIZE {
+            return Err(DataError::InvalidTransform(format!(
+                "output size {size} is above the largest image side, {}",
+                crate::MAX_IMAGE_SIZE
+            )));
+        }
         Ok(Self { steps, size })
     }
 

@@ -159,6 +159,13 @@ impl TrainConfig {
                 hearth_models::MIN_INPUT_SIZE
             ));
         }
+        if self.data.image_size > hearth_datasets::MAX_IMAGE_SIZE {
+            return bad(format!(
+                "`data.image_size` {} is above the maximum of {}",
+                self.data.image_size,
+                hearth_datasets::MAX_IMAGE_SIZE
+            ));
+        }
         self.data.augmentation.pipeline(self.data.image_size)?;
         if let Some((name, why)) = self.data.mixing().check() {
             return bad(format!("`data.{name}` {why}"));

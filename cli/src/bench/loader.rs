@@ -43,15 +43,17 @@ impl LoaderBench {
                 "the loader bench needs at least 1 batch".into(),
             ));
         }
+        // The settings first, then the folder.
+        let pipeline = Augmentation {
+            auto_augment: self.auto_augment,
+            ..Augmentation::imagenet()
+        }
+        .pipeline(self.size)?;
         let set = ImageSet::from_folder(data)?;
         let skipped = set.problems.len();
         let loader = Loader::new(
             set,
-            Augmentation {
-                auto_augment: self.auto_augment,
-                ..Augmentation::imagenet()
-            }
-            .pipeline(self.size)?,
+            pipeline,
             LoaderConfig::new(self.batch_size)
                 .with_workers(self.workers)
                 .with_prefetch(self.prefetch)

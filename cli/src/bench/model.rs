@@ -241,6 +241,13 @@ impl ModelBench {
                 hearth_models::MIN_INPUT_SIZE
             )));
         }
+        let max = hearth::datasets::MAX_IMAGE_SIZE as usize;
+        if self.size > max {
+            return Err(HearthError::InvalidArgument(format!(
+                "the input size {} is above the maximum of {max}",
+                self.size
+            )));
+        }
         Ok(())
     }
 

@@ -167,6 +167,13 @@ fn invalid_parameters_are_errors() {
     assert!(Pipeline::new(vec![Transform::HorizontalFlip(1.5)], 8).is_err());
     assert!(Pipeline::new(vec![Transform::Rotation(270.0)], 8).is_err());
     assert!(Pipeline::new(vec![Transform::CenterCrop(0)], 8).is_err());
+    // A side past the largest is refused by name, not left to fail an allocation.
+    assert!(Pipeline::new(vec![], crate::MAX_IMAGE_SIZE).is_ok());
+    let err = Pipeline::new(vec![], crate::MAX_IMAGE_SIZE + 1).unwrap_err();
+    assert!(
+        err.to_string().contains("above the largest image side"),
+        "{err}"
+    );
     assert!(
         Pipeline::new(
             vec![Transform::RandomResizedCrop {
