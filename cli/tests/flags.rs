@@ -89,6 +89,44 @@ fn values_a_mode_cannot_run_are_refused_before_launching() {
             &["--size", "100000"][..],
             "--size 100000 is above the maximum of 4096",
         ),
+        // Said by the dry run, not first by the run after it made its folder.
+        (
+            &[][..],
+            &["--val-fraction", "1.5"][..],
+            "--val-fraction 1.5 must be in (0, 1)",
+        ),
+        (
+            &[][..],
+            &["--workers", "0"][..],
+            "--workers 0: at least 1 thread",
+        ),
+        (
+            &[][..],
+            &["--nproc", "0"][..],
+            "--nproc 0: a job needs at least 1 process",
+        ),
+        (
+            &[][..],
+            &["--weight-decay=-1"][..],
+            "--weight-decay -1 must be 0 or more",
+        ),
+        (
+            &[][..],
+            &["--price-per-hour=-1"][..],
+            "--price-per-hour -1 must be 0 or more",
+        ),
+        (
+            &[][..],
+            &["--stop-after-epoch", "0"][..],
+            "--stop-after-epoch 0: the run would end",
+        ),
+        // A negative angle was taken as no rotation.
+        (
+            &[][..],
+            &["--rotate=-10"][..],
+            "angle -10 must be in [0, 180]",
+        ),
+        (&[][..], &["--shear=-5"][..], "angle -5 must be in [0, 180]"),
         // Said, even at the default's value: one process exchanges nothing.
         (
             &[][..],

@@ -423,10 +423,12 @@ impl Augmentation {
             }],
             None => Pipeline::eval(size).steps,
         };
-        if self.rotate > 0.0 {
+        // Off at zero; any other value is a step, whose check refuses a negative angle (one
+        // was taken as off).
+        if self.rotate != 0.0 {
             steps.push(Transform::Rotation(self.rotate));
         }
-        if self.shear > 0.0 {
+        if self.shear != 0.0 {
             steps.push(Transform::Shear(self.shear));
         }
         if self.flip {

@@ -159,6 +159,29 @@ impl TrainConfig {
                 hearth_models::MIN_INPUT_SIZE
             ));
         }
+        // Checked here, not first where a folder is split or read: a dry run says it, and a
+        // run stops before it makes its folder.
+        let fraction = self.data.val_fraction;
+        if fraction.is_nan() || fraction <= 0.0 || fraction >= 1.0 {
+            return bad(format!(
+                "`data.val_fraction` {fraction} must be in (0, 1): the share of a folder held out"
+            ));
+        }
+        if self.data.workers == 0 {
+            return bad("`data.workers` 0: at least 1 thread decodes the images".into());
+        }
+        let decay = self.optim.weight_decay;
+        if decay.is_nan() || decay < 0.0 {
+            return bad(format!("`optim.weight_decay` {decay} must be 0 or more"));
+        }
+        if let Some(price) = self.price_per_hour.filter(|p| p.is_nan() || *p < 0.0) {
+            return bad(format!("`price_per_hour` {price} must be 0 or more"));
+        }
+        if self.checkpoint.stop_after_epoch == Some(0) {
+            return bad(
+                "`checkpoint.stop_after_epoch` 0: the run would end before its first epoch".into(),
+            );
+        }
         if self.data.image_size > hearth_datasets::MAX_IMAGE_SIZE {
             return bad(format!(
                 "`data.image_size` {} is above the maximum of {}",

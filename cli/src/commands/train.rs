@@ -321,6 +321,9 @@ pub(crate) fn augmentation(a: &TrainArgs) -> Result<hearth::datasets::Augmentati
 pub(crate) fn train_cmd(device_name: &str, a: TrainArgs) -> Result<()> {
     use hearth::train::train;
     let in_job = std::env::var_os("HEARTH_RANK").is_some();
+    if a.nproc == 0 {
+        bail!("--nproc 0: a job needs at least 1 process");
+    }
     let mut a = a;
     resume_as_started(&mut a, in_job)?;
     // A pipeline of P stages needs P processes at least.
