@@ -241,9 +241,8 @@ fn the_test_size_networks_are_listed_and_named_where_they_do_not_apply() {
     assert!(err.contains("model.bpk"), "{err}");
 }
 
-/// An image side past the largest Hearth prepares (4096) is refused by name wherever a side
-/// is given, before anything is allocated or written (a 100000-pixel side ended the process in
-/// a failed allocation of 30 GB).
+/// An image side past the largest Hearth prepares (4096) is refused by name before anything is
+/// allocated or written (a 100000-pixel side ended the process in a 30 GB allocation).
 #[test]
 fn an_image_side_past_the_largest_is_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();
