@@ -32,8 +32,10 @@ fn main() {
         "convolution forward, batch {batch}, {} threads (min of {reps}), Winograd bands of {band} floats",
         rayon::current_num_threads()
     );
-    println!("| conv | count | im2col ms | GFLOP/s | Winograd ms | GFLOP/s (direct's count) |");
-    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+    println!(
+        "| conv | count | im2col ms | GFLOP/s | Winograd ms | GFLOP/s (direct's count) | Winograd, U kept ms | takes (training / inference) |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |");
     let (mut total, mut best) = (0.0, 0.0);
     for &(cin, cout, k, stride, side, count) in shapes {
         let s = ConvShape {
@@ -59,9 +61,22 @@ fn main() {
             let t = time_min(reps, || {
                 drop(winograd::conv2d_forward_in_bands(&x, &w, &s, band))
             });
-            (t, format!("{:.2} | {:.0}", t * 1e3, gflop / t))
+            let u = winograd::transform_weights(&w, cout, cin);
+            let kept = time_min(reps, || {
+                drop(winograd::conv2d_forward_transformed(&x, &u, &s, band))
+            });
+            let takes = |yes: bool| if yes { "W" } else { "i" };
+            let cell = format!(
+                "{:.2} | {:.0} | {:.2} | {} / {}",
+                t * 1e3,
+                gflop / t,
+                kept * 1e3,
+                takes(winograd::pays(&s)),
+                takes(winograd::pays_kept(&s))
+            );
+            (t, cell)
         } else {
-            (t, "- | -".to_string())
+            (t, "- | - | - | -".to_string())
         };
         total += t * count as f64;
         best += t.min(wino) * count as f64;

@@ -64,6 +64,8 @@ pub fn applies(s: &ConvShape) -> bool {
 ///   against 3.2 ms, VGG-16's on 14x14 6.1 against 5.5, ResNet-50's 256 → 256 on 14x14 2.1
 ///   against 2.6; at batch 16 every one of those won, 1.5-1.9x, but only with bands across
 ///   images, which made an image's result depend on its batch: those stay im2col's).
+///
+/// At inference, where the transformed weights are kept, [`pays_kept`] decides instead.
 pub fn pays(s: &ConvShape) -> bool {
     let ci = s.input[1];
     let pixels = s.output().map_or(0, |[_, _, ho, wo]| ho * wo);
@@ -72,14 +74,36 @@ pub fn pays(s: &ConvShape) -> bool {
         && (pixels >= 784 || (pixels >= 196 && ci * s.out_channels <= 256 * 256))
 }
 
+/// Whether [`conv2d_forward_transformed`], with `U` made once and kept ([`cache`]: inference
+/// only), beats im2col's GEMM on `s` where it applies: [`pays`]' rule without its bound on
+/// small maps, which was the transform's cost, down to 49 output pixels an image (7x7).
+///
+/// Measured per shape at batch 1 and 16 (`kernels/examples/forward_b1.rs`, 2-core AMD EPYC Zen
+/// 3 with AVX2, 2026-12-07): what this adds to [`pays`] won at both, ResNet-50's 512 → 512 on
+/// 7x7 1.08 against 1.78 ms at batch 1 and 15.0 against 28.4 at 16, VGG-16's on 14x14 3.48
+/// against 5.91 and 54.3 against 100.4, DenseNet-121's 128 → 32 on 7x7 0.05 against 0.08 and
+/// 0.66 against 1.09, and 64-256 channels on 7x7 and 14x14 1.12-1.81x; under 49 pixels it lost
+/// at batch 16 (512 → 512 on 4x4: 12.9 against 7.8 ms; 128 → 128 on 4x4: 1.08 against 0.78),
+/// its tiles' padding and per-image products too small.
+pub fn pays_kept(s: &ConvShape) -> bool {
+    let pixels = s.output().map_or(0, |[_, _, ho, wo]| ho * wo);
+    s.input[1] >= 64 && s.out_channels >= 16 && pixels >= 49
+}
+
 /// Whether the forward of `s` runs here: [`applies`], [`pays`] and not turned off
 /// (`HEARTH_WINOGRAD=0`).
 pub(crate) fn takes(s: &ConvShape) -> bool {
     crate::base::winograd_enabled() && applies(s) && pays(s)
 }
 
+/// Whether the forward of `s` runs here with `U` kept ([`cache`]): [`applies`],
+/// [`pays_kept`] and not turned off (`HEARTH_WINOGRAD=0`).
+pub(crate) fn takes_kept(s: &ConvShape) -> bool {
+    crate::base::winograd_enabled() && applies(s) && pays_kept(s)
+}
+
 /// `U` as `[Co][16][Ci]` for `weight` `[Co, Ci, 3, 3]`.
-fn transform_weights(weight: &[f32], co: usize, ci: usize) -> Vec<f32> {
+pub fn transform_weights(weight: &[f32], co: usize, ci: usize) -> Vec<f32> {
     let mut u = vec![0f32; co * 16 * ci];
     u.par_chunks_mut(16 * ci).enumerate().for_each(|(o, u)| {
         for c in 0..ci {
@@ -479,6 +503,17 @@ pub(crate) fn forward_then(
         "winograd forward: weight length for {s:?}"
     );
     forward_transformed(x, &transform_weights(weight, co, ci), s, band_floats, epi)
+}
+
+/// [`conv2d_forward_in_bands`] with the weights already transformed: `u` is
+/// [`transform_weights`] of them, as [`cache`] keeps it between inference passes.
+pub fn conv2d_forward_transformed(
+    x: &[f32],
+    u: &[f32],
+    s: &ConvShape,
+    band_floats: usize,
+) -> Vec<f32> {
+    forward_transformed(x, u, s, band_floats, None)
 }
 
 /// `forward_then` with the weights already transformed: `u` is `U` (`[Co][16][Ci]`) of the

@@ -16,8 +16,14 @@
 //! An entry whose weight was dropped or written (a training step after validation) is let go
 //! at the next convolution forward on Flex, in or out of inference.
 //!
-//! At most [`MAX_FLOATS`] are kept; `HEARTH_WINOGRAD_CACHE=0` turns the cache off (the
-//! results are the same bits either way: the same transform, made again).
+//! With `U` kept, Winograd also takes the small maps whose transform cost more than the products
+//! saved (`winograd::pays_kept` against `winograd::pays`: ResNet-50's and VGG-16's last 3x3
+//! layers), so inference there differs from a training forward in the last bits, as im2col's
+//! and Winograd's results do.
+//!
+//! At most [`MAX_FLOATS`] are kept (a weight beyond them is transformed at each call);
+//! `HEARTH_WINOGRAD_CACHE=0` turns the cache off, and with it the shapes only `pays_kept` takes
+//! go back to im2col.
 
 use std::any::Any;
 use std::cell::Cell;
@@ -106,7 +112,7 @@ pub(crate) fn forward(
     }
     if INFERENCE.get()
         && enabled()
-        && super::takes(s)
+        && super::takes_kept(s)
         && let Some(u) = transformed(weight, s)
     {
         return super::forward_transformed(x.storage::<f32>(), &u, s, super::BAND_FLOATS, epi);
@@ -145,10 +151,10 @@ fn transformed(weight: &FlexTensor, s: &ConvShape) -> Option<Arc<Vec<f32>>> {
     Some(u)
 }
 
-/// Whether a `U` is kept for the storage at `address` (for tests: `Arc::as_ptr` of a
-/// tensor's `data_arc`).
-#[doc(hidden)]
-pub fn holds(address: usize) -> bool {
+/// Whether a `U` is kept for the storage at `address` (`Arc::as_ptr` of a tensor's
+/// `data_arc`).
+#[cfg(test)]
+fn holds(address: usize) -> bool {
     entries().iter().any(|e| e.key.storage == address)
 }
 

@@ -118,6 +118,24 @@ fn takes_only_what_it_computes() {
     assert!(!pays_at(16, 32, 128, 56));
     assert!(!pays_at(16, 3, 64, 224));
     assert!(!pays_at(16, 64, 8, 56));
+    // With `U` kept (inference): every shape `pays` takes, and the small maps down to 7x7.
+    let kept_at = |n, ci, co, side| {
+        pays_kept(&ConvShape {
+            input: [n, ci, side, side],
+            out_channels: co,
+            ..base
+        })
+    };
+    for (ci, co, side) in [(64, 64, 224), (512, 512, 28), (256, 256, 14), (128, 32, 14)] {
+        assert!(pays_at(1, ci, co, side) && kept_at(1, ci, co, side));
+    }
+    assert!(kept_at(1, 512, 512, 7) && kept_at(16, 512, 512, 7));
+    assert!(kept_at(1, 512, 512, 14));
+    assert!(kept_at(1, 128, 32, 7));
+    assert!(!kept_at(16, 512, 512, 4));
+    assert!(!kept_at(1, 512, 512, 1));
+    assert!(!kept_at(16, 32, 128, 56));
+    assert!(!kept_at(16, 64, 8, 56));
 }
 
 #[test]

@@ -97,3 +97,36 @@ fn two_views_of_one_storage_are_two_weights() {
         assert_eq!(inference(|| forward(&x, &second, &s, None)), b);
     }
 }
+
+#[test]
+fn a_small_map_takes_winograd_only_with_its_transform_kept() {
+    // 64 -> 16 on 7x7: `pays_kept`, not `pays`.
+    let s = ConvShape {
+        input: [1, 64, 7, 7],
+        ..shape()
+    };
+    assert!(
+        super::super::takes_kept(&s) && !super::super::takes(&s),
+        "{s:?}"
+    );
+    let x = tensor(values(64 * 7 * 7, 8), [1, 64, 7, 7]);
+    let w = tensor(values(16 * 64 * 9, 9), [16, 64, 3, 3]);
+    let (at, _keep) = address(&w);
+    let contiguous = w.to_contiguous();
+    let (xs, ws) = (x.storage::<f32>(), contiguous.storage::<f32>());
+    let (wino, im2col) = (
+        crate::winograd::conv2d_forward(xs, ws, &s),
+        crate::conv::conv2d_forward_im2col(xs, ws, &s),
+    );
+    assert_ne!(
+        wino, im2col,
+        "the two paths give the same bits: the test tells nothing"
+    );
+    // Outside inference the transform would be made at each call: im2col's.
+    assert_eq!(forward(&x, &w, &s, None), im2col);
+    assert!(!holds(at));
+    for _ in 0..2 {
+        assert_eq!(inference(|| forward(&x, &w, &s, None)), wino);
+        assert!(holds(at), "not kept under inference");
+    }
+}
