@@ -120,6 +120,22 @@ fn values_a_mode_cannot_run_are_refused_before_launching() {
             &["--stop-after-epoch", "0"][..],
             "--stop-after-epoch 0: the run would end",
         ),
+        // Each would do nothing, or not what it says, within the run.
+        (
+            &[][..],
+            &["--epochs", "2", "--warmup-epochs", "3"][..],
+            "--warmup-epochs 3 is longer than the run (--epochs 2)",
+        ),
+        (
+            &[][..],
+            &["--epochs", "2", "--stop-after-epoch", "3"][..],
+            "--stop-after-epoch 3 is past the run's last epoch (--epochs 2)",
+        ),
+        (
+            &[][..],
+            &["--epochs", "2", "--mixup", "0.2", "--mixup-off-epoch", "2"][..],
+            "--mixup-off-epoch 2 is past the run's last epoch (--epochs 2)",
+        ),
         // A negative angle was taken as no rotation.
         (
             &[][..],

@@ -59,6 +59,28 @@ impl TrainConfig {
         if self.epochs == 0 {
             return bad("`epochs` must be at least 1".into());
         }
+        // Each would not do what it says within the run's epochs.
+        let epochs = self.epochs;
+        let warmup = self.optim.warmup_epochs;
+        if warmup > epochs {
+            return bad(format!(
+                "`optim.warmup_epochs` {warmup} is longer than the run (`epochs` {epochs}): the \
+                 learning rate would never reach `optim.lr`"
+            ));
+        }
+        if let Some(stop) = self.checkpoint.stop_after_epoch.filter(|&s| s > epochs) {
+            return bad(format!(
+                "`checkpoint.stop_after_epoch` {stop} is past the run's last epoch (`epochs` \
+                 {epochs}): it would stop nothing"
+            ));
+        }
+        let off = self.data.mixup_off_epoch;
+        if off >= epochs {
+            return bad(format!(
+                "`data.mixup_off_epoch` {off} is past the run's last epoch (`epochs` {epochs}): \
+                 mixing would never stop"
+            ));
+        }
         if !(self.optim.lr.is_finite() && self.optim.lr > 0.0) {
             return bad(format!("`optim.lr` {} must be positive", self.optim.lr));
         }
