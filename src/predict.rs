@@ -52,6 +52,15 @@ pub fn load_for_predict(
                     )));
                 }
             }
+            if let Some(p) = &saved.preprocessing {
+                check_sides(p).map_err(|why| {
+                    HearthError::InvalidArgument(format!(
+                        "the model file {} records {why}: the file is damaged, or not one \
+                         Hearth wrote",
+                        path.display()
+                    ))
+                })?;
+            }
             Ok(PredictModel {
                 model: saved.model,
                 class_names: saved.class_names,
@@ -92,12 +101,28 @@ pub fn load_for_predict(
     }
 }
 
+/// Why `p`'s resize or crop cannot be prepared: above [`hearth_datasets::MAX_IMAGE_SIZE`], where
+/// one image alone would need gigabytes.
+fn check_sides(p: &Preprocessing) -> std::result::Result<(), String> {
+    let max = hearth_datasets::MAX_IMAGE_SIZE;
+    if p.resize > max || p.crop > max {
+        return Err(format!(
+            "images resized to {} and cropped to {}, above the largest side Hearth prepares \
+             ({max})",
+            p.resize, p.crop
+        ));
+    }
+    Ok(())
+}
+
 /// Images through `p` (resize, center crop, normalise), stacked into `[N, 3, crop, crop]`.
 pub fn images_to_tensor(
     paths: &[PathBuf],
     p: &Preprocessing,
     device: &Device,
 ) -> Result<Tensor<4>> {
+    check_sides(p)
+        .map_err(|why| HearthError::InvalidArgument(format!("preprocessing of {why}")))?;
     let crop = p.crop;
     let mut data = Vec::with_capacity(paths.len() * 3 * (crop * crop) as usize);
     for path in paths {

@@ -27,6 +27,12 @@ fn model_file(path: &Path, classes: &[String]) {
     .unwrap();
 }
 
+/// An image of the first class of the synthetic set at `data`.
+fn first_image(data: &Path) -> std::path::PathBuf {
+    let mut class = std::fs::read_dir(data.join(&class_names(2)[0])).unwrap();
+    class.next().unwrap().unwrap().path()
+}
+
 /// The class each image gets when predicted alone, through `hearth predict`'s image path.
 fn alone(model: &hearth::models::Classifier, p: &Preprocessing, image: &Path) -> usize {
     let x = hearth::predict::images_to_tensor(&[image.to_path_buf()], p, &Device::flex()).unwrap();
@@ -185,12 +191,7 @@ fn predict_and_eval_flags_act_or_are_refused_by_name() {
     generate(&data, &SynthConfig::new(2, 2, 40)).unwrap();
     let file = dir.path().join("model.bpk");
     model_file(&file, &class_names(2));
-    let image = std::fs::read_dir(data.join(&class_names(2)[0]))
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
+    let image = first_image(&data);
     let (csv, npy) = (dir.path().join("p.csv"), dir.path().join("l.npy"));
     let run = |args: &[&std::ffi::OsStr]| {
         let out = common::hearth_cli(&args.iter().map(|a| a.to_str().unwrap()).collect::<Vec<_>>());
@@ -311,4 +312,51 @@ fn predict_and_eval_flags_act_or_are_refused_by_name() {
             "batch {batch}, workers {workers}: {err}"
         );
     }
+}
+
+/// A model file whose recorded preprocessing asks for images past the largest side (damaged,
+/// or not Hearth's): `predict` and `eval` refuse it by name instead of aborting on a
+/// gigabytes-large allocation, and so does the library's `images_to_tensor`.
+#[test]
+fn a_model_files_oversized_preprocessing_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("val");
+    generate(&data, &SynthConfig::new(2, 1, 40)).unwrap();
+    let image = first_image(&data);
+    let file = dir.path().join("model.bpk");
+    let config = hearth::train::mini_resnet(2);
+    let model = config.init(&Device::flex()).unwrap();
+    let huge = Preprocessing::eval(100_000);
+    save_model_with(&model, &config, None, Some(&huge), &file).unwrap();
+    let csv = dir.path().join("p.csv");
+    let (f, d, i, c) = (
+        file.to_str().unwrap(),
+        data.to_str().unwrap(),
+        image.to_str().unwrap(),
+        csv.to_str().unwrap(),
+    );
+    for args in [
+        &["predict", "--weights", f, "--image", i][..],
+        &["predict", "--weights", f, "--data", d, "--out", c][..],
+        &["eval", "--weights", f, "--data", d][..],
+    ] {
+        let out = common::hearth_cli(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} ran");
+        assert!(
+            err.contains("model.bpk records images resized to 114286 and cropped to 100000")
+                && err.contains("(4096)"),
+            "{args:?}: {err}"
+        );
+        assert!(
+            !err.contains("panicked") && !err.contains("memory allocation"),
+            "{err}"
+        );
+        assert!(!csv.exists(), "{args:?} wrote {}", csv.display());
+    }
+    let err = hearth::predict::images_to_tensor(&[image], &huge, &Device::flex())
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("cropped to 100000"), "{err}");
 }
