@@ -210,6 +210,14 @@ fn hearth_export_refuses_by_name_what_it_cannot_do() {
             vec!["--format", "pth", "--out", m],
             "is the model file itself",
         ),
+        (
+            vec!["--format", "pth", "--out", "x.safetensors"],
+            "--out x.safetensors names a safetensors file, but --format is pth",
+        ),
+        (
+            vec!["--format", "safetensors", "--out", "x.ONNX"],
+            "names a onnx file, but --format is safetensors",
+        ),
     ] {
         let mut all = vec!["export", "--weights", m];
         all.extend(&args);
@@ -233,4 +241,44 @@ fn hearth_export_refuses_by_name_what_it_cannot_do() {
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(!dir.path().join("garbage.onnx").exists());
+    assert!(!Path::new("x.safetensors").exists() && !Path::new("x.ONNX").exists());
+}
+
+#[test]
+fn hearth_export_takes_the_format_outs_extension_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _, _) = write_model(dir.path());
+    // A zip archive (PyTorch's format), a protobuf starting with ir_version (field 1, a
+    // varint), and safetensors' 8-byte header length followed by its JSON.
+    type IsFormat = fn(&[u8]) -> bool;
+    let zip: IsFormat = |b| b.starts_with(b"PK");
+    let onnx: IsFormat = |b| b.first() == Some(&0x08);
+    let safetensors: IsFormat = |b| b.get(8) == Some(&b'{');
+    let cases = [
+        ("as.pt", "written to", zip),
+        ("as.onnx", "[batch, 3, 48, 48]", onnx),
+        ("as.weights", "written to", safetensors),
+    ];
+    for (name, says, is_format) in cases {
+        let out_path = dir.path().join(name);
+        let out = hearth_cli(&[
+            "export",
+            "--weights",
+            model.to_str().unwrap(),
+            "--out",
+            out_path.to_str().unwrap(),
+        ]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains(says),
+            "{name}: {stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let bytes = std::fs::read(&out_path).unwrap();
+        assert!(
+            is_format(&bytes),
+            "{name}: {:?}",
+            &bytes[..bytes.len().min(12)]
+        );
+    }
 }

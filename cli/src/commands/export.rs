@@ -1,6 +1,6 @@
 //! `hearth export`: a Hearth model file out to another framework's format.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -17,14 +17,17 @@ pub struct ExportArgs {
     /// `model.load_state_dict(safetensors.torch.load_file(FILE))` takes in PyTorch. `pth`: the
     /// same state_dict in PyTorch's own format, for `torch.load(FILE, weights_only=True)`.
     /// `onnx`: an inference graph (opset 13) from `input` [batch, 3, H, W] to `logits`
-    /// [batch, classes], the batch dynamic, for onnxruntime and the like.
-    #[arg(long, default_value = "safetensors")]
-    pub format: String,
+    /// [batch, classes], the batch dynamic, for onnxruntime and the like. Default: the one
+    /// `--out`'s extension names (`.safetensors`, `.pth` or `.pt`, `.onnx`), else
+    /// `safetensors`.
+    #[arg(long)]
+    pub format: Option<String>,
     /// The ONNX graph's image size, `N` or `HxW` (default: the size the model was trained
     /// at, as its file records, else 224). Only with `--format onnx`.
     #[arg(long)]
     pub size: Option<String>,
-    /// The file to write (default: the weights' path with the format's extension).
+    /// The file to write (default: the weights' path with the format's extension). An
+    /// extension that names another format than `--format` is refused.
     #[arg(long)]
     pub out: Option<PathBuf>,
 }
@@ -54,35 +57,62 @@ fn parse_size(text: &str) -> Result<[usize; 2]> {
     }
 }
 
-pub fn export_cmd(device_name: &str, args: ExportArgs) -> Result<()> {
-    if !matches!(args.format.as_str(), "safetensors" | "pth" | "onnx") {
-        bail!("unknown --format {}: safetensors, pth or onnx", args.format);
+/// The format a file's extension names, if it names one.
+fn format_of(path: &Path) -> Option<&'static str> {
+    match path.extension()?.to_str()?.to_ascii_lowercase().as_str() {
+        "safetensors" => Some("safetensors"),
+        "pth" | "pt" => Some("pth"),
+        "onnx" => Some("onnx"),
+        _ => None,
     }
-    if args.size.is_some() && args.format != "onnx" {
+}
+
+/// `--format`, given or named by `--out`'s extension; a given one that `--out`'s extension
+/// contradicts is refused, so that no file is written under another format's name.
+fn chosen_format(args: &ExportArgs) -> Result<String> {
+    let named = args.out.as_deref().and_then(format_of);
+    let Some(format) = &args.format else {
+        return Ok(named.unwrap_or("safetensors").to_string());
+    };
+    if !matches!(format.as_str(), "safetensors" | "pth" | "onnx") {
+        bail!("unknown --format {format}: safetensors, pth or onnx");
+    }
+    if let (Some(named), Some(out)) = (named, &args.out)
+        && named != format
+    {
         bail!(
-            "--size sets the ONNX graph's input; --format {} has none",
-            args.format
+            "--out {} names a {named} file, but --format is {format}: change the one that is \
+             wrong (or leave --format out: the extension chooses it)",
+            out.display()
         );
+    }
+    Ok(format.clone())
+}
+
+pub fn export_cmd(device_name: &str, args: ExportArgs) -> Result<()> {
+    let format = chosen_format(&args)?;
+    if args.size.is_some() && format != "onnx" {
+        bail!("--size sets the ONNX graph's input; --format {format} has none");
     }
     let device = hearth::device::select(device_name)?;
     let saved = load_model(&args.weights, &device)?;
     let out = args
         .out
         .clone()
-        .unwrap_or_else(|| args.weights.with_extension(args.format.as_str()));
+        .unwrap_or_else(|| args.weights.with_extension(format.as_str()));
     if out == args.weights {
         bail!("--out {} is the model file itself", out.display());
     }
-    if args.format == "onnx" {
+    if format == "onnx" {
         return export_onnx_cmd(&args, &saved, &out);
     }
-    let count = if args.format == "pth" {
+    let count = if format == "pth" {
         export_torchvision_pth(&saved.model, &out)
     } else {
         export_torchvision(&saved.model, &out)
     }
     .with_context(|| format!("exporting {}", args.weights.display()))?;
-    let load = if args.format == "pth" {
+    let load = if format == "pth" {
         "torch.load"
     } else {
         "safetensors.torch.load_file"
