@@ -80,7 +80,7 @@ enum Command {
     /// folders (DIR/<class>/*.png).
     Eval(EvalArgs),
     /// Write a Hearth model file in another framework's format: torchvision's state_dict as
-    /// SafeTensors, for PyTorch.
+    /// SafeTensors or `.pth`, for PyTorch, or an ONNX inference graph.
     Export(commands::export::ExportArgs),
     /// Pretrained weights by name: `hearth weights fetch resnet50` downloads torchvision's
     /// ImageNet file once into Hearth's cache (`--weights imagenet` does the same on first use).

@@ -134,7 +134,7 @@ fn values_a_mode_cannot_run_are_refused_before_launching() {
         (
             &[][..],
             &["--epochs", "2", "--mixup", "0.2", "--mixup-off-epoch", "2"][..],
-            "--mixup-off-epoch 2 is past the run's last epoch (--epochs 2)",
+            "--mixup-off-epoch 2 is not before the run's last epoch (--epochs 2)",
         ),
         // A negative angle was taken as no rotation.
         (

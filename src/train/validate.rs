@@ -77,8 +77,8 @@ impl TrainConfig {
         let off = self.data.mixup_off_epoch;
         if off >= epochs {
             return bad(format!(
-                "`data.mixup_off_epoch` {off} is past the run's last epoch (`epochs` {epochs}): \
-                 mixing would never stop"
+                "`data.mixup_off_epoch` {off} is not before the run's last epoch (`epochs` \
+                 {epochs}): mixing would never stop"
             ));
         }
         if !(self.optim.lr.is_finite() && self.optim.lr > 0.0) {
