@@ -120,6 +120,11 @@ fn values_a_mode_cannot_run_are_refused_before_launching() {
             &["--stop-after-epoch", "0"][..],
             "--stop-after-epoch 0: the run would end",
         ),
+        (
+            &[][..],
+            &["--val-fraction", "0.3"][..],
+            "--val-fraction 0.3: without --data the generated synthetic set is used",
+        ),
         // Each would do nothing, or not what it says, within the run.
         (
             &[][..],
@@ -407,4 +412,68 @@ fn the_global_flags_act_or_are_refused_by_name_on_every_command() {
         assert_eq!(run.status.code(), Some(1), "hearth {args:?}: {err}");
         assert!(err.starts_with(said), "hearth {args:?}: {err}");
     }
+}
+
+/// A folder with train/ and val/ splits nothing: `--val-fraction` (and `data check`'s
+/// `--seed`, which only seeds that split) were ignored there without a word.
+#[test]
+fn a_split_flag_is_refused_where_the_folder_holds_its_own_val() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::small_data(dir.path());
+    let (d, run) = (
+        data.to_str().unwrap(),
+        dir.path().join("run").to_str().unwrap().to_string(),
+    );
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &[
+                "train",
+                "--data",
+                d,
+                "--val-fraction",
+                "0.3",
+                "--epochs",
+                "1",
+                "--run-dir",
+                &run,
+            ],
+            "--val-fraction 0.3: ",
+        ),
+        (
+            &["data", "check", "--data", d, "--val-fraction", "0.3"],
+            "--val-fraction: ",
+        ),
+        (&["data", "check", "--data", d, "--seed", "7"], "--seed: "),
+    ];
+    for (args, says) in cases {
+        let out = hearth(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} ran");
+        assert!(
+            err.contains(says)
+                && err.contains("holds train/ and val/, so val/ is the validation set"),
+            "{args:?}: {err}"
+        );
+    }
+    assert!(
+        !dir.path().join("run").exists(),
+        "the refused run made its folder"
+    );
+    // Split where there is no val/: the folder's train/ alone.
+    let train = data.join("train");
+    let out = hearth(&[
+        "data",
+        "check",
+        "--data",
+        train.to_str().unwrap(),
+        "--val-fraction",
+        "0.5",
+        "--seed",
+        "7",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("split by --val-fraction 0.5 (seed 7)"),
+        "{text}"
+    );
 }

@@ -452,11 +452,17 @@ impl ImageSet {
     }
 }
 
-/// Training and validation sets from `root`: `root/train` + `root/val` when both exist,
-/// otherwise one folder split by `val_fraction` (stratified, seeded).
+/// Whether `root` holds `train/` and `val/` folders: its validation set is then `val/`, and
+/// [`train_val`] splits nothing.
+pub fn has_train_val(root: &Path) -> bool {
+    root.join("train").is_dir() && root.join("val").is_dir()
+}
+
+/// Training and validation sets from `root`: `root/train` + `root/val` when both exist
+/// ([`has_train_val`]), otherwise one folder split by `val_fraction` (stratified, seeded).
 pub fn train_val(root: &Path, val_fraction: f64, seed: u64) -> Result<(ImageSet, ImageSet)> {
     let (train, val) = (root.join("train"), root.join("val"));
-    if train.is_dir() && val.is_dir() {
+    if has_train_val(root) {
         let t = ImageSet::from_folder(&train)?;
         let v = ImageSet::from_folder(&val)?;
         if t.classes != v.classes {

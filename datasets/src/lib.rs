@@ -41,7 +41,9 @@ pub mod transform;
 pub use autoaugment::Policy as AutoAugment;
 pub use cache::DiskCache;
 pub use error::{DataError, Result};
-pub use folder::{ImageSet, Problem, ProblemKind, Problems, Sample, Target, train_val};
+pub use folder::{
+    ImageSet, Problem, ProblemKind, Problems, Sample, Target, has_train_val, train_val,
+};
 pub use loader::{Batch, BatchStream, Loader, LoaderConfig};
 pub use mix::{Mix, Mixing};
 pub use transform::{Augmentation, Pipeline, Transform};

@@ -2,10 +2,10 @@
 //! and the loaders that stream this rank's shards of them.
 
 use hearth_datasets::synth::{SynthConfig, generate};
-use hearth_datasets::{ImageSet, Loader, LoaderConfig, Pipeline, train_val};
+use hearth_datasets::{ImageSet, Loader, LoaderConfig, Pipeline, has_train_val, train_val};
 
 use super::TrainConfig;
-use crate::Result;
+use crate::{HearthError, Result};
 
 /// Reads (or, without `--data`, generates) the training and validation sets.
 pub fn load(cfg: &TrainConfig, log: &mut dyn FnMut(&str)) -> Result<(ImageSet, ImageSet)> {
@@ -13,7 +13,19 @@ pub fn load(cfg: &TrainConfig, log: &mut dyn FnMut(&str)) -> Result<(ImageSet, I
         (Some(csv), data) => {
             ImageSet::from_csv(csv, data.as_deref())?.split(cfg.data.val_fraction, cfg.seed)?
         }
-        (None, Some(dir)) => train_val(dir, cfg.data.val_fraction, cfg.seed)?,
+        (None, Some(dir)) => {
+            let fraction = cfg.data.val_fraction;
+            if has_train_val(dir) && fraction != super::DataSettings::default().val_fraction {
+                return Err(HearthError::InvalidArgument(format!(
+                    "`data.val_fraction` {fraction}: {} holds train/ and val/, so val/ is the \
+                     validation set and nothing is split (leave `data.val_fraction` out, or give \
+                     `data.folder` {} to split that folder)",
+                    dir.display(),
+                    dir.join("train").display()
+                )));
+            }
+            train_val(dir, fraction, cfg.seed)?
+        }
         (None, None) => {
             let dir = synthetic_dir(cfg);
             if !dir.join("val").is_dir() {

@@ -189,6 +189,16 @@ impl TrainConfig {
                 "`data.val_fraction` {fraction} must be in (0, 1): the share of a folder held out"
             ));
         }
+        // The generated set comes with its own val/ (`data.folder` splits a folder).
+        if self.data.folder.is_none()
+            && self.data.labels.is_none()
+            && fraction != super::DataSettings::default().val_fraction
+        {
+            return bad(format!(
+                "`data.val_fraction` {fraction}: without `data.folder` the generated synthetic \
+                 set is used, and its own val/ is the validation set (nothing is split)"
+            ));
+        }
         if self.data.workers == 0 {
             return bad("`data.workers` 0: at least 1 thread decodes the images".into());
         }

@@ -25,12 +25,13 @@ pub(crate) struct CheckArgs {
     /// A multi-label CSV, as `hearth train --labels` takes it.
     #[arg(long)]
     labels: Option<PathBuf>,
-    /// Share held out for validation when the folder has no val/ (as train splits it).
-    #[arg(long, default_value_t = 0.2)]
-    val_fraction: f64,
-    /// Seed of that split (as train's --seed).
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Share held out for validation when the folder has no val/ (as train splits it)
+    /// [default: 0.2]. Refused where the folder has train/ and val/: nothing is split.
+    #[arg(long)]
+    val_fraction: Option<f64>,
+    /// Seed of that split (as train's --seed) [default: 0]. Refused where nothing is split.
+    #[arg(long)]
+    seed: Option<u64>,
 }
 
 #[derive(Args)]
@@ -71,11 +72,26 @@ pub(crate) fn data_check(args: CheckArgs) -> Result<()> {
         indicatif::ProgressStyle::with_template("decoding {pos}/{len} images {wide_bar}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    if args.labels.is_none() && hearth::datasets::has_train_val(&args.data) {
+        let given = [
+            ("--val-fraction", args.val_fraction.is_some()),
+            ("--seed", args.seed.is_some()),
+        ];
+        if let Some((flag, _)) = given.iter().find(|(_, given)| *given) {
+            anyhow::bail!(
+                "{flag}: {} holds train/ and val/, so val/ is the validation set and nothing is \
+                 split (leave {flag} out, or check {} to see that folder split)",
+                args.data.display(),
+                args.data.join("train").display()
+            );
+        }
+    }
     let found = crate::commands::data_check::check(
         &args.data,
         args.labels.as_deref(),
-        args.val_fraction,
-        args.seed,
+        args.val_fraction
+            .unwrap_or_else(|| hearth::train::DataSettings::default().val_fraction),
+        args.seed.unwrap_or(0),
         &mut |done, total| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);

@@ -43,7 +43,8 @@ pub fn setting(flag: &str) -> Vec<&'static str> {
     let args: &[&'static str] = match flag {
         "--data" => &["--data", "other/folder"],
         "--labels" => &["--labels", "labels.csv"],
-        "--val-fraction" => &["--val-fraction", "0.3"],
+        // A folder to split: the generated set keeps its own val/ and refuses it.
+        "--val-fraction" => &["--data", "other/folder", "--val-fraction", "0.3"],
         "--model" => &["--model", "resnet18"],
         "--weights" => &["--weights", "w.pth"],
         "--freeze-backbone" => &["--freeze-backbone"],
