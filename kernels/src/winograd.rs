@@ -76,15 +76,10 @@ pub fn pays(s: &ConvShape) -> bool {
 
 /// Whether [`conv2d_forward_transformed`], with `U` made once and kept ([`cache`]: inference
 /// only), beats im2col's GEMM on `s` where it applies: [`pays`]' rule without its bound on
-/// small maps, which was the transform's cost, down to 49 output pixels an image (7x7).
-///
-/// Measured per shape at batch 1 and 16 (`kernels/examples/forward_b1.rs`, 2-core AMD EPYC Zen
-/// 3 with AVX2, 2026-12-07): what this adds to [`pays`] won at both, ResNet-50's 512 → 512 on
-/// 7x7 1.08 against 1.78 ms at batch 1 and 15.0 against 28.4 at 16, VGG-16's on 14x14 3.48
-/// against 5.91 and 54.3 against 100.4, DenseNet-121's 128 → 32 on 7x7 0.05 against 0.08 and
-/// 0.66 against 1.09, and 64-256 channels on 7x7 and 14x14 1.12-1.81x; under 49 pixels it lost
-/// at batch 16 (512 → 512 on 4x4: 12.9 against 7.8 ms; 128 → 128 on 4x4: 1.08 against 0.78),
-/// its tiles' padding and per-image products too small.
+/// small maps (the transform's cost), down to 49 output pixels an image. Measured per shape at
+/// batch 1 and 16 on a Zen 3 (`kernels/examples/forward_b1.rs`, docs/benchmarks/cpu-models.md):
+/// it won at both from 7x7 (ResNet-50's 512 → 512 on 7x7: 1.08 against 1.78 ms at batch 1),
+/// and lost at batch 16 below it (512 → 512 on 4x4: 12.9 against 7.8 ms).
 pub fn pays_kept(s: &ConvShape) -> bool {
     let pixels = s.output().map_or(0, |[_, _, ho, wo]| ho * wo);
     s.input[1] >= 64 && s.out_channels >= 16 && pixels >= 49
