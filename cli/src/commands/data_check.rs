@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 
-use hearth::datasets::{ImageSet, Target, train_val};
+use hearth::datasets::{ImageSet, Target, has_train_val, train_val};
 
 use hearth::Result;
 
@@ -137,7 +137,7 @@ pub fn check(
             ),
             ImageSet::from_csv(csv, Some(data))?.split(val_fraction, seed)?,
         ),
-        None if data.join("train").is_dir() && data.join("val").is_dir() => (
+        None if has_train_val(data) => (
             format!("{}: train/ and val/ class folders", data.display()),
             train_val(data, val_fraction, seed)?,
         ),
