@@ -30,7 +30,9 @@
 #          bundle off: HEARTH_SHIPPED_KERNELS=0), then again with the kernels that run compiled
 #          in cubecl's cache, then on an emptied cache with the bundle Hearth ships for this
 #          architecture (bundles/), each with images/s over the timed steps; the peer in NCHW
-#          and channels_last, with PyTorch's own time to its first step;
+#          and channels_last, with PyTorch's own time to its first step; between the cached
+#          and the shipped runs, one with HEARTH_PER_IMAGE=0 (each weight gradient in one
+#          kernel instead of one product per image) to time that rule;
 #   profile where ResNet-50's training step spends its GPU time: cubecl's profiler over 1 warm-up
 #          and 2 steps, the top 40 kernels to OUT/profile-resnet50.md;
 #   bench  DenseNet-121 and VGG-16 training at batch 32, then ResNet-50, VGG-16 and DenseNet-121
@@ -246,6 +248,14 @@ if wants first; then
     step "resnet50 again, kernels from cubecl's cache"
     hearth_run resnet50-b32-fp32-cached resnet50 32 fp32
     printf '| resnet50 | 32 | fp32 | cached | %s s | %s / %s | | | | | |\n' "$H_FIRST" "$H_MED" "$H_BEST" | tee -a "$TABLE"
+    # The same with each weight gradient in one kernel (HEARTH_PER_IMAGE=0), as before weight
+    # gradients over 28x28 positions or more ran as one product per image: what that rule
+    # gains or costs on this GPU, in the same call.
+    step "resnet50 with each weight gradient in one kernel (HEARTH_PER_IMAGE=0)"
+    export HEARTH_PER_IMAGE=0
+    hearth_run resnet50-b32-fp32-unsplit resnet50 32 fp32
+    unset HEARTH_PER_IMAGE
+    printf '| resnet50 | 32 | fp32 | HEARTH_PER_IMAGE=0 | %s s | %s / %s | | | | | |\n' "$H_FIRST" "$H_MED" "$H_BEST" | tee -a "$TABLE"
     unset HEARTH_SHIPPED_KERNELS
     # An empty cache again, with the bundle Hearth ships for this GPU's architecture (if any):
     # what a new user of a GPU Hearth was measured on gets.

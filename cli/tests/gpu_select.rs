@@ -130,6 +130,102 @@ fn selected_kernels_train_as_flex_does_and_tune_no_convolution_or_product() {
         "batch 3 on lavapipe: {:.1} s",
         started.elapsed().as_secs_f64()
     );
+    // Weight gradients over 28x28 output positions or more run as one product per image,
+    // summed (`per_image.rs`): equal to Flex's for a 3x3, a strided 3x3 (its columns cut with
+    // a step) and a 1x1, with each set of columns as large as the budget allows and with one
+    // kernel offset per set.
+    for budget in [hearth::kernels::per_image::COLUMNS_BUDGET, 1] {
+        hearth::kernels::per_image::set_columns_budget(budget);
+        for (ci, co, k, stride, pad, side) in [
+            (4, 6, 3, 1, 1, 28),
+            (4, 6, 3, 2, 1, 56),
+            (6, 4, 1, 1, 0, 28),
+        ] {
+            use burn::module::Module;
+            use burn::nn::PaddingConfig2d;
+            use burn::nn::conv::Conv2dConfig;
+            let record = Conv2dConfig::new([ci, co], [k, k])
+                .with_stride([stride, stride])
+                .with_padding(PaddingConfig2d::Explicit(pad, pad, pad, pad))
+                .with_bias(false)
+                .init(&flex.clone().autodiff());
+            let x = Tensor::<4>::random(
+                [3, ci, side, side],
+                burn::tensor::Distribution::Normal(0.0, 1.0),
+                &flex,
+            )
+            .into_data();
+            let weight_grad = |device: &Device| -> Vec<f32> {
+                let device = device.clone().autodiff();
+                let conv = record.clone().fork(&device);
+                let x = Tensor::<4>::from_data(x.clone(), &device);
+                let y = hearth::kernels::conv2d(&conv, x);
+                // Squared: each output's gradient is its own value.
+                let grads = (y.clone() * y).sum().backward();
+                let dw = conv.weight.grad(&grads).expect("the weight has a gradient");
+                dw.into_data().iter::<f32>().collect()
+            };
+            let (on_gpu, on_flex) = (weight_grad(&gpu), weight_grad(&flex));
+            let gap = relative_gap(&on_gpu, &on_flex);
+            let what = format!("{ci}->{co} {k}x{k} stride {stride} pad {pad} on {side}x{side}");
+            eprintln!("weight gradient {what}, budget {budget}: {gap:.2e} of the largest value");
+            assert!(gap < 1e-4, "weight gradient {what} differs by {gap:.2e}");
+            let chosen = hearth::kernels::cube::chosen();
+            let described = format!("weight gradient {what}");
+            assert!(
+                chosen
+                    .iter()
+                    .any(|(what, kernel)| what.starts_with(&described)
+                        && kernel == "per_image_products"),
+                "{described} not run as products per image: {chosen:?}"
+            );
+        }
+    }
+    hearth::kernels::per_image::set_columns_budget(hearth::kernels::per_image::COLUMNS_BUDGET);
+    // In fp16 (`--precision fp16` on a GPU: the products in the low type, their sum over the
+    // images in f32), within fp16's rounding of Flex's f32.
+    {
+        use burn::module::Module;
+        use burn::nn::PaddingConfig2d;
+        use burn::nn::conv::Conv2dConfig;
+        use burn::tensor::FloatDType;
+        let record = Conv2dConfig::new([4, 6], [3, 3])
+            .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+            .with_bias(false)
+            .init(&flex.clone().autodiff());
+        let x = Tensor::<4>::random(
+            [3, 4, 28, 28],
+            burn::tensor::Distribution::Normal(0.0, 1.0),
+            &flex,
+        )
+        .into_data();
+        let weight_grad = |device: &Device, low: Option<FloatDType>| -> Vec<f32> {
+            let device = device.clone().autodiff();
+            let conv = record.clone().fork(&device);
+            let mut x = Tensor::<4>::from_data(x.clone(), &device);
+            if let Some(dtype) = low {
+                x = x.cast(dtype);
+            }
+            let y = hearth::kernels::conv2d(&conv, x).cast(FloatDType::F32);
+            let grads = (y.clone() * y).sum().backward();
+            let dw = conv.weight.grad(&grads).expect("the weight has a gradient");
+            dw.cast(FloatDType::F32).into_data().iter::<f32>().collect()
+        };
+        let on_gpu = weight_grad(&gpu, Some(FloatDType::F16));
+        let gap = relative_gap(&on_gpu, &weight_grad(&flex, None));
+        eprintln!("weight gradient in fp16: {gap:.2e} of the largest value (bound 2e-2)");
+        assert!(gap < 2e-2, "the fp16 weight gradient differs by {gap:.2e}");
+        assert!(
+            hearth::kernels::cube::chosen()
+                .iter()
+                .any(|(what, kernel)| what
+                    == "weight gradient 4->6 3x3 stride 1 pad 1 on 28x28 F16"
+                    && kernel == "per_image_products"),
+            "{:?}",
+            hearth::kernels::cube::chosen()
+        );
+    }
+
     // The step changed the weights: the parameters' gradients were there (and so computed by
     // the weight-gradient kernels checked below).
     assert!(
@@ -156,10 +252,13 @@ fn selected_kernels_train_as_flex_does_and_tune_no_convolution_or_product() {
     );
     // lavapipe has no tensor cores: everything else is Burn's direct kernel.
     assert!(
-        chosen
-            .iter()
-            .all(|(_, kernel)| ["pointwise_matmul", "direct", "matmul_cube"]
-                .contains(&kernel.as_str())),
+        chosen.iter().all(|(_, kernel)| [
+            "pointwise_matmul",
+            "per_image_products",
+            "direct",
+            "matmul_cube"
+        ]
+        .contains(&kernel.as_str())),
         "{chosen:?}"
     );
 

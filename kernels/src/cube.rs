@@ -240,7 +240,7 @@ fn implicit_gemm(
 
 /// `lhs · rhs` by cubek's default product (CMMA tiles where the device has them, else the plain
 /// tiled kernel): one fixed kernel, never tuned.
-fn product(lhs: CubeTensor, rhs: CubeTensor) -> Result<CubeTensor, String> {
+pub(crate) fn product(lhs: CubeTensor, rhs: CubeTensor) -> Result<CubeTensor, String> {
     let dtype = lhs.dtype;
     matmul(lhs, rhs, None, MatmulStrategy::Cube, dtype).map_err(|e| format!("{e:?}"))
 }
@@ -327,6 +327,9 @@ fn direct_weight_grad(
     Ok(CubeBackend::float_slice(dw, &slices))
 }
 
+/// What [`ConvKernel::PerImage`] says where the rules never put it.
+const WEIGHT_GRAD_ONLY: &str = "products per image compute weight gradients only";
+
 /// The forward convolution (one group, no bias).
 pub fn conv2d(x: CubeTensor, weight: CubeTensor, geometry: Geometry2) -> CubeTensor {
     let s = conv_shape(dims4(&x), dims4(&weight), geometry);
@@ -345,6 +348,7 @@ pub fn conv2d(x: CubeTensor, weight: CubeTensor, geometry: Geometry2) -> CubeTen
             geometry,
         ),
         ConvKernel::Pointwise => pointwise_forward(&x, &weight),
+        ConvKernel::PerImage => Err(WEIGHT_GRAD_ONLY.into()),
         ConvKernel::Direct => conv_forward(
             x.clone(),
             weight.clone(),
@@ -374,6 +378,7 @@ pub fn conv2d_x_grad(
             geometry,
         ),
         ConvKernel::Pointwise => pointwise_input_grad(&weight, &grad),
+        ConvKernel::PerImage => Err(WEIGHT_GRAD_ONLY.into()),
         ConvKernel::Direct => direct_input_grad(&weight, &grad, &s),
     })
 }
@@ -396,6 +401,7 @@ pub fn conv2d_weight_grad(
             geometry,
         ),
         ConvKernel::Pointwise => pointwise_weight_grad(&x, &grad),
+        ConvKernel::PerImage => crate::per_image::weight_grad(&x, &grad, &s),
         ConvKernel::Direct => direct_weight_grad(&x, &grad, &s),
     })
 }

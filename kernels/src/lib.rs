@@ -41,6 +41,8 @@ mod input_grad;
 pub mod keyed;
 mod layer;
 pub mod norm;
+#[cfg(feature = "cube")]
+pub mod per_image;
 pub mod pool;
 pub mod precision;
 pub mod product;

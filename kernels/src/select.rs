@@ -22,6 +22,14 @@
 //! - weight gradient: a 1x1 with stride 1 as one matrix product (`wgrad_im2col_1x1`, 6 of 6),
 //!   anything else `simple_tma_mma` (4 of 5).
 //!
+//! One rule does not come from those decisions (autotune had not reached those shapes): a
+//! weight gradient over at least [`PER_IMAGE_MIN_POSITIONS`] output positions per image runs as
+//! one matrix product per image, summed ([`ConvKernel::PerImage`], `per_image.rs`). Every cubek
+//! kernel walks the gradient's whole sum over images and positions inside each cube, and the
+//! result of a weight gradient has few tiles: ResNet-50's first stage at batch 32 sums 100,352
+//! terms per weight in a few dozen cubes. Cut by image it fills the GPU (split-K). Not yet
+//! measured on a GPU (docs/benchmarks/gpu.md).
+//!
 //! Devices without TMA take the asynchronous-copy MMA kernels, devices with only cooperative
 //! matrices (CMMA: Vulkan's `VK_KHR_cooperative_matrix`, AMD) the CMMA ones, and devices with
 //! neither (Mesa lavapipe, older GPUs) Burn's direct kernels and the plain tiled matrix product.
@@ -69,6 +77,9 @@ pub enum ConvKernel {
     /// A 1x1 convolution with stride 1 and no padding as one matrix product over the channels
     /// (the batched product of the weight and each image's `[C, H·W]` plane).
     Pointwise,
+    /// The weight gradient as one matrix product per image (over the input's columns), the
+    /// images' results summed: `per_image.rs`. Weight gradients only.
+    PerImage,
     /// Burn's direct kernels (forward) and fallbacks (gradients): run on every device.
     Direct,
 }
@@ -86,6 +97,7 @@ impl ConvKernel {
             ConvKernel::ImplicitGemm(Tma, Cmma) => "simple_tma_cmma",
             ConvKernel::ImplicitGemm(Tma, Mma) => "simple_tma_mma",
             ConvKernel::Pointwise => "pointwise_matmul",
+            ConvKernel::PerImage => "per_image_products",
             ConvKernel::Direct => "direct",
         }
     }
@@ -102,6 +114,22 @@ pub struct Caps {
     pub tma: bool,
     /// Asynchronous global-to-shared copies.
     pub copy_async: bool,
+}
+
+/// The output positions per image (`Ho·Wo`) from which a weight gradient runs as one product per
+/// image ([`ConvKernel::PerImage`]): 28x28, ResNet-50's second stage at 224 pixels. There each
+/// image's product is a sum of 784 terms per weight, about 25 of cubek's steps of 32, against
+/// 784 steps for the whole batch of 32 in one kernel; below it the partial results to sum
+/// (`N × Co × Ci·kh·kw`) weigh more against the products, and a batch's sum is short anyway
+/// (ResNet-50's third stage: 196 steps at batch 32). A property of the layer, not of the batch.
+pub const PER_IMAGE_MIN_POSITIONS: usize = 784;
+
+/// Whether weight gradients may run as products per image ([`ConvKernel::PerImage`]): yes
+/// unless `HEARTH_PER_IMAGE=0` (read once per process), which keeps each one in a single
+/// kernel, to compare the two on a GPU (`scripts/gpu_check.sh`).
+pub fn per_image_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("HEARTH_PER_IMAGE").map_or(true, |v| v.trim() != "0"))
 }
 
 /// Whether `s` is a 1x1 convolution with stride 1, no padding and no dilation: one matrix
@@ -179,6 +207,10 @@ pub fn conv_kernels(op: ConvOp, s: &ConvShape, elem_bytes: usize, caps: Caps) ->
             }
         }
         ConvOp::WeightGrad => {
+            let positions = s.output().map_or(0, |[_, _, h, w]| h * w);
+            if positions >= PER_IMAGE_MIN_POSITIONS && per_image_enabled() {
+                out.push(ConvKernel::PerImage);
+            }
             if pointwise {
                 out.push(ConvKernel::Pointwise);
             }
@@ -303,10 +335,14 @@ mod tests {
                 .iter()
                 .any(|k| matches!(k, ImplicitGemm(Loading::Tma, _)))
         );
-        // Gradients of a 1x1: one matrix product.
+        // Gradients of a 1x1: one matrix product (the weight gradient's one per image first,
+        // at 56x56).
         let p = shape(256, 64, 1, 1, 0, 56);
         assert_eq!(conv_kernels(ConvOp::InputGrad, &p, 4, H200)[0], Pointwise);
-        assert_eq!(conv_kernels(ConvOp::WeightGrad, &p, 4, H200)[0], Pointwise);
+        assert_eq!(
+            &conv_kernels(ConvOp::WeightGrad, &p, 4, H200)[..2],
+            &[PerImage, Pointwise]
+        );
         // A strided 3x3's input gradient: no implicit GEMM (stride 1 only), Burn's fallback.
         let strided = shape(128, 128, 3, 2, 1, 56);
         assert_eq!(
@@ -314,8 +350,8 @@ mod tests {
             vec![Direct]
         );
         assert_eq!(
-            conv_kernels(ConvOp::WeightGrad, &strided, 4, H200)[0],
-            tma_mma
+            &conv_kernels(ConvOp::WeightGrad, &strided, 4, H200)[..2],
+            &[PerImage, tma_mma]
         );
         // The input gradient never tries TMA (not implemented in cubek's dgrad).
         let k3 = conv_kernels(ConvOp::InputGrad, &shape(64, 64, 3, 1, 1, 56), 4, H200);
@@ -370,8 +406,44 @@ mod tests {
             vec![ConvKernel::Pointwise, ConvKernel::Direct]
         );
         let s3 = shape(64, 64, 3, 1, 1, 56);
-        for op in [ConvOp::Forward, ConvOp::InputGrad, ConvOp::WeightGrad] {
+        for op in [ConvOp::Forward, ConvOp::InputGrad] {
             assert_eq!(conv_kernels(op, &s3, 4, LAVAPIPE), vec![ConvKernel::Direct]);
+        }
+        assert_eq!(
+            conv_kernels(ConvOp::WeightGrad, &s3, 4, LAVAPIPE),
+            vec![ConvKernel::PerImage, ConvKernel::Direct]
+        );
+        let small = shape(64, 64, 3, 1, 1, 14);
+        assert_eq!(
+            conv_kernels(ConvOp::WeightGrad, &small, 4, LAVAPIPE),
+            vec![ConvKernel::Direct]
+        );
+    }
+
+    #[test]
+    fn weight_gradients_over_28x28_positions_or_more_run_as_products_per_image() {
+        let per_image = |op, s: &ConvShape| conv_kernels(op, s, 4, H200)[0] == ConvKernel::PerImage;
+        // ResNet-50 at 224 pixels: the stem (112x112 out), stages 1 and 2 (56x56, 28x28,
+        // including the stride-2 3x3 and shortcut that make 28x28), not stages 3 and 4.
+        for s in [
+            shape(3, 64, 7, 2, 3, 224),
+            shape(64, 64, 3, 1, 1, 56),
+            shape(64, 256, 1, 1, 0, 56),
+            shape(128, 128, 3, 2, 1, 56),
+            shape(256, 512, 1, 2, 0, 56),
+            shape(128, 128, 3, 1, 1, 28),
+        ] {
+            assert!(per_image(ConvOp::WeightGrad, &s), "{s:?}");
+            // Never for the other passes, whose sums run over channels and offsets only.
+            assert!(!per_image(ConvOp::Forward, &s), "{s:?}");
+            assert!(!per_image(ConvOp::InputGrad, &s), "{s:?}");
+        }
+        for s in [
+            shape(256, 256, 3, 2, 1, 28),
+            shape(256, 256, 3, 1, 1, 14),
+            shape(512, 2048, 1, 1, 0, 7),
+        ] {
+            assert!(!per_image(ConvOp::WeightGrad, &s), "{s:?}");
         }
     }
 
