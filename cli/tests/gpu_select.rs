@@ -155,29 +155,44 @@ fn selected_kernels_train_as_flex_does_and_tune_no_convolution_or_product() {
                 &flex,
             )
             .into_data();
-            let weight_grad = |device: &Device| -> Vec<f32> {
+            // The weight's gradient and the input's.
+            let gradients = |device: &Device| -> [Vec<f32>; 2] {
                 let device = device.clone().autodiff();
                 let conv = record.clone().fork(&device);
-                let x = Tensor::<4>::from_data(x.clone(), &device);
-                let y = hearth::kernels::conv2d(&conv, x);
+                let x = Tensor::<4>::from_data(x.clone(), &device).require_grad();
+                let y = hearth::kernels::conv2d(&conv, x.clone());
                 // Squared: each output's gradient is its own value.
                 let grads = (y.clone() * y).sum().backward();
                 let dw = conv.weight.grad(&grads).expect("the weight has a gradient");
-                dw.into_data().iter::<f32>().collect()
+                let dx = x.grad(&grads).expect("the input has a gradient");
+                [dw, dx].map(|t| t.into_data().iter::<f32>().collect())
             };
-            let (on_gpu, on_flex) = (weight_grad(&gpu), weight_grad(&flex));
-            let gap = relative_gap(&on_gpu, &on_flex);
+            let (on_gpu, on_flex) = (gradients(&gpu), gradients(&flex));
             let what = format!("{ci}->{co} {k}x{k} stride {stride} pad {pad} on {side}x{side}");
-            eprintln!("weight gradient {what}, budget {budget}: {gap:.2e} of the largest value");
-            assert!(gap < 1e-4, "weight gradient {what} differs by {gap:.2e}");
+            for (pass, g, f) in [
+                ("weight gradient", &on_gpu[0], &on_flex[0]),
+                ("input gradient", &on_gpu[1], &on_flex[1]),
+            ] {
+                let gap = relative_gap(g, f);
+                eprintln!("{pass} {what}, budget {budget}: {gap:.2e} of the largest value");
+                assert!(gap < 1e-4, "{pass} {what} differs by {gap:.2e}");
+            }
             let chosen = hearth::kernels::cube::chosen();
-            let described = format!("weight gradient {what}");
-            assert!(
+            let ran = |pass: &str, kernel: &str| {
+                let described = format!("{pass} {what}");
                 chosen
                     .iter()
-                    .any(|(what, kernel)| what.starts_with(&described)
-                        && kernel == "per_image_products"),
-                "{described} not run as products per image: {chosen:?}"
+                    .any(|(what, k)| what.starts_with(&described) && k == kernel)
+            };
+            assert!(
+                ran("weight gradient", "per_image_products"),
+                "{what}: weight gradient not run as products per image: {chosen:?}"
+            );
+            // A strided input gradient: col2im.
+            assert_eq!(
+                ran("input gradient", "col2im"),
+                stride > 1,
+                "{what}: {chosen:?}"
             );
         }
     }
@@ -250,11 +265,26 @@ fn selected_kernels_train_as_flex_does_and_tune_no_convolution_or_product() {
             .any(|(_, kernel)| kernel == "pointwise_matmul"),
         "the bottleneck's 1x1 convolutions took no matrix product: {chosen:?}"
     );
+    // Strided input gradients (the stem's, the shortcuts', a stride-2 3x3's) as col2im: the
+    // input's gradient compared above went through them.
+    for strided in [
+        "input gradient 3->8 7x7 stride 2",
+        "input gradient 16->32 1x1 stride 2",
+        "input gradient 8->8 3x3 stride 2",
+    ] {
+        assert!(
+            chosen
+                .iter()
+                .any(|(what, kernel)| what.starts_with(strided) && kernel == "col2im"),
+            "{strided}: not col2im: {chosen:?}"
+        );
+    }
     // lavapipe has no tensor cores: everything else is Burn's direct kernel.
     assert!(
         chosen.iter().all(|(_, kernel)| [
             "pointwise_matmul",
             "per_image_products",
+            "col2im",
             "direct",
             "matmul_cube"
         ]

@@ -329,6 +329,8 @@ fn direct_weight_grad(
 
 /// What [`ConvKernel::PerImage`] says where the rules never put it.
 const WEIGHT_GRAD_ONLY: &str = "products per image compute weight gradients only";
+/// What [`ConvKernel::Col2Im`] says where the rules never put it.
+const INPUT_GRAD_ONLY: &str = "col2im computes input gradients only";
 
 /// The forward convolution (one group, no bias).
 pub fn conv2d(x: CubeTensor, weight: CubeTensor, geometry: Geometry2) -> CubeTensor {
@@ -349,6 +351,7 @@ pub fn conv2d(x: CubeTensor, weight: CubeTensor, geometry: Geometry2) -> CubeTen
         ),
         ConvKernel::Pointwise => pointwise_forward(&x, &weight),
         ConvKernel::PerImage => Err(WEIGHT_GRAD_ONLY.into()),
+        ConvKernel::Col2Im => Err(INPUT_GRAD_ONLY.into()),
         ConvKernel::Direct => conv_forward(
             x.clone(),
             weight.clone(),
@@ -379,6 +382,7 @@ pub fn conv2d_x_grad(
         ),
         ConvKernel::Pointwise => pointwise_input_grad(&weight, &grad),
         ConvKernel::PerImage => Err(WEIGHT_GRAD_ONLY.into()),
+        ConvKernel::Col2Im => crate::col2im::input_grad(&weight, &grad, &s),
         ConvKernel::Direct => direct_input_grad(&weight, &grad, &s),
     })
 }
@@ -402,6 +406,7 @@ pub fn conv2d_weight_grad(
         ),
         ConvKernel::Pointwise => pointwise_weight_grad(&x, &grad),
         ConvKernel::PerImage => crate::per_image::weight_grad(&x, &grad, &s),
+        ConvKernel::Col2Im => Err(INPUT_GRAD_ONLY.into()),
         ConvKernel::Direct => direct_weight_grad(&x, &grad, &s),
     })
 }

@@ -30,6 +30,8 @@ mod base;
 pub mod batch_norm;
 pub mod cast;
 pub mod cat;
+#[cfg(feature = "cube")]
+pub mod col2im;
 pub mod conv;
 #[cfg(feature = "cube")]
 pub mod cube;
