@@ -280,6 +280,17 @@ fn predict_and_eval_flags_act_or_are_refused_by_name() {
     let (ok, err) = run(&args);
     assert!(ok, "{args:?}: {err}");
     assert!(npy.is_file());
+    // The default --top (5) on 2 classes lists both without remark; a --top asked for past
+    // the class count says so.
+    assert!(!err.contains("--top"), "{err}");
+    let asked = [os("--image"), image.as_os_str(), os("--top"), os("10")];
+    let args: Vec<&std::ffi::OsStr> = predict.iter().copied().chain(asked).collect();
+    let (ok, err) = run(&args);
+    assert!(ok, "{args:?}: {err}");
+    assert!(
+        err.contains("--top 10: the model has 2 classes; all 2 are listed"),
+        "{err}"
+    );
     for (extra, said) in [
         (["--model", "vgg16"], "--model vgg16: the model file"),
         (["--workers", "0"], "--workers"),

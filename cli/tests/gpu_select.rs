@@ -134,8 +134,8 @@ fn selected_kernels_train_as_flex_does_and_tune_no_convolution_or_product() {
     // summed (`per_image.rs`): equal to Flex's for a 3x3, a strided 3x3 (its columns cut with
     // a step) and a 1x1, with each set of columns as large as the budget allows and with one
     // kernel offset per set.
-    for budget in [hearth::kernels::per_image::COLUMNS_BUDGET, 1] {
-        hearth::kernels::per_image::set_columns_budget(budget);
+    for budget in [hearth::kernels::cube_base::COLUMNS_BUDGET, 1] {
+        hearth::kernels::cube_base::set_columns_budget(budget);
         for (ci, co, k, stride, pad, side) in [
             (4, 6, 3, 1, 1, 28),
             (4, 6, 3, 2, 1, 56),
@@ -196,7 +196,7 @@ fn selected_kernels_train_as_flex_does_and_tune_no_convolution_or_product() {
             );
         }
     }
-    hearth::kernels::per_image::set_columns_budget(hearth::kernels::per_image::COLUMNS_BUDGET);
+    hearth::kernels::cube_base::set_columns_budget(hearth::kernels::cube_base::COLUMNS_BUDGET);
     // In fp16 (`--precision fp16` on a GPU: the products in the low type, their sum over the
     // images in f32), within fp16's rounding of Flex's f32.
     {

@@ -276,6 +276,33 @@ fn an_image_side_past_the_largest_is_refused_by_name() {
     }
 }
 
+/// `hearth bench loader` refuses a batch size, worker count or prefetch depth of 0 by name
+/// before it says what it will run, and before it reads the folder.
+#[test]
+fn the_loader_bench_refuses_empty_settings_before_describing_its_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let set = tmp.path().join("missing");
+    let set = set.to_str().unwrap();
+    for (flag, said) in [
+        ("--batch-size", "batch size must be at least 1"),
+        ("--workers", "workers and prefetch must be at least 1"),
+        ("--prefetch", "workers and prefetch must be at least 1"),
+        ("--batches", "the loader bench needs at least 1 batch"),
+    ] {
+        let out = hearth(&["bench", "loader", "--data", set, flag, "0"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(said),
+            "{flag} 0: {err}"
+        );
+        assert!(
+            !err.contains("bench loader "),
+            "{flag} 0 described its run: {err}"
+        );
+        assert!(!err.contains("panicked"), "{flag} 0: {err}");
+    }
+}
+
 #[test]
 fn freezing_a_random_backbone_is_said() {
     let out = hearth(&["train", "--freeze-backbone", "--dry-run"]);

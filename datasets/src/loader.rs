@@ -103,7 +103,8 @@ impl LoaderConfig {
         self
     }
 
-    fn validate(&self) -> Result<()> {
+    /// Checks the settings without reading any data: what [`Loader::new`] refuses.
+    pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(DataError::InvalidArgument(m));
         if self.batch_size == 0 {
             return bad("batch size must be at least 1".into());

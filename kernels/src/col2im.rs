@@ -8,7 +8,7 @@
 //! our fixed product: `columns = Wᵀ · dY` per image (`[Ci·kh·kw, Co] · [Co, Ho·Wo]`), then each
 //! kernel offset's columns added into the zero-padded image at the positions that offset
 //! read, with the convolution's stride. The columns are made for a set of offsets at a time,
-//! within [`crate::per_image::columns_budget`].
+//! within [`crate::cube_base::columns_budget`].
 
 use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{Shape, Slice};
@@ -16,12 +16,8 @@ use burn_cubecl::CubeBackend;
 use burn_cubecl::ops::numeric::zeros_client;
 use burn_cubecl::tensor::CubeTensor;
 
-use crate::per_image::{columns_budget, offsets_per_set};
+use crate::cube_base::{columns_budget, offsets_per_set, product, reshape};
 use crate::weight_grad::ConvShape;
-
-fn reshape(t: CubeTensor, dims: &[usize]) -> CubeTensor {
-    CubeBackend::float_reshape(t, Shape::from(dims.to_vec()))
-}
 
 /// The input gradient `[N, Ci, H, W]` of the convolution `s` (one group) from its weight
 /// `[Co, Ci, kh, kw]` and output gradient `grad` `[N, Co, Ho, Wo]`.
@@ -78,7 +74,7 @@ pub fn input_grad(
         let w_set = reshape(w_set, &[1, co, ci * count]);
         let wt = CubeBackend::float_swap_dims(w_set, 1, 2);
         // `[N, Ci·count, Ho·Wo]` as `[N, Ci, count, Ho, Wo]`.
-        let columns = crate::cube::product(wt, dy.clone())?;
+        let columns = product(wt, dy.clone())?;
         let columns = reshape(columns, &[n, ci, count, ho, wo]);
         for o in first..last {
             let taken = CubeBackend::float_slice(

@@ -19,7 +19,6 @@ use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::conv::{
     ConvStrategy, ConvTranspose2dStrategy, conv_forward, conv_transpose2d,
 };
-use burn_cubecl::kernel::matmul::{MatmulStrategy, matmul};
 use burn_cubecl::ops::numeric::empty_device_dtype;
 use burn_cubecl::ops::{permute_nchw_to_nhwc, permute_nhwc_to_nchw};
 use burn_cubecl::tensor::CubeTensor;
@@ -29,6 +28,7 @@ use cubek::convolution::{
 use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
 use cubek::std::InputBinding;
 
+use crate::cube_base::{product, reshape};
 use crate::select::{Caps, ConvKernel, ConvOp, Loading, Tile, conv_kernels};
 use crate::weight_grad::{ConvShape, Geometry2, conv_shape};
 
@@ -236,17 +236,6 @@ fn implicit_gemm(
     launch_ref::<2>(strategy, &client, inputs, args(geometry), dtypes)
         .map_err(|e| format!("{e:?}"))?;
     Ok(permute_nhwc_to_nchw(out))
-}
-
-/// `lhs · rhs` by cubek's default product (CMMA tiles where the device has them, else the plain
-/// tiled kernel): one fixed kernel, never tuned.
-pub(crate) fn product(lhs: CubeTensor, rhs: CubeTensor) -> Result<CubeTensor, String> {
-    let dtype = lhs.dtype;
-    matmul(lhs, rhs, None, MatmulStrategy::Cube, dtype).map_err(|e| format!("{e:?}"))
-}
-
-fn reshape(t: CubeTensor, dims: &[usize]) -> CubeTensor {
-    CubeBackend::float_reshape(t, Shape::from(dims.to_vec()))
 }
 
 /// A 1x1 convolution (stride 1, no padding) as one batched product: `[1, Co, Ci] · [N, Ci, HW]`.

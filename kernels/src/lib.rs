@@ -35,6 +35,8 @@ pub mod col2im;
 pub mod conv;
 #[cfg(feature = "cube")]
 pub mod cube;
+#[cfg(feature = "cube")]
+pub mod cube_base;
 mod epilogue;
 pub mod ext;
 pub mod gemv;

@@ -11,10 +11,9 @@
 //! results are then summed (in f32).
 //!
 //! The products' right-hand side is the input's columns for a set of kernel offsets (im2col),
-//! made a set at a time so that they never take more than [`COLUMNS_BUDGET`] bytes (at least
-//! one offset); a 1x1 convolution with stride 1 and no padding needs no columns at all.
-
-use std::sync::atomic::{AtomicUsize, Ordering};
+//! made a set at a time so that they never take more than
+//! [`crate::cube_base::columns_budget`] bytes (at least one offset); a 1x1 convolution with
+//! stride 1 and no padding needs no columns at all.
 
 use burn::backend::ops::FloatTensorOps;
 use burn::tensor::{DType, FloatDType, Shape, Slice};
@@ -22,41 +21,15 @@ use burn_cubecl::CubeBackend;
 use burn_cubecl::ops::numeric::zeros_client;
 use burn_cubecl::tensor::CubeTensor;
 
+use crate::cube_base::{columns_budget, offsets_per_set, product, reshape};
 use crate::select::is_pointwise;
 use crate::weight_grad::ConvShape;
-
-/// The most bytes one set of columns may take (each offset's columns are the size of the
-/// input, strided: VGG-16's first layers at batch 32 hold one offset at a time).
-pub const COLUMNS_BUDGET: usize = 256 << 20;
-
-static BUDGET: AtomicUsize = AtomicUsize::new(COLUMNS_BUDGET);
-
-/// Sets the most bytes one set of columns may take in this process (at least one offset is
-/// always made): smaller on a GPU short of memory, or to test the cut into sets.
-pub fn set_columns_budget(bytes: usize) {
-    BUDGET.store(bytes, Ordering::Relaxed);
-}
-
-/// The budget [`set_columns_budget`] set, [`COLUMNS_BUDGET`] by default.
-pub fn columns_budget() -> usize {
-    BUDGET.load(Ordering::Relaxed)
-}
-
-/// How many kernel offsets go into one set of columns: as many as fit in `budget` bytes, at
-/// least one, at most all `offsets`.
-pub fn offsets_per_set(one_offset_bytes: usize, offsets: usize, budget: usize) -> usize {
-    (budget / one_offset_bytes.max(1)).clamp(1, offsets.max(1))
-}
-
-fn reshape(t: CubeTensor, dims: &[usize]) -> CubeTensor {
-    CubeBackend::float_reshape(t, Shape::from(dims.to_vec()))
-}
 
 /// `Σ_n a[n] · b[n]` for `a` `[N, M, K]` and `b` `[N, K, P]`: the product per image, summed in
 /// f32 and returned in `a`'s type as `[M, P]`.
 fn summed_products(a: CubeTensor, b: CubeTensor) -> Result<CubeTensor, String> {
     let dtype = a.dtype;
-    let per_image = crate::cube::product(a, b)?;
+    let per_image = product(a, b)?;
     let dims = per_image.meta.shape().to_vec();
     let (m, p) = (dims[1], dims[2]);
     let wide = if dtype == DType::F32 {
@@ -170,22 +143,4 @@ pub fn weight_grad(x: &CubeTensor, grad: &CubeTensor, s: &ConvShape) -> Result<C
         CubeBackend::float_cat(parts, 2)
     };
     Ok(reshape(dw, &[co, ci, kh, kw]))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_columns_are_made_in_sets_within_the_budget() {
-        // ResNet-50's first stage at batch 32: 64 channels of 56x56, 25.7 MB an offset: all 9.
-        assert_eq!(offsets_per_set(32 * 64 * 3136 * 4, 9, COLUMNS_BUDGET), 9);
-        // VGG-16's first layers at batch 32: 411 MB an offset: one at a time.
-        assert_eq!(offsets_per_set(32 * 64 * 50176 * 4, 9, COLUMNS_BUDGET), 1);
-        // The 7x7 stem: 3 channels, 4.8 MB an offset: all 49.
-        assert_eq!(offsets_per_set(32 * 3 * 12544 * 4, 49, COLUMNS_BUDGET), 49);
-        // Between: as many as fit.
-        assert_eq!(offsets_per_set(100, 9, 450), 4);
-        assert_eq!(offsets_per_set(0, 9, 450), 9);
-    }
 }

@@ -32,33 +32,46 @@ pub struct LoaderReport {
 }
 
 impl LoaderBench {
+    fn config(&self) -> LoaderConfig {
+        LoaderConfig::new(self.batch_size)
+            .with_workers(self.workers)
+            .with_prefetch(self.prefetch)
+            .with_drop_last(true)
+    }
+
+    fn pipeline(&self) -> Result<hearth_datasets::Pipeline> {
+        Ok(Augmentation {
+            auto_augment: self.auto_augment,
+            ..Augmentation::imagenet()
+        }
+        .pipeline(self.size)?)
+    }
+
+    /// Checks the settings (batches, batch size, workers, prefetch, output size) without
+    /// reading the folder: what [`LoaderBench::run`] refuses before it starts.
+    pub fn validate(&self) -> Result<()> {
+        if self.batches == 0 {
+            return Err(HearthError::InvalidArgument(
+                "the loader bench needs at least 1 batch".into(),
+            ));
+        }
+        self.config().validate()?;
+        self.pipeline()?;
+        Ok(())
+    }
+
     pub fn run(
         &self,
         data: &Path,
         device: &Device,
         mut progress: impl FnMut(usize, usize),
     ) -> Result<LoaderReport> {
-        if self.batches == 0 {
-            return Err(HearthError::InvalidArgument(
-                "the loader bench needs at least 1 batch".into(),
-            ));
-        }
         // The settings first, then the folder.
-        let pipeline = Augmentation {
-            auto_augment: self.auto_augment,
-            ..Augmentation::imagenet()
-        }
-        .pipeline(self.size)?;
+        self.validate()?;
+        let pipeline = self.pipeline()?;
         let set = ImageSet::from_folder(data)?;
         let skipped = set.problems.len();
-        let loader = Loader::new(
-            set,
-            pipeline,
-            LoaderConfig::new(self.batch_size)
-                .with_workers(self.workers)
-                .with_prefetch(self.prefetch)
-                .with_drop_last(true),
-        )?;
+        let loader = Loader::new(set, pipeline, self.config())?;
         if loader.batches_per_epoch() == 0 {
             return Err(HearthError::InvalidArgument(format!(
                 "{} has fewer images than one batch of {}",

@@ -274,6 +274,8 @@ pub(crate) fn bench_loader(device_name: &str, args: BenchLoaderArgs) -> Result<(
             None => None,
         },
     };
+    // Refused settings are said before the line that describes the run.
+    bench.validate()?;
     eprintln!(
         "bench loader {}: batch {}, {} workers, prefetch {}, {}x{}, {} batches, {}",
         args.data.display(),

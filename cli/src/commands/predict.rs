@@ -34,9 +34,10 @@ pub(crate) struct PredictArgs {
     /// A float32 NCHW .npy tensor used as is.
     #[arg(long)]
     input: Option<PathBuf>,
-    /// How many classes to print per input (all of them where the model has fewer).
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
-    top: u32,
+    /// How many classes to print per input (all of them where the model has fewer) [default:
+    /// 5].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    top: Option<u32>,
     /// With --image or --input: write the logits [N, classes] as float32 .npy.
     #[arg(long)]
     logits_out: Option<PathBuf>,
@@ -154,9 +155,12 @@ pub(crate) fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
         .try_to_vec::<f32>()
         .map_err(|e| anyhow::anyhow!("reading probabilities: {e:?}"))?;
     let elapsed = started.elapsed();
+    if let Some(asked) = args.top.filter(|&t| t as usize > classes) {
+        eprintln!("--top {asked}: the model has {classes} classes; all {classes} are listed");
+    }
     for (label, row) in labels
         .iter()
-        .zip(predict::top_k(&probs, classes, args.top as usize))
+        .zip(predict::top_k(&probs, classes, top(&args)))
     {
         println!("{label}");
         for (class, p) in row {
@@ -181,6 +185,11 @@ pub(crate) fn predict_cmd(device_name: &str, args: PredictArgs) -> Result<()> {
     Ok(())
 }
 
+/// How many classes each input lists: `--top`, 5 by default.
+fn top(args: &PredictArgs) -> usize {
+    args.top.unwrap_or(5) as usize
+}
+
 /// `--data DIR --out CSV`: every image of a folder, in batches, into a CSV.
 fn predict_folder(
     args: &PredictArgs,
@@ -196,7 +205,7 @@ fn predict_folder(
         loaded.class_names.as_deref(),
         dir,
         &loaded.preprocessing,
-        args.top as usize,
+        top(args),
         args.batch_size.unwrap_or(32) as usize,
         2,
         device,
