@@ -25,34 +25,27 @@ use crate::cube_base::{columns_budget, offsets_per_set, product, reshape};
 use crate::select::is_pointwise;
 use crate::weight_grad::ConvShape;
 
-/// `Σ_n a[n] · b[n]` for `a` `[N, M, K]` and `b` `[N, K, P]`: the product per image, summed in
-/// f32 and returned in `a`'s type as `[M, P]`.
+/// `Σ_n a[n] · b[n]` for `a` `[N, M, K]` and `b` `[N, K, P]`: the product per image, summed
+/// (fp16 and bf16 in f32) and returned in `a`'s type as `[M, P]`.
 fn summed_products(a: CubeTensor, b: CubeTensor) -> Result<CubeTensor, String> {
     let dtype = a.dtype;
     let per_image = product(a, b)?;
     let dims = per_image.meta.shape().to_vec();
     let (m, p) = (dims[1], dims[2]);
-    let wide = if dtype == DType::F32 {
-        per_image
-    } else {
-        CubeBackend::float_cast(per_image, FloatDType::F32)
+    let low = match dtype {
+        DType::F16 => Some(FloatDType::F16),
+        DType::BF16 => Some(FloatDType::BF16),
+        _ => None,
+    };
+    let wide = match low {
+        Some(_) => CubeBackend::float_cast(per_image, FloatDType::F32),
+        None => per_image,
     };
     let sum = reshape(CubeBackend::float_sum_dim(wide, 0), &[m, p]);
-    Ok(if dtype == DType::F32 {
-        sum
-    } else {
-        CubeBackend::float_cast(sum, float_dtype(dtype)?)
+    Ok(match low {
+        Some(low) => CubeBackend::float_cast(sum, low),
+        None => sum,
     })
-}
-
-fn float_dtype(dtype: DType) -> Result<FloatDType, String> {
-    match dtype {
-        DType::F32 => Ok(FloatDType::F32),
-        DType::F16 => Ok(FloatDType::F16),
-        DType::BF16 => Ok(FloatDType::BF16),
-        DType::F64 => Ok(FloatDType::F64),
-        other => Err(format!("no weight gradient in {other:?}")),
-    }
 }
 
 /// The weight gradient `[Co, Ci, kh, kw]` of the convolution `s` (one group) from its input
