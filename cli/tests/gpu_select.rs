@@ -5,6 +5,9 @@
 //! cubecl device starts.
 
 mod common;
+#[cfg(feature = "wgpu")]
+#[path = "gpu_select/rules_bundle.rs"]
+mod rules_bundle;
 
 /// Relative gap of `a` to `b`: the largest difference over the largest |b|.
 #[cfg(feature = "wgpu")]
@@ -297,9 +300,16 @@ fn selected_kernels_train_as_flex_does_and_tune_no_convolution_or_product() {
     } else {
         Vec::new()
     };
+    // With the disk cache off, the reductions' rules (decisions in that cache) cannot apply:
+    // they tune here, and only they.
     let heavy: Vec<_> = decisions
         .iter()
-        .filter(|d| d.kind != DecisionKind::Other)
+        .filter(|d| {
+            matches!(
+                d.kind,
+                DecisionKind::Convolution | DecisionKind::MatrixProduct
+            )
+        })
         .collect();
     let others = decisions.len() - heavy.len();
     eprintln!(
@@ -372,162 +382,6 @@ fn autotune_full_on_a_cpu_device_and_an_unknown_value_are_refused_by_name() {
             "{args:?}"
         );
     }
-}
-
-/// `hearth tune --rules-only` compiles the kernels chosen by rule and writes cubecl's cache to a
-/// bundle without timing a convolution or a matrix product; a second machine (here: a fresh
-/// cache folder) that imports the bundle with `--kernel-bundle` makes no autotune decision at
-/// all for the same steps, since the bundle carried the first one's. `--from-cache` bundles the
-/// same cache in the flat format without running anything. `--rules-only` beside
-/// `--autotune full` is refused by name before anything starts.
-#[cfg(feature = "wgpu")]
-#[test]
-fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
-    use hearth::gpu::DecisionKind;
-    use std::process::{Command, Output};
-
-    let dir = tempfile::tempdir().unwrap();
-    let bundle = dir.path().join("lavapipe.bundle");
-    // ResNet-18 (the smallest torchvision network) at 32x32, batch 2: lavapipe compiles every
-    // kernel it meets, so keep the steps small.
-    let tune = |cache: &str, log: &str, extra: &[&str]| -> Output {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_hearth"));
-        cmd.args(["--device", "vulkan-cpu"])
-            .args(extra)
-            .args(["tune", "--rules-only", "--model", "resnet18"])
-            .args(["--batch-size", "2", "--size", "32", "--num-classes", "4"])
-            .arg("--out")
-            .arg(dir.path().join(format!("{cache}.bundle")))
-            // Outside a Cargo project cubecl keeps its cache under XDG_CACHE_HOME: a folder of
-            // its own per run is a machine that has seen nothing.
-            .current_dir(dir.path())
-            .env("XDG_CACHE_HOME", dir.path().join(cache))
-            .env(hearth::gpu::AUTOTUNE_LOG_ENV, dir.path().join(log))
-            .env_remove("HEARTH_AUTOTUNE")
-            .env_remove("HEARTH_KERNEL_BUNDLE")
-            .env_remove("CUBECL_AUTOTUNE_CACHE");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(cmd.output());
-        });
-        rx.recv_timeout(std::time::Duration::from_secs(900))
-            .expect("hearth tune did not finish within 900 s")
-            .unwrap()
-    };
-    let decisions = |log: &str| {
-        let path = dir.path().join(log);
-        if path.exists() {
-            hearth::gpu::read_decisions(&path).unwrap()
-        } else {
-            Vec::new()
-        }
-    };
-
-    let refused = tune("refused", "refused.jsonl", &["--autotune", "full"]);
-    let err = String::from_utf8_lossy(&refused.stderr);
-    assert!(
-        !refused.status.success(),
-        "--rules-only with --autotune full ran: {err}"
-    );
-    assert!(
-        err.contains("--rules-only compiles only the kernels chosen by rule"),
-        "{err}"
-    );
-    assert!(!dir.path().join("refused.bundle").exists());
-
-    let first = tune("first", "first.jsonl", &[]);
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&first.stdout),
-        String::from_utf8_lossy(&first.stderr)
-    );
-    if !first.status.success() && text.contains("vulkan-cpu' is not available") {
-        assert!(
-            common::may_skip("vulkan"),
-            "vulkan-cpu unavailable: install mesa-vulkan-drivers (as .ci/run does), or set \
-             HEARTH_ALLOW_SKIP=vulkan to skip it: {text}"
-        );
-        eprintln!("SKIPPED: vulkan-cpu unavailable here; HEARTH_ALLOW_SKIP=vulkan");
-        return;
-    }
-    assert!(
-        first.status.success(),
-        "hearth tune --rules-only failed: {text}"
-    );
-    eprintln!("{text}");
-    assert!(
-        !text.contains("--autotune full ("),
-        "the full tune ran: {text}"
-    );
-    let made = decisions("first.jsonl");
-    let heavy: Vec<_> = made
-        .iter()
-        .filter(|d| d.kind != DecisionKind::Other)
-        .collect();
-    assert!(
-        heavy.is_empty(),
-        "convolutions or products were tuned: {heavy:#?}"
-    );
-    // The same cache bundled again without running anything, in cubecl's flat format (`.ccb`,
-    // what Hearth embeds): it opens and holds the decisions.
-    let flat = dir.path().join("first.ccb");
-    let out = Command::new(env!("CARGO_BIN_EXE_hearth"))
-        .args(["--device", "vulkan-cpu", "tune", "--from-cache", "--out"])
-        .arg(&flat)
-        .current_dir(dir.path())
-        .env("XDG_CACHE_HOME", dir.path().join("first"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "tune --from-cache failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let reopened = cubecl::bundle::open(&flat).expect("the flat bundle does not open");
-    let mut entries = 0usize;
-    for namespace in reopened.namespaces() {
-        reopened.scan(&namespace, &mut |_, _| entries += 1);
-    }
-    assert!(
-        entries >= made.len(),
-        "{entries} entries for {} decisions",
-        made.len()
-    );
-    std::fs::rename(dir.path().join("first.bundle"), &bundle).unwrap();
-    assert!(std::fs::metadata(&bundle).unwrap().len() > 0);
-    assert!(text.contains("entries"), "no account of the bundle: {text}");
-
-    // A machine that has seen nothing, with the bundle: the same steps decide nothing anew.
-    let bundle_arg = bundle.to_string_lossy().into_owned();
-    let second = tune("second", "second.jsonl", &["--kernel-bundle", &bundle_arg]);
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&second.stdout),
-        String::from_utf8_lossy(&second.stderr)
-    );
-    assert!(
-        second.status.success(),
-        "tune with the bundle failed: {text}"
-    );
-    assert!(
-        text.contains("entries imported"),
-        "nothing said about the import: {text}"
-    );
-    let again = decisions("second.jsonl");
-    eprintln!(
-        "decisions: {} without the bundle (reductions and element-wise work), {} with it",
-        made.len(),
-        again.len()
-    );
-    // Reductions keep autotune by rule too: without the bundle a fresh cache decides some.
-    assert!(
-        !made.is_empty(),
-        "the first tune decided nothing: the import proves nothing"
-    );
-    assert!(
-        again.is_empty(),
-        "decided again despite the bundle: {again:#?}"
-    );
 }
 
 /// The kernel bundle CUDA builds embed (`bundles/cuda-sm90.ccb.gz`) unpacks and opens as a

@@ -50,6 +50,8 @@ pub mod per_image;
 pub mod pool;
 pub mod precision;
 pub mod product;
+#[cfg(feature = "cube")]
+pub mod reduce_rules;
 pub mod select;
 mod shape;
 pub mod warm;

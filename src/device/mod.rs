@@ -316,21 +316,28 @@ impl DeviceSpec {
         let probe = device.clone();
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(|_| {}));
+        // An addition, not a reduction: on a cubecl device the first reduction opens its
+        // autotune tuner, which must find the reductions' rules already in the cache.
         let outcome = std::panic::catch_unwind(move || {
             let t = Tensor::<1>::from_floats([1.0, 2.0], &probe);
-            t.sum().into_scalar::<f32>()
+            let out = t.add_scalar(1.0).into_data().try_to_vec::<f32>();
+            out.map_or(f32::NAN, |v| v.iter().sum())
         });
         std::panic::set_hook(previous);
         match outcome {
-            Ok(v) if (v - 3.0).abs() < 1e-6 => {
+            Ok(v) if (v - 5.0).abs() < 1e-6 => {
                 if let Some(note) = notice {
                     eprintln!("note: {note}");
+                }
+                // Not for a listing of the devices (`probe`): only where work will run.
+                if note && self.choice.is_cubecl() {
+                    crate::gpu::reductions_at_start(&device);
                 }
                 Ok(device)
             }
             Ok(v) => Err(HearthError::DeviceUnavailable {
                 name,
-                reason: format!("a test sum gave {v} instead of 3"),
+                reason: format!("a test addition of [1, 2] and 1 summed to {v} instead of 5"),
             }),
             Err(panic) => {
                 let msg = panic

@@ -11,9 +11,11 @@
 //! memory and in cubecl's on-disk cache (`target/environment` inside a Cargo project, else
 //! `~/.cache/cubecl`), so a second run does not tune again. `CUBECL_AUTOTUNE_CACHE=0` turns
 //! that disk cache off, `CUBECL_AUTOTUNE_LEVEL` (`minimal`, `balanced`, `extensive`, `full`)
-//! sets how many candidates are tried. Burn's own ops that Hearth does not route (reductions,
-//! fused element-wise work) keep autotune in both modes: a few candidates each, most with an
-//! early stop.
+//! sets how many candidates are tried. Burn's own reductions (`reduce_dim`, the whole-tensor
+//! `sum`) are decided by rule as well: their decisions written into that cache before the
+//! first reduction (`reductions_at_start`, [`hearth_kernels::reduce_rules`];
+//! `HEARTH_REDUCE_RULES=0` writes none), and removed again under `--autotune full`. Fusion's
+//! fused reductions keep autotune in both modes (three candidates each).
 //!
 //! cubecl's compiled-kernel cache is on (CUDA and HIP keep each compiled kernel under the GPU's
 //! fingerprint, so a second run compiles nothing); `HEARTH_KERNEL_CACHE=0` turns it off.
@@ -137,6 +139,53 @@ pub fn autotune_notice(device: &str) -> Option<String> {
         let _ = device;
         None
     }
+}
+
+/// The variable that keeps Burn's reductions under autotune where kernels are chosen by rule
+/// (`0`): no rule is written into cubecl's cache (rules written by earlier runs stay, until
+/// `--autotune full` removes them). For timing the rules against autotune on a fresh cache.
+pub const REDUCE_RULES_ENV: &str = "HEARTH_REDUCE_RULES";
+
+/// Burn's own reductions by rule ([`hearth_kernels::reduce_rules`]): where kernels are chosen
+/// by rule, writes the rules' autotune decisions for `device` into cubecl's cache, once, so
+/// its reductions compile one kernel each instead of timing every candidate; under
+/// `--autotune full`, removes those decisions again so that the reductions are timed. Says on
+/// stderr what it wrote or removed, and why a cubecl device keeps autotune for them. Called by
+/// [`crate::device`] once the device works, before its first reduction.
+pub(crate) fn reductions_at_start(device: &burn::prelude::Device) {
+    #[cfg(feature = "gpu-kernels")]
+    {
+        use hearth_kernels::reduce_rules::{NotSeeded, forget, seed};
+        use hearth_kernels::select::{Selection, selection};
+        let off = std::env::var(REDUCE_RULES_ENV)
+            .is_ok_and(|v| matches!(v.trim(), "0" | "false" | "off"));
+        match selection() {
+            Selection::Rules if off => {
+                eprintln!("note: {REDUCE_RULES_ENV}=0: Burn's reductions keep autotune")
+            }
+            Selection::Rules => match seed(device) {
+                Ok(s) if s.written > 0 => eprintln!(
+                    "reductions by rule: {} autotune decisions written into cubecl's cache for \
+                     this device, once ({} already there)",
+                    s.written, s.kept
+                ),
+                Ok(_) | Err(NotSeeded::NotCubecl) => {}
+                Err(why) => eprintln!("note: reductions keep autotune: {why}"),
+            },
+            Selection::Autotune => {
+                if let Ok(n) = forget(device)
+                    && n > 0
+                {
+                    eprintln!(
+                        "--autotune full: {n} reduction decisions made by rule removed from \
+                         cubecl's cache, so the reductions are timed"
+                    );
+                }
+            }
+        }
+    }
+    #[cfg(not(feature = "gpu-kernels"))]
+    let _ = device;
 }
 
 /// The variable that turns off the kernel bundles Hearth ships (`0`): a CUDA device on a GPU

@@ -15,7 +15,11 @@ pub enum DecisionKind {
     Convolution,
     /// A matrix product (Burn's, or one fused with element-wise work).
     MatrixProduct,
-    /// Anything else: reductions, fused reductions, sums.
+    /// One of Burn's reductions along an axis (`sum_dim`, `mean_dim`, `argmax`, ...) or of a
+    /// whole tensor (`sum`): decided by rule unless `--autotune full`
+    /// (`hearth_kernels::reduce_rules`).
+    Reduction,
+    /// Anything else: fusion's fused reductions.
     Other,
 }
 
@@ -105,6 +109,8 @@ fn decision(v: &Value) -> Option<Decision> {
         })
     {
         DecisionKind::MatrixProduct
+    } else if key.get("accumulator_len").is_some() || key.get("Sum").is_some() {
+        DecisionKind::Reduction
     } else {
         DecisionKind::Other
     };
@@ -311,7 +317,7 @@ mod tests {
         let path = dir.path().join("log.jsonl");
         std::fs::write(&path, format!("{line}\n{LINE}\n")).unwrap();
         let d = read_decisions(&path).unwrap();
-        assert_eq!(d[0].kind, DecisionKind::Other);
+        assert_eq!(d[0].kind, DecisionKind::Reduction);
         assert_eq!(d[0].chosen, "kept");
         assert!((d[0].seconds - 300e-6).abs() < 1e-12);
         let (ru, t) = d[0].runner_up.clone().unwrap();
@@ -330,14 +336,15 @@ mod tests {
     }
 
     #[test]
-    fn matrix_products_are_told_from_other_decisions() {
+    fn matrix_products_and_reductions_are_told_from_other_decisions() {
         // cubek's matmul key (as the H200 logged it) and the fused one around it.
         let plain = r#"{"key":{"definition":{"m":40,"n":1526,"k":3815,"lhs_pow2_factor":0},"analysis":{"scale_global":"Small"}},"fastest_index":0,"results":[{"outcome":{"Ok":{"name":"matmul_simple","index":0,"computation":{"median":{"secs":0,"nanos":9000}}}}}]}"#;
         let fused = r#"{"key":{"matmul_key":{"definition":{"m":8,"n":8,"k":8}},"num_out_buffers":1,"num_ops":2},"fastest_index":0,"results":[{"outcome":{"Ok":{"name":"fused","index":0,"computation":{"median":{"secs":0,"nanos":9000}}}}}]}"#;
         let reduce = r#"{"key":{"reduce_key":{"axis_is_contiguous":true},"definition":"not a product"},"fastest_index":0,"results":[{"outcome":{"Ok":{"name":"plane","index":0,"computation":{"median":{"secs":0,"nanos":9000}}}}}]}"#;
+        let reduce_dim = r#"{"key":{"accumulator_len":1,"reduce":{"axis_is_contiguous":true,"vector_size":16,"vector_count":64}},"fastest_index":0,"results":[{"outcome":{"Ok":{"name":"plane","index":4,"computation":{"median":{"secs":0,"nanos":9000}}}}}]}"#;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("log.jsonl");
-        std::fs::write(&path, format!("{plain}\n{fused}\n{reduce}\n")).unwrap();
+        std::fs::write(&path, format!("{plain}\n{fused}\n{reduce}\n{reduce_dim}\n")).unwrap();
         let kinds: Vec<_> = read_decisions(&path)
             .unwrap()
             .iter()
@@ -348,7 +355,8 @@ mod tests {
             [
                 DecisionKind::MatrixProduct,
                 DecisionKind::MatrixProduct,
-                DecisionKind::Other
+                DecisionKind::Other,
+                DecisionKind::Reduction
             ]
         );
     }

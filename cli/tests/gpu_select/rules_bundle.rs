@@ -1,0 +1,210 @@
+//! `hearth tune --rules-only` on `vulkan-cpu`: the bundle it writes, a fresh cache importing
+//! it, and `--autotune full` taking the reductions' rules back out.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use super::common;
+
+/// Runs `hearth` on `vulkan-cpu` with `args`, cubecl's cache in `dir/cache` (outside a Cargo
+/// project cubecl keeps it under XDG_CACHE_HOME: a folder of its own is a machine that has seen
+/// nothing) and its decisions logged to `dir/log`; fails the test past 900 s.
+fn hearth_on_lavapipe(dir: &Path, cache: &str, log: &str, args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hearth"));
+    cmd.args(["--device", "vulkan-cpu"])
+        .args(args)
+        .current_dir(dir)
+        .env("XDG_CACHE_HOME", dir.join(cache))
+        .env(hearth::gpu::AUTOTUNE_LOG_ENV, dir.join(log))
+        .env_remove("HEARTH_AUTOTUNE")
+        .env_remove("HEARTH_KERNEL_BUNDLE")
+        .env_remove("CUBECL_AUTOTUNE_CACHE");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(cmd.output());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(900))
+        .unwrap_or_else(|_| panic!("hearth {args:?} did not finish within 900 s"))
+        .unwrap()
+}
+
+/// `hearth tune --rules-only` compiles the kernels chosen by rule and writes cubecl's cache to a
+/// bundle without timing a convolution or a matrix product; a second machine (here: a fresh
+/// cache folder) that imports the bundle with `--kernel-bundle` makes no autotune decision at
+/// all for the same steps, since the bundle carried the first one's. `--from-cache` bundles the
+/// same cache in the flat format without running anything. `--rules-only` beside
+/// `--autotune full` is refused by name before anything starts.
+#[test]
+fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
+    use hearth::gpu::DecisionKind;
+
+    let dir = tempfile::tempdir().unwrap();
+    let bundle = dir.path().join("lavapipe.bundle");
+    // ResNet-18 (the smallest torchvision network) at 32x32, batch 2: lavapipe compiles every
+    // kernel it meets, so keep the steps small.
+    let tune = |cache: &str, log: &str, extra: &[&str]| -> Output {
+        let out = dir.path().join(format!("{cache}.bundle"));
+        let out = out.to_string_lossy();
+        let mut args = extra.to_vec();
+        args.extend(["tune", "--rules-only", "--model", "resnet18"]);
+        args.extend(["--batch-size", "2", "--size", "32", "--num-classes", "4"]);
+        args.extend(["--out", &out]);
+        hearth_on_lavapipe(dir.path(), cache, log, &args)
+    };
+    let decisions = |log: &str| {
+        let path = dir.path().join(log);
+        if path.exists() {
+            hearth::gpu::read_decisions(&path).unwrap()
+        } else {
+            Vec::new()
+        }
+    };
+
+    let refused = tune("refused", "refused.jsonl", &["--autotune", "full"]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success(),
+        "--rules-only with --autotune full ran: {err}"
+    );
+    assert!(
+        err.contains("--rules-only compiles only the kernels chosen by rule"),
+        "{err}"
+    );
+    assert!(!dir.path().join("refused.bundle").exists());
+
+    let first = tune("first", "first.jsonl", &[]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&first.stdout),
+        String::from_utf8_lossy(&first.stderr)
+    );
+    if !first.status.success() && text.contains("vulkan-cpu' is not available") {
+        assert!(
+            common::may_skip("vulkan"),
+            "vulkan-cpu unavailable: install mesa-vulkan-drivers (as .ci/run does), or set \
+             HEARTH_ALLOW_SKIP=vulkan to skip it: {text}"
+        );
+        eprintln!("SKIPPED: vulkan-cpu unavailable here; HEARTH_ALLOW_SKIP=vulkan");
+        return;
+    }
+    assert!(
+        first.status.success(),
+        "hearth tune --rules-only failed: {text}"
+    );
+    eprintln!("{text}");
+    assert!(
+        !text.contains("--autotune full ("),
+        "the full tune ran: {text}"
+    );
+    let made = decisions("first.jsonl");
+    let heavy: Vec<_> = made
+        .iter()
+        .filter(|d| d.kind != DecisionKind::Other)
+        .collect();
+    // Burn's reductions too: their rules were written into the fresh cache before the first.
+    assert!(
+        heavy.is_empty(),
+        "convolutions, products or reductions were tuned: {heavy:#?}"
+    );
+    assert!(
+        text.contains("reductions by rule: ") && text.contains(" autotune decisions written"),
+        "nothing said about the reductions' rules: {text}"
+    );
+    // The same cache bundled again without running anything, in cubecl's flat format (`.ccb`,
+    // what Hearth embeds): it opens and holds the decisions.
+    let flat = dir.path().join("first.ccb");
+    let out = Command::new(env!("CARGO_BIN_EXE_hearth"))
+        .args(["--device", "vulkan-cpu", "tune", "--from-cache", "--out"])
+        .arg(&flat)
+        .current_dir(dir.path())
+        .env("XDG_CACHE_HOME", dir.path().join("first"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "tune --from-cache failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reopened = cubecl::bundle::open(&flat).expect("the flat bundle does not open");
+    let mut entries = 0usize;
+    for namespace in reopened.namespaces() {
+        reopened.scan(&namespace, &mut |_, _| entries += 1);
+    }
+    assert!(
+        entries >= made.len(),
+        "{entries} entries for {} decisions",
+        made.len()
+    );
+    std::fs::rename(dir.path().join("first.bundle"), &bundle).unwrap();
+    assert!(std::fs::metadata(&bundle).unwrap().len() > 0);
+    assert!(text.contains("entries"), "no account of the bundle: {text}");
+
+    // A machine that has seen nothing, with the bundle: the same steps decide nothing anew.
+    let bundle_arg = bundle.to_string_lossy().into_owned();
+    let second = tune("second", "second.jsonl", &["--kernel-bundle", &bundle_arg]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&second.stdout),
+        String::from_utf8_lossy(&second.stderr)
+    );
+    assert!(
+        second.status.success(),
+        "tune with the bundle failed: {text}"
+    );
+    assert!(
+        text.contains("entries imported"),
+        "nothing said about the import: {text}"
+    );
+    let again = decisions("second.jsonl");
+    eprintln!(
+        "decisions: {} without the bundle (reductions and element-wise work), {} with it",
+        made.len(),
+        again.len()
+    );
+    // Reductions keep autotune by rule too: without the bundle a fresh cache decides some.
+    assert!(
+        !made.is_empty(),
+        "the first tune decided nothing: the import proves nothing"
+    );
+    assert!(
+        again.is_empty(),
+        "decided again despite the bundle: {again:#?}"
+    );
+
+    // `--autotune full` on the first machine: the reductions' rules leave its cache, and the
+    // reductions are timed again (inference at batch 1: the smallest run that reduces).
+    let full = hearth_on_lavapipe(
+        dir.path(),
+        "first",
+        "full.jsonl",
+        &[
+            "--autotune",
+            "full",
+            "bench",
+            "model",
+            "--model",
+            "resnet18",
+            "--mode",
+            "infer",
+            "--size",
+            "32",
+            "--batch-size",
+            "1",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+        ],
+    );
+    let text = String::from_utf8_lossy(&full.stderr);
+    assert!(full.status.success(), "--autotune full failed: {text}");
+    assert!(
+        text.contains("reduction decisions made by rule removed"),
+        "the rules stayed under --autotune full: {text}"
+    );
+    let timed = decisions("full.jsonl");
+    assert!(
+        timed.iter().any(|d| d.kind == DecisionKind::Reduction),
+        "no reduction was timed under --autotune full: {timed:#?}"
+    );
+}
