@@ -8,11 +8,20 @@ use super::common;
 
 /// Runs `hearth` on `vulkan-cpu` with `args`, cubecl's cache in `dir/cache` (outside a Cargo
 /// project cubecl keeps it under XDG_CACHE_HOME: a folder of its own is a machine that has seen
-/// nothing) and its decisions logged to `dir/log`; fails the test past 900 s.
-fn hearth_on_lavapipe(dir: &Path, cache: &str, log: &str, args: &[&str]) -> Output {
+/// nothing), its decisions logged to `dir/log` and the variables `env` set; fails the test
+/// past 900 s.
+fn hearth_on_lavapipe(
+    dir: &Path,
+    cache: &str,
+    log: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_hearth"));
     cmd.args(["--device", "vulkan-cpu"])
         .args(args)
+        .env_remove(hearth::gpu::REDUCE_RULES_ENV)
+        .envs(env.iter().copied())
         .current_dir(dir)
         .env("XDG_CACHE_HOME", dir.join(cache))
         .env(hearth::gpu::AUTOTUNE_LOG_ENV, dir.join(log))
@@ -49,7 +58,7 @@ fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
         args.extend(["tune", "--rules-only", "--model", "resnet18"]);
         args.extend(["--batch-size", "2", "--size", "32", "--num-classes", "4"]);
         args.extend(["--out", &out]);
-        hearth_on_lavapipe(dir.path(), cache, log, &args)
+        hearth_on_lavapipe(dir.path(), cache, log, &args, &[])
     };
     let decisions = |log: &str| {
         let path = dir.path().join(log);
@@ -195,6 +204,7 @@ fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
             "--warmup",
             "0",
         ],
+        &[],
     );
     let text = String::from_utf8_lossy(&full.stderr);
     assert!(full.status.success(), "--autotune full failed: {text}");
@@ -206,5 +216,64 @@ fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
     assert!(
         timed.iter().any(|d| d.kind == DecisionKind::Reduction),
         "no reduction was timed under --autotune full: {timed:#?}"
+    );
+}
+
+/// The reductions' rules are written once per cache, and `HEARTH_REDUCE_RULES=0` writes none:
+/// a first start with it says so and leaves the cache without them (the next start writes all
+/// of them), and a start after that finds them and says nothing. `bench loader` starts the
+/// device and runs no kernel of a model.
+#[test]
+fn the_reductions_rules_are_written_once_per_cache_and_not_with_the_variable_off() {
+    if common::device_or_skip(
+        hearth::device::DeviceChoice::VulkanCpu,
+        "the_reductions_rules_are_written_once_per_cache_and_not_with_the_variable_off",
+    )
+    .is_none()
+    {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::small_data(dir.path()).join("train");
+    let data = data.to_string_lossy().into_owned();
+    let start = |rules: Option<&str>| -> String {
+        let args = [
+            "bench",
+            "loader",
+            "--data",
+            &data,
+            "--batch-size",
+            "2",
+            "--size",
+            "16",
+            "--batches",
+            "1",
+            "--workers",
+            "1",
+        ];
+        let env: Vec<(&str, &str)> = rules
+            .map(|v| (hearth::gpu::REDUCE_RULES_ENV, v))
+            .into_iter()
+            .collect();
+        let out = hearth_on_lavapipe(dir.path(), "cache", "log.jsonl", &args, &env);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        err
+    };
+    let off = start(Some("0"));
+    assert!(
+        off.contains("HEARTH_REDUCE_RULES=0: Burn's reductions keep autotune")
+            && !off.contains("reductions by rule"),
+        "{off}"
+    );
+    let first = start(None);
+    assert!(
+        first.contains("reductions by rule: ") && first.contains("(0 already there)"),
+        "the first start with the rules on did not write them all: {first}"
+    );
+    let again = start(None);
+    assert!(
+        !again.contains("reductions by rule"),
+        "written twice: {again}"
     );
 }
