@@ -189,20 +189,34 @@ fn element_triples() -> Vec<(ElemType, ElemType, ElemType)> {
 /// Every `reduce_dim` key (one accumulator slot) the current anchors produce, with the rule's
 /// pick for it.
 pub fn reduce_dim_decisions(planes: bool) -> Vec<(ReduceDimAutotuneKey, usize)> {
-    let lengths = lengths();
-    let mut seen = HashSet::new();
+    // The two lengths are anchored apart: one raw length for each anchor a dimension takes
+    // (4 vector lengths, 6 counts at the default level) yields every key, without building
+    // the keys of every pair of raw lengths.
+    let f32 = ElemType::Float(FloatKind::F32);
+    let representatives = |anchored: fn(&ReduceAutotuneKey) -> usize, size: bool| {
+        let mut seen = HashSet::new();
+        lengths()
+            .into_iter()
+            .filter(|&x| {
+                let (s, c) = if size { (x, 1) } else { (1, x) };
+                seen.insert(anchored(&ReduceAutotuneKey::new(f32, f32, f32, true, s, c)))
+            })
+            .collect::<Vec<_>>()
+    };
+    let sizes = representatives(|k| k.vector_size, true);
+    let counts = representatives(|k| k.vector_count, false);
     let mut out = Vec::new();
     for (input, output, acc) in element_triples() {
         for contiguous in [true, false] {
-            for &size in &lengths {
-                for &count in &lengths {
+            for &size in &sizes {
+                for &count in &counts {
                     let reduce =
                         ReduceAutotuneKey::new(input, output, acc, contiguous, size, count);
                     let count = reduce.vector_count;
-                    let key = ReduceDimAutotuneKey::new(1, reduce);
-                    if seen.insert(key.clone()) {
-                        out.push((key, reduce_dim_choice(count, planes)));
-                    }
+                    out.push((
+                        ReduceDimAutotuneKey::new(1, reduce),
+                        reduce_dim_choice(count, planes),
+                    ));
                 }
             }
         }
