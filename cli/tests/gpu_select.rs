@@ -301,24 +301,26 @@ fn selected_kernels_train_as_flex_does_and_tune_no_convolution_or_product() {
         Vec::new()
     };
     // With the disk cache off, the reductions' rules (decisions in that cache) cannot apply:
-    // they tune here, and only they.
-    let heavy: Vec<_> = decisions
+    // Burn's reductions tune here, and only they. Fusion's fused reductions go by rule without
+    // any cache (`hearth_kernels::fused_reduce`); this small network makes none that tune even
+    // without the rule (17 decisions, all Burn's reductions, with `HEARTH_REDUCE_RULES=0`):
+    // `rules_bundle`'s ResNet-18 does.
+    let tuned: Vec<_> = decisions
         .iter()
-        .filter(|d| {
-            matches!(
-                d.kind,
-                DecisionKind::Convolution | DecisionKind::MatrixProduct
-            )
-        })
+        .filter(|d| d.kind != DecisionKind::Reduction)
         .collect();
-    let others = decisions.len() - heavy.len();
     eprintln!(
-        "{} autotune decisions, {others} of them reductions and other element-wise work",
-        decisions.len()
+        "{} autotune decisions, {} of them Burn's reductions",
+        decisions.len(),
+        decisions.len() - tuned.len()
     );
     assert!(
-        heavy.is_empty(),
-        "convolutions or products were autotuned: {heavy:#?}"
+        tuned.is_empty(),
+        "convolutions, products or fused reductions were autotuned: {tuned:#?}"
+    );
+    assert!(
+        hearth::kernels::fused_reduce::installed(),
+        "fusion's fused reductions were not put under the rule"
     );
 }
 

@@ -39,6 +39,8 @@ pub mod cube;
 pub mod cube_base;
 mod epilogue;
 pub mod ext;
+#[cfg(feature = "cube")]
+pub mod fused_reduce;
 pub mod gemv;
 pub mod infer;
 mod input_grad;

@@ -35,7 +35,7 @@
 //!
 //! Not seeded: top-k (`accumulator_len` above 1), and fusion's fused reductions
 //! (`burn_cubecl_fusion`), whose keys count the fused reads, writes and operations without a
-//! bound, so they still tune (three candidates each, two for broadcasted ones).
+//! bound: [`crate::fused_reduce`] launches those by rule instead.
 
 use std::collections::HashSet;
 

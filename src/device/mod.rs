@@ -300,6 +300,8 @@ impl DeviceSpec {
             #[cfg(not(feature = "cuda-device"))]
             let ships = false;
             crate::gpu::import_bundles_at_start(ships)?;
+            // Before the device's first tensor: fusion fixes its optimizations then.
+            crate::gpu::fused_reductions_at_start(note);
         } else if std::env::var_os(crate::gpu::AUTOTUNE_LOG_ENV).is_some() {
             eprintln!(
                 "warning: {} is set, but {name} has no autotune (GPU devices only): nothing is logged",

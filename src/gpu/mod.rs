@@ -14,8 +14,10 @@
 //! sets how many candidates are tried. Burn's own reductions (`reduce_dim`, the whole-tensor
 //! `sum`) are decided by rule as well: their decisions written into that cache before the
 //! first reduction (`reductions_at_start`, [`hearth_kernels::reduce_rules`];
-//! `HEARTH_REDUCE_RULES=0` writes none), and removed again under `--autotune full`. Fusion's
-//! fused reductions keep autotune in both modes (three candidates each).
+//! `HEARTH_REDUCE_RULES=0` writes none), and removed again under `--autotune full`. So are
+//! fusion's fused reductions (`fused_reductions_at_start`, [`hearth_kernels::fused_reduce`]:
+//! their routine launched by rule; fusion's own tuners under `--autotune full` or
+//! `HEARTH_REDUCE_RULES=0`).
 //!
 //! cubecl's compiled-kernel cache is on (CUDA and HIP keep each compiled kernel under the GPU's
 //! fingerprint, so a second run compiles nothing); `HEARTH_KERNEL_CACHE=0` turns it off.
@@ -143,8 +145,35 @@ pub fn autotune_notice(device: &str) -> Option<String> {
 
 /// The variable that keeps Burn's reductions under autotune where kernels are chosen by rule
 /// (`0`): no rule is written into cubecl's cache (rules written by earlier runs stay, until
-/// `--autotune full` removes them). For timing the rules against autotune on a fresh cache.
+/// `--autotune full` removes them), and fusion's fused reductions keep their tuners. For timing
+/// the rules against autotune on a fresh cache.
 pub const REDUCE_RULES_ENV: &str = "HEARTH_REDUCE_RULES";
+
+fn reduce_rules_off() -> bool {
+    std::env::var(REDUCE_RULES_ENV).is_ok_and(|v| matches!(v.trim(), "0" | "false" | "off"))
+}
+
+/// Fusion's fused reductions by rule ([`hearth_kernels::fused_reduce`]): where kernels are
+/// chosen by rule, replaces fusion's reduction optimizations, for the whole process, by one
+/// that launches its routine by rule instead of timing three. Called by [`crate::device`]
+/// before a cubecl device starts (fusion's optimizations are fixed at the first tensor on any
+/// cubecl device); says on stderr (`note`) why a process keeps fusion's tuners.
+pub(crate) fn fused_reductions_at_start(note: bool) {
+    #[cfg(feature = "gpu-kernels")]
+    {
+        use hearth_kernels::fused_reduce::install;
+        use hearth_kernels::select::{Selection, selection};
+        if selection() == Selection::Rules
+            && !reduce_rules_off()
+            && let Err(why) = install()
+            && note
+        {
+            eprintln!("note: fusion's fused reductions keep autotune: {why}");
+        }
+    }
+    #[cfg(not(feature = "gpu-kernels"))]
+    let _ = note;
+}
 
 /// Burn's own reductions by rule ([`hearth_kernels::reduce_rules`]): where kernels are chosen
 /// by rule, writes the rules' autotune decisions for `device` into cubecl's cache, once, so
@@ -157,8 +186,7 @@ pub(crate) fn reductions_at_start(device: &burn::prelude::Device) {
     {
         use hearth_kernels::reduce_rules::{NotSeeded, forget, seed};
         use hearth_kernels::select::{Selection, selection};
-        let off = std::env::var(REDUCE_RULES_ENV)
-            .is_ok_and(|v| matches!(v.trim(), "0" | "false" | "off"));
+        let off = reduce_rules_off();
         match selection() {
             Selection::Rules if off => {
                 eprintln!("note: {REDUCE_RULES_ENV}=0: Burn's reductions keep autotune")

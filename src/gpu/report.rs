@@ -19,7 +19,8 @@ pub enum DecisionKind {
     /// whole tensor (`sum`): decided by rule unless `--autotune full`
     /// (`hearth_kernels::reduce_rules`).
     Reduction,
-    /// Anything else: fusion's fused reductions.
+    /// Anything else: fusion's fused reductions (launched by rule unless `--autotune full`,
+    /// `hearth_kernels::fused_reduce`).
     Other,
 }
 

@@ -105,16 +105,10 @@ fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
         !text.contains("--autotune full ("),
         "the full tune ran: {text}"
     );
+    // Nothing tuned at all: Burn's reductions too (their rules were written into the fresh
+    // cache before the first), and fusion's fused ones (launched by rule).
     let made = decisions("first.jsonl");
-    let heavy: Vec<_> = made
-        .iter()
-        .filter(|d| d.kind != DecisionKind::Other)
-        .collect();
-    // Burn's reductions too: their rules were written into the fresh cache before the first.
-    assert!(
-        heavy.is_empty(),
-        "convolutions, products or reductions were tuned: {heavy:#?}"
-    );
+    assert!(made.is_empty(), "kernels were tuned: {made:#?}");
     assert!(
         text.contains("reductions by rule: ") && text.contains(" autotune decisions written"),
         "nothing said about the reductions' rules: {text}"
@@ -139,10 +133,16 @@ fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
     for namespace in reopened.namespaces() {
         reopened.scan(&namespace, &mut |_, _| entries += 1);
     }
+    // At least the reductions' rules written into that cache.
+    let rules: usize = text
+        .split("reductions by rule: ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count of the rules written: {text}"));
     assert!(
-        entries >= made.len(),
-        "{entries} entries for {} decisions",
-        made.len()
+        rules > 0 && entries >= rules,
+        "{entries} entries in the flat bundle for {rules} rules written"
     );
     std::fs::rename(dir.path().join("first.bundle"), &bundle).unwrap();
     assert!(std::fs::metadata(&bundle).unwrap().len() > 0);
@@ -164,17 +164,13 @@ fn tune_rules_only_bundles_the_kernels_by_rule_and_a_fresh_cache_imports_it() {
         text.contains("entries imported"),
         "nothing said about the import: {text}"
     );
-    let again = decisions("second.jsonl");
-    eprintln!(
-        "decisions: {} without the bundle (reductions and element-wise work), {} with it",
-        made.len(),
-        again.len()
-    );
-    // Reductions keep autotune by rule too: without the bundle a fresh cache decides some.
+    // What the import brought: the reductions' rules (lavapipe keeps no compiled kernels), in
+    // the cache before the device started, so none had to be written.
     assert!(
-        !made.is_empty(),
-        "the first tune decided nothing: the import proves nothing"
+        !text.contains("reductions by rule: "),
+        "the bundle's rules were not in the cache at the start: {text}"
     );
+    let again = decisions("second.jsonl");
     assert!(
         again.is_empty(),
         "decided again despite the bundle: {again:#?}"
