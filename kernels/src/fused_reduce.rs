@@ -35,6 +35,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn_cubecl::CubeDevice;
+use burn_cubecl::cubecl::client::Client;
 use burn_cubecl::cubecl::features::Plane;
 use burn_cubecl::fusion::{
     CubeFuser, CubeOptimization, FusedOperation, OptimizationProvider, RegistryError, register,
@@ -84,15 +85,6 @@ impl Routine {
             (true, _) => Self::Cube,
             (false, true) => Self::Plane,
             (false, false) => Self::Unit,
-        }
-    }
-
-    /// The routine as fusion's tuner names its candidate.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Cube => "fused_cube",
-            Self::Plane => "fused_plane",
-            Self::Unit => "fused_unit",
         }
     }
 
@@ -240,9 +232,14 @@ struct PlanState {
     len_read: usize,
 }
 
-/// The part of [`FusedReduce`] read here.
+/// The part of [`FusedReduce`] read here, from the same state.
 #[derive(Deserialize)]
 struct ReduceFields {
+    reduce: FusedReduceFields,
+}
+
+#[derive(Deserialize)]
+struct FusedReduceFields {
     op: ReduceOp,
 }
 
@@ -273,14 +270,12 @@ impl Plan {
         let mut bytes = Vec::new();
         ciborium::into_writer(state, &mut bytes).map_err(|e| e.to_string())?;
         let plan: PlanState = ciborium::from_reader(bytes.as_slice()).map_err(|e| e.to_string())?;
-        let mut reduce = Vec::new();
-        ciborium::into_writer(&plan.reduce, &mut reduce).map_err(|e| e.to_string())?;
         let fields: ReduceFields =
-            ciborium::from_reader(reduce.as_slice()).map_err(|e| e.to_string())?;
+            ciborium::from_reader(bytes.as_slice()).map_err(|e| e.to_string())?;
         Ok(Self {
             state: plan,
-            input: fields.op.input.id,
-            axis: fields.op.axis,
+            input: fields.reduce.op.input.id,
+            axis: fields.reduce.op.axis,
             planes,
             refused: false,
         })
@@ -301,17 +296,16 @@ impl Plan {
 
     fn run(
         &mut self,
+        client: &Client,
         device: &CubeDevice,
         context: &mut Context<CubeFusionHandle>,
         fallback: &dyn Fn(usize) -> Box<dyn FallbackOperation>,
     ) {
-        let client = device.client();
         if !self.refused
             && let Some(routine) = self.routine(context)
         {
             let launch = FusedReduceLaunch::new(&self.state.reduce, routine.strategy());
-            match FuseTraceLauncher::new(&self.state.trace, &launch)
-                .launch(&client, device, context)
+            match FuseTraceLauncher::new(&self.state.trace, &launch).launch(client, device, context)
             {
                 Ok(_) => return,
                 Err(_) => self.refused = true,
@@ -319,11 +313,11 @@ impl Plan {
         }
         // Burn's fallback, in Burn's order: the fused reads, the reduction, the fused writes.
         FuseTraceLauncher::new(&self.state.trace_read_fallback, &ElemwiseRunner)
-            .launch(&client, device, context)
+            .launch(client, device, context)
             .expect("fusion's element-wise kernel before a reduction failed to launch");
         fallback(self.state.len_read).run(context);
         FuseTraceLauncher::new(&self.state.trace_write_fallback, &ElemwiseRunner)
-            .launch(&client, device, context)
+            .launch(client, device, context)
             .expect("fusion's element-wise kernel after a reduction failed to launch");
     }
 }
@@ -332,6 +326,8 @@ impl Plan {
 pub struct RuleReduce {
     inner: ReduceOptimization,
     device: CubeDevice,
+    /// The device's client, looked up once (not at every launch).
+    client: Client,
     /// `None` when fusion's state could not be read: [`Self::inner`] runs, with autotune.
     plan: Option<Plan>,
 }
@@ -361,7 +357,7 @@ impl FusedOperation for RuleReduce {
         fallback: &dyn Fn(usize) -> Box<dyn FallbackOperation>,
     ) {
         match &mut self.plan {
-            Some(plan) => plan.run(&self.device, context, fallback),
+            Some(plan) => plan.run(&self.client, &self.device, context, fallback),
             None => self.inner.execute(context, fallback),
         }
     }
@@ -371,16 +367,13 @@ impl FusedOperation for RuleReduce {
     }
 
     fn from_state(device: &CubeDevice, state: Self::State) -> Self {
-        let planes = device
-            .client()
-            .properties()
-            .features
-            .plane
-            .contains(Plane::Ops);
+        let client = device.client();
+        let planes = client.properties().features.plane.contains(Plane::Ops);
         let plan = Plan::read(&state, planes).ok();
         Self {
             inner: ReduceOptimization::from_state(device, state),
             device: device.clone(),
+            client,
             plan,
         }
     }
